@@ -1,0 +1,51 @@
+"""jaxtyping aliases for the shapes in DESIGN.md §1 and the one typecheck decorator.
+
+Dimension names: B batch, T time, H query/key heads, HV value heads, K key dim, V value
+dim, N sequences (B, or len(cu_seqlens) - 1). Inside the chunked pipeline: R rows of the
+chunked layout, NC chunks per row, C chunk size.
+"""
+
+import typing
+
+import jax
+import numpy as np
+from beartype import beartype
+from jaxtyping import Array, Bool, Float, Int, jaxtyped
+
+ArrayIn = typing.Union[jax.Array, np.ndarray]
+
+# Public (FLA layout) arguments.
+QK = Float[ArrayIn, "B T H K"]
+Values = Float[ArrayIn, "B T HV V"]
+Gate = Float[ArrayIn, "B T HV K"]
+Beta = Float[ArrayIn, "B T HV"]
+# [N, HV, K, V], or [N, HV, V, K] with state_v_first; the order is checked by _validate.
+State = Float[ArrayIn, "N HV _S1 _S2"]
+ALog = Float[ArrayIn, "HV"]
+DtBias = Float[ArrayIn, "HVK"]
+CuSeqlens = Int[ArrayIn, "N1"]
+
+# Chunked layout used between stages: [rows, heads, chunks, chunk, feature].
+ChunkK = Float[Array, "R HV NC C K"]
+ChunkV = Float[Array, "R HV NC C V"]
+ChunkScalar = Float[Array, "R HV NC C"]
+ChunkMat = Float[Array, "R HV NC C C"]
+ChunkState = Float[Array, "R HV NC K V"]
+SeqState = Float[Array, "N HV K V"]
+ChunkValid = Bool[Array, "R NC C"]
+ChunkSeq = Int[Array, "R NC"]
+
+_F = typing.TypeVar("_F")
+
+
+def typecheck(fn: _F) -> _F:
+    """jaxtyping + beartype: shapes, ranks and dtypes are checked when a call is traced;
+    a failure names the argument and the expected shape."""
+    return jaxtyped(typechecker=beartype)(fn)
+
+
+__all__ = [
+    "Array", "ArrayIn", "Bool", "Float", "Int", "QK", "Values", "Gate", "Beta", "State",
+    "ALog", "DtBias", "CuSeqlens", "ChunkK", "ChunkV", "ChunkScalar", "ChunkMat",
+    "ChunkState", "SeqState", "ChunkValid", "ChunkSeq", "typecheck",
+]

@@ -1,0 +1,108 @@
+"""Fused recurrent KDA: the token-by-token path for inference, decoding and varlen."""
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from ._typing import ALog, ArrayIn, Beta, CuSeqlens, DtBias, Float, Gate, QK, State, Values, typecheck
+from ._validate import validate_kda_args
+from .ref._gates import beta_activation, kda_gate, l2norm
+from .ref._recurrent import compute_dtype, expand_heads, recurrent_step
+
+
+def activate_inputs(q, k, g, beta, dt, *, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log,
+                    dt_bias, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval):
+    """Apply the in-kernel activations in the compute dtype (plain jnp, autodiff-able)."""
+    q, k, g, beta = (x.astype(dt) for x in (q, k, g, beta))
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    if use_gate_in_kernel:
+        g = kda_gate(g, None if A_log is None else A_log.astype(dt),
+                     None if dt_bias is None else dt_bias.astype(dt), lower_bound)
+    beta = beta_activation(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    return q, k, g, beta
+
+
+def _varlen_scan(xs, h0, cu_seqlens, scale):
+    """One sequence-resetting scan over packed tokens (B == 1). ``h0``: ``[N, HV, K, V]``."""
+    T = xs[0].shape[0]
+    N = h0.shape[0]
+    t = jnp.arange(T)
+    seq = jnp.clip(jnp.searchsorted(cu_seqlens, t, side="right") - 1, 0, N - 1)
+    is_first = t == cu_seqlens[seq]
+    is_last = t == cu_seqlens[seq + 1] - 1
+
+    def step(carry, x):
+        S, final = carry
+        (q_t, k_t, v_t, g_t, b_t), s, first, last = x
+        S = jnp.where(first, h0[s], S)
+        S, o_t = recurrent_step(S, q_t, k_t, v_t, g_t, b_t, scale)
+        final = final.at[s].set(jnp.where(last, S, final[s]))
+        return (S, final), o_t
+
+    # Sequences of length 0 are never visited, so their final state stays h0.
+    (_, final), o = jax.lax.scan(step, (h0[0], h0), ((xs, seq, is_first, is_last)))
+    return o, final
+
+
+@typecheck
+def fused_recurrent_kda(
+    q: QK,
+    k: QK,
+    v: Values,
+    g: Gate,
+    beta: Beta,
+    *,
+    scale: Optional[float] = None,
+    initial_state: Optional[State] = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: Optional[ALog] = None,
+    dt_bias: Optional[Float[ArrayIn, "_"]] = None,
+    lower_bound: Optional[float] = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    cu_seqlens: Optional[CuSeqlens] = None,
+    state_v_first: bool = False,
+) -> tuple[Float[ArrayIn, "B T HV V"], Optional[Float[ArrayIn, "N HV _S1 _S2"]]]:
+    """KDA token by token (a ``lax.scan``); differentiable by JAX autodiff and jit-safe.
+
+    q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g ``[B, T, HV, K]`` (log decay, or raw gate
+    input with ``use_gate_in_kernel``); beta ``[B, T, HV]``; initial/final state
+    ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``), N = B or the number of
+    packed sequences with ``cu_seqlens`` ``[N + 1]`` (B must be 1; its values are data, so
+    new values do not recompile). Returns ``o [B, T, HV, V]`` in v's dtype and the final
+    state (float32, or float64 for float64 inputs) when ``output_final_state``.
+    """
+    dims = validate_kda_args(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state,
+        use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+        lower_bound=lower_bound, cu_seqlens=cu_seqlens, state_v_first=state_v_first,
+    )
+    dt = compute_dtype(q, k, v, g, beta, initial_state)
+    q, k, g, b = activate_inputs(
+        q, k, g, beta, dt, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+        lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval,
+    )
+    q, k = expand_heads(q, dims.HV), expand_heads(k, dims.HV)
+    if initial_state is None:
+        h0 = jnp.zeros((dims.N, dims.HV, dims.K, dims.V), dt)
+    else:
+        h0 = initial_state.astype(dt)
+        if state_v_first:
+            h0 = jnp.swapaxes(h0, -1, -2)
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v.astype(dt), g, b))
+    if cu_seqlens is None:
+        final, o = jax.lax.scan(lambda S, x: recurrent_step(S, *x, dims.scale), h0, xs)
+    else:
+        xs = tuple(x[:, 0] for x in xs)
+        o, final = _varlen_scan(xs, h0, jnp.asarray(cu_seqlens, jnp.int32), dims.scale)
+        o = o[:, None]
+    o = jnp.moveaxis(o, 0, 1).astype(v.dtype)
+    if not output_final_state:
+        return o, None
+    return o, (jnp.swapaxes(final, -1, -2) if state_v_first else final)

@@ -1,0 +1,57 @@
+"""Input activations as plain, differentiable jnp (the oracles for the gate stage).
+
+Shapes: ``g_raw`` ``[..., HV, K]`` (any leading dims), ``A_log`` ``[HV]``, ``dt_bias``
+``[HV * K]``; ``x`` of ``l2norm`` ``[..., D]``.
+"""
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+L2NORM_EPS = 1e-6
+
+
+def _with_bias(g_raw, dt_bias):
+    if dt_bias is None:
+        return g_raw
+    hv, kd = g_raw.shape[-2:]
+    return g_raw + dt_bias.reshape(hv, kd).astype(g_raw.dtype)
+
+
+def softplus_gate(g_raw, A_log, dt_bias=None):
+    """``g = -exp(A_log[h]) * softplus(g_raw + dt_bias)``."""
+    x = _with_bias(g_raw, dt_bias)
+    return -jnp.exp(A_log.astype(x.dtype))[:, None] * jax.nn.softplus(x)
+
+
+def lower_bound_gate(g_raw, lower_bound: float, A_log=None, dt_bias=None):
+    """``g = lower_bound * sigmoid(exp(A_log[h]) * (g_raw + dt_bias))`` (no ``exp(A_log)``
+    factor when ``A_log`` is None)."""
+    x = _with_bias(g_raw, dt_bias)
+    if A_log is not None:
+        x = jnp.exp(A_log.astype(x.dtype))[:, None] * x
+    return lower_bound * jax.nn.sigmoid(x)
+
+
+def kda_gate(g_raw, A_log=None, dt_bias=None, lower_bound: Optional[float] = None):
+    """The in-kernel gate: lower-bound form whenever ``lower_bound`` is set, else softplus."""
+    if lower_bound is not None:
+        return lower_bound_gate(g_raw, lower_bound, A_log, dt_bias)
+    if A_log is None:
+        raise ValueError("A_log: required by the softplus gate (lower_bound is None).")
+    return softplus_gate(g_raw, A_log, dt_bias)
+
+
+def l2norm(x, eps: float = L2NORM_EPS):
+    """``x / sqrt(sum(x**2, -1) + eps)``."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def beta_activation(beta, use_sigmoid: bool, allow_neg_eigval: bool):
+    """``sigmoid(beta)`` (times 2 with ``allow_neg_eigval``) when ``use_sigmoid``; otherwise
+    beta is taken as given (already in (0, 1), or (0, 2) with ``allow_neg_eigval``)."""
+    if not use_sigmoid:
+        return beta
+    b = jax.nn.sigmoid(beta)
+    return 2.0 * b if allow_neg_eigval else b
