@@ -1,0 +1,95 @@
+"""The chunked layout ``[R, HV, NC, C, D]`` every stage works in, dense or packed varlen.
+
+Dense input ``[B, T, ...]`` gives R = B rows of ceil(T / C) chunks, T zero-padded at the
+end. Packed varlen input (B == 1, ``cu_seqlens`` a device array) gives one row in which
+every sequence starts on a chunk boundary; NC is the static bound
+``(T + N (C - 1)) // C``, so new ``cu_seqlens`` values never change a shape. Padding
+tokens are zeros with ``valid`` False: they neither decay nor write the state.
+"""
+
+from typing import Optional
+
+import equinox as eqx
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Int
+
+
+class ChunkLayout(eqx.Module):
+    """Where tokens and sequences sit in the chunked layout.
+
+    ``first[r, c]`` / ``last[r, c]``: the sequence that starts / ends in chunk c of row r,
+    or -1. ``valid [R, NC, C]``: real tokens. ``empty [N]``: sequences of length 0.
+    ``pos [T]`` (varlen only): each token's flat position in the single packed row.
+    """
+
+    first: Int[Array, "R NC"]
+    last: Int[Array, "R NC"]
+    valid: Bool[Array, "R NC C"]
+    empty: Bool[Array, " N"]
+    pos: Optional[Int[Array, " T"]]
+    T: int = eqx.field(static=True)
+    chunk_size: int = eqx.field(static=True)
+
+    @property
+    def num_chunks(self) -> int:
+        return self.valid.shape[1]
+
+
+def make_layout(B: int, T: int, chunk_size: int, cu_seqlens=None) -> ChunkLayout:
+    C = chunk_size
+    if cu_seqlens is None:
+        nc = -(-T // C)
+        c = jnp.arange(nc)
+        rows = jnp.arange(B, dtype=jnp.int32)[:, None]
+        first = jnp.where(c[None] == 0, rows, -1).astype(jnp.int32)
+        last = jnp.where(c[None] == nc - 1, rows, -1).astype(jnp.int32)
+        valid = jnp.broadcast_to((jnp.arange(nc * C) < T).reshape(1, nc, C), (B, nc, C))
+        empty = jnp.full((B,), T == 0)
+        return ChunkLayout(first, last, valid, empty, None, T, C)
+    cu = jnp.asarray(cu_seqlens, jnp.int32)
+    N = cu.shape[0] - 1
+    nc = (T + N * (C - 1)) // C
+    lens = cu[1:] - cu[:-1]
+    nchunks = (lens + C - 1) // C
+    cstart = jnp.cumsum(nchunks) - nchunks
+    ids = jnp.arange(N, dtype=jnp.int32)
+    # Index nc is out of range: mode="drop" skips sequences of length 0.
+    first = jnp.full((nc,), -1, jnp.int32).at[jnp.where(lens > 0, cstart, nc)].set(ids, mode="drop")
+    last = jnp.full((nc,), -1, jnp.int32).at[jnp.where(lens > 0, cstart + nchunks - 1, nc)].set(ids, mode="drop")
+    t = jnp.arange(T)
+    seq = jnp.clip(jnp.searchsorted(cu, t, side="right") - 1, 0, N - 1)
+    pos = (cstart[seq] * C + t - cu[seq]).astype(jnp.int32)
+    valid = jnp.zeros((nc * C,), bool).at[pos].set(True).reshape(1, nc, C)
+    return ChunkLayout(first[None], last[None], valid, lens == 0, pos, T, C)
+
+
+def pack(layout: ChunkLayout, x, dtype=None):
+    """``[B, T, Hx, *D] -> [R, Hx, NC, C, *D]`` (zeros at padding)."""
+    if dtype is not None:
+        x = x.astype(dtype)
+    C, nc = layout.chunk_size, layout.num_chunks
+    if layout.pos is None:
+        x = jnp.pad(x, [(0, 0), (0, nc * C - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+    else:
+        x = jnp.zeros((1, nc * C) + x.shape[2:], x.dtype).at[:, layout.pos].set(x)
+    x = x.reshape(x.shape[0], nc, C, *x.shape[2:])
+    return jnp.moveaxis(x, 3, 1)
+
+
+def unpack(layout: ChunkLayout, y):
+    """``[R, Hx, NC, C, *D] -> [B, T, Hx, *D]`` (padding dropped)."""
+    y = jnp.moveaxis(y, 1, 3)
+    y = y.reshape(y.shape[0], -1, *y.shape[3:])
+    return y[:, : layout.T] if layout.pos is None else y[:, layout.pos]
+
+
+def expand_group(x, hv: int):
+    """``[R, H, ...] -> [R, HV, ...]``: value head i reads q/k head i // (HV // H)."""
+    return x if x.shape[1] == hv else jnp.repeat(x, hv // x.shape[1], axis=1)
+
+
+def reduce_group(dx, h: int):
+    """Adjoint of ``expand_group``: sum the gradients of each group of value heads."""
+    if dx.shape[1] == h:
+        return dx
+    return dx.reshape(dx.shape[0], h, dx.shape[1] // h, *dx.shape[2:]).sum(axis=2)

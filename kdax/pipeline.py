@@ -1,0 +1,313 @@
+"""``KDAPipeline``: the forward stages F1-F5 and backward stages B0-B5 composed, and
+``chunk_kda``, differentiable through a ``jax.custom_vjp`` that runs the six-stage backward.
+
+Any stage can be swapped for another implementation of its abstract class::
+
+    pipe = eqx.tree_at(lambda p: p.intra, KDAPipeline.reference(), MyIntra())
+"""
+
+import functools
+from typing import Optional
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from ._config import KDAConfig
+from ._layout import ChunkLayout, expand_group, make_layout, pack, reduce_group, unpack
+from ._typing import ALog, ArrayIn, Beta, CuSeqlens, Gate, QK, State, Values, typecheck
+from ._validate import validate_kda_args
+from .ref._recurrent import compute_dtype
+from .stages import (
+    AbstractDAv,
+    AbstractDhu,
+    AbstractGate,
+    AbstractGateBackward,
+    AbstractIntra,
+    AbstractIntraBackward,
+    AbstractOutput,
+    AbstractRecompute,
+    AbstractState,
+    AbstractWY,
+    AbstractWYDqkg,
+    Activated,
+    ForwardCache,
+    ReferenceDAv,
+    ReferenceDhu,
+    ReferenceGate,
+    ReferenceGateBackward,
+    ReferenceIntra,
+    ReferenceIntraBackward,
+    ReferenceOutput,
+    ReferenceRecompute,
+    ReferenceState,
+    ReferenceWY,
+    ReferenceWYDqkg,
+)
+
+
+class KDAResiduals(eqx.Module):
+    """What the backward needs, in the chunked layout. Always: the activated inputs
+    (``act``: q, k, beta, G and the l2norm statistics), v, the raw gate input when the
+    gate is in-kernel, the gate parameters, ``Aqk``, ``Akk``, the initial states ``h0``
+    ``[N, HV, K, V]`` and the layout. ``cache`` holds the rest of the forward (w, u, qg,
+    kg, h, v_new) when it was kept (``disable_recompute=True``, or ``pipeline.forward``)."""
+
+    config: KDAConfig = eqx.field(static=True)
+    layout: ChunkLayout
+    act: Activated
+    v: Float[Array, "R HV NC C V"]
+    g_raw: Optional[Float[Array, "R HV NC C K"]]
+    A_log: Optional[Float[Array, " HV"]]
+    dt_bias: Optional[Float[Array, " HVK"]]
+    Aqk: Float[Array, "R HV NC C C"]
+    Akk: Float[Array, "R HV NC C C"]
+    h0: Float[Array, "N HV K V"]
+    cache: Optional[ForwardCache]
+    num_qk_heads: int = eqx.field(static=True)
+    # dtypes of (q, k, v, g, beta, initial_state, A_log, dt_bias) as given (None if absent)
+    in_dtypes: tuple = eqx.field(static=True)
+
+
+class KDAGrads(eqx.Module):
+    """Gradients of every differentiable input, in ``chunk_kda``'s layouts (float32 or
+    float64; ``chunk_kda``'s VJP casts them to the inputs' dtypes). ``initial_state`` is
+    ``[N, HV, K, V]``; entries are None where the input was not given."""
+
+    q: Float[Array, "B T H K"]
+    k: Float[Array, "B T H K"]
+    v: Float[Array, "B T HV V"]
+    g: Float[Array, "B T HV K"]
+    beta: Float[Array, "B T HV"]
+    initial_state: Float[Array, "N HV K V"]
+    A_log: Optional[Float[Array, " HV"]]
+    dt_bias: Optional[Float[Array, " HVK"]]
+
+
+class KDAPipeline(eqx.Module):
+    """The chunked KDA algorithm as eleven swappable stages (see DESIGN.md §2)."""
+
+    gate: AbstractGate
+    intra: AbstractIntra
+    wy: AbstractWY
+    state: AbstractState
+    output: AbstractOutput
+    recompute: AbstractRecompute
+    dav: AbstractDAv
+    dhu: AbstractDhu
+    wy_dqkg: AbstractWYDqkg
+    intra_bwd: AbstractIntraBackward
+    gate_bwd: AbstractGateBackward
+
+    @classmethod
+    def reference(cls) -> "KDAPipeline":
+        """Every stage in plain jnp (the default on CPU)."""
+        return cls(
+            gate=ReferenceGate(), intra=ReferenceIntra(), wy=ReferenceWY(), state=ReferenceState(),
+            output=ReferenceOutput(), recompute=ReferenceRecompute(), dav=ReferenceDAv(),
+            dhu=ReferenceDhu(), wy_dqkg=ReferenceWYDqkg(), intra_bwd=ReferenceIntraBackward(),
+            gate_bwd=ReferenceGateBackward(),
+        )
+
+    # -- forward ------------------------------------------------------------------------
+
+    def run_forward(self, config: KDAConfig, q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens):
+        """Forward on the raw inputs (``h0`` ``[N, HV, K, V]`` or None). Returns
+        ``(o, final [N, HV, K, V], residuals with the full cache)``."""
+        B, T, H, K = q.shape
+        HV, V = v.shape[2:]
+        dt = compute_dtype(q, k, v, g, beta, h0)
+        layout = make_layout(B, T, config.chunk_size, cu_seqlens)
+        N = layout.empty.shape[0]
+        qc = expand_group(pack(layout, q, dt), HV)
+        kc = expand_group(pack(layout, k, dt), HV)
+        vc = pack(layout, v, dt)
+        gc = pack(layout, g, dt)
+        bc = pack(layout, beta[..., None], dt)[..., 0]
+        h0_in, A_log_in, dt_bias_in = h0, A_log, dt_bias
+        A_log = None if A_log is None else A_log.astype(dt)
+        dt_bias = None if dt_bias is None else dt_bias.astype(dt)
+        h0 = jnp.zeros((N, HV, K, V), dt) if h0 is None else h0.astype(dt)
+
+        act = self.gate(config, qc, kc, gc, bc, A_log, dt_bias, layout.valid)
+        intra = self.intra(config.scale, act.q, act.k, act.beta, act.G)
+        wy = self.wy(act.q, act.k, vc, act.beta, act.G, intra.Akk)
+        st = self.state(wy.w, wy.u, wy.kg, act.G, h0, layout.first, layout.last)
+        oc = self.output(config.scale, wy.qg, st.h, intra.Aqk, st.v_new)
+        o = unpack(layout, oc).astype(v.dtype)
+        cache = ForwardCache(act.G, intra.Aqk, intra.Akk, wy.w, wy.u, wy.qg, wy.kg, st.h, st.v_new)
+        in_dtypes = tuple(None if x is None else jnp.dtype(x.dtype) for x in (q, k, v, g, beta, h0_in, A_log_in, dt_bias_in))
+        res = KDAResiduals(
+            config, layout, act, vc, gc if config.use_gate_in_kernel else None, A_log, dt_bias,
+            intra.Aqk, intra.Akk, h0, cache, H, in_dtypes,
+        )
+        return o, st.final, res
+
+    # -- backward -----------------------------------------------------------------------
+
+    def backward(self, res: KDAResiduals, do, dht=None) -> KDAGrads:
+        """The six-stage backward. ``do`` ``[B, T, HV, V]``; ``dht`` ``[N, HV, K, V]`` or
+        None (no loss on the final state)."""
+        cfg, L, act = res.config, res.layout, res.act
+        dt = res.h0.dtype
+        doc = pack(L, do, dt)
+        dht = jnp.zeros_like(res.h0) if dht is None else dht.astype(dt)
+        if res.cache is None:  # B0
+            wy, st = self.recompute(act.q, act.k, res.v, act.beta, act.G, res.Akk, res.h0, L.first, L.last)
+            w, qg, kg, h, v_new = wy.w, wy.qg, wy.kg, st.h, st.v_new
+        else:
+            c = res.cache
+            w, qg, kg, h, v_new = c.w, c.qg, c.kg, c.h, c.v_new
+        dAqk, dv_intra = self.dav(v_new, res.Aqk, doc)  # B1
+        dhu = self.dhu(cfg.scale, qg, kg, w, act.G, doc, dv_intra, dht, L.first, L.last, L.empty)  # B2
+        grads = self.wy_dqkg(  # B3
+            cfg.scale, act.q, act.k, res.v, act.beta, act.G, res.Akk, qg, kg, h, dhu.dh, v_new, doc, dhu.dv_new
+        )
+        grads = self.intra_bwd(cfg.scale, act.q, act.k, act.beta, act.G, dAqk, grads)  # B4
+        raw = self.gate_bwd(  # B5
+            cfg, act, res.g_raw, res.A_log, res.dt_bias, L.valid, grads.dq, grads.dk, grads.dbeta, grads.dG
+        )
+        H = res.num_qk_heads
+        return KDAGrads(
+            q=unpack(L, reduce_group(raw.dq, H)),
+            k=unpack(L, reduce_group(raw.dk, H)),
+            v=unpack(L, grads.dv),
+            g=unpack(L, raw.dg),
+            beta=unpack(L, raw.dbeta[..., None])[..., 0],
+            initial_state=dhu.dh0,
+            A_log=raw.dA_log,
+            dt_bias=raw.ddt_bias,
+        )
+
+    # -- public entry points ------------------------------------------------------------
+
+    def forward(self, q, k, v, g, beta, **options):
+        """Forward only, with ``chunk_kda``'s arguments. Returns ``(o, final_state,
+        residuals)``; ``residuals.cache`` holds every intermediate for inspection and
+        ``pipeline.backward(residuals, do, dht)`` gives every input gradient."""
+        config, args = _prepare(q, k, v, g, beta, **options)
+        o, final, res = self.run_forward(config, *args)
+        return o, _final_out(final, config, options.get("state_v_first", False)), res
+
+    def __call__(self, q, k, v, g, beta, **options):
+        """``chunk_kda`` with this pipeline."""
+        return chunk_kda(q, k, v, g, beta, pipeline=self, **options)
+
+
+def _final_out(final, config: KDAConfig, state_v_first: bool):
+    if not config.output_final_state:
+        return None
+    return jnp.swapaxes(final, -1, -2) if state_v_first else final
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _chunk_kda_vjp(pipeline, config, q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens):
+    o, final, _ = pipeline.run_forward(config, q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens)
+    return o, final
+
+
+def _vjp_fwd(pipeline, config, q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens):
+    o, final, res = pipeline.run_forward(config, q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens)
+    if not config.disable_recompute:
+        # Keep what FLA keeps (inputs, G, Aqk, Akk, l2norm statistics, h0); B0 rebuilds the rest.
+        res = eqx.tree_at(lambda r: r.cache, res, None, is_leaf=lambda x: x is None)
+    return (o, final), res
+
+
+def _vjp_bwd(pipeline, config, res, cotangents):
+    do, dht = cotangents
+    grads = pipeline.backward(res, do, dht if config.output_final_state else None)
+    out = (grads.q, grads.k, grads.v, grads.g, grads.beta, grads.initial_state, grads.A_log, grads.dt_bias)
+    out = tuple(None if d is None else x.astype(d) for x, d in zip(out, res.in_dtypes))
+    return out + (None,)
+
+
+_chunk_kda_vjp.defvjp(_vjp_fwd, _vjp_bwd)
+
+
+def _prepare(
+    q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+    use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+    lower_bound=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False,
+    cu_seqlens=None, chunk_size=64, disable_recompute=False, state_v_first=False,
+):
+    dims = validate_kda_args(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state,
+        use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+        lower_bound=lower_bound, cu_seqlens=cu_seqlens, state_v_first=state_v_first,
+        safe_gate=safe_gate, chunk_size=chunk_size,
+    )
+    config = KDAConfig(
+        scale=dims.scale, chunk_size=chunk_size, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel,
+        lower_bound=None if lower_bound is None else float(lower_bound),
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        safe_gate=safe_gate, output_final_state=output_final_state, disable_recompute=disable_recompute,
+    )
+    asarr = lambda x: None if x is None else jnp.asarray(x)
+    h0 = asarr(initial_state)
+    if h0 is not None and state_v_first:
+        h0 = jnp.swapaxes(h0, -1, -2)
+    cu = None if cu_seqlens is None else jnp.asarray(cu_seqlens, jnp.int32)
+    args = (asarr(q), asarr(k), asarr(v), asarr(g), asarr(beta), h0, asarr(A_log), asarr(dt_bias), cu)
+    return config, args
+
+
+def default_pipeline() -> KDAPipeline:
+    """The pipeline ``chunk_kda(pipeline=None)`` uses on this platform."""
+    return KDAPipeline.reference()
+
+
+@typecheck
+def chunk_kda(
+    q: QK,
+    k: QK,
+    v: Values,
+    g: Gate,
+    beta: Beta,
+    *,
+    scale: Optional[float] = None,
+    initial_state: Optional[State] = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: Optional[ALog] = None,
+    dt_bias: Optional[Float[ArrayIn, "_"]] = None,
+    lower_bound: Optional[float] = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
+    cu_seqlens: Optional[CuSeqlens] = None,
+    chunk_size: int = 64,
+    disable_recompute: bool = False,
+    state_v_first: bool = False,
+    pipeline: Optional[KDAPipeline] = None,
+) -> tuple[Float[ArrayIn, "B T HV V"], Optional[Float[ArrayIn, "N HV _S1 _S2"]]]:
+    """Chunked KDA (FLA's ``chunk_kda`` arguments and layouts).
+
+    q, k ``[B, T, H, K]``; v ``[B, T, HV, V]`` (HV a multiple of H); g ``[B, T, HV, K]``
+    (log decay, or the raw gate input with ``use_gate_in_kernel``: softplus gate with
+    ``A_log [HV]`` and optional ``dt_bias [HV*K]``, lower-bound gate whenever
+    ``lower_bound`` is set); beta ``[B, T, HV]`` (raw with ``use_beta_sigmoid_in_kernel``);
+    states ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``); ``cu_seqlens``
+    ``[N + 1]`` packs N sequences into B == 1. ``chunk_size`` in {16, 32, 64, 128}.
+    ``safe_gate`` is FLA's promise that the gate lies in about [-5, 0); kdax's kernels are
+    exact for any gate, so it only adds FLA's check that ``lower_bound`` is set.
+
+    Returns ``o [B, T, HV, V]`` in v's dtype and the final state (float32, or float64 for
+    float64 inputs) or None. ``jax.grad`` runs the six-stage backward of ``pipeline``
+    (default: ``default_pipeline()``); ``disable_recompute=True`` keeps the forward
+    intermediates instead of recomputing them.
+    """
+    config, args = _prepare(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        safe_gate=safe_gate, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+        disable_recompute=disable_recompute, state_v_first=state_v_first,
+    )
+    pipeline = default_pipeline() if pipeline is None else pipeline
+    o, final = _chunk_kda_vjp(pipeline, config, *args)
+    return o, _final_out(final, config, state_v_first)

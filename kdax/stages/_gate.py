@@ -1,0 +1,151 @@
+"""Gate family: F1 (input activations + chunk-local cumsum) and B5 (their backward)."""
+
+import abc
+from typing import Optional
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
+
+from .._config import KDAConfig
+from .._typing import typecheck
+from ..ref._gates import L2NORM_EPS, beta_activation, kda_gate
+from ._types import Activated, RawGrads
+
+_HeadsLast = lambda x: jnp.moveaxis(x, 1, -2)  # [R, HV, NC, C, K] -> [R, NC, C, HV, K]
+_HeadsBack = lambda x: jnp.moveaxis(x, -2, 1)
+
+
+def _rstd(x):
+    return jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
+
+
+def activated_gate(config: KDAConfig, g, A_log, dt_bias, valid):
+    """The per-token log decay: raw ``g`` or the in-kernel gate, zero at padding."""
+    if config.use_gate_in_kernel:
+        g = _HeadsBack(kda_gate(_HeadsLast(g), A_log, dt_bias, config.lower_bound))
+    return jnp.where(valid[:, None, :, :, None], g, 0.0)
+
+
+class AbstractGate(eqx.Module):
+    """F1: in-kernel activations (l2norm of q/k, gate, beta sigmoid) and ``G``."""
+
+    @abc.abstractmethod
+    def __call__(
+        self,
+        config: KDAConfig,
+        q: Float[Array, "R HV NC C K"],
+        k: Float[Array, "R HV NC C K"],
+        g: Float[Array, "R HV NC C K"],
+        beta: Float[Array, "R HV NC C"],
+        A_log: Optional[Float[Array, " HV"]],
+        dt_bias: Optional[Float[Array, " HVK"]],
+        valid: Bool[Array, "R NC C"],
+    ) -> Activated:
+        raise NotImplementedError
+
+
+class ReferenceGate(AbstractGate):
+    """F1 in plain jnp."""
+
+    @typecheck
+    def __call__(
+        self,
+        config: KDAConfig,
+        q: Float[Array, "R HV NC C K"],
+        k: Float[Array, "R HV NC C K"],
+        g: Float[Array, "R HV NC C K"],
+        beta: Float[Array, "R HV NC C"],
+        A_log: Optional[Float[Array, " HV"]],
+        dt_bias: Optional[Float[Array, " HVK"]],
+        valid: Bool[Array, "R NC C"],
+    ) -> Activated:
+        q_rstd = k_rstd = None
+        if config.use_qk_l2norm_in_kernel:
+            q_rstd, k_rstd = _rstd(q), _rstd(k)
+            q, k = q * q_rstd, k * k_rstd
+        G = jnp.cumsum(activated_gate(config, g, A_log, dt_bias, valid), axis=-2)
+        beta = beta_activation(beta, config.use_beta_sigmoid_in_kernel, config.allow_neg_eigval)
+        return Activated(q, k, beta, G, q_rstd, k_rstd)
+
+
+def reverse_cumsum(x, axis: int):
+    return jnp.flip(jnp.cumsum(jnp.flip(x, axis), axis), axis)
+
+
+class AbstractGateBackward(eqx.Module):
+    """B5: reverse chunk-local cumsum of dG, then the backward of the gate activation
+    (with dA_log, ddt_bias), of the beta sigmoid and of the q/k l2norm."""
+
+    @abc.abstractmethod
+    def __call__(
+        self,
+        config: KDAConfig,
+        act: Activated,
+        g: Optional[Float[Array, "R HV NC C K"]],
+        A_log: Optional[Float[Array, " HV"]],
+        dt_bias: Optional[Float[Array, " HVK"]],
+        valid: Bool[Array, "R NC C"],
+        dq: Float[Array, "R HV NC C K"],
+        dk: Float[Array, "R HV NC C K"],
+        dbeta: Float[Array, "R HV NC C"],
+        dG: Float[Array, "R HV NC C K"],
+    ) -> RawGrads:
+        raise NotImplementedError
+
+
+def gate_param_backward(config: KDAConfig, g, A_log, dt_bias, dg):
+    """Backward of the in-kernel gate for ``dg`` on the activated decay: returns
+    (dg_raw, dA_log, ddt_bias). Layout ``[R, HV, NC, C, K]``."""
+    HV, K = g.shape[1], g.shape[-1]
+    x = g if dt_bias is None else g + dt_bias.reshape(1, HV, 1, 1, K)
+    a = None if A_log is None else jnp.exp(A_log).reshape(1, HV, 1, 1, 1)
+    if config.lower_bound is None:
+        sp = jax.nn.softplus(x)
+        dx = -dg * a * jax.nn.sigmoid(x)
+        dA = -jnp.sum(dg * a * sp, axis=(0, 2, 3, 4))
+    else:
+        z = x if a is None else a * x
+        s = jax.nn.sigmoid(z)
+        dz = dg * config.lower_bound * s * (1.0 - s)
+        dx = dz if a is None else dz * a
+        dA = None if a is None else jnp.sum(dz * z, axis=(0, 2, 3, 4))
+    ddt = None if dt_bias is None else jnp.sum(dx, axis=(0, 2, 3)).reshape(HV * K)
+    return dx, dA, ddt
+
+
+def l2norm_backward(y, rstd, dy):
+    """``y = x * rstd`` with ``rstd = (|x|^2 + eps)^-1/2``: ``dx = rstd (dy - y <dy, y>)``."""
+    return rstd * (dy - y * jnp.sum(dy * y, axis=-1, keepdims=True))
+
+
+class ReferenceGateBackward(AbstractGateBackward):
+    """B5 in plain jnp."""
+
+    @typecheck
+    def __call__(
+        self,
+        config: KDAConfig,
+        act: Activated,
+        g: Optional[Float[Array, "R HV NC C K"]],
+        A_log: Optional[Float[Array, " HV"]],
+        dt_bias: Optional[Float[Array, " HVK"]],
+        valid: Bool[Array, "R NC C"],
+        dq: Float[Array, "R HV NC C K"],
+        dk: Float[Array, "R HV NC C K"],
+        dbeta: Float[Array, "R HV NC C"],
+        dG: Float[Array, "R HV NC C K"],
+    ) -> RawGrads:
+        dg = jnp.where(valid[:, None, :, :, None], reverse_cumsum(dG, axis=-2), 0.0)
+        dA = ddt = None
+        if config.use_gate_in_kernel:
+            dg, dA, ddt = gate_param_backward(config, g, A_log, dt_bias, dg)
+        if config.use_beta_sigmoid_in_kernel:
+            c = 2.0 if config.allow_neg_eigval else 1.0
+            s = act.beta / c
+            dbeta = dbeta * c * s * (1.0 - s)
+        if config.use_qk_l2norm_in_kernel:
+            dq = l2norm_backward(act.q, act.q_rstd, dq)
+            dk = l2norm_backward(act.k, act.k_rstd, dk)
+        return RawGrads(dq, dk, dg, dbeta, dA, ddt)

@@ -1,0 +1,193 @@
+"""Intra-chunk family: F2 (Aqk, Akk = (I + L)^-1) and B4 (their backward).
+
+Every product here has the form ``sum_d a_id b_jd exp(G_id - G_jd)`` for j <= i. Forming
+the pairwise ``[C, C, K]`` decay over a whole chunk is slow, and factoring it as
+``exp(G_i) exp(-G_j)`` overflows. Instead the chunk is cut into sub-blocks of ``block``
+rows: for a row block I and an earlier column block J the decay is split at the anchor
+``a`` = first row of I, ``exp(G_i - G_a) * exp(G_a - G_j)``, both factors with
+non-positive exponents, and the sum becomes a matmul; only the diagonal sub-blocks use
+the pairwise form (``[block, block, K]``). Masks are applied in the exponent.
+"""
+
+import abc
+from typing import NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from .._typing import typecheck
+from ._types import ChunkGrads, IntraOut
+
+
+class AnchoredDecay(NamedTuple):
+    """``rows [..., nb, b, K]``: exp(G_i - G_a(I)). ``cross [..., nb, nb, b, K]``:
+    exp(G_a(I) - G_j) for column blocks J < I, else 0. ``diag [..., nb, b, b, K]``:
+    exp(G_i - G_j) inside a diagonal block for j <= i, else 0."""
+
+    rows: jax.Array
+    cross: jax.Array
+    diag: jax.Array
+
+
+def _split(x, nb: int):
+    return x.reshape(*x.shape[:-2], nb, x.shape[-2] // nb, x.shape[-1])
+
+
+def _merge(x):
+    return x.reshape(*x.shape[:-3], x.shape[-3] * x.shape[-2], x.shape[-1])
+
+
+def anchored_decay(G, block: int) -> AnchoredDecay:
+    C = G.shape[-2]
+    b = min(block, C)
+    nb = C // b
+    Gb = _split(G, nb)
+    Ga = Gb[..., :, 0, :]
+    rows = jnp.exp(Gb - Ga[..., :, None, :])
+    blk = jnp.arange(nb)
+    before = (blk[None, :] < blk[:, None])[:, :, None, None]
+    cross = jnp.exp(jnp.where(before, Ga[..., :, None, None, :] - Gb[..., None, :, :, :], -jnp.inf))
+    idx = jnp.arange(b)
+    lower = (idx[None, :] <= idx[:, None])[:, :, None]
+    diag = jnp.exp(jnp.where(lower, Gb[..., :, :, None, :] - Gb[..., :, None, :, :], -jnp.inf))
+    return AnchoredDecay(rows, cross, diag)
+
+
+def _to_blocks(S, nb: int):
+    """``[..., C, C] -> [..., I, J, i, j]``."""
+    b = S.shape[-1] // nb
+    S = S.reshape(*S.shape[:-2], nb, b, nb, b)
+    return jnp.swapaxes(S, -3, -2)
+
+
+def _diag_blocks(Sb):
+    """``[..., I, J, i, j] -> [..., I, i, j]`` (J == I)."""
+    return jnp.moveaxis(jnp.diagonal(Sb, axis1=-4, axis2=-3), -1, -3)
+
+
+def pair_scores(a, b, dec: AnchoredDecay, strict: bool):
+    """``S_ij = sum_d a_id b_jd exp(G_id - G_jd)`` for j <= i (j < i if strict), else 0."""
+    nb = dec.rows.shape[-3]
+    ab, bb = _split(a, nb), _split(b, nb)
+    off = jnp.einsum("...Iik,...IJjk->...IJij", ab * dec.rows, bb[..., None, :, :, :] * dec.cross)
+    d = jnp.sum(ab[..., :, :, None, :] * bb[..., :, None, :, :] * dec.diag, axis=-1)
+    if strict:
+        n = d.shape[-1]
+        d = jnp.where(jnp.arange(n)[None, :] < jnp.arange(n)[:, None], d, 0.0)
+    same = jnp.eye(nb, dtype=bool)[:, :, None, None]
+    S = jnp.where(same, d[..., :, None, :, :], off)
+    S = jnp.swapaxes(S, -3, -2)
+    return S.reshape(*S.shape[:-4], nb * S.shape[-3], nb * S.shape[-1])
+
+
+def pair_rows(S, b, dec: AnchoredDecay):
+    """``R_id = sum_{j <= i} S_ij b_jd exp(G_id - G_jd)`` for lower-triangular ``S``."""
+    nb = dec.rows.shape[-3]
+    Sb, bb = _to_blocks(S, nb), _split(b, nb)
+    off = jnp.einsum("...IJij,...IJjk->...Iik", Sb, bb[..., None, :, :, :] * dec.cross) * dec.rows
+    d = jnp.sum(_diag_blocks(Sb)[..., None] * bb[..., :, None, :, :] * dec.diag, axis=-2)
+    return _merge(off + d)
+
+
+def pair_cols(S, a, dec: AnchoredDecay):
+    """``C_jd = sum_{i >= j} S_ij a_id exp(G_id - G_jd)`` for lower-triangular ``S``."""
+    nb = dec.rows.shape[-3]
+    Sb, ab = _to_blocks(S, nb), _split(a, nb)
+    off = jnp.sum(jnp.einsum("...IJij,...Iik->...IJjk", Sb, ab * dec.rows) * dec.cross, axis=-4)
+    d = jnp.sum(_diag_blocks(Sb)[..., None] * ab[..., :, None, :] * dec.diag, axis=-3)
+    return _merge(off + d)
+
+
+def unit_lower_inverse(L):
+    """``(I + L)^-1`` for strictly lower ``L [..., C, C]``."""
+    eye = jnp.eye(L.shape[-1], dtype=L.dtype)
+    return jax.scipy.linalg.solve_triangular(
+        eye + L, jnp.broadcast_to(eye, L.shape), lower=True, unit_diagonal=True
+    )
+
+
+class AbstractIntra(eqx.Module):
+    """F2: ``Aqk`` and ``Akk`` from the activated q, k, beta and G."""
+
+    @abc.abstractmethod
+    def __call__(
+        self,
+        scale: float,
+        q: Float[Array, "R HV NC C K"],
+        k: Float[Array, "R HV NC C K"],
+        beta: Float[Array, "R HV NC C"],
+        G: Float[Array, "R HV NC C K"],
+    ) -> IntraOut:
+        raise NotImplementedError
+
+
+class ReferenceIntra(AbstractIntra):
+    """F2 in jnp with anchored sub-blocks of ``block`` rows."""
+
+    block: int = eqx.field(static=True, default=16)
+
+    @typecheck
+    def __call__(
+        self,
+        scale: float,
+        q: Float[Array, "R HV NC C K"],
+        k: Float[Array, "R HV NC C K"],
+        beta: Float[Array, "R HV NC C"],
+        G: Float[Array, "R HV NC C K"],
+    ) -> IntraOut:
+        dec = anchored_decay(G, self.block)
+        Aqk = scale * pair_scores(q, k, dec, strict=False)
+        L = beta[..., :, None] * pair_scores(k, k, dec, strict=True)
+        return IntraOut(Aqk, unit_lower_inverse(L))
+
+
+class AbstractIntraBackward(eqx.Module):
+    """B4: the intra-chunk parts of dq, dk, dbeta, dG from ``dAqk`` and ``dL``, added to
+    the inter-chunk gradients ``grads`` coming from B3."""
+
+    @abc.abstractmethod
+    def __call__(
+        self,
+        scale: float,
+        q: Float[Array, "R HV NC C K"],
+        k: Float[Array, "R HV NC C K"],
+        beta: Float[Array, "R HV NC C"],
+        G: Float[Array, "R HV NC C K"],
+        dAqk: Float[Array, "R HV NC C C"],
+        grads: ChunkGrads,
+    ) -> ChunkGrads:
+        raise NotImplementedError
+
+
+class ReferenceIntraBackward(AbstractIntraBackward):
+    """B4 in jnp with the same anchored sub-blocks as ``ReferenceIntra``."""
+
+    block: int = eqx.field(static=True, default=16)
+
+    @typecheck
+    def __call__(
+        self,
+        scale: float,
+        q: Float[Array, "R HV NC C K"],
+        k: Float[Array, "R HV NC C K"],
+        beta: Float[Array, "R HV NC C"],
+        G: Float[Array, "R HV NC C K"],
+        dAqk: Float[Array, "R HV NC C C"],
+        grads: ChunkGrads,
+    ) -> ChunkGrads:
+        dec = anchored_decay(G, self.block)
+        dL = grads.dL
+        # Aqk = scale * sum_d q_i k_j e^(G_i - G_j)
+        dq_a = scale * pair_rows(dAqk, k, dec)
+        dk_a = scale * pair_cols(dAqk, q, dec)
+        # L = beta_i * sum_d k_i k_j e^(G_i - G_j): row side carries beta_i
+        r = pair_rows(dL, k, dec)
+        c = pair_cols(dL * beta[..., :, None], k, dec)
+        bk = beta[..., None] * k
+        dq = grads.dq + dq_a
+        dk = grads.dk + dk_a + beta[..., None] * r + c
+        dbeta = grads.dbeta + jnp.sum(k * r, axis=-1)
+        dG = grads.dG + q * dq_a - k * dk_a + bk * r - k * c
+        return ChunkGrads(dq, dk, grads.dv, dbeta, dG, None)

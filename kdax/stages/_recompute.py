@@ -1,0 +1,55 @@
+"""B0: recompute the forward intermediates the backward needs (w, u, qg, kg, h, v_new)."""
+
+import abc
+
+import equinox as eqx
+from jaxtyping import Array, Float, Int
+
+from .._typing import typecheck
+from ._state import AbstractState, ReferenceState
+from ._types import StateOut, WYOut
+from ._wy import AbstractWY, ReferenceWY
+
+
+class AbstractRecompute(eqx.Module):
+    """B0: from the saved activated inputs, ``Akk`` and the initial states, rebuild what
+    ``disable_recompute=True`` would have cached."""
+
+    @abc.abstractmethod
+    def __call__(
+        self,
+        q: Float[Array, "R HV NC C K"],
+        k: Float[Array, "R HV NC C K"],
+        v: Float[Array, "R HV NC C V"],
+        beta: Float[Array, "R HV NC C"],
+        G: Float[Array, "R HV NC C K"],
+        Akk: Float[Array, "R HV NC C C"],
+        h0: Float[Array, "N HV K V"],
+        first: Int[Array, "R NC"],
+        last: Int[Array, "R NC"],
+    ) -> tuple[WYOut, StateOut]:
+        raise NotImplementedError
+
+
+def recompute_with(wy: AbstractWY, state: AbstractState, q, k, v, beta, G, Akk, h0, first, last):
+    out = wy(q, k, v, beta, G, Akk)
+    return out, state(out.w, out.u, out.kg, G, h0, first, last)
+
+
+class ReferenceRecompute(AbstractRecompute):
+    """B0 by re-running the reference F3 and F4."""
+
+    @typecheck
+    def __call__(
+        self,
+        q: Float[Array, "R HV NC C K"],
+        k: Float[Array, "R HV NC C K"],
+        v: Float[Array, "R HV NC C V"],
+        beta: Float[Array, "R HV NC C"],
+        G: Float[Array, "R HV NC C K"],
+        Akk: Float[Array, "R HV NC C C"],
+        h0: Float[Array, "N HV K V"],
+        first: Int[Array, "R NC"],
+        last: Int[Array, "R NC"],
+    ) -> tuple[WYOut, StateOut]:
+        return recompute_with(ReferenceWY(), ReferenceState(), q, k, v, beta, G, Akk, h0, first, last)

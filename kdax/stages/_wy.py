@@ -1,0 +1,124 @@
+"""WY family: F3 (w, u, qg, kg) and B3 (inter-chunk dq/dk/dG and the WY backward)."""
+
+import abc
+
+import equinox as eqx
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from .._typing import typecheck
+from ._types import ChunkGrads, WYOut
+
+
+def _t(x):
+    return jnp.swapaxes(x, -1, -2)
+
+
+class AbstractWY(eqx.Module):
+    """F3: ``w = Akk (beta k e^G)``, ``u = Akk (beta v)``, ``qg = q e^G``, ``kg = k e^(Γ-G)``."""
+
+    @abc.abstractmethod
+    def __call__(
+        self,
+        q: Float[Array, "R HV NC C K"],
+        k: Float[Array, "R HV NC C K"],
+        v: Float[Array, "R HV NC C V"],
+        beta: Float[Array, "R HV NC C"],
+        G: Float[Array, "R HV NC C K"],
+        Akk: Float[Array, "R HV NC C C"],
+    ) -> WYOut:
+        raise NotImplementedError
+
+
+class ReferenceWY(AbstractWY):
+    """F3 in jnp."""
+
+    @typecheck
+    def __call__(
+        self,
+        q: Float[Array, "R HV NC C K"],
+        k: Float[Array, "R HV NC C K"],
+        v: Float[Array, "R HV NC C V"],
+        beta: Float[Array, "R HV NC C"],
+        G: Float[Array, "R HV NC C K"],
+        Akk: Float[Array, "R HV NC C C"],
+    ) -> WYOut:
+        eG = jnp.exp(G)
+        b = beta[..., None]
+        w = Akk @ (b * k * eG)
+        u = Akk @ (b * v)
+        kg = k * jnp.exp(G[..., -1:, :] - G)
+        return WYOut(w, u, q * eG, kg)
+
+
+class AbstractWYDqkg(eqx.Module):
+    """B3: inter-chunk dq (``o ⊃ scale qg h``), dk/dG (``h_next ⊃ e^Γ h + kg^T v_new``),
+    and the WY backward (``v_new = u - w h``; w, u from Akk): dv, dbeta, and
+    ``dL = -Akk^T dAkk Akk^T`` (strictly lower). ``dh`` is the gradient of the state at
+    each chunk's end; ``dv_new`` the full one from B2."""
+
+    @abc.abstractmethod
+    def __call__(
+        self,
+        scale: float,
+        q: Float[Array, "R HV NC C K"],
+        k: Float[Array, "R HV NC C K"],
+        v: Float[Array, "R HV NC C V"],
+        beta: Float[Array, "R HV NC C"],
+        G: Float[Array, "R HV NC C K"],
+        Akk: Float[Array, "R HV NC C C"],
+        qg: Float[Array, "R HV NC C K"],
+        kg: Float[Array, "R HV NC C K"],
+        h: Float[Array, "R HV NC K V"],
+        dh: Float[Array, "R HV NC K V"],
+        v_new: Float[Array, "R HV NC C V"],
+        do: Float[Array, "R HV NC C V"],
+        dv_new: Float[Array, "R HV NC C V"],
+    ) -> ChunkGrads:
+        raise NotImplementedError
+
+
+class ReferenceWYDqkg(AbstractWYDqkg):
+    """B3 in jnp."""
+
+    @typecheck
+    def __call__(
+        self,
+        scale: float,
+        q: Float[Array, "R HV NC C K"],
+        k: Float[Array, "R HV NC C K"],
+        v: Float[Array, "R HV NC C V"],
+        beta: Float[Array, "R HV NC C"],
+        G: Float[Array, "R HV NC C K"],
+        Akk: Float[Array, "R HV NC C C"],
+        qg: Float[Array, "R HV NC C K"],
+        kg: Float[Array, "R HV NC C K"],
+        h: Float[Array, "R HV NC K V"],
+        dh: Float[Array, "R HV NC K V"],
+        v_new: Float[Array, "R HV NC C V"],
+        do: Float[Array, "R HV NC C V"],
+        dv_new: Float[Array, "R HV NC C V"],
+    ) -> ChunkGrads:
+        eG = jnp.exp(G)
+        b = beta[..., None]
+        # o = scale qg h + ...
+        dqg = scale * do @ _t(h)
+        # h_next = e^Γ h + kg^T v_new
+        dkg = v_new @ _t(dh)
+        dgam = jnp.sum(kg * dkg, axis=-2) + jnp.exp(G[..., -1, :]) * jnp.sum(h * dh, axis=-1)
+        # v_new = u - w h, w = Akk X, u = Akk Y
+        dw = -dv_new @ _t(h)
+        X = b * k * eG
+        dAkk = dw @ _t(X) + dv_new @ _t(b * v)
+        dX = _t(Akk) @ dw
+        dY = _t(Akk) @ dv_new
+        C = Akk.shape[-1]
+        strict = jnp.arange(C)[None, :] < jnp.arange(C)[:, None]
+        dL = jnp.where(strict, -_t(Akk) @ dAkk @ _t(Akk), 0.0)
+        dq = dqg * eG
+        dk = dkg * jnp.exp(G[..., -1:, :] - G) + b * eG * dX
+        dv = b * dY
+        dbeta = jnp.sum(v * dY, axis=-1) + jnp.sum(k * eG * dX, axis=-1)
+        dG = qg * dqg - kg * dkg + X * dX
+        dG = dG.at[..., -1, :].add(dgam)
+        return ChunkGrads(dq, dk, dv, dbeta, dG, dL)
