@@ -22,13 +22,13 @@ from ._types import ChunkGrads, IntraOut
 
 
 class AnchoredDecay(NamedTuple):
-    """``rows [..., nb, b, K]``: exp(G_i - G_a(I)). ``cross [..., nb, nb, b, K]``:
-    exp(G_a(I) - G_j) for column blocks J < I, else 0. ``diag [..., nb, b, b, K]``:
-    exp(G_i - G_j) inside a diagonal block for j <= i, else 0."""
+    """``Gb [..., nb, b, K]``: G cut into row blocks. ``rows [..., nb, b, K]``:
+    exp(G_i - G_a(I)). ``cross [..., nb, nb, b, K]``: exp(G_a(I) - G_j) for column blocks
+    J < I, else 0."""
 
+    Gb: jax.Array
     rows: jax.Array
     cross: jax.Array
-    diag: jax.Array
 
 
 def _split(x, nb: int):
@@ -49,10 +49,19 @@ def anchored_decay(G, block: int) -> AnchoredDecay:
     blk = jnp.arange(nb)
     before = (blk[None, :] < blk[:, None])[:, :, None, None]
     cross = jnp.exp(jnp.where(before, Ga[..., :, None, None, :] - Gb[..., None, :, :, :], -jnp.inf))
-    idx = jnp.arange(b)
-    lower = (idx[None, :] <= idx[:, None])[:, :, None]
-    diag = jnp.exp(jnp.where(lower, Gb[..., :, :, None, :] - Gb[..., :, None, :, :], -jnp.inf))
-    return AnchoredDecay(rows, cross, diag)
+    return AnchoredDecay(Gb, rows, cross)
+
+
+def _decay_from(Gb, j: int):
+    """``exp(G_i - G_j)`` for rows i >= j of each diagonal block, else 0: ``[..., nb, b, K]``."""
+    later = (jnp.arange(Gb.shape[-2]) >= j)[:, None]
+    return jnp.exp(jnp.where(later, Gb - Gb[..., j : j + 1, :], -jnp.inf))
+
+
+def _decay_to(Gb, i: int):
+    """``exp(G_i - G_j)`` for columns j <= i of each diagonal block, else 0."""
+    earlier = (jnp.arange(Gb.shape[-2]) <= i)[:, None]
+    return jnp.exp(jnp.where(earlier, Gb[..., i : i + 1, :] - Gb, -jnp.inf))
 
 
 def _to_blocks(S, nb: int):
@@ -67,36 +76,48 @@ def _diag_blocks(Sb):
     return jnp.moveaxis(jnp.diagonal(Sb, axis1=-4, axis2=-3), -1, -3)
 
 
-def pair_scores(a, b, dec: AnchoredDecay, strict: bool):
-    """``S_ij = sum_d a_id b_jd exp(G_id - G_jd)`` for j <= i (j < i if strict), else 0."""
-    nb = dec.rows.shape[-3]
-    ab, bb = _split(a, nb), _split(b, nb)
-    off = jnp.einsum("...Iik,...IJjk->...IJij", ab * dec.rows, bb[..., None, :, :, :] * dec.cross)
-    d = jnp.sum(ab[..., :, :, None, :] * bb[..., :, None, :, :] * dec.diag, axis=-1)
-    if strict:
-        n = d.shape[-1]
-        d = jnp.where(jnp.arange(n)[None, :] < jnp.arange(n)[:, None], d, 0.0)
+def intra_scores(q, k, dec: AnchoredDecay):
+    """Both products F2 needs, sharing one decay: ``(sum_d q_id k_jd e^(G_id - G_jd))``
+    for j <= i and ``(sum_d k_id k_jd e^(G_id - G_jd))`` for j < i, zeros elsewhere."""
+    nb, bs = dec.rows.shape[-3], dec.rows.shape[-2]
+    qb, kb = _split(q, nb), _split(k, nb)
+    kc = kb[..., None, :, :, :] * dec.cross
+    off_q = jnp.einsum("...Iik,...IJjk->...IJij", qb * dec.rows, kc)
+    off_k = jnp.einsum("...Iik,...IJjk->...IJij", kb * dec.rows, kc)
+    idx = jnp.arange(bs)
+    lower = idx[None, :] <= idx[:, None]
+    pair = jnp.exp(jnp.where(lower[:, :, None], dec.Gb[..., :, None, :] - dec.Gb[..., None, :, :], -jnp.inf))
+    kp = kb[..., None, :, :] * pair  # [..., nb, i, j, K]: only b x b x K per diagonal block
+    d_q = jnp.einsum("...ik,...ijk->...ij", qb, kp)
+    d_k = jnp.where(idx[None, :] < idx[:, None], jnp.einsum("...ik,...ijk->...ij", kb, kp), 0.0)
     same = jnp.eye(nb, dtype=bool)[:, :, None, None]
-    S = jnp.where(same, d[..., :, None, :, :], off)
-    S = jnp.swapaxes(S, -3, -2)
-    return S.reshape(*S.shape[:-4], nb * S.shape[-3], nb * S.shape[-1])
+
+    def assemble(d, off):
+        S = jnp.swapaxes(jnp.where(same, d[..., :, None, :, :], off), -3, -2)
+        return S.reshape(*S.shape[:-4], nb * bs, nb * bs)
+
+    return assemble(d_q, off_q), assemble(d_k, off_k)
 
 
 def pair_rows(S, b, dec: AnchoredDecay):
     """``R_id = sum_{j <= i} S_ij b_jd exp(G_id - G_jd)`` for lower-triangular ``S``."""
-    nb = dec.rows.shape[-3]
+    nb, bs = dec.rows.shape[-3], dec.rows.shape[-2]
     Sb, bb = _to_blocks(S, nb), _split(b, nb)
     off = jnp.einsum("...IJij,...IJjk->...Iik", Sb, bb[..., None, :, :, :] * dec.cross) * dec.rows
-    d = jnp.sum(_diag_blocks(Sb)[..., None] * bb[..., :, None, :, :] * dec.diag, axis=-2)
+    Sd = _diag_blocks(Sb)
+    # Diagonal blocks as a sum over columns: elementwise work that XLA fuses in one loop.
+    d = sum(Sd[..., :, j, None] * bb[..., j, None, :] * _decay_from(dec.Gb, j) for j in range(bs))
     return _merge(off + d)
 
 
 def pair_cols(S, a, dec: AnchoredDecay):
     """``C_jd = sum_{i >= j} S_ij a_id exp(G_id - G_jd)`` for lower-triangular ``S``."""
-    nb = dec.rows.shape[-3]
+    nb, bs = dec.rows.shape[-3], dec.rows.shape[-2]
     Sb, ab = _to_blocks(S, nb), _split(a, nb)
-    off = jnp.sum(jnp.einsum("...IJij,...Iik->...IJjk", Sb, ab * dec.rows) * dec.cross, axis=-4)
-    d = jnp.sum(_diag_blocks(Sb)[..., None] * ab[..., :, None, :] * dec.diag, axis=-3)
+    part = jnp.einsum("...IJij,...Iik->...IJjk", Sb, ab * dec.rows)
+    off = sum(part[..., I, :, :, :] * dec.cross[..., I, :, :, :] for I in range(nb))
+    Sd = _diag_blocks(Sb)
+    d = sum(Sd[..., i, :, None] * ab[..., i, None, :] * _decay_to(dec.Gb, i) for i in range(bs))
     return _merge(off + d)
 
 
@@ -126,7 +147,7 @@ class AbstractIntra(eqx.Module):
 class ReferenceIntra(AbstractIntra):
     """F2 in jnp with anchored sub-blocks of ``block`` rows."""
 
-    block: int = eqx.field(static=True, default=16)
+    block: int = eqx.field(static=True, default=8)
 
     @typecheck
     def __call__(
@@ -137,10 +158,8 @@ class ReferenceIntra(AbstractIntra):
         beta: Float[Array, "R HV NC C"],
         G: Float[Array, "R HV NC C K"],
     ) -> IntraOut:
-        dec = anchored_decay(G, self.block)
-        Aqk = scale * pair_scores(q, k, dec, strict=False)
-        L = beta[..., :, None] * pair_scores(k, k, dec, strict=True)
-        return IntraOut(Aqk, unit_lower_inverse(L))
+        qk, kk = intra_scores(q, k, anchored_decay(G, self.block))
+        return IntraOut(scale * qk, unit_lower_inverse(beta[..., :, None] * kk))
 
 
 class AbstractIntraBackward(eqx.Module):
