@@ -183,7 +183,7 @@ class AbstractIntraBackward(eqx.Module):
 class ReferenceIntraBackward(AbstractIntraBackward):
     """B4 in jnp with the same anchored sub-blocks as ``ReferenceIntra``."""
 
-    block: int = eqx.field(static=True, default=16)
+    block: int = eqx.field(static=True, default=8)
 
     @typecheck
     def __call__(

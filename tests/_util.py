@@ -1,0 +1,162 @@
+"""Shared test helpers: metrics, input factories, golden cases, the float64 oracle."""
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import kdax
+from kdax.ref import beta_activation, kda_gate, l2norm, naive_recurrent_kda
+
+GOLDEN_DIR = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "golden"
+GOLDEN_CASES = sorted(p.stem for p in GOLDEN_DIR.glob("*.npz"))
+GRAD_NAMES = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
+
+
+def rel_rms(x, ref):
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    den = np.sqrt(np.mean(ref**2))
+    return float(np.sqrt(np.mean((x - ref) ** 2)) / (den if den > 0 else 1.0))
+
+
+def assert_close(x, ref, tol, name=""):
+    """Relative RMS within ``tol``; NaN/Inf never passes. Reports max-abs too."""
+    x = np.asarray(x, np.float64)
+    assert x.shape == np.shape(ref), f"{name}: shape {x.shape} != {np.shape(ref)}"
+    assert np.all(np.isfinite(x)), f"{name}: non-finite values"
+    err = rel_rms(x, ref)
+    mx = float(np.max(np.abs(x - np.asarray(ref)))) if x.size else 0.0
+    assert err <= tol, f"{name}: rel-RMS {err:.3e} > {tol:.1e} (max-abs {mx:.3e})"
+    return err
+
+
+def make_inputs(seed=0, B=2, T=70, H=2, HV=None, K=16, V=16, dtype=jnp.float64, N=None,
+                gate="log", strong=False, h0=True, A_log=False, dt_bias=False, beta_raw=False):
+    """Random KDA inputs. gate='log': g <= 0 given directly; gate='raw': raw gate input."""
+    HV = HV or H
+    r = np.random.default_rng(seed)
+    f = lambda *s: r.normal(size=s)
+    x = dict(
+        q=f(B, T, H, K),
+        k=f(B, T, H, K) / np.sqrt(K),
+        v=f(B, T, HV, V),
+        beta=f(B, T, HV) if beta_raw else r.uniform(0.05, 0.95, size=(B, T, HV)),
+    )
+    if gate == "log":
+        g = -r.uniform(0.01, 0.5, size=(B, T, HV, K))
+        if strong:
+            g[r.uniform(size=g.shape) < 0.05] = -1000.0
+        x["g"] = g
+    else:
+        x["g"] = f(B, T, HV, K)
+    N = B if N is None else N
+    if h0:
+        x["initial_state"] = f(N, HV, K, V) * 0.3
+    if A_log:
+        x["A_log"] = r.uniform(-1.0, 0.5, size=(HV,))
+    if dt_bias:
+        x["dt_bias"] = f(HV * K) * 0.5
+    return {n: jnp.asarray(a, dtype) for n, a in x.items()}
+
+
+def split_args(inputs):
+    """(positional q, k, v, g, beta; keyword array options)."""
+    pos = tuple(inputs[n] for n in ("q", "k", "v", "g", "beta"))
+    kw = {n: inputs[n] for n in ("initial_state", "A_log", "dt_bias") if n in inputs}
+    return pos, kw
+
+
+def oracle_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+               lower_bound=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+               cu_seqlens=None, state_v_first=False, **_):
+    """The float64 oracle for every option: kdax.ref activations + naive_recurrent_kda,
+    one call per sequence for varlen."""
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    if use_gate_in_kernel:
+        g = kda_gate(g, A_log, dt_bias, lower_bound)
+    beta = beta_activation(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    h0 = initial_state
+    if h0 is not None and state_v_first:
+        h0 = jnp.swapaxes(h0, -1, -2)
+    if cu_seqlens is None:
+        o, ht = naive_recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True)
+    else:
+        cu = [int(c) for c in np.asarray(cu_seqlens)]
+        N = len(cu) - 1
+        K, V, HV = q.shape[-1], v.shape[-1], v.shape[2]
+        if h0 is None:
+            h0 = jnp.zeros((N, HV, K, V), ht_dtype(q))
+        outs, hts = [], []
+        for i in range(N):
+            s, e = cu[i], cu[i + 1]
+            if e == s:
+                hts.append(h0[i])
+                continue
+            sl = lambda x: x[:, s:e]
+            o_i, h_i = naive_recurrent_kda(sl(q), sl(k), sl(v), sl(g), sl(beta), scale=scale,
+                                           initial_state=h0[i : i + 1], output_final_state=True)
+            outs.append(o_i)
+            hts.append(h_i[0])
+        o = jnp.concatenate(outs, axis=1) if outs else jnp.zeros(v.shape, v.dtype)
+        ht = jnp.stack(hts)
+    if state_v_first:
+        ht = jnp.swapaxes(ht, -1, -2)
+    return o, (ht if output_final_state else None)
+
+
+def ht_dtype(x):
+    return jnp.float64 if x.dtype == jnp.float64 else jnp.float32
+
+
+def loss_grads(fn, inputs, options, do, dht):
+    """Gradients of ``sum(o*do) + sum(ht*dht)`` with respect to every array in ``inputs``."""
+    names = [n for n in GRAD_NAMES if n in inputs]
+
+    def loss(*xs):
+        d = dict(zip(names, xs))
+        pos, kw = split_args(d)
+        o, ht = fn(*pos, **kw, **options)
+        val = jnp.sum(o.astype(jnp.float64 if do.dtype == jnp.float64 else jnp.float32) * do)
+        if ht is not None and dht is not None:
+            val = val + jnp.sum(ht * dht)
+        return val
+
+    grads = jax.grad(loss, argnums=tuple(range(len(names))))(*(inputs[n] for n in names))
+    return dict(zip(names, grads))
+
+
+def load_golden(name):
+    """(inputs by kdax argument name, options, outputs by name) of one golden case."""
+    d = np.load(GOLDEN_DIR / f"{name}.npz")
+    meta = json.loads(str(d["meta"]))
+    rename = {"h0": "initial_state"}
+    inputs = {rename.get(k[3:], k[3:]): d[k] for k in d.files if k.startswith("in_")}
+    outs = {k[4:]: d[k] for k in d.files if k.startswith("out_")}
+    options = dict(output_final_state=True)
+    for key in ("scale", "use_qk_l2norm_in_kernel", "use_gate_in_kernel", "lower_bound",
+                "use_beta_sigmoid_in_kernel", "allow_neg_eigval"):
+        if meta.get(key) not in (None, False):
+            options[key] = meta[key]
+    if "cu_seqlens" in inputs:
+        options["cu_seqlens"] = jnp.asarray(inputs.pop("cu_seqlens"))
+    do, dht = inputs.pop("do"), inputs.pop("dht")
+    return inputs, options, outs, do, dht
+
+
+def check_golden(fn, name, dtype, tol_o, tol_g):
+    inputs, options, outs, do, dht = load_golden(name)
+    x = {n: jnp.asarray(a, dtype) for n, a in inputs.items()}
+    pos, kw = split_args(x)
+    o, ht = fn(*pos, **kw, **options)
+    assert o.dtype == dtype
+    assert_close(o, outs["o"], tol_o, "o")
+    assert_close(ht, outs["ht"], tol_o, "ht")
+    grads = loss_grads(fn, x, options, jnp.asarray(do, dtype), jnp.asarray(dht, ht.dtype))
+    golden_name = {"initial_state": "dh0"}
+    for n, gr in grads.items():
+        assert gr.dtype == dtype, n
+        assert_close(gr, outs[golden_name.get(n, "d" + n)], tol_g, "d" + n)

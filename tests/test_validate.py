@@ -1,0 +1,105 @@
+"""Bad input gets a clear error naming the argument, before any computation."""
+
+import jax.numpy as jnp
+import pytest
+
+import kdax
+
+from ._util import make_inputs, split_args
+
+FNS = [kdax.chunk_kda, kdax.fused_recurrent_kda]
+
+
+def _call(fn, x, **opts):
+    pos, kw = split_args(x)
+    kw.update(opts)
+    return fn(*pos, **kw)
+
+
+@pytest.fixture
+def x():
+    return make_inputs(B=1, T=12, H=2, K=8, V=8, h0=False)
+
+
+@pytest.mark.parametrize("fn", FNS)
+def test_shape_mismatch_names_argument(fn, x):
+    x["k"] = x["k"][:, :, :, :4]
+    with pytest.raises(TypeError, match="'k'"):
+        _call(fn, x)
+
+
+@pytest.mark.parametrize("fn", FNS)
+def test_time_mismatch_names_argument(fn, x):
+    x["beta"] = x["beta"][:, :5]
+    with pytest.raises(TypeError, match="'beta'"):
+        _call(fn, x)
+
+
+@pytest.mark.parametrize("fn", FNS)
+def test_heads_not_multiple(fn):
+    x = make_inputs(B=1, T=12, H=2, HV=3, K=8, V=8, h0=False)
+    with pytest.raises(ValueError, match=r"^v: .*multiple"):
+        _call(fn, x)
+
+
+@pytest.mark.parametrize("fn", FNS)
+def test_non_float_input(fn, x):
+    x["q"] = jnp.ones(x["q"].shape, jnp.int32)
+    with pytest.raises(TypeError, match="'q'"):
+        _call(fn, x)
+
+
+@pytest.mark.parametrize("fn", FNS)
+def test_cu_seqlens_needs_batch_one(fn):
+    x = make_inputs(B=2, T=12, H=2, K=8, V=8, h0=False)
+    with pytest.raises(ValueError, match=r"^cu_seqlens: .*B == 1"):
+        _call(fn, x, cu_seqlens=jnp.array([0, 5, 12], jnp.int32))
+
+
+@pytest.mark.parametrize("fn", FNS)
+@pytest.mark.parametrize("cu,what", [([1, 5, 12], "start at 0"), ([0, 7, 5, 12], "be non-decreasing"), ([0, 5, 11], "end at T")])
+def test_cu_seqlens_values(fn, x, cu, what):
+    with pytest.raises(ValueError, match=f"^cu_seqlens: must {what}"):
+        _call(fn, x, cu_seqlens=jnp.array(cu, jnp.int32))
+
+
+@pytest.mark.parametrize("fn", FNS)
+def test_gate_in_kernel_needs_parameters(fn, x):
+    with pytest.raises(ValueError, match=r"^A_log: use_gate_in_kernel=True needs"):
+        _call(fn, x, use_gate_in_kernel=True)
+
+
+@pytest.mark.parametrize("fn", FNS)
+def test_gate_parameters_without_gate_in_kernel(fn, x):
+    with pytest.raises(ValueError, match=r"^A_log: only used with use_gate_in_kernel"):
+        _call(fn, x, A_log=jnp.zeros(2))
+
+
+@pytest.mark.parametrize("fn", FNS)
+def test_dt_bias_shape(fn, x):
+    with pytest.raises(ValueError, match=r"^dt_bias: expected shape \[HV \* K\]"):
+        _call(fn, x, use_gate_in_kernel=True, A_log=jnp.zeros(2), dt_bias=jnp.zeros(7))
+
+
+@pytest.mark.parametrize("fn", FNS)
+def test_initial_state_shape(fn, x):
+    with pytest.raises(ValueError, match=r"^initial_state: expected shape"):
+        _call(fn, x, initial_state=jnp.zeros((2, 2, 8, 8)))
+    with pytest.raises(ValueError, match=r"^initial_state: expected shape \[N, HV, V, K\]"):
+        _call(fn, x, initial_state=jnp.zeros((1, 2, 8, 4)), state_v_first=True)
+
+
+@pytest.mark.parametrize("fn", FNS)
+def test_initial_state_count_varlen(fn, x):
+    with pytest.raises(ValueError, match=r"^initial_state: expected shape"):
+        _call(fn, x, initial_state=jnp.zeros((1, 2, 8, 8)), cu_seqlens=jnp.array([0, 4, 12], jnp.int32))
+
+
+def test_chunk_size(x):
+    with pytest.raises(ValueError, match=r"^chunk_size: expected one of"):
+        _call(kdax.chunk_kda, x, chunk_size=48)
+
+
+def test_safe_gate_needs_lower_bound(x):
+    with pytest.raises(ValueError, match=r"^lower_bound: safe_gate=True"):
+        _call(kdax.chunk_kda, x, use_gate_in_kernel=True, A_log=jnp.zeros(2), safe_gate=True)
