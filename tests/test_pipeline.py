@@ -1,0 +1,254 @@
+"""chunk_kda end to end: forward and six-stage backward against the float64 oracle."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import kdax
+from kdax.stages import AbstractOutput
+
+from ._util import (
+    GOLDEN_CASES, assert_close, check_golden, loss_grads, make_inputs, oracle_kda, split_args,
+)
+
+# Each case: options (+ shape overrides). Together they cover every FLA option, GVA,
+# varlen (lengths 0, 1, crossing chunks), T not a multiple of the chunk, all chunk sizes.
+GRID = {
+    "plain_c64": dict(),
+    "c16_T37": dict(chunk_size=16, T=37),
+    "c32_gva": dict(chunk_size=32, H=1, HV=3),
+    "c128_strong": dict(chunk_size=128, T=150, strong=True),
+    "softplus_gate": dict(use_gate_in_kernel=True, A_log=True, dt_bias=True),
+    "softplus_gate_nobias": dict(use_gate_in_kernel=True, A_log=True),
+    "lower_bound_gate": dict(use_gate_in_kernel=True, lower_bound=-5.0, A_log=True, dt_bias=True, safe_gate=True),
+    "lower_bound_noA": dict(use_gate_in_kernel=True, lower_bound=-2.0, dt_bias=True),
+    "l2norm_sigmoid": dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True),
+    "neg_eigval": dict(use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True, chunk_size=16),
+    "state_v_first": dict(state_v_first=True, chunk_size=32),
+    "no_h0": dict(h0=False, scale=0.5),
+    "disable_recompute": dict(disable_recompute=True, use_qk_l2norm_in_kernel=True),
+    "varlen": dict(cu_seqlens=[0, 0, 1, 17, 80, 80, 96, 131], chunk_size=16, HV=4),
+    "varlen_gate_c64": dict(cu_seqlens=[0, 64, 65, 150], use_gate_in_kernel=True, A_log=True,
+                            dt_bias=True, use_qk_l2norm_in_kernel=True),
+}
+
+
+def build_case(spec, seed=0, dtype=jnp.float64):
+    spec = dict(spec)
+    shape = dict(B=2, T=70, H=2, K=16, V=8)
+    for key in ("B", "T", "H", "HV", "K", "V"):
+        if key in spec:
+            shape[key] = spec.pop(key)
+    cu = spec.pop("cu_seqlens", None)
+    if cu is not None:
+        shape.update(B=1, T=cu[-1], N=len(cu) - 1)
+        spec["cu_seqlens"] = jnp.asarray(cu, jnp.int32)
+    x = make_inputs(
+        seed=seed, dtype=dtype, strong=spec.pop("strong", False), h0=spec.pop("h0", True),
+        gate="raw" if spec.get("use_gate_in_kernel") else "log", A_log=spec.pop("A_log", False),
+        dt_bias=spec.pop("dt_bias", False), beta_raw=spec.get("use_beta_sigmoid_in_kernel", False),
+        **shape,
+    )
+    if spec.get("state_v_first") and "initial_state" in x:
+        x["initial_state"] = jnp.swapaxes(x["initial_state"], -1, -2)
+    spec["output_final_state"] = True
+    return x, spec
+
+
+def cotangents(o, ht, seed=1):
+    r = np.random.default_rng(seed)
+    return jnp.asarray(r.normal(size=o.shape), o.dtype), jnp.asarray(r.normal(size=ht.shape), ht.dtype)
+
+
+@pytest.mark.parametrize("name", list(GRID))
+def test_forward_and_grads_against_oracle(name):
+    x, opts = build_case(GRID[name])
+    pos, kw = split_args(x)
+    o, ht = kdax.chunk_kda(*pos, **kw, **opts)
+    o_ref, ht_ref = oracle_kda(*pos, **kw, **opts)
+    assert_close(o, o_ref, 1e-10, "o")
+    assert_close(ht, ht_ref, 1e-10, "ht")
+    do, dht = cotangents(o, ht)
+    grads = loss_grads(kdax.chunk_kda, x, opts, do, dht)
+    ref = loss_grads(oracle_kda, x, opts, do, dht)
+    for n in ref:
+        assert_close(grads[n], ref[n], 1e-10, "d" + n)
+
+
+@pytest.mark.parametrize("name", GOLDEN_CASES)
+@pytest.mark.parametrize("dtype,tol_o,tol_g", [(jnp.float64, 1e-10, 1e-10), (jnp.float32, 1e-5, 1e-4)])
+def test_golden(name, dtype, tol_o, tol_g):
+    check_golden(kdax.chunk_kda, name, dtype, tol_o, tol_g)
+
+
+def test_disable_recompute_same_gradients():
+    x, opts = build_case(dict(use_gate_in_kernel=True, A_log=True, dt_bias=True, use_qk_l2norm_in_kernel=True,
+                              use_beta_sigmoid_in_kernel=True, chunk_size=32))
+    pos, kw = split_args(x)
+    o, ht = kdax.chunk_kda(*pos, **kw, **opts)
+    do, dht = cotangents(o, ht)
+    g1 = loss_grads(kdax.chunk_kda, x, opts, do, dht)
+    g2 = loss_grads(kdax.chunk_kda, x, dict(opts, disable_recompute=True), do, dht)
+    for n in g1:
+        assert_close(g2[n], g1[n], 1e-12, "d" + n)
+
+
+@pytest.mark.parametrize("t", [1, 16, 23, 40, 64, 65])
+def test_forward_causal_to_the_bit(t):
+    x, opts = build_case(dict(chunk_size=16, T=80, use_gate_in_kernel=True, A_log=True,
+                              use_qk_l2norm_in_kernel=True), dtype=jnp.float32)
+    pos, kw = split_args(x)
+    o1, _ = kdax.chunk_kda(*pos, **kw, **opts)
+    r = np.random.default_rng(t)
+    y = {n: (a.at[:, t:].set(jnp.asarray(r.normal(size=a[:, t:].shape) * 50, a.dtype))
+             if n in ("q", "k", "v", "g", "beta") else a) for n, a in x.items()}
+    pos2, kw2 = split_args(y)
+    o2, _ = kdax.chunk_kda(*pos2, **kw2, **opts)
+    np.testing.assert_array_equal(np.asarray(o1[:, :t]), np.asarray(o2[:, :t]))
+    assert not np.array_equal(np.asarray(o1[:, t:]), np.asarray(o2[:, t:]))
+
+
+@pytest.mark.parametrize("t", [9, 32, 47])
+def test_gradients_causal_to_the_bit(t):
+    x, opts = build_case(dict(chunk_size=16, T=64, use_beta_sigmoid_in_kernel=True), dtype=jnp.float32)
+    opts["output_final_state"] = False
+    names = ("q", "k", "v", "g", "beta")
+    r = np.random.default_rng(t)
+    do = jnp.asarray(r.normal(size=(2, 64, 2, 8)), jnp.float32).at[:, t:].set(0.0)
+
+    def grads(xx):
+        return loss_grads(kdax.chunk_kda, xx, opts, do, None)
+
+    g1 = grads(x)
+    y = {n: (a.at[:, t:].set(jnp.asarray(r.normal(size=a[:, t:].shape) * 20, a.dtype)) if n in names else a)
+         for n, a in x.items()}
+    y["g"] = -jnp.abs(y["g"])
+    g2 = grads(y)
+    for n in names:
+        np.testing.assert_array_equal(np.asarray(g1[n][:, :t]), np.asarray(g2[n][:, :t]), err_msg=n)
+
+
+def test_strong_decay_chunk128_finite_float32():
+    x, opts = build_case(dict(chunk_size=128, T=256, strong=True), dtype=jnp.float32)
+    x["g"] = x["g"].at[:, ::7].set(-1000.0)
+    pos, kw = split_args(x)
+    o, ht = kdax.chunk_kda(*pos, **kw, **opts)
+    do, dht = cotangents(o, ht)
+    grads = loss_grads(kdax.chunk_kda, x, opts, do, dht)
+    assert np.all(np.isfinite(np.asarray(o))) and np.all(np.isfinite(np.asarray(ht)))
+    for n, gr in grads.items():
+        assert np.all(np.isfinite(np.asarray(gr))), n
+    # Accuracy with -1000 entries is checked in float64 (GRID "c128_strong"): in float32
+    # the chunk cumsum G loses low bits once |G| ~ 1e3 (the same cancellation as FLA's).
+
+
+@pytest.mark.parametrize("dt", [jnp.bfloat16, jnp.float16])
+def test_low_precision_inputs(dt):
+    x, opts = build_case(dict(T=100, K=32, V=32, use_gate_in_kernel=True, A_log=True, dt_bias=True))
+    xl = {n: a.astype(dt) for n, a in x.items()}
+    pos, kw = split_args({n: a.astype(jnp.float64) for n, a in xl.items()})
+    o_ref, ht_ref = oracle_kda(*pos, **kw, **opts)
+    pos_l, kw_l = split_args(xl)
+    o, ht = kdax.chunk_kda(*pos_l, **kw_l, **opts)
+    assert o.dtype == dt and ht.dtype == jnp.float32
+    assert_close(o, o_ref, 5e-3, "o")
+    assert_close(ht, ht_ref, 1e-5, "ht")
+    do, dht = cotangents(o, ht)
+    grads = loss_grads(kdax.chunk_kda, xl, opts, do, dht)
+    ref = loss_grads(oracle_kda, {n: a.astype(jnp.float64) for n, a in xl.items()}, opts,
+                     do.astype(jnp.float64), dht.astype(jnp.float64))
+    for n in ref:
+        assert grads[n].dtype == dt, n
+        assert_close(grads[n], ref[n], 5e-3, "d" + n)
+
+
+def test_varlen_jit_compiles_once():
+    x, opts = build_case(dict(cu_seqlens=[0, 10, 11, 40], chunk_size=16))
+    traces = []
+
+    @jax.jit
+    def f(x, cu):
+        traces.append(1)
+        pos, kw = split_args(x)
+        return kdax.chunk_kda(*pos, **kw, **dict(opts, cu_seqlens=cu))
+
+    for cu in ([0, 10, 11, 40], [0, 0, 33, 40]):
+        cu = jnp.asarray(cu, jnp.int32)
+        o, ht = f(x, cu)
+        pos, kw = split_args(x)
+        o_ref, ht_ref = oracle_kda(*pos, **kw, **dict(opts, cu_seqlens=cu))
+        assert_close(o, o_ref, 1e-10, "o")
+        assert_close(ht, ht_ref, 1e-10, "ht")
+    assert len(traces) == 1
+
+
+class EinsumOutput(AbstractOutput):
+    """A user-written F5 (einsum instead of matmul) that counts its calls."""
+
+    calls: list = eqx.field(static=True)
+
+    def __call__(self, scale, qg, h, Aqk, v_new):
+        self.calls.append(1)
+        return scale * jnp.einsum("...ck,...kv->...cv", qg, h) + jnp.einsum("...ij,...jv->...iv", Aqk, v_new)
+
+
+def test_swap_stage_with_tree_at():
+    calls = []
+    pipe = eqx.tree_at(lambda p: p.output, kdax.KDAPipeline.reference(), EinsumOutput(calls))
+    assert isinstance(pipe.output, EinsumOutput)
+    x, opts = build_case(dict(chunk_size=32))
+    pos, kw = split_args(x)
+    o, ht = kdax.chunk_kda(*pos, **kw, **opts, pipeline=pipe)
+    o_ref, ht_ref = oracle_kda(*pos, **kw, **opts)
+    assert calls, "the swapped stage was not used"
+    assert_close(o, o_ref, 1e-10, "o")
+    do, dht = cotangents(o, ht)
+    grads = loss_grads(pipe, x, opts, do, dht)
+    ref = loss_grads(oracle_kda, x, opts, do, dht)
+    for n in ref:
+        assert_close(grads[n], ref[n], 1e-10, "d" + n)
+
+
+def test_forward_cache_and_explicit_backward():
+    x, opts = build_case(dict(chunk_size=16, T=40, use_gate_in_kernel=True, A_log=True))
+    pos, kw = split_args(x)
+    pipe = kdax.KDAPipeline.reference()
+    o, ht, res = pipe.forward(*pos, **kw, **opts)
+    c = res.cache
+    assert c.h.shape == (2, 2, 3, 16, 8) and c.Aqk.shape == (2, 2, 3, 16, 16)
+    assert c.v_new.shape == c.u.shape == (2, 2, 3, 16, 8)
+    # Akk really is (I + L)^-1: unit lower triangular
+    A = np.asarray(c.Akk)
+    np.testing.assert_allclose(np.diagonal(A, axis1=-2, axis2=-1), 1.0)
+    assert np.all(np.triu(A, 1) == 0)
+    do, dht = cotangents(o, ht)
+    grads = pipe.backward(res, do, dht)
+    ref = loss_grads(oracle_kda, x, opts, do, dht)
+    for n in ref:
+        assert_close(getattr(grads, n), ref[n], 1e-10, "d" + n)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    B=st.integers(1, 2), T=st.integers(1, 70), H=st.sampled_from([1, 2]), rep=st.sampled_from([1, 2]),
+    K=st.sampled_from([4, 8]), V=st.sampled_from([4, 8]), chunk=st.sampled_from([16, 32, 64, 128]),
+    strong=st.booleans(), varlen=st.booleans(),
+)
+def test_property_chunked_equals_recurrent(data, B, T, H, rep, K, V, chunk, strong, varlen):
+    opts = dict(chunk_size=chunk, output_final_state=True)
+    N = B
+    if varlen:
+        cuts = sorted(data.draw(st.lists(st.integers(0, T), min_size=0, max_size=4)))
+        cu = [0] + cuts + [T]
+        B, N = 1, len(cu) - 1
+        opts["cu_seqlens"] = jnp.asarray(cu, jnp.int32)
+    x = make_inputs(seed=T, B=B, T=T, H=H, HV=H * rep, K=K, V=V, N=N, strong=strong)
+    pos, kw = split_args(x)
+    o, ht = kdax.chunk_kda(*pos, **kw, **opts)
+    o_ref, ht_ref = oracle_kda(*pos, **kw, **opts)
+    assert_close(o, o_ref, 1e-10, "o")
+    assert_close(ht, ht_ref, 1e-10, "ht")
