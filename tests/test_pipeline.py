@@ -11,7 +11,7 @@ import kdax
 from kdax.stages import AbstractOutput
 
 from ._util import (
-    GOLDEN_CASES, assert_close, check_golden, loss_grads, make_inputs, oracle_kda, split_args,
+    GOLDEN_CASES, assert_close, check_golden, loss_grads, make_inputs, oracle_kda, run, split_args,
 )
 
 # Each case: options (+ shape overrides). Together they cover every FLA option, GVA,
@@ -66,9 +66,8 @@ def cotangents(o, ht, seed=1):
 @pytest.mark.parametrize("name", list(GRID))
 def test_forward_and_grads_against_oracle(name):
     x, opts = build_case(GRID[name])
-    pos, kw = split_args(x)
-    o, ht = kdax.chunk_kda(*pos, **kw, **opts)
-    o_ref, ht_ref = oracle_kda(*pos, **kw, **opts)
+    o, ht = run(kdax.chunk_kda, x, opts)
+    o_ref, ht_ref = run(oracle_kda, x, opts)
     assert_close(o, o_ref, 1e-10, "o")
     assert_close(ht, ht_ref, 1e-10, "ht")
     do, dht = cotangents(o, ht)
@@ -87,8 +86,7 @@ def test_golden(name, dtype, tol_o, tol_g):
 def test_disable_recompute_same_gradients():
     x, opts = build_case(dict(use_gate_in_kernel=True, A_log=True, dt_bias=True, use_qk_l2norm_in_kernel=True,
                               use_beta_sigmoid_in_kernel=True, chunk_size=32))
-    pos, kw = split_args(x)
-    o, ht = kdax.chunk_kda(*pos, **kw, **opts)
+    o, ht = run(kdax.chunk_kda, x, opts)
     do, dht = cotangents(o, ht)
     g1 = loss_grads(kdax.chunk_kda, x, opts, do, dht)
     g2 = loss_grads(kdax.chunk_kda, x, dict(opts, disable_recompute=True), do, dht)
@@ -100,13 +98,11 @@ def test_disable_recompute_same_gradients():
 def test_forward_causal_to_the_bit(t):
     x, opts = build_case(dict(chunk_size=16, T=80, use_gate_in_kernel=True, A_log=True,
                               use_qk_l2norm_in_kernel=True), dtype=jnp.float32)
-    pos, kw = split_args(x)
-    o1, _ = kdax.chunk_kda(*pos, **kw, **opts)
+    o1, _ = run(kdax.chunk_kda, x, opts)
     r = np.random.default_rng(t)
     y = {n: (a.at[:, t:].set(jnp.asarray(r.normal(size=a[:, t:].shape) * 50, a.dtype))
              if n in ("q", "k", "v", "g", "beta") else a) for n, a in x.items()}
-    pos2, kw2 = split_args(y)
-    o2, _ = kdax.chunk_kda(*pos2, **kw2, **opts)
+    o2, _ = run(kdax.chunk_kda, y, opts)
     np.testing.assert_array_equal(np.asarray(o1[:, :t]), np.asarray(o2[:, :t]))
     assert not np.array_equal(np.asarray(o1[:, t:]), np.asarray(o2[:, t:]))
 
@@ -134,8 +130,7 @@ def test_gradients_causal_to_the_bit(t):
 def test_strong_decay_chunk128_finite_float32():
     x, opts = build_case(dict(chunk_size=128, T=256, strong=True), dtype=jnp.float32)
     x["g"] = x["g"].at[:, ::7].set(-1000.0)
-    pos, kw = split_args(x)
-    o, ht = kdax.chunk_kda(*pos, **kw, **opts)
+    o, ht = run(kdax.chunk_kda, x, opts)
     do, dht = cotangents(o, ht)
     grads = loss_grads(kdax.chunk_kda, x, opts, do, dht)
     assert np.all(np.isfinite(np.asarray(o))) and np.all(np.isfinite(np.asarray(ht)))
@@ -149,10 +144,8 @@ def test_strong_decay_chunk128_finite_float32():
 def test_low_precision_inputs(dt):
     x, opts = build_case(dict(T=100, K=32, V=32, use_gate_in_kernel=True, A_log=True, dt_bias=True))
     xl = {n: a.astype(dt) for n, a in x.items()}
-    pos, kw = split_args({n: a.astype(jnp.float64) for n, a in xl.items()})
-    o_ref, ht_ref = oracle_kda(*pos, **kw, **opts)
-    pos_l, kw_l = split_args(xl)
-    o, ht = kdax.chunk_kda(*pos_l, **kw_l, **opts)
+    o_ref, ht_ref = run(oracle_kda, {n: a.astype(jnp.float64) for n, a in xl.items()}, opts)
+    o, ht = run(kdax.chunk_kda, xl, opts)
     assert o.dtype == dt and ht.dtype == jnp.float32
     assert_close(o, o_ref, 5e-3, "o")
     assert_close(ht, ht_ref, 1e-5, "ht")
@@ -200,9 +193,8 @@ def test_swap_stage_with_tree_at():
     pipe = eqx.tree_at(lambda p: p.output, kdax.KDAPipeline.reference(), EinsumOutput(calls))
     assert isinstance(pipe.output, EinsumOutput)
     x, opts = build_case(dict(chunk_size=32))
-    pos, kw = split_args(x)
-    o, ht = kdax.chunk_kda(*pos, **kw, **opts, pipeline=pipe)
-    o_ref, ht_ref = oracle_kda(*pos, **kw, **opts)
+    o, ht = run(pipe, x, opts)
+    o_ref, ht_ref = run(oracle_kda, x, opts)
     assert calls, "the swapped stage was not used"
     assert_close(o, o_ref, 1e-10, "o")
     do, dht = cotangents(o, ht)
@@ -247,8 +239,7 @@ def test_property_chunked_equals_recurrent(data, B, T, H, rep, K, V, chunk, stro
         B, N = 1, len(cu) - 1
         opts["cu_seqlens"] = jnp.asarray(cu, jnp.int32)
     x = make_inputs(seed=T, B=B, T=T, H=H, HV=H * rep, K=K, V=V, N=N, strong=strong)
-    pos, kw = split_args(x)
-    o, ht = kdax.chunk_kda(*pos, **kw, **opts)
-    o_ref, ht_ref = oracle_kda(*pos, **kw, **opts)
+    o, ht = run(kdax.chunk_kda, x, opts)
+    o_ref, ht_ref = run(oracle_kda, x, opts)
     assert_close(o, o_ref, 1e-10, "o")
     assert_close(ht, ht_ref, 1e-10, "ht")
