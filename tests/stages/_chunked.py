@@ -1,0 +1,27 @@
+"""Random inputs already in the chunked layout ``[R, HV, NC, C, D]``."""
+
+import jax.numpy as jnp
+import numpy as np
+
+from kdax.ref._chunk import intra_chunk, pairwise_decay, state_scan, wy_chunk  # noqa: F401
+
+
+def chunked(seed=0, R=2, HV=2, NC=3, C=16, K=8, V=4, strong=False):
+    r = np.random.default_rng(seed)
+    f = lambda *s: jnp.asarray(r.normal(size=s))
+    g = -r.uniform(0.01, 0.4, size=(R, HV, NC, C, K))
+    if strong:
+        g[r.uniform(size=g.shape) < 0.05] = -1000.0
+    x = dict(
+        q=f(R, HV, NC, C, K), k=f(R, HV, NC, C, K) / np.sqrt(K), v=f(R, HV, NC, C, V),
+        beta=jnp.asarray(r.uniform(0.05, 0.95, size=(R, HV, NC, C))),
+        G=jnp.cumsum(jnp.asarray(g), axis=-2), h0=f(R, HV, K, V) * 0.3,
+        first=jnp.asarray(np.where(np.arange(NC)[None] == 0, np.arange(R)[:, None], -1), jnp.int32),
+        last=jnp.asarray(np.where(np.arange(NC)[None] == NC - 1, np.arange(R)[:, None], -1), jnp.int32),
+        empty=jnp.zeros((R,), bool), scale=0.37,
+    )
+    return x
+
+
+def rand_like(x, seed):
+    return jnp.asarray(np.random.default_rng(seed).normal(size=x.shape), x.dtype)

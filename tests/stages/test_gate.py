@@ -1,0 +1,69 @@
+"""F1 gate (activations + chunk cumsum) and B5 gate backward."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kdax import KDAConfig
+from kdax.ref import beta_activation, kda_gate, l2norm
+from kdax.stages import ReferenceGate, ReferenceGateBackward
+
+from .._util import assert_close
+from ._chunked import rand_like
+
+CONFIGS = {
+    "plain": dict(),
+    "all_softplus": dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True),
+    "lower_bound_neg": dict(use_gate_in_kernel=True, lower_bound=-4.0, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True),
+    "lower_bound_noA": dict(use_gate_in_kernel=True, lower_bound=-2.0, use_qk_l2norm_in_kernel=True),
+}
+
+
+def _inputs(cfg, seed=0, R=2, HV=2, NC=2, C=16, K=8):
+    r = np.random.default_rng(seed)
+    f = lambda *s: jnp.asarray(r.normal(size=s))
+    gate = cfg.use_gate_in_kernel
+    g = f(R, HV, NC, C, K) if gate else -jnp.abs(f(R, HV, NC, C, K))
+    A_log = f(HV) * 0.3 if gate and not (cfg.lower_bound == -2.0) else None
+    dt_bias = f(HV * K) if gate else None
+    valid = jnp.asarray(np.arange(NC * C).reshape(1, NC, C) < NC * C - 5).repeat(R, 0)
+    return f(R, HV, NC, C, K), f(R, HV, NC, C, K), g, f(R, HV, NC, C), A_log, dt_bias, valid
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_gate_forward(name):
+    cfg = KDAConfig(scale=1.0, **CONFIGS[name])
+    q, k, g, beta, A_log, dt_bias, valid = _inputs(cfg)
+    act = ReferenceGate()(cfg, q, k, g, beta, A_log, dt_bias, valid)
+    to_last = lambda a: jnp.moveaxis(a, 1, -2)
+    ga = jnp.moveaxis(kda_gate(to_last(g), A_log, dt_bias, cfg.lower_bound), -2, 1) if cfg.use_gate_in_kernel else g
+    ga = jnp.where(valid[:, None, :, :, None], ga, 0.0)
+    assert_close(act.G, jnp.cumsum(ga, axis=-2), 1e-13, "G")
+    qq, kk = (l2norm(q), l2norm(k)) if cfg.use_qk_l2norm_in_kernel else (q, k)
+    assert_close(act.q, qq, 1e-13, "q")
+    assert_close(act.k, kk, 1e-13, "k")
+    assert_close(act.beta, beta_activation(beta, cfg.use_beta_sigmoid_in_kernel, cfg.allow_neg_eigval), 1e-13, "beta")
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_gate_backward_is_vjp(name):
+    cfg = KDAConfig(scale=1.0, **CONFIGS[name])
+    q, k, g, beta, A_log, dt_bias, valid = _inputs(cfg, seed=1)
+
+    def f(q, k, g, beta, A_log, dt_bias):
+        a = ReferenceGate()(cfg, q, k, g, beta, A_log, dt_bias, valid)
+        return a.q, a.k, a.beta, a.G
+
+    outs, vjp = jax.vjp(f, q, k, g, beta, A_log, dt_bias)
+    cts = tuple(rand_like(o, 5 + i) for i, o in enumerate(outs))
+    want = vjp(cts)
+    act = ReferenceGate()(cfg, q, k, g, beta, A_log, dt_bias, valid)
+    got = ReferenceGateBackward()(cfg, act, g if cfg.use_gate_in_kernel else None, A_log, dt_bias, valid,
+                                  cts[0], cts[1], cts[2], cts[3])
+    for n, a, b in zip(("dq", "dk", "dg", "dbeta", "dA_log", "ddt_bias"),
+                       (got.dq, got.dk, got.dg, got.dbeta, got.dA_log, got.ddt_bias), want):
+        if b is None:
+            assert a is None, n
+        else:
+            assert_close(a, b, 1e-12, n)

@@ -1,0 +1,45 @@
+"""F2 intra (anchored sub-blocks) against the pairwise oracle, and B4 against jax.vjp."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kdax.stages import ChunkGrads, ReferenceIntra, ReferenceIntraBackward
+
+from .._util import assert_close
+from ._chunked import chunked, intra_chunk, pairwise_decay, rand_like
+
+
+@pytest.mark.parametrize("C,block,strong", [(16, 4, False), (32, 8, True), (64, 16, True), (64, 8, False), (128, 8, True)])
+def test_intra_forward(C, block, strong):
+    x = chunked(C, C=C, NC=2, strong=strong)
+    out = ReferenceIntra(block=block)(x["scale"], x["q"], x["k"], x["beta"], x["G"])
+    Aqk, Akk = intra_chunk(x["q"], x["k"], x["beta"], x["G"], x["scale"])
+    assert_close(out.Aqk, Aqk, 1e-12, "Aqk")
+    assert_close(out.Akk, Akk, 1e-12, "Akk")
+
+
+def _intra_piece(scale, q, k, beta, G):
+    """(Aqk, L): the products B4 differentiates."""
+    Aqk = scale * jnp.einsum("...id,...jd,...ijd->...ij", q, k, pairwise_decay(G, False))
+    L = beta[..., :, None] * jnp.einsum("...id,...jd,...ijd->...ij", k, k, pairwise_decay(G, True))
+    return Aqk, L
+
+
+@pytest.mark.parametrize("C,block,strong", [(16, 8, False), (64, 16, True), (32, 4, True)])
+def test_intra_backward_is_vjp(C, block, strong):
+    x = chunked(C + 1, C=C, NC=2, strong=strong)
+    args = (x["q"], x["k"], x["beta"], x["G"])
+    (Aqk, L), vjp = jax.vjp(lambda *a: _intra_piece(x["scale"], *a), *args)
+    dAqk = jnp.tril(rand_like(Aqk, 1))
+    dL = jnp.tril(rand_like(L, 2), -1)
+    dq, dk, dbeta, dG = vjp((dAqk, dL))
+    zero = ChunkGrads(jnp.zeros_like(x["q"]), jnp.zeros_like(x["k"]), jnp.zeros_like(x["v"]),
+                      jnp.zeros_like(x["beta"]), jnp.zeros_like(x["G"]), dL)
+    out = ReferenceIntraBackward(block=block)(x["scale"], *args, dAqk, zero)
+    assert_close(out.dq, dq, 1e-10, "dq")
+    assert_close(out.dk, dk, 1e-10, "dk")
+    assert_close(out.dbeta, dbeta, 1e-10, "dbeta")
+    assert_close(out.dG, dG, 1e-10, "dG")
+    assert np.all(np.isfinite(np.asarray(out.dG)))

@@ -1,0 +1,83 @@
+"""F4 inter-chunk state and B2 dhu."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kdax.ref._chunk import output_chunk
+from kdax.stages import ReferenceDAv, ReferenceDhu, ReferenceState
+
+from .._util import assert_close
+from ._chunked import chunked, intra_chunk, rand_like, state_scan, wy_chunk
+
+
+def _wy(x):
+    Aqk, Akk = intra_chunk(x["q"], x["k"], x["beta"], x["G"], x["scale"])
+    return (Aqk,) + wy_chunk(x["q"], x["k"], x["v"], x["beta"], x["G"], Akk)
+
+
+def test_state_forward_dense():
+    x = chunked(4, strong=True)
+    _, w, u, qg, kg = _wy(x)
+    out = ReferenceState()(w, u, kg, x["G"], x["h0"], x["first"], x["last"])
+    h, v_new, hT = state_scan(w, u, kg, x["G"], x["h0"])
+    assert_close(out.h, h, 1e-13, "h")
+    assert_close(out.v_new, v_new, 1e-13, "v_new")
+    assert_close(out.final, hT, 1e-13, "final")
+
+
+def test_state_forward_sequences_in_one_row():
+    """Row of 4 chunks holding sequence 1 (chunks 0-1) and sequence 0 (chunks 2-3)."""
+    x = chunked(5, R=1, NC=4)
+    _, w, u, qg, kg = _wy(x)
+    h0 = rand_like(jnp.zeros((2,) + x["h0"].shape[1:]), 9)
+    first = jnp.array([[1, -1, 0, -1]], jnp.int32)
+    last = jnp.array([[-1, 1, -1, 0]], jnp.int32)
+    out = ReferenceState()(w, u, kg, x["G"], h0, first, last)
+    for seq, sl in ((1, slice(0, 2)), (0, slice(2, 4))):
+        h, v_new, hT = state_scan(w[:, :, sl], u[:, :, sl], kg[:, :, sl], x["G"][:, :, sl], h0[seq : seq + 1])
+        assert_close(out.h[:, :, sl], h, 1e-13, "h")
+        assert_close(out.v_new[:, :, sl], v_new, 1e-13, "v_new")
+        assert_close(out.final[seq], hT[0], 1e-13, "final")
+
+
+def test_dhu_is_vjp():
+    x = chunked(6, strong=True)
+    scale = x["scale"]
+    Aqk, w, u, qg, kg = _wy(x)
+    gam = x["G"][..., -1, :]
+
+    def piece(u, h0, eps):
+        """F4 + F5 with ``eps`` added to the state at each chunk's end: d/d eps = dh."""
+
+        def step(h, xs):
+            w_c, u_c, kg_c, gam_c, e_c = xs
+            v_new = u_c - w_c @ h
+            return jnp.exp(gam_c)[..., None] * h + jnp.swapaxes(kg_c, -1, -2) @ v_new + e_c, (h, v_new)
+
+        xs = tuple(jnp.moveaxis(a, 2, 0) for a in (w, u, kg, gam, eps))
+        hT, (h, v_new) = jax.lax.scan(step, h0, xs)
+        h, v_new = jnp.moveaxis(h, 0, 2), jnp.moveaxis(v_new, 0, 2)
+        return output_chunk(qg, h, Aqk, v_new, scale), hT
+
+    eps = jnp.zeros(x["q"].shape[:3] + (x["q"].shape[-1], x["v"].shape[-1]))
+    (o, hT), vjp = jax.vjp(piece, u, x["h0"], eps)
+    do, dht = rand_like(o, 1), rand_like(hT, 2)
+    du, dh0, deps = vjp((do, dht))
+    h, v_new, _ = state_scan(w, u, kg, x["G"], x["h0"])
+    _, dv_intra = ReferenceDAv()(v_new, Aqk, do)
+    out = ReferenceDhu()(scale, qg, kg, w, x["G"], do, dv_intra, dht, x["first"], x["last"], x["empty"])
+    assert_close(out.dv_new, du, 1e-10, "dv_new")
+    assert_close(out.dh0, dh0, 1e-10, "dh0")
+    assert_close(out.dh, deps, 1e-10, "dh")
+
+
+def test_dhu_empty_sequence_passes_dht():
+    x = chunked(7, R=1, NC=2)
+    Aqk, w, u, qg, kg = _wy(x)
+    dht = rand_like(jnp.zeros((2,) + x["h0"].shape[1:]), 3)
+    first = jnp.array([[1, -1]], jnp.int32)
+    last = jnp.array([[-1, 1]], jnp.int32)
+    do = jnp.zeros(x["v"].shape)
+    out = ReferenceDhu()(x["scale"], qg, kg, w, x["G"], do, do, dht, first, last, jnp.array([True, False]))
+    np.testing.assert_array_equal(out.dh0[0], dht[0])
