@@ -1,0 +1,306 @@
+"""kdax's benchmark harness and main job: ``python -m kdax.bench``.
+
+Runs chunk_kda on a realistic shape, checks it against the float64 reference, and times
+it against baselines run in the same process:
+
+* ``scan``: the ``lax.scan`` recurrence (``kdax.ref.naive_recurrent_kda``), forward and
+  ``jax.grad``;
+* ``autodiff``: ``jax.grad`` through the same chunked forward by XLA autodiff (the stages'
+  jnp code differentiated by JAX instead of the six-stage backward);
+* ``fused_recurrent``: ``kdax.fused_recurrent_kda``.
+
+Times are medians of ``--reps`` device-synchronised runs after a warm-up; every ratio
+compares numbers from this one run. GFLOP/s use the FLOP model below and are set against
+a large float32 matmul timed in the same run. Peak memory is XLA's own figure for the
+compiled program (``memory_analysis()``: temporaries + outputs), deterministic.
+
+``--sweep`` runs T over 512..16384 (H=8, K=V=128) and writes JSON, CSV and PNG plots
+(needs matplotlib) to ``--out``.
+"""
+
+import argparse
+import csv
+import dataclasses
+import json
+import math
+import os
+import platform
+import sys
+import time
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+jax.config.update("jax_enable_x64", True)  # the float64 reference; timed inputs are float32
+
+from .pipeline import KDAPipeline, _prepare, chunk_kda  # noqa: E402
+from .recurrent import fused_recurrent_kda  # noqa: E402
+from .ref import naive_recurrent_kda  # noqa: E402
+
+
+# -- FLOP model --------------------------------------------------------------------------
+def flops_per_token_head(C: int, K: int, V: int) -> dict:
+    """Multiply-add FLOPs (2 per MAC) per token and value head, per stage.
+
+    Forward: F2 ``Aqk`` and ``L`` (2 x 2CK, counted dense), ``(I+L)^-1`` (C^2/3);
+    F3 ``w`` (2CK), ``u`` (2CV); F4 ``w h`` and ``kg^T v_new`` (2 x 2KV); F5 ``qg h`` (2KV)
+    and ``Aqk v_new`` (2CV). Backward: B0 = F3 + F4; B1 ``do v_new^T``, ``Aqk^T do``
+    (2 x 2CV); B2 ``kg dh``, ``qg^T do``, ``w^T dv`` (3 x 2KV); B3 ``do h^T``,
+    ``v_new dh^T``, ``dv h^T`` (3 x 2KV), ``dAkk`` and ``Akk^T [dw, du]`` (2 x (2CK + 2CV)),
+    ``dL`` (2 x 2C^2); B4 four anchored products (4 x 2CK). Elementwise work is not counted.
+    """
+    f = {
+        "F2_intra": 4 * C * K + C * C / 3,
+        "F3_wy": 2 * C * K + 2 * C * V,
+        "F4_state": 4 * K * V,
+        "F5_output": 2 * K * V + 2 * C * V,
+        "B0_recompute": 2 * C * K + 2 * C * V + 4 * K * V,
+        "B1_dAv": 4 * C * V,
+        "B2_dhu": 6 * K * V,
+        "B3_wy_dqkg": 6 * K * V + 4 * C * K + 4 * C * V + 4 * C * C,
+        "B4_intra": 8 * C * K,
+    }
+    f["forward"] = sum(v for k, v in f.items() if k.startswith("F"))
+    f["backward"] = sum(v for k, v in f.items() if k.startswith("B"))
+    return f
+
+
+# -- timing helpers ------------------------------------------------------------------------
+def time_fn(f: Callable, args, reps: int) -> float:
+    """Median seconds of ``reps`` synchronised calls after one warm-up call."""
+    jax.block_until_ready(f(*args))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+def peak_bytes(f: Callable, args) -> Optional[int]:
+    try:
+        m = f.lower(*args).compile().memory_analysis()
+        return int(m.temp_size_in_bytes + m.output_size_in_bytes)
+    except Exception:  # some backends do not report it
+        return None
+
+
+def matmul_gflops(n: int = 2048, reps: int = 5) -> float:
+    a = jnp.asarray(np.random.default_rng(0).normal(size=(n, n)), jnp.float32)
+    f = jax.jit(lambda a: a @ a)
+    return 2 * n**3 / time_fn(f, (a,), reps) / 1e9
+
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.n, self.enabled, self.t0 = total, 0, enabled, time.perf_counter()
+
+    def step(self, label: str):
+        self.n += 1
+        if self.enabled:
+            w = 30
+            done = int(w * self.n / self.total)
+            el = time.perf_counter() - self.t0
+            sys.stderr.write(f"\r[{'#' * done}{'.' * (w - done)}] {self.n}/{self.total} {el:6.1f}s {label:<40}")
+            if self.n == self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+# -- one shape -----------------------------------------------------------------------------
+@dataclasses.dataclass
+class Shape:
+    B: int = 1
+    T: int = 4096
+    H: int = 8
+    HV: int = 8
+    K: int = 128
+    V: int = 128
+    chunk_size: int = 64
+
+
+def make_inputs(s: Shape, seed: int = 0, dtype=jnp.float32):
+    r = np.random.default_rng(seed)
+    x = dict(
+        q=r.normal(size=(s.B, s.T, s.H, s.K)),
+        k=r.normal(size=(s.B, s.T, s.H, s.K)) / math.sqrt(s.K),
+        v=r.normal(size=(s.B, s.T, s.HV, s.V)),
+        g=-r.uniform(0.005, 0.1, size=(s.B, s.T, s.HV, s.K)),
+        beta=r.uniform(0.1, 0.9, size=(s.B, s.T, s.HV)),
+    )
+    return tuple(jnp.asarray(x[n], dtype) for n in ("q", "k", "v", "g", "beta"))
+
+
+def _sum_loss(fn):
+    def loss(q, k, v, g, beta):
+        return jnp.sum(fn(q, k, v, g, beta)[0].astype(jnp.float32))
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+
+
+def _autodiff_chunk(pipeline: KDAPipeline, chunk_size: int):
+    def fwd(q, k, v, g, beta):
+        config, args = _prepare(q, k, v, g, beta, chunk_size=chunk_size)
+        o, final, _ = pipeline.run_forward(config, *args)
+        return o, final
+
+    return fwd
+
+
+def pipelines():
+    pipes = {"reference": KDAPipeline.reference()}
+    if hasattr(KDAPipeline, "pallas"):
+        pipes["pallas"] = KDAPipeline.pallas()
+        pipes["mixed"] = KDAPipeline.mixed()
+    return pipes
+
+
+def bench_shape(s: Shape, reps: int, pipes: dict, baselines: bool, check: bool, progress=None) -> list:
+    """Rows of results for one shape: each pipeline's forward and forward+backward, and
+    the baselines."""
+    args = make_inputs(s)
+    ff = flops_per_token_head(s.chunk_size, s.K, s.V)
+    tokens = s.B * s.T * s.HV
+    rows = []
+
+    def add(name, kind, f, flops=None, err=None):
+        t = time_fn(f, args, reps)
+        rows.append(dict(T=s.T, name=name, kind=kind, time_s=t, peak_bytes=peak_bytes(f, args),
+                         gflops=None if flops is None else flops * tokens / t / 1e9, max_err=err))
+        if progress:
+            progress.step(f"T={s.T} {name} {kind}")
+
+    ref_o = ref_g = None
+    if check:
+        a64 = tuple(a.astype(jnp.float64) for a in args)
+        ref_o = jax.jit(lambda *a: naive_recurrent_kda(*a)[0])(*a64)
+        ref_g = _sum_loss(naive_recurrent_kda)(*a64)
+    for pname, pipe in pipes.items():
+        fwd = jax.jit(lambda *a, pipe=pipe: chunk_kda(*a, chunk_size=s.chunk_size, pipeline=pipe)[0])
+        grad = _sum_loss(lambda *a, pipe=pipe: chunk_kda(*a, chunk_size=s.chunk_size, pipeline=pipe))
+        e_o = e_g = None
+        if check:
+            e_o = float(jnp.max(jnp.abs(fwd(*args) - ref_o)))
+            e_g = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(grad(*args), ref_g))
+        add(f"chunk_kda[{pname}]", "fwd", fwd, ff["forward"], e_o)
+        add(f"chunk_kda[{pname}]", "fwd+bwd", grad, ff["forward"] + ff["backward"], e_g)
+    if baselines:
+        scan_f = jax.jit(lambda *a: naive_recurrent_kda(*a)[0])
+        add("scan", "fwd", scan_f)
+        add("scan", "fwd+bwd", _sum_loss(naive_recurrent_kda))
+        add("autodiff_chunk", "fwd+bwd", _sum_loss(_autodiff_chunk(KDAPipeline.reference(), s.chunk_size)))
+        add("fused_recurrent", "fwd", jax.jit(lambda *a: fused_recurrent_kda(*a)[0]))
+    return rows
+
+
+def with_ratios(rows: list) -> list:
+    by = {(r["T"], r["name"], r["kind"]): r for r in rows}
+    for r in rows:
+        for base, kind in (("scan", r["kind"]), ("autodiff_chunk", "fwd+bwd")):
+            b = by.get((r["T"], base, kind))
+            if b is not None and r["kind"] == kind and r["name"] != base:
+                r[f"vs_{base}"] = r["time_s"] / b["time_s"]
+                if r["peak_bytes"] and b["peak_bytes"]:
+                    r[f"mem_vs_{base}"] = r["peak_bytes"] / b["peak_bytes"]
+    return rows
+
+
+def format_table(rows: list, matmul: float) -> str:
+    head = f"{'T':>6} {'path':<22} {'pass':<8} {'time ms':>9} {'/scan':>7} {'/autodiff':>9} {'GFLOP/s':>8} {'%mm':>5} {'peak MiB':>9} {'max err':>9}"
+    out = [head, "-" * len(head)]
+    fmt = lambda v, f: ("-" if v is None else format(v, f))
+    for r in rows:
+        pct = None if r["gflops"] is None else 100 * r["gflops"] / matmul
+        mem = None if r["peak_bytes"] is None else r["peak_bytes"] / 2**20
+        out.append(
+            f"{r['T']:>6} {r['name']:<22} {r['kind']:<8} {1e3 * r['time_s']:>9.1f} {fmt(r.get('vs_scan'), '7.3f'):>7} "
+            f"{fmt(r.get('vs_autodiff_chunk'), '9.3f'):>9} {fmt(r['gflops'], '8.1f'):>8} {fmt(pct, '5.1f'):>5} "
+            f"{fmt(mem, '9.1f'):>9} {fmt(r['max_err'], '9.2e'):>9}"
+        )
+    return "\n".join(out)
+
+
+def machine() -> str:
+    dev = jax.devices()[0]
+    return f"{platform.machine()} {os.cpu_count()} cores, {dev.platform} ({dev.device_kind}), jax {jax.__version__}"
+
+
+def write_results(rows: list, meta: dict, out: str) -> None:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    keys = sorted({k for r in rows for k in r})
+    with open(os.path.join(out, "results.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: plots skipped (pip install matplotlib)")
+        return
+    series = sorted({(r["name"], r["kind"]) for r in rows})
+    for metric, fname, ylabel in (("time_s", "time_vs_T.png", "seconds"), ("peak_bytes", "memory_vs_T.png", "peak bytes")):
+        fig, ax = plt.subplots(figsize=(7, 5))
+        for name, kind in series:
+            pts = [(r["T"], r[metric]) for r in rows if r["name"] == name and r["kind"] == kind and r[metric]]
+            if pts:
+                ax.plot(*zip(*sorted(pts)), marker="o", label=f"{name} {kind}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("T")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"KDA {ylabel} vs T (H=8, K=V=128) — {meta['machine']}", fontsize=8)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, fname), dpi=110)
+        plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name, default in dataclasses.asdict(Shape()).items():
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--pipelines", default="reference", help="comma list of: reference, pallas, mixed")
+    p.add_argument("--no-baselines", action="store_true")
+    p.add_argument("--sweep", action="store_true", help="T in 512..16384 at H=8, K=V=128")
+    p.add_argument("--out", default=None, help="folder for results.json/.csv and plots")
+    a = p.parse_args(argv)
+    avail = pipelines()
+    pipes = {n: avail[n] for n in a.pipelines.split(",")}
+    mm = matmul_gflops()
+    meta = dict(machine=machine(), matmul_gflops=mm, reps=a.reps, date=time.strftime("%Y-%m-%d"))
+    print(f"kdax benchmark on {meta['machine']}; large float32 matmul: {mm:.1f} GFLOP/s")
+    shape = Shape(**{k: getattr(a, k) for k in dataclasses.asdict(Shape())})
+    if a.sweep:
+        Ts = [512, 1024, 2048, 4096, 8192, 16384]
+        per = 2 * len(pipes) + (0 if a.no_baselines else 4)
+        prog = _Progress(per * len(Ts), sys.stderr.isatty() or True)
+        rows = []
+        for T in Ts:
+            rows += bench_shape(dataclasses.replace(shape, T=T), a.reps, pipes, not a.no_baselines, False, prog)
+    else:
+        rows = bench_shape(shape, a.reps, pipes, not a.no_baselines, True)
+    rows = with_ratios(rows)
+    print(f"B={shape.B} H={shape.H} HV={shape.HV} K={shape.K} V={shape.V} chunk={shape.chunk_size} float32; "
+          "max err: against the float64 recurrence (outputs; all input gradients of sum(o))")
+    print(format_table(rows, mm))
+    if a.out:
+        write_results(rows, meta, a.out)
+        print(f"results written to {a.out}")
+    bad = [r for r in rows if r["max_err"] is not None and not (r["max_err"] < 1e-2)]
+    if bad:
+        print("ERROR: chunk_kda disagrees with the float64 reference", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
