@@ -1,0 +1,128 @@
+"""Shared Pallas plumbing: targets, interpret mode, block specs, padding, in-kernel helpers.
+
+Every Pallas stage flattens the chunked layout ``[R, HV, NC, C, D]`` to ``[P, NC, C, D]``
+(P = R * HV) and runs one kernel body per (p, chunk) block. The kernel bodies are shared
+by both targets; a target only changes the wrapper:
+
+* ``"tpu"`` (Mosaic): grid ``(P, NC)``; blocks use full trailing dims, so any K, V meet
+  TPU tiling; the state recurrences run the chunk axis sequentially ("arbitrary") with a
+  VMEM scratch state.
+* ``"triton"`` (GPU): power-of-2 blocks (K and V are zero-padded to a power of 2, at least
+  16; C is already one), no scratch: the state recurrences loop over chunks inside one
+  program per (row, head).
+
+Bodies only use 2-D values, ref loads with static or ``pl.ds`` slices, dots, elementwise
+ops, ``where`` and keep-dims reductions, which both lowerings accept.
+"""
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+TARGETS = ("tpu", "triton")
+
+
+def check_target(target: str) -> str:
+    if target not in TARGETS:
+        raise ValueError(f"target: expected one of {TARGETS}, got {target!r}.")
+    return target
+
+
+def default_target() -> str:
+    return "triton" if jax.default_backend() == "gpu" else "tpu"
+
+
+def resolve_interpret(target: str, interpret: Optional[bool]) -> bool:
+    """``None``: interpret exactly when no accelerator of the target's kind is present."""
+    if interpret is not None:
+        return bool(interpret)
+    backend = jax.default_backend()
+    return not ((target == "tpu" and backend == "tpu") or (target == "triton" and backend == "gpu"))
+
+
+def compiler_params(target: str, sequential_last: bool, ndim: int):
+    if target == "tpu":
+        from jax.experimental.pallas import tpu as pltpu
+
+        sem = ["parallel"] * ndim
+        if sequential_last:
+            sem[-1] = "arbitrary"
+        return pltpu.CompilerParams(dimension_semantics=tuple(sem))
+    from jax.experimental.pallas import triton as pltr
+
+    return pltr.CompilerParams(num_warps=4, num_stages=1)
+
+
+def pow2(n: int, floor: int = 16) -> int:
+    return max(floor, 1 << (max(n, 1) - 1).bit_length())
+
+
+def pad_axis(x, axis: int, n: int):
+    if x.shape[axis] == n:
+        return x
+    pads = [(0, 0)] * x.ndim
+    pads[axis] = (0, n - x.shape[axis])
+    return jnp.pad(x, pads)
+
+
+def flat(x):
+    """``[R, HV, NC, C, D] -> [P, NC, C, D]``; ``[R, HV, NC, C] -> [P, NC, C, 1]``."""
+    if x.ndim == 4:
+        x = x[..., None]
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def unflat(x, R: int, HV: int, squeeze: bool = False):
+    x = x.reshape(R, HV, *x.shape[1:])
+    return x[..., 0] if squeeze else x
+
+
+def chunk_spec(block):
+    """One (p, chunk) block of a ``[P, NC, *block]`` array."""
+    return pl.BlockSpec((None, None) + tuple(block), lambda p, c: (p, c) + (0,) * len(block))
+
+
+def head_spec(block, HV: int):
+    """Per-head parameters ``[HV, *block]``, shared by every row and chunk."""
+    return pl.BlockSpec((None,) + tuple(block), lambda p, c: (p % HV,) + (0,) * len(block))
+
+
+def chunk_call(kernel, inputs, specs, out_blocks, P: int, NC: int, dtype, target: str, interpret: bool):
+    """Run ``kernel`` over the grid (P, NC); every output is ``[P, NC, *block]``."""
+    return pl.pallas_call(
+        kernel,
+        out_shape=[jax.ShapeDtypeStruct((P, NC) + tuple(b), dtype) for b in out_blocks],
+        grid=(P, NC),
+        in_specs=specs,
+        out_specs=[chunk_spec(b) for b in out_blocks],
+        interpret=interpret,
+        compiler_params=None if interpret else compiler_params(target, False, 2),
+    )(*inputs)
+
+
+# -- in-kernel helpers (2-D values only) ---------------------------------------------------
+def dot(a, b, ta: bool = False, tb: bool = False):
+    """``op(a) @ op(b)`` with float32 (or float64) accumulation at full precision."""
+    dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
+    return jax.lax.dot_general(a, b, dims, precision=jax.lax.Precision.HIGHEST, preferred_element_type=a.dtype)
+
+
+def iota(shape, axis: int):
+    return jax.lax.broadcasted_iota(jnp.int32, shape, axis)
+
+
+def row_of(x, i):
+    """Row ``i`` (traced or static) of a 2-D value, as ``[1, n]``."""
+    return jnp.sum(jnp.where(iota(x.shape, 0) == i, x, 0.0), axis=0, keepdims=True)
+
+
+def col_of(x, j):
+    """Column ``j`` of a 2-D value, as ``[m, 1]``."""
+    return jnp.sum(jnp.where(iota(x.shape, 1) == j, x, 0.0), axis=1, keepdims=True)
+
+
+def masked_exp(mask, diff):
+    """``exp(diff)`` where ``mask``, else 0: the mask sits in the exponent."""
+    return jnp.exp(jnp.where(mask, diff, -jnp.inf))

@@ -1,0 +1,198 @@
+"""Pallas intra-chunk family: F2 (Aqk, Akk) and B4 (intra-chunk backward).
+
+Per (p, chunk) block, in 2-D: off-diagonal sub-blocks by anchored matmuls (anchor = first
+row of the row block, both factors with non-positive exponents), diagonal sub-blocks one
+column (or row) at a time in a ``fori_loop``, ``(I + L)^-1`` by row-wise forward
+substitution. Masks are applied in the exponent.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from .._typing import typecheck
+from ..stages._intra import AbstractIntra, AbstractIntraBackward
+from ..stages._types import ChunkGrads, IntraOut
+from ._common import (
+    check_target, chunk_call, chunk_spec, col_of, dot, flat, iota, masked_exp, pad_axis, pow2,
+    resolve_interpret, row_of, unflat,
+)
+
+
+def _blocks(C: int, block: int):
+    b = min(block, C)
+    rC = iota((C, 1), 0)
+    return b, C // b, rC, rC // b
+
+
+def scores_body(q, k, G, block: int):
+    """``(sum_d q_id k_jd e^(G_id-G_jd), sum_d k_id k_jd e^(G_id-G_jd))`` for j <= i in
+    anchored form; entries above the diagonal are unspecified (callers mask them)."""
+    C = q.shape[0]
+    b, nb, rC, blk = _blocks(C, block)
+    row, col = iota((C, C), 0), iota((C, C), 1)
+    Sqk = jnp.zeros((C, C), q.dtype)
+    Skk = jnp.zeros((C, C), q.dtype)
+    for I in range(1, nb):
+        Ga = row_of(G, I * b)
+        rows_in = masked_exp(blk == I, G - Ga)
+        kc = k * masked_exp(blk < I, Ga - G)
+        Sqk = Sqk + dot(q * rows_in, kc, tb=True)
+        Skk = Skk + dot(k * rows_in, kc, tb=True)
+
+    def diag(j, S):
+        Sqk, Skk = S
+        e = masked_exp((rC >= j) & (blk == j // b), G - row_of(G, j)) * row_of(k, j)
+        sel = (col == j) & (row // b == j // b)
+        return (jnp.where(sel, jnp.sum(q * e, axis=1, keepdims=True), Sqk),
+                jnp.where(sel, jnp.sum(k * e, axis=1, keepdims=True), Skk))
+
+    return jax.lax.fori_loop(0, C, diag, (Sqk, Skk))
+
+
+def unit_lower_inverse_body(L):
+    """``(I + L)^-1`` for strictly lower ``L [C, C]``, one row at a time."""
+    C = L.shape[0]
+    row, col = iota((C, C), 0), iota((C, C), 1)
+    eye = jnp.where(row == col, 1.0, 0.0).astype(L.dtype)
+    Lt = L.T
+
+    def step(i, A):
+        new = jnp.where(col[:1] == i, 1.0, 0.0) - jnp.sum(col_of(Lt, i) * A, axis=0, keepdims=True)
+        return jnp.where(row == i, new, A)
+
+    return jax.lax.fori_loop(1, C, step, eye)
+
+
+def pair_rows_body(S, b_, G, block: int):
+    """``R_id = sum_{j <= i} S_ij b_jd e^(G_id - G_jd)`` for lower-triangular ``S``."""
+    C = S.shape[0]
+    b, nb, rC, blk = _blocks(C, block)
+    cblk = iota((C, C), 1) // b
+    R = jnp.zeros(b_.shape, b_.dtype)
+    for I in range(1, nb):
+        Ga = row_of(G, I * b)
+        SI = jnp.where((iota((C, C), 0) // b == I) & (cblk < I), S, 0.0)
+        R = R + masked_exp(blk == I, G - Ga) * dot(SI, b_ * masked_exp(blk < I, Ga - G))
+
+    def diag(j, R):
+        m = (rC >= j) & (blk == j // b)
+        return R + col_of(S, j) * row_of(b_, j) * masked_exp(m, G - row_of(G, j))
+
+    return jax.lax.fori_loop(0, C, diag, R)
+
+
+def pair_cols_body(S, a, G, block: int):
+    """``C_jd = sum_{i >= j} S_ij a_id e^(G_id - G_jd)`` for lower-triangular ``S``."""
+    C = S.shape[0]
+    b, nb, rC, blk = _blocks(C, block)
+    cblk = iota((C, C), 1) // b
+    out = jnp.zeros(a.shape, a.dtype)
+    for I in range(1, nb):
+        Ga = row_of(G, I * b)
+        SI = jnp.where((iota((C, C), 0) // b == I) & (cblk < I), S, 0.0)
+        out = out + masked_exp(blk < I, Ga - G) * dot(SI, a * masked_exp(blk == I, G - Ga), ta=True)
+    St = S.T
+
+    def diag(i, out):
+        m = (rC <= i) & (blk == i // b)
+        return out + col_of(St, i) * row_of(a, i) * masked_exp(m, row_of(G, i) - G)
+
+    return jax.lax.fori_loop(0, C, diag, out)
+
+
+def _feature_pad(target: str, *xs):
+    """Zero-pad the last (feature) dim to a power of 2 for Triton; TPU uses full dims."""
+    if target != "triton":
+        return xs
+    return tuple(pad_axis(x, -1, pow2(x.shape[-1])) for x in xs)
+
+
+class PallasIntra(AbstractIntra):
+    """F2 as a Pallas kernel over (row * head, chunk)."""
+
+    target: str = eqx.field(static=True, default="tpu")
+    interpret: bool = eqx.field(static=True, default=True)
+    block: int = eqx.field(static=True, default=16)
+
+    def __check_init__(self):
+        check_target(self.target)
+
+    @typecheck
+    def __call__(
+        self,
+        scale: float,
+        q: Float[Array, "R HV NC C K"],
+        k: Float[Array, "R HV NC C K"],
+        beta: Float[Array, "R HV NC C"],
+        G: Float[Array, "R HV NC C K"],
+    ) -> IntraOut:
+        R, HV, NC, C, _ = q.shape
+        qf, kf, Gf = _feature_pad(self.target, flat(q), flat(k), flat(G))
+        bf = flat(beta)
+        Kp = qf.shape[-1]
+        block = self.block
+
+        def kernel(q_ref, k_ref, b_ref, g_ref, aqk_ref, akk_ref):
+            Sqk, Skk = scores_body(q_ref[...], k_ref[...], g_ref[...], block)
+            row, col = iota((C, C), 0), iota((C, C), 1)
+            aqk_ref[...] = scale * jnp.where(col <= row, Sqk, 0.0)
+            akk_ref[...] = unit_lower_inverse_body(b_ref[...] * jnp.where(col < row, Skk, 0.0))
+
+        spec = chunk_spec((C, Kp))
+        Aqk, Akk = chunk_call(kernel, (qf, kf, bf, Gf), [spec, spec, chunk_spec((C, 1)), spec],
+                              [(C, C), (C, C)], R * HV, NC, q.dtype, self.target,
+                              resolve_interpret(self.target, self.interpret))
+        return IntraOut(unflat(Aqk, R, HV), unflat(Akk, R, HV))
+
+
+class PallasIntraBackward(AbstractIntraBackward):
+    """B4 as a Pallas kernel over (row * head, chunk)."""
+
+    target: str = eqx.field(static=True, default="tpu")
+    interpret: bool = eqx.field(static=True, default=True)
+    block: int = eqx.field(static=True, default=16)
+
+    def __check_init__(self):
+        check_target(self.target)
+
+    @typecheck
+    def __call__(
+        self,
+        scale: float,
+        q: Float[Array, "R HV NC C K"],
+        k: Float[Array, "R HV NC C K"],
+        beta: Float[Array, "R HV NC C"],
+        G: Float[Array, "R HV NC C K"],
+        dAqk: Float[Array, "R HV NC C C"],
+        grads: ChunkGrads,
+    ) -> ChunkGrads:
+        R, HV, NC, C, K = q.shape
+        qf, kf, Gf, dqf, dkf, dGf = _feature_pad(
+            self.target, flat(q), flat(k), flat(G), flat(grads.dq), flat(grads.dk), flat(grads.dG)
+        )
+        Kp = qf.shape[-1]
+        block = self.block
+
+        def kernel(q_ref, k_ref, b_ref, g_ref, da_ref, dl_ref, dq_ref, dk_ref, db_ref, dg_ref,
+                   dq_out, dk_out, db_out, dg_out):
+            q, k, beta, G = q_ref[...], k_ref[...], b_ref[...], g_ref[...]
+            dA, dL = da_ref[...], dl_ref[...]
+            dq_a = scale * pair_rows_body(dA, k, G, block)
+            dk_a = scale * pair_cols_body(dA, q, G, block)
+            r = pair_rows_body(dL, k, G, block)
+            c = pair_cols_body(dL * beta, k, G, block)
+            dq_out[...] = dq_ref[...] + dq_a
+            dk_out[...] = dk_ref[...] + dk_a + beta * r + c
+            db_out[...] = db_ref[...] + jnp.sum(k * r, axis=1, keepdims=True)
+            dg_out[...] = dg_ref[...] + q * dq_a - k * dk_a + beta * k * r - k * c
+
+        sk, sc, s1 = chunk_spec((C, Kp)), chunk_spec((C, C)), chunk_spec((C, 1))
+        dq, dk, db, dG = chunk_call(
+            kernel, (qf, kf, flat(beta), Gf, flat(dAqk), flat(grads.dL), dqf, dkf, flat(grads.dbeta), dGf),
+            [sk, sk, s1, sk, sc, sc, sk, sk, s1, sk], [(C, Kp), (C, Kp), (C, 1), (C, Kp)],
+            R * HV, NC, q.dtype, self.target, resolve_interpret(self.target, self.interpret),
+        )
+        cut = lambda x: unflat(x[..., :K], R, HV)
+        return ChunkGrads(cut(dq), cut(dk), grads.dv, unflat(db, R, HV, squeeze=True), cut(dG), None)
