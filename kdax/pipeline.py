@@ -99,6 +99,17 @@ class KDAPipeline(eqx.Module):
     wy_dqkg: AbstractWYDqkg
     intra_bwd: AbstractIntraBackward
     gate_bwd: AbstractGateBackward
+    # On a stage's NotImplementedError (a case its target cannot run), use the reference
+    # stage of the same family instead of failing.
+    fallback: bool = eqx.field(static=True, default=False)
+
+    def _stage(self, name: str, *args):
+        try:
+            return getattr(self, name)(*args)
+        except NotImplementedError:
+            if not self.fallback:
+                raise
+            return getattr(_REFERENCE, name)(*args)
 
     @classmethod
     def reference(cls) -> "KDAPipeline":
@@ -130,11 +141,11 @@ class KDAPipeline(eqx.Module):
         dt_bias = None if dt_bias is None else dt_bias.astype(dt)
         h0 = jnp.zeros((N, HV, K, V), dt) if h0 is None else h0.astype(dt)
 
-        act = self.gate(config, qc, kc, gc, bc, A_log, dt_bias, layout.valid)
-        intra = self.intra(config.scale, act.q, act.k, act.beta, act.G)
-        wy = self.wy(act.q, act.k, vc, act.beta, act.G, intra.Akk)
-        st = self.state(wy.w, wy.u, wy.kg, act.G, h0, layout.first, layout.last)
-        oc = self.output(config.scale, wy.qg, st.h, intra.Aqk, st.v_new)
+        act = self._stage("gate", config, qc, kc, gc, bc, A_log, dt_bias, layout.valid)
+        intra = self._stage("intra", config.scale, act.q, act.k, act.beta, act.G)
+        wy = self._stage("wy", act.q, act.k, vc, act.beta, act.G, intra.Akk)
+        st = self._stage("state", wy.w, wy.u, wy.kg, act.G, h0, layout)
+        oc = self._stage("output", config.scale, wy.qg, st.h, intra.Aqk, st.v_new)
         o = unpack(layout, oc).astype(v.dtype)
         cache = ForwardCache(act.G, intra.Aqk, intra.Akk, wy.w, wy.u, wy.qg, wy.kg, st.h, st.v_new)
         in_dtypes = tuple(None if x is None else jnp.dtype(x.dtype) for x in (q, k, v, g, beta, h0_in, A_log_in, dt_bias_in))
@@ -154,18 +165,20 @@ class KDAPipeline(eqx.Module):
         doc = pack(L, do, dt)
         dht = jnp.zeros_like(res.h0) if dht is None else dht.astype(dt)
         if res.cache is None:  # B0
-            wy, st = self.recompute(act.q, act.k, res.v, act.beta, act.G, res.Akk, res.h0, L.first, L.last)
+            wy, st = self._stage("recompute", act.q, act.k, res.v, act.beta, act.G, res.Akk, res.h0, L)
             w, qg, kg, h, v_new = wy.w, wy.qg, wy.kg, st.h, st.v_new
         else:
             c = res.cache
             w, qg, kg, h, v_new = c.w, c.qg, c.kg, c.h, c.v_new
-        dAqk, dv_intra = self.dav(v_new, res.Aqk, doc)  # B1
-        dhu = self.dhu(cfg.scale, qg, kg, w, act.G, doc, dv_intra, dht, L.first, L.last, L.empty)  # B2
-        grads = self.wy_dqkg(  # B3
+        dAqk, dv_intra = self._stage("dav", v_new, res.Aqk, doc)  # B1
+        dhu = self._stage("dhu", cfg.scale, qg, kg, w, act.G, doc, dv_intra, dht, L)  # B2
+        grads = self._stage(  # B3
+            "wy_dqkg",
             cfg.scale, act.q, act.k, res.v, act.beta, act.G, res.Akk, qg, kg, h, dhu.dh, v_new, doc, dhu.dv_new
         )
-        grads = self.intra_bwd(cfg.scale, act.q, act.k, act.beta, act.G, dAqk, grads)  # B4
-        raw = self.gate_bwd(  # B5
+        grads = self._stage("intra_bwd", cfg.scale, act.q, act.k, act.beta, act.G, dAqk, grads)  # B4
+        raw = self._stage(  # B5
+            "gate_bwd",
             cfg, act, res.g_raw, res.A_log, res.dt_bias, L.valid, grads.dq, grads.dk, grads.dbeta, grads.dG
         )
         H = res.num_qk_heads
@@ -193,6 +206,9 @@ class KDAPipeline(eqx.Module):
     def __call__(self, q, k, v, g, beta, **options):
         """``chunk_kda`` with this pipeline."""
         return chunk_kda(q, k, v, g, beta, pipeline=self, **options)
+
+
+_REFERENCE = KDAPipeline.reference()
 
 
 def _final_out(final, config: KDAConfig, state_v_first: bool):

@@ -113,6 +113,12 @@ def iota(shape, axis: int):
     return jax.lax.broadcasted_iota(jnp.int32, shape, axis)
 
 
+def idiv(x, n: int):
+    """Integer division of non-negative ints without ``sign`` (which Mosaic cannot lower
+    without a TPU present)."""
+    return jax.lax.div(x, jnp.asarray(n, jnp.int32) if not isinstance(x, int) else n)
+
+
 def row_of(x, i):
     """Row ``i`` (traced or static) of a 2-D value, as ``[1, n]``."""
     return jnp.sum(jnp.where(iota(x.shape, 0) == i, x, 0.0), axis=0, keepdims=True)

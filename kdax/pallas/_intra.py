@@ -15,7 +15,7 @@ from .._typing import typecheck
 from ..stages._intra import AbstractIntra, AbstractIntraBackward
 from ..stages._types import ChunkGrads, IntraOut
 from ._common import (
-    check_target, chunk_call, chunk_spec, col_of, dot, flat, iota, masked_exp, pad_axis, pow2,
+    check_target, chunk_call, chunk_spec, col_of, dot, flat, idiv, iota, masked_exp, pad_axis, pow2,
     resolve_interpret, row_of, unflat,
 )
 
@@ -23,7 +23,7 @@ from ._common import (
 def _blocks(C: int, block: int):
     b = min(block, C)
     rC = iota((C, 1), 0)
-    return b, C // b, rC, rC // b
+    return b, C // b, rC, idiv(rC, b)
 
 
 def scores_body(q, k, G, block: int):
@@ -43,8 +43,8 @@ def scores_body(q, k, G, block: int):
 
     def diag(j, S):
         Sqk, Skk = S
-        e = masked_exp((rC >= j) & (blk == j // b), G - row_of(G, j)) * row_of(k, j)
-        sel = (col == j) & (row // b == j // b)
+        e = masked_exp((rC >= j) & (blk == idiv(j, b)), G - row_of(G, j)) * row_of(k, j)
+        sel = (col == j) & (idiv(row, b) == idiv(j, b))
         return (jnp.where(sel, jnp.sum(q * e, axis=1, keepdims=True), Sqk),
                 jnp.where(sel, jnp.sum(k * e, axis=1, keepdims=True), Skk))
 
@@ -59,7 +59,7 @@ def unit_lower_inverse_body(L):
     Lt = L.T
 
     def step(i, A):
-        new = jnp.where(col[:1] == i, 1.0, 0.0) - jnp.sum(col_of(Lt, i) * A, axis=0, keepdims=True)
+        new = jnp.where(iota((1, C), 1) == i, 1.0, 0.0) - jnp.sum(col_of(Lt, i) * A, axis=0, keepdims=True)
         return jnp.where(row == i, new, A)
 
     return jax.lax.fori_loop(1, C, step, eye)
@@ -69,15 +69,15 @@ def pair_rows_body(S, b_, G, block: int):
     """``R_id = sum_{j <= i} S_ij b_jd e^(G_id - G_jd)`` for lower-triangular ``S``."""
     C = S.shape[0]
     b, nb, rC, blk = _blocks(C, block)
-    cblk = iota((C, C), 1) // b
+    cblk = idiv(iota((C, C), 1), b)
     R = jnp.zeros(b_.shape, b_.dtype)
     for I in range(1, nb):
         Ga = row_of(G, I * b)
-        SI = jnp.where((iota((C, C), 0) // b == I) & (cblk < I), S, 0.0)
+        SI = jnp.where((idiv(iota((C, C), 0), b) == I) & (cblk < I), S, 0.0)
         R = R + masked_exp(blk == I, G - Ga) * dot(SI, b_ * masked_exp(blk < I, Ga - G))
 
     def diag(j, R):
-        m = (rC >= j) & (blk == j // b)
+        m = (rC >= j) & (blk == idiv(j, b))
         return R + col_of(S, j) * row_of(b_, j) * masked_exp(m, G - row_of(G, j))
 
     return jax.lax.fori_loop(0, C, diag, R)
@@ -87,16 +87,16 @@ def pair_cols_body(S, a, G, block: int):
     """``C_jd = sum_{i >= j} S_ij a_id e^(G_id - G_jd)`` for lower-triangular ``S``."""
     C = S.shape[0]
     b, nb, rC, blk = _blocks(C, block)
-    cblk = iota((C, C), 1) // b
+    cblk = idiv(iota((C, C), 1), b)
     out = jnp.zeros(a.shape, a.dtype)
     for I in range(1, nb):
         Ga = row_of(G, I * b)
-        SI = jnp.where((iota((C, C), 0) // b == I) & (cblk < I), S, 0.0)
+        SI = jnp.where((idiv(iota((C, C), 0), b) == I) & (cblk < I), S, 0.0)
         out = out + masked_exp(blk < I, Ga - G) * dot(SI, a * masked_exp(blk == I, G - Ga), ta=True)
     St = S.T
 
     def diag(i, out):
-        m = (rC <= i) & (blk == i // b)
+        m = (rC <= i) & (blk == idiv(i, b))
         return out + col_of(St, i) * row_of(a, i) * masked_exp(m, row_of(G, i) - G)
 
     return jax.lax.fori_loop(0, C, diag, out)

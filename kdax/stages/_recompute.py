@@ -3,7 +3,9 @@
 import abc
 
 import equinox as eqx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
+
+from .._layout import ChunkLayout
 
 from .._typing import typecheck
 from ._state import AbstractState, ReferenceState
@@ -25,15 +27,14 @@ class AbstractRecompute(eqx.Module):
         G: Float[Array, "R HV NC C K"],
         Akk: Float[Array, "R HV NC C C"],
         h0: Float[Array, "N HV K V"],
-        first: Int[Array, "R NC"],
-        last: Int[Array, "R NC"],
+        layout: ChunkLayout,
     ) -> tuple[WYOut, StateOut]:
         raise NotImplementedError
 
 
-def recompute_with(wy: AbstractWY, state: AbstractState, q, k, v, beta, G, Akk, h0, first, last):
+def recompute_with(wy: AbstractWY, state: AbstractState, q, k, v, beta, G, Akk, h0, layout):
     out = wy(q, k, v, beta, G, Akk)
-    return out, state(out.w, out.u, out.kg, G, h0, first, last)
+    return out, state(out.w, out.u, out.kg, G, h0, layout)
 
 
 class ReferenceRecompute(AbstractRecompute):
@@ -49,7 +50,6 @@ class ReferenceRecompute(AbstractRecompute):
         G: Float[Array, "R HV NC C K"],
         Akk: Float[Array, "R HV NC C C"],
         h0: Float[Array, "N HV K V"],
-        first: Int[Array, "R NC"],
-        last: Int[Array, "R NC"],
+        layout: ChunkLayout,
     ) -> tuple[WYOut, StateOut]:
-        return recompute_with(ReferenceWY(), ReferenceState(), q, k, v, beta, G, Akk, h0, first, last)
+        return recompute_with(ReferenceWY(), ReferenceState(), q, k, v, beta, G, Akk, h0, layout)

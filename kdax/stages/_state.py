@@ -1,8 +1,9 @@
 """Inter-chunk state family: F4 (forward recurrence over chunks) and B2 (dhu, reverse).
 
 Both scan over the chunk axis. Sequence boundaries come from the layout: chunk c of row r
-starts sequence ``first[r, c]`` (state reset to its initial state) and/or ends sequence
-``last[r, c]`` (its final state is written / its ``dht`` enters), -1 for neither.
+starts sequence ``layout.first[r, c]`` (state reset to its initial state) and/or ends
+sequence ``layout.last[r, c]`` (its final state is written / its ``dht`` enters), -1 for
+neither.
 """
 
 import abc
@@ -10,7 +11,9 @@ import abc
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float
+
+from .._layout import ChunkLayout
 
 from .._typing import typecheck
 from ._types import DhuOut, StateOut
@@ -49,8 +52,7 @@ class AbstractState(eqx.Module):
         kg: Float[Array, "R HV NC C K"],
         G: Float[Array, "R HV NC C K"],
         h0: Float[Array, "N HV K V"],
-        first: Int[Array, "R NC"],
-        last: Int[Array, "R NC"],
+        layout: ChunkLayout,
     ) -> StateOut:
         raise NotImplementedError
 
@@ -66,8 +68,7 @@ class ReferenceState(AbstractState):
         kg: Float[Array, "R HV NC C K"],
         G: Float[Array, "R HV NC C K"],
         h0: Float[Array, "N HV K V"],
-        first: Int[Array, "R NC"],
-        last: Int[Array, "R NC"],
+        layout: ChunkLayout,
     ) -> StateOut:
         R, HV, _, _, K = w.shape
         V = u.shape[-1]
@@ -80,7 +81,7 @@ class ReferenceState(AbstractState):
             h_next = jnp.exp(gam)[..., None] * h + _t(kg_c) @ v_new
             return (h_next, _scatter(final, l, h_next)), (h, v_new)
 
-        xs = _chunk_major(w, u, kg, G[..., -1, :]) + (first.T, last.T)
+        xs = _chunk_major(w, u, kg, G[..., -1, :]) + (layout.first.T, layout.last.T)
         init = (jnp.zeros((R, HV, K, V), h0.dtype), h0)
         (_, final), (h, v_new) = jax.lax.scan(step, init, xs)
         return StateOut(_from_chunk_major(h), _from_chunk_major(v_new), final)
@@ -102,9 +103,7 @@ class AbstractDhu(eqx.Module):
         do: Float[Array, "R HV NC C V"],
         dv_intra: Float[Array, "R HV NC C V"],
         dht: Float[Array, "N HV K V"],
-        first: Int[Array, "R NC"],
-        last: Int[Array, "R NC"],
-        empty: Bool[Array, " N"],
+        layout: ChunkLayout,
     ) -> DhuOut:
         raise NotImplementedError
 
@@ -123,9 +122,7 @@ class ReferenceDhu(AbstractDhu):
         do: Float[Array, "R HV NC C V"],
         dv_intra: Float[Array, "R HV NC C V"],
         dht: Float[Array, "N HV K V"],
-        first: Int[Array, "R NC"],
-        last: Int[Array, "R NC"],
-        empty: Bool[Array, " N"],
+        layout: ChunkLayout,
     ) -> DhuOut:
         R, HV, _, _, K = qg.shape
         V = do.shape[-1]
@@ -138,9 +135,9 @@ class ReferenceDhu(AbstractDhu):
             dh_start = jnp.exp(gam)[..., None] * dh_end + scale * _t(qg_c) @ do_c - _t(w_c) @ dv_new
             return (dh_start, _scatter(dh0, f, dh_start)), (dh_end, dv_new)
 
-        xs = _chunk_major(qg, kg, w, G[..., -1, :], do, dv_intra) + (first.T, last.T)
+        xs = _chunk_major(qg, kg, w, G[..., -1, :], do, dv_intra) + (layout.first.T, layout.last.T)
         # A sequence of length 0 has no chunk: its dh0 is its dht.
-        dh0 = jnp.where(empty[:, None, None, None], dht, 0.0)
+        dh0 = jnp.where(layout.empty[:, None, None, None], dht, 0.0)
         init = (jnp.zeros((R, HV, K, V), dht.dtype), dh0)
         (_, dh0), (dh, dv_new) = jax.lax.scan(step, init, xs, reverse=True)
         return DhuOut(_from_chunk_major(dh), dh0, _from_chunk_major(dv_new))

@@ -3,6 +3,7 @@
 import jax.numpy as jnp
 import numpy as np
 
+from kdax._layout import ChunkLayout
 from kdax.ref._chunk import intra_chunk, pairwise_decay, state_scan, wy_chunk  # noqa: F401
 
 
@@ -20,7 +21,14 @@ def chunked(seed=0, R=2, HV=2, NC=3, C=16, K=8, V=4, strong=False):
         last=jnp.asarray(np.where(np.arange(NC)[None] == NC - 1, np.arange(R)[:, None], -1), jnp.int32),
         empty=jnp.zeros((R,), bool), scale=0.37,
     )
+    x["layout"] = ChunkLayout(x["first"], x["last"], jnp.ones((R, NC, C), bool), x["empty"], None, NC * C, C)
     return x
+
+
+def layout_of(first, last, empty):
+    """A layout with the given sequence boundaries (``first``/``last`` ``[R, NC]``)."""
+    R, NC = first.shape
+    return ChunkLayout(first, last, jnp.ones((R, NC, 1), bool), jnp.asarray(empty), None, NC, 1)
 
 
 def rand_like(x, seed):

@@ -8,7 +8,7 @@ from kdax.ref._chunk import output_chunk
 from kdax.stages import ReferenceDAv, ReferenceDhu, ReferenceState
 
 from .._util import assert_close
-from ._chunked import chunked, intra_chunk, rand_like, state_scan, wy_chunk
+from ._chunked import chunked, intra_chunk, layout_of, rand_like, state_scan, wy_chunk
 
 
 def _wy(x):
@@ -19,7 +19,7 @@ def _wy(x):
 def test_state_forward_dense():
     x = chunked(4, strong=True)
     _, w, u, qg, kg = _wy(x)
-    out = ReferenceState()(w, u, kg, x["G"], x["h0"], x["first"], x["last"])
+    out = ReferenceState()(w, u, kg, x["G"], x["h0"], x["layout"])
     h, v_new, hT = state_scan(w, u, kg, x["G"], x["h0"])
     assert_close(out.h, h, 1e-13, "h")
     assert_close(out.v_new, v_new, 1e-13, "v_new")
@@ -33,7 +33,7 @@ def test_state_forward_sequences_in_one_row():
     h0 = rand_like(jnp.zeros((2,) + x["h0"].shape[1:]), 9)
     first = jnp.array([[1, -1, 0, -1]], jnp.int32)
     last = jnp.array([[-1, 1, -1, 0]], jnp.int32)
-    out = ReferenceState()(w, u, kg, x["G"], h0, first, last)
+    out = ReferenceState()(w, u, kg, x["G"], h0, layout_of(first, last, [False, False]))
     for seq, sl in ((1, slice(0, 2)), (0, slice(2, 4))):
         h, v_new, hT = state_scan(w[:, :, sl], u[:, :, sl], kg[:, :, sl], x["G"][:, :, sl], h0[seq : seq + 1])
         assert_close(out.h[:, :, sl], h, 1e-13, "h")
@@ -66,7 +66,7 @@ def test_dhu_is_vjp():
     du, dh0, deps = vjp((do, dht))
     h, v_new, _ = state_scan(w, u, kg, x["G"], x["h0"])
     _, dv_intra = ReferenceDAv()(v_new, Aqk, do)
-    out = ReferenceDhu()(scale, qg, kg, w, x["G"], do, dv_intra, dht, x["first"], x["last"], x["empty"])
+    out = ReferenceDhu()(scale, qg, kg, w, x["G"], do, dv_intra, dht, x["layout"])
     assert_close(out.dv_new, du, 1e-10, "dv_new")
     assert_close(out.dh0, dh0, 1e-10, "dh0")
     assert_close(out.dh, deps, 1e-10, "dh")
@@ -79,5 +79,5 @@ def test_dhu_empty_sequence_passes_dht():
     first = jnp.array([[1, -1]], jnp.int32)
     last = jnp.array([[-1, 1]], jnp.int32)
     do = jnp.zeros(x["v"].shape)
-    out = ReferenceDhu()(x["scale"], qg, kg, w, x["G"], do, do, dht, first, last, jnp.array([True, False]))
+    out = ReferenceDhu()(x["scale"], qg, kg, w, x["G"], do, do, dht, layout_of(first, last, [True, False]))
     np.testing.assert_array_equal(out.dh0[0], dht[0])
