@@ -121,6 +121,34 @@ class KDAPipeline(eqx.Module):
             gate_bwd=ReferenceGateBackward(),
         )
 
+    @classmethod
+    def pallas(cls, target: Optional[str] = None, interpret: Optional[bool] = None) -> "KDAPipeline":
+        """Every stage a Pallas kernel for ``target`` ("tpu" or "triton"; None: triton on a
+        GPU, else tpu). ``interpret=None``: interpret mode exactly when no accelerator of
+        that kind is present. A case a kernel cannot run (packed varlen in the state
+        kernels) falls back to the reference stage."""
+        from . import pallas as P
+
+        target = P.default_target() if target is None else P._common.check_target(target)
+        kw = dict(target=target, interpret=P.resolve_interpret(target, interpret))
+        return cls(
+            gate=P.PallasGate(**kw), intra=P.PallasIntra(**kw), wy=P.PallasWY(**kw), state=P.PallasState(**kw),
+            output=P.PallasOutput(**kw), recompute=P.PallasRecompute(**kw), dav=P.PallasDAv(**kw),
+            dhu=P.PallasDhu(**kw), wy_dqkg=P.PallasWYDqkg(**kw), intra_bwd=P.PallasIntraBackward(**kw),
+            gate_bwd=P.PallasGateBackward(**kw), fallback=True,
+        )
+
+    @classmethod
+    def mixed(cls, target: Optional[str] = None, interpret: Optional[bool] = None) -> "KDAPipeline":
+        """Odd stages Pallas, even stages reference, in the order F1 gate, F2 intra,
+        F3 wy, F4 state, F5 output, B0 recompute, B1 dav, B2 dhu, B3 wy_dqkg, B4 intra_bwd,
+        B5 gate_bwd: Pallas for F1, F3, F5, B1, B3, B5."""
+        p, r = cls.pallas(target, interpret), cls.reference()
+        return cls(
+            gate=p.gate, intra=r.intra, wy=p.wy, state=r.state, output=p.output, recompute=r.recompute,
+            dav=p.dav, dhu=r.dhu, wy_dqkg=p.wy_dqkg, intra_bwd=r.intra_bwd, gate_bwd=p.gate_bwd, fallback=True,
+        )
+
     # -- forward ------------------------------------------------------------------------
 
     def run_forward(self, config: KDAConfig, q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens):

@@ -67,6 +67,15 @@ def pad_axis(x, axis: int, n: int):
     return jnp.pad(x, pads)
 
 
+def feature_pad(target: str, x, axes=(-1,)):
+    """Zero-pad feature axes to a power of 2 (at least 16) for Triton; TPU uses full dims."""
+    if target != "triton":
+        return x
+    for ax in axes:
+        x = pad_axis(x, ax, pow2(x.shape[ax]))
+    return x
+
+
 def flat(x):
     """``[R, HV, NC, C, D] -> [P, NC, C, D]``; ``[R, HV, NC, C] -> [P, NC, C, 1]``."""
     if x.ndim == 4:
@@ -116,7 +125,9 @@ def iota(shape, axis: int):
 def idiv(x, n: int):
     """Integer division of non-negative ints without ``sign`` (which Mosaic cannot lower
     without a TPU present)."""
-    return jax.lax.div(x, jnp.asarray(n, jnp.int32) if not isinstance(x, int) else n)
+    if isinstance(x, int):
+        return x // n
+    return jax.lax.div(jnp.asarray(x).astype(jnp.int32), jnp.asarray(n, jnp.int32))
 
 
 def row_of(x, i):

@@ -15,7 +15,7 @@ from .._typing import typecheck
 from ..stages._intra import AbstractIntra, AbstractIntraBackward
 from ..stages._types import ChunkGrads, IntraOut
 from ._common import (
-    check_target, chunk_call, chunk_spec, col_of, dot, flat, idiv, iota, masked_exp, pad_axis, pow2,
+    check_target, chunk_call, chunk_spec, col_of, dot, feature_pad, flat, idiv, iota, masked_exp,
     resolve_interpret, row_of, unflat,
 )
 
@@ -103,10 +103,7 @@ def pair_cols_body(S, a, G, block: int):
 
 
 def _feature_pad(target: str, *xs):
-    """Zero-pad the last (feature) dim to a power of 2 for Triton; TPU uses full dims."""
-    if target != "triton":
-        return xs
-    return tuple(pad_axis(x, -1, pow2(x.shape[-1])) for x in xs)
+    return tuple(feature_pad(target, x) for x in xs)
 
 
 class PallasIntra(AbstractIntra):

@@ -1,0 +1,9 @@
+"""Pallas implementations of every stage (TPU Mosaic and GPU Triton targets)."""
+
+from ._common import default_target as default_target, resolve_interpret as resolve_interpret
+from ._gate import PallasGate as PallasGate, PallasGateBackward as PallasGateBackward
+from ._intra import PallasIntra as PallasIntra, PallasIntraBackward as PallasIntraBackward
+from ._output import PallasDAv as PallasDAv, PallasOutput as PallasOutput
+from ._recompute import PallasRecompute as PallasRecompute
+from ._state import PallasDhu as PallasDhu, PallasState as PallasState
+from ._wy import PallasWY as PallasWY, PallasWYDqkg as PallasWYDqkg

@@ -1,0 +1,226 @@
+"""Pallas gate family: F1 (activations + chunk cumsum) and B5 (their backward).
+
+The chunk-local cumsum (and its reverse in B5) is a matmul with a triangular matrix of
+ones, which both lowerings support; sums over a chunk for dA_log / ddt_bias are written
+per block and added up outside the kernel.
+"""
+
+from typing import Optional
+
+import equinox as eqx
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
+
+from .._config import KDAConfig
+from .._typing import typecheck
+from ..ref._gates import L2NORM_EPS
+from ..stages._gate import AbstractGate, AbstractGateBackward
+from ..stages._types import Activated, RawGrads
+from ._common import (
+    check_target, chunk_call, chunk_spec, dot, feature_pad, flat, head_spec, iota, resolve_interpret, unflat,
+)
+
+
+def _sigmoid(z):
+    return 1.0 / (1.0 + jnp.exp(-z))
+
+
+def _softplus(x):
+    return jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x)))
+
+
+def _gate_input(cfg, g, a_log, dtb):
+    """(x = g + dt_bias, a = exp(A_log) or None)."""
+    x = g if dtb is None else g + dtb
+    return x, (None if a_log is None else jnp.exp(a_log))
+
+
+def gate_body(cfg: KDAConfig, q, k, g, beta, valid, a_log, dtb):
+    C = g.shape[0]
+    q_rstd = k_rstd = None
+    if cfg.use_qk_l2norm_in_kernel:
+        q_rstd = 1.0 / jnp.sqrt(jnp.sum(q * q, axis=1, keepdims=True) + L2NORM_EPS)
+        k_rstd = 1.0 / jnp.sqrt(jnp.sum(k * k, axis=1, keepdims=True) + L2NORM_EPS)
+        q, k = q * q_rstd, k * k_rstd
+    if cfg.use_gate_in_kernel:
+        x, a = _gate_input(cfg, g, a_log, dtb)
+        if cfg.lower_bound is None:
+            g = -a * _softplus(x)
+        else:
+            g = cfg.lower_bound * _sigmoid(x if a is None else a * x)
+    g = jnp.where(valid > 0, g, 0.0)
+    lower = jnp.where(iota((C, C), 1) <= iota((C, C), 0), 1.0, 0.0).astype(g.dtype)
+    G = dot(lower, g)
+    if cfg.use_beta_sigmoid_in_kernel:
+        beta = _sigmoid(beta) * (2.0 if cfg.allow_neg_eigval else 1.0)
+    return q, k, beta, G, q_rstd, k_rstd
+
+
+def gate_bwd_body(cfg: KDAConfig, q, k, beta, q_rstd, k_rstd, g, valid, a_log, dtb, dq, dk, dbeta, dG):
+    C = dG.shape[0]
+    upper = jnp.where(iota((C, C), 1) >= iota((C, C), 0), 1.0, 0.0).astype(dG.dtype)
+    dg = jnp.where(valid > 0, dot(upper, dG), 0.0)
+    dA = ddt = None
+    if cfg.use_gate_in_kernel:
+        x, a = _gate_input(cfg, g, a_log, dtb)
+        if cfg.lower_bound is None:
+            dx = -dg * a * _sigmoid(x)
+            dA = -jnp.sum(dg * a * _softplus(x), axis=0, keepdims=True)
+        else:
+            z = x if a is None else a * x
+            s = _sigmoid(z)
+            dz = dg * cfg.lower_bound * s * (1.0 - s)
+            dx = dz if a is None else dz * a
+            dA = None if a is None else jnp.sum(dz * z, axis=0, keepdims=True)
+        ddt = None if dtb is None else jnp.sum(dx, axis=0, keepdims=True)
+        dg = dx
+    if cfg.use_beta_sigmoid_in_kernel:
+        c = 2.0 if cfg.allow_neg_eigval else 1.0
+        s = beta / c
+        dbeta = dbeta * c * s * (1.0 - s)
+    if cfg.use_qk_l2norm_in_kernel:
+        dq = q_rstd * (dq - q * jnp.sum(dq * q, axis=1, keepdims=True))
+        dk = k_rstd * (dk - k * jnp.sum(dk * k, axis=1, keepdims=True))
+    return dq, dk, dg, dbeta, dA, ddt
+
+
+def _params(cfg: KDAConfig, target: str, HV: int, K: int, A_log, dt_bias):
+    """Per-head parameter arrays and specs: A_log ``[HV, 1, 1]``, dt_bias ``[HV, 1, Kp]``."""
+    arrays, specs = [], []
+    if cfg.use_gate_in_kernel and A_log is not None:
+        arrays.append(A_log.reshape(HV, 1, 1))
+        specs.append(head_spec((1, 1), HV))
+    if cfg.use_gate_in_kernel and dt_bias is not None:
+        d = feature_pad(target, dt_bias.reshape(HV, 1, K))
+        arrays.append(d)
+        specs.append(head_spec((1, d.shape[-1]), HV))
+    return arrays, specs
+
+
+def _take_params(cfg, refs, A_log, dt_bias):
+    refs = list(refs)
+    a = refs.pop(0)[...] if (cfg.use_gate_in_kernel and A_log is not None) else None
+    d = refs.pop(0)[...] if (cfg.use_gate_in_kernel and dt_bias is not None) else None
+    return a, d
+
+
+class PallasGate(AbstractGate):
+    """F1 as a Pallas kernel over (row * head, chunk)."""
+
+    target: str = eqx.field(static=True, default="tpu")
+    interpret: bool = eqx.field(static=True, default=True)
+
+    def __check_init__(self):
+        check_target(self.target)
+
+    @typecheck
+    def __call__(
+        self,
+        config: KDAConfig,
+        q: Float[Array, "R HV NC C K"],
+        k: Float[Array, "R HV NC C K"],
+        g: Float[Array, "R HV NC C K"],
+        beta: Float[Array, "R HV NC C"],
+        A_log: Optional[Float[Array, " HV"]],
+        dt_bias: Optional[Float[Array, " HVK"]],
+        valid: Bool[Array, "R NC C"],
+    ) -> Activated:
+        cfg = config
+        R, HV, NC, C, K = q.shape
+        fp = lambda x: feature_pad(self.target, flat(x))
+        qf, kf, gf = fp(q), fp(k), fp(g)
+        Kp = qf.shape[-1]
+        vf = flat(jnp.broadcast_to(valid[:, None], beta.shape).astype(q.dtype))
+        p_arrays, p_specs = _params(cfg, self.target, HV, K, A_log, dt_bias)
+        l2 = cfg.use_qk_l2norm_in_kernel
+
+        def kernel(q_ref, k_ref, g_ref, b_ref, v_ref, *refs):
+            n_p = len(p_arrays)
+            a, d = _take_params(cfg, refs[:n_p], A_log, dt_bias)
+            outs = gate_body(cfg, q_ref[...], k_ref[...], g_ref[...], b_ref[...], v_ref[...], a, d)
+            out_refs = refs[n_p:]
+            vals = outs[:4] + (outs[4:] if l2 else ())
+            for ref, val in zip(out_refs, vals):
+                ref[...] = val
+
+        sk, s1 = chunk_spec((C, Kp)), chunk_spec((C, 1))
+        blocks = [(C, Kp), (C, Kp), (C, 1), (C, Kp)] + ([(C, 1), (C, 1)] if l2 else [])
+        outs = chunk_call(kernel, (qf, kf, gf, flat(beta), vf, *p_arrays), [sk, sk, sk, s1, s1, *p_specs],
+                          blocks, R * HV, NC, q.dtype, self.target, resolve_interpret(self.target, self.interpret))
+        cut = lambda x: unflat(x[..., :K], R, HV)
+        rstd = (unflat(outs[4], R, HV), unflat(outs[5], R, HV)) if l2 else (None, None)
+        return Activated(cut(outs[0]), cut(outs[1]), unflat(outs[2], R, HV, squeeze=True), cut(outs[3]), *rstd)
+
+
+class PallasGateBackward(AbstractGateBackward):
+    """B5 as a Pallas kernel over (row * head, chunk); dA_log / ddt_bias partial sums per
+    block are added up outside."""
+
+    target: str = eqx.field(static=True, default="tpu")
+    interpret: bool = eqx.field(static=True, default=True)
+
+    def __check_init__(self):
+        check_target(self.target)
+
+    @typecheck
+    def __call__(
+        self,
+        config: KDAConfig,
+        act: Activated,
+        g: Optional[Float[Array, "R HV NC C K"]],
+        A_log: Optional[Float[Array, " HV"]],
+        dt_bias: Optional[Float[Array, " HVK"]],
+        valid: Bool[Array, "R NC C"],
+        dq: Float[Array, "R HV NC C K"],
+        dk: Float[Array, "R HV NC C K"],
+        dbeta: Float[Array, "R HV NC C"],
+        dG: Float[Array, "R HV NC C K"],
+    ) -> RawGrads:
+        cfg = config
+        R, HV, NC, C, K = dq.shape
+        fp = lambda x: feature_pad(self.target, flat(x))
+        l2, gate = cfg.use_qk_l2norm_in_kernel, cfg.use_gate_in_kernel
+        Kp = fp(dq).shape[-1]
+        sk, s1 = chunk_spec((C, Kp)), chunk_spec((C, 1))
+        ins, specs = [], []
+        if l2:
+            ins += [fp(act.q), fp(act.k), flat(act.q_rstd), flat(act.k_rstd)]
+            specs += [sk, sk, s1, s1]
+        ins.append(flat(act.beta))
+        specs.append(s1)
+        if gate:
+            ins.append(fp(g))
+            specs.append(sk)
+        ins.append(flat(jnp.broadcast_to(valid[:, None], dbeta.shape).astype(dq.dtype)))
+        specs.append(s1)
+        p_arrays, p_specs = _params(cfg, self.target, HV, K, A_log, dt_bias)
+        ins += p_arrays + [fp(dq), fp(dk), flat(dbeta), fp(dG)]
+        specs += p_specs + [sk, sk, s1, sk]
+        has_dA = gate and A_log is not None
+        has_ddt = gate and dt_bias is not None
+        blocks = [(C, Kp), (C, Kp), (C, Kp), (C, 1)] + ([(1, Kp)] if has_dA else []) + ([(1, Kp)] if has_ddt else [])
+        n_in = len(ins)
+
+        def kernel(*refs):
+            it = iter(refs[:n_in])
+            qn, kn, qr, kr = (next(it)[...] for _ in range(4)) if l2 else (None,) * 4
+            beta = next(it)[...]
+            graw = next(it)[...] if gate else None
+            vmask = next(it)[...]
+            a, d = _take_params(cfg, [next(it) for _ in p_arrays], A_log, dt_bias)
+            dq_, dk_, db_, dG_ = (next(it)[...] for _ in range(4))
+            outs = gate_bwd_body(cfg, qn, kn, beta, qr, kr, graw, vmask, a, d, dq_, dk_, db_, dG_)
+            vals = [v for v in outs if v is not None]
+            for ref, val in zip(refs[n_in:], vals):
+                ref[...] = val
+
+        outs = chunk_call(kernel, ins, specs, blocks, R * HV, NC, dq.dtype, self.target,
+                          resolve_interpret(self.target, self.interpret))
+        cut = lambda x: unflat(x[..., :K], R, HV)
+        rest = list(outs[4:])
+        dA = ddt = None
+        if has_dA:
+            dA = jnp.sum(unflat(rest.pop(0)[..., :K], R, HV), axis=(0, 2, 3, 4))
+        if has_ddt:
+            ddt = jnp.sum(unflat(rest.pop(0)[..., :K], R, HV), axis=(0, 2, 3)).reshape(HV * K)
+        return RawGrads(cut(outs[0]), cut(outs[1]), cut(outs[2]), unflat(outs[3], R, HV, squeeze=True), dA, ddt)

@@ -1,0 +1,79 @@
+"""Pallas output family: F5 (o) and B1 (dAv), one (p, chunk) block per program."""
+
+import equinox as eqx
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from .._typing import typecheck
+from ..stages._output import AbstractDAv, AbstractOutput
+from ._common import check_target, chunk_call, chunk_spec, dot, feature_pad, flat, iota, resolve_interpret, unflat
+
+
+class PallasOutput(AbstractOutput):
+    """F5: ``o = scale qg h + Aqk v_new``."""
+
+    target: str = eqx.field(static=True, default="tpu")
+    interpret: bool = eqx.field(static=True, default=True)
+
+    def __check_init__(self):
+        check_target(self.target)
+
+    @typecheck
+    def __call__(
+        self,
+        scale: float,
+        qg: Float[Array, "R HV NC C K"],
+        h: Float[Array, "R HV NC K V"],
+        Aqk: Float[Array, "R HV NC C C"],
+        v_new: Float[Array, "R HV NC C V"],
+    ) -> Float[Array, "R HV NC C V"]:
+        R, HV, NC, C, K = qg.shape
+        V = v_new.shape[-1]
+        qf = feature_pad(self.target, flat(qg))
+        hf = feature_pad(self.target, flat(h), axes=(-2, -1))
+        vf = feature_pad(self.target, flat(v_new))
+        Kp, Vp = qf.shape[-1], vf.shape[-1]
+
+        def kernel(q_ref, h_ref, a_ref, v_ref, o_ref):
+            o_ref[...] = scale * dot(q_ref[...], h_ref[...]) + dot(a_ref[...], v_ref[...])
+
+        (o,) = chunk_call(
+            kernel, (qf, hf, flat(Aqk), vf),
+            [chunk_spec((C, Kp)), chunk_spec((Kp, Vp)), chunk_spec((C, C)), chunk_spec((C, Vp))],
+            [(C, Vp)], R * HV, NC, qg.dtype, self.target, resolve_interpret(self.target, self.interpret),
+        )
+        return unflat(o[..., :V], R, HV)
+
+
+class PallasDAv(AbstractDAv):
+    """B1: ``dAqk = tril(do v_new^T)``, ``dv_intra = Aqk^T do``."""
+
+    target: str = eqx.field(static=True, default="tpu")
+    interpret: bool = eqx.field(static=True, default=True)
+
+    def __check_init__(self):
+        check_target(self.target)
+
+    @typecheck
+    def __call__(
+        self,
+        v_new: Float[Array, "R HV NC C V"],
+        Aqk: Float[Array, "R HV NC C C"],
+        do: Float[Array, "R HV NC C V"],
+    ) -> tuple[Float[Array, "R HV NC C C"], Float[Array, "R HV NC C V"]]:
+        R, HV, NC, C, V = v_new.shape
+        vf = feature_pad(self.target, flat(v_new))
+        df = feature_pad(self.target, flat(do))
+        Vp = vf.shape[-1]
+
+        def kernel(v_ref, a_ref, do_ref, da_ref, dv_ref):
+            d = do_ref[...]
+            row, col = iota((C, C), 0), iota((C, C), 1)
+            da_ref[...] = jnp.where(col <= row, dot(d, v_ref[...], tb=True), 0.0)
+            dv_ref[...] = dot(a_ref[...], d, ta=True)
+
+        dA, dv = chunk_call(
+            kernel, (vf, flat(Aqk), df), [chunk_spec((C, Vp)), chunk_spec((C, C)), chunk_spec((C, Vp))],
+            [(C, C), (C, Vp)], R * HV, NC, v_new.dtype, self.target, resolve_interpret(self.target, self.interpret),
+        )
+        return unflat(dA, R, HV), unflat(dv[..., :V], R, HV)

@@ -1,0 +1,239 @@
+"""Pallas inter-chunk state family: F4 (state recurrence) and B2 (dhu, in reverse).
+
+TPU: grid (row * head, chunk) with the chunk axis sequential ("arbitrary") and the state
+carried in a VMEM scratch. Triton: one program per (row, head) that loops over chunks
+(no scratch), reading chunk blocks with ``pl.ds``. Both handle the dense layout (one
+sequence per row, starting at chunk 0); packed varlen needs per-chunk resets and raises
+``NotImplementedError`` (``KDAPipeline.pallas`` falls back to the reference stage).
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jaxtyping import Array, Float
+
+from .._layout import ChunkLayout
+from .._typing import typecheck
+from ..stages._state import AbstractDhu, AbstractState
+from ..stages._types import DhuOut, StateOut
+from ._common import check_target, chunk_spec, compiler_params, dot, feature_pad, flat, resolve_interpret, unflat
+
+
+def _check_dense(stage: str, layout: ChunkLayout, NC: int):
+    if layout.pos is not None:
+        raise NotImplementedError(
+            f"{stage}: packed varlen input (cu_seqlens) needs per-chunk sequence resets, which "
+            "this kernel does not implement; use the reference stage."
+        )
+    if NC == 0:
+        raise NotImplementedError(f"{stage}: T == 0 leaves no chunk to run a kernel on.")
+
+
+def _gamma_col(G, target):
+    """``G[last]`` per chunk as a column ``[P, NC, Kp, 1]`` (scales the rows of h)."""
+    return feature_pad(target, flat(G[..., -1, :]), axes=(-2,))
+
+
+def _state_step(w, u, kg, gam, h):
+    v_new = u - dot(w, h)
+    return v_new, jnp.exp(gam) * h + dot(kg, v_new, ta=True)
+
+
+def _dhu_step(scale, qg, kg, w, gam, do, dv_intra, dh_end):
+    dv = dv_intra + dot(kg, dh_end)
+    return dv, jnp.exp(gam) * dh_end + scale * dot(qg, do, ta=True) - dot(w, dv, ta=True)
+
+
+def _run_tpu(kernel, ins, in_blocks, out_blocks, P, NC, dtype, state_shape, interpret, reverse):
+    """Sequential chunk axis, state in VMEM scratch. Blocks tagged 'c' are per chunk,
+    'p' per row (the same block for every chunk)."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    def spec(kind, block):
+        if kind == "p":
+            return pl.BlockSpec((None,) + block, lambda p, c: (p,) + (0,) * len(block))
+        if reverse:
+            return pl.BlockSpec((None, None) + block, lambda p, c: (p, NC - 1 - c) + (0,) * len(block))
+        return chunk_spec(block)
+
+    out_shape = [jax.ShapeDtypeStruct((P,) + ((NC,) if k == "c" else ()) + b, dtype) for k, b in out_blocks]
+    return pl.pallas_call(
+        kernel, out_shape=out_shape, grid=(P, NC),
+        in_specs=[spec(k, b) for k, b in in_blocks], out_specs=[spec(k, b) for k, b in out_blocks],
+        scratch_shapes=[pltpu.VMEM(state_shape, dtype)], interpret=interpret,
+        compiler_params=None if interpret else compiler_params("tpu", True, 2),
+    )(*ins)
+
+
+def _run_triton(kernel, ins, out_shapes, P, dtype, interpret):
+    """One program per row; whole arrays, chunk blocks read with pl.ds inside the kernel."""
+    return pl.pallas_call(
+        kernel, out_shape=[jax.ShapeDtypeStruct(s, dtype) for s in out_shapes], grid=(P,),
+        interpret=interpret, compiler_params=None if interpret else compiler_params("triton", False, 1),
+    )(*ins)
+
+
+def _tokens(x):
+    """``[P, NC, A, B] -> [P, NC * A, B]`` so a chunk is a ``pl.ds`` slice of rows."""
+    return x.reshape(x.shape[0], x.shape[1] * x.shape[2], x.shape[3])
+
+
+class PallasState(AbstractState):
+    """F4 as a Pallas kernel (dense layout)."""
+
+    target: str = eqx.field(static=True, default="tpu")
+    interpret: bool = eqx.field(static=True, default=True)
+
+    def __check_init__(self):
+        check_target(self.target)
+
+    @typecheck
+    def __call__(
+        self,
+        w: Float[Array, "R HV NC C K"],
+        u: Float[Array, "R HV NC C V"],
+        kg: Float[Array, "R HV NC C K"],
+        G: Float[Array, "R HV NC C K"],
+        h0: Float[Array, "N HV K V"],
+        layout: ChunkLayout,
+    ) -> StateOut:
+        R, HV, NC, C, K = w.shape
+        V = u.shape[-1]
+        _check_dense("PallasState", layout, NC)
+        t = self.target
+        wf, kgf = feature_pad(t, flat(w)), feature_pad(t, flat(kg))
+        uf = feature_pad(t, flat(u))
+        gam = _gamma_col(G, t)
+        h0f = feature_pad(t, h0.reshape(R * HV, K, V), axes=(-2, -1))
+        P, Kp, Vp = R * HV, wf.shape[-1], uf.shape[-1]
+        interpret = resolve_interpret(t, self.interpret)
+        if t == "tpu":
+
+            def kernel(w_ref, u_ref, kg_ref, g_ref, h0_ref, h_ref, vn_ref, fin_ref, scr):
+                c = pl.program_id(1)
+
+                @pl.when(c == 0)
+                def _():
+                    scr[...] = h0_ref[...]
+
+                h = scr[...]
+                h_ref[...] = h
+                v_new, h_next = _state_step(w_ref[...], u_ref[...], kg_ref[...], g_ref[...], h)
+                vn_ref[...] = v_new
+                scr[...] = h_next
+
+                @pl.when(c == NC - 1)
+                def _():
+                    fin_ref[...] = h_next
+
+            h, v_new, final = _run_tpu(
+                kernel, (wf, uf, kgf, gam, h0f),
+                [("c", (C, Kp)), ("c", (C, Vp)), ("c", (C, Kp)), ("c", (Kp, 1)), ("p", (Kp, Vp))],
+                [("c", (Kp, Vp)), ("c", (C, Vp)), ("p", (Kp, Vp))], P, NC, w.dtype, (Kp, Vp), interpret, False,
+            )
+        else:
+
+            def kernel(w_ref, u_ref, kg_ref, g_ref, h0_ref, h_ref, vn_ref, fin_ref):
+                p = pl.program_id(0)
+
+                def step(c, h):
+                    rows, feats = pl.ds(c * C, C), pl.ds(c * Kp, Kp)
+                    h_ref[p, feats, :] = h
+                    v_new, h_next = _state_step(w_ref[p, rows, :], u_ref[p, rows, :], kg_ref[p, rows, :],
+                                                g_ref[p, feats, :], h)
+                    vn_ref[p, rows, :] = v_new
+                    return h_next
+
+                fin_ref[p] = jax.lax.fori_loop(0, NC, step, h0_ref[p])
+
+            h, v_new, final = _run_triton(
+                kernel, (_tokens(wf), _tokens(uf), _tokens(kgf), _tokens(gam), h0f),
+                [(P, NC * Kp, Vp), (P, NC * C, Vp), (P, Kp, Vp)], P, w.dtype, interpret,
+            )
+            h, v_new = h.reshape(P, NC, Kp, Vp), v_new.reshape(P, NC, C, Vp)
+        return StateOut(unflat(h[..., :K, :V], R, HV), unflat(v_new[..., :V], R, HV),
+                        final[:, :K, :V].reshape(R, HV, K, V))
+
+
+class PallasDhu(AbstractDhu):
+    """B2 as a Pallas kernel (dense layout), chunks in reverse."""
+
+    target: str = eqx.field(static=True, default="tpu")
+    interpret: bool = eqx.field(static=True, default=True)
+
+    def __check_init__(self):
+        check_target(self.target)
+
+    @typecheck
+    def __call__(
+        self,
+        scale: float,
+        qg: Float[Array, "R HV NC C K"],
+        kg: Float[Array, "R HV NC C K"],
+        w: Float[Array, "R HV NC C K"],
+        G: Float[Array, "R HV NC C K"],
+        do: Float[Array, "R HV NC C V"],
+        dv_intra: Float[Array, "R HV NC C V"],
+        dht: Float[Array, "N HV K V"],
+        layout: ChunkLayout,
+    ) -> DhuOut:
+        R, HV, NC, C, K = qg.shape
+        V = do.shape[-1]
+        _check_dense("PallasDhu", layout, NC)
+        t = self.target
+        qf, kf, wf = (feature_pad(t, flat(x)) for x in (qg, kg, w))
+        dof, dvf = feature_pad(t, flat(do)), feature_pad(t, flat(dv_intra))
+        gam = _gamma_col(G, t)
+        dhtf = feature_pad(t, dht.reshape(R * HV, K, V), axes=(-2, -1))
+        P, Kp, Vp = R * HV, qf.shape[-1], dof.shape[-1]
+        interpret = resolve_interpret(t, self.interpret)
+        if t == "tpu":
+
+            def kernel(q_ref, k_ref, w_ref, g_ref, do_ref, dvi_ref, dht_ref, dh_ref, dv_ref, dh0_ref, scr):
+                c = pl.program_id(1)
+
+                @pl.when(c == 0)
+                def _():
+                    scr[...] = dht_ref[...]
+
+                dh_end = scr[...]
+                dh_ref[...] = dh_end
+                dv, dh_start = _dhu_step(scale, q_ref[...], k_ref[...], w_ref[...], g_ref[...], do_ref[...],
+                                         dvi_ref[...], dh_end)
+                dv_ref[...] = dv
+                scr[...] = dh_start
+
+                @pl.when(c == NC - 1)
+                def _():
+                    dh0_ref[...] = dh_start
+
+            dh, dv_new, dh0 = _run_tpu(
+                kernel, (qf, kf, wf, gam, dof, dvf, dhtf),
+                [("c", (C, Kp)), ("c", (C, Kp)), ("c", (C, Kp)), ("c", (Kp, 1)), ("c", (C, Vp)),
+                 ("c", (C, Vp)), ("p", (Kp, Vp))],
+                [("c", (Kp, Vp)), ("c", (C, Vp)), ("p", (Kp, Vp))], P, NC, qg.dtype, (Kp, Vp), interpret, True,
+            )
+        else:
+
+            def kernel(q_ref, k_ref, w_ref, g_ref, do_ref, dvi_ref, dht_ref, dh_ref, dv_ref, dh0_ref):
+                p = pl.program_id(0)
+
+                def step(i, dh_end):
+                    c = NC - 1 - i
+                    rows, feats = pl.ds(c * C, C), pl.ds(c * Kp, Kp)
+                    dh_ref[p, feats, :] = dh_end
+                    dv, dh_start = _dhu_step(scale, q_ref[p, rows, :], k_ref[p, rows, :], w_ref[p, rows, :],
+                                             g_ref[p, feats, :], do_ref[p, rows, :], dvi_ref[p, rows, :], dh_end)
+                    dv_ref[p, rows, :] = dv
+                    return dh_start
+
+                dh0_ref[p] = jax.lax.fori_loop(0, NC, step, dht_ref[p])
+
+            dh, dv_new, dh0 = _run_triton(
+                kernel, (_tokens(qf), _tokens(kf), _tokens(wf), _tokens(gam), _tokens(dof), _tokens(dvf), dhtf),
+                [(P, NC * Kp, Vp), (P, NC * C, Vp), (P, Kp, Vp)], P, qg.dtype, interpret,
+            )
+            dh, dv_new = dh.reshape(P, NC, Kp, Vp), dv_new.reshape(P, NC, C, Vp)
+        return DhuOut(unflat(dh[..., :K, :V], R, HV), dh0[:, :K, :V].reshape(R, HV, K, V),
+                      unflat(dv_new[..., :V], R, HV))
