@@ -1,0 +1,131 @@
+"""Every Pallas stage (interpret mode) equals its reference stage, for both targets'
+kernel bodies and block layouts (TPU: full-dim blocks; Triton: power-of-2 padded)."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kdax import KDAConfig
+from kdax import pallas as P
+from kdax import stages as S
+from kdax._layout import make_layout
+from kdax.stages import ChunkGrads
+
+from .._util import assert_close
+from ..stages._chunked import chunked, intra_chunk, rand_like, state_scan, wy_chunk
+
+TARGETS = ["tpu", "triton"]
+CASES = [  # (dtype, tol, C, K, V)
+    (jnp.float64, 1e-12, 16, 8, 4),
+    (jnp.float64, 1e-12, 32, 12, 6),  # K, V not powers of 2: Triton pads them
+    (jnp.float32, 1e-5, 64, 16, 16),
+]
+
+
+def _x(dtype, C, K, V, seed=0):
+    x = chunked(seed, R=2, HV=2, NC=2, C=C, K=K, V=V, strong=True)
+    x = {n: (a.astype(dtype) if hasattr(a, "dtype") and a.dtype.kind == "f" else a) for n, a in x.items()}
+    Aqk, Akk = intra_chunk(x["q"], x["k"], x["beta"], x["G"], x["scale"])
+    w, u, qg, kg = wy_chunk(x["q"], x["k"], x["v"], x["beta"], x["G"], Akk)
+    h, v_new, _ = state_scan(w, u, kg, x["G"], x["h0"])
+    x.update(Aqk=Aqk, Akk=Akk, w=w, u=u, qg=qg, kg=kg, h=h, v_new=v_new)
+    return x
+
+
+def _close(got, want, tol, name):
+    if isinstance(want, tuple):
+        for i, (a, b) in enumerate(zip(got, want)):
+            _close(a, b, tol, f"{name}[{i}]")
+        return
+    if hasattr(want, "__dataclass_fields__"):
+        for f in want.__dataclass_fields__:
+            a, b = getattr(got, f), getattr(want, f)
+            if b is None or not hasattr(b, "shape"):
+                assert a is None or not hasattr(a, "shape"), f"{name}.{f}"
+            else:
+                _close(a, b, tol, f"{name}.{f}")
+        return
+    assert got.dtype == want.dtype, name
+    assert_close(got, want, tol, name)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("dtype,tol,C,K,V", CASES)
+def test_forward_stages(target, dtype, tol, C, K, V):
+    x = _x(dtype, C, K, V)
+    kw = dict(target=target, interpret=True)
+    sc = x["scale"]
+    pairs = [
+        ("intra", P.PallasIntra(**kw), S.ReferenceIntra(), (sc, x["q"], x["k"], x["beta"], x["G"])),
+        ("wy", P.PallasWY(**kw), S.ReferenceWY(), (x["q"], x["k"], x["v"], x["beta"], x["G"], x["Akk"])),
+        ("state", P.PallasState(**kw), S.ReferenceState(), (x["w"], x["u"], x["kg"], x["G"], x["h0"], x["layout"])),
+        ("output", P.PallasOutput(**kw), S.ReferenceOutput(), (sc, x["qg"], x["h"], x["Aqk"], x["v_new"])),
+        ("recompute", P.PallasRecompute(**kw), S.ReferenceRecompute(),
+         (x["q"], x["k"], x["v"], x["beta"], x["G"], x["Akk"], x["h0"], x["layout"])),
+    ]
+    for name, pal, ref, args in pairs:
+        _close(pal(*args), ref(*args), tol, name)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("dtype,tol,C,K,V", CASES)
+def test_backward_stages(target, dtype, tol, C, K, V):
+    x = _x(dtype, C, K, V, seed=1)
+    kw = dict(target=target, interpret=True)
+    sc = x["scale"]
+    do = rand_like(x["v"], 3)
+    dht = rand_like(x["h0"], 4)
+    dh = rand_like(x["h"], 5)
+    dv_new = rand_like(x["v"], 6)
+    dL = jnp.tril(rand_like(x["Aqk"], 7), -1)
+    grads = ChunkGrads(rand_like(x["q"], 8), rand_like(x["k"], 9), rand_like(x["v"], 10),
+                       rand_like(x["beta"], 11), rand_like(x["G"], 12), dL)
+    pairs = [
+        ("dav", P.PallasDAv(**kw), S.ReferenceDAv(), (x["v_new"], x["Aqk"], do)),
+        ("dhu", P.PallasDhu(**kw), S.ReferenceDhu(),
+         (sc, x["qg"], x["kg"], x["w"], x["G"], do, dv_new, dht, x["layout"])),
+        ("wy_dqkg", P.PallasWYDqkg(**kw), S.ReferenceWYDqkg(),
+         (sc, x["q"], x["k"], x["v"], x["beta"], x["G"], x["Akk"], x["qg"], x["kg"], x["h"], dh, x["v_new"], do, dv_new)),
+        ("intra_bwd", P.PallasIntraBackward(**kw), S.ReferenceIntraBackward(),
+         (sc, x["q"], x["k"], x["beta"], x["G"], jnp.tril(rand_like(x["Aqk"], 13)), grads)),
+    ]
+    for name, pal, ref, args in pairs:
+        _close(pal(*args), ref(*args), tol, name)
+
+
+GATE_CONFIGS = [
+    dict(),
+    dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True),
+    dict(use_gate_in_kernel=True, lower_bound=-5.0, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True),
+]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("opts", GATE_CONFIGS, ids=["plain", "softplus_l2_sigmoid", "lower_bound_neg"])
+@pytest.mark.parametrize("dtype,tol", [(jnp.float64, 1e-12), (jnp.float32, 1e-5)])
+def test_gate_stages(target, opts, dtype, tol):
+    cfg = KDAConfig(scale=1.0, **opts)
+    R, HV, NC, C, K = 2, 2, 2, 16, 12
+    r = np.random.default_rng(0)
+    f = lambda *s: jnp.asarray(r.normal(size=s), dtype)
+    gate = cfg.use_gate_in_kernel
+    q, k, beta = f(R, HV, NC, C, K), f(R, HV, NC, C, K), f(R, HV, NC, C)
+    g = f(R, HV, NC, C, K) if gate else -jnp.abs(f(R, HV, NC, C, K))
+    A_log, dt_bias = (f(HV) * 0.3, f(HV * K)) if gate else (None, None)
+    valid = make_layout(R, NC * C - 5, C).valid
+    kw = dict(target=target, interpret=True)
+    args = (cfg, q, k, g, beta, A_log, dt_bias, valid)
+    act_p, act_r = P.PallasGate(**kw)(*args), S.ReferenceGate()(*args)
+    _close(act_p, act_r, tol, "gate")
+    bargs = (cfg, act_r, g if gate else None, A_log, dt_bias, valid, f(R, HV, NC, C, K), f(R, HV, NC, C, K),
+             f(R, HV, NC, C), f(R, HV, NC, C, K))
+    _close(P.PallasGateBackward(**kw)(*bargs), S.ReferenceGateBackward()(*bargs), tol, "gate_bwd")
+
+
+def test_state_kernels_refuse_varlen():
+    x = _x(jnp.float64, 16, 8, 4)
+    layout = make_layout(1, 30, 16, jnp.array([0, 10, 30], jnp.int32))
+    with pytest.raises(NotImplementedError, match="packed varlen"):
+        P.PallasState()(x["w"][:1], x["u"][:1], x["kg"][:1], x["G"][:1], x["h0"], layout)
+    with pytest.raises(ValueError, match="target"):
+        P.PallasIntra(target="cuda")
