@@ -127,7 +127,12 @@ def idiv(x, n: int):
     without a TPU present)."""
     if isinstance(x, int):
         return x // n
-    return jax.lax.div(jnp.asarray(x).astype(jnp.int32), jnp.asarray(n, jnp.int32))
+    return jax.lax.div(x, jnp.asarray(n, x.dtype))
+
+
+def loop(lo: int, hi: int, body, init):
+    """``fori_loop`` with an int32 index even under x64 (Mosaic indexes in 32 bits)."""
+    return jax.lax.fori_loop(jnp.int32(lo), jnp.int32(hi), body, init)
 
 
 def row_of(x, i):

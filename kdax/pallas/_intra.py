@@ -15,7 +15,7 @@ from .._typing import typecheck
 from ..stages._intra import AbstractIntra, AbstractIntraBackward
 from ..stages._types import ChunkGrads, IntraOut
 from ._common import (
-    check_target, chunk_call, chunk_spec, col_of, dot, feature_pad, flat, idiv, iota, masked_exp,
+    check_target, loop, chunk_call, chunk_spec, col_of, dot, feature_pad, flat, idiv, iota, masked_exp,
     resolve_interpret, row_of, unflat,
 )
 
@@ -48,7 +48,7 @@ def scores_body(q, k, G, block: int):
         return (jnp.where(sel, jnp.sum(q * e, axis=1, keepdims=True), Sqk),
                 jnp.where(sel, jnp.sum(k * e, axis=1, keepdims=True), Skk))
 
-    return jax.lax.fori_loop(0, C, diag, (Sqk, Skk))
+    return loop(0, C, diag, (Sqk, Skk))
 
 
 def unit_lower_inverse_body(L):
@@ -62,7 +62,7 @@ def unit_lower_inverse_body(L):
         new = jnp.where(iota((1, C), 1) == i, 1.0, 0.0) - jnp.sum(col_of(Lt, i) * A, axis=0, keepdims=True)
         return jnp.where(row == i, new, A)
 
-    return jax.lax.fori_loop(1, C, step, eye)
+    return loop(1, C, step, eye)
 
 
 def pair_rows_body(S, b_, G, block: int):
@@ -80,7 +80,7 @@ def pair_rows_body(S, b_, G, block: int):
         m = (rC >= j) & (blk == idiv(j, b))
         return R + col_of(S, j) * row_of(b_, j) * masked_exp(m, G - row_of(G, j))
 
-    return jax.lax.fori_loop(0, C, diag, R)
+    return loop(0, C, diag, R)
 
 
 def pair_cols_body(S, a, G, block: int):
@@ -99,7 +99,7 @@ def pair_cols_body(S, a, G, block: int):
         m = (rC <= i) & (blk == idiv(i, b))
         return out + col_of(St, i) * row_of(a, i) * masked_exp(m, row_of(G, i) - G)
 
-    return jax.lax.fori_loop(0, C, diag, out)
+    return loop(0, C, diag, out)
 
 
 def _feature_pad(target: str, *xs):

@@ -17,7 +17,7 @@ from .._layout import ChunkLayout
 from .._typing import typecheck
 from ..stages._state import AbstractDhu, AbstractState
 from ..stages._types import DhuOut, StateOut
-from ._common import check_target, chunk_spec, compiler_params, dot, feature_pad, flat, resolve_interpret, unflat
+from ._common import check_target, chunk_spec, loop, compiler_params, dot, feature_pad, flat, resolve_interpret, unflat
 
 
 def _check_dense(stage: str, layout: ChunkLayout, NC: int):
@@ -145,7 +145,7 @@ class PallasState(AbstractState):
                     vn_ref[p, rows, :] = v_new
                     return h_next
 
-                fin_ref[p] = jax.lax.fori_loop(0, NC, step, h0_ref[p])
+                fin_ref[p] = loop(0, NC, step, h0_ref[p])
 
             h, v_new, final = _run_triton(
                 kernel, (_tokens(wf), _tokens(uf), _tokens(kgf), _tokens(gam), h0f),
@@ -228,7 +228,7 @@ class PallasDhu(AbstractDhu):
                     dv_ref[p, rows, :] = dv
                     return dh_start
 
-                dh0_ref[p] = jax.lax.fori_loop(0, NC, step, dht_ref[p])
+                dh0_ref[p] = loop(0, NC, step, dht_ref[p])
 
             dh, dv_new, dh0 = _run_triton(
                 kernel, (_tokens(qf), _tokens(kf), _tokens(wf), _tokens(gam), _tokens(dof), _tokens(dvf), dhtf),

@@ -1,0 +1,107 @@
+"""All-Pallas and mixed pipelines end to end (interpret mode), fallback, and lowering of
+the kernels for TPU (Mosaic) and GPU (Triton) on this CPU."""
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import kdax
+from kdax import pallas as P
+
+from .._util import GOLDEN_CASES, assert_close, check_golden, loss_grads, oracle_kda, run
+from ..test_pipeline import GRID, build_case, cotangents
+
+PIPELINES = {
+    "pallas_tpu": lambda: kdax.KDAPipeline.pallas("tpu", interpret=True),
+    "pallas_triton": lambda: kdax.KDAPipeline.pallas("triton", interpret=True),
+    "mixed": lambda: kdax.KDAPipeline.mixed("tpu", interpret=True),
+}
+
+
+@pytest.mark.parametrize("pipe", list(PIPELINES))
+@pytest.mark.parametrize("name", GOLDEN_CASES)
+@pytest.mark.parametrize("dtype,tol_o,tol_g", [(jnp.float64, 1e-10, 1e-10), (jnp.float32, 1e-5, 1e-4)])
+def test_golden(pipe, name, dtype, tol_o, tol_g):
+    check_golden(PIPELINES[pipe](), name, dtype, tol_o, tol_g)
+
+
+# The options grid of the reference pipeline: every case for the TPU-layout all-Pallas
+# pipeline; a spread covering every option for the others (the rest run with -m slow).
+FAST = {
+    "pallas_tpu": list(GRID),
+    "pallas_triton": ["c16_T37", "c32_gva", "lower_bound_gate", "l2norm_sigmoid", "state_v_first", "varlen"],
+    "mixed": ["c128_strong", "softplus_gate", "neg_eigval", "no_h0", "disable_recompute", "varlen_gate_c64"],
+}
+GRID_CASES = [
+    pytest.param(p, n, marks=() if n in FAST[p] else pytest.mark.slow) for p in PIPELINES for n in GRID
+]
+
+
+@pytest.mark.parametrize("pipe,name", GRID_CASES)
+def test_options_against_oracle(pipe, name):
+    pipeline = PIPELINES[pipe]()
+    x, opts = build_case(GRID[name])
+    o, ht = run(pipeline, x, opts)
+    o_ref, ht_ref = run(oracle_kda, x, opts)
+    assert_close(o, o_ref, 1e-10, "o")
+    assert_close(ht, ht_ref, 1e-10, "ht")
+    do, dht = cotangents(o, ht)
+    grads = loss_grads(pipeline, x, opts, do, dht)
+    ref = loss_grads(oracle_kda, x, opts, do, dht)
+    for n in ref:
+        assert_close(grads[n], ref[n], 1e-10, "d" + n)
+
+
+def test_varlen_falls_back_to_reference_state():
+    x, opts = build_case(GRID["varlen"])
+    strict = dataclasses.replace(kdax.KDAPipeline.pallas("tpu", interpret=True), fallback=False)
+    with pytest.raises(NotImplementedError, match="packed varlen"):
+        run(strict, x, opts)
+    o, ht = run(kdax.KDAPipeline.pallas("tpu", interpret=True), x, opts)
+    o_ref, ht_ref = run(oracle_kda, x, opts)
+    assert_close(o, o_ref, 1e-10, "o")
+    assert_close(ht, ht_ref, 1e-10, "ht")
+
+
+def test_pallas_defaults():
+    pipe = kdax.KDAPipeline.pallas()
+    assert isinstance(pipe.intra, P.PallasIntra) and isinstance(pipe.gate_bwd, P.PallasGateBackward)
+    assert pipe.intra.interpret == (jax.default_backend() == "cpu")
+    mixed = kdax.KDAPipeline.mixed()
+    assert isinstance(mixed.gate, P.PallasGate) and not isinstance(mixed.intra, P.PallasIntra)
+
+
+LOWERINGS = [
+    pytest.param(target, platform, K, id=f"{target}-K{K}")
+    for target, platform in (("tpu", "tpu"), ("triton", "cuda"))
+    for K in (128, 64)
+]
+KERNEL_CALL = {"tpu": "tpu_custom_call", "triton": "triton"}
+
+
+@pytest.mark.parametrize("target,platform,K", LOWERINGS)
+def test_lowering(target, platform, K):
+    """Forward and backward lower for the device (kernels compiled to Mosaic / Triton IR)
+    at B=2, T=1024, H=4, K=V, chunk 64: a kernel the device cannot take fails here."""
+    B, T, H = 2, 1024, 4
+    s = jax.ShapeDtypeStruct
+    args = (s((B, T, H, K), jnp.float32),) * 4 + (s((B, T, H), jnp.float32),)
+    pipe = kdax.KDAPipeline.pallas(target, interpret=False)
+
+    def fwd(*a):
+        return kdax.chunk_kda(*a, pipeline=pipe, chunk_size=64, use_gate_in_kernel=True, A_log=jnp.zeros(H),
+                              use_qk_l2norm_in_kernel=True, output_final_state=True)
+
+    def loss(*a):
+        o, ht = fwd(*a)
+        return jnp.sum(o) + jnp.sum(ht)
+
+    bwd = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
+    for f, n_min in ((lambda *a: fwd(*a)[0], 5), (bwd, 11)):
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+        calls = re.findall(r"stablehlo\.custom_call @(\S+)\(", text)
+        kernels = [c for c in calls if KERNEL_CALL[target] in c]
+        assert len(kernels) >= n_min, calls
