@@ -45,10 +45,10 @@ class ReferenceWY(AbstractWY):
     ) -> WYOut:
         eG = jnp.exp(G)
         b = beta[..., None]
-        w = Akk @ (b * k * eG)
-        u = Akk @ (b * v)
+        K = k.shape[-1]
+        wu = Akk @ jnp.concatenate([b * k * eG, b * v], axis=-1)  # one matmul for w and u
         kg = k * jnp.exp(G[..., -1:, :] - G)
-        return WYOut(w, u, q * eG, kg)
+        return WYOut(wu[..., :K], wu[..., K:], q * eG, kg)
 
 
 class AbstractWYDqkg(eqx.Module):
