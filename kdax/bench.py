@@ -189,7 +189,8 @@ def bench_shape(s: Shape, reps: int, pipes: dict, baselines: bool, check: bool, 
     if baselines:
         scan_f = jax.jit(lambda *a: naive_recurrent_kda(*a)[0])
         add("scan", "fwd", scan_f)
-        add("scan", "fwd+bwd", _sum_loss(naive_recurrent_kda))
+        if s.T <= 4096:  # autodiff of the scan keeps every step's state: 6 GB at T=4096
+            add("scan", "fwd+bwd", _sum_loss(naive_recurrent_kda))
         add("autodiff_chunk", "fwd+bwd", _sum_loss(_autodiff_chunk(KDAPipeline.reference(), s.chunk_size)))
         add("fused_recurrent", "fwd", jax.jit(lambda *a: fused_recurrent_kda(*a)[0]))
     return rows
@@ -281,8 +282,8 @@ def main(argv=None) -> int:
     shape = Shape(**{k: getattr(a, k) for k in dataclasses.asdict(Shape())})
     if a.sweep:
         Ts = [512, 1024, 2048, 4096, 8192, 16384]
-        per = 2 * len(pipes) + (0 if a.no_baselines else 4)
-        prog = _Progress(per * len(Ts), sys.stderr.isatty() or True)
+        per = lambda T: 2 * len(pipes) + (0 if a.no_baselines else (4 if T <= 4096 else 3))
+        prog = _Progress(sum(per(T) for T in Ts), True)
         rows = []
         for T in Ts:
             rows += bench_shape(dataclasses.replace(shape, T=T), a.reps, pipes, not a.no_baselines, False, prog)

@@ -10,7 +10,7 @@ the pairwise form (``[block, block, K]``). Masks are applied in the exponent.
 """
 
 import abc
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import equinox as eqx
 import jax
@@ -181,9 +181,11 @@ class AbstractIntraBackward(eqx.Module):
 
 
 class ReferenceIntraBackward(AbstractIntraBackward):
-    """B4 in jnp with the same anchored sub-blocks as ``ReferenceIntra``."""
+    """B4 in jnp with the same anchored sub-blocks as ``ReferenceIntra``, ``heads_per_step``
+    value heads at a time (None: all at once; fewer lowers peak memory)."""
 
     block: int = eqx.field(static=True, default=8)
+    heads_per_step: Optional[int] = eqx.field(static=True, default=4)
 
     @typecheck
     def __call__(
@@ -196,17 +198,27 @@ class ReferenceIntraBackward(AbstractIntraBackward):
         dAqk: Float[Array, "R HV NC C C"],
         grads: ChunkGrads,
     ) -> ChunkGrads:
-        dec = anchored_decay(G, self.block)
-        dL = grads.dL
-        # Aqk = scale * sum_d q_i k_j e^(G_i - G_j)
-        dq_a = scale * pair_rows(dAqk, k, dec)
-        dk_a = scale * pair_cols(dAqk, q, dec)
-        # L = beta_i * sum_d k_i k_j e^(G_i - G_j): row side carries beta_i
-        r = pair_rows(dL, k, dec)
-        c = pair_cols(dL * beta[..., :, None], k, dec)
-        bk = beta[..., None] * k
+        def per_head(xs):
+            q, k, beta, G, dAqk, dL = xs
+            dec = anchored_decay(G, self.block)
+            # Aqk = scale * sum_d q_i k_j e^(G_i - G_j)
+            dq_a = scale * pair_rows(dAqk, k, dec)
+            dk_a = scale * pair_cols(dAqk, q, dec)
+            # L = beta_i * sum_d k_i k_j e^(G_i - G_j): row side carries beta_i
+            r = pair_rows(dL, k, dec)
+            c = pair_cols(dL * beta[..., :, None], k, dec)
+            dk = dk_a + beta[..., None] * r + c
+            dbeta = jnp.sum(k * r, axis=-1)
+            dG = q * dq_a - k * dk_a + beta[..., None] * k * r - k * c
+            return dq_a, dk, dbeta, dG
+
+        # One head at a time: the anchored decays are [NC, C/b, C, K] per head, and
+        # mapping over heads keeps them out of peak memory at no cost in speed.
+        heads_first = lambda x: jnp.moveaxis(x, 1, 0)
+        outs = jax.lax.map(per_head, tuple(heads_first(x) for x in (q, k, beta, G, dAqk, grads.dL)), batch_size=2)
+        dq_a, dk_i, dbeta_i, dG_i = (jnp.moveaxis(x, 0, 1) for x in outs)
         dq = grads.dq + dq_a
-        dk = grads.dk + dk_a + beta[..., None] * r + c
-        dbeta = grads.dbeta + jnp.sum(k * r, axis=-1)
-        dG = grads.dG + q * dq_a - k * dk_a + bk * r - k * c
+        dk = grads.dk + dk_i
+        dbeta = grads.dbeta + dbeta_i
+        dG = grads.dG + dG_i
         return ChunkGrads(dq, dk, grads.dv, dbeta, dG, None)
