@@ -5,7 +5,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from ._typing import ALog, ArrayIn, Beta, CuSeqlens, DtBias, Float, Gate, QK, State, Values, typecheck
+from ._typing import ALog, ArrayIn, Beta, CuSeqlens, Float, Gate, QK, State, Values, typecheck
 from ._validate import validate_kda_args
 from .ref._gates import beta_activation, kda_gate, l2norm
 from .ref._recurrent import compute_dtype, expand_heads, recurrent_step

@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import kdax
 from kdax.ref import beta_activation, kda_gate, l2norm, naive_recurrent_kda
 
 GOLDEN_DIR = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "golden"

@@ -17,6 +17,7 @@ ops, ``where`` and keep-dims reductions, which both lowerings accept.
 
 from typing import Optional
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -28,6 +29,20 @@ def check_target(target: str) -> str:
     if target not in TARGETS:
         raise ValueError(f"target: expected one of {TARGETS}, got {target!r}.")
     return target
+
+
+class PallasTarget(eqx.Module):
+    """The fields every Pallas stage has: the kernel target and interpret mode."""
+
+    target: str = eqx.field(static=True, default="tpu")
+    interpret: bool = eqx.field(static=True, default=True)
+
+    def __check_init__(self):
+        check_target(self.target)
+
+    @property
+    def run_interpreted(self) -> bool:
+        return resolve_interpret(self.target, self.interpret)
 
 
 def default_target() -> str:

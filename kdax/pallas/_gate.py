@@ -7,7 +7,6 @@ per block and added up outside the kernel.
 
 from typing import Optional
 
-import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
@@ -17,7 +16,7 @@ from ..ref._gates import L2NORM_EPS
 from ..stages._gate import AbstractGate, AbstractGateBackward
 from ..stages._types import Activated, RawGrads
 from ._common import (
-    check_target, chunk_call, chunk_spec, dot, feature_pad, flat, head_spec, iota, resolve_interpret, unflat,
+    PallasTarget, chunk_call, chunk_spec, dot, feature_pad, flat, head_spec, iota, unflat,
 )
 
 
@@ -104,14 +103,8 @@ def _take_params(cfg, refs, A_log, dt_bias):
     return a, d
 
 
-class PallasGate(AbstractGate):
+class PallasGate(AbstractGate, PallasTarget):
     """F1 as a Pallas kernel over (row * head, chunk)."""
-
-    target: str = eqx.field(static=True, default="tpu")
-    interpret: bool = eqx.field(static=True, default=True)
-
-    def __check_init__(self):
-        check_target(self.target)
 
     @typecheck
     def __call__(
@@ -146,21 +139,15 @@ class PallasGate(AbstractGate):
         sk, s1 = chunk_spec((C, Kp)), chunk_spec((C, 1))
         blocks = [(C, Kp), (C, Kp), (C, 1), (C, Kp)] + ([(C, 1), (C, 1)] if l2 else [])
         outs = chunk_call(kernel, (qf, kf, gf, flat(beta), vf, *p_arrays), [sk, sk, sk, s1, s1, *p_specs],
-                          blocks, R * HV, NC, q.dtype, self.target, resolve_interpret(self.target, self.interpret))
+                          blocks, R * HV, NC, q.dtype, self.target, self.run_interpreted)
         cut = lambda x: unflat(x[..., :K], R, HV)
         rstd = (unflat(outs[4], R, HV), unflat(outs[5], R, HV)) if l2 else (None, None)
         return Activated(cut(outs[0]), cut(outs[1]), unflat(outs[2], R, HV, squeeze=True), cut(outs[3]), *rstd)
 
 
-class PallasGateBackward(AbstractGateBackward):
+class PallasGateBackward(AbstractGateBackward, PallasTarget):
     """B5 as a Pallas kernel over (row * head, chunk); dA_log / ddt_bias partial sums per
     block are added up outside."""
-
-    target: str = eqx.field(static=True, default="tpu")
-    interpret: bool = eqx.field(static=True, default=True)
-
-    def __check_init__(self):
-        check_target(self.target)
 
     @typecheck
     def __call__(
@@ -215,7 +202,7 @@ class PallasGateBackward(AbstractGateBackward):
                 ref[...] = val
 
         outs = chunk_call(kernel, ins, specs, blocks, R * HV, NC, dq.dtype, self.target,
-                          resolve_interpret(self.target, self.interpret))
+                          self.run_interpreted)
         cut = lambda x: unflat(x[..., :K], R, HV)
         rest = list(outs[4:])
         dA = ddt = None

@@ -7,7 +7,6 @@ substitution. Masks are applied in the exponent.
 """
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
@@ -15,8 +14,8 @@ from .._typing import typecheck
 from ..stages._intra import AbstractIntra, AbstractIntraBackward
 from ..stages._types import ChunkGrads, IntraOut
 from ._common import (
-    check_target, loop, chunk_call, chunk_spec, col_of, dot, feature_pad, flat, idiv, iota, masked_exp,
-    resolve_interpret, row_of, unflat,
+    PallasTarget, chunk_call, chunk_spec, col_of, dot, feature_pad, flat, idiv, iota, loop, masked_exp, row_of,
+    unflat,
 )
 
 
@@ -106,15 +105,10 @@ def _feature_pad(target: str, *xs):
     return tuple(feature_pad(target, x) for x in xs)
 
 
-class PallasIntra(AbstractIntra):
+class PallasIntra(AbstractIntra, PallasTarget):
     """F2 as a Pallas kernel over (row * head, chunk)."""
 
-    target: str = eqx.field(static=True, default="tpu")
-    interpret: bool = eqx.field(static=True, default=True)
     block: int = eqx.field(static=True, default=16)
-
-    def __check_init__(self):
-        check_target(self.target)
 
     @typecheck
     def __call__(
@@ -140,19 +134,14 @@ class PallasIntra(AbstractIntra):
         spec = chunk_spec((C, Kp))
         Aqk, Akk = chunk_call(kernel, (qf, kf, bf, Gf), [spec, spec, chunk_spec((C, 1)), spec],
                               [(C, C), (C, C)], R * HV, NC, q.dtype, self.target,
-                              resolve_interpret(self.target, self.interpret))
+                              self.run_interpreted)
         return IntraOut(unflat(Aqk, R, HV), unflat(Akk, R, HV))
 
 
-class PallasIntraBackward(AbstractIntraBackward):
+class PallasIntraBackward(AbstractIntraBackward, PallasTarget):
     """B4 as a Pallas kernel over (row * head, chunk)."""
 
-    target: str = eqx.field(static=True, default="tpu")
-    interpret: bool = eqx.field(static=True, default=True)
     block: int = eqx.field(static=True, default=16)
-
-    def __check_init__(self):
-        check_target(self.target)
 
     @typecheck
     def __call__(
@@ -189,7 +178,7 @@ class PallasIntraBackward(AbstractIntraBackward):
         dq, dk, db, dG = chunk_call(
             kernel, (qf, kf, flat(beta), Gf, flat(dAqk), flat(grads.dL), dqf, dkf, flat(grads.dbeta), dGf),
             [sk, sk, s1, sk, sc, sc, sk, sk, s1, sk], [(C, Kp), (C, Kp), (C, 1), (C, Kp)],
-            R * HV, NC, q.dtype, self.target, resolve_interpret(self.target, self.interpret),
+            R * HV, NC, q.dtype, self.target, self.run_interpreted,
         )
         cut = lambda x: unflat(x[..., :K], R, HV)
         return ChunkGrads(cut(dq), cut(dk), grads.dv, unflat(db, R, HV, squeeze=True), cut(dG), None)

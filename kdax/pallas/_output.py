@@ -1,22 +1,15 @@
 """Pallas output family: F5 (o) and B1 (dAv), one (p, chunk) block per program."""
 
-import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from .._typing import typecheck
 from ..stages._output import AbstractDAv, AbstractOutput
-from ._common import check_target, chunk_call, chunk_spec, dot, feature_pad, flat, iota, resolve_interpret, unflat
+from ._common import PallasTarget, chunk_call, chunk_spec, dot, feature_pad, flat, iota, unflat
 
 
-class PallasOutput(AbstractOutput):
+class PallasOutput(AbstractOutput, PallasTarget):
     """F5: ``o = scale qg h + Aqk v_new``."""
-
-    target: str = eqx.field(static=True, default="tpu")
-    interpret: bool = eqx.field(static=True, default=True)
-
-    def __check_init__(self):
-        check_target(self.target)
 
     @typecheck
     def __call__(
@@ -40,19 +33,13 @@ class PallasOutput(AbstractOutput):
         (o,) = chunk_call(
             kernel, (qf, hf, flat(Aqk), vf),
             [chunk_spec((C, Kp)), chunk_spec((Kp, Vp)), chunk_spec((C, C)), chunk_spec((C, Vp))],
-            [(C, Vp)], R * HV, NC, qg.dtype, self.target, resolve_interpret(self.target, self.interpret),
+            [(C, Vp)], R * HV, NC, qg.dtype, self.target, self.run_interpreted,
         )
         return unflat(o[..., :V], R, HV)
 
 
-class PallasDAv(AbstractDAv):
+class PallasDAv(AbstractDAv, PallasTarget):
     """B1: ``dAqk = tril(do v_new^T)``, ``dv_intra = Aqk^T do``."""
-
-    target: str = eqx.field(static=True, default="tpu")
-    interpret: bool = eqx.field(static=True, default=True)
-
-    def __check_init__(self):
-        check_target(self.target)
 
     @typecheck
     def __call__(
@@ -74,6 +61,6 @@ class PallasDAv(AbstractDAv):
 
         dA, dv = chunk_call(
             kernel, (vf, flat(Aqk), df), [chunk_spec((C, Vp)), chunk_spec((C, C)), chunk_spec((C, Vp))],
-            [(C, C), (C, Vp)], R * HV, NC, v_new.dtype, self.target, resolve_interpret(self.target, self.interpret),
+            [(C, C), (C, Vp)], R * HV, NC, v_new.dtype, self.target, self.run_interpreted,
         )
         return unflat(dA, R, HV), unflat(dv[..., :V], R, HV)

@@ -1,26 +1,19 @@
 """Pallas B0: recompute w, u, qg, kg, h, v_new with the Pallas F3 and F4 kernels."""
 
-import equinox as eqx
 from jaxtyping import Array, Float
 
 from .._layout import ChunkLayout
 from .._typing import typecheck
 from ..stages._recompute import AbstractRecompute, recompute_with
 from ..stages._types import StateOut, WYOut
-from ._common import check_target
+from ._common import PallasTarget
 from ._state import PallasState
 from ._wy import PallasWY
 
 
-class PallasRecompute(AbstractRecompute):
+class PallasRecompute(AbstractRecompute, PallasTarget):
     """B0 by re-running ``PallasWY`` and ``PallasState`` (dense layout; varlen raises
     ``NotImplementedError`` from the state kernel)."""
-
-    target: str = eqx.field(static=True, default="tpu")
-    interpret: bool = eqx.field(static=True, default=True)
-
-    def __check_init__(self):
-        check_target(self.target)
 
     @typecheck
     def __call__(

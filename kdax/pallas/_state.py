@@ -7,7 +7,6 @@ sequence per row, starting at chunk 0); packed varlen needs per-chunk resets and
 ``NotImplementedError`` (``KDAPipeline.pallas`` falls back to the reference stage).
 """
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -17,7 +16,7 @@ from .._layout import ChunkLayout
 from .._typing import typecheck
 from ..stages._state import AbstractDhu, AbstractState
 from ..stages._types import DhuOut, StateOut
-from ._common import check_target, chunk_spec, loop, compiler_params, dot, feature_pad, flat, resolve_interpret, unflat
+from ._common import PallasTarget, chunk_spec, compiler_params, dot, feature_pad, flat, loop, unflat
 
 
 def _check_dense(stage: str, layout: ChunkLayout, NC: int):
@@ -79,14 +78,8 @@ def _tokens(x):
     return x.reshape(x.shape[0], x.shape[1] * x.shape[2], x.shape[3])
 
 
-class PallasState(AbstractState):
+class PallasState(AbstractState, PallasTarget):
     """F4 as a Pallas kernel (dense layout)."""
-
-    target: str = eqx.field(static=True, default="tpu")
-    interpret: bool = eqx.field(static=True, default=True)
-
-    def __check_init__(self):
-        check_target(self.target)
 
     @typecheck
     def __call__(
@@ -107,7 +100,7 @@ class PallasState(AbstractState):
         gam = _gamma_col(G, t)
         h0f = feature_pad(t, h0.reshape(R * HV, K, V), axes=(-2, -1))
         P, Kp, Vp = R * HV, wf.shape[-1], uf.shape[-1]
-        interpret = resolve_interpret(t, self.interpret)
+        interpret = self.run_interpreted
         if t == "tpu":
 
             def kernel(w_ref, u_ref, kg_ref, g_ref, h0_ref, h_ref, vn_ref, fin_ref, scr):
@@ -156,14 +149,8 @@ class PallasState(AbstractState):
                         final[:, :K, :V].reshape(R, HV, K, V))
 
 
-class PallasDhu(AbstractDhu):
+class PallasDhu(AbstractDhu, PallasTarget):
     """B2 as a Pallas kernel (dense layout), chunks in reverse."""
-
-    target: str = eqx.field(static=True, default="tpu")
-    interpret: bool = eqx.field(static=True, default=True)
-
-    def __check_init__(self):
-        check_target(self.target)
 
     @typecheck
     def __call__(
@@ -187,7 +174,7 @@ class PallasDhu(AbstractDhu):
         gam = _gamma_col(G, t)
         dhtf = feature_pad(t, dht.reshape(R * HV, K, V), axes=(-2, -1))
         P, Kp, Vp = R * HV, qf.shape[-1], dof.shape[-1]
-        interpret = resolve_interpret(t, self.interpret)
+        interpret = self.run_interpreted
         if t == "tpu":
 
             def kernel(q_ref, k_ref, w_ref, g_ref, do_ref, dvi_ref, dht_ref, dh_ref, dv_ref, dh0_ref, scr):

@@ -1,13 +1,12 @@
 """Pallas WY family: F3 (w, u, qg, kg) and B3 (wy_dqkg), one (p, chunk) block per program."""
 
-import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from .._typing import typecheck
 from ..stages._types import ChunkGrads, WYOut
 from ..stages._wy import AbstractWY, AbstractWYDqkg
-from ._common import check_target, chunk_call, chunk_spec, dot, feature_pad, flat, iota, resolve_interpret, row_of, unflat
+from ._common import PallasTarget, chunk_call, chunk_spec, dot, feature_pad, flat, iota, row_of, unflat
 
 
 def wy_body(q, k, v, beta, G, Akk):
@@ -42,14 +41,8 @@ def wy_dqkg_body(scale, q, k, v, beta, G, Akk, qg, kg, h, dh, v_new, do, dv_new)
     return dq, dk, dv, dbeta, dG, dL
 
 
-class PallasWY(AbstractWY):
+class PallasWY(AbstractWY, PallasTarget):
     """F3 as a Pallas kernel over (row * head, chunk)."""
-
-    target: str = eqx.field(static=True, default="tpu")
-    interpret: bool = eqx.field(static=True, default=True)
-
-    def __check_init__(self):
-        check_target(self.target)
 
     @typecheck
     def __call__(
@@ -77,20 +70,14 @@ class PallasWY(AbstractWY):
             kernel, (qf, kf, vf, flat(beta), Gf, flat(Akk)),
             [sk, sk, sv, chunk_spec((C, 1)), sk, chunk_spec((C, C))],
             [(C, Kp), (C, Vp), (C, Kp), (C, Kp)], R * HV, NC, q.dtype, self.target,
-            resolve_interpret(self.target, self.interpret),
+            self.run_interpreted,
         )
         cut = lambda x, n: unflat(x[..., :n], R, HV)
         return WYOut(cut(w, K), cut(u, V), cut(qg, K), cut(kg, K))
 
 
-class PallasWYDqkg(AbstractWYDqkg):
+class PallasWYDqkg(AbstractWYDqkg, PallasTarget):
     """B3 as a Pallas kernel over (row * head, chunk)."""
-
-    target: str = eqx.field(static=True, default="tpu")
-    interpret: bool = eqx.field(static=True, default=True)
-
-    def __check_init__(self):
-        check_target(self.target)
 
     @typecheck
     def __call__(
@@ -127,7 +114,7 @@ class PallasWYDqkg(AbstractWYDqkg):
         dq, dk, dv, db, dG, dL = chunk_call(
             kernel, ins, [sk, sk, sv, s1, sk, sc, sk, sk, sh, sh, sv, sv, sv],
             [(C, Kp), (C, Kp), (C, Vp), (C, 1), (C, Kp), (C, C)], R * HV, NC, q.dtype, self.target,
-            resolve_interpret(self.target, self.interpret),
+            self.run_interpreted,
         )
         cut = lambda x, n: unflat(x[..., :n], R, HV)
         return ChunkGrads(cut(dq, K), cut(dk, K), cut(dv, V), unflat(db, R, HV, squeeze=True), cut(dG, K), unflat(dL, R, HV))

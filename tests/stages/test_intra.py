@@ -27,9 +27,9 @@ def _intra_piece(scale, q, k, beta, G):
     return Aqk, L
 
 
-@pytest.mark.parametrize("C,block,strong", [(16, 8, False), (64, 16, True), (32, 4, True)])
-def test_intra_backward_is_vjp(C, block, strong):
-    x = chunked(C + 1, C=C, NC=2, strong=strong)
+@pytest.mark.parametrize("C,block,strong,heads", [(16, 8, False, None), (64, 16, True, 4), (32, 4, True, 1)])
+def test_intra_backward_is_vjp(C, block, strong, heads):
+    x = chunked(C + 1, C=C, NC=2, HV=3, strong=strong)
     args = (x["q"], x["k"], x["beta"], x["G"])
     (Aqk, L), vjp = jax.vjp(lambda *a: _intra_piece(x["scale"], *a), *args)
     dAqk = jnp.tril(rand_like(Aqk, 1))
@@ -37,7 +37,7 @@ def test_intra_backward_is_vjp(C, block, strong):
     dq, dk, dbeta, dG = vjp((dAqk, dL))
     zero = ChunkGrads(jnp.zeros_like(x["q"]), jnp.zeros_like(x["k"]), jnp.zeros_like(x["v"]),
                       jnp.zeros_like(x["beta"]), jnp.zeros_like(x["G"]), dL)
-    out = ReferenceIntraBackward(block=block)(x["scale"], *args, dAqk, zero)
+    out = ReferenceIntraBackward(block=block, heads_per_step=heads)(x["scale"], *args, dAqk, zero)
     assert_close(out.dq, dq, 1e-10, "dq")
     assert_close(out.dk, dk, 1e-10, "dk")
     assert_close(out.dbeta, dbeta, 1e-10, "dbeta")

@@ -1,6 +1,5 @@
 """B0 recompute rebuilds exactly the forward cache."""
 
-import jax.numpy as jnp
 import numpy as np
 
 import kdax
