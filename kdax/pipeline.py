@@ -189,6 +189,11 @@ class KDAPipeline(eqx.Module):
         """The six-stage backward. ``do`` ``[B, T, HV, V]``; ``dht`` ``[N, HV, K, V]`` or
         None (no loss on the final state)."""
         cfg, L, act = res.config, res.layout, res.act
+        want = (L.valid.shape[0] if L.pos is None else 1, L.T, res.v.shape[1], res.v.shape[-1])
+        if tuple(do.shape) != want:
+            raise ValueError(f"do: expected shape [B, T, HV, V] = {want}, got {tuple(do.shape)}.")
+        if dht is not None and tuple(dht.shape) != tuple(res.h0.shape):
+            raise ValueError(f"dht: expected shape [N, HV, K, V] = {tuple(res.h0.shape)}, got {tuple(dht.shape)}.")
         dt = res.h0.dtype
         doc = pack(L, do, dt)
         dht = jnp.zeros_like(res.h0) if dht is None else dht.astype(dt)
@@ -227,6 +232,8 @@ class KDAPipeline(eqx.Module):
         """Forward only, with ``chunk_kda``'s arguments. Returns ``(o, final_state,
         residuals)``; ``residuals.cache`` holds every intermediate for inspection and
         ``pipeline.backward(residuals, do, dht)`` gives every input gradient."""
+        _check_arrays(q, k, v, g, beta, options.get("initial_state"), options.get("A_log"),
+                      options.get("dt_bias"), options.get("cu_seqlens"))
         config, args = _prepare(q, k, v, g, beta, **options)
         o, final, res = self.run_forward(config, *args)
         return o, _final_out(final, config, options.get("state_v_first", False)), res
@@ -237,6 +244,21 @@ class KDAPipeline(eqx.Module):
 
 
 _REFERENCE = KDAPipeline.reference()
+
+
+@typecheck
+def _check_arrays(
+    q: QK,
+    k: QK,
+    v: Values,
+    g: Gate,
+    beta: Beta,
+    initial_state: Optional[State],
+    A_log: Optional[ALog],
+    dt_bias: Optional[Float[ArrayIn, "_"]],
+    cu_seqlens: Optional[CuSeqlens],
+) -> None:
+    """The shape/dtype checks of ``chunk_kda``'s signature, for ``KDAPipeline.forward``."""
 
 
 def _final_out(final, config: KDAConfig, state_v_first: bool):

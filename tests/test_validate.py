@@ -103,3 +103,17 @@ def test_chunk_size(x):
 def test_safe_gate_needs_lower_bound(x):
     with pytest.raises(ValueError, match=r"^lower_bound: safe_gate=True"):
         _call(kdax.chunk_kda, x, use_gate_in_kernel=True, A_log=jnp.zeros(2), safe_gate=True)
+
+
+def test_pipeline_forward_and_backward_check_shapes(x):
+    pipe = kdax.KDAPipeline.reference()
+    pos, _ = split_args(x)
+    o, ht, res = pipe.forward(*pos, output_final_state=True)
+    bad = list(pos)
+    bad[1] = bad[1][:, :5]
+    with pytest.raises(TypeError, match="'k'"):
+        pipe.forward(*bad)
+    with pytest.raises(ValueError, match=r"^do: expected shape"):
+        pipe.backward(res, o[:, :3], ht)
+    with pytest.raises(ValueError, match=r"^dht: expected shape"):
+        pipe.backward(res, o, ht[..., :4])
