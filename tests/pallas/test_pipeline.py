@@ -105,3 +105,23 @@ def test_lowering(target, platform, K):
         calls = re.findall(r"stablehlo\.custom_call @(\S+)\(", text)
         kernels = [c for c in calls if KERNEL_CALL[target] in c]
         assert len(kernels) >= n_min, calls
+
+
+@pytest.mark.parametrize("dt", [jnp.bfloat16, jnp.float16])
+def test_low_precision_inputs(dt):
+    """bf16/fp16 inputs through the all-Pallas pipeline: float32 inside the kernels."""
+    x, opts = build_case(dict(T=40, chunk_size=16, use_gate_in_kernel=True, A_log=True, dt_bias=True))
+    xl = {n: a.astype(dt) for n, a in x.items()}
+    x64 = {n: a.astype(jnp.float64) for n, a in xl.items()}
+    pipe = PIPELINES["pallas_triton"]()
+    o, ht = run(pipe, xl, opts)
+    o_ref, ht_ref = run(oracle_kda, x64, opts)
+    assert o.dtype == dt and ht.dtype == jnp.float32
+    assert_close(o, o_ref, 5e-3, "o")
+    assert_close(ht, ht_ref, 1e-5, "ht")
+    do, dht = cotangents(o, ht)
+    grads = loss_grads(pipe, xl, opts, do, dht)
+    ref = loss_grads(oracle_kda, x64, opts, do.astype(jnp.float64), dht.astype(jnp.float64))
+    for n in ref:
+        assert grads[n].dtype == dt, n
+        assert_close(grads[n], ref[n], 5e-3, "d" + n)
