@@ -22,7 +22,6 @@ Beta = Float[ArrayIn, "B T HV"]
 # [N, HV, K, V], or [N, HV, V, K] with state_v_first; the order is checked by _validate.
 State = Float[ArrayIn, "N HV _S1 _S2"]
 ALog = Float[ArrayIn, "HV"]
-DtBias = Float[ArrayIn, "HVK"]
 CuSeqlens = Int[ArrayIn, "N1"]
 
 # Chunked layout used between stages: [rows, heads, chunks, chunk, feature].
@@ -33,7 +32,6 @@ ChunkMat = Float[Array, "R HV NC C C"]
 ChunkState = Float[Array, "R HV NC K V"]
 SeqState = Float[Array, "N HV K V"]
 ChunkValid = Bool[Array, "R NC C"]
-ChunkSeq = Int[Array, "R NC"]
 
 _F = typing.TypeVar("_F")
 
@@ -46,6 +44,6 @@ def typecheck(fn: _F) -> _F:
 
 __all__ = [
     "Array", "ArrayIn", "Bool", "Float", "Int", "QK", "Values", "Gate", "Beta", "State",
-    "ALog", "DtBias", "CuSeqlens", "ChunkK", "ChunkV", "ChunkScalar", "ChunkMat",
-    "ChunkState", "SeqState", "ChunkValid", "ChunkSeq", "typecheck",
+    "ALog", "CuSeqlens", "ChunkK", "ChunkV", "ChunkScalar", "ChunkMat",
+    "ChunkState", "SeqState", "ChunkValid", "typecheck",
 ]

@@ -16,7 +16,7 @@ from jaxtyping import Array, Float
 
 from ._config import KDAConfig
 from ._layout import ChunkLayout, expand_group, make_layout, pack, reduce_group, unpack
-from ._typing import ALog, ArrayIn, Beta, CuSeqlens, Gate, QK, State, Values, typecheck
+from ._typing import ALog, ArrayIn, Beta, ChunkK, ChunkMat, ChunkV, CuSeqlens, Gate, QK, SeqState, State, Values, typecheck
 from ._validate import validate_kda_args
 from .ref._recurrent import compute_dtype
 from .stages import (
@@ -57,13 +57,13 @@ class KDAResiduals(eqx.Module):
     config: KDAConfig = eqx.field(static=True)
     layout: ChunkLayout
     act: Activated
-    v: Float[Array, "R HV NC C V"]
-    g_raw: Optional[Float[Array, "R HV NC C K"]]
+    v: ChunkV
+    g_raw: Optional[ChunkK]
     A_log: Optional[Float[Array, " HV"]]
     dt_bias: Optional[Float[Array, " HVK"]]
-    Aqk: Float[Array, "R HV NC C C"]
-    Akk: Float[Array, "R HV NC C C"]
-    h0: Float[Array, "N HV K V"]
+    Aqk: ChunkMat
+    Akk: ChunkMat
+    h0: SeqState
     cache: Optional[ForwardCache]
     num_qk_heads: int = eqx.field(static=True)
     # dtypes of (q, k, v, g, beta, initial_state, A_log, dt_bias) as given (None if absent)
@@ -80,7 +80,7 @@ class KDAGrads(eqx.Module):
     v: Float[Array, "B T HV V"]
     g: Float[Array, "B T HV K"]
     beta: Float[Array, "B T HV"]
-    initial_state: Float[Array, "N HV K V"]
+    initial_state: SeqState
     A_log: Optional[Float[Array, " HV"]]
     dt_bias: Optional[Float[Array, " HVK"]]
 

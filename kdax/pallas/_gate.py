@@ -8,10 +8,10 @@ per block and added up outside the kernel.
 from typing import Optional
 
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Float
 
 from .._config import KDAConfig
-from .._typing import typecheck
+from .._typing import ChunkK, ChunkScalar, ChunkValid, typecheck
 from ..ref._gates import L2NORM_EPS
 from ..stages._gate import AbstractGate, AbstractGateBackward
 from ..stages._types import Activated, RawGrads
@@ -110,13 +110,13 @@ class PallasGate(AbstractGate, PallasTarget):
     def __call__(
         self,
         config: KDAConfig,
-        q: Float[Array, "R HV NC C K"],
-        k: Float[Array, "R HV NC C K"],
-        g: Float[Array, "R HV NC C K"],
-        beta: Float[Array, "R HV NC C"],
+        q: ChunkK,
+        k: ChunkK,
+        g: ChunkK,
+        beta: ChunkScalar,
         A_log: Optional[Float[Array, " HV"]],
         dt_bias: Optional[Float[Array, " HVK"]],
-        valid: Bool[Array, "R NC C"],
+        valid: ChunkValid,
     ) -> Activated:
         cfg = config
         R, HV, NC, C, K = q.shape
@@ -154,14 +154,14 @@ class PallasGateBackward(AbstractGateBackward, PallasTarget):
         self,
         config: KDAConfig,
         act: Activated,
-        g: Optional[Float[Array, "R HV NC C K"]],
+        g: Optional[ChunkK],
         A_log: Optional[Float[Array, " HV"]],
         dt_bias: Optional[Float[Array, " HVK"]],
-        valid: Bool[Array, "R NC C"],
-        dq: Float[Array, "R HV NC C K"],
-        dk: Float[Array, "R HV NC C K"],
-        dbeta: Float[Array, "R HV NC C"],
-        dG: Float[Array, "R HV NC C K"],
+        valid: ChunkValid,
+        dq: ChunkK,
+        dk: ChunkK,
+        dbeta: ChunkScalar,
+        dG: ChunkK,
     ) -> RawGrads:
         cfg = config
         R, HV, NC, C, K = dq.shape

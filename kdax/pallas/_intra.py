@@ -8,9 +8,8 @@ substitution. Masks are applied in the exponent.
 
 import equinox as eqx
 import jax.numpy as jnp
-from jaxtyping import Array, Float
 
-from .._typing import typecheck
+from .._typing import ChunkK, ChunkMat, ChunkScalar, typecheck
 from ..stages._intra import AbstractIntra, AbstractIntraBackward
 from ..stages._types import ChunkGrads, IntraOut
 from ._common import (
@@ -114,10 +113,10 @@ class PallasIntra(AbstractIntra, PallasTarget):
     def __call__(
         self,
         scale: float,
-        q: Float[Array, "R HV NC C K"],
-        k: Float[Array, "R HV NC C K"],
-        beta: Float[Array, "R HV NC C"],
-        G: Float[Array, "R HV NC C K"],
+        q: ChunkK,
+        k: ChunkK,
+        beta: ChunkScalar,
+        G: ChunkK,
     ) -> IntraOut:
         R, HV, NC, C, _ = q.shape
         qf, kf, Gf = _feature_pad(self.target, flat(q), flat(k), flat(G))
@@ -147,11 +146,11 @@ class PallasIntraBackward(AbstractIntraBackward, PallasTarget):
     def __call__(
         self,
         scale: float,
-        q: Float[Array, "R HV NC C K"],
-        k: Float[Array, "R HV NC C K"],
-        beta: Float[Array, "R HV NC C"],
-        G: Float[Array, "R HV NC C K"],
-        dAqk: Float[Array, "R HV NC C C"],
+        q: ChunkK,
+        k: ChunkK,
+        beta: ChunkScalar,
+        G: ChunkK,
+        dAqk: ChunkMat,
         grads: ChunkGrads,
     ) -> ChunkGrads:
         R, HV, NC, C, K = q.shape

@@ -1,9 +1,8 @@
 """Pallas output family: F5 (o) and B1 (dAv), one (p, chunk) block per program."""
 
 import jax.numpy as jnp
-from jaxtyping import Array, Float
 
-from .._typing import typecheck
+from .._typing import ChunkK, ChunkMat, ChunkState, ChunkV, typecheck
 from ..stages._output import AbstractDAv, AbstractOutput
 from ._common import PallasTarget, chunk_call, chunk_spec, dot, feature_pad, flat, iota, unflat
 
@@ -15,11 +14,11 @@ class PallasOutput(AbstractOutput, PallasTarget):
     def __call__(
         self,
         scale: float,
-        qg: Float[Array, "R HV NC C K"],
-        h: Float[Array, "R HV NC K V"],
-        Aqk: Float[Array, "R HV NC C C"],
-        v_new: Float[Array, "R HV NC C V"],
-    ) -> Float[Array, "R HV NC C V"]:
+        qg: ChunkK,
+        h: ChunkState,
+        Aqk: ChunkMat,
+        v_new: ChunkV,
+    ) -> ChunkV:
         R, HV, NC, C, K = qg.shape
         V = v_new.shape[-1]
         qf = feature_pad(self.target, flat(qg))
@@ -44,10 +43,10 @@ class PallasDAv(AbstractDAv, PallasTarget):
     @typecheck
     def __call__(
         self,
-        v_new: Float[Array, "R HV NC C V"],
-        Aqk: Float[Array, "R HV NC C C"],
-        do: Float[Array, "R HV NC C V"],
-    ) -> tuple[Float[Array, "R HV NC C C"], Float[Array, "R HV NC C V"]]:
+        v_new: ChunkV,
+        Aqk: ChunkMat,
+        do: ChunkV,
+    ) -> tuple[ChunkMat, ChunkV]:
         R, HV, NC, C, V = v_new.shape
         vf = feature_pad(self.target, flat(v_new))
         df = feature_pad(self.target, flat(do))

@@ -1,9 +1,8 @@
 """Pallas B0: recompute w, u, qg, kg, h, v_new with the Pallas F3 and F4 kernels."""
 
-from jaxtyping import Array, Float
 
 from .._layout import ChunkLayout
-from .._typing import typecheck
+from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkV, SeqState, typecheck
 from ..stages._recompute import AbstractRecompute, recompute_with
 from ..stages._types import StateOut, WYOut
 from ._common import PallasTarget
@@ -18,13 +17,13 @@ class PallasRecompute(AbstractRecompute, PallasTarget):
     @typecheck
     def __call__(
         self,
-        q: Float[Array, "R HV NC C K"],
-        k: Float[Array, "R HV NC C K"],
-        v: Float[Array, "R HV NC C V"],
-        beta: Float[Array, "R HV NC C"],
-        G: Float[Array, "R HV NC C K"],
-        Akk: Float[Array, "R HV NC C C"],
-        h0: Float[Array, "N HV K V"],
+        q: ChunkK,
+        k: ChunkK,
+        v: ChunkV,
+        beta: ChunkScalar,
+        G: ChunkK,
+        Akk: ChunkMat,
+        h0: SeqState,
         layout: ChunkLayout,
     ) -> tuple[WYOut, StateOut]:
         kw = dict(target=self.target, interpret=self.interpret)

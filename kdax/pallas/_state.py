@@ -10,10 +10,9 @@ sequence per row, starting at chunk 0); packed varlen needs per-chunk resets and
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jaxtyping import Array, Float
 
 from .._layout import ChunkLayout
-from .._typing import typecheck
+from .._typing import ChunkK, ChunkV, SeqState, typecheck
 from ..stages._state import AbstractDhu, AbstractState
 from ..stages._types import DhuOut, StateOut
 from ._common import PallasTarget, chunk_spec, compiler_params, dot, feature_pad, flat, loop, unflat
@@ -84,11 +83,11 @@ class PallasState(AbstractState, PallasTarget):
     @typecheck
     def __call__(
         self,
-        w: Float[Array, "R HV NC C K"],
-        u: Float[Array, "R HV NC C V"],
-        kg: Float[Array, "R HV NC C K"],
-        G: Float[Array, "R HV NC C K"],
-        h0: Float[Array, "N HV K V"],
+        w: ChunkK,
+        u: ChunkV,
+        kg: ChunkK,
+        G: ChunkK,
+        h0: SeqState,
         layout: ChunkLayout,
     ) -> StateOut:
         R, HV, NC, C, K = w.shape
@@ -156,13 +155,13 @@ class PallasDhu(AbstractDhu, PallasTarget):
     def __call__(
         self,
         scale: float,
-        qg: Float[Array, "R HV NC C K"],
-        kg: Float[Array, "R HV NC C K"],
-        w: Float[Array, "R HV NC C K"],
-        G: Float[Array, "R HV NC C K"],
-        do: Float[Array, "R HV NC C V"],
-        dv_intra: Float[Array, "R HV NC C V"],
-        dht: Float[Array, "N HV K V"],
+        qg: ChunkK,
+        kg: ChunkK,
+        w: ChunkK,
+        G: ChunkK,
+        do: ChunkV,
+        dv_intra: ChunkV,
+        dht: SeqState,
         layout: ChunkLayout,
     ) -> DhuOut:
         R, HV, NC, C, K = qg.shape

@@ -1,9 +1,8 @@
 """Pallas WY family: F3 (w, u, qg, kg) and B3 (wy_dqkg), one (p, chunk) block per program."""
 
 import jax.numpy as jnp
-from jaxtyping import Array, Float
 
-from .._typing import typecheck
+from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, typecheck
 from ..stages._types import ChunkGrads, WYOut
 from ..stages._wy import AbstractWY, AbstractWYDqkg
 from ._common import PallasTarget, chunk_call, chunk_spec, dot, feature_pad, flat, iota, row_of, unflat
@@ -47,12 +46,12 @@ class PallasWY(AbstractWY, PallasTarget):
     @typecheck
     def __call__(
         self,
-        q: Float[Array, "R HV NC C K"],
-        k: Float[Array, "R HV NC C K"],
-        v: Float[Array, "R HV NC C V"],
-        beta: Float[Array, "R HV NC C"],
-        G: Float[Array, "R HV NC C K"],
-        Akk: Float[Array, "R HV NC C C"],
+        q: ChunkK,
+        k: ChunkK,
+        v: ChunkV,
+        beta: ChunkScalar,
+        G: ChunkK,
+        Akk: ChunkMat,
     ) -> WYOut:
         R, HV, NC, C, K = q.shape
         V = v.shape[-1]
@@ -83,19 +82,19 @@ class PallasWYDqkg(AbstractWYDqkg, PallasTarget):
     def __call__(
         self,
         scale: float,
-        q: Float[Array, "R HV NC C K"],
-        k: Float[Array, "R HV NC C K"],
-        v: Float[Array, "R HV NC C V"],
-        beta: Float[Array, "R HV NC C"],
-        G: Float[Array, "R HV NC C K"],
-        Akk: Float[Array, "R HV NC C C"],
-        qg: Float[Array, "R HV NC C K"],
-        kg: Float[Array, "R HV NC C K"],
-        h: Float[Array, "R HV NC K V"],
-        dh: Float[Array, "R HV NC K V"],
-        v_new: Float[Array, "R HV NC C V"],
-        do: Float[Array, "R HV NC C V"],
-        dv_new: Float[Array, "R HV NC C V"],
+        q: ChunkK,
+        k: ChunkK,
+        v: ChunkV,
+        beta: ChunkScalar,
+        G: ChunkK,
+        Akk: ChunkMat,
+        qg: ChunkK,
+        kg: ChunkK,
+        h: ChunkState,
+        dh: ChunkState,
+        v_new: ChunkV,
+        do: ChunkV,
+        dv_new: ChunkV,
     ) -> ChunkGrads:
         R, HV, NC, C, K = q.shape
         V = v.shape[-1]

@@ -6,10 +6,10 @@ from typing import Optional
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Float
 
 from .._config import KDAConfig
-from .._typing import typecheck
+from .._typing import ChunkK, ChunkScalar, ChunkValid, typecheck
 from ..ref._gates import L2NORM_EPS, beta_activation, kda_gate
 from ._types import Activated, RawGrads
 
@@ -35,13 +35,13 @@ class AbstractGate(eqx.Module):
     def __call__(
         self,
         config: KDAConfig,
-        q: Float[Array, "R HV NC C K"],
-        k: Float[Array, "R HV NC C K"],
-        g: Float[Array, "R HV NC C K"],
-        beta: Float[Array, "R HV NC C"],
+        q: ChunkK,
+        k: ChunkK,
+        g: ChunkK,
+        beta: ChunkScalar,
         A_log: Optional[Float[Array, " HV"]],
         dt_bias: Optional[Float[Array, " HVK"]],
-        valid: Bool[Array, "R NC C"],
+        valid: ChunkValid,
     ) -> Activated:
         raise NotImplementedError
 
@@ -53,13 +53,13 @@ class ReferenceGate(AbstractGate):
     def __call__(
         self,
         config: KDAConfig,
-        q: Float[Array, "R HV NC C K"],
-        k: Float[Array, "R HV NC C K"],
-        g: Float[Array, "R HV NC C K"],
-        beta: Float[Array, "R HV NC C"],
+        q: ChunkK,
+        k: ChunkK,
+        g: ChunkK,
+        beta: ChunkScalar,
         A_log: Optional[Float[Array, " HV"]],
         dt_bias: Optional[Float[Array, " HVK"]],
-        valid: Bool[Array, "R NC C"],
+        valid: ChunkValid,
     ) -> Activated:
         q_rstd = k_rstd = None
         if config.use_qk_l2norm_in_kernel:
@@ -83,14 +83,14 @@ class AbstractGateBackward(eqx.Module):
         self,
         config: KDAConfig,
         act: Activated,
-        g: Optional[Float[Array, "R HV NC C K"]],
+        g: Optional[ChunkK],
         A_log: Optional[Float[Array, " HV"]],
         dt_bias: Optional[Float[Array, " HVK"]],
-        valid: Bool[Array, "R NC C"],
-        dq: Float[Array, "R HV NC C K"],
-        dk: Float[Array, "R HV NC C K"],
-        dbeta: Float[Array, "R HV NC C"],
-        dG: Float[Array, "R HV NC C K"],
+        valid: ChunkValid,
+        dq: ChunkK,
+        dk: ChunkK,
+        dbeta: ChunkScalar,
+        dG: ChunkK,
     ) -> RawGrads:
         raise NotImplementedError
 
@@ -128,14 +128,14 @@ class ReferenceGateBackward(AbstractGateBackward):
         self,
         config: KDAConfig,
         act: Activated,
-        g: Optional[Float[Array, "R HV NC C K"]],
+        g: Optional[ChunkK],
         A_log: Optional[Float[Array, " HV"]],
         dt_bias: Optional[Float[Array, " HVK"]],
-        valid: Bool[Array, "R NC C"],
-        dq: Float[Array, "R HV NC C K"],
-        dk: Float[Array, "R HV NC C K"],
-        dbeta: Float[Array, "R HV NC C"],
-        dG: Float[Array, "R HV NC C K"],
+        valid: ChunkValid,
+        dq: ChunkK,
+        dk: ChunkK,
+        dbeta: ChunkScalar,
+        dG: ChunkK,
     ) -> RawGrads:
         dg = jnp.where(valid[:, None, :, :, None], reverse_cumsum(dG, axis=-2), 0.0)
         dA = ddt = None

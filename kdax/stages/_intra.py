@@ -15,9 +15,8 @@ from typing import NamedTuple, Optional
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
 
-from .._typing import typecheck
+from .._typing import ChunkK, ChunkMat, ChunkScalar, typecheck
 from ._types import ChunkGrads, IntraOut
 
 
@@ -136,10 +135,10 @@ class AbstractIntra(eqx.Module):
     def __call__(
         self,
         scale: float,
-        q: Float[Array, "R HV NC C K"],
-        k: Float[Array, "R HV NC C K"],
-        beta: Float[Array, "R HV NC C"],
-        G: Float[Array, "R HV NC C K"],
+        q: ChunkK,
+        k: ChunkK,
+        beta: ChunkScalar,
+        G: ChunkK,
     ) -> IntraOut:
         raise NotImplementedError
 
@@ -153,10 +152,10 @@ class ReferenceIntra(AbstractIntra):
     def __call__(
         self,
         scale: float,
-        q: Float[Array, "R HV NC C K"],
-        k: Float[Array, "R HV NC C K"],
-        beta: Float[Array, "R HV NC C"],
-        G: Float[Array, "R HV NC C K"],
+        q: ChunkK,
+        k: ChunkK,
+        beta: ChunkScalar,
+        G: ChunkK,
     ) -> IntraOut:
         qk, kk = intra_scores(q, k, anchored_decay(G, self.block))
         return IntraOut(scale * qk, unit_lower_inverse(beta[..., :, None] * kk))
@@ -170,11 +169,11 @@ class AbstractIntraBackward(eqx.Module):
     def __call__(
         self,
         scale: float,
-        q: Float[Array, "R HV NC C K"],
-        k: Float[Array, "R HV NC C K"],
-        beta: Float[Array, "R HV NC C"],
-        G: Float[Array, "R HV NC C K"],
-        dAqk: Float[Array, "R HV NC C C"],
+        q: ChunkK,
+        k: ChunkK,
+        beta: ChunkScalar,
+        G: ChunkK,
+        dAqk: ChunkMat,
         grads: ChunkGrads,
     ) -> ChunkGrads:
         raise NotImplementedError
@@ -191,11 +190,11 @@ class ReferenceIntraBackward(AbstractIntraBackward):
     def __call__(
         self,
         scale: float,
-        q: Float[Array, "R HV NC C K"],
-        k: Float[Array, "R HV NC C K"],
-        beta: Float[Array, "R HV NC C"],
-        G: Float[Array, "R HV NC C K"],
-        dAqk: Float[Array, "R HV NC C C"],
+        q: ChunkK,
+        k: ChunkK,
+        beta: ChunkScalar,
+        G: ChunkK,
+        dAqk: ChunkMat,
         grads: ChunkGrads,
     ) -> ChunkGrads:
         def per_head(xs):

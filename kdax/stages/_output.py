@@ -4,9 +4,8 @@ import abc
 
 import equinox as eqx
 import jax.numpy as jnp
-from jaxtyping import Array, Float
 
-from .._typing import typecheck
+from .._typing import ChunkK, ChunkMat, ChunkState, ChunkV, typecheck
 
 
 def _t(x):
@@ -24,11 +23,11 @@ class AbstractOutput(eqx.Module):
     def __call__(
         self,
         scale: float,
-        qg: Float[Array, "R HV NC C K"],
-        h: Float[Array, "R HV NC K V"],
-        Aqk: Float[Array, "R HV NC C C"],
-        v_new: Float[Array, "R HV NC C V"],
-    ) -> Float[Array, "R HV NC C V"]:
+        qg: ChunkK,
+        h: ChunkState,
+        Aqk: ChunkMat,
+        v_new: ChunkV,
+    ) -> ChunkV:
         raise NotImplementedError
 
 
@@ -39,11 +38,11 @@ class ReferenceOutput(AbstractOutput):
     def __call__(
         self,
         scale: float,
-        qg: Float[Array, "R HV NC C K"],
-        h: Float[Array, "R HV NC K V"],
-        Aqk: Float[Array, "R HV NC C C"],
-        v_new: Float[Array, "R HV NC C V"],
-    ) -> Float[Array, "R HV NC C V"]:
+        qg: ChunkK,
+        h: ChunkState,
+        Aqk: ChunkMat,
+        v_new: ChunkV,
+    ) -> ChunkV:
         return scale * qg @ h + Aqk @ v_new
 
 
@@ -53,10 +52,10 @@ class AbstractDAv(eqx.Module):
     @abc.abstractmethod
     def __call__(
         self,
-        v_new: Float[Array, "R HV NC C V"],
-        Aqk: Float[Array, "R HV NC C C"],
-        do: Float[Array, "R HV NC C V"],
-    ) -> tuple[Float[Array, "R HV NC C C"], Float[Array, "R HV NC C V"]]:
+        v_new: ChunkV,
+        Aqk: ChunkMat,
+        do: ChunkV,
+    ) -> tuple[ChunkMat, ChunkV]:
         raise NotImplementedError
 
 
@@ -66,9 +65,9 @@ class ReferenceDAv(AbstractDAv):
     @typecheck
     def __call__(
         self,
-        v_new: Float[Array, "R HV NC C V"],
-        Aqk: Float[Array, "R HV NC C C"],
-        do: Float[Array, "R HV NC C V"],
-    ) -> tuple[Float[Array, "R HV NC C C"], Float[Array, "R HV NC C V"]]:
+        v_new: ChunkV,
+        Aqk: ChunkMat,
+        do: ChunkV,
+    ) -> tuple[ChunkMat, ChunkV]:
         dAqk = jnp.where(causal_mask(Aqk.shape[-1]), do @ _t(v_new), 0.0)
         return dAqk, _t(Aqk) @ do

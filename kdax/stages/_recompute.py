@@ -3,11 +3,10 @@
 import abc
 
 import equinox as eqx
-from jaxtyping import Array, Float
 
 from .._layout import ChunkLayout
 
-from .._typing import typecheck
+from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkV, SeqState, typecheck
 from ._state import AbstractState, ReferenceState
 from ._types import StateOut, WYOut
 from ._wy import AbstractWY, ReferenceWY
@@ -20,13 +19,13 @@ class AbstractRecompute(eqx.Module):
     @abc.abstractmethod
     def __call__(
         self,
-        q: Float[Array, "R HV NC C K"],
-        k: Float[Array, "R HV NC C K"],
-        v: Float[Array, "R HV NC C V"],
-        beta: Float[Array, "R HV NC C"],
-        G: Float[Array, "R HV NC C K"],
-        Akk: Float[Array, "R HV NC C C"],
-        h0: Float[Array, "N HV K V"],
+        q: ChunkK,
+        k: ChunkK,
+        v: ChunkV,
+        beta: ChunkScalar,
+        G: ChunkK,
+        Akk: ChunkMat,
+        h0: SeqState,
         layout: ChunkLayout,
     ) -> tuple[WYOut, StateOut]:
         raise NotImplementedError
@@ -43,13 +42,13 @@ class ReferenceRecompute(AbstractRecompute):
     @typecheck
     def __call__(
         self,
-        q: Float[Array, "R HV NC C K"],
-        k: Float[Array, "R HV NC C K"],
-        v: Float[Array, "R HV NC C V"],
-        beta: Float[Array, "R HV NC C"],
-        G: Float[Array, "R HV NC C K"],
-        Akk: Float[Array, "R HV NC C C"],
-        h0: Float[Array, "N HV K V"],
+        q: ChunkK,
+        k: ChunkK,
+        v: ChunkV,
+        beta: ChunkScalar,
+        G: ChunkK,
+        Akk: ChunkMat,
+        h0: SeqState,
         layout: ChunkLayout,
     ) -> tuple[WYOut, StateOut]:
         return recompute_with(ReferenceWY(), ReferenceState(), q, k, v, beta, G, Akk, h0, layout)

@@ -11,11 +11,10 @@ import abc
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
 
 from .._layout import ChunkLayout
 
-from .._typing import typecheck
+from .._typing import ChunkK, ChunkV, SeqState, typecheck
 from ._types import DhuOut, StateOut
 
 
@@ -47,11 +46,11 @@ class AbstractState(eqx.Module):
     @abc.abstractmethod
     def __call__(
         self,
-        w: Float[Array, "R HV NC C K"],
-        u: Float[Array, "R HV NC C V"],
-        kg: Float[Array, "R HV NC C K"],
-        G: Float[Array, "R HV NC C K"],
-        h0: Float[Array, "N HV K V"],
+        w: ChunkK,
+        u: ChunkV,
+        kg: ChunkK,
+        G: ChunkK,
+        h0: SeqState,
         layout: ChunkLayout,
     ) -> StateOut:
         raise NotImplementedError
@@ -63,11 +62,11 @@ class ReferenceState(AbstractState):
     @typecheck
     def __call__(
         self,
-        w: Float[Array, "R HV NC C K"],
-        u: Float[Array, "R HV NC C V"],
-        kg: Float[Array, "R HV NC C K"],
-        G: Float[Array, "R HV NC C K"],
-        h0: Float[Array, "N HV K V"],
+        w: ChunkK,
+        u: ChunkV,
+        kg: ChunkK,
+        G: ChunkK,
+        h0: SeqState,
         layout: ChunkLayout,
     ) -> StateOut:
         R, HV, _, _, K = w.shape
@@ -96,13 +95,13 @@ class AbstractDhu(eqx.Module):
     def __call__(
         self,
         scale: float,
-        qg: Float[Array, "R HV NC C K"],
-        kg: Float[Array, "R HV NC C K"],
-        w: Float[Array, "R HV NC C K"],
-        G: Float[Array, "R HV NC C K"],
-        do: Float[Array, "R HV NC C V"],
-        dv_intra: Float[Array, "R HV NC C V"],
-        dht: Float[Array, "N HV K V"],
+        qg: ChunkK,
+        kg: ChunkK,
+        w: ChunkK,
+        G: ChunkK,
+        do: ChunkV,
+        dv_intra: ChunkV,
+        dht: SeqState,
         layout: ChunkLayout,
     ) -> DhuOut:
         raise NotImplementedError
@@ -115,13 +114,13 @@ class ReferenceDhu(AbstractDhu):
     def __call__(
         self,
         scale: float,
-        qg: Float[Array, "R HV NC C K"],
-        kg: Float[Array, "R HV NC C K"],
-        w: Float[Array, "R HV NC C K"],
-        G: Float[Array, "R HV NC C K"],
-        do: Float[Array, "R HV NC C V"],
-        dv_intra: Float[Array, "R HV NC C V"],
-        dht: Float[Array, "N HV K V"],
+        qg: ChunkK,
+        kg: ChunkK,
+        w: ChunkK,
+        G: ChunkK,
+        do: ChunkV,
+        dv_intra: ChunkV,
+        dht: SeqState,
         layout: ChunkLayout,
     ) -> DhuOut:
         R, HV, _, _, K = qg.shape

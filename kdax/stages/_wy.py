@@ -4,9 +4,8 @@ import abc
 
 import equinox as eqx
 import jax.numpy as jnp
-from jaxtyping import Array, Float
 
-from .._typing import typecheck
+from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, typecheck
 from ._types import ChunkGrads, WYOut
 
 
@@ -20,12 +19,12 @@ class AbstractWY(eqx.Module):
     @abc.abstractmethod
     def __call__(
         self,
-        q: Float[Array, "R HV NC C K"],
-        k: Float[Array, "R HV NC C K"],
-        v: Float[Array, "R HV NC C V"],
-        beta: Float[Array, "R HV NC C"],
-        G: Float[Array, "R HV NC C K"],
-        Akk: Float[Array, "R HV NC C C"],
+        q: ChunkK,
+        k: ChunkK,
+        v: ChunkV,
+        beta: ChunkScalar,
+        G: ChunkK,
+        Akk: ChunkMat,
     ) -> WYOut:
         raise NotImplementedError
 
@@ -36,12 +35,12 @@ class ReferenceWY(AbstractWY):
     @typecheck
     def __call__(
         self,
-        q: Float[Array, "R HV NC C K"],
-        k: Float[Array, "R HV NC C K"],
-        v: Float[Array, "R HV NC C V"],
-        beta: Float[Array, "R HV NC C"],
-        G: Float[Array, "R HV NC C K"],
-        Akk: Float[Array, "R HV NC C C"],
+        q: ChunkK,
+        k: ChunkK,
+        v: ChunkV,
+        beta: ChunkScalar,
+        G: ChunkK,
+        Akk: ChunkMat,
     ) -> WYOut:
         eG = jnp.exp(G)
         b = beta[..., None]
@@ -61,19 +60,19 @@ class AbstractWYDqkg(eqx.Module):
     def __call__(
         self,
         scale: float,
-        q: Float[Array, "R HV NC C K"],
-        k: Float[Array, "R HV NC C K"],
-        v: Float[Array, "R HV NC C V"],
-        beta: Float[Array, "R HV NC C"],
-        G: Float[Array, "R HV NC C K"],
-        Akk: Float[Array, "R HV NC C C"],
-        qg: Float[Array, "R HV NC C K"],
-        kg: Float[Array, "R HV NC C K"],
-        h: Float[Array, "R HV NC K V"],
-        dh: Float[Array, "R HV NC K V"],
-        v_new: Float[Array, "R HV NC C V"],
-        do: Float[Array, "R HV NC C V"],
-        dv_new: Float[Array, "R HV NC C V"],
+        q: ChunkK,
+        k: ChunkK,
+        v: ChunkV,
+        beta: ChunkScalar,
+        G: ChunkK,
+        Akk: ChunkMat,
+        qg: ChunkK,
+        kg: ChunkK,
+        h: ChunkState,
+        dh: ChunkState,
+        v_new: ChunkV,
+        do: ChunkV,
+        dv_new: ChunkV,
     ) -> ChunkGrads:
         raise NotImplementedError
 
@@ -85,19 +84,19 @@ class ReferenceWYDqkg(AbstractWYDqkg):
     def __call__(
         self,
         scale: float,
-        q: Float[Array, "R HV NC C K"],
-        k: Float[Array, "R HV NC C K"],
-        v: Float[Array, "R HV NC C V"],
-        beta: Float[Array, "R HV NC C"],
-        G: Float[Array, "R HV NC C K"],
-        Akk: Float[Array, "R HV NC C C"],
-        qg: Float[Array, "R HV NC C K"],
-        kg: Float[Array, "R HV NC C K"],
-        h: Float[Array, "R HV NC K V"],
-        dh: Float[Array, "R HV NC K V"],
-        v_new: Float[Array, "R HV NC C V"],
-        do: Float[Array, "R HV NC C V"],
-        dv_new: Float[Array, "R HV NC C V"],
+        q: ChunkK,
+        k: ChunkK,
+        v: ChunkV,
+        beta: ChunkScalar,
+        G: ChunkK,
+        Akk: ChunkMat,
+        qg: ChunkK,
+        kg: ChunkK,
+        h: ChunkState,
+        dh: ChunkState,
+        v_new: ChunkV,
+        do: ChunkV,
+        dv_new: ChunkV,
     ) -> ChunkGrads:
         eG = jnp.exp(G)
         b = beta[..., None]
