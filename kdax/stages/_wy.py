@@ -118,6 +118,6 @@ class ReferenceWYDqkg(AbstractWYDqkg):
         dk = dkg * jnp.exp(G[..., -1:, :] - G) + b * eG * dX
         dv = b * dY
         dbeta = jnp.sum(v * dY, axis=-1) + jnp.sum(k * eG * dX, axis=-1)
-        dG = qg * dqg - kg * dkg + X * dX
-        dG = dG.at[..., -1, :].add(dgam)
+        last = (jnp.arange(C) == C - 1)[:, None]
+        dG = qg * dqg - kg * dkg + X * dX + jnp.where(last, dgam[..., None, :], 0.0)
         return ChunkGrads(dq, dk, dv, dbeta, dG, dL)
