@@ -1,10 +1,12 @@
 """Pallas inter-chunk state family: F4 (state recurrence) and B2 (dhu, in reverse).
 
 TPU: grid (row * head, chunk) with the chunk axis sequential ("arbitrary") and the state
-carried in a VMEM scratch. Triton: one program per (row, head) that loops over chunks
-(no scratch), reading chunk blocks with ``pl.ds``. Both handle the dense layout (one
-sequence per row, starting at chunk 0); packed varlen needs per-chunk resets and raises
-``NotImplementedError`` (``KDAPipeline.pallas`` falls back to the reference stage).
+carried in a VMEM scratch; dense layout only (one sequence per row): packed varlen needs
+per-chunk resets addressed by scalar prefetch, not implemented, so it raises
+``NotImplementedError`` and ``KDAPipeline.pallas`` falls back to the reference stage.
+Triton: one program per (row, head) that loops over chunks (no scratch), reading chunk
+blocks with ``pl.ds`` and the sequence boundaries (``layout.first`` / ``layout.last``)
+as scalars, so it runs dense and packed varlen alike.
 """
 
 import jax
@@ -15,7 +17,7 @@ from .._layout import ChunkLayout
 from .._typing import ChunkK, ChunkV, SeqState, typecheck
 from ..stages._state import AbstractDhu, AbstractState
 from ..stages._types import DhuOut, StateOut
-from ._common import PallasTarget, chunk_spec, compiler_params, dot, feature_pad, flat, loop, unflat
+from ._common import PallasTarget, chunk_spec, compiler_params, dot, feature_pad, flat, idiv, loop, unflat
 
 
 def _check_dense(stage: str, layout: ChunkLayout, NC: int):
@@ -78,7 +80,7 @@ def _tokens(x):
 
 
 class PallasState(AbstractState, PallasTarget):
-    """F4 as a Pallas kernel (dense layout)."""
+    """F4 as a Pallas kernel (TPU: dense layout; Triton: dense and packed varlen)."""
 
     @typecheck
     def __call__(
@@ -92,12 +94,14 @@ class PallasState(AbstractState, PallasTarget):
     ) -> StateOut:
         R, HV, NC, C, K = w.shape
         V = u.shape[-1]
-        _check_dense("PallasState", layout, NC)
         t = self.target
+        if t == "tpu":
+            _check_dense("PallasState", layout, NC)
+        N = h0.shape[0]
         wf, kgf = feature_pad(t, flat(w)), feature_pad(t, flat(kg))
         uf = feature_pad(t, flat(u))
         gam = _gamma_col(G, t)
-        h0f = feature_pad(t, h0.reshape(R * HV, K, V), axes=(-2, -1))
+        h0f = feature_pad(t, h0.reshape(N * HV, K, V), axes=(-2, -1))
         P, Kp, Vp = R * HV, wf.shape[-1], uf.shape[-1]
         interpret = self.run_interpreted
         if t == "tpu":
@@ -126,30 +130,42 @@ class PallasState(AbstractState, PallasTarget):
             )
         else:
 
-            def kernel(w_ref, u_ref, kg_ref, g_ref, h0_ref, h_ref, vn_ref, fin_ref):
+            # Sequence boundaries from the layout (dense or packed varlen): a chunk that
+            # starts sequence f loads h0[f]; one that ends sequence l writes final[l].
+            def kernel(w_ref, u_ref, kg_ref, g_ref, h0_ref, first_ref, last_ref, h_ref, vn_ref, fin_ref):
                 p = pl.program_id(0)
+                r, hv = idiv(p, HV), p % HV
 
                 def step(c, h):
+                    f, l = first_ref[r, c], last_ref[r, c]
+                    h = jnp.where(f >= 0, h0_ref[jnp.maximum(f, 0) * HV + hv], h)
                     rows, feats = pl.ds(c * C, C), pl.ds(c * Kp, Kp)
                     h_ref[p, feats, :] = h
                     v_new, h_next = _state_step(w_ref[p, rows, :], u_ref[p, rows, :], kg_ref[p, rows, :],
                                                 g_ref[p, feats, :], h)
                     vn_ref[p, rows, :] = v_new
+
+                    @pl.when(l >= 0)
+                    def _():
+                        fin_ref[l * HV + hv] = h_next
+
                     return h_next
 
-                fin_ref[p] = loop(0, NC, step, h0_ref[p])
+                loop(0, NC, step, jnp.zeros((Kp, Vp), h0_ref.dtype))
 
             h, v_new, final = _run_triton(
-                kernel, (_tokens(wf), _tokens(uf), _tokens(kgf), _tokens(gam), h0f),
-                [(P, NC * Kp, Vp), (P, NC * C, Vp), (P, Kp, Vp)], P, w.dtype, interpret,
+                kernel, (_tokens(wf), _tokens(uf), _tokens(kgf), _tokens(gam), h0f, layout.first, layout.last),
+                [(P, NC * Kp, Vp), (P, NC * C, Vp), (N * HV, Kp, Vp)], P, w.dtype, interpret,
             )
             h, v_new = h.reshape(P, NC, Kp, Vp), v_new.reshape(P, NC, C, Vp)
+            # A sequence of length 0 has no chunk to write its final state: it keeps h0.
+            final = jnp.where(jnp.repeat(layout.empty, HV)[:, None, None], h0f, final)
         return StateOut(unflat(h[..., :K, :V], R, HV), unflat(v_new[..., :V], R, HV),
-                        final[:, :K, :V].reshape(R, HV, K, V))
+                        final[:, :K, :V].reshape(N, HV, K, V))
 
 
 class PallasDhu(AbstractDhu, PallasTarget):
-    """B2 as a Pallas kernel (dense layout), chunks in reverse."""
+    """B2 as a Pallas kernel, chunks in reverse (TPU: dense layout; Triton: also varlen)."""
 
     @typecheck
     def __call__(
@@ -166,12 +182,14 @@ class PallasDhu(AbstractDhu, PallasTarget):
     ) -> DhuOut:
         R, HV, NC, C, K = qg.shape
         V = do.shape[-1]
-        _check_dense("PallasDhu", layout, NC)
         t = self.target
+        if t == "tpu":
+            _check_dense("PallasDhu", layout, NC)
+        N = dht.shape[0]
         qf, kf, wf = (feature_pad(t, flat(x)) for x in (qg, kg, w))
         dof, dvf = feature_pad(t, flat(do)), feature_pad(t, flat(dv_intra))
         gam = _gamma_col(G, t)
-        dhtf = feature_pad(t, dht.reshape(R * HV, K, V), axes=(-2, -1))
+        dhtf = feature_pad(t, dht.reshape(N * HV, K, V), axes=(-2, -1))
         P, Kp, Vp = R * HV, qf.shape[-1], dof.shape[-1]
         interpret = self.run_interpreted
         if t == "tpu":
@@ -202,24 +220,36 @@ class PallasDhu(AbstractDhu, PallasTarget):
             )
         else:
 
-            def kernel(q_ref, k_ref, w_ref, g_ref, do_ref, dvi_ref, dht_ref, dh_ref, dv_ref, dh0_ref):
+            def kernel(q_ref, k_ref, w_ref, g_ref, do_ref, dvi_ref, dht_ref, first_ref, last_ref,
+                       dh_ref, dv_ref, dh0_ref):
                 p = pl.program_id(0)
+                r, hv = idiv(p, HV), p % HV
 
-                def step(i, dh_end):
+                def step(i, dh_c):
                     c = NC - 1 - i
+                    f, l = first_ref[r, c], last_ref[r, c]
+                    dh_end = jnp.where(l >= 0, dht_ref[jnp.maximum(l, 0) * HV + hv], dh_c)
                     rows, feats = pl.ds(c * C, C), pl.ds(c * Kp, Kp)
                     dh_ref[p, feats, :] = dh_end
                     dv, dh_start = _dhu_step(scale, q_ref[p, rows, :], k_ref[p, rows, :], w_ref[p, rows, :],
                                              g_ref[p, feats, :], do_ref[p, rows, :], dvi_ref[p, rows, :], dh_end)
                     dv_ref[p, rows, :] = dv
+
+                    @pl.when(f >= 0)
+                    def _():
+                        dh0_ref[f * HV + hv] = dh_start
+
                     return dh_start
 
-                dh0_ref[p] = loop(0, NC, step, dht_ref[p])
+                loop(0, NC, step, jnp.zeros((Kp, Vp), dht_ref.dtype))
 
             dh, dv_new, dh0 = _run_triton(
-                kernel, (_tokens(qf), _tokens(kf), _tokens(wf), _tokens(gam), _tokens(dof), _tokens(dvf), dhtf),
-                [(P, NC * Kp, Vp), (P, NC * C, Vp), (P, Kp, Vp)], P, qg.dtype, interpret,
+                kernel, (_tokens(qf), _tokens(kf), _tokens(wf), _tokens(gam), _tokens(dof), _tokens(dvf), dhtf,
+                         layout.first, layout.last),
+                [(P, NC * Kp, Vp), (P, NC * C, Vp), (N * HV, Kp, Vp)], P, qg.dtype, interpret,
             )
             dh, dv_new = dh.reshape(P, NC, Kp, Vp), dv_new.reshape(P, NC, C, Vp)
-        return DhuOut(unflat(dh[..., :K, :V], R, HV), dh0[:, :K, :V].reshape(R, HV, K, V),
+            # A sequence of length 0 passes its dht straight to dh0.
+            dh0 = jnp.where(jnp.repeat(layout.empty, HV)[:, None, None], dhtf, dh0)
+        return DhuOut(unflat(dh[..., :K, :V], R, HV), dh0[:, :K, :V].reshape(N, HV, K, V),
                       unflat(dv_new[..., :V], R, HV))

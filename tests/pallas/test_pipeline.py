@@ -66,6 +66,20 @@ def test_varlen_falls_back_to_reference_state():
     assert_close(ht, ht_ref, 1e-10, "ht")
 
 
+def test_triton_layout_runs_varlen_without_fallback():
+    x, opts = build_case(GRID["varlen"])
+    strict = dataclasses.replace(kdax.KDAPipeline.pallas("triton", interpret=True), fallback=False)
+    o, ht = run(strict, x, opts)
+    o_ref, ht_ref = run(oracle_kda, x, opts)
+    assert_close(o, o_ref, 1e-10, "o")
+    assert_close(ht, ht_ref, 1e-10, "ht")
+    do, dht = cotangents(o, ht)
+    grads = loss_grads(strict, x, opts, do, dht)
+    ref = loss_grads(oracle_kda, x, opts, do, dht)
+    for n in ref:
+        assert_close(grads[n], ref[n], 1e-10, "d" + n)
+
+
 def test_pallas_defaults():
     pipe = kdax.KDAPipeline.pallas()
     assert isinstance(pipe.intra, P.PallasIntra) and isinstance(pipe.gate_bwd, P.PallasGateBackward)
@@ -75,25 +89,27 @@ def test_pallas_defaults():
 
 
 LOWERINGS = [
-    pytest.param(target, platform, K, id=f"{target}-K{K}")
+    pytest.param(target, platform, K, False, id=f"{target}-K{K}")
     for target, platform in (("tpu", "tpu"), ("triton", "cuda"))
     for K in (128, 64)
-]
+] + [pytest.param("triton", "cuda", 128, True, id="triton-K128-varlen")]
 KERNEL_CALL = {"tpu": "tpu_custom_call", "triton": "triton"}
 
 
-@pytest.mark.parametrize("target,platform,K", LOWERINGS)
-def test_lowering(target, platform, K):
+@pytest.mark.parametrize("target,platform,K,varlen", LOWERINGS)
+def test_lowering(target, platform, K, varlen):
     """Forward and backward lower for the device (kernels compiled to Mosaic / Triton IR)
-    at B=2, T=1024, H=4, K=V, chunk 64: a kernel the device cannot take fails here."""
-    B, T, H = 2, 1024, 4
+    at B=2, T=1024, H=4, K=V, chunk 64 (varlen: B=1 packing 3 sequences): a kernel the
+    device cannot take fails here."""
+    B, T, H = (1, 2048, 4) if varlen else (2, 1024, 4)
     s = jax.ShapeDtypeStruct
     args = (s((B, T, H, K), jnp.float32),) * 4 + (s((B, T, H), jnp.float32),)
-    pipe = kdax.KDAPipeline.pallas(target, interpret=False)
+    pipe = dataclasses.replace(kdax.KDAPipeline.pallas(target, interpret=False), fallback=False)
+    cu = jnp.array([0, 1000, 1001, T], jnp.int32) if varlen else None
 
     def fwd(*a):
         return kdax.chunk_kda(*a, pipeline=pipe, chunk_size=64, use_gate_in_kernel=True, A_log=jnp.zeros(H),
-                              use_qk_l2norm_in_kernel=True, output_final_state=True)
+                              use_qk_l2norm_in_kernel=True, output_final_state=True, cu_seqlens=cu)
 
     def loss(*a):
         o, ht = fwd(*a)

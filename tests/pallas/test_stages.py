@@ -122,10 +122,24 @@ def test_gate_stages(target, opts, dtype, tol):
     _close(P.PallasGateBackward(**kw)(*bargs), S.ReferenceGateBackward()(*bargs), tol, "gate_bwd")
 
 
-def test_state_kernels_refuse_varlen():
-    x = _x(jnp.float64, 16, 8, 4)
-    layout = make_layout(1, 30, 16, jnp.array([0, 10, 30], jnp.int32))
+def test_state_kernels_varlen():
+    """Packed varlen (lengths 10, 0, 1, 20): the Triton state kernels follow the layout's
+    sequence boundaries; the TPU ones refuse before tracing."""
+    layout = make_layout(1, 31, 16, jnp.array([0, 10, 10, 11, 31], jnp.int32))
+    NC = layout.num_chunks
+    x = chunked(3, R=1, HV=2, NC=NC, C=16, K=12, V=6)
+    Aqk, Akk = intra_chunk(x["q"], x["k"], x["beta"], x["G"], x["scale"])
+    w, u, qg, kg = wy_chunk(x["q"], x["k"], x["v"], x["beta"], x["G"], Akk)
+    h0 = rand_like(jnp.zeros((4, 2, 12, 6)), 1)
+    args = (w, u, kg, x["G"], h0, layout)
+    ref = S.ReferenceState()(*args)
+    _close(P.PallasState(target="triton")(*args), ref, 1e-12, "state")
+    do, dv, dht = rand_like(x["v"], 2), rand_like(x["v"], 3), rand_like(h0, 4)
+    bargs = (x["scale"], qg, kg, w, x["G"], do, dv, dht, layout)
+    _close(P.PallasDhu(target="triton")(*bargs), S.ReferenceDhu()(*bargs), 1e-12, "dhu")
     with pytest.raises(NotImplementedError, match="packed varlen"):
-        P.PallasState()(x["w"][:1], x["u"][:1], x["kg"][:1], x["G"][:1], x["h0"], layout)
+        P.PallasState(target="tpu")(*args)
+    with pytest.raises(NotImplementedError, match="packed varlen"):
+        P.PallasDhu(target="tpu")(*bargs)
     with pytest.raises(ValueError, match="target"):
         P.PallasIntra(target="cuda")
