@@ -1,7 +1,14 @@
-"""kdax: Kimi Delta Attention in JAX."""
+"""kdax: Kimi Delta Attention in JAX.
 
-from . import ref as ref
-from .recurrent import fused_recurrent_kda as fused_recurrent_kda
+``chunk_kda`` (chunked forward, six-stage backward), ``fused_recurrent_kda`` (token by
+token), ``KDAPipeline`` (the stages, swappable one at a time), ``kdax.ref`` (float64
+oracles), ``kdax.stages`` (abstract stages and reference implementations),
+``kdax.pallas`` (Pallas implementations).
+"""
+
+from . import pallas as pallas, ref as ref, stages as stages
+from ._config import KDAConfig as KDAConfig
+from ._layout import ChunkLayout as ChunkLayout
 from .pipeline import (
     KDAGrads as KDAGrads,
     KDAPipeline as KDAPipeline,
@@ -9,6 +16,4 @@ from .pipeline import (
     chunk_kda as chunk_kda,
     default_pipeline as default_pipeline,
 )
-from ._config import KDAConfig as KDAConfig
-from ._layout import ChunkLayout as ChunkLayout
-from . import stages as stages
+from .recurrent import fused_recurrent_kda as fused_recurrent_kda
