@@ -125,7 +125,7 @@ class KDAPipeline(eqx.Module):
     def pallas(cls, target: Optional[str] = None, interpret: Optional[bool] = None) -> "KDAPipeline":
         """Every stage a Pallas kernel for ``target`` ("tpu" or "triton"; None: triton on a
         GPU, else tpu). ``interpret=None``: interpret mode exactly when no accelerator of
-        that kind is present. A case a kernel cannot run (packed varlen in the state
+        that kind is present. A case a kernel cannot run (packed varlen in the TPU state
         kernels) falls back to the reference stage."""
         from . import pallas as P
 
