@@ -109,3 +109,8 @@ def test_low_precision_inputs():
         assert o.dtype == dt and ht.dtype == jnp.float32
         assert_close(o, o_ref, 5e-3, "o")
         assert_close(ht, ht_ref, 1e-5, "ht")
+
+
+def test_golden_cases_present():
+    """The golden-case tests are parametrized over ../shared/golden: never let them vanish."""
+    assert {"dense_basic", "gate_softplus_l2", "varlen_basic"} <= set(GOLDEN_CASES), GOLDEN_CASES
