@@ -100,10 +100,6 @@ def pair_cols_body(S, a, G, block: int):
     return loop(0, C, diag, out)
 
 
-def _feature_pad(target: str, *xs):
-    return tuple(feature_pad(target, x) for x in xs)
-
-
 class PallasIntra(AbstractIntra, PallasTarget):
     """F2 as a Pallas kernel over (row * head, chunk)."""
 
@@ -119,7 +115,7 @@ class PallasIntra(AbstractIntra, PallasTarget):
         G: ChunkK,
     ) -> IntraOut:
         R, HV, NC, C, _ = q.shape
-        qf, kf, Gf = _feature_pad(self.target, flat(q), flat(k), flat(G))
+        qf, kf, Gf = (feature_pad(self.target, flat(x)) for x in (q, k, G))
         bf = flat(beta)
         Kp = qf.shape[-1]
         block = self.block
@@ -154,8 +150,8 @@ class PallasIntraBackward(AbstractIntraBackward, PallasTarget):
         grads: ChunkGrads,
     ) -> ChunkGrads:
         R, HV, NC, C, K = q.shape
-        qf, kf, Gf, dqf, dkf, dGf = _feature_pad(
-            self.target, flat(q), flat(k), flat(G), flat(grads.dq), flat(grads.dk), flat(grads.dG)
+        qf, kf, Gf, dqf, dkf, dGf = (
+            feature_pad(self.target, flat(x)) for x in (q, k, G, grads.dq, grads.dk, grads.dG)
         )
         Kp = qf.shape[-1]
         block = self.block

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from .._typing import ChunkK, ChunkMat, ChunkScalar, typecheck
+from ._ops import tri_mask
 from ._types import ChunkGrads, IntraOut
 
 
@@ -83,12 +84,10 @@ def intra_scores(q, k, dec: AnchoredDecay):
     kc = kb[..., None, :, :, :] * dec.cross
     off_q = jnp.einsum("...Iik,...IJjk->...IJij", qb * dec.rows, kc)
     off_k = jnp.einsum("...Iik,...IJjk->...IJij", kb * dec.rows, kc)
-    idx = jnp.arange(bs)
-    lower = idx[None, :] <= idx[:, None]
-    pair = jnp.exp(jnp.where(lower[:, :, None], dec.Gb[..., :, None, :] - dec.Gb[..., None, :, :], -jnp.inf))
+    pair = jnp.exp(jnp.where(tri_mask(bs, strict=False)[:, :, None], dec.Gb[..., :, None, :] - dec.Gb[..., None, :, :], -jnp.inf))
     kp = kb[..., None, :, :] * pair  # [..., nb, i, j, K]: only b x b x K per diagonal block
     d_q = jnp.einsum("...ik,...ijk->...ij", qb, kp)
-    d_k = jnp.where(idx[None, :] < idx[:, None], jnp.einsum("...ik,...ijk->...ij", kb, kp), 0.0)
+    d_k = jnp.where(tri_mask(bs, strict=True), jnp.einsum("...ik,...ijk->...ij", kb, kp), 0.0)
     same = jnp.eye(nb, dtype=bool)[:, :, None, None]
 
     def assemble(d, off):

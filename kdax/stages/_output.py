@@ -6,14 +6,7 @@ import equinox as eqx
 import jax.numpy as jnp
 
 from .._typing import ChunkK, ChunkMat, ChunkState, ChunkV, typecheck
-
-
-def _t(x):
-    return jnp.swapaxes(x, -1, -2)
-
-
-def causal_mask(C: int):
-    return jnp.arange(C)[None, :] <= jnp.arange(C)[:, None]
+from ._ops import mT, tri_mask
 
 
 class AbstractOutput(eqx.Module):
@@ -69,5 +62,5 @@ class ReferenceDAv(AbstractDAv):
         Aqk: ChunkMat,
         do: ChunkV,
     ) -> tuple[ChunkMat, ChunkV]:
-        dAqk = jnp.where(causal_mask(Aqk.shape[-1]), do @ _t(v_new), 0.0)
-        return dAqk, _t(Aqk) @ do
+        dAqk = jnp.where(tri_mask(Aqk.shape[-1], strict=False), do @ mT(v_new), 0.0)
+        return dAqk, mT(Aqk) @ do

@@ -5,7 +5,6 @@ import abc
 import equinox as eqx
 
 from .._layout import ChunkLayout
-
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkV, SeqState, typecheck
 from ._state import AbstractState, ReferenceState
 from ._types import StateOut, WYOut

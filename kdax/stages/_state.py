@@ -13,13 +13,9 @@ import jax
 import jax.numpy as jnp
 
 from .._layout import ChunkLayout
-
 from .._typing import ChunkK, ChunkV, SeqState, typecheck
+from ._ops import mT
 from ._types import DhuOut, StateOut
-
-
-def _t(x):
-    return jnp.swapaxes(x, -1, -2)
 
 
 def _chunk_major(*xs):
@@ -77,7 +73,7 @@ class ReferenceState(AbstractState):
             w_c, u_c, kg_c, gam, f, l = x
             h = _select(f, h0, h)
             v_new = u_c - w_c @ h
-            h_next = jnp.exp(gam)[..., None] * h + _t(kg_c) @ v_new
+            h_next = jnp.exp(gam)[..., None] * h + mT(kg_c) @ v_new
             return (h_next, _scatter(final, l, h_next)), (h, v_new)
 
         xs = _chunk_major(w, u, kg, G[..., -1, :]) + (layout.first.T, layout.last.T)
@@ -131,7 +127,7 @@ class ReferenceDhu(AbstractDhu):
             qg_c, kg_c, w_c, gam, do_c, dv_c, f, l = x
             dh_end = _select(l, dht, dh_c)
             dv_new = dv_c + kg_c @ dh_end
-            dh_start = jnp.exp(gam)[..., None] * dh_end + scale * _t(qg_c) @ do_c - _t(w_c) @ dv_new
+            dh_start = jnp.exp(gam)[..., None] * dh_end + scale * mT(qg_c) @ do_c - mT(w_c) @ dv_new
             return (dh_start, _scatter(dh0, f, dh_start)), (dh_end, dv_new)
 
         xs = _chunk_major(qg, kg, w, G[..., -1, :], do, dv_intra) + (layout.first.T, layout.last.T)

@@ -6,8 +6,9 @@ Shapes use R rows, HV heads, NC chunks, C chunk size, K/V feature dims, N sequen
 from typing import Optional
 
 import equinox as eqx
-from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, SeqState
 from jaxtyping import Array, Float
+
+from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, SeqState
 
 
 class Activated(eqx.Module):

@@ -6,11 +6,8 @@ import equinox as eqx
 import jax.numpy as jnp
 
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, typecheck
+from ._ops import mT, tri_mask
 from ._types import ChunkGrads, WYOut
-
-
-def _t(x):
-    return jnp.swapaxes(x, -1, -2)
 
 
 class AbstractWY(eqx.Module):
@@ -101,19 +98,18 @@ class ReferenceWYDqkg(AbstractWYDqkg):
         eG = jnp.exp(G)
         b = beta[..., None]
         # o = scale qg h + ...
-        dqg = scale * do @ _t(h)
+        dqg = scale * do @ mT(h)
         # h_next = e^Γ h + kg^T v_new
-        dkg = v_new @ _t(dh)
+        dkg = v_new @ mT(dh)
         dgam = jnp.sum(kg * dkg, axis=-2) + jnp.exp(G[..., -1, :]) * jnp.sum(h * dh, axis=-1)
         # v_new = u - w h, w = Akk X, u = Akk Y
-        dw = -dv_new @ _t(h)
+        dw = -dv_new @ mT(h)
         X = b * k * eG
-        dAkk = dw @ _t(X) + dv_new @ _t(b * v)
-        dX = _t(Akk) @ dw
-        dY = _t(Akk) @ dv_new
+        dAkk = dw @ mT(X) + dv_new @ mT(b * v)
+        dX = mT(Akk) @ dw
+        dY = mT(Akk) @ dv_new
         C = Akk.shape[-1]
-        strict = jnp.arange(C)[None, :] < jnp.arange(C)[:, None]
-        dL = jnp.where(strict, -_t(Akk) @ dAkk @ _t(Akk), 0.0)
+        dL = jnp.where(tri_mask(C, strict=True), -mT(Akk) @ dAkk @ mT(Akk), 0.0)
         dq = dqg * eG
         dk = dkg * jnp.exp(G[..., -1:, :] - G) + b * eG * dX
         dv = b * dY
