@@ -1,122 +1,128 @@
 """Intra-chunk family: F2 (Aqk, Akk = (I + L)^-1) and B4 (their backward).
 
 Every product here has the form ``sum_d a_id b_jd exp(G_id - G_jd)`` for j <= i. Forming
-the pairwise ``[C, C, K]`` decay over a whole chunk is slow, and factoring it as
-``exp(G_i) exp(-G_j)`` overflows. Instead the chunk is cut into sub-blocks of ``block``
-rows: for a row block I and an earlier column block J the decay is split at the anchor
-``a`` = first row of I, ``exp(G_i - G_a) * exp(G_a - G_j)``, both factors with
-non-positive exponents, and the sum becomes a matmul; only the diagonal sub-blocks use
-the pairwise form (``[block, block, K]``). Masks are applied in the exponent.
+the pairwise ``[C, C, K]`` decay is slow, and factoring it as ``exp(G_i) exp(-G_j)``
+overflows. Instead the chunk is halved recursively: at the level of blocks of ``2s``
+rows, the pairs (i in the upper half, j in the lower half) split the decay at the
+anchor ``a`` = first row of the upper half, ``exp(G_i - G_a) * exp(G_a - G_j)``, both
+exponents non-positive (G is non-increasing), and their sum over d is a matmul. Every
+pair j < i is covered by exactly one level, the diagonal needs no decay; each level costs
+one exponential per entry of ``[C, K]`` (``log2 C`` in all) and no masked-out work.
 """
 
 import abc
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 
 from .._typing import ChunkK, ChunkMat, ChunkScalar, typecheck
-from ._ops import tri_mask
+from ._ops import mT, over_chunks, rowsum
 from ._types import ChunkGrads, IntraOut
 
 
-class AnchoredDecay(NamedTuple):
-    """``Gb [..., nb, b, K]``: G cut into row blocks. ``rows [..., nb, b, K]``:
-    exp(G_i - G_a(I)). ``cross [..., nb, nb, b, K]``: exp(G_a(I) - G_j) for column blocks
-    J < I, else 0."""
-
-    Gb: jax.Array
-    rows: jax.Array
-    cross: jax.Array
+def _levels(C: int):
+    """Half-block sizes s = 1, 2, 4, ..., C/2."""
+    return [1 << e for e in range(C.bit_length() - 1)]
 
 
-def _split(x, nb: int):
-    return x.reshape(*x.shape[:-2], nb, x.shape[-2] // nb, x.shape[-1])
+def _halves(x, s: int):
+    """``[..., C, D]`` -> lower and upper halves of every ``2s``-row block, ``[..., C/2s, s, D]``."""
+    x = x.reshape(*x.shape[:-2], x.shape[-2] // (2 * s), 2, s, x.shape[-1])
+    return x[..., 0, :, :], x[..., 1, :, :]
 
 
-def _merge(x):
-    return x.reshape(*x.shape[:-3], x.shape[-3] * x.shape[-2], x.shape[-1])
+def _decays(G, s: int):
+    """``(exp(G_i - G_a) for upper rows i, exp(G_a - G_j) for lower rows j)``, a the anchor."""
+    lo, up = _halves(G, s)
+    a = up[..., :1, :]
+    return jnp.exp(up - a), jnp.exp(a - lo)
 
 
-def anchored_decay(G, block: int) -> AnchoredDecay:
+def _cross(a, b, s: int):
+    """``a @ b^T`` per block (``[..., n, s, K]`` each -> ``[..., n, s, s]``)."""
+    if s >= 4:
+        return jnp.einsum("...ik,...jk->...ij", a, b)
+    # Tiny blocks: batched dots and multiply-reduce fusions are both slow on XLA:CPU.
+    rows = [jnp.stack([rowsum(a[..., i, :] * b[..., j, :]) for j in range(s)], -1) for i in range(s)]
+    return jnp.stack(rows, -2)
+
+
+def _apply(S, b, s: int, transpose: bool):
+    """``S @ b`` (``S^T @ b`` if transpose) per block: ``S [..., n, s, s]``, ``b [..., n, s, K]``."""
+    if transpose:
+        S = mT(S)
+    if s >= 4:
+        return S @ b
+    rows = [sum(S[..., i, j, None] * b[..., j, :] for j in range(s)) for i in range(s)]
+    return jnp.stack(rows, -2)
+
+
+def _join_square(S, off):
+    """Diagonal blocks ``S [..., 2n, s, s]`` and lower-left blocks ``off [..., n, s, s]``
+    -> ``[..., n, 2s, 2s]`` (zeros above the diagonal)."""
+    s = off.shape[-1]
+    S = S.reshape(*off.shape[:-3], off.shape[-3], 2, s, s)
+    top = jnp.concatenate([S[..., 0, :, :], jnp.zeros_like(off)], axis=-1)
+    bottom = jnp.concatenate([off, S[..., 1, :, :]], axis=-1)
+    return jnp.concatenate([top, bottom], axis=-2)
+
+
+def _off_blocks(S, s: int):
+    """Lower-left ``[..., C/2s, s, s]`` block of every ``2s`` diagonal block of ``S [..., C, C]``."""
+    C = S.shape[-1]
+    n = C // (2 * s)
+    Sb = S.reshape(*S.shape[:-2], n, 2 * s, n, 2 * s)
+    Sb = jnp.moveaxis(jnp.diagonal(Sb, axis1=-4, axis2=-2), -1, -3)  # [..., n, 2s, 2s]
+    return Sb[..., s:, :s]
+
+
+def _join_rows(diag, parts, upper: bool):
+    """``[..., C, K]`` from the diagonal term and one ``[..., C/2s, s, K]`` part per level,
+    added to the upper (else lower) half of each ``2s`` block; one fused pass."""
+    acc = diag
+    for s, part in zip(_levels(diag.shape[-2]), parts):
+        lo, up = _halves(acc, s)
+        lo, up = (lo, up + part) if upper else (lo + part, up)
+        acc = jnp.concatenate([lo, up], axis=-2).reshape(diag.shape)
+    return acc
+
+
+def intra_scores(q, k, G):
+    """Both products F2 needs: ``sum_d q_id k_jd e^(G_id - G_jd)`` for j <= i and
+    ``sum_d k_id k_jd e^(G_id - G_jd)`` for j < i, zeros elsewhere; ``[..., C, C]``."""
     C = G.shape[-2]
-    b = min(block, C)
-    nb = C // b
-    Gb = _split(G, nb)
-    Ga = Gb[..., :, 0, :]
-    rows = jnp.exp(Gb - Ga[..., :, None, :])
-    blk = jnp.arange(nb)
-    before = (blk[None, :] < blk[:, None])[:, :, None, None]
-    cross = jnp.exp(jnp.where(before, Ga[..., :, None, None, :] - Gb[..., None, :, :, :], -jnp.inf))
-    return AnchoredDecay(Gb, rows, cross)
+    Sq = rowsum(q * k)[..., :, None, None]
+    Sk = jnp.zeros_like(Sq)
+    for s in _levels(C):
+        rows, cols = _decays(G, s)
+        _, qu = _halves(q, s)
+        kl, ku = _halves(k, s)
+        kc = kl * cols
+        Sq = _join_square(Sq, _cross(qu * rows, kc, s))
+        Sk = _join_square(Sk, _cross(ku * rows, kc, s))
+    return Sq[..., 0, :, :], Sk[..., 0, :, :]
 
 
-def _decay_from(Gb, j: int):
-    """``exp(G_i - G_j)`` for rows i >= j of each diagonal block, else 0: ``[..., nb, b, K]``."""
-    later = (jnp.arange(Gb.shape[-2]) >= j)[:, None]
-    return jnp.exp(jnp.where(later, Gb - Gb[..., j : j + 1, :], -jnp.inf))
-
-
-def _decay_to(Gb, i: int):
-    """``exp(G_i - G_j)`` for columns j <= i of each diagonal block, else 0."""
-    earlier = (jnp.arange(Gb.shape[-2]) <= i)[:, None]
-    return jnp.exp(jnp.where(earlier, Gb[..., i : i + 1, :] - Gb, -jnp.inf))
-
-
-def _to_blocks(S, nb: int):
-    """``[..., C, C] -> [..., I, J, i, j]``."""
-    b = S.shape[-1] // nb
-    S = S.reshape(*S.shape[:-2], nb, b, nb, b)
-    return jnp.swapaxes(S, -3, -2)
-
-
-def _diag_blocks(Sb):
-    """``[..., I, J, i, j] -> [..., I, i, j]`` (J == I)."""
-    return jnp.moveaxis(jnp.diagonal(Sb, axis1=-4, axis2=-3), -1, -3)
-
-
-def intra_scores(q, k, dec: AnchoredDecay):
-    """Both products F2 needs, sharing one decay: ``(sum_d q_id k_jd e^(G_id - G_jd))``
-    for j <= i and ``(sum_d k_id k_jd e^(G_id - G_jd))`` for j < i, zeros elsewhere."""
-    nb, bs = dec.rows.shape[-3], dec.rows.shape[-2]
-    qb, kb = _split(q, nb), _split(k, nb)
-    kc = kb[..., None, :, :, :] * dec.cross
-    off_q = jnp.einsum("...Iik,...IJjk->...IJij", qb * dec.rows, kc)
-    off_k = jnp.einsum("...Iik,...IJjk->...IJij", kb * dec.rows, kc)
-    pair = jnp.exp(jnp.where(tri_mask(bs, strict=False)[:, :, None], dec.Gb[..., :, None, :] - dec.Gb[..., None, :, :], -jnp.inf))
-    kp = kb[..., None, :, :] * pair  # [..., nb, i, j, K]: only b x b x K per diagonal block
-    d_q = jnp.einsum("...ik,...ijk->...ij", qb, kp)
-    d_k = jnp.where(tri_mask(bs, strict=True), jnp.einsum("...ik,...ijk->...ij", kb, kp), 0.0)
-    same = jnp.eye(nb, dtype=bool)[:, :, None, None]
-
-    def assemble(d, off):
-        S = jnp.swapaxes(jnp.where(same, d[..., :, None, :, :], off), -3, -2)
-        return S.reshape(*S.shape[:-4], nb * bs, nb * bs)
-
-    return assemble(d_q, off_q), assemble(d_k, off_k)
-
-
-def pair_rows(S, b, dec: AnchoredDecay):
-    """``R_id = sum_{j <= i} S_ij b_jd exp(G_id - G_jd)`` for lower-triangular ``S``."""
-    nb, bs = dec.rows.shape[-3], dec.rows.shape[-2]
-    Sb, bb = _to_blocks(S, nb), _split(b, nb)
-    off = jnp.einsum("...IJij,...IJjk->...Iik", Sb, bb[..., None, :, :, :] * dec.cross) * dec.rows
-    Sd = _diag_blocks(Sb)
-    # Diagonal blocks as a sum over columns: elementwise work that XLA fuses in one loop.
-    d = sum(Sd[..., :, j, None] * bb[..., j, None, :] * _decay_from(dec.Gb, j) for j in range(bs))
-    return _merge(off + d)
-
-
-def pair_cols(S, a, dec: AnchoredDecay):
-    """``C_jd = sum_{i >= j} S_ij a_id exp(G_id - G_jd)`` for lower-triangular ``S``."""
-    nb, bs = dec.rows.shape[-3], dec.rows.shape[-2]
-    Sb, ab = _to_blocks(S, nb), _split(a, nb)
-    part = jnp.einsum("...IJij,...Iik->...IJjk", Sb, ab * dec.rows)
-    off = sum(part[..., I, :, :, :] * dec.cross[..., I, :, :, :] for I in range(nb))
-    Sd = _diag_blocks(Sb)
-    d = sum(Sd[..., i, :, None] * ab[..., i, None, :] * _decay_to(dec.Gb, i) for i in range(bs))
-    return _merge(off + d)
+def pair_rows_cols(G, row_terms, col_terms):
+    """Both sides of lower-triangular pair sums, sharing the decays:
+    ``R_id = sum_{j <= i} S_ij b_jd e^(G_id - G_jd)`` for each ``(S, b)`` in ``row_terms``
+    and ``C_jd = sum_{i >= j} S_ij a_id e^(G_id - G_jd)`` for each ``(S, a)`` in
+    ``col_terms``; ``S [..., C, C]``, ``a, b [..., C, K]``."""
+    C = G.shape[-2]
+    diag = lambda S, x: jnp.diagonal(S, axis1=-2, axis2=-1)[..., None] * x
+    R_parts = [[] for _ in row_terms]
+    C_parts = [[] for _ in col_terms]
+    for s in _levels(C):
+        rows, cols = _decays(G, s)
+        for parts, (S, b) in zip(R_parts, row_terms):
+            parts.append(rows * _apply(_off_blocks(S, s), _halves(b, s)[0] * cols, s, False))
+        for parts, (S, a) in zip(C_parts, col_terms):
+            parts.append(cols * _apply(_off_blocks(S, s), _halves(a, s)[1] * rows, s, True))
+    R = [_join_rows(diag(S, b), p, True) for (S, b), p in zip(row_terms, R_parts)]
+    Cs = [_join_rows(diag(S, a), p, False) for (S, a), p in zip(col_terms, C_parts)]
+    return R, Cs
 
 
 def unit_lower_inverse(L):
@@ -143,9 +149,10 @@ class AbstractIntra(eqx.Module):
 
 
 class ReferenceIntra(AbstractIntra):
-    """F2 in jnp with anchored sub-blocks of ``block`` rows."""
+    """F2 in jnp by recursive halving, ``group`` chunks at a time (None: all at once; on
+    CPU a group of chunks whose temporaries fit in cache is ~3x faster than all)."""
 
-    block: int = eqx.field(static=True, default=8)
+    group: Optional[int] = eqx.field(static=True, default=32)
 
     @typecheck
     def __call__(
@@ -156,7 +163,8 @@ class ReferenceIntra(AbstractIntra):
         beta: ChunkScalar,
         G: ChunkK,
     ) -> IntraOut:
-        qk, kk = intra_scores(q, k, anchored_decay(G, self.block))
+        qk, kk = over_chunks(intra_scores, self.group, q, k, G)
+        # Outside the groups: XLA:CPU's triangular solve is slow inside a loop.
         return IntraOut(scale * qk, unit_lower_inverse(beta[..., :, None] * kk))
 
 
@@ -179,11 +187,10 @@ class AbstractIntraBackward(eqx.Module):
 
 
 class ReferenceIntraBackward(AbstractIntraBackward):
-    """B4 in jnp with the same anchored sub-blocks as ``ReferenceIntra``, ``heads_per_step``
-    value heads at a time (None: all at once; fewer lowers peak memory; 4 was fastest and leanest at HV=8 on CPU)."""
+    """B4 in jnp with the same recursive halving as ``ReferenceIntra``, ``group`` chunks at
+    a time (None: all at once)."""
 
-    block: int = eqx.field(static=True, default=8)
-    heads_per_step: Optional[int] = eqx.field(static=True, default=4)
+    group: Optional[int] = eqx.field(static=True, default=32)
 
     @typecheck
     def __call__(
@@ -196,31 +203,16 @@ class ReferenceIntraBackward(AbstractIntraBackward):
         dAqk: ChunkMat,
         grads: ChunkGrads,
     ) -> ChunkGrads:
-        def per_head(xs):
-            q, k, beta, G, dAqk, dL = xs
-            dec = anchored_decay(G, self.block)
-            # Aqk = scale * sum_d q_i k_j e^(G_i - G_j)
-            dq_a = scale * pair_rows(dAqk, k, dec)
-            dk_a = scale * pair_cols(dAqk, q, dec)
-            # L = beta_i * sum_d k_i k_j e^(G_i - G_j): row side carries beta_i
-            r = pair_rows(dL, k, dec)
-            c = pair_cols(dL * beta[..., :, None], k, dec)
-            dk = dk_a + beta[..., None] * r + c
-            dbeta = jnp.sum(k * r, axis=-1)
-            dG = q * dq_a - k * dk_a + beta[..., None] * k * r - k * c
-            return dq_a, dk, dbeta, dG
+        def chunk_grads(q, k, beta, G, dAqk, dL):
+            # Aqk = scale * sum_d q_i k_j e^(G_i - G_j); L = beta_i * sum_d k_i k_j e^(G_i - G_j)
+            (dq_a, r), (dk_a, c) = pair_rows_cols(
+                G, [(dAqk, k), (dL, k)], [(dAqk, q), (dL * beta[..., :, None], k)]
+            )
+            b = beta[..., None]
+            dk = scale * dk_a + b * r + c
+            dbeta = rowsum(k * r)
+            dG = scale * (q * dq_a - k * dk_a) + b * k * r - k * c
+            return scale * dq_a, dk, dbeta, dG
 
-        xs = (q, k, beta, G, dAqk, grads.dL)
-        if self.heads_per_step is None or self.heads_per_step >= q.shape[1]:
-            dq_a, dk_i, dbeta_i, dG_i = per_head(xs)
-        else:
-            # The anchored decays are [R, NC, C/b, C, K] per head: a few heads at a time
-            # keeps them from setting the peak memory of the whole backward (slower).
-            heads_first = lambda x: jnp.moveaxis(x, 1, 0)
-            outs = jax.lax.map(per_head, tuple(map(heads_first, xs)), batch_size=self.heads_per_step)
-            dq_a, dk_i, dbeta_i, dG_i = (jnp.moveaxis(x, 0, 1) for x in outs)
-        dq = grads.dq + dq_a
-        dk = grads.dk + dk_i
-        dbeta = grads.dbeta + dbeta_i
-        dG = grads.dG + dG_i
-        return ChunkGrads(dq, dk, grads.dv, dbeta, dG, None)
+        dq, dk, dbeta, dG = over_chunks(chunk_grads, self.group, q, k, beta, G, dAqk, grads.dL)
+        return ChunkGrads(grads.dq + dq, grads.dk + dk, grads.dv, grads.dbeta + dbeta, grads.dG + dG, None)

@@ -1,12 +1,14 @@
 """Output family: F5 (o from the inter- and intra-chunk parts) and B1 (dAv)."""
 
 import abc
+import functools
+from typing import Optional
 
 import equinox as eqx
 import jax.numpy as jnp
 
 from .._typing import ChunkK, ChunkMat, ChunkState, ChunkV, typecheck
-from ._ops import mT, tri_mask
+from ._ops import mT, over_chunks, tri_mask
 
 
 class AbstractOutput(eqx.Module):
@@ -24,8 +26,14 @@ class AbstractOutput(eqx.Module):
         raise NotImplementedError
 
 
+def _output_chunk(scale, qg, h, Aqk, v_new):
+    return scale * qg @ h + Aqk @ v_new
+
+
 class ReferenceOutput(AbstractOutput):
-    """F5 in jnp."""
+    """F5 in jnp, ``group`` chunks at a time (None: all at once; see ``over_chunks``)."""
+
+    group: Optional[int] = eqx.field(static=True, default=16)
 
     @typecheck
     def __call__(
@@ -36,7 +44,7 @@ class ReferenceOutput(AbstractOutput):
         Aqk: ChunkMat,
         v_new: ChunkV,
     ) -> ChunkV:
-        return scale * qg @ h + Aqk @ v_new
+        return over_chunks(functools.partial(_output_chunk, scale), self.group, qg, h, Aqk, v_new)
 
 
 class AbstractDAv(eqx.Module):
@@ -52,8 +60,15 @@ class AbstractDAv(eqx.Module):
         raise NotImplementedError
 
 
+def _dav_chunk(v_new, Aqk, do):
+    dAqk = jnp.where(tri_mask(Aqk.shape[-1], strict=False), do @ mT(v_new), 0.0)
+    return dAqk, mT(Aqk) @ do
+
+
 class ReferenceDAv(AbstractDAv):
-    """B1 in jnp."""
+    """B1 in jnp, ``group`` chunks at a time (None: all at once; see ``over_chunks``)."""
+
+    group: Optional[int] = eqx.field(static=True, default=16)
 
     @typecheck
     def __call__(
@@ -62,5 +77,4 @@ class ReferenceDAv(AbstractDAv):
         Aqk: ChunkMat,
         do: ChunkV,
     ) -> tuple[ChunkMat, ChunkV]:
-        dAqk = jnp.where(tri_mask(Aqk.shape[-1], strict=False), do @ mT(v_new), 0.0)
-        return dAqk, mT(Aqk) @ do
+        return over_chunks(_dav_chunk, self.group, v_new, Aqk, do)

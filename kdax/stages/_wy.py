@@ -1,12 +1,14 @@
 """WY family: F3 (w, u, qg, kg) and B3 (inter-chunk dq/dk/dG and the WY backward)."""
 
 import abc
+import functools
+from typing import Optional
 
 import equinox as eqx
 import jax.numpy as jnp
 
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, typecheck
-from ._ops import mT, tri_mask
+from ._ops import mT, over_chunks, rowsum, tri_mask
 from ._types import ChunkGrads, WYOut
 
 
@@ -26,8 +28,19 @@ class AbstractWY(eqx.Module):
         raise NotImplementedError
 
 
+def _wy_chunk(q, k, v, beta, G, Akk):
+    eG = jnp.exp(G)
+    b = beta[..., None]
+    K = k.shape[-1]
+    wu = Akk @ jnp.concatenate([b * k * eG, b * v], axis=-1)  # one matmul for w and u
+    kg = k * jnp.exp(G[..., -1:, :] - G)
+    return wu[..., :K], wu[..., K:], q * eG, kg
+
+
 class ReferenceWY(AbstractWY):
-    """F3 in jnp."""
+    """F3 in jnp, ``group`` chunks at a time (None: all at once; see ``over_chunks``)."""
+
+    group: Optional[int] = eqx.field(static=True, default=16)
 
     @typecheck
     def __call__(
@@ -39,12 +52,7 @@ class ReferenceWY(AbstractWY):
         G: ChunkK,
         Akk: ChunkMat,
     ) -> WYOut:
-        eG = jnp.exp(G)
-        b = beta[..., None]
-        K = k.shape[-1]
-        wu = Akk @ jnp.concatenate([b * k * eG, b * v], axis=-1)  # one matmul for w and u
-        kg = k * jnp.exp(G[..., -1:, :] - G)
-        return WYOut(wu[..., :K], wu[..., K:], q * eG, kg)
+        return WYOut(*over_chunks(_wy_chunk, self.group, q, k, v, beta, G, Akk))
 
 
 class AbstractWYDqkg(eqx.Module):
@@ -74,8 +82,35 @@ class AbstractWYDqkg(eqx.Module):
         raise NotImplementedError
 
 
+def _wy_dqkg_chunk(scale, q, k, v, beta, G, Akk, qg, kg, h, dh, v_new, do, dv_new):
+    eG = jnp.exp(G)
+    b = beta[..., None]
+    # o = scale qg h + ...
+    dqg = scale * do @ mT(h)
+    # h_next = e^Γ h + kg^T v_new
+    dkg = v_new @ mT(dh)
+    dgam = jnp.sum(kg * dkg, axis=-2) + jnp.exp(G[..., -1, :]) * rowsum(h * dh)
+    # v_new = u - w h, w = Akk X, u = Akk Y
+    dw = -dv_new @ mT(h)
+    X = b * k * eG
+    dAkk = dw @ mT(X) + dv_new @ mT(b * v)
+    dX = mT(Akk) @ dw
+    dY = mT(Akk) @ dv_new
+    C = Akk.shape[-1]
+    dL = jnp.where(tri_mask(C, strict=True), -mT(Akk) @ dAkk @ mT(Akk), 0.0)
+    dq = dqg * eG
+    dk = dkg * jnp.exp(G[..., -1:, :] - G) + b * eG * dX
+    dv = b * dY
+    dbeta = rowsum(v * dY) + rowsum(k * eG * dX)
+    last = (jnp.arange(C) == C - 1)[:, None]
+    dG = qg * dqg - kg * dkg + X * dX + jnp.where(last, dgam[..., None, :], 0.0)
+    return dq, dk, dv, dbeta, dG, dL
+
+
 class ReferenceWYDqkg(AbstractWYDqkg):
-    """B3 in jnp."""
+    """B3 in jnp, ``group`` chunks at a time (None: all at once; see ``over_chunks``)."""
+
+    group: Optional[int] = eqx.field(static=True, default=16)
 
     @typecheck
     def __call__(
@@ -95,25 +130,6 @@ class ReferenceWYDqkg(AbstractWYDqkg):
         do: ChunkV,
         dv_new: ChunkV,
     ) -> ChunkGrads:
-        eG = jnp.exp(G)
-        b = beta[..., None]
-        # o = scale qg h + ...
-        dqg = scale * do @ mT(h)
-        # h_next = e^Γ h + kg^T v_new
-        dkg = v_new @ mT(dh)
-        dgam = jnp.sum(kg * dkg, axis=-2) + jnp.exp(G[..., -1, :]) * jnp.sum(h * dh, axis=-1)
-        # v_new = u - w h, w = Akk X, u = Akk Y
-        dw = -dv_new @ mT(h)
-        X = b * k * eG
-        dAkk = dw @ mT(X) + dv_new @ mT(b * v)
-        dX = mT(Akk) @ dw
-        dY = mT(Akk) @ dv_new
-        C = Akk.shape[-1]
-        dL = jnp.where(tri_mask(C, strict=True), -mT(Akk) @ dAkk @ mT(Akk), 0.0)
-        dq = dqg * eG
-        dk = dkg * jnp.exp(G[..., -1:, :] - G) + b * eG * dX
-        dv = b * dY
-        dbeta = jnp.sum(v * dY, axis=-1) + jnp.sum(k * eG * dX, axis=-1)
-        last = (jnp.arange(C) == C - 1)[:, None]
-        dG = qg * dqg - kg * dkg + X * dX + jnp.where(last, dgam[..., None, :], 0.0)
-        return ChunkGrads(dq, dk, dv, dbeta, dG, dL)
+        chunk = functools.partial(_wy_dqkg_chunk, scale)
+        xs = (q, k, v, beta, G, Akk, qg, kg, h, dh, v_new, do, dv_new)
+        return ChunkGrads(*over_chunks(chunk, self.group, *xs))

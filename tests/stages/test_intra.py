@@ -1,4 +1,4 @@
-"""F2 intra (anchored sub-blocks) against the pairwise oracle, and B4 against jax.vjp."""
+"""F2 intra (recursive halving) against the pairwise oracle, and B4 against jax.vjp."""
 
 import jax
 import jax.numpy as jnp
@@ -11,10 +11,11 @@ from .._util import assert_close
 from ._chunked import chunked, intra_chunk, pairwise_decay, rand_like
 
 
-@pytest.mark.parametrize("C,block,strong", [(16, 4, False), (32, 8, True), (64, 16, True), (64, 8, False), (128, 8, True)])
-def test_intra_forward(C, block, strong):
+# group: chunks per lax.map step (3 leaves a remainder of the 2 x 3 x 2 chunks; None: all at once)
+@pytest.mark.parametrize("C,group,strong", [(16, 3, False), (32, None, True), (64, 4, True), (64, 32, False), (128, 5, True)])
+def test_intra_forward(C, group, strong):
     x = chunked(C, C=C, NC=2, strong=strong)
-    out = ReferenceIntra(block=block)(x["scale"], x["q"], x["k"], x["beta"], x["G"])
+    out = ReferenceIntra(group=group)(x["scale"], x["q"], x["k"], x["beta"], x["G"])
     Aqk, Akk = intra_chunk(x["q"], x["k"], x["beta"], x["G"], x["scale"])
     assert_close(out.Aqk, Aqk, 1e-12, "Aqk")
     assert_close(out.Akk, Akk, 1e-12, "Akk")
@@ -27,8 +28,8 @@ def _intra_piece(scale, q, k, beta, G):
     return Aqk, L
 
 
-@pytest.mark.parametrize("C,block,strong,heads", [(16, 8, False, None), (64, 16, True, 4), (32, 4, True, 1)])
-def test_intra_backward_is_vjp(C, block, strong, heads):
+@pytest.mark.parametrize("C,group,strong", [(16, None, False), (64, 4, True), (32, 1, True), (128, 7, True)])
+def test_intra_backward_is_vjp(C, group, strong):
     x = chunked(C + 1, C=C, NC=2, HV=3, strong=strong)
     args = (x["q"], x["k"], x["beta"], x["G"])
     (Aqk, L), vjp = jax.vjp(lambda *a: _intra_piece(x["scale"], *a), *args)
@@ -37,7 +38,7 @@ def test_intra_backward_is_vjp(C, block, strong, heads):
     dq, dk, dbeta, dG = vjp((dAqk, dL))
     zero = ChunkGrads(jnp.zeros_like(x["q"]), jnp.zeros_like(x["k"]), jnp.zeros_like(x["v"]),
                       jnp.zeros_like(x["beta"]), jnp.zeros_like(x["G"]), dL)
-    out = ReferenceIntraBackward(block=block, heads_per_step=heads)(x["scale"], *args, dAqk, zero)
+    out = ReferenceIntraBackward(group=group)(x["scale"], *args, dAqk, zero)
     assert_close(out.dq, dq, 1e-10, "dq")
     assert_close(out.dk, dk, 1e-10, "dk")
     assert_close(out.dbeta, dbeta, 1e-10, "dbeta")
