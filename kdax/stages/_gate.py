@@ -11,6 +11,7 @@ from jaxtyping import Array, Float
 from .._config import KDAConfig
 from .._typing import ChunkK, ChunkScalar, ChunkValid, typecheck
 from ..ref._gates import L2NORM_EPS, beta_activation, kda_gate
+from ._ops import mT, over_chunks
 from ._types import Activated, RawGrads
 
 _HeadsLast = lambda x: jnp.moveaxis(x, 1, -2)  # [R, HV, NC, C, K] -> [R, NC, C, HV, K]
@@ -65,13 +66,19 @@ class ReferenceGate(AbstractGate):
         if config.use_qk_l2norm_in_kernel:
             q_rstd, k_rstd = _rstd(q), _rstd(k)
             q, k = q * q_rstd, k * k_rstd
-        G = jnp.cumsum(activated_gate(config, g, A_log, dt_bias, valid), axis=-2)
+        G = chunk_cumsum(activated_gate(config, g, A_log, dt_bias, valid))
         beta = beta_activation(beta, config.use_beta_sigmoid_in_kernel, config.allow_neg_eigval)
         return Activated(q, k, beta, G, q_rstd, k_rstd)
 
 
-def reverse_cumsum(x, axis: int):
-    return jnp.flip(jnp.cumsum(jnp.flip(x, axis), axis), axis)
+def chunk_cumsum(x, reverse: bool = False, group: Optional[int] = 16):
+    """Cumulative sum over the chunk's rows of ``x [R, HV, NC, C, K]`` (from the end if
+    ``reverse``) as a matmul with a triangular matrix of ones, ``group`` chunks at a time:
+    XLA:CPU runs ``cumsum`` as a quadratic reduce-window behind a transpose."""
+    C = x.shape[-2]
+    ones = jnp.tril(jnp.ones((C, C), x.dtype))
+    ones = mT(ones) if reverse else ones
+    return over_chunks(lambda x: ones @ x, group, x)
 
 
 class AbstractGateBackward(eqx.Module):
@@ -137,7 +144,7 @@ class ReferenceGateBackward(AbstractGateBackward):
         dbeta: ChunkScalar,
         dG: ChunkK,
     ) -> RawGrads:
-        dg = jnp.where(valid[:, None, :, :, None], reverse_cumsum(dG, axis=-2), 0.0)
+        dg = jnp.where(valid[:, None, :, :, None], chunk_cumsum(dG, reverse=True), 0.0)
         dA = ddt = None
         if config.use_gate_in_kernel:
             dg, dA, ddt = gate_param_backward(config, g, A_log, dt_bias, dg)

@@ -24,14 +24,23 @@ def rowsum(x):
 
 
 def over_chunks(fn, group: Optional[int], *xs):
-    """``fn`` over the flattened chunk axes ``[R, HV, NC]`` of ``xs``, ``group`` chunks at a
-    time (``lax.map``; None: all at once). Every ``x`` has those three leading axes, and so
-    has every output of ``fn``; ``fn`` must work on any leading axes. On CPU,
+    """``fn`` over the flattened chunk axes ``[R, HV, NC]`` of ``xs``, about ``group``
+    chunks at a time (``lax.map``; None: all at once). Every ``x`` has those three leading
+    axes, and so has every output of ``fn``; ``fn`` must work on any leading axes. On CPU,
     cache-sized groups keep ``fn``'s temporaries out of main memory."""
     lead = xs[0].shape[:3]
     n = lead[0] * lead[1] * lead[2]
-    if group is None or n == 0:
+    if group is None or n <= group:
         return fn(*xs)
+    # A divisor of n keeps the split a free reshape (lax.map's batch_size transposes).
+    g = next(d for d in range(group, 0, -1) if n % d == 0)
+    if 2 * g < group:
+        g = group
+    m = n // g * g
     flat = tuple(x.reshape(n, *x.shape[3:]) for x in xs)
-    out = jax.lax.map(lambda a: fn(*a), flat, batch_size=min(group, n))
+    out = jax.lax.map(lambda a: fn(*a), tuple(x[:m].reshape(n // g, g, *x.shape[1:]) for x in flat))
+    out = jax.tree.map(lambda o: o.reshape(m, *o.shape[2:]), out)
+    if m < n:
+        rest = fn(*(x[m:] for x in flat))
+        out = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), out, rest)
     return jax.tree.map(lambda o: o.reshape(*lead, *o.shape[1:]), out)
