@@ -18,12 +18,14 @@ from ._ops import mT
 from ._types import DhuOut, StateOut
 
 
-def _chunk_major(*xs):
-    return tuple(jnp.moveaxis(x, 2, 0) for x in xs)
+def _at(c):
+    """Chunk ``c`` of ``[R, HV, NC, ...]`` (or column ``c`` of ``[R, NC]``), read in place:
+    scanning a chunk-major copy costs more than the loop itself on CPU."""
+    return lambda x: jax.lax.dynamic_index_in_dim(x, c, 2 if x.ndim > 2 else 1, keepdims=False)
 
 
-def _from_chunk_major(x):
-    return jnp.moveaxis(x, 0, 2)
+def _put(x, c, y):
+    return jax.lax.dynamic_update_index_in_dim(x, y, c, 2)
 
 
 def _select(ids, table, other):
@@ -53,7 +55,7 @@ class AbstractState(eqx.Module):
 
 
 class ReferenceState(AbstractState):
-    """F4 as a ``lax.scan`` over chunks."""
+    """F4 as a loop over chunks."""
 
     @typecheck
     def __call__(
@@ -65,21 +67,22 @@ class ReferenceState(AbstractState):
         h0: SeqState,
         layout: ChunkLayout,
     ) -> StateOut:
-        R, HV, _, _, K = w.shape
+        R, HV, NC, _, K = w.shape
         V = u.shape[-1]
+        decay = jnp.exp(G[..., -1, :])
 
-        def step(carry, x):
-            h, final = carry
-            w_c, u_c, kg_c, gam, f, l = x
-            h = _select(f, h0, h)
-            v_new = u_c - w_c @ h
-            h_next = jnp.exp(gam)[..., None] * h + mT(kg_c) @ v_new
-            return (h_next, _scatter(final, l, h_next)), (h, v_new)
+        def step(c, carry):
+            h, final, hs, v_news = carry
+            at = _at(c)
+            h = _select(at(layout.first), h0, h)
+            v_new = at(u) - at(w) @ h
+            h_next = at(decay)[..., None] * h + mT(at(kg)) @ v_new
+            final = _scatter(final, at(layout.last), h_next)
+            return h_next, final, _put(hs, c, h), _put(v_news, c, v_new)
 
-        xs = _chunk_major(w, u, kg, G[..., -1, :]) + (layout.first.T, layout.last.T)
-        init = (jnp.zeros((R, HV, K, V), h0.dtype), h0)
-        (_, final), (h, v_new) = jax.lax.scan(step, init, xs)
-        return StateOut(_from_chunk_major(h), _from_chunk_major(v_new), final)
+        init = (jnp.zeros((R, HV, K, V), h0.dtype), h0, jnp.zeros((R, HV, NC, K, V), h0.dtype), jnp.zeros_like(u))
+        _, final, h, v_new = jax.lax.fori_loop(0, NC, step, init)
+        return StateOut(h, v_new, final)
 
 
 class AbstractDhu(eqx.Module):
@@ -104,7 +107,7 @@ class AbstractDhu(eqx.Module):
 
 
 class ReferenceDhu(AbstractDhu):
-    """B2 as a reverse ``lax.scan`` over chunks."""
+    """B2 as a reverse loop over chunks."""
 
     @typecheck
     def __call__(
@@ -119,20 +122,22 @@ class ReferenceDhu(AbstractDhu):
         dht: SeqState,
         layout: ChunkLayout,
     ) -> DhuOut:
-        R, HV, _, _, K = qg.shape
+        R, HV, NC, _, K = qg.shape
         V = do.shape[-1]
+        decay = jnp.exp(G[..., -1, :])
 
-        def step(carry, x):
-            dh_c, dh0 = carry
-            qg_c, kg_c, w_c, gam, do_c, dv_c, f, l = x
-            dh_end = _select(l, dht, dh_c)
-            dv_new = dv_c + kg_c @ dh_end
-            dh_start = jnp.exp(gam)[..., None] * dh_end + scale * mT(qg_c) @ do_c - mT(w_c) @ dv_new
-            return (dh_start, _scatter(dh0, f, dh_start)), (dh_end, dv_new)
+        def step(i, carry):
+            dh_c, dh0, dhs, dv_news = carry
+            c = NC - 1 - i
+            at = _at(c)
+            dh_end = _select(at(layout.last), dht, dh_c)
+            dv_new = at(dv_intra) + at(kg) @ dh_end
+            dh_start = at(decay)[..., None] * dh_end + scale * mT(at(qg)) @ at(do) - mT(at(w)) @ dv_new
+            dh0 = _scatter(dh0, at(layout.first), dh_start)
+            return dh_start, dh0, _put(dhs, c, dh_end), _put(dv_news, c, dv_new)
 
-        xs = _chunk_major(qg, kg, w, G[..., -1, :], do, dv_intra) + (layout.first.T, layout.last.T)
         # A sequence of length 0 has no chunk: its dh0 is its dht.
         dh0 = jnp.where(layout.empty[:, None, None, None], dht, 0.0)
-        init = (jnp.zeros((R, HV, K, V), dht.dtype), dh0)
-        (_, dh0), (dh, dv_new) = jax.lax.scan(step, init, xs, reverse=True)
-        return DhuOut(_from_chunk_major(dh), dh0, _from_chunk_major(dv_new))
+        init = (jnp.zeros((R, HV, K, V), dht.dtype), dh0, jnp.zeros((R, HV, NC, K, V), dht.dtype), jnp.zeros_like(do))
+        _, dh0, dh, dv_new = jax.lax.fori_loop(0, NC, step, init)
+        return DhuOut(dh, dh0, dv_new)
