@@ -104,12 +104,14 @@ class KDAPipeline(eqx.Module):
     fallback: bool = eqx.field(static=True, default=False)
 
     def _stage(self, name: str, *args):
-        try:
-            return getattr(self, name)(*args)
-        except NotImplementedError:
-            if not self.fallback:
-                raise
-            return getattr(_REFERENCE, name)(*args)
+        # The named scope labels every op of the stage in HLO dumps and profiles.
+        with jax.named_scope(f"kdax_{name}"):
+            try:
+                return getattr(self, name)(*args)
+            except NotImplementedError:
+                if not self.fallback:
+                    raise
+                return getattr(_REFERENCE, name)(*args)
 
     @classmethod
     def reference(cls) -> "KDAPipeline":
