@@ -69,15 +69,6 @@ def _join_square(S, off):
     return jnp.concatenate([top, bottom], axis=-2)
 
 
-def _off_blocks(S, s: int):
-    """Lower-left ``[..., C/2s, s, s]`` block of every ``2s`` diagonal block of ``S [..., C, C]``."""
-    C = S.shape[-1]
-    n = C // (2 * s)
-    Sb = S.reshape(*S.shape[:-2], n, 2 * s, n, 2 * s)
-    Sb = jnp.moveaxis(jnp.diagonal(Sb, axis1=-4, axis2=-2), -1, -3)  # [..., n, 2s, 2s]
-    return Sb[..., s:, :s]
-
-
 def _join_rows(diag, parts, upper: bool):
     """``[..., C, K]`` from the diagonal term and one ``[..., C/2s, s, K]`` part per level,
     added to the upper (else lower) half of each ``2s`` block; one fused pass."""
@@ -105,32 +96,43 @@ def intra_scores(q, k, G):
     return Sq[..., 0, :, :], Sk[..., 0, :, :]
 
 
-def pair_rows_cols(G, row_terms, col_terms):
-    """Both sides of lower-triangular pair sums, sharing the decays:
-    ``R_id = sum_{j <= i} S_ij b_jd e^(G_id - G_jd)`` for each ``(S, b)`` in ``row_terms``
-    and ``C_jd = sum_{i >= j} S_ij a_id e^(G_id - G_jd)`` for each ``(S, a)`` in
-    ``col_terms``; ``S [..., C, C]``, ``a, b [..., C, K]``."""
-    C = G.shape[-2]
-    diag = lambda S, x: jnp.diagonal(S, axis1=-2, axis2=-1)[..., None] * x
-    R_parts = [[] for _ in row_terms]
-    C_parts = [[] for _ in col_terms]
-    for s in _levels(C):
-        rows, cols = _decays(G, s)
-        for parts, (S, b) in zip(R_parts, row_terms):
-            parts.append(rows * _apply(_off_blocks(S, s), _halves(b, s)[0] * cols, s, False))
-        for parts, (S, a) in zip(C_parts, col_terms):
-            parts.append(cols * _apply(_off_blocks(S, s), _halves(a, s)[1] * rows, s, True))
-    R = [_join_rows(diag(S, b), p, True) for (S, b), p in zip(row_terms, R_parts)]
-    Cs = [_join_rows(diag(S, a), p, False) for (S, a), p in zip(col_terms, C_parts)]
-    return R, Cs
+def pair_sums(G, S, b, a):
+    """Both sides of lower-triangular pair sums for a stack of X matrices, sharing the
+    decays: ``R_xid = sum_{j <= i} S_xij b_xjd e^(G_id - G_jd)`` and
+    ``C_xjd = sum_{i >= j} S_xij a_xid e^(G_id - G_jd)``; ``S [..., X, C, C]``, ``a, b``
+    ``[..., X, C, K]`` (or broadcastable to it), ``G [..., C, K]``. Returns ``(R, C)``."""
+    d = jnp.diagonal(S, axis1=-2, axis2=-1)[..., None]
+    R_parts, C_parts = [], []
+    for s, off in zip(reversed(_levels(G.shape[-2])), _diagonal_splits(S)):
+        rows, cols = (f[..., None, :, :, :] for f in _decays(G, s))
+        R_parts.append(rows * _apply(off, _halves(b, s)[0] * cols, s, False))
+        C_parts.append(cols * _apply(off, _halves(a, s)[1] * rows, s, True))
+    return _join_rows(d * b, R_parts[::-1], True), _join_rows(d * a, C_parts[::-1], False)
+
+
+def _diagonal_splits(S):
+    """The lower-left block of every diagonal ``2s`` block of ``S [..., C, C]``, for
+    s = C/2, C/4, ..., 1 (top level first): ``[..., C/2s, s, s]`` each."""
+    offs = []
+    blocks = S[..., None, :, :]  # the diagonal 2s-blocks: [..., n, 2s, 2s]
+    for s in reversed(_levels(S.shape[-1])):
+        offs.append(blocks[..., s:, :s])
+        n = blocks.shape[-3]
+        blocks = jnp.stack([blocks[..., :s, :s], blocks[..., s:, s:]], axis=-3).reshape(*blocks.shape[:-3], 2 * n, s, s)
+    return offs
 
 
 def unit_lower_inverse(L):
-    """``(I + L)^-1`` for strictly lower ``L [..., C, C]``."""
-    eye = jnp.eye(L.shape[-1], dtype=L.dtype)
-    return jax.scipy.linalg.solve_triangular(
-        eye + L, jnp.broadcast_to(eye, L.shape), lower=True, unit_diagonal=True
-    )
+    """``(I + L)^-1`` for strictly lower ``L [..., C, C]``, by recursive 2 x 2 blocks:
+    ``[[A, 0], [B, D]]^-1 = [[A^-1, 0], [-D^-1 B A^-1, D^-1]]`` (matmuls only: XLA:CPU's
+    triangular solve forces a column-major layout on its operand)."""
+    C = L.shape[-1]
+    inv = jnp.ones(L.shape[:-2] + (C, 1, 1), L.dtype)
+    for s, B in zip(_levels(C), _diagonal_splits(L)[::-1]):
+        pair = inv.reshape(*inv.shape[:-3], inv.shape[-3] // 2, 2, s, s)
+        low = -(pair[..., 1, :, :] @ (B @ pair[..., 0, :, :]))
+        inv = _join_square(inv, low)
+    return inv[..., 0, :, :]
 
 
 class AbstractIntra(eqx.Module):
@@ -149,8 +151,8 @@ class AbstractIntra(eqx.Module):
 
 
 class ReferenceIntra(AbstractIntra):
-    """F2 in jnp by recursive halving, ``group`` chunks at a time (None: all at once; on
-    CPU a group of chunks whose temporaries fit in cache is ~3x faster than all)."""
+    """F2 in jnp by recursive halving, ``group`` chunks at a time (None: all at once; see
+    ``over_chunks``)."""
 
     group: Optional[int] = eqx.field(static=True, default=32)
 
@@ -163,9 +165,11 @@ class ReferenceIntra(AbstractIntra):
         beta: ChunkScalar,
         G: ChunkK,
     ) -> IntraOut:
-        qk, kk = over_chunks(intra_scores, self.group, q, k, G)
-        # Outside the groups: XLA:CPU's triangular solve is slow inside a loop.
-        return IntraOut(scale * qk, unit_lower_inverse(beta[..., :, None] * kk))
+        def chunk(q, k, beta, G):
+            qk, kk = intra_scores(q, k, G)
+            return scale * qk, unit_lower_inverse(beta[..., :, None] * kk)
+
+        return IntraOut(*over_chunks(chunk, self.group, q, k, beta, G))
 
 
 class AbstractIntraBackward(eqx.Module):
@@ -190,7 +194,7 @@ class ReferenceIntraBackward(AbstractIntraBackward):
     """B4 in jnp with the same recursive halving as ``ReferenceIntra``, ``group`` chunks at
     a time (None: all at once)."""
 
-    group: Optional[int] = eqx.field(static=True, default=32)
+    group: Optional[int] = eqx.field(static=True, default=16)
 
     @typecheck
     def __call__(
@@ -204,11 +208,12 @@ class ReferenceIntraBackward(AbstractIntraBackward):
         grads: ChunkGrads,
     ) -> ChunkGrads:
         def chunk_grads(q, k, beta, G, dAqk, dL):
-            # Aqk = scale * sum_d q_i k_j e^(G_i - G_j); L = beta_i * sum_d k_i k_j e^(G_i - G_j)
-            (dq_a, r), (dk_a, c) = pair_rows_cols(
-                G, [(dAqk, k), (dL, k)], [(dAqk, q), (dL * beta[..., :, None], k)]
-            )
+            # Aqk = scale * sum_d q_i k_j e^(G_i - G_j); L = beta_i * sum_d k_i k_j e^(G_i - G_j):
+            # both products at once, the row side of L carrying beta_i.
             b = beta[..., None]
+            S = jnp.stack([dAqk, dL], axis=-3)
+            R, Cs = pair_sums(G, S, k[..., None, :, :], jnp.stack([q, b * k], axis=-3))
+            (dq_a, r), (dk_a, c) = (R[..., 0, :, :], R[..., 1, :, :]), (Cs[..., 0, :, :], Cs[..., 1, :, :])
             dk = scale * dk_a + b * r + c
             dbeta = rowsum(k * r)
             dG = scale * (q * dq_a - k * dk_a) + b * k * r - k * c
