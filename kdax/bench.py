@@ -282,7 +282,7 @@ def main(argv=None) -> int:
     pipes = {n: avail[n] for n in a.pipelines.split(",")}
     mm = matmul_gflops()
     meta = dict(machine=machine(), matmul_gflops=mm, reps=a.reps, date=time.strftime("%Y-%m-%d"))
-    print(f"kdax benchmark on {meta['machine']}; large float32 matmul: {mm:.1f} GFLOP/s")
+    print(f"kdax benchmark on {meta['machine']}; large float32 matmul: {mm:.1f} GFLOP/s (measured again after the runs; the best counts)")
     shape = Shape(**{k: getattr(a, k) for k in dataclasses.asdict(Shape())})
     if a.sweep:
         Ts = [512, 1024, 2048, 4096, 8192, 16384]
@@ -294,6 +294,9 @@ def main(argv=None) -> int:
     else:
         rows = bench_shape(shape, a.reps, pipes, not a.no_baselines, True)
     rows = with_ratios(rows)
+    # The machine's matmul speed drifts; the better of two measurements keeps %mm conservative.
+    mm = meta["matmul_gflops"] = max(mm, matmul_gflops())
+    print(f"large float32 matmul, best of before and after: {mm:.1f} GFLOP/s")
     print(f"B={shape.B} H={shape.H} HV={shape.HV} K={shape.K} V={shape.V} chunk={shape.chunk_size} float32; "
           "max err: against the float64 recurrence (outputs; all input gradients of sum(o))")
     print(format_table(rows, mm))

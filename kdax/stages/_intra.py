@@ -154,7 +154,7 @@ class ReferenceIntra(AbstractIntra):
     """F2 in jnp by recursive halving, ``group`` chunks at a time (None: all at once; see
     ``over_chunks``)."""
 
-    group: Optional[int] = eqx.field(static=True, default=32)
+    group: Optional[int] = eqx.field(static=True, default=16)
 
     @typecheck
     def __call__(
