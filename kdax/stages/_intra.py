@@ -14,7 +14,6 @@ import abc
 from typing import Optional
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 
 from .._typing import ChunkK, ChunkMat, ChunkScalar, typecheck
