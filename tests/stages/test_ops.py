@@ -1,0 +1,51 @@
+"""The helpers the reference stages share: chunk groups, K-sums, the unit-lower inverse."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kdax.stages._gate import chunk_cumsum
+from kdax.stages._intra import unit_lower_inverse
+from kdax.stages._ops import over_chunks, rowsum
+
+
+def _fn(a, b):
+    # a [.., C, K], b [.., C]: a pytree of outputs with different trailing shapes
+    return {"m": a @ jnp.swapaxes(a, -1, -2), "s": rowsum(a) * b}
+
+
+# n = R * HV * NC chunks; group sizes with an exact divisor, with a remainder (14 = 2 x 7
+# has no divisor in [3, 6]), larger than n, and None (all at once).
+@pytest.mark.parametrize("lead,group", [((2, 3, 2), 4), ((1, 2, 7), 6), ((1, 1, 5), 16), ((2, 1, 3), None), ((1, 2, 7), 1)])
+def test_over_chunks_equals_one_call(lead, group):
+    r = np.random.default_rng(0)
+    a = jnp.asarray(r.normal(size=lead + (8, 5)))
+    b = jnp.asarray(r.normal(size=lead + (8,)))
+    got = over_chunks(_fn, group, a, b)
+    want = _fn(a, b)
+    for key in want:
+        assert got[key].shape == want[key].shape
+        np.testing.assert_allclose(np.asarray(got[key]), np.asarray(want[key]), rtol=1e-13, atol=1e-13)
+
+
+def test_rowsum():
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(3, 4, 7)))
+    np.testing.assert_allclose(np.asarray(rowsum(x)), np.asarray(x).sum(-1), rtol=1e-13)
+
+
+@pytest.mark.parametrize("C", [16, 64, 128])
+def test_unit_lower_inverse(C):
+    r = np.random.default_rng(C)
+    L = np.tril(r.normal(size=(2, 3, C, C)) * 0.3, -1)
+    inv = np.asarray(unit_lower_inverse(jnp.asarray(L)))
+    want = np.linalg.inv(np.eye(C) + L)
+    assert np.all(np.triu(inv, 1) == 0.0)  # exactly lower triangular
+    np.testing.assert_allclose(inv, want, rtol=1e-10, atol=1e-10 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_chunk_cumsum(reverse):
+    x = np.random.default_rng(2).normal(size=(2, 3, 4, 16, 5))
+    want = np.flip(np.cumsum(np.flip(x, -2), -2), -2) if reverse else np.cumsum(x, -2)
+    got = np.asarray(chunk_cumsum(jnp.asarray(x), reverse=reverse, group=5))
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
