@@ -133,7 +133,7 @@ def make_inputs(s: Shape, seed: int = 0, dtype=jnp.float32):
     return tuple(jnp.asarray(x[n], dtype) for n in ("q", "k", "v", "g", "beta"))
 
 
-def _sum_loss(fn):
+def _train_step(fn):
     """A training step: the loss ``sum(o)`` and every input gradient. Returning the loss
     keeps the whole forward in the program (``jax.grad`` alone would let XLA drop the
     parts of a custom VJP's forward that only produce ``o``)."""
@@ -180,10 +180,10 @@ def bench_shape(s: Shape, reps: int, pipes: dict, baselines: bool, check: bool, 
     if check:
         a64 = tuple(a.astype(jnp.float64) for a in args)
         ref_o = jax.jit(lambda *a: naive_recurrent_kda(*a)[0])(*a64)
-        ref_g = _sum_loss(naive_recurrent_kda)(*a64)
+        ref_g = _train_step(naive_recurrent_kda)(*a64)
     for pname, pipe in pipes.items():
         fwd = jax.jit(lambda *a, pipe=pipe: chunk_kda(*a, chunk_size=s.chunk_size, pipeline=pipe)[0])
-        grad = _sum_loss(lambda *a, pipe=pipe: chunk_kda(*a, chunk_size=s.chunk_size, pipeline=pipe))
+        grad = _train_step(lambda *a, pipe=pipe: chunk_kda(*a, chunk_size=s.chunk_size, pipeline=pipe))
         e_o = e_g = None
         if check:
             e_o = float(jnp.max(jnp.abs(fwd(*args) - ref_o)))
@@ -194,8 +194,8 @@ def bench_shape(s: Shape, reps: int, pipes: dict, baselines: bool, check: bool, 
         scan_f = jax.jit(lambda *a: naive_recurrent_kda(*a)[0])
         add("scan", "fwd", scan_f)
         if s.T <= 4096:  # autodiff of the scan keeps every step's state: 6 GB at T=4096
-            add("scan", "fwd+bwd", _sum_loss(naive_recurrent_kda))
-        add("autodiff_chunk", "fwd+bwd", _sum_loss(_autodiff_chunk(KDAPipeline.reference(), s.chunk_size)))
+            add("scan", "fwd+bwd", _train_step(naive_recurrent_kda))
+        add("autodiff_chunk", "fwd+bwd", _train_step(_autodiff_chunk(KDAPipeline.reference(), s.chunk_size)))
         add("fused_recurrent", "fwd", jax.jit(lambda *a: fused_recurrent_kda(*a)[0]))
     return rows
 

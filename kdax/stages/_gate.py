@@ -48,7 +48,9 @@ class AbstractGate(eqx.Module):
 
 
 class ReferenceGate(AbstractGate):
-    """F1 in plain jnp."""
+    """F1 in plain jnp; the chunk cumsum ``group`` chunks at a time (see ``over_chunks``)."""
+
+    group: Optional[int] = eqx.field(static=True, default=16)
 
     @typecheck
     def __call__(
@@ -66,12 +68,12 @@ class ReferenceGate(AbstractGate):
         if config.use_qk_l2norm_in_kernel:
             q_rstd, k_rstd = _rstd(q), _rstd(k)
             q, k = q * q_rstd, k * k_rstd
-        G = chunk_cumsum(activated_gate(config, g, A_log, dt_bias, valid))
+        G = chunk_cumsum(activated_gate(config, g, A_log, dt_bias, valid), group=self.group)
         beta = beta_activation(beta, config.use_beta_sigmoid_in_kernel, config.allow_neg_eigval)
         return Activated(q, k, beta, G, q_rstd, k_rstd)
 
 
-def chunk_cumsum(x, reverse: bool = False, group: Optional[int] = 16):
+def chunk_cumsum(x, reverse: bool = False, group: Optional[int] = None):
     """Cumulative sum over the chunk's rows of ``x [R, HV, NC, C, K]`` (from the end if
     ``reverse``) as a matmul with a triangular matrix of ones, ``group`` chunks at a time:
     XLA:CPU runs ``cumsum`` as a quadratic reduce-window behind a transpose."""
@@ -128,7 +130,9 @@ def l2norm_backward(y, rstd, dy):
 
 
 class ReferenceGateBackward(AbstractGateBackward):
-    """B5 in plain jnp."""
+    """B5 in plain jnp; the reverse chunk cumsum ``group`` chunks at a time."""
+
+    group: Optional[int] = eqx.field(static=True, default=16)
 
     @typecheck
     def __call__(
@@ -144,7 +148,7 @@ class ReferenceGateBackward(AbstractGateBackward):
         dbeta: ChunkScalar,
         dG: ChunkK,
     ) -> RawGrads:
-        dg = jnp.where(valid[:, None, :, :, None], chunk_cumsum(dG, reverse=True), 0.0)
+        dg = jnp.where(valid[:, None, :, :, None], chunk_cumsum(dG, reverse=True, group=self.group), 0.0)
         dA = ddt = None
         if config.use_gate_in_kernel:
             dg, dA, ddt = gate_param_backward(config, g, A_log, dt_bias, dg)

@@ -11,10 +11,14 @@ from .._util import assert_close
 from ._chunked import chunked, intra_chunk, pairwise_decay, rand_like
 
 
-# group: chunks per lax.map step (3 leaves a remainder of the 2 x 3 x 2 chunks; None: all at once)
-@pytest.mark.parametrize("C,group,strong", [(16, 3, False), (32, None, True), (64, 4, True), (64, 32, False), (128, 5, True)])
-def test_intra_forward(C, group, strong):
-    x = chunked(C, C=C, NC=2, strong=strong)
+# group: chunks per lax.map step (None: all at once). R = 2 rows x HV x NC chunks: 8 chunks
+# split exactly; 14 chunks (HV=1, NC=7) in groups of 6 leave a remainder of 2.
+@pytest.mark.parametrize(
+    "C,group,strong,HV,NC",
+    [(16, 3, False, 2, 2), (32, None, True, 2, 2), (64, 4, True, 2, 2), (64, 6, False, 1, 7), (128, 5, True, 2, 2)],
+)
+def test_intra_forward(C, group, strong, HV, NC):
+    x = chunked(C, C=C, NC=NC, HV=HV, strong=strong)
     out = ReferenceIntra(group=group)(x["scale"], x["q"], x["k"], x["beta"], x["G"])
     Aqk, Akk = intra_chunk(x["q"], x["k"], x["beta"], x["G"], x["scale"])
     assert_close(out.Aqk, Aqk, 1e-12, "Aqk")
@@ -28,9 +32,11 @@ def _intra_piece(scale, q, k, beta, G):
     return Aqk, L
 
 
-@pytest.mark.parametrize("C,group,strong", [(16, None, False), (64, 4, True), (32, 1, True), (128, 7, True)])
-def test_intra_backward_is_vjp(C, group, strong):
-    x = chunked(C + 1, C=C, NC=2, HV=3, strong=strong)
+@pytest.mark.parametrize(
+    "C,group,strong,HV,NC", [(16, None, False, 3, 2), (64, 4, True, 3, 2), (32, 1, True, 3, 2), (128, 6, True, 1, 7)]
+)
+def test_intra_backward_is_vjp(C, group, strong, HV, NC):
+    x = chunked(C + 1, C=C, NC=NC, HV=HV, strong=strong)
     args = (x["q"], x["k"], x["beta"], x["G"])
     (Aqk, L), vjp = jax.vjp(lambda *a: _intra_piece(x["scale"], *a), *args)
     dAqk = jnp.tril(rand_like(Aqk, 1))
