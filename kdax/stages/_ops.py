@@ -23,6 +23,13 @@ def rowsum(x):
     return x @ jnp.ones((x.shape[-1],), x.dtype)
 
 
+def last_row(G):
+    """``G[..., -1:, :]``, taken outside the chunk-group loops (``over_chunks``): XLA:CPU
+    runs a loop-body fusion that slices and broadcasts its own input several times slower
+    than one that reads the slice as a separate operand."""
+    return G[..., -1:, :]
+
+
 def over_chunks(fn, group: Optional[int], *xs):
     """``fn`` over the flattened chunk axes ``[R, HV, NC]`` of ``xs``, about ``group``
     chunks at a time (``lax.map``; None: all at once). Every ``x`` has those three leading

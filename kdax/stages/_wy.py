@@ -8,7 +8,7 @@ import equinox as eqx
 import jax.numpy as jnp
 
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, typecheck
-from ._ops import mT, over_chunks, rowsum, tri_mask
+from ._ops import last_row, mT, over_chunks, rowsum, tri_mask
 from ._types import ChunkGrads, WYOut
 
 
@@ -28,12 +28,12 @@ class AbstractWY(eqx.Module):
         raise NotImplementedError
 
 
-def _wy_chunk(q, k, v, beta, G, Akk):
+def _wy_chunk(q, k, v, beta, G, Akk, G_last):
     eG = jnp.exp(G)
     b = beta[..., None]
     K = k.shape[-1]
     wu = Akk @ jnp.concatenate([b * k * eG, b * v], axis=-1)  # one matmul for w and u
-    kg = k * jnp.exp(G[..., -1:, :] - G)
+    kg = k * jnp.exp(G_last - G)
     return wu[..., :K], wu[..., K:], q * eG, kg
 
 
@@ -52,7 +52,7 @@ class ReferenceWY(AbstractWY):
         G: ChunkK,
         Akk: ChunkMat,
     ) -> WYOut:
-        return WYOut(*over_chunks(_wy_chunk, self.group, q, k, v, beta, G, Akk))
+        return WYOut(*over_chunks(_wy_chunk, self.group, q, k, v, beta, G, Akk, last_row(G)))
 
 
 class AbstractWYDqkg(eqx.Module):
@@ -82,14 +82,14 @@ class AbstractWYDqkg(eqx.Module):
         raise NotImplementedError
 
 
-def _wy_dqkg_chunk(scale, q, k, v, beta, G, Akk, qg, kg, h, dh, v_new, do, dv_new):
+def _wy_dqkg_chunk(scale, q, k, v, beta, G, Akk, qg, kg, h, dh, v_new, do, dv_new, G_last):
     eG = jnp.exp(G)
     b = beta[..., None]
     # o = scale qg h + ...
     dqg = scale * do @ mT(h)
     # h_next = e^Γ h + kg^T v_new
     dkg = v_new @ mT(dh)
-    dgam = jnp.sum(kg * dkg, axis=-2) + jnp.exp(G[..., -1, :]) * rowsum(h * dh)
+    dgam = jnp.sum(kg * dkg, axis=-2) + jnp.exp(G_last[..., 0, :]) * rowsum(h * dh)
     # v_new = u - w h, w = Akk X, u = Akk Y
     dw = -dv_new @ mT(h)
     X = b * k * eG
@@ -99,7 +99,7 @@ def _wy_dqkg_chunk(scale, q, k, v, beta, G, Akk, qg, kg, h, dh, v_new, do, dv_ne
     C = Akk.shape[-1]
     dL = jnp.where(tri_mask(C, strict=True), -mT(Akk) @ dAkk @ mT(Akk), 0.0)
     dq = dqg * eG
-    dk = dkg * jnp.exp(G[..., -1:, :] - G) + b * eG * dX
+    dk = dkg * jnp.exp(G_last - G) + b * eG * dX
     dv = b * dY
     dbeta = rowsum(v * dY) + rowsum(k * eG * dX)
     last = (jnp.arange(C) == C - 1)[:, None]
@@ -131,5 +131,5 @@ class ReferenceWYDqkg(AbstractWYDqkg):
         dv_new: ChunkV,
     ) -> ChunkGrads:
         chunk = functools.partial(_wy_dqkg_chunk, scale)
-        xs = (q, k, v, beta, G, Akk, qg, kg, h, dh, v_new, do, dv_new)
+        xs = (q, k, v, beta, G, Akk, qg, kg, h, dh, v_new, do, dv_new, last_row(G))
         return ChunkGrads(*over_chunks(chunk, self.group, *xs))
