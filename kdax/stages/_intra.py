@@ -226,5 +226,6 @@ class ReferenceIntraBackward(AbstractIntraBackward):
             dG = scale * (q * dq_a - k * dk_a) + b * k * r - k * c
             return scale * dq_a, dk, dbeta, dG
 
-        dq, dk, dbeta, dG = over_chunks(chunk_grads, self.group, q, k, beta, G, dAqk, grads.dL, *level_anchors(G))
-        return ChunkGrads(grads.dq + dq, grads.dk + dk, grads.dv, grads.dbeta + dbeta, grads.dG + dG, None)
+        into = (grads.dq, grads.dk, grads.dbeta, grads.dG)
+        dq, dk, dbeta, dG = over_chunks(chunk_grads, self.group, q, k, beta, G, dAqk, grads.dL, *level_anchors(G), into=into)
+        return ChunkGrads(dq, dk, grads.dv, dbeta, dG, None)

@@ -30,24 +30,57 @@ def last_row(G):
     return G[..., -1:, :]
 
 
-def over_chunks(fn, group: Optional[int], *xs):
+def over_chunks(fn, group: Optional[int], *xs, into=None):
     """``fn`` over the flattened chunk axes ``[R, HV, NC]`` of ``xs``, about ``group``
-    chunks at a time (``lax.map``; None: all at once). Every ``x`` has those three leading
+    chunks at a time (a loop; None: all at once). Every ``x`` has those three leading
     axes, and so has every output of ``fn``; ``fn`` must work on any leading axes. On CPU,
-    cache-sized groups keep ``fn``'s temporaries out of main memory."""
+    cache-sized groups keep ``fn``'s temporaries out of main memory.
+
+    ``into``: optional tuple, one entry per output of ``fn`` (a tuple then): an array the
+    output is added to (in place, group by group, instead of a new buffer and a separate
+    pass), or None."""
     lead = xs[0].shape[:3]
     n = lead[0] * lead[1] * lead[2]
     if group is None or n <= group:
-        return fn(*xs)
+        out = fn(*xs)
+        return out if into is None else _add_into(out, into)
     # A divisor of n keeps the split a free reshape (lax.map's batch_size transposes).
     g = next(d for d in range(group, 0, -1) if n % d == 0)
     if 2 * g < group:
         g = group
     m = n // g * g
     flat = tuple(x.reshape(n, *x.shape[3:]) for x in xs)
-    out = jax.lax.map(lambda a: fn(*a), tuple(x[:m].reshape(n // g, g, *x.shape[1:]) for x in flat))
-    out = jax.tree.map(lambda o: o.reshape(m, *o.shape[2:]), out)
-    if m < n:
-        rest = fn(*(x[m:] for x in flat))
+    split = tuple(x[:m].reshape(n // g, g, *x.shape[1:]) for x in flat)
+    if into is None:
+        out = jax.lax.map(lambda a: fn(*a), split)
+        out = jax.tree.map(lambda o: o.reshape(m, *o.shape[2:]), out)
+        rest = fn(*(x[m:] for x in flat)) if m < n else None
+    else:
+        acc = tuple(None if a is None else a.reshape(n, *a.shape[3:]) for a in into)
+        shapes = jax.eval_shape(fn, *(x[0] for x in split))
+        init = tuple(
+            jnp.zeros((n // g, *s.shape), s.dtype) if a is None else a[:m].reshape(n // g, g, *a.shape[1:])
+            for s, a in zip(shapes, acc)
+        )
+
+        def step(i, outs):
+            res = fn(*(jax.lax.dynamic_index_in_dim(x, i, keepdims=False) for x in split))
+            return tuple(
+                jax.lax.dynamic_update_index_in_dim(
+                    o, r if a is None else jax.lax.dynamic_index_in_dim(o, i, keepdims=False) + r, i, 0
+                )
+                for o, r, a in zip(outs, res, acc)
+            )
+
+        out = jax.lax.fori_loop(0, n // g, step, init)
+        out = tuple(o.reshape(m, *o.shape[2:]) for o in out)
+        rest = None
+        if m < n:
+            rest = _add_into(fn(*(x[m:] for x in flat)), tuple(None if a is None else a[m:] for a in acc))
+    if rest is not None:
         out = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), out, rest)
     return jax.tree.map(lambda o: o.reshape(*lead, *o.shape[1:]), out)
+
+
+def _add_into(out, into):
+    return tuple(o if a is None else a + o for o, a in zip(out, into))

@@ -49,3 +49,21 @@ def test_chunk_cumsum(reverse):
     want = np.flip(np.cumsum(np.flip(x, -2), -2), -2) if reverse else np.cumsum(x, -2)
     got = np.asarray(chunk_cumsum(jnp.asarray(x), reverse=reverse, group=5))
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("lead,group", [((2, 3, 2), 4), ((1, 2, 7), 6), ((1, 1, 5), 16), ((2, 1, 3), None)])
+def test_over_chunks_adds_into(lead, group):
+    # Outputs added into given arrays (None: a fresh output), remainders included.
+    r = np.random.default_rng(3)
+    a = jnp.asarray(r.normal(size=lead + (8, 5)))
+    b = jnp.asarray(r.normal(size=lead + (8,)))
+    acc = jnp.asarray(r.normal(size=lead + (8,)))
+
+    def fn(a, b):
+        out = _fn(a, b)
+        return out["m"], out["s"]
+
+    m, s = over_chunks(fn, group, a, b, into=(None, acc))
+    want_m, want_s = fn(a, b)
+    np.testing.assert_allclose(np.asarray(m), np.asarray(want_m), rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(np.asarray(s), np.asarray(acc + want_s), rtol=1e-13, atol=1e-13)
