@@ -51,35 +51,45 @@ def over_chunks(fn, group: Optional[int], *xs, into=None):
     m = n // g * g
     flat = tuple(x.reshape(n, *x.shape[3:]) for x in xs)
     split = tuple(x[:m].reshape(n // g, g, *x.shape[1:]) for x in flat)
-    if into is None:
-        out = jax.lax.map(lambda a: fn(*a), split)
-        out = jax.tree.map(lambda o: o.reshape(m, *o.shape[2:]), out)
-        rest = fn(*(x[m:] for x in flat)) if m < n else None
-    else:
-        acc = tuple(None if a is None else a.reshape(n, *a.shape[3:]) for a in into)
-        shapes = jax.eval_shape(fn, *(x[0] for x in split))
-        init = tuple(
-            jnp.zeros((n // g, *s.shape), s.dtype) if a is None else a[:m].reshape(n // g, g, *a.shape[1:])
-            for s, a in zip(shapes, acc)
+    shapes, tree = jax.tree.flatten(jax.eval_shape(fn, *(x[0] for x in split)))
+    acc = (None,) * len(shapes) if into is None else tuple(None if a is None else a.reshape(n, *a.shape[3:]) for a in into)
+    init = tuple(
+        zeros_after((n // g, *s.shape), s.dtype, xs, j) if a is None else a[:m].reshape(n // g, g, *a.shape[1:])
+        for j, (s, a) in enumerate(zip(shapes, acc))
+    )
+
+    def step(i, outs):
+        res = jax.tree.leaves(fn(*(jax.lax.dynamic_index_in_dim(x, i, keepdims=False) for x in split)))
+        return tuple(
+            jax.lax.dynamic_update_index_in_dim(
+                o, r if a is None else jax.lax.dynamic_index_in_dim(o, i, keepdims=False) + r, i, 0
+            )
+            for o, r, a in zip(outs, res, acc)
         )
 
-        def step(i, outs):
-            res = fn(*(jax.lax.dynamic_index_in_dim(x, i, keepdims=False) for x in split))
-            return tuple(
-                jax.lax.dynamic_update_index_in_dim(
-                    o, r if a is None else jax.lax.dynamic_index_in_dim(o, i, keepdims=False) + r, i, 0
-                )
-                for o, r, a in zip(outs, res, acc)
-            )
+    out = [o.reshape(m, *o.shape[2:]) for o in jax.lax.fori_loop(0, n // g, step, init)]
+    if m < n:
+        rest = jax.tree.leaves(fn(*(x[m:] for x in flat)))
+        rest = _add_into(rest, tuple(None if a is None else a[m:] for a in acc))
+        out = [jnp.concatenate([a, b]) for a, b in zip(out, rest)]
+    return jax.tree.unflatten(tree, [o.reshape(*lead, *o.shape[1:]) for o in out])
 
-        out = jax.lax.fori_loop(0, n // g, step, init)
-        out = tuple(o.reshape(m, *o.shape[2:]) for o in out)
-        rest = None
-        if m < n:
-            rest = _add_into(fn(*(x[m:] for x in flat)), tuple(None if a is None else a[m:] for a in acc))
-    if rest is not None:
-        out = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), out, rest)
-    return jax.tree.map(lambda o: o.reshape(*lead, *o.shape[1:]), out)
+
+def zeros_after(shape, dtype, deps, tag: int = 0):
+    """Zeros of ``shape`` that depend on an element of ``deps[tag % len(deps)]``, so XLA
+    can neither create them before that input exists nor share them with another loop's.
+    Plain zeros are hoisted to the start of the program, one buffer shared by every
+    loop that needs one and copied into each: in the training step those copies were
+    half the peak memory (and on CPU every fresh page is a page fault)."""
+    d = deps[tag % len(deps)].reshape(-1)
+    x = d[tag % d.shape[0]]
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return jnp.zeros(shape, dtype)
+    u = jax.lax.bitcast_convert_type(x, {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize])
+    bits = 8 * x.dtype.itemsize
+    # Two shifts the simplifier keeps, exactly 0 for every value (NaN and inf included).
+    zero = (u >> (bits - 1)) >> 1
+    return jnp.broadcast_to(zero.astype(dtype), shape)
 
 
 def _add_into(out, into):

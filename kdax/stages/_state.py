@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from .._layout import ChunkLayout
 from .._typing import ChunkK, ChunkV, SeqState, typecheck
-from ._ops import mT
+from ._ops import mT, zeros_after
 from ._types import DhuOut, StateOut
 
 
@@ -80,7 +80,7 @@ class ReferenceState(AbstractState):
             final = _scatter(final, at(layout.last), h_next)
             return h_next, final, _put(hs, c, h), _put(v_news, c, v_new)
 
-        init = (jnp.zeros((R, HV, K, V), h0.dtype), h0, jnp.zeros((R, HV, NC, K, V), h0.dtype), jnp.zeros_like(u))
+        init = (jnp.zeros((R, HV, K, V), h0.dtype), h0, zeros_after((R, HV, NC, K, V), h0.dtype, (w,)), zeros_after(u.shape, u.dtype, (u,)))
         _, final, h, v_new = jax.lax.fori_loop(0, NC, step, init)
         return StateOut(h, v_new, final)
 
@@ -138,6 +138,6 @@ class ReferenceDhu(AbstractDhu):
 
         # A sequence of length 0 has no chunk: its dh0 is its dht.
         dh0 = jnp.where(layout.empty[:, None, None, None], dht, 0.0)
-        init = (jnp.zeros((R, HV, K, V), dht.dtype), dh0, jnp.zeros((R, HV, NC, K, V), dht.dtype), jnp.zeros_like(do))
+        init = (jnp.zeros((R, HV, K, V), dht.dtype), dh0, zeros_after((R, HV, NC, K, V), dht.dtype, (qg,)), zeros_after(do.shape, do.dtype, (do,)))
         _, dh0, dh, dv_new = jax.lax.fori_loop(0, NC, step, init)
         return DhuOut(dh, dh0, dv_new)
