@@ -76,20 +76,22 @@ def over_chunks(fn, group: Optional[int], *xs, into=None):
 
 
 def zeros_after(shape, dtype, deps, tag: int = 0):
-    """Zeros of ``shape`` that depend on an element of ``deps[tag % len(deps)]``, so XLA
-    can neither create them before that input exists nor share them with another loop's.
-    Plain zeros are hoisted to the start of the program, one buffer shared by every
-    loop that needs one and copied into each: in the training step those copies were
-    half the peak memory (and on CPU every fresh page is a page fault)."""
-    d = deps[tag % len(deps)].reshape(-1)
-    x = d[tag % d.shape[0]]
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        return jnp.zeros(shape, dtype)
-    u = jax.lax.bitcast_convert_type(x, {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize])
-    bits = 8 * x.dtype.itemsize
-    # Two shifts the simplifier keeps, exactly 0 for every value (NaN and inf included).
-    zero = (u >> (bits - 1)) >> 1
-    return jnp.broadcast_to(zero.astype(dtype), shape)
+    """Zeros of ``shape`` that depend on an element of every array in ``deps``, so XLA
+    can neither create them before those inputs exist nor share them with another
+    loop's (``tag`` picks the element). Plain zeros are hoisted to the start of the
+    program, one buffer shared by every loop that needs one and copied into each: in
+    the training step those copies were half the peak memory, and on CPU every fresh
+    page costs a page fault."""
+    zero = jnp.zeros((), dtype)
+    for d in deps:
+        if not jnp.issubdtype(d.dtype, jnp.floating):
+            continue
+        x = d.reshape(-1)[tag % d.size]
+        bits = 8 * x.dtype.itemsize
+        u = jax.lax.bitcast_convert_type(x, {16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint64}[bits])
+        # Two shifts the simplifier keeps: exactly 0 for every value (NaN and inf too).
+        zero = zero + ((u >> (bits - 1)) >> 1).astype(dtype)
+    return jnp.broadcast_to(zero, shape)
 
 
 def _add_into(out, into):
