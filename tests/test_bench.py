@@ -1,0 +1,35 @@
+"""The benchmark harness runs end to end on a tiny shape (numbers are not asserted: speed
+is measured by ``python -m kdax.bench``, never in tests)."""
+
+import json
+import os
+
+from kdax import bench
+
+
+def test_bench_shape_rows_and_results(tmp_path):
+    shape = bench.Shape(B=1, T=40, H=2, HV=2, K=8, V=8, chunk_size=16)
+    pipes = {"reference": bench.pipelines()["reference"]}
+    rows = bench.with_ratios(bench.bench_shape(shape, 2, pipes, baselines=True, check=True))
+    got = {(r["name"], r["kind"]) for r in rows}
+    assert got == {
+        ("chunk_kda[reference]", "fwd"),
+        ("chunk_kda[reference]", "fwd+bwd"),
+        ("scan", "fwd"),
+        ("scan", "fwd+bwd"),
+        ("autodiff_chunk", "fwd+bwd"),
+        ("fused_recurrent", "fwd"),
+    }
+    for r in rows:
+        assert r["time_s"] > 0
+    ours = {r["kind"]: r for r in rows if r["name"] == "chunk_kda[reference]"}
+    # checked against the float64 recurrence in float32
+    assert ours["fwd"]["max_err"] < 1e-4 and ours["fwd+bwd"]["max_err"] < 1e-3
+    assert "vs_scan" in ours["fwd"] and "vs_autodiff_chunk" in ours["fwd+bwd"]
+    assert ours["fwd+bwd"]["gflops"] > 0
+    table = bench.format_table(rows, 100.0)
+    assert "chunk_kda[reference]" in table and "fused_recurrent" in table
+    bench.write_results(rows, dict(machine=bench.machine(), matmul_gflops=100.0, reps=2), str(tmp_path))
+    with open(os.path.join(tmp_path, "results.json")) as f:
+        assert len(json.load(f)["rows"]) == len(rows)
+    assert os.path.exists(os.path.join(tmp_path, "results.csv"))
