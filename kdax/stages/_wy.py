@@ -93,11 +93,12 @@ def _wy_dqkg_chunk(scale, q, k, v, beta, G, Akk, qg, kg, h, dh, v_new, do, dv_ne
     # v_new = u - w h, w = Akk X, u = Akk Y
     dw = -dv_new @ mT(h)
     X = b * k * eG
-    dAkk = dw @ mT(X) + dv_new @ mT(b * v)
     dX = mT(Akk) @ dw
     dY = mT(Akk) @ dv_new
     C = Akk.shape[-1]
-    dL = jnp.where(tri_mask(C, strict=True), -mT(Akk) @ dAkk @ mT(Akk), 0.0)
+    # dL = -Akk^T dAkk Akk^T with dAkk = dw X^T + dv_new (beta v)^T; Akk^T dw and
+    # Akk^T dv_new are dX and dY already.
+    dL = jnp.where(tri_mask(C, strict=True), -(dX @ mT(X) + dY @ mT(b * v)) @ mT(Akk), 0.0)
     dq = dqg * eG
     dk = dkg * jnp.exp(G_last - G) + b * eG * dX
     dv = b * dY
