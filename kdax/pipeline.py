@@ -377,5 +377,13 @@ def chunk_kda(
         disable_recompute=disable_recompute, state_v_first=state_v_first,
     )
     pipeline = default_pipeline() if pipeline is None else pipeline
+    if q.shape[1] == 0:
+        # No tokens (every sequence empty): nothing for any stage to do; every state
+        # passes through unchanged, and so does its gradient.
+        q, k, v, g, beta, h0, cu = args[:6] + args[-1:]
+        N = v.shape[0] if cu is None else cu.shape[0] - 1
+        dt = compute_dtype(q, k, v, g, beta, h0)
+        final = jnp.zeros((N, v.shape[2], q.shape[-1], v.shape[-1]), dt) if h0 is None else h0.astype(dt)
+        return jnp.zeros(v.shape, v.dtype), _final_out(final, config, state_v_first)
     o, final = _chunk_kda_vjp(pipeline, config, *args)
     return o, _final_out(final, config, state_v_first)

@@ -243,3 +243,27 @@ def test_property_chunked_equals_recurrent(data, B, T, H, rep, K, V, chunk, stro
     o_ref, ht_ref = run(oracle_kda, x, opts)
     assert_close(o, o_ref, 1e-10, "o")
     assert_close(ht, ht_ref, 1e-10, "ht")
+
+
+@pytest.mark.parametrize("pipe", ["reference", "pallas"])
+@pytest.mark.parametrize("cu", [None, [0, 0], [0, 0, 0]])
+@pytest.mark.parametrize("v_first", [False, True])
+def test_no_tokens(pipe, cu, v_first):
+    # T = 0 (every sequence empty): o is empty and each state passes through unchanged,
+    # with its gradient; the recurrence agrees.
+    N = 1 if cu is None else len(cu) - 1
+    z = lambda *s: jnp.zeros(s, jnp.float32)
+    q, v, g, beta = z(1, 0, 2, 16), z(1, 0, 2, 8), z(1, 0, 2, 16), z(1, 0, 2)
+    h0 = jnp.asarray(np.random.default_rng(0).normal(size=(N, 2, 8, 16) if v_first else (N, 2, 16, 8)), jnp.float32)
+    kw = dict(output_final_state=True, state_v_first=v_first, pipeline=getattr(kdax.KDAPipeline, pipe)(),
+              cu_seqlens=None if cu is None else jnp.asarray(cu, jnp.int32))
+    o, ht = kdax.chunk_kda(q, q, v, g, beta, initial_state=h0, **kw)
+    assert o.shape == v.shape and ht.shape == h0.shape
+    np.testing.assert_array_equal(np.asarray(ht), np.asarray(h0))
+    dh0 = jax.grad(lambda h: jnp.sum(kdax.chunk_kda(q, q, v, g, beta, initial_state=h, **kw)[1] * h0))(h0)
+    np.testing.assert_array_equal(np.asarray(dh0), np.asarray(h0))
+    _, ht0 = kdax.chunk_kda(q, q, v, g, beta, **kw)
+    assert ht0.shape == h0.shape and not np.any(np.asarray(ht0))
+    if cu is None and not v_first:
+        _, ref = kdax.fused_recurrent_kda(q, q, v, g, beta, initial_state=h0, output_final_state=True)
+        np.testing.assert_array_equal(np.asarray(ref), np.asarray(h0))

@@ -84,7 +84,7 @@ def zeros_after(shape, dtype, deps, tag: int = 0):
     page costs a page fault."""
     zero = jnp.zeros((), dtype)
     for d in deps:
-        if not jnp.issubdtype(d.dtype, jnp.floating):
+        if not jnp.issubdtype(d.dtype, jnp.floating) or d.size == 0:
             continue
         x = d.reshape(-1)[tag % d.size]
         bits = 8 * x.dtype.itemsize

@@ -69,6 +69,8 @@ class ReferenceState(AbstractState):
     ) -> StateOut:
         R, HV, NC, _, K = w.shape
         V = u.shape[-1]
+        if NC == 0:  # T = 0: every sequence is empty and keeps its initial state
+            return StateOut(jnp.zeros((R, HV, 0, K, V), h0.dtype), u, h0)
         decay = jnp.exp(G[..., -1, :])
 
         def step(c, carry):
@@ -138,6 +140,8 @@ class ReferenceDhu(AbstractDhu):
 
         # A sequence of length 0 has no chunk: its dh0 is its dht.
         dh0 = jnp.where(layout.empty[:, None, None, None], dht, 0.0)
+        if NC == 0:
+            return DhuOut(jnp.zeros((R, HV, 0, K, V), dht.dtype), dh0, dv_intra)
         init = (jnp.zeros((R, HV, K, V), dht.dtype), dh0, zeros_after((R, HV, NC, K, V), dht.dtype, (qg, kg, w, G, do, dv_intra, dht)), zeros_after(do.shape, do.dtype, (qg, kg, w, G, do, dv_intra, dht), 1))
         _, dh0, dh, dv_new = jax.lax.fori_loop(0, NC, step, init)
         return DhuOut(dh, dh0, dv_new)

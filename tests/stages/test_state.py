@@ -81,3 +81,19 @@ def test_dhu_empty_sequence_passes_dht():
     do = jnp.zeros(x["v"].shape)
     out = ReferenceDhu()(x["scale"], qg, kg, w, x["G"], do, do, dht, layout_of(first, last, [True, False]))
     np.testing.assert_array_equal(out.dh0[0], dht[0])
+
+
+def test_state_loops_without_chunks():
+    # A packed row with no chunk (cu_seqlens [0, 0], T = 0): both loops pass the states through.
+    from kdax._layout import make_layout
+
+    layout = make_layout(1, 0, 64, jnp.asarray([0, 0], jnp.int32))
+    assert layout.num_chunks == 0
+    z = jnp.zeros((1, 2, 0, 64, 16))
+    h0 = rand_like(jnp.zeros((1, 2, 16, 8)), 3)
+    out = ReferenceState()(z, z[..., :8], z, z, h0, layout)
+    assert out.h.shape == (1, 2, 0, 16, 8) and out.v_new.shape == (1, 2, 0, 64, 8)
+    np.testing.assert_array_equal(np.asarray(out.final), np.asarray(h0))
+    d = ReferenceDhu()(1.0, z, z, z, z, z[..., :8], z[..., :8], h0, layout)
+    assert d.dh.shape == (1, 2, 0, 16, 8)
+    np.testing.assert_array_equal(np.asarray(d.dh0), np.asarray(h0))
