@@ -17,7 +17,7 @@ import equinox as eqx
 import jax.numpy as jnp
 
 from .._typing import ChunkK, ChunkMat, ChunkScalar, typecheck
-from ._ops import mT, over_chunks, rowsum
+from ._ops import mT, over_chunks, rowsum, zeros_after
 from ._types import ChunkGrads, IntraOut
 
 
@@ -32,12 +32,15 @@ def _halves(x, s: int):
     return x[..., 0, :, :], x[..., 1, :, :]
 
 
-def level_anchors(G):
+def level_anchors(G, after=()):
     """The anchor rows of every level, ``[..., C/2s, 1, K]`` for s = 1, 2, ..., C/2. Taken
     outside the chunk-group loops: XLA:CPU runs a loop-body fusion that slices and
     broadcasts its own input about 5x slower than one that reads the anchors as a
-    separate operand."""
-    return tuple(_halves(G, s)[1][..., :1, :] for s in _levels(G.shape[-2]))
+    separate operand. ``after``: arrays the anchors are made to depend on (an exact
+    zero added), so that B4 builds its own when it runs instead of XLA keeping F2's
+    alive through the whole training step."""
+    zero = zeros_after((), G.dtype, after) if after else None
+    return tuple(a if zero is None else a + zero for a in (_halves(G, s)[1][..., :1, :] for s in _levels(G.shape[-2])))
 
 
 def _decays(G, a, s: int):
@@ -227,5 +230,5 @@ class ReferenceIntraBackward(AbstractIntraBackward):
             return scale * dq_a, dk, dbeta, dG
 
         into = (grads.dq, grads.dk, grads.dbeta, grads.dG)
-        dq, dk, dbeta, dG = over_chunks(chunk_grads, self.group, q, k, beta, G, dAqk, grads.dL, *level_anchors(G), into=into)
+        dq, dk, dbeta, dG = over_chunks(chunk_grads, self.group, q, k, beta, G, dAqk, grads.dL, *level_anchors(G, after=(dAqk, grads.dL)), into=into)
         return ChunkGrads(dq, dk, grads.dv, dbeta, dG, None)
