@@ -44,7 +44,7 @@ def over_chunks(fn, group: Optional[int], *xs, into=None):
     if group is None or n <= group:
         out = fn(*xs)
         return out if into is None else _add_into(out, into)
-    # A divisor of n keeps the split a free reshape (lax.map's batch_size transposes).
+    # A divisor of n keeps the split a free reshape (grouping by striding would transpose).
     g = next(d for d in range(group, 0, -1) if n % d == 0)
     if 2 * g < group:
         g = group

@@ -11,7 +11,7 @@ from .._util import assert_close
 from ._chunked import chunked, intra_chunk, pairwise_decay, rand_like
 
 
-# group: chunks per lax.map step (None: all at once). R = 2 rows x HV x NC chunks: 8 chunks
+# group: chunks per loop step (None: all at once). R = 2 rows x HV x NC chunks: 8 chunks
 # split exactly; 14 chunks (HV=1, NC=7) in groups of 6 leave a remainder of 2.
 @pytest.mark.parametrize(
     "C,group,strong,HV,NC",
