@@ -380,7 +380,7 @@ def chunk_kda(
     if q.shape[1] == 0:
         # No tokens (every sequence empty): nothing for any stage to do; every state
         # passes through unchanged, and so does its gradient.
-        q, k, v, g, beta, h0, cu = args[:6] + args[-1:]
+        q, k, v, g, beta, h0, _, _, cu = args
         N = v.shape[0] if cu is None else cu.shape[0] - 1
         dt = compute_dtype(q, k, v, g, beta, h0)
         final = jnp.zeros((N, v.shape[2], q.shape[-1], v.shape[-1]), dt) if h0 is None else h0.astype(dt)

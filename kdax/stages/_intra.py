@@ -39,8 +39,11 @@ def level_anchors(G, after=()):
     separate operand. ``after``: arrays the anchors are made to depend on (an exact
     zero added), so that B4 builds its own when it runs instead of XLA keeping F2's
     alive through the whole training step."""
-    zero = zeros_after((), G.dtype, after) if after else None
-    return tuple(a if zero is None else a + zero for a in (_halves(G, s)[1][..., :1, :] for s in _levels(G.shape[-2])))
+    anchors = tuple(_halves(G, s)[1][..., :1, :] for s in _levels(G.shape[-2]))
+    if not after:
+        return anchors
+    zero = zeros_after((), G.dtype, after)
+    return tuple(a + zero for a in anchors)
 
 
 def _decays(G, a, s: int):
@@ -229,6 +232,7 @@ class ReferenceIntraBackward(AbstractIntraBackward):
             dG = scale * (q * dq_a - k * dk_a) + b * k * r - k * c
             return scale * dq_a, dk, dbeta, dG
 
+        anchors = level_anchors(G, after=(dAqk, grads.dL))
         into = (grads.dq, grads.dk, grads.dbeta, grads.dG)
-        dq, dk, dbeta, dG = over_chunks(chunk_grads, self.group, q, k, beta, G, dAqk, grads.dL, *level_anchors(G, after=(dAqk, grads.dL)), into=into)
+        dq, dk, dbeta, dG = over_chunks(chunk_grads, self.group, q, k, beta, G, dAqk, grads.dL, *anchors, into=into)
         return ChunkGrads(dq, dk, grads.dv, dbeta, dG, None)

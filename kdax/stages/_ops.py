@@ -52,7 +52,7 @@ def over_chunks(fn, group: Optional[int], *xs, into=None):
     flat = tuple(x.reshape(n, *x.shape[3:]) for x in xs)
     split = tuple(x[:m].reshape(n // g, g, *x.shape[1:]) for x in flat)
     shapes, tree = jax.tree.flatten(jax.eval_shape(fn, *(x[0] for x in split)))
-    acc = (None,) * len(shapes) if into is None else tuple(None if a is None else a.reshape(n, *a.shape[3:]) for a in into)
+    acc = (None,) * len(shapes) if into is None else tuple(a if a is None else a.reshape(n, *a.shape[3:]) for a in into)
     init = tuple(
         zeros_after((n // g, *s.shape), s.dtype, xs, j) if a is None else a[:m].reshape(n // g, g, *a.shape[1:])
         for j, (s, a) in enumerate(zip(shapes, acc))

@@ -82,7 +82,9 @@ class ReferenceState(AbstractState):
             final = _scatter(final, at(layout.last), h_next)
             return h_next, final, _put(hs, c, h), _put(v_news, c, v_new)
 
-        init = (jnp.zeros((R, HV, K, V), h0.dtype), h0, zeros_after((R, HV, NC, K, V), h0.dtype, (w, u, kg, G, h0)), zeros_after(u.shape, u.dtype, (w, u, kg, G, h0), 1))
+        deps = (w, u, kg, G, h0)
+        hs = zeros_after((R, HV, NC, K, V), h0.dtype, deps)
+        init = (jnp.zeros((R, HV, K, V), h0.dtype), h0, hs, zeros_after(u.shape, u.dtype, deps, 1))
         _, final, h, v_new = jax.lax.fori_loop(0, NC, step, init)
         return StateOut(h, v_new, final)
 
@@ -142,6 +144,8 @@ class ReferenceDhu(AbstractDhu):
         dh0 = jnp.where(layout.empty[:, None, None, None], dht, 0.0)
         if NC == 0:
             return DhuOut(jnp.zeros((R, HV, 0, K, V), dht.dtype), dh0, dv_intra)
-        init = (jnp.zeros((R, HV, K, V), dht.dtype), dh0, zeros_after((R, HV, NC, K, V), dht.dtype, (qg, kg, w, G, do, dv_intra, dht)), zeros_after(do.shape, do.dtype, (qg, kg, w, G, do, dv_intra, dht), 1))
+        deps = (qg, kg, w, G, do, dv_intra, dht)
+        dhs = zeros_after((R, HV, NC, K, V), dht.dtype, deps)
+        init = (jnp.zeros((R, HV, K, V), dht.dtype), dh0, dhs, zeros_after(do.shape, do.dtype, deps, 1))
         _, dh0, dh, dv_new = jax.lax.fori_loop(0, NC, step, init)
         return DhuOut(dh, dh0, dv_new)
