@@ -169,7 +169,7 @@ class KDAPipeline(eqx.Module):
         h0_in, A_log_in, dt_bias_in = h0, A_log, dt_bias
         A_log = None if A_log is None else A_log.astype(dt)
         dt_bias = None if dt_bias is None else dt_bias.astype(dt)
-        h0 = jnp.zeros((N, HV, K, V), dt) if h0 is None else h0.astype(dt)
+        h0 = _initial_states(h0, (N, HV, K, V), dt)
 
         act = self._stage("gate", config, qc, kc, gc, bc, A_log, dt_bias, layout.valid)
         intra = self._stage("intra", config.scale, act.q, act.k, act.beta, act.G)
@@ -261,6 +261,11 @@ def _check_arrays(
     cu_seqlens: Optional[CuSeqlens],
 ) -> None:
     """The shape/dtype checks of ``chunk_kda``'s signature, for ``KDAPipeline.forward``."""
+
+
+def _initial_states(h0, shape, dt):
+    """The initial states ``[N, HV, K, V]`` in the compute dtype (zeros when not given)."""
+    return jnp.zeros(shape, dt) if h0 is None else h0.astype(dt)
 
 
 def _final_out(final, config: KDAConfig, state_v_first: bool):
@@ -382,8 +387,7 @@ def chunk_kda(
         # passes through unchanged, and so does its gradient.
         q, k, v, g, beta, h0, _, _, cu = args
         N = v.shape[0] if cu is None else cu.shape[0] - 1
-        dt = compute_dtype(q, k, v, g, beta, h0)
-        final = jnp.zeros((N, v.shape[2], q.shape[-1], v.shape[-1]), dt) if h0 is None else h0.astype(dt)
+        final = _initial_states(h0, (N, v.shape[2], q.shape[-1], v.shape[-1]), compute_dtype(q, k, v, g, beta, h0))
         return jnp.zeros(v.shape, v.dtype), _final_out(final, config, state_v_first)
     o, final = _chunk_kda_vjp(pipeline, config, *args)
     return o, _final_out(final, config, state_v_first)
