@@ -29,13 +29,14 @@ import sys
 import time
 from typing import Callable, Optional
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 jax.config.update("jax_enable_x64", True)  # the float64 reference; timed inputs are float32
 
-from .pipeline import KDAPipeline, _prepare, chunk_kda  # noqa: E402
+from .pipeline import KDAPipeline, _prepare, chunk_kda, stage_inputs  # noqa: E402
 from .recurrent import fused_recurrent_kda  # noqa: E402
 from .ref import naive_recurrent_kda  # noqa: E402
 
@@ -184,12 +185,18 @@ def bench_shape(s: Shape, reps: int, pipes: dict, baselines: bool, check: bool, 
     for pname, pipe in pipes.items():
         fwd = jax.jit(lambda *a, pipe=pipe: chunk_kda(*a, chunk_size=s.chunk_size, pipeline=pipe)[0])
         grad = _train_step(lambda *a, pipe=pipe: chunk_kda(*a, chunk_size=s.chunk_size, pipeline=pipe))
-        e_o = e_g = None
-        if check:
-            e_o = float(jnp.max(jnp.abs(fwd(*args) - ref_o)))
-            e_g = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(grad(*args)[1], ref_g[1]))
-        add(f"chunk_kda[{pname}]", "fwd", fwd, ff["forward"], e_o)
-        add(f"chunk_kda[{pname}]", "fwd+bwd", grad, ff["forward"] + ff["backward"], e_g)
+        try:
+            e_o = e_g = None
+            if check:
+                e_o = float(jnp.max(jnp.abs(fwd(*args) - ref_o)))
+                e_g = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(grad(*args)[1], ref_g[1]))
+            add(f"chunk_kda[{pname}]", "fwd", fwd, ff["forward"], e_o)
+            add(f"chunk_kda[{pname}]", "fwd+bwd", grad, ff["forward"] + ff["backward"], e_g)
+        except Exception as e:  # a kernel the backend cannot compile: report it, go on with the rest
+            msg = str(e).strip().splitlines()
+            rows.append(dict(T=s.T, name=f"chunk_kda[{pname}]", kind="failed", time_s=None, peak_bytes=None,
+                             gflops=None, max_err=None, error=f"{type(e).__name__}: {msg[0] if msg else ''}"))
+            print(f"chunk_kda[{pname}] failed at T={s.T}: {rows[-1]['error']}", file=sys.stderr)
     if baselines:
         scan_f = jax.jit(lambda *a: naive_recurrent_kda(*a)[0])
         add("scan", "fwd", scan_f)
@@ -198,6 +205,43 @@ def bench_shape(s: Shape, reps: int, pipes: dict, baselines: bool, check: bool, 
         add("autodiff_chunk", "fwd+bwd", _train_step(_autodiff_chunk(KDAPipeline.reference(), s.chunk_size)))
         add("fused_recurrent", "fwd", jax.jit(lambda *a: fused_recurrent_kda(*a)[0]))
     return rows
+
+
+STAGES = ("gate", "intra", "wy", "state", "output", "recompute", "dav", "dhu", "wy_dqkg", "intra_bwd", "gate_bwd")
+
+
+def bench_stages(s: Shape, reps: int, pipes: dict) -> list:
+    """Each stage alone, per pipeline, on the arguments the reference pipeline gives it in
+    one forward and backward at shape ``s``: rows of (stage, pipeline, time or error).
+    A stage that fails (a kernel the backend cannot compile) gives a row with its error."""
+    args = make_inputs(s)
+    taps = stage_inputs(KDAPipeline.reference(), *args, chunk_size=s.chunk_size)
+    rows = []
+    for name in STAGES:
+        for pname, pipe in pipes.items():
+            stage = getattr(pipe, name)
+            row = dict(T=s.T, stage=name, pipeline=pname, impl=type(stage).__name__, time_s=None, error=None)
+            try:
+                row["time_s"] = time_fn(eqx.filter_jit(stage), taps[name], reps)
+            except Exception as e:
+                msg = str(e).strip().splitlines()
+                row["error"] = f"{type(e).__name__}: {msg[0] if msg else ''}"
+            rows.append(row)
+    return rows
+
+
+def format_stage_table(rows: list) -> str:
+    head = f"{'stage':<10} {'pipeline':<10} {'implementation':<24} {'time ms':>9} {'/first':>7}"
+    out = [head, "-" * len(head)]
+    first = {}
+    for r in rows:
+        if r["time_s"] is None:
+            out.append(f"{r['stage']:<10} {r['pipeline']:<10} {r['impl']:<24} FAILED: {r['error'][:110]}")
+            continue
+        base = first.setdefault(r["stage"], r["time_s"])
+        out.append(f"{r['stage']:<10} {r['pipeline']:<10} {r['impl']:<24} {1e3 * r['time_s']:>9.2f} "
+                   f"{r['time_s'] / base:>7.2f}")
+    return "\n".join(out)
 
 
 def with_ratios(rows: list) -> list:
@@ -217,6 +261,9 @@ def format_table(rows: list, matmul: float) -> str:
     out = [head, "-" * len(head)]
     fmt = lambda v, f: ("-" if v is None else format(v, f))
     for r in rows:
+        if r["time_s"] is None:
+            out.append(f"{r['T']:>6} {r['name']:<22} FAILED: {r['error'][:120]}")
+            continue
         pct = None if r["gflops"] is None else 100 * r["gflops"] / matmul
         mem = None if r["peak_bytes"] is None else r["peak_bytes"] / 2**20
         out.append(
@@ -276,14 +323,22 @@ def main(argv=None) -> int:
     p.add_argument("--pipelines", default="reference", help="comma list of: reference, pallas, mixed")
     p.add_argument("--no-baselines", action="store_true")
     p.add_argument("--sweep", action="store_true", help="T in 512..16384 at H=8, K=V=128")
+    p.add_argument("--stages", action="store_true",
+                   help="time each stage alone per pipeline (arguments from the reference pipeline)")
     p.add_argument("--out", default=None, help="folder for results.json/.csv and plots")
     a = p.parse_args(argv)
     avail = pipelines()
     pipes = {n: avail[n] for n in a.pipelines.split(",")}
+    shape = Shape(**{k: getattr(a, k) for k in dataclasses.asdict(Shape())})
+    if a.stages:
+        rows = bench_stages(shape, a.reps, pipes)
+        print(f"kdax stages alone on {machine()}; B={shape.B} T={shape.T} H={shape.H} HV={shape.HV} K={shape.K} "
+              f"V={shape.V} chunk={shape.chunk_size} float32 (/first: against the first pipeline named)")
+        print(format_stage_table(rows))
+        return 1 if any(r["time_s"] is None for r in rows) else 0
     mm = matmul_gflops()
     meta = dict(machine=machine(), matmul_gflops=mm, reps=a.reps, date=time.strftime("%Y-%m-%d"))
     print(f"kdax benchmark on {meta['machine']}; large float32 matmul: {mm:.1f} GFLOP/s (measured again after the runs; the best counts)")
-    shape = Shape(**{k: getattr(a, k) for k in dataclasses.asdict(Shape())})
     if a.sweep:
         Ts = [512, 1024, 2048, 4096, 8192, 16384]
         per = lambda T: 2 * len(pipes) + (0 if a.no_baselines else (4 if T <= 4096 else 3))
@@ -306,8 +361,8 @@ def main(argv=None) -> int:
     bad = [r for r in rows if r["max_err"] is not None and not (r["max_err"] < 1e-2)]
     if bad:
         print("ERROR: chunk_kda disagrees with the float64 reference", file=sys.stderr)
-        return 1
-    return 0
+    failed = [r for r in rows if r["time_s"] is None]
+    return 1 if bad or failed else 0
 
 
 if __name__ == "__main__":

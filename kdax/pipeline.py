@@ -85,6 +85,10 @@ class KDAGrads(eqx.Module):
     dt_bias: Optional[Float[Array, " HVK"]]
 
 
+# A dict while ``stage_inputs`` runs: each stage's first arguments, by stage name.
+_STAGE_TAP: Optional[dict] = None
+
+
 class KDAPipeline(eqx.Module):
     """The chunked KDA algorithm as eleven swappable stages (see DESIGN.md §2)."""
 
@@ -104,8 +108,11 @@ class KDAPipeline(eqx.Module):
     fallback: bool = eqx.field(static=True, default=False)
 
     def _stage(self, name: str, *args):
-        # The named scope labels every op of the stage in HLO dumps and profiles.
-        with jax.named_scope(f"kdax_{name}"):
+        if _STAGE_TAP is not None:
+            _STAGE_TAP.setdefault(name, args)
+        # The named scope labels every op of the stage in HLO dumps and profiles. Products
+        # run at full precision in any stage, a user's too (see stages._ops.full_precision).
+        with jax.named_scope(f"kdax_{name}"), jax.default_matmul_precision("highest"):
             try:
                 return getattr(self, name)(*args)
             except NotImplementedError:
@@ -246,6 +253,21 @@ class KDAPipeline(eqx.Module):
 
 
 _REFERENCE = KDAPipeline.reference()
+
+
+def stage_inputs(pipeline: KDAPipeline, q, k, v, g, beta, **options) -> dict:
+    """The arguments each of ``pipeline``'s stages receives in one forward and backward of
+    ``chunk_kda(q, k, v, g, beta, **options)`` (loss ``sum(o)``), run eagerly: a dict from
+    stage name (``"gate"``, ..., ``"gate_bwd"``) to its argument tuple, for running or
+    timing one stage alone (``kdax.bench --stages``)."""
+    global _STAGE_TAP
+    _STAGE_TAP = taps = {}
+    try:
+        loss = lambda *a: jnp.sum(chunk_kda(*a, pipeline=pipeline, **options)[0])
+        jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, g, beta)
+    finally:
+        _STAGE_TAP = None
+    return taps
 
 
 @typecheck

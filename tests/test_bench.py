@@ -4,7 +4,10 @@ is measured by ``python -m kdax.bench``, never in tests)."""
 import json
 import os
 
+import equinox as eqx
+
 from kdax import bench
+from kdax import stages as S
 
 
 def test_bench_shape_rows_and_results(tmp_path):
@@ -33,3 +36,23 @@ def test_bench_shape_rows_and_results(tmp_path):
     with open(os.path.join(tmp_path, "results.json")) as f:
         assert len(json.load(f)["rows"]) == len(rows)
     assert os.path.exists(os.path.join(tmp_path, "results.csv"))
+
+
+class _BrokenOutput(S.AbstractOutput):
+    """An F5 that cannot run (as a kernel a backend cannot compile)."""
+
+    def __call__(self, scale, qg, h, Aqk, v_new):
+        raise RuntimeError("kernel does not compile here")
+
+
+def test_failed_pipeline_is_reported_and_the_rest_runs(tmp_path):
+    shape = bench.Shape(B=1, T=40, H=2, HV=2, K=8, V=8, chunk_size=16)
+    ref = bench.pipelines()["reference"]
+    pipes = {"broken": eqx.tree_at(lambda p: p.output, ref, _BrokenOutput()), "reference": ref}
+    rows = bench.bench_shape(shape, 1, pipes, baselines=False, check=True)
+    failed = [r for r in rows if r["time_s"] is None]
+    assert [(r["name"], r["kind"]) for r in failed] == [("chunk_kda[broken]", "failed")]
+    assert "kernel does not compile here" in failed[0]["error"]
+    assert {r["kind"] for r in rows if r["name"] == "chunk_kda[reference]"} == {"fwd", "fwd+bwd"}
+    assert "FAILED" in bench.format_table(bench.with_ratios(rows), 100.0)
+    bench.write_results(rows, dict(machine="test", matmul_gflops=100.0, reps=1), str(tmp_path))

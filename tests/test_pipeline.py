@@ -1,5 +1,6 @@
 """chunk_kda end to end: forward and six-stage backward against the float64 oracle."""
 
+import re
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -267,3 +268,21 @@ def test_no_tokens(pipe, cu, v_first):
     if cu is None and not v_first:
         _, ref = kdax.fused_recurrent_kda(q, q, v, g, beta, initial_state=h0, output_final_state=True)
         np.testing.assert_array_equal(np.asarray(ref), np.asarray(h0))
+
+
+def test_products_at_full_precision():
+    """Every matrix product of the forward and the six-stage backward asks for HIGHEST
+    precision: XLA on GPUs runs float32 products in TF32 by default, which on an H200
+    gave 1e-2 gradient errors at T=4096."""
+    s = jax.ShapeDtypeStruct
+    args = (s((1, 100, 2, 16), jnp.float32),) * 4 + (s((1, 100, 2), jnp.float32),)
+
+    def loss(*a):
+        o, ht = kdax.chunk_kda(*a, chunk_size=16, output_final_state=True, use_gate_in_kernel=True,
+                               A_log=jnp.zeros(2), use_qk_l2norm_in_kernel=True)
+        return jnp.sum(o) + jnp.sum(ht)
+
+    for f in (loss, jax.grad(loss, argnums=(0, 1, 2, 3, 4)), lambda *a: kdax.fused_recurrent_kda(*a)[0]):
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        dots = re.findall(r"stablehlo\.dot_general.*", text)
+        assert dots and all("HIGHEST" in d for d in dots), [d for d in dots if "HIGHEST" not in d][:3]

@@ -13,6 +13,9 @@ def compute_dtype(*xs):
     return jnp.float64 if any(x is not None and x.dtype == jnp.float64 for x in xs) else jnp.float32
 
 
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
 def expand_heads(x, hv: int):
     """``[B, T, H, ...] -> [B, T, HV, ...]``: value head i reads q/k head i // (HV // H)."""
     return jnp.repeat(x, hv // x.shape[2], axis=2) if x.shape[2] != hv else x
@@ -21,9 +24,10 @@ def expand_heads(x, hv: int):
 def recurrent_step(S, q_t, k_t, v_t, g_t, b_t, scale):
     """One step of the recurrence on ``S [..., K, V]``; returns the new state and output."""
     S = S * jnp.exp(g_t)[..., :, None]
-    pred = jnp.einsum("...k,...kv->...v", k_t, S)
+    # HIGHEST: float32 products on GPUs default to TF32 (10-bit mantissa)
+    pred = jnp.einsum("...k,...kv->...v", k_t, S, precision=HIGHEST)
     S = S + (b_t[..., None] * k_t)[..., :, None] * (v_t - pred)[..., None, :]
-    o_t = scale * jnp.einsum("...k,...kv->...v", q_t, S)
+    o_t = scale * jnp.einsum("...k,...kv->...v", q_t, S, precision=HIGHEST)
     return S, o_t
 
 

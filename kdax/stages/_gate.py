@@ -11,7 +11,7 @@ from jaxtyping import Array, Float
 from .._config import KDAConfig
 from .._typing import ChunkK, ChunkScalar, ChunkValid, typecheck
 from ..ref._gates import L2NORM_EPS, beta_activation, kda_gate
-from ._ops import mT, over_chunks
+from ._ops import full_precision, mT, over_chunks
 from ._types import Activated, RawGrads
 
 _HeadsLast = lambda x: jnp.moveaxis(x, 1, -2)  # [R, HV, NC, C, K] -> [R, NC, C, HV, K]
@@ -52,6 +52,7 @@ class ReferenceGate(AbstractGate):
 
     group: Optional[int] = eqx.field(static=True, default=16)
 
+    @full_precision
     @typecheck
     def __call__(
         self,
@@ -134,6 +135,7 @@ class ReferenceGateBackward(AbstractGateBackward):
 
     group: Optional[int] = eqx.field(static=True, default=16)
 
+    @full_precision
     @typecheck
     def __call__(
         self,

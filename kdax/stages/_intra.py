@@ -17,7 +17,7 @@ import equinox as eqx
 import jax.numpy as jnp
 
 from .._typing import ChunkK, ChunkMat, ChunkScalar, typecheck
-from ._ops import mT, over_chunks, rowsum, zeros_after
+from ._ops import full_precision, mT, over_chunks, rowsum, zeros_after
 from ._types import ChunkGrads, IntraOut
 
 
@@ -169,6 +169,7 @@ class ReferenceIntra(AbstractIntra):
 
     group: Optional[int] = eqx.field(static=True, default=16)
 
+    @full_precision
     @typecheck
     def __call__(
         self,
@@ -209,6 +210,7 @@ class ReferenceIntraBackward(AbstractIntraBackward):
 
     group: Optional[int] = eqx.field(static=True, default=16)
 
+    @full_precision
     @typecheck
     def __call__(
         self,

@@ -8,7 +8,7 @@ import equinox as eqx
 import jax.numpy as jnp
 
 from .._typing import ChunkK, ChunkMat, ChunkState, ChunkV, typecheck
-from ._ops import mT, over_chunks, tri_mask
+from ._ops import full_precision, mT, over_chunks, tri_mask
 
 
 class AbstractOutput(eqx.Module):
@@ -35,6 +35,7 @@ class ReferenceOutput(AbstractOutput):
 
     group: Optional[int] = eqx.field(static=True, default=16)
 
+    @full_precision
     @typecheck
     def __call__(
         self,
@@ -70,6 +71,7 @@ class ReferenceDAv(AbstractDAv):
 
     group: Optional[int] = eqx.field(static=True, default=16)
 
+    @full_precision
     @typecheck
     def __call__(
         self,

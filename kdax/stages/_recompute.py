@@ -6,6 +6,7 @@ import equinox as eqx
 
 from .._layout import ChunkLayout
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkV, SeqState, typecheck
+from ._ops import full_precision
 from ._state import AbstractState, ReferenceState
 from ._types import StateOut, WYOut
 from ._wy import AbstractWY, ReferenceWY
@@ -38,6 +39,7 @@ def recompute_with(wy: AbstractWY, state: AbstractState, q, k, v, beta, G, Akk, 
 class ReferenceRecompute(AbstractRecompute):
     """B0 by re-running the reference F3 and F4."""
 
+    @full_precision
     @typecheck
     def __call__(
         self,

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from .._layout import ChunkLayout
 from .._typing import ChunkK, ChunkV, SeqState, typecheck
-from ._ops import mT, zeros_after
+from ._ops import full_precision, mT, zeros_after
 from ._types import DhuOut, StateOut
 
 
@@ -57,6 +57,7 @@ class AbstractState(eqx.Module):
 class ReferenceState(AbstractState):
     """F4 as a loop over chunks."""
 
+    @full_precision
     @typecheck
     def __call__(
         self,
@@ -113,6 +114,7 @@ class AbstractDhu(eqx.Module):
 class ReferenceDhu(AbstractDhu):
     """B2 as a reverse loop over chunks."""
 
+    @full_precision
     @typecheck
     def __call__(
         self,

@@ -8,7 +8,7 @@ import equinox as eqx
 import jax.numpy as jnp
 
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, typecheck
-from ._ops import last_row, mT, over_chunks, rowsum, tri_mask
+from ._ops import full_precision, last_row, mT, over_chunks, rowsum, tri_mask
 from ._types import ChunkGrads, WYOut
 
 
@@ -42,6 +42,7 @@ class ReferenceWY(AbstractWY):
 
     group: Optional[int] = eqx.field(static=True, default=16)
 
+    @full_precision
     @typecheck
     def __call__(
         self,
@@ -113,6 +114,7 @@ class ReferenceWYDqkg(AbstractWYDqkg):
 
     group: Optional[int] = eqx.field(static=True, default=16)
 
+    @full_precision
     @typecheck
     def __call__(
         self,

@@ -1,5 +1,6 @@
-"""All-Pallas and mixed pipelines end to end (interpret mode), fallback, and lowering of
-the kernels for TPU (Mosaic) and GPU (Triton) on this CPU."""
+"""All-Pallas and mixed pipelines end to end (interpret mode; compiled for the accelerator
+where one is present: ``pallas_device``), fallback, and lowering of the kernels for TPU
+(Mosaic) and GPU (Triton) on any machine."""
 
 import dataclasses
 import re
@@ -11,7 +12,7 @@ import pytest
 import kdax
 from kdax import pallas as P
 
-from .._util import GOLDEN_CASES, assert_close, check_golden, loss_grads, oracle_kda, run
+from .._util import GOLDEN_CASES, ON_DEVICE, assert_close, check_golden, loss_grads, oracle_kda, run
 from ..test_pipeline import GRID, build_case, cotangents
 
 PIPELINES = {
@@ -19,6 +20,8 @@ PIPELINES = {
     "pallas_triton": lambda: kdax.KDAPipeline.pallas("triton", interpret=True),
     "mixed": lambda: kdax.KDAPipeline.mixed("tpu", interpret=True),
 }
+if ON_DEVICE:  # the present accelerator's kernels, compiled for real
+    PIPELINES["pallas_device"] = lambda: kdax.KDAPipeline.pallas(interpret=False)
 
 
 @pytest.mark.parametrize("pipe", list(PIPELINES))
@@ -34,6 +37,7 @@ FAST = {
     "pallas_tpu": list(GRID),
     "pallas_triton": ["c16_T37", "c32_gva", "lower_bound_gate", "l2norm_sigmoid", "state_v_first", "varlen"],
     "mixed": ["c128_strong", "softplus_gate", "neg_eigval", "no_h0", "disable_recompute", "varlen_gate_c64"],
+    "pallas_device": list(GRID),
 }
 GRID_CASES = [
     pytest.param(p, n, marks=() if n in FAST[p] else pytest.mark.slow) for p in PIPELINES for n in GRID
@@ -123,13 +127,14 @@ def test_lowering(target, platform, K, varlen):
         assert len(kernels) >= n_min, calls
 
 
+@pytest.mark.parametrize("pipe", [p for p in ("pallas_triton", "pallas_device") if p in PIPELINES])
 @pytest.mark.parametrize("dt", [jnp.bfloat16, jnp.float16])
-def test_low_precision_inputs(dt):
+def test_low_precision_inputs(pipe, dt):
     """bf16/fp16 inputs through the all-Pallas pipeline: float32 inside the kernels."""
     x, opts = build_case(dict(T=40, chunk_size=16, use_gate_in_kernel=True, A_log=True, dt_bias=True))
     xl = {n: a.astype(dt) for n, a in x.items()}
     x64 = {n: a.astype(jnp.float64) for n, a in xl.items()}
-    pipe = PIPELINES["pallas_triton"]()
+    pipe = PIPELINES[pipe]()
     o, ht = run(pipe, xl, opts)
     o_ref, ht_ref = run(oracle_kda, x64, opts)
     assert o.dtype == dt and ht.dtype == jnp.float32

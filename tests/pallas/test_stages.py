@@ -1,6 +1,8 @@
-"""Every Pallas stage (interpret mode) equals its reference stage, for both targets'
-kernel bodies and block layouts (TPU: full-dim blocks; Triton: power-of-2 padded)."""
+"""Every Pallas stage equals its reference stage, for both targets' kernel bodies and block
+layouts (TPU: full-dim blocks; Triton: power-of-2 padded), in interpret mode everywhere and
+compiled for the accelerator where one is present (the ``device`` cases)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,10 +13,16 @@ from kdax import stages as S
 from kdax._layout import make_layout
 from kdax.stages import ChunkGrads
 
-from .._util import assert_close
+from .._util import ON_DEVICE, assert_close
 from ..stages._chunked import chunked, intra_chunk, rand_like, state_scan, wy_chunk
 
-TARGETS = ["tpu", "triton"]
+# (target, interpret): both layouts interpreted on any machine; the present accelerator's
+# target compiled for real where there is one (skipped elsewhere).
+MODES = [
+    pytest.param("tpu", True, id="tpu-interpret"),
+    pytest.param("triton", True, id="triton-interpret"),
+    pytest.param(P.default_target(), False, id="device", marks=pytest.mark.skipif(not ON_DEVICE, reason="no accelerator")),
+]
 CASES = [  # (dtype, tol, C, K, V)
     (jnp.float64, 1e-12, 16, 8, 4),
     (jnp.float64, 1e-12, 32, 12, 6),  # K, V not powers of 2: Triton pads them
@@ -49,11 +57,11 @@ def _close(got, want, tol, name):
     assert_close(got, want, tol, name)
 
 
-@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("target,interpret", MODES)
 @pytest.mark.parametrize("dtype,tol,C,K,V", CASES)
-def test_forward_stages(target, dtype, tol, C, K, V):
+def test_forward_stages(target, interpret, dtype, tol, C, K, V):
     x = _x(dtype, C, K, V)
-    kw = dict(target=target, interpret=True)
+    kw = dict(target=target, interpret=interpret)
     sc = x["scale"]
     pairs = [
         ("intra", P.PallasIntra(**kw), S.ReferenceIntra(), (sc, x["q"], x["k"], x["beta"], x["G"])),
@@ -67,11 +75,11 @@ def test_forward_stages(target, dtype, tol, C, K, V):
         _close(pal(*args), ref(*args), tol, name)
 
 
-@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("target,interpret", MODES)
 @pytest.mark.parametrize("dtype,tol,C,K,V", CASES)
-def test_backward_stages(target, dtype, tol, C, K, V):
+def test_backward_stages(target, interpret, dtype, tol, C, K, V):
     x = _x(dtype, C, K, V, seed=1)
-    kw = dict(target=target, interpret=True)
+    kw = dict(target=target, interpret=interpret)
     sc = x["scale"]
     do = rand_like(x["v"], 3)
     dht = rand_like(x["h0"], 4)
@@ -100,10 +108,10 @@ GATE_CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("target,interpret", MODES)
 @pytest.mark.parametrize("opts", GATE_CONFIGS, ids=["plain", "softplus_l2_sigmoid", "lower_bound_neg"])
 @pytest.mark.parametrize("dtype,tol", [(jnp.float64, 1e-12), (jnp.float32, 1e-5)])
-def test_gate_stages(target, opts, dtype, tol):
+def test_gate_stages(target, interpret, opts, dtype, tol):
     cfg = KDAConfig(scale=1.0, **opts)
     R, HV, NC, C, K = 2, 2, 2, 16, 12
     r = np.random.default_rng(0)
@@ -113,7 +121,7 @@ def test_gate_stages(target, opts, dtype, tol):
     g = f(R, HV, NC, C, K) if gate else -jnp.abs(f(R, HV, NC, C, K))
     A_log, dt_bias = (f(HV) * 0.3, f(HV * K)) if gate else (None, None)
     valid = make_layout(R, NC * C - 5, C).valid
-    kw = dict(target=target, interpret=True)
+    kw = dict(target=target, interpret=interpret)
     args = (cfg, q, k, g, beta, A_log, dt_bias, valid)
     act_p, act_r = P.PallasGate(**kw)(*args), S.ReferenceGate()(*args)
     _close(act_p, act_r, tol, "gate")
@@ -122,7 +130,11 @@ def test_gate_stages(target, opts, dtype, tol):
     _close(P.PallasGateBackward(**kw)(*bargs), S.ReferenceGateBackward()(*bargs), tol, "gate_bwd")
 
 
-def test_state_kernels_varlen():
+@pytest.mark.parametrize("interpret", [
+    pytest.param(True, id="interpret"),
+    pytest.param(False, id="device", marks=pytest.mark.skipif(jax.default_backend() != "gpu", reason="no GPU")),
+])
+def test_state_kernels_varlen(interpret):
     """Packed varlen (lengths 10, 0, 1, 20): the Triton state kernels follow the layout's
     sequence boundaries; the TPU ones refuse before tracing."""
     layout = make_layout(1, 31, 16, jnp.array([0, 10, 10, 11, 31], jnp.int32))
@@ -133,10 +145,10 @@ def test_state_kernels_varlen():
     h0 = rand_like(jnp.zeros((4, 2, 12, 6)), 1)
     args = (w, u, kg, x["G"], h0, layout)
     ref = S.ReferenceState()(*args)
-    _close(P.PallasState(target="triton")(*args), ref, 1e-12, "state")
+    _close(P.PallasState(target="triton", interpret=interpret)(*args), ref, 1e-12, "state")
     do, dv, dht = rand_like(x["v"], 2), rand_like(x["v"], 3), rand_like(h0, 4)
     bargs = (x["scale"], qg, kg, w, x["G"], do, dv, dht, layout)
-    _close(P.PallasDhu(target="triton")(*bargs), S.ReferenceDhu()(*bargs), 1e-12, "dhu")
+    _close(P.PallasDhu(target="triton", interpret=interpret)(*bargs), S.ReferenceDhu()(*bargs), 1e-12, "dhu")
     with pytest.raises(NotImplementedError, match="packed varlen"):
         P.PallasState(target="tpu")(*args)
     with pytest.raises(NotImplementedError, match="packed varlen"):

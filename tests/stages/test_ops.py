@@ -1,9 +1,14 @@
 """The helpers the reference stages share: chunk groups, K-sums, the unit-lower inverse."""
 
+import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import kdax
+from kdax.bench import STAGES
+from kdax.pipeline import stage_inputs
 from kdax.stages._gate import chunk_cumsum
 from kdax.stages._intra import unit_lower_inverse
 from kdax.stages._ops import over_chunks, rowsum
@@ -67,3 +72,35 @@ def test_over_chunks_adds_into(lead, group):
     want_m, want_s = fn(a, b)
     np.testing.assert_allclose(np.asarray(m), np.asarray(want_m), rtol=1e-13, atol=1e-13)
     np.testing.assert_allclose(np.asarray(s), np.asarray(acc + want_s), rtol=1e-13, atol=1e-13)
+
+
+def _dot_precisions(jaxpr):
+    """The ``precision`` of every dot_general in a jaxpr, sub-jaxprs (loops) included."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            out.append(eqn.params["precision"])
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    out += _dot_precisions(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    out += _dot_precisions(sub)
+    return out
+
+
+def test_reference_stages_ask_for_full_precision():
+    """Every reference stage, called on its own (outside a pipeline), traces its matrix
+    products at HIGHEST precision: on GPUs the default is TF32 for float32."""
+    r = np.random.default_rng(0)
+    f = lambda *s: jnp.asarray(r.normal(size=s), jnp.float32)
+    q, k, v = f(1, 40, 2, 16), f(1, 40, 2, 16) / 4, f(1, 40, 2, 16)
+    g, beta = -jnp.abs(f(1, 40, 2, 16)) * 0.1, jax.nn.sigmoid(f(1, 40, 2))
+    pipe = kdax.KDAPipeline.reference()
+    taps = stage_inputs(pipe, q, k, v, g, beta, chunk_size=16, use_qk_l2norm_in_kernel=True)
+    assert set(taps) == set(STAGES)
+    highest = jax.lax.Precision.HIGHEST
+    for name, args in taps.items():
+        precs = _dot_precisions(jax.make_jaxpr(lambda: getattr(pipe, name)(*args))().jaxpr)
+        assert precs, name
+        assert all(p == (highest, highest) for p in precs), (name, precs)
