@@ -210,10 +210,11 @@ def bench_shape(s: Shape, reps: int, pipes: dict, baselines: bool, check: bool, 
 STAGES = ("gate", "intra", "wy", "state", "output", "recompute", "dav", "dhu", "wy_dqkg", "intra_bwd", "gate_bwd")
 
 
-def bench_stages(s: Shape, reps: int, pipes: dict) -> list:
+def bench_stages(s: Shape, reps: int, pipes: dict, on_row: Optional[Callable] = None) -> list:
     """Each stage alone, per pipeline, on the arguments the reference pipeline gives it in
     one forward and backward at shape ``s``: rows of (stage, pipeline, time or error).
-    A stage that fails (a kernel the backend cannot compile) gives a row with its error."""
+    A stage that fails (a kernel the backend cannot compile) gives a row with its error.
+    ``on_row(row)`` is called as each row is done (long compiles: results as they come)."""
     args = make_inputs(s)
     taps = stage_inputs(KDAPipeline.reference(), *args, chunk_size=s.chunk_size)
     rows = []
@@ -227,21 +228,25 @@ def bench_stages(s: Shape, reps: int, pipes: dict) -> list:
                 msg = str(e).strip().splitlines()
                 row["error"] = f"{type(e).__name__}: {msg[0] if msg else ''}"
             rows.append(row)
+            if on_row:
+                on_row(row)
     return rows
 
 
+STAGE_HEAD = f"{'stage':<10} {'pipeline':<10} {'implementation':<24} {'time ms':>9} {'/first':>7}"
+
+
+def format_stage_row(r: dict, first: dict) -> str:
+    """One line of the stage table; ``first`` maps stage -> the first pipeline's time."""
+    if r["time_s"] is None:
+        return f"{r['stage']:<10} {r['pipeline']:<10} {r['impl']:<24} FAILED: {r['error'][:110]}"
+    base = first.setdefault(r["stage"], r["time_s"])
+    return f"{r['stage']:<10} {r['pipeline']:<10} {r['impl']:<24} {1e3 * r['time_s']:>9.2f} {r['time_s'] / base:>7.2f}"
+
+
 def format_stage_table(rows: list) -> str:
-    head = f"{'stage':<10} {'pipeline':<10} {'implementation':<24} {'time ms':>9} {'/first':>7}"
-    out = [head, "-" * len(head)]
     first = {}
-    for r in rows:
-        if r["time_s"] is None:
-            out.append(f"{r['stage']:<10} {r['pipeline']:<10} {r['impl']:<24} FAILED: {r['error'][:110]}")
-            continue
-        base = first.setdefault(r["stage"], r["time_s"])
-        out.append(f"{r['stage']:<10} {r['pipeline']:<10} {r['impl']:<24} {1e3 * r['time_s']:>9.2f} "
-                   f"{r['time_s'] / base:>7.2f}")
-    return "\n".join(out)
+    return "\n".join([STAGE_HEAD, "-" * len(STAGE_HEAD)] + [format_stage_row(r, first) for r in rows])
 
 
 def with_ratios(rows: list) -> list:
@@ -331,10 +336,11 @@ def main(argv=None) -> int:
     pipes = {n: avail[n] for n in a.pipelines.split(",")}
     shape = Shape(**{k: getattr(a, k) for k in dataclasses.asdict(Shape())})
     if a.stages:
-        rows = bench_stages(shape, a.reps, pipes)
         print(f"kdax stages alone on {machine()}; B={shape.B} T={shape.T} H={shape.H} HV={shape.HV} K={shape.K} "
               f"V={shape.V} chunk={shape.chunk_size} float32 (/first: against the first pipeline named)")
-        print(format_stage_table(rows))
+        print(STAGE_HEAD + "\n" + "-" * len(STAGE_HEAD), flush=True)
+        first = {}
+        rows = bench_stages(shape, a.reps, pipes, lambda r: print(format_stage_row(r, first), flush=True))
         return 1 if any(r["time_s"] is None for r in rows) else 0
     mm = matmul_gflops()
     meta = dict(machine=machine(), matmul_gflops=mm, reps=a.reps, date=time.strftime("%Y-%m-%d"))

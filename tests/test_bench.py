@@ -56,3 +56,18 @@ def test_failed_pipeline_is_reported_and_the_rest_runs(tmp_path):
     assert {r["kind"] for r in rows if r["name"] == "chunk_kda[reference]"} == {"fwd", "fwd+bwd"}
     assert "FAILED" in bench.format_table(bench.with_ratios(rows), 100.0)
     bench.write_results(rows, dict(machine="test", matmul_gflops=100.0, reps=1), str(tmp_path))
+
+
+def test_bench_stages_times_each_stage_alone():
+    shape = bench.Shape(B=1, T=40, H=2, HV=2, K=8, V=8, chunk_size=16)
+    ref = bench.pipelines()["reference"]
+    pipes = {"reference": ref, "broken": eqx.tree_at(lambda p: p.output, ref, _BrokenOutput())}
+    seen = []
+    rows = bench.bench_stages(shape, 1, pipes, on_row=seen.append)
+    assert seen == rows and len(rows) == 2 * len(bench.STAGES)
+    assert [r["stage"] for r in rows[::2]] == list(bench.STAGES)
+    failed = [(r["stage"], r["pipeline"]) for r in rows if r["time_s"] is None]
+    assert failed == [("output", "broken")]
+    assert all(r["time_s"] > 0 for r in rows if r["time_s"] is not None)
+    table = bench.format_stage_table(rows)
+    assert "FAILED: RuntimeError: kernel does not compile here" in table and "ReferenceIntraBackward" in table

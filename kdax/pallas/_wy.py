@@ -1,5 +1,6 @@
 """Pallas WY family: F3 (w, u, qg, kg) and B3 (wy_dqkg), one (p, chunk) block per program."""
 
+import equinox as eqx
 import jax.numpy as jnp
 
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, typecheck
@@ -17,27 +18,45 @@ def wy_body(q, k, v, beta, G, Akk):
     return w, u, q * eG, kg
 
 
-def wy_dqkg_body(scale, q, k, v, beta, G, Akk, qg, kg, h, dh, v_new, do, dv_new):
-    C = G.shape[0]
+def wy_dqkg_body(scale, q, k, beta, G, Akk, qg, kg, v_ref, h_ref, dh_ref, vn_ref, do_ref, dvn_ref, dv_ref,
+                 block_v: int):
+    """B3 for one chunk. The value axis is walked ``block_v`` columns at a time through
+    static slices of the refs (v, h, dh, v_new, do, dv_new in; dv out): the V-sized
+    operands are never all live at once, which keeps a Triton program at K = V = 128
+    within Hopper's 227 KiB of shared memory (248 KiB with whole blocks)."""
+    C, Kp = G.shape
+    Vp = v_ref.shape[-1]
     eG = jnp.exp(G)
     gam = row_of(G, C - 1)
-    dqg = scale * dot(do, h, tb=True)
-    dkg = dot(v_new, dh, tb=True)
-    # e^Γ * sum_v h dh, as a [1, K] row (a transpose keeps everything 2-D)
-    dgam = jnp.sum(kg * dkg, axis=0, keepdims=True) + jnp.exp(gam) * jnp.sum((h * dh).T, axis=0, keepdims=True)
-    dw = -dot(dv_new, h, tb=True)
     X = beta * k * eG
-    dAkk = dot(dw, X, tb=True) + dot(dv_new, beta * v, tb=True)
+    zero = jnp.zeros((C, Kp), G.dtype)
+    dqg, dkg, dw = zero, zero, zero
+    hdh = jnp.zeros((1, Kp), G.dtype)
+    dAkk = jnp.zeros((C, C), G.dtype)
+    dbeta = jnp.zeros((C, 1), G.dtype)
+    for j in range(0, Vp, block_v):
+        cols = (slice(None), slice(j, j + block_v))
+        h, dh, v, dvn = h_ref[cols], dh_ref[cols], v_ref[cols], dvn_ref[cols]
+        dqg = dqg + dot(do_ref[cols], h, tb=True)
+        dkg = dkg + dot(vn_ref[cols], dh, tb=True)
+        # sum_v h dh as a [1, K] row (a transpose keeps everything 2-D)
+        hdh = hdh + jnp.sum((h * dh).T, axis=0, keepdims=True)
+        dw = dw - dot(dvn, h, tb=True)
+        dAkk = dAkk + dot(dvn, beta * v, tb=True)
+        dY = dot(Akk, dvn, ta=True)
+        dv_ref[cols] = beta * dY
+        dbeta = dbeta + jnp.sum(v * dY, axis=1, keepdims=True)
+    dqg = scale * dqg
+    dgam = jnp.sum(kg * dkg, axis=0, keepdims=True) + jnp.exp(gam) * hdh
+    dAkk = dAkk + dot(dw, X, tb=True)
     dX = dot(Akk, dw, ta=True)
-    dY = dot(Akk, dv_new, ta=True)
     row, col = iota((C, C), 0), iota((C, C), 1)
     dL = jnp.where(col < row, -dot(dot(Akk, dAkk, ta=True), Akk, tb=True), 0.0)
     dq = dqg * eG
     dk = dkg * jnp.exp(gam - G) + beta * eG * dX
-    dv = beta * dY
-    dbeta = jnp.sum(v * dY, axis=1, keepdims=True) + jnp.sum(k * eG * dX, axis=1, keepdims=True)
+    dbeta = dbeta + jnp.sum(k * eG * dX, axis=1, keepdims=True)
     dG = qg * dqg - kg * dkg + X * dX + jnp.where(iota(G.shape, 0) == C - 1, dgam, 0.0)
-    return dq, dk, dv, dbeta, dG, dL
+    return dq, dk, dbeta, dG, dL
 
 
 class PallasWY(AbstractWY, PallasTarget):
@@ -76,7 +95,14 @@ class PallasWY(AbstractWY, PallasTarget):
 
 
 class PallasWYDqkg(AbstractWYDqkg, PallasTarget):
-    """B3 as a Pallas kernel over (row * head, chunk)."""
+    """B3 as a Pallas kernel over (row * head, chunk). ``block_v``: value columns read at
+    a time on the Triton target (a power of 2; the TPU target reads whole blocks)."""
+
+    block_v: int = eqx.field(static=True, default=64)
+
+    def __check_init__(self):
+        if self.block_v < 16 or self.block_v & (self.block_v - 1):
+            raise ValueError(f"block_v: expected a power of 2 of at least 16, got {self.block_v}.")
 
     @typecheck
     def __call__(
@@ -105,9 +131,14 @@ class PallasWYDqkg(AbstractWYDqkg, PallasTarget):
         Kp, Vp = ins[0].shape[-1], ins[2].shape[-1]
         sk, sv, s1, sc, sh = (chunk_spec(b) for b in ((C, Kp), (C, Vp), (C, 1), (C, C), (Kp, Vp)))
 
+        bv = min(self.block_v, Vp) if self.target == "triton" else Vp
+
         def kernel(*refs):
-            outs = wy_dqkg_body(scale, *(r[...] for r in refs[:13]))
-            for ref, val in zip(refs[13:], outs):
+            q, k, v, b, g, a, qg_, kg_, h_, dh_, vn, do_, dvn = refs[:13]
+            dq_r, dk_r, dv_r, db_r, dG_r, dL_r = refs[13:]
+            loaded = (r[...] for r in (q, k, b, g, a, qg_, kg_))
+            outs = wy_dqkg_body(scale, *loaded, v, h_, dh_, vn, do_, dvn, dv_r, bv)
+            for ref, val in zip((dq_r, dk_r, db_r, dG_r, dL_r), outs):
                 ref[...] = val
 
         dq, dk, dv, db, dG, dL = chunk_call(

@@ -155,3 +155,18 @@ def test_state_kernels_varlen(interpret):
         P.PallasDhu(target="tpu")(*bargs)
     with pytest.raises(ValueError, match="target"):
         P.PallasIntra(target="cuda")
+
+
+@pytest.mark.parametrize("target,interpret", MODES[1:])
+def test_wy_dqkg_value_blocks(target, interpret):
+    """B3 with the value axis walked in several blocks (Triton layout: V = 40 padded to 64,
+    4 blocks of 16) equals the reference; block_v must be a power of 2 of at least 16."""
+    x = _x(jnp.float64, 16, 12, 40, seed=2)
+    dh, do, dv_new = rand_like(x["h"], 5), rand_like(x["v"], 3), rand_like(x["v"], 6)
+    args = (x["scale"], x["q"], x["k"], x["v"], x["beta"], x["G"], x["Akk"], x["qg"], x["kg"], x["h"], dh,
+            x["v_new"], do, dv_new)
+    got = P.PallasWYDqkg(target=target, interpret=interpret, block_v=16)(*args)
+    _close(got, S.ReferenceWYDqkg()(*args), 1e-12, "wy_dqkg")
+    for bad in (8, 48):
+        with pytest.raises(ValueError, match="block_v"):
+            P.PallasWYDqkg(target=target, block_v=bad)
