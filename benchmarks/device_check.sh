@@ -10,6 +10,12 @@
 # Each step has its own time limit, so one that hangs leaves the others their time.
 # Logs and results go to $OUT (default ./device_out). The golden cases are read from
 # ../shared/golden; where that is missing, from .devshared/golden if it was carried.
+# On this workplace's GPU image (jax 0.11.2, no network, no beartype), prepare here:
+#   pip download --no-deps --only-binary=:all: -d .whl beartype==0.23.1
+#   mkdir -p .devshared && cp -r ../shared/golden .devshared/
+# (both ignored by git), carry .whl and .devshared, and run there:
+#   pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
+#     PYTHONPATH=/tmp/site bash benchmarks/device_check.sh
 set -u
 OUT=${OUT:-device_out}
 mkdir -p "$OUT"

@@ -1,0 +1,71 @@
+"""Every Triton kernel of a forward and backward, compiled for Hopper (sm_90) up to LLVM IR
+on any machine (no GPU needed), fits in the 227 KiB of shared memory a Hopper program may
+use. Needs the ``triton`` package (not a kdax dependency): skipped without it; slow."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import kdax
+
+triton = pytest.importorskip("triton")
+pytestmark = pytest.mark.slow
+
+HOPPER_SHARED_BYTES = 232448  # 227 KiB: the per-block opt-in limit of sm_90
+
+
+def _triton_modules(K: int, C: int) -> dict:
+    """TTIR text of each distinct Pallas kernel at B=1, T=1024, H=2, K=V, chunk C."""
+    from jax._src.pallas.triton import lowering
+
+    mods, orig = {}, lowering.lower_jaxpr_to_triton_module
+
+    def keep(jaxpr, *a, **kw):
+        res = orig(jaxpr, *a, **kw)
+        mods.setdefault(jaxpr.debug_info.func_src_info, res.module.operation.get_asm(enable_debug_info=False))
+        return res
+
+    s = jax.ShapeDtypeStruct
+    args = (s((1, 1024, 2, K), jnp.float32),) * 4 + (s((1, 1024, 2), jnp.float32),)
+    pipe = kdax.KDAPipeline.pallas("triton", interpret=False)
+
+    def loss(*a):
+        o, ht = kdax.chunk_kda(*a, pipeline=pipe, chunk_size=C, output_final_state=True)
+        return jnp.sum(o) + jnp.sum(ht)
+
+    lowering.lower_jaxpr_to_triton_module = keep
+    try:
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(*args).lower(lowering_platforms=("cuda",))
+    finally:
+        lowering.lower_jaxpr_to_triton_module = orig
+    return mods
+
+
+def _shared_bytes(ttir: str, tmp_path) -> int:
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    options = backend.parse_options(dict(num_warps=4, num_stages=1))  # as kdax.pallas compiles them
+    ctx = ir.context()
+    ir.load_dialects(ctx)
+    backend.load_dialects(ctx)
+    path = tmp_path / "kernel.ttir"
+    path.write_text(ttir)
+    mod = ir.parse_mlir_module(str(path), ctx)
+    mod.context = ctx
+    meta = {}
+    mod = backend.make_ttir(mod, meta, options, 90)
+    mod = backend.make_ttgir(mod, meta, options, 90)
+    backend.make_llir(mod, meta, options, 90)
+    return meta["shared"]
+
+
+@pytest.mark.parametrize("K,C", [(128, 64)])
+def test_kernels_fit_hopper_shared_memory(K, C, tmp_path):
+    mods = _triton_modules(K, C)
+    assert len(mods) == 10, list(mods)
+    used = {src.split("/")[-1]: _shared_bytes(text, tmp_path) for src, text in mods.items()}
+    over = {k: v for k, v in used.items() if v > HOPPER_SHARED_BYTES}
+    assert not over, f"over {HOPPER_SHARED_BYTES} B: {over} (all: {used})"
