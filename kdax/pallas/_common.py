@@ -74,6 +74,27 @@ def pow2(n: int, floor: int = 16) -> int:
     return max(floor, 1 << (max(n, 1) - 1).bit_length())
 
 
+# Widest K and V (after padding) whose Triton kernels are known to fit one program's
+# shared memory on Hopper (227 KiB): every kernel of a forward and backward at K = V = 128,
+# compiled for sm_90 (tests/pallas/test_triton_shared_memory.py); at 256 they do not.
+TRITON_MAX_WIDTH = 128
+
+
+def check_width(stage: str, target: str, **widths: int) -> None:
+    """Triton: refuse feature widths beyond ``TRITON_MAX_WIDTH`` before any kernel is built,
+    with ``NotImplementedError`` so that ``KDAPipeline.pallas()`` falls back to the
+    reference stage (a kernel that asks for too much shared memory fails only at run time)."""
+    if target != "triton":
+        return
+    wide = {n: w for n, w in widths.items() if pow2(w) > TRITON_MAX_WIDTH}
+    if wide:
+        got = ", ".join(f"{n}={w}" for n, w in wide.items())
+        raise NotImplementedError(
+            f"{stage}: the Triton kernels take K and V up to {TRITON_MAX_WIDTH} (one program's shared "
+            f"memory on Hopper), got {got}; use the reference stage."
+        )
+
+
 def pad_axis(x, axis: int, n: int):
     if x.shape[axis] == n:
         return x

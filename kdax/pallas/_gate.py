@@ -16,7 +16,7 @@ from ..ref._gates import L2NORM_EPS
 from ..stages._gate import AbstractGate, AbstractGateBackward
 from ..stages._types import Activated, RawGrads
 from ._common import (
-    PallasTarget, chunk_call, chunk_spec, dot, feature_pad, flat, head_spec, iota, unflat,
+    PallasTarget, check_width, chunk_call, chunk_spec, dot, feature_pad, flat, head_spec, iota, unflat,
 )
 
 
@@ -120,6 +120,7 @@ class PallasGate(AbstractGate, PallasTarget):
     ) -> Activated:
         cfg = config
         R, HV, NC, C, K = q.shape
+        check_width("PallasGate", self.target, K=K)
         fp = lambda x: feature_pad(self.target, flat(x))
         qf, kf, gf = fp(q), fp(k), fp(g)
         Kp = qf.shape[-1]
@@ -165,6 +166,7 @@ class PallasGateBackward(AbstractGateBackward, PallasTarget):
     ) -> RawGrads:
         cfg = config
         R, HV, NC, C, K = dq.shape
+        check_width("PallasGateBackward", self.target, K=K)
         fp = lambda x: feature_pad(self.target, flat(x))
         l2, gate = cfg.use_qk_l2norm_in_kernel, cfg.use_gate_in_kernel
         Kp = fp(dq).shape[-1]

@@ -13,8 +13,8 @@ from .._typing import ChunkK, ChunkMat, ChunkScalar, typecheck
 from ..stages._intra import AbstractIntra, AbstractIntraBackward
 from ..stages._types import ChunkGrads, IntraOut
 from ._common import (
-    PallasTarget, chunk_call, chunk_spec, col_of, dot, feature_pad, flat, idiv, iota, loop, masked_exp, row_of,
-    unflat,
+    PallasTarget, check_width, chunk_call, chunk_spec, col_of, dot, feature_pad, flat, idiv, iota, loop, masked_exp,
+    row_of, unflat,
 )
 
 
@@ -114,7 +114,8 @@ class PallasIntra(AbstractIntra, PallasTarget):
         beta: ChunkScalar,
         G: ChunkK,
     ) -> IntraOut:
-        R, HV, NC, C, _ = q.shape
+        R, HV, NC, C, K = q.shape
+        check_width("PallasIntra", self.target, K=K)
         qf, kf, Gf = (feature_pad(self.target, flat(x)) for x in (q, k, G))
         bf = flat(beta)
         Kp = qf.shape[-1]
@@ -150,6 +151,7 @@ class PallasIntraBackward(AbstractIntraBackward, PallasTarget):
         grads: ChunkGrads,
     ) -> ChunkGrads:
         R, HV, NC, C, K = q.shape
+        check_width("PallasIntraBackward", self.target, K=K)
         qf, kf, Gf, dqf, dkf, dGf = (
             feature_pad(self.target, flat(x)) for x in (q, k, G, grads.dq, grads.dk, grads.dG)
         )

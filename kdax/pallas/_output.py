@@ -4,7 +4,7 @@ import jax.numpy as jnp
 
 from .._typing import ChunkK, ChunkMat, ChunkState, ChunkV, typecheck
 from ..stages._output import AbstractDAv, AbstractOutput
-from ._common import PallasTarget, chunk_call, chunk_spec, dot, feature_pad, flat, iota, unflat
+from ._common import PallasTarget, check_width, chunk_call, chunk_spec, dot, feature_pad, flat, iota, unflat
 
 
 class PallasOutput(AbstractOutput, PallasTarget):
@@ -21,6 +21,7 @@ class PallasOutput(AbstractOutput, PallasTarget):
     ) -> ChunkV:
         R, HV, NC, C, K = qg.shape
         V = v_new.shape[-1]
+        check_width("PallasOutput", self.target, K=K, V=V)
         qf = feature_pad(self.target, flat(qg))
         hf = feature_pad(self.target, flat(h), axes=(-2, -1))
         vf = feature_pad(self.target, flat(v_new))
@@ -48,6 +49,7 @@ class PallasDAv(AbstractDAv, PallasTarget):
         do: ChunkV,
     ) -> tuple[ChunkMat, ChunkV]:
         R, HV, NC, C, V = v_new.shape
+        check_width("PallasDAv", self.target, V=V)
         vf = feature_pad(self.target, flat(v_new))
         df = feature_pad(self.target, flat(do))
         Vp = vf.shape[-1]

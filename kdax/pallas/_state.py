@@ -17,7 +17,9 @@ from .._layout import ChunkLayout
 from .._typing import ChunkK, ChunkV, SeqState, typecheck
 from ..stages._state import AbstractDhu, AbstractState
 from ..stages._types import DhuOut, StateOut
-from ._common import PallasTarget, chunk_spec, compiler_params, dot, feature_pad, flat, idiv, loop, unflat
+from ._common import (
+    PallasTarget, check_width, chunk_spec, compiler_params, dot, feature_pad, flat, idiv, loop, unflat,
+)
 
 
 def _check_dense(stage: str, layout: ChunkLayout, NC: int):
@@ -94,6 +96,7 @@ class PallasState(AbstractState, PallasTarget):
     ) -> StateOut:
         R, HV, NC, C, K = w.shape
         V = u.shape[-1]
+        check_width("PallasState", self.target, K=K, V=V)
         t = self.target
         if t == "tpu":
             _check_dense("PallasState", layout, NC)
@@ -182,6 +185,7 @@ class PallasDhu(AbstractDhu, PallasTarget):
     ) -> DhuOut:
         R, HV, NC, C, K = qg.shape
         V = do.shape[-1]
+        check_width("PallasDhu", self.target, K=K, V=V)
         t = self.target
         if t == "tpu":
             _check_dense("PallasDhu", layout, NC)

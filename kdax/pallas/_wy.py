@@ -6,7 +6,7 @@ import jax.numpy as jnp
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, typecheck
 from ..stages._types import ChunkGrads, WYOut
 from ..stages._wy import AbstractWY, AbstractWYDqkg
-from ._common import PallasTarget, chunk_call, chunk_spec, dot, feature_pad, flat, iota, row_of, unflat
+from ._common import PallasTarget, check_width, chunk_call, chunk_spec, dot, feature_pad, flat, iota, row_of, unflat
 
 
 def wy_body(q, k, v, beta, G, Akk):
@@ -74,6 +74,7 @@ class PallasWY(AbstractWY, PallasTarget):
     ) -> WYOut:
         R, HV, NC, C, K = q.shape
         V = v.shape[-1]
+        check_width("PallasWY", self.target, K=K, V=V)
         fp = lambda x: feature_pad(self.target, flat(x))
         qf, kf, vf, Gf = fp(q), fp(k), fp(v), fp(G)
         Kp, Vp = qf.shape[-1], vf.shape[-1]
@@ -124,6 +125,7 @@ class PallasWYDqkg(AbstractWYDqkg, PallasTarget):
     ) -> ChunkGrads:
         R, HV, NC, C, K = q.shape
         V = v.shape[-1]
+        check_width("PallasWYDqkg", self.target, K=K, V=V)
         fp = lambda x: feature_pad(self.target, flat(x))
         fp2 = lambda x: feature_pad(self.target, flat(x), axes=(-2, -1))
         ins = (fp(q), fp(k), fp(v), flat(beta), fp(G), flat(Akk), fp(qg), fp(kg), fp2(h), fp2(dh),

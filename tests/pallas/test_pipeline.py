@@ -84,6 +84,27 @@ def test_triton_layout_runs_varlen_without_fallback():
         assert_close(grads[n], ref[n], 1e-10, "d" + n)
 
 
+@pytest.mark.parametrize("K,V", [(8, 160), (136, 8)])
+def test_triton_width_limit_falls_back(K, V):
+    """Widths the Triton kernels cannot take (V = 160 or K = 136: padded to 256, over one
+    Hopper program's shared memory) are refused before any kernel is built, naming the
+    stage; the default Pallas pipeline runs those stages' references and stays exact."""
+    x, opts = build_case(dict(T=20, K=K, V=V, chunk_size=16))
+    strict = dataclasses.replace(kdax.KDAPipeline.pallas("triton", interpret=True), fallback=False)
+    with pytest.raises(NotImplementedError, match=r"Pallas\w+: the Triton kernels take K and V up to 128"):
+        run(strict, x, opts)
+    pipe = kdax.KDAPipeline.pallas("triton", interpret=True)
+    o, ht = run(pipe, x, opts)
+    o_ref, ht_ref = run(oracle_kda, x, opts)
+    assert_close(o, o_ref, 1e-10, "o")
+    assert_close(ht, ht_ref, 1e-10, "ht")
+    do, dht = cotangents(o, ht)
+    grads = loss_grads(pipe, x, opts, do, dht)
+    ref = loss_grads(oracle_kda, x, opts, do, dht)
+    for n in ref:
+        assert_close(grads[n], ref[n], 1e-10, "d" + n)
+
+
 def test_pallas_defaults():
     pipe = kdax.KDAPipeline.pallas()
     assert isinstance(pipe.intra, P.PallasIntra) and isinstance(pipe.gate_bwd, P.PallasGateBackward)
