@@ -95,6 +95,12 @@ def check_width(stage: str, target: str, **widths: int) -> None:
         )
 
 
+def check_block_v(block_v: int) -> None:
+    """``block_v`` (value columns a Triton program takes at a time): a power of 2, >= 16."""
+    if block_v < 16 or block_v & (block_v - 1):
+        raise ValueError(f"block_v: expected a power of 2 of at least 16, got {block_v}.")
+
+
 def pad_axis(x, axis: int, n: int):
     if x.shape[axis] == n:
         return x

@@ -4,11 +4,12 @@ TPU: grid (row * head, chunk) with the chunk axis sequential ("arbitrary") and t
 carried in a VMEM scratch; dense layout only (one sequence per row): packed varlen needs
 per-chunk resets addressed by scalar prefetch, not implemented, so it raises
 ``NotImplementedError`` and ``KDAPipeline.pallas`` falls back to the reference stage.
-Triton: one program per (row, head) that loops over chunks (no scratch), reading chunk
-blocks with ``pl.ds`` and the sequence boundaries (``layout.first`` / ``layout.last``)
-as scalars, so it runs dense and packed varlen alike.
+Triton: one program per (row, head, block of ``block_v`` value columns) that loops over
+chunks (no scratch), reading chunk blocks with ``pl.ds`` and the sequence boundaries
+(``layout.first`` / ``layout.last``) as scalars, so it runs dense and packed varlen alike.
 """
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -18,7 +19,8 @@ from .._typing import ChunkK, ChunkV, SeqState, typecheck
 from ..stages._state import AbstractDhu, AbstractState
 from ..stages._types import DhuOut, StateOut
 from ._common import (
-    PallasTarget, check_width, chunk_spec, compiler_params, dot, feature_pad, flat, idiv, loop, unflat,
+    PallasTarget, check_block_v, check_width, chunk_spec, compiler_params, dot, feature_pad, flat, idiv, loop,
+    unflat,
 )
 
 
@@ -68,10 +70,13 @@ def _run_tpu(kernel, ins, in_blocks, out_blocks, P, NC, dtype, state_shape, inte
     )(*ins)
 
 
-def _run_triton(kernel, ins, out_shapes, P, dtype, interpret):
-    """One program per row; whole arrays, chunk blocks read with pl.ds inside the kernel."""
+def _run_triton(kernel, ins, out_shapes, P, NV, dtype, interpret):
+    """One program per (row, block of value columns); whole arrays, chunk blocks read with
+    pl.ds inside the kernel. The columns of the state evolve independently, so splitting
+    them halves each program's shared memory and doubles the programs (more parallel
+    work for a GPU at small batch)."""
     return pl.pallas_call(
-        kernel, out_shape=[jax.ShapeDtypeStruct(s, dtype) for s in out_shapes], grid=(P,),
+        kernel, out_shape=[jax.ShapeDtypeStruct(s, dtype) for s in out_shapes], grid=(P, NV),
         interpret=interpret, compiler_params=None if interpret else compiler_params("triton", False, 1),
     )(*ins)
 
@@ -82,7 +87,13 @@ def _tokens(x):
 
 
 class PallasState(AbstractState, PallasTarget):
-    """F4 as a Pallas kernel (TPU: dense layout; Triton: dense and packed varlen)."""
+    """F4 as a Pallas kernel (TPU: dense layout; Triton: dense and packed varlen, one
+    program per row and block of ``block_v`` value columns)."""
+
+    block_v: int = eqx.field(static=True, default=64)
+
+    def __check_init__(self):
+        check_block_v(self.block_v)
 
     @typecheck
     def __call__(
@@ -135,30 +146,32 @@ class PallasState(AbstractState, PallasTarget):
 
             # Sequence boundaries from the layout (dense or packed varlen): a chunk that
             # starts sequence f loads h0[f]; one that ends sequence l writes final[l].
+            bv = min(self.block_v, Vp)
+
             def kernel(w_ref, u_ref, kg_ref, g_ref, h0_ref, first_ref, last_ref, h_ref, vn_ref, fin_ref):
-                p = pl.program_id(0)
+                p, cols = pl.program_id(0), pl.ds(pl.program_id(1) * bv, bv)
                 r, hv = idiv(p, HV), p % HV
 
                 def step(c, h):
                     f, l = first_ref[r, c], last_ref[r, c]
-                    h = jnp.where(f >= 0, h0_ref[jnp.maximum(f, 0) * HV + hv], h)
+                    h = jnp.where(f >= 0, h0_ref[jnp.maximum(f, 0) * HV + hv, :, cols], h)
                     rows, feats = pl.ds(c * C, C), pl.ds(c * Kp, Kp)
-                    h_ref[p, feats, :] = h
-                    v_new, h_next = _state_step(w_ref[p, rows, :], u_ref[p, rows, :], kg_ref[p, rows, :],
+                    h_ref[p, feats, cols] = h
+                    v_new, h_next = _state_step(w_ref[p, rows, :], u_ref[p, rows, cols], kg_ref[p, rows, :],
                                                 g_ref[p, feats, :], h)
-                    vn_ref[p, rows, :] = v_new
+                    vn_ref[p, rows, cols] = v_new
 
                     @pl.when(l >= 0)
                     def _():
-                        fin_ref[l * HV + hv] = h_next
+                        fin_ref[l * HV + hv, :, cols] = h_next
 
                     return h_next
 
-                loop(0, NC, step, jnp.zeros((Kp, Vp), h0_ref.dtype))
+                loop(0, NC, step, jnp.zeros((Kp, bv), h0_ref.dtype))
 
             h, v_new, final = _run_triton(
                 kernel, (_tokens(wf), _tokens(uf), _tokens(kgf), _tokens(gam), h0f, layout.first, layout.last),
-                [(P, NC * Kp, Vp), (P, NC * C, Vp), (N * HV, Kp, Vp)], P, w.dtype, interpret,
+                [(P, NC * Kp, Vp), (P, NC * C, Vp), (N * HV, Kp, Vp)], P, Vp // bv, w.dtype, interpret,
             )
             h, v_new = h.reshape(P, NC, Kp, Vp), v_new.reshape(P, NC, C, Vp)
             # A sequence of length 0 has no chunk to write its final state: it keeps h0.
@@ -168,7 +181,13 @@ class PallasState(AbstractState, PallasTarget):
 
 
 class PallasDhu(AbstractDhu, PallasTarget):
-    """B2 as a Pallas kernel, chunks in reverse (TPU: dense layout; Triton: also varlen)."""
+    """B2 as a Pallas kernel, chunks in reverse (TPU: dense layout; Triton: also varlen, one
+    program per row and block of ``block_v`` value columns)."""
+
+    block_v: int = eqx.field(static=True, default=64)
+
+    def __check_init__(self):
+        check_block_v(self.block_v)
 
     @typecheck
     def __call__(
@@ -224,33 +243,36 @@ class PallasDhu(AbstractDhu, PallasTarget):
             )
         else:
 
+            bv = min(self.block_v, Vp)
+
             def kernel(q_ref, k_ref, w_ref, g_ref, do_ref, dvi_ref, dht_ref, first_ref, last_ref,
                        dh_ref, dv_ref, dh0_ref):
-                p = pl.program_id(0)
+                p, cols = pl.program_id(0), pl.ds(pl.program_id(1) * bv, bv)
                 r, hv = idiv(p, HV), p % HV
 
                 def step(i, dh_c):
                     c = NC - 1 - i
                     f, l = first_ref[r, c], last_ref[r, c]
-                    dh_end = jnp.where(l >= 0, dht_ref[jnp.maximum(l, 0) * HV + hv], dh_c)
+                    dh_end = jnp.where(l >= 0, dht_ref[jnp.maximum(l, 0) * HV + hv, :, cols], dh_c)
                     rows, feats = pl.ds(c * C, C), pl.ds(c * Kp, Kp)
-                    dh_ref[p, feats, :] = dh_end
+                    dh_ref[p, feats, cols] = dh_end
                     dv, dh_start = _dhu_step(scale, q_ref[p, rows, :], k_ref[p, rows, :], w_ref[p, rows, :],
-                                             g_ref[p, feats, :], do_ref[p, rows, :], dvi_ref[p, rows, :], dh_end)
-                    dv_ref[p, rows, :] = dv
+                                             g_ref[p, feats, :], do_ref[p, rows, cols], dvi_ref[p, rows, cols],
+                                             dh_end)
+                    dv_ref[p, rows, cols] = dv
 
                     @pl.when(f >= 0)
                     def _():
-                        dh0_ref[f * HV + hv] = dh_start
+                        dh0_ref[f * HV + hv, :, cols] = dh_start
 
                     return dh_start
 
-                loop(0, NC, step, jnp.zeros((Kp, Vp), dht_ref.dtype))
+                loop(0, NC, step, jnp.zeros((Kp, bv), dht_ref.dtype))
 
             dh, dv_new, dh0 = _run_triton(
                 kernel, (_tokens(qf), _tokens(kf), _tokens(wf), _tokens(gam), _tokens(dof), _tokens(dvf), dhtf,
                          layout.first, layout.last),
-                [(P, NC * Kp, Vp), (P, NC * C, Vp), (N * HV, Kp, Vp)], P, qg.dtype, interpret,
+                [(P, NC * Kp, Vp), (P, NC * C, Vp), (N * HV, Kp, Vp)], P, Vp // bv, qg.dtype, interpret,
             )
             dh, dv_new = dh.reshape(P, NC, Kp, Vp), dv_new.reshape(P, NC, C, Vp)
             # A sequence of length 0 passes its dht straight to dh0.

@@ -6,7 +6,9 @@ import jax.numpy as jnp
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, typecheck
 from ..stages._types import ChunkGrads, WYOut
 from ..stages._wy import AbstractWY, AbstractWYDqkg
-from ._common import PallasTarget, check_width, chunk_call, chunk_spec, dot, feature_pad, flat, iota, row_of, unflat
+from ._common import (
+    PallasTarget, check_block_v, check_width, chunk_call, chunk_spec, dot, feature_pad, flat, iota, row_of, unflat,
+)
 
 
 def wy_body(q, k, v, beta, G, Akk):
@@ -102,8 +104,7 @@ class PallasWYDqkg(AbstractWYDqkg, PallasTarget):
     block_v: int = eqx.field(static=True, default=64)
 
     def __check_init__(self):
-        if self.block_v < 16 or self.block_v & (self.block_v - 1):
-            raise ValueError(f"block_v: expected a power of 2 of at least 16, got {self.block_v}.")
+        check_block_v(self.block_v)
 
     @typecheck
     def __call__(
@@ -149,4 +150,5 @@ class PallasWYDqkg(AbstractWYDqkg, PallasTarget):
             self.run_interpreted,
         )
         cut = lambda x, n: unflat(x[..., :n], R, HV)
-        return ChunkGrads(cut(dq, K), cut(dk, K), cut(dv, V), unflat(db, R, HV, squeeze=True), cut(dG, K), unflat(dL, R, HV))
+        db = unflat(db, R, HV, squeeze=True)
+        return ChunkGrads(cut(dq, K), cut(dk, K), cut(dv, V), db, cut(dG, K), unflat(dL, R, HV))

@@ -134,21 +134,27 @@ def test_gate_stages(target, interpret, opts, dtype, tol):
     pytest.param(True, id="interpret"),
     pytest.param(False, id="device", marks=pytest.mark.skipif(jax.default_backend() != "gpu", reason="no GPU")),
 ])
-def test_state_kernels_varlen(interpret):
+@pytest.mark.parametrize("V,block_v", [(6, 64), (40, 16)], ids=["one_value_block", "four_value_blocks"])
+def test_state_kernels_varlen(interpret, V, block_v):
     """Packed varlen (lengths 10, 0, 1, 20): the Triton state kernels follow the layout's
-    sequence boundaries; the TPU ones refuse before tracing."""
+    sequence boundaries, with the value columns in one program or split over several
+    (V = 40 padded to 64, blocks of 16); the TPU ones refuse before tracing."""
     layout = make_layout(1, 31, 16, jnp.array([0, 10, 10, 11, 31], jnp.int32))
     NC = layout.num_chunks
-    x = chunked(3, R=1, HV=2, NC=NC, C=16, K=12, V=6)
+    x = chunked(3, R=1, HV=2, NC=NC, C=16, K=12, V=V)
     Aqk, Akk = intra_chunk(x["q"], x["k"], x["beta"], x["G"], x["scale"])
     w, u, qg, kg = wy_chunk(x["q"], x["k"], x["v"], x["beta"], x["G"], Akk)
-    h0 = rand_like(jnp.zeros((4, 2, 12, 6)), 1)
+    h0 = rand_like(jnp.zeros((4, 2, 12, V)), 1)
     args = (w, u, kg, x["G"], h0, layout)
     ref = S.ReferenceState()(*args)
-    _close(P.PallasState(target="triton", interpret=interpret)(*args), ref, 1e-12, "state")
+    kw = dict(target="triton", interpret=interpret, block_v=block_v)
+    _close(P.PallasState(**kw)(*args), ref, 1e-12, "state")
     do, dv, dht = rand_like(x["v"], 2), rand_like(x["v"], 3), rand_like(h0, 4)
     bargs = (x["scale"], qg, kg, w, x["G"], do, dv, dht, layout)
-    _close(P.PallasDhu(target="triton", interpret=interpret)(*bargs), S.ReferenceDhu()(*bargs), 1e-12, "dhu")
+    _close(P.PallasDhu(**kw)(*bargs), S.ReferenceDhu()(*bargs), 1e-12, "dhu")
+    for stage in (P.PallasState, P.PallasDhu):
+        with pytest.raises(ValueError, match="block_v"):
+            stage(target="triton", block_v=24)
     with pytest.raises(NotImplementedError, match="packed varlen"):
         P.PallasState(target="tpu")(*args)
     with pytest.raises(NotImplementedError, match="packed varlen"):
