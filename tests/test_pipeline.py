@@ -64,6 +64,20 @@ def cotangents(o, ht, seed=1):
     return jnp.asarray(r.normal(size=o.shape), o.dtype), jnp.asarray(r.normal(size=ht.shape), ht.dtype)
 
 
+def check_against_oracle(pipeline, x, opts, tol=1e-10):
+    """Outputs, final states and every input gradient of ``pipeline`` against the float64
+    recurrence (random cotangents)."""
+    o, ht = run(pipeline, x, opts)
+    o_ref, ht_ref = run(oracle_kda, x, opts)
+    assert_close(o, o_ref, tol, "o")
+    assert_close(ht, ht_ref, tol, "ht")
+    do, dht = cotangents(o, ht)
+    grads = loss_grads(pipeline, x, opts, do, dht)
+    ref = loss_grads(oracle_kda, x, opts, do, dht)
+    for n in ref:
+        assert_close(grads[n], ref[n], tol, "d" + n)
+
+
 @pytest.mark.parametrize("name", list(GRID))
 def test_forward_and_grads_against_oracle(name):
     x, opts = build_case(GRID[name])

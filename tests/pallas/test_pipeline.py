@@ -13,7 +13,7 @@ import kdax
 from kdax import pallas as P
 
 from .._util import GOLDEN_CASES, ON_DEVICE, assert_close, check_golden, loss_grads, oracle_kda, run
-from ..test_pipeline import GRID, build_case, cotangents
+from ..test_pipeline import GRID, build_case, check_against_oracle, cotangents
 
 PIPELINES = {
     "pallas_tpu": lambda: kdax.KDAPipeline.pallas("tpu", interpret=True),
@@ -48,15 +48,7 @@ GRID_CASES = [
 def test_options_against_oracle(pipe, name):
     pipeline = PIPELINES[pipe]()
     x, opts = build_case(GRID[name])
-    o, ht = run(pipeline, x, opts)
-    o_ref, ht_ref = run(oracle_kda, x, opts)
-    assert_close(o, o_ref, 1e-10, "o")
-    assert_close(ht, ht_ref, 1e-10, "ht")
-    do, dht = cotangents(o, ht)
-    grads = loss_grads(pipeline, x, opts, do, dht)
-    ref = loss_grads(oracle_kda, x, opts, do, dht)
-    for n in ref:
-        assert_close(grads[n], ref[n], 1e-10, "d" + n)
+    check_against_oracle(pipeline, x, opts)
 
 
 def test_varlen_falls_back_to_reference_state():
@@ -73,15 +65,7 @@ def test_varlen_falls_back_to_reference_state():
 def test_triton_layout_runs_varlen_without_fallback():
     x, opts = build_case(GRID["varlen"])
     strict = dataclasses.replace(kdax.KDAPipeline.pallas("triton", interpret=True), fallback=False)
-    o, ht = run(strict, x, opts)
-    o_ref, ht_ref = run(oracle_kda, x, opts)
-    assert_close(o, o_ref, 1e-10, "o")
-    assert_close(ht, ht_ref, 1e-10, "ht")
-    do, dht = cotangents(o, ht)
-    grads = loss_grads(strict, x, opts, do, dht)
-    ref = loss_grads(oracle_kda, x, opts, do, dht)
-    for n in ref:
-        assert_close(grads[n], ref[n], 1e-10, "d" + n)
+    check_against_oracle(strict, x, opts)
 
 
 @pytest.mark.parametrize("K,V", [(8, 160), (136, 8)])
@@ -94,15 +78,7 @@ def test_triton_width_limit_falls_back(K, V):
     with pytest.raises(NotImplementedError, match=r"Pallas\w+: the Triton kernels take K and V up to 128"):
         run(strict, x, opts)
     pipe = kdax.KDAPipeline.pallas("triton", interpret=True)
-    o, ht = run(pipe, x, opts)
-    o_ref, ht_ref = run(oracle_kda, x, opts)
-    assert_close(o, o_ref, 1e-10, "o")
-    assert_close(ht, ht_ref, 1e-10, "ht")
-    do, dht = cotangents(o, ht)
-    grads = loss_grads(pipe, x, opts, do, dht)
-    ref = loss_grads(oracle_kda, x, opts, do, dht)
-    for n in ref:
-        assert_close(grads[n], ref[n], 1e-10, "d" + n)
+    check_against_oracle(pipe, x, opts)
 
 
 def test_pallas_defaults():
