@@ -1,9 +1,12 @@
 """Pallas intra-chunk family: F2 (Aqk, Akk) and B4 (intra-chunk backward).
 
 Per (p, chunk) block, in 2-D: off-diagonal sub-blocks by anchored matmuls (anchor = first
-row of the row block, both factors with non-positive exponents), diagonal sub-blocks one
-column (or row) at a time in a ``fori_loop``, ``(I + L)^-1`` by row-wise forward
-substitution. Masks are applied in the exponent.
+row of the row block, both factors with non-positive exponents) in a ``fori_loop`` over the
+row blocks, diagonal sub-blocks one column (or row) at a time in another, ``(I + L)^-1``
+by row-wise forward substitution. Masks are applied in the exponent. The row-block loops
+are loops rather than unrolled Python: unrolled, Triton kept the C x C operands of every
+block alive (B4 at chunk 128 in float64 asked for 1040 KiB of shared memory) and took many
+minutes to compile at chunk 128.
 """
 
 import equinox as eqx
@@ -30,14 +33,16 @@ def scores_body(q, k, G, block: int):
     C = q.shape[0]
     b, nb, rC, blk = _blocks(C, block)
     row, col = iota((C, C), 0), iota((C, C), 1)
-    Sqk = jnp.zeros((C, C), q.dtype)
-    Skk = jnp.zeros((C, C), q.dtype)
-    for I in range(1, nb):
+
+    def anchored(I, S):
+        Sqk, Skk = S
         Ga = row_of(G, I * b)
         rows_in = masked_exp(blk == I, G - Ga)
         kc = k * masked_exp(blk < I, Ga - G)
-        Sqk = Sqk + dot(q * rows_in, kc, tb=True)
-        Skk = Skk + dot(k * rows_in, kc, tb=True)
+        return Sqk + dot(q * rows_in, kc, tb=True), Skk + dot(k * rows_in, kc, tb=True)
+
+    zeros = jnp.zeros((C, C), q.dtype)
+    Sqk, Skk = loop(1, nb, anchored, (zeros, zeros))
 
     def diag(j, S):
         Sqk, Skk = S
@@ -68,11 +73,13 @@ def pair_rows_body(S, b_, G, block: int):
     C = S.shape[0]
     b, nb, rC, blk = _blocks(C, block)
     cblk = idiv(iota((C, C), 1), b)
-    R = jnp.zeros(b_.shape, b_.dtype)
-    for I in range(1, nb):
+
+    def anchored(I, R):
         Ga = row_of(G, I * b)
         SI = jnp.where((idiv(iota((C, C), 0), b) == I) & (cblk < I), S, 0.0)
-        R = R + masked_exp(blk == I, G - Ga) * dot(SI, b_ * masked_exp(blk < I, Ga - G))
+        return R + masked_exp(blk == I, G - Ga) * dot(SI, b_ * masked_exp(blk < I, Ga - G))
+
+    R = loop(1, nb, anchored, jnp.zeros(b_.shape, b_.dtype))
 
     def diag(j, R):
         m = (rC >= j) & (blk == idiv(j, b))
@@ -86,11 +93,13 @@ def pair_cols_body(S, a, G, block: int):
     C = S.shape[0]
     b, nb, rC, blk = _blocks(C, block)
     cblk = idiv(iota((C, C), 1), b)
-    out = jnp.zeros(a.shape, a.dtype)
-    for I in range(1, nb):
+
+    def anchored(I, out):
         Ga = row_of(G, I * b)
         SI = jnp.where((idiv(iota((C, C), 0), b) == I) & (cblk < I), S, 0.0)
-        out = out + masked_exp(blk < I, Ga - G) * dot(SI, a * masked_exp(blk == I, G - Ga), ta=True)
+        return out + masked_exp(blk < I, Ga - G) * dot(SI, a * masked_exp(blk == I, G - Ga), ta=True)
+
+    out = loop(1, nb, anchored, jnp.zeros(a.shape, a.dtype))
     St = S.T
 
     def diag(i, out):
