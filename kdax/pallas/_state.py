@@ -243,7 +243,9 @@ class PallasDhu(AbstractDhu, PallasTarget):
             )
         else:
 
-            bv = min(self.block_v, Vp)
+            # The [C, K] operands dominate at chunk 128: 64 value columns asked 256 KiB of
+            # shared memory at K = V = 128, 16 columns 208 KiB (sm_90 allows 227).
+            bv = min(self.block_v, Vp, 16 if C > 64 else Vp)
 
             def kernel(q_ref, k_ref, w_ref, g_ref, do_ref, dvi_ref, dht_ref, first_ref, last_ref,
                        dh_ref, dv_ref, dh0_ref):

@@ -176,3 +176,12 @@ def test_wy_dqkg_value_blocks(target, interpret):
     for bad in (8, 48):
         with pytest.raises(ValueError, match="block_v"):
             P.PallasWYDqkg(target=target, block_v=bad)
+
+
+def test_dhu_chunk128_takes_16_value_columns():
+    """B2 at chunk 128, where a Triton program takes 16 value columns (shared memory): four
+    blocks for V = 40 padded to 64, equal to the reference."""
+    x = _x(jnp.float64, 128, 12, 40, seed=4)
+    do, dv, dht = rand_like(x["v"], 2), rand_like(x["v"], 3), rand_like(x["h0"], 4)
+    bargs = (x["scale"], x["qg"], x["kg"], x["w"], x["G"], do, dv, dht, x["layout"])
+    _close(P.PallasDhu(target="triton")(*bargs), S.ReferenceDhu()(*bargs), 1e-12, "dhu")
