@@ -255,7 +255,8 @@ class KDAPipeline(eqx.Module):
 _REFERENCE = KDAPipeline.reference()
 
 
-def stage_inputs(pipeline: KDAPipeline, q, k, v, g, beta, **options) -> dict:
+@typecheck
+def stage_inputs(pipeline: KDAPipeline, q: QK, k: QK, v: Values, g: Gate, beta: Beta, **options) -> dict:
     """The arguments each of ``pipeline``'s stages receives in one forward and backward of
     ``chunk_kda(q, k, v, g, beta, **options)`` (loss ``sum(o)``), run eagerly: a dict from
     stage name (``"gate"``, ..., ``"gate_bwd"``) to its argument tuple, for running or
