@@ -80,6 +80,12 @@ def time_fn(f: Callable, args, reps: int) -> float:
     return float(np.median(ts))
 
 
+def _error_line(e: Exception) -> str:
+    """An exception as one line for a table: its type and the first line of its message."""
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0] if msg else ''}"
+
+
 def peak_bytes(f: Callable, args) -> Optional[int]:
     try:
         m = f.lower(*args).compile().memory_analysis()
@@ -193,9 +199,8 @@ def bench_shape(s: Shape, reps: int, pipes: dict, baselines: bool, check: bool, 
             add(f"chunk_kda[{pname}]", "fwd", fwd, ff["forward"], e_o)
             add(f"chunk_kda[{pname}]", "fwd+bwd", grad, ff["forward"] + ff["backward"], e_g)
         except Exception as e:  # a kernel the backend cannot compile: report it, go on with the rest
-            msg = str(e).strip().splitlines()
             rows.append(dict(T=s.T, name=f"chunk_kda[{pname}]", kind="failed", time_s=None, peak_bytes=None,
-                             gflops=None, max_err=None, error=f"{type(e).__name__}: {msg[0] if msg else ''}"))
+                             gflops=None, max_err=None, error=_error_line(e)))
             print(f"chunk_kda[{pname}] failed at T={s.T}: {rows[-1]['error']}", file=sys.stderr)
     if baselines:
         scan_f = jax.jit(lambda *a: naive_recurrent_kda(*a)[0])
@@ -225,15 +230,15 @@ def bench_stages(s: Shape, reps: int, pipes: dict, on_row: Optional[Callable] = 
             try:
                 row["time_s"] = time_fn(eqx.filter_jit(stage), taps[name], reps)
             except Exception as e:
-                msg = str(e).strip().splitlines()
-                row["error"] = f"{type(e).__name__}: {msg[0] if msg else ''}"
+                row["error"] = _error_line(e)
             rows.append(row)
             if on_row:
                 on_row(row)
     return rows
 
 
-STAGE_HEAD = f"{'stage':<10} {'pipeline':<10} {'implementation':<24} {'time ms':>9} {'/first':>7}"
+_STAGE_COLS = f"{'stage':<10} {'pipeline':<10} {'implementation':<24} {'time ms':>9} {'/first':>7}"
+STAGE_HEAD = _STAGE_COLS + "\n" + "-" * len(_STAGE_COLS)
 
 
 def format_stage_row(r: dict, first: dict) -> str:
@@ -246,7 +251,7 @@ def format_stage_row(r: dict, first: dict) -> str:
 
 def format_stage_table(rows: list) -> str:
     first = {}
-    return "\n".join([STAGE_HEAD, "-" * len(STAGE_HEAD)] + [format_stage_row(r, first) for r in rows])
+    return "\n".join([STAGE_HEAD] + [format_stage_row(r, first) for r in rows])
 
 
 def with_ratios(rows: list) -> list:
@@ -338,7 +343,7 @@ def main(argv=None) -> int:
     if a.stages:
         print(f"kdax stages alone on {machine()}; B={shape.B} T={shape.T} H={shape.H} HV={shape.HV} K={shape.K} "
               f"V={shape.V} chunk={shape.chunk_size} float32 (/first: against the first pipeline named)")
-        print(STAGE_HEAD + "\n" + "-" * len(STAGE_HEAD), flush=True)
+        print(STAGE_HEAD, flush=True)
         first = {}
         rows = bench_stages(shape, a.reps, pipes, lambda r: print(format_stage_row(r, first), flush=True))
         return 1 if any(r["time_s"] is None for r in rows) else 0

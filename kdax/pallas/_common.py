@@ -45,6 +45,17 @@ class PallasTarget(eqx.Module):
         return resolve_interpret(self.target, self.interpret)
 
 
+class PallasValueBlocks(PallasTarget):
+    """The fields of a stage whose Triton kernel takes the value axis ``block_v`` columns
+    at a time (a power of 2, at least 16): shared memory per program, and parallel work."""
+
+    block_v: int = eqx.field(static=True, default=64)
+
+    def __check_init__(self):
+        if self.block_v < 16 or self.block_v & (self.block_v - 1):
+            raise ValueError(f"block_v: expected a power of 2 of at least 16, got {self.block_v}.")
+
+
 def default_target() -> str:
     return "triton" if jax.default_backend() == "gpu" else "tpu"
 
@@ -93,12 +104,6 @@ def check_width(stage: str, target: str, **widths: int) -> None:
             f"{stage}: the Triton kernels take K and V up to {TRITON_MAX_WIDTH} (one program's shared "
             f"memory on Hopper), got {got}; use the reference stage."
         )
-
-
-def check_block_v(block_v: int) -> None:
-    """``block_v`` (value columns a Triton program takes at a time): a power of 2, >= 16."""
-    if block_v < 16 or block_v & (block_v - 1):
-        raise ValueError(f"block_v: expected a power of 2 of at least 16, got {block_v}.")
 
 
 def pad_axis(x, axis: int, n: int):

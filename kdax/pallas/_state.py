@@ -9,7 +9,6 @@ chunks (no scratch), reading chunk blocks with ``pl.ds`` and the sequence bounda
 (``layout.first`` / ``layout.last``) as scalars, so it runs dense and packed varlen alike.
 """
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -19,8 +18,7 @@ from .._typing import ChunkK, ChunkV, SeqState, typecheck
 from ..stages._state import AbstractDhu, AbstractState
 from ..stages._types import DhuOut, StateOut
 from ._common import (
-    PallasTarget, check_block_v, check_width, chunk_spec, compiler_params, dot, feature_pad, flat, idiv, loop,
-    unflat,
+    PallasValueBlocks, check_width, chunk_spec, compiler_params, dot, feature_pad, flat, idiv, loop, unflat,
 )
 
 
@@ -86,14 +84,9 @@ def _tokens(x):
     return x.reshape(x.shape[0], x.shape[1] * x.shape[2], x.shape[3])
 
 
-class PallasState(AbstractState, PallasTarget):
+class PallasState(AbstractState, PallasValueBlocks):
     """F4 as a Pallas kernel (TPU: dense layout; Triton: dense and packed varlen, one
     program per row and block of ``block_v`` value columns)."""
-
-    block_v: int = eqx.field(static=True, default=64)
-
-    def __check_init__(self):
-        check_block_v(self.block_v)
 
     @typecheck
     def __call__(
@@ -180,14 +173,9 @@ class PallasState(AbstractState, PallasTarget):
                         final[:, :K, :V].reshape(N, HV, K, V))
 
 
-class PallasDhu(AbstractDhu, PallasTarget):
+class PallasDhu(AbstractDhu, PallasValueBlocks):
     """B2 as a Pallas kernel, chunks in reverse (TPU: dense layout; Triton: also varlen, one
     program per row and block of ``block_v`` value columns)."""
-
-    block_v: int = eqx.field(static=True, default=64)
-
-    def __check_init__(self):
-        check_block_v(self.block_v)
 
     @typecheck
     def __call__(

@@ -1,13 +1,12 @@
 """Pallas WY family: F3 (w, u, qg, kg) and B3 (wy_dqkg), one (p, chunk) block per program."""
 
-import equinox as eqx
 import jax.numpy as jnp
 
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, typecheck
 from ..stages._types import ChunkGrads, WYOut
 from ..stages._wy import AbstractWY, AbstractWYDqkg
 from ._common import (
-    PallasTarget, check_block_v, check_width, chunk_call, chunk_spec, dot, feature_pad, flat, iota, row_of, unflat,
+    PallasTarget, PallasValueBlocks, check_width, chunk_call, chunk_spec, dot, feature_pad, flat, iota, row_of, unflat,
 )
 
 
@@ -97,14 +96,9 @@ class PallasWY(AbstractWY, PallasTarget):
         return WYOut(cut(w, K), cut(u, V), cut(qg, K), cut(kg, K))
 
 
-class PallasWYDqkg(AbstractWYDqkg, PallasTarget):
+class PallasWYDqkg(AbstractWYDqkg, PallasValueBlocks):
     """B3 as a Pallas kernel over (row * head, chunk). ``block_v``: value columns read at
     a time on the Triton target (a power of 2; the TPU target reads whole blocks)."""
-
-    block_v: int = eqx.field(static=True, default=64)
-
-    def __check_init__(self):
-        check_block_v(self.block_v)
 
     @typecheck
     def __call__(
