@@ -1,5 +1,6 @@
 """chunk_kda end to end: forward and six-stage backward against the float64 oracle."""
 
+import dataclasses
 import re
 import equinox as eqx
 import jax
@@ -9,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import kdax
-from kdax.stages import AbstractOutput
+from kdax.stages import AbstractOutput, ReferenceOutput
 
 from ._util import (
     GOLDEN_CASES, assert_close, check_golden, loss_grads, make_inputs, oracle_kda, run, split_args,
@@ -243,10 +244,11 @@ def test_forward_cache_and_explicit_backward():
     data=st.data(),
     B=st.integers(1, 2), T=st.integers(1, 70), H=st.sampled_from([1, 2]), rep=st.sampled_from([1, 2]),
     K=st.sampled_from([4, 8]), V=st.sampled_from([4, 8]), chunk=st.sampled_from([16, 32, 64, 128]),
-    strong=st.booleans(), varlen=st.booleans(),
+    strong=st.booleans(), varlen=st.booleans(), tile=st.sampled_from([None, 1, 4, 32]),
 )
-def test_property_chunked_equals_recurrent(data, B, T, H, rep, K, V, chunk, strong, varlen):
-    opts = dict(chunk_size=chunk, output_final_state=True)
+def test_property_chunked_equals_recurrent(data, B, T, H, rep, K, V, chunk, strong, varlen, tile):
+    pipe = dataclasses.replace(kdax.KDAPipeline.reference(), tile=tile)
+    opts = dict(chunk_size=chunk, output_final_state=True, pipeline=pipe)
     N = B
     if varlen:
         cuts = sorted(data.draw(st.lists(st.integers(0, T), min_size=0, max_size=4)))
@@ -255,7 +257,7 @@ def test_property_chunked_equals_recurrent(data, B, T, H, rep, K, V, chunk, stro
         opts["cu_seqlens"] = jnp.asarray(cu, jnp.int32)
     x = make_inputs(seed=T, B=B, T=T, H=H, HV=H * rep, K=K, V=V, N=N, strong=strong)
     o, ht = run(kdax.chunk_kda, x, opts)
-    o_ref, ht_ref = run(oracle_kda, x, opts)
+    o_ref, ht_ref = run(oracle_kda, x, {n: a for n, a in opts.items() if n != "pipeline"})
     assert_close(o, o_ref, 1e-10, "o")
     assert_close(ht, ht_ref, 1e-10, "ht")
 
@@ -300,3 +302,68 @@ def test_products_at_full_precision():
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         dots = re.findall(r"stablehlo\.dot_general.*", text)
         assert dots and all("HIGHEST" in d for d in dots), [d for d in dots if "HIGHEST" not in d][:3]
+
+
+# Tiled forward (``KDAPipeline.tile``): dense with a ragged tail, an exact multiple of the
+# tile, GVA, and packed varlen with sequences of length 0 and 1, crossing tiles and ending
+# exactly at a tile's end.
+TILED = {
+    "dense_ragged_tail": dict(chunk_size=16, T=150),
+    "dense_options": dict(chunk_size=16, T=96, use_gate_in_kernel=True, A_log=True, dt_bias=True,
+                          use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True),
+    "dense_gva_no_h0": dict(chunk_size=32, T=200, H=1, HV=3, h0=False),
+    "varlen": dict(cu_seqlens=[0, 0, 1, 17, 80, 80, 96, 131, 160, 230], chunk_size=16, HV=2),
+    "varlen_c32_gate": dict(cu_seqlens=[0, 64, 65, 150, 300], chunk_size=32, use_gate_in_kernel=True,
+                            A_log=True),
+}
+
+
+class RecordingOutput(ReferenceOutput):
+    """The reference F5, noting how many chunks each call gets."""
+
+    seen: list = eqx.field(static=True, default=None)
+
+    def __call__(self, scale, qg, h, Aqk, v_new):
+        self.seen.append(qg.shape[2])
+        return super().__call__(scale, qg, h, Aqk, v_new)
+
+
+# One tile size per case in the default run (1 and 3 chunks alternate), the other in -m slow.
+TILE_CASES = [
+    pytest.param(name, chunks, marks=[pytest.mark.slow] if (i + j) % 2 else [])
+    for i, name in enumerate(TILED) for j, chunks in enumerate((1, 3))
+]
+
+
+@pytest.mark.parametrize("name,chunks", TILE_CASES)
+def test_tiled_forward(name, chunks):
+    x, opts = build_case(TILED[name])
+    rows = 1 if "cu_seqlens" in opts else x["q"].shape[0]
+    seen = []
+    pipe = eqx.tree_at(lambda p: p.output, kdax.KDAPipeline.reference(), RecordingOutput(seen=seen))
+    pipe = dataclasses.replace(pipe, tile=chunks * rows * x["v"].shape[2])
+    o, ht = run(pipe, x, opts)
+    assert seen and max(seen) == chunks, f"stages saw {sorted(set(seen))} chunks at a time, wanted tiles of {chunks}"
+    o_ref, ht_ref = run(oracle_kda, x, opts)
+    assert_close(o, o_ref, 1e-10, "o")
+    assert_close(ht, ht_ref, 1e-10, "ht")
+    # The same as one pass over everything, to rounding.
+    whole = dataclasses.replace(kdax.KDAPipeline.reference(), tile=None)
+    o1, ht1 = run(whole, x, opts)
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o1), rtol=0, atol=1e-13)
+    np.testing.assert_allclose(np.asarray(ht), np.asarray(ht1), rtol=0, atol=1e-13)
+    # The residuals a tiled forward leaves, with its cache and without (B0 recomputes).
+    pos, kw = split_args(x)
+    o2, ht2, res = jax.jit(lambda p, k: pipe.forward(*p, **k, **opts))(pos, kw)
+    do, dht = cotangents(o2, ht2)
+    ref = loss_grads(oracle_kda, x, opts, do, dht)
+    for r in (res, eqx.tree_at(lambda r: r.cache, res, None, is_leaf=lambda c: c is None)):
+        grads = jax.jit(lambda r, do, dht: pipe.backward(r, do, dht))(r, do, dht)
+        for n in ref:
+            assert_close(getattr(grads, n), ref[n], 1e-10, "d" + n)
+
+
+def test_reference_tiles_on_cpu_only():
+    # Tiles pay on CPU caches; an accelerator wants each stage over the whole input.
+    assert kdax.KDAPipeline.reference().tile == (32 if jax.default_backend() == "cpu" else None)
+    assert kdax.KDAPipeline.pallas().tile is None
