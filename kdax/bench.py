@@ -207,7 +207,9 @@ def bench_shape(s: Shape, reps: int, pipes: dict, baselines: bool, check: bool, 
         add("scan", "fwd", scan_f)
         if s.T <= 4096:  # autodiff of the scan keeps every step's state: 6 GB at T=4096
             add("scan", "fwd+bwd", _train_step(naive_recurrent_kda))
-        add("autodiff_chunk", "fwd+bwd", _train_step(_autodiff_chunk(KDAPipeline.reference(), s.chunk_size)))
+        # The stages whole, as chunk_kda's own training step runs its forward.
+        whole = dataclasses.replace(KDAPipeline.reference(), tile=None)
+        add("autodiff_chunk", "fwd+bwd", _train_step(_autodiff_chunk(whole, s.chunk_size)))
         add("fused_recurrent", "fwd", jax.jit(lambda *a: fused_recurrent_kda(*a)[0]))
     return rows
 

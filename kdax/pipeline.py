@@ -17,6 +17,7 @@ from jaxtyping import Array, Float
 
 from ._config import KDAConfig
 from ._layout import ChunkLayout, expand_group, make_layout, pack, reduce_group, unpack
+from ._tiles import Tiles
 from ._typing import ALog, ArrayIn, Beta, ChunkK, ChunkMat, ChunkState, ChunkV, CuSeqlens, Gate, QK, SeqState, State, Values, typecheck
 from ._validate import validate_kda_args
 from .ref._recurrent import compute_dtype
@@ -110,9 +111,10 @@ class KDAPipeline(eqx.Module):
     # On a stage's NotImplementedError (a case its target cannot run), use the reference
     # stage of the same family instead of failing.
     fallback: bool = eqx.field(static=True, default=False)
-    # Forward in tiles of about this many (row, head, chunk) blocks, every stage called
+    # The forward in tiles of about this many (row, head, chunk) blocks, every stage called
     # tile by tile with the state carried between tiles (None: each stage once over the
     # whole input). CPUs gain from tiles that fit in cache; accelerators want whole arrays.
+    # A training step (chunk_kda under a gradient) runs whole: see _vjp_fwd.
     tile: Optional[int] = eqx.field(static=True, default=None)
 
     def _stage(self, name: str, *args):
@@ -218,82 +220,48 @@ class KDAPipeline(eqx.Module):
         return _ForwardChunks(oc, act, intra, wy, st.h, st.v_new, vc, gc), st.final
 
     def _forward_tiled(self, config: KDAConfig, layout: ChunkLayout, raw, HV: int, dt, A_log, dt_bias, h0, nt: int):
-        """F1-F5 on ``nt`` chunks at a time, the state carried from tile to tile. Every
-        stage sees a tile as a whole problem in the chunked layout (dense: a dense layout
-        whose initial state is the carry; varlen: see ``_varlen_tile``). On CPU this keeps
-        the intermediates of a tile in cache instead of writing whole-sequence arrays to
-        main memory (the forward 1.5x faster at the benchmark shape); every intermediate
-        is still written to the full-size outputs, which XLA drops where nothing reads
-        them (``chunk_kda`` without gradients).
+        """F1-F5 on ``nt`` chunks at a time, the state carried from tile to tile (see
+        ``_tiles``). On CPU this keeps a tile's intermediates in cache instead of writing
+        whole-sequence arrays to main memory (the forward 1.4x faster at the benchmark
+        shape); every intermediate is still written to a full-size output, which XLA drops
+        where nothing reads it (``chunk_kda`` without gradients).
 
         Returns ``(o [B, T, HV, V], final, _ForwardChunks of full size)`` (dense: its ``o``
         is o itself, already ``[B, T, HV, V]``)."""
-        R, NC, C = layout.valid.shape
-        dense = layout.pos is None
-        T = layout.T
-        N = h0.shape[0]
-        if not dense:
+        tiles = Tiles(layout, h0.shape[0], nt)
+        if not tiles.dense:
             packed = _pack_inputs(layout, raw, HV, dt)
 
-        def tile(c0, n, static_tokens=None):
-            """Inputs and layout of chunks ``[c0, c0 + n)`` (``static_tokens``: the tile is
-            the static tail ``[c0 * C, T)`` of a dense input)."""
-            if not dense:
-                return (tuple(jax.lax.dynamic_slice_in_dim(x, c0, n, 2) for x in packed),
-                        _varlen_tile(layout, N, c0, n))
-            if static_tokens is None:
-                sl = tuple(jax.lax.dynamic_slice_in_dim(x, c0 * C, n * C, 1) for x in raw)
-                tl = make_layout(R, n * C, C)
+        def stages(c0, n, tail, h_carry):
+            tl = tiles.layout_of(c0, n, tail)
+            if tiles.dense:
+                chunked = _pack_inputs(tl, tuple(tiles.tokens(x, c0, n, tail) for x in raw), HV, dt)
             else:
-                sl = tuple(x[:, c0 * C:] for x in raw)
-                tl = make_layout(R, static_tokens, C)
-            return _pack_inputs(tl, sl, HV, dt), tl
+                chunked = tuple(tiles.chunks(x, c0, n) for x in packed)
+            fw, table = self._forward_stages(config, chunked, A_log, dt_bias, tiles.table(h0, h_carry), tl)
+            return fw, table, tl
 
-        def run(c0, n, carry, outs, static_tokens=None):
-            chunked, tl = tile(c0, n, static_tokens)
-            h_carry, finals = carry
-            if dense:
-                fw, h_next = self._forward_stages(config, chunked, A_log, dt_bias, h_carry, tl)
-            else:
-                fw, table = self._forward_stages(config, chunked, A_log, dt_bias, jnp.concatenate([h0, h_carry]), tl)
-                last = tl.last[:, -1]
-                h_next = table[jnp.where(last >= 0, last, N + jnp.arange(R))]
-                # Sequences that end in this tile: their final states.
-                ends = jnp.zeros((N + R,), bool).at[jnp.where(tl.last >= 0, tl.last, N + R)].set(True, mode="drop")
-                finals = jnp.where(ends[:N, None, None, None], table[:N], finals)
+        def step(c0, n, tail, state):
+            (h_carry, finals), outs = state
+            fw, table, tl = stages(c0, n, tail, h_carry)
+            if not tiles.dense:  # the final states of the sequences that end in this tile
+                finals = tiles.collect(finals, tl, table)
             o, *rest = jax.tree.leaves(fw)
-            # Dense: o goes straight to [B, T, HV, V] (the tile's transpose stays in cache).
-            o = jax.lax.dynamic_update_slice_in_dim(outs[0], unpack(tl, o), c0 * C, 1) if dense else \
-                jax.lax.dynamic_update_slice_in_dim(outs[0], o, c0, 2)
+            o = tiles.put(outs[0], tl, o, c0)
             rest = tuple(jax.lax.dynamic_update_slice_in_dim(b, x, c0, 2) for b, x in zip(outs[1:], rest))
-            return (h_next, finals), (o,) + rest
+            return (tiles.carry_of(tl, table), finals), (o,) + rest
 
-        # Full-size outputs: shapes from one tile, zeros made where they are used (zeros_after).
-        def first_tile():
-            chunked, tl = tile(0, nt)
-            h_in = h0 if dense else jnp.zeros((N + R,) + h0.shape[1:], h0.dtype)
-            return self._forward_stages(config, chunked, A_log, dt_bias, h_in, tl)[0]
-
-        shapes, tree = jax.tree.flatten(jax.eval_shape(first_tile))
-        deps = tuple(x for x in raw if x is not None) + (h0,)
-        outs = [zeros_after(s.shape[:2] + (NC,) + s.shape[3:], s.dtype, deps, j) for j, s in enumerate(shapes)]
-        if dense:
-            outs[0] = zeros_after((R, T) + raw[2].shape[2:], shapes[0].dtype, deps)
-        outs = tuple(outs)
-        carry = (h0, None) if dense else (jnp.zeros((R,) + h0.shape[1:], h0.dtype), h0)
-        # Dense tiles inside T run in the loop; the rest (a partial last chunk) once after.
-        full = (T // (nt * C)) if dense else (NC // nt)
-        carry, outs = jax.lax.fori_loop(0, full, lambda t, co: run(t * nt, nt, *co), (carry, outs))
-        c0 = full * nt
-        if c0 < NC:
-            carry, outs = run(c0, NC - c0, carry, outs, static_tokens=(T - c0 * C) if dense else None)
+        # Full-size outputs, shaped after one tile, zeros made where they are used.
+        shapes, tree = jax.tree.flatten(jax.eval_shape(lambda: stages(0, nt, False, h0[: tiles.R])[0]))
+        deps = tuple(raw) + (h0,)
+        outs = [zeros_after(x.shape[:2] + (tiles.NC,) + x.shape[3:], x.dtype, deps, j) for j, x in enumerate(shapes)]
+        outs[0] = zeros_after(tiles.buffer_shape(shapes[0].shape), shapes[0].dtype, deps)
+        carry = (h0, None) if tiles.dense else (jnp.zeros((tiles.R,) + h0.shape[1:], h0.dtype), h0)
+        (h_last, finals), outs = tiles.run(step, (carry, tuple(outs)))
         fw = jax.tree.unflatten(tree, outs)
-        h_last, finals = carry
-        if dense:
-            return fw.o, h_last, fw  # fw.o is o itself here
         # A sequence of length 0 keeps its initial state.
-        final = jnp.where(layout.empty[:, None, None, None], h0, finals)
-        return unpack(layout, fw.o), final, fw
+        final = h_last if tiles.dense else jnp.where(layout.empty[:, None, None, None], h0, finals)
+        return tiles.finish(fw.o), final, fw
 
     # -- backward -----------------------------------------------------------------------
 
@@ -385,23 +353,6 @@ def _pack_inputs(layout: ChunkLayout, raw, HV: int, dt):
     )
 
 
-def _varlen_tile(layout: ChunkLayout, N: int, c0, n: int) -> ChunkLayout:
-    """Chunks ``[c0, c0 + n)`` of a packed varlen layout as a layout of their own, for a
-    state table of ``N + R`` entries: the N sequences' initial states, then each row's
-    state carried in from the previous tile. The tile's first chunk starts the carry
-    (entry N + r) unless a sequence starts there; its last chunk ends the carry unless a
-    sequence ends there (then that sequence's final state is the carry: any finite state
-    serves, as the next chunk starts a sequence or is padding)."""
-    R = layout.valid.shape[0]
-    carry = N + jnp.arange(R, dtype=jnp.int32)
-    first = jax.lax.dynamic_slice_in_dim(layout.first, c0, n, 1)
-    last = jax.lax.dynamic_slice_in_dim(layout.last, c0, n, 1)
-    first = first.at[:, 0].set(jnp.where(first[:, 0] >= 0, first[:, 0], carry))
-    last = last.at[:, -1].set(jnp.where(last[:, -1] >= 0, last[:, -1], carry))
-    valid = jax.lax.dynamic_slice_in_dim(layout.valid, c0, n, 1)
-    return ChunkLayout(first, last, valid, jnp.zeros((N + R,), bool), layout.pos, layout.T, layout.chunk_size)
-
-
 @typecheck
 def stage_inputs(pipeline: KDAPipeline, q: QK, k: QK, v: Values, g: Gate, beta: Beta, **options) -> dict:
     """The arguments each of ``pipeline``'s stages receives in one forward and backward of
@@ -452,8 +403,8 @@ def _chunk_kda_vjp(pipeline, config, q, k, v, g, beta, h0, A_log, dt_bias, cu_se
 
 
 def _vjp_fwd(pipeline, config, q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens):
-    # Untiled: in a training step XLA then shares F3/F4 with B0's recompute (tiles hide
-    # that: the CPU step was ~15% slower with them).
+    # Whole: in a training step XLA then shares F3/F4 with B0's recompute (the CPU step was
+    # ~15% slower with a tiled forward; a tiled B1-B5 too was still 5-10% slower).
     pipeline = dataclasses.replace(pipeline, tile=None)
     o, final, res = pipeline.run_forward(config, q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens)
     if not config.disable_recompute:

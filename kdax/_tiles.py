@@ -1,0 +1,107 @@
+"""Tiles: the pipeline's stages run on a few chunks at a time, the state carried between.
+
+A tile is chunks ``[c0, c0 + n)`` of every row, handed to the stages as a problem of its
+own, so that each stage keeps to its contract (whole sequences in a chunked layout):
+
+* dense: a dense layout of the tile's tokens, one sequence per row, whose initial state is
+  the carry from the previous tile;
+* packed varlen: the tile's slice of the layout with a state table of ``N + R`` entries,
+  the N sequences' own, then one carry per row (entry ``N + r``). The tile's first chunk
+  starts the carry unless a sequence starts there, its last chunk ends the carry unless a
+  sequence ends there.
+
+On CPU, tiles that fit in cache replace whole-sequence intermediates in main memory.
+"""
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from ._layout import ChunkLayout, make_layout, unpack
+
+
+class Tiles:
+    """Tiles of ``nt`` chunks over ``layout`` (N sequences). Dense inputs tile their tokens
+    (full tiles of ``nt * C`` tokens in a loop, then a static tail tile with the rest);
+    packed varlen inputs tile the chunks of the packed row."""
+
+    def __init__(self, layout: ChunkLayout, N: int, nt: int):
+        self.layout, self.N, self.nt = layout, N, nt
+        self.R, self.NC, self.C = layout.valid.shape
+        self.dense = layout.pos is None
+        self.full = layout.T // (nt * self.C) if self.dense else self.NC // nt
+        self.tail = self.NC - self.full * nt  # chunks of the last, shorter tile (0: none)
+
+    # -- one tile ---------------------------------------------------------------------
+
+    def layout_of(self, c0, n: int, tail: bool) -> ChunkLayout:
+        C = self.C
+        if self.dense:
+            return make_layout(self.R, self.layout.T - c0 * C if tail else n * C, C)
+        L, N = self.layout, self.N
+        carry = N + jnp.arange(self.R, dtype=jnp.int32)
+        first = jax.lax.dynamic_slice_in_dim(L.first, c0, n, 1)
+        last = jax.lax.dynamic_slice_in_dim(L.last, c0, n, 1)
+        first = first.at[:, 0].set(jnp.where(first[:, 0] >= 0, first[:, 0], carry))
+        last = last.at[:, -1].set(jnp.where(last[:, -1] >= 0, last[:, -1], carry))
+        valid = jax.lax.dynamic_slice_in_dim(L.valid, c0, n, 1)
+        return ChunkLayout(first, last, valid, jnp.zeros((N + self.R,), bool), L.pos, L.T, C)
+
+    def tokens(self, x, c0, n: int, tail: bool):
+        """Dense only: the tile's tokens of ``x [B, T, ...]``."""
+        if tail:
+            return x[:, c0 * self.C:]
+        return jax.lax.dynamic_slice_in_dim(x, c0 * self.C, n * self.C, 1)
+
+    @staticmethod
+    def chunks(x, c0, n: int):
+        """The tile's chunks of ``x [R, HV, NC, ...]``."""
+        return jax.lax.dynamic_slice_in_dim(x, c0, n, 2)
+
+    def table(self, per_seq, carry):
+        """The state table a tile's stage gets: the carry (dense), or the sequences' own
+        entries then the carries (varlen)."""
+        return carry if self.dense else jnp.concatenate([per_seq, carry])
+
+    def carry_of(self, tl: ChunkLayout, table):
+        """The carry to the next tile from the state stage's output table: the entry ending
+        at the tile's last chunk. Where a sequence ends there, its own final state: any
+        finite state serves, as the next tile's first chunk then starts a sequence or is
+        padding."""
+        if self.dense:
+            return table
+        ids = tl.last[:, -1]
+        return table[jnp.where(ids >= 0, ids, self.N + jnp.arange(self.R))]
+
+    def collect(self, acc, tl: ChunkLayout, table):
+        """``acc [N, ...]`` with the final states of the sequences that end in the tile
+        taken from the state stage's output table (varlen only)."""
+        ids = tl.last
+        mask = jnp.zeros((self.N + self.R,), bool).at[jnp.where(ids >= 0, ids, self.N + self.R)].set(True, mode="drop")
+        return jnp.where(mask[: self.N].reshape((-1,) + (1,) * (acc.ndim - 1)), table[: self.N], acc)
+
+    def put(self, buf, tl: ChunkLayout, x, c0):
+        """Write a tile's chunked ``x [R, Hx, n, C, ...]`` into ``buf``: dense, straight to
+        tokens ``[B, T, Hx, ...]`` (the tile's transpose stays in cache); varlen, into the
+        chunked ``[R, Hx, NC, C, ...]`` (``finish`` unpacks it)."""
+        if self.dense:
+            return jax.lax.dynamic_update_slice_in_dim(buf, unpack(tl, x), c0 * self.C, 1)
+        return jax.lax.dynamic_update_slice_in_dim(buf, x, c0, 2)
+
+    def buffer_shape(self, chunked_shape):
+        """The shape ``put`` writes into, for a tile's chunked shape ``[R, Hx, n, C, ...]``."""
+        R, Hx, _, C, *rest = chunked_shape
+        return (R, self.layout.T, Hx, *rest) if self.dense else (R, Hx, self.NC, C, *rest)
+
+    def finish(self, buf):
+        return buf if self.dense else unpack(self.layout, buf)
+
+    # -- all tiles --------------------------------------------------------------------
+
+    def run(self, step: Callable, state):
+        """``state = step(c0, n, tail, state)`` for every tile in order: the full tiles in a
+        loop, then the tail tile."""
+        nt = self.nt
+        state = jax.lax.fori_loop(0, self.full, lambda i, s: step(i * nt, nt, False, s), state)
+        return step(self.full * nt, self.tail, True, state) if self.tail else state
