@@ -9,8 +9,11 @@ it against baselines run in the same process:
   jnp code differentiated by JAX instead of the six-stage backward);
 * ``fused_recurrent``: ``kdax.fused_recurrent_kda``.
 
-Times are medians of ``--reps`` device-synchronised runs after a warm-up; every ratio
-compares numbers from this one run. GFLOP/s use the FLOP model below and are set against
+Times are medians of ``--reps`` device-synchronised runs after a warm-up; the light paths
+(chunk_kda, the scan forward, fused_recurrent) are timed in rounds, every path once per
+round, so that the machine's drift reaches them alike; the heavy baselines (the scan's and
+autodiff's gradients, GBs of memory) one at a time after them. Every ratio compares numbers
+from this one run. GFLOP/s use the FLOP model below and are set against
 a large float32 matmul timed in the same run. Peak memory is XLA's own figure for the
 compiled program (``memory_analysis()``: temporaries + outputs), deterministic.
 
@@ -78,6 +81,20 @@ def time_fn(f: Callable, args, reps: int) -> float:
         jax.block_until_ready(f(*args))
         ts.append(time.perf_counter() - t0)
     return float(np.median(ts))
+
+
+def time_rounds(fs: list, args, reps: int) -> list:
+    """Median seconds of each function over ``reps`` rounds, each round calling every
+    function once (synchronised), after one warm-up call each."""
+    for f in fs:
+        jax.block_until_ready(f(*args))
+    ts = [[] for _ in fs]
+    for _ in range(reps):
+        for i, f in enumerate(fs):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            ts[i].append(time.perf_counter() - t0)
+    return [float(np.median(t)) for t in ts]
 
 
 def _error_line(e: Exception) -> str:
@@ -176,12 +193,11 @@ def bench_shape(s: Shape, reps: int, pipes: dict, baselines: bool, check: bool, 
     tokens = s.B * s.T * s.HV
     rows = []
 
-    def add(name, kind, f, flops=None, err=None):
-        t = time_fn(f, args, reps)
-        rows.append(dict(T=s.T, name=name, kind=kind, time_s=t, peak_bytes=peak_bytes(f, args),
-                         gflops=None if flops is None else flops * tokens / t / 1e9, max_err=err))
-        if progress:
-            progress.step(f"T={s.T} {name} {kind}")
+    # Paths to time: (name, kind, function, FLOPs per token-head, max error, alone).
+    todo = []
+
+    def add(name, kind, f, flops=None, err=None, alone=False):
+        todo.append((name, kind, f, flops, err, alone))
 
     ref_o = ref_g = None
     if check:
@@ -193,6 +209,7 @@ def bench_shape(s: Shape, reps: int, pipes: dict, baselines: bool, check: bool, 
         grad = _train_step(lambda *a, pipe=pipe: chunk_kda(*a, chunk_size=s.chunk_size, pipeline=pipe))
         try:
             e_o = e_g = None
+            jax.block_until_ready((fwd(*args), grad(*args)))  # compile (and run) before anything is timed
             if check:
                 e_o = float(jnp.max(jnp.abs(fwd(*args) - ref_o)))
                 e_g = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(grad(*args)[1], ref_g[1]))
@@ -203,14 +220,26 @@ def bench_shape(s: Shape, reps: int, pipes: dict, baselines: bool, check: bool, 
                              gflops=None, max_err=None, error=_error_line(e)))
             print(f"chunk_kda[{pname}] failed at T={s.T}: {rows[-1]['error']}", file=sys.stderr)
     if baselines:
-        scan_f = jax.jit(lambda *a: naive_recurrent_kda(*a)[0])
-        add("scan", "fwd", scan_f)
+        add("scan", "fwd", jax.jit(lambda *a: naive_recurrent_kda(*a)[0]))
         if s.T <= 4096:  # autodiff of the scan keeps every step's state: 6 GB at T=4096
-            add("scan", "fwd+bwd", _train_step(naive_recurrent_kda))
+            add("scan", "fwd+bwd", _train_step(naive_recurrent_kda), alone=True)
         # The stages whole, as chunk_kda's own training step runs its forward.
         whole = dataclasses.replace(KDAPipeline.reference(), tile=None)
-        add("autodiff_chunk", "fwd+bwd", _train_step(_autodiff_chunk(whole, s.chunk_size)))
+        add("autodiff_chunk", "fwd+bwd", _train_step(_autodiff_chunk(whole, s.chunk_size)), alone=True)
         add("fused_recurrent", "fwd", jax.jit(lambda *a: fused_recurrent_kda(*a)[0]))
+
+    # The light paths in rounds (every path once per round), so that the machine's drift
+    # reaches them alike and their ratios hold; the heavy baselines (GBs of memory that
+    # would slow whatever runs next) one at a time after them.
+    together = [i for i, t in enumerate(todo) if not t[5]]
+    times = dict(zip(together, time_rounds([todo[i][2] for i in together], args, reps)))
+    times.update({i: time_fn(t[2], args, reps) for i, t in enumerate(todo) if t[5]})
+    for i, (name, kind, f, flops, err, _) in enumerate(todo):
+        t = times[i]
+        rows.append(dict(T=s.T, name=name, kind=kind, time_s=t, peak_bytes=peak_bytes(f, args),
+                         gflops=None if flops is None else flops * tokens / t / 1e9, max_err=err))
+        if progress:
+            progress.step(f"T={s.T} {name} {kind}")
     return rows
 
 

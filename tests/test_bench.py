@@ -5,6 +5,7 @@ import json
 import os
 
 import equinox as eqx
+import jax.numpy as jnp
 
 from kdax import bench
 from kdax import stages as S
@@ -71,3 +72,12 @@ def test_bench_stages_times_each_stage_alone():
     assert all(r["time_s"] > 0 for r in rows if r["time_s"] is not None)
     table = bench.format_stage_table(rows)
     assert "FAILED: RuntimeError: kernel does not compile here" in table and "ReferenceIntraBackward" in table
+
+
+def test_time_rounds_interleaves():
+    # Every round calls each function once, in order, after one warm-up call each.
+    calls = []
+    fs = [lambda x, i=i: (calls.append(i), x)[1] for i in range(3)]
+    ts = bench.time_rounds(fs, (jnp.zeros(2),), 2)
+    assert len(ts) == 3 and all(t >= 0 for t in ts)
+    assert calls == [0, 1, 2] * 3
