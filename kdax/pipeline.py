@@ -128,7 +128,7 @@ class KDAPipeline(eqx.Module):
             except NotImplementedError:
                 if not self.fallback:
                     raise
-                return getattr(_REFERENCE, name)(*args)
+                return getattr(_reference(), name)(*args)
 
     @classmethod
     def reference(cls) -> "KDAPipeline":
@@ -323,7 +323,11 @@ class KDAPipeline(eqx.Module):
         return chunk_kda(q, k, v, g, beta, pipeline=self, **options)
 
 
-_REFERENCE = KDAPipeline.reference()
+@functools.cache
+def _reference() -> KDAPipeline:
+    """The fallback stages, built on first use (``reference()`` asks JAX for its backend,
+    which must not happen at import)."""
+    return KDAPipeline.reference()
 
 
 class _ForwardChunks(eqx.Module):

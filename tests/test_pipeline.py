@@ -370,3 +370,16 @@ def test_reference_tiles_on_cpu_only():
     # Tiles pay on CPU caches; an accelerator wants each stage over the whole input.
     assert kdax.KDAPipeline.reference().tile == (32 if jax.default_backend() == "cpu" else None)
     assert kdax.KDAPipeline.pallas().tile is None
+
+
+def test_import_leaves_the_backend_alone():
+    # Importing kdax must not start a JAX backend (a user may still pick platforms).
+    import subprocess
+    import sys
+
+    code = ("import kdax\nfrom jax._src import xla_bridge as xb\n"
+            "b = getattr(xb, '_backends', None)\nprint('unknown' if b is None else ('started' if b else 'idle'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    if out[-1] == "unknown":
+        pytest.skip("this JAX keeps its backends elsewhere")
+    assert out[-1] == "idle"
