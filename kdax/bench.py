@@ -224,7 +224,7 @@ def bench_shape(s: Shape, reps: int, pipes: dict, baselines: bool, check: bool, 
         if s.T <= 4096:  # autodiff of the scan keeps every step's state: 6 GB at T=4096
             add("scan", "fwd+bwd", _train_step(naive_recurrent_kda), alone=True)
         # The stages whole, as chunk_kda's own training step runs its forward.
-        whole = dataclasses.replace(KDAPipeline.reference(), tile=None)
+        whole = KDAPipeline.reference().untiled()
         add("autodiff_chunk", "fwd+bwd", _train_step(_autodiff_chunk(whole, s.chunk_size)), alone=True)
         add("fused_recurrent", "fwd", jax.jit(lambda *a: fused_recurrent_kda(*a)[0]))
 

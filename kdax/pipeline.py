@@ -141,6 +141,10 @@ class KDAPipeline(eqx.Module):
             gate_bwd=ReferenceGateBackward(), tile=32 if jax.default_backend() == "cpu" else None,
         )
 
+    def untiled(self) -> "KDAPipeline":
+        """This pipeline with every stage called once over the whole input (``tile=None``)."""
+        return dataclasses.replace(self, tile=None)
+
     @classmethod
     def pallas(cls, target: Optional[str] = None, interpret: Optional[bool] = None) -> "KDAPipeline":
         """Every stage a Pallas kernel for ``target`` ("tpu" or "triton"; None: triton on a
@@ -187,8 +191,8 @@ class KDAPipeline(eqx.Module):
         nt = self._tile_chunks(layout.valid.shape[0] * HV, layout.num_chunks)
         if nt is None:
             chunked = _pack_inputs(layout, raw, HV, dt)
-            fw, final = self._forward_stages(config, chunked, A_log, dt_bias, h0, layout)
-            o = unpack(layout, fw.o)
+            oc, fw, final = self._forward_stages(config, chunked, A_log, dt_bias, h0, layout)
+            o = unpack(layout, oc)
         else:
             o, final, fw = self._forward_tiled(config, layout, raw, HV, dt, A_log, dt_bias, h0, nt)
         o = o.astype(v.dtype)
@@ -210,14 +214,14 @@ class KDAPipeline(eqx.Module):
 
     def _forward_stages(self, config: KDAConfig, chunked, A_log, dt_bias, h0, layout: ChunkLayout):
         """F1-F5 on chunked inputs ``(q, k, v, g, beta)`` (q, k already expanded to HV
-        heads): ``(_ForwardChunks, final states [N, HV, K, V])``."""
+        heads): ``(o chunked, _ForwardChunks, final states [N, HV, K, V])``."""
         qc, kc, vc, gc, bc = chunked
         act = self._stage("gate", config, qc, kc, gc, bc, A_log, dt_bias, layout.valid)
         intra = self._stage("intra", config.scale, act.q, act.k, act.beta, act.G)
         wy = self._stage("wy", act.q, act.k, vc, act.beta, act.G, intra.Akk)
         st = self._stage("state", wy.w, wy.u, wy.kg, act.G, h0, layout)
         oc = self._stage("output", config.scale, wy.qg, st.h, intra.Aqk, st.v_new)
-        return _ForwardChunks(oc, act, intra, wy, st.h, st.v_new, vc, gc), st.final
+        return oc, _ForwardChunks(act, intra, wy, st.h, st.v_new, vc, gc), st.final
 
     def _forward_tiled(self, config: KDAConfig, layout: ChunkLayout, raw, HV: int, dt, A_log, dt_bias, h0, nt: int):
         """F1-F5 on ``nt`` chunks at a time, the state carried from tile to tile (see
@@ -226,8 +230,7 @@ class KDAPipeline(eqx.Module):
         shape); every intermediate is still written to a full-size output, which XLA drops
         where nothing reads it (``chunk_kda`` without gradients).
 
-        Returns ``(o [B, T, HV, V], final, _ForwardChunks of full size)`` (dense: its ``o``
-        is o itself, already ``[B, T, HV, V]``)."""
+        Returns ``(o [B, T, HV, V], final, _ForwardChunks of full size)``."""
         tiles = Tiles(layout, h0.shape[0], nt)
         if not tiles.dense:
             packed = _pack_inputs(layout, raw, HV, dt)
@@ -238,30 +241,30 @@ class KDAPipeline(eqx.Module):
                 chunked = _pack_inputs(tl, tuple(tiles.tokens(x, c0, n, tail) for x in raw), HV, dt)
             else:
                 chunked = tuple(tiles.chunks(x, c0, n) for x in packed)
-            fw, table = self._forward_stages(config, chunked, A_log, dt_bias, tiles.table(h0, h_carry), tl)
-            return fw, table, tl
+            oc, fw, table = self._forward_stages(config, chunked, A_log, dt_bias, tiles.table(h0, h_carry), tl)
+            return oc, fw, table, tl
 
         def step(c0, n, tail, state):
-            (h_carry, finals), outs = state
-            fw, table, tl = stages(c0, n, tail, h_carry)
+            (h_carry, finals), (o, outs) = state
+            oc, fw, table, tl = stages(c0, n, tail, h_carry)
             if not tiles.dense:  # the final states of the sequences that end in this tile
                 finals = tiles.collect(finals, tl, table)
-            o, *rest = jax.tree.leaves(fw)
-            o = tiles.put(outs[0], tl, o, c0)
-            rest = tuple(jax.lax.dynamic_update_slice_in_dim(b, x, c0, 2) for b, x in zip(outs[1:], rest))
-            return (tiles.carry_of(tl, table), finals), (o,) + rest
+            o = tiles.put(o, tl, oc, c0)
+            outs = tuple(jax.lax.dynamic_update_slice_in_dim(b, x, c0, 2) for b, x in zip(outs, jax.tree.leaves(fw)))
+            return (tiles.carry_of(tl, table), finals), (o, outs)
 
         # Full-size outputs, shaped after one tile, zeros made where they are used.
-        shapes, tree = jax.tree.flatten(jax.eval_shape(lambda: stages(0, nt, False, h0[: tiles.R])[0]))
+        oc, fw = jax.eval_shape(lambda: stages(0, nt, False, h0[: tiles.R])[:2])
+        shapes, tree = jax.tree.flatten(fw)
         deps = tuple(raw) + (h0,)
-        outs = [zeros_after(x.shape[:2] + (tiles.NC,) + x.shape[3:], x.dtype, deps, j) for j, x in enumerate(shapes)]
-        outs[0] = zeros_after(tiles.buffer_shape(shapes[0].shape), shapes[0].dtype, deps)
+        o = zeros_after(tiles.buffer_shape(oc.shape), oc.dtype, deps)
+        outs = tuple(zeros_after(x.shape[:2] + (tiles.NC,) + x.shape[3:], x.dtype, deps, j + 1)
+                     for j, x in enumerate(shapes))
         carry = (h0, None) if tiles.dense else (jnp.zeros((tiles.R,) + h0.shape[1:], h0.dtype), h0)
-        (h_last, finals), outs = tiles.run(step, (carry, tuple(outs)))
-        fw = jax.tree.unflatten(tree, outs)
+        (h_last, finals), (o, outs) = tiles.run(step, (carry, (o, outs)))
         # A sequence of length 0 keeps its initial state.
         final = h_last if tiles.dense else jnp.where(layout.empty[:, None, None, None], h0, finals)
-        return tiles.finish(fw.o), final, fw
+        return tiles.finish(o), final, jax.tree.unflatten(tree, outs)
 
     # -- backward -----------------------------------------------------------------------
 
@@ -331,10 +334,9 @@ def _reference() -> KDAPipeline:
 
 
 class _ForwardChunks(eqx.Module):
-    """What F1-F5 produce, in the chunked layout: the output ``o``, the stage outputs, and
-    the packed ``v`` and ``g`` (the backward's residuals)."""
+    """What F1-F5 produce besides ``o``, in the chunked layout: the stage outputs, and the
+    packed ``v`` and ``g`` (the backward's residuals)."""
 
-    o: ChunkV
     act: Activated
     intra: IntraOut
     wy: WYOut
@@ -364,7 +366,7 @@ def stage_inputs(pipeline: KDAPipeline, q: QK, k: QK, v: Values, g: Gate, beta: 
     stage name (``"gate"``, ..., ``"gate_bwd"``) to its argument tuple, for running or
     timing one stage alone (``kdax.bench --stages``)."""
     global _STAGE_TAP
-    pipeline = dataclasses.replace(pipeline, tile=None)  # whole-input arguments, not a tile's
+    pipeline = pipeline.untiled()  # whole-input arguments, not a tile's
     _STAGE_TAP = taps = {}
     try:
         loss = lambda *a: jnp.sum(chunk_kda(*a, pipeline=pipeline, **options)[0])
@@ -409,7 +411,7 @@ def _chunk_kda_vjp(pipeline, config, q, k, v, g, beta, h0, A_log, dt_bias, cu_se
 def _vjp_fwd(pipeline, config, q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens):
     # Whole: in a training step XLA then shares F3/F4 with B0's recompute (the CPU step was
     # ~15% slower with a tiled forward; a tiled B1-B5 too was still 5-10% slower).
-    pipeline = dataclasses.replace(pipeline, tile=None)
+    pipeline = pipeline.untiled()
     o, final, res = pipeline.run_forward(config, q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens)
     if not config.disable_recompute:
         # Keep what FLA keeps (inputs, G, Aqk, Akk, l2norm statistics, h0); B0 rebuilds the rest.

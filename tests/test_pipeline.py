@@ -351,7 +351,7 @@ def test_tiled_forward(name, chunks):
     assert_close(o, o_ref, 1e-10, "o")
     assert_close(ht, ht_ref, 1e-10, "ht")
     # The same as one pass over everything, to rounding.
-    whole = dataclasses.replace(kdax.KDAPipeline.reference(), tile=None)
+    whole = kdax.KDAPipeline.reference().untiled()
     o1, ht1 = run(whole, x, opts)
     np.testing.assert_allclose(np.asarray(o), np.asarray(o1), rtol=0, atol=1e-13)
     np.testing.assert_allclose(np.asarray(ht), np.asarray(ht1), rtol=0, atol=1e-13)
