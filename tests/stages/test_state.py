@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from kdax.ref._chunk import output_chunk
 from kdax.stages import ReferenceDAv, ReferenceDhu, ReferenceState
@@ -16,24 +17,27 @@ def _wy(x):
     return (Aqk,) + wy_chunk(x["q"], x["k"], x["v"], x["beta"], x["G"], Akk)
 
 
-def test_state_forward_dense():
+# unroll=0: the chunk loop; 8: the unrolled form (at most 8 chunks, a forward tile).
+@pytest.mark.parametrize("unroll", [0, 8])
+def test_state_forward_dense(unroll):
     x = chunked(4, strong=True)
     _, w, u, qg, kg = _wy(x)
-    out = ReferenceState()(w, u, kg, x["G"], x["h0"], x["layout"])
+    out = ReferenceState(unroll=unroll)(w, u, kg, x["G"], x["h0"], x["layout"])
     h, v_new, hT = state_scan(w, u, kg, x["G"], x["h0"])
     assert_close(out.h, h, 1e-13, "h")
     assert_close(out.v_new, v_new, 1e-13, "v_new")
     assert_close(out.final, hT, 1e-13, "final")
 
 
-def test_state_forward_sequences_in_one_row():
+@pytest.mark.parametrize("unroll", [0, 8])
+def test_state_forward_sequences_in_one_row(unroll):
     """Row of 4 chunks holding sequence 1 (chunks 0-1) and sequence 0 (chunks 2-3)."""
     x = chunked(5, R=1, NC=4)
     _, w, u, qg, kg = _wy(x)
     h0 = rand_like(jnp.zeros((2,) + x["h0"].shape[1:]), 9)
     first = jnp.array([[1, -1, 0, -1]], jnp.int32)
     last = jnp.array([[-1, 1, -1, 0]], jnp.int32)
-    out = ReferenceState()(w, u, kg, x["G"], h0, layout_of(first, last, [False, False]))
+    out = ReferenceState(unroll=unroll)(w, u, kg, x["G"], h0, layout_of(first, last, [False, False]))
     for seq, sl in ((1, slice(0, 2)), (0, slice(2, 4))):
         h, v_new, hT = state_scan(w[:, :, sl], u[:, :, sl], kg[:, :, sl], x["G"][:, :, sl], h0[seq : seq + 1])
         assert_close(out.h[:, :, sl], h, 1e-13, "h")
