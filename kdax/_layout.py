@@ -19,7 +19,10 @@ class ChunkLayout(eqx.Module):
 
     ``first[r, c]`` / ``last[r, c]``: the sequence that starts / ends in chunk c of row r,
     or -1. ``valid [R, NC, C]``: real tokens. ``empty [N]``: sequences of length 0.
-    ``pos [T]`` (varlen only): each token's flat position in the single packed row.
+    ``pos [T]`` (varlen only): each token's flat position in the single packed row (None:
+    token t of row r sits at position t). ``dense``: a promise that row r holds sequence r
+    alone, from chunk 0 to the row's last chunk, so that stages may ignore ``first`` and
+    ``last`` (the Pallas state kernels, the forward's tiles); False for any other layout.
     """
 
     first: Int[Array, "R NC"]
@@ -29,6 +32,7 @@ class ChunkLayout(eqx.Module):
     pos: Optional[Int[Array, " T"]]
     T: int = eqx.field(static=True)
     chunk_size: int = eqx.field(static=True)
+    dense: bool = eqx.field(static=True, default=False)
 
     @property
     def num_chunks(self) -> int:
@@ -45,7 +49,7 @@ def make_layout(B: int, T: int, chunk_size: int, cu_seqlens=None) -> ChunkLayout
         last = jnp.where(c[None] == nc - 1, rows, -1).astype(jnp.int32)
         valid = jnp.broadcast_to((jnp.arange(nc * C) < T).reshape(1, nc, C), (B, nc, C))
         empty = jnp.full((B,), T == 0)
-        return ChunkLayout(first, last, valid, empty, None, T, C)
+        return ChunkLayout(first, last, valid, empty, None, T, C, dense=True)
     cu = jnp.asarray(cu_seqlens, jnp.int32)
     N = cu.shape[0] - 1
     nc = (T + N * (C - 1)) // C

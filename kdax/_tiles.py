@@ -29,7 +29,7 @@ class Tiles:
     def __init__(self, layout: ChunkLayout, N: int, nt: int):
         self.layout, self.N, self.nt = layout, N, nt
         self.R, self.NC, self.C = layout.valid.shape
-        self.dense = layout.pos is None
+        self.dense = layout.dense
         self.full = layout.T // (nt * self.C) if self.dense else self.NC // nt
         self.tail = self.NC - self.full * nt  # chunks of the last, shorter tile (0: none)
 

@@ -23,10 +23,11 @@ from ._common import (
 
 
 def _check_dense(stage: str, layout: ChunkLayout, NC: int):
-    if layout.pos is not None:
+    if not layout.dense:
         raise NotImplementedError(
-            f"{stage}: packed varlen input (cu_seqlens) needs per-chunk sequence resets, which "
-            "this kernel does not implement; use the reference stage."
+            f"{stage}: a layout other than one sequence per row (packed varlen input, "
+            "cu_seqlens) needs per-chunk sequence resets, which this kernel does not "
+            "implement; use the reference stage."
         )
     if NC == 0:
         raise NotImplementedError(f"{stage}: T == 0 leaves no chunk to run a kernel on.")

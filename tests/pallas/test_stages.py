@@ -10,7 +10,7 @@ import pytest
 from kdax import KDAConfig
 from kdax import pallas as P
 from kdax import stages as S
-from kdax._layout import make_layout
+from kdax._layout import ChunkLayout, make_layout
 from kdax.stages import ChunkGrads
 
 from .._util import ON_DEVICE, assert_close
@@ -161,6 +161,27 @@ def test_state_kernels_varlen(interpret, V, block_v):
         P.PallasDhu(target="tpu")(*bargs)
     with pytest.raises(ValueError, match="target"):
         P.PallasIntra(target="cuda")
+
+
+def test_tpu_state_kernels_need_a_dense_layout():
+    """Two sequences in one row with tokens at their plain positions (``pos`` None, not
+    ``dense``): the TPU state kernels, which run each row as one sequence, refuse instead
+    of ignoring the boundaries; the same kernels accept the one-sequence-per-row layout."""
+    x = chunked(5, R=1, NC=4)
+    Aqk, Akk = intra_chunk(x["q"], x["k"], x["beta"], x["G"], x["scale"])
+    w, u, qg, kg = wy_chunk(x["q"], x["k"], x["v"], x["beta"], x["G"], Akk)
+    first, last = jnp.array([[1, -1, 0, -1]], jnp.int32), jnp.array([[-1, 1, -1, 0]], jnp.int32)
+    C = x["G"].shape[-2]
+    two = ChunkLayout(first, last, jnp.ones((1, 4, C), bool), jnp.zeros((2,), bool), None, 4 * C, C)
+    h0 = rand_like(jnp.zeros((2,) + x["h0"].shape[1:]), 9)
+    kernel = P.PallasState(target="tpu", interpret=True)
+    with pytest.raises(NotImplementedError, match="one sequence per row"):
+        kernel(w, u, kg, x["G"], h0, two)
+    dv, dht = rand_like(x["v"], 3), rand_like(h0, 4)
+    with pytest.raises(NotImplementedError, match="one sequence per row"):
+        P.PallasDhu(target="tpu", interpret=True)(x["scale"], qg, kg, w, x["G"], x["v"], dv, dht, two)
+    args = (w, u, kg, x["G"], x["h0"], x["layout"])
+    _close(kernel(*args), S.ReferenceState()(*args), 1e-12, "state")
 
 
 @pytest.mark.parametrize("target,interpret", MODES[1:])

@@ -21,7 +21,7 @@ def chunked(seed=0, R=2, HV=2, NC=3, C=16, K=8, V=4, strong=False):
         last=jnp.asarray(np.where(np.arange(NC)[None] == NC - 1, np.arange(R)[:, None], -1), jnp.int32),
         empty=jnp.zeros((R,), bool), scale=0.37,
     )
-    x["layout"] = ChunkLayout(x["first"], x["last"], jnp.ones((R, NC, C), bool), x["empty"], None, NC * C, C)
+    x["layout"] = ChunkLayout(x["first"], x["last"], jnp.ones((R, NC, C), bool), x["empty"], None, NC * C, C, dense=True)
     return x
 
 
