@@ -157,15 +157,30 @@ def make_inputs(s: Shape, seed: int = 0, dtype=jnp.float32):
     return tuple(jnp.asarray(x[n], dtype) for n in ("q", "k", "v", "g", "beta"))
 
 
-def _train_step(fn):
-    """A training step: the loss ``sum(o)`` and every input gradient. Returning the loss
-    keeps the whole forward in the program (``jax.grad`` alone would let XLA drop the
-    parts of a custom VJP's forward that only produce ``o``)."""
+def cotangent(s: Shape, seed: int = 1, dtype=jnp.float32):
+    """The weights ``w`` of the benchmark loss ``sum(o * w)``, ``[B, T, HV, V]``."""
+    return jnp.asarray(np.random.default_rng(seed).normal(size=(s.B, s.T, s.HV, s.V)), dtype)
 
-    def loss(q, k, v, g, beta):
-        return jnp.sum(fn(q, k, v, g, beta)[0].astype(jnp.float32))
 
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+class _TrainStep:
+    """A training step: the loss ``sum(o * w)`` and every input gradient, called with the
+    five inputs. ``w`` (``cotangent``) is an argument of the compiled program, as a real
+    loss's cotangent is: with ``sum(o)`` XLA would see a constant ``do`` of ones, which it
+    can fold into each path differently. Returning the loss keeps the whole forward in the
+    program (``jax.grad`` alone would let XLA drop the parts of a custom VJP's forward that
+    only produce ``o``)."""
+
+    def __init__(self, fn, w):
+        def loss(q, k, v, g, beta, w):
+            return jnp.sum(fn(q, k, v, g, beta)[0].astype(w.dtype) * w)
+
+        self.step, self.w = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))), w
+
+    def __call__(self, *args):
+        return self.step(*args, self.w)
+
+    def lower(self, *args):
+        return self.step.lower(*args, self.w)
 
 
 def _autodiff_chunk(pipeline: KDAPipeline, chunk_size: int):
@@ -188,7 +203,7 @@ def pipelines():
 def bench_shape(s: Shape, reps: int, pipes: dict, baselines: bool, check: bool, progress=None) -> list:
     """Rows of results for one shape: each pipeline's forward and forward+backward, and
     the baselines."""
-    args = make_inputs(s)
+    args, w = make_inputs(s), cotangent(s)
     ff = flops_per_token_head(s.chunk_size, s.K, s.V)
     tokens = s.B * s.T * s.HV
     rows = []
@@ -203,10 +218,10 @@ def bench_shape(s: Shape, reps: int, pipes: dict, baselines: bool, check: bool, 
     if check:
         a64 = tuple(a.astype(jnp.float64) for a in args)
         ref_o = jax.jit(lambda *a: naive_recurrent_kda(*a)[0])(*a64)
-        ref_g = _train_step(naive_recurrent_kda)(*a64)
+        ref_g = _TrainStep(naive_recurrent_kda, w.astype(jnp.float64))(*a64)
     for pname, pipe in pipes.items():
         fwd = jax.jit(lambda *a, pipe=pipe: chunk_kda(*a, chunk_size=s.chunk_size, pipeline=pipe)[0])
-        grad = _train_step(lambda *a, pipe=pipe: chunk_kda(*a, chunk_size=s.chunk_size, pipeline=pipe))
+        grad = _TrainStep(lambda *a, pipe=pipe: chunk_kda(*a, chunk_size=s.chunk_size, pipeline=pipe), w)
         try:
             e_o = e_g = None
             jax.block_until_ready((fwd(*args), grad(*args)))  # compile (and run) before anything is timed
@@ -222,10 +237,10 @@ def bench_shape(s: Shape, reps: int, pipes: dict, baselines: bool, check: bool, 
     if baselines:
         add("scan", "fwd", jax.jit(lambda *a: naive_recurrent_kda(*a)[0]))
         if s.T <= 4096:  # autodiff of the scan keeps every step's state: 6 GB at T=4096
-            add("scan", "fwd+bwd", _train_step(naive_recurrent_kda), alone=True)
+            add("scan", "fwd+bwd", _TrainStep(naive_recurrent_kda, w), alone=True)
         # The stages whole, as chunk_kda's own training step runs its forward.
         whole = KDAPipeline.reference().untiled()
-        add("autodiff_chunk", "fwd+bwd", _train_step(_autodiff_chunk(whole, s.chunk_size)), alone=True)
+        add("autodiff_chunk", "fwd+bwd", _TrainStep(_autodiff_chunk(whole, s.chunk_size), w), alone=True)
         add("fused_recurrent", "fwd", jax.jit(lambda *a: fused_recurrent_kda(*a)[0]))
 
     # The light paths in rounds (every path once per round), so that the machine's drift
@@ -395,7 +410,7 @@ def main(argv=None) -> int:
     mm = meta["matmul_gflops"] = max(mm, matmul_gflops())
     print(f"large float32 matmul, best of before and after: {mm:.1f} GFLOP/s")
     print(f"B={shape.B} H={shape.H} HV={shape.HV} K={shape.K} V={shape.V} chunk={shape.chunk_size} float32; "
-          "max err: against the float64 recurrence (outputs; all input gradients of sum(o))")
+          "max err: against the float64 recurrence (outputs; all input gradients of sum(o * w), w random)")
     print(format_table(rows, mm))
     if a.out:
         write_results(rows, meta, a.out)
