@@ -26,10 +26,12 @@ def test_bench_shape_rows_and_results(tmp_path):
     }
     for r in rows:
         assert r["time_s"] > 0
+        assert r["peak_bytes"] > 0  # XLA:CPU reports it; the training steps are lowered with their cotangent
     ours = {r["kind"]: r for r in rows if r["name"] == "chunk_kda[reference]"}
     # checked against the float64 recurrence in float32
     assert ours["fwd"]["max_err"] < 1e-4 and ours["fwd+bwd"]["max_err"] < 1e-3
     assert "vs_scan" in ours["fwd"] and "vs_autodiff_chunk" in ours["fwd+bwd"]
+    assert "mem_vs_autodiff_chunk" in ours["fwd+bwd"]
     assert ours["fwd+bwd"]["gflops"] > 0
     table = bench.format_table(rows, 100.0)
     assert "chunk_kda[reference]" in table and "fused_recurrent" in table
@@ -81,3 +83,16 @@ def test_time_rounds_interleaves():
     ts = bench.time_rounds(fs, (jnp.zeros(2),), 2)
     assert len(ts) == 3 and all(t >= 0 for t in ts)
     assert calls == [0, 1, 2] * 3
+
+
+def test_train_step_loss_weights_are_an_argument():
+    """The training step's loss is ``sum(o * w)`` with ``w`` an argument of the compiled
+    program (a constant cotangent could be folded by XLA): its gradients are those of that
+    loss, and the lowered program takes six arrays."""
+    shape = bench.Shape(B=1, T=20, H=1, HV=1, K=4, V=4, chunk_size=16)
+    args, w = bench.make_inputs(shape, dtype=jnp.float64), bench.cotangent(shape, dtype=jnp.float64)
+    step = bench._TrainStep(lambda *a: (a[2] * a[4][..., None], None), w)  # o = v * beta
+    loss, grads = step(*args)
+    assert jnp.allclose(loss, jnp.sum(args[2] * args[4][..., None] * w))
+    assert jnp.allclose(grads[2], args[4][..., None] * w)
+    assert len(step.lower(*args).args_info[0]) == 6
