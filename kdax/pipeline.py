@@ -362,14 +362,17 @@ def _pack_inputs(layout: ChunkLayout, raw, HV: int, dt):
 @typecheck
 def stage_inputs(pipeline: KDAPipeline, q: QK, k: QK, v: Values, g: Gate, beta: Beta, **options) -> dict:
     """The arguments each of ``pipeline``'s stages receives in one forward and backward of
-    ``chunk_kda(q, k, v, g, beta, **options)`` (loss ``sum(o)``), run eagerly: a dict from
-    stage name (``"gate"``, ..., ``"gate_bwd"``) to its argument tuple, for running or
-    timing one stage alone (``kdax.bench --stages``)."""
+    ``chunk_kda(q, k, v, g, beta, **options)`` (loss ``sum(o * w)``, ``w`` fixed random),
+    run eagerly: a dict from stage name (``"gate"``, ..., ``"gate_bwd"``) to its argument
+    tuple, for running or timing one stage alone (``kdax.bench --stages``)."""
     global _STAGE_TAP
     pipeline = pipeline.untiled()  # whole-input arguments, not a tile's
+    # Loss sum(o * w), w fixed random weights: the backward stages get a cotangent like a
+    # real loss's rather than a constant.
+    w = jax.random.normal(jax.random.key(1), v.shape, jnp.float32)
     _STAGE_TAP = taps = {}
     try:
-        loss = lambda *a: jnp.sum(chunk_kda(*a, pipeline=pipeline, **options)[0])
+        loss = lambda *a: jnp.sum(chunk_kda(*a, pipeline=pipeline, **options)[0].astype(jnp.float32) * w)
         jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, g, beta)
     finally:
         _STAGE_TAP = None
