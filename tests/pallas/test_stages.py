@@ -10,11 +10,11 @@ import pytest
 from kdax import KDAConfig
 from kdax import pallas as P
 from kdax import stages as S
-from kdax._layout import ChunkLayout, make_layout
+from kdax._layout import make_layout
 from kdax.stages import ChunkGrads
 
 from .._util import ON_DEVICE, assert_close
-from ..stages._chunked import chunked, intra_chunk, rand_like, state_scan, wy_chunk
+from ..stages._chunked import chunked, intra_chunk, layout_of, rand_like, state_scan, wy_chunk
 
 # (target, interpret): both layouts interpreted on any machine; the present accelerator's
 # target compiled for real where there is one (skipped elsewhere).
@@ -171,8 +171,7 @@ def test_tpu_state_kernels_need_a_dense_layout():
     Aqk, Akk = intra_chunk(x["q"], x["k"], x["beta"], x["G"], x["scale"])
     w, u, qg, kg = wy_chunk(x["q"], x["k"], x["v"], x["beta"], x["G"], Akk)
     first, last = jnp.array([[1, -1, 0, -1]], jnp.int32), jnp.array([[-1, 1, -1, 0]], jnp.int32)
-    C = x["G"].shape[-2]
-    two = ChunkLayout(first, last, jnp.ones((1, 4, C), bool), jnp.zeros((2,), bool), None, 4 * C, C)
+    two = layout_of(first, last, [False, False])
     h0 = rand_like(jnp.zeros((2,) + x["h0"].shape[1:]), 9)
     kernel = P.PallasState(target="tpu", interpret=True)
     with pytest.raises(NotImplementedError, match="one sequence per row"):
