@@ -9,7 +9,7 @@ import numpy as np
 
 from kdax.ref import beta_activation, kda_gate, l2norm, naive_recurrent_kda
 
-GOLDEN_DIR = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "golden"
+GOLDEN_DIR = pathlib.Path(__file__).resolve().parent / "golden"
 GOLDEN_CASES = sorted(p.stem for p in GOLDEN_DIR.glob("*.npz"))
 GRAD_NAMES = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
 # An accelerator the Pallas kernels compile for (their "device" test cases run only there).
