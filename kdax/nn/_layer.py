@@ -19,10 +19,6 @@ from ._norm import gated_rms_norm
 RECURRENT_MAX_T = 64
 
 
-def _uniform(key, shape, bound, dtype):
-    return jax.random.uniform(key, shape, dtype, -bound, bound)
-
-
 class KimiDeltaAttention(eqx.Module):
     """Kimi Delta Attention layer (Kimi Linear, FLA's ``KimiDeltaAttention``).
 
@@ -75,7 +71,7 @@ class KimiDeltaAttention(eqx.Module):
         num_heads: int,
         head_dim: int,
         *,
-        key: PRNGKeyArray,
+        key: Optional[PRNGKeyArray],
         num_v_heads: Optional[int] = None,
         expand_v: float = 1.0,
         conv_size: int = 4,
@@ -89,7 +85,8 @@ class KimiDeltaAttention(eqx.Module):
     ):
         """Random initialisation as FLA's layer: linear and convolution weights uniform in
         ``±1/sqrt(fan_in)`` (PyTorch's default), ``A_log = log U(1, 16)``, ``dt_bias`` the
-        inverse softplus of a log-uniform step in [1e-3, 0.1], ``o_norm`` ones."""
+        inverse softplus of a log-uniform step in [1e-3, 0.1], ``o_norm`` ones.
+        ``key=None``: every weight zero (a skeleton to load weights into)."""
         H, K = num_heads, head_dim
         HV = num_heads if num_v_heads is None else num_v_heads
         V = int(round(head_dim * expand_v))
@@ -101,22 +98,32 @@ class KimiDeltaAttention(eqx.Module):
         if conv_size < 2:
             raise ValueError(f"conv_size must be >= 2, got {conv_size}.")
         D = hidden_size
-        keys = iter(jax.random.split(key, 16))
-        lin = lambda o, i: _uniform(next(keys), (o, i), 1 / math.sqrt(i), param_dtype)
+        keys = iter(jax.random.split(key, 16)) if key is not None else None
+
+        def _uniform(shape, bound, lo=None, hi=None):
+            if keys is None:
+                return jnp.zeros(shape, param_dtype)
+            lo, hi = (-bound, bound) if lo is None else (lo, hi)
+            return jax.random.uniform(next(keys), shape, param_dtype, lo, hi)
+
+        lin = lambda o, i: _uniform((o, i), 1 / math.sqrt(i))
         self.q_proj, self.k_proj, self.v_proj = lin(H * K, D), lin(H * K, D), lin(HV * V, D)
         if use_short_conv:
-            conv = lambda c: _uniform(next(keys), (c, conv_size), 1 / math.sqrt(conv_size), param_dtype)
+            conv = lambda c: _uniform((c, conv_size), 1 / math.sqrt(conv_size))
             self.q_conv, self.k_conv, self.v_conv = conv(H * K), conv(H * K), conv(HV * V)
         else:
             self.q_conv = self.k_conv = self.v_conv = None
         self.f_a, self.f_b = lin(V, D), lin(HV * K, V)
         self.b_proj = lin(HV, D)
-        self.A_log = jnp.log(jax.random.uniform(next(keys), (HV,), param_dtype, 1.0, 16.0))
-        step = jnp.exp(jax.random.uniform(next(keys), (HV * K,), param_dtype, math.log(1e-3), math.log(0.1)))
-        step = jnp.maximum(step, 1e-4)
-        self.dt_bias = step + jnp.log(-jnp.expm1(-step))
+        if keys is None:
+            self.A_log, self.dt_bias = jnp.zeros((HV,), param_dtype), jnp.zeros((HV * K,), param_dtype)
+        else:
+            self.A_log = jnp.log(_uniform((HV,), None, 1.0, 16.0))
+            step = jnp.exp(_uniform((HV * K,), None, math.log(1e-3), math.log(0.1)))
+            step = jnp.maximum(step, 1e-4)
+            self.dt_bias = step + jnp.log(-jnp.expm1(-step))  # inverse softplus
         self.g_a, self.g_b = lin(V, D), lin(HV * V, V)
-        self.g_b_bias = _uniform(next(keys), (HV * V,), 1 / math.sqrt(V), param_dtype) if gate_bias else None
+        self.g_b_bias = _uniform((HV * V,), 1 / math.sqrt(V)) if gate_bias else None
         self.o_norm = jnp.ones((V,), param_dtype)
         self.o_proj = lin(D, HV * V)
         self.hidden_size, self.num_heads, self.num_v_heads = D, H, HV

@@ -4,7 +4,6 @@ import os
 from typing import Optional
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -122,7 +121,7 @@ def layer_from_state_dict(cls, state_dict, *, naming, num_heads, head_dim, prefi
             parts.append("mis-shaped keys: " + "; ".join(misshaped))
         raise ValueError(f"from_state_dict(naming={naming!r}, num_heads={num_heads}, head_dim={head_dim}, "
                          f"hidden_size={D}, num_v_heads={HV}, head_v_dim={V}, conv_size={W}): " + ". ".join(parts) + ".")
-    layer = cls(D, num_heads, head_dim, key=jax.random.key(0), num_v_heads=HV, expand_v=V / head_dim,
+    layer = cls(D, num_heads, head_dim, key=None, num_v_heads=HV, expand_v=V / head_dim,
                 conv_size=W, use_short_conv=conv, gate_bias=bias, param_dtype=param_dtype, **options)
     fields = [f for _, (f, _, _, _) in e.items()]
     values = [jnp.asarray(from_ext(np.asarray(sd[n])), param_dtype) for n, (_, _, _, from_ext) in e.items()]
