@@ -235,7 +235,13 @@ class KimiDeltaAttention(eqx.Module):
         if mode is None:
             mode = "recurrent" if (cache is not None and T <= RECURRENT_MAX_T and not return_intermediate_states) else "chunk"
 
-        rows = cache if state_indices is None else cache.take(jnp.asarray(state_indices, jnp.int32))
+        if state_indices is not None:
+            P = cache.state.shape[0]
+            state_indices = jnp.asarray(state_indices, jnp.int32)
+            # Out-of-range slots would be clamped on read and dropped on write: refuse them.
+            state_indices = eqx.error_if(state_indices, jnp.any((state_indices < 0) | (state_indices >= P)),
+                                         f"state_indices: every slot must lie in [0, {P}) (the pool's rows).")
+        rows = cache if state_indices is None else cache.take(state_indices)
         dt = self._compute_dtype(x)
         xin = jnp.asarray(x).astype(dt)
         cu = None if cu_seqlens is None else jnp.asarray(cu_seqlens, jnp.int32)
@@ -264,7 +270,7 @@ class KimiDeltaAttention(eqx.Module):
             new_rows = KDACache(*(None if a is None else a[:B] for a in new_rows._fields()))
         else:
             y = ys
-        new_cache = new_rows if state_indices is None else cache.put(jnp.asarray(state_indices, jnp.int32), new_rows)
+        new_cache = new_rows if state_indices is None else cache.put(state_indices, new_rows)
         if return_intermediate_states:
             return y, new_cache, inter
         return y, new_cache

@@ -277,6 +277,8 @@ def test_bad_input_names_the_argument():
         layer(x, cache=layer.init_cache(3))
     with pytest.raises(ValueError, match="state_indices"):
         layer(x, cache=layer.init_cache(3), state_indices=jnp.asarray([0, 1, 2]))
+    with pytest.raises(Exception, match="state_indices: every slot"):
+        layer(x[:, :1], cache=layer.init_cache(3), state_indices=jnp.asarray([0, 3]), mode="recurrent")
     with pytest.raises(ValueError, match="return_intermediate_states"):
         layer(x, attention_mask=jnp.ones((2, 5)), return_intermediate_states=True)
     with pytest.raises(ValueError, match="mode"):
