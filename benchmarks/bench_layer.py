@@ -129,14 +129,17 @@ def main(argv=None, **shape):
     p = argparse.ArgumentParser(description="kdax.nn layer benchmark rows")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", default=None, help="write the table here (e.g. benchmarks/results/layer.txt)")
-    p.add_argument("--rows", default="train,decode", help="comma-separated: train, decode")
+    p.add_argument("--rows", default="train,decode,decode_chunk", help="comma-separated: train, decode (recurrent "
+                   "path), decode_chunk (the decode step forced through chunk_kda)")
     a = p.parse_args(argv)
     which = set(a.rows.split(","))
     train_kw = {k: v for k, v in shape.items() if k in ("B", "T", "hidden", "heads", "head_dim", "chunk_size")}
     dec_kw = {k: v for k, v in shape.items() if k in ("batch", "hidden", "heads", "head_dim")}
     rows = [train_row(reps=a.reps, **train_kw)] if "train" in which else []
     if "decode" in which:
-        rows += [decode_row(reps=4 * a.reps, **dec_kw), decode_row(reps=4 * a.reps, mode="chunk", **dec_kw)]
+        rows.append(decode_row(reps=4 * a.reps, **dec_kw))
+    if "decode_chunk" in which:
+        rows.append(decode_row(reps=4 * a.reps, mode="chunk", **dec_kw))
     compile_s = f"{rows[0]['compile_s']:.1f} s" if "train" in which else "-"
     dev = jax.devices()[0]
     head = (f"kdax.nn.KimiDeltaAttention, float32, {platform.machine()} {os.cpu_count()} cores, "
