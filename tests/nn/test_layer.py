@@ -1,0 +1,287 @@
+"""KimiDeltaAttention against an independent float64 numpy transcription of Kimi Linear's
+layer (``_oracle.py``); cache, padding, packing, pools, prefix states and gradients.
+
+Calls go through one jitted runner with few distinct shapes so compilations are shared
+between tests (the default run stays short)."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jaxtyping import TypeCheckError
+
+from kdax.nn import KDACache, KimiDeltaAttention
+
+from .._util import assert_close
+from ._oracle import jnp_layer, numpy_layer, random_state_dict
+
+EPS = 1e-5
+D, H, K, HV = 24, 2, 8, 4
+FIELDS = ("conv_q", "conv_k", "conv_v", "state")
+
+
+@eqx.filter_jit
+def run(layer, x, **kw):
+    return layer(x, **kw)
+
+
+def make_layer(seed=0, H=H, HV=HV, naming="fla", **options):
+    """The standard test layer: FLA names, GVA (HV = 2H), allow_neg_eigval."""
+    options = {"allow_neg_eigval": True, **options} if naming == "fla" and "lower_bound" not in options else options
+    sd = random_state_dict(naming, num_heads=H, head_dim=K, hidden_size=D, num_v_heads=HV, seed=seed)
+    layer = KimiDeltaAttention.from_state_dict(sd, naming=naming, num_heads=H, head_dim=K, norm_eps=EPS,
+                                               param_dtype=jnp.float64, **options)
+    return layer, sd, options
+
+
+def rand(seed, *shape):
+    return jnp.asarray(np.random.default_rng(100 + seed).normal(size=shape))
+
+
+def rand_cache(layer, N, seed):
+    r = np.random.default_rng(seed)
+    return jax.tree.map(lambda a: jnp.asarray(r.normal(size=a.shape) * 0.5), layer.init_cache(N))
+
+
+def oracle(sd, options, x, cache=None, naming="fla", H=H):
+    """numpy reference; ``cache`` a KDACache (or None)."""
+    c = None if cache is None else {f: np.asarray(getattr(cache, f)) for f in FIELDS}
+    return numpy_layer(sd, np.asarray(x), naming=naming, num_heads=H, head_dim=K, norm_eps=EPS, cache=c, **options)
+
+
+def check_cache(cache, ref, tol, name):
+    for f in FIELDS:
+        assert_close(getattr(cache, f), ref[f], tol, f"{name} {f}")
+
+
+# -- Must show: equals an independent numpy transcription of Kimi Linear's layer ---------
+
+@pytest.mark.parametrize("mode", ["chunk", "recurrent"])
+@pytest.mark.parametrize("naming,h,hv", [("moonshot", 2, 2), ("fla", 2, 4)])  # fla: GVA, allow_neg_eigval
+def test_matches_numpy_kimi_linear(naming, h, hv, mode):
+    layer, sd, options = make_layer(1, H=h, HV=hv, naming=naming)
+    x = rand(1, 2, 37, D)  # 37 tokens: not a multiple of the chunk (16)
+    y, cache = run(layer, x, mode=mode, chunk_size=16)
+    ref, ref_cache = oracle(sd, options, x, naming=naming, H=h)
+    assert_close(y, ref, 1e-10, f"{naming} {mode}")
+    check_cache(cache, ref_cache, 1e-10, mode)
+
+
+@pytest.mark.parametrize("mode", ["recurrent", pytest.param("chunk", marks=pytest.mark.slow)])
+def test_lower_bound_gate_matches_numpy(mode):
+    layer, sd, options = make_layer(2, H=1, HV=2, lower_bound=-5.0)
+    x = rand(2, 2, 37, D)
+    y, _ = run(layer, x, mode=mode, chunk_size=16)
+    assert_close(y, oracle(sd, options, x, H=1)[0], 1e-10, mode)
+
+
+# -- cache: prefill then steps == one call -------------------------------------------------
+
+def test_prefill_then_steps_equals_one_call():
+    layer, _, _ = make_layer(3)
+    x = rand(3, 2, 37, D)
+    y_full, c_full = run(layer, x, mode="chunk", chunk_size=16)
+    y, cache = run(layer, x[:, :21], chunk_size=16)  # prefill (chunked)
+    ys = [y]
+    for t in range(21, 29):  # single tokens: the recurrent path by default
+        yt, cache = run(layer, x[:, t:t + 1], cache=cache)
+        ys.append(yt)
+    yt, cache = run(layer, x[:, 29:], cache=cache, mode="chunk", chunk_size=16)  # 8 tokens chunked from the cache
+    ys.append(yt)
+    assert_close(jnp.concatenate(ys, 1), y_full, 1e-10, "y")
+    for f in FIELDS:
+        assert_close(getattr(cache, f), getattr(c_full, f), 1e-10, f)
+
+
+def test_left_padded_prefill_then_steps_equals_each_alone():
+    layer, sd, options = make_layer(4)
+    lens, T, M = (9, 14), 14, 3
+    seqs = [rand(10 + i, 1, n + M, D) for i, n in enumerate(lens)]
+    x = np.full((2, T, D), 7.0)  # junk in the padding
+    mask = np.zeros((2, T), np.int32)
+    for i, n in enumerate(lens):
+        x[i, T - n:], mask[i, T - n:] = seqs[i][0, :n], 1
+    y, cache = run(layer, jnp.asarray(x), attention_mask=jnp.asarray(mask), chunk_size=16)
+    steps = []
+    for t in range(M):
+        yt, cache = run(layer, jnp.concatenate([s[:, n + t:n + t + 1] for s, n in zip(seqs, lens)]), cache=cache)
+        steps.append(yt)
+    steps = jnp.concatenate(steps, 1)
+    for i, n in enumerate(lens):
+        alone, alone_cache = oracle(sd, options, seqs[i])
+        assert_close(y[i, T - n:], alone[0, :n], 1e-10, f"prefill row {i}")
+        assert_close(steps[i], alone[0, n:], 1e-10, f"steps row {i}")
+        assert np.all(np.asarray(y[i, :T - n]) == 0.0), "padding rows of y must be exactly zero"
+        check_cache(jax.tree.map(lambda a: a[i:i + 1], cache), alone_cache, 1e-10, f"row {i}")
+
+
+def test_pooled_step_leaves_other_slots_bit_identical():
+    layer, sd, options = make_layer(5)
+    P, idx = 6, jnp.asarray([4, 1], jnp.int32)
+    pool = rand_cache(layer, P, 5)
+    before = jax.tree.map(np.array, pool)
+    x = rand(5, 2, 1, D)
+    ref, ref_cache = oracle(sd, options, x, cache=jax.tree.map(lambda a: a[np.asarray(idx)], before))
+    # Donates the pool (and x, idx): the step updates the pool's buffers in place.
+    step = eqx.filter_jit(lambda l, x, c, i: l(x, cache=c, state_indices=i), donate="all-except-first")
+    y, pool = step(layer, x, pool, idx)
+    assert_close(y, ref, 1e-10, "y")
+    touched = np.array([4, 1])
+    untouched = np.setdiff1d(np.arange(P), touched)
+    for f in FIELDS:
+        new, old = np.asarray(getattr(pool, f)), getattr(before, f)
+        assert np.array_equal(new[untouched], old[untouched]), f"{f}: untouched slots changed"
+        assert_close(new[touched], ref_cache[f], 1e-10, f)
+
+
+# -- padding and packing -----------------------------------------------------------------
+
+def test_padded_batch_equals_each_alone_without_recompiling():
+    layer, sd, options = make_layer(6)
+    B, T = 2, 14
+    x = rand(6, B, T, D)
+    f = lambda l, x, m: run(l, x, attention_mask=m, chunk_size=16)
+    f(layer, x, jnp.ones((B, T), bool))
+    compiled = run._cached._cache_size()
+    for side in ("left", "right"):
+        for lens in ((14, 5), (1, 0)):
+            mask = np.zeros((B, T), bool)
+            for i, n in enumerate(lens):
+                mask[i] = (np.arange(T) >= T - n) if side == "left" else (np.arange(T) < n)
+            y, cache = f(layer, x, jnp.asarray(mask))
+            for i, n in enumerate(lens):
+                sel = mask[i]
+                assert np.all(np.asarray(y[i][~sel]) == 0.0), "padding rows of y must be exactly zero"
+                if n:
+                    ref, ref_cache = oracle(sd, options, x[i:i + 1][:, sel])
+                    assert_close(y[i][sel], ref[0], 1e-10, f"{side} {lens} row {i}")
+                    check_cache(jax.tree.map(lambda a: a[i:i + 1], cache), ref_cache, 1e-10, f"{side} row {i}")
+                else:  # an empty row keeps its (zero) initial cache
+                    assert all(np.all(np.asarray(getattr(cache, f_)[i]) == 0.0) for f_ in FIELDS)
+    assert run._cached._cache_size() == compiled, "a new mask must not recompile"
+
+
+def test_packed_input_never_mixes_sequences():
+    layer, sd, options = make_layer(7)
+    cu = jnp.asarray([0, 7, 7, 20, 29], jnp.int32)  # an empty sequence included
+    spans = [(0, 7), (7, 7), (7, 20), (20, 29)]
+    x = rand(7, 1, 29, D)
+    x2 = x.at[:, 7:20].set(rand(8, 1, 13, D))
+    c0 = rand_cache(layer, 4, 1)
+    y, cache = run(layer, x, cu_seqlens=cu, cache=c0, mode="chunk", chunk_size=16)
+    y2, cache2 = run(layer, x2, cu_seqlens=cu, cache=c0, mode="chunk", chunk_size=16)
+    for a, b in ((0, 7), (20, 29)):  # bitwise: the other sequences do not see the change
+        assert np.array_equal(np.asarray(y[:, a:b]), np.asarray(y2[:, a:b])), f"tokens {a}:{b} changed"
+    for i in (0, 1, 3):
+        for f in FIELDS:
+            assert np.array_equal(np.asarray(getattr(cache, f)[i]), np.asarray(getattr(cache2, f)[i])), f
+    # each sequence continues from its own cache row (conv history and state)
+    for mode in ("chunk", "recurrent"):
+        yp, cp = run(layer, x, cu_seqlens=cu, cache=c0, mode=mode, chunk_size=16)
+        for i, (a, b) in enumerate(spans):
+            row = jax.tree.map(lambda t: t[i:i + 1], c0)
+            with np.errstate(invalid="ignore"):  # the empty sequence: the oracle's norm of nothing
+                ref, ref_cache = oracle(sd, options, x[:, a:b], cache=row)
+            if b > a:
+                assert_close(yp[:, a:b], ref, 1e-10, f"{mode} sequence {a}:{b}")
+            check_cache(jax.tree.map(lambda t: t[i:i + 1], cp), ref_cache, 1e-10, f"{mode} seq {i}")
+
+
+# -- prefix caching ----------------------------------------------------------------------
+
+def test_intermediate_states_resume_any_chunk_prefix():
+    layer, sd, options = make_layer(8)
+    C, x = 16, rand(9, 2, 37, D)
+    c0 = rand_cache(layer, 2, 2)
+    y, final, inter = run(layer, x, cache=c0, return_intermediate_states=True, chunk_size=C)
+    ref, ref_final = oracle(sd, options, x, cache=c0)
+    assert_close(y, ref, 1e-10, "y")
+    check_cache(final, ref_final, 1e-10, "final")
+    assert inter.state.shape[:2] == (2, 3)
+    for c in range(3):
+        at = jax.tree.map(lambda a: a[:, c], inter)
+        want = {f: np.asarray(getattr(c0, f)) for f in FIELDS} if c == 0 else oracle(sd, options, x[:, :c * C], c0)[1]
+        check_cache(at, want, 1e-10, f"after {c} chunks")
+    at = jax.tree.map(lambda a: a[:, 2], inter)
+    y_rest, c_rest = run(layer, x[:, 2 * C:], cache=at, mode="recurrent")
+    assert_close(y_rest, ref[:, 2 * C:], 1e-10, "resumed")
+    check_cache(c_rest, ref_final, 1e-10, "resumed final")
+
+
+# -- gradients -----------------------------------------------------------------------------
+
+def test_grad_every_parameter_matches_jnp_oracle():
+    layer, _, _ = make_layer(9)
+    x = rand(11, 2, 21, D)
+    w = rand(12, 2, 21, D)
+    params, static = eqx.partition(layer, eqx.is_array)
+
+    @jax.jit
+    def grads(params, x):
+        loss = lambda p, x: jnp.sum(eqx.combine(p, static)(x, mode="chunk", chunk_size=16)[0] * w)
+        return jax.grad(loss, argnums=(0, 1))(params, x)
+
+    @jax.jit
+    def grads_ref(params, x):
+        def loss(p, x):
+            fields = {k: v for k, v in vars(p).items() if v is not None}
+            return jnp.sum(jnp_layer(fields, x, H=H, K=K, eps=EPS, allow_neg_eigval=True) * w)
+        return jax.grad(loss, argnums=(0, 1))(params, x)
+
+    (g, gx), (g_ref, gx_ref) = grads(params, x), grads_ref(params, x)
+    names = [k for k, v in vars(params).items() if eqx.is_array(v)]
+    assert len(names) == 16  # every parameter
+    for name in names:
+        assert_close(getattr(g, name), getattr(g_ref, name), 1e-8, name)
+    assert_close(gx, gx_ref, 1e-8, "x")
+
+
+@pytest.mark.slow
+def test_grad_through_mask_matches_rows_alone():
+    layer, _, _ = make_layer(10)
+    x = rand(13, 2, 12, D)
+    mask = jnp.asarray([[0, 0, 0] + [1] * 9, [1] * 12])
+    f = lambda l: jnp.sum(l(x, attention_mask=mask)[0] ** 2)
+    f_ref = lambda l: jnp.sum(l(x[:1, 3:])[0] ** 2) + jnp.sum(l(x[1:])[0] ** 2)
+    g, g_ref = eqx.filter_jit(eqx.filter_grad(f))(layer), eqx.filter_jit(eqx.filter_grad(f_ref))(layer)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
+        assert_close(a, b, 1e-10)
+
+
+# -- options and errors ------------------------------------------------------------------
+
+def test_no_short_conv_float32_and_bfloat16_compute():
+    layer = KimiDeltaAttention(16, 2, 8, key=jax.random.key(0), use_short_conv=False)
+    assert layer.q_conv is None and layer.q_proj.dtype == jnp.float32
+    x = jax.random.normal(jax.random.key(1), (2, 10, 16), jnp.float32)
+    y, cache = run(layer, x, mode="recurrent")
+    assert y.dtype == jnp.float32 and cache.conv_q is None and cache.state.dtype == jnp.float32
+    bf16 = KimiDeltaAttention(16, 2, 8, key=jax.random.key(0), use_short_conv=False, dtype=jnp.bfloat16)
+    yb, cb = run(bf16, x, mode="recurrent")
+    assert yb.dtype == jnp.bfloat16 and cb.state.dtype == jnp.float32
+    assert_close(yb, y, 5e-2)
+
+
+def test_bad_input_names_the_argument():
+    layer, _, _ = make_layer(0)
+    x = rand(0, 2, 5, D)
+    with pytest.raises(ValueError, match="hidden_size=24"):
+        layer(x[..., :20])
+    with pytest.raises((ValueError, TypeCheckError), match="attention_mask"):
+        layer(x, attention_mask=jnp.ones((2, 4)))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        layer(x, cu_seqlens=jnp.asarray([0, 5]))
+    with pytest.raises(ValueError, match="state: expected"):
+        layer(x, cache=layer.init_cache(3))
+    with pytest.raises(ValueError, match="state_indices"):
+        layer(x, cache=layer.init_cache(3), state_indices=jnp.asarray([0, 1, 2]))
+    with pytest.raises(Exception, match="state_indices: every slot"):
+        layer(x[:, :1], cache=layer.init_cache(3), state_indices=jnp.asarray([0, 3]), mode="recurrent")
+    with pytest.raises(ValueError, match="return_intermediate_states"):
+        layer(x, attention_mask=jnp.ones((2, 5)), return_intermediate_states=True)
+    with pytest.raises(ValueError, match="mode"):
+        layer(x, mode="fast")
+    with pytest.raises(ValueError, match="num_v_heads=3"):
+        KimiDeltaAttention(8, 2, 4, key=jax.random.key(0), num_v_heads=3)
+    assert isinstance(layer.init_cache(2), KDACache)
