@@ -1,7 +1,7 @@
 """Gate family: F1 (input activations + chunk-local cumsum) and B5 (their backward)."""
 
 import abc
-from typing import Optional
+from typing import ClassVar, Optional
 
 import equinox as eqx
 import jax
@@ -32,6 +32,10 @@ def activated_gate(config: KDAConfig, g, A_log, dt_bias, valid):
 class AbstractGate(eqx.Module):
     """F1: in-kernel activations (l2norm of q/k, gate, beta sigmoid) and ``G``."""
 
+    # Whether the stage may be called on a tile (a few chunks at a time, the state carried
+    # in h0): see docs/stages.md. A pipeline runs its forward whole if any stage is not.
+    tile_safe: ClassVar[bool] = False
+
     @abc.abstractmethod
     def __call__(
         self,
@@ -49,6 +53,8 @@ class AbstractGate(eqx.Module):
 
 class ReferenceGate(AbstractGate):
     """F1 in plain jnp; the chunk cumsum ``group`` chunks at a time (see ``over_chunks``)."""
+
+    tile_safe: ClassVar[bool] = True
 
     group: Optional[int] = eqx.field(static=True, default=16)
 

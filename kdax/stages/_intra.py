@@ -11,7 +11,7 @@ one exponential per entry of ``[C, K]`` (``log2 C`` in all) and no masked-out wo
 """
 
 import abc
-from typing import Optional
+from typing import ClassVar, Optional
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -160,6 +160,10 @@ def unit_lower_inverse(L):
 class AbstractIntra(eqx.Module):
     """F2: ``Aqk`` and ``Akk`` from the activated q, k, beta and G."""
 
+    # Whether the stage may be called on a tile (a few chunks at a time, the state carried
+    # in h0): see docs/stages.md. A pipeline runs its forward whole if any stage is not.
+    tile_safe: ClassVar[bool] = False
+
     @abc.abstractmethod
     def __call__(
         self,
@@ -175,6 +179,8 @@ class AbstractIntra(eqx.Module):
 class ReferenceIntra(AbstractIntra):
     """F2 in jnp by recursive halving, ``group`` chunks at a time (None: all at once; see
     ``over_chunks``)."""
+
+    tile_safe: ClassVar[bool] = True
 
     group: Optional[int] = eqx.field(static=True, default=16)
 

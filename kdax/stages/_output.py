@@ -2,7 +2,7 @@
 
 import abc
 import functools
-from typing import Optional
+from typing import ClassVar, Optional
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -13,6 +13,10 @@ from ._ops import full_precision, mT, over_chunks, tri_mask
 
 class AbstractOutput(eqx.Module):
     """F5: ``o = scale qg h + Aqk v_new``."""
+
+    # Whether the stage may be called on a tile (a few chunks at a time, the state carried
+    # in h0): see docs/stages.md. A pipeline runs its forward whole if any stage is not.
+    tile_safe: ClassVar[bool] = False
 
     @abc.abstractmethod
     def __call__(
@@ -32,6 +36,8 @@ def _output_chunk(scale, qg, h, Aqk, v_new):
 
 class ReferenceOutput(AbstractOutput):
     """F5 in jnp, ``group`` chunks at a time (None: all at once; see ``over_chunks``)."""
+
+    tile_safe: ClassVar[bool] = True
 
     group: Optional[int] = eqx.field(static=True, default=16)
 

@@ -7,6 +7,7 @@ neither.
 """
 
 import abc
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -41,6 +42,10 @@ def _scatter(table, ids, rows):
 class AbstractState(eqx.Module):
     """F4: ``v_new = u - w h``; ``h <- e^Γ h + kg^T v_new`` chunk by chunk."""
 
+    # Whether the stage may be called on a tile (a few chunks at a time, the state carried
+    # in h0): see docs/stages.md. A pipeline runs its forward whole if any stage is not.
+    tile_safe: ClassVar[bool] = False
+
     @abc.abstractmethod
     def __call__(
         self,
@@ -58,6 +63,8 @@ class ReferenceState(AbstractState):
     """F4 as a loop over chunks; unrolled for at most ``unroll`` chunks (a forward tile),
     which writes ``h`` and ``v_new`` once by stacking instead of into zero-filled buffers
     chunk by chunk (the tiled CPU forward 5% faster)."""
+
+    tile_safe: ClassVar[bool] = True
 
     unroll: int = eqx.field(static=True, default=8)
 

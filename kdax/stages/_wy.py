@@ -2,7 +2,7 @@
 
 import abc
 import functools
-from typing import Optional
+from typing import ClassVar, Optional
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -14,6 +14,10 @@ from ._types import ChunkGrads, WYOut
 
 class AbstractWY(eqx.Module):
     """F3: ``w = Akk (beta k e^G)``, ``u = Akk (beta v)``, ``qg = q e^G``, ``kg = k e^(Γ-G)``."""
+
+    # Whether the stage may be called on a tile (a few chunks at a time, the state carried
+    # in h0): see docs/stages.md. A pipeline runs its forward whole if any stage is not.
+    tile_safe: ClassVar[bool] = False
 
     @abc.abstractmethod
     def __call__(
@@ -39,6 +43,8 @@ def _wy_chunk(q, k, v, beta, G, Akk, G_last):
 
 class ReferenceWY(AbstractWY):
     """F3 in jnp, ``group`` chunks at a time (None: all at once; see ``over_chunks``)."""
+
+    tile_safe: ClassVar[bool] = True
 
     group: Optional[int] = eqx.field(static=True, default=16)
 
