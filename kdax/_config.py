@@ -32,15 +32,17 @@ class KDAOptions(eqx.Module):
     """Every option of ``chunk_kda`` (``fused_recurrent_kda`` takes the same ones except
     ``safe_gate``, ``chunk_size`` and ``disable_recompute``), with FLA's names and defaults.
 
-    Arrays (``initial_state``, ``A_log``, ``dt_bias``, ``cu_seqlens``) are pytree leaves,
-    everything else static, so an options object passes through ``jax.jit``. Build one with
+    Arrays (``initial_state``, ``A_log``, ``dt_bias``, ``cu_seqlens``) and ``scale`` are
+    pytree leaves, everything else static: pass an options object through
+    ``eqx.filter_jit`` (which keeps a Python ``scale`` static) or close over it. Build one with
     ``KDAOptions(**kwargs)`` or ``KDAOptions.from_kwargs(**kwargs)`` (which also takes FLA's
     deprecated ``transpose_state_layout``); ``kdax._validate.validate`` checks it against the
     inputs and returns the normalised options (``scale`` a float, ``A_log`` ``[HV]``,
     ``cu_seqlens`` an int32 array, ...).
     """
 
-    scale: Optional[float] = eqx.field(static=True, default=None)
+    # A number (Python, numpy, or a concrete 0-d JAX array: hence not a static field).
+    scale: Any = None
     initial_state: Any = None
     output_final_state: bool = eqx.field(static=True, default=False)
     use_qk_l2norm_in_kernel: bool = eqx.field(static=True, default=False)

@@ -328,7 +328,7 @@ class KDAPipeline(eqx.Module):
             jax.eval_shape(jax.grad(loss), diff)
         finally:
             _RECORDERS.remove(rec)
-        forward = [self._tile_chunks(1, 2) is not None, self._unsafe_for_tiles()]
+        forward = [self.tile is not None and not self._unsafe_for_tiles(), self._unsafe_for_tiles()]
         rows = []
         for name, info in STAGES.items():
             got = rec.ran.get(name)
