@@ -337,3 +337,29 @@ def test_example_runs():
     assert_close(q_act, q * gain[None, None, :, None], 1e-12, "example q after F1")
     loss = lambda ks: jnp.sum(oracle_kda(q * gain[None, None, :, None], k * ks, v, g, beta)[0] ** 2)
     assert_close(d.k_scale, jax.grad(loss)(layer.k_scale), 1e-10, "example d k_scale")
+
+
+def _pallas_names(jaxpr, names):
+    for e in jaxpr.eqns:
+        if e.primitive.name == "pallas_call":
+            names.add(e.params["name"])
+        for v in e.params.values():
+            sub = getattr(v, "jaxpr", None)
+            if sub is not None:
+                _pallas_names(getattr(sub, "jaxpr", sub), names)
+    return names
+
+
+def test_pallas_calls_named_and_interpret_resolved():
+    """Each kernel is named after its stage (profiles); a stage built directly interprets
+    only where no accelerator of its target is present."""
+    pos, kw = split_args(_x(B=1, T=16, H=1))
+    pipe = kdax.KDAPipeline.pallas("tpu", interpret=True)
+    loss = lambda q: kdax.chunk_kda(q, *pos[1:], **kw, chunk_size=16, pipeline=pipe)[0].sum()
+    names = _pallas_names(jax.make_jaxpr(jax.grad(loss))(pos[0]).jaxpr, set())
+    want = {f"kdax_{type(getattr(pipe, n)).__name__}_kernel" for n in kdax.pipeline.STAGES if n != "recompute"}
+    assert names == want
+    for target, backend in (("triton", "gpu"), ("tpu", "tpu")):
+        stage = P.PallasState(target=target)
+        assert stage.interpret is None
+        assert stage.run_interpreted == (jax.default_backend() != backend)

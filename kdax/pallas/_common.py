@@ -86,11 +86,13 @@ def compiler_params(target: str, sequential_last: bool, ndim: int):
 
 
 def kernel_name(kernel) -> str:
-    """``kdax_<kernel function>`` (through ``functools.partial``)."""
+    """``kdax_<stage class>_<kernel function>`` from the kernel's qualified name (through
+    ``functools.partial``), e.g. ``kdax_PallasIntra_kernel`` or ``kdax_dhu_body``."""
     fn = kernel
     while hasattr(fn, "func"):
         fn = fn.func
-    return "kdax_" + getattr(fn, "__name__", "kernel").lstrip("_")
+    qual = getattr(fn, "__qualname__", "kernel").replace(".<locals>", "").replace(".__call__", "")
+    return "kdax_" + qual.replace(".", "_").strip("_")
 
 
 def pow2(n: int, floor: int = 16) -> int:
