@@ -54,22 +54,24 @@ def fused_recurrent_kda(
     v: Values,
     g: Gate,
     beta: Beta,
-    *,
+    A_log: Optional[ALogIn] = None,
+    dt_bias: Optional[Float[ArrayIn, "_"]] = None,
     scale: Optional[Scalar] = None,
     initial_state: Optional[State] = None,
     output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
     use_gate_in_kernel: bool = False,
-    A_log: Optional[ALogIn] = None,
-    dt_bias: Optional[Float[ArrayIn, "_"]] = None,
-    lower_bound: Optional[Union[float, int]] = None,
     use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
-    cu_seqlens: Optional[CuSeqlensIn] = None,
+    lower_bound: Optional[Union[float, int]] = None,
     state_v_first: bool = False,
+    cu_seqlens: Optional[CuSeqlensIn] = None,
+    *,
     transpose_state_layout: Optional[bool] = None,
 ) -> tuple[Float[ArrayIn, "B T HV V"], Optional[Float[ArrayIn, "N HV _S1 _S2"]]]:
     """KDA token by token (a ``lax.scan``); differentiable by JAX autodiff and jit-safe.
+    FLA's ``fused_recurrent_kda`` arguments, order and layouts (the arguments after
+    ``beta`` may be given positionally in FLA's order).
 
     q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g ``[B, T, HV, K]`` (log decay, or raw gate
     input with ``use_gate_in_kernel``); beta ``[B, T, HV]``; initial/final state

@@ -192,3 +192,23 @@ def test_cu_seqlens_checked_under_jit(fn, x, cu, msg):
         jax.block_until_ready(f(jnp.array(cu)))
     ok = [0, 7, 13, 20][: len(cu)] if len(cu) == 4 else [0, 7, 20]
     assert_close(f(jnp.array(ok)), oracle_kda(*pos, cu_seqlens=ok)[0], 1e-10, "valid cu_seqlens")
+
+
+# FLA's fused_recurrent_kda signature (fla/ops/kda/fused_recurrent.py), in order.
+FLA_RECURRENT_POSITIONAL = (
+    "q", "k", "v", "g", "beta", "A_log", "dt_bias", "scale", "initial_state", "output_final_state",
+    "use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval",
+    "lower_bound", "state_v_first", "cu_seqlens",
+)
+
+
+def test_recurrent_signature_is_flas_order(x):
+    params = inspect.signature(kdax.fused_recurrent_kda).parameters.values()
+    positional = [p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    assert tuple(positional) == FLA_RECURRENT_POSITIONAL
+    pos, kw = split_args(x)
+    A = jnp.array([-0.3, 0.2])
+    a = _run(kdax.fused_recurrent_kda, pos, A, None, 0.5, kw["initial_state"], True, False, True)
+    b = _run(kdax.fused_recurrent_kda, pos, A_log=A, scale=0.5, initial_state=kw["initial_state"],
+             output_final_state=True, use_gate_in_kernel=True)
+    _same(a, b)
