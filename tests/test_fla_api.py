@@ -174,6 +174,18 @@ def test_zero_sizes(fn, dims):
         np.testing.assert_array_equal(np.asarray(dh0), 2.0)
 
 
+_JITTED = {}
+
+
+def _jitted(fn, pos, n):
+    """One compiled ``fn(*pos, cu_seqlens=c)[0]`` per function and length of ``c``: the
+    values of ``c`` are data."""
+    key = (fn, n)
+    if key not in _JITTED:
+        _JITTED[key] = eqx.filter_jit(lambda c: fn(*pos, cu_seqlens=c)[0])
+    return _JITTED[key]
+
+
 CU_BAD = [
     ([1, 7, 20], "cu_seqlens: must start at 0"),
     ([0, 12, 7, 20], "cu_seqlens: must be non-decreasing"),
@@ -187,7 +199,7 @@ def test_cu_seqlens_checked_under_jit(fn, x, cu, msg):
     pos, _ = split_args(x)
     with pytest.raises(ValueError, match=msg):  # eagerly
         fn(*pos, cu_seqlens=np.array(cu))
-    f = eqx.filter_jit(lambda c: fn(*pos, cu_seqlens=c)[0])
+    f = _jitted(fn, pos, len(cu))
     with pytest.raises(Exception, match=msg):  # traced: inside the compiled program
         jax.block_until_ready(f(jnp.array(cu)))
     ok = [0, 7, 13, 20][: len(cu)] if len(cu) == 4 else [0, 7, 20]
