@@ -81,8 +81,8 @@ def test_scale_refused(fn, x):
 def test_cu_seqlens_list_or_tuple(fn, x):
     pos, _ = split_args(x)
     want = _run(fn, pos, cu_seqlens=jnp.array([0, 7, 20]), output_final_state=True)
-    _same(_run(fn, pos, cu_seqlens=[0, 7, 20], output_final_state=True), want)
-    _same(_run(fn, pos, cu_seqlens=(0, 7, 20), output_final_state=True), want)
+    as_list = fn is kdax.chunk_kda  # one compile each: a list for one, a tuple for the other
+    _same(_run(fn, pos, cu_seqlens=[0, 7, 20] if as_list else (0, 7, 20), output_final_state=True), want)
     with pytest.raises(TypeError, match="cu_seqlens: expected integers"):
         fn(*pos, cu_seqlens=[0.0, 7.5, 20.0])
 
