@@ -9,12 +9,19 @@ oracles), ``kdax.stages`` (abstract stages and reference implementations),
 from . import pallas as pallas, ref as ref, stages as stages
 from . import nn as nn
 from ._config import KDAConfig as KDAConfig
+from ._config import KDAOptions as KDAOptions
+from ._errors import FallbackWarning as FallbackWarning
+from ._errors import StageContractError as StageContractError
+from ._errors import UnsupportedCase as UnsupportedCase
 from ._layout import ChunkLayout as ChunkLayout
 from .pipeline import (
     KDAGrads as KDAGrads,
     KDAPipeline as KDAPipeline,
+    KDAPlan as KDAPlan,
     KDAResiduals as KDAResiduals,
+    PlanRow as PlanRow,
     chunk_kda as chunk_kda,
     default_pipeline as default_pipeline,
+    stage_inputs as stage_inputs,
 )
 from .recurrent import fused_recurrent_kda as fused_recurrent_kda

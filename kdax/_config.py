@@ -1,12 +1,20 @@
-"""Per-call static configuration passed to every stage."""
+"""The options of ``chunk_kda`` / ``fused_recurrent_kda``, spelled once (``KDAOptions``),
+and the static per-call configuration the stages receive (``KDAConfig``).
 
-from typing import Optional
+To add an option: one field in ``KDAOptions`` (and, if stages need it, one in
+``KDAConfig`` set in ``KDAOptions.config``), plus its keyword in ``chunk_kda``'s typed
+signature (a test checks that the two agree).
+"""
+
+import dataclasses
+from typing import Any, Optional
 
 import equinox as eqx
 
 
 class KDAConfig(eqx.Module):
-    """The options of one ``chunk_kda`` call that change what is traced (all static)."""
+    """The options of one ``chunk_kda`` call that change what is traced (all static),
+    as every stage receives them. ``scale`` is resolved (``K ** -0.5`` when not given)."""
 
     scale: float = eqx.field(static=True)
     chunk_size: int = eqx.field(static=True, default=64)
@@ -18,3 +26,64 @@ class KDAConfig(eqx.Module):
     safe_gate: bool = eqx.field(static=True, default=False)
     output_final_state: bool = eqx.field(static=True, default=False)
     disable_recompute: bool = eqx.field(static=True, default=False)
+
+
+class KDAOptions(eqx.Module):
+    """Every option of ``chunk_kda`` (``fused_recurrent_kda`` takes the same ones except
+    ``safe_gate``, ``chunk_size`` and ``disable_recompute``), with FLA's names and defaults.
+
+    Arrays (``initial_state``, ``A_log``, ``dt_bias``, ``cu_seqlens``) and ``scale`` are
+    pytree leaves, everything else static: pass an options object through
+    ``eqx.filter_jit`` (which keeps a Python ``scale`` static) or close over it. Build one with
+    ``KDAOptions(**kwargs)`` or ``KDAOptions.from_kwargs(**kwargs)`` (which also takes FLA's
+    deprecated ``transpose_state_layout``); ``kdax._validate.validate`` checks it against the
+    inputs and returns the normalised options (``scale`` a float, ``A_log`` ``[HV]``,
+    ``cu_seqlens`` an int32 array, ...).
+    """
+
+    # A number (Python, numpy, or a concrete 0-d JAX array: hence not a static field).
+    scale: Any = None
+    initial_state: Any = None
+    output_final_state: bool = eqx.field(static=True, default=False)
+    use_qk_l2norm_in_kernel: bool = eqx.field(static=True, default=False)
+    use_gate_in_kernel: bool = eqx.field(static=True, default=False)
+    A_log: Any = None
+    dt_bias: Any = None
+    lower_bound: Optional[float] = eqx.field(static=True, default=None)
+    use_beta_sigmoid_in_kernel: bool = eqx.field(static=True, default=False)
+    allow_neg_eigval: bool = eqx.field(static=True, default=False)
+    safe_gate: bool = eqx.field(static=True, default=False)
+    cu_seqlens: Any = None
+    chunk_size: int = eqx.field(static=True, default=64)
+    disable_recompute: bool = eqx.field(static=True, default=False)
+    state_v_first: bool = eqx.field(static=True, default=False)
+
+    @classmethod
+    def names(cls) -> tuple:
+        """The option names, in declaration order."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "KDAOptions":
+        """Options from keywords; ``transpose_state_layout`` is accepted as FLA's deprecated
+        alias of ``state_v_first`` (``DeprecationWarning``); an unknown keyword raises
+        ``TypeError`` naming it."""
+        from ._validate import resolve_deprecated
+
+        kwargs = resolve_deprecated(kwargs)
+        unknown = sorted(set(kwargs) - set(cls.names()))
+        if unknown:
+            raise TypeError(f"{', '.join(unknown)}: not a kdax option; the options are {', '.join(cls.names())}.")
+        return cls(**kwargs)
+
+    def config(self, scale: float) -> KDAConfig:
+        """The stages' static configuration (``scale`` resolved)."""
+        return KDAConfig(
+            scale=scale, chunk_size=self.chunk_size, use_qk_l2norm_in_kernel=self.use_qk_l2norm_in_kernel,
+            use_gate_in_kernel=self.use_gate_in_kernel,
+            # Without the in-kernel gate, lower_bound is only safe_gate's promise about g.
+            lower_bound=None if self.lower_bound is None or not self.use_gate_in_kernel else float(self.lower_bound),
+            use_beta_sigmoid_in_kernel=self.use_beta_sigmoid_in_kernel, allow_neg_eigval=self.allow_neg_eigval,
+            safe_gate=self.safe_gate, output_final_state=self.output_final_state,
+            disable_recompute=self.disable_recompute,
+        )

@@ -1,16 +1,26 @@
-"""Argument checks shared by ``fused_recurrent_kda`` and ``chunk_kda``.
+"""Argument checks shared by ``fused_recurrent_kda``, ``chunk_kda`` and ``KDAPipeline.forward``.
 
-Everything here runs before any kernel is traced, and every error names the argument
-and what was expected. Shapes that jaxtyping can express (matching B, T, H, HV, K, V) are
-already checked by the ``typecheck`` decorator on the public functions.
+Everything here runs when a call is traced, before any kernel, and every error names the
+argument and what was expected. Shapes that jaxtyping can express (matching B, T, H, HV, K,
+V) are already checked by the ``typecheck`` decorator on the public functions. The values
+of a traced ``cu_seqlens`` are checked inside the compiled program (``checked_cu_seqlens``).
 """
 
+import dataclasses
+import numbers
+import warnings
 from typing import NamedTuple, Optional
 
+import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from ._config import KDAOptions
+
 SUPPORTED_CHUNK_SIZES = (16, 32, 64, 128)
+# FLA's range for lower_bound under safe_gate.
+SAFE_GATE_RANGE = (-5.0, 0.0)
 
 
 class Dims(NamedTuple):
@@ -28,17 +38,150 @@ def _is_concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
+def resolve_deprecated(kwargs: dict) -> dict:
+    """FLA's deprecated ``transpose_state_layout`` -> ``state_v_first`` (with a warning)."""
+    if "transpose_state_layout" not in kwargs:
+        return kwargs
+    kwargs = dict(kwargs)
+    value = kwargs.pop("transpose_state_layout")
+    if kwargs.get("state_v_first", False):
+        raise ValueError("transpose_state_layout: cannot be given together with state_v_first (its new name).")
+    warnings.warn("transpose_state_layout is deprecated (as in FLA); use state_v_first.", DeprecationWarning, stacklevel=3)
+    kwargs["state_v_first"] = bool(value)
+    return kwargs
+
+
+# The messages of the cu_seqlens value checks; eagerly they end with the offending value.
+_CU_START = "cu_seqlens: must start at 0"
+_CU_ORDER = "cu_seqlens: must be non-decreasing"
+
+
+def _cu_end(T: int) -> str:
+    return f"cu_seqlens: must end at T={T} (q.shape[1])"
+
+
 def check_cu_seqlens_values(cu_seqlens, T: int) -> None:
-    """Values are checked only when concrete; under jit they are data (no recompile)."""
+    """Concrete values only (``checked_cu_seqlens`` checks traced ones at run time)."""
     if not _is_concrete(cu_seqlens):
         return
     cu = np.asarray(cu_seqlens)
     if cu[0] != 0:
-        raise ValueError(f"cu_seqlens: must start at 0, got cu_seqlens[0]={int(cu[0])}.")
+        raise ValueError(f"{_CU_START}, got cu_seqlens[0]={int(cu[0])}.")
     if np.any(np.diff(cu) < 0):
-        raise ValueError(f"cu_seqlens: must be non-decreasing, got {cu.tolist()}.")
+        raise ValueError(f"{_CU_ORDER}, got {cu.tolist()}.")
     if cu[-1] != T:
-        raise ValueError(f"cu_seqlens: must end at T={T} (q.shape[1]), got cu_seqlens[-1]={int(cu[-1])}.")
+        raise ValueError(f"{_cu_end(T)}, got cu_seqlens[-1]={int(cu[-1])}.")
+
+
+def checked_cu_seqlens(cu, T: int):
+    """``cu`` (int32), with its values checked inside the compiled program when traced
+    (``eqx.branched_error_if``: same messages as the eager checks). Three comparisons and
+    one branch on N + 1 integers: nothing next to the kernels."""
+    cu = jnp.asarray(cu, jnp.int32)
+    if _is_concrete(cu):
+        return cu
+    bad = jnp.stack([cu[0] != 0, jnp.any(cu[1:] < cu[:-1]), cu[-1] != T])
+    return eqx.branched_error_if(cu, jnp.any(bad), jnp.argmax(bad), (f"{_CU_START}.", f"{_CU_ORDER}.", f"{_cu_end(T)}."))
+
+
+def _scale(scale, K: int) -> float:
+    if scale is None:
+        # Any scale multiplies an empty sum when K == 0.
+        return K**-0.5 if K > 0 else 1.0
+    if isinstance(scale, (jax.Array, np.ndarray)) and scale.ndim == 0:
+        if not _is_concrete(scale):
+            raise TypeError("scale: must be a concrete number (it is static configuration), got a traced array.")
+        scale = scale.item()
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale: expected a real number (Python, numpy or 0-d JAX scalar), got {type(scale).__name__}.")
+    return float(scale)
+
+
+def _cu_array(cu_seqlens):
+    if isinstance(cu_seqlens, (list, tuple)):
+        cu_seqlens = np.asarray(cu_seqlens)
+        if cu_seqlens.size and not np.issubdtype(cu_seqlens.dtype, np.integer):
+            raise TypeError(f"cu_seqlens: expected integers, got {cu_seqlens.dtype}.")
+        cu_seqlens = cu_seqlens.astype(np.int32)
+    return cu_seqlens
+
+
+def _a_log(A_log, HV: int):
+    """``A_log`` ``[HV]``, or ``[1, 1, HV, 1]`` (Kimi Linear's and FLA's varlen tests' shape)."""
+    if A_log is None:
+        return None
+    if tuple(A_log.shape) not in ((HV,), (1, 1, HV, 1)):
+        raise ValueError(f"A_log: expected shape [HV] = ({HV},) or [1, 1, HV, 1], got {tuple(A_log.shape)}.")
+    return A_log.reshape(HV)
+
+
+def validate(q, k, v, g, beta, options: KDAOptions, *, chunked: bool = True) -> tuple[Dims, KDAOptions]:
+    """Check ``options`` against the inputs; returns the dimensions and the normalised
+    options (``scale`` a float, ``A_log`` ``[HV]``, ``cu_seqlens`` an int32 array, checked
+    at run time when traced). ``chunked``: options of ``chunk_kda`` (else of
+    ``fused_recurrent_kda``, which has no ``chunk_size``, ``safe_gate``, ``disable_recompute``)."""
+    o = options
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if H == 0 or HV % H != 0:
+        raise ValueError(
+            f"v: the number of value heads HV={HV} (v.shape[2]) must be a positive multiple "
+            f"of the query/key heads H={H} (q.shape[2])."
+        )
+    cu = _cu_array(o.cu_seqlens)
+    if cu is not None:
+        if B != 1:
+            raise ValueError(f"cu_seqlens: packed variable-length input needs B == 1 (q.shape[0]), got B={B}.")
+        if cu.ndim != 1 or cu.shape[0] < 2:
+            raise ValueError(f"cu_seqlens: expected shape [N + 1] with N >= 1, got {tuple(cu.shape)}.")
+        if not jnp.issubdtype(cu.dtype, jnp.integer):
+            raise TypeError(f"cu_seqlens: expected integers, got {cu.dtype}.")
+        check_cu_seqlens_values(cu, T)
+        N = cu.shape[0] - 1
+        cu = checked_cu_seqlens(cu, T)
+    else:
+        N = B
+    h0 = o.initial_state
+    if h0 is not None:
+        want = (N, HV, V, K) if o.state_v_first else (N, HV, K, V)
+        if tuple(h0.shape) != want:
+            layout = "[N, HV, V, K] (state_v_first=True)" if o.state_v_first else "[N, HV, K, V]"
+            raise ValueError(f"initial_state: expected shape {layout} = {want}, got {tuple(h0.shape)}.")
+    A_log, lb = o.A_log, o.lower_bound
+    if lb is not None:
+        if isinstance(lb, bool) or not isinstance(lb, numbers.Real):
+            raise TypeError(f"lower_bound: expected a real number, got {type(lb).__name__}.")
+        if not lb < 0:
+            raise ValueError(f"lower_bound: must be negative (the gate is lower_bound * sigmoid(...)), got {lb}.")
+    if o.safe_gate and not chunked:
+        raise TypeError("safe_gate: a chunk_kda option only.")
+    if o.use_gate_in_kernel:
+        if A_log is None and lb is None:
+            raise ValueError(
+                "A_log: use_gate_in_kernel=True needs A_log (softplus gate) or lower_bound "
+                "(lower-bound gate); neither was given."
+            )
+        A_log = _a_log(A_log, HV)
+        if o.dt_bias is not None and tuple(o.dt_bias.shape) != (HV * K,):
+            raise ValueError(f"dt_bias: expected shape [HV * K] = ({HV * K},), got {tuple(o.dt_bias.shape)}.")
+        if o.safe_gate and lb is None:
+            raise ValueError("lower_bound: safe_gate=True with use_gate_in_kernel=True needs lower_bound (e.g. -5).")
+    else:
+        # FLA accepts lower_bound with safe_gate and a gate applied outside the kernel: a
+        # promise about g, which kdax's kernels do not need.
+        unused = [("A_log", A_log), ("dt_bias", o.dt_bias)] + ([] if o.safe_gate else [("lower_bound", lb)])
+        for name, val in unused:
+            if val is not None:
+                raise ValueError(f"{name}: only used with use_gate_in_kernel=True; it would be ignored.")
+    if o.safe_gate and lb is not None and not SAFE_GATE_RANGE[0] <= lb < SAFE_GATE_RANGE[1]:
+        raise ValueError(f"lower_bound: safe_gate=True needs -5 <= lower_bound < 0 (as FLA), got {lb}.")
+    if o.allow_neg_eigval and not o.use_beta_sigmoid_in_kernel:
+        raise ValueError("allow_neg_eigval: needs use_beta_sigmoid_in_kernel=True (beta = 2 * sigmoid(beta)), as in FLA.")
+    if chunked and o.chunk_size not in SUPPORTED_CHUNK_SIZES:
+        raise ValueError(f"chunk_size: expected one of {SUPPORTED_CHUNK_SIZES}, got {o.chunk_size}.")
+    scale = _scale(o.scale, K)
+    o = dataclasses.replace(o, scale=scale, A_log=A_log, cu_seqlens=cu)
+    return Dims(B, T, H, HV, K, V, N, scale), o
 
 
 def validate_kda_args(
@@ -54,49 +197,10 @@ def validate_kda_args(
     safe_gate: bool = False,
     chunk_size: Optional[int] = None,
 ) -> Dims:
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    if H == 0 or HV % H != 0:
-        raise ValueError(
-            f"v: the number of value heads HV={HV} (v.shape[2]) must be a positive multiple "
-            f"of the query/key heads H={H} (q.shape[2])."
-        )
-    if cu_seqlens is not None:
-        if B != 1:
-            raise ValueError(f"cu_seqlens: packed variable-length input needs B == 1 (q.shape[0]), got B={B}.")
-        if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
-            raise ValueError(f"cu_seqlens: expected shape [N + 1] with N >= 1, got {tuple(cu_seqlens.shape)}.")
-        check_cu_seqlens_values(cu_seqlens, T)
-        N = cu_seqlens.shape[0] - 1
-    else:
-        N = B
-    if initial_state is not None:
-        want = (N, HV, V, K) if state_v_first else (N, HV, K, V)
-        if tuple(initial_state.shape) != want:
-            layout = "[N, HV, V, K] (state_v_first=True)" if state_v_first else "[N, HV, K, V]"
-            raise ValueError(
-                f"initial_state: expected shape {layout} = {want}, got {tuple(initial_state.shape)}."
-            )
-    if use_gate_in_kernel:
-        if A_log is None and lower_bound is None:
-            raise ValueError(
-                "A_log: use_gate_in_kernel=True needs A_log (softplus gate) or lower_bound "
-                "(lower-bound gate); neither was given."
-            )
-        if A_log is not None and tuple(A_log.shape) != (HV,):
-            raise ValueError(f"A_log: expected shape [HV] = ({HV},), got {tuple(A_log.shape)}.")
-        if dt_bias is not None and tuple(dt_bias.shape) != (HV * K,):
-            raise ValueError(f"dt_bias: expected shape [HV * K] = ({HV * K},), got {tuple(dt_bias.shape)}.")
-        if safe_gate and lower_bound is None:
-            raise ValueError("lower_bound: safe_gate=True with use_gate_in_kernel=True needs lower_bound (e.g. -5).")
-    else:
-        for name, val in (("A_log", A_log), ("dt_bias", dt_bias), ("lower_bound", lower_bound)):
-            if val is not None:
-                raise ValueError(f"{name}: only used with use_gate_in_kernel=True; it would be ignored.")
-    if lower_bound is not None and not lower_bound < 0:
-        raise ValueError(f"lower_bound: must be negative (the gate is lower_bound * sigmoid(...)), got {lower_bound}.")
-    if chunk_size is not None and chunk_size not in SUPPORTED_CHUNK_SIZES:
-        raise ValueError(f"chunk_size: expected one of {SUPPORTED_CHUNK_SIZES}, got {chunk_size}.")
-    if scale is not None and not isinstance(scale, (int, float)):
-        raise TypeError(f"scale: expected a Python float, got {type(scale).__name__}.")
-    return Dims(B, T, H, HV, K, V, N, K**-0.5 if scale is None else float(scale))
+    """``validate`` with keyword options (kept for callers of the older signature)."""
+    options = KDAOptions(
+        scale=scale, initial_state=initial_state, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
+        dt_bias=dt_bias, lower_bound=lower_bound, cu_seqlens=cu_seqlens, state_v_first=state_v_first,
+        safe_gate=safe_gate, chunk_size=64 if chunk_size is None else chunk_size,
+    )
+    return validate(q, k, v, g, beta, options)[0]

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-jax.config.update("jax_enable_x64", True)  # the float64 reference; timed inputs are float32
+if __name__ == "__main__": jax.config.update("jax_enable_x64", True)  # float64 reference, run as a program only
 
 from .pipeline import KDAPipeline, _prepare, chunk_kda, stage_inputs  # noqa: E402
 from .recurrent import fused_recurrent_kda  # noqa: E402

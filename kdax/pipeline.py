@@ -1,25 +1,35 @@
 """``KDAPipeline``: the forward stages F1-F5 and backward stages B0-B5 composed, and
-``chunk_kda``, differentiable through a ``jax.custom_vjp`` that runs the six-stage backward.
+``chunk_kda``, differentiable through an ``eqx.filter_custom_vjp`` that runs the six-stage
+backward (the pipeline, any Equinox module, is non-differentiated configuration).
 
 Any stage can be swapped for another implementation of its abstract class::
 
     pipe = eqx.tree_at(lambda p: p.intra, KDAPipeline.reference(), MyIntra())
+
+See docs/stages.md for the stages' contracts, tiles, fallback, ``plan`` and intermediates.
 """
 
 import dataclasses
 import functools
-from typing import Optional
+import inspect
+import warnings
+from typing import ClassVar, NamedTuple, Optional, Union
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
-from ._config import KDAConfig
+from ._config import KDAConfig, KDAOptions
+from ._contracts import STAGES, check_arguments, check_family, check_output, expected_output
+from ._errors import FallbackWarning, UnsupportedCase
 from ._layout import ChunkLayout, expand_group, make_layout, pack, reduce_group, unpack
 from ._tiles import Tiles
-from ._typing import ALog, ArrayIn, Beta, ChunkK, ChunkMat, ChunkState, ChunkV, CuSeqlens, Gate, QK, SeqState, State, Values, typecheck
-from ._validate import validate_kda_args
+from ._typing import (
+    ALogIn, ArrayIn, Beta, ChunkK, ChunkMat, ChunkState, ChunkV, CuSeqlensIn, Gate, QK, Scalar, SeqState, State,
+    Values, typecheck,
+)
+from ._validate import resolve_deprecated, validate
 from .ref._recurrent import compute_dtype
 from .stages import (
     AbstractDAv,
@@ -53,11 +63,15 @@ from .stages._ops import zeros_after
 
 
 class KDAResiduals(eqx.Module):
-    """What the backward needs, in the chunked layout. Always: the activated inputs
-    (``act``: q, k, beta, G and the l2norm statistics), v, the raw gate input when the
-    gate is in-kernel, the gate parameters, ``Aqk``, ``Akk``, the initial states ``h0``
-    ``[N, HV, K, V]`` and the layout. ``cache`` holds the rest of the forward (w, u, qg,
-    kg, h, v_new) when it was kept (``disable_recompute=True``, or ``pipeline.forward``)."""
+    """What the backward needs, in the chunked layout ``[R, HV, NC, C, ...]`` (see
+    ``docs/stages.md``). Always: the activated inputs (``act``: q, k, beta, G and the l2norm
+    statistics), v, the raw gate input when the gate is in-kernel, the gate parameters,
+    ``Aqk``, ``Akk``, the initial states ``h0`` ``[N, HV, K, V]`` and the layout. ``cache``
+    holds the rest of the forward (w, u, qg, kg, h, v_new) when it was kept
+    (``disable_recompute=True``, or ``pipeline.forward``).
+
+    ``read(name)`` gives any intermediate in the user's layout (``[B, T, HV, ...]``, or per
+    sequence), jit-safe."""
 
     config: KDAConfig = eqx.field(static=True)
     layout: ChunkLayout
@@ -73,6 +87,74 @@ class KDAResiduals(eqx.Module):
     num_qk_heads: int = eqx.field(static=True)
     # dtypes of (q, k, v, g, beta, initial_state, A_log, dt_bias) as given (None if absent)
     in_dtypes: tuple = eqx.field(static=True)
+    cu_seqlens: Optional[Int[Array, " N1"]] = None
+
+    # Token-level intermediates: where each lives. "h" (per chunk) is handled apart.
+    _TOKEN = {
+        "q": "act.q", "k": "act.k", "beta": "act.beta", "G": "act.G", "q_rstd": "act.q_rstd",
+        "k_rstd": "act.k_rstd", "v": "v", "g": "g_raw", "Aqk": "Aqk", "Akk": "Akk",
+        "w": "cache.w", "u": "cache.u", "qg": "cache.qg", "kg": "cache.kg", "v_new": "cache.v_new",
+    }
+
+    @classmethod
+    def names(cls) -> tuple:
+        """What ``read`` accepts."""
+        return tuple(cls._TOKEN) + ("h",)
+
+    def read(self, name: str, per_sequence: bool = False) -> Array:
+        """Intermediate ``name`` (``names()``) in the user's layout, jit-safe.
+
+        Token-level quantities come as ``[B, T, HV, ...]`` (``beta`` ``[B, T, HV]``; a row of
+        ``Aqk``/``Akk``: ``[B, T, HV, C]``, the token's row of its chunk's matrix, columns
+        the chunk's positions); q, k are the activated ones, expanded to the HV value
+        heads; ``G`` the chunk-local cumulative log decay. ``h``, the state at the start
+        of each chunk, comes as ``[B, NC, HV, K, V]``.
+
+        ``per_sequence``: packed varlen input (``cu_seqlens``) as ``[N, T, HV, ...]``,
+        sequence n's tokens first and zeros after (``h``: ``[N, ceil(T / C), HV, K, V]``,
+        its chunks first); dense input is already one sequence per row."""
+        if name == "h":
+            return self._read_h(per_sequence)
+        if name not in self._TOKEN:
+            raise KeyError(f"name: expected one of {self.names()}, got {name!r}.")
+        x = self
+        for part in self._TOKEN[name].split("."):
+            if x is None:
+                break
+            x = getattr(x, part)
+        if x is None:
+            why = ("no cache was kept (chunk_kda's recompute path); use KDAPipeline.forward"
+                   if self._TOKEN[name].startswith("cache") else "that option is off")
+            raise ValueError(f"name: {name!r} is not in these residuals: {why}.")
+        y = unpack(self.layout, x[..., None] if x.ndim == 4 else x)
+        y = y[..., 0] if x.ndim == 4 else y
+        if not per_sequence or self.cu_seqlens is None:
+            return y
+        T = self.layout.T
+        t = jnp.arange(T)
+        cu = self.cu_seqlens
+        idx = cu[:-1, None] + t[None]
+        ok = idx < cu[1:, None]
+        rows = y[0, jnp.clip(idx, 0, max(T - 1, 0))]
+        return jnp.where(ok.reshape(ok.shape + (1,) * (rows.ndim - 2)), rows, 0)
+
+    def _read_h(self, per_sequence: bool):
+        if self.cache is None:
+            raise ValueError("name: 'h' is not in these residuals: no cache was kept (chunk_kda's "
+                             "recompute path); use KDAPipeline.forward.")
+        h = jnp.moveaxis(self.cache.h, 2, 1)  # [R, NC, HV, K, V]
+        if not per_sequence or self.cu_seqlens is None:
+            return h
+        C = self.layout.chunk_size
+        cu = self.cu_seqlens
+        lens = cu[1:] - cu[:-1]
+        nchunks = (lens + C - 1) // C
+        cstart = jnp.cumsum(nchunks) - nchunks
+        j = jnp.arange(-(-self.layout.T // C))
+        idx = cstart[:, None] + j[None]
+        ok = j[None] < nchunks[:, None]
+        rows = h[0, jnp.clip(idx, 0, h.shape[1] - 1)]
+        return jnp.where(ok[..., None, None, None], rows, 0)
 
 
 class KDAGrads(eqx.Module):
@@ -90,12 +172,49 @@ class KDAGrads(eqx.Module):
     dt_bias: Optional[Float[Array, " HVK"]]
 
 
-# A dict while ``stage_inputs`` runs: each stage's first arguments, by stage name.
-_STAGE_TAP: Optional[dict] = None
+class _Recorder:
+    """Collects, while ``stage_inputs`` or ``plan`` runs, each stage's keyword arguments
+    (first call) and which implementation ran it (and why, after a fallback)."""
+
+    def __init__(self, quiet: bool = False):
+        self.inputs: dict = {}
+        self.ran: dict = {}
+        self.quiet = quiet  # no fallback warnings (plan)
+
+
+_RECORDERS: list = []
+# (stage field, implementation, reason) of every fallback warned about: each warns once.
+_WARNED: set = set()
+
+
+def _fallback_warning(name: str, stage, reason: str) -> None:
+    if any(r.quiet for r in _RECORDERS):
+        return
+    key = (name, f"{type(stage).__module__}.{type(stage).__qualname__}", reason)
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    ref = type(getattr(_reference(), name)).__qualname__
+    warnings.warn(
+        f"KDAPipeline.{name} ({STAGES[name].step}): {type(stage).__qualname__} cannot run this case "
+        f"({reason}); running {ref} instead.",
+        FallbackWarning, stacklevel=2,
+    )
 
 
 class KDAPipeline(eqx.Module):
-    """The chunked KDA algorithm as eleven swappable stages (see DESIGN.md §2)."""
+    """The chunked KDA algorithm as eleven swappable stages (see ``docs/stages.md``).
+
+    Any ``eqx.Module`` implementing a stage's abstract class may fill its field; a stage may
+    hold arrays (a gain, a mask, a table): they are non-differentiated configuration, held
+    under ``lax.stop_gradient`` by ``chunk_kda`` (their gradient is zero), so a pipeline may
+    sit inside a model under ``eqx.filter_jit``/``eqx.filter_grad``/``vmap``/``scan``.
+
+    The pipeline checks, when it is traced: each field's family (here, and again at each
+    call for pipelines edited with ``eqx.tree_at``), that each stage takes the keyword
+    arguments it passes, and each stage's output (container, shapes, dtypes) before the
+    next stage runs (``StageContractError``, naming the field and the class).
+    """
 
     gate: AbstractGate
     intra: AbstractIntra
@@ -108,27 +227,44 @@ class KDAPipeline(eqx.Module):
     wy_dqkg: AbstractWYDqkg
     intra_bwd: AbstractIntraBackward
     gate_bwd: AbstractGateBackward
-    # On a stage's NotImplementedError (a case its target cannot run), use the reference
-    # stage of the same family instead of failing.
+    # On a stage's ``kdax.UnsupportedCase`` (a case its implementation cannot run), run the
+    # reference stage of the same family instead (with a FallbackWarning, once); any other
+    # exception propagates. ``plan`` says beforehand which stages will fall back.
     fallback: bool = eqx.field(static=True, default=False)
     # The forward in tiles of about this many (row, head, chunk) blocks, every stage called
     # tile by tile with the state carried between tiles (None: each stage once over the
     # whole input). CPUs gain from tiles that fit in cache; accelerators want whole arrays.
+    # Only when every forward stage's class is ``tile_safe``; else the forward runs whole.
     # A training step (chunk_kda under a gradient) runs whole: see _vjp_fwd.
     tile: Optional[int] = eqx.field(static=True, default=None)
 
-    def _stage(self, name: str, *args):
-        if _STAGE_TAP is not None:
-            _STAGE_TAP.setdefault(name, args)
+    def __check_init__(self):
+        for name in STAGES:
+            check_family(name, getattr(self, name))
+
+    def _stage(self, name: str, **kwargs):
+        """Run stage ``name`` by keyword: fallback on ``UnsupportedCase``, contract checks."""
+        for rec in _RECORDERS:
+            rec.inputs.setdefault(name, kwargs)
+        stage = getattr(self, name)
+        check_family(name, stage)
         # The named scope labels every op of the stage in HLO dumps and profiles. Products
         # run at full precision in any stage, a user's too (see stages._ops.full_precision).
         with jax.named_scope(f"kdax_{name}"), jax.default_matmul_precision("highest"):
+            ran, reason = stage, None
             try:
-                return getattr(self, name)(*args)
-            except NotImplementedError:
+                check_arguments(name, stage, kwargs)
+                out = stage(**kwargs)
+            except UnsupportedCase as e:
                 if not self.fallback:
                     raise
-                return getattr(_reference(), name)(*args)
+                ran, reason = getattr(_reference(), name), str(e) or type(e).__name__
+                _fallback_warning(name, stage, reason)
+                out = ran(**kwargs)
+        for rec in _RECORDERS:
+            rec.ran.setdefault(name, (stage, ran, reason))
+        check_output(name, ran, out, expected_output(name, kwargs, kwargs.get("config")))
+        return out
 
     @classmethod
     def reference(cls) -> "KDAPipeline":
@@ -150,7 +286,7 @@ class KDAPipeline(eqx.Module):
         """Every stage a Pallas kernel for ``target`` ("tpu" or "triton"; None: triton on a
         GPU, else tpu). ``interpret=None``: interpret mode exactly when no accelerator of
         that kind is present. A case a kernel cannot run (packed varlen in the TPU state
-        kernels) falls back to the reference stage."""
+        kernels) raises ``UnsupportedCase`` and falls back to the reference stage."""
         from . import pallas as P
 
         target = P.default_target() if target is None else P._common.check_target(target)
@@ -173,11 +309,44 @@ class KDAPipeline(eqx.Module):
             dav=p.dav, dhu=r.dhu, wy_dqkg=p.wy_dqkg, intra_bwd=r.intra_bwd, gate_bwd=p.gate_bwd, fallback=True,
         )
 
+    def plan(self, q: QK, k: QK, v: Values, g: Gate, beta: Beta, **options) -> "KDAPlan":
+        """Which implementation runs each stage for these inputs and options, without
+        running anything (the forward and backward are traced abstractly): a ``KDAPlan``
+        whose ``str`` is a table, with the reason of each fallback. Inputs may be arrays or
+        ``jax.ShapeDtypeStruct``."""
+        opts = KDAOptions.from_kwargs(**options)
+        rec = _Recorder(quiet=True)
+        _RECORDERS.append(rec)
+        try:
+            def loss(diff):
+                q_, k_, v_, g_, b_, h0 = diff
+                o, ht = chunk_kda(q_, k_, v_, g_, b_, pipeline=self, **_with(opts, initial_state=h0))
+                out = jnp.sum(o)
+                return out if ht is None else out + jnp.sum(ht)
+
+            diff = (q, k, v, g, beta, opts.initial_state)
+            jax.eval_shape(jax.grad(loss), diff)
+        finally:
+            _RECORDERS.remove(rec)
+        forward = [self.tile is not None and not self._unsafe_for_tiles(), self._unsafe_for_tiles()]
+        rows = []
+        for name, info in STAGES.items():
+            got = rec.ran.get(name)
+            if got is None:
+                why = "not run: the forward's cache is kept (disable_recompute=True)" if name == "recompute" else "not run"
+                rows.append(PlanRow(name, info.step, type(getattr(self, name)).__qualname__, None, why))
+            else:
+                stage, ran, reason = got
+                rows.append(PlanRow(name, info.step, type(stage).__qualname__, type(ran).__qualname__, reason))
+        return KDAPlan(tuple(rows), self.tile if forward[0] else None, forward[1])
+
     # -- forward ------------------------------------------------------------------------
 
     def run_forward(self, config: KDAConfig, q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens):
         """Forward on the raw inputs (``h0`` ``[N, HV, K, V]`` or None). Returns
         ``(o, final [N, HV, K, V], residuals with the full cache)``."""
+        for name in STAGES:  # a pipeline edited with eqx.tree_at skips __check_init__
+            check_family(name, getattr(self, name))
         B, T, H, K = q.shape
         HV, V = v.shape[2:]
         dt = compute_dtype(q, k, v, g, beta, h0)
@@ -201,26 +370,32 @@ class KDAPipeline(eqx.Module):
         in_dtypes = tuple(None if x is None else jnp.dtype(x.dtype) for x in (q, k, v, g, beta, h0_in, A_log_in, dt_bias_in))
         res = KDAResiduals(
             config, layout, act, fw.v, fw.g if config.use_gate_in_kernel else None, A_log, dt_bias,
-            intra.Aqk, intra.Akk, h0, cache, H, in_dtypes,
+            intra.Aqk, intra.Akk, h0, cache, H, in_dtypes, cu_seqlens,
         )
         return o, final, res
 
     def _tile_chunks(self, rows_heads: int, num_chunks: int) -> Optional[int]:
         """Chunks per forward tile, or None to run each stage once over everything."""
-        if self.tile is None:
+        if self.tile is None or self._unsafe_for_tiles():
             return None
-        n = max(1, self.tile // rows_heads)
+        n = max(1, self.tile // max(rows_heads, 1))
         return None if n >= num_chunks else n
+
+    def _unsafe_for_tiles(self) -> tuple:
+        """The forward stages whose class does not declare ``tile_safe = True``: with any,
+        the forward runs whole (untiled)."""
+        return tuple(n for n, i in STAGES.items() if i.forward and not getattr(type(getattr(self, n)), "tile_safe", False))
 
     def _forward_stages(self, config: KDAConfig, chunked, A_log, dt_bias, h0, layout: ChunkLayout):
         """F1-F5 on chunked inputs ``(q, k, v, g, beta)`` (q, k already expanded to HV
         heads): ``(o chunked, _ForwardChunks, final states [N, HV, K, V])``."""
         qc, kc, vc, gc, bc = chunked
-        act = self._stage("gate", config, qc, kc, gc, bc, A_log, dt_bias, layout.valid)
-        intra = self._stage("intra", config.scale, act.q, act.k, act.beta, act.G)
-        wy = self._stage("wy", act.q, act.k, vc, act.beta, act.G, intra.Akk)
-        st = self._stage("state", wy.w, wy.u, wy.kg, act.G, h0, layout)
-        oc = self._stage("output", config.scale, wy.qg, st.h, intra.Aqk, st.v_new)
+        act = self._stage("gate", config=config, q=qc, k=kc, g=gc, beta=bc, A_log=A_log, dt_bias=dt_bias,
+                          valid=layout.valid)
+        intra = self._stage("intra", scale=config.scale, q=act.q, k=act.k, beta=act.beta, G=act.G)
+        wy = self._stage("wy", q=act.q, k=act.k, v=vc, beta=act.beta, G=act.G, Akk=intra.Akk)
+        st = self._stage("state", w=wy.w, u=wy.u, kg=wy.kg, G=act.G, h0=h0, layout=layout)
+        oc = self._stage("output", scale=config.scale, qg=wy.qg, h=st.h, Aqk=intra.Aqk, v_new=st.v_new)
         return oc, _ForwardChunks(act, intra, wy, st.h, st.v_new, vc, gc), st.final
 
     def _forward_tiled(self, config: KDAConfig, layout: ChunkLayout, raw, HV: int, dt, A_log, dt_bias, h0, nt: int):
@@ -271,6 +446,8 @@ class KDAPipeline(eqx.Module):
     def backward(self, res: KDAResiduals, do, dht=None) -> KDAGrads:
         """The six-stage backward. ``do`` ``[B, T, HV, V]``; ``dht`` ``[N, HV, K, V]`` or
         None (no loss on the final state)."""
+        for name in STAGES:  # a pipeline edited with eqx.tree_at skips __check_init__
+            check_family(name, getattr(self, name))
         cfg, L, act = res.config, res.layout, res.act
         want = (L.valid.shape[0] if L.pos is None else 1, L.T, res.v.shape[1], res.v.shape[-1])
         if tuple(do.shape) != want:
@@ -280,22 +457,29 @@ class KDAPipeline(eqx.Module):
         dt = res.h0.dtype
         doc = pack(L, do, dt)
         dht = jnp.zeros_like(res.h0) if dht is None else dht.astype(dt)
-        if res.cache is None:  # B0
-            wy, st = self._stage("recompute", act.q, act.k, res.v, act.beta, act.G, res.Akk, res.h0, L)
+        if res.cache is None:  # B0, with this pipeline's own F3 and F4
+            wy, st = self._stage(
+                "recompute", q=act.q, k=act.k, v=res.v, beta=act.beta, G=act.G, Akk=res.Akk, h0=res.h0, layout=L,
+                wy=_PipelineWY(self), state=_PipelineState(self),
+            )
             w, qg, kg, h, v_new = wy.w, wy.qg, wy.kg, st.h, st.v_new
         else:
             c = res.cache
             w, qg, kg, h, v_new = c.w, c.qg, c.kg, c.h, c.v_new
-        dAqk, dv_intra = self._stage("dav", v_new, res.Aqk, doc)  # B1
-        dhu = self._stage("dhu", cfg.scale, qg, kg, w, act.G, doc, dv_intra, dht, L)  # B2
-        grads = self._stage(  # B3
-            "wy_dqkg",
-            cfg.scale, act.q, act.k, res.v, act.beta, act.G, res.Akk, qg, kg, h, dhu.dh, v_new, doc, dhu.dv_new
+        dAqk, dv_intra = self._stage("dav", v_new=v_new, Aqk=res.Aqk, do=doc)  # B1
+        dhu = self._stage(  # B2
+            "dhu", scale=cfg.scale, qg=qg, kg=kg, w=w, G=act.G, do=doc, dv_intra=dv_intra, dht=dht, layout=L
         )
-        grads = self._stage("intra_bwd", cfg.scale, act.q, act.k, act.beta, act.G, dAqk, grads)  # B4
+        grads = self._stage(  # B3
+            "wy_dqkg", scale=cfg.scale, q=act.q, k=act.k, v=res.v, beta=act.beta, G=act.G, Akk=res.Akk, qg=qg,
+            kg=kg, h=h, dh=dhu.dh, v_new=v_new, do=doc, dv_new=dhu.dv_new,
+        )
+        grads = self._stage(  # B4
+            "intra_bwd", scale=cfg.scale, q=act.q, k=act.k, beta=act.beta, G=act.G, dAqk=dAqk, grads=grads
+        )
         raw = self._stage(  # B5
-            "gate_bwd",
-            cfg, act, res.g_raw, res.A_log, res.dt_bias, L.valid, grads.dq, grads.dk, grads.dbeta, grads.dG
+            "gate_bwd", config=cfg, act=act, g=res.g_raw, A_log=res.A_log, dt_bias=res.dt_bias, valid=L.valid,
+            dq=grads.dq, dk=grads.dk, dbeta=grads.dbeta, dG=grads.dG,
         )
         H = res.num_qk_heads
         return KDAGrads(
@@ -311,19 +495,25 @@ class KDAPipeline(eqx.Module):
 
     # -- public entry points ------------------------------------------------------------
 
-    def forward(self, q, k, v, g, beta, **options):
-        """Forward only, with ``chunk_kda``'s arguments. Returns ``(o, final_state,
-        residuals)``; ``residuals.cache`` holds every intermediate for inspection and
+    def forward(self, q: QK, k: QK, v: Values, g: Gate, beta: Beta, options: Optional[KDAOptions] = None, **kwargs):
+        """Forward only, with ``chunk_kda``'s options (keywords, or one ``KDAOptions``).
+        Returns ``(o, final_state, residuals)``; ``residuals.cache`` holds every
+        intermediate, ``residuals.read(name)`` gives one in the ``[B, T, ...]`` layout, and
         ``pipeline.backward(residuals, do, dht)`` gives every input gradient."""
-        _check_arrays(q, k, v, g, beta, options.get("initial_state"), options.get("A_log"),
-                      options.get("dt_bias"), options.get("cu_seqlens"))
-        config, args = _prepare(q, k, v, g, beta, **options)
+        opts = _options(options, kwargs)
+        _check_arrays(q, k, v, g, beta, opts.initial_state, opts.A_log, opts.dt_bias, opts.cu_seqlens)
+        config, args, opts = _prepare_options(q, k, v, g, beta, opts)
+        B, T, _, K = q.shape
+        for name, n in (("q", B), ("q", K), ("v", v.shape[-1])):
+            if n == 0:
+                raise ValueError(f"{name}: KDAPipeline.forward needs B, K and V > 0 (chunk_kda handles size 0), "
+                                 f"got q {tuple(q.shape)}, v {tuple(v.shape)}.")
         o, final, res = self.run_forward(config, *args)
-        return o, _final_out(final, config, options.get("state_v_first", False)), res
+        return o, _final_out(final, config, opts.state_v_first), res
 
-    def __call__(self, q, k, v, g, beta, **options):
+    def __call__(self, q: QK, k: QK, v: Values, g: Gate, beta: Beta, *args, **kwargs):
         """``chunk_kda`` with this pipeline."""
-        return chunk_kda(q, k, v, g, beta, pipeline=self, **options)
+        return chunk_kda(q, k, v, g, beta, *args, pipeline=self, **kwargs)
 
 
 @functools.cache
@@ -331,6 +521,64 @@ def _reference() -> KDAPipeline:
     """The fallback stages, built on first use (``reference()`` asks JAX for its backend,
     which must not happen at import)."""
     return KDAPipeline.reference()
+
+
+class _PipelineWY(AbstractWY):
+    """F3 as the pipeline runs it (fallback, contract checks): what B0 recomputes with."""
+
+    tile_safe: ClassVar[bool] = True
+    pipeline: KDAPipeline
+
+    def __call__(self, q, k, v, beta, G, Akk):
+        return self.pipeline._stage("wy", q=q, k=k, v=v, beta=beta, G=G, Akk=Akk)
+
+
+class _PipelineState(AbstractState):
+    """F4 as the pipeline runs it (fallback, contract checks): what B0 recomputes with."""
+
+    tile_safe: ClassVar[bool] = True
+    pipeline: KDAPipeline
+
+    def __call__(self, w, u, kg, G, h0, layout):
+        return self.pipeline._stage("state", w=w, u=u, kg=kg, G=G, h0=h0, layout=layout)
+
+
+class PlanRow(NamedTuple):
+    """One stage of a ``KDAPlan``: the field, its step (F1..B5), the implementation in the
+    pipeline, the one that runs (None: the stage does not run) and why it differs."""
+
+    field: str
+    step: str
+    requested: str
+    runs: Optional[str]
+    reason: Optional[str]
+
+
+class KDAPlan(NamedTuple):
+    """What ``KDAPipeline.plan`` found. ``rows``: one ``PlanRow`` per stage; ``tile``: the
+    forward's tile size when ``chunk_kda`` runs without gradients (None: whole);
+    ``not_tile_safe``: the forward stages that keep the forward whole."""
+
+    rows: tuple
+    tile: Optional[int]
+    not_tile_safe: tuple
+
+    @property
+    def fallbacks(self) -> dict:
+        """Stage field -> reason, for every stage that falls back."""
+        return {r.field: r.reason for r in self.rows if r.runs is not None and r.reason}
+
+    def __str__(self) -> str:
+        head = f"{'step':<5}{'field':<11}{'implementation':<24}{'runs':<24}note"
+        lines = [head, "-" * len(head)]
+        for r in self.rows:
+            runs = "-" if r.runs is None else ("same" if r.runs == r.requested and not r.reason else r.runs)
+            lines.append(f"{r.step:<5}{r.field:<11}{r.requested:<24}{runs:<24}{r.reason or ''}")
+        if self.not_tile_safe:
+            lines.append(f"forward: whole (not tile-safe: {', '.join(self.not_tile_safe)})")
+        else:
+            lines.append("forward: " + ("whole" if self.tile is None else f"tiles of ~{self.tile} blocks without gradients, whole under one"))
+        return "\n".join(lines)
 
 
 class _ForwardChunks(eqx.Module):
@@ -362,21 +610,28 @@ def _pack_inputs(layout: ChunkLayout, raw, HV: int, dt):
 @typecheck
 def stage_inputs(pipeline: KDAPipeline, q: QK, k: QK, v: Values, g: Gate, beta: Beta, **options) -> dict:
     """The arguments each of ``pipeline``'s stages receives in one forward and backward of
-    ``chunk_kda(q, k, v, g, beta, **options)`` (loss ``sum(o * w)``, ``w`` fixed random),
-    run eagerly: a dict from stage name (``"gate"``, ..., ``"gate_bwd"``) to its argument
-    tuple, for running or timing one stage alone (``kdax.bench --stages``)."""
-    global _STAGE_TAP
+    ``chunk_kda(q, k, v, g, beta, **options)`` (loss ``sum(o * w)``, ``w`` fixed random,
+    the pipeline untiled), run eagerly: a dict from stage field (``"gate"``, ...,
+    ``"gate_bwd"``) to its positional arguments in its abstract ``__call__``'s order, so
+    that ``getattr(pipeline, name)(*args)`` runs (or times) one stage alone, as
+    ``kdax.bench --stages`` does. B0's keyword-only ``wy``/``state`` are left out (a direct
+    call uses the stage's own defaults)."""
     pipeline = pipeline.untiled()  # whole-input arguments, not a tile's
     # Loss sum(o * w), w fixed random weights: the backward stages get a cotangent like a
     # real loss's rather than a constant.
     w = jax.random.normal(jax.random.key(1), v.shape, jnp.float32)
-    _STAGE_TAP = taps = {}
+    rec = _Recorder()
+    _RECORDERS.append(rec)
     try:
         loss = lambda *a: jnp.sum(chunk_kda(*a, pipeline=pipeline, **options)[0].astype(jnp.float32) * w)
         jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, g, beta)
     finally:
-        _STAGE_TAP = None
-    return taps
+        _RECORDERS.remove(rec)
+    out = {}
+    for name, kw in rec.inputs.items():
+        params = list(inspect.signature(STAGES[name].family.__call__).parameters.values())[1:]
+        out[name] = tuple(kw[p.name] for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return out
 
 
 @typecheck
@@ -387,9 +642,9 @@ def _check_arrays(
     g: Gate,
     beta: Beta,
     initial_state: Optional[State],
-    A_log: Optional[ALog],
+    A_log: Optional[ALogIn],
     dt_bias: Optional[Float[ArrayIn, "_"]],
-    cu_seqlens: Optional[CuSeqlens],
+    cu_seqlens: Optional[CuSeqlensIn],
 ) -> None:
     """The shape/dtype checks of ``chunk_kda``'s signature, for ``KDAPipeline.forward``."""
 
@@ -405,65 +660,96 @@ def _final_out(final, config: KDAConfig, state_v_first: bool):
     return jnp.swapaxes(final, -1, -2) if state_v_first else final
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _chunk_kda_vjp(pipeline, config, q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens):
-    o, final, _ = pipeline.run_forward(config, q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens)
+def _options(options: Optional[KDAOptions], kwargs: dict) -> KDAOptions:
+    if options is None:
+        return KDAOptions.from_kwargs(**kwargs)
+    if kwargs:
+        raise TypeError(f"options: give a KDAOptions or keywords, not both (got {', '.join(kwargs)}).")
+    return options
+
+
+def _with(options: KDAOptions, **changes) -> dict:
+    """``options`` as keywords, with ``changes``."""
+    kw = {n: getattr(options, n) for n in KDAOptions.names()}
+    kw.update(changes)
+    return kw
+
+
+def _no_grad(pipeline: KDAPipeline) -> KDAPipeline:
+    """The pipeline's arrays under ``stop_gradient``: stage fields are configuration."""
+    return jax.tree.map(lambda x: jax.lax.stop_gradient(x) if eqx.is_inexact_array(x) else x, pipeline)
+
+
+@eqx.filter_custom_vjp
+def _differentiable(diff, pipeline: KDAPipeline, config: KDAConfig, cu_seqlens):
+    """``(o, final)`` of ``diff = (q, k, v, g, beta, h0, A_log, dt_bias)``; the pipeline
+    (any Equinox module: its arrays are non-differentiated), the static config and
+    ``cu_seqlens`` are not differentiated."""
+    o, final, _ = pipeline.run_forward(config, *diff, cu_seqlens)
     return o, final
 
 
-def _vjp_fwd(pipeline, config, q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens):
+@_differentiable.def_fwd
+def _vjp_fwd(perturbed, diff, pipeline: KDAPipeline, config: KDAConfig, cu_seqlens):
+    del perturbed
     # Whole: in a training step XLA then shares F3/F4 with B0's recompute (the CPU step was
     # ~15% slower with a tiled forward; a tiled B1-B5 too was still 5-10% slower).
-    pipeline = pipeline.untiled()
-    o, final, res = pipeline.run_forward(config, q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens)
+    o, final, res = pipeline.untiled().run_forward(config, *diff, cu_seqlens)
     if not config.disable_recompute:
         # Keep what FLA keeps (inputs, G, Aqk, Akk, l2norm statistics, h0); B0 rebuilds the rest.
         res = eqx.tree_at(lambda r: r.cache, res, None, is_leaf=lambda x: x is None)
     return (o, final), res
 
 
-def _vjp_bwd(pipeline, config, res, cotangents):
+@_differentiable.def_bwd
+def _vjp_bwd(res, cotangents, perturbed, diff, pipeline: KDAPipeline, config: KDAConfig, cu_seqlens):
+    del perturbed
     do, dht = cotangents
+    if do is None:  # only the final state carries a loss
+        L = res.layout
+        do = jnp.zeros((L.valid.shape[0] if L.pos is None else 1, L.T) + res.v.shape[1:2] + res.v.shape[-1:], res.h0.dtype)
     grads = pipeline.backward(res, do, dht if config.output_final_state else None)
     out = (grads.q, grads.k, grads.v, grads.g, grads.beta, grads.initial_state, grads.A_log, grads.dt_bias)
-    out = tuple(None if d is None else x.astype(d) for x, d in zip(out, res.in_dtypes))
-    return out + (None,)
+    return tuple(None if d is None or x is None else x.astype(d) for x, d in zip(out, res.in_dtypes))
 
 
-_chunk_kda_vjp.defvjp(_vjp_fwd, _vjp_bwd)
+def _prepare(q, k, v, g, beta, **options):
+    """``(config, args)`` of ``_prepare_options`` from keyword options."""
+    return _prepare_options(q, k, v, g, beta, KDAOptions.from_kwargs(**options))[:2]
 
 
-def _prepare(
-    q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-    use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
-    lower_bound=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False,
-    cu_seqlens=None, chunk_size=64, disable_recompute=False, state_v_first=False,
-):
-    dims = validate_kda_args(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state,
-        use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
-        lower_bound=lower_bound, cu_seqlens=cu_seqlens, state_v_first=state_v_first,
-        safe_gate=safe_gate, chunk_size=chunk_size,
-    )
-    config = KDAConfig(
-        scale=dims.scale, chunk_size=chunk_size, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_gate_in_kernel=use_gate_in_kernel,
-        lower_bound=None if lower_bound is None else float(lower_bound),
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-        safe_gate=safe_gate, output_final_state=output_final_state, disable_recompute=disable_recompute,
-    )
+def _prepare_options(q, k, v, g, beta, options: KDAOptions):
+    """Validated ``(config, (q, k, v, g, beta, h0 [N, HV, K, V], A_log [HV], dt_bias, cu),
+    normalised options)``."""
+    dims, opts = validate(q, k, v, g, beta, options)
+    config = opts.config(dims.scale)
     asarr = lambda x: None if x is None else jnp.asarray(x)
-    h0 = asarr(initial_state)
-    if h0 is not None and state_v_first:
+    h0 = asarr(opts.initial_state)
+    if h0 is not None and opts.state_v_first:
         h0 = jnp.swapaxes(h0, -1, -2)
-    cu = None if cu_seqlens is None else jnp.asarray(cu_seqlens, jnp.int32)
-    args = (asarr(q), asarr(k), asarr(v), asarr(g), asarr(beta), h0, asarr(A_log), asarr(dt_bias), cu)
-    return config, args
+    args = (asarr(q), asarr(k), asarr(v), asarr(g), asarr(beta), h0, asarr(opts.A_log), asarr(opts.dt_bias),
+            opts.cu_seqlens)
+    return config, args, opts
 
 
 def default_pipeline() -> KDAPipeline:
-    """The pipeline ``chunk_kda(pipeline=None)`` uses on this platform."""
+    """The pipeline ``chunk_kda(pipeline=None)`` uses: ``KDAPipeline.reference()`` (every
+    stage in plain jnp; on CPU the forward in cache-sized tiles) on every platform. For
+    the Pallas kernels pass ``pipeline=KDAPipeline.pallas()``."""
     return KDAPipeline.reference()
+
+
+def _fla_only(return_intermediate_states, cp_context, use_graph, max_num_seqs, N: int) -> None:
+    """FLA's arguments that kdax takes for positional compatibility (docs/fla_arguments.md)."""
+    if return_intermediate_states:
+        raise ValueError("return_intermediate_states: not supported by chunk_kda; use KDAPipeline.forward and "
+                         "residuals.read('h') for the state at each chunk's start.")
+    if cp_context is not None:
+        raise ValueError("cp_context: FLA's context parallelism is not supported by kdax's chunk_kda.")
+    del use_graph  # kdax's varlen shapes never depend on cu_seqlens' values: always graph-safe
+    if max_num_seqs is not None and max_num_seqs != N:
+        raise ValueError(f"max_num_seqs: must equal the number of sequences len(cu_seqlens) - 1 = {N}, "
+                         f"got {max_num_seqs} (pad cu_seqlens with empty sequences instead).")
 
 
 @typecheck
@@ -473,55 +759,69 @@ def chunk_kda(
     v: Values,
     g: Gate,
     beta: Beta,
-    *,
-    scale: Optional[float] = None,
+    scale: Optional[Scalar] = None,
     initial_state: Optional[State] = None,
     output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
     use_gate_in_kernel: bool = False,
-    A_log: Optional[ALog] = None,
-    dt_bias: Optional[Float[ArrayIn, "_"]] = None,
-    lower_bound: Optional[float] = None,
     use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
     safe_gate: bool = False,
-    cu_seqlens: Optional[CuSeqlens] = None,
-    chunk_size: int = 64,
+    lower_bound: Optional[Union[float, int]] = None,
     disable_recompute: bool = False,
+    return_intermediate_states: bool = False,
     state_v_first: bool = False,
+    cu_seqlens: Optional[CuSeqlensIn] = None,
+    cu_seqlens_cpu: Optional[CuSeqlensIn] = None,
+    cp_context: None = None,
+    use_graph: bool = False,
+    max_num_seqs: Optional[int] = None,
+    *,
+    A_log: Optional[ALogIn] = None,
+    dt_bias: Optional[Float[ArrayIn, "_"]] = None,
+    chunk_size: int = 64,
     pipeline: Optional[KDAPipeline] = None,
+    transpose_state_layout: Optional[bool] = None,
 ) -> tuple[Float[ArrayIn, "B T HV V"], Optional[Float[ArrayIn, "N HV _S1 _S2"]]]:
-    """Chunked KDA (FLA's ``chunk_kda`` arguments and layouts).
+    """Chunked KDA (FLA's ``chunk_kda`` arguments, order and layouts: the arguments after
+    ``beta`` may be given positionally in FLA's order; see docs/fla_arguments.md).
 
     q, k ``[B, T, H, K]``; v ``[B, T, HV, V]`` (HV a multiple of H); g ``[B, T, HV, K]``
     (log decay, or the raw gate input with ``use_gate_in_kernel``: softplus gate with
-    ``A_log [HV]`` and optional ``dt_bias [HV*K]``, lower-bound gate whenever
-    ``lower_bound`` is set); beta ``[B, T, HV]`` (raw with ``use_beta_sigmoid_in_kernel``);
-    states ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``); ``cu_seqlens``
-    ``[N + 1]`` packs N sequences into B == 1. ``chunk_size`` in {16, 32, 64, 128}.
-    ``safe_gate`` is FLA's promise that the gate lies in about [-5, 0); kdax's kernels are
-    exact for any gate, so it only adds FLA's check that ``lower_bound`` is set.
+    ``A_log [HV]`` (or ``[1, 1, HV, 1]``) and optional ``dt_bias [HV*K]``, lower-bound gate
+    whenever ``lower_bound`` is set); beta ``[B, T, HV]`` (raw with
+    ``use_beta_sigmoid_in_kernel``); states ``[N, HV, K, V]`` (``[N, HV, V, K]`` with
+    ``state_v_first``; ``transpose_state_layout`` is its deprecated FLA alias);
+    ``cu_seqlens`` ``[N + 1]`` (array, list or tuple; checked inside the compiled program
+    when traced) packs N sequences into B == 1. ``chunk_size`` in {16, 32, 64, 128}.
+    ``safe_gate`` is FLA's promise that the gate lies in ``[lower_bound, 0)`` with
+    ``-5 <= lower_bound < 0``; kdax's kernels are exact for any gate, so it only adds FLA's
+    checks. ``scale``: any real number (Python, numpy, concrete 0-d JAX), default K^-1/2.
+    FLA's ``cu_seqlens_cpu`` and ``use_graph`` are accepted and need nothing;
+    ``return_intermediate_states`` and ``cp_context`` are refused.
 
     Returns ``o [B, T, HV, V]`` in v's dtype and the final state (float32, or float64 for
     float64 inputs) or None. ``jax.grad`` runs the six-stage backward of ``pipeline``
-    (default: ``default_pipeline()``); ``disable_recompute=True`` keeps the forward
-    intermediates instead of recomputing them.
+    (default: ``default_pipeline()``; its arrays are not differentiated);
+    ``disable_recompute=True`` keeps the forward intermediates instead of recomputing them.
+    Zero-size inputs (B, T, K or V = 0) give zero outputs and pass the states through.
     """
-    config, args = _prepare(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-        safe_gate=safe_gate, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-        disable_recompute=disable_recompute, state_v_first=state_v_first,
-    )
+    kw = dict(locals())
+    if transpose_state_layout is not None:
+        kw = resolve_deprecated({**kw, "transpose_state_layout": transpose_state_layout})
+    options = KDAOptions(**{n: kw[n] for n in KDAOptions.names()})
+    config, args, opts = _prepare_options(q, k, v, g, beta, options)
+    q, k, v, g, beta, h0, A_log, dt_bias, cu = args
+    N = v.shape[0] if cu is None else cu.shape[0] - 1
+    _fla_only(return_intermediate_states, cp_context, use_graph, max_num_seqs, N)
     pipeline = default_pipeline() if pipeline is None else pipeline
-    if q.shape[1] == 0:
-        # No tokens (every sequence empty): nothing for any stage to do; every state
+    if not isinstance(pipeline, KDAPipeline):
+        raise TypeError(f"pipeline: expected a KDAPipeline, got {type(pipeline).__name__}.")
+    B, T, _, K = q.shape
+    if 0 in (B, T, K, v.shape[-1]):
+        # Nothing for any stage to do: o is zero (empty sums, or no tokens), every state
         # passes through unchanged, and so does its gradient.
-        q, k, v, g, beta, h0, _, _, cu = args
-        N = v.shape[0] if cu is None else cu.shape[0] - 1
-        final = _initial_states(h0, (N, v.shape[2], q.shape[-1], v.shape[-1]), compute_dtype(q, k, v, g, beta, h0))
-        return jnp.zeros(v.shape, v.dtype), _final_out(final, config, state_v_first)
-    o, final = _chunk_kda_vjp(pipeline, config, *args)
-    return o, _final_out(final, config, state_v_first)
+        final = _initial_states(h0, (N, v.shape[2], K, v.shape[-1]), compute_dtype(q, k, v, g, beta, h0))
+        return jnp.zeros(v.shape, v.dtype), _final_out(final, config, opts.state_v_first)
+    o, final = _differentiable((q, k, v, g, beta, h0, A_log, dt_bias), _no_grad(pipeline), config, cu)
+    return o, _final_out(final, config, opts.state_v_first)

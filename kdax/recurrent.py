@@ -1,12 +1,13 @@
 """Fused recurrent KDA: the token-by-token path for inference, decoding and varlen."""
 
-from typing import Optional
+from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
 
-from ._typing import ALog, ArrayIn, Beta, CuSeqlens, Float, Gate, QK, State, Values, typecheck
-from ._validate import validate_kda_args
+from ._config import KDAOptions
+from ._typing import ALogIn, ArrayIn, Beta, CuSeqlensIn, Float, Gate, QK, Scalar, State, Values, typecheck
+from ._validate import resolve_deprecated, validate
 from .ref._gates import beta_activation, kda_gate, l2norm
 from .ref._recurrent import compute_dtype, expand_heads, recurrent_step
 
@@ -53,34 +54,41 @@ def fused_recurrent_kda(
     v: Values,
     g: Gate,
     beta: Beta,
-    *,
-    scale: Optional[float] = None,
+    A_log: Optional[ALogIn] = None,
+    dt_bias: Optional[Float[ArrayIn, "_"]] = None,
+    scale: Optional[Scalar] = None,
     initial_state: Optional[State] = None,
     output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
     use_gate_in_kernel: bool = False,
-    A_log: Optional[ALog] = None,
-    dt_bias: Optional[Float[ArrayIn, "_"]] = None,
-    lower_bound: Optional[float] = None,
     use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
-    cu_seqlens: Optional[CuSeqlens] = None,
+    lower_bound: Optional[Union[float, int]] = None,
     state_v_first: bool = False,
+    cu_seqlens: Optional[CuSeqlensIn] = None,
+    *,
+    transpose_state_layout: Optional[bool] = None,
 ) -> tuple[Float[ArrayIn, "B T HV V"], Optional[Float[ArrayIn, "N HV _S1 _S2"]]]:
     """KDA token by token (a ``lax.scan``); differentiable by JAX autodiff and jit-safe.
+    FLA's ``fused_recurrent_kda`` arguments, order and layouts (the arguments after
+    ``beta`` may be given positionally in FLA's order).
 
     q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g ``[B, T, HV, K]`` (log decay, or raw gate
     input with ``use_gate_in_kernel``); beta ``[B, T, HV]``; initial/final state
     ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``), N = B or the number of
     packed sequences with ``cu_seqlens`` ``[N + 1]`` (B must be 1; its values are data, so
     new values do not recompile). Returns ``o [B, T, HV, V]`` in v's dtype and the final
-    state (float32, or float64 for float64 inputs) when ``output_final_state``.
+    state (float32, or float64 for float64 inputs) when ``output_final_state``. The
+    options are ``chunk_kda``'s (``kdax.KDAOptions``) without ``safe_gate``, ``chunk_size``
+    and ``disable_recompute``; ``transpose_state_layout`` is FLA's deprecated alias of
+    ``state_v_first``.
     """
-    dims = validate_kda_args(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state,
-        use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
-        lower_bound=lower_bound, cu_seqlens=cu_seqlens, state_v_first=state_v_first,
-    )
+    kw = dict(locals())
+    if transpose_state_layout is not None:
+        kw = resolve_deprecated({**kw, "transpose_state_layout": transpose_state_layout})
+    options = KDAOptions(**{n: kw[n] for n in KDAOptions.names() if n in kw})
+    dims, options = validate(q, k, v, g, beta, options, chunked=False)
+    A_log, cu_seqlens, state_v_first = options.A_log, options.cu_seqlens, options.state_v_first
     dt = compute_dtype(q, k, v, g, beta, initial_state)
     q, k, g, b = activate_inputs(
         q, k, g, beta, dt, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,

@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from .._errors import UnsupportedCase
+
 TARGETS = ("tpu", "triton")
 
 
@@ -32,10 +34,12 @@ def check_target(target: str) -> str:
 
 
 class PallasTarget(eqx.Module):
-    """The fields every Pallas stage has: the kernel target and interpret mode."""
+    """The fields every Pallas stage has: the kernel target and interpret mode (None:
+    interpret exactly when no accelerator of the target's kind is present, so a stage
+    built directly on a GPU compiles its Triton kernels)."""
 
     target: str = eqx.field(static=True, default="tpu")
-    interpret: bool = eqx.field(static=True, default=True)
+    interpret: Optional[bool] = eqx.field(static=True, default=None)
 
     def __check_init__(self):
         check_target(self.target)
@@ -81,6 +85,16 @@ def compiler_params(target: str, sequential_last: bool, ndim: int):
     return pltr.CompilerParams(num_warps=4, num_stages=1)
 
 
+def kernel_name(kernel) -> str:
+    """``kdax_<stage class>_<kernel function>`` from the kernel's qualified name (through
+    ``functools.partial``), e.g. ``kdax_PallasIntra_kernel`` or ``kdax_dhu_body``."""
+    fn = kernel
+    while hasattr(fn, "func"):
+        fn = fn.func
+    qual = getattr(fn, "__qualname__", "kernel").replace(".<locals>", "").replace(".__call__", "")
+    return "kdax_" + qual.replace(".", "_").strip("_")
+
+
 def pow2(n: int, floor: int = 16) -> int:
     return max(floor, 1 << (max(n, 1) - 1).bit_length())
 
@@ -93,14 +107,14 @@ TRITON_MAX_WIDTH = 128
 
 def check_width(stage: str, target: str, **widths: int) -> None:
     """Triton: refuse feature widths beyond ``TRITON_MAX_WIDTH`` before any kernel is built,
-    with ``NotImplementedError`` so that ``KDAPipeline.pallas()`` falls back to the
+    with ``kdax.UnsupportedCase`` so that ``KDAPipeline.pallas()`` falls back to the
     reference stage (a kernel that asks for too much shared memory fails only at run time)."""
     if target != "triton":
         return
     wide = {n: w for n, w in widths.items() if pow2(w) > TRITON_MAX_WIDTH}
     if wide:
         got = ", ".join(f"{n}={w}" for n, w in wide.items())
-        raise NotImplementedError(
+        raise UnsupportedCase(
             f"{stage}: the Triton kernels take K and V up to {TRITON_MAX_WIDTH} (one program's shared "
             f"memory on Hopper), got {got}; use the reference stage."
         )
@@ -146,9 +160,11 @@ def head_spec(block, HV: int):
 
 
 def chunk_call(kernel, inputs, specs, out_blocks, P: int, NC: int, dtype, target: str, interpret: bool):
-    """Run ``kernel`` over the grid (P, NC); every output is ``[P, NC, *block]``."""
+    """Run ``kernel`` over the grid (P, NC); every output is ``[P, NC, *block]``. The call
+    is named after the kernel (profiles, the shared-memory test)."""
     return pl.pallas_call(
         kernel,
+        name=kernel_name(kernel),
         out_shape=[jax.ShapeDtypeStruct((P, NC) + tuple(b), dtype) for b in out_blocks],
         grid=(P, NC),
         in_specs=specs,

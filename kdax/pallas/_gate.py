@@ -5,7 +5,7 @@ ones, which both lowerings support; sums over a chunk for dA_log / ddt_bias are 
 per block and added up outside the kernel.
 """
 
-from typing import Optional
+from typing import ClassVar, Optional
 
 import jax.numpy as jnp
 from jaxtyping import Array, Float
@@ -105,6 +105,8 @@ def _take_params(cfg, refs, A_log, dt_bias):
 
 class PallasGate(AbstractGate, PallasTarget):
     """F1 as a Pallas kernel over (row * head, chunk)."""
+
+    tile_safe: ClassVar[bool] = True
 
     @typecheck
     def __call__(

@@ -9,6 +9,8 @@ block alive (B4 at chunk 128 in float64 asked for 1040 KiB of shared memory) and
 minutes to compile at chunk 128.
 """
 
+from typing import ClassVar
+
 import equinox as eqx
 import jax.numpy as jnp
 
@@ -111,6 +113,8 @@ def pair_cols_body(S, a, G, block: int):
 
 class PallasIntra(AbstractIntra, PallasTarget):
     """F2 as a Pallas kernel over (row * head, chunk)."""
+
+    tile_safe: ClassVar[bool] = True
 
     block: int = eqx.field(static=True, default=16)
 

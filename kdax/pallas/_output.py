@@ -1,5 +1,7 @@
 """Pallas output family: F5 (o) and B1 (dAv), one (p, chunk) block per program."""
 
+from typing import ClassVar
+
 import jax.numpy as jnp
 
 from .._typing import ChunkK, ChunkMat, ChunkState, ChunkV, typecheck
@@ -9,6 +11,8 @@ from ._common import PallasTarget, check_width, chunk_call, chunk_spec, dot, fea
 
 class PallasOutput(AbstractOutput, PallasTarget):
     """F5: ``o = scale qg h + Aqk v_new``."""
+
+    tile_safe: ClassVar[bool] = True
 
     @typecheck
     def __call__(

@@ -1,18 +1,23 @@
-"""Pallas B0: recompute w, u, qg, kg, h, v_new with the Pallas F3 and F4 kernels."""
+"""Pallas B0: recompute w, u, qg, kg, h, v_new with the pipeline's F3 and F4 (by default
+the Pallas F3 and F4 kernels of this stage's target)."""
 
+from typing import Optional
 
 from .._layout import ChunkLayout
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkV, SeqState, typecheck
 from ..stages._recompute import AbstractRecompute, recompute_with
+from ..stages._state import AbstractState
 from ..stages._types import StateOut, WYOut
+from ..stages._wy import AbstractWY
 from ._common import PallasTarget
 from ._state import PallasState
 from ._wy import PallasWY
 
 
 class PallasRecompute(AbstractRecompute, PallasTarget):
-    """B0 by re-running ``PallasWY`` and ``PallasState`` (dense layout; varlen raises
-    ``NotImplementedError`` from the state kernel)."""
+    """B0 by re-running the given F3 and F4; called directly without them, ``PallasWY``
+    and ``PallasState`` of this target (dense layout; varlen raises ``UnsupportedCase``
+    from the state kernel)."""
 
     @typecheck
     def __call__(
@@ -25,6 +30,11 @@ class PallasRecompute(AbstractRecompute, PallasTarget):
         Akk: ChunkMat,
         h0: SeqState,
         layout: ChunkLayout,
+        *,
+        wy: Optional[AbstractWY] = None,
+        state: Optional[AbstractState] = None,
     ) -> tuple[WYOut, StateOut]:
         kw = dict(target=self.target, interpret=self.interpret)
-        return recompute_with(PallasWY(**kw), PallasState(**kw), q, k, v, beta, G, Akk, h0, layout)
+        wy = PallasWY(**kw) if wy is None else wy
+        state = PallasState(**kw) if state is None else state
+        return recompute_with(wy, state, q, k, v, beta, G, Akk, h0, layout)

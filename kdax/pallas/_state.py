@@ -3,34 +3,37 @@
 TPU: grid (row * head, chunk) with the chunk axis sequential ("arbitrary") and the state
 carried in a VMEM scratch; dense layout only (one sequence per row): packed varlen needs
 per-chunk resets addressed by scalar prefetch, not implemented, so it raises
-``NotImplementedError`` and ``KDAPipeline.pallas`` falls back to the reference stage.
+``kdax.UnsupportedCase`` and ``KDAPipeline.pallas`` falls back to the reference stage.
 Triton: one program per (row, head, block of ``block_v`` value columns) that loops over
 chunks (no scratch), reading chunk blocks with ``pl.ds`` and the sequence boundaries
 (``layout.first`` / ``layout.last``) as scalars, so it runs dense and packed varlen alike.
 """
 
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from .._errors import UnsupportedCase
 from .._layout import ChunkLayout
 from .._typing import ChunkK, ChunkV, SeqState, typecheck
 from ..stages._state import AbstractDhu, AbstractState
 from ..stages._types import DhuOut, StateOut
 from ._common import (
-    PallasValueBlocks, check_width, chunk_spec, compiler_params, dot, feature_pad, flat, idiv, loop, unflat,
+    PallasValueBlocks, check_width, chunk_spec, compiler_params, dot, feature_pad, flat, idiv, kernel_name, loop, unflat,
 )
 
 
 def _check_dense(stage: str, layout: ChunkLayout, NC: int):
     if not layout.dense:
-        raise NotImplementedError(
+        raise UnsupportedCase(
             f"{stage}: a layout other than one sequence per row (packed varlen input, "
             "cu_seqlens) needs per-chunk sequence resets, which this kernel does not "
             "implement; use the reference stage."
         )
     if NC == 0:
-        raise NotImplementedError(f"{stage}: T == 0 leaves no chunk to run a kernel on.")
+        raise UnsupportedCase(f"{stage}: T == 0 leaves no chunk to run a kernel on.")
 
 
 def _gamma_col(G, target):
@@ -62,7 +65,7 @@ def _run_tpu(kernel, ins, in_blocks, out_blocks, P, NC, dtype, state_shape, inte
 
     out_shape = [jax.ShapeDtypeStruct((P,) + ((NC,) if k == "c" else ()) + b, dtype) for k, b in out_blocks]
     return pl.pallas_call(
-        kernel, out_shape=out_shape, grid=(P, NC),
+        kernel, out_shape=out_shape, grid=(P, NC), name=kernel_name(kernel),
         in_specs=[spec(k, b) for k, b in in_blocks], out_specs=[spec(k, b) for k, b in out_blocks],
         scratch_shapes=[pltpu.VMEM(state_shape, dtype)], interpret=interpret,
         compiler_params=None if interpret else compiler_params("tpu", True, 2),
@@ -75,7 +78,7 @@ def _run_triton(kernel, ins, out_shapes, P, NV, dtype, interpret):
     them halves each program's shared memory and doubles the programs (more parallel
     work for a GPU at small batch)."""
     return pl.pallas_call(
-        kernel, out_shape=[jax.ShapeDtypeStruct(s, dtype) for s in out_shapes], grid=(P, NV),
+        kernel, out_shape=[jax.ShapeDtypeStruct(s, dtype) for s in out_shapes], grid=(P, NV), name=kernel_name(kernel),
         interpret=interpret, compiler_params=None if interpret else compiler_params("triton", False, 1),
     )(*ins)
 
@@ -88,6 +91,8 @@ def _tokens(x):
 class PallasState(AbstractState, PallasValueBlocks):
     """F4 as a Pallas kernel (TPU: dense layout; Triton: dense and packed varlen, one
     program per row and block of ``block_v`` value columns)."""
+
+    tile_safe: ClassVar[bool] = True
 
     @typecheck
     def __call__(

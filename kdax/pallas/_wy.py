@@ -1,5 +1,7 @@
 """Pallas WY family: F3 (w, u, qg, kg) and B3 (wy_dqkg), one (p, chunk) block per program."""
 
+from typing import ClassVar
+
 import jax.numpy as jnp
 
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, typecheck
@@ -62,6 +64,8 @@ def wy_dqkg_body(scale, q, k, beta, G, Akk, qg, kg, v_ref, h_ref, dh_ref, vn_ref
 
 class PallasWY(AbstractWY, PallasTarget):
     """F3 as a Pallas kernel over (row * head, chunk)."""
+
+    tile_safe: ClassVar[bool] = True
 
     @typecheck
     def __call__(

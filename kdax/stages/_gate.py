@@ -1,7 +1,7 @@
 """Gate family: F1 (input activations + chunk-local cumsum) and B5 (their backward)."""
 
 import abc
-from typing import Optional
+from typing import ClassVar, Optional
 
 import equinox as eqx
 import jax
@@ -30,7 +30,22 @@ def activated_gate(config: KDAConfig, g, A_log, dt_bias, valid):
 
 
 class AbstractGate(eqx.Module):
-    """F1: in-kernel activations (l2norm of q/k, gate, beta sigmoid) and ``G``."""
+    """F1: in-kernel activations (l2norm of q/k, gate, beta sigmoid) and ``G``.
+
+    Arguments (chunked layout, compute dtype; docs/stages.md §1): ``config`` the call's
+    static options; ``q``, ``k`` ``[R, HV, NC, C, K]`` raw (q/k heads already repeated to
+    HV); ``g`` ``[R, HV, NC, C, K]`` the per-token log decay, or the raw gate input when
+    ``config.use_gate_in_kernel``; ``beta`` ``[R, HV, NC, C]`` raw; ``A_log`` ``[HV]`` or
+    None; ``dt_bias`` ``[HV * K]`` or None; ``valid`` ``[R, NC, C]`` real tokens.
+
+    Returns ``Activated``: q, k (l2-normalised if asked), beta (sigmoid / 2 sigmoid if
+    asked), ``G`` the chunk-local inclusive cumsum of the activated log decay (natural
+    log, 0 at padding, non-increasing), ``q_rstd``/``k_rstd`` ``[R, HV, NC, C, 1]`` with
+    in-kernel l2norm, else None."""
+
+    # Whether the stage may be called on a tile (a few chunks at a time, the state carried
+    # in h0): see docs/stages.md. A pipeline runs its forward whole if any stage is not.
+    tile_safe: ClassVar[bool] = False
 
     @abc.abstractmethod
     def __call__(
@@ -49,6 +64,8 @@ class AbstractGate(eqx.Module):
 
 class ReferenceGate(AbstractGate):
     """F1 in plain jnp; the chunk cumsum ``group`` chunks at a time (see ``over_chunks``)."""
+
+    tile_safe: ClassVar[bool] = True
 
     group: Optional[int] = eqx.field(static=True, default=16)
 
@@ -85,8 +102,17 @@ def chunk_cumsum(x, reverse: bool = False, group: Optional[int] = None):
 
 
 class AbstractGateBackward(eqx.Module):
-    """B5: reverse chunk-local cumsum of dG, then the backward of the gate activation
-    (with dA_log, ddt_bias), of the beta sigmoid and of the q/k l2norm."""
+    """B5: the VJP of F1. Reverse chunk-local cumsum of ``dG``, then the backward of the
+    gate activation (with dA_log, ddt_bias), of the beta sigmoid and of the q/k l2norm.
+
+    Arguments: ``config``; ``act`` F1's output; ``g`` ``[R, HV, NC, C, K]`` the raw gate
+    input (None unless ``use_gate_in_kernel``); ``A_log`` ``[HV]``/``dt_bias``
+    ``[HV * K]`` or None; ``valid`` ``[R, NC, C]``; ``dq``, ``dk``, ``dbeta``, ``dG``: the
+    gradients with respect to F1's outputs (B4's).
+
+    Returns ``RawGrads``: dq, dk, dg ``[R, HV, NC, C, K]`` and dbeta ``[R, HV, NC, C]``
+    with respect to the raw inputs (zero at padding); ``dA_log`` ``[HV]`` and
+    ``ddt_bias`` ``[HV * K]`` when the in-kernel gate uses them, else None."""
 
     @abc.abstractmethod
     def __call__(

@@ -11,7 +11,7 @@ one exponential per entry of ``[C, K]`` (``log2 C`` in all) and no masked-out wo
 """
 
 import abc
-from typing import Optional
+from typing import ClassVar, Optional
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -158,7 +158,18 @@ def unit_lower_inverse(L):
 
 
 class AbstractIntra(eqx.Module):
-    """F2: ``Aqk`` and ``Akk`` from the activated q, k, beta and G."""
+    """F2: ``Aqk`` and ``Akk`` from the activated q, k, beta and G.
+
+    Arguments: ``scale``; activated ``q``, ``k`` ``[R, HV, NC, C, K]``; ``beta``
+    ``[R, HV, NC, C]``; ``G`` ``[R, HV, NC, C, K]`` (F1).
+
+    Returns ``IntraOut``: ``Aqk[i, j] = scale sum_d q_id k_jd exp(G_id - G_jd)`` for
+    j <= i, zero above the diagonal (already scaled); ``Akk = (I + L)^-1`` with the strictly
+    lower ``L[i, j] = beta_i sum_d k_id k_jd exp(G_id - G_jd)``; both ``[R, HV, NC, C, C]``."""
+
+    # Whether the stage may be called on a tile (a few chunks at a time, the state carried
+    # in h0): see docs/stages.md. A pipeline runs its forward whole if any stage is not.
+    tile_safe: ClassVar[bool] = False
 
     @abc.abstractmethod
     def __call__(
@@ -175,6 +186,8 @@ class AbstractIntra(eqx.Module):
 class ReferenceIntra(AbstractIntra):
     """F2 in jnp by recursive halving, ``group`` chunks at a time (None: all at once; see
     ``over_chunks``)."""
+
+    tile_safe: ClassVar[bool] = True
 
     group: Optional[int] = eqx.field(static=True, default=16)
 
@@ -196,8 +209,15 @@ class ReferenceIntra(AbstractIntra):
 
 
 class AbstractIntraBackward(eqx.Module):
-    """B4: the intra-chunk parts of dq, dk, dbeta, dG from ``dAqk`` and ``dL``, added to
-    the inter-chunk gradients ``grads`` coming from B3."""
+    """B4: the VJP of F2. The intra-chunk parts of dq, dk, dbeta, dG from ``dAqk``
+    (``[R, HV, NC, C, C]``, gradient of the scaled ``Aqk``) and ``grads.dL`` (gradient of
+    the strictly lower ``L``), added to the inter-chunk gradients ``grads`` from B3.
+
+    Arguments: ``scale``, activated ``q``, ``k``, ``beta``, ``G`` as F2; ``dAqk``;
+    ``grads`` (``ChunkGrads`` from B3, ``dL`` set).
+
+    Returns ``ChunkGrads``: B3's dq, dk, dbeta, dG plus the intra parts; ``dv`` passed
+    through; ``dL`` may be None (it is consumed here)."""
 
     @abc.abstractmethod
     def __call__(

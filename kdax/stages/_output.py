@@ -2,7 +2,7 @@
 
 import abc
 import functools
-from typing import Optional
+from typing import ClassVar, Optional
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -12,7 +12,17 @@ from ._ops import full_precision, mT, over_chunks, tri_mask
 
 
 class AbstractOutput(eqx.Module):
-    """F5: ``o = scale qg h + Aqk v_new``."""
+    """F5: ``o = scale qg h + Aqk v_new``.
+
+    Arguments: ``scale``; ``qg`` ``[R, HV, NC, C, K]`` (F3); ``h`` ``[R, HV, NC, K, V]``
+    the state at each chunk's start (F4); ``Aqk`` ``[.., C, C]`` (F2, already scaled);
+    ``v_new`` ``[.., V]`` (F4).
+
+    Returns ``o`` ``[R, HV, NC, C, V]``."""
+
+    # Whether the stage may be called on a tile (a few chunks at a time, the state carried
+    # in h0): see docs/stages.md. A pipeline runs its forward whole if any stage is not.
+    tile_safe: ClassVar[bool] = False
 
     @abc.abstractmethod
     def __call__(
@@ -33,6 +43,8 @@ def _output_chunk(scale, qg, h, Aqk, v_new):
 class ReferenceOutput(AbstractOutput):
     """F5 in jnp, ``group`` chunks at a time (None: all at once; see ``over_chunks``)."""
 
+    tile_safe: ClassVar[bool] = True
+
     group: Optional[int] = eqx.field(static=True, default=16)
 
     @full_precision
@@ -49,7 +61,12 @@ class ReferenceOutput(AbstractOutput):
 
 
 class AbstractDAv(eqx.Module):
-    """B1: ``dAqk = tril(do v_new^T)`` and the intra-chunk part of dv_new, ``Aqk^T do``."""
+    """B1: the VJP of ``o ⊃ Aqk v_new``.
+
+    Arguments: ``v_new`` ``[R, HV, NC, C, V]``; ``Aqk`` ``[.., C, C]``; ``do`` ``[.., V]``.
+
+    Returns ``(dAqk, dv_intra)``: ``tril(do v_new^T)`` ``[.., C, C]`` (incl. the
+    diagonal; the gradient of the scaled Aqk) and ``Aqk^T do`` ``[.., V]``."""
 
     @abc.abstractmethod
     def __call__(

@@ -1,6 +1,7 @@
 """B0: recompute the forward intermediates the backward needs (w, u, qg, kg, h, v_new)."""
 
 import abc
+from typing import Optional
 
 import equinox as eqx
 
@@ -14,7 +15,22 @@ from ._wy import AbstractWY, ReferenceWY
 
 class AbstractRecompute(eqx.Module):
     """B0: from the saved activated inputs, ``Akk`` and the initial states, rebuild what
-    ``disable_recompute=True`` would have cached."""
+    ``disable_recompute=True`` would have cached: F3 then F4 again.
+
+    Arguments (chunked layout ``[R, HV, NC, C, ...]``, compute dtype): ``q``, ``k``
+    ``[R, HV, NC, C, K]`` activated (after any in-kernel l2norm); ``v`` ``[.., V]``;
+    ``beta`` ``[R, HV, NC, C]`` activated; ``G`` ``[.., K]`` the chunk-local cumulative log
+    decay (natural log); ``Akk`` ``[.., C, C]`` = ``(I + L)^-1``; ``h0`` ``[N, HV, K, V]``
+    the initial state of each sequence; ``layout`` the chunked layout.
+
+    ``wy``, ``state`` (keyword): the F3 and F4 stages the forward ran; a ``KDAPipeline``
+    always passes its own (routed through its fallback and contract checks), so that the
+    backward differentiates exactly the forward that ran. An implementation must return
+    what ``wy`` then ``state`` return (a fused kernel may stand in for them only when it
+    computes the same thing). None (a direct call): the implementation's own default F3/F4.
+
+    Returns ``(WYOut, StateOut)`` as F3 and F4 do.
+    """
 
     @abc.abstractmethod
     def __call__(
@@ -27,17 +43,21 @@ class AbstractRecompute(eqx.Module):
         Akk: ChunkMat,
         h0: SeqState,
         layout: ChunkLayout,
+        *,
+        wy: Optional[AbstractWY] = None,
+        state: Optional[AbstractState] = None,
     ) -> tuple[WYOut, StateOut]:
         raise NotImplementedError
 
 
 def recompute_with(wy: AbstractWY, state: AbstractState, q, k, v, beta, G, Akk, h0, layout):
-    out = wy(q, k, v, beta, G, Akk)
-    return out, state(out.w, out.u, out.kg, G, h0, layout)
+    out = wy(q=q, k=k, v=v, beta=beta, G=G, Akk=Akk)
+    return out, state(w=out.w, u=out.u, kg=out.kg, G=G, h0=h0, layout=layout)
 
 
 class ReferenceRecompute(AbstractRecompute):
-    """B0 by re-running the reference F3 and F4."""
+    """B0 by re-running the given F3 and F4 (``ReferenceWY``, ``ReferenceState`` when none
+    are given)."""
 
     @full_precision
     @typecheck
@@ -51,5 +71,10 @@ class ReferenceRecompute(AbstractRecompute):
         Akk: ChunkMat,
         h0: SeqState,
         layout: ChunkLayout,
+        *,
+        wy: Optional[AbstractWY] = None,
+        state: Optional[AbstractState] = None,
     ) -> tuple[WYOut, StateOut]:
-        return recompute_with(ReferenceWY(), ReferenceState(), q, k, v, beta, G, Akk, h0, layout)
+        wy = ReferenceWY() if wy is None else wy
+        state = ReferenceState() if state is None else state
+        return recompute_with(wy, state, q, k, v, beta, G, Akk, h0, layout)

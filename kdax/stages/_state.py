@@ -7,6 +7,7 @@ neither.
 """
 
 import abc
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -39,7 +40,20 @@ def _scatter(table, ids, rows):
 
 
 class AbstractState(eqx.Module):
-    """F4: ``v_new = u - w h``; ``h <- e^Γ h + kg^T v_new`` chunk by chunk."""
+    """F4: the recurrence over chunks. With ``h`` the state at a chunk's start
+    (``h0`` of the sequence at its first chunk, ``layout.first``): ``v_new = u - w h`` and
+    ``h <- e^Γ h + kg^T v_new`` (``e^Γ`` scales the K rows).
+
+    Arguments: ``w``, ``kg`` ``[R, HV, NC, C, K]``, ``u`` ``[.., V]`` (F3); ``G`` (F1);
+    ``h0`` ``[N, HV, K, V]`` each sequence's initial state; ``layout``.
+
+    Returns ``StateOut``: ``h`` ``[R, HV, NC, K, V]`` the state at each chunk's *start*;
+    ``v_new`` ``[.., V]``; ``final`` ``[N, HV, K, V]`` (a sequence of length 0 keeps its
+    ``h0``)."""
+
+    # Whether the stage may be called on a tile (a few chunks at a time, the state carried
+    # in h0): see docs/stages.md. A pipeline runs its forward whole if any stage is not.
+    tile_safe: ClassVar[bool] = False
 
     @abc.abstractmethod
     def __call__(
@@ -58,6 +72,8 @@ class ReferenceState(AbstractState):
     """F4 as a loop over chunks; unrolled for at most ``unroll`` chunks (a forward tile),
     which writes ``h`` and ``v_new`` once by stacking instead of into zero-filled buffers
     chunk by chunk (the tiled CPU forward 5% faster)."""
+
+    tile_safe: ClassVar[bool] = True
 
     unroll: int = eqx.field(static=True, default=8)
 
@@ -109,7 +125,14 @@ class ReferenceState(AbstractState):
 class AbstractDhu(eqx.Module):
     """B2: reverse over chunks. ``dv_new = dv_intra + kg dh``; the gradient of the state at
     a chunk's start is ``e^Γ dh + scale qg^T do - w^T dv_new`` where ``dh`` is that at the
-    chunk's end (``dht`` of the sequence at its last chunk)."""
+    chunk's end (``dht`` of the sequence at its last chunk).
+
+    Arguments: ``scale``; ``qg``, ``kg``, ``w`` (F3); ``G``; ``do`` ``[R, HV, NC, C, V]``;
+    ``dv_intra`` (B1); ``dht`` ``[N, HV, K, V]`` the final states' cotangent (zeros when
+    none); ``layout``.
+
+    Returns ``DhuOut``: ``dh`` ``[R, HV, NC, K, V]`` at each chunk's *end*, ``dh0``
+    ``[N, HV, K, V]`` (``dht`` for a sequence of length 0), the full ``dv_new``."""
 
     @abc.abstractmethod
     def __call__(

@@ -2,7 +2,7 @@
 
 import abc
 import functools
-from typing import Optional
+from typing import ClassVar, Optional
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -13,7 +13,18 @@ from ._types import ChunkGrads, WYOut
 
 
 class AbstractWY(eqx.Module):
-    """F3: ``w = Akk (beta k e^G)``, ``u = Akk (beta v)``, ``qg = q e^G``, ``kg = k e^(Γ-G)``."""
+    """F3: the WY form of a chunk's writes, and the decayed q and k.
+
+    Arguments: activated ``q``, ``k`` ``[R, HV, NC, C, K]``; ``v`` ``[R, HV, NC, C, V]``;
+    ``beta`` ``[R, HV, NC, C]``; ``G`` (F1); ``Akk`` ``[R, HV, NC, C, C]`` (F2).
+
+    Returns ``WYOut``: ``w = Akk (beta k e^G)`` ``[.., K]`` and ``u = Akk (beta v)``
+    ``[.., V]`` (the corrected writes are ``u - w h``, h the chunk's start state);
+    ``qg = q e^G`` and ``kg = k e^(Γ - G)`` ``[.., K]`` (Γ = G at the chunk's last row)."""
+
+    # Whether the stage may be called on a tile (a few chunks at a time, the state carried
+    # in h0): see docs/stages.md. A pipeline runs its forward whole if any stage is not.
+    tile_safe: ClassVar[bool] = False
 
     @abc.abstractmethod
     def __call__(
@@ -40,6 +51,8 @@ def _wy_chunk(q, k, v, beta, G, Akk, G_last):
 class ReferenceWY(AbstractWY):
     """F3 in jnp, ``group`` chunks at a time (None: all at once; see ``over_chunks``)."""
 
+    tile_safe: ClassVar[bool] = True
+
     group: Optional[int] = eqx.field(static=True, default=16)
 
     @full_precision
@@ -59,8 +72,15 @@ class ReferenceWY(AbstractWY):
 class AbstractWYDqkg(eqx.Module):
     """B3: inter-chunk dq (``o ⊃ scale qg h``), dk/dG (``h_next ⊃ e^Γ h + kg^T v_new``),
     and the WY backward (``v_new = u - w h``; w, u from Akk): dv, dbeta, and
-    ``dL = -Akk^T dAkk Akk^T`` (strictly lower). ``dh`` is the gradient of the state at
-    each chunk's end; ``dv_new`` the full one from B2."""
+    ``dL = -Akk^T dAkk Akk^T`` (strictly lower).
+
+    Arguments: ``scale``, ``q``, ``k``, ``v``, ``beta``, ``G``, ``Akk`` as F3; ``qg``,
+    ``kg`` (F3); ``h`` ``[R, HV, NC, K, V]`` the state at each chunk's start (F4);
+    ``dh`` ``[R, HV, NC, K, V]`` the gradient of the state at each chunk's *end* (B2);
+    ``v_new``; ``do`` ``[R, HV, NC, C, V]``; ``dv_new`` the full one from B2.
+
+    Returns ``ChunkGrads`` (dq, dk ``[.., K]``, dv ``[.., V]``, dbeta, dG ``[.., K]``, dL
+    ``[.., C, C]``): everything but F2's part, which B4 adds."""
 
     @abc.abstractmethod
     def __call__(

@@ -64,7 +64,7 @@ def test_options_against_oracle(pipe, name):
 def test_varlen_falls_back_to_reference_state():
     x, opts = build_case(GRID["varlen"])
     strict = dataclasses.replace(kdax.KDAPipeline.pallas("tpu", interpret=True), fallback=False)
-    with pytest.raises(NotImplementedError, match="packed varlen"):
+    with pytest.raises(kdax.UnsupportedCase, match="packed varlen"):
         run(strict, x, opts)
     o, ht = run(kdax.KDAPipeline.pallas("tpu", interpret=True), x, opts)
     o_ref, ht_ref = run(oracle_kda, x, opts)
@@ -85,7 +85,7 @@ def test_triton_width_limit_falls_back(K, V):
     stage; the default Pallas pipeline runs those stages' references and stays exact."""
     x, opts = build_case(dict(T=20, K=K, V=V, chunk_size=16))
     strict = dataclasses.replace(kdax.KDAPipeline.pallas("triton", interpret=True), fallback=False)
-    with pytest.raises(NotImplementedError, match=r"Pallas\w+: the Triton kernels take K and V up to 128"):
+    with pytest.raises(kdax.UnsupportedCase, match=r"Pallas\w+: the Triton kernels take K and V up to 128"):
         run(strict, x, opts)
     pipe = kdax.KDAPipeline.pallas("triton", interpret=True)
     check_against_oracle(pipe, x, opts)

@@ -1,0 +1,186 @@
+"""What the pipeline checks at each stage boundary: the family of every field, the
+arguments a stage takes (by keyword), and the container, shapes and dtypes it returns.
+
+All of it runs when the pipeline is traced (shapes and dtypes are static), never per
+element at run time.
+"""
+
+import functools
+import inspect
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+
+from ._errors import StageContractError
+from .stages import (
+    AbstractDAv,
+    AbstractDhu,
+    AbstractGate,
+    AbstractGateBackward,
+    AbstractIntra,
+    AbstractIntraBackward,
+    AbstractOutput,
+    AbstractRecompute,
+    AbstractState,
+    AbstractWY,
+    AbstractWYDqkg,
+    Activated,
+    ChunkGrads,
+    DhuOut,
+    IntraOut,
+    RawGrads,
+    StateOut,
+    WYOut,
+)
+
+
+class StageInfo(NamedTuple):
+    step: str  # F1..F5, B0..B5
+    family: type  # the abstract class
+    forward: bool  # a forward stage (F1-F5): subject to tiles
+
+
+STAGES = {
+    "gate": StageInfo("F1", AbstractGate, True),
+    "intra": StageInfo("F2", AbstractIntra, True),
+    "wy": StageInfo("F3", AbstractWY, True),
+    "state": StageInfo("F4", AbstractState, True),
+    "output": StageInfo("F5", AbstractOutput, True),
+    "recompute": StageInfo("B0", AbstractRecompute, False),
+    "dav": StageInfo("B1", AbstractDAv, False),
+    "dhu": StageInfo("B2", AbstractDhu, False),
+    "wy_dqkg": StageInfo("B3", AbstractWYDqkg, False),
+    "intra_bwd": StageInfo("B4", AbstractIntraBackward, False),
+    "gate_bwd": StageInfo("B5", AbstractGateBackward, False),
+}
+
+
+def check_family(name: str, stage: Any) -> None:
+    """``stage`` implements the abstract class of field ``name``."""
+    want = STAGES[name].family
+    if not isinstance(stage, want):
+        raise TypeError(
+            f"KDAPipeline.{name}: expected an implementation of {want.__name__} "
+            f"({STAGES[name].step}), got {type(stage).__module__}.{type(stage).__qualname__}."
+        )
+
+
+@functools.cache
+def _signature(cls: type) -> inspect.Signature:
+    return inspect.signature(cls.__call__)
+
+
+def expected_signature(name: str) -> str:
+    fam = STAGES[name].family
+    params = [p.replace(annotation=inspect.Parameter.empty, default=p.default) for p in _signature(fam).parameters.values()]
+    return f"{fam.__name__}.__call__{inspect.Signature(params)}"
+
+
+def check_arguments(name: str, stage: Any, kwargs: dict) -> None:
+    """The pipeline calls stages by keyword: ``stage.__call__`` must take these names."""
+    try:
+        _signature(type(stage)).bind(stage, **kwargs)
+    except TypeError as e:
+        raise StageContractError(
+            f"KDAPipeline.{name} ({type(stage).__qualname__}): its __call__ does not take the arguments "
+            f"the pipeline passes by keyword ({e}). Expected signature: {expected_signature(name)}."
+        ) from None
+
+
+class Maybe(NamedTuple):
+    """An output that may be None (else must match ``spec``)."""
+
+    spec: Any
+
+
+def _sds(x, shape=None) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(x.shape) if shape is None else tuple(shape), x.dtype)
+
+
+def expected_output(name: str, kw: dict, config) -> Any:
+    """The container, shapes and dtypes stage ``name`` must return for arguments ``kw``."""
+    s = _sds
+    if name == "gate":
+        q = kw["q"]
+        rstd = s(q, q.shape[:-1] + (1,)) if config.use_qk_l2norm_in_kernel else None
+        return Activated(s(q), s(kw["k"]), s(kw["beta"]), s(kw["g"]), rstd, rstd)
+    if name == "intra":
+        q = kw["q"]
+        mat = s(q, q.shape[:-1] + (q.shape[-2],))
+        return IntraOut(mat, mat)
+    if name == "wy":
+        return WYOut(s(kw["k"]), s(kw["v"]), s(kw["q"]), s(kw["k"]))
+    if name == "state":
+        w, u = kw["w"], kw["u"]
+        return StateOut(s(w, w.shape[:3] + (w.shape[-1], u.shape[-1])), s(u), s(kw["h0"]))
+    if name == "output":
+        return s(kw["v_new"])
+    if name == "recompute":
+        q, v, h0 = kw["q"], kw["v"], kw["h0"]
+        return (WYOut(s(kw["k"]), s(v), s(q), s(kw["k"])),
+                StateOut(s(q, q.shape[:3] + (q.shape[-1], v.shape[-1])), s(v), s(h0)))
+    if name == "dav":
+        return (s(kw["Aqk"]), s(kw["do"]))
+    if name == "dhu":
+        qg, do = kw["qg"], kw["do"]
+        return DhuOut(s(qg, qg.shape[:3] + (qg.shape[-1], do.shape[-1])), s(kw["dht"]), s(kw["dv_intra"]))
+    if name == "wy_dqkg":
+        return ChunkGrads(s(kw["q"]), s(kw["k"]), s(kw["v"]), s(kw["beta"]), s(kw["G"]), s(kw["Akk"]))
+    if name == "intra_bwd":
+        g = kw["grads"]
+        return ChunkGrads(s(kw["q"]), s(kw["k"]), s(g.dv), s(kw["beta"]), s(kw["G"]), Maybe(s(kw["dAqk"])))
+    if name == "gate_bwd":
+        gate = config.use_gate_in_kernel
+        A_log, dt_bias = kw["A_log"], kw["dt_bias"]
+        return RawGrads(
+            s(kw["dq"]), s(kw["dk"]), s(kw["dG"]), s(kw["dbeta"]),
+            s(A_log) if gate and A_log is not None else None,
+            s(dt_bias) if gate and dt_bias is not None else None,
+        )
+    raise KeyError(name)
+
+
+def _describe(x) -> str:
+    if x is None:
+        return "None"
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return f"{tuple(x.shape)} {jax.numpy.dtype(x.dtype).name}"
+    return type(x).__name__
+
+
+def check_output(name: str, stage: Any, out: Any, want: Any) -> None:
+    """``out`` matches ``want`` (from ``expected_output``); else a ``StageContractError``
+    naming the field, the implementation class and the first mismatching part."""
+
+    def fail(path: str, got, expected: str):
+        where = f"{path} " if path else ""
+        raise StageContractError(
+            f"KDAPipeline.{name} ({type(stage).__qualname__}) returned {where}{_describe(got)}, expected "
+            f"{expected} ({STAGES[name].family.__name__}'s contract)."
+        )
+
+    def walk(path: str, got, w):
+        if isinstance(w, Maybe):
+            if got is not None:
+                walk(path, got, w.spec)
+        elif w is None:
+            if got is not None:
+                fail(path, got, "None")
+        elif isinstance(w, jax.ShapeDtypeStruct):
+            if not (hasattr(got, "shape") and hasattr(got, "dtype")):
+                fail(path, got, f"an array {tuple(w.shape)} {w.dtype.name}")
+            if tuple(got.shape) != tuple(w.shape) or jax.numpy.dtype(got.dtype) != w.dtype:
+                fail(path, got, f"{tuple(w.shape)} {w.dtype.name}")
+        elif isinstance(w, tuple):
+            if not isinstance(got, tuple) or len(got) != len(w):
+                fail(path, got, f"a tuple of {len(w)}")
+            for i, (a, b) in enumerate(zip(got, w)):
+                walk(f"{path}[{i}]", a, b)
+        elif isinstance(w, eqx.Module):
+            if not isinstance(got, type(w)):
+                fail(path, got, f"a {type(w).__name__}")
+            for f in w.__dataclass_fields__:
+                walk(f"{path}.{f}" if path else f, getattr(got, f), getattr(w, f))
+
+    walk("", out, want)

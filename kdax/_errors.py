@@ -1,0 +1,22 @@
+"""The exceptions and warnings kdax raises about stages."""
+
+
+class UnsupportedCase(NotImplementedError):
+    """Raised by a stage for inputs or options its implementation cannot run (a Pallas
+    state kernel on packed varlen input, a Triton kernel beyond its shared memory, ...).
+
+    It is the only exception on which ``KDAPipeline(fallback=True)`` runs the reference
+    stage of the same family instead; any other exception, ``NotImplementedError``
+    included, propagates. Raise it before any kernel is built, with a message that says
+    what is unsupported (the fallback warning and ``KDAPipeline.plan`` show it)."""
+
+
+class StageContractError(TypeError):
+    """A stage was called with arguments its ``__call__`` does not take, or returned
+    something other than its abstract class promises (container, shapes, dtypes). The
+    message names the pipeline field and the implementation class."""
+
+
+class FallbackWarning(UserWarning):
+    """A stage raised ``UnsupportedCase`` and the pipeline ran the reference stage instead
+    (issued once per stage field, implementation and reason)."""
