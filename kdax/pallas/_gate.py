@@ -16,7 +16,7 @@ from ..ref._gates import L2NORM_EPS, log_decay_floor
 from ..stages._gate import AbstractGate, AbstractGateBackward
 from ..stages._types import Activated, RawGrads
 from ._common import (
-    PallasTarget, check_width, chunk_call, chunk_spec, dot, feature_pad, flat, head_spec, iota, unflat,
+    PallasTarget, check_width, chunk_call, chunk_spec, dot, feature_pad, flat, head_spec, iota, lower_dot, unflat,
 )
 
 
@@ -52,7 +52,7 @@ def gate_body(cfg: KDAConfig, q, k, g, beta, valid, a_log, dtb):
     # The floor keeps G small and finite for any gate in [-inf, 0] (see log_decay_floor).
     g = jnp.where(valid > 0, jnp.maximum(g, log_decay_floor(g.dtype)), 0.0)
     lower = jnp.where(iota((C, C), 1) <= iota((C, C), 0), 1.0, 0.0).astype(g.dtype)
-    G = dot(lower, g)
+    G = lower_dot(lower, g)  # a NaN gate reaches only its own row on
     if cfg.use_beta_sigmoid_in_kernel:
         beta = _sigmoid(beta) * (2.0 if cfg.allow_neg_eigval else 1.0)
     return q, k, beta, G, q_rstd, k_rstd

@@ -11,7 +11,7 @@ from jaxtyping import Array, Float
 from .._config import KDAConfig
 from .._typing import ChunkK, ChunkScalar, ChunkValid, typecheck
 from ..ref._gates import L2NORM_EPS, beta_activation, clamp_log_decay, kda_gate
-from ._ops import full_precision, mT, over_chunks
+from ._ops import full_precision, lower_matmul, mT, over_chunks
 from ._types import Activated, RawGrads
 
 _HeadsLast = lambda x: jnp.moveaxis(x, 1, -2)  # [R, HV, NC, C, K] -> [R, NC, C, HV, K]
@@ -81,8 +81,10 @@ def chunk_cumsum(x, reverse: bool = False, group: Optional[int] = None):
     XLA:CPU runs ``cumsum`` as a quadratic reduce-window behind a transpose."""
     C = x.shape[-2]
     ones = jnp.tril(jnp.ones((C, C), x.dtype))
-    ones = mT(ones) if reverse else ones
-    return over_chunks(lambda x: ones @ x, group, x)
+    if reverse:  # the backward's: no causality to keep
+        return over_chunks(lambda x: mT(ones) @ x, group, x)
+    # A NaN or inf gate reaches only G from its own row on (see lower_matmul).
+    return over_chunks(lambda x: lower_matmul(ones, x), group, x)
 
 
 class AbstractGateBackward(eqx.Module):
