@@ -17,3 +17,4 @@ from .pipeline import (
     default_pipeline as default_pipeline,
 )
 from .recurrent import fused_recurrent_kda as fused_recurrent_kda
+from .ref._gates import kda_gate as kda_gate

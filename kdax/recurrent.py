@@ -1,6 +1,6 @@
 """Fused recurrent KDA: the token-by-token path for inference, decoding and varlen."""
 
-from typing import Optional
+from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +9,10 @@ from ._typing import ALog, ArrayIn, Beta, CuSeqlens, Float, Gate, QK, State, Val
 from ._validate import validate_kda_args
 from .ref._gates import beta_activation, kda_gate, l2norm
 from .ref._recurrent import compute_dtype, expand_heads, recurrent_step
+
+
+# FLA's head-wise beta: one write strength per value column.
+BetaHeadwise = Float[ArrayIn, "B T HV V"]
 
 
 def activate_inputs(q, k, g, beta, dt, *, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log,
@@ -52,7 +56,7 @@ def fused_recurrent_kda(
     k: QK,
     v: Values,
     g: Gate,
-    beta: Beta,
+    beta: Union[Beta, BetaHeadwise],
     *,
     scale: Optional[float] = None,
     initial_state: Optional[State] = None,
@@ -70,7 +74,8 @@ def fused_recurrent_kda(
     """KDA token by token (a ``lax.scan``); differentiable by JAX autodiff and jit-safe.
 
     q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g ``[B, T, HV, K]`` (log decay, or raw gate
-    input with ``use_gate_in_kernel``); beta ``[B, T, HV]``; initial/final state
+    input with ``use_gate_in_kernel``); beta ``[B, T, HV]``, or ``[B, T, HV, V]`` (FLA's
+    head-wise beta: ``S += k (beta * (v - S^T k))^T``, one strength per value column); initial/final state
     ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``), N = B or the number of
     packed sequences with ``cu_seqlens`` ``[N + 1]`` (B must be 1; its values are data, so
     new values do not recompile). Returns ``o [B, T, HV, V]`` in v's dtype and the final
