@@ -40,7 +40,8 @@ def _with_bias(g_raw, dt_bias):
 def softplus_gate(g_raw, A_log, dt_bias=None):
     """``g = -exp(A_log[h]) * softplus(g_raw + dt_bias)``."""
     x = _with_bias(g_raw, dt_bias)
-    return -jnp.exp(A_log.astype(x.dtype))[:, None] * jax.nn.softplus(x)
+    # A_log [HV], or any shape holding HV values (FLA's [1, 1, HV, 1])
+    return -jnp.exp(A_log.reshape(-1).astype(x.dtype))[:, None] * jax.nn.softplus(x)
 
 
 def lower_bound_gate(g_raw, lower_bound: float, A_log=None, dt_bias=None):
@@ -50,7 +51,7 @@ def lower_bound_gate(g_raw, lower_bound: float, A_log=None, dt_bias=None):
     if lower_bound == -jnp.inf:  # forget everything, whatever the input (-inf * sigmoid can be NaN)
         return jnp.full_like(x, -jnp.inf)
     if A_log is not None:
-        x = jnp.exp(A_log.astype(x.dtype))[:, None] * x
+        x = jnp.exp(A_log.reshape(-1).astype(x.dtype))[:, None] * x
     return lower_bound * jax.nn.sigmoid(x)
 
 
