@@ -25,3 +25,4 @@ from .pipeline import (
     stage_inputs as stage_inputs,
 )
 from .recurrent import fused_recurrent_kda as fused_recurrent_kda
+from .ref._gates import kda_gate as kda_gate

@@ -5,6 +5,9 @@ it against baselines run in the same process:
 
 * ``scan``: the ``lax.scan`` recurrence (``kdax.ref.naive_recurrent_kda``), forward and
   ``jax.grad``;
+* ``plain_scan``: the fastest plain ``lax.scan`` recurrence a careful user would write
+  (``plain_scan_kda``: einsums, no checks), forward and ``jax.grad``: the honest baseline
+  (the ``/plain`` column);
 * ``autodiff``: ``jax.grad`` through the same chunked forward by XLA autodiff (the stages'
   jnp code differentiated by JAX instead of the six-stage backward);
 * ``fused_recurrent``: ``kdax.fused_recurrent_kda``.
@@ -42,6 +45,25 @@ if __name__ == "__main__": jax.config.update("jax_enable_x64", True)  # float64 
 from .pipeline import KDAPipeline, _prepare, chunk_kda, stage_inputs  # noqa: E402
 from .recurrent import fused_recurrent_kda  # noqa: E402
 from .ref import naive_recurrent_kda  # noqa: E402
+
+
+def plain_scan_kda(q, k, v, g, beta):
+    """KDA as a careful user writes it in plain JAX (the honest baseline; kdax.ref keeps the
+    readable oracle): one ``lax.scan`` over time with einsums for the decay, ``k^T S``, the
+    rank-1 update and ``q^T S``; H == HV, default scale. Returns ``(o, final state)``."""
+    scale = q.shape[-1] ** -0.5
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q * scale, k, v, jnp.exp(g), beta))
+
+    def step(S, x):
+        q_t, k_t, v_t, a_t, b_t = x
+        S = S * a_t[..., None]
+        u = b_t[..., None] * (v_t - jnp.einsum("bhk,bhkv->bhv", k_t, S))
+        S = S + jnp.einsum("bhk,bhv->bhkv", k_t, u)
+        return S, jnp.einsum("bhk,bhkv->bhv", q_t, S)
+
+    B, _, H, K = q.shape
+    S, o = jax.lax.scan(step, jnp.zeros((B, H, K, v.shape[-1]), q.dtype), xs)
+    return jnp.moveaxis(o, 0, 1), S
 
 
 # -- FLOP model --------------------------------------------------------------------------
@@ -215,6 +237,7 @@ def bench_shape(s: Shape, reps: int, pipes: dict, baselines: bool, check: bool, 
         todo.append((name, kind, f, flops, err, alone))
 
     ref_o = ref_g = None
+    compile_s = {}  # the training step's compile time, by path
     if check:
         a64 = tuple(a.astype(jnp.float64) for a in args)
         ref_o = jax.jit(lambda *a: naive_recurrent_kda(*a)[0])(*a64)
@@ -224,6 +247,9 @@ def bench_shape(s: Shape, reps: int, pipes: dict, baselines: bool, check: bool, 
         grad = _TrainStep(lambda *a, pipe=pipe: chunk_kda(*a, chunk_size=s.chunk_size, pipeline=pipe), w)
         try:
             e_o = e_g = None
+            t0 = time.perf_counter()
+            grad.lower(*args).compile()  # jit(grad(chunk_kda))'s compile time, on its own
+            compile_s[f"chunk_kda[{pname}]"] = time.perf_counter() - t0
             jax.block_until_ready((fwd(*args), grad(*args)))  # compile (and run) before anything is timed
             if check:
                 e_o = float(jnp.max(jnp.abs(fwd(*args) - ref_o)))
@@ -242,6 +268,13 @@ def bench_shape(s: Shape, reps: int, pipes: dict, baselines: bool, check: bool, 
         whole = KDAPipeline.reference().untiled()
         add("autodiff_chunk", "fwd+bwd", _TrainStep(_autodiff_chunk(whole, s.chunk_size), w), alone=True)
         add("fused_recurrent", "fwd", jax.jit(lambda *a: fused_recurrent_kda(*a)[0]))
+        add("plain_scan", "fwd", jax.jit(lambda *a: plain_scan_kda(*a)[0]))
+        if s.T <= 4096:
+            plain = _TrainStep(plain_scan_kda, w)
+            t0 = time.perf_counter()
+            plain.lower(*args).compile()
+            compile_s["plain_scan"] = time.perf_counter() - t0
+            add("plain_scan", "fwd+bwd", plain, alone=True)
 
     # The light paths in rounds (every path once per round), so that the machine's drift
     # reaches them alike and their ratios hold; the heavy baselines (GBs of memory that
@@ -252,7 +285,8 @@ def bench_shape(s: Shape, reps: int, pipes: dict, baselines: bool, check: bool, 
     for i, (name, kind, f, flops, err, _) in enumerate(todo):
         t = times[i]
         rows.append(dict(T=s.T, name=name, kind=kind, time_s=t, peak_bytes=peak_bytes(f, args),
-                         gflops=None if flops is None else flops * tokens / t / 1e9, max_err=err))
+                         gflops=None if flops is None else flops * tokens / t / 1e9, max_err=err,
+                         compile_s=compile_s.get(name) if kind == "fwd+bwd" else None))
         if progress:
             progress.step(f"T={s.T} {name} {kind}")
     return rows
@@ -303,7 +337,7 @@ def format_stage_table(rows: list) -> str:
 def with_ratios(rows: list) -> list:
     by = {(r["T"], r["name"], r["kind"]): r for r in rows}
     for r in rows:
-        for base, kind in (("scan", r["kind"]), ("autodiff_chunk", "fwd+bwd")):
+        for base, kind in (("scan", r["kind"]), ("autodiff_chunk", "fwd+bwd"), ("plain_scan", r["kind"])):
             b = by.get((r["T"], base, kind))
             if b is not None and r["kind"] == kind and r["name"] != base:
                 r[f"vs_{base}"] = r["time_s"] / b["time_s"]
@@ -313,7 +347,8 @@ def with_ratios(rows: list) -> list:
 
 
 def format_table(rows: list, matmul: float) -> str:
-    head = f"{'T':>6} {'path':<22} {'pass':<8} {'time ms':>9} {'/scan':>7} {'/autodiff':>9} {'GFLOP/s':>8} {'%mm':>5} {'peak MiB':>9} {'max err':>9}"
+    head = (f"{'T':>6} {'path':<22} {'pass':<8} {'time ms':>9} {'/scan':>7} {'/plain':>7} {'/autodiff':>9} "
+            f"{'GFLOP/s':>8} {'%mm':>5} {'peak MiB':>9} {'max err':>9} {'compile s':>9}")
     out = [head, "-" * len(head)]
     fmt = lambda v, f: ("-" if v is None else format(v, f))
     for r in rows:
@@ -324,8 +359,9 @@ def format_table(rows: list, matmul: float) -> str:
         mem = None if r["peak_bytes"] is None else r["peak_bytes"] / 2**20
         out.append(
             f"{r['T']:>6} {r['name']:<22} {r['kind']:<8} {1e3 * r['time_s']:>9.1f} {fmt(r.get('vs_scan'), '7.3f'):>7} "
+            f"{fmt(r.get('vs_plain_scan'), '7.3f'):>7} "
             f"{fmt(r.get('vs_autodiff_chunk'), '9.3f'):>9} {fmt(r['gflops'], '8.1f'):>8} {fmt(pct, '5.1f'):>5} "
-            f"{fmt(mem, '9.1f'):>9} {fmt(r['max_err'], '9.2e'):>9}"
+            f"{fmt(mem, '9.1f'):>9} {fmt(r['max_err'], '9.2e'):>9} {fmt(r.get('compile_s'), '9.1f'):>9}"
         )
     return "\n".join(out)
 
@@ -398,7 +434,7 @@ def main(argv=None) -> int:
     print(f"kdax benchmark on {meta['machine']}; large float32 matmul: {mm:.1f} GFLOP/s (measured again after the runs; the best counts)")
     if a.sweep:
         Ts = [512, 1024, 2048, 4096, 8192, 16384]
-        per = lambda T: 2 * len(pipes) + (0 if a.no_baselines else (4 if T <= 4096 else 3))
+        per = lambda T: 2 * len(pipes) + (0 if a.no_baselines else (6 if T <= 4096 else 4))
         prog = _Progress(sum(per(T) for T in Ts), True)
         rows = []
         for T in Ts:

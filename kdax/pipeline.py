@@ -358,6 +358,8 @@ class KDAPipeline(eqx.Module):
         h0 = _initial_states(h0, (N, HV, K, V), dt)
         raw = (q, k, v, g, beta)
         nt = self._tile_chunks(layout.valid.shape[0] * HV, layout.num_chunks)
+        if nt is not None and not layout.dense and N > nt * config.chunk_size:
+            nt = None  # each tile's state table, O(N), would cost more than its tokens
         if nt is None:
             chunked = _pack_inputs(layout, raw, HV, dt)
             oc, fw, final = self._forward_stages(config, chunked, A_log, dt_bias, h0, layout)

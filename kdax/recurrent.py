@@ -12,6 +12,10 @@ from .ref._gates import beta_activation, kda_gate, l2norm
 from .ref._recurrent import compute_dtype, expand_heads, recurrent_step
 
 
+# FLA's head-wise beta: one write strength per value column.
+BetaHeadwise = Float[ArrayIn, "B T HV V"]
+
+
 def activate_inputs(q, k, g, beta, dt, *, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log,
                     dt_bias, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval):
     """Apply the in-kernel activations in the compute dtype (plain jnp, autodiff-able)."""
@@ -53,7 +57,7 @@ def fused_recurrent_kda(
     k: QK,
     v: Values,
     g: Gate,
-    beta: Beta,
+    beta: Union[Beta, BetaHeadwise],
     A_log: Optional[ALogIn] = None,
     dt_bias: Optional[Float[ArrayIn, "_"]] = None,
     scale: Optional[Scalar] = None,
@@ -74,7 +78,8 @@ def fused_recurrent_kda(
     ``beta`` may be given positionally in FLA's order).
 
     q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g ``[B, T, HV, K]`` (log decay, or raw gate
-    input with ``use_gate_in_kernel``); beta ``[B, T, HV]``; initial/final state
+    input with ``use_gate_in_kernel``); beta ``[B, T, HV]``, or ``[B, T, HV, V]`` (FLA's
+    head-wise beta: ``S += k (beta * (v - S^T k))^T``, one strength per value column); initial/final state
     ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``), N = B or the number of
     packed sequences with ``cu_seqlens`` ``[N + 1]`` (B must be 1; its values are data, so
     new values do not recompile). Returns ``o [B, T, HV, V]`` in v's dtype and the final

@@ -1,6 +1,7 @@
 """fused_recurrent_kda: golden parity, options, varlen, jit, gradients."""
 
 import jax
+import jax.test_util
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -114,3 +115,50 @@ def test_low_precision_inputs():
 def test_golden_cases_present():
     """The golden-case tests are parametrized over ../shared/golden: never let them vanish."""
     assert {"dense_basic", "gate_softplus_l2", "varlen_basic"} <= set(GOLDEN_CASES), GOLDEN_CASES
+
+
+def _headwise_loop(q, k, v, g, beta, scale):
+    """Head-wise beta ``[B, T, HV, V]`` written out in numpy: ``S += k (beta * (v - S^T k))^T``."""
+    q, k, v, g, beta = (np.asarray(x, np.float64) for x in (q, k, v, g, beta))
+    B, T, HV, V = v.shape
+    S = np.zeros((B, HV, q.shape[-1], V))
+    o = np.zeros((B, T, HV, V))
+    for t in range(T):
+        S = S * np.exp(g[:, t])[..., None]
+        pred = np.einsum("bhk,bhkv->bhv", k[:, t], S)
+        S = S + k[:, t][..., None] * (beta[:, t] * (v[:, t] - pred))[..., None, :]
+        o[:, t] = scale * np.einsum("bhk,bhkv->bhv", q[:, t], S)
+    return o, S
+
+
+def test_headwise_beta():
+    """FLA's head-wise beta ``[B, T, HV, V]``: against a loop written out, equal to the
+    per-head beta when constant over V, and differentiable."""
+    x = make_inputs(seed=3, B=2, T=20, H=2, K=8, V=6, h0=False)
+    r = np.random.default_rng(4)
+    beta_hw = jnp.asarray(r.uniform(0.05, 0.95, size=x["v"].shape))
+    o, ht = kdax.fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], beta_hw, output_final_state=True)
+    o_ref, ht_ref = _headwise_loop(x["q"], x["k"], x["v"], x["g"], beta_hw, 8**-0.5)
+    assert_close(o, o_ref, 1e-12, "o")
+    assert_close(ht, ht_ref, 1e-12, "ht")
+    same = jnp.broadcast_to(x["beta"][..., None], x["v"].shape)
+    o1, _ = kdax.fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], same)
+    o2, _ = kdax.fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"])
+    assert_close(o1, o2, 1e-13, "constant head-wise beta")
+    loss = jax.jit(lambda b: jnp.sum(kdax.fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], b)[0] ** 2))
+    db = jax.grad(loss)(beta_hw)
+    e = jnp.zeros_like(beta_hw).at[0, 5, 1, 2].set(1e-6)
+    fd = (loss(beta_hw + e) - loss(beta_hw - e)) / 2e-6
+    np.testing.assert_allclose(db[0, 5, 1, 2], fd, rtol=1e-6)
+    with pytest.raises(Exception, match="beta"):
+        kdax.fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], beta_hw[..., :5])
+
+
+def test_kda_gate_public_and_differentiable():
+    """``kdax.kda_gate`` (FLA's ``fused_kda_gate``): the activation alone, with gradients."""
+    x = make_inputs(seed=5, B=1, T=6, H=2, K=4, V=4, gate="raw", A_log=True, dt_bias=True)
+    g, A, b = x["g"], x["A_log"], x["dt_bias"]
+    want = -np.exp(np.asarray(A))[:, None] * np.log1p(np.exp(np.asarray(g) + np.asarray(b).reshape(2, 4)))
+    np.testing.assert_allclose(kdax.kda_gate(g, A, b), want, rtol=1e-13)
+    for lb in (None, -5.0):
+        jax.test_util.check_grads(lambda g, A, b: kdax.kda_gate(g, A, b, lb), (g, A, b), order=1, modes=["rev"])

@@ -181,6 +181,18 @@ def dot(a, b, ta: bool = False, tb: bool = False):
     return jax.lax.dot_general(a, b, dims, precision=jax.lax.Precision.HIGHEST, preferred_element_type=a.dtype)
 
 
+def lower_dot(A, X):
+    """``A @ X`` for lower-triangular ``A [C, C]`` where a non-finite ``X[j, d]`` reaches
+    only rows i >= j of column d (NaN there): in a plain product the zeros above A's
+    diagonal meet it as ``0 * inf = NaN`` and carry it to the rows above. Rows before it
+    are bit-identical to ``A @ X``; the price is a second product, of the same shape."""
+    C = A.shape[0]
+    ok = jnp.abs(X) < jnp.inf
+    lower = jnp.where(iota((C, C), 1) <= iota((C, C), 0), 1.0, 0.0).astype(X.dtype)
+    seen = dot(lower, jnp.where(ok, 0.0, 1.0).astype(X.dtype))
+    return jnp.where(seen > 0, jnp.nan, dot(A, jnp.where(ok, X, 0.0)))
+
+
 def iota(shape, axis: int):
     return jax.lax.broadcasted_iota(jnp.int32, shape, axis)
 

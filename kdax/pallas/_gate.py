@@ -12,11 +12,11 @@ from jaxtyping import Array, Float
 
 from .._config import KDAConfig
 from .._typing import ChunkK, ChunkScalar, ChunkValid, typecheck
-from ..ref._gates import L2NORM_EPS
+from ..ref._gates import L2NORM_EPS, log_decay_floor
 from ..stages._gate import AbstractGate, AbstractGateBackward
 from ..stages._types import Activated, RawGrads
 from ._common import (
-    PallasTarget, check_width, chunk_call, chunk_spec, dot, feature_pad, flat, head_spec, iota, unflat,
+    PallasTarget, check_width, chunk_call, chunk_spec, dot, feature_pad, flat, head_spec, iota, lower_dot, unflat,
 )
 
 
@@ -45,11 +45,14 @@ def gate_body(cfg: KDAConfig, q, k, g, beta, valid, a_log, dtb):
         x, a = _gate_input(cfg, g, a_log, dtb)
         if cfg.lower_bound is None:
             g = -a * _softplus(x)
+        elif cfg.lower_bound == -jnp.inf:
+            g = jnp.full_like(x, -jnp.inf)
         else:
             g = cfg.lower_bound * _sigmoid(x if a is None else a * x)
-    g = jnp.where(valid > 0, g, 0.0)
+    # The floor keeps G small and finite for any gate in [-inf, 0] (see log_decay_floor).
+    g = jnp.where(valid > 0, jnp.maximum(g, log_decay_floor(g.dtype)), 0.0)
     lower = jnp.where(iota((C, C), 1) <= iota((C, C), 0), 1.0, 0.0).astype(g.dtype)
-    G = dot(lower, g)
+    G = lower_dot(lower, g)  # a NaN gate reaches only its own row on
     if cfg.use_beta_sigmoid_in_kernel:
         beta = _sigmoid(beta) * (2.0 if cfg.allow_neg_eigval else 1.0)
     return q, k, beta, G, q_rstd, k_rstd
@@ -62,7 +65,10 @@ def gate_bwd_body(cfg: KDAConfig, q, k, beta, q_rstd, k_rstd, g, valid, a_log, d
     dA = ddt = None
     if cfg.use_gate_in_kernel:
         x, a = _gate_input(cfg, g, a_log, dtb)
-        if cfg.lower_bound is None:
+        if cfg.lower_bound == -jnp.inf:  # g = -inf whatever the input: no gradient
+            dx = jnp.zeros_like(dg)
+            dA = None if a is None else jnp.zeros((1, dg.shape[1]), dg.dtype)
+        elif cfg.lower_bound is None:
             dx = -dg * a * _sigmoid(x)
             dA = -jnp.sum(dg * a * _softplus(x), axis=0, keepdims=True)
         else:

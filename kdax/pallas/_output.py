@@ -6,7 +6,7 @@ import jax.numpy as jnp
 
 from .._typing import ChunkK, ChunkMat, ChunkState, ChunkV, typecheck
 from ..stages._output import AbstractDAv, AbstractOutput
-from ._common import PallasTarget, check_width, chunk_call, chunk_spec, dot, feature_pad, flat, iota, unflat
+from ._common import PallasTarget, check_width, chunk_call, chunk_spec, dot, feature_pad, flat, iota, lower_dot, unflat
 
 
 class PallasOutput(AbstractOutput, PallasTarget):
@@ -32,7 +32,7 @@ class PallasOutput(AbstractOutput, PallasTarget):
         Kp, Vp = qf.shape[-1], vf.shape[-1]
 
         def kernel(q_ref, h_ref, a_ref, v_ref, o_ref):
-            o_ref[...] = scale * dot(q_ref[...], h_ref[...]) + dot(a_ref[...], v_ref[...])
+            o_ref[...] = scale * dot(q_ref[...], h_ref[...]) + lower_dot(a_ref[...], v_ref[...])
 
         (o,) = chunk_call(
             kernel, (qf, hf, flat(Aqk), vf),

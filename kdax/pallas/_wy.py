@@ -8,15 +8,16 @@ from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, typeche
 from ..stages._types import ChunkGrads, WYOut
 from ..stages._wy import AbstractWY, AbstractWYDqkg
 from ._common import (
-    PallasTarget, PallasValueBlocks, check_width, chunk_call, chunk_spec, dot, feature_pad, flat, iota, row_of, unflat,
+    PallasTarget, PallasValueBlocks, check_width, chunk_call, chunk_spec, dot, feature_pad, flat, iota, lower_dot, row_of,
+    unflat,
 )
 
 
 def wy_body(q, k, v, beta, G, Akk):
     eG = jnp.exp(G)
     C = G.shape[0]
-    w = dot(Akk, beta * k * eG)
-    u = dot(Akk, beta * v)
+    w = lower_dot(Akk, beta * k * eG)  # NaN/inf at a token reaches only the rows from it on
+    u = lower_dot(Akk, beta * v)
     kg = k * jnp.exp(row_of(G, C - 1) - G)
     return w, u, q * eG, kg
 

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from .._typing import ArrayIn, Beta, Float, Gate, QK, State, Values, typecheck
+from ._gates import clamp_log_decay
 from ._recurrent import compute_dtype, expand_heads
 
 
@@ -99,7 +100,7 @@ def naive_chunk_kda(
         to_chunks(x.astype(dt), chunk_size)
         for x in (expand_heads(q, HV), expand_heads(k, HV), v, g, beta)
     )
-    G = jnp.cumsum(gc, axis=-2)
+    G = jnp.cumsum(clamp_log_decay(gc), axis=-2)  # see clamp_log_decay: any gate in [-inf, 0]
     Aqk, Akk = intra_chunk(qc, kc, bc, G, scale)
     w, u, qg, kg = wy_chunk(qc, kc, vc, bc, G, Akk)
     h0 = jnp.zeros((B, HV, K, V), dt) if initial_state is None else initial_state.astype(dt)

@@ -11,6 +11,24 @@ import jax.numpy as jnp
 
 L2NORM_EPS = 1e-6
 
+# The floor on a token's log decay in the chunked pipelines, per compute dtype: exp(floor)
+# is far below the dtype's resolution (float32: 2e-9 against eps 6e-8; float64: 9e-27),
+# so clamping changes no result beyond rounding, while keeping the chunk cumsum G small
+# (|G| <= C |floor|): with g = -1e4 (or -inf) G would lose its low bits (or give
+# inf - inf = NaN) and with them every later difference G_i - G_j.
+LOG_DECAY_FLOOR = {"float32": -20.0, "float64": -60.0}
+
+
+def log_decay_floor(dtype) -> float:
+    """The floor on a token's log decay for G computed in ``dtype`` (float32 or float64)."""
+    return LOG_DECAY_FLOOR["float64" if jnp.dtype(dtype) == jnp.float64 else "float32"]
+
+
+def clamp_log_decay(g):
+    """``max(g, floor)``: any gate in [-inf, 0] gives a finite, small log decay (NaN stays NaN).
+    Tokens below the floor reset the state to within exp(floor), as exp(g) ~ 0 does."""
+    return jnp.maximum(g, jnp.asarray(log_decay_floor(g.dtype), g.dtype))
+
 
 def _with_bias(g_raw, dt_bias):
     if dt_bias is None:
@@ -22,15 +40,18 @@ def _with_bias(g_raw, dt_bias):
 def softplus_gate(g_raw, A_log, dt_bias=None):
     """``g = -exp(A_log[h]) * softplus(g_raw + dt_bias)``."""
     x = _with_bias(g_raw, dt_bias)
-    return -jnp.exp(A_log.astype(x.dtype))[:, None] * jax.nn.softplus(x)
+    # A_log [HV], or any shape holding HV values (FLA's [1, 1, HV, 1])
+    return -jnp.exp(A_log.reshape(-1).astype(x.dtype))[:, None] * jax.nn.softplus(x)
 
 
 def lower_bound_gate(g_raw, lower_bound: float, A_log=None, dt_bias=None):
     """``g = lower_bound * sigmoid(exp(A_log[h]) * (g_raw + dt_bias))`` (no ``exp(A_log)``
     factor when ``A_log`` is None)."""
     x = _with_bias(g_raw, dt_bias)
+    if lower_bound == -jnp.inf:  # forget everything, whatever the input (-inf * sigmoid can be NaN)
+        return jnp.full_like(x, -jnp.inf)
     if A_log is not None:
-        x = jnp.exp(A_log.astype(x.dtype))[:, None] * x
+        x = jnp.exp(A_log.reshape(-1).astype(x.dtype))[:, None] * x
     return lower_bound * jax.nn.sigmoid(x)
 
 

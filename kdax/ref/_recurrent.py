@@ -22,11 +22,15 @@ def expand_heads(x, hv: int):
 
 
 def recurrent_step(S, q_t, k_t, v_t, g_t, b_t, scale):
-    """One step of the recurrence on ``S [..., K, V]``; returns the new state and output."""
+    """One step of the recurrence on ``S [..., K, V]``; returns the new state and output.
+    ``b_t`` is ``[...]`` (one beta per head) or ``[..., V]`` (head-wise beta)."""
     S = S * jnp.exp(g_t)[..., :, None]
     # HIGHEST: float32 products on GPUs default to TF32 (10-bit mantissa)
     pred = jnp.einsum("...k,...kv->...v", k_t, S, precision=HIGHEST)
-    S = S + (b_t[..., None] * k_t)[..., :, None] * (v_t - pred)[..., None, :]
+    if b_t.ndim == v_t.ndim:  # head-wise beta [..., V] (FLA's): one write strength per value column
+        S = S + k_t[..., :, None] * (b_t * (v_t - pred))[..., None, :]
+    else:
+        S = S + (b_t[..., None] * k_t)[..., :, None] * (v_t - pred)[..., None, :]
     o_t = scale * jnp.einsum("...k,...kv->...v", q_t, S, precision=HIGHEST)
     return S, o_t
 

@@ -10,8 +10,8 @@ from jaxtyping import Array, Float
 
 from .._config import KDAConfig
 from .._typing import ChunkK, ChunkScalar, ChunkValid, typecheck
-from ..ref._gates import L2NORM_EPS, beta_activation, kda_gate
-from ._ops import full_precision, mT, over_chunks
+from ..ref._gates import L2NORM_EPS, beta_activation, clamp_log_decay, kda_gate
+from ._ops import full_precision, lower_matmul, mT, over_chunks
 from ._types import Activated, RawGrads
 
 _HeadsLast = lambda x: jnp.moveaxis(x, 1, -2)  # [R, HV, NC, C, K] -> [R, NC, C, HV, K]
@@ -23,10 +23,11 @@ def _rstd(x):
 
 
 def activated_gate(config: KDAConfig, g, A_log, dt_bias, valid):
-    """The per-token log decay: raw ``g`` or the in-kernel gate, zero at padding."""
+    """The per-token log decay: raw ``g`` or the in-kernel gate, clamped at the dtype's
+    floor (``clamp_log_decay``), zero at padding."""
     if config.use_gate_in_kernel:
         g = _HeadsBack(kda_gate(_HeadsLast(g), A_log, dt_bias, config.lower_bound))
-    return jnp.where(valid[:, None, :, :, None], g, 0.0)
+    return jnp.where(valid[:, None, :, :, None], clamp_log_decay(g), 0.0)
 
 
 class AbstractGate(eqx.Module):
@@ -97,8 +98,10 @@ def chunk_cumsum(x, reverse: bool = False, group: Optional[int] = None):
     XLA:CPU runs ``cumsum`` as a quadratic reduce-window behind a transpose."""
     C = x.shape[-2]
     ones = jnp.tril(jnp.ones((C, C), x.dtype))
-    ones = mT(ones) if reverse else ones
-    return over_chunks(lambda x: ones @ x, group, x)
+    if reverse:  # the backward's: no causality to keep
+        return over_chunks(lambda x: mT(ones) @ x, group, x)
+    # A NaN or inf gate reaches only G from its own row on (see lower_matmul).
+    return over_chunks(lambda x: lower_matmul(ones, x), group, x)
 
 
 class AbstractGateBackward(eqx.Module):
@@ -137,6 +140,8 @@ def gate_param_backward(config: KDAConfig, g, A_log, dt_bias, dg):
     HV, K = g.shape[1], g.shape[-1]
     x = g if dt_bias is None else g + dt_bias.reshape(1, HV, 1, 1, K)
     a = None if A_log is None else jnp.exp(A_log).reshape(1, HV, 1, 1, 1)
+    if config.lower_bound == -jnp.inf:  # g = -inf whatever the input: no gradient
+        return jnp.zeros_like(dg), (None if a is None else jnp.zeros_like(A_log)), (None if dt_bias is None else jnp.zeros_like(dt_bias))
     if config.lower_bound is None:
         sp = jax.nn.softplus(x)
         dx = -dg * a * jax.nn.sigmoid(x)

@@ -17,7 +17,7 @@ import equinox as eqx
 import jax.numpy as jnp
 
 from .._typing import ChunkK, ChunkMat, ChunkScalar, typecheck
-from ._ops import full_precision, mT, over_chunks, rowsum, zeros_after
+from ._ops import full_precision, lower_matmul, mT, over_chunks, rowsum, zeros_after
 from ._types import ChunkGrads, IntraOut
 
 
@@ -152,7 +152,8 @@ def unit_lower_inverse(L):
     for s, B in zip(_levels(C), _diagonal_splits(L)[::-1]):
         pair = inv.reshape(*inv.shape[:-3], inv.shape[-3] // 2, 2, s, s)
         mm = jnp.matmul if s >= _SMALL else _small_matmul
-        low = -mm(pair[..., 1, :, :], mm(B, pair[..., 0, :, :]))
+        # D^-1 is lower triangular: a NaN row of B A^-1 must not reach the rows above it.
+        low = -lower_matmul(pair[..., 1, :, :], mm(B, pair[..., 0, :, :]), mm)
         inv = _join_square(inv, low)
     return inv[..., 0, :, :]
 

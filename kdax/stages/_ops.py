@@ -31,6 +31,19 @@ def tri_mask(n: int, strict: bool):
     return j < i if strict else j <= i
 
 
+def lower_matmul(A, X, mm=jnp.matmul):
+    """``A @ X`` for lower-triangular ``A [..., C, C]`` (``mm``: the product to use), where
+    a non-finite entry in row j of ``X`` reaches only rows i >= j, which are NaN from there:
+    in a plain product the zeros above A's diagonal meet it as ``0 * inf = NaN`` and carry
+    it to every row of the chunk. Rows before the first non-finite one are bit-identical
+    to ``A @ X``."""
+    ok = jnp.abs(X) < jnp.inf
+    Y = mm(A, jnp.where(ok, X, 0.0))
+    bad = jnp.any(~ok, axis=-1, keepdims=True).astype(X.dtype)
+    seen = jnp.tril(jnp.ones(A.shape[-2:], X.dtype)) @ bad
+    return jnp.where(seen > 0, jnp.nan, Y)
+
+
 def rowsum(x):
     """Sum over the last axis as a matvec: XLA:CPU runs large multiply-reduce fusions an
     order of magnitude slower than a dot."""

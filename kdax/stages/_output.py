@@ -8,7 +8,7 @@ import equinox as eqx
 import jax.numpy as jnp
 
 from .._typing import ChunkK, ChunkMat, ChunkState, ChunkV, typecheck
-from ._ops import full_precision, mT, over_chunks, tri_mask
+from ._ops import full_precision, lower_matmul, mT, over_chunks, tri_mask
 
 
 class AbstractOutput(eqx.Module):
@@ -37,7 +37,7 @@ class AbstractOutput(eqx.Module):
 
 
 def _output_chunk(scale, qg, h, Aqk, v_new):
-    return scale * qg @ h + Aqk @ v_new
+    return scale * qg @ h + lower_matmul(Aqk, v_new)
 
 
 class ReferenceOutput(AbstractOutput):

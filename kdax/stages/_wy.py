@@ -8,7 +8,7 @@ import equinox as eqx
 import jax.numpy as jnp
 
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, typecheck
-from ._ops import full_precision, last_row, mT, over_chunks, rowsum, tri_mask
+from ._ops import full_precision, last_row, lower_matmul, mT, over_chunks, rowsum, tri_mask
 from ._types import ChunkGrads, WYOut
 
 
@@ -43,7 +43,7 @@ def _wy_chunk(q, k, v, beta, G, Akk, G_last):
     eG = jnp.exp(G)
     b = beta[..., None]
     K = k.shape[-1]
-    wu = Akk @ jnp.concatenate([b * k * eG, b * v], axis=-1)  # one matmul for w and u
+    wu = lower_matmul(Akk, jnp.concatenate([b * k * eG, b * v], axis=-1))  # one matmul for w and u
     kg = k * jnp.exp(G_last - G)
     return wu[..., :K], wu[..., K:], q * eG, kg
 

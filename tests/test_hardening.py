@@ -1,0 +1,204 @@
+"""Issue 18 (items 1-3): any gate in [-inf, 0] exact, float32 under extreme gates as good as
+the recurrence, and a NaN or inf staying where it entered -- in every pipeline."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kdax
+from kdax.ref import kda_gate
+from kdax.ref._gates import clamp_log_decay, log_decay_floor
+
+from ._util import assert_close, loss_grads, make_inputs, oracle_kda, rel_rms, run
+
+PIPES = {
+    "reference": lambda: kdax.KDAPipeline.reference(),
+    "pallas_tpu": lambda: kdax.KDAPipeline.pallas("tpu", interpret=True),
+    "pallas_triton": lambda: kdax.KDAPipeline.pallas("triton", interpret=True),
+}
+
+
+def _chunked(pipe, C):
+    return lambda *a, **kw: kdax.chunk_kda(*a, pipeline=pipe, chunk_size=C, **kw)
+
+
+def _check_all(fn, x, options, tol_o, tol_g, seed=7):
+    """Outputs, final states and every gradient of ``fn`` against the float64 oracle."""
+    options = dict(options, output_final_state=True)
+    o, ht = run(fn, x, options)
+    o_ref, ht_ref = run(oracle_kda, x, options)
+    assert_close(o, o_ref, tol_o, "o")
+    assert_close(ht, ht_ref, tol_o, "ht")
+    r = np.random.default_rng(seed)
+    do = jnp.asarray(r.normal(size=o.shape), o.dtype)
+    dht = jnp.asarray(r.normal(size=ht.shape), ht.dtype)
+    got = loss_grads(fn, x, options, do, dht)
+    want = loss_grads(oracle_kda, x, options, do, dht)
+    for n in got:
+        assert_close(got[n], want[n], tol_g, "d" + n)
+
+
+# -- item 1: any gate in [-inf, 0] ---------------------------------------------------------
+
+CU = [0, 23, 40, 64]  # three packed sequences; C = 16 puts boundaries inside chunks
+
+
+def _inf_gate(pattern):
+    x = make_inputs(seed=1, B=1, T=64, H=1, HV=2, K=8, V=8, N=3)
+    g = np.array(x["g"])
+    if pattern in ("one_token", "all"):
+        g[0, 9] = -np.inf
+    if pattern in ("one_channel", "all"):
+        g[0, 30, 1, 3] = -np.inf
+    if pattern in ("whole_chunk", "all"):
+        g[0, 32:48, 0] = -np.inf
+    if pattern in ("first_and_last", "all"):
+        for s, e in zip(CU[:-1], CU[1:]):
+            g[0, s] = g[0, e - 1] = -np.inf
+    x["g"] = jnp.asarray(g)
+    return x
+
+
+@pytest.mark.parametrize("pattern", [
+    "all", *(pytest.param(p, marks=pytest.mark.slow) for p in ("one_token", "one_channel", "whole_chunk", "first_and_last"))
+])
+def test_minus_inf_gates_reference(pattern):
+    x = _inf_gate(pattern)
+    _check_all(_chunked(PIPES["reference"](), 16), x, dict(cu_seqlens=jnp.asarray(CU)), 1e-10, 1e-10)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pipe", ["pallas_tpu", "pallas_triton"])
+def test_minus_inf_gates_pallas(pipe):
+    _check_all(_chunked(PIPES[pipe](), 16), _inf_gate("all"), dict(cu_seqlens=jnp.asarray(CU)), 1e-10, 1e-10)
+
+
+@pytest.mark.slow
+def test_minus_inf_gates_dense_and_tiled():
+    """Dense batch (the tiled CPU forward), -inf everywhere but the first token too."""
+    x = make_inputs(seed=2, B=2, T=50, H=1, K=8, V=8)
+    g = np.array(x["g"])
+    g[0, 1:] = -np.inf
+    g[1, 17, 0, :4] = -np.inf
+    x["g"] = jnp.asarray(g)
+    pipe = kdax.KDAPipeline.reference()
+    _check_all(_chunked(pipe, 16), x, {}, 1e-10, 1e-10)
+    o_tiled, _ = run(_chunked(eqx_tile(pipe, 2), 16), x, {})
+    assert_close(o_tiled, run(oracle_kda, x, {})[0], 1e-10, "o tiled")
+
+
+def eqx_tile(pipe, tile):
+    import dataclasses
+
+    return dataclasses.replace(pipe, tile=tile)
+
+
+@pytest.mark.parametrize("pipe", ["reference", *(pytest.param(p, marks=pytest.mark.slow) for p in ("pallas_tpu", "pallas_triton"))])
+def test_lower_bound_minus_inf(pipe):
+    x = make_inputs(seed=3, B=1, T=40, H=1, HV=2, K=8, V=8, gate="raw", A_log=True, dt_bias=True)
+    opts = dict(use_gate_in_kernel=True, lower_bound=-np.inf)
+    _check_all(_chunked(PIPES[pipe](), 16), x, opts, 1e-10, 1e-10)
+    grads = loss_grads(_chunked(PIPES[pipe](), 16), x, dict(opts, output_final_state=True),
+                       jnp.ones(x["v"].shape, x["v"].dtype), None)
+    for n in ("g", "A_log", "dt_bias"):  # g = -inf whatever they are
+        assert np.all(np.asarray(grads[n]) == 0), n
+
+
+def test_gate_floor():
+    assert log_decay_floor(jnp.float32) == -20.0 and log_decay_floor(jnp.bfloat16) == -20.0
+    assert log_decay_floor(jnp.float64) == -60.0
+    g = jnp.asarray([-jnp.inf, -1e4, -25.0, -3.0, 0.0, jnp.nan], jnp.float32)
+    np.testing.assert_array_equal(clamp_log_decay(g), [-20, -20, -20, -3, 0, np.nan])
+    # exp(floor) is far below the dtype's resolution: a clamped token resets the state.
+    assert np.exp(log_decay_floor(jnp.float32)) < np.finfo(np.float32).eps / 20
+    assert np.exp(log_decay_floor(jnp.float64)) < np.finfo(np.float64).eps * 1e-10
+    assert np.all(np.asarray(kda_gate(jnp.zeros((3, 2, 4)), None, None, -np.inf)) == -np.inf)
+
+
+# -- item 2: float32 under extreme gates, as good as the recurrence -------------------------
+
+def _extreme(pattern):
+    x = make_inputs(seed=4, B=1, T=256, H=2, K=16, V=16)
+    g = np.array(x["g"])
+    r = np.random.default_rng(5)
+    if pattern == "one_token":  # the issue's case
+        g[0, 40] = -1e4
+    else:  # a few tokens per sequence, each channel log-uniform down to -1e4
+        for t in r.choice(256, 6, replace=False):
+            g[0, t] = -np.exp(r.uniform(0.0, np.log(1e4), size=g.shape[2:]))
+    x["g"] = jnp.asarray(g)
+    return x
+
+
+def _errors(fn, x32, x64, options):
+    options = dict(options, output_final_state=True)
+    o, ht = run(fn, x32, options)
+    o_ref, ht_ref = run(oracle_kda, x64, options)
+    r = np.random.default_rng(6)
+    do, dht = r.normal(size=o.shape), r.normal(size=ht.shape)
+    got = loss_grads(fn, x32, options, jnp.asarray(do, jnp.float32), jnp.asarray(dht, jnp.float32))
+    want = loss_grads(oracle_kda, x64, options, jnp.asarray(do), jnp.asarray(dht))
+    errs = {"o": rel_rms(o, o_ref), "ht": rel_rms(ht, ht_ref)}
+    errs.update({"d" + n: rel_rms(got[n], want[n]) for n in got})
+    return errs
+
+
+_RECURRENT_ERRORS = {}
+
+
+def _recurrent_errors(pattern):
+    if pattern not in _RECURRENT_ERRORS:
+        x64 = _extreme(pattern)
+        x32 = {n: a.astype(jnp.float32) for n, a in x64.items()}
+        _RECURRENT_ERRORS[pattern] = _errors(kdax.fused_recurrent_kda, x32, x64, {})
+    return _RECURRENT_ERRORS[pattern]
+
+
+# |G| grows with C (the chunk sum of the log decays, |floor| per extreme token): one float32
+# G resolves a difference G_i - G_j only to about eps |G|, which at C = 128 (and at C = 64
+# with several extreme tokens per chunk) puts the final state and dg 10-16x over the
+# recurrence's error. Known limit, recorded here and in benchmarks/NOTES.md.
+_G_LIMIT = pytest.mark.xfail(strict=True, reason="float32 G resolves G_i - G_j to eps |G| (|G| ~ C)")
+
+
+@pytest.mark.parametrize("pattern, C", [
+    ("one_token", 16),
+    *(pytest.param(p, c, marks=pytest.mark.slow)
+      for p, c in (("scattered", 16), ("one_token", 32), ("scattered", 32), ("one_token", 64))),
+    pytest.param("scattered", 64, marks=[pytest.mark.slow, _G_LIMIT]),
+    *(pytest.param(p, 128, marks=[pytest.mark.slow, _G_LIMIT]) for p in ("one_token", "scattered")),
+])
+def test_float32_extreme_gates_within_10x_recurrence(pattern, C):
+    x64 = _extreme(pattern)
+    x32 = {n: a.astype(jnp.float32) for n, a in x64.items()}
+    rec = _recurrent_errors(pattern)
+    got = _errors(_chunked(kdax.KDAPipeline.reference(), C), x32, x64, {})
+    ratios = {n: got[n] / rec[n] for n in got}
+    bad = {n: f"{got[n]:.2e} ({r:.1f}x)" for n, r in ratios.items() if not r <= 10}
+    assert not bad, bad
+
+
+# -- item 3: NaN or inf at token t changes nothing before t ---------------------------------
+
+def _nan_cases():
+    return [(n, b) for n in ("q", "k", "v", "g", "beta") for b in (np.nan, np.inf, -np.inf) if (n, b) != ("g", -np.inf)]
+
+
+@pytest.mark.parametrize("pipe", list(PIPES))
+def test_non_finite_stays_where_it_entered(pipe):
+    """One jitted forward, 14 inputs each with a NaN or inf at token t of batch row 0."""
+    x = make_inputs(seed=8, B=2, T=40, H=1, K=8, V=8, dtype=jnp.float32)
+    fn = jax.jit(lambda xx: _chunked(PIPES[pipe](), 16)(xx["q"], xx["k"], xx["v"], xx["g"], xx["beta"],
+                                                         initial_state=xx["initial_state"])[0])
+    clean = np.asarray(fn(x))
+    t = 21  # inside the second chunk
+    for name, bad in _nan_cases():
+        y = dict(x)
+        a = np.array(y[name])
+        a[0, t] = bad
+        y[name] = jnp.asarray(a)
+        o = np.asarray(fn(y))
+        assert np.array_equal(o[0, :t], clean[0, :t]), (name, bad)
+        assert np.array_equal(o[1], clean[1]), (name, bad)  # the other sequence untouched
+        assert not np.array_equal(o[0, t:], clean[0, t:]), (name, bad)  # and it did arrive
