@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from . import _precision
 from ._config import KDAConfig
 from ._layout import ChunkLayout, expand_group, make_layout, pack, reduce_group, unpack
 from ._tiles import Tiles
@@ -116,13 +117,26 @@ class KDAPipeline(eqx.Module):
     # whole input). CPUs gain from tiles that fit in cache; accelerators want whole arrays.
     # A training step (chunk_kda under a gradient) runs whole: see _vjp_fwd.
     tile: Optional[int] = eqx.field(static=True, default=None)
+    # Precision policy of the products (kdax._precision): "auto" (half-precision operands
+    # with float32 accumulation where safe for bf16/fp16 inputs, else "highest"),
+    # "highest", "bfloat16" or "float16".
+    precision: str = eqx.field(static=True, default="auto")
+
+    def __check_init__(self):
+        _precision.check_policy(self.precision)
+
+    def with_precision(self, precision: str) -> "KDAPipeline":
+        """This pipeline under another precision policy (see ``kdax._precision``)."""
+        return dataclasses.replace(self, precision=precision)
 
     def _stage(self, name: str, *args):
         if _STAGE_TAP is not None:
             _STAGE_TAP.setdefault(name, args)
         # The named scope labels every op of the stage in HLO dumps and profiles. Products
-        # run at full precision in any stage, a user's too (see stages._ops.full_precision).
-        with jax.named_scope(f"kdax_{name}"), jax.default_matmul_precision("highest"):
+        # run at full precision in any stage, a user's too (see stages._ops.full_precision),
+        # unless the precision policy lets this stage take half-precision operands.
+        policy = "highest" if self.precision == "auto" else self.precision  # unresolved: safe
+        with jax.named_scope(f"kdax_{name}"), _precision.stage_scope(policy, name):
             try:
                 return getattr(self, name)(*args)
             except NotImplementedError:
@@ -277,6 +291,8 @@ class KDAPipeline(eqx.Module):
             raise ValueError(f"do: expected shape [B, T, HV, V] = {want}, got {tuple(do.shape)}.")
         if dht is not None and tuple(dht.shape) != tuple(res.h0.shape):
             raise ValueError(f"dht: expected shape [N, HV, K, V] = {tuple(res.h0.shape)}, got {tuple(dht.shape)}.")
+        if self.precision == "auto":  # the policy chunk_kda resolves, for pipeline.backward
+            self = self.with_precision(_precision.resolve(self.precision, res.in_dtypes[0]))
         dt = res.h0.dtype
         doc = pack(L, do, dt)
         dht = jnp.zeros_like(res.h0) if dht is None else dht.astype(dt)
@@ -318,7 +334,7 @@ class KDAPipeline(eqx.Module):
         _check_arrays(q, k, v, g, beta, options.get("initial_state"), options.get("A_log"),
                       options.get("dt_bias"), options.get("cu_seqlens"))
         config, args = _prepare(q, k, v, g, beta, **options)
-        o, final, res = self.run_forward(config, *args)
+        o, final, res = self.with_precision(_precision.resolve(self.precision, q.dtype)).run_forward(config, *args)
         return o, _final_out(final, config, options.get("state_v_first", False)), res
 
     def __call__(self, q, k, v, g, beta, **options):
@@ -516,6 +532,7 @@ def chunk_kda(
         disable_recompute=disable_recompute, state_v_first=state_v_first,
     )
     pipeline = default_pipeline() if pipeline is None else pipeline
+    pipeline = pipeline.with_precision(_precision.resolve(pipeline.precision, q.dtype))
     if q.shape[1] == 0:
         # No tokens (every sequence empty): nothing for any stage to do; every state
         # passes through unchanged, and so does its gradient.

@@ -4,6 +4,7 @@ import abc
 
 import equinox as eqx
 
+from .. import _precision
 from .._layout import ChunkLayout
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkV, SeqState, typecheck
 from ._ops import full_precision
@@ -32,8 +33,11 @@ class AbstractRecompute(eqx.Module):
 
 
 def recompute_with(wy: AbstractWY, state: AbstractState, q, k, v, beta, G, Akk, h0, layout):
-    out = wy(q, k, v, beta, G, Akk)
-    return out, state(out.w, out.u, out.kg, G, h0, layout)
+    # F3 and F4 under their own stages' precision policy (kdax._precision).
+    with _precision.stage_scope(_precision.current_policy(), "wy"):
+        out = wy(q, k, v, beta, G, Akk)
+    with _precision.stage_scope(_precision.current_policy(), "state"):
+        return out, state(out.w, out.u, out.kg, G, h0, layout)
 
 
 class ReferenceRecompute(AbstractRecompute):
