@@ -97,12 +97,13 @@ def test_fast_policy_within_fla_tolerances(policy, dtype):
     x64 = make_inputs(seed=3, B=1, T=128, H=2, K=32, V=32, gate="raw", A_log=True, dt_bias=True, h0=False, beta_raw=True)
     x = {n: a.astype(jnp.float32 if n in ("A_log", "dt_bias") else dtype) for n, a in x64.items()}
     xr = {n: a.astype(jnp.float64) for n, a in x.items()}  # the same values, exactly
-    opts = dict(chunk_size=32, **KIMI)
+    opts = dict(chunk_size=32, output_final_state=True, **KIMI)
     pipe = kdax.KDAPipeline.pallas("triton", interpret=True).with_precision(policy)
-    o, _ = run(lambda *a, **kw: kdax.chunk_kda(*a, pipeline=pipe, **kw), x, opts)
-    o_ref, _ = run(oracle_kda, xr, opts)
-    assert o.dtype == dtype
+    o, ht = run(lambda *a, **kw: kdax.chunk_kda(*a, pipeline=pipe, **kw), x, opts)
+    o_ref, ht_ref = run(oracle_kda, xr, opts)
+    assert o.dtype == dtype and ht.dtype == jnp.float32
     assert_close(o, o_ref, FLA_TOL["o"], "o")
+    assert_close(ht, ht_ref, FLA_TOL["o"], "ht")
     do = jnp.asarray(np.random.default_rng(1).normal(size=o.shape))
     grads = loss_grads(lambda *a, **kw: kdax.chunk_kda(*a, pipeline=pipe, **kw), x, opts, do.astype(jnp.float32), None)
     want = loss_grads(oracle_kda, xr, opts, do, None)
