@@ -18,17 +18,24 @@ What must stay float32, and why:
   rows (the reference stage's block products run under ``float32_products``; the Pallas
   kernel substitutes row by row without products);
 * the state recurrence (F4, B2, and F4 inside B0): the state is carried across all
-  chunks, so each chunk's rounding would add up over the sequence.
+  chunks, so each chunk's rounding would add up over the sequence;
+* B4 (the intra-chunk gradients): its dG is a difference of products that cancel
+  (``q * dq - k * dk`` and the like), so operand rounding relative to the products
+  becomes large relative to dG. With B4 rounded, dg's error was 1.7e-2 (H100, bf16,
+  1x16384x16, K=V=128) and dA_log's 6e-2; on a CPU with XLA:GPU's rounding emulated (T=1024,
+  H=2, K=V=64) dg 2.6e-2 and dA_log 1.45, against 3.3e-3 and 6.8e-3 with B4 exact.
+* row sums written as products (``stages._ops.rowsum``): sums, not products.
 
-Everything else (the scores of F2, F3's ``w``/``u``, F5's output, B1, B3, B4 and B0's F3)
-takes operands that are already rounded to bf16 in FLA, with errors of the order of
-the inputs' own rounding.
+Everything else (the scores of F2, F3's ``w``/``u``, F5's output, B1, B3 and B0's F3)
+takes half-precision operands as FLA's kernels do, with errors of the order of the
+inputs' own rounding.
 
 Mechanism: ``KDAPipeline._stage`` enters ``stage_scope(policy, stage)``. It sets JAX's
 default matmul precision (the reference stages' jnp products: on GPUs XLA then rounds the
 operands and runs bf16 tensor-core products; XLA:CPU ignores the algorithm and computes in
 float32) and records the operand dtype, which ``kdax.pallas``'s in-kernel ``dot`` reads to
-cast its operands explicitly (on every backend, interpret mode included).
+cast its operands explicitly (on every backend, interpret mode included). The tests
+emulate XLA:GPU's rounding on a CPU (``tests/_gpu_products.py``).
 """
 
 import contextlib
@@ -43,7 +50,7 @@ import jax.numpy as jnp
 POLICIES = ("auto", "highest", "bfloat16", "float16")
 
 # The stages whose products may take half-precision operands (see the module docstring).
-FAST_STAGES = frozenset({"intra", "wy", "output", "dav", "wy_dqkg", "intra_bwd"})
+FAST_STAGES = frozenset({"intra", "wy", "output", "dav", "wy_dqkg"})
 
 # JAX's dot algorithm for each half dtype: operands rounded to it, float32 accumulation.
 _ALGORITHM = {"bfloat16": "BF16_BF16_F32", "float16": "F16_F16_F32"}

@@ -37,8 +37,10 @@ def tri_mask(n: int, strict: bool):
 
 def rowsum(x):
     """Sum over the last axis as a matvec: XLA:CPU runs large multiply-reduce fusions an
-    order of magnitude slower than a dot."""
-    return x @ jnp.ones((x.shape[-1],), x.dtype)
+    order of magnitude slower than a dot. A sum, not a product: never at a half-precision
+    policy's rounding (kdax._precision)."""
+    with _precision.float32_products():
+        return x @ jnp.ones((x.shape[-1],), x.dtype)
 
 
 def last_row(G):
