@@ -478,7 +478,12 @@ def _prepare(
 
 
 def default_pipeline() -> KDAPipeline:
-    """The pipeline ``chunk_kda(pipeline=None)`` uses on this platform."""
+    """The pipeline ``chunk_kda(pipeline=None)`` uses on this platform: on a GPU the mixed
+    pipeline (Pallas Triton kernels for F1, F3, F5, B1, B3, B5; XLA for the rest), the
+    fastest measured beside FLA on an H100 (benchmarks/NOTES.md, "kdax beside FLA");
+    elsewhere the reference stages. Precision policy "auto" (``kdax._precision``)."""
+    if jax.default_backend() == "gpu":
+        return KDAPipeline.mixed()
     return KDAPipeline.reference()
 
 
