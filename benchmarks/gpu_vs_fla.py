@@ -371,7 +371,10 @@ def main(argv=None) -> dict:
                     help="write the inputs and the float64 reference to PATH ({shape} -> BxTxH) for fla_side.py")
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results/gpu_<card>)")
     a = ap.parse_args(argv)
-    shapes = [parse_shape(s) for s in a.shapes.split(",") if s]
+    try:
+        shapes = [parse_shape(s) for s in a.shapes.split(",") if s]
+    except argparse.ArgumentTypeError as e:
+        ap.error(str(e))
     pipes = [p for p in a.pipes.split(",") if p]
     for p in pipes:
         kdax_pipeline(p)  # unknown names fail before any work
