@@ -1,4 +1,9 @@
-"""kdax beside FLA's ``chunk_kda`` (Triton) on the same GPU, in one process.
+"""kdax beside FLA's ``chunk_kda`` (Triton) on the same GPU.
+
+FLA can run in this process (without ``--no-fla``), but on the first H100 run its first
+call here did not return within 200 s (full autotuning, or JAX and PyTorch in one
+process); ``gpu_vs_fla.sh`` therefore runs kdax here with ``--no-fla --save-ref`` and FLA
+in ``fla_side.py`` on the saved inputs, against the saved float64 reference.
 
 Same inputs for every path: bf16 q, k, v, raw gate g and beta logits, float32 ``A_log``
 ``[HV]`` and ``dt_bias`` ``[HV*K]``, Kimi Linear's options (l2norm of q and k, softplus gate
