@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from . import _precision
 from ._config import KDAConfig, KDAOptions
 from ._contracts import STAGES, check_arguments, check_family, check_output, expected_output
 from ._errors import FallbackWarning, UnsupportedCase
@@ -237,8 +238,17 @@ class KDAPipeline(eqx.Module):
     # Only when every forward stage's class is ``tile_safe``; else the forward runs whole.
     # A training step (chunk_kda under a gradient) runs whole: see _vjp_fwd.
     tile: Optional[int] = eqx.field(static=True, default=None)
+    # Precision policy of the products (kdax._precision): "auto" (half-precision operands
+    # with float32 accumulation where safe for bf16/fp16 inputs, else "highest"),
+    # "highest", "bfloat16" or "float16".
+    precision: str = eqx.field(static=True, default="auto")
+
+    def with_precision(self, precision: str) -> "KDAPipeline":
+        """This pipeline under another precision policy (see ``kdax._precision``)."""
+        return dataclasses.replace(self, precision=precision)
 
     def __check_init__(self):
+        _precision.check_policy(self.precision)
         for name in STAGES:
             check_family(name, getattr(self, name))
 
@@ -249,8 +259,10 @@ class KDAPipeline(eqx.Module):
         stage = getattr(self, name)
         check_family(name, stage)
         # The named scope labels every op of the stage in HLO dumps and profiles. Products
-        # run at full precision in any stage, a user's too (see stages._ops.full_precision).
-        with jax.named_scope(f"kdax_{name}"), jax.default_matmul_precision("highest"):
+        # run at full precision in any stage, a user's too (see stages._ops.full_precision),
+        # unless the precision policy lets this stage take half-precision operands.
+        policy = "highest" if self.precision == "auto" else self.precision  # unresolved: safe
+        with jax.named_scope(f"kdax_{name}"), _precision.stage_scope(policy, name):
             ran, reason = stage, None
             try:
                 check_arguments(name, stage, kwargs)
@@ -456,6 +468,8 @@ class KDAPipeline(eqx.Module):
             raise ValueError(f"do: expected shape [B, T, HV, V] = {want}, got {tuple(do.shape)}.")
         if dht is not None and tuple(dht.shape) != tuple(res.h0.shape):
             raise ValueError(f"dht: expected shape [N, HV, K, V] = {tuple(res.h0.shape)}, got {tuple(dht.shape)}.")
+        if self.precision == "auto":  # the policy chunk_kda resolves, for pipeline.backward
+            self = self.with_precision(_precision.resolve(self.precision, res.in_dtypes[0]))
         dt = res.h0.dtype
         doc = pack(L, do, dt)
         dht = jnp.zeros_like(res.h0) if dht is None else dht.astype(dt)
@@ -510,7 +524,7 @@ class KDAPipeline(eqx.Module):
             if n == 0:
                 raise ValueError(f"{name}: KDAPipeline.forward needs B, K and V > 0 (chunk_kda handles size 0), "
                                  f"got q {tuple(q.shape)}, v {tuple(v.shape)}.")
-        o, final, res = self.run_forward(config, *args)
+        o, final, res = self.with_precision(_precision.resolve(self.precision, q.dtype)).run_forward(config, *args)
         return o, _final_out(final, config, opts.state_v_first), res
 
     def __call__(self, q: QK, k: QK, v: Values, g: Gate, beta: Beta, *args, **kwargs):
@@ -735,9 +749,12 @@ def _prepare_options(q, k, v, g, beta, options: KDAOptions):
 
 
 def default_pipeline() -> KDAPipeline:
-    """The pipeline ``chunk_kda(pipeline=None)`` uses: ``KDAPipeline.reference()`` (every
-    stage in plain jnp; on CPU the forward in cache-sized tiles) on every platform. For
-    the Pallas kernels pass ``pipeline=KDAPipeline.pallas()``."""
+    """The pipeline ``chunk_kda(pipeline=None)`` uses on this platform: on a GPU the mixed
+    pipeline (Pallas Triton kernels for F1, F3, F5, B1, B3, B5; XLA for the rest), the
+    fastest measured beside FLA on an H100 (benchmarks/NOTES.md, "kdax beside FLA");
+    elsewhere the reference stages. Precision policy "auto" (``kdax._precision``)."""
+    if jax.default_backend() == "gpu":
+        return KDAPipeline.mixed()
     return KDAPipeline.reference()
 
 
@@ -819,6 +836,7 @@ def chunk_kda(
     pipeline = default_pipeline() if pipeline is None else pipeline
     if not isinstance(pipeline, KDAPipeline):
         raise TypeError(f"pipeline: expected a KDAPipeline, got {type(pipeline).__name__}.")
+    pipeline = pipeline.with_precision(_precision.resolve(pipeline.precision, q.dtype))
     B, T, _, K = q.shape
     if 0 in (B, T, K, v.shape[-1]):
         # Nothing for any stage to do: o is zero (empty sums, or no tokens), every state

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from .. import _precision
 from .._errors import UnsupportedCase
 
 TARGETS = ("tpu", "triton")
@@ -176,8 +177,15 @@ def chunk_call(kernel, inputs, specs, out_blocks, P: int, NC: int, dtype, target
 
 # -- in-kernel helpers (2-D values only) ---------------------------------------------------
 def dot(a, b, ta: bool = False, tb: bool = False):
-    """``op(a) @ op(b)`` with float32 (or float64) accumulation at full precision."""
+    """``op(a) @ op(b)`` with float32 (or float64) accumulation at full precision; under a
+    half-precision policy (``kdax._precision``) float32 operands are rounded to the
+    policy's dtype first (tensor cores, float32 accumulation)."""
     dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
+    half = _precision.operand_dtype()
+    if half is not None and a.dtype == jnp.float32:
+        default = jax.lax.Precision.DEFAULT  # explicit: not the scope's algorithm
+        return jax.lax.dot_general(a.astype(half), b.astype(half), dims, precision=(default, default),
+                                   preferred_element_type=jnp.float32)
     return jax.lax.dot_general(a, b, dims, precision=jax.lax.Precision.HIGHEST, preferred_element_type=a.dtype)
 
 

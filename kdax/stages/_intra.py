@@ -16,6 +16,7 @@ from typing import ClassVar, Optional
 import equinox as eqx
 import jax.numpy as jnp
 
+from .. import _precision
 from .._typing import ChunkK, ChunkMat, ChunkScalar, typecheck
 from ._ops import full_precision, lower_matmul, mT, over_chunks, rowsum, zeros_after
 from ._types import ChunkGrads, IntraOut
@@ -143,6 +144,7 @@ def _diagonal_splits(S):
     return offs
 
 
+@_precision.keep_float32
 def unit_lower_inverse(L):
     """``(I + L)^-1`` for strictly lower ``L [..., C, C]``, by recursive 2 x 2 blocks:
     ``[[A, 0], [B, D]]^-1 = [[A^-1, 0], [-D^-1 B A^-1, D^-1]]`` (matmuls only: XLA:CPU's

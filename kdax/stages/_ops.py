@@ -6,15 +6,19 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from .. import _precision
+
 
 def full_precision(fn):
     """Trace ``fn``'s matrix products at HIGHEST precision. XLA on GPUs runs float32
     products in TF32 (10-bit mantissa) by default, which put 1e-4 relative errors into the
-    stages and 1e-2 into the gradients at T=4096 on an H200; CPUs are unaffected."""
+    stages and 1e-2 into the gradients at T=4096 on an H200; CPUs are unaffected. Inside a
+    pipeline stage traced under a half-precision policy (``kdax._precision``), the
+    policy's precision instead."""
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
-        with jax.default_matmul_precision("highest"):
+        with jax.default_matmul_precision(_precision.matmul_precision()):
             return fn(*args, **kwargs)
 
     return wrapped
@@ -46,8 +50,10 @@ def lower_matmul(A, X, mm=jnp.matmul):
 
 def rowsum(x):
     """Sum over the last axis as a matvec: XLA:CPU runs large multiply-reduce fusions an
-    order of magnitude slower than a dot."""
-    return x @ jnp.ones((x.shape[-1],), x.dtype)
+    order of magnitude slower than a dot. A sum, not a product: never at a half-precision
+    policy's rounding (kdax._precision)."""
+    with _precision.float32_products():
+        return x @ jnp.ones((x.shape[-1],), x.dtype)
 
 
 def last_row(G):

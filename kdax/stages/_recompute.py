@@ -5,6 +5,7 @@ from typing import Optional
 
 import equinox as eqx
 
+from .. import _precision
 from .._layout import ChunkLayout
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkV, SeqState, typecheck
 from ._ops import full_precision
@@ -51,8 +52,11 @@ class AbstractRecompute(eqx.Module):
 
 
 def recompute_with(wy: AbstractWY, state: AbstractState, q, k, v, beta, G, Akk, h0, layout):
-    out = wy(q=q, k=k, v=v, beta=beta, G=G, Akk=Akk)
-    return out, state(w=out.w, u=out.u, kg=out.kg, G=G, h0=h0, layout=layout)
+    # F3 and F4 under their own stages' precision policy (kdax._precision).
+    with _precision.stage_scope(_precision.current_policy(), "wy"):
+        out = wy(q=q, k=k, v=v, beta=beta, G=G, Akk=Akk)
+    with _precision.stage_scope(_precision.current_policy(), "state"):
+        return out, state(w=out.w, u=out.u, kg=out.kg, G=G, h0=h0, layout=layout)
 
 
 class ReferenceRecompute(AbstractRecompute):

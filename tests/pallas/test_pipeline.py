@@ -137,11 +137,12 @@ def test_lowering(target, platform, K, varlen):
 @pytest.mark.parametrize("pipe", [p for p in ("pallas_triton", "pallas_device") if p in PIPELINES])
 @pytest.mark.parametrize("dt", [jnp.bfloat16, jnp.float16])
 def test_low_precision_inputs(pipe, dt):
-    """bf16/fp16 inputs through the all-Pallas pipeline: float32 inside the kernels."""
+    """bf16/fp16 inputs through the all-Pallas pipeline: float32 inside the kernels (the
+    "highest" precision policy; the default policy's rounding: tests/test_precision.py)."""
     x, opts = build_case(dict(T=40, chunk_size=16, use_gate_in_kernel=True, A_log=True, dt_bias=True))
     xl = {n: a.astype(dt) for n, a in x.items()}
     x64 = {n: a.astype(jnp.float64) for n, a in xl.items()}
-    pipe = PIPELINES[pipe]()
+    pipe = PIPELINES[pipe]().with_precision("highest")
     o, ht = run(pipe, xl, opts)
     o_ref, ht_ref = run(oracle_kda, x64, opts)
     assert o.dtype == dt and ht.dtype == jnp.float32

@@ -14,8 +14,9 @@ pytestmark = pytest.mark.slow
 HOPPER_SHARED_BYTES = 232448  # 227 KiB: the per-block opt-in limit of sm_90
 
 
-def _triton_modules(K: int, C: int, dtype) -> dict:
-    """TTIR text of each distinct Pallas kernel at B=1, T=1024, H=2, K=V, chunk C."""
+def _triton_modules(K: int, C: int, dtype, options=None) -> dict:
+    """TTIR text of each distinct Pallas kernel at B=1, T=1024, H=2, K=V, chunk C (a
+    kernel's blocks depend on K, V, C and the dtypes, not on B, T, H: those set the grid)."""
     from jax._src.pallas.triton import lowering
 
     mods, orig = {}, lowering.lower_jaxpr_to_triton_module
@@ -30,8 +31,8 @@ def _triton_modules(K: int, C: int, dtype) -> dict:
     pipe = kdax.KDAPipeline.pallas("triton", interpret=False)
 
     def loss(*a):
-        o, ht = kdax.chunk_kda(*a, pipeline=pipe, chunk_size=C, output_final_state=True)
-        return jnp.sum(o) + jnp.sum(ht)
+        o, ht = kdax.chunk_kda(*a, pipeline=pipe, chunk_size=C, output_final_state=True, **(options or {}))
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(ht)
 
     lowering.lower_jaxpr_to_triton_module = keep
     try:
@@ -66,9 +67,20 @@ def _shared_bytes(ttir: str, tmp_path) -> int:
 # 1040 KiB before its row-block loop). Chunk 128 at K = 128 in float32 is left out: B3 did
 # not finish compiling in 15 minutes (full-precision float32 products are FMA loops that
 # Triton unrolls, likely the cause).
-@pytest.mark.parametrize("K,C,dtype", [(128, 64, jnp.float32), (16, 128, jnp.float64)])
-def test_kernels_fit_hopper_shared_memory(K, C, dtype, tmp_path):
-    mods = _triton_modules(K, C, dtype)
+#
+# gpu_vs_fla.py's configuration: bf16 inputs, K = V = 128, chunk 64, Kimi Linear's options
+# (A_log and dt_bias are closed over: constants of the trace), the default precision policy
+# (bf16 operands in the F2, F3, F5, B1 and B3 kernels' products).
+KIMI = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+
+
+@pytest.mark.parametrize("K,C,dtype,options", [
+    (128, 64, jnp.float32, None),
+    (16, 128, jnp.float64, None),
+    (128, 64, jnp.bfloat16, dict(KIMI, A_log=jnp.zeros(2, jnp.float32), dt_bias=jnp.zeros(256, jnp.float32))),
+], ids=["f32_K128_C64", "f64_K16_C128", "bf16_K128_C64_kimi"])
+def test_kernels_fit_hopper_shared_memory(K, C, dtype, options, tmp_path):
+    mods = _triton_modules(K, C, dtype, options)
     assert len(mods) == 10, list(mods)
     used = {src.split("/")[-1]: _shared_bytes(text, tmp_path) for src, text in mods.items()}
     over = {k: v for k, v in used.items() if v > HOPPER_SHARED_BYTES}

@@ -1,0 +1,434 @@
+"""kdax beside FLA's ``chunk_kda`` (Triton) on the same GPU.
+
+FLA can run in this process (without ``--no-fla``), but on the first H100 run its first
+call here did not return within 200 s (full autotuning, or JAX and PyTorch in one
+process); ``gpu_vs_fla.sh`` therefore runs kdax here with ``--no-fla --save-ref`` and FLA
+in ``fla_side.py`` on the saved inputs, against the saved float64 reference.
+
+Same inputs for every path: bf16 q, k, v, raw gate g and beta logits, float32 ``A_log``
+``[HV]`` and ``dt_bias`` ``[HV*K]``, Kimi Linear's options (l2norm of q and k, softplus gate
+and beta sigmoid in the kernel), chunk 64. Two passes per path: the forward, and a
+training step (loss ``sum(o * w)``, ``w`` fixed random float32 weights; the loss and the
+gradients of q, k, v, g, beta, A_log, dt_bias). Times are medians of ``--reps``
+synchronised calls after two warm-up calls (``block_until_ready`` for JAX,
+``torch.cuda.synchronize`` for PyTorch). Every output and gradient is checked against a
+float64 reference, kdax's reference pipeline run in float64 on the same device on the
+same (bf16-exact) values, by relative RMS error with FLA's test tolerances: o 5e-3,
+dq/dk/dv 8e-3, dg/dbeta (and dA_log, ddt_bias) 2e-2.
+
+kdax paths (``--pipes``): ``reference`` (XLA, the precision policy "auto": bf16 operands
+where safe), ``reference_highest`` (every product at float32 HIGHEST), ``pallas``
+(Triton), ``pallas_highest``, ``mixed`` (``KDAPipeline.mixed()``), ``pallas_xla_gate``
+(Pallas but the gate stages, F1/B5, in XLA). FLA's row is ``fla``; without FLA, PyTorch
+or a CUDA device it is reported as skipped.
+
+Results (merged into what ``--out`` already holds, so that one shape per process can
+append): ``results.json``, ``results.txt`` (table), ``results.png`` (needs matplotlib).
+
+    python benchmarks/gpu_vs_fla.py --shapes 1x16384x16 --out benchmarks/results/gpu_h100
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave room for PyTorch
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)  # the float64 reference
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import kdax  # noqa: E402
+from kdax import KDAPipeline  # noqa: E402
+
+GRAD_NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
+# FLA's tolerances (rel-RMS against a float64 reference) for half-precision inputs.
+TOL = {"o": 5e-3, "q": 8e-3, "k": 8e-3, "v": 8e-3, "g": 2e-2, "beta": 2e-2, "A_log": 2e-2, "dt_bias": 2e-2}
+OPTIONS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+PIPES = ("pallas", "reference", "reference_highest", "mixed", "pallas_highest", "pallas_xla_gate")
+
+
+def kdax_pipeline(name: str) -> KDAPipeline:
+    if name == "reference":
+        return KDAPipeline.reference()
+    if name == "reference_highest":
+        return KDAPipeline.reference().with_precision("highest")
+    if name == "pallas":
+        return KDAPipeline.pallas()
+    if name == "pallas_highest":
+        return KDAPipeline.pallas().with_precision("highest")
+    if name == "mixed":
+        return KDAPipeline.mixed()
+    if name == "pallas_xla_gate":
+        p, r = KDAPipeline.pallas(), KDAPipeline.reference()
+        return eqx_replace(p, gate=r.gate, gate_bwd=r.gate_bwd)
+    raise ValueError(f"--pipes: unknown pipeline {name!r}; expected some of {PIPES}.")
+
+
+def eqx_replace(pipe, **stages):
+    import dataclasses
+
+    return dataclasses.replace(pipe, **stages)
+
+
+def make_inputs(B: int, T: int, H: int, K: int, V: int, seed: int = 0) -> dict:
+    """float32 numpy arrays; q, k, v, g, beta hold bf16-exact values."""
+    r = np.random.default_rng(seed)
+    bf16 = lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+    return dict(
+        q=bf16(r.normal(size=(B, T, H, K))),
+        k=bf16(r.normal(size=(B, T, H, K))),
+        v=bf16(r.normal(size=(B, T, H, V))),
+        g=bf16(r.normal(size=(B, T, H, K))),  # raw gate input (softplus gate in kernel)
+        beta=bf16(r.normal(size=(B, T, H))),  # logits (sigmoid in kernel)
+        A_log=np.log(r.uniform(1.0, 16.0, size=(H,))).astype(np.float32),
+        dt_bias=(0.5 * r.normal(size=(H * K,))).astype(np.float32),
+        w=r.normal(size=(B, T, H, V)).astype(np.float32),
+    )
+
+
+def _rel_rms(x, ref):
+    d = x.astype(jnp.float64) - ref
+    return jnp.sqrt(jnp.sum(d * d) / jnp.sum(ref * ref))
+
+
+_rel_rms_jit = jax.jit(_rel_rms)
+
+
+def rel_rms(x, ref) -> float:
+    e = float(_rel_rms_jit(jnp.asarray(x), ref))
+    return e if math.isfinite(e) else float("inf")
+
+
+def median_time(fn, sync, reps: int) -> float:
+    for _ in range(2):
+        sync(fn())
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        sync(fn())
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+# -- kdax ----------------------------------------------------------------------------------
+def kdax_fns(pipe: KDAPipeline, chunk: int):
+    def fwd(q, k, v, g, beta, A_log, dt_bias):
+        return kdax.chunk_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, chunk_size=chunk, pipeline=pipe,
+                              **OPTIONS)[0]
+
+    def loss(q, k, v, g, beta, A_log, dt_bias, w):
+        return jnp.sum(fwd(q, k, v, g, beta, A_log, dt_bias).astype(jnp.float32) * w)
+
+    return jax.jit(fwd), jax.jit(jax.value_and_grad(loss, argnums=tuple(range(7))))
+
+
+def reference64(x: dict, chunk: int):
+    """o and every gradient in float64 (kdax's reference pipeline), on the device."""
+    pipe = KDAPipeline.reference().untiled()
+    args = tuple(jnp.asarray(x[n], jnp.float64) for n in GRAD_NAMES)
+    fwd, step = kdax_fns(pipe, chunk)
+    _, grads = step(*args, jnp.asarray(x["w"], jnp.float64))
+    return fwd(*args), dict(zip(GRAD_NAMES, grads))
+
+
+def run_kdax(name: str, x: dict, ref, chunk: int, reps: int) -> list:
+    pipe = kdax_pipeline(name)
+    fwd, step = kdax_fns(pipe, chunk)
+    args = tuple(jnp.asarray(x[n], jnp.bfloat16 if n not in ("A_log", "dt_bias") else jnp.float32) for n in GRAD_NAMES)
+    w = jnp.asarray(x["w"])
+    t0 = time.perf_counter()
+    o = jax.block_until_ready(fwd(*args))
+    c_fwd = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    _, grads = jax.block_until_ready(step(*args, w))
+    c_step = time.perf_counter() - t0
+    errs = {"o": rel_rms(o, ref[0])}
+    errs.update({n: rel_rms(gr, ref[1][n]) for n, gr in zip(GRAD_NAMES, grads)})
+    sync = jax.block_until_ready
+    t_fwd = median_time(lambda: fwd(*args), sync, reps)
+    t_step = median_time(lambda: step(*args, w), sync, reps)
+    return [dict(path=f"kdax[{name}]", pass_="fwd", time_ms=1e3 * t_fwd, first_call_s=c_fwd, errors={"o": errs["o"]}),
+            dict(path=f"kdax[{name}]", pass_="train", time_ms=1e3 * t_step, first_call_s=c_step,
+                 errors={n: errs[n] for n in GRAD_NAMES})]
+
+
+def check_float32(shape, name: str, K: int, V: int, chunk: int, on_row) -> None:
+    """``name``'s forward and training step on float32 inputs (precision "highest")
+    against the float64 reference: the float32 tolerances of the golden tests, o 1e-5,
+    gradients 1e-4 (rel-RMS)."""
+    B, T, H = shape
+    x = make_inputs(B, T, H, K, V, seed=1)
+    ref = reference64(x, chunk)
+    fwd, step = kdax_fns(kdax_pipeline(name).with_precision("highest"), chunk)
+    args = tuple(jnp.asarray(x[n], jnp.float32) for n in GRAD_NAMES)
+    base = dict(B=B, T=T, H=H, K=K, V=V, chunk=chunk, dtype="float32", path=f"kdax[{name}] float32 check")
+    try:
+        o = fwd(*args)
+        _, grads = step(*args, jnp.asarray(x["w"]))
+        errs = {"o": rel_rms(o, ref[0])}
+        errs.update({n: rel_rms(gr, ref[1][n]) for n, gr in zip(GRAD_NAMES, grads)})
+    except Exception as e:  # noqa: BLE001
+        msg = str(e).strip().splitlines()
+        on_row(dict(base, pass_="-", status=f"failed: {type(e).__name__}: {msg[0][:300] if msg else ''}"))
+        return
+    ok = errs["o"] <= 1e-5 and all(errs[n] <= 1e-4 for n in GRAD_NAMES)
+    on_row(dict(base, pass_="train", time_ms=float("nan"), errors=errs, ok=ok,
+                status="ok (float32 tolerances)" if ok else "ERRORS OVER float32 tolerances (1e-5 / 1e-4)"))
+
+
+# -- FLA -----------------------------------------------------------------------------------
+def fla_available():
+    """(chunk_kda, torch) or the reason FLA cannot run here."""
+    try:
+        import torch
+    except Exception as e:  # noqa: BLE001
+        return f"no PyTorch ({type(e).__name__}: {e})"
+    if not torch.cuda.is_available():
+        return "no CUDA device for PyTorch"
+    try:
+        from fla.ops.kda import chunk_kda
+    except Exception as e:  # noqa: BLE001
+        return f"no FLA ({type(e).__name__}: {e})"
+    return chunk_kda, torch
+
+
+def run_fla(fla, x: dict, ref, chunk: int, reps: int) -> list:
+    chunk_kda, torch = fla
+    if chunk != 64:
+        raise ValueError("FLA's chunk_kda has chunk 64 only")
+    dev = "cuda"
+    t = {n: torch.from_numpy(x[n]).to(dev) for n in (*GRAD_NAMES, "w")}
+    ins = {n: t[n].to(torch.bfloat16) if n not in ("A_log", "dt_bias") else t[n] for n in GRAD_NAMES}
+    w = t["w"]
+
+    def fwd():
+        with torch.no_grad():
+            return chunk_kda(ins["q"], ins["k"], ins["v"], ins["g"], ins["beta"], A_log=ins["A_log"],
+                             dt_bias=ins["dt_bias"], **OPTIONS)[0]
+
+    leaves = {n: a.detach().clone().requires_grad_(True) for n, a in ins.items()}
+
+    def step():
+        o = chunk_kda(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], A_log=leaves["A_log"],
+                      dt_bias=leaves["dt_bias"], **OPTIONS)[0]
+        loss = (o.float() * w).sum()
+        return loss, torch.autograd.grad(loss, [leaves[n] for n in GRAD_NAMES])
+
+    def sync(_):
+        torch.cuda.synchronize()
+
+    to_jax = lambda a: jnp.asarray(a.detach().float().cpu().numpy())
+    t0 = time.perf_counter()
+    o = fwd()
+    sync(o)
+    c_fwd = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    _, grads = step()
+    sync(grads)
+    c_step = time.perf_counter() - t0
+    errs = {"o": rel_rms(to_jax(o), ref[0])}
+    errs.update({n: rel_rms(to_jax(gr), ref[1][n]) for n, gr in zip(GRAD_NAMES, grads)})
+    del o, grads
+    t_fwd = median_time(fwd, sync, reps)
+    t_step = median_time(step, sync, reps)
+    return [dict(path="fla", pass_="fwd", time_ms=1e3 * t_fwd, first_call_s=c_fwd, errors={"o": errs["o"]}),
+            dict(path="fla", pass_="train", time_ms=1e3 * t_step, first_call_s=c_step,
+                 errors={n: errs[n] for n in GRAD_NAMES})]
+
+
+# -- one shape -----------------------------------------------------------------------------
+def bench_shape(shape, pipes, K: int, V: int, chunk: int, reps: int, budget_s: float, fla, on_row,
+                save_ref=None) -> None:
+    B, T, H = shape
+    t_start = time.perf_counter()
+    base = dict(B=B, T=T, H=H, K=K, V=V, chunk=chunk, dtype="bfloat16")
+    x = make_inputs(B, T, H, K, V)
+    t0 = time.perf_counter()
+    ref = jax.block_until_ready(reference64(x, chunk))
+    print(f"[{B}x{T}x{H}] float64 reference: {time.perf_counter() - t0:.1f} s", flush=True)
+    if save_ref:  # for benchmarks/fla_side.py: the inputs, and the reference (float32 is plenty)
+        arrays = {f"in_{n}": x[n] for n in (*GRAD_NAMES, "w")}
+        arrays["ref_o"] = np.asarray(ref[0], np.float32)
+        arrays.update({f"ref_{n}": np.asarray(ref[1][n], np.float32) for n in GRAD_NAMES})
+        np.savez(Path(save_ref.format(shape=f"{B}x{T}x{H}")), **arrays)
+    for path in ["fla", *pipes]:
+        if time.perf_counter() - t_start > budget_s:
+            on_row(dict(base, path=path if path == "fla" else f"kdax[{path}]", pass_="-",
+                        status=f"skipped: this shape's time budget ({budget_s:.0f} s) was spent"))
+            continue
+        t0 = time.perf_counter()
+        try:
+            if path == "fla":
+                if isinstance(fla, str):
+                    on_row(dict(base, path="fla", pass_="-", status=f"skipped: {fla}"))
+                    continue
+                rows = run_fla(fla, x, ref, chunk, reps)
+            else:
+                rows = run_kdax(path, x, ref, chunk, reps)
+        except Exception as e:  # noqa: BLE001 -- a path that fails is reported, the rest go on
+            msg = str(e).strip().splitlines()
+            on_row(dict(base, path=path if path == "fla" else f"kdax[{path}]", pass_="-",
+                        status=f"failed: {type(e).__name__}: {msg[0][:300] if msg else ''}"))
+            continue
+        for r in rows:
+            r["ok"] = all(err <= TOL[n] for n, err in r["errors"].items())
+            on_row(dict(base, **r, status="ok" if r["ok"] else "ERRORS OVER FLA'S TOLERANCES"))
+        print(f"[{B}x{T}x{H}] {path}: {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+# -- report ------------------------------------------------------------------------------
+def _key(r):
+    return (r["B"], r["T"], r["H"], r["path"], r["pass_"])
+
+
+def with_ratios(rows: list) -> list:
+    fla = {(r["B"], r["T"], r["H"], r["pass_"]): r["time_ms"] for r in rows if r["path"] == "fla" and "time_ms" in r}
+    for r in rows:
+        f = fla.get((r["B"], r["T"], r["H"], r["pass_"]))
+        r["vs_fla"] = None if f is None or "time_ms" not in r else r["time_ms"] / f
+    return rows
+
+
+def table(rows: list, header: str) -> str:
+    cols = f"{'B':>2} {'T':>6} {'H':>3} {'path':<26} {'pass':<6} {'time ms':>9} {'/FLA':>6}  max rel-RMS err (which)  status"
+    out = [header, cols, "-" * len(cols)]
+    for r in rows:
+        if "time_ms" not in r:
+            out.append(f"{r['B']:>2} {r['T']:>6} {r['H']:>3} {r['path']:<26} {'-':<6} {'':>9} {'':>6}  {r['status']}")
+            continue
+        worst = max(r["errors"], key=lambda n: r["errors"][n] / TOL[n])
+        ratio = "" if r["vs_fla"] is None or r["vs_fla"] != r["vs_fla"] else f"{r['vs_fla']:.2f}"
+        tms = "-" if r["time_ms"] != r["time_ms"] else f"{r['time_ms']:.2f}"
+        out.append(f"{r['B']:>2} {r['T']:>6} {r['H']:>3} {r['path']:<26} {r['pass_']:<6} {tms:>9} "
+                   f"{ratio:>6}  {r['errors'][worst]:.2e} ({'d' if r['pass_'] == 'train' else ''}{worst})"
+                   f"  {r['status']}")
+    return "\n".join(out)
+
+
+def plot(rows: list, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = [r for r in rows if r.get("dtype") == "bfloat16"]
+    shapes = sorted({(r["B"], r["T"], r["H"]) for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, pas in zip(axes, ("fwd", "train")):
+        paths = sorted({r["path"] for r in rows if r["pass_"] == pas and "time_ms" in r}, key=lambda p: (p != "fla", p))
+        width = 0.8 / max(1, len(paths))
+        for i, p in enumerate(paths):
+            ys = [next((r["time_ms"] for r in rows if (r["B"], r["T"], r["H"]) == s and r["path"] == p
+                        and r["pass_"] == pas and "time_ms" in r), np.nan) for s in shapes]
+            ax.bar(np.arange(len(shapes)) + i * width, ys, width, label=p)
+        ax.set_xticks(np.arange(len(shapes)) + 0.4 - width / 2)
+        ax.set_xticklabels([f"B={b} T={t} H={h}" for b, t, h in shapes])
+        ax.set_ylabel("ms (median)")
+        ax.set_yscale("log")
+        ax.set_title(f"{'forward' if pas == 'fwd' else 'training step'}, bf16, K=V=128, chunk 64")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def card_name() -> str:
+    d = jax.devices()[0]
+    kind = getattr(d, "device_kind", d.platform).lower()
+    for n in ("h100", "h200", "a100", "b200", "l40"):
+        if n in kind:
+            return n
+    return d.platform
+
+
+def parse_shape(s: str):
+    try:
+        B, T, H = (int(p) for p in s.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shapes: expected BxTxH, e.g. 1x16384x16; got {s!r}") from None
+    return B, T, H
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="1x16384x16,1x4096x16,4x4096x32")
+    ap.add_argument("--pipes", default=",".join(PIPES[:4]))
+    ap.add_argument("--K", type=int, default=128)
+    ap.add_argument("--V", type=int, default=128)
+    ap.add_argument("--chunk", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--budget", type=float, default=600.0, help="seconds per shape before the rest is skipped")
+    ap.add_argument("--no-fla", action="store_true", help="report FLA as skipped without trying it")
+    ap.add_argument("--check-f32", default=None, metavar="BxTxH",
+                    help="also check the first --pipes pipeline on float32 inputs at this shape")
+    ap.add_argument("--save-ref", default=None, metavar="PATH",
+                    help="write the inputs and the float64 reference to PATH ({shape} -> BxTxH) for fla_side.py")
+    ap.add_argument("--out", default=None, help="results folder (default benchmarks/results/gpu_<card>)")
+    a = ap.parse_args(argv)
+    try:
+        shapes = [parse_shape(s) for s in a.shapes.split(",") if s]
+    except argparse.ArgumentTypeError as e:
+        ap.error(str(e))
+    pipes = [p for p in a.pipes.split(",") if p]
+    for p in pipes:
+        kdax_pipeline(p)  # unknown names fail before any work
+    out = Path(a.out) if a.out else Path(__file__).resolve().parent / "results" / f"gpu_{card_name()}"
+    out.mkdir(parents=True, exist_ok=True)
+    fla = "--no-fla given" if a.no_fla else fla_available()
+    dev = jax.devices()[0]
+    env = dict(device=getattr(dev, "device_kind", dev.platform), jax=jax.__version__,
+               fla=None if isinstance(fla, str) else _version("fla-core"),
+               torch=None if isinstance(fla, str) else fla[1].__version__, tolerances=TOL)
+    jpath = out / "results.json"
+    old = json.loads(jpath.read_text()) if jpath.exists() else {}
+    env = {**old.get("env", {}), **{k: v for k, v in env.items() if v is not None}}  # fla_side.py's too
+    rows = {_key(r): r for r in old.get("rows", [])}
+
+    def on_row(r):
+        rows[_key(r)] = r
+        save()
+
+    def save():
+        rs = with_ratios(list(rows.values()))
+        jpath.write_text(json.dumps(dict(env=env, rows=rs), indent=1))
+        header = (f"kdax vs FLA chunk_kda on {env['device']} (jax {env.get('jax')}, torch {env.get('torch')}, fla-core "
+                  f"{env.get('fla')}); bf16 inputs, K={a.K} V={a.V} chunk {a.chunk}, Kimi options; median of {a.reps}; "
+                  f"errors: rel-RMS vs float64, FLA's tolerances o 5e-3, dq/dk/dv 8e-3, dg/dbeta/dA_log/ddt_bias 2e-2")
+        (out / "results.txt").write_text(table(rs, header) + "\n")
+
+    if a.check_f32:
+        check_float32(parse_shape(a.check_f32), pipes[0], a.K, a.V, a.chunk, on_row)
+    for shape in shapes:
+        bench_shape(shape, pipes, a.K, a.V, a.chunk, a.reps, a.budget, fla, on_row, a.save_ref)
+    save()
+    rs = with_ratios(list(rows.values()))
+    try:
+        plot(rs, out / "results.png")
+    except Exception as e:  # noqa: BLE001 -- the table and JSON are written already
+        print(f"plot failed: {type(e).__name__}: {e}", file=sys.stderr)
+    print((out / "results.txt").read_text())
+    return dict(env=env, rows=rs)
+
+
+def _version(dist: str):
+    try:
+        from importlib.metadata import version
+
+        return version(dist)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+if __name__ == "__main__":
+    main()

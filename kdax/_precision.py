@@ -1,0 +1,138 @@
+"""Precision policy of the matrix products: which stages may feed half-precision operands
+to the products (tensor cores, float32 accumulation) and which keep float32 operands.
+
+Policies (``KDAPipeline.precision``):
+
+* ``"highest"``: every product at float32 (float64 for float64 inputs) HIGHEST precision;
+* ``"bfloat16"`` / ``"float16"``: the products of the stages in ``FAST_STAGES`` round their
+  operands to that dtype and accumulate in float32 (what FLA's Triton kernels do); every
+  other product stays at HIGHEST;
+* ``"auto"`` (default): ``"bfloat16"`` / ``"float16"`` when q is bfloat16 / float16, else
+  ``"highest"``.
+
+What must stay float32, and why:
+
+* the gate's chunk cumsum (F1, and its reverse in B5): ``G`` sits in every exponent, and a
+  bf16 rounding of the per-step gates (relative 4e-3) grows with the cumsum;
+* ``(I + L)^-1`` (in F2): a triangular solve, whose rounding errors compound down the
+  rows (the reference stage's block products run under ``float32_products``; the Pallas
+  kernel substitutes row by row without products);
+* the state recurrence (F4, B2, and F4 inside B0): the state is carried across all
+  chunks, so each chunk's rounding would add up over the sequence;
+* B4 (the intra-chunk gradients): its dG is a difference of products that cancel
+  (``q * dq - k * dk`` and the like), so operand rounding relative to the products
+  becomes large relative to dG. With B4 rounded, dg's error was 1.7e-2 (H100, bf16,
+  1x16384x16, K=V=128) and dA_log's 6e-2; on a CPU with XLA:GPU's rounding emulated (T=1024,
+  H=2, K=V=64) dg 2.6e-2 and dA_log 1.45, against 3.3e-3 and 6.8e-3 with B4 exact.
+* row sums written as products (``stages._ops.rowsum``): sums, not products.
+
+Everything else (the scores of F2, F3's ``w``/``u``, F5's output, B1, B3 and B0's F3)
+takes half-precision operands as FLA's kernels do, with errors of the order of the
+inputs' own rounding.
+
+Mechanism: ``KDAPipeline._stage`` enters ``stage_scope(policy, stage)``. It sets JAX's
+default matmul precision (the reference stages' jnp products: on GPUs XLA then rounds the
+operands and runs bf16 tensor-core products; XLA:CPU ignores the algorithm and computes in
+float32) and records the operand dtype, which ``kdax.pallas``'s in-kernel ``dot`` reads to
+cast its operands explicitly (on every backend, interpret mode included). The tests
+emulate XLA:GPU's rounding on a CPU (``tests/_gpu_products.py``).
+"""
+
+import contextlib
+import contextvars
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+
+POLICIES = ("auto", "highest", "bfloat16", "float16")
+
+# The stages whose products may take half-precision operands (see the module docstring).
+FAST_STAGES = frozenset({"intra", "wy", "output", "dav", "wy_dqkg"})
+
+# JAX's dot algorithm for each half dtype: operands rounded to it, float32 accumulation.
+_ALGORITHM = {"bfloat16": "BF16_BF16_F32", "float16": "F16_F16_F32"}
+
+# (policy, operand dtype or None) of the stage being traced.
+_CURRENT: contextvars.ContextVar = contextvars.ContextVar("kdax_precision", default=("highest", None))
+
+
+def _algorithm(policy: str) -> str:
+    """The jnp products' precision under a half policy. XLA:CPU rejects F16_F16_F32 (and
+    computes BF16_BF16_F32 products in float32 anyway): float16 asks for it on GPUs only."""
+    if policy == "float16" and jax.default_backend() != "gpu":
+        return "highest"
+    return _ALGORITHM[policy]
+
+
+def check_policy(policy: str) -> str:
+    if policy not in POLICIES:
+        raise ValueError(f"precision: expected one of {POLICIES}, got {policy!r}.")
+    return policy
+
+
+def resolve(policy: str, dtype) -> str:
+    """The policy for inputs of ``dtype`` (q's): ``"auto"`` becomes ``"bfloat16"`` or
+    ``"float16"`` for half-precision inputs and ``"highest"`` otherwise; float64 inputs
+    always get ``"highest"``."""
+    check_policy(policy)
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.float64:
+        return "highest"
+    if policy == "auto":
+        return {jnp.dtype(jnp.bfloat16): "bfloat16", jnp.dtype(jnp.float16): "float16"}.get(dtype, "highest")
+    return policy
+
+
+@contextlib.contextmanager
+def stage_scope(policy: str, stage: str):
+    """Trace stage ``stage`` under ``policy`` (resolved: not ``"auto"``)."""
+    fast = policy in _ALGORITHM and stage in FAST_STAGES
+    operand = jnp.dtype(policy) if fast else None
+    token = _CURRENT.set((policy, operand))
+    try:
+        with jax.default_matmul_precision(_algorithm(policy) if fast else "highest"):
+            yield
+    finally:
+        _CURRENT.reset(token)
+
+
+@contextlib.contextmanager
+def float32_products():
+    """Products traced inside run at HIGHEST whatever the stage's policy (the solve)."""
+    policy, _ = _CURRENT.get()
+    token = _CURRENT.set((policy, None))
+    try:
+        with jax.default_matmul_precision("highest"):
+            yield
+    finally:
+        _CURRENT.reset(token)
+
+
+def current_policy() -> str:
+    """The resolved policy of the stage being traced (``"highest"`` outside a pipeline)."""
+    return _CURRENT.get()[0]
+
+
+def operand_dtype() -> Optional[jnp.dtype]:
+    """The dtype products round their operands to here, or None (full precision)."""
+    return _CURRENT.get()[1]
+
+
+def matmul_precision() -> str:
+    """The ``jax.default_matmul_precision`` value for products traced here."""
+    operand = operand_dtype()
+    return "highest" if operand is None else _algorithm(jnp.dtype(operand).name)
+
+
+def keep_float32(fn):
+    """Decorator: ``fn``'s products under ``float32_products``."""
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with float32_products():
+            return fn(*args, **kwargs)
+
+    return wrapped

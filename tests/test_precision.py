@@ -1,0 +1,133 @@
+"""The precision policy (``kdax._precision``): which products take half-precision operands
+under bf16/fp16 inputs, which stay at HIGHEST, and the errors of the fast policy against
+the float64 oracle within FLA's tolerances."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kdax
+from kdax import _precision
+
+from ._gpu_products import gpu_products
+from ._util import assert_close, loss_grads, make_inputs, oracle_kda, run, split_args
+
+# FLA's tolerances for half-precision inputs (rel-RMS against a float64 reference).
+FLA_TOL = {"o": 5e-3, "q": 8e-3, "k": 8e-3, "v": 8e-3, "g": 2e-2, "beta": 2e-2, "A_log": 2e-2, "dt_bias": 2e-2}
+KIMI = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+FAST = jax.lax.DotAlgorithmPreset.BF16_BF16_F32
+HIGHEST = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
+
+
+def test_resolve():
+    assert _precision.resolve("auto", jnp.bfloat16) == "bfloat16"
+    assert _precision.resolve("auto", jnp.float16) == "float16"
+    assert _precision.resolve("auto", jnp.float32) == "highest"
+    assert _precision.resolve("bfloat16", jnp.float32) == "bfloat16"
+    assert _precision.resolve("bfloat16", jnp.float64) == "highest"  # the float64 oracle stays exact
+    with pytest.raises(ValueError, match="precision"):
+        _precision.resolve("tf32", jnp.float32)
+    with pytest.raises(ValueError, match="precision"):
+        kdax.KDAPipeline.reference().with_precision("fast")
+    assert kdax.KDAPipeline.reference().precision == "auto"
+    # What must stay float32 (see kdax._precision): the gate cumsum, the state recurrence
+    # (F4, B2, B0's F4) and B4, whose dG cancels (rounded, dA_log's error was 6e-2 on an H100).
+    assert {"gate", "state", "recompute", "dhu", "intra_bwd", "gate_bwd"}.isdisjoint(_precision.FAST_STAGES)
+
+
+def _dots(jaxpr, stack=""):
+    """``(name stack, precision)`` of every dot_general in ``jaxpr`` and its sub-jaxprs."""
+    out = []
+    for eqn in jaxpr.eqns:
+        here = stack + "/" + str(eqn.source_info.name_stack)
+        if eqn.primitive.name == "dot_general":
+            out.append((here, eqn.params["precision"]))
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, (tuple, list)) else (p,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    out += _dots(sub.jaxpr, here)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    out += _dots(sub, here)
+    return out
+
+
+def _stage_of(stack: str) -> str:
+    names = re.findall(r"kdax_(\w+)", stack)
+    return names[-1] if names else ""
+
+
+@pytest.mark.parametrize("policy", ["auto", "highest"])
+def test_products_follow_the_policy(policy):
+    """bf16 inputs: under "auto" every product of the fast stages asks for bf16 operands
+    with float32 accumulation and every other product (gate cumsum, state recurrence,
+    (I+L)^-1) for HIGHEST; under "highest" every product asks for HIGHEST."""
+    s = jax.ShapeDtypeStruct
+    args = (s((1, 64, 2, 16), jnp.bfloat16),) * 4 + (s((1, 64, 2), jnp.bfloat16),)
+    pipe = kdax.KDAPipeline.reference().untiled().with_precision(policy)
+
+    def loss(*a):
+        o, _ = kdax.chunk_kda(*a, chunk_size=16, A_log=jnp.zeros(2), pipeline=pipe, **KIMI)
+        return jnp.sum(o.astype(jnp.float32))
+
+    dots = _dots(jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))(*args).jaxpr)
+    by_stage = {}
+    for stack, prec in dots:
+        by_stage.setdefault(_stage_of(stack), set()).add(str(prec))
+    # Products of every stage that has any; the solve's products (inside intra) stay exact.
+    assert {"intra", "wy", "state", "output", "recompute", "dav", "dhu", "wy_dqkg", "intra_bwd"} <= set(by_stage)
+    for stage, precs in by_stage.items():
+        if stage == "recompute":
+            continue
+        if policy == "auto" and stage in _precision.FAST_STAGES:
+            # Row sums (stages._ops.rowsum) and the solve stay exact inside these stages.
+            assert str(FAST) in precs and precs <= {str(FAST), str(HIGHEST)}, (stage, precs)
+        else:
+            assert precs == {str(HIGHEST)}, (stage, precs)
+    # B0's recomputed F3 follows F3's policy, its F4 stays exact.
+    rec = {str(p) for st, p in dots if _stage_of(st) == "recompute"}
+    assert rec == ({str(FAST), str(HIGHEST)} if policy == "auto" else {str(HIGHEST)})
+
+
+PIPES = {
+    # The reference stages' products with XLA:GPU's operand rounding (XLA:CPU ignores it).
+    "reference": lambda: kdax.KDAPipeline.reference().untiled(),
+    # In-kernel products cast their operands explicitly: rounded in interpret mode too.
+    "pallas_triton": lambda: kdax.KDAPipeline.pallas("triton", interpret=True),
+}
+
+
+@pytest.mark.parametrize("name,dtype", [
+    ("reference", jnp.bfloat16), ("pallas_triton", jnp.bfloat16),
+    pytest.param("reference", jnp.float16, marks=pytest.mark.slow),
+    pytest.param("pallas_triton", jnp.float16, marks=pytest.mark.slow),
+])
+def test_fast_policy_within_fla_tolerances(name, dtype):
+    """Half-precision inputs with Kimi Linear's options under the default ("auto")
+    policy: the output, the final state and every gradient (A_log's and dt_bias's too)
+    against the float64 oracle within FLA's tolerances; and the policy does round (the
+    output differs from the same pipeline's at "highest")."""
+    with gpu_products():
+        _check_fast_policy(PIPES[name](), dtype)
+
+
+def _check_fast_policy(pipe, dtype):
+    x64 = make_inputs(seed=3, B=1, T=256, H=2, K=32, V=32, gate="raw", A_log=True, dt_bias=True, h0=False, beta_raw=True)
+    x = {n: a.astype(jnp.float32 if n in ("A_log", "dt_bias") else dtype) for n, a in x64.items()}
+    xr = {n: a.astype(jnp.float64) for n, a in x.items()}  # the same values, exactly
+    opts = dict(chunk_size=32, output_final_state=True, **KIMI)
+    o, ht = run(lambda *a, **kw: kdax.chunk_kda(*a, pipeline=pipe, **kw), x, opts)
+    o_ref, ht_ref = run(oracle_kda, xr, opts)
+    assert o.dtype == dtype and ht.dtype == jnp.float32
+    assert_close(o, o_ref, FLA_TOL["o"], "o")
+    assert_close(ht, ht_ref, FLA_TOL["o"], "ht")
+    do = jnp.asarray(np.random.default_rng(1).normal(size=o.shape))
+    grads = loss_grads(lambda *a, **kw: kdax.chunk_kda(*a, pipeline=pipe, **kw), x, opts, do.astype(jnp.float32), None)
+    want = loss_grads(oracle_kda, xr, opts, do, None)
+    for n, gr in grads.items():
+        assert_close(gr, want[n], FLA_TOL[n], "d" + n)
+    exact = pipe.with_precision("highest")
+    o_hi, _ = run(lambda *a, **kw: kdax.chunk_kda(*a, pipeline=exact, **kw), x, opts)
+    assert not np.array_equal(np.asarray(o_hi, np.float32), np.asarray(o, np.float32))
