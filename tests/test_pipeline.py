@@ -159,8 +159,10 @@ def test_strong_decay_chunk128_finite_float32():
 @pytest.mark.parametrize("dt", [jnp.bfloat16, jnp.float16])
 def test_low_precision_inputs(dt):
     x, opts = build_case(dict(T=100, K=32, V=32, use_gate_in_kernel=True, A_log=True, dt_bias=True))
-    # The forward in tiles of one chunk (the gradients' forward runs whole).
-    opts["pipeline"] = dataclasses.replace(kdax.KDAPipeline.reference(), tile=x["v"].shape[0] * x["v"].shape[2])
+    # The forward in tiles of one chunk (the gradients' forward runs whole); products at
+    # HIGHEST (the "auto" policy's half-precision products are tested in test_precision.py).
+    opts["pipeline"] = dataclasses.replace(kdax.KDAPipeline.reference(), tile=x["v"].shape[0] * x["v"].shape[2],
+                                           precision="highest")
     xl = {n: a.astype(dt) for n, a in x.items()}
     o_ref, ht_ref = run(oracle_kda, {n: a.astype(jnp.float64) for n, a in xl.items()}, opts)
     o, ht = run(kdax.chunk_kda, xl, opts)
