@@ -190,14 +190,15 @@ def dot(a, b, ta: bool = False, tb: bool = False):
 
 
 def lower_dot(A, X):
-    """``A @ X`` for lower-triangular ``A [C, C]`` where a non-finite ``X[j, d]`` reaches
-    only rows i >= j of column d (NaN there): in a plain product the zeros above A's
-    diagonal meet it as ``0 * inf = NaN`` and carry it to the rows above. Rows before it
-    are bit-identical to ``A @ X``; the price is a second product, of the same shape."""
+    """``A @ X`` for lower-triangular ``A [C, C]`` where a non-finite row j of ``X``
+    reaches only rows i >= j (NaN there): in a plain product the zeros above A's diagonal
+    meet it as ``0 * inf = NaN`` and carry it to the rows above. Rows before it are
+    bit-identical to ``A @ X``. The rows reached are found without a second product (whose
+    C x C operand did not fit Hopper's shared memory at C = 128 in float64)."""
     C = A.shape[0]
     ok = jnp.abs(X) < jnp.inf
-    lower = jnp.where(iota((C, C), 1) <= iota((C, C), 0), 1.0, 0.0).astype(X.dtype)
-    seen = dot(lower, jnp.where(ok, 0.0, 1.0).astype(X.dtype))
+    bad = jnp.max(jnp.where(ok, 0.0, 1.0), axis=1, keepdims=True)  # [C, 1]
+    seen = jnp.max(jnp.where(iota((C, C), 1) <= iota((C, C), 0), bad.T, 0.0), axis=1, keepdims=True)
     return jnp.where(seen > 0, jnp.nan, dot(A, jnp.where(ok, X, 0.0)))
 
 
