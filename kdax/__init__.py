@@ -7,6 +7,7 @@ oracles), ``kdax.stages`` (abstract stages and reference implementations),
 """
 
 from . import pallas as pallas, ref as ref, stages as stages
+from . import parallel as parallel
 from ._config import KDAConfig as KDAConfig
 from ._layout import ChunkLayout as ChunkLayout
 from .pipeline import (

@@ -490,6 +490,7 @@ def chunk_kda(
     disable_recompute: bool = False,
     state_v_first: bool = False,
     pipeline: Optional[KDAPipeline] = None,
+    seq_axis_name: Optional[str] = None,
 ) -> tuple[Float[ArrayIn, "B T HV V"], Optional[Float[ArrayIn, "N HV _S1 _S2"]]]:
     """Chunked KDA (FLA's ``chunk_kda`` arguments and layouts).
 
@@ -506,7 +507,24 @@ def chunk_kda(
     float64 inputs) or None. ``jax.grad`` runs the six-stage backward of ``pipeline``
     (default: ``default_pipeline()``); ``disable_recompute=True`` keeps the forward
     intermediates instead of recomputing them.
+
+    ``seq_axis_name``: inside ``jax.shard_map`` with the token axis sharded over that mesh
+    axis, q, k, v, g, beta and o are this device's tokens, ``cu_seqlens`` the global
+    offsets, the states global (identical on every device): sequence parallel, exact
+    (see ``kdax.parallel``).
     """
+    if seq_axis_name is not None:
+        from .parallel._chunk import sp_chunk_kda
+
+        return sp_chunk_kda(
+            q, k, v, g, beta, seq_axis_name=seq_axis_name, pipeline=pipeline, scale=scale,
+            initial_state=initial_state, output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+            A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+            safe_gate=safe_gate, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+            disable_recompute=disable_recompute, state_v_first=state_v_first,
+        )
     config, args = _prepare(
         q, k, v, g, beta, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,

@@ -9,6 +9,7 @@ from ._typing import ALog, ArrayIn, Beta, CuSeqlens, Float, Gate, QK, State, Val
 from ._validate import validate_kda_args
 from .ref._gates import beta_activation, kda_gate, l2norm
 from .ref._recurrent import compute_dtype, expand_heads, recurrent_step
+from .stages._ops import vary_like
 
 
 def activate_inputs(q, k, g, beta, dt, *, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log,
@@ -42,7 +43,7 @@ def _varlen_scan(xs, h0, cu_seqlens, scale):
         return (S, final), o_t
 
     # Sequences of length 0 are never visited, so their final state stays h0.
-    (_, final), o = jax.lax.scan(step, (h0[0], h0), ((xs, seq, is_first, is_last)))
+    (_, final), o = jax.lax.scan(step, vary_like((h0[0], h0), xs, h0), ((xs, seq, is_first, is_last)))
     return o, final
 
 
@@ -97,7 +98,7 @@ def fused_recurrent_kda(
             h0 = jnp.swapaxes(h0, -1, -2)
     xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v.astype(dt), g, b))
     if cu_seqlens is None:
-        final, o = jax.lax.scan(lambda S, x: recurrent_step(S, *x, dims.scale), h0, xs)
+        final, o = jax.lax.scan(lambda S, x: recurrent_step(S, *x, dims.scale), vary_like(h0, xs, h0), xs)
     else:
         xs = tuple(x[:, 0] for x in xs)
         o, final = _varlen_scan(xs, h0, jnp.asarray(cu_seqlens, jnp.int32), dims.scale)

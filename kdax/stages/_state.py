@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from .._layout import ChunkLayout
 from .._typing import ChunkK, ChunkV, SeqState, typecheck
-from ._ops import full_precision, mT, zeros_after
+from ._ops import full_precision, mT, vary_like, zeros_after
 from ._types import DhuOut, StateOut
 
 
@@ -101,7 +101,7 @@ class ReferenceState(AbstractState):
 
         deps = (w, u, kg, G, h0)
         hs = zeros_after((R, HV, NC, K, V), h0.dtype, deps)
-        init = (h, h0, hs, zeros_after(u.shape, u.dtype, deps, 1))
+        init = vary_like((h, h0, hs, zeros_after(u.shape, u.dtype, deps, 1)), deps)
         _, final, h, v_new = jax.lax.fori_loop(0, NC, step, init)
         return StateOut(h, v_new, final)
 
@@ -164,6 +164,6 @@ class ReferenceDhu(AbstractDhu):
             return DhuOut(jnp.zeros((R, HV, 0, K, V), dht.dtype), dh0, dv_intra)
         deps = (qg, kg, w, G, do, dv_intra, dht)
         dhs = zeros_after((R, HV, NC, K, V), dht.dtype, deps)
-        init = (jnp.zeros((R, HV, K, V), dht.dtype), dh0, dhs, zeros_after(do.shape, do.dtype, deps, 1))
+        init = vary_like((jnp.zeros((R, HV, K, V), dht.dtype), dh0, dhs, zeros_after(do.shape, do.dtype, deps, 1)), deps)
         _, dh0, dh, dv_new = jax.lax.fori_loop(0, NC, step, init)
         return DhuOut(dh, dh0, dv_new)
