@@ -525,6 +525,19 @@ def chunk_kda(
             safe_gate=safe_gate, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
             disable_recompute=disable_recompute, state_v_first=state_v_first,
         )
+    from .parallel._shard import maybe_per_shard
+
+    sharded = maybe_per_shard(
+        functools.partial(chunk_kda, pipeline=pipeline), q, k, v, g, beta, scale=scale,
+        initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        safe_gate=safe_gate, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+        disable_recompute=disable_recompute, state_v_first=state_v_first,
+    )
+    if sharded is not None:  # inputs sharded over Explicit mesh axes: per shard
+        return sharded
     config, args = _prepare(
         q, k, v, g, beta, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,

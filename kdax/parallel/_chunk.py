@@ -124,6 +124,8 @@ def _sp_kda(static: _Static, q, k, v, g, beta, h0, A_log, dt_bias, cu):
 
 
 def _sp_fwd(static: _Static, q, k, v, g, beta, h0, A_log, dt_bias, cu):
+    # A training step runs the forward whole, as chunk_kda's own VJP does.
+    static = eqx.tree_at(lambda s: s.pipeline, static, static.pipeline.untiled())
     o, final, res, M, sp = _forward(static, q, k, v, g, beta, h0, A_log, dt_bias, cu)
     if not dict(static.options).get("disable_recompute", False):
         res = eqx.tree_at(lambda r: r.cache, res, None, is_leaf=lambda x: x is None)
@@ -134,6 +136,7 @@ def _sp_fwd(static: _Static, q, k, v, g, beta, h0, A_log, dt_bias, cu):
 
 def _sp_bwd(static: _Static, residuals, cotangents):
     res, M, sp, primals = residuals
+    static = eqx.tree_at(lambda s: s.pipeline, static, static.pipeline.untiled())
     do, dfinal = cotangents
     dfinal = dfinal.astype(res.h0.dtype)
     N = res.h0.shape[0]

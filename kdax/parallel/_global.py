@@ -6,6 +6,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .._typing import ALog, ArrayIn, Beta, CuSeqlens, Float, Gate, QK, State, Values, typecheck
+from .._validate import check_cu_seqlens_values
 from ._chunk import sp_chunk_kda
 from ._summary import PrefixMethod
 
@@ -46,6 +47,8 @@ def chunk_kda(
             f"q: the token axis T={T} must split evenly over the {n} devices of mesh axis {seq_axis!r} "
             f"(every device needs the same local T); pad T to a multiple of {n}."
         )
+    if cu_seqlens is not None:
+        check_cu_seqlens_values(cu_seqlens, T)  # global offsets, when concrete
     tok, row = P(batch_axis, seq_axis), P(batch_axis)
     arrays = dict(initial_state=initial_state, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens)
     arrays = {name: x for name, x in arrays.items() if x is not None}

@@ -38,6 +38,22 @@ def _scatter(table, ids, rows):
     return table.at[jnp.where(ids >= 0, ids, table.shape[0])].set(rows, mode="drop")
 
 
+def _enter(layout: ChunkLayout, c, at_c: int, ids, table, other):
+    """``_select`` at chunk ``c``; a dense layout (row r is sequence r, entered at chunk
+    ``at_c``) reads ``table`` whole instead of gathering by id, which would gather
+    across devices when rows are sharded."""
+    if layout.dense:
+        return jnp.where(c == at_c, table, other)
+    return _select(ids, table, other)
+
+
+def _leave(layout: ChunkLayout, c, at_c: int, table, ids, rows):
+    """``_scatter`` at chunk ``c``; dense: the whole table at chunk ``at_c``."""
+    if layout.dense:
+        return jnp.where(c == at_c, rows, table)
+    return _scatter(table, ids, rows)
+
+
 class AbstractState(eqx.Module):
     """F4: ``v_new = u - w h``; ``h <- e^Γ h + kg^T v_new`` chunk by chunk."""
 
@@ -80,10 +96,10 @@ class ReferenceState(AbstractState):
 
         def chunk(c, h, final):
             at = _at(c)
-            h = _select(at(layout.first), h0, h)
+            h = _enter(layout, c, 0, at(layout.first), h0, h)
             v_new = at(u) - at(w) @ h
             h_next = at(decay)[..., None] * h + mT(at(kg)) @ v_new
-            return h, v_new, h_next, _scatter(final, at(layout.last), h_next)
+            return h, v_new, h_next, _leave(layout, c, NC - 1, final, at(layout.last), h_next)
 
         h = jnp.zeros((R, HV, K, V), h0.dtype)
         if NC <= self.unroll:
@@ -152,10 +168,10 @@ class ReferenceDhu(AbstractDhu):
             dh_c, dh0, dhs, dv_news = carry
             c = NC - 1 - i
             at = _at(c)
-            dh_end = _select(at(layout.last), dht, dh_c)
+            dh_end = _enter(layout, c, NC - 1, at(layout.last), dht, dh_c)
             dv_new = at(dv_intra) + at(kg) @ dh_end
             dh_start = at(decay)[..., None] * dh_end + scale * mT(at(qg)) @ at(do) - mT(at(w)) @ dv_new
-            dh0 = _scatter(dh0, at(layout.first), dh_start)
+            dh0 = _leave(layout, c, 0, dh0, at(layout.first), dh_start)
             return dh_start, dh0, _put(dhs, c, dh_end), _put(dv_news, c, dv_new)
 
         # A sequence of length 0 has no chunk: its dh0 is its dht.
