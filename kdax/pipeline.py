@@ -20,6 +20,7 @@ from ._layout import ChunkLayout, expand_group, make_layout, pack, reduce_group,
 from ._tiles import Tiles
 from ._typing import ALog, ArrayIn, Beta, ChunkK, ChunkMat, ChunkState, ChunkV, CuSeqlens, Gate, QK, SeqState, State, Values, typecheck
 from ._validate import validate_kda_args
+from .parallel._shard import route
 from .ref._recurrent import compute_dtype
 from .stages import (
     AbstractDAv,
@@ -513,31 +514,9 @@ def chunk_kda(
     offsets, the states global (identical on every device): sequence parallel, exact
     (see ``kdax.parallel``).
     """
-    if seq_axis_name is not None:
-        from .parallel._chunk import sp_chunk_kda
-
-        return sp_chunk_kda(
-            q, k, v, g, beta, seq_axis_name=seq_axis_name, pipeline=pipeline, scale=scale,
-            initial_state=initial_state, output_final_state=output_final_state,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-            A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-            safe_gate=safe_gate, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-            disable_recompute=disable_recompute, state_v_first=state_v_first,
-        )
-    from .parallel._shard import maybe_per_shard
-
-    sharded = maybe_per_shard(
-        functools.partial(chunk_kda, pipeline=pipeline), q, k, v, g, beta, scale=scale,
-        initial_state=initial_state, output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-        A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-        safe_gate=safe_gate, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-        disable_recompute=disable_recompute, state_v_first=state_v_first,
-    )
-    if sharded is not None:  # inputs sharded over Explicit mesh axes: per shard
-        return sharded
+    routed = route(chunk_kda, locals())  # first: locals() is the arguments alone
+    if routed is not None:  # sequence parallel, or sharded over an Explicit mesh
+        return routed
     config, args = _prepare(
         q, k, v, g, beta, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,

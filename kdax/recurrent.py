@@ -7,6 +7,7 @@ import jax.numpy as jnp
 
 from ._typing import ALog, ArrayIn, Beta, CuSeqlens, Float, Gate, QK, State, Values, typecheck
 from ._validate import validate_kda_args
+from .parallel._shard import route
 from .ref._gates import beta_activation, kda_gate, l2norm
 from .ref._recurrent import compute_dtype, expand_heads, recurrent_step
 from .stages._ops import vary_like
@@ -77,17 +78,9 @@ def fused_recurrent_kda(
     new values do not recompile). Returns ``o [B, T, HV, V]`` in v's dtype and the final
     state (float32, or float64 for float64 inputs) when ``output_final_state``.
     """
-    from .parallel._shard import maybe_per_shard
-
-    sharded = maybe_per_shard(
-        fused_recurrent_kda, q, k, v, g, beta, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-        cu_seqlens=cu_seqlens, state_v_first=state_v_first,
-    )
-    if sharded is not None:  # inputs sharded over Explicit mesh axes: per shard
-        return sharded
+    routed = route(fused_recurrent_kda, locals())  # first: locals() is the arguments alone
+    if routed is not None:  # sharded over an Explicit mesh: per shard
+        return routed
     dims = validate_kda_args(
         q, k, v, g, beta, scale=scale, initial_state=initial_state,
         use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,

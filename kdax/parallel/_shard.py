@@ -2,6 +2,7 @@
 ``fused_recurrent_kda`` run per shard in ``jax.shard_map`` (any pipeline, the Pallas ones
 included), with no collective: rows and heads are independent."""
 
+import functools
 from typing import Callable, Optional
 
 import jax
@@ -61,3 +62,20 @@ def maybe_per_shard(fn: Callable, q, k, v, g, beta, *, initial_state=None, A_log
     out_specs = (tok4, state if options.get("output_final_state", False) else None)
     return jax.shard_map(local, mesh=mesh, in_specs=(tok4, tok4, tok4, tok4, tok3, {n: s for n, (_, s) in arrays.items()}),
                          out_specs=out_specs)(*ins, kw)
+
+
+def route(fn: Callable, arguments: dict) -> Optional[tuple]:
+    """What ``kdax.chunk_kda`` / ``kdax.fused_recurrent_kda`` (``fn``) return when their
+    call is not a plain single-device one, or None. ``arguments``: the call's arguments
+    by name (``locals()`` on entry). ``seq_axis_name`` set: sequence parallel inside
+    shard_map (chunk_kda only); inputs sharded over Explicit mesh axes: per shard."""
+    kw = dict(arguments)
+    q, k, v, g, beta = (kw.pop(n) for n in ("q", "k", "v", "g", "beta"))
+    seq_axis_name = kw.pop("seq_axis_name", None)
+    if seq_axis_name is not None:
+        from ._chunk import sp_chunk_kda
+
+        return sp_chunk_kda(q, k, v, g, beta, seq_axis_name=seq_axis_name, **kw)
+    if "pipeline" in kw:
+        fn = functools.partial(fn, pipeline=kw.pop("pipeline"))
+    return maybe_per_shard(fn, q, k, v, g, beta, **kw)

@@ -89,15 +89,16 @@ def test_data_by_sequence_mesh():
 @pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 4, 8])
 @pytest.mark.parametrize("prefix", ["gather", "doubling"])
-@pytest.mark.parametrize("dtype,tol", [(jnp.float64, 1e-12), (jnp.float32, 1e-5)])
 @pytest.mark.parametrize("packed", [False, True])
-def test_sweep(n, prefix, dtype, tol, packed):
+def test_sweep(n, prefix, packed):
+    """The default (tiled) pipeline, float64, on an Auto mesh; float32 at P = 8."""
     if packed:
         x, opts = _packed(5)
     else:
         x, opts = make_inputs(5, B=2, T=T, H=2, K=8, V=8), dict(chunk_size=16)
-    _compare(_mesh(n, AxisType.Auto), x, dict(opts, output_final_state=True), dtype, tol, prefix=prefix,
-             pipeline=kdax.default_pipeline())
+    for dtype, tol in [(jnp.float64, 1e-12)] + ([(jnp.float32, 1e-5)] if n == 8 else []):
+        _compare(_mesh(n, AxisType.Auto), x, dict(opts, output_final_state=True), dtype, tol, prefix=prefix,
+                 pipeline=kdax.default_pipeline())
 
 
 def _collectives(hlo: str):
@@ -112,7 +113,7 @@ def _collectives(hlo: str):
     return out
 
 
-@pytest.mark.parametrize("prefix", ["gather", "doubling"])
+@pytest.mark.parametrize("prefix", ["gather", pytest.param("doubling", marks=pytest.mark.slow)])
 def test_collectives_no_larger_than_summaries(prefix):
     """Forward and backward: every collective moves at most the gathered summaries
     [P, HV, K, K + V] per row, or the final states (the output itself)."""
