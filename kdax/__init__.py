@@ -8,6 +8,7 @@ oracles), ``kdax.stages`` (abstract stages and reference implementations),
 
 from . import pallas as pallas, ref as ref, stages as stages
 from . import nn as nn
+from . import parallel as parallel
 from ._config import KDAConfig as KDAConfig
 from ._config import KDAOptions as KDAOptions
 from ._errors import FallbackWarning as FallbackWarning

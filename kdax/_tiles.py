@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from ._layout import ChunkLayout, make_layout, unpack
+from .stages._ops import vary_like
 
 
 class Tiles:
@@ -103,5 +104,7 @@ class Tiles:
         """``state = step(c0, n, tail, state)`` for every tile in order: the full tiles in a
         loop, then the tail tile."""
         nt = self.nt
+        # Inside shard_map the carry must vary like the inputs the steps read.
+        state = vary_like(state, self.layout, state)
         state = jax.lax.fori_loop(0, self.full, lambda i, s: step(i * nt, nt, False, s), state)
         return step(self.full * nt, self.tail, True, state) if self.tail else state

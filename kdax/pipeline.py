@@ -31,6 +31,7 @@ from ._typing import (
     Values, typecheck,
 )
 from ._validate import resolve_deprecated, validate
+from .parallel._shard import route
 from .ref._recurrent import compute_dtype
 from .stages import (
     AbstractDAv,
@@ -801,6 +802,7 @@ def chunk_kda(
     chunk_size: int = 64,
     pipeline: Optional[KDAPipeline] = None,
     transpose_state_layout: Optional[bool] = None,
+    seq_axis_name: Optional[str] = None,
 ) -> tuple[Float[ArrayIn, "B T HV V"], Optional[Float[ArrayIn, "N HV _S1 _S2"]]]:
     """Chunked KDA (FLA's ``chunk_kda`` arguments, order and layouts: the arguments after
     ``beta`` may be given positionally in FLA's order; see docs/fla_arguments.md).
@@ -824,7 +826,15 @@ def chunk_kda(
     (default: ``default_pipeline()``; its arrays are not differentiated);
     ``disable_recompute=True`` keeps the forward intermediates instead of recomputing them.
     Zero-size inputs (B, T, K or V = 0) give zero outputs and pass the states through.
+
+    ``seq_axis_name``: inside ``jax.shard_map`` with the token axis sharded over that mesh
+    axis, q, k, v, g, beta and o are this device's tokens, ``cu_seqlens`` the global
+    offsets, the states global (identical on every device): sequence parallel, exact
+    (see ``kdax.parallel``).
     """
+    routed = route(chunk_kda, locals())  # first: locals() is the arguments alone
+    if routed is not None:  # sequence parallel, or sharded over an Explicit mesh
+        return routed
     kw = dict(locals())
     if transpose_state_layout is not None:
         kw = resolve_deprecated({**kw, "transpose_state_layout": transpose_state_layout})

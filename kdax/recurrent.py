@@ -8,8 +8,10 @@ import jax.numpy as jnp
 from ._config import KDAOptions
 from ._typing import ALogIn, ArrayIn, Beta, CuSeqlensIn, Float, Gate, QK, Scalar, State, Values, typecheck
 from ._validate import resolve_deprecated, validate
+from .parallel._shard import route
 from .ref._gates import beta_activation, kda_gate, l2norm
 from .ref._recurrent import compute_dtype, expand_heads, recurrent_step
+from .stages._ops import vary_like
 
 
 # FLA's head-wise beta: one write strength per value column.
@@ -47,7 +49,7 @@ def _varlen_scan(xs, h0, cu_seqlens, scale):
         return (S, final), o_t
 
     # Sequences of length 0 are never visited, so their final state stays h0.
-    (_, final), o = jax.lax.scan(step, (h0[0], h0), ((xs, seq, is_first, is_last)))
+    (_, final), o = jax.lax.scan(step, vary_like((h0[0], h0), xs, h0), ((xs, seq, is_first, is_last)))
     return o, final
 
 
@@ -88,6 +90,9 @@ def fused_recurrent_kda(
     and ``disable_recompute``; ``transpose_state_layout`` is FLA's deprecated alias of
     ``state_v_first``.
     """
+    routed = route(fused_recurrent_kda, locals())  # first: locals() is the arguments alone
+    if routed is not None:  # sharded over an Explicit mesh: per shard
+        return routed
     kw = dict(locals())
     if transpose_state_layout is not None:
         kw = resolve_deprecated({**kw, "transpose_state_layout": transpose_state_layout})
@@ -110,7 +115,7 @@ def fused_recurrent_kda(
             h0 = jnp.swapaxes(h0, -1, -2)
     xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v.astype(dt), g, b))
     if cu_seqlens is None:
-        final, o = jax.lax.scan(lambda S, x: recurrent_step(S, *x, dims.scale), h0, xs)
+        final, o = jax.lax.scan(lambda S, x: recurrent_step(S, *x, dims.scale), vary_like(h0, xs, h0), xs)
     else:
         xs = tuple(x[:, 0] for x in xs)
         o, final = _varlen_scan(xs, h0, jnp.asarray(cu_seqlens, jnp.int32), dims.scale)

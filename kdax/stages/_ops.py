@@ -129,3 +129,30 @@ def zeros_after(shape, dtype, deps, tag: int = 0):
 
 def _add_into(out, into):
     return tuple(o if a is None else a + o for o, a in zip(out, into))
+
+
+def vary_like(tree, *refs):
+    """``tree`` cast to vary over every manual mesh axis that any array of ``refs`` varies
+    over. Inside ``jax.shard_map`` a loop's carry must have the type of the body's output,
+    which varies like the inputs; a carry made from zeros or from a replicated argument
+    does not (outside shard_map this is the identity)."""
+    axes = set()
+    for r in jax.tree.leaves(refs):
+        axes |= _varying(r)
+    if not axes:
+        return tree
+
+    def cast(x):
+        missing = tuple(sorted(axes - _varying(x)))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree)
+
+
+def _varying(x) -> set:
+    """The manual mesh axes ``x`` varies over (empty outside shard_map)."""
+    t = jax.typeof(x)
+    mat = getattr(t, "manual_axis_type", None)
+    if mat is not None:
+        return set(mat.varying)
+    return set(getattr(t, "vma", ()))

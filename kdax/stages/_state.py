@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from .._layout import ChunkLayout
 from .._typing import ChunkK, ChunkV, SeqState, typecheck
-from ._ops import full_precision, mT, zeros_after
+from ._ops import full_precision, mT, vary_like, zeros_after
 from ._types import DhuOut, StateOut
 
 
@@ -32,6 +32,15 @@ def _put(x, c, y):
 def _select(ids, table, other):
     """Per row r: ``table[ids[r]]`` where ``ids[r] >= 0``, else ``other[r]``."""
     return jnp.where((ids >= 0)[:, None, None, None], table[jnp.maximum(ids, 0)], other)
+
+
+def _enter(layout: ChunkLayout, c, at_c: int, ids, table, other):
+    """``_select`` at chunk ``c``; a dense layout (row r is sequence r, entered at chunk
+    ``at_c``) reads ``table`` whole instead of gathering by id, which would gather
+    across devices when rows are sharded."""
+    if layout.dense:
+        return jnp.where(c == at_c, table, other)
+    return _select(ids, table, other)
 
 
 class AbstractState(eqx.Module):
@@ -91,7 +100,7 @@ class ReferenceState(AbstractState):
 
         def chunk(c, h):
             at = _at(c)
-            h = _select(at(layout.first), h0, h)
+            h = _enter(layout, c, 0, at(layout.first), h0, h)
             v_new = at(u) - at(w) @ h
             h_next = at(decay)[..., None] * h + mT(at(kg)) @ v_new
             return h, v_new, h_next
@@ -112,7 +121,7 @@ class ReferenceState(AbstractState):
                 return h, _put(hs, c, h_start), _put(v_news, c, v_new)
 
             deps = (w, u, kg, G, h0)
-            init = (h, zeros_after((R, HV, NC, K, V), h0.dtype, deps), zeros_after(u.shape, u.dtype, deps, 1))
+            init = vary_like((h, zeros_after((R, HV, NC, K, V), h0.dtype, deps), zeros_after(u.shape, u.dtype, deps, 1)), deps)
             h, hs, v_news = jax.lax.fori_loop(0, NC, step, init)
         if layout.dense:  # row r is sequence r, which ends at the last chunk
             return StateOut(hs, v_news, h)
@@ -189,7 +198,7 @@ class ReferenceDhu(AbstractDhu):
             dh_c, dhs, dv_news = carry
             c = NC - 1 - i
             at = _at(c)
-            dh_end = _select(at(layout.last), dht, dh_c)
+            dh_end = _enter(layout, c, NC - 1, at(layout.last), dht, dh_c)
             dv_new = at(dv_intra) + at(kg) @ dh_end
             dh_start = at(decay)[..., None] * dh_end + scale * mT(at(qg)) @ at(do) - mT(at(w)) @ dv_new
             return dh_start, _put(dhs, c, dh_end), _put(dv_news, c, dv_new)
@@ -200,7 +209,7 @@ class ReferenceDhu(AbstractDhu):
             return DhuOut(jnp.zeros((R, HV, 0, K, V), dht.dtype), dh0, dv_intra)
         deps = (qg, kg, w, G, do, dv_intra, dht)
         dhs = zeros_after((R, HV, NC, K, V), dht.dtype, deps)
-        init = (jnp.zeros((R, HV, K, V), dht.dtype), dhs, zeros_after(do.shape, do.dtype, deps, 1))
+        init = vary_like((jnp.zeros((R, HV, K, V), dht.dtype), dhs, zeros_after(do.shape, do.dtype, deps, 1)), deps)
         dh_first, dh, dv_new = jax.lax.fori_loop(0, NC, step, init)
         if layout.dense:  # row r is sequence r, which starts at chunk 0
             return DhuOut(dh, dh_first, dv_new)

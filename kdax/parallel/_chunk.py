@@ -1,0 +1,219 @@
+"""Sequence-parallel ``chunk_kda`` inside ``jax.shard_map``: the token axis split over a
+mesh axis, exact.
+
+Forward, on each device: (1) a local pass with a zero entry state for the sequence that
+enters from the previous device gives ``b``, the exit state of the sequence that leaves to
+the next device; the state stage run once more from the identity (zero ``u``) gives its
+``M``; (2) the exclusive prefix of ``(M, b)`` over devices gives the true entry state;
+(3) the ordinary local pass from it. Backward (hand-written, a ``jax.custom_vjp``): the
+local backward with only this device's own ``dht`` gives ``c``, the gradient reaching the
+entering sequence's start; the reverse prefix of ``(M^T, c)`` gives the gradient arriving
+at this device's exit; the local backward once more with it.
+"""
+
+import functools
+from typing import Optional
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..ref._recurrent import compute_dtype
+from ..stages._ops import _varying
+from ._summary import PrefixMethod, exclusive_prefix
+
+
+class _Static(eqx.Module):
+    """What the custom VJP does not differentiate (hashable)."""
+
+    pipeline: object
+    axis: str = eqx.field(static=True)
+    prefix: str = eqx.field(static=True)
+    options: tuple = eqx.field(static=True)
+
+
+class _Spans(eqx.Module):
+    """Where this device's tokens sit among the sequences, per sequence ``[N]`` (dense:
+    one sequence per row, ``[B]``): ``enters`` (the sequence runs into this device from
+    the previous one), ``leaves`` (it runs on into the next), ``owns`` (it ends here,
+    so its final state and ``dht`` are this device's); ``cu`` the local offsets (None
+    when dense)."""
+
+    enters: jax.Array
+    leaves: jax.Array
+    owns: jax.Array
+    cu: Optional[jax.Array]
+
+
+def _spans(axis: str, B: int, Tl: int, cu) -> _Spans:
+    d = jax.lax.axis_index(axis)
+    P = jax.lax.axis_size(axis)
+    if cu is None:
+        rows = jnp.ones((B,), bool)
+        return _Spans(rows & (d > 0), rows & (d < P - 1), rows & (d == P - 1), None)
+    s, e = d * Tl, (d + 1) * Tl
+    start, end = cu[:-1], cu[1:]
+    owner = jnp.clip((end - 1) // Tl, 0, P - 1)  # an empty sequence: any device it is empty on
+    return _Spans((start < s) & (end > s), (start < e) & (end > e), owner == d, jnp.clip(cu - s, 0, Tl).astype(jnp.int32))
+
+
+def _rows(mask, x):
+    """``x [N, ...]`` where ``mask [N]``, else 0."""
+    return jnp.where(mask.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
+
+
+def _pick(spans: _Spans, mask, x):
+    """The summary rows from per-sequence ``x [N, ...]``: dense, every row; packed, the
+    one sequence where ``mask`` (a sum of at most one term), as ``[1, ...]``."""
+    x = _rows(mask, x)
+    return x if spans.cu is None else jnp.sum(x, axis=0, keepdims=True)
+
+
+def _spread(spans: _Spans, mask, x, N: int):
+    """Adjoint of ``_pick``: summary rows back to ``[N, ...]``, zero where not ``mask``."""
+    return _rows(mask, x if spans.cu is None else jnp.broadcast_to(x, (N,) + x.shape[1:]))
+
+
+def _forward_local(static: _Static, q, k, v, g, beta, h0, A_log, dt_bias, cu):
+    """The one place this module runs the pipeline's forward: ``(o, final, residuals)``."""
+    opts = dict(static.options)
+    return static.pipeline.forward(
+        q, k, v, g, beta, initial_state=h0, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu,
+        output_final_state=True, **opts,
+    )
+
+
+def _backward_local(static: _Static, res, do, dht):
+    """The one place this module runs the pipeline's backward."""
+    return static.pipeline.backward(res, do, dht)
+
+
+def _state_stage(static: _Static, res, h0):
+    """F4 of the pipeline on the cached ``w, kg, G`` of ``res`` with ``u = 0`` and entry
+    states ``h0 [N, HV, K, K]``: the final states are the linear parts ``M``."""
+    c = res.cache
+    u = jnp.zeros(c.w.shape, c.w.dtype)
+    return static.pipeline._stage("state", c.w, u, c.kg, c.G, h0, res.layout).final
+
+
+def _forward(static: _Static, q, k, v, g, beta, h0, A_log, dt_bias, cu):
+    B, Tl = q.shape[:2]
+    HV, K, V = v.shape[2], q.shape[-1], v.shape[-1]
+    dt = compute_dtype(q, k, v, g, beta, h0)
+    N = B if cu is None else cu.shape[0] - 1
+    sp = _spans(static.axis, B, Tl, cu)
+    h0 = jnp.zeros((N, HV, K, V), dt) if h0 is None else h0.astype(dt)
+    # (1) the summary: b from a zero entry, M from the identity
+    _, fin0, res0 = _forward_local(static, q, k, v, g, beta, _rows(~sp.enters, h0), A_log, dt_bias, sp.cu)
+    eye = _rows(sp.enters, jnp.broadcast_to(jnp.eye(K, dtype=dt), (N, HV, K, K)))
+    M = _pick(sp, sp.leaves, _state_stage(static, res0, eye))
+    b = _pick(sp, sp.leaves, fin0)
+    # (2) the true entry state, (3) the local pass from it
+    entry = exclusive_prefix(M, b, static.axis, method=static.prefix)
+    h_in = jnp.where(sp.enters[:, None, None, None], _spread(sp, sp.enters, entry, N), h0)
+    o, fin, res = _forward_local(static, q, k, v, g, beta, h_in, A_log, dt_bias, sp.cu)
+    final = jax.lax.psum(_rows(sp.owns, fin), static.axis)
+    return o, final, res, M, sp
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _sp_kda(static: _Static, q, k, v, g, beta, h0, A_log, dt_bias, cu):
+    o, final, *_ = _forward(static, q, k, v, g, beta, h0, A_log, dt_bias, cu)
+    return o, final
+
+
+def _sp_fwd(static: _Static, q, k, v, g, beta, h0, A_log, dt_bias, cu):
+    # A training step runs the forward whole, as chunk_kda's own VJP does.
+    static = eqx.tree_at(lambda s: s.pipeline, static, static.pipeline.untiled())
+    o, final, res, M, sp = _forward(static, q, k, v, g, beta, h0, A_log, dt_bias, cu)
+    if not dict(static.options).get("disable_recompute", False):
+        res = eqx.tree_at(lambda r: r.cache, res, None, is_leaf=lambda x: x is None)
+    # The primal inputs travel along for their dtypes and varying axes (the cotangents
+    # must match both).
+    return (o, final), (res, M, sp, (q, k, v, g, beta, h0, A_log, dt_bias))
+
+
+def _sp_bwd(static: _Static, residuals, cotangents):
+    res, M, sp, primals = residuals
+    static = eqx.tree_at(lambda s: s.pipeline, static, static.pipeline.untiled())
+    do, dfinal = cotangents
+    dfinal = dfinal.astype(res.h0.dtype)
+    N = res.h0.shape[0]
+    own = _rows(sp.owns, dfinal)
+    # c: the gradient reaching the entering sequence's start from this device's own do/dht
+    c = _pick(sp, sp.enters, _backward_local(static, res, do, own).initial_state)
+    # the gradient arriving at this device's exit from the devices after it
+    d_exit = exclusive_prefix(jnp.swapaxes(M, -1, -2), c, static.axis, reverse=True, method=static.prefix)
+    grads = _backward_local(static, res, do, own + _spread(sp, sp.leaves, d_exit, N))
+    dh0 = jax.lax.psum(_rows(~sp.enters, grads.initial_state), static.axis)
+    out = (grads.q, grads.k, grads.v, grads.g, grads.beta, dh0, grads.A_log, grads.dt_bias)
+    return tuple(None if x is None else _like(ct, x) for ct, x in zip(out, primals)) + (None,)
+
+
+def _like(ct, primal):
+    """``ct`` summed over the mesh axes it varies over and ``primal`` does not, in
+    ``primal``'s dtype."""
+    extra = tuple(sorted(_varying(ct) - _varying(primal)))
+    if extra:
+        ct = jax.lax.psum(ct, extra)
+    return ct.astype(primal.dtype)
+
+
+_sp_kda.defvjp(_sp_fwd, _sp_bwd)
+
+
+def _check_axis(axis):
+    if not isinstance(axis, str):
+        raise ValueError(f"seq_axis_name: expected the name of a mesh axis (a str), got {axis!r}.")
+    try:
+        jax.lax.axis_index(axis)
+    except NameError as e:
+        mesh = jax.sharding.get_abstract_mesh()
+        names = tuple(getattr(mesh, "axis_names", ()) or ())
+        raise ValueError(
+            f"seq_axis_name: {axis!r} is not a mesh axis in scope (call chunk_kda inside "
+            f"jax.shard_map over a mesh with that axis; axes in scope: {names})."
+        ) from e
+
+
+def sp_chunk_kda(
+    q, k, v, g, beta, *, seq_axis_name: str, pipeline=None, prefix: PrefixMethod = "auto",
+    initial_state=None, output_final_state: bool = False, cu_seqlens=None,
+    state_v_first: bool = False, A_log=None, dt_bias=None, **options,
+):
+    """``chunk_kda`` on this device's shard of the token axis (see
+    ``kdax.chunk_kda(..., seq_axis_name=...)``)."""
+    from ..pipeline import default_pipeline
+
+    _check_axis(seq_axis_name)
+    P = jax.lax.axis_size(seq_axis_name)
+    Tl = q.shape[1]
+    cu = None
+    if cu_seqlens is not None:
+        cu = jnp.asarray(cu_seqlens, jnp.int32)
+        if cu.ndim != 1 or cu.shape[0] < 2:
+            raise ValueError(f"cu_seqlens: expected shape [N + 1] with N >= 1, got {tuple(cu.shape)}.")
+        if q.shape[0] != 1:
+            raise ValueError(f"cu_seqlens: packed variable-length input needs B == 1 (q.shape[0]), got B={q.shape[0]}.")
+        if not isinstance(cu_seqlens, jax.core.Tracer):
+            c = np.asarray(cu_seqlens)
+            if c[0] != 0 or np.any(np.diff(c) < 0) or c[-1] != P * Tl:
+                raise ValueError(
+                    f"cu_seqlens: with seq_axis_name, the global offsets: non-decreasing from 0 to "
+                    f"{P} devices x local T {Tl} = {P * Tl}, got {c.tolist()}."
+                )
+        else:
+            cu = eqx.error_if(cu, cu[-1] != P * Tl, "cu_seqlens: with seq_axis_name, must end at devices x local T")
+    h0 = initial_state
+    if h0 is not None:
+        h0 = jnp.asarray(h0)
+        if state_v_first:
+            h0 = jnp.swapaxes(h0, -1, -2)
+    pipeline = default_pipeline() if pipeline is None else pipeline
+    static = _Static(pipeline, seq_axis_name, prefix, tuple(sorted(options.items())))
+    asarr = lambda x: None if x is None else jnp.asarray(x)
+    o, final = _sp_kda(static, *map(asarr, (q, k, v, g, beta)), h0, asarr(A_log), asarr(dt_bias), cu)
+    if not output_final_state:
+        return o, None
+    return o, (jnp.swapaxes(final, -1, -2) if state_v_first else final)

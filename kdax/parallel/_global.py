@@ -1,0 +1,68 @@
+"""``kdax.parallel.chunk_kda``: sequence-parallel ``chunk_kda`` on global arrays."""
+
+from typing import Optional
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from .._typing import ALog, ArrayIn, Beta, CuSeqlens, Float, Gate, QK, State, Values, typecheck
+from .._validate import check_cu_seqlens_values
+from ._chunk import sp_chunk_kda
+from ._summary import PrefixMethod
+
+
+@typecheck
+def chunk_kda(
+    mesh: Mesh,
+    seq_axis: str,
+    q: QK,
+    k: QK,
+    v: Values,
+    g: Gate,
+    beta: Beta,
+    *,
+    batch_axis: Optional[str] = None,
+    initial_state: Optional[State] = None,
+    A_log: Optional[ALog] = None,
+    dt_bias: Optional[Float[ArrayIn, "_"]] = None,
+    cu_seqlens: Optional[CuSeqlens] = None,
+    prefix: PrefixMethod = "auto",
+    **options,
+) -> tuple[Float[ArrayIn, "B T HV V"], Optional[Float[ArrayIn, "N HV _S1 _S2"]]]:
+    """``kdax.chunk_kda`` with the token axis of q, k, v, g, beta ``[B, T, ...]`` split over
+    ``mesh`` axis ``seq_axis`` (and the batch over ``batch_axis``, dense input only), by
+    ``jax.shard_map``. T must divide evenly over the devices of ``seq_axis``; ``cu_seqlens``
+    are the global offsets. Same arguments and results as ``kdax.chunk_kda``; o comes back
+    sharded like q."""
+    if seq_axis not in mesh.axis_names:
+        raise ValueError(f"seq_axis: {seq_axis!r} is not an axis of the mesh (axes {mesh.axis_names}).")
+    if batch_axis is not None and batch_axis not in mesh.axis_names:
+        raise ValueError(f"batch_axis: {batch_axis!r} is not an axis of the mesh (axes {mesh.axis_names}).")
+    if batch_axis is not None and cu_seqlens is not None:
+        raise ValueError("batch_axis: packed input (cu_seqlens) has B == 1 and cannot be split over a batch axis.")
+    n = mesh.shape[seq_axis]
+    T = q.shape[1]
+    if T % n:
+        raise ValueError(
+            f"q: the token axis T={T} must split evenly over the {n} devices of mesh axis {seq_axis!r} "
+            f"(every device needs the same local T); pad T to a multiple of {n}."
+        )
+    if cu_seqlens is not None:
+        check_cu_seqlens_values(cu_seqlens, T)  # global offsets, when concrete
+    tok, row = P(batch_axis, seq_axis), P(batch_axis)
+    arrays = dict(initial_state=initial_state, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens)
+    arrays = {name: x for name, x in arrays.items() if x is not None}
+    specs = {name: (row if name == "initial_state" else P()) for name in arrays}
+    state_spec = row if cu_seqlens is None else P()
+
+    def local(q, k, v, g, beta, arrays):
+        return sp_chunk_kda(q, k, v, g, beta, seq_axis_name=seq_axis, prefix=prefix, **arrays, **options)
+
+    out_specs = (tok, state_spec if options.get("output_final_state", False) else None)
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(tok,) * 5 + (specs,), out_specs=out_specs)
+    if any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+        # shard_map on an Explicit mesh takes arrays already sharded as in_specs says.
+        put = lambda x, spec: jax.sharding.reshard(x, NamedSharding(mesh, spec))
+        q, k, v, g, beta = (put(x, tok) for x in (q, k, v, g, beta))
+        arrays = {name: put(x, specs[name]) for name, x in arrays.items()}
+    return fn(q, k, v, g, beta, arrays)

@@ -1,0 +1,102 @@
+"""The short convolution across devices: each device needs the last ``W - 1`` input rows
+of the previous device (its halo), one ``ppermute``, and none across a sequence start."""
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from .._typing import typecheck
+
+
+def _seq_start(cu, pos):
+    """The start offset of the sequence holding each global token position ``pos``."""
+    i = jnp.clip(jnp.searchsorted(cu, pos, side="right") - 1, 0, cu.shape[0] - 2)
+    return cu[i]
+
+
+@typecheck
+def conv_halo(
+    x: Float[Array, "B Tl D"],
+    conv_size: int,
+    axis_name: str,
+    cu_seqlens: Optional[Int[Array, " N1"]] = None,
+) -> Float[Array, "B W1 D"]:
+    """Inside ``jax.shard_map`` with the token axis of ``x`` split over ``axis_name``: the
+    last ``conv_size - 1`` rows of the previous device's ``x`` (one ``ppermute``); zeros on
+    the first device and for every row before the start of the sequence that holds this
+    device's first token (``cu_seqlens``: global offsets; dense: one sequence per row)."""
+    W1 = conv_size - 1
+    B, Tl, D = x.shape
+    if conv_size < 1:
+        raise ValueError(f"conv_size: expected >= 1, got {conv_size}.")
+    if W1 > Tl:
+        raise ValueError(f"x: the local token count {Tl} must be at least conv_size - 1 = {W1} (the halo comes from one device).")
+    if W1 == 0:
+        return jnp.zeros((B, 0, D), x.dtype)
+    P = jax.lax.axis_size(axis_name)
+    d = jax.lax.axis_index(axis_name)
+    halo = jax.lax.ppermute(x[:, Tl - W1:], axis_name, [(i, i + 1) for i in range(P - 1)])
+    if cu_seqlens is None:
+        return halo  # the first device receives zeros
+    s = d * Tl
+    pos = s - W1 + jnp.arange(W1)
+    keep = pos >= _seq_start(jnp.asarray(cu_seqlens, jnp.int32), s)
+    return jnp.where(keep[None, :, None], halo, jnp.zeros((), halo.dtype))
+
+
+@typecheck
+def causal_conv1d(
+    x: Float[Array, "B T D"],
+    weight: Float[Array, "D W"],
+    bias: Optional[Float[Array, " D"]] = None,
+    *,
+    cu_seqlens: Optional[Int[Array, " N1"]] = None,
+    activation: Optional[str] = None,
+    halo: Optional[Float[Array, "B W1 D"]] = None,
+    offset=0,
+) -> Float[Array, "B T D"]:
+    """Causal depthwise convolution ``y[t] = sum_i weight[:, i] x[t - (W - 1) + i]`` (+
+    ``bias``), never reaching before the start of ``t``'s sequence (``cu_seqlens``, packed
+    B == 1). ``activation``: None or ``"silu"``. ``halo``: the ``W - 1`` rows before
+    ``x`` (zeros when None), and ``offset`` the global position of ``x``'s first token
+    (sequence parallel: see ``sp_causal_conv1d``)."""
+    if activation not in (None, "silu"):
+        raise ValueError(f"activation: expected None or 'silu', got {activation!r}.")
+    B, T, D = x.shape
+    W = weight.shape[1]
+    if halo is None:
+        halo = jnp.zeros((B, W - 1, D), x.dtype)
+    xx = jnp.concatenate([halo.astype(x.dtype), x], axis=1)
+    t = jnp.arange(T)
+    start = None if cu_seqlens is None else _seq_start(jnp.asarray(cu_seqlens, jnp.int32), offset + t)
+    y = jnp.zeros((B, T, D), jnp.result_type(x.dtype, weight.dtype))
+    for i in range(W):
+        j = W - 1 - i  # how far back this tap reads
+        xi = jax.lax.slice_in_dim(xx, i, i + T, axis=1)
+        if start is not None:
+            xi = jnp.where((offset + t - j >= start)[None, :, None], xi, jnp.zeros((), xi.dtype))
+        y = y + xi * weight[:, i]
+    if bias is not None:
+        y = y + bias
+    return jax.nn.silu(y) if activation == "silu" else y
+
+
+@typecheck
+def sp_causal_conv1d(
+    x: Float[Array, "B Tl D"],
+    weight: Float[Array, "D W"],
+    bias: Optional[Float[Array, " D"]] = None,
+    *,
+    axis_name: str,
+    cu_seqlens: Optional[Int[Array, " N1"]] = None,
+    activation: Optional[str] = None,
+) -> Float[Array, "B Tl D"]:
+    """``causal_conv1d`` inside ``jax.shard_map`` on this device's tokens of a sequence
+    split over ``axis_name`` (``cu_seqlens``: global offsets): equal to the convolution of
+    the whole sequence on one device, with one ``ppermute`` of ``W - 1`` rows."""
+    W = weight.shape[1]
+    halo = conv_halo(x, W, axis_name, cu_seqlens)
+    offset = jax.lax.axis_index(axis_name) * x.shape[1]
+    return causal_conv1d(x, weight, bias, cu_seqlens=cu_seqlens, activation=activation, halo=halo, offset=offset)

@@ -1,0 +1,95 @@
+"""Batch and head sharding: on inputs sharded over Explicit mesh axes, ``chunk_kda`` and
+``fused_recurrent_kda`` run per shard in ``jax.shard_map`` (any pipeline, the Pallas ones
+included), with no collective: rows and heads are independent."""
+
+import functools
+from typing import Callable, Optional
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+
+def _axes(entry) -> tuple:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _explicit_spec(x):
+    """``(mesh, spec)`` of ``x``'s Explicit sharding, or None (unsharded, an Auto mesh,
+    or inside shard_map over every axis it is sharded on)."""
+    sh = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sh, "mesh", None)
+    spec = getattr(sh, "spec", None)
+    if mesh is None or spec is None or not any(_axes(e) for e in spec):
+        return None
+    explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit}
+    if not any(a in explicit for e in spec for a in _axes(e)):
+        return None
+    return mesh, tuple(spec) + (None,) * (x.ndim - len(spec))
+
+
+def maybe_per_shard(fn: Callable, q, k, v, g, beta, *, initial_state=None, A_log=None, dt_bias=None,
+                    cu_seqlens=None, state_v_first: bool = False, **options) -> Optional[tuple]:
+    """``fn(q, k, v, g, beta, **options)`` in ``jax.shard_map`` over the Explicit mesh
+    axes that shard the batch and head axes of the inputs (those of v, then q), or None
+    when no input is sharded so. Outputs keep the inputs' sharding: o like v, the final
+    state over the batch (dense) and heads."""
+    found = [s for s in map(_explicit_spec, (v, q, k, g, beta)) if s is not None]
+    if not found:
+        return None
+    mesh, spec = found[0]
+    for _, s in found:
+        if _axes(s[1]):
+            raise ValueError(
+                f"q, k, v, g, beta: the token axis is sharded over {s[1]!r}; sequence parallelism "
+                "needs seq_axis_name inside jax.shard_map, or kdax.parallel.chunk_kda on global arrays."
+            )
+    b, h = spec[0], spec[2]
+    dense = cu_seqlens is None
+    tok4, tok3 = P(b, None, h, None), P(b, None, h)
+    state = P(b if dense else None, h, None, None)
+    arrays = dict(initial_state=(initial_state, state), A_log=(A_log, P(h)), dt_bias=(dt_bias, P(h)),
+                  cu_seqlens=(cu_seqlens, P()))
+    arrays = {n: xs for n, xs in arrays.items() if xs[0] is not None}
+    put = lambda x, s: jax.sharding.reshard(x, jax.NamedSharding(mesh, s))
+    ins = tuple(put(x, s) for x, s in zip((q, k, v, g, beta), (tok4, tok4, tok4, tok4, tok3)))
+    kw = {n: put(x, s) for n, (x, s) in arrays.items()}
+
+    def local(q, k, v, g, beta, kw):
+        return fn(q, k, v, g, beta, state_v_first=state_v_first, **kw, **options)
+
+    out_specs = (tok4, state if options.get("output_final_state", False) else None)
+    return jax.shard_map(local, mesh=mesh, in_specs=(tok4, tok4, tok4, tok4, tok3, {n: s for n, (_, s) in arrays.items()}),
+                         out_specs=out_specs)(*ins, kw)
+
+
+# chunk_kda's FLA-only arguments (docs/fla_arguments.md) and their defaults.
+_FLA_ONLY = dict(return_intermediate_states=False, cu_seqlens_cpu=None, cp_context=None, use_graph=False,
+                 max_num_seqs=None)
+
+
+def route(fn: Callable, arguments: dict) -> Optional[tuple]:
+    """What ``kdax.chunk_kda`` / ``kdax.fused_recurrent_kda`` (``fn``) return when their
+    call is not a plain single-device one, or None. ``arguments``: the call's arguments
+    by name (``locals()`` on entry). ``seq_axis_name`` set: sequence parallel inside
+    shard_map (chunk_kda only); inputs sharded over Explicit mesh axes: per shard."""
+    kw = dict(arguments)
+    q, k, v, g, beta = (kw.pop(n) for n in ("q", "k", "v", "g", "beta"))
+    seq_axis_name = kw.pop("seq_axis_name", None)
+    if seq_axis_name is not None:
+        from .._validate import resolve_deprecated
+        from ._chunk import sp_chunk_kda
+
+        if kw.get("transpose_state_layout") is not None:
+            kw = resolve_deprecated(kw)
+        kw.pop("transpose_state_layout", None)
+        # FLA's arguments that have no meaning here must be left at their defaults.
+        for name, default in _FLA_ONLY.items():
+            if kw.pop(name, default) != default:
+                raise ValueError(f"{name}: not supported with seq_axis_name (FLA-only argument; leave it at {default!r}).")
+
+        return sp_chunk_kda(q, k, v, g, beta, seq_axis_name=seq_axis_name, **kw)
+    if "pipeline" in kw:
+        fn = functools.partial(fn, pipeline=kw.pop("pipeline"))
+    return maybe_per_shard(fn, q, k, v, g, beta, **kw)
