@@ -56,7 +56,7 @@ def _memory(compiled) -> int:
     return int(m.temp_size_in_bytes + m.output_size_in_bytes)
 
 
-def run(shape: Shape, devices: int, reps: int, prefixes=("gather", "doubling")) -> list:
+def run(shape: Shape, devices: int, reps: int, prefixes=("gather", "doubling"), kinds=("forward", "train step")) -> list:
     args = make_inputs(shape)
     w = cotangent(shape)
     mesh = jax.make_mesh((devices,), ("sp",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:devices])
@@ -66,7 +66,7 @@ def run(shape: Shape, devices: int, reps: int, prefixes=("gather", "doubling")) 
             lambda *a, p=p: kdax.parallel.chunk_kda(mesh, "sp", *a, prefix=p, chunk_size=shape.chunk_size)
         )
     rows = []
-    for kind in ("forward", "train step"):
+    for kind in kinds:
         progs, compiled = [], []
         for name, fn in fns.items():
             if kind == "forward":

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
 import kdax
-from tests._util import assert_close, loss_grads, make_inputs, run, split_args
+from tests._util import assert_close, make_inputs, run, split_args
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices: see tests/conftest.py")
 
@@ -31,21 +31,35 @@ def _mesh(n, axis_type=AxisType.Explicit):
 UNTILED = kdax.KDAPipeline.reference().untiled()
 
 
+def _outputs_and_grads(fn, x, opts, do, dht):
+    """``(o, ht, gradients of sum(o * do) + sum(ht * dht))`` under one jit: one compile
+    per function (the forward shared by both)."""
+    def loss(xs):
+        pos, kw = split_args(xs)
+        o, ht = fn(*pos, **kw, **opts)
+        val = jnp.sum(o * do)
+        if ht is not None:
+            val = val + jnp.sum(ht * dht)
+        return val, (o, ht)
+
+    grads, (o, ht) = jax.jit(jax.grad(loss, has_aux=True))(x)
+    return o, ht, grads
+
+
 def _compare(mesh, x, opts, dtype, tol, prefix="auto", seq_axis="sp", batch_axis=None, pipeline=UNTILED):
     x = {n: a.astype(dtype) for n, a in x.items()}
     opts = dict(opts, pipeline=pipeline)
     sp = lambda *a, **kw: kdax.parallel.chunk_kda(mesh, seq_axis, *a, batch_axis=batch_axis, prefix=prefix, **kw)
-    o_ref, ht_ref = run(kdax.chunk_kda, x, opts)
-    o, ht = run(sp, x, opts)
+    o_ref, ht_ref = jax.eval_shape(lambda x: run(kdax.chunk_kda, x, opts), x)
+    r = np.random.default_rng(7)
+    do = jnp.asarray(r.normal(size=o_ref.shape), dtype)
+    dht = None if ht_ref is None else jnp.asarray(r.normal(size=ht_ref.shape), ht_ref.dtype)
+    o_ref, ht_ref, g_ref = _outputs_and_grads(kdax.chunk_kda, x, opts, do, dht)
+    o, ht, g = _outputs_and_grads(sp, x, opts, do, dht)
     assert o.dtype == o_ref.dtype
     assert_close(o, o_ref, tol, "o")
     if opts.get("output_final_state"):
         assert_close(ht, ht_ref, tol, "ht")
-    r = np.random.default_rng(7)
-    do = jnp.asarray(r.normal(size=o_ref.shape), dtype)
-    dht = None if ht_ref is None else jnp.asarray(r.normal(size=ht_ref.shape), ht_ref.dtype)
-    g_ref = loss_grads(kdax.chunk_kda, x, opts, do, dht)
-    g = loss_grads(sp, x, opts, do, dht)
     for n in g_ref:
         assert g[n].dtype == g_ref[n].dtype, n
         assert_close(g[n], g_ref[n], tol, "d" + n)
