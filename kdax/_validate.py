@@ -80,6 +80,13 @@ def checked_cu_seqlens(cu, T: int):
     cu = jnp.asarray(cu, jnp.int32)
     if _is_concrete(cu):
         return cu
+    from .stages._ops import _varying
+
+    if _varying(cu):
+        # Per-device offsets inside shard_map (kdax.parallel derives them from the global
+        # cu_seqlens, which it checks with this function before): the error branch cannot
+        # be typed as varying over the mesh axes.
+        return cu
     bad = jnp.stack([cu[0] != 0, jnp.any(cu[1:] < cu[:-1]), cu[-1] != T])
     return eqx.branched_error_if(cu, jnp.any(bad), jnp.argmax(bad), (f"{_CU_START}.", f"{_CU_ORDER}.", f"{_cu_end(T)}."))
 

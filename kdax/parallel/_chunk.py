@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._validate import checked_cu_seqlens
 from ..ref._recurrent import compute_dtype
 from ..stages._ops import _varying
 from ._summary import PrefixMethod, exclusive_prefix
@@ -94,7 +95,7 @@ def _state_stage(static: _Static, res, h0):
     states ``h0 [N, HV, K, K]``: the final states are the linear parts ``M``."""
     c = res.cache
     u = jnp.zeros(c.w.shape, c.w.dtype)
-    return static.pipeline._stage("state", c.w, u, c.kg, c.G, h0, res.layout).final
+    return static.pipeline._stage("state", w=c.w, u=u, kg=c.kg, G=c.G, h0=h0, layout=res.layout).final
 
 
 def _forward(static: _Static, q, k, v, g, beta, h0, A_log, dt_bias, cu):
@@ -204,7 +205,8 @@ def sp_chunk_kda(
                     f"{P} devices x local T {Tl} = {P * Tl}, got {c.tolist()}."
                 )
         else:
-            cu = eqx.error_if(cu, cu[-1] != P * Tl, "cu_seqlens: with seq_axis_name, must end at devices x local T")
+            # The global offsets, checked inside the compiled program (end: devices x local T).
+            cu = checked_cu_seqlens(cu, P * Tl)
     h0 = initial_state
     if h0 is not None:
         h0 = jnp.asarray(h0)
