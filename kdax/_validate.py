@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._config import KDAOptions
+from .stages._ops import varying_axes
 
 SUPPORTED_CHUNK_SIZES = (16, 32, 64, 128)
 # FLA's range for lower_bound under safe_gate.
@@ -80,9 +81,7 @@ def checked_cu_seqlens(cu, T: int):
     cu = jnp.asarray(cu, jnp.int32)
     if _is_concrete(cu):
         return cu
-    from .stages._ops import _varying
-
-    if _varying(cu):
+    if varying_axes(cu):
         # Per-device offsets inside shard_map (kdax.parallel derives them from the global
         # cu_seqlens, which it checks with this function before): the error branch cannot
         # be typed as varying over the mesh axes.

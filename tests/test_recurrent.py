@@ -113,7 +113,7 @@ def test_low_precision_inputs():
 
 
 def test_golden_cases_present():
-    """The golden-case tests are parametrized over ../shared/golden: never let them vanish."""
+    """The golden-case tests are parametrized over tests/golden: never let them vanish."""
     assert {"dense_basic", "gate_softplus_l2", "varlen_basic"} <= set(GOLDEN_CASES), GOLDEN_CASES
 
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from .._validate import checked_cu_seqlens
 from ..ref._recurrent import compute_dtype
-from ..stages._ops import _varying
+from ..stages._ops import varying_axes
 from ._summary import PrefixMethod, exclusive_prefix
 
 
@@ -155,7 +155,7 @@ def _sp_bwd(static: _Static, residuals, cotangents):
 def _like(ct, primal):
     """``ct`` summed over the mesh axes it varies over and ``primal`` does not, in
     ``primal``'s dtype."""
-    extra = tuple(sorted(_varying(ct) - _varying(primal)))
+    extra = tuple(sorted(varying_axes(ct) - varying_axes(primal)))
     if extra:
         ct = jax.lax.psum(ct, extra)
     return ct.astype(primal.dtype)

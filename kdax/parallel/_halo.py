@@ -64,20 +64,20 @@ def causal_conv1d(
     (sequence parallel: see ``sp_causal_conv1d``)."""
     if activation not in (None, "silu"):
         raise ValueError(f"activation: expected None or 'silu', got {activation!r}.")
+    # The packed-aware convolution of kdax.nn on [halo | x], each token's position within
+    # its sequence telling which taps reach before its start (imported here: kdax.nn
+    # imports the pipeline, which imports this package).
+    from ..nn._conv import causal_conv
+
     B, T, D = x.shape
     W = weight.shape[1]
     if halo is None:
         halo = jnp.zeros((B, W - 1, D), x.dtype)
     xx = jnp.concatenate([halo.astype(x.dtype), x], axis=1)
-    t = jnp.arange(T)
-    start = None if cu_seqlens is None else _seq_start(jnp.asarray(cu_seqlens, jnp.int32), offset + t)
-    y = jnp.zeros((B, T, D), jnp.result_type(x.dtype, weight.dtype))
-    for i in range(W):
-        j = W - 1 - i  # how far back this tap reads
-        xi = jax.lax.slice_in_dim(xx, i, i + T, axis=1)
-        if start is not None:
-            xi = jnp.where((offset + t - j >= start)[None, :, None], xi, jnp.zeros((), xi.dtype))
-        y = y + xi * weight[:, i]
+    t = offset + jnp.arange(T)
+    pos = t if cu_seqlens is None else t - _seq_start(jnp.asarray(cu_seqlens, jnp.int32), t)
+    pos = jnp.broadcast_to(jnp.concatenate([jnp.zeros((W - 1,), pos.dtype), pos])[None], (B, T + W - 1))
+    y = causal_conv(xx, weight, jnp.zeros_like(pos), pos, None)[:, W - 1:]
     if bias is not None:
         y = y + bias
     return jax.nn.silu(y) if activation == "silu" else y

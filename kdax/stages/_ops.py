@@ -138,18 +138,18 @@ def vary_like(tree, *refs):
     does not (outside shard_map this is the identity)."""
     axes = set()
     for r in jax.tree.leaves(refs):
-        axes |= _varying(r)
+        axes |= varying_axes(r)
     if not axes:
         return tree
 
     def cast(x):
-        missing = tuple(sorted(axes - _varying(x)))
+        missing = tuple(sorted(axes - varying_axes(x)))
         return jax.lax.pcast(x, missing, to="varying") if missing else x
 
     return jax.tree.map(cast, tree)
 
 
-def _varying(x) -> set:
+def varying_axes(x) -> set:
     """The manual mesh axes ``x`` varies over (empty outside shard_map)."""
     t = jax.typeof(x)
     mat = getattr(t, "manual_axis_type", None)
