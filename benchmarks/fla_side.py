@@ -43,22 +43,7 @@ def main(argv=None):
     V = d["in_v"].shape[-1]
     base = dict(B=int(B), T=int(T), H=int(H), K=int(K), V=int(V), chunk=64, dtype="bfloat16", path="fla")
     dev = "cuda"
-    ins = {n: torch.from_numpy(np.array(d["in_" + n])).to(dev) for n in GRAD_NAMES}
-    ins = {n: x.to(torch.bfloat16) if n not in ("A_log", "dt_bias") else x for n, x in ins.items()}
-    w = torch.from_numpy(np.array(d["in_w"])).to(dev)
-
-    def fwd():
-        with torch.no_grad():
-            return chunk_kda(ins["q"], ins["k"], ins["v"], ins["g"], ins["beta"], A_log=ins["A_log"],
-                             dt_bias=ins["dt_bias"], **OPTIONS)[0]
-
-    leaves = {n: x.detach().clone().requires_grad_(True) for n, x in ins.items()}
-
-    def step():
-        o = chunk_kda(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], A_log=leaves["A_log"],
-                      dt_bias=leaves["dt_bias"], **OPTIONS)[0]
-        loss = (o.float() * w).sum()
-        return loss, torch.autograd.grad(loss, [leaves[n] for n in GRAD_NAMES])
+    fwd, step = fla_calls(chunk_kda, torch, {n: np.array(d["in_" + n]) for n in (*GRAD_NAMES, "w")}, dev)
 
     def rel_rms(x, name):
         ref = torch.from_numpy(np.array(d["ref_" + name])).to(dev).double()
@@ -107,6 +92,31 @@ def main(argv=None):
     jpath.write_text(json.dumps(res, indent=1))
     for r in rows:
         print(f"fla {r['pass_']}: {r['time_ms']:.2f} ms, errors {r['errors']}", flush=True)
+
+
+def fla_calls(chunk_kda, torch, arrays: dict, dev: str = "cuda"):
+    """``(fwd, step)``: FLA's forward (no autograd) and training step (loss ``sum(o * w)``,
+    gradients of ``GRAD_NAMES``) on ``arrays`` (numpy, float32: q, k, v, g, beta cast to
+    bf16, A_log and dt_bias kept float32, and the loss weights ``w``). Shared with
+    ``gpu_vs_fla.py``'s in-process FLA path."""
+    t = {n: torch.from_numpy(arrays[n]).to(dev) for n in (*GRAD_NAMES, "w")}
+    ins = {n: t[n].to(torch.bfloat16) if n not in ("A_log", "dt_bias") else t[n] for n in GRAD_NAMES}
+    w = t["w"]
+
+    def fwd():
+        with torch.no_grad():
+            return chunk_kda(ins["q"], ins["k"], ins["v"], ins["g"], ins["beta"], A_log=ins["A_log"],
+                             dt_bias=ins["dt_bias"], **OPTIONS)[0]
+
+    leaves = {n: x.detach().clone().requires_grad_(True) for n, x in ins.items()}
+
+    def step():
+        o = chunk_kda(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], A_log=leaves["A_log"],
+                      dt_bias=leaves["dt_bias"], **OPTIONS)[0]
+        loss = (o.float() * w).sum()
+        return loss, torch.autograd.grad(loss, [leaves[n] for n in GRAD_NAMES])
+
+    return fwd, step
 
 
 def prune_autotuning(n: int) -> None:

@@ -48,10 +48,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kdax  # noqa: E402
 from kdax import KDAPipeline  # noqa: E402
 
-GRAD_NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
-# FLA's tolerances (rel-RMS against a float64 reference) for half-precision inputs.
-TOL = {"o": 5e-3, "q": 8e-3, "k": 8e-3, "v": 8e-3, "g": 2e-2, "beta": 2e-2, "A_log": 2e-2, "dt_bias": 2e-2}
-OPTIONS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# FLA's side (no JAX there): the gradients compared, FLA's tolerances (rel-RMS against a
+# float64 reference) for half-precision inputs, Kimi Linear's options, FLA's calls.
+from fla_side import GRAD_NAMES, OPTIONS, TOL, fla_calls  # noqa: E402
 PIPES = ("pallas", "reference", "reference_highest", "mixed", "pallas_highest", "pallas_xla_gate")
 
 
@@ -204,23 +204,7 @@ def run_fla(fla, x: dict, ref, chunk: int, reps: int) -> list:
     chunk_kda, torch = fla
     if chunk != 64:
         raise ValueError("FLA's chunk_kda has chunk 64 only")
-    dev = "cuda"
-    t = {n: torch.from_numpy(x[n]).to(dev) for n in (*GRAD_NAMES, "w")}
-    ins = {n: t[n].to(torch.bfloat16) if n not in ("A_log", "dt_bias") else t[n] for n in GRAD_NAMES}
-    w = t["w"]
-
-    def fwd():
-        with torch.no_grad():
-            return chunk_kda(ins["q"], ins["k"], ins["v"], ins["g"], ins["beta"], A_log=ins["A_log"],
-                             dt_bias=ins["dt_bias"], **OPTIONS)[0]
-
-    leaves = {n: a.detach().clone().requires_grad_(True) for n, a in ins.items()}
-
-    def step():
-        o = chunk_kda(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], A_log=leaves["A_log"],
-                      dt_bias=leaves["dt_bias"], **OPTIONS)[0]
-        loss = (o.float() * w).sum()
-        return loss, torch.autograd.grad(loss, [leaves[n] for n in GRAD_NAMES])
+    fwd, step = fla_calls(chunk_kda, torch, x)
 
     def sync(_):
         torch.cuda.synchronize()
