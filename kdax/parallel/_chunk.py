@@ -164,7 +164,7 @@ def _like(ct, primal):
 _sp_kda.defvjp(_sp_fwd, _sp_bwd)
 
 
-def _check_axis(axis):
+def check_axis(axis):
     if not isinstance(axis, str):
         raise ValueError(f"seq_axis_name: expected the name of a mesh axis (a str), got {axis!r}.")
     try:
@@ -187,7 +187,7 @@ def sp_chunk_kda(
     ``kdax.chunk_kda(..., seq_axis_name=...)``)."""
     from ..pipeline import default_pipeline
 
-    _check_axis(seq_axis_name)
+    check_axis(seq_axis_name)
     P = jax.lax.axis_size(seq_axis_name)
     Tl = q.shape[1]
     cu = None
