@@ -73,3 +73,45 @@ def test_packed_equals_one_device(n, with_cache):
     x = rand(3, 1, T, D)
     cache = rand_cache(layer, len(CU) - 1, 4) if with_cache else None
     _check(_mesh(n), layer, x, jnp.asarray(CU, jnp.int32), cache, n)
+
+
+@pytest.mark.slow
+def test_packed_8_devices_and_dense_data_by_sequence():
+    layer, _, _ = make_layer(5)
+    x = rand(5, 1, T, D)
+    _check(_mesh(8, AxisType.Auto), layer, x, jnp.asarray(CU, jnp.int32), rand_cache(layer, len(CU) - 1, 6), 8)
+    mesh = jax.make_mesh((2, 4), ("data", "sp"), axis_types=(AxisType.Explicit,) * 2)
+    x = rand(6, 2, T, D)
+    r = np.random.default_rng(0)
+    w = jnp.asarray(r.normal(size=x.shape))
+    one = jax.jit(lambda l, x: jnp.sum(l(x, mode="chunk", **OPTS)[0] * w))
+    sp = jax.jit(lambda l, x: jnp.sum(kdax.parallel.apply_layer(mesh, "sp", l, x, batch_axis="data", **OPTS)[0] * w))
+    g_ref = eqx.filter_grad(one)(layer, x)
+    with jax.set_mesh(mesh):  # the loss of arrays on an Explicit mesh
+        g = eqx.filter_grad(sp)(layer, x)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
+        assert_close(a, b, 1e-12)
+
+
+def test_errors():
+    layer, _, _ = make_layer(3)
+    x = rand(3, 1, T, D)
+    mesh = _mesh(4)
+    xs = jax.sharding.reshard(x, jax.NamedSharding(mesh, P(None, "sp")))
+
+    def call(**kw):
+        return jax.shard_map(lambda x: layer(x, **kw)[0], mesh=mesh, in_specs=P(None, "sp"),
+                             out_specs=P(None, "sp"))(xs)
+
+    with pytest.raises(ValueError, match="seq_axis_name: 'nope' is not a mesh axis"):
+        call(seq_axis_name="nope")
+    with pytest.raises(ValueError, match="attention_mask"):
+        call(seq_axis_name="sp", attention_mask=jnp.ones((1, T // 4)))
+    with pytest.raises(ValueError, match="mode: 'recurrent'"):
+        call(seq_axis_name="sp", mode="recurrent", cache=layer.init_cache(1))
+    with pytest.raises(ValueError, match="return_intermediate_states"):
+        call(seq_axis_name="sp", return_intermediate_states=True)
+    with pytest.raises(ValueError, match="split evenly"):
+        kdax.parallel.apply_layer(mesh, "sp", layer, x[:, :46])
+    with pytest.raises(ValueError, match="seq_axis"):
+        kdax.parallel.apply_layer(mesh, "data", layer, x)
