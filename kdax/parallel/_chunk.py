@@ -22,6 +22,7 @@ import numpy as np
 from .._validate import checked_cu_seqlens
 from ..ref._recurrent import compute_dtype
 from ..stages._ops import varying_axes
+from ._shard import check_interpret_in_shard_map
 from ._summary import PrefixMethod, exclusive_prefix
 
 
@@ -140,6 +141,12 @@ def _sp_bwd(static: _Static, residuals, cotangents):
     static = eqx.tree_at(lambda s: s.pipeline, static, static.pipeline.untiled())
     do, dfinal = cotangents
     dfinal = dfinal.astype(res.h0.dtype)
+    # Under shard_map's check_vma=False (q then varies over nothing), the transpose hands
+    # each device 1/P of a replicated output's cotangent and sums the replicated inputs'
+    # cotangents over the devices itself.
+    checked = static.axis in varying_axes(primals[0])
+    if not checked:
+        dfinal = jax.lax.psum(dfinal, static.axis)
     N = res.h0.shape[0]
     own = _rows(sp.owns, dfinal)
     # c: the gradient reaching the entering sequence's start from this device's own do/dht
@@ -147,7 +154,8 @@ def _sp_bwd(static: _Static, residuals, cotangents):
     # the gradient arriving at this device's exit from the devices after it
     d_exit = exclusive_prefix(jnp.swapaxes(M, -1, -2), c, static.axis, reverse=True, method=static.prefix)
     grads = _backward_local(static, res, do, own + _spread(sp, sp.leaves, d_exit, N))
-    dh0 = jax.lax.psum(_rows(~sp.enters, grads.initial_state), static.axis)
+    dh0 = _rows(~sp.enters, grads.initial_state)
+    dh0 = jax.lax.psum(dh0, static.axis) if checked else dh0
     out = (grads.q, grads.k, grads.v, grads.g, grads.beta, dh0, grads.A_log, grads.dt_bias)
     return tuple(None if x is None else _like(ct, x) for ct, x in zip(out, primals)) + (None,)
 
@@ -213,6 +221,7 @@ def sp_chunk_kda(
         if state_v_first:
             h0 = jnp.swapaxes(h0, -1, -2)
     pipeline = default_pipeline() if pipeline is None else pipeline
+    check_interpret_in_shard_map(pipeline, q, k, v, g, beta)
     static = _Static(pipeline, seq_axis_name, prefix, tuple(sorted(options.items())))
     asarr = lambda x: None if x is None else jnp.asarray(x)
     o, final = _sp_kda(static, *map(asarr, (q, k, v, g, beta)), h0, asarr(A_log), asarr(dt_bias), cu)

@@ -8,6 +8,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from .._typing import typecheck
+from ._shard import interprets
 
 
 @typecheck
@@ -45,7 +46,8 @@ def apply_layer(
         return layer(x, cu_seqlens=cu, cache=cache, seq_axis_name=seq_axis, **options)
 
     in_specs = (P(), tok, P(), rows)
-    fn = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(tok, rows))
+    fn = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(tok, rows),
+                       check_vma=not interprets(options.get("pipeline")))
     args = (layer, x, cu_seqlens, cache)
     if any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
         # shard_map on an Explicit mesh takes arrays already sharded as in_specs says.
