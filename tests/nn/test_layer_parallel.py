@@ -45,13 +45,13 @@ def _loss_and_grads(call, layer, x, cache, w):
     return y, new, gp, gx, gc
 
 
-def _check(mesh, layer, x, cu, cache, seed):
+def _check(mesh, layer, x, cu, cache, seed, opts=OPTS):
     r = np.random.default_rng(seed)
     N = x.shape[0] if cu is None else cu.shape[0] - 1
     w = dict(y=jnp.asarray(r.normal(size=x.shape)),
              **{f: jnp.asarray(r.normal(size=a.shape)) for f, a in zip(("q", "k", "v", "s"), layer.init_cache(N)._fields())})
-    one = lambda l, x, c: l(x, cu_seqlens=cu, cache=c, mode="chunk", **OPTS)
-    sp = lambda l, x, c: kdax.parallel.apply_layer(mesh, "sp", l, x, cu_seqlens=cu, cache=c, **OPTS)
+    one = lambda l, x, c: l(x, cu_seqlens=cu, cache=c, mode="chunk", **opts)
+    sp = lambda l, x, c: kdax.parallel.apply_layer(mesh, "sp", l, x, cu_seqlens=cu, cache=c, **opts)
     ref = _loss_and_grads(one, layer, x, cache, w)
     got = _loss_and_grads(sp, layer, x, cache, w)
     assert_close(got[0], ref[0], 1e-12, "y")
@@ -67,7 +67,7 @@ def _check(mesh, layer, x, cu, cache, seed):
             assert_close(a, b, 1e-12, "d" + f)
 
 
-@pytest.mark.parametrize("n,with_cache", [(2, True), (4, False)])
+@pytest.mark.parametrize("n,with_cache", [(4, True), pytest.param(2, False, marks=pytest.mark.slow)])
 def test_packed_equals_one_device(n, with_cache):
     layer, _, _ = make_layer(3)
     x = rand(3, 1, T, D)
@@ -115,3 +115,14 @@ def test_errors():
         kdax.parallel.apply_layer(mesh, "sp", layer, x[:, :46])
     with pytest.raises(ValueError, match="seq_axis"):
         kdax.parallel.apply_layer(mesh, "data", layer, x)
+
+
+@pytest.mark.slow
+def test_pallas_pipeline_packed():
+    """The layer sequence-parallel with a Pallas pipeline (interpret mode on CPU: kdax's
+    shard_map runs unchecked, check_vma=False, whose transpose conventions differ)."""
+    layer, _, _ = make_layer(7)
+    x = rand(7, 1, T, D)
+    opts = dict(chunk_size=16, pipeline=kdax.KDAPipeline.pallas(interpret=True))
+    with pytest.warns(kdax.FallbackWarning):  # packed input: the reference state stages
+        _check(_mesh(2), layer, x, jnp.asarray(CU, jnp.int32), rand_cache(layer, len(CU) - 1, 8), 9, opts)
