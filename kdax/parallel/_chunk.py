@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._layout import unpack
 from .._validate import checked_cu_seqlens
 from ..ref._recurrent import compute_dtype
 from ..stages._ops import varying_axes
@@ -99,6 +100,20 @@ def _state_stage(static: _Static, res, h0):
     return static.pipeline._stage("state", w=c.w, u=u, kg=c.kg, G=c.G, h0=h0, layout=res.layout).final
 
 
+def _from_entry(static: _Static, res0, o0, fin0, h_add):
+    """The local pass from entry states ``h0 + h_add`` given the one from ``h0``
+    (``o0, fin0, res0``, its cache kept): F4 from ``h_add`` with ``u = 0`` and F5 on that
+    part, added. Returns ``(o, final, residuals of the pass from h0 + h_add)``."""
+    c, L = res0.cache, res0.layout
+    pipe = static.pipeline
+    st = pipe._stage("state", w=c.w, u=jnp.zeros(c.u.shape, c.u.dtype), kg=c.kg, G=c.G, h0=h_add, layout=L)
+    oc = pipe._stage("output", scale=res0.config.scale, qg=c.qg, h=st.h, Aqk=c.Aqk, v_new=st.v_new)
+    o = (o0.astype(oc.dtype) + unpack(L, oc)).astype(o0.dtype)
+    cache = eqx.tree_at(lambda c: (c.h, c.v_new), c, (c.h + st.h, c.v_new + st.v_new))
+    res = eqx.tree_at(lambda r: (r.h0, r.cache), res0, (res0.h0 + h_add, cache))
+    return o, fin0 + st.final, res
+
+
 def _forward(static: _Static, q, k, v, g, beta, h0, A_log, dt_bias, cu):
     B, Tl = q.shape[:2]
     HV, K, V = v.shape[2], q.shape[-1], v.shape[-1]
@@ -107,14 +122,15 @@ def _forward(static: _Static, q, k, v, g, beta, h0, A_log, dt_bias, cu):
     sp = _spans(static.axis, B, Tl, cu)
     h0 = jnp.zeros((N, HV, K, V), dt) if h0 is None else h0.astype(dt)
     # (1) the summary: b from a zero entry, M from the identity
-    _, fin0, res0 = _forward_local(static, q, k, v, g, beta, _rows(~sp.enters, h0), A_log, dt_bias, sp.cu)
+    o0, fin0, res0 = _forward_local(static, q, k, v, g, beta, _rows(~sp.enters, h0), A_log, dt_bias, sp.cu)
     eye = _rows(sp.enters, jnp.broadcast_to(jnp.eye(K, dtype=dt), (N, HV, K, K)))
     M = _pick(sp, sp.leaves, _state_stage(static, res0, eye))
     b = _pick(sp, sp.leaves, fin0)
-    # (2) the true entry state, (3) the local pass from it
+    # (2) the true entry state, (3) the local pass from it: affine in the entry, so the
+    # pass from zero plus F4 and F5 from the entry alone (u = 0): F1-F3 run once.
     entry = exclusive_prefix(M, b, static.axis, method=static.prefix)
-    h_in = jnp.where(sp.enters[:, None, None, None], _spread(sp, sp.enters, entry, N), h0)
-    o, fin, res = _forward_local(static, q, k, v, g, beta, h_in, A_log, dt_bias, sp.cu)
+    h_add = _rows(sp.enters, _spread(sp, sp.enters, entry, N))
+    o, fin, res = _from_entry(static, res0, o0, fin0, h_add)
     final = jax.lax.psum(_rows(sp.owns, fin), static.axis)
     return o, final, res, M, sp
 
