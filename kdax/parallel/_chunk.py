@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._layout import unpack
+from .._layout import pack, unpack
 from .._validate import checked_cu_seqlens
 from ..ref._recurrent import compute_dtype
 from ..stages._ops import varying_axes
@@ -90,6 +90,43 @@ def _forward_local(static: _Static, q, k, v, g, beta, h0, A_log, dt_bias, cu):
 def _backward_local(static: _Static, res, do, dht):
     """The one place this module runs the pipeline's backward."""
     return static.pipeline.backward(res, do, dht)
+
+
+def _resolved(static: _Static, res):
+    """The pipeline with its precision policy resolved, as ``backward`` resolves it."""
+    from .. import _precision
+
+    pipe = static.pipeline
+    if pipe.precision == "auto":
+        pipe = pipe.with_precision(_precision.resolve(pipe.precision, res.in_dtypes[0]))
+    return pipe
+
+
+def _with_cache(static: _Static, res):
+    """``res`` with its forward cache, B0 run once here when it was dropped (both local
+    backward passes then skip it)."""
+    if res.cache is not None:
+        return res
+    from ..pipeline import _PipelineState, _PipelineWY
+    from ..stages._types import ForwardCache
+
+    pipe, act, L = _resolved(static, res), res.act, res.layout
+    wy, st = pipe._stage("recompute", q=act.q, k=act.k, v=res.v, beta=act.beta, G=act.G, Akk=res.Akk, h0=res.h0,
+                         layout=L, wy=_PipelineWY(pipe), state=_PipelineState(pipe))
+    cache = ForwardCache(G=act.G, Aqk=res.Aqk, Akk=res.Akk, w=wy.w, u=wy.u, qg=wy.qg, kg=wy.kg, h=st.h,
+                         v_new=st.v_new)
+    return eqx.tree_at(lambda r: r.cache, res, cache, is_leaf=lambda x: x is None)
+
+
+def _entry_gradient(static: _Static, res, do, dht):
+    """The gradient reaching the entry states ``[N, HV, K, V]`` from ``do`` and ``dht``:
+    B1 and B2 of the backward alone, on ``res``'s cache."""
+    pipe, c, L = _resolved(static, res), res.cache, res.layout
+    dt = res.h0.dtype
+    doc = pack(L, do, dt)
+    _, dv_intra = pipe._stage("dav", v_new=c.v_new, Aqk=res.Aqk, do=doc)
+    return pipe._stage("dhu", scale=res.config.scale, qg=c.qg, kg=c.kg, w=c.w, G=res.act.G, do=doc,
+                       dv_intra=dv_intra, dht=dht.astype(dt), layout=L).dh0
 
 
 def _state_stage(static: _Static, res, h0):
@@ -165,8 +202,9 @@ def _sp_bwd(static: _Static, residuals, cotangents):
         dfinal = jax.lax.psum(dfinal, static.axis)
     N = res.h0.shape[0]
     own = _rows(sp.owns, dfinal)
+    res = _with_cache(static, res)
     # c: the gradient reaching the entering sequence's start from this device's own do/dht
-    c = _pick(sp, sp.enters, _backward_local(static, res, do, own).initial_state)
+    c = _pick(sp, sp.enters, _entry_gradient(static, res, do, own))
     # the gradient arriving at this device's exit from the devices after it
     d_exit = exclusive_prefix(jnp.swapaxes(M, -1, -2), c, static.axis, reverse=True, method=static.prefix)
     grads = _backward_local(static, res, do, own + _spread(sp, sp.leaves, d_exit, N))
