@@ -5,10 +5,12 @@ Forward, on each device: (1) a local pass with a zero entry state for the sequen
 enters from the previous device gives ``b``, the exit state of the sequence that leaves to
 the next device; the state stage run once more from the identity (zero ``u``) gives its
 ``M``; (2) the exclusive prefix of ``(M, b)`` over devices gives the true entry state;
-(3) the ordinary local pass from it. Backward (hand-written, a ``jax.custom_vjp``): the
-local backward with only this device's own ``dht`` gives ``c``, the gradient reaching the
-entering sequence's start; the reverse prefix of ``(M^T, c)`` gives the gradient arriving
-at this device's exit; the local backward once more with it.
+(3) the local pass from it, which is affine in the entry: the pass of (1) plus the state
+and output stages run from the entry alone with ``u = 0`` (F1-F3 run once). Backward
+(hand-written, a ``jax.custom_vjp``): B0 once; B1-B2 with only this device's own ``dht``
+give ``c``, the gradient reaching the entering sequence's start; the reverse prefix of
+``(M^T, c)`` gives the gradient arriving at this device's exit; the local backward
+(B1-B5) with it.
 """
 
 import functools
