@@ -171,7 +171,7 @@ def _forward(static: _Static, q, k, v, g, beta, h0, A_log, dt_bias, cu, training
     h_add = _rows(sp.enters, _spread(sp, sp.enters, entry, N))
     if training:
         # Affine in the entry: the pass from zero plus F4 and F5 from the entry alone
-        # (u = 0), F1-F3 once (the training step 1.9x faster at T = 8192 on 8 devices).
+        # (u = 0), F1-F3 once (the training step 1.3-1.5x faster at T = 8192 on 8 devices).
         o, fin, res = _from_entry(static, res0, o0, fin0, h_add)
     else:
         # Forward only: a second whole pass, which XLA runs tile by tile on CPU keeping
