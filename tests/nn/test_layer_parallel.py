@@ -48,8 +48,8 @@ def _loss_and_grads(call, layer, x, cache, w):
 def _check(mesh, layer, x, cu, cache, seed, opts=OPTS):
     r = np.random.default_rng(seed)
     N = x.shape[0] if cu is None else cu.shape[0] - 1
-    w = dict(y=jnp.asarray(r.normal(size=x.shape)),
-             **{f: jnp.asarray(r.normal(size=a.shape)) for f, a in zip(("q", "k", "v", "s"), layer.init_cache(N)._fields())})
+    fields = zip(("q", "k", "v", "s"), layer.init_cache(N)._fields())
+    w = dict(y=jnp.asarray(r.normal(size=x.shape)), **{f: jnp.asarray(r.normal(size=a.shape)) for f, a in fields})
     one = lambda l, x, c: l(x, cu_seqlens=cu, cache=c, mode="chunk", **opts)
     sp = lambda l, x, c: kdax.parallel.apply_layer(mesh, "sp", l, x, cu_seqlens=cu, cache=c, **opts)
     ref = _loss_and_grads(one, layer, x, cache, w)
