@@ -14,6 +14,7 @@ from ..recurrent import fused_recurrent_kda
 from ._cache import KDACache, zeros_cache
 from ._conv import causal_conv, conv_tail, token_segments
 from ._norm import gated_rms_norm
+from ..parallel._halo import conv_halo, sp_conv_tail, sp_token_segments
 
 # Longest call that the recurrent path takes by default (with a cache; FLA's threshold).
 RECURRENT_MAX_T = 64
@@ -187,6 +188,7 @@ class KimiDeltaAttention(eqx.Module):
         return_intermediate_states: bool = False,
         chunk_size: int = 64,
         pipeline: Optional[KDAPipeline] = None,
+        seq_axis_name: Optional[str] = None,
     ):
         """``y, cache = layer(x, ...)``; ``y [B, T, hidden]`` in x's dtype (the compute
         dtype if set).
@@ -205,6 +207,14 @@ class KimiDeltaAttention(eqx.Module):
           ``[B, NC, ...]`` whose entry ``[:, c]`` is the cache after the first
           ``c * chunk_size`` tokens of this call (FLA's ``return_intermediate_states``),
           for prefix caching; dense input only (no mask, no ``cu_seqlens``), chunked path.
+        - ``seq_axis_name``: sequence parallel inside ``jax.shard_map`` with the token axis
+          of ``x`` sharded over that mesh axis: ``x`` and ``y`` are this device's tokens
+          ``[B, T / P, D]``, ``cu_seqlens`` the global offsets, the cache (in and out)
+          global and identical on every device; the short convolutions take the previous
+          device's last ``conv_size - 1`` inputs (one ``ppermute``), ``chunk_kda`` runs
+          with ``seq_axis_name``. Chunked path only; no ``attention_mask`` (pack with
+          ``cu_seqlens``) or ``return_intermediate_states``. On global arrays:
+          ``kdax.parallel.apply_layer``.
 
         Returns ``(y, new_cache)``, or ``(y, new_cache, intermediate)``.
         """
@@ -232,6 +242,9 @@ class KimiDeltaAttention(eqx.Module):
         if return_intermediate_states and (attention_mask is not None or cu_seqlens is not None or mode == "recurrent"):
             raise ValueError("return_intermediate_states: needs dense input (no attention_mask or cu_seqlens) "
                              "and the chunked path.")
+        if seq_axis_name is not None:
+            _check_sequence_parallel(seq_axis_name, attention_mask, mode, return_intermediate_states)
+            mode = "chunk"
         if mode is None:
             mode = "recurrent" if (cache is not None and T <= RECURRENT_MAX_T and not return_intermediate_states) else "chunk"
 
@@ -262,7 +275,8 @@ class KimiDeltaAttention(eqx.Module):
         else:
             xs = xin
 
-        ys, new_rows, inter = self._forward(xs, cu, rows, mode, return_intermediate_states, chunk_size, pipeline)
+        ys, new_rows, inter = self._forward(xs, cu, rows, mode, return_intermediate_states, chunk_size, pipeline,
+                                            seq_axis_name)
 
         if attention_mask is not None:
             y = jnp.zeros((B * T, D), ys.dtype).at[perm].set(ys[0])
@@ -286,8 +300,9 @@ class KimiDeltaAttention(eqx.Module):
         if bad:
             raise ValueError("cache: " + "; ".join(bad) + " (N = sequences, or pool slots with state_indices).")
 
-    def _forward(self, xs, cu, rows: Optional[KDACache], mode, inter_states, chunk_size, pipeline):
-        """The layer on ``xs [Bp, Tp, D]`` (dense rows, or one packed row with ``cu``)."""
+    def _forward(self, xs, cu, rows: Optional[KDACache], mode, inter_states, chunk_size, pipeline, seq_axis=None):
+        """The layer on ``xs [Bp, Tp, D]`` (dense rows, or one packed row with ``cu``;
+        ``seq_axis``: this device's tokens, ``cu`` global)."""
         Bp, Tp, D = xs.shape
         dt = xs.dtype
         H, HV, K, V, W = self.num_heads, self.num_v_heads, self.head_dim, self.head_v_dim, self.conv_size
@@ -301,7 +316,16 @@ class KimiDeltaAttention(eqx.Module):
             seg_rows, starts, lens = jnp.zeros((n,), jnp.int32), cu[:-1], cu[1:] - cu[:-1]
 
         pre = (lin(xs, self.q_proj), lin(xs, self.k_proj), lin(xs, self.v_proj))
-        if self.use_short_conv:
+        if self.use_short_conv and seq_axis is not None:
+            states = (None, None, None) if rows is None else (rows.conv_q, rows.conv_k, rows.conv_v)
+            weights = (self.q_conv, self.k_conv, self.v_conv)
+            # [halo | local tokens]: the previous device's last W - 1 inputs (one ppermute each)
+            xx = tuple(jnp.concatenate([conv_halo(p, W, seq_axis), p], axis=1) for p in pre)
+            sseq, spos = sp_token_segments(Bp, Tp, W, seq_axis, cu)
+            q, k, v = (jax.nn.silu(causal_conv(p, w.astype(dt), sseq, spos, s)[:, W - 1:])
+                       for p, w, s in zip(xx, weights, states))
+            tails = tuple(sp_conv_tail(p, W, seq_axis, cu, s) for p, s in zip(xx, states))
+        elif self.use_short_conv:
             states = (None, None, None) if rows is None else (rows.conv_q, rows.conv_k, rows.conv_v)
             weights = (self.q_conv, self.k_conv, self.v_conv)
             q, k, v = (jax.nn.silu(causal_conv(p, w.astype(dt), seq, pos, s)) for p, w, s in zip(pre, weights, states))
@@ -337,7 +361,8 @@ class KimiDeltaAttention(eqx.Module):
             )
             inter = KDACache(*inter_tails, h)
         else:
-            o, final = chunk_kda(q, k, v, g, beta, chunk_size=chunk_size, pipeline=pipeline, **opts)
+            o, final = chunk_kda(q, k, v, g, beta, chunk_size=chunk_size, pipeline=pipeline, seq_axis_name=seq_axis,
+                                 **opts)
 
         gate = lin(lin(xs, self.g_a), self.g_b)
         if self.g_b_bias is not None:
@@ -347,6 +372,20 @@ class KimiDeltaAttention(eqx.Module):
         if rows is not None:
             final = final.astype(rows.state.dtype)
         return y, KDACache(*tails, final), inter
+
+
+def _check_sequence_parallel(seq_axis_name, attention_mask, mode, inter_states):
+    from ..parallel._chunk import check_axis
+
+    check_axis(seq_axis_name)
+    if attention_mask is not None:
+        raise ValueError("attention_mask: not supported with seq_axis_name; pack the sequences with cu_seqlens "
+                         "(global offsets) instead.")
+    if mode == "recurrent":
+        raise ValueError("mode: 'recurrent' (the decode path) is not supported with seq_axis_name; "
+                         "sequence parallelism runs the chunked path (mode None or 'chunk').")
+    if inter_states:
+        raise ValueError("return_intermediate_states: not supported with seq_axis_name.")
 
 
 def _chunk_start_states(pipeline, q, k, v, g, beta, chunk_size, opts):

@@ -160,13 +160,27 @@ def head_spec(block, HV: int):
     return pl.BlockSpec((None,) + tuple(block), lambda p, c: (p % HV,) + (0,) * len(block))
 
 
+def manual_inputs(inputs):
+    """``(inputs, manual_axis_type)``: inside ``jax.shard_map``, every input cast to vary
+    over each manual mesh axis that any of them varies over, and that type for the
+    outputs (a ``pallas_call``'s outputs vary as its ``out_shape`` says; by default over
+    nothing, which shard_map's type check refuses for per-device results). Outside
+    shard_map: the inputs unchanged and None."""
+    from ..stages._ops import vary_like
+
+    inputs = vary_like(tuple(inputs), inputs)
+    mat = getattr(jax.typeof(inputs[0]), "manual_axis_type", None) if inputs else None
+    return inputs, (mat if mat is not None and mat.varying else None)
+
+
 def chunk_call(kernel, inputs, specs, out_blocks, P: int, NC: int, dtype, target: str, interpret: bool):
     """Run ``kernel`` over the grid (P, NC); every output is ``[P, NC, *block]``. The call
     is named after the kernel (profiles, the shared-memory test)."""
+    inputs, mat = manual_inputs(inputs)
     return pl.pallas_call(
         kernel,
         name=kernel_name(kernel),
-        out_shape=[jax.ShapeDtypeStruct((P, NC) + tuple(b), dtype) for b in out_blocks],
+        out_shape=[jax.ShapeDtypeStruct((P, NC) + tuple(b), dtype, manual_axis_type=mat) for b in out_blocks],
         grid=(P, NC),
         in_specs=specs,
         out_specs=[chunk_spec(b) for b in out_blocks],

@@ -23,6 +23,7 @@ from ..stages._types import DhuOut, StateOut
 from ._common import (
     PallasValueBlocks, check_width, chunk_spec, compiler_params, dot, feature_pad, flat, idiv, kernel_name, loop, unflat,
 )
+from ._common import manual_inputs
 
 
 def _check_dense(stage: str, layout: ChunkLayout, NC: int):
@@ -63,7 +64,9 @@ def _run_tpu(kernel, ins, in_blocks, out_blocks, P, NC, dtype, state_shape, inte
             return pl.BlockSpec((None, None) + block, lambda p, c: (p, NC - 1 - c) + (0,) * len(block))
         return chunk_spec(block)
 
-    out_shape = [jax.ShapeDtypeStruct((P,) + ((NC,) if k == "c" else ()) + b, dtype) for k, b in out_blocks]
+    ins, mat = manual_inputs(ins)
+    out_shape = [jax.ShapeDtypeStruct((P,) + ((NC,) if k == "c" else ()) + b, dtype, manual_axis_type=mat)
+                 for k, b in out_blocks]
     return pl.pallas_call(
         kernel, out_shape=out_shape, grid=(P, NC), name=kernel_name(kernel),
         in_specs=[spec(k, b) for k, b in in_blocks], out_specs=[spec(k, b) for k, b in out_blocks],
@@ -77,8 +80,10 @@ def _run_triton(kernel, ins, out_shapes, P, NV, dtype, interpret):
     pl.ds inside the kernel. The columns of the state evolve independently, so splitting
     them halves each program's shared memory and doubles the programs (more parallel
     work for a GPU at small batch)."""
+    ins, mat = manual_inputs(ins)
     return pl.pallas_call(
-        kernel, out_shape=[jax.ShapeDtypeStruct(s, dtype) for s in out_shapes], grid=(P, NV), name=kernel_name(kernel),
+        kernel, out_shape=[jax.ShapeDtypeStruct(s, dtype, manual_axis_type=mat) for s in out_shapes], grid=(P, NV),
+        name=kernel_name(kernel),
         interpret=interpret, compiler_params=None if interpret else compiler_params("triton", False, 1),
     )(*ins)
 

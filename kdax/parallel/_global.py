@@ -8,6 +8,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from .._typing import ALog, ArrayIn, Beta, CuSeqlens, Float, Gate, QK, State, Values, typecheck
 from .._validate import check_cu_seqlens_values
 from ._chunk import sp_chunk_kda
+from ._shard import interprets
 from ._summary import PrefixMethod
 
 
@@ -59,7 +60,8 @@ def chunk_kda(
         return sp_chunk_kda(q, k, v, g, beta, seq_axis_name=seq_axis, prefix=prefix, **arrays, **options)
 
     out_specs = (tok, state_spec if options.get("output_final_state", False) else None)
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(tok,) * 5 + (specs,), out_specs=out_specs)
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(tok,) * 5 + (specs,), out_specs=out_specs,
+                       check_vma=not interprets(options.get("pipeline")))
     if any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
         # shard_map on an Explicit mesh takes arrays already sharded as in_specs says.
         put = lambda x, spec: jax.sharding.reshard(x, NamedSharding(mesh, spec))

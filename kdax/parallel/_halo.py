@@ -100,3 +100,43 @@ def sp_causal_conv1d(
     halo = conv_halo(x, W, axis_name, cu_seqlens)
     offset = jax.lax.axis_index(axis_name) * x.shape[1]
     return causal_conv1d(x, weight, bias, cu_seqlens=cu_seqlens, activation=activation, halo=halo, offset=offset)
+
+
+def sp_token_segments(B: int, Tl: int, W: int, axis_name: str, cu_seqlens=None):
+    """``(seq [B, W - 1 + Tl], pos [B, W - 1 + Tl])`` inside ``jax.shard_map``: the
+    sequence and in-sequence position of every row of ``[halo | x]`` (the ``W - 1`` rows
+    before this device's tokens, then its ``Tl`` tokens), from the global offsets
+    ``cu_seqlens`` (dense: row b is sequence b). ``kdax.nn``'s ``causal_conv`` on
+    ``[halo | x]`` with these reads a sequence's cache row before its start; the halo
+    rows' own outputs are dropped."""
+    t = jax.lax.axis_index(axis_name) * Tl - (W - 1) + jnp.arange(W - 1 + Tl, dtype=jnp.int32)
+    if cu_seqlens is None:
+        seq = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, t.shape[0]))
+        return seq, jnp.broadcast_to(t[None], (B, t.shape[0]))
+    cu = jnp.asarray(cu_seqlens, jnp.int32)
+    s = jnp.clip(jnp.searchsorted(cu, t, side="right") - 1, 0, cu.shape[0] - 2).astype(jnp.int32)
+    return s[None], (t - cu[s])[None]
+
+
+def sp_conv_tail(xx, W: int, axis_name: str, cu_seqlens=None, state=None):
+    """Each sequence's last ``W - 1`` convolution inputs (oldest first; ``state`` rows, or
+    zeros, where the sequence is shorter), identical on every device: from ``xx = [halo |
+    x]`` ``[B, W - 1 + Tl, D]`` of the device where the sequence ends, then one ``psum``.
+    ``[N, W - 1, D]`` (dense: N = B)."""
+    from ..nn._conv import conv_tail
+
+    B, Tl = xx.shape[0], xx.shape[1] - (W - 1)
+    d, P = jax.lax.axis_index(axis_name), jax.lax.axis_size(axis_name)
+    s = d * Tl
+    if cu_seqlens is None:
+        rows = jnp.arange(B, dtype=jnp.int32)
+        start, lens = jnp.zeros((B,), jnp.int32), jnp.full((B,), P * Tl, jnp.int32)
+        owns = jnp.full((B,), d == P - 1)
+    else:
+        cu = jnp.asarray(cu_seqlens, jnp.int32)
+        start, lens = cu[:-1], cu[1:] - cu[:-1]
+        rows = jnp.zeros_like(start)
+        owns = jnp.clip((cu[1:] - 1) // Tl, 0, P - 1) == d  # empty sequences: one device too
+    # starts inside xx, whose row 0 is global position s - (W - 1)
+    tail = conv_tail(xx, rows, start - s + (W - 1), lens, state, W)
+    return jax.lax.psum(jnp.where(owns[:, None, None], tail, jnp.zeros((), tail.dtype)), axis_name)

@@ -30,10 +30,12 @@ def _explicit_spec(x):
 
 
 def maybe_per_shard(fn: Callable, q, k, v, g, beta, *, initial_state=None, A_log=None, dt_bias=None,
-                    cu_seqlens=None, state_v_first: bool = False, **options) -> Optional[tuple]:
+                    cu_seqlens=None, state_v_first: bool = False, check_vma: bool = True,
+                    **options) -> Optional[tuple]:
     """``fn(q, k, v, g, beta, **options)`` in ``jax.shard_map`` over the Explicit mesh
     axes that shard the batch and head axes of the inputs (those of v, then q), or None
-    when no input is sharded so. Outputs keep the inputs' sharding: o like v, the final
+    when no input is sharded so (``check_vma``: shard_map's; False for an interpret-mode
+    Pallas pipeline, see ``interprets``). Outputs keep the inputs' sharding: o like v, the final
     state over the batch (dense) and heads."""
     found = [s for s in map(_explicit_spec, (v, q, k, g, beta)) if s is not None]
     if not found:
@@ -61,7 +63,7 @@ def maybe_per_shard(fn: Callable, q, k, v, g, beta, *, initial_state=None, A_log
 
     out_specs = (tok4, state if options.get("output_final_state", False) else None)
     return jax.shard_map(local, mesh=mesh, in_specs=(tok4, tok4, tok4, tok4, tok3, {n: s for n, (_, s) in arrays.items()}),
-                         out_specs=out_specs)(*ins, kw)
+                         out_specs=out_specs, check_vma=check_vma)(*ins, kw)
 
 
 # chunk_kda's FLA-only arguments (docs/fla_arguments.md) and their defaults.
@@ -90,6 +92,42 @@ def route(fn: Callable, arguments: dict) -> Optional[tuple]:
                 raise ValueError(f"{name}: not supported with seq_axis_name (FLA-only argument; leave it at {default!r}).")
 
         return sp_chunk_kda(q, k, v, g, beta, seq_axis_name=seq_axis_name, **kw)
-    if "pipeline" in kw:
-        fn = functools.partial(fn, pipeline=kw.pop("pipeline"))
-    return maybe_per_shard(fn, q, k, v, g, beta, **kw)
+    pipeline = kw.pop("pipeline", None)
+    if pipeline is not None:
+        check_interpret_in_shard_map(pipeline, q, k, v, g, beta)
+        fn = functools.partial(fn, pipeline=pipeline)
+    return maybe_per_shard(fn, q, k, v, g, beta, check_vma=pipeline is None or not interprets(pipeline), **kw)
+
+
+def interprets(pipeline) -> bool:
+    """Whether ``pipeline`` (None: the default) runs a Pallas stage in interpret mode.
+    JAX's interpreter of ``pallas_call`` (``hlo_interpreter``) evaluates the kernel on
+    values typed with their varying mesh axes but constants typed without, which
+    ``jax.shard_map``'s type check (``check_vma=True``) refuses while lowering: such a
+    pipeline runs in a ``shard_map`` with ``check_vma=False``."""
+    from .._contracts import STAGES
+    from ..pallas._common import PallasTarget
+    from ..pipeline import default_pipeline
+
+    pipeline = default_pipeline() if pipeline is None else pipeline
+    return any(isinstance(s, PallasTarget) and s.run_interpreted
+               for s in (getattr(pipeline, name, None) for name in STAGES))
+
+
+def check_interpret_in_shard_map(pipeline, *arrays):
+    """A clear error for an interpret-mode Pallas pipeline inside a ``jax.shard_map`` that
+    checks varying axes (any of ``arrays`` varies over a manual mesh axis), before JAX's
+    obscure one at lowering."""
+    from ..stages._ops import varying_axes
+
+    axes = set()
+    for a in arrays:
+        if a is not None and hasattr(a, "dtype"):
+            axes |= varying_axes(a)
+    if axes and interprets(pipeline):
+        raise ValueError(
+            "pipeline: a Pallas pipeline in interpret mode runs inside jax.shard_map only with "
+            f"check_vma=False (the inputs vary over mesh axes {sorted(axes)}): JAX's pallas_call "
+            "interpreter is not typed for varying manual axes. Pass check_vma=False to jax.shard_map, "
+            "or use kdax.parallel.chunk_kda / sharded inputs on an Explicit mesh, which do."
+        )

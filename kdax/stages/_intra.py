@@ -43,7 +43,7 @@ def level_anchors(G, after=()):
     anchors = tuple(_halves(G, s)[1][..., :1, :] for s in _levels(G.shape[-2]))
     if not after:
         return anchors
-    zero = zeros_after((), G.dtype, after)
+    zero = zeros_after(G.shape[:2] + (1,) * (G.ndim - 1), G.dtype, after)  # per row and head: no collective
     return tuple(a + zero for a in anchors)
 
 

@@ -64,48 +64,47 @@ def last_row(G):
 
 
 def over_chunks(fn, group: Optional[int], *xs, into=None):
-    """``fn`` over the flattened chunk axes ``[R, HV, NC]`` of ``xs``, about ``group``
-    chunks at a time (a loop; None: all at once). Every ``x`` has those three leading
-    axes, and so has every output of ``fn``; ``fn`` must work on any leading axes. On CPU,
-    cache-sized groups keep ``fn``'s temporaries out of main memory.
+    """``fn`` over the chunk axes ``[R, HV, NC]`` of ``xs``, about ``group`` chunks at a
+    time (a loop over slices of the NC axis, every row and head in each; None: all at
+    once). Every ``x`` has those three leading axes, and so has every output of ``fn``;
+    ``fn`` must work on any leading axes. On CPU, cache-sized groups keep ``fn``'s
+    temporaries out of main memory. The loop never splits R or HV: an array sharded over
+    rows or heads (``jit`` on an Auto mesh) stays sharded through it, where a loop over
+    the flattened axes made XLA gather it.
 
     ``into``: optional tuple, one entry per output of ``fn`` (a tuple then): an array the
     output is added to (in place, group by group, instead of a new buffer and a separate
     pass), or None."""
-    lead = xs[0].shape[:3]
-    n = lead[0] * lead[1] * lead[2]
-    if group is None or n <= group:
+    R, HV, NC = xs[0].shape[:3]
+    if group is None or R * HV * NC <= group:
         out = fn(*xs)
         return out if into is None else _add_into(out, into)
-    # A divisor of n keeps the split a free reshape (grouping by striding would transpose).
-    g = next(d for d in range(group, 0, -1) if n % d == 0)
-    if 2 * g < group:
-        g = group
-    m = n // g * g
-    flat = tuple(x.reshape(n, *x.shape[3:]) for x in xs)
-    split = tuple(x[:m].reshape(n // g, g, *x.shape[1:]) for x in flat)
-    shapes, tree = jax.tree.flatten(jax.eval_shape(fn, *(x[0] for x in split)))
-    acc = (None,) * len(shapes) if into is None else tuple(a if a is None else a.reshape(n, *a.shape[3:]) for a in into)
+    want = max(1, group // (R * HV))
+    # A divisor of NC gives equal slices and no remainder call (one more trace of fn).
+    gc = next(d for d in range(want, 0, -1) if NC % d == 0)
+    if 2 * gc < want:
+        gc = want
+    m = NC // gc * gc
+    part = lambda x, i: jax.lax.dynamic_slice_in_dim(x, i * gc, gc, axis=2)
+    shapes, tree = jax.tree.flatten(jax.eval_shape(fn, *(x[:, :, :gc] for x in xs)))
+    acc = (None,) * len(shapes) if into is None else tuple(into)
     init = tuple(
-        zeros_after((n // g, *s.shape), s.dtype, xs, j) if a is None else a[:m].reshape(n // g, g, *a.shape[1:])
+        zeros_after((R, HV, NC, *s.shape[3:]), s.dtype, xs, j) if a is None else a
         for j, (s, a) in enumerate(zip(shapes, acc))
     )
 
     def step(i, outs):
-        res = jax.tree.leaves(fn(*(jax.lax.dynamic_index_in_dim(x, i, keepdims=False) for x in split)))
+        res = jax.tree.leaves(fn(*(part(x, i) for x in xs)))
         return tuple(
-            jax.lax.dynamic_update_index_in_dim(
-                o, r if a is None else jax.lax.dynamic_index_in_dim(o, i, keepdims=False) + r, i, 0
-            )
+            jax.lax.dynamic_update_slice_in_dim(o, r if a is None else part(o, i) + r, i * gc, axis=2)
             for o, r, a in zip(outs, res, acc)
         )
 
-    out = [o.reshape(m, *o.shape[2:]) for o in jax.lax.fori_loop(0, n // g, step, init)]
-    if m < n:
-        rest = jax.tree.leaves(fn(*(x[m:] for x in flat)))
-        rest = _add_into(rest, tuple(None if a is None else a[m:] for a in acc))
-        out = [jnp.concatenate([a, b]) for a, b in zip(out, rest)]
-    return jax.tree.unflatten(tree, [o.reshape(*lead, *o.shape[1:]) for o in out])
+    out = list(jax.lax.fori_loop(0, NC // gc, step, init))
+    if m < NC:
+        rest = jax.tree.leaves(fn(*(x[:, :, m:] for x in xs)))
+        out = [o.at[:, :, m:].set(r if a is None else o[:, :, m:] + r) for o, r, a in zip(out, rest, acc)]
+    return jax.tree.unflatten(tree, out)
 
 
 def zeros_after(shape, dtype, deps, tag: int = 0):
@@ -115,16 +114,24 @@ def zeros_after(shape, dtype, deps, tag: int = 0):
     program, one buffer shared by every loop that needs one and copied into each: in
     the training step those copies were half the peak memory, and on CPU every fresh
     page costs a page fault."""
-    zero = jnp.zeros((), dtype)
+    # One element per leading row and head that the zeros share with ``d`` (up to two
+    # axes): an array sharded over rows or heads has that element on every device, where
+    # one element of the whole array would be a collective (jit on an Auto mesh).
+    L = min(2, len(shape))
+    zero = jnp.zeros((1,) * L, dtype)
     for d in deps:
         if not jnp.issubdtype(d.dtype, jnp.floating) or d.size == 0:
             continue
-        x = d.reshape(-1)[tag % d.size]
+        k = 0
+        while k < min(L, d.ndim) and d.shape[k] == shape[k]:
+            k += 1
+        flat = d.reshape(*d.shape[:k], -1)
+        x = flat[..., tag % flat.shape[-1]].reshape(*d.shape[:k], *(1,) * (L - k))
         bits = 8 * x.dtype.itemsize
         u = jax.lax.bitcast_convert_type(x, {16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint64}[bits])
         # Two shifts the simplifier keeps: exactly 0 for every value (NaN and inf too).
         zero = zero + ((u >> (bits - 1)) >> 1).astype(dtype)
-    return jnp.broadcast_to(zero, shape)
+    return jnp.broadcast_to(zero.reshape(*zero.shape, *(1,) * (len(shape) - L)), shape)
 
 
 def _add_into(out, into):

@@ -46,7 +46,9 @@ def _outputs_and_grads(fn, x, opts, do, dht):
     return o, ht, grads
 
 
-def _compare(mesh, x, opts, dtype, tol, prefix="auto", seq_axis="sp", batch_axis=None, pipeline=UNTILED):
+def _compare(mesh, x, opts, dtype, tol, prefix="auto", seq_axis="sp", batch_axis=None, pipeline=UNTILED,
+             forward_only=False):
+    """``forward_only``: also the outputs of a call without gradients (its own passes)."""
     x = {n: a.astype(dtype) for n, a in x.items()}
     opts = dict(opts, pipeline=pipeline)
     sp = lambda *a, **kw: kdax.parallel.chunk_kda(mesh, seq_axis, *a, batch_axis=batch_axis, prefix=prefix, **kw)
@@ -63,6 +65,12 @@ def _compare(mesh, x, opts, dtype, tol, prefix="auto", seq_axis="sp", batch_axis
     for n in g_ref:
         assert g[n].dtype == g_ref[n].dtype, n
         assert_close(g[n], g_ref[n], tol, "d" + n)
+    if forward_only:
+        pos, kw = split_args(x)
+        o, ht = jax.jit(lambda pos, kw: sp(*pos, **kw, **opts))(pos, kw)
+        assert_close(o, o_ref, tol, "o (forward only)")
+        if opts.get("output_final_state"):
+            assert_close(ht, ht_ref, tol, "ht (forward only)")
 
 
 def _packed(seed=0, h0=True, **kw):
@@ -72,7 +80,7 @@ def _packed(seed=0, h0=True, **kw):
 
 def test_packed_8_devices_float64():
     x, opts = _packed()
-    _compare(_mesh(8), x, dict(opts, output_final_state=True), jnp.float64, 1e-12)
+    _compare(_mesh(8), x, dict(opts, output_final_state=True), jnp.float64, 1e-12, forward_only=True)
 
 
 @pytest.mark.slow

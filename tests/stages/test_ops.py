@@ -19,8 +19,9 @@ def _fn(a, b):
     return {"m": a @ jnp.swapaxes(a, -1, -2), "s": rowsum(a) * b}
 
 
-# n = R * HV * NC chunks; group sizes with an exact divisor, with a remainder (14 = 2 x 7
-# has no divisor in [3, 6]), larger than n, and None (all at once).
+# R * HV * NC chunks, looped over slices of NC of about group / (R * HV) chunks: slices
+# that divide NC, one with a remainder (NC = 7, slices of 3), a group larger than all, one
+# smaller than R * HV (slices of one chunk), and None (all at once).
 @pytest.mark.parametrize("lead,group", [((2, 3, 2), 4), ((1, 2, 7), 6), ((1, 1, 5), 16), ((2, 1, 3), None), ((1, 2, 7), 1)])
 def test_over_chunks_equals_one_call(lead, group):
     r = np.random.default_rng(0)

@@ -1,0 +1,56 @@
+"""``kdax.parallel.apply_layer``: a ``kdax.nn.KimiDeltaAttention`` layer sequence-parallel
+on global arrays."""
+
+from typing import Optional
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jaxtyping import Array, Float, Int
+
+from .._typing import typecheck
+from ._shard import interprets
+
+
+@typecheck
+def apply_layer(
+    mesh: Mesh,
+    seq_axis: str,
+    layer,
+    x: Float[Array, "B T D"],
+    *,
+    cu_seqlens: Optional[Int[Array, " N1"]] = None,
+    cache=None,
+    batch_axis: Optional[str] = None,
+    **options,
+):
+    """``layer(x, cu_seqlens=..., cache=..., **options)`` with the token axis of ``x``
+    split over ``mesh`` axis ``seq_axis`` (and the batch over ``batch_axis``, dense input
+    only), by ``jax.shard_map`` and the layer's ``seq_axis_name``. T must divide evenly
+    over the devices of ``seq_axis``; ``cu_seqlens`` are the global offsets. Returns
+    ``(y, new_cache)`` as the layer does, y sharded like x."""
+    if seq_axis not in mesh.axis_names:
+        raise ValueError(f"seq_axis: {seq_axis!r} is not an axis of the mesh (axes {mesh.axis_names}).")
+    if batch_axis is not None and batch_axis not in mesh.axis_names:
+        raise ValueError(f"batch_axis: {batch_axis!r} is not an axis of the mesh (axes {mesh.axis_names}).")
+    if batch_axis is not None and cu_seqlens is not None:
+        raise ValueError("batch_axis: packed input (cu_seqlens) has B == 1 and cannot be split over a batch axis.")
+    n, T = mesh.shape[seq_axis], x.shape[1]
+    if T % n:
+        raise ValueError(
+            f"x: the token axis T={T} must split evenly over the {n} devices of mesh axis {seq_axis!r} "
+            f"(every device needs the same local T); pad T to a multiple of {n}."
+        )
+    tok, rows = P(batch_axis, seq_axis), P(batch_axis if cu_seqlens is None else None)
+
+    def local(layer, x, cu, cache):
+        return layer(x, cu_seqlens=cu, cache=cache, seq_axis_name=seq_axis, **options)
+
+    in_specs = (P(), tok, P(), rows)
+    fn = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(tok, rows),
+                       check_vma=not interprets(options.get("pipeline")))
+    args = (layer, x, cu_seqlens, cache)
+    if any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+        # shard_map on an Explicit mesh takes arrays already sharded as in_specs says.
+        args = tuple(jax.tree.map(lambda a: jax.sharding.reshard(a, NamedSharding(mesh, s)), a)
+                     for a, s in zip(args, in_specs))
+    return fn(*args)

@@ -1,0 +1,128 @@
+"""KimiDeltaAttention sequence-parallel (``seq_axis_name`` inside ``jax.shard_map``,
+``kdax.parallel.apply_layer`` on global arrays) equals the layer on one device: outputs,
+the new cache and the gradients of every parameter, x and the cache (float64 <= 1e-12),
+with packed sequences crossing device boundaries."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, PartitionSpec as P
+
+import kdax
+from kdax.nn import KDACache
+
+from .._util import assert_close
+from .test_layer import D, make_layer, rand, rand_cache
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices: see tests/conftest.py")
+
+T = 48  # P = 4: edges at 12, 24, 36; P = 2: at 24
+# 0:3 inside a device, 3:3 empty, 3:4 length 1, 4:10, 10:13 across an edge with part of
+# its halo before its start, 13:38 across two edges (one at P = 2), 38:38 empty, 38:39
+# length 1, 39:48 to the end.
+CU = [0, 3, 3, 4, 10, 13, 38, 38, 39, 48]
+UNTILED = kdax.KDAPipeline.reference().untiled()
+OPTS = dict(chunk_size=16, pipeline=UNTILED)
+
+
+def _mesh(n, axis_type=AxisType.Explicit):
+    return jax.make_mesh((n,), ("sp",), axis_types=(axis_type,), devices=jax.devices()[:n])
+
+
+def _loss_and_grads(call, layer, x, cache, w):
+    """``(y, cache, grads of layer params, x and cache)`` for a fixed random projection of
+    every output, under one jit."""
+    params, static = eqx.partition(layer, eqx.is_array)
+
+    def loss(p, x, cache):
+        y, new = call(eqx.combine(p, static), x, cache)
+        val = jnp.sum(y * w["y"]) + sum(jnp.sum(a * w[f]) for f, a in zip(("q", "k", "v", "s"), new._fields()))
+        return val, (y, new)
+
+    (gp, gx, gc), (y, new) = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(params, x, cache)
+    return y, new, gp, gx, gc
+
+
+def _check(mesh, layer, x, cu, cache, seed, opts=OPTS):
+    r = np.random.default_rng(seed)
+    N = x.shape[0] if cu is None else cu.shape[0] - 1
+    fields = zip(("q", "k", "v", "s"), layer.init_cache(N)._fields())
+    w = dict(y=jnp.asarray(r.normal(size=x.shape)), **{f: jnp.asarray(r.normal(size=a.shape)) for f, a in fields})
+    one = lambda l, x, c: l(x, cu_seqlens=cu, cache=c, mode="chunk", **opts)
+    sp = lambda l, x, c: kdax.parallel.apply_layer(mesh, "sp", l, x, cu_seqlens=cu, cache=c, **opts)
+    ref = _loss_and_grads(one, layer, x, cache, w)
+    got = _loss_and_grads(sp, layer, x, cache, w)
+    assert_close(got[0], ref[0], 1e-12, "y")
+    for f, a, b in zip(("conv_q", "conv_k", "conv_v", "state"), got[1]._fields(), ref[1]._fields()):
+        assert_close(a, b, 1e-12, f)
+    names = [n for n, v in vars(ref[2]).items() if eqx.is_array(v)]
+    assert len(names) == 16  # every parameter
+    for n in names:
+        assert_close(getattr(got[2], n), getattr(ref[2], n), 1e-12, "d" + n)
+    assert_close(got[3], ref[3], 1e-12, "dx")
+    if cache is not None:
+        for f, a, b in zip(("conv_q", "conv_k", "conv_v", "state"), got[4]._fields(), ref[4]._fields()):
+            assert_close(a, b, 1e-12, "d" + f)
+
+
+@pytest.mark.parametrize("n,with_cache", [(4, True), pytest.param(2, False, marks=pytest.mark.slow)])
+def test_packed_equals_one_device(n, with_cache):
+    layer, _, _ = make_layer(3)
+    x = rand(3, 1, T, D)
+    cache = rand_cache(layer, len(CU) - 1, 4) if with_cache else None
+    _check(_mesh(n), layer, x, jnp.asarray(CU, jnp.int32), cache, n)
+
+
+@pytest.mark.slow
+def test_packed_8_devices_and_dense_data_by_sequence():
+    layer, _, _ = make_layer(5)
+    x = rand(5, 1, T, D)
+    _check(_mesh(8, AxisType.Auto), layer, x, jnp.asarray(CU, jnp.int32), rand_cache(layer, len(CU) - 1, 6), 8)
+    mesh = jax.make_mesh((2, 4), ("data", "sp"), axis_types=(AxisType.Explicit,) * 2)
+    x = rand(6, 2, T, D)
+    r = np.random.default_rng(0)
+    w = jnp.asarray(r.normal(size=x.shape))
+    one = jax.jit(lambda l, x: jnp.sum(l(x, mode="chunk", **OPTS)[0] * w))
+    sp = jax.jit(lambda l, x: jnp.sum(kdax.parallel.apply_layer(mesh, "sp", l, x, batch_axis="data", **OPTS)[0] * w))
+    g_ref = eqx.filter_grad(one)(layer, x)
+    with jax.set_mesh(mesh):  # the loss of arrays on an Explicit mesh
+        g = eqx.filter_grad(sp)(layer, x)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
+        assert_close(a, b, 1e-12)
+
+
+def test_errors():
+    layer, _, _ = make_layer(3)
+    x = rand(3, 1, T, D)
+    mesh = _mesh(4)
+    xs = jax.sharding.reshard(x, jax.NamedSharding(mesh, P(None, "sp")))
+
+    def call(**kw):
+        return jax.shard_map(lambda x: layer(x, **kw)[0], mesh=mesh, in_specs=P(None, "sp"),
+                             out_specs=P(None, "sp"))(xs)
+
+    with pytest.raises(ValueError, match="seq_axis_name: 'nope' is not a mesh axis"):
+        call(seq_axis_name="nope")
+    with pytest.raises(ValueError, match="attention_mask"):
+        call(seq_axis_name="sp", attention_mask=jnp.ones((1, T // 4)))
+    with pytest.raises(ValueError, match="mode: 'recurrent'"):
+        call(seq_axis_name="sp", mode="recurrent", cache=layer.init_cache(1))
+    with pytest.raises(ValueError, match="return_intermediate_states"):
+        call(seq_axis_name="sp", return_intermediate_states=True)
+    with pytest.raises(ValueError, match="split evenly"):
+        kdax.parallel.apply_layer(mesh, "sp", layer, x[:, :46])
+    with pytest.raises(ValueError, match="seq_axis"):
+        kdax.parallel.apply_layer(mesh, "data", layer, x)
+
+
+@pytest.mark.slow
+def test_pallas_pipeline_packed():
+    """The layer sequence-parallel with a Pallas pipeline (interpret mode on CPU: kdax's
+    shard_map runs unchecked, check_vma=False, whose transpose conventions differ)."""
+    layer, _, _ = make_layer(7)
+    x = rand(7, 1, T, D)
+    opts = dict(chunk_size=16, pipeline=kdax.KDAPipeline.pallas(interpret=True))
+    with pytest.warns(kdax.FallbackWarning):  # packed input: the reference state stages
+        _check(_mesh(2), layer, x, jnp.asarray(CU, jnp.int32), rand_cache(layer, len(CU) - 1, 8), 9, opts)
