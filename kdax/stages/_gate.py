@@ -113,10 +113,15 @@ def split_cumsum(g, group: Optional[int] = None):
     C, K = g.shape[-2:]
     if grid_bits(g.dtype, C) is None:
         return chunk_cumsum(g, group=group), None
-    both = chunk_cumsum(jnp.concatenate(split_log_decay(g, C), axis=-1), group=group)
-    hi, lo = both[..., :K], both[..., K:]  # hi exact: every partial sum is on the grid
-    G = hi + lo
-    return G, (hi - G) + lo  # hi - G exact (Sterbenz): the remainder of the rounding
+    ones = jnp.tril(jnp.ones((C, C), g.dtype))
+
+    def split(g):  # per group of chunks: no full-size temporaries besides G and G_lo
+        both = lower_matmul(ones, jnp.concatenate(split_log_decay(g, C), axis=-1))
+        hi, lo = both[..., :K], both[..., K:]  # hi exact: every partial sum is on the grid
+        G = hi + lo
+        return G, (hi - G) + lo  # hi - G exact (Sterbenz): the remainder of the rounding
+
+    return over_chunks(split, group, g)
 
 
 class AbstractGateBackward(eqx.Module):
