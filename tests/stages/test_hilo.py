@@ -61,6 +61,9 @@ def test_gate_gives_G_lo_in_float32_only():
     act64 = ReferenceGate()(KDAConfig(scale=1.0), *(x.astype(jnp.float64) for x in (q, k, -jnp.abs(g), beta)),
                             None, None, valid)
     assert act64.G_lo is None
+    single = ReferenceGate(split=False)(KDAConfig(scale=1.0), q, k, -jnp.abs(g) * 300, beta, None, None, valid)
+    assert single.G_lo is None
+    assert np.max(np.abs(np.asarray(single.G) - np.asarray(act.G))) <= 1e-3  # eps |G| apart (|G| <= 320)
 
 
 def test_exponent_is_never_positive():
