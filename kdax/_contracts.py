@@ -104,7 +104,7 @@ def expected_output(name: str, kw: dict, config) -> Any:
     if name == "gate":
         q = kw["q"]
         rstd = s(q, q.shape[:-1] + (1,)) if config.use_qk_l2norm_in_kernel else None
-        return Activated(s(q), s(kw["k"]), s(kw["beta"]), s(kw["g"]), rstd, rstd)
+        return Activated(s(q), s(kw["k"]), s(kw["beta"]), s(kw["g"]), rstd, rstd, Maybe(s(kw["g"])))
     if name == "intra":
         q = kw["q"]
         mat = s(q, q.shape[:-1] + (q.shape[-2],))

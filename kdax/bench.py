@@ -43,6 +43,7 @@ import numpy as np
 if __name__ == "__main__": jax.config.update("jax_enable_x64", True)  # float64 reference, run as a program only
 
 from .pipeline import KDAPipeline, _prepare, chunk_kda, stage_inputs  # noqa: E402
+from .stages._hilo import takes_G_lo  # noqa: E402
 from .recurrent import fused_recurrent_kda  # noqa: E402
 from .ref import naive_recurrent_kda  # noqa: E402
 
@@ -301,14 +302,17 @@ def bench_stages(s: Shape, reps: int, pipes: dict, on_row: Optional[Callable] = 
     A stage that fails (a kernel the backend cannot compile) gives a row with its error.
     ``on_row(row)`` is called as each row is done (long compiles: results as they come)."""
     args = make_inputs(s)
-    taps = stage_inputs(KDAPipeline.reference(), *args, chunk_size=s.chunk_size)
+    ref = KDAPipeline.reference()
+    taps = stage_inputs(ref, *args, chunk_size=s.chunk_size)
     rows = []
     for name in STAGES:
         for pname, pipe in pipes.items():
             stage = getattr(pipe, name)
             row = dict(T=s.T, stage=name, pipeline=pname, impl=type(stage).__name__, time_s=None, error=None)
+            # G_lo (stages._hilo), the last of the reference's arguments: only for stages that take it
+            cut = takes_G_lo(getattr(ref, name)) and not takes_G_lo(stage)
             try:
-                row["time_s"] = time_fn(eqx.filter_jit(stage), taps[name], reps)
+                row["time_s"] = time_fn(eqx.filter_jit(stage), taps[name][:-1] if cut else taps[name], reps)
             except Exception as e:
                 row["error"] = _error_line(e)
             rows.append(row)

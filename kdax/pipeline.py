@@ -61,6 +61,7 @@ from .stages import (
     ReferenceWYDqkg,
     WYOut,
 )
+from .stages._hilo import with_G_lo
 from .stages._ops import zeros_after
 
 
@@ -94,7 +95,7 @@ class KDAResiduals(eqx.Module):
     # Token-level intermediates: where each lives. "h" (per chunk) is handled apart.
     _TOKEN = {
         "q": "act.q", "k": "act.k", "beta": "act.beta", "G": "act.G", "q_rstd": "act.q_rstd",
-        "k_rstd": "act.k_rstd", "v": "v", "g": "g_raw", "Aqk": "Aqk", "Akk": "Akk",
+        "k_rstd": "act.k_rstd", "v": "v", "g": "g_raw", "Aqk": "Aqk", "Akk": "Akk", "G_lo": "act.G_lo",
         "w": "cache.w", "u": "cache.u", "qg": "cache.qg", "kg": "cache.kg", "v_new": "cache.v_new",
     }
 
@@ -254,11 +255,13 @@ class KDAPipeline(eqx.Module):
             check_family(name, getattr(self, name))
 
     def _stage(self, name: str, **kwargs):
-        """Run stage ``name`` by keyword: fallback on ``UnsupportedCase``, contract checks."""
-        for rec in _RECORDERS:
-            rec.inputs.setdefault(name, kwargs)
+        """Run stage ``name`` by keyword: fallback on ``UnsupportedCase``, contract checks.
+        ``G_lo`` goes only to stages that take it (``stages._hilo``)."""
         stage = getattr(self, name)
         check_family(name, stage)
+        full, kwargs = kwargs, with_G_lo(stage, kwargs)
+        for rec in _RECORDERS:
+            rec.inputs.setdefault(name, kwargs)
         # The named scope labels every op of the stage in HLO dumps and profiles. Products
         # run at full precision in any stage, a user's too (see stages._ops.full_precision),
         # unless the precision policy lets this stage take half-precision operands.
@@ -273,7 +276,7 @@ class KDAPipeline(eqx.Module):
                     raise
                 ran, reason = getattr(_reference(), name), str(e) or type(e).__name__
                 _fallback_warning(name, stage, reason)
-                out = ran(**kwargs)
+                out = ran(**with_G_lo(ran, full))
         for rec in _RECORDERS:
             rec.ran.setdefault(name, (stage, ran, reason))
         check_output(name, ran, out, expected_output(name, kwargs, kwargs.get("config")))
@@ -407,8 +410,8 @@ class KDAPipeline(eqx.Module):
         qc, kc, vc, gc, bc = chunked
         act = self._stage("gate", config=config, q=qc, k=kc, g=gc, beta=bc, A_log=A_log, dt_bias=dt_bias,
                           valid=layout.valid)
-        intra = self._stage("intra", scale=config.scale, q=act.q, k=act.k, beta=act.beta, G=act.G)
-        wy = self._stage("wy", q=act.q, k=act.k, v=vc, beta=act.beta, G=act.G, Akk=intra.Akk)
+        intra = self._stage("intra", scale=config.scale, q=act.q, k=act.k, beta=act.beta, G=act.G, G_lo=act.G_lo)
+        wy = self._stage("wy", q=act.q, k=act.k, v=vc, beta=act.beta, G=act.G, Akk=intra.Akk, G_lo=act.G_lo)
         st = self._stage("state", w=wy.w, u=wy.u, kg=wy.kg, G=act.G, h0=h0, layout=layout)
         oc = self._stage("output", scale=config.scale, qg=wy.qg, h=st.h, Aqk=intra.Aqk, v_new=st.v_new)
         return oc, _ForwardChunks(act, intra, wy, st.h, st.v_new, vc, gc), st.final
@@ -477,7 +480,7 @@ class KDAPipeline(eqx.Module):
         if res.cache is None:  # B0, with this pipeline's own F3 and F4
             wy, st = self._stage(
                 "recompute", q=act.q, k=act.k, v=res.v, beta=act.beta, G=act.G, Akk=res.Akk, h0=res.h0, layout=L,
-                wy=_PipelineWY(self), state=_PipelineState(self),
+                G_lo=act.G_lo, wy=_PipelineWY(self, act.G_lo), state=_PipelineState(self),
             )
             w, qg, kg, h, v_new = wy.w, wy.qg, wy.kg, st.h, st.v_new
         else:
@@ -489,10 +492,11 @@ class KDAPipeline(eqx.Module):
         )
         grads = self._stage(  # B3
             "wy_dqkg", scale=cfg.scale, q=act.q, k=act.k, v=res.v, beta=act.beta, G=act.G, Akk=res.Akk, qg=qg,
-            kg=kg, h=h, dh=dhu.dh, v_new=v_new, do=doc, dv_new=dhu.dv_new,
+            kg=kg, h=h, dh=dhu.dh, v_new=v_new, do=doc, dv_new=dhu.dv_new, G_lo=act.G_lo,
         )
         grads = self._stage(  # B4
-            "intra_bwd", scale=cfg.scale, q=act.q, k=act.k, beta=act.beta, G=act.G, dAqk=dAqk, grads=grads
+            "intra_bwd", scale=cfg.scale, q=act.q, k=act.k, beta=act.beta, G=act.G, dAqk=dAqk, grads=grads,
+            G_lo=act.G_lo,
         )
         raw = self._stage(  # B5
             "gate_bwd", config=cfg, act=act, g=res.g_raw, A_log=res.A_log, dt_bias=res.dt_bias, valid=L.valid,
@@ -541,13 +545,18 @@ def _reference() -> KDAPipeline:
 
 
 class _PipelineWY(AbstractWY):
-    """F3 as the pipeline runs it (fallback, contract checks): what B0 recomputes with."""
+    """F3 as the pipeline runs it (fallback, contract checks): what B0 recomputes with.
+    ``G_lo``: the forward's, used when B0 calls F3 on the forward's G without passing it
+    (a B0 written before ``G_lo``), so that B0 still recomputes exactly the forward's F3."""
 
     tile_safe: ClassVar[bool] = True
     pipeline: KDAPipeline
+    G_lo: Optional[ChunkK] = None
 
-    def __call__(self, q, k, v, beta, G, Akk):
-        return self.pipeline._stage("wy", q=q, k=k, v=v, beta=beta, G=G, Akk=Akk)
+    def __call__(self, q, k, v, beta, G, Akk, G_lo=None):
+        if G_lo is None and self.G_lo is not None and self.G_lo.shape == G.shape:
+            G_lo = self.G_lo
+        return self.pipeline._stage("wy", q=q, k=k, v=v, beta=beta, G=G, Akk=Akk, G_lo=G_lo)
 
 
 class _PipelineState(AbstractState):
@@ -647,7 +656,8 @@ def stage_inputs(pipeline: KDAPipeline, q: QK, k: QK, v: Values, g: Gate, beta: 
     out = {}
     for name, kw in rec.inputs.items():
         params = list(inspect.signature(STAGES[name].family.__call__).parameters.values())[1:]
-        out[name] = tuple(kw[p.name] for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        # (a parameter the stage does not take, G_lo, is not in kw: stages._hilo)
+        out[name] = tuple(kw[p.name] for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and p.name in kw)
     return out
 
 

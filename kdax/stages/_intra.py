@@ -8,6 +8,8 @@ anchor ``a`` = first row of the upper half, ``exp(G_i - G_a) * exp(G_a - G_j)``,
 exponents non-positive (G is non-increasing), and their sum over d is a matmul. Every
 pair j < i is covered by exactly one level, the diagonal needs no decay; each level costs
 one exponential per entry of ``[C, K]`` (``log2 C`` in all) and no masked-out work.
+With ``G_lo`` (float32; ``stages._hilo``) each exponent is the difference of G plus that
+of G_lo, at the cost of a few adds per exponential and the anchors of G_lo.
 """
 
 import abc
@@ -18,6 +20,7 @@ import jax.numpy as jnp
 
 from .. import _precision
 from .._typing import ChunkK, ChunkMat, ChunkScalar, typecheck
+from ._hilo import exponent
 from ._ops import full_precision, lower_matmul, mT, over_chunks, rowsum, zeros_after
 from ._types import ChunkGrads, IntraOut
 
@@ -47,11 +50,15 @@ def level_anchors(G, after=()):
     return tuple(a + zero for a in anchors)
 
 
-def _decays(G, a, s: int):
+def _decays(G, a, s: int, G_lo=None, a_lo=None):
     """``(exp(G_i - G_a) for upper rows i, exp(G_a - G_j) for lower rows j)``, ``a`` the
-    anchors of level s (``level_anchors``)."""
+    anchors of level s (``level_anchors``); with the low parts ``G_lo`` and their anchors
+    ``a_lo``, the exponents of the sums (``stages._hilo.exponent``)."""
     lo, up = _halves(G, s)
-    return jnp.exp(up - a), jnp.exp(a - lo)
+    if G_lo is None:
+        return jnp.exp(up - a), jnp.exp(a - lo)
+    lo_l, lo_u = _halves(G_lo, s)
+    return jnp.exp(exponent(up, a, lo_u, a_lo)), jnp.exp(exponent(a, lo, a_lo, lo_l))
 
 
 # Below this block size, products are formed elementwise: XLA:CPU runs batched dots of
@@ -102,14 +109,24 @@ def _join_rows(diag, parts, upper: bool):
     return acc
 
 
-def intra_scores(q, k, G, anchors):
+def _split_rest(rest, n: int):
+    """``(anchors, G_lo, lo_anchors)`` from a chunk function's trailing arguments: the n
+    anchors of G, then, when the low part is used, ``G_lo`` and its n anchors."""
+    if len(rest) == n:
+        return rest, None, None
+    return rest[:n], rest[n], rest[n + 1:]
+
+
+def intra_scores(q, k, G, anchors, G_lo=None, lo_anchors=None):
     """Both products F2 needs: ``sum_d q_id k_jd e^(G_id - G_jd)`` for j <= i and
-    ``sum_d k_id k_jd e^(G_id - G_jd)`` for j < i, zeros elsewhere; ``[..., C, C]``."""
+    ``sum_d k_id k_jd e^(G_id - G_jd)`` for j < i, zeros elsewhere; ``[..., C, C]``.
+    ``G_lo``, ``lo_anchors``: the low parts (or None)."""
     C = G.shape[-2]
     Sq = rowsum(q * k)[..., :, None, None]
     Sk = jnp.zeros_like(Sq)
-    for s, a in zip(_levels(C), anchors):
-        rows, cols = _decays(G, a, s)
+    lo_anchors = (None,) * len(anchors) if lo_anchors is None else lo_anchors
+    for s, a, a_lo in zip(_levels(C), anchors, lo_anchors):
+        rows, cols = _decays(G, a, s, G_lo, a_lo)
         _, qu = _halves(q, s)
         kl, ku = _halves(k, s)
         kc = kl * cols
@@ -118,15 +135,17 @@ def intra_scores(q, k, G, anchors):
     return Sq[..., 0, :, :], Sk[..., 0, :, :]
 
 
-def pair_sums(G, anchors, S, b, a):
+def pair_sums(G, anchors, S, b, a, G_lo=None, lo_anchors=None):
     """Both sides of lower-triangular pair sums for a stack of X matrices, sharing the
     decays: ``R_xid = sum_{j <= i} S_xij b_xjd e^(G_id - G_jd)`` and
     ``C_xjd = sum_{i >= j} S_xij a_xid e^(G_id - G_jd)``; ``S [..., X, C, C]``, ``a, b``
-    ``[..., X, C, K]`` (or broadcastable to it), ``G [..., C, K]``. Returns ``(R, C)``."""
+    ``[..., X, C, K]`` (or broadcastable to it), ``G [..., C, K]``; ``G_lo``,
+    ``lo_anchors``: the low parts (or None). Returns ``(R, C)``."""
     d = jnp.diagonal(S, axis1=-2, axis2=-1)[..., None]
     R_parts, C_parts = [], []
-    for s, anc, off in zip(reversed(_levels(G.shape[-2])), anchors[::-1], _diagonal_splits(S)):
-        rows, cols = (f[..., None, :, :, :] for f in _decays(G, anc, s))
+    lo_anchors = (None,) * len(anchors) if lo_anchors is None else lo_anchors
+    for s, anc, a_lo, off in zip(reversed(_levels(G.shape[-2])), anchors[::-1], lo_anchors[::-1], _diagonal_splits(S)):
+        rows, cols = (f[..., None, :, :, :] for f in _decays(G, anc, s, G_lo, a_lo))
         R_parts.append(rows * _apply(off, _halves(b, s)[0] * cols, s, False))
         C_parts.append(cols * _apply(off, _halves(a, s)[1] * rows, s, True))
     return _join_rows(d * b, R_parts[::-1], True), _join_rows(d * a, C_parts[::-1], False)
@@ -164,7 +183,8 @@ class AbstractIntra(eqx.Module):
     """F2: ``Aqk`` and ``Akk`` from the activated q, k, beta and G.
 
     Arguments: ``scale``; activated ``q``, ``k`` ``[R, HV, NC, C, K]``; ``beta``
-    ``[R, HV, NC, C]``; ``G`` ``[R, HV, NC, C, K]`` (F1).
+    ``[R, HV, NC, C]``; ``G`` ``[R, HV, NC, C, K]`` (F1); ``G_lo`` its low part or None
+    (an implementation may leave the parameter out and use ``G`` alone: ``stages._hilo``).
 
     Returns ``IntraOut``: ``Aqk[i, j] = scale sum_d q_id k_jd exp(G_id - G_jd)`` for
     j <= i, zero above the diagonal (already scaled); ``Akk = (I + L)^-1`` with the strictly
@@ -182,6 +202,7 @@ class AbstractIntra(eqx.Module):
         k: ChunkK,
         beta: ChunkScalar,
         G: ChunkK,
+        G_lo: Optional[ChunkK] = None,
     ) -> IntraOut:
         raise NotImplementedError
 
@@ -203,12 +224,17 @@ class ReferenceIntra(AbstractIntra):
         k: ChunkK,
         beta: ChunkScalar,
         G: ChunkK,
+        G_lo: Optional[ChunkK] = None,
     ) -> IntraOut:
-        def chunk(q, k, beta, G, *anchors):
-            qk, kk = intra_scores(q, k, G, anchors)
+        n = len(_levels(G.shape[-2]))
+
+        def chunk(q, k, beta, G, *rest):
+            anchors, G_lo, lo_anchors = _split_rest(rest, n)
+            qk, kk = intra_scores(q, k, G, anchors, G_lo, lo_anchors)
             return scale * qk, unit_lower_inverse(beta[..., :, None] * kk)
 
-        return IntraOut(*over_chunks(chunk, self.group, q, k, beta, G, *level_anchors(G)))
+        lo = () if G_lo is None else (G_lo, *level_anchors(G_lo))
+        return IntraOut(*over_chunks(chunk, self.group, q, k, beta, G, *level_anchors(G), *lo))
 
 
 class AbstractIntraBackward(eqx.Module):
@@ -217,7 +243,7 @@ class AbstractIntraBackward(eqx.Module):
     the strictly lower ``L``), added to the inter-chunk gradients ``grads`` from B3.
 
     Arguments: ``scale``, activated ``q``, ``k``, ``beta``, ``G`` as F2; ``dAqk``;
-    ``grads`` (``ChunkGrads`` from B3, ``dL`` set).
+    ``grads`` (``ChunkGrads`` from B3, ``dL`` set); ``G_lo`` as F2 (optional parameter).
 
     Returns ``ChunkGrads``: B3's dq, dk, dbeta, dG plus the intra parts; ``dv`` passed
     through; ``dL`` may be None (it is consumed here)."""
@@ -232,6 +258,7 @@ class AbstractIntraBackward(eqx.Module):
         G: ChunkK,
         dAqk: ChunkMat,
         grads: ChunkGrads,
+        G_lo: Optional[ChunkK] = None,
     ) -> ChunkGrads:
         raise NotImplementedError
 
@@ -253,13 +280,17 @@ class ReferenceIntraBackward(AbstractIntraBackward):
         G: ChunkK,
         dAqk: ChunkMat,
         grads: ChunkGrads,
+        G_lo: Optional[ChunkK] = None,
     ) -> ChunkGrads:
-        def chunk_grads(q, k, beta, G, dAqk, dL, *anchors):
+        n = len(_levels(G.shape[-2]))
+
+        def chunk_grads(q, k, beta, G, dAqk, dL, *rest):
+            anchors, G_lo, lo_anchors = _split_rest(rest, n)
             # Aqk = scale * sum_d q_i k_j e^(G_i - G_j); L = beta_i * sum_d k_i k_j e^(G_i - G_j):
             # both products at once, the row side of L carrying beta_i.
             b = beta[..., None]
             S = jnp.stack([dAqk, dL], axis=-3)
-            R, Cs = pair_sums(G, anchors, S, k[..., None, :, :], jnp.stack([q, b * k], axis=-3))
+            R, Cs = pair_sums(G, anchors, S, k[..., None, :, :], jnp.stack([q, b * k], axis=-3), G_lo, lo_anchors)
             (dq_a, r), (dk_a, c) = (R[..., 0, :, :], R[..., 1, :, :]), (Cs[..., 0, :, :], Cs[..., 1, :, :])
             dk = scale * dk_a + b * r + c
             dbeta = rowsum(k * r)
@@ -267,6 +298,8 @@ class ReferenceIntraBackward(AbstractIntraBackward):
             return scale * dq_a, dk, dbeta, dG
 
         anchors = level_anchors(G, after=(dAqk, grads.dL))
+        lo = () if G_lo is None else (G_lo, *level_anchors(G_lo, after=(dAqk, grads.dL)))
         into = (grads.dq, grads.dk, grads.dbeta, grads.dG)
-        dq, dk, dbeta, dG = over_chunks(chunk_grads, self.group, q, k, beta, G, dAqk, grads.dL, *anchors, into=into)
+        dq, dk, dbeta, dG = over_chunks(chunk_grads, self.group, q, k, beta, G, dAqk, grads.dL, *anchors, *lo,
+                                        into=into)
         return ChunkGrads(dq, dk, grads.dv, dbeta, dG, None)

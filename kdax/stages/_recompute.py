@@ -8,6 +8,7 @@ import equinox as eqx
 from .. import _precision
 from .._layout import ChunkLayout
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkV, SeqState, typecheck
+from ._hilo import with_G_lo
 from ._ops import full_precision
 from ._state import AbstractState, ReferenceState
 from ._types import StateOut, WYOut
@@ -22,7 +23,8 @@ class AbstractRecompute(eqx.Module):
     ``[R, HV, NC, C, K]`` activated (after any in-kernel l2norm); ``v`` ``[.., V]``;
     ``beta`` ``[R, HV, NC, C]`` activated; ``G`` ``[.., K]`` the chunk-local cumulative log
     decay (natural log); ``Akk`` ``[.., C, C]`` = ``(I + L)^-1``; ``h0`` ``[N, HV, K, V]``
-    the initial state of each sequence; ``layout`` the chunked layout.
+    the initial state of each sequence; ``layout`` the chunked layout; ``G_lo`` G's low
+    part or None (``stages._hilo``; optional parameter, to pass on to ``wy``).
 
     ``wy``, ``state`` (keyword): the F3 and F4 stages the forward ran; a ``KDAPipeline``
     always passes its own (routed through its fallback and contract checks), so that the
@@ -44,6 +46,7 @@ class AbstractRecompute(eqx.Module):
         Akk: ChunkMat,
         h0: SeqState,
         layout: ChunkLayout,
+        G_lo: Optional[ChunkK] = None,
         *,
         wy: Optional[AbstractWY] = None,
         state: Optional[AbstractState] = None,
@@ -51,10 +54,10 @@ class AbstractRecompute(eqx.Module):
         raise NotImplementedError
 
 
-def recompute_with(wy: AbstractWY, state: AbstractState, q, k, v, beta, G, Akk, h0, layout):
+def recompute_with(wy: AbstractWY, state: AbstractState, q, k, v, beta, G, Akk, h0, layout, G_lo=None):
     # F3 and F4 under their own stages' precision policy (kdax._precision).
     with _precision.stage_scope(_precision.current_policy(), "wy"):
-        out = wy(q=q, k=k, v=v, beta=beta, G=G, Akk=Akk)
+        out = wy(**with_G_lo(wy, dict(q=q, k=k, v=v, beta=beta, G=G, Akk=Akk, G_lo=G_lo)))
     with _precision.stage_scope(_precision.current_policy(), "state"):
         return out, state(w=out.w, u=out.u, kg=out.kg, G=G, h0=h0, layout=layout)
 
@@ -75,10 +78,11 @@ class ReferenceRecompute(AbstractRecompute):
         Akk: ChunkMat,
         h0: SeqState,
         layout: ChunkLayout,
+        G_lo: Optional[ChunkK] = None,
         *,
         wy: Optional[AbstractWY] = None,
         state: Optional[AbstractState] = None,
     ) -> tuple[WYOut, StateOut]:
         wy = ReferenceWY() if wy is None else wy
         state = ReferenceState() if state is None else state
-        return recompute_with(wy, state, q, k, v, beta, G, Akk, h0, layout)
+        return recompute_with(wy, state, q, k, v, beta, G, Akk, h0, layout, G_lo)

@@ -14,7 +14,9 @@ from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, SeqStat
 class Activated(eqx.Module):
     """F1 output: the inputs after the in-kernel activations, and ``G``, the chunk-local
     cumsum of the (activated, padding-masked) log decay. ``q_rstd``/``k_rstd``
-    ``[R, HV, NC, C, 1]``: the l2norm statistics (None without in-kernel l2norm)."""
+    ``[R, HV, NC, C, 1]``: the l2norm statistics (None without in-kernel l2norm).
+    ``G_lo``: optional low part, ``G + G_lo`` the cumsum to ~1e-9 in float32 (see
+    ``stages._hilo``; None: G alone, as float64 and the Pallas gates give)."""
 
     q: ChunkK
     k: ChunkK
@@ -22,6 +24,7 @@ class Activated(eqx.Module):
     G: ChunkK
     q_rstd: Optional[Float[Array, "R HV NC C 1"]] = None
     k_rstd: Optional[Float[Array, "R HV NC C 1"]] = None
+    G_lo: Optional[ChunkK] = None
 
 
 class IntraOut(eqx.Module):

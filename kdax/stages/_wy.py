@@ -8,6 +8,7 @@ import equinox as eqx
 import jax.numpy as jnp
 
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, typecheck
+from ._hilo import exponent
 from ._ops import full_precision, last_row, lower_matmul, mT, over_chunks, rowsum, tri_mask
 from ._types import ChunkGrads, WYOut
 
@@ -20,7 +21,10 @@ class AbstractWY(eqx.Module):
 
     Returns ``WYOut``: ``w = Akk (beta k e^G)`` ``[.., K]`` and ``u = Akk (beta v)``
     ``[.., V]`` (the corrected writes are ``u - w h``, h the chunk's start state);
-    ``qg = q e^G`` and ``kg = k e^(Γ - G)`` ``[.., K]`` (Γ = G at the chunk's last row)."""
+    ``qg = q e^G`` and ``kg = k e^(Γ - G)`` ``[.., K]`` (Γ = G at the chunk's last row).
+
+    ``G_lo``: G's low part or None (``stages._hilo``; an implementation may leave the
+    parameter out and use ``G`` alone)."""
 
     # Whether the stage may be called on a tile (a few chunks at a time, the state carried
     # in h0): see docs/stages.md. A pipeline runs its forward whole if any stage is not.
@@ -35,16 +39,17 @@ class AbstractWY(eqx.Module):
         beta: ChunkScalar,
         G: ChunkK,
         Akk: ChunkMat,
+        G_lo: Optional[ChunkK] = None,
     ) -> WYOut:
         raise NotImplementedError
 
 
-def _wy_chunk(q, k, v, beta, G, Akk, G_last):
+def _wy_chunk(q, k, v, beta, G, Akk, G_last, G_lo=None, lo_last=None):
     eG = jnp.exp(G)
     b = beta[..., None]
     K = k.shape[-1]
     wu = lower_matmul(Akk, jnp.concatenate([b * k * eG, b * v], axis=-1))  # one matmul for w and u
-    kg = k * jnp.exp(G_last - G)
+    kg = k * jnp.exp(exponent(G_last, G, lo_last, G_lo))
     return wu[..., :K], wu[..., K:], q * eG, kg
 
 
@@ -65,8 +70,10 @@ class ReferenceWY(AbstractWY):
         beta: ChunkScalar,
         G: ChunkK,
         Akk: ChunkMat,
+        G_lo: Optional[ChunkK] = None,
     ) -> WYOut:
-        return WYOut(*over_chunks(_wy_chunk, self.group, q, k, v, beta, G, Akk, last_row(G)))
+        lo = () if G_lo is None else (G_lo, last_row(G_lo))
+        return WYOut(*over_chunks(_wy_chunk, self.group, q, k, v, beta, G, Akk, last_row(G), *lo))
 
 
 class AbstractWYDqkg(eqx.Module):
@@ -77,7 +84,8 @@ class AbstractWYDqkg(eqx.Module):
     Arguments: ``scale``, ``q``, ``k``, ``v``, ``beta``, ``G``, ``Akk`` as F3; ``qg``,
     ``kg`` (F3); ``h`` ``[R, HV, NC, K, V]`` the state at each chunk's start (F4);
     ``dh`` ``[R, HV, NC, K, V]`` the gradient of the state at each chunk's *end* (B2);
-    ``v_new``; ``do`` ``[R, HV, NC, C, V]``; ``dv_new`` the full one from B2.
+    ``v_new``; ``do`` ``[R, HV, NC, C, V]``; ``dv_new`` the full one from B2; ``G_lo`` as
+    F3 (optional parameter).
 
     Returns ``ChunkGrads`` (dq, dk ``[.., K]``, dv ``[.., V]``, dbeta, dG ``[.., K]``, dL
     ``[.., C, C]``): everything but F2's part, which B4 adds."""
@@ -99,11 +107,12 @@ class AbstractWYDqkg(eqx.Module):
         v_new: ChunkV,
         do: ChunkV,
         dv_new: ChunkV,
+        G_lo: Optional[ChunkK] = None,
     ) -> ChunkGrads:
         raise NotImplementedError
 
 
-def _wy_dqkg_chunk(scale, q, k, v, beta, G, Akk, qg, kg, h, dh, v_new, do, dv_new, G_last):
+def _wy_dqkg_chunk(scale, q, k, v, beta, G, Akk, qg, kg, h, dh, v_new, do, dv_new, G_last, G_lo=None, lo_last=None):
     eG = jnp.exp(G)
     b = beta[..., None]
     # o = scale qg h + ...
@@ -121,7 +130,7 @@ def _wy_dqkg_chunk(scale, q, k, v, beta, G, Akk, qg, kg, h, dh, v_new, do, dv_ne
     # Akk^T dv_new are dX and dY already.
     dL = jnp.where(tri_mask(C, strict=True), -(dX @ mT(X) + dY @ mT(b * v)) @ mT(Akk), 0.0)
     dq = dqg * eG
-    dk = dkg * jnp.exp(G_last - G) + b * eG * dX
+    dk = dkg * jnp.exp(exponent(G_last, G, lo_last, G_lo)) + b * eG * dX
     dv = b * dY
     dbeta = rowsum(v * dY) + rowsum(k * eG * dX)
     last = (jnp.arange(C) == C - 1)[:, None]
@@ -152,7 +161,9 @@ class ReferenceWYDqkg(AbstractWYDqkg):
         v_new: ChunkV,
         do: ChunkV,
         dv_new: ChunkV,
+        G_lo: Optional[ChunkK] = None,
     ) -> ChunkGrads:
         chunk = functools.partial(_wy_dqkg_chunk, scale)
-        xs = (q, k, v, beta, G, Akk, qg, kg, h, dh, v_new, do, dv_new, last_row(G))
+        lo = () if G_lo is None else (G_lo, last_row(G_lo))
+        xs = (q, k, v, beta, G, Akk, qg, kg, h, dh, v_new, do, dv_new, last_row(G), *lo)
         return ChunkGrads(*over_chunks(chunk, self.group, *xs))

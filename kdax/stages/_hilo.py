@@ -1,0 +1,72 @@
+"""``G`` as an unevaluated sum ``G + G_lo``, for float32 compute.
+
+A float32 ``G`` (the chunk-local cumsum of log decays, up to ``C |floor|`` = 2560 in
+magnitude at C = 128) carries an absolute error of about ``eps |G|``, and so does every
+difference ``G_i - G_j`` formed from it: a relative error of ``eps |G|`` in each decay,
+``|G| / 2``-fold the recurrence's, growing with C. F1 therefore rounds each token's log
+decay to a grid, ``g = g_hi + g_lo`` with ``g_hi`` a multiple of ``2^-m``, ``m`` chosen so
+that every partial sum of ``g_hi`` is a float32 integer multiple of ``2^-m`` (exact in
+any summation order, the matmul cumsum included), and ``|g_lo| <= 2^-(m+1)``, whose
+cumsum is small and so accurate to ~1e-9. It returns ``G = fl(G_hi + G_lo_sum)`` (the
+single G every stage has always seen, now correctly rounded) and the remainder
+``G_lo = G_hi + G_lo_sum - G``, so ``G + G_lo`` is the exact cumsum to ~1e-9. A stage that
+takes ``G_lo`` forms each exponent as ``(G_i - G_j) + (G_lo_i - G_lo_j)``: a rounding
+relative to the difference itself, as in the recurrence. float64 keeps one G (``G_lo`` is
+None): its error, ``1e-16 |G|``, is far below every tolerance.
+"""
+
+import functools
+import inspect
+import math
+from typing import Optional
+
+import jax.numpy as jnp
+
+from ..ref._gates import log_decay_floor
+
+
+def grid_bits(dtype, C: int) -> Optional[int]:
+    """``m``: multiples of ``2^-m`` of magnitude up to ``C |floor|`` (every partial sum of a
+    chunk's clamped log decays, all of one sign) are exact in ``dtype``; None for float64
+    (no split)."""
+    if jnp.dtype(dtype) == jnp.float64:
+        return None
+    digits = jnp.finfo(dtype).nmant + 1  # float32: 24
+    return digits - math.ceil(math.log2(C * abs(log_decay_floor(dtype))))
+
+
+def split_log_decay(g, C: int):
+    """``(g_hi, g_lo)`` with ``g_hi + g_lo == g`` exactly, ``g_hi`` on the grid of
+    ``grid_bits`` and ``|g_lo| <= 2^-(m+1)``; ``g`` the clamped per-token log decay."""
+    m = grid_bits(g.dtype, C)
+    step = 2.0**m  # a power of two: the scaling and the rounding are exact
+    hi = jnp.round(g * step) / step
+    return hi, g - hi
+
+
+def exponent(x, y, x_lo=None, y_lo=None):
+    """The exponent of the decay ``exp(x - y)`` (``x = G_i``, ``y = G_j``, i >= j, or an
+    anchor between them): ``x - y``, or with the low parts ``(x - y) + (x_lo - y_lo)``
+    clamped at 0 (a rounding of the low parts must not give a positive exponent)."""
+    if x_lo is None:
+        return x - y
+    return jnp.minimum((x - y) + (x_lo - y_lo), 0.0)
+
+
+@functools.cache
+def _takes(cls: type, name: str) -> bool:
+    params = inspect.signature(cls.__call__).parameters.values()
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def takes_G_lo(stage) -> bool:
+    """Whether ``stage.__call__`` has a ``G_lo`` parameter (or ``**kwargs``): the pipeline
+    passes ``G_lo`` only to those, so stages written before it keep working on ``G``."""
+    return _takes(type(stage), "G_lo")
+
+
+def with_G_lo(stage, kwargs: dict) -> dict:
+    """``kwargs`` without ``G_lo`` for a stage that does not take it."""
+    if "G_lo" in kwargs and not takes_G_lo(stage):
+        return {n: x for n, x in kwargs.items() if n != "G_lo"}
+    return kwargs
