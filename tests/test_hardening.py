@@ -275,28 +275,3 @@ def test_non_finite_stays_where_it_entered(pipe):
         assert np.array_equal(o[0, :t], clean[0, :t]), (name, bad)
         assert np.array_equal(o[1], clean[1]), (name, bad)  # the other sequence untouched
         assert not np.array_equal(o[0, t:], clean[0, t:]), (name, bad)  # and it did arrive
-
-
-# -- the containment's cost: a branch, taken only when a product meets a non-finite entry ----
-
-def test_lower_matmul_branch_and_vmap():
-    """``stages._ops.lower_matmul``: the plain product bit for bit on finite input; NaN
-    from the first non-finite row on, rows before it unchanged; under ``vmap`` the same
-    per batch element and still a ``cond`` (one flag for the batch), not a select."""
-    from kdax.stages._ops import lower_matmul
-
-    rng = np.random.default_rng(0)
-    A = jnp.asarray(np.tril(rng.normal(size=(8, 8))), jnp.float32)
-    X = jnp.asarray(rng.normal(size=(3, 8, 5)), jnp.float32)
-    f = jax.jit(lower_matmul)
-    assert np.array_equal(np.asarray(f(A, X)), np.asarray(jax.jit(jnp.matmul)(A, X)))
-    Xb = np.array(X)
-    Xb[1, 5, 2] = np.inf
-    y, clean = np.asarray(f(A, jnp.asarray(Xb))), np.asarray(f(A, X))
-    assert np.array_equal(y[[0, 2]], clean[[0, 2]])  # the other chunks untouched
-    assert np.array_equal(y[1, :5], clean[1, :5]) and np.isnan(y[1, 5:]).all()
-    v = jax.vmap(lower_matmul, (None, 0))
-    assert np.array_equal(np.asarray(jax.jit(v)(A, jnp.asarray(Xb))), y, equal_nan=True)
-    assert "cond[" in str(jax.make_jaxpr(v)(A, X))  # a batched predicate would turn it into a select
-    g = jax.grad(lambda x: jnp.sum(lower_matmul(A, x)))(X)  # differentiable, finite on finite input
-    assert np.allclose(np.asarray(g), np.asarray(jnp.broadcast_to(A.sum(0)[:, None], X.shape)), atol=1e-5)

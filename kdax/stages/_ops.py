@@ -40,36 +40,12 @@ def lower_matmul(A, X, mm=jnp.matmul):
     a non-finite entry in row j of ``X`` reaches only rows i >= j, which are NaN from there:
     in a plain product the zeros above A's diagonal meet it as ``0 * inf = NaN`` and carry
     it to every row of the chunk. Rows before the first non-finite one are bit-identical
-    to ``A @ X``.
-
-    The common, all-finite case costs the plain product and one sum of ``X``: the
-    containment (an isfinite/where pass, a row flag, a where on the result) runs under
-    ``lax.cond`` only when the sum is not finite (a NaN or inf, or an overflow, for which
-    the contained product is the plain one). Unconditionally it cost the forward ~7% on
-    XLA:CPU (benchmarks/NOTES.md)."""
-    return jax.lax.cond(all_finite(jax.lax.stop_gradient(X)), mm, functools.partial(_contained_matmul, mm=mm), A, X)
-
-
-def _contained_matmul(A, X, mm):
-    ok = jnp.isfinite(X)
+    to ``A @ X``."""
+    ok = jnp.abs(X) < jnp.inf
     Y = mm(A, jnp.where(ok, X, 0.0))
     bad = jnp.any(~ok, axis=-1, keepdims=True).astype(X.dtype)
     seen = jnp.tril(jnp.ones(A.shape[-2:], X.dtype)) @ bad
     return jnp.where(seen > 0, jnp.nan, Y)
-
-
-@jax.custom_batching.custom_vmap
-def all_finite(x):
-    """Whether every entry of ``x`` is finite, as one sum (a pass XLA:CPU vectorises,
-    unlike a reduction of booleans): False also when the sum overflows. Under ``vmap`` one
-    flag for the whole batch, so that a ``lax.cond`` on it stays a branch instead of
-    becoming a select that runs both sides."""
-    return jnp.isfinite(jnp.sum(x, dtype=jnp.promote_types(x.dtype, jnp.float32)))
-
-
-@all_finite.def_vmap
-def _all_finite_vmap(axis_size, in_batched, x):
-    return all_finite(x), False
 
 
 def rowsum(x):
