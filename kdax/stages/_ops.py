@@ -65,16 +65,66 @@ def last_row(G):
 
 def over_chunks(fn, group: Optional[int], *xs, into=None):
     """``fn`` over the chunk axes ``[R, HV, NC]`` of ``xs``, about ``group`` chunks at a
-    time (a loop over slices of the NC axis, every row and head in each; None: all at
-    once). Every ``x`` has those three leading axes, and so has every output of ``fn``;
-    ``fn`` must work on any leading axes. On CPU, cache-sized groups keep ``fn``'s
-    temporaries out of main memory. The loop never splits R or HV: an array sharded over
-    rows or heads (``jit`` on an Auto mesh) stays sharded through it, where a loop over
-    the flattened axes made XLA gather it.
+    time (a loop; None: all at once). Every ``x`` has those three leading axes, and so
+    has every output of ``fn``; ``fn`` must work on any leading axes. On CPU,
+    cache-sized groups keep ``fn``'s temporaries out of main memory. With more than one
+    device in the process (``split_rows_and_heads``) the loop walks slices of the NC axis, every row and head in each: an array sharded over rows
+    or heads (``jit`` on an Auto mesh) stays sharded through it, where a loop over the
+    flattened axes made XLA gather it. With one device it walks contiguous groups of the
+    flattened axes, which XLA:CPU runs faster (forward ~15% at the benchmark shape).
 
     ``into``: optional tuple, one entry per output of ``fn`` (a tuple then): an array the
     output is added to (in place, group by group, instead of a new buffer and a separate
     pass), or None."""
+    if split_rows_and_heads():
+        return _over_chunk_slices(fn, group, *xs, into=into)
+    return _over_flat_groups(fn, group, *xs, into=into)
+
+
+def split_rows_and_heads() -> bool:
+    """Whether ``over_chunks`` keeps the row and head axes whole (see there): only a
+    process with several devices can hold arrays sharded over them."""
+    return jax.device_count() > 1
+
+
+def _over_flat_groups(fn, group, *xs, into=None):
+    lead = xs[0].shape[:3]
+    n = lead[0] * lead[1] * lead[2]
+    if group is None or n <= group:
+        out = fn(*xs)
+        return out if into is None else _add_into(out, into)
+    # A divisor of n keeps the split a free reshape (grouping by striding would transpose).
+    g = next(d for d in range(group, 0, -1) if n % d == 0)
+    if 2 * g < group:
+        g = group
+    m = n // g * g
+    flat = tuple(x.reshape(n, *x.shape[3:]) for x in xs)
+    split = tuple(x[:m].reshape(n // g, g, *x.shape[1:]) for x in flat)
+    shapes, tree = jax.tree.flatten(jax.eval_shape(fn, *(x[0] for x in split)))
+    acc = (None,) * len(shapes) if into is None else tuple(a if a is None else a.reshape(n, *a.shape[3:]) for a in into)
+    init = tuple(
+        zeros_after((n // g, *s.shape), s.dtype, xs, j) if a is None else a[:m].reshape(n // g, g, *a.shape[1:])
+        for j, (s, a) in enumerate(zip(shapes, acc))
+    )
+
+    def step(i, outs):
+        res = jax.tree.leaves(fn(*(jax.lax.dynamic_index_in_dim(x, i, keepdims=False) for x in split)))
+        return tuple(
+            jax.lax.dynamic_update_index_in_dim(
+                o, r if a is None else jax.lax.dynamic_index_in_dim(o, i, keepdims=False) + r, i, 0
+            )
+            for o, r, a in zip(outs, res, acc)
+        )
+
+    out = [o.reshape(m, *o.shape[2:]) for o in jax.lax.fori_loop(0, n // g, step, init)]
+    if m < n:
+        rest = jax.tree.leaves(fn(*(x[m:] for x in flat)))
+        rest = _add_into(rest, tuple(None if a is None else a[m:] for a in acc))
+        out = [jnp.concatenate([a, b]) for a, b in zip(out, rest)]
+    return jax.tree.unflatten(tree, [o.reshape(*lead, *o.shape[1:]) for o in out])
+
+
+def _over_chunk_slices(fn, group, *xs, into=None):
     R, HV, NC = xs[0].shape[:3]
     if group is None or R * HV * NC <= group:
         out = fn(*xs)

@@ -19,11 +19,20 @@ def _fn(a, b):
     return {"m": a @ jnp.swapaxes(a, -1, -2), "s": rowsum(a) * b}
 
 
-# R * HV * NC chunks, looped over slices of NC of about group / (R * HV) chunks: slices
-# that divide NC, one with a remainder (NC = 7, slices of 3), a group larger than all, one
-# smaller than R * HV (slices of one chunk), and None (all at once).
+@pytest.fixture(params=[True, False], ids=["nc-slices", "flat-groups"])
+def loop_form(request, monkeypatch):
+    """Both loops of ``over_chunks``: slices of NC (several devices: this suite's 8) and
+    contiguous groups of the flattened chunk axes (a one-device process)."""
+    monkeypatch.setattr(kdax.stages._ops, "split_rows_and_heads", lambda: request.param)
+    return request.param
+
+
+# R * HV * NC chunks, looped over slices of NC of about group / (R * HV) chunks (or over
+# groups of the flattened axes): slices that divide NC, one with a remainder (NC = 7,
+# slices of 3), a group larger than all, one smaller than R * HV (slices of one chunk),
+# and None (all at once).
 @pytest.mark.parametrize("lead,group", [((2, 3, 2), 4), ((1, 2, 7), 6), ((1, 1, 5), 16), ((2, 1, 3), None), ((1, 2, 7), 1)])
-def test_over_chunks_equals_one_call(lead, group):
+def test_over_chunks_equals_one_call(lead, group, loop_form):
     r = np.random.default_rng(0)
     a = jnp.asarray(r.normal(size=lead + (8, 5)))
     b = jnp.asarray(r.normal(size=lead + (8,)))
@@ -58,7 +67,7 @@ def test_chunk_cumsum(reverse):
 
 
 @pytest.mark.parametrize("lead,group", [((2, 3, 2), 4), ((1, 2, 7), 6), ((1, 1, 5), 16), ((2, 1, 3), None)])
-def test_over_chunks_adds_into(lead, group):
+def test_over_chunks_adds_into(lead, group, loop_form):
     # Outputs added into given arrays (None: a fresh output), remainders included.
     r = np.random.default_rng(3)
     a = jnp.asarray(r.normal(size=lead + (8, 5)))
@@ -73,6 +82,31 @@ def test_over_chunks_adds_into(lead, group):
     want_m, want_s = fn(a, b)
     np.testing.assert_allclose(np.asarray(m), np.asarray(want_m), rtol=1e-13, atol=1e-13)
     np.testing.assert_allclose(np.asarray(s), np.asarray(acc + want_s), rtol=1e-13, atol=1e-13)
+
+
+def test_loop_forms_give_the_same_pipeline(monkeypatch):
+    """The whole reference pipeline, forward and gradient, with either loop form
+    (groups small enough that every stage loops, remainders included)."""
+    from tests._util import make_inputs
+
+    x = make_inputs(seed=4, B=2, T=70, H=3, K=8, V=8)
+    pipe = kdax.KDAPipeline.reference()  # groups of 16 chunks: 30 chunks loop, with a remainder
+
+    def run():
+        def loss(q, k, v, g, beta):
+            o, ht = kdax.chunk_kda(q, k, v, g, beta, initial_state=x["initial_state"], output_final_state=True,
+                                   chunk_size=16, pipeline=pipe)
+            return jnp.sum(o * o) + jnp.sum(ht)
+
+        return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))(x["q"], x["k"], x["v"], x["g"], x["beta"])
+
+    outs = {}
+    for form in (True, False):
+        monkeypatch.setattr(kdax.stages._ops, "split_rows_and_heads", lambda form=form: form)
+        outs[form] = jax.tree.leaves(run())
+    for a, b in zip(outs[True], outs[False]):
+        assert np.all(np.isfinite(np.asarray(a)))
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-12, atol=1e-12)
 
 
 def _dot_precisions(jaxpr):
