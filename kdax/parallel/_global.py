@@ -35,21 +35,9 @@ def chunk_kda(
     ``jax.shard_map``. T must divide evenly over the devices of ``seq_axis``; ``cu_seqlens``
     are the global offsets. Same arguments and results as ``kdax.chunk_kda``; o comes back
     sharded like q."""
-    if seq_axis not in mesh.axis_names:
-        raise ValueError(f"seq_axis: {seq_axis!r} is not an axis of the mesh (axes {mesh.axis_names}).")
-    if batch_axis is not None and batch_axis not in mesh.axis_names:
-        raise ValueError(f"batch_axis: {batch_axis!r} is not an axis of the mesh (axes {mesh.axis_names}).")
-    if batch_axis is not None and cu_seqlens is not None:
-        raise ValueError("batch_axis: packed input (cu_seqlens) has B == 1 and cannot be split over a batch axis.")
-    n = mesh.shape[seq_axis]
-    T = q.shape[1]
-    if T % n:
-        raise ValueError(
-            f"q: the token axis T={T} must split evenly over the {n} devices of mesh axis {seq_axis!r} "
-            f"(every device needs the same local T); pad T to a multiple of {n}."
-        )
+    check_mesh_axes(mesh, seq_axis, batch_axis, cu_seqlens, "q", q.shape[1])
     if cu_seqlens is not None:
-        check_cu_seqlens_values(cu_seqlens, T)  # global offsets, when concrete
+        check_cu_seqlens_values(cu_seqlens, q.shape[1])  # global offsets, when concrete
     tok, row = P(batch_axis, seq_axis), P(batch_axis)
     arrays = dict(initial_state=initial_state, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens)
     arrays = {name: x for name, x in arrays.items() if x is not None}
@@ -68,3 +56,20 @@ def chunk_kda(
         q, k, v, g, beta = (put(x, tok) for x in (q, k, v, g, beta))
         arrays = {name: put(x, specs[name]) for name, x in arrays.items()}
     return fn(q, k, v, g, beta, arrays)
+
+
+def check_mesh_axes(mesh, seq_axis: str, batch_axis, cu_seqlens, name: str, T: int) -> None:
+    """The global wrappers' mesh arguments: both axes on the mesh, no batch axis with
+    packed input, and ``T`` (of argument ``name``) divisible over ``seq_axis``."""
+    if seq_axis not in mesh.axis_names:
+        raise ValueError(f"seq_axis: {seq_axis!r} is not an axis of the mesh (axes {mesh.axis_names}).")
+    if batch_axis is not None and batch_axis not in mesh.axis_names:
+        raise ValueError(f"batch_axis: {batch_axis!r} is not an axis of the mesh (axes {mesh.axis_names}).")
+    if batch_axis is not None and cu_seqlens is not None:
+        raise ValueError("batch_axis: packed input (cu_seqlens) has B == 1 and cannot be split over a batch axis.")
+    n = mesh.shape[seq_axis]
+    if T % n:
+        raise ValueError(
+            f"{name}: the token axis T={T} must split evenly over the {n} devices of mesh axis {seq_axis!r} "
+            f"(every device needs the same local T); pad T to a multiple of {n}."
+        )

@@ -8,6 +8,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from .._typing import typecheck
+from ._global import check_mesh_axes
 from ._shard import interprets
 
 
@@ -28,18 +29,7 @@ def apply_layer(
     only), by ``jax.shard_map`` and the layer's ``seq_axis_name``. T must divide evenly
     over the devices of ``seq_axis``; ``cu_seqlens`` are the global offsets. Returns
     ``(y, new_cache)`` as the layer does, y sharded like x."""
-    if seq_axis not in mesh.axis_names:
-        raise ValueError(f"seq_axis: {seq_axis!r} is not an axis of the mesh (axes {mesh.axis_names}).")
-    if batch_axis is not None and batch_axis not in mesh.axis_names:
-        raise ValueError(f"batch_axis: {batch_axis!r} is not an axis of the mesh (axes {mesh.axis_names}).")
-    if batch_axis is not None and cu_seqlens is not None:
-        raise ValueError("batch_axis: packed input (cu_seqlens) has B == 1 and cannot be split over a batch axis.")
-    n, T = mesh.shape[seq_axis], x.shape[1]
-    if T % n:
-        raise ValueError(
-            f"x: the token axis T={T} must split evenly over the {n} devices of mesh axis {seq_axis!r} "
-            f"(every device needs the same local T); pad T to a multiple of {n}."
-        )
+    check_mesh_axes(mesh, seq_axis, batch_axis, cu_seqlens, "x", x.shape[1])
     tok, rows = P(batch_axis, seq_axis), P(batch_axis if cu_seqlens is None else None)
 
     def local(layer, x, cu, cache):
