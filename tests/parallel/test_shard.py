@@ -106,12 +106,13 @@ def test_jit_auto_mesh_recurrent_keeps_sharding():
 
 
 @pytest.mark.parametrize("pipeline", ["untiled", pytest.param("default", marks=pytest.mark.slow)])
-def test_jit_auto_mesh_chunk_keeps_sharding(pipeline):
+def test_jit_auto_mesh_chunk_keeps_sharding(pipeline, monkeypatch):
     """jit on an Auto mesh: XLA's sharding propagation keeps rows and heads sharded
     through the chunked stages (their chunk-group loops slice the chunk axis only), with no
     all-gather; the untiled pipeline compiles with no collective at all. (The default CPU
     pipeline's tiled forward keeps one all-reduce of B x T scalars: the data dependence of
     its output buffer, ``zeros_after``.)"""
+    monkeypatch.setenv("KDAX_CHUNK_LOOPS", "slices")  # the multi-device default (conftest sets flat)
     fn = FNS["chunk"] if pipeline == "untiled" else functools.partial(kdax.chunk_kda, chunk_size=16)
     x = _inputs()
     ref_out, ref_grads = _reference(fn, x)
