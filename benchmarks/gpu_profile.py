@@ -4,7 +4,9 @@ summarised per stage (the ``kdax_<stage>`` named scope each stage is traced unde
 kernel, with the device's busy time set against the wall time (the gap is launch and loop
 overhead: XLA's while loops, one per chunk recurrence).
 
-    python benchmarks/gpu_profile.py --shape 1x16384x16 --pipes mixed,reference
+    python benchmarks/gpu_profile.py --shape 1x16384x16 --pipes mixed,reference+group=none
+
+(``--pipes``: gpu_vs_fla's pipeline names, with its ``+option`` variants.)
 """
 
 import argparse
@@ -86,30 +88,8 @@ def summarise(trace_dir: str, calls: int, scopes: dict) -> str:
     return "\n".join(lines)
 
 
-def variant(name: str):
-    """``base[+group=N|none][+unroll=N]``: pipeline ``base`` of gpu_vs_fla with the
-    reference F2/B4's chunk groups and the reference F4/B2 loops' unroll factor set."""
-    import dataclasses
-
-    from kdax.stages import ReferenceDhu, ReferenceIntra, ReferenceIntraBackward, ReferenceState
-
-    base, *opts = name.split("+")
-    pipe = kdax_pipeline(base)
-    for o in opts:
-        key, val = o.split("=")
-        if key == "group":
-            g = None if val == "none" else int(val)
-            pipe = dataclasses.replace(pipe, intra=ReferenceIntra(group=g), intra_bwd=ReferenceIntraBackward(group=g))
-        elif key == "unroll":
-            pipe = dataclasses.replace(pipe, state=ReferenceState(loop_unroll=int(val)),
-                                       dhu=ReferenceDhu(loop_unroll=int(val)))
-        else:
-            raise ValueError(f"unknown variant option {o!r}")
-    return pipe
-
-
 def profile(name: str, x: dict, chunk: int, reps: int) -> str:
-    fwd, step = kdax_fns(variant(name), chunk)
+    fwd, step = kdax_fns(kdax_pipeline(name), chunk)
     args = tuple(jnp.asarray(x[n], jnp.bfloat16 if n not in ("A_log", "dt_bias") else jnp.float32) for n in GRAD_NAMES)
     w = jnp.asarray(x["w"])
     out = [f"== {name}"]

@@ -38,11 +38,13 @@ from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave room for PyTorch
 
+import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-jax.config.update("jax_enable_x64", True)  # the float64 reference
+# float64 only for the reference (``reference64``); kdax and FLA are timed as users run
+# them, with JAX's default 32-bit types.
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kdax  # noqa: E402
@@ -56,6 +58,48 @@ PIPES = ("pallas", "reference", "reference_highest", "mixed", "pallas_highest", 
 
 
 def kdax_pipeline(name: str) -> KDAPipeline:
+    """A pipeline by name: one of ``PIPES``, optionally followed by ``+option`` changes:
+    ``+xla_gate`` (F1/B5 reference stages), ``+pallas_state`` (Pallas F4 and B2),
+    ``+warps=N`` / ``+f32dot=tf32x3`` (every Pallas stage's Triton tuning),
+    ``+group=N|none`` / ``+unroll=N`` (every reference stage's chunk groups / the
+    recurrences' loop unroll)."""
+    base, *opts = name.split("+")
+    pipe = _base_pipeline(base)
+    for o in opts:
+        pipe = _with_option(pipe, o, name)
+    return pipe
+
+
+def _with_option(pipe: KDAPipeline, opt: str, name: str) -> KDAPipeline:
+    import dataclasses
+
+    from kdax.pallas._common import PallasTarget
+    from kdax.stages import ReferenceDhu, ReferenceState
+
+    key, _, val = opt.partition("=")
+    stages = {f.name: getattr(pipe, f.name) for f in dataclasses.fields(pipe) if isinstance(getattr(pipe, f.name), eqx.Module)}
+    if key == "xla_gate":
+        r = KDAPipeline.reference()
+        return dataclasses.replace(pipe, gate=r.gate, gate_bwd=r.gate_bwd)
+    if key == "pallas_state":
+        p = KDAPipeline.pallas()
+        return dataclasses.replace(pipe, state=p.state, dhu=p.dhu)
+    if key in ("warps", "f32dot"):
+        field = {"warps": "num_warps", "f32dot": "f32_dot"}[key]
+        value = int(val) if key == "warps" else val
+        return dataclasses.replace(pipe, **{n: dataclasses.replace(s, **{field: value})
+                                            for n, s in stages.items() if isinstance(s, PallasTarget)})
+    if key == "group":
+        g = None if val == "none" else int(val)
+        return dataclasses.replace(pipe, **{n: dataclasses.replace(s, group=g) for n, s in stages.items()
+                                            if "group" in {f.name for f in dataclasses.fields(s)}})
+    if key == "unroll":
+        return dataclasses.replace(pipe, **{n: dataclasses.replace(s, loop_unroll=int(val)) for n, s in stages.items()
+                                            if isinstance(s, (ReferenceState, ReferenceDhu))})
+    raise ValueError(f"--pipes: unknown option {opt!r} in {name!r}")
+
+
+def _base_pipeline(name: str) -> KDAPipeline:
     if name == "reference":
         return KDAPipeline.reference()
     if name == "reference_highest":
@@ -94,16 +138,10 @@ def make_inputs(B: int, T: int, H: int, K: int, V: int, seed: int = 0) -> dict:
     )
 
 
-def _rel_rms(x, ref):
-    d = x.astype(jnp.float64) - ref
-    return jnp.sqrt(jnp.sum(d * d) / jnp.sum(ref * ref))
-
-
-_rel_rms_jit = jax.jit(_rel_rms)
-
-
 def rel_rms(x, ref) -> float:
-    e = float(_rel_rms_jit(jnp.asarray(x), ref))
+    """On the host in float64 (``ref``: a float64 numpy array)."""
+    d = np.asarray(np.asarray(x), np.float64) - ref
+    e = float(np.sqrt(np.sum(d * d) / np.sum(ref * ref)))
     return e if math.isfinite(e) else float("inf")
 
 
@@ -131,12 +169,18 @@ def kdax_fns(pipe: KDAPipeline, chunk: int):
 
 
 def reference64(x: dict, chunk: int):
-    """o and every gradient in float64 (kdax's reference pipeline), on the device."""
-    pipe = KDAPipeline.reference().untiled()
-    args = tuple(jnp.asarray(x[n], jnp.float64) for n in GRAD_NAMES)
-    fwd, step = kdax_fns(pipe, chunk)
-    _, grads = step(*args, jnp.asarray(x["w"], jnp.float64))
-    return fwd(*args), dict(zip(GRAD_NAMES, grads))
+    """o and every gradient in float64 (kdax's reference pipeline, computed on the
+    device with 64-bit types switched on for this call only), as numpy arrays."""
+    jax.config.update("jax_enable_x64", True)
+    try:
+        pipe = KDAPipeline.reference().untiled()
+        args = tuple(jnp.asarray(x[n], jnp.float64) for n in GRAD_NAMES)
+        fwd, step = kdax_fns(pipe, chunk)
+        _, grads = step(*args, jnp.asarray(x["w"], jnp.float64))
+        o = fwd(*args)
+        return np.asarray(o), {n: np.asarray(gr) for n, gr in zip(GRAD_NAMES, grads)}
+    finally:
+        jax.config.update("jax_enable_x64", False)
 
 
 def run_kdax(name: str, x: dict, ref, chunk: int, reps: int) -> list:
@@ -209,7 +253,7 @@ def run_fla(fla, x: dict, ref, chunk: int, reps: int) -> list:
     def sync(_):
         torch.cuda.synchronize()
 
-    to_jax = lambda a: jnp.asarray(a.detach().float().cpu().numpy())
+    to_jax = lambda a: a.detach().double().cpu().numpy()
     t0 = time.perf_counter()
     o = fwd()
     sync(o)
@@ -236,7 +280,7 @@ def bench_shape(shape, pipes, K: int, V: int, chunk: int, reps: int, budget_s: f
     base = dict(B=B, T=T, H=H, K=K, V=V, chunk=chunk, dtype="bfloat16")
     x = make_inputs(B, T, H, K, V)
     t0 = time.perf_counter()
-    ref = jax.block_until_ready(reference64(x, chunk))
+    ref = reference64(x, chunk)
     print(f"[{B}x{T}x{H}] float64 reference: {time.perf_counter() - t0:.1f} s", flush=True)
     if save_ref:  # for benchmarks/fla_side.py: the inputs, and the reference (float32 is plenty)
         arrays = {f"in_{n}": x[n] for n in (*GRAD_NAMES, "w")}

@@ -15,6 +15,8 @@ Bodies only use 2-D values, ref loads with static or ``pl.ds`` slices, dots, ele
 ops, ``where`` and keep-dims reductions, which both lowerings accept.
 """
 
+import contextvars
+import functools
 from typing import Optional
 
 import equinox as eqx
@@ -34,16 +36,32 @@ def check_target(target: str) -> str:
     return target
 
 
+F32_DOTS = ("ieee", "tf32x3")
+
+
 class PallasTarget(eqx.Module):
     """The fields every Pallas stage has: the kernel target and interpret mode (None:
     interpret exactly when no accelerator of the target's kind is present, so a stage
-    built directly on a GPU compiles its Triton kernels)."""
+    built directly on a GPU compiles its Triton kernels).
+
+    Triton tuning (compiled kernels only; ignored by TPU and interpret mode):
+    ``num_warps`` per program; ``f32_dot``, how a float32 product at full precision runs:
+    ``"ieee"`` (CUDA-core FMAs, exact float32 products) or ``"tf32x3"`` (three TF32
+    tensor-core products whose sum carries about float32's precision, relative error of
+    order 1e-6 instead of 1e-7). Half-precision products under a precision policy
+    (``kdax._precision``) are unaffected."""
 
     target: str = eqx.field(static=True, default="tpu")
     interpret: Optional[bool] = eqx.field(static=True, default=None)
+    num_warps: int = eqx.field(static=True, default=4)
+    f32_dot: str = eqx.field(static=True, default="ieee")
 
     def __check_init__(self):
         check_target(self.target)
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps: expected 1, 2, 4, 8 or 16, got {self.num_warps!r}.")
+        if self.f32_dot not in F32_DOTS:
+            raise ValueError(f"f32_dot: expected one of {F32_DOTS}, got {self.f32_dot!r}.")
 
     @property
     def run_interpreted(self) -> bool:
@@ -59,6 +77,26 @@ class PallasValueBlocks(PallasTarget):
     def __check_init__(self):
         if self.block_v < 16 or self.block_v & (self.block_v - 1):
             raise ValueError(f"block_v: expected a power of 2 of at least 16, got {self.block_v}.")
+
+
+# (num_warps, f32_dot) of the compiled Triton stage being traced, or None.
+_TUNING: contextvars.ContextVar = contextvars.ContextVar("kdax_pallas_tuning", default=None)
+
+
+def tuned(call):
+    """Decorator for a Pallas stage's ``__call__``: its kernels are traced with the stage's
+    Triton tuning (``PallasTarget``), read by ``compiler_params`` and ``dot``."""
+
+    @functools.wraps(call)
+    def wrapped(self, *args, **kwargs):
+        live = self.target == "triton" and not self.run_interpreted
+        token = _TUNING.set((self.num_warps, self.f32_dot) if live else None)
+        try:
+            return call(self, *args, **kwargs)
+        finally:
+            _TUNING.reset(token)
+
+    return wrapped
 
 
 def default_target() -> str:
@@ -83,7 +121,8 @@ def compiler_params(target: str, sequential_last: bool, ndim: int):
         return pltpu.CompilerParams(dimension_semantics=tuple(sem))
     from jax.experimental.pallas import triton as pltr
 
-    return pltr.CompilerParams(num_warps=4, num_stages=1)
+    tuning = _TUNING.get()
+    return pltr.CompilerParams(num_warps=4 if tuning is None else tuning[0], num_stages=1)
 
 
 def kernel_name(kernel) -> str:
@@ -200,6 +239,10 @@ def dot(a, b, ta: bool = False, tb: bool = False):
         default = jax.lax.Precision.DEFAULT  # explicit: not the scope's algorithm
         return jax.lax.dot_general(a.astype(half), b.astype(half), dims, precision=(default, default),
                                    preferred_element_type=jnp.float32)
+    tuning = _TUNING.get()
+    if tuning is not None and tuning[1] == "tf32x3" and a.dtype == jnp.float32:
+        return jax.lax.dot_general(a, b, dims, precision=jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
+                                   preferred_element_type=jnp.float32)
     return jax.lax.dot_general(a, b, dims, precision=jax.lax.Precision.HIGHEST, preferred_element_type=a.dtype)
 
 
@@ -211,8 +254,8 @@ def lower_dot(A, X):
     C x C operand did not fit Hopper's shared memory at C = 128 in float64)."""
     C = A.shape[0]
     ok = jnp.abs(X) < jnp.inf
-    bad = jnp.max(jnp.where(ok, 0.0, 1.0), axis=1, keepdims=True)  # [C, 1]
-    seen = jnp.max(jnp.where(iota((C, C), 1) <= iota((C, C), 0), bad.T, 0.0), axis=1, keepdims=True)
+    bad = jnp.max((~ok).astype(X.dtype), axis=1, keepdims=True)  # [C, 1]
+    seen = jnp.max(jnp.where(iota((C, C), 1) <= iota((C, C), 0), bad.T, jnp.zeros((), X.dtype)), axis=1, keepdims=True)
     return jnp.where(seen > 0, jnp.nan, dot(A, jnp.where(ok, X, 0.0)))
 
 

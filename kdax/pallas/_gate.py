@@ -16,7 +16,7 @@ from ..ref._gates import L2NORM_EPS, log_decay_floor
 from ..stages._gate import AbstractGate, AbstractGateBackward
 from ..stages._types import Activated, RawGrads
 from ._common import (
-    PallasTarget, check_width, chunk_call, chunk_spec, dot, feature_pad, flat, head_spec, iota, lower_dot, unflat,
+    PallasTarget, check_width, chunk_call, chunk_spec, dot, feature_pad, flat, head_spec, iota, lower_dot, tuned, unflat,
 )
 
 
@@ -51,7 +51,7 @@ def gate_body(cfg: KDAConfig, q, k, g, beta, valid, a_log, dtb):
             g = cfg.lower_bound * _sigmoid(x if a is None else a * x)
     # The floor keeps G small and finite for any gate in [-inf, 0] (see log_decay_floor).
     g = jnp.where(valid > 0, jnp.maximum(g, log_decay_floor(g.dtype)), 0.0)
-    lower = jnp.where(iota((C, C), 1) <= iota((C, C), 0), 1.0, 0.0).astype(g.dtype)
+    lower = (iota((C, C), 1) <= iota((C, C), 0)).astype(g.dtype)
     G = lower_dot(lower, g)  # a NaN gate reaches only its own row on
     if cfg.use_beta_sigmoid_in_kernel:
         beta = _sigmoid(beta) * (2.0 if cfg.allow_neg_eigval else 1.0)
@@ -60,7 +60,7 @@ def gate_body(cfg: KDAConfig, q, k, g, beta, valid, a_log, dtb):
 
 def gate_bwd_body(cfg: KDAConfig, q, k, beta, q_rstd, k_rstd, g, valid, a_log, dtb, dq, dk, dbeta, dG):
     C = dG.shape[0]
-    upper = jnp.where(iota((C, C), 1) >= iota((C, C), 0), 1.0, 0.0).astype(dG.dtype)
+    upper = (iota((C, C), 1) >= iota((C, C), 0)).astype(dG.dtype)
     dg = jnp.where(valid > 0, dot(upper, dG), 0.0)
     dA = ddt = None
     if cfg.use_gate_in_kernel:
@@ -114,6 +114,7 @@ class PallasGate(AbstractGate, PallasTarget):
 
     tile_safe: ClassVar[bool] = True
 
+    @tuned
     @typecheck
     def __call__(
         self,
@@ -158,6 +159,7 @@ class PallasGateBackward(AbstractGateBackward, PallasTarget):
     """B5 as a Pallas kernel over (row * head, chunk); dA_log / ddt_bias partial sums per
     block are added up outside."""
 
+    @tuned
     @typecheck
     def __call__(
         self,

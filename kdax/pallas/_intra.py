@@ -19,7 +19,7 @@ from ..stages._intra import AbstractIntra, AbstractIntraBackward
 from ..stages._types import ChunkGrads, IntraOut
 from ._common import (
     PallasTarget, check_width, chunk_call, chunk_spec, col_of, dot, feature_pad, flat, idiv, iota, loop, masked_exp,
-    row_of, unflat,
+    row_of, tuned, unflat,
 )
 
 
@@ -60,11 +60,11 @@ def unit_lower_inverse_body(L):
     """``(I + L)^-1`` for strictly lower ``L [C, C]``, one row at a time."""
     C = L.shape[0]
     row, col = iota((C, C), 0), iota((C, C), 1)
-    eye = jnp.where(row == col, 1.0, 0.0).astype(L.dtype)
+    eye = (row == col).astype(L.dtype)
     Lt = L.T
 
     def step(i, A):
-        new = jnp.where(iota((1, C), 1) == i, 1.0, 0.0) - jnp.sum(col_of(Lt, i) * A, axis=0, keepdims=True)
+        new = (iota((1, C), 1) == i).astype(A.dtype) - jnp.sum(col_of(Lt, i) * A, axis=0, keepdims=True)
         return jnp.where(row == i, new, A)
 
     return loop(1, C, step, eye)
@@ -118,6 +118,7 @@ class PallasIntra(AbstractIntra, PallasTarget):
 
     block: int = eqx.field(static=True, default=16)
 
+    @tuned
     @typecheck
     def __call__(
         self,
@@ -152,6 +153,7 @@ class PallasIntraBackward(AbstractIntraBackward, PallasTarget):
 
     block: int = eqx.field(static=True, default=16)
 
+    @tuned
     @typecheck
     def __call__(
         self,

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 
 from .._typing import ChunkK, ChunkMat, ChunkState, ChunkV, typecheck
 from ..stages._output import AbstractDAv, AbstractOutput
-from ._common import PallasTarget, check_width, chunk_call, chunk_spec, dot, feature_pad, flat, iota, lower_dot, unflat
+from ._common import PallasTarget, check_width, chunk_call, chunk_spec, dot, feature_pad, flat, iota, lower_dot, tuned, unflat
 
 
 class PallasOutput(AbstractOutput, PallasTarget):
@@ -14,6 +14,7 @@ class PallasOutput(AbstractOutput, PallasTarget):
 
     tile_safe: ClassVar[bool] = True
 
+    @tuned
     @typecheck
     def __call__(
         self,
@@ -45,6 +46,7 @@ class PallasOutput(AbstractOutput, PallasTarget):
 class PallasDAv(AbstractDAv, PallasTarget):
     """B1: ``dAqk = tril(do v_new^T)``, ``dv_intra = Aqk^T do``."""
 
+    @tuned
     @typecheck
     def __call__(
         self,

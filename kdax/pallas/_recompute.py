@@ -9,7 +9,7 @@ from ..stages._recompute import AbstractRecompute, recompute_with
 from ..stages._state import AbstractState
 from ..stages._types import StateOut, WYOut
 from ..stages._wy import AbstractWY
-from ._common import PallasTarget
+from ._common import PallasTarget, tuned
 from ._state import PallasState
 from ._wy import PallasWY
 
@@ -19,6 +19,7 @@ class PallasRecompute(AbstractRecompute, PallasTarget):
     and ``PallasState`` of this target (dense layout; varlen raises ``UnsupportedCase``
     from the state kernel)."""
 
+    @tuned
     @typecheck
     def __call__(
         self,

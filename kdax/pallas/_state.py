@@ -21,7 +21,7 @@ from .._typing import ChunkK, ChunkV, SeqState, typecheck
 from ..stages._state import AbstractDhu, AbstractState
 from ..stages._types import DhuOut, StateOut
 from ._common import (
-    PallasValueBlocks, check_width, chunk_spec, compiler_params, dot, feature_pad, flat, idiv, kernel_name, loop, unflat,
+    PallasValueBlocks, check_width, chunk_spec, compiler_params, dot, feature_pad, flat, idiv, kernel_name, loop, tuned, unflat,
 )
 from ._common import manual_inputs
 
@@ -99,6 +99,7 @@ class PallasState(AbstractState, PallasValueBlocks):
 
     tile_safe: ClassVar[bool] = True
 
+    @tuned
     @typecheck
     def __call__(
         self,
@@ -188,6 +189,7 @@ class PallasDhu(AbstractDhu, PallasValueBlocks):
     """B2 as a Pallas kernel, chunks in reverse (TPU: dense layout; Triton: also varlen, one
     program per row and block of ``block_v`` value columns)."""
 
+    @tuned
     @typecheck
     def __call__(
         self,

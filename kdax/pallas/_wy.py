@@ -9,7 +9,7 @@ from ..stages._types import ChunkGrads, WYOut
 from ..stages._wy import AbstractWY, AbstractWYDqkg
 from ._common import (
     PallasTarget, PallasValueBlocks, check_width, chunk_call, chunk_spec, dot, feature_pad, flat, iota, lower_dot, row_of,
-    unflat,
+    tuned, unflat,
 )
 
 
@@ -68,6 +68,7 @@ class PallasWY(AbstractWY, PallasTarget):
 
     tile_safe: ClassVar[bool] = True
 
+    @tuned
     @typecheck
     def __call__(
         self,
@@ -105,6 +106,7 @@ class PallasWYDqkg(AbstractWYDqkg, PallasValueBlocks):
     """B3 as a Pallas kernel over (row * head, chunk). ``block_v``: value columns read at
     a time on the Triton target (a power of 2; the TPU target reads whole blocks)."""
 
+    @tuned
     @typecheck
     def __call__(
         self,

@@ -12,7 +12,7 @@ from .._config import KDAConfig
 from .._typing import ChunkK, ChunkScalar, ChunkValid, typecheck
 from ..ref._gates import L2NORM_EPS, beta_activation, clamp_log_decay, kda_gate
 from ._hilo import grid_bits, split_log_decay
-from ._ops import full_precision, lower_matmul, mT, over_chunks
+from ._ops import ChunkGroup, full_precision, lower_matmul, mT, over_chunks
 from ._types import Activated, RawGrads
 
 _HeadsLast = lambda x: jnp.moveaxis(x, 1, -2)  # [R, HV, NC, C, K] -> [R, NC, C, HV, K]
@@ -72,7 +72,7 @@ class ReferenceGate(AbstractGate):
 
     tile_safe: ClassVar[bool] = True
 
-    group: Optional[int] = eqx.field(static=True, default=16)
+    group: ChunkGroup = eqx.field(static=True, default="auto")
     split: bool = eqx.field(static=True, default=True)
 
     @full_precision
@@ -98,7 +98,7 @@ class ReferenceGate(AbstractGate):
         return Activated(q, k, beta, G, q_rstd, k_rstd, G_lo)
 
 
-def chunk_cumsum(x, reverse: bool = False, group: Optional[int] = None):
+def chunk_cumsum(x, reverse: bool = False, group: ChunkGroup = None):
     """Cumulative sum over the chunk's rows of ``x [R, HV, NC, C, K]`` (from the end if
     ``reverse``) as a matmul with a triangular matrix of ones, ``group`` chunks at a time:
     XLA:CPU runs ``cumsum`` as a quadratic reduce-window behind a transpose."""
@@ -110,7 +110,7 @@ def chunk_cumsum(x, reverse: bool = False, group: Optional[int] = None):
     return over_chunks(lambda x: lower_matmul(ones, x), group, x)
 
 
-def split_cumsum(g, group: Optional[int] = None):
+def split_cumsum(g, group: ChunkGroup = None):
     """``(G, G_lo)``: the chunk cumsum of the clamped log decays ``g [R, HV, NC, C, K]`` as
     the rounded ``G`` and its remainder ``G_lo`` (``stages._hilo``); ``(G, None)`` in
     float64."""
@@ -190,7 +190,7 @@ def l2norm_backward(y, rstd, dy):
 class ReferenceGateBackward(AbstractGateBackward):
     """B5 in plain jnp; the reverse chunk cumsum ``group`` chunks at a time."""
 
-    group: Optional[int] = eqx.field(static=True, default=16)
+    group: ChunkGroup = eqx.field(static=True, default="auto")
 
     @full_precision
     @typecheck

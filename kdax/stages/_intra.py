@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from .. import _precision
 from .._typing import ChunkK, ChunkMat, ChunkScalar, typecheck
 from ._hilo import exponent
-from ._ops import full_precision, lower_matmul, mT, over_chunks, rowsum, zeros_after
+from ._ops import ChunkGroup, full_precision, lower_matmul, mT, over_chunks, rowsum, zeros_after
 from ._types import ChunkGrads, IntraOut
 
 
@@ -213,7 +213,7 @@ class ReferenceIntra(AbstractIntra):
 
     tile_safe: ClassVar[bool] = True
 
-    group: Optional[int] = eqx.field(static=True, default=16)
+    group: ChunkGroup = eqx.field(static=True, default="auto")
 
     @full_precision
     @typecheck
@@ -267,7 +267,7 @@ class ReferenceIntraBackward(AbstractIntraBackward):
     """B4 in jnp with the same recursive halving as ``ReferenceIntra``, ``group`` chunks at
     a time (None: all at once)."""
 
-    group: Optional[int] = eqx.field(static=True, default=16)
+    group: ChunkGroup = eqx.field(static=True, default="auto")
 
     @full_precision
     @typecheck

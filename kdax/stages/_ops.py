@@ -2,7 +2,7 @@
 
 import functools
 import os
-from typing import Optional
+from typing import Literal, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -64,7 +64,30 @@ def last_row(G):
     return G[..., -1:, :]
 
 
-def over_chunks(fn, group: Optional[int], *xs, into=None):
+# A reference stage's ``group``: chunks per iteration of its chunk loop (None: no loop).
+ChunkGroup = Union[int, Literal["auto"], None]
+
+
+def resolve_group(group: ChunkGroup) -> Optional[int]:
+    """``"auto"``: 16 chunks at a time on CPU (temporaries that stay in cache), 1024
+    elsewhere: on a GPU every loop iteration costs kernel launches, and 16 chunks are far
+    too little parallel work (F2 and B4 at (1, 16384, 16) on an H200: the training step
+    67 ms with 16, 42 ms with no loop; benchmarks/NOTES.md); 1024 keeps that speed with
+    bounded temporaries at large batch."""
+    if group == "auto":
+        return 16 if jax.default_backend() == "cpu" else 1024
+    return group
+
+
+def loop_unroll(unroll: Union[int, Literal["auto"]]) -> int:
+    """A chunk recurrence's ``fori_loop`` unroll factor; ``"auto"``: 1 on CPU, 8 elsewhere
+    (a GPU pays a launch and a host round trip per loop iteration)."""
+    if unroll == "auto":
+        return 1 if jax.default_backend() == "cpu" else 8
+    return unroll
+
+
+def over_chunks(fn, group: ChunkGroup, *xs, into=None):
     """``fn`` over the chunk axes ``[R, HV, NC]`` of ``xs``, about ``group`` chunks at a
     time (a loop; None: all at once). Every ``x`` has those three leading axes, and so
     has every output of ``fn``; ``fn`` must work on any leading axes. On CPU,
@@ -77,6 +100,7 @@ def over_chunks(fn, group: Optional[int], *xs, into=None):
     ``into``: optional tuple, one entry per output of ``fn`` (a tuple then): an array the
     output is added to (in place, group by group, instead of a new buffer and a separate
     pass), or None."""
+    group = resolve_group(group)
     if split_rows_and_heads():
         return _over_chunk_slices(fn, group, *xs, into=into)
     return _over_flat_groups(fn, group, *xs, into=into)

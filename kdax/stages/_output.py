@@ -8,7 +8,7 @@ import equinox as eqx
 import jax.numpy as jnp
 
 from .._typing import ChunkK, ChunkMat, ChunkState, ChunkV, typecheck
-from ._ops import full_precision, lower_matmul, mT, over_chunks, tri_mask
+from ._ops import ChunkGroup, full_precision, lower_matmul, mT, over_chunks, tri_mask
 
 
 class AbstractOutput(eqx.Module):
@@ -45,7 +45,7 @@ class ReferenceOutput(AbstractOutput):
 
     tile_safe: ClassVar[bool] = True
 
-    group: Optional[int] = eqx.field(static=True, default=16)
+    group: ChunkGroup = eqx.field(static=True, default="auto")
 
     @full_precision
     @typecheck
@@ -86,7 +86,7 @@ def _dav_chunk(v_new, Aqk, do):
 class ReferenceDAv(AbstractDAv):
     """B1 in jnp, ``group`` chunks at a time (None: all at once; see ``over_chunks``)."""
 
-    group: Optional[int] = eqx.field(static=True, default=16)
+    group: ChunkGroup = eqx.field(static=True, default="auto")
 
     @full_precision
     @typecheck

@@ -7,7 +7,7 @@ neither.
 """
 
 import abc
-from typing import ClassVar
+from typing import ClassVar, Literal, Union
 
 import equinox as eqx
 import jax
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from .._layout import ChunkLayout
 from .._typing import ChunkK, ChunkV, SeqState, typecheck
-from ._ops import full_precision, mT, vary_like, zeros_after
+from ._ops import full_precision, loop_unroll, mT, vary_like, zeros_after
 from ._types import DhuOut, StateOut
 
 
@@ -80,9 +80,9 @@ class ReferenceState(AbstractState):
     tile_safe: ClassVar[bool] = True
 
     unroll: int = eqx.field(static=True, default=8)
-    # fori_loop's unroll factor over the chunks (fewer loop iterations: on a GPU each one
-    # costs a launch of the loop condition and a round trip to the host).
-    loop_unroll: int = eqx.field(static=True, default=1)
+    # fori_loop's unroll factor over the chunks ("auto": stages._ops.loop_unroll): on a
+    # GPU each loop iteration costs a launch and a round trip to the host.
+    loop_unroll: Union[int, Literal["auto"]] = eqx.field(static=True, default="auto")
 
     @full_precision
     @typecheck
@@ -125,7 +125,7 @@ class ReferenceState(AbstractState):
 
             deps = (w, u, kg, G, h0)
             init = vary_like((h, zeros_after((R, HV, NC, K, V), h0.dtype, deps), zeros_after(u.shape, u.dtype, deps, 1)), deps)
-            h, hs, v_news = jax.lax.fori_loop(0, NC, step, init, unroll=min(self.loop_unroll, NC))
+            h, hs, v_news = jax.lax.fori_loop(0, NC, step, init, unroll=max(1, min(loop_unroll(self.loop_unroll), NC)))
         if layout.dense:  # row r is sequence r, which ends at the last chunk
             return StateOut(hs, v_news, h)
         # The final states after the loop, from each sequence's last chunk: a table update
@@ -179,7 +179,7 @@ class AbstractDhu(eqx.Module):
 class ReferenceDhu(AbstractDhu):
     """B2 as a reverse loop over chunks (``loop_unroll``: as in ``ReferenceState``)."""
 
-    loop_unroll: int = eqx.field(static=True, default=1)
+    loop_unroll: Union[int, Literal["auto"]] = eqx.field(static=True, default="auto")
 
     @full_precision
     @typecheck
@@ -215,7 +215,7 @@ class ReferenceDhu(AbstractDhu):
         deps = (qg, kg, w, G, do, dv_intra, dht)
         dhs = zeros_after((R, HV, NC, K, V), dht.dtype, deps)
         init = vary_like((jnp.zeros((R, HV, K, V), dht.dtype), dhs, zeros_after(do.shape, do.dtype, deps, 1)), deps)
-        dh_first, dh, dv_new = jax.lax.fori_loop(0, NC, step, init, unroll=min(self.loop_unroll, NC))
+        dh_first, dh, dv_new = jax.lax.fori_loop(0, NC, step, init, unroll=max(1, min(loop_unroll(self.loop_unroll), NC)))
         if layout.dense:  # row r is sequence r, which starts at chunk 0
             return DhuOut(dh, dh_first, dv_new)
         # dh0 after the loop, from each sequence's first chunk (see ReferenceState).

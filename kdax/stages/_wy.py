@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, typecheck
 from ._hilo import exponent
-from ._ops import full_precision, last_row, lower_matmul, mT, over_chunks, rowsum, tri_mask
+from ._ops import ChunkGroup, full_precision, last_row, lower_matmul, mT, over_chunks, rowsum, tri_mask
 from ._types import ChunkGrads, WYOut
 
 
@@ -58,7 +58,7 @@ class ReferenceWY(AbstractWY):
 
     tile_safe: ClassVar[bool] = True
 
-    group: Optional[int] = eqx.field(static=True, default=16)
+    group: ChunkGroup = eqx.field(static=True, default="auto")
 
     @full_precision
     @typecheck
@@ -141,7 +141,7 @@ def _wy_dqkg_chunk(scale, q, k, v, beta, G, Akk, qg, kg, h, dh, v_new, do, dv_ne
 class ReferenceWYDqkg(AbstractWYDqkg):
     """B3 in jnp, ``group`` chunks at a time (None: all at once; see ``over_chunks``)."""
 
-    group: Optional[int] = eqx.field(static=True, default=16)
+    group: ChunkGroup = eqx.field(static=True, default="auto")
 
     @full_precision
     @typecheck
