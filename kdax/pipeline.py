@@ -760,12 +760,12 @@ def _prepare_options(q, k, v, g, beta, options: KDAOptions):
 
 
 def default_pipeline() -> KDAPipeline:
-    """The pipeline ``chunk_kda(pipeline=None)`` uses on this platform: on a GPU the mixed
-    pipeline (Pallas Triton kernels for F1, F3, F5, B1, B3, B5; XLA for the rest), the
-    fastest measured beside FLA on an H100 (benchmarks/NOTES.md, "kdax beside FLA");
-    elsewhere the reference stages. Precision policy "auto" (``kdax._precision``)."""
-    if jax.default_backend() == "gpu":
-        return KDAPipeline.mixed()
+    """The pipeline ``chunk_kda(pipeline=None)`` uses: the reference stages (XLA) on every
+    platform, precision policy "auto" (``kdax._precision``). On a GPU they run whole chunk
+    groups per loop iteration and unroll the recurrences (``stages._ops.resolve_group``,
+    ``loop_unroll``); beside FLA on an H200 (bf16, B=1 T=16384 H=16 K=V=128) that was the
+    fastest training step measured, 25.0 ms against 26.8-53 ms for every mix of Pallas
+    stages tried (benchmarks/NOTES.md, "GPU, third pass")."""
     return KDAPipeline.reference()
 
 

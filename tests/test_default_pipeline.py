@@ -1,26 +1,29 @@
-"""``default_pipeline()`` per platform: the reference stages on CPU (and TPU), the mixed
-pipeline on a GPU (benchmarks/NOTES.md, "kdax beside FLA")."""
+"""``default_pipeline()``: the reference stages on every platform (on a GPU too: the
+fastest training step measured beside FLA, benchmarks/NOTES.md "GPU, third pass"), and the
+per-platform loop settings of the reference stages ("auto")."""
 
 import jax
 
 import kdax
-from kdax import pallas as P
-from kdax.stages import ReferenceIntra, ReferenceState
+from kdax.stages._ops import loop_unroll, resolve_group
 
 
-def test_default_on_this_platform():
+def test_default_is_the_reference_pipeline():
     p = kdax.default_pipeline()
     assert p.precision == "auto"
-    if jax.default_backend() != "gpu":
-        assert p == kdax.KDAPipeline.reference()
+    assert p == kdax.KDAPipeline.reference()
 
 
 def test_default_on_gpu(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     p = kdax.default_pipeline()
-    assert p.precision == "auto" and p.fallback and p.tile is None
-    for name in ("gate", "wy", "output", "dav", "wy_dqkg", "gate_bwd"):
-        stage = getattr(p, name)
-        assert isinstance(stage, P._common.PallasTarget), name
-        assert stage.target == "triton" and not stage.interpret, name
-    assert isinstance(p.intra, ReferenceIntra) and isinstance(p.state, ReferenceState)
+    assert p.precision == "auto" and p.tile is None
+    assert p == kdax.KDAPipeline.reference()
+    # whole chunk groups per loop iteration and unrolled recurrences: the H200 profile
+    assert resolve_group(p.intra.group) == 1024 and loop_unroll(p.state.loop_unroll) == 8
+
+
+def test_auto_loops_on_cpu(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert resolve_group("auto") == 16 and loop_unroll("auto") == 1
+    assert resolve_group(None) is None and resolve_group(4) == 4 and loop_unroll(3) == 3

@@ -2,6 +2,8 @@
 on any machine (no GPU needed), fits in the 227 KiB of shared memory a Hopper program may
 use. Needs the ``triton`` package (not a kdax dependency): skipped without it; slow."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -14,7 +16,7 @@ pytestmark = pytest.mark.slow
 HOPPER_SHARED_BYTES = 232448  # 227 KiB: the per-block opt-in limit of sm_90
 
 
-def _triton_modules(K: int, C: int, dtype, options=None) -> dict:
+def _triton_modules(K: int, C: int, dtype, options=None, tuning=None) -> dict:
     """TTIR text of each distinct Pallas kernel at B=1, T=1024, H=2, K=V, chunk C (a
     kernel's blocks depend on K, V, C and the dtypes, not on B, T, H: those set the grid)."""
     from jax._src.pallas.triton import lowering
@@ -29,6 +31,9 @@ def _triton_modules(K: int, C: int, dtype, options=None) -> dict:
     s = jax.ShapeDtypeStruct
     args = (s((1, 1024, 2, K), dtype),) * 4 + (s((1, 1024, 2), dtype),)
     pipe = kdax.KDAPipeline.pallas("triton", interpret=False)
+    if tuning:  # every stage's Triton tuning (kdax.pallas._common.PallasTarget)
+        pipe = dataclasses.replace(pipe, **{f.name: dataclasses.replace(getattr(pipe, f.name), **tuning)
+                                            for f in dataclasses.fields(pipe) if f.name in kdax.pipeline.STAGES})
 
     def loss(*a):
         o, ht = kdax.chunk_kda(*a, pipeline=pipe, chunk_size=C, output_final_state=True, **(options or {}))
@@ -42,13 +47,13 @@ def _triton_modules(K: int, C: int, dtype, options=None) -> dict:
     return mods
 
 
-def _shared_bytes(ttir: str, tmp_path) -> int:
+def _shared_bytes(ttir: str, tmp_path, num_warps: int = 4) -> int:
     from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import make_backend
 
     backend = make_backend(GPUTarget("cuda", 90, 32))
-    options = backend.parse_options(dict(num_warps=4, num_stages=1))  # as kdax.pallas compiles them
+    options = backend.parse_options(dict(num_warps=num_warps, num_stages=1))  # as kdax.pallas compiles them
     ctx = ir.context()
     ir.load_dialects(ctx)
     backend.load_dialects(ctx)
@@ -74,14 +79,20 @@ def _shared_bytes(ttir: str, tmp_path) -> int:
 KIMI = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
 
 
-@pytest.mark.parametrize("K,C,dtype,options", [
-    (128, 64, jnp.float32, None),
-    (16, 128, jnp.float64, None),
-    (128, 64, jnp.bfloat16, dict(KIMI, A_log=jnp.zeros(2, jnp.float32), dt_bias=jnp.zeros(256, jnp.float32))),
-], ids=["f32_K128_C64", "f64_K16_C128", "bf16_K128_C64_kimi"])
-def test_kernels_fit_hopper_shared_memory(K, C, dtype, options, tmp_path):
-    mods = _triton_modules(K, C, dtype, options)
+KIMI_PARAMS = dict(KIMI, A_log=jnp.zeros(2, jnp.float32), dt_bias=jnp.zeros(256, jnp.float32))
+
+
+@pytest.mark.parametrize("K,C,dtype,options,tuning", [
+    (128, 64, jnp.float32, None, None),
+    (16, 128, jnp.float64, None, None),
+    (128, 64, jnp.bfloat16, KIMI_PARAMS, None),
+    # tensor-core float32 products and 8 warps (gpu_vs_fla's fastest Pallas state stages)
+    (128, 64, jnp.bfloat16, KIMI_PARAMS, dict(f32_dot="tf32x3", num_warps=8)),
+], ids=["f32_K128_C64", "f64_K16_C128", "bf16_K128_C64_kimi", "bf16_K128_C64_kimi_tf32x3_w8"])
+def test_kernels_fit_hopper_shared_memory(K, C, dtype, options, tuning, tmp_path):
+    mods = _triton_modules(K, C, dtype, options, tuning)
     assert len(mods) == 10, list(mods)
-    used = {src.split("/")[-1]: _shared_bytes(text, tmp_path) for src, text in mods.items()}
+    warps = (tuning or {}).get("num_warps", 4)
+    used = {src.split("/")[-1]: _shared_bytes(text, tmp_path, warps) for src, text in mods.items()}
     over = {k: v for k, v in used.items() if v > HOPPER_SHARED_BYTES}
     assert not over, f"over {HOPPER_SHARED_BYTES} B: {over} (all: {used})"

@@ -1,0 +1,68 @@
+"""The Triton tuning fields every Pallas stage has (``num_warps``, ``f32_dot``): checked
+when a stage is built, passed to the compiled kernels (lowered for a GPU on any machine),
+and without effect in interpret mode."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from kdax import pallas as P
+from kdax import stages as S
+
+from .._util import assert_close
+from ..stages._chunked import chunked, intra_chunk, wy_chunk
+
+
+def _state_args(dtype=jnp.float32):
+    x = chunked(0, R=1, HV=2, NC=3, C=16, K=16, V=16)
+    x = {n: (a.astype(dtype) if hasattr(a, "dtype") and a.dtype.kind == "f" else a) for n, a in x.items()}
+    _, Akk = intra_chunk(x["q"], x["k"], x["beta"], x["G"], x["scale"])
+    w, u, _, kg = wy_chunk(x["q"], x["k"], x["v"], x["beta"], x["G"], Akk)
+    return w, u, kg, x["G"], x["h0"], x["layout"]
+
+
+@pytest.mark.parametrize("stage", [P.PallasState, P.PallasGate, P.PallasIntraBackward])
+def test_tuning_checked_when_built(stage):
+    with pytest.raises(ValueError, match="num_warps"):
+        stage(target="triton", num_warps=3)
+    with pytest.raises(ValueError, match="f32_dot"):
+        stage(target="triton", f32_dot="tf32")
+
+
+def _triton_ir(stage, args) -> list:
+    """The Triton IR of each kernel ``stage(*args)`` runs, lowered for a GPU here."""
+    from jax._src.pallas.triton import lowering
+
+    mods, orig = [], lowering.lower_jaxpr_to_triton_module
+
+    def keep(*a, **kw):
+        res = orig(*a, **kw)
+        mods.append(res.module.operation.get_asm(enable_debug_info=False))
+        return res
+
+    lowering.lower_jaxpr_to_triton_module = keep
+    try:
+        text = jax.jit(lambda *a: stage(*a)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    finally:
+        lowering.lower_jaxpr_to_triton_module = orig
+    return mods, text
+
+
+def test_tuning_reaches_the_compiled_kernel():
+    args = _state_args()
+    plain, text = _triton_ir(P.PallasState(target="triton", interpret=False), args)
+    assert plain and "tf32x3" not in plain[0] and "num_warps = 4" in text
+    fast, text = _triton_ir(P.PallasState(target="triton", interpret=False, f32_dot="tf32x3", num_warps=8), args)
+    assert "inputPrecision = tf32x3" in fast[0] and "num_warps = 8" in text
+
+
+def test_tuning_ignored_in_interpret_mode():
+    """Interpret mode (and float64) keep exact products: the same numbers with or without."""
+    for dtype in (jnp.float32, jnp.float64):
+        args = _state_args(dtype)
+        want = P.PallasState(target="triton", interpret=True)(*args)
+        got = P.PallasState(target="triton", interpret=True, f32_dot="tf32x3", num_warps=8)(*args)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert jnp.array_equal(a, b)
+        ref = S.ReferenceState()(*args)
+        assert_close(got.h, ref.h, 1e-5 if dtype == jnp.float32 else 1e-12, "h")
