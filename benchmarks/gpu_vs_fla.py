@@ -60,7 +60,7 @@ PIPES = ("pallas", "reference", "reference_highest", "mixed", "pallas_highest", 
 def kdax_pipeline(name: str) -> KDAPipeline:
     """A pipeline by name: one of ``PIPES``, optionally followed by ``+option`` changes:
     ``+xla_gate`` (F1/B5 reference stages), ``+pallas_state`` (Pallas F4 and B2),
-    ``+warps=N`` / ``+f32dot=tf32x3`` (every Pallas stage's Triton tuning),
+    ``+warps=N`` / ``+stages=N`` / ``+f32dot=tf32x3`` (every Pallas stage's Triton tuning),
     ``+group=N|none`` / ``+unroll=N`` (every reference stage's chunk groups / the
     recurrences' loop unroll)."""
     base, *opts = name.split("+")
@@ -84,9 +84,9 @@ def _with_option(pipe: KDAPipeline, opt: str, name: str) -> KDAPipeline:
     if key == "pallas_state":
         p = KDAPipeline.pallas()
         return dataclasses.replace(pipe, state=p.state, dhu=p.dhu)
-    if key in ("warps", "f32dot"):
-        field = {"warps": "num_warps", "f32dot": "f32_dot"}[key]
-        value = int(val) if key == "warps" else val
+    if key in ("warps", "stages", "f32dot"):
+        field = {"warps": "num_warps", "stages": "num_stages", "f32dot": "f32_dot"}[key]
+        value = val if key == "f32dot" else int(val)
         return dataclasses.replace(pipe, **{n: dataclasses.replace(s, **{field: value})
                                             for n, s in stages.items() if isinstance(s, PallasTarget)})
     if key == "group":

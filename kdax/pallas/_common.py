@@ -45,7 +45,8 @@ class PallasTarget(eqx.Module):
     built directly on a GPU compiles its Triton kernels).
 
     Triton tuning (compiled kernels only; ignored by TPU and interpret mode):
-    ``num_warps`` per program; ``f32_dot``, how a float32 product at full precision runs:
+    ``num_warps`` per program; ``num_stages``, Triton's software pipelining depth of the
+    kernels' loops (1: none); ``f32_dot``, how a float32 product at full precision runs:
     ``"ieee"`` (CUDA-core FMAs, exact float32 products) or ``"tf32x3"`` (three TF32
     tensor-core products whose sum carries about float32's precision, relative error of
     order 1e-6 instead of 1e-7). Half-precision products under a precision policy
@@ -54,12 +55,15 @@ class PallasTarget(eqx.Module):
     target: str = eqx.field(static=True, default="tpu")
     interpret: Optional[bool] = eqx.field(static=True, default=None)
     num_warps: int = eqx.field(static=True, default=4)
+    num_stages: int = eqx.field(static=True, default=1)
     f32_dot: str = eqx.field(static=True, default="ieee")
 
     def __check_init__(self):
         check_target(self.target)
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"num_warps: expected 1, 2, 4, 8 or 16, got {self.num_warps!r}.")
+        if not 1 <= self.num_stages <= 8:
+            raise ValueError(f"num_stages: expected 1 to 8, got {self.num_stages!r}.")
         if self.f32_dot not in F32_DOTS:
             raise ValueError(f"f32_dot: expected one of {F32_DOTS}, got {self.f32_dot!r}.")
 
@@ -79,7 +83,7 @@ class PallasValueBlocks(PallasTarget):
             raise ValueError(f"block_v: expected a power of 2 of at least 16, got {self.block_v}.")
 
 
-# (num_warps, f32_dot) of the compiled Triton stage being traced, or None.
+# (num_warps, f32_dot, num_stages) of the compiled Triton stage being traced, or None.
 _TUNING: contextvars.ContextVar = contextvars.ContextVar("kdax_pallas_tuning", default=None)
 
 
@@ -90,7 +94,7 @@ def tuned(call):
     @functools.wraps(call)
     def wrapped(self, *args, **kwargs):
         live = self.target == "triton" and not self.run_interpreted
-        token = _TUNING.set((self.num_warps, self.f32_dot) if live else None)
+        token = _TUNING.set((self.num_warps, self.f32_dot, self.num_stages) if live else None)
         try:
             return call(self, *args, **kwargs)
         finally:
@@ -122,7 +126,9 @@ def compiler_params(target: str, sequential_last: bool, ndim: int):
     from jax.experimental.pallas import triton as pltr
 
     tuning = _TUNING.get()
-    return pltr.CompilerParams(num_warps=4 if tuning is None else tuning[0], num_stages=1)
+    if tuning is None:
+        return pltr.CompilerParams(num_warps=4, num_stages=1)
+    return pltr.CompilerParams(num_warps=tuning[0], num_stages=tuning[2])
 
 
 def kernel_name(kernel) -> str:

@@ -27,6 +27,8 @@ def test_tuning_checked_when_built(stage):
         stage(target="triton", num_warps=3)
     with pytest.raises(ValueError, match="f32_dot"):
         stage(target="triton", f32_dot="tf32")
+    with pytest.raises(ValueError, match="num_stages"):
+        stage(target="triton", num_stages=0)
 
 
 def _triton_ir(stage, args) -> list:
@@ -52,8 +54,9 @@ def test_tuning_reaches_the_compiled_kernel():
     args = _state_args()
     plain, text = _triton_ir(P.PallasState(target="triton", interpret=False), args)
     assert plain and "tf32x3" not in plain[0] and "num_warps = 4" in text
-    fast, text = _triton_ir(P.PallasState(target="triton", interpret=False, f32_dot="tf32x3", num_warps=8), args)
-    assert "inputPrecision = tf32x3" in fast[0] and "num_warps = 8" in text
+    fast, text = _triton_ir(P.PallasState(target="triton", interpret=False, f32_dot="tf32x3", num_warps=8,
+                                          num_stages=3), args)
+    assert "inputPrecision = tf32x3" in fast[0] and "num_warps = 8" in text and "num_stages = 3" in text
 
 
 def test_tuning_ignored_in_interpret_mode():
