@@ -28,7 +28,7 @@ def _softplus(x):
     return jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x)))
 
 
-def _gate_input(cfg, g, a_log, dtb):
+def _gate_input(g, a_log, dtb):
     """(x = g + dt_bias, a = exp(A_log) or None)."""
     x = g if dtb is None else g + dtb
     return x, (None if a_log is None else jnp.exp(a_log))
@@ -42,7 +42,7 @@ def gate_body(cfg: KDAConfig, q, k, g, beta, valid, a_log, dtb):
         k_rstd = 1.0 / jnp.sqrt(jnp.sum(k * k, axis=1, keepdims=True) + L2NORM_EPS)
         q, k = q * q_rstd, k * k_rstd
     if cfg.use_gate_in_kernel:
-        x, a = _gate_input(cfg, g, a_log, dtb)
+        x, a = _gate_input(g, a_log, dtb)
         if cfg.lower_bound is None:
             g = -a * _softplus(x)
         elif cfg.lower_bound == -jnp.inf:
@@ -64,7 +64,7 @@ def gate_bwd_body(cfg: KDAConfig, q, k, beta, q_rstd, k_rstd, g, valid, a_log, d
     dg = jnp.where(valid > 0, dot(upper, dG), 0.0)
     dA = ddt = None
     if cfg.use_gate_in_kernel:
-        x, a = _gate_input(cfg, g, a_log, dtb)
+        x, a = _gate_input(g, a_log, dtb)
         if cfg.lower_bound == -jnp.inf:  # g = -inf whatever the input: no gradient
             dx = jnp.zeros_like(dg)
             dA = None if a is None else jnp.zeros((1, dg.shape[1]), dg.dtype)

@@ -22,7 +22,7 @@ def wy_body(q, k, v, beta, G, Akk):
     return w, u, q * eG, kg
 
 
-def wy_dqkg_body(scale, q, k, beta, G, Akk, qg, kg, v_ref, h_ref, dh_ref, vn_ref, do_ref, dvn_ref, dv_ref,
+def wy_dqkg_body(scale, k, beta, G, Akk, qg, kg, v_ref, h_ref, dh_ref, vn_ref, do_ref, dvn_ref, dv_ref,
                  block_v: int):
     """B3 for one chunk. The value axis is walked ``block_v`` columns at a time through
     static slices of the refs (v, h, dh, v_new, do, dv_new in; dv out): the V-sized
@@ -140,7 +140,7 @@ class PallasWYDqkg(AbstractWYDqkg, PallasValueBlocks):
         def kernel(*refs):
             q, k, v, b, g, a, qg_, kg_, h_, dh_, vn, do_, dvn = refs[:13]
             dq_r, dk_r, dv_r, db_r, dG_r, dL_r = refs[13:]
-            loaded = (r[...] for r in (q, k, b, g, a, qg_, kg_))
+            loaded = (r[...] for r in (k, b, g, a, qg_, kg_))  # B3 needs q only through qg
             outs = wy_dqkg_body(scale, *loaded, v, h_, dh_, vn, do_, dvn, dv_r, bv)
             for ref, val in zip((dq_r, dk_r, db_r, dG_r, dL_r), outs):
                 ref[...] = val

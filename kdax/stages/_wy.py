@@ -112,7 +112,7 @@ class AbstractWYDqkg(eqx.Module):
         raise NotImplementedError
 
 
-def _wy_dqkg_chunk(scale, q, k, v, beta, G, Akk, qg, kg, h, dh, v_new, do, dv_new, G_last, G_lo=None, lo_last=None):
+def _wy_dqkg_chunk(scale, k, v, beta, G, Akk, qg, kg, h, dh, v_new, do, dv_new, G_last, G_lo=None, lo_last=None):
     eG = jnp.exp(G)
     b = beta[..., None]
     # o = scale qg h + ...
@@ -165,5 +165,5 @@ class ReferenceWYDqkg(AbstractWYDqkg):
     ) -> ChunkGrads:
         chunk = functools.partial(_wy_dqkg_chunk, scale)
         lo = () if G_lo is None else (G_lo, last_row(G_lo))
-        xs = (q, k, v, beta, G, Akk, qg, kg, h, dh, v_new, do, dv_new, last_row(G), *lo)
+        xs = (k, v, beta, G, Akk, qg, kg, h, dh, v_new, do, dv_new, last_row(G), *lo)  # q enters through qg
         return ChunkGrads(*over_chunks(chunk, self.group, *xs))
