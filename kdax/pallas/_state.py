@@ -153,26 +153,34 @@ class PallasState(AbstractState, PallasValueBlocks):
             # starts sequence f loads h0[f]; one that ends sequence l writes final[l].
             bv = min(self.block_v, Vp)
 
+            dense = layout.dense
+
             def kernel(w_ref, u_ref, kg_ref, g_ref, h0_ref, first_ref, last_ref, h_ref, vn_ref, fin_ref):
                 p, cols = pl.program_id(0), pl.ds(pl.program_id(1) * bv, bv)
                 r, hv = idiv(p, HV), p % HV
 
                 def step(c, h):
-                    f, l = first_ref[r, c], last_ref[r, c]
-                    h = jnp.where(f >= 0, h0_ref[jnp.maximum(f, 0) * HV + hv, :, cols], h)
                     rows, feats = pl.ds(c * C, C), pl.ds(c * Kp, Kp)
+                    if not dense:  # a sequence may start or end at any chunk
+                        f = first_ref[r, c]
+                        h = jnp.where(f >= 0, h0_ref[jnp.maximum(f, 0) * HV + hv, :, cols], h)
                     h_ref[p, feats, cols] = h
                     v_new, h_next = _state_step(w_ref[p, rows, :], u_ref[p, rows, cols], kg_ref[p, rows, :],
                                                 g_ref[p, feats, :], h)
                     vn_ref[p, rows, cols] = v_new
+                    if not dense:
+                        l = last_ref[r, c]
 
-                    @pl.when(l >= 0)
-                    def _():
-                        fin_ref[l * HV + hv, :, cols] = h_next
+                        @pl.when(l >= 0)
+                        def _():
+                            fin_ref[l * HV + hv, :, cols] = h_next
 
                     return h_next
 
-                loop(0, NC, step, jnp.zeros((Kp, bv), h0_ref.dtype))
+                # Dense: row r is sequence r, from chunk 0 to the last (no per-chunk state load).
+                h = loop(0, NC, step, h0_ref[p, :, cols] if dense else jnp.zeros((Kp, bv), h0_ref.dtype))
+                if dense:
+                    fin_ref[p, :, cols] = h
 
             h, v_new, final = _run_triton(
                 kernel, (_tokens(wf), _tokens(uf), _tokens(kgf), _tokens(gam), h0f, layout.first, layout.last),
@@ -248,29 +256,37 @@ class PallasDhu(AbstractDhu, PallasValueBlocks):
             # shared memory at K = V = 128, 16 columns 208 KiB (sm_90 allows 227).
             bv = min(self.block_v, Vp, 16 if C > 64 else Vp)
 
+            dense = layout.dense
+
             def kernel(q_ref, k_ref, w_ref, g_ref, do_ref, dvi_ref, dht_ref, first_ref, last_ref,
                        dh_ref, dv_ref, dh0_ref):
                 p, cols = pl.program_id(0), pl.ds(pl.program_id(1) * bv, bv)
                 r, hv = idiv(p, HV), p % HV
 
-                def step(i, dh_c):
+                def step(i, dh_end):
                     c = NC - 1 - i
-                    f, l = first_ref[r, c], last_ref[r, c]
-                    dh_end = jnp.where(l >= 0, dht_ref[jnp.maximum(l, 0) * HV + hv, :, cols], dh_c)
+                    if not dense:  # a sequence may end or start at any chunk
+                        l = last_ref[r, c]
+                        dh_end = jnp.where(l >= 0, dht_ref[jnp.maximum(l, 0) * HV + hv, :, cols], dh_end)
                     rows, feats = pl.ds(c * C, C), pl.ds(c * Kp, Kp)
                     dh_ref[p, feats, cols] = dh_end
                     dv, dh_start = _dhu_step(scale, q_ref[p, rows, :], k_ref[p, rows, :], w_ref[p, rows, :],
                                              g_ref[p, feats, :], do_ref[p, rows, cols], dvi_ref[p, rows, cols],
                                              dh_end)
                     dv_ref[p, rows, cols] = dv
+                    if not dense:
+                        f = first_ref[r, c]
 
-                    @pl.when(f >= 0)
-                    def _():
-                        dh0_ref[f * HV + hv, :, cols] = dh_start
+                        @pl.when(f >= 0)
+                        def _():
+                            dh0_ref[f * HV + hv, :, cols] = dh_start
 
                     return dh_start
 
-                loop(0, NC, step, jnp.zeros((Kp, bv), dht_ref.dtype))
+                # Dense: row r is sequence r, from the last chunk back to chunk 0.
+                dh = loop(0, NC, step, dht_ref[p, :, cols] if dense else jnp.zeros((Kp, bv), dht_ref.dtype))
+                if dense:
+                    dh0_ref[p, :, cols] = dh
 
             dh, dv_new, dh0 = _run_triton(
                 kernel, (_tokens(qf), _tokens(kf), _tokens(wf), _tokens(gam), _tokens(dof), _tokens(dvf), dhtf,

@@ -206,3 +206,22 @@ def test_dhu_chunk128_takes_16_value_columns():
     do, dv, dht = rand_like(x["v"], 2), rand_like(x["v"], 3), rand_like(x["h0"], 4)
     bargs = (x["scale"], x["qg"], x["kg"], x["w"], x["G"], do, dv, dht, x["layout"])
     _close(P.PallasDhu(target="triton")(*bargs), S.ReferenceDhu()(*bargs), 1e-12, "dhu")
+
+
+@pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.skipif(
+    not (ON_DEVICE and P.default_target() == "triton"), reason="no GPU"))])
+def test_state_kernels_dense(interpret):
+    """A dense layout (row r is sequence r): the Triton state kernels start from h0 / dht
+    and write the final state / dh0 once, outside the chunk loop."""
+    layout = make_layout(2, 48, 16)
+    assert layout.dense
+    x = chunked(5, R=2, HV=2, NC=layout.num_chunks, C=16, K=12, V=20)
+    Aqk, Akk = intra_chunk(x["q"], x["k"], x["beta"], x["G"], x["scale"])
+    w, u, qg, kg = wy_chunk(x["q"], x["k"], x["v"], x["beta"], x["G"], Akk)
+    h0 = rand_like(jnp.zeros((2, 2, 12, 20)), 1)
+    args = (w, u, kg, x["G"], h0, layout)
+    kw = dict(target="triton", interpret=interpret, block_v=16)
+    _close(P.PallasState(**kw)(*args), S.ReferenceState()(*args), 1e-12, "state")
+    do, dv, dht = rand_like(x["v"], 2), rand_like(x["v"], 3), rand_like(h0, 4)
+    bargs = (x["scale"], qg, kg, w, x["G"], do, dv, dht, layout)
+    _close(P.PallasDhu(**kw)(*bargs), S.ReferenceDhu()(*bargs), 1e-12, "dhu")
