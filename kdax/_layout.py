@@ -5,6 +5,14 @@ end. Packed varlen input (B == 1, ``cu_seqlens`` a device array) gives one row i
 every sequence starts on a chunk boundary; NC is the static bound
 ``(T + N (C - 1)) // C``, so new ``cu_seqlens`` values never change a shape. Padding
 tokens are zeros with ``valid`` False: they neither decay nor write the state.
+
+``make_shared_layout`` packs varlen input without padding (sequences share chunks): the
+dense layout of its one row, each token at its own position, NC = ceil(T / C), and
+``reset`` marking every sequence's first token after token 0. F1 gives such a token the
+log decay floor (``clamp_log_decay``), which resets the state it meets to within
+exp(floor) (below the dtype's resolution), and B5 gives it a zero gate gradient: exact
+when every sequence starts from a zero state (no ``initial_state``) and no final state
+is asked for, the case the pipeline uses it for (``KDAPipeline.share_chunks``).
 """
 
 from typing import Optional
@@ -23,6 +31,9 @@ class ChunkLayout(eqx.Module):
     token t of row r sits at position t). ``dense``: a promise that row r holds sequence r
     alone, from chunk 0 to the row's last chunk, so that stages may ignore ``first`` and
     ``last`` (the Pallas state kernels, the forward's tiles); False for any other layout.
+    ``reset [R, NC, C]`` (shared layout only, else None): tokens that start a sequence
+    inside the row, the state reset through the gate (F1 and B5 take it); the row is
+    then one stream for the state stages (``dense``), its entry state zero.
     """
 
     first: Int[Array, "R NC"]
@@ -33,6 +44,7 @@ class ChunkLayout(eqx.Module):
     T: int = eqx.field(static=True)
     chunk_size: int = eqx.field(static=True)
     dense: bool = eqx.field(static=True, default=False)
+    reset: Optional[Bool[Array, "R NC C"]] = None
 
     @property
     def num_chunks(self) -> int:
@@ -65,6 +77,23 @@ def make_layout(B: int, T: int, chunk_size: int, cu_seqlens=None) -> ChunkLayout
     pos = (cstart[seq] * C + t - cu[seq]).astype(jnp.int32)
     valid = jnp.zeros((nc * C,), bool).at[pos].set(True).reshape(1, nc, C)
     return ChunkLayout(first[None], last[None], valid, lens == 0, pos, T, C)
+
+
+def make_shared_layout(T: int, chunk_size: int, cu_seqlens) -> ChunkLayout:
+    """Packed varlen input (B == 1) with sequences sharing chunks: the dense layout of one
+    row of T tokens (NC = ceil(T / C), whatever ``cu_seqlens`` holds) plus ``reset`` at
+    the first token of every sequence of length > 0 that starts after token 0. Its state
+    table has one entry (the row's); per-sequence initial and final states are not
+    represented (see the module docstring)."""
+    C = chunk_size
+    base = make_layout(1, T, C)
+    cu = jnp.asarray(cu_seqlens, jnp.int32)
+    starts, lens = cu[:-1], cu[1:] - cu[:-1]
+    n = base.num_chunks * C
+    # Index n is out of range: mode="drop" skips empty sequences and a start at token 0.
+    at = jnp.where((lens > 0) & (starts > 0), starts, n)
+    reset = jnp.zeros((n,), bool).at[at].set(True, mode="drop").reshape(1, base.num_chunks, C)
+    return ChunkLayout(base.first, base.last, base.valid, base.empty, None, T, C, dense=True, reset=reset)
 
 
 def pack(layout: ChunkLayout, x, dtype=None):

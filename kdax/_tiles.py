@@ -39,7 +39,12 @@ class Tiles:
     def layout_of(self, c0, n: int, tail: bool) -> ChunkLayout:
         C = self.C
         if self.dense:
-            return make_layout(self.R, self.layout.T - c0 * C if tail else n * C, C)
+            tl = make_layout(self.R, self.layout.T - c0 * C if tail else n * C, C)
+            if self.layout.reset is None:
+                return tl
+            # Shared chunks: the tile's sequence starts (its first token continues the carry).
+            reset = self.layout.reset[:, c0:] if tail else jax.lax.dynamic_slice_in_dim(self.layout.reset, c0, n, 1)
+            return ChunkLayout(tl.first, tl.last, tl.valid, tl.empty, tl.pos, tl.T, C, dense=True, reset=reset)
         L, N = self.layout, self.N
         carry = N + jnp.arange(self.R, dtype=jnp.int32)
         first = jax.lax.dynamic_slice_in_dim(L.first, c0, n, 1)

@@ -24,7 +24,7 @@ from . import _precision
 from ._config import KDAConfig, KDAOptions
 from ._contracts import STAGES, check_arguments, check_family, check_output, expected_output
 from ._errors import FallbackWarning, UnsupportedCase
-from ._layout import ChunkLayout, expand_group, make_layout, pack, reduce_group, unpack
+from ._layout import ChunkLayout, expand_group, make_layout, make_shared_layout, pack, reduce_group, unpack
 from ._tiles import Tiles
 from ._typing import (
     ALogIn, ArrayIn, Beta, ChunkK, ChunkMat, ChunkState, ChunkV, CuSeqlensIn, Gate, QK, Scalar, SeqState, State,
@@ -61,7 +61,7 @@ from .stages import (
     ReferenceWYDqkg,
     WYOut,
 )
-from .stages._hilo import with_G_lo
+from .stages._hilo import _takes, with_G_lo
 from .stages._ops import zeros_after
 
 
@@ -148,6 +148,10 @@ class KDAResiduals(eqx.Module):
         h = jnp.moveaxis(self.cache.h, 2, 1)  # [R, NC, HV, K, V]
         if not per_sequence or self.cu_seqlens is None:
             return h
+        if self.layout.reset is not None:
+            raise ValueError("per_sequence: the sequences of this forward share chunks (no initial_state, "
+                             "output_final_state=False), so a chunk's start state is not one sequence's; "
+                             "read('h') gives it per chunk, or run with share_chunks=False.")
         C = self.layout.chunk_size
         cu = self.cu_seqlens
         lens = cu[1:] - cu[:-1]
@@ -163,14 +167,15 @@ class KDAResiduals(eqx.Module):
 class KDAGrads(eqx.Module):
     """Gradients of every differentiable input, in ``chunk_kda``'s layouts (float32 or
     float64; ``chunk_kda``'s VJP casts them to the inputs' dtypes). ``initial_state`` is
-    ``[N, HV, K, V]``; entries are None where the input was not given."""
+    ``[N, HV, K, V]``; entries are None where the input was not given (``initial_state``:
+    None also after a forward with shared chunks, which had none)."""
 
     q: Float[Array, "B T H K"]
     k: Float[Array, "B T H K"]
     v: Float[Array, "B T HV V"]
     g: Float[Array, "B T HV K"]
     beta: Float[Array, "B T HV"]
-    initial_state: SeqState
+    initial_state: Optional[SeqState]
     A_log: Optional[Float[Array, " HV"]]
     dt_bias: Optional[Float[Array, " HVK"]]
 
@@ -183,6 +188,7 @@ class _Recorder:
         self.inputs: dict = {}
         self.ran: dict = {}
         self.quiet = quiet  # no fallback warnings (plan)
+        self.layout: Optional[str] = None  # which layout the forward ran (plan)
 
 
 _RECORDERS: list = []
@@ -244,6 +250,13 @@ class KDAPipeline(eqx.Module):
     # with float32 accumulation where safe for bf16/fp16 inputs, else "highest"),
     # "highest", "bfloat16" or "float16".
     precision: str = eqx.field(static=True, default="auto")
+    # Packed varlen input (cu_seqlens) with no initial_state and no final state asked for
+    # (a training step's usual call): sequences share chunks, NC = ceil(T / C), each
+    # sequence start inside a chunk a reset through the gate (``_layout.make_shared_layout``),
+    # so many short sequences cost what their tokens cost. Needs F1 and B5 to take
+    # ``reset`` (or ``fallback``, which runs the reference ones). False, or any other
+    # varlen call: every sequence starts its own chunk. ``plan`` says which ran.
+    share_chunks: bool = eqx.field(static=True, default=True)
 
     def with_precision(self, precision: str) -> "KDAPipeline":
         """This pipeline under another precision policy (see ``kdax._precision``)."""
@@ -260,6 +273,11 @@ class KDAPipeline(eqx.Module):
         stage = getattr(self, name)
         check_family(name, stage)
         full, kwargs = kwargs, with_G_lo(stage, kwargs)
+        # ``reset`` (shared chunks) only to stages that take it; one that does not cannot
+        # run this layout (raised below, inside the fallback's reach).
+        needs_reset = kwargs.get("reset") is not None and not _takes(type(stage), "reset")
+        if "reset" in kwargs and not _takes(type(stage), "reset"):
+            kwargs = {n: x for n, x in kwargs.items() if n != "reset"}
         for rec in _RECORDERS:
             rec.inputs.setdefault(name, kwargs)
         # The named scope labels every op of the stage in HLO dumps and profiles. Products
@@ -269,6 +287,11 @@ class KDAPipeline(eqx.Module):
         with jax.named_scope(f"kdax_{name}"), _precision.stage_scope(policy, name):
             ran, reason = stage, None
             try:
+                if needs_reset:
+                    raise UnsupportedCase(
+                        "packed sequences sharing chunks (cu_seqlens without initial_state or final state) need "
+                        "a stage whose __call__ takes `reset`"
+                    )
                 check_arguments(name, stage, kwargs)
                 out = stage(**kwargs)
             except UnsupportedCase as e:
@@ -354,7 +377,7 @@ class KDAPipeline(eqx.Module):
             else:
                 stage, ran, reason = got
                 rows.append(PlanRow(name, info.step, type(stage).__qualname__, type(ran).__qualname__, reason))
-        return KDAPlan(tuple(rows), self.tile if forward[0] else None, forward[1])
+        return KDAPlan(tuple(rows), self.tile if forward[0] else None, forward[1], rec.layout)
 
     # -- forward ------------------------------------------------------------------------
 
@@ -366,12 +389,19 @@ class KDAPipeline(eqx.Module):
         B, T, H, K = q.shape
         HV, V = v.shape[2:]
         dt = compute_dtype(q, k, v, g, beta, h0)
-        layout = make_layout(B, T, config.chunk_size, cu_seqlens)
-        N = layout.empty.shape[0]
+        shared = self.shares_chunks(config, h0, cu_seqlens)
+        if shared:  # one stream of T tokens: a state table of one entry, zero
+            layout = make_shared_layout(T, config.chunk_size, cu_seqlens)
+            N = cu_seqlens.shape[0] - 1
+        else:
+            layout = make_layout(B, T, config.chunk_size, cu_seqlens)
+            N = layout.empty.shape[0]
+        for rec in _RECORDERS:
+            rec.layout = "shared" if shared else ("dense" if cu_seqlens is None else "per-sequence")
         h0_in, A_log_in, dt_bias_in = h0, A_log, dt_bias
         A_log = None if A_log is None else A_log.astype(dt)
         dt_bias = None if dt_bias is None else dt_bias.astype(dt)
-        h0 = _initial_states(h0, (N, HV, K, V), dt)
+        h0 = _initial_states(h0, (1 if shared else N, HV, K, V), dt)
         raw = (q, k, v, g, beta)
         nt = self._tile_chunks(layout.valid.shape[0] * HV, layout.num_chunks)
         if nt is not None and not layout.dense and N > nt * config.chunk_size:
@@ -383,6 +413,8 @@ class KDAPipeline(eqx.Module):
         else:
             o, final, fw = self._forward_tiled(config, layout, raw, HV, dt, A_log, dt_bias, h0, nt)
         o = o.astype(v.dtype)
+        if shared:  # not asked for (see shares_chunks): the sequences' initial states
+            final = jnp.zeros((N, HV, K, V), dt)
         act, intra, wy = fw.act, fw.intra, fw.wy
         cache = ForwardCache(act.G, intra.Aqk, intra.Akk, wy.w, wy.u, wy.qg, wy.kg, fw.h, fw.v_new)
         in_dtypes = tuple(None if x is None else jnp.dtype(x.dtype) for x in (q, k, v, g, beta, h0_in, A_log_in, dt_bias_in))
@@ -391,6 +423,14 @@ class KDAPipeline(eqx.Module):
             intra.Aqk, intra.Akk, h0, cache, H, in_dtypes, cu_seqlens,
         )
         return o, final, res
+
+    def shares_chunks(self, config: KDAConfig, initial_state, cu_seqlens) -> bool:
+        """Whether a call with these options packs its sequences into shared chunks
+        (``share_chunks``): packed varlen input, no ``initial_state``, no final state
+        asked for, and F1 and B5 taking ``reset`` (or ``fallback`` to the reference ones)."""
+        if not self.share_chunks or cu_seqlens is None or initial_state is not None or config.output_final_state:
+            return False
+        return self.fallback or all(_takes(type(getattr(self, n)), "reset") for n in ("gate", "gate_bwd"))
 
     def _tile_chunks(self, rows_heads: int, num_chunks: int) -> Optional[int]:
         """Chunks per forward tile, or None to run each stage once over everything."""
@@ -409,7 +449,7 @@ class KDAPipeline(eqx.Module):
         heads): ``(o chunked, _ForwardChunks, final states [N, HV, K, V])``."""
         qc, kc, vc, gc, bc = chunked
         act = self._stage("gate", config=config, q=qc, k=kc, g=gc, beta=bc, A_log=A_log, dt_bias=dt_bias,
-                          valid=layout.valid)
+                          valid=layout.valid, reset=layout.reset)
         intra = self._stage("intra", scale=config.scale, q=act.q, k=act.k, beta=act.beta, G=act.G, G_lo=act.G_lo)
         wy = self._stage("wy", q=act.q, k=act.k, v=vc, beta=act.beta, G=act.G, Akk=intra.Akk, G_lo=act.G_lo)
         st = self._stage("state", w=wy.w, u=wy.u, kg=wy.kg, G=act.G, h0=h0, layout=layout)
@@ -470,6 +510,10 @@ class KDAPipeline(eqx.Module):
         want = (L.valid.shape[0] if L.pos is None else 1, L.T, res.v.shape[1], res.v.shape[-1])
         if tuple(do.shape) != want:
             raise ValueError(f"do: expected shape [B, T, HV, V] = {want}, got {tuple(do.shape)}.")
+        if dht is not None and L.reset is not None:
+            raise ValueError("dht: this forward packed its sequences into shared chunks (no initial_state, "
+                             "output_final_state=False), which keeps no final states; run it with "
+                             "output_final_state=True for a loss on them.")
         if dht is not None and tuple(dht.shape) != tuple(res.h0.shape):
             raise ValueError(f"dht: expected shape [N, HV, K, V] = {tuple(res.h0.shape)}, got {tuple(dht.shape)}.")
         if self.precision == "auto":  # the policy chunk_kda resolves, for pipeline.backward
@@ -500,7 +544,7 @@ class KDAPipeline(eqx.Module):
         )
         raw = self._stage(  # B5
             "gate_bwd", config=cfg, act=act, g=res.g_raw, A_log=res.A_log, dt_bias=res.dt_bias, valid=L.valid,
-            dq=grads.dq, dk=grads.dk, dbeta=grads.dbeta, dG=grads.dG,
+            dq=grads.dq, dk=grads.dk, dbeta=grads.dbeta, dG=grads.dG, reset=L.reset,
         )
         H = res.num_qk_heads
         return KDAGrads(
@@ -509,7 +553,7 @@ class KDAPipeline(eqx.Module):
             v=unpack(L, grads.dv),
             g=unpack(L, raw.dg),
             beta=unpack(L, raw.dbeta[..., None])[..., 0],
-            initial_state=dhu.dh0,
+            initial_state=None if L.reset is not None else dhu.dh0,  # shared chunks: no initial_state given
             A_log=raw.dA_log,
             dt_bias=raw.ddt_bias,
         )
@@ -583,11 +627,15 @@ class PlanRow(NamedTuple):
 class KDAPlan(NamedTuple):
     """What ``KDAPipeline.plan`` found. ``rows``: one ``PlanRow`` per stage; ``tile``: the
     forward's tile size when ``chunk_kda`` runs without gradients (None: whole);
-    ``not_tile_safe``: the forward stages that keep the forward whole."""
+    ``not_tile_safe``: the forward stages that keep the forward whole; ``layout``: how the
+    tokens sit in chunks: "dense" (one sequence per row), "per-sequence" (packed varlen,
+    each sequence from a chunk boundary) or "shared" (packed varlen, sequences sharing
+    chunks: ``KDAPipeline.share_chunks``)."""
 
     rows: tuple
     tile: Optional[int]
     not_tile_safe: tuple
+    layout: Optional[str] = None
 
     @property
     def fallbacks(self) -> dict:
@@ -604,6 +652,10 @@ class KDAPlan(NamedTuple):
             lines.append(f"forward: whole (not tile-safe: {', '.join(self.not_tile_safe)})")
         else:
             lines.append("forward: " + ("whole" if self.tile is None else f"tiles of ~{self.tile} blocks without gradients, whole under one"))
+        if self.layout is not None:
+            what = {"dense": "one sequence per row", "per-sequence": "each packed sequence from a chunk boundary",
+                    "shared": "packed sequences share chunks, NC = ceil(T / C)"}[self.layout]
+            lines.append(f"layout: {self.layout}: {what}")
         return "\n".join(lines)
 
 
