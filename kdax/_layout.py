@@ -10,9 +10,10 @@ tokens are zeros with ``valid`` False: they neither decay nor write the state.
 dense layout of its one row, each token at its own position, NC = ceil(T / C), and
 ``reset`` marking every sequence's first token after token 0. F1 gives such a token the
 log decay floor (``clamp_log_decay``), which resets the state it meets to within
-exp(floor) (below the dtype's resolution), and B5 gives it a zero gate gradient: exact
-when every sequence starts from a zero state (no ``initial_state``) and no final state
-is asked for, the case the pipeline uses it for (``KDAPipeline.share_chunks``).
+exp(floor) (below the dtype's resolution), and B5 gives it a zero gate gradient (a start
+on a chunk boundary is also an exact reset of the state stages, ``first``/``last``):
+exact when every sequence starts from a zero state (no ``initial_state``) and no final
+state is asked for, the case the pipeline uses it for (``KDAPipeline.share_chunks``).
 """
 
 from typing import Optional
@@ -33,7 +34,8 @@ class ChunkLayout(eqx.Module):
     ``last`` (the Pallas state kernels, the forward's tiles); False for any other layout.
     ``reset [R, NC, C]`` (shared layout only, else None): tokens that start a sequence
     inside the row, the state reset through the gate (F1 and B5 take it); the row is
-    then one stream for the state stages (``dense``), its entry state zero.
+    then one stream with a state table of one entry (zero), entered and left at the
+    chunks where a sequence starts on the chunk boundary.
     """
 
     first: Int[Array, "R NC"]
@@ -80,20 +82,27 @@ def make_layout(B: int, T: int, chunk_size: int, cu_seqlens=None) -> ChunkLayout
 
 
 def make_shared_layout(T: int, chunk_size: int, cu_seqlens) -> ChunkLayout:
-    """Packed varlen input (B == 1) with sequences sharing chunks: the dense layout of one
-    row of T tokens (NC = ceil(T / C), whatever ``cu_seqlens`` holds) plus ``reset`` at
-    the first token of every sequence of length > 0 that starts after token 0. Its state
-    table has one entry (the row's); per-sequence initial and final states are not
-    represented (see the module docstring)."""
+    """Packed varlen input (B == 1) with sequences sharing chunks: one row of T tokens,
+    each at its own position (NC = ceil(T / C), whatever ``cu_seqlens`` holds), ``reset``
+    at the first token of every sequence of length > 0 that starts after token 0. The
+    state table has one entry, zero: ``first`` enters it (an exact reset) at every chunk
+    that starts with a sequence's first token, and ``last`` ends the stream (entry 0)
+    before each such chunk, so a NaN or inf reaches no chunk from the next such start on.
+    Per-sequence initial and final states are not represented (module docstring)."""
     C = chunk_size
     base = make_layout(1, T, C)
+    nc = base.num_chunks
     cu = jnp.asarray(cu_seqlens, jnp.int32)
     starts, lens = cu[:-1], cu[1:] - cu[:-1]
-    n = base.num_chunks * C
-    # Index n is out of range: mode="drop" skips empty sequences and a start at token 0.
-    at = jnp.where((lens > 0) & (starts > 0), starts, n)
-    reset = jnp.zeros((n,), bool).at[at].set(True, mode="drop").reshape(1, base.num_chunks, C)
-    return ChunkLayout(base.first, base.last, base.valid, base.empty, None, T, C, dense=True, reset=reset)
+    # Index nc * C (nc) is out of range: mode="drop" skips empty sequences and token 0.
+    at = jnp.where((lens > 0) & (starts > 0), starts, nc * C)
+    reset = jnp.zeros((nc * C,), bool).at[at].set(True, mode="drop").reshape(1, nc, C)
+    c = jnp.arange(nc)
+    starts_chunk = reset[0, :, 0] | (c == 0)
+    ends_chunk = jnp.concatenate([starts_chunk[1:], jnp.ones((min(nc, 1),), bool)])
+    first = jnp.where(starts_chunk, 0, -1).astype(jnp.int32)[None]
+    last = jnp.where(ends_chunk, 0, -1).astype(jnp.int32)[None]
+    return ChunkLayout(first, last, base.valid, base.empty, None, T, C, reset=reset)
 
 
 def pack(layout: ChunkLayout, x, dtype=None):

@@ -404,7 +404,7 @@ class KDAPipeline(eqx.Module):
         h0 = _initial_states(h0, (1 if shared else N, HV, K, V), dt)
         raw = (q, k, v, g, beta)
         nt = self._tile_chunks(layout.valid.shape[0] * HV, layout.num_chunks)
-        if nt is not None and not layout.dense and N > nt * config.chunk_size:
+        if nt is not None and not layout.dense and h0.shape[0] > nt * config.chunk_size:
             nt = None  # each tile's state table, O(N), would cost more than its tokens
         if nt is None:
             chunked = _pack_inputs(layout, raw, HV, dt)

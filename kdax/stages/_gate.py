@@ -31,8 +31,9 @@ def activated_gate(config: KDAConfig, g, A_log, dt_bias, valid, reset=None):
         g = _HeadsBack(kda_gate(_HeadsLast(g), A_log, dt_bias, config.lower_bound))
     g = clamp_log_decay(g)
     if reset is not None:
-        # min keeps a NaN gate NaN (it then reaches G from its own row on, as any NaN).
-        g = jnp.where(reset[:, None, :, :, None], jnp.minimum(g, log_decay_floor(g.dtype)), g)
+        # A NaN or inf gate stays (it then reaches G from its own row on, as any).
+        floor = jnp.where(jnp.isfinite(g), jnp.asarray(log_decay_floor(g.dtype), g.dtype), g)
+        g = jnp.where(reset[:, None, :, :, None], floor, g)
     return jnp.where(valid[:, None, :, :, None], g, 0.0)
 
 

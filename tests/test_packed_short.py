@@ -1,0 +1,197 @@
+"""Issue 18, item 8: many short packed sequences share chunks (``_layout.make_shared_layout``):
+exact against the float64 oracle (outputs and every gradient), the layout visible in
+``plan``, shapes independent of the ``cu_seqlens`` values, checks under jit, NaN
+containment, tiles; with ``initial_state`` or a final state, one sequence per chunk."""
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kdax
+from kdax._layout import make_shared_layout
+from kdax.ref._gates import log_decay_floor
+
+from ._util import assert_close, loss_grads, make_inputs, oracle_kda, rel_rms, run, split_args
+
+C = 16
+# Lengths 1..3C: one-token runs, empty sequences (also first and last), a sequence of
+# exactly C from a chunk boundary, sequences straddling chunk boundaries, a start at a
+# chunk boundary after a short one.
+MIX = [0, 0, 1, 2, 2, 3, 19, 20, 68, 69, 70, 70, 85, 86, 96, 100, 100]
+ONES = list(range(49))  # 48 one-token sequences: three chunks of 16
+
+
+def _fn(pipe=None, C=C):
+    pipe = kdax.KDAPipeline.reference() if pipe is None else pipe
+    return lambda *a, **kw: kdax.chunk_kda(*a, pipeline=pipe, chunk_size=C, **kw)
+
+
+def _inputs(cu, dtype=jnp.float64, seed=0, h0=False, gate=False, **kw):
+    return make_inputs(seed=seed, B=1, T=cu[-1], H=1, HV=2, K=8, V=8, N=len(cu) - 1, dtype=dtype, h0=h0,
+                       gate="raw" if gate else "log", A_log=gate, dt_bias=gate, beta_raw=gate, **kw)
+
+
+def _check(fn, x, options, tol, seed=3):
+    """Outputs, final states (if asked) and every gradient against the oracle; returns the
+    gradients."""
+    o, ht = run(fn, x, options)
+    o_ref, ht_ref = run(oracle_kda, x, options)
+    assert_close(o, o_ref, tol, "o")
+    if options.get("output_final_state"):
+        assert_close(ht, ht_ref, tol, "ht")
+    r = np.random.default_rng(seed)
+    do = jnp.asarray(r.normal(size=o.shape), o.dtype)
+    dht = jnp.asarray(r.normal(size=ht.shape), ht.dtype) if ht is not None else None
+    got = loss_grads(fn, x, options, do, dht)
+    want = loss_grads(oracle_kda, x, options, do, dht)
+    for n in got:
+        assert_close(got[n], want[n], tol, "d" + n)
+    return got
+
+
+def _starts(cu):
+    """Tokens that start a sequence after token 0 (the shared layout's resets)."""
+    return sorted({s for s, e in zip(cu[:-1], cu[1:]) if e > s and s > 0})
+
+
+@pytest.mark.parametrize("cu", [ONES, MIX], ids=["one_token", "mix"])
+def test_shared_chunks_exact(cu):
+    x = _inputs(cu)
+    options = dict(cu_seqlens=jnp.asarray(cu, jnp.int32))
+    pos, _ = split_args(x)
+    plan = kdax.KDAPipeline.reference().plan(*pos, chunk_size=C, **options)
+    assert plan.layout == "shared" and "layout: shared" in str(plan) and not plan.fallbacks
+    grads = _check(_fn(), x, options, 1e-12)
+    # A sequence's first token meets a zero state: its gate gradient is exactly 0.
+    assert np.all(np.asarray(grads["g"])[0, _starts(cu)] == 0)
+
+
+def test_shared_chunks_in_kernel_gate_and_activations():
+    """Softplus gate with A_log and dt_bias, l2norm, beta sigmoid: every gradient."""
+    x = _inputs(MIX, gate=True)
+    options = dict(cu_seqlens=jnp.asarray(MIX, jnp.int32), use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
+                   use_beta_sigmoid_in_kernel=True)
+    grads = _check(_fn(), x, options, 1e-12)
+    assert set(grads) == {"q", "k", "v", "g", "beta", "A_log", "dt_bias"}
+    assert np.all(np.asarray(grads["g"])[0, _starts(MIX)] == 0)
+
+
+@pytest.mark.parametrize("h0,final", [
+    (True, True), pytest.param(True, False, marks=pytest.mark.slow), pytest.param(False, True, marks=pytest.mark.slow),
+])
+def test_states_keep_one_sequence_per_chunk(h0, final):
+    """An initial state or a final state: one sequence per chunk, exact, said by plan."""
+    x = _inputs(MIX, h0=h0)
+    options = dict(cu_seqlens=jnp.asarray(MIX, jnp.int32), output_final_state=final)
+    pos, kw = split_args(x)
+    assert kdax.KDAPipeline.reference().plan(*pos, chunk_size=C, **kw, **options).layout == "per-sequence"
+    _check(_fn(), x, options, 1e-12)
+
+
+def test_share_chunks_off_and_custom_gate_keep_the_per_sequence_layout():
+    x = _inputs(MIX)
+    pos, _ = split_args(x)
+    cu = jnp.asarray(MIX, jnp.int32)
+    ref = kdax.KDAPipeline.reference()
+    off = dataclasses.replace(ref, share_chunks=False)
+    assert off.plan(*pos, cu_seqlens=cu, chunk_size=C).layout == "per-sequence"
+
+    class OldGate(kdax.stages.AbstractGate):  # a user's F1 written before `reset`
+        def __call__(self, config, q, k, g, beta, A_log, dt_bias, valid):
+            return kdax.stages.ReferenceGate()(config, q, k, g, beta, A_log, dt_bias, valid)
+
+    custom = eqx.tree_at(lambda p: p.gate, ref, OldGate())
+    assert custom.plan(*pos, cu_seqlens=cu, chunk_size=C).layout == "per-sequence"  # no fallback: not shared
+    with_fallback = dataclasses.replace(custom, fallback=True)
+    plan = with_fallback.plan(*pos, cu_seqlens=cu, chunk_size=C)
+    assert plan.layout == "shared" and "reset" in plan.fallbacks["gate"]
+    o_ref = oracle_kda(*pos, cu_seqlens=MIX)[0]
+    for pipe in (off, custom):
+        assert_close(jax.jit(lambda *a: _fn(pipe)(*a, cu_seqlens=cu)[0])(*pos), o_ref, 1e-12, "o")
+
+
+def test_no_padding_and_no_recompile_for_new_offsets():
+    """NC = ceil(T / C) whatever the offsets; new offsets of the same N reuse the program."""
+    layout = make_shared_layout(1000, 64, jnp.arange(1001, dtype=jnp.int32))
+    assert layout.num_chunks == 16 and int(layout.reset.sum()) == 999
+    assert np.all(np.asarray(layout.first) == 0) and np.all(np.asarray(layout.last) == 0)  # exact at chunk starts
+    x = _inputs(MIX)
+    pos, _ = split_args(x)
+    traces = []
+
+    @jax.jit
+    def f(cu, *a):
+        traces.append(1)
+        return _fn()(*a, cu_seqlens=cu)[0]
+
+    for cu in (MIX, [0] + sorted(np.random.default_rng(1).integers(0, 100, len(MIX) - 2).tolist()) + [100]):
+        assert_close(f(jnp.asarray(cu, jnp.int32), *pos), oracle_kda(*pos, cu_seqlens=cu)[0], 1e-12, "o")
+    assert len(traces) == 1
+
+
+def test_traced_cu_seqlens_still_checked():
+    x = _inputs(MIX)
+    pos, _ = split_args(x)
+    f = jax.jit(lambda cu, *a: _fn()(*a, cu_seqlens=cu)[0])
+    bad = np.array(MIX)
+    bad[5] = bad[4] - 1  # decreasing
+    with pytest.raises(Exception, match="cu_seqlens"):
+        jax.block_until_ready(f(jnp.asarray(bad, jnp.int32), *pos))
+
+
+def test_tiled_forward_equals_whole():
+    """Without gradients the CPU forward runs in tiles; the resets travel with each tile
+    (full tiles in the loop and the shorter tail)."""
+    x = _inputs(MIX)
+    pos, _ = split_args(x)
+    cu = jnp.asarray(MIX, jnp.int32)
+    tiled = dataclasses.replace(kdax.KDAPipeline.reference(), tile=4)  # 2 chunks per tile (HV = 2): 3 + tail
+    assert tiled.plan(*pos, cu_seqlens=cu, chunk_size=C).tile == 4
+    o = jax.jit(lambda *a: _fn(tiled)(*a, cu_seqlens=cu)[0])(*pos)
+    assert_close(o, oracle_kda(*pos, cu_seqlens=MIX)[0], 1e-12, "o tiled")
+
+
+def test_float32_as_good_as_the_recurrence():
+    """float32: a reset leaves exp(floor) = 2e-9 of the state it meets; outputs and every
+    gradient within 10x the float32 recurrence's error against the float64 oracle."""
+    x64 = _inputs(MIX, seed=5)
+    x32 = {n: a.astype(jnp.float32) for n, a in x64.items()}
+    cu = jnp.asarray(MIX, jnp.int32)
+    r = np.random.default_rng(2)
+    do = r.normal(size=x64["v"].shape)
+    rec = lambda *a, **kw: kdax.fused_recurrent_kda(*a, **kw)
+    want = loss_grads(oracle_kda, x64, dict(cu_seqlens=MIX), jnp.asarray(do), None)
+    want["o"] = run(oracle_kda, x64, dict(cu_seqlens=MIX))[0]
+    errs = {}
+    for name, fn in (("chunk", _fn()), ("recurrent", rec)):
+        got = loss_grads(fn, x32, dict(cu_seqlens=cu), jnp.asarray(do, jnp.float32), None)
+        got["o"] = run(fn, x32, dict(cu_seqlens=cu))[0]
+        errs[name] = {n: rel_rms(got[n], want[n]) for n in want}
+    for n in want:
+        assert errs["chunk"][n] <= max(10 * errs["recurrent"][n], 1e-6), (n, errs)
+
+
+def test_non_finite_stays_where_it_entered():
+    """A NaN or inf at token t (a sequence's first token, or inside one): outputs before t
+    bit-identical; so are the outputs from the next sequence that starts on a chunk
+    boundary on (token 32; the tokens in between share the state stream, see
+    docs/stages.md)."""
+    cu = [0, 3, 9, 10, 21, 32, 40, 64]
+    x = _inputs(cu, dtype=jnp.float32, seed=8)
+    f = jax.jit(lambda xx: _fn()(xx["q"], xx["k"], xx["v"], xx["g"], xx["beta"], cu_seqlens=jnp.asarray(cu))[0])
+    clean = np.asarray(f(x))
+    for t in (9, 12):  # the first token of a sequence inside chunk 0; inside a sequence
+        for name in ("q", "k", "v", "g", "beta"):
+            for bad in (np.nan, np.inf):
+                y = dict(x)
+                a = np.array(y[name])
+                a[0, t] = bad
+                y[name] = jnp.asarray(a)
+                o = np.asarray(f(y))
+                assert np.array_equal(o[0, :t], clean[0, :t]), (t, name, bad)
+                assert np.array_equal(o[0, 32:], clean[0, 32:]), (t, name, bad)
+                assert not np.array_equal(o[0, t:], clean[0, t:]), (t, name, bad)  # and it did arrive
