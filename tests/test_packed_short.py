@@ -35,22 +35,47 @@ def _inputs(cu, dtype=jnp.float64, seed=0, h0=False, gate=False, **kw):
                        gate="raw" if gate else "log", A_log=gate, dt_bias=gate, beta_raw=gate, **kw)
 
 
-def _check(fn, x, options, tol, seed=3):
-    """Outputs, final states (if asked) and every gradient against the oracle; returns the
-    gradients."""
-    o, ht = run(fn, x, options)
-    o_ref, ht_ref = run(oracle_kda, x, options)
-    assert_close(o, o_ref, tol, "o")
-    if options.get("output_final_state"):
-        assert_close(ht, ht_ref, tol, "ht")
+def _outputs_and_grads(fn, x, options, do, dht):
+    """``(o, ht, gradients of sum(o * do) + sum(ht * dht))`` of ``fn`` under one jit."""
+    names = [n for n in ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias") if n in x]
+
+    @jax.jit
+    def f(arrays):
+        def loss(arrays):
+            pos, kw = split_args(arrays)
+            o, ht = fn(*pos, **kw, **options)
+            val = jnp.sum(o * do)
+            return val + (jnp.sum(ht * dht) if ht is not None else 0.0), (o, ht)
+
+        grads, (o, ht) = jax.grad(loss, has_aux=True)(arrays)
+        return o, ht, grads
+
+    o, ht, grads = f({n: x[n] for n in names})
+    return o, ht, grads
+
+
+def _check(fn, x, options, tol, seed=3, oracle=oracle_kda, oracle_options=None):
+    """Outputs, final states (if asked) and every gradient against the float64 oracle;
+    returns the gradients."""
     r = np.random.default_rng(seed)
-    do = jnp.asarray(r.normal(size=o.shape), o.dtype)
-    dht = jnp.asarray(r.normal(size=ht.shape), ht.dtype) if ht is not None else None
-    got = loss_grads(fn, x, options, do, dht)
-    want = loss_grads(oracle_kda, x, options, do, dht)
-    for n in got:
+    do = jnp.asarray(r.normal(size=x["v"].shape))
+    N, HV, K, V = len(options["cu_seqlens"]) - 1, *x["v"].shape[2:3], x["q"].shape[-1], x["v"].shape[-1]
+    dht = jnp.asarray(r.normal(size=(N, HV, K, V))) if options.get("output_final_state") else None
+    o, ht, got = _outputs_and_grads(fn, x, options, do, dht)
+    o_ref, ht_ref, want = _outputs_and_grads(oracle, x, dict(options, **(oracle_options or {})), do, dht)
+    assert_close(o, o_ref, tol, "o")
+    if dht is not None:
+        assert_close(ht, ht_ref, tol, "ht")
+    for n in want:
         assert_close(got[n], want[n], tol, "d" + n)
     return got
+
+
+@jax.jit
+def _recurrent(cu, *a):
+    """float64 recurrence, ``cu_seqlens`` traced (one compile): the reference of the tests
+    below that check layouts and tiles rather than exactness (the oracle checks that)."""
+    return kdax.fused_recurrent_kda(*a, cu_seqlens=cu)[0]
 
 
 def _starts(cu):
@@ -58,20 +83,31 @@ def _starts(cu):
     return sorted({s for s, e in zip(cu[:-1], cu[1:]) if e > s and s > 0})
 
 
-@pytest.mark.parametrize("cu", [ONES, MIX], ids=["one_token", "mix"])
+def _rows_oracle(*a, cu_seqlens=None, **kw):
+    """The float64 oracle for sequences of one token each: each sequence a row of a dense
+    batch from a zero state (one scan instead of one per sequence)."""
+    rows = lambda x: jnp.swapaxes(x, 0, 1)  # [1, N, ...] -> [N, 1, ...]
+    o, ht = oracle_kda(*(rows(x) for x in a), **kw)
+    return rows(o), ht
+
+
+# (the mix of lengths runs in the default run with the in-kernel gate, below)
+@pytest.mark.parametrize("cu", [ONES, pytest.param(MIX, marks=pytest.mark.slow)], ids=["one_token", "mix"])
 def test_shared_chunks_exact(cu):
     x = _inputs(cu)
     options = dict(cu_seqlens=jnp.asarray(cu, jnp.int32))
     pos, _ = split_args(x)
     plan = kdax.KDAPipeline.reference().plan(*pos, chunk_size=C, **options)
     assert plan.layout == "shared" and "layout: shared" in str(plan) and not plan.fallbacks
-    grads = _check(_fn(), x, options, 1e-12)
+    oracle = _rows_oracle if cu == ONES else oracle_kda
+    grads = _check(_fn(), x, options, 1e-12, oracle=oracle, oracle_options=dict(cu_seqlens=cu if cu != ONES else None))
     # A sequence's first token meets a zero state: its gate gradient is exactly 0.
     assert np.all(np.asarray(grads["g"])[0, _starts(cu)] == 0)
 
 
 def test_shared_chunks_in_kernel_gate_and_activations():
-    """Softplus gate with A_log and dt_bias, l2norm, beta sigmoid: every gradient."""
+    """The mix of lengths with the softplus gate (A_log, dt_bias), l2norm, beta sigmoid:
+    every gradient."""
     x = _inputs(MIX, gate=True)
     options = dict(cu_seqlens=jnp.asarray(MIX, jnp.int32), use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
                    use_beta_sigmoid_in_kernel=True)
@@ -80,16 +116,20 @@ def test_shared_chunks_in_kernel_gate_and_activations():
     assert np.all(np.asarray(grads["g"])[0, _starts(MIX)] == 0)
 
 
-@pytest.mark.parametrize("h0,final", [
-    (True, True), pytest.param(True, False, marks=pytest.mark.slow), pytest.param(False, True, marks=pytest.mark.slow),
-])
-def test_states_keep_one_sequence_per_chunk(h0, final):
-    """An initial state or a final state: one sequence per chunk, exact, said by plan."""
+@pytest.mark.parametrize("h0,final", [(True, True), (True, False), (False, True)])
+def test_states_keep_one_sequence_per_chunk_plan(h0, final):
+    """An initial state or a final state: one sequence per chunk, said by plan."""
     x = _inputs(MIX, h0=h0)
-    options = dict(cu_seqlens=jnp.asarray(MIX, jnp.int32), output_final_state=final)
     pos, kw = split_args(x)
-    assert kdax.KDAPipeline.reference().plan(*pos, chunk_size=C, **kw, **options).layout == "per-sequence"
-    _check(_fn(), x, options, 1e-12)
+    plan = kdax.KDAPipeline.reference().plan(*pos, chunk_size=C, cu_seqlens=jnp.asarray(MIX), output_final_state=final, **kw)
+    assert plan.layout == "per-sequence" and "layout: per-sequence" in str(plan)
+
+
+@pytest.mark.slow  # (tests/test_pipeline.py's varlen cases run this layout in the default run)
+@pytest.mark.parametrize("h0,final", [(True, True), (True, False), (False, True)])
+def test_states_keep_one_sequence_per_chunk(h0, final):
+    x = _inputs(MIX, h0=h0)
+    _check(_fn(), x, dict(cu_seqlens=jnp.asarray(MIX, jnp.int32), output_final_state=final), 1e-12)
 
 
 def test_share_chunks_off_and_custom_gate_keep_the_per_sequence_layout():
@@ -109,9 +149,7 @@ def test_share_chunks_off_and_custom_gate_keep_the_per_sequence_layout():
     with_fallback = dataclasses.replace(custom, fallback=True)
     plan = with_fallback.plan(*pos, cu_seqlens=cu, chunk_size=C)
     assert plan.layout == "shared" and "reset" in plan.fallbacks["gate"]
-    o_ref = oracle_kda(*pos, cu_seqlens=MIX)[0]
-    for pipe in (off, custom):
-        assert_close(jax.jit(lambda *a: _fn(pipe)(*a, cu_seqlens=cu)[0])(*pos), o_ref, 1e-12, "o")
+    assert_close(jax.jit(lambda *a: _fn(custom)(*a, cu_seqlens=cu)[0])(*pos), _recurrent(cu, *pos), 1e-12, "o")
 
 
 def test_no_padding_and_no_recompile_for_new_offsets():
@@ -129,7 +167,8 @@ def test_no_padding_and_no_recompile_for_new_offsets():
         return _fn()(*a, cu_seqlens=cu)[0]
 
     for cu in (MIX, [0] + sorted(np.random.default_rng(1).integers(0, 100, len(MIX) - 2).tolist()) + [100]):
-        assert_close(f(jnp.asarray(cu, jnp.int32), *pos), oracle_kda(*pos, cu_seqlens=cu)[0], 1e-12, "o")
+        cu = jnp.asarray(cu, jnp.int32)
+        assert_close(f(cu, *pos), _recurrent(cu, *pos), 1e-12, "o")
     assert len(traces) == 1
 
 
@@ -152,24 +191,24 @@ def test_tiled_forward_equals_whole():
     tiled = dataclasses.replace(kdax.KDAPipeline.reference(), tile=4)  # 2 chunks per tile (HV = 2): 3 + tail
     assert tiled.plan(*pos, cu_seqlens=cu, chunk_size=C).tile == 4
     o = jax.jit(lambda *a: _fn(tiled)(*a, cu_seqlens=cu)[0])(*pos)
-    assert_close(o, oracle_kda(*pos, cu_seqlens=MIX)[0], 1e-12, "o tiled")
+    assert_close(o, _recurrent(cu, *pos), 1e-12, "o tiled")
 
 
 def test_float32_as_good_as_the_recurrence():
     """float32: a reset leaves exp(floor) = 2e-9 of the state it meets; outputs and every
     gradient within 10x the float32 recurrence's error against the float64 oracle."""
-    x64 = _inputs(MIX, seed=5)
+    cu = [0, 1, 2, 19, 20, 52, 53, 64]
+    x64 = _inputs(cu, seed=5)
     x32 = {n: a.astype(jnp.float32) for n, a in x64.items()}
-    cu = jnp.asarray(MIX, jnp.int32)
-    r = np.random.default_rng(2)
-    do = r.normal(size=x64["v"].shape)
+    do = jnp.asarray(np.random.default_rng(2).normal(size=x64["v"].shape))
+    opts = dict(cu_seqlens=jnp.asarray(cu, jnp.int32))
     rec = lambda *a, **kw: kdax.fused_recurrent_kda(*a, **kw)
-    want = loss_grads(oracle_kda, x64, dict(cu_seqlens=MIX), jnp.asarray(do), None)
-    want["o"] = run(oracle_kda, x64, dict(cu_seqlens=MIX))[0]
+    o, _, want = _outputs_and_grads(oracle_kda, x64, dict(cu_seqlens=cu), do, None)
+    want["o"] = o
     errs = {}
     for name, fn in (("chunk", _fn()), ("recurrent", rec)):
-        got = loss_grads(fn, x32, dict(cu_seqlens=cu), jnp.asarray(do, jnp.float32), None)
-        got["o"] = run(fn, x32, dict(cu_seqlens=cu))[0]
+        o, _, got = _outputs_and_grads(fn, x32, opts, do.astype(jnp.float32), None)
+        got["o"] = o
         errs[name] = {n: rel_rms(got[n], want[n]) for n in want}
     for n in want:
         assert errs["chunk"][n] <= max(10 * errs["recurrent"][n], 1e-6), (n, errs)
