@@ -234,3 +234,31 @@ def test_non_finite_stays_where_it_entered():
                 assert np.array_equal(o[0, :t], clean[0, :t]), (t, name, bad)
                 assert np.array_equal(o[0, 32:], clean[0, 32:]), (t, name, bad)
                 assert not np.array_equal(o[0, t:], clean[0, t:]), (t, name, bad)  # and it did arrive
+
+
+def test_forward_residuals_and_backward_of_shared_chunks():
+    """``KDAPipeline.forward`` packs as ``chunk_kda`` does: token intermediates read per
+    sequence as with one sequence per chunk; the per-chunk state per sequence and a
+    ``dht`` are refused with the reason."""
+    x = _inputs(MIX)
+    pos, _ = split_args(x)
+    cu = jnp.asarray(MIX, jnp.int32)
+    ref = kdax.KDAPipeline.reference().untiled()
+    off = dataclasses.replace(ref, share_chunks=False)
+    do = jnp.ones(x["v"].shape, x["v"].dtype)
+
+    @jax.jit
+    def f(*a):
+        _, ht, res = ref.forward(*a, chunk_size=C, cu_seqlens=cu)
+        _, _, res_off = off.forward(*a, chunk_size=C, cu_seqlens=cu)
+        assert ht is None and res.layout.reset is not None and res_off.layout.reset is None
+        with pytest.raises(ValueError, match="per_sequence: the sequences of this forward share chunks"):
+            res.read("h", per_sequence=True)
+        with pytest.raises(ValueError, match="dht: this forward packed its sequences into shared chunks"):
+            ref.backward(res, do, jnp.zeros((len(MIX) - 1, 2, 8, 8)))
+        grads = ref.backward(res, do)
+        assert grads.initial_state is None
+        return res.read("v_new", per_sequence=True), res_off.read("v_new", per_sequence=True)
+
+    v_new, v_new_off = f(*pos)
+    assert_close(v_new, v_new_off, 1e-12, "v_new")
