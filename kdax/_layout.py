@@ -8,7 +8,7 @@ tokens are zeros with ``valid`` False: they neither decay nor write the state.
 
 ``make_shared_layout`` packs varlen input without padding (sequences share chunks): the
 dense layout of its one row, each token at its own position, NC = ceil(T / C), and
-``reset`` marking every sequence's first token after token 0. F1 gives such a token the
+``reset`` marking every sequence's first token. F1 gives such a token the
 log decay floor (``clamp_log_decay``), which resets the state it meets to within
 exp(floor) (below the dtype's resolution), and B5 gives it a zero gate gradient (a start
 on a chunk boundary is also an exact reset of the state stages, ``first``/``last``):
@@ -32,8 +32,7 @@ class ChunkLayout(eqx.Module):
     token t of row r sits at position t). ``dense``: a promise that row r holds sequence r
     alone, from chunk 0 to the row's last chunk, so that stages may ignore ``first`` and
     ``last`` (the Pallas state kernels, the forward's tiles); False for any other layout.
-    ``reset [R, NC, C]`` (shared layout only, else None): tokens that start a sequence
-    inside the row, the state reset through the gate (F1 and B5 take it); the row is
+    ``reset [R, NC, C]`` (shared layout only, else None): tokens that start a sequence, the state reset through the gate (F1 and B5 take it); the row is
     then one stream with a state table of one entry (zero), entered and left at the
     chunks where a sequence starts on the chunk boundary.
     """
@@ -84,18 +83,18 @@ def make_layout(B: int, T: int, chunk_size: int, cu_seqlens=None) -> ChunkLayout
 def make_shared_layout(T: int, chunk_size: int, cu_seqlens) -> ChunkLayout:
     """Packed varlen input (B == 1) with sequences sharing chunks: one row of T tokens,
     each at its own position (NC = ceil(T / C), whatever ``cu_seqlens`` holds), ``reset``
-    at the first token of every sequence of length > 0 that starts after token 0. The
-    state table has one entry, zero: ``first`` enters it (an exact reset) at every chunk
-    that starts with a sequence's first token, and ``last`` ends the stream (entry 0)
-    before each such chunk, so a NaN or inf reaches no chunk from the next such start on.
+    at the first token of every sequence of length > 0. The state table has one entry,
+    zero: ``first`` enters it (an exact reset) at every chunk that starts with a
+    sequence's first token, and ``last`` ends the stream (entry 0) before each such
+    chunk, so a NaN or inf reaches no chunk from the next such start on.
     Per-sequence initial and final states are not represented (module docstring)."""
     C = chunk_size
     base = make_layout(1, T, C)
     nc = base.num_chunks
     cu = jnp.asarray(cu_seqlens, jnp.int32)
     starts, lens = cu[:-1], cu[1:] - cu[:-1]
-    # Index nc * C (nc) is out of range: mode="drop" skips empty sequences and token 0.
-    at = jnp.where((lens > 0) & (starts > 0), starts, nc * C)
+    # Index nc * C is out of range: mode="drop" skips empty sequences.
+    at = jnp.where(lens > 0, starts, nc * C)
     reset = jnp.zeros((nc * C,), bool).at[at].set(True, mode="drop").reshape(1, nc, C)
     c = jnp.arange(nc)
     starts_chunk = reset[0, :, 0] | (c == 0)

@@ -24,6 +24,7 @@ PIPELINES = {
 }
 
 
+@pytest.mark.filterwarnings("ignore::kdax.FallbackWarning")
 @pytest.mark.parametrize("pipe", [p if p == "pallas_triton" else pytest.param(p, marks=pytest.mark.slow) for p in PIPELINES])
 def test_shared_chunks_exact(pipe):
     pipeline = PIPELINES[pipe]()
