@@ -61,8 +61,8 @@ from .stages import (
     ReferenceWYDqkg,
     WYOut,
 )
-from .stages._hilo import _takes, with_G_lo
-from .stages._ops import zeros_after
+from .stages._hilo import _takes, exponent, with_G_lo
+from .stages._ops import mT, zeros_after
 
 
 class KDAResiduals(eqx.Module):
@@ -250,12 +250,15 @@ class KDAPipeline(eqx.Module):
     # with float32 accumulation where safe for bf16/fp16 inputs, else "highest"),
     # "highest", "bfloat16" or "float16".
     precision: str = eqx.field(static=True, default="auto")
-    # Packed varlen input (cu_seqlens) with no initial_state and no final state asked for
-    # (a training step's usual call): sequences share chunks, NC = ceil(T / C), each
-    # sequence start inside a chunk a reset through the gate (``_layout.make_shared_layout``),
-    # so many short sequences cost what their tokens cost. Needs F1 and B5 to take
-    # ``reset`` (or ``fallback``, which runs the reference ones). False, or any other
-    # varlen call: every sequence starts its own chunk. ``plan`` says which ran.
+    # Packed varlen input (cu_seqlens) with no initial_state (a training step's usual
+    # call): sequences share chunks, NC = ceil(T / C), each sequence start a reset through
+    # the gate (``_layout.make_shared_layout``), so many short sequences cost what their
+    # tokens cost. Final states (``chunk_kda``'s ``output_final_state``) are read from the
+    # chunk of each sequence's last token; a loss on them makes the backward rerun the
+    # forward with one sequence per chunk. Needs F1 and B5 to take ``reset`` (or
+    # ``fallback``, which runs the reference ones). False, an initial state, or
+    # ``KDAPipeline.forward`` with ``output_final_state``: every sequence starts its own
+    # chunk. ``plan`` says which ran.
     share_chunks: bool = eqx.field(static=True, default=True)
 
     def with_precision(self, precision: str) -> "KDAPipeline":
@@ -381,23 +384,26 @@ class KDAPipeline(eqx.Module):
 
     # -- forward ------------------------------------------------------------------------
 
-    def run_forward(self, config: KDAConfig, q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens):
+    def run_forward(self, config: KDAConfig, q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens,
+                    shared_finals: bool = False):
         """Forward on the raw inputs (``h0`` ``[N, HV, K, V]`` or None). Returns
-        ``(o, final [N, HV, K, V], residuals with the full cache)``."""
+        ``(o, final [N, HV, K, V], residuals with the full cache)``. ``shared_finals``: the
+        caller can differentiate final states of a shared layout (``chunk_kda``'s VJP)."""
         for name in STAGES:  # a pipeline edited with eqx.tree_at skips __check_init__
             check_family(name, getattr(self, name))
         B, T, H, K = q.shape
         HV, V = v.shape[2:]
         dt = compute_dtype(q, k, v, g, beta, h0)
-        shared = self.shares_chunks(config, h0, cu_seqlens)
+        shared = self.shares_chunks(config, h0, cu_seqlens, shared_finals)
         if shared:  # one stream of T tokens: a state table of one entry, zero
             layout = make_shared_layout(T, config.chunk_size, cu_seqlens)
             N = cu_seqlens.shape[0] - 1
         else:
             layout = make_layout(B, T, config.chunk_size, cu_seqlens)
             N = layout.empty.shape[0]
-        for rec in _RECORDERS:
-            rec.layout = "shared" if shared else ("dense" if cu_seqlens is None else "per-sequence")
+        for rec in _RECORDERS:  # (the forward's: a backward's rerun does not count)
+            if rec.layout is None:
+                rec.layout = "shared" if shared else ("dense" if cu_seqlens is None else "per-sequence")
         h0_in, A_log_in, dt_bias_in = h0, A_log, dt_bias
         A_log = None if A_log is None else A_log.astype(dt)
         dt_bias = None if dt_bias is None else dt_bias.astype(dt)
@@ -413,7 +419,9 @@ class KDAPipeline(eqx.Module):
         else:
             o, final, fw = self._forward_tiled(config, layout, raw, HV, dt, A_log, dt_bias, h0, nt)
         o = o.astype(v.dtype)
-        if shared:  # not asked for (see shares_chunks): the sequences' initial states
+        if shared and config.output_final_state:
+            final = _shared_finals(layout, cu_seqlens, fw.act.k, fw.act.G, fw.act.G_lo, fw.v_new, fw.h)
+        elif shared:  # not asked for: the sequences' initial states
             final = jnp.zeros((N, HV, K, V), dt)
         act, intra, wy = fw.act, fw.intra, fw.wy
         cache = ForwardCache(act.G, intra.Aqk, intra.Akk, wy.w, wy.u, wy.qg, wy.kg, fw.h, fw.v_new)
@@ -424,11 +432,15 @@ class KDAPipeline(eqx.Module):
         )
         return o, final, res
 
-    def shares_chunks(self, config: KDAConfig, initial_state, cu_seqlens) -> bool:
+    def shares_chunks(self, config: KDAConfig, initial_state, cu_seqlens, finals: bool = True) -> bool:
         """Whether a call with these options packs its sequences into shared chunks
-        (``share_chunks``): packed varlen input, no ``initial_state``, no final state
-        asked for, and F1 and B5 taking ``reset`` (or ``fallback`` to the reference ones)."""
-        if not self.share_chunks or cu_seqlens is None or initial_state is not None or config.output_final_state:
+        (``share_chunks``): packed varlen input, no ``initial_state``, no final state asked
+        for unless ``finals`` (``chunk_kda``: True; ``forward``, whose residuals must take
+        a ``dht``: False), and F1 and B5 taking ``reset`` (or ``fallback`` to the reference
+        ones)."""
+        if not self.share_chunks or cu_seqlens is None or initial_state is not None:
+            return False
+        if config.output_final_state and not finals:
             return False
         return self.fallback or all(_takes(type(getattr(self, n)), "reset") for n in ("gate", "gate_bwd"))
 
@@ -764,7 +776,7 @@ def _differentiable(diff, pipeline: KDAPipeline, config: KDAConfig, cu_seqlens):
     """``(o, final)`` of ``diff = (q, k, v, g, beta, h0, A_log, dt_bias)``; the pipeline
     (any Equinox module: its arrays are non-differentiated), the static config and
     ``cu_seqlens`` are not differentiated."""
-    o, final, _ = pipeline.run_forward(config, *diff, cu_seqlens)
+    o, final, _ = pipeline.run_forward(config, *diff, cu_seqlens, shared_finals=True)
     return o, final
 
 
@@ -773,7 +785,7 @@ def _vjp_fwd(perturbed, diff, pipeline: KDAPipeline, config: KDAConfig, cu_seqle
     del perturbed
     # Whole: in a training step XLA then shares F3/F4 with B0's recompute (the CPU step was
     # ~15% slower with a tiled forward; a tiled B1-B5 too was still 5-10% slower).
-    o, final, res = pipeline.untiled().run_forward(config, *diff, cu_seqlens)
+    o, final, res = pipeline.untiled().run_forward(config, *diff, cu_seqlens, shared_finals=True)
     if not config.disable_recompute:
         # Keep what FLA keeps (inputs, G, Aqk, Akk, l2norm statistics, h0); B0 rebuilds the rest.
         res = eqx.tree_at(lambda r: r.cache, res, None, is_leaf=lambda x: x is None)
@@ -787,9 +799,43 @@ def _vjp_bwd(res, cotangents, perturbed, diff, pipeline: KDAPipeline, config: KD
     if do is None:  # only the final state carries a loss
         L = res.layout
         do = jnp.zeros((L.valid.shape[0] if L.pos is None else 1, L.T) + res.v.shape[1:2] + res.v.shape[-1:], res.h0.dtype)
-    grads = pipeline.backward(res, do, dht if config.output_final_state else None)
+    dht = dht if config.output_final_state else None
+    if dht is not None and res.layout.reset is not None:
+        # A loss on the final states of shared chunks: rerun the forward with one sequence
+        # per chunk, whose backward takes dht (only such a loss pays for it).
+        pipeline = dataclasses.replace(pipeline, share_chunks=False).untiled()
+        res = pipeline.run_forward(config, *diff, cu_seqlens)[2]
+    grads = pipeline.backward(res, do, dht)
     out = (grads.q, grads.k, grads.v, grads.g, grads.beta, grads.initial_state, grads.A_log, grads.dt_bias)
     return tuple(None if d is None or x is None else x.astype(d) for x, d in zip(out, res.in_dtypes))
+
+
+def _shared_finals(layout: ChunkLayout, cu_seqlens, k, G, G_lo, v_new, h):
+    """Final states ``[N, HV, K, V]`` of the sequences of a shared layout (zero initial
+    states), from the chunk c of each one's last token e: ``sum_j (k_j e^(G_e - G_j))
+    v_new_j^T`` over its own tokens in chunk c, plus ``e^(G_e) h_c`` if it began before
+    chunk c (``h_c`` then its state), masked in the exponent: exact. ``N C K V`` work per
+    head, in batches of sequences."""
+    C = layout.chunk_size
+    cu = jnp.asarray(cu_seqlens, jnp.int32)
+    lo = G_lo if G_lo is not None else jnp.zeros_like(G)
+
+    def one(n):
+        s, e = cu[n], cu[n + 1] - 1
+        c, i = jnp.maximum(e, 0) // C, jnp.maximum(e, 0) % C
+        at = lambda x: jax.lax.dynamic_index_in_dim(x[0], c, 1, keepdims=False)  # [HV, C, ...] / [HV, K, V]
+        kc, Gc, lc, vc, hc = at(k), at(G), at(lo), at(v_new), at(h)
+        Ge, le = Gc[:, i], lc[:, i]  # [HV, K]
+        j = jnp.arange(C)
+        mine = (j <= i) & (c * C + j >= s) & (e >= s)
+        x = jnp.where(mine[None, :, None], exponent(Ge[:, None], Gc, le[:, None], lc), -jnp.inf)
+        S = mT(kc * jnp.exp(x)) @ vc
+        zero = jnp.zeros_like(Ge)
+        x0 = jnp.where((s < c * C) & (e >= s), exponent(Ge, zero, le, zero), -jnp.inf)
+        return S + jnp.exp(x0)[..., None] * hc
+
+    N = cu.shape[0] - 1
+    return jax.lax.map(one, jnp.arange(N), batch_size=min(max(N, 1), 64))
 
 
 def _prepare(q, k, v, g, beta, **options):

@@ -44,7 +44,7 @@ def _outputs_and_grads(fn, x, options, do, dht):
             pos, kw = split_args(arrays)
             o, ht = fn(*pos, **kw, **options)
             val = jnp.sum(o * do)
-            return val + (jnp.sum(ht * dht) if ht is not None else 0.0), (o, ht)
+            return val + (jnp.sum(ht * dht) if dht is not None else 0.0), (o, ht)
 
         grads, (o, ht) = jax.grad(loss, has_aux=True)(arrays)
         return o, ht, grads
@@ -53,17 +53,17 @@ def _outputs_and_grads(fn, x, options, do, dht):
     return o, ht, grads
 
 
-def _check(fn, x, options, tol, seed=3, oracle=oracle_kda, oracle_options=None):
-    """Outputs, final states (if asked) and every gradient against the float64 oracle;
-    returns the gradients."""
+def _check(fn, x, options, tol, seed=3, oracle=oracle_kda, oracle_options=None, final_loss=True):
+    """Outputs, final states (if asked) and every gradient (of a loss on the final states
+    too, if ``final_loss``) against the float64 oracle; returns the gradients."""
     r = np.random.default_rng(seed)
     do = jnp.asarray(r.normal(size=x["v"].shape))
     N, HV, K, V = len(options["cu_seqlens"]) - 1, *x["v"].shape[2:3], x["q"].shape[-1], x["v"].shape[-1]
-    dht = jnp.asarray(r.normal(size=(N, HV, K, V))) if options.get("output_final_state") else None
+    dht = jnp.asarray(r.normal(size=(N, HV, K, V))) if final_loss and options.get("output_final_state") else None
     o, ht, got = _outputs_and_grads(fn, x, options, do, dht)
     o_ref, ht_ref, want = _outputs_and_grads(oracle, x, dict(options, **(oracle_options or {})), do, dht)
     assert_close(o, o_ref, tol, "o")
-    if dht is not None:
+    if options.get("output_final_state"):
         assert_close(ht, ht_ref, tol, "ht")
     for n in want:
         assert_close(got[n], want[n], tol, "d" + n)
@@ -105,30 +105,43 @@ def test_shared_chunks_exact(cu):
 
 
 def test_shared_chunks_in_kernel_gate_and_activations():
-    """The mix of lengths with the softplus gate (A_log, dt_bias), l2norm, beta sigmoid:
-    every gradient."""
+    """The mix of lengths with the softplus gate (A_log, dt_bias), l2norm, beta sigmoid and
+    the final states (``output_final_state`` without an initial state: still shared
+    chunks, each final state read from the chunk of its sequence's last token): outputs,
+    final states, every gradient of a loss on o (the shared backward)."""
     x = _inputs(MIX, gate=True)
     options = dict(cu_seqlens=jnp.asarray(MIX, jnp.int32), use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
-                   use_beta_sigmoid_in_kernel=True)
-    grads = _check(_fn(), x, options, 1e-12)
+                   use_beta_sigmoid_in_kernel=True, output_final_state=True)
+    pos, kw = split_args(x)
+    assert kdax.KDAPipeline.reference().plan(*pos, chunk_size=C, **kw, **options).layout == "shared"
+    grads = _check(_fn(), x, options, 1e-12, final_loss=False)
     assert set(grads) == {"q", "k", "v", "g", "beta", "A_log", "dt_bias"}
     assert np.all(np.asarray(grads["g"])[0, _starts(MIX)] == 0)
 
 
-@pytest.mark.parametrize("h0,final", [(True, True), (True, False), (False, True)])
-def test_states_keep_one_sequence_per_chunk_plan(h0, final):
-    """An initial state or a final state: one sequence per chunk, said by plan."""
-    x = _inputs(MIX, h0=h0)
+@pytest.mark.parametrize("final", [True, False])
+def test_initial_state_keeps_one_sequence_per_chunk_plan(final):
+    """An initial state: one sequence per chunk, said by plan."""
+    x = _inputs(MIX, h0=True)
     pos, kw = split_args(x)
     plan = kdax.KDAPipeline.reference().plan(*pos, chunk_size=C, cu_seqlens=jnp.asarray(MIX), output_final_state=final, **kw)
     assert plan.layout == "per-sequence" and "layout: per-sequence" in str(plan)
 
 
 @pytest.mark.slow  # (tests/test_pipeline.py's varlen cases run this layout in the default run)
-@pytest.mark.parametrize("h0,final", [(True, True), (True, False), (False, True)])
-def test_states_keep_one_sequence_per_chunk(h0, final):
-    x = _inputs(MIX, h0=h0)
+@pytest.mark.parametrize("final", [True, False])
+def test_initial_state_keeps_one_sequence_per_chunk(final):
+    x = _inputs(MIX, h0=True)
     _check(_fn(), x, dict(cu_seqlens=jnp.asarray(MIX, jnp.int32), output_final_state=final), 1e-12)
+
+
+@pytest.mark.slow
+def test_loss_on_final_states_of_shared_chunks():
+    """A loss on the final states of shared chunks: the backward reruns the forward with
+    one sequence per chunk. Exact."""
+    x = _inputs(MIX)
+    options = dict(cu_seqlens=jnp.asarray(MIX, jnp.int32), output_final_state=True)
+    _check(_fn(), x, options, 1e-12)
 
 
 def test_share_chunks_off_and_custom_gate_keep_the_per_sequence_layout():
