@@ -12,8 +12,8 @@ dense layout of its one row, each token at its own position, NC = ceil(T / C), a
 log decay floor (``clamp_log_decay``), which resets the state it meets to within
 exp(floor) (below the dtype's resolution), and B5 gives it a zero gate gradient (a start
 on a chunk boundary is also an exact reset of the state stages, ``first``/``last``):
-exact when every sequence starts from a zero state (no ``initial_state``) and no final
-state is asked for, the case the pipeline uses it for (``KDAPipeline.share_chunks``).
+exact when every sequence starts from a zero state (no ``initial_state``), the case the
+pipeline uses it for (``KDAPipeline.share_chunks``; final states: ``pipeline._shared_finals``).
 """
 
 from typing import Optional
@@ -87,7 +87,7 @@ def make_shared_layout(T: int, chunk_size: int, cu_seqlens) -> ChunkLayout:
     zero: ``first`` enters it (an exact reset) at every chunk that starts with a
     sequence's first token, and ``last`` ends the stream (entry 0) before each such
     chunk, so a NaN or inf reaches no chunk from the next such start on.
-    Per-sequence initial and final states are not represented (module docstring)."""
+    Per-sequence initial states are not represented (module docstring)."""
     C = chunk_size
     base = make_layout(1, T, C)
     nc = base.num_chunks
