@@ -8,8 +8,8 @@ tokens are zeros with ``valid`` False: they neither decay nor write the state.
 
 ``make_shared_layout`` packs varlen input without padding (sequences share chunks): the
 dense layout of its one row, each token at its own position, NC = ceil(T / C), and
-``reset`` marking every sequence's first token. F1 gives such a token the
-log decay floor (``clamp_log_decay``), which resets the state it meets to within
+``reset`` marking every sequence's first token. F1 gives such a token the log decay
+floor (``clamp_log_decay``), which resets the state it meets to within
 exp(floor) (below the dtype's resolution), and B5 gives it a zero gate gradient (a start
 on a chunk boundary is also an exact reset of the state stages, ``first``/``last``):
 exact when every sequence starts from a zero state (no ``initial_state``), the case the
@@ -32,7 +32,8 @@ class ChunkLayout(eqx.Module):
     token t of row r sits at position t). ``dense``: a promise that row r holds sequence r
     alone, from chunk 0 to the row's last chunk, so that stages may ignore ``first`` and
     ``last`` (the Pallas state kernels, the forward's tiles); False for any other layout.
-    ``reset [R, NC, C]`` (shared layout only, else None): tokens that start a sequence, the state reset through the gate (F1 and B5 take it); the row is
+    ``reset [R, NC, C]`` (shared layout only, else None): the first token of each
+    sequence, where the state is reset through the gate (F1 and B5 take it); the row is
     then one stream with a state table of one entry (zero), entered and left at the
     chunks where a sequence starts on the chunk boundary.
     """

@@ -69,7 +69,8 @@ class KDAResiduals(eqx.Module):
     """What the backward needs, in the chunked layout ``[R, HV, NC, C, ...]`` (see
     ``docs/stages.md``). Always: the activated inputs (``act``: q, k, beta, G and the l2norm
     statistics), v, the raw gate input when the gate is in-kernel, the gate parameters,
-    ``Aqk``, ``Akk``, the initial states ``h0`` ``[N, HV, K, V]`` and the layout. ``cache``
+    ``Aqk``, ``Akk``, the initial states ``h0`` ``[N, HV, K, V]`` (one zero entry when the
+    sequences share chunks: ``layout.reset``) and the layout. ``cache``
     holds the rest of the forward (w, u, qg, kg, h, v_new) when it was kept
     (``disable_recompute=True``, or ``pipeline.forward``).
 
@@ -292,8 +293,8 @@ class KDAPipeline(eqx.Module):
             try:
                 if needs_reset:
                     raise UnsupportedCase(
-                        "packed sequences sharing chunks (cu_seqlens without initial_state or final state) need "
-                        "a stage whose __call__ takes `reset`"
+                        "packed sequences sharing chunks (cu_seqlens without initial_state) need a stage whose "
+                        "__call__ takes `reset`"
                     )
                 check_arguments(name, stage, kwargs)
                 out = stage(**kwargs)
