@@ -1,7 +1,7 @@
 """Issue 18, item 8: many short packed sequences share chunks (``_layout.make_shared_layout``):
-exact against the float64 oracle (outputs and every gradient), the layout visible in
-``plan``, shapes independent of the ``cu_seqlens`` values, checks under jit, NaN
-containment, tiles; with ``initial_state`` or a final state, one sequence per chunk."""
+exact against the float64 oracle (outputs, final states and every gradient), the layout
+visible in ``plan``, shapes independent of the ``cu_seqlens`` values, checks under jit,
+NaN containment, tiles; with ``initial_state``, one sequence per chunk."""
 
 import dataclasses
 
@@ -13,9 +13,8 @@ import pytest
 
 import kdax
 from kdax._layout import make_shared_layout
-from kdax.ref._gates import log_decay_floor
 
-from ._util import assert_close, loss_grads, make_inputs, oracle_kda, rel_rms, run, split_args
+from ._util import assert_close, make_inputs, oracle_kda, rel_rms, split_args
 
 C = 16
 # Lengths 0..3C: empty sequences (also the first and the last), one-token ones, a start on

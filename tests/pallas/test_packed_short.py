@@ -15,7 +15,7 @@ from ..test_packed_short import MIX, _check, _fn, _inputs
 # Three chunks of 16: one-token and empty sequences, one straddling a chunk boundary, a
 # start on a chunk boundary.
 SMALL = [0, 1, 1, 2, 19, 32, 33, 48]
-from .._util import run, split_args
+from .._util import split_args
 
 PIPELINES = {
     "pallas_triton": lambda: kdax.KDAPipeline.pallas("triton", interpret=True),
