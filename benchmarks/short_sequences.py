@@ -1,8 +1,16 @@
 """Many short packed sequences (issue 18, item 8): ``chunk_kda`` with ``cu_seqlens`` of N
-equal sequences packed in T = 1000 tokens against the same tokens as one dense sequence
-and against ``fused_recurrent_kda``; H = 4, K = V = 64, C = 64, float32, medians of 5.
+equal sequences packed in T tokens, against the same tokens as one dense sequence and
+against ``fused_recurrent_kda``; forward and training step (``jax.grad`` of
+``sum(o * w)`` with respect to q, k, v, g, beta); H = 4, K = V = 64, C = 64, float32,
+medians of ``reps`` calls after a warm-up.
 
-    python benchmarks/short_sequences.py [N]      (N = 1000: one token per sequence)
+    PYTHONPATH=. python benchmarks/short_sequences.py [N] [T] [reps]
+
+N = 1000, T = 1000: one token per sequence; N = 100, T = 1000: ten. The "varlen + final
+state" row asks for the final states (``output_final_state=True``), which ran the
+layout with one sequence per chunk before issue 18 item 8; now it shares chunks and reads
+each final state from its sequence's last chunk (docs/stages.md §1). Its forward returns
+o and the final states; every training step's loss reads o alone.
 """
 
 import sys
@@ -15,7 +23,7 @@ import numpy as np
 import kdax
 
 
-def main(N: int = 1000, H: int = 4, K: int = 64, V: int = 64, T: int = 1000) -> None:
+def main(N: int = 1000, T: int = 1000, reps: int = 5, H: int = 4, K: int = 64, V: int = 64) -> None:
     r = np.random.default_rng(0)
     f = lambda *s: jnp.asarray(r.normal(size=s), jnp.float32)
     q, k, v = f(1, T, H, K), f(1, T, H, K) / np.sqrt(K), f(1, T, H, V)
@@ -23,30 +31,42 @@ def main(N: int = 1000, H: int = 4, K: int = 64, V: int = 64, T: int = 1000) -> 
     beta = jnp.full((1, T, H), 0.5, jnp.float32)
     cu = jnp.asarray(np.linspace(0, T, N + 1).astype(np.int32))
     w = f(1, T, H, V)
+    x = (q, k, v, g, beta)
 
     def median_ms(fn, *a):
         jax.block_until_ready(fn(*a))
         ts = []
-        for _ in range(5):
+        for _ in range(reps):
             t0 = time.perf_counter()
             jax.block_until_ready(fn(*a))
             ts.append(time.perf_counter() - t0)
         return 1e3 * float(np.median(ts))
 
-    fwd_varlen = jax.jit(lambda cu, *a: kdax.chunk_kda(*a, cu_seqlens=cu, output_final_state=True)[0])
-    fwd_dense = jax.jit(lambda *a: kdax.chunk_kda(*a)[0])
-    fwd_rec = jax.jit(lambda cu, *a: kdax.fused_recurrent_kda(*a, cu_seqlens=cu, output_final_state=True)[0])
-    loss = lambda cu: lambda *a: jnp.sum(kdax.chunk_kda(*a, cu_seqlens=cu)[0] * w)
-    train_varlen = jax.jit(lambda cu, *a: jax.grad(loss(cu), argnums=(0, 1, 2, 3, 4))(*a))
-    train_dense = jax.jit(jax.grad(lambda *a: jnp.sum(kdax.chunk_kda(*a)[0] * w), argnums=(0, 1, 2, 3, 4)))
-    x = (q, k, v, g, beta)
-    print(f"N={N} sequences in T={T} (H={H}, K=V={K}, C=64, float32), median ms:")
-    print(f"  chunk_kda varlen fwd   {median_ms(fwd_varlen, cu, *x):9.1f}")
-    print(f"  chunk_kda dense fwd    {median_ms(fwd_dense, *x):9.1f}")
-    print(f"  fused_recurrent varlen {median_ms(fwd_rec, cu, *x):9.1f}")
-    print(f"  chunk_kda varlen train {median_ms(train_varlen, cu, *x):9.1f}")
-    print(f"  chunk_kda dense train  {median_ms(train_dense, *x):9.1f}")
+    def train(fn):  # the loss reads o alone (a training step)
+        return jax.jit(lambda cu, *a: jax.grad(lambda *a: jnp.sum(fn(cu, *a)[0] * w), argnums=(0, 1, 2, 3, 4))(*a))
+
+    chunk = lambda cu, *a: kdax.chunk_kda(*a, cu_seqlens=cu)
+    chunk_final = lambda cu, *a: kdax.chunk_kda(*a, cu_seqlens=cu, output_final_state=True)  # forward: o and ht
+    dense = lambda cu, *a: kdax.chunk_kda(*a)
+    rec = lambda cu, *a: kdax.fused_recurrent_kda(*a, cu_seqlens=cu)
+    rows = (
+        ("chunk_kda varlen", chunk),
+        ("chunk_kda varlen + final state", chunk_final),
+        ("chunk_kda dense (same tokens)", dense),
+        ("fused_recurrent varlen", rec),
+    )
+    print(f"N={N} sequences in T={T} tokens (H={H}, K=V={K}, C=64, float32), median ms of {reps}:")
+    print(f"  {'':32}{'forward':>10}{'train step':>12}")
+    for name, fn in rows:
+        fwd = median_ms(jax.jit(fn), cu, *x)
+        step = median_ms(train(fn), cu, *x)
+        print(f"  {name:32}{fwd:10.1f}{step:12.1f}", flush=True)
+    # A loss on the final states too: the backward reruns the forward one sequence per chunk.
+    both = jax.jit(lambda cu, *a: jax.grad(
+        lambda *a: sum(jnp.sum(x * y) for x, y in zip(chunk_final(cu, *a), (w, 1.0))), argnums=(0, 1, 2, 3, 4))(*a))
+    print(f"  {'  (train, loss on o and ht)':32}{'':10}{median_ms(both, cu, *x):12.1f}", flush=True)
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 1000)
+    a = [int(s) for s in sys.argv[1:]]
+    main(*a)

@@ -5,6 +5,15 @@ end. Packed varlen input (B == 1, ``cu_seqlens`` a device array) gives one row i
 every sequence starts on a chunk boundary; NC is the static bound
 ``(T + N (C - 1)) // C``, so new ``cu_seqlens`` values never change a shape. Padding
 tokens are zeros with ``valid`` False: they neither decay nor write the state.
+
+``make_shared_layout`` packs varlen input without padding (sequences share chunks): the
+dense layout of its one row, each token at its own position, NC = ceil(T / C), and
+``reset`` marking every sequence's first token. F1 gives such a token the log decay
+floor (``clamp_log_decay``), which resets the state it meets to within
+exp(floor) (below the dtype's resolution), and B5 gives it a zero gate gradient (a start
+on a chunk boundary is also an exact reset of the state stages, ``first``/``last``):
+exact when every sequence starts from a zero state (no ``initial_state``), the case the
+pipeline uses it for (``KDAPipeline.share_chunks``; final states: ``pipeline._shared_finals``).
 """
 
 from typing import Optional
@@ -23,6 +32,10 @@ class ChunkLayout(eqx.Module):
     token t of row r sits at position t). ``dense``: a promise that row r holds sequence r
     alone, from chunk 0 to the row's last chunk, so that stages may ignore ``first`` and
     ``last`` (the Pallas state kernels, the forward's tiles); False for any other layout.
+    ``reset [R, NC, C]`` (shared layout only, else None): the first token of each
+    sequence, where the state is reset through the gate (F1 and B5 take it); the row is
+    then one stream with a state table of one entry (zero), entered and left at the
+    chunks where a sequence starts on the chunk boundary.
     """
 
     first: Int[Array, "R NC"]
@@ -33,6 +46,7 @@ class ChunkLayout(eqx.Module):
     T: int = eqx.field(static=True)
     chunk_size: int = eqx.field(static=True)
     dense: bool = eqx.field(static=True, default=False)
+    reset: Optional[Bool[Array, "R NC C"]] = None
 
     @property
     def num_chunks(self) -> int:
@@ -65,6 +79,30 @@ def make_layout(B: int, T: int, chunk_size: int, cu_seqlens=None) -> ChunkLayout
     pos = (cstart[seq] * C + t - cu[seq]).astype(jnp.int32)
     valid = jnp.zeros((nc * C,), bool).at[pos].set(True).reshape(1, nc, C)
     return ChunkLayout(first[None], last[None], valid, lens == 0, pos, T, C)
+
+
+def make_shared_layout(T: int, chunk_size: int, cu_seqlens) -> ChunkLayout:
+    """Packed varlen input (B == 1) with sequences sharing chunks: one row of T tokens,
+    each at its own position (NC = ceil(T / C), whatever ``cu_seqlens`` holds), ``reset``
+    at the first token of every sequence of length > 0. The state table has one entry,
+    zero: ``first`` enters it (an exact reset) at every chunk that starts with a
+    sequence's first token, and ``last`` ends the stream (entry 0) before each such
+    chunk, so a NaN or inf reaches no chunk from the next such start on.
+    Per-sequence initial states are not represented (module docstring)."""
+    C = chunk_size
+    base = make_layout(1, T, C)
+    nc = base.num_chunks
+    cu = jnp.asarray(cu_seqlens, jnp.int32)
+    starts, lens = cu[:-1], cu[1:] - cu[:-1]
+    # Index nc * C is out of range: mode="drop" skips empty sequences.
+    at = jnp.where(lens > 0, starts, nc * C)
+    reset = jnp.zeros((nc * C,), bool).at[at].set(True, mode="drop").reshape(1, nc, C)
+    c = jnp.arange(nc)
+    starts_chunk = reset[0, :, 0] | (c == 0)
+    ends_chunk = jnp.concatenate([starts_chunk[1:], jnp.ones((min(nc, 1),), bool)])
+    first = jnp.where(starts_chunk, 0, -1).astype(jnp.int32)[None]
+    last = jnp.where(ends_chunk, 0, -1).astype(jnp.int32)[None]
+    return ChunkLayout(first, last, base.valid, base.empty, None, T, C, reset=reset)
 
 
 def pack(layout: ChunkLayout, x, dtype=None):

@@ -47,7 +47,9 @@ class Tiles:
         first = first.at[:, 0].set(jnp.where(first[:, 0] >= 0, first[:, 0], carry))
         last = last.at[:, -1].set(jnp.where(last[:, -1] >= 0, last[:, -1], carry))
         valid = jax.lax.dynamic_slice_in_dim(L.valid, c0, n, 1)
-        return ChunkLayout(first, last, valid, jnp.zeros((N + self.R,), bool), L.pos, L.T, C)
+        # Shared chunks (make_shared_layout): the tile's sequence starts travel with it.
+        reset = None if L.reset is None else jax.lax.dynamic_slice_in_dim(L.reset, c0, n, 1)
+        return ChunkLayout(first, last, valid, jnp.zeros((N + self.R,), bool), L.pos, L.T, C, reset=reset)
 
     def tokens(self, x, c0, n: int, tail: bool):
         """Dense only: the tile's tokens of ``x [B, T, ...]``."""

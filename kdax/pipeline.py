@@ -24,7 +24,7 @@ from . import _precision
 from ._config import KDAConfig, KDAOptions
 from ._contracts import STAGES, check_arguments, check_family, check_output, expected_output
 from ._errors import FallbackWarning, UnsupportedCase
-from ._layout import ChunkLayout, expand_group, make_layout, pack, reduce_group, unpack
+from ._layout import ChunkLayout, expand_group, make_layout, make_shared_layout, pack, reduce_group, unpack
 from ._tiles import Tiles
 from ._typing import (
     ALogIn, ArrayIn, Beta, ChunkK, ChunkMat, ChunkState, ChunkV, CuSeqlensIn, Gate, QK, Scalar, SeqState, State,
@@ -61,15 +61,16 @@ from .stages import (
     ReferenceWYDqkg,
     WYOut,
 )
-from .stages._hilo import with_G_lo
-from .stages._ops import zeros_after
+from .stages._hilo import _takes, exponent, with_G_lo
+from .stages._ops import mT, zeros_after
 
 
 class KDAResiduals(eqx.Module):
     """What the backward needs, in the chunked layout ``[R, HV, NC, C, ...]`` (see
     ``docs/stages.md``). Always: the activated inputs (``act``: q, k, beta, G and the l2norm
     statistics), v, the raw gate input when the gate is in-kernel, the gate parameters,
-    ``Aqk``, ``Akk``, the initial states ``h0`` ``[N, HV, K, V]`` and the layout. ``cache``
+    ``Aqk``, ``Akk``, the initial states ``h0`` ``[N, HV, K, V]`` (one zero entry when the
+    sequences share chunks: ``layout.reset``) and the layout. ``cache``
     holds the rest of the forward (w, u, qg, kg, h, v_new) when it was kept
     (``disable_recompute=True``, or ``pipeline.forward``).
 
@@ -148,6 +149,10 @@ class KDAResiduals(eqx.Module):
         h = jnp.moveaxis(self.cache.h, 2, 1)  # [R, NC, HV, K, V]
         if not per_sequence or self.cu_seqlens is None:
             return h
+        if self.layout.reset is not None:
+            raise ValueError("per_sequence: the sequences of this forward share chunks (no initial_state, "
+                             "output_final_state=False), so a chunk's start state is not one sequence's; "
+                             "read('h') gives it per chunk, or run with share_chunks=False.")
         C = self.layout.chunk_size
         cu = self.cu_seqlens
         lens = cu[1:] - cu[:-1]
@@ -163,14 +168,15 @@ class KDAResiduals(eqx.Module):
 class KDAGrads(eqx.Module):
     """Gradients of every differentiable input, in ``chunk_kda``'s layouts (float32 or
     float64; ``chunk_kda``'s VJP casts them to the inputs' dtypes). ``initial_state`` is
-    ``[N, HV, K, V]``; entries are None where the input was not given."""
+    ``[N, HV, K, V]``; entries are None where the input was not given (``initial_state``:
+    None also after a forward with shared chunks, which had none)."""
 
     q: Float[Array, "B T H K"]
     k: Float[Array, "B T H K"]
     v: Float[Array, "B T HV V"]
     g: Float[Array, "B T HV K"]
     beta: Float[Array, "B T HV"]
-    initial_state: SeqState
+    initial_state: Optional[SeqState]
     A_log: Optional[Float[Array, " HV"]]
     dt_bias: Optional[Float[Array, " HVK"]]
 
@@ -183,6 +189,7 @@ class _Recorder:
         self.inputs: dict = {}
         self.ran: dict = {}
         self.quiet = quiet  # no fallback warnings (plan)
+        self.layout: Optional[str] = None  # which layout the forward ran (plan)
 
 
 _RECORDERS: list = []
@@ -244,6 +251,16 @@ class KDAPipeline(eqx.Module):
     # with float32 accumulation where safe for bf16/fp16 inputs, else "highest"),
     # "highest", "bfloat16" or "float16".
     precision: str = eqx.field(static=True, default="auto")
+    # Packed varlen input (cu_seqlens) with no initial_state (a training step's usual
+    # call): sequences share chunks, NC = ceil(T / C), each sequence start a reset through
+    # the gate (``_layout.make_shared_layout``), so many short sequences cost what their
+    # tokens cost. Final states (``chunk_kda``'s ``output_final_state``) are read from the
+    # chunk of each sequence's last token; a loss on them makes the backward rerun the
+    # forward with one sequence per chunk. Needs F1 and B5 to take ``reset`` (or
+    # ``fallback``, which runs the reference ones). False, an initial state, or
+    # ``KDAPipeline.forward`` with ``output_final_state``: every sequence starts its own
+    # chunk. ``plan`` says which ran.
+    share_chunks: bool = eqx.field(static=True, default=True)
 
     def with_precision(self, precision: str) -> "KDAPipeline":
         """This pipeline under another precision policy (see ``kdax._precision``)."""
@@ -260,6 +277,11 @@ class KDAPipeline(eqx.Module):
         stage = getattr(self, name)
         check_family(name, stage)
         full, kwargs = kwargs, with_G_lo(stage, kwargs)
+        # ``reset`` (shared chunks) only to stages that take it; one that does not cannot
+        # run this layout (raised below, inside the fallback's reach).
+        needs_reset = kwargs.get("reset") is not None and not _takes(type(stage), "reset")
+        if "reset" in kwargs and not _takes(type(stage), "reset"):
+            kwargs = {n: x for n, x in kwargs.items() if n != "reset"}
         for rec in _RECORDERS:
             rec.inputs.setdefault(name, kwargs)
         # The named scope labels every op of the stage in HLO dumps and profiles. Products
@@ -269,6 +291,11 @@ class KDAPipeline(eqx.Module):
         with jax.named_scope(f"kdax_{name}"), _precision.stage_scope(policy, name):
             ran, reason = stage, None
             try:
+                if needs_reset:
+                    raise UnsupportedCase(
+                        "packed sequences sharing chunks (cu_seqlens without initial_state) need a stage whose "
+                        "__call__ takes `reset`"
+                    )
                 check_arguments(name, stage, kwargs)
                 out = stage(**kwargs)
             except UnsupportedCase as e:
@@ -354,27 +381,37 @@ class KDAPipeline(eqx.Module):
             else:
                 stage, ran, reason = got
                 rows.append(PlanRow(name, info.step, type(stage).__qualname__, type(ran).__qualname__, reason))
-        return KDAPlan(tuple(rows), self.tile if forward[0] else None, forward[1])
+        return KDAPlan(tuple(rows), self.tile if forward[0] else None, forward[1], rec.layout)
 
     # -- forward ------------------------------------------------------------------------
 
-    def run_forward(self, config: KDAConfig, q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens):
+    def run_forward(self, config: KDAConfig, q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens,
+                    shared_finals: bool = False):
         """Forward on the raw inputs (``h0`` ``[N, HV, K, V]`` or None). Returns
-        ``(o, final [N, HV, K, V], residuals with the full cache)``."""
+        ``(o, final [N, HV, K, V], residuals with the full cache)``. ``shared_finals``: the
+        caller can differentiate final states of a shared layout (``chunk_kda``'s VJP)."""
         for name in STAGES:  # a pipeline edited with eqx.tree_at skips __check_init__
             check_family(name, getattr(self, name))
         B, T, H, K = q.shape
         HV, V = v.shape[2:]
         dt = compute_dtype(q, k, v, g, beta, h0)
-        layout = make_layout(B, T, config.chunk_size, cu_seqlens)
-        N = layout.empty.shape[0]
+        shared = self.shares_chunks(config, h0, cu_seqlens, shared_finals)
+        if shared:  # one stream of T tokens: a state table of one entry, zero
+            layout = make_shared_layout(T, config.chunk_size, cu_seqlens)
+            N = cu_seqlens.shape[0] - 1
+        else:
+            layout = make_layout(B, T, config.chunk_size, cu_seqlens)
+            N = layout.empty.shape[0]
+        for rec in _RECORDERS:  # (the forward's: a backward's rerun does not count)
+            if rec.layout is None:
+                rec.layout = "shared" if shared else ("dense" if cu_seqlens is None else "per-sequence")
         h0_in, A_log_in, dt_bias_in = h0, A_log, dt_bias
         A_log = None if A_log is None else A_log.astype(dt)
         dt_bias = None if dt_bias is None else dt_bias.astype(dt)
-        h0 = _initial_states(h0, (N, HV, K, V), dt)
+        h0 = _initial_states(h0, (1 if shared else N, HV, K, V), dt)
         raw = (q, k, v, g, beta)
         nt = self._tile_chunks(layout.valid.shape[0] * HV, layout.num_chunks)
-        if nt is not None and not layout.dense and N > nt * config.chunk_size:
+        if nt is not None and not layout.dense and h0.shape[0] > nt * config.chunk_size:
             nt = None  # each tile's state table, O(N), would cost more than its tokens
         if nt is None:
             chunked = _pack_inputs(layout, raw, HV, dt)
@@ -383,6 +420,10 @@ class KDAPipeline(eqx.Module):
         else:
             o, final, fw = self._forward_tiled(config, layout, raw, HV, dt, A_log, dt_bias, h0, nt)
         o = o.astype(v.dtype)
+        if shared and config.output_final_state:
+            final = _shared_finals(layout, cu_seqlens, fw.act.k, fw.act.G, fw.act.G_lo, fw.v_new, fw.h)
+        elif shared:  # not asked for: the sequences' initial states
+            final = jnp.zeros((N, HV, K, V), dt)
         act, intra, wy = fw.act, fw.intra, fw.wy
         cache = ForwardCache(act.G, intra.Aqk, intra.Akk, wy.w, wy.u, wy.qg, wy.kg, fw.h, fw.v_new)
         in_dtypes = tuple(None if x is None else jnp.dtype(x.dtype) for x in (q, k, v, g, beta, h0_in, A_log_in, dt_bias_in))
@@ -391,6 +432,18 @@ class KDAPipeline(eqx.Module):
             intra.Aqk, intra.Akk, h0, cache, H, in_dtypes, cu_seqlens,
         )
         return o, final, res
+
+    def shares_chunks(self, config: KDAConfig, initial_state, cu_seqlens, finals: bool = True) -> bool:
+        """Whether a call with these options packs its sequences into shared chunks
+        (``share_chunks``): packed varlen input, no ``initial_state``, no final state asked
+        for unless ``finals`` (``chunk_kda``: True; ``forward``, whose residuals must take
+        a ``dht``: False), and F1 and B5 taking ``reset`` (or ``fallback`` to the reference
+        ones)."""
+        if not self.share_chunks or cu_seqlens is None or initial_state is not None:
+            return False
+        if config.output_final_state and not finals:
+            return False
+        return self.fallback or all(_takes(type(getattr(self, n)), "reset") for n in ("gate", "gate_bwd"))
 
     def _tile_chunks(self, rows_heads: int, num_chunks: int) -> Optional[int]:
         """Chunks per forward tile, or None to run each stage once over everything."""
@@ -409,7 +462,7 @@ class KDAPipeline(eqx.Module):
         heads): ``(o chunked, _ForwardChunks, final states [N, HV, K, V])``."""
         qc, kc, vc, gc, bc = chunked
         act = self._stage("gate", config=config, q=qc, k=kc, g=gc, beta=bc, A_log=A_log, dt_bias=dt_bias,
-                          valid=layout.valid)
+                          valid=layout.valid, reset=layout.reset)
         intra = self._stage("intra", scale=config.scale, q=act.q, k=act.k, beta=act.beta, G=act.G, G_lo=act.G_lo)
         wy = self._stage("wy", q=act.q, k=act.k, v=vc, beta=act.beta, G=act.G, Akk=intra.Akk, G_lo=act.G_lo)
         st = self._stage("state", w=wy.w, u=wy.u, kg=wy.kg, G=act.G, h0=h0, layout=layout)
@@ -470,6 +523,10 @@ class KDAPipeline(eqx.Module):
         want = (L.valid.shape[0] if L.pos is None else 1, L.T, res.v.shape[1], res.v.shape[-1])
         if tuple(do.shape) != want:
             raise ValueError(f"do: expected shape [B, T, HV, V] = {want}, got {tuple(do.shape)}.")
+        if dht is not None and L.reset is not None:
+            raise ValueError("dht: this forward packed its sequences into shared chunks (no initial_state, "
+                             "output_final_state=False), which keeps no final states; run it with "
+                             "output_final_state=True for a loss on them.")
         if dht is not None and tuple(dht.shape) != tuple(res.h0.shape):
             raise ValueError(f"dht: expected shape [N, HV, K, V] = {tuple(res.h0.shape)}, got {tuple(dht.shape)}.")
         if self.precision == "auto":  # the policy chunk_kda resolves, for pipeline.backward
@@ -500,7 +557,7 @@ class KDAPipeline(eqx.Module):
         )
         raw = self._stage(  # B5
             "gate_bwd", config=cfg, act=act, g=res.g_raw, A_log=res.A_log, dt_bias=res.dt_bias, valid=L.valid,
-            dq=grads.dq, dk=grads.dk, dbeta=grads.dbeta, dG=grads.dG,
+            dq=grads.dq, dk=grads.dk, dbeta=grads.dbeta, dG=grads.dG, reset=L.reset,
         )
         H = res.num_qk_heads
         return KDAGrads(
@@ -509,7 +566,7 @@ class KDAPipeline(eqx.Module):
             v=unpack(L, grads.dv),
             g=unpack(L, raw.dg),
             beta=unpack(L, raw.dbeta[..., None])[..., 0],
-            initial_state=dhu.dh0,
+            initial_state=None if L.reset is not None else dhu.dh0,  # shared chunks: no initial_state given
             A_log=raw.dA_log,
             dt_bias=raw.ddt_bias,
         )
@@ -583,11 +640,15 @@ class PlanRow(NamedTuple):
 class KDAPlan(NamedTuple):
     """What ``KDAPipeline.plan`` found. ``rows``: one ``PlanRow`` per stage; ``tile``: the
     forward's tile size when ``chunk_kda`` runs without gradients (None: whole);
-    ``not_tile_safe``: the forward stages that keep the forward whole."""
+    ``not_tile_safe``: the forward stages that keep the forward whole; ``layout``: how the
+    tokens sit in chunks: "dense" (one sequence per row), "per-sequence" (packed varlen,
+    each sequence from a chunk boundary) or "shared" (packed varlen, sequences sharing
+    chunks: ``KDAPipeline.share_chunks``)."""
 
     rows: tuple
     tile: Optional[int]
     not_tile_safe: tuple
+    layout: Optional[str] = None
 
     @property
     def fallbacks(self) -> dict:
@@ -604,6 +665,10 @@ class KDAPlan(NamedTuple):
             lines.append(f"forward: whole (not tile-safe: {', '.join(self.not_tile_safe)})")
         else:
             lines.append("forward: " + ("whole" if self.tile is None else f"tiles of ~{self.tile} blocks without gradients, whole under one"))
+        if self.layout is not None:
+            what = {"dense": "one sequence per row", "per-sequence": "each packed sequence from a chunk boundary",
+                    "shared": "packed sequences share chunks, NC = ceil(T / C)"}[self.layout]
+            lines.append(f"layout: {self.layout}: {what}")
         return "\n".join(lines)
 
 
@@ -712,7 +777,7 @@ def _differentiable(diff, pipeline: KDAPipeline, config: KDAConfig, cu_seqlens):
     """``(o, final)`` of ``diff = (q, k, v, g, beta, h0, A_log, dt_bias)``; the pipeline
     (any Equinox module: its arrays are non-differentiated), the static config and
     ``cu_seqlens`` are not differentiated."""
-    o, final, _ = pipeline.run_forward(config, *diff, cu_seqlens)
+    o, final, _ = pipeline.run_forward(config, *diff, cu_seqlens, shared_finals=True)
     return o, final
 
 
@@ -721,7 +786,7 @@ def _vjp_fwd(perturbed, diff, pipeline: KDAPipeline, config: KDAConfig, cu_seqle
     del perturbed
     # Whole: in a training step XLA then shares F3/F4 with B0's recompute (the CPU step was
     # ~15% slower with a tiled forward; a tiled B1-B5 too was still 5-10% slower).
-    o, final, res = pipeline.untiled().run_forward(config, *diff, cu_seqlens)
+    o, final, res = pipeline.untiled().run_forward(config, *diff, cu_seqlens, shared_finals=True)
     if not config.disable_recompute:
         # Keep what FLA keeps (inputs, G, Aqk, Akk, l2norm statistics, h0); B0 rebuilds the rest.
         res = eqx.tree_at(lambda r: r.cache, res, None, is_leaf=lambda x: x is None)
@@ -735,9 +800,43 @@ def _vjp_bwd(res, cotangents, perturbed, diff, pipeline: KDAPipeline, config: KD
     if do is None:  # only the final state carries a loss
         L = res.layout
         do = jnp.zeros((L.valid.shape[0] if L.pos is None else 1, L.T) + res.v.shape[1:2] + res.v.shape[-1:], res.h0.dtype)
-    grads = pipeline.backward(res, do, dht if config.output_final_state else None)
+    dht = dht if config.output_final_state else None
+    if dht is not None and res.layout.reset is not None:
+        # A loss on the final states of shared chunks: rerun the forward with one sequence
+        # per chunk, whose backward takes dht (only such a loss pays for it).
+        pipeline = dataclasses.replace(pipeline, share_chunks=False).untiled()
+        res = pipeline.run_forward(config, *diff, cu_seqlens)[2]
+    grads = pipeline.backward(res, do, dht)
     out = (grads.q, grads.k, grads.v, grads.g, grads.beta, grads.initial_state, grads.A_log, grads.dt_bias)
     return tuple(None if d is None or x is None else x.astype(d) for x, d in zip(out, res.in_dtypes))
+
+
+def _shared_finals(layout: ChunkLayout, cu_seqlens, k, G, G_lo, v_new, h):
+    """Final states ``[N, HV, K, V]`` of the sequences of a shared layout (zero initial
+    states), from the chunk c of each one's last token e: ``sum_j (k_j e^(G_e - G_j))
+    v_new_j^T`` over its own tokens in chunk c, plus ``e^(G_e) h_c`` if it began before
+    chunk c (``h_c`` then its state), masked in the exponent: exact. ``N C K V`` work per
+    head, in batches of sequences."""
+    C = layout.chunk_size
+    cu = jnp.asarray(cu_seqlens, jnp.int32)
+    lo = G_lo if G_lo is not None else jnp.zeros_like(G)
+
+    def one(n):
+        s, e = cu[n], cu[n + 1] - 1
+        c, i = jnp.maximum(e, 0) // C, jnp.maximum(e, 0) % C
+        at = lambda x: jax.lax.dynamic_index_in_dim(x[0], c, 1, keepdims=False)  # [HV, C, ...] / [HV, K, V]
+        kc, Gc, lc, vc, hc = at(k), at(G), at(lo), at(v_new), at(h)
+        Ge, le = Gc[:, i], lc[:, i]  # [HV, K]
+        j = jnp.arange(C)
+        mine = (j <= i) & (c * C + j >= s) & (e >= s)
+        x = jnp.where(mine[None, :, None], exponent(Ge[:, None], Gc, le[:, None], lc), -jnp.inf)
+        S = mT(kc * jnp.exp(x)) @ vc
+        zero = jnp.zeros_like(Ge)
+        x0 = jnp.where((s < c * C) & (e >= s), exponent(Ge, zero, le, zero), -jnp.inf)
+        return S + jnp.exp(x0)[..., None] * hc
+
+    N = cu.shape[0] - 1
+    return jax.lax.map(one, jnp.arange(N), batch_size=min(max(N, 1), 64))
 
 
 def _prepare(q, k, v, g, beta, **options):

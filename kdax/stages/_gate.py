@@ -10,7 +10,7 @@ from jaxtyping import Array, Float
 
 from .._config import KDAConfig
 from .._typing import ChunkK, ChunkScalar, ChunkValid, typecheck
-from ..ref._gates import L2NORM_EPS, beta_activation, clamp_log_decay, kda_gate
+from ..ref._gates import L2NORM_EPS, beta_activation, clamp_log_decay, kda_gate, log_decay_floor
 from ._hilo import grid_bits, split_log_decay
 from ._ops import ChunkGroup, full_precision, lower_matmul, mT, over_chunks
 from ._types import Activated, RawGrads
@@ -23,12 +23,18 @@ def _rstd(x):
     return jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
 
 
-def activated_gate(config: KDAConfig, g, A_log, dt_bias, valid):
+def activated_gate(config: KDAConfig, g, A_log, dt_bias, valid, reset=None):
     """The per-token log decay: raw ``g`` or the in-kernel gate, clamped at the dtype's
-    floor (``clamp_log_decay``), zero at padding."""
+    floor (``clamp_log_decay``), zero at padding; the floor itself at ``reset`` tokens
+    (a sequence start inside a shared chunk: ``_layout.make_shared_layout``)."""
     if config.use_gate_in_kernel:
         g = _HeadsBack(kda_gate(_HeadsLast(g), A_log, dt_bias, config.lower_bound))
-    return jnp.where(valid[:, None, :, :, None], clamp_log_decay(g), 0.0)
+    g = clamp_log_decay(g)
+    if reset is not None:
+        # A NaN or inf gate stays (it then reaches G from its own row on, as any).
+        floor = jnp.where(jnp.isfinite(g), jnp.asarray(log_decay_floor(g.dtype), g.dtype), g)
+        g = jnp.where(reset[:, None, :, :, None], floor, g)
+    return jnp.where(valid[:, None, :, :, None], g, 0.0)
 
 
 class AbstractGate(eqx.Module):
@@ -38,7 +44,12 @@ class AbstractGate(eqx.Module):
     static options; ``q``, ``k`` ``[R, HV, NC, C, K]`` raw (q/k heads already repeated to
     HV); ``g`` ``[R, HV, NC, C, K]`` the per-token log decay, or the raw gate input when
     ``config.use_gate_in_kernel``; ``beta`` ``[R, HV, NC, C]`` raw; ``A_log`` ``[HV]`` or
-    None; ``dt_bias`` ``[HV * K]`` or None; ``valid`` ``[R, NC, C]`` real tokens.
+    None; ``dt_bias`` ``[HV * K]`` or None; ``valid`` ``[R, NC, C]`` real tokens;
+    ``reset`` ``[R, NC, C]`` or None: tokens that start a sequence inside a chunk shared
+    with the one before (packed short sequences), whose log decay must be the dtype's
+    floor (``ref.log_decay_floor``). The pipeline passes ``reset`` only to a stage whose
+    ``__call__`` has that parameter; one without it cannot run shared chunks (the
+    pipeline falls back or keeps one sequence per chunk).
 
     Returns ``Activated``: q, k (l2-normalised if asked), beta (sigmoid / 2 sigmoid if
     asked), ``G`` the chunk-local inclusive cumsum of the activated log decay (natural
@@ -61,6 +72,7 @@ class AbstractGate(eqx.Module):
         A_log: Optional[Float[Array, " HV"]],
         dt_bias: Optional[Float[Array, " HVK"]],
         valid: ChunkValid,
+        reset: Optional[ChunkValid] = None,
     ) -> Activated:
         raise NotImplementedError
 
@@ -87,12 +99,13 @@ class ReferenceGate(AbstractGate):
         A_log: Optional[Float[Array, " HV"]],
         dt_bias: Optional[Float[Array, " HVK"]],
         valid: ChunkValid,
+        reset: Optional[ChunkValid] = None,
     ) -> Activated:
         q_rstd = k_rstd = None
         if config.use_qk_l2norm_in_kernel:
             q_rstd, k_rstd = _rstd(q), _rstd(k)
             q, k = q * q_rstd, k * k_rstd
-        g = activated_gate(config, g, A_log, dt_bias, valid)
+        g = activated_gate(config, g, A_log, dt_bias, valid, reset)
         G, G_lo = split_cumsum(g, group=self.group) if self.split else (chunk_cumsum(g, group=self.group), None)
         beta = beta_activation(beta, config.use_beta_sigmoid_in_kernel, config.allow_neg_eigval)
         return Activated(q, k, beta, G, q_rstd, k_rstd, G_lo)
@@ -108,6 +121,20 @@ def chunk_cumsum(x, reverse: bool = False, group: ChunkGroup = None):
         return over_chunks(lambda x: mT(ones) @ x, group, x)
     # A NaN or inf gate reaches only G from its own row on (see lower_matmul).
     return over_chunks(lambda x: lower_matmul(ones, x), group, x)
+
+
+def segment_cumsum(dG, reset, group: ChunkGroup = None):
+    """Reverse chunk cumsum of ``dG [R, HV, NC, C, K]`` within each sequence: row t sums
+    rows s >= t of the chunk up to the next ``reset [R, NC, C]`` token. A later sequence's
+    ``dG`` sums to ~0 (its terms depend on G through differences within it), so leaving it
+    out is exact and avoids summing large terms that cancel."""
+    C = dG.shape[-2]
+    seg = jnp.cumsum(reset.astype(jnp.int32), axis=-1)  # sequence index within the chunk
+    s, t = jnp.arange(C)[:, None], jnp.arange(C)[None, :]
+    same = (s >= t) & (seg[..., :, None] == seg[..., None, :])  # [R, NC, C(s), C(t)]
+    M = jnp.where(same, 1.0, 0.0).astype(dG.dtype)[:, None]  # [R, 1, NC, C, C]
+    M = jnp.broadcast_to(M, dG.shape[:3] + (C, C))
+    return over_chunks(lambda M, x: mT(M) @ x, group, M, dG)
 
 
 def split_cumsum(g, group: ChunkGroup = None):
@@ -137,7 +164,9 @@ class AbstractGateBackward(eqx.Module):
     Arguments: ``config``; ``act`` F1's output; ``g`` ``[R, HV, NC, C, K]`` the raw gate
     input (None unless ``use_gate_in_kernel``); ``A_log`` ``[HV]``/``dt_bias``
     ``[HV * K]`` or None; ``valid`` ``[R, NC, C]``; ``dq``, ``dk``, ``dbeta``, ``dG``: the
-    gradients with respect to F1's outputs (B4's).
+    gradients with respect to F1's outputs (B4's); ``reset`` ``[R, NC, C]`` or None (as
+    F1's): the gate gradient is zero at those tokens, and a token's ``dg`` sums ``dG`` over
+    the rest of its own sequence in the chunk only (passed as in F1).
 
     Returns ``RawGrads``: dq, dk, dg ``[R, HV, NC, C, K]`` and dbeta ``[R, HV, NC, C]``
     with respect to the raw inputs (zero at padding); ``dA_log`` ``[HV]`` and
@@ -156,6 +185,7 @@ class AbstractGateBackward(eqx.Module):
         dk: ChunkK,
         dbeta: ChunkScalar,
         dG: ChunkK,
+        reset: Optional[ChunkValid] = None,
     ) -> RawGrads:
         raise NotImplementedError
 
@@ -206,8 +236,14 @@ class ReferenceGateBackward(AbstractGateBackward):
         dk: ChunkK,
         dbeta: ChunkScalar,
         dG: ChunkK,
+        reset: Optional[ChunkValid] = None,
     ) -> RawGrads:
-        dg = jnp.where(valid[:, None, :, :, None], chunk_cumsum(dG, reverse=True, group=self.group), 0.0)
+        if reset is None:
+            dg = jnp.where(valid[:, None, :, :, None], chunk_cumsum(dG, reverse=True, group=self.group), 0.0)
+        else:
+            # The first token's decay meets a zero state: its gradient is 0, exactly.
+            keep = valid & ~reset
+            dg = jnp.where(keep[:, None, :, :, None], segment_cumsum(dG, reset, group=self.group), 0.0)
         dA = ddt = None
         if config.use_gate_in_kernel:
             dg, dA, ddt = gate_param_backward(config, g, A_log, dt_bias, dg)

@@ -67,3 +67,47 @@ def test_gate_backward_is_vjp(name):
             assert a is None, n
         else:
             assert_close(a, b, 1e-12, n)
+
+
+@pytest.mark.parametrize("name", ["plain", "all_softplus"])
+def test_gate_reset(name):
+    """``reset`` (shared chunks, issue 18.8): F1 gives those tokens the log decay floor (a
+    NaN or inf gate stays); B5's gate gradients are the VJP of the cumsum restarted at each
+    reset, the reset token's own gate a constant (dg = 0 there, exactly)."""
+    from kdax.ref._gates import clamp_log_decay, log_decay_floor
+
+    cfg = KDAConfig(scale=1.0, **CONFIGS[name])
+    q, k, g, beta, A_log, dt_bias, valid = _inputs(cfg, seed=2)
+    R, HV, NC, C, K = q.shape
+    reset = np.zeros((R, NC, C), bool)
+    reset[0, 0, [0, 3, 4, 9]] = reset[0, 1, [0, 10]] = reset[1, 1, 7] = True  # (valid tokens)
+    reset = jnp.asarray(reset)
+    act = ReferenceGate()(cfg, q, k, g, beta, A_log, dt_bias, valid, reset)
+    G = np.asarray(act.G + (0 if act.G_lo is None else act.G_lo))
+    step = np.diff(np.concatenate([np.zeros_like(G[..., :1, :]), G], axis=-2), axis=-2)
+    assert np.allclose(step[np.broadcast_to(np.asarray(reset)[:, None, :, :, None], G.shape)], log_decay_floor(G.dtype))
+    seg = np.cumsum(np.asarray(reset), axis=-1)  # sequence index within each chunk
+
+    def restarted(g, A_log, dt_bias):  # the gate, then the cumsum restarted at each reset
+        to_last = lambda a: jnp.moveaxis(a, 1, -2)
+        ga = jnp.moveaxis(kda_gate(to_last(g), A_log, dt_bias, cfg.lower_bound), -2, 1) if cfg.use_gate_in_kernel else g
+        ga = jnp.where(valid[:, None, ..., None] & ~reset[:, None, ..., None], clamp_log_decay(ga), 0.0)
+        same = (np.arange(C)[:, None] >= np.arange(C)[None]) & (seg[..., :, None] == seg[..., None, :])
+        return jnp.asarray(same, ga.dtype)[:, None] @ ga
+
+    dG = rand_like(act.G, 3)
+    _, vjp = jax.vjp(restarted, g, A_log, dt_bias)
+    want = vjp(dG)
+    got = ReferenceGateBackward()(cfg, act, g if cfg.use_gate_in_kernel else None, A_log, dt_bias, valid,
+                                  act.q, act.k, act.beta, dG, reset)
+    assert np.all(np.asarray(got.dg)[np.broadcast_to(np.asarray(reset)[:, None, :, :, None], G.shape)] == 0)
+    for n, a, b in zip(("dg", "dA_log", "ddt_bias"), (got.dg, got.dA_log, got.ddt_bias), want):
+        if b is None:
+            assert a is None, n
+        else:
+            assert_close(a, b, 1e-12, n)
+    bad = g.at[0, 0, 0, 3, 1].set(jnp.nan).at[1, 1, 1, 7, 2].set(jnp.inf)  # gates at reset tokens
+    G_bad = np.asarray(ReferenceGate()(cfg, q, k, bad, beta, A_log, dt_bias, valid, reset).G)
+    assert np.isnan(G_bad[0, 0, 0, 3, 1])
+    if not cfg.use_gate_in_kernel:  # (a raw +inf in the softplus gate is a legitimate -inf gate)
+        assert not np.isfinite(G_bad[1, 1, 1, 7, 2])

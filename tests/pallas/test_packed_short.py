@@ -1,0 +1,46 @@
+"""Packed short sequences sharing chunks (issue 18, item 8) in the Pallas pipelines
+(interpret mode): the Pallas gates take no ``reset`` and fall back to the reference ones
+(``UnsupportedCase``, said by ``plan``); the Triton state kernels run the shared layout's
+one-entry state table; outputs and every gradient exact against the float64 oracle."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import pytest
+
+import kdax
+
+from ..test_packed_short import MIX, _check, _fn, _inputs
+
+# Three chunks of 16: one-token and empty sequences, one straddling a chunk boundary, a
+# start on a chunk boundary.
+SMALL = [0, 1, 1, 2, 19, 32, 33, 48]
+from .._util import split_args
+
+PIPELINES = {
+    "pallas_triton": lambda: kdax.KDAPipeline.pallas("triton", interpret=True),
+    "pallas_tpu": lambda: kdax.KDAPipeline.pallas("tpu", interpret=True),
+    "mixed": lambda: kdax.KDAPipeline.mixed("tpu", interpret=True),
+}
+
+
+@pytest.mark.filterwarnings("ignore::kdax.FallbackWarning")
+@pytest.mark.parametrize("pipe", [p if p == "pallas_triton" else pytest.param(p, marks=pytest.mark.slow) for p in PIPELINES])
+def test_shared_chunks_exact(pipe):
+    pipeline = PIPELINES[pipe]()
+    x = _inputs(SMALL)
+    options = dict(cu_seqlens=jnp.asarray(SMALL, jnp.int32))
+    pos, kw = split_args(x)
+    plan = pipeline.plan(*pos, chunk_size=16, **kw, **options)
+    assert plan.layout == "shared"
+    assert {"gate", "gate_bwd"} <= set(plan.fallbacks) and "reset" in plan.fallbacks["gate"]
+    if pipe == "pallas_triton":  # its state kernels read first/last: no fallback there
+        assert not {"state", "dhu"} & set(plan.fallbacks)
+    _check(_fn(pipeline), x, options, 1e-10)
+
+
+def test_without_fallback_keeps_one_sequence_per_chunk():
+    strict = dataclasses.replace(PIPELINES["pallas_triton"](), fallback=False)
+    x = _inputs(MIX)
+    pos, _ = split_args(x)
+    assert strict.plan(*pos, chunk_size=16, cu_seqlens=jnp.asarray(MIX)).layout == "per-sequence"

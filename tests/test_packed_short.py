@@ -1,0 +1,275 @@
+"""Issue 18, item 8: many short packed sequences share chunks (``_layout.make_shared_layout``):
+exact against the float64 oracle (outputs, final states and every gradient), the layout
+visible in ``plan``, shapes independent of the ``cu_seqlens`` values, checks under jit,
+NaN containment, tiles; with ``initial_state``, one sequence per chunk."""
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kdax
+from kdax._layout import make_shared_layout
+
+from ._util import assert_close, make_inputs, oracle_kda, rel_rms, split_args
+
+C = 16
+# Lengths 0..3C: empty sequences (also the first and the last), one-token ones, a start on
+# a chunk boundary (16), one of 3C straddling three boundaries, T not a multiple of C.
+MIX = [0, 0, 1, 2, 2, 3, 16, 17, 65, 66, 70, 70, 85, 85]
+ONES = list(range(49))  # 48 one-token sequences: three chunks of 16
+
+
+def _fn(pipe=None, C=C):
+    pipe = kdax.KDAPipeline.reference() if pipe is None else pipe
+    return lambda *a, **kw: kdax.chunk_kda(*a, pipeline=pipe, chunk_size=C, **kw)
+
+
+def _inputs(cu, dtype=jnp.float64, seed=0, h0=False, gate=False, **kw):
+    return make_inputs(seed=seed, B=1, T=cu[-1], H=1, HV=2, K=8, V=8, N=len(cu) - 1, dtype=dtype, h0=h0,
+                       gate="raw" if gate else "log", A_log=gate, dt_bias=gate, beta_raw=gate, **kw)
+
+
+def _outputs_and_grads(fn, x, options, do, dht):
+    """``(o, ht, gradients of sum(o * do) + sum(ht * dht))`` of ``fn`` under one jit."""
+    names = [n for n in ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias") if n in x]
+
+    @jax.jit
+    def f(arrays):
+        def loss(arrays):
+            pos, kw = split_args(arrays)
+            o, ht = fn(*pos, **kw, **options)
+            val = jnp.sum(o * do)
+            return val + (jnp.sum(ht * dht) if dht is not None else 0.0), (o, ht)
+
+        grads, (o, ht) = jax.grad(loss, has_aux=True)(arrays)
+        return o, ht, grads
+
+    o, ht, grads = f({n: x[n] for n in names})
+    return o, ht, grads
+
+
+def _check(fn, x, options, tol, seed=3, oracle=oracle_kda, oracle_options=None, final_loss=True):
+    """Outputs, final states (if asked) and every gradient (of a loss on the final states
+    too, if ``final_loss``) against the float64 oracle; returns the gradients."""
+    r = np.random.default_rng(seed)
+    do = jnp.asarray(r.normal(size=x["v"].shape))
+    N, HV, K, V = len(options["cu_seqlens"]) - 1, *x["v"].shape[2:3], x["q"].shape[-1], x["v"].shape[-1]
+    dht = jnp.asarray(r.normal(size=(N, HV, K, V))) if final_loss and options.get("output_final_state") else None
+    o, ht, got = _outputs_and_grads(fn, x, options, do, dht)
+    o_ref, ht_ref, want = _outputs_and_grads(oracle, x, dict(options, **(oracle_options or {})), do, dht)
+    assert_close(o, o_ref, tol, "o")
+    if options.get("output_final_state"):
+        assert_close(ht, ht_ref, tol, "ht")
+    for n in want:
+        assert_close(got[n], want[n], tol, "d" + n)
+    return got
+
+
+@jax.jit
+def _recurrent(cu, *a):
+    """float64 recurrence, ``cu_seqlens`` traced (one compile): the reference of the tests
+    below that check layouts and tiles rather than exactness (the oracle checks that)."""
+    return kdax.fused_recurrent_kda(*a, cu_seqlens=cu)[0]
+
+
+def _starts(cu):
+    """The first token of each sequence (the shared layout's resets)."""
+    return sorted({s for s, e in zip(cu[:-1], cu[1:]) if e > s})
+
+
+def _rows_oracle(*a, cu_seqlens=None, **kw):
+    """The float64 oracle for sequences of one token each: each sequence a row of a dense
+    batch from a zero state (one scan instead of one per sequence)."""
+    rows = lambda x: jnp.swapaxes(x, 0, 1)  # [1, N, ...] -> [N, 1, ...]
+    o, ht = oracle_kda(*(rows(x) for x in a), **kw)
+    return rows(o), ht
+
+
+# (the mix of lengths runs in the default run with the in-kernel gate, below)
+@pytest.mark.parametrize("cu", [ONES, pytest.param(MIX, marks=pytest.mark.slow)], ids=["one_token", "mix"])
+def test_shared_chunks_exact(cu):
+    x = _inputs(cu)
+    options = dict(cu_seqlens=jnp.asarray(cu, jnp.int32))
+    pos, _ = split_args(x)
+    plan = kdax.KDAPipeline.reference().plan(*pos, chunk_size=C, **options)
+    assert plan.layout == "shared" and "layout: shared" in str(plan) and not plan.fallbacks
+    oracle = _rows_oracle if cu == ONES else oracle_kda
+    grads = _check(_fn(), x, options, 1e-12, oracle=oracle, oracle_options=dict(cu_seqlens=cu if cu != ONES else None))
+    # A sequence's first token meets a zero state: its gate gradient is exactly 0.
+    assert np.all(np.asarray(grads["g"])[0, _starts(cu)] == 0)
+
+
+def test_shared_chunks_in_kernel_gate_and_activations():
+    """The mix of lengths with the softplus gate (A_log, dt_bias), l2norm, beta sigmoid and
+    the final states (``output_final_state`` without an initial state: still shared
+    chunks, each final state read from the chunk of its sequence's last token): outputs,
+    final states, every gradient of a loss on o (the shared backward)."""
+    x = _inputs(MIX, gate=True)
+    options = dict(cu_seqlens=jnp.asarray(MIX, jnp.int32), use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
+                   use_beta_sigmoid_in_kernel=True, output_final_state=True)
+    pos, kw = split_args(x)
+    assert kdax.KDAPipeline.reference().plan(*pos, chunk_size=C, **kw, **options).layout == "shared"
+    grads = _check(_fn(), x, options, 1e-12, final_loss=False)
+    assert set(grads) == {"q", "k", "v", "g", "beta", "A_log", "dt_bias"}
+    assert np.all(np.asarray(grads["g"])[0, _starts(MIX)] == 0)
+
+
+@pytest.mark.parametrize("final", [True, False])
+def test_initial_state_keeps_one_sequence_per_chunk_plan(final):
+    """An initial state: one sequence per chunk, said by plan."""
+    x = _inputs(MIX, h0=True)
+    pos, kw = split_args(x)
+    plan = kdax.KDAPipeline.reference().plan(*pos, chunk_size=C, cu_seqlens=jnp.asarray(MIX), output_final_state=final, **kw)
+    assert plan.layout == "per-sequence" and "layout: per-sequence" in str(plan)
+
+
+@pytest.mark.slow  # (tests/test_pipeline.py's varlen cases run this layout in the default run)
+@pytest.mark.parametrize("final", [True, False])
+def test_initial_state_keeps_one_sequence_per_chunk(final):
+    x = _inputs(MIX, h0=True)
+    _check(_fn(), x, dict(cu_seqlens=jnp.asarray(MIX, jnp.int32), output_final_state=final), 1e-12)
+
+
+@pytest.mark.slow
+def test_loss_on_final_states_of_shared_chunks():
+    """A loss on the final states of shared chunks: the backward reruns the forward with
+    one sequence per chunk. Exact."""
+    x = _inputs(MIX)
+    options = dict(cu_seqlens=jnp.asarray(MIX, jnp.int32), output_final_state=True)
+    _check(_fn(), x, options, 1e-12)
+
+
+def test_share_chunks_off_and_custom_gate_keep_the_per_sequence_layout():
+    x = _inputs(MIX)
+    pos, _ = split_args(x)
+    cu = jnp.asarray(MIX, jnp.int32)
+    ref = kdax.KDAPipeline.reference()
+    off = dataclasses.replace(ref, share_chunks=False)
+    assert off.plan(*pos, cu_seqlens=cu, chunk_size=C).layout == "per-sequence"
+
+    class OldGate(kdax.stages.AbstractGate):  # a user's F1 written before `reset`
+        def __call__(self, config, q, k, g, beta, A_log, dt_bias, valid):
+            return kdax.stages.ReferenceGate()(config, q, k, g, beta, A_log, dt_bias, valid)
+
+    custom = eqx.tree_at(lambda p: p.gate, ref, OldGate())
+    assert custom.plan(*pos, cu_seqlens=cu, chunk_size=C).layout == "per-sequence"  # no fallback: not shared
+    with_fallback = dataclasses.replace(custom, fallback=True)
+    plan = with_fallback.plan(*pos, cu_seqlens=cu, chunk_size=C)
+    assert plan.layout == "shared" and "reset" in plan.fallbacks["gate"]
+
+
+def test_no_padding_and_no_recompile_for_new_offsets():
+    """NC = ceil(T / C) whatever the offsets; new offsets of the same N reuse the program."""
+    layout = make_shared_layout(1000, 64, jnp.arange(1001, dtype=jnp.int32))
+    assert layout.num_chunks == 16 and int(layout.reset.sum()) == 1000
+    assert np.all(np.asarray(layout.first) == 0) and np.all(np.asarray(layout.last) == 0)  # exact at chunk starts
+    x = _inputs(MIX)
+    pos, _ = split_args(x)
+    traces = []
+
+    @jax.jit
+    def f(cu, *a):
+        traces.append(1)
+        return _fn()(*a, cu_seqlens=cu)[0]
+
+    T = MIX[-1]
+    for cu in (MIX, [0] + sorted(np.random.default_rng(1).integers(0, T, len(MIX) - 2).tolist()) + [T]):
+        cu = jnp.asarray(cu, jnp.int32)
+        assert_close(f(cu, *pos), _recurrent(cu, *pos), 1e-12, "o")
+    assert len(traces) == 1
+
+
+def test_traced_cu_seqlens_still_checked():
+    x = _inputs(MIX)
+    pos, _ = split_args(x)
+    f = jax.jit(lambda cu, *a: _fn()(*a, cu_seqlens=cu)[0])
+    bad = np.array(MIX)
+    bad[5] = bad[4] - 1  # decreasing
+    with pytest.raises(Exception, match="cu_seqlens"):
+        jax.block_until_ready(f(jnp.asarray(bad, jnp.int32), *pos))
+
+
+def test_tiled_forward_equals_whole():
+    """Without gradients the CPU forward runs in tiles; the resets travel with each tile
+    (full tiles in the loop and the shorter tail)."""
+    x = _inputs(MIX)
+    pos, _ = split_args(x)
+    cu = jnp.asarray(MIX, jnp.int32)
+    tiled = dataclasses.replace(kdax.KDAPipeline.reference(), tile=4)  # 2 chunks per tile (HV = 2): 3 + tail
+    assert tiled.plan(*pos, cu_seqlens=cu, chunk_size=C).tile == 4
+    o = jax.jit(lambda *a: _fn(tiled)(*a, cu_seqlens=cu)[0])(*pos)
+    assert_close(o, _recurrent(cu, *pos), 1e-12, "o tiled")
+
+
+def test_float32_as_good_as_the_recurrence():
+    """float32: a reset leaves exp(floor) = 2e-9 of the state it meets; outputs and every
+    gradient within 10x the float32 recurrence's error against the float64 oracle."""
+    cu = [0, 1, 2, 19, 20, 52, 53, 64]
+    x64 = _inputs(cu, seed=5)
+    x32 = {n: a.astype(jnp.float32) for n, a in x64.items()}
+    do = jnp.asarray(np.random.default_rng(2).normal(size=x64["v"].shape))
+    opts = dict(cu_seqlens=jnp.asarray(cu, jnp.int32))
+    rec = lambda *a, **kw: kdax.fused_recurrent_kda(*a, **kw)
+    o, _, want = _outputs_and_grads(oracle_kda, x64, dict(cu_seqlens=cu), do, None)
+    want["o"] = o
+    errs = {}
+    for name, fn in (("chunk", _fn()), ("recurrent", rec)):
+        o, _, got = _outputs_and_grads(fn, x32, opts, do.astype(jnp.float32), None)
+        got["o"] = o
+        errs[name] = {n: rel_rms(got[n], want[n]) for n in want}
+    for n in want:
+        assert errs["chunk"][n] <= max(10 * errs["recurrent"][n], 1e-6), (n, errs)
+
+
+def test_non_finite_stays_where_it_entered():
+    """A NaN or inf at token t (a sequence's first token, or inside one): outputs before t
+    bit-identical; so are the outputs from the next sequence that starts on a chunk
+    boundary on (token 32; the tokens in between share the state stream, see
+    docs/stages.md)."""
+    cu = [0, 3, 9, 10, 21, 32, 40, 64]
+    x = _inputs(cu, dtype=jnp.float32, seed=8)
+    f = jax.jit(lambda xx: _fn()(xx["q"], xx["k"], xx["v"], xx["g"], xx["beta"], cu_seqlens=jnp.asarray(cu))[0])
+    clean = np.asarray(f(x))
+    for t in (9, 12):  # the first token of a sequence inside chunk 0; inside a sequence
+        for name in ("q", "k", "v", "g", "beta"):
+            for bad in (np.nan, np.inf):
+                y = dict(x)
+                a = np.array(y[name])
+                a[0, t] = bad
+                y[name] = jnp.asarray(a)
+                o = np.asarray(f(y))
+                assert np.array_equal(o[0, :t], clean[0, :t]), (t, name, bad)
+                assert np.array_equal(o[0, 32:], clean[0, 32:]), (t, name, bad)
+                assert not np.array_equal(o[0, t:], clean[0, t:]), (t, name, bad)  # and it did arrive
+
+
+def test_forward_residuals_and_backward_of_shared_chunks():
+    """``KDAPipeline.forward`` packs as ``chunk_kda`` does: token intermediates read per
+    sequence as with one sequence per chunk; the per-chunk state per sequence and a
+    ``dht`` are refused with the reason."""
+    x = _inputs(MIX)
+    pos, _ = split_args(x)
+    cu = jnp.asarray(MIX, jnp.int32)
+    ref = kdax.KDAPipeline.reference().untiled()
+    off = dataclasses.replace(ref, share_chunks=False)
+    do = jnp.ones(x["v"].shape, x["v"].dtype)
+
+    @jax.jit
+    def f(*a):
+        _, ht, res = ref.forward(*a, chunk_size=C, cu_seqlens=cu)
+        _, _, res_off = off.forward(*a, chunk_size=C, cu_seqlens=cu)
+        assert ht is None and res.layout.reset is not None and res_off.layout.reset is None
+        with pytest.raises(ValueError, match="per_sequence: the sequences of this forward share chunks"):
+            res.read("h", per_sequence=True)
+        with pytest.raises(ValueError, match="dht: this forward packed its sequences into shared chunks"):
+            ref.backward(res, do, jnp.zeros((len(MIX) - 1, 2, 8, 8)))
+        grads = ref.backward(res, do)
+        assert grads.initial_state is None
+        return res.read("v_new", per_sequence=True), res_off.read("v_new", per_sequence=True)
+
+    v_new, v_new_off = f(*pos)
+    assert_close(v_new, v_new_off, 1e-12, "v_new")
