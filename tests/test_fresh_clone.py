@@ -23,7 +23,8 @@ def test_golden_tests_pass_in_a_fresh_clone(tmp_path):
                            capture_output=True, text=True, check=True).stdout.strip()
     assert pathlib.Path(where).resolve().is_relative_to(clone.resolve()), where
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_recurrent.py", "-k", "golden"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "tests/test_recurrent.py", "-k",
+         "golden"],
         cwd=clone, env=env, capture_output=True, text=True,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
