@@ -16,18 +16,16 @@ import os
 import re
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_vs_fla import GRAD_NAMES, kdax_fns, kdax_pipeline, make_inputs, parse_shape  # noqa: E402
+from gpu_vs_fla import GRAD_NAMES, kdax_fns, kdax_pipeline, make_inputs, median_time, parse_shape  # noqa: E402
 
 _SCOPE = re.compile(r"kdax_([a-z_]+)")
 
@@ -94,20 +92,14 @@ def profile(name: str, x: dict, chunk: int, reps: int) -> str:
     w = jnp.asarray(x["w"])
     out = [f"== {name}"]
     for label, f, a in (("fwd", fwd, args), ("train", step, args + (w,))):
-        jax.block_until_ready(f(*a))
-        jax.block_until_ready(f(*a))
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*a))
-            ts.append(time.perf_counter() - t0)
+        t = median_time(lambda: f(*a), jax.block_until_ready, reps)
         d = tempfile.mkdtemp(prefix=f"trace_{name}_{label}_")
         calls = 3
         jax.profiler.start_trace(d)
         for _ in range(calls):
             jax.block_until_ready(f(*a))
         jax.profiler.stop_trace()
-        out.append(f"--- {name} {label}: wall median {1e3 * float(np.median(ts)):.2f} ms (of {reps})")
+        out.append(f"--- {name} {label}: wall median {1e3 * t:.2f} ms (of {reps})")
         try:
             scopes = hlo_scopes(f.lower(*a).compile().as_text())
         except Exception as e:

@@ -279,8 +279,9 @@ class KDAPipeline(eqx.Module):
         full, kwargs = kwargs, with_G_lo(stage, kwargs)
         # ``reset`` (shared chunks) only to stages that take it; one that does not cannot
         # run this layout (raised below, inside the fallback's reach).
-        needs_reset = kwargs.get("reset") is not None and not _takes(type(stage), "reset")
-        if "reset" in kwargs and not _takes(type(stage), "reset"):
+        takes_reset = _takes(type(stage), "reset")
+        needs_reset = kwargs.get("reset") is not None and not takes_reset
+        if "reset" in kwargs and not takes_reset:
             kwargs = {n: x for n, x in kwargs.items() if n != "reset"}
         for rec in _RECORDERS:
             rec.inputs.setdefault(name, kwargs)

@@ -83,7 +83,7 @@ class PallasValueBlocks(PallasTarget):
             raise ValueError(f"block_v: expected a power of 2 of at least 16, got {self.block_v}.")
 
 
-# (num_warps, f32_dot, num_stages) of the compiled Triton stage being traced, or None.
+# The compiled Triton stage being traced (its tuning fields), or None.
 _TUNING: contextvars.ContextVar = contextvars.ContextVar("kdax_pallas_tuning", default=None)
 
 
@@ -94,7 +94,7 @@ def tuned(call):
     @functools.wraps(call)
     def wrapped(self, *args, **kwargs):
         live = self.target == "triton" and not self.run_interpreted
-        token = _TUNING.set((self.num_warps, self.f32_dot, self.num_stages) if live else None)
+        token = _TUNING.set(self if live else None)
         try:
             return call(self, *args, **kwargs)
         finally:
@@ -128,7 +128,7 @@ def compiler_params(target: str, sequential_last: bool, ndim: int):
     tuning = _TUNING.get()
     if tuning is None:
         return pltr.CompilerParams(num_warps=4, num_stages=1)
-    return pltr.CompilerParams(num_warps=tuning[0], num_stages=tuning[2])
+    return pltr.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages)
 
 
 def kernel_name(kernel) -> str:
@@ -246,7 +246,7 @@ def dot(a, b, ta: bool = False, tb: bool = False):
         return jax.lax.dot_general(a.astype(half), b.astype(half), dims, precision=(default, default),
                                    preferred_element_type=jnp.float32)
     tuning = _TUNING.get()
-    if tuning is not None and tuning[1] == "tf32x3" and a.dtype == jnp.float32:
+    if tuning is not None and tuning.f32_dot == "tf32x3" and a.dtype == jnp.float32:
         return jax.lax.dot_general(a, b, dims, precision=jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
                                    preferred_element_type=jnp.float32)
     return jax.lax.dot_general(a, b, dims, precision=jax.lax.Precision.HIGHEST, preferred_element_type=a.dtype)
