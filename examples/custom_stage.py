@@ -4,9 +4,10 @@
 The modified algorithm: KDA with a per-head query gain, ``q <- gain * q`` after F1's
 activations. ``QGainGate`` (F1) applies it; ``QGainGateBackward`` (B5) applies its
 transpose to ``dq``, so that the six-stage backward stays the exact gradient of the
-modified forward. The gain is an array field of both stages: non-differentiated
-configuration of the pipeline (``chunk_kda`` holds pipeline arrays under
-``stop_gradient``). Run from the repository root::
+modified forward. The gain is an array field of both stages; differentiated, F1's copy
+gets its exact gradient (the gate's own VJP at the backward's cotangent of its output)
+and B5's copy zero, which is exact: the forward never reads it. Run from the repository
+root::
 
     python examples/custom_stage.py
 """
@@ -99,7 +100,7 @@ def main(dtype=jnp.float32, verbose: bool = True):
     o, q_act, v_new, h = intermediates(layer.pipeline, q, k, v, g, beta)
     if verbose:
         print("d k_scale:", d.k_scale)
-        print("d gain (configuration, not differentiated):", d.pipeline.gate.gain)
+        print("d gain (F1's copy, exact):", d.pipeline.gate.gain)
         print("o", o.shape, "q after F1 [B, T, HV, K]", q_act.shape, "v_new [B, T, HV, V]", v_new.shape,
               "h [B, NC, HV, K, V]", h.shape)
         print(layer.pipeline.plan(q, k, v, g, beta, chunk_size=16))

@@ -12,6 +12,7 @@ from . import parallel as parallel
 from ._config import KDAConfig as KDAConfig
 from ._config import KDAOptions as KDAOptions
 from ._errors import FallbackWarning as FallbackWarning
+from ._errors import StageGradientError as StageGradientError
 from ._errors import StageContractError as StageContractError
 from ._errors import UnsupportedCase as UnsupportedCase
 from ._layout import ChunkLayout as ChunkLayout

@@ -20,3 +20,10 @@ class StageContractError(TypeError):
 class FallbackWarning(UserWarning):
     """A stage raised ``UnsupportedCase`` and the pipeline ran the reference stage instead
     (issued once per stage field, implementation and reason)."""
+
+
+class StageGradientError(ValueError):
+    """A differentiated function reaches an array held by a forward stage whose gradient
+    kdax cannot give exactly (see ``kdax._stage_grads``: F1 and F5 arrays get exact
+    gradients, the backward stages' arrays an exact zero). The message names the pipeline
+    field, the array's path and the stage's class."""

@@ -1,6 +1,6 @@
 """``KDAPipeline``: the forward stages F1-F5 and backward stages B0-B5 composed, and
 ``chunk_kda``, differentiable through an ``eqx.filter_custom_vjp`` that runs the six-stage
-backward (the pipeline, any Equinox module, is non-differentiated configuration).
+backward (the pipeline's own arrays: ``kdax._stage_grads``).
 
 Any stage can be swapped for another implementation of its abstract class::
 
@@ -24,6 +24,7 @@ from . import _precision
 from ._config import KDAConfig, KDAOptions
 from ._contracts import STAGES, check_arguments, check_family, check_output, expected_output
 from ._errors import FallbackWarning, UnsupportedCase
+from ._stage_grads import BackwardParts, check_perturbed, perturbed_arrays, stage_gradients
 from ._layout import ChunkLayout, expand_group, make_layout, make_shared_layout, pack, reduce_group, unpack
 from ._tiles import Tiles
 from ._typing import (
@@ -216,9 +217,10 @@ class KDAPipeline(eqx.Module):
     """The chunked KDA algorithm as eleven swappable stages (see ``docs/stages.md``).
 
     Any ``eqx.Module`` implementing a stage's abstract class may fill its field; a stage may
-    hold arrays (a gain, a mask, a table): they are non-differentiated configuration, held
-    under ``lax.stop_gradient`` by ``chunk_kda`` (their gradient is zero), so a pipeline may
-    sit inside a model under ``eqx.filter_jit``/``eqx.filter_grad``/``vmap``/``scan``.
+    hold arrays (a gain, a mask, a table), and a pipeline may sit inside a model under
+    ``eqx.filter_jit``/``eqx.filter_grad``/``vmap``/``scan``. Differentiated, F1 and F5
+    arrays get their exact gradients, the backward stages' arrays zero (exact), F2-F4
+    arrays a ``StageGradientError`` (``kdax._stage_grads``).
 
     The pipeline checks, when it is traced: each field's family (here, and again at each
     call for pipelines edited with ``eqx.tree_at``), that each stage takes the keyword
@@ -518,6 +520,12 @@ class KDAPipeline(eqx.Module):
     def backward(self, res: KDAResiduals, do, dht=None) -> KDAGrads:
         """The six-stage backward. ``do`` ``[B, T, HV, V]``; ``dht`` ``[N, HV, K, V]`` or
         None (no loss on the final state)."""
+        return self._backward(res, do, dht)[0]
+
+    def _backward(self, res: KDAResiduals, do, dht=None):
+        """``backward``, and what it formed on the way: ``BackwardParts`` (the packed
+        ``do``, B0's intermediates, B4's gradients of F1's outputs), from which
+        ``_stage_grads`` differentiates stage arrays."""
         for name in STAGES:  # a pipeline edited with eqx.tree_at skips __check_init__
             check_family(name, getattr(self, name))
         cfg, L, act = res.config, res.layout, res.act
@@ -561,6 +569,7 @@ class KDAPipeline(eqx.Module):
             dq=grads.dq, dk=grads.dk, dbeta=grads.dbeta, dG=grads.dG, reset=L.reset,
         )
         H = res.num_qk_heads
+        parts = BackwardParts(doc=doc, qg=qg, h=h, v_new=v_new, act_grads=grads)
         return KDAGrads(
             q=unpack(L, reduce_group(raw.dq, H)),
             k=unpack(L, reduce_group(raw.dk, H)),
@@ -570,7 +579,7 @@ class KDAPipeline(eqx.Module):
             initial_state=None if L.reset is not None else dhu.dh0,  # shared chunks: no initial_state given
             A_log=raw.dA_log,
             dt_bias=raw.ddt_bias,
-        )
+        ), parts
 
     # -- public entry points ------------------------------------------------------------
 
@@ -768,26 +777,24 @@ def _with(options: KDAOptions, **changes) -> dict:
     return kw
 
 
-def _no_grad(pipeline: KDAPipeline) -> KDAPipeline:
-    """The pipeline's arrays under ``stop_gradient``: stage fields are configuration."""
-    return jax.tree.map(lambda x: jax.lax.stop_gradient(x) if eqx.is_inexact_array(x) else x, pipeline)
-
-
 @eqx.filter_custom_vjp
-def _differentiable(diff, pipeline: KDAPipeline, config: KDAConfig, cu_seqlens):
-    """``(o, final)`` of ``diff = (q, k, v, g, beta, h0, A_log, dt_bias)``; the pipeline
-    (any Equinox module: its arrays are non-differentiated), the static config and
-    ``cu_seqlens`` are not differentiated."""
-    o, final, _ = pipeline.run_forward(config, *diff, cu_seqlens, shared_finals=True)
+def _differentiable(diff, config: KDAConfig, cu_seqlens):
+    """``(o, final)`` of ``diff = ((q, k, v, g, beta, h0, A_log, dt_bias), pipeline)``; the
+    static config and ``cu_seqlens`` are not differentiated. The pipeline's arrays are
+    differentiated as ``_stage_grads`` says (F1, F5 exact; backward stages zero; F2-F4
+    refused)."""
+    inputs, pipeline = diff
+    o, final, _ = pipeline.run_forward(config, *inputs, cu_seqlens, shared_finals=True)
     return o, final
 
 
 @_differentiable.def_fwd
-def _vjp_fwd(perturbed, diff, pipeline: KDAPipeline, config: KDAConfig, cu_seqlens):
-    del perturbed
+def _vjp_fwd(perturbed, diff, config: KDAConfig, cu_seqlens):
+    inputs, pipeline = diff
+    check_perturbed(pipeline, perturbed[1])
     # Whole: in a training step XLA then shares F3/F4 with B0's recompute (the CPU step was
     # ~15% slower with a tiled forward; a tiled B1-B5 too was still 5-10% slower).
-    o, final, res = pipeline.untiled().run_forward(config, *diff, cu_seqlens, shared_finals=True)
+    o, final, res = pipeline.untiled().run_forward(config, *inputs, cu_seqlens, shared_finals=True)
     if not config.disable_recompute:
         # Keep what FLA keeps (inputs, G, Aqk, Akk, l2norm statistics, h0); B0 rebuilds the rest.
         res = eqx.tree_at(lambda r: r.cache, res, None, is_leaf=lambda x: x is None)
@@ -795,21 +802,39 @@ def _vjp_fwd(perturbed, diff, pipeline: KDAPipeline, config: KDAConfig, cu_seqle
 
 
 @_differentiable.def_bwd
-def _vjp_bwd(res, cotangents, perturbed, diff, pipeline: KDAPipeline, config: KDAConfig, cu_seqlens):
-    del perturbed
+def _vjp_bwd(res, cotangents, perturbed, diff, config: KDAConfig, cu_seqlens):
+    inputs, pipeline = diff
     do, dht = cotangents
     if do is None:  # only the final state carries a loss
         L = res.layout
         do = jnp.zeros((L.valid.shape[0] if L.pos is None else 1, L.T) + res.v.shape[1:2] + res.v.shape[-1:], res.h0.dtype)
     dht = dht if config.output_final_state else None
+    run = pipeline
     if dht is not None and res.layout.reset is not None:
         # A loss on the final states of shared chunks: rerun the forward with one sequence
         # per chunk, whose backward takes dht (only such a loss pays for it).
-        pipeline = dataclasses.replace(pipeline, share_chunks=False).untiled()
-        res = pipeline.run_forward(config, *diff, cu_seqlens)[2]
-    grads = pipeline.backward(res, do, dht)
+        run = dataclasses.replace(pipeline, share_chunks=False).untiled()
+        res = run.run_forward(config, *inputs, cu_seqlens)[2]
+    grads, parts = run._backward(res, do, dht)
     out = (grads.q, grads.k, grads.v, grads.g, grads.beta, grads.initial_state, grads.A_log, grads.dt_bias)
-    return tuple(None if d is None or x is None else x.astype(d) for x, d in zip(out, res.in_dtypes))
+    d_inputs = tuple(None if d is None or x is None else x.astype(d) for x, d in zip(out, res.in_dtypes))
+    return d_inputs, _pipeline_gradients(run, perturbed[1], parts, res, inputs)
+
+
+def _pipeline_gradients(pipeline: KDAPipeline, perturbed, parts: BackwardParts, res: KDAResiduals, inputs):
+    """The gradients of the pipeline's perturbed arrays (``_stage_grads``), None when none."""
+    if not any(x is True for x in jax.tree.leaves(perturbed)):
+        return jax.tree.map(lambda _: None, perturbed)
+    if pipeline.precision == "auto":  # as backward resolved it
+        pipeline = pipeline.with_precision(_precision.resolve(pipeline.precision, res.in_dtypes[0]))
+    L, dt = res.layout, res.h0.dtype
+    gate_kwargs = None
+    if "gate" in perturbed_arrays(pipeline, perturbed):
+        q, k, v, g, beta = inputs[:5]
+        qc, kc, _, gc, bc = _pack_inputs(L, (q, k, v, g, beta), res.v.shape[1], dt)
+        gate_kwargs = dict(config=res.config, q=qc, k=kc, g=gc, beta=bc, A_log=res.A_log, dt_bias=res.dt_bias,
+                           valid=L.valid, reset=L.reset)
+    return stage_gradients(pipeline, perturbed, parts, gate_kwargs=gate_kwargs, Aqk=res.Aqk, scale=res.config.scale)
 
 
 def _shared_finals(layout: ChunkLayout, cu_seqlens, k, G, G_lo, v_new, h):
@@ -963,5 +988,5 @@ def chunk_kda(
         # passes through unchanged, and so does its gradient.
         final = _initial_states(h0, (N, v.shape[2], K, v.shape[-1]), compute_dtype(q, k, v, g, beta, h0))
         return jnp.zeros(v.shape, v.dtype), _final_out(final, config, opts.state_v_first)
-    o, final = _differentiable((q, k, v, g, beta, h0, A_log, dt_bias), _no_grad(pipeline), config, cu)
+    o, final = _differentiable(((q, k, v, g, beta, h0, A_log, dt_bias), pipeline), config, cu)
     return o, _final_out(final, config, opts.state_v_first)

@@ -37,9 +37,9 @@ def _x(**kw):
     return make_inputs(**{**dict(B=2, T=24, H=3, K=4, V=4), **kw})
 
 
-def _gain_oracle(q, k, v, g, beta, **opts):
-    """The modified algorithm: q scaled per head by GAIN (H == HV here)."""
-    return oracle_kda(q * GAIN[None, None, :, None], k, v, g, beta, **opts)
+def _gain_oracle(q, k, v, g, beta, gain=GAIN, **opts):
+    """The modified algorithm: q scaled per head by ``gain`` (H == HV here)."""
+    return oracle_kda(q * gain[None, None, :, None], k, v, g, beta, **opts)
 
 
 class Model(eqx.Module):
@@ -66,12 +66,16 @@ def test_array_stages_in_a_model_filter_jit_grad_vmap():
     loss = lambda m, *a: _loss(*m(*a))
     grads = eqx.filter_jit(eqx.filter_grad(loss))(model, *pos, h0)
 
-    def oracle_loss(w):
+    def oracle_loss(w, gain):
         q, k, v, g, beta = pos
-        return _loss(*_gain_oracle(q, k * w, v, g, beta, initial_state=h0, output_final_state=True))
+        return _loss(*_gain_oracle(q, k * w, v, g, beta, gain, initial_state=h0, output_final_state=True))
 
-    assert_close(grads.w, jax.jit(jax.grad(oracle_loss))(model.w), 1e-10, "dw")
-    assert np.all(np.asarray(grads.pipe.gate.gain) == 0)  # configuration: not differentiated
+    dw, dgain = jax.jit(jax.grad(oracle_loss, argnums=(0, 1)))(model.w, GAIN)
+    assert_close(grads.w, dw, 1e-10, "dw")
+    # The F1 stage's array: its exact gradient (the gate's VJP at B4's cotangent); B5's
+    # copy of the gain is read by the backward alone: its exact gradient is zero.
+    assert_close(grads.pipe.gate.gain, dgain, 1e-10, "d gain (F1)")
+    assert np.all(np.asarray(grads.pipe.gate_bwd.gain) == 0)
     o, ht = eqx.filter_jit(model)(*pos, h0)
     q, k, v, g, beta = pos
     o_ref, ht_ref = _gain_oracle(q, k * model.w, v, g, beta, initial_state=h0, output_final_state=True)
