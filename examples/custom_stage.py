@@ -21,7 +21,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 import kdax
-from kdax.stages import AbstractGate, AbstractGateBackward, ReferenceGate, ReferenceGateBackward
+from kdax.stages import Activated, AbstractGate, AbstractGateBackward, RawGrads, ReferenceGate, ReferenceGateBackward
+from kdax.typing import ChunkK, ChunkScalar, typecheck
 
 
 def _per_head(gain, x):
@@ -36,7 +37,8 @@ class QGainGate(AbstractGate):
     # Elementwise per token: correct on any tile of chunks (docs/stages.md).
     tile_safe: ClassVar[bool] = True
 
-    def __call__(self, config, q, k, g, beta, A_log, dt_bias, valid):
+    @typecheck  # shapes checked when traced (kdax.typing: the chunked layout's aliases)
+    def __call__(self, config, q: ChunkK, k: ChunkK, g: ChunkK, beta: ChunkScalar, A_log, dt_bias, valid) -> Activated:
         if config.use_qk_l2norm_in_kernel:
             raise ValueError("QGainGate: this example does not combine the gain with the in-kernel l2norm.")
         act = ReferenceGate()(config, q, k, g, beta, A_log, dt_bias, valid)
@@ -48,7 +50,9 @@ class QGainGateBackward(AbstractGateBackward):
 
     gain: Float[Array, " HV"]
 
-    def __call__(self, config, act, g, A_log, dt_bias, valid, dq, dk, dbeta, dG):
+    @typecheck
+    def __call__(self, config, act: Activated, g, A_log, dt_bias, valid, dq: ChunkK, dk: ChunkK, dbeta: ChunkScalar,
+                 dG: ChunkK) -> RawGrads:
         dq = dq * _per_head(self.gain, dq)
         return ReferenceGateBackward()(config, act, g, A_log, dt_bias, valid, dq, dk, dbeta, dG)
 

@@ -6,7 +6,7 @@ oracles), ``kdax.stages`` (abstract stages and reference implementations),
 ``kdax.pallas`` (Pallas implementations).
 """
 
-from . import pallas as pallas, ref as ref, stages as stages
+from . import pallas as pallas, ref as ref, stages as stages, typing as typing
 from . import nn as nn
 from . import parallel as parallel
 from ._config import KDAConfig as KDAConfig

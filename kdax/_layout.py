@@ -135,3 +135,16 @@ def reduce_group(dx, h: int):
     if dx.shape[1] == h:
         return dx
     return dx.reshape(dx.shape[0], h, dx.shape[1] // h, *dx.shape[2:]).sum(axis=2)
+
+
+def pack_inputs(layout: ChunkLayout, raw, HV: int, dt):
+    """``(q, k, v, g, beta)`` in the chunked layout, in the compute dtype, q and k
+    expanded to the HV value heads."""
+    q, k, v, g, beta = raw
+    return (
+        expand_group(pack(layout, q, dt), HV),
+        expand_group(pack(layout, k, dt), HV),
+        pack(layout, v, dt),
+        pack(layout, g, dt),
+        pack(layout, beta[..., None], dt)[..., 0],
+    )

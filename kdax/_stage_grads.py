@@ -22,8 +22,10 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from . import _precision
 from ._contracts import STAGES
 from ._errors import StageGradientError
+from ._layout import pack_inputs
 from .stages._types import Activated, ChunkGrads
 
 # Forward stages whose arrays get exact gradients (see the table above).
@@ -119,3 +121,21 @@ def stage_gradients(pipeline, perturbed, parts: BackwardParts, *, gate_kwargs: O
     # Only the perturbed leaves (filter_custom_vjp's contract); None for the rest.
     return jax.tree.map(lambda g, p: g if (p is True and g is not None) else None, grads, perturbed,
                         is_leaf=lambda x: x is None)
+
+
+def pipeline_gradients(pipeline, perturbed, parts: BackwardParts, res, inputs):
+    """The gradients of ``pipeline``'s perturbed arrays (``perturbed``: the flags of the
+    caller's pipeline) after a backward over ``res`` (``KDAResiduals``) from the raw
+    ``inputs = (q, k, v, g, beta, ...)``: a pytree of ``perturbed``'s structure, None
+    where there is none."""
+    if not any(x is True for x in jax.tree.leaves(perturbed)):
+        return jax.tree.map(lambda _: None, perturbed)
+    if pipeline.precision == "auto":  # as the backward resolved it
+        pipeline = pipeline.with_precision(_precision.resolve(pipeline.precision, res.in_dtypes[0]))
+    L, dt = res.layout, res.h0.dtype
+    gate_kwargs = None
+    if "gate" in perturbed_arrays(pipeline, perturbed):
+        qc, kc, _, gc, bc = pack_inputs(L, tuple(inputs[:5]), res.v.shape[1], dt)
+        gate_kwargs = dict(config=res.config, q=qc, k=kc, g=gc, beta=bc, A_log=res.A_log, dt_bias=res.dt_bias,
+                           valid=L.valid, reset=L.reset)
+    return stage_gradients(pipeline, perturbed, parts, gate_kwargs=gate_kwargs, Aqk=res.Aqk, scale=res.config.scale)

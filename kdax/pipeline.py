@@ -24,8 +24,8 @@ from . import _precision
 from ._config import KDAConfig, KDAOptions
 from ._contracts import STAGES, check_arguments, check_family, check_output, expected_output
 from ._errors import FallbackWarning, UnsupportedCase
-from ._stage_grads import BackwardParts, check_perturbed, perturbed_arrays, stage_gradients
-from ._layout import ChunkLayout, expand_group, make_layout, make_shared_layout, pack, reduce_group, unpack
+from ._stage_grads import BackwardParts, check_perturbed, pipeline_gradients
+from ._layout import ChunkLayout, make_layout, make_shared_layout, pack, pack_inputs, reduce_group, unpack
 from ._tiles import Tiles
 from ._typing import (
     ALogIn, ArrayIn, Beta, ChunkK, ChunkMat, ChunkState, ChunkV, CuSeqlensIn, Gate, QK, Scalar, SeqState, State,
@@ -63,7 +63,7 @@ from .stages import (
     WYOut,
 )
 from .stages._hilo import _takes, exponent, with_G_lo
-from .stages._ops import mT, zeros_after
+from .stages._ops import loop_unroll, mT, resolve_group, split_rows_and_heads, zeros_after
 
 
 class KDAResiduals(eqx.Module):
@@ -384,7 +384,36 @@ class KDAPipeline(eqx.Module):
             else:
                 stage, ran, reason = got
                 rows.append(PlanRow(name, info.step, type(stage).__qualname__, type(ran).__qualname__, reason))
-        return KDAPlan(tuple(rows), self.tile if forward[0] else None, forward[1], rec.layout)
+        return KDAPlan(tuple(rows), self.tile if forward[0] else None, forward[1], rec.layout,
+                       self.resolved_config(q.dtype))
+
+    def resolved_config(self, dtype=jnp.float32) -> dict:
+        """Every platform-dependent choice as it resolves here for inputs of ``dtype``
+        (what ``plan`` reports): ``backend``, ``precision`` (the policy, "auto" resolved),
+        ``tile``, ``chunk_loops`` ("flat" groups or NC "slices": ``stages._ops``), and per
+        stage field its static tuning fields, "auto" resolved (``group``: chunks per loop
+        iteration; ``loop_unroll``; the Pallas stages' ``target``, ``interpret``,
+        ``num_warps``, ``num_stages``, ``f32_dot``). Each is a field of the pipeline or of
+        a stage (set it with ``eqx.tree_at`` / ``dataclasses.replace``), except
+        ``chunk_loops``, set by the environment variable ``KDAX_CHUNK_LOOPS``."""
+        out = dict(
+            backend=jax.default_backend(),
+            precision=_precision.resolve(self.precision, jnp.dtype(dtype)),
+            tile=self.tile,
+            chunk_loops="slices" if split_rows_and_heads() else "flat",
+        )
+        resolvers = {"group": resolve_group, "loop_unroll": loop_unroll}
+        for name in STAGES:
+            stage = getattr(self, name)
+            fields = {}
+            for f in dataclasses.fields(stage):
+                if not f.metadata.get("static", False):
+                    continue
+                value = getattr(stage, f.name)
+                fields[f.name] = resolvers[f.name](value) if f.name in resolvers else value
+            if fields:
+                out[name] = fields
+        return out
 
     # -- forward ------------------------------------------------------------------------
 
@@ -417,7 +446,7 @@ class KDAPipeline(eqx.Module):
         if nt is not None and not layout.dense and h0.shape[0] > nt * config.chunk_size:
             nt = None  # each tile's state table, O(N), would cost more than its tokens
         if nt is None:
-            chunked = _pack_inputs(layout, raw, HV, dt)
+            chunked = pack_inputs(layout, raw, HV, dt)
             oc, fw, final = self._forward_stages(config, chunked, A_log, dt_bias, h0, layout)
             o = unpack(layout, oc)
         else:
@@ -482,12 +511,12 @@ class KDAPipeline(eqx.Module):
         Returns ``(o [B, T, HV, V], final, _ForwardChunks of full size)``."""
         tiles = Tiles(layout, h0.shape[0], nt)
         if not tiles.dense:
-            packed = _pack_inputs(layout, raw, HV, dt)
+            packed = pack_inputs(layout, raw, HV, dt)
 
         def stages(c0, n, tail, h_carry):
             tl = tiles.layout_of(c0, n, tail)
             if tiles.dense:
-                chunked = _pack_inputs(tl, tuple(tiles.tokens(x, c0, n, tail) for x in raw), HV, dt)
+                chunked = pack_inputs(tl, tuple(tiles.tokens(x, c0, n, tail) for x in raw), HV, dt)
             else:
                 chunked = tuple(tiles.chunks(x, c0, n) for x in packed)
             oc, fw, table = self._forward_stages(config, chunked, A_log, dt_bias, tiles.table(h0, h_carry), tl)
@@ -520,12 +549,13 @@ class KDAPipeline(eqx.Module):
     def backward(self, res: KDAResiduals, do, dht=None) -> KDAGrads:
         """The six-stage backward. ``do`` ``[B, T, HV, V]``; ``dht`` ``[N, HV, K, V]`` or
         None (no loss on the final state)."""
-        return self._backward(res, do, dht)[0]
+        return self.backward_with_parts(res, do, dht)[0]
 
-    def _backward(self, res: KDAResiduals, do, dht=None):
-        """``backward``, and what it formed on the way: ``BackwardParts`` (the packed
-        ``do``, B0's intermediates, B4's gradients of F1's outputs), from which
-        ``_stage_grads`` differentiates stage arrays."""
+    def backward_with_parts(self, res: KDAResiduals, do, dht=None) -> tuple:
+        """``(backward(res, do, dht), parts)``: ``parts`` (``kdax._stage_grads.BackwardParts``)
+        holds what the backward formed on the way (the packed ``do``, B0's ``qg, h, v_new``,
+        B4's gradients of F1's outputs), the cotangents from which stage arrays are
+        differentiated."""
         for name in STAGES:  # a pipeline edited with eqx.tree_at skips __check_init__
             check_family(name, getattr(self, name))
         cfg, L, act = res.config, res.layout, res.act
@@ -659,6 +689,8 @@ class KDAPlan(NamedTuple):
     tile: Optional[int]
     not_tile_safe: tuple
     layout: Optional[str] = None
+    # KDAPipeline.resolved_config: every platform-dependent choice, resolved
+    config: Optional[dict] = None
 
     @property
     def fallbacks(self) -> dict:
@@ -679,6 +711,12 @@ class KDAPlan(NamedTuple):
             what = {"dense": "one sequence per row", "per-sequence": "each packed sequence from a chunk boundary",
                     "shared": "packed sequences share chunks, NC = ceil(T / C)"}[self.layout]
             lines.append(f"layout: {self.layout}: {what}")
+        if self.config:
+            top = {n: v for n, v in self.config.items() if not isinstance(v, dict)}
+            lines.append("config: " + ", ".join(f"{n}={v}" for n, v in top.items()))
+            for n, v in self.config.items():
+                if isinstance(v, dict):
+                    lines.append(f"  {n}: " + ", ".join(f"{a}={b}" for a, b in v.items()))
         return "\n".join(lines)
 
 
@@ -693,19 +731,6 @@ class _ForwardChunks(eqx.Module):
     v_new: ChunkV
     v: ChunkV
     g: ChunkK
-
-
-def _pack_inputs(layout: ChunkLayout, raw, HV: int, dt):
-    """``(q, k, v, g, beta)`` in the chunked layout, in the compute dtype, q and k
-    expanded to the HV value heads."""
-    q, k, v, g, beta = raw
-    return (
-        expand_group(pack(layout, q, dt), HV),
-        expand_group(pack(layout, k, dt), HV),
-        pack(layout, v, dt),
-        pack(layout, g, dt),
-        pack(layout, beta[..., None], dt)[..., 0],
-    )
 
 
 @typecheck
@@ -815,26 +840,10 @@ def _vjp_bwd(res, cotangents, perturbed, diff, config: KDAConfig, cu_seqlens):
         # per chunk, whose backward takes dht (only such a loss pays for it).
         run = dataclasses.replace(pipeline, share_chunks=False).untiled()
         res = run.run_forward(config, *inputs, cu_seqlens)[2]
-    grads, parts = run._backward(res, do, dht)
+    grads, parts = run.backward_with_parts(res, do, dht)
     out = (grads.q, grads.k, grads.v, grads.g, grads.beta, grads.initial_state, grads.A_log, grads.dt_bias)
     d_inputs = tuple(None if d is None or x is None else x.astype(d) for x, d in zip(out, res.in_dtypes))
-    return d_inputs, _pipeline_gradients(run, perturbed[1], parts, res, inputs)
-
-
-def _pipeline_gradients(pipeline: KDAPipeline, perturbed, parts: BackwardParts, res: KDAResiduals, inputs):
-    """The gradients of the pipeline's perturbed arrays (``_stage_grads``), None when none."""
-    if not any(x is True for x in jax.tree.leaves(perturbed)):
-        return jax.tree.map(lambda _: None, perturbed)
-    if pipeline.precision == "auto":  # as backward resolved it
-        pipeline = pipeline.with_precision(_precision.resolve(pipeline.precision, res.in_dtypes[0]))
-    L, dt = res.layout, res.h0.dtype
-    gate_kwargs = None
-    if "gate" in perturbed_arrays(pipeline, perturbed):
-        q, k, v, g, beta = inputs[:5]
-        qc, kc, _, gc, bc = _pack_inputs(L, (q, k, v, g, beta), res.v.shape[1], dt)
-        gate_kwargs = dict(config=res.config, q=qc, k=kc, g=gc, beta=bc, A_log=res.A_log, dt_bias=res.dt_bias,
-                           valid=L.valid, reset=L.reset)
-    return stage_gradients(pipeline, perturbed, parts, gate_kwargs=gate_kwargs, Aqk=res.Aqk, scale=res.config.scale)
+    return d_inputs, pipeline_gradients(run, perturbed[1], parts, res, inputs)
 
 
 def _shared_finals(layout: ChunkLayout, cu_seqlens, k, G, G_lo, v_new, h):

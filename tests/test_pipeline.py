@@ -385,3 +385,21 @@ def test_import_leaves_the_backend_alone():
     if out[-1] == "unknown":
         pytest.skip("this JAX keeps its backends elsewhere")
     assert out[-1] == "idle"
+
+
+def test_plan_reports_the_resolved_configuration():
+    """Every platform-dependent choice resolved in ``plan().config``, and each settable."""
+    x = jax.ShapeDtypeStruct((1, 64, 2, 8), jnp.bfloat16)
+    b = jax.ShapeDtypeStruct((1, 64, 2), jnp.bfloat16)
+    pipe = kdax.KDAPipeline.reference()
+    cfg = pipe.plan(x, x, x, x, b).config
+    assert cfg["backend"] == jax.default_backend()
+    assert cfg["precision"] not in (None, "auto")  # resolved for bf16 inputs
+    assert cfg["tile"] == pipe.tile
+    assert cfg["chunk_loops"] in ("flat", "slices")
+    assert isinstance(cfg["intra"]["group"], int) and isinstance(cfg["state"]["loop_unroll"], int)
+    # Settable as fields: the plan follows.
+    pipe2 = eqx.tree_at(lambda p: p.intra, pipe.with_precision("highest"), kdax.stages.ReferenceIntra(group=3))
+    cfg2 = pipe2.plan(x, x, x, x, b).config
+    assert cfg2["intra"]["group"] == 3 and cfg2["precision"] == "highest"
+    assert "config: backend=" in str(pipe2.plan(x, x, x, x, b))

@@ -8,13 +8,12 @@ the next device; the state stage run once more from the identity (zero ``u``) gi
 (3) the local pass from it; in a training step, as it is affine in the entry, the pass
 of (1) plus the state and output stages run from the entry alone with ``u = 0`` (F1-F3
 run once). Backward
-(hand-written, a ``jax.custom_vjp``): B0 once; B1-B2 with only this device's own ``dht``
+(hand-written, an ``eqx.filter_custom_vjp``): B0 once; B1-B2 with only this device's own ``dht``
 give ``c``, the gradient reaching the entering sequence's start; the reverse prefix of
 ``(M^T, c)`` gives the gradient arriving at this device's exit; the local backward
 (B1-B5) with it.
 """
 
-import functools
 from typing import Optional
 
 import equinox as eqx
@@ -23,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._layout import pack, unpack
+from .._stage_grads import check_perturbed, pipeline_gradients
 from .._validate import checked_cu_seqlens
 from ..ref._recurrent import compute_dtype
 from ..stages._ops import varying_axes
@@ -91,8 +91,8 @@ def _forward_local(static: _Static, q, k, v, g, beta, h0, A_log, dt_bias, cu):
 
 
 def _backward_local(static: _Static, res, do, dht):
-    """The one place this module runs the pipeline's backward."""
-    return static.pipeline.backward(res, do, dht)
+    """The one place this module runs the pipeline's backward: ``(KDAGrads, parts)``."""
+    return static.pipeline.backward_with_parts(res, do, dht)
 
 
 def _resolved(static: _Static, res):
@@ -182,28 +182,47 @@ def _forward(static: _Static, q, k, v, g, beta, h0, A_log, dt_bias, cu, training
     return o, final, res, M, sp
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _sp_kda(static: _Static, q, k, v, g, beta, h0, A_log, dt_bias, cu):
-    o, final, *_ = _forward(static, q, k, v, g, beta, h0, A_log, dt_bias, cu, training=False)
+class _Call(eqx.Module):
+    """The static part of a call (mesh axis, prefix method, options)."""
+
+    axis: str = eqx.field(static=True)
+    prefix: str = eqx.field(static=True)
+    options: tuple = eqx.field(static=True)
+
+    def static(self, pipeline) -> _Static:
+        return _Static(pipeline, self.axis, self.prefix, self.options)
+
+
+@eqx.filter_custom_vjp
+def _sp_kda(diff, call: _Call, cu):
+    """``(o, final)`` of ``diff = ((q, k, v, g, beta, h0, A_log, dt_bias), pipeline)``:
+    any pipeline, its arrays traced or not, differentiated as ``kdax._stage_grads`` says."""
+    inputs, pipeline = diff
+    o, final, *_ = _forward(call.static(pipeline), *inputs, cu, training=False)
     return o, final
 
 
-def _sp_fwd(static: _Static, q, k, v, g, beta, h0, A_log, dt_bias, cu):
+@_sp_kda.def_fwd
+def _sp_fwd(perturbed, diff, call: _Call, cu):
+    inputs, pipeline = diff
+    check_perturbed(pipeline, perturbed[1], where="kdax.parallel's sequence-parallel chunk_kda")
     # A training step runs the forward whole, as chunk_kda's own VJP does.
-    static = eqx.tree_at(lambda s: s.pipeline, static, static.pipeline.untiled())
-    o, final, res, M, sp = _forward(static, q, k, v, g, beta, h0, A_log, dt_bias, cu, training=True)
+    static = call.static(pipeline.untiled())
+    o, final, res, M, sp = _forward(static, *inputs, cu, training=True)
     if not dict(static.options).get("disable_recompute", False):
         res = eqx.tree_at(lambda r: r.cache, res, None, is_leaf=lambda x: x is None)
-    # The primal inputs travel along for their dtypes and varying axes (the cotangents
-    # must match both).
-    return (o, final), (res, M, sp, (q, k, v, g, beta, h0, A_log, dt_bias))
+    return (o, final), (res, M, sp)
 
 
-def _sp_bwd(static: _Static, residuals, cotangents):
-    res, M, sp, primals = residuals
-    static = eqx.tree_at(lambda s: s.pipeline, static, static.pipeline.untiled())
+@_sp_kda.def_bwd
+def _sp_bwd(residuals, cotangents, perturbed, diff, call: _Call, cu):
+    res, M, sp = residuals
+    primals, pipeline = diff
+    static = call.static(pipeline.untiled())
     do, dfinal = cotangents
-    dfinal = dfinal.astype(res.h0.dtype)
+    if do is None:
+        do = jnp.zeros(primals[2].shape, res.h0.dtype)
+    dfinal = jnp.zeros_like(res.h0) if dfinal is None else dfinal.astype(res.h0.dtype)
     # Under shard_map's check_vma=False (q then varies over nothing), the transpose hands
     # each device 1/P of a replicated output's cotangent and sums the replicated inputs'
     # cotangents over the devices itself.
@@ -217,11 +236,15 @@ def _sp_bwd(static: _Static, residuals, cotangents):
     c = _pick(sp, sp.enters, _entry_gradient(static, res, do, own))
     # the gradient arriving at this device's exit from the devices after it
     d_exit = exclusive_prefix(jnp.swapaxes(M, -1, -2), c, static.axis, reverse=True, method=static.prefix)
-    grads = _backward_local(static, res, do, own + _spread(sp, sp.leaves, d_exit, N))
+    grads, parts = _backward_local(static, res, do, own + _spread(sp, sp.leaves, d_exit, N))
     dh0 = _rows(~sp.enters, grads.initial_state)
     dh0 = jax.lax.psum(dh0, static.axis) if checked else dh0
     out = (grads.q, grads.k, grads.v, grads.g, grads.beta, dh0, grads.A_log, grads.dt_bias)
-    return tuple(None if x is None else _like(ct, x) for ct, x in zip(out, primals)) + (None,)
+    d_inputs = tuple(None if x is None or p is None else _like(x, p) for x, p in zip(out, primals))
+    # Stage arrays: the stage's VJP on this device's tokens. The pipeline is replicated:
+    # under check_vma the VJP's own transpose of the implicit broadcast sums over the
+    # devices; without it, shard_map's transpose does.
+    return d_inputs, pipeline_gradients(static.pipeline, perturbed[1], parts, res, primals)
 
 
 def _like(ct, primal):
@@ -231,9 +254,6 @@ def _like(ct, primal):
     if extra:
         ct = jax.lax.psum(ct, extra)
     return ct.astype(primal.dtype)
-
-
-_sp_kda.defvjp(_sp_fwd, _sp_bwd)
 
 
 def check_axis(axis):
@@ -286,9 +306,10 @@ def sp_chunk_kda(
             h0 = jnp.swapaxes(h0, -1, -2)
     pipeline = default_pipeline() if pipeline is None else pipeline
     check_interpret_in_shard_map(pipeline, q, k, v, g, beta)
-    static = _Static(pipeline, seq_axis_name, prefix, tuple(sorted(options.items())))
+    call = _Call(seq_axis_name, prefix, tuple(sorted(options.items())))
     asarr = lambda x: None if x is None else jnp.asarray(x)
-    o, final = _sp_kda(static, *map(asarr, (q, k, v, g, beta)), h0, asarr(A_log), asarr(dt_bias), cu)
+    inputs = (*map(asarr, (q, k, v, g, beta)), h0, asarr(A_log), asarr(dt_bias))
+    o, final = _sp_kda((inputs, pipeline), call, cu)
     if not output_final_state:
         return o, None
     return o, (jnp.swapaxes(final, -1, -2) if state_v_first else final)
