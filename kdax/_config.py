@@ -7,6 +7,7 @@ signature (a test checks that the two agree).
 """
 
 import dataclasses
+import warnings
 from typing import Any, Optional
 
 import equinox as eqx
@@ -68,8 +69,6 @@ class KDAOptions(eqx.Module):
         """Options from keywords; ``transpose_state_layout`` is accepted as FLA's deprecated
         alias of ``state_v_first`` (``DeprecationWarning``); an unknown keyword raises
         ``TypeError`` naming it."""
-        from ._validate import resolve_deprecated
-
         kwargs = resolve_deprecated(kwargs)
         unknown = sorted(set(kwargs) - set(cls.names()))
         if unknown:
@@ -87,3 +86,16 @@ class KDAOptions(eqx.Module):
             safe_gate=self.safe_gate, output_final_state=self.output_final_state,
             disable_recompute=self.disable_recompute,
         )
+
+
+def resolve_deprecated(kwargs: dict) -> dict:
+    """FLA's deprecated ``transpose_state_layout`` -> ``state_v_first`` (with a warning)."""
+    if "transpose_state_layout" not in kwargs:
+        return kwargs
+    kwargs = dict(kwargs)
+    value = kwargs.pop("transpose_state_layout")
+    if kwargs.get("state_v_first", False):
+        raise ValueError("transpose_state_layout: cannot be given together with state_v_first (its new name).")
+    warnings.warn("transpose_state_layout is deprecated (as in FLA); use state_v_first.", DeprecationWarning, stacklevel=3)
+    kwargs["state_v_first"] = bool(value)
+    return kwargs

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._config import KDAOptions
+from ._config import KDAOptions, resolve_deprecated as resolve_deprecated
 from .stages._ops import varying_axes
 
 SUPPORTED_CHUNK_SIZES = (16, 32, 64, 128)
@@ -37,19 +37,6 @@ class Dims(NamedTuple):
 
 def _is_concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
-
-
-def resolve_deprecated(kwargs: dict) -> dict:
-    """FLA's deprecated ``transpose_state_layout`` -> ``state_v_first`` (with a warning)."""
-    if "transpose_state_layout" not in kwargs:
-        return kwargs
-    kwargs = dict(kwargs)
-    value = kwargs.pop("transpose_state_layout")
-    if kwargs.get("state_v_first", False):
-        raise ValueError("transpose_state_layout: cannot be given together with state_v_first (its new name).")
-    warnings.warn("transpose_state_layout is deprecated (as in FLA); use state_v_first.", DeprecationWarning, stacklevel=3)
-    kwargs["state_v_first"] = bool(value)
-    return kwargs
 
 
 # The messages of the cu_seqlens value checks; eagerly they end with the offending value.
