@@ -22,9 +22,9 @@ from .pipeline import (
     KDAPlan as KDAPlan,
     KDAResiduals as KDAResiduals,
     PlanRow as PlanRow,
-    chunk_kda as chunk_kda,
     default_pipeline as default_pipeline,
     stage_inputs as stage_inputs,
 )
+from ._front import chunk_kda as chunk_kda
 from .recurrent import fused_recurrent_kda as fused_recurrent_kda
-from .ref._gates import kda_gate as kda_gate
+from .ref import kda_gate as kda_gate

@@ -14,6 +14,17 @@ import jax
 
 from ._errors import StageContractError
 from .stages import (
+    ReferenceDAv,
+    ReferenceDhu,
+    ReferenceGate,
+    ReferenceGateBackward,
+    ReferenceIntra,
+    ReferenceIntraBackward,
+    ReferenceOutput,
+    ReferenceRecompute,
+    ReferenceState,
+    ReferenceWY,
+    ReferenceWYDqkg,
     AbstractDAv,
     AbstractDhu,
     AbstractGate,
@@ -39,20 +50,21 @@ class StageInfo(NamedTuple):
     step: str  # F1..F5, B0..B5
     family: type  # the abstract class
     forward: bool  # a forward stage (F1-F5): subject to tiles
+    reference: type  # the reference implementation (the fallback)
 
 
 STAGES = {
-    "gate": StageInfo("F1", AbstractGate, True),
-    "intra": StageInfo("F2", AbstractIntra, True),
-    "wy": StageInfo("F3", AbstractWY, True),
-    "state": StageInfo("F4", AbstractState, True),
-    "output": StageInfo("F5", AbstractOutput, True),
-    "recompute": StageInfo("B0", AbstractRecompute, False),
-    "dav": StageInfo("B1", AbstractDAv, False),
-    "dhu": StageInfo("B2", AbstractDhu, False),
-    "wy_dqkg": StageInfo("B3", AbstractWYDqkg, False),
-    "intra_bwd": StageInfo("B4", AbstractIntraBackward, False),
-    "gate_bwd": StageInfo("B5", AbstractGateBackward, False),
+    "gate": StageInfo("F1", AbstractGate, True, ReferenceGate),
+    "intra": StageInfo("F2", AbstractIntra, True, ReferenceIntra),
+    "wy": StageInfo("F3", AbstractWY, True, ReferenceWY),
+    "state": StageInfo("F4", AbstractState, True, ReferenceState),
+    "output": StageInfo("F5", AbstractOutput, True, ReferenceOutput),
+    "recompute": StageInfo("B0", AbstractRecompute, False, ReferenceRecompute),
+    "dav": StageInfo("B1", AbstractDAv, False, ReferenceDAv),
+    "dhu": StageInfo("B2", AbstractDhu, False, ReferenceDhu),
+    "wy_dqkg": StageInfo("B3", AbstractWYDqkg, False, ReferenceWYDqkg),
+    "intra_bwd": StageInfo("B4", AbstractIntraBackward, False, ReferenceIntraBackward),
+    "gate_bwd": StageInfo("B5", AbstractGateBackward, False, ReferenceGateBackward),
 }
 
 

@@ -26,7 +26,7 @@ from . import _precision
 from ._contracts import STAGES
 from ._errors import StageGradientError
 from ._layout import pack_inputs
-from .stages._types import Activated, ChunkGrads
+from .stages import Activated, ChunkGrads
 
 # Forward stages whose arrays get exact gradients (see the table above).
 EXACT = ("gate", "output")
@@ -83,7 +83,7 @@ def _vjp_of_field(pipeline, field: str, cotangent_of, **kwargs):
     stage = getattr(pipeline, field)
 
     def run(s):
-        return eqx.tree_at(lambda p: getattr(p, field), pipeline, s)._stage(field, **kwargs)
+        return eqx.tree_at(lambda p: getattr(p, field), pipeline, s).run_stage(field, **kwargs)
 
     out, vjp = eqx.filter_vjp(run, stage)
     (grad,) = vjp(cotangent_of(out))

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from ._layout import ChunkLayout, make_layout, unpack
-from .stages._ops import vary_like
+from ._ops import vary_like
 
 
 class Tiles:

@@ -40,8 +40,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .pipeline import KDAPipeline, _prepare, chunk_kda, stage_inputs  # noqa: E402
-from .stages._hilo import takes_G_lo  # noqa: E402
+from ._front import chunk_kda  # noqa: E402
+from .pipeline import KDAPipeline, _prepare, stage_inputs  # noqa: E402
+from ._capabilities import capabilities  # noqa: E402
 from .recurrent import fused_recurrent_kda  # noqa: E402
 from .ref import naive_recurrent_kda  # noqa: E402
 
@@ -313,8 +314,8 @@ def bench_stages(s: Shape, reps: int, pipes: dict, on_row: Optional[Callable] = 
         for pname, pipe in pipes.items():
             stage = getattr(pipe, name)
             row = dict(T=s.T, stage=name, pipeline=pname, impl=type(stage).__name__, time_s=None, error=None)
-            # G_lo (stages._hilo), the last of the reference's arguments: only for stages that take it
-            cut = takes_G_lo(getattr(ref, name)) and not takes_G_lo(stage)
+            # G_lo (kdax._hilo), the last of the reference's arguments: only for stages that take it
+            cut = capabilities(type(getattr(ref, name))).G_lo and not capabilities(type(stage)).G_lo
             try:
                 row["time_s"] = time_fn(eqx.filter_jit(stage), taps[name][:-1] if cut else taps[name], reps)
             except Exception as e:

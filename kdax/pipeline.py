@@ -10,9 +10,7 @@ See docs/stages.md for the stages' contracts, tiles, fallback, ``plan`` and inte
 """
 
 import dataclasses
-import functools
 import inspect
-import warnings
 from typing import ClassVar, NamedTuple, Optional, Union
 
 import equinox as eqx
@@ -22,8 +20,9 @@ from jaxtyping import Array, Float, Int
 
 from . import _precision
 from ._config import KDAConfig, KDAOptions
-from ._contracts import STAGES, check_arguments, check_family, check_output, expected_output
-from ._errors import FallbackWarning, UnsupportedCase
+from ._capabilities import capabilities
+from ._contracts import STAGES, check_family
+from ._runner import PipelineState, PipelineWY, active_recordings, recording, run_stage
 from ._stage_grads import BackwardParts, check_perturbed, pipeline_gradients
 from ._layout import ChunkLayout, make_layout, make_shared_layout, pack, pack_inputs, reduce_group, unpack
 from ._tiles import Tiles
@@ -32,8 +31,7 @@ from ._typing import (
     Values, typecheck,
 )
 from ._validate import resolve_deprecated, validate
-from .parallel._shard import route
-from .ref._recurrent import compute_dtype
+from .ref import compute_dtype
 from .stages import (
     AbstractDAv,
     AbstractDhu,
@@ -49,21 +47,11 @@ from .stages import (
     Activated,
     ForwardCache,
     IntraOut,
-    ReferenceDAv,
-    ReferenceDhu,
-    ReferenceGate,
-    ReferenceGateBackward,
-    ReferenceIntra,
-    ReferenceIntraBackward,
-    ReferenceOutput,
-    ReferenceRecompute,
-    ReferenceState,
-    ReferenceWY,
-    ReferenceWYDqkg,
     WYOut,
 )
-from .stages._hilo import _takes, exponent, with_G_lo
-from .stages._ops import loop_unroll, mT, resolve_group, split_rows_and_heads, zeros_after
+from ._hilo import exponent
+from ._ops import loop_unroll, mT, resolve_group, split_rows_and_heads, zeros_after
+from . import pallas as P
 
 
 class KDAResiduals(eqx.Module):
@@ -182,37 +170,6 @@ class KDAGrads(eqx.Module):
     dt_bias: Optional[Float[Array, " HVK"]]
 
 
-class _Recorder:
-    """Collects, while ``stage_inputs`` or ``plan`` runs, each stage's keyword arguments
-    (first call) and which implementation ran it (and why, after a fallback)."""
-
-    def __init__(self, quiet: bool = False):
-        self.inputs: dict = {}
-        self.ran: dict = {}
-        self.quiet = quiet  # no fallback warnings (plan)
-        self.layout: Optional[str] = None  # which layout the forward ran (plan)
-
-
-_RECORDERS: list = []
-# (stage field, implementation, reason) of every fallback warned about: each warns once.
-_WARNED: set = set()
-
-
-def _fallback_warning(name: str, stage, reason: str) -> None:
-    if any(r.quiet for r in _RECORDERS):
-        return
-    key = (name, f"{type(stage).__module__}.{type(stage).__qualname__}", reason)
-    if key in _WARNED:
-        return
-    _WARNED.add(key)
-    ref = type(getattr(_reference(), name)).__qualname__
-    warnings.warn(
-        f"KDAPipeline.{name} ({STAGES[name].step}): {type(stage).__qualname__} cannot run this case "
-        f"({reason}); running {ref} instead.",
-        FallbackWarning, stacklevel=2,
-    )
-
-
 class KDAPipeline(eqx.Module):
     """The chunked KDA algorithm as eleven swappable stages (see ``docs/stages.md``).
 
@@ -273,55 +230,29 @@ class KDAPipeline(eqx.Module):
         for name in STAGES:
             check_family(name, getattr(self, name))
 
-    def _stage(self, name: str, **kwargs):
-        """Run stage ``name`` by keyword: fallback on ``UnsupportedCase``, contract checks.
-        ``G_lo`` goes only to stages that take it (``stages._hilo``)."""
-        stage = getattr(self, name)
-        check_family(name, stage)
-        full, kwargs = kwargs, with_G_lo(stage, kwargs)
-        # ``reset`` (shared chunks) only to stages that take it; one that does not cannot
-        # run this layout (raised below, inside the fallback's reach).
-        takes_reset = _takes(type(stage), "reset")
-        needs_reset = kwargs.get("reset") is not None and not takes_reset
-        if "reset" in kwargs and not takes_reset:
-            kwargs = {n: x for n, x in kwargs.items() if n != "reset"}
-        for rec in _RECORDERS:
-            rec.inputs.setdefault(name, kwargs)
-        # The named scope labels every op of the stage in HLO dumps and profiles. Products
-        # run at full precision in any stage, a user's too (see stages._ops.full_precision),
-        # unless the precision policy lets this stage take half-precision operands.
-        policy = "highest" if self.precision == "auto" else self.precision  # unresolved: safe
-        with jax.named_scope(f"kdax_{name}"), _precision.stage_scope(policy, name):
-            ran, reason = stage, None
-            try:
-                if needs_reset:
-                    raise UnsupportedCase(
-                        "packed sequences sharing chunks (cu_seqlens without initial_state) need a stage whose "
-                        "__call__ takes `reset`"
-                    )
-                check_arguments(name, stage, kwargs)
-                out = stage(**kwargs)
-            except UnsupportedCase as e:
-                if not self.fallback:
-                    raise
-                ran, reason = getattr(_reference(), name), str(e) or type(e).__name__
-                _fallback_warning(name, stage, reason)
-                out = ran(**with_G_lo(ran, full))
-        for rec in _RECORDERS:
-            rec.ran.setdefault(name, (stage, ran, reason))
-        check_output(name, ran, out, expected_output(name, kwargs, kwargs.get("config")))
-        return out
+    def run_stage(self, name: str, **kwargs):
+        """Run stage ``name`` (a field) on keyword arguments through the stage runner
+        (``kdax._runner.run_stage``): family and argument checks, capability negotiation
+        (``G_lo``, ``reset``), fallback on ``UnsupportedCase``, output contract, plan
+        recording. Everything that calls a stage, B0 and ``kdax.parallel`` included,
+        calls it this way."""
+        return run_stage(self, name, **kwargs)
+
+    def stage_as_module(self, name: str):
+        """Stage ``name`` as this pipeline runs it (``run_stage``), as a module of its
+        family: what B0 recomputes with (``"wy"``, ``"state"``)."""
+        if name == "wy":
+            return PipelineWY(self)
+        if name == "state":
+            return PipelineState(self)
+        raise ValueError(f"name: expected 'wy' or 'state', got {name!r}.")
 
     @classmethod
     def reference(cls) -> "KDAPipeline":
         """Every stage in plain jnp (the default on CPU), the forward in cache-sized tiles on
         CPU (``tile``)."""
-        return cls(
-            gate=ReferenceGate(), intra=ReferenceIntra(), wy=ReferenceWY(), state=ReferenceState(),
-            output=ReferenceOutput(), recompute=ReferenceRecompute(), dav=ReferenceDAv(),
-            dhu=ReferenceDhu(), wy_dqkg=ReferenceWYDqkg(), intra_bwd=ReferenceIntraBackward(),
-            gate_bwd=ReferenceGateBackward(), tile=32 if jax.default_backend() == "cpu" else None,
-        )
+        stages = {name: info.reference() for name, info in STAGES.items()}
+        return cls(**stages, tile=32 if jax.default_backend() == "cpu" else None)
 
     def untiled(self) -> "KDAPipeline":
         """This pipeline with every stage called once over the whole input (``tile=None``)."""
@@ -333,8 +264,6 @@ class KDAPipeline(eqx.Module):
         GPU, else tpu). ``interpret=None``: interpret mode exactly when no accelerator of
         that kind is present. A case a kernel cannot run (packed varlen in the TPU state
         kernels) raises ``UnsupportedCase`` and falls back to the reference stage."""
-        from . import pallas as P
-
         target = P.default_target() if target is None else P._common.check_target(target)
         kw = dict(target=target, interpret=P.resolve_interpret(target, interpret))
         return cls(
@@ -361,19 +290,15 @@ class KDAPipeline(eqx.Module):
         whose ``str`` is a table, with the reason of each fallback. Inputs may be arrays or
         ``jax.ShapeDtypeStruct``."""
         opts = KDAOptions.from_kwargs(**options)
-        rec = _Recorder(quiet=True)
-        _RECORDERS.append(rec)
-        try:
+        with recording(quiet=True) as rec:
             def loss(diff):
                 q_, k_, v_, g_, b_, h0 = diff
-                o, ht = chunk_kda(q_, k_, v_, g_, b_, pipeline=self, **_with(opts, initial_state=h0))
+                o, ht = self.apply(q_, k_, v_, g_, b_, KDAOptions(**_with(opts, initial_state=h0)))
                 out = jnp.sum(o)
                 return out if ht is None else out + jnp.sum(ht)
 
             diff = (q, k, v, g, beta, opts.initial_state)
             jax.eval_shape(jax.grad(loss), diff)
-        finally:
-            _RECORDERS.remove(rec)
         forward = [self.tile is not None and not self._unsafe_for_tiles(), self._unsafe_for_tiles()]
         rows = []
         for name, info in STAGES.items():
@@ -390,7 +315,7 @@ class KDAPipeline(eqx.Module):
     def resolved_config(self, dtype=jnp.float32) -> dict:
         """Every platform-dependent choice as it resolves here for inputs of ``dtype``
         (what ``plan`` reports): ``backend``, ``precision`` (the policy, "auto" resolved),
-        ``tile``, ``chunk_loops`` ("flat" groups or NC "slices": ``stages._ops``), and per
+        ``tile``, ``chunk_loops`` ("flat" groups or NC "slices": ``kdax._ops``), and per
         stage field its static tuning fields, "auto" resolved (``group``: chunks per loop
         iteration; ``loop_unroll``; the Pallas stages' ``target``, ``interpret``,
         ``num_warps``, ``num_stages``, ``f32_dot``). Each is a field of the pipeline or of
@@ -434,7 +359,7 @@ class KDAPipeline(eqx.Module):
         else:
             layout = make_layout(B, T, config.chunk_size, cu_seqlens)
             N = layout.empty.shape[0]
-        for rec in _RECORDERS:  # (the forward's: a backward's rerun does not count)
+        for rec in active_recordings():  # (the forward's: a backward's rerun does not count)
             if rec.layout is None:
                 rec.layout = "shared" if shared else ("dense" if cu_seqlens is None else "per-sequence")
         h0_in, A_log_in, dt_bias_in = h0, A_log, dt_bias
@@ -475,7 +400,7 @@ class KDAPipeline(eqx.Module):
             return False
         if config.output_final_state and not finals:
             return False
-        return self.fallback or all(_takes(type(getattr(self, n)), "reset") for n in ("gate", "gate_bwd"))
+        return self.fallback or all(capabilities(type(getattr(self, n))).reset for n in ("gate", "gate_bwd"))
 
     def _tile_chunks(self, rows_heads: int, num_chunks: int) -> Optional[int]:
         """Chunks per forward tile, or None to run each stage once over everything."""
@@ -485,20 +410,20 @@ class KDAPipeline(eqx.Module):
         return None if n >= num_chunks else n
 
     def _unsafe_for_tiles(self) -> tuple:
-        """The forward stages whose class does not declare ``tile_safe = True``: with any,
-        the forward runs whole (untiled)."""
-        return tuple(n for n, i in STAGES.items() if i.forward and not getattr(type(getattr(self, n)), "tile_safe", False))
+        """The forward stages whose class does not declare ``tile_safe``: with any, the
+        forward runs whole (untiled)."""
+        return tuple(n for n, i in STAGES.items() if i.forward and not capabilities(type(getattr(self, n))).tile_safe)
 
     def _forward_stages(self, config: KDAConfig, chunked, A_log, dt_bias, h0, layout: ChunkLayout):
         """F1-F5 on chunked inputs ``(q, k, v, g, beta)`` (q, k already expanded to HV
         heads): ``(o chunked, _ForwardChunks, final states [N, HV, K, V])``."""
         qc, kc, vc, gc, bc = chunked
-        act = self._stage("gate", config=config, q=qc, k=kc, g=gc, beta=bc, A_log=A_log, dt_bias=dt_bias,
+        act = self.run_stage("gate", config=config, q=qc, k=kc, g=gc, beta=bc, A_log=A_log, dt_bias=dt_bias,
                           valid=layout.valid, reset=layout.reset)
-        intra = self._stage("intra", scale=config.scale, q=act.q, k=act.k, beta=act.beta, G=act.G, G_lo=act.G_lo)
-        wy = self._stage("wy", q=act.q, k=act.k, v=vc, beta=act.beta, G=act.G, Akk=intra.Akk, G_lo=act.G_lo)
-        st = self._stage("state", w=wy.w, u=wy.u, kg=wy.kg, G=act.G, h0=h0, layout=layout)
-        oc = self._stage("output", scale=config.scale, qg=wy.qg, h=st.h, Aqk=intra.Aqk, v_new=st.v_new)
+        intra = self.run_stage("intra", scale=config.scale, q=act.q, k=act.k, beta=act.beta, G=act.G, G_lo=act.G_lo)
+        wy = self.run_stage("wy", q=act.q, k=act.k, v=vc, beta=act.beta, G=act.G, Akk=intra.Akk, G_lo=act.G_lo)
+        st = self.run_stage("state", w=wy.w, u=wy.u, kg=wy.kg, G=act.G, h0=h0, layout=layout)
+        oc = self.run_stage("output", scale=config.scale, qg=wy.qg, h=st.h, Aqk=intra.Aqk, v_new=st.v_new)
         return oc, _ForwardChunks(act, intra, wy, st.h, st.v_new, vc, gc), st.final
 
     def _forward_tiled(self, config: KDAConfig, layout: ChunkLayout, raw, HV: int, dt, A_log, dt_bias, h0, nt: int):
@@ -574,27 +499,27 @@ class KDAPipeline(eqx.Module):
         doc = pack(L, do, dt)
         dht = jnp.zeros_like(res.h0) if dht is None else dht.astype(dt)
         if res.cache is None:  # B0, with this pipeline's own F3 and F4
-            wy, st = self._stage(
+            wy, st = self.run_stage(
                 "recompute", q=act.q, k=act.k, v=res.v, beta=act.beta, G=act.G, Akk=res.Akk, h0=res.h0, layout=L,
-                G_lo=act.G_lo, wy=_PipelineWY(self, act.G_lo), state=_PipelineState(self),
+                G_lo=act.G_lo, wy=PipelineWY(self, act.G_lo), state=PipelineState(self),
             )
             w, qg, kg, h, v_new = wy.w, wy.qg, wy.kg, st.h, st.v_new
         else:
             c = res.cache
             w, qg, kg, h, v_new = c.w, c.qg, c.kg, c.h, c.v_new
-        dAqk, dv_intra = self._stage("dav", v_new=v_new, Aqk=res.Aqk, do=doc)  # B1
-        dhu = self._stage(  # B2
+        dAqk, dv_intra = self.run_stage("dav", v_new=v_new, Aqk=res.Aqk, do=doc)  # B1
+        dhu = self.run_stage(  # B2
             "dhu", scale=cfg.scale, qg=qg, kg=kg, w=w, G=act.G, do=doc, dv_intra=dv_intra, dht=dht, layout=L
         )
-        grads = self._stage(  # B3
+        grads = self.run_stage(  # B3
             "wy_dqkg", scale=cfg.scale, q=act.q, k=act.k, v=res.v, beta=act.beta, G=act.G, Akk=res.Akk, qg=qg,
             kg=kg, h=h, dh=dhu.dh, v_new=v_new, do=doc, dv_new=dhu.dv_new, G_lo=act.G_lo,
         )
-        grads = self._stage(  # B4
+        grads = self.run_stage(  # B4
             "intra_bwd", scale=cfg.scale, q=act.q, k=act.k, beta=act.beta, G=act.G, dAqk=dAqk, grads=grads,
             G_lo=act.G_lo,
         )
-        raw = self._stage(  # B5
+        raw = self.run_stage(  # B5
             "gate_bwd", config=cfg, act=act, g=res.g_raw, A_log=res.A_log, dt_bias=res.dt_bias, valid=L.valid,
             dq=grads.dq, dk=grads.dk, dbeta=grads.dbeta, dG=grads.dG, reset=L.reset,
         )
@@ -629,41 +554,29 @@ class KDAPipeline(eqx.Module):
         o, final, res = self.with_precision(_precision.resolve(self.precision, q.dtype)).run_forward(config, *args)
         return o, _final_out(final, config, opts.state_v_first), res
 
-    def __call__(self, q: QK, k: QK, v: Values, g: Gate, beta: Beta, *args, **kwargs):
-        """``chunk_kda`` with this pipeline."""
-        return chunk_kda(q, k, v, g, beta, *args, pipeline=self, **kwargs)
+    def __call__(self, q: QK, k: QK, v: Values, g: Gate, beta: Beta, options: Optional[KDAOptions] = None,
+                 **kwargs):
+        """``kdax.chunk_kda`` with this pipeline, on one device (options by keyword, or one
+        ``KDAOptions``; ``kdax.chunk_kda`` adds FLA's positional order, sharded inputs and
+        ``seq_axis_name``): ``(o, final state or None)``, differentiable."""
+        return self.apply(q, k, v, g, beta, _options(options, kwargs))
 
-
-@functools.cache
-def _reference() -> KDAPipeline:
-    """The fallback stages, built on first use (``reference()`` asks JAX for its backend,
-    which must not happen at import)."""
-    return KDAPipeline.reference()
-
-
-class _PipelineWY(AbstractWY):
-    """F3 as the pipeline runs it (fallback, contract checks): what B0 recomputes with.
-    ``G_lo``: the forward's, used when B0 calls F3 on the forward's G without passing it
-    (a B0 written before ``G_lo``), so that B0 still recomputes exactly the forward's F3."""
-
-    tile_safe: ClassVar[bool] = True
-    pipeline: KDAPipeline
-    G_lo: Optional[ChunkK] = None
-
-    def __call__(self, q, k, v, beta, G, Akk, G_lo=None):
-        if G_lo is None and self.G_lo is not None and self.G_lo.shape == G.shape:
-            G_lo = self.G_lo
-        return self.pipeline._stage("wy", q=q, k=k, v=v, beta=beta, G=G, Akk=Akk, G_lo=G_lo)
-
-
-class _PipelineState(AbstractState):
-    """F4 as the pipeline runs it (fallback, contract checks): what B0 recomputes with."""
-
-    tile_safe: ClassVar[bool] = True
-    pipeline: KDAPipeline
-
-    def __call__(self, w, u, kg, G, h0, layout):
-        return self.pipeline._stage("state", w=w, u=u, kg=kg, G=G, h0=h0, layout=layout)
+    def apply(self, q, k, v, g, beta, options: KDAOptions):
+        """The single-device call behind ``chunk_kda``: validation, then the forward,
+        differentiable through the six-stage backward (``_differentiable``). Returns
+        ``(o, final state or None)`` in ``chunk_kda``'s layouts."""
+        config, args, opts = _prepare_options(q, k, v, g, beta, options)
+        q, k, v, g, beta, h0, A_log, dt_bias, cu = args
+        pipeline = self.with_precision(_precision.resolve(self.precision, q.dtype))
+        B, T, _, K = q.shape
+        if 0 in (B, T, K, v.shape[-1]):
+            # Nothing for any stage to do: o is zero (empty sums, or no tokens), every state
+            # passes through unchanged, and so does its gradient.
+            N = v.shape[0] if cu is None else cu.shape[0] - 1
+            final = _initial_states(h0, (N, v.shape[2], K, v.shape[-1]), compute_dtype(q, k, v, g, beta, h0))
+            return jnp.zeros(v.shape, v.dtype), _final_out(final, config, opts.state_v_first)
+        o, final = _differentiable(((q, k, v, g, beta, h0, A_log, dt_bias), pipeline), config, cu)
+        return o, _final_out(final, config, opts.state_v_first)
 
 
 class PlanRow(NamedTuple):
@@ -746,17 +659,14 @@ def stage_inputs(pipeline: KDAPipeline, q: QK, k: QK, v: Values, g: Gate, beta: 
     # Loss sum(o * w), w fixed random weights: the backward stages get a cotangent like a
     # real loss's rather than a constant.
     w = jax.random.normal(jax.random.key(1), v.shape, jnp.float32)
-    rec = _Recorder()
-    _RECORDERS.append(rec)
-    try:
-        loss = lambda *a: jnp.sum(chunk_kda(*a, pipeline=pipeline, **options)[0].astype(jnp.float32) * w)
+    with recording() as rec:
+        opts = KDAOptions.from_kwargs(**options)
+        loss = lambda *a: jnp.sum(pipeline.apply(*a, opts)[0].astype(jnp.float32) * w)
         jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, g, beta)
-    finally:
-        _RECORDERS.remove(rec)
     out = {}
     for name, kw in rec.inputs.items():
         params = list(inspect.signature(STAGES[name].family.__call__).parameters.values())[1:]
-        # (a parameter the stage does not take, G_lo, is not in kw: stages._hilo)
+        # (a parameter the stage does not take, G_lo, is not in kw: kdax._hilo)
         out[name] = tuple(kw[p.name] for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and p.name in kw)
     return out
 
@@ -896,106 +806,8 @@ def _prepare_options(q, k, v, g, beta, options: KDAOptions):
 def default_pipeline() -> KDAPipeline:
     """The pipeline ``chunk_kda(pipeline=None)`` uses: the reference stages (XLA) on every
     platform, precision policy "auto" (``kdax._precision``). On a GPU they run whole chunk
-    groups per loop iteration and unroll the recurrences (``stages._ops.resolve_group``,
+    groups per loop iteration and unroll the recurrences (``kdax._ops.resolve_group``,
     ``loop_unroll``); beside FLA on an H200 (bf16, B=1 T=16384 H=16 K=V=128) that was the
     fastest training step measured, 25.0 ms against 26.8-53 ms for every mix of Pallas
     stages tried (benchmarks/NOTES.md, "GPU, third pass")."""
     return KDAPipeline.reference()
-
-
-def _fla_only(return_intermediate_states, cp_context, use_graph, max_num_seqs, N: int) -> None:
-    """FLA's arguments that kdax takes for positional compatibility (docs/fla_arguments.md)."""
-    if return_intermediate_states:
-        raise ValueError("return_intermediate_states: not supported by chunk_kda; use KDAPipeline.forward and "
-                         "residuals.read('h') for the state at each chunk's start.")
-    if cp_context is not None:
-        raise ValueError("cp_context: FLA's context parallelism is not supported by kdax's chunk_kda.")
-    del use_graph  # kdax's varlen shapes never depend on cu_seqlens' values: always graph-safe
-    if max_num_seqs is not None and max_num_seqs != N:
-        raise ValueError(f"max_num_seqs: must equal the number of sequences len(cu_seqlens) - 1 = {N}, "
-                         f"got {max_num_seqs} (pad cu_seqlens with empty sequences instead).")
-
-
-@typecheck
-def chunk_kda(
-    q: QK,
-    k: QK,
-    v: Values,
-    g: Gate,
-    beta: Beta,
-    scale: Optional[Scalar] = None,
-    initial_state: Optional[State] = None,
-    output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False,
-    use_gate_in_kernel: bool = False,
-    use_beta_sigmoid_in_kernel: bool = False,
-    allow_neg_eigval: bool = False,
-    safe_gate: bool = False,
-    lower_bound: Optional[Union[float, int]] = None,
-    disable_recompute: bool = False,
-    return_intermediate_states: bool = False,
-    state_v_first: bool = False,
-    cu_seqlens: Optional[CuSeqlensIn] = None,
-    cu_seqlens_cpu: Optional[CuSeqlensIn] = None,
-    cp_context: None = None,
-    use_graph: bool = False,
-    max_num_seqs: Optional[int] = None,
-    *,
-    A_log: Optional[ALogIn] = None,
-    dt_bias: Optional[Float[ArrayIn, "_"]] = None,
-    chunk_size: int = 64,
-    pipeline: Optional[KDAPipeline] = None,
-    transpose_state_layout: Optional[bool] = None,
-    seq_axis_name: Optional[str] = None,
-) -> tuple[Float[ArrayIn, "B T HV V"], Optional[Float[ArrayIn, "N HV _S1 _S2"]]]:
-    """Chunked KDA (FLA's ``chunk_kda`` arguments, order and layouts: the arguments after
-    ``beta`` may be given positionally in FLA's order; see docs/fla_arguments.md).
-
-    q, k ``[B, T, H, K]``; v ``[B, T, HV, V]`` (HV a multiple of H); g ``[B, T, HV, K]``
-    (log decay, or the raw gate input with ``use_gate_in_kernel``: softplus gate with
-    ``A_log [HV]`` (or ``[1, 1, HV, 1]``) and optional ``dt_bias [HV*K]``, lower-bound gate
-    whenever ``lower_bound`` is set); beta ``[B, T, HV]`` (raw with
-    ``use_beta_sigmoid_in_kernel``); states ``[N, HV, K, V]`` (``[N, HV, V, K]`` with
-    ``state_v_first``; ``transpose_state_layout`` is its deprecated FLA alias);
-    ``cu_seqlens`` ``[N + 1]`` (array, list or tuple; checked inside the compiled program
-    when traced) packs N sequences into B == 1. ``chunk_size`` in {16, 32, 64, 128}.
-    ``safe_gate`` is FLA's promise that the gate lies in ``[lower_bound, 0)`` with
-    ``-5 <= lower_bound < 0``; kdax's kernels are exact for any gate, so it only adds FLA's
-    checks. ``scale``: any real number (Python, numpy, concrete 0-d JAX), default K^-1/2.
-    FLA's ``cu_seqlens_cpu`` and ``use_graph`` are accepted and need nothing;
-    ``return_intermediate_states`` and ``cp_context`` are refused.
-
-    Returns ``o [B, T, HV, V]`` in v's dtype and the final state (float32, or float64 for
-    float64 inputs) or None. ``jax.grad`` runs the six-stage backward of ``pipeline``
-    (default: ``default_pipeline()``; its arrays are not differentiated);
-    ``disable_recompute=True`` keeps the forward intermediates instead of recomputing them.
-    Zero-size inputs (B, T, K or V = 0) give zero outputs and pass the states through.
-
-    ``seq_axis_name``: inside ``jax.shard_map`` with the token axis sharded over that mesh
-    axis, q, k, v, g, beta and o are this device's tokens, ``cu_seqlens`` the global
-    offsets, the states global (identical on every device): sequence parallel, exact
-    (see ``kdax.parallel``).
-    """
-    routed = route(chunk_kda, locals())  # first: locals() is the arguments alone
-    if routed is not None:  # sequence parallel, or sharded over an Explicit mesh
-        return routed
-    kw = dict(locals())
-    if transpose_state_layout is not None:
-        kw = resolve_deprecated({**kw, "transpose_state_layout": transpose_state_layout})
-    options = KDAOptions(**{n: kw[n] for n in KDAOptions.names()})
-    config, args, opts = _prepare_options(q, k, v, g, beta, options)
-    q, k, v, g, beta, h0, A_log, dt_bias, cu = args
-    N = v.shape[0] if cu is None else cu.shape[0] - 1
-    _fla_only(return_intermediate_states, cp_context, use_graph, max_num_seqs, N)
-    pipeline = default_pipeline() if pipeline is None else pipeline
-    if not isinstance(pipeline, KDAPipeline):
-        raise TypeError(f"pipeline: expected a KDAPipeline, got {type(pipeline).__name__}.")
-    pipeline = pipeline.with_precision(_precision.resolve(pipeline.precision, q.dtype))
-    B, T, _, K = q.shape
-    if 0 in (B, T, K, v.shape[-1]):
-        # Nothing for any stage to do: o is zero (empty sums, or no tokens), every state
-        # passes through unchanged, and so does its gradient.
-        final = _initial_states(h0, (N, v.shape[2], K, v.shape[-1]), compute_dtype(q, k, v, g, beta, h0))
-        return jnp.zeros(v.shape, v.dtype), _final_out(final, config, opts.state_v_first)
-    o, final = _differentiable(((q, k, v, g, beta, h0, A_log, dt_bias), pipeline), config, cu)
-    return o, _final_out(final, config, opts.state_v_first)

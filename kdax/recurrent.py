@@ -8,10 +8,9 @@ import jax.numpy as jnp
 from ._config import KDAOptions
 from ._typing import ALogIn, ArrayIn, Beta, CuSeqlensIn, Float, Gate, QK, Scalar, State, Values, typecheck
 from ._validate import resolve_deprecated, validate
-from .parallel._shard import route
-from .ref._gates import beta_activation, kda_gate, l2norm
-from .ref._recurrent import compute_dtype, expand_heads, recurrent_step
-from .stages._ops import vary_like
+from .parallel._shard import routed
+from .ref import beta_activation, compute_dtype, expand_heads, kda_gate, l2norm, recurrent_step
+from ._ops import vary_like
 
 
 # FLA's head-wise beta: one write strength per value column.
@@ -54,6 +53,7 @@ def _varlen_scan(xs, h0, cu_seqlens, scale):
 
 
 @typecheck
+@routed  # sharded over an Explicit mesh: per shard, decided before the body
 def fused_recurrent_kda(
     q: QK,
     k: QK,
@@ -90,9 +90,6 @@ def fused_recurrent_kda(
     and ``disable_recompute``; ``transpose_state_layout`` is FLA's deprecated alias of
     ``state_v_first``.
     """
-    routed = route(fused_recurrent_kda, locals())  # first: locals() is the arguments alone
-    if routed is not None:  # sharded over an Explicit mesh: per shard
-        return routed
     kw = dict(locals())
     if transpose_state_layout is not None:
         kw = resolve_deprecated({**kw, "transpose_state_layout": transpose_state_layout})

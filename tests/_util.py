@@ -172,3 +172,15 @@ def check_golden(fn, name, dtype, tol_o, tol_g):
     for n, gr in grads.items():
         assert gr.dtype == dtype, n
         assert_close(gr, outs[golden_name.get(n, "d" + n)], tol_g, "d" + n)
+
+
+def load_example(name: str):
+    """``examples/<name>.py`` as a module (the examples are scripts, not a package)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"kdax_example_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

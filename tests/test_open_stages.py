@@ -2,8 +2,6 @@
 pipeline's own F3/F4, explicit fallback and ``plan``, stage contracts, tiles, intermediates."""
 
 import dataclasses
-import importlib.util
-import pathlib
 import warnings
 from typing import ClassVar
 
@@ -17,19 +15,11 @@ import kdax
 from kdax import pallas as P
 from kdax.stages import AbstractOutput, ReferenceOutput, ReferenceRecompute, ReferenceState, StateOut
 
-from ._util import assert_close, make_inputs, oracle_kda, split_args
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from ._util import assert_close, load_example, make_inputs, oracle_kda, split_args
 
 
-def _example():
-    spec = importlib.util.spec_from_file_location("custom_stage_example", ROOT / "examples" / "custom_stage.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
-
-EX = _example()
+EX = load_example("custom_stage")
 GAIN = jnp.array([0.5, 2.0, 1.5])
 
 
@@ -186,7 +176,7 @@ def test_fallback_only_on_unsupported_case_with_warning_and_plan():
     with pytest.raises(NotImplementedError, match="a user's own bug"):
         kdax.chunk_kda(*pos, **kw, chunk_size=16, pipeline=broken)
     pipe = eqx.tree_at(lambda p: p.output, pallas, Unsupported())
-    kdax.pipeline._WARNED.clear()
+    kdax._runner._warn_once.cache_clear()
     with pytest.warns(kdax.FallbackWarning, match=r"KDAPipeline\.output \(F5\): Unsupported cannot run"):
         o, _ = kdax.chunk_kda(*pos, **kw, chunk_size=16, pipeline=pipe)
     with warnings.catch_warnings():

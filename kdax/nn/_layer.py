@@ -9,12 +9,13 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray, Shaped
 
 from .._typing import ArrayIn, typecheck
-from ..pipeline import KDAPipeline, chunk_kda, default_pipeline
+from .._front import chunk_kda
+from ..pipeline import KDAPipeline, default_pipeline
 from ..recurrent import fused_recurrent_kda
 from ._cache import KDACache, zeros_cache
-from ._conv import causal_conv, conv_tail, token_segments
+from .._conv import causal_conv, conv_tail, token_segments
 from ._norm import gated_rms_norm
-from ..parallel._halo import conv_halo, sp_conv_tail, sp_token_segments
+from ..parallel import check_axis, conv_halo, sp_conv_tail, sp_token_segments
 
 # Longest call that the recurrent path takes by default (with a cache; FLA's threshold).
 RECURRENT_MAX_T = 64
@@ -375,8 +376,6 @@ class KimiDeltaAttention(eqx.Module):
 
 
 def _check_sequence_parallel(seq_axis_name, attention_mask, mode, inter_states):
-    from ..parallel._chunk import check_axis
-
     check_axis(seq_axis_name)
     if attention_mask is not None:
         raise ValueError("attention_mask: not supported with seq_axis_name; pack the sequences with cu_seqlens "

@@ -1,6 +1,6 @@
 """Pallas implementations of every stage (TPU Mosaic and GPU Triton targets)."""
 
-from ._common import default_target as default_target, resolve_interpret as resolve_interpret
+from ._common import PallasTarget as PallasTarget, default_target as default_target, resolve_interpret as resolve_interpret
 from ._gate import PallasGate as PallasGate, PallasGateBackward as PallasGateBackward
 from ._intra import PallasIntra as PallasIntra, PallasIntraBackward as PallasIntraBackward
 from ._output import PallasDAv as PallasDAv, PallasOutput as PallasOutput

@@ -26,6 +26,7 @@ from jax.experimental import pallas as pl
 
 from .. import _precision
 from .._errors import UnsupportedCase
+from .._ops import vary_like
 
 TARGETS = ("tpu", "triton")
 
@@ -211,8 +212,6 @@ def manual_inputs(inputs):
     outputs (a ``pallas_call``'s outputs vary as its ``out_shape`` says; by default over
     nothing, which shard_map's type check refuses for per-device results). Outside
     shard_map: the inputs unchanged and None."""
-    from ..stages._ops import vary_like
-
     inputs = vary_like(tuple(inputs), inputs)
     mat = getattr(jax.typeof(inputs[0]), "manual_axis_type", None) if inputs else None
     return inputs, (mat if mat is not None and mat.varying else None)

@@ -12,9 +12,8 @@ from jaxtyping import Array, Float
 
 from .._config import KDAConfig
 from .._typing import ChunkK, ChunkScalar, ChunkValid, typecheck
-from ..ref._gates import L2NORM_EPS, log_decay_floor
-from ..stages._gate import AbstractGate, AbstractGateBackward
-from ..stages._types import Activated, RawGrads
+from ..ref import L2NORM_EPS, log_decay_floor
+from ..stages import AbstractGate, AbstractGateBackward, Activated, RawGrads
 from ._common import (
     PallasTarget, check_width, chunk_call, chunk_spec, dot, feature_pad, flat, head_spec, iota, lower_dot, tuned, unflat,
 )

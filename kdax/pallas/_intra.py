@@ -15,8 +15,7 @@ import equinox as eqx
 import jax.numpy as jnp
 
 from .._typing import ChunkK, ChunkMat, ChunkScalar, typecheck
-from ..stages._intra import AbstractIntra, AbstractIntraBackward
-from ..stages._types import ChunkGrads, IntraOut
+from ..stages import AbstractIntra, AbstractIntraBackward, ChunkGrads, IntraOut
 from ._common import (
     PallasTarget, check_width, chunk_call, chunk_spec, col_of, dot, feature_pad, flat, idiv, iota, loop, masked_exp,
     row_of, tuned, unflat,

@@ -5,7 +5,7 @@ from typing import ClassVar
 import jax.numpy as jnp
 
 from .._typing import ChunkK, ChunkMat, ChunkState, ChunkV, typecheck
-from ..stages._output import AbstractDAv, AbstractOutput
+from ..stages import AbstractDAv, AbstractOutput
 from ._common import PallasTarget, check_width, chunk_call, chunk_spec, dot, feature_pad, flat, iota, lower_dot, tuned, unflat
 
 

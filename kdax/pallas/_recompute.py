@@ -5,10 +5,7 @@ from typing import Optional
 
 from .._layout import ChunkLayout
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkV, SeqState, typecheck
-from ..stages._recompute import AbstractRecompute, recompute_with
-from ..stages._state import AbstractState
-from ..stages._types import StateOut, WYOut
-from ..stages._wy import AbstractWY
+from ..stages import AbstractRecompute, AbstractState, AbstractWY, recompute_with, StateOut, WYOut
 from ._common import PallasTarget, tuned
 from ._state import PallasState
 from ._wy import PallasWY

@@ -18,8 +18,7 @@ from jax.experimental import pallas as pl
 from .._errors import UnsupportedCase
 from .._layout import ChunkLayout
 from .._typing import ChunkK, ChunkV, SeqState, typecheck
-from ..stages._state import AbstractDhu, AbstractState
-from ..stages._types import DhuOut, StateOut
+from ..stages import AbstractDhu, AbstractState, DhuOut, StateOut
 from ._common import (
     PallasValueBlocks, check_width, chunk_spec, compiler_params, dot, feature_pad, flat, idiv, kernel_name, loop, tuned, unflat,
 )

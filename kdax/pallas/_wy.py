@@ -5,8 +5,7 @@ from typing import ClassVar
 import jax.numpy as jnp
 
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, typecheck
-from ..stages._types import ChunkGrads, WYOut
-from ..stages._wy import AbstractWY, AbstractWYDqkg
+from ..stages import AbstractWY, AbstractWYDqkg, ChunkGrads, WYOut
 from ._common import (
     PallasTarget, PallasValueBlocks, check_width, chunk_call, chunk_spec, dot, feature_pad, flat, iota, lower_dot, row_of,
     tuned, unflat,

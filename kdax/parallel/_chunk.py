@@ -21,12 +21,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import _precision
 from .._layout import pack, unpack
 from .._stage_grads import check_perturbed, pipeline_gradients
 from .._validate import checked_cu_seqlens
-from ..ref._recurrent import compute_dtype
-from ..stages._ops import varying_axes
-from ._shard import check_interpret_in_shard_map
+from ..pipeline import default_pipeline
+from ..ref import compute_dtype
+from ..stages import ForwardCache
+from .._ops import varying_axes
+from ._interpret import check_interpret_in_shard_map
 from ._summary import PrefixMethod, exclusive_prefix
 
 
@@ -97,8 +100,6 @@ def _backward_local(static: _Static, res, do, dht):
 
 def _resolved(static: _Static, res):
     """The pipeline with its precision policy resolved, as ``backward`` resolves it."""
-    from .. import _precision
-
     pipe = static.pipeline
     if pipe.precision == "auto":
         pipe = pipe.with_precision(_precision.resolve(pipe.precision, res.in_dtypes[0]))
@@ -110,12 +111,9 @@ def _with_cache(static: _Static, res):
     backward passes then skip it)."""
     if res.cache is not None:
         return res
-    from ..pipeline import _PipelineState, _PipelineWY
-    from ..stages._types import ForwardCache
-
     pipe, act, L = _resolved(static, res), res.act, res.layout
-    wy, st = pipe._stage("recompute", q=act.q, k=act.k, v=res.v, beta=act.beta, G=act.G, Akk=res.Akk, h0=res.h0,
-                         layout=L, wy=_PipelineWY(pipe), state=_PipelineState(pipe))
+    wy, st = pipe.run_stage("recompute", q=act.q, k=act.k, v=res.v, beta=act.beta, G=act.G, Akk=res.Akk, h0=res.h0,
+                         layout=L, wy=pipe.stage_as_module("wy"), state=pipe.stage_as_module("state"))
     cache = ForwardCache(G=act.G, Aqk=res.Aqk, Akk=res.Akk, w=wy.w, u=wy.u, qg=wy.qg, kg=wy.kg, h=st.h,
                          v_new=st.v_new)
     return eqx.tree_at(lambda r: r.cache, res, cache, is_leaf=lambda x: x is None)
@@ -127,8 +125,8 @@ def _entry_gradient(static: _Static, res, do, dht):
     pipe, c, L = _resolved(static, res), res.cache, res.layout
     dt = res.h0.dtype
     doc = pack(L, do, dt)
-    _, dv_intra = pipe._stage("dav", v_new=c.v_new, Aqk=res.Aqk, do=doc)
-    return pipe._stage("dhu", scale=res.config.scale, qg=c.qg, kg=c.kg, w=c.w, G=res.act.G, do=doc,
+    _, dv_intra = pipe.run_stage("dav", v_new=c.v_new, Aqk=res.Aqk, do=doc)
+    return pipe.run_stage("dhu", scale=res.config.scale, qg=c.qg, kg=c.kg, w=c.w, G=res.act.G, do=doc,
                        dv_intra=dv_intra, dht=dht.astype(dt), layout=L).dh0
 
 
@@ -137,7 +135,7 @@ def _state_stage(static: _Static, res, h0):
     states ``h0 [N, HV, K, K]``: the final states are the linear parts ``M``."""
     c = res.cache
     u = jnp.zeros(c.w.shape, c.w.dtype)
-    return static.pipeline._stage("state", w=c.w, u=u, kg=c.kg, G=c.G, h0=h0, layout=res.layout).final
+    return static.pipeline.run_stage("state", w=c.w, u=u, kg=c.kg, G=c.G, h0=h0, layout=res.layout).final
 
 
 def _from_entry(static: _Static, res0, o0, fin0, h_add):
@@ -146,8 +144,8 @@ def _from_entry(static: _Static, res0, o0, fin0, h_add):
     part, added. Returns ``(o, final, residuals of the pass from h0 + h_add)``."""
     c, L = res0.cache, res0.layout
     pipe = static.pipeline
-    st = pipe._stage("state", w=c.w, u=jnp.zeros(c.u.shape, c.u.dtype), kg=c.kg, G=c.G, h0=h_add, layout=L)
-    oc = pipe._stage("output", scale=res0.config.scale, qg=c.qg, h=st.h, Aqk=c.Aqk, v_new=st.v_new)
+    st = pipe.run_stage("state", w=c.w, u=jnp.zeros(c.u.shape, c.u.dtype), kg=c.kg, G=c.G, h0=h_add, layout=L)
+    oc = pipe.run_stage("output", scale=res0.config.scale, qg=c.qg, h=st.h, Aqk=c.Aqk, v_new=st.v_new)
     o = (o0.astype(oc.dtype) + unpack(L, oc)).astype(o0.dtype)
     cache = eqx.tree_at(lambda c: (c.h, c.v_new), c, (c.h + st.h, c.v_new + st.v_new))
     res = eqx.tree_at(lambda r: (r.h0, r.cache), res0, (res0.h0 + h_add, cache))
@@ -277,8 +275,6 @@ def sp_chunk_kda(
 ):
     """``chunk_kda`` on this device's shard of the token axis (see
     ``kdax.chunk_kda(..., seq_axis_name=...)``)."""
-    from ..pipeline import default_pipeline
-
     check_axis(seq_axis_name)
     P = jax.lax.axis_size(seq_axis_name)
     Tl = q.shape[1]

@@ -8,7 +8,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from .._typing import ALog, ArrayIn, Beta, CuSeqlens, Float, Gate, QK, State, Values, typecheck
 from .._validate import check_cu_seqlens_values
 from ._chunk import sp_chunk_kda
-from ._shard import interprets
+from ._interpret import interprets
 from ._summary import PrefixMethod
 
 

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from .._typing import typecheck
+from .._conv import causal_conv, conv_tail
 
 
 def _seq_start(cu, pos):
@@ -64,11 +65,8 @@ def causal_conv1d(
     (sequence parallel: see ``sp_causal_conv1d``)."""
     if activation not in (None, "silu"):
         raise ValueError(f"activation: expected None or 'silu', got {activation!r}.")
-    # The packed-aware convolution of kdax.nn on [halo | x], each token's position within
-    # its sequence telling which taps reach before its start (imported here: kdax.nn
-    # imports the pipeline, which imports this package).
-    from ..nn._conv import causal_conv
-
+    # The packed-aware convolution on [halo | x], each token's position within its
+    # sequence telling which taps reach before its start.
     B, T, D = x.shape
     W = weight.shape[1]
     if halo is None:
@@ -123,8 +121,6 @@ def sp_conv_tail(xx, W: int, axis_name: str, cu_seqlens=None, state=None):
     zeros, where the sequence is shorter), identical on every device: from ``xx = [halo |
     x]`` ``[B, W - 1 + Tl, D]`` of the device where the sequence ends, then one ``psum``.
     ``[N, W - 1, D]`` (dense: N = B)."""
-    from ..nn._conv import conv_tail
-
     B, Tl = xx.shape[0], xx.shape[1] - (W - 1)
     d, P = jax.lax.axis_index(axis_name), jax.lax.axis_size(axis_name)
     s = d * Tl

@@ -9,7 +9,7 @@ from jaxtyping import Array, Float, Int
 
 from .._typing import typecheck
 from ._global import check_mesh_axes
-from ._shard import interprets
+from ._interpret import interprets
 
 
 @typecheck

@@ -3,10 +3,15 @@
 included), with no collective: rows and heads are independent."""
 
 import functools
+import inspect
 from typing import Callable, Optional
 
 import jax
 from jax.sharding import PartitionSpec as P
+
+from .._config import resolve_deprecated
+from ._chunk import sp_chunk_kda
+from ._interpret import check_interpret_in_shard_map, interprets
 
 
 def _axes(entry) -> tuple:
@@ -80,9 +85,6 @@ def route(fn: Callable, arguments: dict) -> Optional[tuple]:
     q, k, v, g, beta = (kw.pop(n) for n in ("q", "k", "v", "g", "beta"))
     seq_axis_name = kw.pop("seq_axis_name", None)
     if seq_axis_name is not None:
-        from .._validate import resolve_deprecated
-        from ._chunk import sp_chunk_kda
-
         if kw.get("transpose_state_layout") is not None:
             kw = resolve_deprecated(kw)
         kw.pop("transpose_state_layout", None)
@@ -99,35 +101,16 @@ def route(fn: Callable, arguments: dict) -> Optional[tuple]:
     return maybe_per_shard(fn, q, k, v, g, beta, check_vma=pipeline is None or not interprets(pipeline), **kw)
 
 
-def interprets(pipeline) -> bool:
-    """Whether ``pipeline`` (None: the default) runs a Pallas stage in interpret mode.
-    JAX's interpreter of ``pallas_call`` (``hlo_interpreter``) evaluates the kernel on
-    values typed with their varying mesh axes but constants typed without, which
-    ``jax.shard_map``'s type check (``check_vma=True``) refuses while lowering: such a
-    pipeline runs in a ``shard_map`` with ``check_vma=False``."""
-    from .._contracts import STAGES
-    from ..pallas._common import PallasTarget
-    from ..pipeline import default_pipeline
+def routed(fn: Callable) -> Callable:
+    """Decorator of ``kdax.chunk_kda`` / ``kdax.fused_recurrent_kda``: a call that is not a
+    plain single-device one (``route``) is routed before ``fn``'s body runs."""
+    signature = inspect.signature(fn)
 
-    pipeline = default_pipeline() if pipeline is None else pipeline
-    return any(isinstance(s, PallasTarget) and s.run_interpreted
-               for s in (getattr(pipeline, name, None) for name in STAGES))
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        out = route(fn, bound.arguments)
+        return fn(*args, **kwargs) if out is None else out
 
-
-def check_interpret_in_shard_map(pipeline, *arrays):
-    """A clear error for an interpret-mode Pallas pipeline inside a ``jax.shard_map`` that
-    checks varying axes (any of ``arrays`` varies over a manual mesh axis), before JAX's
-    obscure one at lowering."""
-    from ..stages._ops import varying_axes
-
-    axes = set()
-    for a in arrays:
-        if a is not None and hasattr(a, "dtype"):
-            axes |= varying_axes(a)
-    if axes and interprets(pipeline):
-        raise ValueError(
-            "pipeline: a Pallas pipeline in interpret mode runs inside jax.shard_map only with "
-            f"check_vma=False (the inputs vary over mesh axes {sorted(axes)}): JAX's pallas_call "
-            "interpreter is not typed for varying manual axes. Pass check_vma=False to jax.shard_map, "
-            "or use kdax.parallel.chunk_kda / sharded inputs on an Explicit mesh, which do."
-        )
+    return call

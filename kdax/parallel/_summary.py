@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from ..stages._ops import vary_like
+from .._ops import vary_like
 
 PrefixMethod = Literal["auto", "gather", "doubling"]
 

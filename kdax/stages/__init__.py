@@ -15,6 +15,7 @@ from ._output import ReferenceDAv as ReferenceDAv
 from ._output import ReferenceOutput as ReferenceOutput
 from ._recompute import AbstractRecompute as AbstractRecompute
 from ._recompute import ReferenceRecompute as ReferenceRecompute
+from ._recompute import recompute_with as recompute_with
 from ._state import AbstractDhu as AbstractDhu
 from ._state import AbstractState as AbstractState
 from ._state import ReferenceDhu as ReferenceDhu

@@ -10,9 +10,9 @@ from jaxtyping import Array, Float
 
 from .._config import KDAConfig
 from .._typing import ChunkK, ChunkScalar, ChunkValid, typecheck
-from ..ref._gates import L2NORM_EPS, beta_activation, clamp_log_decay, kda_gate, log_decay_floor
-from ._hilo import grid_bits, split_log_decay
-from ._ops import ChunkGroup, full_precision, lower_matmul, mT, over_chunks
+from ..ref import L2NORM_EPS, beta_activation, clamp_log_decay, kda_gate, log_decay_floor
+from .._hilo import grid_bits, split_log_decay
+from .._ops import ChunkGroup, full_precision, lower_matmul, mT, over_chunks
 from ._types import Activated, RawGrads
 
 _HeadsLast = lambda x: jnp.moveaxis(x, 1, -2)  # [R, HV, NC, C, K] -> [R, NC, C, HV, K]
@@ -55,7 +55,7 @@ class AbstractGate(eqx.Module):
     asked), ``G`` the chunk-local inclusive cumsum of the activated log decay (natural
     log, 0 at padding, non-increasing), ``q_rstd``/``k_rstd`` ``[R, HV, NC, C, 1]`` with
     in-kernel l2norm, else None; optionally ``G_lo`` ``[R, HV, NC, C, K]``, the low part
-    (``G + G_lo`` the cumsum to ~1e-9; see ``stages._hilo``), else None."""
+    (``G + G_lo`` the cumsum to ~1e-9; see ``kdax._hilo``), else None."""
 
     # Whether the stage may be called on a tile (a few chunks at a time, the state carried
     # in h0): see docs/stages.md. A pipeline runs its forward whole if any stage is not.
@@ -79,7 +79,7 @@ class AbstractGate(eqx.Module):
 
 class ReferenceGate(AbstractGate):
     """F1 in plain jnp; the chunk cumsum ``group`` chunks at a time (see ``over_chunks``).
-    ``split``: in float32, give G as the exact sum ``G + G_lo`` (``stages._hilo``); False:
+    ``split``: in float32, give G as the exact sum ``G + G_lo`` (``kdax._hilo``); False:
     G alone (``G_lo`` None), a few percent faster and ``eps |G|`` less accurate."""
 
     tile_safe: ClassVar[bool] = True
@@ -139,7 +139,7 @@ def segment_cumsum(dG, reset, group: ChunkGroup = None):
 
 def split_cumsum(g, group: ChunkGroup = None):
     """``(G, G_lo)``: the chunk cumsum of the clamped log decays ``g [R, HV, NC, C, K]`` as
-    the rounded ``G`` and its remainder ``G_lo`` (``stages._hilo``); ``(G, None)`` in
+    the rounded ``G`` and its remainder ``G_lo`` (``kdax._hilo``); ``(G, None)`` in
     float64."""
     C = g.shape[-2]
     if grid_bits(g.dtype, C) is None:

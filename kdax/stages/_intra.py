@@ -8,7 +8,7 @@ anchor ``a`` = first row of the upper half, ``exp(G_i - G_a) * exp(G_a - G_j)``,
 exponents non-positive (G is non-increasing), and their sum over d is a matmul. Every
 pair j < i is covered by exactly one level, the diagonal needs no decay; each level costs
 one exponential per entry of ``[C, K]`` (``log2 C`` in all) and no masked-out work.
-With ``G_lo`` (float32; ``stages._hilo``) each exponent is the difference of G plus that
+With ``G_lo`` (float32; ``kdax._hilo``) each exponent is the difference of G plus that
 of G_lo, at the cost of a few adds per exponential and the anchors of G_lo.
 """
 
@@ -20,8 +20,8 @@ import jax.numpy as jnp
 
 from .. import _precision
 from .._typing import ChunkK, ChunkMat, ChunkScalar, typecheck
-from ._hilo import exponent
-from ._ops import ChunkGroup, full_precision, lower_matmul, mT, over_chunks, rowsum, zeros_after
+from .._hilo import exponent
+from .._ops import ChunkGroup, full_precision, lower_matmul, mT, over_chunks, rowsum, zeros_after
 from ._types import ChunkGrads, IntraOut
 
 
@@ -53,7 +53,7 @@ def level_anchors(G, after=()):
 def _decays(G, a, s: int, G_lo=None, a_lo=None):
     """``(exp(G_i - G_a) for upper rows i, exp(G_a - G_j) for lower rows j)``, ``a`` the
     anchors of level s (``level_anchors``); with the low parts ``G_lo`` and their anchors
-    ``a_lo``, the exponents of the sums (``stages._hilo.exponent``)."""
+    ``a_lo``, the exponents of the sums (``kdax._hilo.exponent``)."""
     lo, up = _halves(G, s)
     if G_lo is None:
         return jnp.exp(up - a), jnp.exp(a - lo)
@@ -184,7 +184,7 @@ class AbstractIntra(eqx.Module):
 
     Arguments: ``scale``; activated ``q``, ``k`` ``[R, HV, NC, C, K]``; ``beta``
     ``[R, HV, NC, C]``; ``G`` ``[R, HV, NC, C, K]`` (F1); ``G_lo`` its low part or None
-    (an implementation may leave the parameter out and use ``G`` alone: ``stages._hilo``).
+    (an implementation may leave the parameter out and use ``G`` alone: ``kdax._hilo``).
 
     Returns ``IntraOut``: ``Aqk[i, j] = scale sum_d q_id k_jd exp(G_id - G_jd)`` for
     j <= i, zero above the diagonal (already scaled); ``Akk = (I + L)^-1`` with the strictly

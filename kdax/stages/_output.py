@@ -8,7 +8,7 @@ import equinox as eqx
 import jax.numpy as jnp
 
 from .._typing import ChunkK, ChunkMat, ChunkState, ChunkV, typecheck
-from ._ops import ChunkGroup, full_precision, lower_matmul, mT, over_chunks, tri_mask
+from .._ops import ChunkGroup, full_precision, lower_matmul, mT, over_chunks, tri_mask
 
 
 class AbstractOutput(eqx.Module):

@@ -8,8 +8,8 @@ import equinox as eqx
 from .. import _precision
 from .._layout import ChunkLayout
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkV, SeqState, typecheck
-from ._hilo import with_G_lo
-from ._ops import full_precision
+from .._capabilities import with_G_lo
+from .._ops import full_precision
 from ._state import AbstractState, ReferenceState
 from ._types import StateOut, WYOut
 from ._wy import AbstractWY, ReferenceWY
@@ -24,7 +24,7 @@ class AbstractRecompute(eqx.Module):
     ``beta`` ``[R, HV, NC, C]`` activated; ``G`` ``[.., K]`` the chunk-local cumulative log
     decay (natural log); ``Akk`` ``[.., C, C]`` = ``(I + L)^-1``; ``h0`` ``[N, HV, K, V]``
     the initial state of each sequence; ``layout`` the chunked layout; ``G_lo`` G's low
-    part or None (``stages._hilo``; optional parameter, to pass on to ``wy``).
+    part or None (``kdax._hilo``; optional parameter, to pass on to ``wy``).
 
     ``wy``, ``state`` (keyword): the F3 and F4 stages the forward ran; a ``KDAPipeline``
     always passes its own (routed through its fallback and contract checks), so that the

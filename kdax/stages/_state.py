@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from .._layout import ChunkLayout
 from .._typing import ChunkK, ChunkV, SeqState, typecheck
-from ._ops import full_precision, loop_unroll, mT, vary_like, zeros_after
+from .._ops import full_precision, loop_unroll, mT, vary_like, zeros_after
 from ._types import DhuOut, StateOut
 
 
@@ -80,7 +80,7 @@ class ReferenceState(AbstractState):
     tile_safe: ClassVar[bool] = True
 
     unroll: int = eqx.field(static=True, default=8)
-    # fori_loop's unroll factor over the chunks ("auto": stages._ops.loop_unroll): on a
+    # fori_loop's unroll factor over the chunks ("auto": kdax._ops.loop_unroll): on a
     # GPU each loop iteration costs a launch and a round trip to the host.
     loop_unroll: Union[int, Literal["auto"]] = eqx.field(static=True, default="auto")
 

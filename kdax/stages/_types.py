@@ -16,7 +16,7 @@ class Activated(eqx.Module):
     cumsum of the (activated, padding-masked) log decay. ``q_rstd``/``k_rstd``
     ``[R, HV, NC, C, 1]``: the l2norm statistics (None without in-kernel l2norm).
     ``G_lo``: optional low part, ``G + G_lo`` the cumsum to ~1e-9 in float32 (see
-    ``stages._hilo``; None: G alone, as float64 and the Pallas gates give)."""
+    ``kdax._hilo``; None: G alone, as float64 and the Pallas gates give)."""
 
     q: ChunkK
     k: ChunkK

@@ -8,8 +8,8 @@ import equinox as eqx
 import jax.numpy as jnp
 
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, typecheck
-from ._hilo import exponent
-from ._ops import ChunkGroup, full_precision, last_row, lower_matmul, mT, over_chunks, rowsum, tri_mask
+from .._hilo import exponent
+from .._ops import ChunkGroup, full_precision, last_row, lower_matmul, mT, over_chunks, rowsum, tri_mask
 from ._types import ChunkGrads, WYOut
 
 
@@ -23,7 +23,7 @@ class AbstractWY(eqx.Module):
     ``[.., V]`` (the corrected writes are ``u - w h``, h the chunk's start state);
     ``qg = q e^G`` and ``kg = k e^(Γ - G)`` ``[.., K]`` (Γ = G at the chunk's last row).
 
-    ``G_lo``: G's low part or None (``stages._hilo``; an implementation may leave the
+    ``G_lo``: G's low part or None (``kdax._hilo``; an implementation may leave the
     parameter out and use ``G`` alone)."""
 
     # Whether the stage may be called on a tile (a few chunks at a time, the state carried

@@ -2,34 +2,21 @@
 pipeline traced by ``eqx.filter_jit`` and differentiated by ``eqx.filter_grad``, run
 sequence parallel on 8 simulated devices: equal to one device (float64), gain included."""
 
-import importlib.util
-import pathlib
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import pytest
 
 import kdax
-from tests._util import assert_close, make_inputs, split_args
+from tests._util import assert_close, load_example, make_inputs, split_args
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices: see tests/conftest.py")
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-def _example():
-    spec = importlib.util.spec_from_file_location("custom_stage_example_sp", ROOT / "examples" / "custom_stage.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
 
 @pytest.mark.parametrize("packed, interpreted", [(False, False), (True, False), (False, True)])
 def test_traced_array_pipeline_sequence_parallel(packed, interpreted):
     """``interpreted``: one Pallas stage in interpret mode, so shard_map runs without
     check_vma (the other transpose of the replicated pipeline)."""
-    EX = _example()
+    EX = load_example("custom_stage")
     x = make_inputs(B=1, T=48, H=2, K=8, V=8, N=3 if packed else None)
     pos, kw = split_args(x)
     opts = dict(chunk_size=16, initial_state=kw["initial_state"], output_final_state=True)

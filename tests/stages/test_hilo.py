@@ -1,4 +1,4 @@
-"""G as an unevaluated sum G + G_lo (kdax.stages._hilo): F1's exact split, and every stage
+"""G as an unevaluated sum G + G_lo (kdax._hilo): F1's exact split, and every stage
 that takes G_lo computing with the sum."""
 
 import jax.numpy as jnp
@@ -12,7 +12,7 @@ from kdax.stages import (
     ReferenceWYDqkg,
 )
 from kdax.stages._gate import chunk_cumsum, split_cumsum
-from kdax.stages._hilo import exponent, grid_bits, split_log_decay
+from kdax._hilo import exponent, grid_bits, split_log_decay
 
 from .._util import assert_close
 from ._chunked import chunked, intra_chunk, rand_like

@@ -7,7 +7,7 @@ from typing import Literal, Optional, Union
 import jax
 import jax.numpy as jnp
 
-from .. import _precision
+from . import _precision
 
 
 def full_precision(fn):

@@ -15,14 +15,12 @@ relative to the difference itself, as in the recurrence. float64 keeps one G (``
 None): its error, ``1e-16 |G|``, is far below every tolerance.
 """
 
-import functools
-import inspect
 import math
 from typing import Optional
 
 import jax.numpy as jnp
 
-from ..ref._gates import log_decay_floor
+from .ref import log_decay_floor
 
 
 def grid_bits(dtype, C: int) -> Optional[int]:
@@ -51,22 +49,3 @@ def exponent(x, y, x_lo=None, y_lo=None):
     if x_lo is None:
         return x - y
     return jnp.minimum((x - y) + (x_lo - y_lo), 0.0)
-
-
-@functools.cache
-def _takes(cls: type, name: str) -> bool:
-    params = inspect.signature(cls.__call__).parameters.values()
-    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-
-
-def takes_G_lo(stage) -> bool:
-    """Whether ``stage.__call__`` has a ``G_lo`` parameter (or ``**kwargs``): the pipeline
-    passes ``G_lo`` only to those, so stages written before it keep working on ``G``."""
-    return _takes(type(stage), "G_lo")
-
-
-def with_G_lo(stage, kwargs: dict) -> dict:
-    """``kwargs`` without ``G_lo`` for a stage that does not take it."""
-    if "G_lo" in kwargs and not takes_G_lo(stage):
-        return {n: x for n, x in kwargs.items() if n != "G_lo"}
-    return kwargs

@@ -1,0 +1,48 @@
+"""Stage capabilities: what a stage accepts beyond its family's required arguments, as
+the stage declares it (docs/stages.md, "Capabilities"). The pipeline's stage runner
+(``kdax._runner``), its tiles and the shared-chunk layout ask only this."""
+
+import functools
+import inspect
+from typing import NamedTuple
+
+
+class Capabilities(NamedTuple):
+    """``G_lo``: the low part of the gate cumsum (``kdax/_hilo.py``); without it the
+    stage gets ``G`` alone (exact in float64; float32-rounded G otherwise), the pipeline
+    passing nothing else. ``reset``: the shared-chunk layout's reset table (F1, B5);
+    without it a shared layout is refused with ``UnsupportedCase`` (so a pipeline with
+    ``fallback`` runs the reference stage, exact). ``tile_safe``: correct on any tile of
+    chunks (``KDAPipeline.tile``); without it the forward runs whole."""
+
+    G_lo: bool
+    reset: bool
+    tile_safe: bool
+
+
+def _takes(cls: type, name: str) -> bool:
+    params = inspect.signature(cls.__call__).parameters.values()
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+@functools.cache
+def capabilities(cls: type) -> Capabilities:
+    """The declaration of stage class ``cls``: its ``accepts`` ClassVar (a set drawn from
+    ``"G_lo"``, ``"reset"``, ``"tile_safe"``) when it has one; else what its signature
+    and ClassVars say (a ``G_lo`` / ``reset`` parameter or ``**kwargs``; ``tile_safe``),
+    as stages written before declarations keep working."""
+    declared = getattr(cls, "accepts", None)
+    if declared is not None:
+        unknown = set(declared) - set(Capabilities._fields)
+        if unknown:
+            raise TypeError(f"{cls.__qualname__}.accepts: unknown capabilities {sorted(unknown)}; expected a "
+                            f"subset of {Capabilities._fields}.")
+        return Capabilities(*(n in declared for n in Capabilities._fields))
+    return Capabilities(_takes(cls, "G_lo"), _takes(cls, "reset"), bool(getattr(cls, "tile_safe", False)))
+
+
+def with_G_lo(stage, kwargs: dict) -> dict:
+    """``kwargs`` without ``G_lo`` for a stage that does not accept it."""
+    if "G_lo" in kwargs and not capabilities(type(stage)).G_lo:
+        return {n: x for n, x in kwargs.items() if n != "G_lo"}
+    return kwargs

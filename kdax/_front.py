@@ -1,0 +1,101 @@
+"""``chunk_kda``, the front door with FLA's signature: FLA's positional order and its
+arguments that need nothing in kdax, the deprecated alias, sharded inputs and
+``seq_axis_name`` routed to ``kdax.parallel`` (``routed``), then
+``KDAPipeline.apply`` on one device."""
+
+from typing import Optional, Union
+
+import numpy as np
+from jaxtyping import Float
+
+from ._config import KDAOptions
+from ._typing import ALogIn, ArrayIn, Beta, CuSeqlensIn, Gate, QK, Scalar, State, Values, typecheck
+from ._validate import resolve_deprecated
+from .parallel._shard import routed
+from .pipeline import KDAPipeline, default_pipeline
+
+
+def _fla_only(return_intermediate_states, cp_context, use_graph, max_num_seqs, N: int) -> None:
+    """FLA's arguments that kdax takes for positional compatibility (docs/fla_arguments.md)."""
+    if return_intermediate_states:
+        raise ValueError("return_intermediate_states: not supported by chunk_kda; use KDAPipeline.forward and "
+                         "residuals.read('h') for the state at each chunk's start.")
+    if cp_context is not None:
+        raise ValueError("cp_context: FLA's context parallelism is not supported by kdax's chunk_kda.")
+    del use_graph  # kdax's varlen shapes never depend on cu_seqlens' values: always graph-safe
+    if max_num_seqs is not None and max_num_seqs != N:
+        raise ValueError(f"max_num_seqs: must equal the number of sequences len(cu_seqlens) - 1 = {N}, "
+                         f"got {max_num_seqs} (pad cu_seqlens with empty sequences instead).")
+
+
+@typecheck
+@routed  # sequence parallel (seq_axis_name) or sharded inputs: decided before the body
+def chunk_kda(
+    q: QK,
+    k: QK,
+    v: Values,
+    g: Gate,
+    beta: Beta,
+    scale: Optional[Scalar] = None,
+    initial_state: Optional[State] = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
+    lower_bound: Optional[Union[float, int]] = None,
+    disable_recompute: bool = False,
+    return_intermediate_states: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: Optional[CuSeqlensIn] = None,
+    cu_seqlens_cpu: Optional[CuSeqlensIn] = None,
+    cp_context: None = None,
+    use_graph: bool = False,
+    max_num_seqs: Optional[int] = None,
+    *,
+    A_log: Optional[ALogIn] = None,
+    dt_bias: Optional[Float[ArrayIn, "_"]] = None,
+    chunk_size: int = 64,
+    pipeline: Optional[KDAPipeline] = None,
+    transpose_state_layout: Optional[bool] = None,
+    seq_axis_name: Optional[str] = None,
+) -> tuple[Float[ArrayIn, "B T HV V"], Optional[Float[ArrayIn, "N HV _S1 _S2"]]]:
+    """Chunked KDA (FLA's ``chunk_kda`` arguments, order and layouts: the arguments after
+    ``beta`` may be given positionally in FLA's order; see docs/fla_arguments.md).
+
+    q, k ``[B, T, H, K]``; v ``[B, T, HV, V]`` (HV a multiple of H); g ``[B, T, HV, K]``
+    (log decay, or the raw gate input with ``use_gate_in_kernel``: softplus gate with
+    ``A_log [HV]`` (or ``[1, 1, HV, 1]``) and optional ``dt_bias [HV*K]``, lower-bound gate
+    whenever ``lower_bound`` is set); beta ``[B, T, HV]`` (raw with
+    ``use_beta_sigmoid_in_kernel``); states ``[N, HV, K, V]`` (``[N, HV, V, K]`` with
+    ``state_v_first``; ``transpose_state_layout`` is its deprecated FLA alias);
+    ``cu_seqlens`` ``[N + 1]`` (array, list or tuple; checked inside the compiled program
+    when traced) packs N sequences into B == 1. ``chunk_size`` in {16, 32, 64, 128}.
+    ``safe_gate`` is FLA's promise that the gate lies in ``[lower_bound, 0)`` with
+    ``-5 <= lower_bound < 0``; kdax's kernels are exact for any gate, so it only adds FLA's
+    checks. ``scale``: any real number (Python, numpy, concrete 0-d JAX), default K^-1/2.
+    FLA's ``cu_seqlens_cpu`` and ``use_graph`` are accepted and need nothing;
+    ``return_intermediate_states`` and ``cp_context`` are refused.
+
+    Returns ``o [B, T, HV, V]`` in v's dtype and the final state (float32, or float64 for
+    float64 inputs) or None. ``jax.grad`` runs the six-stage backward of ``pipeline``
+    (default: ``default_pipeline()``; its arrays are not differentiated);
+    ``disable_recompute=True`` keeps the forward intermediates instead of recomputing them.
+    Zero-size inputs (B, T, K or V = 0) give zero outputs and pass the states through.
+
+    ``seq_axis_name``: inside ``jax.shard_map`` with the token axis sharded over that mesh
+    axis, q, k, v, g, beta and o are this device's tokens, ``cu_seqlens`` the global
+    offsets, the states global (identical on every device): sequence parallel, exact
+    (see ``kdax.parallel``).
+    """
+    kw = dict(locals())
+    if transpose_state_layout is not None:
+        kw = resolve_deprecated({**kw, "transpose_state_layout": transpose_state_layout})
+    options = KDAOptions(**{n: kw[n] for n in KDAOptions.names()})
+    N = v.shape[0] if cu_seqlens is None else np.shape(cu_seqlens)[0] - 1  # (a bad one: apply's error)
+    _fla_only(return_intermediate_states, cp_context, use_graph, max_num_seqs, N)
+    pipeline = default_pipeline() if pipeline is None else pipeline
+    if not isinstance(pipeline, KDAPipeline):
+        raise TypeError(f"pipeline: expected a KDAPipeline, got {type(pipeline).__name__}.")
+    return pipeline.apply(q, k, v, g, beta, options)

@@ -1,0 +1,137 @@
+"""The stage runner: how a pipeline calls one of its stages. Every stage call of
+``KDAPipeline`` (forward, backward, B0's F3/F4, ``kdax.parallel``'s passes, the stage
+array gradients) goes through ``run_stage``:
+
+1. the field's family is checked (a stage edited in with ``eqx.tree_at`` too);
+2. capabilities are negotiated from the stage's declaration (``capabilities``): the
+   optional inputs ``G_lo`` and ``reset`` go only to a stage that accepts them; a stage
+   that lacks what the case needs (``reset`` on a shared-chunk layout) raises
+   ``UnsupportedCase``;
+3. the arguments are checked against the stage's ``__call__``;
+4. the stage runs under its named scope and the precision policy; on ``UnsupportedCase``
+   with ``fallback`` the reference stage of the family runs instead (one
+   ``FallbackWarning`` per field, implementation and reason);
+5. its output is checked (container, shapes, dtypes) before the next stage sees it;
+6. an active ``Recording`` (``recording()``: ``plan``, ``stage_inputs``) notes the
+   arguments and which implementation ran.
+"""
+
+import contextlib
+import contextvars
+import functools
+import warnings
+from typing import ClassVar, Optional
+
+import equinox as eqx
+import jax
+
+from . import _precision
+from ._capabilities import capabilities, with_G_lo
+from ._contracts import STAGES, check_arguments, check_family, check_output, expected_output
+from ._errors import FallbackWarning, UnsupportedCase
+from ._typing import ChunkK
+from .stages import AbstractState, AbstractWY
+
+
+class Recording:
+    """What ``run_stage`` noted while a ``recording()`` was active: per field, the first
+    call's keyword arguments (``inputs``) and ``(stage, implementation that ran, reason)``
+    (``ran``); ``layout``: which layout the forward ran. ``quiet``: no fallback warnings."""
+
+    def __init__(self, quiet: bool = False):
+        self.inputs: dict = {}
+        self.ran: dict = {}
+        self.quiet = quiet
+        self.layout: Optional[str] = None
+
+
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("kdax_recordings", default=())
+
+
+@contextlib.contextmanager
+def recording(quiet: bool = False):
+    """Record the stage calls made inside the block (``plan``, ``stage_inputs``)."""
+    rec = Recording(quiet)
+    token = _ACTIVE.set(_ACTIVE.get() + (rec,))
+    try:
+        yield rec
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active_recordings() -> tuple:
+    return _ACTIVE.get()
+
+
+@functools.cache
+def _warn_once(name: str, impl: str, reason: str) -> None:
+    ref = STAGES[name].reference.__qualname__
+    warnings.warn(
+        f"KDAPipeline.{name} ({STAGES[name].step}): {impl} cannot run this case ({reason}); running {ref} instead.",
+        FallbackWarning, stacklevel=4,
+    )
+
+
+def run_stage(pipeline, name: str, **kwargs):
+    """Run ``pipeline``'s stage ``name`` on keyword arguments, as the module docstring
+    says. Returns the stage's output."""
+    stage = getattr(pipeline, name)
+    check_family(name, stage)
+    caps = capabilities(type(stage))
+    full, kwargs = kwargs, with_G_lo(stage, kwargs)
+    needs_reset = kwargs.get("reset") is not None and not caps.reset
+    if "reset" in kwargs and not caps.reset:
+        kwargs = {n: x for n, x in kwargs.items() if n != "reset"}
+    recs = _ACTIVE.get()
+    for rec in recs:
+        rec.inputs.setdefault(name, kwargs)
+    # The named scope labels every op of the stage in HLO dumps and profiles. Products
+    # run at full precision in any stage, a user's too (see kdax._ops.full_precision),
+    # unless the precision policy lets this stage take half-precision operands.
+    policy = "highest" if pipeline.precision == "auto" else pipeline.precision  # unresolved: safe
+    with jax.named_scope(f"kdax_{name}"), _precision.stage_scope(policy, name):
+        ran, reason = stage, None
+        try:
+            if needs_reset:
+                raise UnsupportedCase(
+                    "packed sequences sharing chunks (cu_seqlens without initial_state) need a stage that accepts "
+                    "`reset` (docs/stages.md, capabilities)"
+                )
+            check_arguments(name, stage, kwargs)
+            out = stage(**kwargs)
+        except UnsupportedCase as e:
+            if not pipeline.fallback:
+                raise
+            ran, reason = STAGES[name].reference(), str(e) or type(e).__name__
+            if not any(r.quiet for r in recs):
+                _warn_once(name, type(stage).__qualname__, reason)
+            out = ran(**with_G_lo(ran, full))
+    for rec in recs:
+        rec.ran.setdefault(name, (stage, ran, reason))
+    check_output(name, ran, out, expected_output(name, kwargs, kwargs.get("config")))
+    return out
+
+
+class PipelineWY(AbstractWY):
+    """F3 as ``pipeline`` runs it (``run_stage``): what B0 recomputes with. ``G_lo``:
+    the forward's, used when B0 calls F3 on the forward's G without passing it (a B0
+    written before ``G_lo``), so that B0 still recomputes exactly the forward's F3."""
+
+    tile_safe: ClassVar[bool] = True
+    pipeline: eqx.Module
+    G_lo: Optional[ChunkK] = None
+
+    def __call__(self, q, k, v, beta, G, Akk, G_lo=None):
+        if G_lo is None and self.G_lo is not None and self.G_lo.shape == G.shape:
+            G_lo = self.G_lo
+        return run_stage(self.pipeline, "wy", q=q, k=k, v=v, beta=beta, G=G, Akk=Akk, G_lo=G_lo)
+
+
+class PipelineState(AbstractState):
+    """F4 as ``pipeline`` runs it (``run_stage``): what B0 recomputes with."""
+
+    tile_safe: ClassVar[bool] = True
+    pipeline: eqx.Module
+
+    def __call__(self, w, u, kg, G, h0, layout):
+        return run_stage(self.pipeline, "state", w=w, u=u, kg=kg, G=G, h0=h0, layout=layout)
