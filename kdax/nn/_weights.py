@@ -42,14 +42,12 @@ def _entries(naming: str, H: int, HV: int, K: int, V: int, D: int, W: int, conv:
             e["v_conv1d.bias"] = ("v_conv_bias", (HV * V,)) + ident
     if naming == "moonshot":
         e["A_log"] = ("A_log", (1, 1, HV, 1), lambda a: a.reshape(1, 1, HV, 1), lambda a: a.reshape(HV))
-        names = dict(f_a="f_a_proj.weight", f_b="f_b_proj.weight", g_a="g_a_proj.weight", g_b="g_b_proj.weight",
-                     g_bias="g_b_proj.bias")
+        names = dict(f_a="f_a_proj.weight", f_b="f_b_proj.weight", g_a="g_a_proj.weight", g_b="g_b_proj.weight")
     else:
         e["A_log"] = ("A_log", (HV,)) + ident
-        names = dict(f_a="f_proj.0.weight", f_b="f_proj.1.weight", g_a="g_proj.0.weight", g_b="g_proj.1.weight",
-                     g_bias="g_proj.1.bias")
-    if bias:
-        e[names["g_bias"]] = ("g_b_bias", (HV * V,)) + ident
+        names = dict(f_a="f_proj.0.weight", f_b="f_proj.1.weight", g_a="g_proj.0.weight", g_b="g_proj.1.weight")
+        if bias:
+            e["g_proj.1.bias"] = ("g_b_bias", (HV * V,)) + ident
     e["dt_bias"] = ("dt_bias", (HV * K,)) + ident
     e[names["f_a"]] = ("f_a", (V, D)) + ident
     e[names["f_b"]] = ("f_b", (HV * K, V)) + ident
@@ -134,13 +132,12 @@ def load_safetensors(path, keys=None) -> dict:
 
 def layer_state_dict(layer, naming: str, prefix: str = "") -> dict:
     _check_naming(naming)
-    conv_bias = layer.q_conv_bias is not None
     if naming == "moonshot" and layer.g_b_bias is not None:
-        bias = True  # written as g_b_proj.bias (forks of Kimi Linear with an output-gate bias)
-    else:
-        bias = naming == "fla"
+        raise ValueError("state_dict(naming='moonshot'): Kimi Linear's g_b_proj has no bias, but this layer has "
+                         "g_b_bias; use naming='fla' or a layer built with gate_bias=False.")
     e = _entries(naming, layer.num_heads, layer.num_v_heads, layer.head_dim, layer.head_v_dim,
-                 layer.hidden_size, layer.conv_size, layer.use_short_conv, bias, conv_bias)
+                 layer.hidden_size, layer.conv_size, layer.use_short_conv, naming == "fla",
+                 layer.q_conv_bias is not None)
     out = {}
     for name, (field, _, to_ext, _) in e.items():
         a = getattr(layer, field)
@@ -187,8 +184,7 @@ def layer_from_state_dict(cls, state_dict, *, naming=None, num_heads, head_dim, 
     HV = options.pop("num_v_heads", shape("b_proj.weight", 0, num_heads))
     W = options.pop("conv_size", shape("q_conv1d.weight", -1, 4) if conv else 4)
     param_dtype = options.pop("param_dtype", jnp.float32)
-    # FLA's g_proj.1 always has its bias; Kimi Linear's g_b_proj has none (forks may add it).
-    bias = naming == "fla" or "g_b_proj.bias" in sd
+    bias = naming == "fla"  # FLA's g_proj.1 always has its bias; Kimi Linear's g_b_proj has none
     e = _entries(naming, num_heads, HV, head_dim, V, D, W, conv, bias, conv_bias)
     missing = [f"{n} {s}" for n, (_, s, _, _) in e.items() if n not in sd]
     unexpected = [n for n in sd if n not in e]

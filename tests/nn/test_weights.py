@@ -9,13 +9,14 @@ from kdax.nn import KimiDeltaAttention, load_safetensors, weight_shapes
 from ._oracle import random_state_dict
 
 KW = dict(num_heads=2, head_dim=8)
+HP = dict(norm_eps=1e-6, allow_neg_eigval=False, lower_bound=None)  # what a state dict does not record
 
 
 @pytest.mark.parametrize("naming,hv", [("moonshot", 2), ("fla", 4)])
 def test_round_trip_exact(naming, hv):
     sd = {k: v.astype(np.float32) for k, v in
           random_state_dict(naming, hidden_size=24, num_v_heads=hv, **KW).items()}
-    layer = KimiDeltaAttention.from_state_dict(sd, naming=naming, **KW)
+    layer = KimiDeltaAttention.from_state_dict(sd, naming=naming, **KW, **HP)
     assert layer.num_v_heads == hv and layer.hidden_size == 24 and layer.q_proj.dtype == jnp.float32
     out = layer.state_dict(naming)
     assert sorted(out) == sorted(sd)
@@ -25,7 +26,7 @@ def test_round_trip_exact(naming, hv):
     # and through the other naming (Moonshot has no output-gate bias, FLA writes it)
     other = "fla" if naming == "moonshot" else None
     if other:
-        again = KimiDeltaAttention.from_state_dict(layer.state_dict(other), naming=other, **KW)
+        again = KimiDeltaAttention.from_state_dict(layer.state_dict(other), naming=other, **KW, **HP)
         assert np.all(again.g_b_bias == 0) and np.array_equal(again.state_dict("fla")["A_log"], sd["A_log"].reshape(-1))
     else:
         with pytest.raises(ValueError, match="no bias"):
@@ -49,27 +50,28 @@ def test_bad_keys_name_every_offender():
     sd["dt_bias"] = np.zeros(5)
     sd["o_proj.weight"] = np.zeros((24, 7))
     sd["rotary.inv_freq"] = np.zeros(3)
-    sd["q_conv1d.bias"] = np.zeros(16)
+    sd["q_conv1d.bias"] = np.zeros(16)  # a bias on one convolution: conv_bias, the others' are missing
     with pytest.raises(ValueError) as e:
-        KimiDeltaAttention.from_state_dict(sd, naming="fla", **KW)
+        KimiDeltaAttention.from_state_dict(sd, naming="fla", **KW, **HP)
     msg = str(e.value)
     for part in ("A_log (4,)", "g_proj.1.bias (32,)", "dt_bias: expected (32,), got (5,)",
-                 "o_proj.weight: expected (24, 32), got (24, 7)", "rotary.inv_freq", "q_conv1d.bias"):
+                 "o_proj.weight: expected (24, 32), got (24, 7)", "rotary.inv_freq", "k_conv1d.bias (16,)",
+                 "v_conv1d.bias (32,)"):
         assert part in msg, (part, msg)
     with pytest.raises(ValueError, match="naming"):
-        KimiDeltaAttention.from_state_dict(sd, naming="hf", **KW)
+        KimiDeltaAttention.from_state_dict(sd, naming="hf", **KW, **HP)
 
 
 def test_prefix_and_safetensors(tmp_path):
     sd = {k: v.astype(np.float32) for k, v in random_state_dict("moonshot", hidden_size=16, **KW).items()}
     full = {"model.layers.3.self_attn." + k: v for k, v in sd.items()}
     full["model.embed_tokens.weight"] = np.zeros((5, 16), np.float32)  # other layers' keys are ignored
-    layer = KimiDeltaAttention.from_state_dict(full, naming="moonshot", prefix="model.layers.3.self_attn.", **KW)
+    layer = KimiDeltaAttention.from_state_dict(full, naming="moonshot", prefix="model.layers.3.self_attn.", **KW, **HP)
     assert np.array_equal(layer.state_dict("moonshot", prefix="p.")["p.o_proj.weight"], sd["o_proj.weight"])
     st = pytest.importorskip("safetensors.numpy")
     path = tmp_path / "kda.safetensors"
     st.save_file(full, str(path))
     assert sorted(load_safetensors(path)) == sorted(full)
-    again = KimiDeltaAttention.from_state_dict(path, naming="moonshot", prefix="model.layers.3.self_attn.", **KW)
+    again = KimiDeltaAttention.from_state_dict(path, naming="moonshot", prefix="model.layers.3.self_attn.", **KW, **HP)
     for k, v in again.state_dict("moonshot").items():
         assert np.array_equal(v, sd[k]), k
