@@ -86,12 +86,11 @@ def detect_naming(keys) -> Optional[str]:
     return found[0] if len(found) == 1 else None
 
 
-def as_numpy(value, name: str) -> np.ndarray:
-    """``value`` as a numpy array of real floats, without importing torch: numpy and JAX
-    arrays as they are; torch-like tensors (``detach()``/``numpy()``) detached, moved to the
-    host and, when numpy cannot hold their dtype (bfloat16), widened with ``.float()``
-    (exact); other objects through ``__dlpack__`` or ``np.asarray``. Refuses complex,
-    integer, boolean and non-finite values, naming ``name``."""
+def to_numpy(value) -> np.ndarray:
+    """``value`` as a numpy array, without importing torch: numpy and JAX arrays as they
+    are; torch-like tensors (``detach()``/``numpy()``) detached, moved to the host and, when
+    numpy cannot hold their dtype (bfloat16), widened with ``.float()`` (exact); other
+    objects through ``__dlpack__`` or ``np.asarray``."""
     a = value
     if hasattr(a, "detach") and hasattr(a, "numpy") and not isinstance(a, np.ndarray):
         t = a.detach()
@@ -103,14 +102,20 @@ def as_numpy(value, name: str) -> np.ndarray:
             if not hasattr(t, "float"):
                 raise
             a = t.float().numpy()
-    elif hasattr(a, "__dlpack__") and not isinstance(a, np.ndarray) and not isinstance(a, jnp.ndarray):
+    elif hasattr(a, "__dlpack__") and not isinstance(a, (np.ndarray, jnp.ndarray)):
         try:
             a = np.from_dlpack(a)
         except (TypeError, RuntimeError, BufferError):  # e.g. bfloat16, which numpy's DLPack import lacks
             import jax.dlpack
 
             a = jax.dlpack.from_dlpack(a)
-    a = np.asarray(a)
+    return np.asarray(a)
+
+
+def as_numpy(value, name: str) -> np.ndarray:
+    """``to_numpy(value)``, refusing complex, integer, boolean and non-finite values with an
+    error naming ``name``."""
+    a = to_numpy(value)
     if not (np.issubdtype(a.dtype, np.floating) or jnp.issubdtype(a.dtype, jnp.floating)):
         raise TypeError(f"{name}: expected real floating-point weights, got dtype {a.dtype}.")
     if not np.all(np.isfinite(a.astype(np.float64))):
@@ -150,7 +155,7 @@ def layer_state_dict(layer, naming: str, prefix: str = "") -> dict:
 def layer_from_state_dict(cls, state_dict, *, naming=None, num_heads, head_dim, prefix="", **options):
     if isinstance(state_dict, (str, os.PathLike)):
         state_dict = load_safetensors(state_dict)
-    sd = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+    sd = {k[len(prefix):]: to_numpy(v) for k, v in state_dict.items() if k.startswith(prefix)}
     seen = detect_naming(sd)
     if naming is None:
         if seen is None:
