@@ -95,10 +95,11 @@ def test_fla_layer_with_conv_bias_matches_numpy(tmp_path):
     sd = {k: np.asarray(v, np.float64) for k, v in layer.state_dict("fla").items()}
     assert "q_conv1d.bias" in sd and np.any(sd["q_conv1d.bias"] != 0)
     x = jnp.asarray(np.random.default_rng(3).normal(size=(2, 9, D)))
-    y, _ = jax.jit(lambda l, x: l(x, mode="recurrent"))(layer, x)
     ref, _ = numpy_layer(sd, np.asarray(x), naming="fla", num_heads=H, head_dim=K, norm_eps=1e-3,
                          allow_neg_eigval=True)
-    assert_close(y, ref, 1e-12, "conv_bias layer")
+    for mode in ("recurrent", "chunk"):
+        y, _ = jax.jit(lambda l, x: l(x, mode=mode, chunk_size=16))(layer, x)
+        assert_close(y, ref, 1e-12, f"conv_bias layer, {mode}")
     no_bias = dict(sd, **{f"{c}_conv1d.bias": np.zeros_like(sd[f"{c}_conv1d.bias"]) for c in "qkv"})
     ref0, _ = numpy_layer(no_bias, np.asarray(x), naming="fla", num_heads=H, head_dim=K, norm_eps=1e-3,
                           allow_neg_eigval=True)
