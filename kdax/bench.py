@@ -12,16 +12,22 @@ it against baselines run in the same process:
   jnp code differentiated by JAX instead of the six-stage backward);
 * ``fused_recurrent``: ``kdax.fused_recurrent_kda``.
 
-Times are medians of ``--reps`` device-synchronised runs after a warm-up; the light paths
-(chunk_kda, the scan forward, fused_recurrent) are timed in rounds, every path once per
-round, so that the machine's drift reaches them alike; the heavy baselines (the scan's and
-autodiff's gradients, GBs of memory) one at a time after them. Every ratio compares numbers
-from this one run. GFLOP/s use the FLOP model below and are set against
-a large float32 matmul timed in the same run. Peak memory is XLA's own figure for the
-compiled program (``memory_analysis()``: temporaries + outputs), deterministic.
+Every path is compiled once (``jit(...).lower().compile()``: its compile time, XLA's peak
+memory figure and the executable that is timed). Times are medians of ``--reps``
+device-synchronised runs after a warm-up; the light paths (chunk_kda, the scan forward,
+fused_recurrent) are timed in rounds, every path once per round, so that the machine's
+drift reaches them alike; the heavy baselines (the plain scan's and autodiff's gradients,
+GBs of memory, seconds a call) one at a time after them, at ``--heavy-reps`` runs (1 by
+default; the table's ``reps`` column says which). The readable oracle's gradient (8 s a
+call, 6 GB at T=4096) runs only with ``--slow-baselines``. Every ratio compares numbers
+from this one run. GFLOP/s use the FLOP model below and are set against a large float32
+matmul timed in the same run. Peak memory is XLA's own figure for the compiled program
+(``memory_analysis()``: temporaries + outputs), deterministic.
 
-``--sweep`` runs T over 512..16384 (H=8, K=V=128) and writes JSON, CSV and PNG plots
-(needs matplotlib) to ``--out``.
+Progress lines (what runs, seconds since the start) go to stderr as it compiles and
+times. Results (JSON, CSV) and plots (PNG, with matplotlib: ``pip install -e ".[test]"``
+installs it) are written to ``--out`` (default ``bench-results/`` in the working
+directory). ``--sweep`` runs T over 512..16384 (H=8, K=V=128).
 """
 
 import argparse
@@ -125,34 +131,27 @@ def _error_line(e: Exception) -> str:
     return f"{type(e).__name__}: {msg[0] if msg else ''}"
 
 
-def peak_bytes(f: Callable, args) -> Optional[int]:
-    try:
-        m = f.lower(*args).compile().memory_analysis()
-        return int(m.temp_size_in_bytes + m.output_size_in_bytes)
-    except Exception:  # some backends do not report it
-        return None
-
-
 def matmul_gflops(n: int = 2048, reps: int = 5) -> float:
     a = jnp.asarray(np.random.default_rng(0).normal(size=(n, n)), jnp.float32)
     f = jax.jit(lambda a: a @ a)
     return 2 * n**3 / time_fn(f, (a,), reps) / 1e9
 
 
-class _Progress:
-    def __init__(self, total: int, enabled: bool):
-        self.total, self.n, self.enabled, self.t0 = total, 0, enabled, time.perf_counter()
+class Log:
+    """Progress lines ``[  12.3 s] what`` on stderr (seconds since the log began), so a run
+    that compiles and times for a minute says what it is doing; ``enabled=False``: silent."""
 
-    def step(self, label: str):
-        self.n += 1
+    def __init__(self, enabled: bool = True, stream=None):
+        self.enabled, self.stream, self.t0 = enabled, stream, time.perf_counter()
+
+    def __call__(self, what: str) -> None:
         if self.enabled:
-            w = 30
-            done = int(w * self.n / self.total)
-            el = time.perf_counter() - self.t0
-            sys.stderr.write(f"\r[{'#' * done}{'.' * (w - done)}] {self.n}/{self.total} {el:6.1f}s {label:<40}")
-            if self.n == self.total:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
+            stream = sys.stderr if self.stream is None else self.stream
+            stream.write(f"[{time.perf_counter() - self.t0:6.1f} s] {what}\n")
+            stream.flush()
+
+
+_quiet = Log(False)
 
 
 # -- one shape -----------------------------------------------------------------------------
@@ -227,23 +226,62 @@ def _max_abs(x, ref) -> float:
     return float(np.max(np.abs(np.asarray(x, np.float64) - ref)))
 
 
-def bench_shape(s: Shape, reps: int, pipes: dict, baselines: bool, check: bool, progress=None) -> list:
+def _compiled(f: Callable, args):
+    """``(callable, compile seconds, peak bytes)``: ``f`` (a ``jax.jit`` function or a
+    ``_TrainStep``) compiled once for ``args``; the callable runs that executable."""
+    t0 = time.perf_counter()
+    c = f.lower(*args).compile()
+    secs = time.perf_counter() - t0
+    try:
+        m = c.memory_analysis()
+        peak = int(m.temp_size_in_bytes + m.output_size_in_bytes)
+    except Exception:  # some backends do not report it
+        peak = None
+    run = (lambda *a: c(*a, f.w)) if isinstance(f, _TrainStep) else c
+    return run, secs, peak
+
+
+def baseline_paths(s: Shape, w, slow_baselines: bool = False) -> list:
+    """The baselines at shape ``s``: ``(name, kind, function, heavy)``; heavy ones (GBs,
+    seconds a call) are timed alone. The scan's gradient (the readable oracle's, the
+    slowest) only with ``slow_baselines``; no scan gradient above T=4096 (autodiff of a
+    scan keeps every step's state: 6 GB at T=4096)."""
+    # The stages whole, as chunk_kda's own training step runs its forward.
+    whole = KDAPipeline.reference().untiled()
+    paths = [("scan", "fwd", jax.jit(lambda *a: naive_recurrent_kda(*a)[0]), False)]
+    if slow_baselines and s.T <= 4096:
+        paths.append(("scan", "fwd+bwd", _TrainStep(naive_recurrent_kda, w), True))
+    paths += [("autodiff_chunk", "fwd+bwd", _TrainStep(_autodiff_chunk(whole, s.chunk_size), w), True),
+              ("fused_recurrent", "fwd", jax.jit(lambda *a: fused_recurrent_kda(*a)[0]), False),
+              ("plain_scan", "fwd", jax.jit(lambda *a: plain_scan_kda(*a)[0]), False)]
+    if s.T <= 4096:
+        paths.append(("plain_scan", "fwd+bwd", _TrainStep(plain_scan_kda, w), True))
+    return paths
+
+
+def bench_shape(s: Shape, reps: int, pipes: dict, baselines: bool, check: bool, log: Callable = _quiet,
+                slow_baselines: bool = False, heavy_reps: int = 1) -> list:
     """Rows of results for one shape: each pipeline's forward and forward+backward, and
-    the baselines."""
+    the baselines (the scan's gradient only with ``slow_baselines``; the heavy baselines
+    timed ``heavy_reps`` times). ``log(line)`` hears what runs."""
     args, w = make_inputs(s), cotangent(s)
     ff = flops_per_token_head(s.chunk_size, s.K, s.V)
     tokens = s.B * s.T * s.HV
+    at = f"T={s.T}"
     rows = []
 
-    # Paths to time: (name, kind, function, FLOPs per token-head, max error, alone).
+    # Paths to time: (name, kind, compiled callable, FLOPs per token-head, max error, alone, compile s, peak).
     todo = []
 
     def add(name, kind, f, flops=None, err=None, alone=False):
-        todo.append((name, kind, f, flops, err, alone))
+        log(f"{at} compiling {name} {kind}")
+        run, secs, peak = _compiled(f, args)
+        todo.append((name, kind, run, flops, err, alone, secs, peak))
+        return run
 
     ref_o = ref_g = None
-    compile_s = {}  # the training step's compile time, by path
     if check:  # float64 for this call only: every timed path runs with JAX's default 32-bit types
+        log(f"{at} float64 reference (the recurrence: outputs and gradients)")
         with jax.enable_x64(True):
             a64 = tuple(a.astype(jnp.float64) for a in args)
             ref_o = np.asarray(jax.jit(lambda *a: naive_recurrent_kda(*a)[0])(*a64))
@@ -251,50 +289,43 @@ def bench_shape(s: Shape, reps: int, pipes: dict, baselines: bool, check: bool, 
     for pname, pipe in pipes.items():
         fwd = jax.jit(lambda *a, pipe=pipe: chunk_kda(*a, chunk_size=s.chunk_size, pipeline=pipe)[0])
         grad = _TrainStep(lambda *a, pipe=pipe: chunk_kda(*a, chunk_size=s.chunk_size, pipeline=pipe), w)
+        n = len(todo)
         try:
             e_o = e_g = None
-            t0 = time.perf_counter()
-            grad.lower(*args).compile()  # jit(grad(chunk_kda))'s compile time, on its own
-            compile_s[f"chunk_kda[{pname}]"] = time.perf_counter() - t0
-            jax.block_until_ready((fwd(*args), grad(*args)))  # compile (and run) before anything is timed
+            f = add(f"chunk_kda[{pname}]", "fwd", fwd, ff["forward"])
+            g = add(f"chunk_kda[{pname}]", "fwd+bwd", grad, ff["forward"] + ff["backward"])
+            jax.block_until_ready((f(*args), g(*args)))  # run once before anything is timed
             if check:
-                e_o = _max_abs(fwd(*args), ref_o)
-                e_g = max(_max_abs(a, b) for a, b in zip(grad(*args)[1], ref_g[1]))
-            add(f"chunk_kda[{pname}]", "fwd", fwd, ff["forward"], e_o)
-            add(f"chunk_kda[{pname}]", "fwd+bwd", grad, ff["forward"] + ff["backward"], e_g)
+                e_o = _max_abs(f(*args), ref_o)
+                e_g = max(_max_abs(a, b) for a, b in zip(g(*args)[1], ref_g[1]))
+            todo[n] = todo[n][:4] + (e_o,) + todo[n][5:]
+            todo[n + 1] = todo[n + 1][:4] + (e_g,) + todo[n + 1][5:]
         except Exception as e:  # a kernel the backend cannot compile: report it, go on with the rest
+            del todo[n:]
             rows.append(dict(T=s.T, name=f"chunk_kda[{pname}]", kind="failed", time_s=None, peak_bytes=None,
                              gflops=None, max_err=None, error=_error_line(e)))
-            print(f"chunk_kda[{pname}] failed at T={s.T}: {rows[-1]['error']}", file=sys.stderr)
+            log(f"{at} chunk_kda[{pname}] failed: {rows[-1]['error']}")
     if baselines:
-        add("scan", "fwd", jax.jit(lambda *a: naive_recurrent_kda(*a)[0]))
-        if s.T <= 4096:  # autodiff of the scan keeps every step's state: 6 GB at T=4096
-            add("scan", "fwd+bwd", _TrainStep(naive_recurrent_kda, w), alone=True)
-        # The stages whole, as chunk_kda's own training step runs its forward.
-        whole = KDAPipeline.reference().untiled()
-        add("autodiff_chunk", "fwd+bwd", _TrainStep(_autodiff_chunk(whole, s.chunk_size), w), alone=True)
-        add("fused_recurrent", "fwd", jax.jit(lambda *a: fused_recurrent_kda(*a)[0]))
-        add("plain_scan", "fwd", jax.jit(lambda *a: plain_scan_kda(*a)[0]))
-        if s.T <= 4096:
-            plain = _TrainStep(plain_scan_kda, w)
-            t0 = time.perf_counter()
-            plain.lower(*args).compile()
-            compile_s["plain_scan"] = time.perf_counter() - t0
-            add("plain_scan", "fwd+bwd", plain, alone=True)
+        for name, kind, f, alone in baseline_paths(s, w, slow_baselines):
+            add(name, kind, f, alone=alone)
 
     # The light paths in rounds (every path once per round), so that the machine's drift
     # reaches them alike and their ratios hold; the heavy baselines (GBs of memory that
     # would slow whatever runs next) one at a time after them.
     together = [i for i, t in enumerate(todo) if not t[5]]
+    log(f"{at} timing {len(together)} paths in {reps} rounds: " + ", ".join(f"{todo[i][0]} {todo[i][1]}"
+                                                                           for i in together))
     times = dict(zip(together, time_rounds([todo[i][2] for i in together], args, reps)))
-    times.update({i: time_fn(t[2], args, reps) for i, t in enumerate(todo) if t[5]})
-    for i, (name, kind, f, flops, err, _) in enumerate(todo):
+    n_reps = {i: reps for i in together}
+    for i, t in enumerate(todo):
+        if t[5]:
+            log(f"{at} timing {t[0]} {t[1]} ({heavy_reps} run{'s' if heavy_reps > 1 else ''} after a warm-up)")
+            times[i], n_reps[i] = time_fn(t[2], args, heavy_reps), heavy_reps
+    for i, (name, kind, f, flops, err, _, secs, peak) in enumerate(todo):
         t = times[i]
-        rows.append(dict(T=s.T, name=name, kind=kind, time_s=t, peak_bytes=peak_bytes(f, args),
+        rows.append(dict(T=s.T, name=name, kind=kind, time_s=t, peak_bytes=peak, reps=n_reps[i],
                          gflops=None if flops is None else flops * tokens / t / 1e9, max_err=err,
-                         compile_s=compile_s.get(name) if kind == "fwd+bwd" else None))
-        if progress:
-            progress.step(f"T={s.T} {name} {kind}")
+                         compile_s=secs if kind == "fwd+bwd" else None))
     return rows
 
 
@@ -356,8 +387,8 @@ def with_ratios(rows: list) -> list:
 
 
 def format_table(rows: list, matmul: float) -> str:
-    head = (f"{'T':>6} {'path':<22} {'pass':<8} {'time ms':>9} {'/scan':>7} {'/plain':>7} {'/autodiff':>9} "
-            f"{'GFLOP/s':>8} {'%mm':>5} {'peak MiB':>9} {'max err':>9} {'compile s':>9}")
+    head = (f"{'T':>6} {'path':<22} {'pass':<8} {'time ms':>9} {'reps':>4} {'/scan':>7} {'/plain':>7} "
+            f"{'/autodiff':>9} {'GFLOP/s':>8} {'%mm':>5} {'peak MiB':>9} {'max err':>9} {'compile s':>9}")
     out = [head, "-" * len(head)]
     fmt = lambda v, f: ("-" if v is None else format(v, f))
     for r in rows:
@@ -367,11 +398,16 @@ def format_table(rows: list, matmul: float) -> str:
         pct = None if r["gflops"] is None else 100 * r["gflops"] / matmul
         mem = None if r["peak_bytes"] is None else r["peak_bytes"] / 2**20
         out.append(
-            f"{r['T']:>6} {r['name']:<22} {r['kind']:<8} {1e3 * r['time_s']:>9.1f} {fmt(r.get('vs_scan'), '7.3f'):>7} "
+            f"{r['T']:>6} {r['name']:<22} {r['kind']:<8} {1e3 * r['time_s']:>9.1f} {fmt(r.get('reps'), '4d'):>4} "
+            f"{fmt(r.get('vs_scan'), '7.3f'):>7} "
             f"{fmt(r.get('vs_plain_scan'), '7.3f'):>7} "
             f"{fmt(r.get('vs_autodiff_chunk'), '9.3f'):>9} {fmt(r['gflops'], '8.1f'):>8} {fmt(pct, '5.1f'):>5} "
             f"{fmt(mem, '9.1f'):>9} {fmt(r['max_err'], '9.2e'):>9} {fmt(r.get('compile_s'), '9.1f'):>9}"
         )
+    kinds = {(r["name"], r["kind"]) for r in rows}
+    if ("scan", "fwd") in kinds and ("scan", "fwd+bwd") not in kinds:
+        out.append("(scan fwd+bwd, the readable oracle's gradient, 8 s a call at T=4096: run with --slow-baselines; "
+                   "/plain is the honest baseline)")
     return "\n".join(out)
 
 
@@ -380,7 +416,9 @@ def machine() -> str:
     return f"{platform.machine()} {os.cpu_count()} cores, {dev.platform} ({dev.device_kind}), jax {jax.__version__}"
 
 
-def write_results(rows: list, meta: dict, out: str) -> None:
+def write_results(rows: list, meta: dict, out: str) -> list:
+    """results.json, results.csv and PNG plots (with matplotlib, headless Agg backend) in
+    ``out``; returns the paths written."""
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
@@ -389,45 +427,73 @@ def write_results(rows: list, meta: dict, out: str) -> None:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         w.writerows(rows)
+    written = [os.path.join(out, "results.json"), os.path.join(out, "results.csv")]
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib not installed: plots skipped (pip install matplotlib)")
-        return
-    series = sorted({(r["name"], r["kind"]) for r in rows})
-    for metric, fname, ylabel in (("time_s", "time_vs_T.png", "seconds"), ("peak_bytes", "memory_vs_T.png", "peak bytes")):
-        fig, ax = plt.subplots(figsize=(7, 5))
-        for name, kind in series:
-            pts = [(r["T"], r[metric]) for r in rows if r["name"] == name and r["kind"] == kind and r[metric]]
-            if pts:
-                ax.plot(*zip(*sorted(pts)), marker="o", label=f"{name} {kind}")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("T")
-        ax.set_ylabel(ylabel)
-        ax.set_title(f"KDA {ylabel} vs T (H=8, K=V=128) — {meta['machine']}", fontsize=8)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+        print("matplotlib not installed: plots skipped (pip install matplotlib, or pip install -e \".[test]\")")
+        return written
+    timed = [r for r in rows if r["time_s"]]
+    if len({r["T"] for r in timed}) > 1:  # a sweep: each path against T
+        series = sorted({(r["name"], r["kind"]) for r in timed})
+        for metric, fname, ylabel in (("time_s", "time_vs_T.png", "seconds"),
+                                      ("peak_bytes", "memory_vs_T.png", "peak bytes")):
+            fig, ax = plt.subplots(figsize=(7, 5))
+            for name, kind in series:
+                pts = [(r["T"], r[metric]) for r in timed if r["name"] == name and r["kind"] == kind and r[metric]]
+                if pts:
+                    ax.plot(*zip(*sorted(pts)), marker="o", label=f"{name} {kind}")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("T")
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"KDA {ylabel} vs T (H=8, K=V=128) — {meta['machine']}", fontsize=8)
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7)
+            fig.tight_layout()
+            fig.savefig(os.path.join(out, fname), dpi=110)
+            written.append(os.path.join(out, fname))
+            plt.close(fig)
+    for kind, fname in (("fwd", "time_fwd.png"), ("fwd+bwd", "time_fwd_bwd.png")):  # one shape: a bar per path
+        bars = [r for r in timed if r["kind"] == kind and r["T"] == max(x["T"] for x in timed)]
+        if not bars:
+            continue
+        fig, ax = plt.subplots(figsize=(7, 0.5 * len(bars) + 1.5))
+        ax.barh([r["name"] for r in bars], [1e3 * r["time_s"] for r in bars],
+                color=["tab:blue" if r["name"].startswith("chunk_kda") else "tab:gray" for r in bars])
+        for i, r in enumerate(bars):
+            ax.text(1e3 * r["time_s"], i, f" {1e3 * r['time_s']:.0f} ms", va="center", fontsize=8)
+        ax.set_xscale("log")
+        ax.set_xlabel("ms (median)")
+        ax.set_title(f"KDA {kind}, T={bars[0]['T']} — {meta['machine']}", fontsize=8)
         fig.tight_layout()
         fig.savefig(os.path.join(out, fname), dpi=110)
+        written.append(os.path.join(out, fname))
         plt.close(fig)
+    return written
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for name, default in dataclasses.asdict(Shape()).items():
         p.add_argument(f"--{name}", type=int, default=default)
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=int, default=5, help="timed runs of each light path (rounds)")
+    p.add_argument("--heavy-reps", type=int, default=1,
+                   help="timed runs of each heavy baseline (the gradients of the scans and of autodiff)")
     p.add_argument("--pipelines", default="reference", help="comma list of: reference, pallas, mixed")
     p.add_argument("--no-baselines", action="store_true")
+    p.add_argument("--slow-baselines", action="store_true",
+                   help="also the readable oracle's gradient (lax.scan autodiff: 8 s a call, 6 GB at T=4096)")
     p.add_argument("--sweep", action="store_true", help="T in 512..16384 at H=8, K=V=128")
     p.add_argument("--stages", action="store_true",
                    help="time each stage alone per pipeline (arguments from the reference pipeline)")
-    p.add_argument("--out", default=None, help="folder for results.json/.csv and plots")
+    p.add_argument("--out", default="bench-results", help="folder for results.json/.csv and plots ('' for none)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
     a = p.parse_args(argv)
+    log = Log(not a.quiet)
     avail = pipelines()
     pipes = {n: avail[n] for n in a.pipelines.split(",")}
     shape = Shape(**{k: getattr(a, k) for k in dataclasses.asdict(Shape())})
@@ -438,28 +504,33 @@ def main(argv=None) -> int:
         first = {}
         rows = bench_stages(shape, a.reps, pipes, lambda r: print(format_stage_row(r, first), flush=True))
         return 1 if any(r["time_s"] is None for r in rows) else 0
+    log("timing a large float32 matmul (the FLOP-rate yardstick)")
     mm = matmul_gflops()
-    meta = dict(machine=machine(), matmul_gflops=mm, reps=a.reps, date=time.strftime("%Y-%m-%d"))
-    print(f"kdax benchmark on {meta['machine']}; large float32 matmul: {mm:.1f} GFLOP/s (measured again after the runs; the best counts)")
+    meta = dict(machine=machine(), matmul_gflops=mm, reps=a.reps, heavy_reps=a.heavy_reps,
+                date=time.strftime("%Y-%m-%d"))
+    print(f"kdax benchmark on {meta['machine']}; large float32 matmul: {mm:.1f} GFLOP/s (measured again after the "
+          "runs; the best counts)", flush=True)
+    opts = dict(baselines=not a.no_baselines, log=log, slow_baselines=a.slow_baselines, heavy_reps=a.heavy_reps)
     if a.sweep:
-        Ts = [512, 1024, 2048, 4096, 8192, 16384]
-        per = lambda T: 2 * len(pipes) + (0 if a.no_baselines else (6 if T <= 4096 else 4))
-        prog = _Progress(sum(per(T) for T in Ts), True)
         rows = []
-        for T in Ts:
-            rows += bench_shape(dataclasses.replace(shape, T=T), a.reps, pipes, not a.no_baselines, False, prog)
+        for T in [512, 1024, 2048, 4096, 8192, 16384]:
+            rows += bench_shape(dataclasses.replace(shape, T=T), a.reps, pipes, check=False, **opts)
     else:
-        rows = bench_shape(shape, a.reps, pipes, not a.no_baselines, True)
+        rows = bench_shape(shape, a.reps, pipes, check=True, **opts)
     rows = with_ratios(rows)
     # The machine's matmul speed drifts; the better of two measurements keeps %mm conservative.
+    log("timing the matmul again")
     mm = meta["matmul_gflops"] = max(mm, matmul_gflops())
+    meta["wall_s"] = round(time.perf_counter() - log.t0, 1)
     print(f"large float32 matmul, best of before and after: {mm:.1f} GFLOP/s")
     print(f"B={shape.B} H={shape.H} HV={shape.HV} K={shape.K} V={shape.V} chunk={shape.chunk_size} float32; "
-          "max err: against the float64 recurrence (outputs; all input gradients of sum(o * w), w random)")
+          "max err: against the float64 recurrence (outputs; all input gradients of sum(o * w), w random); "
+          "reps: timed runs (median)")
     print(format_table(rows, mm))
     if a.out:
-        write_results(rows, meta, a.out)
-        print(f"results written to {a.out}")
+        written = write_results(rows, meta, a.out)
+        print("written: " + ", ".join(written))
+    print(f"done in {meta['wall_s']:.1f} s")
     bad = [r for r in rows if r["max_err"] is not None and not (r["max_err"] < 1e-2)]
     if bad:
         print("ERROR: chunk_kda disagrees with the float64 reference", file=sys.stderr)

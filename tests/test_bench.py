@@ -15,7 +15,9 @@ from kdax import stages as S
 def test_bench_shape_rows_and_results(tmp_path):
     shape = bench.Shape(B=1, T=40, H=2, HV=2, K=8, V=8, chunk_size=16)
     pipes = {"reference": bench.pipelines()["reference"]}
-    rows = bench.with_ratios(bench.bench_shape(shape, 2, pipes, baselines=True, check=True))
+    lines = []
+    rows = bench.with_ratios(bench.bench_shape(shape, 2, pipes, baselines=True, check=True, log=lines.append,
+                                               slow_baselines=True, heavy_reps=1))
     got = {(r["name"], r["kind"]) for r in rows}
     assert got == {
         ("chunk_kda[reference]", "fwd"),
@@ -30,6 +32,12 @@ def test_bench_shape_rows_and_results(tmp_path):
     for r in rows:
         assert r["time_s"] > 0
         assert r["peak_bytes"] > 0  # XLA:CPU reports it; the training steps are lowered with their cotangent
+        # the heavy baselines (gradients of the scans and of autodiff) at heavy_reps, the rest at reps
+        assert r["reps"] == (1 if r["kind"] == "fwd+bwd" and not r["name"].startswith("chunk_kda") else 2)
+    # progress: what compiles and what is timed, as it happens
+    assert any("compiling chunk_kda[reference] fwd+bwd" in line for line in lines)
+    assert any("float64 reference" in line for line in lines)
+    assert any("timing plain_scan fwd+bwd (1 run after a warm-up)" in line for line in lines)
     ours = {r["kind"]: r for r in rows if r["name"] == "chunk_kda[reference]"}
     # checked against the float64 recurrence in float32
     assert ours["fwd"]["max_err"] < 1e-4 and ours["fwd+bwd"]["max_err"] < 1e-3
@@ -40,10 +48,39 @@ def test_bench_shape_rows_and_results(tmp_path):
     assert ours["fwd+bwd"]["gflops"] > 0
     table = bench.format_table(rows, 100.0)
     assert "chunk_kda[reference]" in table and "fused_recurrent" in table and "compile s" in table
-    bench.write_results(rows, dict(machine=bench.machine(), matmul_gflops=100.0, reps=2), str(tmp_path))
+    written = bench.write_results(rows, dict(machine=bench.machine(), matmul_gflops=100.0, reps=2), str(tmp_path))
     with open(os.path.join(tmp_path, "results.json")) as f:
         assert len(json.load(f)["rows"]) == len(rows)
     assert os.path.exists(os.path.join(tmp_path, "results.csv"))
+    try:
+        import matplotlib  # noqa: F401  (installed by the [test] extra: the plots are written)
+    except ImportError:
+        return
+    for png in ("time_fwd.png", "time_fwd_bwd.png"):
+        assert os.path.join(str(tmp_path), png) in written and os.path.getsize(os.path.join(tmp_path, png)) > 0
+
+
+def test_default_run_leaves_the_slow_baseline_out_and_says_so():
+    shape = bench.Shape(B=1, T=40, H=2, HV=2, K=8, V=8, chunk_size=16)
+    w = bench.cotangent(shape)
+    names = lambda paths: [(n, k) for n, k, _, _ in paths]
+    default, slow = bench.baseline_paths(shape, w), bench.baseline_paths(shape, w, slow_baselines=True)
+    assert ("scan", "fwd+bwd") not in names(default) and ("plain_scan", "fwd+bwd") in names(default)
+    assert set(names(slow)) == set(names(default)) | {("scan", "fwd+bwd")}
+    rows = [dict(T=40, name=n, kind=k, time_s=1.0, peak_bytes=1, reps=1, gflops=None, max_err=None)
+            for n, k in names(default)]
+    assert "run with --slow-baselines" in bench.format_table(bench.with_ratios(rows), 100.0)
+
+
+def test_log_lines_say_what_and_when():
+    import io
+
+    out = io.StringIO()
+    log = bench.Log(stream=out)
+    log("compiling x")
+    bench.Log(False, stream=out)("silent")
+    line = out.getvalue()
+    assert line.startswith("[") and " s] compiling x\n" in line and "silent" not in line
 
 
 class _BrokenOutput(S.AbstractOutput):

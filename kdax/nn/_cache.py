@@ -15,6 +15,11 @@ class KDACache(eqx.Module):
 
     A cache may be a serving pool larger than a step's batch: pass ``state_indices [N]``
     to the layer to read and write only those rows.
+
+    FLA keeps a layer's cache as ``{"recurrent_state": [N, HV, V, K], "conv_state": (q, k,
+    v)}`` with each convolution state ``[N, D, W]`` (the last W inputs, oldest first; slot
+    0, the input W tokens back, is never read again): ``KDACache.from_fla`` and
+    ``KDACache.to_fla`` convert exactly, so a server can hand a sequence between the two.
     """
 
     conv_q: Optional[Float[Array, "N Wm1 DK"]]
@@ -39,6 +44,58 @@ class KDACache(eqx.Module):
 
     def _fields(self):
         return (self.conv_q, self.conv_k, self.conv_v, self.state)
+
+    @classmethod
+    def from_fla(cls, layer_cache=None, *, recurrent_state=None, conv_state=None, state_v_first: bool = True,
+                 conv_dtype=None, state_dtype=None) -> "KDACache":
+        """A ``KDACache`` from FLA's cache of one layer: ``layer_cache`` is
+        ``past_key_values[layer_idx]`` (a dict with ``"recurrent_state"`` and
+        ``"conv_state"``), or pass ``recurrent_state`` ``[N, HV, V, K]`` (``[N, HV, K, V]``
+        with ``state_v_first=False``, as ``chunk_kda`` called directly returns it) and
+        ``conv_state`` ``(q [N, HK, W], k [N, HK, W], v [N, HVV, W])`` (or None without short
+        convolutions). Arrays may be torch tensors (torch is not imported), numpy or JAX;
+        they keep their dtype unless ``conv_dtype``/``state_dtype`` say otherwise (kdax's
+        layer computes the state in float32). Exact: every value is copied, none rounded."""
+        from ._weights import as_numpy
+
+        if layer_cache is not None:
+            if recurrent_state is not None or conv_state is not None:
+                raise ValueError("from_fla: pass FLA's layer cache or recurrent_state/conv_state, not both.")
+            recurrent_state, conv_state = layer_cache["recurrent_state"], layer_cache.get("conv_state")
+        if recurrent_state is None:
+            raise ValueError("from_fla: recurrent_state is missing (FLA's cache 'recurrent_state' [N, HV, V, K]).")
+        st = jnp.asarray(as_numpy(recurrent_state, "recurrent_state"))
+        if st.ndim != 4:
+            raise ValueError(f"recurrent_state: expected [N, HV, V, K], got shape {tuple(st.shape)}.")
+        st = jnp.swapaxes(st, -1, -2) if state_v_first else st
+        st = st if state_dtype is None else st.astype(state_dtype)
+        if conv_state is None:
+            return cls(None, None, None, st)
+        if len(conv_state) != 3:
+            raise ValueError(f"conv_state: expected FLA's (q, k, v) tuple, got {len(conv_state)} entries.")
+        convs = []
+        for name, c in zip(("q", "k", "v"), conv_state):
+            c = jnp.asarray(as_numpy(c, f"conv_state[{name}]"))
+            if c.ndim != 3 or c.shape[0] != st.shape[0] or c.shape[2] < 2:
+                raise ValueError(f"conv_state[{name}]: expected [N={st.shape[0]}, D, W >= 2], got shape "
+                                 f"{tuple(c.shape)}.")
+            # FLA's slot w holds the input W - w tokens back; the next token reads slots 1..W-1.
+            c = jnp.swapaxes(c[:, :, 1:], 1, 2)
+            convs.append(c if conv_dtype is None else c.astype(conv_dtype))
+        return cls(*convs, st)
+
+    def to_fla(self, state_v_first: bool = True) -> dict:
+        """This cache in FLA's layout, ``{"recurrent_state": [N, HV, V, K], "conv_state":
+        (q, k, v) or None}`` with each convolution state ``[N, D, W]``, as JAX arrays
+        (``torch.from_dlpack`` takes them without a copy on the same device). Slot 0 of a
+        convolution state, the input W tokens back, is one kdax does not keep and FLA
+        never reads again: it is zero. ``state_v_first=False``: ``[N, HV, K, V]``."""
+        st = jnp.swapaxes(self.state, -1, -2) if state_v_first else self.state
+        if self.conv_q is None:
+            return {"recurrent_state": st, "conv_state": None}
+        conv = tuple(jnp.concatenate([jnp.zeros_like(c[:, :1]), c], axis=1).swapaxes(1, 2)
+                     for c in (self.conv_q, self.conv_k, self.conv_v))
+        return {"recurrent_state": st, "conv_state": conv}
 
 
 def zeros_cache(N: int, W: int, DK: int, DV: int, HV: int, K: int, V: int, conv: bool,

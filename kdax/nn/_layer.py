@@ -25,8 +25,9 @@ class KimiDeltaAttention(eqx.Module):
     """Kimi Delta Attention layer (Kimi Linear, FLA's ``KimiDeltaAttention``).
 
     ``x [B, T, hidden]`` → q, k ``[.., H*K]`` and v ``[.., HV*V]`` projections (no bias) →
-    depthwise causal short convolutions (width ``conv_size``, no bias) and SiLU (SiLU
-    only with ``use_short_conv=False``) → KDA with the softplus gate in kernel
+    depthwise causal short convolutions (width ``conv_size``; a per-channel bias with
+    ``conv_bias``, added before the activation as in FLA's ``ShortConvolution``) and SiLU
+    (SiLU only with ``use_short_conv=False``) → KDA with the softplus gate in kernel
     (``A_log [HV]``, ``dt_bias [HV*K]``; the lower-bound gate when ``lower_bound`` is set)
     on the low-rank decay input ``f_b(f_a(x))`` ``[.., HV*K]``, beta ``sigmoid(b_proj(x))``
     ``[.., HV]`` (times 2 with ``allow_neg_eigval``), q/k l2norm in kernel → per-head gated
@@ -44,6 +45,9 @@ class KimiDeltaAttention(eqx.Module):
     q_conv: Optional[Float[Array, "HK W"]]
     k_conv: Optional[Float[Array, "HK W"]]
     v_conv: Optional[Float[Array, "HVV W"]]
+    q_conv_bias: Optional[Float[Array, " HK"]]
+    k_conv_bias: Optional[Float[Array, " HK"]]
+    v_conv_bias: Optional[Float[Array, " HVV"]]
     f_a: Float[Array, "R D"]
     f_b: Float[Array, "HVK R"]
     b_proj: Float[Array, "HV D"]
@@ -66,6 +70,9 @@ class KimiDeltaAttention(eqx.Module):
     lower_bound: Optional[float] = eqx.field(static=True)
     norm_eps: float = eqx.field(static=True)
     dtype: Optional[str] = eqx.field(static=True)
+    safe_gate: bool = eqx.field(static=True)
+    mode: str = eqx.field(static=True)
+    layer_idx: Optional[int] = eqx.field(static=True)
 
     def __init__(
         self,
@@ -82,13 +89,37 @@ class KimiDeltaAttention(eqx.Module):
         lower_bound: Optional[float] = None,
         norm_eps: float = 1e-5,
         gate_bias: bool = True,
+        conv_bias: bool = False,
+        safe_gate: bool = False,
+        mode: str = "chunk",
+        layer_idx: Optional[int] = None,
         dtype=None,
         param_dtype=jnp.float32,
+        **fla_options,
     ):
-        """Random initialisation as FLA's layer: linear and convolution weights uniform in
-        ``±1/sqrt(fan_in)`` (PyTorch's default), ``A_log = log U(1, 16)``, ``dt_bias`` the
-        inverse softplus of a log-uniform step in [1e-3, 0.1], ``o_norm`` ones.
-        ``key=None``: every weight zero (a skeleton to load weights into)."""
+        """Random initialisation as FLA's layer: linear and convolution weights (and
+        convolution biases) uniform in ``±1/sqrt(fan_in)`` (PyTorch's default),
+        ``A_log = log U(1, 16)``, ``dt_bias`` the inverse softplus of a log-uniform step in
+        [1e-3, 0.1], ``o_norm`` ones. ``key=None``: every weight zero (a skeleton to load
+        weights into).
+
+        FLA's constructor arguments: ``conv_bias`` (biases on the short convolutions),
+        ``safe_gate`` (FLA's promise that the gate lies in ``[lower_bound, 0)``: needs
+        ``lower_bound``; kdax's kernels are exact for any gate, so it adds FLA's range
+        check on ``lower_bound``), ``mode`` ("chunk", or "fused_recurrent": the path of
+        calls longer than 64 tokens, see ``__call__``), ``layer_idx`` (recorded; kdax's
+        cache is per layer, so it indexes nothing). Anything else is refused."""
+        if fla_options:
+            raise TypeError(
+                f"KimiDeltaAttention: unexpected argument(s) {', '.join(sorted(fla_options))}. kdax's layer takes "
+                "FLA's hidden_size, num_heads, head_dim, num_v_heads, expand_v, mode, use_short_conv, "
+                "allow_neg_eigval, safe_gate, lower_bound, conv_size, conv_bias, layer_idx and norm_eps (and "
+                "key, gate_bias, dtype, param_dtype); to load a checkpoint use "
+                "KimiDeltaAttention.from_pretrained(path, layer_idx=i).")
+        if mode not in ("chunk", "fused_recurrent", "recurrent"):
+            raise ValueError(f"mode: expected 'chunk' or 'fused_recurrent', got {mode!r}.")
+        if safe_gate and lower_bound is None:
+            raise ValueError("safe_gate: True needs lower_bound (FLA's recommendation: -5).")
         H, K = num_heads, head_dim
         HV = num_heads if num_v_heads is None else num_v_heads
         V = int(round(head_dim * expand_v))
@@ -115,6 +146,16 @@ class KimiDeltaAttention(eqx.Module):
             self.q_conv, self.k_conv, self.v_conv = conv(H * K), conv(H * K), conv(HV * V)
         else:
             self.q_conv = self.k_conv = self.v_conv = None
+        if use_short_conv and conv_bias:
+            # nn.Conv1d's bound 1/sqrt(fan_in), fan_in = 1 channel x W taps; keys of their own, so
+            # the other weights of a given key are those of a layer without conv_bias.
+            bkeys = None if key is None else iter(jax.random.split(jax.random.fold_in(key, 1), 3))
+            b = 1 / math.sqrt(conv_size)
+            cb = lambda c: (jnp.zeros((c,), param_dtype) if bkeys is None
+                            else jax.random.uniform(next(bkeys), (c,), param_dtype, -b, b))
+            self.q_conv_bias, self.k_conv_bias, self.v_conv_bias = cb(H * K), cb(H * K), cb(HV * V)
+        else:
+            self.q_conv_bias = self.k_conv_bias = self.v_conv_bias = None
         self.f_a, self.f_b = lin(V, D), lin(HV * K, V)
         self.b_proj = lin(HV, D)
         if keys is None:
@@ -134,6 +175,9 @@ class KimiDeltaAttention(eqx.Module):
         self.lower_bound = None if lower_bound is None else float(lower_bound)
         self.norm_eps = float(norm_eps)
         self.dtype = None if dtype is None else jnp.dtype(dtype).name
+        self.safe_gate = bool(safe_gate)
+        self.mode = "chunk" if mode == "chunk" else "recurrent"
+        self.layer_idx = None if layer_idx is None else int(layer_idx)
 
     # -- cache ----------------------------------------------------------------------------
 
@@ -154,18 +198,47 @@ class KimiDeltaAttention(eqx.Module):
     # -- weights --------------------------------------------------------------------------
 
     @classmethod
-    def from_state_dict(cls, state_dict, *, naming: str = "moonshot", num_heads: int, head_dim: int,
+    def from_state_dict(cls, state_dict, *, num_heads: int, head_dim: int, naming: Optional[str] = None,
                         prefix: str = "", **options) -> "KimiDeltaAttention":
         """A layer from a mapping of names to arrays (or a ``.safetensors`` path), in
-        Moonshot's Kimi-Linear naming or FLA's (see ``kdax.nn.weight_shapes``). ``prefix``
-        is stripped from every key (e.g. ``"model.layers.0.self_attn."``); keys without
-        it are ignored. ``options`` are the constructor's (``num_v_heads``,
-        ``head_v_dim``, ``hidden_size``, ``conv_size`` and ``use_short_conv`` are
-        inferred from the arrays when not given)."""
+        Moonshot's Kimi-Linear naming or FLA's (see ``kdax.nn.weight_shapes``; None:
+        detected from the keys). ``prefix`` is stripped from every key (e.g.
+        ``"model.layers.0.self_attn."``); keys without it are ignored.
+
+        Arrays may be numpy, JAX or torch tensors (torch is never imported: tensors that
+        require grad are detached, bfloat16 ones widened to float32 exactly) or anything
+        with ``__dlpack__``; complex, integer and non-finite weights are refused, naming
+        the key.
+
+        ``norm_eps``, ``allow_neg_eigval`` and ``lower_bound`` must be passed: a state dict
+        does not record them and no default is safe (FLA's ``KDAConfig`` uses
+        ``norm_eps=1e-6``, its layer ``1e-5``); ``from_pretrained`` reads them from the
+        checkpoint's ``config.json``. Other ``options`` are the constructor's;
+        ``num_v_heads``, ``head_v_dim``, ``hidden_size``, ``conv_size``,
+        ``use_short_conv`` and ``conv_bias`` are inferred from the arrays when not given
+        (given, they are checked against the arrays)."""
         from ._weights import layer_from_state_dict
 
         return layer_from_state_dict(cls, state_dict, naming=naming, num_heads=num_heads, head_dim=head_dim,
                                      prefix=prefix, **options)
+
+    @classmethod
+    def from_pretrained(cls, path, layer_idx: int, **options) -> "KimiDeltaAttention":
+        """KDA layer ``layer_idx`` (0-based, the model's ``layers[layer_idx]``) of a Hugging
+        Face checkpoint: ``path`` a directory (or its ``config.json``) written by FLA
+        (``KDAConfig``; keys ``model.layers.{i}.attn.*``) or by Moonshot's Kimi Linear
+        (``linear_attn_config``; keys ``model.layers.{i}.self_attn.*``), its weights in
+        ``model.safetensors`` or in shards listed by ``model.safetensors.index.json`` (only
+        this layer's tensors are read). Every hyper-parameter comes from the checkpoint:
+        ``config.json``, with the config class's defaults for keys it leaves out (as
+        ``save_pretrained`` does for default values: FLA's ``norm_eps`` 1e-6); where the
+        config has no key, the tensors decide (``conv_bias``). A layer that is not a KDA
+        layer (FLA's hybrid ``attn`` layers, Kimi Linear's full-attention layers) raises.
+        ``options``: ``param_dtype``, ``dtype``. All KDA layers at once:
+        ``kdax.nn.load_pretrained``; the hyper-parameters alone: ``kdax.nn.read_config``."""
+        from ._pretrained import load_pretrained
+
+        return load_pretrained(path, layers=[layer_idx], cls=cls, **options)[layer_idx]
 
     def state_dict(self, naming: str = "moonshot", prefix: str = "") -> dict:
         """The weights as numpy arrays under ``naming``'s names (``from_state_dict``'s
@@ -181,7 +254,7 @@ class KimiDeltaAttention(eqx.Module):
         self,
         x: Float[ArrayIn, "B T D"],
         *,
-        attention_mask: Optional[Shaped[ArrayIn, "B T"]] = None,
+        attention_mask: Optional[Shaped[ArrayIn, "B S"]] = None,
         cu_seqlens: Optional[Int[ArrayIn, " N1"]] = None,
         cache: Optional[KDACache] = None,
         state_indices: Optional[Int[ArrayIn, " N"]] = None,
@@ -196,14 +269,17 @@ class KimiDeltaAttention(eqx.Module):
 
         - ``attention_mask [B, T]`` (1 token, 0 padding; left or right padded, any
           pattern): the rows run as packed variable-length sequences with static shapes
-          (new masks never recompile); padding rows of ``y`` are exactly zero.
+          (new masks never recompile); padding rows of ``y`` are exactly zero. With a
+          ``cache``, FLA's mask of the whole history ``[B, S]`` (S > T, as Hugging Face's
+          ``generate`` passes it) is accepted too: its last T columns are this call's.
         - ``cu_seqlens [N + 1]``: packed input (B == 1), N sequences.
         - ``cache``: a ``KDACache`` with one row per sequence (B, or N); each sequence
           continues from its row. With ``state_indices [N]`` the cache is a pool and only
           rows ``state_indices`` are read and written (others stay bit-identical).
-        - ``mode``: "chunk" (``chunk_kda``) or "recurrent" (``fused_recurrent_kda``);
-          None takes the recurrent path when a cache is passed and ``T <= 64`` (decode),
-          else the chunked one.
+        - ``mode``: "chunk" (``chunk_kda``) or "recurrent" (``fused_recurrent_kda``; FLA's
+          name "fused_recurrent" too); None takes the recurrent path when a cache is
+          passed and ``T <= 64`` (decode), else the layer's ``mode`` ("chunk" unless
+          built with ``mode="fused_recurrent"``).
         - ``return_intermediate_states``: also return a ``KDACache`` of arrays
           ``[B, NC, ...]`` whose entry ``[:, c]`` is the cache after the first
           ``c * chunk_size`` tokens of this call (FLA's ``return_intermediate_states``),
@@ -227,11 +303,20 @@ class KimiDeltaAttention(eqx.Module):
         if attention_mask is not None and cu_seqlens is not None:
             raise ValueError("attention_mask and cu_seqlens: pass at most one of them.")
         if attention_mask is not None and tuple(attention_mask.shape) != (B, T):
-            raise ValueError(f"attention_mask: expected shape [B, T] = {(B, T)}, got {tuple(attention_mask.shape)}.")
+            S = attention_mask.shape[1]
+            if attention_mask.shape[0] != B or S < T:
+                raise ValueError(f"attention_mask: expected shape [B, T] = {(B, T)} (or, with a cache, FLA's "
+                                 f"whole-history mask [B, S >= T]), got {tuple(attention_mask.shape)}.")
+            if cache is None:
+                raise ValueError(f"attention_mask: shape {tuple(attention_mask.shape)} covers {S} tokens but x has "
+                                 f"{T} and no cache holds the history; pass this call's mask, shape {(B, T)} (or "
+                                 f"pass the cache of the earlier tokens).")
+            attention_mask = attention_mask[:, S - T:]  # FLA's rule: the last T columns are this call's tokens
         if cu_seqlens is not None and B != 1:
             raise ValueError(f"cu_seqlens: packed input needs B == 1, got x of shape {x.shape}.")
-        if mode not in (None, "chunk", "recurrent"):
-            raise ValueError(f"mode: expected None, 'chunk' or 'recurrent', got {mode!r}.")
+        if mode not in (None, "chunk", "recurrent", "fused_recurrent"):
+            raise ValueError(f"mode: expected None, 'chunk' or 'recurrent' ('fused_recurrent'), got {mode!r}.")
+        mode = "recurrent" if mode == "fused_recurrent" else mode
         N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
         if state_indices is not None:
             if cache is None:
@@ -247,7 +332,8 @@ class KimiDeltaAttention(eqx.Module):
             _check_sequence_parallel(seq_axis_name, attention_mask, mode, return_intermediate_states)
             mode = "chunk"
         if mode is None:
-            mode = "recurrent" if (cache is not None and T <= RECURRENT_MAX_T and not return_intermediate_states) else "chunk"
+            decode = cache is not None and T <= RECURRENT_MAX_T
+            mode = "chunk" if return_intermediate_states else ("recurrent" if decode else self.mode)
 
         if state_indices is not None:
             P = cache.state.shape[0]
@@ -301,6 +387,11 @@ class KimiDeltaAttention(eqx.Module):
         if bad:
             raise ValueError("cache: " + "; ".join(bad) + " (N = sequences, or pool slots with state_indices).")
 
+    @staticmethod
+    def _bias(y, b):
+        """The short convolution's bias (FLA: nn.Conv1d's, before the activation)."""
+        return y if b is None else y + b.astype(y.dtype)
+
     def _forward(self, xs, cu, rows: Optional[KDACache], mode, inter_states, chunk_size, pipeline, seq_axis=None):
         """The layer on ``xs [Bp, Tp, D]`` (dense rows, or one packed row with ``cu``;
         ``seq_axis``: this device's tokens, ``cu`` global)."""
@@ -317,19 +408,21 @@ class KimiDeltaAttention(eqx.Module):
             seg_rows, starts, lens = jnp.zeros((n,), jnp.int32), cu[:-1], cu[1:] - cu[:-1]
 
         pre = (lin(xs, self.q_proj), lin(xs, self.k_proj), lin(xs, self.v_proj))
+        biases = (self.q_conv_bias, self.k_conv_bias, self.v_conv_bias)
         if self.use_short_conv and seq_axis is not None:
             states = (None, None, None) if rows is None else (rows.conv_q, rows.conv_k, rows.conv_v)
             weights = (self.q_conv, self.k_conv, self.v_conv)
             # [halo | local tokens]: the previous device's last W - 1 inputs (one ppermute each)
             xx = tuple(jnp.concatenate([conv_halo(p, W, seq_axis), p], axis=1) for p in pre)
             sseq, spos = sp_token_segments(Bp, Tp, W, seq_axis, cu)
-            q, k, v = (jax.nn.silu(causal_conv(p, w.astype(dt), sseq, spos, s)[:, W - 1:])
-                       for p, w, s in zip(xx, weights, states))
+            q, k, v = (jax.nn.silu(self._bias(causal_conv(p, w.astype(dt), sseq, spos, s)[:, W - 1:], b))
+                       for p, w, s, b in zip(xx, weights, states, biases))
             tails = tuple(sp_conv_tail(p, W, seq_axis, cu, s) for p, s in zip(xx, states))
         elif self.use_short_conv:
             states = (None, None, None) if rows is None else (rows.conv_q, rows.conv_k, rows.conv_v)
             weights = (self.q_conv, self.k_conv, self.v_conv)
-            q, k, v = (jax.nn.silu(causal_conv(p, w.astype(dt), seq, pos, s)) for p, w, s in zip(pre, weights, states))
+            q, k, v = (jax.nn.silu(self._bias(causal_conv(p, w.astype(dt), seq, pos, s), b))
+                       for p, w, s, b in zip(pre, weights, states, biases))
             tails = tuple(conv_tail(p, seg_rows, starts, lens, s, W) for p, s in zip(pre, states))
         else:
             q, k, v = (jax.nn.silu(p) for p in pre)
@@ -363,7 +456,7 @@ class KimiDeltaAttention(eqx.Module):
             inter = KDACache(*inter_tails, h)
         else:
             o, final = chunk_kda(q, k, v, g, beta, chunk_size=chunk_size, pipeline=pipeline, seq_axis_name=seq_axis,
-                                 **opts)
+                                 safe_gate=self.safe_gate, **opts)
 
         gate = lin(lin(xs, self.g_a), self.g_b)
         if self.g_b_bias is not None:

@@ -31,17 +31,20 @@ def numpy_layer(sd, x, *, naming, num_heads, head_dim, norm_eps, allow_neg_eigva
 
     new = {}
 
-    def short_conv(a, w, name):  # a [B, T, C], w [C, 1, W]: causal depthwise, then SiLU
+    def short_conv(a, w, name, bias):  # a [B, T, C], w [C, 1, W]: causal depthwise (+ bias), then SiLU
         W = w.shape[-1]
         hist = np.zeros((B, W - 1, a.shape[-1])) if cache is None else cache[name]
         padded = np.concatenate([hist, a], axis=1)
         new[name] = padded[:, -(W - 1):]
         out = sum(padded[:, i:i + T] * w[:, 0, i] for i in range(W))
+        if bias is not None:  # nn.Conv1d's bias, before the activation
+            out = out + bias
         return out * _sigmoid(out)
 
-    q = short_conv(lin(x, "q_proj"), sd["q_conv1d.weight"], "conv_q").reshape(B, T, H, K)
-    k = short_conv(lin(x, "k_proj"), sd["k_conv1d.weight"], "conv_k").reshape(B, T, H, K)
-    v = short_conv(lin(x, "v_proj"), sd["v_conv1d.weight"], "conv_v").reshape(B, T, HV, V)
+    conv = lambda p, name: short_conv(lin(x, p + "_proj"), sd[p + "_conv1d.weight"], name, sd.get(p + "_conv1d.bias"))
+    q = conv("q", "conv_q").reshape(B, T, H, K)
+    k = conv("k", "conv_k").reshape(B, T, H, K)
+    v = conv("v", "conv_v").reshape(B, T, HV, V)
     graw = lin(lin(x, fa), fb).reshape(B, T, HV, K) + sd["dt_bias"].reshape(HV, K)
     A = np.exp(sd["A_log"].reshape(HV))[:, None]
     if lower_bound is None:
@@ -63,8 +66,8 @@ def numpy_layer(sd, x, *, naming, num_heads, head_dim, norm_eps, allow_neg_eigva
         S = S + beta[:, t, :, None, None] * np.einsum("bhk,bhv->bhkv", k[:, t], err)
         o[:, t] = scale * np.einsum("bhkv,bhk->bhv", S, q[:, t])
     gate = lin(lin(x, ga), gb).reshape(B, T, HV, V)
-    if naming == "fla":
-        gate = gate + sd["g_proj.1.bias"].reshape(HV, V)
+    if gb + ".bias" in sd:
+        gate = gate + sd[gb + ".bias"].reshape(HV, V)
     o = o / np.sqrt(np.mean(o * o, -1, keepdims=True) + norm_eps) * sd["o_norm.weight"] * _sigmoid(gate)
     new["state"] = S
     return o.reshape(B, T, HV * V) @ sd["o_proj.weight"].T, new
@@ -108,13 +111,14 @@ def jnp_layer(p, x, *, H, K, eps, allow_neg_eigval=False):
 
 
 def random_state_dict(naming, *, num_heads, head_dim, hidden_size, num_v_heads=None, head_v_dim=None,
-                      conv_size=4, seed=0):
+                      conv_size=4, conv_bias=False, seed=0):
     """Random weights of realistic scale under ``naming``'s names and shapes (float64)."""
     from kdax.nn import weight_shapes
 
     r = np.random.default_rng(seed)
     shapes = weight_shapes(naming, num_heads=num_heads, head_dim=head_dim, hidden_size=hidden_size,
-                           num_v_heads=num_v_heads, head_v_dim=head_v_dim, conv_size=conv_size)
+                           num_v_heads=num_v_heads, head_v_dim=head_v_dim, conv_size=conv_size,
+                           conv_bias=conv_bias)
     sd = {}
     for name, s in shapes.items():
         if name == "A_log":

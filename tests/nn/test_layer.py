@@ -26,10 +26,13 @@ def run(layer, x, **kw):
     return layer(x, **kw)
 
 
-def make_layer(seed=0, H=H, HV=HV, naming="fla", **options):
-    """The standard test layer: FLA names, GVA (HV = 2H), allow_neg_eigval."""
+def make_layer(seed=0, H=H, HV=HV, naming="fla", conv_bias=False, **options):
+    """The standard test layer: FLA names, GVA (HV = 2H), allow_neg_eigval (``conv_bias``:
+    with biases on the short convolutions)."""
     options = {"allow_neg_eigval": True, **options} if naming == "fla" and "lower_bound" not in options else options
-    sd = random_state_dict(naming, num_heads=H, head_dim=K, hidden_size=D, num_v_heads=HV, seed=seed)
+    sd = random_state_dict(naming, num_heads=H, head_dim=K, hidden_size=D, num_v_heads=HV, seed=seed,
+                           conv_bias=conv_bias)
+    options = {"allow_neg_eigval": False, "lower_bound": None, **options}
     layer = KimiDeltaAttention.from_state_dict(sd, naming=naming, num_heads=H, head_dim=K, norm_eps=EPS,
                                                param_dtype=jnp.float64, **options)
     return layer, sd, options

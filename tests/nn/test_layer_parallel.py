@@ -1,7 +1,7 @@
 """KimiDeltaAttention sequence-parallel (``seq_axis_name`` inside ``jax.shard_map``,
 ``kdax.parallel.apply_layer`` on global arrays) equals the layer on one device: outputs,
 the new cache and the gradients of every parameter, x and the cache (float64 <= 1e-12),
-with packed sequences crossing device boundaries."""
+with packed sequences crossing device boundaries (and biases on the short convolutions)."""
 
 import equinox as eqx
 import jax
@@ -58,7 +58,7 @@ def _check(mesh, layer, x, cu, cache, seed, opts=OPTS):
     for f, a, b in zip(("conv_q", "conv_k", "conv_v", "state"), got[1]._fields(), ref[1]._fields()):
         assert_close(a, b, 1e-12, f)
     names = [n for n, v in vars(ref[2]).items() if eqx.is_array(v)]
-    assert len(names) == 16  # every parameter
+    assert len(names) == 16 + 3 * (layer.q_conv_bias is not None)  # every parameter
     for n in names:
         assert_close(getattr(got[2], n), getattr(ref[2], n), 1e-12, "d" + n)
     assert_close(got[3], ref[3], 1e-12, "dx")
@@ -69,7 +69,7 @@ def _check(mesh, layer, x, cu, cache, seed, opts=OPTS):
 
 @pytest.mark.parametrize("n,with_cache", [(4, True), pytest.param(2, False, marks=pytest.mark.slow)])
 def test_packed_equals_one_device(n, with_cache):
-    layer, _, _ = make_layer(3)
+    layer, _, _ = make_layer(3, conv_bias=True)  # the biases ride along the halo exchange unchanged
     x = rand(3, 1, T, D)
     cache = rand_cache(layer, len(CU) - 1, 4) if with_cache else None
     _check(_mesh(n), layer, x, jnp.asarray(CU, jnp.int32), cache, n)
