@@ -382,7 +382,10 @@ class KDAPipeline(eqx.Module):
             else:
                 stage, ran, reason = got
                 rows.append(PlanRow(name, info.step, type(stage).__qualname__, type(ran).__qualname__, reason))
-        return KDAPlan(tuple(rows), self.tile if forward[0] else None, forward[1], rec.layout)
+        # What a stage says of how it runs (``plan_note``, e.g. a segment-split recurrence).
+        notes = tuple(f"{name}: {ran.plan_note}" for name, (_, ran, _) in rec.ran.items()
+                      if getattr(ran, "plan_note", None))
+        return KDAPlan(tuple(rows), self.tile if forward[0] else None, forward[1], rec.layout, notes)
 
     # -- forward ------------------------------------------------------------------------
 
@@ -650,6 +653,7 @@ class KDAPlan(NamedTuple):
     tile: Optional[int]
     not_tile_safe: tuple
     layout: Optional[str] = None
+    notes: tuple = ()
 
     @property
     def fallbacks(self) -> dict:
@@ -670,6 +674,7 @@ class KDAPlan(NamedTuple):
             what = {"dense": "one sequence per row", "per-sequence": "each packed sequence from a chunk boundary",
                     "shared": "packed sequences share chunks, NC = ceil(T / C)"}[self.layout]
             lines.append(f"layout: {self.layout}: {what}")
+        lines += list(self.notes)
         return "\n".join(lines)
 
 

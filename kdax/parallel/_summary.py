@@ -65,19 +65,32 @@ def exclusive_prefix(
     return _doubling_prefix(M, b, axis_name, reverse)
 
 
-def _gather_prefix(M, b, axis_name: str, reverse: bool):
-    Ms = jax.lax.all_gather(M, axis_name)
-    bs = jax.lax.all_gather(b, axis_name)
+def scan_prefix(
+    Ms: Float[Array, "P *batch K K"],
+    bs: Float[Array, "P *batch K V"],
+    *,
+    reverse: bool = False,
+) -> Float[Array, "P *batch K V"]:
+    """The exclusive prefix of summaries stacked on the leading axis (spans in order, or
+    from the last down with ``reverse``): ``x`` advancing through span ``e`` as
+    ``x <- M_e x + b_e`` from zero, the value entering each span. Composition at full
+    precision in the summaries' dtype. Used across devices (``exclusive_prefix``) and
+    across the segments of one device's chunk recurrence (``kdax.stages.SegmentedState``)."""
     if reverse:
         Ms, bs = Ms[::-1], bs[::-1]
 
     def step(x, mb):
         Me, be = mb
-        return _apply(Me, x) + be, x  # emits the value entering this device
+        return _apply(Me, x) + be, x  # emits the value entering this span
 
-    _, entries = jax.lax.scan(step, vary_like(jnp.zeros_like(b), Ms, bs), (Ms, bs))
-    if reverse:
-        entries = entries[::-1]
+    _, entries = jax.lax.scan(step, vary_like(jnp.zeros_like(bs[0]), Ms, bs), (Ms, bs))
+    return entries[::-1] if reverse else entries
+
+
+def _gather_prefix(M, b, axis_name: str, reverse: bool):
+    Ms = jax.lax.all_gather(M, axis_name)
+    bs = jax.lax.all_gather(b, axis_name)
+    entries = scan_prefix(Ms, bs, reverse=reverse)
     return jax.lax.dynamic_index_in_dim(entries, jax.lax.axis_index(axis_name), keepdims=False)
 
 
