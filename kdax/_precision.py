@@ -7,8 +7,18 @@ Policies (``KDAPipeline.precision``):
 * ``"bfloat16"`` / ``"float16"``: the products of the stages in ``FAST_STAGES`` round their
   operands to that dtype and accumulate in float32 (what FLA's Triton kernels do); every
   other product stays at HIGHEST;
+* ``"fast"`` (opt-in by name): ``"bfloat16"`` plus the chunk recurrences (F4, B2, and F4
+  inside B0) with bf16 operands and float32 accumulation, as FLA's
+  ``chunk_gated_delta_rule_fwd_h`` / ``bwd_dhu`` run them: the state itself is carried in
+  float32 across chunks (only its copy fed to each chunk's product is rounded), ``h`` (the
+  state at each chunk's start) and ``v_new`` are stored rounded to bf16 (FLA stores them
+  as bf16 tensors; here float32 arrays holding bf16 values, so every stage boundary keeps
+  its dtype), and the final states and the gradient ``dh`` stay float32. Float64 inputs
+  still get ``"highest"``;
 * ``"auto"`` (default): ``"bfloat16"`` / ``"float16"`` when q is bfloat16 / float16, else
-  ``"highest"``.
+  ``"highest"``. Whether ``"fast"`` can become the default for bf16 inputs on a GPU is to
+  be decided there (benchmarks/NOTES.md): its CPU errors (``tests/test_precision.py``)
+  are within FLA's tolerances.
 
 What must stay float32, and why:
 
@@ -17,8 +27,11 @@ What must stay float32, and why:
 * ``(I + L)^-1`` (in F2): a triangular solve, whose rounding errors compound down the
   rows (the reference stage's block products run under ``float32_products``; the Pallas
   kernel substitutes row by row without products);
-* the state recurrence (F4, B2, and F4 inside B0): the state is carried across all
-  chunks, so each chunk's rounding would add up over the sequence;
+* the state recurrence (F4, B2, and F4 inside B0), except under ``"fast"``: the state is
+  carried across all chunks, so each chunk's rounding could add up over the sequence.
+  Under ``"fast"`` the carried state stays float32 and only the products' operands are
+  rounded, each chunk's rounding error then decays with the state like any other input
+  (FLA's choice; measured within FLA's tolerances on the CPU, gates down to -1e4);
 * B4 (the intra-chunk gradients): its dG is a difference of products that cancel
   (``q * dq - k * dk`` and the like), so operand rounding relative to the products
   becomes large relative to dG. With B4 rounded, dg's error was 1.7e-2 (H100, bf16,
@@ -47,10 +60,14 @@ import jax
 import jax.numpy as jnp
 
 
-POLICIES = ("auto", "highest", "bfloat16", "float16")
+POLICIES = ("auto", "highest", "bfloat16", "float16", "fast")
 
 # The stages whose products may take half-precision operands (see the module docstring).
 FAST_STAGES = frozenset({"intra", "wy", "output", "dav", "wy_dqkg"})
+
+# The chunk recurrences, whose products take bf16 operands under "fast" only (B0's F4 runs
+# as "state": stages._recompute).
+RECURRENCE_STAGES = frozenset({"state", "dhu"})
 
 # JAX's dot algorithm for each half dtype: operands rounded to it, float32 accumulation.
 _ALGORITHM = {"bfloat16": "BF16_BF16_F32", "float16": "F16_F16_F32"}
@@ -65,6 +82,18 @@ def _algorithm(policy: str) -> str:
     if policy == "float16" and jax.default_backend() != "gpu":
         return "highest"
     return _ALGORITHM[policy]
+
+
+def _half(policy: str) -> Optional[str]:
+    """The operand dtype's name of a half policy ("fast" rounds to bf16), else None."""
+    return "bfloat16" if policy == "fast" else (policy if policy in _ALGORITHM else None)
+
+
+def rounds(policy: str, stage: str) -> bool:
+    """Whether ``stage``'s products take half-precision operands under ``policy``."""
+    if _half(policy) is None:
+        return False
+    return stage in FAST_STAGES or (policy == "fast" and stage in RECURRENCE_STAGES)
 
 
 def check_policy(policy: str) -> str:
@@ -89,11 +118,11 @@ def resolve(policy: str, dtype) -> str:
 @contextlib.contextmanager
 def stage_scope(policy: str, stage: str):
     """Trace stage ``stage`` under ``policy`` (resolved: not ``"auto"``)."""
-    fast = policy in _ALGORITHM and stage in FAST_STAGES
-    operand = jnp.dtype(policy) if fast else None
+    fast = rounds(policy, stage)
+    operand = jnp.dtype(_half(policy)) if fast else None
     token = _CURRENT.set((policy, operand))
     try:
-        with jax.default_matmul_precision(_algorithm(policy) if fast else "highest"):
+        with jax.default_matmul_precision(_algorithm(_half(policy)) if fast else "highest"):
             yield
     finally:
         _CURRENT.reset(token)
@@ -119,6 +148,26 @@ def current_policy() -> str:
 def operand_dtype() -> Optional[jnp.dtype]:
     """The dtype products round their operands to here, or None (full precision)."""
     return _CURRENT.get()[1]
+
+
+def stored(x):
+    """``x`` as a recurrence stores ``h`` / ``v_new`` here: rounded to the operand dtype
+    under ``"fast"`` (FLA stores them in bf16), in ``x``'s own dtype; else ``x``."""
+    policy, operand = _CURRENT.get()
+    if policy != "fast" or operand is None or x.dtype != jnp.float32:
+        return x
+    return x.astype(operand).astype(x.dtype)
+
+
+def recurrence_matmul(a, b):
+    """``a @ b`` for the reference recurrences (F4, B2): under ``"fast"`` float32 operands
+    rounded to bf16, products accumulated in float32 (what the GPU computes, emulated
+    exactly on any backend: a bf16 x bf16 product is exact in float32); else ``a @ b``."""
+    half = operand_dtype()
+    if half is not None and a.dtype == jnp.float32:
+        default = jax.lax.Precision.DEFAULT  # explicit: not the scope's algorithm
+        return jnp.matmul(a.astype(half), b.astype(half), precision=default, preferred_element_type=jnp.float32)
+    return a @ b
 
 
 def matmul_precision() -> str:

@@ -309,8 +309,11 @@ class KDAPipeline(eqx.Module):
             else:
                 stage, ran, reason = got
                 rows.append(PlanRow(name, info.step, type(stage).__qualname__, type(ran).__qualname__, reason))
-        return KDAPlan(tuple(rows), self.tile if forward[0] else None, forward[1], rec.layout,
-                       self.resolved_config(q.dtype))
+        # What a stage says of how it runs (``plan_note``, e.g. a segment-split recurrence).
+        notes = tuple(f"{name}: {ran.plan_note}" for name, (_, ran, _) in rec.ran.items()
+                      if getattr(ran, "plan_note", None))
+        return KDAPlan(tuple(rows), self.tile if forward[0] else None, forward[1], rec.layout, notes=notes,
+                       config=self.resolved_config(q.dtype))
 
     def resolved_config(self, dtype=jnp.float32) -> dict:
         """Every platform-dependent choice as it resolves here for inputs of ``dtype``
@@ -602,6 +605,7 @@ class KDAPlan(NamedTuple):
     tile: Optional[int]
     not_tile_safe: tuple
     layout: Optional[str] = None
+    notes: tuple = ()
     # KDAPipeline.resolved_config: every platform-dependent choice, resolved
     config: Optional[dict] = None
 
@@ -624,6 +628,7 @@ class KDAPlan(NamedTuple):
             what = {"dense": "one sequence per row", "per-sequence": "each packed sequence from a chunk boundary",
                     "shared": "packed sequences share chunks, NC = ceil(T / C)"}[self.layout]
             lines.append(f"layout: {self.layout}: {what}")
+        lines += list(self.notes)
         if self.config:
             top = {n: v for n, v in self.config.items() if not isinstance(v, dict)}
             lines.append("config: " + ", ".join(f"{n}={v}" for n, v in top.items()))

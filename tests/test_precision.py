@@ -4,6 +4,7 @@ the float64 oracle within FLA's tolerances."""
 
 import re
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 
 import kdax
 from kdax import _precision
+from kdax.pallas import PallasDhu, PallasState
 
 from ._gpu_products import gpu_products
 from ._util import assert_close, loss_grads, make_inputs, oracle_kda, run, split_args
@@ -28,11 +30,17 @@ def test_resolve():
     assert _precision.resolve("auto", jnp.float32) == "highest"
     assert _precision.resolve("bfloat16", jnp.float32) == "bfloat16"
     assert _precision.resolve("bfloat16", jnp.float64) == "highest"  # the float64 oracle stays exact
+    assert _precision.resolve("fast", jnp.bfloat16) == "fast"
+    assert _precision.resolve("fast", jnp.float64) == "highest"
     with pytest.raises(ValueError, match="precision"):
         _precision.resolve("tf32", jnp.float32)
     with pytest.raises(ValueError, match="precision"):
-        kdax.KDAPipeline.reference().with_precision("fast")
+        kdax.KDAPipeline.reference().with_precision("tf32")
+    # "fast" is opt-in by name: the default stays "auto" (recurrences at float32).
     assert kdax.KDAPipeline.reference().precision == "auto"
+    assert kdax.KDAPipeline.reference().with_precision("fast").precision == "fast"
+    assert _precision.rounds("fast", "state") and _precision.rounds("fast", "dhu")
+    assert not _precision.rounds("bfloat16", "state") and not _precision.rounds("fast", "intra_bwd")
     # What must stay float32 (see kdax._precision): the gate cumsum, the state recurrence
     # (F4, B2, B0's F4) and B4, whose dG cancels (rounded, dA_log's error was 6e-2 on an H100).
     assert {"gate", "state", "recompute", "dhu", "intra_bwd", "gate_bwd"}.isdisjoint(_precision.FAST_STAGES)
@@ -137,3 +145,100 @@ def _check_fast_policy(pipe, dtype):
     exact = pipe.with_precision("highest")
     o_hi, _ = run(lambda *a, **kw: kdax.chunk_kda(*a, pipeline=exact, **kw), x, opts)
     assert not np.array_equal(np.asarray(o_hi, np.float32), np.asarray(o, np.float32))
+
+
+def _dot_operands(jaxpr, stack=""):
+    """``(name stack, operand dtypes, result dtype)`` of every dot_general in ``jaxpr``."""
+    out = []
+    for eqn in jaxpr.eqns:
+        here = stack + "/" + str(eqn.source_info.name_stack)
+        if eqn.primitive.name == "dot_general":
+            out.append((here, tuple(str(v.aval.dtype) for v in eqn.invars), str(eqn.outvars[0].aval.dtype)))
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, (tuple, list)) else (p,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    out += _dot_operands(sub.jaxpr, here)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    out += _dot_operands(sub, here)
+    return out
+
+
+@pytest.mark.parametrize("policy", ["fast", "auto"])
+def test_fast_policy_rounds_the_recurrences(policy):
+    """Under "fast" every product of F4, B2 and B0's F4 takes explicit bf16 operands with a
+    float32 result (on every backend, as the GPU computes them), and B4 and the gate stay
+    float32; under "auto" the recurrences keep float32 operands."""
+    s = jax.ShapeDtypeStruct
+    args = (s((1, 64, 2, 16), jnp.bfloat16),) * 4 + (s((1, 64, 2), jnp.bfloat16),)
+    pipe = kdax.KDAPipeline.reference().untiled().with_precision(policy)
+
+    def loss(*a):
+        o, _ = kdax.chunk_kda(*a, chunk_size=16, A_log=jnp.zeros(2), pipeline=pipe, **KIMI)
+        return jnp.sum(o.astype(jnp.float32))
+
+    dots = _dot_operands(jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))(*args).jaxpr)
+    rec = [(ops, res) for st, ops, res in dots if _stage_of(st) in ("state", "dhu")]
+    assert {_stage_of(st) for st, _, _ in dots} >= {"state", "dhu"}
+    assert any("kdax_recompute" in st and _stage_of(st) == "state" for st, _, _ in dots)
+    want = ("bfloat16", "bfloat16") if policy == "fast" else ("float32", "float32")
+    assert rec and all(ops == want and res == "float32" for ops, res in rec), rec
+    for st, ops, _ in dots:
+        if _stage_of(st) in ("intra_bwd", "gate", "gate_bwd"):
+            assert ops == ("float32", "float32"), (st, ops)
+
+
+FAST_PIPES = {
+    # (pipeline, rows of per-chunk resets): the reference stages with XLA:GPU's rounding
+    # emulated (tests/_gpu_products.py) and the recurrences' explicit bf16 casts; the
+    # Pallas (Triton, interpret mode) state kernels with their in-kernel bf16 dots.
+    "reference": lambda: kdax.KDAPipeline.reference().untiled(),
+    "pallas_state": lambda: eqx.tree_at(lambda p: (p.state, p.dhu), kdax.KDAPipeline.reference().untiled(),
+                                        (PallasState(target="triton", interpret=True),
+                                         PallasDhu(target="triton", interpret=True))),
+}
+
+
+@pytest.mark.parametrize("name,shape,packed", [
+    ("reference", (1, 256, 2, 32, 32), False),
+    ("reference", (1, 256, 2, 32, 32), True),
+    ("pallas_state", (1, 256, 2, 32, 32), True),
+    # FLA's benchmark shape (B, T, H, K, chunk 64): minutes on the CPU.
+    pytest.param("reference", (1, 16384, 16, 128, 64), False, marks=pytest.mark.slow),
+], ids=["reference", "reference_packed", "pallas_state_packed", "reference_1x16384x16"])
+def test_fast_precision_policy_within_fla_tolerances(name, shape, packed):
+    """``precision="fast"`` (bf16 operands in the recurrences too, h and v_new stored
+    bf16): bf16 inputs with Kimi Linear's gates (softplus gate with A_log and dt_bias in
+    the kernel, l2norm, beta sigmoid), 5% of the raw gates at 1e4 (log decays down to
+    about -1e4 · e^A_log), against the float64 oracle within FLA's tolerances (o and ht
+    5e-3, dq/dk/dv 8e-3, dg/dbeta/dA_log/ddt_bias 2e-2); dense and packed (cu_seqlens
+    with sequence starts inside chunks' rows, an initial state per sequence). And the
+    policy does round the recurrence: the output differs from "bfloat16"'s."""
+    B, T, H, K, C = shape
+    N = 3 if packed else B
+    x64 = make_inputs(seed=5, B=B, T=T, H=H, K=K, V=K, N=N, gate="raw", A_log=True, dt_bias=True,
+                      h0=packed, beta_raw=True)
+    g = np.array(x64["g"])
+    g[np.random.default_rng(6).uniform(size=g.shape) < 0.05] = 1e4
+    x64["g"] = jnp.asarray(g)
+    x = {n: a.astype(jnp.float32 if n in ("A_log", "dt_bias", "initial_state") else jnp.bfloat16)
+         for n, a in x64.items()}
+    xr = {n: a.astype(jnp.float64) for n, a in x.items()}
+    opts = dict(chunk_size=C, output_final_state=True, **KIMI)
+    if packed:
+        opts["cu_seqlens"] = jnp.asarray([0, 37, 37 + T // 2, T], jnp.int32)
+    pipe = FAST_PIPES[name]().with_precision("fast")
+    fn = lambda *a, **kw: kdax.chunk_kda(*a, pipeline=pipe, **kw)
+    with gpu_products():
+        o, ht = run(fn, x, opts)
+        do = jnp.asarray(np.random.default_rng(1).normal(size=o.shape), jnp.float32)
+        dht = jnp.asarray(np.random.default_rng(2).normal(size=ht.shape), jnp.float32)
+        grads = loss_grads(fn, x, opts, do, dht)
+        o_bf, _ = run(lambda *a, **kw: kdax.chunk_kda(*a, pipeline=pipe.with_precision("bfloat16"), **kw), x, opts)
+    o_ref, ht_ref = run(oracle_kda, xr, opts)
+    want = loss_grads(oracle_kda, xr, opts, do.astype(jnp.float64), dht.astype(jnp.float64))
+    assert o.dtype == jnp.bfloat16 and ht.dtype == jnp.float32
+    assert_close(o, o_ref, FLA_TOL["o"], "o")
+    assert_close(ht, ht_ref, FLA_TOL["o"], "ht")
+    for n, gr in grads.items():
+        assert_close(gr, want[n], FLA_TOL.get(n, FLA_TOL["o"]), "d" + n)
+    assert not np.array_equal(np.asarray(o_bf, np.float32), np.asarray(o, np.float32))

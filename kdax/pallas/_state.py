@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from .. import _precision
 from .._errors import UnsupportedCase
 from .._layout import ChunkLayout
 from .._typing import ChunkK, ChunkV, SeqState, typecheck
@@ -132,9 +133,9 @@ class PallasState(AbstractState, PallasValueBlocks):
                     scr[...] = h0_ref[...]
 
                 h = scr[...]
-                h_ref[...] = h
+                h_ref[...] = _precision.stored(h)
                 v_new, h_next = _state_step(w_ref[...], u_ref[...], kg_ref[...], g_ref[...], h)
-                vn_ref[...] = v_new
+                vn_ref[...] = _precision.stored(v_new)
                 scr[...] = h_next
 
                 @pl.when(c == NC - 1)
@@ -163,10 +164,11 @@ class PallasState(AbstractState, PallasValueBlocks):
                     if not dense:  # a sequence may start or end at any chunk
                         f = first_ref[r, c]
                         h = jnp.where(f >= 0, h0_ref[jnp.maximum(f, 0) * HV + hv, :, cols], h)
-                    h_ref[p, feats, cols] = h
+                    # Stored as FLA stores them (bf16 values under "fast": kdax._precision).
+                    h_ref[p, feats, cols] = _precision.stored(h)
                     v_new, h_next = _state_step(w_ref[p, rows, :], u_ref[p, rows, cols], kg_ref[p, rows, :],
                                                 g_ref[p, feats, :], h)
-                    vn_ref[p, rows, cols] = v_new
+                    vn_ref[p, rows, cols] = _precision.stored(v_new)
                     if not dense:
                         l = last_ref[r, c]
 

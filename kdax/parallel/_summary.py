@@ -13,18 +13,13 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from .._ops import vary_like
+from .._affine import apply_map as _apply, scan_prefix as scan_prefix
 
 PrefixMethod = Literal["auto", "gather", "doubling"]
 
 # "auto" gathers the summaries for at most this many devices, above it the doubling scan
 # (log2 P rounds of one ppermute each instead of one all-gather of P summaries).
 GATHER_MAX_DEVICES = 8
-
-
-def _apply(M, x):
-    """``M x`` per (row, head): ``[..., K, K] @ [..., K, V]`` at full precision."""
-    return jnp.matmul(M, x, precision=jax.lax.Precision.HIGHEST)
 
 
 def _first_in_travel(axis_name: str, reverse: bool):
@@ -68,16 +63,7 @@ def exclusive_prefix(
 def _gather_prefix(M, b, axis_name: str, reverse: bool):
     Ms = jax.lax.all_gather(M, axis_name)
     bs = jax.lax.all_gather(b, axis_name)
-    if reverse:
-        Ms, bs = Ms[::-1], bs[::-1]
-
-    def step(x, mb):
-        Me, be = mb
-        return _apply(Me, x) + be, x  # emits the value entering this device
-
-    _, entries = jax.lax.scan(step, vary_like(jnp.zeros_like(b), Ms, bs), (Ms, bs))
-    if reverse:
-        entries = entries[::-1]
+    entries = scan_prefix(Ms, bs, reverse=reverse)
     return jax.lax.dynamic_index_in_dim(entries, jax.lax.axis_index(axis_name), keepdims=False)
 
 

@@ -16,6 +16,9 @@ from ._output import ReferenceOutput as ReferenceOutput
 from ._recompute import AbstractRecompute as AbstractRecompute
 from ._recompute import ReferenceRecompute as ReferenceRecompute
 from ._recompute import recompute_with as recompute_with
+from ._segments import SegmentedDhu as SegmentedDhu
+from ._segments import SegmentedState as SegmentedState
+from ._segments import segmented as segmented
 from ._state import AbstractDhu as AbstractDhu
 from ._state import AbstractState as AbstractState
 from ._state import ReferenceDhu as ReferenceDhu

@@ -13,6 +13,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from .. import _precision
 from .._layout import ChunkLayout
 from .._typing import ChunkK, ChunkV, SeqState, typecheck
 from .._ops import full_precision, loop_unroll, mT, vary_like, zeros_after
@@ -23,6 +24,10 @@ def _at(c):
     """Chunk ``c`` of ``[R, HV, NC, ...]`` (or column ``c`` of ``[R, NC]``), read in place:
     scanning a chunk-major copy costs more than the loop itself on CPU."""
     return lambda x: jax.lax.dynamic_index_in_dim(x, c, 2 if x.ndim > 2 else 1, keepdims=False)
+
+
+# The recurrences' products: bf16 operands under the "fast" policy (kdax._precision).
+_mm = _precision.recurrence_matmul
 
 
 def _put(x, c, y):
@@ -104,8 +109,8 @@ class ReferenceState(AbstractState):
         def chunk(c, h):
             at = _at(c)
             h = _enter(layout, c, 0, at(layout.first), h0, h)
-            v_new = at(u) - at(w) @ h
-            h_next = at(decay)[..., None] * h + mT(at(kg)) @ v_new
+            v_new = at(u) - _mm(at(w), h)
+            h_next = at(decay)[..., None] * h + _mm(mT(at(kg)), v_new)
             return h, v_new, h_next
 
         h = jnp.zeros((R, HV, K, V), h0.dtype)
@@ -126,15 +131,17 @@ class ReferenceState(AbstractState):
             deps = (w, u, kg, G, h0)
             init = vary_like((h, zeros_after((R, HV, NC, K, V), h0.dtype, deps), zeros_after(u.shape, u.dtype, deps, 1)), deps)
             h, hs, v_news = jax.lax.fori_loop(0, NC, step, init, unroll=max(1, min(loop_unroll(self.loop_unroll), NC)))
+        # Stored as FLA stores them (bf16 values under "fast"; kdax._precision.stored). The
+        # products above rounded the same values, so only the copies change.
         if layout.dense:  # row r is sequence r, which ends at the last chunk
-            return StateOut(hs, v_news, h)
+            return StateOut(_precision.stored(hs), _precision.stored(v_news), h)
         # The final states after the loop, from each sequence's last chunk: a table update
         # per chunk inside the loop copied the whole [N, HV, K, V] table every chunk (13 s
         # for 1000 packed one-token sequences at H=4, K=V=64; 12 ms dense).
         r, c, ends = _chunk_of(layout.last, h0.shape[0])
         take = lambda x: x[r, :, c]
-        final = take(decay)[..., None] * take(hs) + mT(take(kg)) @ take(v_news)
-        return StateOut(hs, v_news, jnp.where(ends[:, None, None, None], final, h0))
+        final = take(decay)[..., None] * take(hs) + _mm(mT(take(kg)), take(v_news))
+        return StateOut(_precision.stored(hs), _precision.stored(v_news), jnp.where(ends[:, None, None, None], final, h0))
 
 
 def _chunk_of(ids, N: int):
@@ -204,8 +211,8 @@ class ReferenceDhu(AbstractDhu):
             c = NC - 1 - i
             at = _at(c)
             dh_end = _enter(layout, c, NC - 1, at(layout.last), dht, dh_c)
-            dv_new = at(dv_intra) + at(kg) @ dh_end
-            dh_start = at(decay)[..., None] * dh_end + scale * mT(at(qg)) @ at(do) - mT(at(w)) @ dv_new
+            dv_new = at(dv_intra) + _mm(at(kg), dh_end)
+            dh_start = at(decay)[..., None] * dh_end + scale * _mm(mT(at(qg)), at(do)) - _mm(mT(at(w)), dv_new)
             return dh_start, _put(dhs, c, dh_end), _put(dv_news, c, dv_new)
 
         # A sequence of length 0 has no chunk: its dh0 is its dht.
@@ -221,6 +228,6 @@ class ReferenceDhu(AbstractDhu):
         # dh0 after the loop, from each sequence's first chunk (see ReferenceState).
         r, c, starts = _chunk_of(layout.first, dht.shape[0])
         take = lambda x: x[r, :, c]
-        first = (take(decay)[..., None] * take(dh) + scale * mT(take(qg)) @ take(do)
-                 - mT(take(w)) @ take(dv_new))
+        first = (take(decay)[..., None] * take(dh) + scale * _mm(mT(take(qg)), take(do))
+                 - _mm(mT(take(w)), take(dv_new)))
         return DhuOut(dh, jnp.where(starts[:, None, None, None], first, dh0), dv_new)

@@ -1,0 +1,40 @@
+"""Affine maps of the recurrent state and their prefix scan, shared by sequence
+parallelism across devices (``kdax.parallel``) and the segment-split recurrences of one
+device (``kdax.stages.SegmentedState``).
+
+Over a span of one sequence the state update is affine, ``h_out = M h_in + b`` with
+``M [K, K]`` and ``b [K, V]``; spans compose as ``(M2, b2) ∘ (M1, b1) = (M2 M1, M2 b1 + b2)``.
+"""
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from ._ops import vary_like
+
+
+def apply_map(M, x):
+    """``M x`` per (row, head): ``[..., K, K] @ [..., K, V]`` at full precision."""
+    return jnp.matmul(M, x, precision=jax.lax.Precision.HIGHEST)
+
+
+def scan_prefix(
+    Ms: Float[Array, "P *batch K K"],
+    bs: Float[Array, "P *batch K V"],
+    *,
+    reverse: bool = False,
+) -> Float[Array, "P *batch K V"]:
+    """The exclusive prefix of summaries stacked on the leading axis (spans in order, or
+    from the last down with ``reverse``): ``x`` advancing through span ``e`` as
+    ``x <- M_e x + b_e`` from zero, the value entering each span. Composition at full
+    precision in the summaries' dtype. Used across devices (``exclusive_prefix``) and
+    across the segments of one device's chunk recurrence (``kdax.stages.SegmentedState``)."""
+    if reverse:
+        Ms, bs = Ms[::-1], bs[::-1]
+
+    def step(x, mb):
+        Me, be = mb
+        return apply_map(Me, x) + be, x  # emits the value entering this span
+
+    _, entries = jax.lax.scan(step, vary_like(jnp.zeros_like(bs[0]), Ms, bs), (Ms, bs))
+    return entries[::-1] if reverse else entries
