@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from . import _precision
+from . import _isolation, _precision
 from ._config import KDAConfig, KDAOptions
 from ._contracts import STAGES, check_arguments, check_family, check_output, expected_output
 from ._errors import FallbackWarning, UnsupportedCase
@@ -464,9 +464,12 @@ class KDAPipeline(eqx.Module):
         qc, kc, vc, gc, bc = chunked
         act = self._stage("gate", config=config, q=qc, k=kc, g=gc, beta=bc, A_log=A_log, dt_bias=dt_bias,
                           valid=layout.valid, reset=layout.reset)
-        intra = self._stage("intra", scale=config.scale, q=act.q, k=act.k, beta=act.beta, G=act.G, G_lo=act.G_lo)
-        wy = self._stage("wy", q=act.q, k=act.k, v=vc, beta=act.beta, G=act.G, Akk=intra.Akk, G_lo=act.G_lo)
-        st = self._stage("state", w=wy.w, u=wy.u, kg=wy.kg, G=act.G, h0=h0, layout=layout)
+        # reset (shared chunks): exact zeros across sequences (stages._segments).
+        R = layout.reset
+        intra = self._stage("intra", scale=config.scale, q=act.q, k=act.k, beta=act.beta, G=act.G, G_lo=act.G_lo,
+                            reset=R)
+        wy = self._stage("wy", q=act.q, k=act.k, v=vc, beta=act.beta, G=act.G, Akk=intra.Akk, G_lo=act.G_lo, reset=R)
+        st = self._stage("state", w=wy.w, u=wy.u, kg=wy.kg, G=act.G, h0=h0, layout=layout, reset=R)
         oc = self._stage("output", scale=config.scale, qg=wy.qg, h=st.h, Aqk=intra.Aqk, v_new=st.v_new)
         return oc, _ForwardChunks(act, intra, wy, st.h, st.v_new, vc, gc), st.final
 
@@ -538,7 +541,7 @@ class KDAPipeline(eqx.Module):
         if res.cache is None:  # B0, with this pipeline's own F3 and F4
             wy, st = self._stage(
                 "recompute", q=act.q, k=act.k, v=res.v, beta=act.beta, G=act.G, Akk=res.Akk, h0=res.h0, layout=L,
-                G_lo=act.G_lo, wy=_PipelineWY(self, act.G_lo), state=_PipelineState(self),
+                G_lo=act.G_lo, reset=L.reset, wy=_PipelineWY(self, act.G_lo), state=_PipelineState(self),
             )
             w, qg, kg, h, v_new = wy.w, wy.qg, wy.kg, st.h, st.v_new
         else:
@@ -546,15 +549,16 @@ class KDAPipeline(eqx.Module):
             w, qg, kg, h, v_new = c.w, c.qg, c.kg, c.h, c.v_new
         dAqk, dv_intra = self._stage("dav", v_new=v_new, Aqk=res.Aqk, do=doc)  # B1
         dhu = self._stage(  # B2
-            "dhu", scale=cfg.scale, qg=qg, kg=kg, w=w, G=act.G, do=doc, dv_intra=dv_intra, dht=dht, layout=L
+            "dhu", scale=cfg.scale, qg=qg, kg=kg, w=w, G=act.G, do=doc, dv_intra=dv_intra, dht=dht, layout=L,
+            reset=L.reset,
         )
         grads = self._stage(  # B3
             "wy_dqkg", scale=cfg.scale, q=act.q, k=act.k, v=res.v, beta=act.beta, G=act.G, Akk=res.Akk, qg=qg,
-            kg=kg, h=h, dh=dhu.dh, v_new=v_new, do=doc, dv_new=dhu.dv_new, G_lo=act.G_lo,
+            kg=kg, h=h, dh=dhu.dh, v_new=v_new, do=doc, dv_new=dhu.dv_new, G_lo=act.G_lo, reset=L.reset,
         )
         grads = self._stage(  # B4
             "intra_bwd", scale=cfg.scale, q=act.q, k=act.k, beta=act.beta, G=act.G, dAqk=dAqk, grads=grads,
-            G_lo=act.G_lo,
+            G_lo=act.G_lo, reset=L.reset,
         )
         raw = self._stage(  # B5
             "gate_bwd", config=cfg, act=act, g=res.g_raw, A_log=res.A_log, dt_bias=res.dt_bias, valid=L.valid,
@@ -611,10 +615,10 @@ class _PipelineWY(AbstractWY):
     pipeline: KDAPipeline
     G_lo: Optional[ChunkK] = None
 
-    def __call__(self, q, k, v, beta, G, Akk, G_lo=None):
+    def __call__(self, q, k, v, beta, G, Akk, G_lo=None, reset=None):
         if G_lo is None and self.G_lo is not None and self.G_lo.shape == G.shape:
             G_lo = self.G_lo
-        return self.pipeline._stage("wy", q=q, k=k, v=v, beta=beta, G=G, Akk=Akk, G_lo=G_lo)
+        return self.pipeline._stage("wy", q=q, k=k, v=v, beta=beta, G=G, Akk=Akk, G_lo=G_lo, reset=reset)
 
 
 class _PipelineState(AbstractState):
@@ -623,8 +627,8 @@ class _PipelineState(AbstractState):
     tile_safe: ClassVar[bool] = True
     pipeline: KDAPipeline
 
-    def __call__(self, w, u, kg, G, h0, layout):
-        return self.pipeline._stage("state", w=w, u=u, kg=kg, G=G, h0=h0, layout=layout)
+    def __call__(self, w, u, kg, G, h0, layout, reset=None):
+        return self.pipeline._stage("state", w=w, u=u, kg=kg, G=G, h0=h0, layout=layout, reset=reset)
 
 
 class PlanRow(NamedTuple):
@@ -802,12 +806,14 @@ def _vjp_bwd(res, cotangents, perturbed, diff, pipeline: KDAPipeline, config: KD
         L = res.layout
         do = jnp.zeros((L.valid.shape[0] if L.pos is None else 1, L.T) + res.v.shape[1:2] + res.v.shape[-1:], res.h0.dtype)
     dht = dht if config.output_final_state else None
+    # A non-finite cotangent stays in its sequence (kdax._isolation).
+    do, dht, poison = _isolation.clean_cotangents(do, dht, cu_seqlens, res.num_qk_heads)
     if dht is not None and res.layout.reset is not None:
         # A loss on the final states of shared chunks: rerun the forward with one sequence
         # per chunk, whose backward takes dht (only such a loss pays for it).
         pipeline = dataclasses.replace(pipeline, share_chunks=False).untiled()
         res = pipeline.run_forward(config, *diff, cu_seqlens)[2]
-    grads = pipeline.backward(res, do, dht)
+    grads = poison(pipeline.backward(res, do, dht))
     out = (grads.q, grads.k, grads.v, grads.g, grads.beta, grads.initial_state, grads.A_log, grads.dt_bias)
     return tuple(None if d is None or x is None else x.astype(d) for x, d in zip(out, res.in_dtypes))
 
@@ -963,5 +969,7 @@ def chunk_kda(
         # passes through unchanged, and so does its gradient.
         final = _initial_states(h0, (N, v.shape[2], K, v.shape[-1]), compute_dtype(q, k, v, g, beta, h0))
         return jnp.zeros(v.shape, v.dtype), _final_out(final, config, opts.state_v_first)
-    o, final = _differentiable((q, k, v, g, beta, h0, A_log, dt_bias), _no_grad(pipeline), config, cu)
+    # Non-finite inputs stay in their own sequence, from their token on (kdax._isolation).
+    run = lambda *x: _differentiable((*x, h0, A_log, dt_bias), _no_grad(pipeline), config, cu)
+    o, final = _isolation.isolate_call(config, (q, k, v, g, beta), cu, run)
     return o, _final_out(final, config, opts.state_v_first)
