@@ -121,10 +121,10 @@ class PipelineWY(AbstractWY):
     pipeline: eqx.Module
     G_lo: Optional[ChunkK] = None
 
-    def __call__(self, q, k, v, beta, G, Akk, G_lo=None):
+    def __call__(self, q, k, v, beta, G, Akk, G_lo=None, reset=None):
         if G_lo is None and self.G_lo is not None and self.G_lo.shape == G.shape:
             G_lo = self.G_lo
-        return run_stage(self.pipeline, "wy", q=q, k=k, v=v, beta=beta, G=G, Akk=Akk, G_lo=G_lo)
+        return run_stage(self.pipeline, "wy", q=q, k=k, v=v, beta=beta, G=G, Akk=Akk, G_lo=G_lo, reset=reset)
 
 
 class PipelineState(AbstractState):
@@ -133,5 +133,5 @@ class PipelineState(AbstractState):
     tile_safe: ClassVar[bool] = True
     pipeline: eqx.Module
 
-    def __call__(self, w, u, kg, G, h0, layout):
-        return run_stage(self.pipeline, "state", w=w, u=u, kg=kg, G=G, h0=h0, layout=layout)
+    def __call__(self, w, u, kg, G, h0, layout, reset=None):
+        return run_stage(self.pipeline, "state", w=w, u=u, kg=kg, G=G, h0=h0, layout=layout, reset=reset)

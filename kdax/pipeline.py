@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from . import _precision
+from . import _isolation, _precision
 from ._config import KDAConfig, KDAOptions
 from ._capabilities import capabilities
 from ._contracts import STAGES, check_family
@@ -170,6 +170,11 @@ class KDAGrads(eqx.Module):
     dt_bias: Optional[Float[Array, " HVK"]]
 
 
+# The stages that receive the shared layout's reset table (F5 and B1 act per chunk on
+# what the others made exact).
+_RESET_FIELDS = ("gate", "intra", "wy", "state", "recompute", "dhu", "wy_dqkg", "intra_bwd", "gate_bwd")
+
+
 class KDAPipeline(eqx.Module):
     """The chunked KDA algorithm as eleven swappable stages (see ``docs/stages.md``).
 
@@ -215,7 +220,7 @@ class KDAPipeline(eqx.Module):
     # the gate (``_layout.make_shared_layout``), so many short sequences cost what their
     # tokens cost. Final states (``chunk_kda``'s ``output_final_state``) are read from the
     # chunk of each sequence's last token; a loss on them makes the backward rerun the
-    # forward with one sequence per chunk. Needs F1 and B5 to take ``reset`` (or
+    # forward with one sequence per chunk. Needs the stages that get the reset table to accept ``reset`` (or
     # ``fallback``, which runs the reference ones). False, an initial state, or
     # ``KDAPipeline.forward`` with ``output_final_state``: every sequence starts its own
     # chunk. ``plan`` says which ran.
@@ -397,13 +402,15 @@ class KDAPipeline(eqx.Module):
         """Whether a call with these options packs its sequences into shared chunks
         (``share_chunks``): packed varlen input, no ``initial_state``, no final state asked
         for unless ``finals`` (``chunk_kda``: True; ``forward``, whose residuals must take
-        a ``dht``: False), and F1 and B5 taking ``reset`` (or ``fallback`` to the reference
+        a ``dht``: False), and the stages of ``_RESET_FIELDS`` accepting ``reset`` (or ``fallback`` to the reference
         ones)."""
         if not self.share_chunks or cu_seqlens is None or initial_state is not None:
             return False
         if config.output_final_state and not finals:
             return False
-        return self.fallback or all(capabilities(type(getattr(self, n))).reset for n in ("gate", "gate_bwd"))
+        # Every stage the layout's reset table reaches must accept it, or the sequences take
+        # one chunk each (exact either way); ``fallback`` runs the reference stage instead.
+        return self.fallback or all(capabilities(type(getattr(self, n))).reset for n in _RESET_FIELDS)
 
     def _tile_chunks(self, rows_heads: int, num_chunks: int) -> Optional[int]:
         """Chunks per forward tile, or None to run each stage once over everything."""
@@ -423,9 +430,12 @@ class KDAPipeline(eqx.Module):
         qc, kc, vc, gc, bc = chunked
         act = self.run_stage("gate", config=config, q=qc, k=kc, g=gc, beta=bc, A_log=A_log, dt_bias=dt_bias,
                           valid=layout.valid, reset=layout.reset)
-        intra = self.run_stage("intra", scale=config.scale, q=act.q, k=act.k, beta=act.beta, G=act.G, G_lo=act.G_lo)
-        wy = self.run_stage("wy", q=act.q, k=act.k, v=vc, beta=act.beta, G=act.G, Akk=intra.Akk, G_lo=act.G_lo)
-        st = self.run_stage("state", w=wy.w, u=wy.u, kg=wy.kg, G=act.G, h0=h0, layout=layout)
+        # reset (shared chunks): exact zeros across sequences (stages._resets).
+        R = layout.reset
+        intra = self.run_stage("intra", scale=config.scale, q=act.q, k=act.k, beta=act.beta, G=act.G, G_lo=act.G_lo,
+                               reset=R)
+        wy = self.run_stage("wy", q=act.q, k=act.k, v=vc, beta=act.beta, G=act.G, Akk=intra.Akk, G_lo=act.G_lo, reset=R)
+        st = self.run_stage("state", w=wy.w, u=wy.u, kg=wy.kg, G=act.G, h0=h0, layout=layout, reset=R)
         oc = self.run_stage("output", scale=config.scale, qg=wy.qg, h=st.h, Aqk=intra.Aqk, v_new=st.v_new)
         return oc, _ForwardChunks(act, intra, wy, st.h, st.v_new, vc, gc), st.final
 
@@ -504,7 +514,7 @@ class KDAPipeline(eqx.Module):
         if res.cache is None:  # B0, with this pipeline's own F3 and F4
             wy, st = self.run_stage(
                 "recompute", q=act.q, k=act.k, v=res.v, beta=act.beta, G=act.G, Akk=res.Akk, h0=res.h0, layout=L,
-                G_lo=act.G_lo, wy=PipelineWY(self, act.G_lo), state=PipelineState(self),
+                G_lo=act.G_lo, reset=L.reset, wy=PipelineWY(self, act.G_lo), state=PipelineState(self),
             )
             w, qg, kg, h, v_new = wy.w, wy.qg, wy.kg, st.h, st.v_new
         else:
@@ -512,15 +522,16 @@ class KDAPipeline(eqx.Module):
             w, qg, kg, h, v_new = c.w, c.qg, c.kg, c.h, c.v_new
         dAqk, dv_intra = self.run_stage("dav", v_new=v_new, Aqk=res.Aqk, do=doc)  # B1
         dhu = self.run_stage(  # B2
-            "dhu", scale=cfg.scale, qg=qg, kg=kg, w=w, G=act.G, do=doc, dv_intra=dv_intra, dht=dht, layout=L
+            "dhu", scale=cfg.scale, qg=qg, kg=kg, w=w, G=act.G, do=doc, dv_intra=dv_intra, dht=dht, layout=L,
+            reset=L.reset,
         )
         grads = self.run_stage(  # B3
             "wy_dqkg", scale=cfg.scale, q=act.q, k=act.k, v=res.v, beta=act.beta, G=act.G, Akk=res.Akk, qg=qg,
-            kg=kg, h=h, dh=dhu.dh, v_new=v_new, do=doc, dv_new=dhu.dv_new, G_lo=act.G_lo,
+            kg=kg, h=h, dh=dhu.dh, v_new=v_new, do=doc, dv_new=dhu.dv_new, G_lo=act.G_lo, reset=L.reset,
         )
         grads = self.run_stage(  # B4
             "intra_bwd", scale=cfg.scale, q=act.q, k=act.k, beta=act.beta, G=act.G, dAqk=dAqk, grads=grads,
-            G_lo=act.G_lo,
+            G_lo=act.G_lo, reset=L.reset,
         )
         raw = self.run_stage(  # B5
             "gate_bwd", config=cfg, act=act, g=res.g_raw, A_log=res.A_log, dt_bias=res.dt_bias, valid=L.valid,
@@ -578,7 +589,9 @@ class KDAPipeline(eqx.Module):
             N = v.shape[0] if cu is None else cu.shape[0] - 1
             final = _initial_states(h0, (N, v.shape[2], K, v.shape[-1]), compute_dtype(q, k, v, g, beta, h0))
             return jnp.zeros(v.shape, v.dtype), _final_out(final, config, opts.state_v_first)
-        o, final = _differentiable(((q, k, v, g, beta, h0, A_log, dt_bias), pipeline), config, cu)
+        # Non-finite inputs stay in their own sequence, from their token on (kdax._isolation).
+        run = lambda *x: _differentiable(((*x, h0, A_log, dt_bias), pipeline), config, cu)
+        o, final = _isolation.isolate_call(config, (q, k, v, g, beta), cu, run)
         return o, _final_out(final, config, opts.state_v_first)
 
 
@@ -749,6 +762,8 @@ def _vjp_bwd(res, cotangents, perturbed, diff, config: KDAConfig, cu_seqlens):
         L = res.layout
         do = jnp.zeros((L.valid.shape[0] if L.pos is None else 1, L.T) + res.v.shape[1:2] + res.v.shape[-1:], res.h0.dtype)
     dht = dht if config.output_final_state else None
+    # A non-finite cotangent stays in its sequence (kdax._isolation).
+    do, dht, poison = _isolation.clean_cotangents(do, dht, cu_seqlens, res.num_qk_heads)
     run = pipeline
     if dht is not None and res.layout.reset is not None:
         # A loss on the final states of shared chunks: rerun the forward with one sequence
@@ -756,6 +771,7 @@ def _vjp_bwd(res, cotangents, perturbed, diff, config: KDAConfig, cu_seqlens):
         run = dataclasses.replace(pipeline, share_chunks=False).untiled()
         res = run.run_forward(config, *inputs, cu_seqlens)[2]
     grads, parts = run.backward_with_parts(res, do, dht)
+    grads = poison(grads)
     out = (grads.q, grads.k, grads.v, grads.g, grads.beta, grads.initial_state, grads.A_log, grads.dt_bias)
     d_inputs = tuple(None if d is None or x is None else x.astype(d) for x, d in zip(out, res.in_dtypes))
     return d_inputs, pipeline_gradients(run, perturbed[1], parts, res, inputs)

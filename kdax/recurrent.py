@@ -107,7 +107,7 @@ def fused_recurrent_kda(
     if initial_state is None:
         h0 = jnp.zeros((dims.N, dims.HV, dims.K, dims.V), dt)
     else:
-        h0 = initial_state.astype(dt)
+        h0 = jnp.asarray(initial_state).astype(dt)  # (a numpy array cannot be indexed by a tracer)
         if state_v_first:
             h0 = jnp.swapaxes(h0, -1, -2)
     xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v.astype(dt), g, b))

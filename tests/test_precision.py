@@ -93,7 +93,7 @@ def test_products_follow_the_policy(policy):
         if stage == "recompute":
             continue
         if policy == "auto" and stage in _precision.FAST_STAGES:
-            # Row sums (stages._ops.rowsum) and the solve stay exact inside these stages.
+            # Row sums (kdax._ops.rowsum) and the solve stay exact inside these stages.
             assert str(FAST) in precs and precs <= {str(FAST), str(HIGHEST)}, (stage, precs)
         else:
             assert precs == {str(HIGHEST)}, (stage, precs)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray, Shaped
 
-from .._typing import ArrayIn, typecheck
+from .._typing import ArrayIn, CuSeqlensIn, typecheck
 from .._front import chunk_kda
 from ..pipeline import KDAPipeline, default_pipeline
 from ..recurrent import fused_recurrent_kda
@@ -255,7 +255,7 @@ class KimiDeltaAttention(eqx.Module):
         x: Float[ArrayIn, "B T D"],
         *,
         attention_mask: Optional[Shaped[ArrayIn, "B S"]] = None,
-        cu_seqlens: Optional[Int[ArrayIn, " N1"]] = None,
+        cu_seqlens: Optional[CuSeqlensIn] = None,
         cache: Optional[KDACache] = None,
         state_indices: Optional[Int[ArrayIn, " N"]] = None,
         mode: Optional[str] = None,
@@ -317,6 +317,8 @@ class KimiDeltaAttention(eqx.Module):
         if mode not in (None, "chunk", "recurrent", "fused_recurrent"):
             raise ValueError(f"mode: expected None, 'chunk' or 'recurrent' ('fused_recurrent'), got {mode!r}.")
         mode = "recurrent" if mode == "fused_recurrent" else mode
+        if cu_seqlens is not None and not isinstance(cu_seqlens, jax.Array):
+            cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)  # a list or numpy array, as kdax.chunk_kda takes
         N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
         if state_indices is not None:
             if cache is None:
@@ -341,6 +343,11 @@ class KimiDeltaAttention(eqx.Module):
             # Out-of-range slots would be clamped on read and dropped on write: refuse them.
             state_indices = eqx.error_if(state_indices, jnp.any((state_indices < 0) | (state_indices >= P)),
                                          f"state_indices: every slot must lie in [0, {P}) (the pool's rows).")
+            # Two sequences writing one slot: one state would be silently dropped.
+            srt = jnp.sort(state_indices)
+            state_indices = eqx.error_if(state_indices, jnp.any(srt[1:] == srt[:-1]),
+                                         "state_indices: every slot must be distinct (two sequences cannot share "
+                                         "one pool row).")
         rows = cache if state_indices is None else cache.take(state_indices)
         dt = self._compute_dtype(x)
         xin = jnp.asarray(x).astype(dt)

@@ -3,9 +3,10 @@
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from .._typing import ALog, ArrayIn, Beta, CuSeqlens, Float, Gate, QK, State, Values, typecheck
+from .._typing import ALogIn, ArrayIn, Beta, CuSeqlensIn, Float, Gate, QK, State, Values, typecheck
 from .._validate import check_cu_seqlens_values
 from ._chunk import sp_chunk_kda
 from ._interpret import interprets
@@ -24,9 +25,9 @@ def chunk_kda(
     *,
     batch_axis: Optional[str] = None,
     initial_state: Optional[State] = None,
-    A_log: Optional[ALog] = None,
+    A_log: Optional[ALogIn] = None,
     dt_bias: Optional[Float[ArrayIn, "_"]] = None,
-    cu_seqlens: Optional[CuSeqlens] = None,
+    cu_seqlens: Optional[CuSeqlensIn] = None,
     prefix: PrefixMethod = "auto",
     **options,
 ) -> tuple[Float[ArrayIn, "B T HV V"], Optional[Float[ArrayIn, "N HV _S1 _S2"]]]:
@@ -38,6 +39,9 @@ def chunk_kda(
     check_mesh_axes(mesh, seq_axis, batch_axis, cu_seqlens, "q", q.shape[1])
     if cu_seqlens is not None:
         check_cu_seqlens_values(cu_seqlens, q.shape[1])  # global offsets, when concrete
+        cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)  # (a list or numpy array, as kdax.chunk_kda takes)
+    if A_log is not None:
+        A_log = jnp.asarray(A_log).reshape(-1)  # Kimi's [1, 1, HV, 1] as [HV]
     tok, row = P(batch_axis, seq_axis), P(batch_axis)
     arrays = dict(initial_state=initial_state, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens)
     arrays = {name: x for name, x in arrays.items() if x is not None}

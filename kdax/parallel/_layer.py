@@ -4,10 +4,12 @@ on global arrays."""
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
-from .._typing import typecheck
+from .._typing import CuSeqlensIn, typecheck
+from .._validate import check_cu_seqlens_values
 from ._global import check_mesh_axes
 from ._interpret import interprets
 
@@ -19,7 +21,7 @@ def apply_layer(
     layer,
     x: Float[Array, "B T D"],
     *,
-    cu_seqlens: Optional[Int[Array, " N1"]] = None,
+    cu_seqlens: Optional[CuSeqlensIn] = None,
     cache=None,
     batch_axis: Optional[str] = None,
     **options,
@@ -30,6 +32,9 @@ def apply_layer(
     over the devices of ``seq_axis``; ``cu_seqlens`` are the global offsets. Returns
     ``(y, new_cache)`` as the layer does, y sharded like x."""
     check_mesh_axes(mesh, seq_axis, batch_axis, cu_seqlens, "x", x.shape[1])
+    if cu_seqlens is not None:  # (a list or numpy array, as kdax.chunk_kda takes)
+        check_cu_seqlens_values(cu_seqlens, x.shape[1])
+        cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)
     tok, rows = P(batch_axis, seq_axis), P(batch_axis if cu_seqlens is None else None)
 
     def local(layer, x, cu, cache):

@@ -19,9 +19,10 @@ import equinox as eqx
 import jax.numpy as jnp
 
 from .. import _precision
-from .._typing import ChunkK, ChunkMat, ChunkScalar, typecheck
+from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkValid, typecheck
 from .._hilo import exponent
 from .._ops import ChunkGroup, full_precision, lower_matmul, mT, over_chunks, rowsum, zeros_after
+from ._resets import per_head, same_segment, segments
 from ._types import ChunkGrads, IntraOut
 
 
@@ -188,7 +189,11 @@ class AbstractIntra(eqx.Module):
 
     Returns ``IntraOut``: ``Aqk[i, j] = scale sum_d q_id k_jd exp(G_id - G_jd)`` for
     j <= i, zero above the diagonal (already scaled); ``Akk = (I + L)^-1`` with the strictly
-    lower ``L[i, j] = beta_i sum_d k_id k_jd exp(G_id - G_jd)``; both ``[R, HV, NC, C, C]``."""
+    lower ``L[i, j] = beta_i sum_d k_id k_jd exp(G_id - G_jd)``; both ``[R, HV, NC, C, C]``.
+
+    ``reset`` ``[R, NC, C]`` or None (shared chunks, ``stages._resets``): both are zero,
+    exactly, where i and j belong to different sequences. A stage without the parameter
+    cannot run shared chunks (the pipeline falls back)."""
 
     # Whether the stage may be called on a tile (a few chunks at a time, the state carried
     # in h0): see docs/stages.md. A pipeline runs its forward whole if any stage is not.
@@ -203,6 +208,7 @@ class AbstractIntra(eqx.Module):
         beta: ChunkScalar,
         G: ChunkK,
         G_lo: Optional[ChunkK] = None,
+        reset: Optional[ChunkValid] = None,
     ) -> IntraOut:
         raise NotImplementedError
 
@@ -225,16 +231,22 @@ class ReferenceIntra(AbstractIntra):
         beta: ChunkScalar,
         G: ChunkK,
         G_lo: Optional[ChunkK] = None,
+        reset: Optional[ChunkValid] = None,
     ) -> IntraOut:
         n = len(_levels(G.shape[-2]))
 
         def chunk(q, k, beta, G, *rest):
+            seg, rest = (rest[0], rest[1:]) if reset is not None else (None, rest)
             anchors, G_lo, lo_anchors = _split_rest(rest, n)
             qk, kk = intra_scores(q, k, G, anchors, G_lo, lo_anchors)
+            if seg is not None:  # pairs across sequences: exact zeros (L block-diagonal)
+                same = same_segment(seg)
+                qk, kk = jnp.where(same, qk, 0.0), jnp.where(same, kk, 0.0)
             return scale * qk, unit_lower_inverse(beta[..., :, None] * kk)
 
+        seg = () if reset is None else (per_head(segments(reset), G.shape[1]),)
         lo = () if G_lo is None else (G_lo, *level_anchors(G_lo))
-        return IntraOut(*over_chunks(chunk, self.group, q, k, beta, G, *level_anchors(G), *lo))
+        return IntraOut(*over_chunks(chunk, self.group, q, k, beta, G, *seg, *level_anchors(G), *lo))
 
 
 class AbstractIntraBackward(eqx.Module):
@@ -246,7 +258,8 @@ class AbstractIntraBackward(eqx.Module):
     ``grads`` (``ChunkGrads`` from B3, ``dL`` set); ``G_lo`` as F2 (optional parameter).
 
     Returns ``ChunkGrads``: B3's dq, dk, dbeta, dG plus the intra parts; ``dv`` passed
-    through; ``dL`` may be None (it is consumed here)."""
+    through; ``dL`` may be None (it is consumed here). ``reset`` as F2's (pairs across
+    sequences contribute exact zeros)."""
 
     @abc.abstractmethod
     def __call__(
@@ -259,6 +272,7 @@ class AbstractIntraBackward(eqx.Module):
         dAqk: ChunkMat,
         grads: ChunkGrads,
         G_lo: Optional[ChunkK] = None,
+        reset: Optional[ChunkValid] = None,
     ) -> ChunkGrads:
         raise NotImplementedError
 
@@ -281,11 +295,16 @@ class ReferenceIntraBackward(AbstractIntraBackward):
         dAqk: ChunkMat,
         grads: ChunkGrads,
         G_lo: Optional[ChunkK] = None,
+        reset: Optional[ChunkValid] = None,
     ) -> ChunkGrads:
         n = len(_levels(G.shape[-2]))
 
         def chunk_grads(q, k, beta, G, dAqk, dL, *rest):
+            seg, rest = (rest[0], rest[1:]) if reset is not None else (None, rest)
             anchors, G_lo, lo_anchors = _split_rest(rest, n)
+            if seg is not None:  # F2's pairs across sequences are constant zeros
+                same = same_segment(seg)
+                dAqk, dL = jnp.where(same, dAqk, 0.0), jnp.where(same, dL, 0.0)
             # Aqk = scale * sum_d q_i k_j e^(G_i - G_j); L = beta_i * sum_d k_i k_j e^(G_i - G_j):
             # both products at once, the row side of L carrying beta_i.
             b = beta[..., None]
@@ -300,6 +319,7 @@ class ReferenceIntraBackward(AbstractIntraBackward):
         anchors = level_anchors(G, after=(dAqk, grads.dL))
         lo = () if G_lo is None else (G_lo, *level_anchors(G_lo, after=(dAqk, grads.dL)))
         into = (grads.dq, grads.dk, grads.dbeta, grads.dG)
-        dq, dk, dbeta, dG = over_chunks(chunk_grads, self.group, q, k, beta, G, dAqk, grads.dL, *anchors, *lo,
+        seg = () if reset is None else (per_head(segments(reset), G.shape[1]),)
+        dq, dk, dbeta, dG = over_chunks(chunk_grads, self.group, q, k, beta, G, dAqk, grads.dL, *seg, *anchors, *lo,
                                         into=into)
         return ChunkGrads(dq, dk, grads.dv, dbeta, dG, None)

@@ -6,9 +6,10 @@ from typing import Optional
 import equinox as eqx
 
 from .. import _precision
+from .._errors import UnsupportedCase
 from .._layout import ChunkLayout
-from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkV, SeqState, typecheck
-from .._capabilities import with_G_lo
+from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkV, ChunkValid, SeqState, typecheck
+from .._capabilities import capabilities, with_G_lo
 from .._ops import full_precision
 from ._state import AbstractState, ReferenceState
 from ._types import StateOut, WYOut
@@ -24,7 +25,9 @@ class AbstractRecompute(eqx.Module):
     ``beta`` ``[R, HV, NC, C]`` activated; ``G`` ``[.., K]`` the chunk-local cumulative log
     decay (natural log); ``Akk`` ``[.., C, C]`` = ``(I + L)^-1``; ``h0`` ``[N, HV, K, V]``
     the initial state of each sequence; ``layout`` the chunked layout; ``G_lo`` G's low
-    part or None (``kdax._hilo``; optional parameter, to pass on to ``wy``).
+    part or None (``kdax._hilo``; optional parameter, to pass on to ``wy``); ``reset``
+    ``[R, NC, C]`` or None (shared chunks: to pass on to ``wy`` and ``state``; a stage
+    without the parameter cannot run shared chunks and the pipeline falls back).
 
     ``wy``, ``state`` (keyword): the F3 and F4 stages the forward ran; a ``KDAPipeline``
     always passes its own (routed through its fallback and contract checks), so that the
@@ -47,6 +50,7 @@ class AbstractRecompute(eqx.Module):
         h0: SeqState,
         layout: ChunkLayout,
         G_lo: Optional[ChunkK] = None,
+        reset: Optional[ChunkValid] = None,
         *,
         wy: Optional[AbstractWY] = None,
         state: Optional[AbstractState] = None,
@@ -54,12 +58,21 @@ class AbstractRecompute(eqx.Module):
         raise NotImplementedError
 
 
-def recompute_with(wy: AbstractWY, state: AbstractState, q, k, v, beta, G, Akk, h0, layout, G_lo=None):
+def _with_reset(stage, kwargs: dict, reset) -> dict:
+    """``kwargs`` plus ``reset`` when there is one (a stage must then take it)."""
+    if reset is None:
+        return kwargs
+    if not capabilities(type(stage)).reset:
+        raise UnsupportedCase(f"{type(stage).__qualname__} does not take `reset` (packed sequences sharing chunks)")
+    return dict(kwargs, reset=reset)
+
+
+def recompute_with(wy: AbstractWY, state: AbstractState, q, k, v, beta, G, Akk, h0, layout, G_lo=None, reset=None):
     # F3 and F4 under their own stages' precision policy (kdax._precision).
     with _precision.stage_scope(_precision.current_policy(), "wy"):
-        out = wy(**with_G_lo(wy, dict(q=q, k=k, v=v, beta=beta, G=G, Akk=Akk, G_lo=G_lo)))
+        out = wy(**_with_reset(wy, with_G_lo(wy, dict(q=q, k=k, v=v, beta=beta, G=G, Akk=Akk, G_lo=G_lo)), reset))
     with _precision.stage_scope(_precision.current_policy(), "state"):
-        return out, state(w=out.w, u=out.u, kg=out.kg, G=G, h0=h0, layout=layout)
+        return out, state(**_with_reset(state, dict(w=out.w, u=out.u, kg=out.kg, G=G, h0=h0, layout=layout), reset))
 
 
 class ReferenceRecompute(AbstractRecompute):
@@ -79,10 +92,11 @@ class ReferenceRecompute(AbstractRecompute):
         h0: SeqState,
         layout: ChunkLayout,
         G_lo: Optional[ChunkK] = None,
+        reset: Optional[ChunkValid] = None,
         *,
         wy: Optional[AbstractWY] = None,
         state: Optional[AbstractState] = None,
     ) -> tuple[WYOut, StateOut]:
         wy = ReferenceWY() if wy is None else wy
         state = ReferenceState() if state is None else state
-        return recompute_with(wy, state, q, k, v, beta, G, Akk, h0, layout, G_lo)
+        return recompute_with(wy, state, q, k, v, beta, G, Akk, h0, layout, G_lo, reset)

@@ -7,7 +7,7 @@ neither.
 """
 
 import abc
-from typing import ClassVar, Literal, Union
+from typing import ClassVar, Literal, Optional, Union
 
 import equinox as eqx
 import jax
@@ -15,8 +15,9 @@ import jax.numpy as jnp
 
 from .. import _precision
 from .._layout import ChunkLayout
-from .._typing import ChunkK, ChunkV, SeqState, typecheck
+from .._typing import ChunkK, ChunkV, ChunkValid, SeqState, typecheck
 from .._ops import full_precision, loop_unroll, mT, vary_like, zeros_after
+from ._resets import mask_exponent, state_passes
 from ._types import DhuOut, StateOut
 
 
@@ -58,7 +59,12 @@ class AbstractState(eqx.Module):
 
     Returns ``StateOut``: ``h`` ``[R, HV, NC, K, V]`` the state at each chunk's *start*;
     ``v_new`` ``[.., V]``; ``final`` ``[N, HV, K, V]`` (a sequence of length 0 keeps its
-    ``h0``)."""
+    ``h0``).
+
+    ``reset`` ``[R, NC, C]`` or None (shared chunks, ``stages._resets``; the layout's
+    ``reset``): the decay ``e^Γ`` is exactly zero through a chunk in which a sequence
+    starts after its first token (the state is replaced). A stage without the parameter
+    cannot run shared chunks (the pipeline falls back)."""
 
     # Whether the stage may be called on a tile (a few chunks at a time, the state carried
     # in h0): see docs/stages.md. A pipeline runs its forward whole if any stage is not.
@@ -73,6 +79,7 @@ class AbstractState(eqx.Module):
         G: ChunkK,
         h0: SeqState,
         layout: ChunkLayout,
+        reset: Optional[ChunkValid] = None,
     ) -> StateOut:
         raise NotImplementedError
 
@@ -99,12 +106,13 @@ class ReferenceState(AbstractState):
         G: ChunkK,
         h0: SeqState,
         layout: ChunkLayout,
+        reset: Optional[ChunkValid] = None,
     ) -> StateOut:
         R, HV, NC, _, K = w.shape
         V = u.shape[-1]
         if NC == 0:  # T = 0: every sequence is empty and keeps its initial state
             return StateOut(jnp.zeros((R, HV, 0, K, V), h0.dtype), u, h0)
-        decay = jnp.exp(G[..., -1, :])
+        decay = _decay(G, reset)
 
         def chunk(c, h):
             at = _at(c)
@@ -144,6 +152,12 @@ class ReferenceState(AbstractState):
         return StateOut(_precision.stored(hs), _precision.stored(v_news), jnp.where(ends[:, None, None, None], final, h0))
 
 
+def _decay(G, reset):
+    """``e^Γ`` ``[R, HV, NC, K]``: zero through chunks in which a sequence starts after
+    the first token (``reset``, or None)."""
+    return jnp.exp(mask_exponent(None if reset is None else state_passes(reset), G[..., -1, :]))
+
+
 def _chunk_of(ids, N: int):
     """For each of N sequences, the (row, chunk) whose entry in ``ids [R, NC]`` is that
     sequence, and whether there is one (False for sequences of length 0, and, in a tile,
@@ -165,7 +179,8 @@ class AbstractDhu(eqx.Module):
     none); ``layout``.
 
     Returns ``DhuOut``: ``dh`` ``[R, HV, NC, K, V]`` at each chunk's *end*, ``dh0``
-    ``[N, HV, K, V]`` (``dht`` for a sequence of length 0), the full ``dv_new``."""
+    ``[N, HV, K, V]`` (``dht`` for a sequence of length 0), the full ``dv_new``.
+    ``reset`` as F4's."""
 
     @abc.abstractmethod
     def __call__(
@@ -179,6 +194,7 @@ class AbstractDhu(eqx.Module):
         dv_intra: ChunkV,
         dht: SeqState,
         layout: ChunkLayout,
+        reset: Optional[ChunkValid] = None,
     ) -> DhuOut:
         raise NotImplementedError
 
@@ -201,10 +217,11 @@ class ReferenceDhu(AbstractDhu):
         dv_intra: ChunkV,
         dht: SeqState,
         layout: ChunkLayout,
+        reset: Optional[ChunkValid] = None,
     ) -> DhuOut:
         R, HV, NC, _, K = qg.shape
         V = do.shape[-1]
-        decay = jnp.exp(G[..., -1, :])
+        decay = _decay(G, reset)
 
         def step(i, carry):
             dh_c, dhs, dv_news = carry

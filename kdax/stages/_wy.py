@@ -1,15 +1,15 @@
 """WY family: F3 (w, u, qg, kg) and B3 (inter-chunk dq/dk/dG and the WY backward)."""
 
 import abc
-import functools
 from typing import ClassVar, Optional
 
 import equinox as eqx
 import jax.numpy as jnp
 
-from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, typecheck
+from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, ChunkValid, typecheck
 from .._hilo import exponent
 from .._ops import ChunkGroup, full_precision, last_row, lower_matmul, mT, over_chunks, rowsum, tri_mask
+from ._resets import from_start, mask_exponent, per_head, same_segment, segments, to_end
 from ._types import ChunkGrads, WYOut
 
 
@@ -24,7 +24,10 @@ class AbstractWY(eqx.Module):
     ``qg = q e^G`` and ``kg = k e^(Γ - G)`` ``[.., K]`` (Γ = G at the chunk's last row).
 
     ``G_lo``: G's low part or None (``kdax._hilo``; an implementation may leave the
-    parameter out and use ``G`` alone)."""
+    parameter out and use ``G`` alone). ``reset`` ``[R, NC, C]`` or None (shared chunks,
+    ``stages._resets``): ``e^G`` is exactly zero at tokens of a sequence that starts
+    inside the chunk, ``e^(Γ - G)`` at tokens of one that ends inside it. A stage without
+    the parameter cannot run shared chunks (the pipeline falls back)."""
 
     # Whether the stage may be called on a tile (a few chunks at a time, the state carried
     # in h0): see docs/stages.md. A pipeline runs its forward whole if any stage is not.
@@ -40,17 +43,38 @@ class AbstractWY(eqx.Module):
         G: ChunkK,
         Akk: ChunkMat,
         G_lo: Optional[ChunkK] = None,
+        reset: Optional[ChunkValid] = None,
     ) -> WYOut:
         raise NotImplementedError
 
 
-def _wy_chunk(q, k, v, beta, G, Akk, G_last, G_lo=None, lo_last=None):
-    eG = jnp.exp(G)
+def _masks(seg):
+    """``(from_start, to_end)`` masks of ``stages._resets``, or (None, None)."""
+    return (None, None) if seg is None else (from_start(seg), to_end(seg))
+
+
+def _wy_chunk(q, k, v, beta, G, Akk, G_last, G_lo=None, lo_last=None, seg=None):
+    start, end = _masks(seg)
+    eG = jnp.exp(mask_exponent(start, G))
     b = beta[..., None]
     K = k.shape[-1]
     wu = lower_matmul(Akk, jnp.concatenate([b * k * eG, b * v], axis=-1))  # one matmul for w and u
-    kg = k * jnp.exp(exponent(G_last, G, lo_last, G_lo))
+    kg = k * jnp.exp(mask_exponent(end, exponent(G_last, G, lo_last, G_lo)))
     return wu[..., :K], wu[..., K:], q * eG, kg
+
+
+def _chunk_args(G, G_lo, reset):
+    """The trailing ``over_chunks`` arguments ``(G_last, G_lo, lo_last, seg)`` (absent
+    ones left out) and a function that puts them back in place as keywords."""
+    xs = [last_row(G)]
+    names = ["G_last"]
+    if G_lo is not None:
+        xs += [G_lo, last_row(G_lo)]
+        names += ["G_lo", "lo_last"]
+    if reset is not None:
+        xs.append(per_head(segments(reset), G.shape[1]))
+        names.append("seg")
+    return tuple(xs), lambda rest: dict(zip(names, rest))
 
 
 class ReferenceWY(AbstractWY):
@@ -71,9 +95,11 @@ class ReferenceWY(AbstractWY):
         G: ChunkK,
         Akk: ChunkMat,
         G_lo: Optional[ChunkK] = None,
+        reset: Optional[ChunkValid] = None,
     ) -> WYOut:
-        lo = () if G_lo is None else (G_lo, last_row(G_lo))
-        return WYOut(*over_chunks(_wy_chunk, self.group, q, k, v, beta, G, Akk, last_row(G), *lo))
+        tail, named = _chunk_args(G, G_lo, reset)
+        chunk = lambda q, k, v, beta, G, Akk, *rest: _wy_chunk(q, k, v, beta, G, Akk, **named(rest))
+        return WYOut(*over_chunks(chunk, self.group, q, k, v, beta, G, Akk, *tail))
 
 
 class AbstractWYDqkg(eqx.Module):
@@ -88,7 +114,8 @@ class AbstractWYDqkg(eqx.Module):
     F3 (optional parameter).
 
     Returns ``ChunkGrads`` (dq, dk ``[.., K]``, dv ``[.., V]``, dbeta, dG ``[.., K]``, dL
-    ``[.., C, C]``): everything but F2's part, which B4 adds."""
+    ``[.., C, C]``): everything but F2's part, which B4 adds. ``reset`` as F3's (and the
+    state's decay through a chunk in which a sequence starts is zero, as in F4)."""
 
     @abc.abstractmethod
     def __call__(
@@ -108,18 +135,22 @@ class AbstractWYDqkg(eqx.Module):
         do: ChunkV,
         dv_new: ChunkV,
         G_lo: Optional[ChunkK] = None,
+        reset: Optional[ChunkValid] = None,
     ) -> ChunkGrads:
         raise NotImplementedError
 
 
-def _wy_dqkg_chunk(scale, k, v, beta, G, Akk, qg, kg, h, dh, v_new, do, dv_new, G_last, G_lo=None, lo_last=None):
-    eG = jnp.exp(G)
+def _wy_dqkg_chunk(scale, k, v, beta, G, Akk, qg, kg, h, dh, v_new, do, dv_new, G_last, G_lo=None, lo_last=None,
+                   seg=None):
+    start, end = _masks(seg)
+    eG = jnp.exp(mask_exponent(start, G))
     b = beta[..., None]
     # o = scale qg h + ...
     dqg = scale * do @ mT(h)
-    # h_next = e^Γ h + kg^T v_new
+    # h_next = e^Γ h + kg^T v_new (e^Γ = 0 where a sequence starts inside the chunk)
     dkg = v_new @ mT(dh)
-    dgam = jnp.sum(kg * dkg, axis=-2) + jnp.exp(G_last[..., 0, :]) * rowsum(h * dh)
+    passes = None if seg is None else (seg[..., -1:] == 0)
+    dgam = jnp.sum(kg * dkg, axis=-2) + jnp.exp(mask_exponent(passes, G_last[..., 0, :])) * rowsum(h * dh)
     # v_new = u - w h, w = Akk X, u = Akk Y
     dw = -dv_new @ mT(h)
     X = b * k * eG
@@ -128,9 +159,10 @@ def _wy_dqkg_chunk(scale, k, v, beta, G, Akk, qg, kg, h, dh, v_new, do, dv_new, 
     C = Akk.shape[-1]
     # dL = -Akk^T dAkk Akk^T with dAkk = dw X^T + dv_new (beta v)^T; Akk^T dw and
     # Akk^T dv_new are dX and dY already.
-    dL = jnp.where(tri_mask(C, strict=True), -(dX @ mT(X) + dY @ mT(b * v)) @ mT(Akk), 0.0)
+    lower = tri_mask(C, strict=True) if seg is None else tri_mask(C, strict=True) & same_segment(seg)
+    dL = jnp.where(lower, -(dX @ mT(X) + dY @ mT(b * v)) @ mT(Akk), 0.0)
     dq = dqg * eG
-    dk = dkg * jnp.exp(exponent(G_last, G, lo_last, G_lo)) + b * eG * dX
+    dk = dkg * jnp.exp(mask_exponent(end, exponent(G_last, G, lo_last, G_lo))) + b * eG * dX
     dv = b * dY
     dbeta = rowsum(v * dY) + rowsum(k * eG * dX)
     last = (jnp.arange(C) == C - 1)[:, None]
@@ -162,8 +194,9 @@ class ReferenceWYDqkg(AbstractWYDqkg):
         do: ChunkV,
         dv_new: ChunkV,
         G_lo: Optional[ChunkK] = None,
+        reset: Optional[ChunkValid] = None,
     ) -> ChunkGrads:
-        chunk = functools.partial(_wy_dqkg_chunk, scale)
-        lo = () if G_lo is None else (G_lo, last_row(G_lo))
-        xs = (k, v, beta, G, Akk, qg, kg, h, dh, v_new, do, dv_new, last_row(G), *lo)  # q enters through qg
+        tail, named = _chunk_args(G, G_lo, reset)
+        chunk = lambda *a: _wy_dqkg_chunk(scale, *a[:12], **named(a[12:]))
+        xs = (k, v, beta, G, Akk, qg, kg, h, dh, v_new, do, dv_new, *tail)  # q enters through qg
         return ChunkGrads(*over_chunks(chunk, self.group, *xs))

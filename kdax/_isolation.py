@@ -1,0 +1,200 @@
+"""Non-finite inputs and cotangents stay in their own sequence.
+
+The chunked algorithm multiplies values of several tokens together: those of a chunk
+(with one sequence per chunk, the padding's exact zeros; in shared chunks,
+``_layout.make_shared_layout``, other sequences' tokens), and a state by exact zeros where a
+reset replaces it. ``0 * NaN`` is NaN, so a NaN or inf would travel from its token to
+earlier tokens of its chunk and to other sequences. ``chunk_kda`` therefore runs on
+finite inputs and puts the non-finite values back where the per-sequence recurrence has
+them:
+
+- forward (``guard_inputs``, ``poison_outputs``): each non-finite input element that the
+  recurrence would carry (``bad_elements``) is replaced by zero; each sequence's first
+  token holding one for a value head (``first_bad``) makes that head's outputs NaN from
+  that token on, and its final state NaN; a non-finite ``q`` alone makes only its own
+  token's outputs NaN (q is read, never written into the state). Every other output is
+  what the recurrence gives: the tokens before are computed as before, other sequences
+  never see the value.
+- backward (``guard_inputs``'s VJP): the gradients of that head's inputs from the same
+  token on are NaN, those before are the recurrence's (the replaced zeros are after them).
+- cotangents (``clean_cotangents``, in ``chunk_kda``'s VJP): a non-finite ``do`` at token
+  u of a sequence, or ``dht`` of a sequence, is replaced by zero, and that sequence's
+  gradients at tokens up to u (all of them, for ``dht``) and its ``dh0`` are NaN, as the
+  recurrence's autodiff gives; other sequences are untouched.
+
+A gate of ``-inf`` (a full reset) and a raw gate or beta whose in-kernel activation is
+finite at ±inf (softplus/lower-bound gate, beta sigmoid) are valid inputs, not replaced.
+Large finite inputs whose intermediates overflow are not detected (float64 keeps 1e30
+inputs finite).
+"""
+
+import jax
+import jax.numpy as jnp
+
+from ._config import KDAConfig
+
+
+def sequence_ids(B: int, T: int, cu_seqlens):
+    """``([B, T] int32 sequence of each token, N)``: row b for dense input, else the
+    sequence of ``cu_seqlens`` holding the token."""
+    if cu_seqlens is None:
+        return jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, T)), B
+    cu = jnp.asarray(cu_seqlens, jnp.int32)
+    N = cu.shape[0] - 1
+    seq = jnp.searchsorted(cu, jnp.arange(T, dtype=jnp.int32), side="right") - 1
+    return jnp.clip(seq, 0, max(N - 1, 0)).astype(jnp.int32)[None], N
+
+
+def bad_elements(config: KDAConfig, q, k, v, g, beta):
+    """Per input, the elements the recurrence turns into NaN or inf (same shapes)."""
+    finite = lambda x: jnp.abs(x) < jnp.inf  # False for NaN and ±inf
+    if config.use_gate_in_kernel:  # softplus / lower-bound gate: ±inf gives a finite decay
+        bg = jnp.isnan(g)
+    else:  # -inf is a full reset (clamped to the floor); +inf is not a decay
+        bg = jnp.isnan(g) | (g == jnp.inf)
+    bb = jnp.isnan(beta) if config.use_beta_sigmoid_in_kernel else ~finite(beta)
+    return ~finite(q), ~finite(k), ~finite(v), bg, bb
+
+
+def _per_value_head(x, HV: int):
+    """``[B, T, Hx]`` -> ``[B, T, HV]`` (value head i reads q/k head i // (HV // Hx))."""
+    return x if x.shape[-1] == HV else jnp.repeat(x, HV // x.shape[-1], axis=-1)
+
+
+def _reaches(bad, seq, reverse: bool = False):
+    """``[B, T, HV]``: a ``bad [B, T, HV]`` token of the same sequence (``seq [B, T]``,
+    non-decreasing along T) at or before the token (at or after it if ``reverse``): a
+    log-depth scan of the sequence ids of bad tokens (XLA:CPU runs cummax quadratically).
+    """
+    s = jnp.broadcast_to(seq[..., None], bad.shape)
+    if reverse:
+        big = jnp.iinfo(jnp.int32).max
+        m = jax.lax.associative_scan(jnp.minimum, jnp.where(bad, s, big), axis=1, reverse=True)
+    else:
+        m = jax.lax.associative_scan(jnp.maximum, jnp.where(bad, s, -1), axis=1)
+    return m == s
+
+
+def _last_tokens(cu_seqlens, B: int, T: int):
+    """``([N] row, [N] token, [N] non-empty)`` of each sequence's last token."""
+    if cu_seqlens is None:
+        return jnp.arange(B), jnp.full((B,), max(T - 1, 0)), jnp.full((B,), T > 0)
+    cu = jnp.asarray(cu_seqlens, jnp.int32)
+    return jnp.zeros(cu.shape[0] - 1, jnp.int32), jnp.clip(cu[1:] - 1, 0, max(T - 1, 0)), cu[1:] > cu[:-1]
+
+
+def _first_tokens(cu_seqlens, B: int, T: int):
+    """``([N] row, [N] token, [N] non-empty)`` of each sequence's first token."""
+    if cu_seqlens is None:
+        return jnp.arange(B), jnp.zeros((B,), jnp.int32), jnp.full((B,), T > 0)
+    cu = jnp.asarray(cu_seqlens, jnp.int32)
+    return jnp.zeros(cu.shape[0] - 1, jnp.int32), jnp.clip(cu[:-1], 0, max(T - 1, 0)), cu[1:] > cu[:-1]
+
+
+class Bad:
+    """Where a call's non-finite inputs are and what they reach (arrays, not a pytree:
+    built and used inside one trace)."""
+
+    def __init__(self, config: KDAConfig, raw, cu_seqlens):
+        q, k, v, g, beta = raw
+        B, T = q.shape[:2]
+        HV = v.shape[2]
+        self.elements = bad_elements(config, q, k, v, g, beta)
+        bq, bk, bv, bg, bb = self.elements
+        state = (_per_value_head(jnp.any(bk, -1), HV) | jnp.any(bv, -1) | jnp.any(bg, -1) | bb)  # [B, T, HV]
+        self.q_only = _per_value_head(jnp.any(bq, -1), HV)
+        seq, _ = sequence_ids(B, T, cu_seqlens)
+        self.after = _reaches(state, seq)  # [B, T, HV]: from the state's first bad token on
+        r, e, nonempty = _last_tokens(cu_seqlens, B, T)
+        self.state_bad = self.after[r, e] & nonempty[:, None]  # [N, HV]
+
+
+def any_bad(bad: Bad):
+    """Whether any input element was replaced (a traced bool)."""
+    return jnp.any(jnp.stack([jnp.any(b) for b in bad.elements]))
+
+
+@jax.custom_vjp
+def _clean(x, bad, after):
+    return jnp.where(bad, jnp.zeros((), x.dtype), x)
+
+
+def _clean_fwd(x, bad, after):
+    return _clean(x, bad, after), after
+
+
+def _clean_bwd(after, ct):
+    return jnp.where(after, jnp.asarray(jnp.nan, ct.dtype), ct), None, None
+
+
+_clean.defvjp(_clean_fwd, _clean_bwd)
+
+
+def _token_mask(after, x):
+    """``after [B, T, HV]`` as a mask broadcast to input ``x`` ``[B, T, Hx, ...]``
+    (a q/k head: any of its value heads)."""
+    Hx, HV = x.shape[2], after.shape[-1]
+    m = after if Hx == HV else jnp.any(after.reshape(after.shape[:2] + (Hx, HV // Hx)), -1)
+    return jnp.broadcast_to(m.reshape(m.shape + (1,) * (x.ndim - 3)), x.shape)
+
+
+def guard_inputs(bad: Bad, raw):
+    """``(q, k, v, g, beta)`` with the bad elements replaced by zero; their gradients are
+    NaN where the outputs are (``poison_outputs``)."""
+    where = bad.after | bad.q_only
+    return tuple(_clean(x, b, _token_mask(where, x)) for x, b in zip(raw, bad.elements))
+
+
+def poison_outputs(bad: Bad, o, final):
+    """``o [B, T, HV, V]`` NaN where the recurrence's is (``Bad``); ``final [N, HV, ...]``
+    NaN for a sequence whose state met a bad token. Cotangents pass through."""
+    nan = jnp.asarray(jnp.nan, o.dtype)
+    o = o + jnp.where((bad.after | bad.q_only)[..., None], nan, jnp.zeros((), o.dtype))
+    if final is not None:
+        final = final + jnp.where(bad.state_bad[:, :, None, None], jnp.asarray(jnp.nan, final.dtype), 0.0).astype(final.dtype)
+    return o, final
+
+
+def clean_cotangents(do, dht, cu_seqlens, H: int):
+    """``(do, dht, poison)`` for ``chunk_kda``'s VJP: non-finite cotangents replaced by
+    zero, and ``poison(grads)`` putting NaN into the gradients that the recurrence's
+    autodiff makes NaN: every token of a sequence up to its last non-finite ``do``
+    (``dq`` at that token only), all of a sequence with a non-finite ``dht``, and that
+    sequence's ``dh0``. ``do [B, T, HV, V]``, ``dht [N, HV, K, V]`` or None; ``H`` the
+    q/k heads."""
+    B, T, HV = do.shape[:3]
+    seq, N = sequence_ids(B, T, cu_seqlens)
+    ok_do = jnp.abs(do) < jnp.inf
+    bad_tok = ~jnp.all(ok_do, -1)  # [B, T, HV]
+    do = jnp.where(ok_do, do, jnp.zeros((), do.dtype))
+    upto = _reaches(bad_tok, seq, reverse=True)  # [B, T, HV]
+    r, s, nonempty = _first_tokens(cu_seqlens, B, T)
+    seq_bad = upto[r, s] & nonempty[:, None]  # [N, HV]: a bad do reaches the sequence's start
+    if dht is not None:
+        ok_ht = jnp.abs(dht) < jnp.inf
+        ht_bad = ~jnp.all(ok_ht, axis=(-2, -1))  # [N, HV]
+        upto = upto | ht_bad[seq]
+        seq_bad = seq_bad | ht_bad
+        dht = jnp.where(ok_ht, dht, jnp.zeros((), dht.dtype))
+
+    def poison(grads):
+        nan = lambda x, m: None if x is None else jnp.where(_token_mask(m, x), jnp.asarray(jnp.nan, x.dtype), x)
+        dh0 = grads.initial_state
+        if dh0 is not None:
+            dh0 = jnp.where(seq_bad[:, :, None, None], jnp.asarray(jnp.nan, dh0.dtype), dh0)
+        return type(grads)(
+            q=nan(grads.q, bad_tok), k=nan(grads.k, upto), v=nan(grads.v, upto),
+            g=nan(grads.g, upto), beta=nan(grads.beta, upto), initial_state=dh0, A_log=grads.A_log,
+            dt_bias=grads.dt_bias,
+        )
+
+    return do, dht, poison
+
+
+def isolate_call(config: KDAConfig, raw, cu_seqlens, run):
+    """``run(q, k, v, g, beta) -> (o, final)`` on guarded inputs, its outputs poisoned
+    where the recurrence's are non-finite (``Bad``)."""
+    bad = Bad(config, raw, cu_seqlens)
+    o, final = run(*guard_inputs(bad, raw))
+    return poison_outputs(bad, o, final)
+

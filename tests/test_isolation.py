@@ -1,0 +1,231 @@
+"""Issue 25: a sequence never touches another. float64 against the per-sequence
+recurrence (``oracle_kda``), a huge (x1e30) or non-finite value injected at one token of
+one sequence into each of q, k, v, g, beta: every other sequence's outputs, final states
+and gradients are the recurrence's; the bad sequence's are exact before the token (where
+the recurrence's are finite) and non-finite wherever the recurrence's are. Shared chunks
+(exact resets, ``stages._resets``), one sequence per chunk, dense rows; and the
+causal-gradient case of the issue (garbage right padding, a loss on the valid outputs)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kdax
+
+from ._util import assert_close, make_inputs, oracle_kda, split_args
+
+C = 16
+# Sequence 1 (tokens 5..19) crosses a chunk boundary and shares chunks with 0 and 2; 3
+# starts right after a one-token sequence inside chunk 1; 4 shares chunk 2 with 3.
+CU = [0, 5, 20, 21, 40, 47]
+BAD_SEQ, BAD_T = 1, 12
+NAMES = ("q", "k", "v", "g", "beta")
+VALUES = {"x1e30": None, "nan": np.nan, "inf": np.inf, "-inf": -np.inf}
+
+
+def _inject(x, name, value, at):
+    a = np.array(x[name])
+    a[at] = a[at] * 1e30 if value is None else value
+    return dict(x, **{name: jnp.asarray(a)})
+
+
+def _runner(fn, options, final_loss):
+    """``(o, ht, grads)`` of ``sum(o * W) + sum(ht * Wh)`` (Wh when ``final_loss``), jit."""
+
+    @jax.jit
+    def f(arrays, W, Wh):
+        def loss(a):
+            pos, kw = split_args(a)
+            o, ht = fn(*pos, **kw, **options)
+            val = jnp.sum(o * W)
+            return (val + jnp.sum(ht * Wh) if final_loss else val), (o, ht)
+
+        grads, (o, ht) = jax.grad(loss, has_aux=True)(arrays)
+        return o, ht, grads
+
+    return f
+
+
+def _sequences(cu, B):
+    """``[(row, start, end)]`` per sequence (dense: one per row)."""
+    return [(0, s, e) for s, e in zip(cu[:-1], cu[1:])] if cu is not None else [(b, 0, None) for b in range(B)]
+
+
+def _check_isolated(got, want, seqs, bad, t_bad, tol=1e-10, bad_exact=True):
+    """Every sequence but ``bad`` equal to the oracle; ``bad`` equal before ``t_bad``
+    where the oracle is finite (when ``bad_exact``), and non-finite wherever it is."""
+    o, ht, grads = got
+    o_ref, ht_ref, g_ref = want
+    for n, (r, s, e) in enumerate(seqs):
+        e = o.shape[1] if e is None else e
+        if e == s:
+            continue
+        tok = lambda x: np.asarray(x)[r, s:e]
+        if n != bad:
+            assert_close(tok(o), tok(o_ref), tol, f"o of sequence {n}")
+            if ht is not None:
+                assert_close(ht[n], ht_ref[n], tol, f"ht of sequence {n}")
+            for name in g_ref:
+                if name in NAMES:
+                    assert_close(tok(grads[name]), tok(g_ref[name]), tol, f"d{name} of sequence {n}")
+            continue
+        before = lambda x: np.asarray(x)[r, s:t_bad]
+        assert_close(before(o), before(o_ref), tol, "o of the bad sequence before its bad token")
+        assert np.all(~np.isfinite(tok(o)[~np.isfinite(tok(o_ref))])), "o: finite where the recurrence is not"
+        if ht is not None and not np.all(np.isfinite(ht_ref[n])):
+            assert not np.all(np.isfinite(ht[n]))
+        if bad_exact:
+            for name in g_ref:
+                if name in NAMES:
+                    w, x = before(g_ref[name]), before(grads[name])
+                    ok = np.isfinite(w)
+                    assert np.all(np.isfinite(x)), f"d{name}: non-finite before the bad token"
+                    if ok.any():
+                        assert_close(x[ok], w[ok], tol, f"d{name} of the bad sequence before its bad token")
+
+
+def _sweep(fn, x, options, cu, bad_rows, final_loss, oracle_options=None, values=VALUES):
+    f = _runner(fn, options, final_loss)
+    f_ref = _runner(oracle_kda, dict(options, **(oracle_options or {})), final_loss)
+    r = np.random.default_rng(1)
+    W = jnp.asarray(r.normal(size=x["v"].shape))
+    N = len(cu) - 1 if cu is not None else x["v"].shape[0]
+    Wh = jnp.asarray(r.normal(size=(N,) + x["v"].shape[2:3] + (x["q"].shape[-1], x["v"].shape[-1])))
+    seqs = _sequences(cu, x["v"].shape[0])
+    row, t = bad_rows
+    for name in NAMES:
+        for label, value in values.items():
+            y = _inject(x, name, value, (row, t, 0))
+            got = f(y, W, Wh)
+            want = f_ref(y, W, Wh)
+            bad = [n for n, (rr, s, e) in enumerate(seqs) if rr == row and s <= t and (e is None or t < e)][0]
+            # x1e30: the bad sequence's later values are 1e30-scale (no exact reference).
+            _check_isolated(got, want, seqs, bad, t if cu is not None else t, bad_exact=value is not None)
+
+
+def _inputs(T, B=1, h0=False, seed=0):
+    return make_inputs(seed=seed, B=B, T=T, H=1, HV=2, K=8, V=8, h0=h0, N=len(CU) - 1 if B == 1 else B)
+
+
+def _fn(pipe=None):
+    pipe = kdax.KDAPipeline.reference() if pipe is None else pipe
+    return lambda *a, **kw: kdax.chunk_kda(*a, pipeline=pipe, chunk_size=C, **kw)
+
+
+def test_shared_chunks_isolated():
+    """Shared chunks (no initial_state), final states read per sequence, a loss on o."""
+    x = _inputs(CU[-1])
+    cu = jnp.asarray(CU, jnp.int32)
+    pos, _ = split_args(x)
+    assert kdax.KDAPipeline.reference().plan(*pos, chunk_size=C, cu_seqlens=cu).layout == "shared"
+    _sweep(_fn(), x, dict(cu_seqlens=cu, output_final_state=True), CU, (0, BAD_T), final_loss=False,
+           oracle_options=dict(cu_seqlens=CU))
+
+
+def test_per_sequence_chunks_isolated():
+    """One sequence per chunk (an initial state), a loss on o and the final states."""
+    x = _inputs(CU[-1], h0=True)
+    cu = jnp.asarray(CU, jnp.int32)
+    _sweep(_fn(), x, dict(cu_seqlens=cu, output_final_state=True), CU, (0, BAD_T), final_loss=True,
+           oracle_options=dict(cu_seqlens=CU))
+
+
+def test_dense_rows_isolated():
+    """Dense rows (bad row 0 at token 20 of 40, inside chunk 1), a loss on o and states."""
+    x = make_inputs(seed=2, B=2, T=40, H=1, HV=2, K=8, V=8, h0=True)
+    _sweep(_fn(), x, dict(output_final_state=True), None, (0, 20), final_loss=True)
+
+
+def test_exact_reset_whatever_the_neighbours_hold():
+    """x1e30 in every input of a whole sequence at once (shared chunks): the others are
+    bit-identical to the call with ordinary neighbours (the decay floor alone left
+    exp(-60) x 1e30 of them)."""
+    x = _inputs(CU[-1])
+    cu = jnp.asarray(CU, jnp.int32)
+    f = _runner(_fn(), dict(cu_seqlens=cu), final_loss=False)
+    W = jnp.asarray(np.random.default_rng(3).normal(size=x["v"].shape))
+    o0, _, g0 = f(x, W, None)
+    y = dict(x)
+    y["v"] = x["v"].at[0, 5:20].multiply(1e30)
+    o, _, g = f(y, W, None)
+    other = np.r_[0:5, 20:47]
+    assert np.array_equal(np.asarray(o)[0, other], np.asarray(o0)[0, other])
+    for n in NAMES:
+        assert np.array_equal(np.asarray(g[n])[0, other], np.asarray(g0[n])[0, other]), n
+
+
+@pytest.mark.parametrize("layout", ["dense", "shared"])
+def test_gradients_before_garbage_padding(layout):
+    """``v[0, 30:] = NaN`` (garbage right padding) and a loss on ``o[:, :30]``: every
+    gradient at tokens < 30 finite and equal to the recurrence's autodiff."""
+    B = 2 if layout == "dense" else 1
+    x = make_inputs(seed=4, B=B, T=40, H=1, HV=2, K=8, V=8, h0=False)
+    x["v"] = x["v"].at[0, 30:].set(jnp.nan)
+    opts = {} if layout == "dense" else dict(cu_seqlens=jnp.asarray([0, 40], jnp.int32))
+
+    def grads(fn, o_opts):
+        def loss(a):
+            pos, _ = split_args(a)
+            return jnp.sum(fn(*pos, **o_opts)[0][:, :30] ** 2)
+
+        return jax.jit(jax.grad(loss))({n: x[n] for n in NAMES})
+
+    got = grads(_fn(), opts)
+    want = grads(oracle_kda, dict(opts, cu_seqlens=[0, 40]) if opts else {})
+    for n in NAMES:
+        assert_close(np.asarray(got[n])[:, :30], np.asarray(want[n])[:, :30], 1e-10, "d" + n)
+
+
+def test_nan_cotangent_stays_in_its_sequence():
+    """A NaN cotangent at token 30 of sequence 1 (a loss whose gradient is NaN there):
+    every other sequence's gradients are the recurrence's; sequence 1's are NaN up to the
+    token, as the recurrence's autodiff gives (shared chunks)."""
+    cu = [0, 25, 40, 47]
+    x = make_inputs(seed=5, B=1, T=47, H=1, HV=2, K=8, V=8, h0=False)
+    W = jnp.ones(x["v"].shape).at[0, 30].set(jnp.nan)
+
+    def grads(fn, opts):
+        def loss(a):
+            pos, _ = split_args(a)
+            return jnp.sum(fn(*pos, **opts)[0] * W)
+
+        return jax.jit(jax.grad(loss))({n: x[n] for n in NAMES})
+
+    got = grads(_fn(), dict(cu_seqlens=jnp.asarray(cu, jnp.int32)))
+    want = grads(oracle_kda, dict(cu_seqlens=cu))
+    for n in NAMES:
+        g, w = np.asarray(got[n])[0], np.asarray(want[n])[0]
+        for s, e in ((0, 25), (40, 47)):
+            assert_close(g[s:e], w[s:e], 1e-10, f"d{n} [{s}:{e}]")
+        assert np.all(~np.isfinite(g[25:41][~np.isfinite(w[25:41])])), n
+
+
+@pytest.mark.parametrize("pipe", ["pallas", "mixed", "untiled"])
+def test_other_pipelines_exact_resets(pipe):
+    """Every pipeline gives each sequence of shared chunks its own result whatever its
+    neighbours hold (the Pallas stages without ``reset`` fall back to the reference ones,
+    interpret mode on CPU)."""
+    p = {"pallas": lambda: kdax.KDAPipeline.pallas(interpret=True),
+         "mixed": lambda: kdax.KDAPipeline.mixed(interpret=True),
+         "untiled": lambda: kdax.KDAPipeline.reference().untiled()}[pipe]()
+    x = _inputs(CU[-1])
+    cu = jnp.asarray(CU, jnp.int32)
+    y = dict(x, v=x["v"].at[0, 5:20].multiply(1e30))
+    y["beta"] = y["beta"].at[0, 8].set(jnp.nan)
+    with pytest.warns(kdax.FallbackWarning) if pipe != "untiled" else _nothing():
+        f = _runner(_fn(p), dict(cu_seqlens=cu), final_loss=False)
+        W = jnp.asarray(np.random.default_rng(3).normal(size=x["v"].shape))
+        got = f(y, W, None)
+    want = _runner(oracle_kda, dict(cu_seqlens=CU), final_loss=False)(y, W, None)
+    _check_isolated(got, want, _sequences(CU, 1), BAD_SEQ, 8, tol=1e-10, bad_exact=False)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
