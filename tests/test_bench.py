@@ -141,7 +141,8 @@ def test_train_step_loss_weights_are_an_argument():
 
 
 def test_plain_scan_baseline_is_kda():
-    """The honest baseline computes KDA: outputs and final state of the float64 oracle."""
+    """The honest baseline computes KDA: outputs, final state and gradients of the float64
+    oracle."""
     from kdax.ref import naive_recurrent_kda
 
     a = tuple(x.astype(jnp.float64) for x in bench.make_inputs(bench.Shape(T=40, H=2, HV=2, K=8, V=8)))
@@ -149,3 +150,9 @@ def test_plain_scan_baseline_is_kda():
     o_ref, S_ref = naive_recurrent_kda(*a, output_final_state=True)
     np.testing.assert_allclose(o, o_ref, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(S, S_ref, rtol=1e-12, atol=1e-12)
+    # and its gradients (the main job's float64 reference when H == HV)
+    w = bench.cotangent(bench.Shape(T=40, H=2, HV=2, K=8, V=8), dtype=jnp.float64)
+    _, g = bench._TrainStep(bench.plain_scan_kda, w)(*a)
+    _, g_ref = bench._TrainStep(naive_recurrent_kda, w)(*a)
+    for x, y in zip(g, g_ref):
+        np.testing.assert_allclose(x, y, rtol=1e-10, atol=1e-12)

@@ -51,10 +51,11 @@ def read_config(path) -> KDACheckpointConfig:
         cfg = json.load(f)
     if cfg.get("linear_attn_config") is not None:
         return _kimi_linear(cfg)
-    if cfg.get("model_type") in ("kda", None) and "linear_attn_config" not in cfg:
+    if cfg.get("model_type") == "kda":
         return _fla(cfg)
     raise ValueError(f"config.json: model_type {cfg.get('model_type')!r} is neither FLA's KDA ('kda') nor "
-                     f"Kimi Linear (a config with linear_attn_config).")
+                     f"Kimi Linear (a config with linear_attn_config); for other checkpoints load the layer's "
+                     f"tensors with KimiDeltaAttention.from_state_dict.")
 
 
 def _fla(cfg) -> KDACheckpointConfig:
@@ -105,9 +106,11 @@ class _Weights:
             with open(index) as f:
                 self.where = {k: os.path.join(folder, v) for k, v in json.load(f)["weight_map"].items()}
         elif os.path.isfile(single):
-            from ._weights import load_safetensors  # noqa: F401 (the error if safetensors is missing)
-            from safetensors import safe_open
-
+            try:
+                from safetensors import safe_open
+            except ImportError as e:  # pragma: no cover - depends on the environment
+                raise ImportError("Loading .safetensors files needs the safetensors package "
+                                  "(pip install 'kdax[nn]').") from e
             with safe_open(single, framework="numpy") as f:
                 self.where = {k: single for k in f.keys()}
         else:

@@ -168,9 +168,12 @@ def test_moonshot_checkpoint_in_bfloat16_loads(tmp_path, shards):
         KimiDeltaAttention.from_pretrained(folder, layer_idx=2)
 
 
-def test_moonshot_config_with_unknown_layer_options_is_refused(tmp_path):
+def test_unknown_configs_are_refused(tmp_path):
     cfg = json.loads(json.dumps(KIMI_CONFIG))
     cfg["linear_attn_config"]["use_full_rank_gate"] = True
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="use_full_rank_gate"):
         read_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(dict(model_type="gated_deltanet", hidden_size=D)))
+    with pytest.raises(ValueError, match="model_type 'gated_deltanet' is neither"):
+        read_config(tmp_path / "config.json")
