@@ -202,9 +202,11 @@ FAST_PIPES = {
     ("reference", (1, 256, 2, 32, 32), False),
     ("reference", (1, 256, 2, 32, 32), True),
     ("pallas_state", (1, 256, 2, 32, 32), True),
-    # FLA's benchmark shape (B, T, H, K, chunk 64): minutes on the CPU.
-    pytest.param("reference", (1, 16384, 16, 128, 64), False, marks=pytest.mark.slow),
-], ids=["reference", "reference_packed", "pallas_state_packed", "reference_1x16384x16"])
+    # FLA's benchmark sequence length, head size and chunk with one head (B, T, H, K, C):
+    # minutes on the CPU; the float64 oracle's gradient keeps every step's state (16 heads:
+    # 34 GB, more than a CI machine has).
+    pytest.param("reference", (1, 16384, 1, 128, 64), False, marks=pytest.mark.slow),
+], ids=["reference", "reference_packed", "pallas_state_packed", "reference_T16384_K128"])
 def test_fast_precision_policy_within_fla_tolerances(name, shape, packed):
     """``precision="fast"`` (bf16 operands in the recurrences too, h and v_new stored
     bf16): bf16 inputs with Kimi Linear's gates (softplus gate with A_log and dt_bias in
