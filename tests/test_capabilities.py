@@ -66,10 +66,14 @@ def test_runner_negotiates_reset_and_G_lo():
     ref = oracle_kda(*pos, cu_seqlens=cu)[0]
     base = kdax.KDAPipeline.reference()
     # Declared reset: the shared layout runs with it.
-    pipe = eqx.tree_at(lambda p: (p.gate, p.intra), base, (DeclaredGate(), OldIntra()))
+    pipe = eqx.tree_at(lambda p: p.gate, base, DeclaredGate())
     plan = pipe.plan(*pos, cu_seqlens=cu, chunk_size=16)
     assert plan.layout == "shared" and not plan.fallbacks
-    assert_close(pipe(*pos, cu_seqlens=cu, chunk_size=16)[0], ref, 1e-10, "o (declared reset, G alone)")
+    assert_close(pipe(*pos, cu_seqlens=cu, chunk_size=16)[0], ref, 1e-10, "o (declared reset)")
+    # An F2 written before G_lo and reset: G alone, and packed input one sequence per chunk.
+    old = eqx.tree_at(lambda p: p.intra, base, OldIntra())
+    assert old.plan(*pos, cu_seqlens=cu, chunk_size=16).layout == "per-sequence"
+    assert_close(old(*pos, cu_seqlens=cu, chunk_size=16)[0], ref, 1e-10, "o (G alone, per-sequence)")
     # No reset declared: adapted exactly, one sequence per chunk (the per-sequence layout);
     # with fallback, the shared layout with the reference gate.
     strict = eqx.tree_at(lambda p: p.gate, base, NoResetGate())
