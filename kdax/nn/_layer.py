@@ -196,10 +196,16 @@ class KimiDeltaAttention(eqx.Module):
         - ``attention_mask [B, T]`` (1 token, 0 padding; left or right padded, any
           pattern): the rows run as packed variable-length sequences with static shapes
           (new masks never recompile); padding rows of ``y`` are exactly zero.
-        - ``cu_seqlens [N + 1]``: packed input (B == 1), N sequences.
+        - ``cu_seqlens [N + 1]``: packed input (B == 1), N sequences (array, list or tuple).
         - ``cache``: a ``KDACache`` with one row per sequence (B, or N); each sequence
-          continues from its row. With ``state_indices [N]`` the cache is a pool and only
-          rows ``state_indices`` are read and written (others stay bit-identical).
+          continues from its row. With ``state_indices [N]`` (distinct slots, refused
+          otherwise) the cache is a pool and only rows ``state_indices`` are read and
+          written (others stay bit-identical).
+
+        Isolation: every sequence (a row, a masked row, a packed sequence) gets the outputs,
+        state and gradients it gets alone, whatever the others hold, NaN or inf included
+        (docs/stages.md §1, "Isolation"); a non-finite value makes its own sequence's
+        outputs NaN from its token on and leaves the tokens before it exact.
         - ``mode``: "chunk" (``chunk_kda``) or "recurrent" (``fused_recurrent_kda``);
           None takes the recurrent path when a cache is passed and ``T <= 64`` (decode),
           else the chunked one.
