@@ -9,11 +9,12 @@ tokens are zeros with ``valid`` False: they neither decay nor write the state.
 ``make_shared_layout`` packs varlen input without padding (sequences share chunks): the
 dense layout of its one row, each token at its own position, NC = ceil(T / C), and
 ``reset`` marking every sequence's first token. F1 gives such a token the log decay
-floor (``clamp_log_decay``), which resets the state it meets to within
-exp(floor) (below the dtype's resolution), and B5 gives it a zero gate gradient (a start
-on a chunk boundary is also an exact reset of the state stages, ``first``/``last``):
-exact when every sequence starts from a zero state (no ``initial_state``), the case the
-pipeline uses it for (``KDAPipeline.share_chunks``; final states: ``pipeline._shared_finals``).
+floor (``clamp_log_decay``), which keeps G non-increasing through the chunk, and B5 gives it
+a zero gate gradient; every stage between them masks the terms across sequences to exact
+zeros (``kdax._resets``), so the reset replaces the state exactly (a start on a chunk
+boundary is also an exact reset of the state stages, ``first``/``last``): exact when every
+sequence starts from a zero state (no ``initial_state``), the case the pipeline uses it for
+(``KDAPipeline.share_chunks``; final states: ``pipeline._shared_finals``).
 """
 
 from typing import Optional
@@ -87,7 +88,7 @@ def make_shared_layout(T: int, chunk_size: int, cu_seqlens) -> ChunkLayout:
     at the first token of every sequence of length > 0. The state table has one entry,
     zero: ``first`` enters it (an exact reset) at every chunk that starts with a
     sequence's first token, and ``last`` ends the stream (entry 0) before each such
-    chunk, so a NaN or inf reaches no chunk from the next such start on.
+    chunk. Non-finite inputs never enter (``kdax._isolation``).
     Per-sequence initial states are not represented (module docstring)."""
     C = chunk_size
     base = make_layout(1, T, C)

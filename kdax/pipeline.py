@@ -430,7 +430,7 @@ class KDAPipeline(eqx.Module):
         qc, kc, vc, gc, bc = chunked
         act = self.run_stage("gate", config=config, q=qc, k=kc, g=gc, beta=bc, A_log=A_log, dt_bias=dt_bias,
                           valid=layout.valid, reset=layout.reset)
-        # reset (shared chunks): exact zeros across sequences (stages._resets).
+        # reset (shared chunks): exact zeros across sequences (kdax._resets).
         R = layout.reset
         intra = self.run_stage("intra", scale=config.scale, q=act.q, k=act.k, beta=act.beta, G=act.G, G_lo=act.G_lo,
                                reset=R)

@@ -272,14 +272,20 @@ class KimiDeltaAttention(eqx.Module):
           (new masks never recompile); padding rows of ``y`` are exactly zero. With a
           ``cache``, FLA's mask of the whole history ``[B, S]`` (S > T, as Hugging Face's
           ``generate`` passes it) is accepted too: its last T columns are this call's.
-        - ``cu_seqlens [N + 1]``: packed input (B == 1), N sequences.
+        - ``cu_seqlens [N + 1]``: packed input (B == 1), N sequences (array, list or tuple).
         - ``cache``: a ``KDACache`` with one row per sequence (B, or N); each sequence
-          continues from its row. With ``state_indices [N]`` the cache is a pool and only
-          rows ``state_indices`` are read and written (others stay bit-identical).
+          continues from its row. With ``state_indices [N]`` (distinct slots, refused
+          otherwise) the cache is a pool and only rows ``state_indices`` are read and
+          written (others stay bit-identical).
         - ``mode``: "chunk" (``chunk_kda``) or "recurrent" (``fused_recurrent_kda``; FLA's
           name "fused_recurrent" too); None takes the recurrent path when a cache is
           passed and ``T <= 64`` (decode), else the layer's ``mode`` ("chunk" unless
           built with ``mode="fused_recurrent"``).
+
+        Isolation: every sequence (a row, a masked row, a packed sequence) gets the outputs,
+        state and gradients it gets alone, whatever the others hold, NaN or inf included
+        (docs/stages.md §1, "Isolation"); a non-finite value makes its own sequence's
+        outputs NaN from its token on and leaves the tokens before it exact.
         - ``return_intermediate_states``: also return a ``KDACache`` of arrays
           ``[B, NC, ...]`` whose entry ``[:, c]`` is the cache after the first
           ``c * chunk_size`` tokens of this call (FLA's ``return_intermediate_states``),

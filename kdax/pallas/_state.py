@@ -9,7 +9,7 @@ chunks (no scratch), reading chunk blocks with ``pl.ds`` and the sequence bounda
 (``layout.first`` / ``layout.last``) as scalars, so it runs dense and packed varlen alike.
 """
 
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +18,8 @@ from jax.experimental import pallas as pl
 from .. import _precision
 from .._errors import UnsupportedCase
 from .._layout import ChunkLayout
-from .._typing import ChunkK, ChunkV, SeqState, typecheck
+from .._resets import mask_exponent, state_passes
+from .._typing import ChunkK, ChunkV, ChunkValid, SeqState, typecheck
 from ..stages import AbstractDhu, AbstractState, DhuOut, StateOut
 from ._common import (
     PallasValueBlocks, check_width, chunk_spec, compiler_params, dot, feature_pad, flat, idiv, kernel_name, loop, tuned, unflat,
@@ -37,9 +38,14 @@ def _check_dense(stage: str, layout: ChunkLayout, NC: int):
         raise UnsupportedCase(f"{stage}: T == 0 leaves no chunk to run a kernel on.")
 
 
-def _gamma_col(G, target):
-    """``G[last]`` per chunk as a column ``[P, NC, Kp, 1]`` (scales the rows of h)."""
-    return feature_pad(target, flat(G[..., -1, :]), axes=(-2,))
+def _gamma_col(G, target, reset=None):
+    """``G[last]`` per chunk as a column ``[P, NC, Kp, 1]`` (scales the rows of h); -inf
+    (no decay: the state is replaced) through a chunk in which a sequence starts after its
+    first token (``reset``: shared chunks, ``kdax._resets``)."""
+    gam = G[..., -1, :]
+    if reset is not None:
+        gam = mask_exponent(state_passes(reset), gam)  # [R, 1, NC, 1] against [R, HV, NC, K]
+    return feature_pad(target, flat(gam), axes=(-2,))
 
 
 def _state_step(w, u, kg, gam, h):
@@ -109,6 +115,7 @@ class PallasState(AbstractState, PallasValueBlocks):
         G: ChunkK,
         h0: SeqState,
         layout: ChunkLayout,
+        reset: Optional[ChunkValid] = None,
     ) -> StateOut:
         R, HV, NC, C, K = w.shape
         V = u.shape[-1]
@@ -119,7 +126,7 @@ class PallasState(AbstractState, PallasValueBlocks):
         N = h0.shape[0]
         wf, kgf = feature_pad(t, flat(w)), feature_pad(t, flat(kg))
         uf = feature_pad(t, flat(u))
-        gam = _gamma_col(G, t)
+        gam = _gamma_col(G, t, reset)
         h0f = feature_pad(t, h0.reshape(N * HV, K, V), axes=(-2, -1))
         P, Kp, Vp = R * HV, wf.shape[-1], uf.shape[-1]
         interpret = self.run_interpreted
@@ -211,6 +218,7 @@ class PallasDhu(AbstractDhu, PallasValueBlocks):
         dv_intra: ChunkV,
         dht: SeqState,
         layout: ChunkLayout,
+        reset: Optional[ChunkValid] = None,
     ) -> DhuOut:
         R, HV, NC, C, K = qg.shape
         V = do.shape[-1]
@@ -221,7 +229,7 @@ class PallasDhu(AbstractDhu, PallasValueBlocks):
         N = dht.shape[0]
         qf, kf, wf = (feature_pad(t, flat(x)) for x in (qg, kg, w))
         dof, dvf = feature_pad(t, flat(do)), feature_pad(t, flat(dv_intra))
-        gam = _gamma_col(G, t)
+        gam = _gamma_col(G, t, reset)
         dhtf = feature_pad(t, dht.reshape(N * HV, K, V), axes=(-2, -1))
         P, Kp, Vp = R * HV, qf.shape[-1], dof.shape[-1]
         interpret = self.run_interpreted

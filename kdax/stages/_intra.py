@@ -22,7 +22,7 @@ from .. import _precision
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkValid, typecheck
 from .._hilo import exponent
 from .._ops import ChunkGroup, full_precision, lower_matmul, mT, over_chunks, rowsum, zeros_after
-from ._resets import per_head, same_segment, segments
+from .._resets import per_head, same_segment, segments
 from ._types import ChunkGrads, IntraOut
 
 
@@ -191,7 +191,7 @@ class AbstractIntra(eqx.Module):
     j <= i, zero above the diagonal (already scaled); ``Akk = (I + L)^-1`` with the strictly
     lower ``L[i, j] = beta_i sum_d k_id k_jd exp(G_id - G_jd)``; both ``[R, HV, NC, C, C]``.
 
-    ``reset`` ``[R, NC, C]`` or None (shared chunks, ``stages._resets``): both are zero,
+    ``reset`` ``[R, NC, C]`` or None (shared chunks, ``kdax._resets``): both are zero,
     exactly, where i and j belong to different sequences. A stage without the parameter
     cannot run shared chunks (the pipeline falls back)."""
 

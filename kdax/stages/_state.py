@@ -17,7 +17,7 @@ from .. import _precision
 from .._layout import ChunkLayout
 from .._typing import ChunkK, ChunkV, ChunkValid, SeqState, typecheck
 from .._ops import full_precision, loop_unroll, mT, vary_like, zeros_after
-from ._resets import mask_exponent, state_passes
+from .._resets import mask_exponent, state_passes
 from ._types import DhuOut, StateOut
 
 
@@ -61,7 +61,7 @@ class AbstractState(eqx.Module):
     ``v_new`` ``[.., V]``; ``final`` ``[N, HV, K, V]`` (a sequence of length 0 keeps its
     ``h0``).
 
-    ``reset`` ``[R, NC, C]`` or None (shared chunks, ``stages._resets``; the layout's
+    ``reset`` ``[R, NC, C]`` or None (shared chunks, ``kdax._resets``; the layout's
     ``reset``): the decay ``e^Γ`` is exactly zero through a chunk in which a sequence
     starts after its first token (the state is replaced). A stage without the parameter
     cannot run shared chunks (the pipeline falls back)."""

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, ChunkValid, typecheck
 from .._hilo import exponent
 from .._ops import ChunkGroup, full_precision, last_row, lower_matmul, mT, over_chunks, rowsum, tri_mask
-from ._resets import from_start, mask_exponent, per_head, same_segment, segments, to_end
+from .._resets import from_start, mask_exponent, per_head, same_segment, segments, to_end
 from ._types import ChunkGrads, WYOut
 
 
@@ -25,7 +25,7 @@ class AbstractWY(eqx.Module):
 
     ``G_lo``: G's low part or None (``kdax._hilo``; an implementation may leave the
     parameter out and use ``G`` alone). ``reset`` ``[R, NC, C]`` or None (shared chunks,
-    ``stages._resets``): ``e^G`` is exactly zero at tokens of a sequence that starts
+    ``kdax._resets``): ``e^G`` is exactly zero at tokens of a sequence that starts
     inside the chunk, ``e^(Γ - G)`` at tokens of one that ends inside it. A stage without
     the parameter cannot run shared chunks (the pipeline falls back)."""
 
@@ -49,7 +49,7 @@ class AbstractWY(eqx.Module):
 
 
 def _masks(seg):
-    """``(from_start, to_end)`` masks of ``stages._resets``, or (None, None)."""
+    """``(from_start, to_end)`` masks of ``kdax._resets``, or (None, None)."""
     return (None, None) if seg is None else (from_start(seg), to_end(seg))
 
 
