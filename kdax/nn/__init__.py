@@ -8,11 +8,10 @@ output projection; Kimi Linear's and FLA's weights, ``from_pretrained`` checkpoi
 """
 
 from ._cache import KDACache as KDACache
-from ._layer import KimiDeltaAttention as KimiDeltaAttention
+from ._layer import KimiDeltaAttention as KimiDeltaAttention, load_pretrained as load_pretrained
 from ._norm import gated_rms_norm as gated_rms_norm
 from ._pretrained import (
     KDACheckpointConfig as KDACheckpointConfig,
-    load_pretrained as load_pretrained,
     read_config as read_config,
 )
 from ._weights import load_safetensors as load_safetensors, weight_shapes as weight_shapes

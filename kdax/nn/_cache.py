@@ -6,6 +6,8 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from ._weights import as_numpy
+
 
 class KDACache(eqx.Module):
     """Per sequence (row n): the last ``W - 1`` inputs of each short convolution, oldest
@@ -56,8 +58,6 @@ class KDACache(eqx.Module):
         convolutions). Arrays may be torch tensors (torch is not imported), numpy or JAX;
         they keep their dtype unless ``conv_dtype``/``state_dtype`` say otherwise (kdax's
         layer computes the state in float32). Exact: every value is copied, none rounded."""
-        from ._weights import as_numpy
-
         if layer_cache is not None:
             if recurrent_state is not None or conv_state is not None:
                 raise ValueError("from_fla: pass FLA's layer cache or recurrent_state/conv_state, not both.")

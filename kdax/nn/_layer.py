@@ -15,6 +15,8 @@ from ..recurrent import fused_recurrent_kda
 from ._cache import KDACache, zeros_cache
 from .._conv import causal_conv, conv_tail, token_segments
 from ._norm import gated_rms_norm
+from ._pretrained import load_layers
+from ._weights import layer_from_state_dict, layer_state_dict
 from ..parallel import check_axis, conv_halo, sp_conv_tail, sp_token_segments
 
 # Longest call that the recurrent path takes by default (with a cache; FLA's threshold).
@@ -217,8 +219,6 @@ class KimiDeltaAttention(eqx.Module):
         ``num_v_heads``, ``head_v_dim``, ``hidden_size``, ``conv_size``,
         ``use_short_conv`` and ``conv_bias`` are inferred from the arrays when not given
         (given, they are checked against the arrays)."""
-        from ._weights import layer_from_state_dict
-
         return layer_from_state_dict(cls, state_dict, naming=naming, num_heads=num_heads, head_dim=head_dim,
                                      prefix=prefix, **options)
 
@@ -236,15 +236,11 @@ class KimiDeltaAttention(eqx.Module):
         layer (FLA's hybrid ``attn`` layers, Kimi Linear's full-attention layers) raises.
         ``options``: ``param_dtype``, ``dtype``. All KDA layers at once:
         ``kdax.nn.load_pretrained``; the hyper-parameters alone: ``kdax.nn.read_config``."""
-        from ._pretrained import load_pretrained
-
-        return load_pretrained(path, layers=[layer_idx], cls=cls, **options)[layer_idx]
+        return load_layers(cls, path, layers=[layer_idx], **options)[layer_idx]
 
     def state_dict(self, naming: str = "moonshot", prefix: str = "") -> dict:
         """The weights as numpy arrays under ``naming``'s names (``from_state_dict``'s
         inverse, exact)."""
-        from ._weights import layer_state_dict
-
         return layer_state_dict(self, naming, prefix)
 
     # -- forward --------------------------------------------------------------------------
@@ -503,3 +499,11 @@ def _chunk_start_states(pipeline, q, k, v, g, beta, chunk_size, opts):
     pipe = default_pipeline() if pipeline is None else pipeline
     o, final, res = pipe.forward(q, k, v, g, beta, chunk_size=chunk_size, **opts)
     return o, final, jnp.moveaxis(res.cache.h, 2, 1)
+
+
+def load_pretrained(path, layers=None, **options) -> dict:
+    """``{layer index: KimiDeltaAttention}`` for the KDA layers of a checkpoint (all of
+    them, or those in ``layers``; a listed layer that is not a KDA layer raises). Same
+    rules as ``KimiDeltaAttention.from_pretrained``; ``options``: ``param_dtype``,
+    ``dtype``."""
+    return load_layers(KimiDeltaAttention, path, layers, **options)

@@ -6,6 +6,8 @@ import json
 import os
 from typing import Optional
 
+from ._weights import load_safetensors, safetensors_keys
+
 # FLA's KDAConfig defaults (fla/models/kda/configuration_kda.py) for the keys that shape a
 # KDA layer: ``save_pretrained`` leaves out values equal to the class's defaults.
 FLA_DEFAULTS = dict(hidden_size=2048, expand_v=1.0, use_short_conv=True, allow_neg_eigval=False, safe_gate=False,
@@ -106,13 +108,7 @@ class _Weights:
             with open(index) as f:
                 self.where = {k: os.path.join(folder, v) for k, v in json.load(f)["weight_map"].items()}
         elif os.path.isfile(single):
-            try:
-                from safetensors import safe_open
-            except ImportError as e:  # pragma: no cover - depends on the environment
-                raise ImportError("Loading .safetensors files needs the safetensors package "
-                                  "(pip install 'kdax[nn]').") from e
-            with safe_open(single, framework="numpy") as f:
-                self.where = {k: single for k in f.keys()}
+            self.where = {k: single for k in safetensors_keys(single)}
         else:
             found = sorted(os.listdir(folder))
             raise FileNotFoundError(
@@ -121,8 +117,6 @@ class _Weights:
                 f"(transformers' default).")
 
     def read(self, keys) -> dict:
-        from ._weights import load_safetensors
-
         by_file = {}
         for k in keys:
             by_file.setdefault(self.where[k], []).append(k)
@@ -143,13 +137,10 @@ def _layer_prefix(names, i: int, key_name: str) -> str:
     return hits[0][: -len("q_proj.weight")]
 
 
-def load_pretrained(path, layers=None, *, cls=None, **options) -> dict:
-    """``{layer index: KimiDeltaAttention}`` for the KDA layers of a checkpoint (all of
-    them, or those in ``layers``; a listed layer that is not a KDA layer raises). Same
-    rules as ``KimiDeltaAttention.from_pretrained``; ``options``: ``param_dtype``,
-    ``dtype``."""
-    if cls is None:
-        from ._layer import KimiDeltaAttention as cls
+def load_layers(cls, path, layers=None, **options) -> dict:
+    """``{layer index: cls}`` for the KDA layers of a checkpoint (all of them, or those in
+    ``layers``; a listed layer that is not a KDA layer raises); ``cls``: the layer class
+    (``KimiDeltaAttention``). See ``kdax.nn.load_pretrained``."""
     bad = sorted(set(options) - {"param_dtype", "dtype"})
     if bad:
         raise TypeError(f"from_pretrained: unexpected option(s) {bad}: every layer hyper-parameter comes from the "

@@ -127,12 +127,23 @@ def load_safetensors(path, keys=None) -> dict:
     """``{name: numpy array}`` from a ``.safetensors`` file (all tensors, or only ``keys``;
     bfloat16 as ml_dtypes' bfloat16). Needs the ``safetensors`` package
     (``pip install kdax[nn]``)."""
+    with _safe_open(path) as f:
+        return {k: f.get_tensor(k) for k in (f.keys() if keys is None else keys)}
+
+
+def safetensors_keys(path) -> list:
+    """The tensor names of a ``.safetensors`` file (nothing read but its header)."""
+    with _safe_open(path) as f:
+        return list(f.keys())
+
+
+def _safe_open(path):
+    # safetensors is an optional dependency (the nn extra): imported on first use.
     try:
-        from safetensors import safe_open
+        import safetensors
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError("Loading .safetensors files needs the safetensors package (pip install 'kdax[nn]').") from e
-    with safe_open(os.fspath(path), framework="numpy") as f:
-        return {k: f.get_tensor(k) for k in (f.keys() if keys is None else keys)}
+    return safetensors.safe_open(os.fspath(path), framework="numpy")
 
 
 def layer_state_dict(layer, naming: str, prefix: str = "") -> dict:
