@@ -16,12 +16,10 @@ from ._errors import StageGradientError as StageGradientError
 from ._errors import StageContractError as StageContractError
 from ._errors import UnsupportedCase as UnsupportedCase
 from ._layout import ChunkLayout as ChunkLayout
+from ._plan import KDAPlan as KDAPlan, PlanRow as PlanRow
+from ._residuals import KDAGrads as KDAGrads, KDAResiduals as KDAResiduals
 from .pipeline import (
-    KDAGrads as KDAGrads,
     KDAPipeline as KDAPipeline,
-    KDAPlan as KDAPlan,
-    KDAResiduals as KDAResiduals,
-    PlanRow as PlanRow,
     default_pipeline as default_pipeline,
     stage_inputs as stage_inputs,
 )

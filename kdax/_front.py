@@ -10,7 +10,7 @@ from jaxtyping import Float
 
 from ._config import KDAOptions
 from ._typing import ALogIn, ArrayIn, Beta, CuSeqlensIn, Gate, QK, Scalar, State, Values, typecheck
-from ._validate import resolve_deprecated
+from ._config import resolve_deprecated
 from .parallel._shard import routed
 from .pipeline import KDAPipeline, default_pipeline
 

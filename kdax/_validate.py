@@ -8,7 +8,6 @@ of a traced ``cu_seqlens`` are checked inside the compiled program (``checked_cu
 
 import dataclasses
 import numbers
-import warnings
 from typing import NamedTuple, Optional
 
 import equinox as eqx
@@ -16,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._config import KDAOptions, resolve_deprecated as resolve_deprecated
+from ._config import KDAOptions
 from ._ops import varying_axes
 
 SUPPORTED_CHUNK_SIZES = (16, 32, 64, 128)

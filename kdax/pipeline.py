@@ -11,26 +11,29 @@ See docs/stages.md for the stages' contracts, tiles, fallback, ``plan`` and inte
 
 import dataclasses
 import inspect
-from typing import ClassVar, NamedTuple, Optional, Union
+from typing import Optional
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Float
 
 from . import _isolation, _precision
-from ._config import KDAConfig, KDAOptions
+from . import pallas as P
 from ._capabilities import capabilities
+from ._config import KDAConfig, KDAOptions
 from ._contracts import STAGES, check_family
-from ._runner import PipelineState, PipelineWY, active_recordings, recording, run_stage
-from ._stage_grads import BackwardParts, check_perturbed, pipeline_gradients
+from ._hilo import exponent
 from ._layout import ChunkLayout, make_layout, make_shared_layout, pack, pack_inputs, reduce_group, unpack
+from ._ops import loop_unroll, mT, resolve_group, split_rows_and_heads, zeros_after
+from ._plan import KDAPlan, PlanRow
+from ._residuals import KDAGrads, KDAResiduals
+from ._runner import PipelineState, PipelineWY, active_recordings, recording, run_stage
+from ._stage_grads import BackwardParts
 from ._tiles import Tiles
-from ._typing import (
-    ALogIn, ArrayIn, Beta, ChunkK, ChunkMat, ChunkState, ChunkV, CuSeqlensIn, Gate, QK, Scalar, SeqState, State,
-    Values, typecheck,
-)
-from ._validate import resolve_deprecated, validate
+from ._typing import ALogIn, ArrayIn, Beta, ChunkK, ChunkState, ChunkV, CuSeqlensIn, Gate, QK, State, Values, typecheck
+from ._validate import validate
+from ._vjp import differentiable
 from .ref import compute_dtype
 from .stages import (
     AbstractDAv,
@@ -49,125 +52,6 @@ from .stages import (
     IntraOut,
     WYOut,
 )
-from ._hilo import exponent
-from ._ops import loop_unroll, mT, resolve_group, split_rows_and_heads, zeros_after
-from . import pallas as P
-
-
-class KDAResiduals(eqx.Module):
-    """What the backward needs, in the chunked layout ``[R, HV, NC, C, ...]`` (see
-    ``docs/stages.md``). Always: the activated inputs (``act``: q, k, beta, G and the l2norm
-    statistics), v, the raw gate input when the gate is in-kernel, the gate parameters,
-    ``Aqk``, ``Akk``, the initial states ``h0`` ``[N, HV, K, V]`` (one zero entry when the
-    sequences share chunks: ``layout.reset``) and the layout. ``cache``
-    holds the rest of the forward (w, u, qg, kg, h, v_new) when it was kept
-    (``disable_recompute=True``, or ``pipeline.forward``).
-
-    ``read(name)`` gives any intermediate in the user's layout (``[B, T, HV, ...]``, or per
-    sequence), jit-safe."""
-
-    config: KDAConfig = eqx.field(static=True)
-    layout: ChunkLayout
-    act: Activated
-    v: ChunkV
-    g_raw: Optional[ChunkK]
-    A_log: Optional[Float[Array, " HV"]]
-    dt_bias: Optional[Float[Array, " HVK"]]
-    Aqk: ChunkMat
-    Akk: ChunkMat
-    h0: SeqState
-    cache: Optional[ForwardCache]
-    num_qk_heads: int = eqx.field(static=True)
-    # dtypes of (q, k, v, g, beta, initial_state, A_log, dt_bias) as given (None if absent)
-    in_dtypes: tuple = eqx.field(static=True)
-    cu_seqlens: Optional[Int[Array, " N1"]] = None
-
-    # Token-level intermediates: where each lives. "h" (per chunk) is handled apart.
-    _TOKEN = {
-        "q": "act.q", "k": "act.k", "beta": "act.beta", "G": "act.G", "q_rstd": "act.q_rstd",
-        "k_rstd": "act.k_rstd", "v": "v", "g": "g_raw", "Aqk": "Aqk", "Akk": "Akk", "G_lo": "act.G_lo",
-        "w": "cache.w", "u": "cache.u", "qg": "cache.qg", "kg": "cache.kg", "v_new": "cache.v_new",
-    }
-
-    @classmethod
-    def names(cls) -> tuple:
-        """What ``read`` accepts."""
-        return tuple(cls._TOKEN) + ("h",)
-
-    def read(self, name: str, per_sequence: bool = False) -> Array:
-        """Intermediate ``name`` (``names()``) in the user's layout, jit-safe.
-
-        Token-level quantities come as ``[B, T, HV, ...]`` (``beta`` ``[B, T, HV]``; a row of
-        ``Aqk``/``Akk``: ``[B, T, HV, C]``, the token's row of its chunk's matrix, columns
-        the chunk's positions); q, k are the activated ones, expanded to the HV value
-        heads; ``G`` the chunk-local cumulative log decay. ``h``, the state at the start
-        of each chunk, comes as ``[B, NC, HV, K, V]``.
-
-        ``per_sequence``: packed varlen input (``cu_seqlens``) as ``[N, T, HV, ...]``,
-        sequence n's tokens first and zeros after (``h``: ``[N, ceil(T / C), HV, K, V]``,
-        its chunks first); dense input is already one sequence per row."""
-        if name == "h":
-            return self._read_h(per_sequence)
-        if name not in self._TOKEN:
-            raise KeyError(f"name: expected one of {self.names()}, got {name!r}.")
-        x = self
-        for part in self._TOKEN[name].split("."):
-            if x is None:
-                break
-            x = getattr(x, part)
-        if x is None:
-            why = ("no cache was kept (chunk_kda's recompute path); use KDAPipeline.forward"
-                   if self._TOKEN[name].startswith("cache") else "that option is off")
-            raise ValueError(f"name: {name!r} is not in these residuals: {why}.")
-        y = unpack(self.layout, x[..., None] if x.ndim == 4 else x)
-        y = y[..., 0] if x.ndim == 4 else y
-        if not per_sequence or self.cu_seqlens is None:
-            return y
-        T = self.layout.T
-        t = jnp.arange(T)
-        cu = self.cu_seqlens
-        idx = cu[:-1, None] + t[None]
-        ok = idx < cu[1:, None]
-        rows = y[0, jnp.clip(idx, 0, max(T - 1, 0))]
-        return jnp.where(ok.reshape(ok.shape + (1,) * (rows.ndim - 2)), rows, 0)
-
-    def _read_h(self, per_sequence: bool):
-        if self.cache is None:
-            raise ValueError("name: 'h' is not in these residuals: no cache was kept (chunk_kda's "
-                             "recompute path); use KDAPipeline.forward.")
-        h = jnp.moveaxis(self.cache.h, 2, 1)  # [R, NC, HV, K, V]
-        if not per_sequence or self.cu_seqlens is None:
-            return h
-        if self.layout.reset is not None:
-            raise ValueError("per_sequence: the sequences of this forward share chunks (no initial_state, "
-                             "output_final_state=False), so a chunk's start state is not one sequence's; "
-                             "read('h') gives it per chunk, or run with share_chunks=False.")
-        C = self.layout.chunk_size
-        cu = self.cu_seqlens
-        lens = cu[1:] - cu[:-1]
-        nchunks = (lens + C - 1) // C
-        cstart = jnp.cumsum(nchunks) - nchunks
-        j = jnp.arange(-(-self.layout.T // C))
-        idx = cstart[:, None] + j[None]
-        ok = j[None] < nchunks[:, None]
-        rows = h[0, jnp.clip(idx, 0, h.shape[1] - 1)]
-        return jnp.where(ok[..., None, None, None], rows, 0)
-
-
-class KDAGrads(eqx.Module):
-    """Gradients of every differentiable input, in ``chunk_kda``'s layouts (float32 or
-    float64; ``chunk_kda``'s VJP casts them to the inputs' dtypes). ``initial_state`` is
-    ``[N, HV, K, V]``; entries are None where the input was not given (``initial_state``:
-    None also after a forward with shared chunks, which had none)."""
-
-    q: Float[Array, "B T H K"]
-    k: Float[Array, "B T H K"]
-    v: Float[Array, "B T HV V"]
-    g: Float[Array, "B T HV K"]
-    beta: Float[Array, "B T HV"]
-    initial_state: Optional[SeqState]
-    A_log: Optional[Float[Array, " HV"]]
-    dt_bias: Optional[Float[Array, " HVK"]]
 
 
 # The stages that receive the shared layout's reset table (F5 and B1 act per chunk on
@@ -577,7 +461,7 @@ class KDAPipeline(eqx.Module):
 
     def apply(self, q, k, v, g, beta, options: KDAOptions):
         """The single-device call behind ``chunk_kda``: validation, then the forward,
-        differentiable through the six-stage backward (``_differentiable``). Returns
+        differentiable through the six-stage backward (``kdax._vjp.differentiable``). Returns
         ``(o, final state or None)`` in ``chunk_kda``'s layouts."""
         config, args, opts = _prepare_options(q, k, v, g, beta, options)
         q, k, v, g, beta, h0, A_log, dt_bias, cu = args
@@ -590,65 +474,9 @@ class KDAPipeline(eqx.Module):
             final = _initial_states(h0, (N, v.shape[2], K, v.shape[-1]), compute_dtype(q, k, v, g, beta, h0))
             return jnp.zeros(v.shape, v.dtype), _final_out(final, config, opts.state_v_first)
         # Non-finite inputs stay in their own sequence, from their token on (kdax._isolation).
-        run = lambda *x: _differentiable(((*x, h0, A_log, dt_bias), pipeline), config, cu)
+        run = lambda *x: differentiable(((*x, h0, A_log, dt_bias), pipeline), config, cu)
         o, final = _isolation.isolate_call(config, (q, k, v, g, beta), cu, run)
         return o, _final_out(final, config, opts.state_v_first)
-
-
-class PlanRow(NamedTuple):
-    """One stage of a ``KDAPlan``: the field, its step (F1..B5), the implementation in the
-    pipeline, the one that runs (None: the stage does not run) and why it differs."""
-
-    field: str
-    step: str
-    requested: str
-    runs: Optional[str]
-    reason: Optional[str]
-
-
-class KDAPlan(NamedTuple):
-    """What ``KDAPipeline.plan`` found. ``rows``: one ``PlanRow`` per stage; ``tile``: the
-    forward's tile size when ``chunk_kda`` runs without gradients (None: whole);
-    ``not_tile_safe``: the forward stages that keep the forward whole; ``layout``: how the
-    tokens sit in chunks: "dense" (one sequence per row), "per-sequence" (packed varlen,
-    each sequence from a chunk boundary) or "shared" (packed varlen, sequences sharing
-    chunks: ``KDAPipeline.share_chunks``)."""
-
-    rows: tuple
-    tile: Optional[int]
-    not_tile_safe: tuple
-    layout: Optional[str] = None
-    notes: tuple = ()
-    # KDAPipeline.resolved_config: every platform-dependent choice, resolved
-    config: Optional[dict] = None
-
-    @property
-    def fallbacks(self) -> dict:
-        """Stage field -> reason, for every stage that falls back."""
-        return {r.field: r.reason for r in self.rows if r.runs is not None and r.reason}
-
-    def __str__(self) -> str:
-        head = f"{'step':<5}{'field':<11}{'implementation':<24}{'runs':<24}note"
-        lines = [head, "-" * len(head)]
-        for r in self.rows:
-            runs = "-" if r.runs is None else ("same" if r.runs == r.requested and not r.reason else r.runs)
-            lines.append(f"{r.step:<5}{r.field:<11}{r.requested:<24}{runs:<24}{r.reason or ''}")
-        if self.not_tile_safe:
-            lines.append(f"forward: whole (not tile-safe: {', '.join(self.not_tile_safe)})")
-        else:
-            lines.append("forward: " + ("whole" if self.tile is None else f"tiles of ~{self.tile} blocks without gradients, whole under one"))
-        if self.layout is not None:
-            what = {"dense": "one sequence per row", "per-sequence": "each packed sequence from a chunk boundary",
-                    "shared": "packed sequences share chunks, NC = ceil(T / C)"}[self.layout]
-            lines.append(f"layout: {self.layout}: {what}")
-        lines += list(self.notes)
-        if self.config:
-            top = {n: v for n, v in self.config.items() if not isinstance(v, dict)}
-            lines.append("config: " + ", ".join(f"{n}={v}" for n, v in top.items()))
-            for n, v in self.config.items():
-                if isinstance(v, dict):
-                    lines.append(f"  {n}: " + ", ".join(f"{a}={b}" for a, b in v.items()))
-        return "\n".join(lines)
 
 
 class _ForwardChunks(eqx.Module):
@@ -728,53 +556,6 @@ def _with(options: KDAOptions, **changes) -> dict:
     kw = {n: getattr(options, n) for n in KDAOptions.names()}
     kw.update(changes)
     return kw
-
-
-@eqx.filter_custom_vjp
-def _differentiable(diff, config: KDAConfig, cu_seqlens):
-    """``(o, final)`` of ``diff = ((q, k, v, g, beta, h0, A_log, dt_bias), pipeline)``; the
-    static config and ``cu_seqlens`` are not differentiated. The pipeline's arrays are
-    differentiated as ``_stage_grads`` says (F1, F5 exact; backward stages zero; F2-F4
-    refused)."""
-    inputs, pipeline = diff
-    o, final, _ = pipeline.run_forward(config, *inputs, cu_seqlens, shared_finals=True)
-    return o, final
-
-
-@_differentiable.def_fwd
-def _vjp_fwd(perturbed, diff, config: KDAConfig, cu_seqlens):
-    inputs, pipeline = diff
-    check_perturbed(pipeline, perturbed[1])
-    # Whole: in a training step XLA then shares F3/F4 with B0's recompute (the CPU step was
-    # ~15% slower with a tiled forward; a tiled B1-B5 too was still 5-10% slower).
-    o, final, res = pipeline.untiled().run_forward(config, *inputs, cu_seqlens, shared_finals=True)
-    if not config.disable_recompute:
-        # Keep what FLA keeps (inputs, G, Aqk, Akk, l2norm statistics, h0); B0 rebuilds the rest.
-        res = eqx.tree_at(lambda r: r.cache, res, None, is_leaf=lambda x: x is None)
-    return (o, final), res
-
-
-@_differentiable.def_bwd
-def _vjp_bwd(res, cotangents, perturbed, diff, config: KDAConfig, cu_seqlens):
-    inputs, pipeline = diff
-    do, dht = cotangents
-    if do is None:  # only the final state carries a loss
-        L = res.layout
-        do = jnp.zeros((L.valid.shape[0] if L.pos is None else 1, L.T) + res.v.shape[1:2] + res.v.shape[-1:], res.h0.dtype)
-    dht = dht if config.output_final_state else None
-    # A non-finite cotangent stays in its sequence (kdax._isolation).
-    do, dht, poison = _isolation.clean_cotangents(do, dht, cu_seqlens, res.num_qk_heads)
-    run = pipeline
-    if dht is not None and res.layout.reset is not None:
-        # A loss on the final states of shared chunks: rerun the forward with one sequence
-        # per chunk, whose backward takes dht (only such a loss pays for it).
-        run = dataclasses.replace(pipeline, share_chunks=False).untiled()
-        res = run.run_forward(config, *inputs, cu_seqlens)[2]
-    grads, parts = run.backward_with_parts(res, do, dht)
-    grads = poison(grads)
-    out = (grads.q, grads.k, grads.v, grads.g, grads.beta, grads.initial_state, grads.A_log, grads.dt_bias)
-    d_inputs = tuple(None if d is None or x is None else x.astype(d) for x, d in zip(out, res.in_dtypes))
-    return d_inputs, pipeline_gradients(run, perturbed[1], parts, res, inputs)
 
 
 def _shared_finals(layout: ChunkLayout, cu_seqlens, k, G, G_lo, v_new, h):

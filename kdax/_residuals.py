@@ -1,0 +1,129 @@
+"""What a pipeline's forward keeps for its backward (``KDAResiduals``, with ``read`` for
+any intermediate in the user's layout) and what its backward returns (``KDAGrads``)."""
+
+from typing import Optional
+
+import equinox as eqx
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from ._config import KDAConfig
+from ._layout import ChunkLayout, unpack
+from ._typing import ChunkMat, ChunkK, ChunkV, SeqState
+from .stages import Activated, ForwardCache
+
+
+class KDAResiduals(eqx.Module):
+    """What the backward needs, in the chunked layout ``[R, HV, NC, C, ...]`` (see
+    ``docs/stages.md``). Always: the activated inputs (``act``: q, k, beta, G and the l2norm
+    statistics), v, the raw gate input when the gate is in-kernel, the gate parameters,
+    ``Aqk``, ``Akk``, the initial states ``h0`` ``[N, HV, K, V]`` (one zero entry when the
+    sequences share chunks: ``layout.reset``) and the layout. ``cache``
+    holds the rest of the forward (w, u, qg, kg, h, v_new) when it was kept
+    (``disable_recompute=True``, or ``pipeline.forward``).
+
+    ``read(name)`` gives any intermediate in the user's layout (``[B, T, HV, ...]``, or per
+    sequence), jit-safe."""
+
+    config: KDAConfig = eqx.field(static=True)
+    layout: ChunkLayout
+    act: Activated
+    v: ChunkV
+    g_raw: Optional[ChunkK]
+    A_log: Optional[Float[Array, " HV"]]
+    dt_bias: Optional[Float[Array, " HVK"]]
+    Aqk: ChunkMat
+    Akk: ChunkMat
+    h0: SeqState
+    cache: Optional[ForwardCache]
+    num_qk_heads: int = eqx.field(static=True)
+    # dtypes of (q, k, v, g, beta, initial_state, A_log, dt_bias) as given (None if absent)
+    in_dtypes: tuple = eqx.field(static=True)
+    cu_seqlens: Optional[Int[Array, " N1"]] = None
+
+    # Token-level intermediates: where each lives. "h" (per chunk) is handled apart.
+    _TOKEN = {
+        "q": "act.q", "k": "act.k", "beta": "act.beta", "G": "act.G", "q_rstd": "act.q_rstd",
+        "k_rstd": "act.k_rstd", "v": "v", "g": "g_raw", "Aqk": "Aqk", "Akk": "Akk", "G_lo": "act.G_lo",
+        "w": "cache.w", "u": "cache.u", "qg": "cache.qg", "kg": "cache.kg", "v_new": "cache.v_new",
+    }
+
+    @classmethod
+    def names(cls) -> tuple:
+        """What ``read`` accepts."""
+        return tuple(cls._TOKEN) + ("h",)
+
+    def read(self, name: str, per_sequence: bool = False) -> Array:
+        """Intermediate ``name`` (``names()``) in the user's layout, jit-safe.
+
+        Token-level quantities come as ``[B, T, HV, ...]`` (``beta`` ``[B, T, HV]``; a row of
+        ``Aqk``/``Akk``: ``[B, T, HV, C]``, the token's row of its chunk's matrix, columns
+        the chunk's positions); q, k are the activated ones, expanded to the HV value
+        heads; ``G`` the chunk-local cumulative log decay. ``h``, the state at the start
+        of each chunk, comes as ``[B, NC, HV, K, V]``.
+
+        ``per_sequence``: packed varlen input (``cu_seqlens``) as ``[N, T, HV, ...]``,
+        sequence n's tokens first and zeros after (``h``: ``[N, ceil(T / C), HV, K, V]``,
+        its chunks first); dense input is already one sequence per row."""
+        if name == "h":
+            return self._read_h(per_sequence)
+        if name not in self._TOKEN:
+            raise KeyError(f"name: expected one of {self.names()}, got {name!r}.")
+        x = self
+        for part in self._TOKEN[name].split("."):
+            if x is None:
+                break
+            x = getattr(x, part)
+        if x is None:
+            why = ("no cache was kept (chunk_kda's recompute path); use KDAPipeline.forward"
+                   if self._TOKEN[name].startswith("cache") else "that option is off")
+            raise ValueError(f"name: {name!r} is not in these residuals: {why}.")
+        y = unpack(self.layout, x[..., None] if x.ndim == 4 else x)
+        y = y[..., 0] if x.ndim == 4 else y
+        if not per_sequence or self.cu_seqlens is None:
+            return y
+        T = self.layout.T
+        t = jnp.arange(T)
+        cu = self.cu_seqlens
+        idx = cu[:-1, None] + t[None]
+        ok = idx < cu[1:, None]
+        rows = y[0, jnp.clip(idx, 0, max(T - 1, 0))]
+        return jnp.where(ok.reshape(ok.shape + (1,) * (rows.ndim - 2)), rows, 0)
+
+    def _read_h(self, per_sequence: bool):
+        if self.cache is None:
+            raise ValueError("name: 'h' is not in these residuals: no cache was kept (chunk_kda's "
+                             "recompute path); use KDAPipeline.forward.")
+        h = jnp.moveaxis(self.cache.h, 2, 1)  # [R, NC, HV, K, V]
+        if not per_sequence or self.cu_seqlens is None:
+            return h
+        if self.layout.reset is not None:
+            raise ValueError("per_sequence: the sequences of this forward share chunks (no initial_state, "
+                             "output_final_state=False), so a chunk's start state is not one sequence's; "
+                             "read('h') gives it per chunk, or run with share_chunks=False.")
+        C = self.layout.chunk_size
+        cu = self.cu_seqlens
+        lens = cu[1:] - cu[:-1]
+        nchunks = (lens + C - 1) // C
+        cstart = jnp.cumsum(nchunks) - nchunks
+        j = jnp.arange(-(-self.layout.T // C))
+        idx = cstart[:, None] + j[None]
+        ok = j[None] < nchunks[:, None]
+        rows = h[0, jnp.clip(idx, 0, h.shape[1] - 1)]
+        return jnp.where(ok[..., None, None, None], rows, 0)
+
+
+class KDAGrads(eqx.Module):
+    """Gradients of every differentiable input, in ``chunk_kda``'s layouts (float32 or
+    float64; ``chunk_kda``'s VJP casts them to the inputs' dtypes). ``initial_state`` is
+    ``[N, HV, K, V]``; entries are None where the input was not given (``initial_state``:
+    None also after a forward with shared chunks, which had none)."""
+
+    q: Float[Array, "B T H K"]
+    k: Float[Array, "B T H K"]
+    v: Float[Array, "B T HV V"]
+    g: Float[Array, "B T HV K"]
+    beta: Float[Array, "B T HV"]
+    initial_state: Optional[SeqState]
+    A_log: Optional[Float[Array, " HV"]]
+    dt_bias: Optional[Float[Array, " HVK"]]

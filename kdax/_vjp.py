@@ -1,0 +1,60 @@
+"""``chunk_kda``'s derivative: an ``eqx.filter_custom_vjp`` whose forward is the
+pipeline's forward (whole, untiled) and whose backward is the six-stage backward; the
+pipeline's own arrays are differentiated as ``kdax._stage_grads`` says, and non-finite
+cotangents stay in their sequence (``kdax._isolation``)."""
+
+import dataclasses
+
+import equinox as eqx
+import jax.numpy as jnp
+
+from . import _isolation
+from ._config import KDAConfig
+from ._stage_grads import check_perturbed, pipeline_gradients
+
+
+@eqx.filter_custom_vjp
+def differentiable(diff, config: KDAConfig, cu_seqlens):
+    """``(o, final)`` of ``diff = ((q, k, v, g, beta, h0, A_log, dt_bias), pipeline)``; the
+    static config and ``cu_seqlens`` are not differentiated. The pipeline's arrays are
+    differentiated as ``_stage_grads`` says (F1, F5 exact; backward stages zero; F2-F4
+    refused)."""
+    inputs, pipeline = diff
+    o, final, _ = pipeline.run_forward(config, *inputs, cu_seqlens, shared_finals=True)
+    return o, final
+
+
+@differentiable.def_fwd
+def _vjp_fwd(perturbed, diff, config: KDAConfig, cu_seqlens):
+    inputs, pipeline = diff
+    check_perturbed(pipeline, perturbed[1])
+    # Whole: in a training step XLA then shares F3/F4 with B0's recompute (the CPU step was
+    # ~15% slower with a tiled forward; a tiled B1-B5 too was still 5-10% slower).
+    o, final, res = pipeline.untiled().run_forward(config, *inputs, cu_seqlens, shared_finals=True)
+    if not config.disable_recompute:
+        # Keep what FLA keeps (inputs, G, Aqk, Akk, l2norm statistics, h0); B0 rebuilds the rest.
+        res = eqx.tree_at(lambda r: r.cache, res, None, is_leaf=lambda x: x is None)
+    return (o, final), res
+
+
+@differentiable.def_bwd
+def _vjp_bwd(res, cotangents, perturbed, diff, config: KDAConfig, cu_seqlens):
+    inputs, pipeline = diff
+    do, dht = cotangents
+    if do is None:  # only the final state carries a loss
+        L = res.layout
+        do = jnp.zeros((L.valid.shape[0] if L.pos is None else 1, L.T) + res.v.shape[1:2] + res.v.shape[-1:], res.h0.dtype)
+    dht = dht if config.output_final_state else None
+    # A non-finite cotangent stays in its sequence (kdax._isolation).
+    do, dht, poison = _isolation.clean_cotangents(do, dht, cu_seqlens, res.num_qk_heads)
+    run = pipeline
+    if dht is not None and res.layout.reset is not None:
+        # A loss on the final states of shared chunks: rerun the forward with one sequence
+        # per chunk, whose backward takes dht (only such a loss pays for it).
+        run = dataclasses.replace(pipeline, share_chunks=False).untiled()
+        res = run.run_forward(config, *inputs, cu_seqlens)[2]
+    grads, parts = run.backward_with_parts(res, do, dht)
+    grads = poison(grads)
+    out = (grads.q, grads.k, grads.v, grads.g, grads.beta, grads.initial_state, grads.A_log, grads.dt_bias)
+    d_inputs = tuple(None if d is None or x is None else x.astype(d) for x, d in zip(out, res.in_dtypes))
+    return d_inputs, pipeline_gradients(run, perturbed[1], parts, res, inputs)
