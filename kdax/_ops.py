@@ -1,5 +1,7 @@
 """Small array helpers shared by the reference stages."""
 
+import contextlib
+import contextvars
 import functools
 import os
 from typing import Literal, Optional, Union
@@ -106,16 +108,36 @@ def over_chunks(fn, group: ChunkGroup, *xs, into=None):
     return _over_flat_groups(fn, group, *xs, into=into)
 
 
-def split_rows_and_heads() -> bool:
+CHUNK_LOOPS = ("auto", "flat", "slices")
+_CHUNK_LOOPS: contextvars.ContextVar = contextvars.ContextVar("kdax_chunk_loops", default=None)
+
+
+@contextlib.contextmanager
+def chunk_loops_scope(mode: Optional[str]):
+    """``over_chunks``'s loop form inside the block (``KDAPipeline.chunk_loops``; None:
+    the environment's default)."""
+    token = _CHUNK_LOOPS.set(mode)
+    try:
+        yield
+    finally:
+        _CHUNK_LOOPS.reset(token)
+
+
+def split_rows_and_heads(mode: Optional[str] = None) -> bool:
     """Whether ``over_chunks`` keeps the row and head axes whole (see there): only a
     process with several devices can hold arrays sharded over them. The slices double
     XLA:CPU's compile time of the training step (16 s against 8 s at the benchmark
     shape), so a multi-device process that never shards rows or heads under ``jit`` on
-    an Auto mesh (one using shard_map or Explicit meshes) may set the environment
-    variable ``KDAX_CHUNK_LOOPS=flat`` (``slices`` forces the other form)."""
-    mode = os.environ.get("KDAX_CHUNK_LOOPS", "auto")
-    if mode not in ("auto", "flat", "slices"):
-        raise ValueError(f"KDAX_CHUNK_LOOPS: expected 'auto', 'flat' or 'slices', got {mode!r}.")
+    an Auto mesh (one using shard_map or Explicit meshes) may ask for ``"flat"``
+    (``"slices"`` forces the other form). ``mode``: given, else the pipeline's
+    ``chunk_loops`` (``chunk_loops_scope``), else the environment variable
+    ``KDAX_CHUNK_LOOPS``, else ``"auto"``."""
+    mode = mode or _CHUNK_LOOPS.get()
+    where = "chunk_loops"
+    if mode is None:
+        mode, where = os.environ.get("KDAX_CHUNK_LOOPS", "auto"), "KDAX_CHUNK_LOOPS"
+    if mode not in CHUNK_LOOPS:
+        raise ValueError(f"{where}: expected 'auto', 'flat' or 'slices', got {mode!r}.")
     return mode == "slices" or (mode == "auto" and jax.device_count() > 1)
 
 

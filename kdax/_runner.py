@@ -29,6 +29,7 @@ from . import _precision
 from ._capabilities import capabilities, with_G_lo
 from ._contracts import STAGES, check_arguments, check_family, check_output, expected_output
 from ._errors import FallbackWarning, UnsupportedCase
+from ._ops import chunk_loops_scope
 from ._typing import ChunkK
 from .stages import AbstractState, AbstractWY
 
@@ -89,7 +90,7 @@ def run_stage(pipeline, name: str, **kwargs):
     # run at full precision in any stage, a user's too (see kdax._ops.full_precision),
     # unless the precision policy lets this stage take half-precision operands.
     policy = "highest" if pipeline.precision == "auto" else pipeline.precision  # unresolved: safe
-    with jax.named_scope(f"kdax_{name}"), _precision.stage_scope(policy, name):
+    with jax.named_scope(f"kdax_{name}"), _precision.stage_scope(policy, name), chunk_loops_scope(pipeline.chunk_loops):
         ran, reason = stage, None
         try:
             if needs_reset:

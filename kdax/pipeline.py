@@ -25,7 +25,7 @@ from ._config import KDAConfig, KDAOptions
 from ._contracts import STAGES, check_family
 from ._hilo import exponent
 from ._layout import ChunkLayout, make_layout, make_shared_layout, pack, pack_inputs, reduce_group, unpack
-from ._ops import loop_unroll, mT, resolve_group, split_rows_and_heads, zeros_after
+from ._ops import CHUNK_LOOPS, loop_unroll, mT, resolve_group, split_rows_and_heads, zeros_after
 from ._plan import KDAPlan, PlanRow
 from ._residuals import KDAGrads, KDAResiduals
 from ._runner import PipelineState, PipelineWY, active_recordings, recording, run_stage
@@ -109,6 +109,12 @@ class KDAPipeline(eqx.Module):
     # ``KDAPipeline.forward`` with ``output_final_state``: every sequence starts its own
     # chunk. ``plan`` says which ran.
     share_chunks: bool = eqx.field(static=True, default=True)
+    # The reference stages' chunk-group loops: "flat" groups of the flattened (row, head,
+    # chunk) axes, or "slices" of the chunk axis keeping rows and heads whole (arrays
+    # sharded over them under jit on an Auto mesh stay sharded); "auto": slices in a
+    # process with several devices. None: the environment variable KDAX_CHUNK_LOOPS,
+    # else "auto" (kdax._ops.split_rows_and_heads).
+    chunk_loops: Optional[str] = eqx.field(static=True, default=None)
 
     def with_precision(self, precision: str) -> "KDAPipeline":
         """This pipeline under another precision policy (see ``kdax._precision``)."""
@@ -116,6 +122,8 @@ class KDAPipeline(eqx.Module):
 
     def __check_init__(self):
         _precision.check_policy(self.precision)
+        if self.chunk_loops is not None and self.chunk_loops not in CHUNK_LOOPS:
+            raise ValueError(f"chunk_loops: expected None or one of {CHUNK_LOOPS}, got {self.chunk_loops!r}.")
         for name in STAGES:
             check_family(name, getattr(self, name))
 
@@ -211,13 +219,13 @@ class KDAPipeline(eqx.Module):
         stage field its static tuning fields, "auto" resolved (``group``: chunks per loop
         iteration; ``loop_unroll``; the Pallas stages' ``target``, ``interpret``,
         ``num_warps``, ``num_stages``, ``f32_dot``). Each is a field of the pipeline or of
-        a stage (set it with ``eqx.tree_at`` / ``dataclasses.replace``), except
-        ``chunk_loops``, set by the environment variable ``KDAX_CHUNK_LOOPS``."""
+        a stage (set it with ``eqx.tree_at`` / ``dataclasses.replace``); an environment
+        variable only gives ``chunk_loops`` its default (``KDAX_CHUNK_LOOPS``)."""
         out = dict(
             backend=jax.default_backend(),
             precision=_precision.resolve(self.precision, jnp.dtype(dtype)),
             tile=self.tile,
-            chunk_loops="slices" if split_rows_and_heads() else "flat",
+            chunk_loops="slices" if split_rows_and_heads(self.chunk_loops) else "flat",
         )
         resolvers = {"group": resolve_group, "loop_unroll": loop_unroll}
         for name in STAGES:

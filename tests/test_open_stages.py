@@ -13,7 +13,9 @@ import pytest
 
 import kdax
 from kdax import pallas as P
-from kdax.stages import AbstractOutput, ReferenceOutput, ReferenceRecompute, ReferenceState, StateOut
+from kdax.stages import (
+    AbstractOutput, AbstractRecompute, AbstractState, ReferenceOutput, ReferenceRecompute, ReferenceState, StateOut,
+)
 
 from ._util import assert_close, load_example, make_inputs, oracle_kda, split_args
 
@@ -102,11 +104,11 @@ def test_array_stages_under_checkpoint_and_scan_over_layers():
     assert_close(got, jax.jit(jax.grad(oracle_net))(v), 1e-10, "dv through scan + checkpoint")
 
 
-class PerturbedState(ReferenceState):
+class PerturbedState(AbstractState):
     """F4 whose output differs from the reference's (a deterministic perturbation)."""
 
     def __call__(self, w, u, kg, G, h0, layout):
-        out = super().__call__(w, u, kg, G, h0, layout)
+        out = ReferenceState()(w, u, kg, G, h0, layout)
         return StateOut(out.h * 1.01, out.v_new + 0.01 * jnp.tanh(out.v_new), out.final)
 
 
@@ -135,12 +137,12 @@ def test_recompute_uses_the_pipelines_own_stages():
     assert _max_diff(a, c) > 1e-4
 
 
-class SpyRecompute(ReferenceRecompute):
+class SpyRecompute(AbstractRecompute):
     seen: list = eqx.field(static=True)
 
     def __call__(self, q, k, v, beta, G, Akk, h0, layout, *, wy=None, state=None):
         self.seen.append(state)
-        return super().__call__(q, k, v, beta, G, Akk, h0, layout, wy=wy, state=state)
+        return ReferenceRecompute()(q, k, v, beta, G, Akk, h0, layout, wy=wy, state=state)
 
 
 def test_pallas_recompute_keeps_block_v():

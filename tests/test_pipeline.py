@@ -2,6 +2,7 @@
 
 import dataclasses
 import re
+from typing import ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -322,14 +323,15 @@ TILED = {
 }
 
 
-class RecordingOutput(ReferenceOutput):
-    """The reference F5, noting how many chunks each call gets."""
+class RecordingOutput(AbstractOutput):
+    """The reference F5 (composed), noting how many chunks each call gets."""
 
     seen: list = eqx.field(static=True, default=None)
+    tile_safe: ClassVar[bool] = True
 
     def __call__(self, scale, qg, h, Aqk, v_new):
         self.seen.append(qg.shape[2])
-        return super().__call__(scale, qg, h, Aqk, v_new)
+        return ReferenceOutput()(scale, qg, h, Aqk, v_new)
 
 
 # The default run: three cases (tiles of 1 and 3 chunks, dense and varlen); the rest in -m slow.
@@ -403,3 +405,8 @@ def test_plan_reports_the_resolved_configuration():
     cfg2 = pipe2.plan(x, x, x, x, b).config
     assert cfg2["intra"]["group"] == 3 and cfg2["precision"] == "highest"
     assert "config: backend=" in str(pipe2.plan(x, x, x, x, b))
+    # The loop form: a field (the environment variable only its default), reported.
+    for mode in ("flat", "slices"):
+        assert dataclasses.replace(pipe, chunk_loops=mode).plan(x, x, x, x, b).config["chunk_loops"] == mode
+    with pytest.raises(ValueError, match="chunk_loops: expected None or one of"):
+        dataclasses.replace(pipe, chunk_loops="rows")
