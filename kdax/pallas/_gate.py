@@ -14,6 +14,7 @@ from .._config import KDAConfig
 from .._typing import ChunkK, ChunkScalar, ChunkValid, typecheck
 from ..ref import L2NORM_EPS, log_decay_floor
 from ..stages import AbstractGate, AbstractGateBackward, Activated, RawGrads
+from .._final import final
 from ._common import (
     PallasTarget, check_width, chunk_call, chunk_spec, dot, feature_pad, flat, head_spec, iota, lower_dot, tuned, unflat,
 )
@@ -108,6 +109,7 @@ def _take_params(cfg, refs, A_log, dt_bias):
     return a, d
 
 
+@final
 class PallasGate(AbstractGate, PallasTarget):
     """F1 as a Pallas kernel over (row * head, chunk)."""
 
@@ -154,6 +156,7 @@ class PallasGate(AbstractGate, PallasTarget):
         return Activated(cut(outs[0]), cut(outs[1]), unflat(outs[2], R, HV, squeeze=True), cut(outs[3]), *rstd)
 
 
+@final
 class PallasGateBackward(AbstractGateBackward, PallasTarget):
     """B5 as a Pallas kernel over (row * head, chunk); dA_log / ddt_bias partial sums per
     block are added up outside."""

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from .._typing import ChunkK, ChunkMat, ChunkScalar, typecheck
 from ..stages import AbstractIntra, AbstractIntraBackward, ChunkGrads, IntraOut
+from .._final import final
 from ._common import (
     PallasTarget, check_width, chunk_call, chunk_spec, col_of, dot, feature_pad, flat, idiv, iota, loop, masked_exp,
     row_of, tuned, unflat,
@@ -110,6 +111,7 @@ def pair_cols_body(S, a, G, block: int):
     return loop(0, C, diag, out)
 
 
+@final
 class PallasIntra(AbstractIntra, PallasTarget):
     """F2 as a Pallas kernel over (row * head, chunk)."""
 
@@ -147,6 +149,7 @@ class PallasIntra(AbstractIntra, PallasTarget):
         return IntraOut(unflat(Aqk, R, HV), unflat(Akk, R, HV))
 
 
+@final
 class PallasIntraBackward(AbstractIntraBackward, PallasTarget):
     """B4 as a Pallas kernel over (row * head, chunk)."""
 

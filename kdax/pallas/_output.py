@@ -6,9 +6,11 @@ import jax.numpy as jnp
 
 from .._typing import ChunkK, ChunkMat, ChunkState, ChunkV, typecheck
 from ..stages import AbstractDAv, AbstractOutput
+from .._final import final
 from ._common import PallasTarget, check_width, chunk_call, chunk_spec, dot, feature_pad, flat, iota, lower_dot, tuned, unflat
 
 
+@final
 class PallasOutput(AbstractOutput, PallasTarget):
     """F5: ``o = scale qg h + Aqk v_new``."""
 
@@ -43,6 +45,7 @@ class PallasOutput(AbstractOutput, PallasTarget):
         return unflat(o[..., :V], R, HV)
 
 
+@final
 class PallasDAv(AbstractDAv, PallasTarget):
     """B1: ``dAqk = tril(do v_new^T)``, ``dv_intra = Aqk^T do``."""
 

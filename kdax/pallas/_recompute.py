@@ -6,11 +6,13 @@ from typing import Optional
 from .._layout import ChunkLayout
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkV, SeqState, typecheck
 from ..stages import AbstractRecompute, AbstractState, AbstractWY, recompute_with, StateOut, WYOut
+from .._final import final
 from ._common import PallasTarget, tuned
 from ._state import PallasState
 from ._wy import PallasWY
 
 
+@final
 class PallasRecompute(AbstractRecompute, PallasTarget):
     """B0 by re-running the given F3 and F4; called directly without them, ``PallasWY``
     and ``PallasState`` of this target (dense layout; varlen raises ``UnsupportedCase``

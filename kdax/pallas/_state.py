@@ -21,6 +21,7 @@ from .._layout import ChunkLayout
 from .._resets import mask_exponent, state_passes
 from .._typing import ChunkK, ChunkV, ChunkValid, SeqState, typecheck
 from ..stages import AbstractDhu, AbstractState, DhuOut, StateOut
+from .._final import final
 from ._common import (
     PallasValueBlocks, check_width, chunk_spec, compiler_params, dot, feature_pad, flat, idiv, kernel_name, loop, tuned, unflat,
 )
@@ -99,6 +100,7 @@ def _tokens(x):
     return x.reshape(x.shape[0], x.shape[1] * x.shape[2], x.shape[3])
 
 
+@final
 class PallasState(AbstractState, PallasValueBlocks):
     """F4 as a Pallas kernel (TPU: dense layout; Triton: dense and packed varlen, one
     program per row and block of ``block_v`` value columns)."""
@@ -201,6 +203,7 @@ class PallasState(AbstractState, PallasValueBlocks):
                         final[:, :K, :V].reshape(N, HV, K, V))
 
 
+@final
 class PallasDhu(AbstractDhu, PallasValueBlocks):
     """B2 as a Pallas kernel, chunks in reverse (TPU: dense layout; Triton: also varlen, one
     program per row and block of ``block_v`` value columns)."""

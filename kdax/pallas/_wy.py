@@ -6,6 +6,7 @@ import jax.numpy as jnp
 
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, typecheck
 from ..stages import AbstractWY, AbstractWYDqkg, ChunkGrads, WYOut
+from .._final import final
 from ._common import (
     PallasTarget, PallasValueBlocks, check_width, chunk_call, chunk_spec, dot, feature_pad, flat, iota, lower_dot, row_of,
     tuned, unflat,
@@ -62,6 +63,7 @@ def wy_dqkg_body(scale, k, beta, G, Akk, qg, kg, v_ref, h_ref, dh_ref, vn_ref, d
     return dq, dk, dbeta, dG, dL
 
 
+@final
 class PallasWY(AbstractWY, PallasTarget):
     """F3 as a Pallas kernel over (row * head, chunk)."""
 
@@ -101,6 +103,7 @@ class PallasWY(AbstractWY, PallasTarget):
         return WYOut(cut(w, K), cut(u, V), cut(qg, K), cut(kg, K))
 
 
+@final
 class PallasWYDqkg(AbstractWYDqkg, PallasValueBlocks):
     """B3 as a Pallas kernel over (row * head, chunk). ``block_v``: value columns read at
     a time on the Triton target (a power of 2; the TPU target reads whole blocks)."""

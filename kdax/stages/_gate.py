@@ -13,6 +13,7 @@ from .._typing import ChunkK, ChunkScalar, ChunkValid, typecheck
 from ..ref import L2NORM_EPS, beta_activation, clamp_log_decay, kda_gate, log_decay_floor
 from .._hilo import grid_bits, split_log_decay
 from .._ops import ChunkGroup, full_precision, lower_matmul, mT, over_chunks
+from .._final import final
 from ._types import Activated, RawGrads
 
 _HeadsLast = lambda x: jnp.moveaxis(x, 1, -2)  # [R, HV, NC, C, K] -> [R, NC, C, HV, K]
@@ -77,6 +78,7 @@ class AbstractGate(eqx.Module):
         raise NotImplementedError
 
 
+@final
 class ReferenceGate(AbstractGate):
     """F1 in plain jnp; the chunk cumsum ``group`` chunks at a time (see ``over_chunks``).
     ``split``: in float32, give G as the exact sum ``G + G_lo`` (``kdax._hilo``); False:
@@ -217,6 +219,7 @@ def l2norm_backward(y, rstd, dy):
     return rstd * (dy - y * jnp.sum(dy * y, axis=-1, keepdims=True))
 
 
+@final
 class ReferenceGateBackward(AbstractGateBackward):
     """B5 in plain jnp; the reverse chunk cumsum ``group`` chunks at a time."""
 

@@ -23,6 +23,7 @@ from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkValid, typecheck
 from .._hilo import exponent
 from .._ops import ChunkGroup, full_precision, lower_matmul, mT, over_chunks, rowsum, zeros_after
 from .._resets import per_head, same_segment, segments
+from .._final import final
 from ._types import ChunkGrads, IntraOut
 
 
@@ -213,6 +214,7 @@ class AbstractIntra(eqx.Module):
         raise NotImplementedError
 
 
+@final
 class ReferenceIntra(AbstractIntra):
     """F2 in jnp by recursive halving, ``group`` chunks at a time (None: all at once; see
     ``over_chunks``)."""
@@ -277,6 +279,7 @@ class AbstractIntraBackward(eqx.Module):
         raise NotImplementedError
 
 
+@final
 class ReferenceIntraBackward(AbstractIntraBackward):
     """B4 in jnp with the same recursive halving as ``ReferenceIntra``, ``group`` chunks at
     a time (None: all at once)."""

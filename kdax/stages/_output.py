@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from .._typing import ChunkK, ChunkMat, ChunkState, ChunkV, typecheck
 from .._ops import ChunkGroup, full_precision, lower_matmul, mT, over_chunks, tri_mask
+from .._final import final
 
 
 class AbstractOutput(eqx.Module):
@@ -40,6 +41,7 @@ def _output_chunk(scale, qg, h, Aqk, v_new):
     return scale * qg @ h + lower_matmul(Aqk, v_new)
 
 
+@final
 class ReferenceOutput(AbstractOutput):
     """F5 in jnp, ``group`` chunks at a time (None: all at once; see ``over_chunks``)."""
 
@@ -83,6 +85,7 @@ def _dav_chunk(v_new, Aqk, do):
     return dAqk, mT(Aqk) @ do
 
 
+@final
 class ReferenceDAv(AbstractDAv):
     """B1 in jnp, ``group`` chunks at a time (None: all at once; see ``over_chunks``)."""
 

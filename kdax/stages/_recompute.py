@@ -11,6 +11,7 @@ from .._layout import ChunkLayout
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkV, ChunkValid, SeqState, typecheck
 from .._capabilities import capabilities, with_G_lo
 from .._ops import full_precision
+from .._final import final
 from ._state import AbstractState, ReferenceState
 from ._types import StateOut, WYOut
 from ._wy import AbstractWY, ReferenceWY
@@ -75,6 +76,7 @@ def recompute_with(wy: AbstractWY, state: AbstractState, q, k, v, beta, G, Akk, 
         return out, state(**_with_reset(state, dict(w=out.w, u=out.u, kg=out.kg, G=G, h0=h0, layout=layout), reset))
 
 
+@final
 class ReferenceRecompute(AbstractRecompute):
     """B0 by re-running the given F3 and F4 (``ReferenceWY``, ``ReferenceState`` when none
     are given)."""

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from .._affine import scan_prefix
 from .._layout import ChunkLayout
 from .._typing import ChunkK, ChunkV, SeqState, typecheck
+from .._final import final
 from ._state import AbstractDhu, AbstractState, ReferenceDhu, ReferenceState
 from ._types import DhuOut, StateOut
 
@@ -108,6 +109,7 @@ def _check_segments(segments: int):
         raise ValueError(f"segments: expected an int >= 1, got {segments!r}.")
 
 
+@final
 class SegmentedState(AbstractState):
     """F4 with each row's chunk recurrence split into ``segments`` spans run side by side
     (module docstring). ``inner``: the F4 stage each pass runs (any that takes packed
@@ -153,6 +155,7 @@ class SegmentedState(AbstractState):
         return StateOut(_from_segments(out.h, R, S, NC), _from_segments(out.v_new, R, S, NC), out.final[:N])
 
 
+@final
 class SegmentedDhu(AbstractDhu):
     """B2 with each row's reverse chunk recurrence split into ``segments`` spans (module
     docstring): ``[c | M^T]`` per segment, the reverse prefix, the local pass."""

@@ -18,6 +18,7 @@ from .._layout import ChunkLayout
 from .._typing import ChunkK, ChunkV, ChunkValid, SeqState, typecheck
 from .._ops import full_precision, loop_unroll, mT, vary_like, zeros_after
 from .._resets import mask_exponent, state_passes
+from .._final import final
 from ._types import DhuOut, StateOut
 
 
@@ -84,6 +85,7 @@ class AbstractState(eqx.Module):
         raise NotImplementedError
 
 
+@final
 class ReferenceState(AbstractState):
     """F4 as a loop over chunks; unrolled for at most ``unroll`` chunks (a forward tile),
     which writes ``h`` and ``v_new`` once by stacking instead of into zero-filled buffers
@@ -199,6 +201,7 @@ class AbstractDhu(eqx.Module):
         raise NotImplementedError
 
 
+@final
 class ReferenceDhu(AbstractDhu):
     """B2 as a reverse loop over chunks (``loop_unroll``: as in ``ReferenceState``)."""
 

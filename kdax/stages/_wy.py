@@ -10,6 +10,7 @@ from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, ChunkVa
 from .._hilo import exponent
 from .._ops import ChunkGroup, full_precision, last_row, lower_matmul, mT, over_chunks, rowsum, tri_mask
 from .._resets import from_start, mask_exponent, per_head, same_segment, segments, to_end
+from .._final import final
 from ._types import ChunkGrads, WYOut
 
 
@@ -77,6 +78,7 @@ def _chunk_args(G, G_lo, reset):
     return tuple(xs), lambda rest: dict(zip(names, rest))
 
 
+@final
 class ReferenceWY(AbstractWY):
     """F3 in jnp, ``group`` chunks at a time (None: all at once; see ``over_chunks``)."""
 
@@ -170,6 +172,7 @@ def _wy_dqkg_chunk(scale, k, v, beta, G, Akk, qg, kg, h, dh, v_new, do, dv_new, 
     return dq, dk, dv, dbeta, dG, dL
 
 
+@final
 class ReferenceWYDqkg(AbstractWYDqkg):
     """B3 in jnp, ``group`` chunks at a time (None: all at once; see ``over_chunks``)."""
 
