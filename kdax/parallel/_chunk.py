@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import _isolation
 from .._layout import pack, unpack
 from .._validate import checked_cu_seqlens
 from ..ref._recurrent import compute_dtype
@@ -204,6 +205,9 @@ def _sp_bwd(static: _Static, residuals, cotangents):
     static = eqx.tree_at(lambda s: s.pipeline, static, static.pipeline.untiled())
     do, dfinal = cotangents
     dfinal = dfinal.astype(res.h0.dtype)
+    # Non-finite cotangents: zero here, NaN in this device's gradients of their sequence
+    # (kdax._isolation; the earlier devices' tokens of that sequence keep finite ones).
+    do, dfinal, poison = _isolation.clean_cotangents(do, dfinal, sp.cu, res.num_qk_heads)
     # Under shard_map's check_vma=False (q then varies over nothing), the transpose hands
     # each device 1/P of a replicated output's cotangent and sums the replicated inputs'
     # cotangents over the devices itself.
@@ -217,7 +221,7 @@ def _sp_bwd(static: _Static, residuals, cotangents):
     c = _pick(sp, sp.enters, _entry_gradient(static, res, do, own))
     # the gradient arriving at this device's exit from the devices after it
     d_exit = exclusive_prefix(jnp.swapaxes(M, -1, -2), c, static.axis, reverse=True, method=static.prefix)
-    grads = _backward_local(static, res, do, own + _spread(sp, sp.leaves, d_exit, N))
+    grads = poison(_backward_local(static, res, do, own + _spread(sp, sp.leaves, d_exit, N)))
     dh0 = _rows(~sp.enters, grads.initial_state)
     dh0 = jax.lax.psum(dh0, static.axis) if checked else dh0
     out = (grads.q, grads.k, grads.v, grads.g, grads.beta, dh0, grads.A_log, grads.dt_bias)
@@ -288,7 +292,13 @@ def sp_chunk_kda(
     check_interpret_in_shard_map(pipeline, q, k, v, g, beta)
     static = _Static(pipeline, seq_axis_name, prefix, tuple(sorted(options.items())))
     asarr = lambda x: None if x is None else jnp.asarray(x)
-    o, final = _sp_kda(static, *map(asarr, (q, k, v, g, beta)), h0, asarr(A_log), asarr(dt_bias), cu)
+    raw = tuple(map(asarr, (q, k, v, g, beta)))
+    # Non-finite inputs stay in their own sequence across devices too (kdax._isolation).
+    local_cu = None if cu is None else jnp.clip(cu - jax.lax.axis_index(seq_axis_name) * Tl, 0, Tl)
+    bad = _isolation.Bad(raw, local_cu, bool(options.get("use_gate_in_kernel", False)),
+                         bool(options.get("use_beta_sigmoid_in_kernel", False)), axis=seq_axis_name)
+    o, final = _sp_kda(static, *_isolation.guard_inputs(bad, raw), h0, asarr(A_log), asarr(dt_bias), cu)
+    o, final = _isolation.poison_outputs(bad, o, final)
     if not output_final_state:
         return o, None
     return o, (jnp.swapaxes(final, -1, -2) if state_v_first else final)
