@@ -28,6 +28,8 @@ Large finite inputs whose intermediates overflow are not detected (float64 keeps
 inputs finite).
 """
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 
@@ -45,14 +47,16 @@ def sequence_ids(B: int, T: int, cu_seqlens):
     return jnp.clip(seq, 0, max(N - 1, 0)).astype(jnp.int32)[None], N
 
 
-def bad_elements(config: KDAConfig, q, k, v, g, beta):
-    """Per input, the elements the recurrence turns into NaN or inf (same shapes)."""
+def bad_elements(raw, gate_in_kernel: bool, beta_sigmoid: bool):
+    """Per input of ``raw = (q, k, v, g, beta)``, the elements the recurrence turns into
+    NaN or inf (same shapes)."""
+    q, k, v, g, beta = raw
     finite = lambda x: jnp.abs(x) < jnp.inf  # False for NaN and ±inf
-    if config.use_gate_in_kernel:  # softplus / lower-bound gate: ±inf gives a finite decay
+    if gate_in_kernel:  # softplus / lower-bound gate: ±inf gives a finite decay
         bg = jnp.isnan(g)
     else:  # -inf is a full reset (clamped to the floor); +inf is not a decay
         bg = jnp.isnan(g) | (g == jnp.inf)
-    bb = jnp.isnan(beta) if config.use_beta_sigmoid_in_kernel else ~finite(beta)
+    bb = jnp.isnan(beta) if beta_sigmoid else ~finite(beta)
     return ~finite(q), ~finite(k), ~finite(v), bg, bb
 
 
@@ -93,13 +97,17 @@ def _first_tokens(cu_seqlens, B: int, T: int):
 
 class Bad:
     """Where a call's non-finite inputs are and what they reach (arrays, not a pytree:
-    built and used inside one trace)."""
+    built and used inside one trace). ``raw = (q, k, v, g, beta)``; ``cu_seqlens`` the
+    offsets of this call's tokens (None: dense rows). ``axis``: inside ``shard_map`` with
+    the token axis split over that mesh axis (``cu_seqlens`` then this device's offsets,
+    clipped to its tokens): a bad token on an earlier device reaches the same sequence
+    here, and final states are flagged for every device."""
 
-    def __init__(self, config: KDAConfig, raw, cu_seqlens):
+    def __init__(self, raw, cu_seqlens, gate_in_kernel: bool, beta_sigmoid: bool, axis: Optional[str] = None):
         q, k, v, g, beta = raw
         B, T = q.shape[:2]
         HV = v.shape[2]
-        self.elements = bad_elements(config, q, k, v, g, beta)
+        self.elements = bad_elements(raw, gate_in_kernel, beta_sigmoid)
         bq, bk, bv, bg, bb = self.elements
         state = (_per_value_head(jnp.any(bk, -1), HV) | jnp.any(bv, -1) | jnp.any(bg, -1) | bb)  # [B, T, HV]
         self.q_only = _per_value_head(jnp.any(bq, -1), HV)
@@ -107,6 +115,13 @@ class Bad:
         self.after = _reaches(state, seq)  # [B, T, HV]: from the state's first bad token on
         r, e, nonempty = _last_tokens(cu_seqlens, B, T)
         self.state_bad = self.after[r, e] & nonempty[:, None]  # [N, HV]
+        if axis is not None:
+            P, d = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
+            every = jax.lax.all_gather(self.state_bad, axis)  # [P, N, HV]
+            earlier = jnp.any(every & (jnp.arange(P) < d)[:, None, None], axis=0)
+            self.after = self.after | earlier[seq]
+            # (a psum: replicated over the axis, as the final states are)
+            self.state_bad = jax.lax.psum(self.state_bad.astype(jnp.int32), axis) > 0
 
 
 def any_bad(bad: Bad):
@@ -194,7 +209,7 @@ def clean_cotangents(do, dht, cu_seqlens, H: int):
 def isolate_call(config: KDAConfig, raw, cu_seqlens, run):
     """``run(q, k, v, g, beta) -> (o, final)`` on guarded inputs, its outputs poisoned
     where the recurrence's are non-finite (``Bad``)."""
-    bad = Bad(config, raw, cu_seqlens)
+    bad = Bad(raw, cu_seqlens, config.use_gate_in_kernel, config.use_beta_sigmoid_in_kernel)
     o, final = run(*guard_inputs(bad, raw))
     return poison_outputs(bad, o, final)
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _precision
+from .. import _isolation, _precision
 from .._layout import pack, unpack
 from .._stage_grads import check_perturbed, pipeline_gradients
 from .._validate import checked_cu_seqlens
@@ -221,6 +221,9 @@ def _sp_bwd(residuals, cotangents, perturbed, diff, call: _Call, cu):
     if do is None:
         do = jnp.zeros(primals[2].shape, res.h0.dtype)
     dfinal = jnp.zeros_like(res.h0) if dfinal is None else dfinal.astype(res.h0.dtype)
+    # Non-finite cotangents: zero here, NaN in this device's gradients of their sequence
+    # (kdax._isolation; the earlier devices' tokens of that sequence keep finite ones).
+    do, dfinal, poison = _isolation.clean_cotangents(do, dfinal, sp.cu, res.num_qk_heads)
     # Under shard_map's check_vma=False (q then varies over nothing), the transpose hands
     # each device 1/P of a replicated output's cotangent and sums the replicated inputs'
     # cotangents over the devices itself.
@@ -235,6 +238,7 @@ def _sp_bwd(residuals, cotangents, perturbed, diff, call: _Call, cu):
     # the gradient arriving at this device's exit from the devices after it
     d_exit = exclusive_prefix(jnp.swapaxes(M, -1, -2), c, static.axis, reverse=True, method=static.prefix)
     grads, parts = _backward_local(static, res, do, own + _spread(sp, sp.leaves, d_exit, N))
+    grads = poison(grads)
     dh0 = _rows(~sp.enters, grads.initial_state)
     dh0 = jax.lax.psum(dh0, static.axis) if checked else dh0
     out = (grads.q, grads.k, grads.v, grads.g, grads.beta, dh0, grads.A_log, grads.dt_bias)
@@ -304,8 +308,14 @@ def sp_chunk_kda(
     check_interpret_in_shard_map(pipeline, q, k, v, g, beta)
     call = _Call(seq_axis_name, prefix, tuple(sorted(options.items())))
     asarr = lambda x: None if x is None else jnp.asarray(x)
-    inputs = (*map(asarr, (q, k, v, g, beta)), h0, asarr(A_log), asarr(dt_bias))
+    raw = tuple(map(asarr, (q, k, v, g, beta)))
+    # Non-finite inputs stay in their own sequence across devices too (kdax._isolation).
+    local_cu = None if cu is None else jnp.clip(cu - jax.lax.axis_index(seq_axis_name) * Tl, 0, Tl)
+    bad = _isolation.Bad(raw, local_cu, bool(options.get("use_gate_in_kernel", False)),
+                         bool(options.get("use_beta_sigmoid_in_kernel", False)), axis=seq_axis_name)
+    inputs = (*_isolation.guard_inputs(bad, raw), h0, asarr(A_log), asarr(dt_bias))
     o, final = _sp_kda((inputs, pipeline), call, cu)
+    o, final = _isolation.poison_outputs(bad, o, final)
     if not output_final_state:
         return o, None
     return o, (jnp.swapaxes(final, -1, -2) if state_v_first else final)

@@ -1,0 +1,36 @@
+"""Issue 25, sequence parallel: over 4 simulated devices, a huge or non-finite value at
+one token of a sequence that crosses a device edge reaches no other sequence; the bad
+sequence is exact before the token and NaN after it on the later devices too."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import kdax
+
+from .._util import make_inputs
+from ..test_isolation import NAMES, VALUES, _check_isolated, _inject, _runner, _sequences
+from .test_chunk import CU, UNTILED, _mesh
+from ..test_isolation import oracle_kda
+
+BAD_SEQ, BAD_T = 6, 30  # sequence 6 (tokens 24..60) crosses the edge at 48 of 4 x 24 tokens
+
+
+@pytest.mark.parametrize("values", ["core", pytest.param("all", marks=pytest.mark.slow)])
+def test_bad_sequence_crossing_a_device_edge(values):
+    mesh = _mesh(4)
+    x = make_inputs(0, B=1, T=CU[-1], H=1, HV=2, K=8, V=8, N=len(CU) - 1, h0=True)
+    opts = dict(cu_seqlens=jnp.asarray(CU, jnp.int32), chunk_size=16, output_final_state=True, pipeline=UNTILED)
+    sp = lambda *a, **kw: kdax.parallel.chunk_kda(mesh, "sp", *a, **kw)
+    f = _runner(sp, opts, final_loss=True)
+    f_ref = _runner(oracle_kda, dict(cu_seqlens=CU, output_final_state=True), final_loss=True)
+    r = jax.random.split(jax.random.key(2))
+    W = jax.random.normal(r[0], x["v"].shape, jnp.float64)
+    Wh = jax.random.normal(r[1], x["initial_state"].shape, jnp.float64)
+    names = NAMES if values == "all" else ("k", "v")
+    vals = VALUES if values == "all" else {"x1e30": None, "nan": float("nan")}
+    for name in names:
+        for label, value in vals.items():
+            y = _inject(x, name, value, (0, BAD_T, 0))
+            _check_isolated(f(y, W, Wh), f_ref(y, W, Wh), _sequences(CU, 1), BAD_SEQ, BAD_T,
+                            bad_exact=value is not None)
