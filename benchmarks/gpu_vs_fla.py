@@ -62,7 +62,8 @@ def kdax_pipeline(name: str) -> KDAPipeline:
     ``+xla_gate`` (F1/B5 reference stages), ``+pallas_state`` (Pallas F4 and B2),
     ``+warps=N`` / ``+stages=N`` / ``+f32dot=tf32x3`` (every Pallas stage's Triton tuning),
     ``+group=N|none`` / ``+unroll=N`` (every reference stage's chunk groups / the
-    recurrences' loop unroll), ``+fast`` (precision "fast": bf16 operands in the
+    recurrences' loop unroll), ``+block_k=N`` (the Pallas state kernels hold the state as
+    N-row tiles), ``+fast`` (precision "fast": bf16 operands in the
     recurrences too, ``kdax._precision``), ``+segments=S`` (F4 and B2, whichever stages the
     pipeline has by then, split into S segments per row: ``kdax.stages.segmented``; put
     it last)."""
@@ -96,6 +97,11 @@ def _with_option(pipe: KDAPipeline, opt: str, name: str) -> KDAPipeline:
         g = None if val == "none" else int(val)
         return dataclasses.replace(pipe, **{n: dataclasses.replace(s, group=g) for n, s in stages.items()
                                             if "group" in {f.name for f in dataclasses.fields(s)}})
+    if key == "block_k":  # the Triton state kernels' row tiles of the state
+        from kdax.pallas import PallasDhu, PallasState
+
+        return dataclasses.replace(pipe, **{n: dataclasses.replace(s, block_k=int(val)) for n, s in stages.items()
+                                            if isinstance(s, (PallasState, PallasDhu))})
     if key == "fast":
         return pipe.with_precision("fast")
     if key == "segments":

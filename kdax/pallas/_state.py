@@ -11,6 +11,8 @@ chunks (no scratch), reading chunk blocks with ``pl.ds`` and the sequence bounda
 
 from typing import ClassVar, Optional
 
+import equinox as eqx
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -52,6 +54,35 @@ def _gamma_col(G, target, reset=None):
 def _state_step(w, u, kg, gam, h):
     v_new = u - dot(w, h)
     return v_new, jnp.exp(gam) * h + dot(kg, v_new, ta=True)
+
+
+def _check_block_k(block_k):
+    if block_k is not None and (not isinstance(block_k, int) or block_k < 16 or block_k & (block_k - 1)):
+        raise ValueError(f"block_k: expected None or a power of 2 of at least 16, got {block_k!r}.")
+
+
+def _k_tiles(Kp: int, block_k):
+    """The state's row tiles ``[(start, size), ...]`` (Triton): ``block_k`` rows each
+    (FLA holds the state as 64-row register tiles), or one tile of all Kp rows."""
+    bk = Kp if block_k is None else min(block_k, Kp)
+    return [(i, bk) for i in range(0, Kp, bk)]
+
+
+def _state_step_tiled(w, u, kg, gam, hs):
+    """``_state_step`` on the state as row tiles ``hs`` (``w``, ``kg`` and ``gam`` as
+    matching lists of column / row tiles): the same sums, split along K."""
+    v_new = u
+    for wi, hi in zip(w, hs):
+        v_new = v_new - dot(wi, hi)
+    return v_new, tuple(jnp.exp(gi) * hi + dot(ki, v_new, ta=True) for ki, gi, hi in zip(kg, gam, hs))
+
+
+def _dhu_step_tiled(scale, qg, kg, w, gam, do, dv_intra, dhs):
+    dv = dv_intra
+    for ki, hi in zip(kg, dhs):
+        dv = dv + dot(ki, hi)
+    return dv, tuple(jnp.exp(gi) * hi + scale * dot(qi, do, ta=True) - dot(wi, dv, ta=True)
+                     for qi, wi, gi, hi in zip(qg, w, gam, dhs))
 
 
 def _dhu_step(scale, qg, kg, w, gam, do, dv_intra, dh_end):
@@ -103,9 +134,14 @@ def _tokens(x):
 @final
 class PallasState(AbstractState, PallasValueBlocks):
     """F4 as a Pallas kernel (TPU: dense layout; Triton: dense and packed varlen, one
-    program per row and block of ``block_v`` value columns)."""
+    program per row and block of ``block_v`` value columns). ``block_k`` (Triton): hold
+    the state as tiles of that many rows (FLA's kernels use 64), None: one tile."""
 
     tile_safe: ClassVar[bool] = True
+    block_k: Optional[int] = eqx.field(static=True, default=None)
+
+    def __check_init__(self):
+        _check_block_k(self.block_k)
 
     @tuned
     @typecheck
@@ -164,33 +200,44 @@ class PallasState(AbstractState, PallasValueBlocks):
 
             dense = layout.dense
 
+            tiles = _k_tiles(Kp, self.block_k)
+
             def kernel(w_ref, u_ref, kg_ref, g_ref, h0_ref, first_ref, last_ref, h_ref, vn_ref, fin_ref):
                 p, cols = pl.program_id(0), pl.ds(pl.program_id(1) * bv, bv)
                 r, hv = idiv(p, HV), p % HV
 
-                def step(c, h):
-                    rows, feats = pl.ds(c * C, C), pl.ds(c * Kp, Kp)
+                # The state as row tiles of block_k rows (one tile: all of K), each a loop carry.
+                def step(c, hs):
+                    rows = pl.ds(c * C, C)
                     if not dense:  # a sequence may start or end at any chunk
                         f = first_ref[r, c]
-                        h = jnp.where(f >= 0, h0_ref[jnp.maximum(f, 0) * HV + hv, :, cols], h)
-                    # Stored as FLA stores them (bf16 values under "fast": kdax._precision).
-                    h_ref[p, feats, cols] = _precision.stored(h)
-                    v_new, h_next = _state_step(w_ref[p, rows, :], u_ref[p, rows, cols], kg_ref[p, rows, :],
-                                                g_ref[p, feats, :], h)
+                        hs = tuple(jnp.where(f >= 0, h0_ref[jnp.maximum(f, 0) * HV + hv, pl.ds(k0, bk), cols], h)
+                                   for (k0, bk), h in zip(tiles, hs))
+                    for (k0, bk), h in zip(tiles, hs):
+                        # Stored as FLA stores them (bf16 values under "fast": kdax._precision).
+                        h_ref[p, pl.ds(c * Kp + k0, bk), cols] = _precision.stored(h)
+                    v_new, hs_next = _state_step_tiled(
+                        [w_ref[p, rows, pl.ds(k0, bk)] for k0, bk in tiles], u_ref[p, rows, cols],
+                        [kg_ref[p, rows, pl.ds(k0, bk)] for k0, bk in tiles],
+                        [g_ref[p, pl.ds(c * Kp + k0, bk), :] for k0, bk in tiles], hs)
                     vn_ref[p, rows, cols] = _precision.stored(v_new)
                     if not dense:
                         l = last_ref[r, c]
 
                         @pl.when(l >= 0)
                         def _():
-                            fin_ref[l * HV + hv, :, cols] = h_next
+                            for (k0, bk), h in zip(tiles, hs_next):
+                                fin_ref[l * HV + hv, pl.ds(k0, bk), cols] = h
 
-                    return h_next
+                    return hs_next
 
                 # Dense: row r is sequence r, from chunk 0 to the last (no per-chunk state load).
-                h = loop(0, NC, step, h0_ref[p, :, cols] if dense else jnp.zeros((Kp, bv), h0_ref.dtype))
+                init = tuple(h0_ref[p, pl.ds(k0, bk), cols] if dense else jnp.zeros((bk, bv), h0_ref.dtype)
+                             for k0, bk in tiles)
+                hs = loop(0, NC, step, init)
                 if dense:
-                    fin_ref[p, :, cols] = h
+                    for (k0, bk), h in zip(tiles, hs):
+                        fin_ref[p, pl.ds(k0, bk), cols] = h
 
             h, v_new, final = _run_triton(
                 kernel, (_tokens(wf), _tokens(uf), _tokens(kgf), _tokens(gam), h0f, layout.first, layout.last),
@@ -206,7 +253,13 @@ class PallasState(AbstractState, PallasValueBlocks):
 @final
 class PallasDhu(AbstractDhu, PallasValueBlocks):
     """B2 as a Pallas kernel, chunks in reverse (TPU: dense layout; Triton: also varlen, one
-    program per row and block of ``block_v`` value columns)."""
+    program per row and block of ``block_v`` value columns; ``block_k`` as in
+    ``PallasState``)."""
+
+    block_k: Optional[int] = eqx.field(static=True, default=None)
+
+    def __check_init__(self):
+        _check_block_k(self.block_k)
 
     @tuned
     @typecheck
@@ -270,35 +323,45 @@ class PallasDhu(AbstractDhu, PallasValueBlocks):
 
             dense = layout.dense
 
+            tiles = _k_tiles(Kp, self.block_k)
+
             def kernel(q_ref, k_ref, w_ref, g_ref, do_ref, dvi_ref, dht_ref, first_ref, last_ref,
                        dh_ref, dv_ref, dh0_ref):
                 p, cols = pl.program_id(0), pl.ds(pl.program_id(1) * bv, bv)
                 r, hv = idiv(p, HV), p % HV
 
-                def step(i, dh_end):
+                # dh as row tiles of block_k rows (one tile: all of K), each a loop carry.
+                def step(i, dhs):
                     c = NC - 1 - i
                     if not dense:  # a sequence may end or start at any chunk
                         l = last_ref[r, c]
-                        dh_end = jnp.where(l >= 0, dht_ref[jnp.maximum(l, 0) * HV + hv, :, cols], dh_end)
-                    rows, feats = pl.ds(c * C, C), pl.ds(c * Kp, Kp)
-                    dh_ref[p, feats, cols] = dh_end
-                    dv, dh_start = _dhu_step(scale, q_ref[p, rows, :], k_ref[p, rows, :], w_ref[p, rows, :],
-                                             g_ref[p, feats, :], do_ref[p, rows, cols], dvi_ref[p, rows, cols],
-                                             dh_end)
+                        dhs = tuple(jnp.where(l >= 0, dht_ref[jnp.maximum(l, 0) * HV + hv, pl.ds(k0, bk), cols], h)
+                                    for (k0, bk), h in zip(tiles, dhs))
+                    rows = pl.ds(c * C, C)
+                    for (k0, bk), h in zip(tiles, dhs):
+                        dh_ref[p, pl.ds(c * Kp + k0, bk), cols] = h
+                    cut = lambda ref: [ref[p, rows, pl.ds(k0, bk)] for k0, bk in tiles]
+                    dv, dhs_start = _dhu_step_tiled(scale, cut(q_ref), cut(k_ref), cut(w_ref),
+                                                    [g_ref[p, pl.ds(c * Kp + k0, bk), :] for k0, bk in tiles],
+                                                    do_ref[p, rows, cols], dvi_ref[p, rows, cols], dhs)
                     dv_ref[p, rows, cols] = dv
                     if not dense:
                         f = first_ref[r, c]
 
                         @pl.when(f >= 0)
                         def _():
-                            dh0_ref[f * HV + hv, :, cols] = dh_start
+                            for (k0, bk), h in zip(tiles, dhs_start):
+                                dh0_ref[f * HV + hv, pl.ds(k0, bk), cols] = h
 
-                    return dh_start
+                    return dhs_start
 
                 # Dense: row r is sequence r, from the last chunk back to chunk 0.
-                dh = loop(0, NC, step, dht_ref[p, :, cols] if dense else jnp.zeros((Kp, bv), dht_ref.dtype))
+                init = tuple(dht_ref[p, pl.ds(k0, bk), cols] if dense else jnp.zeros((bk, bv), dht_ref.dtype)
+                             for k0, bk in tiles)
+                dhs = loop(0, NC, step, init)
                 if dense:
-                    dh0_ref[p, :, cols] = dh
+                    for (k0, bk), h in zip(tiles, dhs):
+                        dh0_ref[p, pl.ds(k0, bk), cols] = h
 
             dh, dv_new, dh0 = _run_triton(
                 kernel, (_tokens(qf), _tokens(kf), _tokens(wf), _tokens(gam), _tokens(dof), _tokens(dvf), dhtf,

@@ -225,3 +225,28 @@ def test_state_kernels_dense(interpret):
     do, dv, dht = rand_like(x["v"], 2), rand_like(x["v"], 3), rand_like(h0, 4)
     bargs = (x["scale"], qg, kg, w, x["G"], do, dv, dht, layout)
     _close(P.PallasDhu(**kw)(*bargs), S.ReferenceDhu()(*bargs), 1e-12, "dhu")
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float64, 1e-12), (jnp.float32, 1e-5)], ids=["f64", "f32"])
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_state_kernels_k_tiles(packed, dtype, tol):
+    """The Triton state kernels holding the state as row tiles (``block_k``; FLA's kernels
+    use 64-row tiles): K = 40 padded to 64 in four tiles of 16, equal to the reference,
+    dense and packed (lengths 10, 0, 1, 20: resets inside the chunk loop)."""
+    cu = jnp.array([0, 10, 10, 11, 31], jnp.int32) if packed else None
+    layout = make_layout(1, 31, 16, cu)
+    N = 4 if packed else 1
+    x = chunked(8, R=1, HV=2, NC=layout.num_chunks, C=16, K=40, V=24)
+    Aqk, Akk = intra_chunk(x["q"], x["k"], x["beta"], x["G"], x["scale"])
+    cast = lambda t: tuple(a.astype(dtype) for a in t)
+    w, u, qg, kg = cast(wy_chunk(x["q"], x["k"], x["v"], x["beta"], x["G"], Akk))
+    G = x["G"].astype(dtype)
+    h0 = rand_like(jnp.zeros((N, 2, 40, 24), dtype), 1)
+    args = (w, u, kg, G, h0, layout)
+    kw = dict(target="triton", interpret=True, block_v=16, block_k=16)
+    _close(P.PallasState(**kw)(*args), S.ReferenceState()(*args), tol, "state")
+    do, dv, dht = rand_like(u, 2), rand_like(u, 3), rand_like(h0, 4)
+    bargs = (x["scale"], qg, kg, w, G, do, dv, dht, layout)
+    _close(P.PallasDhu(**kw)(*bargs), S.ReferenceDhu()(*bargs), tol, "dhu")
+    with pytest.raises(ValueError, match="block_k"):
+        P.PallasState(target="triton", block_k=24)

@@ -111,13 +111,15 @@ def test_kernels_fit_hopper_shared_memory(K, C, dtype, options, tuning, tmp_path
 # Measured with this test's method (KiB, F4 / B2 dense): float32 "ieee" 64 / 112 at one stage,
 # 112 / 144 at two; "tf32x3" 64 / 64, 144 / 192 at two, 224 / 320 at three (over: B2 cannot
 # prefetch two chunks ahead at 64 value columns); "fast" (bf16 operands) 32 / 32, 112 / 144
-# at two stages.
+# at two stages, 104 / 136 with 64-row state tiles (packed: 144 / 176, 136 / 168).
 @pytest.mark.parametrize("policy,tuning", [
     # float32 products at full precision are FMA loops that take Triton a minute or more
     pytest.param("highest", {}, marks=pytest.mark.slow),
     ("highest", dict(f32_dot="tf32x3", num_warps=8, num_stages=2)),
     ("fast", dict(num_warps=8, num_stages=2)),
-], ids=["f32", "f32_tf32x3_w8_s2", "fast_w8_s2"])
+    # the state as 64-row tiles, as FLA holds it
+    ("fast", dict(num_warps=8, num_stages=2, block_k=64)),
+], ids=["f32", "f32_tf32x3_w8_s2", "fast_w8_s2", "fast_w8_s2_k64"])
 def test_state_kernels_fit_hopper_shared_memory(policy, tuning, tmp_path):
     """F4 and B2 (the recurrences, B0's F4 included) alone at K = V = 128, chunk 64, dense
     and packed (per-chunk resets), under the float32 and the "fast" precision policy, each
