@@ -1,0 +1,145 @@
+"""The Pallas state family's Triton kernels: one program per (row, head, block of
+``block_v`` value columns) that loops over chunks (no scratch), reading chunk blocks with
+``pl.ds`` and the sequence boundaries (``layout.first`` / ``layout.last``) as scalars, so
+it runs dense and packed varlen alike; the state as row tiles of ``block_k`` rows."""
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from .. import _precision
+from ._common import compiler_params, idiv, kernel_name, loop, manual_inputs
+from ._state_steps import dhu_step_tiled, k_tiles, state_step_tiled
+
+
+def _run(kernel, ins, out_shapes, P, NV, dtype, interpret):
+    """One program per (row, block of value columns); whole arrays, chunk blocks read with
+    pl.ds inside the kernel. The columns of the state evolve independently, so splitting
+    them halves each program's shared memory and doubles the programs (more parallel
+    work for a GPU at small batch)."""
+    ins, mat = manual_inputs(ins)
+    return pl.pallas_call(
+        kernel, out_shape=[jax.ShapeDtypeStruct(s, dtype, manual_axis_type=mat) for s in out_shapes], grid=(P, NV),
+        name=kernel_name(kernel),
+        interpret=interpret, compiler_params=None if interpret else compiler_params("triton", False, 1),
+    )(*ins)
+
+
+def _tokens(x):
+    """``[P, NC, A, B] -> [P, NC * A, B]`` so a chunk is a ``pl.ds`` slice of rows."""
+    return x.reshape(x.shape[0], x.shape[1] * x.shape[2], x.shape[3])
+
+
+def state_forward(wf, uf, kgf, gam, h0f, layout, *, R, HV, NC, C, Kp, Vp, N, block_v, block_k, dtype, interpret):
+    """F4 on padded, flattened operands: ``(h [P, NC, Kp, Vp], v_new, final [N * HV, Kp, Vp])``."""
+    P = R * HV
+    # Sequence boundaries from the layout (dense or packed varlen): a chunk that
+    # starts sequence f loads h0[f]; one that ends sequence l writes final[l].
+    bv = min(block_v, Vp)
+    dense = layout.dense
+    tiles = k_tiles(Kp, block_k)
+
+    def kernel(w_ref, u_ref, kg_ref, g_ref, h0_ref, first_ref, last_ref, h_ref, vn_ref, fin_ref):
+        p, cols = pl.program_id(0), pl.ds(pl.program_id(1) * bv, bv)
+        r, hv = idiv(p, HV), p % HV
+
+        # The state as row tiles of block_k rows (one tile: all of K), each a loop carry.
+        def step(c, hs):
+            rows = pl.ds(c * C, C)
+            if not dense:  # a sequence may start or end at any chunk
+                f = first_ref[r, c]
+                hs = tuple(jnp.where(f >= 0, h0_ref[jnp.maximum(f, 0) * HV + hv, pl.ds(k0, bk), cols], h)
+                           for (k0, bk), h in zip(tiles, hs))
+            for (k0, bk), h in zip(tiles, hs):
+                # Stored as FLA stores them (bf16 values under "fast": kdax._precision).
+                h_ref[p, pl.ds(c * Kp + k0, bk), cols] = _precision.stored(h)
+            v_new, hs_next = state_step_tiled(
+                [w_ref[p, rows, pl.ds(k0, bk)] for k0, bk in tiles], u_ref[p, rows, cols],
+                [kg_ref[p, rows, pl.ds(k0, bk)] for k0, bk in tiles],
+                [g_ref[p, pl.ds(c * Kp + k0, bk), :] for k0, bk in tiles], hs)
+            vn_ref[p, rows, cols] = _precision.stored(v_new)
+            if not dense:
+                l = last_ref[r, c]
+
+                @pl.when(l >= 0)
+                def _():
+                    for (k0, bk), h in zip(tiles, hs_next):
+                        fin_ref[l * HV + hv, pl.ds(k0, bk), cols] = h
+
+            return hs_next
+
+        # Dense: row r is sequence r, from chunk 0 to the last (no per-chunk state load).
+        init = tuple(h0_ref[p, pl.ds(k0, bk), cols] if dense else jnp.zeros((bk, bv), h0_ref.dtype)
+                     for k0, bk in tiles)
+        hs = loop(0, NC, step, init)
+        if dense:
+            for (k0, bk), h in zip(tiles, hs):
+                fin_ref[p, pl.ds(k0, bk), cols] = h
+
+    h, v_new, final = _run(
+        kernel, (_tokens(wf), _tokens(uf), _tokens(kgf), _tokens(gam), h0f, layout.first, layout.last),
+        [(P, NC * Kp, Vp), (P, NC * C, Vp), (N * HV, Kp, Vp)], P, Vp // bv, dtype, interpret,
+    )
+    h, v_new = h.reshape(P, NC, Kp, Vp), v_new.reshape(P, NC, C, Vp)
+    # A sequence of length 0 has no chunk to write its final state: it keeps h0.
+    final = jnp.where(jnp.repeat(layout.empty, HV)[:, None, None], h0f, final)
+    return h, v_new, final
+
+
+def dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout, *, R, HV, NC, C, Kp, Vp, N, block_v, block_k, dtype,
+                 interpret):
+    """B2 on padded, flattened operands, chunks in reverse: ``(dh, dv_new, dh0)``."""
+    P = R * HV
+    # The [C, K] operands dominate at chunk 128: 64 value columns asked 256 KiB of
+    # shared memory at K = V = 128, 16 columns 208 KiB (sm_90 allows 227).
+    bv = min(block_v, Vp, 16 if C > 64 else Vp)
+    dense = layout.dense
+    tiles = k_tiles(Kp, block_k)
+
+    def kernel(q_ref, k_ref, w_ref, g_ref, do_ref, dvi_ref, dht_ref, first_ref, last_ref,
+               dh_ref, dv_ref, dh0_ref):
+        p, cols = pl.program_id(0), pl.ds(pl.program_id(1) * bv, bv)
+        r, hv = idiv(p, HV), p % HV
+
+        # dh as row tiles of block_k rows (one tile: all of K), each a loop carry.
+        def step(i, dhs):
+            c = NC - 1 - i
+            if not dense:  # a sequence may end or start at any chunk
+                l = last_ref[r, c]
+                dhs = tuple(jnp.where(l >= 0, dht_ref[jnp.maximum(l, 0) * HV + hv, pl.ds(k0, bk), cols], h)
+                            for (k0, bk), h in zip(tiles, dhs))
+            rows = pl.ds(c * C, C)
+            for (k0, bk), h in zip(tiles, dhs):
+                dh_ref[p, pl.ds(c * Kp + k0, bk), cols] = h
+            cut = lambda ref: [ref[p, rows, pl.ds(k0, bk)] for k0, bk in tiles]
+            dv, dhs_start = dhu_step_tiled(scale, cut(q_ref), cut(k_ref), cut(w_ref),
+                                            [g_ref[p, pl.ds(c * Kp + k0, bk), :] for k0, bk in tiles],
+                                            do_ref[p, rows, cols], dvi_ref[p, rows, cols], dhs)
+            dv_ref[p, rows, cols] = dv
+            if not dense:
+                f = first_ref[r, c]
+
+                @pl.when(f >= 0)
+                def _():
+                    for (k0, bk), h in zip(tiles, dhs_start):
+                        dh0_ref[f * HV + hv, pl.ds(k0, bk), cols] = h
+
+            return dhs_start
+
+        # Dense: row r is sequence r, from the last chunk back to chunk 0.
+        init = tuple(dht_ref[p, pl.ds(k0, bk), cols] if dense else jnp.zeros((bk, bv), dht_ref.dtype)
+                     for k0, bk in tiles)
+        dhs = loop(0, NC, step, init)
+        if dense:
+            for (k0, bk), h in zip(tiles, dhs):
+                dh0_ref[p, pl.ds(k0, bk), cols] = h
+
+    dh, dv_new, dh0 = _run(
+        kernel, (_tokens(qf), _tokens(kf), _tokens(wf), _tokens(gam), _tokens(dof), _tokens(dvf), dhtf,
+                 layout.first, layout.last),
+        [(P, NC * Kp, Vp), (P, NC * C, Vp), (N * HV, Kp, Vp)], P, Vp // bv, dtype, interpret,
+    )
+    dh, dv_new = dh.reshape(P, NC, Kp, Vp), dv_new.reshape(P, NC, C, Vp)
+    # A sequence of length 0 passes its dht straight to dh0.
+    dh0 = jnp.where(jnp.repeat(layout.empty, HV)[:, None, None], dhtf, dh0)
+    return dh, dv_new, dh0
