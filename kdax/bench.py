@@ -489,8 +489,7 @@ def write_results(rows: list, meta: dict, out: str) -> list:
                 color=["tab:blue" if r["name"].startswith("chunk_kda") else "tab:gray" for r in bars])
         for i, r in enumerate(bars):
             ax.text(1e3 * r["time_s"], i, f" {1e3 * r['time_s']:.0f} ms", va="center", fontsize=8)
-        ax.set_xscale("log")
-        ax.set_xlabel("ms (median)")
+        ax.set_xlabel("ms (median; linear scale)")
         ax.set_title(f"KDA {kind}, T={bars[0]['T']} — {meta['machine']}", fontsize=8)
         fig.tight_layout()
         fig.savefig(os.path.join(out, fname), dpi=110)
