@@ -64,7 +64,7 @@ class KDACache(eqx.Module):
             recurrent_state, conv_state = layer_cache["recurrent_state"], layer_cache.get("conv_state")
         if recurrent_state is None:
             raise ValueError("from_fla: recurrent_state is missing (FLA's cache 'recurrent_state' [N, HV, V, K]).")
-        st = jnp.asarray(as_numpy(recurrent_state, "recurrent_state"))
+        st = jnp.asarray(as_numpy(recurrent_state, "recurrent_state", "values"))
         if st.ndim != 4:
             raise ValueError(f"recurrent_state: expected [N, HV, V, K], got shape {tuple(st.shape)}.")
         st = jnp.swapaxes(st, -1, -2) if state_v_first else st
@@ -75,7 +75,7 @@ class KDACache(eqx.Module):
             raise ValueError(f"conv_state: expected FLA's (q, k, v) tuple, got {len(conv_state)} entries.")
         convs = []
         for name, c in zip(("q", "k", "v"), conv_state):
-            c = jnp.asarray(as_numpy(c, f"conv_state[{name}]"))
+            c = jnp.asarray(as_numpy(c, f"conv_state[{name}]", "values"))
             if c.ndim != 3 or c.shape[0] != st.shape[0] or c.shape[2] < 2:
                 raise ValueError(f"conv_state[{name}]: expected [N={st.shape[0]}, D, W >= 2], got shape "
                                  f"{tuple(c.shape)}.")

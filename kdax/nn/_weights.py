@@ -112,14 +112,14 @@ def to_numpy(value) -> np.ndarray:
     return np.asarray(a)
 
 
-def as_numpy(value, name: str) -> np.ndarray:
+def as_numpy(value, name: str, what: str = "weights") -> np.ndarray:
     """``to_numpy(value)``, refusing complex, integer, boolean and non-finite values with an
     error naming ``name``."""
     a = to_numpy(value)
     if not (np.issubdtype(a.dtype, np.floating) or jnp.issubdtype(a.dtype, jnp.floating)):
-        raise TypeError(f"{name}: expected real floating-point weights, got dtype {a.dtype}.")
+        raise TypeError(f"{name}: expected real floating-point {what}, got dtype {a.dtype}.")
     if not np.all(np.isfinite(a.astype(np.float64))):
-        raise ValueError(f"{name}: the weights contain NaN or infinity.")
+        raise ValueError(f"{name}: the {what} contain NaN or infinity.")
     return a
 
 

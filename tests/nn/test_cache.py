@@ -84,6 +84,7 @@ def test_decode_takes_flas_whole_history_mask():
     y0, c0 = run(layer, x, cache=cache)
     assert_close(y, y0, 1e-12, "whole-history mask")
     assert np.array_equal(y, y1)
+    assert np.array_equal(run(layer, x, cache=cache, mode="fused_recurrent")[0], y0)  # FLA's name for the path
     for f in FIELDS:
         assert_close(getattr(c, f), getattr(c0, f), 1e-12, f)
     with pytest.raises(ValueError, match=r"covers 6 tokens but x has 1 and no cache.*pass this call's mask, "
