@@ -28,6 +28,7 @@ Large finite inputs whose intermediates overflow are not detected (float64 keeps
 inputs finite).
 """
 
+import functools
 from typing import Optional
 
 import jax
@@ -47,17 +48,25 @@ def sequence_ids(B: int, T: int, cu_seqlens):
     return jnp.clip(seq, 0, max(N - 1, 0)).astype(jnp.int32)[None], N
 
 
+# Which elements of an input the recurrence turns into NaN or inf, by kind (a static
+# name, so that the test fuses into each pass that needs it instead of a stored mask).
+def _is_bad(kind: str, x):
+    if kind == "nan":  # an activation finite at ±inf (softplus / lower-bound gate, beta sigmoid)
+        return jnp.isnan(x)
+    if kind == "decay":  # a log decay: -inf is a full reset (clamped to the floor)
+        return jnp.isnan(x) | (x == jnp.inf)
+    return ~(jnp.abs(x) < jnp.inf)  # any non-finite value
+
+
+def input_kinds(gate_in_kernel: bool, beta_sigmoid: bool) -> tuple:
+    """The ``_is_bad`` kind of each of (q, k, v, g, beta)."""
+    return ("any", "any", "any", "nan" if gate_in_kernel else "decay", "nan" if beta_sigmoid else "any")
+
+
 def bad_elements(raw, gate_in_kernel: bool, beta_sigmoid: bool):
     """Per input of ``raw = (q, k, v, g, beta)``, the elements the recurrence turns into
     NaN or inf (same shapes)."""
-    q, k, v, g, beta = raw
-    finite = lambda x: jnp.abs(x) < jnp.inf  # False for NaN and ±inf
-    if gate_in_kernel:  # softplus / lower-bound gate: ±inf gives a finite decay
-        bg = jnp.isnan(g)
-    else:  # -inf is a full reset (clamped to the floor); +inf is not a decay
-        bg = jnp.isnan(g) | (g == jnp.inf)
-    bb = jnp.isnan(beta) if beta_sigmoid else ~finite(beta)
-    return ~finite(q), ~finite(k), ~finite(v), bg, bb
+    return tuple(_is_bad(kind, x) for kind, x in zip(input_kinds(gate_in_kernel, beta_sigmoid), raw))
 
 
 def _per_value_head(x, HV: int):
@@ -107,10 +116,11 @@ class Bad:
         q, k, v, g, beta = raw
         B, T = q.shape[:2]
         HV = v.shape[2]
-        self.elements = bad_elements(raw, gate_in_kernel, beta_sigmoid)
-        bq, bk, bv, bg, bb = self.elements
-        state = (_per_value_head(jnp.any(bk, -1), HV) | jnp.any(bv, -1) | jnp.any(bg, -1) | bb)  # [B, T, HV]
-        self.q_only = _per_value_head(jnp.any(bq, -1), HV)
+        self.kinds = input_kinds(gate_in_kernel, beta_sigmoid)
+        # per token and head: one fused pass over each input
+        tq, tk, tv, tg = (jnp.any(_is_bad(kind, x), -1) for kind, x in zip(self.kinds[:4], raw[:4]))
+        state = _per_value_head(tk, HV) | tv | tg | _is_bad(self.kinds[4], beta)  # [B, T, HV]
+        self.q_only = _per_value_head(tq, HV)
         seq, _ = sequence_ids(B, T, cu_seqlens)
         self.after = _reaches(state, seq)  # [B, T, HV]: from the state's first bad token on
         r, e, nonempty = _last_tokens(cu_seqlens, B, T)
@@ -124,22 +134,17 @@ class Bad:
             self.state_bad = jax.lax.psum(self.state_bad.astype(jnp.int32), axis) > 0
 
 
-def any_bad(bad: Bad):
-    """Whether any input element was replaced (a traced bool)."""
-    return jnp.any(jnp.stack([jnp.any(b) for b in bad.elements]))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _clean(kind: str, x, after):
+    return jnp.where(_is_bad(kind, x), jnp.zeros((), x.dtype), x)
 
 
-@jax.custom_vjp
-def _clean(x, bad, after):
-    return jnp.where(bad, jnp.zeros((), x.dtype), x)
+def _clean_fwd(kind: str, x, after):
+    return _clean(kind, x, after), after
 
 
-def _clean_fwd(x, bad, after):
-    return _clean(x, bad, after), after
-
-
-def _clean_bwd(after, ct):
-    return jnp.where(after, jnp.asarray(jnp.nan, ct.dtype), ct), None, None
+def _clean_bwd(kind: str, after, ct):
+    return jnp.where(after, jnp.asarray(jnp.nan, ct.dtype), ct), None
 
 
 _clean.defvjp(_clean_fwd, _clean_bwd)
@@ -157,7 +162,7 @@ def guard_inputs(bad: Bad, raw):
     """``(q, k, v, g, beta)`` with the bad elements replaced by zero; their gradients are
     NaN where the outputs are (``poison_outputs``)."""
     where = bad.after | bad.q_only
-    return tuple(_clean(x, b, _token_mask(where, x)) for x, b in zip(raw, bad.elements))
+    return tuple(_clean(kind, x, _token_mask(where, x)) for kind, x in zip(bad.kinds, raw))
 
 
 def poison_outputs(bad: Bad, o, final):
