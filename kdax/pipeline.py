@@ -252,12 +252,12 @@ class KDAPipeline(eqx.Module):
     # "highest", "bfloat16" or "float16".
     precision: str = eqx.field(static=True, default="auto")
     # Packed varlen input (cu_seqlens) with no initial_state (a training step's usual
-    # call): sequences share chunks, NC = ceil(T / C), each sequence start a reset through
-    # the gate (``_layout.make_shared_layout``), so many short sequences cost what their
+    # call): sequences share chunks, NC = ceil(T / C), each sequence start an exact reset
+    # (``_layout.make_shared_layout``, ``stages._segments``), so many short sequences cost what their
     # tokens cost. Final states (``chunk_kda``'s ``output_final_state``) are read from the
     # chunk of each sequence's last token; a loss on them makes the backward rerun the
-    # forward with one sequence per chunk. Needs F1 and B5 to take ``reset`` (or
-    # ``fallback``, which runs the reference ones). False, an initial state, or
+    # forward with one sequence per chunk. Needs every stage but F5/B1 to take ``reset``
+    # (or ``fallback``, which runs the reference ones). False, an initial state, or
     # ``KDAPipeline.forward`` with ``output_final_state``: every sequence starts its own
     # chunk. ``plan`` says which ran.
     share_chunks: bool = eqx.field(static=True, default=True)
@@ -438,13 +438,13 @@ class KDAPipeline(eqx.Module):
         """Whether a call with these options packs its sequences into shared chunks
         (``share_chunks``): packed varlen input, no ``initial_state``, no final state asked
         for unless ``finals`` (``chunk_kda``: True; ``forward``, whose residuals must take
-        a ``dht``: False), and F1 and B5 taking ``reset`` (or ``fallback`` to the reference
-        ones)."""
+        a ``dht``: False), and every stage given ``reset`` taking it (``_RESET_STAGES``; or
+        ``fallback`` to the reference ones)."""
         if not self.share_chunks or cu_seqlens is None or initial_state is not None:
             return False
         if config.output_final_state and not finals:
             return False
-        return self.fallback or all(_takes(type(getattr(self, n)), "reset") for n in ("gate", "gate_bwd"))
+        return self.fallback or all(_takes(type(getattr(self, n)), "reset") for n in _RESET_STAGES)
 
     def _tile_chunks(self, rows_heads: int, num_chunks: int) -> Optional[int]:
         """Chunks per forward tile, or None to run each stage once over everything."""
@@ -597,6 +597,10 @@ class KDAPipeline(eqx.Module):
     def __call__(self, q: QK, k: QK, v: Values, g: Gate, beta: Beta, *args, **kwargs):
         """``chunk_kda`` with this pipeline."""
         return chunk_kda(q, k, v, g, beta, *args, pipeline=self, **kwargs)
+
+
+# The stages given the shared layout's ``reset`` (all but F5 and B1: stages._segments).
+_RESET_STAGES = ("gate", "intra", "wy", "state", "recompute", "dhu", "wy_dqkg", "intra_bwd", "gate_bwd")
 
 
 @functools.cache

@@ -161,6 +161,13 @@ def test_share_chunks_off_and_custom_gate_keep_the_per_sequence_layout():
     plan = with_fallback.plan(*pos, cu_seqlens=cu, chunk_size=C)
     assert plan.layout == "shared" and "reset" in plan.fallbacks["gate"]
 
+    class OldIntra(kdax.stages.AbstractIntra):  # an F2 written before `reset` (issue 25)
+        def __call__(self, scale, q, k, beta, G, G_lo=None):
+            return kdax.stages.ReferenceIntra()(scale, q, k, beta, G, G_lo)
+
+    custom = eqx.tree_at(lambda p: p.intra, ref, OldIntra())
+    assert custom.plan(*pos, cu_seqlens=cu, chunk_size=C).layout == "per-sequence"
+
 
 def test_no_padding_and_no_recompile_for_new_offsets():
     """NC = ceil(T / C) whatever the offsets; new offsets of the same N reuse the program."""
