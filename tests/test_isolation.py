@@ -133,6 +133,7 @@ def test_per_sequence_chunks_isolated():
            oracle_options=dict(cu_seqlens=CU))
 
 
+@pytest.mark.slow  # (rows never share a chunk; the garbage-padding test below runs dense in the default run)
 def test_dense_rows_isolated():
     """Dense rows (bad row 0 at token 20 of 40, inside chunk 1), a loss on o and states."""
     x = make_inputs(seed=2, B=2, T=40, H=1, HV=2, K=8, V=8, h0=True)
