@@ -100,8 +100,8 @@ class KDAPipeline(eqx.Module):
     # "highest", "bfloat16" or "float16".
     precision: str = eqx.field(static=True, default="auto")
     # Packed varlen input (cu_seqlens) with no initial_state (a training step's usual
-    # call): sequences share chunks, NC = ceil(T / C), each sequence start a reset through
-    # the gate (``_layout.make_shared_layout``), so many short sequences cost what their
+    # call): sequences share chunks, NC = ceil(T / C), each sequence start an exact reset
+    # (``_layout.make_shared_layout``, ``stages._segments``), so many short sequences cost what their
     # tokens cost. Final states (``chunk_kda``'s ``output_final_state``) are read from the
     # chunk of each sequence's last token; a loss on them makes the backward rerun the
     # forward with one sequence per chunk. Needs the stages that get the reset table to accept ``reset`` (or

@@ -133,6 +133,7 @@ def test_per_sequence_chunks_isolated():
            oracle_options=dict(cu_seqlens=CU))
 
 
+@pytest.mark.slow  # (rows never share a chunk; the garbage-padding test below runs dense in the default run)
 def test_dense_rows_isolated():
     """Dense rows (bad row 0 at token 20 of 40, inside chunk 1), a loss on o and states."""
     x = make_inputs(seed=2, B=2, T=40, H=1, HV=2, K=8, V=8, h0=True)
@@ -229,3 +230,15 @@ def test_other_pipelines_exact_resets(pipe):
     want = _runner(oracle_kda, dict(cu_seqlens=CU), final_loss=False)(y, W, None)
     _check_isolated(got, want, _sequences(CU, 1), BAD_SEQ, 8, tol=1e-10, bad_exact=False)
 
+
+
+def test_recurrent_numpy_initial_state_with_cu_seqlens():
+    """``fused_recurrent_kda(..., cu_seqlens=[...], initial_state=np.zeros(...))`` runs
+    (it raised TracerArrayConversionError) and equals the jnp state's result."""
+    x = make_inputs(seed=6, B=1, T=40, H=1, HV=2, K=8, V=8, h0=False)
+    pos, _ = split_args(x)
+    h0 = np.zeros((2, 2, 8, 8))
+    o, ht = kdax.fused_recurrent_kda(*pos, cu_seqlens=[0, 20, 40], initial_state=h0, output_final_state=True)
+    o2, ht2 = kdax.fused_recurrent_kda(*pos, cu_seqlens=[0, 20, 40], initial_state=jnp.asarray(h0),
+                                       output_final_state=True)
+    assert np.array_equal(np.asarray(o), np.asarray(o2)) and np.array_equal(np.asarray(ht), np.asarray(ht2))

@@ -34,3 +34,18 @@ def test_bad_sequence_crossing_a_device_edge(values):
             y = _inject(x, name, value, (0, BAD_T, 0))
             _check_isolated(f(y, W, Wh), f_ref(y, W, Wh), _sequences(CU, 1), BAD_SEQ, BAD_T,
                             bad_exact=value is not None)
+
+
+def test_global_wrapper_takes_what_chunk_kda_takes():
+    """``kdax.parallel.chunk_kda`` takes ``cu_seqlens`` as a list or numpy array and
+    Kimi's ``A_log [1, 1, HV, 1]``, as ``kdax.chunk_kda`` does."""
+    import numpy as np
+
+    mesh = _mesh(4)
+    x = make_inputs(1, B=1, T=CU[-1], H=1, HV=2, K=8, V=8, N=len(CU) - 1, h0=False, gate="raw", A_log=True)
+    pos = tuple(x[n] for n in NAMES)
+    opts = dict(chunk_size=16, use_gate_in_kernel=True, pipeline=UNTILED)
+    want = kdax.chunk_kda(*pos, cu_seqlens=CU, A_log=x["A_log"], **opts)[0]
+    for cu, A_log in ((CU, x["A_log"].reshape(1, 1, 2, 1)), (np.asarray(CU), x["A_log"])):
+        o = kdax.parallel.chunk_kda(mesh, "sp", *pos, cu_seqlens=cu, A_log=A_log, **opts)[0]
+        assert np.allclose(np.asarray(o), np.asarray(want), rtol=1e-10, atol=1e-12)
