@@ -7,11 +7,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .. import _precision
-from ._common import chunk_spec, compiler_params, kernel_name, manual_inputs
+from ._common import chunk_spec, compiler_params, manual_inputs
 from ._state_steps import dhu_step, state_step
 
 
-def _run(kernel, ins, in_blocks, out_blocks, P, NC, dtype, state_shape, interpret, reverse):
+def _run(kernel, ins, in_blocks, out_blocks, P, NC, dtype, state_shape, interpret, reverse, stage):
     """Sequential chunk axis, state in VMEM scratch. Blocks tagged 'c' are per chunk,
     'p' per row (the same block for every chunk)."""
     def spec(kind, block):
@@ -25,7 +25,7 @@ def _run(kernel, ins, in_blocks, out_blocks, P, NC, dtype, state_shape, interpre
     out_shape = [jax.ShapeDtypeStruct((P,) + ((NC,) if k == "c" else ()) + b, dtype, manual_axis_type=mat)
                  for k, b in out_blocks]
     return pl.pallas_call(
-        kernel, out_shape=out_shape, grid=(P, NC), name=kernel_name(kernel),
+        kernel, out_shape=out_shape, grid=(P, NC), name=f"kdax_{stage}_kernel",
         in_specs=[spec(k, b) for k, b in in_blocks], out_specs=[spec(k, b) for k, b in out_blocks],
         scratch_shapes=[pltpu.VMEM(state_shape, dtype)], interpret=interpret,
         compiler_params=None if interpret else compiler_params("tpu", True, 2),
@@ -55,7 +55,7 @@ def state_forward(wf, uf, kgf, gam, h0f, *, P, NC, C, Kp, Vp, dtype, interpret):
     h, v_new, final = _run(
         kernel, (wf, uf, kgf, gam, h0f),
         [("c", (C, Kp)), ("c", (C, Vp)), ("c", (C, Kp)), ("c", (Kp, 1)), ("p", (Kp, Vp))],
-        [("c", (Kp, Vp)), ("c", (C, Vp)), ("p", (Kp, Vp))], P, NC, dtype, (Kp, Vp), interpret, False,
+        [("c", (Kp, Vp)), ("c", (C, Vp)), ("p", (Kp, Vp))], P, NC, dtype, (Kp, Vp), interpret, False, "PallasState",
     )
     return h, v_new, final
 
@@ -85,6 +85,6 @@ def dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, *, P, NC, C, Kp, Vp, dt
         kernel, (qf, kf, wf, gam, dof, dvf, dhtf),
         [("c", (C, Kp)), ("c", (C, Kp)), ("c", (C, Kp)), ("c", (Kp, 1)), ("c", (C, Vp)),
          ("c", (C, Vp)), ("p", (Kp, Vp))],
-        [("c", (Kp, Vp)), ("c", (C, Vp)), ("p", (Kp, Vp))], P, NC, dtype, (Kp, Vp), interpret, True,
+        [("c", (Kp, Vp)), ("c", (C, Vp)), ("p", (Kp, Vp))], P, NC, dtype, (Kp, Vp), interpret, True, "PallasDhu",
     )
     return dh, dv_new, dh0

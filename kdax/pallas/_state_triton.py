@@ -8,11 +8,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from .. import _precision
-from ._common import compiler_params, idiv, kernel_name, loop, manual_inputs
+from ._common import compiler_params, idiv, loop, manual_inputs
 from ._state_steps import dhu_step_tiled, k_tiles, state_step_tiled
 
 
-def _run(kernel, ins, out_shapes, P, NV, dtype, interpret):
+def _run(kernel, ins, out_shapes, P, NV, dtype, interpret, stage):
     """One program per (row, block of value columns); whole arrays, chunk blocks read with
     pl.ds inside the kernel. The columns of the state evolve independently, so splitting
     them halves each program's shared memory and doubles the programs (more parallel
@@ -20,7 +20,7 @@ def _run(kernel, ins, out_shapes, P, NV, dtype, interpret):
     ins, mat = manual_inputs(ins)
     return pl.pallas_call(
         kernel, out_shape=[jax.ShapeDtypeStruct(s, dtype, manual_axis_type=mat) for s in out_shapes], grid=(P, NV),
-        name=kernel_name(kernel),
+        name=f"kdax_{stage}_kernel",
         interpret=interpret, compiler_params=None if interpret else compiler_params("triton", False, 1),
     )(*ins)
 
@@ -78,7 +78,7 @@ def state_forward(wf, uf, kgf, gam, h0f, layout, *, R, HV, NC, C, Kp, Vp, N, blo
 
     h, v_new, final = _run(
         kernel, (_tokens(wf), _tokens(uf), _tokens(kgf), _tokens(gam), h0f, layout.first, layout.last),
-        [(P, NC * Kp, Vp), (P, NC * C, Vp), (N * HV, Kp, Vp)], P, Vp // bv, dtype, interpret,
+        [(P, NC * Kp, Vp), (P, NC * C, Vp), (N * HV, Kp, Vp)], P, Vp // bv, dtype, interpret, "PallasState",
     )
     h, v_new = h.reshape(P, NC, Kp, Vp), v_new.reshape(P, NC, C, Vp)
     # A sequence of length 0 has no chunk to write its final state: it keeps h0.
@@ -137,7 +137,7 @@ def dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout, *, R, HV, NC, C
     dh, dv_new, dh0 = _run(
         kernel, (_tokens(qf), _tokens(kf), _tokens(wf), _tokens(gam), _tokens(dof), _tokens(dvf), dhtf,
                  layout.first, layout.last),
-        [(P, NC * Kp, Vp), (P, NC * C, Vp), (N * HV, Kp, Vp)], P, Vp // bv, dtype, interpret,
+        [(P, NC * Kp, Vp), (P, NC * C, Vp), (N * HV, Kp, Vp)], P, Vp // bv, dtype, interpret, "PallasDhu",
     )
     dh, dv_new = dh.reshape(P, NC, Kp, Vp), dv_new.reshape(P, NC, C, Vp)
     # A sequence of length 0 passes its dht straight to dh0.

@@ -59,7 +59,9 @@ def chunk_kda(
         put = lambda x, spec: jax.sharding.reshard(x, NamedSharding(mesh, spec))
         q, k, v, g, beta = (put(x, tok) for x in (q, k, v, g, beta))
         arrays = {name: put(x, specs[name]) for name, x in arrays.items()}
-    return fn(q, k, v, g, beta, arrays)
+    # Under jit: eqx.filter_custom_vjp's symbolic zeros are not supported by an eager
+    # shard_map (JAX 0.10), only by a traced one.
+    return jax.jit(fn)(q, k, v, g, beta, arrays)
 
 
 def check_mesh_axes(mesh, seq_axis: str, batch_axis, cu_seqlens, name: str, T: int) -> None:
