@@ -4,7 +4,6 @@ Linear, single-file or sharded safetensors."""
 import dataclasses
 import json
 import os
-from typing import Optional
 
 from ._weights import load_safetensors, safetensors_keys
 

@@ -2,7 +2,7 @@
 
 import abc
 import functools
-from typing import ClassVar, Optional
+from typing import ClassVar
 
 import equinox as eqx
 import jax.numpy as jnp

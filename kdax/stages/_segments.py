@@ -32,10 +32,8 @@ kernels). Exact: every step is the unsplit recurrence's arithmetic regrouped (fl
 then ``V`` columns, and the summaries' ``K x K`` compositions.
 """
 
-from typing import ClassVar
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 
 from .._affine import scan_prefix
