@@ -8,14 +8,15 @@ earlier tokens of its chunk and to other sequences. ``chunk_kda`` therefore runs
 finite inputs and puts the non-finite values back where the per-sequence recurrence has
 them:
 
-- forward (``guard_inputs``, ``poison_outputs``): each non-finite input element that the
-  recurrence would carry (``bad_elements``) is replaced by zero; each sequence's first
+- forward (``cleaner``, applied as the forward packs each tile, and ``poison_outputs``):
+  each non-finite input element that the recurrence would carry (``bad_elements``) reads
+  as zero; each sequence's first
   token holding one for a value head (``first_bad``) makes that head's outputs NaN from
   that token on, and its final state NaN; a non-finite ``q`` alone makes only its own
   token's outputs NaN (q is read, never written into the state). Every other output is
   what the recurrence gives: the tokens before are computed as before, other sequences
   never see the value.
-- backward (``guard_inputs``'s VJP): the gradients of that head's inputs from the same
+- backward (``poison_inputs``): the gradients of that head's inputs from the same
   token on are NaN, those before are the recurrence's (the replaced zeros are after them).
 - cotangents (``clean_cotangents``, in ``chunk_kda``'s VJP): a non-finite ``do`` at token
   u of a sequence, or ``dht`` of a sequence, is replaced by zero, and that sequence's
@@ -28,13 +29,12 @@ Large finite inputs whose intermediates overflow are not detected (float64 keeps
 inputs finite).
 """
 
-import functools
+import dataclasses
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
-from ._config import KDAConfig
 
 
 def sequence_ids(B: int, T: int, cu_seqlens):
@@ -88,20 +88,22 @@ def _reaches(bad, seq, reverse: bool = False):
     return m == s
 
 
-def _last_tokens(cu_seqlens, B: int, T: int):
-    """``([N] row, [N] token, [N] non-empty)`` of each sequence's last token."""
+def _at_ends(x, cu_seqlens, last: bool):
+    """``x [B, T, HV]`` at each sequence's last (``last``) or first token, ``[N, HV]``,
+    False for an empty sequence. Dense rows take a slice, not a gather: a gather's
+    indices would be all-gathered when the rows are sharded."""
+    B, T = x.shape[:2]
     if cu_seqlens is None:
-        return jnp.arange(B), jnp.full((B,), max(T - 1, 0)), jnp.full((B,), T > 0)
+        return x[:, -1 if last else 0] if T > 0 else jnp.zeros((B,) + x.shape[2:], bool)
     cu = jnp.asarray(cu_seqlens, jnp.int32)
-    return jnp.zeros(cu.shape[0] - 1, jnp.int32), jnp.clip(cu[1:] - 1, 0, max(T - 1, 0)), cu[1:] > cu[:-1]
+    t = jnp.clip(cu[1:] - 1 if last else cu[:-1], 0, max(T - 1, 0))
+    return x[0, t] & (cu[1:] > cu[:-1])[:, None]
 
 
-def _first_tokens(cu_seqlens, B: int, T: int):
-    """``([N] row, [N] token, [N] non-empty)`` of each sequence's first token."""
-    if cu_seqlens is None:
-        return jnp.arange(B), jnp.zeros((B,), jnp.int32), jnp.full((B,), T > 0)
-    cu = jnp.asarray(cu_seqlens, jnp.int32)
-    return jnp.zeros(cu.shape[0] - 1, jnp.int32), jnp.clip(cu[:-1], 0, max(T - 1, 0)), cu[1:] > cu[:-1]
+def _to_tokens(x, seq, cu_seqlens):
+    """Per-sequence ``x [N, HV]`` at each token, ``[B, T, HV]`` (dense: a broadcast, not a
+    gather, for the rows' sharding)."""
+    return jnp.broadcast_to(x[:, None], seq.shape + x.shape[1:]) if cu_seqlens is None else x[seq]
 
 
 class Bad:
@@ -123,31 +125,23 @@ class Bad:
         self.q_only = _per_value_head(tq, HV)
         seq, _ = sequence_ids(B, T, cu_seqlens)
         self.after = _reaches(state, seq)  # [B, T, HV]: from the state's first bad token on
-        r, e, nonempty = _last_tokens(cu_seqlens, B, T)
-        self.state_bad = self.after[r, e] & nonempty[:, None]  # [N, HV]
+        self.state_bad = _at_ends(self.after, cu_seqlens, last=True)  # [N, HV]
         if axis is not None:
             P, d = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
             every = jax.lax.all_gather(self.state_bad, axis)  # [P, N, HV]
             earlier = jnp.any(every & (jnp.arange(P) < d)[:, None, None], axis=0)
-            self.after = self.after | earlier[seq]
+            self.after = self.after | _to_tokens(earlier, seq, cu_seqlens)
             # (a psum: replicated over the axis, as the final states are)
             self.state_bad = jax.lax.psum(self.state_bad.astype(jnp.int32), axis) > 0
+        self.where = self.after | self.q_only  # [B, T, HV]: the outputs the recurrence makes NaN
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _clean(kind: str, x, after):
-    return jnp.where(_is_bad(kind, x), jnp.zeros((), x.dtype), x)
-
-
-def _clean_fwd(kind: str, x, after):
-    return _clean(kind, x, after), after
-
-
-def _clean_bwd(kind: str, after, ct):
-    return jnp.where(after, jnp.asarray(jnp.nan, ct.dtype), ct), None
-
-
-_clean.defvjp(_clean_fwd, _clean_bwd)
+def cleaner(gate_in_kernel: bool, beta_sigmoid: bool):
+    """``clean(raw) -> raw``: each input of ``raw = (q, k, v, g, beta)`` with the elements
+    the recurrence turns into NaN or inf (``bad_elements``) read as zero; elementwise, for
+    ``pack_inputs`` to fuse into its packing."""
+    kinds = input_kinds(gate_in_kernel, beta_sigmoid)
+    return lambda raw: tuple(jnp.where(_is_bad(kind, x), jnp.zeros((), x.dtype), x) for kind, x in zip(kinds, raw))
 
 
 def _token_mask(after, x):
@@ -158,18 +152,20 @@ def _token_mask(after, x):
     return jnp.broadcast_to(m.reshape(m.shape + (1,) * (x.ndim - 3)), x.shape)
 
 
-def guard_inputs(bad: Bad, raw):
-    """``(q, k, v, g, beta)`` with the bad elements replaced by zero; their gradients are
-    NaN where the outputs are (``poison_outputs``)."""
-    where = bad.after | bad.q_only
-    return tuple(_clean(kind, x, _token_mask(where, x)) for kind, x in zip(bad.kinds, raw))
+def poison_inputs(where, grads):
+    """``grads`` (``KDAGrads``) NaN at the tokens and heads of ``where [B, T, HV]``
+    (``Bad.where``, the outputs the recurrence makes NaN): there the recurrence's
+    gradient of each input is NaN too; before, the replaced zeros are not involved."""
+    nan = lambda x: None if x is None else jnp.where(_token_mask(where, x), jnp.asarray(jnp.nan, x.dtype), x)
+    return dataclasses.replace(grads, q=nan(grads.q), k=nan(grads.k), v=nan(grads.v), g=nan(grads.g),
+                               beta=nan(grads.beta))
 
 
 def poison_outputs(bad: Bad, o, final):
     """``o [B, T, HV, V]`` NaN where the recurrence's is (``Bad``); ``final [N, HV, ...]``
     NaN for a sequence whose state met a bad token. Cotangents pass through."""
     nan = jnp.asarray(jnp.nan, o.dtype)
-    o = o + jnp.where((bad.after | bad.q_only)[..., None], nan, jnp.zeros((), o.dtype))
+    o = o + jnp.where(bad.where[..., None], nan, jnp.zeros((), o.dtype))
     if final is not None:
         final = final + jnp.where(bad.state_bad[:, :, None, None], jnp.asarray(jnp.nan, final.dtype), 0.0).astype(final.dtype)
     return o, final
@@ -188,12 +184,11 @@ def clean_cotangents(do, dht, cu_seqlens, H: int):
     bad_tok = ~jnp.all(ok_do, -1)  # [B, T, HV]
     do = jnp.where(ok_do, do, jnp.zeros((), do.dtype))
     upto = _reaches(bad_tok, seq, reverse=True)  # [B, T, HV]
-    r, s, nonempty = _first_tokens(cu_seqlens, B, T)
-    seq_bad = upto[r, s] & nonempty[:, None]  # [N, HV]: a bad do reaches the sequence's start
+    seq_bad = _at_ends(upto, cu_seqlens, last=False)  # [N, HV]: a bad do reaches the sequence's start
     if dht is not None:
         ok_ht = jnp.abs(dht) < jnp.inf
         ht_bad = ~jnp.all(ok_ht, axis=(-2, -1))  # [N, HV]
-        upto = upto | ht_bad[seq]
+        upto = upto | _to_tokens(ht_bad, seq, cu_seqlens)
         seq_bad = seq_bad | ht_bad
         dht = jnp.where(ok_ht, dht, jnp.zeros((), dht.dtype))
 
@@ -209,12 +204,3 @@ def clean_cotangents(do, dht, cu_seqlens, H: int):
         )
 
     return do, dht, poison
-
-
-def isolate_call(config: KDAConfig, raw, cu_seqlens, run):
-    """``run(q, k, v, g, beta) -> (o, final)`` on guarded inputs, its outputs poisoned
-    where the recurrence's are non-finite (``Bad``)."""
-    bad = Bad(raw, cu_seqlens, config.use_gate_in_kernel, config.use_beta_sigmoid_in_kernel)
-    o, final = run(*guard_inputs(bad, raw))
-    return poison_outputs(bad, o, final)
-

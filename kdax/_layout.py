@@ -138,10 +138,11 @@ def reduce_group(dx, h: int):
     return dx.reshape(dx.shape[0], h, dx.shape[1] // h, *dx.shape[2:]).sum(axis=2)
 
 
-def pack_inputs(layout: ChunkLayout, raw, HV: int, dt):
+def pack_inputs(layout: ChunkLayout, raw, HV: int, dt, clean=None):
     """``(q, k, v, g, beta)`` in the chunked layout, in the compute dtype, q and k
-    expanded to the HV value heads."""
-    q, k, v, g, beta = raw
+    expanded to the HV value heads; ``clean(raw) -> raw`` first if given (elementwise,
+    so that it fuses into the packing instead of copying the inputs)."""
+    q, k, v, g, beta = raw if clean is None else clean(raw)
     return (
         expand_group(pack(layout, q, dt), HV),
         expand_group(pack(layout, k, dt), HV),

@@ -20,8 +20,15 @@ def differentiable(diff, config: KDAConfig, cu_seqlens):
     differentiated as ``_stage_grads`` says (F1, F5 exact; backward stages zero; F2-F4
     refused)."""
     inputs, pipeline = diff
-    o, final, _ = pipeline.run_forward(config, *inputs, cu_seqlens, shared_finals=True)
-    return o, final
+    bad = _bad(config, inputs, cu_seqlens)
+    o, final, _ = pipeline.run_forward(config, *inputs, cu_seqlens, shared_finals=True, clean=True)
+    return _isolation.poison_outputs(bad, o, final)
+
+
+def _bad(config: KDAConfig, inputs, cu_seqlens):
+    # Non-finite inputs stay in their own sequence, from their token on: the forward reads
+    # them as zero and the outputs and gradients get NaN where the recurrence has it.
+    return _isolation.Bad(inputs[:5], cu_seqlens, config.use_gate_in_kernel, config.use_beta_sigmoid_in_kernel)
 
 
 @differentiable.def_fwd
@@ -30,15 +37,17 @@ def _vjp_fwd(perturbed, diff, config: KDAConfig, cu_seqlens):
     check_perturbed(pipeline, perturbed[1])
     # Whole: in a training step XLA then shares F3/F4 with B0's recompute (the CPU step was
     # ~15% slower with a tiled forward; a tiled B1-B5 too was still 5-10% slower).
-    o, final, res = pipeline.untiled().run_forward(config, *inputs, cu_seqlens, shared_finals=True)
+    bad = _bad(config, inputs, cu_seqlens)
+    o, final, res = pipeline.untiled().run_forward(config, *inputs, cu_seqlens, shared_finals=True, clean=True)
     if not config.disable_recompute:
         # Keep what FLA keeps (inputs, G, Aqk, Akk, l2norm statistics, h0); B0 rebuilds the rest.
         res = eqx.tree_at(lambda r: r.cache, res, None, is_leaf=lambda x: x is None)
-    return (o, final), res
+    return _isolation.poison_outputs(bad, o, final), (res, bad.where)
 
 
 @differentiable.def_bwd
-def _vjp_bwd(res, cotangents, perturbed, diff, config: KDAConfig, cu_seqlens):
+def _vjp_bwd(residuals, cotangents, perturbed, diff, config: KDAConfig, cu_seqlens):
+    res, where = residuals
     inputs, pipeline = diff
     do, dht = cotangents
     if do is None:  # only the final state carries a loss
@@ -52,9 +61,10 @@ def _vjp_bwd(res, cotangents, perturbed, diff, config: KDAConfig, cu_seqlens):
         # A loss on the final states of shared chunks: rerun the forward with one sequence
         # per chunk, whose backward takes dht (only such a loss pays for it).
         run = dataclasses.replace(pipeline, share_chunks=False).untiled()
-        res = run.run_forward(config, *inputs, cu_seqlens)[2]
+        res = run.run_forward(config, *inputs, cu_seqlens, clean=True)[2]
     grads, parts = run.backward_with_parts(res, do, dht)
-    grads = poison(grads)
+    grads = _isolation.poison_inputs(where, poison(grads))
     out = (grads.q, grads.k, grads.v, grads.g, grads.beta, grads.initial_state, grads.A_log, grads.dt_bias)
     d_inputs = tuple(None if d is None or x is None else x.astype(d) for x, d in zip(out, res.in_dtypes))
-    return d_inputs, pipeline_gradients(run, perturbed[1], parts, res, inputs)
+    clean = (*_isolation.cleaner(config.use_gate_in_kernel, config.use_beta_sigmoid_in_kernel)(inputs[:5]), *inputs[5:])
+    return d_inputs, pipeline_gradients(run, perturbed[1], parts, res, clean)

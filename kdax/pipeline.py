@@ -243,10 +243,12 @@ class KDAPipeline(eqx.Module):
     # -- forward ------------------------------------------------------------------------
 
     def run_forward(self, config: KDAConfig, q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens,
-                    shared_finals: bool = False):
+                    shared_finals: bool = False, clean: bool = False):
         """Forward on the raw inputs (``h0`` ``[N, HV, K, V]`` or None). Returns
         ``(o, final [N, HV, K, V], residuals with the full cache)``. ``shared_finals``: the
-        caller can differentiate final states of a shared layout (``chunk_kda``'s VJP)."""
+        caller can differentiate final states of a shared layout (``chunk_kda``'s VJP).
+        ``clean``: non-finite input elements read as zero, replaced as each tile is packed
+        (``kdax._isolation``: the caller puts NaN back where the recurrence has it)."""
         for name in STAGES:  # a pipeline edited with eqx.tree_at skips __check_init__
             check_family(name, getattr(self, name))
         B, T, H, K = q.shape
@@ -267,15 +269,16 @@ class KDAPipeline(eqx.Module):
         dt_bias = None if dt_bias is None else dt_bias.astype(dt)
         h0 = _initial_states(h0, (1 if shared else N, HV, K, V), dt)
         raw = (q, k, v, g, beta)
+        clean = _isolation.cleaner(config.use_gate_in_kernel, config.use_beta_sigmoid_in_kernel) if clean else None
         nt = self._tile_chunks(layout.valid.shape[0] * HV, layout.num_chunks)
         if nt is not None and not layout.dense and h0.shape[0] > nt * config.chunk_size:
             nt = None  # each tile's state table, O(N), would cost more than its tokens
         if nt is None:
-            chunked = pack_inputs(layout, raw, HV, dt)
+            chunked = pack_inputs(layout, raw, HV, dt, clean)
             oc, fw, final = self._forward_stages(config, chunked, A_log, dt_bias, h0, layout)
             o = unpack(layout, oc)
         else:
-            o, final, fw = self._forward_tiled(config, layout, raw, HV, dt, A_log, dt_bias, h0, nt)
+            o, final, fw = self._forward_tiled(config, layout, raw, HV, dt, A_log, dt_bias, h0, nt, clean)
         o = o.astype(v.dtype)
         if shared and config.output_final_state:
             final = _shared_finals(layout, cu_seqlens, fw.act.k, fw.act.G, fw.act.G_lo, fw.v_new, fw.h)
@@ -331,7 +334,8 @@ class KDAPipeline(eqx.Module):
         oc = self.run_stage("output", scale=config.scale, qg=wy.qg, h=st.h, Aqk=intra.Aqk, v_new=st.v_new)
         return oc, _ForwardChunks(act, intra, wy, st.h, st.v_new, vc, gc), st.final
 
-    def _forward_tiled(self, config: KDAConfig, layout: ChunkLayout, raw, HV: int, dt, A_log, dt_bias, h0, nt: int):
+    def _forward_tiled(self, config: KDAConfig, layout: ChunkLayout, raw, HV: int, dt, A_log, dt_bias, h0, nt: int,
+                       clean=None):
         """F1-F5 on ``nt`` chunks at a time, the state carried from tile to tile (see
         ``_tiles``). On CPU this keeps a tile's intermediates in cache instead of writing
         whole-sequence arrays to main memory (the forward 1.4x faster at the benchmark
@@ -341,12 +345,12 @@ class KDAPipeline(eqx.Module):
         Returns ``(o [B, T, HV, V], final, _ForwardChunks of full size)``."""
         tiles = Tiles(layout, h0.shape[0], nt)
         if not tiles.dense:
-            packed = pack_inputs(layout, raw, HV, dt)
+            packed = pack_inputs(layout, raw, HV, dt, clean)
 
         def stages(c0, n, tail, h_carry):
             tl = tiles.layout_of(c0, n, tail)
             if tiles.dense:
-                chunked = pack_inputs(tl, tuple(tiles.tokens(x, c0, n, tail) for x in raw), HV, dt)
+                chunked = pack_inputs(tl, tuple(tiles.tokens(x, c0, n, tail) for x in raw), HV, dt, clean)
             else:
                 chunked = tuple(tiles.chunks(x, c0, n) for x in packed)
             oc, fw, table = self._forward_stages(config, chunked, A_log, dt_bias, tiles.table(h0, h_carry), tl)
@@ -481,9 +485,8 @@ class KDAPipeline(eqx.Module):
             N = v.shape[0] if cu is None else cu.shape[0] - 1
             final = _initial_states(h0, (N, v.shape[2], K, v.shape[-1]), compute_dtype(q, k, v, g, beta, h0))
             return jnp.zeros(v.shape, v.dtype), _final_out(final, config, opts.state_v_first)
-        # Non-finite inputs stay in their own sequence, from their token on (kdax._isolation).
-        run = lambda *x: differentiable(((*x, h0, A_log, dt_bias), pipeline), config, cu)
-        o, final = _isolation.isolate_call(config, (q, k, v, g, beta), cu, run)
+        # (Non-finite inputs stay in their own sequence: kdax._isolation, in the VJP's forward.)
+        o, final = differentiable(((q, k, v, g, beta, h0, A_log, dt_bias), pipeline), config, cu)
         return o, _final_out(final, config, opts.state_v_first)
 
 

@@ -196,25 +196,38 @@ def _sp_kda(diff, call: _Call, cu):
     """``(o, final)`` of ``diff = ((q, k, v, g, beta, h0, A_log, dt_bias), pipeline)``:
     any pipeline, its arrays traced or not, differentiated as ``kdax._stage_grads`` says."""
     inputs, pipeline = diff
+    bad, inputs = _isolated(call, inputs, cu)
     o, final, *_ = _forward(call.static(pipeline), *inputs, cu, training=False)
-    return o, final
+    return _isolation.poison_outputs(bad, o, final)
+
+
+def _isolated(call: _Call, inputs, cu):
+    """``(Bad, inputs with non-finite elements read as zero)``: non-finite inputs stay in
+    their own sequence across devices too (``kdax._isolation``)."""
+    opts = dict(call.options)
+    Tl = inputs[0].shape[1]
+    local_cu = None if cu is None else jnp.clip(cu - jax.lax.axis_index(call.axis) * Tl, 0, Tl)
+    gate, sigmoid = bool(opts.get("use_gate_in_kernel", False)), bool(opts.get("use_beta_sigmoid_in_kernel", False))
+    bad = _isolation.Bad(inputs[:5], local_cu, gate, sigmoid, axis=call.axis)
+    return bad, (*_isolation.cleaner(gate, sigmoid)(inputs[:5]), *inputs[5:])
 
 
 @_sp_kda.def_fwd
 def _sp_fwd(perturbed, diff, call: _Call, cu):
     inputs, pipeline = diff
     check_perturbed(pipeline, perturbed[1], where="kdax.parallel's sequence-parallel chunk_kda")
+    bad, inputs = _isolated(call, inputs, cu)
     # A training step runs the forward whole, as chunk_kda's own VJP does.
     static = call.static(pipeline.untiled())
     o, final, res, M, sp = _forward(static, *inputs, cu, training=True)
     if not dict(static.options).get("disable_recompute", False):
         res = eqx.tree_at(lambda r: r.cache, res, None, is_leaf=lambda x: x is None)
-    return (o, final), (res, M, sp)
+    return _isolation.poison_outputs(bad, o, final), (res, M, sp, bad.where)
 
 
 @_sp_kda.def_bwd
 def _sp_bwd(residuals, cotangents, perturbed, diff, call: _Call, cu):
-    res, M, sp = residuals
+    res, M, sp, where = residuals
     primals, pipeline = diff
     static = call.static(pipeline.untiled())
     do, dfinal = cotangents
@@ -238,7 +251,7 @@ def _sp_bwd(residuals, cotangents, perturbed, diff, call: _Call, cu):
     # the gradient arriving at this device's exit from the devices after it
     d_exit = exclusive_prefix(jnp.swapaxes(M, -1, -2), c, static.axis, reverse=True, method=static.prefix)
     grads, parts = _backward_local(static, res, do, own + _spread(sp, sp.leaves, d_exit, N))
-    grads = poison(grads)
+    grads = _isolation.poison_inputs(where, poison(grads))
     dh0 = _rows(~sp.enters, grads.initial_state)
     dh0 = jax.lax.psum(dh0, static.axis) if checked else dh0
     out = (grads.q, grads.k, grads.v, grads.g, grads.beta, dh0, grads.A_log, grads.dt_bias)
@@ -246,7 +259,8 @@ def _sp_bwd(residuals, cotangents, perturbed, diff, call: _Call, cu):
     # Stage arrays: the stage's VJP on this device's tokens. The pipeline is replicated:
     # under check_vma the VJP's own transpose of the implicit broadcast sums over the
     # devices; without it, shard_map's transpose does.
-    return d_inputs, pipeline_gradients(static.pipeline, perturbed[1], parts, res, primals)
+    clean = _isolated(call, primals, cu)[1]
+    return d_inputs, pipeline_gradients(static.pipeline, perturbed[1], parts, res, clean)
 
 
 def _like(ct, primal):
@@ -308,14 +322,8 @@ def sp_chunk_kda(
     check_interpret_in_shard_map(pipeline, q, k, v, g, beta)
     call = _Call(seq_axis_name, prefix, tuple(sorted(options.items())))
     asarr = lambda x: None if x is None else jnp.asarray(x)
-    raw = tuple(map(asarr, (q, k, v, g, beta)))
-    # Non-finite inputs stay in their own sequence across devices too (kdax._isolation).
-    local_cu = None if cu is None else jnp.clip(cu - jax.lax.axis_index(seq_axis_name) * Tl, 0, Tl)
-    bad = _isolation.Bad(raw, local_cu, bool(options.get("use_gate_in_kernel", False)),
-                         bool(options.get("use_beta_sigmoid_in_kernel", False)), axis=seq_axis_name)
-    inputs = (*_isolation.guard_inputs(bad, raw), h0, asarr(A_log), asarr(dt_bias))
+    inputs = (*map(asarr, (q, k, v, g, beta)), h0, asarr(A_log), asarr(dt_bias))
     o, final = _sp_kda((inputs, pipeline), call, cu)
-    o, final = _isolation.poison_outputs(bad, o, final)
     if not output_final_state:
         return o, None
     return o, (jnp.swapaxes(final, -1, -2) if state_v_first else final)

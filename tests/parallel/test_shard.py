@@ -105,10 +105,6 @@ def test_jit_auto_mesh_recurrent_keeps_sharding():
     _check(out, grads, ref_out, ref_grads, SPECS)
 
 
-# Known regression (session 8, issue 25's isolation): the per-sequence non-finite check adds
-# an all-gather and an all-reduce under jit on an Auto mesh. Kept failing-visible (strict)
-# until the check is made shard-local; see the closing note.
-@pytest.mark.xfail(strict=True, reason="issue 25's isolation check adds collectives on Auto meshes (regression)")
 @pytest.mark.parametrize("pipeline", ["untiled", pytest.param("default", marks=pytest.mark.slow)])
 def test_jit_auto_mesh_chunk_keeps_sharding(pipeline, monkeypatch):
     """jit on an Auto mesh: XLA's sharding propagation keeps rows and heads sharded
