@@ -55,20 +55,55 @@ def maybe_per_shard(fn: Callable, q, k, v, g, beta, *, initial_state=None, A_log
     b, h = spec[0], spec[2]
     dense = cu_seqlens is None
     tok4, tok3 = P(b, None, h, None), P(b, None, h)
+    qk4, pick = tok4, _qk_heads(mesh, h, q.shape[2], v.shape[2])
+    if pick is not None:  # q, k replicated over the head axes, each shard slicing its head
+        qk4 = P(b, None, None, None)
     state = P(b if dense else None, h, None, None)
     arrays = dict(initial_state=(initial_state, state), A_log=(A_log, P(h)), dt_bias=(dt_bias, P(h)),
                   cu_seqlens=(cu_seqlens, P()))
     arrays = {n: xs for n, xs in arrays.items() if xs[0] is not None}
     put = lambda x, s: jax.sharding.reshard(x, jax.NamedSharding(mesh, s))
-    ins = tuple(put(x, s) for x, s in zip((q, k, v, g, beta), (tok4, tok4, tok4, tok4, tok3)))
+    ins = tuple(put(x, s) for x, s in zip((q, k, v, g, beta), (qk4, qk4, tok4, tok4, tok3)))
     kw = {n: put(x, s) for n, (x, s) in arrays.items()}
 
     def local(q, k, v, g, beta, kw):
+        if pick is not None:
+            q, k = pick(q), pick(k)
         return fn(q, k, v, g, beta, state_v_first=state_v_first, **kw, **options)
 
     out_specs = (tok4, state if options.get("output_final_state", False) else None)
-    return jax.shard_map(local, mesh=mesh, in_specs=(tok4, tok4, tok4, tok4, tok3, {n: s for n, (_, s) in arrays.items()}),
+    return jax.shard_map(local, mesh=mesh, in_specs=(qk4, qk4, tok4, tok4, tok3, {n: s for n, (_, s) in arrays.items()}),
                          out_specs=out_specs, check_vma=check_vma)(*ins, kw)
+
+
+def _qk_heads(mesh, h, H: int, HV: int) -> Optional[Callable]:
+    """With the value heads sharded over the mesh axes ``h`` in ``P`` blocks: None when the
+    q/k heads shard the same way (``H % P == 0``: block p of the value heads reads block p
+    of the q/k heads); else, when every block's value heads read one q/k head (H < P, the
+    group size ``HV // H`` a multiple of the block ``HV // P``), the function that slices
+    that head out of replicated ``q``/``k`` on each shard; otherwise an error."""
+    axes = _axes(h)
+    if not axes:
+        return None
+    Pn = 1
+    for a in axes:
+        Pn *= mesh.shape[a]
+    if H % Pn == 0:
+        return None
+    group, block = HV // H, HV // Pn
+    if HV % Pn or group % block:
+        raise ValueError(
+            f"q, k, v: the value heads (HV={HV}) are sharded {Pn} ways over mesh axes {axes!r}, and the q/k heads "
+            f"(H={H}) can neither be sharded the same way (H a multiple of {Pn}) nor sliced per shard (each shard's "
+            f"{HV}/{Pn} value heads reading a single q/k head); shard the heads over a mesh axis whose size "
+            f"divides H, or replicate them."
+        )
+
+    def pick(x):
+        head = jax.lax.axis_index(axes) * block // group
+        return jax.lax.dynamic_slice_in_dim(x, head, 1, axis=2)
+
+    return pick
 
 
 # chunk_kda's FLA-only arguments (docs/fla_arguments.md) and their defaults.

@@ -127,3 +127,35 @@ def test_jit_auto_mesh_chunk_keeps_sharding(pipeline, monkeypatch):
         hlo = f.lower(xs).compile().as_text()
         found = [c for c in (COLLECTIVES if pipeline == "untiled" else ("all-gather",)) if c in hlo]
         assert not found, found
+
+
+@pytest.mark.parametrize("H, mesh_shape", [(1, (1, 8)), (2, (2, 4))])
+@pytest.mark.parametrize("name", list(FNS))
+def test_head_sharded_grouped_values(name, H, mesh_shape):
+    """Value heads sharded more ways than there are q/k heads (H=1 with HV=8 on 8
+    devices; H=2 on a 4-way axis): q and k are replicated over the head axis and each
+    shard slices the one head its value heads read; outputs and every gradient (dq
+    summed over the shards reading that head) equal the unsharded call's."""
+    fn = FNS[name]
+    x = make_inputs(1, B=2, T=24, H=H, HV=8, K=8, V=8)
+    x = {n: x[n] for n in SPECS}
+    ref_out, ref_grads = _reference(fn, x)
+    mesh = jax.make_mesh(mesh_shape, ("b", "h"), axis_types=(AxisType.Explicit,) * 2)
+    specs = dict(SPECS, q=P("b"), k=P("b"))
+    xs = {n: jax.device_put(a, NamedSharding(mesh, specs[n])) for n, a in x.items()}
+    fwd = jax.jit(lambda x: fn(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
+                               output_final_state=True))
+    with jax.set_mesh(mesh):
+        out, grads = fwd(xs), jax.jit(jax.grad(lambda x: _loss(fn, x)))(xs)
+    _check(out, grads, ref_out, ref_grads)
+
+
+def test_head_sharded_grouped_values_misaligned_is_refused():
+    """H=3 q/k heads, HV=12 value heads on a 4-way head axis: a shard's 3 value heads
+    read two different q/k heads, so neither sharding nor slicing fits: a clear error."""
+    x = make_inputs(2, B=1, T=8, H=3, HV=12, K=4, V=4, h0=False)
+    mesh = jax.make_mesh((2, 4), ("b", "h"), axis_types=(AxisType.Explicit,) * 2)
+    put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
+    args = [put(x[n], P(None, None, "h" if n not in "qk" else None)) for n in ("q", "k", "v", "g", "beta")]
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"HV=12.*4 ways.*\('h',\).*H=3"):
+        kdax.chunk_kda(*args)
