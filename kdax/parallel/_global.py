@@ -2,12 +2,14 @@
 
 from typing import Optional
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .._typing import ALogIn, ArrayIn, Beta, CuSeqlensIn, Float, Gate, QK, State, Values, typecheck
-from .._validate import check_cu_seqlens_values
+from .._config import KDAOptions
+from .._validate import validate
 from ._chunk import sp_chunk_kda
 from ._interpret import interprets
 from ._summary import PrefixMethod
@@ -37,11 +39,16 @@ def chunk_kda(
     are the global offsets. Same arguments and results as ``kdax.chunk_kda``; o comes back
     sharded like q."""
     check_mesh_axes(mesh, seq_axis, batch_axis, cu_seqlens, "q", q.shape[1])
+    # kdax.chunk_kda's validation on the global arrays, before any shard_map: the same
+    # accepted types and named errors. A traced cu_seqlens is checked inside each device's
+    # program (sp_chunk_kda), where every device raises: a check here, in the one program
+    # that spans the devices, would stop one device while the others wait in a collective.
+    given = {n: x for n, x in options.items() if n in KDAOptions.names()}
+    _, opts = validate(q, k, v, g, beta, KDAOptions.from_kwargs(
+        initial_state=initial_state, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens, **given))
+    A_log = opts.A_log  # Kimi's [1, 1, HV, 1] as [HV]
     if cu_seqlens is not None:
-        check_cu_seqlens_values(cu_seqlens, q.shape[1])  # global offsets, when concrete
         cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)  # (a list or numpy array, as kdax.chunk_kda takes)
-    if A_log is not None:
-        A_log = jnp.asarray(A_log).reshape(-1)  # Kimi's [1, 1, HV, 1] as [HV]
     tok, row = P(batch_axis, seq_axis), P(batch_axis)
     arrays = dict(initial_state=initial_state, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens)
     arrays = {name: x for name, x in arrays.items() if x is not None}
@@ -60,8 +67,9 @@ def chunk_kda(
         q, k, v, g, beta = (put(x, tok) for x in (q, k, v, g, beta))
         arrays = {name: put(x, specs[name]) for name, x in arrays.items()}
     # Under jit: eqx.filter_custom_vjp's symbolic zeros are not supported by an eager
-    # shard_map (JAX 0.10), only by a traced one.
-    return jax.jit(fn)(q, k, v, g, beta, arrays)
+    # shard_map (JAX 0.10), only by a traced one; Equinox's jit reports a check's failure
+    # inside the program (a traced cu_seqlens) with its message.
+    return eqx.filter_jit(fn)(q, k, v, g, beta, arrays)
 
 
 def check_mesh_axes(mesh, seq_axis: str, batch_axis, cu_seqlens, name: str, T: int) -> None:

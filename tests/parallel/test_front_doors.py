@@ -1,0 +1,77 @@
+"""One validation behind every front door: ``kdax.parallel.chunk_kda`` (sequence parallel
+on global arrays) runs ``kdax.chunk_kda``'s checks on the global inputs before any
+``shard_map``, so a bad argument gives the same named error from both, eagerly and, for
+``cu_seqlens``, inside a compiled program (not a device callback's internal error)."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+
+import kdax
+from tests._util import make_inputs, split_args
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (simulated) devices: see tests/conftest.py")
+
+T = 32
+PIPE = kdax.KDAPipeline.reference().untiled()
+
+
+def _mesh():
+    return jax.make_mesh((4,), ("sp",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:4])
+
+
+def _doors():
+    mesh = _mesh()
+    return {
+        "kdax.chunk_kda": lambda *a, **kw: kdax.chunk_kda(*a, pipeline=PIPE, chunk_size=16, **kw),
+        "kdax.parallel.chunk_kda": lambda *a, **kw: kdax.parallel.chunk_kda(mesh, "sp", *a, pipeline=PIPE,
+                                                                            chunk_size=16, **kw),
+    }
+
+
+def _x(**kw):
+    x = make_inputs(3, B=1, T=T, H=2, HV=4, K=8, V=8, h0=False, **kw)
+    return split_args(x)[0]
+
+
+BAD = [  # (what to change, keyword arguments, the message both doors give)
+    ("initial_state shape", dict(initial_state=np.zeros((1, 4, 8, 7))), r"initial_state: expected shape \[N, HV, K, V\]"),
+    ("A_log shape", dict(use_gate_in_kernel=True, A_log=np.zeros(3)), r"A_log"),  # (jaxtyping names it)
+    ("A_log without the gate", dict(A_log=np.zeros(4)), r"A_log: only used with use_gate_in_kernel=True"),
+    ("cu_seqlens start", dict(cu_seqlens=[1, 8, T]), "cu_seqlens: must start at 0"),
+    ("cu_seqlens order", dict(cu_seqlens=np.array([0, 20, 8, T])), "cu_seqlens: must be non-decreasing"),
+    ("cu_seqlens end", dict(cu_seqlens=[0, 8, T - 1]), r"cu_seqlens: must end at T=32"),
+    ("chunk size", dict(chunk_size=48), r"chunk_size: expected one of"),
+]
+
+
+@pytest.mark.parametrize("what, kw, msg", BAD, ids=[b[0] for b in BAD])
+def test_same_error_from_every_door(what, kw, msg):
+    pos = _x()
+    for name, door in _doors().items():
+        kw2 = dict(kw)
+        if "chunk_size" in kw2:  # (the doors above fix chunk_size=16)
+            door = {"kdax.chunk_kda": lambda *a, **k: kdax.chunk_kda(*a, pipeline=PIPE, **k),
+                    "kdax.parallel.chunk_kda": lambda *a, **k: kdax.parallel.chunk_kda(_mesh(), "sp", *a,
+                                                                                       pipeline=PIPE, **k)}[name]
+        with pytest.raises((ValueError, TypeError), match=msg):
+            door(*pos, **kw2)
+
+
+@pytest.mark.parametrize("cu, msg", [([1, 8, T], "must start at 0"), ([0, 20, 8, T], "must be non-decreasing"),
+                                     ([0, 8, T - 4], "must end at T=32")], ids=["start", "order", "end"])
+def test_traced_cu_seqlens_same_error(cu, msg):
+    """cu_seqlens traced (the caller's jit): checked inside the compiled program with
+    the message of the eager check, by both doors; valid offsets give the same numbers."""
+    pos = _x()
+    outs = {}
+    for name, door in _doors().items():
+        f = eqx.filter_jit(lambda c: door(*pos, cu_seqlens=c)[0])
+        with pytest.raises(Exception, match="cu_seqlens: " + msg):
+            jax.block_until_ready(f(jnp.array(cu)))
+        ok = [0, 5, 13, T][: len(cu)] if len(cu) == 4 else [0, 13, T]
+        outs[name] = np.asarray(f(jnp.array(ok)))
+    np.testing.assert_allclose(outs["kdax.parallel.chunk_kda"], outs["kdax.chunk_kda"], rtol=1e-12, atol=1e-12)
