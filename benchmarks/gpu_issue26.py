@@ -19,7 +19,7 @@ Each step is a process of its own under its own time limit, so one that hangs le
 the others their time; FLA runs in processes without JAX (``fla_side.py``). At the goal
 shape every kdax path has its own process, so each path's peak memory is its own (JAX
 cannot reset the device's peak); at the other shapes both paths share one process (the
-second path's peak is marked). The whole run keeps to ``--total`` seconds (default 360):
+second path's peak is marked). The whole run keeps to ``--total`` seconds (default 390):
 a step starts only if its expected time fits in what is left (less ``REPORT_S`` kept for
 the two report steps, which always run), and its limit is cut to what is left. The
 order puts the goal shape first, then (1, 4096, 16) with FLA at both, the layer, and the
@@ -46,7 +46,7 @@ compiled once per shape)::
     kdax 4x4096x32 both paths + reference     65    110
     FLA at 4x4096x32                          25     60
     reports (chunk table, layer table)         8     25   (kept aside: REPORT_S)
-    total                                    368    695   (cut to --total 390)
+    total                                    368    675   (cut to --total 390)
 
 So a first run takes about 6 minutes and stops itself by 6.5; if the estimates are low,
 the last steps (the largest shape) are the ones left for a second call.
@@ -54,6 +54,7 @@ the last steps (the largest shape) are the ones left for a second call.
 The orchestrator itself needs the standard library only (it holds no GPU).
 
     python benchmarks/gpu_issue26.py --dry-run          # the plan, nothing run
+    python benchmarks/gpu_issue26.py --rehearse         # every step at tiny sizes, here (FLA's fail without torch)
     bash benchmarks/gpu_issue26.sh                      # on the GPU machine (see its header)
 """
 
@@ -75,6 +76,10 @@ PIPES = ("default", "default+no_recompute")
 TOTAL_S = 390
 REPORT_S = 25  # kept for the report steps, which always run
 FLA_CONFIGS = 4  # FLA's autotuning cut to this many configs per kernel, as in every earlier run
+# --rehearse: the same steps at tiny sizes, on any machine (the plumbing, not the numbers)
+TINY_SHAPES = ((1, 64, 2), (1, 32, 2), (2, 32, 2))
+TINY_KDAX = ("--K", "32", "--V", "32")
+TINY_LAYER = ("--T", "32", "--hidden", "16", "--heads", "2", "--head-dim", "8", "--chunk", "16")
 
 
 def tag(shape) -> str:
@@ -99,33 +104,37 @@ class Step:
 
 
 def plan(work: Path, out: Path, py: str = sys.executable, extra_pipes=(), reps: int = 20,
-         reps_other: int = 10) -> list:
-    """The steps in the order they run (see the module docstring for the budget)."""
+         reps_other: int = 10, shapes=SHAPES, kdax_args=(), layer_args=(), slack: int = 1) -> list:
+    """The steps in the order they run (see the module docstring for the budget);
+    ``shapes`` (the goal shape first), ``kdax_args``, ``layer_args`` and ``slack`` (every
+    limit multiplied: a CPU is slower to compile) change only for a rehearsal."""
     work, out = Path(work), Path(out)
+    goal, small, large = shapes
+
     gvf, fla, lay = str(HERE / "gpu_vs_fla.py"), str(HERE / "fla_side.py"), str(HERE / "layer_vs_fla.py")
     ref = lambda s: str(work / f"ref_{tag(s)}.npz")
 
     def kdax(shape, pipes, n, limit, expect, load=False):  # load: the reference an earlier step saved
         argv = [py, gvf, "--shapes", tag(shape), "--pipes", ",".join(pipes), "--no-fla", "--reps", str(n),
-                "--budget", str(limit), "--out", str(out)]
+                "--budget", str(limit * slack), "--out", str(out), *kdax_args]
         argv += ["--load-ref", ref(shape)] if load else ["--save-ref", ref(shape)]
-        name = f"kdax-{tag(shape)}" + (f"-{pipes[0]}" if shape == GOAL else "")
+        name = f"kdax-{tag(shape)}" + (f"-{pipes[0]}" if shape == goal else "")
         return Step(name, argv, limit, expect, (shape,), tuple(pipes))
 
     def fla_step(shapes, limit, expect):
-        argv = [py, fla, "--out", str(out), "--reps", str(reps if GOAL in shapes else reps_other),
+        argv = [py, fla, "--out", str(out), "--reps", str(reps if goal in shapes else reps_other),
                 "--max-configs", str(FLA_CONFIGS)]
         for s in shapes:
             argv += ["--ref", ref(s)]
         return Step("fla-" + "-".join(tag(s) for s in shapes), argv, limit, expect, tuple(shapes), ("fla",), fla=True,
                     needs=tuple(ref(s) for s in shapes))
 
-    small, large = SHAPES[1], SHAPES[2]
-    steps = [kdax(GOAL, [PIPES[0]], reps, 90, 40)]
-    steps += [kdax(GOAL, [p], reps, 50, 20, load=True) for p in (PIPES[1], *extra_pipes)]
+    steps = [kdax(goal, [PIPES[0]], reps, 90, 40)]
+    steps += [kdax(goal, [p], reps, 50, 20, load=True) for p in (PIPES[1], *extra_pipes)]
     steps += [kdax(small, PIPES, reps_other, 70, 35),
-              fla_step((GOAL, small), 110, 80),
-              Step("layer-kdax", [py, lay, "--work", str(work), "--out", str(out), "--reps", str(reps_other)], 80, 45),
+              fla_step((goal, small), 110, 80),
+              Step("layer-kdax", [py, lay, "--work", str(work), "--out", str(out), "--reps", str(reps_other),
+                                  *layer_args], 80, 45),
               Step("layer-fla", [py, fla, "--layer", str(work / "layer_in.npz"), "--out", str(out), "--reps",
                                  str(reps_other), "--max-configs", str(FLA_CONFIGS)], 80, 50, fla=True,
                    needs=(str(work / "layer_in.npz"),)),
@@ -133,7 +142,7 @@ def plan(work: Path, out: Path, py: str = sys.executable, extra_pipes=(), reps: 
               fla_step((large,), 60, 25),
               Step("report-chunk", [py, gvf, "--shapes", "", "--no-fla", "--out", str(out)], 15, 6, report=True),
               Step("report-layer", [py, lay, "--report", "--work", str(work), "--out", str(out)], 10, 2, report=True)]
-    return steps
+    return [dataclasses.replace(s, limit_s=s.limit_s * slack) for s in steps]
 
 
 def describe(steps: list, total_s: int) -> str:
@@ -242,7 +251,8 @@ def main(argv=None):
     ap.add_argument("--work", default="/tmp/kdax_gpu26",
                     help="inputs, references, outputs and the results being built; kept on a warm machine, so "
                          "a second call adds to the first one's results")
-    ap.add_argument("--total", type=float, default=TOTAL_S, help="seconds for the whole run")
+    ap.add_argument("--total", type=float, default=None, help=f"seconds for the whole run (default {TOTAL_S}; "
+                    f"three times that with --rehearse)")
     ap.add_argument("--extra-pipes", default="", help="more kdax paths at the goal shape, comma-separated "
                     "(gpu_vs_fla.py's names, e.g. default+fast,reference+pallas_state+warps=8)")
     ap.add_argument("--only", default="", help="run only the steps whose names contain one of these "
@@ -252,11 +262,15 @@ def main(argv=None):
                          "fla.layers, which imports transformers; kept away from the chunk_kda steps)")
     ap.add_argument("--fresh", action="store_true", help="forget what an earlier call left in --work")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    ap.add_argument("--rehearse", action="store_true", help="the same steps at tiny sizes (K = V = 32, a layer of "
+                    "hidden 16), to check the plumbing on any machine; the numbers mean nothing")
     a = ap.parse_args(argv)
+    a.total = a.total or TOTAL_S * (3 if a.rehearse else 1)
     work, out = Path(a.work), Path(a.out)
     results = work / "gpu"
     extra = tuple(p for p in a.extra_pipes.split(",") if p)
-    steps = plan(work, results, extra_pipes=extra)
+    tiny = dict(shapes=TINY_SHAPES, kdax_args=TINY_KDAX, layer_args=TINY_LAYER, reps=2, reps_other=2, slack=3)
+    steps = plan(work, results, extra_pipes=extra, **(tiny if a.rehearse else {}))
     if a.only:
         words = [w for w in a.only.split(",") if w]
         steps = [s for s in steps if s.report or any(w in s.name for w in words)]

@@ -643,7 +643,7 @@ def main(argv=None) -> dict:
         rs = with_ratios(current(list(rows.values())))
         jpath.write_text(json.dumps(dict(env=env, rows=rs), indent=1))
         header = (f"kdax vs FLA chunk_kda on {env['device']} (jax {env.get('jax')}, torch {env.get('torch')}, fla-core "
-                  f"{env.get('fla')}); bf16 inputs, K={a.K} V={a.V} chunk {a.chunk}, Kimi options; times: medians of n "
+                  f"{env.get('fla')}); bf16 inputs, {_dims(rs, a)}, Kimi options; times: medians of n "
                   f"synchronised calls; errors: rel-RMS vs float64, FLA's tolerances o 5e-3, dq/dk/dv 8e-3, "
                   f"dg/dbeta/dA_log/ddt_bias 2e-2; peak MiB: the device's peak after the pass's first call (* may "
                   f"include an earlier path's or compilation's); xla MiB: XLA's figure for the compiled program")
@@ -661,6 +661,12 @@ def main(argv=None) -> dict:
         print(f"plot failed: {type(e).__name__}: {e}", file=sys.stderr)
     print((out / "results.txt").read_text())
     return dict(env=env, rows=rs)
+
+
+def _dims(rows: list, a) -> str:
+    """K, V and chunk as the rows have them (a report step's own defaults may differ)."""
+    got = sorted({(r["K"], r["V"], r["chunk"]) for r in rows if "K" in r}) or [(a.K, a.V, a.chunk)]
+    return "; ".join(f"K={k} V={v} chunk {c}" for k, v, c in got)
 
 
 def _version(dist: str):

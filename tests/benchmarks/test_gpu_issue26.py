@@ -172,3 +172,30 @@ def test_reference_flags_follow_the_files(g26, tmp_path):
     ref.write_bytes(b"")
     assert g26.with_ref_found(argv)[-2] == "--load-ref"
     assert g26.with_ref_found(argv[:-2] + ["--save-ref", str(ref)])[-2] == "--load-ref"
+
+
+@pytest.mark.slow
+def test_rehearsal_end_to_end(g26, tmp_path, capsys):
+    """The real steps as processes at tiny sizes (``--rehearse``), the goal shape and the
+    layer: kdax's steps write their rows, FLA's fail here (no PyTorch on the CPU suite's
+    machine) or run where FLA is installed, the reports run either way, and the results
+    reach ``--out``."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    done = g26.main(["--rehearse", "--only", "1x64x2,layer", "--work", str(work), "--out", str(out)])
+    status = {d["name"]: d["status"] for d in done}
+    assert [d["name"] for d in done] == ["kdax-1x64x2-default", "kdax-1x64x2-default+no_recompute",
+                                         "fla-1x64x2-1x32x2", "layer-kdax", "layer-fla", "report-chunk",
+                                         "report-layer"]
+    for n in ("kdax-1x64x2-default", "kdax-1x64x2-default+no_recompute", "layer-kdax", "report-chunk",
+              "report-layer"):
+        assert status[n] == "ok", (n, status[n], (out / "logs.txt").read_text()[-3000:])
+    assert sorted(f.name for f in out.iterdir()) == ["layer.json", "layer.txt", "logs.txt", "results.json",
+                                                     "results.png", "results.txt", "run.json"]
+    rows = {(r["path"], r["pass_"]): r for r in json.loads((out / "results.json").read_text())["rows"]}
+    for p in ("kdax[default]", "kdax[default+no_recompute]"):
+        assert rows[(p, "train")]["ok"] and rows[(p, "train")]["T"] == 64
+    assert "K=32 V=32 chunk 64" in (out / "results.txt").read_text()
+    layer = json.loads((out / "layer.json").read_text())
+    assert {r["path"] for r in layer["rows"]} >= {"kdax.nn"} and all(
+        r["errors"] for r in layer["rows"] if r["path"] == "kdax.nn")
+    assert (work / "ref_1x64x2.npz").exists() and (work / "layer_in.npz").exists()
