@@ -283,8 +283,8 @@ def _worst(errs: dict, skip=("y", "x", "d.x", "d.y")) -> str:
 def layer_table(res: dict) -> str:
     env, cfg = res.get("env", {}), res.get("env", {}).get("config", {})
     head = (f"kdax.nn.KimiDeltaAttention vs fla.layers.KimiDeltaAttention on {env.get('device')} "
-            f"(jax {env.get('jax')}, torch {env.get('torch')}, flash-linear-attention {env.get('fla_layers')}, FLA autotuning "
-            f"{env.get('fla_autotune')}); B={cfg.get('B')} T={cfg.get('T')} hidden {cfg.get('hidden')}, "
+            f"(jax {env.get('jax')}, torch {env.get('torch')}, flash-linear-attention {env.get('fla_layers')}, "
+            f"FLA autotuning {env.get('fla_autotune')}); B={cfg.get('B')} T={cfg.get('T')} hidden {cfg.get('hidden')}, "
             f"{cfg.get('heads')} heads x {cfg.get('head_dim')}, conv {cfg.get('conv_size')}, chunk {cfg.get('chunk')}; "
             f"bf16 parameters and activations; train: loss sum(y*w), gradients of x and every parameter; times: "
             f"medians of n synchronised calls; errors: rel-RMS against kdax's layer in float64 on the same values; "
