@@ -72,6 +72,20 @@ class PallasTarget(eqx.Module):
     def run_interpreted(self) -> bool:
         return resolve_interpret(self.target, self.interpret)
 
+    # The preamble every stage's __call__ shares, written once.
+    def check_widths(self, **widths: int) -> None:
+        """``check_width`` for this stage, named by its class."""
+        check_width(type(self).__name__, self.target, **widths)
+
+    def padded(self, x, axes=(-1,)):
+        """Chunked ``x`` flattened to one program axis (``flat``), its feature ``axes``
+        padded as the target needs (``feature_pad``)."""
+        return feature_pad(self.target, flat(x), axes)
+
+    def call(self, kernel, inputs, specs, out_blocks, P: int, NC: int, dtype):
+        """``chunk_call`` on this stage's target, interpreted or not as it says."""
+        return chunk_call(kernel, inputs, specs, out_blocks, P, NC, dtype, self.target, self.run_interpreted)
+
 
 class PallasValueBlocks(PallasTarget):
     """The fields of a stage whose Triton kernel takes the value axis ``block_v`` columns

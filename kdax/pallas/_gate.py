@@ -16,7 +16,7 @@ from ..ref import L2NORM_EPS, log_decay_floor
 from ..stages import AbstractGate, AbstractGateBackward, Activated, RawGrads
 from .._final import final
 from ._common import (
-    PallasTarget, check_width, chunk_call, chunk_spec, dot, feature_pad, flat, head_spec, iota, lower_dot, tuned, unflat,
+    PallasTarget, chunk_spec, dot, feature_pad, flat, head_spec, iota, lower_dot, tuned, unflat,
 )
 
 
@@ -130,8 +130,8 @@ class PallasGate(AbstractGate, PallasTarget):
     ) -> Activated:
         cfg = config
         R, HV, NC, C, K = q.shape
-        check_width("PallasGate", self.target, K=K)
-        fp = lambda x: feature_pad(self.target, flat(x))
+        self.check_widths(K=K)
+        fp = self.padded
         qf, kf, gf = fp(q), fp(k), fp(g)
         Kp = qf.shape[-1]
         vf = flat(jnp.broadcast_to(valid[:, None], beta.shape).astype(q.dtype))
@@ -149,8 +149,8 @@ class PallasGate(AbstractGate, PallasTarget):
 
         sk, s1 = chunk_spec((C, Kp)), chunk_spec((C, 1))
         blocks = [(C, Kp), (C, Kp), (C, 1), (C, Kp)] + ([(C, 1), (C, 1)] if l2 else [])
-        outs = chunk_call(kernel, (qf, kf, gf, flat(beta), vf, *p_arrays), [sk, sk, sk, s1, s1, *p_specs],
-                          blocks, R * HV, NC, q.dtype, self.target, self.run_interpreted)
+        outs = self.call(kernel, (qf, kf, gf, flat(beta), vf, *p_arrays), [sk, sk, sk, s1, s1, *p_specs],
+                         blocks, R * HV, NC, q.dtype)
         cut = lambda x: unflat(x[..., :K], R, HV)
         rstd = (unflat(outs[4], R, HV), unflat(outs[5], R, HV)) if l2 else (None, None)
         return Activated(cut(outs[0]), cut(outs[1]), unflat(outs[2], R, HV, squeeze=True), cut(outs[3]), *rstd)
@@ -178,8 +178,8 @@ class PallasGateBackward(AbstractGateBackward, PallasTarget):
     ) -> RawGrads:
         cfg = config
         R, HV, NC, C, K = dq.shape
-        check_width("PallasGateBackward", self.target, K=K)
-        fp = lambda x: feature_pad(self.target, flat(x))
+        self.check_widths(K=K)
+        fp = self.padded
         l2, gate = cfg.use_qk_l2norm_in_kernel, cfg.use_gate_in_kernel
         Kp = fp(dq).shape[-1]
         sk, s1 = chunk_spec((C, Kp)), chunk_spec((C, 1))
@@ -215,8 +215,7 @@ class PallasGateBackward(AbstractGateBackward, PallasTarget):
             for ref, val in zip(refs[n_in:], vals):
                 ref[...] = val
 
-        outs = chunk_call(kernel, ins, specs, blocks, R * HV, NC, dq.dtype, self.target,
-                          self.run_interpreted)
+        outs = self.call(kernel, ins, specs, blocks, R * HV, NC, dq.dtype)
         cut = lambda x: unflat(x[..., :K], R, HV)
         rest = list(outs[4:])
         dA = ddt = None

@@ -18,7 +18,7 @@ from .._typing import ChunkK, ChunkMat, ChunkScalar, typecheck
 from ..stages import AbstractIntra, AbstractIntraBackward, ChunkGrads, IntraOut
 from .._final import final
 from ._common import (
-    PallasTarget, check_width, chunk_call, chunk_spec, col_of, dot, feature_pad, flat, idiv, iota, loop, masked_exp,
+    PallasTarget, chunk_spec, col_of, dot, flat, idiv, iota, loop, masked_exp,
     row_of, tuned, unflat,
 )
 
@@ -130,8 +130,8 @@ class PallasIntra(AbstractIntra, PallasTarget):
         G: ChunkK,
     ) -> IntraOut:
         R, HV, NC, C, K = q.shape
-        check_width("PallasIntra", self.target, K=K)
-        qf, kf, Gf = (feature_pad(self.target, flat(x)) for x in (q, k, G))
+        self.check_widths(K=K)
+        qf, kf, Gf = (self.padded(x) for x in (q, k, G))
         bf = flat(beta)
         Kp = qf.shape[-1]
         block = self.block
@@ -143,9 +143,8 @@ class PallasIntra(AbstractIntra, PallasTarget):
             akk_ref[...] = unit_lower_inverse_body(b_ref[...] * jnp.where(col < row, Skk, 0.0))
 
         spec = chunk_spec((C, Kp))
-        Aqk, Akk = chunk_call(kernel, (qf, kf, bf, Gf), [spec, spec, chunk_spec((C, 1)), spec],
-                              [(C, C), (C, C)], R * HV, NC, q.dtype, self.target,
-                              self.run_interpreted)
+        Aqk, Akk = self.call(kernel, (qf, kf, bf, Gf), [spec, spec, chunk_spec((C, 1)), spec],
+                             [(C, C), (C, C)], R * HV, NC, q.dtype)
         return IntraOut(unflat(Aqk, R, HV), unflat(Akk, R, HV))
 
 
@@ -168,9 +167,9 @@ class PallasIntraBackward(AbstractIntraBackward, PallasTarget):
         grads: ChunkGrads,
     ) -> ChunkGrads:
         R, HV, NC, C, K = q.shape
-        check_width("PallasIntraBackward", self.target, K=K)
+        self.check_widths(K=K)
         qf, kf, Gf, dqf, dkf, dGf = (
-            feature_pad(self.target, flat(x)) for x in (q, k, G, grads.dq, grads.dk, grads.dG)
+            self.padded(x) for x in (q, k, G, grads.dq, grads.dk, grads.dG)
         )
         Kp = qf.shape[-1]
         block = self.block
@@ -189,10 +188,9 @@ class PallasIntraBackward(AbstractIntraBackward, PallasTarget):
             dg_out[...] = dg_ref[...] + q * dq_a - k * dk_a + beta * k * r - k * c
 
         sk, sc, s1 = chunk_spec((C, Kp)), chunk_spec((C, C)), chunk_spec((C, 1))
-        dq, dk, db, dG = chunk_call(
+        dq, dk, db, dG = self.call(
             kernel, (qf, kf, flat(beta), Gf, flat(dAqk), flat(grads.dL), dqf, dkf, flat(grads.dbeta), dGf),
             [sk, sk, s1, sk, sc, sc, sk, sk, s1, sk], [(C, Kp), (C, Kp), (C, 1), (C, Kp)],
-            R * HV, NC, q.dtype, self.target, self.run_interpreted,
-        )
+            R * HV, NC, q.dtype)
         cut = lambda x: unflat(x[..., :K], R, HV)
         return ChunkGrads(cut(dq), cut(dk), grads.dv, unflat(db, R, HV, squeeze=True), cut(dG), None)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from .._typing import ChunkK, ChunkMat, ChunkState, ChunkV, typecheck
 from ..stages import AbstractDAv, AbstractOutput
 from .._final import final
-from ._common import PallasTarget, check_width, chunk_call, chunk_spec, dot, feature_pad, flat, iota, lower_dot, tuned, unflat
+from ._common import PallasTarget, chunk_spec, dot, flat, iota, lower_dot, tuned, unflat
 
 
 @final
@@ -28,20 +28,19 @@ class PallasOutput(AbstractOutput, PallasTarget):
     ) -> ChunkV:
         R, HV, NC, C, K = qg.shape
         V = v_new.shape[-1]
-        check_width("PallasOutput", self.target, K=K, V=V)
-        qf = feature_pad(self.target, flat(qg))
-        hf = feature_pad(self.target, flat(h), axes=(-2, -1))
-        vf = feature_pad(self.target, flat(v_new))
+        self.check_widths(K=K, V=V)
+        qf = self.padded(qg)
+        hf = self.padded(h, axes=(-2, -1))
+        vf = self.padded(v_new)
         Kp, Vp = qf.shape[-1], vf.shape[-1]
 
         def kernel(q_ref, h_ref, a_ref, v_ref, o_ref):
             o_ref[...] = scale * dot(q_ref[...], h_ref[...]) + lower_dot(a_ref[...], v_ref[...])
 
-        (o,) = chunk_call(
+        (o,) = self.call(
             kernel, (qf, hf, flat(Aqk), vf),
             [chunk_spec((C, Kp)), chunk_spec((Kp, Vp)), chunk_spec((C, C)), chunk_spec((C, Vp))],
-            [(C, Vp)], R * HV, NC, qg.dtype, self.target, self.run_interpreted,
-        )
+            [(C, Vp)], R * HV, NC, qg.dtype)
         return unflat(o[..., :V], R, HV)
 
 
@@ -58,9 +57,9 @@ class PallasDAv(AbstractDAv, PallasTarget):
         do: ChunkV,
     ) -> tuple[ChunkMat, ChunkV]:
         R, HV, NC, C, V = v_new.shape
-        check_width("PallasDAv", self.target, V=V)
-        vf = feature_pad(self.target, flat(v_new))
-        df = feature_pad(self.target, flat(do))
+        self.check_widths(V=V)
+        vf = self.padded(v_new)
+        df = self.padded(do)
         Vp = vf.shape[-1]
 
         def kernel(v_ref, a_ref, do_ref, da_ref, dv_ref):
@@ -69,8 +68,7 @@ class PallasDAv(AbstractDAv, PallasTarget):
             da_ref[...] = jnp.where(col <= row, dot(d, v_ref[...], tb=True), 0.0)
             dv_ref[...] = dot(a_ref[...], d, ta=True)
 
-        dA, dv = chunk_call(
+        dA, dv = self.call(
             kernel, (vf, flat(Aqk), df), [chunk_spec((C, Vp)), chunk_spec((C, C)), chunk_spec((C, Vp))],
-            [(C, C), (C, Vp)], R * HV, NC, v_new.dtype, self.target, self.run_interpreted,
-        )
+            [(C, C), (C, Vp)], R * HV, NC, v_new.dtype)
         return unflat(dA, R, HV), unflat(dv[..., :V], R, HV)

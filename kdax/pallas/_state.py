@@ -18,7 +18,7 @@ from .._typing import ChunkK, ChunkV, ChunkValid, SeqState, typecheck
 from ..stages import AbstractDhu, AbstractState, DhuOut, StateOut
 from .._final import final
 from . import _state_tpu as tpu, _state_triton as triton
-from ._common import PallasValueBlocks, check_width, feature_pad, flat, tuned, unflat
+from ._common import PallasValueBlocks, feature_pad, flat, tuned, unflat
 
 
 def _check_dense(stage: str, layout: ChunkLayout, NC: int):
@@ -73,13 +73,13 @@ class PallasState(AbstractState, PallasValueBlocks):
     ) -> StateOut:
         R, HV, NC, C, K = w.shape
         V = u.shape[-1]
-        check_width("PallasState", self.target, K=K, V=V)
+        self.check_widths(K=K, V=V)
         t = self.target
         if t == "tpu":
             _check_dense("PallasState", layout, NC)
         N = h0.shape[0]
-        wf, kgf = feature_pad(t, flat(w)), feature_pad(t, flat(kg))
-        uf = feature_pad(t, flat(u))
+        wf, kgf = self.padded(w), self.padded(kg)
+        uf = self.padded(u)
         gam = _gamma_col(G, t, reset)
         h0f = feature_pad(t, h0.reshape(N * HV, K, V), axes=(-2, -1))
         P, Kp, Vp = R * HV, wf.shape[-1], uf.shape[-1]
@@ -121,13 +121,13 @@ class PallasDhu(AbstractDhu, PallasValueBlocks):
     ) -> DhuOut:
         R, HV, NC, C, K = qg.shape
         V = do.shape[-1]
-        check_width("PallasDhu", self.target, K=K, V=V)
+        self.check_widths(K=K, V=V)
         t = self.target
         if t == "tpu":
             _check_dense("PallasDhu", layout, NC)
         N = dht.shape[0]
-        qf, kf, wf = (feature_pad(t, flat(x)) for x in (qg, kg, w))
-        dof, dvf = feature_pad(t, flat(do)), feature_pad(t, flat(dv_intra))
+        qf, kf, wf = (self.padded(x) for x in (qg, kg, w))
+        dof, dvf = self.padded(do), self.padded(dv_intra)
         gam = _gamma_col(G, t, reset)
         dhtf = feature_pad(t, dht.reshape(N * HV, K, V), axes=(-2, -1))
         P, Kp, Vp = R * HV, qf.shape[-1], dof.shape[-1]

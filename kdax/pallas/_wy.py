@@ -8,7 +8,7 @@ from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, typeche
 from ..stages import AbstractWY, AbstractWYDqkg, ChunkGrads, WYOut
 from .._final import final
 from ._common import (
-    PallasTarget, PallasValueBlocks, check_width, chunk_call, chunk_spec, dot, feature_pad, flat, iota, lower_dot, row_of,
+    PallasTarget, PallasValueBlocks, chunk_spec, dot, flat, iota, lower_dot, row_of,
     tuned, unflat,
 )
 
@@ -82,8 +82,8 @@ class PallasWY(AbstractWY, PallasTarget):
     ) -> WYOut:
         R, HV, NC, C, K = q.shape
         V = v.shape[-1]
-        check_width("PallasWY", self.target, K=K, V=V)
-        fp = lambda x: feature_pad(self.target, flat(x))
+        self.check_widths(K=K, V=V)
+        fp = self.padded
         qf, kf, vf, Gf = fp(q), fp(k), fp(v), fp(G)
         Kp, Vp = qf.shape[-1], vf.shape[-1]
 
@@ -93,12 +93,10 @@ class PallasWY(AbstractWY, PallasTarget):
                 ref[...] = val
 
         sk, sv = chunk_spec((C, Kp)), chunk_spec((C, Vp))
-        w, u, qg, kg = chunk_call(
+        w, u, qg, kg = self.call(
             kernel, (qf, kf, vf, flat(beta), Gf, flat(Akk)),
             [sk, sk, sv, chunk_spec((C, 1)), sk, chunk_spec((C, C))],
-            [(C, Kp), (C, Vp), (C, Kp), (C, Kp)], R * HV, NC, q.dtype, self.target,
-            self.run_interpreted,
-        )
+            [(C, Kp), (C, Vp), (C, Kp), (C, Kp)], R * HV, NC, q.dtype)
         cut = lambda x, n: unflat(x[..., :n], R, HV)
         return WYOut(cut(w, K), cut(u, V), cut(qg, K), cut(kg, K))
 
@@ -129,9 +127,9 @@ class PallasWYDqkg(AbstractWYDqkg, PallasValueBlocks):
     ) -> ChunkGrads:
         R, HV, NC, C, K = q.shape
         V = v.shape[-1]
-        check_width("PallasWYDqkg", self.target, K=K, V=V)
-        fp = lambda x: feature_pad(self.target, flat(x))
-        fp2 = lambda x: feature_pad(self.target, flat(x), axes=(-2, -1))
+        self.check_widths(K=K, V=V)
+        fp = self.padded
+        fp2 = lambda x: self.padded(x, axes=(-2, -1))
         ins = (fp(q), fp(k), fp(v), flat(beta), fp(G), flat(Akk), fp(qg), fp(kg), fp2(h), fp2(dh),
                fp(v_new), fp(do), fp(dv_new))
         Kp, Vp = ins[0].shape[-1], ins[2].shape[-1]
@@ -147,11 +145,9 @@ class PallasWYDqkg(AbstractWYDqkg, PallasValueBlocks):
             for ref, val in zip((dq_r, dk_r, db_r, dG_r, dL_r), outs):
                 ref[...] = val
 
-        dq, dk, dv, db, dG, dL = chunk_call(
+        dq, dk, dv, db, dG, dL = self.call(
             kernel, ins, [sk, sk, sv, s1, sk, sc, sk, sk, sh, sh, sv, sv, sv],
-            [(C, Kp), (C, Kp), (C, Vp), (C, 1), (C, Kp), (C, C)], R * HV, NC, q.dtype, self.target,
-            self.run_interpreted,
-        )
+            [(C, Kp), (C, Kp), (C, Vp), (C, 1), (C, Kp), (C, C)], R * HV, NC, q.dtype)
         cut = lambda x, n: unflat(x[..., :n], R, HV)
         db = unflat(db, R, HV, squeeze=True)
         return ChunkGrads(cut(dq, K), cut(dk, K), cut(dv, V), db, cut(dG, K), unflat(dL, R, HV))
