@@ -49,11 +49,20 @@ def chunk_kda(
     A_log = opts.A_log  # Kimi's [1, 1, HV, 1] as [HV]
     if cu_seqlens is not None:
         cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)  # (a list or numpy array, as kdax.chunk_kda takes)
-    tok, row = P(batch_axis, seq_axis), P(batch_axis)
     arrays = dict(initial_state=initial_state, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens)
     arrays = {name: x for name, x in arrays.items() if x is not None}
+    return _sharded_call(mesh, seq_axis, batch_axis, prefix, options, q, k, v, g, beta, arrays)
+
+
+# Under jit: eqx.filter_custom_vjp's symbolic zeros are not supported by an eager shard_map
+# (JAX 0.10), only by a traced one; Equinox's jit reports a check's failure inside the
+# program (a traced cu_seqlens) with its message. One module-level function, so that a
+# second call with the same mesh, options and shapes reuses the compiled program.
+@eqx.filter_jit
+def _sharded_call(mesh, seq_axis, batch_axis, prefix, options, q, k, v, g, beta, arrays):
+    tok, row = P(batch_axis, seq_axis), P(batch_axis)
     specs = {name: (row if name == "initial_state" else P()) for name in arrays}
-    state_spec = row if cu_seqlens is None else P()
+    state_spec = row if "cu_seqlens" not in arrays else P()
 
     def local(q, k, v, g, beta, arrays):
         return sp_chunk_kda(q, k, v, g, beta, seq_axis_name=seq_axis, prefix=prefix, **arrays, **options)
@@ -66,10 +75,7 @@ def chunk_kda(
         put = lambda x, spec: jax.sharding.reshard(x, NamedSharding(mesh, spec))
         q, k, v, g, beta = (put(x, tok) for x in (q, k, v, g, beta))
         arrays = {name: put(x, specs[name]) for name, x in arrays.items()}
-    # Under jit: eqx.filter_custom_vjp's symbolic zeros are not supported by an eager
-    # shard_map (JAX 0.10), only by a traced one; Equinox's jit reports a check's failure
-    # inside the program (a traced cu_seqlens) with its message.
-    return eqx.filter_jit(fn)(q, k, v, g, beta, arrays)
+    return fn(q, k, v, g, beta, arrays)
 
 
 def check_mesh_axes(mesh, seq_axis: str, batch_axis, cu_seqlens, name: str, T: int) -> None:

@@ -90,7 +90,9 @@ def test_loop_forms_give_the_same_pipeline(monkeypatch):
     from tests._util import make_inputs
 
     x = make_inputs(seed=4, B=2, T=70, H=3, K=8, V=8)
-    pipe = kdax.KDAPipeline.reference()  # groups of 16 chunks: 30 chunks loop, with a remainder
+    # groups of 16 chunks: 30 chunks loop, with a remainder (untiled: the loops in question
+    # are the stages' chunk-group loops, not the forward's tiles)
+    pipe = kdax.KDAPipeline.reference().untiled()
 
     def run():
         def loss(q, k, v, g, beta):
@@ -124,6 +126,9 @@ def _dot_precisions(jaxpr):
     return out
 
 
+# (Slow: the pipeline-level check, tests/test_pipeline.py::test_products_at_full_precision,
+# covers every stage's products in the default run; this one calls each stage alone.)
+@pytest.mark.slow
 def test_reference_stages_ask_for_full_precision():
     """Every reference stage, called on its own (outside a pipeline), traces its matrix
     products at HIGHEST precision: on GPUs the default is TF32 for float32."""
