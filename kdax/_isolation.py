@@ -140,8 +140,8 @@ def cleaner(gate_in_kernel: bool, beta_sigmoid: bool):
     """``clean(raw) -> raw``: each input of ``raw = (q, k, v, g, beta)`` with the elements
     the recurrence turns into NaN or inf (``bad_elements``) read as zero; elementwise, for
     ``pack_inputs`` to fuse into its packing."""
-    kinds = input_kinds(gate_in_kernel, beta_sigmoid)
-    return lambda raw: tuple(jnp.where(_is_bad(kind, x), jnp.zeros((), x.dtype), x) for kind, x in zip(kinds, raw))
+    return lambda raw: tuple(jnp.where(bad, jnp.zeros((), x.dtype), x)
+                             for bad, x in zip(bad_elements(raw, gate_in_kernel, beta_sigmoid), raw))
 
 
 def _token_mask(after, x):
@@ -156,9 +156,14 @@ def poison_inputs(where, grads):
     """``grads`` (``KDAGrads``) NaN at the tokens and heads of ``where [B, T, HV]``
     (``Bad.where``, the outputs the recurrence makes NaN): there the recurrence's
     gradient of each input is NaN too; before, the replaced zeros are not involved."""
-    nan = lambda x: None if x is None else jnp.where(_token_mask(where, x), jnp.asarray(jnp.nan, x.dtype), x)
+    nan = lambda x: _nan_at(where, x)
     return dataclasses.replace(grads, q=nan(grads.q), k=nan(grads.k), v=nan(grads.v), g=nan(grads.g),
                                beta=nan(grads.beta))
+
+
+def _nan_at(mask, x):
+    """Input-shaped ``x`` (or None) NaN at the tokens and heads of ``mask [B, T, HV]``."""
+    return None if x is None else jnp.where(_token_mask(mask, x), jnp.asarray(jnp.nan, x.dtype), x)
 
 
 def poison_outputs(bad: Bad, o, final):
@@ -193,13 +198,12 @@ def clean_cotangents(do, dht, cu_seqlens, H: int):
         dht = jnp.where(ok_ht, dht, jnp.zeros((), dht.dtype))
 
     def poison(grads):
-        nan = lambda x, m: None if x is None else jnp.where(_token_mask(m, x), jnp.asarray(jnp.nan, x.dtype), x)
         dh0 = grads.initial_state
         if dh0 is not None:
             dh0 = jnp.where(seq_bad[:, :, None, None], jnp.asarray(jnp.nan, dh0.dtype), dh0)
         return type(grads)(
-            q=nan(grads.q, bad_tok), k=nan(grads.k, upto), v=nan(grads.v, upto),
-            g=nan(grads.g, upto), beta=nan(grads.beta, upto), initial_state=dh0, A_log=grads.A_log,
+            q=_nan_at(bad_tok, grads.q), k=_nan_at(upto, grads.k), v=_nan_at(upto, grads.v),
+            g=_nan_at(upto, grads.g), beta=_nan_at(upto, grads.beta), initial_state=dh0, A_log=grads.A_log,
             dt_bias=grads.dt_bias,
         )
 
