@@ -66,7 +66,7 @@ def main(N: int = 1000, T: int = 1000, reps: int = 5, H: int = 4, K: int = 64, V
         fwd = median_ms(jax.jit(fn), cu, *x)
         step = median_ms(train(fn), cu, *x)
         print(f"  {name:32}{fwd:10.1f}{step:12.1f}", flush=True)
-    # A loss on the final states too: the backward reruns the forward one sequence per chunk.
+    # A loss on the final states too (kdax._shared_states: no forward rerun since session 10).
     both = jax.jit(lambda cu, *a: jax.grad(
         lambda *a: sum(jnp.sum(x * y) for x, y in zip(chunk_final(cu, *a), (w, 1.0))), argnums=(0, 1, 2, 3, 4))(*a))
     print(f"  {'  (train, loss on o and ht)':32}{'':10}{median_ms(both, cu, *x):12.1f}", flush=True)

@@ -14,7 +14,7 @@ a zero gate gradient; every stage between them masks the terms across sequences 
 zeros (``kdax._resets``), so the reset replaces the state exactly (a start on a chunk
 boundary is also an exact reset of the state stages, ``first``/``last``): exact when every
 sequence starts from a zero state (no ``initial_state``), the case the pipeline uses it for
-(``KDAPipeline.share_chunks``; final states: ``pipeline._shared_finals``).
+(``KDAPipeline.share_chunks``; final states: ``kdax._shared_states``).
 """
 
 from typing import Optional

@@ -3,8 +3,6 @@ pipeline's forward (whole, untiled) and whose backward is the six-stage backward
 pipeline's own arrays are differentiated as ``kdax._stage_grads`` says, and non-finite
 cotangents stay in their sequence (``kdax._isolation``)."""
 
-import dataclasses
-
 import equinox as eqx
 import jax.numpy as jnp
 
@@ -21,7 +19,7 @@ def differentiable(diff, config: KDAConfig, cu_seqlens):
     refused)."""
     inputs, pipeline = diff
     bad = _bad(config, inputs, cu_seqlens)
-    o, final, _ = pipeline.run_forward(config, *inputs, cu_seqlens, shared_finals=True, clean=True)
+    o, final, _ = pipeline.run_forward(config, *inputs, cu_seqlens, clean=True)
     return _isolation.poison_outputs(bad, o, final)
 
 
@@ -38,7 +36,7 @@ def _vjp_fwd(perturbed, diff, config: KDAConfig, cu_seqlens):
     # Whole: in a training step XLA then shares F3/F4 with B0's recompute (the CPU step was
     # ~15% slower with a tiled forward; a tiled B1-B5 too was still 5-10% slower).
     bad = _bad(config, inputs, cu_seqlens)
-    o, final, res = pipeline.untiled().run_forward(config, *inputs, cu_seqlens, shared_finals=True, clean=True)
+    o, final, res = pipeline.untiled().run_forward(config, *inputs, cu_seqlens, clean=True)
     if not config.disable_recompute:
         # Keep what FLA keeps (inputs, G, Aqk, Akk, l2norm statistics, h0); B0 rebuilds the rest.
         res = eqx.tree_at(lambda r: r.cache, res, None, is_leaf=lambda x: x is None)
@@ -56,15 +54,9 @@ def _vjp_bwd(residuals, cotangents, perturbed, diff, config: KDAConfig, cu_seqle
     dht = dht if config.output_final_state else None
     # A non-finite cotangent stays in its sequence (kdax._isolation).
     do, dht, poison = _isolation.clean_cotangents(do, dht, cu_seqlens, res.num_qk_heads)
-    run = pipeline
-    if dht is not None and res.layout.reset is not None:
-        # A loss on the final states of shared chunks: rerun the forward with one sequence
-        # per chunk, whose backward takes dht (only such a loss pays for it).
-        run = dataclasses.replace(pipeline, share_chunks=False).untiled()
-        res = run.run_forward(config, *inputs, cu_seqlens, clean=True)[2]
-    grads, parts = run.backward_with_parts(res, do, dht)
+    grads, parts = pipeline.backward_with_parts(res, do, dht)
     grads = _isolation.poison_inputs(where, poison(grads))
     out = (grads.q, grads.k, grads.v, grads.g, grads.beta, grads.initial_state, grads.A_log, grads.dt_bias)
     d_inputs = tuple(None if d is None or x is None else x.astype(d) for x, d in zip(out, res.in_dtypes))
     clean = (*_isolation.cleaner(config.use_gate_in_kernel, config.use_beta_sigmoid_in_kernel)(inputs[:5]), *inputs[5:])
-    return d_inputs, pipeline_gradients(run, perturbed[1], parts, res, clean)
+    return d_inputs, pipeline_gradients(pipeline, perturbed[1], parts, res, clean)

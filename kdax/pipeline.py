@@ -23,11 +23,11 @@ from . import pallas as P
 from ._capabilities import capabilities
 from ._config import KDAConfig, KDAOptions
 from ._contracts import STAGES, check_family
-from ._hilo import exponent
 from ._layout import ChunkLayout, make_layout, make_shared_layout, pack, pack_inputs, reduce_group, unpack
-from ._ops import CHUNK_LOOPS, loop_unroll, mT, resolve_group, split_rows_and_heads, zeros_after
+from ._ops import CHUNK_LOOPS, loop_unroll, resolve_group, split_rows_and_heads, zeros_after
 from ._plan import KDAPlan, PlanRow
 from ._residuals import KDAGrads, KDAResiduals
+from . import _shared_states
 from ._runner import PipelineState, PipelineWY, active_recordings, recording, run_stage
 from ._stage_grads import BackwardParts
 from ._tiles import Tiles
@@ -48,6 +48,7 @@ from .stages import (
     AbstractWY,
     AbstractWYDqkg,
     Activated,
+    DhuOut,
     ForwardCache,
     IntraOut,
     WYOut,
@@ -102,12 +103,11 @@ class KDAPipeline(eqx.Module):
     # Packed varlen input (cu_seqlens) with no initial_state (a training step's usual
     # call): sequences share chunks, NC = ceil(T / C), each sequence start an exact reset
     # (``_layout.make_shared_layout``, ``stages._segments``), so many short sequences cost what their
-    # tokens cost. Final states (``chunk_kda``'s ``output_final_state``) are read from the
-    # chunk of each sequence's last token; a loss on them makes the backward rerun the
-    # forward with one sequence per chunk. Needs the stages that get the reset table to accept ``reset`` (or
-    # ``fallback``, which runs the reference ones). False, an initial state, or
-    # ``KDAPipeline.forward`` with ``output_final_state``: every sequence starts its own
-    # chunk. ``plan`` says which ran.
+    # tokens cost. Final states (``output_final_state``) are read from the chunk of each
+    # sequence's last token, and a loss on them runs back through the same chunks
+    # (``kdax._shared_states``). Needs the stages that get the reset table to accept
+    # ``reset`` (or ``fallback``, which runs the reference ones). False, or an initial
+    # state: every sequence starts its own chunk. ``plan`` says which ran.
     share_chunks: bool = eqx.field(static=True, default=True)
     # The reference stages' chunk-group loops: "flat" groups of the flattened (row, head,
     # chunk) axes, or "slices" of the chunk axis keeping rows and heads whole (arrays
@@ -243,10 +243,9 @@ class KDAPipeline(eqx.Module):
     # -- forward ------------------------------------------------------------------------
 
     def run_forward(self, config: KDAConfig, q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens,
-                    shared_finals: bool = False, clean: bool = False):
+                    clean: bool = False):
         """Forward on the raw inputs (``h0`` ``[N, HV, K, V]`` or None). Returns
-        ``(o, final [N, HV, K, V], residuals with the full cache)``. ``shared_finals``: the
-        caller can differentiate final states of a shared layout (``chunk_kda``'s VJP).
+        ``(o, final [N, HV, K, V], residuals with the full cache)``.
         ``clean``: non-finite input elements read as zero, replaced as each tile is packed
         (``kdax._isolation``: the caller puts NaN back where the recurrence has it)."""
         for name in STAGES:  # a pipeline edited with eqx.tree_at skips __check_init__
@@ -254,7 +253,7 @@ class KDAPipeline(eqx.Module):
         B, T, H, K = q.shape
         HV, V = v.shape[2:]
         dt = compute_dtype(q, k, v, g, beta, h0)
-        shared = self.shares_chunks(config, h0, cu_seqlens, shared_finals)
+        shared = self.shares_chunks(h0, cu_seqlens)
         if shared:  # one stream of T tokens: a state table of one entry, zero
             layout = make_shared_layout(T, config.chunk_size, cu_seqlens)
             N = cu_seqlens.shape[0] - 1
@@ -281,7 +280,7 @@ class KDAPipeline(eqx.Module):
             o, final, fw = self._forward_tiled(config, layout, raw, HV, dt, A_log, dt_bias, h0, nt, clean)
         o = o.astype(v.dtype)
         if shared and config.output_final_state:
-            final = _shared_finals(layout, cu_seqlens, fw.act.k, fw.act.G, fw.act.G_lo, fw.v_new, fw.h)
+            final = _shared_states.shared_finals(layout, cu_seqlens, fw.act.k, fw.act.G, fw.act.G_lo, fw.v_new, fw.h)
         elif shared:  # not asked for: the sequences' initial states
             final = jnp.zeros((N, HV, K, V), dt)
         act, intra, wy = fw.act, fw.intra, fw.wy
@@ -293,15 +292,12 @@ class KDAPipeline(eqx.Module):
         )
         return o, final, res
 
-    def shares_chunks(self, config: KDAConfig, initial_state, cu_seqlens, finals: bool = True) -> bool:
-        """Whether a call with these options packs its sequences into shared chunks
-        (``share_chunks``): packed varlen input, no ``initial_state``, no final state asked
-        for unless ``finals`` (``chunk_kda``: True; ``forward``, whose residuals must take
-        a ``dht``: False), and the stages of ``_RESET_FIELDS`` accepting ``reset`` (or ``fallback`` to the reference
-        ones)."""
+    def shares_chunks(self, initial_state, cu_seqlens) -> bool:
+        """Whether a call with these inputs packs its sequences into shared chunks
+        (``share_chunks``): packed varlen input, no ``initial_state``, and the stages of
+        ``_RESET_FIELDS`` accepting ``reset`` (or ``fallback`` to the reference ones). Final
+        states and a loss on them need no other layout (``kdax._shared_states``)."""
         if not self.share_chunks or cu_seqlens is None or initial_state is not None:
-            return False
-        if config.output_final_state and not finals:
             return False
         # Every stage the layout's reset table reaches must accept it, or the sequences take
         # one chunk each (exact either way); ``fallback`` runs the reference stage instead.
@@ -396,17 +392,16 @@ class KDAPipeline(eqx.Module):
         want = (L.valid.shape[0] if L.pos is None else 1, L.T, res.v.shape[1], res.v.shape[-1])
         if tuple(do.shape) != want:
             raise ValueError(f"do: expected shape [B, T, HV, V] = {want}, got {tuple(do.shape)}.")
-        if dht is not None and L.reset is not None:
-            raise ValueError("dht: this forward packed its sequences into shared chunks (no initial_state, "
-                             "output_final_state=False), which keeps no final states; run it with "
-                             "output_final_state=True for a loss on them.")
-        if dht is not None and tuple(dht.shape) != tuple(res.h0.shape):
-            raise ValueError(f"dht: expected shape [N, HV, K, V] = {tuple(res.h0.shape)}, got {tuple(dht.shape)}.")
+        shared_dht = dht is not None and L.reset is not None  # (shared chunks keep one zero state entry)
+        N = res.h0.shape[0] if L.reset is None else res.cu_seqlens.shape[0] - 1
+        if dht is not None and tuple(dht.shape) != (N,) + tuple(res.h0.shape[1:]):
+            raise ValueError(f"dht: expected shape [N, HV, K, V] = {(N,) + tuple(res.h0.shape[1:])}, got {tuple(dht.shape)}.")
         if self.precision == "auto":  # the policy chunk_kda resolves, for pipeline.backward
             self = self.with_precision(_precision.resolve(self.precision, res.in_dtypes[0]))
         dt = res.h0.dtype
         doc = pack(L, do, dt)
-        dht = jnp.zeros_like(res.h0) if dht is None else dht.astype(dt)
+        fin_dht = dht.astype(dt) if shared_dht else None
+        dht = jnp.zeros_like(res.h0) if dht is None or shared_dht else dht.astype(dt)
         if res.cache is None:  # B0, with this pipeline's own F3 and F4
             wy, st = self.run_stage(
                 "recompute", q=act.q, k=act.k, v=res.v, beta=act.beta, G=act.G, Akk=res.Akk, h0=res.h0, layout=L,
@@ -417,10 +412,23 @@ class KDAPipeline(eqx.Module):
             c = res.cache
             w, qg, kg, h, v_new = c.w, c.qg, c.kg, c.h, c.v_new
         dAqk, dv_intra = self.run_stage("dav", v_new=v_new, Aqk=res.Aqk, do=doc)  # B1
+        if shared_dht:  # a loss on the final states of shared chunks (kdax._shared_states)
+            fin = lambda k_, G_, v_new_, h_: _shared_states.shared_finals(L, res.cu_seqlens, k_, G_, act.G_lo, v_new_, h_)
+            d_k, d_G, d_v_new, d_h = jax.vjp(fin, act.k, act.G, v_new, h)[1](fin_dht)
+            dv_intra = dv_intra + d_v_new.astype(dv_intra.dtype)
         dhu = self.run_stage(  # B2
             "dhu", scale=cfg.scale, qg=qg, kg=kg, w=w, G=act.G, do=doc, dv_intra=dv_intra, dht=dht, layout=L,
             reset=L.reset,
         )
+        if shared_dht:  # the states' cotangents at chunk starts, run back on their own
+            zeros = jnp.zeros_like(doc)
+            per_chunk = jnp.moveaxis(d_h[0], 1, 0).astype(dt)  # [NC, HV, K, V]
+            table = jnp.concatenate([per_chunk, jnp.zeros_like(per_chunk[:1])])
+            extra = self.run_stage(
+                "dhu", scale=cfg.scale, qg=qg, kg=kg, w=w, G=act.G, do=zeros, dv_intra=zeros, dht=table,
+                layout=_shared_states.entry_layout(L, res.cu_seqlens), reset=L.reset,
+            )
+            dhu = DhuOut(dhu.dh + extra.dh, dhu.dh0, dhu.dv_new + extra.dv_new)
         grads = self.run_stage(  # B3
             "wy_dqkg", scale=cfg.scale, q=act.q, k=act.k, v=res.v, beta=act.beta, G=act.G, Akk=res.Akk, qg=qg,
             kg=kg, h=h, dh=dhu.dh, v_new=v_new, do=doc, dv_new=dhu.dv_new, G_lo=act.G_lo, reset=L.reset,
@@ -429,6 +437,9 @@ class KDAPipeline(eqx.Module):
             "intra_bwd", scale=cfg.scale, q=act.q, k=act.k, beta=act.beta, G=act.G, dAqk=dAqk, grads=grads,
             G_lo=act.G_lo, reset=L.reset,
         )
+        if shared_dht:
+            grads = eqx.tree_at(lambda x: (x.dk, x.dG), grads, (grads.dk + d_k.astype(grads.dk.dtype),
+                                                             grads.dG + d_G.astype(grads.dG.dtype)))
         raw = self.run_stage(  # B5
             "gate_bwd", config=cfg, act=act, g=res.g_raw, A_log=res.A_log, dt_bias=res.dt_bias, valid=L.valid,
             dq=grads.dq, dk=grads.dk, dbeta=grads.dbeta, dG=grads.dG, reset=L.reset,
@@ -567,34 +578,6 @@ def _with(options: KDAOptions, **changes) -> dict:
     kw = {n: getattr(options, n) for n in KDAOptions.names()}
     kw.update(changes)
     return kw
-
-
-def _shared_finals(layout: ChunkLayout, cu_seqlens, k, G, G_lo, v_new, h):
-    """Final states ``[N, HV, K, V]`` of the sequences of a shared layout (zero initial
-    states), from the chunk c of each one's last token e: ``sum_j (k_j e^(G_e - G_j))
-    v_new_j^T`` over its own tokens in chunk c, plus ``e^(G_e) h_c`` if it began before
-    chunk c (``h_c`` then its state), masked in the exponent: exact. ``N C K V`` work per
-    head, in batches of sequences."""
-    C = layout.chunk_size
-    cu = jnp.asarray(cu_seqlens, jnp.int32)
-    lo = G_lo if G_lo is not None else jnp.zeros_like(G)
-
-    def one(n):
-        s, e = cu[n], cu[n + 1] - 1
-        c, i = jnp.maximum(e, 0) // C, jnp.maximum(e, 0) % C
-        at = lambda x: jax.lax.dynamic_index_in_dim(x[0], c, 1, keepdims=False)  # [HV, C, ...] / [HV, K, V]
-        kc, Gc, lc, vc, hc = at(k), at(G), at(lo), at(v_new), at(h)
-        Ge, le = Gc[:, i], lc[:, i]  # [HV, K]
-        j = jnp.arange(C)
-        mine = (j <= i) & (c * C + j >= s) & (e >= s)
-        x = jnp.where(mine[None, :, None], exponent(Ge[:, None], Gc, le[:, None], lc), -jnp.inf)
-        S = mT(kc * jnp.exp(x)) @ vc
-        zero = jnp.zeros_like(Ge)
-        x0 = jnp.where((s < c * C) & (e >= s), exponent(Ge, zero, le, zero), -jnp.inf)
-        return S + jnp.exp(x0)[..., None] * hc
-
-    N = cu.shape[0] - 1
-    return jax.lax.map(one, jnp.arange(N), batch_size=min(max(N, 1), 64))
 
 
 def _prepare(q, k, v, g, beta, **options):

@@ -134,13 +134,18 @@ def test_initial_state_keeps_one_sequence_per_chunk(final):
     _check(_fn(), x, dict(cu_seqlens=jnp.asarray(MIX, jnp.int32), output_final_state=final), 1e-12)
 
 
-@pytest.mark.slow
-def test_loss_on_final_states_of_shared_chunks():
-    """A loss on the final states of shared chunks: the backward reruns the forward with
-    one sequence per chunk. Exact."""
+@pytest.mark.parametrize("chunk", [C, 64])
+def test_loss_on_final_states_of_shared_chunks(chunk):
+    """A loss on o and on the final states of shared chunks (issue 25 item 4: run back
+    through the shared chunks, ``kdax._shared_states``, no forward rerun), the layout still
+    shared: every gradient exact against the float64 oracle, for the mix of lengths
+    (tails longer than one block of ``_shared_states.W`` tokens, sequences crossing one and
+    two chunk boundaries, empty ones; at chunk 64, tails of up to four blocks)."""
     x = _inputs(MIX)
     options = dict(cu_seqlens=jnp.asarray(MIX, jnp.int32), output_final_state=True)
-    _check(_fn(), x, options, 1e-12)
+    pos, _ = split_args(x)
+    assert kdax.KDAPipeline.reference().plan(*pos, chunk_size=chunk, **options).layout == "shared"
+    _check(_fn(C=chunk), x, options, 1e-12)
 
 
 def test_share_chunks_off_and_custom_gate_keep_the_per_sequence_layout():
@@ -254,28 +259,35 @@ def test_non_finite_stays_where_it_entered():
 
 
 def test_forward_residuals_and_backward_of_shared_chunks():
-    """``KDAPipeline.forward`` packs as ``chunk_kda`` does: token intermediates read per
-    sequence as with one sequence per chunk; the per-chunk state per sequence and a
-    ``dht`` are refused with the reason."""
+    """``KDAPipeline.forward`` packs as ``chunk_kda`` does, final states included: token
+    intermediates read per sequence as with one sequence per chunk; the per-chunk state per
+    sequence is refused with the reason; ``backward`` with a ``dht`` (run back through the
+    shared chunks, ``kdax._shared_states``) equals the per-sequence layout's."""
     x = _inputs(MIX)
     pos, _ = split_args(x)
     cu = jnp.asarray(MIX, jnp.int32)
     ref = kdax.KDAPipeline.reference().untiled()
     off = dataclasses.replace(ref, share_chunks=False)
-    do = jnp.ones(x["v"].shape, x["v"].dtype)
+    r = np.random.default_rng(5)
+    do = jnp.asarray(r.normal(size=x["v"].shape))
+    dht = jnp.asarray(r.normal(size=(len(MIX) - 1, 2, 8, 8)))
 
     @jax.jit
     def f(*a):
-        _, ht, res = ref.forward(*a, chunk_size=C, cu_seqlens=cu)
-        _, _, res_off = off.forward(*a, chunk_size=C, cu_seqlens=cu)
-        assert ht is None and res.layout.reset is not None and res_off.layout.reset is None
+        _, ht, res = ref.forward(*a, chunk_size=C, cu_seqlens=cu, output_final_state=True)
+        _, ht_off, res_off = off.forward(*a, chunk_size=C, cu_seqlens=cu, output_final_state=True)
+        assert res.layout.reset is not None and res_off.layout.reset is None
         with pytest.raises(ValueError, match="per_sequence: the sequences of this forward share chunks"):
             res.read("h", per_sequence=True)
-        with pytest.raises(ValueError, match="dht: this forward packed its sequences into shared chunks"):
-            ref.backward(res, do, jnp.zeros((len(MIX) - 1, 2, 8, 8)))
-        grads = ref.backward(res, do)
+        with pytest.raises(ValueError, match=r"dht: expected shape \[N, HV, K, V\]"):
+            ref.backward(res, do, jnp.zeros((len(MIX), 2, 8, 8)))
+        grads, grads_off = ref.backward(res, do, dht), off.backward(res_off, do, dht)
         assert grads.initial_state is None
-        return res.read("v_new", per_sequence=True), res_off.read("v_new", per_sequence=True)
+        return (ht, res.read("v_new", per_sequence=True), grads), (ht_off, res_off.read("v_new", per_sequence=True),
+                                                                   grads_off)
 
-    v_new, v_new_off = f(*pos)
+    (ht, v_new, grads), (ht_off, v_new_off, grads_off) = f(*pos)
+    assert_close(ht, ht_off, 1e-12, "ht")
     assert_close(v_new, v_new_off, 1e-12, "v_new")
+    for n in ("q", "k", "v", "g", "beta"):
+        assert_close(getattr(grads, n), getattr(grads_off, n), 1e-12, "d" + n)
