@@ -114,7 +114,8 @@ class Bad:
     clipped to its tokens): a bad token on an earlier device reaches the same sequence
     here, and final states are flagged for every device."""
 
-    def __init__(self, raw, cu_seqlens, gate_in_kernel: bool, beta_sigmoid: bool, axis: Optional[str] = None):
+    def __init__(self, raw, cu_seqlens, gate_in_kernel: bool, beta_sigmoid: bool, axis: Optional[str] = None,
+                 h0=None):
         q, k, v, g, beta = raw
         B, T = q.shape[:2]
         HV = v.shape[2]
@@ -133,6 +134,12 @@ class Bad:
             self.after = self.after | _to_tokens(earlier, seq, cu_seqlens)
             # (a psum: replicated over the axis, as the final states are)
             self.state_bad = jax.lax.psum(self.state_bad.astype(jnp.int32), axis) > 0
+        if h0 is not None and cu_seqlens is not None and axis is None:
+            # Packed initial states enter shared chunks (kdax._shared_states), read as zero
+            # when not finite: such a sequence's head is NaN from its first token on.
+            h0_bad = ~jnp.all(jnp.abs(h0) < jnp.inf, axis=(-2, -1))  # [N, HV]
+            self.after = self.after | _to_tokens(h0_bad, seq, cu_seqlens)
+            self.state_bad = self.state_bad | h0_bad
         self.where = self.after | self.q_only  # [B, T, HV]: the outputs the recurrence makes NaN
 
 

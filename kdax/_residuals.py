@@ -13,6 +13,17 @@ from ._typing import ChunkMat, ChunkK, ChunkV, SeqState
 from .stages import Activated, ForwardCache
 
 
+class EntryResiduals(eqx.Module):
+    """What the backward of initial states entering shared chunks needs besides
+    ``KDAResiduals``: the initial states ``h0`` ``[N, HV, K, V]`` (made finite), F1's
+    ``G_nf`` (and low part) without the reset table, and the shared layout."""
+
+    h0: SeqState
+    G_nf: ChunkK
+    lo_nf: Optional[ChunkK]
+    shared: ChunkLayout
+
+
 class KDAResiduals(eqx.Module):
     """What the backward needs, in the chunked layout ``[R, HV, NC, C, ...]`` (see
     ``docs/stages.md``). Always: the activated inputs (``act``: q, k, beta, G and the l2norm
@@ -40,6 +51,9 @@ class KDAResiduals(eqx.Module):
     # dtypes of (q, k, v, g, beta, initial_state, A_log, dt_bias) as given (None if absent)
     in_dtypes: tuple = eqx.field(static=True)
     cu_seqlens: Optional[Int[Array, " N1"]] = None
+    # Initial states entering shared chunks (kdax._shared_states; None otherwise): the
+    # layout is then ``injected_layout`` and ``h0`` its state table.
+    entries: Optional[EntryResiduals] = None
 
     # Token-level intermediates: where each lives. "h" (per chunk) is handled apart.
     _TOKEN = {

@@ -19,24 +19,29 @@ def differentiable(diff, config: KDAConfig, cu_seqlens):
     refused)."""
     inputs, pipeline = diff
     bad = _bad(config, inputs, cu_seqlens)
-    o, final, _ = pipeline.run_forward(config, *inputs, cu_seqlens, clean=True)
+    o, final, _ = pipeline.run_forward(config, *inputs, cu_seqlens, clean=True, entries=True)
     return _isolation.poison_outputs(bad, o, final)
 
 
 def _bad(config: KDAConfig, inputs, cu_seqlens):
     # Non-finite inputs stay in their own sequence, from their token on: the forward reads
     # them as zero and the outputs and gradients get NaN where the recurrence has it.
-    return _isolation.Bad(inputs[:5], cu_seqlens, config.use_gate_in_kernel, config.use_beta_sigmoid_in_kernel)
+    # (A non-finite initial state, too, where it enters shared chunks: kdax._shared_states.)
+    return _isolation.Bad(inputs[:5], cu_seqlens, config.use_gate_in_kernel, config.use_beta_sigmoid_in_kernel,
+                          h0=inputs[5])
 
 
 @differentiable.def_fwd
 def _vjp_fwd(perturbed, diff, config: KDAConfig, cu_seqlens):
     inputs, pipeline = diff
-    check_perturbed(pipeline, perturbed[1])
+    got = check_perturbed(pipeline, perturbed[1])
     # Whole: in a training step XLA then shares F3/F4 with B0's recompute (the CPU step was
     # ~15% slower with a tiled forward; a tiled B1-B5 too was still 5-10% slower).
     bad = _bad(config, inputs, cu_seqlens)
-    o, final, res = pipeline.untiled().run_forward(config, *inputs, cu_seqlens, clean=True)
+    # (Initial states entering shared chunks run F1 twice; a differentiated F1 array takes
+    # the per-sequence layout, whose F1 gradient is the one _stage_grads forms.)
+    o, final, res = pipeline.untiled().run_forward(config, *inputs, cu_seqlens, clean=True,
+                                                   entries="gate" not in got)
     if not config.disable_recompute:
         # Keep what FLA keeps (inputs, G, Aqk, Akk, l2norm statistics, h0); B0 rebuilds the rest.
         res = eqx.tree_at(lambda r: r.cache, res, None, is_leaf=lambda x: x is None)

@@ -24,9 +24,9 @@ from ._capabilities import capabilities
 from ._config import KDAConfig, KDAOptions
 from ._contracts import STAGES, check_family
 from ._layout import ChunkLayout, make_layout, make_shared_layout, pack, pack_inputs, reduce_group, unpack
-from ._ops import CHUNK_LOOPS, loop_unroll, resolve_group, split_rows_and_heads, zeros_after
+from ._ops import CHUNK_LOOPS, loop_unroll, mT, resolve_group, split_rows_and_heads, zeros_after
 from ._plan import KDAPlan, PlanRow
-from ._residuals import KDAGrads, KDAResiduals
+from ._residuals import EntryResiduals, KDAGrads, KDAResiduals
 from . import _shared_states
 from ._runner import PipelineState, PipelineWY, active_recordings, recording, run_stage
 from ._stage_grads import BackwardParts
@@ -48,6 +48,7 @@ from .stages import (
     AbstractWY,
     AbstractWYDqkg,
     Activated,
+    ChunkGrads,
     DhuOut,
     ForwardCache,
     IntraOut,
@@ -243,9 +244,11 @@ class KDAPipeline(eqx.Module):
     # -- forward ------------------------------------------------------------------------
 
     def run_forward(self, config: KDAConfig, q, k, v, g, beta, h0, A_log, dt_bias, cu_seqlens,
-                    clean: bool = False):
+                    clean: bool = False, entries: bool = False):
         """Forward on the raw inputs (``h0`` ``[N, HV, K, V]`` or None). Returns
-        ``(o, final [N, HV, K, V], residuals with the full cache)``.
+        ``(o, final [N, HV, K, V], residuals with the full cache)``. ``entries``: packed
+        initial states may enter shared chunks (``kdax._shared_states``; ``chunk_kda``'s
+        VJP, whose backward takes them), else they keep one sequence per chunk.
         ``clean``: non-finite input elements read as zero, replaced as each tile is packed
         (``kdax._isolation``: the caller puts NaN back where the recurrence has it)."""
         for name in STAGES:  # a pipeline edited with eqx.tree_at skips __check_init__
@@ -253,7 +256,9 @@ class KDAPipeline(eqx.Module):
         B, T, H, K = q.shape
         HV, V = v.shape[2:]
         dt = compute_dtype(q, k, v, g, beta, h0)
-        shared = self.shares_chunks(h0, cu_seqlens)
+        shared = self.shares_chunks(None if entries else h0, cu_seqlens)
+        if shared and h0 is not None:  # initial states entering shared chunks
+            return self._forward_entries(config, (q, k, v, g, beta), h0, A_log, dt_bias, cu_seqlens, clean)
         if shared:  # one stream of T tokens: a state table of one entry, zero
             layout = make_shared_layout(T, config.chunk_size, cu_seqlens)
             N = cu_seqlens.shape[0] - 1
@@ -289,6 +294,51 @@ class KDAPipeline(eqx.Module):
         res = KDAResiduals(
             config, layout, act, fw.v, fw.g if config.use_gate_in_kernel else None, A_log, dt_bias,
             intra.Aqk, intra.Akk, h0, cache, H, in_dtypes, cu_seqlens,
+        )
+        return o, final, res
+
+    def _forward_entries(self, config: KDAConfig, raw, h0, A_log, dt_bias, cu_seqlens, clean: bool):
+        """``run_forward`` of packed sequences with initial states, sharing chunks: the
+        stages on the shared layout, each initial state entering in its sequence's first
+        chunk and F4 loading the states that go on into the next chunk
+        (``kdax._shared_states``). Whole (untiled). Non-finite initial states read as zero
+        (``clean``: ``kdax._isolation`` puts NaN into that sequence)."""
+        q, k, v, g, beta = raw
+        T, HV, C = q.shape[1], v.shape[2], config.chunk_size
+        dt = compute_dtype(q, k, v, g, beta, h0)
+        h0_in, A_log_in, dt_bias_in = h0, A_log, dt_bias
+        A_log = None if A_log is None else A_log.astype(dt)
+        dt_bias = None if dt_bias is None else dt_bias.astype(dt)
+        h0 = h0.astype(dt)
+        if clean:
+            h0 = jnp.where(jnp.abs(h0) < jnp.inf, h0, jnp.zeros((), dt))
+        for rec in active_recordings():
+            if rec.layout is None:
+                rec.layout = "shared"
+        layout = make_shared_layout(T, C, cu_seqlens)
+        cleaner = _isolation.cleaner(config.use_gate_in_kernel, config.use_beta_sigmoid_in_kernel) if clean else None
+        qc, kc, vc, gc, bc = pack_inputs(layout, raw, HV, dt, cleaner)
+        gate = dict(config=config, q=qc, k=kc, g=gc, beta=bc, A_log=A_log, dt_bias=dt_bias, valid=layout.valid)
+        act = self.run_stage("gate", **gate, reset=layout.reset)
+        nf = self.run_stage("gate", **gate, reset=None)  # each start token's own decay (the reset floors it)
+        R = layout.reset
+        intra = self.run_stage("intra", scale=config.scale, q=act.q, k=act.k, beta=act.beta, G=act.G, G_lo=act.G_lo,
+                               reset=R)
+        wy = self.run_stage("wy", q=act.q, k=act.k, v=vc, beta=act.beta, G=act.G, Akk=intra.Akk, G_lo=act.G_lo, reset=R)
+        Y = _shared_states.start_states(cu_seqlens, C, nf.G, nf.G_lo, h0)
+        vx, ox, table = _shared_states.first_chunk_entries(layout, cu_seqlens, config.scale, act.q, act.k, act.beta,
+                                                           act.G, act.G_lo, intra.Akk, vc, Y)
+        L = _shared_states.injected_layout(layout, cu_seqlens)
+        st = self.run_stage("state", w=wy.w, u=wy.u, kg=wy.kg, G=act.G, h0=table, layout=L, reset=R)
+        oc = self.run_stage("output", scale=config.scale, qg=wy.qg, h=st.h, Aqk=intra.Aqk, v_new=st.v_new + vx)
+        o = unpack(layout, oc + ox).astype(v.dtype)
+        final = (_shared_states.entry_finals(layout, cu_seqlens, act.k, act.G, act.G_lo, st.v_new + vx, st.h, Y, h0)
+                 if config.output_final_state else h0)
+        cache = ForwardCache(act.G, intra.Aqk, intra.Akk, wy.w, wy.u, wy.qg, wy.kg, st.h, st.v_new)
+        in_dtypes = tuple(None if x is None else jnp.dtype(x.dtype) for x in (q, k, v, g, beta, h0_in, A_log_in, dt_bias_in))
+        res = KDAResiduals(
+            config, L, act, vc, gc if config.use_gate_in_kernel else None, A_log, dt_bias, intra.Aqk, intra.Akk, table,
+            cache, q.shape[2], in_dtypes, cu_seqlens, entries=EntryResiduals(h0, nf.G, nf.G_lo, layout),
         )
         return o, final, res
 
@@ -393,7 +443,7 @@ class KDAPipeline(eqx.Module):
         if tuple(do.shape) != want:
             raise ValueError(f"do: expected shape [B, T, HV, V] = {want}, got {tuple(do.shape)}.")
         shared_dht = dht is not None and L.reset is not None  # (shared chunks keep one zero state entry)
-        N = res.h0.shape[0] if L.reset is None else res.cu_seqlens.shape[0] - 1
+        N = res.h0.shape[0] if L.reset is None else res.cu_seqlens.shape[0] - 1  # (shared: h0 is a state table)
         if dht is not None and tuple(dht.shape) != (N,) + tuple(res.h0.shape[1:]):
             raise ValueError(f"dht: expected shape [N, HV, K, V] = {(N,) + tuple(res.h0.shape[1:])}, got {tuple(dht.shape)}.")
         if self.precision == "auto":  # the policy chunk_kda resolves, for pipeline.backward
@@ -411,28 +461,61 @@ class KDAPipeline(eqx.Module):
         else:
             c = res.cache
             w, qg, kg, h, v_new = c.w, c.qg, c.kg, c.h, c.v_new
-        dAqk, dv_intra = self.run_stage("dav", v_new=v_new, Aqk=res.Aqk, do=doc)  # B1
+        E, cu = res.entries, res.cu_seqlens
+        if E is not None:  # initial states entering shared chunks: their first-chunk part
+            C = L.chunk_size
+            Y, Y_vjp = jax.vjp(lambda G_nf, h0: _shared_states.start_states(cu, C, G_nf, E.lo_nf, h0), E.G_nf, E.h0)
+            ent = lambda q_, k_, b_, G_, Akk_, v_, Y_: _shared_states.first_chunk_entries(
+                E.shared, cu, cfg.scale, q_, k_, b_, G_, act.G_lo, Akk_, v_, Y_)
+            (v_x, _, _), ent_vjp = jax.vjp(ent, act.q, act.k, act.beta, act.G, res.Akk, res.v, Y)
+            v_out = v_new + v_x  # what F5 and the final states read
+        else:
+            v_out = v_new
+        dAqk, dv_intra = self.run_stage("dav", v_new=v_out, Aqk=res.Aqk, do=doc)  # B1
         if shared_dht:  # a loss on the final states of shared chunks (kdax._shared_states)
-            fin = lambda k_, G_, v_new_, h_: _shared_states.shared_finals(L, res.cu_seqlens, k_, G_, act.G_lo, v_new_, h_)
-            d_k, d_G, d_v_new, d_h = jax.vjp(fin, act.k, act.G, v_new, h)[1](fin_dht)
-            dv_intra = dv_intra + d_v_new.astype(dv_intra.dtype)
+            if E is None:
+                fin = lambda k_, G_, v_, h_, Y_, h0_: _shared_states.shared_finals(L, cu, k_, G_, act.G_lo, v_, h_)
+                Y0, h00 = None, None
+            else:
+                fin = lambda k_, G_, v_, h_, Y_, h0_: _shared_states.entry_finals(L, cu, k_, G_, act.G_lo, v_, h_, Y_, h0_)
+                Y0, h00 = Y, E.h0
+            d_k, d_G, d_v, d_h, dY_fin, dh0_fin = jax.vjp(fin, act.k, act.G, v_out, h, Y0, h00)[1](fin_dht)
+            dv_intra = dv_intra + d_v.astype(dv_intra.dtype)
         dhu = self.run_stage(  # B2
             "dhu", scale=cfg.scale, qg=qg, kg=kg, w=w, G=act.G, do=doc, dv_intra=dv_intra, dht=dht, layout=L,
             reset=L.reset,
         )
-        if shared_dht:  # the states' cotangents at chunk starts, run back on their own
-            zeros = jnp.zeros_like(doc)
+        d_entries = dhu.dh0  # (entries: the cotangents of the states F4 loaded)
+        if shared_dht:  # the chunk-start states' cotangents, run back on their own
+            NC = L.num_chunks
+            first = L.first[0] if E is not None else jnp.where(L.first[0] >= 0, NC, -1)
             per_chunk = jnp.moveaxis(d_h[0], 1, 0).astype(dt)  # [NC, HV, K, V]
             table = jnp.concatenate([per_chunk, jnp.zeros_like(per_chunk[:1])])
+            zeros = jnp.zeros_like(doc)
             extra = self.run_stage(
                 "dhu", scale=cfg.scale, qg=qg, kg=kg, w=w, G=act.G, do=zeros, dv_intra=zeros, dht=table,
-                layout=_shared_states.entry_layout(L, res.cu_seqlens), reset=L.reset,
+                layout=_shared_states.entry_layout(L, cu, first), reset=L.reset,
             )
             dhu = DhuOut(dhu.dh + extra.dh, dhu.dh0, dhu.dv_new + extra.dv_new)
+            if E is not None:  # a loaded state's own cotangent goes to its entry
+                loaded = jnp.where((first == jnp.arange(NC))[:, None, None, None], per_chunk, 0.0)
+                d_entries = d_entries + extra.dh0 + jnp.concatenate([loaded, jnp.zeros_like(per_chunk[:1])])
         grads = self.run_stage(  # B3
             "wy_dqkg", scale=cfg.scale, q=act.q, k=act.k, v=res.v, beta=act.beta, G=act.G, Akk=res.Akk, qg=qg,
             kg=kg, h=h, dh=dhu.dh, v_new=v_new, do=doc, dv_new=dhu.dv_new, G_lo=act.G_lo, reset=L.reset,
         )
+        dh0 = None
+        if E is not None:  # the first-chunk part's VJP, its Akk cotangent as B3's dL
+            dq_, dk_, db_, dG_, dAkk, dv_, dY = ent_vjp((dv_intra, doc, d_entries.astype(dt)))
+            if shared_dht:
+                dY = dY + dY_fin
+            dG_nf, dh0 = Y_vjp(dY)
+            if shared_dht:
+                dh0 = dh0 + dh0_fin
+            lower = _shared_states.strictly_lower(L)
+            dL = jnp.where(lower, -mT(res.Akk) @ dAkk @ mT(res.Akk), 0.0)
+            grads = ChunkGrads(grads.dq + dq_, grads.dk + dk_, grads.dv + dv_, grads.dbeta + db_, grads.dG + dG_,
+                               grads.dL + dL)
         grads = self.run_stage(  # B4
             "intra_bwd", scale=cfg.scale, q=act.q, k=act.k, beta=act.beta, G=act.G, dAqk=dAqk, grads=grads,
             G_lo=act.G_lo, reset=L.reset,
@@ -444,15 +527,25 @@ class KDAPipeline(eqx.Module):
             "gate_bwd", config=cfg, act=act, g=res.g_raw, A_log=res.A_log, dt_bias=res.dt_bias, valid=L.valid,
             dq=grads.dq, dk=grads.dk, dbeta=grads.dbeta, dG=grads.dG, reset=L.reset,
         )
+        if E is not None:  # the start tokens' own decays, through B5 without the reset table
+            act_nf = dataclasses.replace(act, G=E.G_nf, G_lo=E.lo_nf)
+            z = jnp.zeros_like
+            nf = self.run_stage(
+                "gate_bwd", config=cfg, act=act_nf, g=res.g_raw, A_log=res.A_log, dt_bias=res.dt_bias, valid=L.valid,
+                dq=z(grads.dq), dk=z(grads.dk), dbeta=z(grads.dbeta), dG=dG_nf.astype(grads.dG.dtype), reset=None,
+            )
+            add = lambda a, b: a if b is None else a + b
+            raw = dataclasses.replace(raw, dg=raw.dg + nf.dg, dA_log=None if raw.dA_log is None else add(raw.dA_log, nf.dA_log),
+                                      ddt_bias=None if raw.ddt_bias is None else add(raw.ddt_bias, nf.ddt_bias))
         H = res.num_qk_heads
-        parts = BackwardParts(doc=doc, qg=qg, h=h, v_new=v_new, act_grads=grads)
+        parts = BackwardParts(doc=doc, qg=qg, h=h, v_new=v_out, act_grads=grads)
         return KDAGrads(
             q=unpack(L, reduce_group(raw.dq, H)),
             k=unpack(L, reduce_group(raw.dk, H)),
             v=unpack(L, grads.dv),
             g=unpack(L, raw.dg),
             beta=unpack(L, raw.dbeta[..., None])[..., 0],
-            initial_state=None if L.reset is not None else dhu.dh0,  # shared chunks: no initial_state given
+            initial_state=dh0 if E is not None else (None if L.reset is not None else dhu.dh0),  # (shared: none given)
             A_log=raw.dA_log,
             dt_bias=raw.ddt_bias,
         ), parts

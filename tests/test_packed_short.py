@@ -1,7 +1,7 @@
 """Issue 18, item 8: many short packed sequences share chunks (``_layout.make_shared_layout``):
 exact against the float64 oracle (outputs, final states and every gradient), the layout
 visible in ``plan``, shapes independent of the ``cu_seqlens`` values, checks under jit,
-NaN containment, tiles; with ``initial_state``, one sequence per chunk."""
+NaN containment, tiles; initial states entering them and a loss on final states."""
 
 import dataclasses
 
@@ -119,19 +119,39 @@ def test_shared_chunks_in_kernel_gate_and_activations():
 
 
 @pytest.mark.parametrize("final", [True, False])
-def test_initial_state_keeps_one_sequence_per_chunk_plan(final):
-    """An initial state: one sequence per chunk, said by plan."""
+def test_initial_states_enter_shared_chunks_plan(final):
+    """Initial states (issue 25 item 4): still shared chunks, said by plan; with
+    ``share_chunks=False``, one sequence per chunk."""
     x = _inputs(MIX, h0=True)
     pos, kw = split_args(x)
-    plan = kdax.KDAPipeline.reference().plan(*pos, chunk_size=C, cu_seqlens=jnp.asarray(MIX), output_final_state=final, **kw)
-    assert plan.layout == "per-sequence" and "layout: per-sequence" in str(plan)
+    opts = dict(chunk_size=C, cu_seqlens=jnp.asarray(MIX), output_final_state=final, **kw)
+    plan = kdax.KDAPipeline.reference().plan(*pos, **opts)
+    assert plan.layout == "shared" and "layout: shared" in str(plan)
+    off = dataclasses.replace(kdax.KDAPipeline.reference(), share_chunks=False).plan(*pos, **opts)
+    assert off.layout == "per-sequence"
 
 
-@pytest.mark.slow  # (tests/test_pipeline.py's varlen cases run this layout in the default run)
-@pytest.mark.parametrize("final", [True, False])
-def test_initial_state_keeps_one_sequence_per_chunk(final):
+@pytest.mark.parametrize("chunk,gate", [(C, False), (64, True), pytest.param(64, False, marks=pytest.mark.slow)],
+                         ids=["C16", "C64_in_kernel_gate", "C64"])
+def test_initial_states_enter_shared_chunks(chunk, gate):
+    """Initial states entering shared chunks (``kdax._shared_states``): outputs, final
+    states and every gradient (a loss on o and on the final states; ``dh0`` and, with the
+    in-kernel gate, ``dA_log``/``ddt_bias``, which the start tokens' own decays reach)
+    exact against the float64 oracle, for the mix of lengths: first-chunk stretches of one
+    to three blocks of ``_shared_states.W`` tokens, sequences going on into one and two
+    later chunks, starts on a chunk boundary, empty sequences (which keep their state)."""
+    x = _inputs(MIX, h0=True, gate=gate)
+    options = dict(cu_seqlens=jnp.asarray(MIX, jnp.int32), output_final_state=True)
+    if gate:
+        options.update(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    got = _check(_fn(C=chunk), x, options, 1e-12)
+    assert "initial_state" in got
+
+
+def test_initial_states_without_final_states():
+    """The same without ``output_final_state`` (the loss on o alone)."""
     x = _inputs(MIX, h0=True)
-    _check(_fn(), x, dict(cu_seqlens=jnp.asarray(MIX, jnp.int32), output_final_state=final), 1e-12)
+    _check(_fn(), x, dict(cu_seqlens=jnp.asarray(MIX, jnp.int32)), 1e-12)
 
 
 @pytest.mark.parametrize("chunk", [C, 64])
