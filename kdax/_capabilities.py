@@ -13,11 +13,16 @@ class Capabilities(NamedTuple):
     passing nothing else. ``reset``: the shared-chunk layout's reset table (F1, B5);
     without it a shared layout is refused with ``UnsupportedCase`` (so a pipeline with
     ``fallback`` runs the reference stage, exact). ``tile_safe``: correct on any tile of
-    chunks (``KDAPipeline.tile``); without it the forward runs whole."""
+    chunks (``KDAPipeline.tile``); without it the forward runs whole. ``kda_gate`` (F1):
+    the stage's activated log decay is KDA's gate, ``kdax.stages.activated_gate``, so the
+    pipeline may compute a few tokens' decays with that function (the first tokens of
+    packed sequences whose initial states enter shared chunks, ``kdax._shared_states``);
+    without it such calls keep one sequence per chunk."""
 
     G_lo: bool
     reset: bool
     tile_safe: bool
+    kda_gate: bool = False
 
 
 def _takes(cls: type, name: str) -> bool:
@@ -28,7 +33,7 @@ def _takes(cls: type, name: str) -> bool:
 @functools.cache
 def capabilities(cls: type) -> Capabilities:
     """The declaration of stage class ``cls``: its ``accepts`` ClassVar (a set drawn from
-    ``"G_lo"``, ``"reset"``, ``"tile_safe"``) when it has one; else what its signature
+    ``"G_lo"``, ``"reset"``, ``"tile_safe"``, ``"kda_gate"``) when it has one; else what its signature
     and ClassVars say (a ``G_lo`` / ``reset`` parameter or ``**kwargs``; ``tile_safe``),
     as stages written before declarations keep working."""
     declared = getattr(cls, "accepts", None)
@@ -38,7 +43,7 @@ def capabilities(cls: type) -> Capabilities:
             raise TypeError(f"{cls.__qualname__}.accepts: unknown capabilities {sorted(unknown)}; expected a "
                             f"subset of {Capabilities._fields}.")
         return Capabilities(*(n in declared for n in Capabilities._fields))
-    return Capabilities(_takes(cls, "G_lo"), _takes(cls, "reset"), bool(getattr(cls, "tile_safe", False)))
+    return Capabilities(_takes(cls, "G_lo"), _takes(cls, "reset"), bool(getattr(cls, "tile_safe", False)), False)
 
 
 def with_G_lo(stage, kwargs: dict) -> dict:

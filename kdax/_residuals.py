@@ -15,12 +15,11 @@ from .stages import Activated, ForwardCache
 
 class EntryResiduals(eqx.Module):
     """What the backward of initial states entering shared chunks needs besides
-    ``KDAResiduals``: the initial states ``h0`` ``[N, HV, K, V]`` (made finite), F1's
-    ``G_nf`` (and low part) without the reset table, and the shared layout."""
+    ``KDAResiduals``: the initial states ``h0`` ``[N, HV, K, V]`` (made finite), the packed
+    raw gate input ``g`` (``kdax._shared_states.start_states``) and the shared layout."""
 
     h0: SeqState
-    G_nf: ChunkK
-    lo_nf: Optional[ChunkK]
+    g: ChunkK
     shared: ChunkLayout
 
 

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from ._hilo import exponent
 from ._layout import ChunkLayout
 from ._resets import same_segment, segments
+from .stages import activated_gate
 
 # Tokens per block of a sequence's tail (see the module docstring).
 W = 16
@@ -116,7 +117,7 @@ def strictly_lower(layout: ChunkLayout):
 #
 # With initial states the outputs and final states are affine in them. Sequence n (tokens
 # s..e) meets its state Y_n at its first token; decayed by that token's own log decay
-# (``start_states``: taken from F1 run without the reset table, whose floor replaces it),
+# (``start_states``: KDA's gate on those tokens; F1 gives them the reset floor instead),
 # Y'_n = e^(g_s) Y_n enters between the decay and the delta update of token s. In its
 # first chunk, with the exponents relative to s (Γ'_j = G_j - G_s, the reset floor
 # cancels), the chunk algorithm from an entry state gives
@@ -162,22 +163,19 @@ def injected_layout(layout: ChunkLayout, cu_seqlens) -> ChunkLayout:
                        reset=layout.reset)
 
 
-def start_states(cu_seqlens, C: int, G_nf, lo_nf, h0):
+def start_states(cu_seqlens, config, g, A_log, dt_bias, h0):
     """``Y'_n = e^(g_s) Y_n`` ``[N, HV, K, V]``: each initial state decayed by its first
-    token's log decay, read from ``G_nf`` ``[1, HV, NC, C, K]`` (F1's chunk-local cumsum
-    without the reset table; ``lo_nf`` its low part or None). An empty sequence's is
-    unused."""
-    HV, NC = G_nf.shape[1], G_nf.shape[2]
-    s = jnp.asarray(cu_seqlens, jnp.int32)[:-1]
-    at = jnp.clip(s, 0, NC * C - 1)
-    prev = jnp.where(s % C > 0, at - 1, at)
-    inside = (s % C > 0)[:, None, None]
-    flat = lambda x: jnp.moveaxis(x[0].reshape(HV, NC * C, -1), 0, 1)  # [NC C, HV, K]
-    G = flat(G_nf)
-    lo = None if lo_nf is None else flat(lo_nf)
-    zero = lambda x, i: jnp.where(inside, x[i], 0.0)
-    gs = exponent(G[at], zero(G, prev), None if lo is None else lo[at], None if lo is None else zero(lo, prev))
-    return jnp.exp(gs)[..., None] * h0
+    token's own log decay (the shared layout's F1 gives that token the reset floor
+    instead), computed from the packed raw gate input ``g`` ``[1, HV, NC, C, K]`` with KDA's
+    gate (``kdax.stages.activated_gate``: the F1 stages that declare ``kda_gate``
+    compute it). Differentiable in ``g``, ``A_log``, ``dt_bias`` and ``h0``. An empty
+    sequence's is unused."""
+    HV, NC, C = g.shape[1], g.shape[2], g.shape[3]
+    s = jnp.clip(jnp.asarray(cu_seqlens, jnp.int32)[:-1], 0, NC * C - 1)
+    gs = g[0].reshape(HV, NC * C, -1)[:, s][None, :, None]  # [1, HV, 1, N, K]: one "chunk" of the N tokens
+    N = s.shape[0]
+    act = activated_gate(config, gs, A_log, dt_bias, jnp.ones((1, 1, N), bool))
+    return jnp.exp(jnp.moveaxis(act[0, :, 0], 0, 1))[..., None] * h0
 
 
 def first_chunk_entries(layout: ChunkLayout, cu_seqlens, scale: float, q, k, beta, G, G_lo, Akk, v, Y):

@@ -256,6 +256,8 @@ class KDAPipeline(eqx.Module):
         B, T, H, K = q.shape
         HV, V = v.shape[2:]
         dt = compute_dtype(q, k, v, g, beta, h0)
+        # (initial states entering shared chunks need F1's decays to be KDA's gate: kda_gate)
+        entries = entries and capabilities(type(self.gate)).kda_gate
         shared = self.shares_chunks(None if entries else h0, cu_seqlens)
         if shared and h0 is not None:  # initial states entering shared chunks
             return self._forward_entries(config, (q, k, v, g, beta), h0, A_log, dt_bias, cu_seqlens, clean)
@@ -320,12 +322,11 @@ class KDAPipeline(eqx.Module):
         qc, kc, vc, gc, bc = pack_inputs(layout, raw, HV, dt, cleaner)
         gate = dict(config=config, q=qc, k=kc, g=gc, beta=bc, A_log=A_log, dt_bias=dt_bias, valid=layout.valid)
         act = self.run_stage("gate", **gate, reset=layout.reset)
-        nf = self.run_stage("gate", **gate, reset=None)  # each start token's own decay (the reset floors it)
         R = layout.reset
         intra = self.run_stage("intra", scale=config.scale, q=act.q, k=act.k, beta=act.beta, G=act.G, G_lo=act.G_lo,
                                reset=R)
         wy = self.run_stage("wy", q=act.q, k=act.k, v=vc, beta=act.beta, G=act.G, Akk=intra.Akk, G_lo=act.G_lo, reset=R)
-        Y = _shared_states.start_states(cu_seqlens, C, nf.G, nf.G_lo, h0)
+        Y = _shared_states.start_states(cu_seqlens, config, gc, A_log, dt_bias, h0)
         vx, ox, table = _shared_states.first_chunk_entries(layout, cu_seqlens, config.scale, act.q, act.k, act.beta,
                                                            act.G, act.G_lo, intra.Akk, vc, Y)
         L = _shared_states.injected_layout(layout, cu_seqlens)
@@ -338,7 +339,7 @@ class KDAPipeline(eqx.Module):
         in_dtypes = tuple(None if x is None else jnp.dtype(x.dtype) for x in (q, k, v, g, beta, h0_in, A_log_in, dt_bias_in))
         res = KDAResiduals(
             config, L, act, vc, gc if config.use_gate_in_kernel else None, A_log, dt_bias, intra.Aqk, intra.Akk, table,
-            cache, q.shape[2], in_dtypes, cu_seqlens, entries=EntryResiduals(h0, nf.G, nf.G_lo, layout),
+            cache, q.shape[2], in_dtypes, cu_seqlens, entries=EntryResiduals(h0, gc, layout),
         )
         return o, final, res
 
@@ -463,8 +464,8 @@ class KDAPipeline(eqx.Module):
             w, qg, kg, h, v_new = c.w, c.qg, c.kg, c.h, c.v_new
         E, cu = res.entries, res.cu_seqlens
         if E is not None:  # initial states entering shared chunks: their first-chunk part
-            C = L.chunk_size
-            Y, Y_vjp = jax.vjp(lambda G_nf, h0: _shared_states.start_states(cu, C, G_nf, E.lo_nf, h0), E.G_nf, E.h0)
+            Y, Y_vjp = jax.vjp(lambda g_, A_, b_, h0_: _shared_states.start_states(cu, cfg, g_, A_, b_, h0_),
+                               E.g, res.A_log, res.dt_bias, E.h0)
             ent = lambda q_, k_, b_, G_, Akk_, v_, Y_: _shared_states.first_chunk_entries(
                 E.shared, cu, cfg.scale, q_, k_, b_, G_, act.G_lo, Akk_, v_, Y_)
             (v_x, _, _), ent_vjp = jax.vjp(ent, act.q, act.k, act.beta, act.G, res.Akk, res.v, Y)
@@ -509,7 +510,7 @@ class KDAPipeline(eqx.Module):
             dq_, dk_, db_, dG_, dAkk, dv_, dY = ent_vjp((dv_intra, doc, d_entries.astype(dt)))
             if shared_dht:
                 dY = dY + dY_fin
-            dG_nf, dh0 = Y_vjp(dY)
+            dg_start, dA_start, db_start, dh0 = Y_vjp(dY)
             if shared_dht:
                 dh0 = dh0 + dh0_fin
             lower = _shared_states.strictly_lower(L)
@@ -527,16 +528,11 @@ class KDAPipeline(eqx.Module):
             "gate_bwd", config=cfg, act=act, g=res.g_raw, A_log=res.A_log, dt_bias=res.dt_bias, valid=L.valid,
             dq=grads.dq, dk=grads.dk, dbeta=grads.dbeta, dG=grads.dG, reset=L.reset,
         )
-        if E is not None:  # the start tokens' own decays, through B5 without the reset table
-            act_nf = dataclasses.replace(act, G=E.G_nf, G_lo=E.lo_nf)
-            z = jnp.zeros_like
-            nf = self.run_stage(
-                "gate_bwd", config=cfg, act=act_nf, g=res.g_raw, A_log=res.A_log, dt_bias=res.dt_bias, valid=L.valid,
-                dq=z(grads.dq), dk=z(grads.dk), dbeta=z(grads.dbeta), dG=dG_nf.astype(grads.dG.dtype), reset=None,
-            )
-            add = lambda a, b: a if b is None else a + b
-            raw = dataclasses.replace(raw, dg=raw.dg + nf.dg, dA_log=None if raw.dA_log is None else add(raw.dA_log, nf.dA_log),
-                                      ddt_bias=None if raw.ddt_bias is None else add(raw.ddt_bias, nf.ddt_bias))
+        if E is not None:  # the start tokens' own decays (start_states' VJP)
+            add = lambda a, b: a if b is None else a + b.astype(a.dtype)
+            raw = dataclasses.replace(raw, dg=raw.dg + dg_start.astype(raw.dg.dtype),
+                                      dA_log=None if raw.dA_log is None else add(raw.dA_log, dA_start),
+                                      ddt_bias=None if raw.ddt_bias is None else add(raw.ddt_bias, db_start))
         H = res.num_qk_heads
         parts = BackwardParts(doc=doc, qg=qg, h=h, v_new=v_out, act_grads=grads)
         return KDAGrads(

@@ -5,6 +5,7 @@ from ._gate import AbstractGate as AbstractGate
 from ._gate import AbstractGateBackward as AbstractGateBackward
 from ._gate import ReferenceGate as ReferenceGate
 from ._gate import ReferenceGateBackward as ReferenceGateBackward
+from ._gate import activated_gate as activated_gate
 from ._intra import AbstractIntra as AbstractIntra
 from ._intra import AbstractIntraBackward as AbstractIntraBackward
 from ._intra import ReferenceIntra as ReferenceIntra
