@@ -10,7 +10,10 @@ N = 1000, T = 1000: one token per sequence; N = 100, T = 1000: ten. The "varlen 
 state" row asks for the final states (``output_final_state=True``), which ran the
 layout with one sequence per chunk before issue 18 item 8; now it shares chunks and reads
 each final state from its sequence's last chunk (docs/stages.md §1). Its forward returns
-o and the final states; every training step's loss reads o alone.
+o and the final states; every training step's loss reads o alone, except the last two
+rows (a loss on the final states too, or on them alone). The "+ initial state" row also
+returns the final states: compare it with "+ final state", the same call without the
+initial states.
 """
 
 import sys
@@ -49,8 +52,8 @@ def main(N: int = 1000, T: int = 1000, reps: int = 5, H: int = 4, K: int = 64, V
     chunk_final = lambda cu, *a: kdax.chunk_kda(*a, cu_seqlens=cu, output_final_state=True)  # forward: o and ht
     dense = lambda cu, *a: kdax.chunk_kda(*a)
     rec = lambda cu, *a: kdax.fused_recurrent_kda(*a, cu_seqlens=cu)
-    # With initial states (zeros, as a serving prefill passes them): one sequence per
-    # chunk today (issue 25 item 4: a cliff, not yet removed).
+    # With initial states (zeros, as a serving prefill passes them): they enter the shared
+    # chunks (kdax._shared_states, issue 25 item 4; one sequence per chunk before).
     h0 = jnp.zeros((N, H, K, V), jnp.float32)
     chunk_h0 = lambda cu, *a: kdax.chunk_kda(*a, cu_seqlens=cu, initial_state=h0, output_final_state=True)
     rows = (
