@@ -8,10 +8,10 @@ chunk c at position i has the final state
     S_n = e^(G_e) h_c [if it began before chunk c] + sum_j (k_j e^(G_e - G_j)) v_new_j^T
 
 over its own tokens j of chunk c (``h_c`` the state at chunk c's start, ``v_new`` F4's),
-masked in the exponent. ``shared_finals`` computes it in blocks of ``W`` tokens counted
-back from each sequence's end, as many blocks as the longest tail needs (one for short
-sequences): ``N W K V`` work per head and block, where a full chunk each would cost
-``N C K V``.
+masked in the exponent. ``shared_finals`` sums each sequence's tail with
+``kdax._ragged.outer`` (blocks of 16 tokens, as many as the longest tail needs: one for
+short sequences), and the ``h_c`` term for the at most one sequence per chunk that has
+it.
 
 A loss on the final states (``dht``) reaches, by the chain rule through ``S_n``: ``k``,
 ``G``, ``v_new`` of those tokens and ``h_c`` (``jax.vjp`` of ``shared_finals``: a pure
@@ -21,17 +21,13 @@ c - 1's end (``entry_layout``): ``KDAPipeline.backward`` runs B2 once more on th
 No forward is rerun.
 """
 
-import jax
 import jax.numpy as jnp
 
 from ._hilo import exponent
 from ._layout import ChunkLayout
+from ._ragged import Spans, matvec, outer, token_slots
 from ._resets import same_segment, segments
 from .stages import activated_gate
-
-# Tokens per block of a sequence's tail (see the module docstring).
-W = 16
-
 
 def _ends(cu_seqlens, C: int):
     """Per sequence: first token, last token, its chunk, the first token of its tail (in
@@ -48,40 +44,27 @@ def shared_finals(layout: ChunkLayout, cu_seqlens, k, G, G_lo, v_new, h):
     """Final states ``[N, HV, K, V]`` of the sequences of shared layout ``layout`` (zero
     initial states), from F1's ``k``, ``G``, ``G_lo`` (or None) ``[1, HV, NC, C, K]``,
     F4's ``v_new`` ``[.., V]`` and ``h`` ``[1, HV, NC, K, V]``. Exact (masked in the
-    exponent); an empty sequence's is zero."""
+    exponent); an empty sequence's is zero. Differentiable (``kdax._ragged``'s VJPs)."""
     C = layout.chunk_size
     HV, NC = k.shape[1], k.shape[2]
+    TT = NC * C
     s, e, c, tail, some, began = _ends(cu_seqlens, C)
-    flat = lambda x: x[0].reshape(HV, NC * C, x.shape[-1])  # [HV, NC * C, D]: token t at t
-    kf, Gf, vf = flat(k), flat(G), flat(v_new)
-    lof = None if G_lo is None else flat(G_lo)
-    per_seq = lambda x, t: jnp.moveaxis(x[:, t], 1, 0)  # [HV, N(, W), D] -> [N, HV(, W), D]
-    eN = jnp.maximum(e, 0)
-    Ge = per_seq(Gf, eN)  # [N, HV, K]
-    le = None if lof is None else per_seq(lof, eN)
-    # the state at the chunk's start, decayed to e (the sequences that began before it)
-    x0 = exponent(Ge, jnp.zeros_like(Ge), le, None if le is None else jnp.zeros_like(le))
-    x0 = jnp.where(began[:, None, None], x0, -jnp.inf)
-    S = jnp.exp(x0)[..., None] * per_seq(h[0], c)
-
-    def block(b):
-        d = b * W + jnp.arange(W)  # offsets back from the end
-        t = e[:, None] - d[None]  # [N, W]
-        mine = some[:, None] & (t >= tail[:, None])
-        t = jnp.clip(t, 0, NC * C - 1)
-        Gt = jnp.moveaxis(Gf[:, t], 0, 1)  # [N, HV, W, K]
-        lt = None if lof is None else jnp.moveaxis(lof[:, t], 0, 1)
-        x = exponent(Ge[:, :, None], Gt, None if le is None else le[:, :, None], lt)
-        x = jnp.where(mine[:, None, :, None], x, -jnp.inf)
-        u = jnp.moveaxis(kf[:, t], 0, 1) * jnp.exp(x)
-        return jnp.einsum("nhwk,nhwv->nhkv", u, jnp.moveaxis(vf[:, t], 0, 1))
-
-    # Blocks beyond the first only when a tail is longer than W (lax.cond: differentiable).
-    longest = jnp.max(jnp.where(some, e - tail + 1, 0), initial=0)
-    S = S + block(0)
-    for b in range(1, -(-C // W)):
-        S = jax.lax.cond(longest > b * W, lambda S, b=b: S + block(b), lambda S: S, S)
-    return S
+    N = s.shape[0]
+    flat = lambda x: None if x is None else x[0].reshape(HV, TT, x.shape[-1])  # [HV, TT, D]: token t at t
+    kf, Gf, lof, vf = flat(k), flat(G), flat(G_lo), flat(v_new)
+    spans = Spans(tail, jnp.where(some, e - tail + 1, 0))
+    n, _, inside = token_slots(spans, TT)
+    at_end = lambda x: None if x is None else x[:, jnp.clip(e[n], 0, TT - 1)]  # each token's sequence end
+    x = exponent(at_end(Gf), Gf, at_end(lof), lof)
+    S = outer(kf * jnp.exp(jnp.where(inside[None, :, None], x, -jnp.inf)), vf, spans, N)
+    # e^(G_e) h_c for the sequence (at most one per chunk) that began before chunk c and ends in it
+    ends_in = jnp.full((NC,), N).at[jnp.where(began, c, NC)].set(jnp.arange(N), mode="drop")
+    has = ends_in < N
+    eC = jnp.clip(e[jnp.minimum(ends_in, N - 1)], 0, TT - 1)
+    zero = jnp.zeros((HV, NC, G.shape[-1]), G.dtype)
+    x0 = exponent(Gf[:, eC], zero, None if lof is None else lof[:, eC], None if lof is None else zero)
+    S_in = jnp.exp(jnp.where(has[None, :, None], x0, -jnp.inf))[..., None] * h[0]  # [HV, NC, K, V]
+    return S.at[ends_in].add(jnp.moveaxis(S_in, 1, 0).astype(S.dtype), mode="drop")
 
 
 def entry_layout(layout: ChunkLayout, cu_seqlens, first) -> ChunkLayout:
@@ -183,59 +166,43 @@ def first_chunk_entries(layout: ChunkLayout, cu_seqlens, scale: float, q, k, bet
     ``(v_new' [1, HV, NC, C, V], o' [1, HV, NC, C, V], table [NC + 1, HV, K, V])`` from
     F1's activated ``q``, ``k``, ``beta``, ``G``, ``G_lo`` (shared layout), F2's ``Akk``,
     the packed ``v`` and ``Y = start_states(...)``. ``table[c]`` is the state entering
-    chunk c (``injected_layout``), zero elsewhere. A pure function: its VJP is the
-    backward of this part."""
-    C, NC, T = layout.chunk_size, layout.num_chunks, layout.T
-    HV, K, V = k.shape[1], k.shape[-1], v.shape[-1]
+    chunk c (``injected_layout``), zero elsewhere. Differentiable: its VJP is the backward
+    of this part."""
+    C, NC = layout.chunk_size, layout.num_chunks
+    HV = k.shape[1]
     TT = NC * C
     s, e, c0, f, some, crosses = _first_chunks(cu_seqlens, C)
-    cu = jnp.asarray(cu_seqlens, jnp.int32)
-    t = jnp.arange(TT)
-    seq = jnp.clip(jnp.searchsorted(cu, t, side="right") - 1, 0, s.shape[0] - 1)
-    start = jnp.clip(s[seq], 0, TT - 1)
-    mine = (t < T) & (t // C == start // C)  # a token in its sequence's first chunk
-    flat = lambda x: x[0].reshape(HV, TT, x.shape[-1])  # [HV, TT, D]
-    Gf = flat(G)
-    lof = None if G_lo is None else flat(G_lo)
-    x = exponent(Gf, Gf[:, start], None if lof is None else lof, None if lof is None else lof[:, start])
+    N = s.shape[0]
+    spans = Spans(s, jnp.where(some, f - s + 1, 0))
+    n, _, mine = token_slots(spans, TT)  # mine: a token in its sequence's first chunk
+    flat = lambda x: None if x is None else x[0].reshape(HV, TT, x.shape[-1])  # [HV, TT, D]
+    Gf, lof = flat(G), flat(G_lo)
+    sT = jnp.clip(s[n], 0, TT - 1)
+    x = exponent(Gf, Gf[:, sT], lof, None if lof is None else lof[:, sT])
     ep = jnp.exp(jnp.where(mine[None, :, None], x, -jnp.inf)).reshape(G.shape)  # e^(Γ') on those tokens
     b = beta[..., None]
     wp = Akk @ (b * k * ep)
     u = Akk @ (b * v)
-    wpf, qef, kf, uf = flat(wp), flat(q * ep), flat(k), flat(u)
-    m = jnp.where(some, f - s + 1, 0)
-    fN = jnp.clip(f, 0, TT - 1)
-    per_seq = lambda a, i: jnp.moveaxis(a[:, i], 0, 1)  # [HV, N(, W), D] -> [N, HV(, W), D]
-    Gfe = per_seq(Gf, fN)
-    lofe = None if lof is None else per_seq(lof, fN)
-
-    def block(bi, carry):
-        vx_tok, ox_tok, acc = carry
-        d = bi * W + jnp.arange(W)
-        ok = d[None] < m[:, None]  # [N, W]
-        ti = jnp.where(ok, s[:, None] + d[None], 0)
-        vx = -jnp.einsum("nhwk,nhkv->nhwv", per_seq(wpf, ti), Y)
-        ox = scale * jnp.einsum("nhwk,nhkv->nhwv", per_seq(qef, ti), Y)
-        xe = exponent(Gfe[:, :, None], per_seq(Gf, ti), None if lofe is None else lofe[:, :, None],
-                      None if lof is None else per_seq(lof, ti))
-        xe = jnp.where((ok & crosses[:, None])[:, None, :, None], xe, -jnp.inf)
-        acc = acc + jnp.einsum("nhwk,nhwv->nhkv", per_seq(kf, ti) * jnp.exp(xe), per_seq(uf, ti) + vx)
-        at = jnp.where(ok, ti, TT)  # (out of range: dropped)
-        put = lambda buf, y: buf.at[:, at].set(jnp.moveaxis(y, 1, 0), mode="drop")
-        return put(vx_tok, vx), put(ox_tok, ox), acc
-
-    zeros = jnp.zeros((HV, TT, V), Y.dtype)
-    carry = block(0, (zeros, zeros, jnp.zeros_like(Y)))
-    longest = jnp.max(m, initial=0)
-    for bi in range(1, -(-C // W)):
-        carry = jax.lax.cond(longest > bi * W, lambda c, bi=bi: block(bi, c), lambda c: c, carry)
-    vx_tok, ox_tok, acc = carry
-    sN = jnp.clip(s, 0, TT - 1)
-    x0 = exponent(Gfe, per_seq(Gf, sN), lofe, None if lof is None else per_seq(lof, sN))
-    entry = jnp.exp(jnp.where(crosses[:, None, None], x0, -jnp.inf))[..., None] * Y + acc
-    table = jnp.zeros((NC + 1, HV, K, V), Y.dtype).at[jnp.where(crosses, c0 + 1, NC + 1)].set(entry, mode="drop")
-    chunked = lambda x: x.reshape(1, HV, NC, C, V)
-    return chunked(vx_tok), chunked(ox_tok), table
+    chunked = lambda x: x.reshape(1, HV, NC, C, x.shape[-1])
+    vx = chunked(-matvec(flat(wp), Y, spans))
+    ox = chunked(scale * matvec(flat(q * ep), Y, spans))
+    # The state entering chunk c from the sequence (at most one) whose first chunk is c - 1.
+    into = jnp.full((NC,), N).at[jnp.where(crosses, c0 + 1, NC)].set(jnp.arange(N), mode="drop")
+    has = into < N
+    nn = jnp.minimum(into, N - 1)
+    prev = lambda x: x[0][:, jnp.maximum(jnp.arange(NC) - 1, 0)]  # chunk c - 1 at c: [HV, NC, C, D]
+    Gp = prev(G)
+    lop = None if G_lo is None else prev(G_lo)
+    last = lambda x: None if x is None else x[..., -1:, :]
+    own = has[:, None] & (jnp.arange(NC)[:, None] * C - C + jnp.arange(C)[None] >= s[nn][:, None])  # [NC, C]
+    xk = jnp.where(own[None, :, :, None], exponent(last(Gp), Gp, last(lop), lop), -jnp.inf)
+    part = jnp.einsum("hnck,hncv->nhkv", prev(k) * jnp.exp(xk), prev(u) + prev(vx))
+    sC = jnp.clip(s[nn], 0, TT - 1)
+    x0 = exponent(Gp[..., -1, :], Gf[:, sC], None if lop is None else lop[..., -1, :],
+                  None if lof is None else lof[:, sC])  # [HV, NC, K]
+    entry = jnp.moveaxis(jnp.exp(jnp.where(has[None, :, None], x0, -jnp.inf)), 0, 1)[..., None] * Y[nn] + part
+    table = jnp.concatenate([entry, jnp.zeros_like(entry[:1])])
+    return vx, ox, table.astype(Y.dtype)
 
 
 def entry_finals(layout: ChunkLayout, cu_seqlens, k, G, G_lo, v_new, h, Y, h0):

@@ -138,7 +138,7 @@ def test_initial_states_enter_shared_chunks(chunk, gate):
     states and every gradient (a loss on o and on the final states; ``dh0`` and, with the
     in-kernel gate, ``dA_log``/``ddt_bias``, which the start tokens' own decays reach)
     exact against the float64 oracle, for the mix of lengths: first-chunk stretches of one
-    to three blocks of ``_shared_states.W`` tokens, sequences going on into one and two
+    to three blocks of ``kdax._ragged.W`` tokens, sequences going on into one and two
     later chunks, starts on a chunk boundary, empty sequences (which keep their state)."""
     x = _inputs(MIX, h0=True, gate=gate)
     options = dict(cu_seqlens=jnp.asarray(MIX, jnp.int32), output_final_state=True)
@@ -159,7 +159,7 @@ def test_loss_on_final_states_of_shared_chunks(chunk):
     """A loss on o and on the final states of shared chunks (issue 25 item 4: run back
     through the shared chunks, ``kdax._shared_states``, no forward rerun), the layout still
     shared: every gradient exact against the float64 oracle, for the mix of lengths
-    (tails longer than one block of ``_shared_states.W`` tokens, sequences crossing one and
+    (tails longer than one block of ``kdax._ragged.W`` tokens, sequences crossing one and
     two chunk boundaries, empty ones; at chunk 64, tails of up to four blocks)."""
     x = _inputs(MIX)
     options = dict(cu_seqlens=jnp.asarray(MIX, jnp.int32), output_final_state=True)
