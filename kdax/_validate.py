@@ -43,11 +43,11 @@ _CU_START = "cu_seqlens: must start at 0"
 _CU_ORDER = "cu_seqlens: must be non-decreasing"
 
 
-def _cu_end(T: int) -> str:
-    return f"cu_seqlens: must end at T={T} (q.shape[1])"
+def _cu_end(T: int, what: str = "q") -> str:
+    return f"cu_seqlens: must end at T={T} ({what}.shape[1])"
 
 
-def check_cu_seqlens_values(cu_seqlens, T: int) -> None:
+def check_cu_seqlens_values(cu_seqlens, T: int, what: str = "q") -> None:
     """Concrete values only (``checked_cu_seqlens`` checks traced ones at run time)."""
     if not _is_concrete(cu_seqlens):
         return
@@ -57,10 +57,10 @@ def check_cu_seqlens_values(cu_seqlens, T: int) -> None:
     if np.any(np.diff(cu) < 0):
         raise ValueError(f"{_CU_ORDER}, got {cu.tolist()}.")
     if cu[-1] != T:
-        raise ValueError(f"{_cu_end(T)}, got cu_seqlens[-1]={int(cu[-1])}.")
+        raise ValueError(f"{_cu_end(T, what)}, got cu_seqlens[-1]={int(cu[-1])}.")
 
 
-def checked_cu_seqlens(cu, T: int):
+def checked_cu_seqlens(cu, T: int, what: str = "q"):
     """``cu`` (int32), with its values checked inside the compiled program when traced
     (``eqx.branched_error_if``: same messages as the eager checks). Three comparisons and
     one branch on N + 1 integers: nothing next to the kernels."""
@@ -73,7 +73,7 @@ def checked_cu_seqlens(cu, T: int):
         # be typed as varying over the mesh axes.
         return cu
     bad = jnp.stack([cu[0] != 0, jnp.any(cu[1:] < cu[:-1]), cu[-1] != T])
-    return eqx.branched_error_if(cu, jnp.any(bad), jnp.argmax(bad), (f"{_CU_START}.", f"{_CU_ORDER}.", f"{_cu_end(T)}."))
+    return eqx.branched_error_if(cu, jnp.any(bad), jnp.argmax(bad), (f"{_CU_START}.", f"{_CU_ORDER}.", f"{_cu_end(T, what)}."))
 
 
 def _scale(scale, K: int) -> float:
@@ -98,6 +98,23 @@ def _cu_array(cu_seqlens):
     return cu_seqlens
 
 
+def check_cu_seqlens(cu_seqlens, B: int, T: int, what: str = "q"):
+    """``cu_seqlens`` (an array, list, tuple or numpy array of N + 1 integers) as an int32
+    array for B == 1 rows of T tokens, every check done: shape, dtype, values (eagerly
+    here, traced inside the program). The one check behind ``chunk_kda``,
+    ``fused_recurrent_kda``, ``kdax.parallel`` and ``kdax.nn``'s layer (``what``: the
+    argument holding the tokens)."""
+    cu = _cu_array(cu_seqlens)
+    if B != 1:
+        raise ValueError(f"cu_seqlens: packed variable-length input needs B == 1 ({what}.shape[0]), got B={B}.")
+    if cu.ndim != 1 or cu.shape[0] < 2:
+        raise ValueError(f"cu_seqlens: expected shape [N + 1] with N >= 1, got {tuple(cu.shape)}.")
+    if not jnp.issubdtype(cu.dtype, jnp.integer):
+        raise TypeError(f"cu_seqlens: expected integers, got {cu.dtype}.")
+    check_cu_seqlens_values(cu, T, what)
+    return checked_cu_seqlens(cu, T, what)
+
+
 def _a_log(A_log, HV: int):
     """``A_log`` ``[HV]``, or ``[1, 1, HV, 1]`` (Kimi Linear's and FLA's varlen tests' shape)."""
     if A_log is None:
@@ -120,19 +137,8 @@ def validate(q, k, v, g, beta, options: KDAOptions, *, chunked: bool = True) -> 
             f"v: the number of value heads HV={HV} (v.shape[2]) must be a positive multiple "
             f"of the query/key heads H={H} (q.shape[2])."
         )
-    cu = _cu_array(o.cu_seqlens)
-    if cu is not None:
-        if B != 1:
-            raise ValueError(f"cu_seqlens: packed variable-length input needs B == 1 (q.shape[0]), got B={B}.")
-        if cu.ndim != 1 or cu.shape[0] < 2:
-            raise ValueError(f"cu_seqlens: expected shape [N + 1] with N >= 1, got {tuple(cu.shape)}.")
-        if not jnp.issubdtype(cu.dtype, jnp.integer):
-            raise TypeError(f"cu_seqlens: expected integers, got {cu.dtype}.")
-        check_cu_seqlens_values(cu, T)
-        N = cu.shape[0] - 1
-        cu = checked_cu_seqlens(cu, T)
-    else:
-        N = B
+    cu = None if o.cu_seqlens is None else check_cu_seqlens(o.cu_seqlens, B, T)
+    N = B if cu is None else cu.shape[0] - 1
     h0 = o.initial_state
     if h0 is not None:
         want = (N, HV, V, K) if o.state_v_first else (N, HV, K, V)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray, Shaped
 
 from .._typing import ArrayIn, CuSeqlensIn, typecheck
+from .._validate import check_cu_seqlens
 from .._front import chunk_kda
 from ..pipeline import KDAPipeline, default_pipeline
 from ..recurrent import fused_recurrent_kda
@@ -314,8 +315,10 @@ class KimiDeltaAttention(eqx.Module):
                                  f"{T} and no cache holds the history; pass this call's mask, shape {(B, T)} (or "
                                  f"pass the cache of the earlier tokens).")
             attention_mask = attention_mask[:, S - T:]  # FLA's rule: the last T columns are this call's tokens
-        if cu_seqlens is not None and B != 1:
-            raise ValueError(f"cu_seqlens: packed input needs B == 1, got x of shape {x.shape}.")
+        if cu_seqlens is not None and seq_axis_name is None:
+            cu_seqlens = check_cu_seqlens(cu_seqlens, B, T, "x")  # kdax.chunk_kda's checks and messages
+        elif cu_seqlens is not None and B != 1:
+            raise ValueError(f"cu_seqlens: packed variable-length input needs B == 1 (x.shape[0]), got B={B}.")
         if mode not in (None, "chunk", "recurrent", "fused_recurrent"):
             raise ValueError(f"mode: expected None, 'chunk' or 'recurrent' ('fused_recurrent'), got {mode!r}.")
         mode = "recurrent" if mode == "fused_recurrent" else mode

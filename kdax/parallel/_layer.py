@@ -9,7 +9,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float
 
 from .._typing import CuSeqlensIn, typecheck
-from .._validate import check_cu_seqlens_values
+from .._validate import check_cu_seqlens
 from ._global import check_mesh_axes
 from ._interpret import interprets
 
@@ -33,7 +33,9 @@ def apply_layer(
     ``(y, new_cache)`` as the layer does, y sharded like x."""
     check_mesh_axes(mesh, seq_axis, batch_axis, cu_seqlens, "x", x.shape[1])
     if cu_seqlens is not None:  # (a list or numpy array, as kdax.chunk_kda takes)
-        check_cu_seqlens_values(cu_seqlens, x.shape[1])
+        # kdax.chunk_kda's checks on the global offsets; a traced one is checked inside
+        # each device's program (kdax.parallel.chunk_kda says why), so the result is unused.
+        check_cu_seqlens(cu_seqlens, x.shape[0], x.shape[1], "x")
         cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)
     tok, rows = P(batch_axis, seq_axis), P(batch_axis if cu_seqlens is None else None)
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from jaxtyping import TypeCheckError
 
+import kdax
 from kdax.nn import KDACache, KimiDeltaAttention
 
 from .._util import assert_close
@@ -288,3 +289,36 @@ def test_bad_input_names_the_argument():
     with pytest.raises(ValueError, match="num_v_heads=3"):
         KimiDeltaAttention(8, 2, 4, key=jax.random.key(0), num_v_heads=3)
     assert isinstance(layer.init_cache(2), KDACache)
+
+
+# (what, cu_seqlens, the message kdax.chunk_kda gives for it)
+BAD_CU = [
+    ("start", [1, 3, 6], "cu_seqlens: must start at 0"),
+    ("order", np.array([0, 4, 2, 6]), "cu_seqlens: must be non-decreasing"),
+    ("end", (0, 3, 5), r"cu_seqlens: must end at T=6 \(x.shape\[1\]\)"),
+    ("floats", [0.0, 3.0, 6.0], "cu_seqlens: expected integers"),
+    ("shape", np.zeros((2, 2), np.int32), "cu_seqlens"),  # (the signature's jaxtyping check names it)
+]
+
+
+@pytest.mark.parametrize("what, cu, msg", BAD_CU, ids=[b[0] for b in BAD_CU])
+def test_layer_cu_seqlens_checked_as_chunk_kda_checks_it(what, cu, msg):
+    """Issue 25 item 5: the layer takes ``cu_seqlens`` as ``kdax.chunk_kda`` does (list,
+    tuple, numpy, array) and refuses a bad one with the same named error, eagerly and, for
+    its values, under jit (inside the program: Equinox's error with the message)."""
+    layer, _, _ = make_layer(0)
+    x = rand(1, 1, 6, D)
+    with pytest.raises((ValueError, TypeError, TypeCheckError), match=msg):
+        layer(x, cu_seqlens=cu)
+    if what != "shape":  # kdax.chunk_kda's error for the same offsets at T=6
+        pos = (rand(2, 1, 6, H, K), rand(3, 1, 6, H, K), rand(4, 1, 6, HV, K), -jnp.abs(rand(5, 1, 6, HV, K)),
+               jnp.full((1, 6, HV), 0.5))
+        with pytest.raises((ValueError, TypeError), match=msg.replace("x.shape", "q.shape")):
+            kdax.chunk_kda(*pos, cu_seqlens=cu)
+    if what in ("start", "order", "end"):
+        f = eqx.filter_jit(lambda x, cu: layer(x, cu_seqlens=cu)[0])
+        with pytest.raises(Exception, match=msg.split(r" \(")[0]):
+            jax.block_until_ready(f(x, jnp.asarray(cu, jnp.int32)))
+    y, _ = layer(x, cu_seqlens=(0, 2, 6))
+    y2, _ = layer(x, cu_seqlens=jnp.asarray([0, 2, 6], jnp.int32))
+    assert_close(y, y2, 0.0)
