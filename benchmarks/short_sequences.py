@@ -16,6 +16,7 @@ returns the final states: compare it with "+ final state", the same call without
 initial states.
 """
 
+import dataclasses
 import sys
 import time
 
@@ -56,10 +57,15 @@ def main(N: int = 1000, T: int = 1000, reps: int = 5, H: int = 4, K: int = 64, V
     # chunks (kdax._shared_states, issue 25 item 4; one sequence per chunk before).
     h0 = jnp.zeros((N, H, K, V), jnp.float32)
     chunk_h0 = lambda cu, *a: kdax.chunk_kda(*a, cu_seqlens=cu, initial_state=h0, output_final_state=True)
+    # The same with one sequence per chunk (share_chunks=False: the layout before).
+    per_seq = dataclasses.replace(kdax.KDAPipeline.reference(), share_chunks=False)
+    chunk_h0_per_seq = lambda cu, *a: kdax.chunk_kda(*a, cu_seqlens=cu, initial_state=h0, output_final_state=True,
+                                                     pipeline=per_seq)
     rows = (
         ("chunk_kda varlen", chunk),
         ("chunk_kda varlen + final state", chunk_final),
         ("chunk_kda varlen + initial state", chunk_h0),
+        ("  (one sequence per chunk)", chunk_h0_per_seq),
         ("chunk_kda dense (same tokens)", dense),
         ("fused_recurrent varlen", rec),
     )

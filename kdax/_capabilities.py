@@ -13,16 +13,18 @@ class Capabilities(NamedTuple):
     passing nothing else. ``reset``: the shared-chunk layout's reset table (F1, B5);
     without it a shared layout is refused with ``UnsupportedCase`` (so a pipeline with
     ``fallback`` runs the reference stage, exact). ``tile_safe``: correct on any tile of
-    chunks (``KDAPipeline.tile``); without it the forward runs whole. ``kda_gate`` (F1):
-    the stage's activated log decay is KDA's gate, ``kdax.stages.activated_gate``, so the
-    pipeline may compute a few tokens' decays with that function (the first tokens of
-    packed sequences whose initial states enter shared chunks, ``kdax._shared_states``);
-    without it such calls keep one sequence per chunk."""
+    chunks (``KDAPipeline.tile``); without it the forward runs whole. ``standard``
+    (F1, F5, the stages whose math a user may change, kdax._stage_grads): the stage
+    computes its family's formula exactly (docs/stages.md §2; F1's decay is KDA's gate,
+    ``kdax.stages.activated_gate``), so the pipeline may compute a few terms of it itself:
+    packed initial states entering shared chunks (``kdax._shared_states``) need the first
+    tokens' decays (F1) and their ``scale q e^(Γ') Y`` output term (F5); without it on
+    both, such calls keep one sequence per chunk."""
 
     G_lo: bool
     reset: bool
     tile_safe: bool
-    kda_gate: bool = False
+    standard: bool = False
 
 
 def _takes(cls: type, name: str) -> bool:
@@ -33,7 +35,7 @@ def _takes(cls: type, name: str) -> bool:
 @functools.cache
 def capabilities(cls: type) -> Capabilities:
     """The declaration of stage class ``cls``: its ``accepts`` ClassVar (a set drawn from
-    ``"G_lo"``, ``"reset"``, ``"tile_safe"``, ``"kda_gate"``) when it has one; else what its signature
+    ``"G_lo"``, ``"reset"``, ``"tile_safe"``, ``"standard"``) when it has one; else what its signature
     and ClassVars say (a ``G_lo`` / ``reset`` parameter or ``**kwargs``; ``tile_safe``),
     as stages written before declarations keep working."""
     declared = getattr(cls, "accepts", None)

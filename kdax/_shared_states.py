@@ -150,7 +150,7 @@ def start_states(cu_seqlens, config, g, A_log, dt_bias, h0):
     """``Y'_n = e^(g_s) Y_n`` ``[N, HV, K, V]``: each initial state decayed by its first
     token's own log decay (the shared layout's F1 gives that token the reset floor
     instead), computed from the packed raw gate input ``g`` ``[1, HV, NC, C, K]`` with KDA's
-    gate (``kdax.stages.activated_gate``: the F1 stages that declare ``kda_gate``
+    gate (``kdax.stages.activated_gate``: the F1 stages that declare ``standard``
     compute it). Differentiable in ``g``, ``A_log``, ``dt_bias`` and ``h0``. An empty
     sequence's is unused."""
     HV, NC, C = g.shape[1], g.shape[2], g.shape[3]

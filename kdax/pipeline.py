@@ -256,8 +256,8 @@ class KDAPipeline(eqx.Module):
         B, T, H, K = q.shape
         HV, V = v.shape[2:]
         dt = compute_dtype(q, k, v, g, beta, h0)
-        # (initial states entering shared chunks need F1's decays to be KDA's gate: kda_gate)
-        entries = entries and capabilities(type(self.gate)).kda_gate
+        # (initial states entering shared chunks compute terms of F1 and F5: ``standard``)
+        entries = entries and all(capabilities(type(getattr(self, n))).standard for n in ("gate", "output"))
         shared = self.shares_chunks(None if entries else h0, cu_seqlens)
         if shared and h0 is not None:  # initial states entering shared chunks
             return self._forward_entries(config, (q, k, v, g, beta), h0, A_log, dt_bias, cu_seqlens, clean)

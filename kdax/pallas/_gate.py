@@ -114,7 +114,7 @@ class PallasGate(AbstractGate, PallasTarget):
     """F1 as a Pallas kernel over (row * head, chunk)."""
 
     tile_safe: ClassVar[bool] = True
-    accepts: ClassVar[frozenset] = frozenset({"tile_safe", "kda_gate"})
+    accepts: ClassVar[frozenset] = frozenset({"tile_safe", "standard"})
 
     @tuned
     @typecheck

@@ -15,6 +15,7 @@ class PallasOutput(AbstractOutput, PallasTarget):
     """F5: ``o = scale qg h + Aqk v_new``."""
 
     tile_safe: ClassVar[bool] = True
+    accepts: ClassVar[frozenset] = frozenset({"tile_safe", "standard"})
 
     @tuned
     @typecheck

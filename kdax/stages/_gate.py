@@ -85,7 +85,7 @@ class ReferenceGate(AbstractGate):
     G alone (``G_lo`` None), a few percent faster and ``eps |G|`` less accurate."""
 
     tile_safe: ClassVar[bool] = True
-    accepts: ClassVar[frozenset] = frozenset({"reset", "tile_safe", "kda_gate"})
+    accepts: ClassVar[frozenset] = frozenset({"reset", "tile_safe", "standard"})
 
     group: ChunkGroup = eqx.field(static=True, default="auto")
     split: bool = eqx.field(static=True, default=True)

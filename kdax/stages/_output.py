@@ -46,6 +46,7 @@ class ReferenceOutput(AbstractOutput):
     """F5 in jnp, ``group`` chunks at a time (None: all at once; see ``over_chunks``)."""
 
     tile_safe: ClassVar[bool] = True
+    accepts: ClassVar[frozenset] = frozenset({"tile_safe", "standard"})
 
     group: ChunkGroup = eqx.field(static=True, default="auto")
 

@@ -4,6 +4,8 @@ layer (``_oracle.py``); cache, padding, packing, pools, prefix states and gradie
 Calls go through one jitted runner with few distinct shapes so compilations are shared
 between tests (the default run stays short)."""
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -173,13 +175,22 @@ def test_packed_input_never_mixes_sequences():
     x = rand(7, 1, 29, D)
     x2 = x.at[:, 7:20].set(rand(8, 1, 13, D))
     c0 = rand_cache(layer, 4, 1)
-    y, cache = run(layer, x, cu_seqlens=cu, cache=c0, mode="chunk", chunk_size=16)
-    y2, cache2 = run(layer, x2, cu_seqlens=cu, cache=c0, mode="chunk", chunk_size=16)
-    for a, b in ((0, 7), (20, 29)):  # bitwise: the other sequences do not see the change
-        assert np.array_equal(np.asarray(y[:, a:b]), np.asarray(y2[:, a:b])), f"tokens {a}:{b} changed"
-    for i in (0, 1, 3):
-        for f in FIELDS:
-            assert np.array_equal(np.asarray(getattr(cache, f)[i]), np.asarray(getattr(cache2, f)[i])), f
+    # One sequence per chunk: the other sequences do not see the change, bitwise. Shared
+    # chunks (the default, initial states entering them): to float rounding, as
+    # docs/stages.md §1 says; a sequence's chunk-local G starts from the chunk's start, so
+    # differences within it round after the sum of its neighbour's decays (~1e-16).
+    per_seq = dataclasses.replace(kdax.KDAPipeline.reference(), share_chunks=False)
+    for pipeline, exact in ((per_seq, True), (None, False)):
+        kw = dict(cu_seqlens=cu, cache=c0, mode="chunk", chunk_size=16, pipeline=pipeline)
+        y, cache = run(layer, x, **kw)
+        y2, cache2 = run(layer, x2, **kw)
+        same = (lambda a, b, what: np.testing.assert_array_equal(np.asarray(a), np.asarray(b), what)) if exact else (
+            lambda a, b, what: assert_close(a, b, 1e-13, what))
+        for a, b in ((0, 7), (20, 29)):
+            same(y[:, a:b], y2[:, a:b], f"tokens {a}:{b}")
+        for i in (0, 1, 3):
+            for f in FIELDS:
+                same(getattr(cache, f)[i], getattr(cache2, f)[i], f)
     # each sequence continues from its own cache row (conv history and state)
     for mode in ("chunk", "recurrent"):
         yp, cp = run(layer, x, cu_seqlens=cu, cache=c0, mode=mode, chunk_size=16)
