@@ -507,7 +507,12 @@ class KDAPipeline(eqx.Module):
         )
         dh0 = None
         if E is not None:  # the first-chunk part's VJP, its Akk cotangent as B3's dL
-            dq_, dk_, db_, dG_, dAkk, dv_, dY = ent_vjp((dv_intra, doc, d_entries.astype(dt)))
+            # Only the entries some chunk loads have a cotangent (a stage may leave the others
+            # unwritten: the Triton B2 does).
+            NC = L.num_chunks
+            loads = jnp.concatenate([L.first[0] == jnp.arange(NC), jnp.zeros((1,), bool)])
+            d_entries = jnp.where(loads[:, None, None, None], d_entries, 0.0).astype(dt)
+            dq_, dk_, db_, dG_, dAkk, dv_, dY = ent_vjp((dv_intra, doc, d_entries))
             if shared_dht:
                 dY = dY + dY_fin
             dg_start, dA_start, db_start, dh0 = Y_vjp(dY)
