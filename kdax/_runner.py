@@ -95,7 +95,7 @@ def run_stage(pipeline, name: str, **kwargs):
         try:
             if needs_reset:
                 raise UnsupportedCase(
-                    "packed sequences sharing chunks (cu_seqlens without initial_state) need a stage that accepts "
+                    "packed sequences sharing chunks (cu_seqlens) need a stage that accepts "
                     "`reset` (docs/stages.md, capabilities)"
                 )
             check_arguments(name, stage, kwargs)
