@@ -168,10 +168,12 @@ def test_non_finite_initial_state_stays_in_its_sequence():
 
     pos, _ = split_args(x)
     bad_n = 1
+    got_f = jax.jit(lambda h0: run(_fn(), h0, cu_seqlens=cu))
+    want_f = jax.jit(lambda h0: run(oracle_kda, h0, cu_seqlens=CU))
     for value in (jnp.nan, jnp.inf):
         h0 = x["initial_state"].at[bad_n, 0, 2, 3].set(value)
-        o, ht, gr = jax.jit(lambda h0: run(_fn(), h0, cu_seqlens=cu))(h0)
-        o_ref, ht_ref, gr_ref = run(oracle_kda, h0, cu_seqlens=CU)
+        o, ht, gr = got_f(h0)
+        o_ref, ht_ref, gr_ref = want_f(h0)
         s, e = CU[bad_n], CU[bad_n + 1]
         assert not np.any(np.isfinite(np.asarray(o[0, s:e, 0]))) and not np.any(np.isfinite(np.asarray(ht[bad_n, 0])))
         others = np.r_[0:s, e:CU[-1]]
