@@ -21,23 +21,64 @@ c - 1's end (``entry_layout``): ``KDAPipeline.backward`` runs B2 once more on th
 No forward is rerun.
 """
 
+from typing import NamedTuple
+
+import jax
 import jax.numpy as jnp
 
 from ._hilo import exponent
 from ._layout import ChunkLayout
+from ._ops import tri_mask
 from ._ragged import Spans, matvec, outer, token_slots
 from ._resets import same_segment, segments
 from .stages import activated_gate
 
-def _ends(cu_seqlens, C: int):
-    """Per sequence: first token, last token, its chunk, the first token of its tail (in
-    that chunk), whether it is non-empty and whether it began before that chunk."""
+
+class _Seqs(NamedTuple):
+    """Per sequence ``[N]``, from ``cu_seqlens`` and the chunk size C: first token ``s``,
+    last token ``e``, ``some`` (non-empty); the chunk ``c`` of e, the first token ``tail``
+    of the sequence in it, ``began`` (non-empty and begun before chunk c); the chunk
+    ``c0`` of s, the last token ``f`` of the sequence in it, ``crosses`` (non-empty and
+    going on past chunk c0)."""
+
+    s: jax.Array
+    e: jax.Array
+    some: jax.Array
+    c: jax.Array
+    tail: jax.Array
+    began: jax.Array
+    c0: jax.Array
+    f: jax.Array
+    crosses: jax.Array
+
+
+def _seqs(cu_seqlens, C: int) -> _Seqs:
     cu = jnp.asarray(cu_seqlens, jnp.int32)
     s, e = cu[:-1], cu[1:] - 1
     some = e >= s
-    c = jnp.maximum(e, 0) // C
-    tail = jnp.maximum(s, c * C)
-    return s, e, c, tail, some, some & (s < c * C)
+    c, c0 = jnp.maximum(e, 0) // C, s // C
+    f = jnp.minimum(e, (c0 + 1) * C - 1)
+    return _Seqs(s, e, some, c, jnp.maximum(s, c * C), some & (s < c * C), c0, f, some & (e > f))
+
+
+def _per_chunk(mask, chunk, NC: int):
+    """``[NC]``: the sequence n with ``mask[n]`` and ``chunk[n] == c`` (at most one per
+    chunk), N where there is none."""
+    N = mask.shape[0]
+    return jnp.full((NC,), N).at[jnp.where(mask, chunk, NC)].set(jnp.arange(N), mode="drop")
+
+
+def _tokens(x):
+    """``[1, HV, NC, C, D] -> [HV, NC C, D]``: token t at t (None stays None)."""
+    return None if x is None else x[0].reshape(x.shape[1], -1, x.shape[-1])
+
+
+def _last_before_loads(first):
+    """``last [NC]``: NC (the zero entry of an NC + 1 table) before every chunk that loads
+    a table entry (``first >= 0``) and at the end, -1 elsewhere: the carried state is
+    replaced there, so no cotangent goes back through it."""
+    loads_next = jnp.concatenate([first[1:] >= 0, jnp.ones((1,), bool)])
+    return jnp.where(loads_next, first.shape[0], -1).astype(jnp.int32)
 
 
 def shared_finals(layout: ChunkLayout, cu_seqlens, k, G, G_lo, v_new, h):
@@ -48,17 +89,16 @@ def shared_finals(layout: ChunkLayout, cu_seqlens, k, G, G_lo, v_new, h):
     C = layout.chunk_size
     HV, NC = k.shape[1], k.shape[2]
     TT = NC * C
-    s, e, c, tail, some, began = _ends(cu_seqlens, C)
-    N = s.shape[0]
-    flat = lambda x: None if x is None else x[0].reshape(HV, TT, x.shape[-1])  # [HV, TT, D]: token t at t
-    kf, Gf, lof, vf = flat(k), flat(G), flat(G_lo), flat(v_new)
-    spans = Spans(tail, jnp.where(some, e - tail + 1, 0))
+    q = _seqs(cu_seqlens, C)
+    e, N = q.e, q.s.shape[0]
+    kf, Gf, lof, vf = _tokens(k), _tokens(G), _tokens(G_lo), _tokens(v_new)
+    spans = Spans(q.tail, jnp.where(q.some, e - q.tail + 1, 0))
     n, _, inside = token_slots(spans, TT)
     at_end = lambda x: None if x is None else x[:, jnp.clip(e[n], 0, TT - 1)]  # each token's sequence end
     x = exponent(at_end(Gf), Gf, at_end(lof), lof)
     S = outer(kf * jnp.exp(jnp.where(inside[None, :, None], x, -jnp.inf)), vf, spans, N)
     # e^(G_e) h_c for the sequence (at most one per chunk) that began before chunk c and ends in it
-    ends_in = jnp.full((NC,), N).at[jnp.where(began, c, NC)].set(jnp.arange(N), mode="drop")
+    ends_in = _per_chunk(q.began, q.c, NC)
     has = ends_in < N
     eC = jnp.clip(e[jnp.minimum(ends_in, N - 1)], 0, TT - 1)
     zero = jnp.zeros((HV, NC, G.shape[-1]), G.dtype)
@@ -78,12 +118,10 @@ def entry_layout(layout: ChunkLayout, cu_seqlens, first) -> ChunkLayout:
     state there did not come from chunk c - 1; the caller adds a loaded state's cotangent
     to its entry)."""
     C, NC = layout.chunk_size, layout.num_chunks
-    _, _, c, _, _, began = _ends(cu_seqlens, C)
-    # (index NC + 1 is out of range: mode="drop" skips the other sequences)
-    ends_in = jnp.zeros((NC + 1,), bool).at[jnp.where(began, c, NC + 1)].set(True, mode="drop")[1:]  # chunk c + 1
-    loads_next = jnp.concatenate([first[1:] >= 0, jnp.ones((1,), bool)])
-    last = jnp.where(ends_in, jnp.arange(1, NC + 1), -1)
-    last = jnp.where(loads_next, NC, last).astype(jnp.int32)[None]
+    q = _seqs(cu_seqlens, C)
+    ends_next = jnp.concatenate([_per_chunk(q.began, q.c, NC)[1:] < q.s.shape[0], jnp.zeros((1,), bool)])
+    cut = _last_before_loads(first)
+    last = jnp.where(cut >= 0, cut, jnp.where(ends_next, jnp.arange(1, NC + 1), -1)).astype(jnp.int32)[None]
     return ChunkLayout(first[None].astype(jnp.int32), last, layout.valid, jnp.zeros((NC + 1,), bool), None, layout.T,
                        C, reset=layout.reset)
 
@@ -91,9 +129,7 @@ def entry_layout(layout: ChunkLayout, cu_seqlens, first) -> ChunkLayout:
 def strictly_lower(layout: ChunkLayout):
     """``[1, 1, NC, C, C]``: the pairs of ``L`` (``Akk = (I + L)^-1``) within one sequence
     of a shared chunk, strictly below the diagonal."""
-    seg = segments(layout.reset)
-    C = layout.chunk_size
-    return (jnp.tril(jnp.ones((C, C), bool), -1) & same_segment(seg))[:, None]
+    return (tri_mask(layout.chunk_size, strict=True) & same_segment(segments(layout.reset)))[:, None]
 
 
 # -- initial states entering shared chunks -------------------------------------------------
@@ -119,17 +155,6 @@ def strictly_lower(layout: ChunkLayout):
 # own, so many short sequences cost what their tokens cost.
 
 
-def _first_chunks(cu_seqlens, C: int):
-    """Per sequence: first token s, last token e, the chunk c0 of s, the last token f of
-    the sequence in c0, non-empty, and whether it goes on past c0."""
-    cu = jnp.asarray(cu_seqlens, jnp.int32)
-    s, e = cu[:-1], cu[1:] - 1
-    some = e >= s
-    c0 = s // C
-    f = jnp.minimum(e, (c0 + 1) * C - 1)
-    return s, e, c0, f, some, some & (e > f)
-
-
 def injected_layout(layout: ChunkLayout, cu_seqlens) -> ChunkLayout:
     """The shared layout with a state table of NC + 1 entries: ``first[c] = c`` where a
     sequence goes on into chunk c from its first chunk (entry c: the state
@@ -137,12 +162,10 @@ def injected_layout(layout: ChunkLayout, cu_seqlens) -> ChunkLayout:
     zero state, and ``last`` = NC before every chunk that loads an entry (the carried state
     is replaced there, so no cotangent goes back through it)."""
     C, NC = layout.chunk_size, layout.num_chunks
-    _, _, c0, _, _, crosses = _first_chunks(cu_seqlens, C)
-    inject = jnp.zeros((NC + 1,), bool).at[jnp.where(crosses, c0 + 1, NC + 1)].set(True, mode="drop")[:NC]
+    q = _seqs(cu_seqlens, C)
+    inject = _per_chunk(q.crosses, q.c0 + 1, NC) < q.s.shape[0]
     first = jnp.where(inject, jnp.arange(NC), jnp.where(layout.first[0] >= 0, NC, -1)).astype(jnp.int32)
-    loads_next = jnp.concatenate([first[1:] >= 0, jnp.ones((1,), bool)])
-    last = jnp.where(loads_next, NC, -1).astype(jnp.int32)
-    return ChunkLayout(first[None], last[None], layout.valid, jnp.zeros((NC + 1,), bool), None, layout.T, C,
+    return ChunkLayout(first[None], _last_before_loads(first)[None], layout.valid, jnp.zeros((NC + 1,), bool), None, layout.T, C,
                        reset=layout.reset)
 
 
@@ -153,9 +176,9 @@ def start_states(cu_seqlens, config, g, A_log, dt_bias, h0):
     gate (``kdax.stages.activated_gate``: the F1 stages that declare ``standard``
     compute it). Differentiable in ``g``, ``A_log``, ``dt_bias`` and ``h0``. An empty
     sequence's is unused."""
-    HV, NC, C = g.shape[1], g.shape[2], g.shape[3]
+    NC, C = g.shape[2], g.shape[3]
     s = jnp.clip(jnp.asarray(cu_seqlens, jnp.int32)[:-1], 0, NC * C - 1)
-    gs = g[0].reshape(HV, NC * C, -1)[:, s][None, :, None]  # [1, HV, 1, N, K]: one "chunk" of the N tokens
+    gs = _tokens(g)[:, s][None, :, None]  # [1, HV, 1, N, K]: one "chunk" of the N tokens
     N = s.shape[0]
     act = activated_gate(config, gs, A_log, dt_bias, jnp.ones((1, 1, N), bool))
     return jnp.exp(jnp.moveaxis(act[0, :, 0], 0, 1))[..., None] * h0
@@ -171,12 +194,11 @@ def first_chunk_entries(layout: ChunkLayout, cu_seqlens, scale: float, q, k, bet
     C, NC = layout.chunk_size, layout.num_chunks
     HV = k.shape[1]
     TT = NC * C
-    s, e, c0, f, some, crosses = _first_chunks(cu_seqlens, C)
-    N = s.shape[0]
-    spans = Spans(s, jnp.where(some, f - s + 1, 0))
+    sq = _seqs(cu_seqlens, C)
+    s, N = sq.s, sq.s.shape[0]
+    spans = Spans(s, jnp.where(sq.some, sq.f - s + 1, 0))
     n, _, mine = token_slots(spans, TT)  # mine: a token in its sequence's first chunk
-    flat = lambda x: None if x is None else x[0].reshape(HV, TT, x.shape[-1])  # [HV, TT, D]
-    Gf, lof = flat(G), flat(G_lo)
+    Gf, lof = _tokens(G), _tokens(G_lo)
     sT = jnp.clip(s[n], 0, TT - 1)
     x = exponent(Gf, Gf[:, sT], lof, None if lof is None else lof[:, sT])
     ep = jnp.exp(jnp.where(mine[None, :, None], x, -jnp.inf)).reshape(G.shape)  # e^(Γ') on those tokens
@@ -184,10 +206,10 @@ def first_chunk_entries(layout: ChunkLayout, cu_seqlens, scale: float, q, k, bet
     wp = Akk @ (b * k * ep)
     u = Akk @ (b * v)
     chunked = lambda x: x.reshape(1, HV, NC, C, x.shape[-1])
-    vx = chunked(-matvec(flat(wp), Y, spans))
-    ox = chunked(scale * matvec(flat(q * ep), Y, spans))
+    vx = chunked(-matvec(_tokens(wp), Y, spans))
+    ox = chunked(scale * matvec(_tokens(q * ep), Y, spans))
     # The state entering chunk c from the sequence (at most one) whose first chunk is c - 1.
-    into = jnp.full((NC,), N).at[jnp.where(crosses, c0 + 1, NC)].set(jnp.arange(N), mode="drop")
+    into = _per_chunk(sq.crosses, sq.c0 + 1, NC)
     has = into < N
     nn = jnp.minimum(into, N - 1)
     prev = lambda x: x[0][:, jnp.maximum(jnp.arange(NC) - 1, 0)]  # chunk c - 1 at c: [HV, NC, C, D]
@@ -210,12 +232,10 @@ def entry_finals(layout: ChunkLayout, cu_seqlens, k, G, G_lo, v_new, h, Y, h0):
     ``first_chunk_entries``'s, ``h`` F4's on ``injected_layout``): ``shared_finals``, plus
     for a sequence that ends in its first chunk its decayed initial state ``e^(G_e - G_s)
     Y'_n``; an empty sequence keeps ``h0``."""
-    C = layout.chunk_size
-    HV, NC = k.shape[1], k.shape[2]
+    C, NC = layout.chunk_size, k.shape[2]
     S = shared_finals(layout, cu_seqlens, k, G, G_lo, v_new, h)
-    s, e, _, _, some, crosses = _first_chunks(cu_seqlens, C)
-    flat = lambda x: jnp.moveaxis(x[0].reshape(HV, NC * C, -1), 0, 1)
-    at = lambda x, i: flat(x)[jnp.clip(i, 0, NC * C - 1)]
-    x = exponent(at(G, e), at(G, s), None if G_lo is None else at(G_lo, e), None if G_lo is None else at(G_lo, s))
-    S = S + jnp.exp(jnp.where((some & ~crosses)[:, None, None], x, -jnp.inf))[..., None] * Y
-    return jnp.where(some[:, None, None, None], S, h0.astype(S.dtype))
+    q = _seqs(cu_seqlens, C)
+    at = lambda x, i: jnp.moveaxis(_tokens(x)[:, jnp.clip(i, 0, NC * C - 1)], 0, 1)  # [N, HV, K]
+    x = exponent(at(G, q.e), at(G, q.s), None if G_lo is None else at(G_lo, q.e), None if G_lo is None else at(G_lo, q.s))
+    S = S + jnp.exp(jnp.where((q.some & ~q.crosses)[:, None, None], x, -jnp.inf))[..., None] * Y
+    return jnp.where(q.some[:, None, None, None], S, h0.astype(S.dtype))

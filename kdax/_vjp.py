@@ -38,8 +38,8 @@ def _vjp_fwd(perturbed, diff, config: KDAConfig, cu_seqlens):
     # Whole: in a training step XLA then shares F3/F4 with B0's recompute (the CPU step was
     # ~15% slower with a tiled forward; a tiled B1-B5 too was still 5-10% slower).
     bad = _bad(config, inputs, cu_seqlens)
-    # (Initial states entering shared chunks run F1 twice; a differentiated F1 array takes
-    # the per-sequence layout, whose F1 gradient is the one _stage_grads forms.)
+    # (Initial states entering shared chunks decay with KDA's gate outside F1, a path
+    # _stage_grads does not follow: a differentiated F1 array takes the per-sequence layout.)
     o, final, res = pipeline.untiled().run_forward(config, *inputs, cu_seqlens, clean=True,
                                                    entries="gate" not in got)
     if not config.disable_recompute:

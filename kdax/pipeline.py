@@ -522,13 +522,13 @@ class KDAPipeline(eqx.Module):
             dL = jnp.where(lower, -mT(res.Akk) @ dAkk @ mT(res.Akk), 0.0)
             grads = ChunkGrads(grads.dq + dq_, grads.dk + dk_, grads.dv + dv_, grads.dbeta + db_, grads.dG + dG_,
                                grads.dL + dL)
+        if shared_dht:  # the final states' own cotangents of k and G
+            grads = dataclasses.replace(grads, dk=grads.dk + d_k.astype(grads.dk.dtype),
+                                        dG=grads.dG + d_G.astype(grads.dG.dtype))
         grads = self.run_stage(  # B4
             "intra_bwd", scale=cfg.scale, q=act.q, k=act.k, beta=act.beta, G=act.G, dAqk=dAqk, grads=grads,
             G_lo=act.G_lo, reset=L.reset,
         )
-        if shared_dht:
-            grads = eqx.tree_at(lambda x: (x.dk, x.dG), grads, (grads.dk + d_k.astype(grads.dk.dtype),
-                                                             grads.dG + d_G.astype(grads.dG.dtype)))
         raw = self.run_stage(  # B5
             "gate_bwd", config=cfg, act=act, g=res.g_raw, A_log=res.A_log, dt_bias=res.dt_bias, valid=L.valid,
             dq=grads.dq, dk=grads.dk, dbeta=grads.dbeta, dG=grads.dG, reset=L.reset,
