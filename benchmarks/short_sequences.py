@@ -47,20 +47,22 @@ def main(N: int = 1000, T: int = 1000, reps: int = 5, H: int = 4, K: int = 64, V
         return 1e3 * float(np.median(ts))
 
     def train(fn):  # the loss reads o alone (a training step)
-        return jax.jit(lambda cu, *a: jax.grad(lambda *a: jnp.sum(fn(cu, *a)[0] * w), argnums=(0, 1, 2, 3, 4))(*a))
+        return jax.jit(lambda cu, h0, *a: jax.grad(lambda *a: jnp.sum(fn(cu, h0, *a)[0] * w),
+                                                   argnums=(0, 1, 2, 3, 4))(*a))
 
-    chunk = lambda cu, *a: kdax.chunk_kda(*a, cu_seqlens=cu)
-    chunk_final = lambda cu, *a: kdax.chunk_kda(*a, cu_seqlens=cu, output_final_state=True)  # forward: o and ht
-    dense = lambda cu, *a: kdax.chunk_kda(*a)
-    rec = lambda cu, *a: kdax.fused_recurrent_kda(*a, cu_seqlens=cu)
-    # With initial states (zeros, as a serving prefill passes them): they enter the shared
-    # chunks (kdax._shared_states, issue 25 item 4; one sequence per chunk before).
+    chunk = lambda cu, h0, *a: kdax.chunk_kda(*a, cu_seqlens=cu)
+    chunk_final = lambda cu, h0, *a: kdax.chunk_kda(*a, cu_seqlens=cu, output_final_state=True)  # forward: o and ht
+    dense = lambda cu, h0, *a: kdax.chunk_kda(*a)
+    rec = lambda cu, h0, *a: kdax.fused_recurrent_kda(*a, cu_seqlens=cu)
+    # With initial states (an argument of the jitted call, as a serving prefill passes its
+    # cache's states; zeros): they enter the shared chunks (kdax._shared_states, issue 25
+    # item 4; one sequence per chunk before).
     h0 = jnp.zeros((N, H, K, V), jnp.float32)
-    chunk_h0 = lambda cu, *a: kdax.chunk_kda(*a, cu_seqlens=cu, initial_state=h0, output_final_state=True)
+    chunk_h0 = lambda cu, h0, *a: kdax.chunk_kda(*a, cu_seqlens=cu, initial_state=h0, output_final_state=True)
     # The same with one sequence per chunk (share_chunks=False: the layout before).
     per_seq = dataclasses.replace(kdax.KDAPipeline.reference(), share_chunks=False)
-    chunk_h0_per_seq = lambda cu, *a: kdax.chunk_kda(*a, cu_seqlens=cu, initial_state=h0, output_final_state=True,
-                                                     pipeline=per_seq)
+    chunk_h0_per_seq = lambda cu, h0, *a: kdax.chunk_kda(*a, cu_seqlens=cu, initial_state=h0, output_final_state=True,
+                                                         pipeline=per_seq)
     rows = (
         ("chunk_kda varlen", chunk),
         ("chunk_kda varlen + final state", chunk_final),
@@ -72,14 +74,14 @@ def main(N: int = 1000, T: int = 1000, reps: int = 5, H: int = 4, K: int = 64, V
     print(f"N={N} sequences in T={T} tokens (H={H}, K=V={K}, C=64, float32), median ms of {reps}:")
     print(f"  {'':32}{'forward':>10}{'train step':>12}")
     for name, fn in rows:
-        fwd = median_ms(jax.jit(fn), cu, *x)
-        step = median_ms(train(fn), cu, *x)
+        fwd = median_ms(jax.jit(fn), cu, h0, *x)
+        step = median_ms(train(fn), cu, h0, *x)
         print(f"  {name:32}{fwd:10.1f}{step:12.1f}", flush=True)
     # A loss on the final states too (kdax._shared_states: no forward rerun since session 10).
     both = jax.jit(lambda cu, *a: jax.grad(
-        lambda *a: sum(jnp.sum(x * y) for x, y in zip(chunk_final(cu, *a), (w, 1.0))), argnums=(0, 1, 2, 3, 4))(*a))
+        lambda *a: sum(jnp.sum(x * y) for x, y in zip(chunk_final(cu, None, *a), (w, 1.0))), argnums=(0, 1, 2, 3, 4))(*a))
     print(f"  {'  (train, loss on o and ht)':32}{'':10}{median_ms(both, cu, *x):12.1f}", flush=True)
-    only = jax.jit(lambda cu, *a: jax.grad(lambda *a: jnp.sum(chunk_final(cu, *a)[1]), argnums=(0, 1, 2, 3, 4))(*a))
+    only = jax.jit(lambda cu, *a: jax.grad(lambda *a: jnp.sum(chunk_final(cu, None, *a)[1]), argnums=(0, 1, 2, 3, 4))(*a))
     print(f"  {'  (train, loss on ht alone)':32}{'':10}{median_ms(only, cu, *x):12.1f}", flush=True)
 
 

@@ -10,7 +10,10 @@ Each is the other's transpose, which gives both VJPs. Both run over blocks of ``
 counted from each span's start, ``[N, W, K] x [N, K, V]`` batched products, as many
 blocks as the longest span needs (a loop of dynamic length: one block for short
 sequences), reading each state once per block and never forming a ``[T, K, V]`` array. A
-token's result is gathered from its block (no scatter).
+token's result is gathered from its block (no scatter). A block is ``WIDE`` tokens, or
+``narrow`` (the callers' estimate, e.g. ``narrow_width``) when every span fits in one
+block that wide: one token per sequence then costs one row per state, not ``WIDE``
+(chosen at run time; both are compiled).
 
 Layouts: token arrays ``[HV, TT, D]`` (token t at t), states ``[N, HV, K, V]``.
 """
@@ -21,8 +24,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-# Tokens per block.
-W = 16
+# Tokens per block, when a span is longer than the narrow block.
+WIDE = 16
 
 
 class Spans(NamedTuple):
@@ -32,20 +35,38 @@ class Spans(NamedTuple):
     count: jax.Array
 
 
-def _blocks(spans: Spans):
+def narrow_width(T: int, N: int) -> int:
+    """The narrowest block (a power of 2, at most ``WIDE``) that holds a span of the
+    average length of N sequences in T tokens."""
+    avg = -(-T // max(N, 1))
+    return min(WIDE, 1 << (max(avg, 1) - 1).bit_length())
+
+
+def _by_width(spans: Spans, narrow: int, run):
+    """``run(W)`` with W = ``narrow`` when every span fits one block of it, else ``WIDE``."""
+    if narrow >= WIDE:
+        return run(WIDE)
+    fits = jnp.max(spans.count, initial=0) <= narrow
+    return jax.lax.cond(fits, lambda: run(narrow), lambda: run(WIDE))
+
+
+def _blocks(spans: Spans, W: int):
     return (jnp.max(spans.count, initial=0) + W - 1) // W
 
 
-def _gather_block(x, spans: Spans, b):
-    """``x [HV, TT, D]`` at tokens ``start + b W + (0..W-1)`` of each span: ``[N, HV, W, D]``
-    (positions past a span read a clipped token; callers mask them)."""
-    t = jnp.clip(spans.start[:, None] + b * W + jnp.arange(W)[None], 0, x.shape[1] - 1)
-    return jnp.moveaxis(x[:, t], 0, 1)
+def _gather_block(x, spans: Spans, b, W: int):
+    """``x [M, HV, TT, D]`` at tokens ``start + b W + (0..W-1)`` of each span: ``[N, HV, M W,
+    D]``, the M stacked token arrays side by side (positions past a span read a clipped
+    token; callers mask them)."""
+    t = jnp.clip(spans.start[:, None] + b * W + jnp.arange(W)[None], 0, x.shape[2] - 1)
+    g = jnp.transpose(x[:, :, t], (2, 1, 0, 3, 4))  # [N, HV, M, W, D]
+    return g.reshape(g.shape[0], g.shape[1], -1, g.shape[-1])
 
 
-def _in_block(spans: Spans, b):
-    """``[N, W]``: the block's positions inside each span."""
-    return (b * W + jnp.arange(W))[None] < spans.count[:, None]
+def _in_block(spans: Spans, b, W: int, M: int):
+    """``[N, M W]``: the block's positions inside each span (for each of M stacked arrays)."""
+    ok = (b * W + jnp.arange(W))[None] < spans.count[:, None]
+    return jnp.tile(ok, (1, M))
 
 
 def token_slots(spans: Spans, TT: int):
@@ -56,70 +77,108 @@ def token_slots(spans: Spans, TT: int):
     return n, d, (d >= 0) & (d < spans.count[n])
 
 
-def _matvec(A, Y, spans: Spans):
-    HV, TT = A.shape[:2]
+def _matvec(A, Y, spans: Spans, narrow: int, transpose: bool = False, ok=None):
+    """Stacked: ``A [M, HV, TT, K]`` -> ``[M, HV, TT, V]`` (``transpose``: ``A_t Y_n^T``,
+    ``A [.., V]`` -> ``[.., K]``, without a transposed copy of the states); zero where
+    ``ok [N, HV]`` (or None) is False."""
+    M, HV, TT = A.shape[:3]
     n, d, inside = token_slots(spans, TT)
+    keep = inside[None] if ok is None else inside[None] & ok[n].T  # [1 or HV, TT]
+    D = Y.shape[-2] if transpose else Y.shape[-1]
 
-    def block(b, out):
-        R = jnp.einsum("nhwk,nhkv->nhwv", _gather_block(A, spans, b), Y)  # [N, HV, W, V]
-        mine = inside & (d // W == b)
-        got = R[n, :, jnp.clip(d - b * W, 0, W - 1)]  # [TT, HV, V]
-        return out + jnp.where(mine[None, :, None], jnp.moveaxis(got, 0, 1), jnp.zeros((), out.dtype))
+    def rows(a, W):  # [N, HV, M W, D]: the block's rows
+        return jnp.einsum("nhwk,nhkv->nhwv", a, Y).reshape(Y.shape[0], HV, M, W, D)
 
-    out = jnp.zeros((HV, TT, Y.shape[-1]), jnp.result_type(A, Y))
-    return jax.lax.fori_loop(0, _blocks(spans), block, out)
+    def cols(a, W):  # [N, HV, D, M W]: the states as the left operand, as stored (XLA:CPU
+        # copied all N states to transpose them when they were the right one)
+        return jnp.einsum("nhkv,nhwv->nhkw", Y, a).reshape(Y.shape[0], HV, D, M, W)
+
+    def run(W):
+        def block(b, out):
+            a = _gather_block(A, spans, b, W)
+            mine = keep & (d // W == b)
+            w = jnp.clip(d - b * W, 0, W - 1)
+            if transpose:
+                got = jnp.transpose(cols(a, W)[n, :, :, :, w], (3, 1, 0, 2))  # [TT, HV, D, M] -> [M, HV, TT, D]
+            else:
+                got = jnp.transpose(rows(a, W)[n, :, :, w], (2, 1, 0, 3))  # [TT, HV, M, D] -> [M, HV, TT, D]
+            return out + jnp.where(mine[None, :, :, None], got, jnp.zeros((), out.dtype))
+
+        out = jnp.zeros((M, HV, TT, D), jnp.result_type(A, Y))
+        return jax.lax.fori_loop(0, _blocks(spans, W), block, out)
+
+    return _by_width(spans, narrow, run)
 
 
-def _outer(U, X, spans: Spans, N: int):
-    def block(b, S):
-        ok = _in_block(spans, b)[:, None, :, None]
-        Ub = jnp.where(ok, _gather_block(U, spans, b), jnp.zeros((), U.dtype))
-        return S + jnp.einsum("nhwk,nhwv->nhkv", Ub, _gather_block(X, spans, b))
+def _outer(U, X, spans: Spans, N: int, narrow: int):
+    """Stacked: ``sum_m sum_t U[m]_t^T X[m]_t`` (``U [M, HV, TT, K]``, ``X [M, HV, TT, V]``)."""
+    M = U.shape[0]
+    zero = lambda x: jnp.zeros((), x.dtype)
 
-    S = jnp.zeros((N, U.shape[0], U.shape[-1], X.shape[-1]), jnp.result_type(U, X))
-    return jax.lax.fori_loop(0, _blocks(spans), block, S)
+    def run(W):
+        def part(b):
+            ok = _in_block(spans, b, W, M)[:, None, :, None]
+            Ub, Xb = _gather_block(U, spans, b, W), _gather_block(X, spans, b, W)
+            return jnp.einsum("nhwk,nhwv->nhkv", jnp.where(ok, Ub, zero(U)), jnp.where(ok, Xb, zero(X)))
+
+        # Block 0 starts the sum (it is zero for an empty span): a state-sized array of
+        # zeros to add into would cost a pass over N states.
+        return jax.lax.fori_loop(1, _blocks(spans, W), lambda b, S: S + part(b), part(0))
+
+    return _by_width(spans, narrow, run)
 
 
-@jax.custom_vjp
-def matvec(A, Y, spans: Spans):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _matvec_vjp(A, Y, spans: Spans, ok, narrow: int):
+    return _matvec(A, Y, spans, narrow, ok=ok)
+
+
+def _matvec_fwd(A, Y, spans, ok, narrow):
+    return _matvec(A, Y, spans, narrow, ok=ok), (A, Y, spans, ok)
+
+
+def _matvec_bwd(narrow, res, dout):
+    A, Y, spans, ok = res
+    dA = _matvec(dout, Y, spans, narrow, transpose=True, ok=ok)
+    dY = _outer(A, dout, spans, Y.shape[0], narrow)  # every stacked array's part in one pass
+    return dA.astype(A.dtype), dY.astype(Y.dtype), None, None
+
+
+_matvec_vjp.defvjp(_matvec_fwd, _matvec_bwd)
+
+
+def matvec(A, Y, spans: Spans, narrow: int = WIDE, ok=None):
     """``out [HV, TT, V]``: ``A_t Y_n`` (``A [HV, TT, K]``, ``Y [N, HV, K, V]``) for each
-    token t of span n, zero elsewhere."""
-    return _matvec(A, Y, spans)
+    token t of span n, zero elsewhere. ``A`` may be a tuple of such arrays (a tuple of
+    outputs): each block of ``Y`` is read once for all of them, and ``Y``'s cotangent is
+    one sum. ``narrow``: the block width to try first (module docstring). ``ok [N, HV]``
+    (or None): where False, the sequence's head reads as a zero state (forward and ``A``'s
+    cotangent), so a non-finite ``Y`` there stays out of every token's result without a
+    cleaned copy of the states."""
+    if isinstance(A, tuple):
+        return tuple(_matvec_vjp(jnp.stack(A), Y, spans, ok, narrow))
+    return _matvec_vjp(A[None], Y, spans, ok, narrow)[0]
 
 
-def _matvec_fwd(A, Y, spans):
-    return _matvec(A, Y, spans), (A, Y, spans)
-
-
-def _matvec_bwd(res, dout):
-    A, Y, spans = res
-    dA = _matvec(dout, jnp.swapaxes(Y, -1, -2), spans)
-    dY = _outer(A, dout, spans, Y.shape[0])
-    return dA.astype(A.dtype), dY.astype(Y.dtype), None
-
-
-matvec.defvjp(_matvec_fwd, _matvec_bwd)
-
-
-def outer(U, X, spans: Spans, N: int):
+def outer(U, X, spans: Spans, N: int, narrow: int = WIDE):
     """``S [N, HV, K, V]``: ``sum_t U_t^T X_t`` over the tokens t of span n (``U [HV, TT,
-    K]``, ``X [HV, TT, V]``); zero for an empty span."""
-    return _outer_vjp(U, X, spans, N)
+    K]``, ``X [HV, TT, V]``); zero for an empty span. ``narrow`` as for ``matvec``."""
+    return _outer_vjp(U[None], X[None], spans, N, narrow)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _outer_vjp(U, X, spans: Spans, N: int):
-    return _outer(U, X, spans, N)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _outer_vjp(U, X, spans: Spans, N: int, narrow: int):
+    return _outer(U, X, spans, N, narrow)
 
 
-def _outer_fwd(U, X, spans, N):
-    return _outer(U, X, spans, N), (U, X, spans)
+def _outer_fwd(U, X, spans, N, narrow):
+    return _outer(U, X, spans, N, narrow), (U, X, spans)
 
 
-def _outer_bwd(N, res, dS):
+def _outer_bwd(N, narrow, res, dS):
     U, X, spans = res
-    dU = _matvec(X, jnp.swapaxes(dS, -1, -2), spans)
-    dX = _matvec(U, dS, spans)
+    dU = _matvec(X, dS, spans, narrow, transpose=True)
+    dX = _matvec(U, dS, spans, narrow)
     return dU.astype(U.dtype), dX.astype(X.dtype), None
 
 

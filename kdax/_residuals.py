@@ -5,7 +5,7 @@ from typing import Optional
 
 import equinox as eqx
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from ._config import KDAConfig
 from ._layout import ChunkLayout, unpack
@@ -15,10 +15,13 @@ from .stages import Activated, ForwardCache
 
 class EntryResiduals(eqx.Module):
     """What the backward of initial states entering shared chunks needs besides
-    ``KDAResiduals``: the initial states ``h0`` ``[N, HV, K, V]`` (made finite), the packed
-    raw gate input ``g`` (``kdax._shared_states.start_states``) and the shared layout."""
+    ``KDAResiduals``: the initial states ``h0`` ``[N, HV, K, V]`` as given, ``ok [N, HV]``
+    (or None: not checked) whether each head's is finite (where not, it reads as zero),
+    the packed raw gate input ``g`` (``kdax._shared_states.start_decays``) and the shared
+    layout."""
 
     h0: SeqState
+    ok: Optional[Bool[Array, "N HV"]]
     g: ChunkK
     shared: ChunkLayout
 

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from ._hilo import exponent
 from ._layout import ChunkLayout
 from ._ops import tri_mask
-from ._ragged import Spans, matvec, outer, token_slots
+from ._ragged import Spans, matvec, narrow_width, outer, token_slots
 from ._resets import same_segment, segments
 from .stages import activated_gate
 
@@ -96,7 +96,7 @@ def shared_finals(layout: ChunkLayout, cu_seqlens, k, G, G_lo, v_new, h):
     n, _, inside = token_slots(spans, TT)
     at_end = lambda x: None if x is None else x[:, jnp.clip(e[n], 0, TT - 1)]  # each token's sequence end
     x = exponent(at_end(Gf), Gf, at_end(lof), lof)
-    S = outer(kf * jnp.exp(jnp.where(inside[None, :, None], x, -jnp.inf)), vf, spans, N)
+    S = outer(kf * jnp.exp(jnp.where(inside[None, :, None], x, -jnp.inf)), vf, spans, N, narrow_width(layout.T, N))
     # e^(G_e) h_c for the sequence (at most one per chunk) that began before chunk c and ends in it
     ends_in = _per_chunk(q.began, q.c, NC)
     has = ends_in < N
@@ -135,24 +135,27 @@ def strictly_lower(layout: ChunkLayout):
 # -- initial states entering shared chunks -------------------------------------------------
 #
 # With initial states the outputs and final states are affine in them. Sequence n (tokens
-# s..e) meets its state Y_n at its first token; decayed by that token's own log decay
-# (``start_states``: KDA's gate on those tokens; F1 gives them the reset floor instead),
-# Y'_n = e^(g_s) Y_n enters between the decay and the delta update of token s. In its
-# first chunk, with the exponents relative to s (Γ'_j = G_j - G_s, the reset floor
+# s..e) meets its state Y_n at its first token, decayed by that token's own log decay
+# ``a_n`` (``start_decays``: KDA's gate on those tokens; F1 gives them the reset floor
+# instead): Y'_n = e^(a_n) Y_n enters between the decay and the delta update of token s.
+# In its first chunk, with the exponents relative to s (Γ'_j = G_j - G_s, the reset floor
 # cancels), the chunk algorithm from an entry state gives
 #
-#     v_new'_j = -w'_j Y'_n,  w' = Akk (beta k e^(Γ')),   o'_j = scale (q_j e^(Γ'_j)) Y'_n
+#     v_new'_j = -w'_j Y_n,  w' = Akk (beta k e^(Γ' + a_n)),   o'_j = scale (q_j e^(Γ'_j + a_n)) Y_n
 #
 # (``first_chunk_entries``; F5 adds ``Aqk v_new'``), and, for a sequence that goes on into
 # chunk c0 + 1, the state entering it:
 #
-#     e^(Γ'_f) Y'_n + sum_j (k_j e^(G_f - G_j)) (u_j + v_new'_j)^T   (j = s..f, its tokens in c0)
+#     e^(Γ'_f + a_n) Y_n + sum_j (k_j e^(G_f - G_j)) (u_j + v_new'_j)^T   (j = s..f, its tokens in c0)
 #
 # which F4 loads there (``injected_layout``: an entry of the state table that replaces the
-# carried state), running it on through the later chunks as any state. Everything per
-# sequence is a batched ``[N, W, K] x [N, K, V]`` product over blocks of W tokens from s,
-# as many blocks as the longest first-chunk stretch needs. No sequence gets a chunk of its
-# own, so many short sequences cost what their tokens cost.
+# carried state), running it on through the later chunks as any state. The start decay
+# rides on the token side (Akk mixes tokens of one sequence only), so no decayed copy of
+# the N states is ever formed: the states are read as given, and their cotangent is formed
+# only when the loss asks for it. Everything per sequence is a batched
+# ``[N, W, K] x [N, K, V]`` product over blocks of W tokens from s, as many blocks as the
+# longest first-chunk stretch needs. No sequence gets a chunk of its own, so many short
+# sequences cost what their tokens cost.
 
 
 def injected_layout(layout: ChunkLayout, cu_seqlens) -> ChunkLayout:
@@ -169,28 +172,29 @@ def injected_layout(layout: ChunkLayout, cu_seqlens) -> ChunkLayout:
                        reset=layout.reset)
 
 
-def start_states(cu_seqlens, config, g, A_log, dt_bias, h0):
-    """``Y'_n = e^(g_s) Y_n`` ``[N, HV, K, V]``: each initial state decayed by its first
-    token's own log decay (the shared layout's F1 gives that token the reset floor
-    instead), computed from the packed raw gate input ``g`` ``[1, HV, NC, C, K]`` with KDA's
-    gate (``kdax.stages.activated_gate``: the F1 stages that declare ``standard``
-    compute it). Differentiable in ``g``, ``A_log``, ``dt_bias`` and ``h0``. An empty
-    sequence's is unused."""
+def start_decays(cu_seqlens, config, g, A_log, dt_bias):
+    """``a [N, HV, K]``: each sequence's first token's own log decay (non-positive; the
+    shared layout's F1 gives that token the reset floor instead), computed from the packed
+    raw gate input ``g`` ``[1, HV, NC, C, K]`` with KDA's gate
+    (``kdax.stages.activated_gate``: the F1 stages that declare ``standard`` compute it).
+    Differentiable in ``g``, ``A_log`` and ``dt_bias``. An empty sequence's is unused."""
     NC, C = g.shape[2], g.shape[3]
     s = jnp.clip(jnp.asarray(cu_seqlens, jnp.int32)[:-1], 0, NC * C - 1)
     gs = _tokens(g)[:, s][None, :, None]  # [1, HV, 1, N, K]: one "chunk" of the N tokens
     N = s.shape[0]
     act = activated_gate(config, gs, A_log, dt_bias, jnp.ones((1, 1, N), bool))
-    return jnp.exp(jnp.moveaxis(act[0, :, 0], 0, 1))[..., None] * h0
+    return jnp.moveaxis(act[0, :, 0], 0, 1)
 
 
-def first_chunk_entries(layout: ChunkLayout, cu_seqlens, scale: float, q, k, beta, G, G_lo, Akk, v, Y):
+def first_chunk_entries(layout: ChunkLayout, cu_seqlens, scale: float, q, k, beta, G, G_lo, Akk, v, a, h0, ok=None):
     """The initial states' part in each sequence's first chunk (module comment above):
     ``(v_new' [1, HV, NC, C, V], o' [1, HV, NC, C, V], table [NC + 1, HV, K, V])`` from
     F1's activated ``q``, ``k``, ``beta``, ``G``, ``G_lo`` (shared layout), F2's ``Akk``,
-    the packed ``v`` and ``Y = start_states(...)``. ``table[c]`` is the state entering
-    chunk c (``injected_layout``), zero elsewhere. Differentiable: its VJP is the backward
-    of this part."""
+    the packed ``v``, the start decays ``a = start_decays(...)`` and the initial states
+    ``h0 [N, HV, K, V]``. ``ok [N, HV]`` (or None): where False (a non-finite state) the
+    sequence's head reads a zero state. ``table[c]`` is the state entering chunk c
+    (``injected_layout``), zero elsewhere. Differentiable: its VJP is the backward of this
+    part."""
     C, NC = layout.chunk_size, layout.num_chunks
     HV = k.shape[1]
     TT = NC * C
@@ -200,14 +204,14 @@ def first_chunk_entries(layout: ChunkLayout, cu_seqlens, scale: float, q, k, bet
     n, _, mine = token_slots(spans, TT)  # mine: a token in its sequence's first chunk
     Gf, lof = _tokens(G), _tokens(G_lo)
     sT = jnp.clip(s[n], 0, TT - 1)
-    x = exponent(Gf, Gf[:, sT], lof, None if lof is None else lof[:, sT])
-    ep = jnp.exp(jnp.where(mine[None, :, None], x, -jnp.inf)).reshape(G.shape)  # e^(Γ') on those tokens
+    x = exponent(Gf, Gf[:, sT], lof, None if lof is None else lof[:, sT]) + jnp.moveaxis(a[n], 0, 1)
+    ep = jnp.exp(jnp.where(mine[None, :, None], x, -jnp.inf)).reshape(G.shape)  # e^(Γ' + a) on those tokens
     b = beta[..., None]
     wp = Akk @ (b * k * ep)
     u = Akk @ (b * v)
     chunked = lambda x: x.reshape(1, HV, NC, C, x.shape[-1])
-    vx = chunked(-matvec(_tokens(wp), Y, spans))
-    ox = chunked(scale * matvec(_tokens(q * ep), Y, spans))
+    vx, ox = matvec((-_tokens(wp), scale * _tokens(q * ep)), h0, spans, narrow_width(layout.T, N), ok)
+    vx, ox = chunked(vx), chunked(ox)
     # The state entering chunk c from the sequence (at most one) whose first chunk is c - 1.
     into = _per_chunk(sq.crosses, sq.c0 + 1, NC)
     has = into < N
@@ -221,21 +225,32 @@ def first_chunk_entries(layout: ChunkLayout, cu_seqlens, scale: float, q, k, bet
     part = jnp.einsum("hnck,hncv->nhkv", prev(k) * jnp.exp(xk), prev(u) + prev(vx))
     sC = jnp.clip(s[nn], 0, TT - 1)
     x0 = exponent(Gp[..., -1, :], Gf[:, sC], None if lop is None else lop[..., -1, :],
-                  None if lof is None else lof[:, sC])  # [HV, NC, K]
-    entry = jnp.moveaxis(jnp.exp(jnp.where(has[None, :, None], x0, -jnp.inf)), 0, 1)[..., None] * Y[nn] + part
+                  None if lof is None else lof[:, sC]) + jnp.moveaxis(a[nn], 0, 1)  # [HV, NC, K]
+    entry = jnp.moveaxis(jnp.exp(jnp.where(has[None, :, None], x0, -jnp.inf)), 0, 1)[..., None] * _finite(h0[nn], ok, nn) + part
     table = jnp.concatenate([entry, jnp.zeros_like(entry[:1])])
-    return vx, ox, table.astype(Y.dtype)
+    return vx, ox, table.astype(h0.dtype)
 
 
-def entry_finals(layout: ChunkLayout, cu_seqlens, k, G, G_lo, v_new, h, Y, h0):
-    """Final states ``[N, HV, K, V]`` with initial states entering (``v_new`` F4's plus
-    ``first_chunk_entries``'s, ``h`` F4's on ``injected_layout``): ``shared_finals``, plus
-    for a sequence that ends in its first chunk its decayed initial state ``e^(G_e - G_s)
-    Y'_n``; an empty sequence keeps ``h0``."""
+def _finite(h0, ok, n=None):
+    """``h0 [.., HV, K, V]`` with the heads where ``ok`` (``[N, HV]``, at ``n``) is False
+    zero (elementwise: XLA fuses it into the product that reads it)."""
+    if ok is None:
+        return h0
+    m = ok if n is None else ok[n]
+    return jnp.where(m[..., None, None], h0, jnp.zeros((), h0.dtype))
+
+
+def entry_finals(layout: ChunkLayout, cu_seqlens, k, G, G_lo, v_new, h, a, h0, ok=None):
+    """Final states ``[N, HV, K, V]`` with initial states ``h0`` entering (``v_new`` F4's
+    plus ``first_chunk_entries``'s, ``h`` F4's on ``injected_layout``, ``a`` the start
+    decays, ``ok`` as there): ``shared_finals``, plus for a sequence that ends in its first
+    chunk its decayed initial state ``e^(G_e - G_s + a_n) h0_n``; an empty sequence keeps
+    ``h0``."""
+    h0 = _finite(h0, ok)
     C, NC = layout.chunk_size, k.shape[2]
     S = shared_finals(layout, cu_seqlens, k, G, G_lo, v_new, h)
     q = _seqs(cu_seqlens, C)
     at = lambda x, i: jnp.moveaxis(_tokens(x)[:, jnp.clip(i, 0, NC * C - 1)], 0, 1)  # [N, HV, K]
-    x = exponent(at(G, q.e), at(G, q.s), None if G_lo is None else at(G_lo, q.e), None if G_lo is None else at(G_lo, q.s))
-    S = S + jnp.exp(jnp.where((q.some & ~q.crosses)[:, None, None], x, -jnp.inf))[..., None] * Y
+    x = exponent(at(G, q.e), at(G, q.s), None if G_lo is None else at(G_lo, q.e), None if G_lo is None else at(G_lo, q.s)) + a
+    S = S + jnp.exp(jnp.where((q.some & ~q.crosses)[:, None, None], x, -jnp.inf))[..., None] * h0
     return jnp.where(q.some[:, None, None, None], S, h0.astype(S.dtype))

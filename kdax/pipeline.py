@@ -312,8 +312,9 @@ class KDAPipeline(eqx.Module):
         A_log = None if A_log is None else A_log.astype(dt)
         dt_bias = None if dt_bias is None else dt_bias.astype(dt)
         h0 = h0.astype(dt)
-        if clean:
-            h0 = jnp.where(jnp.abs(h0) < jnp.inf, h0, jnp.zeros((), dt))
+        # (a head with a non-finite state reads a zero one: kdax._shared_states masks it
+        # where it is read, with no cleaned copy of the N states)
+        ok = jnp.all(jnp.abs(h0) < jnp.inf, axis=(-2, -1)) if clean else None
         for rec in active_recordings():
             if rec.layout is None:
                 rec.layout = "shared"
@@ -326,20 +327,20 @@ class KDAPipeline(eqx.Module):
         intra = self.run_stage("intra", scale=config.scale, q=act.q, k=act.k, beta=act.beta, G=act.G, G_lo=act.G_lo,
                                reset=R)
         wy = self.run_stage("wy", q=act.q, k=act.k, v=vc, beta=act.beta, G=act.G, Akk=intra.Akk, G_lo=act.G_lo, reset=R)
-        Y = _shared_states.start_states(cu_seqlens, config, gc, A_log, dt_bias, h0)
+        a = _shared_states.start_decays(cu_seqlens, config, gc, A_log, dt_bias)
         vx, ox, table = _shared_states.first_chunk_entries(layout, cu_seqlens, config.scale, act.q, act.k, act.beta,
-                                                           act.G, act.G_lo, intra.Akk, vc, Y)
+                                                           act.G, act.G_lo, intra.Akk, vc, a, h0, ok)
         L = _shared_states.injected_layout(layout, cu_seqlens)
         st = self.run_stage("state", w=wy.w, u=wy.u, kg=wy.kg, G=act.G, h0=table, layout=L, reset=R)
         oc = self.run_stage("output", scale=config.scale, qg=wy.qg, h=st.h, Aqk=intra.Aqk, v_new=st.v_new + vx)
         o = unpack(layout, oc + ox).astype(v.dtype)
-        final = (_shared_states.entry_finals(layout, cu_seqlens, act.k, act.G, act.G_lo, st.v_new + vx, st.h, Y, h0)
+        final = (_shared_states.entry_finals(layout, cu_seqlens, act.k, act.G, act.G_lo, st.v_new + vx, st.h, a, h0, ok)
                  if config.output_final_state else h0)
         cache = ForwardCache(act.G, intra.Aqk, intra.Akk, wy.w, wy.u, wy.qg, wy.kg, st.h, st.v_new)
         in_dtypes = tuple(None if x is None else jnp.dtype(x.dtype) for x in (q, k, v, g, beta, h0_in, A_log_in, dt_bias_in))
         res = KDAResiduals(
             config, L, act, vc, gc if config.use_gate_in_kernel else None, A_log, dt_bias, intra.Aqk, intra.Akk, table,
-            cache, q.shape[2], in_dtypes, cu_seqlens, entries=EntryResiduals(h0, gc, layout),
+            cache, q.shape[2], in_dtypes, cu_seqlens, entries=EntryResiduals(h0, ok, gc, layout),
         )
         return o, final, res
 
@@ -464,23 +465,23 @@ class KDAPipeline(eqx.Module):
             w, qg, kg, h, v_new = c.w, c.qg, c.kg, c.h, c.v_new
         E, cu = res.entries, res.cu_seqlens
         if E is not None:  # initial states entering shared chunks: their first-chunk part
-            Y, Y_vjp = jax.vjp(lambda g_, A_, b_, h0_: _shared_states.start_states(cu, cfg, g_, A_, b_, h0_),
-                               E.g, res.A_log, res.dt_bias, E.h0)
-            ent = lambda q_, k_, b_, G_, Akk_, v_, Y_: _shared_states.first_chunk_entries(
-                E.shared, cu, cfg.scale, q_, k_, b_, G_, act.G_lo, Akk_, v_, Y_)
-            (v_x, _, _), ent_vjp = jax.vjp(ent, act.q, act.k, act.beta, act.G, res.Akk, res.v, Y)
+            a, a_vjp = jax.vjp(lambda g_, A_, b_: _shared_states.start_decays(cu, cfg, g_, A_, b_),
+                               E.g, res.A_log, res.dt_bias)
+            ent = lambda q_, k_, b_, G_, Akk_, v_, a_, h0_: _shared_states.first_chunk_entries(
+                E.shared, cu, cfg.scale, q_, k_, b_, G_, act.G_lo, Akk_, v_, a_, h0_, E.ok)
+            (v_x, _, _), ent_vjp = jax.vjp(ent, act.q, act.k, act.beta, act.G, res.Akk, res.v, a, E.h0)
             v_out = v_new + v_x  # what F5 and the final states read
         else:
             v_out = v_new
         dAqk, dv_intra = self.run_stage("dav", v_new=v_out, Aqk=res.Aqk, do=doc)  # B1
         if shared_dht:  # a loss on the final states of shared chunks (kdax._shared_states)
             if E is None:
-                fin = lambda k_, G_, v_, h_, Y_, h0_: _shared_states.shared_finals(L, cu, k_, G_, act.G_lo, v_, h_)
-                Y0, h00 = None, None
+                fin = lambda k_, G_, v_, h_, a_, h0_: _shared_states.shared_finals(L, cu, k_, G_, act.G_lo, v_, h_)
+                a0, h00 = None, None
             else:
-                fin = lambda k_, G_, v_, h_, Y_, h0_: _shared_states.entry_finals(L, cu, k_, G_, act.G_lo, v_, h_, Y_, h0_)
-                Y0, h00 = Y, E.h0
-            d_k, d_G, d_v, d_h, dY_fin, dh0_fin = jax.vjp(fin, act.k, act.G, v_out, h, Y0, h00)[1](fin_dht)
+                fin = lambda k_, G_, v_, h_, a_, h0_: _shared_states.entry_finals(L, cu, k_, G_, act.G_lo, v_, h_, a_, h0_, E.ok)
+                a0, h00 = a, E.h0
+            d_k, d_G, d_v, d_h, da_fin, dh0_fin = jax.vjp(fin, act.k, act.G, v_out, h, a0, h00)[1](fin_dht)
             dv_intra = dv_intra + d_v.astype(dv_intra.dtype)
         dhu = self.run_stage(  # B2
             "dhu", scale=cfg.scale, qg=qg, kg=kg, w=w, G=act.G, do=doc, dv_intra=dv_intra, dht=dht, layout=L,
@@ -512,12 +513,10 @@ class KDAPipeline(eqx.Module):
             NC = L.num_chunks
             loads = jnp.concatenate([L.first[0] == jnp.arange(NC), jnp.zeros((1,), bool)])
             d_entries = jnp.where(loads[:, None, None, None], d_entries, 0.0).astype(dt)
-            dq_, dk_, db_, dG_, dAkk, dv_, dY = ent_vjp((dv_intra, doc, d_entries))
+            dq_, dk_, db_, dG_, dAkk, dv_, da, dh0 = ent_vjp((dv_intra, doc, d_entries))
             if shared_dht:
-                dY = dY + dY_fin
-            dg_start, dA_start, db_start, dh0 = Y_vjp(dY)
-            if shared_dht:
-                dh0 = dh0 + dh0_fin
+                da, dh0 = da + da_fin, dh0 + dh0_fin
+            dg_start, dA_start, db_start = a_vjp(da)
             lower = _shared_states.strictly_lower(L)
             dL = jnp.where(lower, -mT(res.Akk) @ dAkk @ mT(res.Akk), 0.0)
             grads = ChunkGrads(grads.dq + dq_, grads.dk + dk_, grads.dv + dv_, grads.dbeta + db_, grads.dG + dG_,
@@ -533,7 +532,7 @@ class KDAPipeline(eqx.Module):
             "gate_bwd", config=cfg, act=act, g=res.g_raw, A_log=res.A_log, dt_bias=res.dt_bias, valid=L.valid,
             dq=grads.dq, dk=grads.dk, dbeta=grads.dbeta, dG=grads.dG, reset=L.reset,
         )
-        if E is not None:  # the start tokens' own decays (start_states' VJP)
+        if E is not None:  # the start tokens' own decays (start_decays' VJP)
             add = lambda a, b: a if b is None else a + b.astype(a.dtype)
             raw = dataclasses.replace(raw, dg=raw.dg + dg_start.astype(raw.dg.dtype),
                                       dA_log=None if raw.dA_log is None else add(raw.dA_log, dA_start),

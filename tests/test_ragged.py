@@ -4,38 +4,49 @@ loop, float64, and their hand-made VJPs against ``jax.vjp`` of that loop."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from kdax import _ragged
 
 from ._util import assert_close
 
-# Spans: empty ones (also first and last), one token, exactly W, longer than two blocks,
-# gaps between spans (tokens in no span).
+# Spans: empty ones (also first and last), one token, exactly WIDE, longer than two
+# blocks, gaps between spans (tokens in no span).
 STARTS = [0, 0, 1, 3, 3, 20, 40, 90, 90]
 COUNTS = [0, 1, 2, 0, 16, 19, 37, 0, 0]
+# Short spans only (at most 2 tokens): every one fits a narrow block of 2.
+SHORT = [0, 1, 2, 0, 1, 2, 1, 0, 0]
 TT, HV, K, V = 96, 2, 5, 3
+# Block widths tried first: none (WIDE), 1 (only the WIDE path fits the long spans, and
+# a span of 2 does not fit), 2.
+NARROW = (_ragged.WIDE, 1, 2)
 
 
-def _spans():
-    return _ragged.Spans(jnp.asarray(STARTS, jnp.int32), jnp.asarray(COUNTS, jnp.int32))
+def _spans(counts=COUNTS):
+    return _ragged.Spans(jnp.asarray(STARTS, jnp.int32), jnp.asarray(counts, jnp.int32))
 
 
-def _owner():
+def _owner(counts=COUNTS):
     """Per token: its span or -1."""
     own = -np.ones(TT, int)
-    for n, (s, c) in enumerate(zip(STARTS, COUNTS)):
+    for n, (s, c) in enumerate(zip(STARTS, counts)):
         own[s:s + c] = n
     return own
 
 
-def _matvec_loop(A, Y):
-    own = _owner()
+def test_narrow_width():
+    assert [_ragged.narrow_width(T, N) for T, N in ((1000, 1000), (1000, 100), (1000, 10), (5, 0))] == [1, 16, 16, 8]
+    assert _ragged.narrow_width(1000, 500) == 2 and _ragged.narrow_width(1000, 300) == 4
+
+
+def _matvec_loop(A, Y, counts=COUNTS):
+    own = _owner(counts)
     rows = [jnp.einsum("hk,hkv->hv", A[:, t], Y[own[t]]) if own[t] >= 0 else jnp.zeros((HV, Y.shape[-1])) for t in range(TT)]
     return jnp.stack(rows, 1)
 
 
-def _outer_loop(U, X):
-    own = _owner()
+def _outer_loop(U, X, counts=COUNTS):
+    own = _owner(counts)
     S = [jnp.zeros((HV, U.shape[-1], X.shape[-1])) for _ in STARTS]
     for t in range(TT):
         if own[t] >= 0:
@@ -43,21 +54,30 @@ def _outer_loop(U, X):
     return jnp.stack(S)
 
 
-def test_matvec_and_outer_against_a_token_loop():
+@pytest.mark.parametrize("counts", [COUNTS, SHORT], ids=["long", "short"])
+@pytest.mark.parametrize("narrow", NARROW)
+def test_matvec_and_outer_against_a_token_loop(narrow, counts):
     jax.config.update("jax_enable_x64", True)
     r = np.random.default_rng(0)
     A, U = (jnp.asarray(r.normal(size=(HV, TT, K))) for _ in range(2))
     X = jnp.asarray(r.normal(size=(HV, TT, V)))
     Y = jnp.asarray(r.normal(size=(len(STARTS), HV, K, V)))
-    sp = _spans()
-    assert_close(jax.jit(_ragged.matvec)(A, Y, sp), _matvec_loop(A, Y), 1e-14, "matvec")
-    assert_close(jax.jit(_ragged.outer, static_argnums=3)(U, X, sp, len(STARTS)), _outer_loop(U, X), 1e-14, "outer")
+    sp = _spans(counts)
+    mv = jax.jit(_ragged.matvec, static_argnums=3)
+    assert_close(mv(A, Y, sp, narrow), _matvec_loop(A, Y, counts), 1e-14, "matvec")
+    assert_close(jax.jit(_ragged.outer, static_argnums=(3, 4))(U, X, sp, len(STARTS), narrow),
+                 _outer_loop(U, X, counts), 1e-14, "outer")
     # every token outside the spans is exactly zero
-    out = np.asarray(_ragged.matvec(A, Y, sp))
-    assert np.all(out[:, _owner() < 0] == 0)
+    out = np.asarray(mv(A, Y, sp, narrow))
+    assert np.all(out[:, _owner(counts) < 0] == 0)
+    # a tuple of token arrays: each one's product
+    got = mv((A, U), Y, sp, narrow)
+    assert_close(got[0], _matvec_loop(A, Y, counts), 1e-14, "matvec stacked 0")
+    assert_close(got[1], _matvec_loop(U, Y, counts), 1e-14, "matvec stacked 1")
 
 
-def test_vjps_against_autodiff_of_the_loop():
+@pytest.mark.parametrize("narrow", NARROW)
+def test_vjps_against_autodiff_of_the_loop(narrow):
     jax.config.update("jax_enable_x64", True)
     r = np.random.default_rng(1)
     A = jnp.asarray(r.normal(size=(HV, TT, K)))
@@ -65,12 +85,38 @@ def test_vjps_against_autodiff_of_the_loop():
     X = jnp.asarray(r.normal(size=(HV, TT, V)))
     sp = _spans()
     dout = jnp.asarray(r.normal(size=(HV, TT, V)))
-    got = jax.vjp(lambda a, y: _ragged.matvec(a, y, sp), A, Y)[1](dout)
+    got = jax.vjp(lambda a, y: _ragged.matvec(a, y, sp, narrow), A, Y)[1](dout)
     want = jax.vjp(_matvec_loop, A, Y)[1](dout)
     for g, w, n in zip(got, want, ("dA", "dY")):
         assert_close(g, w, 1e-14, "matvec " + n)
     dS = jnp.asarray(r.normal(size=(len(STARTS), HV, K, V)))
-    got = jax.vjp(lambda u, x: _ragged.outer(u, x, sp, len(STARTS)), A, X)[1](dS)
+    got = jax.vjp(lambda u, x: _ragged.outer(u, x, sp, len(STARTS), narrow), A, X)[1](dS)
     want = jax.vjp(_outer_loop, A, X)[1](dS)
     for g, w, n in zip(got, want, ("dU", "dX")):
         assert_close(g, w, 1e-14, "outer " + n)
+    # stacked: one cotangent of Y, the sum of both products'
+    U = jnp.asarray(r.normal(size=(HV, TT, K)))
+    dout2 = jnp.asarray(r.normal(size=(HV, TT, V)))
+    got = jax.vjp(lambda a, u, y: _ragged.matvec((a, u), y, sp, narrow), A, U, Y)[1]((dout, dout2))
+    want = jax.vjp(lambda a, u, y: (_matvec_loop(a, y), _matvec_loop(u, y)), A, U, Y)[1]((dout, dout2))
+    for g, w, n in zip(got, want, ("dA", "dU", "dY")):
+        assert_close(g, w, 1e-14, "stacked matvec " + n)
+
+
+def test_matvec_ok_mask_keeps_non_finite_states_out():
+    """``ok``: a head whose state holds NaN/inf reads as zero, in the product and in
+    ``A``'s cotangent, for its own tokens; every other token is unchanged."""
+    jax.config.update("jax_enable_x64", True)
+    r = np.random.default_rng(2)
+    A = jnp.asarray(r.normal(size=(HV, TT, K)))
+    Y = np.asarray(r.normal(size=(len(STARTS), HV, K, V)))
+    Y[5, 1, 2, 0], Y[6, 0] = np.nan, np.inf
+    ok = np.all(np.isfinite(Y), axis=(-2, -1))
+    Yc = jnp.asarray(np.where(ok[..., None, None], Y, 0.0))
+    sp = _spans()
+    dout = jnp.asarray(r.normal(size=(HV, TT, V)))
+    for narrow in NARROW:
+        out, vjp = jax.vjp(lambda a: _ragged.matvec(a, jnp.asarray(Y), sp, narrow, jnp.asarray(ok)), A)
+        want, want_vjp = jax.vjp(lambda a: _matvec_loop(a, Yc), A)
+        assert_close(out, want, 1e-14, "matvec with ok")
+        assert_close(vjp(dout)[0], want_vjp(dout)[0], 1e-14, "dA with ok")
