@@ -1,7 +1,7 @@
 """What a pipeline's forward keeps for its backward (``KDAResiduals``, with ``read`` for
 any intermediate in the user's layout) and what its backward returns (``KDAGrads``)."""
 
-from typing import Optional
+from typing import Callable, Optional
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -15,15 +15,20 @@ from .stages import Activated, ForwardCache
 
 class EntryResiduals(eqx.Module):
     """What the backward of initial states entering shared chunks needs besides
-    ``KDAResiduals``: the initial states ``h0`` ``[N, HV, K, V]`` as given, ``ok [N, HV]``
-    (or None: not checked) whether each head's is finite (where not, it reads as zero),
-    the packed raw gate input ``g`` (``kdax._shared_states.start_decays``) and the shared
-    layout."""
+    ``KDAResiduals`` (``kdax._shared_states``): the initial states ``h0`` ``[N, HV, K, V]``
+    as given, ``ok [N, HV]`` (or None: not checked) whether each head's is finite (where
+    not, it reads as zero), the start decays ``a [N, HV, K]``, the shared layout, the
+    first-chunk part ``v_new'`` ``[1, HV, NC, C, V]`` and the VJPs of the forward's
+    first-chunk part and start decays (``jax.vjp``'s, holding their own residuals: the
+    backward does not run them again)."""
 
     h0: SeqState
     ok: Optional[Bool[Array, "N HV"]]
-    g: ChunkK
+    a: Float[Array, "N HV K"]
     shared: ChunkLayout
+    v_new: ChunkV
+    entries_vjp: Callable
+    decays_vjp: Callable
 
 
 class KDAResiduals(eqx.Module):

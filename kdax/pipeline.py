@@ -314,7 +314,7 @@ class KDAPipeline(eqx.Module):
         h0 = h0.astype(dt)
         # (a head with a non-finite state reads a zero one: kdax._shared_states masks it
         # where it is read, with no cleaned copy of the N states)
-        ok = jnp.all(jnp.abs(h0) < jnp.inf, axis=(-2, -1)) if clean else None
+        ok = _isolation.finite_heads(h0) if clean else None
         for rec in active_recordings():
             if rec.layout is None:
                 rec.layout = "shared"
@@ -327,9 +327,12 @@ class KDAPipeline(eqx.Module):
         intra = self.run_stage("intra", scale=config.scale, q=act.q, k=act.k, beta=act.beta, G=act.G, G_lo=act.G_lo,
                                reset=R)
         wy = self.run_stage("wy", q=act.q, k=act.k, v=vc, beta=act.beta, G=act.G, Akk=intra.Akk, G_lo=act.G_lo, reset=R)
-        a = _shared_states.start_decays(cu_seqlens, config, gc, A_log, dt_bias)
-        vx, ox, table = _shared_states.first_chunk_entries(layout, cu_seqlens, config.scale, act.q, act.k, act.beta,
-                                                           act.G, act.G_lo, intra.Akk, vc, a, h0, ok)
+        # (with their VJPs, which keep what the backward needs: it runs neither again)
+        a, a_vjp = jax.vjp(lambda g_, A_, b_: _shared_states.start_decays(cu_seqlens, config, g_, A_, b_),
+                           gc, A_log, dt_bias)
+        ent = lambda q_, k_, b_, G_, Akk_, v_, a_, h0_: _shared_states.first_chunk_entries(
+            layout, cu_seqlens, config.scale, q_, k_, b_, G_, act.G_lo, Akk_, v_, a_, h0_, ok)
+        (vx, ox, table), ent_vjp = jax.vjp(ent, act.q, act.k, act.beta, act.G, intra.Akk, vc, a, h0)
         L = _shared_states.injected_layout(layout, cu_seqlens)
         st = self.run_stage("state", w=wy.w, u=wy.u, kg=wy.kg, G=act.G, h0=table, layout=L, reset=R)
         oc = self.run_stage("output", scale=config.scale, qg=wy.qg, h=st.h, Aqk=intra.Aqk, v_new=st.v_new + vx)
@@ -340,7 +343,7 @@ class KDAPipeline(eqx.Module):
         in_dtypes = tuple(None if x is None else jnp.dtype(x.dtype) for x in (q, k, v, g, beta, h0_in, A_log_in, dt_bias_in))
         res = KDAResiduals(
             config, L, act, vc, gc if config.use_gate_in_kernel else None, A_log, dt_bias, intra.Aqk, intra.Akk, table,
-            cache, q.shape[2], in_dtypes, cu_seqlens, entries=EntryResiduals(h0, ok, gc, layout),
+            cache, q.shape[2], in_dtypes, cu_seqlens, entries=EntryResiduals(h0, ok, a, layout, vx, ent_vjp, a_vjp),
         )
         return o, final, res
 
@@ -465,12 +468,7 @@ class KDAPipeline(eqx.Module):
             w, qg, kg, h, v_new = c.w, c.qg, c.kg, c.h, c.v_new
         E, cu = res.entries, res.cu_seqlens
         if E is not None:  # initial states entering shared chunks: their first-chunk part
-            a, a_vjp = jax.vjp(lambda g_, A_, b_: _shared_states.start_decays(cu, cfg, g_, A_, b_),
-                               E.g, res.A_log, res.dt_bias)
-            ent = lambda q_, k_, b_, G_, Akk_, v_, a_, h0_: _shared_states.first_chunk_entries(
-                E.shared, cu, cfg.scale, q_, k_, b_, G_, act.G_lo, Akk_, v_, a_, h0_, E.ok)
-            (v_x, _, _), ent_vjp = jax.vjp(ent, act.q, act.k, act.beta, act.G, res.Akk, res.v, a, E.h0)
-            v_out = v_new + v_x  # what F5 and the final states read
+            v_out = v_new + E.v_new  # what F5 and the final states read
         else:
             v_out = v_new
         dAqk, dv_intra = self.run_stage("dav", v_new=v_out, Aqk=res.Aqk, do=doc)  # B1
@@ -480,7 +478,7 @@ class KDAPipeline(eqx.Module):
                 a0, h00 = None, None
             else:
                 fin = lambda k_, G_, v_, h_, a_, h0_: _shared_states.entry_finals(L, cu, k_, G_, act.G_lo, v_, h_, a_, h0_, E.ok)
-                a0, h00 = a, E.h0
+                a0, h00 = E.a, E.h0
             d_k, d_G, d_v, d_h, da_fin, dh0_fin = jax.vjp(fin, act.k, act.G, v_out, h, a0, h00)[1](fin_dht)
             dv_intra = dv_intra + d_v.astype(dv_intra.dtype)
         dhu = self.run_stage(  # B2
@@ -513,10 +511,10 @@ class KDAPipeline(eqx.Module):
             NC = L.num_chunks
             loads = jnp.concatenate([L.first[0] == jnp.arange(NC), jnp.zeros((1,), bool)])
             d_entries = jnp.where(loads[:, None, None, None], d_entries, 0.0).astype(dt)
-            dq_, dk_, db_, dG_, dAkk, dv_, da, dh0 = ent_vjp((dv_intra, doc, d_entries))
+            dq_, dk_, db_, dG_, dAkk, dv_, da, dh0 = E.entries_vjp((dv_intra, doc, d_entries))
             if shared_dht:
                 da, dh0 = da + da_fin, dh0 + dh0_fin
-            dg_start, dA_start, db_start = a_vjp(da)
+            dg_start, dA_start, db_start = E.decays_vjp(da)
             lower = _shared_states.strictly_lower(L)
             dL = jnp.where(lower, -mT(res.Akk) @ dAkk @ mT(res.Akk), 0.0)
             grads = ChunkGrads(grads.dq + dq_, grads.dk + dk_, grads.dv + dv_, grads.dbeta + db_, grads.dG + dG_,
