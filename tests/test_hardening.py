@@ -183,6 +183,18 @@ def test_float32_extreme_gates_within_10x_recurrence(pattern, C):
     assert not bad, bad
 
 
+# The Pallas stages take G_lo too (kdax.pallas: the gate splits, F2, F3, B3, B4 use both
+# parts): the same bound, through the Triton kernels in interpret mode.
+@pytest.mark.parametrize("pattern, C", [("scattered", 64), pytest.param("scattered", 128, marks=pytest.mark.slow)])
+def test_float32_extreme_gates_pallas_within_10x_recurrence(pattern, C):
+    x64 = _extreme(pattern)
+    x32 = {n: a.astype(jnp.float32) for n, a in x64.items()}
+    rec = _recurrent_errors(pattern)
+    got = _errors(_chunked(PIPES["pallas_triton"](), C), x32, x64, {})
+    bad = {n: f"{got[n]:.2e} ({got[n] / rec[n]:.1f}x)" for n in got if not got[n] / rec[n] <= 10}
+    assert not bad, bad
+
+
 # Users' stages written before G_lo existed (the signature is what counts), composing the
 # reference stages: each gets G alone.
 class _SpyIntra(AbstractIntra):

@@ -26,6 +26,7 @@ from jax.experimental import pallas as pl
 
 from .. import _precision
 from .._errors import UnsupportedCase
+from .._hilo import exponent
 from .._ops import vary_like
 
 TARGETS = ("tpu", "triton")
@@ -308,3 +309,17 @@ def col_of(x, j):
 def masked_exp(mask, diff):
     """``exp(diff)`` where ``mask``, else 0: the mask sits in the exponent."""
     return jnp.exp(jnp.where(mask, diff, -jnp.inf))
+
+
+def row_or_none(x, i):
+    """``row_of(x, i)``, or None for a missing low part."""
+    return None if x is None else row_of(x, i)
+
+
+def decay(mask, x, y, x_lo=None, y_lo=None):
+    """``exp(x - y)`` where ``mask`` (None: everywhere), else 0, in the exponent
+    (``masked_exp``); with the low parts of G (``kdax._hilo``: ``x_lo``, ``y_lo``, both or
+    neither) the exponent is the difference of the exact sums, clamped at 0
+    (``kdax._hilo.exponent``)."""
+    e = exponent(x, y, x_lo, y_lo)
+    return jnp.exp(e) if mask is None else masked_exp(mask, e)

@@ -7,10 +7,12 @@ per block and added up outside the kernel.
 
 from typing import ClassVar, Optional
 
+import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from .._config import KDAConfig
+from .._hilo import grid_bits
 from .._typing import ChunkK, ChunkScalar, ChunkValid, typecheck
 from ..ref import L2NORM_EPS, log_decay_floor
 from ..stages import AbstractGate, AbstractGateBackward, Activated, RawGrads
@@ -34,7 +36,33 @@ def _gate_input(g, a_log, dtb):
     return x, (None if a_log is None else jnp.exp(a_log))
 
 
-def gate_body(cfg: KDAConfig, q, k, g, beta, valid, a_log, dtb):
+def _round_even(x):
+    """``jnp.round`` (to nearest, ties to even) from ``floor``, which both lowerings have
+    (Triton lowers no ``round``; XLA folds the ``(x + 1.5 2^23) - 1.5 2^23`` trick away).
+    ``x + 0.5`` is exact for ``|x| < 2^22``."""
+    r = jnp.floor(x + 0.5)
+    odd = (r - 2.0 * jnp.floor(r * 0.5)) == 1.0
+    return jnp.where(((r - x) == 0.5) & odd, r - 1.0, r)
+
+
+def _split_cumsum(g, bits: int):
+    """``(G, G_lo)`` in-kernel, bit for bit ``kdax.stages._gate.split_cumsum``
+    (``kdax._hilo``): the grid part's cumsum is exact in any order, the low parts' is
+    small. ``|g| 2^bits < 2^22``: g is clamped at the floor and C >= 4."""
+    C = g.shape[0]
+    step = float(2.0**bits)
+    hi = _round_even(g * step) / step
+    lo = g - hi
+    lower = (iota((C, C), 1) <= iota((C, C), 0)).astype(g.dtype)
+    G_hi = lower_dot(lower, hi)  # a NaN gate reaches only its own row on
+    lo_sum = dot(lower, jnp.where(jnp.abs(lo) < jnp.inf, lo, 0.0))
+    G = G_hi + lo_sum
+    return G, (G_hi - G) + lo_sum  # G_hi - G exact (Sterbenz): the rounding's remainder
+
+
+def gate_body(cfg: KDAConfig, q, k, g, beta, valid, a_log, dtb, bits=None):
+    """F1 for one chunk: ``(q, k, beta, G, q_rstd, k_rstd, G_lo)`` (None where absent);
+    ``bits``: G as the exact sum ``G + G_lo`` on a grid of ``2^-bits`` (None: G alone)."""
     C = g.shape[0]
     q_rstd = k_rstd = None
     if cfg.use_qk_l2norm_in_kernel:
@@ -51,11 +79,14 @@ def gate_body(cfg: KDAConfig, q, k, g, beta, valid, a_log, dtb):
             g = cfg.lower_bound * _sigmoid(x if a is None else a * x)
     # The floor keeps G small and finite for any gate in [-inf, 0] (see log_decay_floor).
     g = jnp.where(valid > 0, jnp.maximum(g, log_decay_floor(g.dtype)), 0.0)
-    lower = (iota((C, C), 1) <= iota((C, C), 0)).astype(g.dtype)
-    G = lower_dot(lower, g)  # a NaN gate reaches only its own row on
+    if bits is None:
+        lower = (iota((C, C), 1) <= iota((C, C), 0)).astype(g.dtype)
+        G, G_lo = lower_dot(lower, g), None  # a NaN gate reaches only its own row on
+    else:
+        G, G_lo = _split_cumsum(g, bits)
     if cfg.use_beta_sigmoid_in_kernel:
         beta = _sigmoid(beta) * (2.0 if cfg.allow_neg_eigval else 1.0)
-    return q, k, beta, G, q_rstd, k_rstd
+    return q, k, beta, G, q_rstd, k_rstd, G_lo
 
 
 def gate_bwd_body(cfg: KDAConfig, q, k, beta, q_rstd, k_rstd, g, valid, a_log, dtb, dq, dk, dbeta, dG):
@@ -111,10 +142,14 @@ def _take_params(cfg, refs, A_log, dt_bias):
 
 @final
 class PallasGate(AbstractGate, PallasTarget):
-    """F1 as a Pallas kernel over (row * head, chunk)."""
+    """F1 as a Pallas kernel over (row * head, chunk). ``split`` as ``ReferenceGate``'s:
+    in float32, G as the exact sum ``G + G_lo`` (``kdax._hilo``), bit for bit the
+    reference's; False: G alone."""
 
     tile_safe: ClassVar[bool] = True
     accepts: ClassVar[frozenset] = frozenset({"tile_safe", "standard"})
+
+    split: bool = eqx.field(static=True, default=True)
 
     @tuned
     @typecheck
@@ -138,23 +173,24 @@ class PallasGate(AbstractGate, PallasTarget):
         vf = flat(jnp.broadcast_to(valid[:, None], beta.shape).astype(q.dtype))
         p_arrays, p_specs = _params(cfg, self.target, HV, K, A_log, dt_bias)
         l2 = cfg.use_qk_l2norm_in_kernel
+        bits = grid_bits(q.dtype, C) if self.split else None
 
         def kernel(q_ref, k_ref, g_ref, b_ref, v_ref, *refs):
             n_p = len(p_arrays)
             a, d = _take_params(cfg, refs[:n_p], A_log, dt_bias)
-            outs = gate_body(cfg, q_ref[...], k_ref[...], g_ref[...], b_ref[...], v_ref[...], a, d)
-            out_refs = refs[n_p:]
-            vals = outs[:4] + (outs[4:] if l2 else ())
-            for ref, val in zip(out_refs, vals):
+            outs = gate_body(cfg, q_ref[...], k_ref[...], g_ref[...], b_ref[...], v_ref[...], a, d, bits)
+            vals = [v for v in outs if v is not None]
+            for ref, val in zip(refs[n_p:], vals):
                 ref[...] = val
 
         sk, s1 = chunk_spec((C, Kp)), chunk_spec((C, 1))
-        blocks = [(C, Kp), (C, Kp), (C, 1), (C, Kp)] + ([(C, 1), (C, 1)] if l2 else [])
+        blocks = [(C, Kp), (C, Kp), (C, 1), (C, Kp)] + ([(C, 1), (C, 1)] if l2 else []) + ([(C, Kp)] if bits else [])
         outs = self.call(kernel, (qf, kf, gf, flat(beta), vf, *p_arrays), [sk, sk, sk, s1, s1, *p_specs],
                          blocks, R * HV, NC, q.dtype)
         cut = lambda x: unflat(x[..., :K], R, HV)
         rstd = (unflat(outs[4], R, HV), unflat(outs[5], R, HV)) if l2 else (None, None)
-        return Activated(cut(outs[0]), cut(outs[1]), unflat(outs[2], R, HV, squeeze=True), cut(outs[3]), *rstd)
+        G_lo = cut(outs[-1]) if bits else None
+        return Activated(cut(outs[0]), cut(outs[1]), unflat(outs[2], R, HV, squeeze=True), cut(outs[3]), *rstd, G_lo)
 
 
 @final

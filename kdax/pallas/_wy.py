@@ -1,6 +1,6 @@
 """Pallas WY family: F3 (w, u, qg, kg) and B3 (wy_dqkg), one (p, chunk) block per program."""
 
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 import jax.numpy as jnp
 
@@ -8,22 +8,23 @@ from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, typeche
 from ..stages import AbstractWY, AbstractWYDqkg, ChunkGrads, WYOut
 from .._final import final
 from ._common import (
-    PallasTarget, PallasValueBlocks, chunk_spec, dot, flat, iota, lower_dot, row_of,
-    tuned, unflat,
+    PallasTarget, PallasValueBlocks, chunk_spec, decay, dot, flat, iota, lower_dot, row_of,
+    row_or_none, tuned, unflat,
 )
 
 
-def wy_body(q, k, v, beta, G, Akk):
+def wy_body(q, k, v, beta, G, Akk, lo=None):
+    """F3 for one chunk (``lo``: G's low part, ``kdax._hilo``, or None)."""
     eG = jnp.exp(G)
     C = G.shape[0]
     w = lower_dot(Akk, beta * k * eG)  # NaN/inf at a token reaches only the rows from it on
     u = lower_dot(Akk, beta * v)
-    kg = k * jnp.exp(row_of(G, C - 1) - G)
+    kg = k * decay(None, row_of(G, C - 1), G, row_or_none(lo, C - 1), lo)
     return w, u, q * eG, kg
 
 
 def wy_dqkg_body(scale, k, beta, G, Akk, qg, kg, v_ref, h_ref, dh_ref, vn_ref, do_ref, dvn_ref, dv_ref,
-                 block_v: int):
+                 block_v: int, lo=None):
     """B3 for one chunk. The value axis is walked ``block_v`` columns at a time through
     static slices of the refs (v, h, dh, v_new, do, dv_new in; dv out): the V-sized
     operands are never all live at once, which keeps a Triton program at K = V = 128
@@ -57,7 +58,7 @@ def wy_dqkg_body(scale, k, beta, G, Akk, qg, kg, v_ref, h_ref, dh_ref, vn_ref, d
     row, col = iota((C, C), 0), iota((C, C), 1)
     dL = jnp.where(col < row, -dot(dot(Akk, dAkk, ta=True), Akk, tb=True), 0.0)
     dq = dqg * eG
-    dk = dkg * jnp.exp(gam - G) + beta * eG * dX
+    dk = dkg * decay(None, gam, G, row_or_none(lo, C - 1), lo) + beta * eG * dX
     dbeta = dbeta + jnp.sum(k * eG * dX, axis=1, keepdims=True)
     dG = qg * dqg - kg * dkg + X * dX + jnp.where(iota(G.shape, 0) == C - 1, dgam, 0.0)
     return dq, dk, dbeta, dG, dL
@@ -65,7 +66,8 @@ def wy_dqkg_body(scale, k, beta, G, Akk, qg, kg, v_ref, h_ref, dh_ref, vn_ref, d
 
 @final
 class PallasWY(AbstractWY, PallasTarget):
-    """F3 as a Pallas kernel over (row * head, chunk)."""
+    """F3 as a Pallas kernel over (row * head, chunk); with ``G_lo`` (``kdax._hilo``) kg's
+    exponent is the difference of the exact sums."""
 
     tile_safe: ClassVar[bool] = True
 
@@ -79,6 +81,7 @@ class PallasWY(AbstractWY, PallasTarget):
         beta: ChunkScalar,
         G: ChunkK,
         Akk: ChunkMat,
+        G_lo: Optional[ChunkK] = None,
     ) -> WYOut:
         R, HV, NC, C, K = q.shape
         V = v.shape[-1]
@@ -86,17 +89,18 @@ class PallasWY(AbstractWY, PallasTarget):
         fp = self.padded
         qf, kf, vf, Gf = fp(q), fp(k), fp(v), fp(G)
         Kp, Vp = qf.shape[-1], vf.shape[-1]
+        sk, sv = chunk_spec((C, Kp)), chunk_spec((C, Vp))
+        ins, specs = (qf, kf, vf, flat(beta), Gf, flat(Akk)), [sk, sk, sv, chunk_spec((C, 1)), sk, chunk_spec((C, C))]
+        if G_lo is not None:
+            ins, specs = ins + (fp(G_lo),), specs + [sk]
 
-        def kernel(q_ref, k_ref, v_ref, b_ref, g_ref, a_ref, w_ref, u_ref, qg_ref, kg_ref):
-            outs = wy_body(q_ref[...], k_ref[...], v_ref[...], b_ref[...], g_ref[...], a_ref[...])
-            for ref, val in zip((w_ref, u_ref, qg_ref, kg_ref), outs):
+        def kernel(*refs):
+            lo = refs[6][...] if G_lo is not None else None
+            outs = wy_body(*(r[...] for r in refs[:6]), lo)
+            for ref, val in zip(refs[-4:], outs):
                 ref[...] = val
 
-        sk, sv = chunk_spec((C, Kp)), chunk_spec((C, Vp))
-        w, u, qg, kg = self.call(
-            kernel, (qf, kf, vf, flat(beta), Gf, flat(Akk)),
-            [sk, sk, sv, chunk_spec((C, 1)), sk, chunk_spec((C, C))],
-            [(C, Kp), (C, Vp), (C, Kp), (C, Kp)], R * HV, NC, q.dtype)
+        w, u, qg, kg = self.call(kernel, ins, specs, [(C, Kp), (C, Vp), (C, Kp), (C, Kp)], R * HV, NC, q.dtype)
         cut = lambda x, n: unflat(x[..., :n], R, HV)
         return WYOut(cut(w, K), cut(u, V), cut(qg, K), cut(kg, K))
 
@@ -104,7 +108,8 @@ class PallasWY(AbstractWY, PallasTarget):
 @final
 class PallasWYDqkg(AbstractWYDqkg, PallasValueBlocks):
     """B3 as a Pallas kernel over (row * head, chunk). ``block_v``: value columns read at
-    a time on the Triton target (a power of 2; the TPU target reads whole blocks)."""
+    a time on the Triton target (a power of 2; the TPU target reads whole blocks);
+    ``G_lo`` as ``PallasWY``."""
 
     @tuned
     @typecheck
@@ -124,6 +129,7 @@ class PallasWYDqkg(AbstractWYDqkg, PallasValueBlocks):
         v_new: ChunkV,
         do: ChunkV,
         dv_new: ChunkV,
+        G_lo: Optional[ChunkK] = None,
     ) -> ChunkGrads:
         R, HV, NC, C, K = q.shape
         V = v.shape[-1]
@@ -134,20 +140,24 @@ class PallasWYDqkg(AbstractWYDqkg, PallasValueBlocks):
                fp(v_new), fp(do), fp(dv_new))
         Kp, Vp = ins[0].shape[-1], ins[2].shape[-1]
         sk, sv, s1, sc, sh = (chunk_spec(b) for b in ((C, Kp), (C, Vp), (C, 1), (C, C), (Kp, Vp)))
+        specs = [sk, sk, sv, s1, sk, sc, sk, sk, sh, sh, sv, sv, sv]
+        if G_lo is not None:
+            ins, specs = ins + (fp(G_lo),), specs + [sk]
+        n_in = len(ins)
 
         bv = min(self.block_v, Vp) if self.target == "triton" else Vp
 
         def kernel(*refs):
             q, k, v, b, g, a, qg_, kg_, h_, dh_, vn, do_, dvn = refs[:13]
-            dq_r, dk_r, dv_r, db_r, dG_r, dL_r = refs[13:]
+            lo = refs[13][...] if G_lo is not None else None
+            dq_r, dk_r, dv_r, db_r, dG_r, dL_r = refs[n_in:]
             loaded = (r[...] for r in (k, b, g, a, qg_, kg_))  # B3 needs q only through qg
-            outs = wy_dqkg_body(scale, *loaded, v, h_, dh_, vn, do_, dvn, dv_r, bv)
+            outs = wy_dqkg_body(scale, *loaded, v, h_, dh_, vn, do_, dvn, dv_r, bv, lo)
             for ref, val in zip((dq_r, dk_r, db_r, dG_r, dL_r), outs):
                 ref[...] = val
 
         dq, dk, dv, db, dG, dL = self.call(
-            kernel, ins, [sk, sk, sv, s1, sk, sc, sk, sk, sh, sh, sv, sv, sv],
-            [(C, Kp), (C, Kp), (C, Vp), (C, 1), (C, Kp), (C, C)], R * HV, NC, q.dtype)
+            kernel, ins, specs, [(C, Kp), (C, Kp), (C, Vp), (C, 1), (C, Kp), (C, C)], R * HV, NC, q.dtype)
         cut = lambda x, n: unflat(x[..., :n], R, HV)
         db = unflat(db, R, HV, squeeze=True)
         return ChunkGrads(cut(dq, K), cut(dk, K), cut(dv, V), db, cut(dG, K), unflat(dL, R, HV))

@@ -73,6 +73,26 @@ def test_forward_stages(target, interpret, dtype, tol, C, K, V):
     ]
     for name, pal, ref, args in pairs:
         _close(pal(*args), ref(*args), tol, name)
+    if dtype == jnp.float32:  # G as the exact sum G + G_lo (kdax._hilo): F2 and F3
+        _with_G_lo(pairs[:2], x["G"], tol)
+
+
+def _G_lo(G):
+    """A low part of G, far larger than F1's (below G's rounding) so that a kernel that
+    dropped it, or used it with the wrong sign, would fail (``_with_G_lo``); non-increasing
+    along the chunk, as G is, so that ``G + G_lo`` is a cumsum of log decays and no
+    exponent needs the clamp at 0 (which depends on where a stage anchors its products)."""
+    r = np.random.default_rng(99)
+    return jnp.asarray(-np.cumsum(r.uniform(0.0, 0.002, G.shape), axis=-2), G.dtype)
+
+
+def _with_G_lo(pairs, G, tol):
+    lo = _G_lo(G)
+    for name, pal, ref, args in pairs:
+        got = pal(*args, G_lo=lo)
+        _close(got, ref(*args, G_lo=lo), tol, name + " with G_lo")
+        diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(pal(*args))))
+        assert diff > 100 * tol, f"{name}: G_lo changed nothing ({diff})"
 
 
 @pytest.mark.parametrize("target,interpret", MODES)
@@ -99,6 +119,8 @@ def test_backward_stages(target, interpret, dtype, tol, C, K, V):
     ]
     for name, pal, ref, args in pairs:
         _close(pal(*args), ref(*args), tol, name)
+    if dtype == jnp.float32:  # with G_lo (kdax._hilo): B3 and B4
+        _with_G_lo(pairs[2:], x["G"], tol)
 
 
 GATE_CONFIGS = [
@@ -123,9 +145,14 @@ def test_gate_stages(target, interpret, opts, dtype, tol):
     valid = make_layout(R, NC * C - 5, C).valid
     kw = dict(target=target, interpret=interpret)
     args = (cfg, q, k, g, beta, A_log, dt_bias, valid)
-    # The Pallas gate returns the single G (no G_lo split): the reference's single-G form.
-    act_p, act_r = P.PallasGate(**kw)(*args), S.ReferenceGate(split=False)(*args)
-    _close(act_p, act_r, tol, "gate")
+    # split (the default): in float32 G as G + G_lo, bit for bit the reference's; else G alone
+    for split in (True, False):
+        act_p, act_r = P.PallasGate(**kw, split=split)(*args), S.ReferenceGate(split=split)(*args)
+        _close(act_p, act_r, tol, f"gate split={split}")
+        assert (act_p.G_lo is None) == (act_r.G_lo is None) == (not split or dtype == jnp.float64)
+        if act_r.G_lo is not None:
+            np.testing.assert_array_equal(np.asarray(act_p.G), np.asarray(act_r.G))
+            np.testing.assert_array_equal(np.asarray(act_p.G_lo), np.asarray(act_r.G_lo))
     bargs = (cfg, act_r, g if gate else None, A_log, dt_bias, valid, f(R, HV, NC, C, K), f(R, HV, NC, C, K),
              f(R, HV, NC, C), f(R, HV, NC, C, K))
     _close(P.PallasGateBackward(**kw)(*bargs), S.ReferenceGateBackward()(*bargs), tol, "gate_bwd")
