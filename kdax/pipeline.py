@@ -260,21 +260,18 @@ class KDAPipeline(eqx.Module):
         entries = entries and all(capabilities(type(getattr(self, n))).standard for n in ("gate", "output"))
         shared = self.shares_chunks(None if entries else h0, cu_seqlens)
         if shared and h0 is not None:  # initial states entering shared chunks
-            return self._forward_entries(config, (q, k, v, g, beta), h0, A_log, dt_bias, cu_seqlens, clean)
+            return self._forward_entries(config, (q, k, v, g, beta), h0, A_log, dt_bias, cu_seqlens, clean, dt)
         if shared:  # one stream of T tokens: a state table of one entry, zero
             layout = make_shared_layout(T, config.chunk_size, cu_seqlens)
             N = cu_seqlens.shape[0] - 1
         else:
             layout = make_layout(B, T, config.chunk_size, cu_seqlens)
             N = layout.empty.shape[0]
-        for rec in active_recordings():  # (the forward's: a backward's rerun does not count)
-            if rec.layout is None:
-                rec.layout = "shared" if shared else ("dense" if cu_seqlens is None else "per-sequence")
-        h0_in, A_log_in, dt_bias_in = h0, A_log, dt_bias
-        A_log = None if A_log is None else A_log.astype(dt)
-        dt_bias = None if dt_bias is None else dt_bias.astype(dt)
-        h0 = _initial_states(h0, (1 if shared else N, HV, K, V), dt)
+        _record_layout("shared" if shared else ("dense" if cu_seqlens is None else "per-sequence"))
         raw = (q, k, v, g, beta)
+        in_dtypes = _in_dtypes(raw, h0, A_log, dt_bias)
+        A_log, dt_bias = _cast(A_log, dt), _cast(dt_bias, dt)
+        h0 = _initial_states(h0, (1 if shared else N, HV, K, V), dt)
         clean = _isolation.cleaner(config.use_gate_in_kernel, config.use_beta_sigmoid_in_kernel) if clean else None
         nt = self._tile_chunks(layout.valid.shape[0] * HV, layout.num_chunks)
         if nt is not None and not layout.dense and h0.shape[0] > nt * config.chunk_size:
@@ -292,41 +289,33 @@ class KDAPipeline(eqx.Module):
             final = jnp.zeros((N, HV, K, V), dt)
         act, intra, wy = fw.act, fw.intra, fw.wy
         cache = ForwardCache(act.G, intra.Aqk, intra.Akk, wy.w, wy.u, wy.qg, wy.kg, fw.h, fw.v_new)
-        in_dtypes = tuple(None if x is None else jnp.dtype(x.dtype) for x in (q, k, v, g, beta, h0_in, A_log_in, dt_bias_in))
         res = KDAResiduals(
             config, layout, act, fw.v, fw.g if config.use_gate_in_kernel else None, A_log, dt_bias,
             intra.Aqk, intra.Akk, h0, cache, H, in_dtypes, cu_seqlens,
         )
         return o, final, res
 
-    def _forward_entries(self, config: KDAConfig, raw, h0, A_log, dt_bias, cu_seqlens, clean: bool):
+    def _forward_entries(self, config: KDAConfig, raw, h0, A_log, dt_bias, cu_seqlens, clean: bool, dt):
         """``run_forward`` of packed sequences with initial states, sharing chunks: the
         stages on the shared layout, each initial state entering in its sequence's first
         chunk and F4 loading the states that go on into the next chunk
         (``kdax._shared_states``). Whole (untiled). Non-finite initial states read as zero
-        (``clean``: ``kdax._isolation`` puts NaN into that sequence)."""
-        q, k, v, g, beta = raw
-        T, HV, C = q.shape[1], v.shape[2], config.chunk_size
-        dt = compute_dtype(q, k, v, g, beta, h0)
-        h0_in, A_log_in, dt_bias_in = h0, A_log, dt_bias
-        A_log = None if A_log is None else A_log.astype(dt)
-        dt_bias = None if dt_bias is None else dt_bias.astype(dt)
+        (``clean``: ``kdax._isolation`` puts NaN into that sequence); ``dt`` the compute
+        dtype."""
+        T, HV, C = raw[0].shape[1], raw[2].shape[2], config.chunk_size
+        in_dtypes = _in_dtypes(raw, h0, A_log, dt_bias)
+        A_log, dt_bias = _cast(A_log, dt), _cast(dt_bias, dt)
         h0 = h0.astype(dt)
         # (a head with a non-finite state reads a zero one: kdax._shared_states masks it
         # where it is read, with no cleaned copy of the N states)
         ok = _isolation.finite_heads(h0) if clean else None
-        for rec in active_recordings():
-            if rec.layout is None:
-                rec.layout = "shared"
+        _record_layout("shared")
         layout = make_shared_layout(T, C, cu_seqlens)
         cleaner = _isolation.cleaner(config.use_gate_in_kernel, config.use_beta_sigmoid_in_kernel) if clean else None
-        qc, kc, vc, gc, bc = pack_inputs(layout, raw, HV, dt, cleaner)
-        gate = dict(config=config, q=qc, k=kc, g=gc, beta=bc, A_log=A_log, dt_bias=dt_bias, valid=layout.valid)
-        act = self.run_stage("gate", **gate, reset=layout.reset)
+        chunked = pack_inputs(layout, raw, HV, dt, cleaner)
+        vc, gc = chunked[2], chunked[3]
+        act, intra, wy = self._front_stages(config, chunked, A_log, dt_bias, layout)
         R = layout.reset
-        intra = self.run_stage("intra", scale=config.scale, q=act.q, k=act.k, beta=act.beta, G=act.G, G_lo=act.G_lo,
-                               reset=R)
-        wy = self.run_stage("wy", q=act.q, k=act.k, v=vc, beta=act.beta, G=act.G, Akk=intra.Akk, G_lo=act.G_lo, reset=R)
         # (with their VJPs, which keep what the backward needs: it runs neither again)
         a, a_vjp = jax.vjp(lambda g_, A_, b_: _shared_states.start_decays(cu_seqlens, config, g_, A_, b_),
                            gc, A_log, dt_bias)
@@ -336,14 +325,13 @@ class KDAPipeline(eqx.Module):
         L = _shared_states.injected_layout(layout, cu_seqlens)
         st = self.run_stage("state", w=wy.w, u=wy.u, kg=wy.kg, G=act.G, h0=table, layout=L, reset=R)
         oc = self.run_stage("output", scale=config.scale, qg=wy.qg, h=st.h, Aqk=intra.Aqk, v_new=st.v_new + vx)
-        o = unpack(layout, oc + ox).astype(v.dtype)
+        o = unpack(layout, oc + ox).astype(raw[2].dtype)
         final = (_shared_states.entry_finals(layout, cu_seqlens, act.k, act.G, act.G_lo, st.v_new + vx, st.h, a, h0, ok)
                  if config.output_final_state else h0)
         cache = ForwardCache(act.G, intra.Aqk, intra.Akk, wy.w, wy.u, wy.qg, wy.kg, st.h, st.v_new)
-        in_dtypes = tuple(None if x is None else jnp.dtype(x.dtype) for x in (q, k, v, g, beta, h0_in, A_log_in, dt_bias_in))
         res = KDAResiduals(
             config, L, act, vc, gc if config.use_gate_in_kernel else None, A_log, dt_bias, intra.Aqk, intra.Akk, table,
-            cache, q.shape[2], in_dtypes, cu_seqlens, entries=EntryResiduals(h0, ok, a, layout, vx, ent_vjp, a_vjp),
+            cache, raw[0].shape[2], in_dtypes, cu_seqlens, entries=EntryResiduals(h0, ok, a, layout, vx, ent_vjp, a_vjp),
         )
         return o, final, res
 
@@ -370,18 +358,24 @@ class KDAPipeline(eqx.Module):
         forward runs whole (untiled)."""
         return tuple(n for n, i in STAGES.items() if i.forward and not capabilities(type(getattr(self, n))).tile_safe)
 
-    def _forward_stages(self, config: KDAConfig, chunked, A_log, dt_bias, h0, layout: ChunkLayout):
-        """F1-F5 on chunked inputs ``(q, k, v, g, beta)`` (q, k already expanded to HV
-        heads): ``(o chunked, _ForwardChunks, final states [N, HV, K, V])``."""
+    def _front_stages(self, config: KDAConfig, chunked, A_log, dt_bias, layout: ChunkLayout):
+        """F1-F3 on chunked inputs ``(q, k, v, g, beta)``: ``(act, intra, wy)``; with the
+        layout's reset table (shared chunks: exact zeros across sequences, kdax._resets)."""
         qc, kc, vc, gc, bc = chunked
-        act = self.run_stage("gate", config=config, q=qc, k=kc, g=gc, beta=bc, A_log=A_log, dt_bias=dt_bias,
-                          valid=layout.valid, reset=layout.reset)
-        # reset (shared chunks): exact zeros across sequences (kdax._resets).
         R = layout.reset
+        act = self.run_stage("gate", config=config, q=qc, k=kc, g=gc, beta=bc, A_log=A_log, dt_bias=dt_bias,
+                             valid=layout.valid, reset=R)
         intra = self.run_stage("intra", scale=config.scale, q=act.q, k=act.k, beta=act.beta, G=act.G, G_lo=act.G_lo,
                                reset=R)
         wy = self.run_stage("wy", q=act.q, k=act.k, v=vc, beta=act.beta, G=act.G, Akk=intra.Akk, G_lo=act.G_lo, reset=R)
-        st = self.run_stage("state", w=wy.w, u=wy.u, kg=wy.kg, G=act.G, h0=h0, layout=layout, reset=R)
+        return act, intra, wy
+
+    def _forward_stages(self, config: KDAConfig, chunked, A_log, dt_bias, h0, layout: ChunkLayout):
+        """F1-F5 on chunked inputs ``(q, k, v, g, beta)`` (q, k already expanded to HV
+        heads): ``(o chunked, _ForwardChunks, final states [N, HV, K, V])``."""
+        vc, gc = chunked[2], chunked[3]
+        act, intra, wy = self._front_stages(config, chunked, A_log, dt_bias, layout)
+        st = self.run_stage("state", w=wy.w, u=wy.u, kg=wy.kg, G=act.G, h0=h0, layout=layout, reset=layout.reset)
         oc = self.run_stage("output", scale=config.scale, qg=wy.qg, h=st.h, Aqk=intra.Aqk, v_new=st.v_new)
         return oc, _ForwardChunks(act, intra, wy, st.h, st.v_new, vc, gc), st.final
 
@@ -643,6 +637,24 @@ def _check_arrays(
     cu_seqlens: Optional[CuSeqlensIn],
 ) -> None:
     """The shape/dtype checks of ``chunk_kda``'s signature, for ``KDAPipeline.forward``."""
+
+
+def _record_layout(name: str) -> None:
+    """Tell the active plan recordings which layout the forward took (the forward's: a
+    backward's rerun does not count)."""
+    for rec in active_recordings():
+        if rec.layout is None:
+            rec.layout = name
+
+
+def _in_dtypes(raw, h0, A_log, dt_bias) -> tuple:
+    """The dtypes of the forward's inputs (q, k, v, g, beta, h0, A_log, dt_bias), None
+    where absent: the backward returns each gradient in its input's dtype."""
+    return tuple(None if x is None else jnp.dtype(x.dtype) for x in (*raw, h0, A_log, dt_bias))
+
+
+def _cast(x, dt):
+    return None if x is None else x.astype(dt)
 
 
 def _initial_states(h0, shape, dt):

@@ -157,3 +157,41 @@ def test_state_kernels_fit_hopper_shared_memory(policy, tuning, tmp_path):
     over = {k: v for k, v in used.items() if v > HOPPER_SHARED_BYTES}
     assert not over, f"over {HOPPER_SHARED_BYTES} B: {over} (all: {used})"
     assert all(v > 0 for v in used.values()), used
+
+
+# The kernels that take G's low part (kdax._hilo): F1 (which makes it), F2, F3, B3, B4, each
+# alone at K = V = 128, chunk 64, under the policy bf16 inputs get ("bfloat16": bf16
+# operands in F2, F3 and B3; F1 and B4 at float32), with G_lo.
+@pytest.mark.parametrize("stage", ["gate", "intra", "wy", "wy_dqkg", "intra_bwd"])
+def test_G_lo_kernels_fit_hopper_shared_memory(stage, tmp_path):
+    from kdax import KDAConfig, _precision
+    from kdax import pallas as P
+    from kdax.stages import ChunkGrads
+
+    R, HV, NC, C, K = 1, 2, 4, 64, 128
+    s = jax.ShapeDtypeStruct
+    ck, cs, cm = s((R, HV, NC, C, K), jnp.float32), s((R, HV, NC, C), jnp.float32), s((R, HV, NC, C, C), jnp.float32)
+    st = s((R, HV, NC, K, K), jnp.float32)
+    kw = dict(target="triton", interpret=False)
+    calls = {
+        "gate": (lambda q, k, g, b: P.PallasGate(**kw)(KDAConfig(scale=0.1, **KIMI), q, k, g, b, jnp.zeros(HV, jnp.float32),
+                                                        jnp.zeros(HV * K, jnp.float32), jnp.ones((R, NC, C), bool)),
+                 (ck, ck, ck, cs)),
+        "intra": (lambda q, k, b, G, lo: P.PallasIntra(**kw)(0.1, q, k, b, G, G_lo=lo), (ck, ck, cs, ck, ck)),
+        "wy": (lambda q, k, v, b, G, A, lo: P.PallasWY(**kw)(q, k, v, b, G, A, G_lo=lo), (ck, ck, ck, cs, ck, cm, ck)),
+        "wy_dqkg": (lambda q, k, v, b, G, A, qg, kg, h, dh, vn, do, dvn, lo: P.PallasWYDqkg(**kw)(
+            0.1, q, k, v, b, G, A, qg, kg, h, dh, vn, do, dvn, G_lo=lo), (ck, ck, ck, cs, ck, cm, ck, ck, st, st, ck, ck, ck, ck)),
+        "intra_bwd": (lambda q, k, b, G, dA, dq, dk, db, dG, dL, lo: P.PallasIntraBackward(**kw)(
+            0.1, q, k, b, G, dA, ChunkGrads(dq, dk, None, db, dG, dL), G_lo=lo), (ck, ck, cs, ck, cm, ck, ck, cs, ck, cm, ck)),
+    }
+    fn, args = calls[stage]
+
+    def scoped(*a):
+        with _precision.stage_scope("bfloat16", stage):
+            return fn(*a)
+
+    with _captured() as mods:
+        jax.jit(scoped).trace(*args).lower(lowering_platforms=("cuda",))
+    assert len(mods) == 1, list(mods)
+    used = _shared_bytes(next(iter(mods.values())), tmp_path)
+    assert 0 < used <= HOPPER_SHARED_BYTES, used

@@ -1,0 +1,61 @@
+"""Issue 25 item 4's two ratios in one process (interleaved rounds, medians): many short
+packed sequences with initial states against the same call without them, and a loss on
+the final states against a loss on the outputs. H = 4, K = V = 64, C = 64, float32, T =
+1000 tokens in N equal sequences; the initial states are zeros passed as an argument of
+the jitted call (as a serving prefill passes its cache's states).
+
+    PYTHONPATH=. python benchmarks/short_sequences_ratios.py [N] [rounds]
+
+Rows: ``fin_*`` (``output_final_state=True``, no initial states; the step's loss reads o),
+``ini_*`` (with initial states, final states returned; the loss reads o), ``both`` (loss
+on o and the final states), ``only`` (loss on the final states alone). Targets: ini_step
+/ fin_step <= 3, both and only / fin_step <= 2.
+"""
+
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import kdax
+
+
+def main(N: int = 1000, rounds: int = 15, T: int = 1000, H: int = 4, K: int = 64, V: int = 64) -> None:
+    r = np.random.default_rng(0)
+    f = lambda *s: jnp.asarray(r.normal(size=s), jnp.float32)
+    q, k, v = f(1, T, H, K), f(1, T, H, K) / np.sqrt(K), f(1, T, H, V)
+    g = jnp.asarray(-r.uniform(0.01, 0.5, (1, T, H, K)), jnp.float32)
+    beta = jnp.full((1, T, H), 0.5, jnp.float32)
+    cu = jnp.asarray(np.linspace(0, T, N + 1).astype(np.int32))
+    w = f(1, T, H, V)
+    h0 = jnp.zeros((N, H, K, V), jnp.float32)
+    x = (q, k, v, g, beta)
+    fin = lambda cu, h0, *a: kdax.chunk_kda(*a, cu_seqlens=cu, output_final_state=True)
+    ini = lambda cu, h0, *a: kdax.chunk_kda(*a, cu_seqlens=cu, initial_state=h0, output_final_state=True)
+    grad = lambda loss: jax.jit(lambda cu, h0, *a: jax.grad(lambda *a: loss(cu, h0, *a), argnums=(0, 1, 2, 3, 4))(*a))
+    rows = dict(
+        fin_fwd=jax.jit(fin), ini_fwd=jax.jit(ini),
+        fin_step=grad(lambda *a: jnp.sum(fin(*a)[0] * w)), ini_step=grad(lambda *a: jnp.sum(ini(*a)[0] * w)),
+        both=grad(lambda *a: sum(jnp.sum(o * y) for o, y in zip(fin(*a), (w, 1.0)))),
+        only=grad(lambda *a: jnp.sum(fin(*a)[1])),
+    )
+    for fn in rows.values():
+        jax.block_until_ready(fn(cu, h0, *x))
+    ts = {n: [] for n in rows}
+    for _ in range(rounds):
+        for n, fn in rows.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(cu, h0, *x))
+            ts[n].append(time.perf_counter() - t0)
+    m = {n: 1e3 * float(np.median(t)) for n, t in ts.items()}
+    print(f"N={N} T={T} (H={H}, K=V={K}, C=64, float32), median ms of {rounds} interleaved rounds:")
+    print("  " + "  ".join(f"{n} {t:.1f}" for n, t in m.items()))
+    print(f"  initial states: forward {m['ini_fwd'] / m['fin_fwd']:.2f}x, step {m['ini_step'] / m['fin_step']:.2f}x "
+          f"(target 3x); loss on final states: with o {m['both'] / m['fin_step']:.2f}x, alone "
+          f"{m['only'] / m['fin_step']:.2f}x (target 2x)")
+
+
+if __name__ == "__main__":
+    main(*[int(s) for s in sys.argv[1:]])
