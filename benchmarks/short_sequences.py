@@ -27,15 +27,20 @@ import numpy as np
 import kdax
 
 
-def main(N: int = 1000, T: int = 1000, reps: int = 5, H: int = 4, K: int = 64, V: int = 64) -> None:
+def inputs(N: int, T: int, H: int, K: int, V: int):
+    """``(x = (q, k, v, g, beta), cu_seqlens of N equal sequences, w [1, T, H, V] the
+    loss's weights)``, float32."""
     r = np.random.default_rng(0)
     f = lambda *s: jnp.asarray(r.normal(size=s), jnp.float32)
     q, k, v = f(1, T, H, K), f(1, T, H, K) / np.sqrt(K), f(1, T, H, V)
     g = jnp.asarray(-r.uniform(0.01, 0.5, (1, T, H, K)), jnp.float32)
     beta = jnp.full((1, T, H), 0.5, jnp.float32)
     cu = jnp.asarray(np.linspace(0, T, N + 1).astype(np.int32))
-    w = f(1, T, H, V)
-    x = (q, k, v, g, beta)
+    return (q, k, v, g, beta), cu, f(1, T, H, V)
+
+
+def main(N: int = 1000, T: int = 1000, reps: int = 5, H: int = 4, K: int = 64, V: int = 64) -> None:
+    x, cu, w = inputs(N, T, H, K, V)
 
     def median_ms(fn, *a):
         jax.block_until_ready(fn(*a))

@@ -12,6 +12,7 @@ on o and the final states), ``only`` (loss on the final states alone). Targets: 
 / fin_step <= 3, both and only / fin_step <= 2.
 """
 
+import os
 import sys
 import time
 
@@ -21,17 +22,13 @@ import numpy as np
 
 import kdax
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from short_sequences import inputs  # noqa: E402  (the same inputs as the table's)
+
 
 def main(N: int = 1000, rounds: int = 15, T: int = 1000, H: int = 4, K: int = 64, V: int = 64) -> None:
-    r = np.random.default_rng(0)
-    f = lambda *s: jnp.asarray(r.normal(size=s), jnp.float32)
-    q, k, v = f(1, T, H, K), f(1, T, H, K) / np.sqrt(K), f(1, T, H, V)
-    g = jnp.asarray(-r.uniform(0.01, 0.5, (1, T, H, K)), jnp.float32)
-    beta = jnp.full((1, T, H), 0.5, jnp.float32)
-    cu = jnp.asarray(np.linspace(0, T, N + 1).astype(np.int32))
-    w = f(1, T, H, V)
+    x, cu, w = inputs(N, T, H, K, V)
     h0 = jnp.zeros((N, H, K, V), jnp.float32)
-    x = (q, k, v, g, beta)
     fin = lambda cu, h0, *a: kdax.chunk_kda(*a, cu_seqlens=cu, output_final_state=True)
     ini = lambda cu, h0, *a: kdax.chunk_kda(*a, cu_seqlens=cu, initial_state=h0, output_final_state=True)
     grad = lambda loss: jax.jit(lambda cu, h0, *a: jax.grad(lambda *a: loss(cu, h0, *a), argnums=(0, 1, 2, 3, 4))(*a))
