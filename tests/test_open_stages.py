@@ -74,7 +74,7 @@ def test_array_stages_in_a_model_filter_jit_grad_vmap():
     assert_close(o, o_ref, 1e-10, "o")
     assert_close(ht, ht_ref, 1e-10, "ht")
     # vmap over a leading axis of the inputs (and over stacked models with eqx.filter_vmap)
-    ov, _ = jax.vmap(model)(*(jnp.stack([a, a * 0.5]) for a in pos), jnp.stack([h0, h0]))
+    ov, _ = eqx.filter_jit(jax.vmap(model))(*(jnp.stack([a, a * 0.5]) for a in pos), jnp.stack([h0, h0]))
     assert_close(ov[0], o, 1e-12, "vmap o[0]")
 
 

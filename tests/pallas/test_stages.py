@@ -73,7 +73,7 @@ def test_forward_stages(target, interpret, dtype, tol, C, K, V):
     ]
     for name, pal, ref, args in pairs:
         _close(pal(*args), ref(*args), tol, name)
-    if dtype == jnp.float32:  # G as the exact sum G + G_lo (kdax._hilo): F2 and F3
+    if dtype == jnp.float32 and target == "triton":  # G + G_lo (kdax._hilo): F2 and F3 (bodies shared by both targets)
         _with_G_lo(pairs[:2], x["G"], tol)
 
 
@@ -119,7 +119,7 @@ def test_backward_stages(target, interpret, dtype, tol, C, K, V):
     ]
     for name, pal, ref, args in pairs:
         _close(pal(*args), ref(*args), tol, name)
-    if dtype == jnp.float32:  # with G_lo (kdax._hilo): B3 and B4
+    if dtype == jnp.float32 and target == "triton":  # with G_lo (kdax._hilo): B3 and B4
         _with_G_lo(pairs[2:], x["G"], tol)
 
 

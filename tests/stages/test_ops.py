@@ -100,7 +100,8 @@ def test_loop_forms_give_the_same_pipeline(monkeypatch):
                                    chunk_size=16, pipeline=pipe)
             return jnp.sum(o * o) + jnp.sum(ht)
 
-        return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))(x["q"], x["k"], x["v"], x["g"], x["beta"])
+        # (jitted: eager runs op by op; a fresh function per form, traced with that form)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))(x["q"], x["k"], x["v"], x["g"], x["beta"])
 
     outs = {}
     for form in (True, False):
