@@ -33,12 +33,14 @@ def grid_bits(dtype, C: int) -> Optional[int]:
     return digits - math.ceil(math.log2(C * abs(log_decay_floor(dtype))))
 
 
-def split_log_decay(g, C: int):
+def split_log_decay(g, C: int, round_even=jnp.round):
     """``(g_hi, g_lo)`` with ``g_hi + g_lo == g`` exactly, ``g_hi`` on the grid of
-    ``grid_bits`` and ``|g_lo| <= 2^-(m+1)``; ``g`` the clamped per-token log decay."""
+    ``grid_bits`` and ``|g_lo| <= 2^-(m+1)``; ``g`` the clamped per-token log decay.
+    ``round_even``: rounding to the nearest integer, ties to even (a kernel passes its
+    own where ``jnp.round`` does not lower)."""
     m = grid_bits(g.dtype, C)
     step = 2.0**m  # a power of two: the scaling and the rounding are exact
-    hi = jnp.round(g * step) / step
+    hi = round_even(g * step) / step
     return hi, g - hi
 
 

@@ -324,9 +324,10 @@ class KDAPipeline(eqx.Module):
         (vx, ox, table), ent_vjp = jax.vjp(ent, act.q, act.k, act.beta, act.G, intra.Akk, vc, a, h0)
         L = _shared_states.injected_layout(layout, cu_seqlens)
         st = self.run_stage("state", w=wy.w, u=wy.u, kg=wy.kg, G=act.G, h0=table, layout=L, reset=R)
-        oc = self.run_stage("output", scale=config.scale, qg=wy.qg, h=st.h, Aqk=intra.Aqk, v_new=st.v_new + vx)
+        v_out = st.v_new + vx  # what F5 and the final states read
+        oc = self.run_stage("output", scale=config.scale, qg=wy.qg, h=st.h, Aqk=intra.Aqk, v_new=v_out)
         o = unpack(layout, oc + ox).astype(raw[2].dtype)
-        final = (_shared_states.entry_finals(layout, cu_seqlens, act.k, act.G, act.G_lo, st.v_new + vx, st.h, a, h0, ok)
+        final = (_shared_states.entry_finals(layout, cu_seqlens, act.k, act.G, act.G_lo, v_out, st.h, a, h0, ok)
                  if config.output_final_state else h0)
         cache = ForwardCache(act.G, intra.Aqk, intra.Akk, wy.w, wy.u, wy.qg, wy.kg, st.h, st.v_new)
         res = KDAResiduals(

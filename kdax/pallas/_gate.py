@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from .._config import KDAConfig
-from .._hilo import grid_bits
+from .._hilo import grid_bits, split_log_decay
 from .._typing import ChunkK, ChunkScalar, ChunkValid, typecheck
 from ..ref import L2NORM_EPS, log_decay_floor
 from ..stages import AbstractGate, AbstractGateBackward, Activated, RawGrads
@@ -45,24 +45,21 @@ def _round_even(x):
     return jnp.where(((r - x) == 0.5) & odd, r - 1.0, r)
 
 
-def _split_cumsum(g, bits: int):
+def _split_cumsum(g, lower):
     """``(G, G_lo)`` in-kernel, bit for bit ``kdax.stages._gate.split_cumsum``
-    (``kdax._hilo``): the grid part's cumsum is exact in any order, the low parts' is
-    small. ``|g| 2^bits < 2^22``: g is clamped at the floor and C >= 4."""
-    C = g.shape[0]
-    step = float(2.0**bits)
-    hi = _round_even(g * step) / step
-    lo = g - hi
-    lower = (iota((C, C), 1) <= iota((C, C), 0)).astype(g.dtype)
+    (``kdax._hilo``; ``lower`` the chunk's lower-triangular ones): the grid part's cumsum
+    is exact in any order, the low parts' is small. (``_round_even`` needs ``|g| 2^bits <
+    2^22``: g is clamped at the floor and C >= 4.)"""
+    hi, lo = split_log_decay(g, g.shape[0], _round_even)
     G_hi = lower_dot(lower, hi)  # a NaN gate reaches only its own row on
     lo_sum = dot(lower, jnp.where(jnp.abs(lo) < jnp.inf, lo, 0.0))
     G = G_hi + lo_sum
     return G, (G_hi - G) + lo_sum  # G_hi - G exact (Sterbenz): the rounding's remainder
 
 
-def gate_body(cfg: KDAConfig, q, k, g, beta, valid, a_log, dtb, bits=None):
+def gate_body(cfg: KDAConfig, q, k, g, beta, valid, a_log, dtb, split: bool = False):
     """F1 for one chunk: ``(q, k, beta, G, q_rstd, k_rstd, G_lo)`` (None where absent);
-    ``bits``: G as the exact sum ``G + G_lo`` on a grid of ``2^-bits`` (None: G alone)."""
+    ``split``: G as the exact sum ``G + G_lo`` (``kdax._hilo``; float32), else G alone."""
     C = g.shape[0]
     q_rstd = k_rstd = None
     if cfg.use_qk_l2norm_in_kernel:
@@ -79,11 +76,11 @@ def gate_body(cfg: KDAConfig, q, k, g, beta, valid, a_log, dtb, bits=None):
             g = cfg.lower_bound * _sigmoid(x if a is None else a * x)
     # The floor keeps G small and finite for any gate in [-inf, 0] (see log_decay_floor).
     g = jnp.where(valid > 0, jnp.maximum(g, log_decay_floor(g.dtype)), 0.0)
-    if bits is None:
-        lower = (iota((C, C), 1) <= iota((C, C), 0)).astype(g.dtype)
-        G, G_lo = lower_dot(lower, g), None  # a NaN gate reaches only its own row on
+    lower = (iota((C, C), 1) <= iota((C, C), 0)).astype(g.dtype)
+    if split:
+        G, G_lo = _split_cumsum(g, lower)
     else:
-        G, G_lo = _split_cumsum(g, bits)
+        G, G_lo = lower_dot(lower, g), None  # a NaN gate reaches only its own row on
     if cfg.use_beta_sigmoid_in_kernel:
         beta = _sigmoid(beta) * (2.0 if cfg.allow_neg_eigval else 1.0)
     return q, k, beta, G, q_rstd, k_rstd, G_lo
@@ -173,23 +170,23 @@ class PallasGate(AbstractGate, PallasTarget):
         vf = flat(jnp.broadcast_to(valid[:, None], beta.shape).astype(q.dtype))
         p_arrays, p_specs = _params(cfg, self.target, HV, K, A_log, dt_bias)
         l2 = cfg.use_qk_l2norm_in_kernel
-        bits = grid_bits(q.dtype, C) if self.split else None
+        split = self.split and grid_bits(q.dtype, C) is not None  # (float64: G alone)
 
         def kernel(q_ref, k_ref, g_ref, b_ref, v_ref, *refs):
             n_p = len(p_arrays)
             a, d = _take_params(cfg, refs[:n_p], A_log, dt_bias)
-            outs = gate_body(cfg, q_ref[...], k_ref[...], g_ref[...], b_ref[...], v_ref[...], a, d, bits)
+            outs = gate_body(cfg, q_ref[...], k_ref[...], g_ref[...], b_ref[...], v_ref[...], a, d, split)
             vals = [v for v in outs if v is not None]
             for ref, val in zip(refs[n_p:], vals):
                 ref[...] = val
 
         sk, s1 = chunk_spec((C, Kp)), chunk_spec((C, 1))
-        blocks = [(C, Kp), (C, Kp), (C, 1), (C, Kp)] + ([(C, 1), (C, 1)] if l2 else []) + ([(C, Kp)] if bits else [])
+        blocks = [(C, Kp), (C, Kp), (C, 1), (C, Kp)] + ([(C, 1), (C, 1)] if l2 else []) + ([(C, Kp)] if split else [])
         outs = self.call(kernel, (qf, kf, gf, flat(beta), vf, *p_arrays), [sk, sk, sk, s1, s1, *p_specs],
                          blocks, R * HV, NC, q.dtype)
         cut = lambda x: unflat(x[..., :K], R, HV)
         rstd = (unflat(outs[4], R, HV), unflat(outs[5], R, HV)) if l2 else (None, None)
-        G_lo = cut(outs[-1]) if bits else None
+        G_lo = cut(outs[-1]) if split else None
         return Activated(cut(outs[0]), cut(outs[1]), unflat(outs[2], R, HV, squeeze=True), cut(outs[3]), *rstd, G_lo)
 
 
