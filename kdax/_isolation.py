@@ -193,9 +193,10 @@ def poison_outputs(bad: Bad, o, final):
     return o, final
 
 
-def clean_cotangents(do, dht, cu_seqlens, H: int):
+def clean_cotangents(do, dht, cu_seqlens, H: int, clean_dht: bool = True):
     """``(do, dht, poison)`` for ``chunk_kda``'s VJP: non-finite cotangents replaced by
-    zero, and ``poison(grads)`` putting NaN into the gradients that the recurrence's
+    zero (``dht`` only when ``clean_dht``: shared chunks read it per head instead,
+    ``kdax._shared_states.finals_vjp``, without a state-sized copy), and ``poison(grads)`` putting NaN into the gradients that the recurrence's
     autodiff makes NaN: every token of a sequence up to its last non-finite ``do``
     (``dq`` at that token only), all of a sequence with a non-finite ``dht``, and that
     sequence's ``dh0``. ``do [B, T, HV, V]``, ``dht [N, HV, K, V]`` or None; ``H`` the
@@ -208,11 +209,11 @@ def clean_cotangents(do, dht, cu_seqlens, H: int):
     upto = _reaches(bad_tok, seq, reverse=True)  # [B, T, HV]
     seq_bad = _at_ends(upto, cu_seqlens, last=False)  # [N, HV]: a bad do reaches the sequence's start
     if dht is not None:
-        ok_ht = jnp.abs(dht) < jnp.inf
         ht_bad = ~finite_heads(dht)  # [N, HV]
         upto = upto | _to_tokens(ht_bad, seq, cu_seqlens)
         seq_bad = seq_bad | ht_bad
-        dht = jnp.where(ok_ht, dht, jnp.zeros((), dht.dtype))
+        if clean_dht:
+            dht = jnp.where(jnp.abs(dht) < jnp.inf, dht, jnp.zeros((), dht.dtype))
 
     def poison(grads):
         dh0 = grads.initial_state

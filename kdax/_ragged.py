@@ -77,10 +77,11 @@ def token_slots(spans: Spans, TT: int):
     return n, d, (d >= 0) & (d < spans.count[n])
 
 
-def _matvec(A, Y, spans: Spans, narrow: int, transpose: bool = False, ok=None):
+def _matvec(A, Y, spans: Spans, narrow: int, transpose: bool = False, ok=None, fused: bool = False):
     """Stacked: ``A [M, HV, TT, K]`` -> ``[M, HV, TT, V]`` (``transpose``: ``A_t Y_n^T``,
     ``A [.., V]`` -> ``[.., K]``, without a transposed copy of the states); zero where
-    ``ok [N, HV]`` (or None) is False."""
+    ``ok [N, HV]`` (or None) is False. ``fused``: as reductions (``_fused_rows``) instead
+    of dots, for a ``Y`` that is an expression (a cotangent) rather than a stored array."""
     M, HV, TT = A.shape[:3]
     n, d, inside = token_slots(spans, TT)
     keep = inside[None] if ok is None else inside[None] & ok[n].T  # [1 or HV, TT]
@@ -98,7 +99,9 @@ def _matvec(A, Y, spans: Spans, narrow: int, transpose: bool = False, ok=None):
             a = _gather_block(A, spans, b, W)
             mine = keep & (d // W == b)
             w = jnp.clip(d - b * W, 0, W - 1)
-            if transpose:
+            if fused:
+                got = jnp.transpose(_fused_rows(a, Y, transpose).reshape(Y.shape[0], HV, M, W, D)[n, :, :, w], (2, 1, 0, 3))
+            elif transpose:
                 got = jnp.transpose(cols(a, W)[n, :, :, :, w], (3, 1, 0, 2))  # [TT, HV, D, M] -> [M, HV, TT, D]
             else:
                 got = jnp.transpose(rows(a, W)[n, :, :, w], (2, 1, 0, 3))  # [TT, HV, M, D] -> [M, HV, TT, D]
@@ -108,6 +111,25 @@ def _matvec(A, Y, spans: Spans, narrow: int, transpose: bool = False, ok=None):
         return jax.lax.fori_loop(0, _blocks(spans, W), block, out)
 
     return _by_width(spans, narrow, run)
+
+
+def _fused_rows(a, Y, transpose: bool):
+    """``[N, HV, R, D]``: each row of ``a [N, HV, R, K]`` times its state ``Y [N, HV, K,
+    V]`` (``transpose``: ``a [.., V]`` times ``Y^T``) as a multiply and a reduction, which
+    XLA fuses with the ops that produce ``Y``. A dot needs ``Y`` stored: for the
+    cotangent of ``jax.grad(sum(ht))`` (a broadcast of ones) or a cleaned one that is a
+    fresh state-sized array, and one such write cost more than both products on XLA:CPU
+    (64 MiB: ~27 ms against ~4 ms a product)."""
+    if transpose:  # a reduction over V, the minor axis: folded as [V / f, f] so that XLA:CPU
+        # adds f-wide vectors across rows (a reduction within rows of 64 was 10x slower)
+        N, HV, K, V = Y.shape
+        f = 8 if V % 8 == 0 else 1
+        Yf = Y.reshape(N, HV, 1, K, V // f, f)
+        af = a.reshape(a.shape[:3] + (1, V // f, f))
+        return jnp.sum(jnp.sum(af * Yf, -2), -1)
+    if a.shape[2] == 1:  # (with the size-1 row axis kept XLA:CPU's reduction was 15x slower)
+        return jnp.sum(a[:, :, 0, :, None] * Y, -2)[:, :, None]
+    return jnp.sum(a[..., None] * Y[:, :, None], -2)
 
 
 def _outer(U, X, spans: Spans, N: int, narrow: int):
@@ -177,8 +199,8 @@ def _outer_fwd(U, X, spans, N, narrow):
 
 def _outer_bwd(N, narrow, res, dS):
     U, X, spans = res
-    dU = _matvec(X, dS, spans, narrow, transpose=True)
-    dX = _matvec(U, dS, spans, narrow)
+    dU = _matvec(X, dS, spans, narrow, transpose=True, fused=True)
+    dX = _matvec(U, dS, spans, narrow, fused=True)
     return dU.astype(U.dtype), dX.astype(X.dtype), None
 
 

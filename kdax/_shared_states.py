@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from ._hilo import exponent
+from ._isolation import finite_heads
 from ._layout import ChunkLayout
 from ._ops import tri_mask
 from ._ragged import Spans, matvec, narrow_width, outer, token_slots
@@ -105,6 +106,34 @@ def shared_finals(layout: ChunkLayout, cu_seqlens, k, G, G_lo, v_new, h):
     x0 = exponent(Gf[:, eC], zero, None if lof is None else lof[:, eC], None if lof is None else zero)
     S_in = jnp.exp(jnp.where(has[None, :, None], x0, -jnp.inf))[..., None] * h[0]  # [HV, NC, K, V]
     return S.at[ends_in].add(jnp.moveaxis(S_in, 1, 0).astype(S.dtype), mode="drop")
+
+
+def finals_vjp(layout: ChunkLayout, cu_seqlens, fin, primals, dS):
+    """``jax.vjp(fin, *primals)[1](dS)`` for ``fin`` = ``shared_finals`` or
+    ``entry_finals`` over ``primals = (k, G, v_new, h, a, h0)`` (``a``, ``h0`` None for
+    the former) and the final states' cotangent ``dS [N, HV, K, V]``, with a sequence's
+    head whose ``dS`` is not finite read as zero (``kdax._isolation``: the caller makes
+    that head's gradients NaN).
+
+    The VJP runs on ``dS`` as given, and each cotangent is then selected to zero where it
+    belongs to such a head: every part of it depends on one sequence's head of ``dS`` (a
+    token of the sequence, the chunk-start state ``h_c`` that only the sequence ending in
+    chunk c reads, or the sequence's own ``a`` and ``h0``), and a select, unlike a product
+    with zero, keeps the NaN from anything else. So no cleaned copy of ``dS`` is made:
+    ``outer``'s VJP reads ``dS`` in reductions that XLA fuses with whatever produces it
+    (for ``jax.grad`` of ``sum(ht)``, a broadcast of ones that is never stored)."""
+    ok = finite_heads(dS)  # [N, HV]
+    d_k, d_G, d_v, d_h, da, dh0 = jax.vjp(fin, *primals)[1](dS)
+    C, NC = layout.chunk_size, layout.num_chunks
+    HV, N = ok.shape[1], ok.shape[0]
+    q = _seqs(cu_seqlens, C)
+    n, _, inside = token_slots(Spans(q.s, jnp.where(q.some, q.e - q.s + 1, 0)), NC * C)
+    tok_ok = (ok[n].T | ~inside[None]).reshape(1, HV, NC, C, 1)
+    ends_in = _per_chunk(q.began, q.c, NC)
+    chunk_ok = (ok[jnp.minimum(ends_in, N - 1)].T | (ends_in >= N)[None])[None, :, :, None, None]  # [1, HV, NC, 1, 1]
+    keep = lambda m, x: None if x is None else jnp.where(m, x, jnp.zeros((), x.dtype))
+    return (keep(tok_ok, d_k), keep(tok_ok, d_G), keep(tok_ok, d_v), keep(chunk_ok, d_h), keep(ok[..., None], da),
+            keep(ok[..., None, None], dh0))
 
 
 def entry_layout(layout: ChunkLayout, cu_seqlens, first) -> ChunkLayout:

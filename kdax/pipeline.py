@@ -474,7 +474,8 @@ class KDAPipeline(eqx.Module):
             else:
                 fin = lambda k_, G_, v_, h_, a_, h0_: _shared_states.entry_finals(L, cu, k_, G_, act.G_lo, v_, h_, a_, h0_, E.ok)
                 a0, h00 = E.a, E.h0
-            d_k, d_G, d_v, d_h, da_fin, dh0_fin = jax.vjp(fin, act.k, act.G, v_out, h, a0, h00)[1](fin_dht)
+            d_k, d_G, d_v, d_h, da_fin, dh0_fin = _shared_states.finals_vjp(L, cu, fin, (act.k, act.G, v_out, h, a0, h00),
+                                                                            fin_dht)
             dv_intra = dv_intra + d_v.astype(dv_intra.dtype)
         dhu = self.run_stage(  # B2
             "dhu", scale=cfg.scale, qg=qg, kg=kg, w=w, G=act.G, do=doc, dv_intra=dv_intra, dht=dht, layout=L,

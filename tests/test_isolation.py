@@ -184,6 +184,45 @@ def test_non_finite_initial_state_stays_in_its_sequence():
             assert_close(gr[i][:, others], gr_ref[i][:, others], 1e-12, "d" + name)
 
 
+@pytest.mark.parametrize("h0", [False, True], ids=["zero-states", "initial-states"])
+def test_non_finite_final_state_cotangent_stays_in_its_sequence(h0):
+    """A NaN or inf in one element of one sequence's final-state cotangent (shared
+    chunks, ``kdax._shared_states.finals_vjp``: read as given, no cleaned copy): every
+    other sequence's gradients (and initial-state gradient) equal the float64 oracle's,
+    and the bad sequence's are non-finite wherever the oracle's are."""
+    x = _inputs(CU[-1], h0=h0)
+    cu = jnp.asarray(CU, jnp.int32)
+    pos, kw = split_args(x)
+    assert kdax.KDAPipeline.reference().plan(*pos, chunk_size=C, cu_seqlens=cu, **kw).layout == "shared"
+    r = np.random.default_rng(8)
+    N, HV, K, V = len(CU) - 1, x["v"].shape[2], x["q"].shape[-1], x["v"].shape[-1]
+    do = jnp.asarray(r.normal(size=x["v"].shape))
+
+    def run(fn, dht, **opts):
+        def loss(a):
+            p, k = split_args(a)
+            o, ht = fn(*p, **k, output_final_state=True, **opts)
+            return jnp.sum(o * do) + jnp.sum(ht * dht)
+        return jax.grad(loss)(x)
+
+    got_f = jax.jit(lambda dht: run(_fn(), dht, cu_seqlens=cu))
+    want_f = jax.jit(lambda dht: run(oracle_kda, dht, cu_seqlens=CU))
+    bad_n = 1
+    s, e = CU[bad_n], CU[bad_n + 1]
+    others = np.r_[0:s, e:CU[-1]]
+    for value in (np.nan, np.inf):
+        dht = jnp.asarray(r.normal(size=(N, HV, K, V))).at[bad_n, 1, 3, 2].set(value)
+        got, want = got_f(dht), want_f(dht)
+        for name in NAMES:
+            assert_close(got[name][:, others], want[name][:, others], 1e-10, f"d{name} of the other sequences")
+            w, g = np.asarray(want[name])[:, s:e], np.asarray(got[name])[:, s:e]
+            assert np.all(~np.isfinite(g[~np.isfinite(w)])), f"d{name}: finite where the recurrence's is not"
+        if h0:
+            keep = jnp.asarray([n for n in range(N) if n != bad_n])
+            assert_close(got["initial_state"][keep], want["initial_state"][keep], 1e-10, "dh0 of the other sequences")
+            assert not np.all(np.isfinite(np.asarray(got["initial_state"][bad_n])))
+
+
 @pytest.mark.slow  # (rows never share a chunk; the garbage-padding test below runs dense in the default run)
 def test_dense_rows_isolated():
     """Dense rows (bad row 0 at token 20 of 40, inside chunk 1), a loss on o and states."""

@@ -104,6 +104,21 @@ def test_vjps_against_autodiff_of_the_loop(narrow):
         assert_close(g, w, 1e-14, "stacked matvec " + n)
 
 
+@pytest.mark.parametrize("narrow, counts", [(1, [min(c, 1) for c in COUNTS]), (2, SHORT)], ids=["one-row", "two-rows"])
+def test_outer_vjp_with_a_folded_value_axis(narrow, counts):
+    """``outer``'s VJP reads the states' cotangent with reductions (``_fused_rows``): V =
+    16 folds the minor axis in vectors of 8, and one-token spans take the one-row form."""
+    jax.config.update("jax_enable_x64", True)
+    r = np.random.default_rng(2)
+    U, X = jnp.asarray(r.normal(size=(HV, TT, K))), jnp.asarray(r.normal(size=(HV, TT, 16)))
+    dS = jnp.asarray(r.normal(size=(len(STARTS), HV, K, 16)))
+    sp = _spans(counts)
+    got = jax.jit(jax.vjp(lambda u, x: _ragged.outer(u, x, sp, len(STARTS), narrow), U, X)[1])(dS)
+    want = jax.vjp(lambda u, x: _outer_loop(u, x, counts), U, X)[1](dS)
+    for g, w, n in zip(got, want, ("dU", "dX")):
+        assert_close(g, w, 1e-14, "outer " + n)
+
+
 def test_matvec_ok_mask_keeps_non_finite_states_out():
     """``ok``: a head whose state holds NaN/inf reads as zero, in the product and in
     ``A``'s cotangent, for its own tokens; every other token is unchanged."""
