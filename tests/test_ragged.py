@@ -76,8 +76,9 @@ def test_matvec_and_outer_against_a_token_loop(narrow, counts):
     assert_close(got[1], _matvec_loop(U, Y, counts), 1e-14, "matvec stacked 1")
 
 
-# (WIDE alone is slow: narrow = 1 runs the WIDE path too, for the spans that do not fit)
-@pytest.mark.parametrize("narrow", [pytest.param(_ragged.WIDE, marks=pytest.mark.slow), 1, 2])
+# (narrow = 2 runs both paths: the WIDE one for the spans that do not fit; WIDE alone and
+# narrow = 1 are slow, test_outer_vjp_with_a_folded_value_axis runs one-row blocks)
+@pytest.mark.parametrize("narrow", [pytest.param(w, marks=pytest.mark.slow) for w in (_ragged.WIDE, 1)] + [2])
 def test_vjps_against_autodiff_of_the_loop(narrow):
     jax.config.update("jax_enable_x64", True)
     r = np.random.default_rng(1)
