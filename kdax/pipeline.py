@@ -584,8 +584,15 @@ class KDAPipeline(eqx.Module):
             final = _initial_states(h0, (N, v.shape[2], K, v.shape[-1]), compute_dtype(q, k, v, g, beta, h0))
             return jnp.zeros(v.shape, v.dtype), _final_out(final, config, opts.state_v_first)
         # (Non-finite inputs stay in their own sequence: kdax._isolation, in the VJP's forward.)
-        o, final = differentiable(((q, k, v, g, beta, h0, A_log, dt_bias), pipeline), config, cu)
+        # Compiled as one program even when called eagerly (op by op it took 8 s a call at
+        # T = 2048, against 0.05 s); under a caller's jit the inner one is inlined. Not while
+        # ``plan`` or ``stage_inputs`` record the stage calls: a cached trace makes none.
+        run = differentiable if active_recordings() else _compiled_differentiable
+        o, final = run(((q, k, v, g, beta, h0, A_log, dt_bias), pipeline), config, cu)
         return o, _final_out(final, config, opts.state_v_first)
+
+
+_compiled_differentiable = eqx.filter_jit(differentiable)
 
 
 class _ForwardChunks(eqx.Module):

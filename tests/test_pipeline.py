@@ -230,6 +230,24 @@ def test_swap_stage_with_tree_at():
         assert_close(grads[n], ref[n], 1e-10, "d" + n)
 
 
+def test_eager_calls_compile_once():
+    """``chunk_kda`` called without ``jit`` runs one compiled program (traced once per
+    shape, not op by op each call: kdax.pipeline's ``_compiled_differentiable``), and
+    its gradient too; the results are the jitted call's."""
+    calls = []
+    pipe = eqx.tree_at(lambda p: p.output, kdax.KDAPipeline.reference(), EinsumOutput(calls))
+    x, opts = build_case(dict(chunk_size=16))
+    pos, kw = split_args(x)
+    o1, _ = kdax.chunk_kda(*pos, **kw, **opts, pipeline=pipe)
+    o2, _ = kdax.chunk_kda(*pos, **kw, **opts, pipeline=pipe)
+    assert len(calls) == 1, f"eager calls traced the stage {len(calls)} times"
+    o_jit, _ = jax.jit(lambda *a: kdax.chunk_kda(*a, **kw, **opts, pipeline=pipe))(*pos)
+    assert np.array_equal(np.asarray(o1), np.asarray(o2)) and np.array_equal(np.asarray(o1), np.asarray(o_jit))
+    loss = lambda q: jnp.sum(kdax.chunk_kda(q, *pos[1:], **kw, **opts, pipeline=pipe)[0])
+    g1, g2 = jax.grad(loss)(pos[0]), jax.grad(loss)(pos[0])
+    assert np.array_equal(np.asarray(g1), np.asarray(g2)) and len(calls) <= 3
+
+
 def test_forward_cache_and_explicit_backward():
     x, opts = build_case(dict(chunk_size=16, T=40, use_gate_in_kernel=True, A_log=True))
     pos, kw = split_args(x)
