@@ -584,11 +584,13 @@ class KDAPipeline(eqx.Module):
             final = _initial_states(h0, (N, v.shape[2], K, v.shape[-1]), compute_dtype(q, k, v, g, beta, h0))
             return jnp.zeros(v.shape, v.dtype), _final_out(final, config, opts.state_v_first)
         # (Non-finite inputs stay in their own sequence: kdax._isolation, in the VJP's forward.)
-        # Compiled as one program even when called eagerly (op by op it took 8 s a call at
-        # T = 2048, against 0.05 s); under a caller's jit the inner one is inlined. Not while
+        # Called eagerly (no array traced), compiled as one program: op by op it took 8 s a
+        # call at T = 2048, against 0.05 s. Under any transformation, as is: a jit nested in
+        # the caller's made kdax.bench's jitted training step 8-14% slower. Not while
         # ``plan`` or ``stage_inputs`` record the stage calls: a cached trace makes none.
-        run = differentiable if active_recordings() else _compiled_differentiable
-        o, final = run(((q, k, v, g, beta, h0, A_log, dt_bias), pipeline), config, cu)
+        diff = ((q, k, v, g, beta, h0, A_log, dt_bias), pipeline)
+        eager = not active_recordings() and not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((diff, cu)))
+        o, final = (_compiled_differentiable if eager else differentiable)(diff, config, cu)
         return o, _final_out(final, config, opts.state_v_first)
 
 

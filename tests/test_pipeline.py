@@ -231,9 +231,10 @@ def test_swap_stage_with_tree_at():
 
 
 def test_eager_calls_compile_once():
-    """``chunk_kda`` called without ``jit`` runs one compiled program (traced once per
-    shape, not op by op each call: kdax.pipeline's ``_compiled_differentiable``), and
-    its gradient too; the results are the jitted call's."""
+    """``chunk_kda`` called without any transformation runs one compiled program (traced
+    once per shape, not op by op each call: kdax.pipeline's ``_compiled_differentiable``);
+    the results are the jitted call's, and an eager ``jax.grad`` still works (op by op:
+    under a transformation the core is not wrapped)."""
     calls = []
     pipe = eqx.tree_at(lambda p: p.output, kdax.KDAPipeline.reference(), EinsumOutput(calls))
     x, opts = build_case(dict(chunk_size=16))
@@ -245,7 +246,7 @@ def test_eager_calls_compile_once():
     assert np.array_equal(np.asarray(o1), np.asarray(o2)) and np.array_equal(np.asarray(o1), np.asarray(o_jit))
     loss = lambda q: jnp.sum(kdax.chunk_kda(q, *pos[1:], **kw, **opts, pipeline=pipe)[0])
     g1, g2 = jax.grad(loss)(pos[0]), jax.grad(loss)(pos[0])
-    assert np.array_equal(np.asarray(g1), np.asarray(g2)) and len(calls) <= 3
+    assert np.array_equal(np.asarray(g1), np.asarray(g2))
 
 
 def test_forward_cache_and_explicit_backward():
