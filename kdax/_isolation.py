@@ -153,6 +153,12 @@ def finite_heads(x):
     return jnp.sum(x * jnp.zeros((), x.dtype), axis=(-2, -1)) == 0
 
 
+def finite_or_zero(x):
+    """``x`` with its non-finite elements replaced by zero (elementwise: XLA fuses it into
+    the op that reads it)."""
+    return jnp.where(jnp.abs(x) < jnp.inf, x, jnp.zeros((), x.dtype))
+
+
 def cleaner(gate_in_kernel: bool, beta_sigmoid: bool):
     """``clean(raw) -> raw``: each input of ``raw = (q, k, v, g, beta)`` with the elements
     the recurrence turns into NaN or inf (``bad_elements``) read as zero; elementwise, for
@@ -193,27 +199,24 @@ def poison_outputs(bad: Bad, o, final):
     return o, final
 
 
-def clean_cotangents(do, dht, cu_seqlens, H: int, clean_dht: bool = True):
-    """``(do, dht, poison)`` for ``chunk_kda``'s VJP: non-finite cotangents replaced by
-    zero (``dht`` only when ``clean_dht``: shared chunks read it per head instead,
-    ``kdax._shared_states.finals_vjp``, without a state-sized copy), and ``poison(grads)`` putting NaN into the gradients that the recurrence's
+def clean_cotangents(do, dht, cu_seqlens, H: int):
+    """``(do, poison)`` for ``chunk_kda``'s VJP: a non-finite ``do`` replaced by zero
+    (``dht`` is kept out of other sequences by ``KDAPipeline.backward``), and
+    ``poison(grads)`` putting NaN into the gradients that the recurrence's
     autodiff makes NaN: every token of a sequence up to its last non-finite ``do``
     (``dq`` at that token only), all of a sequence with a non-finite ``dht``, and that
     sequence's ``dh0``. ``do [B, T, HV, V]``, ``dht [N, HV, K, V]`` or None; ``H`` the
     q/k heads."""
     B, T, HV = do.shape[:3]
     seq, N = sequence_ids(B, T, cu_seqlens)
-    ok_do = jnp.abs(do) < jnp.inf
-    bad_tok = ~jnp.all(ok_do, -1)  # [B, T, HV]
-    do = jnp.where(ok_do, do, jnp.zeros((), do.dtype))
+    bad_tok = ~jnp.all(jnp.abs(do) < jnp.inf, -1)  # [B, T, HV]
+    do = finite_or_zero(do)
     upto = _reaches(bad_tok, seq, reverse=True)  # [B, T, HV]
     seq_bad = _at_ends(upto, cu_seqlens, last=False)  # [N, HV]: a bad do reaches the sequence's start
     if dht is not None:
         ht_bad = ~finite_heads(dht)  # [N, HV]
         upto = upto | _to_tokens(ht_bad, seq, cu_seqlens)
         seq_bad = seq_bad | ht_bad
-        if clean_dht:
-            dht = jnp.where(jnp.abs(dht) < jnp.inf, dht, jnp.zeros((), dht.dtype))
 
     def poison(grads):
         dh0 = grads.initial_state
@@ -225,4 +228,4 @@ def clean_cotangents(do, dht, cu_seqlens, H: int, clean_dht: bool = True):
             dt_bias=grads.dt_bias,
         )
 
-    return do, dht, poison
+    return do, poison

@@ -88,7 +88,8 @@ def _matvec(A, Y, spans: Spans, narrow: int, transpose: bool = False, ok=None, f
     D = Y.shape[-2] if transpose else Y.shape[-1]
 
     def rows(a, W):  # [N, HV, M W, D]: the block's rows
-        return jnp.einsum("nhwk,nhkv->nhwv", a, Y).reshape(Y.shape[0], HV, M, W, D)
+        r = _fused_rows(a, Y, transpose) if fused else jnp.einsum("nhwk,nhkv->nhwv", a, Y)
+        return r.reshape(Y.shape[0], HV, M, W, D)
 
     def cols(a, W):  # [N, HV, D, M W]: the states as the left operand, as stored (XLA:CPU
         # copied all N states to transpose them when they were the right one)
@@ -99,9 +100,7 @@ def _matvec(A, Y, spans: Spans, narrow: int, transpose: bool = False, ok=None, f
             a = _gather_block(A, spans, b, W)
             mine = keep & (d // W == b)
             w = jnp.clip(d - b * W, 0, W - 1)
-            if fused:
-                got = jnp.transpose(_fused_rows(a, Y, transpose).reshape(Y.shape[0], HV, M, W, D)[n, :, :, w], (2, 1, 0, 3))
-            elif transpose:
+            if transpose and not fused:
                 got = jnp.transpose(cols(a, W)[n, :, :, :, w], (3, 1, 0, 2))  # [TT, HV, D, M] -> [M, HV, TT, D]
             else:
                 got = jnp.transpose(rows(a, W)[n, :, :, w], (2, 1, 0, 3))  # [TT, HV, M, D] -> [M, HV, TT, D]

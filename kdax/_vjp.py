@@ -58,7 +58,7 @@ def _vjp_bwd(residuals, cotangents, perturbed, diff, config: KDAConfig, cu_seqle
         do = jnp.zeros((L.valid.shape[0] if L.pos is None else 1, L.T) + res.v.shape[1:2] + res.v.shape[-1:], res.h0.dtype)
     dht = dht if config.output_final_state else None
     # A non-finite cotangent stays in its sequence (kdax._isolation).
-    do, dht, poison = _isolation.clean_cotangents(do, dht, cu_seqlens, res.num_qk_heads, clean_dht=res.layout.reset is None)
+    do, poison = _isolation.clean_cotangents(do, dht, cu_seqlens, res.num_qk_heads)
     grads, parts = pipeline.backward_with_parts(res, do, dht)
     grads = _isolation.poison_inputs(where, poison(grads))
     out = (grads.q, grads.k, grads.v, grads.g, grads.beta, grads.initial_state, grads.A_log, grads.dt_bias)

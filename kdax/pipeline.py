@@ -451,7 +451,9 @@ class KDAPipeline(eqx.Module):
         dt = res.h0.dtype
         doc = pack(L, do, dt)
         fin_dht = dht.astype(dt) if shared_dht else None
-        dht = jnp.zeros_like(res.h0) if dht is None or shared_dht else dht.astype(dt)
+        # A non-finite dht stays in its sequence: zero before B2 reads it; shared chunks read
+        # it as given and select per head after the VJP (_shared_states.finals_vjp).
+        dht = jnp.zeros_like(res.h0) if dht is None or shared_dht else _isolation.finite_or_zero(dht.astype(dt))
         if res.cache is None:  # B0, with this pipeline's own F3 and F4
             wy, st = self.run_stage(
                 "recompute", q=act.q, k=act.k, v=res.v, beta=act.beta, G=act.G, Akk=res.Akk, h0=res.h0, layout=L,

@@ -18,8 +18,9 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 # XLA:CPU's newer fusion emitters took half of the compile time of a typical test (a Pallas
 # pipeline's gradient in interpret mode: compiles 11.5 s -> 5.7 s; a reference one's test
 # 23 s -> 16 s; the default suite 27:03 -> 19:59 on a 2-core machine); the older emitters
-# compute the same floating-point operations. Used only where this XLA knows the flag (a newer one may not:
-# an unknown flag is fatal), probed once in a subprocess; xdist workers inherit the result.
+# compute the same floating-point operations. Used only where this XLA knows the flag (a
+# newer one may not: an unknown flag is fatal), probed once in a subprocess; xdist workers
+# inherit the result.
 _FLAG = "--xla_cpu_use_fusion_emitters=false"
 if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
     import subprocess

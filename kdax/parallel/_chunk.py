@@ -236,7 +236,8 @@ def _sp_bwd(residuals, cotangents, perturbed, diff, call: _Call, cu):
     dfinal = jnp.zeros_like(res.h0) if dfinal is None else dfinal.astype(res.h0.dtype)
     # Non-finite cotangents: zero here, NaN in this device's gradients of their sequence
     # (kdax._isolation; the earlier devices' tokens of that sequence keep finite ones).
-    do, dfinal, poison = _isolation.clean_cotangents(do, dfinal, sp.cu, res.num_qk_heads)
+    do, poison = _isolation.clean_cotangents(do, dfinal, sp.cu, res.num_qk_heads)
+    dfinal = _isolation.finite_or_zero(dfinal)
     # Under shard_map's check_vma=False (q then varies over nothing), the transpose hands
     # each device 1/P of a replicated output's cotangent and sums the replicated inputs'
     # cotangents over the devices itself.
