@@ -255,7 +255,7 @@ def dot(a, b, ta: bool = False, tb: bool = False):
     policy's dtype first (tensor cores, float32 accumulation)."""
     dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
     half = _precision.operand_dtype()
-    if half is not None and a.dtype == jnp.float32:
+    if half is not None and (a.dtype == jnp.float32 or a.dtype == half):  # (half: read so, exact)
         default = jax.lax.Precision.DEFAULT  # explicit: not the scope's algorithm
         return jax.lax.dot_general(a.astype(half), b.astype(half), dims, precision=(default, default),
                                    preferred_element_type=jnp.float32)

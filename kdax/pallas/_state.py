@@ -11,6 +11,7 @@ from typing import ClassVar, Optional
 
 import equinox as eqx
 
+from .. import _precision
 from .._errors import UnsupportedCase
 from .._layout import ChunkLayout
 from .._resets import mask_exponent, state_passes
@@ -40,6 +41,19 @@ def _gamma_col(G, target, reset=None):
     if reset is not None:
         gam = mask_exponent(state_passes(reset), gam)  # [R, 1, NC, 1] against [R, HV, NC, K]
     return feature_pad(target, flat(gam), axes=(-2,))
+
+
+def _product_operands(target: str, *xs):
+    """``xs`` (operands that the Triton kernels read only as product operands) in the
+    operand dtype of the recurrence's precision policy (bf16 under ``"fast"``), else
+    unchanged. The kernel's ``dot`` rounds them to that dtype anyway, so this is exact;
+    read as bf16 they take half the bytes and shared memory, and go to the tensor cores
+    without passing through registers to be rounded (which took F4 at K = V = 128 over
+    the 255 registers a thread may hold, spilling; ``tests/pallas/test_triton_registers.py``)."""
+    half = _precision.operand_dtype()
+    if target != "triton" or half is None:
+        return xs
+    return tuple(x.astype(half) for x in xs)
 
 
 def _check_block_k(block_k):
@@ -78,12 +92,12 @@ class PallasState(AbstractState, PallasValueBlocks):
         if t == "tpu":
             _check_dense("PallasState", layout, NC)
         N = h0.shape[0]
-        wf, kgf = self.padded(w), self.padded(kg)
+        wf, kgf = _product_operands(t, self.padded(w), self.padded(kg))
         uf = self.padded(u)
         gam = _gamma_col(G, t, reset)
         h0f = feature_pad(t, h0.reshape(N * HV, K, V), axes=(-2, -1))
         P, Kp, Vp = R * HV, wf.shape[-1], uf.shape[-1]
-        shapes = dict(NC=NC, C=C, Kp=Kp, Vp=Vp, dtype=w.dtype, interpret=self.run_interpreted)
+        shapes = dict(NC=NC, C=C, Kp=Kp, Vp=Vp, dtype=u.dtype, interpret=self.run_interpreted)
         if t == "tpu":
             h, v_new, final = tpu.state_forward(wf, uf, kgf, gam, h0f, P=P, **shapes)
         else:
@@ -126,12 +140,12 @@ class PallasDhu(AbstractDhu, PallasValueBlocks):
         if t == "tpu":
             _check_dense("PallasDhu", layout, NC)
         N = dht.shape[0]
-        qf, kf, wf = (self.padded(x) for x in (qg, kg, w))
-        dof, dvf = self.padded(do), self.padded(dv_intra)
+        qf, kf, wf, dof = _product_operands(t, *(self.padded(x) for x in (qg, kg, w, do)))
+        dvf = self.padded(dv_intra)
         gam = _gamma_col(G, t, reset)
         dhtf = feature_pad(t, dht.reshape(N * HV, K, V), axes=(-2, -1))
-        P, Kp, Vp = R * HV, qf.shape[-1], dof.shape[-1]
-        shapes = dict(NC=NC, C=C, Kp=Kp, Vp=Vp, dtype=qg.dtype, interpret=self.run_interpreted)
+        P, Kp, Vp = R * HV, qf.shape[-1], dvf.shape[-1]
+        shapes = dict(NC=NC, C=C, Kp=Kp, Vp=Vp, dtype=dv_intra.dtype, interpret=self.run_interpreted)
         if t == "tpu":
             dh, dv_new, dh0 = tpu.dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, P=P, **shapes)
         else:

@@ -4,7 +4,6 @@ use. Needs the ``triton`` package (in the ``test`` extra on Linux x86_64, not a 
 dependency): skipped without it. The whole training step's kernels are slow (minutes);
 the state kernels (F4, B2) alone take seconds and run by default."""
 
-import contextlib
 import dataclasses
 
 import jax
@@ -15,7 +14,9 @@ import kdax
 
 triton = pytest.importorskip("triton")
 
-HOPPER_SHARED_BYTES = 232448  # 227 KiB: the per-block opt-in limit of sm_90
+from ._triton import (  # noqa: E402
+    HOPPER_SHARED_BYTES, captured as _captured, shared_bytes as _shared_bytes, state_kernels,
+)
 
 
 def _triton_modules(K: int, C: int, dtype, options=None, tuning=None) -> dict:
@@ -35,46 +36,6 @@ def _triton_modules(K: int, C: int, dtype, options=None, tuning=None) -> dict:
     with _captured() as mods:
         jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(*args).lower(lowering_platforms=("cuda",))
     return mods
-
-
-@contextlib.contextmanager
-def _captured():
-    """``{kernel source: TTIR text}`` of every Pallas Triton kernel lowered inside."""
-    from jax._src.pallas.triton import lowering
-
-    mods, orig = {}, lowering.lower_jaxpr_to_triton_module
-
-    def keep(jaxpr, *a, **kw):
-        res = orig(jaxpr, *a, **kw)
-        mods.setdefault(jaxpr.debug_info.func_src_info, res.module.operation.get_asm(enable_debug_info=False))
-        return res
-
-    lowering.lower_jaxpr_to_triton_module = keep
-    try:
-        yield mods
-    finally:
-        lowering.lower_jaxpr_to_triton_module = orig
-
-
-def _shared_bytes(ttir: str, tmp_path, num_warps: int = 4, num_stages: int = 1) -> int:
-    from triton._C.libtriton import ir
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler.compiler import make_backend
-
-    backend = make_backend(GPUTarget("cuda", 90, 32))
-    options = backend.parse_options(dict(num_warps=num_warps, num_stages=num_stages))  # as kdax.pallas compiles them
-    ctx = ir.context()
-    ir.load_dialects(ctx)
-    backend.load_dialects(ctx)
-    path = tmp_path / "kernel.ttir"
-    path.write_text(ttir)
-    mod = ir.parse_mlir_module(str(path), ctx)
-    mod.context = ctx
-    meta = {}
-    mod = backend.make_ttir(mod, meta, options, 90)
-    mod = backend.make_ttgir(mod, meta, options, 90)
-    backend.make_llir(mod, meta, options, 90)
-    return meta["shared"]
 
 
 # The standard shape, and chunk 128 in float64 (where the device first failed: B4 asked for
@@ -125,35 +86,11 @@ def test_state_kernels_fit_hopper_shared_memory(policy, tuning, tmp_path):
     and packed (per-chunk resets), under the float32 and the "fast" precision policy, each
     compiled for sm_90 with its own warps and stages (software pipelining keeps later
     chunks' loads in shared memory)."""
-    from kdax import _precision
-    from kdax._layout import make_layout
-    from kdax.pallas import PallasDhu, PallasState
-
-    R, HV, NC, C, K = 1, 2, 8, 64, 128
-    ck, st = jax.ShapeDtypeStruct((R, HV, NC, C, K), jnp.float32), jax.ShapeDtypeStruct((R, HV, K, K), jnp.float32)
-    kw = dict(target="triton", interpret=False, **tuning)
     used = {}
-    for name, layout in (("dense", make_layout(R, NC * C, C)),
-                         ("packed", make_layout(R, NC * C - 2 * C, C, jnp.asarray([0, 100, 300, NC * C - 2 * C])))):
-        def f4(w, u, kg, G, h0):
-            with _precision.stage_scope(policy, "state"):
-                return PallasState(**kw)(w, u, kg, G, h0, layout)
-
-        def b2(qg, kg, w, G, do, dv, dht):
-            with _precision.stage_scope(policy, "dhu"):
-                return PallasDhu(**kw)(0.1, qg, kg, w, G, do, dv, dht, layout)
-
-        n = layout.empty.shape[0]
-        seq = jax.ShapeDtypeStruct((n, HV, K, K), jnp.float32)
-        nc = layout.num_chunks
-        ck = jax.ShapeDtypeStruct((R, HV, nc, C, K), jnp.float32)
-        with _captured() as mods:
-            jax.jit(f4).trace(ck, ck, ck, ck, seq).lower(lowering_platforms=("cuda",))
-            jax.jit(b2).trace(ck, ck, ck, ck, ck, ck, seq).lower(lowering_platforms=("cuda",))
-        assert len(mods) == 2, list(mods)
-        for src, text in mods.items():
-            key = f"{name}:{src.split(' ')[0]}"
-            used[key] = _shared_bytes(text, tmp_path, tuning.get("num_warps", 4), tuning.get("num_stages", 1))
+    for name in ("dense", "packed"):
+        for src, text in state_kernels(policy, tuning, name).items():
+            used[f"{name}:{src.split(' ')[0]}"] = _shared_bytes(text, tmp_path, tuning.get("num_warps", 4),
+                                                                tuning.get("num_stages", 1))
     over = {k: v for k, v in used.items() if v > HOPPER_SHARED_BYTES}
     assert not over, f"over {HOPPER_SHARED_BYTES} B: {over} (all: {used})"
     assert all(v > 0 for v in used.values()), used

@@ -1,0 +1,127 @@
+"""Compiling kdax's Pallas Triton kernels for Hopper (sm_90) on a machine without a GPU,
+with the ``triton`` package (the ``test`` extra on Linux x86_64): the TTIR JAX lowers
+each kernel to (``captured``), Triton's own passes down to LLVM IR (``shared_bytes``) or
+to a cubin through the ``ptxas`` its wheel ships (``resources``)."""
+
+import contextlib
+import dataclasses
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+HOPPER_SHARED_BYTES = 232448  # 227 KiB: the per-block opt-in limit of sm_90
+HOPPER_REGISTERS = 255  # per thread
+
+
+@contextlib.contextmanager
+def captured():
+    """``{kernel source: TTIR text}`` of every Pallas Triton kernel lowered inside."""
+    from jax._src.pallas.triton import lowering
+
+    mods, orig = {}, lowering.lower_jaxpr_to_triton_module
+
+    def keep(jaxpr, *a, **kw):
+        res = orig(jaxpr, *a, **kw)
+        mods.setdefault(jaxpr.debug_info.func_src_info, res.module.operation.get_asm(enable_debug_info=False))
+        return res
+
+    lowering.lower_jaxpr_to_triton_module = keep
+    try:
+        yield mods
+    finally:
+        lowering.lower_jaxpr_to_triton_module = orig
+
+
+def _compile(ttir: str, tmp_path: Path, num_warps: int, num_stages: int, to_cubin: bool):
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    options = backend.parse_options(dict(num_warps=num_warps, num_stages=num_stages))  # as kdax.pallas compiles them
+    ctx = ir.context()
+    ir.load_dialects(ctx)
+    backend.load_dialects(ctx)
+    path = tmp_path / "kernel.ttir"
+    path.write_text(ttir)
+    mod = ir.parse_mlir_module(str(path), ctx)
+    mod.context = ctx
+    meta = {}
+    mod = backend.make_ttir(mod, meta, options, 90)
+    mod = backend.make_ttgir(mod, meta, options, 90)
+    llir = backend.make_llir(mod, meta, options, 90)
+    if not to_cubin:
+        return meta, None, None
+    ptx = backend.make_ptx(llir, meta, options, 90)
+    return meta, ptx, backend.make_cubin(ptx, meta, options, 90)
+
+
+def shared_bytes(ttir: str, tmp_path: Path, num_warps: int = 4, num_stages: int = 1) -> int:
+    """The shared memory one program of the kernel asks for on sm_90 (Triton's figure)."""
+    return _compile(ttir, tmp_path, num_warps, num_stages, False)[0]["shared"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Resources:
+    """What one program of a kernel compiled for sm_90 holds: ``registers`` per thread,
+    ``local`` bytes of thread-local memory (the stack frame, where ptxas spills
+    registers, and local arrays: off chip),
+    ``shared`` bytes, and the tensor-core instructions in its PTX (``mma``)."""
+
+    registers: int
+    local: int
+    shared: int
+    mma: frozenset
+
+
+def resources(ttir: str, num_warps: int = 4, num_stages: int = 1) -> Resources:
+    """The kernel compiled to a cubin by Triton's passes and ptxas, as Triton would on an
+    H100; the figures read back with the ``cuobjdump`` of the same wheel."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        meta, ptx, cubin = _compile(ttir, tmp, num_warps, num_stages, True)
+        binary = tmp / "kernel.cubin"
+        binary.write_bytes(cubin)
+        cuobjdump = Path(get_ptxas(90).path).with_name("cuobjdump")
+        usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(binary)], check=True,
+                               capture_output=True, text=True).stdout
+    reg, stack, local = (int(re.search(rf"\b{name}:(\d+)", usage).group(1)) for name in ("REG", "STACK", "LOCAL"))
+    mma = frozenset(re.findall(r"\b(wgmma\.mma_async\.sync\.aligned\.\w+\.f32\.\w+\.\w+|mma\.sync\.aligned[.\w]*)", ptx))
+    return Resources(reg, stack + local, meta["shared"], mma)
+
+
+def state_kernels(policy: str, tuning: dict, layout: str) -> dict:
+    """``captured`` TTIR of the Triton state kernels F4 and B2 alone (B0's F4 is F4) at
+    K = V = 128, chunk 64, traced under precision ``policy`` with Triton ``tuning``
+    (``PallasState`` / ``PallasDhu`` fields), on the ``"dense"`` layout or a ``"packed"``
+    varlen one (per-chunk resets)."""
+    import jax
+    import jax.numpy as jnp
+
+    from kdax import _precision
+    from kdax._layout import make_layout
+    from kdax.pallas import PallasDhu, PallasState
+
+    R, HV, NC, C, K = 1, 2, 8, 64, 128
+    kw = dict(target="triton", interpret=False, **tuning)
+    T = NC * C if layout == "dense" else NC * C - 2 * C
+    lay = make_layout(R, T, C) if layout == "dense" else make_layout(R, T, C, jnp.asarray([0, 100, 300, T]))
+
+    def f4(w, u, kg, G, h0):
+        with _precision.stage_scope(policy, "state"):
+            return PallasState(**kw)(w, u, kg, G, h0, lay)
+
+    def b2(qg, kg, w, G, do, dv, dht):
+        with _precision.stage_scope(policy, "dhu"):
+            return PallasDhu(**kw)(0.1, qg, kg, w, G, do, dv, dht, lay)
+
+    seq = jax.ShapeDtypeStruct((lay.empty.shape[0], HV, K, K), jnp.float32)
+    ck = jax.ShapeDtypeStruct((R, HV, lay.num_chunks, C, K), jnp.float32)
+    with captured() as mods:
+        jax.jit(f4).trace(ck, ck, ck, ck, seq).lower(lowering_platforms=("cuda",))
+        jax.jit(b2).trace(ck, ck, ck, ck, ck, ck, seq).lower(lowering_platforms=("cuda",))
+    assert len(mods) == 2, list(mods)
+    return mods
