@@ -22,9 +22,10 @@ cannot reset the device's peak); at the other shapes both paths share one proces
 second path's peak is marked). The whole run keeps to ``--total`` seconds (default 390):
 a step starts only if its expected time fits in what is left (less ``REPORT_S`` kept for
 the two report steps, which always run), and its limit is cut to what is left. The
-order puts the goal shape first, then (1, 4096, 16) with FLA at both, the layer, and the
-largest shape last; steps skipped for time are listed in ``run.json`` and can be run by
-a second call with ``--only``. A step whose inputs an earlier step did not write is
+first call's order puts the goal shape first (kdax's default, the all-Triton
+``CANDIDATE``, the default without recomputation), then (1, 4096, 16) with FLA at both,
+then the layer; the largest shape is the second call's (``--second``); steps skipped for
+time are listed in ``run.json`` and can be run by a later call with ``--only``. A step whose inputs an earlier step did not write is
 skipped; a kdax step finding its shape's reference already written (an earlier call on
 the same machine) loads it instead of recomputing it.
 
@@ -38,18 +39,23 @@ compiled once per shape)::
 
     step                                  expect  limit
     kdax 1x16384x16 default + reference       40     90
+    kdax 1x16384x16 CANDIDATE (all Triton)    60    100   (compiling ten Triton kernels)
     kdax 1x16384x16 default+no_recompute      20     50   (each --extra-pipes path: the same)
     kdax 1x4096x16 both paths + reference     35     70
     FLA at 1x16384x16 and 1x4096x16           80    110
     layer, kdax's side + float64 reference    45     80
     layer, FLA's side                         50     80
+    reports (chunk table, layer table)         8     25   (kept aside: REPORT_S)
+    total                                    338    605   (cut to --total 390)
+
+    second call (--second), right after:
     kdax 4x4096x32 both paths + reference     65    110
     FLA at 4x4096x32                          25     60
-    reports (chunk table, layer table)         8     25   (kept aside: REPORT_S)
-    total                                    368    675   (cut to --total 390)
+    each --extra-pipes path at the goal       25     60
+    reports                                    8     25
 
 So a first run takes about 6 minutes and stops itself by 6.5; if the estimates are low,
-the last steps (the largest shape) are the ones left for a second call.
+the last steps (the layer) are the ones left for the second call (``--only layer``).
 
 The orchestrator itself needs the standard library only (it holds no GPU).
 
@@ -73,6 +79,11 @@ HERE = Path(__file__).resolve().parent
 GOAL = (1, 16384, 16)
 SHAPES = (GOAL, (1, 4096, 16), (4, 4096, 32))
 PIPES = ("default", "default+no_recompute")
+# Every stage a Triton kernel, bf16 operands in the recurrences, tensor-core float32
+# products, the state kernels as FLA holds its state (64-row tiles) with the next chunk's
+# loads in flight: the candidate whose kernels compile for sm_90 without spills in the
+# state and gate kernels (benchmarks/results/triton_resources.txt), timed at the goal shape.
+CANDIDATE = "pallas+warps=8+f32dot=tf32x3+fast+stages=2+block_k=64"
 TOTAL_S = 390
 REPORT_S = 25  # kept for the report steps, which always run
 FLA_CONFIGS = 4  # FLA's autotuning cut to this many configs per kernel, as in every earlier run
@@ -104,8 +115,10 @@ class Step:
 
 
 def plan(work: Path, out: Path, py: str = sys.executable, extra_pipes=(), reps: int = 20,
-         reps_other: int = 10, shapes=SHAPES, kdax_args=(), layer_args=(), slack: int = 1) -> list:
+         reps_other: int = 10, shapes=SHAPES, kdax_args=(), layer_args=(), slack: int = 1,
+         second: bool = False) -> list:
     """The steps in the order they run (see the module docstring for the budget);
+    ``second``: the second call's steps (the largest shape), else the first call's;
     ``shapes`` (the goal shape first), ``kdax_args``, ``layer_args`` and ``slack`` (every
     limit multiplied: a CPU is slower to compile) change only for a rehearsal."""
     work, out = Path(work), Path(out)
@@ -129,8 +142,16 @@ def plan(work: Path, out: Path, py: str = sys.executable, extra_pipes=(), reps: 
         return Step("fla-" + "-".join(tag(s) for s in shapes), argv, limit, expect, tuple(shapes), ("fla",), fla=True,
                     needs=tuple(ref(s) for s in shapes))
 
+    reports = [Step("report-chunk", [py, gvf, "--shapes", "", "--no-fla", "--out", str(out)], 15, 6, report=True),
+               Step("report-layer", [py, lay, "--report", "--work", str(work), "--out", str(out)], 10, 2, report=True)]
+    if second:
+        steps = [kdax(large, PIPES, reps_other, 110, 65), fla_step((large,), 60, 25)]
+        steps += [kdax(goal, [p], reps, 60, 25, load=True) for p in extra_pipes]
+        return [dataclasses.replace(s, limit_s=s.limit_s * slack) for s in steps + reports]
     steps = [kdax(goal, [PIPES[0]], reps, 90, 40)]
-    steps += [kdax(goal, [p], reps, 50, 20, load=True) for p in (PIPES[1], *extra_pipes)]
+    # Triton compiles ten kernels for the candidate (~30 s on the CPU here, to cubins)
+    steps += [kdax(goal, [p], reps, *((100, 60) if p == CANDIDATE else (50, 20)), load=True)
+              for p in (CANDIDATE, PIPES[1], *extra_pipes)]
     steps += [kdax(small, PIPES, reps_other, 70, 35),
               fla_step((goal, small), 110, 80),
               Step("layer-kdax", [py, lay, "--work", str(work), "--out", str(out), "--reps", str(reps_other),
@@ -138,10 +159,7 @@ def plan(work: Path, out: Path, py: str = sys.executable, extra_pipes=(), reps: 
               Step("layer-fla", [py, fla, "--layer", str(work / "layer_in.npz"), "--out", str(out), "--reps",
                                  str(reps_other), "--max-configs", str(FLA_CONFIGS)], 80, 50, fla=True,
                    needs=(str(work / "layer_in.npz"),)),
-              kdax(large, PIPES, reps_other, 110, 65),
-              fla_step((large,), 60, 25),
-              Step("report-chunk", [py, gvf, "--shapes", "", "--no-fla", "--out", str(out)], 15, 6, report=True),
-              Step("report-layer", [py, lay, "--report", "--work", str(work), "--out", str(out)], 10, 2, report=True)]
+              *reports]
     return [dataclasses.replace(s, limit_s=s.limit_s * slack) for s in steps]
 
 
@@ -260,6 +278,8 @@ def main(argv=None):
     ap.add_argument("--fla-layers", default=os.environ.get("FLA_LAYERS_PATH", ""),
                     help="a folder added to PYTHONPATH for the layer's FLA step only (flash-linear-attention: "
                          "fla.layers, which imports transformers; kept away from the chunk_kda steps)")
+    ap.add_argument("--second", action="store_true", help="the second call's steps: the largest shape "
+                    "(kdax's two paths, FLA) and any --extra-pipes at the goal shape")
     ap.add_argument("--fresh", action="store_true", help="forget what an earlier call left in --work")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     ap.add_argument("--rehearse", action="store_true", help="the same steps at tiny sizes (K = V = 32, a layer of "
@@ -270,7 +290,7 @@ def main(argv=None):
     results = work / "gpu"
     extra = tuple(p for p in a.extra_pipes.split(",") if p)
     tiny = dict(shapes=TINY_SHAPES, kdax_args=TINY_KDAX, layer_args=TINY_LAYER, reps=2, reps_other=2, slack=3)
-    steps = plan(work, results, extra_pipes=extra, **(tiny if a.rehearse else {}))
+    steps = plan(work, results, extra_pipes=extra, second=a.second, **(tiny if a.rehearse else {}))
     if a.only:
         words = [w for w in a.only.split(",") if w]
         steps = [s for s in steps if s.report or any(w in s.name for w in words)]

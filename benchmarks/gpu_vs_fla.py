@@ -79,7 +79,7 @@ def kdax_pipeline(name: str) -> KDAPipeline:
     ``+warps=N`` / ``+stages=N`` / ``+f32dot=tf32x3`` (every Pallas stage's Triton tuning),
     ``+group=N|none`` / ``+unroll=N`` (every reference stage's chunk groups / the
     recurrences' loop unroll), ``+block_k=N`` (the Pallas state kernels hold the state as
-    N-row tiles), ``+fast`` (precision "fast": bf16 operands in the
+    N-row tiles), ``+block_v=N`` (and take N value columns per program), ``+fast`` (precision "fast": bf16 operands in the
     recurrences too, ``kdax._precision``), ``+segments=S`` (F4 and B2, whichever stages the
     pipeline has by then, split into S segments per row: ``kdax.stages.segmented``; put
     it last), ``+no_recompute`` (the pipeline unchanged; ``call_options`` turns it into
@@ -123,10 +123,10 @@ def _with_option(pipe: KDAPipeline, opt: str, name: str) -> KDAPipeline:
         g = None if val == "none" else int(val)
         return dataclasses.replace(pipe, **{n: dataclasses.replace(s, group=g) for n, s in stages.items()
                                             if "group" in {f.name for f in dataclasses.fields(s)}})
-    if key == "block_k":  # the Triton state kernels' row tiles of the state
+    if key in ("block_k", "block_v"):  # the Triton state kernels' row tiles / value columns
         from kdax.pallas import PallasDhu, PallasState
 
-        return dataclasses.replace(pipe, **{n: dataclasses.replace(s, block_k=int(val)) for n, s in stages.items()
+        return dataclasses.replace(pipe, **{n: dataclasses.replace(s, **{key: int(val)}) for n, s in stages.items()
                                             if isinstance(s, (PallasState, PallasDhu))})
     if key == "fast":
         return pipe.with_precision("fast")

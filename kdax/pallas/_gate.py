@@ -1,14 +1,18 @@
 """Pallas gate family: F1 (activations + chunk cumsum) and B5 (their backward).
 
 The chunk-local cumsum (and its reverse in B5) is a matmul with a triangular matrix of
-ones, which both lowerings support; sums over a chunk for dA_log / ddt_bias are written
-per block and added up outside the kernel.
+ones on TPU, a scan on Triton (whose float32 products are FMA loops that hold whole rows
+of both operands in registers; B5 reads the chunk's rows in reverse so that its reverse
+cumsum is a forward scan). On Triton the kernels take the features a block of columns at
+a time (``column_blocks``), the row statistics (l2 norms, non-finite rows) first. Sums
+over a chunk for dA_log / ddt_bias are written per column and added up outside.
 """
 
 from typing import ClassVar, Optional
 
 import equinox as eqx
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jaxtyping import Array, Float
 
 from .._config import KDAConfig
@@ -45,27 +49,20 @@ def _round_even(x):
     return jnp.where(((r - x) == 0.5) & odd, r - 1.0, r)
 
 
-def _split_cumsum(g, lower):
-    """``(G, G_lo)`` in-kernel, bit for bit ``kdax.stages._gate.split_cumsum``
-    (``kdax._hilo``; ``lower`` the chunk's lower-triangular ones): the grid part's cumsum
-    is exact in any order, the low parts' is small. (``_round_even`` needs ``|g| 2^bits <
-    2^22``: g is clamped at the floor and C >= 4.)"""
-    hi, lo = split_log_decay(g, g.shape[0], _round_even)
-    G_hi = lower_dot(lower, hi)  # a NaN gate reaches only its own row on
-    lo_sum = dot(lower, jnp.where(jnp.abs(lo) < jnp.inf, lo, 0.0))
-    G = G_hi + lo_sum
-    return G, (G_hi - G) + lo_sum  # G_hi - G exact (Sterbenz): the rounding's remainder
+def _rows_cumsum(x, lower):
+    """The chunk-local inclusive cumsum of ``x [C, K]`` down its rows: ``lower @ x``
+    (``lower`` the chunk's lower-triangular ones) on TPU; on Triton (``lower`` None) a
+    scan (``tl.cumsum``): a float32 product there is a loop of FMAs that holds whole rows
+    and columns of both operands in registers (F1 spilled ~15 KiB a thread at K = 128).
+    Sums on the grid of ``kdax._hilo`` are exact in either order; the low parts' sum
+    (small) may round differently, so G and G_lo are the reference's bit for bit where
+    both sum in the same order (TPU, interpret mode), else to ~1e-9 relative."""
+    return jnp.cumsum(x, axis=0) if lower is None else dot(lower, x)
 
 
-def gate_body(cfg: KDAConfig, q, k, g, beta, valid, a_log, dtb, split: bool = False):
-    """F1 for one chunk: ``(q, k, beta, G, q_rstd, k_rstd, G_lo)`` (None where absent);
-    ``split``: G as the exact sum ``G + G_lo`` (``kdax._hilo``; float32), else G alone."""
-    C = g.shape[0]
-    q_rstd = k_rstd = None
-    if cfg.use_qk_l2norm_in_kernel:
-        q_rstd = 1.0 / jnp.sqrt(jnp.sum(q * q, axis=1, keepdims=True) + L2NORM_EPS)
-        k_rstd = 1.0 / jnp.sqrt(jnp.sum(k * k, axis=1, keepdims=True) + L2NORM_EPS)
-        q, k = q * q_rstd, k * k_rstd
+def _activate(cfg: KDAConfig, g, valid, a_log, dtb):
+    """The clamped log decay of a block of columns: the in-kernel gate if asked, the
+    dtype's floor, zero at padding (``valid [C, 1]``)."""
     if cfg.use_gate_in_kernel:
         x, a = _gate_input(g, a_log, dtb)
         if cfg.lower_bound is None:
@@ -75,50 +72,163 @@ def gate_body(cfg: KDAConfig, q, k, g, beta, valid, a_log, dtb, split: bool = Fa
         else:
             g = cfg.lower_bound * _sigmoid(x if a is None else a * x)
     # The floor keeps G small and finite for any gate in [-inf, 0] (see log_decay_floor).
-    g = jnp.where(valid > 0, jnp.maximum(g, log_decay_floor(g.dtype)), 0.0)
-    lower = (iota((C, C), 1) <= iota((C, C), 0)).astype(g.dtype)
-    if split:
-        G, G_lo = _split_cumsum(g, lower)
-    else:
-        G, G_lo = lower_dot(lower, g), None  # a NaN gate reaches only its own row on
-    if cfg.use_beta_sigmoid_in_kernel:
-        beta = _sigmoid(beta) * (2.0 if cfg.allow_neg_eigval else 1.0)
-    return q, k, beta, G, q_rstd, k_rstd, G_lo
+    return jnp.where(valid > 0, jnp.maximum(g, log_decay_floor(g.dtype)), 0.0)
 
 
-def gate_bwd_body(cfg: KDAConfig, q, k, beta, q_rstd, k_rstd, g, valid, a_log, dtb, dq, dk, dbeta, dG):
-    C = dG.shape[0]
-    upper = (iota((C, C), 1) >= iota((C, C), 0)).astype(dG.dtype)
-    dg = jnp.where(valid > 0, dot(upper, dG), 0.0)
-    dA = ddt = None
-    if cfg.use_gate_in_kernel:
-        x, a = _gate_input(g, a_log, dtb)
-        if cfg.lower_bound == -jnp.inf:  # g = -inf whatever the input: no gradient
-            dx = jnp.zeros_like(dg)
-            dA = None if a is None else jnp.zeros((1, dg.shape[1]), dg.dtype)
-        elif cfg.lower_bound is None:
-            dx = -dg * a * _sigmoid(x)
-            dA = -jnp.sum(dg * a * _softplus(x), axis=0, keepdims=True)
-        else:
-            z = x if a is None else a * x
-            s = _sigmoid(z)
-            dz = dg * cfg.lower_bound * s * (1.0 - s)
-            dx = dz if a is None else dz * a
-            dA = None if a is None else jnp.sum(dz * z, axis=0, keepdims=True)
-        ddt = None if dtb is None else jnp.sum(dx, axis=0, keepdims=True)
-        dg = dx
-    if cfg.use_beta_sigmoid_in_kernel:
-        c = 2.0 if cfg.allow_neg_eigval else 1.0
-        s = beta / c
-        dbeta = dbeta * c * s * (1.0 - s)
-    if cfg.use_qk_l2norm_in_kernel:
-        dq = q_rstd * (dq - q * jnp.sum(dq * q, axis=1, keepdims=True))
-        dk = k_rstd * (dk - k * jnp.sum(dk * k, axis=1, keepdims=True))
-    return dq, dk, dg, dbeta, dA, ddt
+def _rstd(ss):
+    return 1.0 / jnp.sqrt(ss + L2NORM_EPS)
+
+
+def column_blocks(target: str, Kp: int, block: int = 16):
+    """The column blocks ``[(start, size), ...]`` a gate kernel takes one at a time: on
+    Triton ``block`` columns (whole ``[C, K]`` tiles of five operands held at once took the
+    kernels past the 255 registers a thread has, spilling; 32 columns still spilled B5 at
+    four warps), elsewhere all of them."""
+    bk = min(block, Kp) if target == "triton" else Kp
+    return [(k0, bk) for k0 in range(0, Kp, bk)]
+
+
+def gate_kernel(cfg: KDAConfig, blocks, split: bool, scan: bool, has: tuple):
+    """F1's kernel over one (row * head, chunk) block, ``blocks`` of columns at a time
+    (``column_blocks``): outputs ``(q, k, beta, G[, q_rstd, k_rstd][, G_lo])``.
+    ``split``: G as the exact sum ``G + G_lo`` (``kdax._hilo``; float32), else G alone;
+    ``scan``: the cumsums as scans (Triton), else products (``_rows_cumsum``)."""
+    l2 = cfg.use_qk_l2norm_in_kernel
+
+    def kernel(q_ref, k_ref, g_ref, b_ref, v_ref, *refs):
+        n = sum(has)
+        params, outs = refs[:n], list(refs[n:])
+        a_ref, d_ref = _param_refs(params, has)
+        a = None if a_ref is None else a_ref[...]
+        valid = v_ref[...]
+        C = valid.shape[0]
+        q_o, k_o, b_o, G_o = outs[:4]
+        rest = outs[4:]
+
+        def gate(k0, bk):
+            cols = pl.ds(k0, bk)
+            return _activate(cfg, g_ref[:, cols], valid, a, None if d_ref is None else d_ref[:, cols])
+
+        # Row statistics over all columns first: the l2 norms, and the rows holding a
+        # non-finite gate (NaN in every column of G from there on, as lower_dot has it).
+        ss_q = ss_k = bad = None
+        add = lambda acc, x: x if acc is None else acc + x
+        for k0, bk in blocks:
+            cols = pl.ds(k0, bk)
+            if l2:
+                qb, kb = q_ref[:, cols], k_ref[:, cols]
+                ss_q, ss_k = add(ss_q, jnp.sum(qb * qb, axis=1, keepdims=True)), add(ss_k, jnp.sum(kb * kb, axis=1, keepdims=True))
+            if scan:
+                g = gate(k0, bk)
+                nf = jnp.max(jnp.where(jnp.abs(g) < jnp.inf, 0.0, 1.0).astype(g.dtype), axis=1, keepdims=True)
+                bad = nf if bad is None else jnp.maximum(bad, nf)
+        seen = None if bad is None else jnp.cumsum(bad, axis=0) > 0
+        q_rstd, k_rstd = (_rstd(ss_q), _rstd(ss_k)) if l2 else (None, None)
+        lower = None if scan else (iota((C, C), 1) <= iota((C, C), 0)).astype(valid.dtype)
+
+        def cumsum_lower(x):  # lower_dot's result: a non-finite row reaches the rows below
+            if lower is not None:
+                return lower_dot(lower, x)
+            return jnp.where(seen, jnp.nan, jnp.cumsum(jnp.where(jnp.abs(x) < jnp.inf, x, 0.0), axis=0))
+
+        for k0, bk in blocks:
+            cols = pl.ds(k0, bk)
+            qb, kb, g = q_ref[:, cols], k_ref[:, cols], gate(k0, bk)
+            q_o[:, cols], k_o[:, cols] = (qb * q_rstd, kb * k_rstd) if l2 else (qb, kb)
+            if split:
+                hi, lo = split_log_decay(g, C, _round_even)
+                G_hi = cumsum_lower(hi)  # a NaN gate reaches only its own row on
+                lo_sum = _rows_cumsum(jnp.where(jnp.abs(lo) < jnp.inf, lo, 0.0), lower)
+                G = G_hi + lo_sum
+                rest[-1][:, cols] = (G_hi - G) + lo_sum  # G_hi - G exact (Sterbenz)
+            else:
+                G = cumsum_lower(g)
+            G_o[:, cols] = G
+        beta = b_ref[...]
+        if cfg.use_beta_sigmoid_in_kernel:
+            beta = _sigmoid(beta) * (2.0 if cfg.allow_neg_eigval else 1.0)
+        b_o[...] = beta
+        if l2:
+            rest[0][...], rest[1][...] = q_rstd, k_rstd
+
+    kernel.__qualname__ = "PallasGate.kernel"  # its name in profiles: kdax_PallasGate_kernel
+    return kernel
+
+
+def gate_bwd_kernel(cfg: KDAConfig, blocks, reverse: bool, has: tuple, C: int):
+    """B5's kernel over one (row * head, chunk) block, ``blocks`` of columns at a time:
+    outputs ``(dq, dk, dg, dbeta[, dA [1, K]][, ddt [1, K]])`` (dA, ddt: sums over the
+    chunk's rows per column). ``reverse`` (Triton): the chunk's rows read and written in
+    reverse order (index arrays: addresses only), so that the reverse cumsum of ``dG`` is
+    a forward scan; else a product with the upper-triangular ones."""
+    l2, gate = cfg.use_qk_l2norm_in_kernel, cfg.use_gate_in_kernel
+
+    def kernel(*refs):
+        rows = (C - 1 - iota((C,), 0)) if reverse else slice(None)
+        it = iter(refs)
+        qn_r, kn_r, qr_r, kr_r = (next(it) for _ in range(4)) if l2 else (None,) * 4
+        b_r = next(it)
+        g_r = next(it) if gate else None
+        v_r = next(it)
+        a_ref, d_ref = _param_refs([next(it) for _ in range(sum(has))], has)
+        dq_r, dk_r, db_r, dG_r = (next(it) for _ in range(4))
+        dq_o, dk_o, dg_o, db_o = (next(it) for _ in range(4))
+        dA_o = next(it) if a_ref is not None else None
+        ddt_o = next(it) if d_ref is not None else None
+        valid = v_r[rows]
+        a = None if a_ref is None else jnp.exp(a_ref[...])
+        if l2:  # <dy, y> over every column, first
+            qr, kr = qr_r[rows], kr_r[rows]
+            sq = sk = None
+            for k0, bk in blocks:
+                cols = pl.ds(k0, bk)
+                tq = jnp.sum(dq_r[rows, cols] * qn_r[rows, cols], axis=1, keepdims=True)
+                tk = jnp.sum(dk_r[rows, cols] * kn_r[rows, cols], axis=1, keepdims=True)
+                sq, sk = (tq, tk) if sq is None else (sq + tq, sk + tk)
+        upper = None if reverse else (iota((C, C), 1) >= iota((C, C), 0)).astype(valid.dtype)
+        for k0, bk in blocks:
+            cols = pl.ds(k0, bk)
+            dG = dG_r[rows, cols]
+            dg = jnp.where(valid > 0, jnp.cumsum(dG, axis=0) if reverse else dot(upper, dG), 0.0)
+            if gate:
+                x = g_r[rows, cols] if d_ref is None else g_r[rows, cols] + d_ref[:, cols]
+                if cfg.lower_bound == -jnp.inf:  # g = -inf whatever the input: no gradient
+                    dg = jnp.zeros_like(dg)
+                    if dA_o is not None:
+                        dA_o[:, cols] = jnp.zeros((1, bk), dg.dtype)
+                elif cfg.lower_bound is None:
+                    if dA_o is not None:
+                        dA_o[:, cols] = -jnp.sum(dg * a * _softplus(x), axis=0, keepdims=True)
+                    dg = -dg * a * _sigmoid(x)
+                else:
+                    z = x if a is None else a * x
+                    sg = _sigmoid(z)
+                    dz = dg * cfg.lower_bound * sg * (1.0 - sg)
+                    if dA_o is not None:
+                        dA_o[:, cols] = jnp.sum(dz * z, axis=0, keepdims=True)
+                    dg = dz if a is None else dz * a
+                if ddt_o is not None:
+                    ddt_o[:, cols] = jnp.sum(dg, axis=0, keepdims=True)
+            dg_o[rows, cols] = dg
+            dq, dk = dq_r[rows, cols], dk_r[rows, cols]
+            if l2:
+                dq = qr * (dq - qn_r[rows, cols] * sq)
+                dk = kr * (dk - kn_r[rows, cols] * sk)
+            dq_o[rows, cols], dk_o[rows, cols] = dq, dk
+        dbeta = db_r[rows]
+        if cfg.use_beta_sigmoid_in_kernel:
+            c = 2.0 if cfg.allow_neg_eigval else 1.0
+            sb = b_r[rows] / c
+            dbeta = dbeta * c * sb * (1.0 - sb)
+        db_o[rows] = dbeta
+
+    kernel.__qualname__ = "PallasGateBackward.kernel"
+    return kernel
 
 
 def _params(cfg: KDAConfig, target: str, HV: int, K: int, A_log, dt_bias):
-    """Per-head parameter arrays and specs: A_log ``[HV, 1, 1]``, dt_bias ``[HV, 1, Kp]``."""
+    """Per-head parameter arrays and specs: A_log ``[HV, 1, 1]``, dt_bias ``[HV, 1, Kp]``,
+    and which of the two there are."""
     arrays, specs = [], []
     if cfg.use_gate_in_kernel and A_log is not None:
         arrays.append(A_log.reshape(HV, 1, 1))
@@ -127,14 +237,15 @@ def _params(cfg: KDAConfig, target: str, HV: int, K: int, A_log, dt_bias):
         d = feature_pad(target, dt_bias.reshape(HV, 1, K))
         arrays.append(d)
         specs.append(head_spec((1, d.shape[-1]), HV))
-    return arrays, specs
+    has = (cfg.use_gate_in_kernel and A_log is not None, cfg.use_gate_in_kernel and dt_bias is not None)
+    return arrays, specs, has
 
 
-def _take_params(cfg, refs, A_log, dt_bias):
-    refs = list(refs)
-    a = refs.pop(0)[...] if (cfg.use_gate_in_kernel and A_log is not None) else None
-    d = refs.pop(0)[...] if (cfg.use_gate_in_kernel and dt_bias is not None) else None
-    return a, d
+def _param_refs(refs, has: tuple):
+    """``(A_log ref [1, 1], dt_bias ref [1, Kp])`` from the per-head parameter refs that
+    ``_params`` made, None where absent (``has``: which of the two are)."""
+    it = iter(refs)
+    return tuple(next(it) if h else None for h in has)
 
 
 @final
@@ -168,17 +279,10 @@ class PallasGate(AbstractGate, PallasTarget):
         qf, kf, gf = fp(q), fp(k), fp(g)
         Kp = qf.shape[-1]
         vf = flat(jnp.broadcast_to(valid[:, None], beta.shape).astype(q.dtype))
-        p_arrays, p_specs = _params(cfg, self.target, HV, K, A_log, dt_bias)
+        p_arrays, p_specs, has = _params(cfg, self.target, HV, K, A_log, dt_bias)
         l2 = cfg.use_qk_l2norm_in_kernel
         split = self.split and grid_bits(q.dtype, C) is not None  # (float64: G alone)
-
-        def kernel(q_ref, k_ref, g_ref, b_ref, v_ref, *refs):
-            n_p = len(p_arrays)
-            a, d = _take_params(cfg, refs[:n_p], A_log, dt_bias)
-            outs = gate_body(cfg, q_ref[...], k_ref[...], g_ref[...], b_ref[...], v_ref[...], a, d, split)
-            vals = [v for v in outs if v is not None]
-            for ref, val in zip(refs[n_p:], vals):
-                ref[...] = val
+        kernel = gate_kernel(cfg, column_blocks(self.target, Kp), split, self.target == "triton", has)
 
         sk, s1 = chunk_spec((C, Kp)), chunk_spec((C, 1))
         blocks = [(C, Kp), (C, Kp), (C, 1), (C, Kp)] + ([(C, 1), (C, 1)] if l2 else []) + ([(C, Kp)] if split else [])
@@ -228,26 +332,13 @@ class PallasGateBackward(AbstractGateBackward, PallasTarget):
             specs.append(sk)
         ins.append(flat(jnp.broadcast_to(valid[:, None], dbeta.shape).astype(dq.dtype)))
         specs.append(s1)
-        p_arrays, p_specs = _params(cfg, self.target, HV, K, A_log, dt_bias)
+        p_arrays, p_specs, has = _params(cfg, self.target, HV, K, A_log, dt_bias)
         ins += p_arrays + [fp(dq), fp(dk), flat(dbeta), fp(dG)]
         specs += p_specs + [sk, sk, s1, sk]
-        has_dA = gate and A_log is not None
-        has_ddt = gate and dt_bias is not None
+        has_dA, has_ddt = has
         blocks = [(C, Kp), (C, Kp), (C, Kp), (C, 1)] + ([(1, Kp)] if has_dA else []) + ([(1, Kp)] if has_ddt else [])
-        n_in = len(ins)
-
-        def kernel(*refs):
-            it = iter(refs[:n_in])
-            qn, kn, qr, kr = (next(it)[...] for _ in range(4)) if l2 else (None,) * 4
-            beta = next(it)[...]
-            graw = next(it)[...] if gate else None
-            vmask = next(it)[...]
-            a, d = _take_params(cfg, [next(it) for _ in p_arrays], A_log, dt_bias)
-            dq_, dk_, db_, dG_ = (next(it)[...] for _ in range(4))
-            outs = gate_bwd_body(cfg, qn, kn, beta, qr, kr, graw, vmask, a, d, dq_, dk_, db_, dG_)
-            vals = [v for v in outs if v is not None]
-            for ref, val in zip(refs[n_in:], vals):
-                ref[...] = val
+        # Triton: the chunk's rows in reverse, the reverse cumsum a scan (gate_bwd_kernel).
+        kernel = gate_bwd_kernel(cfg, column_blocks(self.target, Kp), self.target == "triton", has, C)
 
         outs = self.call(kernel, ins, specs, blocks, R * HV, NC, dq.dtype)
         cut = lambda x: unflat(x[..., :K], R, HV)

@@ -125,3 +125,35 @@ def state_kernels(policy: str, tuning: dict, layout: str) -> dict:
         jax.jit(b2).trace(ck, ck, ck, ck, ck, ck, seq).lower(lowering_platforms=("cuda",))
     assert len(mods) == 2, list(mods)
     return mods
+
+
+def gate_kernels(tuning: dict) -> dict:
+    """``captured`` TTIR of the Triton gate kernels F1 and B5 alone at K = 128, chunk 64,
+    with Kimi Linear's options (l2norm, the softplus gate with A_log and dt_bias, beta
+    sigmoid) and Triton ``tuning`` (``PallasGate`` / ``PallasGateBackward`` fields)."""
+    import jax
+    import jax.numpy as jnp
+
+    from kdax import KDAConfig
+    from kdax.pallas import PallasGate, PallasGateBackward
+    from kdax.stages import Activated
+
+    R, HV, NC, C, K = 1, 2, 4, 64, 128
+    s = jax.ShapeDtypeStruct
+    ck, cs, c1 = s((R, HV, NC, C, K), jnp.float32), s((R, HV, NC, C), jnp.float32), s((R, HV, NC, C, 1), jnp.float32)
+    cfg = KDAConfig(scale=0.1, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    kw = dict(target="triton", interpret=False, **tuning)
+    A_log, dt_bias, valid = jnp.zeros(HV, jnp.float32), jnp.zeros(HV * K, jnp.float32), jnp.ones((R, NC, C), bool)
+
+    def f1(q, k, g, b):
+        return PallasGate(**kw)(cfg, q, k, g, b, A_log, dt_bias, valid)
+
+    def b5(q, k, g, b, G, qr, kr, dq, dk, db, dG):
+        act = Activated(q, k, b, G, qr, kr, None)
+        return PallasGateBackward(**kw)(cfg, act, g, A_log, dt_bias, valid, dq, dk, db, dG)
+
+    with captured() as mods:
+        jax.jit(f1).trace(ck, ck, ck, cs).lower(lowering_platforms=("cuda",))
+        jax.jit(b5).trace(ck, ck, ck, cs, ck, c1, c1, ck, ck, cs, ck).lower(lowering_platforms=("cuda",))
+    assert len(mods) == 2, list(mods)
+    return mods

@@ -130,6 +130,39 @@ GATE_CONFIGS = [
 ]
 
 
+@pytest.mark.parametrize("opts", GATE_CONFIGS[1:], ids=["softplus_l2_sigmoid", "lower_bound_neg"])
+@pytest.mark.parametrize("dtype,tol", [(jnp.float64, 1e-12), (jnp.float32, 1e-5)])
+def test_triton_gate_kernels_over_column_blocks(opts, dtype, tol):
+    """The Triton F1 and B5 take K = 72 (padded to 128) 16 columns at a time, the row
+    statistics (l2 norms, B5's <dy, y>) over every block first, and B5 the chunk's rows in
+    reverse: equal to the reference stages; a non-finite gate in one column makes its row
+    and the rows after it NaN in every column of G (as the reference's), in no other row."""
+    cfg = KDAConfig(scale=1.0, **opts)
+    R, HV, NC, C, K = 1, 2, 2, 16, 72
+    r = np.random.default_rng(3)
+    f = lambda *s: jnp.asarray(r.normal(size=s), dtype)
+    q, k, g, beta = f(R, HV, NC, C, K), f(R, HV, NC, C, K), f(R, HV, NC, C, K), f(R, HV, NC, C)
+    A_log, dt_bias = f(HV) * 0.3, f(HV * K)
+    valid = make_layout(R, NC * C - 3, C).valid
+    kw = dict(target="triton", interpret=True)
+    assert len(P._gate.column_blocks("triton", 128)) == 8
+    args = (cfg, q, k, g, beta, A_log, dt_bias, valid)
+    act_p, act_r = P.PallasGate(**kw)(*args), S.ReferenceGate()(*args)
+    _close(act_p, act_r, tol, "gate")
+    bargs = (cfg, act_r, g, A_log, dt_bias, valid, f(R, HV, NC, C, K), f(R, HV, NC, C, K), f(R, HV, NC, C),
+             f(R, HV, NC, C, K))
+    _close(P.PallasGateBackward(**kw)(*bargs), S.ReferenceGateBackward()(*bargs), tol, "gate_bwd")
+    # NaN in column 50 (the fourth block) of row 5 of chunk 1, head 0
+    bad = g.at[0, 0, 1, 5, 50].set(jnp.nan)
+    G_p = np.asarray(P.PallasGate(**kw)(cfg, q, k, bad, beta, A_log, dt_bias, valid).G)
+    G_r = np.asarray(S.ReferenceGate()(cfg, q, k, bad, beta, A_log, dt_bias, valid).G)
+    np.testing.assert_array_equal(np.isnan(G_p), np.isnan(G_r))
+    assert np.isnan(G_p[0, 0, 1, 5:]).all() and not np.isnan(G_p[0, 0, 1, :5]).any()
+    assert not np.isnan(np.delete(G_p.reshape(-1, C, K), 1, axis=0)).any()  # (head 0, chunk 1) is block 1
+    ok = ~np.isnan(G_r)
+    assert_close(G_p[ok], G_r[ok], tol, "G beside the NaN")
+
+
 @pytest.mark.parametrize("target,interpret", MODES)
 @pytest.mark.parametrize("opts", GATE_CONFIGS, ids=["plain", "softplus_l2_sigmoid", "lower_bound_neg"])
 @pytest.mark.parametrize("dtype,tol", [(jnp.float64, 1e-12), (jnp.float32, 1e-5)])

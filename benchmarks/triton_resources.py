@@ -1,0 +1,104 @@
+"""What each Pallas Triton kernel of a training step holds per program on Hopper, without
+a GPU: every kernel of ``jax.grad`` of ``chunk_kda`` (bf16 inputs, K = V = 128, chunk 64,
+Kimi Linear's options: the GPU benchmark's configuration) lowered for CUDA, compiled by
+Triton's passes and the ptxas of triton's wheel for sm_90, and read back: registers per
+thread, thread-local bytes (spills: off chip), shared memory, the tensor-core
+instructions. A kernel with local bytes or without tensor-core products is slow on the
+GPU whatever else it does (PallasGate took 7.2 ms on an H200 at 15 KiB of spills a
+thread, against 0.28 ms for XLA's gate).
+
+    python benchmarks/triton_resources.py                 # the paths below, to stdout
+    python benchmarks/triton_resources.py --pipes pallas+fast --out results/triton_resources.txt
+
+Paths are ``gpu_vs_fla.py``'s names. Needs ``triton`` (the ``test`` extra)."""
+
+import argparse
+import dataclasses
+import sys
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+PIPES = ("pallas", "pallas+warps=8+f32dot=tf32x3+fast+stages=2+block_k=64")
+
+
+@dataclasses.dataclass
+class Row:
+    path: str
+    kernel: str
+    registers: int
+    local: int
+    shared: int
+    mma: str
+    seconds: float
+
+
+def kernels(path: str, T: int = 1024, H: int = 2, K: int = 128, C: int = 64) -> list:
+    import jax
+    import jax.numpy as jnp
+
+    import kdax
+    from gpu_vs_fla import kdax_pipeline
+    from tests.pallas._triton import captured, resources
+
+    # (off a GPU, KDAPipeline.pallas() picks the TPU target: compiled Triton kernels here)
+    pipe = kdax_pipeline(path)
+    pipe = dataclasses.replace(pipe, **{n: dataclasses.replace(getattr(pipe, n), target="triton", interpret=False)
+                                        for n in kdax.pipeline.STAGES if hasattr(getattr(pipe, n), "interpret")})
+    s = jax.ShapeDtypeStruct
+    args = (s((1, T, H, K), jnp.bfloat16),) * 4 + (s((1, T, H), jnp.bfloat16),)
+    opts = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                A_log=jnp.zeros(H, jnp.float32), dt_bias=jnp.zeros(H * K, jnp.float32))
+
+    def loss(*a):
+        o, ht = kdax.chunk_kda(*a, pipeline=pipe, chunk_size=C, output_final_state=True, **opts)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(ht)
+
+    with captured() as mods:
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(*args).lower(lowering_platforms=("cuda",))
+    rows = []
+    stage_of = {n: getattr(pipe, n) for n in kdax.pipeline.STAGES}
+    for src, text in mods.items():
+        name = src.split(" ")[0]
+        stage = next((st for st in stage_of.values() if type(st).__name__ in name), None)
+        warps, stages = (getattr(stage, "num_warps", 4), getattr(stage, "num_stages", 1)) if stage else (4, 1)
+        t0 = time.time()
+        r = resources(text, warps, stages)
+        rows.append(Row(path, name, r.registers, r.local, r.shared, " ".join(sorted(r.mma)) or "-", time.time() - t0))
+        print(f"  {name}: {r.registers} registers, {r.local} B local, {r.shared} B shared", file=sys.stderr, flush=True)
+    return rows
+
+
+def table(rows: list) -> str:
+    out = [f"{'path':<56} {'kernel':<34} {'regs':>4} {'local B':>7} {'shared B':>8}  tensor-core products"]
+    for r in rows:
+        out.append(f"{r.path:<56} {r.kernel:<34} {r.registers:>4} {r.local:>7} {r.shared:>8}  {r.mma}")
+    return "\n".join(out)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pipes", default=",".join(PIPES))
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    warnings.filterwarnings("ignore", module="triton")
+    import triton
+
+    rows = []
+    for path in a.pipes.split(","):
+        print(f"{path}:", file=sys.stderr, flush=True)
+        rows += kernels(path)
+    text = (f"Triton kernels of a training step compiled for sm_90 without a GPU (triton {triton.__version__}): "
+            "bf16 inputs, B=1 T=1024 H=2 K=V=128, chunk 64, Kimi Linear's options; registers per thread, local "
+            "(spilled) bytes per thread, shared bytes per program\n" + table(rows))
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
