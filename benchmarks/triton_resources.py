@@ -15,7 +15,6 @@ Paths are ``gpu_vs_fla.py``'s names. Needs ``triton`` (the ``test`` extra)."""
 import argparse
 import dataclasses
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -34,7 +33,6 @@ class Row:
     local: int
     shared: int
     mma: str
-    seconds: float
 
 
 def kernels(path: str, T: int = 1024, H: int = 2, K: int = 128, C: int = 64) -> list:
@@ -66,9 +64,8 @@ def kernels(path: str, T: int = 1024, H: int = 2, K: int = 128, C: int = 64) -> 
         name = src.split(" ")[0]
         stage = next((st for st in stage_of.values() if type(st).__name__ in name), None)
         warps, stages = (getattr(stage, "num_warps", 4), getattr(stage, "num_stages", 1)) if stage else (4, 1)
-        t0 = time.time()
         r = resources(text, warps, stages)
-        rows.append(Row(path, name, r.registers, r.local, r.shared, " ".join(sorted(r.mma)) or "-", time.time() - t0))
+        rows.append(Row(path, name, r.registers, r.local, r.shared, " ".join(sorted(r.mma)) or "-"))
         print(f"  {name}: {r.registers} registers, {r.local} B local, {r.shared} B shared", file=sys.stderr, flush=True)
     return rows
 

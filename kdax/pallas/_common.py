@@ -274,9 +274,14 @@ def lower_dot(A, X):
     C x C operand did not fit Hopper's shared memory at C = 128 in float64)."""
     C = A.shape[0]
     ok = jnp.abs(X) < jnp.inf
-    bad = jnp.max((~ok).astype(X.dtype), axis=1, keepdims=True)  # [C, 1]
+    bad = nonfinite_rows(X)
     seen = jnp.max(jnp.where(iota((C, C), 1) <= iota((C, C), 0), bad.T, jnp.zeros((), X.dtype)), axis=1, keepdims=True)
     return jnp.where(seen > 0, jnp.nan, dot(A, jnp.where(ok, X, 0.0)))
+
+
+def nonfinite_rows(X):
+    """``[C, 1]``: 1 where row i of ``X [C, D]`` holds a NaN or inf, else 0 (X's dtype)."""
+    return jnp.max((~(jnp.abs(X) < jnp.inf)).astype(X.dtype), axis=1, keepdims=True)
 
 
 def iota(shape, axis: int):

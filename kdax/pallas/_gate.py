@@ -22,7 +22,8 @@ from ..ref import L2NORM_EPS, log_decay_floor
 from ..stages import AbstractGate, AbstractGateBackward, Activated, RawGrads
 from .._final import final
 from ._common import (
-    PallasTarget, chunk_spec, dot, feature_pad, flat, head_spec, iota, lower_dot, tuned, unflat,
+    PallasTarget, chunk_spec, dot, feature_pad, flat, head_spec, iota, lower_dot, nonfinite_rows, tuned,
+    unflat,
 )
 
 
@@ -119,8 +120,7 @@ def gate_kernel(cfg: KDAConfig, blocks, split: bool, scan: bool, has: tuple):
                 qb, kb = q_ref[:, cols], k_ref[:, cols]
                 ss_q, ss_k = add(ss_q, jnp.sum(qb * qb, axis=1, keepdims=True)), add(ss_k, jnp.sum(kb * kb, axis=1, keepdims=True))
             if scan:
-                g = gate(k0, bk)
-                nf = jnp.max(jnp.where(jnp.abs(g) < jnp.inf, 0.0, 1.0).astype(g.dtype), axis=1, keepdims=True)
+                nf = nonfinite_rows(gate(k0, bk))
                 bad = nf if bad is None else jnp.maximum(bad, nf)
         seen = None if bad is None else jnp.cumsum(bad, axis=0) > 0
         q_rstd, k_rstd = (_rstd(ss_q), _rstd(ss_k)) if l2 else (None, None)
