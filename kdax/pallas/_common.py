@@ -99,6 +99,30 @@ class PallasValueBlocks(PallasTarget):
             raise ValueError(f"block_v: expected a power of 2 of at least 16, got {self.block_v}.")
 
 
+class PallasFeatureBlocks(PallasTarget):
+    """The fields of a chunk-parallel stage whose Triton kernel takes the feature axis
+    ``block_k`` columns at a time (a power of 2, at least 16): whole ``[C, K]`` tiles of
+    every operand held at once took its kernel past the 255 registers a thread has at
+    K = 128, spilling to local memory. TPU and interpret mode take all columns at once."""
+
+    block_k: int = eqx.field(static=True, default=64)
+
+    def __check_init__(self):
+        if self.block_k < 16 or self.block_k & (self.block_k - 1):
+            raise ValueError(f"block_k: expected a power of 2 of at least 16, got {self.block_k}.")
+
+    def feature_blocks(self, n: int):
+        """``column_blocks`` of ``n`` feature columns for this stage's target."""
+        return column_blocks(self.target, n, self.block_k)
+
+
+def column_blocks(target: str, n: int, block: int):
+    """The column blocks ``[(start, size), ...]`` a kernel takes one at a time: ``block``
+    columns on Triton (register pressure), all ``n`` elsewhere."""
+    bk = min(block, n) if target == "triton" else n
+    return [(k0, bk) for k0 in range(0, n, bk)]
+
+
 # The compiled Triton stage being traced (its tuning fields), or None.
 _TUNING: contextvars.ContextVar = contextvars.ContextVar("kdax_pallas_tuning", default=None)
 
@@ -282,6 +306,16 @@ def lower_dot(A, X):
 def nonfinite_rows(X):
     """``[C, 1]``: 1 where row i of ``X [C, D]`` holds a NaN or inf, else 0 (X's dtype)."""
     return jnp.max((~(jnp.abs(X) < jnp.inf)).astype(X.dtype), axis=1, keepdims=True)
+
+
+def blockwise(blocks, body, carry):
+    """``carry = body(start, size, carry)`` over equal ``blocks`` (``column_blocks``): one
+    block inline (a static start), several in a ``fori_loop`` (a traced start, for
+    ``pl.ds``): unrolled, Triton issued every block's loads at once and spilled."""
+    size = blocks[0][1]
+    if len(blocks) == 1:
+        return body(blocks[0][0], size, carry)
+    return loop(0, len(blocks), lambda i, c: body(i * size, size, c), carry)
 
 
 def iota(shape, axis: int):

@@ -22,8 +22,8 @@ from ..ref import L2NORM_EPS, log_decay_floor
 from ..stages import AbstractGate, AbstractGateBackward, Activated, RawGrads
 from .._final import final
 from ._common import (
-    PallasTarget, chunk_spec, dot, feature_pad, flat, head_spec, iota, lower_dot, nonfinite_rows, tuned,
-    unflat,
+    PallasTarget, chunk_spec, column_blocks, dot, feature_pad, flat, head_spec, iota, lower_dot, nonfinite_rows,
+    tuned, unflat,
 )
 
 
@@ -80,13 +80,10 @@ def _rstd(ss):
     return 1.0 / jnp.sqrt(ss + L2NORM_EPS)
 
 
-def column_blocks(target: str, Kp: int, block: int = 16):
-    """The column blocks ``[(start, size), ...]`` a gate kernel takes one at a time: on
-    Triton ``block`` columns (whole ``[C, K]`` tiles of five operands held at once took the
-    kernels past the 255 registers a thread has, spilling; 32 columns still spilled B5 at
-    four warps), elsewhere all of them."""
-    bk = min(block, Kp) if target == "triton" else Kp
-    return [(k0, bk) for k0 in range(0, Kp, bk)]
+# Gate kernels take 16 columns at a time on Triton: whole [C, K] tiles of five operands held
+# at once took them past the 255 registers a thread has, spilling; 32 columns still spilled
+# B5 at four warps.
+GATE_BLOCK = 16
 
 
 def gate_kernel(cfg: KDAConfig, blocks, split: bool, scan: bool, has: tuple):
@@ -282,7 +279,7 @@ class PallasGate(AbstractGate, PallasTarget):
         p_arrays, p_specs, has = _params(cfg, self.target, HV, K, A_log, dt_bias)
         l2 = cfg.use_qk_l2norm_in_kernel
         split = self.split and grid_bits(q.dtype, C) is not None  # (float64: G alone)
-        kernel = gate_kernel(cfg, column_blocks(self.target, Kp), split, self.target == "triton", has)
+        kernel = gate_kernel(cfg, column_blocks(self.target, Kp, GATE_BLOCK), split, self.target == "triton", has)
 
         sk, s1 = chunk_spec((C, Kp)), chunk_spec((C, 1))
         blocks = [(C, Kp), (C, Kp), (C, 1), (C, Kp)] + ([(C, 1), (C, 1)] if l2 else []) + ([(C, Kp)] if split else [])
@@ -338,7 +335,7 @@ class PallasGateBackward(AbstractGateBackward, PallasTarget):
         has_dA, has_ddt = has
         blocks = [(C, Kp), (C, Kp), (C, Kp), (C, 1)] + ([(1, Kp)] if has_dA else []) + ([(1, Kp)] if has_ddt else [])
         # Triton: the chunk's rows in reverse, the reverse cumsum a scan (gate_bwd_kernel).
-        kernel = gate_bwd_kernel(cfg, column_blocks(self.target, Kp), self.target == "triton", has, C)
+        kernel = gate_bwd_kernel(cfg, column_blocks(self.target, Kp, GATE_BLOCK), self.target == "triton", has, C)
 
         outs = self.call(kernel, ins, specs, blocks, R * HV, NC, dq.dtype)
         cut = lambda x: unflat(x[..., :K], R, HV)

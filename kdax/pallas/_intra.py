@@ -6,20 +6,22 @@ row blocks, diagonal sub-blocks one column (or row) at a time in another, ``(I +
 by row-wise forward substitution. Masks are applied in the exponent. The row-block loops
 are loops rather than unrolled Python: unrolled, Triton kept the C x C operands of every
 block alive (B4 at chunk 128 in float64 asked for 1040 KiB of shared memory) and took many
-minutes to compile at chunk 128.
+minutes to compile at chunk 128. On Triton, B4 takes a block of rows and of feature
+columns at a time (``intra_bwd_rows_kernel``), as FLA's kernel does.
 """
 
 from typing import ClassVar, Optional
 
 import equinox as eqx
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from .._typing import ChunkK, ChunkMat, ChunkScalar, typecheck
 from ..stages import AbstractIntra, AbstractIntraBackward, ChunkGrads, IntraOut
 from .._final import final
 from ._common import (
-    PallasTarget, chunk_spec, col_of, decay, dot, flat, idiv, iota, loop, row_of, row_or_none,
-    tuned, unflat,
+    PallasFeatureBlocks, PallasTarget, chunk_spec, col_of, decay, dot, flat, idiv, iota, loop, row_of,
+    row_or_none, tuned, unflat,
 )
 
 
@@ -114,6 +116,82 @@ def pair_cols_body(S, a, G, block: int, lo=None):
     return loop(0, C, diag, out)
 
 
+def intra_bwd_rows_kernel(scale: float, block: int, C: int, blocks, has_lo: bool):
+    """B4's kernel on Triton, as FLA's ``chunk_kda_bwd_intra`` takes it: one block of
+    ``block`` output rows at a time (a loop), within it ``blocks`` of feature columns
+    (``column_blocks``), and the other row blocks one at a time: every product is
+    ``[block, block] x [block, bk]``, every value a tile of at most ``[block, bk]``. Whole
+    ``[C, C]`` and ``[C, K]`` tiles took the kernel past the 255 registers a thread has at
+    K = 128, spilling kilobytes. Blocks before this one are anchored at its first row,
+    blocks after it at the next block's first row; the diagonal block is taken one token
+    at a time."""
+    b, nb = min(block, C), C // min(block, C)
+
+    def kernel(q_ref, k_ref, b_ref, g_ref, da_ref, dl_ref, dq_ref, dk_ref, db_ref, dg_ref, *rest):
+        lo_ref = rest[0] if has_lo else None
+        dq_out, dk_out, db_out, dg_out = rest[-4:]
+        rb = iota((b, 1), 0)
+
+        def row_block(I, carry):
+            r0 = I * b
+            rs = pl.ds(r0, b)
+            nxt = pl.ds(jnp.minimum(r0 + b, C - 1), 1)  # the next block's first row (unused after the last)
+            beta = b_ref[rs, :]
+            dA_d, dL_d = da_ref[rs, rs], dl_ref[rs, rs]
+            dA_dt, dL_dt = dA_d.T, dL_d.T
+            db = db_ref[rs, :]
+            for k0, bk in blocks:
+                cols = pl.ds(k0, bk)
+                ld = lambda ref, rows: None if ref is None else ref[rows, cols]
+                q, k, G, lo = ld(q_ref, rs), ld(k_ref, rs), ld(g_ref, rs), ld(lo_ref, rs)
+                Ga, La = ld(g_ref, pl.ds(r0, 1)), ld(lo_ref, pl.ds(r0, 1))
+                Gn, Ln = ld(g_ref, nxt), ld(lo_ref, nxt)
+                zero = jnp.zeros(q.shape, q.dtype)
+
+                def before(J, acc):  # R_i += e^(G_i - G_a) sum_j S_ij k_j e^(G_a - G_j), j in block J < I
+                    js = pl.ds(J * b, b)
+                    kx = ld(k_ref, js) * decay(None, Ga, ld(g_ref, js), La, ld(lo_ref, js))
+                    return acc[0] + dot(da_ref[rs, js], kx), acc[1] + dot(dl_ref[rs, js], kx)
+
+                def after(J, acc):  # C_j += e^(G_n - G_j) sum_i S_ij a_i e^(G_i - G_n), i in block J > I
+                    js = pl.ds(J * b, b)
+                    out = decay(None, ld(g_ref, js), Gn, ld(lo_ref, js), Ln)
+                    return (acc[0] + dot(da_ref[js, rs], ld(q_ref, js) * out, ta=True),
+                            acc[1] + dot(dl_ref[js, rs], b_ref[js, :] * ld(k_ref, js) * out, ta=True))
+
+                dq_a, r = loop(0, I, before, (zero, zero))
+                into = decay(None, G, Ga, lo, La)
+                dq_a, r = into * dq_a, into * r
+                dk_a, c = loop(I + 1, nb, after, (zero, zero))
+                back = decay(None, Gn, G, Ln, lo)
+                dk_a, c = back * dk_a, back * c
+
+                def diag(t, acc):
+                    dq_a, r, dk_a, c = acc
+                    row = pl.ds(r0 + t, 1)
+                    Gt, Lt, kt = ld(g_ref, row), ld(lo_ref, row), ld(k_ref, row)
+                    e_in = kt * decay(rb >= t, G, Gt, lo, Lt)  # token t into the block's later rows
+                    e_out = decay(rb <= t, Gt, G, Lt, lo)  # token t back to the block's earlier rows
+                    return (dq_a + col_of(dA_d, t) * e_in, r + col_of(dL_d, t) * e_in,
+                            dk_a + col_of(dA_dt, t) * ld(q_ref, row) * e_out,
+                            c + col_of(dL_dt, t) * (b_ref[row, :] * kt) * e_out)
+
+                dq_a, r, dk_a, c = loop(0, b, diag, (dq_a, r, dk_a, c))
+                dq_a, dk_a = scale * dq_a, scale * dk_a
+                at = (rs, cols)
+                dq_out[at] = dq_ref[at] + dq_a
+                dk_out[at] = dk_ref[at] + dk_a + beta * r + c
+                dg_out[at] = dg_ref[at] + q * dq_a - k * dk_a + beta * k * r - k * c
+                db = db + jnp.sum(k * r, axis=1, keepdims=True)
+            db_out[rs, :] = db
+            return carry
+
+        loop(0, nb, row_block, jnp.int32(0))
+
+    kernel.__qualname__ = "PallasIntraBackward.kernel"  # its name in profiles
+    return kernel
+
+
 @final
 class PallasIntra(AbstractIntra, PallasTarget):
     """F2 as a Pallas kernel over (row * head, chunk); with ``G_lo`` (``kdax._hilo``) every
@@ -158,8 +236,11 @@ class PallasIntra(AbstractIntra, PallasTarget):
 
 
 @final
-class PallasIntraBackward(AbstractIntraBackward, PallasTarget):
-    """B4 as a Pallas kernel over (row * head, chunk); ``G_lo`` as ``PallasIntra``."""
+class PallasIntraBackward(AbstractIntraBackward, PallasFeatureBlocks):
+    """B4 as a Pallas kernel over (row * head, chunk); ``G_lo`` as ``PallasIntra``. On
+    Triton it takes ``block`` rows and ``block_k`` feature columns at a time
+    (``intra_bwd_rows_kernel``; every gradient column depends on its own feature column
+    alone, and dbeta sums over them); on TPU the whole chunk at once."""
 
     block: int = eqx.field(static=True, default=16)
 
@@ -182,28 +263,30 @@ class PallasIntraBackward(AbstractIntraBackward, PallasTarget):
             self.padded(x) for x in (q, k, G, grads.dq, grads.dk, grads.dG)
         )
         Kp = qf.shape[-1]
-        block = self.block
+        block, blocks = self.block, self.feature_blocks(Kp)
         sk, sc, s1 = chunk_spec((C, Kp)), chunk_spec((C, C)), chunk_spec((C, 1))
         ins = (qf, kf, flat(beta), Gf, flat(dAqk), flat(grads.dL), dqf, dkf, flat(grads.dbeta), dGf)
         specs = [sk, sk, s1, sk, sc, sc, sk, sk, s1, sk]
         if G_lo is not None:
             ins, specs = ins + (self.padded(G_lo),), specs + [sk]
 
-        def kernel(*refs):
-            q_ref, k_ref, b_ref, g_ref, da_ref, dl_ref, dq_ref, dk_ref, db_ref, dg_ref = refs[:10]
-            lo = refs[10][...] if G_lo is not None else None
-            dq_out, dk_out, db_out, dg_out = refs[-4:]
-            q, k, beta, G = q_ref[...], k_ref[...], b_ref[...], g_ref[...]
-            dA, dL = da_ref[...], dl_ref[...]
-            dq_a = scale * pair_rows_body(dA, k, G, block, lo)
-            dk_a = scale * pair_cols_body(dA, q, G, block, lo)
-            r = pair_rows_body(dL, k, G, block, lo)
-            c = pair_cols_body(dL * beta, k, G, block, lo)
-            dq_out[...] = dq_ref[...] + dq_a
-            dk_out[...] = dk_ref[...] + dk_a + beta * r + c
-            db_out[...] = db_ref[...] + jnp.sum(k * r, axis=1, keepdims=True)
-            dg_out[...] = dg_ref[...] + q * dq_a - k * dk_a + beta * k * r - k * c
-
+        if self.target == "triton":
+            kernel = intra_bwd_rows_kernel(scale, block, C, blocks, G_lo is not None)
+        else:
+            def kernel(*refs):  # the whole chunk at once
+                q_ref, k_ref, b_ref, g_ref, da_ref, dl_ref, dq_ref, dk_ref, db_ref, dg_ref = refs[:10]
+                lo = refs[10][...] if G_lo is not None else None
+                dq_out, dk_out, db_out, dg_out = refs[-4:]
+                q, k, beta, G = q_ref[...], k_ref[...], b_ref[...], g_ref[...]
+                dA, dL = da_ref[...], dl_ref[...]
+                dq_a = scale * pair_rows_body(dA, k, G, block, lo)
+                dk_a = scale * pair_cols_body(dA, q, G, block, lo)
+                r = pair_rows_body(dL, k, G, block, lo)
+                c = pair_cols_body(dL * beta, k, G, block, lo)
+                dq_out[...] = dq_ref[...] + dq_a
+                dk_out[...] = dk_ref[...] + dk_a + beta * r + c
+                db_out[...] = db_ref[...] + jnp.sum(k * r, axis=1, keepdims=True)
+                dg_out[...] = dg_ref[...] + q * dq_a - k * dk_a + beta * k * r - k * c
         dq, dk, db, dG = self.call(kernel, ins, specs, [(C, Kp), (C, Kp), (C, 1), (C, Kp)], R * HV, NC, q.dtype)
         cut = lambda x: unflat(x[..., :K], R, HV)
         return ChunkGrads(cut(dq), cut(dk), grads.dv, unflat(db, R, HV, squeeze=True), cut(dG), None)

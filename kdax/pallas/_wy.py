@@ -2,74 +2,132 @@
 
 from typing import ClassVar, Optional
 
+import equinox as eqx
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, typecheck
 from ..stages import AbstractWY, AbstractWYDqkg, ChunkGrads, WYOut
 from .._final import final
 from ._common import (
-    PallasTarget, PallasValueBlocks, chunk_spec, decay, dot, flat, iota, lower_dot, row_of,
-    row_or_none, tuned, unflat,
+    PallasFeatureBlocks, PallasValueBlocks, blockwise, chunk_spec, column_blocks, decay, dot, flat, iota,
+    lower_dot, row_of, row_or_none, tuned, unflat,
 )
 
 
-def wy_body(q, k, v, beta, G, Akk, lo=None):
-    """F3 for one chunk (``lo``: G's low part, ``kdax._hilo``, or None)."""
-    eG = jnp.exp(G)
-    C = G.shape[0]
-    w = lower_dot(Akk, beta * k * eG)  # NaN/inf at a token reaches only the rows from it on
-    u = lower_dot(Akk, beta * v)
-    kg = k * decay(None, row_of(G, C - 1), G, row_or_none(lo, C - 1), lo)
-    return w, u, q * eG, kg
+def wy_kernel(k_blocks, v_blocks, has_lo: bool):
+    """F3's kernel for one chunk: ``w``, ``qg``, ``kg`` over ``k_blocks`` of feature
+    columns, ``u`` over ``v_blocks`` (``column_blocks``; on Triton whole ``[C, 128]``
+    tiles spilled). A NaN/inf at a token reaches only the rows from it on (``lower_dot``),
+    in the columns of its block."""
+
+    def kernel(q_r, k_r, v_r, b_r, g_r, a_r, *rest):
+        lo_r = rest[0] if has_lo else None
+        w_o, u_o, qg_o, kg_o = rest[-4:]
+        beta = b_r[...]
+        C = beta.shape[0]
+
+        def feature_block(k0, bk, carry):
+            kc = (slice(None), pl.ds(k0, bk))
+            G, k = g_r[kc], k_r[kc]
+            lo = None if lo_r is None else lo_r[kc]
+            eG = jnp.exp(G)
+            w_o[kc] = lower_dot(a_r[...], beta * k * eG)
+            qg_o[kc] = q_r[kc] * eG
+            kg_o[kc] = k * decay(None, row_of(G, C - 1), G, row_or_none(lo, C - 1), lo)
+            return carry
+
+        def value_block(j0, bv, carry):
+            vc = (slice(None), pl.ds(j0, bv))
+            u_o[vc] = lower_dot(a_r[...], beta * v_r[vc])
+            return carry
+
+        blockwise(v_blocks, value_block, blockwise(k_blocks, feature_block, jnp.int32(0)))
+
+    kernel.__qualname__ = "PallasWY.kernel"  # its name in profiles
+    return kernel
 
 
-def wy_dqkg_body(scale, k, beta, G, Akk, qg, kg, v_ref, h_ref, dh_ref, vn_ref, do_ref, dvn_ref, dv_ref,
-                 block_v: int, lo=None):
-    """B3 for one chunk. The value axis is walked ``block_v`` columns at a time through
-    static slices of the refs (v, h, dh, v_new, do, dv_new in; dv out): the V-sized
-    operands are never all live at once, which keeps a Triton program at K = V = 128
-    within Hopper's 227 KiB of shared memory (248 KiB with whole blocks)."""
-    C, Kp = G.shape
-    Vp = v_ref.shape[-1]
-    eG = jnp.exp(G)
-    gam = row_of(G, C - 1)
-    X = beta * k * eG
-    zero = jnp.zeros((C, Kp), G.dtype)
-    dqg, dkg, dw = zero, zero, zero
-    hdh = jnp.zeros((1, Kp), G.dtype)
-    dAkk = jnp.zeros((C, C), G.dtype)
-    dbeta = jnp.zeros((C, 1), G.dtype)
-    for j in range(0, Vp, block_v):
-        cols = (slice(None), slice(j, j + block_v))
-        h, dh, v, dvn = h_ref[cols], dh_ref[cols], v_ref[cols], dvn_ref[cols]
-        dqg = dqg + dot(do_ref[cols], h, tb=True)
-        dkg = dkg + dot(vn_ref[cols], dh, tb=True)
-        # sum_v h dh as a [1, K] row (a transpose keeps everything 2-D)
-        hdh = hdh + jnp.sum((h * dh).T, axis=0, keepdims=True)
-        dw = dw - dot(dvn, h, tb=True)
-        dAkk = dAkk + dot(dvn, beta * v, tb=True)
-        dY = dot(Akk, dvn, ta=True)
-        dv_ref[cols] = beta * dY
-        dbeta = dbeta + jnp.sum(v * dY, axis=1, keepdims=True)
-    dqg = scale * dqg
-    dgam = jnp.sum(kg * dkg, axis=0, keepdims=True) + jnp.exp(gam) * hdh
-    dAkk = dAkk + dot(dw, X, tb=True)
-    dX = dot(Akk, dw, ta=True)
+def wy_dqkg_body(scale, beta, Akk, refs, out_refs, k_blocks, v_blocks, has_lo: bool):
+    """B3 for one chunk, from refs: ``refs = (k, G, qg, kg, v, h, dh, v_new, do, dv_new
+    [, G_lo])`` in, ``out_refs = (dq, dk, dv, dbeta, dG)`` out; ``beta [C, 1]`` loaded,
+    ``Akk [C, C]`` a ref read where used; returns dL. The value axis is walked ``v_blocks`` at a time for dv and dbeta, then the
+    feature axis ``k_blocks`` at a time, each with the value blocks again for its
+    ``[C, bk]`` gradients: no ``[C, K]`` or ``[C, V]`` operand is ever whole (on Triton at
+    K = V = 128, whole tiles spilled kilobytes a thread; TPU takes one block of each)."""
+    k_r, g_r, qg_r, kg_r, v_r, h_r, dh_r, vn_r, do_r, dvn_r = refs[:10]
+    lo_r = refs[10] if has_lo else None
+    dq_o, dk_o, dv_o, db_o, dG_o = out_refs
+    C = Akk.shape[0]
+    dt = beta.dtype
+
+    def value_block(j0, bv, carry):
+        dAkk, dbeta = carry
+        vc = (slice(None), pl.ds(j0, bv))
+        dvn, v = dvn_r[vc], v_r[vc]
+        dY = dot(Akk[...], dvn, ta=True)
+        dv_o[vc] = beta * dY
+        return dAkk + dot(dvn, beta * v, tb=True), dbeta + jnp.sum(v * dY, axis=1, keepdims=True)
+
+    dAkk, dbeta = blockwise(v_blocks, value_block, (jnp.zeros((C, C), dt), jnp.zeros((C, 1), dt)))
+    last = iota((C, 1), 0) == C - 1
+    bv = v_blocks[0][1]
+
+    def over_values(k0, bk, terms, *rows):
+        """``sum`` over the value blocks of ``terms(vc, h_block)``: a tuple of ``[C, bk]``
+        values, then of ``[r, bk]`` ones for each ``r`` in ``rows``."""
+        def step(j0, _, acc):
+            t = terms((slice(None), pl.ds(j0, bv)), (pl.ds(k0, bk), pl.ds(j0, bv)))
+            return tuple(a + b for a, b in zip(acc, t))
+
+        return blockwise(v_blocks, step, tuple(jnp.zeros((r, bk), dt) for r in (C,) + rows))
+
+    # Per feature block, one [C, bk] accumulator at a time, each consumed before the next.
+    def feature_block(k0, bk, carry):
+        dAkk, dbeta = carry
+        kc = (slice(None), pl.ds(k0, bk))
+        # G (and e^G) read again after each value loop rather than held through it
+        gate = lambda: (g_r[kc], None if lo_r is None else lo_r[kc])
+        (dqg,) = over_values(k0, bk, lambda vc, hb: (dot(do_r[vc], h_r[hb], tb=True),))
+        dqg = scale * dqg
+        dq_o[kc] = dqg * jnp.exp(gate()[0])
+        dG = qg_r[kc] * dqg
+        dkg, hdh = over_values(k0, bk, lambda vc, hb: (
+            dot(vn_r[vc], dh_r[hb], tb=True),
+            # sum_v h dh as a [1, bk] row (a transpose keeps everything 2-D)
+            jnp.sum((h_r[hb] * dh_r[hb]).T, axis=0, keepdims=True)), 1)
+        G, lo = gate()
+        gam = row_of(G, C - 1)
+        kg = kg_r[kc]
+        dgam = jnp.sum(kg * dkg, axis=0, keepdims=True) + jnp.exp(gam) * hdh
+        dG = dG - kg * dkg + jnp.where(last, dgam, 0.0)
+        dk = dkg * decay(None, gam, G, row_or_none(lo, C - 1), lo)
+        (dw,) = over_values(k0, bk, lambda vc, hb: (-dot(dvn_r[vc], h_r[hb], tb=True),))
+        k, eG = k_r[kc], jnp.exp(gate()[0])
+        X = beta * k * eG
+        dAkk = dAkk + dot(dw, X, tb=True)
+        dX = dot(Akk[...], dw, ta=True)
+        dk_o[kc] = dk + beta * eG * dX
+        dG_o[kc] = dG + X * dX
+        return dAkk, dbeta + jnp.sum(k * eG * dX, axis=1, keepdims=True)
+
+    dAkk, dbeta = blockwise(k_blocks, feature_block, (dAkk, dbeta))
+    db_o[...] = dbeta
     row, col = iota((C, C), 0), iota((C, C), 1)
-    dL = jnp.where(col < row, -dot(dot(Akk, dAkk, ta=True), Akk, tb=True), 0.0)
-    dq = dqg * eG
-    dk = dkg * decay(None, gam, G, row_or_none(lo, C - 1), lo) + beta * eG * dX
-    dbeta = dbeta + jnp.sum(k * eG * dX, axis=1, keepdims=True)
-    dG = qg * dqg - kg * dkg + X * dX + jnp.where(iota(G.shape, 0) == C - 1, dgam, 0.0)
-    return dq, dk, dbeta, dG, dL
+    A = Akk[...]
+    return jnp.where(col < row, -dot(dot(A, dAkk, ta=True), A, tb=True), 0.0)
 
 
 @final
-class PallasWY(AbstractWY, PallasTarget):
-    """F3 as a Pallas kernel over (row * head, chunk); with ``G_lo`` (``kdax._hilo``) kg's
-    exponent is the difference of the exact sums."""
+class PallasWY(AbstractWY, PallasFeatureBlocks):
+    """F3 as a Pallas kernel over (row * head, chunk), on Triton ``block_k`` columns of K
+    and of V at a time (32: compiled for sm_90 at K = V = 128, no spills at 4 or 8 warps,
+    against 64-112 B a thread with 64); with ``G_lo`` (``kdax._hilo``) kg's exponent is
+    the difference of the exact sums."""
 
     tile_safe: ClassVar[bool] = True
+
+    block_k: int = eqx.field(static=True, default=32)
 
     @tuned
     @typecheck
@@ -94,22 +152,21 @@ class PallasWY(AbstractWY, PallasTarget):
         if G_lo is not None:
             ins, specs = ins + (fp(G_lo),), specs + [sk]
 
-        def kernel(*refs):
-            lo = refs[6][...] if G_lo is not None else None
-            outs = wy_body(*(r[...] for r in refs[:6]), lo)
-            for ref, val in zip(refs[-4:], outs):
-                ref[...] = val
-
+        kernel = wy_kernel(self.feature_blocks(Kp), self.feature_blocks(Vp), G_lo is not None)
         w, u, qg, kg = self.call(kernel, ins, specs, [(C, Kp), (C, Vp), (C, Kp), (C, Kp)], R * HV, NC, q.dtype)
         cut = lambda x, n: unflat(x[..., :n], R, HV)
         return WYOut(cut(w, K), cut(u, V), cut(qg, K), cut(kg, K))
 
 
 @final
-class PallasWYDqkg(AbstractWYDqkg, PallasValueBlocks):
-    """B3 as a Pallas kernel over (row * head, chunk). ``block_v``: value columns read at
-    a time on the Triton target (a power of 2; the TPU target reads whole blocks);
-    ``G_lo`` as ``PallasWY``."""
+class PallasWYDqkg(AbstractWYDqkg, PallasValueBlocks, PallasFeatureBlocks):
+    """B3 as a Pallas kernel over (row * head, chunk). ``block_v`` / ``block_k``: value /
+    feature columns taken at a time on the Triton target (powers of 2; the TPU target
+    takes whole blocks; 32 and 32: compiled for sm_90 at K = V = 128 and 8 warps, no
+    spills, against 40-400 B a thread with 64); ``G_lo`` as ``PallasWY``."""
+
+    block_v: int = eqx.field(static=True, default=32)
+    block_k: int = eqx.field(static=True, default=32)
 
     @tuned
     @typecheck
@@ -145,16 +202,13 @@ class PallasWYDqkg(AbstractWYDqkg, PallasValueBlocks):
             ins, specs = ins + (fp(G_lo),), specs + [sk]
         n_in = len(ins)
 
-        bv = min(self.block_v, Vp) if self.target == "triton" else Vp
+        k_blocks, v_blocks = self.feature_blocks(Kp), column_blocks(self.target, Vp, self.block_v)
 
         def kernel(*refs):
-            q, k, v, b, g, a, qg_, kg_, h_, dh_, vn, do_, dvn = refs[:13]
-            lo = refs[13][...] if G_lo is not None else None
-            dq_r, dk_r, dv_r, db_r, dG_r, dL_r = refs[n_in:]
-            loaded = (r[...] for r in (k, b, g, a, qg_, kg_))  # B3 needs q only through qg
-            outs = wy_dqkg_body(scale, *loaded, v, h_, dh_, vn, do_, dvn, dv_r, bv, lo)
-            for ref, val in zip((dq_r, dk_r, db_r, dG_r, dL_r), outs):
-                ref[...] = val
+            _, k, v, b, g, a, qg_, kg_, h_, dh_, vn, do_, dvn = refs[:13]  # B3 needs q only through qg
+            ins = (k, g, qg_, kg_, v, h_, dh_, vn, do_, dvn) + tuple(refs[13:n_in])
+            dL_r = refs[-1]
+            dL_r[...] = wy_dqkg_body(scale, b[...], a, ins, refs[n_in:-1], k_blocks, v_blocks, G_lo is not None)
 
         dq, dk, dv, db, dG, dL = self.call(
             kernel, ins, specs, [(C, Kp), (C, Kp), (C, Vp), (C, 1), (C, Kp), (C, C)], R * HV, NC, q.dtype)

@@ -157,3 +157,41 @@ def gate_kernels(tuning: dict) -> dict:
         jax.jit(b5).trace(ck, ck, ck, cs, ck, c1, c1, ck, ck, cs, ck).lower(lowering_platforms=("cuda",))
     assert len(mods) == 2, list(mods)
     return mods
+
+
+def chunk_kernels(policy: str, tuning: dict) -> dict:
+    """``captured`` TTIR of the chunk-parallel Triton kernels F2, F3, B3 and B4 alone at
+    K = V = 128, chunk 64, with G's low part (``kdax._hilo``, as Kimi Linear's options
+    run them), each traced under precision ``policy`` (its stage's products) with Triton
+    ``tuning`` (``PallasTarget`` fields)."""
+    import jax
+    import jax.numpy as jnp
+
+    from kdax import _precision
+    from kdax.pallas import PallasIntra, PallasIntraBackward, PallasWY, PallasWYDqkg
+    from kdax.stages import ChunkGrads
+
+    R, HV, NC, C, K = 1, 2, 4, 64, 128
+    s = jax.ShapeDtypeStruct
+    ck, cs = s((R, HV, NC, C, K), jnp.float32), s((R, HV, NC, C), jnp.float32)
+    cm, ch = s((R, HV, NC, C, C), jnp.float32), s((R, HV, NC, K, K), jnp.float32)
+    kw = dict(target="triton", interpret=False, **tuning)
+
+    def scoped(stage, fn):
+        def run(*a):
+            with _precision.stage_scope(policy, stage):
+                return fn(*a)
+        return run
+
+    calls = [
+        (scoped("intra", lambda q, k, b, G, lo: PallasIntra(**kw)(0.1, q, k, b, G, lo)), (ck, ck, cs, ck, ck)),
+        (scoped("wy", lambda q, k, v, b, G, A, lo: PallasWY(**kw)(q, k, v, b, G, A, lo)), (ck, ck, ck, cs, ck, cm, ck)),
+        (scoped("wy_dqkg", lambda *a: PallasWYDqkg(**kw)(0.1, *a)), (ck, ck, ck, cs, ck, cm, ck, ck, ch, ch, ck, ck, ck, ck)),
+        (scoped("intra_bwd", lambda q, k, b, G, dA, dL, dq, dk, db, dG, lo: PallasIntraBackward(**kw)(
+            0.1, q, k, b, G, dA, ChunkGrads(dq, dk, None, db, dG, dL), lo)), (ck, ck, cs, ck, cm, cm, ck, ck, cs, ck, ck)),
+    ]
+    with captured() as mods:
+        for fn, args in calls:
+            jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    assert len(mods) == 4, list(mods)
+    return mods

@@ -11,6 +11,7 @@ from kdax import KDAConfig
 from kdax import pallas as P
 from kdax import stages as S
 from kdax._layout import make_layout
+from kdax.pallas._common import column_blocks
 from kdax.stages import ChunkGrads
 
 from .._util import ON_DEVICE, assert_close
@@ -123,6 +124,43 @@ def test_backward_stages(target, interpret, dtype, tol, C, K, V):
         _with_G_lo(pairs[2:], x["G"], tol)
 
 
+@pytest.mark.parametrize("dtype,tol", [(jnp.float64, 1e-12), (jnp.float32, 1e-5)])
+def test_triton_chunk_kernels_over_column_blocks(dtype, tol):
+    """The Triton F3, B3 and B4 take K = 72 and V = 40 (padded to 128 and 64) 16 columns
+    at a time (``block_k``, ``block_v``; B4 also 16 rows at a time, the other row blocks one
+    by one): equal to the reference stages, with G_lo too; a NaN in k at one token makes
+    F3's w NaN from that token on, in the columns of its block, and in no earlier row."""
+    x = _x(dtype, 32, 72, 40, seed=5)
+    kw = dict(target="triton", interpret=True, block_k=16)
+    assert len(column_blocks("triton", 128, 16)) == 8
+    sc = x["scale"]
+    dh, do, dv_new = rand_like(x["h"], 5), rand_like(x["v"], 3), rand_like(x["v"], 6)
+    grads = ChunkGrads(rand_like(x["q"], 8), rand_like(x["k"], 9), rand_like(x["v"], 10),
+                       rand_like(x["beta"], 11), rand_like(x["G"], 12), jnp.tril(rand_like(x["Aqk"], 7), -1))
+    pairs = [
+        ("wy", P.PallasWY(**kw), S.ReferenceWY(), (x["q"], x["k"], x["v"], x["beta"], x["G"], x["Akk"])),
+        ("wy_dqkg", P.PallasWYDqkg(**kw, block_v=16), S.ReferenceWYDqkg(),
+         (sc, x["q"], x["k"], x["v"], x["beta"], x["G"], x["Akk"], x["qg"], x["kg"], x["h"], dh, x["v_new"], do,
+          dv_new)),
+        ("intra_bwd", P.PallasIntraBackward(**kw), S.ReferenceIntraBackward(),
+         (sc, x["q"], x["k"], x["beta"], x["G"], jnp.tril(rand_like(x["Aqk"], 13)), grads)),
+    ]
+    for name, pal, ref, args in pairs:
+        _close(pal(*args), ref(*args), tol, name)
+    _with_G_lo(pairs, x["G"], tol)
+    # NaN in k at row 5, column 50 (the fourth block) of chunk 1, head 0 of row 0
+    k_bad = x["k"].at[0, 0, 1, 5, 50].set(jnp.nan)
+    w = np.asarray(pairs[0][1](x["q"], k_bad, x["v"], x["beta"], x["G"], x["Akk"]).w)
+    w_ok = np.asarray(pairs[0][1](*pairs[0][3]).w)
+    hit = w[0, 0, 1]
+    assert np.isnan(hit[5:, 48:64]).all() and not np.isnan(hit[:5]).any()
+    assert not np.isnan(np.delete(hit, np.s_[48:64], axis=1)).any()
+    others = np.isnan(w).copy()
+    others[0, 0, 1] = False
+    assert not others.any()
+    np.testing.assert_array_equal(np.delete(hit, np.s_[48:64], axis=1), np.delete(w_ok[0, 0, 1], np.s_[48:64], axis=1))
+
+
 GATE_CONFIGS = [
     dict(),
     dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True),
@@ -145,7 +183,7 @@ def test_triton_gate_kernels_over_column_blocks(opts, dtype, tol):
     A_log, dt_bias = f(HV) * 0.3, f(HV * K)
     valid = make_layout(R, NC * C - 3, C).valid
     kw = dict(target="triton", interpret=True)
-    assert len(P._gate.column_blocks("triton", 128)) == 8
+    assert len(column_blocks("triton", 128, P._gate.GATE_BLOCK)) == 8
     args = (cfg, q, k, g, beta, A_log, dt_bias, valid)
     act_p, act_r = P.PallasGate(**kw)(*args), S.ReferenceGate()(*args)
     _close(act_p, act_r, tol, "gate")

@@ -5,14 +5,17 @@ kernel). The state kernels F4 and B2 (B0's F4 is F4) at K = V = 128, chunk 64, u
 ``"fast"`` precision policy, at the tunings of the GPU runs' candidates
 (benchmarks/NOTES.md, "GPU commands"), hold the state in registers and run their products
 as bf16 ``wgmma`` (Hopper's warpgroup tensor-core products); the gate kernels F1 and B5
-fit at the default tuning. Needs the ``triton`` package (the ``test`` extra on Linux
+fit at the default tuning, and the chunk-parallel kernels F2, F3, B3 and B4 at the
+candidate's (eight warps, TF32x3 float32 products). Needs the ``triton`` package (the ``test`` extra on Linux
 x86_64): skipped without it."""
 
 import pytest
 
 pytest.importorskip("triton")
 
-from ._triton import HOPPER_REGISTERS, HOPPER_SHARED_BYTES, gate_kernels, resources, state_kernels  # noqa: E402
+from ._triton import (  # noqa: E402
+    HOPPER_REGISTERS, HOPPER_SHARED_BYTES, chunk_kernels, gate_kernels, resources, state_kernels,
+)
 
 TUNINGS = {
     # FLA's shape of the recurrence: the state as 64-row tiles, 64 value columns, 8 warps.
@@ -44,7 +47,25 @@ def test_gate_kernels_fit_in_registers(num_warps):
     """F1 and B5 at K = 128 with Kimi Linear's options, at the default four warps and at
     eight: no thread-local memory. With their cumsums as float32 products (FMA loops on
     Triton) F1 spilled ~15 KiB a thread; with whole [C, K] tiles (scans) 0.8 and 1.8 KiB;
-    16 columns at a time (kdax.pallas._gate.column_blocks), none."""
+    16 columns at a time (kdax.pallas._gate.GATE_BLOCK), none."""
     used = {src.split(" ")[0]: resources(text, num_warps) for src, text in gate_kernels(dict(num_warps=num_warps)).items()}
     assert all(r.local == 0 and r.registers <= HOPPER_REGISTERS and r.shared <= HOPPER_SHARED_BYTES
                for r in used.values()), used
+
+
+def test_chunk_kernels_fit_in_registers():
+    """F2, F3, B3 and B4 at K = V = 128, chunk 64, with G's low part, at the all-Triton
+    candidate's tuning (eight warps, float32 products as TF32x3, two stages), under the
+    bf16 inputs' default policy: no thread-local memory; F3 and B3 take bf16 ``wgmma``
+    products, B4 (kept float32: kdax._precision) TF32 tensor-core products. Before they
+    took their columns in blocks (kdax.pallas._common.PallasFeatureBlocks) F3 spilled
+    112 B a thread, B3 3.2 KiB and B4 1.7 KiB (benchmarks/results/triton_resources.txt
+    of session 13)."""
+    t = dict(num_warps=8, num_stages=2, f32_dot="tf32x3")
+    used = {src.split(" ")[0]: resources(text, 8, 2) for src, text in chunk_kernels("bfloat16", t).items()}
+    assert len(used) == 4, used
+    for name, r in used.items():
+        assert r.local == 0 and r.registers <= HOPPER_REGISTERS and 0 < r.shared <= HOPPER_SHARED_BYTES, used
+        bf16 = any(m.startswith("wgmma.") and m.endswith(".f32.bf16.bf16") for m in r.mma)
+        tf32 = any(".tf32" in m for m in r.mma)
+        assert (tf32 if "IntraBackward" in name else bf16), (name, r.mma)
