@@ -126,7 +126,7 @@ def test_backward_stages(target, interpret, dtype, tol, C, K, V):
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.float64, 1e-12), (jnp.float32, 1e-5)])
 def test_triton_chunk_kernels_over_column_blocks(dtype, tol):
-    """The Triton F3, B3 and B4 take K = 72 and V = 40 (padded to 128 and 64) 16 columns
+    """The Triton F2, F3, B3 and B4 take K = 72 and V = 40 (padded to 128 and 64) 16 columns
     at a time (``block_k``, ``block_v``; B4 also 16 rows at a time, the other row blocks one
     by one): equal to the reference stages, with G_lo too; a NaN in k at one token makes
     F3's w NaN from that token on, in the columns of its block, and in no earlier row."""
@@ -139,6 +139,7 @@ def test_triton_chunk_kernels_over_column_blocks(dtype, tol):
                        rand_like(x["beta"], 11), rand_like(x["G"], 12), jnp.tril(rand_like(x["Aqk"], 7), -1))
     pairs = [
         ("wy", P.PallasWY(**kw), S.ReferenceWY(), (x["q"], x["k"], x["v"], x["beta"], x["G"], x["Akk"])),
+        ("intra", P.PallasIntra(**kw), S.ReferenceIntra(), (sc, x["q"], x["k"], x["beta"], x["G"])),
         ("wy_dqkg", P.PallasWYDqkg(**kw, block_v=16), S.ReferenceWYDqkg(),
          (sc, x["q"], x["k"], x["v"], x["beta"], x["G"], x["Akk"], x["qg"], x["kg"], x["h"], dh, x["v_new"], do,
           dv_new)),
