@@ -79,7 +79,9 @@ def kdax_pipeline(name: str) -> KDAPipeline:
     ``+warps=N`` / ``+stages=N`` / ``+f32dot=tf32x3`` (every Pallas stage's Triton tuning),
     ``+group=N|none`` / ``+unroll=N`` (every reference stage's chunk groups / the
     recurrences' loop unroll), ``+block_k=N`` (the Pallas state kernels hold the state as
-    N-row tiles), ``+block_v=N`` (and take N value columns per program), ``+fast`` (precision "fast": bf16 operands in the
+    N-row tiles), ``+block_v=N`` (and take N value columns per program), ``+cols=N`` (the
+chunk-parallel Pallas kernels F2, F3, B3, B4 take N feature columns at a time:
+``kdax.pallas._common.PallasFeatureBlocks``), ``+fast`` (precision "fast": bf16 operands in the
     recurrences too, ``kdax._precision``), ``+segments=S`` (F4 and B2, whichever stages the
     pipeline has by then, split into S segments per row: ``kdax.stages.segmented``; put
     it last), ``+no_recompute`` (the pipeline unchanged; ``call_options`` turns it into
@@ -128,6 +130,11 @@ def _with_option(pipe: KDAPipeline, opt: str, name: str) -> KDAPipeline:
 
         return dataclasses.replace(pipe, **{n: dataclasses.replace(s, **{key: int(val)}) for n, s in stages.items()
                                             if isinstance(s, (PallasState, PallasDhu))})
+    if key == "cols":
+        from kdax.pallas._common import PallasFeatureBlocks
+
+        return dataclasses.replace(pipe, **{n: dataclasses.replace(s, block_k=int(val)) for n, s in stages.items()
+                                            if isinstance(s, PallasFeatureBlocks)})
     if key == "fast":
         return pipe.with_precision("fast")
     if key == "segments":

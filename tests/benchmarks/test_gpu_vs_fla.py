@@ -117,6 +117,24 @@ def test_no_recompute_is_a_call_option(gvf, monkeypatch):
         assert seen[-1]["pipeline"] is not None and seen[-1]["use_gate_in_kernel"]
 
 
+def test_column_and_state_tile_options(gvf):
+    """``+cols=N`` sets the chunk-parallel Pallas kernels' feature blocks and nothing else;
+    ``+block_k=N`` the state kernels' row tiles and nothing else."""
+    from kdax.pallas._common import PallasFeatureBlocks
+    from kdax.pallas import PallasDhu, PallasState
+
+    base = gvf.kdax_pipeline("pallas")
+    cols = gvf.kdax_pipeline("pallas+cols=16")
+    tiles = gvf.kdax_pipeline("pallas+block_k=64")
+    blocked = [n for n in ("intra", "wy", "wy_dqkg", "intra_bwd") if isinstance(getattr(base, n), PallasFeatureBlocks)]
+    assert blocked == ["intra", "wy", "wy_dqkg", "intra_bwd"]
+    for n in blocked:
+        assert getattr(cols, n).block_k == 16 and getattr(tiles, n) == getattr(base, n)
+    for n, cls in (("state", PallasState), ("dhu", PallasDhu)):
+        assert isinstance(getattr(base, n), cls)
+        assert getattr(cols, n) == getattr(base, n) and getattr(tiles, n).block_k == 64
+
+
 def test_table_memory_pending_and_superseded_rows(gvf):
     """Memory columns (a peak that may not be the row's own is starred), rows still
     waiting for the float64 reference, and a path's "skipped" row dropped once a later
