@@ -95,8 +95,16 @@ class PallasValueBlocks(PallasTarget):
     block_v: int = eqx.field(static=True, default=64)
 
     def __check_init__(self):
-        if self.block_v < 16 or self.block_v & (self.block_v - 1):
-            raise ValueError(f"block_v: expected a power of 2 of at least 16, got {self.block_v}.")
+        check_block("block_v", self.block_v)
+
+
+def check_block(name: str, value, optional: bool = False) -> None:
+    """A block size field: a power of 2 of at least 16 (or None where ``optional``)."""
+    if optional and value is None:
+        return
+    if not isinstance(value, int) or value < 16 or value & (value - 1):
+        expected = "None or a power of 2" if optional else "a power of 2"
+        raise ValueError(f"{name}: expected {expected} of at least 16, got {value!r}.")
 
 
 class PallasFeatureBlocks(PallasTarget):
@@ -108,8 +116,7 @@ class PallasFeatureBlocks(PallasTarget):
     block_k: int = eqx.field(static=True, default=64)
 
     def __check_init__(self):
-        if self.block_k < 16 or self.block_k & (self.block_k - 1):
-            raise ValueError(f"block_k: expected a power of 2 of at least 16, got {self.block_k}.")
+        check_block("block_k", self.block_k)
 
     def feature_blocks(self, n: int):
         """``column_blocks`` of ``n`` feature columns for this stage's target."""
@@ -348,6 +355,11 @@ def col_of(x, j):
 def masked_exp(mask, diff):
     """``exp(diff)`` where ``mask``, else 0: the mask sits in the exponent."""
     return jnp.exp(jnp.where(mask, diff, -jnp.inf))
+
+
+def ref_or_none(ref, idx):
+    """``ref[idx]``, or None for a missing ref (G's low part)."""
+    return None if ref is None else ref[idx]
 
 
 def row_or_none(x, i):

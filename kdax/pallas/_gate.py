@@ -23,7 +23,7 @@ from ..stages import AbstractGate, AbstractGateBackward, Activated, RawGrads
 from .._final import final
 from ._common import (
     PallasTarget, chunk_spec, column_blocks, dot, feature_pad, flat, head_spec, iota, lower_dot, nonfinite_rows,
-    tuned, unflat,
+    ref_or_none, tuned, unflat,
 )
 
 
@@ -97,7 +97,7 @@ def gate_kernel(cfg: KDAConfig, blocks, split: bool, scan: bool, has: tuple):
         n = sum(has)
         params, outs = refs[:n], list(refs[n:])
         a_ref, d_ref = _param_refs(params, has)
-        a = None if a_ref is None else a_ref[...]
+        a = ref_or_none(a_ref, ...)
         valid = v_ref[...]
         C = valid.shape[0]
         q_o, k_o, b_o, G_o = outs[:4]
@@ -105,7 +105,7 @@ def gate_kernel(cfg: KDAConfig, blocks, split: bool, scan: bool, has: tuple):
 
         def gate(k0, bk):
             cols = pl.ds(k0, bk)
-            return _activate(cfg, g_ref[:, cols], valid, a, None if d_ref is None else d_ref[:, cols])
+            return _activate(cfg, g_ref[:, cols], valid, a, ref_or_none(d_ref, (slice(None), cols)))
 
         # Row statistics over all columns first: the l2 norms, and the rows holding a
         # non-finite gate (NaN in every column of G from there on, as lower_dot has it).

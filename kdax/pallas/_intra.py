@@ -20,8 +20,8 @@ from .._typing import ChunkK, ChunkMat, ChunkScalar, typecheck
 from ..stages import AbstractIntra, AbstractIntraBackward, ChunkGrads, IntraOut
 from .._final import final
 from ._common import (
-    PallasFeatureBlocks, blockwise, chunk_spec, col_of, decay, dot, flat, idiv, iota, loop, row_of,
-    row_or_none, tuned, unflat,
+    PallasFeatureBlocks, blockwise, chunk_spec, col_of, decay, dot, flat, idiv, iota, loop, ref_or_none,
+    row_of, row_or_none, tuned, unflat,
 )
 
 
@@ -116,6 +116,13 @@ def pair_cols_body(S, a, G, block: int, lo=None):
     return loop(0, C, diag, out)
 
 
+def intra_bwd_outputs(q, k, beta, dq_a, dk_a, r, c, dq, dk, dG):
+    """B4's gradients ``(dq, dk, dG, dbeta's increment)`` from the pair sums ``dq_a``,
+    ``dk_a`` (scaled), ``r``, ``c`` and the incoming ``dq``, ``dk``, ``dG``."""
+    return (dq + dq_a, dk + dk_a + beta * r + c, dG + q * dq_a - k * dk_a + beta * k * r - k * c,
+            jnp.sum(k * r, axis=1, keepdims=True))
+
+
 def intra_bwd_rows_kernel(scale: float, block: int, C: int, blocks, has_lo: bool):
     """B4's kernel on Triton, as FLA's ``chunk_kda_bwd_intra`` takes it: one block of
     ``block`` output rows at a time (a loop), within it ``blocks`` of feature columns
@@ -142,7 +149,7 @@ def intra_bwd_rows_kernel(scale: float, block: int, C: int, blocks, has_lo: bool
             db = db_ref[rs, :]
             for k0, bk in blocks:
                 cols = pl.ds(k0, bk)
-                ld = lambda ref, rows: None if ref is None else ref[rows, cols]
+                ld = lambda ref, rows: ref_or_none(ref, (rows, cols))
                 q, k, G, lo = ld(q_ref, rs), ld(k_ref, rs), ld(g_ref, rs), ld(lo_ref, rs)
                 Ga, La = ld(g_ref, pl.ds(r0, 1)), ld(lo_ref, pl.ds(r0, 1))
                 Gn, Ln = ld(g_ref, nxt), ld(lo_ref, nxt)
@@ -177,12 +184,10 @@ def intra_bwd_rows_kernel(scale: float, block: int, C: int, blocks, has_lo: bool
                             c + col_of(dL_dt, t) * (b_ref[row, :] * kt) * e_out)
 
                 dq_a, r, dk_a, c = loop(0, b, diag, (dq_a, r, dk_a, c))
-                dq_a, dk_a = scale * dq_a, scale * dk_a
                 at = (rs, cols)
-                dq_out[at] = dq_ref[at] + dq_a
-                dk_out[at] = dk_ref[at] + dk_a + beta * r + c
-                dg_out[at] = dg_ref[at] + q * dq_a - k * dk_a + beta * k * r - k * c
-                db = db + jnp.sum(k * r, axis=1, keepdims=True)
+                dq_out[at], dk_out[at], dg_out[at], ddb = intra_bwd_outputs(
+                    q, k, beta, scale * dq_a, scale * dk_a, r, c, dq_ref[at], dk_ref[at], dg_ref[at])
+                db = db + ddb
             db_out[rs, :] = db
             return carry
 
@@ -232,8 +237,7 @@ class PallasIntra(AbstractIntra, PallasFeatureBlocks):
 
             def feature_block(k0, bk, S):
                 kc = (slice(None), pl.ds(k0, bk))
-                lo = None if lo_ref is None else lo_ref[kc]
-                Sqk, Skk = scores_body(q_ref[kc], k_ref[kc], g_ref[kc], block, lo)
+                Sqk, Skk = scores_body(q_ref[kc], k_ref[kc], g_ref[kc], block, ref_or_none(lo_ref, kc))
                 return S[0] + Sqk, S[1] + Skk
 
             zeros = jnp.zeros((C, C), q.dtype)
@@ -296,10 +300,9 @@ class PallasIntraBackward(AbstractIntraBackward, PallasFeatureBlocks):
                 dk_a = scale * pair_cols_body(dA, q, G, block, lo)
                 r = pair_rows_body(dL, k, G, block, lo)
                 c = pair_cols_body(dL * beta, k, G, block, lo)
-                dq_out[...] = dq_ref[...] + dq_a
-                dk_out[...] = dk_ref[...] + dk_a + beta * r + c
-                db_out[...] = db_ref[...] + jnp.sum(k * r, axis=1, keepdims=True)
-                dg_out[...] = dg_ref[...] + q * dq_a - k * dk_a + beta * k * r - k * c
+                dq_out[...], dk_out[...], dg_out[...], ddb = intra_bwd_outputs(
+                    q, k, beta, dq_a, dk_a, r, c, dq_ref[...], dk_ref[...], dg_ref[...])
+                db_out[...] = db_ref[...] + ddb
         dq, dk, db, dG = self.call(kernel, ins, specs, [(C, Kp), (C, Kp), (C, 1), (C, Kp)], R * HV, NC, q.dtype)
         cut = lambda x: unflat(x[..., :K], R, HV)
         return ChunkGrads(cut(dq), cut(dk), grads.dv, unflat(db, R, HV, squeeze=True), cut(dG), None)

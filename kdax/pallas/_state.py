@@ -19,7 +19,7 @@ from .._typing import ChunkK, ChunkV, ChunkValid, SeqState, typecheck
 from ..stages import AbstractDhu, AbstractState, DhuOut, StateOut
 from .._final import final
 from . import _state_tpu as tpu, _state_triton as triton
-from ._common import PallasValueBlocks, feature_pad, flat, tuned, unflat
+from ._common import PallasValueBlocks, check_block, feature_pad, flat, tuned, unflat
 
 
 def _check_dense(stage: str, layout: ChunkLayout, NC: int):
@@ -56,11 +56,6 @@ def _product_operands(target: str, *xs):
     return tuple(x.astype(half) for x in xs)
 
 
-def _check_block_k(block_k):
-    if block_k is not None and (not isinstance(block_k, int) or block_k < 16 or block_k & (block_k - 1)):
-        raise ValueError(f"block_k: expected None or a power of 2 of at least 16, got {block_k!r}.")
-
-
 @final
 class PallasState(AbstractState, PallasValueBlocks):
     """F4 as a Pallas kernel (TPU: dense layout; Triton: dense and packed varlen, one
@@ -71,7 +66,7 @@ class PallasState(AbstractState, PallasValueBlocks):
     block_k: Optional[int] = eqx.field(static=True, default=None)
 
     def __check_init__(self):
-        _check_block_k(self.block_k)
+        check_block("block_k", self.block_k, optional=True)
 
     @tuned
     @typecheck
@@ -116,7 +111,7 @@ class PallasDhu(AbstractDhu, PallasValueBlocks):
     block_k: Optional[int] = eqx.field(static=True, default=None)
 
     def __check_init__(self):
-        _check_block_k(self.block_k)
+        check_block("block_k", self.block_k, optional=True)
 
     @tuned
     @typecheck

@@ -11,7 +11,7 @@ from ..stages import AbstractWY, AbstractWYDqkg, ChunkGrads, WYOut
 from .._final import final
 from ._common import (
     PallasFeatureBlocks, PallasValueBlocks, blockwise, chunk_spec, column_blocks, decay, dot, flat, iota,
-    lower_dot, row_of, row_or_none, tuned, unflat,
+    lower_dot, ref_or_none, row_of, row_or_none, tuned, unflat,
 )
 
 
@@ -30,7 +30,7 @@ def wy_kernel(k_blocks, v_blocks, has_lo: bool):
         def feature_block(k0, bk, carry):
             kc = (slice(None), pl.ds(k0, bk))
             G, k = g_r[kc], k_r[kc]
-            lo = None if lo_r is None else lo_r[kc]
+            lo = ref_or_none(lo_r, kc)
             eG = jnp.exp(G)
             w_o[kc] = lower_dot(a_r[...], beta * k * eG)
             qg_o[kc] = q_r[kc] * eG
@@ -51,9 +51,9 @@ def wy_kernel(k_blocks, v_blocks, has_lo: bool):
 def wy_dqkg_body(scale, beta, Akk, refs, out_refs, k_blocks, v_blocks, has_lo: bool):
     """B3 for one chunk, from refs: ``refs = (k, G, qg, kg, v, h, dh, v_new, do, dv_new
     [, G_lo])`` in, ``out_refs = (dq, dk, dv, dbeta, dG)`` out; ``beta [C, 1]`` loaded,
-    ``Akk [C, C]`` a ref read where used; returns dL. The value axis is walked ``v_blocks`` at a time for dv and dbeta, then the
-    feature axis ``k_blocks`` at a time, each with the value blocks again for its
-    ``[C, bk]`` gradients: no ``[C, K]`` or ``[C, V]`` operand is ever whole (on Triton at
+    ``Akk [C, C]`` a ref read where used; returns dL. The value axis is walked
+    ``v_blocks`` at a time for dv and dbeta, then the feature axis ``k_blocks`` at a time,
+    each with the value blocks again for its ``[C, bk]`` gradients: no ``[C, K]`` or ``[C, V]`` operand is ever whole (on Triton at
     K = V = 128, whole tiles spilled kilobytes a thread; TPU takes one block of each)."""
     k_r, g_r, qg_r, kg_r, v_r, h_r, dh_r, vn_r, do_r, dvn_r = refs[:10]
     lo_r = refs[10] if has_lo else None
@@ -87,7 +87,7 @@ def wy_dqkg_body(scale, beta, Akk, refs, out_refs, k_blocks, v_blocks, has_lo: b
         dAkk, dbeta = carry
         kc = (slice(None), pl.ds(k0, bk))
         # G (and e^G) read again after each value loop rather than held through it
-        gate = lambda: (g_r[kc], None if lo_r is None else lo_r[kc])
+        gate = lambda: (g_r[kc], ref_or_none(lo_r, kc))
         (dqg,) = over_values(k0, bk, lambda vc, hb: (dot(do_r[vc], h_r[hb], tb=True),))
         dqg = scale * dqg
         dq_o[kc] = dqg * jnp.exp(gate()[0])
