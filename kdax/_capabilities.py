@@ -6,6 +6,8 @@ import functools
 import inspect
 from typing import NamedTuple
 
+from ._tokens import Tokens, as_chunked
+
 
 class Capabilities(NamedTuple):
     """``G_lo``: the low part of the gate cumsum (``kdax/_hilo.py``); without it the
@@ -19,12 +21,16 @@ class Capabilities(NamedTuple):
     ``kdax.stages.activated_gate``), so the pipeline may compute a few terms of it itself:
     packed initial states entering shared chunks (``kdax._shared_states``) need the first
     tokens' decays (F1) and their ``scale q e^(Γ') Y`` output term (F5); without it on
-    both, such calls keep one sequence per chunk."""
+    both, such calls keep one sequence per chunk. ``tokens`` (F1, B5): reads the call's
+    inputs from the caller's layout itself: ``kdax._tokens.Tokens`` views in place of the
+    chunked arrays, on dense input whose T is a multiple of the chunk size; without it the
+    stage gets the chunked copies."""
 
     G_lo: bool
     reset: bool
     tile_safe: bool
     standard: bool = False
+    tokens: bool = False
 
 
 def _takes(cls: type, name: str) -> bool:
@@ -35,7 +41,7 @@ def _takes(cls: type, name: str) -> bool:
 @functools.cache
 def capabilities(cls: type) -> Capabilities:
     """The declaration of stage class ``cls``: its ``accepts`` ClassVar (a set drawn from
-    ``"G_lo"``, ``"reset"``, ``"tile_safe"``, ``"standard"``) when it has one; else what its signature
+    ``"G_lo"``, ``"reset"``, ``"tile_safe"``, ``"standard"``, ``"tokens"``) when it has one; else what its signature
     and ClassVars say (a ``G_lo`` / ``reset`` parameter or ``**kwargs``; ``tile_safe``),
     as stages written before declarations keep working."""
     declared = getattr(cls, "accepts", None)
@@ -48,8 +54,12 @@ def capabilities(cls: type) -> Capabilities:
     return Capabilities(_takes(cls, "G_lo"), _takes(cls, "reset"), bool(getattr(cls, "tile_safe", False)), False)
 
 
-def with_G_lo(stage, kwargs: dict) -> dict:
-    """``kwargs`` without ``G_lo`` for a stage that does not accept it."""
-    if "G_lo" in kwargs and not capabilities(type(stage)).G_lo:
-        return {n: x for n, x in kwargs.items() if n != "G_lo"}
+def negotiated(stage, kwargs: dict) -> dict:
+    """``kwargs`` for ``stage``: without ``G_lo`` for a stage that does not accept it, and
+    ``Tokens`` views as chunked copies for one that does not read them (``tokens``)."""
+    caps = capabilities(type(stage))
+    if "G_lo" in kwargs and not caps.G_lo:
+        kwargs = {n: x for n, x in kwargs.items() if n != "G_lo"}
+    if not caps.tokens and any(isinstance(x, Tokens) for x in kwargs.values()):
+        kwargs = {n: as_chunked(x) for n, x in kwargs.items()}
     return kwargs

@@ -50,7 +50,7 @@ def sequence_ids(B: int, T: int, cu_seqlens):
 
 # Which elements of an input the recurrence turns into NaN or inf, by kind (a static
 # name, so that the test fuses into each pass that needs it instead of a stored mask).
-def _is_bad(kind: str, x):
+def is_bad(kind: str, x):
     if kind == "nan":  # an activation finite at ±inf (softplus / lower-bound gate, beta sigmoid)
         return jnp.isnan(x)
     if kind == "decay":  # a log decay: -inf is a full reset (clamped to the floor)
@@ -59,14 +59,14 @@ def _is_bad(kind: str, x):
 
 
 def input_kinds(gate_in_kernel: bool, beta_sigmoid: bool) -> tuple:
-    """The ``_is_bad`` kind of each of (q, k, v, g, beta)."""
+    """The ``is_bad`` kind of each of (q, k, v, g, beta)."""
     return ("any", "any", "any", "nan" if gate_in_kernel else "decay", "nan" if beta_sigmoid else "any")
 
 
 def bad_elements(raw, gate_in_kernel: bool, beta_sigmoid: bool):
     """Per input of ``raw = (q, k, v, g, beta)``, the elements the recurrence turns into
     NaN or inf (same shapes)."""
-    return tuple(_is_bad(kind, x) for kind, x in zip(input_kinds(gate_in_kernel, beta_sigmoid), raw))
+    return tuple(is_bad(kind, x) for kind, x in zip(input_kinds(gate_in_kernel, beta_sigmoid), raw))
 
 
 def _per_value_head(x, HV: int):
@@ -121,8 +121,8 @@ class Bad:
         HV = v.shape[2]
         self.kinds = input_kinds(gate_in_kernel, beta_sigmoid)
         # per token and head: one fused pass over each input
-        tq, tk, tv, tg = (jnp.any(_is_bad(kind, x), -1) for kind, x in zip(self.kinds[:4], raw[:4]))
-        state = _per_value_head(tk, HV) | tv | tg | _is_bad(self.kinds[4], beta)  # [B, T, HV]
+        tq, tk, tv, tg = (jnp.any(is_bad(kind, x), -1) for kind, x in zip(self.kinds[:4], raw[:4]))
+        state = _per_value_head(tk, HV) | tv | tg | is_bad(self.kinds[4], beta)  # [B, T, HV]
         self.q_only = _per_value_head(tq, HV)
         seq, _ = sequence_ids(B, T, cu_seqlens)
         self.after = _reaches(state, seq)  # [B, T, HV]: from the state's first bad token on

@@ -1,6 +1,7 @@
 """What a pipeline's forward keeps for its backward (``KDAResiduals``, with ``read`` for
 any intermediate in the user's layout) and what its backward returns (``KDAGrads``)."""
 
+import typing
 from typing import Callable, Optional
 
 import equinox as eqx
@@ -9,6 +10,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from ._config import KDAConfig
 from ._layout import ChunkLayout, unpack
+from ._tokens import Tokens, as_chunked
 from ._typing import ChunkMat, ChunkK, ChunkV, SeqState
 from .stages import Activated, ForwardCache
 
@@ -47,7 +49,7 @@ class KDAResiduals(eqx.Module):
     layout: ChunkLayout
     act: Activated
     v: ChunkV
-    g_raw: Optional[ChunkK]
+    g_raw: Optional[typing.Union[ChunkK, Tokens]]  # (a view of the caller's g: kdax._tokens)
     A_log: Optional[Float[Array, " HV"]]
     dt_bias: Optional[Float[Array, " HVK"]]
     Aqk: ChunkMat
@@ -99,6 +101,7 @@ class KDAResiduals(eqx.Module):
             why = ("no cache was kept (chunk_kda's recompute path); use KDAPipeline.forward"
                    if self._TOKEN[name].startswith("cache") else "that option is off")
             raise ValueError(f"name: {name!r} is not in these residuals: {why}.")
+        x = as_chunked(x)
         y = unpack(self.layout, x[..., None] if x.ndim == 4 else x)
         y = y[..., 0] if x.ndim == 4 else y
         if not per_sequence or self.cu_seqlens is None:

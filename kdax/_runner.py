@@ -26,7 +26,7 @@ import equinox as eqx
 import jax
 
 from . import _precision
-from ._capabilities import capabilities, with_G_lo
+from ._capabilities import capabilities, negotiated
 from ._contracts import STAGES, check_arguments, check_family, check_output, expected_output
 from ._errors import FallbackWarning, UnsupportedCase
 from ._ops import chunk_loops_scope
@@ -79,7 +79,7 @@ def run_stage(pipeline, name: str, **kwargs):
     stage = getattr(pipeline, name)
     check_family(name, stage)
     caps = capabilities(type(stage))
-    full, kwargs = kwargs, with_G_lo(stage, kwargs)
+    full, kwargs = kwargs, negotiated(stage, kwargs)
     needs_reset = kwargs.get("reset") is not None and not caps.reset
     if "reset" in kwargs and not caps.reset:
         kwargs = {n: x for n, x in kwargs.items() if n != "reset"}
@@ -106,7 +106,7 @@ def run_stage(pipeline, name: str, **kwargs):
             ran, reason = STAGES[name].reference(), str(e) or type(e).__name__
             if not any(r.quiet for r in recs):
                 _warn_once(name, type(stage).__qualname__, reason)
-            out = ran(**with_G_lo(ran, full))
+            out = ran(**negotiated(ran, full))
     for rec in recs:
         rec.ran.setdefault(name, (stage, ran, reason))
     check_output(name, ran, out, expected_output(name, kwargs, kwargs.get("config")))
@@ -119,6 +119,8 @@ class PipelineWY(AbstractWY):
     written before ``G_lo``), so that B0 still recomputes exactly the forward's F3."""
 
     tile_safe: ClassVar[bool] = True
+    # (views go on to run_stage, which hands the pipeline's F3 a copy if it reads none)
+    accepts: ClassVar[frozenset] = frozenset({"G_lo", "reset", "tile_safe", "tokens"})
     pipeline: eqx.Module
     G_lo: Optional[ChunkK] = None
 

@@ -11,11 +11,13 @@ See docs/stages.md for the stages' contracts, tiles, fallback, ``plan`` and inte
 
 import dataclasses
 import inspect
+import typing
 from typing import Optional
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Float
 
 from . import _isolation, _precision
@@ -31,6 +33,7 @@ from . import _shared_states
 from ._runner import PipelineState, PipelineWY, active_recordings, recording, run_stage
 from ._stage_grads import BackwardParts
 from ._tiles import Tiles
+from ._tokens import Tokens, as_chunked, token_inputs
 from ._typing import ALogIn, ArrayIn, Beta, ChunkK, ChunkState, ChunkV, CuSeqlensIn, Gate, QK, State, Values, typecheck
 from ._validate import validate
 from ._vjp import differentiable
@@ -277,7 +280,7 @@ class KDAPipeline(eqx.Module):
         if nt is not None and not layout.dense and h0.shape[0] > nt * config.chunk_size:
             nt = None  # each tile's state table, O(N), would cost more than its tokens
         if nt is None:
-            chunked = pack_inputs(layout, raw, HV, dt, clean)
+            chunked = self._chunked_inputs(config, layout, raw, HV, dt, clean)
             oc, fw, final = self._forward_stages(config, chunked, A_log, dt_bias, h0, layout)
             o = unpack(layout, oc)
         else:
@@ -294,6 +297,31 @@ class KDAPipeline(eqx.Module):
             intra.Aqk, intra.Akk, h0, cache, H, in_dtypes, cu_seqlens,
         )
         return o, final, res
+
+    def _chunked_inputs(self, config: KDAConfig, layout: ChunkLayout, raw, HV: int, dt, clean):
+        """``(q, k, v, g, beta)`` for F1-F3 (whole, untiled): the chunked copies
+        (``pack_inputs``; ``clean`` the cleaner or None). On dense input whose T is a
+        multiple of the chunk size, ``Tokens`` views instead where the reader declares
+        ``tokens``: q, k, g and beta with such an F1 (B5 reads g), v with such an F3 (B0
+        and B3 read it too); no copy is made of those. Readers without the capability
+        get a copy from the stage runner."""
+        reads = [capabilities(type(getattr(self, n))).tokens for n in ("gate", "wy")]
+        if not (layout.dense and layout.T % layout.chunk_size == 0 and any(reads)):
+            return pack_inputs(layout, raw, HV, dt, clean)
+        kinds = _isolation.input_kinds(config.use_gate_in_kernel, config.use_beta_sigmoid_in_kernel) if clean else None
+        q, k, v, g, beta = token_inputs(raw, HV, layout.chunk_size, dt, kinds)
+        if not reads[0]:
+            q, k, g, beta = (x.chunked() for x in (q, k, g, beta))
+        return q, k, v if reads[1] else v.chunked(), g, beta
+
+    def _chunked_cotangent(self, layout: ChunkLayout, do, dt):
+        """``do`` for B1-B3: the chunked copy, or on dense input whose T is a multiple of the
+        chunk size, with a B1, B2 or B3 that reads the caller's layout (``tokens``), a
+        ``Tokens`` view (the stage runner gives the others the copy)."""
+        if layout.dense and layout.T % layout.chunk_size == 0 and any(
+                capabilities(type(getattr(self, n))).tokens for n in ("dav", "dhu", "wy_dqkg")):
+            return Tokens(do, do.shape[2], layout.chunk_size, np.dtype(dt))
+        return pack(layout, do, dt)
 
     def _forward_entries(self, config: KDAConfig, raw, h0, A_log, dt_bias, cu_seqlens, clean: bool, dt):
         """``run_forward`` of packed sequences with initial states, sharing chunks: the
@@ -449,7 +477,7 @@ class KDAPipeline(eqx.Module):
         if self.precision == "auto":  # the policy chunk_kda resolves, for pipeline.backward
             self = self.with_precision(_precision.resolve(self.precision, res.in_dtypes[0]))
         dt = res.h0.dtype
-        doc = pack(L, do, dt)
+        doc = self._chunked_cotangent(L, do, dt)
         fin_dht = dht.astype(dt) if shared_dht else None
         # A non-finite dht stays in its sequence: zero before B2 reads it; shared chunks read
         # it as given and select per head after the VJP (_shared_states.finals_vjp).
@@ -534,7 +562,7 @@ class KDAPipeline(eqx.Module):
                                       dA_log=None if raw.dA_log is None else add(raw.dA_log, dA_start),
                                       ddt_bias=None if raw.ddt_bias is None else add(raw.ddt_bias, db_start))
         H = res.num_qk_heads
-        parts = BackwardParts(doc=doc, qg=qg, h=h, v_new=v_out, act_grads=grads)
+        parts = BackwardParts(doc=as_chunked(doc), qg=qg, h=h, v_new=v_out, act_grads=grads)
         return KDAGrads(
             q=unpack(L, reduce_group(raw.dq, H)),
             k=unpack(L, reduce_group(raw.dk, H)),
@@ -609,7 +637,7 @@ class _ForwardChunks(eqx.Module):
     h: ChunkState
     v_new: ChunkV
     v: ChunkV
-    g: ChunkK
+    g: typing.Union[ChunkK, Tokens]
 
 
 @typecheck

@@ -28,6 +28,7 @@ from .. import _precision
 from .._errors import UnsupportedCase
 from .._hilo import exponent
 from .._ops import vary_like
+from .._tokens import Tokens
 
 TARGETS = ("tpu", "triton")
 
@@ -245,6 +246,45 @@ def unflat(x, R: int, HV: int, squeeze: bool = False):
 def chunk_spec(block):
     """One (p, chunk) block of a ``[P, NC, *block]`` array."""
     return pl.BlockSpec((None, None) + tuple(block), lambda p, c: (p, c) + (0,) * len(block))
+
+
+def token_operand(target: str, x, padded, block):
+    """``(array, BlockSpec, load)`` for a kernel input: a ``kdax._tokens.Tokens`` view
+    read from the caller's array ``[B, NC, C, Hx, D]`` (a reshape; beta ``[..., 1]``),
+    program p taking row ``p // HV``, head ``(p % HV) // group``, ``load`` its cast and
+    cleaning (for ``loaded``); else the chunked array ``padded(x)``
+    (``PallasTarget.padded``) with ``chunk_spec(block)`` and no load. Views reach here
+    only where ``reads_tokens`` said so."""
+    if not isinstance(x, Tokens):
+        return padded(x), chunk_spec(block), None
+    a = x.chunks()
+    a = a[..., None] if a.ndim == 4 else a
+    HV, G = x.heads, x.group
+    spec = pl.BlockSpec((None, None, x.chunk_size, None, a.shape[-1]), lambda p, c: (p // HV, c, 0, (p % HV) // G, 0))
+    return a, spec, x.load
+
+
+class Loaded:
+    """A kernel ref whose every read passes through ``load`` (a ``Tokens`` view's cast and
+    cleaning), so a kernel body reads a view's blocks as it reads a chunked ref's."""
+
+    def __init__(self, ref, load):
+        self.ref, self.load = ref, load
+
+    def __getitem__(self, idx):
+        return self.load(self.ref[idx])
+
+
+def loaded(ref, load):
+    """``ref`` read through ``load`` (``Loaded``), or ``ref`` itself when ``load`` is None."""
+    return ref if load is None else Loaded(ref, load)
+
+
+def reads_tokens(target: str, width: int) -> bool:
+    """Whether a kernel reads ``Tokens`` views of feature ``width`` from the caller's
+    array: on Triton when the width needs no padding (a power of 2, at least 16); TPU
+    blocks (a squeezed head axis second to last) and padding take the chunked copy."""
+    return target == "triton" and width == pow2(width)
 
 
 def head_spec(block, HV: int):

@@ -8,7 +8,7 @@ a time (``column_blocks``), the row statistics (l2 norms, non-finite rows) first
 over a chunk for dA_log / ddt_bias are written per column and added up outside.
 """
 
-from typing import ClassVar, Optional
+from typing import ClassVar, Optional, Union
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -21,9 +21,10 @@ from .._typing import ChunkK, ChunkScalar, ChunkValid, typecheck
 from ..ref import L2NORM_EPS, log_decay_floor
 from ..stages import AbstractGate, AbstractGateBackward, Activated, RawGrads
 from .._final import final
+from .._tokens import Tokens, as_chunked
 from ._common import (
-    PallasTarget, chunk_spec, column_blocks, dot, feature_pad, flat, head_spec, iota, lower_dot, nonfinite_rows,
-    ref_or_none, tuned, unflat,
+    PallasTarget, chunk_spec, column_blocks, dot, feature_pad, flat, head_spec, iota, loaded, lower_dot,
+    nonfinite_rows, pow2, reads_tokens, ref_or_none, token_operand, tuned, unflat,
 )
 
 
@@ -86,14 +87,17 @@ def _rstd(ss):
 GATE_BLOCK = 16
 
 
-def gate_kernel(cfg: KDAConfig, blocks, split: bool, scan: bool, has: tuple):
+def gate_kernel(cfg: KDAConfig, blocks, split: bool, scan: bool, has: tuple, loads=(None,) * 4):
     """F1's kernel over one (row * head, chunk) block, ``blocks`` of columns at a time
     (``column_blocks``): outputs ``(q, k, beta, G[, q_rstd, k_rstd][, G_lo])``.
     ``split``: G as the exact sum ``G + G_lo`` (``kdax._hilo``; float32), else G alone;
-    ``scan``: the cumsums as scans (Triton), else products (``_rows_cumsum``)."""
+    ``scan``: the cumsums as scans (Triton), else products (``_rows_cumsum``). ``loads``:
+    what each block of q, k, g, beta becomes as read (``loaded``: a ``Tokens`` view's
+    cast and cleaning, ``kdax._tokens``; None: as is)."""
     l2 = cfg.use_qk_l2norm_in_kernel
 
     def kernel(q_ref, k_ref, g_ref, b_ref, v_ref, *refs):
+        q_ref, k_ref, g_ref, b_ref = (loaded(r, ld) for r, ld in zip((q_ref, k_ref, g_ref, b_ref), loads))
         n = sum(has)
         params, outs = refs[:n], list(refs[n:])
         a_ref, d_ref = _param_refs(params, has)
@@ -152,12 +156,13 @@ def gate_kernel(cfg: KDAConfig, blocks, split: bool, scan: bool, has: tuple):
     return kernel
 
 
-def gate_bwd_kernel(cfg: KDAConfig, blocks, reverse: bool, has: tuple, C: int):
+def gate_bwd_kernel(cfg: KDAConfig, blocks, reverse: bool, has: tuple, C: int, load_g=None):
     """B5's kernel over one (row * head, chunk) block, ``blocks`` of columns at a time:
     outputs ``(dq, dk, dg, dbeta[, dA [1, K]][, ddt [1, K]])`` (dA, ddt: sums over the
     chunk's rows per column). ``reverse`` (Triton): the chunk's rows read and written in
     reverse order (index arrays: addresses only), so that the reverse cumsum of ``dG`` is
-    a forward scan; else a product with the upper-triangular ones."""
+    a forward scan; else a product with the upper-triangular ones. ``load_g``: what a block
+    of the raw gate becomes as read (``gate_kernel``'s ``loads``)."""
     l2, gate = cfg.use_qk_l2norm_in_kernel, cfg.use_gate_in_kernel
 
     def kernel(*refs):
@@ -165,7 +170,7 @@ def gate_bwd_kernel(cfg: KDAConfig, blocks, reverse: bool, has: tuple, C: int):
         it = iter(refs)
         qn_r, kn_r, qr_r, kr_r = (next(it) for _ in range(4)) if l2 else (None,) * 4
         b_r = next(it)
-        g_r = next(it) if gate else None
+        g_r = loaded(next(it), load_g) if gate else None
         v_r = next(it)
         a_ref, d_ref = _param_refs([next(it) for _ in range(sum(has))], has)
         dq_r, dk_r, db_r, dG_r = (next(it) for _ in range(4))
@@ -249,10 +254,12 @@ def _param_refs(refs, has: tuple):
 class PallasGate(AbstractGate, PallasTarget):
     """F1 as a Pallas kernel over (row * head, chunk). ``split`` as ``ReferenceGate``'s:
     in float32, G as the exact sum ``G + G_lo`` (``kdax._hilo``), bit for bit the
-    reference's; False: G alone."""
+    reference's; False: G alone. Reads q, k, g and beta from the caller's layout when the
+    pipeline hands it ``Tokens`` views (``tokens``; on Triton, ``reads_tokens``): each
+    block cast and cleaned as it is loaded, no chunked copy made."""
 
     tile_safe: ClassVar[bool] = True
-    accepts: ClassVar[frozenset] = frozenset({"tile_safe", "standard"})
+    accepts: ClassVar[frozenset] = frozenset({"tile_safe", "standard", "tokens"})
 
     split: bool = eqx.field(static=True, default=True)
 
@@ -261,10 +268,10 @@ class PallasGate(AbstractGate, PallasTarget):
     def __call__(
         self,
         config: KDAConfig,
-        q: ChunkK,
-        k: ChunkK,
-        g: ChunkK,
-        beta: ChunkScalar,
+        q: Union[ChunkK, Tokens],
+        k: Union[ChunkK, Tokens],
+        g: Union[ChunkK, Tokens],
+        beta: Union[ChunkScalar, Tokens],
         A_log: Optional[Float[Array, " HV"]],
         dt_bias: Optional[Float[Array, " HVK"]],
         valid: ChunkValid,
@@ -272,19 +279,21 @@ class PallasGate(AbstractGate, PallasTarget):
         cfg = config
         R, HV, NC, C, K = q.shape
         self.check_widths(K=K)
-        fp = self.padded
-        qf, kf, gf = fp(q), fp(k), fp(g)
-        Kp = qf.shape[-1]
+        if not reads_tokens(self.target, K):
+            q, k, g, beta = (as_chunked(x) for x in (q, k, g, beta))
+        Kp = pow2(K) if self.target == "triton" else K
+        ops = [token_operand(self.target, x, self.padded, b) for x, b in ((q, (C, Kp)), (k, (C, Kp)), (g, (C, Kp)))]
+        ops.append(token_operand(self.target, beta, flat, (C, 1)))
         vf = flat(jnp.broadcast_to(valid[:, None], beta.shape).astype(q.dtype))
         p_arrays, p_specs, has = _params(cfg, self.target, HV, K, A_log, dt_bias)
         l2 = cfg.use_qk_l2norm_in_kernel
         split = self.split and grid_bits(q.dtype, C) is not None  # (float64: G alone)
-        kernel = gate_kernel(cfg, column_blocks(self.target, Kp, GATE_BLOCK), split, self.target == "triton", has)
+        kernel = gate_kernel(cfg, column_blocks(self.target, Kp, GATE_BLOCK), split, self.target == "triton", has,
+                             tuple(load for _, _, load in ops))
 
-        sk, s1 = chunk_spec((C, Kp)), chunk_spec((C, 1))
         blocks = [(C, Kp), (C, Kp), (C, 1), (C, Kp)] + ([(C, 1), (C, 1)] if l2 else []) + ([(C, Kp)] if split else [])
-        outs = self.call(kernel, (qf, kf, gf, flat(beta), vf, *p_arrays), [sk, sk, sk, s1, s1, *p_specs],
-                         blocks, R * HV, NC, q.dtype)
+        outs = self.call(kernel, (*(a for a, _, _ in ops), vf, *p_arrays),
+                         [*(sp for _, sp, _ in ops), chunk_spec((C, 1)), *p_specs], blocks, R * HV, NC, q.dtype)
         cut = lambda x: unflat(x[..., :K], R, HV)
         rstd = (unflat(outs[4], R, HV), unflat(outs[5], R, HV)) if l2 else (None, None)
         G_lo = cut(outs[-1]) if split else None
@@ -294,7 +303,10 @@ class PallasGate(AbstractGate, PallasTarget):
 @final
 class PallasGateBackward(AbstractGateBackward, PallasTarget):
     """B5 as a Pallas kernel over (row * head, chunk); dA_log / ddt_bias partial sums per
-    block are added up outside."""
+    block are added up outside. Reads the raw gate ``g`` from the caller's layout when
+    handed a ``Tokens`` view (``tokens``, as ``PallasGate``)."""
+
+    accepts: ClassVar[frozenset] = frozenset({"tokens"})
 
     @tuned
     @typecheck
@@ -302,7 +314,7 @@ class PallasGateBackward(AbstractGateBackward, PallasTarget):
         self,
         config: KDAConfig,
         act: Activated,
-        g: Optional[ChunkK],
+        g: Optional[Union[ChunkK, Tokens]],
         A_log: Optional[Float[Array, " HV"]],
         dt_bias: Optional[Float[Array, " HVK"]],
         valid: ChunkValid,
@@ -324,9 +336,11 @@ class PallasGateBackward(AbstractGateBackward, PallasTarget):
             specs += [sk, sk, s1, s1]
         ins.append(flat(act.beta))
         specs.append(s1)
+        load_g = None
         if gate:
-            ins.append(fp(g))
-            specs.append(sk)
+            a, spec, load_g = token_operand(self.target, g if reads_tokens(self.target, K) else as_chunked(g), fp, (C, Kp))
+            ins.append(a)
+            specs.append(spec)
         ins.append(flat(jnp.broadcast_to(valid[:, None], dbeta.shape).astype(dq.dtype)))
         specs.append(s1)
         p_arrays, p_specs, has = _params(cfg, self.target, HV, K, A_log, dt_bias)
@@ -335,7 +349,8 @@ class PallasGateBackward(AbstractGateBackward, PallasTarget):
         has_dA, has_ddt = has
         blocks = [(C, Kp), (C, Kp), (C, Kp), (C, 1)] + ([(1, Kp)] if has_dA else []) + ([(1, Kp)] if has_ddt else [])
         # Triton: the chunk's rows in reverse, the reverse cumsum a scan (gate_bwd_kernel).
-        kernel = gate_bwd_kernel(cfg, column_blocks(self.target, Kp, GATE_BLOCK), self.target == "triton", has, C)
+        kernel = gate_bwd_kernel(cfg, column_blocks(self.target, Kp, GATE_BLOCK), self.target == "triton", has, C,
+                                 load_g)
 
         outs = self.call(kernel, ins, specs, blocks, R * HV, NC, dq.dtype)
         cut = lambda x: unflat(x[..., :K], R, HV)

@@ -1,13 +1,14 @@
 """Pallas output family: F5 (o) and B1 (dAv), one (p, chunk) block per program."""
 
-from typing import ClassVar
+from typing import ClassVar, Union
 
 import jax.numpy as jnp
 
+from .._tokens import Tokens, as_chunked
 from .._typing import ChunkK, ChunkMat, ChunkState, ChunkV, typecheck
 from ..stages import AbstractDAv, AbstractOutput
 from .._final import final
-from ._common import PallasTarget, chunk_spec, dot, flat, iota, lower_dot, tuned, unflat
+from ._common import PallasTarget, chunk_spec, dot, flat, iota, loaded, lower_dot, reads_tokens, token_operand, tuned, unflat
 
 
 @final
@@ -47,7 +48,10 @@ class PallasOutput(AbstractOutput, PallasTarget):
 
 @final
 class PallasDAv(AbstractDAv, PallasTarget):
-    """B1: ``dAqk = tril(do v_new^T)``, ``dv_intra = Aqk^T do``."""
+    """B1: ``dAqk = tril(do v_new^T)``, ``dv_intra = Aqk^T do``. Reads ``do`` from the
+    caller's layout when handed a ``Tokens`` view (``tokens``; Triton, ``reads_tokens``)."""
+
+    accepts: ClassVar[frozenset] = frozenset({"tokens"})
 
     @tuned
     @typecheck
@@ -55,21 +59,22 @@ class PallasDAv(AbstractDAv, PallasTarget):
         self,
         v_new: ChunkV,
         Aqk: ChunkMat,
-        do: ChunkV,
+        do: Union[ChunkV, Tokens],
     ) -> tuple[ChunkMat, ChunkV]:
         R, HV, NC, C, V = v_new.shape
         self.check_widths(V=V)
         vf = self.padded(v_new)
-        df = self.padded(do)
         Vp = vf.shape[-1]
+        df, do_spec, load = token_operand(self.target, do if reads_tokens(self.target, V) else as_chunked(do),
+                                          self.padded, (C, Vp))
 
         def kernel(v_ref, a_ref, do_ref, da_ref, dv_ref):
-            d = do_ref[...]
+            d = loaded(do_ref, load)[...]
             row, col = iota((C, C), 0), iota((C, C), 1)
             da_ref[...] = jnp.where(col <= row, dot(d, v_ref[...], tb=True), 0.0)
             dv_ref[...] = dot(a_ref[...], d, ta=True)
 
         dA, dv = self.call(
-            kernel, (vf, flat(Aqk), df), [chunk_spec((C, Vp)), chunk_spec((C, C)), chunk_spec((C, Vp))],
+            kernel, (vf, flat(Aqk), df), [chunk_spec((C, Vp)), chunk_spec((C, C)), do_spec],
             [(C, C), (C, Vp)], R * HV, NC, v_new.dtype)
         return unflat(dA, R, HV), unflat(dv[..., :V], R, HV)

@@ -1,9 +1,10 @@
 """Pallas B0: recompute w, u, qg, kg, h, v_new with the pipeline's F3 and F4 (by default
 the Pallas F3 and F4 kernels of this stage's target)."""
 
-from typing import Optional
+from typing import ClassVar, Optional, Union
 
 from .._layout import ChunkLayout
+from .._tokens import Tokens
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkV, SeqState, typecheck
 from ..stages import AbstractRecompute, AbstractState, AbstractWY, recompute_with, StateOut, WYOut
 from .._final import final
@@ -16,7 +17,9 @@ from ._wy import PallasWY
 class PallasRecompute(AbstractRecompute, PallasTarget):
     """B0 by re-running the given F3 and F4; called directly without them, ``PallasWY``
     and ``PallasState`` of this target (dense layout; varlen raises ``UnsupportedCase``
-    from the state kernel)."""
+    from the state kernel). Passes a ``Tokens`` view of ``v`` on to F3 (``tokens``)."""
+
+    accepts: ClassVar[frozenset] = frozenset({"tokens"})
 
     @tuned
     @typecheck
@@ -24,7 +27,7 @@ class PallasRecompute(AbstractRecompute, PallasTarget):
         self,
         q: ChunkK,
         k: ChunkK,
-        v: ChunkV,
+        v: Union[ChunkV, Tokens],
         beta: ChunkScalar,
         G: ChunkK,
         Akk: ChunkMat,

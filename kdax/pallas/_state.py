@@ -7,19 +7,21 @@ per-chunk resets addressed by scalar prefetch, not implemented, so it raises
 chunks; dense and packed varlen); the per-chunk arithmetic both share: ``_state_steps``.
 """
 
-from typing import ClassVar, Optional
+from typing import ClassVar, Optional, Union
 
 import equinox as eqx
+import numpy as np
 
 from .. import _precision
 from .._errors import UnsupportedCase
 from .._layout import ChunkLayout
 from .._resets import mask_exponent, state_passes
+from .._tokens import Tokens, as_chunked
 from .._typing import ChunkK, ChunkV, ChunkValid, SeqState, typecheck
 from ..stages import AbstractDhu, AbstractState, DhuOut, StateOut
 from .._final import final
 from . import _state_tpu as tpu, _state_triton as triton
-from ._common import PallasValueBlocks, check_block, feature_pad, flat, tuned, unflat
+from ._common import PallasValueBlocks, check_block, feature_pad, flat, reads_tokens, tuned, unflat
 
 
 def _check_dense(stage: str, layout: ChunkLayout, NC: int):
@@ -53,7 +55,9 @@ def _product_operands(target: str, *xs):
     half = _precision.operand_dtype()
     if target != "triton" or half is None:
         return xs
-    return tuple(x.astype(half) for x in xs)
+    # (a Tokens view is read in its own dtype and cast in the kernel, to half here)
+    return tuple(Tokens(x.x, x.heads, x.chunk_size, np.dtype(half), x.clean) if isinstance(x, Tokens)
+                 else x.astype(half) for x in xs)
 
 
 @final
@@ -106,7 +110,10 @@ class PallasState(AbstractState, PallasValueBlocks):
 class PallasDhu(AbstractDhu, PallasValueBlocks):
     """B2 as a Pallas kernel, chunks in reverse (TPU: dense layout; Triton: also varlen, one
     program per row and block of ``block_v`` value columns; ``block_k`` as in
-    ``PallasState``)."""
+    ``PallasState``). Reads ``do`` from the caller's layout when handed a ``Tokens`` view
+    (``tokens``; Triton, ``reads_tokens``)."""
+
+    accepts: ClassVar[frozenset] = frozenset({"reset", "tokens"})
 
     block_k: Optional[int] = eqx.field(static=True, default=None)
 
@@ -122,7 +129,7 @@ class PallasDhu(AbstractDhu, PallasValueBlocks):
         kg: ChunkK,
         w: ChunkK,
         G: ChunkK,
-        do: ChunkV,
+        do: Union[ChunkV, Tokens],
         dv_intra: ChunkV,
         dht: SeqState,
         layout: ChunkLayout,
@@ -135,7 +142,9 @@ class PallasDhu(AbstractDhu, PallasValueBlocks):
         if t == "tpu":
             _check_dense("PallasDhu", layout, NC)
         N = dht.shape[0]
-        qf, kf, wf, dof = _product_operands(t, *(self.padded(x) for x in (qg, kg, w, do)))
+        do = do if reads_tokens(t, V) else as_chunked(do)
+        do = do if isinstance(do, Tokens) else self.padded(do)
+        qf, kf, wf, dof = _product_operands(t, *(self.padded(x) for x in (qg, kg, w)), do)
         dvf = self.padded(dv_intra)
         gam = _gamma_col(G, t, reset)
         dhtf = feature_pad(t, dht.reshape(N * HV, K, V), axes=(-2, -1))

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from .. import _precision
+from .._tokens import Tokens
 from ._common import compiler_params, idiv, loop, manual_inputs
 from ._state_steps import dhu_step_tiled, k_tiles, state_step_tiled
 
@@ -88,8 +89,16 @@ def state_forward(wf, uf, kgf, gam, h0f, layout, *, R, HV, NC, C, Kp, Vp, N, blo
 
 def dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout, *, R, HV, NC, C, Kp, Vp, N, block_v, block_k, dtype,
                  interpret):
-    """B2 on padded, flattened operands, chunks in reverse: ``(dh, dv_new, dh0)``."""
+    """B2 on padded, flattened operands, chunks in reverse: ``(dh, dv_new, dh0)``. ``dof``
+    may be a ``Tokens`` view (dense layout, V a power of 2): read from the caller's
+    ``[B, T, H, V]`` array, row r's tokens of head ``hv // group``."""
     P = R * HV
+    if isinstance(dof, Tokens):
+        view, do_in = dof, dof.x
+        read_do = lambda ref, p, r, hv, rows, cols: view.load(ref[r, rows, idiv(hv, view.group), cols])
+    else:
+        do_in = _tokens(dof)
+        read_do = lambda ref, p, r, hv, rows, cols: ref[p, rows, cols]
     # The [C, K] operands dominate at chunk 128: 64 value columns asked 256 KiB of
     # shared memory at K = V = 128, 16 columns 208 KiB (sm_90 allows 227).
     bv = min(block_v, Vp, 16 if C > 64 else Vp)
@@ -114,7 +123,7 @@ def dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout, *, R, HV, NC, C
             cut = lambda ref: [ref[p, rows, pl.ds(k0, bk)] for k0, bk in tiles]
             dv, dhs_start = dhu_step_tiled(scale, cut(q_ref), cut(k_ref), cut(w_ref),
                                             [g_ref[p, pl.ds(c * Kp + k0, bk), :] for k0, bk in tiles],
-                                            do_ref[p, rows, cols], dvi_ref[p, rows, cols], dhs)
+                                            read_do(do_ref, p, r, hv, rows, cols), dvi_ref[p, rows, cols], dhs)
             dv_ref[p, rows, cols] = dv
             if not dense:
                 f = first_ref[r, c]
@@ -135,7 +144,7 @@ def dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout, *, R, HV, NC, C
                 dh0_ref[p, pl.ds(k0, bk), cols] = h
 
     dh, dv_new, dh0 = _run(
-        kernel, (_tokens(qf), _tokens(kf), _tokens(wf), _tokens(gam), _tokens(dof), _tokens(dvf), dhtf,
+        kernel, (_tokens(qf), _tokens(kf), _tokens(wf), _tokens(gam), do_in, _tokens(dvf), dhtf,
                  layout.first, layout.last),
         [(P, NC * Kp, Vp), (P, NC * C, Vp), (N * HV, Kp, Vp)], P, Vp // bv, dtype, interpret, "PallasDhu",
     )

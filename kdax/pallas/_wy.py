@@ -1,27 +1,37 @@
 """Pallas WY family: F3 (w, u, qg, kg) and B3 (wy_dqkg), one (p, chunk) block per program."""
 
-from typing import ClassVar, Optional
+from typing import ClassVar, Optional, Union
 
 import equinox as eqx
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from .._tokens import Tokens, as_chunked
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, typecheck
 from ..stages import AbstractWY, AbstractWYDqkg, ChunkGrads, WYOut
 from .._final import final
 from ._common import (
-    PallasFeatureBlocks, PallasValueBlocks, blockwise, chunk_spec, column_blocks, decay, dot, flat, iota,
-    lower_dot, ref_or_none, row_of, row_or_none, tuned, unflat,
+    PallasFeatureBlocks, PallasValueBlocks, blockwise, chunk_spec, column_blocks, decay, dot, flat, iota, loaded,
+    lower_dot, pow2, reads_tokens, ref_or_none, row_of, row_or_none, token_operand, tuned, unflat,
 )
 
 
-def wy_kernel(k_blocks, v_blocks, has_lo: bool):
+def _values(target: str, x, padded, C: int):
+    """``token_operand`` for a ``[.., C, V]`` input (v, do): a ``Tokens`` view read in place
+    where ``reads_tokens`` allows, else the chunked array."""
+    V = x.shape[-1]
+    x = x if reads_tokens(target, V) else as_chunked(x)
+    return token_operand(target, x, padded, (C, pow2(V) if target == "triton" else V))
+
+
+def wy_kernel(k_blocks, v_blocks, has_lo: bool, load_v=None):
     """F3's kernel for one chunk: ``w``, ``qg``, ``kg`` over ``k_blocks`` of feature
     columns, ``u`` over ``v_blocks`` (``column_blocks``; on Triton whole ``[C, 128]``
     tiles spilled). A NaN/inf at a token reaches only the rows from it on (``lower_dot``),
-    in the columns of its block."""
+    in the columns of its block. ``load_v``: v's blocks as read (``loaded``)."""
 
     def kernel(q_r, k_r, v_r, b_r, g_r, a_r, *rest):
+        v_r = loaded(v_r, load_v)
         lo_r = rest[0] if has_lo else None
         w_o, u_o, qg_o, kg_o = rest[-4:]
         beta = b_r[...]
@@ -123,9 +133,11 @@ class PallasWY(AbstractWY, PallasFeatureBlocks):
     """F3 as a Pallas kernel over (row * head, chunk), on Triton ``block_k`` columns of K
     and of V at a time (32: compiled for sm_90 at K = V = 128, no spills at 4 or 8 warps,
     against 64-112 B a thread with 64); with ``G_lo`` (``kdax._hilo``) kg's exponent is
-    the difference of the exact sums."""
+    the difference of the exact sums. Reads ``v`` from the caller's layout when handed a
+    ``Tokens`` view (``tokens``; Triton, ``reads_tokens``): no chunked copy."""
 
     tile_safe: ClassVar[bool] = True
+    accepts: ClassVar[frozenset] = frozenset({"G_lo", "tile_safe", "tokens"})
 
     block_k: int = eqx.field(static=True, default=32)
 
@@ -135,7 +147,7 @@ class PallasWY(AbstractWY, PallasFeatureBlocks):
         self,
         q: ChunkK,
         k: ChunkK,
-        v: ChunkV,
+        v: Union[ChunkV, Tokens],
         beta: ChunkScalar,
         G: ChunkK,
         Akk: ChunkMat,
@@ -145,14 +157,15 @@ class PallasWY(AbstractWY, PallasFeatureBlocks):
         V = v.shape[-1]
         self.check_widths(K=K, V=V)
         fp = self.padded
-        qf, kf, vf, Gf = fp(q), fp(k), fp(v), fp(G)
-        Kp, Vp = qf.shape[-1], vf.shape[-1]
-        sk, sv = chunk_spec((C, Kp)), chunk_spec((C, Vp))
+        qf, kf, Gf = fp(q), fp(k), fp(G)
+        vf, sv, load_v = _values(self.target, v, fp, C)
+        Kp, Vp = qf.shape[-1], pow2(V) if self.target == "triton" else V
+        sk = chunk_spec((C, Kp))
         ins, specs = (qf, kf, vf, flat(beta), Gf, flat(Akk)), [sk, sk, sv, chunk_spec((C, 1)), sk, chunk_spec((C, C))]
         if G_lo is not None:
             ins, specs = ins + (fp(G_lo),), specs + [sk]
 
-        kernel = wy_kernel(self.feature_blocks(Kp), self.feature_blocks(Vp), G_lo is not None)
+        kernel = wy_kernel(self.feature_blocks(Kp), self.feature_blocks(Vp), G_lo is not None, load_v)
         w, u, qg, kg = self.call(kernel, ins, specs, [(C, Kp), (C, Vp), (C, Kp), (C, Kp)], R * HV, NC, q.dtype)
         cut = lambda x, n: unflat(x[..., :n], R, HV)
         return WYOut(cut(w, K), cut(u, V), cut(qg, K), cut(kg, K))
@@ -163,7 +176,11 @@ class PallasWYDqkg(AbstractWYDqkg, PallasValueBlocks, PallasFeatureBlocks):
     """B3 as a Pallas kernel over (row * head, chunk). ``block_v`` / ``block_k``: value /
     feature columns taken at a time on the Triton target (powers of 2; the TPU target
     takes whole blocks; 32 and 32: compiled for sm_90 at K = V = 128 and 8 warps, no
-    spills, against 40-400 B a thread with 64); ``G_lo`` as ``PallasWY``."""
+    spills, against 40-400 B a thread with 64); ``G_lo`` as ``PallasWY``. Reads ``v`` and
+    ``do`` from the caller's layout when handed ``Tokens`` views (``tokens``, as
+    ``PallasWY``)."""
+
+    accepts: ClassVar[frozenset] = frozenset({"G_lo", "tokens"})
 
     block_v: int = eqx.field(static=True, default=32)
     block_k: int = eqx.field(static=True, default=32)
@@ -175,7 +192,7 @@ class PallasWYDqkg(AbstractWYDqkg, PallasValueBlocks, PallasFeatureBlocks):
         scale: float,
         q: ChunkK,
         k: ChunkK,
-        v: ChunkV,
+        v: Union[ChunkV, Tokens],
         beta: ChunkScalar,
         G: ChunkK,
         Akk: ChunkMat,
@@ -184,7 +201,7 @@ class PallasWYDqkg(AbstractWYDqkg, PallasValueBlocks, PallasFeatureBlocks):
         h: ChunkState,
         dh: ChunkState,
         v_new: ChunkV,
-        do: ChunkV,
+        do: Union[ChunkV, Tokens],
         dv_new: ChunkV,
         G_lo: Optional[ChunkK] = None,
     ) -> ChunkGrads:
@@ -193,11 +210,13 @@ class PallasWYDqkg(AbstractWYDqkg, PallasValueBlocks, PallasFeatureBlocks):
         self.check_widths(K=K, V=V)
         fp = self.padded
         fp2 = lambda x: self.padded(x, axes=(-2, -1))
-        ins = (fp(q), fp(k), fp(v), flat(beta), fp(G), flat(Akk), fp(qg), fp(kg), fp2(h), fp2(dh),
-               fp(v_new), fp(do), fp(dv_new))
-        Kp, Vp = ins[0].shape[-1], ins[2].shape[-1]
+        Kp, Vp = (pow2(n) if self.target == "triton" else n for n in (K, V))
+        v_in, v_spec, load_v = _values(self.target, v, fp, C)
+        do_in, do_spec, load_do = _values(self.target, do, fp, C)
+        ins = (fp(q), fp(k), v_in, flat(beta), fp(G), flat(Akk), fp(qg), fp(kg), fp2(h), fp2(dh),
+               fp(v_new), do_in, fp(dv_new))
         sk, sv, s1, sc, sh = (chunk_spec(b) for b in ((C, Kp), (C, Vp), (C, 1), (C, C), (Kp, Vp)))
-        specs = [sk, sk, sv, s1, sk, sc, sk, sk, sh, sh, sv, sv, sv]
+        specs = [sk, sk, v_spec, s1, sk, sc, sk, sk, sh, sh, sv, do_spec, sv]
         if G_lo is not None:
             ins, specs = ins + (fp(G_lo),), specs + [sk]
         n_in = len(ins)
@@ -206,7 +225,7 @@ class PallasWYDqkg(AbstractWYDqkg, PallasValueBlocks, PallasFeatureBlocks):
 
         def kernel(*refs):
             _, k, v, b, g, a, qg_, kg_, h_, dh_, vn, do_, dvn = refs[:13]  # B3 needs q only through qg
-            ins = (k, g, qg_, kg_, v, h_, dh_, vn, do_, dvn) + tuple(refs[13:n_in])
+            ins = (k, g, qg_, kg_, loaded(v, load_v), h_, dh_, vn, loaded(do_, load_do), dvn) + tuple(refs[13:n_in])
             dL_r = refs[-1]
             dL_r[...] = wy_dqkg_body(scale, b[...], a, ins, refs[n_in:-1], k_blocks, v_blocks, G_lo is not None)
 

@@ -9,7 +9,7 @@ from .. import _precision
 from .._errors import UnsupportedCase
 from .._layout import ChunkLayout
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkV, ChunkValid, SeqState, typecheck
-from .._capabilities import capabilities, with_G_lo
+from .._capabilities import capabilities, negotiated
 from .._ops import full_precision
 from .._final import final
 from ._state import AbstractState, ReferenceState
@@ -71,7 +71,7 @@ def _with_reset(stage, kwargs: dict, reset) -> dict:
 def recompute_with(wy: AbstractWY, state: AbstractState, q, k, v, beta, G, Akk, h0, layout, G_lo=None, reset=None):
     # F3 and F4 under their own stages' precision policy (kdax._precision).
     with _precision.stage_scope(_precision.current_policy(), "wy"):
-        out = wy(**_with_reset(wy, with_G_lo(wy, dict(q=q, k=k, v=v, beta=beta, G=G, Akk=Akk, G_lo=G_lo)), reset))
+        out = wy(**_with_reset(wy, negotiated(wy, dict(q=q, k=k, v=v, beta=beta, G=G, Akk=Akk, G_lo=G_lo)), reset))
     with _precision.stage_scope(_precision.current_policy(), "state"):
         return out, state(**_with_reset(state, dict(w=out.w, u=out.u, kg=out.kg, G=G, h0=h0, layout=layout), reset))
 

@@ -93,16 +93,18 @@ def resources(ttir: str, num_warps: int = 4, num_stages: int = 1) -> Resources:
     return Resources(reg, stack + local, meta["shared"], mma)
 
 
-def state_kernels(policy: str, tuning: dict, layout: str) -> dict:
+def state_kernels(policy: str, tuning: dict, layout: str, tokens: bool = False) -> dict:
     """``captured`` TTIR of the Triton state kernels F4 and B2 alone (B0's F4 is F4) at
     K = V = 128, chunk 64, traced under precision ``policy`` with Triton ``tuning``
     (``PallasState`` / ``PallasDhu`` fields), on the ``"dense"`` layout or a ``"packed"``
-    varlen one (per-chunk resets)."""
+    varlen one (per-chunk resets). ``tokens`` (dense): B2 reads ``do`` as a
+    ``kdax._tokens.Tokens`` view of a bf16 ``[B, T, HV, V]`` array."""
     import jax
     import jax.numpy as jnp
 
     from kdax import _precision
     from kdax._layout import make_layout
+    from kdax._tokens import Tokens
     from kdax.pallas import PallasDhu, PallasState
 
     R, HV, NC, C, K = 1, 2, 8, 64, 128
@@ -115,59 +117,78 @@ def state_kernels(policy: str, tuning: dict, layout: str) -> dict:
             return PallasState(**kw)(w, u, kg, G, h0, lay)
 
     def b2(qg, kg, w, G, do, dv, dht):
+        do = Tokens(do, HV, C, jnp.dtype(jnp.float32)) if tokens else do
         with _precision.stage_scope(policy, "dhu"):
             return PallasDhu(**kw)(0.1, qg, kg, w, G, do, dv, dht, lay)
 
     seq = jax.ShapeDtypeStruct((lay.empty.shape[0], HV, K, K), jnp.float32)
     ck = jax.ShapeDtypeStruct((R, HV, lay.num_chunks, C, K), jnp.float32)
+    do = jax.ShapeDtypeStruct((R, T, HV, K), jnp.bfloat16) if tokens else ck
     with captured() as mods:
         jax.jit(f4).trace(ck, ck, ck, ck, seq).lower(lowering_platforms=("cuda",))
-        jax.jit(b2).trace(ck, ck, ck, ck, ck, ck, seq).lower(lowering_platforms=("cuda",))
+        jax.jit(b2).trace(ck, ck, ck, ck, do, ck, seq).lower(lowering_platforms=("cuda",))
     assert len(mods) == 2, list(mods)
     return mods
 
 
-def gate_kernels(tuning: dict) -> dict:
+def gate_kernels(tuning: dict, tokens: bool = False) -> dict:
     """``captured`` TTIR of the Triton gate kernels F1 and B5 alone at K = 128, chunk 64,
     with Kimi Linear's options (l2norm, the softplus gate with A_log and dt_bias, beta
-    sigmoid) and Triton ``tuning`` (``PallasGate`` / ``PallasGateBackward`` fields)."""
+    sigmoid) and Triton ``tuning`` (``PallasGate`` / ``PallasGateBackward`` fields).
+    ``tokens``: F1's q, k, g, beta and B5's g as ``kdax._tokens.Tokens`` views of bf16
+    ``[B, T, H, K]`` inputs, cleaned as ``chunk_kda`` cleans them (the pipeline's dense
+    path), instead of chunked float32 arrays."""
     import jax
     import jax.numpy as jnp
 
-    from kdax import KDAConfig
+    from kdax import KDAConfig, _isolation
+    from kdax._tokens import token_inputs
     from kdax.pallas import PallasGate, PallasGateBackward
     from kdax.stages import Activated
 
     R, HV, NC, C, K = 1, 2, 4, 64, 128
     s = jax.ShapeDtypeStruct
     ck, cs, c1 = s((R, HV, NC, C, K), jnp.float32), s((R, HV, NC, C), jnp.float32), s((R, HV, NC, C, 1), jnp.float32)
+    tk, ts = s((R, NC * C, HV, K), jnp.bfloat16), s((R, NC * C, HV), jnp.bfloat16)
     cfg = KDAConfig(scale=0.1, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
     kw = dict(target="triton", interpret=False, **tuning)
     A_log, dt_bias, valid = jnp.zeros(HV, jnp.float32), jnp.zeros(HV * K, jnp.float32), jnp.ones((R, NC, C), bool)
+    kinds = _isolation.input_kinds(True, True)
+
+    def views(q, k, g, b):
+        if not tokens:
+            return q, k, g, b
+        q, k, _, g, b = token_inputs((q, k, None, g, b), HV, C, jnp.float32, kinds)
+        return q, k, g, b
 
     def f1(q, k, g, b):
-        return PallasGate(**kw)(cfg, q, k, g, b, A_log, dt_bias, valid)
+        return PallasGate(**kw)(cfg, *views(q, k, g, b), A_log, dt_bias, valid)
 
     def b5(q, k, g, b, G, qr, kr, dq, dk, db, dG):
         act = Activated(q, k, b, G, qr, kr, None)
+        g = views(None, None, g, None)[2] if tokens else g
         return PallasGateBackward(**kw)(cfg, act, g, A_log, dt_bias, valid, dq, dk, db, dG)
 
+    raw = (tk, tk, tk, ts) if tokens else (ck, ck, ck, cs)
     with captured() as mods:
-        jax.jit(f1).trace(ck, ck, ck, cs).lower(lowering_platforms=("cuda",))
-        jax.jit(b5).trace(ck, ck, ck, cs, ck, c1, c1, ck, ck, cs, ck).lower(lowering_platforms=("cuda",))
+        jax.jit(f1).trace(*raw).lower(lowering_platforms=("cuda",))
+        jax.jit(b5).trace(ck, ck, raw[2], cs, ck, c1, c1, ck, ck, cs, ck).lower(lowering_platforms=("cuda",))
     assert len(mods) == 2, list(mods)
     return mods
 
 
-def chunk_kernels(policy: str, tuning: dict) -> dict:
+def chunk_kernels(policy: str, tuning: dict, tokens: bool = False, only: tuple = ("intra", "wy", "wy_dqkg", "intra_bwd")) -> dict:
     """``captured`` TTIR of the chunk-parallel Triton kernels F2, F3, B3 and B4 alone at
     K = V = 128, chunk 64, with G's low part (``kdax._hilo``, as Kimi Linear's options
     run them), each traced under precision ``policy`` (its stage's products) with Triton
-    ``tuning`` (``PallasTarget`` fields)."""
+    ``tuning`` (``PallasTarget`` fields). ``tokens``: F3 and B3 read ``v`` (cleaned as
+    ``chunk_kda`` cleans it) and B3 ``do`` as ``kdax._tokens.Tokens`` views of bf16
+    ``[B, T, HV, V]`` arrays. ``only``: these stages' kernels."""
     import jax
     import jax.numpy as jnp
 
     from kdax import _precision
+    from kdax._tokens import Tokens
     from kdax.pallas import PallasIntra, PallasIntraBackward, PallasWY, PallasWYDqkg
     from kdax.stages import ChunkGrads
 
@@ -176,6 +197,8 @@ def chunk_kernels(policy: str, tuning: dict) -> dict:
     ck, cs = s((R, HV, NC, C, K), jnp.float32), s((R, HV, NC, C), jnp.float32)
     cm, ch = s((R, HV, NC, C, C), jnp.float32), s((R, HV, NC, K, K), jnp.float32)
     kw = dict(target="triton", interpret=False, **tuning)
+    tv = s((R, NC * C, HV, K), jnp.bfloat16) if tokens else ck
+    view = (lambda d, kind=None: Tokens(d, HV, C, jnp.dtype(jnp.float32), kind)) if tokens else (lambda d, kind=None: d)
 
     def scoped(stage, fn):
         def run(*a):
@@ -185,13 +208,16 @@ def chunk_kernels(policy: str, tuning: dict) -> dict:
 
     calls = [
         (scoped("intra", lambda q, k, b, G, lo: PallasIntra(**kw)(0.1, q, k, b, G, lo)), (ck, ck, cs, ck, ck)),
-        (scoped("wy", lambda q, k, v, b, G, A, lo: PallasWY(**kw)(q, k, v, b, G, A, lo)), (ck, ck, ck, cs, ck, cm, ck)),
-        (scoped("wy_dqkg", lambda *a: PallasWYDqkg(**kw)(0.1, *a)), (ck, ck, ck, cs, ck, cm, ck, ck, ch, ch, ck, ck, ck, ck)),
+        (scoped("wy", lambda q, k, v, b, G, A, lo: PallasWY(**kw)(q, k, view(v, "any"), b, G, A, lo)),
+         (ck, ck, tv, cs, ck, cm, ck)),
+        (scoped("wy_dqkg", lambda *a: PallasWYDqkg(**kw)(0.1, *a[:2], view(a[2], "any"), *a[3:11], view(a[11]), *a[12:])),
+         (ck, ck, tv, cs, ck, cm, ck, ck, ch, ch, ck, tv, ck, ck)),
         (scoped("intra_bwd", lambda q, k, b, G, dA, dL, dq, dk, db, dG, lo: PallasIntraBackward(**kw)(
             0.1, q, k, b, G, dA, ChunkGrads(dq, dk, None, db, dG, dL), lo)), (ck, ck, cs, ck, cm, cm, ck, ck, cs, ck, ck)),
     ]
     with captured() as mods:
-        for fn, args in calls:
-            jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-    assert len(mods) == 4, list(mods)
+        for name, (fn, args) in zip(("intra", "wy", "wy_dqkg", "intra_bwd"), calls):
+            if name in only:
+                jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    assert len(mods) == len(only), list(mods)
     return mods

@@ -190,3 +190,63 @@ def test_initial_states_enter_shared_chunks(pipe):
     want = grads(dataclasses.replace(kdax.KDAPipeline.reference(), share_chunks=False))
     for g, w, n in zip(got, want, ("q", "k", "v", "g", "beta", "initial_state")):
         assert_close(g, w, 1e-10, "d" + n)
+
+
+def test_stages_read_the_callers_layout():
+    """Dense input whose T is a multiple of the chunk size, Kimi Linear's options, two
+    value heads per q/k head: the Triton F1 reads q, k, g, beta, B5 g, F3, B0 and B3 v,
+    B1, B2 and B3 do from the caller's arrays (``kdax._tokens``, no chunked copies);
+    outputs and every gradient against the float64 oracle. With NaN and inf inputs in three rows, float64 and
+    float32: NaN exactly where the reference pipeline has it, every other value its value
+    (non-finite elements cleaned as the kernels load them)."""
+    from kdax._runner import recording
+    from kdax._tokens import Tokens
+
+    spec = dict(chunk_size=16, T=64, B=3, H=2, HV=4, use_gate_in_kernel=True, A_log=True, dt_bias=True,
+                use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    pipe = PIPELINES["pallas_triton"]()
+    x, opts = build_case(spec)
+    with recording() as rec:
+        check_against_oracle(pipe, x, opts)
+    views = [("gate", "q"), ("gate", "beta"), ("gate_bwd", "g"), ("wy", "v"), ("recompute", "v"), ("wy_dqkg", "v"),
+             ("dav", "do"), ("dhu", "do"), ("wy_dqkg", "do")]
+    assert all(isinstance(rec.inputs[n][a], Tokens) for n, a in views), rec.inputs
+    for dtype, tol in ((jnp.float64, 1e-10), (jnp.float32, 1e-5)):
+        x, opts = build_case(spec, dtype=dtype)
+        x = dict(x, g=x["g"].at[1, 20, 1, 3].set(jnp.nan), k=x["k"].at[2, 40, 0, 2].set(jnp.inf),
+                 q=x["q"].at[0, 10, 1, 0].set(jnp.nan), beta=x["beta"].at[0, 50, 2].set(jnp.nan))
+        got, want = run(pipe, x, opts), run(kdax.KDAPipeline.reference(), x, opts)
+        do, dht = cotangents(*want)
+        got += tuple(loss_grads(pipe, x, opts, do, dht).values())
+        want += tuple(loss_grads(kdax.KDAPipeline.reference(), x, opts, do, dht).values())
+        for i, (a, b) in enumerate(zip(got, want)):
+            a, b = np.asarray(a), np.asarray(b)
+            np.testing.assert_array_equal(np.isnan(a), np.isnan(b), err_msg=str(i))
+            assert np.isnan(b).any() or i > 1
+            assert_close(np.nan_to_num(a), np.nan_to_num(b), tol, str(i))
+
+
+def test_no_layout_copies_of_the_inputs():
+    """Lowered for a GPU, the all-Triton pipeline's forward and training step on dense bf16
+    input (T a multiple of the chunk size) transpose no input and not ``do``: the only
+    transposes of input size left are the outputs' unpacking (o in the forward; dq, dk,
+    dv, dg in the training step, whose gradient does not read o), against 5 and 9 before
+    the stages read the caller's layout (``kdax._tokens``;
+    ``benchmarks/layout_copies.py`` at the benchmark's shape: 641 -> 128 MiB forward,
+    1154 -> 513 MiB a training step)."""
+    B, T, H, K, C = 1, 256, 2, 32, 64
+    pipe = kdax.KDAPipeline.pallas("triton", interpret=False)
+    s = jax.ShapeDtypeStruct
+    args = (s((B, T, H, K), jnp.bfloat16),) * 4 + (s((B, T, H), jnp.bfloat16),)
+    opts = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                A_log=jnp.zeros(H, jnp.float32), dt_bias=jnp.zeros(H * K, jnp.float32))
+
+    def loss(*a):
+        o, ht = kdax.chunk_kda(*a, pipeline=pipe, chunk_size=C, output_final_state=True, **opts)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(ht)
+
+    for fn, want in ((loss, 1), (jax.grad(loss, argnums=(0, 1, 2, 3, 4)), 4)):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        shapes = re.findall(r"stablehlo\.transpose .*?-> tensor<([0-9x]+)x\w+>", text)
+        big = [x for x in shapes if np.prod([int(d) for d in x.split("x")]) >= B * T * H * K]
+        assert len(big) == want, big

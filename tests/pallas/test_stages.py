@@ -230,6 +230,91 @@ def test_gate_stages(target, interpret, opts, dtype, tol):
     _close(P.PallasGateBackward(**kw)(*bargs), S.ReferenceGateBackward()(*bargs), tol, "gate_bwd")
 
 
+@pytest.mark.parametrize("target,interpret", MODES)
+@pytest.mark.parametrize("in_dtype,dt", [(jnp.float64, jnp.float64), (jnp.float32, jnp.float32),
+                                         (jnp.bfloat16, jnp.float32)])
+def test_gate_kernels_read_the_callers_layout(target, interpret, in_dtype, dt):
+    """F1 handed ``Tokens`` views of ``[B, T, H, K]`` inputs (bf16 read as float32, q/k heads
+    shared by two value heads, non-finite elements cleaned as chunk_kda cleans them) and
+    B5 a view of the raw gate give, bit for bit, what they give on the chunked copies:
+    Triton reads the caller's array block by block (``token_operand``); TPU blocks take the
+    copy. At K = 24 (not a power of 2) Triton takes the copy too."""
+    from kdax import _isolation
+    from kdax._tokens import token_inputs
+
+    cfg = KDAConfig(scale=1.0, **GATE_CONFIGS[1])
+    B, T, H, HV, C = 2, 32, 1, 2, 16
+    r = np.random.default_rng(5)
+    kinds = _isolation.input_kinds(True, True)
+    for K in (32, 24):
+        f = lambda *s: jnp.asarray(r.normal(size=s), in_dtype)
+        q, k, g, beta = f(B, T, H, K), f(B, T, H, K), f(B, T, HV, K), f(B, T, HV)
+        q, g, beta = q.at[1, 3, 0, 5].set(jnp.inf), g.at[0, 20, 1, 2].set(jnp.nan), beta.at[1, 30, 0].set(jnp.nan)
+        A_log, dt_bias = jnp.asarray(r.normal(size=HV) * 0.3, dt), jnp.asarray(r.normal(size=HV * K), dt)
+        valid = make_layout(B, T, C).valid
+        views = token_inputs((q, k, None, g, beta), HV, C, dt, kinds)
+        chunked = [None if v is None else v.chunked() for v in views]
+        kw = dict(target=target, interpret=interpret)
+        got = P.PallasGate(**kw)(cfg, *views[:2], *views[3:], A_log, dt_bias, valid)
+        want = P.PallasGate(**kw)(cfg, *chunked[:2], *chunked[3:], A_log, dt_bias, valid)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        _close(want, S.ReferenceGate()(cfg, *chunked[:2], *chunked[3:], A_log, dt_bias, valid),
+               1e-12 if dt == jnp.float64 else 1e-5, "gate")
+        d = [jnp.asarray(r.normal(size=x.shape), dt) for x in (want.q, want.k, want.beta, want.G)]
+        got = P.PallasGateBackward(**kw)(cfg, want, views[3], A_log, dt_bias, valid, *d)
+        ref = P.PallasGateBackward(**kw)(cfg, want, chunked[3], A_log, dt_bias, valid, *d)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("target,interpret", MODES)
+@pytest.mark.parametrize("in_dtype,dt,policy", [(jnp.float64, jnp.float64, "highest"),
+                                                (jnp.float32, jnp.float32, "highest"),
+                                                (jnp.bfloat16, jnp.float32, "fast")])
+def test_values_read_from_the_callers_layout(target, interpret, in_dtype, dt, policy):
+    """F3, B0 (its F3) and B3 handed a ``Tokens`` view of ``v [B, T, HV, V]``, B1, B2 and
+    B3 one of ``do`` (bf16 read as such: under "fast" B2 takes it as its bf16 product
+    operand, cast in the kernel, where the chunked copy was cast outside) give, bit for
+    bit, what they give on the chunked copies; Triton reads the caller's arrays (B2 the
+    whole sequence of its row and head, chunk by chunk), TPU takes the copies. (Under
+    "fast", XLA:CPU may sum a product of bf16 values in another order when it sees them
+    come from bf16 in the interpreted kernel: equal to float32 rounding there, rel-RMS
+    1e-6.)"""
+    from kdax import _precision
+    from kdax._tokens import Tokens
+
+    x = _x(dt, 16, 16, 16)
+    R, HV, NC, C, V = x["v"].shape
+    r = np.random.default_rng(7)
+    raw = lambda: jnp.asarray(r.normal(size=(R, NC * C, HV, V)), in_dtype)
+    # (a NaN in v: the view cleans it as the copy does)
+    v, do = Tokens(raw().at[0, 5, 1, 3].set(jnp.nan), HV, C, np.dtype(dt), "any"), Tokens(raw(), HV, C, np.dtype(dt))
+    dv_new, layout = x["v_new"], x["layout"]
+    kw = dict(target=target, interpret=interpret)
+    dht = jnp.asarray(r.normal(size=x["h0"].shape), dt)
+    assert layout.dense
+    calls = [
+        ("wy", P.PallasWY(**kw, block_k=16), lambda v, d: (x["q"], x["k"], v, x["beta"], x["G"], x["Akk"])),
+        ("recompute", P.PallasRecompute(**kw),
+         lambda v, d: (x["q"], x["k"], v, x["beta"], x["G"], x["Akk"], x["h0"], layout)),
+        ("dav", P.PallasDAv(**kw), lambda v, d: (dv_new, x["Aqk"], d)),
+        ("dhu", P.PallasDhu(**kw),
+         lambda v, d: (x["scale"], x["qg"], x["kg"], x["w"], x["G"], d, dv_new, dht, layout)),
+        ("wy_dqkg", P.PallasWYDqkg(**kw, block_k=16, block_v=16),
+         lambda v, d: (x["scale"], x["q"], x["k"], v, x["beta"], x["G"], x["Akk"], x["qg"], x["kg"], x["h"],
+                       x["h"], dv_new, d, dv_new)),
+    ]
+    for name, stage, args in calls:
+        with _precision.stage_scope(policy, name):
+            got, want = stage(*args(v, do)), stage(*args(v.chunked(), do.chunked()))
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            if policy == "fast":
+                assert_close(a, b, 1e-6, name)
+            else:
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
+
 @pytest.mark.parametrize("interpret", [
     pytest.param(True, id="interpret"),
     pytest.param(False, id="device", marks=pytest.mark.skipif(jax.default_backend() != "gpu", reason="no GPU")),

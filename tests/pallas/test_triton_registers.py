@@ -26,12 +26,14 @@ TUNINGS = {
 }
 
 
-@pytest.mark.parametrize("layout", ["dense", "packed"])
+@pytest.mark.parametrize("layout", ["dense", "packed", "dense_tokens"])
 @pytest.mark.parametrize("tuning", list(TUNINGS))
 def test_state_kernels_hold_the_state_on_chip(tuning, layout):
+    """``dense_tokens``: B2 reads bf16 ``do`` from the caller's ``[B, T, HV, V]`` array
+    (``kdax._tokens``; 8 warps: 226 registers, against 196 on the chunked copy)."""
     t = TUNINGS[tuning]
     used = {}
-    for src, text in state_kernels("fast", t, layout).items():
+    for src, text in state_kernels("fast", t, layout.split("_")[0], tokens=layout.endswith("tokens")).items():
         used[src.split(" ")[0]] = r = resources(text, t.get("num_warps", 4), t.get("num_stages", 1))
         assert r.registers <= HOPPER_REGISTERS and 0 < r.shared <= HOPPER_SHARED_BYTES, used
         # Before the operands read only by products were passed as bf16 (kdax.pallas._state),
@@ -42,13 +44,17 @@ def test_state_kernels_hold_the_state_on_chip(tuning, layout):
     assert len(used) == 2, used
 
 
+@pytest.mark.parametrize("tokens", [False, True], ids=["chunked", "tokens"])
 @pytest.mark.parametrize("num_warps", [4, 8])
-def test_gate_kernels_fit_in_registers(num_warps):
+def test_gate_kernels_fit_in_registers(num_warps, tokens):
     """F1 and B5 at K = 128 with Kimi Linear's options, at the default four warps and at
-    eight: no thread-local memory. With their cumsums as float32 products (FMA loops on
-    Triton) F1 spilled ~15 KiB a thread; with whole [C, K] tiles (scans) 0.8 and 1.8 KiB;
-    16 columns at a time (kdax.pallas._gate.GATE_BLOCK), none."""
-    used = {src.split(" ")[0]: resources(text, num_warps) for src, text in gate_kernels(dict(num_warps=num_warps)).items()}
+    eight, on chunked float32 inputs and reading bf16 ``[B, T, H, K]`` inputs in place
+    (``kdax._tokens``): no thread-local memory. With their cumsums as float32 products (FMA
+    loops on Triton) F1 spilled ~15 KiB a thread; with whole [C, K] tiles (scans) 0.8 and
+    1.8 KiB; 16 columns at a time (kdax.pallas._gate.GATE_BLOCK), none. (Reading bf16 in
+    place, four warps: F1 113 registers, B5 140, against 168 and 176.)"""
+    kernels = gate_kernels(dict(num_warps=num_warps), tokens=tokens)
+    used = {src.split(" ")[0]: resources(text, num_warps) for src, text in kernels.items()}
     assert all(r.local == 0 and r.registers <= HOPPER_REGISTERS and r.shared <= HOPPER_SHARED_BYTES
                for r in used.values()), used
 
@@ -69,3 +75,17 @@ def test_chunk_kernels_fit_in_registers():
         bf16 = any(m.startswith("wgmma.") and m.endswith(".f32.bf16.bf16") for m in r.mma)
         tf32 = any(".tf32" in m for m in r.mma)
         assert (tf32 if "IntraBackward" in name else bf16), (name, r.mma)
+
+
+def test_values_read_in_place_without_spills():
+    """F3 reading bf16 ``v`` and B3 reading bf16 ``v`` and ``do`` from the caller's
+    ``[B, T, HV, V]`` arrays (``kdax._tokens``; v cleaned in the kernel as chunk_kda
+    cleans it) at the candidate's tuning: as on the chunked copies, no thread-local
+    memory and bf16 ``wgmma`` products."""
+    t = dict(num_warps=8, num_stages=2, f32_dot="tf32x3")
+    kernels = chunk_kernels("bfloat16", t, tokens=True, only=("wy", "wy_dqkg"))
+    used = {src.split(" ")[0]: resources(text, 8, 2) for src, text in kernels.items()}
+    assert len(used) == 2, used
+    for r in used.values():
+        assert r.local == 0 and r.registers <= HOPPER_REGISTERS and 0 < r.shared <= HOPPER_SHARED_BYTES, used
+        assert any(m.startswith("wgmma.") and m.endswith(".f32.bf16.bf16") for m in r.mma), used

@@ -1,0 +1,87 @@
+"""The call's inputs in the caller's layout, for stages that read them there themselves.
+
+Packing an input into the chunked layout (``kdax._layout.pack``) is a copy: a transpose
+from ``[B, T, H, D]`` to ``[R, HV, NC, C, D]``, in the compute dtype (float32 for bf16
+inputs). A stage that declares the capability ``"tokens"`` (docs/stages.md, capabilities)
+is handed a ``Tokens`` view instead and reads its blocks from the caller's array (a
+Pallas kernel's block spec: ``token_spec``), casting and cleaning each block as it loads
+it; any other stage gets the chunked copy (``Tokens.chunked``), made by the stage runner.
+Views are made only for dense input whose T is a multiple of the chunk size (the chunked
+layout is then a reshape of the caller's, with no padding).
+"""
+
+from typing import Optional
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array
+
+from . import _isolation
+from ._layout import expand_group
+
+
+class Tokens(eqx.Module):
+    """An input ``x`` ``[B, T, Hx, *D]`` (beta ``[B, T, Hx]``) in its own dtype, T a multiple
+    of ``chunk_size``, read as the chunked array ``[B, heads, T // C, C, *D]`` of dtype
+    ``dtype`` that ``pack`` would give: value head h reads x's head ``h // (heads // Hx)``,
+    and the elements that the ``kdax._isolation`` kind ``clean`` names (None: none) read as
+    zero. ``shape``, ``ndim`` and ``dtype`` are the chunked array's, so the pipeline's
+    contracts read a view as the array it stands for."""
+
+    x: Array
+    heads: int = eqx.field(static=True)
+    chunk_size: int = eqx.field(static=True)
+    dtype: np.dtype = eqx.field(static=True)
+    clean: Optional[str] = eqx.field(static=True, default=None)
+
+    def __check_init__(self):
+        B, T, Hx = self.x.shape[:3]
+        if T % self.chunk_size or self.heads % Hx:
+            raise ValueError(f"Tokens: T = {T} must be a multiple of chunk_size = {self.chunk_size} and heads = "
+                             f"{self.heads} a multiple of the array's {Hx} heads.")
+
+    @property
+    def shape(self) -> tuple:
+        B, T, _ = self.x.shape[:3]
+        C = self.chunk_size
+        return (B, self.heads, T // C, C) + tuple(self.x.shape[3:])
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def group(self) -> int:
+        """Value heads per head of ``x``."""
+        return self.heads // self.x.shape[2]
+
+    def load(self, block):
+        """A block read from ``x`` (any shape) as the chunked array holds it: cleaned,
+        then cast (``pack``'s order). Usable inside a kernel."""
+        if self.clean is not None:
+            block = jnp.where(_isolation.is_bad(self.clean, block), jnp.zeros((), block.dtype), block)
+        return block.astype(self.dtype)
+
+    def chunks(self):
+        """``x`` as ``[B, T // C, C, Hx, *D]`` (a reshape, no copy): what a kernel's block
+        spec indexes (``kdax.pallas._common.token_spec``)."""
+        B, T = self.x.shape[:2]
+        return self.x.reshape(B, T // self.chunk_size, self.chunk_size, *self.x.shape[2:])
+
+    def chunked(self) -> Array:
+        """The chunked copy ``[B, heads, NC, C, *D]`` (``pack``'s result)."""
+        x = jnp.moveaxis(self.load(self.chunks()), 3, 1)
+        return expand_group(x, self.heads)
+
+
+def as_chunked(x):
+    """``x``, or the chunked copy of a ``Tokens`` view."""
+    return x.chunked() if isinstance(x, Tokens) else x
+
+
+def token_inputs(raw, HV: int, chunk_size: int, dtype, kinds: Optional[tuple]):
+    """``(q, k, v, g, beta)`` as ``Tokens`` views (``kinds``: the ``kdax._isolation`` kind of
+    each, or None for no cleaning); None stays None."""
+    kinds = kinds or (None,) * 5
+    return tuple(None if x is None else Tokens(x, HV, chunk_size, np.dtype(dtype), kind) for x, kind in zip(raw, kinds))
