@@ -79,7 +79,8 @@ def kdax_pipeline(name: str) -> KDAPipeline:
     ``+warps=N`` / ``+stages=N`` / ``+f32dot=tf32x3`` (every Pallas stage's Triton tuning),
     ``+group=N|none`` / ``+unroll=N`` (every reference stage's chunk groups / the
     recurrences' loop unroll), ``+block_k=N`` (the Pallas state kernels hold the state as
-    N-row tiles), ``+block_v=N`` (and take N value columns per program), ``+cols=N`` (the
+    N-row tiles), ``+block_v=N`` (and take N value columns per program), ``+incast`` (and
+    round their product-only operands in the kernel: ``round_in_kernel``), ``+cols=N`` (the
 chunk-parallel Pallas kernels F2, F3, B3, B4 take N feature columns at a time:
 ``kdax.pallas._common.PallasFeatureBlocks``), ``+fast`` (precision "fast": bf16 operands in the
     recurrences too, ``kdax._precision``), ``+segments=S`` (F4 and B2, whichever stages the
@@ -125,10 +126,11 @@ def _with_option(pipe: KDAPipeline, opt: str, name: str) -> KDAPipeline:
         g = None if val == "none" else int(val)
         return dataclasses.replace(pipe, **{n: dataclasses.replace(s, group=g) for n, s in stages.items()
                                             if "group" in {f.name for f in dataclasses.fields(s)}})
-    if key in ("block_k", "block_v"):  # the Triton state kernels' row tiles / value columns
+    if key in ("block_k", "block_v", "incast"):  # the Triton state kernels' row tiles / value columns / rounding
         from kdax.pallas import PallasDhu, PallasState
 
-        return dataclasses.replace(pipe, **{n: dataclasses.replace(s, **{key: int(val)}) for n, s in stages.items()
+        change = {"round_in_kernel": True} if key == "incast" else {key: int(val)}
+        return dataclasses.replace(pipe, **{n: dataclasses.replace(s, **change) for n, s in stages.items()
                                             if isinstance(s, (PallasState, PallasDhu))})
     if key == "cols":
         from kdax.pallas._common import PallasFeatureBlocks

@@ -45,15 +45,16 @@ def _gamma_col(G, target, reset=None):
     return feature_pad(target, flat(gam), axes=(-2,))
 
 
-def _product_operands(target: str, *xs):
+def _product_operands(target: str, in_kernel: bool, *xs):
     """``xs`` (operands that the Triton kernels read only as product operands) in the
     operand dtype of the recurrence's precision policy (bf16 under ``"fast"``), else
     unchanged. The kernel's ``dot`` rounds them to that dtype anyway, so this is exact;
     read as bf16 they take half the bytes and shared memory, and go to the tensor cores
     without passing through registers to be rounded (which took F4 at K = V = 128 over
-    the 255 registers a thread may hold, spilling; ``tests/pallas/test_triton_registers.py``)."""
+    the 255 registers a thread may hold, spilling; ``tests/pallas/test_triton_registers.py``).
+    ``in_kernel`` (the stages' ``round_in_kernel``): unchanged, the kernel rounds them."""
     half = _precision.operand_dtype()
-    if target != "triton" or half is None:
+    if target != "triton" or half is None or in_kernel:
         return xs
     # (a Tokens view is read in its own dtype and cast in the kernel, to half here)
     return tuple(Tokens(x.x, x.heads, x.chunk_size, np.dtype(half), x.clean) if isinstance(x, Tokens)
@@ -64,10 +65,17 @@ def _product_operands(target: str, *xs):
 class PallasState(AbstractState, PallasValueBlocks):
     """F4 as a Pallas kernel (TPU: dense layout; Triton: dense and packed varlen, one
     program per row and block of ``block_v`` value columns). ``block_k`` (Triton): hold
-    the state as tiles of that many rows (FLA's kernels use 64), None: one tile."""
+    the state as tiles of that many rows (FLA's kernels use 64), None: one tile.
+    ``round_in_kernel`` (Triton, under a half-precision policy such as ``"fast"``): read
+    the operands used only in products (w, kg) in float32 and round them in the kernel,
+    instead of reading half-precision copies that XLA makes before it. The same numbers;
+    no converted copy (at the GPU benchmark's shape 128 MiB less HBM traffic per operand),
+    but 48-64 B of spills a thread on sm_90 at 8 warps (``benchmarks/NOTES.md``, session
+    15): which is faster is for a GPU to tell."""
 
     tile_safe: ClassVar[bool] = True
     block_k: Optional[int] = eqx.field(static=True, default=None)
+    round_in_kernel: bool = eqx.field(static=True, default=False)
 
     def __check_init__(self):
         check_block("block_k", self.block_k, optional=True)
@@ -91,7 +99,7 @@ class PallasState(AbstractState, PallasValueBlocks):
         if t == "tpu":
             _check_dense("PallasState", layout, NC)
         N = h0.shape[0]
-        wf, kgf = _product_operands(t, self.padded(w), self.padded(kg))
+        wf, kgf = _product_operands(t, self.round_in_kernel, self.padded(w), self.padded(kg))
         uf = self.padded(u)
         gam = _gamma_col(G, t, reset)
         h0f = feature_pad(t, h0.reshape(N * HV, K, V), axes=(-2, -1))
@@ -111,11 +119,13 @@ class PallasDhu(AbstractDhu, PallasValueBlocks):
     """B2 as a Pallas kernel, chunks in reverse (TPU: dense layout; Triton: also varlen, one
     program per row and block of ``block_v`` value columns; ``block_k`` as in
     ``PallasState``). Reads ``do`` from the caller's layout when handed a ``Tokens`` view
-    (``tokens``; Triton, ``reads_tokens``)."""
+    (``tokens``; Triton, ``reads_tokens``). ``round_in_kernel`` as ``PallasState``'s (qg,
+    kg, w, do)."""
 
     accepts: ClassVar[frozenset] = frozenset({"reset", "tokens"})
 
     block_k: Optional[int] = eqx.field(static=True, default=None)
+    round_in_kernel: bool = eqx.field(static=True, default=False)
 
     def __check_init__(self):
         check_block("block_k", self.block_k, optional=True)
@@ -144,7 +154,7 @@ class PallasDhu(AbstractDhu, PallasValueBlocks):
         N = dht.shape[0]
         do = do if reads_tokens(t, V) else as_chunked(do)
         do = do if isinstance(do, Tokens) else self.padded(do)
-        qf, kf, wf, dof = _product_operands(t, *(self.padded(x) for x in (qg, kg, w)), do)
+        qf, kf, wf, dof = _product_operands(t, self.round_in_kernel, *(self.padded(x) for x in (qg, kg, w)), do)
         dvf = self.padded(dv_intra)
         gam = _gamma_col(G, t, reset)
         dhtf = feature_pad(t, dht.reshape(N * HV, K, V), axes=(-2, -1))

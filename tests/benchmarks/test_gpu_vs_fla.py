@@ -119,7 +119,8 @@ def test_no_recompute_is_a_call_option(gvf, monkeypatch):
 
 def test_column_and_state_tile_options(gvf):
     """``+cols=N`` sets the chunk-parallel Pallas kernels' feature blocks and nothing else;
-    ``+block_k=N`` the state kernels' row tiles and nothing else."""
+    ``+block_k=N`` the state kernels' row tiles and nothing else; ``+incast`` their
+    rounding of product-only operands in the kernel and nothing else."""
     from kdax.pallas._common import PallasFeatureBlocks
     from kdax.pallas import PallasDhu, PallasState
 
@@ -130,9 +131,12 @@ def test_column_and_state_tile_options(gvf):
     assert blocked == ["intra", "wy", "wy_dqkg", "intra_bwd"]
     for n in blocked:
         assert getattr(cols, n).block_k == 16 and getattr(tiles, n) == getattr(base, n)
+    incast = gvf.kdax_pipeline("pallas+incast")
     for n, cls in (("state", PallasState), ("dhu", PallasDhu)):
         assert isinstance(getattr(base, n), cls)
         assert getattr(cols, n) == getattr(base, n) and getattr(tiles, n).block_k == 64
+        assert getattr(incast, n).round_in_kernel and not getattr(base, n).round_in_kernel
+    assert all(getattr(incast, n) == getattr(base, n) for n in blocked)
 
 
 def test_table_memory_pending_and_superseded_rows(gvf):

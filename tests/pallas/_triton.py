@@ -96,9 +96,9 @@ def resources(ttir: str, num_warps: int = 4, num_stages: int = 1) -> Resources:
 def state_kernels(policy: str, tuning: dict, layout: str, tokens: bool = False) -> dict:
     """``captured`` TTIR of the Triton state kernels F4 and B2 alone (B0's F4 is F4) at
     K = V = 128, chunk 64, traced under precision ``policy`` with Triton ``tuning``
-    (``PallasState`` / ``PallasDhu`` fields), on the ``"dense"`` layout or a ``"packed"``
-    varlen one (per-chunk resets). ``tokens`` (dense): B2 reads ``do`` as a
-    ``kdax._tokens.Tokens`` view of a bf16 ``[B, T, HV, V]`` array."""
+    (``PallasState`` / ``PallasDhu`` fields, ``round_in_kernel`` too), on the ``"dense"``
+    layout or a ``"packed"`` varlen one (per-chunk resets). ``tokens`` (dense): B2 reads
+    ``do`` as a ``kdax._tokens.Tokens`` view of a bf16 ``[B, T, HV, V]`` array."""
     import jax
     import jax.numpy as jnp
 

@@ -225,28 +225,3 @@ def test_stages_read_the_callers_layout():
             assert np.isnan(b).any() or i > 1
             assert_close(np.nan_to_num(a), np.nan_to_num(b), tol, str(i))
 
-
-def test_no_layout_copies_of_the_inputs():
-    """Lowered for a GPU, the all-Triton pipeline's forward and training step on dense bf16
-    input (T a multiple of the chunk size) transpose no input and not ``do``: the only
-    transposes of input size left are the outputs' unpacking (o in the forward; dq, dk,
-    dv, dg in the training step, whose gradient does not read o), against 5 and 9 before
-    the stages read the caller's layout (``kdax._tokens``;
-    ``benchmarks/layout_copies.py`` at the benchmark's shape: 641 -> 128 MiB forward,
-    1154 -> 513 MiB a training step)."""
-    B, T, H, K, C = 1, 256, 2, 32, 64
-    pipe = kdax.KDAPipeline.pallas("triton", interpret=False)
-    s = jax.ShapeDtypeStruct
-    args = (s((B, T, H, K), jnp.bfloat16),) * 4 + (s((B, T, H), jnp.bfloat16),)
-    opts = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                A_log=jnp.zeros(H, jnp.float32), dt_bias=jnp.zeros(H * K, jnp.float32))
-
-    def loss(*a):
-        o, ht = kdax.chunk_kda(*a, pipeline=pipe, chunk_size=C, output_final_state=True, **opts)
-        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(ht)
-
-    for fn, want in ((loss, 1), (jax.grad(loss, argnums=(0, 1, 2, 3, 4)), 4)):
-        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        shapes = re.findall(r"stablehlo\.transpose .*?-> tensor<([0-9x]+)x\w+>", text)
-        big = [x for x in shapes if np.prod([int(d) for d in x.split("x")]) >= B * T * H * K]
-        assert len(big) == want, big

@@ -434,3 +434,34 @@ def test_state_kernels_k_tiles(packed, dtype, tol):
     _close(P.PallasDhu(**kw)(*bargs), S.ReferenceDhu()(*bargs), tol, "dhu")
     with pytest.raises(ValueError, match="block_k"):
         P.PallasState(target="triton", block_k=24)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_state_kernels_round_operands_in_kernel(packed):
+    """``round_in_kernel``: under "fast" the Triton F4 and B2 read their product-only
+    operands in float32 and round them in the kernel, where by default XLA makes bf16
+    copies first: the same numbers (1e-6: XLA:CPU's summation order of bf16 products in
+    the interpreted kernel), dense and packed; without a half-precision policy the field
+    changes nothing."""
+    from kdax import _precision
+
+    cu = jnp.array([0, 10, 10, 11, 31], jnp.int32) if packed else None
+    layout = make_layout(1, 31, 16, cu)
+    N = 4 if packed else 1
+    x = chunked(9, R=1, HV=2, NC=layout.num_chunks, C=16, K=32, V=16)
+    _, Akk = intra_chunk(x["q"], x["k"], x["beta"], x["G"], x["scale"])
+    w, u, qg, kg = (a.astype(jnp.float32) for a in wy_chunk(x["q"], x["k"], x["v"], x["beta"], x["G"], Akk))
+    G = x["G"].astype(jnp.float32)
+    h0 = rand_like(jnp.zeros((N, 2, 32, 16), jnp.float32), 1)
+    do, dv, dht = rand_like(u, 2), rand_like(u, 3), rand_like(h0, 4)
+    kw = dict(target="triton", interpret=True, block_v=16, block_k=16)
+    for policy, tol in (("fast", 1e-6), ("highest", 0.0)):
+        for name, cls, args in (("state", P.PallasState, (w, u, kg, G, h0, layout)),
+                                ("dhu", P.PallasDhu, (x["scale"], qg, kg, w, G, do, dv, dht, layout))):
+            with _precision.stage_scope(policy, name):
+                got, want = cls(**kw, round_in_kernel=True)(*args), cls(**kw)(*args)
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+                if tol:
+                    assert_close(a, b, tol, name)
+                else:
+                    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)

@@ -89,3 +89,18 @@ def test_values_read_in_place_without_spills():
     for r in used.values():
         assert r.local == 0 and r.registers <= HOPPER_REGISTERS and 0 < r.shared <= HOPPER_SHARED_BYTES, used
         assert any(m.startswith("wgmma.") and m.endswith(".f32.bf16.bf16") for m in r.mma), used
+
+
+def test_state_kernels_rounding_in_kernel():
+    """``round_in_kernel`` (F4 and B2 read their product-only operands in float32 and round
+    them in the kernel, no bf16 copies before it) at FLA's shape of the recurrence (8
+    warps, 2 stages, 64-row tiles), dense: within Hopper's shared memory and registers,
+    bf16 ``wgmma`` products, and the small spills measured in session 15 (F4 64 B, B2 48
+    B a thread: rounding whole float32 tiles in registers), not more. Whether they cost
+    more than the copies they save is for a GPU run (``gpu_vs_fla.py``'s ``+incast``)."""
+    t = dict(TUNINGS["w8_s2_k64"], round_in_kernel=True)
+    used = {src.split(" ")[0]: resources(text, 8, 2) for src, text in state_kernels("fast", t, "dense").items()}
+    assert len(used) == 2, used
+    for r in used.values():
+        assert r.registers <= HOPPER_REGISTERS and 0 < r.shared <= HOPPER_SHARED_BYTES and r.local <= 64, used
+        assert any(m.startswith("wgmma.") and m.endswith(".f32.bf16.bf16") for m in r.mma), used

@@ -1,0 +1,31 @@
+"""``benchmarks/layout_copies.py``: the transposes XLA makes around the Pallas kernels."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "layout_copies.py"
+
+
+@pytest.fixture(scope="module")
+def lc():
+    spec = importlib.util.spec_from_file_location("layout_copies", _PATH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_no_layout_copies_of_the_inputs(lc):
+    """Lowered for a GPU, the all-Triton pipeline's forward and training step on dense bf16
+    input (T a multiple of the chunk size) transpose no input and not ``do``: the only
+    transposes of input size left are the outputs' unpacking (o in the forward; dq, dk,
+    dv, dg in the training step, whose gradient does not read o), against 5 and 9 before
+    the stages read the caller's layout (``kdax._tokens``; at the benchmark's shape,
+    641 -> 128 MiB written by transposes in the forward, 1154 -> 513 MiB a training
+    step: benchmarks/NOTES.md, session 15)."""
+    B, T, H, K = 1, 256, 2, 32
+    at_least = 2 * B * T * H * K  # an input-sized array in bf16 (beta's are smaller)
+    text = lc.lowered("pallas", B=B, T=T, H=H, K=K, C=64)
+    got = tuple(len(lc.transposes(text[n], at_least)) for n in ("forward", "training step"))
+    assert got == (1, 4), got
