@@ -3,22 +3,15 @@ shapes, the goal shape first, the no_recompute row, FLA at every shape, the laye
 step's command line parses in the script it calls, and the run keeps to its time budget
 (steps replaced by a fake runner and a fake clock: no process, no timing asserted)."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-
+from ._load import load_benchmark
 
 def _load(name):
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark(name)
 
 
 @pytest.fixture(scope="module")

@@ -2,23 +2,17 @@
 table and ratios, argument errors; end to end on a tiny shape with -m slow (times are
 not asserted: speed is measured on the GPU, never in tests)."""
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_vs_fla.py"
-
+from ._load import load_benchmark
 
 @pytest.fixture(scope="module")
 def gvf():
-    spec = importlib.util.spec_from_file_location("gpu_vs_fla", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("gpu_vs_fla")
 
 
 def test_fla_absent_is_a_reason(gvf, monkeypatch):

@@ -4,14 +4,14 @@ into the table with the right errors and ratios. The FLA results here are FIXTUR
 the merge logic, made from known numbers: they are not measurements of FLA (FLA runs on
 the GPU only). Times are never asserted."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
+
+from ._load import load_benchmark
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 TINY = dict(B=1, T=32, hidden=16, heads=2, head_dim=8, conv_size=4, norm_eps=1e-6, chunk=16)
@@ -19,11 +19,7 @@ TINY = dict(B=1, T=32, hidden=16, heads=2, head_dim=8, conv_size=4, norm_eps=1e-
 
 @pytest.fixture(scope="module")
 def lvf():
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("layer_vs_fla", BENCH / "layer_vs_fla.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("layer_vs_fla")
 
 
 def _bf16_exact(a):

@@ -1,19 +1,13 @@
 """``benchmarks/layout_copies.py``: the transposes XLA makes around the Pallas kernels."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "layout_copies.py"
+from ._load import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def lc():
-    spec = importlib.util.spec_from_file_location("layout_copies", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("layout_copies")
 
 
 def test_no_layout_copies_of_the_inputs(lc):

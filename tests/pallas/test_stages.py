@@ -230,15 +230,24 @@ def test_gate_stages(target, interpret, opts, dtype, tol):
     _close(P.PallasGateBackward(**kw)(*bargs), S.ReferenceGateBackward()(*bargs), tol, "gate_bwd")
 
 
-@pytest.mark.parametrize("target,interpret", MODES)
-@pytest.mark.parametrize("in_dtype,dt", [(jnp.float64, jnp.float64), (jnp.float32, jnp.float32),
-                                         (jnp.bfloat16, jnp.float32)])
-def test_gate_kernels_read_the_callers_layout(target, interpret, in_dtype, dt):
+# Views of the caller's arrays (kdax._tokens): every dtype case on Triton (interpreted, and
+# compiled where there is a device); TPU blocks take the copy, checked once.
+VIEW_CASES = [
+    pytest.param(*m.values, *d, id=f"{m.id}-{d[0].__name__}", marks=m.marks)
+    for m in MODES if m.id != "tpu-interpret"
+    for d in [(jnp.float64, jnp.float64, "highest"), (jnp.float32, jnp.float32, "highest"),
+              (jnp.bfloat16, jnp.float32, "fast")]
+] + [pytest.param("tpu", True, jnp.bfloat16, jnp.float32, "highest", id="tpu-interpret-bfloat16")]
+
+
+@pytest.mark.parametrize("target,interpret,in_dtype,dt,policy", VIEW_CASES)
+def test_gate_kernels_read_the_callers_layout(target, interpret, in_dtype, dt, policy):
     """F1 handed ``Tokens`` views of ``[B, T, H, K]`` inputs (bf16 read as float32, q/k heads
     shared by two value heads, non-finite elements cleaned as chunk_kda cleans them) and
     B5 a view of the raw gate give, bit for bit, what they give on the chunked copies:
     Triton reads the caller's array block by block (``token_operand``); TPU blocks take the
-    copy. At K = 24 (not a power of 2) Triton takes the copy too."""
+    copy. At K = 24 (not a power of 2) Triton takes the copy too. (``policy`` unused: F1
+    and B5 have no products.)"""
     from kdax import _isolation
     from kdax._tokens import token_inputs
 
@@ -268,10 +277,7 @@ def test_gate_kernels_read_the_callers_layout(target, interpret, in_dtype, dt):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("target,interpret", MODES)
-@pytest.mark.parametrize("in_dtype,dt,policy", [(jnp.float64, jnp.float64, "highest"),
-                                                (jnp.float32, jnp.float32, "highest"),
-                                                (jnp.bfloat16, jnp.float32, "fast")])
+@pytest.mark.parametrize("target,interpret,in_dtype,dt,policy", VIEW_CASES)
 def test_values_read_from_the_callers_layout(target, interpret, in_dtype, dt, policy):
     """F3, B0 (its F3) and B3 handed a ``Tokens`` view of ``v [B, T, HV, V]``, B1, B2 and
     B3 one of ``do`` (bf16 read as such: under "fast" B2 takes it as its bf16 product

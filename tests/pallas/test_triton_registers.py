@@ -26,8 +26,8 @@ TUNINGS = {
 }
 
 
-@pytest.mark.parametrize("layout", ["dense", "packed", "dense_tokens"])
-@pytest.mark.parametrize("tuning", list(TUNINGS))
+@pytest.mark.parametrize("tuning,layout", [(t, lay) for t in TUNINGS for lay in ("dense", "packed")]
+                         + [("w8_s2_k64", "dense_tokens")])
 def test_state_kernels_hold_the_state_on_chip(tuning, layout):
     """``dense_tokens``: B2 reads bf16 ``do`` from the caller's ``[B, T, HV, V]`` array
     (``kdax._tokens``; 8 warps: 226 registers, against 196 on the chunked copy)."""
@@ -44,8 +44,7 @@ def test_state_kernels_hold_the_state_on_chip(tuning, layout):
     assert len(used) == 2, used
 
 
-@pytest.mark.parametrize("tokens", [False, True], ids=["chunked", "tokens"])
-@pytest.mark.parametrize("num_warps", [4, 8])
+@pytest.mark.parametrize("num_warps,tokens", [(4, False), (4, True), (8, False)], ids=["4", "4-tokens", "8"])
 def test_gate_kernels_fit_in_registers(num_warps, tokens):
     """F1 and B5 at K = 128 with Kimi Linear's options, at the default four warps and at
     eight, on chunked float32 inputs and reading bf16 ``[B, T, H, K]`` inputs in place
