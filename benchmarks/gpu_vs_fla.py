@@ -77,6 +77,8 @@ def kdax_pipeline(name: str) -> KDAPipeline:
     """A pipeline by name: one of ``PIPES``, optionally followed by ``+option`` changes:
     ``+xla_gate`` (F1/B5 reference stages), ``+pallas_state`` (Pallas F4 and B2),
     ``+warps=N`` / ``+stages=N`` / ``+f32dot=tf32x3`` (every Pallas stage's Triton tuning),
+    ``+noviews`` (every Pallas stage takes chunked copies of the inputs, not views of the
+    caller's arrays: ``kdax._tokens``),
     ``+group=N|none`` / ``+unroll=N`` (every reference stage's chunk groups / the
     recurrences' loop unroll), ``+block_k=N`` (the Pallas state kernels hold the state as
     N-row tiles), ``+block_v=N`` (and take N value columns per program), ``+incast`` (and
@@ -117,9 +119,9 @@ def _with_option(pipe: KDAPipeline, opt: str, name: str) -> KDAPipeline:
     if key == "pallas_state":
         p = KDAPipeline.pallas()
         return dataclasses.replace(pipe, state=p.state, dhu=p.dhu)
-    if key in ("warps", "stages", "f32dot"):
-        field = {"warps": "num_warps", "stages": "num_stages", "f32dot": "f32_dot"}[key]
-        value = val if key == "f32dot" else int(val)
+    if key in ("warps", "stages", "f32dot", "noviews"):
+        field = {"warps": "num_warps", "stages": "num_stages", "f32dot": "f32_dot", "noviews": "read_views"}[key]
+        value = val if key == "f32dot" else (False if key == "noviews" else int(val))
         return dataclasses.replace(pipe, **{n: dataclasses.replace(s, **{field: value})
                                             for n, s in stages.items() if isinstance(s, PallasTarget)})
     if key == "group":

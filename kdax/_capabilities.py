@@ -21,10 +21,10 @@ class Capabilities(NamedTuple):
     ``kdax.stages.activated_gate``), so the pipeline may compute a few terms of it itself:
     packed initial states entering shared chunks (``kdax._shared_states``) need the first
     tokens' decays (F1) and their ``scale q e^(Γ') Y`` output term (F5); without it on
-    both, such calls keep one sequence per chunk. ``tokens`` (F1, B5): reads the call's
-    inputs from the caller's layout itself: ``kdax._tokens.Tokens`` views in place of the
-    chunked arrays, on dense input whose T is a multiple of the chunk size; without it the
-    stage gets the chunked copies."""
+    both, such calls keep one sequence per chunk. ``tokens`` (F1, F3, B0, B1, B2, B3, B5):
+    reads the call's inputs and ``do`` from the caller's layout itself, given
+    ``kdax._tokens.Tokens`` views in place of the chunked arrays (dense input whose T is
+    a multiple of the chunk size); without it the stage gets the chunked copies."""
 
     G_lo: bool
     reset: bool
@@ -41,9 +41,9 @@ def _takes(cls: type, name: str) -> bool:
 @functools.cache
 def capabilities(cls: type) -> Capabilities:
     """The declaration of stage class ``cls``: its ``accepts`` ClassVar (a set drawn from
-    ``"G_lo"``, ``"reset"``, ``"tile_safe"``, ``"standard"``, ``"tokens"``) when it has one; else what its signature
-    and ClassVars say (a ``G_lo`` / ``reset`` parameter or ``**kwargs``; ``tile_safe``),
-    as stages written before declarations keep working."""
+    ``"G_lo"``, ``"reset"``, ``"tile_safe"``, ``"standard"``, ``"tokens"``) when it has
+    one; else what its signature and ClassVars say (a ``G_lo`` / ``reset`` parameter or
+    ``**kwargs``; ``tile_safe``), as stages written before declarations keep working."""
     declared = getattr(cls, "accepts", None)
     if declared is not None:
         unknown = set(declared) - set(Capabilities._fields)

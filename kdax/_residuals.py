@@ -48,8 +48,8 @@ class KDAResiduals(eqx.Module):
     config: KDAConfig = eqx.field(static=True)
     layout: ChunkLayout
     act: Activated
-    v: ChunkV
-    g_raw: Optional[typing.Union[ChunkK, Tokens]]  # (a view of the caller's g: kdax._tokens)
+    v: typing.Union[ChunkV, Tokens]  # (views of the caller's v and g: kdax._tokens)
+    g_raw: Optional[typing.Union[ChunkK, Tokens]]
     A_log: Optional[Float[Array, " HV"]]
     dt_bias: Optional[Float[Array, " HVK"]]
     Aqk: ChunkMat

@@ -636,7 +636,7 @@ class _ForwardChunks(eqx.Module):
     wy: WYOut
     h: ChunkState
     v_new: ChunkV
-    v: ChunkV
+    v: typing.Union[ChunkV, Tokens]  # (views of the caller's v and g: kdax._tokens)
     g: typing.Union[ChunkK, Tokens]
 
 

@@ -28,7 +28,7 @@ from .. import _precision
 from .._errors import UnsupportedCase
 from .._hilo import exponent
 from .._ops import vary_like
-from .._tokens import Tokens
+from .._tokens import Tokens, as_chunked
 
 TARGETS = ("tpu", "triton")
 
@@ -53,13 +53,16 @@ class PallasTarget(eqx.Module):
     ``"ieee"`` (CUDA-core FMAs, exact float32 products) or ``"tf32x3"`` (three TF32
     tensor-core products whose sum carries about float32's precision, relative error of
     order 1e-6 instead of 1e-7). Half-precision products under a precision policy
-    (``kdax._precision``) are unaffected."""
+    (``kdax._precision``) are unaffected. ``read_views``: read ``kdax._tokens.Tokens``
+    views of the call's inputs in place where ``reads_tokens`` allows (False: take their
+    chunked copies, as before the views; for measuring what they buy)."""
 
     target: str = eqx.field(static=True, default="tpu")
     interpret: Optional[bool] = eqx.field(static=True, default=None)
     num_warps: int = eqx.field(static=True, default=4)
     num_stages: int = eqx.field(static=True, default=1)
     f32_dot: str = eqx.field(static=True, default="ieee")
+    read_views: bool = eqx.field(static=True, default=True)
 
     def __check_init__(self):
         check_target(self.target)
@@ -78,6 +81,11 @@ class PallasTarget(eqx.Module):
     def check_widths(self, **widths: int) -> None:
         """``check_width`` for this stage, named by its class."""
         check_width(type(self).__name__, self.target, **widths)
+
+    def view_or_copy(self, x, width: int):
+        """A stage input as this stage's kernel takes it: a ``Tokens`` view read in place
+        (``read_views`` and ``reads_tokens``), else its chunked copy; arrays as they are."""
+        return x if self.read_views and reads_tokens(self.target, width) else as_chunked(x)
 
     def padded(self, x, axes=(-1,)):
         """Chunked ``x`` flattened to one program axis (``flat``), its feature ``axes``

@@ -21,10 +21,10 @@ from .._typing import ChunkK, ChunkScalar, ChunkValid, typecheck
 from ..ref import L2NORM_EPS, log_decay_floor
 from ..stages import AbstractGate, AbstractGateBackward, Activated, RawGrads
 from .._final import final
-from .._tokens import Tokens, as_chunked
+from .._tokens import Tokens
 from ._common import (
     PallasTarget, chunk_spec, column_blocks, dot, feature_pad, flat, head_spec, iota, loaded, lower_dot,
-    nonfinite_rows, pow2, reads_tokens, ref_or_none, token_operand, tuned, unflat,
+    nonfinite_rows, pow2, ref_or_none, token_operand, tuned, unflat,
 )
 
 
@@ -279,8 +279,7 @@ class PallasGate(AbstractGate, PallasTarget):
         cfg = config
         R, HV, NC, C, K = q.shape
         self.check_widths(K=K)
-        if not reads_tokens(self.target, K):
-            q, k, g, beta = (as_chunked(x) for x in (q, k, g, beta))
+        q, k, g, beta = (self.view_or_copy(x, K) for x in (q, k, g, beta))
         Kp = pow2(K) if self.target == "triton" else K
         ops = [token_operand(self.target, x, self.padded, b) for x, b in ((q, (C, Kp)), (k, (C, Kp)), (g, (C, Kp)))]
         ops.append(token_operand(self.target, beta, flat, (C, 1)))
@@ -338,7 +337,7 @@ class PallasGateBackward(AbstractGateBackward, PallasTarget):
         specs.append(s1)
         load_g = None
         if gate:
-            a, spec, load_g = token_operand(self.target, g if reads_tokens(self.target, K) else as_chunked(g), fp, (C, Kp))
+            a, spec, load_g = token_operand(self.target, self.view_or_copy(g, K), fp, (C, Kp))
             ins.append(a)
             specs.append(spec)
         ins.append(flat(jnp.broadcast_to(valid[:, None], dbeta.shape).astype(dq.dtype)))

@@ -4,11 +4,11 @@ from typing import ClassVar, Union
 
 import jax.numpy as jnp
 
-from .._tokens import Tokens, as_chunked
+from .._tokens import Tokens
 from .._typing import ChunkK, ChunkMat, ChunkState, ChunkV, typecheck
 from ..stages import AbstractDAv, AbstractOutput
 from .._final import final
-from ._common import PallasTarget, chunk_spec, dot, flat, iota, loaded, lower_dot, reads_tokens, token_operand, tuned, unflat
+from ._common import PallasTarget, chunk_spec, dot, flat, iota, loaded, lower_dot, token_operand, tuned, unflat
 
 
 @final
@@ -65,8 +65,7 @@ class PallasDAv(AbstractDAv, PallasTarget):
         self.check_widths(V=V)
         vf = self.padded(v_new)
         Vp = vf.shape[-1]
-        df, do_spec, load = token_operand(self.target, do if reads_tokens(self.target, V) else as_chunked(do),
-                                          self.padded, (C, Vp))
+        df, do_spec, load = token_operand(self.target, self.view_or_copy(do, V), self.padded, (C, Vp))
 
         def kernel(v_ref, a_ref, do_ref, da_ref, dv_ref):
             d = loaded(do_ref, load)[...]

@@ -16,12 +16,12 @@ from .. import _precision
 from .._errors import UnsupportedCase
 from .._layout import ChunkLayout
 from .._resets import mask_exponent, state_passes
-from .._tokens import Tokens, as_chunked
+from .._tokens import Tokens
 from .._typing import ChunkK, ChunkV, ChunkValid, SeqState, typecheck
 from ..stages import AbstractDhu, AbstractState, DhuOut, StateOut
 from .._final import final
 from . import _state_tpu as tpu, _state_triton as triton
-from ._common import PallasValueBlocks, check_block, feature_pad, flat, reads_tokens, tuned, unflat
+from ._common import PallasValueBlocks, check_block, feature_pad, flat, tuned, unflat
 
 
 def _check_dense(stage: str, layout: ChunkLayout, NC: int):
@@ -152,7 +152,7 @@ class PallasDhu(AbstractDhu, PallasValueBlocks):
         if t == "tpu":
             _check_dense("PallasDhu", layout, NC)
         N = dht.shape[0]
-        do = do if reads_tokens(t, V) else as_chunked(do)
+        do = self.view_or_copy(do, V)
         do = do if isinstance(do, Tokens) else self.padded(do)
         qf, kf, wf, dof = _product_operands(t, self.round_in_kernel, *(self.padded(x) for x in (qg, kg, w)), do)
         dvf = self.padded(dv_intra)

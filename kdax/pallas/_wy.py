@@ -6,22 +6,21 @@ import equinox as eqx
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from .._tokens import Tokens, as_chunked
+from .._tokens import Tokens
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, typecheck
 from ..stages import AbstractWY, AbstractWYDqkg, ChunkGrads, WYOut
 from .._final import final
 from ._common import (
     PallasFeatureBlocks, PallasValueBlocks, blockwise, chunk_spec, column_blocks, decay, dot, flat, iota, loaded,
-    lower_dot, pow2, reads_tokens, ref_or_none, row_of, row_or_none, token_operand, tuned, unflat,
+    lower_dot, pow2, ref_or_none, row_of, row_or_none, token_operand, tuned, unflat,
 )
 
 
-def _values(target: str, x, padded, C: int):
-    """``token_operand`` for a ``[.., C, V]`` input (v, do): a ``Tokens`` view read in place
-    where ``reads_tokens`` allows, else the chunked array."""
-    V = x.shape[-1]
-    x = x if reads_tokens(target, V) else as_chunked(x)
-    return token_operand(target, x, padded, (C, pow2(V) if target == "triton" else V))
+def _values(stage, x, C: int):
+    """``token_operand`` for a ``[.., C, V]`` input (v, do) of ``stage``: a ``Tokens`` view
+    read in place (``PallasTarget.view_or_copy``), else the chunked array."""
+    V, t = x.shape[-1], stage.target
+    return token_operand(t, stage.view_or_copy(x, V), stage.padded, (C, pow2(V) if t == "triton" else V))
 
 
 def wy_kernel(k_blocks, v_blocks, has_lo: bool, load_v=None):
@@ -158,7 +157,7 @@ class PallasWY(AbstractWY, PallasFeatureBlocks):
         self.check_widths(K=K, V=V)
         fp = self.padded
         qf, kf, Gf = fp(q), fp(k), fp(G)
-        vf, sv, load_v = _values(self.target, v, fp, C)
+        vf, sv, load_v = _values(self, v, C)
         Kp, Vp = qf.shape[-1], pow2(V) if self.target == "triton" else V
         sk = chunk_spec((C, Kp))
         ins, specs = (qf, kf, vf, flat(beta), Gf, flat(Akk)), [sk, sk, sv, chunk_spec((C, 1)), sk, chunk_spec((C, C))]
@@ -211,8 +210,8 @@ class PallasWYDqkg(AbstractWYDqkg, PallasValueBlocks, PallasFeatureBlocks):
         fp = self.padded
         fp2 = lambda x: self.padded(x, axes=(-2, -1))
         Kp, Vp = (pow2(n) if self.target == "triton" else n for n in (K, V))
-        v_in, v_spec, load_v = _values(self.target, v, fp, C)
-        do_in, do_spec, load_do = _values(self.target, do, fp, C)
+        v_in, v_spec, load_v = _values(self, v, C)
+        do_in, do_spec, load_do = _values(self, do, C)
         ins = (fp(q), fp(k), v_in, flat(beta), fp(G), flat(Akk), fp(qg), fp(kg), fp2(h), fp2(dh),
                fp(v_new), do_in, fp(dv_new))
         sk, sv, s1, sc, sh = (chunk_spec(b) for b in ((C, Kp), (C, Vp), (C, 1), (C, C), (Kp, Vp)))

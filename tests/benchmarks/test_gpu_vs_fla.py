@@ -131,6 +131,8 @@ def test_column_and_state_tile_options(gvf):
         assert getattr(cols, n) == getattr(base, n) and getattr(tiles, n).block_k == 64
         assert getattr(incast, n).round_in_kernel and not getattr(base, n).round_in_kernel
     assert all(getattr(incast, n) == getattr(base, n) for n in blocked)
+    noviews = gvf.kdax_pipeline("pallas+noviews")
+    assert all(getattr(base, n).read_views and not getattr(noviews, n).read_views for n in blocked + ["state", "gate"])
 
 
 def test_table_memory_pending_and_superseded_rows(gvf):

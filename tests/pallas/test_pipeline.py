@@ -196,9 +196,9 @@ def test_stages_read_the_callers_layout():
     """Dense input whose T is a multiple of the chunk size, Kimi Linear's options, two
     value heads per q/k head: the Triton F1 reads q, k, g, beta, B5 g, F3, B0 and B3 v,
     B1, B2 and B3 do from the caller's arrays (``kdax._tokens``, no chunked copies);
-    outputs and every gradient against the float64 oracle. With NaN and inf inputs in three rows, float64 and
-    float32: NaN exactly where the reference pipeline has it, every other value its value
-    (non-finite elements cleaned as the kernels load them)."""
+    outputs and every gradient against the float64 oracle. With NaN and inf inputs in
+    three rows (float32): NaN exactly where the reference pipeline has it, every other
+    value its value (non-finite elements cleaned as the kernels load them)."""
     from kdax._runner import recording
     from kdax._tokens import Tokens
 
@@ -211,7 +211,7 @@ def test_stages_read_the_callers_layout():
     views = [("gate", "q"), ("gate", "beta"), ("gate_bwd", "g"), ("wy", "v"), ("recompute", "v"), ("wy_dqkg", "v"),
              ("dav", "do"), ("dhu", "do"), ("wy_dqkg", "do")]
     assert all(isinstance(rec.inputs[n][a], Tokens) for n, a in views), rec.inputs
-    for dtype, tol in ((jnp.float64, 1e-10), (jnp.float32, 1e-5)):
+    for dtype, tol in ((jnp.float32, 1e-5),):  # (the kernels' float64 view reads: test_stages.py)
         x, opts = build_case(spec, dtype=dtype)
         x = dict(x, g=x["g"].at[1, 20, 1, 3].set(jnp.nan), k=x["k"].at[2, 40, 0, 2].set(jnp.inf),
                  q=x["q"].at[0, 10, 1, 0].set(jnp.nan), beta=x["beta"].at[0, 50, 2].set(jnp.nan))
