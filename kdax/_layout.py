@@ -115,8 +115,12 @@ def pack(layout: ChunkLayout, x, dtype=None):
         x = jnp.pad(x, [(0, 0), (0, nc * C - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
     else:
         x = jnp.zeros((1, nc * C) + x.shape[2:], x.dtype).at[:, layout.pos].set(x)
-    x = x.reshape(x.shape[0], nc, C, *x.shape[2:])
-    return jnp.moveaxis(x, 3, 1)
+    return jnp.moveaxis(to_chunks(x, C), 3, 1)
+
+
+def to_chunks(x, C: int):
+    """``[B, NC * C, ...] -> [B, NC, C, ...]`` (a reshape)."""
+    return x.reshape(x.shape[0], x.shape[1] // C, C, *x.shape[2:])
 
 
 def unpack(layout: ChunkLayout, y):

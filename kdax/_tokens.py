@@ -4,12 +4,13 @@ Packing an input into the chunked layout (``kdax._layout.pack``) is a copy: a tr
 from ``[B, T, H, D]`` to ``[R, HV, NC, C, D]``, in the compute dtype (float32 for bf16
 inputs). A stage that declares the capability ``"tokens"`` (docs/stages.md, capabilities)
 is handed a ``Tokens`` view instead and reads its blocks from the caller's array (a
-Pallas kernel's block spec: ``token_spec``), casting and cleaning each block as it loads
+Pallas kernel's block spec: ``kdax.pallas._common.token_operand``), casting and cleaning each block as it loads
 it; any other stage gets the chunked copy (``Tokens.chunked``), made by the stage runner.
 Views are made only for dense input whose T is a multiple of the chunk size (the chunked
 layout is then a reshape of the caller's, with no padding).
 """
 
+import dataclasses
 from typing import Optional
 
 import equinox as eqx
@@ -18,7 +19,7 @@ import numpy as np
 from jaxtyping import Array
 
 from . import _isolation
-from ._layout import expand_group
+from ._layout import expand_group, to_chunks
 
 
 class Tokens(eqx.Module):
@@ -56,6 +57,10 @@ class Tokens(eqx.Module):
         """Value heads per head of ``x``."""
         return self.heads // self.x.shape[2]
 
+    def in_dtype(self, dtype) -> "Tokens":
+        """The same view read as ``dtype`` (a kernel operand's dtype)."""
+        return dataclasses.replace(self, dtype=np.dtype(dtype))
+
     def load(self, block):
         """A block read from ``x`` (any shape) as the chunked array holds it: cleaned,
         then cast (``pack``'s order). Usable inside a kernel."""
@@ -65,9 +70,8 @@ class Tokens(eqx.Module):
 
     def chunks(self):
         """``x`` as ``[B, T // C, C, Hx, *D]`` (a reshape, no copy): what a kernel's block
-        spec indexes (``kdax.pallas._common.token_spec``)."""
-        B, T = self.x.shape[:2]
-        return self.x.reshape(B, T // self.chunk_size, self.chunk_size, *self.x.shape[2:])
+        spec indexes (``kdax.pallas._common.token_operand``)."""
+        return to_chunks(self.x, self.chunk_size)
 
     def chunked(self) -> Array:
         """The chunked copy ``[B, heads, NC, C, *D]`` (``pack``'s result)."""

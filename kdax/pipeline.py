@@ -306,7 +306,7 @@ class KDAPipeline(eqx.Module):
         and B3 read it too); no copy is made of those. Readers without the capability
         get a copy from the stage runner."""
         reads = [capabilities(type(getattr(self, n))).tokens for n in ("gate", "wy")]
-        if not (layout.dense and layout.T % layout.chunk_size == 0 and any(reads)):
+        if not (_views_fit(layout) and any(reads)):
             return pack_inputs(layout, raw, HV, dt, clean)
         kinds = _isolation.input_kinds(config.use_gate_in_kernel, config.use_beta_sigmoid_in_kernel) if clean else None
         q, k, v, g, beta = token_inputs(raw, HV, layout.chunk_size, dt, kinds)
@@ -318,8 +318,7 @@ class KDAPipeline(eqx.Module):
         """``do`` for B1-B3: the chunked copy, or on dense input whose T is a multiple of the
         chunk size, with a B1, B2 or B3 that reads the caller's layout (``tokens``), a
         ``Tokens`` view (the stage runner gives the others the copy)."""
-        if layout.dense and layout.T % layout.chunk_size == 0 and any(
-                capabilities(type(getattr(self, n))).tokens for n in ("dav", "dhu", "wy_dqkg")):
+        if _views_fit(layout) and any(capabilities(type(getattr(self, n))).tokens for n in ("dav", "dhu", "wy_dqkg")):
             return Tokens(do, do.shape[2], layout.chunk_size, np.dtype(dt))
         return pack(layout, do, dt)
 
@@ -625,6 +624,12 @@ class KDAPipeline(eqx.Module):
 
 
 _compiled_differentiable = eqx.filter_jit(differentiable)
+
+
+def _views_fit(layout: ChunkLayout) -> bool:
+    """Whether the caller's arrays are the chunked layout up to a reshape (``Tokens``
+    views): dense rows, T a multiple of the chunk size (no padding)."""
+    return layout.dense and layout.T % layout.chunk_size == 0
 
 
 class _ForwardChunks(eqx.Module):

@@ -10,7 +10,6 @@ chunks; dense and packed varlen); the per-chunk arithmetic both share: ``_state_
 from typing import ClassVar, Optional, Union
 
 import equinox as eqx
-import numpy as np
 
 from .. import _precision
 from .._errors import UnsupportedCase
@@ -57,8 +56,7 @@ def _product_operands(target: str, in_kernel: bool, *xs):
     if target != "triton" or half is None or in_kernel:
         return xs
     # (a Tokens view is read in its own dtype and cast in the kernel, to half here)
-    return tuple(Tokens(x.x, x.heads, x.chunk_size, np.dtype(half), x.clean) if isinstance(x, Tokens)
-                 else x.astype(half) for x in xs)
+    return tuple(x.in_dtype(half) if isinstance(x, Tokens) else x.astype(half) for x in xs)
 
 
 @final
