@@ -11,6 +11,7 @@ from . import nn as nn
 from . import parallel as parallel
 from ._config import KDAConfig as KDAConfig
 from ._config import KDAOptions as KDAOptions
+from ._errors import DerivedBackwardError as DerivedBackwardError
 from ._errors import FallbackWarning as FallbackWarning
 from ._errors import StageGradientError as StageGradientError
 from ._errors import StageContractError as StageContractError

@@ -28,6 +28,7 @@ import jax
 from . import _precision
 from ._capabilities import capabilities, negotiated
 from ._contracts import STAGES, check_arguments, check_family, check_output, expected_output
+from ._derived import reference_is_exact
 from ._errors import FallbackWarning, UnsupportedCase
 from ._ops import chunk_loops_scope
 from ._typing import ChunkK
@@ -44,6 +45,8 @@ class Recording:
         self.ran: dict = {}
         self.quiet = quiet
         self.layout: Optional[str] = None
+        # (reasons, swapped fields) when the backward was derived (kdax._derived)
+        self.derived: Optional[tuple] = None
 
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("kdax_recordings", default=())
@@ -103,6 +106,12 @@ def run_stage(pipeline, name: str, **kwargs):
         except UnsupportedCase as e:
             if not pipeline.fallback:
                 raise
+            if not reference_is_exact(name, stage):  # the reference would change the math
+                raise UnsupportedCase(
+                    f"KDAPipeline.{name} ({type(stage).__qualname__}) cannot run this case ({e}), and the pipeline "
+                    f"cannot fall back to {STAGES[name].reference.__qualname__}: the stage declares other math than "
+                    f"KDA's (`math`/`transposes`), which the reference stage does not compute."
+                ) from e
             ran, reason = STAGES[name].reference(), str(e) or type(e).__name__
             if not any(r.quiet for r in recs):
                 _warn_once(name, type(stage).__qualname__, reason)

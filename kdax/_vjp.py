@@ -1,13 +1,19 @@
 """``chunk_kda``'s derivative: an ``eqx.filter_custom_vjp`` whose forward is the
 pipeline's forward (whole, untiled) and whose backward is the six-stage backward; the
 pipeline's own arrays are differentiated as ``kdax._stage_grads`` says, and non-finite
-cotangents stay in their sequence (``kdax._isolation``)."""
+cotangents stay in their sequence (``kdax._isolation``). When the backward stages are
+not the transposes of the forward stages (``kdax._derived``), the backward is derived
+from the forward stages by ``jax.vjp`` instead, every stage array included, with the
+same isolation."""
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 
-from . import _isolation
+from . import _derived, _isolation
 from ._config import KDAConfig
+from ._residuals import KDAGrads
+from ._runner import active_recordings
 from ._stage_grads import check_perturbed, pipeline_gradients
 
 
@@ -31,13 +37,35 @@ def _bad(config: KDAConfig, inputs, cu_seqlens):
                           h0=inputs[5])
 
 
+class _Derived(eqx.Module):
+    """The residuals of the derived backward: the forward's VJP, the swapped fields, and
+    what the cotangents need (the primal outputs' shapes, the q/k heads)."""
+
+    vjp: object
+    swapped: tuple = eqx.field(static=True)
+    o: jax.ShapeDtypeStruct = eqx.field(static=True)
+    final: jax.ShapeDtypeStruct = eqx.field(static=True)
+    num_qk_heads: int = eqx.field(static=True)
+
+
 @differentiable.def_fwd
 def _vjp_fwd(perturbed, diff, config: KDAConfig, cu_seqlens):
     inputs, pipeline = diff
+    bad = _bad(config, inputs, cu_seqlens)
+    if _derived.mismatches(pipeline):
+        def run(inputs_, pipe):
+            o_, final_, _ = pipe.run_forward(config, *inputs_, cu_seqlens, clean=True, entries=True)
+            return o_, final_
+
+        (o, final), vjp, swapped = _derived.derived_vjp(pipeline, run, inputs)
+        for rec in active_recordings():
+            rec.derived = (_derived.mismatches(pipeline), swapped)
+        shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+        res = _Derived(vjp, swapped, shape(o), shape(final), inputs[0].shape[2])
+        return _isolation.poison_outputs(bad, o, final), (res, bad.where)
     got = check_perturbed(pipeline, perturbed[1])
     # Whole: in a training step XLA then shares F3/F4 with B0's recompute (the CPU step was
     # ~15% slower with a tiled forward; a tiled B1-B5 too was still 5-10% slower).
-    bad = _bad(config, inputs, cu_seqlens)
     # (Initial states entering shared chunks decay with KDA's gate outside F1, a path
     # _stage_grads does not follow: a differentiated F1 array takes the per-sequence layout.)
     o, final, res = pipeline.untiled().run_forward(config, *inputs, cu_seqlens, clean=True,
@@ -53,6 +81,8 @@ def _vjp_bwd(residuals, cotangents, perturbed, diff, config: KDAConfig, cu_seqle
     res, where = residuals
     inputs, pipeline = diff
     do, dht = cotangents
+    if isinstance(res, _Derived):
+        return _derived_bwd(res, where, do, dht, perturbed, config, cu_seqlens)
     if do is None:  # only the final state carries a loss
         L = res.layout
         do = jnp.zeros((L.valid.shape[0] if L.pos is None else 1, L.T) + res.v.shape[1:2] + res.v.shape[-1:], res.h0.dtype)
@@ -65,3 +95,19 @@ def _vjp_bwd(residuals, cotangents, perturbed, diff, config: KDAConfig, cu_seqle
     d_inputs = tuple(None if d is None or x is None else x.astype(d) for x, d in zip(out, res.in_dtypes))
     clean = (*_isolation.cleaner(config.use_gate_in_kernel, config.use_beta_sigmoid_in_kernel)(inputs[:5]), *inputs[5:])
     return d_inputs, pipeline_gradients(pipeline, perturbed[1], parts, res, clean)
+
+
+def _derived_bwd(res: _Derived, where, do, dht, perturbed, config: KDAConfig, cu_seqlens):
+    """The derived backward (``kdax._derived``): the forward's VJP at the cleaned
+    cotangents, NaN put where the recurrence's gradients have it (as the six-stage
+    backward does)."""
+    do = _derived.zeros_like_or(do, res.o)
+    dht = _derived.zeros_like_or(dht if config.output_final_state else None, res.final)
+    do, poison = _isolation.clean_cotangents(do, dht if config.output_final_state else None, cu_seqlens,
+                                             res.num_qk_heads)
+    d_inputs, d_pipe = res.vjp((do, _isolation.finite_or_zero(dht)))
+    q, k, v, g, beta, h0, A_log, dt_bias = d_inputs
+    grads = KDAGrads(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, A_log=A_log, dt_bias=dt_bias)
+    grads = _isolation.poison_inputs(where, poison(grads))
+    out = (grads.q, grads.k, grads.v, grads.g, grads.beta, grads.initial_state, grads.A_log, grads.dt_bias)
+    return out, _derived.pipeline_cotangent(perturbed[1], d_pipe, res.swapped)

@@ -25,8 +25,10 @@ from . import pallas as P
 from ._capabilities import capabilities
 from ._config import KDAConfig, KDAOptions
 from ._contracts import STAGES, check_family
+from ._derived import is_kda, mismatches, reference_is_exact
 from ._layout import ChunkLayout, make_layout, make_shared_layout, pack, pack_inputs, reduce_group, unpack
 from ._ops import CHUNK_LOOPS, loop_unroll, mT, resolve_group, split_rows_and_heads, zeros_after
+from ._errors import DerivedBackwardError
 from ._plan import KDAPlan, PlanRow
 from ._residuals import EntryResiduals, KDAGrads, KDAResiduals
 from . import _shared_states
@@ -202,17 +204,25 @@ class KDAPipeline(eqx.Module):
             jax.eval_shape(jax.grad(loss), diff)
         forward = [self.tile is not None and not self._unsafe_for_tiles(), self._unsafe_for_tiles()]
         rows = []
+        reasons, swapped = rec.derived or ((), ())
         for name, info in STAGES.items():
             got = rec.ran.get(name)
             if got is None:
                 why = "not run: the forward's cache is kept (disable_recompute=True)" if name == "recompute" else "not run"
+                if reasons and not info.forward:
+                    why = "not run: the backward is derived by jax.vjp through the forward stages"
                 rows.append(PlanRow(name, info.step, type(getattr(self, name)).__qualname__, None, why))
             else:
                 stage, ran, reason = got
+                if name in swapped:
+                    stage, reason = getattr(self, name), "differentiated as its reference stage (same math; derived backward)"
                 rows.append(PlanRow(name, info.step, type(stage).__qualname__, type(ran).__qualname__, reason))
         # What a stage says of how it runs (``plan_note``, e.g. a segment-split recurrence).
         notes = tuple(f"{name}: {ran.plan_note}" for name, (_, ran, _) in rec.ran.items()
                       if getattr(ran, "plan_note", None))
+        if reasons:
+            notes += ("backward: derived by jax.vjp through F1-F5 (exact; the six-stage backward does not transpose "
+                      "this forward: " + "; ".join(reasons) + ")",)
         return KDAPlan(tuple(rows), self.tile if forward[0] else None, forward[1], rec.layout, notes=notes,
                        config=self.resolved_config(q.dtype))
 
@@ -259,8 +269,10 @@ class KDAPipeline(eqx.Module):
         B, T, H, K = q.shape
         HV, V = v.shape[2:]
         dt = compute_dtype(q, k, v, g, beta, h0)
-        # (initial states entering shared chunks compute terms of F1 and F5: ``standard``)
-        entries = entries and all(capabilities(type(getattr(self, n))).standard for n in ("gate", "output"))
+        # (initial states entering shared chunks compute terms of F1's and F5's math in
+        # kdax._shared_states: only for stages that declare KDA's; others keep one
+        # sequence per chunk, where every term comes from the stage)
+        entries = entries and all(is_kda(getattr(self, n)) for n in ("gate", "output"))
         shared = self.shares_chunks(None if entries else h0, cu_seqlens)
         if shared and h0 is not None:  # initial states entering shared chunks
             return self._forward_entries(config, (q, k, v, g, beta), h0, A_log, dt_bias, cu_seqlens, clean, dt)
@@ -371,8 +383,14 @@ class KDAPipeline(eqx.Module):
         if not self.share_chunks or cu_seqlens is None or initial_state is not None:
             return False
         # Every stage the layout's reset table reaches must accept it, or the sequences take
-        # one chunk each (exact either way); ``fallback`` runs the reference stage instead.
-        return self.fallback or all(capabilities(type(getattr(self, n))).reset for n in _RESET_FIELDS)
+        # one chunk each (exact either way); ``fallback`` runs the reference stage instead,
+        # for a stage of KDA's math (the reference computes another stage's math for no
+        # one). The final states of shared chunks follow F4's math in kdax._shared_states:
+        # an F4 of other math keeps one sequence per chunk.
+        if not is_kda(self.state):
+            return False
+        return all(capabilities(type(getattr(self, n))).reset
+                   or (self.fallback and reference_is_exact(n, getattr(self, n))) for n in _RESET_FIELDS)
 
     def _tile_chunks(self, rows_heads: int, num_chunks: int) -> Optional[int]:
         """Chunks per forward tile, or None to run each stage once over everything."""
@@ -465,6 +483,15 @@ class KDAPipeline(eqx.Module):
         differentiated."""
         for name in STAGES:  # a pipeline edited with eqx.tree_at skips __check_init__
             check_family(name, getattr(self, name))
+        why = mismatches(self)
+        if why:
+            raise DerivedBackwardError(
+                f"KDAPipeline.backward: the backward stages are not the transposes of the forward stages ({why[0]}"
+                f"{'; ...' if len(why) > 1 else ''}), so the six-stage backward would give another algorithm's "
+                f"gradients. Differentiate chunk_kda (jax.grad / jax.vjp), which derives the backward from the forward "
+                f"stages, or pass backward stages that transpose them and declare so (`math`, `transposes`: "
+                f"docs/stages.md)."
+            )
         cfg, L, act = res.config, res.layout, res.act
         want = (L.valid.shape[0] if L.pos is None else 1, L.T, res.v.shape[1], res.v.shape[-1])
         if tuple(do.shape) != want:

@@ -12,15 +12,17 @@ import pytest
 
 import kdax
 from kdax._capabilities import Capabilities, capabilities
-from kdax.stages import AbstractGate, AbstractIntra, ReferenceGate, ReferenceIntra
+from kdax.stages import KDA, AbstractGate, AbstractIntra, ReferenceGate, ReferenceIntra
 
 from ._util import assert_close, make_inputs, oracle_kda, split_args
 
 
 class DeclaredGate(AbstractGate):
-    """The reference gate, declaring reset and tile-safety; records what it was given."""
+    """The reference gate, declaring reset and tile-safety (and KDA's math: it composes
+    the reference gate unchanged)."""
 
     accepts: ClassVar[frozenset] = frozenset({"reset", "tile_safe"})
+    math: ClassVar[str] = KDA
 
     def __call__(self, config, q, k, g, beta, A_log, dt_bias, valid, reset=None):
         assert reset is not None or valid.shape[0] > 0
@@ -28,9 +30,10 @@ class DeclaredGate(AbstractGate):
 
 
 class NoResetGate(AbstractGate):
-    """Declares nothing: no reset, not tile-safe."""
+    """No reset, not tile-safe; KDA's math (so that a fallback to the reference gate is exact)."""
 
     accepts: ClassVar[frozenset] = frozenset()
+    math: ClassVar[str] = KDA
 
     def __call__(self, config, q, k, g, beta, A_log, dt_bias, valid, **kwargs):
         assert "reset" not in kwargs  # the declaration wins over **kwargs

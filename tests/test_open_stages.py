@@ -14,6 +14,7 @@ import pytest
 import kdax
 from kdax import pallas as P
 from kdax.stages import (
+    KDA,
     AbstractOutput, AbstractRecompute, AbstractState, ReferenceOutput, ReferenceRecompute, ReferenceState, StateOut,
 )
 
@@ -161,6 +162,15 @@ def test_pallas_recompute_keeps_block_v():
 
 
 class Unsupported(AbstractOutput):
+    math: ClassVar[str] = KDA  # (an implementation of F5's own formula that runs no case)
+
+    def __call__(self, scale, qg, h, Aqk, v_new):
+        raise kdax.UnsupportedCase("this output stage takes no case at all (test)")
+
+
+class UnsupportedCustom(AbstractOutput):
+    """Other math than F5's (no ``math`` declared) that runs no case."""
+
     def __call__(self, scale, qg, h, Aqk, v_new):
         raise kdax.UnsupportedCase("this output stage takes no case at all (test)")
 
@@ -194,6 +204,11 @@ def test_fallback_only_on_unsupported_case_with_warning_and_plan():
     strict = dataclasses.replace(pipe, fallback=False)
     with pytest.raises(kdax.UnsupportedCase):
         kdax.chunk_kda(*pos, **kw, chunk_size=16, pipeline=strict)
+    # A stage of other math is never replaced by the reference (that would change the
+    # numbers): its UnsupportedCase propagates, saying why, fallback or not.
+    custom = eqx.tree_at(lambda p: p.output, pallas, UnsupportedCustom())
+    with pytest.raises(kdax.UnsupportedCase, match=r"cannot fall back to ReferenceOutput: the stage declares other"):
+        kdax.chunk_kda(*pos, **kw, chunk_size=16, pipeline=custom)
 
 
 def test_pallas_varlen_fallback_in_plan():

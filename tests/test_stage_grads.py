@@ -1,7 +1,9 @@
 """Stage arrays under differentiation (kdax/_stage_grads.py): F1 and F5 arrays get their
 exact gradients (float64, against autodiff of an oracle of the modified algorithm), the
-backward stages' arrays an exact zero, F2-F4 arrays a named error at trace time; never a
-silent zero."""
+backward stages' arrays an exact zero; F2-F4 arrays of a stage declaring KDA's math (the
+hand-written backward runs) a named error at trace time, and of a stage of other math
+their exact gradients through the derived backward (kdax/_derived.py); never a silent
+zero."""
 
 from typing import ClassVar
 
@@ -14,7 +16,7 @@ from jaxtyping import Array, Float
 
 import kdax
 from kdax.stages import (
-    AbstractDhu, AbstractOutput, AbstractWY, ReferenceDhu, ReferenceOutput, ReferenceWY,
+    KDA, AbstractDhu, AbstractOutput, AbstractWY, ReferenceDhu, ReferenceOutput, ReferenceWY,
 )
 
 from ._util import assert_close, make_inputs, oracle_kda, split_args
@@ -32,10 +34,12 @@ class GainOutput(AbstractOutput):
 
 
 class ScaledWY(AbstractWY):
-    """F3 with an array (its gradient is refused)."""
+    """F3 with an array, ``u <- a u``; declaring KDA's math (true at a = 1), the six-stage
+    backward runs and the array's gradient is refused."""
 
     a: Float[Array, ""]
     tile_safe: ClassVar[bool] = True
+    math: ClassVar[str] = KDA
 
     def __call__(self, q, k, v, beta, G, Akk, G_lo=None):
         out = ReferenceWY()(q, k, v, beta, G, Akk, G_lo=G_lo)
@@ -81,11 +85,9 @@ def test_output_stage_array_gets_its_exact_gradient(packed):
 
     dgain_ref, dq_ref = jax.grad(oracle, argnums=(0, 1))(GAIN, pos[0])
     assert_close(d_pipe.output.gain, dgain_ref, 1e-11, "d gain (F5)")
-    # The input gradients are those of the reference algorithm (B1-B5 do not know the
-    # gain): unchanged by differentiating the pipeline too.
-    _, dq_plain = grads((eqx.tree_at(lambda p: p.output, pipe, GainOutput(jnp.ones(3))), pos[0]))
-    assert_close(dq_plain, jax.grad(lambda q: _loss(*oracle_kda(q, *pos[1:], **opts)))(pos[0]), 1e-10, "dq")
-    assert dq.shape == dq_ref.shape
+    # The input gradients are those of the modified algorithm (the gain's F5 declares no
+    # math, so the backward is derived from the forward stages: kdax._derived).
+    assert_close(dq, dq_ref, 1e-10, "dq (modified algorithm)")
 
 
 def test_forward_stage_without_exact_gradient_is_refused_by_name():
@@ -99,6 +101,31 @@ def test_forward_stage_without_exact_gradient_is_refused_by_name():
     assert float(d.wy.a) == 0.0
     o, _ = kdax.chunk_kda(*pos, chunk_size=16, pipeline=pipe)
     assert_close(o, oracle_kda(*pos)[0], 1e-10, "o")
+
+
+class FreeWY(AbstractWY):
+    """``u <- a u`` as a stage of its own math (none declared): the derived backward."""
+
+    a: Float[Array, ""]
+
+    def __call__(self, q, k, v, beta, G, Akk, G_lo=None):
+        out = ReferenceWY()(q, k, v, beta, G, Akk, G_lo=G_lo)
+        return eqx.tree_at(lambda o: o.u, out, out.u * self.a)
+
+
+def test_forward_stage_of_other_math_gets_exact_gradients():
+    # u <- a u is KDA at (a v): the oracle's gradients, the array's included.
+    pos, _ = split_args(make_inputs(B=1, T=20, H=2, K=4, V=4))
+    a = jnp.array(1.7)
+    pipe = eqx.tree_at(lambda p: p.wy, kdax.KDAPipeline.reference(), FreeWY(a))
+    loss = lambda p, v: _loss(kdax.chunk_kda(pos[0], pos[1], v, *pos[3:], chunk_size=16, pipeline=p)[0], 0.0)
+    with pytest.warns(kdax.FallbackWarning, match="derived from the forward stages"):
+        kdax._derived._warn_once.cache_clear()
+        d_pipe, dv = eqx.filter_jit(eqx.filter_grad(lambda diff: loss(*diff)))((pipe, pos[2]))
+    oracle = lambda a_, v: _loss(oracle_kda(pos[0], pos[1], a_ * v, *pos[3:])[0], 0.0)
+    da_ref, dv_ref = jax.grad(oracle, argnums=(0, 1))(a, pos[2])
+    assert_close(d_pipe.wy.a, da_ref, 1e-10, "d a (F3)")
+    assert_close(dv, dv_ref, 1e-10, "dv")
 
 
 def test_backward_stage_array_gets_exact_zero():

@@ -8,9 +8,10 @@ a time (``column_blocks``), the row statistics (l2 norms, non-finite rows) first
 over a chunk for dA_log / ddt_bias are written per column and added up outside.
 """
 
-from typing import ClassVar, Optional, Union
+from typing import ClassVar, Mapping, Optional, Union
 
 import equinox as eqx
+from types import MappingProxyType
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float
@@ -19,7 +20,7 @@ from .._config import KDAConfig
 from .._hilo import grid_bits, split_log_decay
 from .._typing import ChunkK, ChunkScalar, ChunkValid, typecheck
 from ..ref import L2NORM_EPS, log_decay_floor
-from ..stages import AbstractGate, AbstractGateBackward, Activated, RawGrads
+from ..stages import KDA, AbstractGate, AbstractGateBackward, Activated, RawGrads
 from .._final import final
 from .._tokens import Tokens
 from ._common import (
@@ -258,6 +259,8 @@ class PallasGate(AbstractGate, PallasTarget):
     pipeline hands it ``Tokens`` views (``tokens``; on Triton, ``reads_tokens``): each
     block cast and cleaned as it is loaded, no chunked copy made."""
 
+    math: ClassVar[Optional[str]] = KDA
+
     tile_safe: ClassVar[bool] = True
     accepts: ClassVar[frozenset] = frozenset({"tile_safe", "standard", "tokens"})
 
@@ -304,6 +307,8 @@ class PallasGateBackward(AbstractGateBackward, PallasTarget):
     """B5 as a Pallas kernel over (row * head, chunk); dA_log / ddt_bias partial sums per
     block are added up outside. Reads the raw gate ``g`` from the caller's layout when
     handed a ``Tokens`` view (``tokens``, as ``PallasGate``)."""
+
+    transposes: ClassVar[Mapping[str, str]] = MappingProxyType({"gate": KDA})
 
     accepts: ClassVar[frozenset] = frozenset({"tokens"})
 

@@ -10,14 +10,15 @@ minutes to compile at chunk 128. On Triton, B4 takes a block of rows and of feat
 columns at a time (``intra_bwd_rows_kernel``), as FLA's kernel does.
 """
 
-from typing import ClassVar, Optional
+from typing import ClassVar, Mapping, Optional
 
 import equinox as eqx
+from types import MappingProxyType
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from .._typing import ChunkK, ChunkMat, ChunkScalar, typecheck
-from ..stages import AbstractIntra, AbstractIntraBackward, ChunkGrads, IntraOut
+from ..stages import KDA, AbstractIntra, AbstractIntraBackward, ChunkGrads, IntraOut
 from .._final import final
 from ._common import (
     PallasFeatureBlocks, blockwise, chunk_spec, col_of, decay, dot, flat, idiv, iota, loop, ref_or_none,
@@ -204,6 +205,8 @@ class PallasIntra(AbstractIntra, PallasFeatureBlocks):
     over ``block_k`` feature columns at a time (32: compiled for sm_90 at K = 128, 8 B of
     spills a thread at 4 warps and none at 8, against 1104 B and none with all 128)."""
 
+    math: ClassVar[Optional[str]] = KDA
+
     tile_safe: ClassVar[bool] = True
 
     block: int = eqx.field(static=True, default=16)
@@ -258,6 +261,8 @@ class PallasIntraBackward(AbstractIntraBackward, PallasFeatureBlocks):
     Triton it takes ``block`` rows and ``block_k`` feature columns at a time
     (``intra_bwd_rows_kernel``; every gradient column depends on its own feature column
     alone, and dbeta sums over them); on TPU the whole chunk at once."""
+
+    transposes: ClassVar[Mapping[str, str]] = MappingProxyType({"intra": KDA})
 
     block: int = eqx.field(static=True, default=16)
 

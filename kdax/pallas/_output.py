@@ -1,12 +1,13 @@
 """Pallas output family: F5 (o) and B1 (dAv), one (p, chunk) block per program."""
 
-from typing import ClassVar, Union
+from typing import ClassVar, Mapping, Optional, Union
 
 import jax.numpy as jnp
+from types import MappingProxyType
 
 from .._tokens import Tokens
 from .._typing import ChunkK, ChunkMat, ChunkState, ChunkV, typecheck
-from ..stages import AbstractDAv, AbstractOutput
+from ..stages import KDA, AbstractDAv, AbstractOutput
 from .._final import final
 from ._common import PallasTarget, chunk_spec, dot, flat, iota, loaded, lower_dot, token_operand, tuned, unflat
 
@@ -14,6 +15,8 @@ from ._common import PallasTarget, chunk_spec, dot, flat, iota, loaded, lower_do
 @final
 class PallasOutput(AbstractOutput, PallasTarget):
     """F5: ``o = scale qg h + Aqk v_new``."""
+
+    math: ClassVar[Optional[str]] = KDA
 
     tile_safe: ClassVar[bool] = True
     accepts: ClassVar[frozenset] = frozenset({"tile_safe", "standard"})
@@ -50,6 +53,8 @@ class PallasOutput(AbstractOutput, PallasTarget):
 class PallasDAv(AbstractDAv, PallasTarget):
     """B1: ``dAqk = tril(do v_new^T)``, ``dv_intra = Aqk^T do``. Reads ``do`` from the
     caller's layout when handed a ``Tokens`` view (``tokens``; Triton, ``reads_tokens``)."""
+
+    transposes: ClassVar[Mapping[str, str]] = MappingProxyType({"output": KDA})
 
     accepts: ClassVar[frozenset] = frozenset({"tokens"})
 

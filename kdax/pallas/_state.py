@@ -7,9 +7,10 @@ per-chunk resets addressed by scalar prefetch, not implemented, so it raises
 chunks; dense and packed varlen); the per-chunk arithmetic both share: ``_state_steps``.
 """
 
-from typing import ClassVar, Optional, Union
+from typing import ClassVar, Mapping, Optional, Union
 
 import equinox as eqx
+from types import MappingProxyType
 
 from .. import _precision
 from .._errors import UnsupportedCase
@@ -17,7 +18,7 @@ from .._layout import ChunkLayout
 from .._resets import mask_exponent, state_passes
 from .._tokens import Tokens
 from .._typing import ChunkK, ChunkV, ChunkValid, SeqState, typecheck
-from ..stages import AbstractDhu, AbstractState, DhuOut, StateOut
+from ..stages import KDA, AbstractDhu, AbstractState, DhuOut, StateOut
 from .._final import final
 from . import _state_tpu as tpu, _state_triton as triton
 from ._common import PallasValueBlocks, check_block, feature_pad, flat, tuned, unflat
@@ -71,6 +72,8 @@ class PallasState(AbstractState, PallasValueBlocks):
     but 48-64 B of spills a thread on sm_90 at 8 warps (``benchmarks/NOTES.md``, session
     15): which is faster is for a GPU to tell."""
 
+    math: ClassVar[Optional[str]] = KDA
+
     tile_safe: ClassVar[bool] = True
     block_k: Optional[int] = eqx.field(static=True, default=None)
     round_in_kernel: bool = eqx.field(static=True, default=False)
@@ -119,6 +122,8 @@ class PallasDhu(AbstractDhu, PallasValueBlocks):
     ``PallasState``). Reads ``do`` from the caller's layout when handed a ``Tokens`` view
     (``tokens``; Triton, ``reads_tokens``). ``round_in_kernel`` as ``PallasState``'s (qg,
     kg, w, do)."""
+
+    transposes: ClassVar[Mapping[str, str]] = MappingProxyType({"state": KDA, "output": KDA})
 
     accepts: ClassVar[frozenset] = frozenset({"reset", "tokens"})
 

@@ -1,14 +1,15 @@
 """Pallas WY family: F3 (w, u, qg, kg) and B3 (wy_dqkg), one (p, chunk) block per program."""
 
-from typing import ClassVar, Optional, Union
+from typing import ClassVar, Mapping, Optional, Union
 
 import equinox as eqx
+from types import MappingProxyType
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from .._tokens import Tokens
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, typecheck
-from ..stages import AbstractWY, AbstractWYDqkg, ChunkGrads, WYOut
+from ..stages import KDA, AbstractWY, AbstractWYDqkg, ChunkGrads, WYOut
 from .._final import final
 from ._common import (
     PallasFeatureBlocks, PallasValueBlocks, blockwise, chunk_spec, column_blocks, decay, dot, flat, iota, loaded,
@@ -135,6 +136,8 @@ class PallasWY(AbstractWY, PallasFeatureBlocks):
     the difference of the exact sums. Reads ``v`` from the caller's layout when handed a
     ``Tokens`` view (``tokens``; Triton, ``reads_tokens``): no chunked copy."""
 
+    math: ClassVar[Optional[str]] = KDA
+
     tile_safe: ClassVar[bool] = True
     accepts: ClassVar[frozenset] = frozenset({"G_lo", "tile_safe", "tokens"})
 
@@ -178,6 +181,8 @@ class PallasWYDqkg(AbstractWYDqkg, PallasValueBlocks, PallasFeatureBlocks):
     spills, against 40-400 B a thread with 64); ``G_lo`` as ``PallasWY``. Reads ``v`` and
     ``do`` from the caller's layout when handed ``Tokens`` views (``tokens``, as
     ``PallasWY``)."""
+
+    transposes: ClassVar[Mapping[str, str]] = MappingProxyType({"wy": KDA, "state": KDA, "output": KDA})
 
     accepts: ClassVar[frozenset] = frozenset({"G_lo", "tokens"})
 

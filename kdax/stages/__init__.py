@@ -24,6 +24,7 @@ from ._state import AbstractDhu as AbstractDhu
 from ._state import AbstractState as AbstractState
 from ._state import ReferenceDhu as ReferenceDhu
 from ._state import ReferenceState as ReferenceState
+from ._types import KDA as KDA
 from ._types import Activated as Activated
 from ._types import ChunkGrads as ChunkGrads
 from ._types import DhuOut as DhuOut

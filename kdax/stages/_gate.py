@@ -1,7 +1,8 @@
 """Gate family: F1 (input activations + chunk-local cumsum) and B5 (their backward)."""
 
 import abc
-from typing import ClassVar, Optional
+from types import MappingProxyType
+from typing import ClassVar, Mapping, Optional
 
 import equinox as eqx
 import jax
@@ -14,7 +15,7 @@ from ..ref import L2NORM_EPS, beta_activation, clamp_log_decay, kda_gate, log_de
 from .._hilo import grid_bits, split_log_decay
 from .._ops import ChunkGroup, full_precision, lower_matmul, mT, over_chunks
 from .._final import final
-from ._types import Activated, RawGrads
+from ._types import Activated, RawGrads, KDA
 
 _HeadsLast = lambda x: jnp.moveaxis(x, 1, -2)  # [R, HV, NC, C, K] -> [R, NC, C, HV, K]
 _HeadsBack = lambda x: jnp.moveaxis(x, -2, 1)
@@ -58,6 +59,11 @@ class AbstractGate(eqx.Module):
     in-kernel l2norm, else None; optionally ``G_lo`` ``[R, HV, NC, C, K]``, the low part
     (``G + G_lo`` the cumsum to ~1e-9; see ``kdax._hilo``), else None."""
 
+    # Which formula the stage computes: ``KDA`` (the family's formula above, exactly as
+    # the reference stage computes it), or None (any other math: the backward stages do
+    # not transpose it, and the pipeline derives its backward, ``kdax._derived``).
+    math: ClassVar[Optional[str]] = None
+
     # Whether the stage may be called on a tile (a few chunks at a time, the state carried
     # in h0): see docs/stages.md. A pipeline runs its forward whole if any stage is not.
     tile_safe: ClassVar[bool] = False
@@ -83,6 +89,8 @@ class ReferenceGate(AbstractGate):
     """F1 in plain jnp; the chunk cumsum ``group`` chunks at a time (see ``over_chunks``).
     ``split``: in float32, give G as the exact sum ``G + G_lo`` (``kdax._hilo``); False:
     G alone (``G_lo`` None), a few percent faster and ``eps |G|`` less accurate."""
+
+    math: ClassVar[Optional[str]] = KDA
 
     tile_safe: ClassVar[bool] = True
     accepts: ClassVar[frozenset] = frozenset({"reset", "tile_safe", "standard"})
@@ -175,6 +183,11 @@ class AbstractGateBackward(eqx.Module):
     with respect to the raw inputs (zero at padding); ``dA_log`` ``[HV]`` and
     ``ddt_bias`` ``[HV * K]`` when the in-kernel gate uses them, else None."""
 
+    # The forward math this stage is the transpose of, per forward field it transposes
+    # (``{"output": KDA}``): empty declares nothing, and a pipeline with this stage
+    # derives its backward from the forward stages (``kdax._derived``).
+    transposes: ClassVar[Mapping[str, str]] = MappingProxyType({})
+
     @abc.abstractmethod
     def __call__(
         self,
@@ -223,6 +236,8 @@ def l2norm_backward(y, rstd, dy):
 @final
 class ReferenceGateBackward(AbstractGateBackward):
     """B5 in plain jnp; the reverse chunk cumsum ``group`` chunks at a time."""
+
+    transposes: ClassVar[Mapping[str, str]] = MappingProxyType({"gate": KDA})
 
     group: ChunkGroup = eqx.field(static=True, default="auto")
 

@@ -13,7 +13,8 @@ of G_lo, at the cost of a few adds per exponential and the anchors of G_lo.
 """
 
 import abc
-from typing import ClassVar, Optional
+from types import MappingProxyType
+from typing import ClassVar, Mapping, Optional
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -24,7 +25,7 @@ from .._hilo import exponent
 from .._ops import ChunkGroup, full_precision, lower_matmul, mT, over_chunks, rowsum, zeros_after
 from .._resets import per_head, same_segment, segments
 from .._final import final
-from ._types import ChunkGrads, IntraOut
+from ._types import ChunkGrads, IntraOut, KDA
 
 
 def _levels(C: int):
@@ -196,6 +197,11 @@ class AbstractIntra(eqx.Module):
     exactly, where i and j belong to different sequences. A stage without the parameter
     cannot run shared chunks (the pipeline falls back)."""
 
+    # Which formula the stage computes: ``KDA`` (the family's formula above, exactly as
+    # the reference stage computes it), or None (any other math: the backward stages do
+    # not transpose it, and the pipeline derives its backward, ``kdax._derived``).
+    math: ClassVar[Optional[str]] = None
+
     # Whether the stage may be called on a tile (a few chunks at a time, the state carried
     # in h0): see docs/stages.md. A pipeline runs its forward whole if any stage is not.
     tile_safe: ClassVar[bool] = False
@@ -218,6 +224,8 @@ class AbstractIntra(eqx.Module):
 class ReferenceIntra(AbstractIntra):
     """F2 in jnp by recursive halving, ``group`` chunks at a time (None: all at once; see
     ``over_chunks``)."""
+
+    math: ClassVar[Optional[str]] = KDA
 
     tile_safe: ClassVar[bool] = True
 
@@ -263,6 +271,11 @@ class AbstractIntraBackward(eqx.Module):
     through; ``dL`` may be None (it is consumed here). ``reset`` as F2's (pairs across
     sequences contribute exact zeros)."""
 
+    # The forward math this stage is the transpose of, per forward field it transposes
+    # (``{"output": KDA}``): empty declares nothing, and a pipeline with this stage
+    # derives its backward from the forward stages (``kdax._derived``).
+    transposes: ClassVar[Mapping[str, str]] = MappingProxyType({})
+
     @abc.abstractmethod
     def __call__(
         self,
@@ -283,6 +296,8 @@ class AbstractIntraBackward(eqx.Module):
 class ReferenceIntraBackward(AbstractIntraBackward):
     """B4 in jnp with the same recursive halving as ``ReferenceIntra``, ``group`` chunks at
     a time (None: all at once)."""
+
+    transposes: ClassVar[Mapping[str, str]] = MappingProxyType({"intra": KDA})
 
     group: ChunkGroup = eqx.field(static=True, default="auto")
 

@@ -1,8 +1,9 @@
 """Output family: F5 (o from the inter- and intra-chunk parts) and B1 (dAv)."""
 
 import abc
+from types import MappingProxyType
 import functools
-from typing import ClassVar
+from typing import ClassVar, Mapping, Optional
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 from .._typing import ChunkK, ChunkMat, ChunkState, ChunkV, typecheck
 from .._ops import ChunkGroup, full_precision, lower_matmul, mT, over_chunks, tri_mask
 from .._final import final
+from ._types import KDA
 
 
 class AbstractOutput(eqx.Module):
@@ -20,6 +22,11 @@ class AbstractOutput(eqx.Module):
     ``v_new`` ``[.., V]`` (F4).
 
     Returns ``o`` ``[R, HV, NC, C, V]``."""
+
+    # Which formula the stage computes: ``KDA`` (the family's formula above, exactly as
+    # the reference stage computes it), or None (any other math: the backward stages do
+    # not transpose it, and the pipeline derives its backward, ``kdax._derived``).
+    math: ClassVar[Optional[str]] = None
 
     # Whether the stage may be called on a tile (a few chunks at a time, the state carried
     # in h0): see docs/stages.md. A pipeline runs its forward whole if any stage is not.
@@ -44,6 +51,8 @@ def _output_chunk(scale, qg, h, Aqk, v_new):
 @final
 class ReferenceOutput(AbstractOutput):
     """F5 in jnp, ``group`` chunks at a time (None: all at once; see ``over_chunks``)."""
+
+    math: ClassVar[Optional[str]] = KDA
 
     tile_safe: ClassVar[bool] = True
     accepts: ClassVar[frozenset] = frozenset({"tile_safe", "standard"})
@@ -71,6 +80,11 @@ class AbstractDAv(eqx.Module):
     Returns ``(dAqk, dv_intra)``: ``tril(do v_new^T)`` ``[.., C, C]`` (incl. the
     diagonal; the gradient of the scaled Aqk) and ``Aqk^T do`` ``[.., V]``."""
 
+    # The forward math this stage is the transpose of, per forward field it transposes
+    # (``{"output": KDA}``): empty declares nothing, and a pipeline with this stage
+    # derives its backward from the forward stages (``kdax._derived``).
+    transposes: ClassVar[Mapping[str, str]] = MappingProxyType({})
+
     @abc.abstractmethod
     def __call__(
         self,
@@ -89,6 +103,8 @@ def _dav_chunk(v_new, Aqk, do):
 @final
 class ReferenceDAv(AbstractDAv):
     """B1 in jnp, ``group`` chunks at a time (None: all at once; see ``over_chunks``)."""
+
+    transposes: ClassVar[Mapping[str, str]] = MappingProxyType({"output": KDA})
 
     group: ChunkGroup = eqx.field(static=True, default="auto")
 

@@ -117,6 +117,10 @@ class SegmentedState(AbstractState):
     segments: int = eqx.field(static=True, default=4)
 
     @property
+    def math(self):  # (the split recurrence computes what its inner stage does)
+        return self.inner.math
+
+    @property
     def plan_note(self) -> str:
         return (f"each row's chunk recurrence in up to {self.segments} segments side by side, joined by "
                 f"affine summaries ({type(self.inner).__qualname__} inside)")
@@ -160,6 +164,10 @@ class SegmentedDhu(AbstractDhu):
 
     inner: AbstractDhu = ReferenceDhu()
     segments: int = eqx.field(static=True, default=4)
+
+    @property
+    def transposes(self):  # (the split recurrence transposes what its inner stage does)
+        return self.inner.transposes
 
     @property
     def plan_note(self) -> str:

@@ -7,7 +7,8 @@ neither.
 """
 
 import abc
-from typing import ClassVar, Literal, Optional, Union
+from types import MappingProxyType
+from typing import ClassVar, Literal, Mapping, Optional, Union
 
 import equinox as eqx
 import jax
@@ -19,7 +20,7 @@ from .._typing import ChunkK, ChunkV, ChunkValid, SeqState, typecheck
 from .._ops import full_precision, loop_unroll, mT, vary_like, zeros_after
 from .._resets import mask_exponent, state_passes
 from .._final import final
-from ._types import DhuOut, StateOut
+from ._types import DhuOut, StateOut, KDA
 
 
 def _at(c):
@@ -67,6 +68,11 @@ class AbstractState(eqx.Module):
     starts after its first token (the state is replaced). A stage without the parameter
     cannot run shared chunks (the pipeline falls back)."""
 
+    # Which formula the stage computes: ``KDA`` (the family's formula above, exactly as
+    # the reference stage computes it), or None (any other math: the backward stages do
+    # not transpose it, and the pipeline derives its backward, ``kdax._derived``).
+    math: ClassVar[Optional[str]] = None
+
     # Whether the stage may be called on a tile (a few chunks at a time, the state carried
     # in h0): see docs/stages.md. A pipeline runs its forward whole if any stage is not.
     tile_safe: ClassVar[bool] = False
@@ -90,6 +96,8 @@ class ReferenceState(AbstractState):
     """F4 as a loop over chunks; unrolled for at most ``unroll`` chunks (a forward tile),
     which writes ``h`` and ``v_new`` once by stacking instead of into zero-filled buffers
     chunk by chunk (the tiled CPU forward 5% faster)."""
+
+    math: ClassVar[Optional[str]] = KDA
 
     tile_safe: ClassVar[bool] = True
 
@@ -184,6 +192,11 @@ class AbstractDhu(eqx.Module):
     ``[N, HV, K, V]`` (``dht`` for a sequence of length 0), the full ``dv_new``.
     ``reset`` as F4's."""
 
+    # The forward math this stage is the transpose of, per forward field it transposes
+    # (``{"output": KDA}``): empty declares nothing, and a pipeline with this stage
+    # derives its backward from the forward stages (``kdax._derived``).
+    transposes: ClassVar[Mapping[str, str]] = MappingProxyType({})
+
     @abc.abstractmethod
     def __call__(
         self,
@@ -204,6 +217,8 @@ class AbstractDhu(eqx.Module):
 @final
 class ReferenceDhu(AbstractDhu):
     """B2 as a reverse loop over chunks (``loop_unroll``: as in ``ReferenceState``)."""
+
+    transposes: ClassVar[Mapping[str, str]] = MappingProxyType({"state": KDA, "output": KDA})
 
     loop_unroll: Union[int, Literal["auto"]] = eqx.field(static=True, default="auto")
 

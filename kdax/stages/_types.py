@@ -10,6 +10,13 @@ from jaxtyping import Array, Float
 
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, SeqState
 
+# The math id of KDA's own formulas: a forward stage that computes its family's formula
+# exactly declares ``math = KDA``; a backward stage declares the forward math it is the
+# transpose of, per forward field (``transposes = {"output": KDA}``). See
+# ``kdax._derived``: a pipeline whose backward stages do not transpose its forward
+# stages derives its backward from the forward stages themselves.
+KDA = "kda"
+
 
 class Activated(eqx.Module):
     """F1 output: the inputs after the in-kernel activations, and ``G``, the chunk-local

@@ -1,7 +1,8 @@
 """WY family: F3 (w, u, qg, kg) and B3 (inter-chunk dq/dk/dG and the WY backward)."""
 
 import abc
-from typing import ClassVar, Optional
+from types import MappingProxyType
+from typing import ClassVar, Mapping, Optional
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -11,7 +12,7 @@ from .._hilo import exponent
 from .._ops import ChunkGroup, full_precision, last_row, lower_matmul, mT, over_chunks, rowsum, tri_mask
 from .._resets import from_start, mask_exponent, per_head, same_segment, segments, to_end
 from .._final import final
-from ._types import ChunkGrads, WYOut
+from ._types import ChunkGrads, WYOut, KDA
 
 
 class AbstractWY(eqx.Module):
@@ -29,6 +30,11 @@ class AbstractWY(eqx.Module):
     ``kdax._resets``): ``e^G`` is exactly zero at tokens of a sequence that starts
     inside the chunk, ``e^(Γ - G)`` at tokens of one that ends inside it. A stage without
     the parameter cannot run shared chunks (the pipeline falls back)."""
+
+    # Which formula the stage computes: ``KDA`` (the family's formula above, exactly as
+    # the reference stage computes it), or None (any other math: the backward stages do
+    # not transpose it, and the pipeline derives its backward, ``kdax._derived``).
+    math: ClassVar[Optional[str]] = None
 
     # Whether the stage may be called on a tile (a few chunks at a time, the state carried
     # in h0): see docs/stages.md. A pipeline runs its forward whole if any stage is not.
@@ -82,6 +88,8 @@ def _chunk_args(G, G_lo, reset):
 class ReferenceWY(AbstractWY):
     """F3 in jnp, ``group`` chunks at a time (None: all at once; see ``over_chunks``)."""
 
+    math: ClassVar[Optional[str]] = KDA
+
     tile_safe: ClassVar[bool] = True
 
     group: ChunkGroup = eqx.field(static=True, default="auto")
@@ -118,6 +126,11 @@ class AbstractWYDqkg(eqx.Module):
     Returns ``ChunkGrads`` (dq, dk ``[.., K]``, dv ``[.., V]``, dbeta, dG ``[.., K]``, dL
     ``[.., C, C]``): everything but F2's part, which B4 adds. ``reset`` as F3's (and the
     state's decay through a chunk in which a sequence starts is zero, as in F4)."""
+
+    # The forward math this stage is the transpose of, per forward field it transposes
+    # (``{"output": KDA}``): empty declares nothing, and a pipeline with this stage
+    # derives its backward from the forward stages (``kdax._derived``).
+    transposes: ClassVar[Mapping[str, str]] = MappingProxyType({})
 
     @abc.abstractmethod
     def __call__(
@@ -175,6 +188,8 @@ def _wy_dqkg_chunk(scale, k, v, beta, G, Akk, qg, kg, h, dh, v_new, do, dv_new, 
 @final
 class ReferenceWYDqkg(AbstractWYDqkg):
     """B3 in jnp, ``group`` chunks at a time (None: all at once; see ``over_chunks``)."""
+
+    transposes: ClassVar[Mapping[str, str]] = MappingProxyType({"wy": KDA, "state": KDA, "output": KDA})
 
     group: ChunkGroup = eqx.field(static=True, default="auto")
 

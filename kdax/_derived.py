@@ -1,0 +1,150 @@
+"""The backward follows the forward: whether a pipeline's hand-written backward stages
+are the transposes of its forward stages, and, where they are not, the backward derived
+from the forward stages themselves.
+
+Every forward stage declares the formula it computes (``math``: ``kdax.stages.KDA`` for
+its family's own, None for anything else) and every backward stage which forward math it
+is the transpose of, per forward field (``transposes``). Which backward stages transpose
+which forward stage is fixed by the algorithm (``TRANSPOSED_BY``; docs/stages.md, "Which
+backward stage reads what"): ``do`` enters B1, B2 and B3, so all three transpose F5. When a
+forward stage's math is not what each of its backward stages says it transposes (a user's
+F5 computing ``c o``, say, beside the reference B1-B3), the six-stage backward would
+return the original algorithm's gradients; ``chunk_kda``'s VJP then differentiates the
+forward stages with ``jax.vjp`` instead (exact by construction), says so once
+(``FallbackWarning``) and in ``plan``. Forward stages that declare KDA's math are
+differentiated as their family's reference stage (a Pallas kernel has no JAX derivative);
+a forward stage of other math that JAX cannot differentiate is a ``DerivedBackwardError``
+at trace time, naming the stage and what to pass.
+"""
+
+import dataclasses
+import functools
+import warnings
+from typing import Optional
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from ._contracts import STAGES
+from ._errors import DerivedBackwardError, FallbackWarning
+from .stages import KDA
+
+# Forward field -> the backward fields that transpose (part of) its math.
+TRANSPOSED_BY = {
+    "gate": ("gate_bwd",),
+    "intra": ("intra_bwd",),
+    "wy": ("wy_dqkg",),
+    "state": ("dhu", "wy_dqkg"),
+    "output": ("dav", "dhu", "wy_dqkg"),
+}
+
+
+def _name(pipeline, field: str) -> str:
+    return f"{STAGES[field].step} `{field}` ({type(getattr(pipeline, field)).__qualname__})"
+
+
+def mismatches(pipeline) -> tuple:
+    """Why ``pipeline``'s backward stages are not the transposes of its forward stages:
+    one sentence per forward stage that some backward stage of ``TRANSPOSED_BY`` does not
+    transpose; empty when the hand-written backward is exact."""
+    out = []
+    for f, readers in TRANSPOSED_BY.items():
+        math = getattr(pipeline, f).math
+        off = [b for b in readers if math is None or getattr(pipeline, b).transposes.get(f) != math]
+        if off:
+            says = ", ".join(f"{_name(pipeline, b)} transposes {getattr(pipeline, b).transposes.get(f)!r}" for b in off)
+            out.append(f"{_name(pipeline, f)} computes math {math!r}, but {says}")
+    return tuple(out)
+
+
+def is_kda(stage) -> bool:
+    """Whether ``stage`` declares its family's own formula (what the reference stage computes)."""
+    return getattr(stage, "math", None) == KDA
+
+
+def reference_is_exact(field: str, stage) -> bool:
+    """Whether the reference stage of ``field``'s family computes what ``stage`` does (so
+    that falling back to it on ``UnsupportedCase`` changes no number): a forward stage of
+    KDA's math, a backward stage transposing KDA's math of every field it transposes, B0
+    (it re-runs the pipeline's own F3 and F4)."""
+    if STAGES[field].forward:
+        return is_kda(stage)
+    if field == "recompute":
+        return True
+    says = getattr(stage, "transposes", {})
+    return all(says.get(f) == KDA for f, readers in TRANSPOSED_BY.items() if field in readers)
+
+
+@functools.cache
+def _warn_once(reasons: tuple) -> None:
+    warnings.warn(
+        "KDAPipeline: the backward stages are not the transposes of the forward stages ("
+        + "; ".join(reasons[:3]) + ("; ..." if len(reasons) > 3 else "")
+        + "), so chunk_kda's gradient is derived from the forward stages by jax.vjp (exact, slower than the "
+        "six-stage backward). To keep the hand-written backward, give backward stages that transpose your forward "
+        "stages and declare it (`math` on the forward stage, `transposes` on the backward ones: docs/stages.md).",
+        FallbackWarning, stacklevel=5,
+    )
+
+
+def differentiable_forward(pipeline):
+    """``(pipeline'', swapped fields)``: ``pipeline`` untiled, each forward stage that
+    declares KDA's math but is not its family's reference stage replaced by that
+    reference stage (same math, differentiable by JAX), the others kept."""
+    swaps = {}
+    for name, info in STAGES.items():
+        stage = getattr(pipeline, name)
+        if info.forward and is_kda(stage) and type(stage) is not info.reference:
+            swaps[name] = info.reference()
+    return dataclasses.replace(pipeline, tile=None, **swaps), tuple(swaps)
+
+
+def derived_vjp(pipeline, run, inputs):
+    """``(outputs, vjp, swapped)``: ``run(inputs, pipeline'')`` through the forward
+    stages (``differentiable_forward``), ``vjp(cotangents) -> (d_inputs, d_pipeline'')``
+    (``pipeline_cotangent`` maps the latter onto the caller's pipeline) and the swapped
+    fields. Raises ``DerivedBackwardError`` when JAX cannot differentiate a forward
+    stage."""
+    reasons = mismatches(pipeline)
+    _warn_once(reasons)
+    diff_pipe, swapped = differentiable_forward(pipeline)
+    try:
+        out, vjp = eqx.filter_vjp(run, inputs, diff_pipe)
+    except (ValueError, NotImplementedError, TypeError) as e:
+        if not _is_autodiff_failure(e):
+            raise
+        custom = [f for f, info in STAGES.items() if info.forward and not is_kda(getattr(pipeline, f))]
+        names = ", ".join(_name(pipeline, f) for f in custom) or "a forward stage"
+        raise DerivedBackwardError(
+            f"KDAPipeline: the backward stages do not transpose the forward stages ({reasons[0]}), so the gradient "
+            f"must be derived by jax.vjp through the forward stages, and JAX cannot differentiate {names} ({e}). "
+            f"Pass backward stages that transpose it and declare so (`math` on the forward stage, `transposes` on "
+            f"the backward stages of TRANSPOSED_BY: docs/stages.md), or write the stage in differentiable jnp."
+        ) from e
+
+    return out, vjp, swapped
+
+
+def _is_autodiff_failure(e: Exception) -> bool:
+    text = str(e)
+    return any(s in text for s in ("does not support reverse-mode", "Differentiation rule", "not implemented for",
+                                   "Linearization failed", "transpose rule"))
+
+
+def pipeline_cotangent(perturbed, d_pipe, swapped: tuple):
+    """The gradients of the caller's pipeline arrays (``perturbed``: its flags) from
+    ``d_pipe`` (the differentiated pipeline's): None for swapped fields and every leaf not
+    perturbed."""
+    grads = jax.tree.map(lambda _: None, perturbed)
+    for name in STAGES:
+        if name in swapped:
+            continue
+        grads = eqx.tree_at(lambda p: getattr(p, name), grads, getattr(d_pipe, name), is_leaf=lambda x: x is None)
+    return jax.tree.map(lambda g, p: g if (p is True and g is not None) else None, grads, perturbed,
+                        is_leaf=lambda x: x is None)
+
+
+def zeros_like_or(x: Optional[jax.Array], like) -> jax.Array:
+    """``x``, or zeros of ``like``'s shape and dtype where ``x`` is None (a symbolic zero)."""
+    return jnp.zeros(like.shape, like.dtype) if x is None else x
