@@ -9,6 +9,7 @@ thread, against 0.28 ms for XLA's gate).
 
     python benchmarks/triton_resources.py                 # the paths below, to stdout
     python benchmarks/triton_resources.py --pipes pallas+fast --out results/triton_resources.txt
+    python benchmarks/triton_resources.py --shape 1,16384,16     # B,T,H (default 1,1024,2)
 
 Paths are ``gpu_vs_fla.py``'s names. Needs ``triton`` (the ``test`` extra)."""
 
@@ -35,29 +36,41 @@ class Row:
     mma: str
 
 
-def kernels(path: str, T: int = 1024, H: int = 2, K: int = 128, C: int = 64) -> list:
+def training_step(path: str, B: int = 1, T: int = 1024, H: int = 2, K: int = 128, C: int = 64):
+    """``(fn, args, pipeline)``: ``jax.grad`` of a loss on ``chunk_kda`` along ``path`` (bf16 inputs
+    ``[B, T, H, K]``, Kimi Linear's options), every Pallas stage compiled for Triton (not
+    interpreted), ready to ``jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))``."""
     import jax
     import jax.numpy as jnp
 
     import kdax
-    from gpu_vs_fla import kdax_pipeline
-    from tests.pallas._triton import captured, resources
+    from gpu_vs_fla import call_options, kdax_pipeline
 
     # (off a GPU, KDAPipeline.pallas() picks the TPU target: compiled Triton kernels here)
     pipe = kdax_pipeline(path)
     pipe = dataclasses.replace(pipe, **{n: dataclasses.replace(getattr(pipe, n), target="triton", interpret=False)
                                         for n in kdax.pipeline.STAGES if hasattr(getattr(pipe, n), "interpret")})
     s = jax.ShapeDtypeStruct
-    args = (s((1, T, H, K), jnp.bfloat16),) * 4 + (s((1, T, H), jnp.bfloat16),)
+    args = (s((B, T, H, K), jnp.bfloat16),) * 4 + (s((B, T, H), jnp.bfloat16),)
     opts = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                A_log=jnp.zeros(H, jnp.float32), dt_bias=jnp.zeros(H * K, jnp.float32))
+                A_log=jnp.zeros(H, jnp.float32), dt_bias=jnp.zeros(H * K, jnp.float32), **call_options(path))
 
     def loss(*a):
         o, ht = kdax.chunk_kda(*a, pipeline=pipe, chunk_size=C, output_final_state=True, **opts)
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(ht)
 
+    return jax.grad(loss, argnums=(0, 1, 2, 3, 4)), args, pipe
+
+
+def kernels(path: str, T: int = 1024, H: int = 2, K: int = 128, C: int = 64, B: int = 1) -> list:
+    import jax
+
+    import kdax
+    from tests.pallas._triton import captured, resources
+
+    fn, args, pipe = training_step(path, B, T, H, K, C)
     with captured() as mods:
-        jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(*args).lower(lowering_platforms=("cuda",))
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     rows = []
     stage_of = {n: getattr(pipe, n) for n in kdax.pipeline.STAGES}
     for src, text in mods.items():
@@ -70,6 +83,12 @@ def kernels(path: str, T: int = 1024, H: int = 2, K: int = 128, C: int = 64) -> 
     return rows
 
 
+def parse_shape(text: str) -> tuple:
+    """``"B,T,H"`` -> ``(B, T, H)``."""
+    B, T, H = (int(x) for x in text.split(","))
+    return B, T, H
+
+
 def table(rows: list) -> str:
     out = [f"{'path':<56} {'kernel':<34} {'regs':>4} {'local B':>7} {'shared B':>8}  tensor-core products"]
     for r in rows:
@@ -80,17 +99,19 @@ def table(rows: list) -> str:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pipes", default=",".join(PIPES))
+    ap.add_argument("--shape", default="1,1024,2", help="B,T,H of the bf16 inputs (K = V = 128, chunk 64)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    B, T, H = parse_shape(a.shape)
     warnings.filterwarnings("ignore", module="triton")
     import triton
 
     rows = []
     for path in a.pipes.split(","):
         print(f"{path}:", file=sys.stderr, flush=True)
-        rows += kernels(path)
+        rows += kernels(path, T, H, B=B)
     text = (f"Triton kernels of a training step compiled for sm_90 without a GPU (triton {triton.__version__}): "
-            "bf16 inputs, B=1 T=1024 H=2 K=V=128, chunk 64, Kimi Linear's options; registers per thread, local "
+            f"bf16 inputs, B={B} T={T} H={H} K=V=128, chunk 64, Kimi Linear's options; registers per thread, local "
             "(spilled) bytes per thread, shared bytes per program\n" + table(rows))
     print(text)
     if a.out:

@@ -14,26 +14,78 @@ HOPPER_SHARED_BYTES = 232448  # 227 KiB: the per-block opt-in limit of sm_90
 HOPPER_REGISTERS = 255  # per thread
 
 
+HOPPER_KIND = "NVIDIA H100 80GB HBM3"  # a device kind JAX's Triton lowering maps to sm_90
+
+
+def hopper_target():
+    """A context in which JAX lowers Pallas Triton kernels for sm_90 on a machine without a
+    GPU. JAX 0.10 falls back to sm_90 by itself; from 0.11 the lowering asks
+    ``jax._src.pallas.triton.gpu_info`` for the device and raises "No supported GPU devices
+    found" unless an abstract GPU device is in scope (``jax.sharding.use_abstract_mesh``
+    with an ``AbstractDevice``, as JAX's own GPU interpret tests do)."""
+    try:
+        from jax._src.pallas.triton import gpu_info  # noqa: F401  (JAX >= 0.11)
+    except ImportError:
+        return contextlib.nullcontext()
+    import jax
+
+    dev = jax.sharding.AbstractDevice(device_kind=HOPPER_KIND, platform="gpu", num_cores=132)
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=dev))
+
+
 @contextlib.contextmanager
-def captured():
-    """``{kernel source: TTIR text}`` of every Pallas Triton kernel lowered inside."""
+def captured(records: list | None = None):
+    """``{kernel source: TTIR text}`` of every Pallas Triton kernel lowered inside, under
+    ``hopper_target``. ``records``: also every lowering in order, as
+    ``(jaxpr, grid_mapping, TTIR text)`` (a kernel called twice appears twice)."""
     from jax._src.pallas.triton import lowering
 
     mods, orig = {}, lowering.lower_jaxpr_to_triton_module
 
     def keep(jaxpr, *a, **kw):
         res = orig(jaxpr, *a, **kw)
-        mods.setdefault(jaxpr.debug_info.func_src_info, res.module.operation.get_asm(enable_debug_info=False))
+        text = res.module.operation.get_asm(enable_debug_info=False)
+        mods.setdefault(jaxpr.debug_info.func_src_info, text)
+        if records is not None:
+            records.append((jaxpr, a[0] if a else kw["grid_mapping"], text))
         return res
 
     lowering.lower_jaxpr_to_triton_module = keep
     try:
-        yield mods
+        with hopper_target():
+            yield mods
     finally:
         lowering.lower_jaxpr_to_triton_module = orig
 
 
-def _compile(ttir: str, tmp_path: Path, num_warps: int, num_stages: int, to_cubin: bool):
+def skip_reason():
+    """Why Pallas Triton kernels cannot be lowered for CUDA and compiled for sm_90 here
+    (None: they can): no ``triton`` package, or a JAX whose lowering refuses without a GPU
+    even under ``hopper_target``. A one-kernel probe."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "needs the triton package (the test extra, Linux x86_64)"
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pltr  # registers the Triton lowering
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] + 1.0
+
+    f = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((16,), jnp.float32),
+                       compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1))
+    try:
+        with captured():
+            jax.jit(f).trace(jax.ShapeDtypeStruct((16,), jnp.float32)).lower(lowering_platforms=("cuda",))
+    except Exception as e:  # noqa: BLE001  (the reason is the message)
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return f"JAX {jax.__version__} cannot lower a Pallas Triton kernel without a GPU here: {msg}"
+    return None
+
+
+def _compile(ttir: str, tmp_path: Path, num_warps: int, num_stages: int, to_cubin: bool, keep: dict | None = None):
     from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import make_backend
@@ -50,6 +102,8 @@ def _compile(ttir: str, tmp_path: Path, num_warps: int, num_stages: int, to_cubi
     meta = {}
     mod = backend.make_ttir(mod, meta, options, 90)
     mod = backend.make_ttgir(mod, meta, options, 90)
+    if keep is not None:
+        keep["ttgir"] = str(mod)
     llir = backend.make_llir(mod, meta, options, 90)
     if not to_cubin:
         return meta, None, None
@@ -75,19 +129,24 @@ class Resources:
     mma: frozenset
 
 
-def resources(ttir: str, num_warps: int = 4, num_stages: int = 1) -> Resources:
+def resources(ttir: str, num_warps: int = 4, num_stages: int = 1, keep: dict | None = None) -> Resources:
     """The kernel compiled to a cubin by Triton's passes and ptxas, as Triton would on an
-    H100; the figures read back with the ``cuobjdump`` of the same wheel."""
+    H100; the figures read back with the ``cuobjdump`` of the same wheel. ``keep``: also
+    the compile's ``ttgir``, ``ptx`` and ``sass`` (disassembly) texts stored there."""
     from triton.backends.nvidia.compiler import get_ptxas
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        meta, ptx, cubin = _compile(ttir, tmp, num_warps, num_stages, True)
+        meta, ptx, cubin = _compile(ttir, tmp, num_warps, num_stages, True, keep)
         binary = tmp / "kernel.cubin"
         binary.write_bytes(cubin)
         cuobjdump = Path(get_ptxas(90).path).with_name("cuobjdump")
         usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(binary)], check=True,
                                capture_output=True, text=True).stdout
+        if keep is not None:
+            keep["ptx"] = ptx
+            keep["sass"] = subprocess.run([str(cuobjdump), "-sass", str(binary)], check=True,
+                                          capture_output=True, text=True).stdout
     reg, stack, local = (int(re.search(rf"\b{name}:(\d+)", usage).group(1)) for name in ("REG", "STACK", "LOCAL"))
     mma = frozenset(re.findall(r"\b(wgmma\.mma_async\.sync\.aligned\.\w+\.f32\.\w+\.\w+|mma\.sync\.aligned[.\w]*)", ptx))
     return Resources(reg, stack + local, meta["shared"], mma)

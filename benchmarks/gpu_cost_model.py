@@ -1,0 +1,497 @@
+"""A cost model of kdax's Pallas Triton kernels on an H100/H200, from their sm_90 compiles,
+without a GPU: every kernel of a training step (``jax.grad`` of ``chunk_kda``, bf16 inputs,
+K = V = 128, chunk 64, Kimi Linear's options: ``gpu_vs_fla.py``'s configuration) lowered for
+CUDA and compiled by Triton's passes and the ptxas of the triton wheel
+(``triton_resources.py``), then per kernel:
+
+- bytes: every operand of its ``pallas_call`` read (inputs) or written (outputs) once, the
+  blocks its grid visits (each block's index map evaluated over the grid: a block several
+  programs read counts once; the rest, ``reread``, are L2 traffic); HBM time at the H200's
+  measured copy bandwidth (4.3 TB/s read + write), the datasheet's 4.8 TB/s beside it;
+- instructions: the SASS (``cuobjdump -sass``) executed by one warp of one program, each
+  instruction weighted by the trip counts of the loops around it (loops read from the
+  TTGIR Triton hands to LLVM, matched to the SASS's backward branches; loops LLVM unrolled
+  are found by the matching); ``steps``: loop iterations one program runs in sequence;
+- occupancy: resident CTAs per SM from registers (65536 per SM, allocated per warp in
+  units of 256), warps (64 per SM) and shared memory (228 KiB per SM, 1 KiB reserved per
+  CTA); waves = ceil(programs / (132 SMs x CTAs per SM));
+- issue time = instructions per warp x waves / r, r = min(R, 4 schedulers x 1.98 GHz /
+  resident warps): R is the model's one fitted constant, an effective instruction rate
+  per warp (latency, dependences, barriers, memory stalls in one number), fitted once by
+  least squares on log(predicted / measured) over the measured kernels;
+- tensor-core time: the dynamic HGMMA/HMMA products at the datasheet's dense peaks;
+- a kernel's prediction: HBM + issue + tensor-core time, no overlap (at one resident CTA
+  per SM, most of these kernels, a program's loads and its arithmetic run in turn; the
+  results file also gives the fit with max(HBM, issue, tensor-core), the full-overlap
+  bound, which fits worse); a step's: the sum.
+
+Calibration: the per-kernel times measured on an H200 at the goal shape
+(``results/gpu_h200/issue36/profile.txt``: the all-Triton candidate ``CANDIDATE``), for
+every kernel the model rebuilds from the checkout. The older profiles
+(``results/gpu_h200/profile_before.txt``, ``profile_after.txt``) measured kernels the
+current code no longer builds (see ``OLD_PROFILES``).
+
+    python benchmarks/gpu_cost_model.py                       # candidate, goal shape
+    python benchmarks/gpu_cost_model.py --pipes pallas+fast --shape 1,4096,16
+    python benchmarks/gpu_cost_model.py --out benchmarks/results/gpu_cost_model.txt
+
+Needs ``triton`` (the ``test`` extra); exits with the reason where JAX cannot lower a
+Pallas Triton kernel without a GPU (``tests/pallas/_triton.py``, ``skip_reason``)."""
+
+import argparse
+import dataclasses
+import math
+import re
+import sys
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+CANDIDATE = "pallas+warps=8+f32dot=tf32x3+fast+stages=2+block_k=64"
+GOAL = (1, 16384, 16)  # B, T, H
+MEASURED = ROOT / "benchmarks/results/gpu_h200/issue36/profile.txt"  # CANDIDATE at GOAL, H200
+FLA_STEP_MS = 7.80  # FLA's training step at GOAL, H200 (results/gpu_h200/issue36/results.txt)
+OLD_PROFILES = (
+    "results/gpu_h200/profile_before.txt and profile_after.txt: not used; their Pallas kernels "
+    "(paths mixed*, pallas, reference+pallas_state+...) were rewritten after those runs (the state "
+    "kernels as FLA's 64-row bf16 tiles, the gate without spills, the chunk kernels' feature "
+    "blocks; 29 commits to kdax/pallas after 1d85936, which committed them), so no kernel built from "
+    "this checkout is the kernel they timed")
+
+# H100 / H200 SXM (sm_90)
+SMS = 132
+REGS_PER_SM = 65536
+SHARED_PER_SM = 228 * 1024
+SHARED_RESERVED = 1024  # per CTA
+MAX_WARPS = 64
+MAX_CTAS = 32
+CLOCK_HZ = 1.98e9
+SCHEDULERS = 4
+HBM_MEASURED = 4.3e12  # B/s, the H200's measured read + write copy bandwidth
+HBM_DATASHEET = 4.8e12
+TC_PEAK = {"bf16": 989e12, "tf32": 494e12}  # dense FLOP/s, datasheet
+
+
+@dataclasses.dataclass
+class Kernel:
+    """One ``pallas_call`` of the lowered step, compiled."""
+
+    name: str  # as the profile names it (kdax_<stage>_kernel, a second instance __1)
+    grid: tuple
+    warps: int
+    stages: int
+    read: int  # bytes: unique blocks of the inputs
+    written: int
+    reread: int  # bytes the grid reads again (blocks of an input several programs read)
+    registers: int = 0
+    local: int = 0
+    shared: int = 0
+    instructions: float = 0.0  # SASS executed by one warp of one program
+    steps: int = 0  # loop iterations one program runs in sequence
+    loops: str = ""  # loop trip counts as matched, e.g. "4x[64]"
+    tc_flops: float = 0.0  # per program
+    tc_kind: str = "bf16"
+    notes: str = ""
+
+    @property
+    def programs(self) -> int:
+        return math.prod(self.grid)
+
+    @property
+    def ctas_per_sm(self) -> int:
+        per_warp = math.ceil(max(self.registers, 1) * 32 / 256) * 256
+        by_regs = REGS_PER_SM // (per_warp * self.warps)
+        by_shared = SHARED_PER_SM // (self.shared + SHARED_RESERVED)
+        return max(0, min(by_regs, by_shared, MAX_WARPS // self.warps, MAX_CTAS))
+
+    @property
+    def waves(self) -> int:
+        return math.ceil(self.programs / (SMS * max(self.ctas_per_sm, 1)))
+
+    def hbm_s(self, bw: float = HBM_MEASURED) -> float:
+        return (self.read + self.written) / bw
+
+    def issue_s(self, rate: float) -> float:
+        """``rate``: the fitted instructions per second of one warp, capped by the SM's
+        schedulers shared among the resident warps."""
+        cap = SCHEDULERS * CLOCK_HZ / (self.ctas_per_sm * self.warps)
+        return self.instructions * self.waves / min(rate, cap)
+
+    def tc_s(self) -> float:
+        return self.tc_flops * self.programs / TC_PEAK[self.tc_kind]
+
+    def predict_s(self, rate: float, overlap: bool = False) -> float:
+        parts = (self.hbm_s(), self.issue_s(rate), self.tc_s())
+        return max(parts) if overlap else sum(parts)
+
+    def bound(self, rate: float) -> str:
+        t = {"HBM": self.hbm_s(), "issue": self.issue_s(rate), "tensor": self.tc_s()}
+        return max(t, key=t.get)
+
+
+# -- lowering ---------------------------------------------------------------------------------
+def _index_rows(bm, grid) -> int:
+    """How many distinct blocks the grid visits: the index map evaluated at every point."""
+    import jax
+    import numpy as np
+    from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
+
+    if not grid:
+        return 1
+    j = bm.index_map_jaxpr
+    closed = j if hasattr(j, "jaxpr") else ClosedJaxpr(j, getattr(j, "consts", ()))
+    ids = np.indices(grid).reshape(len(grid), -1).astype(np.int32)
+    out = jax.vmap(jaxpr_as_fun(closed))(*ids)
+    out = np.stack([np.broadcast_to(np.asarray(o), (ids.shape[1],)) for o in out], axis=1)
+    return len(np.unique(out, axis=0))
+
+
+def _operand_bytes(bm, grid) -> tuple:
+    """(unique bytes, bytes the grid reads in all) of one operand."""
+    item = bm.array_aval.dtype.itemsize
+    array = math.prod(bm.array_aval.shape) * item
+    block = math.prod(bm.transformed_block_aval.shape) * item
+    if block >= array:  # the whole array: a kernel that indexes it itself (pl.ds)
+        return array, array
+    unique = min(_index_rows(bm, grid) * block, array)
+    return unique, block * math.prod(grid)
+
+
+def _calls(hlo: str) -> list:
+    """``[(name, num_warps, num_stages)]`` of the Triton custom calls of a lowered module,
+    in order (the backend configs XLA compiles them with)."""
+    out = []
+    for cfg in hlo.split("__gpu$xla.gpu.triton(")[1:]:  # (the config follows its serialised TTIR)
+        get = lambda k: re.search(rf'\b{k} = "?([\w.]+)', cfg).group(1)  # noqa: E731
+        out.append((get("name"), int(get("num_warps")), int(get("num_stages"))))
+    return out
+
+
+def lower(path: str, shape: tuple) -> list:
+    """``[(Kernel without compile figures, TTIR)]`` of the training step along ``path``."""
+    import jax
+    from triton_resources import training_step
+
+    from tests.pallas._triton import captured
+
+    B, T, H = shape
+    fn, args, _ = training_step(path, B, T, H)
+    records = []
+    with captured(records):
+        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    calls = _calls(lowered.as_text())
+    assert len(calls) == len(records), (len(calls), len(records))
+    out, seen = [], {}
+    for (jaxpr, gm, ttir), (name, warps, stages) in zip(records, calls):
+        grid = tuple(int(g) for g in gm.grid)
+        read = written = reread = 0
+        for i, bm in enumerate(gm.block_mappings):
+            unique, total = _operand_bytes(bm, grid)
+            if i < gm.num_inputs:
+                read, reread = read + unique, reread + total - unique
+            else:
+                written += unique
+        n = seen[name] = seen.get(name, -1) + 1
+        out.append((Kernel(name + (f"__{n}" if n else ""), grid, warps, stages, read, written, reread), ttir))
+    return out
+
+
+# -- loops --------------------------------------------------------------------------------
+_FOR = re.compile(r"scf\.for %(\w+) = (%[\w#]+) to (%[\w#]+) step (%[\w#]+)")
+_DEF = re.compile(r"^\s*(%[\w#]+) = (arith\.\w+) (.*?)(?: : | loc|$)")
+
+
+@dataclasses.dataclass
+class Loop:
+    iv: str
+    lb: str
+    ub: str
+    step: str
+    depth: int
+    parent: int | None
+    count: int = 0  # body executions per program
+    constant: bool = True
+
+
+def ttgir_loops(ttgir: str) -> list:
+    """The ``scf.for`` loops of a TTGIR module in text order (preorder), each with the
+    number of times its body runs per program (bounds: constants, enclosing induction
+    variables and integer arithmetic on them)."""
+    defs, loops, stack = {}, [], []
+    for line in ttgir.splitlines():
+        indent = len(line) - len(line.lstrip())
+        if stack and line.strip().startswith("}") and indent <= loops[stack[-1]][1]:
+            stack.pop()  # the loop's closing brace
+            continue
+        if m := _FOR.search(line):
+            parent = stack[-1] if stack else None
+            loops.append((Loop(*m.groups(), len(stack), parent), indent))
+            stack.append(len(loops) - 1)
+        elif m := _DEF.match(line):
+            defs[m.group(1)] = (m.group(2), m.group(3))
+    loops = [lp for lp, _ in loops]
+
+    def value(name, env):
+        if name in env:
+            return env[name]
+        op, rest = defs.get(name, (None, ""))
+        if op == "arith.constant":
+            return int(re.match(r"(-?\d+)", rest.strip()).group(1)) if re.match(r"-?\d+", rest.strip()) else None
+        args = [value(a, env) for a in re.findall(r"%[\w#]+", rest)[:2]]
+        if None in args or len(args) < 2:
+            return None
+        a, b = args
+        return {"arith.addi": a + b, "arith.subi": a - b, "arith.muli": a * b, "arith.maxsi": max(a, b),
+                "arith.minsi": min(a, b), "arith.divsi": a // b if b else None}.get(op)
+
+    def run(i, env):
+        lp = loops[i]
+        lb, ub, st = (value(x, env) for x in (lp.lb, lp.ub, lp.step))
+        if None in (lb, ub, st) or st <= 0:
+            lp.constant = False
+            lb, ub, st = 0, 1, 1  # unknown bounds: counted once (noted)
+        if any(v.startswith("%arg") for v in (lp.lb, lp.ub)):
+            lp.constant = False
+        for it in range(lb, ub, st):
+            lp.count += 1
+            for j, ch in enumerate(loops):
+                if ch.parent == i:
+                    run(j, {**env, "%" + lp.iv: it})
+
+    for i, lp in enumerate(loops):
+        if lp.parent is None:
+            run(i, {})
+    return loops
+
+
+_SASS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][\w.]*)([^;]*);")
+
+
+def sass_instructions(sass: str) -> list:
+    """``[(address, opcode, operands)]`` of the kernel's SASS, NOPs left out."""
+    return [(int(a, 16), op, rest) for a, _, op, rest in _SASS.findall(sass) if op != "NOP"]
+
+
+def sass_loops(ins: list) -> list:
+    """``[(start, end)]`` address ranges of the SASS loops (backward branches), by start."""
+    out = []
+    for addr, op, rest in ins:
+        if op.startswith("BRA") and (m := re.search(r"0x([0-9a-f]+)", rest)):
+            target = int(m.group(1), 16)
+            if target < addr:
+                out.append((target, addr))
+    return sorted(out, key=lambda r: (r[0], -r[1]))
+
+
+def _depths(ranges) -> list:
+    return [sum(1 for o in ranges if o != r and o[0] <= r[0] and r[1] <= o[1]) for r in ranges]
+
+
+def match_loops(loops: list, ranges: list) -> tuple:
+    """``(counts, note)``: each SASS loop's body executions per program, from the TTGIR loop
+    it is (text order; loops LLVM unrolled fully are constant-trip leaves that left no
+    branch: the fewest such removed that make the nesting agree)."""
+    import itertools
+
+    want = _depths(ranges)
+    extra = len(loops) - len(ranges)
+    if extra < 0:
+        return [1] * len(ranges), f"{-extra} SASS loops without a TTGIR loop (counted once)"
+    leaves = [i for i, lp in enumerate(loops) if lp.constant and not any(c.parent == i for c in loops)]
+    for drop in itertools.combinations(sorted(leaves, key=lambda i: (-loops[i].depth, i)), extra):
+        kept = [lp for i, lp in enumerate(loops) if i not in drop]
+        depth = [sum(1 for a in _ancestors(loops, lp) if a in kept) for lp in kept]
+        if depth == want:
+            note = f"{extra} loop(s) unrolled by LLVM" if extra else ""
+            return [lp.count for lp in kept], note
+    return [1] * len(ranges), "loops unmatched (SASS loops counted once)"
+
+
+def _ancestors(loops, lp):
+    while lp.parent is not None:
+        lp = loops[lp.parent]
+        yield lp
+
+
+_HGMMA = re.compile(r"HGMMA\.(\d+)x(\d+)x(\d+)\.F32\.(\w+)")
+_HMMA = {"HMMA.1688.F32.TF32": (16 * 8 * 8, "tf32"), "HMMA.16816.F32.BF16": (16 * 8 * 16, "bf16"),
+         "HMMA.16816.F32": (16 * 8 * 16, "bf16"), "HMMA.1684.F32.TF32": (16 * 8 * 4, "tf32")}
+
+
+def analyse(k: Kernel, keep: dict) -> None:
+    """Fill ``k``'s instruction, step and tensor-core figures from its compile."""
+    loops = ttgir_loops(keep["ttgir"])
+    ins = sass_instructions(keep["sass"])
+    ranges = sass_loops(ins)
+    counts, note = match_loops(loops, ranges)
+    if any(not lp.constant for lp in loops):
+        note = "; ".join(x for x in (note, "bounds from outer loops") if x)
+    k.notes = note
+    k.steps = sum(counts)
+    k.loops = " ".join(str(c) for c in counts) or "-"
+    total = flops = 0.0
+    kinds = set()
+    for addr, op, _ in ins:
+        inside = [(r[1] - r[0], c) for r, c in zip(ranges, counts) if r[0] <= addr <= r[1]]
+        n = min(inside)[1] if inside else 1  # the innermost loop's count
+        total += n
+        if m := _HGMMA.match(op):  # one warpgroup's product: every warp of it issues it
+            flops += 2 * int(m.group(1)) * int(m.group(2)) * int(m.group(3)) * n / 4
+            kinds.add("tf32" if m.group(4) == "TF32" else "bf16")
+        elif op in _HMMA:
+            macs, kind = _HMMA[op]
+            flops += 2 * macs * n
+            kinds.add(kind)
+    k.instructions = total
+    k.tc_flops = flops * k.warps
+    k.tc_kind = "tf32" if "tf32" in kinds else "bf16"
+
+
+_COMPILED = {}
+
+
+def compile_kernel(k: Kernel, ttir: str) -> None:
+    from tests.pallas._triton import resources
+
+    key = (ttir, k.warps, k.stages)
+    if key not in _COMPILED:
+        keep = {}
+        r = resources(ttir, k.warps, k.stages, keep)
+        _COMPILED[key] = (r, keep)
+    r, keep = _COMPILED[key]
+    k.registers, k.local, k.shared = r.registers, r.local, r.shared
+    analyse(k, keep)
+
+
+def kernels(path: str, shape: tuple) -> list:
+    out = []
+    for k, ttir in lower(path, shape):
+        compile_kernel(k, ttir)
+        print(f"  {k.name}: {k.registers} regs, {k.instructions:.0f} instr/warp, {k.steps} steps", file=sys.stderr, flush=True)
+        out.append(k)
+    return out
+
+
+# -- calibration -----------------------------------------------------------------------------
+def measured(profile: Path = MEASURED, path: str = CANDIDATE, pass_: str = "train") -> dict:
+    """``{kernel: ms}`` of the Pallas kernels in a ``gpu_profile.py`` report's section."""
+    out, on = {}, False
+    for line in profile.read_text().splitlines():
+        if line.startswith("--- "):
+            on = line.startswith(f"--- {path} {pass_}:")
+        elif on and (m := re.match(r"\s+(kdax_\w+)\s+([\d.]+) ms\s+x(\d+)", line)):
+            out[m.group(1)] = float(m.group(2))  # per step (all its calls)
+    return out
+
+
+def fit_rate(ks: list, meas: dict, overlap: bool = False) -> float:
+    """The instruction rate per warp minimising sum(log(predicted / measured)^2)."""
+    pairs = [(k, meas[k.name] * 1e-3) for k in ks if k.name in meas]
+
+    def loss(logr):
+        return sum(math.log(k.predict_s(math.exp(logr), overlap) / t) ** 2 for k, t in pairs)
+
+    grid = [math.log(1e6) + i * (math.log(1e12) - math.log(1e6)) / 2000 for i in range(2001)]
+    best = min(grid, key=loss)
+    lo, hi = best - 0.01, best + 0.01  # golden-section refinement
+    g = (math.sqrt(5) - 1) / 2
+    for _ in range(60):
+        a, b = hi - g * (hi - lo), lo + g * (hi - lo)
+        lo, hi = (lo, b) if loss(a) < loss(b) else (a, hi)
+    return math.exp((lo + hi) / 2)
+
+
+def table(title: str, ks: list, rate: float, meas: dict | None = None) -> str:
+    hdr = (f"{'kernel':<34} {'grid':>9} {'w':>2} {'s':>1} {'regs':>4} {'smem KiB':>8} {'CTA/SM':>6} {'waves':>5} "
+           f"{'read MiB':>8} {'write MiB':>9} {'reread':>7} {'instr/warp':>10} {'steps':>5} "
+           f"{'HBM ms':>7} {'@4.8':>6} {'issue ms':>8} {'TC ms':>6} {'pred ms':>7}")
+    if meas is not None:
+        hdr += f" {'meas ms':>7} {'factor':>7}"
+    out = [title, hdr]
+    for k in ks:
+        line = (f"{k.name:<34} {'x'.join(map(str, k.grid)):>9} {k.warps:>2} {k.stages:>1} {k.registers:>4} "
+                f"{k.shared / 1024:>8.1f} {k.ctas_per_sm:>6} {k.waves:>5} {k.read / 2**20:>8.1f} {k.written / 2**20:>9.1f} "
+                f"{k.reread / 2**20:>7.1f} {k.instructions:>10.0f} {k.steps:>5} {k.hbm_s() * 1e3:>7.3f} "
+                f"{k.hbm_s(HBM_DATASHEET) * 1e3:>6.3f} {k.issue_s(rate) * 1e3:>8.3f} {k.tc_s() * 1e3:>6.3f} "
+                f"{k.predict_s(rate) * 1e3:>7.3f}")
+        if meas is not None:
+            t = meas.get(k.name)
+            line += f" {t:>7.3f} {k.predict_s(rate) * 1e3 / t:>7.2f}" if t else f" {'-':>7} {'-':>7}"
+        out.append(line + f"  {k.bound(rate)}" + (f"; {k.notes}" if k.notes else "") + (f"; loops {k.loops}" if k.loops != "-" else ""))
+    tot = sum(k.predict_s(rate) for k in ks) * 1e3
+    gib = sum(k.read + k.written for k in ks) / 2**30
+    out.append(f"{'sum':<34} predicted {tot:.3f} ms; HBM floor {sum(k.hbm_s() for k in ks) * 1e3:.3f} ms "
+               f"({gib:.2f} GiB at 4.3 TB/s; {sum(k.hbm_s(HBM_DATASHEET) for k in ks) * 1e3:.3f} ms at 4.8)"
+               + (f"; measured {sum(meas.get(k.name, 0) for k in ks):.3f} ms" if meas else ""))
+    return "\n".join(out)
+
+
+def main(argv=None) -> str:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pipes", default=CANDIDATE, help="gpu_vs_fla.py path names, comma separated")
+    ap.add_argument("--shape", default=",".join(map(str, GOAL)), help="B,T,H of the bf16 inputs (K = V = 128, chunk 64)")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    warnings.filterwarnings("ignore", module="triton")
+    from triton_resources import parse_shape
+
+    from tests.pallas._triton import skip_reason
+
+    if reason := skip_reason():
+        sys.exit(f"gpu_cost_model: {reason}")
+    import jax
+    import triton
+
+    shape = parse_shape(a.shape)
+    print(f"calibration: {CANDIDATE} at {GOAL}", file=sys.stderr, flush=True)
+    cal = kernels(CANDIDATE, GOAL)
+    meas = measured()
+    rate = fit_rate(cal, meas)
+    both = [k for k in cal if k.name in meas]
+
+    def worst(r, overlap=False):
+        return max(max(k.predict_s(r, overlap) * 1e3 / meas[k.name], meas[k.name] / (k.predict_s(r, overlap) * 1e3))
+                   for k in both)
+
+    rate_max = fit_rate(cal, meas, overlap=True)
+    worst_max = worst(rate_max, True)
+    B, T, H = GOAL
+    parts = [
+        f"Cost model of kdax's Pallas Triton kernels on an H200 (sm_90), from their compiles without a GPU "
+        f"(jax {jax.__version__}, triton {triton.__version__}): bf16 inputs, K=V=128, chunk 64, Kimi Linear's options, "
+        f"training step (jax.grad of chunk_kda). Per kernel: grid, warps (w), pipeline stages (s), registers, shared "
+        f"memory, resident CTAs per SM, waves over {SMS} SMs; bytes read and written once (unique blocks; reread: "
+        f"blocks read again by other programs, L2); SASS instructions one warp executes (loop trip counts from the "
+        f"TTGIR), steps (loop iterations in sequence per program); HBM time at {HBM_MEASURED / 1e12:.1f} TB/s "
+        f"(measured copy) and at {HBM_DATASHEET / 1e12:.1f} (datasheet); issue time = instr/warp x waves / "
+        f"min(R, {SCHEDULERS} x {CLOCK_HZ / 1e9:.2f} GHz / resident warps); tensor-core time at the dense datasheet "
+        f"peaks; predicted = HBM + issue + TC (no overlap); the largest of the three after the kernel's row.",
+        f"One fitted constant: R = {rate / 1e9:.4f} instructions per ns per warp (least squares on log(pred/meas) "
+        f"over the {len(both)} measured kernels below; no per-kernel tuning). With max(HBM, issue, TC) instead of the "
+        f"sum (full overlap) the fit gives R = {rate_max / 1e9:.4f} and a worst factor of {worst_max:.2f}.",
+        "",
+        table(f"Calibration: {CANDIDATE} at B={B} T={T} H={H}, predicted beside measured on an H200 "
+              f"({MEASURED.relative_to(ROOT)}, train pass; factor = predicted / measured)", cal, rate, meas),
+        f"Older profiles: {OLD_PROFILES}.",
+    ]
+    if not (a.pipes == CANDIDATE and shape == GOAL):
+        for path in a.pipes.split(","):
+            print(f"{path} at {shape}:", file=sys.stderr, flush=True)
+            ks = cal if (path == CANDIDATE and shape == GOAL) else kernels(path, shape)
+            parts += ["", table(f"Prediction: {path} at B={shape[0]} T={shape[1]} H={shape[2]}", ks, rate)]
+    step = sum(k.predict_s(rate) for k in cal) * 1e3
+    parts += ["",
+              f"calibration: worst factor {worst(rate):.2f} over {len(both)} kernels",
+              f"candidate step: predicted {step:.2f} ms; FLA measured {FLA_STEP_MS:.2f} ms (H200)"]
+    text = "\n".join(parts)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+    return text
+
+
+if __name__ == "__main__":
+    main()

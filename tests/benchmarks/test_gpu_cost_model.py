@@ -1,0 +1,65 @@
+"""benchmarks/gpu_cost_model.py regenerates its table from the compiles: the training step's
+Triton kernels lowered for CUDA and compiled for sm_90 (no GPU), calibrated on the H200
+profile, and a prediction at a small shape. Checks the structure and sanity of what it
+prints (every kernel has bytes, instructions and a positive time; the results file's two
+last lines parse; the calibration factor is finite), not its numbers. Skipped where the
+Triton compile tooling is unavailable: no ``triton`` package, or a JAX whose Pallas Triton
+lowering refuses without a GPU (``tests/pallas/_triton.py``, ``skip_reason``)."""
+
+import math
+import re
+
+import pytest
+
+from ._load import load_benchmark
+
+SMALL = "1,256,2"  # B, T, H: four chunks per sequence
+
+
+@pytest.fixture(scope="module")
+def text():
+    from tests.pallas._triton import skip_reason
+
+    if reason := skip_reason():
+        pytest.skip(reason)
+    m = load_benchmark("gpu_cost_model")
+    return m.main(["--pipes", m.CANDIDATE, "--shape", SMALL])
+
+
+def _rows(text: str, title: str) -> list:
+    """The kernel rows of the table whose title starts with ``title``."""
+    lines = text.splitlines()
+    i = next(i for i, line in enumerate(lines) if line.startswith(title))
+    out = []
+    for line in lines[i + 2:]:
+        if line.startswith("sum "):
+            return out
+        out.append(line.split())
+    raise AssertionError(f"no sum line after {title!r}")
+
+
+def test_final_lines_parse(text):
+    *_, cal, step = text.splitlines()
+    m = re.fullmatch(r"calibration: worst factor ([\d.]+) over (\d+) kernels", cal)
+    assert m, cal
+    assert math.isfinite(float(m.group(1))) and float(m.group(1)) >= 1.0 and int(m.group(2)) >= 1
+    m = re.fullmatch(r"candidate step: predicted ([\d.]+) ms; FLA measured ([\d.]+) ms \(H200\)", step)
+    assert m, step
+    assert float(m.group(1)) > 0 and float(m.group(2)) > 0
+
+
+def test_calibration_rows(text):
+    rows = _rows(text, "Calibration:")
+    assert {r[0] for r in rows} >= {"kdax_PallasIntra_kernel", "kdax_PallasState_kernel", "kdax_PallasDhu_kernel"}
+    for r in rows:
+        pred, meas, factor = float(r[17]), float(r[18]), float(r[19])
+        assert pred > 0 and meas > 0 and math.isfinite(factor) and factor == pytest.approx(pred / meas, rel=0.02), r
+
+
+def test_small_shape_rows(text):
+    """Every kernel of the step at the small shape: bytes, instructions, a time."""
+    rows = _rows(text, "Prediction:")
+    assert len(rows) >= 10, rows
+    for r in rows:
+        read, written, instr, pred = float(r[8]), float(r[9]), float(r[11]), float(r[17])
+        assert read + written > 0 and instr > 0 and pred > 0 and int(r[6]) >= 1, r  # r[6]: CTAs per SM
