@@ -4,7 +4,11 @@
 The modified algorithm: KDA with a per-head query gain, ``q <- gain * q`` after F1's
 activations. ``QGainGate`` (F1) applies it; ``QGainGateBackward`` (B5) applies its
 transpose to ``dq``, so that the six-stage backward stays the exact gradient of the
-modified forward. The gain is an array field of both stages; differentiated, F1's copy
+modified forward. Both say so: F1 declares the math it computes (``math``), B5 that it
+transposes that math (``transposes``), and the pipeline keeps its hand-written backward.
+Without ``QGainGateBackward`` (or without the declarations) the gradient is still exact:
+the pipeline derives it from the forward stages by ``jax.vjp``, slower, with a
+``FallbackWarning`` (``kdax._derived``). The gain is an array field of both stages; differentiated, F1's copy
 gets its exact gradient (the gate's own VJP at the backward's cotangent of its output)
 and B5's copy zero, which is exact: the forward never reads it. Run from the repository
 root::
@@ -36,6 +40,8 @@ class QGainGate(AbstractGate):
     gain: Float[Array, " HV"]
     # Elementwise per token: correct on any tile of chunks (docs/stages.md).
     tile_safe: ClassVar[bool] = True
+    # Not KDA's F1 (that is kdax.stages.KDA): a name for this math, which B5 transposes.
+    math: ClassVar[str] = "kda+qgain"
 
     @typecheck  # shapes checked when traced (kdax.typing: the chunked layout's aliases)
     def __call__(self, config, q: ChunkK, k: ChunkK, g: ChunkK, beta: ChunkScalar, A_log, dt_bias, valid) -> Activated:
@@ -49,6 +55,8 @@ class QGainGateBackward(AbstractGateBackward):
     """B5 of the reference, after ``dq <- gain * dq`` (the transpose of the gain)."""
 
     gain: Float[Array, " HV"]
+    # The transpose of QGainGate's math (the other backward stages transpose KDA's F2-F5).
+    transposes: ClassVar[dict] = {"gate": "kda+qgain"}
 
     @typecheck
     def __call__(self, config, act: Activated, g, A_log, dt_bias, valid, dq: ChunkK, dk: ChunkK, dbeta: ChunkScalar,

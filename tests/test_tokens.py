@@ -15,7 +15,7 @@ from kdax import _isolation
 from kdax._layout import make_layout, pack_inputs
 from kdax._runner import recording
 from kdax._tokens import Tokens, as_chunked, token_inputs
-from kdax.stages import AbstractGate, ReferenceGate
+from kdax.stages import KDA, AbstractGate, ReferenceGate
 
 from ._util import make_inputs, run
 
@@ -62,9 +62,10 @@ def test_views_need_whole_chunks_and_head_groups():
 
 
 class RecordingGate(AbstractGate):
-    """The reference gate, declaring nothing: the runner must hand it chunked arrays."""
+    """The reference gate, declaring no views: the runner must hand it chunked arrays."""
 
-    accepts: ClassVar[frozenset] = frozenset({"tile_safe", "standard"})
+    accepts: ClassVar[frozenset] = frozenset({"tile_safe"})
+    math: ClassVar[str] = KDA  # (the reference's own formula: the six-stage backward runs)
 
     def __call__(self, config, q, k, g, beta, A_log, dt_bias, valid):
         assert all(isinstance(x, jax.Array) for x in (q, k, g, beta))

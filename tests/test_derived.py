@@ -1,0 +1,265 @@
+"""The backward follows the forward (kdax/_derived.py): a pipeline whose forward stages
+compute other math than its backward stages transpose gets the exact gradients of the
+algorithm its forward stages compute (float64, against autodiff of a pure-JAX oracle of
+the modified algorithm), or a named error; with backward stages that transpose it and say
+so, the hand-written backward runs (plan says which)."""
+
+import warnings
+from typing import ClassVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jaxtyping import Array, Float
+
+import kdax
+from kdax import pallas as P
+from kdax.ref import _chunk as R
+from kdax.stages import (
+    AbstractGate,
+    AbstractIntra,
+    AbstractOutput,
+    AbstractState,
+    AbstractWY,
+    IntraOut,
+    ReferenceGate,
+    ReferenceIntra,
+    ReferenceOutput,
+    ReferenceState,
+    ReferenceWY,
+)
+
+from ._util import assert_close, load_example, make_inputs, oracle_kda, split_args
+
+C = 2.5  # the modification's constant
+CHUNK = 16
+
+
+class ScaledQGate(AbstractGate):
+    """F1, then ``q <- c q``: KDA at ``c q``."""
+
+    tile_safe: ClassVar[bool] = True
+
+    def __call__(self, config, q, k, g, beta, A_log, dt_bias, valid, reset=None):
+        act = ReferenceGate()(config, q, k, g, beta, A_log, dt_bias, valid, reset=reset)
+        return eqx.tree_at(lambda a: a.q, act, act.q * C)
+
+
+class ScaledAqkIntra(AbstractIntra):
+    """F2 with ``Aqk <- c Aqk`` (the intra-chunk part of o scaled)."""
+
+    def __call__(self, scale, q, k, beta, G, G_lo=None, reset=None):
+        out = ReferenceIntra()(scale, q, k, beta, G, G_lo=G_lo, reset=reset)
+        return IntraOut(out.Aqk * C, out.Akk)
+
+
+class ScaledVWY(AbstractWY):
+    """F3 on ``c v``: KDA at ``c v``."""
+
+    def __call__(self, q, k, v, beta, G, Akk, G_lo=None, reset=None):
+        return ReferenceWY()(q, k, v * C, beta, G, Akk, G_lo=G_lo, reset=reset)
+
+
+class ScaledStartState(AbstractState):
+    """F4 from ``c h0``: KDA from the initial states ``c h0``."""
+
+    def __call__(self, w, u, kg, G, h0, layout, reset=None):
+        return ReferenceState()(w, u, kg, G, h0 * C, layout, reset=reset)
+
+
+class ScaledOutput(AbstractOutput):
+    """F5 times c: ``c KDA``."""
+
+    def __call__(self, scale, qg, h, Aqk, v_new):
+        return C * ReferenceOutput()(scale, qg, h, Aqk, v_new)
+
+
+class HeadGainOutput(AbstractOutput):
+    """F5 times a per-head gain, declaring the capabilities of ReferenceOutput (once
+    enough for the pipeline to compute F5's terms itself for packed initial states)."""
+
+    gain: Float[Array, " HV"]
+    tile_safe: ClassVar[bool] = True
+    accepts: ClassVar[frozenset] = frozenset({"tile_safe", "standard"})
+
+    def __call__(self, scale, qg, h, Aqk, v_new):
+        o = ReferenceOutput()(scale, qg, h, Aqk, v_new)
+        return o * self.gain[None, :, None, None, None].astype(o.dtype)
+
+
+class PallasScaledOutput(AbstractOutput):
+    """``c`` times a Pallas F5: other math, and JAX cannot differentiate the kernel."""
+
+    def __call__(self, scale, qg, h, Aqk, v_new):
+        return C * P.PallasOutput(target="tpu", interpret=True)(scale, qg, h, Aqk, v_new)
+
+
+def _loss(o, ht):
+    return jnp.sum(o * jnp.sin(o)) + jnp.sum(ht * jnp.cos(ht))
+
+
+def _chunk_oracle(q, k, v, g, beta, h0, scale, aqk_gain=1.0):
+    """KDA in chunks from kdax.ref's readable pieces (float64), ``Aqk`` times ``aqk_gain``:
+    the oracle of ``ScaledAqkIntra``'s algorithm (dense input, T a multiple of the chunk)."""
+    qc, kc, vc, gc, bc = (R.to_chunks(x, CHUNK) for x in (q, k, v, g, beta))
+    G = jnp.cumsum(gc, axis=-2)
+    Aqk, Akk = R.intra_chunk(qc, kc, bc, G, scale)
+    w, u, qg, kg = R.wy_chunk(qc, kc, vc, bc, G, Akk)
+    h, v_new, hT = R.state_scan(w, u, kg, G, h0)
+    return R.from_chunks(R.output_chunk(qg, h, aqk_gain * Aqk, v_new, scale), q.shape[1]), hT
+
+
+def _oracle(case, pos, h0):
+    q, k, v, g, beta = pos
+    if case == "gate":
+        return oracle_kda(q * C, k, v, g, beta, initial_state=h0, output_final_state=True)
+    if case == "intra":
+        return _chunk_oracle(q, k, v, g, beta, h0, q.shape[-1] ** -0.5, aqk_gain=C)
+    if case == "wy":
+        return oracle_kda(q, k, v * C, g, beta, initial_state=h0, output_final_state=True)
+    if case == "state":
+        return oracle_kda(q, k, v, g, beta, initial_state=h0 * C, output_final_state=True)
+    o, ht = oracle_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    return C * o, ht
+
+
+USER = {"gate": ScaledQGate, "intra": ScaledAqkIntra, "wy": ScaledVWY, "state": ScaledStartState,
+        "output": ScaledOutput}
+STEP = {"gate": "F1", "intra": "F2", "wy": "F3", "state": "F4", "output": "F5"}
+
+
+def _grads(pipe, pos, h0, **opts):
+    f = lambda *a: _loss(*kdax.chunk_kda(*a[:5], initial_state=a[5], output_final_state=True, chunk_size=CHUNK,
+                                         pipeline=pipe, **opts))
+    return jax.jit(jax.grad(f, argnums=tuple(range(6))))(*pos, h0)
+
+
+@pytest.mark.parametrize("field", list(USER))
+def test_modified_stage_gives_the_modified_algorithms_gradients(field):
+    x = make_inputs(B=1, T=32, H=2, K=4, V=4)
+    pos, kw = split_args(x)
+    h0 = kw["initial_state"]
+    pipe = eqx.tree_at(lambda p: getattr(p, field), kdax.KDAPipeline.reference(), USER[field]())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kdax._derived._warn_once.cache_clear()
+        got = _grads(pipe, pos, h0)
+    assert any(issubclass(w.category, kdax.FallbackWarning) and "derived from the forward stages" in str(w.message)
+               and f"{STEP[field]} `{field}`" in str(w.message) for w in caught)
+    want = jax.grad(lambda *a: _loss(*_oracle(field, a[:5], a[5])), argnums=tuple(range(6)))(*pos, h0)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
+        assert_close(a, b, 1e-10, f"{name} ({field})")
+    o, ht = kdax.chunk_kda(*pos, initial_state=h0, output_final_state=True, chunk_size=CHUNK, pipeline=pipe)
+    o_ref, ht_ref = _oracle(field, pos, h0)
+    assert_close(o, o_ref, 1e-10, f"o ({field})")
+    assert_close(ht, ht_ref, 1e-10, f"ht ({field})")
+    plan = pipe.plan(*pos, initial_state=h0, output_final_state=True, chunk_size=CHUNK)
+    assert "backward: derived by jax.vjp" in str(plan)
+    assert all(r.runs is None for r in plan.rows if r.step.startswith("B"))
+
+
+def test_packed_initial_states_with_a_head_gain_declaring_reference_capabilities():
+    # Once, declaring `standard` let the pipeline compute F5's terms for states entering
+    # shared chunks (outputs 28% off) and the backward ignored the gain (60%).
+    x = make_inputs(B=1, T=40, H=3, K=4, V=4, N=3)
+    pos, kw = split_args(x)
+    h0 = kw["initial_state"]
+    cu = jnp.array([0, 7, 30, 40], jnp.int32)
+    gain = jnp.array([0.6, -1.3, 2.0])
+    pipe = eqx.tree_at(lambda p: p.output, kdax.KDAPipeline.reference(), HeadGainOutput(gain))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", kdax.FallbackWarning)
+        got = _grads(pipe, pos, h0, cu_seqlens=cu)
+        o, ht = kdax.chunk_kda(*pos, initial_state=h0, output_final_state=True, cu_seqlens=cu, chunk_size=CHUNK,
+                               pipeline=pipe)
+
+    def oracle(*a):
+        o_, ht_ = oracle_kda(*a[:5], initial_state=a[5], output_final_state=True, cu_seqlens=cu)
+        return o_ * gain[None, None, :, None], ht_
+
+    o_ref, ht_ref = oracle(*pos, h0)
+    assert_close(o, o_ref, 1e-10, "o")
+    assert_close(ht, ht_ref, 1e-10, "ht")
+    want = jax.grad(lambda *a: _loss(*oracle(*a)), argnums=tuple(range(6)))(*pos, h0)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
+        assert_close(a, b, 1e-10, name)
+    assert pipe.plan(*pos, initial_state=h0, cu_seqlens=cu, chunk_size=CHUNK).layout == "per-sequence"
+
+
+def test_matching_backward_stages_keep_the_hand_written_backward():
+    ex = load_example("custom_stage")
+    x = make_inputs(B=1, T=32, H=2, K=4, V=4)
+    pos, kw = split_args(x)
+    h0 = kw["initial_state"]
+    gain = jnp.array([0.5, 2.0])
+    pipe = ex.gain_pipeline(gain)
+    assert kdax._derived.mismatches(pipe) == ()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", kdax.FallbackWarning)
+        got = _grads(pipe, pos, h0)
+    plan = pipe.plan(*pos, initial_state=h0, chunk_size=CHUNK)
+    assert "derived" not in str(plan)
+    assert {r.field: r.runs for r in plan.rows}["gate_bwd"] == "QGainGateBackward"
+
+    def oracle(*a):
+        q = a[0] * jnp.repeat(gain, 1)[None, None, :, None]
+        return oracle_kda(q, *a[1:5], initial_state=a[5], output_final_state=True)
+
+    want = jax.grad(lambda *a: _loss(*oracle(*a)), argnums=tuple(range(6)))(*pos, h0)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
+        assert_close(a, b, 1e-10, name)
+    # The same gate without its backward: derived, and still exact.
+    alone = eqx.tree_at(lambda p: p.gate_bwd, pipe, kdax.stages.ReferenceGateBackward())
+    assert "B5 `gate_bwd` (ReferenceGateBackward) transposes 'kda'" in kdax._derived.mismatches(alone)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", kdax.FallbackWarning)
+        got = _grads(alone, pos, h0)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
+        assert_close(a, b, 1e-10, name + " (derived)")
+
+
+def test_pallas_pipeline_with_a_user_stage_differentiates_same_math_kernels_as_references():
+    x = make_inputs(B=1, T=32, H=2, K=4, V=4)
+    pos, kw = split_args(x)
+    h0 = kw["initial_state"]
+    pipe = eqx.tree_at(lambda p: p.output, kdax.KDAPipeline.pallas("triton", interpret=True), ScaledOutput())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", kdax.FallbackWarning)
+        got = _grads(pipe, pos, h0)
+        plan = pipe.plan(*pos, initial_state=h0, chunk_size=CHUNK)
+    want = jax.grad(lambda *a: _loss(*_oracle("output", a[:5], a[5])), argnums=tuple(range(6)))(*pos, h0)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
+        assert_close(a, b, 1e-10, name)
+    rows = {r.field: r for r in plan.rows}
+    assert rows["intra"].requested == "PallasIntra" and rows["intra"].runs == "ReferenceIntra"
+    assert "differentiated as its reference stage" in rows["intra"].reason
+
+
+def test_underivable_stage_and_direct_backward_are_named_errors():
+    x = make_inputs(B=1, T=32, H=2, K=4, V=4)
+    pos, _ = split_args(x)
+    pipe = eqx.tree_at(lambda p: p.output, kdax.KDAPipeline.reference(), PallasScaledOutput())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", kdax.FallbackWarning)
+        with pytest.raises(kdax.DerivedBackwardError, match=r"cannot differentiate F5 `output` \(PallasScaledOutput\)"):
+            jax.grad(lambda q: jnp.sum(kdax.chunk_kda(q, *pos[1:], chunk_size=CHUNK, pipeline=pipe)[0]))(pos[0])
+    # The forward alone runs; its hand-written backward would be another algorithm's.
+    o, _ = kdax.chunk_kda(*pos, chunk_size=CHUNK, pipeline=pipe)
+    assert_close(o, C * oracle_kda(*pos)[0], 1e-10, "o")
+    scaled = eqx.tree_at(lambda p: p.output, kdax.KDAPipeline.reference(), ScaledOutput())
+    o, _, res = scaled.forward(*pos, chunk_size=CHUNK)
+    with pytest.raises(kdax.DerivedBackwardError, match=r"KDAPipeline\.backward: .*F5 `output` \(ScaledOutput\)"):
+        scaled.backward(res, jnp.ones_like(o))
+
+
+def test_declarations():
+    ref, pal = kdax.KDAPipeline.reference(), kdax.KDAPipeline.pallas("triton", interpret=True)
+    assert kdax._derived.mismatches(ref) == () and kdax._derived.mismatches(pal) == ()
+    assert kdax._derived.mismatches(kdax.KDAPipeline.mixed("tpu", interpret=True)) == ()
+    assert kdax._derived.mismatches(kdax.stages.segmented(ref)) == ()
+    # A segmented F4 computes what its inner stage does.
+    seg = kdax.stages.segmented(eqx.tree_at(lambda p: p.state, ref, ScaledStartState()))
+    assert "F4 `state` (SegmentedState) computes math None" in kdax._derived.mismatches(seg)[0]
+    assert np.all([getattr(ref, f).math == kdax.stages.KDA for f in USER])
