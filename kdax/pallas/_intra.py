@@ -1,13 +1,24 @@
 """Pallas intra-chunk family: F2 (Aqk, Akk) and B4 (intra-chunk backward).
 
-Per (p, chunk) block, in 2-D: off-diagonal sub-blocks by anchored matmuls (anchor = first
-row of the row block, both factors with non-positive exponents) in a ``fori_loop`` over the
-row blocks, diagonal sub-blocks one column (or row) at a time in another, ``(I + L)^-1``
-by row-wise forward substitution. Masks are applied in the exponent. The row-block loops
-are loops rather than unrolled Python: unrolled, Triton kept the C x C operands of every
-block alive (B4 at chunk 128 in float64 asked for 1040 KiB of shared memory) and took many
-minutes to compile at chunk 128. On Triton, B4 takes a block of rows and of feature
-columns at a time (``intra_bwd_rows_kernel``), as FLA's kernel does.
+F2 on Triton (``intra_levels_kernel``): no per-token loop and no row or column pulled out
+of a tile. The chunk's pairs j < i are split into log2(C) halving levels (the reference
+stage's recursion): the levels below 16 are the pairs inside the 16-token sub-blocks,
+the others the sub-blocks' off-diagonal blocks, each level one masked tile product over
+the whole chunk with each side's decay taken to the level's anchor row (both exponents
+non-positive, anchors read by gather loads); ``(I + L)^-1`` by blocked substitution in
+log2(C) doubling steps of two products. Whole-chunk tiles rather than 16 x 16 ones: a
+16-row tile product leaves most of a program's warps holding copies (compiled for
+sm_90 that layout took F2 to 255 registers and 1.9 KiB of spills a thread).
+
+F2 on TPU and B4, per (p, chunk) block, in 2-D: off-diagonal sub-blocks by anchored
+matmuls (anchor = first row of the row block, both factors with non-positive exponents)
+in a ``fori_loop`` over the row blocks, diagonal sub-blocks one column (or row) at a time
+in another, ``(I + L)^-1`` by row-wise forward substitution. Masks are applied in the
+exponent. The row-block loops are loops rather than unrolled Python: unrolled, Triton
+kept the C x C operands of every block alive (B4 at chunk 128 in float64 asked for 1040
+KiB of shared memory) and took many minutes to compile at chunk 128. On Triton, B4 takes
+a block of rows and of feature columns at a time (``intra_bwd_rows_kernel``), as FLA's
+kernel does.
 """
 
 from typing import ClassVar, Optional
@@ -165,11 +176,9 @@ def intra_levels_kernel(scale: float, C: int, blocks, has_lo: bool, has_reset: b
             lower, strict = lower & same, strict & same
         aqk_ref[...] = scale * jnp.where(lower, Sqk, 0.0)
         L = jnp.where(strict, b_ref[...] * Skk, 0.0)
-        ok = jnp.abs(L) < jnp.inf
-        bad = nonfinite_rows(L)  # rows t on of the inverse: NaN
-        seen = jnp.max(jnp.where(col <= row, bad.T, jnp.zeros((), L.dtype)), axis=1, keepdims=True)
+        seen = jax.lax.cumsum(nonfinite_rows(L), axis=0)  # > 0 from the first non-finite row on
         with _precision.float32_products():
-            A = doubling_unit_lower_inverse(jnp.where(ok, L, 0.0))
+            A = doubling_unit_lower_inverse(jnp.where(jnp.abs(L) < jnp.inf, L, 0.0))
         akk_ref[...] = jnp.where(seen > 0, jnp.nan, A)
 
     kernel.__qualname__ = "PallasIntra.kernel"  # its name in profiles
