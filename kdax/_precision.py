@@ -25,8 +25,8 @@ What must stay float32, and why:
 * the gate's chunk cumsum (F1, and its reverse in B5): ``G`` sits in every exponent, and a
   bf16 rounding of the per-step gates (relative 4e-3) grows with the cumsum;
 * ``(I + L)^-1`` (in F2): a triangular solve, whose rounding errors compound down the
-  rows (the reference stage's block products run under ``float32_products``; the Pallas
-  kernel substitutes row by row without products);
+  rows (the reference stage's block products and the Triton kernel's doubling products
+  run under ``float32_products``; the TPU kernel substitutes row by row without products);
 * the state recurrence (F4, B2, and F4 inside B0), except under ``"fast"``: the state is
   carried across all chunks, so each chunk's rounding could add up over the sequence.
   Under ``"fast"`` the carried state stays float32 and only the products' operands are

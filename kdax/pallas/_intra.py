@@ -1,28 +1,42 @@
 """Pallas intra-chunk family: F2 (Aqk, Akk) and B4 (intra-chunk backward).
 
-Per (p, chunk) block, in 2-D: off-diagonal sub-blocks by anchored matmuls (anchor = first
-row of the row block, both factors with non-positive exponents) in a ``fori_loop`` over the
-row blocks, diagonal sub-blocks one column (or row) at a time in another, ``(I + L)^-1``
-by row-wise forward substitution. Masks are applied in the exponent. The row-block loops
-are loops rather than unrolled Python: unrolled, Triton kept the C x C operands of every
-block alive (B4 at chunk 128 in float64 asked for 1040 KiB of shared memory) and took many
-minutes to compile at chunk 128. On Triton, B4 takes a block of rows and of feature
-columns at a time (``intra_bwd_rows_kernel``), as FLA's kernel does.
+F2 on Triton (``intra_levels_kernel``): no per-token loop and no row or column pulled out
+of a tile. The chunk's pairs j < i are split into log2(C) halving levels (the reference
+stage's recursion): the levels below 16 are the pairs inside the 16-token sub-blocks,
+the others the sub-blocks' off-diagonal blocks, each level one masked tile product over
+the whole chunk with each side's decay taken to the level's anchor row (both exponents
+non-positive, anchors read by gather loads); ``(I + L)^-1`` by blocked substitution in
+log2(C) doubling steps of two products. Whole-chunk tiles rather than 16 x 16 ones: a
+16-row tile product leaves most of a program's warps holding copies (compiled for
+sm_90 that layout took F2 to 255 registers and 1.9 KiB of spills a thread).
+
+F2 on TPU and B4, per (p, chunk) block, in 2-D: off-diagonal sub-blocks by anchored
+matmuls (anchor = first row of the row block, both factors with non-positive exponents)
+in a ``fori_loop`` over the row blocks, diagonal sub-blocks one column (or row) at a time
+in another, ``(I + L)^-1`` by row-wise forward substitution. Masks are applied in the
+exponent. The row-block loops are loops rather than unrolled Python: unrolled, Triton
+kept the C x C operands of every block alive (B4 at chunk 128 in float64 asked for 1040
+KiB of shared memory) and took many minutes to compile at chunk 128. On Triton, B4 takes
+a block of rows and of feature columns at a time (``intra_bwd_rows_kernel``), as FLA's
+kernel does.
 """
 
 from typing import ClassVar, Mapping, Optional
 
 import equinox as eqx
 from types import MappingProxyType
+import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from .._typing import ChunkK, ChunkMat, ChunkScalar, typecheck
+from .. import _precision
+from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkValid, typecheck
+from .._resets import per_head, segments
 from ..stages import KDA, AbstractIntra, AbstractIntraBackward, ChunkGrads, IntraOut
 from .._final import final
 from ._common import (
-    PallasFeatureBlocks, blockwise, chunk_spec, col_of, decay, dot, flat, idiv, iota, loop, ref_or_none,
-    row_of, row_or_none, tuned, unflat,
+    PallasFeatureBlocks, blockwise, chunk_spec, col_of, decay, dot, flat, idiv, iota, loop, nonfinite_rows,
+    ref_or_none, row_of, row_or_none, tuned, unflat,
 )
 
 
@@ -72,6 +86,104 @@ def unit_lower_inverse_body(L):
         return jnp.where(row == i, new, A)
 
     return loop(1, C, step, eye)
+
+
+# -- F2 on Triton: the chunk's pairs as log2(C) tile products, (I + L)^-1 in 2 log2(C) ----------
+def level_pairs(C: int, lev):
+    """``[C, C]`` bool: the pairs (i, j) of halving level ``lev`` (traced or static; half
+    size s = 2^lev): i in the upper and j in the lower half of one ``2s``-token block. Every
+    pair j < i belongs to exactly one level (``kdax.stages._intra``'s halving): levels
+    below log2(16) are the pairs inside the 16-token sub-blocks, the others the
+    sub-blocks' off-diagonal blocks."""
+    ri, cj = iota((C, C), 0), iota((C, C), 1)
+    sr = jax.lax.shift_right_logical
+    return (sr(ri, lev + 1) == sr(cj, lev + 1)) & (sr(ri, lev) > sr(cj, lev))
+
+
+def gathered(ref, rows, cols):
+    """``ref[rows, cols]`` for an int32 vector ``rows`` (a gather load: one row per
+    token), or None for a missing ref."""
+    return None if ref is None else ref[rows, cols]
+
+
+def level_scores(q, k, g_ref, lo_ref, cols, C: int, S):
+    """``S + (Sqk, Skk)`` for one block of feature columns: ``sum_d a_id k_jd e^(G_id - G_jd)``
+    (a = q, k) for j <= i (zeros above the diagonal), ``G``'s columns ``cols`` read from
+    ``g_ref`` (``lo_ref``: its low part, or None). The diagonal is a row sum; the pairs of
+    each halving level (``level_pairs``) one tile product, each side's decay taken to the
+    anchor a = the first row of i's half-block, ``(a_i e^(G_i - G_a)) . (k_j e^(G_a - G_j))``,
+    both exponents non-positive; the anchors are gather loads. A token that a level does
+    not use as a column is anchored at the next half-block's first row (clamped to the
+    chunk), so every exponent is non-positive; the products' entries outside the level are
+    selected away (a non-finite value there reaches nothing)."""
+    G, lo = g_ref[:, cols], ref_or_none(lo_ref, (slice(None), cols))
+    ri, cj = iota((C, C), 0), iota((C, C), 1)
+    t = iota((C,), 0)
+    Sqk = S[0] + jnp.where(ri == cj, jnp.sum(q * k, axis=1, keepdims=True), 0.0)
+
+    def level(lev, S):
+        ra = jax.lax.shift_left(jax.lax.shift_right_logical(t, lev), lev)  # first row of each token's half-block
+        ca = jnp.minimum(ra + jax.lax.shift_left(jnp.int32(1), lev), C - 1)  # the next one's
+        rf = decay(None, G, gathered(g_ref, ra, cols), lo, gathered(lo_ref, ra, cols))
+        kc = k * decay(None, gathered(g_ref, ca, cols), G, gathered(lo_ref, ca, cols), lo)
+        pairs = level_pairs(C, lev)
+        return (S[0] + jnp.where(pairs, dot(q * rf, kc, tb=True), 0.0),
+                S[1] + jnp.where(pairs, dot(k * rf, kc, tb=True), 0.0))
+
+    return loop(0, C.bit_length() - 1, level, (Sqk, S[1]))
+
+
+def doubling_unit_lower_inverse(L):
+    """``(I + L)^-1`` for strictly lower ``L [C, C]`` with finite entries, by blocked
+    substitution in log2(C) doubling steps of two products each: ``X <- X - X (B X)``,
+    ``B`` the pairs of one halving level (``level_pairs``), takes the inverses of the
+    s-token diagonal blocks to those of the 2s-token ones (``[[A, 0], [B, D]]^-1 =
+    [[A^-1, 0], [-D^-1 B A^-1, D^-1]]``). Every intermediate is a principal block of the
+    result, as in the reference stage's recursion; entries above the diagonal stay exact
+    zeros."""
+    C = L.shape[0]
+    eye = (iota((C, C), 0) == iota((C, C), 1)).astype(L.dtype)
+    return loop(0, C.bit_length() - 1, lambda lev, X: X - dot(X, dot(jnp.where(level_pairs(C, lev), L, 0.0), X)), eye)
+
+
+def intra_levels_kernel(scale: float, C: int, blocks, has_lo: bool, has_reset: bool):
+    """F2's kernel on Triton: every score and every step of ``(I + L)^-1`` a tile product
+    over the whole chunk, no per-token loop and no row or column pulled out of a tile.
+    Scores: ``level_scores`` (log2(C) products per output, summed over ``blocks`` of
+    feature columns); ``(I + L)^-1``: ``doubling_unit_lower_inverse`` under float32
+    products (``_precision.float32_products``). With ``has_reset`` (shared chunks) pairs
+    across sequences are selected to exact zeros in both outputs (``L`` is then
+    block-diagonal by sequence, and so is its inverse, exactly). A non-finite entry of
+    ``L`` in row t (a NaN in token t's k, beta or G) makes ``Akk``'s rows t on NaN, every
+    column, and reaches no earlier row: the inverse runs on ``L`` with non-finite entries
+    zeroed, those rows are set after (``lower_dot``'s way)."""
+
+    def kernel(*refs):
+        q_ref, k_ref, g_ref, b_ref = refs[:4]
+        rest = refs[4:-2]
+        lo_ref = rest[0] if has_lo else None
+        aqk_ref, akk_ref = refs[-2:]
+
+        def feature_block(k0, bk, S):
+            cols = (slice(None), pl.ds(k0, bk))
+            return level_scores(q_ref[cols], k_ref[cols], g_ref, lo_ref, cols[1], C, S)
+
+        zeros = jnp.zeros((C, C), aqk_ref.dtype)
+        Sqk, Skk = blockwise(blocks, feature_block, (zeros, zeros))
+        row, col = iota((C, C), 0), iota((C, C), 1)
+        lower, strict = col <= row, col < row
+        if has_reset:
+            same = rest[-2][...] == rest[-1][...]
+            lower, strict = lower & same, strict & same
+        aqk_ref[...] = scale * jnp.where(lower, Sqk, 0.0)
+        L = jnp.where(strict, b_ref[...] * Skk, 0.0)
+        seen = jax.lax.cumsum(nonfinite_rows(L), axis=0)  # > 0 from the first non-finite row on
+        with _precision.float32_products():
+            A = doubling_unit_lower_inverse(jnp.where(jnp.abs(L) < jnp.inf, L, 0.0))
+        akk_ref[...] = jnp.where(seen > 0, jnp.nan, A)
+
+    kernel.__qualname__ = "PallasIntra.kernel"  # its name in profiles
+    return kernel
 
 
 def pair_rows_body(S, b_, G, block: int, lo=None):
@@ -201,9 +313,12 @@ def intra_bwd_rows_kernel(scale: float, block: int, C: int, blocks, has_lo: bool
 @final
 class PallasIntra(AbstractIntra, PallasFeatureBlocks):
     """F2 as a Pallas kernel over (row * head, chunk); with ``G_lo`` (``kdax._hilo``) every
-    exponent is the difference of the exact sums ``G + G_lo``. On Triton the scores sum
-    over ``block_k`` feature columns at a time (32: compiled for sm_90 at K = 128, 8 B of
-    spills a thread at 4 warps and none at 8, against 1104 B and none with all 128)."""
+    exponent is the difference of the exact sums ``G + G_lo``; with ``reset`` (shared
+    chunks, ``kdax._resets``) pairs across sequences are exact zeros. On Triton
+    (``intra_blocks_kernel``) the chunk is taken as ``block``-token sub-blocks, every score
+    block and every step of ``(I + L)^-1`` a tile product, summing over ``block_k`` feature
+    columns at a time; on TPU the whole chunk at once (``scores_body``,
+    ``unit_lower_inverse_body``)."""
 
     math: ClassVar[Optional[str]] = KDA
 
@@ -222,37 +337,56 @@ class PallasIntra(AbstractIntra, PallasFeatureBlocks):
         beta: ChunkScalar,
         G: ChunkK,
         G_lo: Optional[ChunkK] = None,
+        reset: Optional[ChunkValid] = None,
     ) -> IntraOut:
         R, HV, NC, C, K = q.shape
         self.check_widths(K=K)
         ins = tuple(self.padded(x) for x in (q, k, G)) + (flat(beta),)
+        spec = chunk_spec((C, ins[0].shape[-1]))
+        specs = [spec, spec, spec, chunk_spec((C, 1))]
         if G_lo is not None:
-            ins += (self.padded(G_lo),)
-        Kp = ins[0].shape[-1]
-        block = self.block
-
-        blocks = self.feature_blocks(Kp)
-
-        def kernel(*refs):
-            q_ref, k_ref, g_ref, b_ref = refs[:4]
-            lo_ref = refs[4] if G_lo is not None else None
-            aqk_ref, akk_ref = refs[-2:]
-
-            def feature_block(k0, bk, S):
-                kc = (slice(None), pl.ds(k0, bk))
-                Sqk, Skk = scores_body(q_ref[kc], k_ref[kc], g_ref[kc], block, ref_or_none(lo_ref, kc))
-                return S[0] + Sqk, S[1] + Skk
-
-            zeros = jnp.zeros((C, C), q.dtype)
-            Sqk, Skk = blockwise(blocks, feature_block, (zeros, zeros))
-            row, col = iota((C, C), 0), iota((C, C), 1)
-            aqk_ref[...] = scale * jnp.where(col <= row, Sqk, 0.0)
-            akk_ref[...] = unit_lower_inverse_body(b_ref[...] * jnp.where(col < row, Skk, 0.0))
-
-        spec = chunk_spec((C, Kp))
-        specs = [spec, spec, spec, chunk_spec((C, 1))] + ([spec] if G_lo is not None else [])
+            ins, specs = ins + (self.padded(G_lo),), specs + [spec]
+        if reset is not None:  # each token's sequence within its chunk, as a column and as a row
+            seg = flat(per_head(segments(reset), HV))
+            ins += (seg, seg.reshape(seg.shape[0], NC, 1, C))
+            specs += [chunk_spec((C, 1)), chunk_spec((1, C))]
+        blocks = self.feature_blocks(ins[0].shape[-1])
+        if self.target == "triton":
+            kernel = intra_levels_kernel(scale, C, blocks, G_lo is not None, reset is not None)
+        else:
+            kernel = intra_chunk_kernel(scale, C, self.block, blocks, G_lo is not None, reset is not None)
         Aqk, Akk = self.call(kernel, ins, specs, [(C, C), (C, C)], R * HV, NC, q.dtype)
         return IntraOut(unflat(Aqk, R, HV), unflat(Akk, R, HV))
+
+
+def intra_chunk_kernel(scale: float, C: int, block: int, blocks, has_lo: bool, has_reset: bool):
+    """F2's kernel on TPU: the whole chunk at once, anchored products over row blocks and
+    the diagonal blocks one column at a time (``scores_body``), ``(I + L)^-1`` row by row
+    (``unit_lower_inverse_body``)."""
+
+    def kernel(*refs):
+        q_ref, k_ref, g_ref, b_ref = refs[:4]
+        rest = refs[4:-2]
+        lo_ref = rest[0] if has_lo else None
+        aqk_ref, akk_ref = refs[-2:]
+
+        def feature_block(k0, bk, S):
+            kc = (slice(None), pl.ds(k0, bk))
+            Sqk, Skk = scores_body(q_ref[kc], k_ref[kc], g_ref[kc], block, ref_or_none(lo_ref, kc))
+            return S[0] + Sqk, S[1] + Skk
+
+        zeros = jnp.zeros((C, C), aqk_ref.dtype)
+        Sqk, Skk = blockwise(blocks, feature_block, (zeros, zeros))
+        row, col = iota((C, C), 0), iota((C, C), 1)
+        lower, strict = col <= row, col < row
+        if has_reset:
+            same = rest[-2][...] == rest[-1][...]
+            lower, strict = lower & same, strict & same
+        aqk_ref[...] = scale * jnp.where(lower, Sqk, 0.0)
+        akk_ref[...] = unit_lower_inverse_body(jnp.where(strict, b_ref[...] * Skk, 0.0))
+
+    kernel.__qualname__ = "PallasIntra.kernel"  # its name in profiles
+    return kernel
 
 
 @final
