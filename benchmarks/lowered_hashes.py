@@ -1,0 +1,58 @@
+"""Hashes of the reference pipeline's lowered programs (the forward and the training step
+of ``chunk_kda``), to show that a change to kdax's Python leaves what XLA compiles
+byte-identical: run it before and after, compare the lines.
+
+    python benchmarks/lowered_hashes.py            # float32 and bfloat16, dense and packed
+
+The programs are lowered (``jax.jit(...).lower``), not compiled: the StableHLO text with
+its location metadata stripped (file and line numbers move with any edit)."""
+
+import hashlib
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import kdax  # noqa: E402
+
+_LOC = re.compile(r"\s*loc\([^\n]*?\)(?=\s*$)|#loc[^\n]*", re.M)
+
+
+def lowered_text(fn, *args) -> str:
+    text = jax.jit(fn).lower(*args).as_text(debug_info=False)
+    return _LOC.sub("", text)
+
+
+def cases():
+    B, T, H, K, V = 1, 96, 2, 16, 16
+    r = jax.random.split(jax.random.key(0), 5)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        q = jax.random.normal(r[0], (B, T, H, K), dtype)
+        k = jax.random.normal(r[1], (B, T, H, K), dtype)
+        v = jax.random.normal(r[2], (B, T, H, V), dtype)
+        g = -jax.nn.softplus(jax.random.normal(r[3], (B, T, H, K))).astype(dtype)
+        beta = jax.nn.sigmoid(jax.random.normal(r[4], (B, T, H))).astype(dtype)
+        for packed in (False, True):
+            opts = dict(chunk_size=16, output_final_state=True)
+            if packed:
+                opts["cu_seqlens"] = jnp.array([0, 5, 40, 96], jnp.int32)
+            yield f"{jnp.dtype(dtype).name} {'packed' if packed else 'dense'}", (q, k, v, g, beta), opts
+
+
+def main():
+    pipe = kdax.KDAPipeline.reference()
+    for name, args, opts in cases():
+        fwd = lambda *a: kdax.chunk_kda(*a, pipeline=pipe, **opts)
+        loss = lambda *a: sum(jnp.sum(x.astype(jnp.float32)) for x in fwd(*a))
+        step = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
+        for what, fn in (("forward", fwd), ("training step", step)):
+            h = hashlib.sha256(lowered_text(fn, *args).encode()).hexdigest()[:16]
+            print(f"{name:<16} {what:<14} {h}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
