@@ -44,6 +44,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--layer", default=None, help="layer_in.npz from layer_vs_fla.py")
     ap.add_argument("--out", required=True)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--profile", type=int, default=0,
+                    help="after timing each --ref shape, profile this many training steps and forwards with "
+                         "torch.profiler and write FLA's per-kernel device times to fla_profile_<shape>.txt in --out")
     ap.add_argument("--max-configs", type=int, default=0,
                     help="autotune each FLA kernel over at most this many of its configs, spread over its list "
                          "(0: all). FLA's full autotuning compiles hundreds of kernels on first call.")
@@ -65,13 +68,13 @@ def main(argv=None):
         if not Path(ref).exists():
             print(f"FLA: {ref} is missing (its kdax step did not finish); skipped", flush=True)
             continue
-        run_chunk(torch, ref, Path(a.out), a.reps, env)
+        run_chunk(torch, ref, Path(a.out), a.reps, env, profile=a.profile)
     if a.layer:
         run_layer(torch, Path(a.layer), Path(a.out), a.reps, env)
 
 
 # -- chunk_kda -------------------------------------------------------------------------------
-def run_chunk(torch, ref: str, out: Path, reps: int, env: dict) -> list:
+def run_chunk(torch, ref: str, out: Path, reps: int, env: dict, profile: int = 0) -> list:
     from fla.ops.kda import chunk_kda
 
     d = np.load(ref)
@@ -107,7 +110,36 @@ def run_chunk(torch, ref: str, out: Path, reps: int, env: dict) -> list:
     for r in rows:
         print(f"fla [{tag}] {r['pass_']}: {r['time_ms']:.2f} ms, peak {r['peak_mib']:.0f} MiB, errors {r['errors']}",
               flush=True)
+    if profile:
+        text = "\n\n".join(kernel_profile(torch, fn, profile, f"FLA chunk_kda [{tag}] {name}")
+                            for name, fn in (("training step", step), ("forward", fwd)))
+        (out / f"fla_profile_{tag}.txt").write_text(text + "\n")
+        print(text, flush=True)
     return rows
+
+
+def kernel_profile(torch, fn, calls: int, title: str) -> str:
+    """Per-kernel device time of ``fn`` (already warm) over ``calls`` calls, under
+    ``torch.profiler`` (CUDA activity only): a table of ms per call and launches per call,
+    largest first, and the sum (the device's busy time per call)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None)
+        us = getattr(e, "cuda_time_total", 0.0) if us is None else us
+        if us > 0:
+            rows.append((us / calls / 1e3, e.count / calls, e.key))
+    rows.sort(reverse=True)
+    lines = [f"{title}: {len(rows)} kernels, device busy {sum(r[0] for r in rows):.3f} ms per call (of {calls})",
+             f"{'ms/call':>9} {'n/call':>7}  kernel"]
+    lines += [f"{ms:9.3f} {n:7.1f}  {name[:110]}" for ms, n, name in rows]
+    return "\n".join(lines)
 
 
 def fla_calls(chunk_kda, torch, arrays: dict, dev: str = "cuda"):

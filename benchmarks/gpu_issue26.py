@@ -116,9 +116,11 @@ class Step:
 
 def plan(work: Path, out: Path, py: str = sys.executable, extra_pipes=(), reps: int = 20,
          reps_other: int = 10, shapes=SHAPES, kdax_args=(), layer_args=(), slack: int = 1,
-         second: bool = False) -> list:
+         second: bool = False, kernels: bool = False, profile_args=()) -> list:
     """The steps in the order they run (see the module docstring for the budget);
     ``second``: the second call's steps (the largest shape), else the first call's;
+    ``kernels``: the candidate at the goal shape, FLA with its per-kernel profile, the
+    candidate's per-kernel profile (``--kernels``, ~3.5 minutes);
     ``shapes`` (the goal shape first), ``kdax_args``, ``layer_args`` and ``slack`` (every
     limit multiplied: a CPU is slower to compile) change only for a rehearsal."""
     work, out = Path(work), Path(out)
@@ -144,6 +146,16 @@ def plan(work: Path, out: Path, py: str = sys.executable, extra_pipes=(), reps: 
 
     reports = [Step("report-chunk", [py, gvf, "--shapes", "", "--no-fla", "--out", str(out)], 15, 6, report=True),
                Step("report-layer", [py, lay, "--report", "--work", str(work), "--out", str(out)], 10, 2, report=True)]
+    if kernels:  # the candidate's kernels beside FLA's, each profiled (issue 36)
+        prof = str(HERE / "gpu_profile.py")
+        fla = fla_step((goal,), 130, 85)
+        fla.argv += ["--profile", "5"]
+        steps = [kdax(goal, [CANDIDATE], reps, 120, 60), fla,
+                 Step("profile-" + CANDIDATE, [py, prof, "--shape", tag(goal), "--pipes", CANDIDATE, "--reps", "5",
+                                               "--out", str(out / "profile.txt"), *profile_args], 100, 40,
+                      (goal,), (CANDIDATE,)),
+                 reports[0]]
+        return [dataclasses.replace(s, limit_s=s.limit_s * slack) for s in steps]
     if second:
         steps = [kdax(large, PIPES, reps_other, 110, 65), fla_step((large,), 60, 25)]
         steps += [kdax(goal, [p], reps, 60, 25, load=True) for p in extra_pipes]
@@ -280,6 +292,9 @@ def main(argv=None):
                          "fla.layers, which imports transformers; kept away from the chunk_kda steps)")
     ap.add_argument("--second", action="store_true", help="the second call's steps: the largest shape "
                     "(kdax's two paths, FLA) and any --extra-pipes at the goal shape")
+    ap.add_argument("--kernels", action="store_true", help="the per-kernel call (issue 36): the all-Triton "
+                    "candidate at the goal shape with its float64 check, FLA's chunk_kda beside it with FLA's "
+                    "per-kernel profile (fla_profile_<shape>.txt), the candidate's per-kernel profile (profile.txt)")
     ap.add_argument("--fresh", action="store_true", help="forget what an earlier call left in --work")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     ap.add_argument("--rehearse", action="store_true", help="the same steps at tiny sizes (K = V = 32, a layer of "
@@ -289,8 +304,9 @@ def main(argv=None):
     work, out = Path(a.work), Path(a.out)
     results = work / "gpu"
     extra = tuple(p for p in a.extra_pipes.split(",") if p)
-    tiny = dict(shapes=TINY_SHAPES, kdax_args=TINY_KDAX, layer_args=TINY_LAYER, reps=2, reps_other=2, slack=3)
-    steps = plan(work, results, extra_pipes=extra, second=a.second, **(tiny if a.rehearse else {}))
+    tiny = dict(shapes=TINY_SHAPES, kdax_args=TINY_KDAX, layer_args=TINY_LAYER, reps=2, reps_other=2, slack=3,
+                profile_args=("--reps", "1"))
+    steps = plan(work, results, extra_pipes=extra, second=a.second, kernels=a.kernels, **(tiny if a.rehearse else {}))
     if a.only:
         words = [w for w in a.only.split(",") if w]
         steps = [s for s in steps if s.report or any(w in s.name for w in words)]

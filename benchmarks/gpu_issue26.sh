@@ -4,17 +4,30 @@
 # beside FLA's, each step a process under its own time limit; about 6 minutes, never
 # more than 6.5 (--total 390) plus the reports. Results in $OUT/gpu (7 files).
 #
-# This workplace's GPU image has no network, no beartype and no FLA. Prepare here, once
-# (the folder is ignored by git; ~2 MB):
-#   echo /.whl/ >> .git/info/exclude
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
-#       beartype==0.23.1 fla-core==0.6.0 flash-linear-attention==0.6.0
-# then carry .whl and run there `bash benchmarks/gpu_issue26.sh` (arguments go to
-# gpu_issue26.py: --only, --extra-pipes, --total, --fresh, --dry-run). fla-core goes
+# This workplace's GPU image has no network, no beartype and no FLA. Here, once, in the
+# checkout the device tool sends: `bash benchmarks/gpu_issue26.sh --prepare` downloads the
+# wheels into .whl (ignored by git through .git/info/exclude; ~3 MB). Then carry .whl and
+# run there `bash benchmarks/gpu_issue26.sh` (arguments go to gpu_issue26.py: --kernels,
+# --only, --extra-pipes, --total, --fresh, --dry-run). Without .whl the run stops at once
+# and says so (no step can import kdax without beartype). fla-core goes
 # on PYTHONPATH for every step; flash-linear-attention (fla.layers, fla.models: it
 # imports transformers) only for the layer's FLA step, so the chunk_kda steps import
 # FLA exactly as every earlier run did.
 set -u
+WHEELS="beartype==0.23.1 fla-core==0.6.0 flash-linear-attention==0.6.0"
+if [ "${1:-}" = "--prepare" ]; then
+    cd "$(dirname "$0")/.." || exit 1
+    exclude="$(git rev-parse --git-path info/exclude)"
+    mkdir -p "$(dirname "$exclude")"
+    grep -qx '/.whl/' "$exclude" 2>/dev/null || echo /.whl/ >> "$exclude"
+    # shellcheck disable=SC2086
+    exec ${PY:-python3} -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d .whl $WHEELS
+fi
+if [ ! -d .whl ] && ! ${PY:-python3} -c "import beartype" 2>/dev/null; then
+    echo "no .whl folder and no beartype here: run 'bash benchmarks/gpu_issue26.sh --prepare' on the development" \
+         "machine first and carry .whl" >&2
+    exit 2
+fi
 OUT=${OUT:-device_out}
 export OUT
 PY=${PY:-python3}

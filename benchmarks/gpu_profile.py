@@ -116,13 +116,17 @@ def main(argv=None):
     ap.add_argument("--pipes", default="mixed")
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--out", default=None, help="also write the summaries to this file (appended per path)")
     a = ap.parse_args(argv)
     B, T, H = parse_shape(a.shape)
     x = make_inputs(B, T, H, 128, 128)
     print(jax.devices(), flush=True)
     for name in a.pipes.split(","):
         try:
-            profile(name, x, a.chunk, a.reps)
+            text = profile(name, x, a.chunk, a.reps)
+            if a.out:
+                with open(a.out, "a") as f:
+                    f.write(f"{text}\n")
         except Exception as e:  # one pipeline failing leaves the others their run
             print(f"== {name}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
 

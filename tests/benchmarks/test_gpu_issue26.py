@@ -202,3 +202,19 @@ def test_rehearsal_end_to_end(g26, tmp_path, capsys):
     assert {r["path"] for r in layer["rows"]} >= {"kdax.nn"} and all(
         r["errors"] for r in layer["rows"] if r["path"] == "kdax.nn")
     assert (work / "ref_1x64x2.npz").exists() and (work / "layer_in.npz").exists()
+
+
+def test_kernels_plan_profiles_candidate_and_fla(g26, scripts, tmp_path):
+    # The per-kernel call (issue 36): the candidate with its float64 check first, FLA on
+    # that reference with its per-kernel profile, then the candidate's own profile.
+    steps = g26.plan(tmp_path / "w", tmp_path / "w" / "gpu", py="python3", kernels=True)
+    names = [s.name for s in steps]
+    assert names[0] == f"kdax-1x16384x16-{g26.CANDIDATE}" and names[1] == "fla-1x16384x16"
+    assert names[2] == f"profile-{g26.CANDIDATE}" and steps[-1].report
+    assert "--save-ref" in steps[0].argv
+    fla = _args(steps[1], scripts)
+    assert fla.profile == 5 and fla.ref == [str(tmp_path / "w" / "ref_1x16384x16.npz")]
+    prof = steps[2].argv
+    assert prof[prof.index("--pipes") + 1] == g26.CANDIDATE and prof[prof.index("--out") + 1].endswith("profile.txt")
+    # it fits what is left of a session's device time after a machine start (~15 min - 2)
+    assert sum(s.expect_s for s in steps) <= 240 and sum(s.limit_s for s in steps) <= 400
