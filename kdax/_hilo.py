@@ -18,6 +18,7 @@ None): its error, ``1e-16 |G|``, is far below every tolerance.
 import math
 from typing import Optional
 
+import jax
 import jax.numpy as jnp
 
 from .ref import log_decay_floor
@@ -47,7 +48,26 @@ def split_log_decay(g, C: int, round_even=jnp.round):
 def exponent(x, y, x_lo=None, y_lo=None):
     """The exponent of the decay ``exp(x - y)`` (``x = G_i``, ``y = G_j``, i >= j, or an
     anchor between them): ``x - y``, or with the low parts ``(x - y) + (x_lo - y_lo)``
-    clamped at 0 (a rounding of the low parts must not give a positive exponent)."""
+    clamped at 0 (a rounding of the low parts must not give a positive exponent).
+
+    The clamp only removes a rounding, so its derivative is taken as 1 (``nonpositive``):
+    code that JAX differentiates (``kdax._shared_states``' VJPs, the XLA-autodiff
+    baseline) gets the decay's true derivative ``exp(x - y)`` with respect to ``x`` and
+    ``y``, as the hand-written backward stages use it. With ``jnp.minimum``'s own
+    derivative a difference that rounds to 0 (tiny log decays after larger ones) would
+    lose half its gradient, one that rounds above 0 all of it."""
     if x_lo is None:
         return x - y
-    return jnp.minimum((x - y) + (x_lo - y_lo), 0.0)
+    return nonpositive((x - y) + (x_lo - y_lo))
+
+
+@jax.custom_jvp
+def nonpositive(d):
+    """``min(d, 0)`` whose derivative is 1 everywhere (``exponent``). NaN stays NaN."""
+    return jnp.minimum(d, 0.0)
+
+
+@nonpositive.defjvp
+def _nonpositive_jvp(primals, tangents):
+    (d,), (t,) = primals, tangents
+    return nonpositive(d), t

@@ -311,3 +311,135 @@ def test_forward_residuals_and_backward_of_shared_chunks():
     assert_close(v_new, v_new_off, 1e-12, "v_new")
     for n in ("q", "k", "v", "g", "beta"):
         assert_close(getattr(grads, n), getattr(grads_off, n), 1e-12, "d" + n)
+
+
+# -- issue 39 item 0: float32 against the float64 oracle over random packed lengths --------
+#
+# A loss on o and on the final states, initial states, gates down to -1e4 beside tiny ones
+# (the exponents of kdax._shared_states' VJPs round to 0 or above there: before the fix, dg
+# was 2e-2 to 9e-2 off), l2norm on and off. cu_seqlens is traced, so each pipeline and
+# option compiles once for every seed (N and T fixed, the lengths random).
+SWEEP_N, SWEEP_HV, SWEEP_D = 12, 2, 8  # T = 10 C: ten chunks
+SWEEP_TOL = 1e-4
+
+
+def _sweep_lengths(r, C=C, N=SWEEP_N):
+    """``cu_seqlens`` of N sequences of 0..3C tokens, T in all: two empty ones, a one-token
+    and a two-token one, one of C and one of 3C, the rest random; shuffled. T = 10 C."""
+    fixed = [0, 0, 1, 2, C, 3 * C]
+    rest = 10 * C - sum(fixed)
+    while True:
+        cuts = np.sort(r.integers(0, rest + 1, N - len(fixed) - 1))
+        lengths = np.diff(np.concatenate([[0], cuts, [rest]]))
+        if lengths.max() <= 3 * C:
+            break
+    lengths = np.concatenate([fixed, lengths])
+    r.shuffle(lengths)
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+def _sweep_gates(r, shape):
+    """Log decays: a quarter tiny (-1e-12..-1e-4), exact zeros, ordinary ones (-0.01..-1),
+    hard ones (-1..-20) and a quarter strong (-20..-1e4, below the float32 floor)."""
+    u = r.uniform(size=shape)
+    g = -r.uniform(0.01, 1.0, size=shape)
+    g = np.where(u < 0.25, -(10.0 ** r.uniform(-12, -4, size=shape)), g)
+    g = np.where((u >= 0.55) & (u < 0.6), 0.0, g)
+    g = np.where((u >= 0.6) & (u < 0.75), -r.uniform(1.0, 20.0, size=shape), g)
+    return np.where(u >= 0.75, -(10.0 ** r.uniform(1.3, 4.0, size=shape)), g)
+
+
+def _sweep_case(seed, C=C):
+    """``(cu_seqlens, float64 inputs, do, dht)``: one random case of the sweep."""
+    r = np.random.default_rng(seed)
+    N, T, HV, D = SWEEP_N, 10 * C, SWEEP_HV, SWEEP_D
+    cu = _sweep_lengths(r, C)
+    x = dict(q=r.normal(size=(1, T, 1, D)), k=r.normal(size=(1, T, 1, D)) / np.sqrt(D), v=r.normal(size=(1, T, HV, D)),
+             g=_sweep_gates(r, (1, T, HV, D)), beta=r.uniform(0.05, 0.95, size=(1, T, HV)),
+             initial_state=r.normal(size=(N, HV, D, D)) * 0.3)
+    x = {n: jnp.asarray(a, jnp.float64) for n, a in x.items()}
+    return cu, x, jnp.asarray(r.normal(size=(1, T, HV, D))), jnp.asarray(r.normal(size=(N, HV, D, D)))
+
+
+def _sweep_rows(cu, C=C):
+    """``[N, 3C]``: the tokens of sequence n in row n, then T = 10 C (a padding token)."""
+    rows = np.full((SWEEP_N, 3 * C), 10 * C, np.int32)
+    for n, (s, e) in enumerate(zip(cu[:-1], cu[1:])):
+        rows[n, : e - s] = np.arange(s, e)
+    return jnp.asarray(rows)
+
+
+def _sweep_loss(fn, x, do, dht):
+    o, ht = fn(x)
+    return jnp.sum(o * do) + jnp.sum(ht * dht), (o, ht)
+
+
+def _sweep_grads(fn):
+    """``jit((x, do, dht, arg) -> (o, ht, gradients))`` of ``fn(x, arg) -> (o, ht)``."""
+    def f(x, do, dht, arg):
+        grads, (o, ht) = jax.grad(lambda x: _sweep_loss(lambda x: fn(x, arg), x, do, dht), has_aux=True)(x)
+        return o, ht, grads
+
+    return jax.jit(f)
+
+
+def _sweep_oracle(l2):
+    """The float64 oracle on the sequences as rows of a dense batch (each from its initial
+    state, one scan for all): padding tokens with k = beta = g = 0 keep the state, so the
+    last row state is the final state."""
+    def fn(x, rows):
+        pad = lambda a, fill: jnp.concatenate([a[0], jnp.full((1,) + a.shape[2:], fill, a.dtype)])[rows]
+        o, ht = oracle_kda(pad(x["q"], 1.0), pad(x["k"], 0.0), pad(x["v"], 0.0), pad(x["g"], 0.0), pad(x["beta"], 0.0),
+                           initial_state=x["initial_state"], output_final_state=True, use_qk_l2norm_in_kernel=l2)
+        T = x["q"].shape[1]
+        o = jnp.zeros((T + 1,) + o.shape[2:], o.dtype).at[rows.reshape(-1)].set(o.reshape(-1, *o.shape[2:]))
+        return o[None, :T], ht
+
+    return _sweep_grads(fn)
+
+
+def _sweep_chunked(pipeline, l2, C=C):
+    def fn(x, cu):
+        return kdax.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"], cu_seqlens=cu,
+                              output_final_state=True, use_qk_l2norm_in_kernel=l2, pipeline=pipeline, chunk_size=C)
+
+    return _sweep_grads(fn)
+
+
+def check_float32_sweep(pipeline, l2, seeds, C=C):
+    """float32 through ``pipeline`` against the float64 oracle for each seed's case: o, the
+    final states and every gradient (dq, dk, dv, dg, dbeta, dh0) within ``SWEEP_TOL``
+    relative RMS (NaN never passes). Returns the worst error per name."""
+    oracle, chunked = _sweep_oracle(l2), _sweep_chunked(pipeline, l2, C)
+    worst = {}
+    for seed in seeds:
+        cu, x, do, dht = _sweep_case(seed, C)
+        o, ht, want = oracle(x, do, dht, _sweep_rows(cu, C))
+        want = dict(want, o=o, ht=ht)
+        f32 = lambda a: a.astype(jnp.float32)
+        o, ht, got = chunked(jax.tree.map(f32, x), f32(do), f32(dht), jnp.asarray(cu))
+        got = dict(got, o=o, ht=ht)
+        for n in want:
+            assert got[n].dtype == jnp.float32, n
+            err = assert_close(got[n], want[n], SWEEP_TOL, f"{n if n in ('o', 'ht') else 'd' + n} (seed {seed}, cu {cu.tolist()})")
+            worst[n] = max(worst.get(n, 0.0), err)
+    return worst
+
+
+@pytest.mark.parametrize("l2", [True, False], ids=["l2norm", "no_l2norm"])
+def test_float32_sweep_random_packed_lengths(l2):
+    """Issue 39 item 0: the reference pipeline in float32 on random packed lengths (0..3C,
+    shared chunks), gates down to -1e4, initial states, a loss on o and the final states."""
+    pipeline = kdax.KDAPipeline.reference()
+    cu, x, _, _ = _sweep_case(0)
+    pos, kw = split_args(x)
+    assert pipeline.plan(*pos, **kw, chunk_size=C, cu_seqlens=jnp.asarray(cu), output_final_state=True).layout == "shared"
+    check_float32_sweep(pipeline, l2, seeds=range(3))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chunk", [C, 64])
+@pytest.mark.parametrize("l2", [True, False], ids=["l2norm", "no_l2norm"])
+def test_float32_sweep_random_packed_lengths_more_seeds(l2, chunk):
+    """The sweep above over more seeds, at chunk 16 and 64 (lengths 0..3C of either)."""
+    check_float32_sweep(kdax.KDAPipeline.reference(), l2, seeds=range(3, 15), C=chunk)

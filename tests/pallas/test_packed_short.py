@@ -10,7 +10,7 @@ import pytest
 
 import kdax
 
-from ..test_packed_short import MIX, _check, _fn, _inputs
+from ..test_packed_short import MIX, _check, _fn, _inputs, check_float32_sweep
 
 # Three chunks of 16: one-token and empty sequences, one straddling a chunk boundary, a
 # start on a chunk boundary.
@@ -44,3 +44,26 @@ def test_without_fallback_keeps_one_sequence_per_chunk():
     x = _inputs(MIX)
     pos, _ = split_args(x)
     assert strict.plan(*pos, chunk_size=16, cu_seqlens=jnp.asarray(MIX)).layout == "per-sequence"
+
+
+SWEEP = [pytest.param(p, l2, marks=() if (p, l2) == ("pallas_triton", True) else pytest.mark.slow)
+         for p in PIPELINES for l2 in (True, False)]
+
+
+@pytest.mark.filterwarnings("ignore::kdax.FallbackWarning")
+@pytest.mark.parametrize("pipe,l2", SWEEP)
+def test_float32_sweep_random_packed_lengths(pipe, l2):
+    """Issue 39 item 0 in the Pallas pipelines (shared chunks, the stages without ``reset``
+    falling back): float32 against the float64 oracle on random packed lengths 0..3C,
+    gates down to -1e4, initial states, a loss on o and the final states, every gradient
+    within 1e-4 (``check_float32_sweep``)."""
+    check_float32_sweep(PIPELINES[pipe](), l2, seeds=range(2))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("l2", [True, False], ids=["l2norm", "no_l2norm"])
+def test_float32_sweep_one_sequence_per_chunk(l2):
+    """The same sweep with ``fallback=False`` (every stage a Pallas kernel, one sequence
+    per chunk)."""
+    strict = dataclasses.replace(PIPELINES["pallas_triton"](), fallback=False)
+    check_float32_sweep(strict, l2, seeds=range(2))

@@ -1,6 +1,7 @@
 """G as an unevaluated sum G + G_lo (kdax._hilo): F1's exact split, and every stage
 that takes G_lo computing with the sum."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -71,6 +72,23 @@ def test_exponent_is_never_positive():
     assert np.all(np.asarray(exponent(x, x, x * 0 + 1e-9, x * 0)) == 0)  # the low parts' rounding
     np.testing.assert_array_equal(exponent(x, x + 1, x * 0, x * 0), [-1, -1, -1])
     np.testing.assert_array_equal(exponent(x, x + 1), [-1, -1, -1])
+
+
+def test_exponent_clamp_keeps_the_decays_derivative():
+    """Issue 39 item 0: where the low parts' rounding gives 0 (a tie) or above, the clamp
+    removes a rounding only; JAX's derivative of the decay ``exp(exponent(...))`` is still
+    ``+exp`` in x and ``-exp`` in y (``jnp.minimum``'s would be 1/2 at a tie, 0 above),
+    as the hand-written backward stages take it and as ``kdax._shared_states``' VJPs need."""
+    x = jnp.asarray([-60.0, -60.0, -60.0, -3.0], jnp.float32)
+    x_lo = jnp.asarray([1e-12, 0.0, -1e-7, 0.0], jnp.float32)  # above 0, a tie, below 0; no low part
+    y, y_lo = x, jnp.zeros(4, jnp.float32)
+    y = y + jnp.asarray([0.0, 0.0, 0.0, 1.0], jnp.float32)  # the last: an ordinary decay, exp(-1)
+    np.testing.assert_array_equal(exponent(x, y, x_lo, y_lo), np.float32([0.0, 0.0, -1e-7, -1.0]))  # values as before
+    decay = lambda x, y, x_lo, y_lo: jnp.sum(jnp.exp(exponent(x, y, x_lo, y_lo)))
+    dx, dy, dx_lo, dy_lo = jax.grad(decay, argnums=(0, 1, 2, 3))(x, y, x_lo, y_lo)
+    want = np.exp(np.asarray(exponent(x, y, x_lo, y_lo)))
+    for d, sign in ((dx, 1), (dy, -1), (dx_lo, 1), (dy_lo, -1)):
+        np.testing.assert_allclose(d, sign * want, rtol=1e-6)
 
 
 def _split(G, seed):
