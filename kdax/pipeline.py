@@ -471,6 +471,20 @@ class KDAPipeline(eqx.Module):
 
     # -- backward -----------------------------------------------------------------------
 
+    def recomputed(self, res: KDAResiduals) -> ForwardCache:
+        """The forward cache of ``res``: ``res.cache`` when the forward kept it, else B0's
+        rebuild with this pipeline's own F3 and F4, on the forward's ``G_lo`` and reset
+        table. The one place B0 is called (the backward, ``kdax.parallel``), so that
+        recompute and ``disable_recompute`` agree to the bit wherever it runs."""
+        if res.cache is not None:
+            return res.cache
+        act, L = res.act, res.layout
+        wy, st = self.run_stage(
+            "recompute", q=act.q, k=act.k, v=res.v, beta=act.beta, G=act.G, Akk=res.Akk, h0=res.h0, layout=L,
+            G_lo=act.G_lo, reset=L.reset, wy=PipelineWY(self, act.G_lo), state=PipelineState(self),
+        )
+        return ForwardCache(act.G, res.Aqk, res.Akk, wy.w, wy.u, wy.qg, wy.kg, st.h, st.v_new)
+
     def backward(self, res: KDAResiduals, do, dht=None) -> KDAGrads:
         """The six-stage backward. ``do`` ``[B, T, HV, V]``; ``dht`` ``[N, HV, K, V]`` or
         None (no loss on the final state)."""
@@ -508,15 +522,8 @@ class KDAPipeline(eqx.Module):
         # A non-finite dht stays in its sequence: zero before B2 reads it; shared chunks read
         # it as given and select per head after the VJP (_shared_states.finals_vjp).
         dht = jnp.zeros_like(res.h0) if dht is None or shared_dht else _isolation.finite_or_zero(dht.astype(dt))
-        if res.cache is None:  # B0, with this pipeline's own F3 and F4
-            wy, st = self.run_stage(
-                "recompute", q=act.q, k=act.k, v=res.v, beta=act.beta, G=act.G, Akk=res.Akk, h0=res.h0, layout=L,
-                G_lo=act.G_lo, reset=L.reset, wy=PipelineWY(self, act.G_lo), state=PipelineState(self),
-            )
-            w, qg, kg, h, v_new = wy.w, wy.qg, wy.kg, st.h, st.v_new
-        else:
-            c = res.cache
-            w, qg, kg, h, v_new = c.w, c.qg, c.kg, c.h, c.v_new
+        c = self.recomputed(res)
+        w, qg, kg, h, v_new = c.w, c.qg, c.kg, c.h, c.v_new
         E, cu = res.entries, res.cu_seqlens
         if E is not None:  # initial states entering shared chunks: their first-chunk part
             v_out = v_new + E.v_new  # what F5 and the final states read

@@ -27,7 +27,6 @@ from .._stage_grads import check_perturbed, pipeline_gradients
 from .._validate import checked_cu_seqlens
 from ..pipeline import default_pipeline
 from ..ref import compute_dtype
-from ..stages import ForwardCache
 from .._ops import varying_axes
 from ._interpret import check_interpret_in_shard_map
 from ._summary import PrefixMethod, exclusive_prefix
@@ -111,11 +110,7 @@ def _with_cache(static: _Static, res):
     backward passes then skip it)."""
     if res.cache is not None:
         return res
-    pipe, act, L = _resolved(static, res), res.act, res.layout
-    wy, st = pipe.run_stage("recompute", q=act.q, k=act.k, v=res.v, beta=act.beta, G=act.G, Akk=res.Akk, h0=res.h0,
-                         layout=L, wy=pipe.stage_as_module("wy"), state=pipe.stage_as_module("state"))
-    cache = ForwardCache(G=act.G, Aqk=res.Aqk, Akk=res.Akk, w=wy.w, u=wy.u, qg=wy.qg, kg=wy.kg, h=st.h,
-                         v_new=st.v_new)
+    cache = _resolved(static, res).recomputed(res)  # (B0 as the one-device backward calls it)
     return eqx.tree_at(lambda r: r.cache, res, cache, is_leaf=lambda x: x is None)
 
 

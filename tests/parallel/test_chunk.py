@@ -3,6 +3,7 @@ outputs, final states and every gradient (float64 <= 1e-12, float32 <= 1e-5)."""
 
 import re
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -95,6 +96,30 @@ def test_packed_every_option_float64():
 def test_packed_float32_doubling_no_states():
     x, opts = _packed(2, h0=False)
     _compare(_mesh(8), x, opts, jnp.float32, 1e-5, prefix="doubling")
+
+
+def test_recompute_rebuilds_the_kept_cache_bitwise_float32():
+    # B0 is called in one place (KDAPipeline.recomputed) with the forward's G_lo and reset
+    # table, by the one-device backward and by the sequence-parallel one alike: the cache
+    # it rebuilds is the one disable_recompute keeps, to the bit (the sequence-parallel B0
+    # once took neither: 8.5e-8 apart in float32). Eager, so that both sides run the same
+    # operations (two compiled programs may fuse and round differently: the end-to-end
+    # recompute and disable_recompute training steps differ by up to 2.4e-7 in float32 on
+    # one device as on eight, from XLA's fusion alone).
+    from kdax.parallel._chunk import _Static, _with_cache
+
+    x, opts = _packed(3)
+    x = {n: a.astype(jnp.float32) for n, a in x.items()}
+    pos, kw = split_args(x)
+    pipe = kdax.KDAPipeline.reference().untiled()
+    _, _, res = pipe.forward(*pos, **kw, **opts, output_final_state=True)
+    assert res.act.G_lo is not None  # (float32: the exact hi/lo gate)
+    dropped = eqx.tree_at(lambda r: r.cache, res, None, is_leaf=lambda c: c is None)
+    for name, cache in (("one device", pipe.recomputed(dropped)),
+                        ("sequence parallel", _with_cache(_Static(pipe, "sp", "auto", ()), dropped).cache)):
+        for f in ("w", "u", "qg", "kg", "h", "v_new"):
+            np.testing.assert_array_equal(np.asarray(getattr(cache, f)), np.asarray(getattr(res.cache, f)),
+                                          err_msg=f"{name}: {f}")
 
 
 def test_dense_4_devices_float64_doubling():
