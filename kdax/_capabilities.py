@@ -14,22 +14,19 @@ class Capabilities(NamedTuple):
     stage gets ``G`` alone (exact in float64; float32-rounded G otherwise), the pipeline
     passing nothing else. ``reset``: the shared-chunk layout's reset table (F1, B5);
     without it a shared layout is refused with ``UnsupportedCase`` (so a pipeline with
-    ``fallback`` runs the reference stage, exact). ``tile_safe``: correct on any tile of
-    chunks (``KDAPipeline.tile``); without it the forward runs whole. ``standard``
-    (F1, F5, the stages whose math a user may change, kdax._stage_grads): the stage
-    computes its family's formula exactly (docs/stages.md §2; F1's decay is KDA's gate,
-    ``kdax.stages.activated_gate``), so the pipeline may compute a few terms of it itself:
-    packed initial states entering shared chunks (``kdax._shared_states``) need the first
-    tokens' decays (F1) and their ``scale q e^(Γ') Y`` output term (F5); without it on
-    both, such calls keep one sequence per chunk. ``tokens`` (F1, F3, B0, B1, B2, B3, B5):
-    reads the call's inputs and ``do`` from the caller's layout itself, given
-    ``kdax._tokens.Tokens`` views in place of the chunked arrays (dense input whose T is
-    a multiple of the chunk size); without it the stage gets the chunked copies."""
+    ``fallback`` runs the reference stage, exact, where the stage declares KDA's math).
+    ``tile_safe``: correct on any tile of chunks (``KDAPipeline.tile``); without it the
+    forward runs whole. ``tokens`` (F1, F3, B0, B1, B2, B3, B5): reads the call's inputs
+    and ``do`` from the caller's layout itself, given ``kdax._tokens.Tokens`` views in
+    place of the chunked arrays (dense input whose T is a multiple of the chunk size);
+    without it the stage gets the chunked copies.
+
+    What formula a stage computes is not a capability: forward stages declare ``math``,
+    backward stages ``transposes`` (``kdax._derived``)."""
 
     G_lo: bool
     reset: bool
     tile_safe: bool
-    standard: bool = False
     tokens: bool = False
 
 
@@ -41,17 +38,23 @@ def _takes(cls: type, name: str) -> bool:
 @functools.cache
 def capabilities(cls: type) -> Capabilities:
     """The declaration of stage class ``cls``: its ``accepts`` ClassVar (a set drawn from
-    ``"G_lo"``, ``"reset"``, ``"tile_safe"``, ``"standard"``, ``"tokens"``) when it has
+    ``"G_lo"``, ``"reset"``, ``"tile_safe"``, ``"tokens"``) when it has
     one; else what its signature and ClassVars say (a ``G_lo`` / ``reset`` parameter or
     ``**kwargs``; ``tile_safe``), as stages written before declarations keep working."""
     declared = getattr(cls, "accepts", None)
     if declared is not None:
+        if "standard" in declared:
+            raise TypeError(
+                f"{cls.__qualname__}.accepts: 'standard' is gone (it let the pipeline compute terms of the stage's "
+                f"formula itself). A stage that computes its family's own formula declares `math = "
+                f"kdax.stages.KDA` instead (docs/stages.md, 'Which formula a stage computes')."
+            )
         unknown = set(declared) - set(Capabilities._fields)
         if unknown:
             raise TypeError(f"{cls.__qualname__}.accepts: unknown capabilities {sorted(unknown)}; expected a "
                             f"subset of {Capabilities._fields}.")
         return Capabilities(*(n in declared for n in Capabilities._fields))
-    return Capabilities(_takes(cls, "G_lo"), _takes(cls, "reset"), bool(getattr(cls, "tile_safe", False)), False)
+    return Capabilities(_takes(cls, "G_lo"), _takes(cls, "reset"), bool(getattr(cls, "tile_safe", False)))
 
 
 def negotiated(stage, kwargs: dict) -> dict:

@@ -205,7 +205,7 @@ def start_decays(cu_seqlens, config, g, A_log, dt_bias):
     """``a [N, HV, K]``: each sequence's first token's own log decay (non-positive; the
     shared layout's F1 gives that token the reset floor instead), computed from the packed
     raw gate input ``g`` ``[1, HV, NC, C, K]`` with KDA's gate
-    (``kdax.stages.activated_gate``: the F1 stages that declare ``standard`` compute it).
+    (``kdax.stages.activated_gate``: what the F1 stages of KDA's math, ``math = KDA``, compute).
     Differentiable in ``g``, ``A_log`` and ``dt_bias``. An empty sequence's is unused."""
     NC, C = g.shape[2], g.shape[3]
     s = jnp.clip(jnp.asarray(cu_seqlens, jnp.int32)[:-1], 0, NC * C - 1)

@@ -77,12 +77,11 @@ class ScaledOutput(AbstractOutput):
 
 
 class HeadGainOutput(AbstractOutput):
-    """F5 times a per-head gain, declaring the capabilities of ReferenceOutput (once
-    enough for the pipeline to compute F5's terms itself for packed initial states)."""
+    """F5 times a per-head gain, declaring the capabilities of ReferenceOutput."""
 
     gain: Float[Array, " HV"]
     tile_safe: ClassVar[bool] = True
-    accepts: ClassVar[frozenset] = frozenset({"tile_safe", "standard"})
+    accepts: ClassVar[frozenset] = frozenset({"tile_safe"})
 
     def __call__(self, scale, qg, h, Aqk, v_new):
         o = ReferenceOutput()(scale, qg, h, Aqk, v_new)
@@ -161,8 +160,15 @@ def test_modified_stage_gives_the_modified_algorithms_gradients(field):
 
 
 def test_packed_initial_states_with_a_head_gain_declaring_reference_capabilities():
-    # Once, declaring `standard` let the pipeline compute F5's terms for states entering
-    # shared chunks (outputs 28% off) and the backward ignored the gain (60%).
+    # Once, declaring ReferenceOutput's capabilities (`standard`) let the pipeline compute
+    # F5's terms for states entering shared chunks (outputs 28% off) and the backward
+    # ignored the gain (60%). No capability says what a stage computes now (`math` does),
+    # and `standard` is a named error.
+    class Standard(HeadGainOutput):
+        accepts: ClassVar[frozenset] = frozenset({"tile_safe", "standard"})
+
+    with pytest.raises(TypeError, match=r"Standard\.accepts: 'standard' is gone .*math = kdax\.stages\.KDA"):
+        kdax._capabilities.capabilities(Standard)
     x = make_inputs(B=1, T=40, H=3, K=4, V=4, N=3)
     pos, kw = split_args(x)
     h0 = kw["initial_state"]

@@ -262,7 +262,7 @@ class PallasGate(AbstractGate, PallasTarget):
     math: ClassVar[Optional[str]] = KDA
 
     tile_safe: ClassVar[bool] = True
-    accepts: ClassVar[frozenset] = frozenset({"tile_safe", "standard", "tokens"})
+    accepts: ClassVar[frozenset] = frozenset({"tile_safe", "tokens"})
 
     split: bool = eqx.field(static=True, default=True)
 

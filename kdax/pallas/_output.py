@@ -19,7 +19,7 @@ class PallasOutput(AbstractOutput, PallasTarget):
     math: ClassVar[Optional[str]] = KDA
 
     tile_safe: ClassVar[bool] = True
-    accepts: ClassVar[frozenset] = frozenset({"tile_safe", "standard"})
+    accepts: ClassVar[frozenset] = frozenset({"tile_safe"})
 
     @tuned
     @typecheck

@@ -93,7 +93,7 @@ class ReferenceGate(AbstractGate):
     math: ClassVar[Optional[str]] = KDA
 
     tile_safe: ClassVar[bool] = True
-    accepts: ClassVar[frozenset] = frozenset({"reset", "tile_safe", "standard"})
+    accepts: ClassVar[frozenset] = frozenset({"reset", "tile_safe"})
 
     group: ChunkGroup = eqx.field(static=True, default="auto")
     split: bool = eqx.field(static=True, default=True)

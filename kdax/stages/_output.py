@@ -55,7 +55,7 @@ class ReferenceOutput(AbstractOutput):
     math: ClassVar[Optional[str]] = KDA
 
     tile_safe: ClassVar[bool] = True
-    accepts: ClassVar[frozenset] = frozenset({"tile_safe", "standard"})
+    accepts: ClassVar[frozenset] = frozenset({"tile_safe"})
 
     group: ChunkGroup = eqx.field(static=True, default="auto")
 
