@@ -3,7 +3,6 @@ the stage declares it (docs/stages.md, "Capabilities"). The pipeline's stage run
 (``kdax._runner``), its tiles and the shared-chunk layout ask only this."""
 
 import functools
-import inspect
 from typing import NamedTuple
 
 from ._tokens import Tokens, as_chunked
@@ -30,31 +29,27 @@ class Capabilities(NamedTuple):
     tokens: bool = False
 
 
-def _takes(cls: type, name: str) -> bool:
-    params = inspect.signature(cls.__call__).parameters.values()
-    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-
-
 @functools.cache
 def capabilities(cls: type) -> Capabilities:
-    """The declaration of stage class ``cls``: its ``accepts`` ClassVar (a set drawn from
-    ``"G_lo"``, ``"reset"``, ``"tile_safe"``, ``"tokens"``) when it has
-    one; else what its signature and ClassVars say (a ``G_lo`` / ``reset`` parameter or
-    ``**kwargs``; ``tile_safe``), as stages written before declarations keep working."""
-    declared = getattr(cls, "accepts", None)
-    if declared is not None:
-        if "standard" in declared:
-            raise TypeError(
-                f"{cls.__qualname__}.accepts: 'standard' is gone (it let the pipeline compute terms of the stage's "
-                f"formula itself). A stage that computes its family's own formula declares `math = "
-                f"kdax.stages.KDA` instead (docs/stages.md, 'Which formula a stage computes')."
-            )
-        unknown = set(declared) - set(Capabilities._fields)
-        if unknown:
-            raise TypeError(f"{cls.__qualname__}.accepts: unknown capabilities {sorted(unknown)}; expected a "
-                            f"subset of {Capabilities._fields}.")
-        return Capabilities(*(n in declared for n in Capabilities._fields))
-    return Capabilities(_takes(cls, "G_lo"), _takes(cls, "reset"), bool(getattr(cls, "tile_safe", False)))
+    """The declaration of stage class ``cls``: its ``accepts`` ClassVar, a set drawn from
+    ``"G_lo"``, ``"reset"``, ``"tile_safe"``, ``"tokens"`` (every family's abstract class
+    has one, empty). ``tile_safe`` may also be said as a ``tile_safe = True`` ClassVar;
+    either spelling counts. Nothing is read from the stage's signature: a stage that takes
+    ``reset=`` without declaring it is not passed one."""
+    declared = getattr(cls, "accepts", frozenset())
+    if "standard" in declared:
+        raise TypeError(
+            f"{cls.__qualname__}.accepts: 'standard' is gone (it let the pipeline compute terms of the stage's "
+            f"formula itself). A stage that computes its family's own formula declares `math = "
+            f"kdax.stages.KDA` instead (docs/stages.md, 'Which formula a stage computes')."
+        )
+    unknown = set(declared) - set(Capabilities._fields)
+    if unknown:
+        raise TypeError(f"{cls.__qualname__}.accepts: unknown capabilities {sorted(unknown)}; expected a "
+                        f"subset of {Capabilities._fields}.")
+    caps = {n: n in declared for n in Capabilities._fields}
+    caps["tile_safe"] = caps["tile_safe"] or bool(getattr(cls, "tile_safe", False))
+    return Capabilities(**caps)
 
 
 def negotiated(stage, kwargs: dict) -> dict:

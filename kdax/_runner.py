@@ -143,6 +143,7 @@ class PipelineState(AbstractState):
     """F4 as ``pipeline`` runs it (``run_stage``): what B0 recomputes with."""
 
     tile_safe: ClassVar[bool] = True
+    accepts: ClassVar[frozenset] = frozenset({"reset", "tile_safe"})
     pipeline: eqx.Module
 
     def __call__(self, w, u, kg, G, h0, layout, reset=None):

@@ -1,5 +1,5 @@
 """Stage capabilities (kdax/_capabilities.py, through the stage runner kdax/_runner.py):
-declared in ``accepts``, or read from the signature; the runner passes ``G_lo`` /
+declared in ``accepts`` (never read from the signature); the runner passes ``G_lo`` /
 ``reset`` only where accepted and refuses (or falls back on) a layout a stage cannot run."""
 
 import warnings
@@ -52,6 +52,27 @@ def test_declarations_and_signatures():
     assert capabilities(NoResetGate) == Capabilities(False, False, False)
     assert capabilities(OldIntra) == Capabilities(False, False, False)
     assert capabilities(ReferenceGate).reset and capabilities(ReferenceIntra).G_lo
+
+    class Undeclared(AbstractIntra):
+        """Takes G_lo and reset, declares neither: the signature is never read."""
+
+        def __call__(self, scale, q, k, beta, G, G_lo=None, reset=None):
+            raise AssertionError
+
+    class ClassVarTiles(AbstractIntra):
+        """tile_safe said as a ClassVar beside an accepts that does not list it: both count."""
+
+        accepts: ClassVar[frozenset] = frozenset({"G_lo"})
+        tile_safe: ClassVar[bool] = True
+
+        def __call__(self, scale, q, k, beta, G, G_lo=None):
+            raise AssertionError
+
+    assert capabilities(Undeclared) == Capabilities(False, False, False)
+    assert capabilities(ClassVarTiles) == Capabilities(G_lo=True, reset=False, tile_safe=True)
+    # every family's abstract class states the declaration, empty
+    for info in kdax.pipeline.STAGES.values():
+        assert info.family.accepts == frozenset()
 
     class Typo(AbstractIntra):
         accepts: ClassVar[frozenset] = frozenset({"G-lo"})

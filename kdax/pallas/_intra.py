@@ -323,6 +323,7 @@ class PallasIntra(AbstractIntra, PallasFeatureBlocks):
     math: ClassVar[Optional[str]] = KDA
 
     tile_safe: ClassVar[bool] = True
+    accepts: ClassVar[frozenset] = frozenset({"G_lo", "reset", "tile_safe"})
 
     block: int = eqx.field(static=True, default=16)
     block_k: int = eqx.field(static=True, default=32)
@@ -397,6 +398,7 @@ class PallasIntraBackward(AbstractIntraBackward, PallasFeatureBlocks):
     alone, and dbeta sums over them); on TPU the whole chunk at once."""
 
     transposes: ClassVar[Mapping[str, str]] = MappingProxyType({"intra": KDA})
+    accepts: ClassVar[frozenset] = frozenset({"G_lo"})
 
     block: int = eqx.field(static=True, default=16)
 

@@ -75,6 +75,7 @@ class PallasState(AbstractState, PallasValueBlocks):
     math: ClassVar[Optional[str]] = KDA
 
     tile_safe: ClassVar[bool] = True
+    accepts: ClassVar[frozenset] = frozenset({"reset", "tile_safe"})
     block_k: Optional[int] = eqx.field(static=True, default=None)
     round_in_kernel: bool = eqx.field(static=True, default=False)
 

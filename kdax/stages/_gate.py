@@ -59,6 +59,10 @@ class AbstractGate(eqx.Module):
     in-kernel l2norm, else None; optionally ``G_lo`` ``[R, HV, NC, C, K]``, the low part
     (``G + G_lo`` the cumsum to ~1e-9; see ``kdax._hilo``), else None."""
 
+    # What the stage accepts beyond the required arguments (docs/stages.md,
+    # "Capabilities"): a subset of {"G_lo", "reset", "tile_safe", "tokens"}.
+    accepts: ClassVar[frozenset] = frozenset()
+
     # Which formula the stage computes: ``KDA`` (the family's formula above, exactly as
     # the reference stage computes it), or None (any other math: the backward stages do
     # not transpose it, and the pipeline derives its backward, ``kdax._derived``).
@@ -183,6 +187,10 @@ class AbstractGateBackward(eqx.Module):
     with respect to the raw inputs (zero at padding); ``dA_log`` ``[HV]`` and
     ``ddt_bias`` ``[HV * K]`` when the in-kernel gate uses them, else None."""
 
+    # What the stage accepts beyond the required arguments (docs/stages.md,
+    # "Capabilities"): a subset of {"G_lo", "reset", "tile_safe", "tokens"}.
+    accepts: ClassVar[frozenset] = frozenset()
+
     # The forward math this stage is the transpose of, per forward field it transposes
     # (``{"output": KDA}``): empty declares nothing, and a pipeline with this stage
     # derives its backward from the forward stages (``kdax._derived``).
@@ -238,6 +246,7 @@ class ReferenceGateBackward(AbstractGateBackward):
     """B5 in plain jnp; the reverse chunk cumsum ``group`` chunks at a time."""
 
     transposes: ClassVar[Mapping[str, str]] = MappingProxyType({"gate": KDA})
+    accepts: ClassVar[frozenset] = frozenset({"reset"})
 
     group: ChunkGroup = eqx.field(static=True, default="auto")
 

@@ -197,6 +197,10 @@ class AbstractIntra(eqx.Module):
     exactly, where i and j belong to different sequences. A stage without the parameter
     cannot run shared chunks (the pipeline falls back)."""
 
+    # What the stage accepts beyond the required arguments (docs/stages.md,
+    # "Capabilities"): a subset of {"G_lo", "reset", "tile_safe", "tokens"}.
+    accepts: ClassVar[frozenset] = frozenset()
+
     # Which formula the stage computes: ``KDA`` (the family's formula above, exactly as
     # the reference stage computes it), or None (any other math: the backward stages do
     # not transpose it, and the pipeline derives its backward, ``kdax._derived``).
@@ -228,6 +232,7 @@ class ReferenceIntra(AbstractIntra):
     math: ClassVar[Optional[str]] = KDA
 
     tile_safe: ClassVar[bool] = True
+    accepts: ClassVar[frozenset] = frozenset({"G_lo", "reset", "tile_safe"})
 
     group: ChunkGroup = eqx.field(static=True, default="auto")
 
@@ -271,6 +276,10 @@ class AbstractIntraBackward(eqx.Module):
     through; ``dL`` may be None (it is consumed here). ``reset`` as F2's (pairs across
     sequences contribute exact zeros)."""
 
+    # What the stage accepts beyond the required arguments (docs/stages.md,
+    # "Capabilities"): a subset of {"G_lo", "reset", "tile_safe", "tokens"}.
+    accepts: ClassVar[frozenset] = frozenset()
+
     # The forward math this stage is the transpose of, per forward field it transposes
     # (``{"output": KDA}``): empty declares nothing, and a pipeline with this stage
     # derives its backward from the forward stages (``kdax._derived``).
@@ -298,6 +307,7 @@ class ReferenceIntraBackward(AbstractIntraBackward):
     a time (None: all at once)."""
 
     transposes: ClassVar[Mapping[str, str]] = MappingProxyType({"intra": KDA})
+    accepts: ClassVar[frozenset] = frozenset({"G_lo", "reset"})
 
     group: ChunkGroup = eqx.field(static=True, default="auto")
 

@@ -23,6 +23,10 @@ class AbstractOutput(eqx.Module):
 
     Returns ``o`` ``[R, HV, NC, C, V]``."""
 
+    # What the stage accepts beyond the required arguments (docs/stages.md,
+    # "Capabilities"): a subset of {"G_lo", "reset", "tile_safe", "tokens"}.
+    accepts: ClassVar[frozenset] = frozenset()
+
     # Which formula the stage computes: ``KDA`` (the family's formula above, exactly as
     # the reference stage computes it), or None (any other math: the backward stages do
     # not transpose it, and the pipeline derives its backward, ``kdax._derived``).
@@ -80,6 +84,10 @@ class AbstractDAv(eqx.Module):
     Returns ``(dAqk, dv_intra)``: ``tril(do v_new^T)`` ``[.., C, C]`` (incl. the
     diagonal; the gradient of the scaled Aqk) and ``Aqk^T do`` ``[.., V]``."""
 
+    # What the stage accepts beyond the required arguments (docs/stages.md,
+    # "Capabilities"): a subset of {"G_lo", "reset", "tile_safe", "tokens"}.
+    accepts: ClassVar[frozenset] = frozenset()
+
     # The forward math this stage is the transpose of, per forward field it transposes
     # (``{"output": KDA}``): empty declares nothing, and a pipeline with this stage
     # derives its backward from the forward stages (``kdax._derived``).
@@ -105,6 +113,7 @@ class ReferenceDAv(AbstractDAv):
     """B1 in jnp, ``group`` chunks at a time (None: all at once; see ``over_chunks``)."""
 
     transposes: ClassVar[Mapping[str, str]] = MappingProxyType({"output": KDA})
+    accepts: ClassVar[frozenset] = frozenset()
 
     group: ChunkGroup = eqx.field(static=True, default="auto")
 

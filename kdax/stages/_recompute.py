@@ -1,7 +1,7 @@
 """B0: recompute the forward intermediates the backward needs (w, u, qg, kg, h, v_new)."""
 
 import abc
-from typing import Optional
+from typing import ClassVar, Optional
 
 import equinox as eqx
 
@@ -38,6 +38,10 @@ class AbstractRecompute(eqx.Module):
 
     Returns ``(WYOut, StateOut)`` as F3 and F4 do.
     """
+
+    # What the stage accepts beyond the required arguments (docs/stages.md,
+    # "Capabilities"): a subset of {"G_lo", "reset", "tile_safe", "tokens"}.
+    accepts: ClassVar[frozenset] = frozenset()
 
     @abc.abstractmethod
     def __call__(
@@ -80,6 +84,8 @@ def recompute_with(wy: AbstractWY, state: AbstractState, q, k, v, beta, G, Akk, 
 class ReferenceRecompute(AbstractRecompute):
     """B0 by re-running the given F3 and F4 (``ReferenceWY``, ``ReferenceState`` when none
     are given)."""
+
+    accepts: ClassVar[frozenset] = frozenset({"G_lo", "reset"})
 
     @full_precision
     @typecheck

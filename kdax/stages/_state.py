@@ -68,6 +68,10 @@ class AbstractState(eqx.Module):
     starts after its first token (the state is replaced). A stage without the parameter
     cannot run shared chunks (the pipeline falls back)."""
 
+    # What the stage accepts beyond the required arguments (docs/stages.md,
+    # "Capabilities"): a subset of {"G_lo", "reset", "tile_safe", "tokens"}.
+    accepts: ClassVar[frozenset] = frozenset()
+
     # Which formula the stage computes: ``KDA`` (the family's formula above, exactly as
     # the reference stage computes it), or None (any other math: the backward stages do
     # not transpose it, and the pipeline derives its backward, ``kdax._derived``).
@@ -100,6 +104,7 @@ class ReferenceState(AbstractState):
     math: ClassVar[Optional[str]] = KDA
 
     tile_safe: ClassVar[bool] = True
+    accepts: ClassVar[frozenset] = frozenset({"reset", "tile_safe"})
 
     unroll: int = eqx.field(static=True, default=8)
     # fori_loop's unroll factor over the chunks ("auto": kdax._ops.loop_unroll): on a
@@ -192,6 +197,10 @@ class AbstractDhu(eqx.Module):
     ``[N, HV, K, V]`` (``dht`` for a sequence of length 0), the full ``dv_new``.
     ``reset`` as F4's."""
 
+    # What the stage accepts beyond the required arguments (docs/stages.md,
+    # "Capabilities"): a subset of {"G_lo", "reset", "tile_safe", "tokens"}.
+    accepts: ClassVar[frozenset] = frozenset()
+
     # The forward math this stage is the transpose of, per forward field it transposes
     # (``{"output": KDA}``): empty declares nothing, and a pipeline with this stage
     # derives its backward from the forward stages (``kdax._derived``).
@@ -219,6 +228,7 @@ class ReferenceDhu(AbstractDhu):
     """B2 as a reverse loop over chunks (``loop_unroll``: as in ``ReferenceState``)."""
 
     transposes: ClassVar[Mapping[str, str]] = MappingProxyType({"state": KDA, "output": KDA})
+    accepts: ClassVar[frozenset] = frozenset({"reset"})
 
     loop_unroll: Union[int, Literal["auto"]] = eqx.field(static=True, default="auto")
 

@@ -31,6 +31,10 @@ class AbstractWY(eqx.Module):
     inside the chunk, ``e^(Γ - G)`` at tokens of one that ends inside it. A stage without
     the parameter cannot run shared chunks (the pipeline falls back)."""
 
+    # What the stage accepts beyond the required arguments (docs/stages.md,
+    # "Capabilities"): a subset of {"G_lo", "reset", "tile_safe", "tokens"}.
+    accepts: ClassVar[frozenset] = frozenset()
+
     # Which formula the stage computes: ``KDA`` (the family's formula above, exactly as
     # the reference stage computes it), or None (any other math: the backward stages do
     # not transpose it, and the pipeline derives its backward, ``kdax._derived``).
@@ -91,6 +95,7 @@ class ReferenceWY(AbstractWY):
     math: ClassVar[Optional[str]] = KDA
 
     tile_safe: ClassVar[bool] = True
+    accepts: ClassVar[frozenset] = frozenset({"G_lo", "reset", "tile_safe"})
 
     group: ChunkGroup = eqx.field(static=True, default="auto")
 
@@ -126,6 +131,10 @@ class AbstractWYDqkg(eqx.Module):
     Returns ``ChunkGrads`` (dq, dk ``[.., K]``, dv ``[.., V]``, dbeta, dG ``[.., K]``, dL
     ``[.., C, C]``): everything but F2's part, which B4 adds. ``reset`` as F3's (and the
     state's decay through a chunk in which a sequence starts is zero, as in F4)."""
+
+    # What the stage accepts beyond the required arguments (docs/stages.md,
+    # "Capabilities"): a subset of {"G_lo", "reset", "tile_safe", "tokens"}.
+    accepts: ClassVar[frozenset] = frozenset()
 
     # The forward math this stage is the transpose of, per forward field it transposes
     # (``{"output": KDA}``): empty declares nothing, and a pipeline with this stage
@@ -190,6 +199,7 @@ class ReferenceWYDqkg(AbstractWYDqkg):
     """B3 in jnp, ``group`` chunks at a time (None: all at once; see ``over_chunks``)."""
 
     transposes: ClassVar[Mapping[str, str]] = MappingProxyType({"wy": KDA, "state": KDA, "output": KDA})
+    accepts: ClassVar[frozenset] = frozenset({"G_lo", "reset"})
 
     group: ChunkGroup = eqx.field(static=True, default="auto")
 
