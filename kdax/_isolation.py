@@ -167,6 +167,12 @@ def cleaner(gate_in_kernel: bool, beta_sigmoid: bool):
                              for bad, x in zip(bad_elements(raw, gate_in_kernel, beta_sigmoid), raw))
 
 
+def cleaner_of(config):
+    """``cleaner`` for a call's ``KDAConfig`` (its in-kernel gate and beta sigmoid): the
+    one the forward, the forward with entries and the stage arrays' gradients use."""
+    return cleaner(config.use_gate_in_kernel, config.use_beta_sigmoid_in_kernel)
+
+
 def _token_mask(after, x):
     """``after [B, T, HV]`` as a mask broadcast to input ``x`` ``[B, T, Hx, ...]``
     (a q/k head: any of its value heads)."""

@@ -22,7 +22,6 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from . import _precision
 from ._contracts import STAGES
 from ._errors import StageGradientError
 from ._layout import pack_inputs
@@ -130,8 +129,7 @@ def pipeline_gradients(pipeline, perturbed, parts: BackwardParts, res, inputs):
     where there is none."""
     if not any(x is True for x in jax.tree.leaves(perturbed)):
         return jax.tree.map(lambda _: None, perturbed)
-    if pipeline.precision == "auto":  # as the backward resolved it
-        pipeline = pipeline.with_precision(_precision.resolve(pipeline.precision, res.in_dtypes[0]))
+    pipeline = pipeline.resolved(res.in_dtypes[0])  # as the backward resolved it
     L, dt = res.layout, res.h0.dtype
     gate_kwargs = None
     if "gate" in perturbed_arrays(pipeline, perturbed):

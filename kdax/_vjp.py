@@ -93,7 +93,7 @@ def _vjp_bwd(residuals, cotangents, perturbed, diff, config: KDAConfig, cu_seqle
     grads = _isolation.poison_inputs(where, poison(grads))
     out = (grads.q, grads.k, grads.v, grads.g, grads.beta, grads.initial_state, grads.A_log, grads.dt_bias)
     d_inputs = tuple(None if d is None or x is None else x.astype(d) for x, d in zip(out, res.in_dtypes))
-    clean = (*_isolation.cleaner(config.use_gate_in_kernel, config.use_beta_sigmoid_in_kernel)(inputs[:5]), *inputs[5:])
+    clean = (*_isolation.cleaner_of(config)(inputs[:5]), *inputs[5:])
     return d_inputs, pipeline_gradients(pipeline, perturbed[1], parts, res, clean)
 
 

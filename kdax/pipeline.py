@@ -126,6 +126,15 @@ class KDAPipeline(eqx.Module):
         """This pipeline under another precision policy (see ``kdax._precision``)."""
         return dataclasses.replace(self, precision=precision)
 
+    def resolved(self, dtype) -> "KDAPipeline":
+        """This pipeline with its precision policy resolved for inputs of ``dtype`` ("auto"
+        becomes what ``kdax._precision.resolve`` says): the one place the policy is
+        resolved, by the forward, the backward, the stage arrays' gradients and
+        ``kdax.parallel`` alike."""
+        if self.precision != "auto":
+            return self
+        return self.with_precision(_precision.resolve(self.precision, jnp.dtype(dtype)))
+
     def __check_init__(self):
         _precision.check_policy(self.precision)
         if self.chunk_loops is not None and self.chunk_loops not in CHUNK_LOOPS:
@@ -287,7 +296,7 @@ class KDAPipeline(eqx.Module):
         in_dtypes = _in_dtypes(raw, h0, A_log, dt_bias)
         A_log, dt_bias = _cast(A_log, dt), _cast(dt_bias, dt)
         h0 = _initial_states(h0, (1 if shared else N, HV, K, V), dt)
-        clean = _isolation.cleaner(config.use_gate_in_kernel, config.use_beta_sigmoid_in_kernel) if clean else None
+        clean = _isolation.cleaner_of(config) if clean else None
         nt = self._tile_chunks(layout.valid.shape[0] * HV, layout.num_chunks)
         if nt is not None and not layout.dense and h0.shape[0] > nt * config.chunk_size:
             nt = None  # each tile's state table, O(N), would cost more than its tokens
@@ -303,7 +312,7 @@ class KDAPipeline(eqx.Module):
         elif shared:  # not asked for: the sequences' initial states
             final = jnp.zeros((N, HV, K, V), dt)
         act, intra, wy = fw.act, fw.intra, fw.wy
-        cache = ForwardCache(act.G, intra.Aqk, intra.Akk, wy.w, wy.u, wy.qg, wy.kg, fw.h, fw.v_new)
+        cache = ForwardCache.of(act.G, intra, wy, fw.h, fw.v_new)
         res = KDAResiduals(
             config, layout, act, fw.v, fw.g if config.use_gate_in_kernel else None, A_log, dt_bias,
             intra.Aqk, intra.Akk, h0, cache, H, in_dtypes, cu_seqlens,
@@ -350,7 +359,7 @@ class KDAPipeline(eqx.Module):
         ok = _isolation.finite_heads(h0) if clean else None
         _record_layout("shared")
         layout = make_shared_layout(T, C, cu_seqlens)
-        cleaner = _isolation.cleaner(config.use_gate_in_kernel, config.use_beta_sigmoid_in_kernel) if clean else None
+        cleaner = _isolation.cleaner_of(config) if clean else None
         chunked = pack_inputs(layout, raw, HV, dt, cleaner)
         vc, gc = chunked[2], chunked[3]
         act, intra, wy = self._front_stages(config, chunked, A_log, dt_bias, layout)
@@ -368,7 +377,7 @@ class KDAPipeline(eqx.Module):
         o = unpack(layout, oc + ox).astype(raw[2].dtype)
         final = (_shared_states.entry_finals(layout, cu_seqlens, act.k, act.G, act.G_lo, v_out, st.h, a, h0, ok)
                  if config.output_final_state else h0)
-        cache = ForwardCache(act.G, intra.Aqk, intra.Akk, wy.w, wy.u, wy.qg, wy.kg, st.h, st.v_new)
+        cache = ForwardCache.of(act.G, intra, wy, st.h, st.v_new)
         res = KDAResiduals(
             config, L, act, vc, gc if config.use_gate_in_kernel else None, A_log, dt_bias, intra.Aqk, intra.Akk, table,
             cache, raw[0].shape[2], in_dtypes, cu_seqlens, entries=EntryResiduals(h0, ok, a, layout, vx, ent_vjp, a_vjp),
@@ -483,7 +492,7 @@ class KDAPipeline(eqx.Module):
             "recompute", q=act.q, k=act.k, v=res.v, beta=act.beta, G=act.G, Akk=res.Akk, h0=res.h0, layout=L,
             G_lo=act.G_lo, reset=L.reset, wy=PipelineWY(self, act.G_lo), state=PipelineState(self),
         )
-        return ForwardCache(act.G, res.Aqk, res.Akk, wy.w, wy.u, wy.qg, wy.kg, st.h, st.v_new)
+        return ForwardCache.of(act.G, IntraOut(res.Aqk, res.Akk), wy, st.h, st.v_new)
 
     def backward(self, res: KDAResiduals, do, dht=None) -> KDAGrads:
         """The six-stage backward. ``do`` ``[B, T, HV, V]``; ``dht`` ``[N, HV, K, V]`` or
@@ -514,8 +523,7 @@ class KDAPipeline(eqx.Module):
         N = res.h0.shape[0] if L.reset is None else res.cu_seqlens.shape[0] - 1  # (shared: h0 is a state table)
         if dht is not None and tuple(dht.shape) != (N,) + tuple(res.h0.shape[1:]):
             raise ValueError(f"dht: expected shape [N, HV, K, V] = {(N,) + tuple(res.h0.shape[1:])}, got {tuple(dht.shape)}.")
-        if self.precision == "auto":  # the policy chunk_kda resolves, for pipeline.backward
-            self = self.with_precision(_precision.resolve(self.precision, res.in_dtypes[0]))
+        self = self.resolved(res.in_dtypes[0])  # the policy chunk_kda resolves, for pipeline.backward
         dt = res.h0.dtype
         doc = self._chunked_cotangent(L, do, dt)
         fin_dht = dht.astype(dt) if shared_dht else None
@@ -622,7 +630,7 @@ class KDAPipeline(eqx.Module):
             if n == 0:
                 raise ValueError(f"{name}: KDAPipeline.forward needs B, K and V > 0 (chunk_kda handles size 0), "
                                  f"got q {tuple(q.shape)}, v {tuple(v.shape)}.")
-        o, final, res = self.with_precision(_precision.resolve(self.precision, q.dtype)).run_forward(config, *args)
+        o, final, res = self.resolved(q.dtype).run_forward(config, *args)
         return o, _final_out(final, config, opts.state_v_first), res
 
     def __call__(self, q: QK, k: QK, v: Values, g: Gate, beta: Beta, options: Optional[KDAOptions] = None,
@@ -638,7 +646,7 @@ class KDAPipeline(eqx.Module):
         ``(o, final state or None)`` in ``chunk_kda``'s layouts."""
         config, args, opts = _prepare_options(q, k, v, g, beta, options)
         q, k, v, g, beta, h0, A_log, dt_bias, cu = args
-        pipeline = self.with_precision(_precision.resolve(self.precision, q.dtype))
+        pipeline = self.resolved(q.dtype)
         B, T, _, K = q.shape
         if 0 in (B, T, K, v.shape[-1]):
             # Nothing for any stage to do: o is zero (empty sums, or no tokens), every state

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _isolation, _precision
+from .. import _isolation
 from .._layout import pack, unpack
 from .._stage_grads import check_perturbed, pipeline_gradients
 from .._validate import checked_cu_seqlens
@@ -99,10 +99,7 @@ def _backward_local(static: _Static, res, do, dht):
 
 def _resolved(static: _Static, res):
     """The pipeline with its precision policy resolved, as ``backward`` resolves it."""
-    pipe = static.pipeline
-    if pipe.precision == "auto":
-        pipe = pipe.with_precision(_precision.resolve(pipe.precision, res.in_dtypes[0]))
-    return pipe
+    return static.pipeline.resolved(res.in_dtypes[0])
 
 
 def _with_cache(static: _Static, res):

@@ -73,6 +73,12 @@ class ForwardCache(eqx.Module):
     h: ChunkState
     v_new: ChunkV
 
+    @classmethod
+    def of(cls, G: ChunkK, intra: "IntraOut", wy: "WYOut", h: ChunkState, v_new: ChunkV) -> "ForwardCache":
+        """The cache from F1's ``G``, F2's and F3's outputs and F4's ``h``, ``v_new`` (the
+        one place it is assembled: the forward, the forward with entries, B0)."""
+        return cls(G, intra.Aqk, intra.Akk, wy.w, wy.u, wy.qg, wy.kg, h, v_new)
+
 
 class DhuOut(eqx.Module):
     """B2 output: ``dh`` the gradient of the state at each chunk's end, ``dh0`` of each
