@@ -16,7 +16,7 @@ class Capabilities(NamedTuple):
     ``fallback`` runs the reference stage, exact, where the stage declares KDA's math).
     ``tile_safe``: correct on any tile of chunks (``KDAPipeline.tile``); without it the
     forward runs whole. ``tokens`` (F1, F3, B0, B1, B2, B3, B5): reads the call's inputs
-    and ``do`` from the caller's layout itself, given ``kdax._tokens.Tokens`` views in
+    and ``do`` from the caller's layout itself, given ``kdax.typing.Tokens`` views in
     place of the chunked arrays (dense input whose T is a multiple of the chunk size);
     without it the stage gets the chunked copies.
 

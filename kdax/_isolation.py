@@ -55,7 +55,9 @@ def is_bad(kind: str, x):
         return jnp.isnan(x)
     if kind == "decay":  # a log decay: -inf is a full reset (clamped to the floor)
         return jnp.isnan(x) | (x == jnp.inf)
-    return ~(jnp.abs(x) < jnp.inf)  # any non-finite value
+    if kind == "any":
+        return ~(jnp.abs(x) < jnp.inf)  # any non-finite value
+    raise ValueError(f"kind: expected 'nan', 'decay' or 'any', got {kind!r}.")
 
 
 def input_kinds(gate_in_kernel: bool, beta_sigmoid: bool) -> tuple:

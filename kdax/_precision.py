@@ -43,7 +43,7 @@ Everything else (the scores of F2, F3's ``w``/``u``, F5's output, B1, B3 and B0'
 takes half-precision operands as FLA's kernels do, with errors of the order of the
 inputs' own rounding.
 
-Mechanism: ``KDAPipeline._stage`` enters ``stage_scope(policy, stage)``. It sets JAX's
+Mechanism: the stage runner (``kdax._runner.run_stage``) enters ``stage_scope(policy, stage)``. It sets JAX's
 default matmul precision (the reference stages' jnp products: on GPUs XLA then rounds the
 operands and runs bf16 tensor-core products; XLA:CPU ignores the algorithm and computes in
 float32) and records the operand dtype, which ``kdax.pallas``'s in-kernel ``dot`` reads to

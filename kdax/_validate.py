@@ -180,25 +180,3 @@ def validate(q, k, v, g, beta, options: KDAOptions, *, chunked: bool = True) -> 
     scale = _scale(o.scale, K)
     o = dataclasses.replace(o, scale=scale, A_log=A_log, cu_seqlens=cu)
     return Dims(B, T, H, HV, K, V, N, scale), o
-
-
-def validate_kda_args(
-    q, k, v, g, beta, *,
-    scale: Optional[float],
-    initial_state,
-    use_gate_in_kernel: bool,
-    A_log,
-    dt_bias,
-    lower_bound: Optional[float],
-    cu_seqlens,
-    state_v_first: bool,
-    safe_gate: bool = False,
-    chunk_size: Optional[int] = None,
-) -> Dims:
-    """``validate`` with keyword options (kept for callers of the older signature)."""
-    options = KDAOptions(
-        scale=scale, initial_state=initial_state, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
-        dt_bias=dt_bias, lower_bound=lower_bound, cu_seqlens=cu_seqlens, state_v_first=state_v_first,
-        safe_gate=safe_gate, chunk_size=64 if chunk_size is None else chunk_size,
-    )
-    return validate(q, k, v, g, beta, options)[0]

@@ -21,6 +21,10 @@ alias            shape                       what
 ``ChunkValid``   ``[R, NC, C]`` (bool)       which chunk positions hold a token
 ===============  ==========================  =========================================
 
+``Tokens`` stands for a ``ChunkK``/``ChunkV``/``ChunkScalar`` array: a view of the caller's
+``[B, T, H, D]`` input that stages declaring ``"tokens"`` receive instead of the chunked
+copy (docs/stages.md, "Capabilities").
+
 ``typecheck`` decorates a stage's ``__call__`` (or any function) so that shapes and
 dtypes are checked when it is traced, with errors that name the argument::
 
@@ -45,3 +49,4 @@ from ._typing import SeqState as SeqState
 from ._typing import State as State
 from ._typing import Values as Values
 from ._typing import typecheck as typecheck
+from ._tokens import Tokens as Tokens

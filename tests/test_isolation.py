@@ -333,3 +333,14 @@ def test_recurrent_numpy_initial_state_with_cu_seqlens():
     o2, ht2 = kdax.fused_recurrent_kda(*pos, cu_seqlens=[0, 20, 40], initial_state=jnp.asarray(h0),
                                        output_final_state=True)
     assert np.array_equal(np.asarray(o), np.asarray(o2)) and np.array_equal(np.asarray(ht), np.asarray(ht2))
+
+
+def test_unknown_cleaning_kind_is_refused():
+    # A kind the isolation does not know never passes as "any non-finite value".
+    from kdax._isolation import is_bad
+
+    x = jnp.array([1.0, jnp.nan, jnp.inf, -jnp.inf])
+    np.testing.assert_array_equal(np.asarray(is_bad("any", x)), [False, True, True, True])
+    np.testing.assert_array_equal(np.asarray(is_bad("decay", x)), [False, True, True, False])
+    with pytest.raises(ValueError, match="kind: expected 'nan', 'decay' or 'any', got 'nans'"):
+        is_bad("nans", x)

@@ -53,6 +53,7 @@ def test_views_stand_for_the_packed_inputs(in_dtype, dt, gate_in_kernel, beta_si
 
 
 def test_views_need_whole_chunks_and_head_groups():
+    assert kdax.typing.Tokens is Tokens  # (the public name of what "tokens" stages receive)
     x = jnp.zeros((1, 40, 2, 16))
     with pytest.raises(ValueError, match="multiple of chunk_size"):
         Tokens(x, 2, 16, np.dtype(np.float32))

@@ -53,7 +53,7 @@ class PallasTarget(eqx.Module):
     ``"ieee"`` (CUDA-core FMAs, exact float32 products) or ``"tf32x3"`` (three TF32
     tensor-core products whose sum carries about float32's precision, relative error of
     order 1e-6 instead of 1e-7). Half-precision products under a precision policy
-    (``kdax._precision``) are unaffected. ``read_views``: read ``kdax._tokens.Tokens``
+    (``kdax._precision``) are unaffected. ``read_views``: read ``kdax.typing.Tokens``
     views of the call's inputs in place where ``reads_tokens`` allows (False: take their
     chunked copies, as before the views; for measuring what they buy)."""
 
@@ -257,7 +257,7 @@ def chunk_spec(block):
 
 
 def token_operand(target: str, x, padded, block):
-    """``(array, BlockSpec, load)`` for a kernel input: a ``kdax._tokens.Tokens`` view
+    """``(array, BlockSpec, load)`` for a kernel input: a ``kdax.typing.Tokens`` view
     read from the caller's array ``[B, NC, C, Hx, D]`` (a reshape; beta ``[..., 1]``),
     program p taking row ``p // HV``, head ``(p % HV) // group``, ``load`` its cast and
     cleaning (for ``loaded``); else the chunked array ``padded(x)``
