@@ -25,6 +25,8 @@ _KIMI_LINEAR_KEYS = ("kda_layers", "full_attn_layers", "num_heads", "head_dim", 
 # Kimi K3's keys (its modeling_kimi_linear.py, KimiDeltaAttention): gate_lower_bound -> FLA's
 # chunk_kda(safe_gate=True, lower_bound=...), use_full_rank_gate -> g_proj in place of g_a/g_b.
 _KIMI_K3_KEYS = ("gate_lower_bound", "use_full_rank_gate")
+# model_type of Moonshot's configs: Kimi Linear's, Kimi K3's (top level) and its text_config's.
+_KIMI_MODEL_TYPES = ("kimi_linear", "kimi_k3", "kimi")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,9 +133,19 @@ def read_config(path) -> KDACheckpointConfig:
         raise TypeError(f"{fname}: expected a JSON object at the top level (a Hugging Face config, {{\"model_type\": "
                         f"...}}), got {_kind(cfg)}.")
     text = cfg.get("text_config")
-    if cfg.get("linear_attn_config") is None and isinstance(text, dict) and text.get("linear_attn_config") is not None:
-        return _kimi_linear(text, f"{fname}: text_config")  # Kimi K3: the language model's config, nested
-    if cfg.get("linear_attn_config") is not None:
+    nested = (cfg.get("linear_attn_config") is None and isinstance(text, dict)
+              and text.get("linear_attn_config") is not None)
+    if nested or cfg.get("linear_attn_config") is not None:
+        # Other models reuse the key with other layouts and gates (GLM-5-Next's KDA layers): Moonshot's only.
+        types = [t for t in (cfg.get("model_type"), text.get("model_type") if nested else None) if t is not None]
+        other = [t for t in types if t not in _KIMI_MODEL_TYPES]
+        if other:
+            raise ValueError(f"{fname}: model_type {other[0]!r} has a linear_attn_config, but kdax reads Moonshot's "
+                             f"layouts only (model_type {', '.join(map(repr, _KIMI_MODEL_TYPES))}): another model's "
+                             f"KDA layer may name, fuse or gate its tensors differently. Load its tensors with "
+                             f"KimiDeltaAttention.from_state_dict once they are in Moonshot's or FLA's names.")
+        if nested:
+            return _kimi_linear(text, f"{fname}: text_config")  # Kimi K3: the language model's config, nested
         return _kimi_linear(cfg, fname)
     if cfg.get("model_type") == "kda":
         return _fla(cfg, fname)

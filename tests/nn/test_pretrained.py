@@ -177,6 +177,15 @@ def test_unknown_configs_are_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="linear_attn_config has keys kdax's layer does not implement.*safe_gate"):
         read_config(tmp_path)
+    # another model's linear_attn_config (GLM-5-Next's nests it in text_config too): refused by model_type
+    glm = dict(model_type="glm5_next", text_config=dict(model_type="glm5_next_text", hidden_size=D,
+                                                         num_hidden_layers=4, linear_attn_config=dict(
+                                                             num_heads=H, head_dim=K, short_conv_kernel_size=4,
+                                                             gate_lower_bound=-5.0)))
+    (tmp_path / "config.json").write_text(json.dumps(glm))
+    with pytest.raises(ValueError, match=r"model_type 'glm5_next' has a linear_attn_config, but kdax reads "
+                                         r"Moonshot's layouts only"):
+        read_config(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(dict(model_type="gated_deltanet", hidden_size=D)))
     with pytest.raises(ValueError, match="model_type 'gated_deltanet' is neither"):
         read_config(tmp_path / "config.json")
