@@ -17,7 +17,7 @@ from ._cache import KDACache, zeros_cache
 from .._conv import causal_conv, conv_tail, token_segments
 from ._norm import gated_rms_norm
 from ._pretrained import load_layers
-from ._weights import layer_from_state_dict, layer_state_dict
+from ._weights import check_dtype_option, layer_from_state_dict, layer_state_dict
 from ..parallel import check_axis, conv_halo, sp_conv_tail, sp_token_segments
 
 # Longest call that the recurrent path takes by default (with a cache; FLA's threshold).
@@ -34,7 +34,8 @@ class KimiDeltaAttention(eqx.Module):
     (``A_log [HV]``, ``dt_bias [HV*K]``; the lower-bound gate when ``lower_bound`` is set)
     on the low-rank decay input ``f_b(f_a(x))`` ``[.., HV*K]``, beta ``sigmoid(b_proj(x))``
     ``[.., HV]`` (times 2 with ``allow_neg_eigval``), q/k l2norm in kernel → per-head gated
-    RMSNorm ``rmsnorm(o) * o_norm * sigmoid(g_b(g_a(x)) + g_b_bias)`` → ``o_proj``.
+    RMSNorm ``rmsnorm(o) * o_norm * sigmoid(g_b(g_a(x)) + g_b_bias)`` (Kimi K3's full-rank
+    gate: ``sigmoid(g_proj(x))``) → ``o_proj``.
 
     Weights are stored in PyTorch's ``[out, in]`` layout (``y = x @ W.T``); convolution
     weights as ``[channels, W]`` (tap ``W - 1`` multiplies the current token). Parameters
@@ -56,9 +57,10 @@ class KimiDeltaAttention(eqx.Module):
     b_proj: Float[Array, "HV D"]
     A_log: Float[Array, " HV"]
     dt_bias: Float[Array, " HVK"]
-    g_a: Float[Array, "R D"]
-    g_b: Float[Array, "HVV R"]
+    g_a: Optional[Float[Array, "R D"]]
+    g_b: Optional[Float[Array, "HVV R"]]
     g_b_bias: Optional[Float[Array, " HVV"]]
+    g_proj: Optional[Float[Array, "HVV D"]]
     o_norm: Float[Array, " V"]
     o_proj: Float[Array, "D HVV"]
 
@@ -91,8 +93,9 @@ class KimiDeltaAttention(eqx.Module):
         allow_neg_eigval: bool = False,
         lower_bound: Optional[float] = None,
         norm_eps: float = 1e-5,
-        gate_bias: bool = True,
+        gate_bias: Optional[bool] = None,
         conv_bias: bool = False,
+        use_full_rank_gate: bool = False,
         safe_gate: bool = False,
         mode: str = "chunk",
         layer_idx: Optional[int] = None,
@@ -111,14 +114,23 @@ class KimiDeltaAttention(eqx.Module):
         ``lower_bound``; kdax's kernels are exact for any gate, so it adds FLA's range
         check on ``lower_bound``), ``mode`` ("chunk", or "fused_recurrent": the path of
         calls longer than 64 tokens, see ``__call__``), ``layer_idx`` (recorded; kdax's
-        cache is per layer, so it indexes nothing). Anything else is refused."""
+        cache is per layer, so it indexes nothing). Anything else is refused.
+
+        Kimi K3's options (its ``linear_attn_config``): ``lower_bound`` is its
+        ``gate_lower_bound`` (with ``safe_gate=True``, as its modelling code passes them to
+        FLA's ``chunk_kda``); ``use_full_rank_gate``: the output gate is one full-rank
+        projection ``g_proj [HV*V, hidden]`` in place of ``g_b(g_a(x))``. ``gate_bias``
+        (the output gate's bias, FLA's ``g_proj.1.bias``): default True with the low-rank
+        gate, False with the full-rank one (Kimi K3's has none)."""
         if fla_options:
             raise TypeError(
                 f"KimiDeltaAttention: unexpected argument(s) {', '.join(sorted(fla_options))}. kdax's layer takes "
                 "FLA's hidden_size, num_heads, head_dim, num_v_heads, expand_v, mode, use_short_conv, "
                 "allow_neg_eigval, safe_gate, lower_bound, conv_size, conv_bias, layer_idx and norm_eps (and "
-                "key, gate_bias, dtype, param_dtype); to load a checkpoint use "
+                "key, gate_bias, use_full_rank_gate, dtype, param_dtype); to load a checkpoint use "
                 "KimiDeltaAttention.from_pretrained(path, layer_idx=i).")
+        check_dtype_option("param_dtype", param_dtype)
+        check_dtype_option("dtype", dtype)
         if mode not in ("chunk", "fused_recurrent", "recurrent"):
             raise ValueError(f"mode: expected 'chunk' or 'fused_recurrent', got {mode!r}.")
         if safe_gate and lower_bound is None:
@@ -168,8 +180,16 @@ class KimiDeltaAttention(eqx.Module):
             step = jnp.exp(_uniform((HV * K,), None, math.log(1e-3), math.log(0.1)))
             step = jnp.maximum(step, 1e-4)
             self.dt_bias = step + jnp.log(-jnp.expm1(-step))  # inverse softplus
-        self.g_a, self.g_b = lin(V, D), lin(HV * V, V)
-        self.g_b_bias = _uniform((HV * V,), 1 / math.sqrt(V)) if gate_bias else None
+        if gate_bias is None:
+            gate_bias = not use_full_rank_gate
+        if use_full_rank_gate:
+            self.g_a = self.g_b = None
+            self.g_proj = lin(HV * V, D)
+        else:
+            self.g_a, self.g_b = lin(V, D), lin(HV * V, V)
+            self.g_proj = None
+        fan_in = D if use_full_rank_gate else V
+        self.g_b_bias = _uniform((HV * V,), 1 / math.sqrt(fan_in)) if gate_bias else None
         self.o_norm = jnp.ones((V,), param_dtype)
         self.o_proj = lin(D, HV * V)
         self.hidden_size, self.num_heads, self.num_v_heads = D, H, HV
@@ -470,7 +490,7 @@ class KimiDeltaAttention(eqx.Module):
             o, final = chunk_kda(q, k, v, g, beta, chunk_size=chunk_size, pipeline=pipeline, seq_axis_name=seq_axis,
                                  safe_gate=self.safe_gate, **opts)
 
-        gate = lin(lin(xs, self.g_a), self.g_b)
+        gate = lin(xs, self.g_proj) if self.g_proj is not None else lin(lin(xs, self.g_a), self.g_b)
         if self.g_b_bias is not None:
             gate = gate + self.g_b_bias.astype(dt)
         o = gated_rms_norm(o.astype(dt), gate.reshape(Bp, Tp, HV, V), self.o_norm, self.norm_eps)

@@ -18,7 +18,9 @@ def _sigmoid(x):
 
 def numpy_layer(sd, x, *, naming, num_heads, head_dim, norm_eps, allow_neg_eigval=False, lower_bound=None,
                 cache=None):
-    """Kimi Linear's layer forward on ``x [B, T, D]``. ``cache``: None (zero history) or
+    """Kimi Linear's layer forward on ``x [B, T, D]`` (Kimi K3's: ``lower_bound`` its
+    ``gate_lower_bound``, the gate ``lower_bound * sigmoid(exp(A_log) * (f_b(f_a(x)) +
+    dt_bias))``; a ``g_proj.weight`` key its full-rank output gate). ``cache``: None (zero history) or
     a dict of numpy arrays ``conv_q, conv_k, conv_v [B, W - 1, C]`` (the inputs before
     x, oldest first) and ``state [B, HV, K, V]``. Returns ``(y, new cache dict)``."""
     B, T, D = x.shape
@@ -65,7 +67,10 @@ def numpy_layer(sd, x, *, naming, num_heads, head_dim, norm_eps, allow_neg_eigva
         err = v[:, t] - np.einsum("bhkv,bhk->bhv", S, k[:, t])
         S = S + beta[:, t, :, None, None] * np.einsum("bhk,bhv->bhkv", k[:, t], err)
         o[:, t] = scale * np.einsum("bhkv,bhk->bhv", S, q[:, t])
-    gate = lin(lin(x, ga), gb).reshape(B, T, HV, V)
+    if naming == "moonshot" and "g_proj.weight" in sd:  # Kimi K3's full-rank output gate
+        gate = lin(x, "g_proj").reshape(B, T, HV, V)
+    else:
+        gate = lin(lin(x, ga), gb).reshape(B, T, HV, V)
     if gb + ".bias" in sd:
         gate = gate + sd[gb + ".bias"].reshape(HV, V)
     o = o / np.sqrt(np.mean(o * o, -1, keepdims=True) + norm_eps) * sd["o_norm.weight"] * _sigmoid(gate)

@@ -3,6 +3,8 @@
 names) load with the path alone and equal the layer built explicitly."""
 
 import json
+import os
+import warnings
 
 import equinox as eqx
 import jax
@@ -12,6 +14,7 @@ import numpy as np
 import pytest
 
 from kdax.nn import KimiDeltaAttention, load_pretrained, read_config
+from kdax.nn import _pretrained
 
 from .._util import assert_close
 from ._oracle import numpy_layer
@@ -170,10 +173,307 @@ def test_moonshot_checkpoint_in_bfloat16_loads(tmp_path, shards):
 
 def test_unknown_configs_are_refused(tmp_path):
     cfg = json.loads(json.dumps(KIMI_CONFIG))
-    cfg["linear_attn_config"]["use_full_rank_gate"] = True
+    cfg["linear_attn_config"]["safe_gate"] = True  # GLM-5-Next's reference reads it; Kimi's code does not
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="use_full_rank_gate"):
+    with pytest.raises(ValueError, match="linear_attn_config has keys kdax's layer does not implement.*safe_gate"):
+        read_config(tmp_path)
+    # another model's linear_attn_config (GLM-5-Next's nests it in text_config too): refused by model_type
+    glm = dict(model_type="glm5_next", text_config=dict(model_type="glm5_next_text", hidden_size=D,
+                                                         num_hidden_layers=4, linear_attn_config=dict(
+                                                             num_heads=H, head_dim=K, short_conv_kernel_size=4,
+                                                             gate_lower_bound=-5.0)))
+    (tmp_path / "config.json").write_text(json.dumps(glm))
+    with pytest.raises(ValueError, match=r"model_type 'glm5_next' has a linear_attn_config, but kdax reads "
+                                         r"Moonshot's layouts only"):
         read_config(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(dict(model_type="gated_deltanet", hidden_size=D)))
     with pytest.raises(ValueError, match="model_type 'gated_deltanet' is neither"):
         read_config(tmp_path / "config.json")
+
+
+
+# ---- the front door: every problem named, before any tensor is read --------------------------------------------
+
+
+@pytest.fixture
+def no_reads(monkeypatch):
+    """Any tensor read fails the test: the errors below must come from names, headers and
+    config.json alone."""
+
+    def read(*a, **k):
+        raise AssertionError("a tensor was read before the error")
+
+    monkeypatch.setattr(_pretrained, "load_safetensors", read)
+
+
+def test_a_safetensors_path_means_its_directory(tmp_path):
+    layers, folder = fla_checkpoint(tmp_path / "one")
+    assert same(KimiDeltaAttention.from_pretrained(folder / "model.safetensors", layer_idx=2), layers[2])
+    layers, folder = fla_checkpoint(tmp_path / "three", shards=3)
+    assert same(KimiDeltaAttention.from_pretrained(folder / "model-00002-of-00003.safetensors", layer_idx=0),
+                layers[0])
+    assert same(KimiDeltaAttention.from_pretrained(folder / "model.safetensors.index.json", layer_idx=0), layers[0])
+    # a weights file of another name, alone beside config.json: that file is read
+    (tmp_path / "one" / "model.safetensors").rename(tmp_path / "one" / "weights.safetensors")
+    loaded = KimiDeltaAttention.from_pretrained(tmp_path / "one" / "weights.safetensors", layer_idx=0)
+    assert loaded.layer_idx == 0
+    # no config.json beside it: named, with what to do instead
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    (tmp_path / "one" / "weights.safetensors").rename(lone / "model.safetensors")
+    with pytest.raises(FileNotFoundError, match=r"is a weights file.*has no config\.json.*from_state_dict"):
+        KimiDeltaAttention.from_pretrained(lone / "model.safetensors", layer_idx=0)
+
+
+def test_float8_weights_are_named(tmp_path, no_reads):
+    r = np.random.default_rng(0)
+    layer = KimiDeltaAttention(D, H, K, key=jax.random.key(0), num_v_heads=HV, norm_eps=1e-6)
+    tensors = layer.state_dict("fla", prefix="model.layers.0.attn.")
+    tensors["model.layers.0.attn.q_proj.weight"] = tensors["model.layers.0.attn.q_proj.weight"].astype(
+        ml_dtypes.float8_e4m3fn)
+    tensors["model.layers.0.attn.q_proj.weight_scale_inv"] = r.uniform(size=(1, 1)).astype(np.float32)
+    cfg = dict(model_type="kda", hidden_size=D, num_heads=H, head_dim=K, num_v_heads=HV, num_hidden_layers=1)
+    folder = write_checkpoint(tmp_path / "f8", cfg, tensors)
+    with pytest.raises(TypeError, match=r"model\.safetensors: .*model\.layers\.0\.attn\.q_proj\.weight \(F8_E4M3\)"
+                                        r".*quantized.*Dequantize"):
+        KimiDeltaAttention.from_pretrained(folder, layer_idx=0)
+
+
+def test_float8_arrays_and_files_are_named_by_from_state_dict(tmp_path):
+    layer = KimiDeltaAttention(D, H, K, key=jax.random.key(0), norm_eps=1e-6)
+    sd = layer.state_dict("fla")
+    sd["k_proj.weight"] = sd["k_proj.weight"].astype(ml_dtypes.float8_e5m2)
+    opts = dict(num_heads=H, head_dim=K, norm_eps=1e-6, allow_neg_eigval=False, lower_bound=None)
+    with pytest.raises(TypeError, match=r"k_proj\.weight: dtype float8_e5m2 .*quantized.*Dequantize"):
+        KimiDeltaAttention.from_state_dict(sd, **opts)
+    st.save_file(sd, str(tmp_path / "w.safetensors"))
+    with pytest.raises(TypeError, match=r"w\.safetensors: .*k_proj\.weight \(F8_E5M2\)"):
+        KimiDeltaAttention.from_state_dict(tmp_path / "w.safetensors", **opts)
+
+
+def test_config_json_that_is_not_json_or_not_an_object(tmp_path, no_reads):
+    _, folder = fla_checkpoint(tmp_path / "fla")
+    (folder / "config.json").write_text('{"model_type": "kda",\n "hidden_size": 24,,}')
+    with pytest.raises(ValueError, match=r"config\.json: not valid JSON: Expecting property name .* at line 2, "
+                                         r"column 20 \(character 41\)") as e:
+        KimiDeltaAttention.from_pretrained(folder, layer_idx=0)
+    assert os.fspath(folder / "config.json") in str(e.value)
+    (folder / "config.json").write_text(json.dumps([FLA_CONFIG]))
+    with pytest.raises(TypeError, match=r"config\.json: expected a JSON object at the top level .* got a list"):
+        KimiDeltaAttention.from_pretrained(folder, layer_idx=0)
+    (folder / "config.json").write_bytes(b"\x89\xff\x00binary")
+    with pytest.raises(ValueError, match=r"config\.json is not a UTF-8 text file"):
+        read_config(folder)
+
+
+def test_use_short_conv_false_with_conv_tensors(tmp_path, no_reads):
+    _, folder = fla_checkpoint(tmp_path / "fla", config=dict(FLA_CONFIG, use_short_conv=False))
+    with pytest.raises(ValueError, match=r"config\.json: use_short_conv is false, but the checkpoint has this layer's "
+                                         r"short-convolution weights \(model\.layers\.0\.attn\.k_conv1d\.weight"):
+        KimiDeltaAttention.from_pretrained(folder, layer_idx=0)
+
+
+def test_use_short_conv_false_hint_in_from_state_dict():
+    sd = KimiDeltaAttention(D, H, K, key=jax.random.key(0), norm_eps=1e-6, conv_bias=True).state_dict("fla")
+    with pytest.raises(ValueError, match=r"unexpected keys: q_conv1d\.weight.*but use_short_conv=False: pass "
+                                         r"use_short_conv=True"):
+        KimiDeltaAttention.from_state_dict(sd, num_heads=H, head_dim=K, norm_eps=1e-6, allow_neg_eigval=False,
+                                           lower_bound=None, use_short_conv=False)
+
+
+def test_whole_model_dict_without_prefix_asks_for_the_prefix(tmp_path):
+    _, folder = fla_checkpoint(tmp_path / "fla")
+    model = st.load_file(str(folder / "model.safetensors"))
+    opts = dict(num_heads=H, head_dim=K, norm_eps=1e-3, allow_neg_eigval=True, lower_bound=None)
+    for naming in (None, "fla"):
+        with pytest.raises(ValueError, match=r"prefix: no KDA layer tensor .* at the top level .* Pass prefix= one of "
+                                             r"the KDA layers' prefixes found: 'model\.layers\.0\.attn\.', "
+                                             r"'model\.layers\.2\.attn\.'"):
+            KimiDeltaAttention.from_state_dict(model, naming=naming, **opts)
+    layer = KimiDeltaAttention.from_state_dict(model, prefix="model.layers.2.attn.", **opts)
+    assert layer.hidden_size == D
+
+
+def test_data_parallel_dict_suggests_the_prefix(tmp_path):
+    _, folder = fla_checkpoint(tmp_path / "fla")
+    wrapped = {"module." + k: v for k, v in st.load_file(str(folder / "model.safetensors")).items()}
+    opts = dict(num_heads=H, head_dim=K, norm_eps=1e-3, allow_neg_eigval=True, lower_bound=None)
+    with pytest.raises(ValueError, match=r"prefix: no key starts with 'model\.layers\.0\.attn\.'; the \d+ keys begin "
+                                         r"\['module\..*Did you mean prefix='module\.model\.layers\.0\.attn\.'\?"):
+        KimiDeltaAttention.from_state_dict(wrapped, prefix="model.layers.0.attn.", **opts)
+    single = {"module." + k: v for k, v in KimiDeltaAttention(D, H, K, key=jax.random.key(1)).state_dict("fla").items()}
+    with pytest.raises(ValueError, match=r"at the top level.*Pass prefix= one of the KDA layers' prefixes found: "
+                                         r"'module\.'"):
+        KimiDeltaAttention.from_state_dict(single, **opts)
+
+
+@pytest.mark.parametrize("key,value,want", [
+    ("norm_eps", "1e-5", r"config\.json: norm_eps must be a number, got a string \('1e-5'\) \(a JSON string"),
+    ("num_hidden_layers", "3", r"config\.json: num_hidden_layers must be an integer, got a string \('3'\)"),
+    ("num_hidden_layers", 3.0, r"num_hidden_layers must be an integer, got a number \(3\.0\)"),
+    ("head_dim", True, r"head_dim must be an integer, got a boolean \(True\)"),
+    ("use_short_conv", "false", r"use_short_conv must be a boolean \(true or false\), got a string"),
+    ("attn", {"layers": ["1"]}, r"attn\.layers must be a list of integers"),
+])
+def test_fla_config_values_of_the_wrong_type_are_refused(tmp_path, no_reads, key, value, want):
+    _, folder = fla_checkpoint(tmp_path / "fla", config=dict(FLA_CONFIG, **{key: value}))
+    with pytest.raises(TypeError, match=want):
+        KimiDeltaAttention.from_pretrained(folder, layer_idx=0)
+
+
+@pytest.mark.parametrize("change,want", [
+    (dict(rms_norm_eps="1e-5"), r"config\.json: rms_norm_eps must be a number, got a string \('1e-5'\)"),
+    (dict(num_hidden_layers="4"), r"config\.json: num_hidden_layers must be an integer, got a string"),
+    (dict(linear_attn_config=dict(KIMI_CONFIG["linear_attn_config"], num_heads="2")),
+     r"linear_attn_config\.num_heads must be an integer, got a string \('2'\)"),
+    (dict(linear_attn_config=dict(KIMI_CONFIG["linear_attn_config"], gate_lower_bound="-5")),
+     r"linear_attn_config\.gate_lower_bound must be a number or null, got a string"),
+    (dict(linear_attn_config=dict(KIMI_CONFIG["linear_attn_config"], use_full_rank_gate=1)),
+     r"linear_attn_config\.use_full_rank_gate must be a boolean"),
+    (dict(linear_attn_config=[1, 2]), r"linear_attn_config must be an object, got a list"),
+])
+def test_kimi_config_values_of_the_wrong_type_are_refused(tmp_path, change, want):
+    (tmp_path / "config.json").write_text(json.dumps(dict(KIMI_CONFIG, **change)))
+    with pytest.raises(TypeError, match=want):
+        read_config(tmp_path)
+
+
+def test_float64_without_x64_is_refused_first(tmp_path, no_reads):
+    _, folder = fla_checkpoint(tmp_path / "fla")
+    jax.config.update("jax_enable_x64", False)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # an error, not JAX's warning per array
+            with pytest.raises(ValueError, match=r"param_dtype=float64 needs JAX's 64-bit mode.*jax_enable_x64"):
+                KimiDeltaAttention.from_pretrained(folder, layer_idx=0, param_dtype=jnp.float64)
+            with pytest.raises(ValueError, match=r"dtype=float64 needs JAX's 64-bit mode"):
+                load_pretrained(folder, dtype="float64")
+            with pytest.raises(ValueError, match=r"param_dtype=float64 needs JAX's 64-bit mode"):
+                KimiDeltaAttention(D, H, K, key=jax.random.key(0), param_dtype=jnp.float64)
+            with pytest.raises(TypeError, match=r"param_dtype: expected a floating-point dtype .* got int32"):
+                KimiDeltaAttention.from_pretrained(folder, layer_idx=0, param_dtype=jnp.int32)
+    finally:
+        jax.config.update("jax_enable_x64", True)
+
+
+# ---- Kimi K3's linear_attn_config: gate_lower_bound and use_full_rank_gate --------------------------------------
+#
+# Moonshot's modeling_kimi_linear.py (moonshotai/Kimi-K3), KimiDeltaAttention:
+#   gate_lower_bound = linear_attn_config.get("gate_lower_bound", None), passed to FLA as
+#     chunk_kda(..., use_gate_in_kernel=True, safe_gate=gate_lower_bound is not None, lower_bound=gate_lower_bound)
+#     and fused_recurrent_kda(..., lower_bound=gate_lower_bound): g = lb * sigmoid(exp(A_log) * (f + dt_bias));
+#   use_full_rank_gate: g_proj = nn.Linear(hidden, num_heads * head_dim, bias=False) in place of g_a_proj/g_b_proj,
+#     o = o_norm(o, g_proj(x)) (FusedRMSNormGated, sigmoid);
+#   A_log: nn.Parameter of shape [num_heads]; dt_bias [num_heads * head_dim].
+# The config is nested: model_type "kimi_k3", the language model's config in text_config; the weights are under
+# language_model.model.layers.{i}.self_attn.
+
+
+def k3_checkpoint(folder, lower_bound=-5.0, full_rank=True, shards=1):
+    """A tiny Kimi K3 checkpoint made by the published modelling code's conventions (names,
+    shapes, bf16 projections, float32 A_log/dt_bias), written with numpy alone; layers 0,
+    1 KDA, layer 2 MLA. Returns ``{layer: float64 state dict without prefix}``."""
+    r = np.random.default_rng(7)
+    P, W = H * K, 4
+    lac = dict(kda_layers=[1, 2], full_attn_layers=[3], num_heads=H, head_dim=K, short_conv_kernel_size=W)
+    if lower_bound is not None:
+        lac["gate_lower_bound"] = lower_bound
+    if full_rank:
+        lac["use_full_rank_gate"] = True
+    config = dict(model_type="kimi_k3", architectures=["KimiK3ForConditionalGeneration"],
+                  text_config=dict(model_type="kimi_linear", hidden_size=D, num_hidden_layers=3, rms_norm_eps=1e-5,
+                                   linear_attn_config=lac, mla_use_output_gate=True),
+                  vision_config=dict(hidden_size=16))
+    bf = lambda a: a.astype(ml_dtypes.bfloat16)
+    tensors, layers = {"language_model.model.embed_tokens.weight": bf(r.normal(size=(50, D)))}, {}
+    for i in (0, 1):
+        sd = {"q_proj.weight": r.normal(size=(P, D)) / np.sqrt(D), "k_proj.weight": r.normal(size=(P, D)) / np.sqrt(D),
+              "v_proj.weight": r.normal(size=(P, D)) / np.sqrt(D),
+              "q_conv1d.weight": r.normal(size=(P, 1, W)) / 2, "k_conv1d.weight": r.normal(size=(P, 1, W)) / 2,
+              "v_conv1d.weight": r.normal(size=(P, 1, W)) / 2,
+              "A_log": np.log(r.uniform(1, 16, size=H)), "f_a_proj.weight": r.normal(size=(K, D)) / np.sqrt(D),
+              "f_b_proj.weight": r.normal(size=(P, K)) / np.sqrt(K), "dt_bias": r.normal(size=P),
+              "b_proj.weight": r.normal(size=(H, D)) / np.sqrt(D), "o_norm.weight": r.uniform(0.5, 1.5, size=K),
+              "o_proj.weight": r.normal(size=(D, P)) / np.sqrt(P)}
+        if full_rank:
+            sd["g_proj.weight"] = r.normal(size=(P, D)) / np.sqrt(D)
+        else:
+            sd["g_a_proj.weight"] = r.normal(size=(K, D)) / np.sqrt(D)
+            sd["g_b_proj.weight"] = r.normal(size=(P, K)) / np.sqrt(K)
+        stored = {n: (a.astype(np.float32) if n in ("A_log", "dt_bias") else bf(a)) for n, a in sd.items()}
+        tensors.update({f"language_model.model.layers.{i}.self_attn.{n}": a for n, a in stored.items()})
+        tensors[f"language_model.model.layers.{i}.input_layernorm.weight"] = bf(np.ones(D))
+        layers[i] = {n: np.asarray(a, np.float64) for n, a in stored.items()}
+    # the MLA layer (q-LoRA, gated output): other names, and its own g_proj
+    for n, shp in (("q_a_proj", (16, D)), ("q_b_proj", (32, 16)), ("kv_a_proj_with_mqa", (16, D)),
+                   ("g_proj", (32, D)), ("o_proj", (D, 32))):
+        tensors[f"language_model.model.layers.2.self_attn.{n}.weight"] = bf(r.normal(size=shp))
+    tensors["vision_tower.encoder.blocks.0.wqkv.weight"] = bf(r.normal(size=(48, 16)))
+    write_checkpoint(folder, config, tensors, shards)
+    return layers
+
+
+@pytest.mark.parametrize("lower_bound,full_rank", [(-5.0, True), (-5.0, False), (None, True), (-2.5, True)])
+def test_kimi_k3_layers_equal_the_published_formula(tmp_path, lower_bound, full_rank):
+    sds = k3_checkpoint(tmp_path / "k3", lower_bound, full_rank, shards=2)
+    cfg = read_config(tmp_path / "k3")
+    assert cfg.kda_layers == (0, 1) and cfg.format == "moonshot"
+    assert cfg.layer_options["lower_bound"] == lower_bound
+    assert cfg.layer_options["safe_gate"] == (lower_bound is not None)
+    assert cfg.layer_options["use_full_rank_gate"] == full_rank
+    every = load_pretrained(tmp_path / "k3", param_dtype=jnp.float64)
+    assert sorted(every) == [0, 1]
+    x = np.random.default_rng(5).normal(size=(2, 11, D))
+    for i, layer in every.items():
+        assert (layer.g_proj is not None) == full_rank and layer.g_b_bias is None
+        assert layer.lower_bound == lower_bound and layer.safe_gate == (lower_bound is not None)
+        ref, _ = numpy_layer(sds[i], x, naming="moonshot", num_heads=H, head_dim=K, norm_eps=1e-5,
+                             lower_bound=lower_bound)
+        for mode in ("recurrent", "chunk"):
+            y, _ = jax.jit(lambda l, x: l(x, mode=mode, chunk_size=16))(layer, jnp.asarray(x))
+            assert_close(y, ref, 1e-12, f"K3 layer {i}, {mode}, lower_bound={lower_bound}, full_rank={full_rank}")
+
+
+def test_kimi_k3_gate_bound_and_full_rank_gate_change_the_output(tmp_path):
+    sds = k3_checkpoint(tmp_path / "k3")
+    x = np.random.default_rng(5).normal(size=(1, 9, D))
+    ref, _ = numpy_layer(sds[0], x, naming="moonshot", num_heads=H, head_dim=K, norm_eps=1e-5, lower_bound=-5.0)
+    softplus, _ = numpy_layer(sds[0], x, naming="moonshot", num_heads=H, head_dim=K, norm_eps=1e-5)
+    assert np.abs(softplus - ref).max() > 1e-3 * np.abs(ref).max()
+    layer = KimiDeltaAttention.from_pretrained(tmp_path / "k3", layer_idx=0, param_dtype=jnp.float64)
+    y, _ = layer(jnp.asarray(x))
+    assert_close(y, ref, 1e-12, "K3 layer 0")
+
+
+def test_kimi_k3_state_dicts_round_trip_and_refusals(tmp_path):
+    layer = KimiDeltaAttention(D, H, K, key=jax.random.key(3), use_full_rank_gate=True, lower_bound=-5.0,
+                               safe_gate=True, norm_eps=1e-5)
+    assert layer.g_proj.shape == (H * K, D) and layer.g_a is None and layer.g_b_bias is None
+    sd = layer.state_dict("moonshot", prefix="p.")
+    assert "p.g_proj.weight" in sd and not any("g_a_proj" in k or "g_b_proj" in k for k in sd)
+    back = KimiDeltaAttention.from_state_dict(sd, prefix="p.", num_heads=H, head_dim=K, norm_eps=1e-5,
+                                              allow_neg_eigval=False, lower_bound=-5.0, safe_gate=True)
+    assert same(back, layer)
+    # A_log as Kimi K3's code declares it, [num_heads], or as Kimi Linear stores it, [1, 1, HV, 1]
+    flat = dict(sd, **{"p.A_log": sd["p.A_log"].reshape(H)})
+    assert same(KimiDeltaAttention.from_state_dict(flat, prefix="p.", num_heads=H, head_dim=K, norm_eps=1e-5,
+                                                   allow_neg_eigval=False, lower_bound=-5.0, safe_gate=True), layer)
+    with pytest.raises(ValueError, match=r"use_full_rank_gate: Kimi K3's full-rank output gate .* Moonshot's names "
+                                         r"only"):
+        layer.state_dict("fla")
+    with pytest.raises(ValueError, match=r"g_proj\.weight is Kimi K3's full-rank output gate: pass "
+                                         r"use_full_rank_gate=True"):
+        KimiDeltaAttention.from_state_dict(sd, prefix="p.", num_heads=H, head_dim=K, norm_eps=1e-5,
+                                           allow_neg_eigval=False, lower_bound=-5.0, use_full_rank_gate=False)
+    # config and tensors disagree: named before any read
+    k3_checkpoint(tmp_path / "k3", full_rank=False)
+    cfg = json.loads((tmp_path / "k3" / "config.json").read_text())
+    cfg["text_config"]["linear_attn_config"]["use_full_rank_gate"] = True
+    (tmp_path / "k3" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"use_full_rank_gate is true, but layer 'language_model\.model\.layers\.0\."
+                                         r"self_attn\.' has the low-rank output gate"):
+        KimiDeltaAttention.from_pretrained(tmp_path / "k3", layer_idx=0)
+    cfg["text_config"]["linear_attn_config"].update(use_full_rank_gate=False, gate_lower_bound=-8.0)
+    (tmp_path / "k3" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"gate_lower_bound must lie in \[-5, 0\).*got -8\.0"):
+        read_config(tmp_path / "k3")
