@@ -85,7 +85,7 @@ def test_example_stages_pass():
     lambda: kdax.KDAPipeline.reference(),
     pytest.param(lambda: kdax.KDAPipeline.pallas("triton", interpret=True), marks=pytest.mark.slow),
     pytest.param(lambda: kdax.KDAPipeline.pallas("tpu", interpret=True), marks=pytest.mark.slow),
-    lambda: kdax.KDAPipeline.mixed("triton", interpret=True),
+    pytest.param(lambda: kdax.KDAPipeline.mixed("triton", interpret=True), marks=pytest.mark.slow),
 ], ids=["reference", "triton", "tpu", "mixed"])
 def test_shipped_pipelines_pass(make):
     report = check_pipeline(make())
@@ -202,6 +202,7 @@ def test_wrong_backward_fails_check_pipeline():
     _assert_fails(check_stage(ScaledDvDAv(), "dav", **_small()), "reference")
 
 
+@pytest.mark.slow
 def test_custom_math_pipeline_passes_check_pipeline():
     # A forward stage of other math with the reference backward: the gradient is derived
     # (exact), so check_pipeline passes.
