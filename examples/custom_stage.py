@@ -46,7 +46,8 @@ class QGainGate(AbstractGate):
     @typecheck  # shapes checked when traced (kdax.typing: the chunked layout's aliases)
     def __call__(self, config, q: ChunkK, k: ChunkK, g: ChunkK, beta: ChunkScalar, A_log, dt_bias, valid) -> Activated:
         if config.use_qk_l2norm_in_kernel:
-            raise ValueError("QGainGate: this example does not combine the gain with the in-kernel l2norm.")
+            # (a case a stage cannot run: UnsupportedCase, so the pipeline says which stage and why)
+            raise kdax.UnsupportedCase("QGainGate: this example does not combine the gain with the in-kernel l2norm")
         act = ReferenceGate()(config, q, k, g, beta, A_log, dt_bias, valid)
         return dataclasses.replace(act, q=act.q * _per_head(self.gain, act.q))
 

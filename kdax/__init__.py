@@ -27,3 +27,4 @@ from .pipeline import (
 from ._front import chunk_kda as chunk_kda
 from .recurrent import fused_recurrent_kda as fused_recurrent_kda
 from .ref import kda_gate as kda_gate
+from . import testing as testing
