@@ -2,7 +2,7 @@
 of ``chunk_kda``), to show that a change to kdax's Python leaves what XLA compiles
 byte-identical: run it before and after, compare the lines.
 
-    python benchmarks/lowered_hashes.py            # float32 and bfloat16, dense and packed
+    python benchmarks/lowered_hashes.py   # float32 and bfloat16; dense, packed, packed with initial states
 
 The programs are lowered (``jax.jit(...).lower``), not compiled: the StableHLO text with
 its location metadata stripped (file and line numbers move with any edit)."""
@@ -36,11 +36,14 @@ def cases():
         v = jax.random.normal(r[2], (B, T, H, V), dtype)
         g = -jax.nn.softplus(jax.random.normal(r[3], (B, T, H, K))).astype(dtype)
         beta = jax.nn.sigmoid(jax.random.normal(r[4], (B, T, H))).astype(dtype)
-        for packed in (False, True):
+        h0 = jax.random.normal(r[0], (3, H, K, V), jnp.float32)
+        for layout in ("dense", "packed", "packed+h0"):
             opts = dict(chunk_size=16, output_final_state=True)
-            if packed:
+            if layout != "dense":
                 opts["cu_seqlens"] = jnp.array([0, 5, 40, 96], jnp.int32)
-            yield f"{jnp.dtype(dtype).name} {'packed' if packed else 'dense'}", (q, k, v, g, beta), opts
+            if layout == "packed+h0":  # (initial states entering shared chunks)
+                opts["initial_state"] = h0
+            yield f"{jnp.dtype(dtype).name} {layout}", (q, k, v, g, beta), opts
 
 
 def main():
@@ -51,7 +54,7 @@ def main():
         step = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
         for what, fn in (("forward", fwd), ("training step", step)):
             h = hashlib.sha256(lowered_text(fn, *args).encode()).hexdigest()[:16]
-            print(f"{name:<16} {what:<14} {h}", flush=True)
+            print(f"{name:<18} {what:<14} {h}", flush=True)
 
 
 if __name__ == "__main__":

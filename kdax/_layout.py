@@ -154,3 +154,38 @@ def pack_inputs(layout: ChunkLayout, raw, HV: int, dt, clean=None):
         pack(layout, g, dt),
         pack(layout, beta[..., None], dt)[..., 0],
     )
+
+
+class BackwardHooks:
+    """What a layout adds to the six-stage backward (``KDAPipeline.backward_with_parts``),
+    at named points between the stages; this base, the dense and per-sequence layouts'
+    (and shared chunks with no initial state and no loss on the final states), adds
+    nothing. ``kdax._shared_states.SharedChunkHooks`` is the other one."""
+
+    def b2_dht(self, dht, h0):
+        """The ``dht`` B2 starts from (``[N, HV, K, V]``; ``h0`` the residuals' state table)."""
+        from ._isolation import finite_or_zero  # (a non-finite dht stays in its sequence)
+
+        return jnp.zeros_like(h0) if dht is None else finite_or_zero(dht.astype(h0.dtype))
+
+    def v_out(self, v_new):
+        """What F5 read as ``v_new`` (B1's and the stage arrays' ``v_new``)."""
+        return v_new
+
+    def after_dav(self, dv_intra, *, k, G, v_out, h):
+        return dv_intra
+
+    def after_dhu(self, dhu, run_dhu):
+        """``run_dhu(dht, layout)`` runs B2 again from states alone (no do, no dv_intra);
+        ``layout`` a function giving the pass's layout."""
+        return dhu
+
+    def after_wy_dqkg(self, grads, *, dv_intra, doc, Akk):
+        return grads
+
+    def after_gate_bwd(self, raw):
+        return raw
+
+    def initial_state(self, dhu):
+        """The gradient of the initial states ``[N, HV, K, V]`` (None: none were given)."""
+        return dhu.dh0

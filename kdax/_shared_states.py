@@ -21,6 +21,7 @@ c - 1's end (``entry_layout``): ``KDAPipeline.backward`` runs B2 once more on th
 No forward is rerun.
 """
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 
 from ._hilo import exponent
 from ._isolation import finite_heads
-from ._layout import ChunkLayout
+from ._layout import BackwardHooks, ChunkLayout
 from ._ops import tri_mask
 from ._ragged import Spans, matvec, narrow_width, outer, token_slots
 from ._resets import same_segment, segments
@@ -283,3 +284,100 @@ def entry_finals(layout: ChunkLayout, cu_seqlens, k, G, G_lo, v_new, h, a, h0, o
     x = exponent(at(G, q.e), at(G, q.s), None if G_lo is None else at(G_lo, q.e), None if G_lo is None else at(G_lo, q.s)) + a
     S = S + jnp.exp(jnp.where((q.some & ~q.crosses)[:, None, None], x, -jnp.inf))[..., None] * h0
     return jnp.where(q.some[:, None, None, None], S, h0.astype(S.dtype))
+
+
+class SharedChunkHooks(BackwardHooks):
+    """The shared-chunk layout's part of the six-stage backward (``BackwardHooks``): a
+    loss on the final states of shared chunks (``dht``: their VJP through
+    ``shared_finals``/``entry_finals``, and one more B2 pass from the chunk-start states'
+    cotangents), and initial states entering shared chunks (``res.entries``: the VJP of
+    their first-chunk part and of the start decays). ``res``: the forward's residuals."""
+
+    def __init__(self, res, dht):
+        self.res, self.E, self.L, self.cu = res, res.entries, res.layout, res.cu_seqlens
+        self.dht = None if dht is None else dht.astype(res.h0.dtype)  # (as given: selected per head after the VJP)
+        self.fin = None  # the final states' VJP (after_dav)
+        self.d_entries = None
+
+    def b2_dht(self, dht, h0):
+        return jnp.zeros_like(h0)  # (the state table's one zero entry; dht enters through after_dav)
+
+    def v_out(self, v_new):
+        return v_new if self.E is None else v_new + self.E.v_new  # (+ the entering states' first-chunk part)
+
+    def after_dav(self, dv_intra, *, k, G, v_out, h):
+        if self.dht is None:
+            return dv_intra
+        L, cu, E, G_lo = self.L, self.cu, self.E, self.res.act.G_lo
+        if E is None:
+            fin = lambda k_, G_, v_, h_, a_, h0_: shared_finals(L, cu, k_, G_, G_lo, v_, h_)
+            a0, h00 = None, None
+        else:
+            fin = lambda k_, G_, v_, h_, a_, h0_: entry_finals(L, cu, k_, G_, G_lo, v_, h_, a_, h0_, E.ok)
+            a0, h00 = E.a, E.h0
+        self.fin = finals_vjp(L, cu, fin, (k, G, v_out, h, a0, h00), self.dht)  # d_k, d_G, d_v, d_h, d_a, d_h0
+        return dv_intra + self.fin[2].astype(dv_intra.dtype)
+
+    def after_dhu(self, dhu, run_dhu):
+        from .stages import DhuOut
+
+        self.d_entries = dhu.dh0  # (entries: the cotangents of the states F4 loaded)
+        if self.fin is None:
+            return dhu
+        # The chunk-start states' cotangents from the final states, run back on their own.
+        L, E = self.L, self.E
+        NC = L.num_chunks
+        first = L.first[0] if E is not None else jnp.where(L.first[0] >= 0, NC, -1)
+        per_chunk = jnp.moveaxis(self.fin[3][0], 1, 0).astype(self.res.h0.dtype)  # [NC, HV, K, V]
+        table = jnp.concatenate([per_chunk, jnp.zeros_like(per_chunk[:1])])
+        extra = run_dhu(table, lambda: entry_layout(L, self.cu, first))
+        out = DhuOut(dhu.dh + extra.dh, dhu.dh0, dhu.dv_new + extra.dv_new)
+        if E is not None:  # a loaded state's own cotangent goes to its entry
+            loaded = jnp.where((first == jnp.arange(NC))[:, None, None, None], per_chunk, 0.0)
+            self.d_entries = self.d_entries + extra.dh0 + jnp.concatenate([loaded, jnp.zeros_like(per_chunk[:1])])
+        return out
+
+    def after_wy_dqkg(self, grads, *, dv_intra, doc, Akk):
+        from .stages import ChunkGrads
+
+        E, L, dt = self.E, self.L, self.res.h0.dtype
+        self.dh0 = None
+        if E is not None:  # the first-chunk part's VJP, its Akk cotangent as B3's dL
+            # Only the entries some chunk loads have a cotangent (a stage may leave the others
+            # unwritten: the Triton B2 does).
+            NC = L.num_chunks
+            loads = jnp.concatenate([L.first[0] == jnp.arange(NC), jnp.zeros((1,), bool)])
+            d_entries = jnp.where(loads[:, None, None, None], self.d_entries, 0.0).astype(dt)
+            dq_, dk_, db_, dG_, dAkk, dv_, da, dh0 = E.entries_vjp((dv_intra, doc, d_entries))
+            if self.fin is not None:
+                da, dh0 = da + self.fin[4], dh0 + self.fin[5]
+            self.decays = E.decays_vjp(da)
+            self.dh0 = dh0
+            mT = lambda x: jnp.swapaxes(x, -1, -2)
+            dL = jnp.where(strictly_lower(L), -mT(Akk) @ dAkk @ mT(Akk), 0.0)
+            grads = ChunkGrads(grads.dq + dq_, grads.dk + dk_, grads.dv + dv_, grads.dbeta + db_, grads.dG + dG_,
+                               grads.dL + dL)
+        if self.fin is not None:  # the final states' own cotangents of k and G
+            d_k, d_G = self.fin[0], self.fin[1]
+            grads = dataclasses.replace(grads, dk=grads.dk + d_k.astype(grads.dk.dtype),
+                                        dG=grads.dG + d_G.astype(grads.dG.dtype))
+        return grads
+
+    def after_gate_bwd(self, raw):
+        if self.E is None:
+            return raw
+        dg_start, dA_start, db_start = self.decays  # the start tokens' own decays (start_decays' VJP)
+        add = lambda a, b: a if b is None else a + b.astype(a.dtype)
+        return dataclasses.replace(raw, dg=raw.dg + dg_start.astype(raw.dg.dtype),
+                                   dA_log=None if raw.dA_log is None else add(raw.dA_log, dA_start),
+                                   ddt_bias=None if raw.ddt_bias is None else add(raw.ddt_bias, db_start))
+
+    def initial_state(self, dhu):
+        return self.dh0  # (None: the shared layout without entries had no initial states)
+
+
+def backward_hooks(res, dht) -> BackwardHooks:
+    """The backward's layout hooks for residuals ``res`` (``KDAResiduals``) and the final
+    states' cotangent ``dht`` (or None): ``SharedChunkHooks`` on the shared-chunk layout,
+    else the plain ``BackwardHooks``."""
+    return BackwardHooks() if res.layout.reset is None else SharedChunkHooks(res, dht)

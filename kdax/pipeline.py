@@ -519,76 +519,33 @@ class KDAPipeline(eqx.Module):
         want = (L.valid.shape[0] if L.pos is None else 1, L.T, res.v.shape[1], res.v.shape[-1])
         if tuple(do.shape) != want:
             raise ValueError(f"do: expected shape [B, T, HV, V] = {want}, got {tuple(do.shape)}.")
-        shared_dht = dht is not None and L.reset is not None  # (shared chunks keep one zero state entry)
         N = res.h0.shape[0] if L.reset is None else res.cu_seqlens.shape[0] - 1  # (shared: h0 is a state table)
         if dht is not None and tuple(dht.shape) != (N,) + tuple(res.h0.shape[1:]):
             raise ValueError(f"dht: expected shape [N, HV, K, V] = {(N,) + tuple(res.h0.shape[1:])}, got {tuple(dht.shape)}.")
         self = self.resolved(res.in_dtypes[0])  # the policy chunk_kda resolves, for pipeline.backward
-        dt = res.h0.dtype
-        doc = self._chunked_cotangent(L, do, dt)
-        fin_dht = dht.astype(dt) if shared_dht else None
-        # A non-finite dht stays in its sequence: zero before B2 reads it; shared chunks read
-        # it as given and select per head after the VJP (_shared_states.finals_vjp).
-        dht = jnp.zeros_like(res.h0) if dht is None or shared_dht else _isolation.finite_or_zero(dht.astype(dt))
-        c = self.recomputed(res)
-        w, qg, kg, h, v_new = c.w, c.qg, c.kg, c.h, c.v_new
-        E, cu = res.entries, res.cu_seqlens
-        if E is not None:  # initial states entering shared chunks: their first-chunk part
-            v_out = v_new + E.v_new  # what F5 and the final states read
-        else:
-            v_out = v_new
+        # What the layout adds between the stages (shared chunks: final states, entering states).
+        doc = self._chunked_cotangent(L, do, res.h0.dtype)
+        ext = _shared_states.backward_hooks(res, dht)
+        dht = ext.b2_dht(dht, res.h0)
+        c = self.recomputed(res)  # B0
+        v_out = ext.v_out(c.v_new)
         dAqk, dv_intra = self.run_stage("dav", v_new=v_out, Aqk=res.Aqk, do=doc)  # B1
-        if shared_dht:  # a loss on the final states of shared chunks (kdax._shared_states)
-            if E is None:
-                fin = lambda k_, G_, v_, h_, a_, h0_: _shared_states.shared_finals(L, cu, k_, G_, act.G_lo, v_, h_)
-                a0, h00 = None, None
-            else:
-                fin = lambda k_, G_, v_, h_, a_, h0_: _shared_states.entry_finals(L, cu, k_, G_, act.G_lo, v_, h_, a_, h0_, E.ok)
-                a0, h00 = E.a, E.h0
-            d_k, d_G, d_v, d_h, da_fin, dh0_fin = _shared_states.finals_vjp(L, cu, fin, (act.k, act.G, v_out, h, a0, h00),
-                                                                            fin_dht)
-            dv_intra = dv_intra + d_v.astype(dv_intra.dtype)
-        dhu = self.run_stage(  # B2
-            "dhu", scale=cfg.scale, qg=qg, kg=kg, w=w, G=act.G, do=doc, dv_intra=dv_intra, dht=dht, layout=L,
-            reset=L.reset,
-        )
-        d_entries = dhu.dh0  # (entries: the cotangents of the states F4 loaded)
-        if shared_dht:  # the chunk-start states' cotangents, run back on their own
-            NC = L.num_chunks
-            first = L.first[0] if E is not None else jnp.where(L.first[0] >= 0, NC, -1)
-            per_chunk = jnp.moveaxis(d_h[0], 1, 0).astype(dt)  # [NC, HV, K, V]
-            table = jnp.concatenate([per_chunk, jnp.zeros_like(per_chunk[:1])])
+        dv_intra = ext.after_dav(dv_intra, k=act.k, G=act.G, v_out=v_out, h=c.h)
+
+        def dhu(do_, dv_intra_, dht_, layout):  # B2
+            return self.run_stage("dhu", scale=cfg.scale, qg=c.qg, kg=c.kg, w=c.w, G=act.G, do=do_,
+                                  dv_intra=dv_intra_, dht=dht_, layout=layout, reset=L.reset)
+
+        def dhu_from_states(dht, layout):  # (a layout's extra B2 pass: no do, no dv_intra)
             zeros = jnp.zeros_like(doc)
-            extra = self.run_stage(
-                "dhu", scale=cfg.scale, qg=qg, kg=kg, w=w, G=act.G, do=zeros, dv_intra=zeros, dht=table,
-                layout=_shared_states.entry_layout(L, cu, first), reset=L.reset,
-            )
-            dhu = DhuOut(dhu.dh + extra.dh, dhu.dh0, dhu.dv_new + extra.dv_new)
-            if E is not None:  # a loaded state's own cotangent goes to its entry
-                loaded = jnp.where((first == jnp.arange(NC))[:, None, None, None], per_chunk, 0.0)
-                d_entries = d_entries + extra.dh0 + jnp.concatenate([loaded, jnp.zeros_like(per_chunk[:1])])
+            return dhu(zeros, zeros, dht, layout())
+
+        dh = ext.after_dhu(dhu(doc, dv_intra, dht, L), dhu_from_states)
         grads = self.run_stage(  # B3
-            "wy_dqkg", scale=cfg.scale, q=act.q, k=act.k, v=res.v, beta=act.beta, G=act.G, Akk=res.Akk, qg=qg,
-            kg=kg, h=h, dh=dhu.dh, v_new=v_new, do=doc, dv_new=dhu.dv_new, G_lo=act.G_lo, reset=L.reset,
+            "wy_dqkg", scale=cfg.scale, q=act.q, k=act.k, v=res.v, beta=act.beta, G=act.G, Akk=res.Akk, qg=c.qg,
+            kg=c.kg, h=c.h, dh=dh.dh, v_new=c.v_new, do=doc, dv_new=dh.dv_new, G_lo=act.G_lo, reset=L.reset,
         )
-        dh0 = None
-        if E is not None:  # the first-chunk part's VJP, its Akk cotangent as B3's dL
-            # Only the entries some chunk loads have a cotangent (a stage may leave the others
-            # unwritten: the Triton B2 does).
-            NC = L.num_chunks
-            loads = jnp.concatenate([L.first[0] == jnp.arange(NC), jnp.zeros((1,), bool)])
-            d_entries = jnp.where(loads[:, None, None, None], d_entries, 0.0).astype(dt)
-            dq_, dk_, db_, dG_, dAkk, dv_, da, dh0 = E.entries_vjp((dv_intra, doc, d_entries))
-            if shared_dht:
-                da, dh0 = da + da_fin, dh0 + dh0_fin
-            dg_start, dA_start, db_start = E.decays_vjp(da)
-            lower = _shared_states.strictly_lower(L)
-            dL = jnp.where(lower, -mT(res.Akk) @ dAkk @ mT(res.Akk), 0.0)
-            grads = ChunkGrads(grads.dq + dq_, grads.dk + dk_, grads.dv + dv_, grads.dbeta + db_, grads.dG + dG_,
-                               grads.dL + dL)
-        if shared_dht:  # the final states' own cotangents of k and G
-            grads = dataclasses.replace(grads, dk=grads.dk + d_k.astype(grads.dk.dtype),
-                                        dG=grads.dG + d_G.astype(grads.dG.dtype))
+        grads = ext.after_wy_dqkg(grads, dv_intra=dv_intra, doc=doc, Akk=res.Akk)
         grads = self.run_stage(  # B4
             "intra_bwd", scale=cfg.scale, q=act.q, k=act.k, beta=act.beta, G=act.G, dAqk=dAqk, grads=grads,
             G_lo=act.G_lo, reset=L.reset,
@@ -597,20 +554,16 @@ class KDAPipeline(eqx.Module):
             "gate_bwd", config=cfg, act=act, g=res.g_raw, A_log=res.A_log, dt_bias=res.dt_bias, valid=L.valid,
             dq=grads.dq, dk=grads.dk, dbeta=grads.dbeta, dG=grads.dG, reset=L.reset,
         )
-        if E is not None:  # the start tokens' own decays (start_decays' VJP)
-            add = lambda a, b: a if b is None else a + b.astype(a.dtype)
-            raw = dataclasses.replace(raw, dg=raw.dg + dg_start.astype(raw.dg.dtype),
-                                      dA_log=None if raw.dA_log is None else add(raw.dA_log, dA_start),
-                                      ddt_bias=None if raw.ddt_bias is None else add(raw.ddt_bias, db_start))
+        raw = ext.after_gate_bwd(raw)
         H = res.num_qk_heads
-        parts = BackwardParts(doc=as_chunked(doc), qg=qg, h=h, v_new=v_out, act_grads=grads)
+        parts = BackwardParts(doc=as_chunked(doc), qg=c.qg, h=c.h, v_new=v_out, act_grads=grads)
         return KDAGrads(
             q=unpack(L, reduce_group(raw.dq, H)),
             k=unpack(L, reduce_group(raw.dk, H)),
             v=unpack(L, grads.dv),
             g=unpack(L, raw.dg),
             beta=unpack(L, raw.dbeta[..., None])[..., 0],
-            initial_state=dh0 if E is not None else (None if L.reset is not None else dhu.dh0),  # (shared: none given)
+            initial_state=ext.initial_state(dh),
             A_log=raw.dA_log,
             dt_bias=raw.ddt_bias,
         ), parts

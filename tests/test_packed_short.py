@@ -4,6 +4,7 @@ visible in ``plan``, shapes independent of the ``cu_seqlens`` values, checks und
 NaN containment, tiles; initial states entering them and a loss on final states."""
 
 import dataclasses
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -176,7 +177,13 @@ def test_share_chunks_off_and_custom_gate_keep_the_per_sequence_layout():
     off = dataclasses.replace(ref, share_chunks=False)
     assert off.plan(*pos, cu_seqlens=cu, chunk_size=C).layout == "per-sequence"
 
-    class OldGate(kdax.stages.AbstractGate):  # a user's F1 written before `reset`
+    class OldGate(kdax.stages.AbstractGate):  # a user's F1 written before `reset`, KDA's own math
+        math: ClassVar[str] = kdax.stages.KDA
+
+        def __call__(self, config, q, k, g, beta, A_log, dt_bias, valid):
+            return kdax.stages.ReferenceGate()(config, q, k, g, beta, A_log, dt_bias, valid)
+
+    class OtherGate(kdax.stages.AbstractGate):  # the same, declaring no math: never replaced by the reference
         def __call__(self, config, q, k, g, beta, A_log, dt_bias, valid):
             return kdax.stages.ReferenceGate()(config, q, k, g, beta, A_log, dt_bias, valid)
 
@@ -185,6 +192,8 @@ def test_share_chunks_off_and_custom_gate_keep_the_per_sequence_layout():
     with_fallback = dataclasses.replace(custom, fallback=True)
     plan = with_fallback.plan(*pos, cu_seqlens=cu, chunk_size=C)
     assert plan.layout == "shared" and "reset" in plan.fallbacks["gate"]
+    other = dataclasses.replace(eqx.tree_at(lambda p: p.gate, ref, OtherGate()), fallback=True)
+    assert other.plan(*pos, cu_seqlens=cu, chunk_size=C).layout == "per-sequence"
 
     class OldIntra(kdax.stages.AbstractIntra):  # an F2 written before `reset` (issue 25)
         def __call__(self, scale, q, k, beta, G, G_lo=None):
