@@ -127,8 +127,8 @@ def test_backward_stages(target, interpret, dtype, tol, C, K, V):
 @pytest.mark.parametrize("dtype,tol", [(jnp.float64, 1e-12), (jnp.float32, 1e-5)])
 def test_triton_chunk_kernels_over_column_blocks(dtype, tol):
     """The Triton F2, F3, B3 and B4 take K = 72 and V = 40 (padded to 128 and 64) 16 columns
-    at a time (``block_k``, ``block_v``; B4 also 16 rows at a time, the other row blocks one
-    by one): equal to the reference stages, with G_lo too; a NaN in k at one token makes
+    at a time (``block_k``, ``block_v``; B4 one program per 16 columns): equal to the
+    reference stages, with G_lo too; a NaN in k at one token makes
     F3's w NaN from that token on, in the columns of its block, and in no earlier row."""
     x = _x(dtype, 32, 72, 40, seed=5)
     kw = dict(target="triton", interpret=True, block_k=16)
