@@ -10,15 +10,19 @@ log2(C) doubling steps of two products. Whole-chunk tiles rather than 16 x 16 on
 16-row tile product leaves most of a program's warps holding copies (compiled for
 sm_90 that layout took F2 to 255 registers and 1.9 KiB of spills a thread).
 
-F2 on TPU and B4, per (p, chunk) block, in 2-D: off-diagonal sub-blocks by anchored
-matmuls (anchor = first row of the row block, both factors with non-positive exponents)
-in a ``fori_loop`` over the row blocks, diagonal sub-blocks one column (or row) at a time
-in another, ``(I + L)^-1`` by row-wise forward substitution. Masks are applied in the
-exponent. The row-block loops are loops rather than unrolled Python: unrolled, Triton
-kept the C x C operands of every block alive (B4 at chunk 128 in float64 asked for 1040
-KiB of shared memory) and took many minutes to compile at chunk 128. On Triton, B4 takes
-a block of rows and of feature columns at a time (``intra_bwd_rows_kernel``), as FLA's
-kernel does.
+B4 on Triton (``intra_bwd_levels_kernel``), F2's VJP at the same granularity: per halving
+level the transposes of F2's level products, ``[C, C] x [C, block]`` tile products of the
+level's masked dA and dL with the token side's anchored decays, in two loops over the
+levels (the column sums', then the row sums'); one program per (row * head, chunk, block
+of at most 32 feature columns).
+
+F2 on TPU and B4 on TPU, per (p, chunk) block, in 2-D: off-diagonal sub-blocks by
+anchored matmuls (anchor = first row of the row block, both factors with non-positive
+exponents) in a ``fori_loop`` over the row blocks, diagonal sub-blocks one column (or
+row) at a time in another, ``(I + L)^-1`` by row-wise forward substitution. Masks are
+applied in the exponent. The row-block loops are loops rather than unrolled Python:
+unrolled, Triton kept the C x C operands of every block alive (B4 at chunk 128 in float64
+asked for 1040 KiB of shared memory) and took many minutes to compile at chunk 128.
 """
 
 from typing import ClassVar, Mapping, Optional
@@ -30,6 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from .. import _precision
+from .._hilo import exponent
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkValid, typecheck
 from .._resets import per_head, segments
 from ..stages import KDA, AbstractIntra, AbstractIntraBackward, ChunkGrads, IntraOut
@@ -38,6 +43,7 @@ from ._common import (
     PallasFeatureBlocks, blockwise, chunk_spec, col_of, decay, dot, flat, idiv, iota, loop, nonfinite_rows,
     ref_or_none, row_of, row_or_none, tuned, unflat,
 )
+from ._common import _TUNING, column_blocks, compiler_params, kernel_name, manual_inputs
 
 
 def _blocks(C: int, block: int):
@@ -236,78 +242,226 @@ def intra_bwd_outputs(q, k, beta, dq_a, dk_a, r, c, dq, dk, dG):
             jnp.sum(k * r, axis=1, keepdims=True))
 
 
-def intra_bwd_rows_kernel(scale: float, block: int, C: int, blocks, has_lo: bool):
-    """B4's kernel on Triton, as FLA's ``chunk_kda_bwd_intra`` takes it: one block of
-    ``block`` output rows at a time (a loop), within it ``blocks`` of feature columns
-    (``column_blocks``), and the other row blocks one at a time: every product is
-    ``[block, block] x [block, bk]``, every value a tile of at most ``[block, bk]``. Whole
-    ``[C, C]`` and ``[C, K]`` tiles took the kernel past the 255 registers a thread has at
-    K = 128, spilling kilobytes. Blocks before this one are anchored at its first row,
-    blocks after it at the next block's first row; the diagonal block is taken one token
-    at a time."""
-    b, nb = min(block, C), C // min(block, C)
+def finite_or_zero(x):
+    """``x`` with its non-finite entries replaced by exact zeros."""
+    return jnp.where(jnp.abs(x) < jnp.inf, x, 0.0)
 
-    def kernel(q_ref, k_ref, b_ref, g_ref, da_ref, dl_ref, dq_ref, dk_ref, db_ref, dg_ref, *rest):
+
+def nonfinite(x):
+    """1 where an entry of ``x`` is NaN or infinite, else 0 (x's dtype)."""
+    return (~(jnp.abs(x) < jnp.inf)).astype(x.dtype)
+
+
+def reached_down(bad):
+    """``[C, D]`` bool: entry (i, d) has a nonzero ``bad`` at some row t <= i of column d."""
+    return jax.lax.cumsum(bad, axis=0) > 0
+
+
+def reached_up(bad):
+    """``[C, D]`` bool: entry (j, d) has a nonzero ``bad`` at some row t >= j of column d
+    (a forward cumsum: the counts are small integers, exact)."""
+    return jnp.sum(bad, axis=0, keepdims=True) - jax.lax.cumsum(bad, axis=0) + bad > 0
+
+
+def fast_decay(x, y, x_lo=None, y_lo=None):
+    """``decay`` (no mask) as ``2^(log2(e) (x - y))``: on the GPU an ``ex2`` and a multiply
+    (``__nv_exp2f``) where ``exp`` takes a range reduction of several instructions (B4's
+    instructions -11%); the exponent's rounding adds a relative error of about
+    ``eps |x - y|`` (exponents here are differences inside one chunk, non-positive)."""
+    return jnp.exp2(exponent(x, y, x_lo, y_lo) * 1.4426950408889634)
+
+
+def scaled_dot(f, a, b, ta: bool = False):
+    """``f * (op(a) @ b)`` (``dot``). Compiled under the ``"tf32x3"`` tuning, as the three
+    TF32 products of the split ``x = hi(x) + lo(x)`` (``hi``: x's top 19 bits, exact in
+    TF32), each scaled by ``f`` before the sum: Triton's own TF32x3 chains its three
+    products through the accumulator, and a product that feeds another one gets its
+    warps laid along the rows (``warpsPerCTA = [8, 1]``), which at 64 rows and eight warps
+    holds every accumulator twice (B4 at 255 registers and 1.2 KiB of spills); unchained,
+    each product is laid as a lone one."""
+    tuning = _TUNING.get()
+    if tuning is None or tuning.f32_dot != "tf32x3" or a.dtype != jnp.float32 or _precision.operand_dtype() is not None:
+        return f * dot(a, b, ta=ta)
+
+    def hi(x):
+        bits = jax.lax.bitcast_convert_type(x, jnp.int32) & jnp.int32(-8192)  # the low 13 mantissa bits cleared
+        return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+    dims = (((0 if ta else 1,), (0,)), ((), ()))
+    def tf32(x, y):
+        return jax.lax.dot_general(x, y, dims, precision=jax.lax.DotAlgorithmPreset.TF32_TF32_F32,
+                                   preferred_element_type=jnp.float32)
+
+    ah, bh = hi(a), hi(b)
+    return f * tf32(ah, bh) + f * tf32(ah, b - bh) + f * tf32(a - ah, bh)  # (hi(a) dead before lo(a))
+
+
+class Rows:
+    """A ref whose reads take the rows ``rows`` (a ``pl.ds``) in place of the full row
+    range (``ref[...]``, ``ref[:, cols]``); other indexings (gathers) as they are."""
+
+    def __init__(self, ref, rows):
+        self.ref, self.rows = ref, rows
+
+    def __getitem__(self, idx):
+        if idx is Ellipsis:
+            idx = (slice(None), slice(None))
+        if isinstance(idx[0], slice) and idx[0] == slice(None):
+            idx = (self.rows,) + tuple(idx[1:])
+        return self.ref[idx]
+
+
+# The most feature columns one program of B4's Triton kernel takes (``block_k`` above it
+# is cut to this): at 64 columns and eight warps the kernel spilled (64 B a thread at the
+# candidate tuning, sm_90; with the 64 columns as two 32-column sums sharing each level's
+# [C, C] operands, 664 B). The cost: each 32-column program repeats the levels' [C, C]
+# work (the masked dA and dL, split for TF32x3), about 5k of its 11.5k instructions a warp.
+B4_MAX_BLOCK = 32
+
+
+def level_pair_sums(scale: float, refs, cols, pick, C: int, width: int):
+    """B4's pair sums ``(dq_a, r, e)`` for the feature columns ``cols`` (each ``[C, width]``),
+    the transposes of F2's level products (``level_scores``): for each halving level
+    (``level_pairs``) the level's entries of ``dA`` and ``dL`` (``pick(ref, pairs, at)``:
+    selected, never multiplied by a mask) in ``[C, C] x [C, w]`` tile products, each
+    side's decay taken to the level's anchor a as in F2:
+
+    - rows: ``R_i += e^(G_i - G_a) sum_j S_ij (k_j e^(G_a - G_j))`` (S = dA: dq_a; S = dL: r);
+    - columns: ``e_j += e^(G_a - G_j) sum_i (scale dA_ij q_i + dL_ij beta_i k_i) e^(G_i - G_a)``
+      (the reference's ``scale dk_a + c``: both products into one tile), ``S^T`` read
+      transposed from memory (a gather load).
+
+    Two loops over the levels, the column sums' then the row sums' (one loop with all
+    four products spilled). ``refs``: ``(q, k, beta, G, G_lo or None, dA, dL)``. Every exponent is
+    non-positive (``level_scores``' anchors). The products' token-side operands have
+    their non-finite entries zeroed (a ``0 * NaN`` in a product would carry a non-finite
+    token to every row of the chunk); the caller restores the rows they reach. Non-finite
+    entries of ``dA``, ``dL`` reach their rows and columns as in the reference."""
+    t = iota((C,), 0)
+    sr = jax.lax.shift_right_logical
+
+    def level_operands(lev):
+        # Rows 0..C-1 from a start Triton cannot prove constant (it is 0), so that it keeps
+        # the loads inside the loop: hoisted, every operand stayed live across the levels.
+        z = jnp.minimum(lev, 0)
+        ri, cj = iota((C, 1), 0), iota((1, C), 1)  # (from vectors: no [C, C] index tiles live)
+        pairs = (sr(ri, lev + 1) == sr(cj, lev + 1)) & (sr(ri, lev) > sr(cj, lev))
+        pairs_t = (sr(ri, lev + 1) == sr(cj, lev + 1)) & (sr(ri, lev) < sr(cj, lev))
+        S = lambda w: pick(refs[w], pairs, (pl.ds(z, C), slice(None)))  # noqa: E731
+        St = lambda w: pick(refs[w], pairs_t, (cj + z, ri))  # S^T (a gather load)  # noqa: E731
+        return z, S, St
+
+    def token_operands(lev, z):
+        at = (pl.ds(z, C), cols)
+        q_ref, k_ref, b_ref, g_ref, lo_ref = (None if x is None else Rows(x, at[0]) for x in refs[:5])
+        ra = jax.lax.shift_left(sr(t, lev), lev)  # first row of each token's half-block
+        ca = jnp.minimum(ra + jax.lax.shift_left(jnp.int32(1), lev), C - 1)  # the next one's
+        G, lo = g_ref[at], ref_or_none(lo_ref, at)
+        into = fast_decay(G, gathered(g_ref, ra, cols), lo, gathered(lo_ref, ra, cols))  # e^(G_i - G_a)
+        back = fast_decay(gathered(g_ref, ca, cols), G, gathered(lo_ref, ca, cols), lo)  # e^(G_a - G_j)
+        return q_ref[at], k_ref[at], b_ref[pl.ds(z, C), :], into, back
+
+    def columns(lev, e):
+        z, _, St = level_operands(lev)
+        q, k, beta, into, back = token_operands(lev, z)
+        qx, bx = finite_or_zero(scale * q * into), finite_or_zero(beta * k * into)
+        return e + scaled_dot(back, St(5), qx) + scaled_dot(back, St(6), bx)
+
+    def rows(lev, acc):
+        z, S, _ = level_operands(lev)
+        _, k, _, into, back = token_operands(lev, z)
+        kx = finite_or_zero(k * back)
+        return acc[0] + scaled_dot(into, S(5), kx), acc[1] + scaled_dot(into, S(6), kx)
+
+    n = C.bit_length() - 1
+    zero = jnp.zeros((C, width), refs[0].dtype)
+    e = loop(0, n, columns, zero)  # (one tile live across the row sums' loop)
+    dq_a, r = loop(0, n, rows, (zero, zero))
+    return dq_a, r, e
+
+
+def intra_bwd_levels_kernel(scale: float, C: int, has_lo: bool, has_reset: bool):
+    """B4's kernel on Triton, the VJP of ``intra_levels_kernel`` at its granularity: no
+    per-token loop and no row or column pulled out of a tile. One program per (row * head,
+    chunk, block of feature columns), as FLA's ``chunk_kda_bwd_intra`` (every gradient
+    column depends on its own feature column alone; dbeta's part of each block is summed
+    outside; ``B4_MAX_BLOCK``): the diagonal terms (the diagonals of ``dA``, ``dL`` as
+    row sums) and ``level_pair_sums``, log2(C) levels of four tile products into three
+    tiles; pairs above the diagonal (and, with
+    ``has_reset``, across sequences) are selected to exact zeros. A non-finite token value
+    (q, k, beta, G, G_lo at token t, column d) reaches what it reaches in the reference
+    stage's products: the row sums' rows t on and the column sums' rows up to t, in
+    column d (set to NaN after the products, which ran on zeroed operands); dbeta from
+    those rows."""
+
+    def kernel(*refs):
+        q_ref, k_ref, b_ref, g_ref, da_ref, dl_ref, dq_ref, dk_ref, dg_ref = refs[:9]
+        rest = refs[9:-4]
         lo_ref = rest[0] if has_lo else None
-        dq_out, dk_out, db_out, dg_out = rest[-4:]
-        rb = iota((b, 1), 0)
+        dq_out, dk_out, db_out, dg_out = refs[-4:]
+        bk = q_ref.shape[-1]
 
-        def row_block(I, carry):
-            r0 = I * b
-            rs = pl.ds(r0, b)
-            nxt = pl.ds(jnp.minimum(r0 + b, C - 1), 1)  # the next block's first row (unused after the last)
-            beta = b_ref[rs, :]
-            dA_d, dL_d = da_ref[rs, rs], dl_ref[rs, rs]
-            dA_dt, dL_dt = dA_d.T, dL_d.T
-            db = db_ref[rs, :]
-            for k0, bk in blocks:
-                cols = pl.ds(k0, bk)
-                ld = lambda ref, rows: ref_or_none(ref, (rows, cols))
-                q, k, G, lo = ld(q_ref, rs), ld(k_ref, rs), ld(g_ref, rs), ld(lo_ref, rs)
-                Ga, La = ld(g_ref, pl.ds(r0, 1)), ld(lo_ref, pl.ds(r0, 1))
-                Gn, Ln = ld(g_ref, nxt), ld(lo_ref, nxt)
-                zero = jnp.zeros(q.shape, q.dtype)
+        def pick(ref, pairs, at=Ellipsis):  # ref[at]'s entries at pairs (within one sequence), exact zeros elsewhere
+            if has_reset:
+                pairs = pairs & (rest[-2][...] == rest[-1][...])
+            return jnp.where(pairs, ref[at], 0.0)
 
-                def before(J, acc):  # R_i += e^(G_i - G_a) sum_j S_ij k_j e^(G_a - G_j), j in block J < I
-                    js = pl.ds(J * b, b)
-                    kx = ld(k_ref, js) * decay(None, Ga, ld(g_ref, js), La, ld(lo_ref, js))
-                    return acc[0] + dot(da_ref[rs, js], kx), acc[1] + dot(dl_ref[rs, js], kx)
-
-                def after(J, acc):  # C_j += e^(G_n - G_j) sum_i S_ij a_i e^(G_i - G_n), i in block J > I
-                    js = pl.ds(J * b, b)
-                    out = decay(None, ld(g_ref, js), Gn, ld(lo_ref, js), Ln)
-                    return (acc[0] + dot(da_ref[js, rs], ld(q_ref, js) * out, ta=True),
-                            acc[1] + dot(dl_ref[js, rs], b_ref[js, :] * ld(k_ref, js) * out, ta=True))
-
-                dq_a, r = loop(0, I, before, (zero, zero))
-                into = decay(None, G, Ga, lo, La)
-                dq_a, r = into * dq_a, into * r
-                dk_a, c = loop(I + 1, nb, after, (zero, zero))
-                back = decay(None, Gn, G, Ln, lo)
-                dk_a, c = back * dk_a, back * c
-
-                def diag(t, acc):
-                    dq_a, r, dk_a, c = acc
-                    row = pl.ds(r0 + t, 1)
-                    Gt, Lt, kt = ld(g_ref, row), ld(lo_ref, row), ld(k_ref, row)
-                    e_in = kt * decay(rb >= t, G, Gt, lo, Lt)  # token t into the block's later rows
-                    e_out = decay(rb <= t, Gt, G, Lt, lo)  # token t back to the block's earlier rows
-                    return (dq_a + col_of(dA_d, t) * e_in, r + col_of(dL_d, t) * e_in,
-                            dk_a + col_of(dA_dt, t) * ld(q_ref, row) * e_out,
-                            c + col_of(dL_dt, t) * (b_ref[row, :] * kt) * e_out)
-
-                dq_a, r, dk_a, c = loop(0, b, diag, (dq_a, r, dk_a, c))
-                at = (rs, cols)
-                dq_out[at], dk_out[at], dg_out[at], ddb = intra_bwd_outputs(
-                    q, k, beta, scale * dq_a, scale * dk_a, r, c, dq_ref[at], dk_ref[at], dg_ref[at])
-                db = db + ddb
-            db_out[rs, :] = db
-            return carry
-
-        loop(0, nb, row_block, jnp.int32(0))
+        dq_a, r, e = level_pair_sums(scale, (q_ref, k_ref, b_ref, g_ref, lo_ref, da_ref, dl_ref), pl.ds(0, bk),
+                                     pick, C, bk)
+        # The diagonal terms and the outputs, read after the levels (nothing but the sums
+        # live across them), the row sums' outputs first; rows from a start Triton cannot
+        # prove is 0: addresses of their own, not the levels' kept live to here.
+        fresh = pl.ds(jnp.minimum(pl.program_id(2), 0), C)
+        q_ref, k_ref, g_ref, b_ref, da_ref, dl_ref = (
+            Rows(x, fresh) for x in (q_ref, k_ref, g_ref, b_ref, da_ref, dl_ref))
+        lo_ref = None if lo_ref is None else Rows(lo_ref, fresh)
+        eye = iota((C, 1), 0) == iota((1, C), 1)
+        dA_d = jnp.sum(pick(da_ref, eye), axis=1, keepdims=True)  # the diagonals ([C, 1])
+        dL_d = jnp.sum(pick(dl_ref, eye), axis=1, keepdims=True)
+        beta, k, G, lo = b_ref[...], k_ref[...], g_ref[...], ref_or_none(lo_ref, Ellipsis)
+        bad_G = nonfinite(G) if lo is None else jnp.maximum(nonfinite(G), nonfinite(lo))
+        down = reached_down(jnp.maximum(nonfinite(k), bad_G))
+        dq_a = jnp.where(down, jnp.nan, dq_a + dA_d * k)
+        r = jnp.where(down, jnp.nan, r + dL_d * k)
+        dq_out[...] = dq_ref[...] + scale * dq_a
+        db_out[...] = jnp.sum(k * r, axis=1, keepdims=True)
+        q = q_ref[...]
+        br = beta * r
+        part = scale * q * dq_a + k * br
+        bk_ = beta * k
+        up = reached_up(jnp.maximum(jnp.maximum(nonfinite(q), nonfinite(bk_)), bad_G))
+        e = jnp.where(up, jnp.nan, e + dA_d * (scale * q) + dL_d * bk_)
+        dk_out[...] = dk_ref[...] + e + br
+        dg_out[...] = dg_ref[...] + part - k * e
 
     kernel.__qualname__ = "PallasIntraBackward.kernel"  # its name in profiles
     return kernel
+
+
+def column_block_call(kernel, inputs, kinds, C: int, bk: int, nk: int, P: int, NC: int, dtype, interpret: bool):
+    """B4's Triton call over the grid (P, NC, nk): inputs of kind ``"k"`` (``[P, NC, C,
+    nk * bk]``) give each program its block of ``bk`` columns, the others (``[P, NC, *block]``)
+    their whole chunk block. Outputs: three ``[P, NC, C, nk * bk]`` and dbeta's part of each
+    block, ``[P, NC, C, nk]``."""
+    specs = []
+    for x, kind in zip(inputs, kinds):
+        if kind == "k":
+            specs.append(pl.BlockSpec((None, None, C, bk), lambda p, c, j: (p, c, 0, j)))
+        else:
+            specs.append(pl.BlockSpec((None, None) + x.shape[2:], lambda p, c, j: (p, c, 0, 0)))
+    inputs, mat = manual_inputs(inputs)
+    wide = jax.ShapeDtypeStruct((P, NC, C, nk * bk), dtype, manual_axis_type=mat)
+    kspec = pl.BlockSpec((None, None, C, bk), lambda p, c, j: (p, c, 0, j))
+    return pl.pallas_call(
+        kernel,
+        name=kernel_name(kernel),
+        out_shape=[wide, wide, jax.ShapeDtypeStruct((P, NC, C, nk), dtype, manual_axis_type=mat), wide],
+        grid=(P, NC, nk),
+        in_specs=specs,
+        out_specs=[kspec, kspec, pl.BlockSpec((None, None, C, 1), lambda p, c, j: (p, c, 0, j)), kspec],
+        interpret=interpret,
+        compiler_params=None if interpret else compiler_params("triton", False, 3),
+    )(*inputs)
 
 
 @final
@@ -392,10 +546,12 @@ def intra_chunk_kernel(scale: float, C: int, block: int, blocks, has_lo: bool, h
 
 @final
 class PallasIntraBackward(AbstractIntraBackward, PallasFeatureBlocks):
-    """B4 as a Pallas kernel over (row * head, chunk); ``G_lo`` as ``PallasIntra``. On
-    Triton it takes ``block`` rows and ``block_k`` feature columns at a time
-    (``intra_bwd_rows_kernel``; every gradient column depends on its own feature column
-    alone, and dbeta sums over them); on TPU the whole chunk at once."""
+    """B4 as a Pallas kernel over (row * head, chunk); ``G_lo`` and ``reset`` as
+    ``PallasIntra``. On Triton (``intra_bwd_levels_kernel``) the transposes of F2's
+    halving-level tile products, one program per block of ``block_k`` feature columns, at
+    most ``B4_MAX_BLOCK`` (every gradient column depends on its own feature column alone;
+    dbeta's parts are summed after the call); on TPU the whole chunk at once
+    (``pair_rows_body``, ``pair_cols_body``)."""
 
     transposes: ClassVar[Mapping[str, str]] = MappingProxyType({"intra": KDA})
     accepts: ClassVar[frozenset] = frozenset({"G_lo"})
@@ -414,6 +570,7 @@ class PallasIntraBackward(AbstractIntraBackward, PallasFeatureBlocks):
         dAqk: ChunkMat,
         grads: ChunkGrads,
         G_lo: Optional[ChunkK] = None,
+        reset: Optional[ChunkValid] = None,
     ) -> ChunkGrads:
         R, HV, NC, C, K = q.shape
         self.check_widths(K=K)
@@ -427,16 +584,34 @@ class PallasIntraBackward(AbstractIntraBackward, PallasFeatureBlocks):
         specs = [sk, sk, s1, sk, sc, sc, sk, sk, s1, sk]
         if G_lo is not None:
             ins, specs = ins + (self.padded(G_lo),), specs + [sk]
+        if reset is not None:  # each token's sequence within its chunk, as a column and as a row
+            seg = flat(per_head(segments(reset), HV))
+            ins += (seg, seg.reshape(seg.shape[0], NC, 1, C))
+            specs += [s1, chunk_spec((1, C))]
+        has_lo, has_reset = G_lo is not None, reset is not None
 
         if self.target == "triton":
-            kernel = intra_bwd_rows_kernel(scale, block, C, blocks, G_lo is not None)
+            bk = min(blocks[0][1], B4_MAX_BLOCK)
+            blocks = column_blocks("triton", Kp, bk)
+            kernel = intra_bwd_levels_kernel(scale, C, has_lo, has_reset)
+            kinds = ["k", "k", "1", "k", "1", "1", "k", "k", "k"] + ["k"] * has_lo + ["1", "1"] * has_reset
+            keep = [i for i in range(len(ins)) if i != 8]  # dbeta: its parts are summed here
+            dq, dk, db, dG = column_block_call(kernel, [ins[i] for i in keep], kinds, C, bk, len(blocks), R * HV, NC,
+                                               q.dtype, self.run_interpreted)
+            db = flat(grads.dbeta) + jnp.sum(db, axis=-1, keepdims=True)
+            cut = lambda x: unflat(x[..., :K], R, HV)
+            return ChunkGrads(cut(dq), cut(dk), grads.dv, unflat(db, R, HV, squeeze=True), cut(dG), None)
         else:
             def kernel(*refs):  # the whole chunk at once
                 q_ref, k_ref, b_ref, g_ref, da_ref, dl_ref, dq_ref, dk_ref, db_ref, dg_ref = refs[:10]
-                lo = refs[10][...] if G_lo is not None else None
+                rest = refs[10:-4]
+                lo = rest[0][...] if has_lo else None
                 dq_out, dk_out, db_out, dg_out = refs[-4:]
                 q, k, beta, G = q_ref[...], k_ref[...], b_ref[...], g_ref[...]
                 dA, dL = da_ref[...], dl_ref[...]
+                if has_reset:  # F2's pairs across sequences are constant zeros
+                    same = rest[-2][...] == rest[-1][...]
+                    dA, dL = jnp.where(same, dA, 0.0), jnp.where(same, dL, 0.0)
                 dq_a = scale * pair_rows_body(dA, k, G, block, lo)
                 dk_a = scale * pair_cols_body(dA, q, G, block, lo)
                 r = pair_rows_body(dL, k, G, block, lo)

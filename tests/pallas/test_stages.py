@@ -127,8 +127,8 @@ def test_backward_stages(target, interpret, dtype, tol, C, K, V):
 @pytest.mark.parametrize("dtype,tol", [(jnp.float64, 1e-12), (jnp.float32, 1e-5)])
 def test_triton_chunk_kernels_over_column_blocks(dtype, tol):
     """The Triton F2, F3, B3 and B4 take K = 72 and V = 40 (padded to 128 and 64) 16 columns
-    at a time (``block_k``, ``block_v``; B4 also 16 rows at a time, the other row blocks one
-    by one): equal to the reference stages, with G_lo too; a NaN in k at one token makes
+    at a time (``block_k``, ``block_v``; B4 one program per 16 columns): equal to the
+    reference stages, with G_lo too; a NaN in k at one token makes
     F3's w NaN from that token on, in the columns of its block, and in no earlier row."""
     x = _x(dtype, 32, 72, 40, seed=5)
     kw = dict(target="triton", interpret=True, block_k=16)
@@ -517,3 +517,79 @@ def test_triton_intra_tile_products(dtype, tol):
         others = np.isnan(a).copy()
         others[1, 0, 1, t:] = False
         assert not others.any(), n
+
+
+def _b4_args(dtype, C, K, seed):
+    """B4's arguments: gates down to -1000 (``chunked(strong=True)``), dAqk lower
+    triangular, dL strictly lower, B3's gradients random."""
+    x = chunked(seed, R=2, HV=2, NC=2, C=C, K=K, V=4, strong=True)
+    cast = lambda a: a.astype(dtype)  # noqa: E731
+    q, k, beta, G = (cast(x[n]) for n in ("q", "k", "beta", "G"))
+    mat = jnp.zeros(q.shape[:-1] + (C,), dtype)
+    dL = jnp.tril(rand_like(mat, seed + 7), -1)
+    grads = ChunkGrads(rand_like(q, seed + 8), rand_like(k, seed + 9), None, rand_like(beta, seed + 11),
+                       rand_like(G, seed + 12), dL)
+    return (x["scale"], q, k, beta, G, jnp.tril(rand_like(mat, seed + 13)), grads)
+
+
+def _b4_close(got, want, tol, name):
+    for f in ("dq", "dk", "dbeta", "dG"):
+        a, b = np.asarray(getattr(got, f)), np.asarray(getattr(want, f))
+        assert_close(a, b, tol, f"{name}.{f}")
+        assert np.max(np.abs(a - b)) <= tol * np.max(np.abs(b)), (name, f, np.max(np.abs(a - b)))
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float64, 1e-12), (jnp.float32, 1e-5)], ids=["f64", "f32"])
+def test_triton_intra_backward_tile_products(dtype, tol):
+    """The Triton B4 (``intra_bwd_levels_kernel``: per halving level the transposes of F2's
+    level products, no per-token loop) equals the reference stage in rel-RMS and max-abs,
+    gates down to -1000: dense at C = 16, 32, 64 with K not a power of 2 (K = 40 padded to
+    64: two 32-column programs a chunk); with G_lo (float32); shared chunks with resets on
+    both targets (pairs across sequences contribute nothing: a gradient of dAqk or dL
+    across them changes nothing). A NaN in k at token t: NaN exactly where the
+    reference's are (dq, dbeta from row t on; dk, dG in k's column), every other entry as
+    the reference's, and no other chunk or head touched."""
+    pal, ref = P.PallasIntraBackward(target="triton", interpret=True), S.ReferenceIntraBackward()
+    for C, K in ((16, 12), (32, 12), (64, 40)):
+        args = _b4_args(dtype, C, K, seed=C)
+        _b4_close(pal(*args), ref(*args), tol, f"dense C={C}")
+    if dtype == jnp.float32:
+        lo = _G_lo(args[4])
+        _b4_close(pal(*args, G_lo=lo), ref(*args, G_lo=lo), tol, "G_lo")
+
+    args = _b4_args(dtype, 64, 12, seed=3)
+    reset = np.zeros((2, 2, 64), bool)
+    reset[0, 0, [0, 5, 16, 17, 40]] = reset[0, 1, [63]] = reset[1, 1, [0, 31, 32]] = True
+    reset = jnp.asarray(reset)
+    want = ref(*args, reset=reset)
+    got = pal(*args, reset=reset)
+    _b4_close(got, want, tol, "reset")
+    _b4_close(P.PallasIntraBackward(target="tpu", interpret=True)(*args, reset=reset), want, tol, "reset (tpu)")
+    seg = np.cumsum(np.asarray(reset) & (np.arange(64) > 0), axis=-1)[:, None, :, :, None]
+    across = jnp.asarray(np.broadcast_to(seg != np.swapaxes(seg, -1, -2), args[5].shape))
+    assert across.any()
+    noise = rand_like(args[5], 99)
+    grads = args[6]
+    moved = (*args[:5], jnp.where(across, noise, args[5]),
+             ChunkGrads(grads.dq, grads.dk, None, grads.dbeta, grads.dG, jnp.where(across, noise, grads.dL)))
+    for a, b in zip(jax.tree.leaves(pal(*moved, reset=reset)), jax.tree.leaves(got)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    t = 21
+    bad = (*args[:2], args[2].at[1, 0, 1, t, 3].set(jnp.nan), *args[3:])
+    clean, got, want = pal(*args), pal(*bad), ref(*bad)
+    for f in ("dq", "dk", "dbeta", "dG"):
+        a, b, c = (np.asarray(getattr(x, f)) for x in (got, want, clean))
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(b), err_msg=f)
+        ok = ~np.isnan(b)
+        assert np.max(np.abs(a[ok] - b[ok])) <= tol * np.max(np.abs(b[ok])), f
+        hit = np.isnan(a[1, 0, 1])
+        assert hit.any() and not hit[:t].any() if f in ("dq", "dbeta") else hit.any(), f
+        if f in ("dq", "dk", "dG"):
+            assert not np.delete(hit, 3, axis=-1).any(), f  # k's column only
+        others = np.isnan(a).copy()
+        others[1, 0, 1] = False
+        assert not others.any(), f
+        same = np.ones(a.shape[:3], bool)
+        same[1, 0, 1] = False
+        np.testing.assert_array_equal(a[same], c[same], err_msg=f)

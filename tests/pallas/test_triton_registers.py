@@ -69,7 +69,10 @@ def test_chunk_kernels_fit_in_registers():
     registers here; with its NaN rows found by a transposed [C, C] mask kept live across
     the inverse, 255 and 280 B of spills. At the default tuning (four warps, IEEE float32
     products as FMA loops) its 64 x 64 x 64 products of the inverse spill about 3 KiB a
-    thread: not asserted."""
+    thread: not asserted. B4 as tile products (``intra_bwd_levels_kernel``): 234
+    registers with 32 feature columns a program (``B4_MAX_BLOCK``); at 64 columns 64 B of
+    spills; with all four products in one loop over the levels 72 to 312 B; with Triton's
+    own (chained) TF32x3 products 1.2 KiB."""
     t = dict(num_warps=8, num_stages=2, f32_dot="tf32x3")
     used = {src.split(" ")[0]: resources(text, 8, 2) for src, text in chunk_kernels("bfloat16", t).items()}
     assert len(used) == 4, used
