@@ -554,7 +554,7 @@ class PallasIntraBackward(AbstractIntraBackward, PallasFeatureBlocks):
     (``pair_rows_body``, ``pair_cols_body``)."""
 
     transposes: ClassVar[Mapping[str, str]] = MappingProxyType({"intra": KDA})
-    accepts: ClassVar[frozenset] = frozenset({"G_lo"})
+    accepts: ClassVar[frozenset] = frozenset({"G_lo", "reset"})
 
     block: int = eqx.field(static=True, default=16)
 
