@@ -23,6 +23,8 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
+from ._isolation import finite_or_zero  # (a non-finite dht stays in its sequence)
+
 
 class ChunkLayout(eqx.Module):
     """Where tokens and sequences sit in the chunked layout.
@@ -164,8 +166,6 @@ class BackwardHooks:
 
     def b2_dht(self, dht, h0):
         """The ``dht`` B2 starts from (``[N, HV, K, V]``; ``h0`` the residuals' state table)."""
-        from ._isolation import finite_or_zero  # (a non-finite dht stays in its sequence)
-
         return jnp.zeros_like(h0) if dht is None else finite_or_zero(dht.astype(h0.dtype))
 
     def v_out(self, v_new):

@@ -33,7 +33,7 @@ from ._layout import BackwardHooks, ChunkLayout
 from ._ops import tri_mask
 from ._ragged import Spans, matvec, narrow_width, outer, token_slots
 from ._resets import same_segment, segments
-from .stages import activated_gate
+from .stages import ChunkGrads, DhuOut, activated_gate
 
 
 class _Seqs(NamedTuple):
@@ -319,8 +319,6 @@ class SharedChunkHooks(BackwardHooks):
         return dv_intra + self.fin[2].astype(dv_intra.dtype)
 
     def after_dhu(self, dhu, run_dhu):
-        from .stages import DhuOut
-
         self.d_entries = dhu.dh0  # (entries: the cotangents of the states F4 loaded)
         if self.fin is None:
             return dhu
@@ -338,8 +336,6 @@ class SharedChunkHooks(BackwardHooks):
         return out
 
     def after_wy_dqkg(self, grads, *, dv_intra, doc, Akk):
-        from .stages import ChunkGrads
-
         E, L, dt = self.E, self.L, self.res.h0.dtype
         self.dh0 = None
         if E is not None:  # the first-chunk part's VJP, its Akk cotangent as B3's dL
