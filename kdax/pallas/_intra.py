@@ -46,6 +46,13 @@ from ._common import (
 from ._common import _TUNING, column_blocks, compiler_params, kernel_name, manual_inputs
 
 
+
+def _f2_refs(refs, has_lo: bool):
+    """F2's kernel refs: ``(q, k, g, beta, G_lo or None, Aqk out, Akk out)`` (the reset
+    table, when given, sits between G_lo and the outputs)."""
+    lo_ref = refs[4] if has_lo else None
+    return (*refs[:4], lo_ref, *refs[-2:])
+
 def _blocks(C: int, block: int):
     b = min(block, C)
     rC = iota((C, 1), 0)
@@ -165,10 +172,8 @@ def intra_levels_kernel(scale: float, C: int, blocks, has_lo: bool, has_reset: b
     zeroed, those rows are set after (``lower_dot``'s way)."""
 
     def kernel(*refs):
-        q_ref, k_ref, g_ref, b_ref = refs[:4]
-        rest = refs[4:-2]
-        lo_ref = rest[0] if has_lo else None
-        aqk_ref, akk_ref = refs[-2:]
+        q_ref, k_ref, g_ref, b_ref, lo_ref, aqk_ref, akk_ref = _f2_refs(refs, has_lo)
+        rest = refs[4:-2]  # (G_lo, then the reset table's two operands when given)
 
         def feature_block(k0, bk, S):
             cols = (slice(None), pl.ds(k0, bk))
@@ -520,10 +525,8 @@ def intra_chunk_kernel(scale: float, C: int, block: int, blocks, has_lo: bool, h
     (``unit_lower_inverse_body``)."""
 
     def kernel(*refs):
-        q_ref, k_ref, g_ref, b_ref = refs[:4]
-        rest = refs[4:-2]
-        lo_ref = rest[0] if has_lo else None
-        aqk_ref, akk_ref = refs[-2:]
+        q_ref, k_ref, g_ref, b_ref, lo_ref, aqk_ref, akk_ref = _f2_refs(refs, has_lo)
+        rest = refs[4:-2]  # (G_lo, then the reset table's two operands when given)
 
         def feature_block(k0, bk, S):
             kc = (slice(None), pl.ds(k0, bk))
