@@ -49,7 +49,7 @@ RUNNER = textwrap.dedent('''
 
 
 def test_readme_blocks_run_as_written(tmp_path):
-    from tests.nn.test_pretrained import fla_checkpoint
+    from .nn.test_pretrained import fla_checkpoint
 
     fla_checkpoint(tmp_path / "path" / "to" / "checkpoint")
     blocks = python_blocks(README.read_text())
