@@ -117,3 +117,27 @@ def test_pipeline_forward_and_backward_check_shapes(x):
         pipe.backward(res, o[:, :3], ht)
     with pytest.raises(ValueError, match=r"^dht: expected shape"):
         pipe.backward(res, o, ht[..., :4])
+
+
+@pytest.mark.parametrize("fn", FNS)
+def test_out_of_domain_gate_and_beta_named_eagerly(fn, x):
+    """What a newcomer tries first, random-normal g and beta, gave NaN in most outputs
+    silently (issue 39 item 7): eagerly, and in an eager jax.grad, g > 0 and beta outside
+    [0, 1] raise a ValueError naming the argument and its domain; the in-kernel
+    activations take raw values; non-finite entries are kdax._isolation's (no error)."""
+    import jax
+
+    pos, kw = split_args(x)
+    q, k, v, g, beta = pos
+    with pytest.raises(ValueError, match=r"^g: must be a log decay <= 0"):
+        fn(q, k, v, g.at[0, 3, 1, 2].set(0.5), beta)
+    for bad in (-0.1, 1.2):
+        with pytest.raises(ValueError, match=r"^beta: must lie in \[0, 1\]"):
+            fn(q, k, v, g, beta.at[0, 5, 0].set(bad))
+    with pytest.raises(ValueError, match=r"^g: must be a log decay"):  # eager jax.grad: the primal is checked
+        jax.grad(lambda q: fn(q, k, v, -g, beta)[0].sum())(q)
+    # boundaries, non-finite entries, and raw values with the in-kernel activations: no error
+    fn(q, k, v, g.at[0, 0].set(0.0).at[0, 1, 0, 0].set(jnp.inf), beta.at[0, 0].set(1.0).at[0, 1, 0].set(jnp.nan))
+    fn(q, k, v, -g, beta + 2, use_gate_in_kernel=True, A_log=jnp.zeros(2), use_beta_sigmoid_in_kernel=True)
+    # under jit the values are not checked (documented): no error is raised
+    jax.jit(lambda g: fn(q, k, v, g, beta)[0])(-g)

@@ -259,9 +259,12 @@ class KimiDeltaAttention(eqx.Module):
         ``kdax.nn.load_pretrained``; the hyper-parameters alone: ``kdax.nn.read_config``."""
         return load_layers(cls, path, layers=[layer_idx], **options)[layer_idx]
 
-    def state_dict(self, naming: str = "moonshot", prefix: str = "") -> dict:
+    def state_dict(self, naming: Optional[str] = None, prefix: str = "") -> dict:
         """The weights as numpy arrays under ``naming``'s names (``from_state_dict``'s
-        inverse, exact)."""
+        inverse, exact). ``naming=None`` (default): the naming that holds every weight of
+        this layer: Moonshot's (Kimi Linear's) when the output gate has no bias (its
+        ``g_b_proj`` has none; a layer built with ``gate_bias=False`` or the full-rank
+        gate), else FLA's (``g_proj.1.bias``; a default-built layer)."""
         return layer_state_dict(self, naming, prefix)
 
     # -- forward --------------------------------------------------------------------------

@@ -230,9 +230,11 @@ def check_dtype_option(name: str, value) -> None:
                          f"startup, before any array is made (or set JAX_ENABLE_X64=1).")
 
 
-def layer_state_dict(layer, naming: str, prefix: str = "") -> dict:
-    _check_naming(naming)
+def layer_state_dict(layer, naming: Optional[str], prefix: str = "") -> dict:
     full_rank = layer.g_proj is not None
+    if naming is None:  # the naming that holds every weight: FLA's g_proj.1 has the gate's bias
+        naming = "fla" if layer.g_b_bias is not None and not full_rank else "moonshot"
+    _check_naming(naming)
     _check_full_rank(naming, full_rank)
     if naming == "moonshot" and layer.g_b_bias is not None:
         raise ValueError("state_dict(naming='moonshot'): Kimi Linear's g_b_proj has no bias, but this layer has "

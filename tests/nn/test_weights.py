@@ -197,3 +197,20 @@ def test_fla_constructor_arguments():
     assert np.array_equal(sd["k_conv1d.bias"], layer.k_conv_bias)
     again = KimiDeltaAttention.from_state_dict(sd, **KW, norm_eps=1e-5, allow_neg_eigval=False, lower_bound=-5.0)
     assert np.array_equal(again.v_conv_bias, layer.v_conv_bias)
+
+
+@pytest.mark.parametrize("build", [dict(), dict(gate_bias=False), dict(use_full_rank_gate=True)])
+def test_default_naming_round_trips_a_default_layer(build):
+    """``layer.state_dict()`` with the default naming on a layer built with defaults (issue
+    39 item 7): FLA's names when the output gate has a bias (Kimi Linear's g_b_proj has
+    none), Moonshot's otherwise; ``from_state_dict`` detects it and gives the layer back."""
+    import jax
+
+    layer = KimiDeltaAttention(24, key=jax.random.key(0), norm_eps=1e-5, **KW, **build)
+    sd = layer.state_dict()
+    assert ("g_proj.1.bias" in sd) == (layer.g_b_bias is not None)
+    again = KimiDeltaAttention.from_state_dict(sd, **KW, norm_eps=1e-5, allow_neg_eigval=False, lower_bound=None)
+    for k, v in again.state_dict().items():
+        assert np.array_equal(v, sd[k]), k
+    x = jax.random.normal(jax.random.key(1), (1, 8, 24))
+    assert np.array_equal(layer(x)[0], again(x)[0])
