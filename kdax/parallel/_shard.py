@@ -2,6 +2,7 @@
 ``fused_recurrent_kda`` run per shard in ``jax.shard_map`` (any pipeline, the Pallas ones
 included), with no collective: rows and heads are independent."""
 
+import contextlib
 import functools
 import inspect
 from typing import Callable, Optional
@@ -72,8 +73,23 @@ def maybe_per_shard(fn: Callable, q, k, v, g, beta, *, initial_state=None, A_log
         return fn(q, k, v, g, beta, state_v_first=state_v_first, **kw, **options)
 
     out_specs = (tok4, state if options.get("output_final_state", False) else None)
-    return jax.shard_map(local, mesh=mesh, in_specs=(qk4, qk4, tok4, tok4, tok3, {n: s for n, (_, s) in arrays.items()}),
-                         out_specs=out_specs, check_vma=check_vma)(*ins, kw)
+    per_shard = jax.shard_map(local, mesh=mesh, in_specs=(qk4, qk4, tok4, tok4, tok3, {n: s for n, (_, s) in arrays.items()}),
+                              out_specs=out_specs, check_vma=check_vma)
+    # Compiled, in the inputs' mesh: called eagerly, shard_map runs op by op, where JAX
+    # implements no custom_vjp (chunk_kda's VJP inside: "custom_vjp symbolic_zeros support
+    # with shard_map is not implemented").
+    with _concrete_mesh(q):
+        return jax.jit(per_shard)(*ins, kw)
+
+
+def _concrete_mesh(x):
+    """The context in which ``maybe_per_shard``'s jit runs: the mesh of ``x``'s sharding set
+    (``jax.set_mesh``) when ``x`` is a concrete array (an eager call); else nothing
+    (inside a trace, where the caller's mesh context, if any, holds)."""
+    concrete = getattr(getattr(x, "sharding", None), "mesh", None)
+    if isinstance(concrete, jax.sharding.Mesh) and not isinstance(x, jax.core.Tracer):
+        return jax.set_mesh(concrete)
+    return contextlib.nullcontext()
 
 
 def _qk_heads(mesh, h, H: int, HV: int) -> Optional[Callable]:

@@ -77,6 +77,22 @@ def test_jit_explicit_mesh_keeps_sharding_no_collectives(name):
         assert not found, found
 
 
+def test_eager_calls_on_explicit_meshes():
+    # Eager chunk_kda on batch- and head-sharded inputs (no jit, no kdax.parallel): once
+    # "custom_vjp symbolic_zeros support with shard_map is not implemented". An eager
+    # jax.grad of a function of Explicit-sharded arrays needs the mesh set, as JAX's own
+    # error says (README, "Across devices").
+    fn = functools.partial(kdax.chunk_kda, chunk_size=16, pipeline=kdax.KDAPipeline.reference().untiled())
+    x = _inputs()
+    ref_out, ref_grads = _reference(fn, x)
+    mesh = jax.make_mesh((2, 4), ("b", "h"), axis_types=(AxisType.Explicit,) * 2)
+    xs = {n: jax.device_put(a, NamedSharding(mesh, SPECS[n])) for n, a in x.items()}
+    out = fn(xs["q"], xs["k"], xs["v"], xs["g"], xs["beta"], initial_state=xs["initial_state"], output_final_state=True)
+    with jax.set_mesh(mesh):
+        grads = jax.grad(lambda x: _loss(fn, x))(xs)
+    _check(out, grads, ref_out, ref_grads, SPECS)
+
+
 @pytest.mark.parametrize("name", list(FNS))
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
 def test_shard_map(name, axis_type):
