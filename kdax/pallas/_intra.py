@@ -46,12 +46,29 @@ from ._common import (
 from ._common import _TUNING, column_blocks, compiler_params, kernel_name, manual_inputs
 
 
-
-def _f2_refs(refs, has_lo: bool):
-    """F2's kernel refs: ``(q, k, g, beta, G_lo or None, Aqk out, Akk out)`` (the reset
-    table, when given, sits between G_lo and the outputs)."""
+def _f2_refs(refs, has_lo: bool, has_reset: bool):
+    """F2's kernel refs: ``(q, k, g, beta, G_lo or None, the reset table's two segment
+    operands or None, Aqk out, Akk out)``."""
     lo_ref = refs[4] if has_lo else None
-    return (*refs[:4], lo_ref, *refs[-2:])
+    seg = tuple(refs[-4:-2]) if has_reset else None
+    return (*refs[:4], lo_ref, seg, *refs[-2:])
+
+
+def _aqk_and_l(blocks, feature_block, C: int, scale: float, seg, aqk_ref, b_ref):
+    """F2's tail on both targets: the scores summed over the feature blocks
+    (``feature_block(k0, bk, (Sqk, Skk))``), ``Aqk`` written (lower triangle with the
+    diagonal; with ``seg`` pairs across sequences exact zeros) and ``L`` returned (strictly
+    lower, times beta, the same zeros)."""
+    zeros = jnp.zeros((C, C), aqk_ref.dtype)
+    Sqk, Skk = blockwise(blocks, feature_block, (zeros, zeros))
+    row, col = iota((C, C), 0), iota((C, C), 1)
+    lower, strict = col <= row, col < row
+    if seg is not None:
+        same = seg[0][...] == seg[1][...]
+        lower, strict = lower & same, strict & same
+    aqk_ref[...] = scale * jnp.where(lower, Sqk, 0.0)
+    return jnp.where(strict, b_ref[...] * Skk, 0.0)
+
 
 def _blocks(C: int, block: int):
     b = min(block, C)
@@ -172,22 +189,13 @@ def intra_levels_kernel(scale: float, C: int, blocks, has_lo: bool, has_reset: b
     zeroed, those rows are set after (``lower_dot``'s way)."""
 
     def kernel(*refs):
-        q_ref, k_ref, g_ref, b_ref, lo_ref, aqk_ref, akk_ref = _f2_refs(refs, has_lo)
-        rest = refs[4:-2]  # (G_lo, then the reset table's two operands when given)
+        q_ref, k_ref, g_ref, b_ref, lo_ref, seg, aqk_ref, akk_ref = _f2_refs(refs, has_lo, has_reset)
 
         def feature_block(k0, bk, S):
             cols = (slice(None), pl.ds(k0, bk))
             return level_scores(q_ref[cols], k_ref[cols], g_ref, lo_ref, cols[1], C, S)
 
-        zeros = jnp.zeros((C, C), aqk_ref.dtype)
-        Sqk, Skk = blockwise(blocks, feature_block, (zeros, zeros))
-        row, col = iota((C, C), 0), iota((C, C), 1)
-        lower, strict = col <= row, col < row
-        if has_reset:
-            same = rest[-2][...] == rest[-1][...]
-            lower, strict = lower & same, strict & same
-        aqk_ref[...] = scale * jnp.where(lower, Sqk, 0.0)
-        L = jnp.where(strict, b_ref[...] * Skk, 0.0)
+        L = _aqk_and_l(blocks, feature_block, C, scale, seg, aqk_ref, b_ref)
         seen = jax.lax.cumsum(nonfinite_rows(L), axis=0)  # > 0 from the first non-finite row on
         with _precision.float32_products():
             A = doubling_unit_lower_inverse(jnp.where(jnp.abs(L) < jnp.inf, L, 0.0))
@@ -525,23 +533,14 @@ def intra_chunk_kernel(scale: float, C: int, block: int, blocks, has_lo: bool, h
     (``unit_lower_inverse_body``)."""
 
     def kernel(*refs):
-        q_ref, k_ref, g_ref, b_ref, lo_ref, aqk_ref, akk_ref = _f2_refs(refs, has_lo)
-        rest = refs[4:-2]  # (G_lo, then the reset table's two operands when given)
+        q_ref, k_ref, g_ref, b_ref, lo_ref, seg, aqk_ref, akk_ref = _f2_refs(refs, has_lo, has_reset)
 
         def feature_block(k0, bk, S):
             kc = (slice(None), pl.ds(k0, bk))
             Sqk, Skk = scores_body(q_ref[kc], k_ref[kc], g_ref[kc], block, ref_or_none(lo_ref, kc))
             return S[0] + Sqk, S[1] + Skk
 
-        zeros = jnp.zeros((C, C), aqk_ref.dtype)
-        Sqk, Skk = blockwise(blocks, feature_block, (zeros, zeros))
-        row, col = iota((C, C), 0), iota((C, C), 1)
-        lower, strict = col <= row, col < row
-        if has_reset:
-            same = rest[-2][...] == rest[-1][...]
-            lower, strict = lower & same, strict & same
-        aqk_ref[...] = scale * jnp.where(lower, Sqk, 0.0)
-        akk_ref[...] = unit_lower_inverse_body(jnp.where(strict, b_ref[...] * Skk, 0.0))
+        akk_ref[...] = unit_lower_inverse_body(_aqk_and_l(blocks, feature_block, C, scale, seg, aqk_ref, b_ref))
 
     kernel.__qualname__ = "PallasIntra.kernel"  # its name in profiles
     return kernel
