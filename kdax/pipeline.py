@@ -27,7 +27,7 @@ from ._config import KDAConfig, KDAOptions
 from ._contracts import STAGES, check_family
 from ._derived import is_kda, mismatches, reference_is_exact
 from ._layout import ChunkLayout, make_layout, make_shared_layout, pack, pack_inputs, reduce_group, unpack
-from ._ops import CHUNK_LOOPS, loop_unroll, mT, resolve_group, split_rows_and_heads, zeros_after
+from ._ops import CHUNK_LOOPS, loop_unroll, resolve_group, split_rows_and_heads, zeros_after
 from ._errors import DerivedBackwardError
 from ._plan import KDAPlan, PlanRow
 from ._residuals import EntryResiduals, KDAGrads, KDAResiduals
@@ -53,8 +53,6 @@ from .stages import (
     AbstractWY,
     AbstractWYDqkg,
     Activated,
-    ChunkGrads,
-    DhuOut,
     ForwardCache,
     IntraOut,
     WYOut,

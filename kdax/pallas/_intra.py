@@ -1,4 +1,5 @@
-"""Pallas intra-chunk family: F2 (Aqk, Akk) and B4 (intra-chunk backward).
+"""Pallas intra-chunk family: F2 (Aqk, Akk) and B4 (intra-chunk backward). The Triton
+kernels live in ``kdax.pallas._intra_levels``; the TPU kernels and both stage classes here.
 
 F2 on Triton (``intra_levels_kernel``): no per-token loop and no row or column pulled out
 of a tile. The chunk's pairs j < i are split into log2(C) halving levels (the reference
@@ -33,41 +34,16 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from .. import _precision
-from .._hilo import exponent
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkValid, typecheck
 from .._resets import per_head, segments
 from ..stages import KDA, AbstractIntra, AbstractIntraBackward, ChunkGrads, IntraOut
 from .._final import final
 from ._common import (
-    PallasFeatureBlocks, blockwise, chunk_spec, col_of, decay, dot, flat, idiv, iota, loop, nonfinite_rows,
+    PallasFeatureBlocks, chunk_spec, col_of, decay, dot, flat, idiv, iota, loop,
     ref_or_none, row_of, row_or_none, tuned, unflat,
 )
-from ._common import _TUNING, column_blocks, compiler_params, kernel_name, manual_inputs
-
-
-def _f2_refs(refs, has_lo: bool, has_reset: bool):
-    """F2's kernel refs: ``(q, k, g, beta, G_lo or None, the reset table's two segment
-    operands or None, Aqk out, Akk out)``."""
-    lo_ref = refs[4] if has_lo else None
-    seg = tuple(refs[-4:-2]) if has_reset else None
-    return (*refs[:4], lo_ref, seg, *refs[-2:])
-
-
-def _aqk_and_l(blocks, feature_block, C: int, scale: float, seg, aqk_ref, b_ref):
-    """F2's tail on both targets: the scores summed over the feature blocks
-    (``feature_block(k0, bk, (Sqk, Skk))``), ``Aqk`` written (lower triangle with the
-    diagonal; with ``seg`` pairs across sequences exact zeros) and ``L`` returned (strictly
-    lower, times beta, the same zeros)."""
-    zeros = jnp.zeros((C, C), aqk_ref.dtype)
-    Sqk, Skk = blockwise(blocks, feature_block, (zeros, zeros))
-    row, col = iota((C, C), 0), iota((C, C), 1)
-    lower, strict = col <= row, col < row
-    if seg is not None:
-        same = seg[0][...] == seg[1][...]
-        lower, strict = lower & same, strict & same
-    aqk_ref[...] = scale * jnp.where(lower, Sqk, 0.0)
-    return jnp.where(strict, b_ref[...] * Skk, 0.0)
+from ._common import column_blocks, compiler_params, kernel_name, manual_inputs
+from ._intra_levels import aqk_and_l, f2_refs, intra_bwd_levels_kernel, intra_levels_kernel
 
 
 def _blocks(C: int, block: int):
@@ -119,90 +95,6 @@ def unit_lower_inverse_body(L):
 
 
 # -- F2 on Triton: the chunk's pairs as log2(C) tile products, (I + L)^-1 in 2 log2(C) ----------
-def level_pairs(C: int, lev):
-    """``[C, C]`` bool: the pairs (i, j) of halving level ``lev`` (traced or static; half
-    size s = 2^lev): i in the upper and j in the lower half of one ``2s``-token block. Every
-    pair j < i belongs to exactly one level (``kdax.stages._intra``'s halving): levels
-    below log2(16) are the pairs inside the 16-token sub-blocks, the others the
-    sub-blocks' off-diagonal blocks."""
-    ri, cj = iota((C, C), 0), iota((C, C), 1)
-    sr = jax.lax.shift_right_logical
-    return (sr(ri, lev + 1) == sr(cj, lev + 1)) & (sr(ri, lev) > sr(cj, lev))
-
-
-def gathered(ref, rows, cols):
-    """``ref[rows, cols]`` for an int32 vector ``rows`` (a gather load: one row per
-    token), or None for a missing ref."""
-    return None if ref is None else ref[rows, cols]
-
-
-def level_scores(q, k, g_ref, lo_ref, cols, C: int, S):
-    """``S + (Sqk, Skk)`` for one block of feature columns: ``sum_d a_id k_jd e^(G_id - G_jd)``
-    (a = q, k) for j <= i (zeros above the diagonal), ``G``'s columns ``cols`` read from
-    ``g_ref`` (``lo_ref``: its low part, or None). The diagonal is a row sum; the pairs of
-    each halving level (``level_pairs``) one tile product, each side's decay taken to the
-    anchor a = the first row of i's half-block, ``(a_i e^(G_i - G_a)) . (k_j e^(G_a - G_j))``,
-    both exponents non-positive; the anchors are gather loads. A token that a level does
-    not use as a column is anchored at the next half-block's first row (clamped to the
-    chunk), so every exponent is non-positive; the products' entries outside the level are
-    selected away (a non-finite value there reaches nothing)."""
-    G, lo = g_ref[:, cols], ref_or_none(lo_ref, (slice(None), cols))
-    ri, cj = iota((C, C), 0), iota((C, C), 1)
-    t = iota((C,), 0)
-    Sqk = S[0] + jnp.where(ri == cj, jnp.sum(q * k, axis=1, keepdims=True), 0.0)
-
-    def level(lev, S):
-        ra = jax.lax.shift_left(jax.lax.shift_right_logical(t, lev), lev)  # first row of each token's half-block
-        ca = jnp.minimum(ra + jax.lax.shift_left(jnp.int32(1), lev), C - 1)  # the next one's
-        rf = decay(None, G, gathered(g_ref, ra, cols), lo, gathered(lo_ref, ra, cols))
-        kc = k * decay(None, gathered(g_ref, ca, cols), G, gathered(lo_ref, ca, cols), lo)
-        pairs = level_pairs(C, lev)
-        return (S[0] + jnp.where(pairs, dot(q * rf, kc, tb=True), 0.0),
-                S[1] + jnp.where(pairs, dot(k * rf, kc, tb=True), 0.0))
-
-    return loop(0, C.bit_length() - 1, level, (Sqk, S[1]))
-
-
-def doubling_unit_lower_inverse(L):
-    """``(I + L)^-1`` for strictly lower ``L [C, C]`` with finite entries, by blocked
-    substitution in log2(C) doubling steps of two products each: ``X <- X - X (B X)``,
-    ``B`` the pairs of one halving level (``level_pairs``), takes the inverses of the
-    s-token diagonal blocks to those of the 2s-token ones (``[[A, 0], [B, D]]^-1 =
-    [[A^-1, 0], [-D^-1 B A^-1, D^-1]]``). Every intermediate is a principal block of the
-    result, as in the reference stage's recursion; entries above the diagonal stay exact
-    zeros."""
-    C = L.shape[0]
-    eye = (iota((C, C), 0) == iota((C, C), 1)).astype(L.dtype)
-    return loop(0, C.bit_length() - 1, lambda lev, X: X - dot(X, dot(jnp.where(level_pairs(C, lev), L, 0.0), X)), eye)
-
-
-def intra_levels_kernel(scale: float, C: int, blocks, has_lo: bool, has_reset: bool):
-    """F2's kernel on Triton: every score and every step of ``(I + L)^-1`` a tile product
-    over the whole chunk, no per-token loop and no row or column pulled out of a tile.
-    Scores: ``level_scores`` (log2(C) products per output, summed over ``blocks`` of
-    feature columns); ``(I + L)^-1``: ``doubling_unit_lower_inverse`` under float32
-    products (``_precision.float32_products``). With ``has_reset`` (shared chunks) pairs
-    across sequences are selected to exact zeros in both outputs (``L`` is then
-    block-diagonal by sequence, and so is its inverse, exactly). A non-finite entry of
-    ``L`` in row t (a NaN in token t's k, beta or G) makes ``Akk``'s rows t on NaN, every
-    column, and reaches no earlier row: the inverse runs on ``L`` with non-finite entries
-    zeroed, those rows are set after (``lower_dot``'s way)."""
-
-    def kernel(*refs):
-        q_ref, k_ref, g_ref, b_ref, lo_ref, seg, aqk_ref, akk_ref = _f2_refs(refs, has_lo, has_reset)
-
-        def feature_block(k0, bk, S):
-            cols = (slice(None), pl.ds(k0, bk))
-            return level_scores(q_ref[cols], k_ref[cols], g_ref, lo_ref, cols[1], C, S)
-
-        L = _aqk_and_l(blocks, feature_block, C, scale, seg, aqk_ref, b_ref)
-        seen = jax.lax.cumsum(nonfinite_rows(L), axis=0)  # > 0 from the first non-finite row on
-        with _precision.float32_products():
-            A = doubling_unit_lower_inverse(jnp.where(jnp.abs(L) < jnp.inf, L, 0.0))
-        akk_ref[...] = jnp.where(seen > 0, jnp.nan, A)
-
-    kernel.__qualname__ = "PallasIntra.kernel"  # its name in profiles
-    return kernel
 
 
 def pair_rows_body(S, b_, G, block: int, lo=None):
@@ -255,200 +147,12 @@ def intra_bwd_outputs(q, k, beta, dq_a, dk_a, r, c, dq, dk, dG):
             jnp.sum(k * r, axis=1, keepdims=True))
 
 
-def finite_or_zero(x):
-    """``x`` with its non-finite entries replaced by exact zeros."""
-    return jnp.where(jnp.abs(x) < jnp.inf, x, 0.0)
-
-
-def nonfinite(x):
-    """1 where an entry of ``x`` is NaN or infinite, else 0 (x's dtype)."""
-    return (~(jnp.abs(x) < jnp.inf)).astype(x.dtype)
-
-
-def reached_down(bad):
-    """``[C, D]`` bool: entry (i, d) has a nonzero ``bad`` at some row t <= i of column d."""
-    return jax.lax.cumsum(bad, axis=0) > 0
-
-
-def reached_up(bad):
-    """``[C, D]`` bool: entry (j, d) has a nonzero ``bad`` at some row t >= j of column d
-    (a forward cumsum: the counts are small integers, exact)."""
-    return jnp.sum(bad, axis=0, keepdims=True) - jax.lax.cumsum(bad, axis=0) + bad > 0
-
-
-def fast_decay(x, y, x_lo=None, y_lo=None):
-    """``decay`` (no mask) as ``2^(log2(e) (x - y))``: on the GPU an ``ex2`` and a multiply
-    (``__nv_exp2f``) where ``exp`` takes a range reduction of several instructions (B4's
-    instructions -11%); the exponent's rounding adds a relative error of about
-    ``eps |x - y|`` (exponents here are differences inside one chunk, non-positive)."""
-    return jnp.exp2(exponent(x, y, x_lo, y_lo) * 1.4426950408889634)
-
-
-def scaled_dot(f, a, b, ta: bool = False):
-    """``f * (op(a) @ b)`` (``dot``). Compiled under the ``"tf32x3"`` tuning, as the three
-    TF32 products of the split ``x = hi(x) + lo(x)`` (``hi``: x's top 19 bits, exact in
-    TF32), each scaled by ``f`` before the sum: Triton's own TF32x3 chains its three
-    products through the accumulator, and a product that feeds another one gets its
-    warps laid along the rows (``warpsPerCTA = [8, 1]``), which at 64 rows and eight warps
-    holds every accumulator twice (B4 at 255 registers and 1.2 KiB of spills); unchained,
-    each product is laid as a lone one."""
-    tuning = _TUNING.get()
-    if tuning is None or tuning.f32_dot != "tf32x3" or a.dtype != jnp.float32 or _precision.operand_dtype() is not None:
-        return f * dot(a, b, ta=ta)
-
-    def hi(x):
-        bits = jax.lax.bitcast_convert_type(x, jnp.int32) & jnp.int32(-8192)  # the low 13 mantissa bits cleared
-        return jax.lax.bitcast_convert_type(bits, jnp.float32)
-
-    dims = (((0 if ta else 1,), (0,)), ((), ()))
-    def tf32(x, y):
-        return jax.lax.dot_general(x, y, dims, precision=jax.lax.DotAlgorithmPreset.TF32_TF32_F32,
-                                   preferred_element_type=jnp.float32)
-
-    ah, bh = hi(a), hi(b)
-    return f * tf32(ah, bh) + f * tf32(ah, b - bh) + f * tf32(a - ah, bh)  # (hi(a) dead before lo(a))
-
-
-class Rows:
-    """A ref whose reads take the rows ``rows`` (a ``pl.ds``) in place of the full row
-    range (``ref[...]``, ``ref[:, cols]``); other indexings (gathers) as they are."""
-
-    def __init__(self, ref, rows):
-        self.ref, self.rows = ref, rows
-
-    def __getitem__(self, idx):
-        if idx is Ellipsis:
-            idx = (slice(None), slice(None))
-        if isinstance(idx[0], slice) and idx[0] == slice(None):
-            idx = (self.rows,) + tuple(idx[1:])
-        return self.ref[idx]
-
-
 # The most feature columns one program of B4's Triton kernel takes (``block_k`` above it
 # is cut to this): at 64 columns and eight warps the kernel spilled (64 B a thread at the
 # candidate tuning, sm_90; with the 64 columns as two 32-column sums sharing each level's
 # [C, C] operands, 664 B). The cost: each 32-column program repeats the levels' [C, C]
 # work (the masked dA and dL, split for TF32x3), about 5k of its 11.5k instructions a warp.
 B4_MAX_BLOCK = 32
-
-
-def level_pair_sums(scale: float, refs, cols, pick, C: int, width: int):
-    """B4's pair sums ``(dq_a, r, e)`` for the feature columns ``cols`` (each ``[C, width]``),
-    the transposes of F2's level products (``level_scores``): for each halving level
-    (``level_pairs``) the level's entries of ``dA`` and ``dL`` (``pick(ref, pairs, at)``:
-    selected, never multiplied by a mask) in ``[C, C] x [C, w]`` tile products, each
-    side's decay taken to the level's anchor a as in F2:
-
-    - rows: ``R_i += e^(G_i - G_a) sum_j S_ij (k_j e^(G_a - G_j))`` (S = dA: dq_a; S = dL: r);
-    - columns: ``e_j += e^(G_a - G_j) sum_i (scale dA_ij q_i + dL_ij beta_i k_i) e^(G_i - G_a)``
-      (the reference's ``scale dk_a + c``: both products into one tile), ``S^T`` read
-      transposed from memory (a gather load).
-
-    Two loops over the levels, the column sums' then the row sums' (one loop with all
-    four products spilled). ``refs``: ``(q, k, beta, G, G_lo or None, dA, dL)``. Every exponent is
-    non-positive (``level_scores``' anchors). The products' token-side operands have
-    their non-finite entries zeroed (a ``0 * NaN`` in a product would carry a non-finite
-    token to every row of the chunk); the caller restores the rows they reach. Non-finite
-    entries of ``dA``, ``dL`` reach their rows and columns as in the reference."""
-    t = iota((C,), 0)
-    sr = jax.lax.shift_right_logical
-
-    def level_operands(lev):
-        # Rows 0..C-1 from a start Triton cannot prove constant (it is 0), so that it keeps
-        # the loads inside the loop: hoisted, every operand stayed live across the levels.
-        z = jnp.minimum(lev, 0)
-        ri, cj = iota((C, 1), 0), iota((1, C), 1)  # (from vectors: no [C, C] index tiles live)
-        pairs = (sr(ri, lev + 1) == sr(cj, lev + 1)) & (sr(ri, lev) > sr(cj, lev))
-        pairs_t = (sr(ri, lev + 1) == sr(cj, lev + 1)) & (sr(ri, lev) < sr(cj, lev))
-        S = lambda w: pick(refs[w], pairs, (pl.ds(z, C), slice(None)))  # noqa: E731
-        St = lambda w: pick(refs[w], pairs_t, (cj + z, ri))  # S^T (a gather load)  # noqa: E731
-        return z, S, St
-
-    def token_operands(lev, z):
-        at = (pl.ds(z, C), cols)
-        q_ref, k_ref, b_ref, g_ref, lo_ref = (None if x is None else Rows(x, at[0]) for x in refs[:5])
-        ra = jax.lax.shift_left(sr(t, lev), lev)  # first row of each token's half-block
-        ca = jnp.minimum(ra + jax.lax.shift_left(jnp.int32(1), lev), C - 1)  # the next one's
-        G, lo = g_ref[at], ref_or_none(lo_ref, at)
-        into = fast_decay(G, gathered(g_ref, ra, cols), lo, gathered(lo_ref, ra, cols))  # e^(G_i - G_a)
-        back = fast_decay(gathered(g_ref, ca, cols), G, gathered(lo_ref, ca, cols), lo)  # e^(G_a - G_j)
-        return q_ref[at], k_ref[at], b_ref[pl.ds(z, C), :], into, back
-
-    def columns(lev, e):
-        z, _, St = level_operands(lev)
-        q, k, beta, into, back = token_operands(lev, z)
-        qx, bx = finite_or_zero(scale * q * into), finite_or_zero(beta * k * into)
-        return e + scaled_dot(back, St(5), qx) + scaled_dot(back, St(6), bx)
-
-    def rows(lev, acc):
-        z, S, _ = level_operands(lev)
-        _, k, _, into, back = token_operands(lev, z)
-        kx = finite_or_zero(k * back)
-        return acc[0] + scaled_dot(into, S(5), kx), acc[1] + scaled_dot(into, S(6), kx)
-
-    n = C.bit_length() - 1
-    zero = jnp.zeros((C, width), refs[0].dtype)
-    e = loop(0, n, columns, zero)  # (one tile live across the row sums' loop)
-    dq_a, r = loop(0, n, rows, (zero, zero))
-    return dq_a, r, e
-
-
-def intra_bwd_levels_kernel(scale: float, C: int, has_lo: bool, has_reset: bool):
-    """B4's kernel on Triton, the VJP of ``intra_levels_kernel`` at its granularity: no
-    per-token loop and no row or column pulled out of a tile. One program per (row * head,
-    chunk, block of feature columns), as FLA's ``chunk_kda_bwd_intra`` (every gradient
-    column depends on its own feature column alone; dbeta's part of each block is summed
-    outside; ``B4_MAX_BLOCK``): the diagonal terms (the diagonals of ``dA``, ``dL`` as
-    row sums) and ``level_pair_sums``, log2(C) levels of four tile products into three
-    tiles; pairs above the diagonal (and, with
-    ``has_reset``, across sequences) are selected to exact zeros. A non-finite token value
-    (q, k, beta, G, G_lo at token t, column d) reaches what it reaches in the reference
-    stage's products: the row sums' rows t on and the column sums' rows up to t, in
-    column d (set to NaN after the products, which ran on zeroed operands); dbeta from
-    those rows."""
-
-    def kernel(*refs):
-        q_ref, k_ref, b_ref, g_ref, da_ref, dl_ref, dq_ref, dk_ref, dg_ref = refs[:9]
-        rest = refs[9:-4]
-        lo_ref = rest[0] if has_lo else None
-        dq_out, dk_out, db_out, dg_out = refs[-4:]
-        bk = q_ref.shape[-1]
-
-        def pick(ref, pairs, at=Ellipsis):  # ref[at]'s entries at pairs (within one sequence), exact zeros elsewhere
-            if has_reset:
-                pairs = pairs & (rest[-2][...] == rest[-1][...])
-            return jnp.where(pairs, ref[at], 0.0)
-
-        dq_a, r, e = level_pair_sums(scale, (q_ref, k_ref, b_ref, g_ref, lo_ref, da_ref, dl_ref), pl.ds(0, bk),
-                                     pick, C, bk)
-        # The diagonal terms and the outputs, read after the levels (nothing but the sums
-        # live across them), the row sums' outputs first; rows from a start Triton cannot
-        # prove is 0: addresses of their own, not the levels' kept live to here.
-        fresh = pl.ds(jnp.minimum(pl.program_id(2), 0), C)
-        q_ref, k_ref, g_ref, b_ref, da_ref, dl_ref = (
-            Rows(x, fresh) for x in (q_ref, k_ref, g_ref, b_ref, da_ref, dl_ref))
-        lo_ref = None if lo_ref is None else Rows(lo_ref, fresh)
-        eye = iota((C, 1), 0) == iota((1, C), 1)
-        dA_d = jnp.sum(pick(da_ref, eye), axis=1, keepdims=True)  # the diagonals ([C, 1])
-        dL_d = jnp.sum(pick(dl_ref, eye), axis=1, keepdims=True)
-        beta, k, G, lo = b_ref[...], k_ref[...], g_ref[...], ref_or_none(lo_ref, Ellipsis)
-        bad_G = nonfinite(G) if lo is None else jnp.maximum(nonfinite(G), nonfinite(lo))
-        down = reached_down(jnp.maximum(nonfinite(k), bad_G))
-        dq_a = jnp.where(down, jnp.nan, dq_a + dA_d * k)
-        r = jnp.where(down, jnp.nan, r + dL_d * k)
-        dq_out[...] = dq_ref[...] + scale * dq_a
-        db_out[...] = jnp.sum(k * r, axis=1, keepdims=True)
-        q = q_ref[...]
-        br = beta * r
-        part = scale * q * dq_a + k * br
-        bk_ = beta * k
-        up = reached_up(jnp.maximum(jnp.maximum(nonfinite(q), nonfinite(bk_)), bad_G))
-        e = jnp.where(up, jnp.nan, e + dA_d * (scale * q) + dL_d * bk_)
-        dk_out[...] = dk_ref[...] + e + br
-        dg_out[...] = dg_ref[...] + part - k * e
-
-    kernel.__qualname__ = "PallasIntraBackward.kernel"  # its name in profiles
-    return kernel
 
 
 def column_block_call(kernel, inputs, kinds, C: int, bk: int, nk: int, P: int, NC: int, dtype, interpret: bool):
@@ -533,14 +237,14 @@ def intra_chunk_kernel(scale: float, C: int, block: int, blocks, has_lo: bool, h
     (``unit_lower_inverse_body``)."""
 
     def kernel(*refs):
-        q_ref, k_ref, g_ref, b_ref, lo_ref, seg, aqk_ref, akk_ref = _f2_refs(refs, has_lo, has_reset)
+        q_ref, k_ref, g_ref, b_ref, lo_ref, seg, aqk_ref, akk_ref = f2_refs(refs, has_lo, has_reset)
 
         def feature_block(k0, bk, S):
             kc = (slice(None), pl.ds(k0, bk))
             Sqk, Skk = scores_body(q_ref[kc], k_ref[kc], g_ref[kc], block, ref_or_none(lo_ref, kc))
             return S[0] + Sqk, S[1] + Skk
 
-        akk_ref[...] = unit_lower_inverse_body(_aqk_and_l(blocks, feature_block, C, scale, seg, aqk_ref, b_ref))
+        akk_ref[...] = unit_lower_inverse_body(aqk_and_l(blocks, feature_block, C, scale, seg, aqk_ref, b_ref))
 
     kernel.__qualname__ = "PallasIntra.kernel"  # its name in profiles
     return kernel

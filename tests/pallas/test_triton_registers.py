@@ -65,7 +65,7 @@ def test_chunk_kernels_fit_in_registers():
     products, B4 (kept float32: kdax._precision) TF32 tensor-core products. Before they
     took their columns in blocks (kdax.pallas._common.PallasFeatureBlocks) F3 spilled
     112 B a thread, B3 3.2 KiB and B4 1.7 KiB (benchmarks/results/triton_resources.txt
-    of session 13). F2 as tile products (``kdax.pallas._intra.intra_levels_kernel``): 240
+    of session 13). F2 as tile products (``kdax.pallas._intra_levels.intra_levels_kernel``): 240
     registers here; with its NaN rows found by a transposed [C, C] mask kept live across
     the inverse, 255 and 280 B of spills. At the default tuning (four warps, IEEE float32
     products as FMA loops) its 64 x 64 x 64 products of the inverse spill about 3 KiB a
