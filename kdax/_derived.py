@@ -112,7 +112,7 @@ def derived_vjp(pipeline, run, inputs):
     try:
         out, vjp = eqx.filter_vjp(run, inputs, diff_pipe)
     except (ValueError, NotImplementedError, TypeError) as e:
-        if not _is_autodiff_failure(e):
+        if not is_autodiff_failure(e):
             raise
         custom = [f for f, info in STAGES.items() if info.forward and not is_kda(getattr(pipeline, f))]
         names = ", ".join(_name(pipeline, f) for f in custom) or "a forward stage"
@@ -126,10 +126,12 @@ def derived_vjp(pipeline, run, inputs):
     return out, vjp, swapped
 
 
-def _is_autodiff_failure(e: Exception) -> bool:
+def is_autodiff_failure(e: Exception) -> bool:
+    """Whether ``e`` is JAX saying it cannot differentiate something (a Pallas kernel, a
+    loop of dynamic length): by its message, JAX raising plain exception types."""
     text = str(e)
-    return any(s in text for s in ("does not support reverse-mode", "Differentiation rule", "not implemented for",
-                                   "Linearization failed", "transpose rule"))
+    return any(s in text for s in ("reverse-mode", "Differentiation rule", "not implemented for",
+                                   "Linearization failed", "transpose rule", "JVP"))
 
 
 def pipeline_cotangent(perturbed, d_pipe, swapped: tuple):

@@ -345,18 +345,7 @@ def _error(e: Exception) -> str:
     return text if len(text) < 300 else text[:297] + "..."
 
 
-def _is_autodiff_failure(e: Exception) -> bool:
-    return _derived._is_autodiff_failure(e) or "reverse-mode" in str(e) or "JVP" in str(e)
-
-
 # -- check_stage --------------------------------------------------------------------------
-
-
-def _declares_kda(field: str, stage) -> bool:
-    """Whether the stage declares its family's math (forward: ``math = KDA``; backward:
-    ``transposes`` KDA for every forward field it reads; B0: always, it must return what
-    the pipeline's own F3 and F4 return)."""
-    return _derived.reference_is_exact(field, stage)
 
 
 def _owner_mask(shape, case: Case, R: int, NC: int, N: int, bad_seq: int):
@@ -457,10 +446,10 @@ def _transforms(col, pipe, field, stage, kw, out, kw2, out2, case: Case, tol: fl
         finite = all(np.isfinite(x).all() for x in leaves)
         col.add("grad", name, finite, f"{len(leaves)} gradients, " + ("finite" if finite else "NON-FINITE"))
     except Exception as e:
-        if _declares_kda(field, stage):  # never differentiated: the derived backward uses the reference stage
+        if _derived.reference_is_exact(field, stage):  # never differentiated: the derived backward uses the reference stage
             col.add("grad", name, None, f"not differentiable by JAX ({type(e).__name__}): the derived backward "
                                         f"differentiates {STAGES[field].reference.__name__} instead")
-        elif _is_autodiff_failure(e):
+        elif _derived.is_autodiff_failure(e):
             col.add("grad", name, None, "not differentiable by JAX: a pipeline with it needs backward stages that "
                                         "transpose it (else DerivedBackwardError)")
         else:
@@ -605,7 +594,7 @@ def check_stage(
     except Exception as e:
         col.add("declarations", "-", False, _error(e))
         return Report(subject, col.rows)
-    kda = _declares_kda(field, stage)
+    kda = _derived.reference_is_exact(field, stage)
     cache_ok = base is None
     base = _base(base)
     if cases is None:
@@ -833,7 +822,7 @@ def check_pipeline(
         try:
             o_x, ht_x, (dx, darr) = _exact_grads(pipeline, case)
         except Exception as e:
-            col.add("gradients", case.name, None if _is_autodiff_failure(e) else False,
+            col.add("gradients", case.name, None if _derived.is_autodiff_failure(e) else False,
                     "cannot differentiate the forward stages: " + _error(e))
             continue
         path = "derived" if meta["derived"] else "six-stage"
