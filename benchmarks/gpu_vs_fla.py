@@ -78,14 +78,14 @@ def kdax_pipeline(name: str) -> KDAPipeline:
     ``+xla_gate`` (F1/B5 reference stages), ``+pallas_state`` (Pallas F4 and B2),
     ``+warps=N`` / ``+stages=N`` / ``+f32dot=tf32x3`` (every Pallas stage's Triton tuning),
     ``+noviews`` (every Pallas stage takes chunked copies of the inputs, not views of the
-    caller's arrays: ``kdax._tokens``),
+    caller's arrays: ``kdax._layouts.tokens``),
     ``+group=N|none`` / ``+unroll=N`` (every reference stage's chunk groups / the
     recurrences' loop unroll), ``+block_k=N`` (the Pallas state kernels hold the state as
     N-row tiles), ``+block_v=N`` (and take N value columns per program), ``+incast`` (and
     round their product-only operands in the kernel: ``round_in_kernel``), ``+cols=N`` (the
 chunk-parallel Pallas kernels F2, F3, B3, B4 take N feature columns at a time:
 ``kdax.pallas._common.PallasFeatureBlocks``), ``+fast`` (precision "fast": bf16 operands in the
-    recurrences too, ``kdax._precision``), ``+segments=S`` (F4 and B2, whichever stages the
+    recurrences too, ``kdax._numerics.precision``), ``+segments=S`` (F4 and B2, whichever stages the
     pipeline has by then, split into S segments per row: ``kdax.stages.segmented``; put
     it last), ``+no_recompute`` (the pipeline unchanged; ``call_options`` turns it into
     ``disable_recompute=True``)."""

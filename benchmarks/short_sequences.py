@@ -60,7 +60,7 @@ def main(N: int = 1000, T: int = 1000, reps: int = 5, H: int = 4, K: int = 64, V
     dense = lambda cu, h0, *a: kdax.chunk_kda(*a)
     rec = lambda cu, h0, *a: kdax.fused_recurrent_kda(*a, cu_seqlens=cu)
     # With initial states (an argument of the jitted call, as a serving prefill passes its
-    # cache's states; zeros): they enter the shared chunks (kdax._shared_states, issue 25
+    # cache's states; zeros): they enter the shared chunks (kdax._layouts.shared_states, issue 25
     # item 4; one sequence per chunk before).
     h0 = jnp.zeros((N, H, K, V), jnp.float32)
     chunk_h0 = lambda cu, h0, *a: kdax.chunk_kda(*a, cu_seqlens=cu, initial_state=h0, output_final_state=True)
@@ -82,7 +82,7 @@ def main(N: int = 1000, T: int = 1000, reps: int = 5, H: int = 4, K: int = 64, V
         fwd = median_ms(jax.jit(fn), cu, h0, *x)
         step = median_ms(train(fn), cu, h0, *x)
         print(f"  {name:32}{fwd:10.1f}{step:12.1f}", flush=True)
-    # A loss on the final states too (kdax._shared_states: no forward rerun since session 10).
+    # A loss on the final states too (kdax._layouts.shared_states: no forward rerun since session 10).
     both = jax.jit(lambda cu, *a: jax.grad(
         lambda *a: sum(jnp.sum(x * y) for x, y in zip(chunk_final(cu, None, *a), (w, 1.0))), argnums=(0, 1, 2, 3, 4))(*a))
     print(f"  {'  (train, loss on o and ht)':32}{'':10}{median_ms(both, cu, *x):12.1f}", flush=True)

@@ -6,25 +6,25 @@ oracles), ``kdax.stages`` (abstract stages and reference implementations),
 ``kdax.pallas`` (Pallas implementations).
 """
 
-from . import pallas as pallas, ref as ref, stages as stages, typing as typing
 from . import nn as nn
+from . import pallas as pallas, ref as ref, stages as stages, typing as typing
 from . import parallel as parallel
 from ._config import KDAConfig as KDAConfig
 from ._config import KDAOptions as KDAOptions
 from ._errors import DerivedBackwardError as DerivedBackwardError
 from ._errors import FallbackWarning as FallbackWarning
-from ._errors import StageGradientError as StageGradientError
 from ._errors import StageContractError as StageContractError
+from ._errors import StageGradientError as StageGradientError
 from ._errors import UnsupportedCase as UnsupportedCase
-from ._layout import ChunkLayout as ChunkLayout
+from ._layouts.layout import ChunkLayout as ChunkLayout
 from ._plan import KDAPlan as KDAPlan, PlanRow as PlanRow
-from ._residuals import KDAGrads as KDAGrads, KDAResiduals as KDAResiduals
+from ._runner.residuals import KDAGrads as KDAGrads, KDAResiduals as KDAResiduals
 from .pipeline import (
     KDAPipeline as KDAPipeline,
     default_pipeline as default_pipeline,
     stage_inputs as stage_inputs,
 )
+from . import testing as testing
 from ._front import chunk_kda as chunk_kda
 from .recurrent import fused_recurrent_kda as fused_recurrent_kda
 from .ref import kda_gate as kda_gate
-from . import testing as testing

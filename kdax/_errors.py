@@ -24,14 +24,14 @@ class FallbackWarning(UserWarning):
 
 class StageGradientError(ValueError):
     """A differentiated function reaches an array held by a forward stage whose gradient
-    kdax cannot give exactly (see ``kdax._stage_grads``: F1 and F5 arrays get exact
+    kdax cannot give exactly (see ``kdax._runner.stage_grads``: F1 and F5 arrays get exact
     gradients, the backward stages' arrays an exact zero). The message names the pipeline
     field, the array's path and the stage's class."""
 
 
 class DerivedBackwardError(TypeError):
     """A pipeline's backward stages are not the transposes of its forward stages
-    (``kdax._derived``), and the gradient cannot be derived from the forward stages either:
+    (``kdax._runner.derived``), and the gradient cannot be derived from the forward stages either:
     JAX cannot differentiate one of them (a Pallas kernel of custom math, say), or the
     caller runs the hand-written backward directly (``KDAPipeline.backward``,
     ``kdax.parallel``). The message names the stages and what to pass."""

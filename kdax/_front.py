@@ -9,8 +9,8 @@ import numpy as np
 from jaxtyping import Float
 
 from ._config import KDAOptions
-from ._typing import ALogIn, ArrayIn, Beta, CuSeqlensIn, Gate, QK, Scalar, State, Values, typecheck
 from ._config import resolve_deprecated
+from ._typing import ALogIn, ArrayIn, Beta, CuSeqlensIn, Gate, QK, Scalar, State, Values, typecheck
 from .parallel._shard import routed
 from .pipeline import KDAPipeline, default_pipeline
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._config import KDAOptions
-from ._ops import varying_axes
+from ._numerics.ops import varying_axes
 
 SUPPORTED_CHUNK_SIZES = (16, 32, 64, 128)
 # FLA's range for lower_bound under safe_gate.

@@ -50,8 +50,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._front import chunk_kda  # noqa: E402
+from ._runner.capabilities import capabilities  # noqa: E402
 from .pipeline import KDAPipeline, _prepare, stage_inputs  # noqa: E402
-from ._capabilities import capabilities  # noqa: E402
 from .recurrent import fused_recurrent_kda  # noqa: E402
 from .ref import naive_recurrent_kda  # noqa: E402
 
@@ -369,7 +369,7 @@ def bench_stages(s: Shape, reps: int, pipes: dict, on_row: Optional[Callable] = 
         for pname, pipe in pipes.items():
             stage = getattr(pipe, name)
             row = dict(T=s.T, stage=name, pipeline=pname, impl=type(stage).__name__, time_s=None, error=None)
-            # G_lo (kdax._hilo), the last of the reference's arguments: only for stages that take it
+            # G_lo (kdax._numerics.hilo), the last of the reference's arguments: only for stages that take it
             cut = capabilities(type(getattr(ref, name))).G_lo and not capabilities(type(stage)).G_lo
             try:
                 row["time_s"] = time_fn(eqx.filter_jit(stage), taps[name][:-1] if cut else taps[name], reps)

@@ -1,6 +1,6 @@
 """``KDAPipeline``: the forward stages F1-F5 and backward stages B0-B5 composed, and
 ``chunk_kda``, differentiable through an ``eqx.filter_custom_vjp`` that runs the six-stage
-backward (the pipeline's own arrays: ``kdax._stage_grads``).
+backward (the pipeline's own arrays: ``kdax._runner.stage_grads``).
 
 Any stage can be swapped for another implementation of its abstract class::
 
@@ -20,25 +20,26 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Float
 
-from . import _isolation, _precision
 from . import pallas as P
-from ._capabilities import capabilities
 from ._config import KDAConfig, KDAOptions
-from ._contracts import STAGES, check_family
-from ._derived import is_kda, mismatches, reference_is_exact
-from ._layout import ChunkLayout, make_layout, make_shared_layout, pack, pack_inputs, reduce_group, unpack
-from ._ops import CHUNK_LOOPS, loop_unroll, resolve_group, split_rows_and_heads, zeros_after
 from ._errors import DerivedBackwardError
+from ._layouts import shared_states as _shared_states
+from ._layouts.layout import ChunkLayout, make_layout, make_shared_layout, pack, pack_inputs, reduce_group, unpack
+from ._layouts.tiles import Tiles
+from ._layouts.tokens import Tokens, as_chunked, token_inputs
+from ._numerics import isolation as _isolation
+from ._numerics import precision as _precision
+from ._numerics.ops import CHUNK_LOOPS, loop_unroll, resolve_group, split_rows_and_heads, zeros_after
 from ._plan import KDAPlan, PlanRow
-from ._residuals import EntryResiduals, KDAGrads, KDAResiduals
-from . import _shared_states
-from ._runner import PipelineState, PipelineWY, active_recordings, recording, run_stage
-from ._stage_grads import BackwardParts
-from ._tiles import Tiles
-from ._tokens import Tokens, as_chunked, token_inputs
+from ._runner.capabilities import capabilities
+from ._runner.contracts import STAGES, check_family
+from ._runner.derived import is_kda, mismatches, reference_is_exact
+from ._runner.residuals import EntryResiduals, KDAGrads, KDAResiduals
+from ._runner.runner import PipelineState, PipelineWY, active_recordings, recording, run_stage
+from ._runner.stage_grads import BackwardParts
+from ._runner.vjp import differentiable
 from ._typing import ALogIn, ArrayIn, Beta, ChunkK, ChunkState, ChunkV, CuSeqlensIn, Gate, QK, State, Values, typecheck
 from ._validate import validate
-from ._vjp import differentiable
 from .ref import compute_dtype
 from .stages import (
     AbstractDAv,
@@ -71,7 +72,7 @@ class KDAPipeline(eqx.Module):
     hold arrays (a gain, a mask, a table), and a pipeline may sit inside a model under
     ``eqx.filter_jit``/``eqx.filter_grad``/``vmap``/``scan``. Differentiated, F1 and F5
     arrays get their exact gradients, the backward stages' arrays zero (exact), F2-F4
-    arrays a ``StageGradientError`` (``kdax._stage_grads``).
+    arrays a ``StageGradientError`` (``kdax._runner.stage_grads``).
 
     The pipeline checks, when it is traced: each field's family (here, and again at each
     call for pipelines edited with ``eqx.tree_at``), that each stage takes the keyword
@@ -100,16 +101,16 @@ class KDAPipeline(eqx.Module):
     # Only when every forward stage's class is ``tile_safe``; else the forward runs whole.
     # A training step (chunk_kda under a gradient) runs whole: see _vjp_fwd.
     tile: Optional[int] = eqx.field(static=True, default=None)
-    # Precision policy of the products (kdax._precision): "auto" (half-precision operands
+    # Precision policy of the products (kdax._numerics.precision): "auto" (half-precision operands
     # with float32 accumulation where safe for bf16/fp16 inputs, else "highest"),
     # "highest", "bfloat16" or "float16".
     precision: str = eqx.field(static=True, default="auto")
     # Packed varlen input (cu_seqlens) with no initial_state (a training step's usual
     # call): sequences share chunks, NC = ceil(T / C), each sequence start an exact reset
-    # (``_layout.make_shared_layout``, ``stages._segments``), so many short sequences cost what their
+    # (``_layouts.layout.make_shared_layout``, ``stages._segments``), so many short sequences cost what their
     # tokens cost. Final states (``output_final_state``) are read from the chunk of each
     # sequence's last token, and a loss on them runs back through the same chunks
-    # (``kdax._shared_states``). Needs the stages that get the reset table to accept
+    # (``kdax._layouts.shared_states``). Needs the stages that get the reset table to accept
     # ``reset`` (or ``fallback``, which runs the reference ones). False, or an initial
     # state: every sequence starts its own chunk. ``plan`` says which ran.
     share_chunks: bool = eqx.field(static=True, default=True)
@@ -117,16 +118,16 @@ class KDAPipeline(eqx.Module):
     # chunk) axes, or "slices" of the chunk axis keeping rows and heads whole (arrays
     # sharded over them under jit on an Auto mesh stay sharded); "auto": slices in a
     # process with several devices. None: the environment variable KDAX_CHUNK_LOOPS,
-    # else "auto" (kdax._ops.split_rows_and_heads).
+    # else "auto" (kdax._numerics.ops.split_rows_and_heads).
     chunk_loops: Optional[str] = eqx.field(static=True, default=None)
 
     def with_precision(self, precision: str) -> "KDAPipeline":
-        """This pipeline under another precision policy (see ``kdax._precision``)."""
+        """This pipeline under another precision policy (see ``kdax._numerics.precision``)."""
         return dataclasses.replace(self, precision=precision)
 
     def resolved(self, dtype) -> "KDAPipeline":
         """This pipeline with its precision policy resolved for inputs of ``dtype`` ("auto"
-        becomes what ``kdax._precision.resolve`` says): the one place the policy is
+        becomes what ``kdax._numerics.precision.resolve`` says): the one place the policy is
         resolved, by the forward, the backward, the stage arrays' gradients and
         ``kdax.parallel`` alike."""
         if self.precision != "auto":
@@ -142,7 +143,7 @@ class KDAPipeline(eqx.Module):
 
     def run_stage(self, name: str, **kwargs):
         """Run stage ``name`` (a field) on keyword arguments through the stage runner
-        (``kdax._runner.run_stage``): family and argument checks, capability negotiation
+        (``kdax._runner.runner.run_stage``): family and argument checks, capability negotiation
         (``G_lo``, ``reset``), fallback on ``UnsupportedCase``, output contract, plan
         recording. Everything that calls a stage, B0 and ``kdax.parallel`` included,
         calls it this way."""
@@ -236,7 +237,7 @@ class KDAPipeline(eqx.Module):
     def resolved_config(self, dtype=jnp.float32) -> dict:
         """Every platform-dependent choice as it resolves here for inputs of ``dtype``
         (what ``plan`` reports): ``backend``, ``precision`` (the policy, "auto" resolved),
-        ``tile``, ``chunk_loops`` ("flat" groups or NC "slices": ``kdax._ops``), and per
+        ``tile``, ``chunk_loops`` ("flat" groups or NC "slices": ``kdax._numerics.ops``), and per
         stage field its static tuning fields, "auto" resolved (``group``: chunks per loop
         iteration; ``loop_unroll``; the Pallas stages' ``target``, ``interpret``,
         ``num_warps``, ``num_stages``, ``f32_dot``). Each is a field of the pipeline or of
@@ -267,17 +268,17 @@ class KDAPipeline(eqx.Module):
                     clean: bool = False, entries: bool = False):
         """Forward on the raw inputs (``h0`` ``[N, HV, K, V]`` or None). Returns
         ``(o, final [N, HV, K, V], residuals with the full cache)``. ``entries``: packed
-        initial states may enter shared chunks (``kdax._shared_states``; ``chunk_kda``'s
+        initial states may enter shared chunks (``kdax._layouts.shared_states``; ``chunk_kda``'s
         VJP, whose backward takes them), else they keep one sequence per chunk.
         ``clean``: non-finite input elements read as zero, replaced as each tile is packed
-        (``kdax._isolation``: the caller puts NaN back where the recurrence has it)."""
+        (``kdax._numerics.isolation``: the caller puts NaN back where the recurrence has it)."""
         for name in STAGES:  # a pipeline edited with eqx.tree_at skips __check_init__
             check_family(name, getattr(self, name))
         B, T, H, K = q.shape
         HV, V = v.shape[2:]
         dt = compute_dtype(q, k, v, g, beta, h0)
         # (initial states entering shared chunks compute terms of F1's and F5's math in
-        # kdax._shared_states: only for stages that declare KDA's; others keep one
+        # kdax._layouts.shared_states: only for stages that declare KDA's; others keep one
         # sequence per chunk, where every term comes from the stage)
         entries = entries and all(is_kda(getattr(self, n)) for n in ("gate", "output"))
         shared = self.shares_chunks(None if entries else h0, cu_seqlens)
@@ -345,14 +346,14 @@ class KDAPipeline(eqx.Module):
         """``run_forward`` of packed sequences with initial states, sharing chunks: the
         stages on the shared layout, each initial state entering in its sequence's first
         chunk and F4 loading the states that go on into the next chunk
-        (``kdax._shared_states``). Whole (untiled). Non-finite initial states read as zero
-        (``clean``: ``kdax._isolation`` puts NaN into that sequence); ``dt`` the compute
+        (``kdax._layouts.shared_states``). Whole (untiled). Non-finite initial states read as zero
+        (``clean``: ``kdax._numerics.isolation`` puts NaN into that sequence); ``dt`` the compute
         dtype."""
         T, HV, C = raw[0].shape[1], raw[2].shape[2], config.chunk_size
         in_dtypes = _in_dtypes(raw, h0, A_log, dt_bias)
         A_log, dt_bias = _cast(A_log, dt), _cast(dt_bias, dt)
         h0 = h0.astype(dt)
-        # (a head with a non-finite state reads a zero one: kdax._shared_states masks it
+        # (a head with a non-finite state reads a zero one: kdax._layouts.shared_states masks it
         # where it is read, with no cleaned copy of the N states)
         ok = _isolation.finite_heads(h0) if clean else None
         _record_layout("shared")
@@ -386,13 +387,13 @@ class KDAPipeline(eqx.Module):
         """Whether a call with these inputs packs its sequences into shared chunks
         (``share_chunks``): packed varlen input, no ``initial_state``, and the stages of
         ``_RESET_FIELDS`` accepting ``reset`` (or ``fallback`` to the reference ones). Final
-        states and a loss on them need no other layout (``kdax._shared_states``)."""
+        states and a loss on them need no other layout (``kdax._layouts.shared_states``)."""
         if not self.share_chunks or cu_seqlens is None or initial_state is not None:
             return False
         # Every stage the layout's reset table reaches must accept it, or the sequences take
         # one chunk each (exact either way); ``fallback`` runs the reference stage instead,
         # for a stage of KDA's math (the reference computes another stage's math for no
-        # one). The final states of shared chunks follow F4's math in kdax._shared_states:
+        # one). The final states of shared chunks follow F4's math in kdax._layouts.shared_states:
         # an F4 of other math keeps one sequence per chunk.
         if not is_kda(self.state):
             return False
@@ -413,7 +414,7 @@ class KDAPipeline(eqx.Module):
 
     def _front_stages(self, config: KDAConfig, chunked, A_log, dt_bias, layout: ChunkLayout):
         """F1-F3 on chunked inputs ``(q, k, v, g, beta)``: ``(act, intra, wy)``; with the
-        layout's reset table (shared chunks: exact zeros across sequences, kdax._resets)."""
+        layout's reset table (shared chunks: exact zeros across sequences, kdax._layouts.resets)."""
         qc, kc, vc, gc, bc = chunked
         R = layout.reset
         act = self.run_stage("gate", config=config, q=qc, k=kc, g=gc, beta=bc, A_log=A_log, dt_bias=dt_bias,
@@ -435,7 +436,7 @@ class KDAPipeline(eqx.Module):
     def _forward_tiled(self, config: KDAConfig, layout: ChunkLayout, raw, HV: int, dt, A_log, dt_bias, h0, nt: int,
                        clean=None):
         """F1-F5 on ``nt`` chunks at a time, the state carried from tile to tile (see
-        ``_tiles``). On CPU this keeps a tile's intermediates in cache instead of writing
+        ``_layouts.tiles``). On CPU this keeps a tile's intermediates in cache instead of writing
         whole-sequence arrays to main memory (the forward 1.4x faster at the benchmark
         shape); every intermediate is still written to a full-size output, which XLA drops
         where nothing reads it (``chunk_kda`` without gradients).
@@ -498,7 +499,7 @@ class KDAPipeline(eqx.Module):
         return self.backward_with_parts(res, do, dht)[0]
 
     def backward_with_parts(self, res: KDAResiduals, do, dht=None) -> tuple:
-        """``(backward(res, do, dht), parts)``: ``parts`` (``kdax._stage_grads.BackwardParts``)
+        """``(backward(res, do, dht), parts)``: ``parts`` (``kdax._runner.stage_grads.BackwardParts``)
         holds what the backward formed on the way (the packed ``do``, B0's ``qg, h, v_new``,
         B4's gradients of F1's outputs), the cotangents from which stage arrays are
         differentiated."""
@@ -593,7 +594,7 @@ class KDAPipeline(eqx.Module):
 
     def apply(self, q, k, v, g, beta, options: KDAOptions):
         """The single-device call behind ``chunk_kda``: validation, then the forward,
-        differentiable through the six-stage backward (``kdax._vjp.differentiable``). Returns
+        differentiable through the six-stage backward (``kdax._runner.vjp.differentiable``). Returns
         ``(o, final state or None)`` in ``chunk_kda``'s layouts."""
         config, args, opts = _prepare_options(q, k, v, g, beta, options)
         q, k, v, g, beta, h0, A_log, dt_bias, cu = args
@@ -605,7 +606,7 @@ class KDAPipeline(eqx.Module):
             N = v.shape[0] if cu is None else cu.shape[0] - 1
             final = _initial_states(h0, (N, v.shape[2], K, v.shape[-1]), compute_dtype(q, k, v, g, beta, h0))
             return jnp.zeros(v.shape, v.dtype), _final_out(final, config, opts.state_v_first)
-        # (Non-finite inputs stay in their own sequence: kdax._isolation, in the VJP's forward.)
+        # (Non-finite inputs stay in their own sequence: kdax._numerics.isolation, in the VJP's forward.)
         # Called eagerly (no array traced), compiled as one program: op by op it took 8 s a
         # call at T = 2048, against 0.05 s. Under any transformation, as is: a jit nested in
         # the caller's made kdax.bench's jitted training step 8-14% slower. Not while
@@ -634,7 +635,7 @@ class _ForwardChunks(eqx.Module):
     wy: WYOut
     h: ChunkState
     v_new: ChunkV
-    v: typing.Union[ChunkV, Tokens]  # (views of the caller's v and g: kdax._tokens)
+    v: typing.Union[ChunkV, Tokens]  # (views of the caller's v and g: kdax._layouts.tokens)
     g: typing.Union[ChunkK, Tokens]
 
 
@@ -658,7 +659,7 @@ def stage_inputs(pipeline: KDAPipeline, q: QK, k: QK, v: Values, g: Gate, beta: 
     out = {}
     for name, kw in rec.inputs.items():
         params = list(inspect.signature(STAGES[name].family.__call__).parameters.values())[1:]
-        # (a parameter the stage does not take, G_lo, is not in kw: kdax._hilo)
+        # (a parameter the stage does not take, G_lo, is not in kw: kdax._numerics.hilo)
         out[name] = tuple(kw[p.name] for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and p.name in kw)
     return out
 
@@ -743,8 +744,8 @@ def _prepare_options(q, k, v, g, beta, options: KDAOptions):
 
 def default_pipeline() -> KDAPipeline:
     """The pipeline ``chunk_kda(pipeline=None)`` uses: the reference stages (XLA) on every
-    platform, precision policy "auto" (``kdax._precision``). On a GPU they run whole chunk
-    groups per loop iteration and unroll the recurrences (``kdax._ops.resolve_group``,
+    platform, precision policy "auto" (``kdax._numerics.precision``). On a GPU they run whole chunk
+    groups per loop iteration and unroll the recurrences (``kdax._numerics.ops.resolve_group``,
     ``loop_unroll``); beside FLA on an H200 (bf16, B=1 T=16384 H=16 K=V=128) that was the
     fastest training step measured, 25.0 ms against 26.8-53 ms for every mix of Pallas
     stages tried (benchmarks/NOTES.md, "GPU, third pass")."""

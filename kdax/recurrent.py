@@ -6,12 +6,12 @@ import jax
 import jax.numpy as jnp
 
 from ._config import KDAOptions
-from ._typing import ALogIn, ArrayIn, Beta, CuSeqlensIn, Float, Gate, QK, Scalar, State, Values, typecheck
 from ._config import resolve_deprecated
+from ._numerics.ops import vary_like
+from ._typing import ALogIn, ArrayIn, Beta, CuSeqlensIn, Float, Gate, QK, Scalar, State, Values, typecheck
 from ._validate import validate
 from .parallel._shard import routed
 from .ref import beta_activation, compute_dtype, expand_heads, kda_gate, l2norm, recurrent_step
-from ._ops import vary_like
 
 
 # FLA's head-wise beta: one write strength per value column.

@@ -11,7 +11,7 @@ its family's reference stage on the same arguments.
 
 ``check_pipeline(pipeline)`` compares a pipeline's gradients with the exact gradients of
 its own forward (``jax.vjp`` through its forward stages, the same-math Pallas stages
-differentiated as their reference twins: ``kdax._derived.differentiable_forward``) and
+differentiated as their reference twins: ``kdax._runner.derived.differentiable_forward``) and
 its outputs across layouts (dense rows, packed per-sequence, shared chunks, tiles).
 
 Both return a ``Report``: ``.ok`` (no check failed; skipped ones say why), ``.failed``,
@@ -29,13 +29,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _derived, _precision
-from ._capabilities import capabilities, negotiated
 from ._config import KDAOptions
-from ._contracts import STAGES
 from ._errors import StageContractError, UnsupportedCase
-from ._runner import recording, run_stage
-from ._tokens import Tokens, as_chunked
+from ._layouts.tokens import Tokens, as_chunked
+from ._numerics import precision as _precision
+from ._runner import derived as _derived
+from ._runner.capabilities import capabilities, negotiated
+from ._runner.contracts import STAGES
+from ._runner.runner import recording, run_stage
 from ._typing import typecheck
 from .pipeline import _RESET_FIELDS, KDAPipeline, _prepare
 from .stages import Activated
@@ -782,7 +783,7 @@ def check_pipeline(
       ``sum(o w) + sum(ht wh)``, fixed random weights) against the exact gradients of the
       pipeline's own forward: ``jax.vjp`` through its forward stages, one sequence per
       chunk, the same-math Pallas stages replaced by their reference twins
-      (``kdax._derived.differentiable_forward``), for dense inputs with initial and
+      (``kdax._runner.derived.differentiable_forward``), for dense inputs with initial and
       final states, packed varlen inputs with and without initial states, FLA's in-kernel
       options (``full``: grouped value heads, a larger chunk);
     * ``forward``: the outputs against that differentiable forward's;

@@ -35,6 +35,7 @@ dtypes are checked when it is traced, with errors that name the argument::
         def __call__(self, scale, qg: ChunkK, h, Aqk, v_new: ChunkV) -> ChunkV: ...
 """
 
+from ._layouts.tokens import Tokens as Tokens
 from ._typing import ArrayIn as ArrayIn
 from ._typing import Beta as Beta
 from ._typing import ChunkK as ChunkK
@@ -49,4 +50,3 @@ from ._typing import SeqState as SeqState
 from ._typing import State as State
 from ._typing import Values as Values
 from ._typing import typecheck as typecheck
-from ._tokens import Tokens as Tokens

@@ -1,4 +1,4 @@
-"""Stage capabilities (kdax/_capabilities.py, through the stage runner kdax/_runner.py):
+"""Stage capabilities (kdax/_runner/capabilities.py, through the stage runner kdax/_runner/runner.py):
 declared in ``accepts`` (never read from the signature); the runner passes ``G_lo`` /
 ``reset`` only where accepted and refuses (or falls back on) a layout a stage cannot run."""
 
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 import kdax
-from kdax._capabilities import Capabilities, capabilities
+from kdax._runner.capabilities import Capabilities, capabilities
 from kdax.stages import KDA, AbstractGate, AbstractIntra, ReferenceGate, ReferenceIntra
 
 from ._util import assert_close, make_inputs, oracle_kda, split_args

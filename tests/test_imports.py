@@ -2,8 +2,10 @@
 modules, no import hidden inside a function, and no private name, or private module of
 another subpackage, imported across subpackages (kdax.stages, kdax.pallas,
 kdax.parallel, kdax.nn, kdax.ref talk to each other through their packages' public
-names; the top-level private modules, kdax._typing and the like, are shared by all, and
-the top level may re-export from a subpackage's modules)."""
+names; the private machinery, the top-level private modules (kdax._typing and the like)
+and the private subpackages kdax._numerics, kdax._layouts, kdax._runner, is shared by
+all, and the top level may re-export from a subpackage's modules). The root keeps the
+public faces and at most 8 private modules."""
 
 import ast
 import pathlib
@@ -94,3 +96,10 @@ def test_no_private_names_across_subpackages():
             if priv_module or (name or "").startswith("_"):
                 bad.append(f"{m} imports {target}{'.' + name if name else ''}")
     assert not bad, "private names across subpackages:\n" + "\n".join(sorted(bad))
+
+
+def test_root_keeps_few_private_modules():
+    # Private machinery lives in the private subpackages, grouped by what it is
+    # (docs/DESIGN.md, "Package layout"); the root keeps the public faces.
+    private = sorted(f.name for f in PKG.glob("_*.py") if f.name != "__init__.py")
+    assert len(private) <= 8, f"{len(private)} private modules at kdax/'s root: {private}"

@@ -3,7 +3,7 @@ recurrence (``oracle_kda``), a huge (x1e30) or non-finite value injected at one 
 one sequence into each of q, k, v, g, beta: every other sequence's outputs, final states
 and gradients are the recurrence's; the bad sequence's are exact before the token (where
 the recurrence's are finite) and non-finite wherever the recurrence's are. Shared chunks
-(exact resets, ``kdax._resets``), one sequence per chunk, dense rows; and the
+(exact resets, ``kdax._layouts.resets``), one sequence per chunk, dense rows; and the
 causal-gradient case of the issue (garbage right padding, a loss on the valid outputs)."""
 
 import dataclasses
@@ -127,7 +127,7 @@ def test_shared_chunks_isolated():
 
 
 def test_shared_chunks_with_initial_states_isolated():
-    """Shared chunks with initial states entering them (``kdax._shared_states``), a loss
+    """Shared chunks with initial states entering them (``kdax._layouts.shared_states``), a loss
     on o and the final states."""
     x = _inputs(CU[-1], h0=True)
     cu = jnp.asarray(CU, jnp.int32)
@@ -187,7 +187,7 @@ def test_non_finite_initial_state_stays_in_its_sequence():
 @pytest.mark.parametrize("h0", [False, True], ids=["zero-states", "initial-states"])
 def test_non_finite_final_state_cotangent_stays_in_its_sequence(h0):
     """A NaN or inf in one element of one sequence's final-state cotangent (shared
-    chunks, ``kdax._shared_states.finals_vjp``: read as given, no cleaned copy): every
+    chunks, ``kdax._layouts.shared_states.finals_vjp``: read as given, no cleaned copy): every
     other sequence's gradients (and initial-state gradient) equal the float64 oracle's,
     and the bad sequence's are non-finite wherever the oracle's are."""
     x = _inputs(CU[-1], h0=h0)
@@ -337,7 +337,7 @@ def test_recurrent_numpy_initial_state_with_cu_seqlens():
 
 def test_unknown_cleaning_kind_is_refused():
     # A kind the isolation does not know never passes as "any non-finite value".
-    from kdax._isolation import is_bad
+    from kdax._numerics.isolation import is_bad
 
     x = jnp.array([1.0, jnp.nan, jnp.inf, -jnp.inf])
     np.testing.assert_array_equal(np.asarray(is_bad("any", x)), [False, True, True, True])

@@ -1,4 +1,4 @@
-"""Issue 18, item 8: many short packed sequences share chunks (``_layout.make_shared_layout``):
+"""Issue 18, item 8: many short packed sequences share chunks (``_layouts.layout.make_shared_layout``):
 exact against the float64 oracle (outputs, final states and every gradient), the layout
 visible in ``plan``, shapes independent of the ``cu_seqlens`` values, checks under jit,
 NaN containment, tiles; initial states entering them and a loss on final states."""
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import kdax
-from kdax._layout import make_shared_layout
+from kdax._layouts.layout import make_shared_layout
 
 from ._util import assert_close, make_inputs, oracle_kda, rel_rms, split_args
 
@@ -135,11 +135,11 @@ def test_initial_states_enter_shared_chunks_plan(final):
 @pytest.mark.parametrize("chunk,gate", [(C, False), (64, True), pytest.param(64, False, marks=pytest.mark.slow)],
                          ids=["C16", "C64_in_kernel_gate", "C64"])
 def test_initial_states_enter_shared_chunks(chunk, gate):
-    """Initial states entering shared chunks (``kdax._shared_states``): outputs, final
+    """Initial states entering shared chunks (``kdax._layouts.shared_states``): outputs, final
     states and every gradient (a loss on o and on the final states; ``dh0`` and, with the
     in-kernel gate, ``dA_log``/``ddt_bias``, which the start tokens' own decays reach)
     exact against the float64 oracle, for the mix of lengths: first-chunk stretches of one
-    to three blocks of ``kdax._ragged.W`` tokens, sequences going on into one and two
+    to three blocks of ``kdax._layouts.ragged.W`` tokens, sequences going on into one and two
     later chunks, starts on a chunk boundary, empty sequences (which keep their state)."""
     x = _inputs(MIX, h0=True, gate=gate)
     options = dict(cu_seqlens=jnp.asarray(MIX, jnp.int32), output_final_state=True)
@@ -158,9 +158,9 @@ def test_initial_states_without_final_states():
 @pytest.mark.parametrize("chunk", [C, 64])
 def test_loss_on_final_states_of_shared_chunks(chunk):
     """A loss on o and on the final states of shared chunks (issue 25 item 4: run back
-    through the shared chunks, ``kdax._shared_states``, no forward rerun), the layout still
+    through the shared chunks, ``kdax._layouts.shared_states``, no forward rerun), the layout still
     shared: every gradient exact against the float64 oracle, for the mix of lengths
-    (tails longer than one block of ``kdax._ragged.W`` tokens, sequences crossing one and
+    (tails longer than one block of ``kdax._layouts.ragged.W`` tokens, sequences crossing one and
     two chunk boundaries, empty ones; at chunk 64, tails of up to four blocks)."""
     x = _inputs(MIX)
     options = dict(cu_seqlens=jnp.asarray(MIX, jnp.int32), output_final_state=True)
@@ -269,7 +269,7 @@ def test_float32_as_good_as_the_recurrence():
 def test_non_finite_stays_where_it_entered():
     """A NaN or inf at token t (a sequence's first token, or inside one): outputs before t
     bit-identical, and so is every other sequence's (issue 25: exact resets, non-finite
-    inputs kept out of the shared chunks, ``kdax._isolation``)."""
+    inputs kept out of the shared chunks, ``kdax._numerics.isolation``)."""
     cu = [0, 3, 9, 10, 21, 32, 40, 64]
     x = _inputs(cu, dtype=jnp.float32, seed=8)
     f = jax.jit(lambda xx: _fn()(xx["q"], xx["k"], xx["v"], xx["g"], xx["beta"], cu_seqlens=jnp.asarray(cu))[0])
@@ -291,7 +291,7 @@ def test_forward_residuals_and_backward_of_shared_chunks():
     """``KDAPipeline.forward`` packs as ``chunk_kda`` does, final states included: token
     intermediates read per sequence as with one sequence per chunk; the per-chunk state per
     sequence is refused with the reason; ``backward`` with a ``dht`` (run back through the
-    shared chunks, ``kdax._shared_states``) equals the per-sequence layout's."""
+    shared chunks, ``kdax._layouts.shared_states``) equals the per-sequence layout's."""
     x = _inputs(MIX)
     pos, _ = split_args(x)
     cu = jnp.asarray(MIX, jnp.int32)
@@ -325,7 +325,7 @@ def test_forward_residuals_and_backward_of_shared_chunks():
 # -- issue 39 item 0: float32 against the float64 oracle over random packed lengths --------
 #
 # A loss on o and on the final states, initial states, gates down to -1e4 beside tiny ones
-# (the exponents of kdax._shared_states' VJPs round to 0 or above there: before the fix, dg
+# (the exponents of kdax._layouts.shared_states' VJPs round to 0 or above there: before the fix, dg
 # was 2e-2 to 9e-2 off), l2norm on and off. cu_seqlens is traced, so each pipeline and
 # option compiles once for every seed (N and T fixed, the lengths random).
 SWEEP_N, SWEEP_HV, SWEEP_D = 12, 2, 8  # T = 10 C: ten chunks

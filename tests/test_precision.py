@@ -1,4 +1,4 @@
-"""The precision policy (``kdax._precision``): which products take half-precision operands
+"""The precision policy (``kdax._numerics.precision``): which products take half-precision operands
 under bf16/fp16 inputs, which stay at HIGHEST, and the errors of the fast policy against
 the float64 oracle within FLA's tolerances."""
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kdax
-from kdax import _precision
+from kdax._numerics import precision as _precision
 from kdax.pallas import PallasDhu, PallasState
 
 from ._gpu_products import gpu_products
@@ -41,7 +41,7 @@ def test_resolve():
     assert kdax.KDAPipeline.reference().with_precision("fast").precision == "fast"
     assert _precision.rounds("fast", "state") and _precision.rounds("fast", "dhu")
     assert not _precision.rounds("bfloat16", "state") and not _precision.rounds("fast", "intra_bwd")
-    # What must stay float32 (see kdax._precision): the gate cumsum, the state recurrence
+    # What must stay float32 (see kdax._numerics.precision): the gate cumsum, the state recurrence
     # (F4, B2, B0's F4) and B4, whose dG cancels (rounded, dA_log's error was 6e-2 on an H100).
     assert {"gate", "state", "recompute", "dhu", "intra_bwd", "gate_bwd"}.isdisjoint(_precision.FAST_STAGES)
 
@@ -93,7 +93,7 @@ def test_products_follow_the_policy(policy):
         if stage == "recompute":
             continue
         if policy == "auto" and stage in _precision.FAST_STAGES:
-            # Row sums (kdax._ops.rowsum) and the solve stay exact inside these stages.
+            # Row sums (kdax._numerics.ops.rowsum) and the solve stay exact inside these stages.
             assert str(FAST) in precs and precs <= {str(FAST), str(HIGHEST)}, (stage, precs)
         else:
             assert precs == {str(HIGHEST)}, (stage, precs)

@@ -1,4 +1,4 @@
-"""``kdax._ragged``: the per-sequence products over token spans against a plain per-token
+"""``kdax._layouts.ragged``: the per-sequence products over token spans against a plain per-token
 loop, float64, and their hand-made VJPs against ``jax.vjp`` of that loop."""
 
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kdax import _ragged
+from kdax._layouts import ragged as _ragged
 
 from ._util import assert_close
 

@@ -1,8 +1,8 @@
-"""Stage arrays under differentiation (kdax/_stage_grads.py): F1 and F5 arrays get their
+"""Stage arrays under differentiation (kdax/_runner/stage_grads.py): F1 and F5 arrays get their
 exact gradients (float64, against autodiff of an oracle of the modified algorithm), the
 backward stages' arrays an exact zero; F2-F4 arrays of a stage declaring KDA's math (the
 hand-written backward runs) a named error at trace time, and of a stage of other math
-their exact gradients through the derived backward (kdax/_derived.py); never a silent
+their exact gradients through the derived backward (kdax/_runner/derived.py); never a silent
 zero."""
 
 from typing import ClassVar
@@ -86,7 +86,7 @@ def test_output_stage_array_gets_its_exact_gradient(packed):
     dgain_ref, dq_ref = jax.grad(oracle, argnums=(0, 1))(GAIN, pos[0])
     assert_close(d_pipe.output.gain, dgain_ref, 1e-11, "d gain (F5)")
     # The input gradients are those of the modified algorithm (the gain's F5 declares no
-    # math, so the backward is derived from the forward stages: kdax._derived).
+    # math, so the backward is derived from the forward stages: kdax._runner.derived).
     assert_close(dq, dq_ref, 1e-10, "dq (modified algorithm)")
 
 
@@ -120,7 +120,7 @@ def test_forward_stage_of_other_math_gets_exact_gradients():
     pipe = eqx.tree_at(lambda p: p.wy, kdax.KDAPipeline.reference(), FreeWY(a))
     loss = lambda p, v: _loss(kdax.chunk_kda(pos[0], pos[1], v, *pos[3:], chunk_size=16, pipeline=p)[0], 0.0)
     with pytest.warns(kdax.FallbackWarning, match="derived from the forward stages"):
-        kdax._derived._warn_once.cache_clear()
+        kdax._runner.derived._warn_once.cache_clear()
         d_pipe, dv = eqx.filter_jit(eqx.filter_grad(lambda diff: loss(*diff)))((pipe, pos[2]))
     oracle = lambda a_, v: _loss(oracle_kda(pos[0], pos[1], a_ * v, *pos[3:])[0], 0.0)
     da_ref, dv_ref = jax.grad(oracle, argnums=(0, 1))(a, pos[2])

@@ -1,4 +1,4 @@
-"""``Tokens`` views of the call's inputs (kdax/_tokens.py): what they stand for is exactly
+"""``Tokens`` views of the call's inputs (kdax/_layouts/tokens.py): what they stand for is exactly
 the chunked copy ``pack_inputs`` makes (cast, cleaned, heads repeated), and the stage
 runner hands a stage without the ``tokens`` capability that copy."""
 
@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import kdax
-from kdax import _isolation
-from kdax._layout import make_layout, pack_inputs
-from kdax._runner import recording
-from kdax._tokens import Tokens, as_chunked, token_inputs
+from kdax._numerics import isolation as _isolation
+from kdax._layouts.layout import make_layout, pack_inputs
+from kdax._runner.runner import recording
+from kdax._layouts.tokens import Tokens, as_chunked, token_inputs
 from kdax.stages import KDA, AbstractGate, ReferenceGate
 
 from ._util import make_inputs, run

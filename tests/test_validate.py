@@ -124,7 +124,7 @@ def test_out_of_domain_gate_and_beta_named_eagerly(fn, x):
     """What a newcomer tries first, random-normal g and beta, gave NaN in most outputs
     silently (issue 39 item 7): eagerly, and in an eager jax.grad, g > 0 and beta outside
     [0, 1] raise a ValueError naming the argument and its domain; the in-kernel
-    activations take raw values; non-finite entries are kdax._isolation's (no error)."""
+    activations take raw values; non-finite entries are kdax._numerics.isolation's (no error)."""
     import jax
 
     pos, kw = split_args(x)

@@ -8,17 +8,17 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray, Shaped
 
+from .._conv import causal_conv, conv_tail, token_segments
+from .._front import chunk_kda
 from .._typing import ArrayIn, CuSeqlensIn, typecheck
 from .._validate import check_cu_seqlens
-from .._front import chunk_kda
+from ..parallel import check_axis, conv_halo, sp_conv_tail, sp_token_segments
 from ..pipeline import KDAPipeline, default_pipeline
 from ..recurrent import fused_recurrent_kda
 from ._cache import KDACache, zeros_cache
-from .._conv import causal_conv, conv_tail, token_segments
 from ._norm import gated_rms_norm
 from ._pretrained import load_layers
 from ._weights import check_dtype_option, layer_from_state_dict, layer_state_dict
-from ..parallel import check_axis, conv_halo, sp_conv_tail, sp_token_segments
 
 # Longest call that the recurrent path takes by default (with a cache; FLA's threshold).
 RECURRENT_MAX_T = 64

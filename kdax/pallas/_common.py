@@ -24,11 +24,11 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from .. import _precision
 from .._errors import UnsupportedCase
-from .._hilo import exponent
-from .._ops import vary_like
-from .._tokens import Tokens, as_chunked
+from .._layouts.tokens import Tokens, as_chunked
+from .._numerics import precision as _precision
+from .._numerics.hilo import exponent
+from .._numerics.ops import vary_like
 
 TARGETS = ("tpu", "triton")
 
@@ -53,7 +53,7 @@ class PallasTarget(eqx.Module):
     ``"ieee"`` (CUDA-core FMAs, exact float32 products) or ``"tf32x3"`` (three TF32
     tensor-core products whose sum carries about float32's precision, relative error of
     order 1e-6 instead of 1e-7). Half-precision products under a precision policy
-    (``kdax._precision``) are unaffected. ``read_views``: read ``kdax.typing.Tokens``
+    (``kdax._numerics.precision``) are unaffected. ``read_views``: read ``kdax.typing.Tokens``
     views of the call's inputs in place where ``reads_tokens`` allows (False: take their
     chunked copies, as before the views; for measuring what they buy)."""
 
@@ -330,7 +330,7 @@ def chunk_call(kernel, inputs, specs, out_blocks, P: int, NC: int, dtype, target
 # -- in-kernel helpers (2-D values only) ---------------------------------------------------
 def dot(a, b, ta: bool = False, tb: bool = False):
     """``op(a) @ op(b)`` with float32 (or float64) accumulation at full precision; under a
-    half-precision policy (``kdax._precision``) float32 operands are rounded to the
+    half-precision policy (``kdax._numerics.precision``) float32 operands are rounded to the
     policy's dtype first (tensor cores, float32 accumulation)."""
     dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
     half = _precision.operand_dtype()
@@ -417,8 +417,8 @@ def row_or_none(x, i):
 
 def decay(mask, x, y, x_lo=None, y_lo=None):
     """``exp(x - y)`` where ``mask`` (None: everywhere), else 0, in the exponent
-    (``masked_exp``); with the low parts of G (``kdax._hilo``: ``x_lo``, ``y_lo``, both or
+    (``masked_exp``); with the low parts of G (``kdax._numerics.hilo``: ``x_lo``, ``y_lo``, both or
     neither) the exponent is the difference of the exact sums, clamped at 0
-    (``kdax._hilo.exponent``)."""
+    (``kdax._numerics.hilo.exponent``)."""
     e = exponent(x, y, x_lo, y_lo)
     return jnp.exp(e) if mask is None else masked_exp(mask, e)

@@ -17,12 +17,12 @@ from jax.experimental import pallas as pl
 from jaxtyping import Array, Float
 
 from .._config import KDAConfig
-from .._hilo import grid_bits, split_log_decay
+from .._layouts.tokens import Tokens
+from .._numerics.hilo import grid_bits, split_log_decay
+from .._runner.final import final
 from .._typing import ChunkK, ChunkScalar, ChunkValid, typecheck
 from ..ref import L2NORM_EPS, log_decay_floor
 from ..stages import KDA, AbstractGate, AbstractGateBackward, Activated, RawGrads
-from .._final import final
-from .._tokens import Tokens
 from ._common import (
     PallasTarget, chunk_spec, column_blocks, dot, feature_pad, flat, head_spec, iota, loaded, lower_dot,
     nonfinite_rows, pow2, ref_or_none, token_operand, tuned, unflat,
@@ -57,7 +57,7 @@ def _rows_cumsum(x, lower):
     (``lower`` the chunk's lower-triangular ones) on TPU; on Triton (``lower`` None) a
     scan (``tl.cumsum``): a float32 product there is a loop of FMAs that holds whole rows
     and columns of both operands in registers (F1 spilled ~15 KiB a thread at K = 128).
-    Sums on the grid of ``kdax._hilo`` are exact in either order; the low parts' sum
+    Sums on the grid of ``kdax._numerics.hilo`` are exact in either order; the low parts' sum
     (small) may round differently, so G and G_lo are the reference's bit for bit where
     both sum in the same order (TPU, interpret mode), else to ~1e-9 relative."""
     return jnp.cumsum(x, axis=0) if lower is None else dot(lower, x)
@@ -91,10 +91,10 @@ GATE_BLOCK = 16
 def gate_kernel(cfg: KDAConfig, blocks, split: bool, scan: bool, has: tuple, loads=(None,) * 4):
     """F1's kernel over one (row * head, chunk) block, ``blocks`` of columns at a time
     (``column_blocks``): outputs ``(q, k, beta, G[, q_rstd, k_rstd][, G_lo])``.
-    ``split``: G as the exact sum ``G + G_lo`` (``kdax._hilo``; float32), else G alone;
+    ``split``: G as the exact sum ``G + G_lo`` (``kdax._numerics.hilo``; float32), else G alone;
     ``scan``: the cumsums as scans (Triton), else products (``_rows_cumsum``). ``loads``:
     what each block of q, k, g, beta becomes as read (``loaded``: a ``Tokens`` view's
-    cast and cleaning, ``kdax._tokens``; None: as is)."""
+    cast and cleaning, ``kdax._layouts.tokens``; None: as is)."""
     l2 = cfg.use_qk_l2norm_in_kernel
 
     def kernel(q_ref, k_ref, g_ref, b_ref, v_ref, *refs):
@@ -254,7 +254,7 @@ def _param_refs(refs, has: tuple):
 @final
 class PallasGate(AbstractGate, PallasTarget):
     """F1 as a Pallas kernel over (row * head, chunk). ``split`` as ``ReferenceGate``'s:
-    in float32, G as the exact sum ``G + G_lo`` (``kdax._hilo``), bit for bit the
+    in float32, G as the exact sum ``G + G_lo`` (``kdax._numerics.hilo``), bit for bit the
     reference's; False: G alone. Reads q, k, g and beta from the caller's layout when the
     pipeline hands it ``Tokens`` views (``tokens``; on Triton, ``reads_tokens``): each
     block cast and cleaned as it is loaded, no chunked copy made."""

@@ -34,10 +34,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from .._layouts.resets import per_head, segments
+from .._runner.final import final
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkValid, typecheck
-from .._resets import per_head, segments
 from ..stages import KDA, AbstractIntra, AbstractIntraBackward, ChunkGrads, IntraOut
-from .._final import final
 from ._common import (
     PallasFeatureBlocks, chunk_spec, col_of, decay, dot, flat, idiv, iota, loop,
     ref_or_none, row_of, row_or_none, tuned, unflat,
@@ -55,7 +55,7 @@ def _blocks(C: int, block: int):
 def scores_body(q, k, G, block: int, lo=None):
     """``(sum_d q_id k_jd e^(G_id-G_jd), sum_d k_id k_jd e^(G_id-G_jd))`` for j <= i in
     anchored form; entries above the diagonal are unspecified (callers mask them). ``lo``:
-    G's low part (``kdax._hilo``) or None."""
+    G's low part (``kdax._numerics.hilo``) or None."""
     C = q.shape[0]
     b, nb, rC, blk = _blocks(C, block)
     row, col = iota((C, C), 0), iota((C, C), 1)
@@ -183,9 +183,9 @@ def column_block_call(kernel, inputs, kinds, C: int, bk: int, nk: int, P: int, N
 
 @final
 class PallasIntra(AbstractIntra, PallasFeatureBlocks):
-    """F2 as a Pallas kernel over (row * head, chunk); with ``G_lo`` (``kdax._hilo``) every
+    """F2 as a Pallas kernel over (row * head, chunk); with ``G_lo`` (``kdax._numerics.hilo``) every
     exponent is the difference of the exact sums ``G + G_lo``; with ``reset`` (shared
-    chunks, ``kdax._resets``) pairs across sequences are exact zeros. On Triton
+    chunks, ``kdax._layouts.resets``) pairs across sequences are exact zeros. On Triton
     (``intra_blocks_kernel``) the chunk is taken as ``block``-token sub-blocks, every score
     block and every step of ``(I + L)^-1`` a tile product, summing over ``block_k`` feature
     columns at a time; on TPU the whole chunk at once (``scores_body``,

@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from .. import _precision
-from .._hilo import exponent
-from .._isolation import finite_or_zero
+from .._numerics import precision as _precision
+from .._numerics.hilo import exponent
+from .._numerics.isolation import finite_or_zero
 from ._common import _TUNING, blockwise, decay, dot, iota, loop, nonfinite_rows, ref_or_none
 
 
@@ -106,7 +106,7 @@ def intra_levels_kernel(scale: float, C: int, blocks, has_lo: bool, has_reset: b
     over the whole chunk, no per-token loop and no row or column pulled out of a tile.
     Scores: ``level_scores`` (log2(C) products per output, summed over ``blocks`` of
     feature columns); ``(I + L)^-1``: ``doubling_unit_lower_inverse`` under float32
-    products (``_precision.float32_products``). With ``has_reset`` (shared chunks) pairs
+    products (``_numerics.precision.float32_products``). With ``has_reset`` (shared chunks) pairs
     across sequences are selected to exact zeros in both outputs (``L`` is then
     block-diagonal by sequence, and so is its inverse, exactly). A non-finite entry of
     ``L`` in row t (a NaN in token t's k, beta or G) makes ``Akk``'s rows t on NaN, every

@@ -5,10 +5,10 @@ from typing import ClassVar, Mapping, Optional, Union
 import jax.numpy as jnp
 from types import MappingProxyType
 
-from .._tokens import Tokens
+from .._layouts.tokens import Tokens
+from .._runner.final import final
 from .._typing import ChunkK, ChunkMat, ChunkState, ChunkV, typecheck
 from ..stages import KDA, AbstractDAv, AbstractOutput
-from .._final import final
 from ._common import PallasTarget, chunk_spec, dot, flat, iota, loaded, lower_dot, token_operand, tuned, unflat
 
 

@@ -3,11 +3,11 @@ the Pallas F3 and F4 kernels of this stage's target)."""
 
 from typing import ClassVar, Optional, Union
 
-from .._layout import ChunkLayout
-from .._tokens import Tokens
+from .._layouts.layout import ChunkLayout
+from .._layouts.tokens import Tokens
+from .._runner.final import final
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkV, SeqState, typecheck
 from ..stages import AbstractRecompute, AbstractState, AbstractWY, recompute_with, StateOut, WYOut
-from .._final import final
 from ._common import PallasTarget, tuned
 from ._state import PallasState
 from ._wy import PallasWY

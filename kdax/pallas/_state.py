@@ -12,15 +12,15 @@ from typing import ClassVar, Mapping, Optional, Union
 import equinox as eqx
 from types import MappingProxyType
 
-from .. import _precision
+from . import _state_tpu as tpu, _state_triton as triton
 from .._errors import UnsupportedCase
-from .._layout import ChunkLayout
-from .._resets import mask_exponent, state_passes
-from .._tokens import Tokens
+from .._layouts.layout import ChunkLayout
+from .._layouts.resets import mask_exponent, state_passes
+from .._layouts.tokens import Tokens
+from .._numerics import precision as _precision
+from .._runner.final import final
 from .._typing import ChunkK, ChunkV, ChunkValid, SeqState, typecheck
 from ..stages import KDA, AbstractDhu, AbstractState, DhuOut, StateOut
-from .._final import final
-from . import _state_tpu as tpu, _state_triton as triton
 from ._common import PallasValueBlocks, check_block, feature_pad, flat, tuned, unflat
 
 
@@ -38,7 +38,7 @@ def _check_dense(stage: str, layout: ChunkLayout, NC: int):
 def _gamma_col(G, target, reset=None):
     """``G[last]`` per chunk as a column ``[P, NC, Kp, 1]`` (scales the rows of h); -inf
     (no decay: the state is replaced) through a chunk in which a sequence starts after its
-    first token (``reset``: shared chunks, ``kdax._resets``)."""
+    first token (``reset``: shared chunks, ``kdax._layouts.resets``)."""
     gam = G[..., -1, :]
     if reset is not None:
         gam = mask_exponent(state_passes(reset), gam)  # [R, 1, NC, 1] against [R, HV, NC, K]

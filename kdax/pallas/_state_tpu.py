@@ -6,7 +6,7 @@ import jax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .. import _precision
+from .._numerics import precision as _precision
 from ._common import chunk_spec, compiler_params, manual_inputs
 from ._state_steps import dhu_step, state_step
 

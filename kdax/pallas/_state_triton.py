@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from .. import _precision
-from .._tokens import Tokens
+from .._layouts.tokens import Tokens
+from .._numerics import precision as _precision
 from ._common import compiler_params, idiv, loop, manual_inputs
 from ._state_steps import dhu_step_tiled, k_tiles, state_step_tiled
 
@@ -52,7 +52,7 @@ def state_forward(wf, uf, kgf, gam, h0f, layout, *, R, HV, NC, C, Kp, Vp, N, blo
                 hs = tuple(jnp.where(f >= 0, h0_ref[jnp.maximum(f, 0) * HV + hv, pl.ds(k0, bk), cols], h)
                            for (k0, bk), h in zip(tiles, hs))
             for (k0, bk), h in zip(tiles, hs):
-                # Stored as FLA stores them (bf16 values under "fast": kdax._precision).
+                # Stored as FLA stores them (bf16 values under "fast": kdax._numerics.precision).
                 h_ref[p, pl.ds(c * Kp + k0, bk), cols] = _precision.stored(h)
             v_new, hs_next = state_step_tiled(
                 [w_ref[p, rows, pl.ds(k0, bk)] for k0, bk in tiles], u_ref[p, rows, cols],

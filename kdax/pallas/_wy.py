@@ -7,10 +7,10 @@ from types import MappingProxyType
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from .._tokens import Tokens
+from .._layouts.tokens import Tokens
+from .._runner.final import final
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, typecheck
 from ..stages import KDA, AbstractWY, AbstractWYDqkg, ChunkGrads, WYOut
-from .._final import final
 from ._common import (
     PallasFeatureBlocks, PallasValueBlocks, blockwise, chunk_spec, column_blocks, decay, dot, flat, iota, loaded,
     lower_dot, pow2, ref_or_none, row_of, row_or_none, token_operand, tuned, unflat,
@@ -132,7 +132,7 @@ def wy_dqkg_body(scale, beta, Akk, refs, out_refs, k_blocks, v_blocks, has_lo: b
 class PallasWY(AbstractWY, PallasFeatureBlocks):
     """F3 as a Pallas kernel over (row * head, chunk), on Triton ``block_k`` columns of K
     and of V at a time (32: compiled for sm_90 at K = V = 128, no spills at 4 or 8 warps,
-    against 64-112 B a thread with 64); with ``G_lo`` (``kdax._hilo``) kg's exponent is
+    against 64-112 B a thread with 64); with ``G_lo`` (``kdax._numerics.hilo``) kg's exponent is
     the difference of the exact sums. Reads ``v`` from the caller's layout when handed a
     ``Tokens`` view (``tokens``; Triton, ``reads_tokens``): no chunked copy."""
 

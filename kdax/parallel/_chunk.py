@@ -21,13 +21,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _isolation
-from .._layout import pack, unpack
-from .._stage_grads import check_perturbed, pipeline_gradients
+from .._layouts.layout import pack, unpack
+from .._numerics import isolation as _isolation
+from .._numerics.ops import varying_axes
+from .._runner.stage_grads import check_perturbed, pipeline_gradients
 from .._validate import checked_cu_seqlens
 from ..pipeline import default_pipeline
 from ..ref import compute_dtype
-from .._ops import varying_axes
 from ._interpret import check_interpret_in_shard_map
 from ._summary import PrefixMethod, exclusive_prefix
 
@@ -186,7 +186,7 @@ class _Call(eqx.Module):
 @eqx.filter_custom_vjp
 def _sp_kda(diff, call: _Call, cu):
     """``(o, final)`` of ``diff = ((q, k, v, g, beta, h0, A_log, dt_bias), pipeline)``:
-    any pipeline, its arrays traced or not, differentiated as ``kdax._stage_grads`` says."""
+    any pipeline, its arrays traced or not, differentiated as ``kdax._runner.stage_grads`` says."""
     inputs, pipeline = diff
     bad, inputs = _isolated(call, inputs, cu)
     o, final, *_ = _forward(call.static(pipeline), *inputs, cu, training=False)
@@ -195,7 +195,7 @@ def _sp_kda(diff, call: _Call, cu):
 
 def _isolated(call: _Call, inputs, cu):
     """``(Bad, inputs with non-finite elements read as zero)``: non-finite inputs stay in
-    their own sequence across devices too (``kdax._isolation``)."""
+    their own sequence across devices too (``kdax._numerics.isolation``)."""
     opts = dict(call.options)
     Tl = inputs[0].shape[1]
     local_cu = None if cu is None else jnp.clip(cu - jax.lax.axis_index(call.axis) * Tl, 0, Tl)
@@ -227,7 +227,7 @@ def _sp_bwd(residuals, cotangents, perturbed, diff, call: _Call, cu):
         do = jnp.zeros(primals[2].shape, res.h0.dtype)
     dfinal = jnp.zeros_like(res.h0) if dfinal is None else dfinal.astype(res.h0.dtype)
     # Non-finite cotangents: zero here, NaN in this device's gradients of their sequence
-    # (kdax._isolation; the earlier devices' tokens of that sequence keep finite ones).
+    # (kdax._numerics.isolation; the earlier devices' tokens of that sequence keep finite ones).
     do, poison = _isolation.clean_cotangents(do, dfinal, sp.cu, res.num_qk_heads)
     dfinal = _isolation.finite_or_zero(dfinal)
     # Under shard_map's check_vma=False (q then varies over nothing), the transpose hands

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from .._affine import apply_map as _apply, scan_prefix as scan_prefix
+from .._numerics.affine import apply_map as _apply, scan_prefix as scan_prefix
 
 PrefixMethod = Literal["auto", "gather", "doubling"]
 

@@ -24,12 +24,12 @@ from ._state import AbstractDhu as AbstractDhu
 from ._state import AbstractState as AbstractState
 from ._state import ReferenceDhu as ReferenceDhu
 from ._state import ReferenceState as ReferenceState
-from ._types import KDA as KDA
 from ._types import Activated as Activated
 from ._types import ChunkGrads as ChunkGrads
 from ._types import DhuOut as DhuOut
 from ._types import ForwardCache as ForwardCache
 from ._types import IntraOut as IntraOut
+from ._types import KDA as KDA
 from ._types import RawGrads as RawGrads
 from ._types import StateOut as StateOut
 from ._types import WYOut as WYOut

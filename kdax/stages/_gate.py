@@ -10,11 +10,11 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from .._config import KDAConfig
+from .._numerics.hilo import grid_bits, split_log_decay
+from .._numerics.ops import ChunkGroup, full_precision, lower_matmul, mT, over_chunks
+from .._runner.final import final
 from .._typing import ChunkK, ChunkScalar, ChunkValid, typecheck
 from ..ref import L2NORM_EPS, beta_activation, clamp_log_decay, kda_gate, log_decay_floor
-from .._hilo import grid_bits, split_log_decay
-from .._ops import ChunkGroup, full_precision, lower_matmul, mT, over_chunks
-from .._final import final
 from ._types import Activated, RawGrads, KDA
 
 _HeadsLast = lambda x: jnp.moveaxis(x, 1, -2)  # [R, HV, NC, C, K] -> [R, NC, C, HV, K]
@@ -28,7 +28,7 @@ def _rstd(x):
 def activated_gate(config: KDAConfig, g, A_log, dt_bias, valid, reset=None):
     """The per-token log decay: raw ``g`` or the in-kernel gate, clamped at the dtype's
     floor (``clamp_log_decay``), zero at padding; the floor itself at ``reset`` tokens
-    (a sequence start inside a shared chunk: ``_layout.make_shared_layout``)."""
+    (a sequence start inside a shared chunk: ``_layouts.layout.make_shared_layout``)."""
     if config.use_gate_in_kernel:
         g = _HeadsBack(kda_gate(_HeadsLast(g), A_log, dt_bias, config.lower_bound))
     g = clamp_log_decay(g)
@@ -57,7 +57,7 @@ class AbstractGate(eqx.Module):
     asked), ``G`` the chunk-local inclusive cumsum of the activated log decay (natural
     log, 0 at padding, non-increasing), ``q_rstd``/``k_rstd`` ``[R, HV, NC, C, 1]`` with
     in-kernel l2norm, else None; optionally ``G_lo`` ``[R, HV, NC, C, K]``, the low part
-    (``G + G_lo`` the cumsum to ~1e-9; see ``kdax._hilo``), else None."""
+    (``G + G_lo`` the cumsum to ~1e-9; see ``kdax._numerics.hilo``), else None."""
 
     # What the stage accepts beyond the required arguments (docs/stages.md,
     # "Capabilities"): a subset of {"G_lo", "reset", "tile_safe", "tokens"}.
@@ -65,7 +65,7 @@ class AbstractGate(eqx.Module):
 
     # Which formula the stage computes: ``KDA`` (the family's formula above, exactly as
     # the reference stage computes it), or None (any other math: the backward stages do
-    # not transpose it, and the pipeline derives its backward, ``kdax._derived``).
+    # not transpose it, and the pipeline derives its backward, ``kdax._runner.derived``).
     math: ClassVar[Optional[str]] = None
 
     # Whether the stage may be called on a tile (a few chunks at a time, the state carried
@@ -91,7 +91,7 @@ class AbstractGate(eqx.Module):
 @final
 class ReferenceGate(AbstractGate):
     """F1 in plain jnp; the chunk cumsum ``group`` chunks at a time (see ``over_chunks``).
-    ``split``: in float32, give G as the exact sum ``G + G_lo`` (``kdax._hilo``); False:
+    ``split``: in float32, give G as the exact sum ``G + G_lo`` (``kdax._numerics.hilo``); False:
     G alone (``G_lo`` None), a few percent faster and ``eps |G|`` less accurate."""
 
     math: ClassVar[Optional[str]] = KDA
@@ -154,7 +154,7 @@ def segment_cumsum(dG, reset, group: ChunkGroup = None):
 
 def split_cumsum(g, group: ChunkGroup = None):
     """``(G, G_lo)``: the chunk cumsum of the clamped log decays ``g [R, HV, NC, C, K]`` as
-    the rounded ``G`` and its remainder ``G_lo`` (``kdax._hilo``); ``(G, None)`` in
+    the rounded ``G`` and its remainder ``G_lo`` (``kdax._numerics.hilo``); ``(G, None)`` in
     float64."""
     C = g.shape[-2]
     if grid_bits(g.dtype, C) is None:
@@ -193,7 +193,7 @@ class AbstractGateBackward(eqx.Module):
 
     # The forward math this stage is the transpose of, per forward field it transposes
     # (``{"output": KDA}``): empty declares nothing, and a pipeline with this stage
-    # derives its backward from the forward stages (``kdax._derived``).
+    # derives its backward from the forward stages (``kdax._runner.derived``).
     transposes: ClassVar[Mapping[str, str]] = MappingProxyType({})
 
     @abc.abstractmethod

@@ -8,7 +8,7 @@ anchor ``a`` = first row of the upper half, ``exp(G_i - G_a) * exp(G_a - G_j)``,
 exponents non-positive (G is non-increasing), and their sum over d is a matmul. Every
 pair j < i is covered by exactly one level, the diagonal needs no decay; each level costs
 one exponential per entry of ``[C, K]`` (``log2 C`` in all) and no masked-out work.
-With ``G_lo`` (float32; ``kdax._hilo``) each exponent is the difference of G plus that
+With ``G_lo`` (float32; ``kdax._numerics.hilo``) each exponent is the difference of G plus that
 of G_lo, at the cost of a few adds per exponential and the anchors of G_lo.
 """
 
@@ -19,12 +19,12 @@ from typing import ClassVar, Mapping, Optional
 import equinox as eqx
 import jax.numpy as jnp
 
-from .. import _precision
+from .._layouts.resets import per_head, same_segment, segments
+from .._numerics import precision as _precision
+from .._numerics.hilo import exponent
+from .._numerics.ops import ChunkGroup, full_precision, lower_matmul, mT, over_chunks, rowsum, zeros_after
+from .._runner.final import final
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkValid, typecheck
-from .._hilo import exponent
-from .._ops import ChunkGroup, full_precision, lower_matmul, mT, over_chunks, rowsum, zeros_after
-from .._resets import per_head, same_segment, segments
-from .._final import final
 from ._types import ChunkGrads, IntraOut, KDA
 
 
@@ -56,7 +56,7 @@ def level_anchors(G, after=()):
 def _decays(G, a, s: int, G_lo=None, a_lo=None):
     """``(exp(G_i - G_a) for upper rows i, exp(G_a - G_j) for lower rows j)``, ``a`` the
     anchors of level s (``level_anchors``); with the low parts ``G_lo`` and their anchors
-    ``a_lo``, the exponents of the sums (``kdax._hilo.exponent``)."""
+    ``a_lo``, the exponents of the sums (``kdax._numerics.hilo.exponent``)."""
     lo, up = _halves(G, s)
     if G_lo is None:
         return jnp.exp(up - a), jnp.exp(a - lo)
@@ -187,13 +187,13 @@ class AbstractIntra(eqx.Module):
 
     Arguments: ``scale``; activated ``q``, ``k`` ``[R, HV, NC, C, K]``; ``beta``
     ``[R, HV, NC, C]``; ``G`` ``[R, HV, NC, C, K]`` (F1); ``G_lo`` its low part or None
-    (an implementation may leave the parameter out and use ``G`` alone: ``kdax._hilo``).
+    (an implementation may leave the parameter out and use ``G`` alone: ``kdax._numerics.hilo``).
 
     Returns ``IntraOut``: ``Aqk[i, j] = scale sum_d q_id k_jd exp(G_id - G_jd)`` for
     j <= i, zero above the diagonal (already scaled); ``Akk = (I + L)^-1`` with the strictly
     lower ``L[i, j] = beta_i sum_d k_id k_jd exp(G_id - G_jd)``; both ``[R, HV, NC, C, C]``.
 
-    ``reset`` ``[R, NC, C]`` or None (shared chunks, ``kdax._resets``): both are zero,
+    ``reset`` ``[R, NC, C]`` or None (shared chunks, ``kdax._layouts.resets``): both are zero,
     exactly, where i and j belong to different sequences. A stage without the parameter
     cannot run shared chunks (the pipeline falls back)."""
 
@@ -203,7 +203,7 @@ class AbstractIntra(eqx.Module):
 
     # Which formula the stage computes: ``KDA`` (the family's formula above, exactly as
     # the reference stage computes it), or None (any other math: the backward stages do
-    # not transpose it, and the pipeline derives its backward, ``kdax._derived``).
+    # not transpose it, and the pipeline derives its backward, ``kdax._runner.derived``).
     math: ClassVar[Optional[str]] = None
 
     # Whether the stage may be called on a tile (a few chunks at a time, the state carried
@@ -282,7 +282,7 @@ class AbstractIntraBackward(eqx.Module):
 
     # The forward math this stage is the transpose of, per forward field it transposes
     # (``{"output": KDA}``): empty declares nothing, and a pipeline with this stage
-    # derives its backward from the forward stages (``kdax._derived``).
+    # derives its backward from the forward stages (``kdax._runner.derived``).
     transposes: ClassVar[Mapping[str, str]] = MappingProxyType({})
 
     @abc.abstractmethod

@@ -8,9 +8,9 @@ from typing import ClassVar, Mapping, Optional
 import equinox as eqx
 import jax.numpy as jnp
 
+from .._numerics.ops import ChunkGroup, full_precision, lower_matmul, mT, over_chunks, tri_mask
+from .._runner.final import final
 from .._typing import ChunkK, ChunkMat, ChunkState, ChunkV, typecheck
-from .._ops import ChunkGroup, full_precision, lower_matmul, mT, over_chunks, tri_mask
-from .._final import final
 from ._types import KDA
 
 
@@ -29,7 +29,7 @@ class AbstractOutput(eqx.Module):
 
     # Which formula the stage computes: ``KDA`` (the family's formula above, exactly as
     # the reference stage computes it), or None (any other math: the backward stages do
-    # not transpose it, and the pipeline derives its backward, ``kdax._derived``).
+    # not transpose it, and the pipeline derives its backward, ``kdax._runner.derived``).
     math: ClassVar[Optional[str]] = None
 
     # Whether the stage may be called on a tile (a few chunks at a time, the state carried
@@ -90,7 +90,7 @@ class AbstractDAv(eqx.Module):
 
     # The forward math this stage is the transpose of, per forward field it transposes
     # (``{"output": KDA}``): empty declares nothing, and a pipeline with this stage
-    # derives its backward from the forward stages (``kdax._derived``).
+    # derives its backward from the forward stages (``kdax._runner.derived``).
     transposes: ClassVar[Mapping[str, str]] = MappingProxyType({})
 
     @abc.abstractmethod

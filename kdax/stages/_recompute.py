@@ -5,13 +5,13 @@ from typing import ClassVar, Optional
 
 import equinox as eqx
 
-from .. import _precision
 from .._errors import UnsupportedCase
-from .._layout import ChunkLayout
+from .._layouts.layout import ChunkLayout
+from .._numerics import precision as _precision
+from .._numerics.ops import full_precision
+from .._runner.capabilities import capabilities, negotiated
+from .._runner.final import final
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkV, ChunkValid, SeqState, typecheck
-from .._capabilities import capabilities, negotiated
-from .._ops import full_precision
-from .._final import final
 from ._state import AbstractState, ReferenceState
 from ._types import StateOut, WYOut
 from ._wy import AbstractWY, ReferenceWY
@@ -26,7 +26,7 @@ class AbstractRecompute(eqx.Module):
     ``beta`` ``[R, HV, NC, C]`` activated; ``G`` ``[.., K]`` the chunk-local cumulative log
     decay (natural log); ``Akk`` ``[.., C, C]`` = ``(I + L)^-1``; ``h0`` ``[N, HV, K, V]``
     the initial state of each sequence; ``layout`` the chunked layout; ``G_lo`` G's low
-    part or None (``kdax._hilo``; optional parameter, to pass on to ``wy``); ``reset``
+    part or None (``kdax._numerics.hilo``; optional parameter, to pass on to ``wy``); ``reset``
     ``[R, NC, C]`` or None (shared chunks: to pass on to ``wy`` and ``state``; a stage
     without the parameter cannot run shared chunks and the pipeline falls back).
 
@@ -73,7 +73,7 @@ def _with_reset(stage, kwargs: dict, reset) -> dict:
 
 
 def recompute_with(wy: AbstractWY, state: AbstractState, q, k, v, beta, G, Akk, h0, layout, G_lo=None, reset=None):
-    # F3 and F4 under their own stages' precision policy (kdax._precision).
+    # F3 and F4 under their own stages' precision policy (kdax._numerics.precision).
     with _precision.stage_scope(_precision.current_policy(), "wy"):
         out = wy(**_with_reset(wy, negotiated(wy, dict(q=q, k=k, v=v, beta=beta, G=G, Akk=Akk, G_lo=G_lo)), reset))
     with _precision.stage_scope(_precision.current_policy(), "state"):

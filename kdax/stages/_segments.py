@@ -38,10 +38,10 @@ from typing import ClassVar
 import equinox as eqx
 import jax.numpy as jnp
 
-from .._affine import scan_prefix
-from .._layout import ChunkLayout
+from .._layouts.layout import ChunkLayout
+from .._numerics.affine import scan_prefix
+from .._runner.final import final
 from .._typing import ChunkK, ChunkV, SeqState, typecheck
-from .._final import final
 from ._state import AbstractDhu, AbstractState, ReferenceDhu, ReferenceState
 from ._types import DhuOut, StateOut
 

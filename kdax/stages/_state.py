@@ -14,12 +14,12 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from .. import _precision
-from .._layout import ChunkLayout
+from .._layouts.layout import ChunkLayout
+from .._layouts.resets import mask_exponent, state_passes
+from .._numerics import precision as _precision
+from .._numerics.ops import full_precision, loop_unroll, mT, vary_like, zeros_after
+from .._runner.final import final
 from .._typing import ChunkK, ChunkV, ChunkValid, SeqState, typecheck
-from .._ops import full_precision, loop_unroll, mT, vary_like, zeros_after
-from .._resets import mask_exponent, state_passes
-from .._final import final
 from ._types import DhuOut, StateOut, KDA
 
 
@@ -29,7 +29,7 @@ def _at(c):
     return lambda x: jax.lax.dynamic_index_in_dim(x, c, 2 if x.ndim > 2 else 1, keepdims=False)
 
 
-# The recurrences' products: bf16 operands under the "fast" policy (kdax._precision).
+# The recurrences' products: bf16 operands under the "fast" policy (kdax._numerics.precision).
 _mm = _precision.recurrence_matmul
 
 
@@ -63,7 +63,7 @@ class AbstractState(eqx.Module):
     ``v_new`` ``[.., V]``; ``final`` ``[N, HV, K, V]`` (a sequence of length 0 keeps its
     ``h0``).
 
-    ``reset`` ``[R, NC, C]`` or None (shared chunks, ``kdax._resets``; the layout's
+    ``reset`` ``[R, NC, C]`` or None (shared chunks, ``kdax._layouts.resets``; the layout's
     ``reset``): the decay ``e^Γ`` is exactly zero through a chunk in which a sequence
     starts after its first token (the state is replaced). A stage without the parameter
     cannot run shared chunks (the pipeline falls back)."""
@@ -74,7 +74,7 @@ class AbstractState(eqx.Module):
 
     # Which formula the stage computes: ``KDA`` (the family's formula above, exactly as
     # the reference stage computes it), or None (any other math: the backward stages do
-    # not transpose it, and the pipeline derives its backward, ``kdax._derived``).
+    # not transpose it, and the pipeline derives its backward, ``kdax._runner.derived``).
     math: ClassVar[Optional[str]] = None
 
     # Whether the stage may be called on a tile (a few chunks at a time, the state carried
@@ -107,7 +107,7 @@ class ReferenceState(AbstractState):
     accepts: ClassVar[frozenset] = frozenset({"reset", "tile_safe"})
 
     unroll: int = eqx.field(static=True, default=8)
-    # fori_loop's unroll factor over the chunks ("auto": kdax._ops.loop_unroll): on a
+    # fori_loop's unroll factor over the chunks ("auto": kdax._numerics.ops.loop_unroll): on a
     # GPU each loop iteration costs a launch and a round trip to the host.
     loop_unroll: Union[int, Literal["auto"]] = eqx.field(static=True, default="auto")
 
@@ -154,7 +154,7 @@ class ReferenceState(AbstractState):
             deps = (w, u, kg, G, h0)
             init = vary_like((h, zeros_after((R, HV, NC, K, V), h0.dtype, deps), zeros_after(u.shape, u.dtype, deps, 1)), deps)
             h, hs, v_news = jax.lax.fori_loop(0, NC, step, init, unroll=max(1, min(loop_unroll(self.loop_unroll), NC)))
-        # Stored as FLA stores them (bf16 values under "fast"; kdax._precision.stored). The
+        # Stored as FLA stores them (bf16 values under "fast"; kdax._numerics.precision.stored). The
         # products above rounded the same values, so only the copies change.
         if layout.dense:  # row r is sequence r, which ends at the last chunk
             return StateOut(_precision.stored(hs), _precision.stored(v_news), h)
@@ -203,7 +203,7 @@ class AbstractDhu(eqx.Module):
 
     # The forward math this stage is the transpose of, per forward field it transposes
     # (``{"output": KDA}``): empty declares nothing, and a pipeline with this stage
-    # derives its backward from the forward stages (``kdax._derived``).
+    # derives its backward from the forward stages (``kdax._runner.derived``).
     transposes: ClassVar[Mapping[str, str]] = MappingProxyType({})
 
     @abc.abstractmethod

@@ -13,7 +13,7 @@ from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, SeqStat
 # The math id of KDA's own formulas: a forward stage that computes its family's formula
 # exactly declares ``math = KDA``; a backward stage declares the forward math it is the
 # transpose of, per forward field (``transposes = {"output": KDA}``). See
-# ``kdax._derived``: a pipeline whose backward stages do not transpose its forward
+# ``kdax._runner.derived``: a pipeline whose backward stages do not transpose its forward
 # stages derives its backward from the forward stages themselves.
 KDA = "kda"
 
@@ -23,7 +23,7 @@ class Activated(eqx.Module):
     cumsum of the (activated, padding-masked) log decay. ``q_rstd``/``k_rstd``
     ``[R, HV, NC, C, 1]``: the l2norm statistics (None without in-kernel l2norm).
     ``G_lo``: optional low part, ``G + G_lo`` the cumsum to ~1e-9 in float32 (see
-    ``kdax._hilo``; None: G alone, as float64 and the Pallas gates give)."""
+    ``kdax._numerics.hilo``; None: G alone, as float64 and the Pallas gates give)."""
 
     q: ChunkK
     k: ChunkK

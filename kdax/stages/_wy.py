@@ -7,11 +7,11 @@ from typing import ClassVar, Mapping, Optional
 import equinox as eqx
 import jax.numpy as jnp
 
+from .._layouts.resets import from_start, mask_exponent, per_head, same_segment, segments, to_end
+from .._numerics.hilo import exponent
+from .._numerics.ops import ChunkGroup, full_precision, last_row, lower_matmul, mT, over_chunks, rowsum, tri_mask
+from .._runner.final import final
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, ChunkValid, typecheck
-from .._hilo import exponent
-from .._ops import ChunkGroup, full_precision, last_row, lower_matmul, mT, over_chunks, rowsum, tri_mask
-from .._resets import from_start, mask_exponent, per_head, same_segment, segments, to_end
-from .._final import final
 from ._types import ChunkGrads, WYOut, KDA
 
 
@@ -25,9 +25,9 @@ class AbstractWY(eqx.Module):
     ``[.., V]`` (the corrected writes are ``u - w h``, h the chunk's start state);
     ``qg = q e^G`` and ``kg = k e^(Γ - G)`` ``[.., K]`` (Γ = G at the chunk's last row).
 
-    ``G_lo``: G's low part or None (``kdax._hilo``; an implementation may leave the
+    ``G_lo``: G's low part or None (``kdax._numerics.hilo``; an implementation may leave the
     parameter out and use ``G`` alone). ``reset`` ``[R, NC, C]`` or None (shared chunks,
-    ``kdax._resets``): ``e^G`` is exactly zero at tokens of a sequence that starts
+    ``kdax._layouts.resets``): ``e^G`` is exactly zero at tokens of a sequence that starts
     inside the chunk, ``e^(Γ - G)`` at tokens of one that ends inside it. A stage without
     the parameter cannot run shared chunks (the pipeline falls back)."""
 
@@ -37,7 +37,7 @@ class AbstractWY(eqx.Module):
 
     # Which formula the stage computes: ``KDA`` (the family's formula above, exactly as
     # the reference stage computes it), or None (any other math: the backward stages do
-    # not transpose it, and the pipeline derives its backward, ``kdax._derived``).
+    # not transpose it, and the pipeline derives its backward, ``kdax._runner.derived``).
     math: ClassVar[Optional[str]] = None
 
     # Whether the stage may be called on a tile (a few chunks at a time, the state carried
@@ -60,7 +60,7 @@ class AbstractWY(eqx.Module):
 
 
 def _masks(seg):
-    """``(from_start, to_end)`` masks of ``kdax._resets``, or (None, None)."""
+    """``(from_start, to_end)`` masks of ``kdax._layouts.resets``, or (None, None)."""
     return (None, None) if seg is None else (from_start(seg), to_end(seg))
 
 
@@ -138,7 +138,7 @@ class AbstractWYDqkg(eqx.Module):
 
     # The forward math this stage is the transpose of, per forward field it transposes
     # (``{"output": KDA}``): empty declares nothing, and a pipeline with this stage
-    # derives its backward from the forward stages (``kdax._derived``).
+    # derives its backward from the forward stages (``kdax._runner.derived``).
     transposes: ClassVar[Mapping[str, str]] = MappingProxyType({})
 
     @abc.abstractmethod

@@ -15,7 +15,7 @@ def test_no_layout_copies_of_the_inputs(lc):
     input (T a multiple of the chunk size) transpose no input and not ``do``: the only
     transposes of input size left are the outputs' unpacking (o in the forward; dq, dk,
     dv, dg in the training step, whose gradient does not read o). With
-    ``read_views=False`` (``+noviews``: the chunked copies, as before ``kdax._tokens``)
+    ``read_views=False`` (``+noviews``: the chunked copies, as before ``kdax._layouts.tokens``)
     the 5 and 9 of before come back. At the benchmark's shape: 641 -> 128 MiB written by
     transposes in the forward, 1154 -> 513 MiB a training step (benchmarks/NOTES.md,
     session 15)."""

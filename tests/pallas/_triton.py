@@ -157,13 +157,13 @@ def state_kernels(policy: str, tuning: dict, layout: str, tokens: bool = False) 
     K = V = 128, chunk 64, traced under precision ``policy`` with Triton ``tuning``
     (``PallasState`` / ``PallasDhu`` fields, ``round_in_kernel`` too), on the ``"dense"``
     layout or a ``"packed"`` varlen one (per-chunk resets). ``tokens`` (dense): B2 reads
-    ``do`` as a ``kdax._tokens.Tokens`` view of a bf16 ``[B, T, HV, V]`` array."""
+    ``do`` as a ``kdax._layouts.tokens.Tokens`` view of a bf16 ``[B, T, HV, V]`` array."""
     import jax
     import jax.numpy as jnp
 
-    from kdax import _precision
-    from kdax._layout import make_layout
-    from kdax._tokens import Tokens
+    from kdax._numerics import precision as _precision
+    from kdax._layouts.layout import make_layout
+    from kdax._layouts.tokens import Tokens
     from kdax.pallas import PallasDhu, PallasState
 
     R, HV, NC, C, K = 1, 2, 8, 64, 128
@@ -194,14 +194,14 @@ def gate_kernels(tuning: dict, tokens: bool = False) -> dict:
     """``captured`` TTIR of the Triton gate kernels F1 and B5 alone at K = 128, chunk 64,
     with Kimi Linear's options (l2norm, the softplus gate with A_log and dt_bias, beta
     sigmoid) and Triton ``tuning`` (``PallasGate`` / ``PallasGateBackward`` fields).
-    ``tokens``: F1's q, k, g, beta and B5's g as ``kdax._tokens.Tokens`` views of bf16
+    ``tokens``: F1's q, k, g, beta and B5's g as ``kdax._layouts.tokens.Tokens`` views of bf16
     ``[B, T, H, K]`` inputs, cleaned as ``chunk_kda`` cleans them (the pipeline's dense
     path), instead of chunked float32 arrays."""
     import jax
     import jax.numpy as jnp
 
     from kdax import KDAConfig, _isolation
-    from kdax._tokens import token_inputs
+    from kdax._layouts.tokens import token_inputs
     from kdax.pallas import PallasGate, PallasGateBackward
     from kdax.stages import Activated
 
@@ -238,16 +238,16 @@ def gate_kernels(tuning: dict, tokens: bool = False) -> dict:
 
 def chunk_kernels(policy: str, tuning: dict, tokens: bool = False, only: tuple = ("intra", "wy", "wy_dqkg", "intra_bwd")) -> dict:
     """``captured`` TTIR of the chunk-parallel Triton kernels F2, F3, B3 and B4 alone at
-    K = V = 128, chunk 64, with G's low part (``kdax._hilo``, as Kimi Linear's options
+    K = V = 128, chunk 64, with G's low part (``kdax._numerics.hilo``, as Kimi Linear's options
     run them), each traced under precision ``policy`` (its stage's products) with Triton
     ``tuning`` (``PallasTarget`` fields). ``tokens``: F3 and B3 read ``v`` (cleaned as
-    ``chunk_kda`` cleans it) and B3 ``do`` as ``kdax._tokens.Tokens`` views of bf16
+    ``chunk_kda`` cleans it) and B3 ``do`` as ``kdax._layouts.tokens.Tokens`` views of bf16
     ``[B, T, HV, V]`` arrays. ``only``: these stages' kernels."""
     import jax
     import jax.numpy as jnp
 
-    from kdax import _precision
-    from kdax._tokens import Tokens
+    from kdax._numerics import precision as _precision
+    from kdax._layouts.tokens import Tokens
     from kdax.pallas import PallasIntra, PallasIntraBackward, PallasWY, PallasWYDqkg
     from kdax.stages import ChunkGrads
 

@@ -163,7 +163,7 @@ def test_low_precision_inputs(pipe, dt):
 
 @pytest.mark.parametrize("pipe", ["pallas_triton", pytest.param("mixed", marks=pytest.mark.slow)])
 def test_initial_states_enter_shared_chunks(pipe):
-    """Packed initial states entering shared chunks (``kdax._shared_states``) through the
+    """Packed initial states entering shared chunks (``kdax._layouts.shared_states``) through the
     Pallas stages (interpret mode; the Triton F4/B2 load and leave the state table of
     ``injected_layout``), a loss on o and the final states: every gradient, ``dh0``
     included, as the reference pipeline with one sequence per chunk gives, in float64."""
@@ -195,12 +195,12 @@ def test_initial_states_enter_shared_chunks(pipe):
 def test_stages_read_the_callers_layout():
     """Dense input whose T is a multiple of the chunk size, Kimi Linear's options, two
     value heads per q/k head: the Triton F1 reads q, k, g, beta, B5 g, F3, B0 and B3 v,
-    B1, B2 and B3 do from the caller's arrays (``kdax._tokens``, no chunked copies);
+    B1, B2 and B3 do from the caller's arrays (``kdax._layouts.tokens``, no chunked copies);
     outputs and every gradient against the float64 oracle. With NaN and inf inputs in
     three rows (float32): NaN exactly where the reference pipeline has it, every other
     value its value (non-finite elements cleaned as the kernels load them)."""
-    from kdax._runner import recording
-    from kdax._tokens import Tokens
+    from kdax._runner.runner import recording
+    from kdax._layouts.tokens import Tokens
 
     spec = dict(chunk_size=16, T=64, B=3, H=2, HV=4, use_gate_in_kernel=True, A_log=True, dt_bias=True,
                 use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)

@@ -10,7 +10,7 @@ import pytest
 from kdax import KDAConfig
 from kdax import pallas as P
 from kdax import stages as S
-from kdax._layout import make_layout
+from kdax._layouts.layout import make_layout
 from kdax.pallas._common import column_blocks
 from kdax.stages import ChunkGrads
 
@@ -74,7 +74,7 @@ def test_forward_stages(target, interpret, dtype, tol, C, K, V):
     ]
     for name, pal, ref, args in pairs:
         _close(pal(*args), ref(*args), tol, name)
-    if dtype == jnp.float32 and target == "triton":  # G + G_lo (kdax._hilo): F2 and F3 (bodies shared by both targets)
+    if dtype == jnp.float32 and target == "triton":  # G + G_lo (kdax._numerics.hilo): F2 and F3 (bodies shared by both targets)
         _with_G_lo(pairs[:2], x["G"], tol)
 
 
@@ -120,7 +120,7 @@ def test_backward_stages(target, interpret, dtype, tol, C, K, V):
     ]
     for name, pal, ref, args in pairs:
         _close(pal(*args), ref(*args), tol, name)
-    if dtype == jnp.float32 and target == "triton":  # with G_lo (kdax._hilo): B3 and B4
+    if dtype == jnp.float32 and target == "triton":  # with G_lo (kdax._numerics.hilo): B3 and B4
         _with_G_lo(pairs[2:], x["G"], tol)
 
 
@@ -230,7 +230,7 @@ def test_gate_stages(target, interpret, opts, dtype, tol):
     _close(P.PallasGateBackward(**kw)(*bargs), S.ReferenceGateBackward()(*bargs), tol, "gate_bwd")
 
 
-# Views of the caller's arrays (kdax._tokens): float64 read as such, bf16 read as float32,
+# Views of the caller's arrays (kdax._layouts.tokens): float64 read as such, bf16 read as float32,
 # on Triton (interpreted, and compiled where there is a device); TPU blocks take the copy,
 # checked once.
 VIEW_CASES = [
@@ -248,8 +248,8 @@ def test_gate_kernels_read_the_callers_layout(target, interpret, in_dtype, dt, p
     Triton reads the caller's array block by block (``token_operand``); TPU blocks take the
     copy. At K = 24 (not a power of 2) Triton takes the copy too. (``policy`` unused: F1
     and B5 have no products.)"""
-    from kdax import _isolation
-    from kdax._tokens import token_inputs
+    from kdax._numerics import isolation as _isolation
+    from kdax._layouts.tokens import token_inputs
 
     cfg = KDAConfig(scale=1.0, **GATE_CONFIGS[1])
     B, T, H, HV, C = 2, 32, 1, 2, 16
@@ -287,8 +287,8 @@ def test_values_read_from_the_callers_layout(target, interpret, in_dtype, dt, po
     "fast", XLA:CPU may sum a product of bf16 values in another order when it sees them
     come from bf16 in the interpreted kernel: equal to float32 rounding there, rel-RMS
     1e-6.)"""
-    from kdax import _precision
-    from kdax._tokens import Tokens
+    from kdax._numerics import precision as _precision
+    from kdax._layouts.tokens import Tokens
 
     x = _x(dt, 16, 16, 16)
     R, HV, NC, C, V = x["v"].shape
@@ -449,7 +449,7 @@ def test_state_kernels_round_operands_in_kernel(packed):
     copies first: the same numbers (1e-6: XLA:CPU's summation order of bf16 products in
     the interpreted kernel), dense and packed; without a half-precision policy the field
     changes nothing."""
-    from kdax import _precision
+    from kdax._numerics import precision as _precision
 
     cu = jnp.array([0, 10, 10, 11, 31], jnp.int32) if packed else None
     layout = make_layout(1, 31, 16, cu)

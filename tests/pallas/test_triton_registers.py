@@ -30,7 +30,7 @@ TUNINGS = {
                          + [("w8_s2_k64", "dense_tokens")])
 def test_state_kernels_hold_the_state_on_chip(tuning, layout):
     """``dense_tokens``: B2 reads bf16 ``do`` from the caller's ``[B, T, HV, V]`` array
-    (``kdax._tokens``; 8 warps: 226 registers, against 196 on the chunked copy)."""
+    (``kdax._layouts.tokens``; 8 warps: 226 registers, against 196 on the chunked copy)."""
     t = TUNINGS[tuning]
     used = {}
     for src, text in state_kernels("fast", t, layout.split("_")[0], tokens=layout.endswith("tokens")).items():
@@ -48,7 +48,7 @@ def test_state_kernels_hold_the_state_on_chip(tuning, layout):
 def test_gate_kernels_fit_in_registers(num_warps, tokens):
     """F1 and B5 at K = 128 with Kimi Linear's options, at the default four warps and at
     eight, on chunked float32 inputs and reading bf16 ``[B, T, H, K]`` inputs in place
-    (``kdax._tokens``): no thread-local memory. With their cumsums as float32 products (FMA
+    (``kdax._layouts.tokens``): no thread-local memory. With their cumsums as float32 products (FMA
     loops on Triton) F1 spilled ~15 KiB a thread; with whole [C, K] tiles (scans) 0.8 and
     1.8 KiB; 16 columns at a time (kdax.pallas._gate.GATE_BLOCK), none. (Reading bf16 in
     place, four warps: F1 113 registers, B5 140, against 168 and 176.)"""
@@ -62,7 +62,7 @@ def test_chunk_kernels_fit_in_registers():
     """F2, F3, B3 and B4 at K = V = 128, chunk 64, with G's low part, at the all-Triton
     candidate's tuning (eight warps, float32 products as TF32x3, two stages), under the
     bf16 inputs' default policy: no thread-local memory; F3 and B3 take bf16 ``wgmma``
-    products, B4 (kept float32: kdax._precision) TF32 tensor-core products. Before they
+    products, B4 (kept float32: kdax._numerics.precision) TF32 tensor-core products. Before they
     took their columns in blocks (kdax.pallas._common.PallasFeatureBlocks) F3 spilled
     112 B a thread, B3 3.2 KiB and B4 1.7 KiB (benchmarks/results/triton_resources.txt
     of session 13). F2 as tile products (``kdax.pallas._intra_levels.intra_levels_kernel``): 240
@@ -85,7 +85,7 @@ def test_chunk_kernels_fit_in_registers():
 
 def test_values_read_in_place_without_spills():
     """F3 reading bf16 ``v`` and B3 reading bf16 ``v`` and ``do`` from the caller's
-    ``[B, T, HV, V]`` arrays (``kdax._tokens``; v cleaned in the kernel as chunk_kda
+    ``[B, T, HV, V]`` arrays (``kdax._layouts.tokens``; v cleaned in the kernel as chunk_kda
     cleans it) at the candidate's tuning: as on the chunked copies, no thread-local
     memory and bf16 ``wgmma`` products."""
     t = dict(num_warps=8, num_stages=2, f32_dot="tf32x3")

@@ -96,7 +96,7 @@ def test_state_kernels_fit_hopper_shared_memory(policy, tuning, tmp_path):
     assert all(v > 0 for v in used.values()), used
 
 
-# The kernels that take G's low part (kdax._hilo): F1 (which makes it), F2, F3, B3, B4, each
+# The kernels that take G's low part (kdax._numerics.hilo): F1 (which makes it), F2, F3, B3, B4, each
 # alone at K = V = 128, chunk 64, under the policy bf16 inputs get ("bfloat16": bf16
 # operands in F2, F3 and B3; F1 and B4 at float32), with G_lo.
 @pytest.mark.parametrize("stage", ["gate", "intra", "wy", "wy_dqkg", "intra_bwd"])

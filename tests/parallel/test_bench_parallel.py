@@ -27,7 +27,7 @@ def test_tiny_shape():
         assert r["peak"] > 0 and r["time_s"] > 0
         # one device moves nothing; four move the gathered summaries [P, HV, K, K + V]
         # (float32) and the isolation's per-device flags [P, B, HV] (bool: a non-finite
-        # input seen, kdax._isolation)
+        # input seen, kdax._numerics.isolation)
         if r["name"] == "1 device":
             assert r["moved"] == {}
         else:

@@ -3,7 +3,7 @@
 import jax.numpy as jnp
 import numpy as np
 
-from kdax._layout import ChunkLayout
+from kdax._layouts.layout import ChunkLayout
 from kdax.ref._chunk import intra_chunk, pairwise_decay, state_scan, wy_chunk  # noqa: F401
 
 

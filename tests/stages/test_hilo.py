@@ -1,4 +1,4 @@
-"""G as an unevaluated sum G + G_lo (kdax._hilo): F1's exact split, and every stage
+"""G as an unevaluated sum G + G_lo (kdax._numerics.hilo): F1's exact split, and every stage
 that takes G_lo computing with the sum."""
 
 import jax
@@ -13,7 +13,7 @@ from kdax.stages import (
     ReferenceWYDqkg,
 )
 from kdax.stages._gate import chunk_cumsum, split_cumsum
-from kdax._hilo import exponent, grid_bits, split_log_decay
+from kdax._numerics.hilo import exponent, grid_bits, split_log_decay
 
 from .._util import assert_close
 from ._chunked import chunked, intra_chunk, rand_like
@@ -78,7 +78,7 @@ def test_exponent_clamp_keeps_the_decays_derivative():
     """Issue 39 item 0: where the low parts' rounding gives 0 (a tie) or above, the clamp
     removes a rounding only; JAX's derivative of the decay ``exp(exponent(...))`` is still
     ``+exp`` in x and ``-exp`` in y (``jnp.minimum``'s would be 1/2 at a tie, 0 above),
-    as the hand-written backward stages take it and as ``kdax._shared_states``' VJPs need."""
+    as the hand-written backward stages take it and as ``kdax._layouts.shared_states``' VJPs need."""
     x = jnp.asarray([-60.0, -60.0, -60.0, -3.0], jnp.float32)
     x_lo = jnp.asarray([1e-12, 0.0, -1e-7, 0.0], jnp.float32)  # above 0, a tie, below 0; no low part
     y, y_lo = x, jnp.zeros(4, jnp.float32)

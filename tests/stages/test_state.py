@@ -89,7 +89,7 @@ def test_dhu_empty_sequence_passes_dht():
 
 def test_state_loops_without_chunks():
     # A packed row with no chunk (cu_seqlens [0, 0], T = 0): both loops pass the states through.
-    from kdax._layout import make_layout
+    from kdax._layouts.layout import make_layout
 
     layout = make_layout(1, 0, 64, jnp.asarray([0, 0], jnp.int32))
     assert layout.num_chunks == 0

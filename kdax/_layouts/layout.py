@@ -11,10 +11,10 @@ dense layout of its one row, each token at its own position, NC = ceil(T / C), a
 ``reset`` marking every sequence's first token. F1 gives such a token the log decay
 floor (``clamp_log_decay``), which keeps G non-increasing through the chunk, and B5 gives it
 a zero gate gradient; every stage between them masks the terms across sequences to exact
-zeros (``kdax._resets``), so the reset replaces the state exactly (a start on a chunk
+zeros (``kdax._layouts.resets``), so the reset replaces the state exactly (a start on a chunk
 boundary is also an exact reset of the state stages, ``first``/``last``): exact when every
 sequence starts from a zero state (no ``initial_state``), the case the pipeline uses it for
-(``KDAPipeline.share_chunks``; final states: ``kdax._shared_states``).
+(``KDAPipeline.share_chunks``; final states: ``kdax._layouts.shared_states``).
 """
 
 from typing import Optional
@@ -23,7 +23,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
-from ._isolation import finite_or_zero  # (a non-finite dht stays in its sequence)
+from .._numerics.isolation import finite_or_zero  # (a non-finite dht stays in its sequence)
 
 
 class ChunkLayout(eqx.Module):
@@ -90,7 +90,7 @@ def make_shared_layout(T: int, chunk_size: int, cu_seqlens) -> ChunkLayout:
     at the first token of every sequence of length > 0. The state table has one entry,
     zero: ``first`` enters it (an exact reset) at every chunk that starts with a
     sequence's first token, and ``last`` ends the stream (entry 0) before each such
-    chunk. Non-finite inputs never enter (``kdax._isolation``).
+    chunk. Non-finite inputs never enter (``kdax._numerics.isolation``).
     Per-sequence initial states are not represented (module docstring)."""
     C = chunk_size
     base = make_layout(1, T, C)
@@ -162,7 +162,7 @@ class BackwardHooks:
     """What a layout adds to the six-stage backward (``KDAPipeline.backward_with_parts``),
     at named points between the stages; this base, the dense and per-sequence layouts'
     (and shared chunks with no initial state and no loss on the final states), adds
-    nothing. ``kdax._shared_states.SharedChunkHooks`` is the other one."""
+    nothing. ``kdax._layouts.shared_states.SharedChunkHooks`` is the other one."""
 
     def b2_dht(self, dht, h0):
         """The ``dht`` B2 starts from (``[N, HV, K, V]``; ``h0`` the residuals' state table)."""

@@ -2,7 +2,7 @@
 
 The chunked algorithm multiplies values of several tokens together: those of a chunk
 (with one sequence per chunk, the padding's exact zeros; in shared chunks,
-``_layout.make_shared_layout``, other sequences' tokens), and a state by exact zeros where a
+``_layouts.layout.make_shared_layout``, other sequences' tokens), and a state by exact zeros where a
 reset replaces it. ``0 * NaN`` is NaN, so a NaN or inf would travel from its token to
 earlier tokens of its chunk and to other sequences. ``chunk_kda`` therefore runs on
 finite inputs and puts the non-finite values back where the per-sequence recurrence has
@@ -137,7 +137,7 @@ class Bad:
             # (a psum: replicated over the axis, as the final states are)
             self.state_bad = jax.lax.psum(self.state_bad.astype(jnp.int32), axis) > 0
         if h0 is not None and cu_seqlens is not None and axis is None:
-            # Packed initial states enter shared chunks (kdax._shared_states), read as zero
+            # Packed initial states enter shared chunks (kdax._layouts.shared_states), read as zero
             # when not finite: such a sequence's head is NaN from its first token on.
             h0_bad = ~finite_heads(h0)  # [N, HV]
             self.after = self.after | _to_tokens(h0_bad, seq, cu_seqlens)

@@ -22,10 +22,10 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from ._contracts import STAGES
-from ._errors import StageGradientError
-from ._layout import pack_inputs
-from .stages import Activated, ChunkGrads
+from .._errors import StageGradientError
+from .._layouts.layout import pack_inputs
+from ..stages import Activated, ChunkGrads
+from .contracts import STAGES
 
 # Forward stages whose arrays get exact gradients (see the table above).
 EXACT = ("gate", "output")

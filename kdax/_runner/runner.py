@@ -25,14 +25,14 @@ from typing import ClassVar, Optional
 import equinox as eqx
 import jax
 
-from . import _precision
-from ._capabilities import capabilities, negotiated
-from ._contracts import STAGES, check_arguments, check_family, check_output, expected_output
-from ._derived import reference_is_exact
-from ._errors import FallbackWarning, UnsupportedCase
-from ._ops import chunk_loops_scope
-from ._typing import ChunkK
-from .stages import AbstractState, AbstractWY
+from .._errors import FallbackWarning, UnsupportedCase
+from .._numerics import precision as _precision
+from .._numerics.ops import chunk_loops_scope
+from .._typing import ChunkK
+from ..stages import AbstractState, AbstractWY
+from .capabilities import capabilities, negotiated
+from .contracts import STAGES, check_arguments, check_family, check_output, expected_output
+from .derived import reference_is_exact
 
 
 class Recording:
@@ -45,7 +45,7 @@ class Recording:
         self.ran: dict = {}
         self.quiet = quiet
         self.layout: Optional[str] = None
-        # (reasons, swapped fields) when the backward was derived (kdax._derived)
+        # (reasons, swapped fields) when the backward was derived (kdax._runner.derived)
         self.derived: Optional[tuple] = None
 
 
@@ -90,7 +90,7 @@ def run_stage(pipeline, name: str, **kwargs):
     for rec in recs:
         rec.inputs.setdefault(name, kwargs)
     # The named scope labels every op of the stage in HLO dumps and profiles. Products
-    # run at full precision in any stage, a user's too (see kdax._ops.full_precision),
+    # run at full precision in any stage, a user's too (see kdax._numerics.ops.full_precision),
     # unless the precision policy lets this stage take half-precision operands.
     policy = "highest" if pipeline.precision == "auto" else pipeline.precision  # unresolved: safe
     with jax.named_scope(f"kdax_{name}"), _precision.stage_scope(policy, name), chunk_loops_scope(pipeline.chunk_loops):

@@ -12,8 +12,8 @@ from typing import Any, NamedTuple
 import equinox as eqx
 import jax
 
-from ._errors import StageContractError
-from .stages import (
+from .._errors import StageContractError
+from ..stages import (
     ReferenceDAv,
     ReferenceDhu,
     ReferenceGate,

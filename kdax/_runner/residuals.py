@@ -8,16 +8,16 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ._config import KDAConfig
-from ._layout import ChunkLayout, unpack
-from ._tokens import Tokens, as_chunked
-from ._typing import ChunkMat, ChunkK, ChunkV, SeqState
-from .stages import Activated, ForwardCache
+from .._config import KDAConfig
+from .._layouts.layout import ChunkLayout, unpack
+from .._layouts.tokens import Tokens, as_chunked
+from .._typing import ChunkMat, ChunkK, ChunkV, SeqState
+from ..stages import Activated, ForwardCache
 
 
 class EntryResiduals(eqx.Module):
     """What the backward of initial states entering shared chunks needs besides
-    ``KDAResiduals`` (``kdax._shared_states``): the initial states ``h0`` ``[N, HV, K, V]``
+    ``KDAResiduals`` (``kdax._layouts.shared_states``): the initial states ``h0`` ``[N, HV, K, V]``
     as given, ``ok [N, HV]`` (or None: not checked) whether each head's is finite (where
     not, it reads as zero), the start decays ``a [N, HV, K]``, the shared layout, the
     first-chunk part ``v_new'`` ``[1, HV, NC, C, V]`` and the VJPs of the forward's
@@ -48,7 +48,7 @@ class KDAResiduals(eqx.Module):
     config: KDAConfig = eqx.field(static=True)
     layout: ChunkLayout
     act: Activated
-    v: typing.Union[ChunkV, Tokens]  # (views of the caller's v and g: kdax._tokens)
+    v: typing.Union[ChunkV, Tokens]  # (views of the caller's v and g: kdax._layouts.tokens)
     g_raw: Optional[typing.Union[ChunkK, Tokens]]
     A_log: Optional[Float[Array, " HV"]]
     dt_bias: Optional[Float[Array, " HVK"]]
@@ -60,7 +60,7 @@ class KDAResiduals(eqx.Module):
     # dtypes of (q, k, v, g, beta, initial_state, A_log, dt_bias) as given (None if absent)
     in_dtypes: tuple = eqx.field(static=True)
     cu_seqlens: Optional[Int[Array, " N1"]] = None
-    # Initial states entering shared chunks (kdax._shared_states; None otherwise): the
+    # Initial states entering shared chunks (kdax._layouts.shared_states; None otherwise): the
     # layout is then ``injected_layout`` and ``h0`` its state table.
     entries: Optional[EntryResiduals] = None
 

@@ -1,5 +1,5 @@
 """Per-sequence products over spans of packed tokens, the two that shared chunks need
-(``kdax._shared_states``): each sequence n owns one span of tokens (``start[n]``,
+(``kdax._layouts.shared_states``): each sequence n owns one span of tokens (``start[n]``,
 ``count[n]``; spans disjoint and in sequence order) and a state ``[K, V]``.
 
 - ``matvec(A, Y, spans)``: ``out_t = A_t Y_n`` for each token t of span n (a row vector

@@ -21,7 +21,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from .ref import log_decay_floor
+from ..ref import log_decay_floor
 
 
 def grid_bits(dtype, C: int) -> Optional[int]:
@@ -51,7 +51,7 @@ def exponent(x, y, x_lo=None, y_lo=None):
     clamped at 0 (a rounding of the low parts must not give a positive exponent).
 
     The clamp only removes a rounding, so its derivative is taken as 1 (``nonpositive``):
-    code that JAX differentiates (``kdax._shared_states``' VJPs, the XLA-autodiff
+    code that JAX differentiates (``kdax._layouts.shared_states``' VJPs, the XLA-autodiff
     baseline) gets the decay's true derivative ``exp(x - y)`` with respect to ``x`` and
     ``y``, as the hand-written backward stages use it. With ``jnp.minimum``'s own
     derivative a difference that rounds to 0 (tiny log decays after larger ones) would

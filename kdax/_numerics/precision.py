@@ -37,13 +37,13 @@ What must stay float32, and why:
   becomes large relative to dG. With B4 rounded, dg's error was 1.7e-2 (H100, bf16,
   1x16384x16, K=V=128) and dA_log's 6e-2; on a CPU with XLA:GPU's rounding emulated (T=1024,
   H=2, K=V=64) dg 2.6e-2 and dA_log 1.45, against 3.3e-3 and 6.8e-3 with B4 exact.
-* row sums written as products (``kdax._ops.rowsum``): sums, not products.
+* row sums written as products (``kdax._numerics.ops.rowsum``): sums, not products.
 
 Everything else (the scores of F2, F3's ``w``/``u``, F5's output, B1, B3 and B0's F3)
 takes half-precision operands as FLA's kernels do, with errors of the order of the
 inputs' own rounding.
 
-Mechanism: the stage runner (``kdax._runner.run_stage``) enters ``stage_scope(policy, stage)``. It sets JAX's
+Mechanism: the stage runner (``kdax._runner.runner.run_stage``) enters ``stage_scope(policy, stage)``. It sets JAX's
 default matmul precision (the reference stages' jnp products: on GPUs XLA then rounds the
 operands and runs bf16 tensor-core products; XLA:CPU ignores the algorithm and computes in
 float32) and records the operand dtype, which ``kdax.pallas``'s in-kernel ``dot`` reads to

@@ -1,8 +1,8 @@
 """``chunk_kda``'s derivative: an ``eqx.filter_custom_vjp`` whose forward is the
 pipeline's forward (whole, untiled) and whose backward is the six-stage backward; the
-pipeline's own arrays are differentiated as ``kdax._stage_grads`` says, and non-finite
-cotangents stay in their sequence (``kdax._isolation``). When the backward stages are
-not the transposes of the forward stages (``kdax._derived``), the backward is derived
+pipeline's own arrays are differentiated as ``kdax._runner.stage_grads`` says, and non-finite
+cotangents stay in their sequence (``kdax._numerics.isolation``). When the backward stages are
+not the transposes of the forward stages (``kdax._runner.derived``), the backward is derived
 from the forward stages by ``jax.vjp`` instead, every stage array included, with the
 same isolation."""
 
@@ -10,18 +10,19 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from . import _derived, _isolation
-from ._config import KDAConfig
-from ._residuals import KDAGrads
-from ._runner import active_recordings
-from ._stage_grads import check_perturbed, pipeline_gradients
+from . import derived as _derived
+from .._config import KDAConfig
+from .._numerics import isolation as _isolation
+from .residuals import KDAGrads
+from .runner import active_recordings
+from .stage_grads import check_perturbed, pipeline_gradients
 
 
 @eqx.filter_custom_vjp
 def differentiable(diff, config: KDAConfig, cu_seqlens):
     """``(o, final)`` of ``diff = ((q, k, v, g, beta, h0, A_log, dt_bias), pipeline)``; the
     static config and ``cu_seqlens`` are not differentiated. The pipeline's arrays are
-    differentiated as ``_stage_grads`` says (F1, F5 exact; backward stages zero; F2-F4
+    differentiated as ``_runner.stage_grads`` says (F1, F5 exact; backward stages zero; F2-F4
     refused)."""
     inputs, pipeline = diff
     bad = _bad(config, inputs, cu_seqlens)
@@ -32,7 +33,7 @@ def differentiable(diff, config: KDAConfig, cu_seqlens):
 def _bad(config: KDAConfig, inputs, cu_seqlens):
     # Non-finite inputs stay in their own sequence, from their token on: the forward reads
     # them as zero and the outputs and gradients get NaN where the recurrence has it.
-    # (A non-finite initial state, too, where it enters shared chunks: kdax._shared_states.)
+    # (A non-finite initial state, too, where it enters shared chunks: kdax._layouts.shared_states.)
     return _isolation.Bad(inputs[:5], cu_seqlens, config.use_gate_in_kernel, config.use_beta_sigmoid_in_kernel,
                           h0=inputs[5])
 
@@ -114,7 +115,7 @@ def _bwd(residuals, cotangents, perturbed, diff, config: KDAConfig, cu_seqlens):
         L = res.layout
         do = jnp.zeros((L.valid.shape[0] if L.pos is None else 1, L.T) + res.v.shape[1:2] + res.v.shape[-1:], res.h0.dtype)
     dht = dht if config.output_final_state else None
-    # A non-finite cotangent stays in its sequence (kdax._isolation).
+    # A non-finite cotangent stays in its sequence (kdax._numerics.isolation).
     do, poison = _isolation.clean_cotangents(do, dht, cu_seqlens, res.num_qk_heads)
     grads, parts = pipeline.backward_with_parts(res, do, dht)
     grads = _isolation.poison_inputs(where, poison(grads))
@@ -128,7 +129,7 @@ _compiled_bwd = eqx.filter_jit(_bwd)
 
 
 def _derived_bwd(res: _Derived, where, do, dht, perturbed, config: KDAConfig, cu_seqlens):
-    """The derived backward (``kdax._derived``): the forward's VJP at the cleaned
+    """The derived backward (``kdax._runner.derived``): the forward's VJP at the cleaned
     cotangents, NaN put where the recurrence's gradients have it (as the six-stage
     backward does)."""
     do = _derived.zeros_like_or(do, res.o)

@@ -1,15 +1,15 @@
 """Stage capabilities: what a stage accepts beyond its family's required arguments, as
 the stage declares it (docs/stages.md, "Capabilities"). The pipeline's stage runner
-(``kdax._runner``), its tiles and the shared-chunk layout ask only this."""
+(``kdax._runner.runner``), its tiles and the shared-chunk layout ask only this."""
 
 import functools
 from typing import NamedTuple
 
-from ._tokens import Tokens, as_chunked
+from .._layouts.tokens import Tokens, as_chunked
 
 
 class Capabilities(NamedTuple):
-    """``G_lo``: the low part of the gate cumsum (``kdax/_hilo.py``); without it the
+    """``G_lo``: the low part of the gate cumsum (``kdax/_numerics/hilo.py``); without it the
     stage gets ``G`` alone (exact in float64; float32-rounded G otherwise), the pipeline
     passing nothing else. ``reset``: the shared-chunk layout's reset table (F1, B5);
     without it a shared layout is refused with ``UnsupportedCase`` (so a pipeline with
@@ -21,7 +21,7 @@ class Capabilities(NamedTuple):
     without it the stage gets the chunked copies.
 
     What formula a stage computes is not a capability: forward stages declare ``math``,
-    backward stages ``transposes`` (``kdax._derived``)."""
+    backward stages ``transposes`` (``kdax._runner.derived``)."""
 
     G_lo: bool
     reset: bool

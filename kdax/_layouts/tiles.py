@@ -18,8 +18,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from ._layout import ChunkLayout, make_layout, unpack
-from ._ops import vary_like
+from .._numerics.ops import vary_like
+from .layout import ChunkLayout, make_layout, unpack
 
 
 class Tiles:

@@ -26,9 +26,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from ._contracts import STAGES
-from ._errors import DerivedBackwardError, FallbackWarning
-from .stages import KDA
+from .._errors import DerivedBackwardError, FallbackWarning
+from ..stages import KDA
+from .contracts import STAGES
 
 # Forward field -> the backward fields that transpose (part of) its math.
 TRANSPOSED_BY = {

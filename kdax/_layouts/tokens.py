@@ -1,6 +1,6 @@
 """The call's inputs in the caller's layout, for stages that read them there themselves.
 
-Packing an input into the chunked layout (``kdax._layout.pack``) is a copy: a transpose
+Packing an input into the chunked layout (``kdax._layouts.layout.pack``) is a copy: a transpose
 from ``[B, T, H, D]`` to ``[R, HV, NC, C, D]``, in the compute dtype (float32 for bf16
 inputs). A stage that declares the capability ``"tokens"`` (docs/stages.md, capabilities)
 is handed a ``Tokens`` view instead and reads its blocks from the caller's array (a
@@ -18,15 +18,15 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
-from . import _isolation
-from ._layout import expand_group, to_chunks
+from .._numerics import isolation as _isolation
+from .layout import expand_group, to_chunks
 
 
 class Tokens(eqx.Module):
     """An input ``x`` ``[B, T, Hx, *D]`` (beta ``[B, T, Hx]``) in its own dtype, T a multiple
     of ``chunk_size``, read as the chunked array ``[B, heads, T // C, C, *D]`` of dtype
     ``dtype`` that ``pack`` would give: value head h reads x's head ``h // (heads // Hx)``,
-    and the elements that the ``kdax._isolation`` kind ``clean`` names (None: none) read as
+    and the elements that the ``kdax._numerics.isolation`` kind ``clean`` names (None: none) read as
     zero. ``shape``, ``ndim`` and ``dtype`` are the chunked array's, so the pipeline's
     contracts read a view as the array it stands for."""
 
@@ -85,7 +85,7 @@ def as_chunked(x):
 
 
 def token_inputs(raw, HV: int, chunk_size: int, dtype, kinds: Optional[tuple]):
-    """``(q, k, v, g, beta)`` as ``Tokens`` views (``kinds``: the ``kdax._isolation`` kind of
+    """``(q, k, v, g, beta)`` as ``Tokens`` views (``kinds``: the ``kdax._numerics.isolation`` kind of
     each, or None for no cleaning); None stays None."""
     kinds = kinds or (None,) * 5
     return tuple(None if x is None else Tokens(x, HV, chunk_size, np.dtype(dtype), kind) for x, kind in zip(raw, kinds))

@@ -1,4 +1,4 @@
-"""Final states of shared chunks (``_layout.make_shared_layout``) and the backward of a
+"""Final states of shared chunks (``_layouts.layout.make_shared_layout``) and the backward of a
 loss on them.
 
 In the shared layout a sequence ends anywhere in a chunk, and the state stages keep the
@@ -9,7 +9,7 @@ chunk c at position i has the final state
 
 over its own tokens j of chunk c (``h_c`` the state at chunk c's start, ``v_new`` F4's),
 masked in the exponent. ``shared_finals`` sums each sequence's tail with
-``kdax._ragged.outer`` (blocks of 16 tokens, as many as the longest tail needs: one for
+``kdax._layouts.ragged.outer`` (blocks of 16 tokens, as many as the longest tail needs: one for
 short sequences), and the ``h_c`` term for the at most one sequence per chunk that has
 it.
 
@@ -27,13 +27,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ._hilo import exponent
-from ._isolation import finite_heads
-from ._layout import BackwardHooks, ChunkLayout
-from ._ops import tri_mask
-from ._ragged import Spans, matvec, narrow_width, outer, token_slots
-from ._resets import same_segment, segments
-from .stages import ChunkGrads, DhuOut, activated_gate
+from .._numerics.hilo import exponent
+from .._numerics.isolation import finite_heads
+from .._numerics.ops import tri_mask
+from ..stages import ChunkGrads, DhuOut, activated_gate
+from .layout import BackwardHooks, ChunkLayout
+from .ragged import Spans, matvec, narrow_width, outer, token_slots
+from .resets import same_segment, segments
 
 
 class _Seqs(NamedTuple):
@@ -87,7 +87,7 @@ def shared_finals(layout: ChunkLayout, cu_seqlens, k, G, G_lo, v_new, h):
     """Final states ``[N, HV, K, V]`` of the sequences of shared layout ``layout`` (zero
     initial states), from F1's ``k``, ``G``, ``G_lo`` (or None) ``[1, HV, NC, C, K]``,
     F4's ``v_new`` ``[.., V]`` and ``h`` ``[1, HV, NC, K, V]``. Exact (masked in the
-    exponent); an empty sequence's is zero. Differentiable (``kdax._ragged``'s VJPs)."""
+    exponent); an empty sequence's is zero. Differentiable (``kdax._layouts.ragged``'s VJPs)."""
     C = layout.chunk_size
     HV, NC = k.shape[1], k.shape[2]
     TT = NC * C
@@ -113,7 +113,7 @@ def finals_vjp(layout: ChunkLayout, cu_seqlens, fin, primals, dS):
     """``jax.vjp(fin, *primals)[1](dS)`` for ``fin`` = ``shared_finals`` or
     ``entry_finals`` over ``primals = (k, G, v_new, h, a, h0)`` (``a``, ``h0`` None for
     the former) and the final states' cotangent ``dS [N, HV, K, V]``, with a sequence's
-    head whose ``dS`` is not finite read as zero (``kdax._isolation``: the caller makes
+    head whose ``dS`` is not finite read as zero (``kdax._numerics.isolation``: the caller makes
     that head's gradients NaN).
 
     The VJP runs on ``dS`` as given, and each cotangent is then selected to zero where it

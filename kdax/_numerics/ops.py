@@ -9,14 +9,14 @@ from typing import Literal, Optional, Union
 import jax
 import jax.numpy as jnp
 
-from . import _precision
+from . import precision as _precision
 
 
 def full_precision(fn):
     """Trace ``fn``'s matrix products at HIGHEST precision. XLA on GPUs runs float32
     products in TF32 (10-bit mantissa) by default, which put 1e-4 relative errors into the
     stages and 1e-2 into the gradients at T=4096 on an H200; CPUs are unaffected. Inside a
-    pipeline stage traced under a half-precision policy (``kdax._precision``), the
+    pipeline stage traced under a half-precision policy (``kdax._numerics.precision``), the
     policy's precision instead."""
 
     @functools.wraps(fn)
@@ -54,7 +54,7 @@ def lower_matmul(A, X, mm=jnp.matmul):
 def rowsum(x):
     """Sum over the last axis as a matvec: XLA:CPU runs large multiply-reduce fusions an
     order of magnitude slower than a dot. A sum, not a product: never at a half-precision
-    policy's rounding (kdax._precision)."""
+    policy's rounding (kdax._numerics.precision)."""
     with _precision.float32_products():
         return x @ jnp.ones((x.shape[-1],), x.dtype)
 

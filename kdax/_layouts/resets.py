@@ -1,4 +1,4 @@
-"""Exact sequence resets inside shared chunks (``_layout.make_shared_layout``).
+"""Exact sequence resets inside shared chunks (``_layouts.layout.make_shared_layout``).
 
 A chunk of the shared layout may hold the end of one sequence and the starts of others.
 F1 gives each sequence's first token (``reset``) the log decay floor, so G stays
@@ -17,7 +17,7 @@ in the exponent, or select,
   after the chunk's first token (the state is replaced, not decayed).
 
 Each sequence then equals running it alone to rounding, whatever its neighbours hold (a
-finite value: a product with an exact zero is zero; ``kdax._isolation`` keeps non-finite
+finite value: a product with an exact zero is zero; ``kdax._numerics.isolation`` keeps non-finite
 inputs out of shared chunks).
 """
 
