@@ -1,7 +1,7 @@
 """``KimiDeltaAttention.__call__``'s arguments checked, normalised and the path chosen,
 before any array work."""
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import equinox as eqx
 import jax
@@ -12,14 +12,11 @@ from .._validate import check_cu_seqlens
 from ..parallel import check_axis
 from ._cache import KDACache
 
-if TYPE_CHECKING:
-    from ._layer import KimiDeltaAttention
-
 # Longest call that the recurrent path takes by default (with a cache; FLA's threshold).
 RECURRENT_MAX_T = 64
 
 
-def check_call(layer: "KimiDeltaAttention", shape: tuple, attention_mask, cu_seqlens, cache: Optional[KDACache],
+def check_call(layer, shape: tuple, attention_mask, cu_seqlens, cache: Optional[KDACache],
                state_indices, mode: Optional[str], inter_states: bool, seq_axis_name: Optional[str]):
     """``(attention_mask, cu_seqlens, mode)`` for ``x`` of ``shape [B, T, D]``: this call's
     mask ``[B, T]`` (or None), the checked packed offsets (an int32 array, or None) and
@@ -78,7 +75,7 @@ def _this_calls_mask(attention_mask, cu_seqlens, B: int, T: int, cache: Optional
     return attention_mask[:, S - T:]
 
 
-def check_cache(layer: "KimiDeltaAttention", cache: KDACache, N: Optional[int]) -> None:
+def check_cache(layer, cache: KDACache, N: Optional[int]) -> None:
     """Refuse a cache whose fields do not have ``layer``'s shapes with ``N`` rows (None:
     a pool, any number of rows)."""
     H, HV, K, V, W = layer.num_heads, layer.num_v_heads, layer.head_dim, layer.head_v_dim, layer.conv_size

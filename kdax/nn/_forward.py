@@ -1,7 +1,7 @@
 """The layer's computation on dense rows or one packed row: projections, short
 convolutions, decay and beta, the KDA kernel, the output gate, norm and projection."""
 
-from typing import TYPE_CHECKING, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -14,9 +14,6 @@ from ..pipeline import KDAPipeline, default_pipeline
 from ..recurrent import fused_recurrent_kda
 from ._cache import KDACache
 from ._norm import gated_rms_norm
-
-if TYPE_CHECKING:
-    from ._layer import KimiDeltaAttention
 
 
 class _Segments(NamedTuple):
@@ -31,7 +28,7 @@ class _Segments(NamedTuple):
     n: int
 
 
-def layer_forward(layer: "KimiDeltaAttention", xs: Float[Array, "Bp Tp D"], cu: Optional[Int[Array, " N1"]],
+def layer_forward(layer, xs: Float[Array, "Bp Tp D"], cu: Optional[Int[Array, " N1"]],
                   rows: Optional[KDACache], mode: str, inter_states: bool, chunk_size: int,
                   pipeline: Optional[KDAPipeline], seq_axis: Optional[str] = None):
     """``(y [Bp, Tp, D], new rows, intermediate)``: the layer on ``xs`` (dense rows, or one
@@ -70,7 +67,7 @@ def _segments(Bp: int, Tp: int, cu: Optional[Int[Array, " N1"]]) -> _Segments:
     return _Segments(seq, pos, jnp.zeros((n,), jnp.int32), cu[:-1], cu[1:] - cu[:-1], n)
 
 
-def short_convolutions(layer: "KimiDeltaAttention", pre: tuple, cu: Optional[Int[Array, " N1"]],
+def short_convolutions(layer, pre: tuple, cu: Optional[Int[Array, " N1"]],
                        rows: Optional[KDACache], seg: _Segments, seq_axis: Optional[str]):
     """``(q, k, v, tails)``: SiLU of the depthwise causal convolutions (and their biases)
     of the projections ``pre``, continuing each sequence from its cache row; ``tails`` the
@@ -100,7 +97,7 @@ def _conv_bias(y, b):
     return y if b is None else y + b.astype(y.dtype)
 
 
-def _kda(layer: "KimiDeltaAttention", q, k, v, g, beta, cu, rows: Optional[KDACache], mode: str, inter_states: bool,
+def _kda(layer, q, k, v, g, beta, cu, rows: Optional[KDACache], mode: str, inter_states: bool,
          chunk_size: int, pipeline: Optional[KDAPipeline], seq_axis: Optional[str]):
     """``(o, final state, state at every chunk start or None)``: the kernel with the
     layer's gate, beta and l2norm in kernel, from the cache rows' states."""
@@ -131,7 +128,7 @@ def _chunk_start_states(pipeline, q, k, v, g, beta, chunk_size, opts):
     return o, final, jnp.moveaxis(res.cache.h, 2, 1)
 
 
-def _chunk_start_conv_states(layer: "KimiDeltaAttention", pre: tuple, rows: Optional[KDACache], seg: _Segments,
+def _chunk_start_conv_states(layer, pre: tuple, rows: Optional[KDACache], seg: _Segments,
                              NC: int, chunk_size: int) -> tuple:
     """The convolution states at the start of every chunk, ``[n, NC, W - 1, channels]``
     each (None without short convolutions)."""
@@ -146,7 +143,7 @@ def _chunk_start_conv_states(layer: "KimiDeltaAttention", pre: tuple, rows: Opti
                  for p, s in zip(pre, conv_states))
 
 
-def output(layer: "KimiDeltaAttention", xs: Float[Array, "Bp Tp D"], o: Float[Array, "Bp Tp HV V"]
+def output(layer, xs: Float[Array, "Bp Tp D"], o: Float[Array, "Bp Tp HV V"]
            ) -> Float[Array, "Bp Tp D"]:
     """``o_proj(rmsnorm(o) * o_norm * sigmoid(gate(xs)))`` per head, in xs's dtype: the
     low-rank gate ``g_b(g_a(xs)) + g_b_bias`` or Kimi K3's full-rank ``g_proj(xs)``."""
