@@ -1,27 +1,20 @@
 """``KimiDeltaAttention``: the KDA layer of Kimi Linear / FLA around ``kdax.chunk_kda``."""
 
-import math
 from typing import Optional
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray, Shaped
 
-from .._conv import causal_conv, conv_tail, token_segments
-from .._front import chunk_kda
 from .._typing import ArrayIn, CuSeqlensIn, typecheck
-from .._validate import check_cu_seqlens
-from ..parallel import check_axis, conv_halo, sp_conv_tail, sp_token_segments
-from ..pipeline import KDAPipeline, default_pipeline
-from ..recurrent import fused_recurrent_kda
+from ..pipeline import KDAPipeline
+from ._arguments import check_call, checked_slots
 from ._cache import KDACache, zeros_cache
-from ._norm import gated_rms_norm
+from ._forward import layer_forward
+from ._padded import pack_padded, unpack_padded
+from ._params import check_layer_options, init_params
 from ._pretrained import load_layers
-from ._weights import check_dtype_option, layer_from_state_dict, layer_state_dict
-
-# Longest call that the recurrent path takes by default (with a cache; FLA's threshold).
-RECURRENT_MAX_T = 64
+from ._weights import layer_from_state_dict, layer_state_dict
 
 
 class KimiDeltaAttention(eqx.Module):
@@ -122,76 +115,15 @@ class KimiDeltaAttention(eqx.Module):
         projection ``g_proj [HV*V, hidden]`` in place of ``g_b(g_a(x))``. ``gate_bias``
         (the output gate's bias, FLA's ``g_proj.1.bias``): default True with the low-rank
         gate, False with the full-rank one (Kimi K3's has none)."""
-        if fla_options:
-            raise TypeError(
-                f"KimiDeltaAttention: unexpected argument(s) {', '.join(sorted(fla_options))}. kdax's layer takes "
-                "FLA's hidden_size, num_heads, head_dim, num_v_heads, expand_v, mode, use_short_conv, "
-                "allow_neg_eigval, safe_gate, lower_bound, conv_size, conv_bias, layer_idx and norm_eps (and "
-                "key, gate_bias, use_full_rank_gate, dtype, param_dtype); to load a checkpoint use "
-                "KimiDeltaAttention.from_pretrained(path, layer_idx=i).")
-        check_dtype_option("param_dtype", param_dtype)
-        check_dtype_option("dtype", dtype)
-        if mode not in ("chunk", "fused_recurrent", "recurrent"):
-            raise ValueError(f"mode: expected 'chunk' or 'fused_recurrent', got {mode!r}.")
-        if safe_gate and lower_bound is None:
-            raise ValueError("safe_gate: True needs lower_bound (FLA's recommendation: -5).")
-        H, K = num_heads, head_dim
-        HV = num_heads if num_v_heads is None else num_v_heads
-        V = int(round(head_dim * expand_v))
-        if min(hidden_size, H, K, HV, V) < 1 or not math.isclose(V, head_dim * expand_v):
-            raise ValueError(f"hidden_size, num_heads, head_dim, num_v_heads and head_dim * expand_v must be "
-                             f"positive integers, got {hidden_size}, {H}, {K}, {HV}, {head_dim * expand_v}.")
-        if HV % H:
-            raise ValueError(f"num_v_heads={HV} must be a multiple of num_heads={H}.")
-        if conv_size < 2:
-            raise ValueError(f"conv_size must be >= 2, got {conv_size}.")
-        D = hidden_size
-        keys = iter(jax.random.split(key, 16)) if key is not None else None
-
-        def _uniform(shape, bound, lo=None, hi=None):
-            if keys is None:
-                return jnp.zeros(shape, param_dtype)
-            lo, hi = (-bound, bound) if lo is None else (lo, hi)
-            return jax.random.uniform(next(keys), shape, param_dtype, lo, hi)
-
-        lin = lambda o, i: _uniform((o, i), 1 / math.sqrt(i))
-        self.q_proj, self.k_proj, self.v_proj = lin(H * K, D), lin(H * K, D), lin(HV * V, D)
-        if use_short_conv:
-            conv = lambda c: _uniform((c, conv_size), 1 / math.sqrt(conv_size))
-            self.q_conv, self.k_conv, self.v_conv = conv(H * K), conv(H * K), conv(HV * V)
-        else:
-            self.q_conv = self.k_conv = self.v_conv = None
-        if use_short_conv and conv_bias:
-            # nn.Conv1d's bound 1/sqrt(fan_in), fan_in = 1 channel x W taps; keys of their own, so
-            # the other weights of a given key are those of a layer without conv_bias.
-            bkeys = None if key is None else iter(jax.random.split(jax.random.fold_in(key, 1), 3))
-            b = 1 / math.sqrt(conv_size)
-            cb = lambda c: (jnp.zeros((c,), param_dtype) if bkeys is None
-                            else jax.random.uniform(next(bkeys), (c,), param_dtype, -b, b))
-            self.q_conv_bias, self.k_conv_bias, self.v_conv_bias = cb(H * K), cb(H * K), cb(HV * V)
-        else:
-            self.q_conv_bias = self.k_conv_bias = self.v_conv_bias = None
-        self.f_a, self.f_b = lin(V, D), lin(HV * K, V)
-        self.b_proj = lin(HV, D)
-        if keys is None:
-            self.A_log, self.dt_bias = jnp.zeros((HV,), param_dtype), jnp.zeros((HV * K,), param_dtype)
-        else:
-            self.A_log = jnp.log(_uniform((HV,), None, 1.0, 16.0))
-            step = jnp.exp(_uniform((HV * K,), None, math.log(1e-3), math.log(0.1)))
-            step = jnp.maximum(step, 1e-4)
-            self.dt_bias = step + jnp.log(-jnp.expm1(-step))  # inverse softplus
+        HV, V = check_layer_options(hidden_size, num_heads, head_dim, num_v_heads, expand_v, conv_size,
+                                    lower_bound, safe_gate, mode, dtype, param_dtype, fla_options)
+        D, H, K = hidden_size, num_heads, head_dim
         if gate_bias is None:
             gate_bias = not use_full_rank_gate
-        if use_full_rank_gate:
-            self.g_a = self.g_b = None
-            self.g_proj = lin(HV * V, D)
-        else:
-            self.g_a, self.g_b = lin(V, D), lin(HV * V, V)
-            self.g_proj = None
-        fan_in = D if use_full_rank_gate else V
-        self.g_b_bias = _uniform((HV * V,), 1 / math.sqrt(fan_in)) if gate_bias else None
-        self.o_norm = jnp.ones((V,), param_dtype)
-        self.o_proj = lin(D, HV * V)
+        params = init_params(key, D, H, HV, K, V, conv_size, use_short_conv=use_short_conv, conv_bias=conv_bias,
+                             gate_bias=gate_bias, use_full_rank_gate=use_full_rank_gate, param_dtype=param_dtype)
+        for field, value in params.items():  # every array field (None: absent in this variant)
+            setattr(self, field, value)
         self.hidden_size, self.num_heads, self.num_v_heads = D, H, HV
         self.head_dim, self.head_v_dim, self.conv_size = K, V, conv_size
         self.use_short_conv, self.allow_neg_eigval = use_short_conv, allow_neg_eigval
@@ -321,210 +253,26 @@ class KimiDeltaAttention(eqx.Module):
 
         Returns ``(y, new_cache)``, or ``(y, new_cache, intermediate)``.
         """
-        B, T, D = x.shape
-        if D != self.hidden_size:
-            raise ValueError(f"x: expected last dimension hidden_size={self.hidden_size}, got shape {x.shape}.")
-        if T < 1:
-            raise ValueError(f"x: expected at least one token per row, got shape {x.shape}.")
-        if attention_mask is not None and cu_seqlens is not None:
-            raise ValueError("attention_mask and cu_seqlens: pass at most one of them.")
-        if attention_mask is not None and tuple(attention_mask.shape) != (B, T):
-            S = attention_mask.shape[1]
-            if attention_mask.shape[0] != B or S < T:
-                raise ValueError(f"attention_mask: expected shape [B, T] = {(B, T)} (or, with a cache, FLA's "
-                                 f"whole-history mask [B, S >= T]), got {tuple(attention_mask.shape)}.")
-            if cache is None:
-                raise ValueError(f"attention_mask: shape {tuple(attention_mask.shape)} covers {S} tokens but x has "
-                                 f"{T} and no cache holds the history; pass this call's mask, shape {(B, T)} (or "
-                                 f"pass the cache of the earlier tokens).")
-            attention_mask = attention_mask[:, S - T:]  # FLA's rule: the last T columns are this call's tokens
-        if cu_seqlens is not None and seq_axis_name is None:
-            cu_seqlens = check_cu_seqlens(cu_seqlens, B, T, "x")  # kdax.chunk_kda's checks and messages
-        elif cu_seqlens is not None and B != 1:
-            raise ValueError(f"cu_seqlens: packed variable-length input needs B == 1 (x.shape[0]), got B={B}.")
-        if mode not in (None, "chunk", "recurrent", "fused_recurrent"):
-            raise ValueError(f"mode: expected None, 'chunk' or 'recurrent' ('fused_recurrent'), got {mode!r}.")
-        mode = "recurrent" if mode == "fused_recurrent" else mode
-        if cu_seqlens is not None and not isinstance(cu_seqlens, jax.Array):
-            cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)  # a list or numpy array, as kdax.chunk_kda takes
-        N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        B, T, _ = x.shape
+        attention_mask, cu_seqlens, mode = check_call(self, x.shape, attention_mask, cu_seqlens, cache, state_indices,
+                                                      mode, return_intermediate_states, seq_axis_name)
         if state_indices is not None:
-            if cache is None:
-                raise ValueError("state_indices: needs a cache (the pool) to index.")
-            if tuple(state_indices.shape) != (N,):
-                raise ValueError(f"state_indices: expected shape [N] = ({N},), got {tuple(state_indices.shape)}.")
-        if cache is not None:
-            self._check_cache(cache, None if state_indices is not None else N)
-        if return_intermediate_states and (attention_mask is not None or cu_seqlens is not None or mode == "recurrent"):
-            raise ValueError("return_intermediate_states: needs dense input (no attention_mask or cu_seqlens) "
-                             "and the chunked path.")
-        if seq_axis_name is not None:
-            _check_sequence_parallel(seq_axis_name, attention_mask, mode, return_intermediate_states)
-            mode = "chunk"
-        if mode is None:
-            decode = cache is not None and T <= RECURRENT_MAX_T
-            mode = "chunk" if return_intermediate_states else ("recurrent" if decode else self.mode)
-
-        if state_indices is not None:
-            P = cache.state.shape[0]
-            state_indices = jnp.asarray(state_indices, jnp.int32)
-            # Out-of-range slots would be clamped on read and dropped on write: refuse them.
-            state_indices = eqx.error_if(state_indices, jnp.any((state_indices < 0) | (state_indices >= P)),
-                                         f"state_indices: every slot must lie in [0, {P}) (the pool's rows).")
-            # Two sequences writing one slot: one state would be silently dropped.
-            srt = jnp.sort(state_indices)
-            state_indices = eqx.error_if(state_indices, jnp.any(srt[1:] == srt[:-1]),
-                                         "state_indices: every slot must be distinct (two sequences cannot share "
-                                         "one pool row).")
+            state_indices = checked_slots(state_indices, cache.state.shape[0])
         rows = cache if state_indices is None else cache.take(state_indices)
-        dt = self._compute_dtype(x)
-        xin = jnp.asarray(x).astype(dt)
-        cu = None if cu_seqlens is None else jnp.asarray(cu_seqlens, jnp.int32)
-
+        xin = jnp.asarray(x).astype(self._compute_dtype(x))
         if attention_mask is not None:
-            # Tokens of row 0, row 1, ..., then all padding as one trailing dummy sequence:
-            # shapes never depend on the mask.
-            m = jnp.asarray(attention_mask).astype(bool).reshape(B * T)
-            flat = jnp.arange(B * T, dtype=jnp.int32)
-            perm = jnp.argsort(jnp.where(m, flat, flat + B * T))
-            lens = jnp.sum(jnp.asarray(attention_mask).astype(bool), axis=1, dtype=jnp.int32)
-            cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lens, dtype=jnp.int32),
-                                  jnp.full((1,), B * T, jnp.int32)])
-            xs = jnp.where(m[perm, None], xin.reshape(B * T, D)[perm], jnp.zeros((), dt))[None]
-            if rows is not None:
-                rows = KDACache(*(None if a is None else jnp.concatenate([a, jnp.zeros_like(a[:1])])
-                                  for a in rows._fields()))
+            # Padded rows run as one packed row: shapes never depend on the mask.
+            xs, cu, rows, order = pack_padded(xin, attention_mask, rows)
         else:
-            xs = xin
-
-        ys, new_rows, inter = self._forward(xs, cu, rows, mode, return_intermediate_states, chunk_size, pipeline,
-                                            seq_axis_name)
-
+            xs, cu = xin, None if cu_seqlens is None else jnp.asarray(cu_seqlens, jnp.int32)
+        y, new_rows, inter = layer_forward(self, xs, cu, rows, mode, return_intermediate_states, chunk_size,
+                                           pipeline, seq_axis_name)
         if attention_mask is not None:
-            y = jnp.zeros((B * T, D), ys.dtype).at[perm].set(ys[0])
-            y = jnp.where(m[:, None], y, jnp.zeros((), y.dtype)).reshape(B, T, D)
-            new_rows = KDACache(*(None if a is None else a[:B] for a in new_rows._fields()))
-        else:
-            y = ys
+            y, new_rows = unpack_padded(y, new_rows, order, B, T)
         new_cache = new_rows if state_indices is None else cache.put(state_indices, new_rows)
         if return_intermediate_states:
             return y, new_cache, inter
         return y, new_cache
-
-    def _check_cache(self, cache: KDACache, N: Optional[int]):
-        H, HV, K, V, W = self.num_heads, self.num_v_heads, self.head_dim, self.head_v_dim, self.conv_size
-        n = cache.state.shape[0] if N is None else N
-        want = dict(state=(n, HV, K, V))
-        if self.use_short_conv:
-            want.update(conv_q=(n, W - 1, H * K), conv_k=(n, W - 1, H * K), conv_v=(n, W - 1, HV * V))
-        bad = [f"{f}: expected {s}, got {None if getattr(cache, f) is None else tuple(getattr(cache, f).shape)}"
-               for f, s in want.items() if getattr(cache, f) is None or tuple(getattr(cache, f).shape) != s]
-        if bad:
-            raise ValueError("cache: " + "; ".join(bad) + " (N = sequences, or pool slots with state_indices).")
-
-    @staticmethod
-    def _bias(y, b):
-        """The short convolution's bias (FLA: nn.Conv1d's, before the activation)."""
-        return y if b is None else y + b.astype(y.dtype)
-
-    def _forward(self, xs, cu, rows: Optional[KDACache], mode, inter_states, chunk_size, pipeline, seq_axis=None):
-        """The layer on ``xs [Bp, Tp, D]`` (dense rows, or one packed row with ``cu``;
-        ``seq_axis``: this device's tokens, ``cu`` global)."""
-        Bp, Tp, D = xs.shape
-        dt = xs.dtype
-        H, HV, K, V, W = self.num_heads, self.num_v_heads, self.head_dim, self.head_v_dim, self.conv_size
-        lin = lambda a, w: a @ w.astype(dt).T
-        seq, pos = token_segments(Bp, Tp, cu)
-        if cu is None:
-            n = Bp
-            seg_rows, starts, lens = jnp.arange(n), jnp.zeros((n,), jnp.int32), jnp.full((n,), Tp, jnp.int32)
-        else:
-            n = cu.shape[0] - 1
-            seg_rows, starts, lens = jnp.zeros((n,), jnp.int32), cu[:-1], cu[1:] - cu[:-1]
-
-        pre = (lin(xs, self.q_proj), lin(xs, self.k_proj), lin(xs, self.v_proj))
-        biases = (self.q_conv_bias, self.k_conv_bias, self.v_conv_bias)
-        if self.use_short_conv and seq_axis is not None:
-            states = (None, None, None) if rows is None else (rows.conv_q, rows.conv_k, rows.conv_v)
-            weights = (self.q_conv, self.k_conv, self.v_conv)
-            # [halo | local tokens]: the previous device's last W - 1 inputs (one ppermute each)
-            xx = tuple(jnp.concatenate([conv_halo(p, W, seq_axis), p], axis=1) for p in pre)
-            sseq, spos = sp_token_segments(Bp, Tp, W, seq_axis, cu)
-            q, k, v = (jax.nn.silu(self._bias(causal_conv(p, w.astype(dt), sseq, spos, s)[:, W - 1:], b))
-                       for p, w, s, b in zip(xx, weights, states, biases))
-            tails = tuple(sp_conv_tail(p, W, seq_axis, cu, s) for p, s in zip(xx, states))
-        elif self.use_short_conv:
-            states = (None, None, None) if rows is None else (rows.conv_q, rows.conv_k, rows.conv_v)
-            weights = (self.q_conv, self.k_conv, self.v_conv)
-            q, k, v = (jax.nn.silu(self._bias(causal_conv(p, w.astype(dt), seq, pos, s), b))
-                       for p, w, s, b in zip(pre, weights, states, biases))
-            tails = tuple(conv_tail(p, seg_rows, starts, lens, s, W) for p, s in zip(pre, states))
-        else:
-            q, k, v = (jax.nn.silu(p) for p in pre)
-            tails = (None, None, None)
-        g = lin(lin(xs, self.f_a), self.f_b)
-        beta = lin(xs, self.b_proj)
-        q, k = q.reshape(Bp, Tp, H, K), k.reshape(Bp, Tp, H, K)
-        v, g = v.reshape(Bp, Tp, HV, V), g.reshape(Bp, Tp, HV, K)
-
-        opts = dict(
-            initial_state=None if rows is None else rows.state, output_final_state=True,
-            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias,
-            lower_bound=self.lower_bound, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=self.allow_neg_eigval,
-            cu_seqlens=cu,
-        )
-        inter = None
-        if mode == "recurrent":
-            o, final = fused_recurrent_kda(q, k, v, g, beta, **opts)
-        elif inter_states:
-            o, final, h = _chunk_start_states(pipeline, q, k, v, g, beta, chunk_size, opts)
-            NC = h.shape[1]
-            at = jnp.arange(NC, dtype=jnp.int32) * chunk_size
-            rep = lambda a: None if a is None else jnp.repeat(a, NC, axis=0)
-            conv_states = (None, None, None) if rows is None else (rows.conv_q, rows.conv_k, rows.conv_v)
-            inter_tails = tuple(
-                None if p is None or not self.use_short_conv
-                else conv_tail(p, jnp.repeat(seg_rows, NC), jnp.zeros((n * NC,), jnp.int32), jnp.tile(at, n),
-                               rep(s), W).reshape(n, NC, W - 1, -1)
-                for p, s in zip(pre, conv_states)
-            )
-            inter = KDACache(*inter_tails, h)
-        else:
-            o, final = chunk_kda(q, k, v, g, beta, chunk_size=chunk_size, pipeline=pipeline, seq_axis_name=seq_axis,
-                                 safe_gate=self.safe_gate, **opts)
-
-        gate = lin(xs, self.g_proj) if self.g_proj is not None else lin(lin(xs, self.g_a), self.g_b)
-        if self.g_b_bias is not None:
-            gate = gate + self.g_b_bias.astype(dt)
-        o = gated_rms_norm(o.astype(dt), gate.reshape(Bp, Tp, HV, V), self.o_norm, self.norm_eps)
-        y = lin(o.reshape(Bp, Tp, HV * V), self.o_proj)
-        if rows is not None:
-            final = final.astype(rows.state.dtype)
-        return y, KDACache(*tails, final), inter
-
-
-def _check_sequence_parallel(seq_axis_name, attention_mask, mode, inter_states):
-    check_axis(seq_axis_name)
-    if attention_mask is not None:
-        raise ValueError("attention_mask: not supported with seq_axis_name; pack the sequences with cu_seqlens "
-                         "(global offsets) instead.")
-    if mode == "recurrent":
-        raise ValueError("mode: 'recurrent' (the decode path) is not supported with seq_axis_name; "
-                         "sequence parallelism runs the chunked path (mode None or 'chunk').")
-    if inter_states:
-        raise ValueError("return_intermediate_states: not supported with seq_axis_name.")
-
-
-def _chunk_start_states(pipeline, q, k, v, g, beta, chunk_size, opts):
-    """``chunk_kda`` plus the state at the start of every chunk, ``[B, NC, HV, K, V]``.
-
-    kdax's public ``chunk_kda`` returns only the final state; the per-chunk states are the
-    F4 stage's output ``h`` (chunked layout ``[R, HV, NC, K, V]``, R = B for dense input),
-    which ``KDAPipeline.forward`` keeps in its residuals (``res.cache.h``). Forward only
-    (no custom VJP): this is the serving path."""
-    pipe = default_pipeline() if pipeline is None else pipeline
-    o, final, res = pipe.forward(q, k, v, g, beta, chunk_size=chunk_size, **opts)
-    return o, final, jnp.moveaxis(res.cache.h, 2, 1)
 
 
 def load_pretrained(path, layers=None, **options) -> dict:

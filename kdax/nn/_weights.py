@@ -283,11 +283,9 @@ def _check_prefix(state_dict, sd, prefix) -> None:
     raise ValueError(msg)
 
 
-def layer_from_state_dict(cls, state_dict, *, naming=None, num_heads, head_dim, prefix="", **options):
-    if isinstance(state_dict, (str, os.PathLike)):
-        state_dict = load_safetensors(state_dict)
-    check_dtype_option("param_dtype", options.get("param_dtype"))
-    check_dtype_option("dtype", options.get("dtype"))
+def _layer_arrays(state_dict, prefix, naming):
+    """``(arrays, naming, detected naming)``: the numpy arrays under ``prefix`` (the prefix
+    stripped) and the naming, ``naming`` or the one the keys show."""
     if not isinstance(prefix, str):
         raise TypeError(f"prefix: expected a string (e.g. 'model.layers.0.self_attn.'), got {prefix!r}.")
     # Names only until the prefix is known to hold a layer: a whole model's tensors are not
@@ -304,6 +302,11 @@ def layer_from_state_dict(cls, state_dict, *, naming=None, num_heads, head_dim, 
                              f"Pass naming='moonshot' or naming='fla' (and prefix= if the keys have one).")
         naming = seen
     _check_naming(naming)
+    return sd, naming, seen
+
+
+def _check_required(options: dict) -> None:
+    """Refuse a call without the hyper-parameters a state dict does not record (``REQUIRED``)."""
     missing_hp = [n for n in REQUIRED if options.get(n, _MISSING) is _MISSING]
     if missing_hp:
         raise TypeError(
@@ -313,6 +316,32 @@ def layer_from_state_dict(cls, state_dict, *, naming=None, num_heads, head_dim, 
             f"own default norm_eps=1e-5; Kimi Linear: norm_eps = config.rms_norm_eps; Kimi K3: lower_bound = "
             f"linear_attn_config's gate_lower_bound). "
             f"KimiDeltaAttention.from_pretrained(path, layer_idx=i) reads them from the checkpoint's config.json.")
+
+
+def _mismatch_hint(unexpected: list, seen, naming: str, conv: bool, conv_bias: bool, full_rank: bool) -> str:
+    """The likely cause of a state dict that does not fit the layer's entries ("" if none)."""
+    if seen is not None and seen != naming:
+        return f" The keys look like naming={seen!r}."
+    if not conv and any(n.endswith("conv1d.weight") for n in unexpected):
+        return (" The state dict has short-convolution weights (q_conv1d.weight, ...) but use_short_conv=False: "
+                "pass use_short_conv=True (or leave it out: the tensors decide).")
+    if conv and not conv_bias and any(n.endswith("conv1d.bias") for n in unexpected):
+        return " The checkpoint's short convolutions have biases: pass conv_bias=True (or leave it out)."
+    if not full_rank and "g_proj.weight" in unexpected:
+        return (" g_proj.weight is Kimi K3's full-rank output gate: pass use_full_rank_gate=True (or leave it "
+                "out: the tensors decide).")
+    if full_rank and "g_a_proj.weight" in unexpected:
+        return " The checkpoint has the low-rank output gate (g_a_proj, g_b_proj): pass use_full_rank_gate=False."
+    return ""
+
+
+def layer_from_state_dict(cls, state_dict, *, naming=None, num_heads, head_dim, prefix="", **options):
+    if isinstance(state_dict, (str, os.PathLike)):
+        state_dict = load_safetensors(state_dict)
+    check_dtype_option("param_dtype", options.get("param_dtype"))
+    check_dtype_option("dtype", options.get("dtype"))
+    sd, naming, seen = _layer_arrays(state_dict, prefix, naming)
+    _check_required(options)
 
     def shape(name, axis, default):
         try:
@@ -352,19 +381,7 @@ def layer_from_state_dict(cls, state_dict, *, naming=None, num_heads, head_dim, 
             parts.append("unexpected keys: " + ", ".join(prefix + n for n in unexpected))
         if misshaped:
             parts.append("mis-shaped keys: " + "; ".join(misshaped))
-        hint = ""
-        if seen is not None and seen != naming:
-            hint = f" The keys look like naming={seen!r}."
-        elif not conv and any(n.endswith("conv1d.weight") for n in unexpected):
-            hint = (" The state dict has short-convolution weights (q_conv1d.weight, ...) but use_short_conv=False: "
-                    "pass use_short_conv=True (or leave it out: the tensors decide).")
-        elif conv and not conv_bias and any(n.endswith("conv1d.bias") for n in unexpected):
-            hint = " The checkpoint's short convolutions have biases: pass conv_bias=True (or leave it out)."
-        elif not full_rank and "g_proj.weight" in unexpected:
-            hint = (" g_proj.weight is Kimi K3's full-rank output gate: pass use_full_rank_gate=True (or leave it "
-                    "out: the tensors decide).")
-        elif full_rank and "g_a_proj.weight" in unexpected:
-            hint = " The checkpoint has the low-rank output gate (g_a_proj, g_b_proj): pass use_full_rank_gate=False."
+        hint = _mismatch_hint(unexpected, seen, naming, conv, conv_bias, full_rank)
         raise ValueError(f"from_state_dict(naming={naming!r}, num_heads={num_heads}, head_dim={head_dim}, "
                          f"hidden_size={D}, num_v_heads={HV}, head_v_dim={V}, conv_size={W}, conv_bias={conv_bias}"
                          f"{', use_full_rank_gate=True' if full_rank else ''}): "

@@ -1,0 +1,90 @@
+"""What chunk_kda is timed against: the plain ``lax.scan`` recurrence, the readable oracle,
+XLA autodiff of the chunked forward, ``fused_recurrent_kda``; and the training step that
+every gradient path runs."""
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from .._typing import Beta, Gate, QK, Values
+from ..pipeline import KDAPipeline, _prepare
+from ..recurrent import fused_recurrent_kda
+from ..ref import naive_recurrent_kda
+from ._shape import Shape
+
+
+def plain_scan_kda(q: QK, k: QK, v: Values, g: Gate, beta: Beta) -> tuple[
+        Float[Array, "B T H V"], Float[Array, "B H K V"]]:
+    """KDA as a careful user writes it in plain JAX (the honest baseline; kdax.ref keeps the
+    readable oracle): one ``lax.scan`` over time with einsums for the decay, ``k^T S``, the
+    rank-1 update and ``q^T S``; H == HV, default scale. Returns ``(o, final state)``."""
+    scale = q.shape[-1] ** -0.5
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q * scale, k, v, jnp.exp(g), beta))
+
+    def step(S, x):
+        q_t, k_t, v_t, a_t, b_t = x
+        S = S * a_t[..., None]
+        u = b_t[..., None] * (v_t - jnp.einsum("bhk,bhkv->bhv", k_t, S))
+        S = S + jnp.einsum("bhk,bhv->bhkv", k_t, u)
+        return S, jnp.einsum("bhk,bhkv->bhv", q_t, S)
+
+    B, _, H, K = q.shape
+    S, o = jax.lax.scan(step, jnp.zeros((B, H, K, v.shape[-1]), q.dtype), xs)
+    return jnp.moveaxis(o, 0, 1), S
+
+
+class _TrainStep:
+    """A training step: the loss ``sum(o * w)`` and every input gradient, called with the
+    five inputs. ``w`` (``cotangent``) is an argument of the compiled program, as a real
+    loss's cotangent is: with ``sum(o)`` XLA would see a constant ``do`` of ones, which it
+    can fold into each path differently. Returning the loss keeps the whole forward in the
+    program (``jax.grad`` alone would let XLA drop the parts of a custom VJP's forward that
+    only produce ``o``)."""
+
+    def __init__(self, fn, w):
+        def loss(q, k, v, g, beta, w):
+            return jnp.sum(fn(q, k, v, g, beta)[0].astype(w.dtype) * w)
+
+        self.step, self.w = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))), w
+
+    def __call__(self, *args):
+        return self.step(*args, self.w)
+
+    def lower(self, *args):
+        return self.step.lower(*args, self.w)
+
+
+def _autodiff_chunk(pipeline: KDAPipeline, chunk_size: int):
+    def fwd(q, k, v, g, beta):
+        config, args = _prepare(q, k, v, g, beta, chunk_size=chunk_size)
+        o, final, _ = pipeline.run_forward(config, *args)
+        return o, final
+
+    return fwd
+
+
+def pipelines() -> dict:
+    """``{name: KDAPipeline}`` that ``--pipelines`` chooses from."""
+    pipes = {"reference": KDAPipeline.reference()}
+    if hasattr(KDAPipeline, "pallas"):
+        pipes["pallas"] = KDAPipeline.pallas()
+        pipes["mixed"] = KDAPipeline.mixed()
+    return pipes
+
+
+def baseline_paths(s: Shape, w: Float[Array, "B T HV V"], slow_baselines: bool = False) -> list:
+    """The baselines at shape ``s``: ``(name, kind, function, heavy)``; heavy ones (GBs,
+    seconds a call) are timed alone. The scan's gradient (the readable oracle's, the
+    slowest) only with ``slow_baselines``; no scan gradient above T=4096 (autodiff of a
+    scan keeps every step's state: 6 GB at T=4096)."""
+    # The stages whole, as chunk_kda's own training step runs its forward.
+    whole = KDAPipeline.reference().untiled()
+    paths = [("scan", "fwd", jax.jit(lambda *a: naive_recurrent_kda(*a)[0]), False)]
+    if slow_baselines and s.T <= 4096:
+        paths.append(("scan", "fwd+bwd", _TrainStep(naive_recurrent_kda, w), True))
+    paths += [("autodiff_chunk", "fwd+bwd", _TrainStep(_autodiff_chunk(whole, s.chunk_size), w), True),
+              ("fused_recurrent", "fwd", jax.jit(lambda *a: fused_recurrent_kda(*a)[0]), False),
+              ("plain_scan", "fwd", jax.jit(lambda *a: plain_scan_kda(*a)[0]), False)]
+    if s.T <= 4096:
+        paths.append(("plain_scan", "fwd+bwd", _TrainStep(plain_scan_kda, w), True))
+    return paths

@@ -1,0 +1,89 @@
+"""``python -m kdax.bench``: the command line."""
+
+import argparse
+import dataclasses
+import sys
+import time
+
+from ._baselines import pipelines
+from ._results import write_results
+from ._run import bench_shape
+from ._shape import Shape
+from ._stages import bench_stages
+from ._tables import STAGE_HEAD, format_stage_row, format_table, with_ratios
+from ._timing import Log, machine, matmul_gflops
+
+
+def _parser() -> argparse.ArgumentParser:
+    # The package's docstring (the harness described) is the --help text.
+    p = argparse.ArgumentParser(description=sys.modules[__package__].__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name, default in dataclasses.asdict(Shape()).items():
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--reps", type=int, default=5, help="timed runs of each light path (rounds)")
+    p.add_argument("--heavy-reps", type=int, default=1,
+                   help="timed runs of each heavy baseline (the gradients of the scans and of autodiff)")
+    p.add_argument("--pipelines", default="reference", help="comma list of: reference, pallas, mixed")
+    p.add_argument("--no-baselines", action="store_true")
+    p.add_argument("--slow-baselines", action="store_true",
+                   help="also the readable oracle's gradient (lax.scan autodiff: 8 s a call, 6 GB at T=4096)")
+    p.add_argument("--sweep", action="store_true", help="T in 512..16384 at H=8, K=V=128")
+    p.add_argument("--stages", action="store_true",
+                   help="time each stage alone per pipeline (arguments from the reference pipeline)")
+    p.add_argument("--out", default="bench-results", help="folder for results.json/.csv and plots ('' for none)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    return p
+
+
+def _stages_main(shape: Shape, reps: int, pipes: dict) -> int:
+    """``--stages``: the stage table, a line as each stage is timed."""
+    print(f"kdax stages alone on {machine()}; B={shape.B} T={shape.T} H={shape.H} HV={shape.HV} K={shape.K} "
+          f"V={shape.V} chunk={shape.chunk_size} float32 (/first: against the first pipeline named)")
+    print(STAGE_HEAD, flush=True)
+    first = {}
+    rows = bench_stages(shape, reps, pipes, lambda r: print(format_stage_row(r, first), flush=True))
+    return 1 if any(r["time_s"] is None for r in rows) else 0
+
+
+def main(argv=None) -> int:
+    """``python -m kdax.bench [options]`` (``--help`` lists them); returns the exit status:
+    1 when a path failed or disagrees with the float64 reference."""
+    a = _parser().parse_args(argv)
+    log = Log(not a.quiet)
+    avail = pipelines()
+    pipes = {n: avail[n] for n in a.pipelines.split(",")}
+    shape = Shape(**{k: getattr(a, k) for k in dataclasses.asdict(Shape())})
+    if a.stages:
+        return _stages_main(shape, a.reps, pipes)
+    log("timing a large float32 matmul (the FLOP-rate yardstick)")
+    mm = matmul_gflops()
+    meta = dict(machine=machine(), matmul_gflops=mm, reps=a.reps, heavy_reps=a.heavy_reps,
+                date=time.strftime("%Y-%m-%d"))
+    print(f"kdax benchmark on {meta['machine']}; large float32 matmul: {mm:.1f} GFLOP/s (measured again after the "
+          "runs; the best counts)", flush=True)
+    opts = dict(baselines=not a.no_baselines, log=log, slow_baselines=a.slow_baselines, heavy_reps=a.heavy_reps)
+    if a.sweep:
+        rows = []
+        for T in [512, 1024, 2048, 4096, 8192, 16384]:
+            rows += bench_shape(dataclasses.replace(shape, T=T), a.reps, pipes, check=False, **opts)
+    else:
+        rows = bench_shape(shape, a.reps, pipes, check=True, **opts)
+    rows = with_ratios(rows)
+    # The machine's matmul speed drifts; the better of two measurements keeps %mm conservative.
+    log("timing the matmul again")
+    mm = meta["matmul_gflops"] = max(mm, matmul_gflops())
+    meta["wall_s"] = round(time.perf_counter() - log.t0, 1)
+    print(f"large float32 matmul, best of before and after: {mm:.1f} GFLOP/s")
+    print(f"B={shape.B} H={shape.H} HV={shape.HV} K={shape.K} V={shape.V} chunk={shape.chunk_size} float32; "
+          "max err: against the float64 recurrence (outputs; all input gradients of sum(o * w), w random); "
+          "reps: timed runs (median)")
+    print(format_table(rows, mm))
+    if a.out:
+        written = write_results(rows, meta, a.out)
+        print("written: " + ", ".join(written))
+    print(f"done in {meta['wall_s']:.1f} s")
+    bad = [r for r in rows if r["max_err"] is not None and not (r["max_err"] < 1e-2)]
+    if bad:
+        print("ERROR: chunk_kda disagrees with the float64 reference", file=sys.stderr)
+    failed = [r for r in rows if r["time_s"] is None]
+    return 1 if bad or failed else 0
