@@ -139,7 +139,7 @@ def expected_output(name: str, kw: dict, config, policy: str = "highest") -> Any
         return StateOut(s(h0, w.shape[:3] + (w.shape[-1], u.shape[-1]), stored=True), s(h0, u.shape, stored=True),
                         s(h0))
     if name == "output":
-        return s(kw["v_new"])
+        return s(kw["qg"], kw["v_new"].shape)  # (in the compute dtype: v_new may be stored bf16)
     if name == "recompute":
         q, v, h0 = kw["q"], kw["v"], kw["h0"]
         return (WYOut(s(kw["k"], stored=True), s(v, stored=True), s(q), s(kw["k"], stored=True)),

@@ -75,7 +75,7 @@ class PallasState(AbstractState, PallasValueBlocks):
     math: ClassVar[Optional[str]] = KDA
 
     tile_safe: ClassVar[bool] = True
-    accepts: ClassVar[frozenset] = frozenset({"reset", "tile_safe"})
+    accepts: ClassVar[frozenset] = frozenset({"reset", "tile_safe", "half_stored"})
     block_k: Optional[int] = eqx.field(static=True, default=None)
     round_in_kernel: bool = eqx.field(static=True, default=False)
 
@@ -106,7 +106,9 @@ class PallasState(AbstractState, PallasValueBlocks):
         gam = _gamma_col(G, t, reset)
         h0f = feature_pad(t, h0.reshape(N * HV, K, V), axes=(-2, -1))
         P, Kp, Vp = R * HV, wf.shape[-1], uf.shape[-1]
-        shapes = dict(NC=NC, C=C, Kp=Kp, Vp=Vp, dtype=u.dtype, interpret=self.run_interpreted)
+        # h and v_new as stored (bf16 under "fast"), the final states in h0's dtype
+        st = _precision.storage(h0.dtype)
+        shapes = dict(NC=NC, C=C, Kp=Kp, Vp=Vp, dtype=[st, st, h0.dtype], interpret=self.run_interpreted)
         if t == "tpu":
             h, v_new, final = tpu.state_forward(wf, uf, kgf, gam, h0f, P=P, **shapes)
         else:
@@ -126,7 +128,7 @@ class PallasDhu(AbstractDhu, PallasValueBlocks):
 
     transposes: ClassVar[Mapping[str, str]] = MappingProxyType({"state": KDA, "output": KDA})
 
-    accepts: ClassVar[frozenset] = frozenset({"reset", "tokens"})
+    accepts: ClassVar[frozenset] = frozenset({"reset", "tokens", "half_stored"})
 
     block_k: Optional[int] = eqx.field(static=True, default=None)
     round_in_kernel: bool = eqx.field(static=True, default=False)
