@@ -152,16 +152,23 @@ class Kernel:
 @contextlib.contextmanager
 def float32_storage():
     """Lower with the intermediates of ``kdax._precision.STORED`` kept in their compute
-    dtype under every policy: the candidate as the profile timed it (before bf16 storage;
-    its h and v_new then held bf16 values in float32 arrays, two roundings a tile more)."""
+    dtype under every policy: the candidate as the profile timed it, before bf16 storage
+    (its state kernels then wrote h and v_new as bf16 values in float32 arrays: rounded
+    to bf16 and back in the kernel, as here)."""
     from kdax import _precision
+    from kdax.pallas import _state_tpu, _state_triton
 
-    keep = _precision.storage
-    _precision.storage = lambda dtype, policy=None: keep(dtype, "highest")
+    def put(ref, idx, x):  # (h, v_new under "fast": bf16 values, the ref's dtype)
+        half = _precision.operand_dtype() if _precision.current_policy() == "fast" else None
+        ref[idx] = (x if half is None else x.astype(half)).astype(ref.dtype)
+
+    keep = _precision.storage, _state_triton.put, _state_tpu.put
+    _precision.storage = lambda dtype, policy=None: keep[0](dtype, "highest")
+    _state_triton.put = _state_tpu.put = put
     try:
         yield
     finally:
-        _precision.storage = keep
+        _precision.storage, _state_triton.put, _state_tpu.put = keep
 
 
 # -- lowering ---------------------------------------------------------------------------------
