@@ -185,11 +185,12 @@ def store_outputs(out, policy: str):
     (no-op for a field already so, and for every field outside ``"fast"``)."""
     if isinstance(out, tuple):
         return tuple(store_outputs(x, policy) for x in out)
-    names = [n for n in STORED if hasattr(out, n) and getattr(out, n) is not None]
-    fix = {n: getattr(out, n).astype(storage(getattr(out, n).dtype, policy)) for n in names}
-    if not any(fix[n].dtype != getattr(out, n).dtype for n in names):
-        return out
-    return dataclasses.replace(out, **fix)
+    fix = {}
+    for n in sorted(STORED):
+        x = getattr(out, n, None)
+        if x is not None and storage(x.dtype, policy) != x.dtype:
+            fix[n] = x.astype(storage(x.dtype, policy))
+    return dataclasses.replace(out, **fix) if fix else out
 
 
 def widened(kwargs: dict) -> dict:

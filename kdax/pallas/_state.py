@@ -70,7 +70,9 @@ class PallasState(AbstractState, PallasValueBlocks):
     instead of reading half-precision copies that XLA makes before it. The same numbers;
     no converted copy (at the GPU benchmark's shape 128 MiB less HBM traffic per operand),
     but 48-64 B of spills a thread on sm_90 at 8 warps (``benchmarks/NOTES.md``, session
-    15): which is faster is for a GPU to tell."""
+    15): which is faster is for a GPU to tell. In a pipeline under ``"fast"`` w, u and kg
+    arrive stored in bf16 (``kdax._precision.storage``; ``half_stored``), leaving F4
+    nothing to round; h and v_new are written in bf16 by the kernel."""
 
     math: ClassVar[Optional[str]] = KDA
 
