@@ -27,7 +27,11 @@ CUDA and compiled by Triton's passes and the ptxas of the triton wheel
 
 Calibration: the per-kernel times measured on an H200 at the goal shape
 (``results/gpu_h200/issue36/profile.txt``: the all-Triton candidate ``CANDIDATE``), for
-every kernel the model rebuilds from the checkout. The older profiles
+every kernel the model rebuilds from the checkout. The profile timed the candidate with
+its intermediates stored float32: the calibration compiles it so (``float32_storage``),
+and the checkout's candidate, which stores Aqk, Akk, w, u, kg, h and v_new in bf16 under
+the ``"fast"`` policy as FLA does (``kdax._numerics.precision.storage``), is predicted beside it
+with the fitted rate, with the bytes a step moves before and after. The older profiles
 (``results/gpu_h200/profile_before.txt``, ``profile_after.txt``) measured kernels the
 current code no longer builds (see ``OLD_PROFILES``).
 
@@ -39,6 +43,7 @@ Needs ``triton`` (the ``test`` extra); exits with the reason where JAX cannot lo
 Pallas Triton kernel without a GPU (``tests/pallas/_triton.py``, ``skip_reason``)."""
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import re
@@ -142,6 +147,28 @@ class Kernel:
     def bound(self, rate: float) -> str:
         t = {"HBM": self.hbm_s(), "issue": self.issue_s(rate), "tensor": self.tc_s()}
         return max(t, key=t.get)
+
+
+@contextlib.contextmanager
+def float32_storage():
+    """Lower with the intermediates of ``kdax._numerics.precision.STORED`` kept in their compute
+    dtype under every policy: the candidate as the profile timed it, before bf16 storage
+    (its state kernels then wrote h and v_new as bf16 values in float32 arrays: rounded
+    to bf16 and back in the kernel, as here)."""
+    from kdax._numerics import precision as _precision
+    from kdax.pallas import _state_tpu, _state_triton
+
+    def put(ref, idx, x):  # (h, v_new under "fast": bf16 values, the ref's dtype)
+        half = _precision.operand_dtype() if _precision.current_policy() == "fast" else None
+        ref[idx] = (x if half is None else x.astype(half)).astype(ref.dtype)
+
+    keep = _precision.storage, _state_triton.put, _state_tpu.put
+    _precision.storage = lambda dtype, policy=None: keep[0](dtype, "highest")
+    _state_triton.put = _state_tpu.put = put
+    try:
+        yield
+    finally:
+        _precision.storage, _state_triton.put, _state_tpu.put = keep
 
 
 # -- lowering ---------------------------------------------------------------------------------
@@ -465,8 +492,11 @@ def main(argv=None) -> str:
     import triton
 
     shape = parse_shape(a.shape)
-    print(f"calibration: {CANDIDATE} at {GOAL}", file=sys.stderr, flush=True)
-    cal = kernels(CANDIDATE, GOAL)
+    print(f"calibration: {CANDIDATE} at {GOAL}, intermediates float32 (as profiled)", file=sys.stderr, flush=True)
+    with float32_storage():
+        cal = kernels(CANDIDATE, GOAL)
+    print(f"{CANDIDATE} at {GOAL}, the checkout (bf16 storage)", file=sys.stderr, flush=True)
+    now = kernels(CANDIDATE, GOAL)
     profiled = measured()
     changed = [k.name for k in cal if k.name in profiled and not as_profiled(k)]
     meas = {n: t for n, t in profiled.items() if n not in changed}  # (a rebuilt kernel: not what was timed)
@@ -494,9 +524,14 @@ def main(argv=None) -> str:
         f"over the {len(both)} measured kernels below; no per-kernel tuning). With max(HBM, issue, TC) instead of the "
         f"sum (full overlap) the fit gives R = {rate_max / 1e9:.4f} and a worst factor of {worst_max:.2f}.",
         "",
-        table(f"Calibration: {CANDIDATE} at B={B} T={T} H={H}, predicted beside measured on an H200 "
+        table(f"Calibration: {CANDIDATE} at B={B} T={T} H={H}, intermediates stored float32 as profiled "
+              f"(float32_storage), predicted beside measured on an H200 "
               f"({MEASURED.relative_to(ROOT)}, train pass; factor = predicted / measured)", cal, rate, meas),
         f"Older profiles: {OLD_PROFILES}.",
+        "",
+        table(f"Prediction: {CANDIDATE} at B={B} T={T} H={H} as the checkout builds it: Aqk, Akk, w, u, kg, h, "
+              f"v_new stored bf16 under \"fast\" (kdax._numerics.precision.storage; FLA's storage), float32 accumulation",
+              now, rate),
     ]
     if changed:
         parts.insert(3, "Rebuilt since the profile (compiled differently from the kernel timed: left out of the fit, "
@@ -505,12 +540,18 @@ def main(argv=None) -> str:
     if not (a.pipes == CANDIDATE and shape == GOAL):
         for path in a.pipes.split(","):
             print(f"{path} at {shape}:", file=sys.stderr, flush=True)
-            ks = cal if (path == CANDIDATE and shape == GOAL) else kernels(path, shape)
+            ks = now if (path == CANDIDATE and shape == GOAL) else kernels(path, shape)
             parts += ["", table(f"Prediction: {path} at B={shape[0]} T={shape[1]} H={shape[2]}", ks, rate)]
     step = sum(k.predict_s(rate) for k in cal) * 1e3
+    step_now = sum(k.predict_s(rate) for k in now) * 1e3
+    gib = lambda ks: sum(k.read + k.written for k in ks) / 2**30  # noqa: E731
     parts += ["",
               f"calibration: worst factor {worst(rate):.2f} over {len(both)} kernels",
-              f"candidate step: predicted {step:.2f} ms; FLA measured {FLA_STEP_MS:.2f} ms (H200)"]
+              f"bytes a step moves (kernels' unique blocks read + written): {gib(cal):.2f} GiB with float32 "
+              f"intermediates (as profiled), {gib(now):.2f} GiB with bf16 Aqk, Akk, w, u, kg, h, v_new (the checkout); "
+              f"FLA ~8 GiB (docs: shared DESIGN.md section 6)",
+              f"candidate step: predicted {step:.2f} ms with float32 intermediates, {step_now:.2f} ms with bf16 "
+              f"storage; FLA measured {FLA_STEP_MS:.2f} ms (H200)"]
     text = "\n".join(parts)
     print(text)
     if a.out:

@@ -537,6 +537,29 @@ def _capability_checks(col, base, field, stage, caps, dtype, full):
                     col.add("tile_safe", case.name, None, f"UnsupportedCase ({e}): the pipeline falls back")
                 except Exception as e:
                     col.add("tile_safe", case.name, False, _error(e))
+    if caps.half_stored:
+        _half_stored_check(col, base, field, stage)
+
+
+def _half_stored_check(col, base, field, stage):
+    """``half_stored``: in a pipeline under ``"fast"`` (bf16 inputs), the stage given the
+    stored intermediates in bf16 gives what it gives on their float32 copies (exact
+    widenings: only the stage's own rounding differs)."""
+    case = Case("dense bfloat16", jnp.bfloat16)
+    try:
+        P = _with_stage(_pipe_for(base, case), field, stage).with_precision("fast")
+        kw = _record(P, case, False)[0].get(field) or {}
+        half = sorted(n for n, x in kw.items() if n in _precision.STORED and getattr(x, "dtype", None) == jnp.bfloat16)
+        if not half:
+            col.add("half_stored", case.name, None, "the pipeline passes no bf16 intermediates to this field here")
+            return
+        ok, det = _compare(_jit_run(P, field, kw), _jit_run(P, field, _precision.widened(kw)), tolerance(case.dtype))
+        col.add("half_stored", case.name, ok, (f"bf16 {', '.join(half)} vs float32 copies: " + det) if ok else
+                f"declares `half_stored` but bf16 {', '.join(half)} give other numbers than float32 copies: {det}")
+    except UnsupportedCase as e:
+        col.add("half_stored", case.name, None, f"UnsupportedCase ({e}): the pipeline falls back")
+    except Exception as e:
+        col.add("half_stored", case.name, False, _error(e))
 
 
 @typecheck
@@ -573,7 +596,9 @@ def check_stage(
     * declared capabilities: ``reset`` (in a pipeline, shared chunks give the per-sequence
       layout's outputs and gradients), ``tile_safe`` (tiles of one chunk give the whole
       forward's outputs), ``G_lo`` (float32: with G_lo no farther from the stage's own
-      float64 output than without), ``tokens`` (views give the chunked copies' outputs).
+      float64 output than without), ``tokens`` (views give the chunked copies' outputs),
+      ``half_stored`` (under ``"fast"``, bf16 stored intermediates give what their float32
+      copies give).
     """
     col = _Collector()
     if field not in STAGES:

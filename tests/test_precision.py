@@ -15,7 +15,7 @@ from kdax._numerics import precision as _precision
 from kdax.pallas import PallasDhu, PallasState
 
 from ._gpu_products import gpu_products
-from ._util import assert_close, loss_grads, make_inputs, oracle_kda, run, split_args
+from ._util import assert_close, loss_grads, make_inputs, oracle_kda, rel_rms, run, split_args
 
 # FLA's tolerances for half-precision inputs (rel-RMS against a float64 reference).
 FLA_TOL = {"o": 5e-3, "q": 8e-3, "k": 8e-3, "v": 8e-3, "g": 2e-2, "beta": 2e-2, "A_log": 2e-2, "dt_bias": 2e-2}
@@ -195,6 +195,10 @@ FAST_PIPES = {
     "pallas_state": lambda: eqx.tree_at(lambda p: (p.state, p.dhu), kdax.KDAPipeline.reference().untiled(),
                                         (PallasState(target="triton", interpret=True),
                                          PallasDhu(target="triton", interpret=True))),
+    # Every stage a Pallas kernel (interpret mode), reading and writing the stored
+    # intermediates in bf16 (the TPU state kernels refuse packed input: reference F4/B2).
+    "pallas_triton": lambda: kdax.KDAPipeline.pallas("triton", interpret=True),
+    "pallas_tpu": lambda: kdax.KDAPipeline.pallas("tpu", interpret=True),
 }
 
 
@@ -205,11 +209,15 @@ FAST_PIPES = {
     # FLA's benchmark sequence length, head size and chunk with one head (B, T, H, K, C):
     # minutes on the CPU; the float64 oracle's gradient keeps every step's state (16 heads:
     # 34 GB, more than a CI machine has).
+    ("pallas_triton", (1, 256, 2, 32, 32), False),
+    ("pallas_triton", (1, 256, 2, 32, 32), True),
+    ("pallas_tpu", (1, 256, 2, 32, 32), False),
     pytest.param("reference", (1, 16384, 1, 128, 64), False, marks=pytest.mark.slow),
-], ids=["reference", "reference_packed", "pallas_state_packed", "reference_T16384_K128"])
+], ids=["reference", "reference_packed", "pallas_state_packed", "pallas_triton", "pallas_triton_packed", "pallas_tpu",
+        "reference_T16384_K128"])
 def test_fast_precision_policy_within_fla_tolerances(name, shape, packed):
-    """``precision="fast"`` (bf16 operands in the recurrences too, h and v_new stored
-    bf16): bf16 inputs with Kimi Linear's gates (softplus gate with A_log and dt_bias in
+    """``precision="fast"`` (bf16 operands in the recurrences too; Aqk, Akk, w, u, kg, h
+    and v_new stored as bf16 arrays, ``test_fast_policy_stores_intermediates_in_bf16``): bf16 inputs with Kimi Linear's gates (softplus gate with A_log and dt_bias in
     the kernel, l2norm, beta sigmoid), 5% of the raw gates at 1e4 (log decays down to
     about -1e4 · e^A_log), against the float64 oracle within FLA's tolerances (o and ht
     5e-3, dq/dk/dv 8e-3, dg/dbeta/dA_log/ddt_bias 2e-2); dense and packed (cu_seqlens
@@ -238,7 +246,71 @@ def test_fast_precision_policy_within_fla_tolerances(name, shape, packed):
     o_ref, ht_ref = run(oracle_kda, xr, opts)
     want = loss_grads(oracle_kda, xr, opts, do.astype(jnp.float64), dht.astype(jnp.float64))
     assert o.dtype == jnp.bfloat16 and ht.dtype == jnp.float32
+    # (every error measured before any is asserted, and printed: benchmarks/NOTES.md)
+    errs = {"o": rel_rms(o, o_ref), "ht": rel_rms(ht, ht_ref)}
+    errs.update({"d" + n: rel_rms(gr, want[n]) for n, gr in grads.items()})
+    print(f"\nfast policy, {name}, packed={packed}: " + ", ".join(f"{n} {e:.2e}" for n, e in errs.items()))
     assert_close(o, o_ref, FLA_TOL["o"], "o")
     assert_close(ht, ht_ref, FLA_TOL["o"], "ht")
     for n, gr in grads.items():
         assert_close(gr, want[n], FLA_TOL.get(n, FLA_TOL["o"]), "d" + n)
+
+
+def _pallas_outputs(jaxpr):
+    """``(kernel name, output dtypes)`` of every ``pallas_call`` in ``jaxpr`` and its
+    sub-jaxprs."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            out.append((str(eqn.params["name"]), tuple(str(v.aval.dtype) for v in eqn.outvars)))
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, (tuple, list)) else (p,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    out += _pallas_outputs(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    out += _pallas_outputs(sub)
+    return out
+
+
+# What each kernel writes under "fast" (bf16: the intermediates of _precision.STORED).
+_KERNEL_OUTPUTS = {
+    "kdax_PallasIntra_kernel": ("bfloat16", "bfloat16"),  # Aqk, Akk
+    "kdax_PallasWY_kernel": ("bfloat16", "bfloat16", "float32", "bfloat16"),  # w, u, qg, kg
+    "kdax_PallasState_kernel": ("bfloat16", "bfloat16", "float32"),  # h, v_new, final
+}
+
+
+@pytest.mark.parametrize("policy", ["fast", "auto", "highest"])
+@pytest.mark.parametrize("name", ["reference", "pallas_triton", "pallas_tpu"])
+def test_fast_policy_stores_intermediates_in_bf16(name, policy):
+    """bf16 inputs with Kimi Linear's options: under "fast" the forward cache holds Aqk,
+    Akk, w, u, kg, h and v_new as bf16 arrays (FLA's storage; qg, G and the final state
+    float32), B0 rebuilds them to the bit, and the Pallas kernels write them in bf16
+    themselves (their ``pallas_call`` outputs, no float32 copy converted after); under
+    "auto" and "highest" every intermediate stays float32."""
+    r = np.random.default_rng(4)
+    B, T, H, K, C = 1, 64, 2, 16, 16
+    f = lambda *s: jnp.asarray(r.normal(size=s), jnp.bfloat16)
+    args = (f(B, T, H, K), f(B, T, H, K), f(B, T, H, K), f(B, T, H, K), f(B, T, H))
+    opts = dict(chunk_size=C, output_final_state=True, A_log=jnp.zeros(H, jnp.float32), **KIMI)
+    pipe = FAST_PIPES[name]().with_precision(policy)
+    o, ht, res = pipe.forward(*args, **opts)
+    want = jnp.bfloat16 if policy == "fast" else jnp.float32
+    c = res.cache
+    for n in sorted(_precision.STORED):
+        assert getattr(c, n).dtype == want, (n, getattr(c, n).dtype)
+    assert c.qg.dtype == c.G.dtype == ht.dtype == jnp.float32 and o.dtype == jnp.bfloat16
+    rebuilt = pipe.resolved(jnp.bfloat16).recomputed(eqx.tree_at(lambda x: x.cache, res, None, is_leaf=lambda x: x is None))
+    for a, b in zip(jax.tree.leaves(rebuilt), jax.tree.leaves(c)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    grads = pipe.backward(res, jnp.ones(o.shape, jnp.float32), jnp.ones(ht.shape, jnp.float32))
+    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
+    if name == "reference":
+        return
+    kernels = _pallas_outputs(jax.make_jaxpr(lambda *a: pipe.forward(*a, **opts)[:2])(*args).jaxpr)
+    seen = {n for n, _ in kernels}
+    assert set(_KERNEL_OUTPUTS) <= seen, seen
+    for n, dts in kernels:
+        if n in _KERNEL_OUTPUTS:
+            assert dts == (_KERNEL_OUTPUTS[n] if policy == "fast" else ("float32",) * len(dts)), (n, dts)

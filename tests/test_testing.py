@@ -157,6 +157,19 @@ class ZeroStartState(AbstractState):
         return ReferenceState()(w, u, kg, G, jnp.zeros_like(h0), layout, reset)
 
 
+class MisreadsHalfOutput(AbstractOutput):
+    """Declares ``half_stored`` and reads a bf16 ``v_new`` 1% off: right on float32 (and
+    float64) arguments, wrong on the bf16 intermediates the "fast" policy stores."""
+
+    math: ClassVar = KDA
+    accepts: ClassVar[frozenset] = frozenset({"half_stored"})
+
+    def __call__(self, scale, qg, h, Aqk, v_new):
+        if v_new.dtype == jnp.bfloat16:
+            v_new = 1.01 * v_new.astype(qg.dtype)
+        return ReferenceOutput()(scale, qg, h.astype(qg.dtype), Aqk.astype(qg.dtype), v_new.astype(qg.dtype))
+
+
 class ScaledDvDAv(AbstractDAv):
     """A B1 declaring it transposes KDA's F5, with dv_intra 1% off."""
 
@@ -193,6 +206,12 @@ def test_false_reset_fails():
 
 def test_false_tile_safe_fails():
     _assert_fails(check_stage(ZeroStartState(), "state", **_small()), "tile_safe")
+
+
+def test_false_half_stored_fails():
+    report = check_stage(MisreadsHalfOutput(), "output", **_small())
+    _assert_fails(report, "half_stored")
+    assert "declares `half_stored`" in next(c for c in report.failed if c.name == "half_stored").detail
 
 
 def test_wrong_family_fails():

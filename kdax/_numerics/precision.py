@@ -12,9 +12,12 @@ Policies (``KDAPipeline.precision``):
   ``chunk_gated_delta_rule_fwd_h`` / ``bwd_dhu`` run them: the state itself is carried in
   float32 across chunks (only its copy fed to each chunk's product is rounded), ``h`` (the
   state at each chunk's start) and ``v_new`` are stored rounded to bf16 (FLA stores them
-  as bf16 tensors; here float32 arrays holding bf16 values, so every stage boundary keeps
-  its dtype), and the final states and the gradient ``dh`` stay float32. Float64 inputs
-  still get ``"highest"``;
+  as bf16 tensors), and the final states and the gradient ``dh`` stay float32. The
+  intermediates FLA stores in bf16 (``STORED``: ``Aqk``, ``Akk``, ``w``, ``u``, ``kg``,
+  ``h``, ``v_new``) are stored as bf16 arrays, every sum behind them accumulated in
+  float32 (``storage``: the bytes a training step moves, about 11.4 GiB against FLA's
+  8 at the GPU benchmark's shape with them in float32). Float64 inputs still get
+  ``"highest"``;
 * ``"auto"`` (default): ``"bfloat16"`` / ``"float16"`` when q is bfloat16 / float16, else
   ``"highest"``. Whether ``"fast"`` can become the default for bf16 inputs on a GPU is to
   be decided there (benchmarks/NOTES.md): its CPU errors (``tests/test_precision.py``)
@@ -49,10 +52,17 @@ operands and runs bf16 tensor-core products; XLA:CPU ignores the algorithm and c
 float32) and records the operand dtype, which ``kdax.pallas``'s in-kernel ``dot`` reads to
 cast its operands explicitly (on every backend, interpret mode included). The tests
 emulate XLA:GPU's rounding on a CPU (``tests/_gpu_products.py``).
+
+Storage (``"fast"`` only): the stage runner casts the ``STORED`` fields of F2's, F3's,
+F4's and B0's outputs to ``storage(dtype)`` (a no-op for a stage that wrote them so: the
+Pallas kernels write bf16 themselves), and hands them in that dtype only to a stage that
+declares the capability ``"half_stored"`` (``kdax._runner.capabilities``); any other stage gets
+float32 copies (exact), so every stage, a user's too, runs unchanged.
 """
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 from typing import Optional
 
@@ -64,6 +74,11 @@ POLICIES = ("auto", "highest", "bfloat16", "float16", "fast")
 
 # The stages whose products may take half-precision operands (see the module docstring).
 FAST_STAGES = frozenset({"intra", "wy", "output", "dav", "wy_dqkg"})
+
+# The intermediates that "fast" stores in bf16, as FLA does (stage outputs and stage
+# arguments go by these names: F2's Aqk, Akk; F3's w, u, kg; F4's h, v_new). qg, G and
+# every gradient stay float32.
+STORED = frozenset({"Aqk", "Akk", "w", "u", "kg", "h", "v_new"})
 
 # The chunk recurrences, whose products take bf16 operands under "fast" only (B0's F4 runs
 # as "state": stages._recompute).
@@ -150,21 +165,50 @@ def operand_dtype() -> Optional[jnp.dtype]:
     return _CURRENT.get()[1]
 
 
+def storage(dtype, policy: Optional[str] = None):
+    """The dtype an intermediate of ``STORED`` computed in ``dtype`` is stored in under
+    ``policy`` (None: the policy of the stage being traced): bf16 for float32 under
+    ``"fast"`` (FLA's storage), else ``dtype``."""
+    policy = _CURRENT.get()[0] if policy is None else policy
+    dtype = jnp.dtype(dtype)
+    return jnp.dtype(jnp.bfloat16) if policy == "fast" and dtype == jnp.float32 else dtype
+
+
 def stored(x):
-    """``x`` as a recurrence stores ``h`` / ``v_new`` here: rounded to the operand dtype
-    under ``"fast"`` (FLA stores them in bf16), in ``x``'s own dtype; else ``x``."""
-    policy, operand = _CURRENT.get()
-    if policy != "fast" or operand is None or x.dtype != jnp.float32:
-        return x
-    return x.astype(operand).astype(x.dtype)
+    """``x`` (an intermediate of ``STORED``) in its storage dtype (``storage``)."""
+    return x.astype(storage(x.dtype))
+
+
+def store_outputs(out, policy: str):
+    """A stage output (a container, or a tuple of them: B0's) with its ``STORED`` fields
+    in their storage dtype under ``policy``: the one cast, applied by the stage runner
+    (no-op for a field already so, and for every field outside ``"fast"``)."""
+    if isinstance(out, tuple):
+        return tuple(store_outputs(x, policy) for x in out)
+    fix = {}
+    for n in sorted(STORED):
+        x = getattr(out, n, None)
+        if x is not None and storage(x.dtype, policy) != x.dtype:
+            fix[n] = x.astype(storage(x.dtype, policy))
+    return dataclasses.replace(out, **fix) if fix else out
+
+
+def widened(kwargs: dict) -> dict:
+    """``kwargs`` with any ``STORED`` argument held in a half dtype as a float32 copy
+    (exact): what a stage that does not declare ``"half_stored"`` is given."""
+    half = lambda x: getattr(x, "dtype", None) in (jnp.bfloat16, jnp.float16)
+    if not any(n in STORED and half(x) for n, x in kwargs.items()):
+        return kwargs
+    return {n: x.astype(jnp.float32) if n in STORED and half(x) else x for n, x in kwargs.items()}
 
 
 def recurrence_matmul(a, b):
-    """``a @ b`` for the reference recurrences (F4, B2): under ``"fast"`` float32 operands
-    rounded to bf16, products accumulated in float32 (what the GPU computes, emulated
-    exactly on any backend: a bf16 x bf16 product is exact in float32); else ``a @ b``."""
+    """``a @ b`` for the reference recurrences (F4, B2): under ``"fast"`` float32 (or
+    bf16-stored) operands rounded to bf16, products accumulated in float32 (what the GPU
+    computes, emulated exactly on any backend: a bf16 x bf16 product is exact in
+    float32); else ``a @ b``."""
     half = operand_dtype()
-    if half is not None and a.dtype == jnp.float32:
+    if half is not None and a.dtype in (jnp.float32, half):
         default = jax.lax.Precision.DEFAULT  # explicit: not the scope's algorithm
         return jnp.matmul(a.astype(half), b.astype(half), precision=default, preferred_element_type=jnp.float32)
     return a @ b

@@ -6,6 +6,7 @@ import functools
 from typing import NamedTuple
 
 from .._layouts.tokens import Tokens, as_chunked
+from .._numerics import precision as _precision
 
 
 class Capabilities(NamedTuple):
@@ -18,7 +19,10 @@ class Capabilities(NamedTuple):
     forward runs whole. ``tokens`` (F1, F3, B0, B1, B2, B3, B5): reads the call's inputs
     and ``do`` from the caller's layout itself, given ``kdax.typing.Tokens`` views in
     place of the chunked arrays (dense input whose T is a multiple of the chunk size);
-    without it the stage gets the chunked copies.
+    without it the stage gets the chunked copies. ``half_stored``: takes the
+    intermediates of ``kdax._numerics.precision.STORED`` (``Aqk``, ``Akk``, ``w``, ``u``, ``kg``,
+    ``h``, ``v_new``) in the dtype a policy stores them in (bf16 under ``"fast"``), as well
+    as in float32; without it the stage gets float32 copies (exact).
 
     What formula a stage computes is not a capability: forward stages declare ``math``,
     backward stages ``transposes`` (``kdax._runner.derived``)."""
@@ -27,12 +31,13 @@ class Capabilities(NamedTuple):
     reset: bool
     tile_safe: bool
     tokens: bool = False
+    half_stored: bool = False
 
 
 @functools.cache
 def capabilities(cls: type) -> Capabilities:
     """The declaration of stage class ``cls``: its ``accepts`` ClassVar, a set drawn from
-    ``"G_lo"``, ``"reset"``, ``"tile_safe"``, ``"tokens"`` (every family's abstract class
+    ``"G_lo"``, ``"reset"``, ``"tile_safe"``, ``"tokens"``, ``"half_stored"`` (every family's abstract class
     has one, empty). ``tile_safe`` may also be said as a ``tile_safe = True`` ClassVar;
     either spelling counts. Nothing is read from the stage's signature: a stage that takes
     ``reset=`` without declaring it is not passed one."""
@@ -53,9 +58,13 @@ def capabilities(cls: type) -> Capabilities:
 
 
 def negotiated(stage, kwargs: dict) -> dict:
-    """``kwargs`` for ``stage``: without ``G_lo`` for a stage that does not accept it, and
-    ``Tokens`` views as chunked copies for one that does not read them (``tokens``)."""
+    """``kwargs`` for ``stage``: without ``G_lo`` for a stage that does not accept it,
+    ``Tokens`` views as chunked copies for one that does not read them (``tokens``), and
+    half-precision stored intermediates as float32 copies for one that does not take them
+    (``half_stored``)."""
     caps = capabilities(type(stage))
+    if not caps.half_stored:
+        kwargs = _precision.widened(kwargs)
     if "G_lo" in kwargs and not caps.G_lo:
         kwargs = {n: x for n, x in kwargs.items() if n != "G_lo"}
     if not caps.tokens and any(isinstance(x, Tokens) for x in kwargs.values()):

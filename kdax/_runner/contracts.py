@@ -13,6 +13,7 @@ import equinox as eqx
 import jax
 
 from .._errors import StageContractError
+from .._numerics import precision as _precision
 from ..stages import (
     ReferenceDAv,
     ReferenceDhu,
@@ -110,35 +111,46 @@ def _sds(x, shape=None) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(x.shape) if shape is None else tuple(shape), x.dtype)
 
 
-def expected_output(name: str, kw: dict, config) -> Any:
-    """The container, shapes and dtypes stage ``name`` must return for arguments ``kw``."""
-    s = _sds
+def expected_output(name: str, kw: dict, config, policy: str = "highest") -> Any:
+    """The container, shapes and dtypes stage ``name`` must return for arguments ``kw``
+    under precision ``policy`` (the intermediates of ``kdax._numerics.precision.STORED`` in their
+    storage dtype, every gradient in its argument's dtype)."""
+    sds = _sds
+
+    def s(x, shape=None, stored=False):
+        out = sds(x, shape)
+        return jax.ShapeDtypeStruct(out.shape, _precision.storage(out.dtype, policy)) if stored else out
+
+    def grad_of(x, like):  # a gradient of stored x: the compute dtype (like's)
+        return sds(like, x.shape)
+
     if name == "gate":
         q = kw["q"]
         rstd = s(q, q.shape[:-1] + (1,)) if config.use_qk_l2norm_in_kernel else None
         return Activated(s(q), s(kw["k"]), s(kw["beta"]), s(kw["g"]), rstd, rstd, Maybe(s(kw["g"])))
     if name == "intra":
         q = kw["q"]
-        mat = s(q, q.shape[:-1] + (q.shape[-2],))
+        mat = s(q, q.shape[:-1] + (q.shape[-2],), stored=True)
         return IntraOut(mat, mat)
     if name == "wy":
-        return WYOut(s(kw["k"]), s(kw["v"]), s(kw["q"]), s(kw["k"]))
+        return WYOut(s(kw["k"], stored=True), s(kw["v"], stored=True), s(kw["q"]), s(kw["k"], stored=True))
     if name == "state":
-        w, u = kw["w"], kw["u"]
-        return StateOut(s(w, w.shape[:3] + (w.shape[-1], u.shape[-1])), s(u), s(kw["h0"]))
+        w, u, h0 = kw["w"], kw["u"], kw["h0"]
+        return StateOut(s(h0, w.shape[:3] + (w.shape[-1], u.shape[-1]), stored=True), s(h0, u.shape, stored=True),
+                        s(h0))
     if name == "output":
-        return s(kw["v_new"])
+        return s(kw["qg"], kw["v_new"].shape)  # (in the compute dtype: v_new may be stored bf16)
     if name == "recompute":
         q, v, h0 = kw["q"], kw["v"], kw["h0"]
-        return (WYOut(s(kw["k"]), s(v), s(q), s(kw["k"])),
-                StateOut(s(q, q.shape[:3] + (q.shape[-1], v.shape[-1])), s(v), s(h0)))
+        return (WYOut(s(kw["k"], stored=True), s(v, stored=True), s(q), s(kw["k"], stored=True)),
+                StateOut(s(q, q.shape[:3] + (q.shape[-1], v.shape[-1]), stored=True), s(v, stored=True), s(h0)))
     if name == "dav":
-        return (s(kw["Aqk"]), s(kw["do"]))
+        return (grad_of(kw["Aqk"], kw["do"]), s(kw["do"]))
     if name == "dhu":
         qg, do = kw["qg"], kw["do"]
         return DhuOut(s(qg, qg.shape[:3] + (qg.shape[-1], do.shape[-1])), s(kw["dht"]), s(kw["dv_intra"]))
     if name == "wy_dqkg":
-        return ChunkGrads(s(kw["q"]), s(kw["k"]), s(kw["v"]), s(kw["beta"]), s(kw["G"]), s(kw["Akk"]))
+        return ChunkGrads(s(kw["q"]), s(kw["k"]), s(kw["v"]), s(kw["beta"]), s(kw["G"]), grad_of(kw["Akk"], kw["q"]))
     if name == "intra_bwd":
         g = kw["grads"]
         return ChunkGrads(s(kw["q"]), s(kw["k"]), s(g.dv), s(kw["beta"]), s(kw["G"]), Maybe(s(kw["dAqk"])))

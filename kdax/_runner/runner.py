@@ -11,7 +11,9 @@ array gradients) goes through ``run_stage``:
 4. the stage runs under its named scope and the precision policy; on ``UnsupportedCase``
    with ``fallback`` the reference stage of the family runs instead (one
    ``FallbackWarning`` per field, implementation and reason);
-5. its output is checked (container, shapes, dtypes) before the next stage sees it;
+5. the intermediates it stores (``kdax._numerics.precision.STORED``) are cast to the policy's
+   storage dtype (bf16 under ``"fast"``), and its output is checked (container, shapes,
+   dtypes) before the next stage sees it;
 6. an active ``Recording`` (``recording()``: ``plan``, ``stage_inputs``) notes the
    arguments and which implementation ran.
 """
@@ -116,10 +118,16 @@ def run_stage(pipeline, name: str, **kwargs):
             if not any(r.quiet for r in recs):
                 _warn_once(name, type(stage).__qualname__, reason)
             out = ran(**negotiated(ran, full))
+        if name in _STORING:  # the policy's storage dtype, cast once here (kdax._numerics.precision)
+            out = _precision.store_outputs(out, policy)
     for rec in recs:
         rec.ran.setdefault(name, (stage, ran, reason))
-    check_output(name, ran, out, expected_output(name, kwargs, kwargs.get("config")))
+    check_output(name, ran, out, expected_output(name, kwargs, kwargs.get("config"), policy))
     return out
+
+
+# The stages whose outputs hold intermediates of kdax._numerics.precision.STORED.
+_STORING = frozenset({"intra", "wy", "state", "recompute"})
 
 
 class PipelineWY(AbstractWY):
@@ -128,8 +136,9 @@ class PipelineWY(AbstractWY):
     written before ``G_lo``), so that B0 still recomputes exactly the forward's F3."""
 
     tile_safe: ClassVar[bool] = True
-    # (views go on to run_stage, which hands the pipeline's F3 a copy if it reads none)
-    accepts: ClassVar[frozenset] = frozenset({"G_lo", "reset", "tile_safe", "tokens"})
+    # (views and stored arrays go on to run_stage, which hands the pipeline's F3 copies
+    # if it reads neither)
+    accepts: ClassVar[frozenset] = frozenset({"G_lo", "reset", "tile_safe", "tokens", "half_stored"})
     pipeline: eqx.Module
     G_lo: Optional[ChunkK] = None
 
@@ -143,7 +152,7 @@ class PipelineState(AbstractState):
     """F4 as ``pipeline`` runs it (``run_stage``): what B0 recomputes with."""
 
     tile_safe: ClassVar[bool] = True
-    accepts: ClassVar[frozenset] = frozenset({"reset", "tile_safe"})
+    accepts: ClassVar[frozenset] = frozenset({"reset", "tile_safe", "half_stored"})
     pipeline: eqx.Module
 
     def __call__(self, w, u, kg, G, h0, layout, reset=None):

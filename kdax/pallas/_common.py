@@ -311,14 +311,22 @@ def manual_inputs(inputs):
     return inputs, (mat if mat is not None and mat.varying else None)
 
 
+def out_dtypes(dtype, n: int) -> list:
+    """One dtype per output: ``dtype`` itself when it is a list or tuple of them, else
+    ``n`` times ``dtype``."""
+    return list(dtype) if isinstance(dtype, (list, tuple)) else [dtype] * n
+
+
 def chunk_call(kernel, inputs, specs, out_blocks, P: int, NC: int, dtype, target: str, interpret: bool):
-    """Run ``kernel`` over the grid (P, NC); every output is ``[P, NC, *block]``. The call
-    is named after the kernel (profiles, the shared-memory test)."""
+    """Run ``kernel`` over the grid (P, NC); every output is ``[P, NC, *block]``, of
+    ``dtype`` (or one dtype per output: a list). The call is named after the kernel
+    (profiles, the shared-memory test)."""
     inputs, mat = manual_inputs(inputs)
+    dtypes = out_dtypes(dtype, len(out_blocks))
     return pl.pallas_call(
         kernel,
         name=kernel_name(kernel),
-        out_shape=[jax.ShapeDtypeStruct((P, NC) + tuple(b), dtype, manual_axis_type=mat) for b in out_blocks],
+        out_shape=[jax.ShapeDtypeStruct((P, NC) + tuple(b), d, manual_axis_type=mat) for b, d in zip(out_blocks, dtypes)],
         grid=(P, NC),
         in_specs=specs,
         out_specs=[chunk_spec(b) for b in out_blocks],
@@ -333,6 +341,8 @@ def dot(a, b, ta: bool = False, tb: bool = False):
     half-precision policy (``kdax._numerics.precision``) float32 operands are rounded to the
     policy's dtype first (tensor cores, float32 accumulation)."""
     dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
+    if a.dtype != b.dtype:  # (a bf16-stored operand, kdax._numerics.precision.STORED: widened, exact)
+        a, b = (x.astype(jnp.result_type(a.dtype, b.dtype)) for x in (a, b))
     half = _precision.operand_dtype()
     if half is not None and (a.dtype == jnp.float32 or a.dtype == half):  # (half: read so, exact)
         default = jax.lax.Precision.DEFAULT  # explicit: not the scope's algorithm
@@ -343,6 +353,12 @@ def dot(a, b, ta: bool = False, tb: bool = False):
         return jax.lax.dot_general(a, b, dims, precision=jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
                                    preferred_element_type=jnp.float32)
     return jax.lax.dot_general(a, b, dims, precision=jax.lax.Precision.HIGHEST, preferred_element_type=a.dtype)
+
+
+def put(ref, idx, x):
+    """``ref[idx] = x`` in the ref's dtype: a stored intermediate's (bf16 under the
+    ``"fast"`` policy, ``kdax._numerics.precision.storage``) rounded once, as it is written."""
+    ref[idx] = x.astype(ref.dtype)
 
 
 def lower_dot(A, X):

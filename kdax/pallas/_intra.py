@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from .._layouts.resets import per_head, segments
+from .._numerics import precision as _precision
 from .._runner.final import final
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkValid, typecheck
 from ..stages import KDA, AbstractIntra, AbstractIntraBackward, ChunkGrads, IntraOut
@@ -42,7 +43,7 @@ from ._common import (
     PallasFeatureBlocks, chunk_spec, col_of, decay, dot, flat, idiv, iota, loop,
     ref_or_none, row_of, row_or_none, tuned, unflat,
 )
-from ._common import column_blocks, compiler_params, kernel_name, manual_inputs
+from ._common import column_blocks, compiler_params, kernel_name, manual_inputs, put
 from ._intra_levels import aqk_and_l, f2_refs, intra_bwd_levels_kernel, intra_levels_kernel
 
 
@@ -227,7 +228,8 @@ class PallasIntra(AbstractIntra, PallasFeatureBlocks):
             kernel = intra_levels_kernel(scale, C, blocks, G_lo is not None, reset is not None)
         else:
             kernel = intra_chunk_kernel(scale, C, self.block, blocks, G_lo is not None, reset is not None)
-        Aqk, Akk = self.call(kernel, ins, specs, [(C, C), (C, C)], R * HV, NC, q.dtype)
+        stored = _precision.storage(q.dtype)  # (bf16 under "fast")
+        Aqk, Akk = self.call(kernel, ins, specs, [(C, C), (C, C)], R * HV, NC, stored)
         return IntraOut(unflat(Aqk, R, HV), unflat(Akk, R, HV))
 
 
@@ -244,7 +246,7 @@ def intra_chunk_kernel(scale: float, C: int, block: int, blocks, has_lo: bool, h
             Sqk, Skk = scores_body(q_ref[kc], k_ref[kc], g_ref[kc], block, ref_or_none(lo_ref, kc))
             return S[0] + Sqk, S[1] + Skk
 
-        akk_ref[...] = unit_lower_inverse_body(aqk_and_l(blocks, feature_block, C, scale, seg, aqk_ref, b_ref))
+        put(akk_ref, ..., unit_lower_inverse_body(aqk_and_l(blocks, feature_block, C, scale, seg, aqk_ref, b_ref)))
 
     kernel.__qualname__ = "PallasIntra.kernel"  # its name in profiles
     return kernel

@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 from .._numerics import precision as _precision
 from .._numerics.hilo import exponent
 from .._numerics.isolation import finite_or_zero
-from ._common import _TUNING, blockwise, decay, dot, iota, loop, nonfinite_rows, ref_or_none
+from ._common import _TUNING, blockwise, decay, dot, iota, loop, nonfinite_rows, put, ref_or_none
 
 
 def f2_refs(refs, has_lo: bool, has_reset: bool):
@@ -33,14 +33,14 @@ def aqk_and_l(blocks, feature_block, C: int, scale: float, seg, aqk_ref, b_ref):
     (``feature_block(k0, bk, (Sqk, Skk))``), ``Aqk`` written (lower triangle with the
     diagonal; with ``seg`` pairs across sequences exact zeros) and ``L`` returned (strictly
     lower, times beta, the same zeros)."""
-    zeros = jnp.zeros((C, C), aqk_ref.dtype)
+    zeros = jnp.zeros((C, C), b_ref.dtype)  # (the compute dtype: Aqk may be stored bf16)
     Sqk, Skk = blockwise(blocks, feature_block, (zeros, zeros))
     row, col = iota((C, C), 0), iota((C, C), 1)
     lower, strict = col <= row, col < row
     if seg is not None:
         same = seg[0][...] == seg[1][...]
         lower, strict = lower & same, strict & same
-    aqk_ref[...] = scale * jnp.where(lower, Sqk, 0.0)
+    put(aqk_ref, ..., scale * jnp.where(lower, Sqk, 0.0))
     return jnp.where(strict, b_ref[...] * Skk, 0.0)
 
 
@@ -124,7 +124,7 @@ def intra_levels_kernel(scale: float, C: int, blocks, has_lo: bool, has_reset: b
         seen = jax.lax.cumsum(nonfinite_rows(L), axis=0)  # > 0 from the first non-finite row on
         with _precision.float32_products():
             A = doubling_unit_lower_inverse(jnp.where(jnp.abs(L) < jnp.inf, L, 0.0))
-        akk_ref[...] = jnp.where(seen > 0, jnp.nan, A)
+        put(akk_ref, ..., jnp.where(seen > 0, jnp.nan, A))
 
     kernel.__qualname__ = "PallasIntra.kernel"  # its name in profiles
     return kernel

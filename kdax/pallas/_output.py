@@ -19,7 +19,7 @@ class PallasOutput(AbstractOutput, PallasTarget):
     math: ClassVar[Optional[str]] = KDA
 
     tile_safe: ClassVar[bool] = True
-    accepts: ClassVar[frozenset] = frozenset({"tile_safe"})
+    accepts: ClassVar[frozenset] = frozenset({"tile_safe", "half_stored"})
 
     @tuned
     @typecheck
@@ -56,7 +56,7 @@ class PallasDAv(AbstractDAv, PallasTarget):
 
     transposes: ClassVar[Mapping[str, str]] = MappingProxyType({"output": KDA})
 
-    accepts: ClassVar[frozenset] = frozenset({"tokens"})
+    accepts: ClassVar[frozenset] = frozenset({"tokens", "half_stored"})
 
     @tuned
     @typecheck
@@ -80,5 +80,5 @@ class PallasDAv(AbstractDAv, PallasTarget):
 
         dA, dv = self.call(
             kernel, (vf, flat(Aqk), df), [chunk_spec((C, Vp)), chunk_spec((C, C)), do_spec],
-            [(C, C), (C, Vp)], R * HV, NC, v_new.dtype)
+            [(C, C), (C, Vp)], R * HV, NC, do.dtype)  # (gradients: do's dtype, v_new may be stored bf16)
         return unflat(dA, R, HV), unflat(dv[..., :V], R, HV)

@@ -19,7 +19,7 @@ class PallasRecompute(AbstractRecompute, PallasTarget):
     and ``PallasState`` of this target (dense layout; varlen raises ``UnsupportedCase``
     from the state kernel). Passes a ``Tokens`` view of ``v`` on to F3 (``tokens``)."""
 
-    accepts: ClassVar[frozenset] = frozenset({"tokens"})
+    accepts: ClassVar[frozenset] = frozenset({"tokens", "half_stored"})
 
     @tuned
     @typecheck

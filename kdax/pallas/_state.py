@@ -70,12 +70,14 @@ class PallasState(AbstractState, PallasValueBlocks):
     instead of reading half-precision copies that XLA makes before it. The same numbers;
     no converted copy (at the GPU benchmark's shape 128 MiB less HBM traffic per operand),
     but 48-64 B of spills a thread on sm_90 at 8 warps (``benchmarks/NOTES.md``, session
-    15): which is faster is for a GPU to tell."""
+    15): which is faster is for a GPU to tell. In a pipeline under ``"fast"`` w, u and kg
+    arrive stored in bf16 (``kdax._numerics.precision.storage``; ``half_stored``), leaving F4
+    nothing to round; h and v_new are written in bf16 by the kernel."""
 
     math: ClassVar[Optional[str]] = KDA
 
     tile_safe: ClassVar[bool] = True
-    accepts: ClassVar[frozenset] = frozenset({"reset", "tile_safe"})
+    accepts: ClassVar[frozenset] = frozenset({"reset", "tile_safe", "half_stored"})
     block_k: Optional[int] = eqx.field(static=True, default=None)
     round_in_kernel: bool = eqx.field(static=True, default=False)
 
@@ -106,7 +108,9 @@ class PallasState(AbstractState, PallasValueBlocks):
         gam = _gamma_col(G, t, reset)
         h0f = feature_pad(t, h0.reshape(N * HV, K, V), axes=(-2, -1))
         P, Kp, Vp = R * HV, wf.shape[-1], uf.shape[-1]
-        shapes = dict(NC=NC, C=C, Kp=Kp, Vp=Vp, dtype=u.dtype, interpret=self.run_interpreted)
+        # h and v_new as stored (bf16 under "fast"), the final states in h0's dtype
+        st = _precision.storage(h0.dtype)
+        shapes = dict(NC=NC, C=C, Kp=Kp, Vp=Vp, dtype=[st, st, h0.dtype], interpret=self.run_interpreted)
         if t == "tpu":
             h, v_new, final = tpu.state_forward(wf, uf, kgf, gam, h0f, P=P, **shapes)
         else:
@@ -126,7 +130,7 @@ class PallasDhu(AbstractDhu, PallasValueBlocks):
 
     transposes: ClassVar[Mapping[str, str]] = MappingProxyType({"state": KDA, "output": KDA})
 
-    accepts: ClassVar[frozenset] = frozenset({"reset", "tokens"})
+    accepts: ClassVar[frozenset] = frozenset({"reset", "tokens", "half_stored"})
 
     block_k: Optional[int] = eqx.field(static=True, default=None)
     round_in_kernel: bool = eqx.field(static=True, default=False)

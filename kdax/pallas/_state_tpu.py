@@ -6,8 +6,7 @@ import jax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .._numerics import precision as _precision
-from ._common import chunk_spec, compiler_params, manual_inputs
+from ._common import chunk_spec, compiler_params, manual_inputs, out_dtypes, put
 from ._state_steps import dhu_step, state_step
 
 
@@ -22,12 +21,13 @@ def _run(kernel, ins, in_blocks, out_blocks, P, NC, dtype, state_shape, interpre
         return chunk_spec(block)
 
     ins, mat = manual_inputs(ins)
-    out_shape = [jax.ShapeDtypeStruct((P,) + ((NC,) if k == "c" else ()) + b, dtype, manual_axis_type=mat)
-                 for k, b in out_blocks]
+    dtypes = out_dtypes(dtype, len(out_blocks))
+    out_shape = [jax.ShapeDtypeStruct((P,) + ((NC,) if k == "c" else ()) + b, d, manual_axis_type=mat)
+                 for (k, b), d in zip(out_blocks, dtypes)]
     return pl.pallas_call(
         kernel, out_shape=out_shape, grid=(P, NC), name=f"kdax_{stage}_kernel",
         in_specs=[spec(k, b) for k, b in in_blocks], out_specs=[spec(k, b) for k, b in out_blocks],
-        scratch_shapes=[pltpu.VMEM(state_shape, dtype)], interpret=interpret,
+        scratch_shapes=[pltpu.VMEM(state_shape, dtypes[-1])], interpret=interpret,  # (the state's dtype)
         compiler_params=None if interpret else compiler_params("tpu", True, 2),
     )(*ins)
 
@@ -43,9 +43,9 @@ def state_forward(wf, uf, kgf, gam, h0f, *, P, NC, C, Kp, Vp, dtype, interpret):
             scr[...] = h0_ref[...]
 
         h = scr[...]
-        h_ref[...] = _precision.stored(h)
+        put(h_ref, ..., h)  # (in the stored dtype: bf16 under "fast")
         v_new, h_next = state_step(w_ref[...], u_ref[...], kg_ref[...], g_ref[...], h)
-        vn_ref[...] = _precision.stored(v_new)
+        put(vn_ref, ..., v_new)
         scr[...] = h_next
 
         @pl.when(c == NC - 1)

@@ -8,8 +8,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from .._layouts.tokens import Tokens
-from .._numerics import precision as _precision
-from ._common import compiler_params, idiv, loop, manual_inputs
+from ._common import compiler_params, idiv, loop, manual_inputs, out_dtypes, put
 from ._state_steps import dhu_step_tiled, k_tiles, state_step_tiled
 
 
@@ -20,7 +19,8 @@ def _run(kernel, ins, out_shapes, P, NV, dtype, interpret, stage):
     work for a GPU at small batch)."""
     ins, mat = manual_inputs(ins)
     return pl.pallas_call(
-        kernel, out_shape=[jax.ShapeDtypeStruct(s, dtype, manual_axis_type=mat) for s in out_shapes], grid=(P, NV),
+        kernel, grid=(P, NV),
+        out_shape=[jax.ShapeDtypeStruct(s, d, manual_axis_type=mat) for s, d in zip(out_shapes, out_dtypes(dtype, 3))],
         name=f"kdax_{stage}_kernel",
         interpret=interpret, compiler_params=None if interpret else compiler_params("triton", False, 1),
     )(*ins)
@@ -52,13 +52,13 @@ def state_forward(wf, uf, kgf, gam, h0f, layout, *, R, HV, NC, C, Kp, Vp, N, blo
                 hs = tuple(jnp.where(f >= 0, h0_ref[jnp.maximum(f, 0) * HV + hv, pl.ds(k0, bk), cols], h)
                            for (k0, bk), h in zip(tiles, hs))
             for (k0, bk), h in zip(tiles, hs):
-                # Stored as FLA stores them (bf16 values under "fast": kdax._numerics.precision).
-                h_ref[p, pl.ds(c * Kp + k0, bk), cols] = _precision.stored(h)
+                # Stored as FLA stores them (bf16 under "fast": kdax._numerics.precision.storage).
+                put(h_ref, (p, pl.ds(c * Kp + k0, bk), cols), h)
             v_new, hs_next = state_step_tiled(
                 [w_ref[p, rows, pl.ds(k0, bk)] for k0, bk in tiles], u_ref[p, rows, cols],
                 [kg_ref[p, rows, pl.ds(k0, bk)] for k0, bk in tiles],
                 [g_ref[p, pl.ds(c * Kp + k0, bk), :] for k0, bk in tiles], hs)
-            vn_ref[p, rows, cols] = _precision.stored(v_new)
+            put(vn_ref, (p, rows, cols), v_new)
             if not dense:
                 l = last_ref[r, c]
 

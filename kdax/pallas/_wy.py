@@ -13,8 +13,9 @@ from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, typeche
 from ..stages import KDA, AbstractWY, AbstractWYDqkg, ChunkGrads, WYOut
 from ._common import (
     PallasFeatureBlocks, PallasValueBlocks, blockwise, chunk_spec, column_blocks, decay, dot, flat, iota, loaded,
-    lower_dot, pow2, ref_or_none, row_of, row_or_none, token_operand, tuned, unflat,
+    lower_dot, pow2, put, ref_or_none, row_of, row_or_none, token_operand, tuned, unflat,
 )
+from .._numerics import precision as _precision
 
 
 def _values(stage, x, C: int):
@@ -42,14 +43,14 @@ def wy_kernel(k_blocks, v_blocks, has_lo: bool, load_v=None):
             G, k = g_r[kc], k_r[kc]
             lo = ref_or_none(lo_r, kc)
             eG = jnp.exp(G)
-            w_o[kc] = lower_dot(a_r[...], beta * k * eG)
+            put(w_o, kc, lower_dot(a_r[...], beta * k * eG))  # (put: in the stored dtype)
             qg_o[kc] = q_r[kc] * eG
-            kg_o[kc] = k * decay(None, row_of(G, C - 1), G, row_or_none(lo, C - 1), lo)
+            put(kg_o, kc, k * decay(None, row_of(G, C - 1), G, row_or_none(lo, C - 1), lo))
             return carry
 
         def value_block(j0, bv, carry):
             vc = (slice(None), pl.ds(j0, bv))
-            u_o[vc] = lower_dot(a_r[...], beta * v_r[vc])
+            put(u_o, vc, lower_dot(a_r[...], beta * v_r[vc]))
             return carry
 
         blockwise(v_blocks, value_block, blockwise(k_blocks, feature_block, jnp.int32(0)))
@@ -139,7 +140,7 @@ class PallasWY(AbstractWY, PallasFeatureBlocks):
     math: ClassVar[Optional[str]] = KDA
 
     tile_safe: ClassVar[bool] = True
-    accepts: ClassVar[frozenset] = frozenset({"G_lo", "tile_safe", "tokens"})
+    accepts: ClassVar[frozenset] = frozenset({"G_lo", "tile_safe", "tokens", "half_stored"})
 
     block_k: int = eqx.field(static=True, default=32)
 
@@ -168,7 +169,9 @@ class PallasWY(AbstractWY, PallasFeatureBlocks):
             ins, specs = ins + (fp(G_lo),), specs + [sk]
 
         kernel = wy_kernel(self.feature_blocks(Kp), self.feature_blocks(Vp), G_lo is not None, load_v)
-        w, u, qg, kg = self.call(kernel, ins, specs, [(C, Kp), (C, Vp), (C, Kp), (C, Kp)], R * HV, NC, q.dtype)
+        st = _precision.storage(q.dtype)  # w, u, kg as stored (bf16 under "fast"); qg in q's dtype
+        w, u, qg, kg = self.call(kernel, ins, specs, [(C, Kp), (C, Vp), (C, Kp), (C, Kp)], R * HV, NC,
+                                 [st, st, q.dtype, st])
         cut = lambda x, n: unflat(x[..., :n], R, HV)
         return WYOut(cut(w, K), cut(u, V), cut(qg, K), cut(kg, K))
 
@@ -184,7 +187,7 @@ class PallasWYDqkg(AbstractWYDqkg, PallasValueBlocks, PallasFeatureBlocks):
 
     transposes: ClassVar[Mapping[str, str]] = MappingProxyType({"wy": KDA, "state": KDA, "output": KDA})
 
-    accepts: ClassVar[frozenset] = frozenset({"G_lo", "tokens"})
+    accepts: ClassVar[frozenset] = frozenset({"G_lo", "tokens", "half_stored"})
 
     block_v: int = eqx.field(static=True, default=32)
     block_k: int = eqx.field(static=True, default=32)

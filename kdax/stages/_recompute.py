@@ -73,11 +73,15 @@ def _with_reset(stage, kwargs: dict, reset) -> dict:
 
 
 def recompute_with(wy: AbstractWY, state: AbstractState, q, k, v, beta, G, Akk, h0, layout, G_lo=None, reset=None):
-    # F3 and F4 under their own stages' precision policy (kdax._numerics.precision).
-    with _precision.stage_scope(_precision.current_policy(), "wy"):
+    # F3 and F4 under their own stages' precision policy (kdax._numerics.precision), their outputs
+    # stored as the forward's are (the stage runner's cast), so B0 rebuilds them exactly.
+    policy = _precision.current_policy()
+    with _precision.stage_scope(policy, "wy"):
         out = wy(**_with_reset(wy, negotiated(wy, dict(q=q, k=k, v=v, beta=beta, G=G, Akk=Akk, G_lo=G_lo)), reset))
-    with _precision.stage_scope(_precision.current_policy(), "state"):
-        return out, state(**_with_reset(state, dict(w=out.w, u=out.u, kg=out.kg, G=G, h0=h0, layout=layout), reset))
+        out = _precision.store_outputs(out, policy)
+    with _precision.stage_scope(policy, "state"):
+        kw = negotiated(state, dict(w=out.w, u=out.u, kg=out.kg, G=G, h0=h0, layout=layout))
+        return out, _precision.store_outputs(state(**_with_reset(state, kw, reset)), policy)
 
 
 @final

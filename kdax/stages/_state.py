@@ -154,7 +154,7 @@ class ReferenceState(AbstractState):
             deps = (w, u, kg, G, h0)
             init = vary_like((h, zeros_after((R, HV, NC, K, V), h0.dtype, deps), zeros_after(u.shape, u.dtype, deps, 1)), deps)
             h, hs, v_news = jax.lax.fori_loop(0, NC, step, init, unroll=max(1, min(loop_unroll(self.loop_unroll), NC)))
-        # Stored as FLA stores them (bf16 values under "fast"; kdax._numerics.precision.stored). The
+        # Stored as FLA stores them (bf16 under "fast"; kdax._numerics.precision.stored). The
         # products above rounded the same values, so only the copies change.
         if layout.dense:  # row r is sequence r, which ends at the last chunk
             return StateOut(_precision.stored(hs), _precision.stored(v_news), h)

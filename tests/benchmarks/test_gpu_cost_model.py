@@ -26,10 +26,10 @@ def text():
     return m.main(["--pipes", m.CANDIDATE, "--shape", SMALL])
 
 
-def _rows(text: str, title: str) -> list:
-    """The kernel rows of the table whose title starts with ``title``."""
+def _rows(text: str, title: str, has: str = "") -> list:
+    """The kernel rows of the table whose title starts with ``title`` (and holds ``has``)."""
     lines = text.splitlines()
-    i = next(i for i, line in enumerate(lines) if line.startswith(title))
+    i = next(i for i, line in enumerate(lines) if line.startswith(title) and has in line)
     out = []
     for line in lines[i + 2:]:
         if line.startswith("sum "):
@@ -39,13 +39,19 @@ def _rows(text: str, title: str) -> list:
 
 
 def test_final_lines_parse(text):
-    *_, cal, step = text.splitlines()
+    """The calibration's worst factor, the bytes a step moves with the intermediates
+    float32 (as profiled) and stored bf16 (the checkout, ``"fast"``: fewer), the step."""
+    *_, cal, moved, step = text.splitlines()
     m = re.fullmatch(r"calibration: worst factor ([\d.]+) over (\d+) kernels", cal)
     assert m, cal
     assert math.isfinite(float(m.group(1))) and float(m.group(1)) >= 1.0 and int(m.group(2)) >= 1
-    m = re.fullmatch(r"candidate step: predicted ([\d.]+) ms; FLA measured ([\d.]+) ms \(H200\)", step)
+    m = re.match(r"bytes a step moves .*: ([\d.]+) GiB with float32 intermediates .*, ([\d.]+) GiB with bf16 ", moved)
+    assert m, moved
+    assert 0 < float(m.group(2)) < float(m.group(1)), moved
+    m = re.fullmatch(r"candidate step: predicted ([\d.]+) ms with float32 intermediates, ([\d.]+) ms with bf16 "
+                     r"storage; FLA measured ([\d.]+) ms \(H200\)", step)
     assert m, step
-    assert float(m.group(1)) > 0 and float(m.group(2)) > 0
+    assert all(float(x) > 0 for x in m.groups())
 
 
 def test_calibration_rows(text):
@@ -64,8 +70,21 @@ def test_calibration_rows(text):
 
 def test_small_shape_rows(text):
     """Every kernel of the step at the small shape: bytes, instructions, a time."""
-    rows = _rows(text, "Prediction:")
+    rows = _rows(text, "Prediction:", "T=256 H=2")
     assert len(rows) >= 10, rows
     for r in rows:
         read, written, instr, pred = float(r[8]), float(r[9]), float(r[11]), float(r[17])
         assert read + written > 0 and instr > 0 and pred > 0 and int(r[6]) >= 1, r  # r[6]: CTAs per SM
+
+
+def test_bf16_storage_rows(text):
+    """The checkout's candidate at the goal shape beside the calibration (float32
+    intermediates, as profiled): the same kernels, and the kernels that write or read the
+    intermediates stored bf16 under "fast" move fewer bytes (F2, F3, F4, F5, B1, B3)."""
+    cal = {r[0]: r for r in _rows(text, "Calibration:")}
+    now = {r[0]: r for r in _rows(text, "Prediction:", "as the checkout builds it")}
+    assert set(cal) == set(now)
+    moved = lambda r: float(r[8]) + float(r[9])  # noqa: E731
+    for name in ("Intra", "WY", "State", "Output", "DAv", "WYDqkg"):
+        k = f"kdax_Pallas{name}_kernel"
+        assert moved(now[k]) < moved(cal[k]), (k, cal[k], now[k])

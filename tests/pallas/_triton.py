@@ -157,7 +157,9 @@ def state_kernels(policy: str, tuning: dict, layout: str, tokens: bool = False) 
     K = V = 128, chunk 64, traced under precision ``policy`` with Triton ``tuning``
     (``PallasState`` / ``PallasDhu`` fields, ``round_in_kernel`` too), on the ``"dense"``
     layout or a ``"packed"`` varlen one (per-chunk resets). ``tokens`` (dense): B2 reads
-    ``do`` as a ``kdax._layouts.tokens.Tokens`` view of a bf16 ``[B, T, HV, V]`` array."""
+    ``do`` as a ``kdax._layouts.tokens.Tokens`` view of a bf16 ``[B, T, HV, V]`` array. The
+    stored intermediates (w, u, kg) in the policy's storage dtype, as the pipeline passes
+    them (bf16 under ``"fast"``: ``kdax._numerics.precision.storage``)."""
     import jax
     import jax.numpy as jnp
 
@@ -182,10 +184,11 @@ def state_kernels(policy: str, tuning: dict, layout: str, tokens: bool = False) 
 
     seq = jax.ShapeDtypeStruct((lay.empty.shape[0], HV, K, K), jnp.float32)
     ck = jax.ShapeDtypeStruct((R, HV, lay.num_chunks, C, K), jnp.float32)
+    st = jax.ShapeDtypeStruct(ck.shape, _precision.storage(jnp.float32, policy))
     do = jax.ShapeDtypeStruct((R, T, HV, K), jnp.bfloat16) if tokens else ck
     with captured() as mods:
-        jax.jit(f4).trace(ck, ck, ck, ck, seq).lower(lowering_platforms=("cuda",))
-        jax.jit(b2).trace(ck, ck, ck, ck, do, ck, seq).lower(lowering_platforms=("cuda",))
+        jax.jit(f4).trace(st, st, st, ck, seq).lower(lowering_platforms=("cuda",))
+        jax.jit(b2).trace(ck, st, st, ck, do, ck, seq).lower(lowering_platforms=("cuda",))
     assert len(mods) == 2, list(mods)
     return mods
 
@@ -242,7 +245,9 @@ def chunk_kernels(policy: str, tuning: dict, tokens: bool = False, only: tuple =
     run them), each traced under precision ``policy`` (its stage's products) with Triton
     ``tuning`` (``PallasTarget`` fields). ``tokens``: F3 and B3 read ``v`` (cleaned as
     ``chunk_kda`` cleans it) and B3 ``do`` as ``kdax._layouts.tokens.Tokens`` views of bf16
-    ``[B, T, HV, V]`` arrays. ``only``: these stages' kernels."""
+    ``[B, T, HV, V]`` arrays. ``only``: these stages' kernels. The stored
+    intermediates (Akk, kg, h, v_new) in the policy's storage dtype, as the pipeline
+    passes them (bf16 under ``"fast"``: ``kdax._numerics.precision.storage``)."""
     import jax
     import jax.numpy as jnp
 
@@ -255,6 +260,8 @@ def chunk_kernels(policy: str, tuning: dict, tokens: bool = False, only: tuple =
     s = jax.ShapeDtypeStruct
     ck, cs = s((R, HV, NC, C, K), jnp.float32), s((R, HV, NC, C), jnp.float32)
     cm, ch = s((R, HV, NC, C, C), jnp.float32), s((R, HV, NC, K, K), jnp.float32)
+    stored = lambda x: s(x.shape, _precision.storage(x.dtype, policy))
+    sk, sm, sh = stored(ck), stored(cm), stored(ch)
     kw = dict(target="triton", interpret=False, **tuning)
     tv = s((R, NC * C, HV, K), jnp.bfloat16) if tokens else ck
     view = (lambda d, kind=None: Tokens(d, HV, C, jnp.dtype(jnp.float32), kind)) if tokens else (lambda d, kind=None: d)
@@ -268,9 +275,9 @@ def chunk_kernels(policy: str, tuning: dict, tokens: bool = False, only: tuple =
     calls = [
         (scoped("intra", lambda q, k, b, G, lo: PallasIntra(**kw)(0.1, q, k, b, G, lo)), (ck, ck, cs, ck, ck)),
         (scoped("wy", lambda q, k, v, b, G, A, lo: PallasWY(**kw)(q, k, view(v, "any"), b, G, A, lo)),
-         (ck, ck, tv, cs, ck, cm, ck)),
+         (ck, ck, tv, cs, ck, sm, ck)),
         (scoped("wy_dqkg", lambda *a: PallasWYDqkg(**kw)(0.1, *a[:2], view(a[2], "any"), *a[3:11], view(a[11]), *a[12:])),
-         (ck, ck, tv, cs, ck, cm, ck, ck, ch, ch, ck, tv, ck, ck)),
+         (ck, ck, tv, cs, ck, sm, ck, sk, sh, ch, sk, tv, ck, ck)),
         (scoped("intra_bwd", lambda q, k, b, G, dA, dL, dq, dk, db, dG, lo: PallasIntraBackward(**kw)(
             0.1, q, k, b, G, dA, ChunkGrads(dq, dk, None, db, dG, dL), lo)), (ck, ck, cs, ck, cm, cm, ck, ck, cs, ck, ck)),
     ]

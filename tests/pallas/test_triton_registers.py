@@ -58,7 +58,8 @@ def test_gate_kernels_fit_in_registers(num_warps, tokens):
                for r in used.values()), used
 
 
-def test_chunk_kernels_fit_in_registers():
+@pytest.mark.parametrize("policy", ["bfloat16", "fast"])
+def test_chunk_kernels_fit_in_registers(policy):
     """F2, F3, B3 and B4 at K = V = 128, chunk 64, with G's low part, at the all-Triton
     candidate's tuning (eight warps, float32 products as TF32x3, two stages), under the
     bf16 inputs' default policy: no thread-local memory; F3 and B3 take bf16 ``wgmma``
@@ -72,9 +73,10 @@ def test_chunk_kernels_fit_in_registers():
     thread: not asserted. B4 as tile products (``intra_bwd_levels_kernel``): 234
     registers with 32 feature columns a program (``B4_MAX_BLOCK``); at 64 columns 64 B of
     spills; with all four products in one loop over the levels 72 to 312 B; with Triton's
-    own (chained) TF32x3 products 1.2 KiB."""
+    own (chained) TF32x3 products 1.2 KiB. Under "fast" (the candidate's policy) F2 and F3
+    write and F3 and B3 read Aqk, Akk, w, u, kg, h, v_new as bf16 (kdax._numerics.precision)."""
     t = dict(num_warps=8, num_stages=2, f32_dot="tf32x3")
-    used = {src.split(" ")[0]: resources(text, 8, 2) for src, text in chunk_kernels("bfloat16", t).items()}
+    used = {src.split(" ")[0]: resources(text, 8, 2) for src, text in chunk_kernels(policy, t).items()}
     assert len(used) == 4, used
     for name, r in used.items():
         assert r.local == 0 and r.registers <= HOPPER_REGISTERS and 0 < r.shared <= HOPPER_SHARED_BYTES, used
