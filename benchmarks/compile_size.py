@@ -99,13 +99,14 @@ def measure(repeat: int, B=1, T=2048, H=4, K=64):
     return rows
 
 
-def write_row(rows, note: str):
-    """Append one line to ``RESULTS`` (header first if new)."""
+def write_row(rows, note: str, tree: str):
+    """Append one line to ``RESULTS`` (header first if new); the commit column is this
+    checkout's HEAD, or "--tree" for another tree (say which in the note)."""
     c, f = rows["chunk_kda"], rows["fused_recurrent_kda"]
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+    commit = "--tree" if Path(tree).resolve() != ROOT else subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip() or "?"
-    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "kdax"], capture_output=True,
-                           text=True).stdout.strip()
+    dirty = commit != "--tree" and subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "kdax"],
+                                                  capture_output=True, text=True).stdout.strip()
     load = open("/proc/loadavg").read().split()[0] if Path("/proc/loadavg").exists() else "?"
     if not RESULTS.exists():
         RESULTS.write_text(
@@ -133,7 +134,7 @@ def main():
     sys.path.insert(0, args.tree)
     rows = measure(args.repeat)
     if args.write:
-        write_row(rows, args.note)
+        write_row(rows, args.note, args.tree)
 
 
 if __name__ == "__main__":
