@@ -3,25 +3,29 @@ how long each takes to trace, lower and compile (float32, B=1 T=2048 H=4 K=V=64,
 kernel, every input differentiated). Op counts are deterministic, so they compare trees
 on a noisy machine where compile seconds do not (issue 39 item 7)::
 
-    python benchmarks/compile_size.py            # this tree
-    python benchmarks/compile_size.py /tmp/old   # another tree's kdax (git archive <commit> kdax | tar -x -C /tmp/old)
+    python benchmarks/compile_size.py                 # this tree, 3 compiles each
+    python benchmarks/compile_size.py --tree /tmp/old # another tree's kdax (git archive <commit> kdax | tar -x -C /tmp/old)
+    python benchmarks/compile_size.py --write         # and add the row to benchmarks/results/compile_size.txt
 
 Columns: jaxpr equations (nested jaxprs included), StableHLO ops of the lowered program,
-instructions of the compiled (optimised) HLO, and seconds."""
+instructions of the compiled (optimised) HLO, kernels (the compiled HLO's instructions
+outside fused computations that run as their own kernel: fusions, dots, copies, ...;
+XLA:CPU's compile time is mostly their code generation, ~30 ms each), and seconds: the
+fastest of ``--repeat`` compiles (each re-lowered after ``jax.clear_caches``), wall and
+CPU (process time, all threads: less disturbed by other jobs on a shared machine)."""
 
+import argparse
+import datetime
 import re
+import subprocess
 import sys
 import time
 
 from pathlib import Path
 
-sys.path.insert(0, sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).resolve().parents[1]))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-import kdax  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "compile_size.txt"
+_NOT_KERNELS = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "conditional", "call"}
 
 
 def _eqns(jaxpr) -> int:
@@ -37,12 +41,35 @@ def _eqns(jaxpr) -> int:
     return n
 
 
-def main(B=1, T=2048, H=4, K=64):
+def kernels(hlo_text: str) -> int:
+    """Instructions of a compiled HLO module that are kernels of their own: those of the
+    entry and control-flow computations, not of fused ones, less bookkeeping ops."""
+    n, comp = 0, ""
+    for line in hlo_text.splitlines():
+        head = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if head:
+            comp = head.group(2)
+            continue
+        m = re.match(r"\s*(ROOT )?%?[\w.\-]+ = \S+ ([\w\-]+)\(", line)
+        if m and "fused" not in comp and not comp.startswith("wrapped") and m.group(2) not in _NOT_KERNELS:
+            n += 1
+    return n
+
+
+def measure(repeat: int, B=1, T=2048, H=4, K=64):
+    """``{name: row}`` for chunk_kda and fused_recurrent_kda's gradients."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import kdax
+
     r = np.random.default_rng(0)
     q, k, v = (jnp.asarray(r.normal(size=(B, T, H, K)), jnp.float32) for _ in range(3))
     g = jnp.asarray(-r.uniform(0.01, 0.5, size=(B, T, H, K)), jnp.float32)
     beta = jnp.asarray(r.uniform(size=(B, T, H)), jnp.float32)
     print(f"B={B} T={T} H={H} K=V={K} float32, jax {jax.__version__}, kdax from {kdax.__file__}")
+    rows = {}
     for name, fn in (("chunk_kda", kdax.chunk_kda), ("fused_recurrent_kda", kdax.fused_recurrent_kda)):
         loss = lambda *a, fn=fn: fn(*a, use_qk_l2norm_in_kernel=True)[0].sum()
         step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
@@ -51,12 +78,63 @@ def main(B=1, T=2048, H=4, K=64):
         t1 = time.perf_counter()
         lowered = traced.lower()
         t2 = time.perf_counter()
-        compiled = lowered.compile()
-        t3 = time.perf_counter()
+        wall, cpu = [], []
+        for _ in range(repeat):
+            jax.clear_caches()
+            lowered = traced.lower()
+            w0, c0 = time.perf_counter(), time.process_time()
+            compiled = lowered.compile()
+            wall.append(time.perf_counter() - w0)
+            cpu.append(time.process_time() - c0)
         shlo = len(re.findall(r"= stablehlo\.|^\s*stablehlo\.", lowered.as_text(), re.M))
-        hlo = len(re.findall(r"^\s*(ROOT )?%?[\w.\-]+ = ", compiled.as_text(), re.M))
-        print(f"{name:20s} jaxpr eqns {_eqns(traced.jaxpr.jaxpr):5d}  stablehlo ops {shlo:5d}  compiled HLO {hlo:5d}  "
-              f"trace {t1 - t0:4.1f} s  lower {t2 - t1:4.1f} s  compile {t3 - t2:5.1f} s", flush=True)
+        text = compiled.as_text()
+        hlo = len(re.findall(r"^\s*(ROOT )?%?[\w.\-]+ = ", text, re.M))
+        row = dict(eqns=_eqns(traced.jaxpr.jaxpr), shlo=shlo, hlo=hlo, kernels=kernels(text), trace=t1 - t0,
+                   lower=t2 - t1, wall=min(wall), cpu=min(cpu))
+        rows[name] = row
+        print(f"{name:20s} jaxpr eqns {row['eqns']:5d}  stablehlo ops {shlo:5d}  compiled HLO {hlo:5d}  kernels "
+              f"{row['kernels']:4d}  trace {row['trace']:4.1f} s  lower {row['lower']:4.1f} s  compile (best of "
+              f"{repeat}) {row['wall']:5.1f} s wall, {row['cpu']:5.1f} s CPU   (all wall: "
+              f"{', '.join(f'{w:.1f}' for w in wall)})", flush=True)
+    return rows
+
+
+def write_row(rows, note: str, tree: str):
+    """Append one line to ``RESULTS`` (header first if new); the commit column is this
+    checkout's HEAD, or "--tree" for another tree (say which in the note)."""
+    c, f = rows["chunk_kda"], rows["fused_recurrent_kda"]
+    commit = "--tree" if Path(tree).resolve() != ROOT else subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or "?"
+    dirty = commit != "--tree" and subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "kdax"],
+                                                  capture_output=True, text=True).stdout.strip()
+    load = open("/proc/loadavg").read().split()[0] if Path("/proc/loadavg").exists() else "?"
+    if not RESULTS.exists():
+        RESULTS.write_text(
+            "Compile time of jax.jit(jax.grad(chunk_kda)) (benchmarks/compile_size.py --write): B=1 T=2048 H=4 K=V=64\n"
+            "float32, l2norm in kernel, every input differentiated, 2-core x86_64 CPU. Seconds: the best of the\n"
+            "repeated compiles, wall and CPU (process time of all threads; wall is inflated by other jobs: see\n"
+            "the load), and chunk_kda's over fused_recurrent_kda's gradient compiled in the same run.\n\n"
+            f"{'date (UTC)':16s} {'commit':11s} {'eqns':>5s} {'shlo':>5s} {'hlo':>5s} {'kernels':>7s} {'wall s':>6s} "
+            f"{'CPU s':>6s} {'/recurrent':>10s} {'load':>5s}  note\n")
+    ratio = c["wall"] / f["wall"]
+    with RESULTS.open("a") as out:
+        out.write(f"{datetime.datetime.utcnow():%Y-%m-%d %H:%M} {commit + ('+' if dirty else ''):11s} {c['eqns']:5d} "
+                  f"{c['shlo']:5d} {c['hlo']:5d} {c['kernels']:7d} {c['wall']:6.1f} {c['cpu']:6.1f} "
+                  f"{ratio:9.1f}x {load:>5s}  {note}\n")
+    print(f"row added to {RESULTS}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tree", default=str(ROOT), help="a tree holding the kdax package to measure")
+    ap.add_argument("--repeat", type=int, default=3, help="compiles of each program (the fastest counts)")
+    ap.add_argument("--write", action="store_true", help=f"append the row to {RESULTS.relative_to(ROOT)}")
+    ap.add_argument("--note", default="", help="text for the row's note column")
+    args = ap.parse_args()
+    sys.path.insert(0, args.tree)
+    rows = measure(args.repeat)
+    if args.write:
+        write_row(rows, args.note, args.tree)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import kdax
+from kdax._numerics import isolation as _isolation
 
 from ._util import assert_close, make_inputs, oracle_kda, split_args
 
@@ -344,3 +345,30 @@ def test_unknown_cleaning_kind_is_refused():
     np.testing.assert_array_equal(np.asarray(is_bad("decay", x)), [False, True, True, False])
     with pytest.raises(ValueError, match="kind: expected 'nan', 'decay' or 'any', got 'nans'"):
         is_bad("nans", x)
+
+
+def test_reaches_against_a_token_loop():
+    """``_numerics.isolation._reaches`` (one reduction per sequence) against its definition, a loop
+    over tokens: a bad token of the same sequence at or before (reverse: at or after)
+    each token; dense rows and packed sequences with empty ones, tokens past the last
+    sequence (they count as its tokens, as ``sequence_ids`` assigns them), and T = 0."""
+    r = np.random.default_rng(0)
+    for trial in range(16):  # (few shapes: each is a compile)
+        T, HV = (23, 2) if trial > 1 else (0, 2)
+        if trial % 2 == 0:
+            B, cu = 3, None
+        else:
+            B, N = 1, (0, 4)[trial % 4 != 1]
+            cu = np.concatenate([[0], np.sort(r.integers(0, T + 1, size=N - 1)), [max(T - trial % 3, 0)]]) if N else np.array([0])
+            cu = np.maximum.accumulate(cu).astype(np.int32)
+        bad = r.uniform(size=(B, T, HV)) < 0.15
+        seq, N = _isolation.sequence_ids(B, T, None if cu is None else jnp.asarray(cu))
+        s = np.asarray(seq)
+        for reverse in (False, True):
+            got = np.asarray(_isolation._reaches(jnp.asarray(bad), seq, None if cu is None else N, reverse))
+            want = np.zeros_like(bad)
+            for b in range(B):
+                for t in range(T):
+                    span = range(t, T) if reverse else range(t + 1)
+                    want[b, t] = np.any([bad[b, u] for u in span if s[b, u] == s[b, t]], axis=0)
+            assert np.array_equal(got, want), (trial, cu, reverse)

@@ -452,3 +452,65 @@ def test_float32_sweep_random_packed_lengths(l2):
 def test_float32_sweep_random_packed_lengths_more_seeds(l2, chunk):
     """The sweep above over more seeds, at chunk 16 and 64 (lengths 0..3C of either)."""
     check_float32_sweep(kdax.KDAPipeline.reference(), l2, seeds=range(3, 15), C=chunk)
+
+
+# Tails and first-chunk stretches of two blocks of kdax._layouts.ragged.WIDE at chunk 32 (the
+# static loop's skipped-or-run block), empty and one-token sequences.
+HVP_CU = [0, 0, 1, 3, 20, 21, 60, 61, 70]
+
+
+def _packed_oracle(q, k, v, g, beta, initial_state=None, cu_seqlens=None, output_final_state=True, **_):
+    """The float64 recurrence over packed tokens in one scan (``kdax.ref``'s step; a
+    sequence's first token loads its initial state): a small program to differentiate
+    twice, where ``oracle_kda`` runs a scan per sequence."""
+    cu = [int(c) for c in np.asarray(cu_seqlens)]
+    N, HV, K, V = len(cu) - 1, v.shape[2], q.shape[-1], v.shape[-1]
+    h0 = jnp.zeros((N, HV, K, V), q.dtype) if initial_state is None else initial_state
+    seq = np.searchsorted(cu, np.arange(cu[-1]), side="right") - 1
+    start = np.arange(cu[-1]) == np.asarray(cu)[seq]
+    q, k = (kdax.ref.expand_heads(x, HV)[0] for x in (q, k))
+
+    def step(S, x):
+        n, first, *tok = x
+        S = jnp.where(first, h0[n], S)
+        S, o = kdax.ref.recurrent_step(S, *tok, K**-0.5)
+        return S, (o, S)
+
+    _, (o, S) = jax.lax.scan(step, h0[0], (jnp.asarray(seq), jnp.asarray(start), q, k, v[0], g[0], beta[0]))
+    ends = [e - 1 for e in cu[1:]]
+    ht = jnp.stack([S[e] if e >= s else h0[i] for i, (s, e) in enumerate(zip(cu[:-1], ends))])
+    return o[None], ht
+
+
+@pytest.mark.parametrize("h0", [False, True], ids=["final_states_loss", "initial_states"])
+def test_hessian_vector_product_through_shared_chunks(h0):
+    """Issue 39 item 6: jax.grad of jax.grad through shared chunks (the default pipeline's
+    layout) with a loss on the final states, and with initial states entering, used to
+    fail on a loop of dynamic length (``kdax._layouts.ragged``): the Hessian-vector product
+    (reverse over reverse, a loss nonlinear in o and the final states) against the
+    float64 recurrence's."""
+    x = _inputs(HVP_CU, h0=h0)
+    names = [n for n in ("q", "k", "v", "g", "beta", "initial_state") if n in x]
+    arrays = {n: x[n] for n in names}
+    r = np.random.default_rng(7)
+    t = {n: jnp.asarray(r.normal(size=a.shape)) for n, a in arrays.items()}
+    do = jnp.asarray(r.normal(size=x["v"].shape))
+    dht = jnp.asarray(r.normal(size=(len(HVP_CU) - 1, 2, 8, 8)))
+    cu = jnp.asarray(HVP_CU, jnp.int32)
+
+    def hvp(fn):
+        def loss(a):
+            pos, kw = split_args(a)
+            o, ht = fn(*pos, **kw, cu_seqlens=cu, output_final_state=True)
+            return jnp.sum(jnp.sin(o) * do) + jnp.sum(jnp.sin(ht) * dht)
+
+        inner = lambda a: sum(jnp.vdot(d, t[n]) for n, d in jax.grad(loss)(a).items())
+        return jax.jit(jax.grad(inner))(arrays)
+
+    pos, kw = split_args(x)
+    assert kdax.KDAPipeline.reference().plan(*pos, **kw, chunk_size=32, cu_seqlens=cu,
+                                             output_final_state=True).layout == "shared"
+    got, want = hvp(_fn(C=32)), hvp(_packed_oracle)
+    assert set(got) == set(names)
+    for n in names:
+        assert_close(got[n], want[n], 1e-10, "HVP d" + n)

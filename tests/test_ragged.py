@@ -137,3 +137,35 @@ def test_matvec_ok_mask_keeps_non_finite_states_out():
         want, want_vjp = jax.vjp(lambda a: _matvec_loop(a, Yc), A)
         assert_close(out, want, 1e-14, "matvec with ok")
         assert_close(vjp(dout)[0], want_vjp(dout)[0], 1e-14, "dA with ok")
+
+
+@pytest.mark.parametrize("longest", [None, max(COUNTS)], ids=["tokens", "exact"])
+def test_second_order_against_autodiff_of_the_loop(longest):
+    """Issue 39 item 6: the loop over blocks has a static length (``longest``: a bound on
+    the spans' lengths, None the token count), so a Hessian-vector product differentiates
+    the hand-made VJPs, reverse over reverse and forward over reverse, exact against
+    autodiff of the token loop (narrow = 2: both block widths)."""
+    jax.config.update("jax_enable_x64", True)
+    r = np.random.default_rng(3)
+    A, U = (jnp.asarray(r.normal(size=(HV, TT, K))) for _ in range(2))
+    X = jnp.asarray(r.normal(size=(HV, TT, V)))
+    Y = jnp.asarray(r.normal(size=(len(STARTS), HV, K, V)))
+    N = len(STARTS)
+
+    def loss(mv, out):
+        def f(a, u, x, y):  # nonlinear in each product, so the Hessian has every term
+            return jnp.sum(jnp.sin(mv(a, y))) + jnp.sum(jnp.cos(out(u, x)))
+        return f
+
+    got_f = loss(lambda a, y: _ragged.matvec(a, y, _spans(), 2, longest=longest),
+                 lambda u, x: _ragged.outer(u, x, _spans(), N, 2, longest=longest))
+    want_f = loss(_matvec_loop, _outer_loop)
+    primals = (A, U, X, Y)
+    tangents = tuple(jnp.asarray(r.normal(size=p.shape)) for p in primals)
+    rev = lambda f: jax.grad(lambda *p: sum(jnp.vdot(g, t) for g, t in zip(jax.grad(f, (0, 1, 2, 3))(*p), tangents)),
+                             (0, 1, 2, 3))(*primals)
+    fwd = lambda f: jax.jvp(jax.grad(f, (0, 1, 2, 3)), primals, tangents)[1]
+    want = jax.jit(lambda: rev(want_f))()
+    for how, got in (("reverse", jax.jit(lambda: rev(got_f))()), ("forward", jax.jit(lambda: fwd(got_f))())):
+        for g, w, n in zip(got, want, ("A", "U", "X", "Y")):
+            assert_close(g, w, 1e-13, f"{how}-over-reverse HVP d{n}")

@@ -8,8 +8,12 @@
 
 Each is the other's transpose, which gives both VJPs. Both run over blocks of ``W`` tokens
 counted from each span's start, ``[N, W, K] x [N, K, V]`` batched products, as many
-blocks as the longest span needs (a loop of dynamic length: one block for short
-sequences), reading each state once per block and never forming a ``[T, K, V]`` array. A
+blocks as the longest span needs (one for short sequences), reading each state once per
+block and never forming a ``[T, K, V]`` array. The loop has a static length, from a
+static bound on the spans' lengths (``longest``; shared chunks: the chunk size), and skips
+the blocks past the longest span at run time: a loop of dynamic length has no reverse-mode
+derivative, and these products are differentiated again in a second-order gradient (a
+Hessian-vector product differentiates their hand-made VJPs). A
 token's result is gathered from its block (no scatter). A block is ``WIDE`` tokens, or
 ``narrow`` (the callers' estimate, e.g. ``narrow_width``) when every span fits in one
 block that wide: one token per sequence then costs one row per state, not ``WIDE``
@@ -19,7 +23,7 @@ Layouts: token arrays ``[HV, TT, D]`` (token t at t), states ``[N, HV, K, V]``.
 """
 
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -42,16 +46,33 @@ def narrow_width(T: int, N: int) -> int:
     return min(WIDE, 1 << (max(avg, 1) - 1).bit_length())
 
 
-def _by_width(spans: Spans, narrow: int, run):
-    """``run(W)`` with W = ``narrow`` when every span fits one block of it, else ``WIDE``."""
+def _by_width(spans: Spans, narrow: int, longest: int, run):
+    """``run(W, n)`` with W = ``narrow`` when every span fits one block of it (n = 1),
+    else ``WIDE`` (n = the blocks of ``WIDE`` that a span of the static bound ``longest``
+    needs)."""
+    wide = lambda: run(WIDE, max(1, -(-longest // WIDE)))
     if narrow >= WIDE:
-        return run(WIDE)
+        return wide()
+    if longest <= narrow:  # (known at trace time)
+        return run(narrow, 1)
     fits = jnp.max(spans.count, initial=0) <= narrow
-    return jax.lax.cond(fits, lambda: run(narrow), lambda: run(WIDE))
+    return jax.lax.cond(fits, lambda: run(narrow, 1), wide)
 
 
-def _blocks(spans: Spans, W: int):
-    return (jnp.max(spans.count, initial=0) + W - 1) // W
+def _over_blocks(spans: Spans, W: int, n: int, first, more):
+    """``more(b, ..more(1, first)..)`` over the blocks b < n (a static count) that some span
+    reaches: a static-length loop (differentiable in reverse mode) whose blocks past the
+    longest span are skipped at run time (``lax.cond``), so short spans cost one block."""
+    if n <= 1:
+        return first
+    reached = (jnp.max(spans.count, initial=0) + W - 1) // W
+    step = lambda b, acc: jax.lax.cond(b < reached, more, lambda b, acc: acc, b, acc)
+    return jax.lax.fori_loop(1, n, step, first)  # (Python bounds: a scan)
+
+
+def _longest(longest, TT: int) -> int:
+    """The static bound on a span's length: ``longest`` or (None) the token count."""
+    return TT if longest is None else min(int(longest), TT)
 
 
 def _gather_block(x, spans: Spans, b, W: int):
@@ -77,11 +98,12 @@ def token_slots(spans: Spans, TT: int):
     return n, d, (d >= 0) & (d < spans.count[n])
 
 
-def _matvec(A, Y, spans: Spans, narrow: int, transpose: bool = False, ok=None, fused: bool = False):
+def _matvec(A, Y, spans: Spans, narrow: int, longest: int, transpose: bool = False, ok=None, fused: bool = False):
     """Stacked: ``A [M, HV, TT, K]`` -> ``[M, HV, TT, V]`` (``transpose``: ``A_t Y_n^T``,
     ``A [.., V]`` -> ``[.., K]``, without a transposed copy of the states); zero where
     ``ok [N, HV]`` (or None) is False. ``fused``: as reductions (``_fused_rows``) instead
-    of dots, for a ``Y`` that is an expression (a cotangent) rather than a stored array."""
+    of dots, for a ``Y`` that is an expression (a cotangent) rather than a stored array.
+    ``longest``: a static bound on every span's length."""
     M, HV, TT = A.shape[:3]
     n, d, inside = token_slots(spans, TT)
     keep = inside[None] if ok is None else inside[None] & ok[n].T  # [1 or HV, TT]
@@ -95,7 +117,7 @@ def _matvec(A, Y, spans: Spans, narrow: int, transpose: bool = False, ok=None, f
         # copied all N states to transpose them when they were the right one)
         return jnp.einsum("nhkv,nhwv->nhkw", Y, a).reshape(Y.shape[0], HV, D, M, W)
 
-    def run(W):
+    def run(W, nb):
         def block(b, out):
             a = _gather_block(A, spans, b, W)
             mine = keep & (d // W == b)
@@ -107,9 +129,9 @@ def _matvec(A, Y, spans: Spans, narrow: int, transpose: bool = False, ok=None, f
             return out + jnp.where(mine[None, :, :, None], got, jnp.zeros((), out.dtype))
 
         out = jnp.zeros((M, HV, TT, D), jnp.result_type(A, Y))
-        return jax.lax.fori_loop(0, _blocks(spans, W), block, out)
+        return _over_blocks(spans, W, nb, block(0, out), block)
 
-    return _by_width(spans, narrow, run)
+    return _by_width(spans, narrow, longest, run)
 
 
 def _fused_rows(a, Y, transpose: bool):
@@ -131,12 +153,13 @@ def _fused_rows(a, Y, transpose: bool):
     return jnp.sum(a[..., None] * Y[:, :, None], -2)
 
 
-def _outer(U, X, spans: Spans, N: int, narrow: int):
-    """Stacked: ``sum_m sum_t U[m]_t^T X[m]_t`` (``U [M, HV, TT, K]``, ``X [M, HV, TT, V]``)."""
+def _outer(U, X, spans: Spans, N: int, narrow: int, longest: int):
+    """Stacked: ``sum_m sum_t U[m]_t^T X[m]_t`` (``U [M, HV, TT, K]``, ``X [M, HV, TT, V]``);
+    ``longest`` as for ``_matvec``."""
     M = U.shape[0]
     zero = lambda x: jnp.zeros((), x.dtype)
 
-    def run(W):
+    def run(W, nb):
         def part(b):
             ok = _in_block(spans, b, W, M)[:, None, :, None]
             Ub, Xb = _gather_block(U, spans, b, W), _gather_block(X, spans, b, W)
@@ -144,62 +167,64 @@ def _outer(U, X, spans: Spans, N: int, narrow: int):
 
         # Block 0 starts the sum (it is zero for an empty span): a state-sized array of
         # zeros to add into would cost a pass over N states.
-        return jax.lax.fori_loop(1, _blocks(spans, W), lambda b, S: S + part(b), part(0))
+        return _over_blocks(spans, W, nb, part(0), lambda b, S: S + part(b))
 
-    return _by_width(spans, narrow, run)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _matvec_vjp(A, Y, spans: Spans, ok, narrow: int):
-    return _matvec(A, Y, spans, narrow, ok=ok)
+    return _by_width(spans, narrow, longest, run)
 
 
-def _matvec_fwd(A, Y, spans, ok, narrow):
-    return _matvec(A, Y, spans, narrow, ok=ok), (A, Y, spans, ok)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _matvec_vjp(A, Y, spans: Spans, ok, narrow: int, longest: int):
+    return _matvec(A, Y, spans, narrow, longest, ok=ok)
 
 
-def _matvec_bwd(narrow, res, dout):
+def _matvec_fwd(A, Y, spans, ok, narrow, longest):
+    return _matvec(A, Y, spans, narrow, longest, ok=ok), (A, Y, spans, ok)
+
+
+def _matvec_bwd(narrow, longest, res, dout):
     A, Y, spans, ok = res
-    dA = _matvec(dout, Y, spans, narrow, transpose=True, ok=ok)
-    dY = _outer(A, dout, spans, Y.shape[0], narrow)  # every stacked array's part in one pass
+    dA = _matvec(dout, Y, spans, narrow, longest, transpose=True, ok=ok)
+    dY = _outer(A, dout, spans, Y.shape[0], narrow, longest)  # every stacked array's part in one pass
     return dA.astype(A.dtype), dY.astype(Y.dtype), None, None
 
 
 _matvec_vjp.defvjp(_matvec_fwd, _matvec_bwd)
 
 
-def matvec(A, Y, spans: Spans, narrow: int = WIDE, ok=None):
+def matvec(A, Y, spans: Spans, narrow: int = WIDE, ok=None, longest: Optional[int] = None):
     """``out [HV, TT, V]``: ``A_t Y_n`` (``A [HV, TT, K]``, ``Y [N, HV, K, V]``) for each
     token t of span n, zero elsewhere. ``A`` may be a tuple of such arrays (a tuple of
     outputs): each block of ``Y`` is read once for all of them, and ``Y``'s cotangent is
     one sum. ``narrow``: the block width to try first (module docstring). ``ok [N, HV]``
     (or None): where False, the sequence's head reads as a zero state (forward and ``A``'s
     cotangent), so a non-finite ``Y`` there stays out of every token's result without a
-    cleaned copy of the states."""
+    cleaned copy of the states. ``longest``: a static bound on every span's length (None:
+    TT); the loop over blocks has that many blocks' length."""
     if isinstance(A, tuple):
-        return tuple(_matvec_vjp(jnp.stack(A), Y, spans, ok, narrow))
-    return _matvec_vjp(A[None], Y, spans, ok, narrow)[0]
+        return tuple(_matvec_vjp(jnp.stack(A), Y, spans, ok, narrow, _longest(longest, A[0].shape[1])))
+    return _matvec_vjp(A[None], Y, spans, ok, narrow, _longest(longest, A.shape[1]))[0]
 
 
-def outer(U, X, spans: Spans, N: int, narrow: int = WIDE):
+def outer(U, X, spans: Spans, N: int, narrow: int = WIDE, longest: Optional[int] = None):
     """``S [N, HV, K, V]``: ``sum_t U_t^T X_t`` over the tokens t of span n (``U [HV, TT,
-    K]``, ``X [HV, TT, V]``); zero for an empty span. ``narrow`` as for ``matvec``."""
-    return _outer_vjp(U[None], X[None], spans, N, narrow)
+    K]``, ``X [HV, TT, V]``); zero for an empty span. ``narrow``, ``longest`` as for
+    ``matvec``."""
+    return _outer_vjp(U[None], X[None], spans, N, narrow, _longest(longest, U.shape[1]))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _outer_vjp(U, X, spans: Spans, N: int, narrow: int):
-    return _outer(U, X, spans, N, narrow)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _outer_vjp(U, X, spans: Spans, N: int, narrow: int, longest: int):
+    return _outer(U, X, spans, N, narrow, longest)
 
 
-def _outer_fwd(U, X, spans, N, narrow):
-    return _outer(U, X, spans, N, narrow), (U, X, spans)
+def _outer_fwd(U, X, spans, N, narrow, longest):
+    return _outer(U, X, spans, N, narrow, longest), (U, X, spans)
 
 
-def _outer_bwd(N, narrow, res, dS):
+def _outer_bwd(N, narrow, longest, res, dS):
     U, X, spans = res
-    dU = _matvec(X, dS, spans, narrow, transpose=True, fused=True)
-    dX = _matvec(U, dS, spans, narrow, fused=True)
+    dU = _matvec(X, dS, spans, narrow, longest, transpose=True, fused=True)
+    dX = _matvec(U, dS, spans, narrow, longest, fused=True)
     return dU.astype(U.dtype), dX.astype(X.dtype), None
 
 

@@ -10,7 +10,7 @@ chunk c at position i has the final state
 over its own tokens j of chunk c (``h_c`` the state at chunk c's start, ``v_new`` F4's),
 masked in the exponent. ``shared_finals`` sums each sequence's tail with
 ``kdax._layouts.ragged.outer`` (blocks of 16 tokens, as many as the longest tail needs: one for
-short sequences), and the ``h_c`` term for the at most one sequence per chunk that has
+short sequences; a tail lies in one chunk, so at most C / 16, a static bound), and the ``h_c`` term for the at most one sequence per chunk that has
 it.
 
 A loss on the final states (``dht``) reaches, by the chain rule through ``S_n``: ``k``,
@@ -94,11 +94,11 @@ def shared_finals(layout: ChunkLayout, cu_seqlens, k, G, G_lo, v_new, h):
     q = _seqs(cu_seqlens, C)
     e, N = q.e, q.s.shape[0]
     kf, Gf, lof, vf = _tokens(k), _tokens(G), _tokens(G_lo), _tokens(v_new)
-    spans = Spans(q.tail, jnp.where(q.some, e - q.tail + 1, 0))
+    spans = Spans(q.tail, jnp.where(q.some, e - q.tail + 1, 0))  # (in chunk c: at most C tokens, outer's bound)
     n, _, inside = token_slots(spans, TT)
     at_end = lambda x: None if x is None else x[:, jnp.clip(e[n], 0, TT - 1)]  # each token's sequence end
     x = exponent(at_end(Gf), Gf, at_end(lof), lof)
-    S = outer(kf * jnp.exp(jnp.where(inside[None, :, None], x, -jnp.inf)), vf, spans, N, narrow_width(layout.T, N))
+    S = outer(kf * jnp.exp(jnp.where(inside[None, :, None], x, -jnp.inf)), vf, spans, N, narrow_width(layout.T, N), C)
     # e^(G_e) h_c for the sequence (at most one per chunk) that began before chunk c and ends in it
     ends_in = _per_chunk(q.began, q.c, NC)
     has = ends_in < N
@@ -230,7 +230,7 @@ def first_chunk_entries(layout: ChunkLayout, cu_seqlens, scale: float, q, k, bet
     TT = NC * C
     sq = _seqs(cu_seqlens, C)
     s, N = sq.s, sq.s.shape[0]
-    spans = Spans(s, jnp.where(sq.some, sq.f - s + 1, 0))
+    spans = Spans(s, jnp.where(sq.some, sq.f - s + 1, 0))  # (in chunk c0: at most C tokens, matvec's bound)
     n, _, mine = token_slots(spans, TT)  # mine: a token in its sequence's first chunk
     Gf, lof = _tokens(G), _tokens(G_lo)
     sT = jnp.clip(s[n], 0, TT - 1)
@@ -240,7 +240,7 @@ def first_chunk_entries(layout: ChunkLayout, cu_seqlens, scale: float, q, k, bet
     wp = Akk @ (b * k * ep)
     u = Akk @ (b * v)
     chunked = lambda x: x.reshape(1, HV, NC, C, x.shape[-1])
-    vx, ox = matvec((-_tokens(wp), scale * _tokens(q * ep)), h0, spans, narrow_width(layout.T, N), ok)
+    vx, ox = matvec((-_tokens(wp), scale * _tokens(q * ep)), h0, spans, narrow_width(layout.T, N), ok, C)
     vx, ox = chunked(vx), chunked(ox)
     # The state entering chunk c from the sequence (at most one) whose first chunk is c - 1.
     into = _per_chunk(sq.crosses, sq.c0 + 1, NC)

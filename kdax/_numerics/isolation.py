@@ -76,18 +76,23 @@ def _per_value_head(x, HV: int):
     return x if x.shape[-1] == HV else jnp.repeat(x, HV // x.shape[-1], axis=-1)
 
 
-def _reaches(bad, seq, reverse: bool = False):
+def _reaches(bad, seq, N: Optional[int], reverse: bool = False):
     """``[B, T, HV]``: a ``bad [B, T, HV]`` token of the same sequence (``seq [B, T]``,
-    non-decreasing along T) at or before the token (at or after it if ``reverse``): a
-    log-depth scan of the sequence ids of bad tokens (XLA:CPU runs cummax quadratically).
-    """
-    s = jnp.broadcast_to(seq[..., None], bad.shape)
-    if reverse:
-        big = jnp.iinfo(jnp.int32).max
-        m = jax.lax.associative_scan(jnp.minimum, jnp.where(bad, s, big), axis=1, reverse=True)
-    else:
-        m = jax.lax.associative_scan(jnp.maximum, jnp.where(bad, s, -1), axis=1)
-    return m == s
+    non-decreasing along T; ``N`` packed sequences, None for dense rows) at or before the
+    token (at or after it if ``reverse``): the token lies at or after its sequence's first
+    bad token (at or before its last), one reduction per sequence (dense: over T; packed:
+    a scatter-min/max by sequence id). A log-depth scan along T was ~40 small kernels for
+    XLA:CPU to compile, twice in a training step (cummax runs quadratically there)."""
+    B, T, HV = bad.shape
+    t = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :, None], bad.shape)
+    none = -1 if reverse else T  # (no bad token: no token reaches it)
+    x = jnp.where(bad, t, none)
+    if N is None:  # dense rows: one reduction per row
+        edge = (jnp.max if reverse else jnp.min)(x, axis=1, keepdims=True, initial=none)
+    else:  # packed (B = 1): per sequence; a token's sequence id is in [0, max(N, 1))
+        rows = jnp.full((max(N, 1), HV), none, jnp.int32).at[seq[0]]
+        edge = (rows.max(x[0], indices_are_sorted=True) if reverse else rows.min(x[0], indices_are_sorted=True))[seq]
+    return t <= edge if reverse else t >= edge
 
 
 def _at_ends(x, cu_seqlens, last: bool):
@@ -126,8 +131,8 @@ class Bad:
         tq, tk, tv, tg = (jnp.any(is_bad(kind, x), -1) for kind, x in zip(self.kinds[:4], raw[:4]))
         state = _per_value_head(tk, HV) | tv | tg | is_bad(self.kinds[4], beta)  # [B, T, HV]
         self.q_only = _per_value_head(tq, HV)
-        seq, _ = sequence_ids(B, T, cu_seqlens)
-        self.after = _reaches(state, seq)  # [B, T, HV]: from the state's first bad token on
+        seq, N = sequence_ids(B, T, cu_seqlens)
+        self.after = _reaches(state, seq, None if cu_seqlens is None else N)  # [B, T, HV]: from the state's first bad token on
         self.state_bad = _at_ends(self.after, cu_seqlens, last=True)  # [N, HV]
         if axis is not None:
             P, d = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
@@ -219,7 +224,7 @@ def clean_cotangents(do, dht, cu_seqlens, H: int):
     seq, N = sequence_ids(B, T, cu_seqlens)
     bad_tok = ~jnp.all(jnp.abs(do) < jnp.inf, -1)  # [B, T, HV]
     do = finite_or_zero(do)
-    upto = _reaches(bad_tok, seq, reverse=True)  # [B, T, HV]
+    upto = _reaches(bad_tok, seq, None if cu_seqlens is None else N, reverse=True)  # [B, T, HV]
     seq_bad = _at_ends(upto, cu_seqlens, last=False)  # [N, HV]: a bad do reaches the sequence's start
     if dht is not None:
         ht_bad = ~finite_heads(dht)  # [N, HV]

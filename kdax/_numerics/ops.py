@@ -239,12 +239,9 @@ def zeros_after(shape, dtype, deps, tag: int = 0):
         # One bitcast and two shifts per element size for all the picked elements (done
         # per dependency they were ~20% of a training step's traced equations).
         bits = 8 * size
-        if len({a.dtype for a in xs}) == 1:
-            u = jax.lax.bitcast_convert_type(jnp.stack(xs), _UINT[bits])
-        else:
-            u = jnp.stack([jax.lax.bitcast_convert_type(a, _UINT[bits]) for a in xs])
+        u = functools.reduce(jnp.maximum, [jax.lax.bitcast_convert_type(a, _UINT[bits]) for a in xs])
         # Two shifts the simplifier keeps: exactly 0 for every value (NaN and inf too).
-        zero = zero + jnp.max((u >> (bits - 1)) >> 1, axis=0).astype(dtype)
+        zero = zero + ((u >> (bits - 1)) >> 1).astype(dtype)
     return jnp.broadcast_to(zero.reshape(*zero.shape, *(1,) * (len(shape) - L)), shape)
 
 
