@@ -34,7 +34,9 @@ from ._capabilities import capabilities, negotiated
 from ._config import KDAOptions
 from ._contracts import STAGES
 from ._errors import StageContractError, UnsupportedCase
+from ._layout import ChunkLayout
 from ._runner import recording, run_stage
+from ._tiles import Tiles
 from ._tokens import Tokens, as_chunked
 from ._typing import typecheck
 from .pipeline import _RESET_FIELDS, KDAPipeline, _prepare
@@ -289,7 +291,9 @@ def _for_stage(stage, kwargs: dict) -> dict:
 
 
 def _run(pipe, field, kwargs):
-    with recording(quiet=True):
+    # (the stage as it declares itself: reset passed by its declaration, whatever its
+    # math, and none of the pipeline's reset masks, which would hide a false one)
+    with recording(quiet=True), _derived.as_declared():
         return run_stage(pipe, field, **kwargs)
 
 
@@ -338,6 +342,40 @@ def _compare(out, ref, tol: float):
         if not e <= worst:
             worst, where = e, path
     return worst <= tol, f"rel-RMS {worst:.1e} ({where or '-'}), tol {tol:.0e}"
+
+
+def _tile_of(kw: dict, dtype) -> Optional[dict]:
+    """The arguments a forward stage gets on a tile of the input ``kw`` was recorded on
+    (``kdax._tiles``: the pipeline's tiles are KDA problems with an initial state): chunks
+    ``[c0, NC)``, ``c0`` where a packed sequence goes on from the chunk before (a carry),
+    the arrays sliced, the layout as ``Tiles`` makes it and the state table with one
+    carry per row (a fixed random state: any finite state may start a tile). None for a
+    single chunk."""
+    kw = {n: as_chunked(x) if isinstance(x, Tokens) else x for n, x in kw.items()}
+    arrays = [x for n, x in kw.items() if n not in ("h0", "layout") and hasattr(x, "ndim") and x.ndim >= 3]
+    if not arrays:
+        return None
+    NC = arrays[0].shape[1] if arrays[0].ndim == 3 else arrays[0].shape[2]
+    if NC < 2:
+        return None
+    c0 = max(1, NC - 2)
+    out = {}
+    for n, x in kw.items():
+        if n in ("h0", "layout") or not (hasattr(x, "ndim") and x.ndim >= 3):
+            out[n] = x
+        elif x.ndim == 3:  # valid, reset [R, NC, C]
+            out[n] = x[:, c0:]
+        else:  # [R, HV, NC, ...]
+            out[n] = x[:, :, c0:]
+    L = kw.get("layout")
+    if isinstance(L, ChunkLayout):
+        h0 = kw["h0"]
+        tiles = Tiles(L, h0.shape[0], NC - c0)
+        R = L.valid.shape[0]
+        carry = 0.3 * _weights((R,) + tuple(h0.shape[1:]), h0.dtype, 5)
+        out["layout"] = tiles.layout_of(c0, NC - c0, True)
+        out["h0"] = tiles.table(h0, carry)
+    return out
 
 
 def _error(e: Exception) -> str:
@@ -490,7 +528,14 @@ def _pipeline_outputs(P: KDAPipeline, case: Case, grads: bool):
 
 
 def _capability_checks(col, base, field, stage, caps, dtype, full):
-    """Every declared capability against the per-sequence layout / the untiled forward."""
+    """Every declared capability against the per-sequence layout / the untiled forward, in
+    pipelines that take the routes the declaration selects whatever the stage's math
+    (``kdax._derived.as_declared``; a pipeline takes them only for KDA's math)."""
+    with _derived.as_declared():
+        _declared_capabilities(col, base, field, stage, caps, dtype, full)
+
+
+def _declared_capabilities(col, base, field, stage, caps, dtype, full):
     P = _with_stage(base, field, stage)
     forward = STAGES[field].forward
     tol = tolerance(dtype)
@@ -637,6 +682,18 @@ def check_stage(
                         f"declares KDA's math but differs from {reference.__class__.__name__}: {det}")
             except Exception as e:
                 col.add("reference", case.name, False, _error(e))
+            # and on a tile of it, where the pipeline runs a tile-safe forward stage
+            tile = _tile_of(full_kw, case.dtype) if info.forward and caps.tile_safe else None
+            if tile is not None:
+                try:
+                    got = _jit_run(P, field, _for_stage(stage, tile))
+                    want = _jit_run(_with_stage(pipe, field, reference), field, _for_stage(reference, tile))
+                    ok, det = _compare(got, want, tol)
+                    col.add("reference", case.name + " tile", ok, f"a tile (carried state) vs "
+                            f"{reference.__class__.__name__}: {det}" if ok else f"declares KDA's math but differs from "
+                            f"{reference.__class__.__name__} on a tile (carried state): {det}")
+                except Exception as e:
+                    col.add("reference", case.name + " tile", False, _error(e))
         if case.name.startswith(("dense", "packed")) and jnp.dtype(case.dtype) == jnp.dtype(dtypes[0]):
             try:
                 _nan_isolation(col, P, field, kw, out, case, case.name)
