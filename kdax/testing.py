@@ -22,7 +22,7 @@ import dataclasses
 import math as _math
 import warnings
 from collections.abc import Sequence
-from typing import Any, NamedTuple, Optional
+from typing import Any, ClassVar, NamedTuple, Optional
 
 import equinox as eqx
 import jax
@@ -40,7 +40,7 @@ from ._tiles import Tiles
 from ._tokens import Tokens, as_chunked
 from ._typing import typecheck
 from .pipeline import _RESET_FIELDS, KDAPipeline, _prepare
-from .stages import Activated
+from .stages import KDA, AbstractGate, Activated, ReferenceGate
 
 __all__ = ["Check", "Report", "Case", "check_stage", "check_pipeline", "default_cases", "tolerance"]
 
@@ -124,6 +124,10 @@ class Case:
     options: tuple = ()
     strong: bool = False
     seed: int = 0
+    # Shared chunks: False records the arguments from a pipeline whose F1 leaves out the
+    # log decay floor at sequence starts, so that every other stage's reset must be exact
+    # on its own (the floor alone hides a dropped reset: e^floor is below rounding).
+    floor: bool = True
 
     @property
     def opts(self) -> dict:
@@ -184,6 +188,7 @@ def default_cases(dtypes=(jnp.float64, jnp.float32, jnp.bfloat16), full: bool = 
         cases.append(Case(f"packed {n}", d, B=1, T=40, cu=_CU))
         if shared:
             cases.append(Case(f"shared {n}", d, B=1, T=40, cu=_CU, share=True, h0=False))
+            cases.append(Case(f"shared-exact {n}", d, B=1, T=40, cu=_CU, share=True, h0=False, floor=False))
         cases.append(Case(f"fla-options {n}", d, options=_FLA))
         cases.append(Case(f"grouped {n}", d, H=1, HV=2))
     if full:
@@ -219,7 +224,20 @@ def _base(base: Optional[KDAPipeline]) -> KDAPipeline:
 
 def _pipe_for(base: KDAPipeline, case: Case) -> KDAPipeline:
     p = dataclasses.replace(base, share_chunks=case.share, tile=None)
+    if not case.floor:
+        p = eqx.tree_at(lambda p: p.gate, p, _UnflooredGate())
     return p.with_precision(_precision.resolve(base.precision, case.dtype))
+
+
+class _UnflooredGate(AbstractGate):
+    """KDA's F1 without the log decay floor at sequence starts (``Case.floor``): G runs on
+    through a chunk's earlier sequence, which the other stages' resets must cut exactly."""
+
+    math: ClassVar[Optional[str]] = KDA
+    accepts: ClassVar[frozenset] = frozenset({"reset", "tile_safe"})
+
+    def __call__(self, config, q, k, g, beta, A_log, dt_bias, valid, reset=None):
+        return ReferenceGate()(config, q, k, g, beta, A_log, dt_bias, valid)
 
 
 _RECORDED: dict = {}
@@ -542,23 +560,27 @@ def _declared_capabilities(col, base, field, stage, caps, dtype, full):
     d = _dtname(dtype)
     if caps.reset and field in _RESET_FIELDS:
         case = Case(f"packed {d}", dtype, B=1, T=40, cu=_CU, h0=False)
-        try:
-            o1, h1, g1, m1 = _pipeline_outputs(dataclasses.replace(P, share_chunks=True), case, True)
-            o0, h0, g0, m0 = _pipeline_outputs(dataclasses.replace(P, share_chunks=False), case, True)
-            if m1["layout"] != "shared":
-                col.add("reset", case.name, None, f"the pipeline ran the {m1['layout']} layout, not shared chunks")
-            elif not forward and (m1["derived"] or m1["ran"].get(field) is not type(stage)):
-                col.add("reset", case.name, None, "the pipeline did not run this backward stage (derived backward: "
-                        "pass base= a pipeline whose forward it transposes)")
-            else:
-                ok, det = _compare((o1, h1, g1), (o0, h0, g0), tol)
-                col.add("reset", case.name, ok, ("shared chunks vs per-sequence, outputs and gradients: " + det)
-                        if ok else f"declares `reset` but shared chunks give other numbers than the per-sequence "
-                                   f"layout: {det}")
-        except UnsupportedCase as e:
-            col.add("reset", case.name, None, f"UnsupportedCase ({e}): the pipeline falls back")
-        except Exception as e:
-            col.add("reset", case.name, False, _error(e))
+        # (and with F1's floor left out, where the stage's own reset must be exact: Case.floor)
+        for floor in (True, False) if field != "gate" else (True,):
+            name = case.name if floor else f"{case.name} no-floor"
+            try:
+                Ps = P if floor else eqx.tree_at(lambda p: p.gate, P, _UnflooredGate())
+                o1, h1, g1, m1 = _pipeline_outputs(dataclasses.replace(Ps, share_chunks=True), case, True)
+                o0, h0, g0, m0 = _pipeline_outputs(dataclasses.replace(P, share_chunks=False), case, True)
+                if m1["layout"] != "shared":
+                    col.add("reset", name, None, f"the pipeline ran the {m1['layout']} layout, not shared chunks")
+                elif not forward and (m1["derived"] or m1["ran"].get(field) is not type(stage)):
+                    col.add("reset", name, None, "the pipeline did not run this backward stage (derived backward: "
+                            "pass base= a pipeline whose forward it transposes)")
+                else:
+                    ok, det = _compare((o1, h1, g1), (o0, h0, g0), tol)
+                    col.add("reset", name, ok, ("shared chunks vs per-sequence, outputs and gradients: " + det)
+                            if ok else f"declares `reset` but shared chunks give other numbers than the per-sequence "
+                                       f"layout: {det}")
+            except UnsupportedCase as e:
+                col.add("reset", name, None, f"UnsupportedCase ({e}): the pipeline falls back")
+            except Exception as e:
+                col.add("reset", name, False, _error(e))
     if caps.tile_safe and forward:
         if P._unsafe_for_tiles():
             col.add("tile_safe", "-", None, f"the base pipeline has stages that are not tile-safe: "
@@ -647,6 +669,8 @@ def check_stage(
     reference = info.reference()
     results = {}
     for case in cases:
+        if not case.floor and field == "gate":
+            continue  # (F1's reset is the floor itself: the "shared" case checks it)
         pipe = _pipe_for(base, case)
         recorded, layout, _, err = _record(pipe, case, cache_ok)
         if field not in recorded:
