@@ -21,7 +21,9 @@ class Capabilities(NamedTuple):
     without it the stage gets the chunked copies.
 
     What formula a stage computes is not a capability: forward stages declare ``math``,
-    backward stages ``transposes`` (``kdax._derived``)."""
+    backward stages ``transposes`` (``kdax._derived``). ``reset`` and ``tile_safe`` select a
+    route only for a stage whose math is KDA's (``kdax._derived.routed``): a declaration
+    only selects among routes that give the same numbers for the declared math."""
 
     G_lo: bool
     reset: bool

@@ -97,7 +97,8 @@ class KDAPipeline(eqx.Module):
     # The forward in tiles of about this many (row, head, chunk) blocks, every stage called
     # tile by tile with the state carried between tiles (None: each stage once over the
     # whole input). CPUs gain from tiles that fit in cache; accelerators want whole arrays.
-    # Only when every forward stage's class is ``tile_safe``; else the forward runs whole.
+    # Only when every forward stage's class is ``tile_safe`` and of KDA's math (the one rule
+    # of routes, ``kdax._derived.unchecked``); else the forward runs whole.
     # A training step (chunk_kda under a gradient) runs whole: see _vjp_fwd.
     tile: Optional[int] = eqx.field(static=True, default=None)
     # Precision policy of the products (kdax._precision): "auto" (half-precision operands
@@ -109,8 +110,8 @@ class KDAPipeline(eqx.Module):
     # (``_layout.make_shared_layout``, ``stages._segments``), so many short sequences cost what their
     # tokens cost. Final states (``output_final_state``) are read from the chunk of each
     # sequence's last token, and a loss on them runs back through the same chunks
-    # (``kdax._shared_states``). Needs the stages that get the reset table to accept
-    # ``reset`` (or ``fallback``, which runs the reference ones). False, or an initial
+    # (``kdax._shared_states``). Needs every stage of KDA's math and the stages that get the
+    # reset table to accept ``reset`` (or ``fallback``, which runs the reference ones). False, or an initial
     # state: every sequence starts its own chunk. ``plan`` says which ran.
     share_chunks: bool = eqx.field(static=True, default=True)
     # The reference stages' chunk-group loops: "flat" groups of the flattened (row, head,
@@ -392,8 +393,9 @@ class KDAPipeline(eqx.Module):
 
     def shares_chunks(self, initial_state, cu_seqlens) -> bool:
         """Whether a call with these inputs packs its sequences into shared chunks
-        (``share_chunks``): packed varlen input, no ``initial_state``, and the stages of
-        ``_RESET_FIELDS`` accepting ``reset`` (or ``fallback`` to the reference ones). Final
+        (``share_chunks``): packed varlen input, no ``initial_state``, every stage of KDA's
+        math and the stages of ``_RESET_FIELDS`` accepting ``reset`` (or ``fallback`` to the
+        reference ones). Final
         states and a loss on them need no other layout (``kdax._shared_states``)."""
         if not self.share_chunks or cu_seqlens is None or initial_state is not None:
             return False
