@@ -396,6 +396,17 @@ def _tile_of(kw: dict, dtype) -> Optional[dict]:
     return out
 
 
+def _tile_read(out, tile: dict):
+    """What the pipeline reads of a stage's output on a tile: of F4's final states, only
+    the entries that end in the tile (``kdax._tiles``: ``collect``, ``carry_of``; the
+    others are no sequence's there, their values unspecified)."""
+    L = tile.get("layout")
+    if not isinstance(L, ChunkLayout) or getattr(out, "final", None) is None:
+        return out
+    ends = np.unique(np.asarray(L.last))
+    return dataclasses.replace(out, final=out.final[ends[ends >= 0]])
+
+
 def _error(e: Exception) -> str:
     text = f"{type(e).__name__}: {e}".replace("\n", " ")
     return text if len(text) < 300 else text[:297] + "..."
@@ -712,7 +723,7 @@ def check_stage(
                 try:
                     got = _jit_run(P, field, _for_stage(stage, tile))
                     want = _jit_run(_with_stage(pipe, field, reference), field, _for_stage(reference, tile))
-                    ok, det = _compare(got, want, tol)
+                    ok, det = _compare(_tile_read(got, tile), _tile_read(want, tile), tol)
                     col.add("reference", case.name + " tile", ok, f"a tile (carried state) vs "
                             f"{reference.__class__.__name__}: {det}" if ok else f"declares KDA's math but differs from "
                             f"{reference.__class__.__name__} on a tile (carried state): {det}")
