@@ -87,7 +87,7 @@ _AS_DECLARED: contextvars.ContextVar = contextvars.ContextVar("kdax_as_declared"
 def as_declared():
     """Inside the block, the pipeline takes every route a stage's declaration selects
     (``reset``, ``tile_safe``) whatever its math, and adds no reset mask of its own
-    (``kdax._resets.guarded``): ``kdax.testing`` runs a declaration this way to check it."""
+    (``kdax._resets.guard_outputs``): ``kdax.testing`` runs a declaration this way to check it."""
     token = _AS_DECLARED.set(True)
     try:
         yield

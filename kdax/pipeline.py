@@ -110,9 +110,9 @@ class KDAPipeline(eqx.Module):
     # (``_layout.make_shared_layout``, ``stages._segments``), so many short sequences cost what their
     # tokens cost. Final states (``output_final_state``) are read from the chunk of each
     # sequence's last token, and a loss on them runs back through the same chunks
-    # (``kdax._shared_states``). Needs every stage of KDA's math and the stages that get the
-    # reset table to accept ``reset`` (or ``fallback``, which runs the reference ones). False, or an initial
-    # state: every sequence starts its own chunk. ``plan`` says which ran.
+    # (``kdax._shared_states``). Needs every stage of KDA's math, and the stages that get
+    # the reset table to accept ``reset`` (or ``fallback``, which runs the reference ones).
+    # False, or an initial state: every sequence starts its own chunk. ``plan`` says which ran.
     share_chunks: bool = eqx.field(static=True, default=True)
     # The reference stages' chunk-group loops: "flat" groups of the flattened (row, head,
     # chunk) axes, or "slices" of the chunk axis keeping rows and heads whole (arrays
@@ -395,8 +395,8 @@ class KDAPipeline(eqx.Module):
         """Whether a call with these inputs packs its sequences into shared chunks
         (``share_chunks``): packed varlen input, no ``initial_state``, every stage of KDA's
         math and the stages of ``_RESET_FIELDS`` accepting ``reset`` (or ``fallback`` to the
-        reference ones). Final
-        states and a loss on them need no other layout (``kdax._shared_states``)."""
+        reference ones). Final states and a loss on them need no other layout
+        (``kdax._shared_states``)."""
         if not self.share_chunks or cu_seqlens is None or initial_state is not None:
             return False
         # The route a declaration selects, by the one rule (kdax._derived.unchecked): every

@@ -362,7 +362,7 @@ def _compare(out, ref, tol: float):
     return worst <= tol, f"rel-RMS {worst:.1e} ({where or '-'}), tol {tol:.0e}"
 
 
-def _tile_of(kw: dict, dtype) -> Optional[dict]:
+def _tile_of(kw: dict) -> Optional[dict]:
     """The arguments a forward stage gets on a tile of the input ``kw`` was recorded on
     (``kdax._tiles``: the pipeline's tiles are KDA problems with an initial state): chunks
     ``[c0, NC)``, ``c0`` where a packed sequence goes on from the chunk before (a carry),
@@ -642,14 +642,18 @@ def check_stage(
     * ``finite``: finite outputs;
     * ``reference`` (a stage declaring KDA's math: ``math = KDA``; backward stages
       ``transposes`` KDA; B0 always): its outputs equal the reference stage's on the same
-      arguments (``tolerance``: 1e-10 float64, 1e-5 float32, 5e-3 bf16 inputs);
+      arguments (``tolerance``: 1e-10 float64, 1e-5 float32, 5e-3 bf16 inputs), also on
+      shared chunks without F1's floor (``shared-exact``: each stage's reset exact on its
+      own) and, for a forward stage declaring ``tile_safe``, on a tile of each case (a
+      carried state): the routes the pipeline takes on these declarations are KDA problems;
     * ``nan-isolation``: a NaN in one sequence's part of each per-token argument reaches no
       other sequence's outputs (dense rows; packed per-sequence chunks);
     * ``jit``, ``filter_jit``, ``vmap`` (two cases' arguments stacked), ``grad`` (forward
       stages; skipped where JAX cannot differentiate it);
-    * declared capabilities: ``reset`` (in a pipeline, shared chunks give the per-sequence
-      layout's outputs and gradients), ``tile_safe`` (tiles of one chunk give the whole
-      forward's outputs), ``G_lo`` (float32: with G_lo no farther from the stage's own
+    * declared capabilities, in pipelines that take the routes they select whatever the
+      stage's math (``kdax._derived.as_declared``): ``reset`` (shared chunks give the
+      per-sequence layout's outputs and gradients, with F1's floor and without),
+      ``tile_safe`` (tiles of one chunk give the whole forward's outputs), ``G_lo`` (float32: with G_lo no farther from the stage's own
       float64 output than without), ``tokens`` (views give the chunked copies' outputs).
     """
     col = _Collector()
@@ -718,7 +722,7 @@ def check_stage(
             except Exception as e:
                 col.add("reference", case.name, False, _error(e))
             # and on a tile of it, where the pipeline runs a tile-safe forward stage
-            tile = _tile_of(full_kw, case.dtype) if info.forward and caps.tile_safe else None
+            tile = _tile_of(full_kw) if info.forward and caps.tile_safe else None
             if tile is not None:
                 try:
                     got = _jit_run(P, field, _for_stage(stage, tile))
