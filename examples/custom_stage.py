@@ -38,7 +38,8 @@ class QGainGate(AbstractGate):
     """F1 of the reference, then ``q <- gain * q`` per value head."""
 
     gain: Float[Array, " HV"]
-    # Elementwise per token: correct on any tile of chunks (docs/stages.md).
+    # Elementwise per token: correct on any tile of chunks (docs/stages.md); checked by
+    # kdax.testing.check_stage, though a pipeline tiles only stages of KDA's math.
     tile_safe: ClassVar[bool] = True
     # Not KDA's F1 (that is kdax.stages.KDA): a name for this math, which B5 transposes.
     math: ClassVar[str] = "kda+qgain"

@@ -33,7 +33,7 @@ from ._numerics.ops import CHUNK_LOOPS, loop_unroll, resolve_group, split_rows_a
 from ._plan import KDAPlan, PlanRow
 from ._runner.capabilities import capabilities
 from ._runner.contracts import STAGES, check_family
-from ._runner.derived import is_kda, mismatches, reference_is_exact
+from ._runner.derived import is_kda, mismatches, reference_is_exact, routed, unchecked
 from ._runner.residuals import EntryResiduals, KDAGrads, KDAResiduals
 from ._runner.runner import PipelineState, PipelineWY, active_recordings, recording, run_stage
 from ._runner.stage_grads import BackwardParts
@@ -98,7 +98,8 @@ class KDAPipeline(eqx.Module):
     # The forward in tiles of about this many (row, head, chunk) blocks, every stage called
     # tile by tile with the state carried between tiles (None: each stage once over the
     # whole input). CPUs gain from tiles that fit in cache; accelerators want whole arrays.
-    # Only when every forward stage's class is ``tile_safe``; else the forward runs whole.
+    # Only when every forward stage's class is ``tile_safe`` and of KDA's math (the one rule
+    # of routes, ``kdax._runner.derived.unchecked``); else the forward runs whole.
     # A training step (chunk_kda under a gradient) runs whole: see _vjp_fwd.
     tile: Optional[int] = eqx.field(static=True, default=None)
     # Precision policy of the products (kdax._numerics.precision): "auto" (half-precision operands
@@ -110,9 +111,9 @@ class KDAPipeline(eqx.Module):
     # (``_layouts.layout.make_shared_layout``, ``stages._segments``), so many short sequences cost what their
     # tokens cost. Final states (``output_final_state``) are read from the chunk of each
     # sequence's last token, and a loss on them runs back through the same chunks
-    # (``kdax._layouts.shared_states``). Needs the stages that get the reset table to accept
-    # ``reset`` (or ``fallback``, which runs the reference ones). False, or an initial
-    # state: every sequence starts its own chunk. ``plan`` says which ran.
+    # (``kdax._layouts.shared_states``). Needs every stage of KDA's math, and the stages that get
+    # the reset table to accept ``reset`` (or ``fallback``, which runs the reference ones).
+    # False, or an initial state: every sequence starts its own chunk. ``plan`` says which ran.
     share_chunks: bool = eqx.field(static=True, default=True)
     # The reference stages' chunk-group loops: "flat" groups of the flattened (row, head,
     # chunk) axes, or "slices" of the chunk axis keeping rows and heads whole (arrays
@@ -228,6 +229,14 @@ class KDAPipeline(eqx.Module):
         # What a stage says of how it runs (``plan_note``, e.g. a segment-split recurrence).
         notes = tuple(f"{name}: {ran.plan_note}" for name, (_, ran, _) in rec.ran.items()
                       if getattr(ran, "plan_note", None))
+        # Why a declaration selected no route (kdax._runner.derived.unchecked: stages of other math).
+        for name in unchecked(self):
+            stage = getattr(self, name)
+            said = [c for c in ("reset", "tile_safe") if getattr(capabilities(type(stage)), c)]
+            what = f"math {stage.math!r}" if STAGES[name].forward else f"transposes {dict(stage.transposes)!r}"
+            notes += (f"routes: {STAGES[name].step} {name} ({type(stage).__qualname__}) {what}, not KDA's: packed "
+                      f"sequences keep one chunk each and the forward runs whole, whatever a stage declares"
+                      + (f" (it declares {', '.join(said)})" if said else ""),)
         if reasons:
             notes += ("backward: derived by jax.vjp through F1-F5 (exact; the six-stage backward does not transpose "
                       "this forward: " + "; ".join(reasons) + ")",)
@@ -278,8 +287,8 @@ class KDAPipeline(eqx.Module):
         HV, V = v.shape[2:]
         dt = compute_dtype(q, k, v, g, beta, h0)
         # (initial states entering shared chunks compute terms of F1's and F5's math in
-        # kdax._layouts.shared_states: only for stages that declare KDA's; others keep one
-        # sequence per chunk, where every term comes from the stage)
+        # kdax._layouts.shared_states: only for stages that declare KDA's, as shares_chunks asks
+        # of every stage; others keep one sequence per chunk, every term from the stage)
         entries = entries and all(is_kda(getattr(self, n)) for n in ("gate", "output"))
         shared = self.shares_chunks(None if entries else h0, cu_seqlens)
         if shared and h0 is not None:  # initial states entering shared chunks
@@ -385,19 +394,21 @@ class KDAPipeline(eqx.Module):
 
     def shares_chunks(self, initial_state, cu_seqlens) -> bool:
         """Whether a call with these inputs packs its sequences into shared chunks
-        (``share_chunks``): packed varlen input, no ``initial_state``, and the stages of
-        ``_RESET_FIELDS`` accepting ``reset`` (or ``fallback`` to the reference ones). Final
-        states and a loss on them need no other layout (``kdax._layouts.shared_states``)."""
+        (``share_chunks``): packed varlen input, no ``initial_state``, every stage of KDA's
+        math and the stages of ``_RESET_FIELDS`` accepting ``reset`` (or ``fallback`` to the
+        reference ones). Final states and a loss on them need no other layout
+        (``kdax._layouts.shared_states``)."""
         if not self.share_chunks or cu_seqlens is None or initial_state is not None:
             return False
-        # Every stage the layout's reset table reaches must accept it, or the sequences take
-        # one chunk each (exact either way); ``fallback`` runs the reference stage instead,
-        # for a stage of KDA's math (the reference computes another stage's math for no
-        # one). The final states of shared chunks follow F4's math in kdax._layouts.shared_states:
-        # an F4 of other math keeps one sequence per chunk.
-        if not is_kda(self.state):
+        # The route a declaration selects, by the one rule (kdax._runner.derived.unchecked): every
+        # stage's math checked against the reference (a stage of other math keeps its
+        # sequences in chunks of their own, whatever it declares), every stage the reset
+        # table reaches accepting it, or ``fallback`` running the reference stage there.
+        # The final states of shared chunks are F4's math computed around the stages
+        # (kdax._layouts.shared_states): an F4 of other math never shares chunks.
+        if not is_kda(self.state) or unchecked(self):
             return False
-        return all(capabilities(type(getattr(self, n))).reset
+        return all(routed(n, getattr(self, n)).reset
                    or (self.fallback and reference_is_exact(n, getattr(self, n))) for n in _RESET_FIELDS)
 
     def _tile_chunks(self, rows_heads: int, num_chunks: int) -> Optional[int]:
@@ -408,9 +419,10 @@ class KDAPipeline(eqx.Module):
         return None if n >= num_chunks else n
 
     def _unsafe_for_tiles(self) -> tuple:
-        """The forward stages whose class does not declare ``tile_safe``: with any, the
-        forward runs whole (untiled)."""
-        return tuple(n for n, i in STAGES.items() if i.forward and not capabilities(type(getattr(self, n))).tile_safe)
+        """The forward stages that are not tile-safe by the one rule of routes
+        (``kdax._runner.derived.routed``): their class does not declare ``tile_safe``, or their
+        math is not KDA's. With any, the forward runs whole (untiled)."""
+        return tuple(n for n, i in STAGES.items() if i.forward and not routed(n, getattr(self, n)).tile_safe)
 
     def _front_stages(self, config: KDAConfig, chunked, A_log, dt_bias, layout: ChunkLayout):
         """F1-F3 on chunked inputs ``(q, k, v, g, beta)``: ``(act, intra, wy)``; with the

@@ -22,7 +22,7 @@ import dataclasses
 import math as _math
 import warnings
 from collections.abc import Sequence
-from typing import Any, NamedTuple, Optional
+from typing import Any, ClassVar, NamedTuple, Optional
 
 import equinox as eqx
 import jax
@@ -31,6 +31,8 @@ import numpy as np
 
 from ._config import KDAOptions
 from ._errors import StageContractError, UnsupportedCase
+from ._layouts.layout import ChunkLayout
+from ._layouts.tiles import Tiles
 from ._layouts.tokens import Tokens, as_chunked
 from ._numerics import precision as _precision
 from ._runner import derived as _derived
@@ -39,7 +41,7 @@ from ._runner.contracts import STAGES
 from ._runner.runner import recording, run_stage
 from ._typing import typecheck
 from .pipeline import _RESET_FIELDS, KDAPipeline, _prepare
-from .stages import Activated
+from .stages import KDA, AbstractGate, Activated, ReferenceGate
 
 __all__ = ["Check", "Report", "Case", "check_stage", "check_pipeline", "default_cases", "tolerance"]
 
@@ -123,6 +125,10 @@ class Case:
     options: tuple = ()
     strong: bool = False
     seed: int = 0
+    # Shared chunks: False records the arguments from a pipeline whose F1 leaves out the
+    # log decay floor at sequence starts, so that every other stage's reset must be exact
+    # on its own (the floor alone hides a dropped reset: e^floor is below rounding).
+    floor: bool = True
 
     @property
     def opts(self) -> dict:
@@ -183,6 +189,7 @@ def default_cases(dtypes=(jnp.float64, jnp.float32, jnp.bfloat16), full: bool = 
         cases.append(Case(f"packed {n}", d, B=1, T=40, cu=_CU))
         if shared:
             cases.append(Case(f"shared {n}", d, B=1, T=40, cu=_CU, share=True, h0=False))
+            cases.append(Case(f"shared-exact {n}", d, B=1, T=40, cu=_CU, share=True, h0=False, floor=False))
         cases.append(Case(f"fla-options {n}", d, options=_FLA))
         cases.append(Case(f"grouped {n}", d, H=1, HV=2))
     if full:
@@ -218,7 +225,20 @@ def _base(base: Optional[KDAPipeline]) -> KDAPipeline:
 
 def _pipe_for(base: KDAPipeline, case: Case) -> KDAPipeline:
     p = dataclasses.replace(base, share_chunks=case.share, tile=None)
+    if not case.floor:
+        p = eqx.tree_at(lambda p: p.gate, p, _UnflooredGate())
     return p.with_precision(_precision.resolve(base.precision, case.dtype))
+
+
+class _UnflooredGate(AbstractGate):
+    """KDA's F1 without the log decay floor at sequence starts (``Case.floor``): G runs on
+    through a chunk's earlier sequence, which the other stages' resets must cut exactly."""
+
+    math: ClassVar[Optional[str]] = KDA
+    accepts: ClassVar[frozenset] = frozenset({"reset", "tile_safe"})
+
+    def __call__(self, config, q, k, g, beta, A_log, dt_bias, valid, reset=None):
+        return ReferenceGate()(config, q, k, g, beta, A_log, dt_bias, valid)
 
 
 _RECORDED: dict = {}
@@ -290,7 +310,9 @@ def _for_stage(stage, kwargs: dict) -> dict:
 
 
 def _run(pipe, field, kwargs):
-    with recording(quiet=True):
+    # (the stage as it declares itself: reset passed by its declaration, whatever its
+    # math, and none of the pipeline's reset masks, which would hide a false one)
+    with recording(quiet=True), _derived.as_declared():
         return run_stage(pipe, field, **kwargs)
 
 
@@ -339,6 +361,51 @@ def _compare(out, ref, tol: float):
         if not e <= worst:
             worst, where = e, path
     return worst <= tol, f"rel-RMS {worst:.1e} ({where or '-'}), tol {tol:.0e}"
+
+
+def _tile_of(kw: dict) -> Optional[dict]:
+    """The arguments a forward stage gets on a tile of the input ``kw`` was recorded on
+    (``kdax._layouts.tiles``: the pipeline's tiles are KDA problems with an initial state): chunks
+    ``[c0, NC)``, ``c0`` where a packed sequence goes on from the chunk before (a carry),
+    the arrays sliced, the layout as ``Tiles`` makes it and the state table with one
+    carry per row (a fixed random state: any finite state may start a tile). None for a
+    single chunk."""
+    kw = {n: as_chunked(x) if isinstance(x, Tokens) else x for n, x in kw.items()}
+    arrays = [x for n, x in kw.items() if n not in ("h0", "layout") and hasattr(x, "ndim") and x.ndim >= 3]
+    if not arrays:
+        return None
+    NC = arrays[0].shape[1] if arrays[0].ndim == 3 else arrays[0].shape[2]
+    if NC < 2:
+        return None
+    c0 = max(1, NC - 2)
+    out = {}
+    for n, x in kw.items():
+        if n in ("h0", "layout") or not (hasattr(x, "ndim") and x.ndim >= 3):
+            out[n] = x
+        elif x.ndim == 3:  # valid, reset [R, NC, C]
+            out[n] = x[:, c0:]
+        else:  # [R, HV, NC, ...]
+            out[n] = x[:, :, c0:]
+    L = kw.get("layout")
+    if isinstance(L, ChunkLayout):
+        h0 = kw["h0"]
+        tiles = Tiles(L, h0.shape[0], NC - c0)
+        R = L.valid.shape[0]
+        carry = 0.3 * _weights((R,) + tuple(h0.shape[1:]), h0.dtype, 5)
+        out["layout"] = tiles.layout_of(c0, NC - c0, True)
+        out["h0"] = tiles.table(h0, carry)
+    return out
+
+
+def _tile_read(out, tile: dict):
+    """What the pipeline reads of a stage's output on a tile: of F4's final states, only
+    the entries that end in the tile (``kdax._layouts.tiles``: ``collect``, ``carry_of``; the
+    others are no sequence's there, their values unspecified)."""
+    L = tile.get("layout")
+    if not isinstance(L, ChunkLayout) or getattr(out, "final", None) is None:
+        return out
+    ends = np.unique(np.asarray(L.last))
+    return dataclasses.replace(out, final=out.final[ends[ends >= 0]])
 
 
 def _error(e: Exception) -> str:
@@ -491,30 +558,41 @@ def _pipeline_outputs(P: KDAPipeline, case: Case, grads: bool):
 
 
 def _capability_checks(col, base, field, stage, caps, dtype, full):
-    """Every declared capability against the per-sequence layout / the untiled forward."""
+    """Every declared capability against the per-sequence layout / the untiled forward, in
+    pipelines that take the routes the declaration selects whatever the stage's math
+    (``kdax._runner.derived.as_declared``; a pipeline takes them only for KDA's math)."""
+    with _derived.as_declared():
+        _declared_capabilities(col, base, field, stage, caps, dtype, full)
+
+
+def _declared_capabilities(col, base, field, stage, caps, dtype, full):
     P = _with_stage(base, field, stage)
     forward = STAGES[field].forward
     tol = tolerance(dtype)
     d = _dtname(dtype)
     if caps.reset and field in _RESET_FIELDS:
         case = Case(f"packed {d}", dtype, B=1, T=40, cu=_CU, h0=False)
-        try:
-            o1, h1, g1, m1 = _pipeline_outputs(dataclasses.replace(P, share_chunks=True), case, True)
-            o0, h0, g0, m0 = _pipeline_outputs(dataclasses.replace(P, share_chunks=False), case, True)
-            if m1["layout"] != "shared":
-                col.add("reset", case.name, None, f"the pipeline ran the {m1['layout']} layout, not shared chunks")
-            elif not forward and (m1["derived"] or m1["ran"].get(field) is not type(stage)):
-                col.add("reset", case.name, None, "the pipeline did not run this backward stage (derived backward: "
-                        "pass base= a pipeline whose forward it transposes)")
-            else:
-                ok, det = _compare((o1, h1, g1), (o0, h0, g0), tol)
-                col.add("reset", case.name, ok, ("shared chunks vs per-sequence, outputs and gradients: " + det)
-                        if ok else f"declares `reset` but shared chunks give other numbers than the per-sequence "
-                                   f"layout: {det}")
-        except UnsupportedCase as e:
-            col.add("reset", case.name, None, f"UnsupportedCase ({e}): the pipeline falls back")
-        except Exception as e:
-            col.add("reset", case.name, False, _error(e))
+        # (and with F1's floor left out, where the stage's own reset must be exact: Case.floor)
+        for floor in (True, False) if field != "gate" else (True,):
+            name = case.name if floor else f"{case.name} no-floor"
+            try:
+                Ps = P if floor else eqx.tree_at(lambda p: p.gate, P, _UnflooredGate())
+                o1, h1, g1, m1 = _pipeline_outputs(dataclasses.replace(Ps, share_chunks=True), case, True)
+                o0, h0, g0, m0 = _pipeline_outputs(dataclasses.replace(P, share_chunks=False), case, True)
+                if m1["layout"] != "shared":
+                    col.add("reset", name, None, f"the pipeline ran the {m1['layout']} layout, not shared chunks")
+                elif not forward and (m1["derived"] or m1["ran"].get(field) is not type(stage)):
+                    col.add("reset", name, None, "the pipeline did not run this backward stage (derived backward: "
+                            "pass base= a pipeline whose forward it transposes)")
+                else:
+                    ok, det = _compare((o1, h1, g1), (o0, h0, g0), tol)
+                    col.add("reset", name, ok, ("shared chunks vs per-sequence, outputs and gradients: " + det)
+                            if ok else f"declares `reset` but shared chunks give other numbers than the per-sequence "
+                                       f"layout: {det}")
+            except UnsupportedCase as e:
+                col.add("reset", name, None, f"UnsupportedCase ({e}): the pipeline falls back")
+            except Exception as e:
+                col.add("reset", name, False, _error(e))
     if caps.tile_safe and forward:
         if P._unsafe_for_tiles():
             col.add("tile_safe", "-", None, f"the base pipeline has stages that are not tile-safe: "
@@ -588,14 +666,18 @@ def check_stage(
     * ``finite``: finite outputs;
     * ``reference`` (a stage declaring KDA's math: ``math = KDA``; backward stages
       ``transposes`` KDA; B0 always): its outputs equal the reference stage's on the same
-      arguments (``tolerance``: 1e-10 float64, 1e-5 float32, 5e-3 bf16 inputs);
+      arguments (``tolerance``: 1e-10 float64, 1e-5 float32, 5e-3 bf16 inputs), also on
+      shared chunks without F1's floor (``shared-exact``: each stage's reset exact on its
+      own) and, for a forward stage declaring ``tile_safe``, on a tile of each case (a
+      carried state): the routes the pipeline takes on these declarations are KDA problems;
     * ``nan-isolation``: a NaN in one sequence's part of each per-token argument reaches no
       other sequence's outputs (dense rows; packed per-sequence chunks);
     * ``jit``, ``filter_jit``, ``vmap`` (two cases' arguments stacked), ``grad`` (forward
       stages; skipped where JAX cannot differentiate it);
-    * declared capabilities: ``reset`` (in a pipeline, shared chunks give the per-sequence
-      layout's outputs and gradients), ``tile_safe`` (tiles of one chunk give the whole
-      forward's outputs), ``G_lo`` (float32: with G_lo no farther from the stage's own
+    * declared capabilities, in pipelines that take the routes they select whatever the
+      stage's math (``kdax._runner.derived.as_declared``): ``reset`` (shared chunks give the
+      per-sequence layout's outputs and gradients, with F1's floor and without),
+      ``tile_safe`` (tiles of one chunk give the whole forward's outputs), ``G_lo`` (float32: with G_lo no farther from the stage's own
       float64 output than without), ``tokens`` (views give the chunked copies' outputs),
       ``half_stored`` (under ``"fast"``, bf16 stored intermediates give what their float32
       copies give).
@@ -628,6 +710,8 @@ def check_stage(
     reference = info.reference()
     results = {}
     for case in cases:
+        if not case.floor and field == "gate":
+            continue  # (F1's reset is the floor itself: the "shared" case checks it)
         pipe = _pipe_for(base, case)
         recorded, layout, _, err = _record(pipe, case, cache_ok)
         if field not in recorded:
@@ -663,6 +747,18 @@ def check_stage(
                         f"declares KDA's math but differs from {reference.__class__.__name__}: {det}")
             except Exception as e:
                 col.add("reference", case.name, False, _error(e))
+            # and on a tile of it, where the pipeline runs a tile-safe forward stage
+            tile = _tile_of(full_kw) if info.forward and caps.tile_safe else None
+            if tile is not None:
+                try:
+                    got = _jit_run(P, field, _for_stage(stage, tile))
+                    want = _jit_run(_with_stage(pipe, field, reference), field, _for_stage(reference, tile))
+                    ok, det = _compare(_tile_read(got, tile), _tile_read(want, tile), tol)
+                    col.add("reference", case.name + " tile", ok, f"a tile (carried state) vs "
+                            f"{reference.__class__.__name__}: {det}" if ok else f"declares KDA's math but differs from "
+                            f"{reference.__class__.__name__} on a tile (carried state): {det}")
+                except Exception as e:
+                    col.add("reference", case.name + " tile", False, _error(e))
         if case.name.startswith(("dense", "packed")) and jnp.dtype(case.dtype) == jnp.dtype(dtypes[0]):
             try:
                 _nan_isolation(col, P, field, kw, out, case, case.name)

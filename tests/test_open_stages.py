@@ -259,6 +259,7 @@ class SizeSpy(AbstractOutput):
 
     seen: list = eqx.field(static=True)
     tile_safe: ClassVar[bool] = False
+    math: ClassVar[str] = KDA  # (the reference's: tiles are a route for KDA's math only)
 
     def __call__(self, scale, qg, h, Aqk, v_new):
         self.seen.append(qg.shape[2])
@@ -269,12 +270,19 @@ class TileSafeSpy(SizeSpy):
     tile_safe: ClassVar[bool] = True
 
 
+class OwnMathTileSafeSpy(SizeSpy):
+    """Declares tile_safe and math of its own: the forward runs whole (docs/stages.md, Capabilities)."""
+
+    tile_safe: ClassVar[bool] = True
+    math: ClassVar[str] = "kda, spied"
+
+
 def test_tiles_only_for_tile_safe_stages():
     x = _x(B=1, T=32, H=1)
     pos, kw = split_args(x)
     ref = dataclasses.replace(kdax.KDAPipeline.reference(), tile=1)
     o_ref = oracle_kda(*pos, **kw)[0]
-    for cls, whole in ((SizeSpy, True), (TileSafeSpy, False)):
+    for cls, whole in ((SizeSpy, True), (TileSafeSpy, False), (OwnMathTileSafeSpy, True)):
         seen = []
         pipe = eqx.tree_at(lambda p: p.output, ref, cls(seen))
         o, _ = jax.jit(lambda *a: kdax.chunk_kda(*a, **kw, chunk_size=16, pipeline=pipe))(*pos)

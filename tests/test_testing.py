@@ -50,6 +50,8 @@ def test_reference_stages_pass(field):
     names = {c.name for c in report.checks}
     assert {"contract", "reference", "nan-isolation", "jit", "vmap"} <= names
     assert "reference" in {c.name for c in report.checks if c.passed}
+    if kdax.pipeline.STAGES[field].forward:  # and on a tile of each case (tile_safe stages)
+        assert any(c.name == "reference" and c.case.endswith(" tile") and c.passed for c in report.checks)
 
 
 # (default: the Triton kernels rebuilt for issue 36 and one state kernel; the rest with -m slow)
@@ -212,6 +214,27 @@ def test_false_half_stored_fails():
     report = check_stage(MisreadsHalfOutput(), "output", **_small())
     _assert_fails(report, "half_stored")
     assert "declares `half_stored`" in next(c for c in report.failed if c.name == "half_stored").detail
+
+
+class ZeroStartKDAState(AbstractState):
+    """ZeroStartState declaring KDA's math: right on whole inputs without initial states,
+    so the pipeline would tile it (a KDA stage that declares tile_safe); a tile starts
+    from a carried state, and the reference check on a tile of each case reports it."""
+
+    math: ClassVar = KDA
+    accepts: ClassVar[frozenset] = frozenset({"tile_safe", "reset"})
+
+    def __call__(self, w, u, kg, G, h0, layout, reset=None):
+        return ReferenceState()(w, u, kg, G, jnp.zeros_like(h0), layout, reset)
+
+
+def test_wrong_kda_on_tiles_fails_reference():
+    # (whole inputs without initial states, where it is right; "packed f64 tile" starts
+    # from a carried state)
+    case = Case("packed f64", B=1, T=40, cu=(0, 7, 23, 40), h0=False)
+    report = check_stage(ZeroStartKDAState(), "state", cases=(case,))
+    rows = {c.case: c.passed for c in report.checks if c.name == "reference"}
+    assert rows == {"packed f64": True, "packed f64 tile": False}, str(report)
 
 
 def test_wrong_family_fails():

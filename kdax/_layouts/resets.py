@@ -21,6 +21,8 @@ finite value: a product with an exact zero is zero; ``kdax._numerics.isolation``
 inputs out of shared chunks).
 """
 
+import dataclasses
+
 import jax.numpy as jnp
 
 
@@ -61,3 +63,55 @@ def state_passes(reset):
 def mask_exponent(keep, x):
     """``x`` where ``keep``, else -inf (its exponential an exact zero)."""
     return x if keep is None else jnp.where(keep, x, -jnp.inf)
+
+
+# -- the pipeline's own masks on a stage given ``reset`` ---------------------------------
+
+
+def guards(stage) -> bool:
+    """Whether the pipeline masks what ``stage`` makes of ``reset`` (``guard_inputs``,
+    ``guard_outputs``): every stage but kdax's own, which mask it themselves (their
+    ``check_stage`` rows run in kdax's tests) and keep their programs unchanged."""
+    return type(stage).__module__.split(".")[0] != "kdax"
+
+
+def _mask(keep, x):
+    return jnp.where(keep, x, jnp.zeros((), x.dtype))  # a select, never keep * x (0 * inf)
+
+
+def guard_inputs(name: str, kwargs: dict) -> dict:
+    """B4's pair gradients ``dAqk`` and ``grads.dL`` with exact zeros between sequences:
+    every term B4 forms from a pair is then ``0 * (a finite product)``, what its own mask
+    gives, so a B4 that ignores ``reset`` gives its numbers. Other fields: unchanged."""
+    if name != "intra_bwd":
+        return kwargs
+    same = same_segment(per_head(segments(kwargs["reset"]), kwargs["dAqk"].shape[1]))
+    grads = kwargs["grads"]
+    if grads.dL is not None:
+        grads = dataclasses.replace(grads, dL=_mask(same, grads.dL))
+    return dict(kwargs, dAqk=_mask(same, kwargs["dAqk"]), grads=grads)
+
+
+def _guard_wy(wy, seg):
+    # w = Akk (beta k e^G) and qg = q e^G vanish where the chunk's start state does not
+    # reach (Akk already zero between sequences), kg = k e^(Γ - G) where the token's
+    # sequence ends inside the chunk: the reference stage's own mask, row by row.
+    start, end = from_start(seg), to_end(seg)
+    return dataclasses.replace(wy, w=_mask(start, wy.w), qg=_mask(start, wy.qg), kg=_mask(end, wy.kg))
+
+
+def guard_outputs(name: str, out, reset):
+    """``out`` of a stage of KDA's math that was given ``reset``, with every term
+    between two sequences an exact zero where that is exact whatever the stage made of
+    ``reset`` (finite inputs, ``kdax._numerics.isolation``): F2's ``Aqk`` and ``Akk`` (``I + L``
+    is block lower triangular over the chunk's sequences, so the blocks of its inverse
+    on the diagonal are the inverses of its own: zeroing the others is the inverse of
+    the masked ``L``), F3's ``w``, ``qg``, ``kg`` (above; B0 recomputes with the
+    pipeline's F3, guarded there). F1, F4, B0's states, B2, B3 and B5 sum or carry
+    across tokens: not here (docs/stages.md, "Capabilities")."""
+    if name == "intra":
+        same = same_segment(per_head(segments(reset), out.Aqk.shape[1]))
+        return dataclasses.replace(out, Aqk=_mask(same, out.Aqk), Akk=_mask(same, out.Akk))
+    if name == "wy":
+        return _guard_wy(out, per_head(segments(reset), out.w.shape[1]))
+    return out

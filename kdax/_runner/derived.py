@@ -17,6 +17,8 @@ a forward stage of other math that JAX cannot differentiate is a ``DerivedBackwa
 at trace time, naming the stage and what to pass.
 """
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import warnings
@@ -28,6 +30,7 @@ import jax.numpy as jnp
 
 from .._errors import DerivedBackwardError, FallbackWarning
 from ..stages import KDA
+from .capabilities import Capabilities, capabilities
 from .contracts import STAGES
 
 # Forward field -> the backward fields that transpose (part of) its math.
@@ -74,6 +77,50 @@ def reference_is_exact(field: str, stage) -> bool:
         return True
     says = getattr(stage, "transposes", {})
     return all(says.get(f) == KDA for f, readers in TRANSPOSED_BY.items() if field in readers)
+
+
+# kdax.testing checking a declaration itself: the routes it selects, whatever the math.
+_AS_DECLARED: contextvars.ContextVar = contextvars.ContextVar("kdax_as_declared", default=False)
+
+
+@contextlib.contextmanager
+def as_declared():
+    """Inside the block, the pipeline takes every route a stage's declaration selects
+    (``reset``, ``tile_safe``) whatever its math, and adds no reset mask of its own
+    (``kdax._layouts.resets.guard_outputs``): ``kdax.testing`` runs a declaration this way to check it."""
+    token = _AS_DECLARED.set(True)
+    try:
+        yield
+    finally:
+        _AS_DECLARED.reset(token)
+
+
+def declared_only() -> bool:
+    """Whether an ``as_declared()`` block is active."""
+    return _AS_DECLARED.get()
+
+
+def unchecked(pipeline, fields=None) -> tuple:
+    """The fields (of ``fields``, default every stage) whose stage's math is not checked
+    against the reference stage (not ``reference_is_exact``: ``check_stage``'s reference
+    check does not cover it). The one rule of routes: a route that a declaration selects
+    (shared chunks, ``reset``, tiles) is taken only when no stage it reaches is here, so
+    that a false declaration changes no number (docs/stages.md, "Capabilities"). A tile
+    is a KDA problem with an initial state and a shared chunk KDA with exact resets: a
+    KDA stage wrong there is wrong KDA, which the reference check reports."""
+    if _AS_DECLARED.get():
+        return ()
+    fields = tuple(STAGES) if fields is None else fields
+    return tuple(f for f in fields if not reference_is_exact(f, getattr(pipeline, f)))
+
+
+def routed(field: str, stage) -> Capabilities:
+    """The capabilities of ``stage`` (in ``field``) that select a route: its declaration,
+    less ``reset`` and ``tile_safe`` unless its math is checked (``unchecked``)."""
+    caps = capabilities(type(stage))
+    if _AS_DECLARED.get() or reference_is_exact(field, stage):
+        return caps
+    return caps._replace(reset=False, tile_safe=False)
 
 
 @functools.cache

@@ -4,9 +4,11 @@ array gradients) goes through ``run_stage``:
 
 1. the field's family is checked (a stage edited in with ``eqx.tree_at`` too);
 2. capabilities are negotiated from the stage's declaration (``capabilities``): the
-   optional inputs ``G_lo`` and ``reset`` go only to a stage that accepts them; a stage
-   that lacks what the case needs (``reset`` on a shared-chunk layout) raises
-   ``UnsupportedCase``;
+   optional inputs ``G_lo`` and ``reset`` go only to a stage that accepts them, ``reset``
+   only to one whose math is checked against the reference (``kdax._runner.derived.routed``); a
+   stage that lacks what the case needs (``reset`` on a shared-chunk layout) raises
+   ``UnsupportedCase``; a stage given ``reset`` has the terms between sequences masked
+   where the pipeline can do it exactly (``kdax._layouts.resets.guard_outputs``);
 3. the arguments are checked against the stage's ``__call__``;
 4. the stage runs under its named scope and the precision policy; on ``UnsupportedCase``
    with ``fallback`` the reference stage of the family runs instead (one
@@ -28,13 +30,14 @@ import equinox as eqx
 import jax
 
 from .._errors import FallbackWarning, UnsupportedCase
+from .._layouts import resets as _resets
 from .._numerics import precision as _precision
 from .._numerics.ops import chunk_loops_scope
 from .._typing import ChunkK
 from ..stages import AbstractState, AbstractWY
 from .capabilities import capabilities, negotiated
 from .contracts import STAGES, check_arguments, check_family, check_output, expected_output
-from .derived import reference_is_exact
+from .derived import declared_only, reference_is_exact, routed
 
 
 class Recording:
@@ -83,11 +86,16 @@ def run_stage(pipeline, name: str, **kwargs):
     says. Returns the stage's output."""
     stage = getattr(pipeline, name)
     check_family(name, stage)
-    caps = capabilities(type(stage))
+    caps = routed(name, stage)  # (reset only to a stage whose math is checked: kdax._runner.derived.unchecked)
     full, kwargs = kwargs, negotiated(stage, kwargs)
     needs_reset = kwargs.get("reset") is not None and not caps.reset
     if "reset" in kwargs and not caps.reset:
         kwargs = {n: x for n, x in kwargs.items() if n != "reset"}
+    # What a stage makes of ``reset`` changes no number where the pipeline can make the
+    # reset exact itself (kdax._layouts.resets.guard_outputs); kdax's own stages mask it themselves.
+    guard = kwargs.get("reset") is not None and not declared_only() and _resets.guards(stage)
+    if guard:
+        kwargs = _resets.guard_inputs(name, kwargs)
     recs = _ACTIVE.get()
     for rec in recs:
         rec.inputs.setdefault(name, kwargs)
@@ -105,6 +113,8 @@ def run_stage(pipeline, name: str, **kwargs):
                 )
             check_arguments(name, stage, kwargs)
             out = stage(**kwargs)
+            if guard:
+                out = _resets.guard_outputs(name, out, kwargs["reset"])
         except UnsupportedCase as e:
             if not pipeline.fallback:
                 raise
