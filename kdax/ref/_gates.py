@@ -12,11 +12,13 @@ import jax.numpy as jnp
 L2NORM_EPS = 1e-6
 
 # The floor on a token's log decay in the chunked pipelines, per compute dtype: exp(floor)
-# is far below the dtype's resolution (float32: 2e-9 against eps 6e-8; float64: 9e-27),
-# so clamping changes no result beyond rounding, while keeping the chunk cumsum G small
-# (|G| <= C |floor|): with g = -1e4 (or -inf) G would lose its low bits (or give
-# inf - inf = NaN) and with them every later difference G_i - G_j.
-LOG_DECAY_FLOOR = {"float32": -20.0, "float64": -60.0}
+# underflows to exactly zero (float32: e^-128 < 1.4e-45, the smallest subnormal;
+# float64: e^-1024 < 4.9e-324), and so does every exponent that crosses a floored token,
+# so a gate at or below the floor (-inf included) forgets its channel exactly, as the
+# recurrence's exp(g) = 0 does, whatever the state held. The floor keeps the chunk cumsum
+# G finite (|G| <= C |floor|; -inf would give inf - inf = NaN), and float32's hi/lo split
+# of G (kdax._numerics.hilo) keeps the differences after a floored token exact.
+LOG_DECAY_FLOOR = {"float32": -128.0, "float64": -1024.0}
 
 
 def log_decay_floor(dtype) -> float:
@@ -25,8 +27,8 @@ def log_decay_floor(dtype) -> float:
 
 
 def clamp_log_decay(g):
-    """``max(g, floor)``: any gate in [-inf, 0] gives a finite, small log decay (NaN stays NaN).
-    Tokens below the floor reset the state to within exp(floor), as exp(g) ~ 0 does."""
+    """``max(g, floor)``: any gate in [-inf, 0] gives a finite log decay (NaN stays NaN).
+    A token at or below the floor resets its channel exactly: exp(floor) is 0 in the dtype."""
     return jnp.maximum(g, jnp.asarray(log_decay_floor(g.dtype), g.dtype))
 
 

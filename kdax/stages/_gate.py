@@ -25,16 +25,27 @@ def _rstd(x):
     return jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
 
 
+# The log decay of a token that starts a sequence inside a shared chunk. The other stages
+# mask every term across a sequence start to exact zeros, so the value only has to keep G
+# non-increasing; a small one (not the floor's) keeps G small, so float64's single G
+# keeps its low bits in the sequences after it.
+RESET_LOG_DECAY = {"float32": -20.0, "float64": -60.0}
+
+
+def reset_log_decay(dtype) -> float:
+    return RESET_LOG_DECAY["float64" if jnp.dtype(dtype) == jnp.float64 else "float32"]
+
+
 def activated_gate(config: KDAConfig, g, A_log, dt_bias, valid, reset=None):
     """The per-token log decay: raw ``g`` or the in-kernel gate, clamped at the dtype's
-    floor (``clamp_log_decay``), zero at padding; the floor itself at ``reset`` tokens
+    floor (``clamp_log_decay``), zero at padding; ``reset_log_decay`` at ``reset`` tokens
     (a sequence start inside a shared chunk: ``_layouts.layout.make_shared_layout``)."""
     if config.use_gate_in_kernel:
         g = _HeadsBack(kda_gate(_HeadsLast(g), A_log, dt_bias, config.lower_bound))
     g = clamp_log_decay(g)
     if reset is not None:
         # A NaN or inf gate stays (it then reaches G from its own row on, as any).
-        floor = jnp.where(jnp.isfinite(g), jnp.asarray(log_decay_floor(g.dtype), g.dtype), g)
+        floor = jnp.where(jnp.isfinite(g), jnp.asarray(reset_log_decay(g.dtype), g.dtype), g)
         g = jnp.where(reset[:, None, :, :, None], floor, g)
     return jnp.where(valid[:, None, :, :, None], g, 0.0)
 
@@ -48,8 +59,8 @@ class AbstractGate(eqx.Module):
     ``config.use_gate_in_kernel``; ``beta`` ``[R, HV, NC, C]`` raw; ``A_log`` ``[HV]`` or
     None; ``dt_bias`` ``[HV * K]`` or None; ``valid`` ``[R, NC, C]`` real tokens;
     ``reset`` ``[R, NC, C]`` or None: tokens that start a sequence inside a chunk shared
-    with the one before (packed short sequences), whose log decay must be the dtype's
-    floor (``ref.log_decay_floor``). The pipeline passes ``reset`` only to a stage whose
+    with the one before (packed short sequences), whose log decay must be
+    ``reset_log_decay`` (the other stages mask the terms across it to exact zeros). The pipeline passes ``reset`` only to a stage whose
     ``__call__`` has that parameter; one without it cannot run shared chunks (the
     pipeline falls back or keeps one sequence per chunk).
 

@@ -71,10 +71,11 @@ def test_gate_backward_is_vjp(name):
 
 @pytest.mark.parametrize("name", ["plain", "all_softplus"])
 def test_gate_reset(name):
-    """``reset`` (shared chunks, issue 18.8): F1 gives those tokens the log decay floor (a
+    """``reset`` (shared chunks, issue 18.8): F1 gives those tokens ``reset_log_decay`` (a
     NaN or inf gate stays); B5's gate gradients are the VJP of the cumsum restarted at each
     reset, the reset token's own gate a constant (dg = 0 there, exactly)."""
-    from kdax.ref._gates import clamp_log_decay, log_decay_floor
+    from kdax.ref._gates import clamp_log_decay
+    from kdax.stages._gate import reset_log_decay
 
     cfg = KDAConfig(scale=1.0, **CONFIGS[name])
     q, k, g, beta, A_log, dt_bias, valid = _inputs(cfg, seed=2)
@@ -85,7 +86,7 @@ def test_gate_reset(name):
     act = ReferenceGate()(cfg, q, k, g, beta, A_log, dt_bias, valid, reset)
     G = np.asarray(act.G + (0 if act.G_lo is None else act.G_lo))
     step = np.diff(np.concatenate([np.zeros_like(G[..., :1, :]), G], axis=-2), axis=-2)
-    assert np.allclose(step[np.broadcast_to(np.asarray(reset)[:, None, :, :, None], G.shape)], log_decay_floor(G.dtype))
+    assert np.allclose(step[np.broadcast_to(np.asarray(reset)[:, None, :, :, None], G.shape)], reset_log_decay(G.dtype))
     seg = np.cumsum(np.asarray(reset), axis=-1)  # sequence index within each chunk
 
     def restarted(g, A_log, dt_bias):  # the gate, then the cumsum restarted at each reset
