@@ -2,7 +2,9 @@
 under bf16/fp16 inputs, which stay at HIGHEST, and the errors of the fast policy against
 the float64 oracle within FLA's tolerances."""
 
+import dataclasses
 import re
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -13,6 +15,7 @@ import pytest
 import kdax
 from kdax._numerics import precision as _precision
 from kdax.pallas import PallasDhu, PallasState
+from kdax.stages import AbstractOutput, ReferenceOutput
 
 from ._gpu_products import gpu_products
 from ._util import assert_close, loss_grads, make_inputs, oracle_kda, rel_rms, run, split_args
@@ -314,3 +317,50 @@ def test_fast_policy_stores_intermediates_in_bf16(name, policy):
     for n, dts in kernels:
         if n in _KERNEL_OUTPUTS:
             assert dts == (_KERNEL_OUTPUTS[n] if policy == "fast" else ("float32",) * len(dts)), (n, dts)
+
+
+class _OwnProductOutput(AbstractOutput):
+    """KDA's F5 composed, plus a product of its own (a user's stage)."""
+
+    math: ClassVar = "kda-plus-own-product"
+
+    def __call__(self, scale, qg, h, Aqk, v_new):
+        o = ReferenceOutput()(scale, qg, h, Aqk, v_new)
+        with jax.named_scope("user_own_product"):
+            return o + 1e-3 * jnp.einsum("rhncv,rhnvw->rhncw", o, h[..., : o.shape[-1], :])
+
+
+def _dot_precisions_by_scope(jaxpr, out):
+    for e in jaxpr.eqns:
+        if e.primitive.name == "dot_general":
+            out.append(("user_own_product" in str(e.source_info.name_stack), e.params["precision"]))
+        for p in e.params.values():
+            for sub in (p if isinstance(p, (list, tuple)) else (p,)):
+                sub = getattr(sub, "jaxpr", sub)
+                if isinstance(sub, jax.extend.core.Jaxpr):
+                    _dot_precisions_by_scope(sub, out)
+    return out
+
+
+@pytest.mark.parametrize("policy", ["highest", "bfloat16"])
+def test_policy_reaches_kdax_products_only(policy):
+    """The precision policy is kdax's choice for kdax's products (issue 38, item 4): a
+    user's stage keeps the caller's matmul precision for its own products, while the
+    reference stage it composes, and every other stage, follow the policy."""
+    pipe = dataclasses.replace(kdax.KDAPipeline.reference().untiled(), output=_OwnProductOutput(), precision=policy)
+    s = jax.ShapeDtypeStruct
+    args = (s((1, 32, 2, 16), jnp.float32),) * 4 + (s((1, 32, 2), jnp.float32),)
+    fn = lambda *a: kdax.chunk_kda(*a, chunk_size=16, pipeline=pipe)[0]
+    dots = _dot_precisions_by_scope(jax.make_jaxpr(fn)(*args).jaxpr, [])
+    own = [p for mine, p in dots if mine]
+    kdax_dots = [p for mine, p in dots if not mine]
+    assert own and kdax_dots
+    assert all(p is None or p == (jax.lax.Precision.DEFAULT,) * 2 for p in own), own
+    if policy == "highest":
+        assert all(p == (jax.lax.Precision.HIGHEST,) * 2 for p in kdax_dots), kdax_dots
+    else:  # the output stage's products take the policy's algorithm, the others HIGHEST
+        assert any(p != (jax.lax.Precision.HIGHEST,) * 2 for p in kdax_dots)
+        assert all(p is not None and p != (jax.lax.Precision.DEFAULT,) * 2 for p in kdax_dots), kdax_dots
+    with jax.default_matmul_precision("highest"):  # the caller's choice reaches the user's products
+        dots = _dot_precisions_by_scope(jax.make_jaxpr(fn)(*args).jaxpr, [])
+    assert all(p == (jax.lax.Precision.HIGHEST,) * 2 for mine, p in dots if mine)

@@ -12,21 +12,6 @@ import jax.numpy as jnp
 from . import precision as _precision
 
 
-def full_precision(fn):
-    """Trace ``fn``'s matrix products at HIGHEST precision. XLA on GPUs runs float32
-    products in TF32 (10-bit mantissa) by default, which put 1e-4 relative errors into the
-    stages and 1e-2 into the gradients at T=4096 on an H200; CPUs are unaffected. Inside a
-    pipeline stage traced under a half-precision policy (``kdax._numerics.precision``), the
-    policy's precision instead."""
-
-    @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
-        with jax.default_matmul_precision(_precision.matmul_precision()):
-            return fn(*args, **kwargs)
-
-    return wrapped
-
-
 def mT(x):
     """Transpose of the last two axes."""
     return jnp.swapaxes(x, -1, -2)

@@ -46,11 +46,15 @@ Everything else (the scores of F2, F3's ``w``/``u``, F5's output, B1, B3 and B0'
 takes half-precision operands as FLA's kernels do, with errors of the order of the
 inputs' own rounding.
 
-Mechanism: the stage runner (``kdax._runner.runner.run_stage``) enters ``stage_scope(policy, stage)``. It sets JAX's
-default matmul precision (the reference stages' jnp products: on GPUs XLA then rounds the
+Mechanism: the stage runner (``kdax._runner.runner.run_stage``) enters ``stage_scope(policy, stage)``,
+which records the stage's policy and operand dtype. kdax's own stages (the final classes,
+``kdax._runner.final``) trace their ``__call__`` under JAX's default matmul precision for
+it (``matmul_precision``: the reference stages' jnp products; on GPUs XLA then rounds the
 operands and runs bf16 tensor-core products; XLA:CPU ignores the algorithm and computes in
-float32) and records the operand dtype, which ``kdax.pallas``'s in-kernel ``dot`` reads to
-cast its operands explicitly (on every backend, interpret mode included). The tests
+float32), and ``kdax.pallas``'s in-kernel ``dot`` reads the operand dtype to cast its
+operands explicitly (on every backend, interpret mode included). A user's stage is not
+touched: its own products keep the caller's precision, and a kdax stage it composes
+applies the policy to its own. The tests
 emulate XLA:GPU's rounding on a CPU (``tests/_gpu_products.py``).
 
 Storage (``"fast"`` only): the stage runner casts the ``STORED`` fields of F2's, F3's,
@@ -137,8 +141,7 @@ def stage_scope(policy: str, stage: str):
     operand = jnp.dtype(_half(policy)) if fast else None
     token = _CURRENT.set((policy, operand))
     try:
-        with jax.default_matmul_precision(_algorithm(_half(policy)) if fast else "highest"):
-            yield
+        yield
     finally:
         _CURRENT.reset(token)
 

@@ -1,12 +1,23 @@
 """Concrete stages are final (the Equinox family's abstract/final pattern): a user's stage
 subclasses the abstract class of its family and composes a concrete one (calls it from
 its own ``__call__``), so that a change inside a concrete stage never silently changes a
-subclass of it."""
+subclass of it.
+
+kdax's concrete stages also trace their own products under the precision policy of the
+stage being run (``kdax._numerics.precision``): the policy is kdax's choice for kdax's
+products, and a user's stage, which is never final, keeps the caller's matmul precision
+for its own."""
+
+import functools
+
+import jax
+
+from .._numerics import precision as _precision
 
 
 def final(cls: type) -> type:
     """Mark stage class ``cls`` final: defining a subclass raises ``TypeError`` saying to
-    compose it instead."""
+    compose it instead. Its ``__call__`` runs under ``precision.matmul_precision()``."""
     family = next((b.__qualname__ for b in cls.__mro__[1:] if b.__name__.startswith("Abstract")), "its Abstract* class")
 
     def __init_subclass__(sub, **kwargs):
@@ -15,5 +26,13 @@ def final(cls: type) -> type:
             f"from your __call__ (compose it; docs/stages.md §4)."
         )
 
+    call = cls.__call__
+
+    @functools.wraps(call)
+    def __call__(self, *args, **kwargs):
+        with jax.default_matmul_precision(_precision.matmul_precision()):
+            return call(self, *args, **kwargs)
+
     cls.__init_subclass__ = classmethod(__init_subclass__)
+    cls.__call__ = __call__
     return cls

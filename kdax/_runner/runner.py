@@ -99,9 +99,9 @@ def run_stage(pipeline, name: str, **kwargs):
     recs = _ACTIVE.get()
     for rec in recs:
         rec.inputs.setdefault(name, kwargs)
-    # The named scope labels every op of the stage in HLO dumps and profiles. Products
-    # run at full precision in any stage, a user's too (see kdax._numerics.ops.full_precision),
-    # unless the precision policy lets this stage take half-precision operands.
+    # The named scope labels every op of the stage in HLO dumps and profiles. The policy
+    # reaches kdax's own products only (kdax._runner.final: HIGHEST, unless it lets this
+    # stage take half-precision operands); a user's stage keeps the caller's precision.
     policy = "highest" if pipeline.precision == "auto" else pipeline.precision  # unresolved: safe
     with jax.named_scope(f"kdax_{name}"), _precision.stage_scope(policy, name), chunk_loops_scope(pipeline.chunk_loops):
         ran, reason = stage, None

@@ -11,7 +11,7 @@ from jaxtyping import Array, Float
 
 from .._config import KDAConfig
 from .._numerics.hilo import grid_bits, split_log_decay
-from .._numerics.ops import ChunkGroup, full_precision, lower_matmul, mT, over_chunks
+from .._numerics.ops import ChunkGroup, lower_matmul, mT, over_chunks
 from .._runner.final import final
 from .._typing import ChunkK, ChunkScalar, ChunkValid, typecheck
 from ..ref import L2NORM_EPS, beta_activation, clamp_log_decay, kda_gate, log_decay_floor
@@ -113,7 +113,6 @@ class ReferenceGate(AbstractGate):
     group: ChunkGroup = eqx.field(static=True, default="auto")
     split: bool = eqx.field(static=True, default=True)
 
-    @full_precision
     @typecheck
     def __call__(
         self,
@@ -261,7 +260,6 @@ class ReferenceGateBackward(AbstractGateBackward):
 
     group: ChunkGroup = eqx.field(static=True, default="auto")
 
-    @full_precision
     @typecheck
     def __call__(
         self,

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from .._layouts.resets import per_head, same_segment, segments
 from .._numerics import precision as _precision
 from .._numerics.hilo import exponent
-from .._numerics.ops import ChunkGroup, full_precision, lower_matmul, mT, over_chunks, rowsum, zeros_after
+from .._numerics.ops import ChunkGroup, lower_matmul, mT, over_chunks, rowsum, zeros_after
 from .._runner.final import final
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkValid, typecheck
 from ._types import ChunkGrads, IntraOut, KDA
@@ -236,7 +236,6 @@ class ReferenceIntra(AbstractIntra):
 
     group: ChunkGroup = eqx.field(static=True, default="auto")
 
-    @full_precision
     @typecheck
     def __call__(
         self,
@@ -311,7 +310,6 @@ class ReferenceIntraBackward(AbstractIntraBackward):
 
     group: ChunkGroup = eqx.field(static=True, default="auto")
 
-    @full_precision
     @typecheck
     def __call__(
         self,

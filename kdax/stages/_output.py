@@ -8,7 +8,7 @@ from typing import ClassVar, Mapping, Optional
 import equinox as eqx
 import jax.numpy as jnp
 
-from .._numerics.ops import ChunkGroup, full_precision, lower_matmul, mT, over_chunks, tri_mask
+from .._numerics.ops import ChunkGroup, lower_matmul, mT, over_chunks, tri_mask
 from .._runner.final import final
 from .._typing import ChunkK, ChunkMat, ChunkState, ChunkV, typecheck
 from ._types import KDA
@@ -63,7 +63,6 @@ class ReferenceOutput(AbstractOutput):
 
     group: ChunkGroup = eqx.field(static=True, default="auto")
 
-    @full_precision
     @typecheck
     def __call__(
         self,
@@ -117,7 +116,6 @@ class ReferenceDAv(AbstractDAv):
 
     group: ChunkGroup = eqx.field(static=True, default="auto")
 
-    @full_precision
     @typecheck
     def __call__(
         self,

@@ -8,7 +8,6 @@ import equinox as eqx
 from .._errors import UnsupportedCase
 from .._layouts.layout import ChunkLayout
 from .._numerics import precision as _precision
-from .._numerics.ops import full_precision
 from .._runner.capabilities import capabilities, negotiated
 from .._runner.final import final
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkV, ChunkValid, SeqState, typecheck
@@ -91,7 +90,6 @@ class ReferenceRecompute(AbstractRecompute):
 
     accepts: ClassVar[frozenset] = frozenset({"G_lo", "reset"})
 
-    @full_precision
     @typecheck
     def __call__(
         self,

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from .._layouts.layout import ChunkLayout
 from .._layouts.resets import mask_exponent, state_passes
 from .._numerics import precision as _precision
-from .._numerics.ops import full_precision, loop_unroll, mT, vary_like, zeros_after
+from .._numerics.ops import loop_unroll, mT, vary_like, zeros_after
 from .._runner.final import final
 from .._typing import ChunkK, ChunkV, ChunkValid, SeqState, typecheck
 from ._types import DhuOut, StateOut, KDA
@@ -111,7 +111,6 @@ class ReferenceState(AbstractState):
     # GPU each loop iteration costs a launch and a round trip to the host.
     loop_unroll: Union[int, Literal["auto"]] = eqx.field(static=True, default="auto")
 
-    @full_precision
     @typecheck
     def __call__(
         self,
@@ -232,7 +231,6 @@ class ReferenceDhu(AbstractDhu):
 
     loop_unroll: Union[int, Literal["auto"]] = eqx.field(static=True, default="auto")
 
-    @full_precision
     @typecheck
     def __call__(
         self,

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from .._layouts.resets import from_start, mask_exponent, per_head, same_segment, segments, to_end
 from .._numerics.hilo import exponent
-from .._numerics.ops import ChunkGroup, full_precision, last_row, lower_matmul, mT, over_chunks, rowsum, tri_mask
+from .._numerics.ops import ChunkGroup, last_row, lower_matmul, mT, over_chunks, rowsum, tri_mask
 from .._runner.final import final
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, ChunkValid, typecheck
 from ._types import ChunkGrads, WYOut, KDA
@@ -99,7 +99,6 @@ class ReferenceWY(AbstractWY):
 
     group: ChunkGroup = eqx.field(static=True, default="auto")
 
-    @full_precision
     @typecheck
     def __call__(
         self,
@@ -203,7 +202,6 @@ class ReferenceWYDqkg(AbstractWYDqkg):
 
     group: ChunkGroup = eqx.field(static=True, default="auto")
 
-    @full_precision
     @typecheck
     def __call__(
         self,
