@@ -74,11 +74,14 @@ class Case:
         return tuple(jnp.asarray(x, dt) for x in (q, k, v, g, beta)), kw
 
 
+# FLA's in-kernel options, all on; three packed sequences of 7, 16 and 17 tokens (at
+# chunk 16: shorter than a chunk, exactly one, longer than one).
 _FLA = (("use_qk_l2norm_in_kernel", True), ("use_gate_in_kernel", True), ("use_beta_sigmoid_in_kernel", True))
 _CU = (0, 7, 23, 40)
 
 
 def _dtname(dt) -> str:
+    """A dtype's short name in case names: f64, f32, bf16, f16."""
     return {"float64": "f64", "float32": "f32", "bfloat16": "bf16", "float16": "f16"}.get(jnp.dtype(dt).name,
                                                                                         jnp.dtype(dt).name)
 

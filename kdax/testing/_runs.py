@@ -21,10 +21,13 @@ from ._cases import Case, _weights
 
 
 def _base(base: Optional[KDAPipeline]) -> KDAPipeline:
+    """The pipeline the arguments come from (the reference one by default), untiled."""
     return (KDAPipeline.reference() if base is None else base).untiled()
 
 
 def _pipe_for(base: KDAPipeline, case: Case) -> KDAPipeline:
+    """``base`` as ``case`` runs it: its layout (shared chunks or not), untiled, F1 without
+    the floor where the case asks, the precision policy resolved for the case's dtype."""
     p = dataclasses.replace(base, share_chunks=case.share, tile=None)
     if not case.floor:
         p = eqx.tree_at(lambda p: p.gate, p, _UnflooredGate())
@@ -42,6 +45,8 @@ class _UnflooredGate(AbstractGate):
         return ReferenceGate()(config, q, k, g, beta, A_log, dt_bias, valid)
 
 
+# The reference pipeline's recorded arguments by case: every check_stage without a base
+# records the same ones, and recording is a jitted forward and backward.
 _RECORDED: dict = {}
 
 
@@ -87,6 +92,8 @@ def _record(pipe: KDAPipeline, case: Case, cache: bool):
 
 
 def _with_stage(base: KDAPipeline, field: str, stage) -> KDAPipeline:
+    """``base`` with ``stage`` at ``field``, without fallback (a stage's ``UnsupportedCase``
+    reaches the check)."""
     return eqx.tree_at(lambda p: getattr(p, field), dataclasses.replace(base, fallback=False), stage)
 
 
@@ -101,6 +108,7 @@ def _for_stage(stage, kwargs: dict) -> dict:
 
 
 def _run(pipe, field, kwargs):
+    """The stage at ``field`` of ``pipe`` called by the stage runner on ``kwargs``."""
     # (the stage as it declares itself: reset passed by its declaration, whatever its
     # math, and none of the pipeline's reset masks, which would hide a false one)
     with recording(quiet=True), _derived.as_declared():
