@@ -1,0 +1,26 @@
+"""Conformance checks for stage authors (docs/stages.md, "Checking a stage").
+
+``check_stage(stage, field)`` runs one stage on the arguments a pipeline gives its field
+(recorded from a forward and backward of ``base``, the reference pipeline by default, over
+a matrix of cases: dense, packed per-sequence and shared-chunk layouts, float64 / float32 /
+bf16 inputs, FLA's in-kernel options, grouped value heads) and checks what the stage says
+of itself: its output contract, every capability it declares, NaN isolation between
+sequences, ``jax.jit`` / ``eqx.filter_jit`` / ``vmap`` / ``grad``, and, when it declares
+KDA's math (``math = KDA``, or ``transposes`` KDA for a backward stage), its values against
+its family's reference stage on the same arguments.
+
+``check_pipeline(pipeline)`` compares a pipeline's gradients with the exact gradients of
+its own forward (``jax.vjp`` through its forward stages, the same-math Pallas stages
+differentiated as their reference twins: ``kdax._runner.derived.differentiable_forward``) and
+its outputs across layouts (dense rows, packed per-sequence, shared chunks, tiles).
+
+Both return a ``Report``: ``.ok`` (no check failed; skipped ones say why), ``.failed``,
+and a table when printed, one row per (check, case).
+"""
+
+from ._cases import Case as Case, default_cases as default_cases, tolerance as tolerance
+from ._check_pipeline import check_pipeline as check_pipeline
+from ._check_stage import check_stage as check_stage
+from ._report import Check as Check, Report as Report
+
+__all__ = ["Check", "Report", "Case", "check_stage", "check_pipeline", "default_cases", "tolerance"]

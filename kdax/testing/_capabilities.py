@@ -1,0 +1,157 @@
+"""The checks of what a stage declares it accepts: ``reset`` (shared chunks give the
+per-sequence layout's numbers), ``tile_safe`` (tiles give the whole forward's),
+``half_stored`` (bf16 stored intermediates give their float32 copies' numbers), ``G_lo``
+(float32 with ``G_lo`` no farther from float64 than without) and ``tokens`` (views give the
+chunked copies' numbers)."""
+
+import dataclasses
+
+import equinox as eqx
+import jax.numpy as jnp
+
+from .._errors import UnsupportedCase
+from .._layouts.tokens import Tokens, as_chunked
+from .._numerics import precision as _precision
+from .._runner import derived as _derived
+from .._runner.contracts import STAGES
+from ..pipeline import _RESET_FIELDS
+from ._cases import _CU, Case, _dtname, _Twin, tolerance
+from ._compare import _compare, _leaves, _rel
+from ._report import _error
+from ._runs import _for_stage, _jit_run, _pipe_for, _pipeline_outputs, _record, _UnflooredGate, _with_stage
+
+
+def _capability_checks(col, base, field, stage, caps, dtype, full):
+    """Every declared capability against the per-sequence layout / the untiled forward, in
+    pipelines that take the routes the declaration selects whatever the stage's math
+    (``kdax._runner.derived.as_declared``; a pipeline takes them only for KDA's math)."""
+    with _derived.as_declared():
+        P = _with_stage(base, field, stage)
+        if caps.reset and field in _RESET_FIELDS:
+            _reset_checks(col, P, field, stage, dtype)
+        if caps.tile_safe and STAGES[field].forward:
+            _tile_safe_checks(col, P, field, caps, dtype, full)
+        if caps.half_stored:
+            _half_stored_check(col, base, field, stage)
+
+
+def _reset_checks(col, P, field, stage, dtype):
+    """``reset``: shared chunks give the per-sequence layout's outputs and gradients, with
+    F1's log decay floor at sequence starts and without (then the stage's own reset must be
+    exact: ``Case.floor``)."""
+    forward = STAGES[field].forward
+    case = Case(f"packed {_dtname(dtype)}", dtype, B=1, T=40, cu=_CU, h0=False)
+    for floor in (True, False) if field != "gate" else (True,):
+        name = case.name if floor else f"{case.name} no-floor"
+        try:
+            Ps = P if floor else eqx.tree_at(lambda p: p.gate, P, _UnflooredGate())
+            o1, h1, g1, m1 = _pipeline_outputs(dataclasses.replace(Ps, share_chunks=True), case, True)
+            o0, h0, g0, m0 = _pipeline_outputs(dataclasses.replace(P, share_chunks=False), case, True)
+            if m1["layout"] != "shared":
+                col.add("reset", name, None, f"the pipeline ran the {m1['layout']} layout, not shared chunks")
+            elif not forward and (m1["derived"] or m1["ran"].get(field) is not type(stage)):
+                col.add("reset", name, None, "the pipeline did not run this backward stage (derived backward: "
+                        "pass base= a pipeline whose forward it transposes)")
+            else:
+                ok, det = _compare((o1, h1, g1), (o0, h0, g0), tolerance(dtype))
+                col.add("reset", name, ok, ("shared chunks vs per-sequence, outputs and gradients: " + det)
+                        if ok else f"declares `reset` but shared chunks give other numbers than the per-sequence "
+                                   f"layout: {det}")
+        except UnsupportedCase as e:
+            col.add("reset", name, None, f"UnsupportedCase ({e}): the pipeline falls back")
+        except Exception as e:
+            col.add("reset", name, False, _error(e))
+
+
+def _tile_safe_checks(col, P, field, caps, dtype, full):
+    """``tile_safe``: tiles of one chunk give the whole forward's outputs (dense, packed;
+    ``full``: shared chunks too, for a stage that declares ``reset``)."""
+    if P._unsafe_for_tiles():
+        col.add("tile_safe", "-", None, f"the base pipeline has stages that are not tile-safe: "
+                                        f"{P._unsafe_for_tiles()}")
+        return
+    d = _dtname(dtype)
+    cases = [Case(f"dense {d}", dtype, T=40), Case(f"packed {d}", dtype, B=1, T=40, cu=_CU)]
+    if full and caps.reset and field in _RESET_FIELDS:
+        cases.append(Case(f"shared {d}", dtype, B=1, T=40, cu=_CU, share=True, h0=False))
+    for case in cases:
+        try:
+            Pc = dataclasses.replace(P, share_chunks=case.share)
+            R = case.B if not case.packed else 1
+            ow, hw, _, _ = _pipeline_outputs(Pc, case, False)
+            ot, ht, _, _ = _pipeline_outputs(dataclasses.replace(Pc, tile=R * case.HV), case, False)
+            ok, det = _compare((ot, ht), (ow, hw), tolerance(dtype))
+            col.add("tile_safe", case.name, ok, ("tiles of one chunk vs whole: " + det) if ok else
+                    f"declares `tile_safe` but tiles of one chunk give other numbers than the whole "
+                    f"forward: {det}")
+        except UnsupportedCase as e:
+            col.add("tile_safe", case.name, None, f"UnsupportedCase ({e}): the pipeline falls back")
+        except Exception as e:
+            col.add("tile_safe", case.name, False, _error(e))
+
+
+def _half_stored_check(col, base, field, stage):
+    """``half_stored``: in a pipeline under ``"fast"`` (bf16 inputs), the stage given the
+    stored intermediates in bf16 gives what it gives on their float32 copies (exact
+    widenings: only the stage's own rounding differs)."""
+    case = Case("dense bfloat16", jnp.bfloat16)
+    try:
+        P = _with_stage(_pipe_for(base, case), field, stage).with_precision("fast")
+        kw = _record(P, case, False)[0].get(field) or {}
+        half = sorted(n for n, x in kw.items() if n in _precision.STORED and getattr(x, "dtype", None) == jnp.bfloat16)
+        if not half:
+            col.add("half_stored", case.name, None, "the pipeline passes no bf16 intermediates to this field here")
+            return
+        ok, det = _compare(_jit_run(P, field, kw), _jit_run(P, field, _precision.widened(kw)), tolerance(case.dtype))
+        col.add("half_stored", case.name, ok, (f"bf16 {', '.join(half)} vs float32 copies: " + det) if ok else
+                f"declares `half_stored` but bf16 {', '.join(half)} give other numbers than float32 copies: {det}")
+    except UnsupportedCase as e:
+        col.add("half_stored", case.name, None, f"UnsupportedCase ({e}): the pipeline falls back")
+    except Exception as e:
+        col.add("half_stored", case.name, False, _error(e))
+
+
+def _G_lo_check(col, base, field, stage, cases, results: dict):
+    """``G_lo``: on the float32 dense case (strong gates), the stage's outputs with ``G_lo``
+    are no farther from its own float64 outputs than without. ``results``: ``(pipeline,
+    arguments, outputs, recorded arguments)`` by case name."""
+    f32 = next((c for c in cases if c.name.startswith("dense") and jnp.dtype(c.dtype) == jnp.float32), None)
+    if f32 is None or f32.name not in results:
+        return
+    P, kw, out, full_kw = results[f32.name]
+    if "G_lo" not in full_kw or full_kw["G_lo"] is None:
+        col.add("G_lo", f32.name, None, "the pipeline passes no G_lo to this field")
+        return
+    try:
+        twin = dataclasses.replace(f32, name=f32.name + "->f64", dtype=jnp.float64)
+        (x32, kw32) = f32.inputs()
+        rec64 = _record(_pipe_for(base, twin), _Twin(twin, x32, kw32), False)[0]
+        truth = _jit_run(_with_stage(_pipe_for(base, twin), field, stage), field,
+                         _for_stage(stage, rec64[field]))
+        without = _jit_run(P, field, {n: x for n, x in kw.items() if n != "G_lo"})
+        e_with = max(_rel(x, y) for (_, x), (_, y) in zip(_leaves(out), _leaves(truth)))
+        e_without = max(_rel(x, y) for (_, x), (_, y) in zip(_leaves(without), _leaves(truth)))
+        ok = e_with <= 1.5 * e_without + 1e-7
+        col.add("G_lo", f32.name, ok, f"float32 error vs its float64 output: {e_with:.1e} with G_lo, "
+                                      f"{e_without:.1e} without" + ("" if ok else " (G_lo makes it worse)"))
+    except Exception as e:
+        col.add("G_lo", f32.name, False, _error(e))
+
+
+def _tokens_check(col, base, field, stage, dtype):
+    """``tokens``: in a pipeline with the stage, the views of the caller's arrays it is
+    given give what their chunked copies give."""
+    case = Case(f"dense {_dtname(dtype)}", dtype)
+    try:
+        P = _with_stage(_pipe_for(base, case), field, stage)
+        rec = _record(P, case, False)[0]
+        kw = rec.get(field)
+        if kw is None or not any(isinstance(x, Tokens) for x in kw.values()):
+            col.add("tokens", case.name, None, "the pipeline passes no Tokens views to this field here")
+            return
+        views = _jit_run(P, field, kw)
+        copies = _jit_run(P, field, {n: as_chunked(x) for n, x in kw.items()})
+        ok, det = _compare(views, copies, tolerance(case.dtype))
+        col.add("tokens", case.name, ok, "views vs chunked copies: " + det)
+    except Exception as e:
+        col.add("tokens", case.name, False, _error(e))

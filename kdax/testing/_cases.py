@@ -1,0 +1,166 @@
+"""The inputs the checks run on: ``Case`` (one configuration of a ``chunk_kda`` call and
+its random inputs), the default matrix of cases, the tolerance of a comparison, and the
+fixed random weights of the checks' losses."""
+
+import dataclasses
+from typing import Any, Optional
+
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One input configuration: shapes, layout, dtype and options of a ``chunk_kda`` call
+    whose stage arguments a check runs on. ``cu`` packed ``cu_seqlens`` (B must be 1);
+    ``share`` the pipeline's ``share_chunks``; ``options`` FLA's flags as
+    ``(("use_qk_l2norm_in_kernel", True), ...)``; ``strong``: some log decays -1000."""
+
+    name: str
+    dtype: Any = jnp.float64
+    B: int = 2
+    T: int = 32
+    H: int = 2
+    HV: int = 2
+    K: int = 8
+    V: int = 8
+    chunk: int = 16
+    cu: Optional[tuple] = None
+    share: bool = False
+    h0: bool = True
+    options: tuple = ()
+    strong: bool = False
+    seed: int = 0
+    # Shared chunks: False records the arguments from a pipeline whose F1 leaves out the
+    # log decay floor at sequence starts, so that every other stage's reset must be exact
+    # on its own (the floor alone hides a dropped reset: e^floor is below rounding).
+    floor: bool = True
+
+    @property
+    def opts(self) -> dict:
+        return dict(self.options)
+
+    @property
+    def packed(self) -> bool:
+        return self.cu is not None
+
+    def inputs(self) -> tuple:
+        """``(q, k, v, g, beta)`` and the keyword options of the call (in ``dtype``;
+        ``A_log``, ``dt_bias`` float32 unless float64)."""
+        r = np.random.default_rng(self.seed)
+        B, T, H, HV, K, V = self.B, self.T, self.H, self.HV, self.K, self.V
+        o = self.opts
+        q = r.normal(size=(B, T, H, K))
+        k = r.normal(size=(B, T, H, K)) / np.sqrt(K)
+        v = r.normal(size=(B, T, HV, V))
+        beta = r.normal(size=(B, T, HV)) if o.get("use_beta_sigmoid_in_kernel") else r.uniform(0.05, 0.95, (B, T, HV))
+        if o.get("use_gate_in_kernel"):
+            g = r.normal(size=(B, T, HV, K))
+        else:
+            g = -r.uniform(0.01, 0.5, size=(B, T, HV, K))
+            if self.strong:
+                g[r.uniform(size=g.shape) < 0.05] = -1000.0
+        dt = jnp.dtype(self.dtype)
+        pt = jnp.float64 if dt == jnp.float64 else jnp.float32
+        kw = dict(chunk_size=self.chunk, output_final_state=True, **o)
+        N = B if self.cu is None else len(self.cu) - 1
+        if self.h0:
+            kw["initial_state"] = jnp.asarray(r.normal(size=(N, HV, K, V)) * 0.3, pt)
+        if o.get("use_gate_in_kernel"):
+            kw["A_log"] = jnp.asarray(r.uniform(-1.0, 0.5, size=(HV,)), pt)
+            kw["dt_bias"] = jnp.asarray(r.normal(size=(HV * K,)) * 0.5, pt)
+        if self.cu is not None:
+            kw["cu_seqlens"] = jnp.asarray(self.cu, jnp.int32)
+        return tuple(jnp.asarray(x, dt) for x in (q, k, v, g, beta)), kw
+
+
+# FLA's in-kernel options, all on; three packed sequences of 7, 16 and 17 tokens (at
+# chunk 16: shorter than a chunk, exactly one, longer than one).
+_FLA = (("use_qk_l2norm_in_kernel", True), ("use_gate_in_kernel", True), ("use_beta_sigmoid_in_kernel", True))
+_CU = (0, 7, 23, 40)
+
+
+def _dtname(dt) -> str:
+    """A dtype's short name in case names: f64, f32, bf16, f16."""
+    return {"float64": "f64", "float32": "f32", "bfloat16": "bf16", "float16": "f16"}.get(jnp.dtype(dt).name,
+                                                                                        jnp.dtype(dt).name)
+
+
+def default_cases(dtypes=(jnp.float64, jnp.float32, jnp.bfloat16), full: bool = False, shared: bool = True) -> tuple:
+    """The case matrix: dense rows in each dtype (float32 with -1000 gates); in the first
+    dtype (every dtype with ``full``) packed varlen per-sequence, shared chunks (when
+    ``shared``), FLA's in-kernel options, grouped value heads (HV = 2H). ``full`` adds a
+    larger chunk, the lower-bound gate, shared chunks with initial states and strong gates."""
+    dtypes = tuple(dtypes)
+    cases = [Case(f"dense {_dtname(d)}", d, strong=jnp.dtype(d) == jnp.float32) for d in dtypes]
+    for d in (dtypes if full else dtypes[:1]):
+        n = _dtname(d)
+        cases.append(Case(f"packed {n}", d, B=1, T=40, cu=_CU))
+        if shared:
+            cases.append(Case(f"shared {n}", d, B=1, T=40, cu=_CU, share=True, h0=False))
+            cases.append(Case(f"shared-exact {n}", d, B=1, T=40, cu=_CU, share=True, h0=False, floor=False))
+        cases.append(Case(f"fla-options {n}", d, options=_FLA))
+        cases.append(Case(f"grouped {n}", d, H=1, HV=2))
+    if full:
+        d = dtypes[0]
+        n = _dtname(d)
+        cases += [
+            Case(f"chunk32 {n}", d, T=100, chunk=32, K=16, V=16),
+            Case(f"lower-bound {n}", d, options=_FLA + (("lower_bound", -5.0),)),
+            Case(f"strong {n}", d, strong=True),
+        ]
+        if shared:
+            cases.append(Case(f"shared+h0 {n}", d, B=1, T=40, cu=_CU, share=True, h0=True))
+    return tuple(cases)
+
+
+def tolerance(dtype) -> float:
+    """Relative-RMS tolerance of a comparison of two computations of the same math from
+    inputs of ``dtype`` (compute in float64 / float32): 1e-10, 1e-5, bf16/f16 5e-3."""
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.float64:
+        return 1e-10
+    if dtype == jnp.float32:
+        return 1e-5
+    return 5e-3
+
+
+def _weights(shape, dtype, seed: int):
+    """Fixed random loss weights, made with numpy: the same bits in every program (a
+    ``jax.random`` draw may round differently once fused into two different programs)."""
+    w = np.random.default_rng(seed).standard_normal(tuple(shape)).astype(np.float32)
+    return jnp.asarray(w).astype(dtype)
+
+
+class _Twin:
+    """A case whose inputs are another case's, cast (the float64 twin of a float32 case)."""
+
+    def __init__(self, case: Case, x, kw):
+        self.case, self.x, self.kw = case, x, kw
+
+    def __getattr__(self, name):
+        return getattr(self.case, name)
+
+    def inputs(self):
+        dt = self.case.dtype
+        return (tuple(a.astype(dt) for a in self.x),
+                {n: (a.astype(dt) if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating) else a)
+                 for n, a in self.kw.items()})
+
+
+class _Packed:
+    """The dense case's sequences packed into one row (cu_seqlens [0, T, 2T])."""
+
+    def __init__(self, case: Case, share: bool):
+        self.case = dataclasses.replace(case, name=f"{case.name} packed", B=1, T=2 * case.T,
+                                        cu=(0, case.T, 2 * case.T), share=share)
+        self.dense = case
+
+    def __getattr__(self, name):
+        return getattr(self.case, name)
+
+    def inputs(self):
+        x, kw = self.dense.inputs()
+        x = tuple(a.reshape((1, -1) + a.shape[2:]) for a in x)
+        kw = dict(kw, cu_seqlens=jnp.asarray(self.case.cu, jnp.int32))
+        return x, kw

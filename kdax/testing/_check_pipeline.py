@@ -1,0 +1,173 @@
+"""``check_pipeline``: a pipeline's gradients against the exact gradients of its own
+forward, and its outputs across layouts."""
+
+import dataclasses
+import math as _math
+from typing import Any, Optional
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._errors import UnsupportedCase
+from .._numerics import precision as _precision
+from .._runner import derived as _derived
+from .._runner.contracts import STAGES
+from .._runner.runner import recording
+from .._typing import typecheck
+from ..pipeline import KDAPipeline, _prepare
+from ._cases import _CU, _FLA, Case, _dtname, _Packed, _weights, tolerance
+from ._compare import _compare, _rel
+from ._report import Report, _Collector, _error
+from ._runs import _pipeline_outputs
+
+
+@typecheck
+def check_pipeline(
+    pipeline: KDAPipeline,
+    *,
+    dtype: Any = jnp.float64,
+    full: bool = False,
+    tol: Optional[float] = None,
+) -> Report:
+    """Check ``pipeline`` end to end, in ``dtype`` (float64 by default):
+
+    * ``gradients``: ``jax.grad`` of ``chunk_kda(..., pipeline=pipeline)`` (loss
+      ``sum(o w) + sum(ht wh)``, fixed random weights) against the exact gradients of the
+      pipeline's own forward: ``jax.vjp`` through its forward stages, one sequence per
+      chunk, the same-math Pallas stages replaced by their reference twins
+      (``kdax._runner.derived.differentiable_forward``), for dense inputs with initial and
+      final states, packed varlen inputs with and without initial states, FLA's in-kernel
+      options (``full``: grouped value heads, a larger chunk);
+    * ``forward``: the outputs against that differentiable forward's;
+    * ``layouts``: the outputs (o, final states) of dense rows against the same sequences
+      packed, per-sequence and sharing chunks, and a tiled forward (tiles of one chunk)
+      against the whole one.
+
+    ``tol`` (default ``tolerance(dtype)``; gradients 10x) on the relative RMS of every
+    array; ``.ok`` exactly when every comparison is within it.
+    """
+    col = _Collector()
+    tol = tolerance(dtype) if tol is None else tol
+    pipeline = pipeline.with_precision(_precision.resolve(pipeline.precision, dtype))
+    d = _dtname(dtype)
+    cases = [
+        Case(f"dense {d}", dtype, T=40),
+        Case(f"packed+h0 {d}", dtype, B=1, T=40, cu=_CU, share=pipeline.share_chunks),
+        Case(f"packed {d}", dtype, B=1, T=40, cu=_CU, share=pipeline.share_chunks, h0=False),
+        Case(f"fla-options {d}", dtype, options=_FLA),
+    ]
+    if full:
+        cases += [Case(f"grouped {d}", dtype, H=1, HV=2, T=40),
+                  Case(f"chunk32 {d}", dtype, T=100, chunk=32, K=16, V=16),
+                  Case(f"strong {d}", dtype, T=40, strong=True)]
+    subject = f"check_pipeline({', '.join(f'{n}={type(getattr(pipeline, n)).__name__}' for n in STAGES)})"
+    for case in cases:
+        _gradient_checks(col, pipeline, case, tol)
+    _layout_checks(col, pipeline, dtype, tol)
+    return Report(subject, col.rows)
+
+
+def _gradient_checks(col, pipeline: KDAPipeline, case: Case, tol: float):
+    """``forward`` and ``gradients`` rows of one case: ``chunk_kda``'s outputs and
+    gradients through ``pipeline`` against its differentiable forward's (gradients ``10 tol``)."""
+    gtol = 10 * tol
+    P = dataclasses.replace(pipeline, share_chunks=case.share)
+    try:
+        o, ht, dgot, meta = _pipeline_outputs(P, case, True)
+    except UnsupportedCase as e:
+        col.add("gradients", case.name, None, f"UnsupportedCase ({e}): a case this pipeline does not run")
+        return
+    except Exception as e:
+        col.add("gradients", case.name, False, "chunk_kda raised " + _error(e))
+        return
+    try:
+        o_x, ht_x, (dx, darr) = _exact_grads(pipeline, case)
+    except Exception as e:
+        col.add("gradients", case.name, None if _derived.is_autodiff_failure(e) else False,
+                "cannot differentiate the forward stages: " + _error(e))
+        return
+    path = "derived" if meta["derived"] else "six-stage"
+    ok, det = _compare((o, ht), (o_x, ht_x), tol)
+    col.add("forward", case.name, ok, f"{meta['layout']} layout vs the differentiable forward: {det}")
+    got = dict(zip(_GRAD_NAMES, dgot[0]), **dgot[1])
+    want = dict(zip(_GRAD_NAMES, dx), **darr)
+    worst, where = _worst_gradient(got, want)
+    col.add("gradients", case.name, worst <= gtol, f"{path} backward vs jax.vjp of its forward stages: worst "
+                                                   f"d{where} rel-RMS {worst:.1e}, tol {gtol:.0e}")
+
+
+def _worst_gradient(got: dict, want: dict):
+    """``(worst relative RMS, its input's name)`` of gradients ``got`` against ``want``
+    (by input name; inf for a wrong shape or a non-finite gradient)."""
+    worst, where = 0.0, ""
+    for n, x in want.items():
+        if x is None:
+            continue
+        y = np.asarray(got.get(n), np.float64)
+        x = np.asarray(x, np.float64)
+        if y.shape != x.shape or not np.isfinite(y).all():
+            return _math.inf, n
+        e = _rel(y, x)
+        if e > worst:
+            worst, where = e, n
+    return worst, where
+
+
+def _layout_checks(col, pipeline: KDAPipeline, dtype, tol: float):
+    """``layouts`` rows: dense rows against the same sequences packed (per-sequence, shared
+    chunks), and tiles of one chunk against the whole forward."""
+    d = _dtname(dtype)
+    dense = Case(f"dense {d}", dtype, T=40)
+    try:
+        od, hd, _, _ = _pipeline_outputs(pipeline.untiled(), dense, False)
+        for share in (False, True):
+            pk = _Packed(dense, share)
+            P = dataclasses.replace(pipeline.untiled(), share_chunks=share)
+            op, hp, _, meta = _pipeline_outputs(P, pk, False)
+            ok, det = _compare((op.reshape(od.shape), hp), (od, hd), tol)
+            col.add("layouts", f"packed {'shared' if share else 'per-sequence'} {d}", ok,
+                    f"{meta['layout']} layout vs dense rows: {det}")
+        if pipeline._unsafe_for_tiles():
+            col.add("layouts", f"tiles {d}", None, f"not tile-safe: {pipeline._unsafe_for_tiles()}")
+        else:
+            ot, ht_, _, _ = _pipeline_outputs(dataclasses.replace(pipeline, tile=dense.B * dense.HV), dense, False)
+            ok, det = _compare((ot, ht_), (od, hd), tol)
+            col.add("layouts", f"tiles {d}", ok, f"tiles of one chunk vs whole: {det}")
+    except Exception as e:
+        col.add("layouts", f"dense {d}", False, _error(e))
+
+
+_GRAD_NAMES = ("q", "k", "v", "g", "beta")
+
+
+def _exact_grads(pipeline: KDAPipeline, case: Case):
+    """``(o, ht, (d inputs, d arrays))``: the forward of ``pipeline`` (untiled, one sequence
+    per chunk, same-math Pallas stages as their references) differentiated by ``jax.vjp``
+    at the cotangents ``_pipeline_outputs`` uses."""
+    diff, _ = _derived.differentiable_forward(pipeline)
+    diff = dataclasses.replace(diff, share_chunks=False)
+    (q, k, v, g, beta), kw = case.inputs()
+    arrays = {n: x for n, x in kw.items() if n in ("initial_state", "A_log", "dt_bias")}
+    static = {n: x for n, x in kw.items() if n not in arrays}
+
+    def run(x, arrays):
+        with recording(quiet=True):
+            config, args = _prepare(*x, **static, **arrays)
+            h0, A_log, dt_bias, cu = args[5:]
+
+            def fwd(x, arrays):
+                h0_ = arrays.get("initial_state")
+                if h0_ is not None and static.get("state_v_first"):
+                    h0_ = jnp.swapaxes(h0_, -1, -2)
+                o, final, _ = diff.run_forward(config, *x, h0_, arrays.get("A_log"), arrays.get("dt_bias"), cu)
+                return o, final
+
+            (o, ht), vjp = jax.vjp(fwd, x, arrays)
+            wt = jnp.float64 if o.dtype == jnp.float64 else jnp.float32
+            do = _weights(o.shape, wt, 1).astype(o.dtype)
+            dht = _weights(ht.shape, ht.dtype, 2)
+            return o, ht, vjp((do, dht))
+
+    return eqx.filter_jit(run)((q, k, v, g, beta), arrays)

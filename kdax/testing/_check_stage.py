@@ -1,0 +1,173 @@
+"""``check_stage``: one stage, as the implementation of a pipeline field, on the arguments a
+pipeline gives that field over a matrix of cases."""
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+
+from .._errors import StageContractError, UnsupportedCase
+from .._runner import derived as _derived
+from .._runner.capabilities import capabilities
+from .._runner.contracts import STAGES
+from .._typing import typecheck
+from ..pipeline import _RESET_FIELDS, KDAPipeline
+from ._capabilities import _capability_checks, _G_lo_check, _tokens_check
+from ._cases import Case, default_cases, tolerance
+from ._compare import _leaves
+from ._report import Report, _Collector, _error
+from ._runs import _base, _for_stage, _jit_run, _pipe_for, _record, _with_stage
+from ._stage_checks import _nan_isolation, _reference_checks, _transforms
+
+
+@typecheck
+def check_stage(
+    stage: eqx.Module,
+    field: str,
+    *,
+    dtypes: Sequence[Any] = (jnp.float64, jnp.float32, jnp.bfloat16),
+    base: Optional[KDAPipeline] = None,
+    full: bool = False,
+    cases: Optional[Sequence[Case]] = None,
+) -> Report:
+    """Check ``stage`` as the implementation of pipeline field ``field`` (``"gate"``, ...,
+    ``"gate_bwd"``).
+
+    The arguments come from a forward and backward of ``base`` (the reference pipeline by
+    default; pass the pipeline the stage belongs with when it transposes another forward
+    stage's math), as ``kdax.stage_inputs`` gives them, negotiated for ``stage`` as the
+    pipeline's stage runner does (``G_lo``, ``reset``), over ``cases`` (default
+    ``default_cases(dtypes, full)``; shared chunks only when the stage declares
+    ``reset``). Checks, one report row per check and case:
+
+    * ``family``, ``declarations``: the class, ``accepts``, ``math`` / ``transposes``;
+    * ``contract``: the output's container, shapes and dtypes (the pipeline's own check);
+      a stage that raises ``UnsupportedCase`` is skipped there (the pipeline falls back);
+    * ``finite``: finite outputs;
+    * ``reference`` (a stage declaring KDA's math: ``math = KDA``; backward stages
+      ``transposes`` KDA; B0 always): its outputs equal the reference stage's on the same
+      arguments (``tolerance``: 1e-10 float64, 1e-5 float32, 5e-3 bf16 inputs), also on
+      shared chunks without F1's floor (``shared-exact``: each stage's reset exact on its
+      own) and, for a forward stage declaring ``tile_safe``, on a tile of each case (a
+      carried state): the routes the pipeline takes on these declarations are KDA problems;
+    * ``nan-isolation``: a NaN in one sequence's part of each per-token argument reaches no
+      other sequence's outputs (dense rows; packed per-sequence chunks);
+    * ``jit``, ``filter_jit``, ``vmap`` (two cases' arguments stacked), ``grad`` (forward
+      stages; skipped where JAX cannot differentiate it);
+    * declared capabilities, in pipelines that take the routes they select whatever the
+      stage's math (``kdax._runner.derived.as_declared``): ``reset`` (shared chunks give the
+      per-sequence layout's outputs and gradients, with F1's floor and without),
+      ``tile_safe`` (tiles of one chunk give the whole forward's outputs), ``G_lo`` (float32: with G_lo no farther from the stage's own
+      float64 output than without), ``tokens`` (views give the chunked copies' outputs),
+      ``half_stored`` (under ``"fast"``, bf16 stored intermediates give what their float32
+      copies give).
+    """
+    if field not in STAGES:
+        raise ValueError(f"field: expected one of {tuple(STAGES)}, got {field!r}.")
+    col = _Collector()
+    subject = f"check_stage({type(stage).__qualname__}, {field!r}: {STAGES[field].step})"
+    caps = _declarations(col, stage, field)
+    if caps is None:
+        return Report(subject, col.rows)
+    cache_ok = base is None  # (the reference pipeline's recorded arguments are kept across reports)
+    base = _base(base)
+    if cases is None:
+        cases = default_cases(dtypes, full, shared=caps.reset and field in _RESET_FIELDS)
+    results = {}
+    for case in cases:
+        got = _case_checks(col, base, field, stage, caps, case, cache_ok, dtypes[0])
+        if got is not None:
+            results[case.name] = got
+    # transformations, on the first dense case
+    first = next((c for c in cases if c.name.startswith("dense") and c.name in results), None)
+    if first is not None:
+        _transform_checks(col, base, field, stage, first, results[first.name], cache_ok)
+    _capability_checks(col, base, field, stage, caps, dtypes[0], full)
+    if caps.G_lo:  # float32 with strong gates, against the stage's own float64 output
+        _G_lo_check(col, base, field, stage, cases, results)
+    if caps.tokens:  # views of the caller's arrays, in a pipeline with the stage
+        _tokens_check(col, base, field, stage, dtypes[0])
+    return Report(subject, col.rows)
+
+
+def _declarations(col, stage, field):
+    """``family`` and ``declarations`` rows; the stage's capabilities, or None when it is
+    no implementation of the field's family or its declarations cannot be read."""
+    info = STAGES[field]
+    if not col.add("family", "-", isinstance(stage, info.family),
+                   f"{type(stage).__qualname__} implements {info.family.__name__}"
+                   if isinstance(stage, info.family) else f"not an implementation of {info.family.__name__}"):
+        return None
+    try:
+        caps = capabilities(type(stage))
+        says = (f"math={stage.math!r}" if info.forward else f"transposes={dict(getattr(stage, 'transposes', {}))}")
+        decl = f"accepts {sorted(n for n in caps._fields if getattr(caps, n))}; {says}"
+        readers = [f for f, bs in _derived.TRANSPOSED_BY.items() if field in bs]
+        extra = [] if info.forward else [f for f in getattr(stage, "transposes", {}) if f not in readers]
+        col.add("declarations", "-", not extra, decl + (f"; transposes fields it does not read: {extra} "
+                                                       f"(it reads {readers})" if extra else ""))
+    except Exception as e:
+        col.add("declarations", "-", False, _error(e))
+        return None
+    return caps
+
+
+def _case_checks(col, base, field, stage, caps, case: Case, cache_ok: bool, first_dtype):
+    """The rows of one case: ``contract``, ``finite``, ``reference`` (a stage of KDA's math),
+    ``nan-isolation`` (dense and packed cases in the first dtype). Returns ``(pipeline with
+    the stage, its arguments, its outputs, the recorded arguments)``, or None when the stage
+    did not run."""
+    if not case.floor and field == "gate":
+        return None  # (F1's reset is the floor itself: the "shared" case checks it)
+    pipe = _pipe_for(base, case)
+    recorded, layout, _, err = _record(pipe, case, cache_ok)
+    if field not in recorded:
+        col.add("contract", case.name, None if err is None or isinstance(err, UnsupportedCase) else False,
+                "the pipeline does not run this stage here" + ("" if err is None else f" ({_error(err)})"))
+        return None
+    full_kw = recorded[field]
+    if case.share and not caps.reset:
+        return None
+    kw = _for_stage(stage, full_kw)
+    P = _with_stage(pipe, field, stage)
+    try:
+        out = _jit_run(P, field, kw)
+    except UnsupportedCase as e:
+        col.add("contract", case.name, None, f"UnsupportedCase ({e}): the pipeline falls back")
+        return None
+    except StageContractError as e:
+        col.add("contract", case.name, False, _error(e))
+        return None
+    except Exception as e:
+        col.add("contract", case.name, False, "raised " + _error(e))
+        return None
+    col.add("contract", case.name, True, f"{layout} layout: container, shapes, dtypes as the pipeline checks")
+    bad = [p for p, x in _leaves(out) if not np.isfinite(x).all()]
+    col.add("finite", case.name, not bad, "all finite" if not bad else f"non-finite: {', '.join(bad[:4])}")
+    if _derived.reference_is_exact(field, stage):
+        _reference_checks(col, pipe, field, stage, caps, case, out, full_kw)
+    if case.name.startswith(("dense", "packed")) and jnp.dtype(case.dtype) == jnp.dtype(first_dtype):
+        try:
+            _nan_isolation(col, P, field, kw, out, case, case.name)
+        except Exception as e:
+            col.add("nan-isolation", case.name, False, _error(e))
+    return P, kw, out, full_kw
+
+
+def _transform_checks(col, base, field, stage, first: Case, result: tuple, cache_ok: bool):
+    """``jit``, ``filter_jit``, ``vmap``, ``grad`` on the case ``first`` (``result``: what
+    ``_case_checks`` returned for it) and the same case with another seed."""
+    P, kw, out, _ = result
+    c2 = dataclasses.replace(first, seed=1)
+    rec2 = _record(_pipe_for(base, c2), c2, cache_ok)[0]
+    if field not in rec2:
+        return
+    kw2 = _for_stage(stage, rec2[field])
+    try:
+        out2 = _jit_run(P, field, kw2)
+        _transforms(col, P, field, stage, kw, out, kw2, out2, first, tolerance(first.dtype))
+    except Exception as e:
+        col.add("vmap", first.name, False, _error(e))

@@ -1,0 +1,53 @@
+"""Comparing two outputs of a stage or a pipeline: relative RMS over every array leaf,
+non-finite values at the same places."""
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from ..stages import Activated
+
+
+def _leaves(out) -> list:
+    """``[(path, float64 numpy array)]`` of an output, made comparable: ``Activated``'s
+    ``G`` as ``G + G_lo`` (a gate may return G alone, or split it), ``G_lo`` left out."""
+    lo = None
+    if isinstance(out, Activated):
+        lo = None if out.G_lo is None else np.asarray(out.G_lo, np.float64)
+        out = dataclasses.replace(out, G_lo=None)
+    flat = jax.tree_util.tree_flatten_with_path(out)[0]
+    got = [(jax.tree_util.keystr(p), np.asarray(x, np.float64)) for p, x in flat if hasattr(x, "shape")]
+    if lo is not None:
+        got = [(p, x + lo if p == ".G" else x) for p, x in got]
+    return got
+
+
+def _rel(x, ref) -> float:
+    """Relative RMS over the positions where both are finite (NaN positions compared apart)."""
+    ok = np.isfinite(x) & np.isfinite(ref)
+    if not ok.any():
+        return 0.0
+    d = np.sqrt(np.mean((x[ok] - ref[ok]) ** 2))
+    den = np.sqrt(np.mean(ref[ok] ** 2))
+    return float(d / den) if den > 0 else float(d)
+
+
+def _compare(out, ref, tol: float):
+    """``(passed, detail)``: every leaf of ``out`` within ``tol`` (relative RMS) of
+    ``ref``'s, non-finite at the same places."""
+    a, b = _leaves(out), dict(_leaves(ref))
+    worst, where = 0.0, ""
+    for path, x in a:
+        if path not in b:
+            continue
+        y = b[path]
+        if x.shape != y.shape:
+            return False, f"{path}: shape {x.shape} != {y.shape}"
+        bad = np.isfinite(x) != np.isfinite(y)
+        if bad.any():
+            return False, f"{path}: non-finite at {int(bad.sum())} places where the other is finite"
+        e = _rel(x, y)
+        if not e <= worst:
+            worst, where = e, path
+    return worst <= tol, f"rel-RMS {worst:.1e} ({where or '-'}), tol {tol:.0e}"

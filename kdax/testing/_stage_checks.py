@@ -1,0 +1,154 @@
+"""The checks ``check_stage`` runs on each case's arguments: ``reference`` (a stage of
+KDA's math against its family's reference stage, also on a tile), ``nan-isolation``, and
+the transformations ``jit``, ``filter_jit``, ``vmap``, ``grad``."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._layouts.tokens import Tokens
+from .._runner import derived as _derived
+from .._runner.contracts import STAGES
+from ._cases import Case, _weights, tolerance
+from ._compare import _compare, _leaves
+from ._report import _error
+from ._runs import _for_stage, _jit_run, _run, _with_stage
+from ._tiles import _tile_of, _tile_read
+
+
+def _reference_checks(col, pipe, field, stage, caps, case: Case, out, full_kw: dict):
+    """``reference``: a stage declaring KDA's math gives its family's reference stage's
+    outputs on the arguments the pipeline ``pipe`` recorded for ``field`` (``full_kw``), and,
+    a tile-safe forward stage, on a tile of them (a carried state)."""
+    reference = STAGES[field].reference()
+    name = reference.__class__.__name__
+    tol = tolerance(case.dtype)
+    try:
+        want = _jit_run(_with_stage(pipe, field, reference), field, _for_stage(reference, full_kw))
+        ok, det = _compare(out, want, tol)
+        col.add("reference", case.name, ok, f"vs {name}: {det}" if ok else
+                f"declares KDA's math but differs from {name}: {det}")
+    except Exception as e:
+        col.add("reference", case.name, False, _error(e))
+    # and on a tile of it, where the pipeline runs a tile-safe forward stage
+    tile = _tile_of(full_kw) if STAGES[field].forward and caps.tile_safe else None
+    if tile is None:
+        return
+    try:
+        got = _jit_run(_with_stage(pipe, field, stage), field, _for_stage(stage, tile))
+        want = _jit_run(_with_stage(pipe, field, reference), field, _for_stage(reference, tile))
+        ok, det = _compare(_tile_read(got, tile), _tile_read(want, tile), tol)
+        col.add("reference", case.name + " tile", ok, f"a tile (carried state) vs {name}: {det}" if ok else
+                f"declares KDA's math but differs from {name} on a tile (carried state): {det}")
+    except Exception as e:
+        col.add("reference", case.name + " tile", False, _error(e))
+
+
+def _owner_mask(shape, case: Case, R: int, NC: int, N: int, bad_seq: int):
+    """Which elements of an output of ``shape`` belong to sequences other than
+    ``bad_seq`` (None: not indexed by sequence)."""
+    C = case.chunk
+    if len(shape) >= 3 and shape[0] == R and shape[2] == NC:
+        if not case.packed:
+            m = np.arange(R) != bad_seq
+            return m.reshape((R,) + (1,) * (len(shape) - 1))
+        # per-sequence layout: sequence n occupies chunks [start_n, start_n + ceil(len_n / C))
+        owner = np.full(NC, -1)
+        c = 0
+        for n in range(len(case.cu) - 1):
+            m = -(-(case.cu[n + 1] - case.cu[n]) // C)
+            owner[c:c + m] = n
+            c += m
+        m = owner != bad_seq
+        return m.reshape((1, 1, NC) + (1,) * (len(shape) - 3))
+    if len(shape) == 4 and shape[0] == N:
+        m = np.arange(N) != bad_seq
+        return m.reshape((N, 1, 1, 1))
+    return None
+
+
+def _nan_isolation(col, pipe, field, kw, clean, case: Case, name: str):
+    """A NaN in one sequence's part of each per-token / per-chunk argument reaches no other
+    sequence's outputs."""
+    ref = next((x for x in jax.tree.leaves(kw) if hasattr(x, "ndim") and x.ndim >= 4), None)
+    if ref is None:
+        return
+    R, NC = ref.shape[0], ref.shape[2]
+    N = len(case.cu) - 1 if case.packed else case.B
+    bad_seq = 1 if case.packed else 0
+    chunk = 1 if case.packed else 0
+    row = 0 if case.packed else bad_seq
+    clean_leaves = _leaves(clean)
+    leaks = []
+    tried = []
+    for n, x in kw.items():
+        if not (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating) and x.ndim >= 4
+                and x.shape[0] == R and x.shape[2] == NC) or isinstance(x, Tokens):
+            continue
+        tried.append(n)
+        idx = (row, 0, chunk) + (0,) * (x.ndim - 3)
+        out = _jit_run(pipe, field, dict(kw, **{n: x.at[idx].set(jnp.nan)}))
+        for (path, y), (_, y0) in zip(_leaves(out), clean_leaves):
+            m = _owner_mask(y.shape, case, R, NC, N, bad_seq)
+            if m is None:
+                continue
+            m = np.broadcast_to(m, y.shape)
+            same = (y[m] == y0[m]) | (np.isnan(y[m]) & np.isnan(y0[m]))
+            if not same.all():
+                leaks.append(f"NaN in {n} reached {path} of another sequence")
+                break
+    if tried:
+        col.add("nan-isolation", name, not leaks,
+                "; ".join(leaks[:3]) if leaks else f"NaN in sequence {bad_seq}'s {', '.join(tried)}: others unchanged")
+
+
+def _transforms(col, pipe, field, stage, kw, out, kw2, out2, case: Case, tol: float):
+    """``jit``, ``filter_jit``, ``vmap`` (``kw`` and ``kw2``, two seeds' arguments, stacked)
+    and ``grad`` (forward stages) of the stage in ``pipe``, against its outputs ``out``,
+    ``out2`` on them."""
+    name = case.name
+    arrs, static = eqx.partition(kw, eqx.is_array)
+    # jax.jit, the stage closed over (its arrays constants)
+    try:
+        got = jax.jit(lambda a: _run(pipe, field, eqx.combine(a, static)))(arrs)
+        col.add("jit", name, *_compare(got, out, max(tol * 1e-2, 1e-13)))
+    except Exception as e:
+        col.add("jit", name, False, _error(e))
+    col.add("filter_jit", name, True, "every stage call of this report runs under eqx.filter_jit")
+    # vmap over two cases' arguments stacked
+    try:
+        arrs2, static2 = eqx.partition(kw2, eqx.is_array)
+        if jax.tree.structure(arrs) != jax.tree.structure(arrs2):
+            raise ValueError("the two seeds' arguments differ in structure")
+        stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), arrs, arrs2)
+        got = eqx.filter_jit(eqx.filter_vmap(lambda a: _run(pipe, field, eqx.combine(a, static))))(stacked)
+        r0 = _compare(jax.tree.map(lambda x: x[0], got), out, max(tol * 1e-2, 1e-12))
+        r1 = _compare(jax.tree.map(lambda x: x[1], got), out2, max(tol * 1e-2, 1e-12))
+        col.add("vmap", name, r0[0] and r1[0], f"{r0[1]}; {r1[1]}")
+    except Exception as e:
+        col.add("vmap", name, False, _error(e))
+    # grad (forward stages: the derived backward differentiates them)
+    if not STAGES[field].forward:
+        return
+    try:
+        def loss(diff):
+            p, a = diff
+            o = _run(p, field, eqx.combine(a, static))
+            xs = [x for x in jax.tree.leaves(o) if jnp.issubdtype(x.dtype, jnp.floating)]
+            return sum(jnp.sum(jnp.where(jnp.isfinite(x), x, 0) * _weights(x.shape, x.dtype, 3 + i))
+                       for i, x in enumerate(xs))
+
+        grads = eqx.filter_jit(eqx.filter_grad(loss))((pipe, arrs))
+        leaves = [np.asarray(x) for x in jax.tree.leaves(grads) if hasattr(x, "dtype")]
+        finite = all(np.isfinite(x).all() for x in leaves)
+        col.add("grad", name, finite, f"{len(leaves)} gradients, " + ("finite" if finite else "NON-FINITE"))
+    except Exception as e:
+        if _derived.reference_is_exact(field, stage):  # never differentiated: the derived backward uses the reference stage
+            col.add("grad", name, None, f"not differentiable by JAX ({type(e).__name__}): the derived backward "
+                                        f"differentiates {STAGES[field].reference.__name__} instead")
+        elif _derived.is_autodiff_failure(e):
+            col.add("grad", name, None, "not differentiable by JAX: a pipeline with it needs backward stages that "
+                                        "transpose it (else DerivedBackwardError)")
+        else:
+            col.add("grad", name, False, _error(e))
