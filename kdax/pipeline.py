@@ -29,8 +29,9 @@ from ._layouts.tiles import Tiles
 from ._layouts.tokens import Tokens, as_chunked, token_inputs
 from ._numerics import isolation as _isolation
 from ._numerics import precision as _precision
-from ._numerics.ops import CHUNK_LOOPS, loop_unroll, resolve_group, split_rows_and_heads, zeros_after
-from ._plan import KDAPlan, PlanRow
+from ._numerics.ops import CHUNK_LOOPS, zeros_after
+from . import _plan
+from ._plan import KDAPlan
 from ._runner.capabilities import capabilities
 from ._runner.contracts import STAGES, check_family
 from ._runner.derived import is_kda, mismatches, reference_is_exact, routed, unchecked
@@ -196,80 +197,15 @@ class KDAPipeline(eqx.Module):
             dav=p.dav, dhu=r.dhu, wy_dqkg=p.wy_dqkg, intra_bwd=r.intra_bwd, gate_bwd=p.gate_bwd, fallback=True,
         )
 
-    def plan(self, q: QK, k: QK, v: Values, g: Gate, beta: Beta, **options) -> "KDAPlan":
+    def plan(self, q: QK, k: QK, v: Values, g: Gate, beta: Beta, **options) -> KDAPlan:
         """Which implementation runs each stage for these inputs and options, without
-        running anything (the forward and backward are traced abstractly): a ``KDAPlan``
-        whose ``str`` is a table, with the reason of each fallback. Inputs may be arrays or
-        ``jax.ShapeDtypeStruct``."""
-        opts = KDAOptions.from_kwargs(**options)
-        with recording(quiet=True) as rec:
-            def loss(diff):
-                q_, k_, v_, g_, b_, h0 = diff
-                o, ht = self.apply(q_, k_, v_, g_, b_, KDAOptions(**_with(opts, initial_state=h0)))
-                out = jnp.sum(o)
-                return out if ht is None else out + jnp.sum(ht)
-
-            diff = (q, k, v, g, beta, opts.initial_state)
-            jax.eval_shape(jax.grad(loss), diff)
-        forward = [self.tile is not None and not self._unsafe_for_tiles(), self._unsafe_for_tiles()]
-        rows = []
-        reasons, swapped = rec.derived or ((), ())
-        for name, info in STAGES.items():
-            got = rec.ran.get(name)
-            if got is None:
-                why = "not run: the forward's cache is kept (disable_recompute=True)" if name == "recompute" else "not run"
-                if reasons and not info.forward:
-                    why = "not run: the backward is derived by jax.vjp through the forward stages"
-                rows.append(PlanRow(name, info.step, type(getattr(self, name)).__qualname__, None, why))
-            else:
-                stage, ran, reason = got
-                if name in swapped:
-                    stage, reason = getattr(self, name), "differentiated as its reference stage (same math; derived backward)"
-                rows.append(PlanRow(name, info.step, type(stage).__qualname__, type(ran).__qualname__, reason))
-        # What a stage says of how it runs (``plan_note``, e.g. a segment-split recurrence).
-        notes = tuple(f"{name}: {ran.plan_note}" for name, (_, ran, _) in rec.ran.items()
-                      if getattr(ran, "plan_note", None))
-        # Why a declaration selected no route (kdax._runner.derived.unchecked: stages of other math).
-        for name in unchecked(self):
-            stage = getattr(self, name)
-            said = [c for c in ("reset", "tile_safe") if getattr(capabilities(type(stage)), c)]
-            what = f"math {stage.math!r}" if STAGES[name].forward else f"transposes {dict(stage.transposes)!r}"
-            notes += (f"routes: {STAGES[name].step} {name} ({type(stage).__qualname__}) {what}, not KDA's: packed "
-                      f"sequences keep one chunk each and the forward runs whole, whatever a stage declares"
-                      + (f" (it declares {', '.join(said)})" if said else ""),)
-        if reasons:
-            notes += ("backward: derived by jax.vjp through F1-F5 (exact; the six-stage backward does not transpose "
-                      "this forward: " + "; ".join(reasons) + ")",)
-        return KDAPlan(tuple(rows), self.tile if forward[0] else None, forward[1], rec.layout, notes=notes,
-                       config=self.resolved_config(q.dtype))
+        running anything: a ``KDAPlan`` (``kdax._plan.plan``)."""
+        return _plan.plan(self, q, k, v, g, beta, **options)
 
     def resolved_config(self, dtype=jnp.float32) -> dict:
-        """Every platform-dependent choice as it resolves here for inputs of ``dtype``
-        (what ``plan`` reports): ``backend``, ``precision`` (the policy, "auto" resolved),
-        ``tile``, ``chunk_loops`` ("flat" groups or NC "slices": ``kdax._numerics.ops``), and per
-        stage field its static tuning fields, "auto" resolved (``group``: chunks per loop
-        iteration; ``loop_unroll``; the Pallas stages' ``target``, ``interpret``,
-        ``num_warps``, ``num_stages``, ``f32_dot``). Each is a field of the pipeline or of
-        a stage (set it with ``eqx.tree_at`` / ``dataclasses.replace``); an environment
-        variable only gives ``chunk_loops`` its default (``KDAX_CHUNK_LOOPS``)."""
-        out = dict(
-            backend=jax.default_backend(),
-            precision=_precision.resolve(self.precision, jnp.dtype(dtype)),
-            tile=self.tile,
-            chunk_loops="slices" if split_rows_and_heads(self.chunk_loops) else "flat",
-        )
-        resolvers = {"group": resolve_group, "loop_unroll": loop_unroll}
-        for name in STAGES:
-            stage = getattr(self, name)
-            fields = {}
-            for f in dataclasses.fields(stage):
-                if not f.metadata.get("static", False):
-                    continue
-                value = getattr(stage, f.name)
-                fields[f.name] = resolvers[f.name](value) if f.name in resolvers else value
-            if fields:
-                out[name] = fields
-        return out
+        """Every platform-dependent choice as it resolves for inputs of ``dtype``
+        (``kdax._plan.resolved_config``: what ``plan`` reports)."""
+        return _plan.resolved_config(self, dtype)
 
     # -- forward ------------------------------------------------------------------------
 
@@ -726,13 +662,6 @@ def _options(options: Optional[KDAOptions], kwargs: dict) -> KDAOptions:
     if kwargs:
         raise TypeError(f"options: give a KDAOptions or keywords, not both (got {', '.join(kwargs)}).")
     return options
-
-
-def _with(options: KDAOptions, **changes) -> dict:
-    """``options`` as keywords, with ``changes``."""
-    kw = {n: getattr(options, n) for n in KDAOptions.names()}
-    kw.update(changes)
-    return kw
 
 
 def _prepare(q, k, v, g, beta, **options):
