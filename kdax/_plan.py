@@ -13,7 +13,7 @@ from ._numerics import precision as _precision
 from ._numerics.ops import loop_unroll, resolve_group, split_rows_and_heads
 from ._runner.capabilities import capabilities
 from ._runner.contracts import STAGES
-from ._runner.derived import unchecked
+from ._runner.derived import unchecked, unsafe_for_tiles
 from ._runner.runner import recording
 
 
@@ -88,7 +88,7 @@ def plan(pipeline, q, k, v, g, beta, **options) -> KDAPlan:
 
         diff = (q, k, v, g, beta, opts.initial_state)
         jax.eval_shape(jax.grad(loss), diff)
-    forward = [pipeline.tile is not None and not pipeline._unsafe_for_tiles(), pipeline._unsafe_for_tiles()]
+    forward = [pipeline.tile is not None and not unsafe_for_tiles(pipeline), unsafe_for_tiles(pipeline)]
     rows = []
     reasons, swapped = rec.derived or ((), ())
     for name, info in STAGES.items():

@@ -22,7 +22,6 @@ from jaxtyping import Float
 
 from . import pallas as P
 from ._config import KDAConfig, KDAOptions
-from ._errors import DerivedBackwardError
 from ._layouts import shared_states as _shared_states
 from ._layouts.layout import ChunkLayout, make_layout, make_shared_layout, pack, pack_inputs, reduce_group, unpack
 from ._layouts.tiles import Tiles
@@ -34,7 +33,8 @@ from . import _plan
 from ._plan import KDAPlan
 from ._runner.capabilities import capabilities
 from ._runner.contracts import STAGES, check_family
-from ._runner.derived import is_kda, mismatches, reference_is_exact, routed, unchecked
+from ._runner.derived import RESET_FIELDS as _RESET_FIELDS  # noqa: F401 (kdax.testing reads it here)
+from ._runner.derived import check_transposes, is_kda, shares_chunks, tile_chunks, unsafe_for_tiles
 from ._runner.residuals import EntryResiduals, KDAGrads, KDAResiduals
 from ._runner.runner import PipelineState, PipelineWY, active_recordings, recording, run_stage
 from ._runner.stage_grads import BackwardParts
@@ -59,11 +59,6 @@ from .stages import (
     IntraOut,
     WYOut,
 )
-
-
-# The stages that receive the shared layout's reset table (F5 and B1 act per chunk on
-# what the others made exact).
-_RESET_FIELDS = ("gate", "intra", "wy", "state", "recompute", "dhu", "wy_dqkg", "intra_bwd", "gate_bwd")
 
 
 class KDAPipeline(eqx.Module):
@@ -151,6 +146,9 @@ class KDAPipeline(eqx.Module):
         calls it this way."""
         return run_stage(self, name, **kwargs)
 
+    def _unsafe_for_tiles(self) -> tuple:
+        return unsafe_for_tiles(self)  # (kdax.testing asks the pipeline)
+
     def stage_as_module(self, name: str):
         """Stage ``name`` as this pipeline runs it (``run_stage``), as a module of its
         family: what B0 recomputes with (``"wy"``, ``"state"``)."""
@@ -226,7 +224,7 @@ class KDAPipeline(eqx.Module):
         # kdax._layouts.shared_states: only for stages that declare KDA's, as shares_chunks asks
         # of every stage; others keep one sequence per chunk, every term from the stage)
         entries = entries and all(is_kda(getattr(self, n)) for n in ("gate", "output"))
-        shared = self.shares_chunks(None if entries else h0, cu_seqlens)
+        shared = shares_chunks(self, None if entries else h0, cu_seqlens)
         if shared and h0 is not None:  # initial states entering shared chunks
             return self._forward_entries(config, (q, k, v, g, beta), h0, A_log, dt_bias, cu_seqlens, clean, dt)
         if shared:  # one stream of T tokens: a state table of one entry, zero
@@ -241,7 +239,7 @@ class KDAPipeline(eqx.Module):
         A_log, dt_bias = _cast(A_log, dt), _cast(dt_bias, dt)
         h0 = _initial_states(h0, (1 if shared else N, HV, K, V), dt)
         clean = _isolation.cleaner_of(config) if clean else None
-        nt = self._tile_chunks(layout.valid.shape[0] * HV, layout.num_chunks)
+        nt = tile_chunks(self, layout.valid.shape[0] * HV, layout.num_chunks)
         if nt is not None and not layout.dense and h0.shape[0] > nt * config.chunk_size:
             nt = None  # each tile's state table, O(N), would cost more than its tokens
         if nt is None:
@@ -327,38 +325,6 @@ class KDAPipeline(eqx.Module):
             cache, raw[0].shape[2], in_dtypes, cu_seqlens, entries=EntryResiduals(h0, ok, a, layout, vx, ent_vjp, a_vjp),
         )
         return o, final, res
-
-    def shares_chunks(self, initial_state, cu_seqlens) -> bool:
-        """Whether a call with these inputs packs its sequences into shared chunks
-        (``share_chunks``): packed varlen input, no ``initial_state``, every stage of KDA's
-        math and the stages of ``_RESET_FIELDS`` accepting ``reset`` (or ``fallback`` to the
-        reference ones). Final states and a loss on them need no other layout
-        (``kdax._layouts.shared_states``)."""
-        if not self.share_chunks or cu_seqlens is None or initial_state is not None:
-            return False
-        # The route a declaration selects, by the one rule (kdax._runner.derived.unchecked): every
-        # stage's math checked against the reference (a stage of other math keeps its
-        # sequences in chunks of their own, whatever it declares), every stage the reset
-        # table reaches accepting it, or ``fallback`` running the reference stage there.
-        # The final states of shared chunks are F4's math computed around the stages
-        # (kdax._layouts.shared_states): an F4 of other math never shares chunks.
-        if not is_kda(self.state) or unchecked(self):
-            return False
-        return all(routed(n, getattr(self, n)).reset
-                   or (self.fallback and reference_is_exact(n, getattr(self, n))) for n in _RESET_FIELDS)
-
-    def _tile_chunks(self, rows_heads: int, num_chunks: int) -> Optional[int]:
-        """Chunks per forward tile, or None to run each stage once over everything."""
-        if self.tile is None or self._unsafe_for_tiles():
-            return None
-        n = max(1, self.tile // max(rows_heads, 1))
-        return None if n >= num_chunks else n
-
-    def _unsafe_for_tiles(self) -> tuple:
-        """The forward stages that are not tile-safe by the one rule of routes
-        (``kdax._runner.derived.routed``): their class does not declare ``tile_safe``, or their
-        math is not KDA's. With any, the forward runs whole (untiled)."""
-        return tuple(n for n, i in STAGES.items() if i.forward and not routed(n, getattr(self, n)).tile_safe)
 
     def _front_stages(self, config: KDAConfig, chunked, A_log, dt_bias, layout: ChunkLayout):
         """F1-F3 on chunked inputs ``(q, k, v, g, beta)``: ``(act, intra, wy)``; with the
@@ -453,22 +419,9 @@ class KDAPipeline(eqx.Module):
         differentiated."""
         for name in STAGES:  # a pipeline edited with eqx.tree_at skips __check_init__
             check_family(name, getattr(self, name))
-        why = mismatches(self)
-        if why:
-            raise DerivedBackwardError(
-                f"KDAPipeline.backward: the backward stages are not the transposes of the forward stages ({why[0]}"
-                f"{'; ...' if len(why) > 1 else ''}), so the six-stage backward would give another algorithm's "
-                f"gradients. Differentiate chunk_kda (jax.grad / jax.vjp), which derives the backward from the forward "
-                f"stages, or pass backward stages that transpose them and declare so (`math`, `transposes`: "
-                f"docs/stages.md)."
-            )
+        check_transposes(self)
         cfg, L, act = res.config, res.layout, res.act
-        want = (L.valid.shape[0] if L.pos is None else 1, L.T, res.v.shape[1], res.v.shape[-1])
-        if tuple(do.shape) != want:
-            raise ValueError(f"do: expected shape [B, T, HV, V] = {want}, got {tuple(do.shape)}.")
-        N = res.h0.shape[0] if L.reset is None else res.cu_seqlens.shape[0] - 1  # (shared: h0 is a state table)
-        if dht is not None and tuple(dht.shape) != (N,) + tuple(res.h0.shape[1:]):
-            raise ValueError(f"dht: expected shape [N, HV, K, V] = {(N,) + tuple(res.h0.shape[1:])}, got {tuple(dht.shape)}.")
+        res.check_cotangents(do, dht)
         self = self.resolved(res.in_dtypes[0])  # the policy chunk_kda resolves, for pipeline.backward
         # What the layout adds between the stages (shared chunks: final states, entering states).
         doc = self._chunked_cotangent(L, do, res.h0.dtype)

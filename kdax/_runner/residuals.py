@@ -76,6 +76,17 @@ class KDAResiduals(eqx.Module):
         """What ``read`` accepts."""
         return tuple(cls._TOKEN) + ("h",)
 
+    def check_cotangents(self, do, dht) -> None:
+        """``ValueError`` unless ``do`` is ``[B, T, HV, V]`` and ``dht`` (or None) ``[N, HV, K, V]``
+        for this forward (what ``KDAPipeline.backward`` takes)."""
+        L = self.layout
+        want = (L.valid.shape[0] if L.pos is None else 1, L.T, self.v.shape[1], self.v.shape[-1])
+        if tuple(do.shape) != want:
+            raise ValueError(f"do: expected shape [B, T, HV, V] = {want}, got {tuple(do.shape)}.")
+        N = self.h0.shape[0] if L.reset is None else self.cu_seqlens.shape[0] - 1  # (shared: h0 is a state table)
+        if dht is not None and tuple(dht.shape) != (N,) + tuple(self.h0.shape[1:]):
+            raise ValueError(f"dht: expected shape [N, HV, K, V] = {(N,) + tuple(self.h0.shape[1:])}, got {tuple(dht.shape)}.")
+
     def read(self, name: str, per_sequence: bool = False) -> Array:
         """Intermediate ``name`` (``names()``) in the user's layout, jit-safe.
 
