@@ -24,11 +24,11 @@ from . import pallas as P
 from ._config import KDAConfig, KDAOptions
 from ._layouts import shared_states as _shared_states
 from ._layouts.layout import ChunkLayout, make_layout, make_shared_layout, pack, pack_inputs, reduce_group, unpack
-from ._layouts.tiles import Tiles
+from ._layouts.tiles import forward_tiled
 from ._layouts.tokens import Tokens, as_chunked, token_inputs
 from ._numerics import isolation as _isolation
 from ._numerics import precision as _precision
-from ._numerics.ops import CHUNK_LOOPS, zeros_after
+from ._numerics.ops import CHUNK_LOOPS
 from . import _plan
 from ._plan import KDAPlan
 from ._runner.capabilities import capabilities
@@ -247,7 +247,8 @@ class KDAPipeline(eqx.Module):
             oc, fw, final = self._forward_stages(config, chunked, A_log, dt_bias, h0, layout)
             o = unpack(layout, oc)
         else:
-            o, final, fw = self._forward_tiled(config, layout, raw, HV, dt, A_log, dt_bias, h0, nt, clean)
+            stages = lambda chunked, table, tl: self._forward_stages(config, chunked, A_log, dt_bias, table, tl)
+            o, final, fw = forward_tiled(stages, layout, raw, HV, dt, h0, nt, clean)
         o = o.astype(v.dtype)
         if shared and config.output_final_state:
             final = _shared_states.shared_finals(layout, cu_seqlens, fw.act.k, fw.act.G, fw.act.G_lo, fw.v_new, fw.h)
@@ -346,50 +347,6 @@ class KDAPipeline(eqx.Module):
         st = self.run_stage("state", w=wy.w, u=wy.u, kg=wy.kg, G=act.G, h0=h0, layout=layout, reset=layout.reset)
         oc = self.run_stage("output", scale=config.scale, qg=wy.qg, h=st.h, Aqk=intra.Aqk, v_new=st.v_new)
         return oc, _ForwardChunks(act, intra, wy, st.h, st.v_new, vc, gc), st.final
-
-    def _forward_tiled(self, config: KDAConfig, layout: ChunkLayout, raw, HV: int, dt, A_log, dt_bias, h0, nt: int,
-                       clean=None):
-        """F1-F5 on ``nt`` chunks at a time, the state carried from tile to tile (see
-        ``_layouts.tiles``). On CPU this keeps a tile's intermediates in cache instead of writing
-        whole-sequence arrays to main memory (the forward 1.4x faster at the benchmark
-        shape); every intermediate is still written to a full-size output, which XLA drops
-        where nothing reads it (``chunk_kda`` without gradients).
-
-        Returns ``(o [B, T, HV, V], final, _ForwardChunks of full size)``."""
-        tiles = Tiles(layout, h0.shape[0], nt)
-        if not tiles.dense:
-            packed = pack_inputs(layout, raw, HV, dt, clean)
-
-        def stages(c0, n, tail, h_carry):
-            tl = tiles.layout_of(c0, n, tail)
-            if tiles.dense:
-                chunked = pack_inputs(tl, tuple(tiles.tokens(x, c0, n, tail) for x in raw), HV, dt, clean)
-            else:
-                chunked = tuple(tiles.chunks(x, c0, n) for x in packed)
-            oc, fw, table = self._forward_stages(config, chunked, A_log, dt_bias, tiles.table(h0, h_carry), tl)
-            return oc, fw, table, tl
-
-        def step(c0, n, tail, state):
-            (h_carry, finals), (o, outs) = state
-            oc, fw, table, tl = stages(c0, n, tail, h_carry)
-            if not tiles.dense:  # the final states of the sequences that end in this tile
-                finals = tiles.collect(finals, tl, table)
-            o = tiles.put(o, tl, oc, c0)
-            outs = tuple(jax.lax.dynamic_update_slice_in_dim(b, x, c0, 2) for b, x in zip(outs, jax.tree.leaves(fw)))
-            return (tiles.carry_of(tl, table), finals), (o, outs)
-
-        # Full-size outputs, shaped after one tile, zeros made where they are used.
-        oc, fw = jax.eval_shape(lambda: stages(0, nt, False, h0[: tiles.R])[:2])
-        shapes, tree = jax.tree.flatten(fw)
-        deps = tuple(raw) + (h0,)
-        o = zeros_after(tiles.buffer_shape(oc.shape), oc.dtype, deps)
-        outs = tuple(zeros_after(x.shape[:2] + (tiles.NC,) + x.shape[3:], x.dtype, deps, j + 1)
-                     for j, x in enumerate(shapes))
-        carry = (h0, None) if tiles.dense else (jnp.zeros((tiles.R,) + h0.shape[1:], h0.dtype), h0)
-        (h_last, finals), (o, outs) = tiles.run(step, (carry, (o, outs)))
-        # A sequence of length 0 keeps its initial state.
-        final = h_last if tiles.dense else jnp.where(layout.empty[:, None, None, None], h0, finals)
-        return tiles.finish(o), final, jax.tree.unflatten(tree, outs)
 
     # -- backward -----------------------------------------------------------------------
 
