@@ -23,7 +23,7 @@ from jaxtyping import Float
 from . import pallas as P
 from ._config import KDAConfig, KDAOptions
 from ._layouts import shared_states as _shared_states
-from ._layouts.layout import ChunkLayout, make_layout, make_shared_layout, pack, pack_inputs, reduce_group, unpack
+from ._layouts.layout import ChunkLayout, ForwardHooks, make_layout, make_shared_layout, pack, pack_inputs, reduce_group, unpack
 from ._layouts.tiles import forward_tiled
 from ._layouts.tokens import Tokens, as_chunked, token_inputs
 from ._numerics import isolation as _isolation
@@ -217,48 +217,48 @@ class KDAPipeline(eqx.Module):
         (``kdax._numerics.isolation``: the caller puts NaN back where the recurrence has it)."""
         for name in STAGES:  # a pipeline edited with eqx.tree_at skips __check_init__
             check_family(name, getattr(self, name))
-        B, T, H, K = q.shape
-        HV, V = v.shape[2:]
-        dt = compute_dtype(q, k, v, g, beta, h0)
+        (B, T, H, K), (HV, V), C = q.shape, v.shape[2:], config.chunk_size
+        raw, dt = (q, k, v, g, beta), compute_dtype(q, k, v, g, beta, h0)
         # (initial states entering shared chunks compute terms of F1's and F5's math in
         # kdax._layouts.shared_states: only for stages that declare KDA's, as shares_chunks asks
         # of every stage; others keep one sequence per chunk, every term from the stage)
         entries = entries and all(is_kda(getattr(self, n)) for n in ("gate", "output"))
         shared = shares_chunks(self, None if entries else h0, cu_seqlens)
-        if shared and h0 is not None:  # initial states entering shared chunks
-            return self._forward_entries(config, (q, k, v, g, beta), h0, A_log, dt_bias, cu_seqlens, clean, dt)
-        if shared:  # one stream of T tokens: a state table of one entry, zero
-            layout = make_shared_layout(T, config.chunk_size, cu_seqlens)
-            N = cu_seqlens.shape[0] - 1
-        else:
-            layout = make_layout(B, T, config.chunk_size, cu_seqlens)
-            N = layout.empty.shape[0]
+        entering = shared and h0 is not None  # initial states entering shared chunks
+        if entering:  # (cast before the layout is made: the program lowered as it was)
+            in_dtypes, A_log, dt_bias, h0 = _in_compute_dtype(raw, h0, A_log, dt_bias, dt, None)
+            ok = _isolation.finite_heads(h0) if clean else None  # (False: the head reads a zero state)
+        layout = make_shared_layout(T, C, cu_seqlens) if shared else make_layout(B, T, C, cu_seqlens)
+        N = cu_seqlens.shape[0] - 1 if shared else layout.empty.shape[0]
+        if not entering:  # (shared: one stream of T tokens, a state table of one entry, zero)
+            shape = (1 if shared else N, HV, K, V)
+            in_dtypes, A_log, dt_bias, h0 = _in_compute_dtype(raw, h0, A_log, dt_bias, dt, shape)
         _record_layout("shared" if shared else ("dense" if cu_seqlens is None else "per-sequence"))
-        raw = (q, k, v, g, beta)
-        in_dtypes = _in_dtypes(raw, h0, A_log, dt_bias)
-        A_log, dt_bias = _cast(A_log, dt), _cast(dt_bias, dt)
-        h0 = _initial_states(h0, (1 if shared else N, HV, K, V), dt)
+        ext = _shared_states.EntryHooks(config, layout, cu_seqlens, h0, ok) if entering else ForwardHooks()
         clean = _isolation.cleaner_of(config) if clean else None
-        nt = tile_chunks(self, layout.valid.shape[0] * HV, layout.num_chunks)
-        if nt is not None and not layout.dense and h0.shape[0] > nt * config.chunk_size:
+        nt = None if entering else tile_chunks(self, layout.valid.shape[0] * HV, layout.num_chunks)
+        if nt is not None and not layout.dense and h0.shape[0] > nt * C:
             nt = None  # each tile's state table, O(N), would cost more than its tokens
         if nt is None:
             chunked = self._chunked_inputs(config, layout, raw, HV, dt, clean)
-            oc, fw, final = self._forward_stages(config, chunked, A_log, dt_bias, h0, layout)
+            oc, fw, final = self._forward_stages(config, chunked, A_log, dt_bias, h0, layout, ext)
             o = unpack(layout, oc)
         else:
             stages = lambda chunked, table, tl: self._forward_stages(config, chunked, A_log, dt_bias, table, tl)
             o, final, fw = forward_tiled(stages, layout, raw, HV, dt, h0, nt, clean)
         o = o.astype(v.dtype)
-        if shared and config.output_final_state:
+        if entering:
+            final = ext.finals(fw.act, fw.h) if config.output_final_state else h0
+        elif shared and config.output_final_state:
             final = _shared_states.shared_finals(layout, cu_seqlens, fw.act.k, fw.act.G, fw.act.G_lo, fw.v_new, fw.h)
         elif shared:  # not asked for: the sequences' initial states
             final = jnp.zeros((N, HV, K, V), dt)
         act, intra, wy = fw.act, fw.intra, fw.wy
         cache = ForwardCache.of(act.G, intra, wy, fw.h, fw.v_new)
+        L, h0, parts = ext.residuals(layout, h0)  # (entries: the injected layout and its state table)
         res = KDAResiduals(
-            config, layout, act, fw.v, fw.g if config.use_gate_in_kernel else None, A_log, dt_bias,
-            intra.Aqk, intra.Akk, h0, cache, H, in_dtypes, cu_seqlens,
+            config, L, act, fw.v, fw.g if config.use_gate_in_kernel else None, A_log, dt_bias, intra.Aqk, intra.Akk,
+            h0, cache, H, in_dtypes, cu_seqlens, entries=None if parts is None else EntryResiduals(*parts),
         )
         return o, final, res
 
@@ -286,50 +286,13 @@ class KDAPipeline(eqx.Module):
             return Tokens(do, do.shape[2], layout.chunk_size, np.dtype(dt))
         return pack(layout, do, dt)
 
-    def _forward_entries(self, config: KDAConfig, raw, h0, A_log, dt_bias, cu_seqlens, clean: bool, dt):
-        """``run_forward`` of packed sequences with initial states, sharing chunks: the
-        stages on the shared layout, each initial state entering in its sequence's first
-        chunk and F4 loading the states that go on into the next chunk
-        (``kdax._layouts.shared_states``). Whole (untiled). Non-finite initial states read as zero
-        (``clean``: ``kdax._numerics.isolation`` puts NaN into that sequence); ``dt`` the compute
-        dtype."""
-        T, HV, C = raw[0].shape[1], raw[2].shape[2], config.chunk_size
-        in_dtypes = _in_dtypes(raw, h0, A_log, dt_bias)
-        A_log, dt_bias = _cast(A_log, dt), _cast(dt_bias, dt)
-        h0 = h0.astype(dt)
-        # (a head with a non-finite state reads a zero one: kdax._layouts.shared_states masks it
-        # where it is read, with no cleaned copy of the N states)
-        ok = _isolation.finite_heads(h0) if clean else None
-        _record_layout("shared")
-        layout = make_shared_layout(T, C, cu_seqlens)
-        cleaner = _isolation.cleaner_of(config) if clean else None
-        chunked = pack_inputs(layout, raw, HV, dt, cleaner)
-        vc, gc = chunked[2], chunked[3]
-        act, intra, wy = self._front_stages(config, chunked, A_log, dt_bias, layout)
-        R = layout.reset
-        # (with their VJPs, which keep what the backward needs: it runs neither again)
-        a, a_vjp = jax.vjp(lambda g_, A_, b_: _shared_states.start_decays(cu_seqlens, config, g_, A_, b_),
-                           gc, A_log, dt_bias)
-        ent = lambda q_, k_, b_, G_, Akk_, v_, a_, h0_: _shared_states.first_chunk_entries(
-            layout, cu_seqlens, config.scale, q_, k_, b_, G_, act.G_lo, Akk_, v_, a_, h0_, ok)
-        (vx, ox, table), ent_vjp = jax.vjp(ent, act.q, act.k, act.beta, act.G, intra.Akk, vc, a, h0)
-        L = _shared_states.injected_layout(layout, cu_seqlens)
-        st = self.run_stage("state", w=wy.w, u=wy.u, kg=wy.kg, G=act.G, h0=table, layout=L, reset=R)
-        v_out = st.v_new + vx  # what F5 and the final states read
-        oc = self.run_stage("output", scale=config.scale, qg=wy.qg, h=st.h, Aqk=intra.Aqk, v_new=v_out)
-        o = unpack(layout, oc + ox).astype(raw[2].dtype)
-        final = (_shared_states.entry_finals(layout, cu_seqlens, act.k, act.G, act.G_lo, v_out, st.h, a, h0, ok)
-                 if config.output_final_state else h0)
-        cache = ForwardCache.of(act.G, intra, wy, st.h, st.v_new)
-        res = KDAResiduals(
-            config, L, act, vc, gc if config.use_gate_in_kernel else None, A_log, dt_bias, intra.Aqk, intra.Akk, table,
-            cache, raw[0].shape[2], in_dtypes, cu_seqlens, entries=EntryResiduals(h0, ok, a, layout, vx, ent_vjp, a_vjp),
-        )
-        return o, final, res
-
-    def _front_stages(self, config: KDAConfig, chunked, A_log, dt_bias, layout: ChunkLayout):
-        """F1-F3 on chunked inputs ``(q, k, v, g, beta)``: ``(act, intra, wy)``; with the
-        layout's reset table (shared chunks: exact zeros across sequences, kdax._layouts.resets)."""
+    def _forward_stages(self, config: KDAConfig, chunked, A_log, dt_bias, h0, layout: ChunkLayout,
+                        ext: Optional[ForwardHooks] = None):
+        """F1-F5 on chunked inputs ``(q, k, v, g, beta)`` (q, k already expanded to HV
+        heads), with the layout's reset table (shared chunks: exact zeros across sequences,
+        kdax._layouts.resets) and what the layout adds between them (``ext``:
+        ``ForwardHooks``): ``(o chunked, _ForwardChunks, final states [N, HV, K, V])``."""
+        ext = ForwardHooks() if ext is None else ext
         qc, kc, vc, gc, bc = chunked
         R = layout.reset
         act = self.run_stage("gate", config=config, q=qc, k=kc, g=gc, beta=bc, A_log=A_log, dt_bias=dt_bias,
@@ -337,16 +300,10 @@ class KDAPipeline(eqx.Module):
         intra = self.run_stage("intra", scale=config.scale, q=act.q, k=act.k, beta=act.beta, G=act.G, G_lo=act.G_lo,
                                reset=R)
         wy = self.run_stage("wy", q=act.q, k=act.k, v=vc, beta=act.beta, G=act.G, Akk=intra.Akk, G_lo=act.G_lo, reset=R)
-        return act, intra, wy
-
-    def _forward_stages(self, config: KDAConfig, chunked, A_log, dt_bias, h0, layout: ChunkLayout):
-        """F1-F5 on chunked inputs ``(q, k, v, g, beta)`` (q, k already expanded to HV
-        heads): ``(o chunked, _ForwardChunks, final states [N, HV, K, V])``."""
-        vc, gc = chunked[2], chunked[3]
-        act, intra, wy = self._front_stages(config, chunked, A_log, dt_bias, layout)
-        st = self.run_stage("state", w=wy.w, u=wy.u, kg=wy.kg, G=act.G, h0=h0, layout=layout, reset=layout.reset)
-        oc = self.run_stage("output", scale=config.scale, qg=wy.qg, h=st.h, Aqk=intra.Aqk, v_new=st.v_new)
-        return oc, _ForwardChunks(act, intra, wy, st.h, st.v_new, vc, gc), st.final
+        h0, L = ext.f4_inputs(h0, layout, act=act, intra=intra, v=vc, g=gc, A_log=A_log, dt_bias=dt_bias)
+        st = self.run_stage("state", w=wy.w, u=wy.u, kg=wy.kg, G=act.G, h0=h0, layout=L, reset=R)
+        oc = self.run_stage("output", scale=config.scale, qg=wy.qg, h=st.h, Aqk=intra.Aqk, v_new=ext.v_out(st.v_new))
+        return ext.after_output(oc), _ForwardChunks(act, intra, wy, st.h, st.v_new, vc, gc), st.final
 
     # -- backward -----------------------------------------------------------------------
 
@@ -558,6 +515,13 @@ def _cast(x, dt):
 def _initial_states(h0, shape, dt):
     """The initial states ``[N, HV, K, V]`` in the compute dtype (zeros when not given)."""
     return jnp.zeros(shape, dt) if h0 is None else h0.astype(dt)
+
+
+def _in_compute_dtype(raw, h0, A_log, dt_bias, dt, shape) -> tuple:
+    """``(in_dtypes, A_log, dt_bias, h0)``: the inputs' dtypes (``_in_dtypes``), and the gate
+    parameters and initial states in the compute dtype ``dt`` (zeros of ``shape`` when no
+    initial states are given)."""
+    return _in_dtypes(raw, h0, A_log, dt_bias), _cast(A_log, dt), _cast(dt_bias, dt), _initial_states(h0, shape, dt)
 
 
 def _final_out(final, config: KDAConfig, state_v_first: bool):
