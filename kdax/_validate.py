@@ -14,9 +14,11 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Float
 
 from ._config import KDAOptions
 from ._numerics.ops import varying_axes
+from ._typing import QK, ALogIn, ArrayIn, Beta, CuSeqlensIn, Gate, State, Values, typecheck
 
 SUPPORTED_CHUNK_SIZES = (16, 32, 64, 128)
 # FLA's range for lower_bound under safe_gate.
@@ -233,3 +235,46 @@ def validate(q, k, v, g, beta, options: KDAOptions, *, chunked: bool = True) -> 
     check_domain(g, beta, o)
     o = dataclasses.replace(o, scale=scale, A_log=A_log, cu_seqlens=cu)
     return Dims(B, T, H, HV, K, V, N, scale), o
+
+
+def options_of(options: Optional[KDAOptions], kwargs: dict) -> KDAOptions:
+    """One ``KDAOptions`` from ``options`` or keywords (``TypeError`` given both)."""
+    if options is None:
+        return KDAOptions.from_kwargs(**kwargs)
+    if kwargs:
+        raise TypeError(f"options: give a KDAOptions or keywords, not both (got {', '.join(kwargs)}).")
+    return options
+
+
+def prepare(q, k, v, g, beta, **options):
+    """``(config, args)`` of ``prepare_options`` from keyword options."""
+    return prepare_options(q, k, v, g, beta, KDAOptions.from_kwargs(**options))[:2]
+
+
+def prepare_options(q, k, v, g, beta, options: KDAOptions):
+    """Validated ``(config, (q, k, v, g, beta, h0 [N, HV, K, V], A_log [HV], dt_bias, cu),
+    normalised options)``."""
+    dims, opts = validate(q, k, v, g, beta, options)
+    config = opts.config(dims.scale)
+    asarr = lambda x: None if x is None else jnp.asarray(x)
+    h0 = asarr(opts.initial_state)
+    if h0 is not None and opts.state_v_first:
+        h0 = jnp.swapaxes(h0, -1, -2)
+    args = (asarr(q), asarr(k), asarr(v), asarr(g), asarr(beta), h0, asarr(opts.A_log), asarr(opts.dt_bias),
+            opts.cu_seqlens)
+    return config, args, opts
+
+
+@typecheck
+def check_arrays(
+    q: QK,
+    k: QK,
+    v: Values,
+    g: Gate,
+    beta: Beta,
+    initial_state: Optional[State],
+    A_log: Optional[ALogIn],
+    dt_bias: Optional[Float[ArrayIn, "_"]],
+    cu_seqlens: Optional[CuSeqlensIn],
+) -> None:
+    """The shape/dtype checks of ``chunk_kda``'s signature, for ``KDAPipeline.forward``."""

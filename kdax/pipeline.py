@@ -10,7 +10,6 @@ See docs/stages.md for the stages' contracts, tiles, fallback, ``plan`` and inte
 """
 
 import dataclasses
-import inspect
 import typing
 from typing import Optional
 
@@ -18,7 +17,6 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Float
 
 from . import pallas as P
 from ._config import KDAConfig, KDAOptions
@@ -36,11 +34,12 @@ from ._runner.contracts import STAGES, check_family
 from ._runner.derived import RESET_FIELDS as _RESET_FIELDS  # noqa: F401 (kdax.testing reads it here)
 from ._runner.derived import check_transposes, is_kda, shares_chunks, tile_chunks, unsafe_for_tiles
 from ._runner.residuals import EntryResiduals, KDAGrads, KDAResiduals
-from ._runner.runner import PipelineState, PipelineWY, active_recordings, recording, run_stage
+from ._runner.runner import PipelineState, PipelineWY, active_recordings, record_layout, run_stage
 from ._runner.stage_grads import BackwardParts
 from ._runner.vjp import differentiable
-from ._typing import ALogIn, ArrayIn, Beta, ChunkK, ChunkState, ChunkV, CuSeqlensIn, Gate, QK, State, Values, typecheck
-from ._validate import validate
+from ._typing import Beta, ChunkK, ChunkState, ChunkV, Gate, QK, Values
+from ._validate import check_arrays, options_of, prepare_options
+from ._validate import prepare as _prepare  # noqa: F401 (kdax.testing reads it here)
 from .ref import compute_dtype
 from .stages import (
     AbstractDAv,
@@ -233,7 +232,7 @@ class KDAPipeline(eqx.Module):
         if not entering:  # (shared: one stream of T tokens, a state table of one entry, zero)
             shape = (1 if shared else N, HV, K, V)
             in_dtypes, A_log, dt_bias, h0 = _in_compute_dtype(raw, h0, A_log, dt_bias, dt, shape)
-        _record_layout("shared" if shared else ("dense" if cu_seqlens is None else "per-sequence"))
+        record_layout("shared" if shared else ("dense" if cu_seqlens is None else "per-sequence"))
         ext = _shared_states.EntryHooks(config, layout, cu_seqlens, h0, ok) if entering else ForwardHooks()
         clean = _isolation.cleaner_of(config) if clean else None
         nt = None if entering else tile_chunks(self, layout.valid.shape[0] * HV, layout.num_chunks)
@@ -389,9 +388,9 @@ class KDAPipeline(eqx.Module):
         Returns ``(o, final_state, residuals)``; ``residuals.cache`` holds every
         intermediate, ``residuals.read(name)`` gives one in the ``[B, T, ...]`` layout, and
         ``pipeline.backward(residuals, do, dht)`` gives every input gradient."""
-        opts = _options(options, kwargs)
-        _check_arrays(q, k, v, g, beta, opts.initial_state, opts.A_log, opts.dt_bias, opts.cu_seqlens)
-        config, args, opts = _prepare_options(q, k, v, g, beta, opts)
+        opts = options_of(options, kwargs)
+        check_arrays(q, k, v, g, beta, opts.initial_state, opts.A_log, opts.dt_bias, opts.cu_seqlens)
+        config, args, opts = prepare_options(q, k, v, g, beta, opts)
         B, T, _, K = q.shape
         for name, n in (("q", B), ("q", K), ("v", v.shape[-1])):
             if n == 0:
@@ -405,13 +404,13 @@ class KDAPipeline(eqx.Module):
         """``kdax.chunk_kda`` with this pipeline, on one device (options by keyword, or one
         ``KDAOptions``; ``kdax.chunk_kda`` adds FLA's positional order, sharded inputs and
         ``seq_axis_name``): ``(o, final state or None)``, differentiable."""
-        return self.apply(q, k, v, g, beta, _options(options, kwargs))
+        return self.apply(q, k, v, g, beta, options_of(options, kwargs))
 
     def apply(self, q, k, v, g, beta, options: KDAOptions):
         """The single-device call behind ``chunk_kda``: validation, then the forward,
         differentiable through the six-stage backward (``kdax._runner.vjp.differentiable``). Returns
         ``(o, final state or None)`` in ``chunk_kda``'s layouts."""
-        config, args, opts = _prepare_options(q, k, v, g, beta, options)
+        config, args, opts = prepare_options(q, k, v, g, beta, options)
         q, k, v, g, beta, h0, A_log, dt_bias, cu = args
         pipeline = self.resolved(q.dtype)
         B, T, _, K = q.shape
@@ -454,54 +453,6 @@ class _ForwardChunks(eqx.Module):
     g: typing.Union[ChunkK, Tokens]
 
 
-@typecheck
-def stage_inputs(pipeline: KDAPipeline, q: QK, k: QK, v: Values, g: Gate, beta: Beta, **options) -> dict:
-    """The arguments each of ``pipeline``'s stages receives in one forward and backward of
-    ``chunk_kda(q, k, v, g, beta, **options)`` (loss ``sum(o * w)``, ``w`` fixed random,
-    the pipeline untiled), run eagerly: a dict from stage field (``"gate"``, ...,
-    ``"gate_bwd"``) to its positional arguments in its abstract ``__call__``'s order, so
-    that ``getattr(pipeline, name)(*args)`` runs (or times) one stage alone, as
-    ``kdax.bench --stages`` does. B0's keyword-only ``wy``/``state`` are left out (a direct
-    call uses the stage's own defaults)."""
-    pipeline = pipeline.untiled()  # whole-input arguments, not a tile's
-    # Loss sum(o * w), w fixed random weights: the backward stages get a cotangent like a
-    # real loss's rather than a constant.
-    w = jax.random.normal(jax.random.key(1), v.shape, jnp.float32)
-    with recording() as rec:
-        opts = KDAOptions.from_kwargs(**options)
-        loss = lambda *a: jnp.sum(pipeline.apply(*a, opts)[0].astype(jnp.float32) * w)
-        jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, g, beta)
-    out = {}
-    for name, kw in rec.inputs.items():
-        params = list(inspect.signature(STAGES[name].family.__call__).parameters.values())[1:]
-        # (a parameter the stage does not take, G_lo, is not in kw: kdax._numerics.hilo)
-        out[name] = tuple(kw[p.name] for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and p.name in kw)
-    return out
-
-
-@typecheck
-def _check_arrays(
-    q: QK,
-    k: QK,
-    v: Values,
-    g: Gate,
-    beta: Beta,
-    initial_state: Optional[State],
-    A_log: Optional[ALogIn],
-    dt_bias: Optional[Float[ArrayIn, "_"]],
-    cu_seqlens: Optional[CuSeqlensIn],
-) -> None:
-    """The shape/dtype checks of ``chunk_kda``'s signature, for ``KDAPipeline.forward``."""
-
-
-def _record_layout(name: str) -> None:
-    """Tell the active plan recordings which layout the forward took (the forward's: a
-    backward's rerun does not count)."""
-    for rec in active_recordings():
-        if rec.layout is None:
-            rec.layout = name
-
-
 def _in_dtypes(raw, h0, A_log, dt_bias) -> tuple:
     """The dtypes of the forward's inputs (q, k, v, g, beta, h0, A_log, dt_bias), None
     where absent: the backward returns each gradient in its input's dtype."""
@@ -528,33 +479,6 @@ def _final_out(final, config: KDAConfig, state_v_first: bool):
     if not config.output_final_state:
         return None
     return jnp.swapaxes(final, -1, -2) if state_v_first else final
-
-
-def _options(options: Optional[KDAOptions], kwargs: dict) -> KDAOptions:
-    if options is None:
-        return KDAOptions.from_kwargs(**kwargs)
-    if kwargs:
-        raise TypeError(f"options: give a KDAOptions or keywords, not both (got {', '.join(kwargs)}).")
-    return options
-
-
-def _prepare(q, k, v, g, beta, **options):
-    """``(config, args)`` of ``_prepare_options`` from keyword options."""
-    return _prepare_options(q, k, v, g, beta, KDAOptions.from_kwargs(**options))[:2]
-
-
-def _prepare_options(q, k, v, g, beta, options: KDAOptions):
-    """Validated ``(config, (q, k, v, g, beta, h0 [N, HV, K, V], A_log [HV], dt_bias, cu),
-    normalised options)``."""
-    dims, opts = validate(q, k, v, g, beta, options)
-    config = opts.config(dims.scale)
-    asarr = lambda x: None if x is None else jnp.asarray(x)
-    h0 = asarr(opts.initial_state)
-    if h0 is not None and opts.state_v_first:
-        h0 = jnp.swapaxes(h0, -1, -2)
-    args = (asarr(q), asarr(k), asarr(v), asarr(g), asarr(beta), h0, asarr(opts.A_log), asarr(opts.dt_bias),
-            opts.cu_seqlens)
-    return config, args, opts
 
 
 def default_pipeline() -> KDAPipeline:
