@@ -16,20 +16,19 @@ from typing import Optional
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from . import pallas as P
 from ._config import KDAConfig, KDAOptions
 from ._layouts import shared_states as _shared_states
-from ._layouts.layout import ChunkLayout, ForwardHooks, make_layout, make_shared_layout, pack, pack_inputs, reduce_group, unpack
+from ._layouts.layout import ChunkLayout, ForwardHooks, make_layout, make_shared_layout, reduce_group, unpack
 from ._layouts.tiles import forward_tiled
-from ._layouts.tokens import Tokens, as_chunked, token_inputs
+from ._layouts.tokens import Tokens, as_chunked, chunked_cotangent, chunked_inputs
 from ._numerics import isolation as _isolation
 from ._numerics import precision as _precision
 from ._numerics.ops import CHUNK_LOOPS
 from . import _plan
 from ._plan import KDAPlan
-from ._runner.capabilities import capabilities
+from ._runner.capabilities import reads_tokens
 from ._runner.contracts import STAGES, check_family
 from ._runner.derived import RESET_FIELDS as _RESET_FIELDS  # noqa: F401 (kdax.testing reads it here)
 from ._runner.derived import check_transposes, is_kda, shares_chunks, tile_chunks, unsafe_for_tiles
@@ -239,7 +238,7 @@ class KDAPipeline(eqx.Module):
         if nt is not None and not layout.dense and h0.shape[0] > nt * C:
             nt = None  # each tile's state table, O(N), would cost more than its tokens
         if nt is None:
-            chunked = self._chunked_inputs(config, layout, raw, HV, dt, clean)
+            chunked = chunked_inputs(config, layout, raw, HV, dt, clean, reads_tokens(self, "gate", "wy"))
             oc, fw, final = self._forward_stages(config, chunked, A_log, dt_bias, h0, layout, ext)
             o = unpack(layout, oc)
         else:
@@ -260,30 +259,6 @@ class KDAPipeline(eqx.Module):
             h0, cache, H, in_dtypes, cu_seqlens, entries=None if parts is None else EntryResiduals(*parts),
         )
         return o, final, res
-
-    def _chunked_inputs(self, config: KDAConfig, layout: ChunkLayout, raw, HV: int, dt, clean):
-        """``(q, k, v, g, beta)`` for F1-F3 (whole, untiled): the chunked copies
-        (``pack_inputs``; ``clean`` the cleaner or None). On dense input whose T is a
-        multiple of the chunk size, ``Tokens`` views instead where the reader declares
-        ``tokens``: q, k, g and beta with such an F1 (B5 reads g), v with such an F3 (B0
-        and B3 read it too); no copy is made of those. Readers without the capability
-        get a copy from the stage runner."""
-        reads = [capabilities(type(getattr(self, n))).tokens for n in ("gate", "wy")]
-        if not (_views_fit(layout) and any(reads)):
-            return pack_inputs(layout, raw, HV, dt, clean)
-        kinds = _isolation.input_kinds(config.use_gate_in_kernel, config.use_beta_sigmoid_in_kernel) if clean else None
-        q, k, v, g, beta = token_inputs(raw, HV, layout.chunk_size, dt, kinds)
-        if not reads[0]:
-            q, k, g, beta = (x.chunked() for x in (q, k, g, beta))
-        return q, k, v if reads[1] else v.chunked(), g, beta
-
-    def _chunked_cotangent(self, layout: ChunkLayout, do, dt):
-        """``do`` for B1-B3: the chunked copy, or on dense input whose T is a multiple of the
-        chunk size, with a B1, B2 or B3 that reads the caller's layout (``tokens``), a
-        ``Tokens`` view (the stage runner gives the others the copy)."""
-        if _views_fit(layout) and any(capabilities(type(getattr(self, n))).tokens for n in ("dav", "dhu", "wy_dqkg")):
-            return Tokens(do, do.shape[2], layout.chunk_size, np.dtype(dt))
-        return pack(layout, do, dt)
 
     def _forward_stages(self, config: KDAConfig, chunked, A_log, dt_bias, h0, layout: ChunkLayout,
                         ext: Optional[ForwardHooks] = None):
@@ -337,7 +312,7 @@ class KDAPipeline(eqx.Module):
         res.check_cotangents(do, dht)
         self = self.resolved(res.in_dtypes[0])  # the policy chunk_kda resolves, for pipeline.backward
         # What the layout adds between the stages (shared chunks: final states, entering states).
-        doc = self._chunked_cotangent(L, do, res.h0.dtype)
+        doc = chunked_cotangent(L, do, res.h0.dtype, any(reads_tokens(self, "dav", "dhu", "wy_dqkg")))
         ext = _shared_states.backward_hooks(res, dht)
         dht = ext.b2_dht(dht, res.h0)
         c = self.recomputed(res)  # B0
@@ -432,12 +407,6 @@ class KDAPipeline(eqx.Module):
 
 
 _compiled_differentiable = eqx.filter_jit(differentiable)
-
-
-def _views_fit(layout: ChunkLayout) -> bool:
-    """Whether the caller's arrays are the chunked layout up to a reshape (``Tokens``
-    views): dense rows, T a multiple of the chunk size (no padding)."""
-    return layout.dense and layout.T % layout.chunk_size == 0
 
 
 class _ForwardChunks(eqx.Module):
