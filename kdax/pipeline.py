@@ -33,11 +33,11 @@ from ._runner.contracts import STAGES, check_family
 from ._runner.derived import RESET_FIELDS as _RESET_FIELDS  # noqa: F401 (kdax.testing reads it here)
 from ._runner.derived import check_transposes, is_kda, shares_chunks, tile_chunks, unsafe_for_tiles
 from ._runner.residuals import EntryResiduals, KDAGrads, KDAResiduals
-from ._runner.runner import PipelineState, PipelineWY, active_recordings, record_layout, run_stage
+from ._runner.runner import PipelineState, PipelineWY, record_layout, run_stage
 from ._runner.stage_grads import BackwardParts
-from ._runner.vjp import differentiable
+from ._runner import vjp as _vjp
 from ._typing import Beta, ChunkK, ChunkState, ChunkV, Gate, QK, Values
-from ._validate import check_arrays, options_of, prepare_options
+from ._validate import check_arrays, final_out, in_compute_dtype, options_of, prepare_options
 from ._validate import prepare as _prepare  # noqa: F401 (kdax.testing reads it here)
 from .ref import compute_dtype
 from .stages import (
@@ -224,13 +224,13 @@ class KDAPipeline(eqx.Module):
         shared = shares_chunks(self, None if entries else h0, cu_seqlens)
         entering = shared and h0 is not None  # initial states entering shared chunks
         if entering:  # (cast before the layout is made: the program lowered as it was)
-            in_dtypes, A_log, dt_bias, h0 = _in_compute_dtype(raw, h0, A_log, dt_bias, dt, None)
+            in_dtypes, A_log, dt_bias, h0 = in_compute_dtype(raw, h0, A_log, dt_bias, dt, None)
             ok = _isolation.finite_heads(h0) if clean else None  # (False: the head reads a zero state)
         layout = make_shared_layout(T, C, cu_seqlens) if shared else make_layout(B, T, C, cu_seqlens)
         N = cu_seqlens.shape[0] - 1 if shared else layout.empty.shape[0]
         if not entering:  # (shared: one stream of T tokens, a state table of one entry, zero)
             shape = (1 if shared else N, HV, K, V)
-            in_dtypes, A_log, dt_bias, h0 = _in_compute_dtype(raw, h0, A_log, dt_bias, dt, shape)
+            in_dtypes, A_log, dt_bias, h0 = in_compute_dtype(raw, h0, A_log, dt_bias, dt, shape)
         record_layout("shared" if shared else ("dense" if cu_seqlens is None else "per-sequence"))
         ext = _shared_states.EntryHooks(config, layout, cu_seqlens, h0, ok) if entering else ForwardHooks()
         clean = _isolation.cleaner_of(config) if clean else None
@@ -372,7 +372,7 @@ class KDAPipeline(eqx.Module):
                 raise ValueError(f"{name}: KDAPipeline.forward needs B, K and V > 0 (chunk_kda handles size 0), "
                                  f"got q {tuple(q.shape)}, v {tuple(v.shape)}.")
         o, final, res = self.resolved(q.dtype).run_forward(config, *args)
-        return o, _final_out(final, config, opts.state_v_first), res
+        return o, final_out(final, config, opts.state_v_first), res
 
     def __call__(self, q: QK, k: QK, v: Values, g: Gate, beta: Beta, options: Optional[KDAOptions] = None,
                  **kwargs):
@@ -382,31 +382,10 @@ class KDAPipeline(eqx.Module):
         return self.apply(q, k, v, g, beta, options_of(options, kwargs))
 
     def apply(self, q, k, v, g, beta, options: KDAOptions):
-        """The single-device call behind ``chunk_kda``: validation, then the forward,
-        differentiable through the six-stage backward (``kdax._runner.vjp.differentiable``). Returns
-        ``(o, final state or None)`` in ``chunk_kda``'s layouts."""
-        config, args, opts = prepare_options(q, k, v, g, beta, options)
-        q, k, v, g, beta, h0, A_log, dt_bias, cu = args
-        pipeline = self.resolved(q.dtype)
-        B, T, _, K = q.shape
-        if 0 in (B, T, K, v.shape[-1]):
-            # Nothing for any stage to do: o is zero (empty sums, or no tokens), every state
-            # passes through unchanged, and so does its gradient.
-            N = v.shape[0] if cu is None else cu.shape[0] - 1
-            final = _initial_states(h0, (N, v.shape[2], K, v.shape[-1]), compute_dtype(q, k, v, g, beta, h0))
-            return jnp.zeros(v.shape, v.dtype), _final_out(final, config, opts.state_v_first)
-        # (Non-finite inputs stay in their own sequence: kdax._numerics.isolation, in the VJP's forward.)
-        # Called eagerly (no array traced), compiled as one program: op by op it took 8 s a
-        # call at T = 2048, against 0.05 s. Under any transformation, as is: a jit nested in
-        # the caller's made kdax.bench's jitted training step 8-14% slower. Not while
-        # ``plan`` or ``stage_inputs`` record the stage calls: a cached trace makes none.
-        diff = ((q, k, v, g, beta, h0, A_log, dt_bias), pipeline)
-        eager = not active_recordings() and not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((diff, cu)))
-        o, final = (_compiled_differentiable if eager else differentiable)(diff, config, cu)
-        return o, _final_out(final, config, opts.state_v_first)
-
-
-_compiled_differentiable = eqx.filter_jit(differentiable)
+        """The single-device call behind ``chunk_kda`` (``kdax._runner.vjp.apply``):
+        validation, then the forward, differentiable through the six-stage backward.
+        Returns ``(o, final state or None)`` in ``chunk_kda``'s layouts."""
+        return _vjp.apply(self, q, k, v, g, beta, options)
 
 
 class _ForwardChunks(eqx.Module):
@@ -420,34 +399,6 @@ class _ForwardChunks(eqx.Module):
     v_new: ChunkV
     v: typing.Union[ChunkV, Tokens]  # (views of the caller's v and g: kdax._layouts.tokens)
     g: typing.Union[ChunkK, Tokens]
-
-
-def _in_dtypes(raw, h0, A_log, dt_bias) -> tuple:
-    """The dtypes of the forward's inputs (q, k, v, g, beta, h0, A_log, dt_bias), None
-    where absent: the backward returns each gradient in its input's dtype."""
-    return tuple(None if x is None else jnp.dtype(x.dtype) for x in (*raw, h0, A_log, dt_bias))
-
-
-def _cast(x, dt):
-    return None if x is None else x.astype(dt)
-
-
-def _initial_states(h0, shape, dt):
-    """The initial states ``[N, HV, K, V]`` in the compute dtype (zeros when not given)."""
-    return jnp.zeros(shape, dt) if h0 is None else h0.astype(dt)
-
-
-def _in_compute_dtype(raw, h0, A_log, dt_bias, dt, shape) -> tuple:
-    """``(in_dtypes, A_log, dt_bias, h0)``: the inputs' dtypes (``_in_dtypes``), and the gate
-    parameters and initial states in the compute dtype ``dt`` (zeros of ``shape`` when no
-    initial states are given)."""
-    return _in_dtypes(raw, h0, A_log, dt_bias), _cast(A_log, dt), _cast(dt_bias, dt), _initial_states(h0, shape, dt)
-
-
-def _final_out(final, config: KDAConfig, state_v_first: bool):
-    if not config.output_final_state:
-        return None
-    return jnp.swapaxes(final, -1, -2) if state_v_first else final
 
 
 def default_pipeline() -> KDAPipeline:
