@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from . import pallas as P
 from ._config import KDAConfig, KDAOptions
 from ._layouts import shared_states as _shared_states
-from ._layouts.layout import ChunkLayout, ForwardHooks, make_layout, make_shared_layout, reduce_group, unpack
+from ._layouts.layout import ChunkLayout, ForwardHooks, make_layout, make_shared_layout, unpack
 from ._layouts.tiles import forward_tiled
 from ._layouts.tokens import Tokens, as_chunked, chunked_cotangent, chunked_inputs
 from ._numerics import isolation as _isolation
@@ -29,7 +29,7 @@ from ._numerics.ops import CHUNK_LOOPS
 from . import _plan
 from ._plan import KDAPlan
 from ._runner.capabilities import reads_tokens
-from ._runner.contracts import STAGES, check_family
+from ._runner.contracts import STAGES, check_families
 from ._runner.derived import RESET_FIELDS as _RESET_FIELDS  # noqa: F401 (kdax.testing reads it here)
 from ._runner.derived import check_transposes, is_kda, shares_chunks, tile_chunks, unsafe_for_tiles
 from ._runner.residuals import EntryResiduals, KDAGrads, KDAResiduals
@@ -133,8 +133,7 @@ class KDAPipeline(eqx.Module):
         _precision.check_policy(self.precision)
         if self.chunk_loops is not None and self.chunk_loops not in CHUNK_LOOPS:
             raise ValueError(f"chunk_loops: expected None or one of {CHUNK_LOOPS}, got {self.chunk_loops!r}.")
-        for name in STAGES:
-            check_family(name, getattr(self, name))
+        check_families(self)
 
     def run_stage(self, name: str, **kwargs):
         """Run stage ``name`` (a field) on keyword arguments through the stage runner
@@ -188,10 +187,7 @@ class KDAPipeline(eqx.Module):
         F3 wy, F4 state, F5 output, B0 recompute, B1 dav, B2 dhu, B3 wy_dqkg, B4 intra_bwd,
         B5 gate_bwd: Pallas for F1, F3, F5, B1, B3, B5."""
         p, r = cls.pallas(target, interpret), cls.reference()
-        return cls(
-            gate=p.gate, intra=r.intra, wy=p.wy, state=r.state, output=p.output, recompute=r.recompute,
-            dav=p.dav, dhu=r.dhu, wy_dqkg=p.wy_dqkg, intra_bwd=r.intra_bwd, gate_bwd=p.gate_bwd, fallback=True,
-        )
+        return cls(**{n: getattr((p, r)[i % 2], n) for i, n in enumerate(STAGES)}, fallback=True)
 
     def plan(self, q: QK, k: QK, v: Values, g: Gate, beta: Beta, **options) -> KDAPlan:
         """Which implementation runs each stage for these inputs and options, without
@@ -213,8 +209,7 @@ class KDAPipeline(eqx.Module):
         VJP, whose backward takes them), else they keep one sequence per chunk.
         ``clean``: non-finite input elements read as zero, replaced as each tile is packed
         (``kdax._numerics.isolation``: the caller puts NaN back where the recurrence has it)."""
-        for name in STAGES:  # a pipeline edited with eqx.tree_at skips __check_init__
-            check_family(name, getattr(self, name))
+        check_families(self)  # (a pipeline edited with eqx.tree_at skips __check_init__)
         (B, T, H, K), (HV, V), C = q.shape, v.shape[2:], config.chunk_size
         raw, dt = (q, k, v, g, beta), compute_dtype(q, k, v, g, beta, h0)
         # (initial states entering shared chunks compute terms of F1's and F5's math in
@@ -305,8 +300,7 @@ class KDAPipeline(eqx.Module):
         holds what the backward formed on the way (the packed ``do``, B0's ``qg, h, v_new``,
         B4's gradients of F1's outputs), the cotangents from which stage arrays are
         differentiated."""
-        for name in STAGES:  # a pipeline edited with eqx.tree_at skips __check_init__
-            check_family(name, getattr(self, name))
+        check_families(self)  # (a pipeline edited with eqx.tree_at skips __check_init__)
         check_transposes(self)
         cfg, L, act = res.config, res.layout, res.act
         res.check_cotangents(do, dht)
@@ -343,18 +337,8 @@ class KDAPipeline(eqx.Module):
             dq=grads.dq, dk=grads.dk, dbeta=grads.dbeta, dG=grads.dG, reset=L.reset,
         )
         raw = ext.after_gate_bwd(raw)
-        H = res.num_qk_heads
         parts = BackwardParts(doc=as_chunked(doc), qg=c.qg, h=c.h, v_new=v_out, act_grads=grads)
-        return KDAGrads(
-            q=unpack(L, reduce_group(raw.dq, H)),
-            k=unpack(L, reduce_group(raw.dk, H)),
-            v=unpack(L, grads.dv),
-            g=unpack(L, raw.dg),
-            beta=unpack(L, raw.dbeta[..., None])[..., 0],
-            initial_state=ext.initial_state(dh),
-            A_log=raw.dA_log,
-            dt_bias=raw.ddt_bias,
-        ), parts
+        return KDAGrads.unpacked(L, raw, grads.dv, res.num_qk_heads, lambda: ext.initial_state(dh)), parts
 
     # -- public entry points ------------------------------------------------------------
 
