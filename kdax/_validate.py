@@ -308,3 +308,12 @@ def final_out(final, config, state_v_first: bool):
     if not config.output_final_state:
         return None
     return jnp.swapaxes(final, -1, -2) if state_v_first else final
+
+
+def check_forward_sizes(q, v) -> None:
+    """``KDAPipeline.forward`` needs B, K and V > 0 (``chunk_kda`` handles size 0)."""
+    B, T, _, K = q.shape
+    for name, n in (("q", B), ("q", K), ("v", v.shape[-1])):
+        if n == 0:
+            raise ValueError(f"{name}: KDAPipeline.forward needs B, K and V > 0 (chunk_kda handles size 0), "
+                             f"got q {tuple(q.shape)}, v {tuple(v.shape)}.")

@@ -37,7 +37,7 @@ from ._runner.runner import PipelineState, PipelineWY, record_layout, run_stage
 from ._runner.stage_grads import BackwardParts
 from ._runner import vjp as _vjp
 from ._typing import Beta, ChunkK, ChunkState, ChunkV, Gate, QK, Values
-from ._validate import check_arrays, final_out, in_compute_dtype, options_of, prepare_options
+from ._validate import check_arrays, check_forward_sizes, final_out, in_compute_dtype, options_of, prepare_options
 from ._validate import prepare as _prepare  # noqa: F401 (kdax.testing reads it here)
 from .ref import compute_dtype
 from .stages import (
@@ -89,31 +89,26 @@ class KDAPipeline(eqx.Module):
     # reference stage of the same family instead (with a FallbackWarning, once); any other
     # exception propagates. ``plan`` says beforehand which stages will fall back.
     fallback: bool = eqx.field(static=True, default=False)
-    # The forward in tiles of about this many (row, head, chunk) blocks, every stage called
-    # tile by tile with the state carried between tiles (None: each stage once over the
-    # whole input). CPUs gain from tiles that fit in cache; accelerators want whole arrays.
-    # Only when every forward stage's class is ``tile_safe`` and of KDA's math (the one rule
-    # of routes, ``kdax._runner.derived.unchecked``); else the forward runs whole.
-    # A training step (chunk_kda under a gradient) runs whole: see _vjp_fwd.
+    # The forward in tiles of about this many (row, head, chunk) blocks, the state carried
+    # between tiles (None: each stage once over the whole input; CPUs gain from tiles that
+    # fit in cache). Only when every forward stage is ``tile_safe`` and of KDA's math (the
+    # one rule of routes, ``kdax._runner.derived``); a training step runs whole (_vjp_fwd).
     tile: Optional[int] = eqx.field(static=True, default=None)
-    # Precision policy of the products (kdax._numerics.precision): "auto" (half-precision operands
-    # with float32 accumulation where safe for bf16/fp16 inputs, else "highest"),
-    # "highest", "bfloat16" or "float16".
+    # Precision policy of the products (kdax._numerics.precision): "auto" (half-precision
+    # operands, float32 accumulation where safe for bf16/fp16 inputs), "highest", "bfloat16", "float16".
     precision: str = eqx.field(static=True, default="auto")
-    # Packed varlen input (cu_seqlens) with no initial_state (a training step's usual
-    # call): sequences share chunks, NC = ceil(T / C), each sequence start an exact reset
-    # (``_layouts.layout.make_shared_layout``, ``stages._segments``), so many short sequences cost what their
-    # tokens cost. Final states (``output_final_state``) are read from the chunk of each
-    # sequence's last token, and a loss on them runs back through the same chunks
-    # (``kdax._layouts.shared_states``). Needs every stage of KDA's math, and the stages that get
-    # the reset table to accept ``reset`` (or ``fallback``, which runs the reference ones).
-    # False, or an initial state: every sequence starts its own chunk. ``plan`` says which ran.
+    # Packed varlen input (cu_seqlens): sequences share chunks, NC = ceil(T / C), each start
+    # an exact reset (``kdax._layouts.layout.make_shared_layout``), so short sequences cost
+    # what their tokens cost; final states and a loss on them go through the same chunks, and
+    # so do initial states under chunk_kda (``run_forward``'s ``entries``; all three in
+    # ``kdax._layouts.shared_states``). Needs every stage of KDA's math and ``reset`` (or
+    # ``fallback``) where the reset table goes (``kdax._runner.derived.shares_chunks``).
+    # False: every sequence starts its own chunk. ``plan`` says which ran.
     share_chunks: bool = eqx.field(static=True, default=True)
     # The reference stages' chunk-group loops: "flat" groups of the flattened (row, head,
-    # chunk) axes, or "slices" of the chunk axis keeping rows and heads whole (arrays
-    # sharded over them under jit on an Auto mesh stay sharded); "auto": slices in a
-    # process with several devices. None: the environment variable KDAX_CHUNK_LOOPS,
-    # else "auto" (kdax._numerics.ops.split_rows_and_heads).
+    # chunk) axes, or "slices" of the chunk axis (rows and heads whole: arrays sharded over
+    # them stay sharded); "auto": slices with several devices. None: $KDAX_CHUNK_LOOPS, else
+    # "auto" (kdax._numerics.ops.split_rows_and_heads).
     chunk_loops: Optional[str] = eqx.field(static=True, default=None)
 
     def with_precision(self, precision: str) -> "KDAPipeline":
@@ -121,10 +116,9 @@ class KDAPipeline(eqx.Module):
         return dataclasses.replace(self, precision=precision)
 
     def resolved(self, dtype) -> "KDAPipeline":
-        """This pipeline with its precision policy resolved for inputs of ``dtype`` ("auto"
-        becomes what ``kdax._numerics.precision.resolve`` says): the one place the policy is
-        resolved, by the forward, the backward, the stage arrays' gradients and
-        ``kdax.parallel`` alike."""
+        """This pipeline with its precision policy resolved for inputs of ``dtype``
+        (``kdax._numerics.precision.resolve``): the one place the policy is resolved, for the
+        forward, the backward, the stage arrays' gradients and ``kdax.parallel`` alike."""
         if self.precision != "auto":
             return self
         return self.with_precision(_precision.resolve(self.precision, jnp.dtype(dtype)))
@@ -137,10 +131,8 @@ class KDAPipeline(eqx.Module):
 
     def run_stage(self, name: str, **kwargs):
         """Run stage ``name`` (a field) on keyword arguments through the stage runner
-        (``kdax._runner.runner.run_stage``): family and argument checks, capability negotiation
-        (``G_lo``, ``reset``), fallback on ``UnsupportedCase``, output contract, plan
-        recording. Everything that calls a stage, B0 and ``kdax.parallel`` included,
-        calls it this way."""
+        (``kdax._runner.runner.run_stage``: checks, capabilities, fallback, contract, plan
+        recording), as everything that calls a stage does, B0 and ``kdax.parallel`` included."""
         return run_stage(self, name, **kwargs)
 
     def _unsafe_for_tiles(self) -> tuple:
@@ -350,11 +342,7 @@ class KDAPipeline(eqx.Module):
         opts = options_of(options, kwargs)
         check_arrays(q, k, v, g, beta, opts.initial_state, opts.A_log, opts.dt_bias, opts.cu_seqlens)
         config, args, opts = prepare_options(q, k, v, g, beta, opts)
-        B, T, _, K = q.shape
-        for name, n in (("q", B), ("q", K), ("v", v.shape[-1])):
-            if n == 0:
-                raise ValueError(f"{name}: KDAPipeline.forward needs B, K and V > 0 (chunk_kda handles size 0), "
-                                 f"got q {tuple(q.shape)}, v {tuple(v.shape)}.")
+        check_forward_sizes(q, v)
         o, final, res = self.resolved(q.dtype).run_forward(config, *args)
         return o, final_out(final, config, opts.state_v_first), res
 
