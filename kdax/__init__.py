@@ -19,11 +19,8 @@ from ._errors import UnsupportedCase as UnsupportedCase
 from ._layouts.layout import ChunkLayout as ChunkLayout
 from ._plan import KDAPlan as KDAPlan, PlanRow as PlanRow
 from ._runner.residuals import KDAGrads as KDAGrads, KDAResiduals as KDAResiduals
-from .pipeline import (
-    KDAPipeline as KDAPipeline,
-    default_pipeline as default_pipeline,
-    stage_inputs as stage_inputs,
-)
+from ._runner.runner import stage_inputs as stage_inputs
+from .pipeline import KDAPipeline as KDAPipeline, default_pipeline as default_pipeline
 from . import testing as testing
 from ._front import chunk_kda as chunk_kda
 from .recurrent import fused_recurrent_kda as fused_recurrent_kda

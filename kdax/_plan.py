@@ -1,7 +1,20 @@
-"""``KDAPipeline.plan``'s answer: which implementation runs each stage, why it differs,
-the layout, the tiles and the resolved configuration."""
+"""``KDAPipeline.plan``: which implementation runs each stage, why it differs, the layout,
+the tiles and the resolved configuration, found by tracing the forward and backward
+abstractly (the pipeline is an argument: kdax.pipeline imports this module)."""
 
+import dataclasses
 from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from ._config import KDAOptions
+from ._numerics import precision as _precision
+from ._numerics.ops import loop_unroll, resolve_group, split_rows_and_heads
+from ._runner.capabilities import capabilities
+from ._runner.contracts import STAGES
+from ._runner.derived import unchecked, unsafe_for_tiles
+from ._runner.runner import recording
 
 
 class PlanRow(NamedTuple):
@@ -58,3 +71,80 @@ class KDAPlan(NamedTuple):
                 if isinstance(v, dict):
                     lines.append(f"  {n}: " + ", ".join(f"{a}={b}" for a, b in v.items()))
         return "\n".join(lines)
+
+
+def plan(pipeline, q, k, v, g, beta, **options) -> KDAPlan:
+    """Which implementation runs each stage of ``pipeline`` (a ``KDAPipeline``) for these
+    inputs and options, without running anything (the forward and backward are traced
+    abstractly): a ``KDAPlan`` whose ``str`` is a table, with the reason of each fallback.
+    Inputs may be arrays or ``jax.ShapeDtypeStruct``."""
+    opts = KDAOptions.from_kwargs(**options)
+    with recording(quiet=True) as rec:
+        def loss(diff):
+            q_, k_, v_, g_, b_, h0 = diff
+            o, ht = pipeline.apply(q_, k_, v_, g_, b_, dataclasses.replace(opts, initial_state=h0))
+            out = jnp.sum(o)
+            return out if ht is None else out + jnp.sum(ht)
+
+        diff = (q, k, v, g, beta, opts.initial_state)
+        jax.eval_shape(jax.grad(loss), diff)
+    forward = [pipeline.tile is not None and not unsafe_for_tiles(pipeline), unsafe_for_tiles(pipeline)]
+    rows = []
+    reasons, swapped = rec.derived or ((), ())
+    for name, info in STAGES.items():
+        got = rec.ran.get(name)
+        if got is None:
+            why = "not run: the forward's cache is kept (disable_recompute=True)" if name == "recompute" else "not run"
+            if reasons and not info.forward:
+                why = "not run: the backward is derived by jax.vjp through the forward stages"
+            rows.append(PlanRow(name, info.step, type(getattr(pipeline, name)).__qualname__, None, why))
+        else:
+            stage, ran, reason = got
+            if name in swapped:
+                stage, reason = getattr(pipeline, name), "differentiated as its reference stage (same math; derived backward)"
+            rows.append(PlanRow(name, info.step, type(stage).__qualname__, type(ran).__qualname__, reason))
+    # What a stage says of how it runs (``plan_note``, e.g. a segment-split recurrence).
+    notes = tuple(f"{name}: {ran.plan_note}" for name, (_, ran, _) in rec.ran.items()
+                  if getattr(ran, "plan_note", None))
+    # Why a declaration selected no route (kdax._runner.derived.unchecked: stages of other math).
+    for name in unchecked(pipeline):
+        stage = getattr(pipeline, name)
+        said = [c for c in ("reset", "tile_safe") if getattr(capabilities(type(stage)), c)]
+        what = f"math {stage.math!r}" if STAGES[name].forward else f"transposes {dict(stage.transposes)!r}"
+        notes += (f"routes: {STAGES[name].step} {name} ({type(stage).__qualname__}) {what}, not KDA's: packed "
+                  f"sequences keep one chunk each and the forward runs whole, whatever a stage declares"
+                  + (f" (it declares {', '.join(said)})" if said else ""),)
+    if reasons:
+        notes += ("backward: derived by jax.vjp through F1-F5 (exact; the six-stage backward does not transpose "
+                  "this forward: " + "; ".join(reasons) + ")",)
+    return KDAPlan(tuple(rows), pipeline.tile if forward[0] else None, forward[1], rec.layout, notes=notes,
+                   config=resolved_config(pipeline, q.dtype))
+
+
+def resolved_config(pipeline, dtype=jnp.float32) -> dict:
+    """Every platform-dependent choice of ``pipeline`` as it resolves here for inputs of ``dtype``
+    (what ``plan`` reports): ``backend``, ``precision`` (the policy, "auto" resolved),
+    ``tile``, ``chunk_loops`` ("flat" groups or NC "slices": ``kdax._numerics.ops``), and per
+    stage field its static tuning fields, "auto" resolved (``group``: chunks per loop
+    iteration; ``loop_unroll``; the Pallas stages' ``target``, ``interpret``,
+    ``num_warps``, ``num_stages``, ``f32_dot``). Each is a field of the pipeline or of
+    a stage (set it with ``eqx.tree_at`` / ``dataclasses.replace``); an environment
+    variable only gives ``chunk_loops`` its default (``KDAX_CHUNK_LOOPS``)."""
+    out = dict(
+        backend=jax.default_backend(),
+        precision=_precision.resolve(pipeline.precision, jnp.dtype(dtype)),
+        tile=pipeline.tile,
+        chunk_loops="slices" if split_rows_and_heads(pipeline.chunk_loops) else "flat",
+    )
+    resolvers = {"group": resolve_group, "loop_unroll": loop_unroll}
+    for name in STAGES:
+        stage = getattr(pipeline, name)
+        fields = {}
+        for f in dataclasses.fields(stage):
+            if not f.metadata.get("static", False):
+                continue
+            value = getattr(stage, f.name)
+            fields[f.name] = resolvers[f.name](value) if f.name in resolvers else value
+        if fields:
+            out[name] = fields
+    return out

@@ -14,9 +14,11 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Float
 
 from ._config import KDAOptions
 from ._numerics.ops import varying_axes
+from ._typing import QK, ALogIn, ArrayIn, Beta, CuSeqlensIn, Gate, State, Values, typecheck
 
 SUPPORTED_CHUNK_SIZES = (16, 32, 64, 128)
 # FLA's range for lower_bound under safe_gate.
@@ -233,3 +235,85 @@ def validate(q, k, v, g, beta, options: KDAOptions, *, chunked: bool = True) -> 
     check_domain(g, beta, o)
     o = dataclasses.replace(o, scale=scale, A_log=A_log, cu_seqlens=cu)
     return Dims(B, T, H, HV, K, V, N, scale), o
+
+
+def options_of(options: Optional[KDAOptions], kwargs: dict) -> KDAOptions:
+    """One ``KDAOptions`` from ``options`` or keywords (``TypeError`` given both)."""
+    if options is None:
+        return KDAOptions.from_kwargs(**kwargs)
+    if kwargs:
+        raise TypeError(f"options: give a KDAOptions or keywords, not both (got {', '.join(kwargs)}).")
+    return options
+
+
+def prepare(q, k, v, g, beta, **options):
+    """``(config, args)`` of ``prepare_options`` from keyword options."""
+    return prepare_options(q, k, v, g, beta, KDAOptions.from_kwargs(**options))[:2]
+
+
+def prepare_options(q, k, v, g, beta, options: KDAOptions):
+    """Validated ``(config, (q, k, v, g, beta, h0 [N, HV, K, V], A_log [HV], dt_bias, cu),
+    normalised options)``."""
+    dims, opts = validate(q, k, v, g, beta, options)
+    config = opts.config(dims.scale)
+    asarr = lambda x: None if x is None else jnp.asarray(x)
+    h0 = asarr(opts.initial_state)
+    if h0 is not None and opts.state_v_first:
+        h0 = jnp.swapaxes(h0, -1, -2)
+    args = (asarr(q), asarr(k), asarr(v), asarr(g), asarr(beta), h0, asarr(opts.A_log), asarr(opts.dt_bias),
+            opts.cu_seqlens)
+    return config, args, opts
+
+
+@typecheck
+def check_arrays(
+    q: QK,
+    k: QK,
+    v: Values,
+    g: Gate,
+    beta: Beta,
+    initial_state: Optional[State],
+    A_log: Optional[ALogIn],
+    dt_bias: Optional[Float[ArrayIn, "_"]],
+    cu_seqlens: Optional[CuSeqlensIn],
+) -> None:
+    """The shape/dtype checks of ``chunk_kda``'s signature, for ``KDAPipeline.forward``."""
+
+
+def _in_dtypes(raw, h0, A_log, dt_bias) -> tuple:
+    """The dtypes of the forward's inputs (q, k, v, g, beta, h0, A_log, dt_bias), None
+    where absent: the backward returns each gradient in its input's dtype."""
+    return tuple(None if x is None else jnp.dtype(x.dtype) for x in (*raw, h0, A_log, dt_bias))
+
+
+def _cast(x, dt):
+    return None if x is None else x.astype(dt)
+
+
+def initial_states(h0, shape, dt):
+    """The initial states ``[N, HV, K, V]`` in the compute dtype (zeros when not given)."""
+    return jnp.zeros(shape, dt) if h0 is None else h0.astype(dt)
+
+
+def in_compute_dtype(raw, h0, A_log, dt_bias, dt, shape) -> tuple:
+    """``(in_dtypes, A_log, dt_bias, h0)``: the inputs' dtypes (``_in_dtypes``), and the gate
+    parameters and initial states in the compute dtype ``dt`` (zeros of ``shape`` when no
+    initial states are given)."""
+    return _in_dtypes(raw, h0, A_log, dt_bias), _cast(A_log, dt), _cast(dt_bias, dt), initial_states(h0, shape, dt)
+
+
+def final_out(final, config, state_v_first: bool):
+    """The final states as ``chunk_kda`` returns them (None unless asked for; ``[N, HV, V, K]``
+    under ``state_v_first``, as ``prepare_options`` reads them)."""
+    if not config.output_final_state:
+        return None
+    return jnp.swapaxes(final, -1, -2) if state_v_first else final
+
+
+def check_forward_sizes(q, v) -> None:
+    """``KDAPipeline.forward`` needs B, K and V > 0 (``chunk_kda`` handles size 0)."""
+    B, T, _, K = q.shape
+    for name, n in (("q", B), ("q", K), ("v", v.shape[-1])):
+        if n == 0:
+            raise ValueError(f"{name}: KDAPipeline.forward needs B, K and V > 0 (chunk_kda handles size 0), "
+                             f"got q {tuple(q.shape)}, v {tuple(v.shape)}.")

@@ -10,36 +10,35 @@ See docs/stages.md for the stages' contracts, tiles, fallback, ``plan`` and inte
 """
 
 import dataclasses
-import inspect
 import typing
 from typing import Optional
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jaxtyping import Float
 
 from . import pallas as P
 from ._config import KDAConfig, KDAOptions
-from ._errors import DerivedBackwardError
 from ._layouts import shared_states as _shared_states
-from ._layouts.layout import ChunkLayout, make_layout, make_shared_layout, pack, pack_inputs, reduce_group, unpack
-from ._layouts.tiles import Tiles
-from ._layouts.tokens import Tokens, as_chunked, token_inputs
+from ._layouts.layout import ChunkLayout, ForwardHooks, make_layout, make_shared_layout, unpack
+from ._layouts.tiles import forward_tiled
+from ._layouts.tokens import Tokens, as_chunked, chunked_cotangent, chunked_inputs
 from ._numerics import isolation as _isolation
 from ._numerics import precision as _precision
-from ._numerics.ops import CHUNK_LOOPS, loop_unroll, resolve_group, split_rows_and_heads, zeros_after
-from ._plan import KDAPlan, PlanRow
-from ._runner.capabilities import capabilities
-from ._runner.contracts import STAGES, check_family
-from ._runner.derived import is_kda, mismatches, reference_is_exact, routed, unchecked
+from ._numerics.ops import CHUNK_LOOPS
+from . import _plan
+from ._plan import KDAPlan
+from ._runner.capabilities import reads_tokens
+from ._runner.contracts import STAGES, check_families
+from ._runner.derived import RESET_FIELDS as _RESET_FIELDS  # noqa: F401 (kdax.testing reads it here)
+from ._runner.derived import check_transposes, is_kda, shares_chunks, tile_chunks, unsafe_for_tiles
 from ._runner.residuals import EntryResiduals, KDAGrads, KDAResiduals
-from ._runner.runner import PipelineState, PipelineWY, active_recordings, recording, run_stage
+from ._runner.runner import PipelineState, PipelineWY, record_layout, run_stage
 from ._runner.stage_grads import BackwardParts
-from ._runner.vjp import differentiable
-from ._typing import ALogIn, ArrayIn, Beta, ChunkK, ChunkState, ChunkV, CuSeqlensIn, Gate, QK, State, Values, typecheck
-from ._validate import validate
+from ._runner import vjp as _vjp
+from ._typing import Beta, ChunkK, ChunkState, ChunkV, Gate, QK, Values
+from ._validate import check_arrays, check_forward_sizes, final_out, in_compute_dtype, options_of, prepare_options
+from ._validate import prepare as _prepare  # noqa: F401 (kdax.testing reads it here)
 from .ref import compute_dtype
 from .stages import (
     AbstractDAv,
@@ -58,11 +57,6 @@ from .stages import (
     IntraOut,
     WYOut,
 )
-
-
-# The stages that receive the shared layout's reset table (F5 and B1 act per chunk on
-# what the others made exact).
-_RESET_FIELDS = ("gate", "intra", "wy", "state", "recompute", "dhu", "wy_dqkg", "intra_bwd", "gate_bwd")
 
 
 class KDAPipeline(eqx.Module):
@@ -95,31 +89,26 @@ class KDAPipeline(eqx.Module):
     # reference stage of the same family instead (with a FallbackWarning, once); any other
     # exception propagates. ``plan`` says beforehand which stages will fall back.
     fallback: bool = eqx.field(static=True, default=False)
-    # The forward in tiles of about this many (row, head, chunk) blocks, every stage called
-    # tile by tile with the state carried between tiles (None: each stage once over the
-    # whole input). CPUs gain from tiles that fit in cache; accelerators want whole arrays.
-    # Only when every forward stage's class is ``tile_safe`` and of KDA's math (the one rule
-    # of routes, ``kdax._runner.derived.unchecked``); else the forward runs whole.
-    # A training step (chunk_kda under a gradient) runs whole: see _vjp_fwd.
+    # The forward in tiles of about this many (row, head, chunk) blocks, the state carried
+    # between tiles (None: each stage once over the whole input; CPUs gain from tiles that
+    # fit in cache). Only when every forward stage is ``tile_safe`` and of KDA's math (the
+    # one rule of routes, ``kdax._runner.derived``); a training step runs whole (_vjp_fwd).
     tile: Optional[int] = eqx.field(static=True, default=None)
-    # Precision policy of the products (kdax._numerics.precision): "auto" (half-precision operands
-    # with float32 accumulation where safe for bf16/fp16 inputs, else "highest"),
-    # "highest", "bfloat16" or "float16".
+    # Precision policy of the products (kdax._numerics.precision): "auto" (half-precision
+    # operands, float32 accumulation where safe for bf16/fp16 inputs), "highest", "bfloat16", "float16".
     precision: str = eqx.field(static=True, default="auto")
-    # Packed varlen input (cu_seqlens) with no initial_state (a training step's usual
-    # call): sequences share chunks, NC = ceil(T / C), each sequence start an exact reset
-    # (``_layouts.layout.make_shared_layout``, ``stages._segments``), so many short sequences cost what their
-    # tokens cost. Final states (``output_final_state``) are read from the chunk of each
-    # sequence's last token, and a loss on them runs back through the same chunks
-    # (``kdax._layouts.shared_states``). Needs every stage of KDA's math, and the stages that get
-    # the reset table to accept ``reset`` (or ``fallback``, which runs the reference ones).
-    # False, or an initial state: every sequence starts its own chunk. ``plan`` says which ran.
+    # Packed varlen input (cu_seqlens): sequences share chunks, NC = ceil(T / C), each start
+    # an exact reset (``kdax._layouts.layout.make_shared_layout``), so short sequences cost
+    # what their tokens cost; final states and a loss on them go through the same chunks, and
+    # so do initial states under chunk_kda (``run_forward``'s ``entries``; all three in
+    # ``kdax._layouts.shared_states``). Needs every stage of KDA's math and ``reset`` (or
+    # ``fallback``) where the reset table goes (``kdax._runner.derived.shares_chunks``).
+    # False: every sequence starts its own chunk. ``plan`` says which ran.
     share_chunks: bool = eqx.field(static=True, default=True)
     # The reference stages' chunk-group loops: "flat" groups of the flattened (row, head,
-    # chunk) axes, or "slices" of the chunk axis keeping rows and heads whole (arrays
-    # sharded over them under jit on an Auto mesh stay sharded); "auto": slices in a
-    # process with several devices. None: the environment variable KDAX_CHUNK_LOOPS,
-    # else "auto" (kdax._numerics.ops.split_rows_and_heads).
+    # chunk) axes, or "slices" of the chunk axis (rows and heads whole: arrays sharded over
+    # them stay sharded); "auto": slices with several devices. None: $KDAX_CHUNK_LOOPS, else
+    # "auto" (kdax._numerics.ops.split_rows_and_heads).
     chunk_loops: Optional[str] = eqx.field(static=True, default=None)
 
     def with_precision(self, precision: str) -> "KDAPipeline":
@@ -127,10 +116,9 @@ class KDAPipeline(eqx.Module):
         return dataclasses.replace(self, precision=precision)
 
     def resolved(self, dtype) -> "KDAPipeline":
-        """This pipeline with its precision policy resolved for inputs of ``dtype`` ("auto"
-        becomes what ``kdax._numerics.precision.resolve`` says): the one place the policy is
-        resolved, by the forward, the backward, the stage arrays' gradients and
-        ``kdax.parallel`` alike."""
+        """This pipeline with its precision policy resolved for inputs of ``dtype``
+        (``kdax._numerics.precision.resolve``): the one place the policy is resolved, for the
+        forward, the backward, the stage arrays' gradients and ``kdax.parallel`` alike."""
         if self.precision != "auto":
             return self
         return self.with_precision(_precision.resolve(self.precision, jnp.dtype(dtype)))
@@ -139,16 +127,16 @@ class KDAPipeline(eqx.Module):
         _precision.check_policy(self.precision)
         if self.chunk_loops is not None and self.chunk_loops not in CHUNK_LOOPS:
             raise ValueError(f"chunk_loops: expected None or one of {CHUNK_LOOPS}, got {self.chunk_loops!r}.")
-        for name in STAGES:
-            check_family(name, getattr(self, name))
+        check_families(self)
 
     def run_stage(self, name: str, **kwargs):
         """Run stage ``name`` (a field) on keyword arguments through the stage runner
-        (``kdax._runner.runner.run_stage``): family and argument checks, capability negotiation
-        (``G_lo``, ``reset``), fallback on ``UnsupportedCase``, output contract, plan
-        recording. Everything that calls a stage, B0 and ``kdax.parallel`` included,
-        calls it this way."""
+        (``kdax._runner.runner.run_stage``: checks, capabilities, fallback, contract, plan
+        recording), as everything that calls a stage does, B0 and ``kdax.parallel`` included."""
         return run_stage(self, name, **kwargs)
+
+    def _unsafe_for_tiles(self) -> tuple:
+        return unsafe_for_tiles(self)  # (kdax.testing asks the pipeline)
 
     def stage_as_module(self, name: str):
         """Stage ``name`` as this pipeline runs it (``run_stage``), as a module of its
@@ -191,85 +179,17 @@ class KDAPipeline(eqx.Module):
         F3 wy, F4 state, F5 output, B0 recompute, B1 dav, B2 dhu, B3 wy_dqkg, B4 intra_bwd,
         B5 gate_bwd: Pallas for F1, F3, F5, B1, B3, B5."""
         p, r = cls.pallas(target, interpret), cls.reference()
-        return cls(
-            gate=p.gate, intra=r.intra, wy=p.wy, state=r.state, output=p.output, recompute=r.recompute,
-            dav=p.dav, dhu=r.dhu, wy_dqkg=p.wy_dqkg, intra_bwd=r.intra_bwd, gate_bwd=p.gate_bwd, fallback=True,
-        )
+        return cls(**{n: getattr((p, r)[i % 2], n) for i, n in enumerate(STAGES)}, fallback=True)
 
-    def plan(self, q: QK, k: QK, v: Values, g: Gate, beta: Beta, **options) -> "KDAPlan":
+    def plan(self, q: QK, k: QK, v: Values, g: Gate, beta: Beta, **options) -> KDAPlan:
         """Which implementation runs each stage for these inputs and options, without
-        running anything (the forward and backward are traced abstractly): a ``KDAPlan``
-        whose ``str`` is a table, with the reason of each fallback. Inputs may be arrays or
-        ``jax.ShapeDtypeStruct``."""
-        opts = KDAOptions.from_kwargs(**options)
-        with recording(quiet=True) as rec:
-            def loss(diff):
-                q_, k_, v_, g_, b_, h0 = diff
-                o, ht = self.apply(q_, k_, v_, g_, b_, KDAOptions(**_with(opts, initial_state=h0)))
-                out = jnp.sum(o)
-                return out if ht is None else out + jnp.sum(ht)
-
-            diff = (q, k, v, g, beta, opts.initial_state)
-            jax.eval_shape(jax.grad(loss), diff)
-        forward = [self.tile is not None and not self._unsafe_for_tiles(), self._unsafe_for_tiles()]
-        rows = []
-        reasons, swapped = rec.derived or ((), ())
-        for name, info in STAGES.items():
-            got = rec.ran.get(name)
-            if got is None:
-                why = "not run: the forward's cache is kept (disable_recompute=True)" if name == "recompute" else "not run"
-                if reasons and not info.forward:
-                    why = "not run: the backward is derived by jax.vjp through the forward stages"
-                rows.append(PlanRow(name, info.step, type(getattr(self, name)).__qualname__, None, why))
-            else:
-                stage, ran, reason = got
-                if name in swapped:
-                    stage, reason = getattr(self, name), "differentiated as its reference stage (same math; derived backward)"
-                rows.append(PlanRow(name, info.step, type(stage).__qualname__, type(ran).__qualname__, reason))
-        # What a stage says of how it runs (``plan_note``, e.g. a segment-split recurrence).
-        notes = tuple(f"{name}: {ran.plan_note}" for name, (_, ran, _) in rec.ran.items()
-                      if getattr(ran, "plan_note", None))
-        # Why a declaration selected no route (kdax._runner.derived.unchecked: stages of other math).
-        for name in unchecked(self):
-            stage = getattr(self, name)
-            said = [c for c in ("reset", "tile_safe") if getattr(capabilities(type(stage)), c)]
-            what = f"math {stage.math!r}" if STAGES[name].forward else f"transposes {dict(stage.transposes)!r}"
-            notes += (f"routes: {STAGES[name].step} {name} ({type(stage).__qualname__}) {what}, not KDA's: packed "
-                      f"sequences keep one chunk each and the forward runs whole, whatever a stage declares"
-                      + (f" (it declares {', '.join(said)})" if said else ""),)
-        if reasons:
-            notes += ("backward: derived by jax.vjp through F1-F5 (exact; the six-stage backward does not transpose "
-                      "this forward: " + "; ".join(reasons) + ")",)
-        return KDAPlan(tuple(rows), self.tile if forward[0] else None, forward[1], rec.layout, notes=notes,
-                       config=self.resolved_config(q.dtype))
+        running anything: a ``KDAPlan`` (``kdax._plan.plan``)."""
+        return _plan.plan(self, q, k, v, g, beta, **options)
 
     def resolved_config(self, dtype=jnp.float32) -> dict:
-        """Every platform-dependent choice as it resolves here for inputs of ``dtype``
-        (what ``plan`` reports): ``backend``, ``precision`` (the policy, "auto" resolved),
-        ``tile``, ``chunk_loops`` ("flat" groups or NC "slices": ``kdax._numerics.ops``), and per
-        stage field its static tuning fields, "auto" resolved (``group``: chunks per loop
-        iteration; ``loop_unroll``; the Pallas stages' ``target``, ``interpret``,
-        ``num_warps``, ``num_stages``, ``f32_dot``). Each is a field of the pipeline or of
-        a stage (set it with ``eqx.tree_at`` / ``dataclasses.replace``); an environment
-        variable only gives ``chunk_loops`` its default (``KDAX_CHUNK_LOOPS``)."""
-        out = dict(
-            backend=jax.default_backend(),
-            precision=_precision.resolve(self.precision, jnp.dtype(dtype)),
-            tile=self.tile,
-            chunk_loops="slices" if split_rows_and_heads(self.chunk_loops) else "flat",
-        )
-        resolvers = {"group": resolve_group, "loop_unroll": loop_unroll}
-        for name in STAGES:
-            stage = getattr(self, name)
-            fields = {}
-            for f in dataclasses.fields(stage):
-                if not f.metadata.get("static", False):
-                    continue
-                value = getattr(stage, f.name)
-                fields[f.name] = resolvers[f.name](value) if f.name in resolvers else value
-            if fields:
-                out[name] = fields
-        return out
+        """Every platform-dependent choice as it resolves for inputs of ``dtype``
+        (``kdax._plan.resolved_config``: what ``plan`` reports)."""
+        return _plan.resolved_config(self, dtype)
 
     # -- forward ------------------------------------------------------------------------
 
@@ -281,152 +201,59 @@ class KDAPipeline(eqx.Module):
         VJP, whose backward takes them), else they keep one sequence per chunk.
         ``clean``: non-finite input elements read as zero, replaced as each tile is packed
         (``kdax._numerics.isolation``: the caller puts NaN back where the recurrence has it)."""
-        for name in STAGES:  # a pipeline edited with eqx.tree_at skips __check_init__
-            check_family(name, getattr(self, name))
-        B, T, H, K = q.shape
-        HV, V = v.shape[2:]
-        dt = compute_dtype(q, k, v, g, beta, h0)
+        check_families(self)  # (a pipeline edited with eqx.tree_at skips __check_init__)
+        (B, T, H, K), (HV, V), C = q.shape, v.shape[2:], config.chunk_size
+        raw, dt = (q, k, v, g, beta), compute_dtype(q, k, v, g, beta, h0)
         # (initial states entering shared chunks compute terms of F1's and F5's math in
         # kdax._layouts.shared_states: only for stages that declare KDA's, as shares_chunks asks
         # of every stage; others keep one sequence per chunk, every term from the stage)
         entries = entries and all(is_kda(getattr(self, n)) for n in ("gate", "output"))
-        shared = self.shares_chunks(None if entries else h0, cu_seqlens)
-        if shared and h0 is not None:  # initial states entering shared chunks
-            return self._forward_entries(config, (q, k, v, g, beta), h0, A_log, dt_bias, cu_seqlens, clean, dt)
-        if shared:  # one stream of T tokens: a state table of one entry, zero
-            layout = make_shared_layout(T, config.chunk_size, cu_seqlens)
-            N = cu_seqlens.shape[0] - 1
-        else:
-            layout = make_layout(B, T, config.chunk_size, cu_seqlens)
-            N = layout.empty.shape[0]
-        _record_layout("shared" if shared else ("dense" if cu_seqlens is None else "per-sequence"))
-        raw = (q, k, v, g, beta)
-        in_dtypes = _in_dtypes(raw, h0, A_log, dt_bias)
-        A_log, dt_bias = _cast(A_log, dt), _cast(dt_bias, dt)
-        h0 = _initial_states(h0, (1 if shared else N, HV, K, V), dt)
+        shared = shares_chunks(self, None if entries else h0, cu_seqlens)
+        entering = shared and h0 is not None  # initial states entering shared chunks
+        if entering:  # (cast before the layout is made: the program lowered as it was)
+            in_dtypes, A_log, dt_bias, h0 = in_compute_dtype(raw, h0, A_log, dt_bias, dt, None)
+            ok = _isolation.finite_heads(h0) if clean else None  # (False: the head reads a zero state)
+        layout = make_shared_layout(T, C, cu_seqlens) if shared else make_layout(B, T, C, cu_seqlens)
+        N = cu_seqlens.shape[0] - 1 if shared else layout.empty.shape[0]
+        if not entering:  # (shared: one stream of T tokens, a state table of one entry, zero)
+            shape = (1 if shared else N, HV, K, V)
+            in_dtypes, A_log, dt_bias, h0 = in_compute_dtype(raw, h0, A_log, dt_bias, dt, shape)
+        record_layout("shared" if shared else ("dense" if cu_seqlens is None else "per-sequence"))
+        ext = _shared_states.EntryHooks(config, layout, cu_seqlens, h0, ok) if entering else ForwardHooks()
         clean = _isolation.cleaner_of(config) if clean else None
-        nt = self._tile_chunks(layout.valid.shape[0] * HV, layout.num_chunks)
-        if nt is not None and not layout.dense and h0.shape[0] > nt * config.chunk_size:
+        nt = None if entering else tile_chunks(self, layout.valid.shape[0] * HV, layout.num_chunks)
+        if nt is not None and not layout.dense and h0.shape[0] > nt * C:
             nt = None  # each tile's state table, O(N), would cost more than its tokens
         if nt is None:
-            chunked = self._chunked_inputs(config, layout, raw, HV, dt, clean)
-            oc, fw, final = self._forward_stages(config, chunked, A_log, dt_bias, h0, layout)
+            chunked = chunked_inputs(config, layout, raw, HV, dt, clean, reads_tokens(self, "gate", "wy"))
+            oc, fw, final = self._forward_stages(config, chunked, A_log, dt_bias, h0, layout, ext)
             o = unpack(layout, oc)
         else:
-            o, final, fw = self._forward_tiled(config, layout, raw, HV, dt, A_log, dt_bias, h0, nt, clean)
+            stages = lambda chunked, table, tl: self._forward_stages(config, chunked, A_log, dt_bias, table, tl)
+            o, final, fw = forward_tiled(stages, layout, raw, HV, dt, h0, nt, clean)
         o = o.astype(v.dtype)
-        if shared and config.output_final_state:
+        if entering:
+            final = ext.finals(fw.act, fw.h) if config.output_final_state else h0
+        elif shared and config.output_final_state:
             final = _shared_states.shared_finals(layout, cu_seqlens, fw.act.k, fw.act.G, fw.act.G_lo, fw.v_new, fw.h)
         elif shared:  # not asked for: the sequences' initial states
             final = jnp.zeros((N, HV, K, V), dt)
         act, intra, wy = fw.act, fw.intra, fw.wy
         cache = ForwardCache.of(act.G, intra, wy, fw.h, fw.v_new)
+        L, h0, parts = ext.residuals(layout, h0)  # (entries: the injected layout and its state table)
         res = KDAResiduals(
-            config, layout, act, fw.v, fw.g if config.use_gate_in_kernel else None, A_log, dt_bias,
-            intra.Aqk, intra.Akk, h0, cache, H, in_dtypes, cu_seqlens,
+            config, L, act, fw.v, fw.g if config.use_gate_in_kernel else None, A_log, dt_bias, intra.Aqk, intra.Akk,
+            h0, cache, H, in_dtypes, cu_seqlens, entries=None if parts is None else EntryResiduals(*parts),
         )
         return o, final, res
 
-    def _chunked_inputs(self, config: KDAConfig, layout: ChunkLayout, raw, HV: int, dt, clean):
-        """``(q, k, v, g, beta)`` for F1-F3 (whole, untiled): the chunked copies
-        (``pack_inputs``; ``clean`` the cleaner or None). On dense input whose T is a
-        multiple of the chunk size, ``Tokens`` views instead where the reader declares
-        ``tokens``: q, k, g and beta with such an F1 (B5 reads g), v with such an F3 (B0
-        and B3 read it too); no copy is made of those. Readers without the capability
-        get a copy from the stage runner."""
-        reads = [capabilities(type(getattr(self, n))).tokens for n in ("gate", "wy")]
-        if not (_views_fit(layout) and any(reads)):
-            return pack_inputs(layout, raw, HV, dt, clean)
-        kinds = _isolation.input_kinds(config.use_gate_in_kernel, config.use_beta_sigmoid_in_kernel) if clean else None
-        q, k, v, g, beta = token_inputs(raw, HV, layout.chunk_size, dt, kinds)
-        if not reads[0]:
-            q, k, g, beta = (x.chunked() for x in (q, k, g, beta))
-        return q, k, v if reads[1] else v.chunked(), g, beta
-
-    def _chunked_cotangent(self, layout: ChunkLayout, do, dt):
-        """``do`` for B1-B3: the chunked copy, or on dense input whose T is a multiple of the
-        chunk size, with a B1, B2 or B3 that reads the caller's layout (``tokens``), a
-        ``Tokens`` view (the stage runner gives the others the copy)."""
-        if _views_fit(layout) and any(capabilities(type(getattr(self, n))).tokens for n in ("dav", "dhu", "wy_dqkg")):
-            return Tokens(do, do.shape[2], layout.chunk_size, np.dtype(dt))
-        return pack(layout, do, dt)
-
-    def _forward_entries(self, config: KDAConfig, raw, h0, A_log, dt_bias, cu_seqlens, clean: bool, dt):
-        """``run_forward`` of packed sequences with initial states, sharing chunks: the
-        stages on the shared layout, each initial state entering in its sequence's first
-        chunk and F4 loading the states that go on into the next chunk
-        (``kdax._layouts.shared_states``). Whole (untiled). Non-finite initial states read as zero
-        (``clean``: ``kdax._numerics.isolation`` puts NaN into that sequence); ``dt`` the compute
-        dtype."""
-        T, HV, C = raw[0].shape[1], raw[2].shape[2], config.chunk_size
-        in_dtypes = _in_dtypes(raw, h0, A_log, dt_bias)
-        A_log, dt_bias = _cast(A_log, dt), _cast(dt_bias, dt)
-        h0 = h0.astype(dt)
-        # (a head with a non-finite state reads a zero one: kdax._layouts.shared_states masks it
-        # where it is read, with no cleaned copy of the N states)
-        ok = _isolation.finite_heads(h0) if clean else None
-        _record_layout("shared")
-        layout = make_shared_layout(T, C, cu_seqlens)
-        cleaner = _isolation.cleaner_of(config) if clean else None
-        chunked = pack_inputs(layout, raw, HV, dt, cleaner)
-        vc, gc = chunked[2], chunked[3]
-        act, intra, wy = self._front_stages(config, chunked, A_log, dt_bias, layout)
-        R = layout.reset
-        # (with their VJPs, which keep what the backward needs: it runs neither again)
-        a, a_vjp = jax.vjp(lambda g_, A_, b_: _shared_states.start_decays(cu_seqlens, config, g_, A_, b_),
-                           gc, A_log, dt_bias)
-        ent = lambda q_, k_, b_, G_, Akk_, v_, a_, h0_: _shared_states.first_chunk_entries(
-            layout, cu_seqlens, config.scale, q_, k_, b_, G_, act.G_lo, Akk_, v_, a_, h0_, ok)
-        (vx, ox, table), ent_vjp = jax.vjp(ent, act.q, act.k, act.beta, act.G, intra.Akk, vc, a, h0)
-        L = _shared_states.injected_layout(layout, cu_seqlens)
-        st = self.run_stage("state", w=wy.w, u=wy.u, kg=wy.kg, G=act.G, h0=table, layout=L, reset=R)
-        v_out = st.v_new + vx  # what F5 and the final states read
-        oc = self.run_stage("output", scale=config.scale, qg=wy.qg, h=st.h, Aqk=intra.Aqk, v_new=v_out)
-        o = unpack(layout, oc + ox).astype(raw[2].dtype)
-        final = (_shared_states.entry_finals(layout, cu_seqlens, act.k, act.G, act.G_lo, v_out, st.h, a, h0, ok)
-                 if config.output_final_state else h0)
-        cache = ForwardCache.of(act.G, intra, wy, st.h, st.v_new)
-        res = KDAResiduals(
-            config, L, act, vc, gc if config.use_gate_in_kernel else None, A_log, dt_bias, intra.Aqk, intra.Akk, table,
-            cache, raw[0].shape[2], in_dtypes, cu_seqlens, entries=EntryResiduals(h0, ok, a, layout, vx, ent_vjp, a_vjp),
-        )
-        return o, final, res
-
-    def shares_chunks(self, initial_state, cu_seqlens) -> bool:
-        """Whether a call with these inputs packs its sequences into shared chunks
-        (``share_chunks``): packed varlen input, no ``initial_state``, every stage of KDA's
-        math and the stages of ``_RESET_FIELDS`` accepting ``reset`` (or ``fallback`` to the
-        reference ones). Final states and a loss on them need no other layout
-        (``kdax._layouts.shared_states``)."""
-        if not self.share_chunks or cu_seqlens is None or initial_state is not None:
-            return False
-        # The route a declaration selects, by the one rule (kdax._runner.derived.unchecked): every
-        # stage's math checked against the reference (a stage of other math keeps its
-        # sequences in chunks of their own, whatever it declares), every stage the reset
-        # table reaches accepting it, or ``fallback`` running the reference stage there.
-        # The final states of shared chunks are F4's math computed around the stages
-        # (kdax._layouts.shared_states): an F4 of other math never shares chunks.
-        if not is_kda(self.state) or unchecked(self):
-            return False
-        return all(routed(n, getattr(self, n)).reset
-                   or (self.fallback and reference_is_exact(n, getattr(self, n))) for n in _RESET_FIELDS)
-
-    def _tile_chunks(self, rows_heads: int, num_chunks: int) -> Optional[int]:
-        """Chunks per forward tile, or None to run each stage once over everything."""
-        if self.tile is None or self._unsafe_for_tiles():
-            return None
-        n = max(1, self.tile // max(rows_heads, 1))
-        return None if n >= num_chunks else n
-
-    def _unsafe_for_tiles(self) -> tuple:
-        """The forward stages that are not tile-safe by the one rule of routes
-        (``kdax._runner.derived.routed``): their class does not declare ``tile_safe``, or their
-        math is not KDA's. With any, the forward runs whole (untiled)."""
-        return tuple(n for n, i in STAGES.items() if i.forward and not routed(n, getattr(self, n)).tile_safe)
-
-    def _front_stages(self, config: KDAConfig, chunked, A_log, dt_bias, layout: ChunkLayout):
-        """F1-F3 on chunked inputs ``(q, k, v, g, beta)``: ``(act, intra, wy)``; with the
-        layout's reset table (shared chunks: exact zeros across sequences, kdax._layouts.resets)."""
+    def _forward_stages(self, config: KDAConfig, chunked, A_log, dt_bias, h0, layout: ChunkLayout,
+                        ext: Optional[ForwardHooks] = None):
+        """F1-F5 on chunked inputs ``(q, k, v, g, beta)`` (q, k already expanded to HV
+        heads), with the layout's reset table (shared chunks: exact zeros across sequences,
+        kdax._layouts.resets) and what the layout adds between them (``ext``:
+        ``ForwardHooks``): ``(o chunked, _ForwardChunks, final states [N, HV, K, V])``."""
+        ext = ForwardHooks() if ext is None else ext
         qc, kc, vc, gc, bc = chunked
         R = layout.reset
         act = self.run_stage("gate", config=config, q=qc, k=kc, g=gc, beta=bc, A_log=A_log, dt_bias=dt_bias,
@@ -434,60 +261,10 @@ class KDAPipeline(eqx.Module):
         intra = self.run_stage("intra", scale=config.scale, q=act.q, k=act.k, beta=act.beta, G=act.G, G_lo=act.G_lo,
                                reset=R)
         wy = self.run_stage("wy", q=act.q, k=act.k, v=vc, beta=act.beta, G=act.G, Akk=intra.Akk, G_lo=act.G_lo, reset=R)
-        return act, intra, wy
-
-    def _forward_stages(self, config: KDAConfig, chunked, A_log, dt_bias, h0, layout: ChunkLayout):
-        """F1-F5 on chunked inputs ``(q, k, v, g, beta)`` (q, k already expanded to HV
-        heads): ``(o chunked, _ForwardChunks, final states [N, HV, K, V])``."""
-        vc, gc = chunked[2], chunked[3]
-        act, intra, wy = self._front_stages(config, chunked, A_log, dt_bias, layout)
-        st = self.run_stage("state", w=wy.w, u=wy.u, kg=wy.kg, G=act.G, h0=h0, layout=layout, reset=layout.reset)
-        oc = self.run_stage("output", scale=config.scale, qg=wy.qg, h=st.h, Aqk=intra.Aqk, v_new=st.v_new)
-        return oc, _ForwardChunks(act, intra, wy, st.h, st.v_new, vc, gc), st.final
-
-    def _forward_tiled(self, config: KDAConfig, layout: ChunkLayout, raw, HV: int, dt, A_log, dt_bias, h0, nt: int,
-                       clean=None):
-        """F1-F5 on ``nt`` chunks at a time, the state carried from tile to tile (see
-        ``_layouts.tiles``). On CPU this keeps a tile's intermediates in cache instead of writing
-        whole-sequence arrays to main memory (the forward 1.4x faster at the benchmark
-        shape); every intermediate is still written to a full-size output, which XLA drops
-        where nothing reads it (``chunk_kda`` without gradients).
-
-        Returns ``(o [B, T, HV, V], final, _ForwardChunks of full size)``."""
-        tiles = Tiles(layout, h0.shape[0], nt)
-        if not tiles.dense:
-            packed = pack_inputs(layout, raw, HV, dt, clean)
-
-        def stages(c0, n, tail, h_carry):
-            tl = tiles.layout_of(c0, n, tail)
-            if tiles.dense:
-                chunked = pack_inputs(tl, tuple(tiles.tokens(x, c0, n, tail) for x in raw), HV, dt, clean)
-            else:
-                chunked = tuple(tiles.chunks(x, c0, n) for x in packed)
-            oc, fw, table = self._forward_stages(config, chunked, A_log, dt_bias, tiles.table(h0, h_carry), tl)
-            return oc, fw, table, tl
-
-        def step(c0, n, tail, state):
-            (h_carry, finals), (o, outs) = state
-            oc, fw, table, tl = stages(c0, n, tail, h_carry)
-            if not tiles.dense:  # the final states of the sequences that end in this tile
-                finals = tiles.collect(finals, tl, table)
-            o = tiles.put(o, tl, oc, c0)
-            outs = tuple(jax.lax.dynamic_update_slice_in_dim(b, x, c0, 2) for b, x in zip(outs, jax.tree.leaves(fw)))
-            return (tiles.carry_of(tl, table), finals), (o, outs)
-
-        # Full-size outputs, shaped after one tile, zeros made where they are used.
-        oc, fw = jax.eval_shape(lambda: stages(0, nt, False, h0[: tiles.R])[:2])
-        shapes, tree = jax.tree.flatten(fw)
-        deps = tuple(raw) + (h0,)
-        o = zeros_after(tiles.buffer_shape(oc.shape), oc.dtype, deps)
-        outs = tuple(zeros_after(x.shape[:2] + (tiles.NC,) + x.shape[3:], x.dtype, deps, j + 1)
-                     for j, x in enumerate(shapes))
-        carry = (h0, None) if tiles.dense else (jnp.zeros((tiles.R,) + h0.shape[1:], h0.dtype), h0)
-        (h_last, finals), (o, outs) = tiles.run(step, (carry, (o, outs)))
-        # A sequence of length 0 keeps its initial state.
-        final = h_last if tiles.dense else jnp.where(layout.empty[:, None, None, None], h0, finals)
-        return tiles.finish(o), final, jax.tree.unflatten(tree, outs)
+        h0, L = ext.f4_inputs(h0, layout, act=act, intra=intra, v=vc, g=gc, A_log=A_log, dt_bias=dt_bias)
+        st = self.run_stage("state", w=wy.w, u=wy.u, kg=wy.kg, G=act.G, h0=h0, layout=L, reset=R)
+        oc = self.run_stage("output", scale=config.scale, qg=wy.qg, h=st.h, Aqk=intra.Aqk, v_new=ext.v_out(st.v_new))
+        return ext.after_output(oc), _ForwardChunks(act, intra, wy, st.h, st.v_new, vc, gc), st.final
 
     # -- backward -----------------------------------------------------------------------
 
@@ -515,27 +292,13 @@ class KDAPipeline(eqx.Module):
         holds what the backward formed on the way (the packed ``do``, B0's ``qg, h, v_new``,
         B4's gradients of F1's outputs), the cotangents from which stage arrays are
         differentiated."""
-        for name in STAGES:  # a pipeline edited with eqx.tree_at skips __check_init__
-            check_family(name, getattr(self, name))
-        why = mismatches(self)
-        if why:
-            raise DerivedBackwardError(
-                f"KDAPipeline.backward: the backward stages are not the transposes of the forward stages ({why[0]}"
-                f"{'; ...' if len(why) > 1 else ''}), so the six-stage backward would give another algorithm's "
-                f"gradients. Differentiate chunk_kda (jax.grad / jax.vjp), which derives the backward from the forward "
-                f"stages, or pass backward stages that transpose them and declare so (`math`, `transposes`: "
-                f"docs/stages.md)."
-            )
+        check_families(self)  # (a pipeline edited with eqx.tree_at skips __check_init__)
+        check_transposes(self)
         cfg, L, act = res.config, res.layout, res.act
-        want = (L.valid.shape[0] if L.pos is None else 1, L.T, res.v.shape[1], res.v.shape[-1])
-        if tuple(do.shape) != want:
-            raise ValueError(f"do: expected shape [B, T, HV, V] = {want}, got {tuple(do.shape)}.")
-        N = res.h0.shape[0] if L.reset is None else res.cu_seqlens.shape[0] - 1  # (shared: h0 is a state table)
-        if dht is not None and tuple(dht.shape) != (N,) + tuple(res.h0.shape[1:]):
-            raise ValueError(f"dht: expected shape [N, HV, K, V] = {(N,) + tuple(res.h0.shape[1:])}, got {tuple(dht.shape)}.")
+        res.check_cotangents(do, dht)
         self = self.resolved(res.in_dtypes[0])  # the policy chunk_kda resolves, for pipeline.backward
         # What the layout adds between the stages (shared chunks: final states, entering states).
-        doc = self._chunked_cotangent(L, do, res.h0.dtype)
+        doc = chunked_cotangent(L, do, res.h0.dtype, any(reads_tokens(self, "dav", "dhu", "wy_dqkg")))
         ext = _shared_states.backward_hooks(res, dht)
         dht = ext.b2_dht(dht, res.h0)
         c = self.recomputed(res)  # B0
@@ -566,18 +329,8 @@ class KDAPipeline(eqx.Module):
             dq=grads.dq, dk=grads.dk, dbeta=grads.dbeta, dG=grads.dG, reset=L.reset,
         )
         raw = ext.after_gate_bwd(raw)
-        H = res.num_qk_heads
         parts = BackwardParts(doc=as_chunked(doc), qg=c.qg, h=c.h, v_new=v_out, act_grads=grads)
-        return KDAGrads(
-            q=unpack(L, reduce_group(raw.dq, H)),
-            k=unpack(L, reduce_group(raw.dk, H)),
-            v=unpack(L, grads.dv),
-            g=unpack(L, raw.dg),
-            beta=unpack(L, raw.dbeta[..., None])[..., 0],
-            initial_state=ext.initial_state(dh),
-            A_log=raw.dA_log,
-            dt_bias=raw.ddt_bias,
-        ), parts
+        return KDAGrads.unpacked(L, raw, grads.dv, res.num_qk_heads, lambda: ext.initial_state(dh)), parts
 
     # -- public entry points ------------------------------------------------------------
 
@@ -586,56 +339,25 @@ class KDAPipeline(eqx.Module):
         Returns ``(o, final_state, residuals)``; ``residuals.cache`` holds every
         intermediate, ``residuals.read(name)`` gives one in the ``[B, T, ...]`` layout, and
         ``pipeline.backward(residuals, do, dht)`` gives every input gradient."""
-        opts = _options(options, kwargs)
-        _check_arrays(q, k, v, g, beta, opts.initial_state, opts.A_log, opts.dt_bias, opts.cu_seqlens)
-        config, args, opts = _prepare_options(q, k, v, g, beta, opts)
-        B, T, _, K = q.shape
-        for name, n in (("q", B), ("q", K), ("v", v.shape[-1])):
-            if n == 0:
-                raise ValueError(f"{name}: KDAPipeline.forward needs B, K and V > 0 (chunk_kda handles size 0), "
-                                 f"got q {tuple(q.shape)}, v {tuple(v.shape)}.")
+        opts = options_of(options, kwargs)
+        check_arrays(q, k, v, g, beta, opts.initial_state, opts.A_log, opts.dt_bias, opts.cu_seqlens)
+        config, args, opts = prepare_options(q, k, v, g, beta, opts)
+        check_forward_sizes(q, v)
         o, final, res = self.resolved(q.dtype).run_forward(config, *args)
-        return o, _final_out(final, config, opts.state_v_first), res
+        return o, final_out(final, config, opts.state_v_first), res
 
     def __call__(self, q: QK, k: QK, v: Values, g: Gate, beta: Beta, options: Optional[KDAOptions] = None,
                  **kwargs):
         """``kdax.chunk_kda`` with this pipeline, on one device (options by keyword, or one
         ``KDAOptions``; ``kdax.chunk_kda`` adds FLA's positional order, sharded inputs and
         ``seq_axis_name``): ``(o, final state or None)``, differentiable."""
-        return self.apply(q, k, v, g, beta, _options(options, kwargs))
+        return self.apply(q, k, v, g, beta, options_of(options, kwargs))
 
     def apply(self, q, k, v, g, beta, options: KDAOptions):
-        """The single-device call behind ``chunk_kda``: validation, then the forward,
-        differentiable through the six-stage backward (``kdax._runner.vjp.differentiable``). Returns
-        ``(o, final state or None)`` in ``chunk_kda``'s layouts."""
-        config, args, opts = _prepare_options(q, k, v, g, beta, options)
-        q, k, v, g, beta, h0, A_log, dt_bias, cu = args
-        pipeline = self.resolved(q.dtype)
-        B, T, _, K = q.shape
-        if 0 in (B, T, K, v.shape[-1]):
-            # Nothing for any stage to do: o is zero (empty sums, or no tokens), every state
-            # passes through unchanged, and so does its gradient.
-            N = v.shape[0] if cu is None else cu.shape[0] - 1
-            final = _initial_states(h0, (N, v.shape[2], K, v.shape[-1]), compute_dtype(q, k, v, g, beta, h0))
-            return jnp.zeros(v.shape, v.dtype), _final_out(final, config, opts.state_v_first)
-        # (Non-finite inputs stay in their own sequence: kdax._numerics.isolation, in the VJP's forward.)
-        # Called eagerly (no array traced), compiled as one program: op by op it took 8 s a
-        # call at T = 2048, against 0.05 s. Under any transformation, as is: a jit nested in
-        # the caller's made kdax.bench's jitted training step 8-14% slower. Not while
-        # ``plan`` or ``stage_inputs`` record the stage calls: a cached trace makes none.
-        diff = ((q, k, v, g, beta, h0, A_log, dt_bias), pipeline)
-        eager = not active_recordings() and not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((diff, cu)))
-        o, final = (_compiled_differentiable if eager else differentiable)(diff, config, cu)
-        return o, _final_out(final, config, opts.state_v_first)
-
-
-_compiled_differentiable = eqx.filter_jit(differentiable)
-
-
-def _views_fit(layout: ChunkLayout) -> bool:
-    """Whether the caller's arrays are the chunked layout up to a reshape (``Tokens``
-    views): dense rows, T a multiple of the chunk size (no padding)."""
-    return layout.dense and layout.T % layout.chunk_size == 0
+        """The single-device call behind ``chunk_kda`` (``kdax._runner.vjp.apply``):
+        validation, then the forward, differentiable through the six-stage backward.
+        Returns ``(o, final state or None)`` in ``chunk_kda``'s layouts."""
+        return _vjp.apply(self, q, k, v, g, beta, options)
 
 
 class _ForwardChunks(eqx.Module):
@@ -649,109 +371,6 @@ class _ForwardChunks(eqx.Module):
     v_new: ChunkV
     v: typing.Union[ChunkV, Tokens]  # (views of the caller's v and g: kdax._layouts.tokens)
     g: typing.Union[ChunkK, Tokens]
-
-
-@typecheck
-def stage_inputs(pipeline: KDAPipeline, q: QK, k: QK, v: Values, g: Gate, beta: Beta, **options) -> dict:
-    """The arguments each of ``pipeline``'s stages receives in one forward and backward of
-    ``chunk_kda(q, k, v, g, beta, **options)`` (loss ``sum(o * w)``, ``w`` fixed random,
-    the pipeline untiled), run eagerly: a dict from stage field (``"gate"``, ...,
-    ``"gate_bwd"``) to its positional arguments in its abstract ``__call__``'s order, so
-    that ``getattr(pipeline, name)(*args)`` runs (or times) one stage alone, as
-    ``kdax.bench --stages`` does. B0's keyword-only ``wy``/``state`` are left out (a direct
-    call uses the stage's own defaults)."""
-    pipeline = pipeline.untiled()  # whole-input arguments, not a tile's
-    # Loss sum(o * w), w fixed random weights: the backward stages get a cotangent like a
-    # real loss's rather than a constant.
-    w = jax.random.normal(jax.random.key(1), v.shape, jnp.float32)
-    with recording() as rec:
-        opts = KDAOptions.from_kwargs(**options)
-        loss = lambda *a: jnp.sum(pipeline.apply(*a, opts)[0].astype(jnp.float32) * w)
-        jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, g, beta)
-    out = {}
-    for name, kw in rec.inputs.items():
-        params = list(inspect.signature(STAGES[name].family.__call__).parameters.values())[1:]
-        # (a parameter the stage does not take, G_lo, is not in kw: kdax._numerics.hilo)
-        out[name] = tuple(kw[p.name] for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and p.name in kw)
-    return out
-
-
-@typecheck
-def _check_arrays(
-    q: QK,
-    k: QK,
-    v: Values,
-    g: Gate,
-    beta: Beta,
-    initial_state: Optional[State],
-    A_log: Optional[ALogIn],
-    dt_bias: Optional[Float[ArrayIn, "_"]],
-    cu_seqlens: Optional[CuSeqlensIn],
-) -> None:
-    """The shape/dtype checks of ``chunk_kda``'s signature, for ``KDAPipeline.forward``."""
-
-
-def _record_layout(name: str) -> None:
-    """Tell the active plan recordings which layout the forward took (the forward's: a
-    backward's rerun does not count)."""
-    for rec in active_recordings():
-        if rec.layout is None:
-            rec.layout = name
-
-
-def _in_dtypes(raw, h0, A_log, dt_bias) -> tuple:
-    """The dtypes of the forward's inputs (q, k, v, g, beta, h0, A_log, dt_bias), None
-    where absent: the backward returns each gradient in its input's dtype."""
-    return tuple(None if x is None else jnp.dtype(x.dtype) for x in (*raw, h0, A_log, dt_bias))
-
-
-def _cast(x, dt):
-    return None if x is None else x.astype(dt)
-
-
-def _initial_states(h0, shape, dt):
-    """The initial states ``[N, HV, K, V]`` in the compute dtype (zeros when not given)."""
-    return jnp.zeros(shape, dt) if h0 is None else h0.astype(dt)
-
-
-def _final_out(final, config: KDAConfig, state_v_first: bool):
-    if not config.output_final_state:
-        return None
-    return jnp.swapaxes(final, -1, -2) if state_v_first else final
-
-
-def _options(options: Optional[KDAOptions], kwargs: dict) -> KDAOptions:
-    if options is None:
-        return KDAOptions.from_kwargs(**kwargs)
-    if kwargs:
-        raise TypeError(f"options: give a KDAOptions or keywords, not both (got {', '.join(kwargs)}).")
-    return options
-
-
-def _with(options: KDAOptions, **changes) -> dict:
-    """``options`` as keywords, with ``changes``."""
-    kw = {n: getattr(options, n) for n in KDAOptions.names()}
-    kw.update(changes)
-    return kw
-
-
-def _prepare(q, k, v, g, beta, **options):
-    """``(config, args)`` of ``_prepare_options`` from keyword options."""
-    return _prepare_options(q, k, v, g, beta, KDAOptions.from_kwargs(**options))[:2]
-
-
-def _prepare_options(q, k, v, g, beta, options: KDAOptions):
-    """Validated ``(config, (q, k, v, g, beta, h0 [N, HV, K, V], A_log [HV], dt_bias, cu),
-    normalised options)``."""
-    dims, opts = validate(q, k, v, g, beta, options)
-    config = opts.config(dims.scale)
-    asarr = lambda x: None if x is None else jnp.asarray(x)
-    h0 = asarr(opts.initial_state)
-    if h0 is not None and opts.state_v_first:
-        h0 = jnp.swapaxes(h0, -1, -2)
-    args = (asarr(q), asarr(k), asarr(v), asarr(g), asarr(beta), h0, asarr(opts.A_log), asarr(opts.dt_bias),
-            opts.cu_seqlens)
-    return config, args, opts
 
 
 def default_pipeline() -> KDAPipeline:

@@ -158,6 +158,28 @@ def pack_inputs(layout: ChunkLayout, raw, HV: int, dt, clean=None):
     )
 
 
+class ForwardHooks:
+    """What a layout adds to the forward F1-F5 (``KDAPipeline.run_forward``), at named
+    points between the stages; this base, every layout's but initial states entering
+    shared chunks (``kdax._layouts.shared_states.EntryHooks``), adds nothing."""
+
+    def f4_inputs(self, h0, layout, *, act, intra, v, g, A_log, dt_bias):
+        """``(h0, layout)`` that F4 runs on (after F1-F3: ``act``, ``intra``, the packed ``v``
+        and raw ``g``, the gate parameters)."""
+        return h0, layout
+
+    def v_out(self, v_new):
+        """What F5 reads as ``v_new`` (F4's)."""
+        return v_new
+
+    def after_output(self, oc):
+        return oc
+
+    def residuals(self, layout, h0) -> tuple:
+        """``(layout, h0, the entries' parts or None)`` the residuals keep."""
+        return layout, h0, None
+
+
 class BackwardHooks:
     """What a layout adds to the six-stage backward (``KDAPipeline.backward_with_parts``),
     at named points between the stages; this base, the dense and per-sequence layouts'

@@ -31,7 +31,7 @@ from .._numerics.hilo import exponent
 from .._numerics.isolation import finite_heads
 from .._numerics.ops import tri_mask
 from ..stages import ChunkGrads, DhuOut, activated_gate
-from .layout import BackwardHooks, ChunkLayout
+from .layout import BackwardHooks, ChunkLayout, ForwardHooks
 from .ragged import Spans, matvec, narrow_width, outer, token_slots
 from .resets import same_segment, segments
 
@@ -284,6 +284,41 @@ def entry_finals(layout: ChunkLayout, cu_seqlens, k, G, G_lo, v_new, h, a, h0, o
     x = exponent(at(G, q.e), at(G, q.s), None if G_lo is None else at(G_lo, q.e), None if G_lo is None else at(G_lo, q.s)) + a
     S = S + jnp.exp(jnp.where((q.some & ~q.crosses)[:, None, None], x, -jnp.inf))[..., None] * h0
     return jnp.where(q.some[:, None, None, None], S, h0.astype(S.dtype))
+
+
+class EntryHooks(ForwardHooks):
+    """The forward's part of initial states entering shared chunks (``ForwardHooks``):
+    after F3, each sequence's first-chunk entries and the state table F4 loads on
+    ``injected_layout``; F5 and the final states read F4's ``v_new`` plus the entries'. The
+    entries' VJPs are kept for the backward (``SharedChunkHooks``), which runs neither
+    again. ``h0 [N, HV, K, V]`` in the compute dtype; ``ok`` as ``first_chunk_entries``'s."""
+
+    def __init__(self, config, layout: ChunkLayout, cu_seqlens, h0, ok):
+        self.config, self.layout, self.cu_seqlens, self.h0, self.ok = config, layout, cu_seqlens, h0, ok
+
+    def f4_inputs(self, h0, layout, *, act, intra, v, g, A_log, dt_bias):
+        cu, config = self.cu_seqlens, self.config
+        self.a, self.a_vjp = jax.vjp(lambda g_, A_, b_: start_decays(cu, config, g_, A_, b_), g, A_log, dt_bias)
+        ent = lambda q_, k_, b_, G_, Akk_, v_, a_, h0_: first_chunk_entries(
+            layout, cu, config.scale, q_, k_, b_, G_, act.G_lo, Akk_, v_, a_, h0_, self.ok)
+        (self.vx, self.ox, self.table), self.ent_vjp = jax.vjp(
+            ent, act.q, act.k, act.beta, act.G, intra.Akk, v, self.a, self.h0)
+        self.injected = injected_layout(layout, cu)
+        return self.table, self.injected
+
+    def v_out(self, v_new):
+        self.v_new = v_new + self.vx  # (what the final states read too)
+        return self.v_new
+
+    def after_output(self, oc):
+        return oc + self.ox
+
+    def finals(self, act, h):
+        """The final states ``[N, HV, K, V]`` (``entry_finals``; F4's ``h``)."""
+        return entry_finals(self.layout, self.cu_seqlens, act.k, act.G, act.G_lo, self.v_new, h, self.a, self.h0, self.ok)
+
+    def residuals(self, layout, h0) -> tuple:
+        return self.injected, self.table, (self.h0, self.ok, self.a, self.layout, self.vx, self.ent_vjp, self.a_vjp)
 
 
 class SharedChunkHooks(BackwardHooks):

@@ -18,8 +18,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from .._numerics.ops import vary_like
-from .layout import ChunkLayout, make_layout, unpack
+from .._numerics.ops import vary_like, zeros_after
+from .layout import ChunkLayout, make_layout, pack_inputs, unpack
 
 
 class Tiles:
@@ -110,3 +110,50 @@ class Tiles:
         state = vary_like(state, self.layout, state)
         state = jax.lax.fori_loop(0, self.full, lambda i, s: step(i * nt, nt, False, s), state)
         return step(self.full * nt, self.tail, True, state) if self.tail else state
+
+
+def forward_tiled(stages: Callable, layout: ChunkLayout, raw, HV: int, dt, h0, nt: int, clean=None):
+    """The forward F1-F5, ``stages(chunked inputs, state table, tile layout) -> (o chunked,
+    stage outputs, final states)`` (``KDAPipeline``'s), on ``nt`` chunks at a time, the
+    state carried from tile to tile; ``raw`` the caller's ``(q, k, v, g, beta)``, ``h0``
+    the initial states in the compute dtype ``dt``, ``clean`` the cleaner or None. On CPU
+    this keeps a tile's intermediates in cache instead of writing whole-sequence arrays to
+    main memory (the forward 1.4x faster at the benchmark shape); every intermediate is
+    still written to a full-size output, which XLA drops where nothing reads it
+    (``chunk_kda`` without gradients).
+
+    Returns ``(o [B, T, HV, V], final, stage outputs of full size)``."""
+    tiles = Tiles(layout, h0.shape[0], nt)
+    if not tiles.dense:
+        packed = pack_inputs(layout, raw, HV, dt, clean)
+
+    def tile_stages(c0, n, tail, h_carry):
+        tl = tiles.layout_of(c0, n, tail)
+        if tiles.dense:
+            chunked = pack_inputs(tl, tuple(tiles.tokens(x, c0, n, tail) for x in raw), HV, dt, clean)
+        else:
+            chunked = tuple(tiles.chunks(x, c0, n) for x in packed)
+        oc, fw, table = stages(chunked, tiles.table(h0, h_carry), tl)
+        return oc, fw, table, tl
+
+    def step(c0, n, tail, state):
+        (h_carry, finals), (o, outs) = state
+        oc, fw, table, tl = tile_stages(c0, n, tail, h_carry)
+        if not tiles.dense:  # the final states of the sequences that end in this tile
+            finals = tiles.collect(finals, tl, table)
+        o = tiles.put(o, tl, oc, c0)
+        outs = tuple(jax.lax.dynamic_update_slice_in_dim(b, x, c0, 2) for b, x in zip(outs, jax.tree.leaves(fw)))
+        return (tiles.carry_of(tl, table), finals), (o, outs)
+
+    # Full-size outputs, shaped after one tile, zeros made where they are used.
+    oc, fw = jax.eval_shape(lambda: tile_stages(0, nt, False, h0[: tiles.R])[:2])
+    shapes, tree = jax.tree.flatten(fw)
+    deps = tuple(raw) + (h0,)
+    o = zeros_after(tiles.buffer_shape(oc.shape), oc.dtype, deps)
+    outs = tuple(zeros_after(x.shape[:2] + (tiles.NC,) + x.shape[3:], x.dtype, deps, j + 1)
+                 for j, x in enumerate(shapes))
+    carry = (h0, None) if tiles.dense else (jnp.zeros((tiles.R,) + h0.shape[1:], h0.dtype), h0)
+    (h_last, finals), (o, outs) = tiles.run(step, (carry, (o, outs)))
+    # A sequence of length 0 keeps its initial state.
+    final = h_last if tiles.dense else jnp.where(layout.empty[:, None, None, None], h0, finals)
+    return tiles.finish(o), final, jax.tree.unflatten(tree, outs)

@@ -19,7 +19,7 @@ import numpy as np
 from jaxtyping import Array
 
 from .._numerics import isolation as _isolation
-from .layout import expand_group, to_chunks
+from .layout import ChunkLayout, expand_group, pack, pack_inputs, to_chunks
 
 
 class Tokens(eqx.Module):
@@ -89,3 +89,34 @@ def token_inputs(raw, HV: int, chunk_size: int, dtype, kinds: Optional[tuple]):
     each, or None for no cleaning); None stays None."""
     kinds = kinds or (None,) * 5
     return tuple(None if x is None else Tokens(x, HV, chunk_size, np.dtype(dtype), kind) for x, kind in zip(raw, kinds))
+
+
+def views_fit(layout: ChunkLayout) -> bool:
+    """Whether the caller's arrays are the chunked layout up to a reshape (``Tokens``
+    views): dense rows, T a multiple of the chunk size (no padding)."""
+    return layout.dense and layout.T % layout.chunk_size == 0
+
+
+def chunked_inputs(config, layout: ChunkLayout, raw, HV: int, dt, clean, reads: tuple):
+    """``(q, k, v, g, beta)`` for F1-F3 (whole, untiled): the chunked copies
+    (``pack_inputs``; ``clean`` the cleaner or None). Where the caller's arrays fit
+    (``views_fit``), ``Tokens`` views instead for a reader that declares ``tokens``
+    (``reads``: F1's, F3's): q, k, g and beta with such an F1 (B5 reads g), v with such an
+    F3 (B0 and B3 read it too); no copy is made of those. Readers without the capability
+    get a copy from the stage runner. ``config`` the stages' ``KDAConfig``."""
+    if not (views_fit(layout) and any(reads)):
+        return pack_inputs(layout, raw, HV, dt, clean)
+    kinds = _isolation.input_kinds(config.use_gate_in_kernel, config.use_beta_sigmoid_in_kernel) if clean else None
+    q, k, v, g, beta = token_inputs(raw, HV, layout.chunk_size, dt, kinds)
+    if not reads[0]:
+        q, k, g, beta = (x.chunked() for x in (q, k, g, beta))
+    return q, k, v if reads[1] else v.chunked(), g, beta
+
+
+def chunked_cotangent(layout: ChunkLayout, do, dt, reads: bool):
+    """``do`` for B1-B3: the chunked copy, or where the caller's arrays fit (``views_fit``)
+    and a B1, B2 or B3 reads the caller's layout (``reads``: declares ``tokens``), a
+    ``Tokens`` view (the stage runner gives the others the copy)."""
+    if views_fit(layout) and reads:
+        return Tokens(do, do.shape[2], layout.chunk_size, np.dtype(dt))
+    return pack(layout, do, dt)

@@ -72,3 +72,9 @@ def negotiated(stage, kwargs: dict) -> dict:
     if not caps.tokens and any(isinstance(x, Tokens) for x in kwargs.values()):
         kwargs = {n: as_chunked(x) for n, x in kwargs.items()}
     return kwargs
+
+
+def reads_tokens(pipeline, *fields: str) -> tuple:
+    """Per field of ``pipeline``, whether its stage's class declares ``tokens`` (reads the
+    caller's layout through ``Tokens`` views)."""
+    return tuple(capabilities(type(getattr(pipeline, n))).tokens for n in fields)

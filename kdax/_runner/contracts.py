@@ -79,6 +79,12 @@ def check_family(name: str, stage: Any) -> None:
         )
 
 
+def check_families(pipeline) -> None:
+    """Every stage field of ``pipeline`` implements its family's abstract class."""
+    for name in STAGES:
+        check_family(name, getattr(pipeline, name))
+
+
 @functools.cache
 def _signature(cls: type) -> inspect.Signature:
     return inspect.signature(cls.__call__)

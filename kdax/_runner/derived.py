@@ -197,3 +197,58 @@ def pipeline_cotangent(perturbed, d_pipe, swapped: tuple):
 def zeros_like_or(x: Optional[jax.Array], like) -> jax.Array:
     """``x``, or zeros of ``like``'s shape and dtype where ``x`` is None (a symbolic zero)."""
     return jnp.zeros(like.shape, like.dtype) if x is None else x
+
+
+# The stages that receive the shared layout's reset table (F5 and B1 act per chunk on
+# what the others made exact).
+RESET_FIELDS = ("gate", "intra", "wy", "state", "recompute", "dhu", "wy_dqkg", "intra_bwd", "gate_bwd")
+
+
+def shares_chunks(pipeline, initial_state, cu_seqlens) -> bool:
+    """Whether a call of ``pipeline`` with these inputs packs its sequences into shared
+    chunks (``share_chunks``): packed varlen input, no ``initial_state``, every stage of
+    KDA's math and the stages of ``RESET_FIELDS`` accepting ``reset`` (or ``fallback`` to
+    the reference ones). Final states and a loss on them need no other layout
+    (``kdax._layouts.shared_states``)."""
+    if not pipeline.share_chunks or cu_seqlens is None or initial_state is not None:
+        return False
+    # The route a declaration selects, by the one rule (``unchecked``): every stage's math
+    # checked against the reference (a stage of other math keeps its sequences in chunks
+    # of their own, whatever it declares), every stage the reset table reaches accepting
+    # it, or ``fallback`` running the reference stage there. The final states of shared
+    # chunks are F4's math computed around the stages (kdax._layouts.shared_states): an F4
+    # of other math never shares chunks.
+    if not is_kda(pipeline.state) or unchecked(pipeline):
+        return False
+    return all(routed(n, getattr(pipeline, n)).reset
+               or (pipeline.fallback and reference_is_exact(n, getattr(pipeline, n))) for n in RESET_FIELDS)
+
+
+def unsafe_for_tiles(pipeline) -> tuple:
+    """The forward stages of ``pipeline`` that are not tile-safe by the one rule of routes
+    (``routed``): their class does not declare ``tile_safe``, or their math is not KDA's.
+    With any, the forward runs whole (untiled)."""
+    return tuple(n for n, i in STAGES.items() if i.forward and not routed(n, getattr(pipeline, n)).tile_safe)
+
+
+def tile_chunks(pipeline, rows_heads: int, num_chunks: int) -> Optional[int]:
+    """Chunks per forward tile of ``pipeline`` (its ``tile``: about that many (row, head,
+    chunk) blocks), or None to run each stage once over everything."""
+    if pipeline.tile is None or unsafe_for_tiles(pipeline):
+        return None
+    n = max(1, pipeline.tile // max(rows_heads, 1))
+    return None if n >= num_chunks else n
+
+
+def check_transposes(pipeline) -> None:
+    """``DerivedBackwardError`` unless ``pipeline``'s backward stages transpose its forward
+    stages (``mismatches``): what ``KDAPipeline.backward`` runs only when exact."""
+    why = mismatches(pipeline)
+    if why:
+        raise DerivedBackwardError(
+            f"KDAPipeline.backward: the backward stages are not the transposes of the forward stages ({why[0]}"
+            f"{'; ...' if len(why) > 1 else ''}), so the six-stage backward would give another algorithm's "
+            f"gradients. Differentiate chunk_kda (jax.grad / jax.vjp), which derives the backward from the forward "
+            f"stages, or pass backward stages that transpose them and declare so (`math`, `transposes`: "
+            f"docs/stages.md)."
+        )

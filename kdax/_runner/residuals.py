@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from .._config import KDAConfig
-from .._layouts.layout import ChunkLayout, unpack
+from .._layouts.layout import ChunkLayout, reduce_group, unpack
 from .._layouts.tokens import Tokens, as_chunked
 from .._typing import ChunkMat, ChunkK, ChunkV, SeqState
 from ..stages import Activated, ForwardCache
@@ -75,6 +75,17 @@ class KDAResiduals(eqx.Module):
     def names(cls) -> tuple:
         """What ``read`` accepts."""
         return tuple(cls._TOKEN) + ("h",)
+
+    def check_cotangents(self, do, dht) -> None:
+        """``ValueError`` unless ``do`` is ``[B, T, HV, V]`` and ``dht`` (or None) ``[N, HV, K, V]``
+        for this forward (what ``KDAPipeline.backward`` takes)."""
+        L = self.layout
+        want = (L.valid.shape[0] if L.pos is None else 1, L.T, self.v.shape[1], self.v.shape[-1])
+        if tuple(do.shape) != want:
+            raise ValueError(f"do: expected shape [B, T, HV, V] = {want}, got {tuple(do.shape)}.")
+        N = self.h0.shape[0] if L.reset is None else self.cu_seqlens.shape[0] - 1  # (shared: h0 is a state table)
+        if dht is not None and tuple(dht.shape) != (N,) + tuple(self.h0.shape[1:]):
+            raise ValueError(f"dht: expected shape [N, HV, K, V] = {(N,) + tuple(self.h0.shape[1:])}, got {tuple(dht.shape)}.")
 
     def read(self, name: str, per_sequence: bool = False) -> Array:
         """Intermediate ``name`` (``names()``) in the user's layout, jit-safe.
@@ -151,3 +162,20 @@ class KDAGrads(eqx.Module):
     initial_state: Optional[SeqState]
     A_log: Optional[Float[Array, " HV"]]
     dt_bias: Optional[Float[Array, " HVK"]]
+
+    @classmethod
+    def unpacked(cls, layout: ChunkLayout, raw, dv, num_qk_heads: int, initial_state: Callable) -> "KDAGrads":
+        """The gradients in ``chunk_kda``'s layouts from B5's ``raw`` and B3/B4's ``dv``
+        (chunked), q's and k's summed over each group of value heads; ``initial_state()``
+        gives the initial states' (called after the others are unpacked)."""
+        H = num_qk_heads
+        return cls(
+            q=unpack(layout, reduce_group(raw.dq, H)),
+            k=unpack(layout, reduce_group(raw.dk, H)),
+            v=unpack(layout, dv),
+            g=unpack(layout, raw.dg),
+            beta=unpack(layout, raw.dbeta[..., None])[..., 0],
+            initial_state=initial_state(),
+            A_log=raw.dA_log,
+            dt_bias=raw.ddt_bias,
+        )

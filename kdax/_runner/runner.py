@@ -21,6 +21,7 @@ array gradients) goes through ``run_stage``:
 """
 
 import contextlib
+import inspect
 import contextvars
 import functools
 import warnings
@@ -28,12 +29,14 @@ from typing import ClassVar, Optional
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 
+from .._config import KDAOptions
 from .._errors import FallbackWarning, UnsupportedCase
 from .._layouts import resets as _resets
 from .._numerics import precision as _precision
 from .._numerics.ops import chunk_loops_scope
-from .._typing import ChunkK
+from .._typing import QK, Beta, ChunkK, Gate, Values, typecheck
 from ..stages import AbstractState, AbstractWY
 from .capabilities import capabilities, negotiated
 from .contracts import STAGES, check_arguments, check_family, check_output, expected_output
@@ -167,3 +170,36 @@ class PipelineState(AbstractState):
 
     def __call__(self, w, u, kg, G, h0, layout, reset=None):
         return run_stage(self.pipeline, "state", w=w, u=u, kg=kg, G=G, h0=h0, layout=layout, reset=reset)
+
+
+def record_layout(name: str) -> None:
+    """Tell the active plan recordings which layout the forward took (the forward's: a
+    backward's rerun does not count)."""
+    for rec in active_recordings():
+        if rec.layout is None:
+            rec.layout = name
+
+
+@typecheck
+def stage_inputs(pipeline, q: QK, k: QK, v: Values, g: Gate, beta: Beta, **options) -> dict:
+    """The arguments each of ``pipeline``'s (a ``KDAPipeline``) stages receives in one forward and backward of
+    ``chunk_kda(q, k, v, g, beta, **options)`` (loss ``sum(o * w)``, ``w`` fixed random,
+    the pipeline untiled), run eagerly: a dict from stage field (``"gate"``, ...,
+    ``"gate_bwd"``) to its positional arguments in its abstract ``__call__``'s order, so
+    that ``getattr(pipeline, name)(*args)`` runs (or times) one stage alone, as
+    ``kdax.bench --stages`` does. B0's keyword-only ``wy``/``state`` are left out (a direct
+    call uses the stage's own defaults)."""
+    pipeline = pipeline.untiled()  # whole-input arguments, not a tile's
+    # Loss sum(o * w), w fixed random weights: the backward stages get a cotangent like a
+    # real loss's rather than a constant.
+    w = jax.random.normal(jax.random.key(1), v.shape, jnp.float32)
+    with recording() as rec:
+        opts = KDAOptions.from_kwargs(**options)
+        loss = lambda *a: jnp.sum(pipeline.apply(*a, opts)[0].astype(jnp.float32) * w)
+        jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, g, beta)
+    out = {}
+    for name, kw in rec.inputs.items():
+        params = list(inspect.signature(STAGES[name].family.__call__).parameters.values())[1:]
+        # (a parameter the stage does not take, G_lo, is not in kw: kdax._numerics.hilo)
+        out[name] = tuple(kw[p.name] for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and p.name in kw)
+    return out

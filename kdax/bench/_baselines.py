@@ -7,7 +7,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from .._typing import Beta, Gate, QK, Values
-from ..pipeline import KDAPipeline, _prepare
+from .._validate import prepare
+from ..pipeline import KDAPipeline
 from ..recurrent import fused_recurrent_kda
 from ..ref import naive_recurrent_kda
 from ._shape import Shape
@@ -56,7 +57,7 @@ class _TrainStep:
 
 def _autodiff_chunk(pipeline: KDAPipeline, chunk_size: int):
     def fwd(q, k, v, g, beta):
-        config, args = _prepare(q, k, v, g, beta, chunk_size=chunk_size)
+        config, args = prepare(q, k, v, g, beta, chunk_size=chunk_size)
         o, final, _ = pipeline.run_forward(config, *args)
         return o, final
 

@@ -6,7 +6,8 @@ from typing import Callable, Optional
 import equinox as eqx
 
 from .._runner.capabilities import capabilities
-from ..pipeline import KDAPipeline, stage_inputs
+from .._runner.runner import stage_inputs
+from ..pipeline import KDAPipeline
 from ._shape import Shape, make_inputs
 from ._timing import error_line, time_fn
 

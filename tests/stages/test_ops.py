@@ -8,7 +8,7 @@ import pytest
 
 import kdax
 from kdax.bench import STAGES
-from kdax.pipeline import stage_inputs
+from kdax import stage_inputs
 from kdax.stages._gate import chunk_cumsum
 from kdax.stages._intra import unit_lower_inverse
 from kdax._numerics.ops import over_chunks, rowsum
