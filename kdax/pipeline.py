@@ -30,7 +30,6 @@ from . import _plan
 from ._plan import KDAPlan
 from ._runner.capabilities import reads_tokens
 from ._runner.contracts import STAGES, check_families
-from ._runner.derived import RESET_FIELDS as _RESET_FIELDS  # noqa: F401 (kdax.testing reads it here)
 from ._runner.derived import check_transposes, is_kda, shares_chunks, tile_chunks, unsafe_for_tiles
 from ._runner.residuals import EntryResiduals, KDAGrads, KDAResiduals
 from ._runner.runner import PipelineState, PipelineWY, record_layout, run_stage
@@ -38,7 +37,6 @@ from ._runner.stage_grads import BackwardParts
 from ._runner import vjp as _vjp
 from ._typing import Beta, ChunkK, ChunkState, ChunkV, Gate, QK, Values
 from ._validate import check_arrays, check_forward_sizes, final_out, in_compute_dtype, options_of, prepare_options
-from ._validate import prepare as _prepare  # noqa: F401 (kdax.testing reads it here)
 from .ref import compute_dtype
 from .stages import (
     AbstractDAv,
@@ -134,9 +132,6 @@ class KDAPipeline(eqx.Module):
         (``kdax._runner.runner.run_stage``: checks, capabilities, fallback, contract, plan
         recording), as everything that calls a stage does, B0 and ``kdax.parallel`` included."""
         return run_stage(self, name, **kwargs)
-
-    def _unsafe_for_tiles(self) -> tuple:
-        return unsafe_for_tiles(self)  # (kdax.testing asks the pipeline)
 
     def stage_as_module(self, name: str):
         """Stage ``name`` as this pipeline runs it (``run_stage``), as a module of its

@@ -14,7 +14,7 @@ from .._layouts.tokens import Tokens, as_chunked
 from .._numerics import precision as _precision
 from .._runner import derived as _derived
 from .._runner.contracts import STAGES
-from ..pipeline import _RESET_FIELDS
+from .._runner.derived import RESET_FIELDS, unsafe_for_tiles
 from ._cases import _CU, Case, _dtname, _Twin, tolerance
 from ._compare import _compare, _leaves, _rel
 from ._report import _error
@@ -27,7 +27,7 @@ def _capability_checks(col, base, field, stage, caps, dtype, full):
     (``kdax._runner.derived.as_declared``; a pipeline takes them only for KDA's math)."""
     with _derived.as_declared():
         P = _with_stage(base, field, stage)
-        if caps.reset and field in _RESET_FIELDS:
+        if caps.reset and field in RESET_FIELDS:
             _reset_checks(col, P, field, stage, dtype)
         if caps.tile_safe and STAGES[field].forward:
             _tile_safe_checks(col, P, field, caps, dtype, full)
@@ -66,13 +66,13 @@ def _reset_checks(col, P, field, stage, dtype):
 def _tile_safe_checks(col, P, field, caps, dtype, full):
     """``tile_safe``: tiles of one chunk give the whole forward's outputs (dense, packed;
     ``full``: shared chunks too, for a stage that declares ``reset``)."""
-    if P._unsafe_for_tiles():
+    if unsafe_for_tiles(P):
         col.add("tile_safe", "-", None, f"the base pipeline has stages that are not tile-safe: "
-                                        f"{P._unsafe_for_tiles()}")
+                                        f"{unsafe_for_tiles(P)}")
         return
     d = _dtname(dtype)
     cases = [Case(f"dense {d}", dtype, T=40), Case(f"packed {d}", dtype, B=1, T=40, cu=_CU)]
-    if full and caps.reset and field in _RESET_FIELDS:
+    if full and caps.reset and field in RESET_FIELDS:
         cases.append(Case(f"shared {d}", dtype, B=1, T=40, cu=_CU, share=True, h0=False))
     for case in cases:
         try:

@@ -14,9 +14,11 @@ from .._errors import UnsupportedCase
 from .._numerics import precision as _precision
 from .._runner import derived as _derived
 from .._runner.contracts import STAGES
+from .._runner.derived import unsafe_for_tiles
 from .._runner.runner import recording
 from .._typing import typecheck
-from ..pipeline import KDAPipeline, _prepare
+from .._validate import prepare
+from ..pipeline import KDAPipeline
 from ._cases import _CU, _FLA, Case, _dtname, _Packed, _weights, tolerance
 from ._compare import _compare, _rel
 from ._report import Report, _Collector, _error
@@ -129,8 +131,8 @@ def _layout_checks(col, pipeline: KDAPipeline, dtype, tol: float):
             ok, det = _compare((op.reshape(od.shape), hp), (od, hd), tol)
             col.add("layouts", f"packed {'shared' if share else 'per-sequence'} {d}", ok,
                     f"{meta['layout']} layout vs dense rows: {det}")
-        if pipeline._unsafe_for_tiles():
-            col.add("layouts", f"tiles {d}", None, f"not tile-safe: {pipeline._unsafe_for_tiles()}")
+        if unsafe_for_tiles(pipeline):
+            col.add("layouts", f"tiles {d}", None, f"not tile-safe: {unsafe_for_tiles(pipeline)}")
         else:
             ot, ht_, _, _ = _pipeline_outputs(dataclasses.replace(pipeline, tile=dense.B * dense.HV), dense, False)
             ok, det = _compare((ot, ht_), (od, hd), tol)
@@ -154,7 +156,7 @@ def _exact_grads(pipeline: KDAPipeline, case: Case):
 
     def run(x, arrays):
         with recording(quiet=True):
-            config, args = _prepare(*x, **static, **arrays)
+            config, args = prepare(*x, **static, **arrays)
             h0, A_log, dt_bias, cu = args[5:]
 
             def fwd(x, arrays):

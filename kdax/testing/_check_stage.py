@@ -13,8 +13,9 @@ from .._errors import StageContractError, UnsupportedCase
 from .._runner import derived as _derived
 from .._runner.capabilities import capabilities
 from .._runner.contracts import STAGES
+from .._runner.derived import RESET_FIELDS
 from .._typing import typecheck
-from ..pipeline import _RESET_FIELDS, KDAPipeline
+from ..pipeline import KDAPipeline
 from ._capabilities import _capability_checks, _G_lo_check, _tokens_check
 from ._cases import Case, default_cases, tolerance
 from ._compare import _leaves
@@ -75,7 +76,7 @@ def check_stage(
     cache_ok = base is None  # (the reference pipeline's recorded arguments are kept across reports)
     base = _base(base)
     if cases is None:
-        cases = default_cases(dtypes, full, shared=caps.reset and field in _RESET_FIELDS)
+        cases = default_cases(dtypes, full, shared=caps.reset and field in RESET_FIELDS)
     results = {}
     for case in cases:
         got = _case_checks(col, base, field, stage, caps, case, cache_ok, dtypes[0])
