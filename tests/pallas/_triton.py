@@ -203,7 +203,8 @@ def gate_kernels(tuning: dict, tokens: bool = False) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from kdax import KDAConfig, _isolation
+    from kdax import KDAConfig
+    from kdax._numerics import isolation as _isolation
     from kdax._layouts.tokens import token_inputs
     from kdax.pallas import PallasGate, PallasGateBackward
     from kdax.stages import Activated

@@ -101,7 +101,8 @@ def test_state_kernels_fit_hopper_shared_memory(policy, tuning, tmp_path):
 # operands in F2, F3 and B3; F1 and B4 at float32), with G_lo.
 @pytest.mark.parametrize("stage", ["gate", "intra", "wy", "wy_dqkg", "intra_bwd"])
 def test_G_lo_kernels_fit_hopper_shared_memory(stage, tmp_path):
-    from kdax import KDAConfig, _precision
+    from kdax import KDAConfig
+    from kdax._numerics import precision as _precision
     from kdax import pallas as P
     from kdax.stages import ChunkGrads
 
