@@ -39,3 +39,16 @@ import jax  # noqa: E402
 
 # float64 oracles everywhere; float32 tests build float32 arrays explicitly.
 jax.config.update("jax_enable_x64", True)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    # XLA:CPU maps each compiled program's code into memory; a worker that keeps every
+    # program of the suite reaches the kernel's limit on mappings (vm.max_map_count,
+    # 65530) two thirds through a run and dies in the next compile (a segfault or abort).
+    # A test module's programs are its own: drop them when it ends.
+    yield
+    jax.clear_caches()
