@@ -18,7 +18,7 @@ from kdax.pallas import PallasDhu, PallasState
 from kdax.stages import AbstractOutput, ReferenceOutput
 
 from ._gpu_products import gpu_products
-from ._util import assert_close, loss_grads, make_inputs, oracle_kda, rel_rms, run, split_args
+from ._util import assert_close, dot_eqns, loss_grads, make_inputs, oracle_kda, rel_rms, run, split_args
 
 # FLA's tolerances for half-precision inputs (rel-RMS against a float64 reference).
 FLA_TOL = {"o": 5e-3, "q": 8e-3, "k": 8e-3, "v": 8e-3, "g": 2e-2, "beta": 2e-2, "A_log": 2e-2, "dt_bias": 2e-2}
@@ -330,16 +330,9 @@ class _OwnProductOutput(AbstractOutput):
             return o + 1e-3 * jnp.einsum("rhncv,rhnvw->rhncw", o, h[..., : o.shape[-1], :])
 
 
-def _dot_precisions_by_scope(jaxpr, out):
-    for e in jaxpr.eqns:
-        if e.primitive.name == "dot_general":
-            out.append(("user_own_product" in str(e.source_info.name_stack), e.params["precision"]))
-        for p in e.params.values():
-            for sub in (p if isinstance(p, (list, tuple)) else (p,)):
-                sub = getattr(sub, "jaxpr", sub)
-                if isinstance(sub, jax.extend.core.Jaxpr):
-                    _dot_precisions_by_scope(sub, out)
-    return out
+def _dot_precisions_by_scope(jaxpr):
+    """``(inside the user's own named scope, precision)`` of every dot_general."""
+    return [("user_own_product" in str(e.source_info.name_stack), e.params["precision"]) for e in dot_eqns(jaxpr)]
 
 
 @pytest.mark.parametrize("policy", ["highest", "bfloat16"])
@@ -351,7 +344,7 @@ def test_policy_reaches_kdax_products_only(policy):
     s = jax.ShapeDtypeStruct
     args = (s((1, 32, 2, 16), jnp.float32),) * 4 + (s((1, 32, 2), jnp.float32),)
     fn = lambda *a: kdax.chunk_kda(*a, chunk_size=16, pipeline=pipe)[0]
-    dots = _dot_precisions_by_scope(jax.make_jaxpr(fn)(*args).jaxpr, [])
+    dots = _dot_precisions_by_scope(jax.make_jaxpr(fn)(*args).jaxpr)
     own = [p for mine, p in dots if mine]
     kdax_dots = [p for mine, p in dots if not mine]
     assert own and kdax_dots
@@ -362,5 +355,5 @@ def test_policy_reaches_kdax_products_only(policy):
         assert any(p != (jax.lax.Precision.HIGHEST,) * 2 for p in kdax_dots)
         assert all(p is not None and p != (jax.lax.Precision.DEFAULT,) * 2 for p in kdax_dots), kdax_dots
     with jax.default_matmul_precision("highest"):  # the caller's choice reaches the user's products
-        dots = _dot_precisions_by_scope(jax.make_jaxpr(fn)(*args).jaxpr, [])
+        dots = _dot_precisions_by_scope(jax.make_jaxpr(fn)(*args).jaxpr)
     assert all(p == (jax.lax.Precision.HIGHEST,) * 2 for mine, p in dots if mine)

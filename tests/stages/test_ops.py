@@ -12,6 +12,7 @@ from kdax import stage_inputs
 from kdax.stages._gate import chunk_cumsum
 from kdax.stages._intra import unit_lower_inverse
 from kdax._numerics.ops import over_chunks, rowsum
+from tests._util import dot_eqns
 
 
 def _fn(a, b):
@@ -114,17 +115,7 @@ def test_loop_forms_give_the_same_pipeline(monkeypatch):
 
 def _dot_precisions(jaxpr):
     """The ``precision`` of every dot_general in a jaxpr, sub-jaxprs (loops) included."""
-    out = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            out.append(eqn.params["precision"])
-        for v in eqn.params.values():
-            for sub in v if isinstance(v, (tuple, list)) else (v,):
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    out += _dot_precisions(sub.jaxpr)
-                elif isinstance(sub, jax.extend.core.Jaxpr):
-                    out += _dot_precisions(sub)
-    return out
+    return [e.params["precision"] for e in dot_eqns(jaxpr)]
 
 
 # (Slow: the pipeline-level check, tests/test_pipeline.py::test_products_at_full_precision,
