@@ -310,6 +310,14 @@ def final_out(final, config, state_v_first: bool):
     return jnp.swapaxes(final, -1, -2) if state_v_first else final
 
 
+def prepare_forward(q, k, v, g, beta, opts: KDAOptions) -> tuple:
+    """``KDAPipeline.forward``'s checks and ``prepare_options``' ``(config, args, opts)``."""
+    check_arrays(q, k, v, g, beta, opts.initial_state, opts.A_log, opts.dt_bias, opts.cu_seqlens)
+    out = prepare_options(q, k, v, g, beta, opts)
+    check_forward_sizes(q, v)
+    return out
+
+
 def check_forward_sizes(q, v) -> None:
     """``KDAPipeline.forward`` needs B, K and V > 0 (``chunk_kda`` handles size 0)."""
     B, T, _, K = q.shape

@@ -10,6 +10,7 @@ See docs/stages.md for the stages' contracts, tiles, fallback, ``plan`` and inte
 """
 
 import dataclasses
+import functools
 import typing
 from typing import Optional
 
@@ -20,24 +21,23 @@ import jax.numpy as jnp
 from . import pallas as P
 from ._config import KDAConfig, KDAOptions
 from ._layouts import shared_states as _shared_states
-from ._layouts.layout import ChunkLayout, ForwardHooks, make_layout, make_shared_layout, unpack
+from ._layouts.layout import ChunkLayout, unpack
 from ._layouts.tiles import forward_tiled
 from ._layouts.tokens import Tokens, as_chunked, chunked_cotangent, chunked_inputs
-from ._numerics import isolation as _isolation
 from ._numerics import precision as _precision
-from ._numerics.ops import CHUNK_LOOPS
+from ._numerics.ops import check_chunk_loops
 from . import _plan
 from ._plan import KDAPlan
 from ._runner.capabilities import reads_tokens
 from ._runner.contracts import STAGES, check_families
-from ._runner.derived import check_transposes, is_kda, shares_chunks, tile_chunks, unsafe_for_tiles
-from ._runner.residuals import EntryResiduals, KDAGrads, KDAResiduals
-from ._runner.runner import PipelineState, PipelineWY, record_layout, run_stage
+from ._runner.derived import check_transposes
+from ._runner.forward import ForwardRoute, forward_route
+from ._runner.residuals import KDAGrads, KDAResiduals
+from ._runner.runner import PipelineState, PipelineWY, run_stage
 from ._runner.stage_grads import BackwardParts
 from ._runner import vjp as _vjp
 from ._typing import Beta, ChunkK, ChunkState, ChunkV, Gate, QK, Values
-from ._validate import check_arrays, check_forward_sizes, final_out, in_compute_dtype, options_of, prepare_options
-from .ref import compute_dtype
+from ._validate import final_out, options_of, prepare_forward
 from .stages import (
     AbstractDAv,
     AbstractDhu,
@@ -54,6 +54,14 @@ from .stages import (
     ForwardCache,
     IntraOut,
     WYOut,
+)
+
+
+# Each stage field's Pallas implementation (``KDAPipeline.pallas``).
+_PALLAS = dict(
+    gate=P.PallasGate, intra=P.PallasIntra, wy=P.PallasWY, state=P.PallasState, output=P.PallasOutput,
+    recompute=P.PallasRecompute, dav=P.PallasDAv, dhu=P.PallasDhu, wy_dqkg=P.PallasWYDqkg,
+    intra_bwd=P.PallasIntraBackward, gate_bwd=P.PallasGateBackward,
 )
 
 
@@ -96,12 +104,10 @@ class KDAPipeline(eqx.Module):
     # operands, float32 accumulation where safe for bf16/fp16 inputs), "highest", "bfloat16", "float16".
     precision: str = eqx.field(static=True, default="auto")
     # Packed varlen input (cu_seqlens): sequences share chunks, NC = ceil(T / C), each start
-    # an exact reset (``kdax._layouts.layout.make_shared_layout``), so short sequences cost
-    # what their tokens cost; final states and a loss on them go through the same chunks, and
-    # so do initial states under chunk_kda (``run_forward``'s ``entries``; all three in
-    # ``kdax._layouts.shared_states``). Needs every stage of KDA's math and ``reset`` (or
-    # ``fallback``) where the reset table goes (``kdax._runner.derived.shares_chunks``).
-    # False: every sequence starts its own chunk. ``plan`` says which ran.
+    # an exact reset, so short sequences cost what their tokens cost; final and initial
+    # states too (``kdax._layouts.shared_states``). Needs stages of KDA's math taking
+    # ``reset`` (``kdax._runner.derived.shares_chunks``). False: every sequence starts its
+    # own chunk. ``plan`` says which ran.
     share_chunks: bool = eqx.field(static=True, default=True)
     # The reference stages' chunk-group loops: "flat" groups of the flattened (row, head,
     # chunk) axes, or "slices" of the chunk axis (rows and heads whole: arrays sharded over
@@ -123,8 +129,7 @@ class KDAPipeline(eqx.Module):
 
     def __check_init__(self):
         _precision.check_policy(self.precision)
-        if self.chunk_loops is not None and self.chunk_loops not in CHUNK_LOOPS:
-            raise ValueError(f"chunk_loops: expected None or one of {CHUNK_LOOPS}, got {self.chunk_loops!r}.")
+        check_chunk_loops(self.chunk_loops)
         check_families(self)
 
     def run_stage(self, name: str, **kwargs):
@@ -136,11 +141,9 @@ class KDAPipeline(eqx.Module):
     def stage_as_module(self, name: str):
         """Stage ``name`` as this pipeline runs it (``run_stage``), as a module of its
         family: what B0 recomputes with (``"wy"``, ``"state"``)."""
-        if name == "wy":
-            return PipelineWY(self)
-        if name == "state":
-            return PipelineState(self)
-        raise ValueError(f"name: expected 'wy' or 'state', got {name!r}.")
+        if name not in ("wy", "state"):
+            raise ValueError(f"name: expected 'wy' or 'state', got {name!r}.")
+        return (PipelineWY if name == "wy" else PipelineState)(self)
 
     @classmethod
     def reference(cls) -> "KDAPipeline":
@@ -161,12 +164,7 @@ class KDAPipeline(eqx.Module):
         kernels) raises ``UnsupportedCase`` and falls back to the reference stage."""
         target = P.default_target() if target is None else P._common.check_target(target)
         kw = dict(target=target, interpret=P.resolve_interpret(target, interpret))
-        return cls(
-            gate=P.PallasGate(**kw), intra=P.PallasIntra(**kw), wy=P.PallasWY(**kw), state=P.PallasState(**kw),
-            output=P.PallasOutput(**kw), recompute=P.PallasRecompute(**kw), dav=P.PallasDAv(**kw),
-            dhu=P.PallasDhu(**kw), wy_dqkg=P.PallasWYDqkg(**kw), intra_bwd=P.PallasIntraBackward(**kw),
-            gate_bwd=P.PallasGateBackward(**kw), fallback=True,
-        )
+        return cls(**{name: impl(**kw) for name, impl in _PALLAS.items()}, fallback=True)
 
     @classmethod
     def mixed(cls, target: Optional[str] = None, interpret: Optional[bool] = None) -> "KDAPipeline":
@@ -194,62 +192,27 @@ class KDAPipeline(eqx.Module):
         ``(o, final [N, HV, K, V], residuals with the full cache)``. ``entries``: packed
         initial states may enter shared chunks (``kdax._layouts.shared_states``; ``chunk_kda``'s
         VJP, whose backward takes them), else they keep one sequence per chunk.
-        ``clean``: non-finite input elements read as zero, replaced as each tile is packed
-        (``kdax._numerics.isolation``: the caller puts NaN back where the recurrence has it)."""
+        ``clean``: non-finite inputs read as zero (``kdax._numerics.isolation``). The layout,
+        casts, hooks and tiles are decided first (``kdax._runner.forward``)."""
         check_families(self)  # (a pipeline edited with eqx.tree_at skips __check_init__)
-        (B, T, H, K), (HV, V), C = q.shape, v.shape[2:], config.chunk_size
-        raw, dt = (q, k, v, g, beta), compute_dtype(q, k, v, g, beta, h0)
-        # (initial states entering shared chunks compute terms of F1's and F5's math in
-        # kdax._layouts.shared_states: only for stages that declare KDA's, as shares_chunks asks
-        # of every stage; others keep one sequence per chunk, every term from the stage)
-        entries = entries and all(is_kda(getattr(self, n)) for n in ("gate", "output"))
-        shared = shares_chunks(self, None if entries else h0, cu_seqlens)
-        entering = shared and h0 is not None  # initial states entering shared chunks
-        if entering:  # (cast before the layout is made: the program lowered as it was)
-            in_dtypes, A_log, dt_bias, h0 = in_compute_dtype(raw, h0, A_log, dt_bias, dt, None)
-            ok = _isolation.finite_heads(h0) if clean else None  # (False: the head reads a zero state)
-        layout = make_shared_layout(T, C, cu_seqlens) if shared else make_layout(B, T, C, cu_seqlens)
-        N = cu_seqlens.shape[0] - 1 if shared else layout.empty.shape[0]
-        if not entering:  # (shared: one stream of T tokens, a state table of one entry, zero)
-            shape = (1 if shared else N, HV, K, V)
-            in_dtypes, A_log, dt_bias, h0 = in_compute_dtype(raw, h0, A_log, dt_bias, dt, shape)
-        record_layout("shared" if shared else ("dense" if cu_seqlens is None else "per-sequence"))
-        ext = _shared_states.EntryHooks(config, layout, cu_seqlens, h0, ok) if entering else ForwardHooks()
-        clean = _isolation.cleaner_of(config) if clean else None
-        nt = None if entering else tile_chunks(self, layout.valid.shape[0] * HV, layout.num_chunks)
-        if nt is not None and not layout.dense and h0.shape[0] > nt * C:
-            nt = None  # each tile's state table, O(N), would cost more than its tokens
-        if nt is None:
-            chunked = chunked_inputs(config, layout, raw, HV, dt, clean, reads_tokens(self, "gate", "wy"))
-            oc, fw, final = self._forward_stages(config, chunked, A_log, dt_bias, h0, layout, ext)
-            o = unpack(layout, oc)
-        else:
-            stages = lambda chunked, table, tl: self._forward_stages(config, chunked, A_log, dt_bias, table, tl)
-            o, final, fw = forward_tiled(stages, layout, raw, HV, dt, h0, nt, clean)
+        raw, HV = (q, k, v, g, beta), v.shape[2]
+        r = forward_route(self, config, raw, h0, A_log, dt_bias, cu_seqlens, clean, entries)
+        if r.tile is None:
+            chunked = chunked_inputs(config, r.layout, raw, HV, r.dtype, r.clean, reads_tokens(self, "gate", "wy"))
+            oc, fw, final = self._forward_stages(config, r, chunked, r.h0, r.layout)
+            o = unpack(r.layout, oc)
+        else:  # (tiles only where the hooks add nothing between the stages)
+            stages = functools.partial(self._forward_stages, config, r)
+            o, final, fw = forward_tiled(stages, r.layout, raw, HV, r.dtype, r.h0, r.tile, r.clean)
         o = o.astype(v.dtype)
-        if entering:
-            final = ext.finals(fw.act, fw.h) if config.output_final_state else h0
-        elif shared and config.output_final_state:
-            final = _shared_states.shared_finals(layout, cu_seqlens, fw.act.k, fw.act.G, fw.act.G_lo, fw.v_new, fw.h)
-        elif shared:  # not asked for: the sequences' initial states
-            final = jnp.zeros((N, HV, K, V), dt)
-        act, intra, wy = fw.act, fw.intra, fw.wy
-        cache = ForwardCache.of(act.G, intra, wy, fw.h, fw.v_new)
-        L, h0, parts = ext.residuals(layout, h0)  # (entries: the injected layout and its state table)
-        res = KDAResiduals(
-            config, L, act, fw.v, fw.g if config.use_gate_in_kernel else None, A_log, dt_bias, intra.Aqk, intra.Akk,
-            h0, cache, H, in_dtypes, cu_seqlens, entries=None if parts is None else EntryResiduals(*parts),
-        )
-        return o, final, res
+        return o, r.hooks.final_states(fw, final), KDAResiduals.of_forward(config, r, fw, q.shape[2], cu_seqlens)
 
-    def _forward_stages(self, config: KDAConfig, chunked, A_log, dt_bias, h0, layout: ChunkLayout,
-                        ext: Optional[ForwardHooks] = None):
+    def _forward_stages(self, config: KDAConfig, route: ForwardRoute, chunked, h0, layout: ChunkLayout):
         """F1-F5 on chunked inputs ``(q, k, v, g, beta)`` (q, k already expanded to HV
-        heads), with the layout's reset table (shared chunks: exact zeros across sequences,
-        kdax._layouts.resets) and what the layout adds between them (``ext``:
-        ``ForwardHooks``): ``(o chunked, _ForwardChunks, final states [N, HV, K, V])``."""
-        ext = ForwardHooks() if ext is None else ext
-        qc, kc, vc, gc, bc = chunked
+        heads) and the state table ``h0``, with the layout's reset table (shared chunks: exact
+        zeros across sequences, kdax._layouts.resets) and what the layout adds between them
+        (``route.hooks``): ``(o chunked, _ForwardChunks, final states [N, HV, K, V])``."""
+        (qc, kc, vc, gc, bc), ext, A_log, dt_bias = chunked, route.hooks, route.A_log, route.dt_bias
         R = layout.reset
         act = self.run_stage("gate", config=config, q=qc, k=kc, g=gc, beta=bc, A_log=A_log, dt_bias=dt_bias,
                              valid=layout.valid, reset=R)
@@ -335,9 +298,7 @@ class KDAPipeline(eqx.Module):
         intermediate, ``residuals.read(name)`` gives one in the ``[B, T, ...]`` layout, and
         ``pipeline.backward(residuals, do, dht)`` gives every input gradient."""
         opts = options_of(options, kwargs)
-        check_arrays(q, k, v, g, beta, opts.initial_state, opts.A_log, opts.dt_bias, opts.cu_seqlens)
-        config, args, opts = prepare_options(q, k, v, g, beta, opts)
-        check_forward_sizes(q, v)
+        config, args, opts = prepare_forward(q, k, v, g, beta, opts)
         o, final, res = self.resolved(q.dtype).run_forward(config, *args)
         return o, final_out(final, config, opts.state_v_first), res
 

@@ -24,3 +24,12 @@ def test_pipeline_module_size():
 def test_no_long_function_in_pipeline():
     long = [(n, size) for n, size in _functions(ast.parse(PIPELINE.read_text())) if size > 60]
     assert not long, f"functions over 60 lines in kdax/pipeline.py: {long}"
+
+
+def test_pipeline_class_size():
+    """``KDAPipeline`` itself: its fields, constructors and the two straight lines; the
+    forward's route (layout, casts, hooks, tiles) lives in ``kdax._runner.forward``."""
+    tree = ast.parse(PIPELINE.read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "KDAPipeline"]
+    lines = cls.end_lineno - cls.lineno + 1
+    assert lines <= 250, f"KDAPipeline has {lines} lines (goal: at most 250)"

@@ -160,8 +160,9 @@ def pack_inputs(layout: ChunkLayout, raw, HV: int, dt, clean=None):
 
 class ForwardHooks:
     """What a layout adds to the forward F1-F5 (``KDAPipeline.run_forward``), at named
-    points between the stages; this base, every layout's but initial states entering
-    shared chunks (``kdax._layouts.shared_states.EntryHooks``), adds nothing."""
+    points between the stages, and the final states it returns; this base (dense and
+    per-sequence layouts) adds nothing. Shared chunks: ``kdax._layouts.shared_states``'s
+    ``SharedFinalHooks`` (final states) and ``EntryHooks`` (initial states entering)."""
 
     def f4_inputs(self, h0, layout, *, act, intra, v, g, A_log, dt_bias):
         """``(h0, layout)`` that F4 runs on (after F1-F3: ``act``, ``intra``, the packed ``v``
@@ -174,6 +175,11 @@ class ForwardHooks:
 
     def after_output(self, oc):
         return oc
+
+    def final_states(self, fw, final):
+        """The final states ``[N, HV, K, V]`` the forward returns, from F1-F5's outputs
+        ``fw`` (``act``, ``h``, ``v_new``) and F4's ``final``."""
+        return final
 
     def residuals(self, layout, h0) -> tuple:
         """``(layout, h0, the entries' parts or None)`` the residuals keep."""

@@ -286,6 +286,21 @@ def entry_finals(layout: ChunkLayout, cu_seqlens, k, G, G_lo, v_new, h, a, h0, o
     return jnp.where(q.some[:, None, None, None], S, h0.astype(S.dtype))
 
 
+class SharedFinalHooks(ForwardHooks):
+    """The forward's part of shared chunks without entering states: the final states are
+    ``shared_finals`` (F4 keeps states at chunk boundaries only), or zeros ``shape``
+    (``[N, HV, K, V]``, the compute dtype ``dtype``) when not asked for."""
+
+    def __init__(self, config, layout: ChunkLayout, cu_seqlens, shape: tuple, dtype):
+        self.config, self.layout, self.cu_seqlens, self.shape, self.dtype = config, layout, cu_seqlens, shape, dtype
+
+    def final_states(self, fw, final):
+        if not self.config.output_final_state:
+            return jnp.zeros(self.shape, self.dtype)
+        act = fw.act
+        return shared_finals(self.layout, self.cu_seqlens, act.k, act.G, act.G_lo, fw.v_new, fw.h)
+
+
 class EntryHooks(ForwardHooks):
     """The forward's part of initial states entering shared chunks (``ForwardHooks``):
     after F3, each sequence's first-chunk entries and the state table F4 loads on
@@ -313,9 +328,14 @@ class EntryHooks(ForwardHooks):
     def after_output(self, oc):
         return oc + self.ox
 
-    def finals(self, act, h):
-        """The final states ``[N, HV, K, V]`` (``entry_finals``; F4's ``h``)."""
-        return entry_finals(self.layout, self.cu_seqlens, act.k, act.G, act.G_lo, self.v_new, h, self.a, self.h0, self.ok)
+    def final_states(self, fw, final):
+        """``entry_finals`` when asked for, else the initial states (what ``chunk_kda``'s
+        backward then reads as final)."""
+        if not self.config.output_final_state:
+            return self.h0
+        act = fw.act
+        return entry_finals(self.layout, self.cu_seqlens, act.k, act.G, act.G_lo, self.v_new, fw.h, self.a, self.h0,
+                            self.ok)
 
     def residuals(self, layout, h0) -> tuple:
         return self.injected, self.table, (self.h0, self.ok, self.a, self.layout, self.vx, self.ent_vjp, self.a_vjp)

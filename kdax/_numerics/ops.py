@@ -97,6 +97,12 @@ CHUNK_LOOPS = ("auto", "flat", "slices")
 _CHUNK_LOOPS: contextvars.ContextVar = contextvars.ContextVar("kdax_chunk_loops", default=None)
 
 
+def check_chunk_loops(mode: Optional[str]) -> None:
+    """``KDAPipeline.chunk_loops``: None or one of ``CHUNK_LOOPS``."""
+    if mode is not None and mode not in CHUNK_LOOPS:
+        raise ValueError(f"chunk_loops: expected None or one of {CHUNK_LOOPS}, got {mode!r}.")
+
+
 @contextlib.contextmanager
 def chunk_loops_scope(mode: Optional[str]):
     """``over_chunks``'s loop form inside the block (``KDAPipeline.chunk_loops``; None:

@@ -72,6 +72,19 @@ class KDAResiduals(eqx.Module):
     }
 
     @classmethod
+    def of_forward(cls, config: KDAConfig, route, fw, num_qk_heads: int, cu_seqlens) -> "KDAResiduals":
+        """The residuals of a forward on ``route`` (``kdax._runner.forward``) whose F1-F5
+        gave ``fw`` (their outputs and the packed ``v``, ``g``), with the full cache."""
+        act, intra, wy = fw.act, fw.intra, fw.wy
+        cache = ForwardCache.of(act.G, intra, wy, fw.h, fw.v_new)
+        L, h0, parts = route.hooks.residuals(route.layout, route.h0)  # (entries: the injected layout, its table)
+        return cls(
+            config, L, act, fw.v, fw.g if config.use_gate_in_kernel else None, route.A_log, route.dt_bias, intra.Aqk,
+            intra.Akk, h0, cache, num_qk_heads, route.in_dtypes, cu_seqlens,
+            entries=None if parts is None else EntryResiduals(*parts),
+        )
+
+    @classmethod
     def names(cls) -> tuple:
         """What ``read`` accepts."""
         return tuple(cls._TOKEN) + ("h",)
