@@ -6,7 +6,11 @@ oracles), ``kdax.stages`` (abstract stages and reference implementations),
 ``kdax.pallas`` (Pallas implementations).
 """
 
-from . import nn as nn
+from ._platform import avoid_ynn_fusions as _avoid_ynn_fusions
+
+_avoid_ynn_fusions()  # before any computation (kdax._platform)
+
+from . import nn as nn  # noqa: E402
 from . import pallas as pallas, ref as ref, stages as stages, typing as typing
 from . import parallel as parallel
 from ._config import KDAConfig as KDAConfig

@@ -2,17 +2,22 @@
 algorithm that rounds operands (``BF16_BF16_F32``, ``F16_F16_F32``): the float32 operands
 rounded to the half dtype first, float32 accumulation. XLA:CPU ignores the algorithm and
 computes in float32, which would hide the precision policy's rounding of the reference
-stages' products from CPU tests."""
+stages' products from CPU tests; and kdax asks XLA:CPU for float32 products under the
+float16 policy (it rejects ``F16_F16_F32``), so within the block kdax chooses its
+algorithms as on a GPU (``kdax._numerics.precision._algorithm``)."""
 
 import contextlib
 import functools
 
 import jax
 import jax.numpy as jnp
+import pytest
 from jax._src.interpreters import mlir
 from jax._src.lax import lax as lax_internal
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
+
+from kdax._numerics import precision as _precision
 
 _HALF = {
     jax.lax.DotAlgorithmPreset.BF16_BF16_F32: ir.BF16Type.get,
@@ -43,7 +48,9 @@ def gpu_products():
     table = mlir._platform_specific_lowerings["cpu"]
     entry = table[lax_internal.dot_general_p]
     mlir.register_lowering(lax_internal.dot_general_p, functools.partial(_rule, entry.rule), platform="cpu")
-    try:
-        yield
-    finally:
-        table[lax_internal.dot_general_p] = entry
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_precision, "_algorithm", _precision._ALGORITHM.__getitem__)  # (the GPU's choice)
+        try:
+            yield
+        finally:
+            table[lax_internal.dot_general_p] = entry

@@ -37,6 +37,8 @@ if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
 
 import jax  # noqa: E402
 
+import kdax  # noqa: E402,F401  (before any computation: XLA:CPU's YNNPACK fusions off, kdax._platform)
+
 # float64 oracles everywhere; float32 tests build float32 arrays explicitly.
 jax.config.update("jax_enable_x64", True)
 

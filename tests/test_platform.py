@@ -1,0 +1,71 @@
+"""kdax._platform: XLA:CPU's YNNPACK fusions turned off before any computation where the
+installed jaxlib has the fault, the user's own choice kept, nothing done once a backend
+exists. The fault itself is shown in a fresh process: a jitted autodiff gradient of the
+reference forward (the derived backward's path) and then any scan gradient, which crashed
+in XLA:CPU with jaxlib 0.10.2 before kdax turned the fusions off."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jaxlib
+import pytest
+
+from kdax import _platform
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_SCENARIO = """
+import os, sys
+import kdax
+import jax, jax.numpy as jnp
+from kdax._validate import prepare
+from tests._util import make_inputs
+print("XLA_FLAGS=" + os.environ.get("XLA_FLAGS", ""), flush=True)
+x = make_inputs(seed=4, B=1, T=128, H=2, K=16, V=16, dtype=jnp.float32)
+pipe = kdax.KDAPipeline.reference().untiled()
+config, args = prepare(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=32)
+loss = lambda q: pipe.run_forward(config, q, *args[1:])[0].sum()
+jax.block_until_ready(jax.jit(jax.grad(loss))(args[0]))
+f = lambda x: jax.lax.scan(lambda c, y: (c * y + jnp.sin(c), c), x[0], x)[0].sum()
+print("scan gradient", [float(v) for v in jax.grad(f)(jnp.arange(5.0))], flush=True)
+"""
+
+
+def _run(flags: str):
+    env = dict(os.environ, XLA_FLAGS=flags, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-c", _SCENARIO], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=ROOT)
+
+
+def _without_option(flags: str) -> str:
+    return " ".join(f for f in flags.split() if _platform.OPTION not in f)
+
+
+@pytest.mark.skipif(_platform._release(jaxlib.__version__) not in _platform.AFFECTED,
+                    reason="kdax leaves XLA's options alone on this jaxlib")
+def test_import_turns_the_fusions_off_and_the_process_stays_sound():
+    out = _run(_without_option(os.environ.get("XLA_FLAGS", "")))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"--{_platform.OPTION}=" in out.stdout.splitlines()[0]
+    assert "scan gradient [120.0, 0.0, 0.0, 0.0, 0.0]" in out.stdout
+
+
+def test_the_users_choice_is_kept(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", f"--{_platform.OPTION}=individual_dot")
+    monkeypatch.setattr(_platform, "_backends_created", lambda: False)
+    assert not _platform.avoid_ynn_fusions("0.10.2")
+    assert os.environ["XLA_FLAGS"] == f"--{_platform.OPTION}=individual_dot"
+
+
+def test_other_jaxlibs_and_created_backends_are_left_alone(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_fusion_emitters=false")
+    monkeypatch.setattr(_platform, "_backends_created", lambda: False)
+    assert not _platform.avoid_ynn_fusions("0.11.2")  # an option XLA may not know is fatal
+    monkeypatch.setattr(_platform, "_backends_created", lambda: True)
+    assert not _platform.avoid_ynn_fusions("0.10.2")  # XLA has read its options already
+    assert os.environ["XLA_FLAGS"] == "--xla_cpu_use_fusion_emitters=false"
+    monkeypatch.setattr(_platform, "_backends_created", lambda: False)
+    assert _platform.avoid_ynn_fusions("0.10.2")
+    assert os.environ["XLA_FLAGS"] == f"--xla_cpu_use_fusion_emitters=false --{_platform.OPTION}="
