@@ -11,11 +11,13 @@ log2(C) doubling steps of two products. Whole-chunk tiles rather than 16 x 16 on
 16-row tile product leaves most of a program's warps holding copies (compiled for
 sm_90 that layout took F2 to 255 registers and 1.9 KiB of spills a thread).
 
-B4 on Triton (``intra_bwd_levels_kernel``), F2's VJP at the same granularity: per halving
-level the transposes of F2's level products, ``[C, C] x [C, block]`` tile products of the
-level's masked dA and dL with the token side's anchored decays, in two loops over the
-levels (the column sums', then the row sums'); one program per (row * head, chunk, block
-of at most 32 feature columns).
+B4 on Triton (``intra_bwd_levels_kernel``), F2's VJP: the pairs inside each 16-token
+sub-block one diagonal offset at a time (16 steps of elementwise work on ``[C, block]``
+tiles, each pair's own decay, the other token's rows and the dA, dL entries by gather
+loads), the pairs across sub-blocks by halving levels (the transposes of F2's level
+products, ``[C, C] x [C, block]`` tile products of the level's selected dA and dL with the
+token side's anchored decays); one program per (row * head, chunk, block of at most 32
+feature columns).
 
 F2 on TPU and B4 on TPU, per (p, chunk) block, in 2-D: off-diagonal sub-blocks by
 anchored matmuls (anchor = first row of the row block, both factors with non-positive
@@ -149,10 +151,11 @@ def intra_bwd_outputs(q, k, beta, dq_a, dk_a, r, c, dq, dk, dG):
 
 
 # The most feature columns one program of B4's Triton kernel takes (``block_k`` above it
-# is cut to this): at 64 columns and eight warps the kernel spilled (64 B a thread at the
-# candidate tuning, sm_90; with the 64 columns as two 32-column sums sharing each level's
-# [C, C] operands, 664 B). The cost: each 32-column program repeats the levels' [C, C]
-# work (the masked dA and dL, split for TF32x3), about 5k of its 11.5k instructions a warp.
+# is cut to this): at 64 columns and eight warps the kernel spills (24 B a thread at the
+# candidate tuning, sm_90, from the two halving levels' products; with the 64 columns as
+# two 32-column parts sharing each level's [C, C] operands, 632 B). The cost: each
+# 32-column program repeats the levels' [C, C] work and the offsets' index math
+# (64 columns a program: 12.9k instructions a warp against 2 x 7.8k).
 B4_MAX_BLOCK = 32
 
 
@@ -198,7 +201,9 @@ class PallasIntra(AbstractIntra, PallasFeatureBlocks):
     accepts: ClassVar[frozenset] = frozenset({"G_lo", "reset", "tile_safe"})
 
     block: int = eqx.field(static=True, default=16)
-    block_k: int = eqx.field(static=True, default=32)
+    # (sm_90, 8 warps, the candidate's tuning: 64 columns a step 238 registers and 12.8k
+    # instructions a warp; 32 columns spilled 176 B once the scores' decays took exp2)
+    block_k: int = eqx.field(static=True, default=64)
 
     @tuned
     @typecheck

@@ -6,8 +6,10 @@ No per-token loop and no row or column pulled out of a tile: the chunk's pairs j
 split into log2(C) halving levels (the reference stage's recursion); each level is one
 masked tile product over the whole chunk with both decay factors taken to the level's
 anchor row (every exponent non-positive; anchors read by gather loads). F2 inverts
-``I + L`` by blocked doubling (2 log2(C) products); B4 runs the transposes of F2's level
-products, 32 feature columns a program.
+``I + L`` by blocked doubling (2 log2(C) products); B4 takes the pairs inside each
+16-token sub-block one diagonal offset at a time (elementwise, every row at once) and
+runs the transposes of F2's level products for the pairs across sub-blocks, 32 feature
+columns a program.
 """
 
 import jax
@@ -79,8 +81,8 @@ def level_scores(q, k, g_ref, lo_ref, cols, C: int, S):
     def level(lev, S):
         ra = jax.lax.shift_left(jax.lax.shift_right_logical(t, lev), lev)  # first row of each token's half-block
         ca = jnp.minimum(ra + jax.lax.shift_left(jnp.int32(1), lev), C - 1)  # the next one's
-        rf = decay(None, G, gathered(g_ref, ra, cols), lo, gathered(lo_ref, ra, cols))
-        kc = k * decay(None, gathered(g_ref, ca, cols), G, gathered(lo_ref, ca, cols), lo)
+        rf = fast_decay(G, gathered(g_ref, ra, cols), lo, gathered(lo_ref, ra, cols))
+        kc = k * fast_decay(gathered(g_ref, ca, cols), G, gathered(lo_ref, ca, cols), lo)
         pairs = level_pairs(C, lev)
         return (S[0] + jnp.where(pairs, dot(q * rf, kc, tb=True), 0.0),
                 S[1] + jnp.where(pairs, dot(k * rf, kc, tb=True), 0.0))
@@ -98,7 +100,11 @@ def doubling_unit_lower_inverse(L):
     zeros."""
     C = L.shape[0]
     eye = (iota((C, C), 0) == iota((C, C), 1)).astype(L.dtype)
-    return loop(0, C.bit_length() - 1, lambda lev, X: X - dot(X, dot(jnp.where(level_pairs(C, lev), L, 0.0), X)), eye)
+
+    def step(lev, X):  # (X split for each product: split once and held, F2 took +4% instructions)
+        return X - scaled_dot(None, X, scaled_dot(None, jnp.where(level_pairs(C, lev), L, 0.0), X))
+
+    return loop(0, C.bit_length() - 1, step, eye)
 
 
 def intra_levels_kernel(scale: float, C: int, blocks, has_lo: bool, has_reset: bool):
@@ -132,19 +138,22 @@ def intra_levels_kernel(scale: float, C: int, blocks, has_lo: bool, has_reset: b
 
 
 def nonfinite(x):
-    """1 where an entry of ``x`` is NaN or infinite, else 0 (x's dtype)."""
-    return (~(jnp.abs(x) < jnp.inf)).astype(x.dtype)
+    """``x``'s NaN and infinite entries (bool)."""
+    return ~(jnp.abs(x) < jnp.inf)
 
 
 def reached_down(bad):
-    """``[C, D]`` bool: entry (i, d) has a nonzero ``bad`` at some row t <= i of column d."""
-    return jax.lax.cumsum(bad, axis=0) > 0
+    """``[C, D]`` bool: entry (i, d) has a true ``bad`` at some row t <= i of column d
+    (rows from the column's first bad row on: one reduction, no scan)."""
+    rows = iota(bad.shape, 0)
+    return rows >= jnp.min(jnp.where(bad, rows, bad.shape[0]), axis=0, keepdims=True)
 
 
 def reached_up(bad):
-    """``[C, D]`` bool: entry (j, d) has a nonzero ``bad`` at some row t >= j of column d
-    (a forward cumsum: the counts are small integers, exact)."""
-    return jnp.sum(bad, axis=0, keepdims=True) - jax.lax.cumsum(bad, axis=0) + bad > 0
+    """``[C, D]`` bool: entry (j, d) has a true ``bad`` at some row t >= j of column d
+    (rows up to the column's last bad row)."""
+    rows = iota(bad.shape, 0)
+    return rows <= jnp.max(jnp.where(bad, rows, -1), axis=0, keepdims=True)
 
 
 def fast_decay(x, y, x_lo=None, y_lo=None):
@@ -155,29 +164,41 @@ def fast_decay(x, y, x_lo=None, y_lo=None):
     return jnp.exp2(exponent(x, y, x_lo, y_lo) * 1.4426950408889634)
 
 
-def scaled_dot(f, a, b, ta: bool = False):
-    """``f * (op(a) @ b)`` (``dot``). Compiled under the ``"tf32x3"`` tuning, as the three
-    TF32 products of the split ``x = hi(x) + lo(x)`` (``hi``: x's top 19 bits, exact in
-    TF32), each scaled by ``f`` before the sum: Triton's own TF32x3 chains its three
-    products through the accumulator, and a product that feeds another one gets its
-    warps laid along the rows (``warpsPerCTA = [8, 1]``), which at 64 rows and eight warps
-    holds every accumulator twice (B4 at 255 registers and 1.2 KiB of spills); unchained,
-    each product is laid as a lone one."""
+def tf32_split(x):
+    """``(hi(x), lo(x))`` with ``x = hi + lo`` exactly (``hi``: x's top 19 bits, exact in
+    TF32) when float32 products run as ``"tf32x3"`` (compiled, the tuning's ``f32_dot``,
+    no half-precision policy); else ``x`` itself. ``scaled_dot`` takes either: an operand
+    of several products is split once."""
     tuning = _TUNING.get()
-    if tuning is None or tuning.f32_dot != "tf32x3" or a.dtype != jnp.float32 or _precision.operand_dtype() is not None:
-        return f * dot(a, b, ta=ta)
+    if tuning is None or tuning.f32_dot != "tf32x3" or x.dtype != jnp.float32 or _precision.operand_dtype() is not None:
+        return x
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32) & jnp.int32(-8192)  # the low 13 mantissa bits cleared
+    hi = jax.lax.bitcast_convert_type(bits, jnp.float32)
+    return hi, x - hi
 
-    def hi(x):
-        bits = jax.lax.bitcast_convert_type(x, jnp.int32) & jnp.int32(-8192)  # the low 13 mantissa bits cleared
-        return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
+def scaled_dot(f, a, b, ta: bool = False):
+    """``f * (op(a) @ b)`` (``dot``; ``f`` None: 1). Compiled under the ``"tf32x3"`` tuning,
+    as the three TF32 products of the split ``x = hi(x) + lo(x)`` (``tf32_split``; ``a``
+    and ``b`` may come split), each scaled by ``f`` before the sum: Triton's own TF32x3
+    chains its three products through the accumulator, and a product that feeds another
+    one gets its warps laid along the rows (``warpsPerCTA = [8, 1]``), which at 64 rows
+    and eight warps holds every accumulator twice (B4 at 255 registers and 1.2 KiB of
+    spills); unchained, each product is laid as a lone one, and its split takes fewer
+    instructions (F2's inverse: -31% a step)."""
+    a = a if isinstance(a, tuple) else tf32_split(a)
+    if not isinstance(a, tuple):
+        out = dot(a, b, ta=ta)
+        return out if f is None else f * out
     dims = (((0 if ta else 1,), (0,)), ((), ()))
-    def tf32(x, y):
-        return jax.lax.dot_general(x, y, dims, precision=jax.lax.DotAlgorithmPreset.TF32_TF32_F32,
-                                   preferred_element_type=jnp.float32)
 
-    ah, bh = hi(a), hi(b)
-    return f * tf32(ah, bh) + f * tf32(ah, b - bh) + f * tf32(a - ah, bh)  # (hi(a) dead before lo(a))
+    def tf32(x, y):
+        out = jax.lax.dot_general(x, y, dims, precision=jax.lax.DotAlgorithmPreset.TF32_TF32_F32,
+                                  preferred_element_type=jnp.float32)
+        return out if f is None else f * out
+
+    (ah, al), (bh, bl) = a, (b if isinstance(b, tuple) else tf32_split(b))
+    return tf32(ah, bh) + tf32(ah, bl) + tf32(al, bh)  # (hi(a) dead before lo(a))
 
 
 class Rows:
@@ -195,65 +216,119 @@ class Rows:
         return self.ref[idx]
 
 
-def level_pair_sums(scale: float, refs, cols, pick, C: int, width: int):
-    """B4's pair sums ``(dq_a, r, e)`` for the feature columns ``cols`` (each ``[C, width]``),
-    the transposes of F2's level products (``level_scores``): for each halving level
-    (``level_pairs``) the level's entries of ``dA`` and ``dL`` (``pick(ref, pairs, at)``:
-    selected, never multiplied by a mask) in ``[C, C] x [C, w]`` tile products, each
-    side's decay taken to the level's anchor a as in F2:
+# B4 takes the pairs inside each SUB_BLOCK-token sub-block one diagonal offset at a time
+# (``offset_loop``) and the pairs across sub-blocks by halving levels (``level_loop``): a
+# level's [C, C] work (its dA and dL selected, split for TF32x3, held as the products'
+# operands) is done by each of a chunk's column programs, an offset is elementwise work
+# on [C, w] tiles alone. At C = 64, 32 columns, sm_90: 16 offsets and 2 levels 7.8k SASS
+# instructions a warp; 6 levels 11.3k; 8 offsets and 3 levels as 16 and 2; 4 and 4 +3%.
+SUB_BLOCK = 16
 
-    - rows: ``R_i += e^(G_i - G_a) sum_j S_ij (k_j e^(G_a - G_j))`` (S = dA: dq_a; S = dL: r);
-    - columns: ``e_j += e^(G_a - G_j) sum_i (scale dA_ij q_i + dL_ij beta_i k_i) e^(G_i - G_a)``
-      (the reference's ``scale dk_a + c``: both products into one tile), ``S^T`` read
-      transposed from memory (a gather load).
 
-    Two loops over the levels, the column sums' then the row sums' (one loop with all
-    four products spilled). ``refs``: ``(q, k, beta, G, G_lo or None, dA, dL)``. Every exponent is
-    non-positive (``level_scores``' anchors). The products' token-side operands have
-    their non-finite entries zeroed (a ``0 * NaN`` in a product would carry a non-finite
-    token to every row of the chunk); the caller restores the rows they reach. Non-finite
-    entries of ``dA``, ``dL`` reach their rows and columns as in the reference."""
-    t = iota((C,), 0)
-    sr = jax.lax.shift_right_logical
+class B4Refs:
+    """B4's operand refs ``(q, k, beta, G, G_lo or None, dA, dL)`` for one block of feature
+    columns ``cols``, the chunk's ``C`` tokens in sub-blocks of ``B``, the score ``scale``,
+    ``pick(ref, pairs, at)`` (``ref[at]``'s entries at ``pairs`` within one sequence, exact zeros elsewhere) and
+    ``same(i, j)`` (per row: tokens i and j in one sequence; None without resets)."""
 
-    def level_operands(lev):
+    def __init__(self, refs, cols, C: int, B: int, scale: float, pick, same):
+        self.q, self.k, self.beta, self.G, self.lo, self.dA, self.dL = refs
+        self.cols, self.C, self.B, self.scale, self.pick, self.same = cols, C, B, scale, pick, same
+
+    def offset_loop(self, side: str, init):
+        """``init`` plus the pairs i >= j inside each sub-block, diagonal included, one
+        offset o = i - j a step (B steps, every row at once), each pair's own decay:
+        ``"rows"``: ``(dq_a, r)``, ``R_i += S_i,i-o k_i-o e^(G_i - G_i-o)`` (S = dA, dL);
+        ``"columns"``: ``e``, ``e_j += (scale dA_j+o,j q_j+o + dL_j+o,j beta_j+o k_j+o)
+        e^(G_j+o - G_j)``. The other token's rows and the
+        entries of dA, dL are gather loads; the other token is clamped to the chunk, never
+        past the row, so every exponent is non-positive, also for pairs left out. A pair
+        outside the sub-block or across sequences leaves the sums as they are (selected,
+        never multiplied by a mask); a pair's non-finite values reach only its own entry,
+        one the caller sets to NaN anyway."""
+        C, B, cols, scale = self.C, self.B, self.cols, self.scale
+        t = iota((C,), 0)
+        tc = t[:, None]
+        inner = tc & (B - 1)  # position in its sub-block
+        G, lo = self.G[:, cols], ref_or_none(self.lo, (slice(None), cols))
+
+        def rows(o, acc):
+            dq_a, r = acc
+            j = jnp.maximum(t - o, 0)  # row i = t takes column j = t - o
+            ok = inner >= o if self.same is None else (inner >= o) & self.same(t, j)
+            kx = self.k[j, cols] * fast_decay(G, self.G[j, cols], lo, gathered(self.lo, j, cols))
+            return (jnp.where(ok, dq_a + self.dA[tc, j[:, None]] * kx, dq_a),
+                    jnp.where(ok, r + self.dL[tc, j[:, None]] * kx, r))
+
+        def columns(o, e):
+            i = jnp.minimum(t + o, C - 1)  # column j = t takes row i = t + o
+            ok = inner + o < B if self.same is None else (inner + o < B) & self.same(i, t)
+            ic = i[:, None]
+            x = (scale * self.dA[ic, tc]) * self.q[i, cols] + (self.dL[ic, tc] * self.beta[i, :]) * self.k[i, cols]
+            return jnp.where(ok, e + x * fast_decay(self.G[i, cols], G, gathered(self.lo, i, cols), lo), e)
+
+        return loop(0, B, rows if side == "rows" else columns, init)
+
+    def level_operands(self, lev):
+        """``(z, S, St)``: a row start that is 0, and the level's entries of dA
+        (``S(5)``) or dL (``S(6)``) and of their transposes (``St``, a gather load)."""
+        C, sr = self.C, jax.lax.shift_right_logical
         # Rows 0..C-1 from a start Triton cannot prove constant (it is 0), so that it keeps
         # the loads inside the loop: hoisted, every operand stayed live across the levels.
         z = jnp.minimum(lev, 0)
         ri, cj = iota((C, 1), 0), iota((1, C), 1)  # (from vectors: no [C, C] index tiles live)
         pairs = (sr(ri, lev + 1) == sr(cj, lev + 1)) & (sr(ri, lev) > sr(cj, lev))
         pairs_t = (sr(ri, lev + 1) == sr(cj, lev + 1)) & (sr(ri, lev) < sr(cj, lev))
-        S = lambda w: pick(refs[w], pairs, (pl.ds(z, C), slice(None)))  # noqa: E731
-        St = lambda w: pick(refs[w], pairs_t, (cj + z, ri))  # S^T (a gather load)  # noqa: E731
+        ref = {5: self.dA, 6: self.dL}
+        S = lambda w: self.pick(ref[w], pairs, (pl.ds(z, C), slice(None)))  # noqa: E731
+        St = lambda w: self.pick(ref[w], pairs_t, (cj + z, ri))  # noqa: E731
         return z, S, St
 
-    def token_operands(lev, z):
+    def token_operands(self, lev, z):
+        """``(q, k, beta, e^(G_i - G_a), e^(G_a - G_j))`` for level ``lev``'s anchors a
+        (``level_scores``': the first row of a token's half-block, the next one's)."""
+        C, cols, sr = self.C, self.cols, jax.lax.shift_right_logical
+        t = iota((C,), 0)
         at = (pl.ds(z, C), cols)
-        q_ref, k_ref, b_ref, g_ref, lo_ref = (None if x is None else Rows(x, at[0]) for x in refs[:5])
         ra = jax.lax.shift_left(sr(t, lev), lev)  # first row of each token's half-block
         ca = jnp.minimum(ra + jax.lax.shift_left(jnp.int32(1), lev), C - 1)  # the next one's
-        G, lo = g_ref[at], ref_or_none(lo_ref, at)
-        into = fast_decay(G, gathered(g_ref, ra, cols), lo, gathered(lo_ref, ra, cols))  # e^(G_i - G_a)
-        back = fast_decay(gathered(g_ref, ca, cols), G, gathered(lo_ref, ca, cols), lo)  # e^(G_a - G_j)
-        return q_ref[at], k_ref[at], b_ref[pl.ds(z, C), :], into, back
+        G, lo = Rows(self.G, at[0])[at], None if self.lo is None else Rows(self.lo, at[0])[at]
+        into = fast_decay(G, gathered(self.G, ra, cols), lo, gathered(self.lo, ra, cols))
+        back = fast_decay(gathered(self.G, ca, cols), G, gathered(self.lo, ca, cols), lo)
+        return Rows(self.q, at[0])[at], Rows(self.k, at[0])[at], self.beta[pl.ds(z, C), :], into, back
 
-    def columns(lev, e):
-        z, _, St = level_operands(lev)
-        q, k, beta, into, back = token_operands(lev, z)
-        qx, bx = finite_or_zero(scale * q * into), finite_or_zero(beta * k * into)
-        return e + scaled_dot(back, St(5), qx) + scaled_dot(back, St(6), bx)
+    def level_loop(self, side: str, init):
+        """``init`` plus the pairs across sub-blocks, the transposes of F2's level products
+        (``level_scores``) for the halving levels from log2(B) on, the level's entries of
+        dA and dL selected into ``[C, C] x [C, w]`` tile products, each side's decay taken
+        to the level's anchor a:
 
-    def rows(lev, acc):
-        z, S, _ = level_operands(lev)
-        _, k, _, into, back = token_operands(lev, z)
-        kx = finite_or_zero(k * back)
-        return acc[0] + scaled_dot(into, S(5), kx), acc[1] + scaled_dot(into, S(6), kx)
+        - ``"rows"``: ``R_i += e^(G_i - G_a) sum_j S_ij (k_j e^(G_a - G_j))`` (S = dA: dq_a;
+          S = dL: r);
+        - ``"columns"``: ``e_j += e^(G_a - G_j) sum_i (scale dA_ij q_i + dL_ij beta_i k_i)
+          e^(G_i - G_a)`` (the reference's ``scale dk_a + c``: both products into one
+          tile), S^T read transposed from memory.
 
-    n = C.bit_length() - 1
-    zero = jnp.zeros((C, width), refs[0].dtype)
-    e = loop(0, n, columns, zero)  # (one tile live across the row sums' loop)
-    dq_a, r = loop(0, n, rows, (zero, zero))
-    return dq_a, r, e
+        The token-side operands have their non-finite entries zeroed (a ``0 * NaN`` in a
+        product would carry a non-finite token to every row of the chunk); the caller
+        restores the rows they reach. Non-finite entries of dA, dL reach their rows and
+        columns as in the reference."""
+        scale = self.scale
+
+        def columns(lev, e):
+            z, _, St = self.level_operands(lev)
+            q, k, beta, into, back = self.token_operands(lev, z)
+            qx, bx = finite_or_zero(scale * q * into), finite_or_zero(beta * k * into)
+            return e + scaled_dot(back, St(5), qx) + scaled_dot(back, St(6), bx)
+
+        def rows(lev, acc):
+            z, S, _ = self.level_operands(lev)
+            _, k, _, into, back = self.token_operands(lev, z)
+            kx = finite_or_zero(k * back)
+            return acc[0] + scaled_dot(into, S(5), kx), acc[1] + scaled_dot(into, S(6), kx)
+
+        first, n = self.B.bit_length() - 1, self.C.bit_length() - 1
+        return init if first >= n else loop(first, n, rows if side == "rows" else columns, init)
 
 
 def intra_bwd_levels_kernel(scale: float, C: int, has_lo: bool, has_reset: bool):
@@ -261,10 +336,9 @@ def intra_bwd_levels_kernel(scale: float, C: int, has_lo: bool, has_reset: bool)
     per-token loop and no row or column pulled out of a tile. One program per (row * head,
     chunk, block of feature columns), as FLA's ``chunk_kda_bwd_intra`` (every gradient
     column depends on its own feature column alone; dbeta's part of each block is summed
-    outside; ``B4_MAX_BLOCK``): the diagonal terms (the diagonals of ``dA``, ``dL`` as
-    row sums) and ``level_pair_sums``, log2(C) levels of four tile products into three
-    tiles; pairs above the diagonal (and, with
-    ``has_reset``, across sequences) are selected to exact zeros. A non-finite token value
+    outside; ``B4_MAX_BLOCK``): the pairs inside the 16-token sub-blocks one diagonal offset
+    at a time, the others by halving levels of tile products (``B4Refs``); pairs above
+    the diagonal (and, with ``has_reset``, across sequences) are selected to exact zeros. A non-finite token value
     (q, k, beta, G, G_lo at token t, column d) reaches what it reaches in the reference
     stage's products: the row sums' rows t on and the column sums' rows up to t, in
     column d (set to NaN after the products, which ran on zeroed operands); dbeta from
@@ -282,31 +356,38 @@ def intra_bwd_levels_kernel(scale: float, C: int, has_lo: bool, has_reset: bool)
                 pairs = pairs & (rest[-2][...] == rest[-1][...])
             return jnp.where(pairs, ref[at], 0.0)
 
-        dq_a, r, e = level_pair_sums(scale, (q_ref, k_ref, b_ref, g_ref, lo_ref, da_ref, dl_ref), pl.ds(0, bk),
-                                     pick, C, bk)
-        # The diagonal terms and the outputs, read after the levels (nothing but the sums
-        # live across them), the row sums' outputs first; rows from a start Triton cannot
-        # prove is 0: addresses of their own, not the levels' kept live to here.
+        same = None
+        if has_reset:
+            seg = rest[-2]
+            same = lambda i, j: seg[i, :] == seg[j, :]  # noqa: E731
+        ops = B4Refs((q_ref, k_ref, b_ref, g_ref, lo_ref, da_ref, dl_ref), pl.ds(0, bk), C, min(SUB_BLOCK, C),
+                     scale, pick, same)
+        zero = jnp.zeros((C, bk), q_ref.dtype)
+        # The column sums first, each loop adding to the last (one tile live across the row
+        # sums' loops; with both sums in one offset loop and one level loop, 64 columns a
+        # program spilled the more).
+        e = ops.level_loop("columns", ops.offset_loop("columns", zero))
+        dq_a, r = ops.level_loop("rows", ops.offset_loop("rows", (zero, zero)))
+        # The outputs, read after the levels (nothing but the sums live across them), the
+        # row sums' outputs first; rows from a start Triton cannot prove is 0: addresses of
+        # their own, not the levels' kept live to here.
         fresh = pl.ds(jnp.minimum(pl.program_id(2), 0), C)
         q_ref, k_ref, g_ref, b_ref, da_ref, dl_ref = (
             Rows(x, fresh) for x in (q_ref, k_ref, g_ref, b_ref, da_ref, dl_ref))
         lo_ref = None if lo_ref is None else Rows(lo_ref, fresh)
-        eye = iota((C, 1), 0) == iota((1, C), 1)
-        dA_d = jnp.sum(pick(da_ref, eye), axis=1, keepdims=True)  # the diagonals ([C, 1])
-        dL_d = jnp.sum(pick(dl_ref, eye), axis=1, keepdims=True)
         beta, k, G, lo = b_ref[...], k_ref[...], g_ref[...], ref_or_none(lo_ref, Ellipsis)
-        bad_G = nonfinite(G) if lo is None else jnp.maximum(nonfinite(G), nonfinite(lo))
-        down = reached_down(jnp.maximum(nonfinite(k), bad_G))
-        dq_a = jnp.where(down, jnp.nan, dq_a + dA_d * k)
-        r = jnp.where(down, jnp.nan, r + dL_d * k)
+        bad_G = nonfinite(G) if lo is None else nonfinite(G) | nonfinite(lo)
+        down = reached_down(nonfinite(k) | bad_G)
+        dq_a = jnp.where(down, jnp.nan, dq_a)
+        r = jnp.where(down, jnp.nan, r)
         dq_out[...] = dq_ref[...] + scale * dq_a
         db_out[...] = jnp.sum(k * r, axis=1, keepdims=True)
         q = q_ref[...]
         br = beta * r
         part = scale * q * dq_a + k * br
         bk_ = beta * k
-        up = reached_up(jnp.maximum(jnp.maximum(nonfinite(q), nonfinite(bk_)), bad_G))
-        e = jnp.where(up, jnp.nan, e + dA_d * (scale * q) + dL_d * bk_)
+        up = reached_up(nonfinite(q) | nonfinite(bk_) | bad_G)
+        e = jnp.where(up, jnp.nan, e)
         dk_out[...] = dk_ref[...] + e + br
         dg_out[...] = dg_ref[...] + part - k * e
 

@@ -66,14 +66,16 @@ def test_chunk_kernels_fit_in_registers(policy):
     products, B4 (kept float32: kdax._numerics.precision) TF32 tensor-core products. Before they
     took their columns in blocks (kdax.pallas._common.PallasFeatureBlocks) F3 spilled
     112 B a thread, B3 3.2 KiB and B4 1.7 KiB (benchmarks/results/triton_resources.txt
-    of session 13). F2 as tile products (``kdax.pallas._intra_levels.intra_levels_kernel``): 240
-    registers here; with its NaN rows found by a transposed [C, C] mask kept live across
-    the inverse, 255 and 280 B of spills. At the default tuning (four warps, IEEE float32
-    products as FMA loops) its 64 x 64 x 64 products of the inverse spill about 3 KiB a
-    thread: not asserted. B4 as tile products (``intra_bwd_levels_kernel``): 234
-    registers with 32 feature columns a program (``B4_MAX_BLOCK``); at 64 columns 64 B of
-    spills; with all four products in one loop over the levels 72 to 312 B; with Triton's
-    own (chained) TF32x3 products 1.2 KiB. Under "fast" (the candidate's policy) F2 and F3
+    of session 13). F2 as tile products (``kdax.pallas._intra_levels.intra_levels_kernel``): 238
+    registers here at 64 feature columns a step (at 32, 176 B of spills); with its NaN
+    rows found by a transposed [C, C] mask kept live across the inverse, 255 and 280 B of
+    spills. At the default tuning (four warps, IEEE float32 products as FMA loops) its
+    64 x 64 x 64 products of the inverse spill about 3 KiB a thread: not asserted. B4
+    (``intra_bwd_levels_kernel``: diagonal offsets inside the 16-token sub-blocks, two
+    halving levels of tile products across them): 216 registers with 32 feature columns a
+    program (``B4_MAX_BLOCK``); at 64 columns 24 B of spills (six levels: 64 B); with all
+    four products in one loop over the levels 72 to 312 B; with Triton's own (chained)
+    TF32x3 products 1.2 KiB. Under "fast" (the candidate's policy) F2 and F3
     write and F3 and B3 read Aqk, Akk, w, u, kg, h, v_new as bf16 (kdax._numerics.precision)."""
     t = dict(num_warps=8, num_stages=2, f32_dot="tf32x3")
     used = {src.split(" ")[0]: resources(text, 8, 2) for src, text in chunk_kernels(policy, t).items()}
