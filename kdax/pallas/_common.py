@@ -15,6 +15,7 @@ Bodies only use 2-D values, ref loads with static or ``pl.ds`` slices, dots, ele
 ops, ``where`` and keep-dims reductions, which both lowerings accept.
 """
 
+import contextlib
 import contextvars
 import functools
 from typing import Optional
@@ -39,7 +40,7 @@ def check_target(target: str) -> str:
     return target
 
 
-F32_DOTS = ("ieee", "tf32x3")
+F32_DOTS = ("ieee", "tf32x3", "tf32")
 
 
 class PallasTarget(eqx.Module):
@@ -52,8 +53,12 @@ class PallasTarget(eqx.Module):
     kernels' loops (1: none); ``f32_dot``, how a float32 product at full precision runs:
     ``"ieee"`` (CUDA-core FMAs, exact float32 products) or ``"tf32x3"`` (three TF32
     tensor-core products whose sum carries about float32's precision, relative error of
-    order 1e-6 instead of 1e-7). Half-precision products under a precision policy
-    (``kdax._numerics.precision``) are unaffected. ``read_views``: read ``kdax.typing.Tokens``
+    order 1e-6 instead of 1e-7) or ``"tf32"`` (one TF32 product, as FLA's Triton kernels run
+    their float32 ``tl.dot``: on sm_90 the tensor cores read the operands' top 10 mantissa
+    bits, truncated, a relative error of order 1e-3 a product; not for B4, whose dG
+    cancels: at gates of -1e4 dA_log's error was 2.4 against FLA's 2e-2,
+    ``tests/test_precision.py::test_candidate_within_fla_tolerances``). Half-precision
+    products under a precision policy (``kdax._numerics.precision``) are unaffected. ``read_views``: read ``kdax.typing.Tokens``
     views of the call's inputs in place where ``reads_tokens`` allows (False: take their
     chunked copies, as before the views; for measuring what they buy)."""
 
@@ -142,6 +147,23 @@ def column_blocks(target: str, n: int, block: int):
 # The compiled Triton stage being traced (its tuning fields), or None.
 _TUNING: contextvars.ContextVar = contextvars.ContextVar("kdax_pallas_tuning", default=None)
 
+# Test hook (``tuned_in_interpret_mode``): interpreted Triton stages traced with their tuning.
+_TUNED_INTERPRET: contextvars.ContextVar = contextvars.ContextVar("kdax_pallas_tuned_interpret", default=False)
+
+
+@contextlib.contextmanager
+def tuned_in_interpret_mode():
+    """Test hook: within, Triton stages in interpret mode trace their kernels with their
+    tuning as compiled ones do (``tuned``), so that their products ask for the dot
+    algorithms the GPU runs (``f32_dot``); the compiler parameters stay unused. XLA:CPU
+    computes those products in float32 anyway: ``tests/_gpu_products.py`` lowers them with
+    the GPU's operand rounding, so that CPU tests see the TF32 products' errors."""
+    token = _TUNED_INTERPRET.set(True)
+    try:
+        yield
+    finally:
+        _TUNED_INTERPRET.reset(token)
+
 
 def tuned(call):
     """Decorator for a Pallas stage's ``__call__``: its kernels are traced with the stage's
@@ -149,7 +171,7 @@ def tuned(call):
 
     @functools.wraps(call)
     def wrapped(self, *args, **kwargs):
-        live = self.target == "triton" and not self.run_interpreted
+        live = self.target == "triton" and (not self.run_interpreted or _TUNED_INTERPRET.get())
         token = _TUNING.set(self if live else None)
         try:
             return call(self, *args, **kwargs)
@@ -335,6 +357,11 @@ def chunk_call(kernel, inputs, specs, out_blocks, P: int, NC: int, dtype, target
     )(*inputs)
 
 
+# The dot algorithm of a float32 product under each ``f32_dot`` but "ieee" (HIGHEST).
+_TF32_ALGORITHM = {"tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
+                   "tf32": jax.lax.DotAlgorithmPreset.TF32_TF32_F32}
+
+
 # -- in-kernel helpers (2-D values only) ---------------------------------------------------
 def dot(a, b, ta: bool = False, tb: bool = False):
     """``op(a) @ op(b)`` with float32 (or float64) accumulation at full precision; under a
@@ -349,8 +376,8 @@ def dot(a, b, ta: bool = False, tb: bool = False):
         return jax.lax.dot_general(a.astype(half), b.astype(half), dims, precision=(default, default),
                                    preferred_element_type=jnp.float32)
     tuning = _TUNING.get()
-    if tuning is not None and tuning.f32_dot == "tf32x3" and a.dtype == jnp.float32:
-        return jax.lax.dot_general(a, b, dims, precision=jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
+    if tuning is not None and tuning.f32_dot != "ieee" and a.dtype == jnp.float32:
+        return jax.lax.dot_general(a, b, dims, precision=_TF32_ALGORITHM[tuning.f32_dot],
                                    preferred_element_type=jnp.float32)
     return jax.lax.dot_general(a, b, dims, precision=jax.lax.Precision.HIGHEST, preferred_element_type=a.dtype)
 

@@ -155,7 +155,9 @@ def intra_bwd_outputs(q, k, beta, dq_a, dk_a, r, c, dq, dk, dG):
 # candidate tuning, sm_90, from the two halving levels' products; with the 64 columns as
 # two 32-column parts sharing each level's [C, C] operands, 632 B). The cost: each
 # 32-column program repeats the levels' [C, C] work and the offsets' index math
-# (64 columns a program: 12.9k instructions a warp against 2 x 7.8k).
+# (64 columns a program: 12.9k instructions a warp against 2 x 7.8k). Plain TF32 levels
+# (``f32_dot="tf32"``) would fit 64 columns, but take dA_log past FLA's tolerance at hard
+# gates (``tests/test_precision.py::test_candidate_within_fla_tolerances``).
 B4_MAX_BLOCK = 32
 
 

@@ -185,7 +185,7 @@ def scaled_dot(f, a, b, ta: bool = False):
     one gets its warps laid along the rows (``warpsPerCTA = [8, 1]``), which at 64 rows
     and eight warps holds every accumulator twice (B4 at 255 registers and 1.2 KiB of
     spills); unchained, each product is laid as a lone one, and its split takes fewer
-    instructions (F2's inverse: -31% a step)."""
+    instructions (F2's inverse: -31% a step). Under ``"tf32"``: one TF32 product (``dot``)."""
     a = a if isinstance(a, tuple) else tf32_split(a)
     if not isinstance(a, tuple):
         out = dot(a, b, ta=ta)

@@ -26,7 +26,7 @@ def test_tuning_checked_when_built(stage):
     with pytest.raises(ValueError, match="num_warps"):
         stage(target="triton", num_warps=3)
     with pytest.raises(ValueError, match="f32_dot"):
-        stage(target="triton", f32_dot="tf32")
+        stage(target="triton", f32_dot="bf16")
     with pytest.raises(ValueError, match="num_stages"):
         stage(target="triton", num_stages=0)
 
