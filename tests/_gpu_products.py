@@ -7,8 +7,9 @@ algorithm that rounds operands, float32 accumulation:
   (``kdax._numerics.precision._algorithm``);
 * ``TF32_TF32_F32`` (a Pallas Triton kernel's float32 ``tl.dot`` with ``input_precision
   = "tf32"``, ``f32_dot="tf32"``): Triton converts nothing, its sm_90 PTX hands the
-  float32 registers to ``wgmma ... .tf32.tf32`` as they are (no ``cvt``: the test's
-  compile, ``tests/test_precision.py``), and the tensor cores read their top 10 mantissa
+  float32 registers to ``wgmma ... .tf32.tf32`` as they are (no ``cvt``:
+  ``tests/pallas/test_common.py::test_tf32_operands_as_the_emulation_takes_them``), and
+  the tensor cores read their top 10 mantissa
   bits: the operands truncated (toward zero), as in triton-lang/triton#4574, where
   plain TF32 matched cuBLAS (which rounds) only after an explicit ``cvt.rna.tf32.f32``.
   ``tf32="rna"`` rounds to nearest, ties away from zero, instead (``cvt.rna``);

@@ -1,6 +1,8 @@
 """The Triton tuning fields every Pallas stage has (``num_warps``, ``f32_dot``): checked
 when a stage is built, passed to the compiled kernels (lowered for a GPU on any machine),
-and without effect in interpret mode."""
+and without effect in interpret mode (unless a test asks for them there:
+``kdax.pallas._common.tuned_in_interpret_mode``); the TF32 products' PTX as
+``tests/_gpu_products.py`` emulates it."""
 
 import jax
 import jax.numpy as jnp
@@ -69,3 +71,35 @@ def test_tuning_ignored_in_interpret_mode():
             assert jnp.array_equal(a, b)
         ref = S.ReferenceState()(*args)
         assert_close(got.h, ref.h, 1e-5 if dtype == jnp.float32 else 1e-12, "h")
+
+
+@pytest.mark.parametrize("algorithm", ["TF32_TF32_F32", "TF32_TF32_F32_X3"])
+def test_tf32_operands_as_the_emulation_takes_them(algorithm):
+    """What ``tests/_gpu_products.py`` emulates, from a float32 product's sm_90 PTX (Triton's
+    passes and ptxas, no GPU): a plain TF32 product (``f32_dot="tf32"``) hands the float32
+    registers to ``wgmma ... .tf32.tf32`` with no conversion, so the tensor cores read the
+    top 10 mantissa bits (the emulation truncates); TF32x3 rounds its big parts with
+    ``cvt.rna.tf32.f32`` (Triton's F32DotTC)."""
+    pytest.importorskip("triton")
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pltr
+
+    from ._triton import captured, resources, skip_reason
+
+    if skip_reason():
+        pytest.skip(skip_reason())
+    preset = getattr(jax.lax.DotAlgorithmPreset, algorithm)
+
+    def kernel(a_ref, b_ref, o_ref):
+        o_ref[...] = jax.lax.dot_general(a_ref[...], b_ref[...], (((1,), (0,)), ((), ())), precision=preset,
+                                         preferred_element_type=jnp.float32)
+
+    s = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+    f = pl.pallas_call(kernel, out_shape=s, compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1))
+    with captured() as mods:
+        jax.jit(f).trace(s, s).lower(lowering_platforms=("cuda",))
+    keep = {}
+    r = resources(next(iter(mods.values())), 4, 1, keep)
+    assert any(m.endswith(".f32.tf32.tf32") for m in r.mma), r.mma
+    assert ("cvt.rna.tf32.f32" in keep["ptx"]) == (algorithm == "TF32_TF32_F32_X3")
+    assert "tf32.f32" not in keep["ptx"].replace("cvt.rna.tf32.f32", "")  # (no other conversion)
