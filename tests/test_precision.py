@@ -293,11 +293,12 @@ def candidate(b4_f32_dot: str):
 
 
 # Plain TF32 in B4 (one product a level, as FLA runs its float32 tl.dot): within FLA's
-# tolerances but for dA_log, which the hard gates take far past it (dense 2.43, packed 0.40;
-# with TF32 rounded to nearest, cvt.rna, 1.33 and 0.33; TF32x3 B4 1.7e-2 and 2.3e-3, B4
-# exact 1.6e-2 and 2.2e-3; without the -1e4 gates, dense, 1.6e-2 and 1.7e-2 TF32x3): the pairs after a -1e4 gate cancel in dg at
-# that token (exactly, in exact arithmetic), their rounding does not, and dA_log weighs
-# that token's dg by its gate, ~1e4 e^A_log. benchmarks/NOTES.md.
+# tolerances but for dA_log, which the hard gates take far past it (dense 2.43, packed
+# 0.40; with TF32 rounded to nearest, cvt.rna, 1.33 and 0.33; TF32x3 B4 1.7e-2 and 2.3e-3,
+# B4 exact 1.6e-2 and 2.2e-3; without the -1e4 gates, dense, 1.6e-2, TF32x3 1.7e-2): the
+# pairs after a -1e4 gate cancel in dg at that token (exactly, in exact arithmetic), their
+# rounding does not, and dA_log weighs that token's dg by its gate, ~1e4 e^A_log.
+# benchmarks/NOTES.md, "Session 18: plain TF32 in B4".
 PLAIN_TF32_B4 = pytest.mark.xfail(strict=True, reason="plain TF32 B4: dA_log past FLA's 2e-2 at gates of -1e4")
 
 
@@ -334,7 +335,8 @@ def test_tf32_emulation_rounds_b4():
     args = _b4_args(jnp.float32, 64, 128, seed=64)
     args64 = jax.tree.map(lambda a: a.astype(jnp.float64) if isinstance(a, jax.Array) else a, args)  # (exactly)
     want = PallasIntraBackward(target="triton", interpret=True)(*args64)
-    stage = lambda f32: PallasIntraBackward(target="triton", interpret=True, block_k=64, f32_dot=f32)(*args)  # noqa: E731
+    def stage(f32):
+        return PallasIntraBackward(target="triton", interpret=True, block_k=64, f32_dot=f32)(*args)
     with gpu_products():
         plain = stage("tf32")
         with tuned_in_interpret_mode():

@@ -58,9 +58,10 @@ class PallasTarget(eqx.Module):
     bits, truncated, a relative error of order 1e-3 a product; not for B4, whose dG
     cancels: at gates of -1e4 dA_log's error was 2.4 against FLA's 2e-2,
     ``tests/test_precision.py::test_candidate_within_fla_tolerances``). Half-precision
-    products under a precision policy (``kdax._numerics.precision``) are unaffected. ``read_views``: read ``kdax.typing.Tokens``
-    views of the call's inputs in place where ``reads_tokens`` allows (False: take their
-    chunked copies, as before the views; for measuring what they buy)."""
+    products under a precision policy (``kdax._numerics.precision``) are unaffected.
+    ``read_views``: read ``kdax.typing.Tokens`` views of the call's inputs in place where
+    ``reads_tokens`` allows (False: take their chunked copies, as before the views; for
+    measuring what they buy)."""
 
     target: str = eqx.field(static=True, default="tpu")
     interpret: Optional[bool] = eqx.field(static=True, default=None)
