@@ -20,7 +20,7 @@ algorithm that rounds operands, float32 accumulation:
 XLA:CPU ignores the algorithm and computes in float32, which would hide the rounding from
 CPU tests. The Pallas kernels ask for the TF32 algorithms only when traced with their
 Triton tuning (compiled, or in interpret mode under
-``kdax.pallas._common.tuned_in_interpret_mode``)."""
+``PallasTarget.tuned_interpret``)."""
 
 import contextlib
 import functools

@@ -15,7 +15,7 @@ import pytest
 import kdax
 from kdax._numerics import precision as _precision
 from kdax.pallas import PallasDhu, PallasIntraBackward, PallasState
-from kdax.pallas._common import PallasTarget, tuned_in_interpret_mode
+from kdax.pallas._common import PallasTarget
 from kdax.stages import AbstractOutput, ReferenceOutput
 
 from ._gpu_products import gpu_products
@@ -281,14 +281,14 @@ def candidate(b4_f32_dot: str):
     """The GPU candidate (``benchmarks/gpu_cost_model.py``'s ``CANDIDATE``) as Triton
     stages in interpret mode: precision "fast", every stage's Triton tuning ``num_warps=8,
     num_stages=2, f32_dot="tf32x3"`` but B4's ``f32_dot``, ``b4_f32_dot``; its float32
-    products as the GPU runs them only under ``tuned_in_interpret_mode`` and ``gpu_products``."""
+    products as the GPU runs them (``tuned_interpret``) under ``gpu_products``."""
     pipe = kdax.KDAPipeline.pallas("triton", interpret=True).with_precision("fast")
     tuned = {}
     for f in dataclasses.fields(pipe):
         s = getattr(pipe, f.name)
         if isinstance(s, PallasTarget):
             f32 = b4_f32_dot if isinstance(s, PallasIntraBackward) else "tf32x3"
-            tuned[f.name] = dataclasses.replace(s, num_warps=8, num_stages=2, f32_dot=f32)
+            tuned[f.name] = dataclasses.replace(s, num_warps=8, num_stages=2, f32_dot=f32, tuned_interpret=True)
     return dataclasses.replace(pipe, **tuned)
 
 
@@ -316,14 +316,13 @@ def test_candidate_within_fla_tolerances(b4, packed):
     gates at -1e4, FLA's chunk 64, dense and packed: within FLA's tolerances against the
     float64 oracle with TF32x3; plain TF32 in B4 is not (dA_log, ``PLAIN_TF32_B4``). That
     the emulation does round B4's products: ``test_tf32_emulation_rounds_b4``."""
-    with tuned_in_interpret_mode():
-        errs = _hard_gate_errors(candidate(b4), (1, 256, 2, 32, 64), packed)
+    errs = _hard_gate_errors(candidate(b4), (1, 256, 2, 32, 64), packed)
     print(f"\ncandidate, B4 {b4}, packed={packed}: " + _listed(errs))
     _assert_within_fla(errs)
 
 
 def test_tf32_emulation_rounds_b4():
-    """Triton B4 in interpret mode with its tuning (``tuned_in_interpret_mode``) under the
+    """Triton B4 in interpret mode with its tuning (``tuned_interpret``) under the
     GPU's product emulation (``gpu_products``), float32, gates down to -1000, C = 64, K =
     128 (two 64-column programs a chunk under "tf32", four of 32 under "tf32x3"):
     "tf32x3" stays within 1e-6 of the float64 stage on the same values (measured 3e-8 to
@@ -335,12 +334,11 @@ def test_tf32_emulation_rounds_b4():
     args = _b4_args(jnp.float32, 64, 128, seed=64)
     args64 = jax.tree.map(lambda a: a.astype(jnp.float64) if isinstance(a, jax.Array) else a, args)  # (exactly)
     want = PallasIntraBackward(target="triton", interpret=True)(*args64)
-    def stage(f32):
-        return PallasIntraBackward(target="triton", interpret=True, block_k=64, f32_dot=f32)(*args)
+    def stage(f32, tuned=True):
+        stage = PallasIntraBackward(target="triton", interpret=True, block_k=64, f32_dot=f32, tuned_interpret=tuned)
+        return stage(*args)
     with gpu_products():
-        plain = stage("tf32")
-        with tuned_in_interpret_mode():
-            x3, tf32 = stage("tf32x3"), stage("tf32")
+        plain, x3, tf32 = stage("tf32", tuned=False), stage("tf32x3"), stage("tf32")
     err = lambda got, f: rel_rms(getattr(got, f), getattr(want, f))  # noqa: E731
     errs = {f: (err(plain, f), err(x3, f), err(tf32, f)) for f in ("dq", "dk", "dbeta", "dG")}
     print("\nB4 rel-RMS against float64 (no hook, tf32x3, tf32): "

@@ -15,7 +15,6 @@ Bodies only use 2-D values, ref loads with static or ``pl.ds`` slices, dots, ele
 ops, ``where`` and keep-dims reductions, which both lowerings accept.
 """
 
-import contextlib
 import contextvars
 import functools
 from typing import Optional
@@ -61,7 +60,10 @@ class PallasTarget(eqx.Module):
     products under a precision policy (``kdax._numerics.precision``) are unaffected.
     ``read_views``: read ``kdax.typing.Tokens`` views of the call's inputs in place where
     ``reads_tokens`` allows (False: take their chunked copies, as before the views; for
-    measuring what they buy)."""
+    measuring what they buy). ``tuned_interpret``: in interpret mode, trace the kernels
+    with the Triton tuning as compiled ones are, so that their products ask for the GPU's
+    dot algorithms (``f32_dot``; XLA:CPU computes them in float32 anyway: the tests lower
+    them with the GPU's operand rounding, ``tests/_gpu_products.py``)."""
 
     target: str = eqx.field(static=True, default="tpu")
     interpret: Optional[bool] = eqx.field(static=True, default=None)
@@ -69,6 +71,7 @@ class PallasTarget(eqx.Module):
     num_stages: int = eqx.field(static=True, default=1)
     f32_dot: str = eqx.field(static=True, default="ieee")
     read_views: bool = eqx.field(static=True, default=True)
+    tuned_interpret: bool = eqx.field(static=True, default=False)
 
     def __check_init__(self):
         check_target(self.target)
@@ -148,23 +151,6 @@ def column_blocks(target: str, n: int, block: int):
 # The compiled Triton stage being traced (its tuning fields), or None.
 _TUNING: contextvars.ContextVar = contextvars.ContextVar("kdax_pallas_tuning", default=None)
 
-# Test hook (``tuned_in_interpret_mode``): interpreted Triton stages traced with their tuning.
-_TUNED_INTERPRET: contextvars.ContextVar = contextvars.ContextVar("kdax_pallas_tuned_interpret", default=False)
-
-
-@contextlib.contextmanager
-def tuned_in_interpret_mode():
-    """Test hook: within, Triton stages in interpret mode trace their kernels with their
-    tuning as compiled ones do (``tuned``), so that their products ask for the dot
-    algorithms the GPU runs (``f32_dot``); the compiler parameters stay unused. XLA:CPU
-    computes those products in float32 anyway: ``tests/_gpu_products.py`` lowers them with
-    the GPU's operand rounding, so that CPU tests see the TF32 products' errors."""
-    token = _TUNED_INTERPRET.set(True)
-    try:
-        yield
-    finally:
-        _TUNED_INTERPRET.reset(token)
-
 
 def tuned(call):
     """Decorator for a Pallas stage's ``__call__``: its kernels are traced with the stage's
@@ -172,7 +158,7 @@ def tuned(call):
 
     @functools.wraps(call)
     def wrapped(self, *args, **kwargs):
-        live = self.target == "triton" and (not self.run_interpreted or _TUNED_INTERPRET.get())
+        live = self.target == "triton" and (not self.run_interpreted or self.tuned_interpret)
         token = _TUNING.set(self if live else None)
         try:
             return call(self, *args, **kwargs)

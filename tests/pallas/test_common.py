@@ -1,7 +1,7 @@
 """The Triton tuning fields every Pallas stage has (``num_warps``, ``f32_dot``): checked
 when a stage is built, passed to the compiled kernels (lowered for a GPU on any machine),
 and without effect in interpret mode (unless a test asks for them there:
-``kdax.pallas._common.tuned_in_interpret_mode``); the TF32 products' PTX as
+``PallasTarget.tuned_interpret``); the TF32 products' PTX as
 ``tests/_gpu_products.py`` emulates it."""
 
 import jax
