@@ -129,7 +129,8 @@ def resolved_config(pipeline, dtype=jnp.float32) -> dict:
     iteration; ``loop_unroll``; the Pallas stages' ``target``, ``interpret``,
     ``num_warps``, ``num_stages``, ``f32_dot``). Each is a field of the pipeline or of
     a stage (set it with ``eqx.tree_at`` / ``dataclasses.replace``); an environment
-    variable only gives ``chunk_loops`` its default (``KDAX_CHUNK_LOOPS``)."""
+    variable only gives ``chunk_loops`` its default when a pipeline is built
+    (``KDAX_CHUNK_LOOPS``)."""
     out = dict(
         backend=jax.default_backend(),
         precision=_precision.resolve(pipeline.precision, jnp.dtype(dtype)),

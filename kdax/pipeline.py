@@ -25,7 +25,7 @@ from ._layouts.layout import ChunkLayout, unpack
 from ._layouts.tiles import forward_tiled
 from ._layouts.tokens import Tokens, as_chunked, chunked_cotangent, chunked_inputs
 from ._numerics import precision as _precision
-from ._numerics.ops import check_chunk_loops
+from ._numerics.ops import check_chunk_loops, default_chunk_loops
 from . import _plan
 from ._plan import KDAPlan
 from ._runner.capabilities import reads_tokens
@@ -111,9 +111,9 @@ class KDAPipeline(eqx.Module):
     share_chunks: bool = eqx.field(static=True, default=True)
     # The reference stages' chunk-group loops: "flat" groups of the flattened (row, head,
     # chunk) axes, or "slices" of the chunk axis (rows and heads whole: arrays sharded over
-    # them stay sharded); "auto": slices with several devices. None: $KDAX_CHUNK_LOOPS, else
-    # "auto" (kdax._numerics.ops.split_rows_and_heads).
-    chunk_loops: Optional[str] = eqx.field(static=True, default=None)
+    # them stay sharded); "auto" (or None): slices with several devices. By default
+    # $KDAX_CHUNK_LOOPS, else "auto", read when the pipeline is built.
+    chunk_loops: Optional[str] = eqx.field(static=True, default_factory=default_chunk_loops)
 
     def with_precision(self, precision: str) -> "KDAPipeline":
         """This pipeline under another precision policy (see ``kdax._numerics.precision``)."""

@@ -97,10 +97,18 @@ CHUNK_LOOPS = ("auto", "flat", "slices")
 _CHUNK_LOOPS: contextvars.ContextVar = contextvars.ContextVar("kdax_chunk_loops", default=None)
 
 
-def check_chunk_loops(mode: Optional[str]) -> None:
+def check_chunk_loops(mode: Optional[str], where: str = "chunk_loops") -> None:
     """``KDAPipeline.chunk_loops``: None or one of ``CHUNK_LOOPS``."""
     if mode is not None and mode not in CHUNK_LOOPS:
-        raise ValueError(f"chunk_loops: expected None or one of {CHUNK_LOOPS}, got {mode!r}.")
+        raise ValueError(f"{where}: expected None or one of {CHUNK_LOOPS}, got {mode!r}.")
+
+
+def default_chunk_loops() -> str:
+    """A new pipeline's ``chunk_loops``: ``$KDAX_CHUNK_LOOPS``, else ``"auto"``. Read when
+    the pipeline is built (its field shows the value), never while a stage runs."""
+    mode = os.environ.get("KDAX_CHUNK_LOOPS", "auto")
+    check_chunk_loops(mode, "KDAX_CHUNK_LOOPS")
+    return mode
 
 
 @contextlib.contextmanager
@@ -121,14 +129,9 @@ def split_rows_and_heads(mode: Optional[str] = None) -> bool:
     shape), so a multi-device process that never shards rows or heads under ``jit`` on
     an Auto mesh (one using shard_map or Explicit meshes) may ask for ``"flat"``
     (``"slices"`` forces the other form). ``mode``: given, else the pipeline's
-    ``chunk_loops`` (``chunk_loops_scope``), else the environment variable
-    ``KDAX_CHUNK_LOOPS``, else ``"auto"``."""
-    mode = mode or _CHUNK_LOOPS.get()
-    where = "chunk_loops"
-    if mode is None:
-        mode, where = os.environ.get("KDAX_CHUNK_LOOPS", "auto"), "KDAX_CHUNK_LOOPS"
-    if mode not in CHUNK_LOOPS:
-        raise ValueError(f"{where}: expected 'auto', 'flat' or 'slices', got {mode!r}.")
+    ``chunk_loops`` (``chunk_loops_scope``: the stage being run), else ``"auto"``."""
+    mode = mode or _CHUNK_LOOPS.get() or "auto"
+    check_chunk_loops(mode)
     return mode == "slices" or (mode == "auto" and jax.device_count() > 1)
 
 

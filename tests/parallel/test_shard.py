@@ -3,6 +3,7 @@ shard_map on Auto and Explicit meshes, forward and jax.grad, for chunk_kda and
 fused_recurrent_kda: results equal the unsharded ones, keep the inputs' sharding, and the
 compiled program has no collective."""
 
+import dataclasses
 import functools
 
 import jax
@@ -128,8 +129,11 @@ def test_jit_auto_mesh_chunk_keeps_sharding(pipeline, monkeypatch):
     all-gather; the untiled pipeline compiles with no collective at all. (The default CPU
     pipeline's tiled forward keeps one all-reduce of B x T scalars: the data dependence of
     its output buffer, ``zeros_after``.)"""
-    monkeypatch.setenv("KDAX_CHUNK_LOOPS", "slices")  # the multi-device default (conftest sets flat)
-    fn = FNS["chunk"] if pipeline == "untiled" else functools.partial(kdax.chunk_kda, chunk_size=16)
+    # The multi-device default, "slices" (conftest sets flat): as a field, and as the
+    # environment's default for the pipeline chunk_kda builds.
+    monkeypatch.setenv("KDAX_CHUNK_LOOPS", "slices")
+    untiled = dataclasses.replace(kdax.KDAPipeline.reference().untiled(), chunk_loops="slices")
+    fn = functools.partial(kdax.chunk_kda, chunk_size=16, pipeline=untiled if pipeline == "untiled" else None)
     x = _inputs()
     ref_out, ref_grads = _reference(fn, x)
     mesh = jax.make_mesh((2, 4), ("b", "h"), axis_types=(AxisType.Auto,) * 2)
