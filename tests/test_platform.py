@@ -48,15 +48,15 @@ def _without_option(flags: str) -> str:
 def test_import_turns_the_fusions_off_and_the_process_stays_sound():
     out = _run(_without_option(os.environ.get("XLA_FLAGS", "")))
     assert out.returncode == 0, out.stderr[-3000:]
-    assert f"--{_platform.OPTION}=" in out.stdout.splitlines()[0]
+    assert f"--{_platform.OPTION}={_platform.SAFE}" in out.stdout.splitlines()[0]
     assert "scan gradient [120.0, 0.0, 0.0, 0.0, 0.0]" in out.stdout
 
 
 def test_the_users_choice_is_kept(monkeypatch):
-    monkeypatch.setenv("XLA_FLAGS", f"--{_platform.OPTION}=individual_dot")
+    monkeypatch.setenv("XLA_FLAGS", f"--{_platform.OPTION}=individual_dot,eltwise")
     monkeypatch.setattr(_platform, "_backends_created", lambda: False)
     assert not _platform.avoid_ynn_fusions("0.10.2")
-    assert os.environ["XLA_FLAGS"] == f"--{_platform.OPTION}=individual_dot"
+    assert os.environ["XLA_FLAGS"] == f"--{_platform.OPTION}=individual_dot,eltwise"
 
 
 def test_other_jaxlibs_and_created_backends_are_left_alone(monkeypatch):
@@ -68,4 +68,4 @@ def test_other_jaxlibs_and_created_backends_are_left_alone(monkeypatch):
     assert os.environ["XLA_FLAGS"] == "--xla_cpu_use_fusion_emitters=false"
     monkeypatch.setattr(_platform, "_backends_created", lambda: False)
     assert _platform.avoid_ynn_fusions("0.10.2")
-    assert os.environ["XLA_FLAGS"] == f"--xla_cpu_use_fusion_emitters=false --{_platform.OPTION}="
+    assert os.environ["XLA_FLAGS"] == f"--xla_cpu_use_fusion_emitters=false --{_platform.OPTION}={_platform.SAFE}"
