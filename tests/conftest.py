@@ -54,3 +54,20 @@ def _release_compiled_programs():
     # A test module's programs are its own: drop them when it ends.
     yield
     jax.clear_caches()
+
+
+def _mappings() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return f.read().count(b"\n")
+    except OSError:  # (not Linux)
+        return 0
+
+
+@pytest.fixture(autouse=True)
+def _release_near_the_mapping_limit():
+    # One module can reach the limit too: the slow tests of tests/test_testing.py took a
+    # process from 18k to 64k mappings in three minutes, then XLA aborted in a compile.
+    yield
+    if _mappings() > 40000:
+        jax.clear_caches()
