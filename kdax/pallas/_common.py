@@ -52,18 +52,14 @@ class PallasTarget(eqx.Module):
     kernels' loops (1: none); ``f32_dot``, how a float32 product at full precision runs:
     ``"ieee"`` (CUDA-core FMAs, exact float32 products) or ``"tf32x3"`` (three TF32
     tensor-core products whose sum carries about float32's precision, relative error of
-    order 1e-6 instead of 1e-7) or ``"tf32"`` (one TF32 product, as FLA's Triton kernels run
-    their float32 ``tl.dot``: on sm_90 the tensor cores read the operands' top 10 mantissa
-    bits, truncated, a relative error of order 1e-3 a product; not for B4, whose dG
-    cancels: at gates of -1e4 dA_log's error was 2.4 against FLA's 2e-2,
-    ``tests/test_precision.py::test_candidate_within_fla_tolerances``). Half-precision
+    order 1e-6 instead of 1e-7) or ``"tf32"`` (one TF32 product, as FLA's float32
+    ``tl.dot``: operands truncated to 10 mantissa bits; not for B4, whose dG cancels:
+    dA_log 2.4 against FLA's 2e-2 at gates of -1e4, tests/test_precision.py). Half-precision
     products under a precision policy (``kdax._numerics.precision``) are unaffected.
-    ``read_views``: read ``kdax.typing.Tokens`` views of the call's inputs in place where
-    ``reads_tokens`` allows (False: take their chunked copies, as before the views; for
-    measuring what they buy). ``tuned_interpret``: in interpret mode, trace the kernels
-    with the Triton tuning as compiled ones are, so that their products ask for the GPU's
-    dot algorithms (``f32_dot``; XLA:CPU computes them in float32 anyway: the tests lower
-    them with the GPU's operand rounding, ``tests/_gpu_products.py``)."""
+    ``read_views``: read ``kdax.typing.Tokens`` views of the inputs in place where
+    ``reads_tokens`` allows (False: their chunked copies). ``tuned_interpret``: trace
+    interpreted kernels with the Triton tuning too, so their products ask for the GPU's
+    dot algorithms (which tests/_gpu_products.py lowers with the GPU's rounding)."""
 
     target: str = eqx.field(static=True, default="tpu")
     interpret: Optional[bool] = eqx.field(static=True, default=None)
