@@ -71,3 +71,14 @@ def _release_near_the_mapping_limit():
     yield
     if _mappings() > 40000:
         jax.clear_caches()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_fallback_warnings():
+    # kdax warns once per process for each fallback (kdax._runner.runner, .derived); a test
+    # that expects the warning must not depend on which test ran before it in its worker.
+    from kdax._runner import derived, runner
+
+    runner._warn_once.cache_clear()
+    derived._warn_once.cache_clear()
+    yield
