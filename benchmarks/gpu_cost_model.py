@@ -253,6 +253,7 @@ class Loop:
     parent: int | None
     count: int = 0  # body executions per program
     constant: bool = True
+    bounds: tuple | None = None  # (upper bound, step) where every run of the loop has the same
 
 
 def ttgir_loops(ttgir: str) -> list:
@@ -294,6 +295,7 @@ def ttgir_loops(ttgir: str) -> list:
             lb, ub, st = 0, 1, 1  # unknown bounds: counted once (noted)
         if any(v.startswith("%arg") for v in (lp.lb, lp.ub)):
             lp.constant = False
+        lp.bounds = (ub, st) if lp.bounds in (None, (ub, st)) and lp.constant else ()
         for it in range(lb, ub, st):
             lp.count += 1
             for j, ch in enumerate(loops):
@@ -310,8 +312,43 @@ _SASS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][\w.]*)([^;]*);
 
 
 def sass_instructions(sass: str) -> list:
-    """``[(address, opcode, operands)]`` of the kernel's SASS, NOPs left out."""
-    return [(int(a, 16), op, rest) for a, _, op, rest in _SASS.findall(sass) if op != "NOP"]
+    """``[(address, opcode, operands)]`` of the kernel's SASS, NOPs left out; a predicated
+    instruction's operands start with its guard (``"@P0 "``)."""
+    return [(int(a, 16), op, (guard or "") + rest) for a, guard, op, rest in _SASS.findall(sass) if op != "NOP"]
+
+
+def unroll_factor(ins: list, rng: tuple, lp: "Loop") -> int:
+    """How many of ``lp``'s iterations one pass of the SASS loop ``rng`` runs: LLVM unrolls
+    some loops partly (B4's 16-step offset loop at 16 warps: 4 copies of the body, the
+    counter stepped by 4), so the SASS loop's instructions run ``count / u`` times, not
+    ``count``. Read from the loop's exit test: the backward branch's predicate set by a
+    compare of a register with the TTGIR loop's upper bound, that register stepped by
+    ``u x step`` inside the loop; 1 where the pattern is not there (bounds not constant,
+    a counter LLVM rescaled)."""
+    body = [(a, op, rest) for a, op, rest in ins if rng[0] <= a <= rng[1]]
+    guard = re.match(r"@(P\d)", body[-1][2].strip()) if body else None
+    if not guard or lp is None or not lp.constant or not lp.bounds:
+        return 1
+    ub, step = lp.bounds
+    counter = None
+    for _, op, rest in reversed(body[:-1]):
+        args = [a.strip() for a in rest.split(",")]
+        if op.startswith("ISETP") and args[0].split()[-1] == guard.group(1) and len(args) > 3:
+            if re.fullmatch(r"0x[0-9a-f]+", args[3]) and int(args[3], 16) == ub:
+                counter = args[2]
+            break
+    if counter is None:
+        return 1
+    for _, op, rest in body:
+        args = [a.strip() for a in rest.split(",")]
+        if op in ("VIADD", "IADD3") and args[0] == counter and counter in args[1:3]:
+            imm = [a for a in args[1:] if re.fullmatch(r"0x[0-9a-f]+", a)]
+            if len(imm) == 1:
+                k = int(imm[0], 16)
+                if k % step == 0 and k // step > 1 and lp.count % (k // step) == 0:
+                    return k // step
+            return 1
+    return 1
 
 
 def sass_loops(ins: list) -> list:
@@ -330,7 +367,7 @@ def _depths(ranges) -> list:
 
 
 def match_loops(loops: list, ranges: list) -> tuple:
-    """``(counts, note)``: each SASS loop's body executions per program, from the TTGIR loop
+    """``(counts, note, loops)``: each SASS loop's body executions per program, from the TTGIR loop
     it is (text order; loops LLVM unrolled fully are constant-trip leaves that left no
     branch: the fewest such removed that make the nesting agree)."""
     import itertools
@@ -338,15 +375,15 @@ def match_loops(loops: list, ranges: list) -> tuple:
     want = _depths(ranges)
     extra = len(loops) - len(ranges)
     if extra < 0:
-        return [1] * len(ranges), f"{-extra} SASS loops without a TTGIR loop (counted once)"
+        return [1] * len(ranges), f"{-extra} SASS loops without a TTGIR loop (counted once)", [None] * len(ranges)
     leaves = [i for i, lp in enumerate(loops) if lp.constant and not any(c.parent == i for c in loops)]
     for drop in itertools.combinations(sorted(leaves, key=lambda i: (-loops[i].depth, i)), extra):
         kept = [lp for i, lp in enumerate(loops) if i not in drop]
         depth = [sum(1 for a in _ancestors(loops, lp) if a in kept) for lp in kept]
         if depth == want:
             note = f"{extra} loop(s) unrolled by LLVM" if extra else ""
-            return [lp.count for lp in kept], note
-    return [1] * len(ranges), "loops unmatched (SASS loops counted once)"
+            return [lp.count for lp in kept], note, kept
+    return [1] * len(ranges), "loops unmatched (SASS loops counted once)", [None] * len(ranges)
 
 
 def _ancestors(loops, lp):
@@ -365,12 +402,16 @@ def analyse(k: Kernel, keep: dict) -> None:
     loops = ttgir_loops(keep["ttgir"])
     ins = sass_instructions(keep["sass"])
     ranges = sass_loops(ins)
-    counts, note = match_loops(loops, ranges)
+    steps, note, kept = match_loops(loops, ranges)
+    unrolled = [unroll_factor(ins, r, lp) for r, lp in zip(ranges, kept)]
+    counts = [c // u for c, u in zip(steps, unrolled)]  # (passes of each SASS loop)
+    if any(u > 1 for u in unrolled):
+        note = "; ".join(x for x in (note, "partly unrolled by LLVM: " + " ".join(f"x{u}" for u in unrolled)) if x)
     if any(not lp.constant for lp in loops):
         note = "; ".join(x for x in (note, "bounds from outer loops") if x)
     k.notes = note
-    k.steps = sum(counts)
-    k.loops = " ".join(str(c) for c in counts) or "-"
+    k.steps = sum(steps)
+    k.loops = " ".join(str(c) for c in steps) or "-"
     total = flops = 0.0
     kinds = set()
     for addr, op, _ in ins:

@@ -77,6 +77,8 @@ def kdax_pipeline(name: str) -> KDAPipeline:
     """A pipeline by name: one of ``PIPES``, optionally followed by ``+option`` changes:
     ``+xla_gate`` (F1/B5 reference stages), ``+pallas_state`` (Pallas F4 and B2),
     ``+warps=N`` / ``+stages=N`` / ``+f32dot=tf32x3`` (every Pallas stage's Triton tuning),
+    ``+warps.FIELD=N`` (the Pallas stage ``FIELD`` alone, e.g. ``+warps.intra_bwd=16``: put
+    it after ``+warps=N``),
     ``+noviews`` (every Pallas stage takes chunked copies of the inputs, not views of the
     caller's arrays: ``kdax._layouts.tokens``),
     ``+group=N|none`` / ``+unroll=N`` (every reference stage's chunk groups / the
@@ -119,6 +121,11 @@ def _with_option(pipe: KDAPipeline, opt: str, name: str) -> KDAPipeline:
     if key == "pallas_state":
         p = KDAPipeline.pallas()
         return dataclasses.replace(pipe, state=p.state, dhu=p.dhu)
+    if key.startswith("warps."):  # one stage's warps
+        field = key.partition(".")[2]
+        if not isinstance(stages.get(field), PallasTarget):
+            raise ValueError(f"--pipes: {opt!r} in {name!r}: {field!r} is not a Pallas stage of this pipeline")
+        return dataclasses.replace(pipe, **{field: dataclasses.replace(stages[field], num_warps=int(val))})
     if key in ("warps", "stages", "f32dot", "noviews"):
         field = {"warps": "num_warps", "stages": "num_stages", "f32dot": "f32_dot", "noviews": "read_views"}[key]
         value = val if key == "f32dot" else (False if key == "noviews" else int(val))

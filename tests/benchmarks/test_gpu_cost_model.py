@@ -88,3 +88,33 @@ def test_bf16_storage_rows(text):
     for name in ("Intra", "WY", "State", "Output", "DAv", "WYDqkg"):
         k = f"kdax_Pallas{name}_kernel"
         assert moved(now[k]) < moved(cal[k]), (k, cal[k], now[k])
+
+
+# A 16-step loop LLVM unrolled by 4 (B4's offset loop at 16 warps, abridged from its SASS):
+# the counter R96 stepped by 4, the exit test against the TTGIR bound 16.
+_UNROLLED = """
+        /*0220*/                   LDC.64 R108, c[0x0][0x238] ;
+        /*0320*/                   IADD3 R98, R96, 0x1, RZ ;
+        /*0790*/                   ISETP.GE.U32.AND P0, PT, R96, R94.reuse, PT ;
+        /*07c0*/                   VIADD R96, R96, 0x4 ;
+        /*0870*/                   MUFU.EX2 R18, R18 ;
+        /*0fa0*/                   ISETP.NE.U32.AND P0, PT, R96, 0x10, PT ;
+        /*1160*/              @!P3 FFMA R7, R18, R33, R7 ;
+        /*1170*/               @P0 BRA 0x220 ;
+"""
+
+
+def test_unroll_factor():
+    """A loop LLVM unrolled partly runs count / u passes of its SASS body (read from the
+    exit test and the counter's step), a loop run as written 1 pass a step; a loop whose
+    exit test is not against the TTGIR bound is taken as not unrolled."""
+    m = load_benchmark("gpu_cost_model")
+    ins = m.sass_instructions(_UNROLLED)
+    rng = m.sass_loops(ins)
+    assert rng == [(0x220, 0x1170)]
+    lp = m.Loop("i", "%c0", "%c16", "%c1", 0, None, count=16, bounds=(16, 1))
+    assert m.unroll_factor(ins, rng[0], lp) == 4
+    assert m.unroll_factor(m.sass_instructions(_UNROLLED.replace("0x4 ;", "0x1 ;")), rng[0], lp) == 1
+    other = m.Loop("i", "%c0", "%c32", "%c1", 0, None, count=32, bounds=(32, 1))
+    assert m.unroll_factor(ins, rng[0], other) == 1
+    assert m.unroll_factor(ins, rng[0], None) == 1

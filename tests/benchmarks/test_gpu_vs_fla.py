@@ -135,6 +135,21 @@ def test_column_and_state_tile_options(gvf):
     assert all(getattr(base, n).read_views and not getattr(noviews, n).read_views for n in blocked + ["state", "gate"])
 
 
+def test_one_stage_warps(gvf):
+    """``+warps.FIELD=N`` sets that Pallas stage's warps and nothing else, after ``+warps=N``
+    set every stage's; a field that is not a Pallas stage is named in the error."""
+    import dataclasses
+
+    from kdax.pallas._common import PallasTarget
+
+    path = gvf.kdax_pipeline("pallas+warps=8+warps.intra_bwd=16")
+    fields = [f.name for f in dataclasses.fields(path) if isinstance(getattr(path, f.name), PallasTarget)]
+    assert "intra_bwd" in fields and len(fields) > 5
+    assert {n: getattr(path, n).num_warps for n in fields} == {n: 16 if n == "intra_bwd" else 8 for n in fields}
+    with pytest.raises(ValueError, match="'precision' is not a Pallas stage"):
+        gvf.kdax_pipeline("pallas+warps.precision=16")
+
+
 def test_table_memory_pending_and_superseded_rows(gvf):
     """Memory columns (a peak that may not be the row's own is starred), rows still
     waiting for the float64 reference, and a path's "skipped" row dropped once a later
