@@ -84,6 +84,9 @@ PIPES = ("default", "default+no_recompute")
 # loads in flight: the candidate whose kernels compile for sm_90 without spills in the
 # state and gate kernels (benchmarks/results/triton_resources.txt), timed at the goal shape.
 CANDIDATE = "pallas+warps=8+f32dot=tf32x3+fast+stages=2+block_k=64"
+# The candidate with B4 at sixteen warps (no spills; the cost model: its instructions a
+# warp 7.8k -> 4.7k, 4.37 -> 2.83 ms): timed and profiled beside it by ``--kernels``.
+CANDIDATE_B4W16 = CANDIDATE + "+warps.intra_bwd=16"
 TOTAL_S = 390
 REPORT_S = 25  # kept for the report steps, which always run
 FLA_CONFIGS = 4  # FLA's autotuning cut to this many configs per kernel, as in every earlier run
@@ -119,8 +122,8 @@ def plan(work: Path, out: Path, py: str = sys.executable, extra_pipes=(), reps: 
          second: bool = False, kernels: bool = False, profile_args=()) -> list:
     """The steps in the order they run (see the module docstring for the budget);
     ``second``: the second call's steps (the largest shape), else the first call's;
-    ``kernels``: the candidate at the goal shape, FLA with its per-kernel profile, the
-    candidate's per-kernel profile (``--kernels``, ~3.5 minutes);
+    ``kernels``: the candidate and ``CANDIDATE_B4W16`` at the goal shape, FLA with its
+    per-kernel profile, the two candidates' per-kernel profiles (``--kernels``, ~4.5 minutes);
     ``shapes`` (the goal shape first), ``kdax_args``, ``layer_args`` and ``slack`` (every
     limit multiplied: a CPU is slower to compile) change only for a rehearsal."""
     work, out = Path(work), Path(out)
@@ -150,10 +153,11 @@ def plan(work: Path, out: Path, py: str = sys.executable, extra_pipes=(), reps: 
         prof = str(HERE / "gpu_profile.py")
         fla = fla_step((goal,), 130, 85)
         fla.argv += ["--profile", "5"]
-        steps = [kdax(goal, [CANDIDATE], reps, 120, 60), fla,
-                 Step("profile-" + CANDIDATE, [py, prof, "--shape", tag(goal), "--pipes", CANDIDATE, "--reps", "5",
-                                               "--out", str(out / "profile.txt"), *profile_args], 100, 40,
-                      (goal,), (CANDIDATE,)),
+        both = (CANDIDATE, CANDIDATE_B4W16)
+        steps = [kdax(goal, list(both), reps, 150, 80), fla,
+                 Step("profile-" + CANDIDATE, [py, prof, "--shape", tag(goal), "--pipes", ",".join(both), "--reps", "5",
+                                               "--out", str(out / "profile.txt"), *profile_args], 130, 60,
+                      (goal,), both),
                  reports[0]]
         return [dataclasses.replace(s, limit_s=s.limit_s * slack) for s in steps]
     if second:

@@ -240,13 +240,15 @@ def gate_kernels(tuning: dict, tokens: bool = False) -> dict:
     return mods
 
 
-def chunk_kernels(policy: str, tuning: dict, tokens: bool = False, only: tuple = ("intra", "wy", "wy_dqkg", "intra_bwd")) -> dict:
+def chunk_kernels(policy: str, tuning: dict, tokens: bool = False, only: tuple = ("intra", "wy", "wy_dqkg", "intra_bwd"),
+                  packed: bool = False) -> dict:
     """``captured`` TTIR of the chunk-parallel Triton kernels F2, F3, B3 and B4 alone at
     K = V = 128, chunk 64, with G's low part (``kdax._numerics.hilo``, as Kimi Linear's options
     run them), each traced under precision ``policy`` (its stage's products) with Triton
     ``tuning`` (``PallasTarget`` fields). ``tokens``: F3 and B3 read ``v`` (cleaned as
     ``chunk_kda`` cleans it) and B3 ``do`` as ``kdax._layouts.tokens.Tokens`` views of bf16
-    ``[B, T, HV, V]`` arrays. ``only``: these stages' kernels. The stored
+    ``[B, T, HV, V]`` arrays. ``only``: these stages' kernels. ``packed``: F2 and B4 take
+    shared chunks' resets (``kdax._layouts.resets``). The stored
     intermediates (Akk, kg, h, v_new) in the policy's storage dtype, as the pipeline
     passes them (bf16 under ``"fast"``: ``kdax._numerics.precision.storage``)."""
     import jax
@@ -273,14 +275,15 @@ def chunk_kernels(policy: str, tuning: dict, tokens: bool = False, only: tuple =
                 return fn(*a)
         return run
 
+    rs = (s((R, NC, C), jnp.bool_),) if packed else ()
     calls = [
-        (scoped("intra", lambda q, k, b, G, lo: PallasIntra(**kw)(0.1, q, k, b, G, lo)), (ck, ck, cs, ck, ck)),
+        (scoped("intra", lambda q, k, b, G, lo, *r: PallasIntra(**kw)(0.1, q, k, b, G, lo, *r)), (ck, ck, cs, ck, ck, *rs)),
         (scoped("wy", lambda q, k, v, b, G, A, lo: PallasWY(**kw)(q, k, view(v, "any"), b, G, A, lo)),
          (ck, ck, tv, cs, ck, sm, ck)),
         (scoped("wy_dqkg", lambda *a: PallasWYDqkg(**kw)(0.1, *a[:2], view(a[2], "any"), *a[3:11], view(a[11]), *a[12:])),
          (ck, ck, tv, cs, ck, sm, ck, sk, sh, ch, sk, tv, ck, ck)),
-        (scoped("intra_bwd", lambda q, k, b, G, dA, dL, dq, dk, db, dG, lo: PallasIntraBackward(**kw)(
-            0.1, q, k, b, G, dA, ChunkGrads(dq, dk, None, db, dG, dL), lo)), (ck, ck, cs, ck, cm, cm, ck, ck, cs, ck, ck)),
+        (scoped("intra_bwd", lambda q, k, b, G, dA, dL, dq, dk, db, dG, lo, *r: PallasIntraBackward(**kw)(
+            0.1, q, k, b, G, dA, ChunkGrads(dq, dk, None, db, dG, dL), lo, *r)), (ck, ck, cs, ck, cm, cm, ck, ck, cs, ck, ck, *rs)),
     ]
     with captured() as mods:
         for name, (fn, args) in zip(("intra", "wy", "wy_dqkg", "intra_bwd"), calls):

@@ -87,6 +87,24 @@ def test_chunk_kernels_fit_in_registers(policy):
         assert (tf32 if "IntraBackward" in name else bf16), (name, r.mma)
 
 
+@pytest.mark.parametrize("policy", ["bfloat16", "fast"])
+def test_intra_backward_at_sixteen_warps(policy):
+    """B4 at sixteen warps (``gpu_vs_fla.py``'s ``+warps.intra_bwd=16``, the second
+    candidate of benchmarks/gpu_issue26.py): no thread-local memory (122 registers of the
+    128 a thread has at 16 warps, dense and packed alike) and TF32 tensor-core products. Its
+    offsets' elementwise work is spread over twice the threads (the cost model: 7.8k ->
+    4.7k instructions a warp, same programs); F2 and B3 at 16 warps spill (F2's inverse
+    at the 128-register cap; B3 48 B), so they stay at eight."""
+    t = dict(num_warps=16, num_stages=2, f32_dot="tf32x3")
+    for layout in ("dense", "packed"):
+        kernels = chunk_kernels(policy, t, only=("intra_bwd",), packed=layout == "packed")
+        used = {src.split(" ")[0]: resources(text, 16, 2) for src, text in kernels.items()}
+        assert len(used) == 1, used
+        (r,) = used.values()
+        assert r.local == 0 and r.registers <= 128 and 0 < r.shared <= HOPPER_SHARED_BYTES, used
+        assert any(".tf32" in m for m in r.mma), used
+
+
 def test_values_read_in_place_without_spills():
     """F3 reading bf16 ``v`` and B3 reading bf16 ``v`` and ``do`` from the caller's
     ``[B, T, HV, V]`` arrays (``kdax._layouts.tokens``; v cleaned in the kernel as chunk_kda
