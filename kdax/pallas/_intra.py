@@ -7,9 +7,10 @@ stage's recursion): the levels below 16 are the pairs inside the 16-token sub-bl
 the others the sub-blocks' off-diagonal blocks, each level one masked tile product over
 the whole chunk with each side's decay taken to the level's anchor row (both exponents
 non-positive, anchors read by gather loads); ``(I + L)^-1`` by blocked substitution in
-log2(C) doubling steps of two products. Whole-chunk tiles rather than 16 x 16 ones: a
-16-row tile product leaves most of a program's warps holding copies (compiled for
-sm_90 that layout took F2 to 255 registers and 1.9 KiB of spills a thread).
+log2(C) doubling steps of two products (the first, from I, none). Whole-chunk tiles
+rather than 16 x 16 ones: a 16-row tile product leaves most of a program's warps holding
+copies (compiled for sm_90 that layout took F2 to 255 registers and 1.9 KiB of spills a
+thread).
 
 B4 on Triton (``intra_bwd_levels_kernel``), F2's VJP: the pairs inside each 16-token
 sub-block one diagonal offset at a time (16 steps of elementwise work on ``[C, block]``

@@ -6,7 +6,7 @@ No per-token loop and no row or column pulled out of a tile: the chunk's pairs j
 split into log2(C) halving levels (the reference stage's recursion); each level is one
 masked tile product over the whole chunk with both decay factors taken to the level's
 anchor row (every exponent non-positive; anchors read by gather loads). F2 inverts
-``I + L`` by blocked doubling (2 log2(C) products); B4 takes the pairs inside each
+``I + L`` by blocked doubling (2 log2(C) - 2 products); B4 takes the pairs inside each
 16-token sub-block one diagonal offset at a time (elementwise, every row at once) and
 runs the transposes of F2's level products for the pairs across sub-blocks, 32 feature
 columns a program.
@@ -92,9 +92,10 @@ def level_scores(q, k, g_ref, lo_ref, cols, C: int, S):
 
 def doubling_unit_lower_inverse(L):
     """``(I + L)^-1`` for strictly lower ``L [C, C]`` with finite entries, by blocked
-    substitution in log2(C) doubling steps of two products each: ``X <- X - X (B X)``,
-    ``B`` the pairs of one halving level (``level_pairs``), takes the inverses of the
-    s-token diagonal blocks to those of the 2s-token ones (``[[A, 0], [B, D]]^-1 =
+    substitution in log2(C) doubling steps of two products each (the first, from I,
+    without): ``X <- X - X (B X)``, ``B`` the pairs of one halving level
+    (``level_pairs``), takes the inverses of the s-token diagonal blocks to those of the
+    2s-token ones (``[[A, 0], [B, D]]^-1 =
     [[A^-1, 0], [-D^-1 B A^-1, D^-1]]``). Every intermediate is a principal block of the
     result, as in the reference stage's recursion; entries above the diagonal stay exact
     zeros."""
