@@ -43,7 +43,7 @@ from .._runner.final import final
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkValid, typecheck
 from ..stages import KDA, AbstractIntra, AbstractIntraBackward, ChunkGrads, IntraOut
 from ._common import (
-    PallasFeatureBlocks, chunk_spec, col_of, decay, dot, flat, idiv, iota, loop,
+    PallasFeatureBlocks, blockwise, chunk_spec, col_of, decay, dot, flat, idiv, iota, loop,
     ref_or_none, row_of, row_or_none, tuned, unflat,
 )
 from ._common import column_blocks, compiler_params, kernel_name, manual_inputs, put
@@ -254,7 +254,8 @@ def intra_chunk_kernel(scale: float, C: int, block: int, blocks, has_lo: bool, h
             Sqk, Skk = scores_body(q_ref[kc], k_ref[kc], g_ref[kc], block, ref_or_none(lo_ref, kc))
             return S[0] + Sqk, S[1] + Skk
 
-        put(akk_ref, ..., unit_lower_inverse_body(aqk_and_l(blocks, feature_block, C, scale, seg, aqk_ref, b_ref)))
+        scores = lambda zeros: blockwise(blocks, feature_block, (zeros, zeros))  # noqa: E731
+        put(akk_ref, ..., unit_lower_inverse_body(aqk_and_l(scores, C, scale, seg, aqk_ref, b_ref)))
 
     kernel.__qualname__ = "PallasIntra.kernel"  # its name in profiles
     return kernel

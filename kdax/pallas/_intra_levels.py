@@ -5,7 +5,9 @@ tail shared with the TPU kernel (``kdax.pallas._intra``).
 No per-token loop and no row or column pulled out of a tile: the chunk's pairs j < i are
 split into log2(C) halving levels (the reference stage's recursion); each level is one
 masked tile product over the whole chunk with both decay factors taken to the level's
-anchor row (every exponent non-positive; anchors read by gather loads). F2 inverts
+anchor row (every exponent non-positive; anchors read by gather loads; in F2 one
+exponential a token a level: a level's rows and columns are the two halves of each
+block, ``half_block_decay``). F2 inverts
 ``I + L`` by blocked doubling (2 log2(C) - 2 products); B4 takes the pairs inside each
 16-token sub-block one diagonal offset at a time (elementwise, every row at once) and
 runs the transposes of F2's level products for the pairs across sub-blocks, 32 feature
@@ -17,9 +19,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from .._numerics import precision as _precision
-from .._numerics.hilo import exponent
+from .._numerics.hilo import exponent, nonpositive
 from .._numerics.isolation import finite_or_zero
-from ._common import _TUNING, blockwise, decay, dot, iota, loop, nonfinite_rows, put, ref_or_none
+from ._common import _TUNING, blockwise, dot, iota, loop, nonfinite_rows, put, ref_or_none
 
 
 def f2_refs(refs, has_lo: bool, has_reset: bool):
@@ -30,13 +32,13 @@ def f2_refs(refs, has_lo: bool, has_reset: bool):
     return (*refs[:4], lo_ref, seg, *refs[-2:])
 
 
-def aqk_and_l(blocks, feature_block, C: int, scale: float, seg, aqk_ref, b_ref):
-    """F2's tail on both targets: the scores summed over the feature blocks
-    (``feature_block(k0, bk, (Sqk, Skk))``), ``Aqk`` written (lower triangle with the
-    diagonal; with ``seg`` pairs across sequences exact zeros) and ``L`` returned (strictly
-    lower, times beta, the same zeros)."""
+def aqk_and_l(scores, C: int, scale: float, seg, aqk_ref, b_ref):
+    """F2's tail on both targets: the scores ``(Sqk, Skk) = scores(zeros)`` summed over
+    the feature columns, ``Aqk`` written (lower triangle with the diagonal; with ``seg``
+    pairs across sequences exact zeros) and ``L`` returned (strictly lower, times beta, the
+    same zeros)."""
     zeros = jnp.zeros((C, C), b_ref.dtype)  # (the compute dtype: Aqk may be stored bf16)
-    Sqk, Skk = blockwise(blocks, feature_block, (zeros, zeros))
+    Sqk, Skk = scores(zeros)
     row, col = iota((C, C), 0), iota((C, C), 1)
     lower, strict = col <= row, col < row
     if seg is not None:
@@ -63,31 +65,60 @@ def gathered(ref, rows, cols):
     return None if ref is None else ref[rows, cols]
 
 
-def level_scores(q, k, g_ref, lo_ref, cols, C: int, S):
-    """``S + (Sqk, Skk)`` for one block of feature columns: ``sum_d a_id k_jd e^(G_id - G_jd)``
-    (a = q, k) for j <= i (zeros above the diagonal), ``G``'s columns ``cols`` read from
-    ``g_ref`` (``lo_ref``: its low part, or None). The diagonal is a row sum; the pairs of
-    each halving level (``level_pairs``) one tile product, each side's decay taken to the
-    anchor a = the first row of i's half-block, ``(a_i e^(G_i - G_a)) . (k_j e^(G_a - G_j))``,
-    both exponents non-positive; the anchors are gather loads. A token that a level does
-    not use as a column is anchored at the next half-block's first row (clamped to the
-    chunk), so every exponent is non-positive; the products' entries outside the level are
-    selected away (a non-finite value there reaches nothing)."""
-    G, lo = g_ref[:, cols], ref_or_none(lo_ref, (slice(None), cols))
-    ri, cj = iota((C, C), 0), iota((C, C), 1)
+def half_block_decay(G, lo, g_ref, lo_ref, cols, C: int, lev):
+    """``[C, w]``: each token's decay to the anchor a of halving level ``lev`` (the first
+    row of the upper half of its ``2s``-token block, s = 2^lev), one exponential a token:
+    ``e^(G_t - G_a)`` for a token in the upper half (a row of the level's pairs),
+    ``e^(G_a - G_t)`` for one in the lower half (a column); both exponents non-positive,
+    and each equal to the bit to ``fast_decay``'s on that side (``x - y = -(y - x)`` exactly
+    in floating point). ``G``, ``lo``: ``cols`` of ``g_ref``, ``lo_ref`` (or None) at
+    every row; the anchors are gather loads."""
     t = iota((C,), 0)
-    Sqk = S[0] + jnp.where(ri == cj, jnp.sum(q * k, axis=1, keepdims=True), 0.0)
+    sr, sl = jax.lax.shift_right_logical, jax.lax.shift_left
+    a = sl(sr(t, lev + 1), lev + 1) + sl(jnp.int32(1), lev)
+    upper = (sr(iota((C, 1), 0), lev) & 1) == 1
+    d = G - gathered(g_ref, a, cols)
+    if lo is not None:
+        d = d + (lo - gathered(lo_ref, a, cols))
+    d = jnp.where(upper, d, -d)
+    return jnp.exp2((d if lo is None else nonpositive(d)) * 1.4426950408889634)
+
+
+def level_scores(q_ref, k_ref, g_ref, lo_ref, blocks, C: int, zeros):
+    """``(Sqk, Skk)``: ``sum_d a_id k_jd e^(G_id - G_jd)`` (a = q, k) for j <= i (zeros
+    above the diagonal), over the feature columns in ``blocks`` (``column_blocks``), ``G``
+    read from ``g_ref`` (``lo_ref``: its low part, or None). The diagonal is a row sum; the
+    pairs of each halving level (``level_pairs``) one tile product a block of columns,
+    ``(a_i e^(G_i - G_a)) . (k_j e^(G_a - G_j))`` with a the first row of the upper half of
+    the pair's ``2s``-token block, one exponential a token (``half_block_decay``: the
+    upper half's rows and the lower half's columns; both exponents non-positive); the
+    products' entries outside the level are selected away (a non-finite value there
+    reaches nothing). The loop over levels holds the loop over feature blocks (the other
+    way round, LLVM unrolled the six levels of one-exponential bodies and spilled 384 B)."""
+    ri, cj = iota((C, C), 0), iota((C, C), 1)
+
+    def diagonal(k0, bk, d):
+        cols = (slice(None), pl.ds(k0, bk))
+        return d + jnp.sum(q_ref[cols] * k_ref[cols], axis=1, keepdims=True)
+
+    d = blockwise(blocks, diagonal, jnp.zeros((C, 1), zeros.dtype))
+    Sqk = jnp.where(ri == cj, d, 0.0)
 
     def level(lev, S):
-        ra = jax.lax.shift_left(jax.lax.shift_right_logical(t, lev), lev)  # first row of each token's half-block
-        ca = jnp.minimum(ra + jax.lax.shift_left(jnp.int32(1), lev), C - 1)  # the next one's
-        rf = fast_decay(G, gathered(g_ref, ra, cols), lo, gathered(lo_ref, ra, cols))
-        kc = k * fast_decay(gathered(g_ref, ca, cols), G, gathered(lo_ref, ca, cols), lo)
         pairs = level_pairs(C, lev)
-        return (S[0] + jnp.where(pairs, dot(q * rf, kc, tb=True), 0.0),
-                S[1] + jnp.where(pairs, dot(k * rf, kc, tb=True), 0.0))
 
-    return loop(0, C.bit_length() - 1, level, (Sqk, S[1]))
+        def block(k0, bk, S):
+            cols = pl.ds(k0, bk)
+            q, k = q_ref[:, cols], k_ref[:, cols]
+            E = half_block_decay(g_ref[:, cols], ref_or_none(lo_ref, (slice(None), cols)), g_ref, lo_ref, cols, C,
+                                 lev)
+            kE = k * E  # (the upper rows' k e^(G_i - G_a), the lower rows' k e^(G_a - G_j))
+            return (S[0] + jnp.where(pairs, dot(q * E, kE, tb=True), 0.0),
+                    S[1] + jnp.where(pairs, dot(kE, kE, tb=True), 0.0))
+
+        return blockwise(blocks, block, S)
+
+    return loop(0, C.bit_length() - 1, level, (Sqk, zeros))
 
 
 def doubling_unit_lower_inverse(L):
@@ -129,11 +160,8 @@ def intra_levels_kernel(scale: float, C: int, blocks, has_lo: bool, has_reset: b
     def kernel(*refs):
         q_ref, k_ref, g_ref, b_ref, lo_ref, seg, aqk_ref, akk_ref = f2_refs(refs, has_lo, has_reset)
 
-        def feature_block(k0, bk, S):
-            cols = (slice(None), pl.ds(k0, bk))
-            return level_scores(q_ref[cols], k_ref[cols], g_ref, lo_ref, cols[1], C, S)
-
-        L = aqk_and_l(blocks, feature_block, C, scale, seg, aqk_ref, b_ref)
+        scores = lambda zeros: level_scores(q_ref, k_ref, g_ref, lo_ref, blocks, C, zeros)  # noqa: E731
+        L = aqk_and_l(scores, C, scale, seg, aqk_ref, b_ref)
         seen = jax.lax.cumsum(nonfinite_rows(L), axis=0)  # > 0 from the first non-finite row on
         with _precision.float32_products():
             A = doubling_unit_lower_inverse(jnp.where(jnp.abs(L) < jnp.inf, L, 0.0))

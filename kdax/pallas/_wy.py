@@ -13,7 +13,7 @@ from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, typeche
 from ..stages import KDA, AbstractWY, AbstractWYDqkg, ChunkGrads, WYOut
 from ._common import (
     PallasFeatureBlocks, PallasValueBlocks, blockwise, chunk_spec, column_blocks, decay, dot, flat, iota, loaded,
-    lower_dot, pow2, put, ref_or_none, row_of, row_or_none, token_operand, tuned, unflat,
+    lower_dot, pow2, put, ref_or_none, row_or_none, token_operand, tuned, unflat,
 )
 from .._numerics import precision as _precision
 
@@ -25,18 +25,28 @@ def _values(stage, x, C: int):
     return token_operand(t, stage.view_or_copy(x, V), stage.padded, (C, pow2(V) if t == "triton" else V))
 
 
-def wy_kernel(k_blocks, v_blocks, has_lo: bool, load_v=None):
+def last_rows(row_loads: bool, refs, cols, tiles):
+    """Row C - 1 of each ``ref[:, cols]`` as ``[1, w]`` (None for a missing ref):
+    ``row_loads``, a one-row load (Triton: the masked reduction over the rows took 11% of
+    B3's instructions on sm_90, its shuffles and barriers); else ``row_of`` the loaded
+    ``tiles`` (TPU)."""
+    if row_loads:
+        return tuple(None if r is None else r[pl.ds(r.shape[0] - 1, 1), cols] for r in refs)
+    return tuple(row_or_none(x, x.shape[0] - 1) if x is not None else None for x in tiles)
+
+
+def wy_kernel(k_blocks, v_blocks, has_lo: bool, load_v=None, row_loads: bool = False):
     """F3's kernel for one chunk: ``w``, ``qg``, ``kg`` over ``k_blocks`` of feature
     columns, ``u`` over ``v_blocks`` (``column_blocks``; on Triton whole ``[C, 128]``
     tiles spilled). A NaN/inf at a token reaches only the rows from it on (``lower_dot``),
-    in the columns of its block. ``load_v``: v's blocks as read (``loaded``)."""
+    in the columns of its block. ``load_v``: v's blocks as read (``loaded``); ``row_loads``:
+    ``last_rows``' way."""
 
     def kernel(q_r, k_r, v_r, b_r, g_r, a_r, *rest):
         v_r = loaded(v_r, load_v)
         lo_r = rest[0] if has_lo else None
         w_o, u_o, qg_o, kg_o = rest[-4:]
         beta = b_r[...]
-        C = beta.shape[0]
 
         def feature_block(k0, bk, carry):
             kc = (slice(None), pl.ds(k0, bk))
@@ -45,7 +55,8 @@ def wy_kernel(k_blocks, v_blocks, has_lo: bool, load_v=None):
             eG = jnp.exp(G)
             put(w_o, kc, lower_dot(a_r[...], beta * k * eG))  # (put: in the stored dtype)
             qg_o[kc] = q_r[kc] * eG
-            put(kg_o, kc, k * decay(None, row_of(G, C - 1), G, row_or_none(lo, C - 1), lo))
+            gam, lo_gam = last_rows(row_loads, (g_r, lo_r), kc[1], (G, lo))
+            put(kg_o, kc, k * decay(None, gam, G, lo_gam, lo))
             return carry
 
         def value_block(j0, bv, carry):
@@ -59,13 +70,14 @@ def wy_kernel(k_blocks, v_blocks, has_lo: bool, load_v=None):
     return kernel
 
 
-def wy_dqkg_body(scale, beta, Akk, refs, out_refs, k_blocks, v_blocks, has_lo: bool):
+def wy_dqkg_body(scale, beta, Akk, refs, out_refs, k_blocks, v_blocks, has_lo: bool, row_loads: bool = False):
     """B3 for one chunk, from refs: ``refs = (k, G, qg, kg, v, h, dh, v_new, do, dv_new
     [, G_lo])`` in, ``out_refs = (dq, dk, dv, dbeta, dG)`` out; ``beta [C, 1]`` loaded,
     ``Akk [C, C]`` a ref read where used; returns dL. The value axis is walked
     ``v_blocks`` at a time for dv and dbeta, then the feature axis ``k_blocks`` at a time,
     each with the value blocks again for its ``[C, bk]`` gradients: no ``[C, K]`` or ``[C, V]`` operand is ever whole (on Triton at
-    K = V = 128, whole tiles spilled kilobytes a thread; TPU takes one block of each)."""
+    K = V = 128, whole tiles spilled kilobytes a thread; TPU takes one block of each).
+    ``row_loads``: ``last_rows``' way."""
     k_r, g_r, qg_r, kg_r, v_r, h_r, dh_r, vn_r, do_r, dvn_r = refs[:10]
     lo_r = refs[10] if has_lo else None
     dq_o, dk_o, dv_o, db_o, dG_o = out_refs
@@ -108,11 +120,11 @@ def wy_dqkg_body(scale, beta, Akk, refs, out_refs, k_blocks, v_blocks, has_lo: b
             # sum_v h dh as a [1, bk] row (a transpose keeps everything 2-D)
             jnp.sum((h_r[hb] * dh_r[hb]).T, axis=0, keepdims=True)), 1)
         G, lo = gate()
-        gam = row_of(G, C - 1)
+        gam, lo_gam = last_rows(row_loads, (g_r, lo_r), kc[1], (G, lo))
         kg = kg_r[kc]
         dgam = jnp.sum(kg * dkg, axis=0, keepdims=True) + jnp.exp(gam) * hdh
         dG = dG - kg * dkg + jnp.where(last, dgam, 0.0)
-        dk = dkg * decay(None, gam, G, row_or_none(lo, C - 1), lo)
+        dk = dkg * decay(None, gam, G, lo_gam, lo)
         (dw,) = over_values(k0, bk, lambda vc, hb: (-dot(dvn_r[vc], h_r[hb], tb=True),))
         k, eG = k_r[kc], jnp.exp(gate()[0])
         X = beta * k * eG
@@ -168,7 +180,8 @@ class PallasWY(AbstractWY, PallasFeatureBlocks):
         if G_lo is not None:
             ins, specs = ins + (fp(G_lo),), specs + [sk]
 
-        kernel = wy_kernel(self.feature_blocks(Kp), self.feature_blocks(Vp), G_lo is not None, load_v)
+        kernel = wy_kernel(self.feature_blocks(Kp), self.feature_blocks(Vp), G_lo is not None, load_v,
+                           self.target == "triton")
         st = _precision.storage(q.dtype)  # w, u, kg as stored (bf16 under "fast"); qg in q's dtype
         w, u, qg, kg = self.call(kernel, ins, specs, [(C, Kp), (C, Vp), (C, Kp), (C, Kp)], R * HV, NC,
                                  [st, st, q.dtype, st])
@@ -234,7 +247,8 @@ class PallasWYDqkg(AbstractWYDqkg, PallasValueBlocks, PallasFeatureBlocks):
             _, k, v, b, g, a, qg_, kg_, h_, dh_, vn, do_, dvn = refs[:13]  # B3 needs q only through qg
             ins = (k, g, qg_, kg_, loaded(v, load_v), h_, dh_, vn, loaded(do_, load_do), dvn) + tuple(refs[13:n_in])
             dL_r = refs[-1]
-            dL_r[...] = wy_dqkg_body(scale, b[...], a, ins, refs[n_in:-1], k_blocks, v_blocks, G_lo is not None)
+            dL_r[...] = wy_dqkg_body(scale, b[...], a, ins, refs[n_in:-1], k_blocks, v_blocks, G_lo is not None,
+                                     self.target == "triton")
 
         dq, dk, dv, db, dG, dL = self.call(
             kernel, ins, specs, [(C, Kp), (C, Kp), (C, Vp), (C, 1), (C, Kp), (C, C)], R * HV, NC, q.dtype)

@@ -286,7 +286,11 @@ def test_values_read_from_the_callers_layout(target, interpret, in_dtype, dt, po
     whole sequence of its row and head, chunk by chunk), TPU takes the copies. (Under
     "fast", XLA:CPU may sum a product of bf16 values in another order when it sees them
     come from bf16 in the interpreted kernel: equal to float32 rounding there, rel-RMS
-    1e-6.)"""
+    1e-6. In float64 the interpreted B3 with its last rows read as one-row loads
+    (``kdax.pallas._wy.last_rows``) came out one rounding apart in dG, every entry: the two
+    programs are compiled by XLA:CPU at backend O0 (tests/conftest.py), the same
+    operations evaluated differently; at XLA's default level they agree bit for bit. So
+    float64 asks for a rel-RMS within 2 eps (NaN never passes).)"""
     from kdax._numerics import precision as _precision
     from kdax._layouts.tokens import Tokens
 
@@ -318,7 +322,7 @@ def test_values_read_from_the_callers_layout(target, interpret, in_dtype, dt, po
             if policy == "fast":
                 assert_close(a, b, 1e-6, name)
             else:
-                np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+                assert_close(a, b, 2 * np.finfo(np.float64).eps, name)
 
 
 @pytest.mark.parametrize("interpret", [
