@@ -26,11 +26,13 @@ CUDA and compiled by Triton's passes and the ptxas of the triton wheel
   bound, which fits worse); a step's: the sum.
 
 Calibration: the per-kernel times measured on an H200 at the goal shape
-(``results/gpu_h200/issue36/profile.txt``: the all-Triton candidate ``CANDIDATE``), for
-every kernel the model rebuilds from the checkout. The profile timed the candidate with
-its intermediates stored float32: the calibration compiles it so (``float32_storage``),
-and the checkout's candidate, which stores Aqk, Akk, w, u, kg, h and v_new in bf16 under
-the ``"fast"`` policy as FLA does (``kdax._numerics.precision.storage``), is predicted beside it
+(``results/gpu_h200/issue36/profile.txt``: the all-Triton candidate ``CANDIDATE``, its
+intermediates stored float32), beside the kernels that profile timed: lowered by a
+checkout of ``PROFILE_COMMIT``, compiled and analysed by this checkout's code, their
+figures frozen in ``PROFILED_KERNELS`` (``--freeze-profiled`` regenerates them), so the
+fit keeps every measured kernel however the checkout's kernels change. The checkout's
+candidate (Aqk, Akk, w, u, kg, h and v_new stored bf16 under the ``"fast"`` policy, as FLA
+does: ``kdax._numerics.precision.storage``) and ``BEST`` (B4 at 16 warps) are predicted
 with the fitted rate, with the bytes a step moves before and after. The older profiles
 (``results/gpu_h200/profile_before.txt``, ``profile_after.txt``) measured kernels the
 current code no longer builds (see ``OLD_PROFILES``).
@@ -38,12 +40,12 @@ current code no longer builds (see ``OLD_PROFILES``).
     python benchmarks/gpu_cost_model.py                       # candidate, goal shape
     python benchmarks/gpu_cost_model.py --pipes pallas+fast --shape 1,4096,16
     python benchmarks/gpu_cost_model.py --out benchmarks/results/gpu_cost_model.txt
+    python benchmarks/gpu_cost_model.py --freeze-profiled      # the profiled kernels' figures again
 
 Needs ``triton`` (the ``test`` extra); exits with the reason where JAX cannot lower a
 Pallas Triton kernel without a GPU (``tests/pallas/_triton.py``, ``skip_reason``)."""
 
 import argparse
-import contextlib
 import dataclasses
 import math
 import re
@@ -60,18 +62,13 @@ BEST = CANDIDATE + "+warps.intra_bwd=16"  # gpu_issue26.py's CANDIDATE_B4W16: B4
 GOAL = (1, 16384, 16)  # B, T, H
 MEASURED = ROOT / "benchmarks/results/gpu_h200/issue36/profile.txt"  # CANDIDATE at GOAL, H200
 FLA_STEP_MS = 7.80  # FLA's training step at GOAL, H200 (results/gpu_h200/issue36/results.txt)
-# The profiled kernels as this script compiled them at the profile's commit (aaaae2c, the
-# calibration committed in 893f711): (registers, SASS instructions per warp). A kernel of
-# the checkout whose compile differs is not the kernel the profile timed: it is left out of
-# the fit and of the calibration factor, and predicted with the fitted rate.
-PROFILED = {
-    "kdax_PallasGate_kernel": (75, 7117), "kdax_PallasIntra_kernel": (169, 121207),
-    "kdax_PallasWY_kernel": (173, 6067), "kdax_PallasState_kernel": (167, 153796),
-    "kdax_PallasOutput_kernel": (137, 949), "kdax_PallasWY_kernel__1": (173, 6067),
-    "kdax_PallasState_kernel__1": (167, 153796), "kdax_PallasDAv_kernel": (74, 458),
-    "kdax_PallasDhu_kernel": (226, 174042), "kdax_PallasWYDqkg_kernel": (239, 9206),
-    "kdax_PallasIntraBackward_kernel": (226, 45070), "kdax_PallasGateBackward_kernel": (92, 4838),
-}
+# The kernels the profile timed, as this script compiles them: lowered by the checkout of
+# PROFILE_COMMIT (its kernels are those of aaaae2c, which ran the profile; 893f711 added
+# this script), compiled and analysed by this checkout's code, frozen in PROFILED_KERNELS
+# (``--freeze-profiled`` regenerates it). The calibration fits on these, whatever the
+# checkout's kernels have become since.
+PROFILE_COMMIT = "893f7118170d4f7832e6d776b5883a9d16657d3b"
+PROFILED_KERNELS = ROOT / "benchmarks/results/gpu_h200/issue36/profiled_kernels.json"
 OLD_PROFILES = (
     "results/gpu_h200/profile_before.txt and profile_after.txt: not used; their Pallas kernels "
     "(paths mixed*, pallas, reference+pallas_state+...) were rewritten after those runs (the state "
@@ -148,28 +145,6 @@ class Kernel:
     def bound(self, rate: float) -> str:
         t = {"HBM": self.hbm_s(), "issue": self.issue_s(rate), "tensor": self.tc_s()}
         return max(t, key=t.get)
-
-
-@contextlib.contextmanager
-def float32_storage():
-    """Lower with the intermediates of ``kdax._numerics.precision.STORED`` kept in their compute
-    dtype under every policy: the candidate as the profile timed it, before bf16 storage
-    (its state kernels then wrote h and v_new as bf16 values in float32 arrays: rounded
-    to bf16 and back in the kernel, as here)."""
-    from kdax._numerics import precision as _precision
-    from kdax.pallas import _state_tpu, _state_triton
-
-    def put(ref, idx, x):  # (h, v_new under "fast": bf16 values, the ref's dtype)
-        half = _precision.operand_dtype() if _precision.current_policy() == "fast" else None
-        ref[idx] = (x if half is None else x.astype(half)).astype(ref.dtype)
-
-    keep = _precision.storage, _state_triton.put, _state_tpu.put
-    _precision.storage = lambda dtype, policy=None: keep[0](dtype, "highest")
-    _state_triton.put = _state_tpu.put = put
-    try:
-        yield
-    finally:
-        _precision.storage, _state_triton.put, _state_tpu.put = keep
 
 
 # -- lowering ---------------------------------------------------------------------------------
@@ -468,11 +443,50 @@ def measured(profile: Path = MEASURED, path: str = CANDIDATE, pass_: str = "trai
     return out
 
 
-def as_profiled(k) -> bool:
-    """Whether kernel ``k`` compiles as the profiled one did (``PROFILED``: same registers,
-    instruction count within 1%)."""
-    regs, instr = PROFILED.get(k.name, (None, None))
-    return regs == k.registers and instr is not None and abs(k.instructions - instr) <= 0.01 * instr
+_DUMP = """
+import json, sys
+from pathlib import Path
+sys.path.insert(0, "."); sys.path.insert(0, "benchmarks")
+import gpu_cost_model as m
+Path(sys.argv[1]).write_text(json.dumps([dict(name=k.name, grid=list(k.grid), warps=k.warps, stages=k.stages,
+    read=k.read, written=k.written, reread=k.reread, ttir=ttir) for k, ttir in m.lower(m.CANDIDATE, m.GOAL)]))
+"""
+
+
+def freeze_profiled(commit: str = PROFILE_COMMIT, out: Path = PROFILED_KERNELS) -> list:
+    """Lower the candidate's step at the goal shape in a checkout of ``commit`` (a git
+    worktree, removed after; that checkout's own ``lower``), compile and analyse each
+    kernel here, and write their figures to ``out``. Returns the kernels."""
+    import json
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tree, dump = Path(tmp) / "tree", Path(tmp) / "ttir.json"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), commit], check=True,
+                       capture_output=True)
+        try:
+            subprocess.run([sys.executable, "-c", _DUMP, str(dump)], cwd=tree, check=True)
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=True)
+        lowered = json.loads(dump.read_text())
+    ks = []
+    for d in lowered:
+        k = Kernel(d["name"], tuple(d["grid"]), d["warps"], d["stages"], d["read"], d["written"], d["reread"])
+        compile_kernel(k, d["ttir"])
+        ks.append(k)
+    rows = [dict(dataclasses.asdict(k), grid=list(k.grid)) for k in ks]
+    out.write_text(json.dumps({"commit": commit, "path": CANDIDATE, "shape": list(GOAL), "kernels": rows}, indent=1)
+                   + "\n")
+    return ks
+
+
+def profiled_kernels(path: Path = PROFILED_KERNELS) -> list:
+    """The profiled kernels' frozen figures (``freeze_profiled``)."""
+    import json
+
+    data = json.loads(path.read_text())
+    return [Kernel(**dict(d, grid=tuple(d["grid"]))) for d in data["kernels"]]
 
 
 def fit_rate(ks: list, meas: dict, overlap: bool = False) -> float:
@@ -522,6 +536,8 @@ def main(argv=None) -> str:
     ap.add_argument("--pipes", default=CANDIDATE, help="gpu_vs_fla.py path names, comma separated")
     ap.add_argument("--shape", default=",".join(map(str, GOAL)), help="B,T,H of the bf16 inputs (K = V = 128, chunk 64)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--freeze-profiled", action="store_true",
+                    help=f"regenerate {PROFILED_KERNELS.relative_to(ROOT)} from a checkout of {PROFILE_COMMIT[:7]} first")
     a = ap.parse_args(argv)
     warnings.filterwarnings("ignore", module="triton")
     from triton_resources import parse_shape
@@ -534,16 +550,15 @@ def main(argv=None) -> str:
     import triton
 
     shape = parse_shape(a.shape)
-    print(f"calibration: {CANDIDATE} at {GOAL}, intermediates float32 (as profiled)", file=sys.stderr, flush=True)
-    with float32_storage():
-        cal = kernels(CANDIDATE, GOAL)
+    if a.freeze_profiled:
+        print(f"freezing the profiled kernels: lowered at {PROFILE_COMMIT[:7]}", file=sys.stderr, flush=True)
+        freeze_profiled()
+    cal = profiled_kernels()
     print(f"{CANDIDATE} at {GOAL}, the checkout (bf16 storage)", file=sys.stderr, flush=True)
     now = kernels(CANDIDATE, GOAL)
     print(f"{BEST} at {GOAL}", file=sys.stderr, flush=True)
     best = kernels(BEST, GOAL)
-    profiled = measured()
-    changed = [k.name for k in cal if k.name in profiled and not as_profiled(k)]
-    meas = {n: t for n, t in profiled.items() if n not in changed}  # (a rebuilt kernel: not what was timed)
+    meas = measured()
     rate = fit_rate(cal, meas)
     both = [k for k in cal if k.name in meas]
 
@@ -560,7 +575,8 @@ def main(argv=None) -> str:
         f"training step (jax.grad of chunk_kda). Per kernel: grid, warps (w), pipeline stages (s), registers, shared "
         f"memory, resident CTAs per SM, waves over {SMS} SMs; bytes read and written once (unique blocks; reread: "
         f"blocks read again by other programs, L2); SASS instructions one warp executes (loop trip counts from the "
-        f"TTGIR), steps (loop iterations in sequence per program); HBM time at {HBM_MEASURED / 1e12:.1f} TB/s "
+        f"TTGIR, a loop LLVM unrolled partly counted by its passes), steps (loop iterations in sequence per program); "
+        f"HBM time at {HBM_MEASURED / 1e12:.1f} TB/s "
         f"(measured copy) and at {HBM_DATASHEET / 1e12:.1f} (datasheet); issue time = instr/warp x waves / "
         f"min(R, {SCHEDULERS} x {CLOCK_HZ / 1e9:.2f} GHz / resident warps); tensor-core time at the dense datasheet "
         f"peaks; predicted = HBM + issue + TC (no overlap); the largest of the three after the kernel's row.",
@@ -568,8 +584,10 @@ def main(argv=None) -> str:
         f"over the {len(both)} measured kernels below; no per-kernel tuning). With max(HBM, issue, TC) instead of the "
         f"sum (full overlap) the fit gives R = {rate_max / 1e9:.4f} and a worst factor of {worst_max:.2f}.",
         "",
-        table(f"Calibration: {CANDIDATE} at B={B} T={T} H={H}, intermediates stored float32 as profiled "
-              f"(float32_storage), predicted beside measured on an H200 "
+        table(f"Calibration: the kernels the profile timed ({CANDIDATE} at B={B} T={T} H={H}, intermediates "
+              f"stored float32), lowered by the checkout of {PROFILE_COMMIT[:7]} (the kernels of aaaae2c, which "
+              f"ran the profile) and compiled and analysed by this one, frozen in "
+              f"{PROFILED_KERNELS.relative_to(ROOT)}; predicted beside measured on an H200 "
               f"({MEASURED.relative_to(ROOT)}, train pass; factor = predicted / measured)", cal, rate, meas),
         f"Older profiles: {OLD_PROFILES}.",
         "",
@@ -580,10 +598,6 @@ def main(argv=None) -> str:
         table(f"Prediction: {BEST} at B={B} T={T} H={H} (B4 at 16 warps: kdax.pallas._intra_levels, no spills; "
               f"the other kernels as above)", best, rate),
     ]
-    if changed:
-        parts.insert(3, "Rebuilt since the profile (compiled differently from the kernel timed: left out of the fit, "
-                        "predicted with its rate; what the profile measured for the old kernel): "
-                        + ", ".join(f"{n} {profiled[n]:.3f} ms" for n in changed) + ".")
     if not (a.pipes == CANDIDATE and shape == GOAL):
         for path in a.pipes.split(","):
             print(f"{path} at {shape}:", file=sys.stderr, flush=True)
@@ -597,8 +611,8 @@ def main(argv=None) -> str:
               f"bytes a step moves (kernels' unique blocks read + written): {gib(cal):.2f} GiB with float32 "
               f"intermediates (as profiled), {gib(now):.2f} GiB with bf16 Aqk, Akk, w, u, kg, h, v_new (the checkout); "
               f"FLA ~8 GiB (docs: shared DESIGN.md section 6)",
-              f"steps predicted: {step:.2f} ms {CANDIDATE} with float32 intermediates (as profiled), {step_now:.2f} ms "
-              f"with bf16 storage (the checkout), {step_best:.2f} ms {BEST} (the checkout's fastest)",
+              f"steps predicted: {step:.2f} ms the kernels profiled (measured {sum(meas.get(k.name, 0) for k in cal):.2f}), "
+              f"{step_now:.2f} ms {CANDIDATE} (the checkout), {step_best:.2f} ms {BEST} (the checkout's fastest)",
               f"calibration: worst factor {worst(rate):.2f} over {len(both)} kernels",
               f"candidate step: predicted {step_best:.2f} ms; FLA measured {FLA_STEP_MS:.2f} ms (H200)"]
     text = "\n".join(parts)

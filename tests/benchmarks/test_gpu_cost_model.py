@@ -48,28 +48,58 @@ def test_final_lines_parse(text):
     m = re.match(r"bytes a step moves .*: ([\d.]+) GiB with float32 intermediates .*, ([\d.]+) GiB with bf16 ", moved)
     assert m, moved
     assert 0 < float(m.group(2)) < float(m.group(1)), moved
-    m = re.fullmatch(r"steps predicted: ([\d.]+) ms \S+ with float32 intermediates \(as profiled\), ([\d.]+) ms "
-                     r"with bf16 storage \(the checkout\), ([\d.]+) ms \S+ \(the checkout's fastest\)", steps)
+    m = re.fullmatch(r"steps predicted: ([\d.]+) ms the kernels profiled \(measured ([\d.]+)\), ([\d.]+) ms \S+ "
+                     r"\(the checkout\), ([\d.]+) ms \S+ \(the checkout's fastest\)", steps)
     assert m, steps
     assert all(float(x) > 0 for x in m.groups())
     # the issue's form, read by scripts: the checkout's fastest candidate against FLA
     m = re.fullmatch(r"candidate step: predicted ([\d.]+) ms; FLA measured ([\d.]+) ms \(H200\)", step)
     assert m, step
-    assert float(m.group(1)) == float(re.findall(r"([\d.]+) ms", steps)[2]) and float(m.group(2)) > 0
+    assert float(m.group(1)) == float(re.findall(r"([\d.]+) ms", steps)[-1]) and float(m.group(2)) > 0
 
 
 def test_calibration_rows(text):
+    """Every kernel the profile timed, from the frozen figures, beside its measured time:
+    the fit is over all of them, whatever the checkout's kernels have become."""
     rows = _rows(text, "Calibration:")
     assert {r[0] for r in rows} >= {"kdax_PallasIntra_kernel", "kdax_PallasState_kernel", "kdax_PallasDhu_kernel"}
-    timed = [r for r in rows if r[18] != "-"]
-    # a kernel rebuilt since the profile is predicted but not compared (its old time is named above the table)
-    rebuilt = [r for r in rows if r[18] == "-"]
-    assert len(timed) >= 8 and all(r[0] in text.split("Rebuilt since the profile")[1].split("\n")[0] for r in rebuilt)
-    for r in timed:
+    assert len(rows) == 12 and all(r[18] != "-" for r in rows), rows
+    for r in rows:
         pred, meas, factor = float(r[17]), float(r[18]), float(r[19])
         assert pred > 0 and meas > 0 and math.isfinite(factor) and factor == pytest.approx(pred / meas, rel=0.02), r
-    for r in rebuilt:
-        assert float(r[17]) > 0, r
+    assert re.search(r"calibration: worst factor [\d.]+ over 12 kernels", text)
+
+
+def test_profiled_kernels_frozen():
+    """The profiled kernels' figures as committed: the profile's twelve kernels (as the
+    profile names them, each with a time there), compiled figures for each (registers,
+    instructions, bytes), lowered at the commit the file names."""
+    m = load_benchmark("gpu_cost_model")
+    ks = m.profiled_kernels()
+    meas = m.measured()
+    assert [k.name for k in ks] and {k.name for k in ks} == set(meas), (sorted(meas), [k.name for k in ks])
+    for k in ks:
+        assert k.registers > 0 and k.instructions > 0 and k.read + k.written > 0 and k.ctas_per_sm >= 1, k
+
+
+@pytest.mark.slow
+def test_freeze_profiled_reproduces_the_file(tmp_path):
+    """``--freeze-profiled`` from the profile's commit gives the committed figures (needs
+    the commit in this clone's history: skipped in a shallow one)."""
+    import subprocess
+
+    from tests.pallas._triton import skip_reason
+
+    if reason := skip_reason():
+        pytest.skip(reason)
+    m = load_benchmark("gpu_cost_model")
+    have = subprocess.run(["git", "-C", str(m.ROOT), "cat-file", "-e", m.PROFILE_COMMIT + "^{commit}"],
+                          capture_output=True)
+    if have.returncode:
+        pytest.skip(f"{m.PROFILE_COMMIT[:7]} is not in this clone's history")
+    out = tmp_path / "profiled.json"
+    m.freeze_profiled(out=out)
+    assert m.profiled_kernels(out) == m.profiled_kernels()
 
 
 def test_small_shape_rows(text):
