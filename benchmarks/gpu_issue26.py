@@ -85,7 +85,7 @@ PIPES = ("default", "default+no_recompute")
 # state and gate kernels (benchmarks/results/triton_resources.txt), timed at the goal shape.
 CANDIDATE = "pallas+warps=8+f32dot=tf32x3+fast+stages=2+block_k=64"
 # The candidate with B4 at sixteen warps (no spills; the cost model: its instructions a
-# warp 7.8k -> 4.7k, 4.37 -> 2.83 ms): timed and profiled beside it by ``--kernels``.
+# warp 7.8k -> 4.7k, results/gpu_cost_model.txt): timed and profiled beside it by ``--kernels``.
 CANDIDATE_B4W16 = CANDIDATE + "+warps.intra_bwd=16"
 TOTAL_S = 390
 REPORT_S = 25  # kept for the report steps, which always run
