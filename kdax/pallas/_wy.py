@@ -16,6 +16,7 @@ from ._common import (
     lower_dot, pow2, put, ref_or_none, row_or_none, token_operand, tuned, unflat,
 )
 from .._numerics import precision as _precision
+from .._numerics.hilo import exponent
 
 
 def _values(stage, x, C: int):
@@ -23,6 +24,17 @@ def _values(stage, x, C: int):
     read in place (``PallasTarget.view_or_copy``), else the chunked array."""
     V, t = x.shape[-1], stage.target
     return token_operand(t, stage.view_or_copy(x, V), stage.padded, (C, pow2(V) if t == "triton" else V))
+
+
+def policy_exp(x):
+    """``exp(x)`` for ``x <= 0`` as the precision policy of the stage being traced needs it:
+    where its products round their operands to half precision (``"fast"``, bf16: 4e-3),
+    ``exp2(log2(e) x)``, on the GPU an ``ex2`` and a multiply where ``exp`` takes a range
+    reduction of several FMAs (relative error about ``7e-8 |x|`` there, ``1e-7 |x|``
+    through XLA:CPU's exp2; under 1e-5 above float32's underflow); else ``jnp.exp``."""
+    if _precision.operand_dtype() is None:
+        return jnp.exp(x)
+    return jnp.exp2(x * 1.4426950408889634)
 
 
 def last_rows(row_loads: bool, refs, cols, tiles):
@@ -52,11 +64,11 @@ def wy_kernel(k_blocks, v_blocks, has_lo: bool, load_v=None, row_loads: bool = F
             kc = (slice(None), pl.ds(k0, bk))
             G, k = g_r[kc], k_r[kc]
             lo = ref_or_none(lo_r, kc)
-            eG = jnp.exp(G)
+            eG = policy_exp(G)
             put(w_o, kc, lower_dot(a_r[...], beta * k * eG))  # (put: in the stored dtype)
             qg_o[kc] = q_r[kc] * eG
             gam, lo_gam = last_rows(row_loads, (g_r, lo_r), kc[1], (G, lo))
-            put(kg_o, kc, k * decay(None, gam, G, lo_gam, lo))
+            put(kg_o, kc, k * policy_exp(exponent(gam, G, lo_gam, lo)))
             return carry
 
         def value_block(j0, bv, carry):
@@ -113,7 +125,7 @@ def wy_dqkg_body(scale, beta, Akk, refs, out_refs, k_blocks, v_blocks, has_lo: b
         gate = lambda: (g_r[kc], ref_or_none(lo_r, kc))
         (dqg,) = over_values(k0, bk, lambda vc, hb: (dot(do_r[vc], h_r[hb], tb=True),))
         dqg = scale * dqg
-        dq_o[kc] = dqg * jnp.exp(gate()[0])
+        dq_o[kc] = dqg * policy_exp(gate()[0])
         dG = qg_r[kc] * dqg
         dkg, hdh = over_values(k0, bk, lambda vc, hb: (
             dot(vn_r[vc], dh_r[hb], tb=True),
@@ -122,11 +134,11 @@ def wy_dqkg_body(scale, beta, Akk, refs, out_refs, k_blocks, v_blocks, has_lo: b
         G, lo = gate()
         gam, lo_gam = last_rows(row_loads, (g_r, lo_r), kc[1], (G, lo))
         kg = kg_r[kc]
-        dgam = jnp.sum(kg * dkg, axis=0, keepdims=True) + jnp.exp(gam) * hdh
+        dgam = jnp.sum(kg * dkg, axis=0, keepdims=True) + policy_exp(gam) * hdh
         dG = dG - kg * dkg + jnp.where(last, dgam, 0.0)
-        dk = dkg * decay(None, gam, G, lo_gam, lo)
+        dk = dkg * decay(None, gam, G, lo_gam, lo)  # (policy_exp here: 8 B of spills)
         (dw,) = over_values(k0, bk, lambda vc, hb: (-dot(dvn_r[vc], h_r[hb], tb=True),))
-        k, eG = k_r[kc], jnp.exp(gate()[0])
+        k, eG = k_r[kc], policy_exp(gate()[0])
         X = beta * k * eG
         dAkk = dAkk + dot(dw, X, tb=True)
         dX = dot(Akk[...], dw, ta=True)
