@@ -321,6 +321,36 @@ def test_candidate_within_fla_tolerances(b4, packed):
     _assert_within_fla(errs)
 
 
+def test_fast_inverse_takes_plain_tf32():
+    """F2's ``(I + L)^-1`` under the "fast" policy with the candidate's tuning: one TF32
+    product a step (``doubling_unit_lower_inverse``'s ``plain_tf32``, as FLA's float32
+    ``tl.dot``): its Akk is off the same stage with IEEE float32 products (the same bf16
+    scores, an exact inverse) by TF32's rounding (rel-RMS between 1e-6 and 1e-3), and Aqk,
+    which the inverse does not touch, is equal; under "highest" the same tuning keeps
+    TF32x3 (within 1e-6 of the float64 stage). The candidate stays within FLA's
+    tolerances with it: ``test_candidate_within_fla_tolerances``."""
+    from kdax.pallas import PallasIntra
+
+    from .pallas.test_stages import _x
+
+    x = _x(jnp.float32, 64, 32, 32)
+    args = (x["scale"], x["q"], x["k"], x["beta"], x["G"])
+    want = PallasIntra(target="triton", interpret=True)(*jax.tree.map(
+        lambda a: a.astype(jnp.float64) if isinstance(a, jax.Array) else a, args))
+    stage = lambda f32: PallasIntra(target="triton", interpret=True, num_warps=8, f32_dot=f32,  # noqa: E731
+                                    tuned_interpret=True)
+    with gpu_products():
+        with _precision.stage_scope("fast", "intra"):
+            plain, exact = stage("tf32x3")(*args), stage("ieee")(*args)
+        with _precision.stage_scope("highest", "intra"):
+            x3 = stage("tf32x3")(*args)
+    e_plain, e_x3 = rel_rms(plain.Akk, exact.Akk), rel_rms(x3.Akk, want.Akk)
+    print(f"\nF2's Akk under fast, plain TF32 inverse against an exact one: {e_plain:.1e}; "
+          f"highest (TF32x3) against float64: {e_x3:.1e}")
+    assert 1e-6 <= e_plain <= 1e-3 and e_x3 <= 1e-6, (e_plain, e_x3)
+    np.testing.assert_array_equal(np.asarray(plain.Aqk), np.asarray(exact.Aqk))
+
+
 def test_tf32_emulation_rounds_b4():
     """Triton B4 in interpret mode with its tuning (``tuned_interpret``) under the
     GPU's product emulation (``gpu_products``), float32, gates down to -1000, C = 64, K =

@@ -14,6 +14,8 @@ runs the transposes of F2's level products for the pairs across sub-blocks, 32 f
 columns a program.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -121,7 +123,7 @@ def level_scores(q_ref, k_ref, g_ref, lo_ref, blocks, C: int, zeros):
     return loop(0, C.bit_length() - 1, level, (Sqk, zeros))
 
 
-def doubling_unit_lower_inverse(L):
+def doubling_unit_lower_inverse(L, plain_tf32: bool = False):
     """``(I + L)^-1`` for strictly lower ``L [C, C]`` with finite entries, by blocked
     substitution in log2(C) doubling steps of two products each (the first, from I,
     without): ``X <- X - X (B X)``, ``B`` the pairs of one halving level
@@ -129,18 +131,27 @@ def doubling_unit_lower_inverse(L):
     2s-token ones (``[[A, 0], [B, D]]^-1 =
     [[A^-1, 0], [-D^-1 B A^-1, D^-1]]``). Every intermediate is a principal block of the
     result, as in the reference stage's recursion; entries above the diagonal stay exact
-    zeros."""
+    zeros. ``plain_tf32`` (the "fast" policy): where the tuning runs float32 products on
+    tensor cores, one TF32 product each, as FLA's float32 ``tl.dot`` (the candidate within
+    FLA's tolerances either way: tests/test_precision.py; sm_90: F2 -24% instructions)."""
     C = L.shape[0]
     eye = (iota((C, C), 0) == iota((C, C), 1)).astype(L.dtype)
+    tuning = _TUNING.get()
+    if plain_tf32 and tuning is not None and tuning.f32_dot != "ieee" and L.dtype == jnp.float32:
+        def product(a, b):
+            return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
+                                       precision=jax.lax.DotAlgorithmPreset.TF32_TF32_F32)
+    else:
+        product = functools.partial(scaled_dot, None)
 
     def step(lev, X):  # (X split for each product: split once and held, F2 took +4% instructions)
-        return X - scaled_dot(None, X, scaled_dot(None, jnp.where(level_pairs(C, lev), L, 0.0), X))
+        return X - product(X, product(jnp.where(level_pairs(C, lev), L, 0.0), X))
 
     if C < 2:
         return eye
     # The first step from X = I is I - B: its two products are products with I, exact in
-    # IEEE and TF32x3 (hi(B) + lo(B) = B), so taking it without them changes no bit there
-    # (plain TF32 rounded B; now exact). F2: one of the inverse's six steps, -6.5%.
+    # IEEE (TF32x3 rounded lo(B) to TF32, 2^-22 of B; plain TF32 B itself: now exact).
+    # F2: one of the inverse's six steps, -6.5%.
     first = eye - jnp.where(level_pairs(C, jnp.int32(0)), L, 0.0)
     return loop(1, C.bit_length() - 1, step, first)
 
@@ -163,8 +174,9 @@ def intra_levels_kernel(scale: float, C: int, blocks, has_lo: bool, has_reset: b
         scores = lambda zeros: level_scores(q_ref, k_ref, g_ref, lo_ref, blocks, C, zeros)  # noqa: E731
         L = aqk_and_l(scores, C, scale, seg, aqk_ref, b_ref)
         seen = jax.lax.cumsum(nonfinite_rows(L), axis=0)  # > 0 from the first non-finite row on
+        fast = _precision.current_policy() == "fast"
         with _precision.float32_products():
-            A = doubling_unit_lower_inverse(jnp.where(jnp.abs(L) < jnp.inf, L, 0.0))
+            A = doubling_unit_lower_inverse(jnp.where(jnp.abs(L) < jnp.inf, L, 0.0), plain_tf32=fast)
         put(akk_ref, ..., jnp.where(seen > 0, jnp.nan, A))
 
     kernel.__qualname__ = "PallasIntra.kernel"  # its name in profiles
