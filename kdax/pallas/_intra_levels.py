@@ -287,7 +287,7 @@ class B4Refs:
         offset o = i - j a step (B steps, every row at once), each pair's own decay:
         ``"rows"``: ``(dq_a, r)``, ``R_i += S_i,i-o k_i-o e^(G_i - G_i-o)`` (S = dA, dL);
         ``"columns"``: ``e``, ``e_j += (scale dA_j+o,j q_j+o + dL_j+o,j beta_j+o k_j+o)
-        e^(G_j+o - G_j)``. The other token's rows and the
+        e^(G_j+o - G_j)``; ``"both"``: ``(e, dq_a, r)`` in one loop. The other token's rows and the
         entries of dA, dL are gather loads; the other token is clamped to the chunk, never
         past the row, so every exponent is non-positive, also for pairs left out. A pair
         outside the sub-block or across sequences leaves the sums as they are (selected,
@@ -314,6 +314,8 @@ class B4Refs:
             x = (scale * self.dA[ic, tc]) * self.q[i, cols] + (self.dL[ic, tc] * self.beta[i, :]) * self.k[i, cols]
             return jnp.where(ok, e + x * fast_decay(self.G[i, cols], G, gathered(self.lo, i, cols), lo), e)
 
+        if side == "both":
+            return loop(0, B, lambda o, acc: (columns(o, acc[0]), *rows(o, acc[1:])), init)
         return loop(0, B, rows if side == "rows" else columns, init)
 
     def level_operands(self, lev):
@@ -410,11 +412,12 @@ def intra_bwd_levels_kernel(scale: float, C: int, has_lo: bool, has_reset: bool)
         ops = B4Refs((q_ref, k_ref, b_ref, g_ref, lo_ref, da_ref, dl_ref), pl.ds(0, bk), C, min(SUB_BLOCK, C),
                      scale, pick, same)
         zero = jnp.zeros((C, bk), q_ref.dtype)
-        # The column sums first, each loop adding to the last (one tile live across the row
-        # sums' loops; with both sums in one offset loop and one level loop, 64 columns a
-        # program spilled the more).
-        e = ops.level_loop("columns", ops.offset_loop("columns", zero))
-        dq_a, r = ops.level_loop("rows", ops.offset_loop("rows", (zero, zero)))
+        # Both sums' offsets in one loop (its index math and loads of the token's own rows
+        # shared: B4 at 16 warps -3%), then each side's levels adding to them (with both
+        # sides in one level loop, 64 columns a program spilled the more).
+        e, dq_a, r = ops.offset_loop("both", (zero, zero, zero))
+        e = ops.level_loop("columns", e)
+        dq_a, r = ops.level_loop("rows", (dq_a, r))
         # The outputs, read after the levels (nothing but the sums live across them), the
         # row sums' outputs first; rows from a start Triton cannot prove is 0: addresses of
         # their own, not the levels' kept live to here.
