@@ -188,7 +188,6 @@ def test_fallback_only_on_unsupported_case_with_warning_and_plan():
     with pytest.raises(NotImplementedError, match="a user's own bug"):
         kdax.chunk_kda(*pos, **kw, chunk_size=16, pipeline=broken)
     pipe = eqx.tree_at(lambda p: p.output, pallas, Unsupported())
-    kdax._runner.runner._warn_once.cache_clear()
     with pytest.warns(kdax.FallbackWarning, match=r"KDAPipeline\.output \(F5\): Unsupported cannot run"):
         o, _ = kdax.chunk_kda(*pos, **kw, chunk_size=16, pipeline=pipe)
     with warnings.catch_warnings():

@@ -80,10 +80,10 @@ def half_block_decay(G, lo, g_ref, lo_ref, cols, C: int, lev):
     a = sl(sr(t, lev + 1), lev + 1) + sl(jnp.int32(1), lev)
     upper = (sr(iota((C, 1), 0), lev) & 1) == 1
     d = G - gathered(g_ref, a, cols)
-    if lo is not None:
+    if lo is not None:  # (``exponent``'s sum, negated on the lower half before its clamp)
         d = d + (lo - gathered(lo_ref, a, cols))
     d = jnp.where(upper, d, -d)
-    return jnp.exp2((d if lo is None else nonpositive(d)) * 1.4426950408889634)
+    return exp_by_exp2(d if lo is None else nonpositive(d))
 
 
 def level_scores(q_ref, k_ref, g_ref, lo_ref, blocks, C: int, zeros):
@@ -137,12 +137,8 @@ def doubling_unit_lower_inverse(L, plain_tf32: bool = False):
     C = L.shape[0]
     eye = (iota((C, C), 0) == iota((C, C), 1)).astype(L.dtype)
     tuning = _TUNING.get()
-    if plain_tf32 and tuning is not None and tuning.f32_dot != "ieee" and L.dtype == jnp.float32:
-        def product(a, b):
-            return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
-                                       precision=jax.lax.DotAlgorithmPreset.TF32_TF32_F32)
-    else:
-        product = functools.partial(scaled_dot, None)
+    plain = plain_tf32 and tuning is not None and tuning.f32_dot != "ieee" and L.dtype == jnp.float32
+    product = tf32_product if plain else functools.partial(scaled_dot, None)
 
     def step(lev, X):  # (X split for each product: split once and held, F2 took +4% instructions)
         return X - product(X, product(jnp.where(level_pairs(C, lev), L, 0.0), X))
@@ -203,12 +199,18 @@ def reached_up(bad):
     return rows <= jnp.max(jnp.where(bad, rows, -1), axis=0, keepdims=True)
 
 
-def fast_decay(x, y, x_lo=None, y_lo=None):
-    """``decay`` (no mask) as ``2^(log2(e) (x - y))``: on the GPU an ``ex2`` and a multiply
+def exp_by_exp2(x):
+    """``exp(x)`` as ``2^(log2(e) x)``: on the GPU an ``ex2`` and a multiply
     (``__nv_exp2f``) where ``exp`` takes a range reduction of several instructions (B4's
-    instructions -11%); the exponent's rounding adds a relative error of about
-    ``eps |x - y|`` (exponents here are differences inside one chunk, non-positive)."""
-    return jnp.exp2(exponent(x, y, x_lo, y_lo) * 1.4426950408889634)
+    instructions -11%); the product's rounding adds a relative error of about
+    ``eps |x|`` (7e-8 |x| in float32)."""
+    return jnp.exp2(x * 1.4426950408889634)
+
+
+def fast_decay(x, y, x_lo=None, y_lo=None):
+    """``decay`` (no mask) by ``exp_by_exp2`` (exponents here are differences inside one
+    chunk, non-positive)."""
+    return exp_by_exp2(exponent(x, y, x_lo, y_lo))
 
 
 def tf32_split(x):
@@ -224,6 +226,12 @@ def tf32_split(x):
     return hi, x - hi
 
 
+def tf32_product(x, y, ta: bool = False):
+    """One TF32 tensor-core product ``op(x) @ y`` with float32 accumulation."""
+    return jax.lax.dot_general(x, y, (((0 if ta else 1,), (0,)), ((), ())),
+                               precision=jax.lax.DotAlgorithmPreset.TF32_TF32_F32, preferred_element_type=jnp.float32)
+
+
 def scaled_dot(f, a, b, ta: bool = False):
     """``f * (op(a) @ b)`` (``dot``; ``f`` None: 1). Compiled under the ``"tf32x3"`` tuning,
     as the three TF32 products of the split ``x = hi(x) + lo(x)`` (``tf32_split``; ``a``
@@ -237,11 +245,9 @@ def scaled_dot(f, a, b, ta: bool = False):
     if not isinstance(a, tuple):
         out = dot(a, b, ta=ta)
         return out if f is None else f * out
-    dims = (((0 if ta else 1,), (0,)), ((), ()))
 
     def tf32(x, y):
-        out = jax.lax.dot_general(x, y, dims, precision=jax.lax.DotAlgorithmPreset.TF32_TF32_F32,
-                                  preferred_element_type=jnp.float32)
+        out = tf32_product(x, y, ta)
         return out if f is None else f * out
 
     (ah, al), (bh, bl) = a, (b if isinstance(b, tuple) else tf32_split(b))

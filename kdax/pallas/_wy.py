@@ -13,10 +13,11 @@ from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, typeche
 from ..stages import KDA, AbstractWY, AbstractWYDqkg, ChunkGrads, WYOut
 from ._common import (
     PallasFeatureBlocks, PallasValueBlocks, blockwise, chunk_spec, column_blocks, decay, dot, flat, iota, loaded,
-    lower_dot, pow2, put, ref_or_none, row_or_none, token_operand, tuned, unflat,
+    lower_dot, pow2, put, ref_or_none, row_of, token_operand, tuned, unflat,
 )
 from .._numerics import precision as _precision
 from .._numerics.hilo import exponent
+from ._intra_levels import exp_by_exp2
 
 
 def _values(stage, x, C: int):
@@ -29,12 +30,9 @@ def _values(stage, x, C: int):
 def policy_exp(x):
     """``exp(x)`` for ``x <= 0`` as the precision policy of the stage being traced needs it:
     where its products round their operands to half precision (``"fast"``, bf16: 4e-3),
-    ``exp2(log2(e) x)``, on the GPU an ``ex2`` and a multiply where ``exp`` takes a range
-    reduction of several FMAs (relative error about ``7e-8 |x|`` there, ``1e-7 |x|``
-    through XLA:CPU's exp2; under 1e-5 above float32's underflow); else ``jnp.exp``."""
-    if _precision.operand_dtype() is None:
-        return jnp.exp(x)
-    return jnp.exp2(x * 1.4426950408889634)
+    ``exp_by_exp2`` (relative error about ``7e-8 |x|`` on the GPU, ``1e-7 |x|`` through
+    XLA:CPU's exp2; under 1e-5 above float32's underflow); else ``jnp.exp``."""
+    return jnp.exp(x) if _precision.operand_dtype() is None else exp_by_exp2(x)
 
 
 def last_rows(row_loads: bool, refs, cols, tiles):
@@ -44,7 +42,7 @@ def last_rows(row_loads: bool, refs, cols, tiles):
     ``tiles`` (TPU)."""
     if row_loads:
         return tuple(None if r is None else r[pl.ds(r.shape[0] - 1, 1), cols] for r in refs)
-    return tuple(row_or_none(x, x.shape[0] - 1) if x is not None else None for x in tiles)
+    return tuple(None if x is None else row_of(x, x.shape[0] - 1) for x in tiles)
 
 
 def wy_kernel(k_blocks, v_blocks, has_lo: bool, load_v=None, row_loads: bool = False):

@@ -90,11 +90,11 @@ def test_chunk_kernels_fit_in_registers(policy):
 @pytest.mark.parametrize("policy", ["bfloat16", "fast"])
 def test_intra_backward_at_sixteen_warps(policy):
     """B4 at sixteen warps (``gpu_vs_fla.py``'s ``+warps.intra_bwd=16``, the second
-    candidate of benchmarks/gpu_issue26.py): no thread-local memory (122 registers of the
+    candidate of benchmarks/gpu_issue26.py): no thread-local memory (123 registers of the
     128 a thread has at 16 warps, dense and packed alike) and TF32 tensor-core products. Its
     offsets' elementwise work is spread over twice the threads (the cost model: 7.8k ->
-    4.7k instructions a warp, same programs); F2 and B3 at 16 warps spill (F2's inverse
-    at the 128-register cap; B3 48 B), so they stay at eight."""
+    4.5k instructions a warp, same programs); F2 and B3 at 16 warps spill (F2's inverse
+    at the 128-register cap; B3 40 B), so they stay at eight."""
     t = dict(num_warps=16, num_stages=2, f32_dot="tf32x3")
     for layout in ("dense", "packed"):
         kernels = chunk_kernels(policy, t, only=("intra_bwd",), packed=layout == "packed")
