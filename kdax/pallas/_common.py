@@ -377,11 +377,16 @@ def lower_dot(A, X):
     meet it as ``0 * inf = NaN`` and carry it to the rows above. Rows before it are
     bit-identical to ``A @ X``. The rows reached are found without a second product (whose
     C x C operand did not fit Hopper's shared memory at C = 128 in float64)."""
-    C = A.shape[0]
     ok = jnp.abs(X) < jnp.inf
-    bad = nonfinite_rows(X)
-    seen = jnp.max(jnp.where(iota((C, C), 1) <= iota((C, C), 0), bad.T, jnp.zeros((), X.dtype)), axis=1, keepdims=True)
-    return jnp.where(seen > 0, jnp.nan, dot(A, jnp.where(ok, X, 0.0)))
+    return jnp.where(from_first(nonfinite_rows(X)), jnp.nan, dot(A, jnp.where(ok, X, 0.0)))
+
+
+def from_first(bad):
+    """``[C, 1]`` bool: row i at or after the first row where ``bad [C, 1]`` (0/1 in a
+    float dtype) is nonzero: one reduction over C rows, where a ``[C, C]`` masked maximum
+    took the most of F3's instructions on sm_90 (its shuffles and barriers)."""
+    rows = iota(bad.shape, 0).astype(bad.dtype)
+    return rows >= jnp.min(jnp.where(bad > 0, rows, bad.shape[0]), axis=0, keepdims=True)
 
 
 def nonfinite_rows(X):

@@ -24,7 +24,7 @@ from .._typing import ChunkK, ChunkScalar, ChunkValid, typecheck
 from ..ref import L2NORM_EPS, log_decay_floor
 from ..stages import KDA, AbstractGate, AbstractGateBackward, Activated, RawGrads
 from ._common import (
-    PallasTarget, chunk_spec, column_blocks, dot, feature_pad, flat, head_spec, iota, loaded, lower_dot,
+    PallasTarget, chunk_spec, column_blocks, dot, feature_pad, flat, from_first, head_spec, iota, loaded, lower_dot,
     nonfinite_rows, pow2, ref_or_none, token_operand, tuned, unflat,
 )
 
@@ -124,7 +124,7 @@ def gate_kernel(cfg: KDAConfig, blocks, split: bool, scan: bool, has: tuple, loa
             if scan:
                 nf = nonfinite_rows(gate(k0, bk))
                 bad = nf if bad is None else jnp.maximum(bad, nf)
-        seen = None if bad is None else jnp.cumsum(bad, axis=0) > 0
+        seen = None if bad is None else from_first(bad)
         q_rstd, k_rstd = (_rstd(ss_q), _rstd(ss_k)) if l2 else (None, None)
         lower = None if scan else (iota((C, C), 1) <= iota((C, C), 0)).astype(valid.dtype)
 

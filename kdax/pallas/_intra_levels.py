@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 from .._numerics import precision as _precision
 from .._numerics.hilo import exponent, nonpositive
 from .._numerics.isolation import finite_or_zero
-from ._common import _TUNING, blockwise, dot, iota, loop, nonfinite_rows, put, ref_or_none
+from ._common import _TUNING, blockwise, dot, from_first, iota, loop, nonfinite_rows, put, ref_or_none
 
 
 def f2_refs(refs, has_lo: bool, has_reset: bool):
@@ -169,11 +169,11 @@ def intra_levels_kernel(scale: float, C: int, blocks, has_lo: bool, has_reset: b
 
         scores = lambda zeros: level_scores(q_ref, k_ref, g_ref, lo_ref, blocks, C, zeros)  # noqa: E731
         L = aqk_and_l(scores, C, scale, seg, aqk_ref, b_ref)
-        seen = jax.lax.cumsum(nonfinite_rows(L), axis=0)  # > 0 from the first non-finite row on
+        seen = from_first(nonfinite_rows(L))
         fast = _precision.current_policy() == "fast"
         with _precision.float32_products():
             A = doubling_unit_lower_inverse(jnp.where(jnp.abs(L) < jnp.inf, L, 0.0), plain_tf32=fast)
-        put(akk_ref, ..., jnp.where(seen > 0, jnp.nan, A))
+        put(akk_ref, ..., jnp.where(seen, jnp.nan, A))
 
     kernel.__qualname__ = "PallasIntra.kernel"  # its name in profiles
     return kernel
