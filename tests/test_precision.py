@@ -409,7 +409,8 @@ def test_fast_policy_stores_intermediates_in_bf16(name, policy):
     Akk, w, u, kg, h and v_new as bf16 arrays (FLA's storage; qg, G and the final state
     float32), B0 rebuilds them to the bit, and the Pallas kernels write them in bf16
     themselves (their ``pallas_call`` outputs, no float32 copy converted after); under
-    "auto" and "highest" every intermediate stays float32."""
+    "auto" and "highest" every intermediate stays float32. G is float32 alone under
+    "fast" (no ``G_lo``, FLA's cumsum: ``keeps_low_part``), ``G + G_lo`` otherwise."""
     r = np.random.default_rng(4)
     B, T, H, K, C = 1, 64, 2, 16, 16
     f = lambda *s: jnp.asarray(r.normal(size=s), jnp.bfloat16)
@@ -422,6 +423,8 @@ def test_fast_policy_stores_intermediates_in_bf16(name, policy):
     for n in sorted(_precision.STORED):
         assert getattr(c, n).dtype == want, (n, getattr(c, n).dtype)
     assert c.qg.dtype == c.G.dtype == ht.dtype == jnp.float32 and o.dtype == jnp.bfloat16
+    G_lo = res.act.G_lo
+    assert G_lo is None if policy == "fast" else (G_lo.dtype == jnp.float32 and G_lo.shape == c.G.shape)
     rebuilt = pipe.resolved(jnp.bfloat16).recomputed(eqx.tree_at(lambda x: x.cache, res, None, is_leaf=lambda x: x is None))
     for a, b in zip(jax.tree.leaves(rebuilt), jax.tree.leaves(c)):
         assert a.dtype == b.dtype

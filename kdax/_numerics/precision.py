@@ -18,6 +18,8 @@ Policies (``KDAPipeline.precision``):
   float32 (``storage``: the bytes a training step moves, about 11.4 GiB against FLA's
   8 at the GPU benchmark's shape with them in float32). Float64 inputs still get
   ``"highest"``;
+  The gate's cumsum ``G`` is then float32 alone, as FLA's, without the low part ``G_lo``
+  the other policies carry (``keeps_low_part``);
 * ``"auto"`` (default): ``"bfloat16"`` / ``"float16"`` when q is bfloat16 / float16, else
   ``"highest"``. Whether ``"fast"`` can become the default for bf16 inputs on a GPU is to
   be decided there (benchmarks/NOTES.md): its CPU errors (``tests/test_precision.py``)
@@ -166,6 +168,16 @@ def current_policy() -> str:
 def operand_dtype() -> Optional[jnp.dtype]:
     """The dtype products round their operands to here, or None (full precision)."""
     return _CURRENT.get()[1]
+
+
+def keeps_low_part(policy: Optional[str] = None) -> bool:
+    """Whether F1 gives a float32 ``G`` as the exact sum ``G + G_lo``
+    (``kdax._numerics.hilo``) under ``policy`` (None: the policy of the stage being
+    traced): under every policy but ``"fast"``, which keeps ``G`` alone, FLA's float32
+    cumsum: a relative error of about ``eps |G|`` in each decay (at most 8e-5 at C = 64,
+    1.5e-4 at C = 128: ``|G| <= C |floor|``), far below the bf16 rounding of that
+    policy's operands (4e-3), and no ``G_lo`` for F2 to B4 to read and add."""
+    return (_CURRENT.get()[0] if policy is None else policy) != "fast"
 
 
 def storage(dtype, policy: Optional[str] = None):

@@ -18,6 +18,7 @@ from jaxtyping import Array, Float
 
 from .._config import KDAConfig
 from .._layouts.tokens import Tokens
+from .._numerics import precision as _precision
 from .._numerics.hilo import grid_bits, split_log_decay
 from .._runner.final import final
 from .._typing import ChunkK, ChunkScalar, ChunkValid, typecheck
@@ -254,7 +255,7 @@ def _param_refs(refs, has: tuple):
 @final
 class PallasGate(AbstractGate, PallasTarget):
     """F1 as a Pallas kernel over (row * head, chunk). ``split`` as ``ReferenceGate``'s:
-    in float32, G as the exact sum ``G + G_lo`` (``kdax._numerics.hilo``), bit for bit the
+    in float32 (not under ``"fast"``), G as the exact sum ``G + G_lo`` (``kdax._numerics.hilo``), bit for bit the
     reference's; False: G alone. Reads q, k, g and beta from the caller's layout when the
     pipeline hands it ``Tokens`` views (``tokens``; on Triton, ``reads_tokens``): each
     block cast and cleaned as it is loaded, no chunked copy made."""
@@ -289,7 +290,7 @@ class PallasGate(AbstractGate, PallasTarget):
         vf = flat(jnp.broadcast_to(valid[:, None], beta.shape).astype(q.dtype))
         p_arrays, p_specs, has = _params(cfg, self.target, HV, K, A_log, dt_bias)
         l2 = cfg.use_qk_l2norm_in_kernel
-        split = self.split and grid_bits(q.dtype, C) is not None  # (float64: G alone)
+        split = self.split and grid_bits(q.dtype, C) is not None and _precision.keeps_low_part()  # (float64: G alone)
         kernel = gate_kernel(cfg, column_blocks(self.target, Kp, GATE_BLOCK), split, self.target == "triton", has,
                              tuple(load for _, _, load in ops))
 

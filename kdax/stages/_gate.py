@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from .._config import KDAConfig
+from .._numerics import precision as _precision
 from .._numerics.hilo import grid_bits, split_log_decay
 from .._numerics.ops import ChunkGroup, lower_matmul, mT, over_chunks
 from .._runner.final import final
@@ -102,7 +103,8 @@ class AbstractGate(eqx.Module):
 @final
 class ReferenceGate(AbstractGate):
     """F1 in plain jnp; the chunk cumsum ``group`` chunks at a time (see ``over_chunks``).
-    ``split``: in float32, give G as the exact sum ``G + G_lo`` (``kdax._numerics.hilo``); False:
+    ``split``: in float32, give G as the exact sum ``G + G_lo`` (``kdax._numerics.hilo``;
+    not under the ``"fast"`` policy: ``kdax._numerics.precision.keeps_low_part``); False:
     G alone (``G_lo`` None), a few percent faster and ``eps |G|`` less accurate."""
 
     math: ClassVar[Optional[str]] = KDA
@@ -131,7 +133,8 @@ class ReferenceGate(AbstractGate):
             q_rstd, k_rstd = _rstd(q), _rstd(k)
             q, k = q * q_rstd, k * k_rstd
         g = activated_gate(config, g, A_log, dt_bias, valid, reset)
-        G, G_lo = split_cumsum(g, group=self.group) if self.split else (chunk_cumsum(g, group=self.group), None)
+        split = self.split and _precision.keeps_low_part()
+        G, G_lo = split_cumsum(g, group=self.group) if split else (chunk_cumsum(g, group=self.group), None)
         beta = beta_activation(beta, config.use_beta_sigmoid_in_kernel, config.allow_neg_eigval)
         return Activated(q, k, beta, G, q_rstd, k_rstd, G_lo)
 
