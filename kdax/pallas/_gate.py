@@ -38,6 +38,14 @@ def _softplus(x):
     return jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x)))
 
 
+def _softplus_and_sigmoid(x):
+    """``(softplus(x), sigmoid(x))`` from one exponential ``e = exp(-|x|)``:
+    ``sigmoid = 1 / (1 + e)`` for ``x >= 0``, ``e / (1 + e)`` below (B5 needs both)."""
+    e = jnp.exp(-jnp.abs(x))
+    r = 1.0 / (1.0 + e)
+    return jnp.maximum(x, 0.0) + jnp.log1p(e), jnp.where(x >= 0, r, e * r)
+
+
 def _gate_input(g, a_log, dtb):
     """(x = g + dt_bias, a = exp(A_log) or None)."""
     x = g if dtb is None else g + dtb
@@ -201,9 +209,10 @@ def gate_bwd_kernel(cfg: KDAConfig, blocks, reverse: bool, has: tuple, C: int, l
                     if dA_o is not None:
                         dA_o[:, cols] = jnp.zeros((1, bk), dg.dtype)
                 elif cfg.lower_bound is None:
+                    sp, sg = _softplus_and_sigmoid(x)
                     if dA_o is not None:
-                        dA_o[:, cols] = -jnp.sum(dg * a * _softplus(x), axis=0, keepdims=True)
-                    dg = -dg * a * _sigmoid(x)
+                        dA_o[:, cols] = -jnp.sum(dg * a * sp, axis=0, keepdims=True)
+                    dg = -dg * a * sg
                 else:
                     z = x if a is None else a * x
                     sg = _sigmoid(z)

@@ -107,18 +107,20 @@ def level_scores(q_ref, k_ref, g_ref, lo_ref, blocks, C: int, zeros):
     Sqk = jnp.where(ri == cj, d, 0.0)
 
     def level(lev, S):
-        pairs = level_pairs(C, lev)
-
-        def block(k0, bk, S):
+        def block(k0, bk, P):
             cols = pl.ds(k0, bk)
             q, k = q_ref[:, cols], k_ref[:, cols]
             E = half_block_decay(g_ref[:, cols], ref_or_none(lo_ref, (slice(None), cols)), g_ref, lo_ref, cols, C,
                                  lev)
             kE = k * E  # (the upper rows' k e^(G_i - G_a), the lower rows' k e^(G_a - G_j))
-            return (S[0] + jnp.where(pairs, dot(q * E, kE, tb=True), 0.0),
-                    S[1] + jnp.where(pairs, dot(kE, kE, tb=True), 0.0))
+            return P[0] + dot(q * E, kE, tb=True), P[1] + dot(kE, kE, tb=True)
 
-        return blockwise(blocks, block, S)
+        # The blocks' products summed (on tensor cores, into one accumulator) before the
+        # level's pairs are selected: S is zero at them until then, so the sums are the
+        # same to the bit.
+        Pqk, Pkk = blockwise(blocks, block, (zeros, zeros))
+        pairs = level_pairs(C, lev)
+        return S[0] + jnp.where(pairs, Pqk, 0.0), S[1] + jnp.where(pairs, Pkk, 0.0)
 
     return loop(0, C.bit_length() - 1, level, (Sqk, zeros))
 
