@@ -31,8 +31,8 @@ intermediates stored float32), beside the kernels that profile timed: lowered by
 checkout of ``PROFILE_COMMIT``, compiled and analysed by this checkout's code, their
 figures frozen in ``PROFILED_KERNELS`` (``--freeze-profiled`` regenerates them), so the
 fit keeps every measured kernel however the checkout's kernels change. The checkout's
-candidate (Aqk, Akk, w, u, kg, h and v_new stored bf16 under the ``"fast"`` policy, as FLA
-does: ``kdax._numerics.precision.storage``) and ``BEST`` (B4 at 16 warps) are predicted
+candidate (Aqk, Akk, w, u, qg, kg, h, v_new and dh stored bf16 under the ``"fast"`` policy,
+and G without its low part, as FLA does: ``kdax._numerics.precision``) and ``BEST`` (F2 and B4 at 16 warps, the state kernels at 32 value columns a program) are predicted
 with the fitted rate, with the bytes a step moves before and after. The older profiles
 (``results/gpu_h200/profile_before.txt``, ``profile_after.txt``) measured kernels the
 current code no longer builds (see ``OLD_PROFILES``).
@@ -58,7 +58,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 CANDIDATE = "pallas+warps=8+f32dot=tf32x3+fast+stages=2+block_k=64"
-BEST = CANDIDATE + "+warps.intra_bwd=16"  # gpu_issue26.py's CANDIDATE_B4W16: B4 at 16 warps
+BEST = CANDIDATE + "+warps.intra=16+warps.intra_bwd=16+block_v=32"  # gpu_issue26.py's CANDIDATE_BEST
 GOAL = (1, 16384, 16)  # B, T, H
 MEASURED = ROOT / "benchmarks/results/gpu_h200/issue36/profile.txt"  # CANDIDATE at GOAL, H200
 FLA_STEP_MS = 7.80  # FLA's training step at GOAL, H200 (results/gpu_h200/issue36/results.txt)
@@ -591,12 +591,13 @@ def main(argv=None) -> str:
               f"({MEASURED.relative_to(ROOT)}, train pass; factor = predicted / measured)", cal, rate, meas),
         f"Older profiles: {OLD_PROFILES}.",
         "",
-        table(f"Prediction: {CANDIDATE} at B={B} T={T} H={H} as the checkout builds it: Aqk, Akk, w, u, kg, h, "
-              f"v_new stored bf16 under \"fast\" (kdax._numerics.precision.storage; FLA's storage), float32 accumulation",
+        table(f"Prediction: {CANDIDATE} at B={B} T={T} H={H} as the checkout builds it: Aqk, Akk, w, u, qg, kg, h, "
+              f"v_new, dh stored bf16 and G without G_lo under \"fast\" (kdax._numerics.precision; FLA's storage), "
+              f"float32 accumulation",
               now, rate),
         "",
-        table(f"Prediction: {BEST} at B={B} T={T} H={H} (B4 at 16 warps: kdax.pallas._intra_levels, no spills; "
-              f"the other kernels as above)", best, rate),
+        table(f"Prediction: {BEST} at B={B} T={T} H={H} (F2 and B4 at 16 warps: kdax.pallas._intra_levels, no "
+              f"spills; F4 and B2 at 32 value columns a program; the other kernels as above)", best, rate),
     ]
     if not (a.pipes == CANDIDATE and shape == GOAL):
         for path in a.pipes.split(","):
@@ -609,7 +610,8 @@ def main(argv=None) -> str:
     gib = lambda ks: sum(k.read + k.written for k in ks) / 2**30  # noqa: E731
     parts += ["",
               f"bytes a step moves (kernels' unique blocks read + written): {gib(cal):.2f} GiB with float32 "
-              f"intermediates (as profiled), {gib(now):.2f} GiB with bf16 Aqk, Akk, w, u, kg, h, v_new (the checkout); "
+              f"intermediates (as profiled), {gib(now):.2f} GiB with bf16 Aqk, Akk, w, u, qg, kg, h, v_new, dh "
+              f"and no G_lo (the checkout); "
               f"FLA ~8 GiB (docs: shared DESIGN.md section 6)",
               f"steps predicted: {step:.2f} ms the kernels profiled (measured {sum(meas.get(k.name, 0) for k in cal):.2f}), "
               f"{step_now:.2f} ms {CANDIDATE} (the checkout), {step_best:.2f} ms {BEST} (the checkout's fastest)",

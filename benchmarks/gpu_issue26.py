@@ -84,9 +84,12 @@ PIPES = ("default", "default+no_recompute")
 # loads in flight: the candidate whose kernels compile for sm_90 without spills in the
 # state and gate kernels (benchmarks/results/triton_resources.txt), timed at the goal shape.
 CANDIDATE = "pallas+warps=8+f32dot=tf32x3+fast+stages=2+block_k=64"
-# The candidate with B4 at sixteen warps (no spills; the cost model: its instructions a
-# warp 7.8k -> 4.7k, results/gpu_cost_model.txt): timed and profiled beside it by ``--kernels``.
-CANDIDATE_B4W16 = CANDIDATE + "+warps.intra_bwd=16"
+# The candidate as the cost model finds it fastest (results/gpu_cost_model.txt): F2 and
+# B4 at sixteen warps (no spills under "fast"; their instructions a warp 6.4k -> 4.9k and
+# 7.8k -> 3.9k) and the state kernels F4 and B2 at 32 value columns a program (64 programs
+# at the goal shape, not 32, on 132 SMs; FLA's fwd_h and bwd_dhu autotune 32 or 64):
+# timed and profiled beside it by ``--kernels``.
+CANDIDATE_BEST = CANDIDATE + "+warps.intra=16+warps.intra_bwd=16+block_v=32"
 TOTAL_S = 390
 REPORT_S = 25  # kept for the report steps, which always run
 FLA_CONFIGS = 4  # FLA's autotuning cut to this many configs per kernel, as in every earlier run
@@ -122,7 +125,7 @@ def plan(work: Path, out: Path, py: str = sys.executable, extra_pipes=(), reps: 
          second: bool = False, kernels: bool = False, profile_args=()) -> list:
     """The steps in the order they run (see the module docstring for the budget);
     ``second``: the second call's steps (the largest shape), else the first call's;
-    ``kernels``: the candidate and ``CANDIDATE_B4W16`` at the goal shape, FLA with its
+    ``kernels``: the candidate and ``CANDIDATE_BEST`` at the goal shape, FLA with its
     per-kernel profile, the two candidates' per-kernel profiles (``--kernels``, ~4.5 minutes);
     ``shapes`` (the goal shape first), ``kdax_args``, ``layer_args`` and ``slack`` (every
     limit multiplied: a CPU is slower to compile) change only for a rehearsal."""
@@ -153,7 +156,7 @@ def plan(work: Path, out: Path, py: str = sys.executable, extra_pipes=(), reps: 
         prof = str(HERE / "gpu_profile.py")
         fla = fla_step((goal,), 130, 85)
         fla.argv += ["--profile", "5"]
-        both = (CANDIDATE, CANDIDATE_B4W16)
+        both = (CANDIDATE, CANDIDATE_BEST)
         steps = [kdax(goal, list(both), reps, 150, 80), fla,
                  Step("profile-" + CANDIDATE, [py, prof, "--shape", tag(goal), "--pipes", ",".join(both), "--reps", "5",
                                                "--out", str(out / "profile.txt"), *profile_args], 130, 60,

@@ -397,7 +397,7 @@ def _pallas_outputs(jaxpr):
 # What each kernel writes under "fast" (bf16: the intermediates of _precision.STORED).
 _KERNEL_OUTPUTS = {
     "kdax_PallasIntra_kernel": ("bfloat16", "bfloat16"),  # Aqk, Akk
-    "kdax_PallasWY_kernel": ("bfloat16", "bfloat16", "float32", "bfloat16"),  # w, u, qg, kg
+    "kdax_PallasWY_kernel": ("bfloat16", "bfloat16", "bfloat16", "bfloat16"),  # w, u, qg, kg
     "kdax_PallasState_kernel": ("bfloat16", "bfloat16", "float32"),  # h, v_new, final
 }
 
@@ -406,10 +406,11 @@ _KERNEL_OUTPUTS = {
 @pytest.mark.parametrize("name", ["reference", "pallas_triton", "pallas_tpu"])
 def test_fast_policy_stores_intermediates_in_bf16(name, policy):
     """bf16 inputs with Kimi Linear's options: under "fast" the forward cache holds Aqk,
-    Akk, w, u, kg, h and v_new as bf16 arrays (FLA's storage; qg, G and the final state
-    float32), B0 rebuilds them to the bit, and the Pallas kernels write them in bf16
-    themselves (their ``pallas_call`` outputs, no float32 copy converted after); under
-    "auto" and "highest" every intermediate stays float32. G is float32 alone under
+    Akk, w, u, qg, kg, h and v_new as bf16 arrays (FLA's storage; G and the final state
+    float32), B0 rebuilds them to the bit, B2's dh (the state gradient at each chunk's end)
+    reaches B3 in bf16, and the Pallas kernels write them in bf16 themselves (their
+    ``pallas_call`` outputs, no float32 copy converted after); every gradient the caller
+    gets is float32; under "auto" and "highest" every intermediate stays float32. G is float32 alone under
     "fast" (no ``G_lo``, FLA's cumsum: ``keeps_low_part``), ``G + G_lo`` otherwise."""
     r = np.random.default_rng(4)
     B, T, H, K, C = 1, 64, 2, 16, 16
@@ -420,19 +421,26 @@ def test_fast_policy_stores_intermediates_in_bf16(name, policy):
     o, ht, res = pipe.forward(*args, **opts)
     want = jnp.bfloat16 if policy == "fast" else jnp.float32
     c = res.cache
-    for n in sorted(_precision.STORED):
+    for n in sorted(_precision.STORED - {"dh"}):
         assert getattr(c, n).dtype == want, (n, getattr(c, n).dtype)
-    assert c.qg.dtype == c.G.dtype == ht.dtype == jnp.float32 and o.dtype == jnp.bfloat16
+    assert c.G.dtype == ht.dtype == jnp.float32 and o.dtype == jnp.bfloat16
     G_lo = res.act.G_lo
     assert G_lo is None if policy == "fast" else (G_lo.dtype == jnp.float32 and G_lo.shape == c.G.shape)
     rebuilt = pipe.resolved(jnp.bfloat16).recomputed(eqx.tree_at(lambda x: x.cache, res, None, is_leaf=lambda x: x is None))
     for a, b in zip(jax.tree.leaves(rebuilt), jax.tree.leaves(c)):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-    grads = pipe.backward(res, jnp.ones(o.shape, jnp.float32), jnp.ones(ht.shape, jnp.float32))
+    do, dht = jnp.ones(o.shape, jnp.float32), jnp.ones(ht.shape, jnp.float32)
+    grads = pipe.backward(res, do, dht)
     assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
+    dh = kdax.stage_inputs(pipe, *args, **opts)["wy_dqkg"][10]  # (B3's dh: a float32 copy where B3 wants one)
+    assert (dh.dtype == want) if isinstance(pipe.wy_dqkg, PallasTarget) else dh.dtype == jnp.float32
+    dh32 = np.asarray(dh, np.float32)
+    assert np.array_equal(dh32, np.asarray(jnp.asarray(dh32).astype(jnp.bfloat16), np.float32)) == (policy == "fast")
     if name == "reference":
         return
+    bwd = _pallas_outputs(jax.make_jaxpr(lambda r: pipe.backward(r, do, dht))(res).jaxpr)
+    assert ("kdax_PallasDhu_kernel", (str(jnp.dtype(want)), "float32", "float32")) in bwd, bwd
     kernels = _pallas_outputs(jax.make_jaxpr(lambda *a: pipe.forward(*a, **opts)[:2])(*args).jaxpr)
     seen = {n for n, _ in kernels}
     assert set(_KERNEL_OUTPUTS) <= seen, seen

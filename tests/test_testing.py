@@ -167,9 +167,10 @@ class MisreadsHalfOutput(AbstractOutput):
     accepts: ClassVar[frozenset] = frozenset({"half_stored"})
 
     def __call__(self, scale, qg, h, Aqk, v_new):
+        dt = jnp.promote_types(qg.dtype, jnp.float32)  # (qg too is stored bf16 under "fast")
         if v_new.dtype == jnp.bfloat16:
-            v_new = 1.01 * v_new.astype(qg.dtype)
-        return ReferenceOutput()(scale, qg, h.astype(qg.dtype), Aqk.astype(qg.dtype), v_new.astype(qg.dtype))
+            v_new = 1.01 * v_new.astype(dt)
+        return ReferenceOutput()(scale, qg.astype(dt), h.astype(dt), Aqk.astype(dt), v_new.astype(dt))
 
 
 class ScaledDvDAv(AbstractDAv):

@@ -12,14 +12,14 @@ Policies (``KDAPipeline.precision``):
   ``chunk_gated_delta_rule_fwd_h`` / ``bwd_dhu`` run them: the state itself is carried in
   float32 across chunks (only its copy fed to each chunk's product is rounded), ``h`` (the
   state at each chunk's start) and ``v_new`` are stored rounded to bf16 (FLA stores them
-  as bf16 tensors), and the final states and the gradient ``dh`` stay float32. The
-  intermediates FLA stores in bf16 (``STORED``: ``Aqk``, ``Akk``, ``w``, ``u``, ``kg``,
-  ``h``, ``v_new``) are stored as bf16 arrays, every sum behind them accumulated in
-  float32 (``storage``: the bytes a training step moves, about 11.4 GiB against FLA's
-  8 at the GPU benchmark's shape with them in float32). Float64 inputs still get
-  ``"highest"``;
-  The gate's cumsum ``G`` is then float32 alone, as FLA's, without the low part ``G_lo``
-  the other policies carry (``keeps_low_part``);
+  as bf16 tensors), and the final states stay float32. The intermediates FLA stores in
+  bf16 (``STORED``: ``Aqk``, ``Akk``, ``w``, ``u``, ``qg``, ``kg``, ``h``, ``v_new`` and
+  B2's ``dh``, the state gradient at each chunk's end) are stored as bf16 arrays, every
+  sum behind them accumulated in float32 (``storage``: the bytes a training step moves,
+  about 11.4 GiB against FLA's 8 at the GPU benchmark's shape with them in float32;
+  the dh carried across chunks stays float32, as the state does). The gate's cumsum
+  ``G`` is float32 alone, as FLA's, without the low part ``G_lo`` the other policies
+  carry (``keeps_low_part``). Float64 inputs still get ``"highest"``;
 * ``"auto"`` (default): ``"bfloat16"`` / ``"float16"`` when q is bfloat16 / float16, else
   ``"highest"``. Whether ``"fast"`` can become the default for bf16 inputs on a GPU is to
   be decided there (benchmarks/NOTES.md): its CPU errors (``tests/test_precision.py``)
@@ -60,7 +60,7 @@ applies the policy to its own. The tests
 emulate XLA:GPU's rounding on a CPU (``tests/_gpu_products.py``).
 
 Storage (``"fast"`` only): the stage runner casts the ``STORED`` fields of F2's, F3's,
-F4's and B0's outputs to ``storage(dtype)`` (a no-op for a stage that wrote them so: the
+F4's, B0's and B2's outputs to ``storage(dtype)`` (a no-op for a stage that wrote them so: the
 Pallas kernels write bf16 themselves), and hands them in that dtype only to a stage that
 declares the capability ``"half_stored"`` (``kdax._runner.capabilities``); any other stage gets
 float32 copies (exact), so every stage, a user's too, runs unchanged.
@@ -82,9 +82,9 @@ POLICIES = ("auto", "highest", "bfloat16", "float16", "fast")
 FAST_STAGES = frozenset({"intra", "wy", "output", "dav", "wy_dqkg"})
 
 # The intermediates that "fast" stores in bf16, as FLA does (stage outputs and stage
-# arguments go by these names: F2's Aqk, Akk; F3's w, u, kg; F4's h, v_new). qg, G and
-# every gradient stay float32.
-STORED = frozenset({"Aqk", "Akk", "w", "u", "kg", "h", "v_new"})
+# arguments go by these names: F2's Aqk, Akk; F3's w, u, qg, kg; F4's h, v_new; B2's dh).
+# G and every gradient a stage returns to the pipeline's caller stay float32.
+STORED = frozenset({"Aqk", "Akk", "w", "u", "qg", "kg", "h", "v_new", "dh"})
 
 # The chunk recurrences, whose products take bf16 operands under "fast" only (B0's F4 runs
 # as "state": stages._recompute).

@@ -20,8 +20,8 @@ class Capabilities(NamedTuple):
     and ``do`` from the caller's layout itself, given ``kdax.typing.Tokens`` views in
     place of the chunked arrays (dense input whose T is a multiple of the chunk size);
     without it the stage gets the chunked copies. ``half_stored``: takes the
-    intermediates of ``kdax._numerics.precision.STORED`` (``Aqk``, ``Akk``, ``w``, ``u``, ``kg``,
-    ``h``, ``v_new``) in the dtype a policy stores them in (bf16 under ``"fast"``), as well
+    intermediates of ``kdax._numerics.precision.STORED`` (``Aqk``, ``Akk``, ``w``, ``u``, ``qg``,
+    ``kg``, ``h``, ``v_new``, ``dh``) in the dtype a policy stores them in (bf16 under ``"fast"``), as well
     as in float32; without it the stage gets float32 copies (exact).
 
     What formula a stage computes is not a capability: forward stages declare ``math``,

@@ -14,6 +14,7 @@ import jax
 
 from .._errors import StageContractError
 from .._numerics import precision as _precision
+from ..ref import compute_dtype
 from ..stages import (
     ReferenceDAv,
     ReferenceDhu,
@@ -130,6 +131,9 @@ def expected_output(name: str, kw: dict, config, policy: str = "highest") -> Any
     def grad_of(x, like):  # a gradient of stored x: the compute dtype (like's)
         return sds(like, x.shape)
 
+    def computed(x, shape, stored=False):  # in the compute dtype of x (which may be stored in bf16)
+        return s(jax.ShapeDtypeStruct(tuple(shape), compute_dtype(x)), stored=stored)
+
     if name == "gate":
         q = kw["q"]
         rstd = s(q, q.shape[:-1] + (1,)) if config.use_qk_l2norm_in_kernel else None
@@ -139,22 +143,23 @@ def expected_output(name: str, kw: dict, config, policy: str = "highest") -> Any
         mat = s(q, q.shape[:-1] + (q.shape[-2],), stored=True)
         return IntraOut(mat, mat)
     if name == "wy":
-        return WYOut(s(kw["k"], stored=True), s(kw["v"], stored=True), s(kw["q"]), s(kw["k"], stored=True))
+        return WYOut(s(kw["k"], stored=True), s(kw["v"], stored=True), s(kw["q"], stored=True), s(kw["k"], stored=True))
     if name == "state":
         w, u, h0 = kw["w"], kw["u"], kw["h0"]
         return StateOut(s(h0, w.shape[:3] + (w.shape[-1], u.shape[-1]), stored=True), s(h0, u.shape, stored=True),
                         s(h0))
     if name == "output":
-        return s(kw["qg"], kw["v_new"].shape)  # (in the compute dtype: v_new may be stored bf16)
+        return computed(kw["qg"], kw["v_new"].shape)
     if name == "recompute":
         q, v, h0 = kw["q"], kw["v"], kw["h0"]
-        return (WYOut(s(kw["k"], stored=True), s(v, stored=True), s(q), s(kw["k"], stored=True)),
+        return (WYOut(s(kw["k"], stored=True), s(v, stored=True), s(q, stored=True), s(kw["k"], stored=True)),
                 StateOut(s(q, q.shape[:3] + (q.shape[-1], v.shape[-1]), stored=True), s(v, stored=True), s(h0)))
     if name == "dav":
         return (grad_of(kw["Aqk"], kw["do"]), s(kw["do"]))
     if name == "dhu":
         qg, do = kw["qg"], kw["do"]
-        return DhuOut(s(qg, qg.shape[:3] + (qg.shape[-1], do.shape[-1])), s(kw["dht"]), s(kw["dv_intra"]))
+        return DhuOut(computed(qg, qg.shape[:3] + (qg.shape[-1], do.shape[-1]), stored=True), s(kw["dht"]),
+                      s(kw["dv_intra"]))
     if name == "wy_dqkg":
         return ChunkGrads(s(kw["q"]), s(kw["k"]), s(kw["v"]), s(kw["beta"]), s(kw["G"]), grad_of(kw["Akk"], kw["q"]))
     if name == "intra_bwd":

@@ -140,7 +140,7 @@ def run_stage(pipeline, name: str, **kwargs):
 
 
 # The stages whose outputs hold intermediates of kdax._numerics.precision.STORED.
-_STORING = frozenset({"intra", "wy", "state", "recompute"})
+_STORING = frozenset({"intra", "wy", "state", "recompute", "dhu"})
 
 
 class PipelineWY(AbstractWY):

@@ -8,6 +8,7 @@ from types import MappingProxyType
 from .._layouts.tokens import Tokens
 from .._runner.final import final
 from .._typing import ChunkK, ChunkMat, ChunkState, ChunkV, typecheck
+from ..ref import compute_dtype
 from ..stages import KDA, AbstractDAv, AbstractOutput
 from ._common import PallasTarget, chunk_spec, dot, flat, iota, loaded, lower_dot, token_operand, tuned, unflat
 
@@ -45,7 +46,7 @@ class PallasOutput(AbstractOutput, PallasTarget):
         (o,) = self.call(
             kernel, (qf, hf, flat(Aqk), vf),
             [chunk_spec((C, Kp)), chunk_spec((Kp, Vp)), chunk_spec((C, C)), chunk_spec((C, Vp))],
-            [(C, Vp)], R * HV, NC, qg.dtype)
+            [(C, Vp)], R * HV, NC, compute_dtype(qg))  # (qg may be stored bf16)
         return unflat(o[..., :V], R, HV)
 
 

@@ -167,7 +167,8 @@ class PallasDhu(AbstractDhu, PallasValueBlocks):
         gam = _gamma_col(G, t, reset)
         dhtf = feature_pad(t, dht.reshape(N * HV, K, V), axes=(-2, -1))
         P, Kp, Vp = R * HV, qf.shape[-1], dvf.shape[-1]
-        shapes = dict(NC=NC, C=C, Kp=Kp, Vp=Vp, dtype=dv_intra.dtype, interpret=self.run_interpreted)
+        dt = dv_intra.dtype  # (dh as stored: bf16 under "fast")
+        shapes = dict(NC=NC, C=C, Kp=Kp, Vp=Vp, dtype=[_precision.storage(dt), dt, dt], interpret=self.run_interpreted)
         if t == "tpu":
             dh, dv_new, dh0 = tpu.dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, P=P, **shapes)
         else:

@@ -71,7 +71,7 @@ def dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, *, P, NC, C, Kp, Vp, dt
             scr[...] = dht_ref[...]
 
         dh_end = scr[...]
-        dh_ref[...] = dh_end
+        dh_ref[...] = dh_end.astype(dh_ref.dtype)
         dv, dh_start = dhu_step(scale, q_ref[...], k_ref[...], w_ref[...], g_ref[...], do_ref[...],
                                  dvi_ref[...], dh_end)
         dv_ref[...] = dv

@@ -119,7 +119,7 @@ def dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout, *, R, HV, NC, C
                             for (k0, bk), h in zip(tiles, dhs))
             rows = pl.ds(c * C, C)
             for (k0, bk), h in zip(tiles, dhs):
-                dh_ref[p, pl.ds(c * Kp + k0, bk), cols] = h
+                dh_ref[p, pl.ds(c * Kp + k0, bk), cols] = h.astype(dh_ref.dtype)
             cut = lambda ref: [ref[p, rows, pl.ds(k0, bk)] for k0, bk in tiles]
             dv, dhs_start = dhu_step_tiled(scale, cut(q_ref), cut(k_ref), cut(w_ref),
                                             [g_ref[p, pl.ds(c * Kp + k0, bk), :] for k0, bk in tiles],

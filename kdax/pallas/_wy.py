@@ -64,7 +64,7 @@ def wy_kernel(k_blocks, v_blocks, has_lo: bool, load_v=None, row_loads: bool = F
             lo = ref_or_none(lo_r, kc)
             eG = policy_exp(G)
             put(w_o, kc, lower_dot(a_r[...], beta * k * eG))  # (put: in the stored dtype)
-            qg_o[kc] = q_r[kc] * eG
+            put(qg_o, kc, q_r[kc] * eG)
             gam, lo_gam = last_rows(row_loads, (g_r, lo_r), kc[1], (G, lo))
             put(kg_o, kc, k * policy_exp(exponent(gam, G, lo_gam, lo)))
             return carry
@@ -128,7 +128,7 @@ def wy_dqkg_body(scale, beta, Akk, refs, out_refs, k_blocks, v_blocks, has_lo: b
         dkg, hdh = over_values(k0, bk, lambda vc, hb: (
             dot(vn_r[vc], dh_r[hb], tb=True),
             # sum_v h dh as a [1, bk] row (a transpose keeps everything 2-D)
-            jnp.sum((h_r[hb] * dh_r[hb]).T, axis=0, keepdims=True)), 1)
+            jnp.sum((h_r[hb].astype(dt) * dh_r[hb].astype(dt)).T, axis=0, keepdims=True)), 1)
         G, lo = gate()
         gam, lo_gam = last_rows(row_loads, (g_r, lo_r), kc[1], (G, lo))
         kg = kg_r[kc]
@@ -192,9 +192,9 @@ class PallasWY(AbstractWY, PallasFeatureBlocks):
 
         kernel = wy_kernel(self.feature_blocks(Kp), self.feature_blocks(Vp), G_lo is not None, load_v,
                            self.target == "triton")
-        st = _precision.storage(q.dtype)  # w, u, kg as stored (bf16 under "fast"); qg in q's dtype
+        st = _precision.storage(q.dtype)  # w, u, qg, kg as stored (bf16 under "fast")
         w, u, qg, kg = self.call(kernel, ins, specs, [(C, Kp), (C, Vp), (C, Kp), (C, Kp)], R * HV, NC,
-                                 [st, st, q.dtype, st])
+                                 [st, st, st, st])
         cut = lambda x, n: unflat(x[..., :n], R, HV)
         return WYOut(cut(w, K), cut(u, V), cut(qg, K), cut(kg, K))
 

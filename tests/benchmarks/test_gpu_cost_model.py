@@ -111,15 +111,22 @@ def test_small_shape_rows(text):
         assert read + written > 0 and instr > 0 and pred > 0 and int(r[6]) >= 1, r  # r[6]: CTAs per SM
 
 
-def test_sixteen_warp_b4_rows(text):
-    """The candidate with B4 at 16 warps: B4 alone differs (16 warps, fewer instructions a
-    warp: its offsets' work over twice the threads), every other kernel as the candidate's."""
+def test_fastest_tuning_rows(text):
+    """The candidate's fastest tuning (``BEST``): F2 and B4 at 16 warps (fewer instructions
+    a warp: their elementwise work over twice the threads), F4 and B2 (and B0's F4) over
+    twice the programs (32 value columns each, fewer instructions a warp); every other
+    kernel as the candidate's."""
     now = {r[0]: r for r in _rows(text, "Prediction:", "as the checkout builds it")}
-    best = {r[0]: r for r in _rows(text, "Prediction:", "B4 at 16 warps")}
+    best = {r[0]: r for r in _rows(text, "Prediction:", "F2 and B4 at 16 warps")}
     assert set(now) == set(best)
-    b4 = "kdax_PallasIntraBackward_kernel"
-    assert best[b4][2] == "16" and now[b4][2] == "8" and float(best[b4][11]) < float(now[b4][11])
-    assert all(best[k] == now[k] for k in now if k != b4)
+    wide = ("kdax_PallasIntra_kernel", "kdax_PallasIntraBackward_kernel")
+    state = ("kdax_PallasState_kernel", "kdax_PallasState_kernel__1", "kdax_PallasDhu_kernel")
+    for k in wide:
+        assert best[k][2] == "16" and now[k][2] == "8" and float(best[k][11]) < float(now[k][11]), (now[k], best[k])
+    programs = lambda r: math.prod(int(x) for x in r[1].split("x"))  # noqa: E731
+    for k in state:
+        assert programs(best[k]) == 2 * programs(now[k]) and float(best[k][11]) < float(now[k][11]), (now[k], best[k])
+    assert all(best[k] == now[k] for k in now if k not in wide + state)
 
 
 def test_bf16_storage_rows(text):

@@ -216,7 +216,7 @@ def test_kernels_plan_profiles_candidate_and_fla(g26, scripts, tmp_path):
     fla = _args(steps[1], scripts)
     assert fla.profile == 5 and fla.ref == [str(tmp_path / "w" / "ref_1x16384x16.npz")]
     prof = steps[2].argv
-    both = f"{g26.CANDIDATE},{g26.CANDIDATE_B4W16}"
+    both = f"{g26.CANDIDATE},{g26.CANDIDATE_BEST}"
     assert prof[prof.index("--pipes") + 1] == both and prof[prof.index("--out") + 1].endswith("profile.txt")
     assert steps[0].argv[steps[0].argv.index("--pipes") + 1] == both
     # it fits what is left of a session's device time after a machine start (~15 min - 2)

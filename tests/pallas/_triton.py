@@ -243,13 +243,13 @@ def gate_kernels(tuning: dict, tokens: bool = False) -> dict:
 def chunk_kernels(policy: str, tuning: dict, tokens: bool = False, only: tuple = ("intra", "wy", "wy_dqkg", "intra_bwd"),
                   packed: bool = False) -> dict:
     """``captured`` TTIR of the chunk-parallel Triton kernels F2, F3, B3 and B4 alone at
-    K = V = 128, chunk 64, with G's low part (``kdax._numerics.hilo``, as Kimi Linear's options
-    run them), each traced under precision ``policy`` (its stage's products) with Triton
+    K = V = 128, chunk 64, with G's low part where the policy keeps it (``kdax._numerics.hilo``,
+    ``precision.keeps_low_part``: all but ``"fast"``), each traced under precision ``policy`` (its stage's products) with Triton
     ``tuning`` (``PallasTarget`` fields). ``tokens``: F3 and B3 read ``v`` (cleaned as
     ``chunk_kda`` cleans it) and B3 ``do`` as ``kdax._layouts.tokens.Tokens`` views of bf16
     ``[B, T, HV, V]`` arrays. ``only``: these stages' kernels. ``packed``: F2 and B4 take
     shared chunks' resets (``kdax._layouts.resets``). The stored
-    intermediates (Akk, kg, h, v_new) in the policy's storage dtype, as the pipeline
+    intermediates (Akk, qg, kg, h, v_new, dh) in the policy's storage dtype, as the pipeline
     passes them (bf16 under ``"fast"``: ``kdax._numerics.precision.storage``)."""
     import jax
     import jax.numpy as jnp
@@ -265,6 +265,7 @@ def chunk_kernels(policy: str, tuning: dict, tokens: bool = False, only: tuple =
     cm, ch = s((R, HV, NC, C, C), jnp.float32), s((R, HV, NC, K, K), jnp.float32)
     stored = lambda x: s(x.shape, _precision.storage(x.dtype, policy))
     sk, sm, sh = stored(ck), stored(cm), stored(ch)
+    lo = ck if _precision.keeps_low_part(policy) else None
     kw = dict(target="triton", interpret=False, **tuning)
     tv = s((R, NC * C, HV, K), jnp.bfloat16) if tokens else ck
     view = (lambda d, kind=None: Tokens(d, HV, C, jnp.dtype(jnp.float32), kind)) if tokens else (lambda d, kind=None: d)
@@ -277,13 +278,13 @@ def chunk_kernels(policy: str, tuning: dict, tokens: bool = False, only: tuple =
 
     rs = (s((R, NC, C), jnp.bool_),) if packed else ()
     calls = [
-        (scoped("intra", lambda q, k, b, G, lo, *r: PallasIntra(**kw)(0.1, q, k, b, G, lo, *r)), (ck, ck, cs, ck, ck, *rs)),
+        (scoped("intra", lambda q, k, b, G, lo, *r: PallasIntra(**kw)(0.1, q, k, b, G, lo, *r)), (ck, ck, cs, ck, lo, *rs)),
         (scoped("wy", lambda q, k, v, b, G, A, lo: PallasWY(**kw)(q, k, view(v, "any"), b, G, A, lo)),
-         (ck, ck, tv, cs, ck, sm, ck)),
+         (ck, ck, tv, cs, ck, sm, lo)),
         (scoped("wy_dqkg", lambda *a: PallasWYDqkg(**kw)(0.1, *a[:2], view(a[2], "any"), *a[3:11], view(a[11]), *a[12:])),
-         (ck, ck, tv, cs, ck, sm, ck, sk, sh, ch, sk, tv, ck, ck)),
+         (ck, ck, tv, cs, ck, sm, sk, sk, sh, sh, sk, tv, ck, lo)),
         (scoped("intra_bwd", lambda q, k, b, G, dA, dL, dq, dk, db, dG, lo, *r: PallasIntraBackward(**kw)(
-            0.1, q, k, b, G, dA, ChunkGrads(dq, dk, None, db, dG, dL), lo, *r)), (ck, ck, cs, ck, cm, cm, ck, ck, cs, ck, ck, *rs)),
+            0.1, q, k, b, G, dA, ChunkGrads(dq, dk, None, db, dG, dL), lo, *r)), (ck, ck, cs, ck, cm, cm, ck, ck, cs, ck, lo, *rs)),
     ]
     with captured() as mods:
         for name, (fn, args) in zip(("intra", "wy", "wy_dqkg", "intra_bwd"), calls):

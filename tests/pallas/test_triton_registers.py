@@ -20,6 +20,9 @@ from ._triton import (  # noqa: E402
 TUNINGS = {
     # FLA's shape of the recurrence: the state as 64-row tiles, 64 value columns, 8 warps.
     "w8_s2_k64": dict(num_warps=8, num_stages=2, block_k=64),
+    # the cost model's fastest (benchmarks/gpu_issue26.py's CANDIDATE_BEST): 32 value columns
+    # a program at eight warps
+    "w8_s2_k64_v32": dict(num_warps=8, num_stages=2, block_k=64, block_v=32),
     # twice the programs (32 value columns: B = 1, H = 16 gives 64 programs, not 32) and
     # one more chunk's loads in flight
     "w4_s3_k64_v32": dict(num_warps=4, num_stages=3, block_k=64, block_v=32),
@@ -60,7 +63,8 @@ def test_gate_kernels_fit_in_registers(num_warps, tokens):
 
 @pytest.mark.parametrize("policy", ["bfloat16", "fast"])
 def test_chunk_kernels_fit_in_registers(policy):
-    """F2, F3, B3 and B4 at K = V = 128, chunk 64, with G's low part, at the all-Triton
+    """F2, F3, B3 and B4 at K = V = 128, chunk 64, with G's low part (but under "fast",
+    which keeps G alone: ``precision.keeps_low_part``), at the all-Triton
     candidate's tuning (eight warps, float32 products as TF32x3, two stages), under the
     bf16 inputs' default policy: no thread-local memory; F3 and B3 take bf16 ``wgmma``
     products, B4 (kept float32: kdax._numerics.precision) TF32 tensor-core products. Before they
@@ -76,7 +80,8 @@ def test_chunk_kernels_fit_in_registers(policy):
     program (``B4_MAX_BLOCK``); at 64 columns 24 B of spills (six levels: 64 B); with all
     four products in one loop over the levels 72 to 312 B; with Triton's own (chained)
     TF32x3 products 1.2 KiB. Under "fast" (the candidate's policy) F2 and F3
-    write and F3 and B3 read Aqk, Akk, w, u, kg, h, v_new as bf16 (kdax._numerics.precision)."""
+    write and F3 and B3 read Aqk, Akk, w, u, qg, kg, h, v_new and B2's dh as bf16
+    (kdax._numerics.precision)."""
     t = dict(num_warps=8, num_stages=2, f32_dot="tf32x3")
     used = {src.split(" ")[0]: resources(text, 8, 2) for src, text in chunk_kernels(policy, t).items()}
     assert len(used) == 4, used
@@ -87,17 +92,18 @@ def test_chunk_kernels_fit_in_registers(policy):
         assert (tf32 if "IntraBackward" in name else bf16), (name, r.mma)
 
 
-@pytest.mark.parametrize("policy", ["bfloat16", "fast"])
-def test_intra_backward_at_sixteen_warps(policy):
-    """B4 at sixteen warps (``gpu_vs_fla.py``'s ``+warps.intra_bwd=16``, the second
-    candidate of benchmarks/gpu_issue26.py): no thread-local memory (123 registers of the
-    128 a thread has at 16 warps, dense and packed alike) and TF32 tensor-core products. Its
-    offsets' elementwise work is spread over twice the threads (the cost model: 7.8k ->
-    4.5k instructions a warp, same programs); F2 and B3 at 16 warps spill (F2's inverse
-    at the 128-register cap; B3 40 B), so they stay at eight."""
+@pytest.mark.parametrize("stage,policy", [("intra_bwd", "bfloat16"), ("intra_bwd", "fast"), ("intra", "fast")])
+def test_intra_kernels_at_sixteen_warps(stage, policy):
+    """B4 and F2 at sixteen warps (``gpu_vs_fla.py``'s ``+warps.intra_bwd=16``,
+    ``+warps.intra=16``: benchmarks/gpu_issue26.py's ``CANDIDATE_BEST``): no thread-local
+    memory (B4 123-126 registers of the 128 a thread has at 16 warps, F2 under "fast"
+    124-126, dense and packed alike) and TF32 tensor-core products. Their elementwise work
+    is spread over twice the threads (the cost model: B4 7.8k -> 3.9k, F2 6.4k -> 4.9k
+    instructions a warp, same programs). F2 fits only without G's low part (under
+    "bfloat16" 480 B of spills), B3 at 16 warps spills 40 B: it stays at eight."""
     t = dict(num_warps=16, num_stages=2, f32_dot="tf32x3")
     for layout in ("dense", "packed"):
-        kernels = chunk_kernels(policy, t, only=("intra_bwd",), packed=layout == "packed")
+        kernels = chunk_kernels(policy, t, only=(stage,), packed=layout == "packed")
         used = {src.split(" ")[0]: resources(text, 16, 2) for src, text in kernels.items()}
         assert len(used) == 1, used
         (r,) = used.values()
