@@ -204,13 +204,14 @@ def zeros_like_or(x: Optional[jax.Array], like) -> jax.Array:
 RESET_FIELDS = ("gate", "intra", "wy", "state", "recompute", "dhu", "wy_dqkg", "intra_bwd", "gate_bwd")
 
 
-def shares_chunks(pipeline, initial_state, cu_seqlens) -> bool:
-    """Whether a call of ``pipeline`` with these inputs packs its sequences into shared
-    chunks (``share_chunks``): packed varlen input, no ``initial_state``, every stage of
-    KDA's math and the stages of ``RESET_FIELDS`` accepting ``reset`` (or ``fallback`` to
-    the reference ones). Final states and a loss on them need no other layout
-    (``kdax._layouts.shared_states``)."""
-    if not pipeline.share_chunks or cu_seqlens is None or initial_state is not None:
+def shares_chunks(pipeline, cu_seqlens) -> bool:
+    """Whether ``pipeline`` can pack the sequences of ``cu_seqlens`` into shared chunks
+    (``share_chunks``): packed varlen input, every stage of KDA's math and the stages of
+    ``RESET_FIELDS`` accepting ``reset`` (or ``fallback`` to the reference ones). Final
+    states and a loss on them need no other layout (``kdax._layouts.shared_states``);
+    whether initial states entering them do is the forward's route to decide
+    (``kdax._runner.forward``)."""
+    if not pipeline.share_chunks or cu_seqlens is None:
         return False
     # The route a declaration selects, by the one rule (``unchecked``): every stage's math
     # checked against the reference (a stage of other math keeps its sequences in chunks

@@ -45,7 +45,7 @@ def forward_route(pipeline, config: KDAConfig, raw: tuple, h0, A_log, dt_bias, c
     # kdax._layouts.shared_states: only for stages that declare KDA's, as shares_chunks asks
     # of every stage; others keep one sequence per chunk, every term from the stage)
     entries = entries and all(is_kda(getattr(pipeline, n)) for n in ("gate", "output"))
-    shared = shares_chunks(pipeline, None if entries else h0, cu_seqlens)
+    shared = (h0 is None or entries) and shares_chunks(pipeline, cu_seqlens)
     entering = shared and h0 is not None
     if entering:  # (cast before the layout is made: the program lowered as it was)
         in_dtypes, A_log, dt_bias, h0 = in_compute_dtype(raw, h0, A_log, dt_bias, dt, None)
