@@ -10,8 +10,8 @@ exponential a token a level: a level's rows and columns are the two halves of ea
 block, ``half_block_decay``). F2 inverts
 ``I + L`` by blocked doubling (2 log2(C) - 2 products); B4 takes the pairs inside each
 16-token sub-block one diagonal offset at a time (elementwise, every row at once) and
-runs the transposes of F2's level products for the pairs across sub-blocks, 32 feature
-columns a program.
+runs the transposes of F2's level products for the pairs across sub-blocks (each over
+the half of the tokens its pairs reach on the summed side), 32 feature columns a program.
 """
 
 import functools
@@ -273,22 +273,23 @@ class Rows:
 
 # B4 takes the pairs inside each SUB_BLOCK-token sub-block one diagonal offset at a time
 # (``offset_loop``) and the pairs across sub-blocks by halving levels (``level_loop``): a
-# level's [C, C] work (its dA and dL selected, split for TF32x3, held as the products'
+# level's [C, C/2] work (its dA and dL selected, split for TF32x3, held as the products'
 # operands) is done by each of a chunk's column programs, an offset is elementwise work
-# on [C, w] tiles alone. At C = 64, 32 columns, sm_90: 16 offsets and 2 levels 7.8k SASS
-# instructions a warp; 6 levels 11.3k; 8 offsets and 3 levels as 16 and 2; 4 and 4 +3%.
+# on [C, w] tiles alone. At C = 64, 32 columns, sm_90, with [C, C] level operands then:
+# 16 offsets and 2 levels 7.8k SASS instructions a warp; 6 levels 11.3k; 8 offsets and 3
+# levels as 16 and 2; 4 and 4 +3%.
 SUB_BLOCK = 16
 
 
 class B4Refs:
     """B4's operand refs ``(q, k, beta, G, G_lo or None, dA, dL)`` for one block of feature
     columns ``cols``, the chunk's ``C`` tokens in sub-blocks of ``B``, the score ``scale``,
-    ``pick(ref, pairs, at)`` (``ref[at]``'s entries at ``pairs`` within one sequence, exact zeros elsewhere) and
-    ``same(i, j)`` (per row: tokens i and j in one sequence; None without resets)."""
+    and ``seg`` (``[C, 1]``: each token's sequence, to select pairs within one; None
+    without resets)."""
 
-    def __init__(self, refs, cols, C: int, B: int, scale: float, pick, same):
+    def __init__(self, refs, cols, C: int, B: int, scale: float, seg):
         self.q, self.k, self.beta, self.G, self.lo, self.dA, self.dL = refs
-        self.cols, self.C, self.B, self.scale, self.pick, self.same = cols, C, B, scale, pick, same
+        self.cols, self.C, self.B, self.scale, self.seg = cols, C, B, scale, seg
 
     def offset_loop(self, side: str, init):
         """``init`` plus the pairs i >= j inside each sub-block, diagonal included, one
@@ -310,14 +311,14 @@ class B4Refs:
         def rows(o, acc):
             dq_a, r = acc
             j = jnp.maximum(t - o, 0)  # row i = t takes column j = t - o
-            ok = inner >= o if self.same is None else (inner >= o) & self.same(t, j)
+            ok = inner >= o if self.seg is None else (inner >= o) & (self.seg[t, :] == self.seg[j, :])
             kx = self.k[j, cols] * fast_decay(G, self.G[j, cols], lo, gathered(self.lo, j, cols))
             return (jnp.where(ok, dq_a + self.dA[tc, j[:, None]] * kx, dq_a),
                     jnp.where(ok, r + self.dL[tc, j[:, None]] * kx, r))
 
         def columns(o, e):
             i = jnp.minimum(t + o, C - 1)  # column j = t takes row i = t + o
-            ok = inner + o < B if self.same is None else (inner + o < B) & self.same(i, t)
+            ok = inner + o < B if self.seg is None else (inner + o < B) & (self.seg[i, :] == self.seg[t, :])
             ic = i[:, None]
             x = (scale * self.dA[ic, tc]) * self.q[i, cols] + (self.dL[ic, tc] * self.beta[i, :]) * self.k[i, cols]
             return jnp.where(ok, e + x * fast_decay(self.G[i, cols], G, gathered(self.lo, i, cols), lo), e)
@@ -326,63 +327,87 @@ class B4Refs:
             return loop(0, B, lambda o, acc: (columns(o, acc[0]), *rows(o, acc[1:])), init)
         return loop(0, B, rows if side == "rows" else columns, init)
 
-    def level_operands(self, lev):
-        """``(z, S, St)``: a row start that is 0, and the level's entries of dA
-        (``S(5)``) or dL (``S(6)``) and of their transposes (``St``, a gather load)."""
-        C, sr = self.C, jax.lax.shift_right_logical
-        # Rows 0..C-1 from a start Triton cannot prove constant (it is 0), so that it keeps
-        # the loads inside the loop: hoisted, every operand stayed live across the levels.
-        z = jnp.minimum(lev, 0)
-        ri, cj = iota((C, 1), 0), iota((1, C), 1)  # (from vectors: no [C, C] index tiles live)
-        pairs = (sr(ri, lev + 1) == sr(cj, lev + 1)) & (sr(ri, lev) > sr(cj, lev))
-        pairs_t = (sr(ri, lev + 1) == sr(cj, lev + 1)) & (sr(ri, lev) < sr(cj, lev))
-        ref = {5: self.dA, 6: self.dL}
-        S = lambda w: self.pick(ref[w], pairs, (pl.ds(z, C), slice(None)))  # noqa: E731
-        St = lambda w: self.pick(ref[w], pairs_t, (cj + z, ri))  # noqa: E731
-        return z, S, St
+    def half_rows(self, lev, z):
+        """``(lower, upper)``: int32 ``[C/2]``, the tokens of the lower and of the upper half
+        of each ``2s``-token block of halving level ``lev`` (s = 2^lev) in order, each
+        plus ``z`` (a 0 Triton cannot prove constant: the gathers stay inside the loop;
+        hoisted, every operand stayed live across the levels)."""
+        sl, sr = jax.lax.shift_left, jax.lax.shift_right_logical
+        m = iota((self.C // 2,), 0)
+        s = sl(jnp.int32(1), lev)
+        lower = sl(sr(m, lev), lev + 1) + (m & (s - 1)) + z
+        return lower, lower + s
 
-    def token_operands(self, lev, z):
-        """``(q, k, beta, e^(G_i - G_a), e^(G_a - G_j))`` for level ``lev``'s anchors a
-        (``level_scores``': the first row of a token's half-block, the next one's)."""
-        C, cols, sr = self.C, self.cols, jax.lax.shift_right_logical
-        t = iota((C,), 0)
-        at = (pl.ds(z, C), cols)
-        ra = jax.lax.shift_left(sr(t, lev), lev)  # first row of each token's half-block
-        ca = jnp.minimum(ra + jax.lax.shift_left(jnp.int32(1), lev), C - 1)  # the next one's
-        G, lo = Rows(self.G, at[0])[at], None if self.lo is None else Rows(self.lo, at[0])[at]
-        into = fast_decay(G, gathered(self.G, ra, cols), lo, gathered(self.lo, ra, cols))
-        back = fast_decay(gathered(self.G, ca, cols), G, gathered(self.lo, ca, cols), lo)
-        return Rows(self.q, at[0])[at], Rows(self.k, at[0])[at], self.beta[pl.ds(z, C), :], into, back
+    def level_entries(self, w: int, lev, z, other, transposed: bool):
+        """``[C, C/2]``: the entries of dA (``w = 5``) or dL (``w = 6``) of level ``lev``'s
+        pairs between every token t (rows) and the tokens ``other`` (``[C/2]``, one half
+        of each block: ``half_rows``; columns), within one sequence, exact zeros elsewhere:
+        ``S[t, m] = S_t,other[m]`` (t in an upper half), or ``transposed``,
+        ``S[t, m] = S_other[m],t`` (t in a lower half). A gather load."""
+        C, sr = self.C, jax.lax.shift_right_logical
+        t, o = iota((C, 1), 0) + z, other[None, :]
+        up = (sr(t, lev) & 1) == (0 if transposed else 1)
+        pairs = (sr(t, lev + 1) == sr(o, lev + 1)) & up
+        if self.seg is not None:  # (the other side's sequences transposed: compared as 2-D
+            # gathers, the bool tile went through shared memory, which Triton refuses for i1)
+            pairs = pairs & (self.seg[pl.ds(z, C), :] == self.seg[other, :].T)
+        ref = {5: self.dA, 6: self.dL}[w]
+        return jnp.where(pairs, ref[o, t] if transposed else ref[t, o], 0.0)
+
+    def decay(self, lev, z, into: bool, rows=None):
+        """``e^(G_t - G_a)`` (``into``) or ``e^(G_c - G_t)`` for the tokens ``rows``
+        (``[n]``, as ``[n, w]``; None: every token, ``[C, w]``) of level ``lev``: a the first
+        row of t's half-block, c the next half-block's (``level_scores``' anchors; every
+        exponent non-positive)."""
+        C, cols, sl, sr = self.C, self.cols, jax.lax.shift_left, jax.lax.shift_right_logical
+        t = iota((C,), 0) + z if rows is None else rows
+        a = sl(sr(t, lev), lev)
+        if not into:
+            a = jnp.minimum(a + sl(jnp.int32(1), lev), C - 1)
+        if rows is None:  # (every row: one block load)
+            at = (pl.ds(z, C), cols)
+            G, lo = self.G[at], None if self.lo is None else self.lo[at]
+        else:
+            G, lo = gathered(self.G, t, cols), gathered(self.lo, t, cols)
+        Ga, loa = gathered(self.G, a, cols), gathered(self.lo, a, cols)
+        return fast_decay(G, Ga, lo, loa) if into else fast_decay(Ga, G, loa, lo)
 
     def level_loop(self, side: str, init):
         """``init`` plus the pairs across sub-blocks, the transposes of F2's level products
-        (``level_scores``) for the halving levels from log2(B) on, the level's entries of
-        dA and dL selected into ``[C, C] x [C, w]`` tile products, each side's decay taken
-        to the level's anchor a:
+        (``level_scores``) for the halving levels from log2(B) on, each side's decay taken
+        to the level's anchor a, each a ``[C, C/2] x [C/2, w]`` tile product over the half
+        of the tokens a level's pairs reach on the summed side (``half_rows``):
 
         - ``"rows"``: ``R_i += e^(G_i - G_a) sum_j S_ij (k_j e^(G_a - G_j))`` (S = dA: dq_a;
-          S = dL: r);
+          S = dL: r; j over the lower halves);
         - ``"columns"``: ``e_j += e^(G_a - G_j) sum_i (scale dA_ij q_i + dL_ij beta_i k_i)
-          e^(G_i - G_a)`` (the reference's ``scale dk_a + c``: both products into one
-          tile), S^T read transposed from memory.
+          e^(G_i - G_a)`` (the reference's ``scale dk_a + c``; i over the upper halves),
+          S^T read transposed from memory.
 
-        The token-side operands have their non-finite entries zeroed (a ``0 * NaN`` in a
-        product would carry a non-finite token to every row of the chunk); the caller
-        restores the rows they reach. Non-finite entries of dA, dL reach their rows and
-        columns as in the reference."""
-        scale = self.scale
+        (Over all C tokens, half of each product's inner dimension met zeros: B4 at 16
+        warps took 13% more instructions.) The token-side operands have their non-finite
+        entries zeroed (a ``0 * NaN`` in a product would carry a non-finite token to every
+        row of the chunk); the caller restores the rows they reach. Non-finite entries of
+        dA, dL reach their rows and columns as in the reference."""
+        scale, cols = self.scale, self.cols
 
         def columns(lev, e):
-            z, _, St = self.level_operands(lev)
-            q, k, beta, into, back = self.token_operands(lev, z)
-            qx, bx = finite_or_zero(scale * q * into), finite_or_zero(beta * k * into)
-            return e + scaled_dot(back, St(5), qx) + scaled_dot(back, St(6), bx)
+            z = jnp.minimum(lev, 0)
+            _, upper = self.half_rows(lev, z)
+            into = self.decay(lev, z, True, upper)
+            qx = finite_or_zero(scale * self.q[upper, cols] * into)
+            bx = finite_or_zero(self.beta[upper, :] * self.k[upper, cols] * into)
+            back = self.decay(lev, z, False)
+            return (e + scaled_dot(back, self.level_entries(5, lev, z, upper, True), qx)
+                    + scaled_dot(back, self.level_entries(6, lev, z, upper, True), bx))
 
         def rows(lev, acc):
-            z, S, _ = self.level_operands(lev)
-            _, k, _, into, back = self.token_operands(lev, z)
-            kx = finite_or_zero(k * back)
-            return acc[0] + scaled_dot(into, S(5), kx), acc[1] + scaled_dot(into, S(6), kx)
+            z = jnp.minimum(lev, 0)
+            lower, _ = self.half_rows(lev, z)
+            kx = finite_or_zero(self.k[lower, cols] * self.decay(lev, z, False, lower))
+            into = self.decay(lev, z, True)
+            return (acc[0] + scaled_dot(into, self.level_entries(5, lev, z, lower, False), kx),
+                    acc[1] + scaled_dot(into, self.level_entries(6, lev, z, lower, False), kx))
 
         first, n = self.B.bit_length() - 1, self.C.bit_length() - 1
         return init if first >= n else loop(first, n, rows if side == "rows" else columns, init)
@@ -408,17 +433,8 @@ def intra_bwd_levels_kernel(scale: float, C: int, has_lo: bool, has_reset: bool)
         dq_out, dk_out, db_out, dg_out = refs[-4:]
         bk = q_ref.shape[-1]
 
-        def pick(ref, pairs, at=Ellipsis):  # ref[at]'s entries at pairs (within one sequence), exact zeros elsewhere
-            if has_reset:
-                pairs = pairs & (rest[-2][...] == rest[-1][...])
-            return jnp.where(pairs, ref[at], 0.0)
-
-        same = None
-        if has_reset:
-            seg = rest[-2]
-            same = lambda i, j: seg[i, :] == seg[j, :]  # noqa: E731
         ops = B4Refs((q_ref, k_ref, b_ref, g_ref, lo_ref, da_ref, dl_ref), pl.ds(0, bk), C, min(SUB_BLOCK, C),
-                     scale, pick, same)
+                     scale, rest[-2] if has_reset else None)
         zero = jnp.zeros((C, bk), q_ref.dtype)
         # Both sums' offsets in one loop (its index math and loads of the token's own rows
         # shared: B4 at 16 warps -3%), then each side's levels adding to them (with both
