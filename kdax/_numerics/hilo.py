@@ -1,7 +1,7 @@
 """``G`` as an unevaluated sum ``G + G_lo``, for float32 compute.
 
-A float32 ``G`` (the chunk-local cumsum of log decays, up to ``C |floor|`` = 2560 in
-magnitude at C = 128) carries an absolute error of about ``eps |G|``, and so does every
+A float32 ``G`` (the chunk-local cumsum of log decays, up to ``C |floor|`` = 16384 in
+magnitude at C = 128, the float32 floor being -128) carries an absolute error of about ``eps |G|``, and so does every
 difference ``G_i - G_j`` formed from it: a relative error of ``eps |G|`` in each decay,
 ``|G| / 2``-fold the recurrence's, growing with C. F1 therefore rounds each token's log
 decay to a grid, ``g = g_hi + g_lo`` with ``g_hi`` a multiple of ``2^-m``, ``m`` chosen so
