@@ -26,8 +26,6 @@ from jax.experimental import pallas as pl
 
 from .._errors import UnsupportedCase
 from .._layouts.tokens import Tokens, as_chunked
-from .._numerics import precision as _precision
-from .._numerics.hilo import exponent
 from .._numerics.ops import vary_like
 
 TARGETS = ("tpu", "triton")
@@ -340,58 +338,11 @@ def chunk_call(kernel, inputs, specs, out_blocks, P: int, NC: int, dtype, target
     )(*inputs)
 
 
-# The dot algorithm of a float32 product under each ``f32_dot`` but "ieee" (HIGHEST).
-_TF32_ALGORITHM = {"tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
-                   "tf32": jax.lax.DotAlgorithmPreset.TF32_TF32_F32}
-
-
-# -- in-kernel helpers (2-D values only) ---------------------------------------------------
-def dot(a, b, ta: bool = False, tb: bool = False):
-    """``op(a) @ op(b)`` with float32 (or float64) accumulation at full precision; under a
-    half-precision policy (``kdax._numerics.precision``) float32 operands are rounded to the
-    policy's dtype first (tensor cores, float32 accumulation)."""
-    dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
-    if a.dtype != b.dtype:  # (a bf16-stored operand, kdax._numerics.precision.STORED: widened, exact)
-        a, b = (x.astype(jnp.result_type(a.dtype, b.dtype)) for x in (a, b))
-    half = _precision.operand_dtype()
-    if half is not None and (a.dtype == jnp.float32 or a.dtype == half):  # (half: read so, exact)
-        default = jax.lax.Precision.DEFAULT  # explicit: not the scope's algorithm
-        return jax.lax.dot_general(a.astype(half), b.astype(half), dims, precision=(default, default),
-                                   preferred_element_type=jnp.float32)
-    tuning = _TUNING.get()
-    if tuning is not None and tuning.f32_dot != "ieee" and a.dtype == jnp.float32:
-        return jax.lax.dot_general(a, b, dims, precision=_TF32_ALGORITHM[tuning.f32_dot],
-                                   preferred_element_type=jnp.float32)
-    return jax.lax.dot_general(a, b, dims, precision=jax.lax.Precision.HIGHEST, preferred_element_type=a.dtype)
-
-
+# -- in-kernel helpers (2-D values only; the arithmetic: kdax.pallas._arith) ----------------
 def put(ref, idx, x):
     """``ref[idx] = x`` in the ref's dtype: a stored intermediate's (bf16 under the
     ``"fast"`` policy, ``kdax._numerics.precision.storage``) rounded once, as it is written."""
     ref[idx] = x.astype(ref.dtype)
-
-
-def lower_dot(A, X):
-    """``A @ X`` for lower-triangular ``A [C, C]`` where a non-finite row j of ``X``
-    reaches only rows i >= j (NaN there): in a plain product the zeros above A's diagonal
-    meet it as ``0 * inf = NaN`` and carry it to the rows above. Rows before it are
-    bit-identical to ``A @ X``. The rows reached are found without a second product (whose
-    C x C operand did not fit Hopper's shared memory at C = 128 in float64)."""
-    ok = jnp.abs(X) < jnp.inf
-    return jnp.where(from_first(nonfinite_rows(X)), jnp.nan, dot(A, jnp.where(ok, X, 0.0)))
-
-
-def from_first(bad):
-    """``[C, 1]`` bool: row i at or after the first row where ``bad [C, 1]`` (0/1 in a
-    float dtype) is nonzero: one reduction over C rows, where a ``[C, C]`` masked maximum
-    took the most of F3's instructions on sm_90 (its shuffles and barriers)."""
-    rows = iota(bad.shape, 0).astype(bad.dtype)
-    return rows >= jnp.min(jnp.where(bad > 0, rows, bad.shape[0]), axis=0, keepdims=True)
-
-
-def nonfinite_rows(X):
-    """``[C, 1]``: 1 where row i of ``X [C, D]`` holds a NaN or inf, else 0 (X's dtype)."""
-    return jnp.max((~(jnp.abs(X) < jnp.inf)).astype(X.dtype), axis=1, keepdims=True)
 
 
 def blockwise(blocks, body, carry):
@@ -431,11 +382,6 @@ def col_of(x, j):
     return jnp.sum(jnp.where(iota(x.shape, 1) == j, x, 0.0), axis=1, keepdims=True)
 
 
-def masked_exp(mask, diff):
-    """``exp(diff)`` where ``mask``, else 0: the mask sits in the exponent."""
-    return jnp.exp(jnp.where(mask, diff, -jnp.inf))
-
-
 def ref_or_none(ref, idx):
     """``ref[idx]``, or None for a missing ref (G's low part)."""
     return None if ref is None else ref[idx]
@@ -446,10 +392,3 @@ def row_or_none(x, i):
     return None if x is None else row_of(x, i)
 
 
-def decay(mask, x, y, x_lo=None, y_lo=None):
-    """``exp(x - y)`` where ``mask`` (None: everywhere), else 0, in the exponent
-    (``masked_exp``); with the low parts of G (``kdax._numerics.hilo``: ``x_lo``, ``y_lo``, both or
-    neither) the exponent is the difference of the exact sums, clamped at 0
-    (``kdax._numerics.hilo.exponent``)."""
-    e = exponent(x, y, x_lo, y_lo)
-    return jnp.exp(e) if mask is None else masked_exp(mask, e)

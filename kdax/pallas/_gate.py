@@ -24,9 +24,10 @@ from .._runner.final import final
 from .._typing import ChunkK, ChunkScalar, ChunkValid, typecheck
 from ..ref import L2NORM_EPS, log_decay_floor
 from ..stages import KDA, AbstractGate, AbstractGateBackward, Activated, RawGrads
+from ._arith import dot, from_first, lower_dot, nonfinite_rows
 from ._common import (
-    PallasTarget, chunk_spec, column_blocks, dot, feature_pad, flat, from_first, head_spec, iota, loaded, lower_dot,
-    nonfinite_rows, pow2, ref_or_none, token_operand, tuned, unflat,
+    PallasTarget, chunk_spec, column_blocks, feature_pad, flat, head_spec, iota, loaded, pow2, ref_or_none,
+    token_operand, tuned, unflat,
 )
 
 

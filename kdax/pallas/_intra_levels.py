@@ -21,9 +21,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from .._numerics import precision as _precision
-from .._numerics.hilo import exponent, nonpositive
+from .._numerics.hilo import nonpositive
 from .._numerics.isolation import finite_or_zero
-from ._common import _TUNING, blockwise, dot, from_first, iota, loop, nonfinite_rows, put, ref_or_none
+from ._arith import (
+    dot, exp_by_exp2, fast_decay, from_first, nonfinite, nonfinite_rows, reached_down, reached_up, scaled_dot, tf32_product,
+)
+from ._common import _TUNING, blockwise, iota, loop, put, ref_or_none
 
 
 def f2_refs(refs, has_lo: bool, has_reset: bool):
@@ -179,81 +182,6 @@ def intra_levels_kernel(scale: float, C: int, blocks, has_lo: bool, has_reset: b
 
     kernel.__qualname__ = "PallasIntra.kernel"  # its name in profiles
     return kernel
-
-
-
-def nonfinite(x):
-    """``x``'s NaN and infinite entries (bool)."""
-    return ~(jnp.abs(x) < jnp.inf)
-
-
-def reached_down(bad):
-    """``[C, D]`` bool: entry (i, d) has a true ``bad`` at some row t <= i of column d
-    (rows from the column's first bad row on: one reduction, no scan)."""
-    rows = iota(bad.shape, 0)
-    return rows >= jnp.min(jnp.where(bad, rows, bad.shape[0]), axis=0, keepdims=True)
-
-
-def reached_up(bad):
-    """``[C, D]`` bool: entry (j, d) has a true ``bad`` at some row t >= j of column d
-    (rows up to the column's last bad row)."""
-    rows = iota(bad.shape, 0)
-    return rows <= jnp.max(jnp.where(bad, rows, -1), axis=0, keepdims=True)
-
-
-def exp_by_exp2(x):
-    """``exp(x)`` as ``2^(log2(e) x)``: on the GPU an ``ex2`` and a multiply
-    (``__nv_exp2f``) where ``exp`` takes a range reduction of several instructions (B4's
-    instructions -11%); the product's rounding adds a relative error of about
-    ``eps |x|`` (7e-8 |x| in float32)."""
-    return jnp.exp2(x * 1.4426950408889634)
-
-
-def fast_decay(x, y, x_lo=None, y_lo=None):
-    """``decay`` (no mask) by ``exp_by_exp2`` (exponents here are differences inside one
-    chunk, non-positive)."""
-    return exp_by_exp2(exponent(x, y, x_lo, y_lo))
-
-
-def tf32_split(x):
-    """``(hi(x), lo(x))`` with ``x = hi + lo`` exactly (``hi``: x's top 19 bits, exact in
-    TF32) when float32 products run as ``"tf32x3"`` (compiled, the tuning's ``f32_dot``,
-    no half-precision policy); else ``x`` itself. ``scaled_dot`` takes either: an operand
-    of several products is split once."""
-    tuning = _TUNING.get()
-    if tuning is None or tuning.f32_dot != "tf32x3" or x.dtype != jnp.float32 or _precision.operand_dtype() is not None:
-        return x
-    bits = jax.lax.bitcast_convert_type(x, jnp.int32) & jnp.int32(-8192)  # the low 13 mantissa bits cleared
-    hi = jax.lax.bitcast_convert_type(bits, jnp.float32)
-    return hi, x - hi
-
-
-def tf32_product(x, y, ta: bool = False):
-    """One TF32 tensor-core product ``op(x) @ y`` with float32 accumulation."""
-    return jax.lax.dot_general(x, y, (((0 if ta else 1,), (0,)), ((), ())),
-                               precision=jax.lax.DotAlgorithmPreset.TF32_TF32_F32, preferred_element_type=jnp.float32)
-
-
-def scaled_dot(f, a, b, ta: bool = False):
-    """``f * (op(a) @ b)`` (``dot``; ``f`` None: 1). Compiled under the ``"tf32x3"`` tuning,
-    as the three TF32 products of the split ``x = hi(x) + lo(x)`` (``tf32_split``; ``a``
-    and ``b`` may come split), each scaled by ``f`` before the sum: Triton's own TF32x3
-    chains its three products through the accumulator, and a product that feeds another
-    one gets its warps laid along the rows (``warpsPerCTA = [8, 1]``), which at 64 rows
-    and eight warps holds every accumulator twice (B4 at 255 registers and 1.2 KiB of
-    spills); unchained, each product is laid as a lone one, and its split takes fewer
-    instructions (F2's inverse: -31% a step). Under ``"tf32"``: one TF32 product (``dot``)."""
-    a = a if isinstance(a, tuple) else tf32_split(a)
-    if not isinstance(a, tuple):
-        out = dot(a, b, ta=ta)
-        return out if f is None else f * out
-
-    def tf32(x, y):
-        out = tf32_product(x, y, ta)
-        return out if f is None else f * out
-
-    (ah, al), (bh, bl) = a, (b if isinstance(b, tuple) else tf32_split(b))
-    return tf32(ah, bh) + tf32(ah, bl) + tf32(al, bh)  # (hi(a) dead before lo(a))
 
 
 class Rows:

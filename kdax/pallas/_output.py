@@ -10,7 +10,8 @@ from .._runner.final import final
 from .._typing import ChunkK, ChunkMat, ChunkState, ChunkV, typecheck
 from ..ref import compute_dtype
 from ..stages import KDA, AbstractDAv, AbstractOutput
-from ._common import PallasTarget, chunk_spec, dot, flat, iota, loaded, lower_dot, token_operand, tuned, unflat
+from ._arith import dot, lower_dot
+from ._common import PallasTarget, chunk_spec, flat, iota, loaded, token_operand, tuned, unflat
 
 
 @final

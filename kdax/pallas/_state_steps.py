@@ -4,7 +4,7 @@ tiles (``*_tiled``, ``k_tiles``)."""
 
 import jax.numpy as jnp
 
-from ._common import dot
+from ._arith import dot
 
 
 def state_step(w, u, kg, gam, h):

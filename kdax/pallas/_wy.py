@@ -10,14 +10,14 @@ from jax.experimental import pallas as pl
 from .._layouts.tokens import Tokens
 from .._runner.final import final
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, typecheck
-from ..stages import KDA, AbstractWY, AbstractWYDqkg, ChunkGrads, WYOut
-from ._common import (
-    PallasFeatureBlocks, PallasValueBlocks, blockwise, chunk_spec, column_blocks, decay, dot, flat, iota, loaded,
-    lower_dot, pow2, put, ref_or_none, row_of, token_operand, tuned, unflat,
-)
 from .._numerics import precision as _precision
 from .._numerics.hilo import exponent
-from ._intra_levels import exp_by_exp2
+from ..stages import KDA, AbstractWY, AbstractWYDqkg, ChunkGrads, WYOut
+from ._arith import decay, dot, exp_by_exp2, lower_dot
+from ._common import (
+    PallasFeatureBlocks, PallasValueBlocks, blockwise, chunk_spec, column_blocks, flat, iota, loaded, pow2, put,
+    ref_or_none, row_of, token_operand, tuned, unflat,
+)
 
 
 def _values(stage, x, C: int):
