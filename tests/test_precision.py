@@ -410,8 +410,9 @@ def test_fast_policy_stores_intermediates_in_bf16(name, policy):
     float32), B0 rebuilds them to the bit, B2's dh (the state gradient at each chunk's end)
     reaches B3 in bf16, and the Pallas kernels write them in bf16 themselves (their
     ``pallas_call`` outputs, no float32 copy converted after); every gradient the caller
-    gets is float32; under "auto" and "highest" every intermediate stays float32. G is float32 alone under
-    "fast" (no ``G_lo``, FLA's cumsum: ``keeps_low_part``), ``G + G_lo`` otherwise."""
+    gets is float32; under "auto" and "highest" every intermediate stays float32. G is
+    float32 alone under "fast" (no ``G_lo``, FLA's cumsum: ``keeps_low_part``), ``G +
+    G_lo`` otherwise."""
     r = np.random.default_rng(4)
     B, T, H, K, C = 1, 64, 2, 16, 16
     f = lambda *s: jnp.asarray(r.normal(size=s), jnp.bfloat16)

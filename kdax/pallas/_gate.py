@@ -35,8 +35,9 @@ def _sigmoid(z):
     return 1.0 / (1.0 + jnp.exp(-z))
 
 
-def _softplus(x):
-    return jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x)))
+def _softplus(x, e=None):
+    """``softplus(x)`` (``e``: ``exp(-|x|)`` if already at hand)."""
+    return jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x)) if e is None else e)
 
 
 def _softplus_and_sigmoid(x):
@@ -44,7 +45,7 @@ def _softplus_and_sigmoid(x):
     ``sigmoid = 1 / (1 + e)`` for ``x >= 0``, ``e / (1 + e)`` below (B5 needs both)."""
     e = jnp.exp(-jnp.abs(x))
     r = 1.0 / (1.0 + e)
-    return jnp.maximum(x, 0.0) + jnp.log1p(e), jnp.where(x >= 0, r, e * r)
+    return _softplus(x, e), jnp.where(x >= 0, r, e * r)
 
 
 def _gate_input(g, a_log, dtb):
@@ -300,7 +301,8 @@ class PallasGate(AbstractGate, PallasTarget):
         vf = flat(jnp.broadcast_to(valid[:, None], beta.shape).astype(q.dtype))
         p_arrays, p_specs, has = _params(cfg, self.target, HV, K, A_log, dt_bias)
         l2 = cfg.use_qk_l2norm_in_kernel
-        split = self.split and grid_bits(q.dtype, C) is not None and _precision.keeps_low_part()  # (float64: G alone)
+        # (float64, and the "fast" policy: G alone)
+        split = self.split and grid_bits(q.dtype, C) is not None and _precision.keeps_low_part()
         kernel = gate_kernel(cfg, column_blocks(self.target, Kp, GATE_BLOCK), split, self.target == "triton", has,
                              tuple(load for _, _, load in ops))
 

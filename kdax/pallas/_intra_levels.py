@@ -24,7 +24,8 @@ from .._numerics import precision as _precision
 from .._numerics.hilo import nonpositive
 from .._numerics.isolation import finite_or_zero
 from ._arith import (
-    dot, exp_by_exp2, fast_decay, from_first, nonfinite, nonfinite_rows, reached_down, reached_up, scaled_dot, tf32_product,
+    dot, exp_by_exp2, fast_decay, from_first, nonfinite, nonfinite_rows, reached_down, reached_up, scaled_dot,
+    tf32_product,
 )
 from ._common import _TUNING, blockwise, iota, loop, put, ref_or_none
 
@@ -286,7 +287,9 @@ class B4Refs:
         """``e^(G_t - G_a)`` (``into``) or ``e^(G_c - G_t)`` for the tokens ``rows``
         (``[n]``, as ``[n, w]``; None: every token, ``[C, w]``) of level ``lev``: a the first
         row of t's half-block, c the next half-block's (``level_scores``' anchors; every
-        exponent non-positive)."""
+        exponent non-positive). Not ``half_block_decay``: on the tokens outside a level's
+        pairs (whose products are zero) that one's anchor lies on the other side of t, so a
+        non-finite G there would reach rows the reference's products do not."""
         C, cols, sl, sr = self.C, self.cols, jax.lax.shift_left, jax.lax.shift_right_logical
         t = iota((C,), 0) + z if rows is None else rows
         a = sl(sr(t, lev), lev)

@@ -244,7 +244,8 @@ def chunk_kernels(policy: str, tuning: dict, tokens: bool = False, only: tuple =
                   packed: bool = False) -> dict:
     """``captured`` TTIR of the chunk-parallel Triton kernels F2, F3, B3 and B4 alone at
     K = V = 128, chunk 64, with G's low part where the policy keeps it (``kdax._numerics.hilo``,
-    ``precision.keeps_low_part``: all but ``"fast"``), each traced under precision ``policy`` (its stage's products) with Triton
+    ``precision.keeps_low_part``: all but ``"fast"``), each traced under precision
+    ``policy`` (its stage's products) with Triton
     ``tuning`` (``PallasTarget`` fields). ``tokens``: F3 and B3 read ``v`` (cleaned as
     ``chunk_kda`` cleans it) and B3 ``do`` as ``kdax._layouts.tokens.Tokens`` views of bf16
     ``[B, T, HV, V]`` arrays. ``only``: these stages' kernels. ``packed``: F2 and B4 take
