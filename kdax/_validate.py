@@ -280,28 +280,6 @@ def check_arrays(
     """The shape/dtype checks of ``chunk_kda``'s signature, for ``KDAPipeline.forward``."""
 
 
-def _in_dtypes(raw, h0, A_log, dt_bias) -> tuple:
-    """The dtypes of the forward's inputs (q, k, v, g, beta, h0, A_log, dt_bias), None
-    where absent: the backward returns each gradient in its input's dtype."""
-    return tuple(None if x is None else jnp.dtype(x.dtype) for x in (*raw, h0, A_log, dt_bias))
-
-
-def _cast(x, dt):
-    return None if x is None else x.astype(dt)
-
-
-def initial_states(h0, shape, dt):
-    """The initial states ``[N, HV, K, V]`` in the compute dtype (zeros when not given)."""
-    return jnp.zeros(shape, dt) if h0 is None else h0.astype(dt)
-
-
-def in_compute_dtype(raw, h0, A_log, dt_bias, dt, shape) -> tuple:
-    """``(in_dtypes, A_log, dt_bias, h0)``: the inputs' dtypes (``_in_dtypes``), and the gate
-    parameters and initial states in the compute dtype ``dt`` (zeros of ``shape`` when no
-    initial states are given)."""
-    return _in_dtypes(raw, h0, A_log, dt_bias), _cast(A_log, dt), _cast(dt_bias, dt), initial_states(h0, shape, dt)
-
-
 def final_out(final, config, state_v_first: bool):
     """The final states as ``chunk_kda`` returns them (None unless asked for; ``[N, HV, V, K]``
     under ``state_v_first``, as ``prepare_options`` reads them)."""

@@ -288,7 +288,7 @@ class KDAPipeline(eqx.Module):
         )
         raw = ext.after_gate_bwd(raw)
         parts = BackwardParts(doc=as_chunked(doc), qg=c.qg, h=c.h, v_new=v_out, act_grads=grads)
-        return KDAGrads.unpacked(L, raw, grads.dv, res.num_qk_heads, lambda: ext.initial_state(dh)), parts
+        return KDAGrads.unpacked(L, raw, grads.dv, res.num_qk_heads, ext.initial_state, dh), parts
 
     # -- public entry points ------------------------------------------------------------
 

@@ -5,6 +5,14 @@ to bottom in one function; what is not its own lives with the concept that owns 
 
 import ast
 import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kdax
 
 PIPELINE = pathlib.Path(__file__).resolve().parents[1] / "kdax" / "pipeline.py"
 
@@ -33,3 +41,103 @@ def test_pipeline_class_size():
     (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "KDAPipeline"]
     lines = cls.end_lineno - cls.lineno + 1
     assert lines <= 250, f"KDAPipeline has {lines} lines (goal: at most 250)"
+
+
+# -- the initial_state walk ------------------------------------------------------------------
+
+KDAX = PIPELINE.parent
+
+
+def _concrete(x):
+    """The concrete value under JAX's tracers (eager: ``jax.disable_jit``), or None."""
+    for _ in range(8):
+        if not isinstance(x, jax.core.Tracer):
+            break
+        x = getattr(x, "primal", None)
+    return np.asarray(x) if isinstance(x, (jax.Array, np.ndarray)) and x.dtype.kind == "f" else None
+
+
+def walk(call, *values):
+    """``(result, route)`` of ``call()`` run eagerly: the route lists, in order, each call
+    into a kdax function that takes one of ``values`` as an argument, or returns one, as
+    ``(file, function, "in" | "out")``. A value is recognised in any dtype or axis order
+    (the same numbers, sorted, to 1e-9): ``h0`` cast, or its ``[N, HV, V, K]`` form. What
+    carries it inside a container (an options object, a route, a dict of stage
+    arguments) is not counted: as when reading the code, a value is followed where a
+    function receives it by name."""
+    keys = [np.sort(np.asarray(v, np.float64).ravel()) for v in values]
+
+    def known(x):
+        a = _concrete(x)
+        if a is None or a.size != keys[0].size:
+            return False
+        a = np.sort(a.astype(np.float64).ravel())
+        return any(np.allclose(a, k, rtol=1e-9, atol=0) for k in keys)
+
+    route, root = [], str(KDAX) + "/"
+
+    def profile(frame, event, arg):
+        path = frame.f_code.co_filename
+        if not path.startswith(root) or event not in ("call", "return"):
+            return
+        code = frame.f_code
+        if event == "call":
+            n = code.co_argcount + code.co_kwonlyargcount
+            hit = any(known(frame.f_locals.get(a)) for a in code.co_varnames[:n])
+        else:
+            hit = known(arg)
+        if hit:
+            route.append((path[len(root):], code.co_name, "in" if event == "call" else "out"))
+
+    before = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        with jax.disable_jit():
+            out = call()
+    finally:
+        sys.setprofile(before)
+    return out, route
+
+
+def _visits(route):
+    """The files in the order the route enters them (a file once per stay)."""
+    return [f for i, (f, _, _) in enumerate(route) if i == 0 or route[i - 1][0] != f]
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_initial_state_walk(packed):
+    """Following ``initial_state`` from ``chunk_kda`` to F4 and its gradient back from B2
+    (``jax.grad``, the reference pipeline, x64): the files a reader enters. Issue 38's goal
+    is at most 8 files with pipeline.py at most twice; this pins what stands (run with
+    ``-s`` to print the route) so that the walk does not grow back."""
+    if True:  # (x64: the suite's conftest)
+        r = np.random.default_rng(0)
+        B, T, H, K, V, N = (1, 40, 2, 8, 8, 2) if packed else (2, 40, 2, 8, 8, 2)
+        q, k = (jnp.asarray(r.normal(size=(B, T, H, K))) for _ in range(2))
+        v = jnp.asarray(r.normal(size=(B, T, H, V)))
+        g = jnp.asarray(-r.uniform(0.01, 1.0, size=(B, T, H, K)))
+        beta = jnp.asarray(r.uniform(size=(B, T, H)))
+        h0, w = (jnp.asarray(r.normal(size=(N, H, K, V))) for _ in range(2))
+        cu = jnp.asarray([0, 17, T]) if packed else None
+        pipe = kdax.KDAPipeline.reference()
+
+        def loss(h0):
+            o, final = kdax.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                                      chunk_size=16, pipeline=pipe)
+            return (o * v).sum() + (final * w).sum()
+
+        with jax.disable_jit():
+            dh0 = jax.grad(loss)(h0)
+        got, route = walk(lambda: jax.grad(loss)(h0), h0, dh0)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(dh0))
+    files = _visits(route)
+    print(f"\n{len(set(files))} files, {len(files)} stays:", " -> ".join(files))
+    # The instrument sees the whole trip: in at the front door; F4 given h0 (and B0's F4 in
+    # the backward), or, packed, the states entering shared chunks (kdax._layouts.shared_states);
+    # the gradient handed back out of the VJP.
+    assert ("_front.py", "chunk_kda", "in") in route[:3], route[:3]
+    dest = ("_layouts/shared_states.py", "f4_inputs") if packed else ("stages/_state.py", "__call__")
+    assert sum(e[:2] == dest for e in route) >= (1 if packed else 2), route
+    assert route[-1][0] == "_runner/vjp.py" and route[-1][2] == "out", route[-3:]
+    assert files.count("pipeline.py") <= 2, files
+    assert len(set(files)) <= (9 if packed else 13), sorted(set(files))

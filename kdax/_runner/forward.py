@@ -8,11 +8,12 @@ then runs F1-F5 on the route as one straight line."""
 
 from typing import Callable, NamedTuple, Optional
 
+import jax.numpy as jnp
+
 from .._config import KDAConfig
 from .._layouts import shared_states as _shared_states
 from .._layouts.layout import ChunkLayout, ForwardHooks, make_layout, make_shared_layout
 from .._numerics import isolation as _isolation
-from .._validate import in_compute_dtype
 from ..ref import compute_dtype
 from .derived import is_kda, shares_chunks, tile_chunks
 from .runner import record_layout
@@ -67,3 +68,25 @@ def forward_route(pipeline, config: KDAConfig, raw: tuple, h0, A_log, dt_bias, c
     if nt is not None and not layout.dense and h0.shape[0] > nt * C:
         nt = None  # each tile's state table, O(N), would cost more than its tokens
     return ForwardRoute(layout, hooks, h0, A_log, dt_bias, in_dtypes, dt, cleaner, nt)
+
+
+def _in_dtypes(raw, h0, A_log, dt_bias) -> tuple:
+    """The dtypes of the forward's inputs (q, k, v, g, beta, h0, A_log, dt_bias), None
+    where absent: the backward returns each gradient in its input's dtype."""
+    return tuple(None if x is None else jnp.dtype(x.dtype) for x in (*raw, h0, A_log, dt_bias))
+
+
+def _cast(x, dt):
+    return None if x is None else x.astype(dt)
+
+
+def initial_states(h0, shape, dt):
+    """The initial states ``[N, HV, K, V]`` in the compute dtype (zeros when not given)."""
+    return jnp.zeros(shape, dt) if h0 is None else h0.astype(dt)
+
+
+def in_compute_dtype(raw, h0, A_log, dt_bias, dt, shape) -> tuple:
+    """``(in_dtypes, A_log, dt_bias, h0)``: the inputs' dtypes (``_in_dtypes``), and the gate
+    parameters and initial states in the compute dtype ``dt`` (zeros of ``shape`` when no
+    initial states are given)."""
+    return _in_dtypes(raw, h0, A_log, dt_bias), _cast(A_log, dt), _cast(dt_bias, dt), initial_states(h0, shape, dt)

@@ -177,10 +177,11 @@ class KDAGrads(eqx.Module):
     dt_bias: Optional[Float[Array, " HVK"]]
 
     @classmethod
-    def unpacked(cls, layout: ChunkLayout, raw, dv, num_qk_heads: int, initial_state: Callable) -> "KDAGrads":
+    def unpacked(cls, layout: ChunkLayout, raw, dv, num_qk_heads: int, initial_state: Callable, dh) -> "KDAGrads":
         """The gradients in ``chunk_kda``'s layouts from B5's ``raw`` and B3/B4's ``dv``
-        (chunked), q's and k's summed over each group of value heads; ``initial_state()``
-        gives the initial states' (called after the others are unpacked)."""
+        (chunked), q's and k's summed over each group of value heads; the layout's hook
+        ``initial_state(dh)`` (B2's output ``dh``) gives the initial states' (called after
+        the others are unpacked)."""
         H = num_qk_heads
         return cls(
             q=unpack(layout, reduce_group(raw.dq, H)),
@@ -188,7 +189,7 @@ class KDAGrads(eqx.Module):
             v=unpack(layout, dv),
             g=unpack(layout, raw.dg),
             beta=unpack(layout, raw.dbeta[..., None])[..., 0],
-            initial_state=initial_state(),
+            initial_state=initial_state(dh),
             A_log=raw.dA_log,
             dt_bias=raw.ddt_bias,
         )

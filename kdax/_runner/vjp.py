@@ -13,8 +13,9 @@ import jax.numpy as jnp
 from . import derived as _derived
 from .._config import KDAConfig, KDAOptions
 from .._numerics import isolation as _isolation
-from .._validate import final_out, initial_states, prepare_options
+from .._validate import final_out, prepare_options
 from ..ref import compute_dtype
+from .forward import initial_states
 from .residuals import KDAGrads
 from .runner import active_recordings
 from .stage_grads import check_perturbed, pipeline_gradients
