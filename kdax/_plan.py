@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from ._config import KDAOptions
 from ._numerics import precision as _precision
 from ._numerics.ops import loop_unroll, resolve_group, split_rows_and_heads
-from ._runner.capabilities import capabilities
+from ._declared.capabilities import capabilities
 from ._runner.contracts import STAGES
 from ._runner.derived import unchecked, unsafe_for_tiles
 from ._runner.runner import recording

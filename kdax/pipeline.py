@@ -28,7 +28,7 @@ from ._numerics import precision as _precision
 from ._numerics.ops import check_chunk_loops, default_chunk_loops
 from . import _plan
 from ._plan import KDAPlan
-from ._runner.capabilities import reads_tokens
+from ._declared.capabilities import reads_tokens
 from ._runner.contracts import STAGES, check_families
 from ._runner.derived import check_transposes
 from ._runner.forward import ForwardRoute, forward_route

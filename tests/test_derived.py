@@ -167,7 +167,7 @@ def test_packed_initial_states_with_a_head_gain_declaring_reference_capabilities
         accepts: ClassVar[frozenset] = frozenset({"tile_safe", "standard"})
 
     with pytest.raises(TypeError, match=r"Standard\.accepts: 'standard' is gone .*math = kdax\.stages\.KDA"):
-        kdax._runner.capabilities.capabilities(Standard)
+        kdax._declared.capabilities.capabilities(Standard)
     x = make_inputs(B=1, T=40, H=3, K=4, V=4, N=3)
     pos, kw = split_args(x)
     h0 = kw["initial_state"]

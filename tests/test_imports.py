@@ -3,8 +3,8 @@ modules, no import hidden inside a function, and no private name, or private mod
 another subpackage, imported across subpackages (kdax.stages, kdax.pallas,
 kdax.parallel, kdax.nn, kdax.ref talk to each other through their packages' public
 names; the private machinery, the top-level private modules (kdax._typing and the like)
-and the private subpackages kdax._numerics, kdax._layouts, kdax._runner, is shared by
-all, and the top level may re-export from a subpackage's modules). The root keeps the
+and the private subpackages kdax._numerics, kdax._layouts, kdax._declared, kdax._runner,
+is shared by all, and the top level may re-export from a subpackage's modules). The root keeps the
 public faces and at most 8 private modules."""
 
 import ast
@@ -75,6 +75,40 @@ def test_no_import_cycles():
         if m not in state:
             visit(m, [m])
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def _entry(mod: str):
+    """The folder (subpackage) or root module of kdax that ``mod`` belongs to; None for
+    the package itself (its ``__init__`` re-exports every face)."""
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def test_no_cycles_between_folders():
+    # Drawn a folder at a time (kdax/_runner, kdax/stages, ... and the root's modules), the
+    # imports still go one way (docs/DESIGN.md, "Imports go one way"): a folder that
+    # imports another is never imported back by it, through any path.
+    graph = {}
+    for m in MODULES:
+        a = _entry(m)
+        for t, _, _ in _imports(m):
+            b = _entry(t)
+            if a and b and a != b:
+                graph.setdefault(a, set()).add(b)
+    loops = []
+
+    def reach(a, seen):
+        for b in sorted(graph.get(a, ())):
+            if b not in seen:
+                seen.add(b)
+                reach(b, seen)
+        return seen
+
+    for a in sorted(graph):
+        for b in sorted(graph[a]):
+            if a in reach(b, {b}):
+                loops.append(f"{a} -> {b}")
+    assert not loops, "folders importing each other (directly or through others): " + "; ".join(loops)
 
 
 def test_no_function_local_imports():

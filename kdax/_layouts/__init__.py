@@ -3,4 +3,5 @@
 (``resets``) and their final states and gradients (``shared_states``, over the ragged
 per-sequence products of ``ragged``), tiles of chunks with the state carried between them
 (``tiles``), and views of the caller's own arrays for stages that read them in place
-(``tokens``). Imports only ``kdax._numerics`` and the stage families."""
+(``tokens``). Imports only ``kdax._numerics`` and ``kdax.ref`` (KDA's gate, for the states
+entering shared chunks)."""

@@ -9,7 +9,7 @@ tokens are zeros with ``valid`` False: they neither decay nor write the state.
 ``make_shared_layout`` packs varlen input without padding (sequences share chunks): the
 dense layout of its one row, each token at its own position, NC = ceil(T / C), and
 ``reset`` marking every sequence's first token. F1 gives such a token a fixed log decay
-(``stages._gate.reset_log_decay``), which keeps G non-increasing through the chunk, and B5 gives it
+(``kdax.ref._gates.reset_log_decay``), which keeps G non-increasing through the chunk, and B5 gives it
 a zero gate gradient; every stage between them masks the terms across sequences to exact
 zeros (``kdax._layouts.resets``), so the reset replaces the state exactly (a start on a chunk
 boundary is also an exact reset of the state stages, ``first``/``last``): exact when every

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from .._numerics.hilo import exponent
 from .._numerics.isolation import finite_heads
 from .._numerics.ops import tri_mask
-from ..stages import ChunkGrads, DhuOut, activated_gate
+from ..ref import activated_gate
 from .layout import BackwardHooks, ChunkLayout, ForwardHooks
 from .ragged import Spans, matvec, narrow_width, outer, token_slots
 from .resets import same_segment, segments
@@ -206,7 +206,7 @@ def start_decays(cu_seqlens, config, g, A_log, dt_bias):
     """``a [N, HV, K]``: each sequence's first token's own log decay (non-positive; the
     shared layout's F1 gives that token the reset floor instead), computed from the packed
     raw gate input ``g`` ``[1, HV, NC, C, K]`` with KDA's gate
-    (``kdax.stages.activated_gate``: what the F1 stages of KDA's math, ``math = KDA``, compute).
+    (``kdax.ref.activated_gate``: what the F1 stages of KDA's math, ``math = KDA``, compute).
     Differentiable in ``g``, ``A_log`` and ``dt_bias``. An empty sequence's is unused."""
     NC, C = g.shape[2], g.shape[3]
     s = jnp.clip(jnp.asarray(cu_seqlens, jnp.int32)[:-1], 0, NC * C - 1)
@@ -384,7 +384,7 @@ class SharedChunkHooks(BackwardHooks):
         per_chunk = jnp.moveaxis(self.fin[3][0], 1, 0).astype(self.res.h0.dtype)  # [NC, HV, K, V]
         table = jnp.concatenate([per_chunk, jnp.zeros_like(per_chunk[:1])])
         extra = run_dhu(table, lambda: entry_layout(L, self.cu, first))
-        out = DhuOut(dhu.dh + extra.dh, dhu.dh0, dhu.dv_new + extra.dv_new)
+        out = dataclasses.replace(dhu, dh=dhu.dh + extra.dh, dv_new=dhu.dv_new + extra.dv_new)
         if E is not None:  # a loaded state's own cotangent goes to its entry
             loaded = jnp.where((first == jnp.arange(NC))[:, None, None, None], per_chunk, 0.0)
             self.d_entries = self.d_entries + extra.dh0 + jnp.concatenate([loaded, jnp.zeros_like(per_chunk[:1])])
@@ -406,8 +406,8 @@ class SharedChunkHooks(BackwardHooks):
             self.dh0 = dh0
             mT = lambda x: jnp.swapaxes(x, -1, -2)
             dL = jnp.where(strictly_lower(L), -mT(Akk) @ dAkk @ mT(Akk), 0.0)
-            grads = ChunkGrads(grads.dq + dq_, grads.dk + dk_, grads.dv + dv_, grads.dbeta + db_, grads.dG + dG_,
-                               grads.dL + dL)
+            grads = dataclasses.replace(grads, dq=grads.dq + dq_, dk=grads.dk + dk_, dv=grads.dv + dv_,
+                                        dbeta=grads.dbeta + db_, dG=grads.dG + dG_, dL=grads.dL + dL)
         if self.fin is not None:  # the final states' own cotangents of k and G
             d_k, d_G = self.fin[0], self.fin[1]
             grads = dataclasses.replace(grads, dk=grads.dk + d_k.astype(grads.dk.dtype),

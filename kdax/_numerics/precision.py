@@ -50,7 +50,7 @@ inputs' own rounding.
 
 Mechanism: the stage runner (``kdax._runner.runner.run_stage``) enters ``stage_scope(policy, stage)``,
 which records the stage's policy and operand dtype. kdax's own stages (the final classes,
-``kdax._runner.final``) trace their ``__call__`` under JAX's default matmul precision for
+``kdax._declared.final``) trace their ``__call__`` under JAX's default matmul precision for
 it (``matmul_precision``: the reference stages' jnp products; on GPUs XLA then rounds the
 operands and runs bf16 tensor-core products; XLA:CPU ignores the algorithm and computes in
 float32), and ``kdax.pallas``'s in-kernel ``dot`` reads the operand dtype to cast its
@@ -62,7 +62,7 @@ emulate XLA:GPU's rounding on a CPU (``tests/_gpu_products.py``).
 Storage (``"fast"`` only): the stage runner casts the ``STORED`` fields of F2's, F3's,
 F4's, B0's and B2's outputs to ``storage(dtype)`` (a no-op for a stage that wrote them so: the
 Pallas kernels write bf16 themselves), and hands them in that dtype only to a stage that
-declares the capability ``"half_stored"`` (``kdax._runner.capabilities``); any other stage gets
+declares the capability ``"half_stored"`` (``kdax._declared.capabilities``); any other stage gets
 float32 copies (exact), so every stage, a user's too, runs unchanged.
 """
 

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from .._errors import DerivedBackwardError, FallbackWarning
 from ..stages import KDA
-from .capabilities import Capabilities, capabilities
+from .._declared.capabilities import Capabilities, capabilities
 from .contracts import STAGES
 
 # Forward field -> the backward fields that transpose (part of) its math.

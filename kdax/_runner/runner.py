@@ -38,7 +38,7 @@ from .._numerics import precision as _precision
 from .._numerics.ops import chunk_loops_scope
 from .._typing import QK, Beta, ChunkK, Gate, Values, typecheck
 from ..stages import AbstractState, AbstractWY
-from .capabilities import capabilities, negotiated
+from .._declared.capabilities import capabilities, negotiated
 from .contracts import STAGES, check_arguments, check_family, check_output, expected_output
 from .derived import declared_only, reference_is_exact, routed
 
@@ -103,7 +103,7 @@ def run_stage(pipeline, name: str, **kwargs):
     for rec in recs:
         rec.inputs.setdefault(name, kwargs)
     # The named scope labels every op of the stage in HLO dumps and profiles. The policy
-    # reaches kdax's own products only (kdax._runner.final: HIGHEST, unless it lets this
+    # reaches kdax's own products only (kdax._declared.final: HIGHEST, unless it lets this
     # stage take half-precision operands); a user's stage keeps the caller's precision.
     policy = "highest" if pipeline.precision == "auto" else pipeline.precision  # unresolved: safe
     with jax.named_scope(f"kdax_{name}"), _precision.stage_scope(policy, name), chunk_loops_scope(pipeline.chunk_loops):

@@ -5,7 +5,7 @@ from typing import Callable, Optional
 
 import equinox as eqx
 
-from .._runner.capabilities import capabilities
+from .._declared.capabilities import capabilities
 from .._runner.runner import stage_inputs
 from ..pipeline import KDAPipeline
 from ._shape import Shape, make_inputs

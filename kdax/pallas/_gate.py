@@ -20,7 +20,7 @@ from .._config import KDAConfig
 from .._layouts.tokens import Tokens
 from .._numerics import precision as _precision
 from .._numerics.hilo import grid_bits, split_log_decay
-from .._runner.final import final
+from .._declared.final import final
 from .._typing import ChunkK, ChunkScalar, ChunkValid, typecheck
 from ..ref import L2NORM_EPS, log_decay_floor
 from ..stages import KDA, AbstractGate, AbstractGateBackward, Activated, RawGrads

@@ -39,7 +39,7 @@ from jax.experimental import pallas as pl
 
 from .._layouts.resets import per_head, segments
 from .._numerics import precision as _precision
-from .._runner.final import final
+from .._declared.final import final
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkValid, typecheck
 from ..stages import KDA, AbstractIntra, AbstractIntraBackward, ChunkGrads, IntraOut
 from ._arith import decay, dot

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 from types import MappingProxyType
 
 from .._layouts.tokens import Tokens
-from .._runner.final import final
+from .._declared.final import final
 from .._typing import ChunkK, ChunkMat, ChunkState, ChunkV, typecheck
 from ..ref import compute_dtype
 from ..stages import KDA, AbstractDAv, AbstractOutput

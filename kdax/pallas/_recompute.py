@@ -5,7 +5,7 @@ from typing import ClassVar, Optional, Union
 
 from .._layouts.layout import ChunkLayout
 from .._layouts.tokens import Tokens
-from .._runner.final import final
+from .._declared.final import final
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkV, SeqState, typecheck
 from ..stages import AbstractRecompute, AbstractState, AbstractWY, recompute_with, StateOut, WYOut
 from ._common import PallasTarget, tuned

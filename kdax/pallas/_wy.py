@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from .._layouts.tokens import Tokens
-from .._runner.final import final
+from .._declared.final import final
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, typecheck
 from .._numerics import precision as _precision
 from .._numerics.hilo import exponent

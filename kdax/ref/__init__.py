@@ -3,6 +3,7 @@
 from ._chunk import naive_chunk_kda as naive_chunk_kda
 from ._gates import (
     L2NORM_EPS as L2NORM_EPS,
+    activated_gate as activated_gate,
     beta_activation as beta_activation,
     clamp_log_decay as clamp_log_decay,
     log_decay_floor as log_decay_floor,

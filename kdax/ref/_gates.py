@@ -1,4 +1,6 @@
-"""Input activations as plain, differentiable jnp (the oracles for the gate stage).
+"""Input activations as plain, differentiable jnp (the oracles for the gate stage), and
+the per-token log decay the chunked stages see (``activated_gate``: F1's, and the shared
+layout's for the states entering its chunks).
 
 Shapes: ``g_raw`` ``[..., HV, K]`` (any leading dims), ``A_log`` ``[HV]``, ``dt_bias``
 ``[HV * K]``; ``x`` of ``l2norm`` ``[..., D]``.
@@ -8,6 +10,8 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+
+from .._config import KDAConfig
 
 L2NORM_EPS = 1e-6
 
@@ -78,3 +82,36 @@ def beta_activation(beta, use_sigmoid: bool, allow_neg_eigval: bool):
         return beta
     b = jax.nn.sigmoid(beta)
     return 2.0 * b if allow_neg_eigval else b
+
+
+# -- the chunked stages' per-token log decay ------------------------------------------
+
+_HeadsLast = lambda x: jnp.moveaxis(x, 1, -2)  # [R, HV, NC, C, K] -> [R, NC, C, HV, K]
+_HeadsBack = lambda x: jnp.moveaxis(x, -2, 1)
+
+
+# The log decay of a token that starts a sequence inside a shared chunk. The other stages
+# mask every term across a sequence start to exact zeros, so the value only has to keep G
+# non-increasing; a small one (not the floor's) keeps G small, so float64's single G
+# keeps its low bits in the sequences after it.
+RESET_LOG_DECAY = {"float32": -20.0, "float64": -60.0}
+
+
+def reset_log_decay(dtype) -> float:
+    return RESET_LOG_DECAY["float64" if jnp.dtype(dtype) == jnp.float64 else "float32"]
+
+
+def activated_gate(config: KDAConfig, g, A_log, dt_bias, valid, reset=None):
+    """The per-token log decay in the chunked layout, what F1 of KDA's math computes: raw
+    ``g`` ``[R, HV, NC, C, K]`` or the in-kernel gate of it (``A_log``, ``dt_bias``,
+    ``config``'s options), clamped at the dtype's floor (``clamp_log_decay``), zero where
+    ``valid`` ``[R, NC, C]`` is False; ``reset_log_decay`` at ``reset`` ``[R, NC, C]``
+    tokens (a sequence start inside a shared chunk: ``kdax._layouts.layout.make_shared_layout``)."""
+    if config.use_gate_in_kernel:
+        g = _HeadsBack(kda_gate(_HeadsLast(g), A_log, dt_bias, config.lower_bound))
+    g = clamp_log_decay(g)
+    if reset is not None:
+        # A NaN or inf gate stays (it then reaches G from its own row on, as any).
+        floor = jnp.where(jnp.isfinite(g), jnp.asarray(reset_log_decay(g.dtype), g.dtype), g)
+        g = jnp.where(reset[:, None, :, :, None], floor, g)
+    return jnp.where(valid[:, None, :, :, None], g, 0.0)

@@ -5,7 +5,6 @@ from ._gate import AbstractGate as AbstractGate
 from ._gate import AbstractGateBackward as AbstractGateBackward
 from ._gate import ReferenceGate as ReferenceGate
 from ._gate import ReferenceGateBackward as ReferenceGateBackward
-from ._gate import activated_gate as activated_gate
 from ._intra import AbstractIntra as AbstractIntra
 from ._intra import AbstractIntraBackward as AbstractIntraBackward
 from ._intra import ReferenceIntra as ReferenceIntra
@@ -37,3 +36,4 @@ from ._wy import AbstractWY as AbstractWY
 from ._wy import AbstractWYDqkg as AbstractWYDqkg
 from ._wy import ReferenceWY as ReferenceWY
 from ._wy import ReferenceWYDqkg as ReferenceWYDqkg
+from ..ref import activated_gate as activated_gate  # (F1's log decay: kdax.ref)

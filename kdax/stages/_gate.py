@@ -13,42 +13,13 @@ from .._config import KDAConfig
 from .._numerics import precision as _precision
 from .._numerics.hilo import grid_bits, split_log_decay
 from .._numerics.ops import ChunkGroup, lower_matmul, mT, over_chunks
-from .._runner.final import final
+from .._declared.final import final
 from .._typing import ChunkK, ChunkScalar, ChunkValid, typecheck
-from ..ref import L2NORM_EPS, beta_activation, clamp_log_decay, kda_gate, log_decay_floor
+from ..ref import L2NORM_EPS, activated_gate, beta_activation, log_decay_floor
 from ._types import Activated, RawGrads, KDA
-
-_HeadsLast = lambda x: jnp.moveaxis(x, 1, -2)  # [R, HV, NC, C, K] -> [R, NC, C, HV, K]
-_HeadsBack = lambda x: jnp.moveaxis(x, -2, 1)
-
 
 def _rstd(x):
     return jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
-
-
-# The log decay of a token that starts a sequence inside a shared chunk. The other stages
-# mask every term across a sequence start to exact zeros, so the value only has to keep G
-# non-increasing; a small one (not the floor's) keeps G small, so float64's single G
-# keeps its low bits in the sequences after it.
-RESET_LOG_DECAY = {"float32": -20.0, "float64": -60.0}
-
-
-def reset_log_decay(dtype) -> float:
-    return RESET_LOG_DECAY["float64" if jnp.dtype(dtype) == jnp.float64 else "float32"]
-
-
-def activated_gate(config: KDAConfig, g, A_log, dt_bias, valid, reset=None):
-    """The per-token log decay: raw ``g`` or the in-kernel gate, clamped at the dtype's
-    floor (``clamp_log_decay``), zero at padding; ``reset_log_decay`` at ``reset`` tokens
-    (a sequence start inside a shared chunk: ``_layouts.layout.make_shared_layout``)."""
-    if config.use_gate_in_kernel:
-        g = _HeadsBack(kda_gate(_HeadsLast(g), A_log, dt_bias, config.lower_bound))
-    g = clamp_log_decay(g)
-    if reset is not None:
-        # A NaN or inf gate stays (it then reaches G from its own row on, as any).
-        floor = jnp.where(jnp.isfinite(g), jnp.asarray(reset_log_decay(g.dtype), g.dtype), g)
-        g = jnp.where(reset[:, None, :, :, None], floor, g)
-    return jnp.where(valid[:, None, :, :, None], g, 0.0)
 
 
 class AbstractGate(eqx.Module):

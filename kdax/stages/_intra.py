@@ -23,7 +23,7 @@ from .._layouts.resets import per_head, same_segment, segments
 from .._numerics import precision as _precision
 from .._numerics.hilo import exponent
 from .._numerics.ops import ChunkGroup, lower_matmul, mT, over_chunks, rowsum, zeros_after
-from .._runner.final import final
+from .._declared.final import final
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkValid, typecheck
 from ._types import ChunkGrads, IntraOut, KDA
 

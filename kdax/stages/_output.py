@@ -9,7 +9,7 @@ import equinox as eqx
 import jax.numpy as jnp
 
 from .._numerics.ops import ChunkGroup, lower_matmul, mT, over_chunks, tri_mask
-from .._runner.final import final
+from .._declared.final import final
 from .._typing import ChunkK, ChunkMat, ChunkState, ChunkV, typecheck
 from ._types import KDA
 

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 
 from .._layouts.layout import ChunkLayout
 from .._numerics.affine import scan_prefix
-from .._runner.final import final
+from .._declared.final import final
 from .._typing import ChunkK, ChunkV, SeqState, typecheck
 from ._state import AbstractDhu, AbstractState, ReferenceDhu, ReferenceState
 from ._types import DhuOut, StateOut

@@ -18,7 +18,7 @@ from .._layouts.layout import ChunkLayout
 from .._layouts.resets import mask_exponent, state_passes
 from .._numerics import precision as _precision
 from .._numerics.ops import loop_unroll, mT, vary_like, zeros_after
-from .._runner.final import final
+from .._declared.final import final
 from .._typing import ChunkK, ChunkV, ChunkValid, SeqState, typecheck
 from ._types import DhuOut, StateOut, KDA
 

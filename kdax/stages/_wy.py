@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from .._layouts.resets import from_start, mask_exponent, per_head, same_segment, segments, to_end
 from .._numerics.hilo import exponent
 from .._numerics.ops import ChunkGroup, last_row, lower_matmul, mT, over_chunks, rowsum, tri_mask
-from .._runner.final import final
+from .._declared.final import final
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, ChunkValid, typecheck
 from ._types import ChunkGrads, WYOut, KDA
 

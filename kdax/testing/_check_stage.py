@@ -11,7 +11,7 @@ import numpy as np
 
 from .._errors import StageContractError, UnsupportedCase
 from .._runner import derived as _derived
-from .._runner.capabilities import capabilities
+from .._declared.capabilities import capabilities
 from .._runner.contracts import STAGES
 from .._runner.derived import RESET_FIELDS
 from .._typing import typecheck

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from .._config import KDAOptions
 from .._numerics import precision as _precision
 from .._runner import derived as _derived
-from .._runner.capabilities import capabilities, negotiated
+from .._declared.capabilities import capabilities, negotiated
 from .._runner.runner import recording, run_stage
 from ..pipeline import KDAPipeline
 from ..stages import KDA, AbstractGate, ReferenceGate

@@ -75,7 +75,7 @@ def test_gate_reset(name):
     NaN or inf gate stays); B5's gate gradients are the VJP of the cumsum restarted at each
     reset, the reset token's own gate a constant (dg = 0 there, exactly)."""
     from kdax.ref._gates import clamp_log_decay
-    from kdax.stages._gate import reset_log_decay
+    from kdax.ref._gates import reset_log_decay
 
     cfg = KDAConfig(scale=1.0, **CONFIGS[name])
     q, k, g, beta, A_log, dt_bias, valid = _inputs(cfg, seed=2)
