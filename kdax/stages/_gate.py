@@ -18,6 +18,7 @@ from .._typing import ChunkK, ChunkScalar, ChunkValid, typecheck
 from ..ref import L2NORM_EPS, activated_gate, beta_activation, log_decay_floor
 from ._types import Activated, RawGrads, KDA
 
+
 def _rstd(x):
     return jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
 
