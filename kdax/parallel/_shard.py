@@ -35,24 +35,31 @@ def _explicit_spec(x):
     return mesh, tuple(spec) + (None,) * (x.ndim - len(spec))
 
 
-def maybe_per_shard(fn: Callable, q, k, v, g, beta, *, initial_state=None, A_log=None, dt_bias=None,
-                    cu_seqlens=None, state_v_first: bool = False, check_vma: bool = True,
-                    **options) -> Optional[tuple]:
-    """``fn(q, k, v, g, beta, **options)`` in ``jax.shard_map`` over the Explicit mesh
-    axes that shard the batch and head axes of the inputs (those of v, then q), or None
-    when no input is sharded so (``check_vma``: shard_map's; False for an interpret-mode
-    Pallas pipeline, see ``interprets``). Outputs keep the inputs' sharding: o like v, the final
-    state over the batch (dense) and heads."""
+def sharding_of(q, k, v, g, beta) -> Optional[tuple]:
+    """``(mesh, spec)`` of the Explicit mesh axes that shard the token inputs (those of v,
+    then q, k, g, beta; ``spec`` over ``[B, T, H, ...]``), or None when none is sharded so:
+    the call is a plain one. A sharded token axis is refused (sequence parallelism has its
+    own entry)."""
     found = [s for s in map(_explicit_spec, (v, q, k, g, beta)) if s is not None]
     if not found:
         return None
-    mesh, spec = found[0]
     for _, s in found:
         if _axes(s[1]):
             raise ValueError(
                 f"q, k, v, g, beta: the token axis is sharded over {s[1]!r}; sequence parallelism "
                 "needs seq_axis_name inside jax.shard_map, or kdax.parallel.chunk_kda on global arrays."
             )
+    return found[0]
+
+
+def per_shard(fn: Callable, sharding: tuple, q, k, v, g, beta, *, initial_state=None, A_log=None, dt_bias=None,
+              cu_seqlens=None, state_v_first: bool = False, check_vma: bool = True, **options) -> tuple:
+    """``fn(q, k, v, g, beta, **options)`` in ``jax.shard_map`` over ``sharding``
+    (``sharding_of``'s ``(mesh, spec)``: the mesh axes sharding the batch and head axes;
+    ``check_vma``: shard_map's, False for an interpret-mode Pallas pipeline, see
+    ``interprets``). Outputs keep the inputs' sharding: o like v, the final state over the
+    batch (dense) and heads."""
+    mesh, spec = sharding
     b, h = spec[0], spec[2]
     dense = cu_seqlens is None
     tok4, tok3 = P(b, None, h, None), P(b, None, h)
@@ -83,7 +90,7 @@ def maybe_per_shard(fn: Callable, q, k, v, g, beta, *, initial_state=None, A_log
 
 
 def _concrete_mesh(x):
-    """The context in which ``maybe_per_shard``'s jit runs: the mesh of ``x``'s sharding set
+    """The context in which ``per_shard``'s jit runs: the mesh of ``x``'s sharding set
     (``jax.set_mesh``) when ``x`` is a concrete array (an eager call); else nothing
     (inside a trace, where the caller's mesh context, if any, holds)."""
     concrete = getattr(getattr(x, "sharding", None), "mesh", None)
@@ -149,7 +156,11 @@ def route(fn: Callable, arguments: dict) -> Optional[tuple]:
     if pipeline is not None:
         check_interpret_in_shard_map(pipeline, q, k, v, g, beta)
         fn = functools.partial(fn, pipeline=pipeline)
-    return maybe_per_shard(fn, q, k, v, g, beta, check_vma=pipeline is None or not interprets(pipeline), **kw)
+    # Decided from the token inputs alone: a plain call hands nothing else on.
+    sharding = sharding_of(q, k, v, g, beta)
+    if sharding is None:
+        return None
+    return per_shard(fn, sharding, q, k, v, g, beta, check_vma=pipeline is None or not interprets(pipeline), **kw)
 
 
 def routed(fn: Callable) -> Callable:
