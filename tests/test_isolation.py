@@ -347,6 +347,25 @@ def test_unknown_cleaning_kind_is_refused():
         is_bad("nans", x)
 
 
+def test_entering_states_only_where_they_can_enter():
+    """``Bad``'s ``entering`` (initial states that may enter shared chunks) is for packed
+    sequences on one device; a dense row's state never meets another row's tokens, so the
+    VJP hands none there (kdax._runner.vjp), and a dense or per-device call is refused."""
+    r = np.random.default_rng(3)
+    q, k, v, g = (jnp.asarray(r.normal(size=(1, 8, 2, 4))) for _ in range(4))
+    beta = jnp.asarray(r.uniform(size=(1, 8, 2)))
+    h0 = jnp.zeros((2, 2, 4, 4)).at[1, 0, 0, 0].set(jnp.nan)
+    cu = jnp.asarray([0, 3, 8])
+    bad = _isolation.Bad((q, k, v, -jnp.abs(g), beta), cu, False, False, entering=h0)
+    # sequence 1's head 0 is NaN from its first token on; nothing else
+    want = np.zeros((1, 8, 2), bool)
+    want[0, 3:, 0] = True
+    np.testing.assert_array_equal(np.asarray(bad.where), want)
+    np.testing.assert_array_equal(np.asarray(bad.state_bad), [[False, False], [True, False]])
+    with pytest.raises(ValueError, match="entering: packed initial states on one device only"):
+        _isolation.Bad((q, k, v, -jnp.abs(g), beta), None, False, False, entering=h0[:1])
+
+
 def test_reaches_against_a_token_loop():
     """``_numerics.isolation._reaches`` (one reduction per sequence) against its definition, a loop
     over tokens: a bad token of the same sequence at or before (reverse: at or after)

@@ -119,10 +119,12 @@ class Bad:
     offsets of this call's tokens (None: dense rows). ``axis``: inside ``shard_map`` with
     the token axis split over that mesh axis (``cu_seqlens`` then this device's offsets,
     clipped to its tokens): a bad token on an earlier device reaches the same sequence
-    here, and final states are flagged for every device."""
+    here, and final states are flagged for every device. ``entering``: packed initial
+    states ``[N, HV, K, V]`` that may enter shared chunks (``kdax._layouts.shared_states``,
+    one device: not with ``axis``), read as zero there when not finite."""
 
     def __init__(self, raw, cu_seqlens, gate_in_kernel: bool, beta_sigmoid: bool, axis: Optional[str] = None,
-                 h0=None):
+                 entering=None):
         q, k, v, g, beta = raw
         B, T = q.shape[:2]
         HV = v.shape[2]
@@ -141,10 +143,11 @@ class Bad:
             self.after = self.after | _to_tokens(earlier, seq, cu_seqlens)
             # (a psum: replicated over the axis, as the final states are)
             self.state_bad = jax.lax.psum(self.state_bad.astype(jnp.int32), axis) > 0
-        if h0 is not None and cu_seqlens is not None and axis is None:
-            # Packed initial states enter shared chunks (kdax._layouts.shared_states), read as zero
-            # when not finite: such a sequence's head is NaN from its first token on.
-            h0_bad = ~finite_heads(h0)  # [N, HV]
+        if entering is not None:
+            if cu_seqlens is None or axis is not None:
+                raise ValueError("entering: packed initial states on one device only (cu_seqlens given, no axis).")
+            # Such a sequence's head is NaN from its first token on.
+            h0_bad = ~finite_heads(entering)  # [N, HV]
             self.after = self.after | _to_tokens(h0_bad, seq, cu_seqlens)
             self.state_bad = self.state_bad | h0_bad
         self.where = self.after | self.q_only  # [B, T, HV]: the outputs the recurrence makes NaN

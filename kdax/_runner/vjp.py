@@ -36,9 +36,11 @@ def differentiable(diff, config: KDAConfig, cu_seqlens):
 def _bad(config: KDAConfig, inputs, cu_seqlens):
     # Non-finite inputs stay in their own sequence, from their token on: the forward reads
     # them as zero and the outputs and gradients get NaN where the recurrence has it.
-    # (A non-finite initial state, too, where it enters shared chunks: kdax._layouts.shared_states.)
+    # A non-finite initial state, too, where it may enter shared chunks (packed:
+    # kdax._layouts.shared_states); a dense row's state never meets another row's tokens.
+    entering = None if cu_seqlens is None else inputs[5]
     return _isolation.Bad(inputs[:5], cu_seqlens, config.use_gate_in_kernel, config.use_beta_sigmoid_in_kernel,
-                          h0=inputs[5])
+                          entering=entering)
 
 
 class _Derived(eqx.Module):
