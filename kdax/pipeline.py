@@ -160,8 +160,9 @@ class KDAPipeline(eqx.Module):
     def pallas(cls, target: Optional[str] = None, interpret: Optional[bool] = None) -> "KDAPipeline":
         """Every stage a Pallas kernel for ``target`` ("tpu" or "triton"; None: triton on a
         GPU, else tpu). ``interpret=None``: interpret mode exactly when no accelerator of
-        that kind is present. A case a kernel cannot run (packed varlen in the TPU state
-        kernels) raises ``UnsupportedCase`` and falls back to the reference stage."""
+        that kind is present. A case a kernel cannot run (K or V over 128 in the Triton
+        kernels, shared chunks in a stage without ``reset``) raises ``UnsupportedCase``
+        and falls back to the reference stage."""
         target = P.default_target() if target is None else P._common.check_target(target)
         kw = dict(target=target, interpret=P.resolve_interpret(target, interpret))
         return cls(**{name: impl(**kw) for name, impl in _PALLAS.items()}, fallback=True)

@@ -16,8 +16,8 @@ from ._wy import PallasWY
 @final
 class PallasRecompute(AbstractRecompute, PallasTarget):
     """B0 by re-running the given F3 and F4; called directly without them, ``PallasWY``
-    and ``PallasState`` of this target (dense layout; varlen raises ``UnsupportedCase``
-    from the state kernel). Passes a ``Tokens`` view of ``v`` on to F3 (``tokens``)."""
+    and ``PallasState`` of this target. Passes a ``Tokens`` view of ``v`` on to F3
+    (``tokens``)."""
 
     accepts: ClassVar[frozenset] = frozenset({"tokens", "half_stored"})
 

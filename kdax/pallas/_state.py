@@ -1,10 +1,9 @@
 """Pallas inter-chunk state family: F4 (state recurrence) and B2 (dhu, in reverse), the
 stages; their kernels, one file per target: ``_state_tpu`` (grid (row * head, chunk), the
-chunk axis sequential, the state in a VMEM scratch; dense layout only: packed varlen needs
-per-chunk resets addressed by scalar prefetch, not implemented, so it raises
-``kdax.UnsupportedCase`` and ``KDAPipeline.pallas`` falls back to the reference stage) and
-``_state_triton`` (one program per row, head and block of value columns looping over the
-chunks; dense and packed varlen); the per-chunk arithmetic both share: ``_state_steps``.
+chunk axis sequential, the state in a VMEM scratch; packed varlen through scalar-prefetched
+sequence boundaries) and ``_state_triton`` (one program per row, head and block of value
+columns looping over the chunks); both run every layout (dense, packed varlen one
+sequence per chunk, shared chunks); the per-chunk arithmetic both share: ``_state_steps``.
 """
 
 from typing import ClassVar, Mapping, Optional, Union
@@ -24,13 +23,7 @@ from ..stages import KDA, AbstractDhu, AbstractState, DhuOut, StateOut
 from ._common import PallasValueBlocks, check_block, feature_pad, flat, tuned, unflat
 
 
-def _check_dense(stage: str, layout: ChunkLayout, NC: int):
-    if not layout.dense:
-        raise UnsupportedCase(
-            f"{stage}: a layout other than one sequence per row (packed varlen input, "
-            "cu_seqlens) needs per-chunk sequence resets, which this kernel does not "
-            "implement; use the reference stage."
-        )
+def _check_chunks(stage: str, NC: int):
     if NC == 0:
         raise UnsupportedCase(f"{stage}: T == 0 leaves no chunk to run a kernel on.")
 
@@ -62,8 +55,9 @@ def _product_operands(target: str, in_kernel: bool, *xs):
 
 @final
 class PallasState(AbstractState, PallasValueBlocks):
-    """F4 as a Pallas kernel (TPU: dense layout; Triton: dense and packed varlen, one
-    program per row and block of ``block_v`` value columns). ``block_k`` (Triton): hold
+    """F4 as a Pallas kernel, on every layout (TPU: one program per row and head, the
+    chunks in sequence; Triton: one program per row and block of ``block_v`` value
+    columns). ``block_k`` (Triton): hold
     the state as tiles of that many rows (FLA's kernels use 64), None: one tile.
     ``round_in_kernel`` (Triton, under a half-precision policy such as ``"fast"``): read
     the operands used only in products (w, kg) in float32 and round them in the kernel,
@@ -101,7 +95,7 @@ class PallasState(AbstractState, PallasValueBlocks):
         self.check_widths(K=K, V=V)
         t = self.target
         if t == "tpu":
-            _check_dense("PallasState", layout, NC)
+            _check_chunks("PallasState", NC)
         N = h0.shape[0]
         wf, kgf = _product_operands(t, self.round_in_kernel, self.padded(w), self.padded(kg))
         uf = self.padded(u)
@@ -112,7 +106,7 @@ class PallasState(AbstractState, PallasValueBlocks):
         st = _precision.storage(h0.dtype)
         shapes = dict(NC=NC, C=C, Kp=Kp, Vp=Vp, dtype=[st, st, h0.dtype], interpret=self.run_interpreted)
         if t == "tpu":
-            h, v_new, final = tpu.state_forward(wf, uf, kgf, gam, h0f, P=P, **shapes)
+            h, v_new, final = tpu.state_forward(wf, uf, kgf, gam, h0f, layout, P=P, HV=HV, N=N, **shapes)
         else:
             h, v_new, final = triton.state_forward(wf, uf, kgf, gam, h0f, layout, R=R, HV=HV, N=N,
                                                    block_v=self.block_v, block_k=self.block_k, **shapes)
@@ -122,8 +116,8 @@ class PallasState(AbstractState, PallasValueBlocks):
 
 @final
 class PallasDhu(AbstractDhu, PallasValueBlocks):
-    """B2 as a Pallas kernel, chunks in reverse (TPU: dense layout; Triton: also varlen, one
-    program per row and block of ``block_v`` value columns; ``block_k`` as in
+    """B2 as a Pallas kernel, chunks in reverse, on every layout (TPU: one program per row
+    and head; Triton: one program per row and block of ``block_v`` value columns; ``block_k`` as in
     ``PallasState``). Reads ``do`` from the caller's layout when handed a ``Tokens`` view
     (``tokens``; Triton, ``reads_tokens``). ``round_in_kernel`` as ``PallasState``'s (qg,
     kg, w, do)."""
@@ -158,7 +152,7 @@ class PallasDhu(AbstractDhu, PallasValueBlocks):
         self.check_widths(K=K, V=V)
         t = self.target
         if t == "tpu":
-            _check_dense("PallasDhu", layout, NC)
+            _check_chunks("PallasDhu", NC)
         N = dht.shape[0]
         do = self.view_or_copy(do, V)
         do = do if isinstance(do, Tokens) else self.padded(do)
@@ -170,7 +164,8 @@ class PallasDhu(AbstractDhu, PallasValueBlocks):
         dt = dv_intra.dtype  # (dh as stored: bf16 under "fast")
         shapes = dict(NC=NC, C=C, Kp=Kp, Vp=Vp, dtype=[_precision.storage(dt), dt, dt], interpret=self.run_interpreted)
         if t == "tpu":
-            dh, dv_new, dh0 = tpu.dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, P=P, **shapes)
+            dh, dv_new, dh0 = tpu.dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout, P=P, HV=HV, N=N,
+                                               **shapes)
         else:
             dh, dv_new, dh0 = triton.dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout, R=R, HV=HV, N=N,
                                                   block_v=self.block_v, block_k=self.block_k, **shapes)

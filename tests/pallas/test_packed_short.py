@@ -1,7 +1,7 @@
 """Packed short sequences sharing chunks (issue 18, item 8) in the Pallas pipelines
 (interpret mode): the Pallas gates take no ``reset`` and fall back to the reference ones
-(``UnsupportedCase``, said by ``plan``); the Triton state kernels run the shared layout's
-one-entry state table; outputs and every gradient exact against the float64 oracle."""
+(``UnsupportedCase``, said by ``plan``); the Triton and TPU state kernels run the shared
+layout's one-entry state table; outputs and every gradient exact against the float64 oracle."""
 
 import dataclasses
 
@@ -25,7 +25,7 @@ PIPELINES = {
 
 
 @pytest.mark.filterwarnings("ignore::kdax.FallbackWarning")
-@pytest.mark.parametrize("pipe", [p if p == "pallas_triton" else pytest.param(p, marks=pytest.mark.slow) for p in PIPELINES])
+@pytest.mark.parametrize("pipe", [p if p != "mixed" else pytest.param(p, marks=pytest.mark.slow) for p in PIPELINES])
 def test_shared_chunks_exact(pipe):
     pipeline = PIPELINES[pipe]()
     x = _inputs(SMALL)
@@ -34,7 +34,7 @@ def test_shared_chunks_exact(pipe):
     plan = pipeline.plan(*pos, chunk_size=16, **kw, **options)
     assert plan.layout == "shared"
     assert {"gate", "gate_bwd"} <= set(plan.fallbacks) and "reset" in plan.fallbacks["gate"]
-    if pipe == "pallas_triton":  # its state kernels read first/last: no fallback there
+    if pipe != "mixed":  # the state kernels read first/last: no fallback there
         assert not {"state", "dhu"} & set(plan.fallbacks)
     _check(_fn(pipeline), x, options, 1e-10)
 

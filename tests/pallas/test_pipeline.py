@@ -14,7 +14,7 @@ import pytest
 import kdax
 from kdax import pallas as P
 
-from .._util import GOLDEN_CASES, ON_DEVICE, assert_close, check_golden, loss_grads, oracle_kda, run
+from .._util import GOLDEN_CASES, ON_DEVICE, assert_close, check_golden, loss_grads, oracle_kda, run, split_args
 from ..test_pipeline import GRID, build_case, check_against_oracle, cotangents
 
 PIPELINES = {
@@ -66,20 +66,16 @@ def test_options_against_oracle(pipe, name):
     check_against_oracle(pipeline, x, opts)
 
 
-def test_varlen_falls_back_to_reference_state():
+@pytest.mark.parametrize("target", ["tpu", "triton"])
+def test_varlen_runs_without_fallback(target):
+    """Packed varlen (one sequence per chunk) with every stage a Pallas kernel: the state
+    kernels read each chunk's sequence boundaries (TPU: scalar-prefetched, picking the
+    sequence's h0 / final block; Triton: read in the loop over chunks)."""
     x, opts = build_case(GRID["varlen"])
-    strict = dataclasses.replace(kdax.KDAPipeline.pallas("tpu", interpret=True), fallback=False)
-    with pytest.raises(kdax.UnsupportedCase, match="packed varlen"):
-        run(strict, x, opts)
-    o, ht = run(kdax.KDAPipeline.pallas("tpu", interpret=True), x, opts)
-    o_ref, ht_ref = run(oracle_kda, x, opts)
-    assert_close(o, o_ref, 1e-10, "o")
-    assert_close(ht, ht_ref, 1e-10, "ht")
-
-
-def test_triton_layout_runs_varlen_without_fallback():
-    x, opts = build_case(GRID["varlen"])
-    strict = dataclasses.replace(kdax.KDAPipeline.pallas("triton", interpret=True), fallback=False)
+    strict = dataclasses.replace(kdax.KDAPipeline.pallas(target, interpret=True), fallback=False)
+    pos, kw = split_args(x)
+    plan = strict.plan(*pos, **kw, **opts)
+    assert plan.layout == "per-sequence" and not plan.fallbacks, plan
     check_against_oracle(strict, x, opts)
 
 
@@ -108,7 +104,7 @@ LOWERINGS = [
     pytest.param(target, platform, K, False, id=f"{target}-K{K}")
     for target, platform in (("tpu", "tpu"), ("triton", "cuda"))
     for K in (128, 64)
-] + [pytest.param("triton", "cuda", 128, True, id="triton-K128-varlen")]
+] + [pytest.param(target, platform, 128, True, id=f"{target}-K128-varlen") for target, platform in (("tpu", "tpu"), ("triton", "cuda"))]
 KERNEL_CALL = {"tpu": "tpu_custom_call", "triton": "triton"}
 
 

@@ -331,9 +331,10 @@ def test_values_read_from_the_callers_layout(target, interpret, in_dtype, dt, po
 ])
 @pytest.mark.parametrize("V,block_v", [(6, 64), (40, 16)], ids=["one_value_block", "four_value_blocks"])
 def test_state_kernels_varlen(interpret, V, block_v):
-    """Packed varlen (lengths 10, 0, 1, 20): the Triton state kernels follow the layout's
-    sequence boundaries, with the value columns in one program or split over several
-    (V = 40 padded to 64, blocks of 16); the TPU ones refuse before tracing."""
+    """Packed varlen (lengths 10, 0, 1, 20): the state kernels follow the layout's
+    sequence boundaries (an empty sequence keeps h0 / passes dht to dh0): Triton with the
+    value columns in one program or split over several (V = 40 padded to 64, blocks of
+    16), TPU (interpret mode) through its scalar-prefetched boundaries."""
     layout = make_layout(1, 31, 16, jnp.array([0, 10, 10, 11, 31], jnp.int32))
     NC = layout.num_chunks
     x = chunked(3, R=1, HV=2, NC=NC, C=16, K=12, V=V)
@@ -350,18 +351,18 @@ def test_state_kernels_varlen(interpret, V, block_v):
     for stage in (P.PallasState, P.PallasDhu):
         with pytest.raises(ValueError, match="block_v"):
             stage(target="triton", block_v=24)
-    with pytest.raises(NotImplementedError, match="packed varlen"):
-        P.PallasState(target="tpu")(*args)
-    with pytest.raises(NotImplementedError, match="packed varlen"):
-        P.PallasDhu(target="tpu")(*bargs)
+    tpu = dict(target="tpu", interpret=True)
+    _close(P.PallasState(**tpu)(*args), ref, 1e-12, "state (tpu)")
+    _close(P.PallasDhu(**tpu)(*bargs), S.ReferenceDhu()(*bargs), 1e-12, "dhu (tpu)")
     with pytest.raises(ValueError, match="target"):
         P.PallasIntra(target="cuda")
 
 
-def test_tpu_state_kernels_need_a_dense_layout():
-    """Two sequences in one row with tokens at their plain positions (``pos`` None, not
-    ``dense``): the TPU state kernels, which run each row as one sequence, refuse instead
-    of ignoring the boundaries; the same kernels accept the one-sequence-per-row layout."""
+def test_tpu_state_kernels_follow_any_layout():
+    """Two sequences in one row, the second first (``first``/``last`` name sequence 1 in
+    chunks 0-1, sequence 0 in chunks 2-3; ``pos`` None, not ``dense``): the TPU state
+    kernels start each from its own h0 / dht and leave its final / dh0 in its own entry,
+    as the reference stages; and the one-sequence-per-row layout as before."""
     x = chunked(5, R=1, NC=4)
     Aqk, Akk = intra_chunk(x["q"], x["k"], x["beta"], x["G"], x["scale"])
     w, u, qg, kg = wy_chunk(x["q"], x["k"], x["v"], x["beta"], x["G"], Akk)
@@ -369,13 +370,13 @@ def test_tpu_state_kernels_need_a_dense_layout():
     two = layout_of(first, last, [False, False])
     h0 = rand_like(jnp.zeros((2,) + x["h0"].shape[1:]), 9)
     kernel = P.PallasState(target="tpu", interpret=True)
-    with pytest.raises(NotImplementedError, match="one sequence per row"):
-        kernel(w, u, kg, x["G"], h0, two)
-    dv, dht = rand_like(x["v"], 3), rand_like(h0, 4)
-    with pytest.raises(NotImplementedError, match="one sequence per row"):
-        P.PallasDhu(target="tpu", interpret=True)(x["scale"], qg, kg, w, x["G"], x["v"], dv, dht, two)
-    args = (w, u, kg, x["G"], x["h0"], x["layout"])
+    args = (w, u, kg, x["G"], h0, two)
     _close(kernel(*args), S.ReferenceState()(*args), 1e-12, "state")
+    dv, dht = rand_like(x["v"], 3), rand_like(h0, 4)
+    bargs = (x["scale"], qg, kg, w, x["G"], x["v"], dv, dht, two)
+    _close(P.PallasDhu(target="tpu", interpret=True)(*bargs), S.ReferenceDhu()(*bargs), 1e-12, "dhu")
+    args = (w, u, kg, x["G"], x["h0"], x["layout"])
+    _close(kernel(*args), S.ReferenceState()(*args), 1e-12, "state (dense)")
 
 
 @pytest.mark.parametrize("target,interpret", MODES[1:])
