@@ -94,7 +94,8 @@ def _run(kernel, ins, in_blocks, out_blocks, P, NC, HV, dtype, state_shape, inte
 
 def _bounds(marks, NC: int, HV: int, reverse: bool):
     """``split(refs) -> (refs, starts, ends)`` for a kernel's arguments: the operand refs,
-    and whether this chunk starts / ends a sequence (dense: chunk 0 / NC - 1). Packed,
+    and functions saying whether this chunk starts / ends a sequence (dense: chunk 0 /
+    NC - 1; read where the kernel asks, so the dense kernels trace as before). Packed,
     ``split`` also zeroes the state at the program's first step: a chunk that holds no
     sequence (the layout's spare chunks after the last one) runs from zero, as in the
     Triton kernels and the reference stages."""
@@ -102,7 +103,8 @@ def _bounds(marks, NC: int, HV: int, reverse: bool):
     def split(refs):
         c = pl.program_id(1)
         if marks is None:
-            return refs, c == 0 if not reverse else c == NC - 1, c == NC - 1 if not reverse else c == 0
+            first, last = (NC - 1, 0) if reverse else (0, NC - 1)
+            return refs, lambda: c == first, lambda: c == last
         enter, leave, *refs = refs
 
         @pl.when(c == 0)
@@ -110,7 +112,7 @@ def _bounds(marks, NC: int, HV: int, reverse: bool):
             refs[-1][...] = jnp.zeros(refs[-1].shape, refs[-1].dtype)  # (the state scratch)
 
         at = idiv(pl.program_id(0), HV) * NC + (NC - 1 - c if reverse else c)
-        return refs, _marked(enter, at), _marked(leave, at)
+        return refs, lambda: _marked(enter, at), lambda: _marked(leave, at)
 
     return split
 
@@ -124,7 +126,7 @@ def state_forward(wf, uf, kgf, gam, h0f, layout: ChunkLayout, *, P, HV, N, NC, C
     def kernel(*refs):
         (w_ref, u_ref, kg_ref, g_ref, h0_ref, h_ref, vn_ref, fin_ref, scr), starts, ends = split(refs)
 
-        @pl.when(starts)
+        @pl.when(starts())
         def _():
             scr[...] = h0_ref[...]
 
@@ -134,7 +136,7 @@ def state_forward(wf, uf, kgf, gam, h0f, layout: ChunkLayout, *, P, HV, N, NC, C
         put(vn_ref, ..., v_new)
         scr[...] = h_next
 
-        @pl.when(ends)
+        @pl.when(ends())
         def _():
             fin_ref[...] = h_next
 
@@ -159,7 +161,7 @@ def dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout: ChunkLayout, *,
     def kernel(*refs):
         (q_ref, k_ref, w_ref, g_ref, do_ref, dvi_ref, dht_ref, dh_ref, dv_ref, dh0_ref, scr), starts, ends = split(refs)
 
-        @pl.when(ends)  # (in reverse: the sequence's last chunk comes first)
+        @pl.when(ends())  # (in reverse: the sequence's last chunk comes first)
         def _():
             scr[...] = dht_ref[...]
 
@@ -170,7 +172,7 @@ def dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout: ChunkLayout, *,
         dv_ref[...] = dv
         scr[...] = dh_start
 
-        @pl.when(starts)
+        @pl.when(starts())
         def _():
             dh0_ref[...] = dh_start
 
