@@ -211,11 +211,16 @@ def test_fallback_only_on_unsupported_case_with_warning_and_plan():
 
 
 def test_pallas_varlen_fallback_in_plan():
+    """``plan`` names each stage that falls back, and why: packed varlen in the TPU
+    pipeline shares chunks, and its F3, B0 and B3 kernels take no reset table; its state
+    kernels run the layout (no fallback there)."""
     x = _x(B=1, T=20, H=1)
     pos, _ = split_args(x)
     plan = kdax.KDAPipeline.pallas("tpu", interpret=True).plan(*pos, cu_seqlens=[0, 7, 20], chunk_size=16)
-    assert {"state", "dhu"} <= set(plan.fallbacks)
-    assert "packed varlen" in plan.fallbacks["state"]
+    assert plan.layout == "shared"
+    assert {"wy", "recompute", "wy_dqkg"} <= set(plan.fallbacks)
+    assert "reset" in plan.fallbacks["wy"]
+    assert not {"state", "dhu"} & set(plan.fallbacks)
 
 
 class ShortOutput(AbstractOutput):
