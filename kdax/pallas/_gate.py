@@ -6,6 +6,11 @@ of both operands in registers; B5 reads the chunk's rows in reverse so that its 
 cumsum is a forward scan). On Triton the kernels take the features a block of columns at
 a time (``column_blocks``), the row statistics (l2 norms, non-finite rows) first. Sums
 over a chunk for dA_log / ddt_bias are written per column and added up outside.
+
+Shared chunks (``reset``, ``kdax._layouts.resets``): F1 gives a sequence's first token the
+reset log decay, B5 sums each token's ``dG`` over its own sequence alone (``_segment_sums``:
+a product with the chunk's same-sequence mask on both targets) and gives the first token
+no gradient, as the reference stages.
 """
 
 from typing import ClassVar, Mapping, Optional, Union
@@ -23,6 +28,7 @@ from .._numerics.hilo import grid_bits, split_log_decay
 from .._declared.final import final
 from .._typing import ChunkK, ChunkScalar, ChunkValid, typecheck
 from ..ref import L2NORM_EPS, log_decay_floor
+from ..ref._gates import reset_log_decay
 from ..stages import KDA, AbstractGate, AbstractGateBackward, Activated, RawGrads
 from ._arith import dot, from_first, lower_dot, nonfinite_rows
 from ._common import (
@@ -89,6 +95,34 @@ def _activate(cfg: KDAConfig, g, valid, a_log, dtb):
     return jnp.where(valid > 0, jnp.maximum(g, log_decay_floor(g.dtype)), 0.0)
 
 
+def _reset(g, r):
+    """The log decay ``g`` with a sequence's first token (``r [C, 1]`` > 0, a token that
+    starts a sequence inside a shared chunk) at the reset log decay; a NaN or inf gate
+    stays (it reaches G from its own row on, as any)."""
+    return jnp.where((r > 0) & (jnp.abs(g) < jnp.inf), jnp.asarray(reset_log_decay(g.dtype), g.dtype), g)
+
+
+def _segment_sums(dG, r, reverse: bool):
+    """``dg[t] = sum of dG[s]`` over ``s >= t`` in t's sequence (up to the next token
+    with ``r [C, 1] > 0``), for every column of ``dG [C, k]``; the rows in reverse token
+    order when ``reverse`` (Triton's B5). The same-sequence mask from counts of resets
+    (selects and sums of 0/1 values: exact, no product), then one product with ``dG``, so
+    no other sequence's terms are summed (as the reference's ``segment_cumsum``: they
+    would cancel to ~0, but round)."""
+    C = r.shape[0]
+    i0, i1 = iota((C, C), 0), iota((C, C), 1)
+    R2 = jnp.broadcast_to(r, (C, C))  # [a, b] = r[a]
+    cs_row = jnp.sum(jnp.where(i0 <= i1, R2, 0.0), axis=0, keepdims=True)  # [1, C]: resets at rows <= b
+    diag = lambda x, axis: jnp.sum(jnp.where(i0 == i1, x, 0.0), axis=axis, keepdims=True)  # (a transpose)
+    cs_col = diag(cs_row, 1)  # [C, 1]: the same, by row
+    if reverse:  # row i is token C-1-i: the resets between are those at rows [j, i)
+        r_row = diag(R2, 0)
+        same = (i1 <= i0) & ((cs_col - r) == (cs_row - r_row))
+    else:  # the resets in (t, s]
+        same = (i1 >= i0) & (cs_col == cs_row)
+    return dot(same.astype(dG.dtype), dG)
+
+
 def _rstd(ss):
     return 1.0 / jnp.sqrt(ss + L2NORM_EPS)
 
@@ -99,9 +133,11 @@ def _rstd(ss):
 GATE_BLOCK = 16
 
 
-def gate_kernel(cfg: KDAConfig, blocks, split: bool, scan: bool, has: tuple, loads=(None,) * 4):
+def gate_kernel(cfg: KDAConfig, blocks, split: bool, scan: bool, has: tuple, loads=(None,) * 4,
+                reset: bool = False):
     """F1's kernel over one (row * head, chunk) block, ``blocks`` of columns at a time
-    (``column_blocks``): outputs ``(q, k, beta, G[, q_rstd, k_rstd][, G_lo])``.
+    (``column_blocks``): outputs ``(q, k, beta, G[, q_rstd, k_rstd][, G_lo])``. ``reset``:
+    a ``[C, 1]`` input after ``valid`` marks the tokens that start a sequence (``_reset``).
     ``split``: G as the exact sum ``G + G_lo`` (``kdax._numerics.hilo``; float32), else G alone;
     ``scan``: the cumsums as scans (Triton), else products (``_rows_cumsum``). ``loads``:
     what each block of q, k, g, beta becomes as read (``loaded``: a ``Tokens`` view's
@@ -110,6 +146,8 @@ def gate_kernel(cfg: KDAConfig, blocks, split: bool, scan: bool, has: tuple, loa
 
     def kernel(q_ref, k_ref, g_ref, b_ref, v_ref, *refs):
         q_ref, k_ref, g_ref, b_ref = (loaded(r, ld) for r, ld in zip((q_ref, k_ref, g_ref, b_ref), loads))
+        r = refs[0][...] if reset else None
+        refs = refs[1:] if reset else refs
         n = sum(has)
         params, outs = refs[:n], list(refs[n:])
         a_ref, d_ref = _param_refs(params, has)
@@ -121,7 +159,8 @@ def gate_kernel(cfg: KDAConfig, blocks, split: bool, scan: bool, has: tuple, loa
 
         def gate(k0, bk):
             cols = pl.ds(k0, bk)
-            return _activate(cfg, g_ref[:, cols], valid, a, ref_or_none(d_ref, (slice(None), cols)))
+            g = _activate(cfg, g_ref[:, cols], valid, a, ref_or_none(d_ref, (slice(None), cols)))
+            return g if r is None else _reset(g, r)
 
         # Row statistics over all columns first: the l2 norms, and the rows holding a
         # non-finite gate (NaN in every column of G from there on, as lower_dot has it).
@@ -168,13 +207,15 @@ def gate_kernel(cfg: KDAConfig, blocks, split: bool, scan: bool, has: tuple, loa
     return kernel
 
 
-def gate_bwd_kernel(cfg: KDAConfig, blocks, reverse: bool, has: tuple, C: int, load_g=None):
+def gate_bwd_kernel(cfg: KDAConfig, blocks, reverse: bool, has: tuple, C: int, load_g=None, reset: bool = False):
     """B5's kernel over one (row * head, chunk) block, ``blocks`` of columns at a time:
     outputs ``(dq, dk, dg, dbeta[, dA [1, K]][, ddt [1, K]])`` (dA, ddt: sums over the
     chunk's rows per column). ``reverse`` (Triton): the chunk's rows read and written in
     reverse order (index arrays: addresses only), so that the reverse cumsum of ``dG`` is
     a forward scan; else a product with the upper-triangular ones. ``load_g``: what a block
-    of the raw gate becomes as read (``gate_kernel``'s ``loads``)."""
+    of the raw gate becomes as read (``gate_kernel``'s ``loads``). ``reset``: a ``[C, 1]``
+    input after ``valid`` marks the tokens that start a sequence: sums within each
+    sequence (``_segment_sums``), no gradient at such a token."""
     l2, gate = cfg.use_qk_l2norm_in_kernel, cfg.use_gate_in_kernel
 
     def kernel(*refs):
@@ -184,12 +225,16 @@ def gate_bwd_kernel(cfg: KDAConfig, blocks, reverse: bool, has: tuple, C: int, l
         b_r = next(it)
         g_r = loaded(next(it), load_g) if gate else None
         v_r = next(it)
+        r_r = next(it) if reset else None
         a_ref, d_ref = _param_refs([next(it) for _ in range(sum(has))], has)
         dq_r, dk_r, db_r, dG_r = (next(it) for _ in range(4))
         dq_o, dk_o, dg_o, db_o = (next(it) for _ in range(4))
         dA_o = next(it) if a_ref is not None else None
         ddt_o = next(it) if d_ref is not None else None
         valid = v_r[rows]
+        r = None if r_r is None else r_r[rows]
+        if r is not None:  # the first token's decay meets a zero state: no gradient, exactly
+            valid = jnp.where(r > 0, 0.0, valid)
         a = None if a_ref is None else jnp.exp(a_ref[...])
         if l2:  # <dy, y> over every column, first
             qr, kr = qr_r[rows], kr_r[rows]
@@ -203,7 +248,11 @@ def gate_bwd_kernel(cfg: KDAConfig, blocks, reverse: bool, has: tuple, C: int, l
         for k0, bk in blocks:
             cols = pl.ds(k0, bk)
             dG = dG_r[rows, cols]
-            dg = jnp.where(valid > 0, jnp.cumsum(dG, axis=0) if reverse else dot(upper, dG), 0.0)
+            if r is not None:
+                dg = _segment_sums(dG, r, reverse)
+            else:
+                dg = jnp.cumsum(dG, axis=0) if reverse else dot(upper, dG)
+            dg = jnp.where(valid > 0, dg, 0.0)
             if gate:
                 x = g_r[rows, cols] if d_ref is None else g_r[rows, cols] + d_ref[:, cols]
                 if cfg.lower_bound == -jnp.inf:  # g = -inf whatever the input: no gradient
@@ -269,12 +318,13 @@ class PallasGate(AbstractGate, PallasTarget):
     in float32 (not under ``"fast"``), G as the exact sum ``G + G_lo`` (``kdax._numerics.hilo``), bit for bit the
     reference's; False: G alone. Reads q, k, g and beta from the caller's layout when the
     pipeline hands it ``Tokens`` views (``tokens``; on Triton, ``reads_tokens``): each
-    block cast and cleaned as it is loaded, no chunked copy made."""
+    block cast and cleaned as it is loaded, no chunked copy made. Takes shared chunks'
+    ``reset`` (``[R, NC, C]``: the reset log decay at each sequence's first token)."""
 
     math: ClassVar[Optional[str]] = KDA
 
     tile_safe: ClassVar[bool] = True
-    accepts: ClassVar[frozenset] = frozenset({"tile_safe", "tokens"})
+    accepts: ClassVar[frozenset] = frozenset({"reset", "tile_safe", "tokens"})
 
     split: bool = eqx.field(static=True, default=True)
 
@@ -290,6 +340,7 @@ class PallasGate(AbstractGate, PallasTarget):
         A_log: Optional[Float[Array, " HV"]],
         dt_bias: Optional[Float[Array, " HVK"]],
         valid: ChunkValid,
+        reset: Optional[ChunkValid] = None,
     ) -> Activated:
         cfg = config
         R, HV, NC, C, K = q.shape
@@ -298,17 +349,20 @@ class PallasGate(AbstractGate, PallasTarget):
         Kp = pow2(K) if self.target == "triton" else K
         ops = [token_operand(self.target, x, self.padded, b) for x, b in ((q, (C, Kp)), (k, (C, Kp)), (g, (C, Kp)))]
         ops.append(token_operand(self.target, beta, flat, (C, 1)))
-        vf = flat(jnp.broadcast_to(valid[:, None], beta.shape).astype(q.dtype))
+        per_token = lambda m: flat(jnp.broadcast_to(m[:, None], (R, HV, NC, C)).astype(q.dtype))
+        vf = per_token(valid)
+        rf = [] if reset is None else [per_token(reset)]
         p_arrays, p_specs, has = _params(cfg, self.target, HV, K, A_log, dt_bias)
         l2 = cfg.use_qk_l2norm_in_kernel
         # (float64, and the "fast" policy: G alone)
         split = self.split and grid_bits(q.dtype, C) is not None and _precision.keeps_low_part()
         kernel = gate_kernel(cfg, column_blocks(self.target, Kp, GATE_BLOCK), split, self.target == "triton", has,
-                             tuple(load for _, _, load in ops))
+                             tuple(load for _, _, load in ops), reset is not None)
 
         blocks = [(C, Kp), (C, Kp), (C, 1), (C, Kp)] + ([(C, 1), (C, 1)] if l2 else []) + ([(C, Kp)] if split else [])
-        outs = self.call(kernel, (*(a for a, _, _ in ops), vf, *p_arrays),
-                         [*(sp for _, sp, _ in ops), chunk_spec((C, 1)), *p_specs], blocks, R * HV, NC, q.dtype)
+        outs = self.call(kernel, (*(a for a, _, _ in ops), vf, *rf, *p_arrays),
+                         [*(sp for _, sp, _ in ops), *[chunk_spec((C, 1))] * (1 + len(rf)), *p_specs], blocks, R * HV, NC,
+                         q.dtype)
         cut = lambda x: unflat(x[..., :K], R, HV)
         rstd = (unflat(outs[4], R, HV), unflat(outs[5], R, HV)) if l2 else (None, None)
         G_lo = cut(outs[-1]) if split else None
@@ -319,11 +373,12 @@ class PallasGate(AbstractGate, PallasTarget):
 class PallasGateBackward(AbstractGateBackward, PallasTarget):
     """B5 as a Pallas kernel over (row * head, chunk); dA_log / ddt_bias partial sums per
     block are added up outside. Reads the raw gate ``g`` from the caller's layout when
-    handed a ``Tokens`` view (``tokens``, as ``PallasGate``)."""
+    handed a ``Tokens`` view (``tokens``, as ``PallasGate``). Takes shared chunks'
+    ``reset`` (sums within each sequence, no gradient at its first token)."""
 
     transposes: ClassVar[Mapping[str, str]] = MappingProxyType({"gate": KDA})
 
-    accepts: ClassVar[frozenset] = frozenset({"tokens"})
+    accepts: ClassVar[frozenset] = frozenset({"reset", "tokens"})
 
     @tuned
     @typecheck
@@ -339,6 +394,7 @@ class PallasGateBackward(AbstractGateBackward, PallasTarget):
         dk: ChunkK,
         dbeta: ChunkScalar,
         dG: ChunkK,
+        reset: Optional[ChunkValid] = None,
     ) -> RawGrads:
         cfg = config
         R, HV, NC, C, K = dq.shape
@@ -358,8 +414,9 @@ class PallasGateBackward(AbstractGateBackward, PallasTarget):
             a, spec, load_g = token_operand(self.target, self.view_or_copy(g, K), fp, (C, Kp))
             ins.append(a)
             specs.append(spec)
-        ins.append(flat(jnp.broadcast_to(valid[:, None], dbeta.shape).astype(dq.dtype)))
-        specs.append(s1)
+        for m in (valid,) if reset is None else (valid, reset):
+            ins.append(flat(jnp.broadcast_to(m[:, None], dbeta.shape).astype(dq.dtype)))
+            specs.append(s1)
         p_arrays, p_specs, has = _params(cfg, self.target, HV, K, A_log, dt_bias)
         ins += p_arrays + [fp(dq), fp(dk), flat(dbeta), fp(dG)]
         specs += p_specs + [sk, sk, s1, sk]
@@ -367,7 +424,7 @@ class PallasGateBackward(AbstractGateBackward, PallasTarget):
         blocks = [(C, Kp), (C, Kp), (C, Kp), (C, 1)] + ([(1, Kp)] if has_dA else []) + ([(1, Kp)] if has_ddt else [])
         # Triton: the chunk's rows in reverse, the reverse cumsum a scan (gate_bwd_kernel).
         kernel = gate_bwd_kernel(cfg, column_blocks(self.target, Kp, GATE_BLOCK), self.target == "triton", has, C,
-                                 load_g)
+                                 load_g, reset is not None)
 
         outs = self.call(kernel, ins, specs, blocks, R * HV, NC, dq.dtype)
         cut = lambda x: unflat(x[..., :K], R, HV)

@@ -193,13 +193,14 @@ def state_kernels(policy: str, tuning: dict, layout: str, tokens: bool = False) 
     return mods
 
 
-def gate_kernels(tuning: dict, tokens: bool = False) -> dict:
+def gate_kernels(tuning: dict, tokens: bool = False, reset: bool = False) -> dict:
     """``captured`` TTIR of the Triton gate kernels F1 and B5 alone at K = 128, chunk 64,
     with Kimi Linear's options (l2norm, the softplus gate with A_log and dt_bias, beta
     sigmoid) and Triton ``tuning`` (``PallasGate`` / ``PallasGateBackward`` fields).
     ``tokens``: F1's q, k, g, beta and B5's g as ``kdax._layouts.tokens.Tokens`` views of bf16
     ``[B, T, H, K]`` inputs, cleaned as ``chunk_kda`` cleans them (the pipeline's dense
-    path), instead of chunked float32 arrays."""
+    path), instead of chunked float32 arrays. ``reset``: shared chunks' reset table
+    (sequences starting inside chunks: ``kdax.pallas._gate._segment_sums`` in B5)."""
     import jax
     import jax.numpy as jnp
 
@@ -217,6 +218,7 @@ def gate_kernels(tuning: dict, tokens: bool = False) -> dict:
     kw = dict(target="triton", interpret=False, **tuning)
     A_log, dt_bias, valid = jnp.zeros(HV, jnp.float32), jnp.zeros(HV * K, jnp.float32), jnp.ones((R, NC, C), bool)
     kinds = _isolation.input_kinds(True, True)
+    rs = {"reset": jnp.zeros((R, NC, C), bool).at[:, :, 0].set(True).at[:, 1, 17].set(True)} if reset else {}
 
     def views(q, k, g, b):
         if not tokens:
@@ -225,12 +227,12 @@ def gate_kernels(tuning: dict, tokens: bool = False) -> dict:
         return q, k, g, b
 
     def f1(q, k, g, b):
-        return PallasGate(**kw)(cfg, *views(q, k, g, b), A_log, dt_bias, valid)
+        return PallasGate(**kw)(cfg, *views(q, k, g, b), A_log, dt_bias, valid, **rs)
 
     def b5(q, k, g, b, G, qr, kr, dq, dk, db, dG):
         act = Activated(q, k, b, G, qr, kr, None)
         g = views(None, None, g, None)[2] if tokens else g
-        return PallasGateBackward(**kw)(cfg, act, g, A_log, dt_bias, valid, dq, dk, db, dG)
+        return PallasGateBackward(**kw)(cfg, act, g, A_log, dt_bias, valid, dq, dk, db, dG, **rs)
 
     raw = (tk, tk, tk, ts) if tokens else (ck, ck, ck, cs)
     with captured() as mods:

@@ -1,7 +1,7 @@
 """Packed short sequences sharing chunks (issue 18, item 8) in the Pallas pipelines
-(interpret mode): the Pallas gates take no ``reset`` and fall back to the reference ones
-(``UnsupportedCase``, said by ``plan``); the Triton and TPU state kernels run the shared
-layout's one-entry state table; outputs and every gradient exact against the float64 oracle."""
+(interpret mode): the Pallas F3, B0 and B3 take no ``reset`` and fall back to the reference
+ones (``UnsupportedCase``, said by ``plan``); the Pallas gates run the reset table and the
+Triton and TPU state kernels the shared layout's one-entry state table; outputs and every gradient exact against the float64 oracle."""
 
 import dataclasses
 
@@ -33,9 +33,9 @@ def test_shared_chunks_exact(pipe):
     pos, kw = split_args(x)
     plan = pipeline.plan(*pos, chunk_size=16, **kw, **options)
     assert plan.layout == "shared"
-    assert {"gate", "gate_bwd"} <= set(plan.fallbacks) and "reset" in plan.fallbacks["gate"]
-    if pipe != "mixed":  # the state kernels read first/last: no fallback there
-        assert not {"state", "dhu"} & set(plan.fallbacks)
+    assert {"wy", "wy_dqkg"} <= set(plan.fallbacks) and "reset" in plan.fallbacks["wy"]
+    if pipe != "mixed":  # the gate and state kernels take the reset table: no fallback there
+        assert not {"gate", "gate_bwd", "state", "dhu"} & set(plan.fallbacks), plan.fallbacks
     _check(_fn(pipeline), x, options, 1e-10)
 
 

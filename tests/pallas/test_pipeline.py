@@ -135,6 +135,31 @@ def test_lowering(target, platform, K, varlen):
         assert len(kernels) >= n_min, calls
 
 
+@pytest.mark.parametrize("target,platform", [("tpu", "tpu"), ("triton", "cuda")])
+def test_lowering_shared_chunks(target, platform):
+    """Short packed sequences sharing chunks (``KDAPipeline.pallas`` falling back for F3,
+    B0 and B3, which take no reset table): the gate kernels with the reset table and the
+    state kernels on the one-entry state table lower for the device, forward and backward."""
+    T, H, K = 1024, 4, 128
+    s = jax.ShapeDtypeStruct
+    args = (s((1, T, H, K), jnp.float32),) * 4 + (s((1, T, H), jnp.float32),)
+    pipe = kdax.KDAPipeline.pallas(target, interpret=False)
+    cu = jnp.array([0, 10, 11, 90, 500, T], jnp.int32)
+    kw = dict(chunk_size=64, use_gate_in_kernel=True, A_log=jnp.zeros(H), output_final_state=True, cu_seqlens=cu)
+    plan = pipe.plan(*args, **kw)
+    assert plan.layout == "shared" and not {"gate", "gate_bwd", "state", "dhu"} & set(plan.fallbacks), plan
+
+    def loss(*a):
+        o, ht = kdax.chunk_kda(*a, pipeline=pipe, **kw)
+        return jnp.sum(o) + jnp.sum(ht)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", kdax.FallbackWarning)
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    names = set(re.findall(r'kdax_(Pallas\w+?)_kernel', text))
+    assert {"PallasGate", "PallasGateBackward", "PallasState", "PallasDhu"} <= names, names
+
+
 @pytest.mark.parametrize("pipe", [p for p in ("pallas_triton", "pallas_device") if p in PIPELINES])
 @pytest.mark.parametrize("dt", [jnp.bfloat16, jnp.float16])
 def test_low_precision_inputs(pipe, dt):

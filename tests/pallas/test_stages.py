@@ -10,7 +10,7 @@ import pytest
 from kdax import KDAConfig
 from kdax import pallas as P
 from kdax import stages as S
-from kdax._layouts.layout import make_layout
+from kdax._layouts.layout import make_layout, make_shared_layout
 from kdax.pallas._common import column_blocks
 from kdax.stages import ChunkGrads
 
@@ -228,6 +228,44 @@ def test_gate_stages(target, interpret, opts, dtype, tol):
     bargs = (cfg, act_r, g if gate else None, A_log, dt_bias, valid, f(R, HV, NC, C, K), f(R, HV, NC, C, K),
              f(R, HV, NC, C), f(R, HV, NC, C, K))
     _close(P.PallasGateBackward(**kw)(*bargs), S.ReferenceGateBackward()(*bargs), tol, "gate_bwd")
+
+
+@pytest.mark.parametrize("target,interpret", MODES)
+@pytest.mark.parametrize("opts", GATE_CONFIGS, ids=["plain", "softplus_l2_sigmoid", "lower_bound_neg"])
+@pytest.mark.parametrize("dtype,tol", [(jnp.float64, 1e-12), (jnp.float32, 1e-5)])
+def test_gate_stages_with_resets(target, interpret, opts, dtype, tol):
+    """Shared chunks (``reset``: sequences starting inside a chunk, one of them on a chunk
+    boundary, a one-token one, an empty one): F1 gives each first token the reset log
+    decay, B5 sums ``dG`` within each sequence and gives a first token no gradient, as the
+    reference stages; a log decay of -inf at a first token, too."""
+    cfg = KDAConfig(scale=1.0, **opts)
+    C, K, HV = 16, 12, 2
+    cu = jnp.asarray([0, 5, 6, 6, 16, 29, 45], jnp.int32)
+    L = make_shared_layout(45, C, cu)
+    R, NC = L.valid.shape[:2]
+    assert L.reset is not None and int(L.reset.sum()) == 5  # (every non-empty sequence's first token)
+    r = np.random.default_rng(1)
+    f = lambda *s: jnp.asarray(r.normal(size=s), dtype)
+    gate = cfg.use_gate_in_kernel
+    q, k, beta = f(R, HV, NC, C, K), f(R, HV, NC, C, K), f(R, HV, NC, C)
+    g = f(R, HV, NC, C, K) if gate else -jnp.abs(f(R, HV, NC, C, K))
+    if not gate:  # a log decay of -inf at a first token (token 5), too
+        g = g.at[0, 1, 0, 5, 3].set(-jnp.inf)
+    A_log, dt_bias = (f(HV) * 0.3, f(HV * K)) if gate else (None, None)
+    kw = dict(target=target, interpret=interpret)
+    args = (cfg, q, k, g, beta, A_log, dt_bias, L.valid)
+    for split in (True, False):
+        act_p = P.PallasGate(**kw, split=split)(*args, reset=L.reset)
+        act_r = S.ReferenceGate(split=split)(*args, reset=L.reset)
+        _close(act_p, act_r, tol, f"gate split={split}")
+        if act_r.G_lo is not None:
+            np.testing.assert_array_equal(np.asarray(act_p.G), np.asarray(act_r.G))
+    bargs = (cfg, act_r, g if gate else None, A_log, dt_bias, L.valid, f(R, HV, NC, C, K), f(R, HV, NC, C, K),
+             f(R, HV, NC, C), f(R, HV, NC, C, K))
+    got, want = P.PallasGateBackward(**kw)(*bargs, reset=L.reset), S.ReferenceGateBackward()(*bargs, reset=L.reset)
+    _close(got, want, tol, "gate_bwd")
+    first = np.broadcast_to(np.asarray(L.reset)[:, None, :, :, None], got.dg.shape)
+    assert np.all(np.asarray(got.dg)[first] == 0)
 
 
 # Views of the caller's arrays (kdax._layouts.tokens): float64 read as such, bf16 read as float32,

@@ -47,15 +47,18 @@ def test_state_kernels_hold_the_state_on_chip(tuning, layout):
     assert len(used) == 2, used
 
 
-@pytest.mark.parametrize("num_warps,tokens", [(4, False), (4, True), (8, False)], ids=["4", "4-tokens", "8"])
-def test_gate_kernels_fit_in_registers(num_warps, tokens):
+@pytest.mark.parametrize("num_warps,tokens,reset", [(4, False, False), (4, True, False), (8, False, False), (8, False, True)],
+                         ids=["4", "4-tokens", "8", "8-reset"])
+def test_gate_kernels_fit_in_registers(num_warps, tokens, reset):
     """F1 and B5 at K = 128 with Kimi Linear's options, at the default four warps and at
     eight, on chunked float32 inputs and reading bf16 ``[B, T, H, K]`` inputs in place
     (``kdax._layouts.tokens``): no thread-local memory. With their cumsums as float32 products (FMA
     loops on Triton) F1 spilled ~15 KiB a thread; with whole [C, K] tiles (scans) 0.8 and
     1.8 KiB; 16 columns at a time (kdax.pallas._gate.GATE_BLOCK), none. (Reading bf16 in
-    place, four warps: F1 113 registers, B5 140, against 168 and 176.)"""
-    kernels = gate_kernels(dict(num_warps=num_warps), tokens=tokens)
+    place, four warps: F1 113 registers, B5 140, against 168 and 176.) With shared chunks'
+    reset table (B5's same-sequence product, ``kdax.pallas._gate._segment_sums``), at eight
+    warps: B5 249 registers, none spilled (at four: 1176 B a thread spilled, F1 8 B)."""
+    kernels = gate_kernels(dict(num_warps=num_warps), tokens=tokens, reset=reset)
     used = {src.split(" ")[0]: resources(text, num_warps) for src, text in kernels.items()}
     assert all(r.local == 0 and r.registers <= HOPPER_REGISTERS and r.shared <= HOPPER_SHARED_BYTES
                for r in used.values()), used
