@@ -27,8 +27,7 @@ from .._numerics import precision as _precision
 from .._numerics.hilo import grid_bits, split_log_decay
 from .._declared.final import final
 from .._typing import ChunkK, ChunkScalar, ChunkValid, typecheck
-from ..ref import L2NORM_EPS, log_decay_floor
-from ..ref._gates import reset_log_decay
+from ..ref import L2NORM_EPS, log_decay_floor, reset_log_decay
 from ..stages import KDA, AbstractGate, AbstractGateBackward, Activated, RawGrads
 from ._arith import dot, from_first, lower_dot, nonfinite_rows
 from ._common import (

@@ -10,6 +10,7 @@ from ._gates import (
     kda_gate as kda_gate,
     l2norm as l2norm,
     lower_bound_gate as lower_bound_gate,
+    reset_log_decay as reset_log_decay,
     softplus_gate as softplus_gate,
 )
 from ._recurrent import compute_dtype as compute_dtype
