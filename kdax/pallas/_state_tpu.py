@@ -75,7 +75,9 @@ def _run(kernel, ins, in_blocks, out_blocks, P, NC, HV, dtype, state_shape, inte
 
         return pl.BlockSpec((None,) + block, index)
 
-    ins, mat = manual_inputs(ins)
+    ins, mat = manual_inputs(ins if marks is None else (*marks, *ins))  # (inside shard_map: all vary alike)
+    if marks is not None:
+        marks, ins = ins[:2], ins[2:]
     dtypes = out_dtypes(dtype, len(out_blocks))
     out_shape = [jax.ShapeDtypeStruct((P, NC) + b if k == "c" else s, d, manual_axis_type=mat)
                  for (k, b, s), d in zip(out_blocks, dtypes)]

@@ -37,10 +37,21 @@ def _compare(got, want):
 
 
 def test_sequence_parallel():
-    """Two devices, dense (the Pallas state kernels run: packed input falls back to the
-    reference ones), initial states, the gate in kernel."""
+    """Two devices, dense, initial states, the gate in kernel."""
     x = make_inputs(0, B=2, T=32, H=1, HV=2, K=8, V=8, gate="raw", A_log=True, dt_bias=True)
     opts = dict(output_final_state=True, chunk_size=16, pipeline=PALLAS, use_gate_in_kernel=True)
+    mesh = jax.make_mesh((2,), ("sp",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2])
+    want = _run(kdax.chunk_kda, x, opts)
+    _compare(_run(functools.partial(kdax.parallel.chunk_kda, mesh, "sp"), x, opts), want)
+
+
+def test_sequence_parallel_packed():
+    """Two devices, packed sequences (one crossing the devices' boundary) with initial
+    states: the TPU state kernels on each device's layout (its sequence boundaries
+    scalar-prefetched), equal to the same pipeline on one device."""
+    cu = [0, 5, 21, 21, 32]
+    x = make_inputs(3, B=1, T=32, H=1, HV=2, K=8, V=8, N=4)
+    opts = dict(output_final_state=True, chunk_size=16, pipeline=PALLAS, cu_seqlens=jnp.asarray(cu, jnp.int32))
     mesh = jax.make_mesh((2,), ("sp",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2])
     want = _run(kdax.chunk_kda, x, opts)
     _compare(_run(functools.partial(kdax.parallel.chunk_kda, mesh, "sp"), x, opts), want)
