@@ -289,6 +289,13 @@ def gate_bwd_kernel(cfg: KDAConfig, blocks, reverse: bool, has: tuple, C: int, l
     return kernel
 
 
+def _token_masks(valid, reset, HV: int, dtype) -> list:
+    """``valid`` and, for shared chunks, ``reset`` (``[R, NC, C]``) per value head as the
+    kernels' ``[R * HV, NC, C, 1]`` inputs in ``dtype``."""
+    R, NC, C = valid.shape
+    return [flat(jnp.broadcast_to(m[:, None], (R, HV, NC, C)).astype(dtype)) for m in (valid, reset) if m is not None]
+
+
 def _params(cfg: KDAConfig, target: str, HV: int, K: int, A_log, dt_bias):
     """Per-head parameter arrays and specs: A_log ``[HV, 1, 1]``, dt_bias ``[HV, 1, Kp]``,
     and which of the two there are."""
@@ -348,9 +355,7 @@ class PallasGate(AbstractGate, PallasTarget):
         Kp = pow2(K) if self.target == "triton" else K
         ops = [token_operand(self.target, x, self.padded, b) for x, b in ((q, (C, Kp)), (k, (C, Kp)), (g, (C, Kp)))]
         ops.append(token_operand(self.target, beta, flat, (C, 1)))
-        per_token = lambda m: flat(jnp.broadcast_to(m[:, None], (R, HV, NC, C)).astype(q.dtype))
-        vf = per_token(valid)
-        rf = [] if reset is None else [per_token(reset)]
+        masks = _token_masks(valid, reset, HV, q.dtype)
         p_arrays, p_specs, has = _params(cfg, self.target, HV, K, A_log, dt_bias)
         l2 = cfg.use_qk_l2norm_in_kernel
         # (float64, and the "fast" policy: G alone)
@@ -359,8 +364,8 @@ class PallasGate(AbstractGate, PallasTarget):
                              tuple(load for _, _, load in ops), reset is not None)
 
         blocks = [(C, Kp), (C, Kp), (C, 1), (C, Kp)] + ([(C, 1), (C, 1)] if l2 else []) + ([(C, Kp)] if split else [])
-        outs = self.call(kernel, (*(a for a, _, _ in ops), vf, *rf, *p_arrays),
-                         [*(sp for _, sp, _ in ops), *[chunk_spec((C, 1))] * (1 + len(rf)), *p_specs], blocks, R * HV, NC,
+        outs = self.call(kernel, (*(a for a, _, _ in ops), *masks, *p_arrays),
+                         [*(sp for _, sp, _ in ops), *[chunk_spec((C, 1))] * len(masks), *p_specs], blocks, R * HV, NC,
                          q.dtype)
         cut = lambda x: unflat(x[..., :K], R, HV)
         rstd = (unflat(outs[4], R, HV), unflat(outs[5], R, HV)) if l2 else (None, None)
@@ -413,9 +418,9 @@ class PallasGateBackward(AbstractGateBackward, PallasTarget):
             a, spec, load_g = token_operand(self.target, self.view_or_copy(g, K), fp, (C, Kp))
             ins.append(a)
             specs.append(spec)
-        for m in (valid,) if reset is None else (valid, reset):
-            ins.append(flat(jnp.broadcast_to(m[:, None], dbeta.shape).astype(dq.dtype)))
-            specs.append(s1)
+        masks = _token_masks(valid, reset, HV, dq.dtype)
+        ins += masks
+        specs += [s1] * len(masks)
         p_arrays, p_specs, has = _params(cfg, self.target, HV, K, A_log, dt_bias)
         ins += p_arrays + [fp(dq), fp(dk), flat(dbeta), fp(dG)]
         specs += p_specs + [sk, sk, s1, sk]

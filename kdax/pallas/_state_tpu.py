@@ -15,7 +15,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .._layouts.layout import ChunkLayout
-from ._common import chunk_spec, compiler_params, idiv, manual_inputs, out_dtypes, put
+from ._common import compiler_params, idiv, manual_inputs, out_dtypes, put
 from ._state_steps import dhu_step, state_step
 
 
@@ -46,8 +46,7 @@ def _marks(layout: ChunkLayout) -> tuple:
 
 
 def _marked(ref, at):
-    code = ref[at]
-    return jnp.bitwise_and(code, jnp.ones((), code.dtype)) == 1
+    return (ref[at] & 1) == 1
 
 
 def _run(kernel, ins, in_blocks, out_blocks, P, NC, HV, dtype, state_shape, interpret, reverse, stage, marks):
@@ -58,19 +57,14 @@ def _run(kernel, ins, in_blocks, out_blocks, P, NC, HV, dtype, state_shape, inte
 
     def spec(kind, block):
         zeros = (0,) * len(block)
-        if kind == "c":
-            if marks is not None:
-                return pl.BlockSpec((None, None) + block, lambda p, c, *_: (p, chunk(c)) + zeros)
-            if reverse:
-                return pl.BlockSpec((None, None) + block, lambda p, c: (p, NC - 1 - c) + zeros)
-            return chunk_spec(block)
+        if kind == "c":  # (``codes``: the scalar-prefetched marks, when there are)
+            return pl.BlockSpec((None, None) + block, lambda p, c, *codes: (p, chunk(c)) + zeros)
         if kind == "p":
             return pl.BlockSpec((None,) + block, lambda p, c: (p,) + zeros)
         which = 0 if kind == "enter" else 1
 
         def index(p, c, *codes):
-            code = codes[which][idiv(p, HV) * NC + chunk(c)]
-            entry = jax.lax.shift_right_logical(code, jnp.ones((), code.dtype))
+            entry = codes[which][idiv(p, HV) * NC + chunk(c)] >> 1
             return (entry * HV + jax.lax.rem(p, jnp.asarray(HV, p.dtype)),) + zeros
 
         return pl.BlockSpec((None,) + block, index)
