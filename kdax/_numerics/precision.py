@@ -218,18 +218,6 @@ def widened(kwargs: dict) -> dict:
     return {n: x.astype(jnp.float32) if n in STORED and half(x) else x for n, x in kwargs.items()}
 
 
-def recurrence_matmul(a, b):
-    """``a @ b`` for the reference recurrences (F4, B2): under ``"fast"`` float32 (or
-    bf16-stored) operands rounded to bf16, products accumulated in float32 (what the GPU
-    computes, emulated exactly on any backend: a bf16 x bf16 product is exact in
-    float32); else ``a @ b``."""
-    half = operand_dtype()
-    if half is not None and a.dtype in (jnp.float32, half):
-        default = jax.lax.Precision.DEFAULT  # explicit: not the scope's algorithm
-        return jnp.matmul(a.astype(half), b.astype(half), precision=default, preferred_element_type=jnp.float32)
-    return a @ b
-
-
 def matmul_precision() -> str:
     """The ``jax.default_matmul_precision`` value for products traced here."""
     operand = operand_dtype()

@@ -29,8 +29,16 @@ def _at(c):
     return lambda x: jax.lax.dynamic_index_in_dim(x, c, 2 if x.ndim > 2 else 1, keepdims=False)
 
 
-# The recurrences' products: bf16 operands under the "fast" policy (kdax._numerics.precision).
-_mm = _precision.recurrence_matmul
+def _mm(a, b):
+    """``a @ b`` for the recurrences: under the ``"fast"`` policy (``kdax._numerics.precision``)
+    float32 (or bf16-stored) operands rounded to bf16, products accumulated in float32 (what
+    the GPU computes, emulated exactly on any backend: a bf16 x bf16 product is exact in
+    float32); else ``a @ b``."""
+    half = _precision.operand_dtype()
+    if half is not None and a.dtype in (jnp.float32, half):
+        default = jax.lax.Precision.DEFAULT  # explicit: not the scope's algorithm
+        return jnp.matmul(a.astype(half), b.astype(half), precision=default, preferred_element_type=jnp.float32)
+    return a @ b
 
 
 def _put(x, c, y):
