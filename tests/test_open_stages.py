@@ -210,17 +210,16 @@ def test_fallback_only_on_unsupported_case_with_warning_and_plan():
         kdax.chunk_kda(*pos, **kw, chunk_size=16, pipeline=custom)
 
 
-def test_pallas_varlen_fallback_in_plan():
-    """``plan`` names each stage that falls back, and why: packed varlen in the TPU
-    pipeline shares chunks, and its F3, B0 and B3 kernels take no reset table; its state
-    kernels run the layout (no fallback there)."""
+@pytest.mark.parametrize("target", ["tpu", "triton"])
+def test_pallas_varlen_runs_every_kernel_in_plan(target):
+    """Packed varlen in a Pallas pipeline shares chunks and every stage takes the reset
+    table: ``plan`` says each Pallas stage runs itself, none falls back (a stage without
+    ``reset`` is named with its reason: tests/test_capabilities.py)."""
     x = _x(B=1, T=20, H=1)
     pos, _ = split_args(x)
-    plan = kdax.KDAPipeline.pallas("tpu", interpret=True).plan(*pos, cu_seqlens=[0, 7, 20], chunk_size=16)
-    assert plan.layout == "shared"
-    assert {"wy", "recompute", "wy_dqkg"} <= set(plan.fallbacks)
-    assert "reset" in plan.fallbacks["wy"]
-    assert not {"state", "dhu"} & set(plan.fallbacks)
+    plan = kdax.KDAPipeline.pallas(target, interpret=True).plan(*pos, cu_seqlens=[0, 7, 20], chunk_size=16)
+    assert plan.layout == "shared" and not plan.fallbacks, plan
+    assert all(row.runs == row.requested and row.runs.startswith("Pallas") for row in plan.rows), plan
 
 
 class ShortOutput(AbstractOutput):

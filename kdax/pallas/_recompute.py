@@ -6,7 +6,7 @@ from typing import ClassVar, Optional, Union
 from .._layouts.layout import ChunkLayout
 from .._layouts.tokens import Tokens
 from .._declared.final import final
-from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkV, SeqState, typecheck
+from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkV, ChunkValid, SeqState, typecheck
 from ..stages import AbstractRecompute, AbstractState, AbstractWY, recompute_with, StateOut, WYOut
 from ._common import PallasTarget, tuned
 from ._state import PallasState
@@ -17,9 +17,9 @@ from ._wy import PallasWY
 class PallasRecompute(AbstractRecompute, PallasTarget):
     """B0 by re-running the given F3 and F4; called directly without them, ``PallasWY``
     and ``PallasState`` of this target. Passes a ``Tokens`` view of ``v`` on to F3
-    (``tokens``)."""
+    (``tokens``), and ``G_lo`` and the reset table (shared chunks) on to F3 and F4."""
 
-    accepts: ClassVar[frozenset] = frozenset({"tokens", "half_stored"})
+    accepts: ClassVar[frozenset] = frozenset({"G_lo", "reset", "tokens", "half_stored"})
 
     @tuned
     @typecheck
@@ -33,6 +33,8 @@ class PallasRecompute(AbstractRecompute, PallasTarget):
         Akk: ChunkMat,
         h0: SeqState,
         layout: ChunkLayout,
+        G_lo: Optional[ChunkK] = None,
+        reset: Optional[ChunkValid] = None,
         *,
         wy: Optional[AbstractWY] = None,
         state: Optional[AbstractState] = None,
@@ -40,4 +42,4 @@ class PallasRecompute(AbstractRecompute, PallasTarget):
         kw = dict(target=self.target, interpret=self.interpret)
         wy = PallasWY(**kw) if wy is None else wy
         state = PallasState(**kw) if state is None else state
-        return recompute_with(wy, state, q, k, v, beta, G, Akk, h0, layout)
+        return recompute_with(wy, state, q, k, v, beta, G, Akk, h0, layout, G_lo, reset)

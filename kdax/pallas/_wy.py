@@ -7,9 +7,10 @@ from types import MappingProxyType
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from .._layouts.resets import mask_exponent, per_head, segments
 from .._layouts.tokens import Tokens
 from .._declared.final import final
-from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, typecheck
+from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, ChunkValid, typecheck
 from .._numerics import precision as _precision
 from .._numerics.hilo import exponent
 from ..stages import KDA, AbstractWY, AbstractWYDqkg, ChunkGrads, WYOut
@@ -45,16 +46,42 @@ def last_rows(row_loads: bool, refs, cols, tiles):
     return tuple(None if x is None else row_of(x, x.shape[0] - 1) for x in tiles)
 
 
-def wy_kernel(k_blocks, v_blocks, has_lo: bool, load_v=None, row_loads: bool = False):
+def segment_masks(seg):
+    """The masks of ``kdax._layouts.resets`` for one shared chunk, from ``seg`` ``[C, 1]``
+    (each token's sequence within the chunk, ``segments``): ``(from_start, to_end)``
+    ``[C, 1]`` and whether the chunk's start state reaches its end ``[1, 1]``; all None
+    without ``seg``. (``seg`` never decreases down the chunk: its last row is its maximum,
+    a reduction rather than a one-row load, which a TPU lays out badly.)"""
+    if seg is None:
+        return None, None, None
+    last = jnp.max(seg, axis=0, keepdims=True)
+    return seg == 0, seg == last, last == 0
+
+
+def segment_operands(reset, HV: int, row: bool) -> tuple:
+    """``(inputs, specs)`` of a kernel given ``reset`` ``[R, NC, C]``: each token's sequence
+    within its chunk per value head, as a ``[C, 1]`` column (and, ``row``, as a ``[1, C]``
+    row, for the pairs within one sequence)."""
+    seg = flat(per_head(segments(reset), HV))
+    if not row:
+        return (seg,), [chunk_spec(seg.shape[2:])]
+    C = seg.shape[2]
+    return (seg, seg.reshape(seg.shape[0], seg.shape[1], 1, C)), [chunk_spec((C, 1)), chunk_spec((1, C))]
+
+
+def wy_kernel(k_blocks, v_blocks, has_lo: bool, load_v=None, row_loads: bool = False, has_reset: bool = False):
     """F3's kernel for one chunk: ``w``, ``qg``, ``kg`` over ``k_blocks`` of feature
     columns, ``u`` over ``v_blocks`` (``column_blocks``; on Triton whole ``[C, 128]``
     tiles spilled). A NaN/inf at a token reaches only the rows from it on (``lower_dot``),
     in the columns of its block. ``load_v``: v's blocks as read (``loaded``); ``row_loads``:
-    ``last_rows``' way."""
+    ``last_rows``' way. ``has_reset``: a ``[C, 1]`` input after ``G_lo`` holds each token's
+    sequence within the chunk (shared chunks): ``e^G`` masked to the chunk's first sequence,
+    ``e^(Γ - G)`` to its last (``segment_masks``)."""
 
     def kernel(q_r, k_r, v_r, b_r, g_r, a_r, *rest):
         v_r = loaded(v_r, load_v)
         lo_r = rest[0] if has_lo else None
+        start, end, _ = segment_masks(rest[int(has_lo)][...] if has_reset else None)
         w_o, u_o, qg_o, kg_o = rest[-4:]
         beta = b_r[...]
 
@@ -62,11 +89,11 @@ def wy_kernel(k_blocks, v_blocks, has_lo: bool, load_v=None, row_loads: bool = F
             kc = (slice(None), pl.ds(k0, bk))
             G, k = g_r[kc], k_r[kc]
             lo = ref_or_none(lo_r, kc)
-            eG = policy_exp(G)
+            eG = policy_exp(mask_exponent(start, G))
             put(w_o, kc, lower_dot(a_r[...], beta * k * eG))  # (put: in the stored dtype)
             put(qg_o, kc, q_r[kc] * eG)
             gam, lo_gam = last_rows(row_loads, (g_r, lo_r), kc[1], (G, lo))
-            put(kg_o, kc, k * policy_exp(exponent(gam, G, lo_gam, lo)))
+            put(kg_o, kc, k * policy_exp(mask_exponent(end, exponent(gam, G, lo_gam, lo))))
             return carry
 
         def value_block(j0, bv, carry):
@@ -80,10 +107,14 @@ def wy_kernel(k_blocks, v_blocks, has_lo: bool, load_v=None, row_loads: bool = F
     return kernel
 
 
-def wy_dqkg_body(scale, beta, Akk, refs, out_refs, k_blocks, v_blocks, has_lo: bool, row_loads: bool = False):
+def wy_dqkg_body(scale, beta, Akk, refs, out_refs, k_blocks, v_blocks, has_lo: bool, row_loads: bool = False,
+                 seg=None):
     """B3 for one chunk, from refs: ``refs = (k, G, qg, kg, v, h, dh, v_new, do, dv_new
     [, G_lo])`` in, ``out_refs = (dq, dk, dv, dbeta, dG)`` out; ``beta [C, 1]`` loaded,
-    ``Akk [C, C]`` a ref read where used; returns dL. The value axis is walked
+    ``Akk [C, C]`` a ref read where used; returns dL. ``seg``: None, or (shared chunks)
+    each token's sequence within the chunk as a ``[C, 1]`` column and a ``[1, C]`` row,
+    loaded: F3's masks (``segment_masks``), the state's decay through the chunk zero where a
+    sequence starts in it, and dL zero between sequences. The value axis is walked
     ``v_blocks`` at a time for dv and dbeta, then the feature axis ``k_blocks`` at a time,
     each with the value blocks again for its ``[C, bk]`` gradients: no ``[C, K]`` or ``[C, V]`` operand is ever whole (on Triton at
     K = V = 128, whole tiles spilled kilobytes a thread; TPU takes one block of each).
@@ -93,6 +124,7 @@ def wy_dqkg_body(scale, beta, Akk, refs, out_refs, k_blocks, v_blocks, has_lo: b
     dq_o, dk_o, dv_o, db_o, dG_o = out_refs
     C = Akk.shape[0]
     dt = beta.dtype
+    start, end, passes = segment_masks(None if seg is None else seg[0])
 
     def value_block(j0, bv, carry):
         dAkk, dbeta = carry
@@ -123,7 +155,7 @@ def wy_dqkg_body(scale, beta, Akk, refs, out_refs, k_blocks, v_blocks, has_lo: b
         gate = lambda: (g_r[kc], ref_or_none(lo_r, kc))
         (dqg,) = over_values(k0, bk, lambda vc, hb: (dot(do_r[vc], h_r[hb], tb=True),))
         dqg = scale * dqg
-        dq_o[kc] = dqg * policy_exp(gate()[0])
+        dq_o[kc] = dqg * policy_exp(mask_exponent(start, gate()[0]))
         dG = qg_r[kc] * dqg
         dkg, hdh = over_values(k0, bk, lambda vc, hb: (
             dot(vn_r[vc], dh_r[hb], tb=True),
@@ -132,11 +164,11 @@ def wy_dqkg_body(scale, beta, Akk, refs, out_refs, k_blocks, v_blocks, has_lo: b
         G, lo = gate()
         gam, lo_gam = last_rows(row_loads, (g_r, lo_r), kc[1], (G, lo))
         kg = kg_r[kc]
-        dgam = jnp.sum(kg * dkg, axis=0, keepdims=True) + policy_exp(gam) * hdh
+        dgam = jnp.sum(kg * dkg, axis=0, keepdims=True) + policy_exp(mask_exponent(passes, gam)) * hdh
         dG = dG - kg * dkg + jnp.where(last, dgam, 0.0)
-        dk = dkg * decay(None, gam, G, lo_gam, lo)  # (policy_exp here: 8 B of spills)
+        dk = dkg * decay(end, gam, G, lo_gam, lo)  # (policy_exp here: 8 B of spills)
         (dw,) = over_values(k0, bk, lambda vc, hb: (-dot(dvn_r[vc], h_r[hb], tb=True),))
-        k, eG = k_r[kc], policy_exp(gate()[0])
+        k, eG = k_r[kc], policy_exp(mask_exponent(start, gate()[0]))
         X = beta * k * eG
         dAkk = dAkk + dot(dw, X, tb=True)
         dX = dot(Akk[...], dw, ta=True)
@@ -148,7 +180,8 @@ def wy_dqkg_body(scale, beta, Akk, refs, out_refs, k_blocks, v_blocks, has_lo: b
     db_o[...] = dbeta
     row, col = iota((C, C), 0), iota((C, C), 1)
     A = Akk[...]
-    return jnp.where(col < row, -dot(dot(A, dAkk, ta=True), A, tb=True), 0.0)
+    lower = col < row if seg is None else (col < row) & (seg[0] == seg[1])
+    return jnp.where(lower, -dot(dot(A, dAkk, ta=True), A, tb=True), 0.0)
 
 
 @final
@@ -156,13 +189,14 @@ class PallasWY(AbstractWY, PallasFeatureBlocks):
     """F3 as a Pallas kernel over (row * head, chunk), on Triton ``block_k`` columns of K
     and of V at a time (32: compiled for sm_90 at K = V = 128, no spills at 4 or 8 warps,
     against 64-112 B a thread with 64); with ``G_lo`` (``kdax._numerics.hilo``) kg's exponent is
-    the difference of the exact sums. Reads ``v`` from the caller's layout when handed a
+    the difference of the exact sums; with ``reset`` (shared chunks) each token's sequence
+    within its chunk is a ``[C, 1]`` input. Reads ``v`` from the caller's layout when handed a
     ``Tokens`` view (``tokens``; Triton, ``reads_tokens``): no chunked copy."""
 
     math: ClassVar[Optional[str]] = KDA
 
     tile_safe: ClassVar[bool] = True
-    accepts: ClassVar[frozenset] = frozenset({"G_lo", "tile_safe", "tokens", "half_stored"})
+    accepts: ClassVar[frozenset] = frozenset({"G_lo", "reset", "tile_safe", "tokens", "half_stored"})
 
     block_k: int = eqx.field(static=True, default=32)
 
@@ -177,6 +211,7 @@ class PallasWY(AbstractWY, PallasFeatureBlocks):
         G: ChunkK,
         Akk: ChunkMat,
         G_lo: Optional[ChunkK] = None,
+        reset: Optional[ChunkValid] = None,
     ) -> WYOut:
         R, HV, NC, C, K = q.shape
         V = v.shape[-1]
@@ -189,9 +224,12 @@ class PallasWY(AbstractWY, PallasFeatureBlocks):
         ins, specs = (qf, kf, vf, flat(beta), Gf, flat(Akk)), [sk, sk, sv, chunk_spec((C, 1)), sk, chunk_spec((C, C))]
         if G_lo is not None:
             ins, specs = ins + (fp(G_lo),), specs + [sk]
+        if reset is not None:
+            extra, extra_specs = segment_operands(reset, HV, row=False)
+            ins, specs = ins + extra, specs + extra_specs
 
         kernel = wy_kernel(self.feature_blocks(Kp), self.feature_blocks(Vp), G_lo is not None, load_v,
-                           self.target == "triton")
+                           self.target == "triton", reset is not None)
         st = _precision.storage(q.dtype)  # w, u, qg, kg as stored (bf16 under "fast")
         w, u, qg, kg = self.call(kernel, ins, specs, [(C, Kp), (C, Vp), (C, Kp), (C, Kp)], R * HV, NC,
                                  [st, st, st, st])
@@ -204,13 +242,14 @@ class PallasWYDqkg(AbstractWYDqkg, PallasValueBlocks, PallasFeatureBlocks):
     """B3 as a Pallas kernel over (row * head, chunk). ``block_v`` / ``block_k``: value /
     feature columns taken at a time on the Triton target (powers of 2; the TPU target
     takes whole blocks; 32 and 32: compiled for sm_90 at K = V = 128 and 8 warps, no
-    spills, against 40-400 B a thread with 64); ``G_lo`` as ``PallasWY``. Reads ``v`` and
+    spills, against 40-400 B a thread with 64); ``G_lo`` and ``reset`` as ``PallasWY`` (the
+    sequences' column and row: dL's pairs within one sequence). Reads ``v`` and
     ``do`` from the caller's layout when handed ``Tokens`` views (``tokens``, as
     ``PallasWY``)."""
 
     transposes: ClassVar[Mapping[str, str]] = MappingProxyType({"wy": KDA, "state": KDA, "output": KDA})
 
-    accepts: ClassVar[frozenset] = frozenset({"G_lo", "tokens", "half_stored"})
+    accepts: ClassVar[frozenset] = frozenset({"G_lo", "reset", "tokens", "half_stored"})
 
     block_v: int = eqx.field(static=True, default=32)
     block_k: int = eqx.field(static=True, default=32)
@@ -234,6 +273,7 @@ class PallasWYDqkg(AbstractWYDqkg, PallasValueBlocks, PallasFeatureBlocks):
         do: Union[ChunkV, Tokens],
         dv_new: ChunkV,
         G_lo: Optional[ChunkK] = None,
+        reset: Optional[ChunkValid] = None,
     ) -> ChunkGrads:
         R, HV, NC, C, K = q.shape
         V = v.shape[-1]
@@ -249,16 +289,21 @@ class PallasWYDqkg(AbstractWYDqkg, PallasValueBlocks, PallasFeatureBlocks):
         specs = [sk, sk, v_spec, s1, sk, sc, sk, sk, sh, sh, sv, do_spec, sv]
         if G_lo is not None:
             ins, specs = ins + (fp(G_lo),), specs + [sk]
-        n_in = len(ins)
+        has_lo, n_in = G_lo is not None, len(ins)
+        if reset is not None:
+            extra, extra_specs = segment_operands(reset, HV, row=True)
+            ins, specs = ins + extra, specs + extra_specs
+        n_all = len(ins)
 
         k_blocks, v_blocks = self.feature_blocks(Kp), column_blocks(self.target, Vp, self.block_v)
 
         def kernel(*refs):
             _, k, v, b, g, a, qg_, kg_, h_, dh_, vn, do_, dvn = refs[:13]  # B3 needs q only through qg
             ins = (k, g, qg_, kg_, loaded(v, load_v), h_, dh_, vn, loaded(do_, load_do), dvn) + tuple(refs[13:n_in])
+            seg = tuple(r[...] for r in refs[n_in:n_all]) or None
             dL_r = refs[-1]
-            dL_r[...] = wy_dqkg_body(scale, b[...], a, ins, refs[n_in:-1], k_blocks, v_blocks, G_lo is not None,
-                                     self.target == "triton")
+            dL_r[...] = wy_dqkg_body(scale, b[...], a, ins, refs[n_all:-1], k_blocks, v_blocks, has_lo,
+                                     self.target == "triton", seg)
 
         dq, dk, dv, db, dG, dL = self.call(
             kernel, ins, specs, [(C, Kp), (C, Kp), (C, Vp), (C, 1), (C, Kp), (C, C)], R * HV, NC, q.dtype)

@@ -250,7 +250,7 @@ def chunk_kernels(policy: str, tuning: dict, tokens: bool = False, only: tuple =
     ``policy`` (its stage's products) with Triton
     ``tuning`` (``PallasTarget`` fields). ``tokens``: F3 and B3 read ``v`` (cleaned as
     ``chunk_kda`` cleans it) and B3 ``do`` as ``kdax._layouts.tokens.Tokens`` views of bf16
-    ``[B, T, HV, V]`` arrays. ``only``: these stages' kernels. ``packed``: F2 and B4 take
+    ``[B, T, HV, V]`` arrays. ``only``: these stages' kernels. ``packed``: F2, F3, B3 and B4 take
     shared chunks' resets (``kdax._layouts.resets``). The stored
     intermediates (Akk, qg, kg, h, v_new, dh) in the policy's storage dtype, as the pipeline
     passes them (bf16 under ``"fast"``: ``kdax._numerics.precision.storage``)."""
@@ -282,10 +282,10 @@ def chunk_kernels(policy: str, tuning: dict, tokens: bool = False, only: tuple =
     rs = (s((R, NC, C), jnp.bool_),) if packed else ()
     calls = [
         (scoped("intra", lambda q, k, b, G, lo, *r: PallasIntra(**kw)(0.1, q, k, b, G, lo, *r)), (ck, ck, cs, ck, lo, *rs)),
-        (scoped("wy", lambda q, k, v, b, G, A, lo: PallasWY(**kw)(q, k, view(v, "any"), b, G, A, lo)),
-         (ck, ck, tv, cs, ck, sm, lo)),
+        (scoped("wy", lambda q, k, v, b, G, A, lo, *r: PallasWY(**kw)(q, k, view(v, "any"), b, G, A, lo, *r)),
+         (ck, ck, tv, cs, ck, sm, lo, *rs)),
         (scoped("wy_dqkg", lambda *a: PallasWYDqkg(**kw)(0.1, *a[:2], view(a[2], "any"), *a[3:11], view(a[11]), *a[12:])),
-         (ck, ck, tv, cs, ck, sm, sk, sk, sh, sh, sk, tv, ck, lo)),
+         (ck, ck, tv, cs, ck, sm, sk, sk, sh, sh, sk, tv, ck, lo, *rs)),
         (scoped("intra_bwd", lambda q, k, b, G, dA, dL, dq, dk, db, dG, lo, *r: PallasIntraBackward(**kw)(
             0.1, q, k, b, G, dA, ChunkGrads(dq, dk, None, db, dG, dL), lo, *r)), (ck, ck, cs, ck, cm, cm, ck, ck, cs, ck, lo, *rs)),
     ]

@@ -11,6 +11,7 @@ from kdax import KDAConfig
 from kdax import pallas as P
 from kdax import stages as S
 from kdax._layouts.layout import make_layout, make_shared_layout
+from kdax._layouts.resets import segments
 from kdax.pallas._common import column_blocks
 from kdax.stages import ChunkGrads
 
@@ -266,6 +267,56 @@ def test_gate_stages_with_resets(target, interpret, opts, dtype, tol):
     _close(got, want, tol, "gate_bwd")
     first = np.broadcast_to(np.asarray(L.reset)[:, None, :, :, None], got.dg.shape)
     assert np.all(np.asarray(got.dg)[first] == 0)
+
+
+@pytest.mark.parametrize("target,interpret", MODES)
+@pytest.mark.parametrize("dtype,tol,lo", [(jnp.float64, 1e-12, False), (jnp.float32, 1e-5, False),
+                                          (jnp.float32, 1e-5, True)], ids=["f64", "f32", "f32-G_lo"])
+def test_wy_stages_with_resets(target, interpret, dtype, tol, lo):
+    """Shared chunks (``reset``: sequences starting inside a chunk, one on a chunk boundary,
+    a one-token one, an empty one, a chunk holding three): F3, B0 (with the state kernel)
+    and B3 equal the reference stages: ``e^G`` only where the chunk's start state reaches,
+    ``e^(Γ - G)`` only for the chunk's last sequence, no decay of the state through a chunk
+    in which a sequence starts, ``dL`` zero between sequences; float32 with ``G_lo`` too.
+    Strong gates (log decay -1000 at 5% of the entries)."""
+    C, K, V, HV = 16, 12, 6, 2
+    cu = jnp.asarray([0, 5, 6, 6, 16, 29, 45], jnp.int32)
+    L = make_shared_layout(45, C, cu)
+    R, NC = L.valid.shape[:2]
+    x = chunked(3, R=R, HV=HV, NC=NC, C=C, K=K, V=V, strong=True)
+    x = {n: (a.astype(dtype) if hasattr(a, "dtype") and a.dtype.kind == "f" else a) for n, a in x.items()}
+    r = np.random.default_rng(4)
+    f = lambda *s: jnp.asarray(r.normal(size=s), dtype)
+    g = -jnp.abs(f(R, HV, NC, C, K)) * 0.3
+    g = jnp.where(jnp.asarray(r.uniform(size=g.shape) < 0.05), -1000.0, g).astype(dtype)
+    act = S.ReferenceGate(split=lo)(KDAConfig(scale=1.0), x["q"], x["k"], g, x["beta"], None, None, L.valid,
+                                    reset=L.reset)
+    G, G_lo = act.G, act.G_lo
+    assert (G_lo is not None) == lo
+    Akk = S.ReferenceIntra()(x["scale"], x["q"], x["k"], x["beta"], G, G_lo=G_lo, reset=L.reset).Akk
+    kw = dict(target=target, interpret=interpret)
+    fwd = (x["q"], x["k"], x["v"], x["beta"], G, Akk)
+    opt = dict(G_lo=G_lo, reset=L.reset)
+    wy = S.ReferenceWY()(*fwd, **opt)
+    got = P.PallasWY(**kw)(*fwd, **opt)
+    _close(got, wy, tol, "wy")
+    # (e^-60 between sequences would pass any tolerance: the masks give exact zeros)
+    seg = np.asarray(segments(L.reset))[:, None, :, :, None]
+    later, before_last = np.broadcast_to(seg != 0, got.w.shape), np.broadcast_to(seg != seg[..., -1:, :], got.w.shape)
+    assert later.any() and before_last.any()
+    assert np.all(np.asarray(got.w)[later] == 0) and np.all(np.asarray(got.qg)[later] == 0)
+    assert np.all(np.asarray(got.kg)[before_last] == 0)
+    h0 = f(1, HV, K, V) * 0.3  # (the shared layout's state table: one entry, entered at its start)
+    got = P.PallasRecompute(**kw)(*fwd, h0, L, **opt)
+    _close(got, S.ReferenceRecompute()(*fwd, h0, L, **opt), tol, "recompute")
+    h, v_new = got[1].h, got[1].v_new
+    bwd = (x["scale"], x["q"], x["k"], x["v"], x["beta"], G, Akk, wy.qg, wy.kg, h, f(*h.shape), v_new,
+           f(*v_new.shape), f(*v_new.shape))
+    got, want = P.PallasWYDqkg(**kw)(*bwd, **opt), S.ReferenceWYDqkg()(*bwd, **opt)
+    _close(got, want, tol, "wy_dqkg")
+    assert np.all(np.asarray(got.dq)[later] == 0) and np.all(np.asarray(got.dk)[later & before_last] == 0)
+    across = seg != np.swapaxes(seg, -1, -2)
+    assert across.any() and np.all(np.asarray(got.dL)[np.broadcast_to(across, got.dL.shape)] == 0)
 
 
 # Views of the caller's arrays (kdax._layouts.tokens): float64 read as such, bf16 read as float32,

@@ -64,8 +64,9 @@ def test_gate_kernels_fit_in_registers(num_warps, tokens, reset):
                for r in used.values()), used
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 @pytest.mark.parametrize("policy", ["bfloat16", "fast"])
-def test_chunk_kernels_fit_in_registers(policy):
+def test_chunk_kernels_fit_in_registers(policy, packed):
     """F2, F3, B3 and B4 at K = V = 128, chunk 64, with G's low part (but under "fast",
     which keeps G alone: ``precision.keeps_low_part``), at the all-Triton
     candidate's tuning (eight warps, float32 products as TF32x3, two stages), under the
@@ -85,9 +86,12 @@ def test_chunk_kernels_fit_in_registers(policy):
     four products in one loop over the levels 72 to 312 B; with Triton's own (chained)
     TF32x3 products 1.2 KiB. Under "fast" (the candidate's policy) F2 and F3
     write and F3 and B3 read Aqk, Akk, w, u, qg, kg, h, v_new and B2's dh as bf16
-    (kdax._numerics.precision)."""
+    (kdax._numerics.precision). ``packed``: each kernel given shared chunks' reset table
+    (each token's sequence within its chunk as a column, and for F2, B3 and B4 as a row):
+    F3 124 / 70 registers (bfloat16 / fast; 124 / 64 dense), B3 255 / 250 (247 dense), none
+    spilled."""
     t = dict(num_warps=8, num_stages=2, f32_dot="tf32x3")
-    used = {src.split(" ")[0]: resources(text, 8, 2) for src, text in chunk_kernels(policy, t).items()}
+    used = {src.split(" ")[0]: resources(text, 8, 2) for src, text in chunk_kernels(policy, t, packed=packed).items()}
     assert len(used) == 4, used
     for name, r in used.items():
         assert r.local == 0 and r.registers <= HOPPER_REGISTERS and 0 < r.shared <= HOPPER_SHARED_BYTES, used
