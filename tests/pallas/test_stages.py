@@ -11,7 +11,7 @@ from kdax import KDAConfig
 from kdax import pallas as P
 from kdax import stages as S
 from kdax._layouts.layout import make_layout, make_shared_layout
-from kdax._layouts.resets import segments
+from kdax._layouts.resets import segments, state_passes
 from kdax.pallas._common import column_blocks
 from kdax.stages import ChunkGrads
 
@@ -315,6 +315,16 @@ def test_wy_stages_with_resets(target, interpret, dtype, tol, lo):
     got, want = P.PallasWYDqkg(**kw)(*bwd, **opt), S.ReferenceWYDqkg()(*bwd, **opt)
     _close(got, want, tol, "wy_dqkg")
     assert np.all(np.asarray(got.dq)[later] == 0) and np.all(np.asarray(got.dk)[later & before_last] == 0)
+    # A huge start state in each chunk where a sequence starts after its first token changes
+    # nothing at the later sequences' tokens (its decay to the chunk's end is zero, not
+    # e^-60 in float64 or e^-20 in float32)
+    stops = ~np.asarray(state_passes(L.reset))[..., None]  # [R, 1, NC, 1, 1]
+    assert stops.any()
+    big = list(bwd)
+    big[9] = jnp.where(stops, h * (1e30 if dtype == jnp.float32 else 1e100), h)  # (e^-60 * 1e100: plain to see)
+    got2 = P.PallasWYDqkg(**kw)(*big, **opt)
+    for name in ("dq", "dk", "dG"):
+        assert_close(np.asarray(getattr(got2, name))[later], np.asarray(getattr(got, name))[later], tol, name)
     across = seg != np.swapaxes(seg, -1, -2)
     assert across.any() and np.all(np.asarray(got.dL)[np.broadcast_to(across, got.dL.shape)] == 0)
 
