@@ -37,7 +37,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from .._layouts.resets import per_head, segments
 from .._numerics import precision as _precision
 from .._declared.final import final
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkValid, typecheck
@@ -45,7 +44,7 @@ from ..stages import KDA, AbstractIntra, AbstractIntraBackward, ChunkGrads, Intr
 from ._arith import decay, dot
 from ._common import (
     PallasFeatureBlocks, blockwise, chunk_spec, col_of, flat, idiv, iota, loop, ref_or_none, row_of, row_or_none,
-    tuned, unflat,
+    segment_operands, tuned, unflat,
 )
 from ._common import column_blocks, compiler_params, kernel_name, manual_inputs, put
 from ._intra_levels import aqk_and_l, f2_refs, intra_bwd_levels_kernel, intra_levels_kernel
@@ -229,9 +228,8 @@ class PallasIntra(AbstractIntra, PallasFeatureBlocks):
         if G_lo is not None:
             ins, specs = ins + (self.padded(G_lo),), specs + [spec]
         if reset is not None:  # each token's sequence within its chunk, as a column and as a row
-            seg = flat(per_head(segments(reset), HV))
-            ins += (seg, seg.reshape(seg.shape[0], NC, 1, C))
-            specs += [chunk_spec((C, 1)), chunk_spec((1, C))]
+            extra, extra_specs = segment_operands(reset, HV, row=True)
+            ins, specs = ins + extra, specs + extra_specs
         blocks = self.feature_blocks(ins[0].shape[-1])
         if self.target == "triton":
             kernel = intra_levels_kernel(scale, C, blocks, G_lo is not None, reset is not None)
@@ -303,9 +301,8 @@ class PallasIntraBackward(AbstractIntraBackward, PallasFeatureBlocks):
         if G_lo is not None:
             ins, specs = ins + (self.padded(G_lo),), specs + [sk]
         if reset is not None:  # each token's sequence within its chunk, as a column and as a row
-            seg = flat(per_head(segments(reset), HV))
-            ins += (seg, seg.reshape(seg.shape[0], NC, 1, C))
-            specs += [s1, chunk_spec((1, C))]
+            extra, extra_specs = segment_operands(reset, HV, row=True)
+            ins, specs = ins + extra, specs + extra_specs
         has_lo, has_reset = G_lo is not None, reset is not None
 
         if self.target == "triton":

@@ -7,7 +7,7 @@ from types import MappingProxyType
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from .._layouts.resets import mask_exponent, per_head, segments
+from .._layouts.resets import mask_exponent
 from .._layouts.tokens import Tokens
 from .._declared.final import final
 from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, ChunkValid, typecheck
@@ -17,7 +17,7 @@ from ..stages import KDA, AbstractWY, AbstractWYDqkg, ChunkGrads, WYOut
 from ._arith import decay, dot, exp_by_exp2, lower_dot
 from ._common import (
     PallasFeatureBlocks, PallasValueBlocks, blockwise, chunk_spec, column_blocks, flat, iota, loaded, pow2, put,
-    ref_or_none, row_of, token_operand, tuned, unflat,
+    ref_or_none, row_of, segment_operands, token_operand, tuned, unflat,
 )
 
 
@@ -56,17 +56,6 @@ def segment_masks(seg):
         return None, None, None
     last = jnp.max(seg, axis=0, keepdims=True)
     return seg == 0, seg == last, last == 0
-
-
-def segment_operands(reset, HV: int, row: bool) -> tuple:
-    """``(inputs, specs)`` of a kernel given ``reset`` ``[R, NC, C]``: each token's sequence
-    within its chunk per value head, as a ``[C, 1]`` column (and, ``row``, as a ``[1, C]``
-    row, for the pairs within one sequence)."""
-    seg = flat(per_head(segments(reset), HV))
-    if not row:
-        return (seg,), [chunk_spec(seg.shape[2:])]
-    C = seg.shape[2]
-    return (seg, seg.reshape(seg.shape[0], seg.shape[1], 1, C)), [chunk_spec((C, 1)), chunk_spec((1, C))]
 
 
 def wy_kernel(k_blocks, v_blocks, has_lo: bool, load_v=None, row_loads: bool = False, has_reset: bool = False):
