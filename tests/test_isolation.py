@@ -295,16 +295,23 @@ def test_nan_cotangent_stays_in_its_sequence():
         assert np.all(~np.isfinite(g[25:41][~np.isfinite(w[25:41])])), n
 
 
+# One sequence starting in chunk 1 after the bad one's last tokens: a decay of the chunk's
+# start state through the chunk that were e^-60 (F1's reset floor) instead of exactly zero
+# would carry the bad sequence's 1e30-sized state into it (two starts: e^-120, invisible).
+CU_ONE_START = [0, 5, 20, 40, 47]
+
+
+@pytest.mark.parametrize("bounds", [CU, CU_ONE_START], ids=["cu", "one_start"])
 @pytest.mark.parametrize("pipe", ["pallas", pytest.param("mixed", marks=pytest.mark.slow), "untiled"])
-def test_other_pipelines_exact_resets(pipe):
+def test_other_pipelines_exact_resets(pipe, bounds):
     """Every pipeline gives each sequence of shared chunks its own result whatever its
     neighbours hold (every Pallas stage runs the reset table itself; interpret mode on
     CPU)."""
     p = {"pallas": lambda: kdax.KDAPipeline.pallas(interpret=True),
          "mixed": lambda: kdax.KDAPipeline.mixed(interpret=True),
          "untiled": lambda: kdax.KDAPipeline.reference().untiled()}[pipe]()
-    x = _inputs(CU[-1])
-    cu = jnp.asarray(CU, jnp.int32)
+    x = _inputs(bounds[-1])
+    cu = jnp.asarray(bounds, jnp.int32)
     y = dict(x, v=x["v"].at[0, 5:20].multiply(1e30))
     y["beta"] = y["beta"].at[0, 8].set(jnp.nan)
     pos, _ = split_args(x)
@@ -316,8 +323,8 @@ def test_other_pipelines_exact_resets(pipe):
         f = _runner(_fn(p), dict(cu_seqlens=cu), final_loss=False)
         W = jnp.asarray(np.random.default_rng(3).normal(size=x["v"].shape))
         got = f(y, W, None)
-    want = _runner(oracle_kda, dict(cu_seqlens=CU), final_loss=False)(y, W, None)
-    _check_isolated(got, want, _sequences(CU, 1), BAD_SEQ, 8, tol=1e-10, bad_exact=False)
+    want = _runner(oracle_kda, dict(cu_seqlens=bounds), final_loss=False)(y, W, None)
+    _check_isolated(got, want, _sequences(bounds, 1), BAD_SEQ, 8, tol=1e-10, bad_exact=False)
 
 
 
