@@ -51,7 +51,7 @@ def segment_masks(seg):
     (each token's sequence within the chunk, ``segments``): ``(from_start, to_end)``
     ``[C, 1]`` and whether the chunk's start state reaches its end ``[1, 1]``; all None
     without ``seg``. (``seg`` never decreases down the chunk: its last row is its maximum,
-    a reduction rather than a one-row load, which a TPU lays out badly.)"""
+    one reduction on both targets.)"""
     if seg is None:
         return None, None, None
     last = jnp.max(seg, axis=0, keepdims=True)
