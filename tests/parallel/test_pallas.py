@@ -2,6 +2,7 @@
 per-shard batch/head sharding equal the same pipeline on one device (float64 <= 1e-12),
 forward and every gradient."""
 
+import dataclasses
 import functools
 
 import jax
@@ -48,10 +49,12 @@ def test_sequence_parallel():
 def test_sequence_parallel_packed():
     """Two devices, packed sequences (one crossing the devices' boundary) with initial
     states: the TPU state kernels on each device's layout (its sequence boundaries
-    scalar-prefetched), equal to the same pipeline on one device."""
+    scalar-prefetched), every other kernel on its shared chunks' reset table (no
+    fallback), equal to the same pipeline on one device."""
     cu = [0, 5, 21, 21, 32]
     x = make_inputs(3, B=1, T=32, H=1, HV=2, K=8, V=8, N=4)
-    opts = dict(output_final_state=True, chunk_size=16, pipeline=PALLAS, cu_seqlens=jnp.asarray(cu, jnp.int32))
+    strict = dataclasses.replace(PALLAS, fallback=False)
+    opts = dict(output_final_state=True, chunk_size=16, pipeline=strict, cu_seqlens=jnp.asarray(cu, jnp.int32))
     mesh = jax.make_mesh((2,), ("sp",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2])
     want = _run(kdax.chunk_kda, x, opts)
     _compare(_run(functools.partial(kdax.parallel.chunk_kda, mesh, "sp"), x, opts), want)
