@@ -21,9 +21,8 @@ import jax.numpy as jnp
 from . import pallas as P
 from ._config import KDAConfig, KDAOptions
 from ._layouts import shared_states as _shared_states
-from ._layouts.layout import ChunkLayout, unpack
-from ._layouts.tiles import forward_tiled
-from ._layouts.tokens import Tokens, as_chunked, chunked_cotangent, chunked_inputs
+from ._layouts.layout import ChunkLayout
+from ._layouts.tokens import Tokens, as_chunked, chunked_cotangent
 from ._numerics import precision as _precision
 from ._numerics.ops import check_chunk_loops, default_chunk_loops
 from . import _plan
@@ -31,7 +30,7 @@ from ._plan import KDAPlan
 from ._declared.capabilities import reads_tokens
 from ._runner.contracts import STAGES, check_families
 from ._runner.derived import check_transposes
-from ._runner.forward import ForwardRoute, forward_route
+from ._runner.forward import ForwardRoute, forward_route, on_route
 from ._runner.residuals import KDAGrads, KDAResiduals
 from ._runner.runner import PipelineState, PipelineWY, run_stage
 from ._runner.stage_grads import BackwardParts
@@ -196,15 +195,10 @@ class KDAPipeline(eqx.Module):
         ``clean``: non-finite inputs read as zero (``kdax._numerics.isolation``). The layout,
         casts, hooks and tiles are decided first (``kdax._runner.forward``)."""
         check_families(self)  # (a pipeline edited with eqx.tree_at skips __check_init__)
-        raw, HV = (q, k, v, g, beta), v.shape[2]
+        raw = (q, k, v, g, beta)
         r = forward_route(self, config, raw, h0, A_log, dt_bias, cu_seqlens, clean, entries)
-        if r.tile is None:
-            chunked = chunked_inputs(config, r.layout, raw, HV, r.dtype, r.clean, reads_tokens(self, "gate", "wy"))
-            oc, fw, final = self._forward_stages(config, r, chunked, r.h0, r.layout)
-            o = unpack(r.layout, oc)
-        else:  # (tiles only where the hooks add nothing between the stages)
-            stages = functools.partial(self._forward_stages, config, r)
-            o, final, fw = forward_tiled(stages, r.layout, raw, HV, r.dtype, r.h0, r.tile, r.clean)
+        stages = functools.partial(self._forward_stages, config, r)
+        o, final, fw = on_route(r, stages, config, raw, reads_tokens(self, "gate", "wy"))
         o = o.astype(v.dtype)
         return o, r.hooks.final_states(fw, final), KDAResiduals.of_forward(config, r, fw, q.shape[2], cu_seqlens)
 

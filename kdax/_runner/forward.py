@@ -4,7 +4,7 @@
 in the compute dtype; the layout's hooks between the stages (``kdax._layouts``:
 ``ForwardHooks``, ``SharedFinalHooks``, ``EntryHooks``), which also give the final
 states; the cleaner of non-finite inputs; and the forward's tiles. ``KDAPipeline.run_forward``
-then runs F1-F5 on the route as one straight line."""
+then runs F1-F5 on the route (``on_route``: whole or tile by tile) as one straight line."""
 
 from typing import Callable, NamedTuple, Optional
 
@@ -12,7 +12,9 @@ import jax.numpy as jnp
 
 from .._config import KDAConfig
 from .._layouts import shared_states as _shared_states
-from .._layouts.layout import ChunkLayout, ForwardHooks, make_layout, make_shared_layout
+from .._layouts.layout import ChunkLayout, ForwardHooks, make_layout, make_shared_layout, unpack
+from .._layouts.tiles import forward_tiled
+from .._layouts.tokens import chunked_inputs
 from .._numerics import isolation as _isolation
 from ..ref import compute_dtype
 from .derived import is_kda, shares_chunks, tile_chunks
@@ -68,6 +70,20 @@ def forward_route(pipeline, config: KDAConfig, raw: tuple, h0, A_log, dt_bias, c
     if nt is not None and not layout.dense and h0.shape[0] > nt * C:
         nt = None  # each tile's state table, O(N), would cost more than its tokens
     return ForwardRoute(layout, hooks, h0, A_log, dt_bias, in_dtypes, dt, cleaner, nt)
+
+
+def on_route(route: ForwardRoute, stages: Callable, config: KDAConfig, raw: tuple, reads: tuple) -> tuple:
+    """``(o [B, T, HV, V], final states, stage outputs)`` of ``stages(chunked inputs,
+    state table, layout) -> (o chunked, stage outputs, final states)`` (F1-F5) run on
+    ``route``: once over the whole input (F1's and F3's inputs as ``chunked_inputs`` gives
+    them, ``reads`` whether each reads the caller's layout), or tile by tile
+    (``forward_tiled``: only where the hooks add nothing between the stages)."""
+    HV = raw[2].shape[2]
+    if route.tile is not None:
+        return forward_tiled(stages, route.layout, raw, HV, route.dtype, route.h0, route.tile, route.clean)
+    chunked = chunked_inputs(config, route.layout, raw, HV, route.dtype, route.clean, reads)
+    oc, fw, final = stages(chunked, route.h0, route.layout)
+    return unpack(route.layout, oc), final, fw
 
 
 def _in_dtypes(raw, h0, A_log, dt_bias) -> tuple:
