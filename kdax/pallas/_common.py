@@ -264,11 +264,11 @@ def segment_operands(reset, HV: int, row: bool) -> tuple:
     """``(inputs, specs)`` of a kernel given ``reset`` ``[R, NC, C]``: each token's sequence
     within its chunk per value head, as a ``[C, 1]`` column (and, ``row``, as a ``[1, C]``
     row, for the pairs within one sequence)."""
-    seg = flat(per_head(segments(reset), HV))
+    seg = flat(per_head(segments(reset), HV))  # [P, NC, C, 1]
+    P, NC, C, _ = seg.shape
     if not row:
-        return (seg,), [chunk_spec(seg.shape[2:])]
-    C = seg.shape[2]
-    return (seg, seg.reshape(seg.shape[0], seg.shape[1], 1, C)), [chunk_spec((C, 1)), chunk_spec((1, C))]
+        return (seg,), [chunk_spec((C, 1))]
+    return (seg, seg.reshape(P, NC, 1, C)), [chunk_spec((C, 1)), chunk_spec((1, C))]
 
 
 def token_operand(target: str, x, padded, block):

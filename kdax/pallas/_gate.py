@@ -22,6 +22,7 @@ from jax.experimental import pallas as pl
 from jaxtyping import Array, Float
 
 from .._config import KDAConfig
+from .._layouts.resets import per_head
 from .._layouts.tokens import Tokens
 from .._numerics import precision as _precision
 from .._numerics.hilo import grid_bits, split_log_decay
@@ -292,8 +293,7 @@ def gate_bwd_kernel(cfg: KDAConfig, blocks, reverse: bool, has: tuple, C: int, l
 def _token_masks(valid, reset, HV: int, dtype) -> list:
     """``valid`` and, for shared chunks, ``reset`` (``[R, NC, C]``) per value head as the
     kernels' ``[R * HV, NC, C, 1]`` inputs in ``dtype``."""
-    R, NC, C = valid.shape
-    return [flat(jnp.broadcast_to(m[:, None], (R, HV, NC, C)).astype(dtype)) for m in (valid, reset) if m is not None]
+    return [flat(per_head(m, HV).astype(dtype)) for m in (valid, reset) if m is not None]
 
 
 def _params(cfg: KDAConfig, target: str, HV: int, K: int, A_log, dt_bias):

@@ -231,6 +231,11 @@ def test_gate_stages(target, interpret, opts, dtype, tol):
     _close(P.PallasGateBackward(**kw)(*bargs), S.ReferenceGateBackward()(*bargs), tol, "gate_bwd")
 
 
+# Shared chunks of 16 for the reset cases: sequences starting inside a chunk, one on a chunk
+# boundary (16), a one-token one (5..6), an empty one (6..6), a chunk holding three.
+SHARED_CU = [0, 5, 6, 6, 16, 29, 45]
+
+
 @pytest.mark.parametrize("target,interpret", MODES)
 @pytest.mark.parametrize("opts", GATE_CONFIGS, ids=["plain", "softplus_l2_sigmoid", "lower_bound_neg"])
 @pytest.mark.parametrize("dtype,tol", [(jnp.float64, 1e-12), (jnp.float32, 1e-5)])
@@ -241,7 +246,7 @@ def test_gate_stages_with_resets(target, interpret, opts, dtype, tol):
     reference stages; a log decay of -inf at a first token, too."""
     cfg = KDAConfig(scale=1.0, **opts)
     C, K, HV = 16, 12, 2
-    cu = jnp.asarray([0, 5, 6, 6, 16, 29, 45], jnp.int32)
+    cu = jnp.asarray(SHARED_CU, jnp.int32)
     L = make_shared_layout(45, C, cu)
     R, NC = L.valid.shape[:2]
     assert L.reset is not None and int(L.reset.sum()) == 5  # (every non-empty sequence's first token)
@@ -280,7 +285,7 @@ def test_wy_stages_with_resets(target, interpret, dtype, tol, lo):
     in which a sequence starts, ``dL`` zero between sequences; float32 with ``G_lo`` too.
     Strong gates (log decay -1000 at 5% of the entries)."""
     C, K, V, HV = 16, 12, 6, 2
-    cu = jnp.asarray([0, 5, 6, 6, 16, 29, 45], jnp.int32)
+    cu = jnp.asarray(SHARED_CU, jnp.int32)
     L = make_shared_layout(45, C, cu)
     R, NC = L.valid.shape[:2]
     x = chunked(3, R=R, HV=HV, NC=NC, C=C, K=K, V=V, strong=True)
