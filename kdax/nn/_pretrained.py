@@ -4,11 +4,13 @@ Linear and Kimi K3 (its ``text_config``), single-file or sharded safetensors.
 The front door names every problem before any tensor is read: the path (a directory, its
 ``config.json``, or one of its ``.safetensors`` files), ``config.json`` (valid JSON, an
 object, every key of the expected type: a number written as a string is refused, never
-guessed), the option dtypes, the tensors' dtypes (from the safetensors headers) and the
+guessed; every value in its range, or a ``ValueError`` names the key, the value and the
+range), the option dtypes, the tensors' dtypes (from the safetensors headers) and the
 config's agreement with the tensor names."""
 
 import dataclasses
 import json
+import math
 import os
 
 from ._weights import check_dtype_option, check_float_tensors, load_safetensors, safetensors_header
@@ -81,7 +83,8 @@ def _config_path(path) -> str:
 
 def _load_json(fname, what="config.json"):
     try:
-        with open(fname, encoding="utf-8") as f:
+        # utf-8-sig: editors on Windows may save JSON with a byte-order mark, which json.loads refuses.
+        with open(fname, encoding="utf-8-sig") as f:
             text = f.read()
     except UnicodeDecodeError:
         raise ValueError(f"{fname}: {what} is not a UTF-8 text file (is it a weights file?).") from None
@@ -121,12 +124,57 @@ def _typed(value, key, want, where="config.json"):
     return value
 
 
+def _in_range(value, key, ok: bool, expected: str, where="config.json"):
+    """``value`` if ``ok``, else a ``ValueError`` naming the key, the value and the range."""
+    if not ok:
+        raise ValueError(f"{where}: {key} must be {expected}, got {value!r}.")
+    return value
+
+
+def _positive_int(value, key, where, least=1):
+    """An integer (type already checked) of at least ``least``."""
+    return _in_range(value, key, value >= least, f"an integer >= {least}", where)
+
+
+def _eps(value, key, where):
+    """A normalisation epsilon: finite and > 0 (0, negative, NaN or inf makes the RMSNorm's
+    rsqrt NaN or inf on a zero row, or silently wrong)."""
+    return _in_range(value, key, math.isfinite(value) and value > 0, "a finite number > 0", where)
+
+
+def _layer_list(value, key, lo: int, hi: int, where, base: str):
+    """Layer indices (type already checked): each in ``[lo, hi]``, none twice."""
+    bad = [i for i in value if not lo <= i <= hi]
+    if bad:
+        raise ValueError(f"{where}: {key} must hold {base} layer indices in {lo}..{hi} (num_hidden_layers = "
+                         f"{hi - lo + 1}), got {value!r} (out of range: {bad}).")
+    twice = sorted({i for i in value if value.count(i) > 1})
+    if twice:
+        raise ValueError(f"{where}: {key} must hold each layer index once, got {value!r} (repeated: {twice}).")
+    return value
+
+
+def _lower_bound(lb, key, safe_gate, where):
+    """The lower-bound gate ``g = lower_bound * sigmoid(...)``: finite and < 0 (a decay);
+    with ``safe_gate`` (a phrase saying why it is on) in [-5, 0), which FLA's chunk_kda
+    requires there."""
+    if lb is None:
+        return None
+    if safe_gate and not -5.0 <= lb < 0.0:  # NaN fails both comparisons
+        raise ValueError(f"{where}: {key} must lie in [-5, 0) ({safe_gate} FLA's chunk_kda with safe_gate=True, "
+                         f"which requires that range), got {lb!r}.")
+    return float(_in_range(lb, key, math.isfinite(lb) and lb < 0.0, "a finite number < 0 (the gate's floor: "
+                                                                     "g = lower_bound * sigmoid(...) <= 0)", where))
+
+
 def read_config(path) -> KDACheckpointConfig:
     """The KDA hyper-parameters of a checkpoint (directory, ``config.json``, or one of its
     ``.safetensors`` files), FLA's ``KDAConfig``, Moonshot's Kimi Linear
     (``linear_attn_config``) or Kimi K3 (``model_type`` "kimi_k3": the same under
     ``text_config``), with the config classes' defaults for left-out keys. Every key read
-    is type-checked (a ``TypeError`` names it)."""
+    is type-checked (a ``TypeError`` names it) and range-checked (a ``ValueError`` names
+    it, the value and the range: epsilons finite and > 0, sizes and head counts positive
+    integers, layer indices within ``num_hidden_layers`` and unique)."""
     fname = _config_path(path)
     cfg = _load_json(fname)
     if not isinstance(cfg, dict):
@@ -161,6 +209,24 @@ def _fla(cfg, where="config.json") -> KDACheckpointConfig:
                       ("allow_neg_eigval", "bool"), ("lower_bound", "number or null"), ("safe_gate", "bool"),
                       ("norm_eps", "number"), ("num_hidden_layers", "int")):
         _typed(c[key], key, want, where)
+    for key in ("hidden_size", "num_heads", "head_dim", "num_hidden_layers"):
+        _positive_int(c[key], key, where)
+    # kdax's layer keeps the last conv_size - 1 inputs of each sequence: a width of 1 has no cache.
+    _positive_int(c["conv_size"], "conv_size", where, least=2)
+    H, HV = c["num_heads"], c["num_v_heads"]
+    if HV is not None:
+        _in_range(HV, "num_v_heads", HV >= 1 and HV % H == 0, f"null or a positive multiple of num_heads = {H} "
+                  f"(grouped value heads)", where)
+    ev = c["expand_v"]
+    V = c["head_dim"] * ev
+    _in_range(ev, "expand_v", math.isfinite(ev) and ev > 0 and V == int(V),
+              f"a number > 0 with head_dim * expand_v a whole number (head_dim = {c['head_dim']})", where)
+    _eps(c["norm_eps"], "norm_eps", where)
+    if c["safe_gate"] and c["lower_bound"] is None:
+        raise ValueError(f"{where}: safe_gate is true, which needs lower_bound (a number in [-5, 0)), got "
+                         f"lower_bound null or left out.")
+    lb = _lower_bound(c["lower_bound"], "lower_bound", c["safe_gate"] and "safe_gate is true: the layer passes it "
+                      "to", where)
     L = c["num_hidden_layers"]
     attn = c["attn"]
     if not (attn is None or isinstance(attn, (dict, list))):
@@ -170,11 +236,13 @@ def _fla(cfg, where="config.json") -> KDACheckpointConfig:
         if not isinstance(spec, dict):
             raise TypeError(f"{where}: attn must be null, an object or a list of objects; an entry is {_kind(spec)}.")
         _typed(spec.get("layers", []), "attn.layers", "list of int", where)
+    # FLA's layers read attn['layers'] with 0-based layer_idx.
+    _layer_list([i for spec in specs for i in spec.get("layers", ())], "attn.layers", 0, L - 1, where, "0-based")
     softmax = {i for spec in specs for i in spec.get("layers", ())}
     opts = dict(hidden_size=c["hidden_size"], num_heads=c["num_heads"], head_dim=c["head_dim"],
                 num_v_heads=c["num_v_heads"], expand_v=float(c["expand_v"]), use_short_conv=c["use_short_conv"],
                 conv_size=c["conv_size"], allow_neg_eigval=c["allow_neg_eigval"],
-                lower_bound=None if c["lower_bound"] is None else float(c["lower_bound"]), safe_gate=c["safe_gate"],
+                lower_bound=lb, safe_gate=c["safe_gate"],
                 norm_eps=float(c["norm_eps"]))
     if "conv_bias" in cfg:  # not a KDAConfig field, but a config may carry it; then it must hold
         opts["conv_bias"] = _typed(cfg["conv_bias"], "conv_bias", "bool", where)
@@ -196,28 +264,36 @@ def _kimi_linear(cfg, where) -> KDACheckpointConfig:
         raise ValueError(f"{where}: Kimi Linear's config needs hidden_size, num_hidden_layers and "
                          f"linear_attn_config's kda_layers, num_heads, head_dim, short_conv_kernel_size; missing "
                          f"{missing + [k for k in ('hidden_size', 'num_hidden_layers') if k not in cfg]}.")
-    for key, want in (("hidden_size", "int"), ("num_hidden_layers", "int")):
-        _typed(cfg[key], key, want, where)
-    eps = _typed(cfg.get("rms_norm_eps", KIMI_NORM_EPS), "rms_norm_eps", "number", where)
+    for key in ("hidden_size", "num_hidden_layers"):
+        _positive_int(_typed(cfg[key], key, "int", where), key, where)
+    eps = _eps(_typed(cfg.get("rms_norm_eps", KIMI_NORM_EPS), "rms_norm_eps", "number", where), "rms_norm_eps",
+               where)
     for key, want in (("kda_layers", "list of int"), ("num_heads", "int"), ("head_dim", "int"),
                       ("short_conv_kernel_size", "int"), ("gate_lower_bound", "number or null"),
-                      ("use_full_rank_gate", "bool")):
-        if key in lac:
+                      ("use_full_rank_gate", "bool"), ("full_attn_layers", "list of int")):
+        if key in lac and not (key == "full_attn_layers" and lac[key] is None):
             _typed(lac[key], "linear_attn_config." + key, want, where)
-    lb = lac.get("gate_lower_bound")
-    # Kimi K3's layer passes it to FLA's chunk_kda as safe_gate=True, lower_bound=lb, whose range is [-5, 0).
-    if lb is not None and not -5.0 <= lb < 0.0:
-        raise ValueError(f"{where}: linear_attn_config.gate_lower_bound must lie in [-5, 0) (Kimi K3's layer passes "
-                         f"it to FLA's chunk_kda with safe_gate=True, which requires that range), got {lb!r}.")
+    for key in ("num_heads", "head_dim"):
+        _positive_int(lac[key], "linear_attn_config." + key, where)
+    _positive_int(lac["short_conv_kernel_size"], "linear_attn_config.short_conv_kernel_size", where, least=2)
     L = cfg["num_hidden_layers"]
+    # Kimi Linear's is_kda_layer reads kda_layers (and full_attn_layers) 1-based.
+    kda = _layer_list(lac["kda_layers"], "linear_attn_config.kda_layers", 1, L, where, "1-based")
+    full = lac.get("full_attn_layers")
+    if full is not None:
+        _layer_list(full, "linear_attn_config.full_attn_layers", 1, L, where, "1-based")
+        both = sorted(set(kda) & set(full))
+        if both:
+            raise ValueError(f"{where}: linear_attn_config's kda_layers and full_attn_layers must not share a layer, "
+                             f"got {both} in both.")
+    lb = _lower_bound(lac.get("gate_lower_bound"), "linear_attn_config.gate_lower_bound",
+                      "Kimi K3's layer passes it to", where)
     opts = dict(hidden_size=cfg["hidden_size"], num_heads=lac["num_heads"], head_dim=lac["head_dim"],
                 num_v_heads=lac["num_heads"], expand_v=1.0, use_short_conv=True,
                 conv_size=lac["short_conv_kernel_size"], allow_neg_eigval=False,
-                lower_bound=None if lb is None else float(lb), safe_gate=lb is not None, norm_eps=float(eps),
+                lower_bound=lb, safe_gate=lb is not None, norm_eps=float(eps),
                 use_full_rank_gate=bool(lac.get("use_full_rank_gate", False)))
-    # linear_attn_config's kda_layers are 1-based (as Kimi Linear's is_kda_layer reads them).
-    return KDACheckpointConfig("moonshot", tuple(sorted(int(i) - 1 for i in lac["kda_layers"])), L, opts,
-                               "self_attn")
+    return KDACheckpointConfig("moonshot", tuple(sorted(i - 1 for i in kda)), L, opts, "self_attn")
 
 
 class _Weights:
@@ -319,9 +395,7 @@ def load_layers(cls, path, layers=None, **options) -> dict:
         H, K = o.pop("num_heads"), o.pop("head_dim")
         HV = o.pop("num_v_heads")
         HV = H if HV is None else HV
-        V = K * o.pop("expand_v")
-        if V != int(V):
-            raise ValueError(f"config.json: head_dim * expand_v = {V} is not an integer.")
+        V = K * o.pop("expand_v")  # a whole number: read_config checked it
         out[i] = cls.from_state_dict(weights.read(keys), naming=cfg.format, num_heads=H, head_dim=K, prefix=prefix,
                                      num_v_heads=HV, head_v_dim=int(V), layer_idx=i, **o, **options)
     return out

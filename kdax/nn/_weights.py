@@ -364,15 +364,16 @@ def layer_from_state_dict(cls, state_dict, *, naming=None, num_heads, head_dim, 
     bias = naming == "fla"  # FLA's g_proj.1 always has its bias; Kimi Linear's g_b_proj has none
     e = _entries(naming, num_heads, HV, head_dim, V, D, W, conv, bias, conv_bias, full_rank)
 
-    def fits(n, s):
-        got = tuple(np.shape(sd[n]))
+    def accepted(n, s) -> tuple:
+        """Every shape ``n`` may have, each named in the errors."""
         # Kimi Linear stores A_log as [1, 1, HV, 1], Kimi K3's modelling code declares it [HV]
-        return got == s or (naming == "moonshot" and n == "A_log" and got == (HV,))
+        return (s, (HV,)) if naming == "moonshot" and n == "A_log" else (s,)
 
-    missing = [f"{n} {s}" for n, (_, s, _, _) in e.items() if n not in sd]
+    shapes = lambda n, s: " or ".join(map(str, accepted(n, s)))
+    missing = [f"{n} {shapes(n, s)}" for n, (_, s, _, _) in e.items() if n not in sd]
     unexpected = [n for n in sd if n not in e]
-    misshaped = [f"{n}: expected {s}, got {tuple(np.shape(sd[n]))}" for n, (_, s, _, _) in e.items()
-                 if n in sd and not fits(n, s)]
+    misshaped = [f"{n}: expected {shapes(n, s)}, got {tuple(np.shape(sd[n]))}" for n, (_, s, _, _) in e.items()
+                 if n in sd and tuple(np.shape(sd[n])) not in accepted(n, s)]
     if missing or unexpected or misshaped:
         parts = []
         if missing:
