@@ -3,6 +3,11 @@ of ``chunk_kda``), to show that a change to kdax's Python leaves what XLA compil
 byte-identical: run it before and after, compare the lines.
 
     python benchmarks/lowered_hashes.py   # float32 and bfloat16; dense, packed, packed with initial states
+    python benchmarks/lowered_hashes.py --no-checks   # the same with check_inputs=False
+
+``--no-checks`` leaves out the in-program domain check of g and beta (``check_inputs``, on
+by default since session 24): the programs of the algorithm alone, comparable with the
+hashes recorded before it.
 
 The programs are lowered (``jax.jit(...).lower``), not compiled: the StableHLO text with
 its location metadata stripped (file and line numbers move with any edit)."""
@@ -49,6 +54,8 @@ def cases():
 def main():
     pipe = kdax.KDAPipeline.reference()
     for name, args, opts in cases():
+        if "--no-checks" in sys.argv[1:]:
+            opts = dict(opts, check_inputs=False)
         fwd = lambda *a: kdax.chunk_kda(*a, pipeline=pipe, **opts)
         loss = lambda *a: sum(jnp.sum(x.astype(jnp.float32)) for x in fwd(*a))
         step = jax.grad(loss, argnums=(0, 1, 2, 3, 4))

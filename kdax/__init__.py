@@ -17,9 +17,12 @@ from ._config import KDAConfig as KDAConfig
 from ._config import KDAOptions as KDAOptions
 from ._errors import DerivedBackwardError as DerivedBackwardError
 from ._errors import FallbackWarning as FallbackWarning
+from ._errors import Float64Warning as Float64Warning
+from ._errors import HeadFirstLayoutWarning as HeadFirstLayoutWarning
 from ._errors import StageContractError as StageContractError
 from ._errors import StageGradientError as StageGradientError
 from ._errors import UnsupportedCase as UnsupportedCase
+from ._errors import UnstableDeltaRuleWarning as UnstableDeltaRuleWarning
 from ._layouts.layout import ChunkLayout as ChunkLayout
 from ._plan import KDAPlan as KDAPlan, PlanRow as PlanRow
 from ._runner.residuals import KDAGrads as KDAGrads, KDAResiduals as KDAResiduals

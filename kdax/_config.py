@@ -58,6 +58,9 @@ class KDAOptions(eqx.Module):
     chunk_size: int = eqx.field(static=True, default=64)
     disable_recompute: bool = eqx.field(static=True, default=False)
     state_v_first: bool = eqx.field(static=True, default=False)
+    # kdax's own (not FLA's): check g and beta's domain inside the compiled program too
+    # (``kdax._validate.checked_domain``); eager calls are always checked.
+    check_inputs: bool = eqx.field(static=True, default=True)
 
     @classmethod
     def names(cls) -> tuple:

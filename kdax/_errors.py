@@ -1,4 +1,20 @@
-"""The exceptions and warnings kdax raises about stages."""
+"""The exceptions and warnings kdax raises about stages and inputs."""
+
+import os
+import sys
+import warnings
+
+# Frames of these packages sit between a user's call and kdax's checks (the typecheck and
+# routing wrappers, jit): a warning points at the first frame outside them.
+_INSIDE = tuple(os.sep + p + os.sep for p in ("kdax", "jaxtyping", "beartype", "equinox", "jax"))
+
+
+def warn_caller(message: str, category: type) -> None:
+    """``warnings.warn`` attributed to the user's line that called into kdax."""
+    level, frame = 2, sys._getframe(1)
+    while frame is not None and any(p in frame.f_code.co_filename for p in _INSIDE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 class UnsupportedCase(NotImplementedError):
@@ -35,3 +51,26 @@ class DerivedBackwardError(TypeError):
     JAX cannot differentiate one of them (a Pallas kernel of custom math, say), or the
     caller runs the hand-written backward directly (``KDAPipeline.backward``,
     ``kdax.parallel``). The message names the stages and what to pass."""
+
+
+class HeadFirstLayoutWarning(UserWarning):
+    """``chunk_kda``'s q has fewer tokens than heads (``q.shape[1] < q.shape[2]``), which is
+    what FLA's old head-first layout ``[B, H, T, K]`` looks like when passed as kdax's (and
+    FLA's current) ``[B, T, H, K]``: the call would run with T and H swapped. Transpose
+    with ``jnp.swapaxes(x, 1, 2)``; a genuine short input (a prompt shorter than the head
+    count) can ignore it (``warnings.filterwarnings("ignore", category=...)``) or use
+    ``fused_recurrent_kda``."""
+
+
+class Float64Warning(UserWarning):
+    """A float64 input while JAX's 64-bit mode is off: JAX converts it to float32, so the
+    call computes in float32, not float64. Enable ``jax.config.update("jax_enable_x64", True)``
+    before creating arrays to compute in float64."""
+
+
+class UnstableDeltaRuleWarning(UserWarning):
+    """Keys and write strengths with ``beta * |k|^2 > 2`` (without
+    ``use_qk_l2norm_in_kernel``): the delta rule's update ``I - beta k k^T`` then has an
+    eigenvalue below -1 and the state can grow without bound (NaN outputs follow). Checked on
+    eager calls (concrete values); normalise the keys (``use_qk_l2norm_in_kernel=True``, as
+    Kimi Linear does) or scale beta."""

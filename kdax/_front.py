@@ -10,6 +10,7 @@ from jaxtyping import Float
 
 from ._config import KDAOptions
 from ._config import resolve_deprecated
+from ._errors import HeadFirstLayoutWarning, warn_caller
 from ._typing import ALogIn, ArrayIn, Beta, CuSeqlensIn, Gate, QK, Scalar, State, Values, typecheck
 from .parallel._shard import routed
 from .pipeline import KDAPipeline, default_pipeline
@@ -26,6 +27,17 @@ def _fla_only(return_intermediate_states, cp_context, use_graph, max_num_seqs, N
     if max_num_seqs is not None and max_num_seqs != N:
         raise ValueError(f"max_num_seqs: must equal the number of sequences len(cu_seqlens) - 1 = {N}, "
                          f"got {max_num_seqs} (pad cu_seqlens with empty sequences instead).")
+
+
+def _warn_head_first(q) -> None:
+    """FLA's check: fewer tokens than heads suggests the old head-first ``[B, H, T, K]``."""
+    T, H = q.shape[1], q.shape[2]
+    if 0 < T < H:
+        warn_caller(
+            f"q: shape {tuple(q.shape)} read as [B, T, H, K] has T={T} tokens < H={H} heads: is it FLA's old "
+            f"head-first layout [B, H, T, K]? kdax (as FLA today) takes [B, T, H, K]; transpose with "
+            f"jnp.swapaxes(x, 1, 2) (q, k, v, g, beta alike). A genuine input this short can ignore this "
+            f"warning (kdax.HeadFirstLayoutWarning).", HeadFirstLayoutWarning)
 
 
 @typecheck
@@ -60,6 +72,7 @@ def chunk_kda(
     pipeline: Optional[KDAPipeline] = None,
     transpose_state_layout: Optional[bool] = None,
     seq_axis_name: Optional[str] = None,
+    check_inputs: bool = True,
 ) -> tuple[Float[ArrayIn, "B T HV V"], Optional[Float[ArrayIn, "N HV _S1 _S2"]]]:
     """Chunked KDA (FLA's ``chunk_kda`` arguments, order and layouts: the arguments after
     ``beta`` may be given positionally in FLA's order; see docs/fla_arguments.md).
@@ -88,8 +101,16 @@ def chunk_kda(
     axis, q, k, v, g, beta and o are this device's tokens, ``cu_seqlens`` the global
     offsets, the states global (identical on every device): sequence parallel, exact
     (see ``kdax.parallel``).
+
+    ``check_inputs`` (kdax's own): g's and beta's domain (g <= 0 without the in-kernel
+    gate, beta in [0, 1] without the in-kernel sigmoid) is checked on every call: eagerly
+    before any kernel, under ``jit`` inside the compiled program (``eqx.error_if``: the call
+    raises a runtime error naming the argument). ``False`` skips the check under ``jit``
+    (one pass over g and beta). q in FLA's old head-first layout ``[B, H, T, K]`` (T < H)
+    gets a ``HeadFirstLayoutWarning``.
     """
     kw = dict(locals())
+    _warn_head_first(q)
     if transpose_state_layout is not None:
         kw = resolve_deprecated({**kw, "transpose_state_layout": transpose_state_layout})
     options = KDAOptions(**{n: kw[n] for n in KDAOptions.names()})

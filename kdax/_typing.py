@@ -5,13 +5,15 @@ dim, N sequences (B, or len(cu_seqlens) - 1). Inside the chunked pipeline: R row
 chunked layout, NC chunks per row, C chunk size.
 """
 
+import functools
 import numbers
+import re
 import typing
 
 import jax
 import numpy as np
 from beartype import beartype
-from jaxtyping import Array, Bool, Float, Int, Real, jaxtyped
+from jaxtyping import Array, Bool, Float, Int, Real, TypeCheckError, jaxtyped
 
 ArrayIn = typing.Union[jax.Array, np.ndarray]
 
@@ -44,9 +46,60 @@ _F = typing.TypeVar("_F")
 
 
 def typecheck(fn: _F) -> _F:
-    """jaxtyping + beartype: shapes, ranks and dtypes are checked when a call is traced;
-    a failure names the argument and the expected shape."""
-    return jaxtyped(typechecker=beartype)(fn)
+    """jaxtyping + beartype: shapes, ranks and dtypes are checked when a call is traced.
+    A failure is a ``TypeCheckError`` whose first line names the argument, the expected
+    layout and the axis that disagrees (``shape_summary``); jaxtyping's report follows."""
+    checked = jaxtyped(typechecker=beartype)(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return checked(*args, **kwargs)
+        except TypeCheckError as e:
+            line = shape_summary(str(e))
+            if line is None:
+                raise
+            raise TypeCheckError(f"{line}\n\n{e}") from None
+
+    return wrapper
+
+
+def _bindings(report: str) -> dict:
+    """jaxtyping's axis values (``B=2`` lines at the report's end) as ``{name: size}``."""
+    tail = report.rpartition("are as follows.")[2]
+    return {m[1]: int(m[2]) for m in re.finditer(r"^(\w+)=(\d+)$", tail, re.M)}
+
+
+def shape_summary(report: str) -> typing.Optional[str]:
+    """One line from a jaxtyping report on a parameter: the argument, the layout it
+    expects and the first axis that disagrees with the sizes bound by the arguments before
+    it (or its rank or dtype); None when the report is not about a parameter's array."""
+    param = re.search(r"typechecking parameter '(\w+)'", report)
+    actual = re.search(r"Actual value: (\w+)\[([\d,]*)\]", report)
+    expected = re.findall(r"(\w+)\[[\w.]+, '([^']*)'\]", report.partition("Expected type:")[2].partition("\n")[0])
+    if not (param and actual and expected):
+        return None
+    name, dtype = param[1], actual[1]
+    shape = tuple(int(n) for n in actual[2].split(",") if n)
+    bound = _bindings(report)
+    layouts = list(dict.fromkeys(dims for _, dims in expected))
+    want = " or ".join("[" + ", ".join(d.split()) + "]" for d in layouts)
+    kinds = {kind for kind, _ in expected}
+    for dims in layouts:
+        axes = dims.split()
+        if len(axes) != len(shape):
+            continue
+        for i, (axis, n) in enumerate(zip(axes, shape)):
+            size = int(axis) if axis.isdigit() else bound.get(axis)
+            if size is not None and size != n:
+                known = "" if axis.isdigit() else f" (from the arguments before it: {axis}={size})"
+                return (f"{name}: expected layout {want}, got shape {shape}: axis {i} ({axis}) is {n}, "
+                        f"expected {size}{known}.")
+        kind = "Bool" if dtype == "bool" else "Float" if dtype[0] == "f" or dtype.startswith("bf") else "Int"
+        if kind not in kinds and not (kind != "Bool" and "Real" in kinds):
+            return f"{name}: expected a {'/'.join(sorted(kinds)).lower()} array of layout {want}, got {dtype}{list(shape)}."
+        return None
+    return f"{name}: expected layout {want} ({' or '.join(str(len(d.split())) for d in layouts)} axes), got shape {shape}."
 
 
 __all__ = [

@@ -17,6 +17,7 @@ import numpy as np
 from jaxtyping import Float
 
 from ._config import KDAOptions
+from ._errors import Float64Warning, UnstableDeltaRuleWarning, warn_caller
 from ._numerics.ops import varying_axes
 from ._typing import QK, ALogIn, ArrayIn, Beta, CuSeqlensIn, Gate, State, Values, typecheck
 
@@ -148,6 +149,26 @@ def _finite_range(x) -> tuple[float, float]:
     return float(np.min(x, initial=np.inf, where=fin)), float(np.max(x, initial=-np.inf, where=fin))
 
 
+def _warn_unstable(k, beta, options: KDAOptions) -> None:
+    """Eagerly, without the in-kernel l2 norm: warn when some token has ``beta * |k|^2 > 2``
+    (``UnstableDeltaRuleWarning``); numpy on the host, as ``_finite_range``."""
+    kv, bv = _value_of(k), _value_of(beta)
+    if options.use_qk_l2norm_in_kernel or kv is None or bv is None or np.size(kv) == 0:
+        return
+    k2 = np.sum(np.square(np.asarray(kv, np.float64)), axis=-1)  # [B, T, H]
+    b = np.asarray(bv, np.float64)
+    if b.ndim == 4:  # (fused_recurrent_kda's head-wise beta [B, T, HV, V])
+        b = b.max(axis=-1)
+    if options.use_beta_sigmoid_in_kernel:
+        b = (2.0 if options.allow_neg_eigval else 1.0) / (1.0 + np.exp(-b))
+    k2 = np.repeat(k2, b.shape[2] // k2.shape[2], axis=2)
+    worst = np.max(np.where(np.isfinite(b * k2), b * k2, 0.0), initial=0.0)
+    if worst > 2:
+        warn_caller(f"k, beta: beta * |k|^2 reaches {worst:.4g} > 2 (keys not normalised): the delta rule's state "
+                    f"can grow without bound and the outputs turn NaN. Pass use_qk_l2norm_in_kernel=True (as Kimi "
+                    f"Linear does) or normalise k yourself.", UnstableDeltaRuleWarning)
+
+
 def check_domain(g, beta, options: KDAOptions) -> None:
     """Eagerly (concrete g and beta: no ``jit``), refuse values outside KDA's domain with a
     named ``ValueError``: g > 0 without ``use_gate_in_kernel`` (g is a log decay, <= 0),
@@ -178,12 +199,63 @@ def check_domain(g, beta, options: KDAOptions) -> None:
             f"with allow_neg_eigval=True as well).")
 
 
+_G_TRACED = ("g: must be a log decay <= 0 (the natural log of each channel's decay in (0, 1]); a finite value > 0 "
+             "was found (checked inside the compiled program). Pass an activated gate (e.g. jax.nn.log_sigmoid(x)), "
+             "or the raw gate with use_gate_in_kernel=True; check_inputs=False skips this check.")
+_BETA_TRACED = ("beta: must lie in [0, 1] (the delta rule's write strength); a finite value outside it was found "
+                "(checked inside the compiled program). Pass jax.nn.sigmoid(x), or the raw x with "
+                "use_beta_sigmoid_in_kernel=True; check_inputs=False skips this check.")
+
+
+def checked_domain(g, beta, options: KDAOptions):
+    """``(g, beta)``, with the domain ``check_domain`` checks eagerly also checked inside
+    the compiled program when they are traced (``jit``) and ``options.check_inputs``:
+    ``eqx.error_if`` on one reduction over each, so the call raises a runtime error naming
+    the argument instead of returning garbage. Non-finite values are not this check's
+    business (they stay in their own sequence: ``kdax._numerics.isolation``)."""
+    if not options.check_inputs or (_value_of(g) is not None and _value_of(beta) is not None):
+        return g, beta  # (concrete: check_domain has run)
+    if not options.use_gate_in_kernel:
+        g = _error_if(g, (g > 0) & (g < jnp.inf), _G_TRACED)
+    if not options.use_beta_sigmoid_in_kernel:
+        beta = _error_if(beta, ((beta < 0) | (beta > 1)) & jnp.isfinite(beta), _BETA_TRACED)
+    return g, beta
+
+
+def _error_if(x, bad, msg: str):
+    """``eqx.error_if(x, any(bad), msg)``; inside ``shard_map`` the flag is first made the
+    same on every device of the axes ``x`` varies over (the error branch cannot vary)."""
+    x = jnp.asarray(x)
+    flag = jnp.any(bad)
+    axes = tuple(sorted(varying_axes(flag)))
+    if not axes:
+        return eqx.error_if(x, flag, msg)
+    # The error is attached to the shared flag, which then reaches x through a select that
+    # never picks NaN (the call has stopped whenever the flag is set).
+    flag = jax.lax.pmax(flag.astype(jnp.int32), axes) > 0
+    flag = eqx.error_if(flag, flag, msg)
+    return jnp.where(flag, jnp.asarray(jnp.nan, x.dtype), x)
+
+
+def _warn_float64(**arrays) -> None:
+    """A float64 numpy input while JAX's 64-bit mode is off computes in float32 (JAX
+    converts it): say so once, naming the arguments."""
+    if jax.config.jax_enable_x64:
+        return
+    names = [n for n, x in arrays.items() if isinstance(x, np.ndarray) and x.dtype == np.float64]
+    if names:
+        warn_caller(f"{', '.join(names)}: float64 input{'s' if len(names) > 1 else ''} with JAX's 64-bit mode off "
+                      f"compute in float32; call jax.config.update('jax_enable_x64', True) first to compute in "
+                      f"float64.", Float64Warning)
+
+
 def validate(q, k, v, g, beta, options: KDAOptions, *, chunked: bool = True) -> tuple[Dims, KDAOptions]:
     """Check ``options`` against the inputs; returns the dimensions and the normalised
     options (``scale`` a float, ``A_log`` ``[HV]``, ``cu_seqlens`` an int32 array, checked
     at run time when traced). ``chunked``: options of ``chunk_kda`` (else of
     ``fused_recurrent_kda``, which has no ``chunk_size``, ``safe_gate``, ``disable_recompute``)."""
     o = options
+    _warn_float64(q=q, k=k, v=v, g=g, beta=beta, initial_state=o.initial_state)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if H == 0 or HV % H != 0:
@@ -233,6 +305,7 @@ def validate(q, k, v, g, beta, options: KDAOptions, *, chunked: bool = True) -> 
         raise ValueError(f"chunk_size: expected one of {SUPPORTED_CHUNK_SIZES}, got {o.chunk_size}.")
     scale = _scale(o.scale, K)
     check_domain(g, beta, o)
+    _warn_unstable(k, beta, o)
     o = dataclasses.replace(o, scale=scale, A_log=A_log, cu_seqlens=cu)
     return Dims(B, T, H, HV, K, V, N, scale), o
 
@@ -255,6 +328,7 @@ def prepare_options(q, k, v, g, beta, options: KDAOptions):
     """Validated ``(config, (q, k, v, g, beta, h0 [N, HV, K, V], A_log [HV], dt_bias, cu),
     normalised options)``."""
     dims, opts = validate(q, k, v, g, beta, options)
+    g, beta = checked_domain(g, beta, opts)
     config = opts.config(dims.scale)
     asarr = lambda x: None if x is None else jnp.asarray(x)
     h0 = asarr(opts.initial_state)
