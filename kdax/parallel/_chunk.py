@@ -12,6 +12,16 @@ run once). Backward
 give ``c``, the gradient reaching the entering sequence's start; the reverse prefix of
 ``(M^T, c)`` gives the gradient arriving at this device's exit; the local backward
 (B1-B5) with it.
+
+Custom stages: each shortcut above rests on what a stage's declared math guarantees, and
+is taken only then. Splitting a sequence between devices at all needs an F4 of KDA's math
+(its state map affine in the entry state, and a span's exit the next span's entry): any
+other F4 is refused by name (``check_state_splits``), since an F4 that reads its entry
+state otherwise (clips it, say) computes something else for each split. The training
+step's "pass from zero plus the part from the entry" needs F5 of KDA's math too (linear
+in ``h`` and ``v_new``); otherwise the local pass runs again from the true entry. When the backward stages are not the transposes of the forward
+stages (``kdax._runner.derived``), the backward is derived by ``jax.vjp`` through this
+sequence-parallel forward, collectives included, as ``chunk_kda`` does on one device.
 """
 
 from typing import Optional
@@ -24,6 +34,8 @@ import numpy as np
 from .._layouts.layout import pack, unpack
 from .._numerics import isolation as _isolation
 from .._numerics.ops import varying_axes
+from .._runner import derived as _derived
+from .._runner.residuals import KDAGrads
 from .._runner.stage_grads import check_perturbed, pipeline_gradients
 from .._validate import checked_cu_seqlens
 from ..pipeline import default_pipeline
@@ -159,14 +171,15 @@ def _forward(static: _Static, q, k, v, g, beta, h0, A_log, dt_bias, cu, training
     # (2) the true entry state, (3) the local pass from it.
     entry = exclusive_prefix(M, b, static.axis, method=static.prefix)
     h_add = _rows(sp.enters, _spread(sp, sp.enters, entry, N))
-    if training:
+    if training and _derived.is_kda(static.pipeline.output):
         # Affine in the entry: the pass from zero plus F4 and F5 from the entry alone
         # (u = 0), F1-F3 once (the training step 1.3-1.5x faster at T = 8192 on 8 devices).
         o, fin, res = _from_entry(static, res0, o0, fin0, h_add)
     else:
         # Forward only: a second whole pass, which XLA runs tile by tile on CPU keeping
         # no intermediates; adding to the first would keep its intermediates alive
-        # (per-device peak 1.5x at T = 8192) for no measurable gain in time.
+        # (per-device peak 1.5x at T = 8192) for no measurable gain in time. (In a training
+        # step, F5 of other math: its output need not be linear in the entry.)
         o, fin, res = _forward_local(static, q, k, v, g, beta, res0.h0 + h_add, A_log, dt_bias, sp.cu)
     final = jax.lax.psum(_rows(sp.owns, fin), static.axis)
     return o, final, res, M, sp
@@ -204,9 +217,53 @@ def _isolated(call: _Call, inputs, cu):
     return bad, (*_isolation.cleaner(gate, sigmoid)(inputs[:5]), *inputs[5:])
 
 
+class _DerivedSP(eqx.Module):
+    """The residuals of the derived backward in sequence parallel: the VJP of this
+    device's part of the sequence-parallel forward (collectives included), the swapped
+    fields, the q/k heads."""
+
+    vjp: object
+    swapped: tuple = eqx.field(static=True)
+    o: jax.ShapeDtypeStruct = eqx.field(static=True)
+    final: jax.ShapeDtypeStruct = eqx.field(static=True)
+    num_qk_heads: int = eqx.field(static=True)
+
+
+def _derived_fwd(call: _Call, pipeline, inputs, cu, bad):
+    """The forward of a pipeline whose backward stages do not transpose its forward
+    stages, and its VJP by ``jax.vjp`` through the sequence-parallel forward (as
+    ``kdax._runner.vjp`` does on one device)."""
+    def run(inputs_, pipe):
+        o_, final_, *_ = _forward(call.static(pipe), *inputs_, cu, training=False)
+        return o_, final_
+
+    (o, final), vjp, swapped = _derived.derived_vjp(pipeline, run, inputs)
+    sp = _spans(call.axis, inputs[0].shape[0], inputs[0].shape[1], cu)
+    shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+    res = _DerivedSP(vjp, swapped, shape(o), shape(final), inputs[0].shape[2])
+    return _isolation.poison_outputs(bad, o, final), (res, None, sp, bad.where)
+
+
+def _derived_bwd(res: _DerivedSP, sp: _Spans, where, primals, perturbed, do, dfinal):
+    do = _derived.zeros_like_or(do, res.o)
+    dfinal = _derived.zeros_like_or(dfinal, res.final)
+    do, poison = _isolation.clean_cotangents(do, dfinal, sp.cu, res.num_qk_heads)
+    d_inputs, d_pipe = res.vjp((do, _isolation.finite_or_zero(dfinal)))
+    q, k, v, g, beta, h0, A_log, dt_bias = d_inputs
+    grads = KDAGrads(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, A_log=A_log, dt_bias=dt_bias)
+    grads = _isolation.poison_inputs(where, poison(grads))
+    out = (grads.q, grads.k, grads.v, grads.g, grads.beta, grads.initial_state, grads.A_log, grads.dt_bias)
+    d_inputs = tuple(None if x is None or p is None else _like(x, p) for x, p in zip(out, primals))
+    d_pipe = jax.tree.map(lambda x: x if x is None else _like(x, x), d_pipe)
+    return d_inputs, _derived.pipeline_cotangent(perturbed, d_pipe, res.swapped)
+
+
 @_sp_kda.def_fwd
 def _sp_fwd(perturbed, diff, call: _Call, cu):
     inputs, pipeline = diff
+    if _derived.mismatches(pipeline):
+        bad, inputs = _isolated(call, inputs, cu)
+        return _derived_fwd(call, pipeline, inputs, cu, bad)
     check_perturbed(pipeline, perturbed[1], where="kdax.parallel's sequence-parallel chunk_kda")
     bad, inputs = _isolated(call, inputs, cu)
     # A training step runs the forward whole, as chunk_kda's own VJP does.
@@ -221,8 +278,10 @@ def _sp_fwd(perturbed, diff, call: _Call, cu):
 def _sp_bwd(residuals, cotangents, perturbed, diff, call: _Call, cu):
     res, M, sp, where = residuals
     primals, pipeline = diff
-    static = call.static(pipeline.untiled())
     do, dfinal = cotangents
+    if isinstance(res, _DerivedSP):
+        return _derived_bwd(res, sp, where, primals, perturbed[1], do, dfinal)
+    static = call.static(pipeline.untiled())
     if do is None:
         do = jnp.zeros(primals[2].shape, res.h0.dtype)
     dfinal = jnp.zeros_like(res.h0) if dfinal is None else dfinal.astype(res.h0.dtype)
@@ -263,6 +322,19 @@ def _like(ct, primal):
     if extra:
         ct = jax.lax.psum(ct, extra)
     return ct.astype(primal.dtype)
+
+
+def check_state_splits(pipeline) -> None:
+    """Sequence parallel cuts each sequence's chunk recurrence at the device boundaries and
+    joins the pieces by affine summaries: exact for an F4 of KDA's math alone. Any other
+    F4 is a ``ValueError`` naming it and what to declare."""
+    if not _derived.is_kda(pipeline.state):
+        raise ValueError(
+            f"pipeline: sequence parallel (seq_axis_name) splits each sequence's state recurrence between devices "
+            f"and joins the pieces by affine summaries, exact only for an F4 whose state map is affine in its entry "
+            f"state and whose pieces compose (KDA's); F4 `state` ({type(pipeline.state).__qualname__}) declares "
+            f"math {pipeline.state.math!r}. If it computes KDA's state recurrence (a wrapper, another "
+            f"implementation), declare math = kdax.stages.KDA on its class; otherwise run it on one device.")
 
 
 def check_axis(axis):
@@ -312,6 +384,7 @@ def sp_chunk_kda(
         if state_v_first:
             h0 = jnp.swapaxes(h0, -1, -2)
     pipeline = default_pipeline() if pipeline is None else pipeline
+    check_state_splits(pipeline)
     check_interpret_in_shard_map(pipeline, q, k, v, g, beta)
     call = _Call(seq_axis_name, prefix, tuple(sorted(options.items())))
     asarr = lambda x: None if x is None else jnp.asarray(x)

@@ -43,7 +43,7 @@ from .._numerics.affine import scan_prefix
 from .._declared.final import final
 from .._typing import ChunkK, ChunkV, SeqState, typecheck
 from ._state import AbstractDhu, AbstractState, ReferenceDhu, ReferenceState
-from ._types import DhuOut, StateOut
+from ._types import KDA, DhuOut, StateOut
 
 
 def _split(NC: int, segments: int) -> tuple[int, int]:
@@ -109,6 +109,24 @@ def _check_segments(segments: int):
         raise ValueError(f"segments: expected an int >= 1, got {segments!r}.")
 
 
+def _check_affine(state, dhu) -> None:
+    """The summaries join segments exactly only for KDA's recurrences: an F4 whose state
+    map is affine in its entry state (declared ``math = KDA``) and a B2 that transposes it.
+    Anything else is refused by name (a split it cannot join would give other numbers)."""
+    if state is not None and getattr(state, "math", None) != KDA:
+        raise ValueError(
+            f"segments: the split recurrence joins segments by affine summaries, exact only for an F4 whose state "
+            f"map is affine in its entry state; F4 `state` ({type(state).__qualname__}) declares math "
+            f"{getattr(state, 'math', None)!r}. If it computes KDA's state recurrence, declare math = "
+            f"kdax.stages.KDA on its class; otherwise run it unsegmented.")
+    if dhu is not None and dict(getattr(dhu, "transposes", {})).get("state") != KDA:
+        raise ValueError(
+            f"segments: the split reverse recurrence is exact only for a B2 that transposes KDA's F4; B2 `dhu` "
+            f"({type(dhu).__qualname__}) declares transposes {dict(getattr(dhu, 'transposes', {}))!r}. If it does, "
+            f"declare transposes = {{'state': kdax.stages.KDA, 'output': ...}} on its class; otherwise run it "
+            f"unsegmented.")
+
+
 @final
 class SegmentedState(AbstractState):
     """F4 with each row's chunk recurrence split into ``segments`` spans run side by side
@@ -147,6 +165,7 @@ class SegmentedState(AbstractState):
         S, L = _split(NC, self.segments)
         if S <= 1:
             return self.inner(w, u, kg, G, h0, layout)
+        _check_affine(self.inner, None)
         seg = lambda x: _to_segments(x, S, L)
         sl = _segment_layout(layout, N, S, L)
         ws, kgs, Gs = seg(w), seg(kg), seg(G)
@@ -201,6 +220,7 @@ class SegmentedDhu(AbstractDhu):
         S, L = _split(NC, self.segments)
         if S <= 1:
             return self.inner(scale, qg, kg, w, G, do, dv_intra, dht, layout)
+        _check_affine(None, self.inner)
         seg = lambda x: _to_segments(x, S, L)
         sl = _segment_layout(layout, N, S, L)
         qgs, kgs, ws, Gs = seg(qg), seg(kg), seg(w), seg(G)
@@ -217,7 +237,10 @@ class SegmentedDhu(AbstractDhu):
 
 def segmented(pipeline, segments: int = 4):
     """``pipeline`` with its F4 and B2 stages split into ``segments`` (wrapping the stages
-    it has; B0 recomputes through F4, so it follows)."""
+    it has; B0 recomputes through F4, so it follows). Both must be KDA's recurrences
+    (declared ``math`` / ``transposes``): the affine summaries join nothing else exactly
+    (``ValueError`` naming the stage)."""
     _check_segments(segments)
+    _check_affine(pipeline.state, pipeline.dhu)
     return eqx.tree_at(lambda p: (p.state, p.dhu), pipeline,
                        (SegmentedState(pipeline.state, segments), SegmentedDhu(pipeline.dhu, segments)))
