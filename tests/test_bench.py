@@ -22,6 +22,8 @@ def test_bench_shape_rows_and_results(tmp_path):
     assert got == {
         ("chunk_kda[reference]", "fwd"),
         ("chunk_kda[reference]", "fwd+bwd"),
+        ("chunk_kda[reference, check_inputs=False]", "fwd"),  # the in-program check's cost
+        ("chunk_kda[reference, check_inputs=False]", "fwd+bwd"),
         ("scan", "fwd"),
         ("scan", "fwd+bwd"),
         ("autodiff_chunk", "fwd+bwd"),
@@ -39,6 +41,9 @@ def test_bench_shape_rows_and_results(tmp_path):
     assert any("float64 reference" in line for line in lines)
     assert any("timing plain_scan fwd+bwd (1 run after a warm-up)" in line for line in lines)
     ours = {r["kind"]: r for r in rows if r["name"] == "chunk_kda[reference]"}
+    unchecked = {r["kind"]: r for r in rows if r["name"] == "chunk_kda[reference, check_inputs=False]"}
+    for kind in ("fwd", "fwd+bwd"):  # the check adds an error branch, no arithmetic: the same numbers
+        assert unchecked[kind]["max_err"] == ours[kind]["max_err"]
     # checked against the float64 recurrence in float32
     assert ours["fwd"]["max_err"] < 1e-4 and ours["fwd+bwd"]["max_err"] < 1e-3
     assert "vs_scan" in ours["fwd"] and "vs_autodiff_chunk" in ours["fwd+bwd"]
