@@ -10,8 +10,14 @@ Without ``QGainGateBackward`` (or without the declarations) the gradient is stil
 the pipeline derives it from the forward stages by ``jax.vjp``, slower, with a
 ``FallbackWarning`` (``kdax._runner.derived``). The gain is an array field of both stages; differentiated, F1's copy
 gets its exact gradient (the gate's own VJP at the backward's cotangent of its output)
-and B5's copy zero, which is exact: the forward never reads it. Run from the repository
-root::
+and B5's copy zero, which is exact: the forward never reads it.
+
+The script checks what it claims: the output and every gradient (``k_scale``, F1's gain,
+``q``, ``k``, ``v``, ``g``, ``beta``) against ``jax.grad`` of ``plain_kda``, a plain-JAX
+token-by-token recurrence of the modified algorithm written here without kdax, in the run's
+dtype; it prints each relative RMS error (and max-abs) and raises ``GradientMismatch`` if
+one exceeds the budget (1e-10 in float64, 1e-5 for the float32 output, 1e-4 for float32
+gradients). Run from the repository root::
 
     python examples/custom_stage.py
 """
@@ -22,6 +28,7 @@ from typing import ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float
 
 import kdax
@@ -94,16 +101,91 @@ def inputs(key, B=1, T=40, H=2, K=8, V=8, dtype=jnp.float32):
     return q, k, v, g, beta
 
 
+def plain_kda(q: Float[Array, "B T H K"], k: Float[Array, "B T H K"], v: Float[Array, "B T H V"],
+              g: Float[Array, "B T H K"], beta: Float[Array, "B T H"]) -> Float[Array, "B T H V"]:
+    """KDA as the recurrence it is, in plain JAX (no kdax), token by token from a zero state:
+    ``S <- Diag(exp(g_t)) S;  S += beta_t k_t (v_t - S^T k_t)^T;  o_t = K**-0.5 S^T q_t``."""
+
+    def step(S, x):  # S [B, H, K, V]
+        q_t, k_t, v_t, g_t, b_t = x
+        S = S * jnp.exp(g_t)[..., None]
+        err = v_t - jnp.einsum("bhkv,bhk->bhv", S, k_t)
+        S = S + b_t[..., None, None] * k_t[..., :, None] * err[..., None, :]
+        return S, q.shape[-1] ** -0.5 * jnp.einsum("bhkv,bhk->bhv", S, q_t)
+
+    S0 = jnp.zeros(q.shape[:1] + q.shape[2:] + v.shape[-1:], q.dtype)
+    _, o = jax.lax.scan(step, S0, tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta)))
+    return jnp.moveaxis(o, 0, 1)
+
+
+def plain_layer(k_scale, gain, q, k, v, g, beta):
+    """``Layer`` in plain JAX: the gain on q (per head; H == HV here), the key scale, KDA."""
+    return plain_kda(q * gain[None, None, :, None], k * k_scale, v, g, beta)
+
+
+class GradientMismatch(AssertionError):
+    """kdax's output or gradient differs from plain JAX's beyond the dtype's budget."""
+
+
+# Relative RMS budgets (docs/DESIGN.md section 4): (output, gradients) per dtype.
+TOLERANCE = {jnp.dtype(jnp.float64): (1e-10, 1e-10), jnp.dtype(jnp.float32): (1e-5, 1e-4)}
+
+
+@eqx.filter_jit
+@eqx.filter_grad
+def model_grads(args):
+    """Gradients of ``sum(layer(*x) ** 2)`` w.r.t. ``args = (layer, q, k, v, g, beta)``: the
+    layer's arrays through the pipeline's six-stage backward, and the inputs'."""
+    layer, *x = args
+    return jnp.sum(layer(*x) ** 2)
+
+
+def check_against_plain_jax(layer: Layer, x: tuple, o, d_layer: Layer, d_x: tuple, verbose: bool = True) -> dict:
+    """Compare kdax's output ``o`` and gradients (``d_layer`` for the layer, ``d_x`` for
+    ``x = (q, k, v, g, beta)``) with ``plain_layer`` and ``jax.grad`` of its loss, in ``x``'s
+    dtype; print the errors, raise ``GradientMismatch`` naming any that exceeds
+    ``TOLERANCE``. Returns ``{name: relative RMS error}``."""
+    dtype = jnp.dtype(x[0].dtype)
+    if dtype not in TOLERANCE:
+        raise ValueError(f"x: expected float32 or float64 inputs to check, got {dtype}.")
+    tol_o, tol_g = TOLERANCE[dtype]
+    gain = layer.pipeline.gate.gain
+    if not np.array_equal(np.asarray(gain), np.asarray(layer.pipeline.gate_bwd.gain)):
+        raise ValueError("layer: F1's and B5's gains differ; plain_layer has one gain (see gain_pipeline).")
+    plain_loss = lambda *a: jnp.sum(plain_layer(*a) ** 2)
+    want_d = jax.grad(plain_loss, argnums=tuple(range(7)))(layer.k_scale, gain, *x)
+    pairs = [("o", o, plain_layer(layer.k_scale, gain, *x), tol_o),
+             ("d k_scale", d_layer.k_scale, want_d[0], tol_g),
+             ("d gain (F1's copy)", d_layer.pipeline.gate.gain, want_d[1], tol_g)]
+    pairs += [(f"d {n}", got, want, tol_g) for n, got, want in zip(("q", "k", "v", "g", "beta"), d_x, want_d[2:])]
+    errors, bad = {}, []
+    if verbose:
+        print(f"checked against plain JAX (plain_kda: a lax.scan recurrence, jax.grad of sum(o**2)), {dtype.name}; "
+              f"relative RMS (max-abs), budget:")
+    for name, got, want, tol in pairs:
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        den = np.sqrt(np.mean(want**2))
+        err = float(np.sqrt(np.mean((got - want) ** 2)) / (den if den > 0 else 1.0))
+        errors[name] = err
+        ok = err <= tol  # NaN fails
+        if not ok:
+            bad.append(f"{name}: relative RMS {err:.3e} > {tol:.0e}")
+        if verbose:
+            print(f"  {name:20s} {err:.2e} ({float(np.max(np.abs(got - want))):.2e}), {tol:.0e}  "
+                  f"{'ok' if ok else 'MISMATCH'}")
+    # B5's copy of the gain is never read by the forward: its gradient is exactly zero.
+    if np.any(np.asarray(d_layer.pipeline.gate_bwd.gain) != 0):
+        bad.append(f"d gain (B5's copy): expected exactly 0, got {d_layer.pipeline.gate_bwd.gain}")
+    if bad:
+        raise GradientMismatch("kdax and plain JAX disagree: " + "; ".join(bad) + ".")
+    return errors
+
+
 def main(dtype=jnp.float32, verbose: bool = True):
     q, k, v, g, beta = inputs(jax.random.key(0), dtype=dtype)
     layer = Layer(jnp.ones((q.shape[-1],), dtype), gain_pipeline(jnp.array([0.5, 2.0], dtype)))
 
-    @eqx.filter_jit
-    @eqx.filter_grad
-    def grads(layer, *x):
-        return jnp.sum(layer(*x) ** 2)
-
-    d = grads(layer, q, k, v, g, beta)
+    d, *d_x = model_grads((layer, q, k, v, g, beta))
 
     # Intermediates in the user's layout, from the forward's residuals, under jit.
     @eqx.filter_jit
@@ -112,6 +194,7 @@ def main(dtype=jnp.float32, verbose: bool = True):
         return o, res.read("q"), res.read("v_new"), res.read("h")
 
     o, q_act, v_new, h = intermediates(layer.pipeline, q, k, v, g, beta)
+    check_against_plain_jax(layer, (q, k, v, g, beta), o, d, tuple(d_x), verbose)
     if verbose:
         print("d k_scale:", d.k_scale)
         print("d gain (F1's copy, exact):", d.pipeline.gate.gain)
