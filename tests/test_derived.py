@@ -264,7 +264,8 @@ def test_declarations():
     assert kdax._runner.derived.mismatches(ref) == () and kdax._runner.derived.mismatches(pal) == ()
     assert kdax._runner.derived.mismatches(kdax.KDAPipeline.mixed("tpu", interpret=True)) == ()
     assert kdax._runner.derived.mismatches(kdax.stages.segmented(ref)) == ()
-    # A segmented F4 computes what its inner stage does.
-    seg = kdax.stages.segmented(eqx.tree_at(lambda p: p.state, ref, ScaledStartState()))
+    # A segmented F4 computes what its inner stage does (segmented() itself refuses an
+    # F4 of other math: tests/parallel/test_custom_stages.py).
+    seg = eqx.tree_at(lambda p: p.state, ref, kdax.stages.SegmentedState(ScaledStartState(), 4))
     assert "F4 `state` (SegmentedState) computes math None" in kdax._runner.derived.mismatches(seg)[0]
     assert np.all([getattr(ref, f).math == kdax.stages.KDA for f in USER])

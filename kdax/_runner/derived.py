@@ -135,6 +135,11 @@ def _warn_once(reasons: tuple) -> None:
     )
 
 
+def warn_derived(pipeline) -> None:
+    """The ``FallbackWarning`` that the gradient is derived (once per set of reasons)."""
+    _warn_once(mismatches(pipeline))
+
+
 def differentiable_forward(pipeline):
     """``(pipeline'', swapped fields)``: ``pipeline`` untiled, each forward stage that
     declares KDA's math but is not its family's reference stage replaced by that

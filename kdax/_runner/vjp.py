@@ -68,7 +68,9 @@ def _concrete(*trees) -> bool:
 # are traced into the caller's program as before.
 @differentiable.def_fwd
 def _vjp_fwd(perturbed, diff, config: KDAConfig, cu_seqlens):
-    if _concrete(diff, cu_seqlens) and not _derived.mismatches(diff[1]):
+    if _concrete(diff, cu_seqlens):
+        if _derived.mismatches(diff[1]):
+            _derived.warn_derived(diff[1])  # (once, here: a cached trace would not say it)
         return _compiled_fwd(perturbed, diff, config, cu_seqlens)
     return _fwd(perturbed, diff, config, cu_seqlens)
 
@@ -105,7 +107,7 @@ _compiled_fwd = eqx.filter_jit(_fwd)
 
 @differentiable.def_bwd
 def _vjp_bwd(residuals, cotangents, perturbed, diff, config: KDAConfig, cu_seqlens):
-    if not isinstance(residuals[0], _Derived) and _concrete(residuals, cotangents, diff, cu_seqlens):
+    if _concrete(residuals, cotangents, diff, cu_seqlens):
         return _compiled_bwd(residuals, cotangents, perturbed, diff, config, cu_seqlens)
     return _bwd(residuals, cotangents, perturbed, diff, config, cu_seqlens)
 
