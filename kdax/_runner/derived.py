@@ -47,18 +47,50 @@ def _name(pipeline, field: str) -> str:
     return f"{STAGES[field].step} `{field}` ({type(getattr(pipeline, field)).__qualname__})"
 
 
-def mismatches(pipeline) -> tuple:
+def mismatches(pipeline, skip_gate: bool = False) -> tuple:
     """Why ``pipeline``'s backward stages are not the transposes of its forward stages:
     one sentence per forward stage that some backward stage of ``TRANSPOSED_BY`` does not
-    transpose; empty when the hand-written backward is exact."""
+    transpose; empty when the hand-written backward is exact. ``skip_gate``: leave F1 and
+    its transpose B5 out."""
     out = []
     for f, readers in TRANSPOSED_BY.items():
+        if skip_gate and f == "gate":
+            continue
         math = getattr(pipeline, f).math
-        off = [b for b in readers if math is None or getattr(pipeline, b).transposes.get(f) != math]
+        off = [b for b in readers if not _is_vjp_of(getattr(pipeline, b), getattr(pipeline, f))
+               and (math is None or getattr(pipeline, b).transposes.get(f) != math)]
         if off:
             says = ", ".join(f"{_name(pipeline, b)} transposes {getattr(pipeline, b).transposes.get(f)!r}" for b in off)
             out.append(f"{_name(pipeline, f)} computes math {math!r}, but {says}")
     return tuple(out)
+
+
+def _is_vjp_of(backward, forward) -> bool:
+    """Whether backward stage ``backward`` is JAX's VJP of (a stage of the class of)
+    ``forward``, or of its reference stage when ``forward`` declares KDA's math
+    (``kdax.stages.GateVjpBackward``): its transpose whatever the math."""
+    held = getattr(backward, "vjp_of", None)
+    return held is not None and (type(held) is type(forward) or (is_kda(forward) and is_kda(held)))
+
+
+def gate_alone_differs(pipeline) -> bool:
+    """Whether ``pipeline``'s backward misses only F1's transpose (B5 does not transpose its
+    F1, every other backward stage transposes its forward stages): then B5 alone is
+    derived, by ``jax.vjp`` of F1 (``gate_vjp_pipeline``), and B0-B4 stay hand-written."""
+    return bool(mismatches(pipeline)) and not mismatches(pipeline, skip_gate=True)
+
+
+def gate_vjp_pipeline(pipeline, res, inputs):
+    """``pipeline`` with B5 the VJP of its F1 (``kdax.stages.GateVjpBackward``) at the
+    forward's chunked raw inputs (``inputs``: the raw, cleaned ``q, k, v, g, beta``; ``res``
+    the forward's residuals). An F1 declaring KDA's math is differentiated as the
+    reference F1 (a Pallas kernel has no JAX derivative)."""
+    from .._layouts.layout import pack_inputs
+    from ..stages import GateVjpBackward
+
+    qc, kc, _, gc, bc = pack_inputs(res.layout, tuple(inputs[:5]), res.v.shape[1], res.h0.dtype)
+    gate = STAGES["gate"].reference() if is_kda(pipeline.gate) else pipeline.gate
+    return dataclasses.replace(pipeline, gate_bwd=GateVjpBackward(gate, qc, kc, gc, bc))
 
 
 def is_kda(stage) -> bool:

@@ -69,16 +69,22 @@ def _concrete(*trees) -> bool:
 @differentiable.def_fwd
 def _vjp_fwd(perturbed, diff, config: KDAConfig, cu_seqlens):
     if _concrete(diff, cu_seqlens):
-        if _derived.mismatches(diff[1]):
+        if _whole_derived(diff[1]):
             _derived.warn_derived(diff[1])  # (once, here: a cached trace would not say it)
         return _compiled_fwd(perturbed, diff, config, cu_seqlens)
     return _fwd(perturbed, diff, config, cu_seqlens)
 
 
+def _whole_derived(pipeline) -> bool:
+    """Whether the backward is derived whole by ``jax.vjp`` through F1-F5: the backward
+    stages miss a transpose other than F1's (F1's alone: B5 is F1's VJP, B0-B4 hand-written)."""
+    return bool(_derived.mismatches(pipeline)) and not _derived.gate_alone_differs(pipeline)
+
+
 def _fwd(perturbed, diff, config: KDAConfig, cu_seqlens):
     inputs, pipeline = diff
     bad = _bad(config, inputs, cu_seqlens)
-    if _derived.mismatches(pipeline):
+    if _whole_derived(pipeline):
         def run(inputs_, pipe):
             o_, final_, _ = pipe.run_forward(config, *inputs_, cu_seqlens, clean=True, entries=True)
             return o_, final_
@@ -124,11 +130,12 @@ def _bwd(residuals, cotangents, perturbed, diff, config: KDAConfig, cu_seqlens):
     dht = dht if config.output_final_state else None
     # A non-finite cotangent stays in its sequence (kdax._numerics.isolation).
     do, poison = _isolation.clean_cotangents(do, dht, cu_seqlens, res.num_qk_heads)
-    grads, parts = pipeline.backward_with_parts(res, do, dht)
+    clean = (*_isolation.cleaner_of(config)(inputs[:5]), *inputs[5:])
+    bwd = _derived.gate_vjp_pipeline(pipeline, res, clean) if _derived.gate_alone_differs(pipeline) else pipeline
+    grads, parts = bwd.backward_with_parts(res, do, dht)
     grads = _isolation.poison_inputs(where, poison(grads))
     out = (grads.q, grads.k, grads.v, grads.g, grads.beta, grads.initial_state, grads.A_log, grads.dt_bias)
     d_inputs = tuple(None if d is None or x is None else x.astype(d) for x, d in zip(out, res.in_dtypes))
-    clean = (*_isolation.cleaner_of(config)(inputs[:5]), *inputs[5:])
     return d_inputs, pipeline_gradients(pipeline, perturbed[1], parts, res, clean)
 
 

@@ -5,9 +5,9 @@ Forward, on each device: (1) a local pass with a zero entry state for the sequen
 enters from the previous device gives ``b``, the exit state of the sequence that leaves to
 the next device; the state stage run once more from the identity (zero ``u``) gives its
 ``M``; (2) the exclusive prefix of ``(M, b)`` over devices gives the true entry state;
-(3) the local pass from it; in a training step, as it is affine in the entry, the pass
-of (1) plus the state and output stages run from the entry alone with ``u = 0`` (F1-F3
-run once). Backward
+(3) the local pass from it: as it is affine in the entry, the pass of (1) plus the state
+and output stages run from the entry alone with ``u = 0`` (F1-F3 run once), in the
+forward alone and in a training step alike (so that the two agree bit for bit). Backward
 (hand-written, an ``eqx.filter_custom_vjp``): B0 once; B1-B2 with only this device's own ``dht``
 give ``c``, the gradient reaching the entering sequence's start; the reverse prefix of
 ``(M^T, c)`` gives the gradient arriving at this device's exit; the local backward
@@ -156,7 +156,7 @@ def _from_entry(static: _Static, res0, o0, fin0, h_add):
     return o, fin0 + st.final, res
 
 
-def _forward(static: _Static, q, k, v, g, beta, h0, A_log, dt_bias, cu, training: bool):
+def _forward(static: _Static, q, k, v, g, beta, h0, A_log, dt_bias, cu):
     B, Tl = q.shape[:2]
     HV, K, V = v.shape[2], q.shape[-1], v.shape[-1]
     dt = compute_dtype(q, k, v, g, beta, h0)
@@ -171,15 +171,16 @@ def _forward(static: _Static, q, k, v, g, beta, h0, A_log, dt_bias, cu, training
     # (2) the true entry state, (3) the local pass from it.
     entry = exclusive_prefix(M, b, static.axis, method=static.prefix)
     h_add = _rows(sp.enters, _spread(sp, sp.enters, entry, N))
-    if training and _derived.is_kda(static.pipeline.output):
+    if _derived.is_kda(static.pipeline.output):
         # Affine in the entry: the pass from zero plus F4 and F5 from the entry alone
         # (u = 0), F1-F3 once (the training step 1.3-1.5x faster at T = 8192 on 8 devices).
+        # The forward alone takes the same route, so that it equals the training step's
+        # forward bit for bit (a second whole pass kept the forward's per-device peak 1.5x
+        # lower at T = 8192, for other rounding).
         o, fin, res = _from_entry(static, res0, o0, fin0, h_add)
     else:
-        # Forward only: a second whole pass, which XLA runs tile by tile on CPU keeping
-        # no intermediates; adding to the first would keep its intermediates alive
-        # (per-device peak 1.5x at T = 8192) for no measurable gain in time. (In a training
-        # step, F5 of other math: its output need not be linear in the entry.)
+        # F5 of other math (its output need not be linear in the entry): a second whole
+        # pass from the true entry.
         o, fin, res = _forward_local(static, q, k, v, g, beta, res0.h0 + h_add, A_log, dt_bias, sp.cu)
     final = jax.lax.psum(_rows(sp.owns, fin), static.axis)
     return o, final, res, M, sp
@@ -202,7 +203,8 @@ def _sp_kda(diff, call: _Call, cu):
     any pipeline, its arrays traced or not, differentiated as ``kdax._runner.stage_grads`` says."""
     inputs, pipeline = diff
     bad, inputs = _isolated(call, inputs, cu)
-    o, final, *_ = _forward(call.static(pipeline), *inputs, cu, training=False)
+    # (Whole, as the training step's forward: the two equal bit for bit.)
+    o, final, *_ = _forward(call.static(pipeline.untiled()), *inputs, cu)
     return _isolation.poison_outputs(bad, o, final)
 
 
@@ -234,7 +236,7 @@ def _derived_fwd(call: _Call, pipeline, inputs, cu, bad):
     stages, and its VJP by ``jax.vjp`` through the sequence-parallel forward (as
     ``kdax._runner.vjp`` does on one device)."""
     def run(inputs_, pipe):
-        o_, final_, *_ = _forward(call.static(pipe), *inputs_, cu, training=False)
+        o_, final_, *_ = _forward(call.static(pipe), *inputs_, cu)
         return o_, final_
 
     (o, final), vjp, swapped = _derived.derived_vjp(pipeline, run, inputs)
@@ -261,14 +263,14 @@ def _derived_bwd(res: _DerivedSP, sp: _Spans, where, primals, perturbed, do, dfi
 @_sp_kda.def_fwd
 def _sp_fwd(perturbed, diff, call: _Call, cu):
     inputs, pipeline = diff
-    if _derived.mismatches(pipeline):
+    if _derived.mismatches(pipeline) and not _derived.gate_alone_differs(pipeline):
         bad, inputs = _isolated(call, inputs, cu)
         return _derived_fwd(call, pipeline, inputs, cu, bad)
     check_perturbed(pipeline, perturbed[1], where="kdax.parallel's sequence-parallel chunk_kda")
     bad, inputs = _isolated(call, inputs, cu)
     # A training step runs the forward whole, as chunk_kda's own VJP does.
     static = call.static(pipeline.untiled())
-    o, final, res, M, sp = _forward(static, *inputs, cu, training=True)
+    o, final, res, M, sp = _forward(static, *inputs, cu)
     if not dict(static.options).get("disable_recompute", False):
         res = eqx.tree_at(lambda r: r.cache, res, None, is_leaf=lambda x: x is None)
     return _isolation.poison_outputs(bad, o, final), (res, M, sp, bad.where)
@@ -298,6 +300,9 @@ def _sp_bwd(residuals, cotangents, perturbed, diff, call: _Call, cu):
     N = res.h0.shape[0]
     own = _rows(sp.owns, dfinal)
     res = _with_cache(static, res)
+    clean = _isolated(call, primals, cu)[1]
+    if _derived.gate_alone_differs(static.pipeline):  # (B5 as F1's VJP; B0-B4 hand-written)
+        static = eqx.tree_at(lambda s: s.pipeline, static, _derived.gate_vjp_pipeline(static.pipeline, res, clean))
     # c: the gradient reaching the entering sequence's start from this device's own do/dht
     c = _pick(sp, sp.enters, _entry_gradient(static, res, do, own))
     # the gradient arriving at this device's exit from the devices after it
@@ -311,8 +316,7 @@ def _sp_bwd(residuals, cotangents, perturbed, diff, call: _Call, cu):
     # Stage arrays: the stage's VJP on this device's tokens. The pipeline is replicated:
     # under check_vma the VJP's own transpose of the implicit broadcast sums over the
     # devices; without it, shard_map's transpose does.
-    clean = _isolated(call, primals, cu)[1]
-    return d_inputs, pipeline_gradients(static.pipeline, perturbed[1], parts, res, clean)
+    return d_inputs, pipeline_gradients(pipeline.untiled(), perturbed[1], parts, res, clean)
 
 
 def _like(ct, primal):

@@ -4,6 +4,7 @@
 from ._gate import AbstractGate as AbstractGate
 from ._gate import AbstractGateBackward as AbstractGateBackward
 from ._gate import ReferenceGate as ReferenceGate
+from ._gate import GateVjpBackward as GateVjpBackward
 from ._gate import ReferenceGateBackward as ReferenceGateBackward
 from ._intra import AbstractIntra as AbstractIntra
 from ._intra import AbstractIntraBackward as AbstractIntraBackward

@@ -267,3 +267,47 @@ class ReferenceGateBackward(AbstractGateBackward):
             dq = l2norm_backward(act.q, act.q_rstd, dq)
             dk = l2norm_backward(act.k, act.k_rstd, dk)
         return RawGrads(dq, dk, dg, dbeta, dA, ddt)
+
+
+@final
+class GateVjpBackward(AbstractGateBackward):
+    """B5 as the VJP of an F1 stage by JAX (``jax.vjp`` of ``gate`` at the chunked raw
+    inputs it was called with), at B4's ``dq, dk, dbeta, dG``: the exact transpose of any
+    differentiable F1, whatever its math. A pipeline whose F1 alone is of other math (a
+    new gate or activation) keeps the hand-written B0-B4 and gets B5 this way, chunk by
+    chunk as F1 runs (``kdax._runner.derived.gate_vjp_pipeline``), instead of deriving the
+    whole backward.
+
+    ``q, k, g, beta``: F1's inputs ``[R, HV, NC, C, ...]`` (the pipeline builds the stage
+    in the backward, from its residuals); the ``g`` argument of ``__call__`` is unused."""
+
+    gate: AbstractGate
+    q: ChunkK
+    k: ChunkK
+    g: ChunkK
+    beta: ChunkScalar
+
+    @property
+    def transposes(self):  # (the transpose of whatever its F1 computes)
+        return MappingProxyType({"gate": self.gate.math})
+
+    @property
+    def vjp_of(self):  # (kdax._runner.derived: the forward stage it is the VJP of)
+        return self.gate
+
+    def __call__(self, config, act, g, A_log, dt_bias, valid, dq, dk, dbeta, dG, reset=None):
+        del g
+        accepts = getattr(type(self.gate), "accepts", frozenset())
+        extra = {} if reset is None or "reset" not in accepts else dict(reset=reset)
+
+        def f1(q, k, g_, beta, A_log_, dt_bias_):
+            return self.gate(config, q, k, g_, beta, A_log_, dt_bias_, valid, **extra)
+
+        out, vjp = jax.vjp(f1, self.q, self.k, self.g, self.beta, A_log, dt_bias)
+        zero = lambda x: None if x is None else jnp.zeros_like(x)
+        # (G_lo carries the low part of the same cumsum: later stages read G + G_lo.)
+        ct = Activated(q=dq.astype(out.q.dtype), k=dk.astype(out.k.dtype), beta=dbeta.astype(out.beta.dtype),
+                       G=dG.astype(out.G.dtype), q_rstd=zero(out.q_rstd), k_rstd=zero(out.k_rstd),
+                       G_lo=None if out.G_lo is None else dG.astype(out.G_lo.dtype))
+        dq_, dk_, dg_, dbeta_, dA, ddt = vjp(ct)
+        return RawGrads(dq_, dk_, dg_, dbeta_, dA, ddt)
