@@ -6,8 +6,10 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray, Shaped
 
+from .._runner.runner import active_recordings
 from .._typing import ArrayIn, CuSeqlensIn, typecheck
 from ..pipeline import KDAPipeline
+from ..recurrent import concrete_call
 from ._arguments import check_call, checked_slots
 from ._cache import KDACache, zeros_cache
 from ._forward import layer_forward
@@ -253,26 +255,45 @@ class KimiDeltaAttention(eqx.Module):
 
         Returns ``(y, new_cache)``, or ``(y, new_cache, intermediate)``.
         """
-        B, T, _ = x.shape
         attention_mask, cu_seqlens, mode = check_call(self, x.shape, attention_mask, cu_seqlens, cache, state_indices,
                                                       mode, return_intermediate_states, seq_axis_name)
-        if state_indices is not None:
-            state_indices = checked_slots(state_indices, cache.state.shape[0])
-        rows = cache if state_indices is None else cache.take(state_indices)
-        xin = jnp.asarray(x).astype(self._compute_dtype(x))
-        if attention_mask is not None:
-            # Padded rows run as one packed row: shapes never depend on the mask.
-            xs, cu, rows, order = pack_padded(xin, attention_mask, rows)
-        else:
-            xs, cu = xin, None if cu_seqlens is None else jnp.asarray(cu_seqlens, jnp.int32)
-        y, new_rows, inter = layer_forward(self, xs, cu, rows, mode, return_intermediate_states, chunk_size,
-                                           pipeline, seq_axis_name)
-        if attention_mask is not None:
-            y, new_rows = unpack_padded(y, new_rows, order, B, T)
-        new_cache = new_rows if state_indices is None else cache.put(state_indices, new_rows)
-        if return_intermediate_states:
-            return y, new_cache, inter
-        return y, new_cache
+        arrays = (x, attention_mask, cu_seqlens, cache, state_indices, pipeline)
+        # Called eagerly (a decode loop without jit), one compiled program cached by shapes,
+        # dtypes and options, as chunk_kda's eager calls (kdax._runner.vjp.apply): op by op a
+        # decode step took ~0.1 s a token. Every check above has run on the caller's values.
+        # Not while a pipeline's plan records the stage calls (a cached trace makes none).
+        eager = not active_recordings() and concrete_call(self, arrays)
+        return (_compiled_call if eager else _call)(self, *arrays, mode, return_intermediate_states, chunk_size,
+                                                    seq_axis_name)
+
+
+def _call(layer: KimiDeltaAttention, x, attention_mask, cu_seqlens, cache: Optional[KDACache], state_indices,
+          pipeline: Optional[KDAPipeline], mode: str, inter_states: bool, chunk_size: int,
+          seq_axis_name: Optional[str]):
+    """``KimiDeltaAttention.__call__`` after ``check_call``: its arguments checked and
+    normalised (``attention_mask`` this call's ``[B, T]``, ``cu_seqlens`` int32, ``mode``
+    "chunk" or "recurrent")."""
+    B, T, _ = x.shape
+    if state_indices is not None:
+        state_indices = checked_slots(state_indices, cache.state.shape[0])
+    rows = cache if state_indices is None else cache.take(state_indices)
+    xin = jnp.asarray(x).astype(layer._compute_dtype(x))
+    if attention_mask is not None:
+        # Padded rows run as one packed row: shapes never depend on the mask.
+        xs, cu, rows, order = pack_padded(xin, attention_mask, rows)
+    else:
+        xs, cu = xin, None if cu_seqlens is None else jnp.asarray(cu_seqlens, jnp.int32)
+    y, new_rows, inter = layer_forward(layer, xs, cu, rows, mode, inter_states, chunk_size, pipeline, seq_axis_name)
+    if attention_mask is not None:
+        y, new_rows = unpack_padded(y, new_rows, order, B, T)
+    new_cache = new_rows if state_indices is None else cache.put(state_indices, new_rows)
+    if inter_states:
+        return y, new_cache, inter
+    return y, new_cache
+
+
+# eqx.filter_jit: the layer and a pipeline hold static fields and, a pipeline, any leaves.
+_compiled_call = eqx.filter_jit(_call)
 
 
 def load_pretrained(path, layers=None, **options) -> dict:
