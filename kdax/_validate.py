@@ -223,8 +223,9 @@ def checked_domain(g, beta, options: KDAOptions):
 
 
 def _error_if(x, bad, msg: str):
-    """``eqx.error_if(x, any(bad), msg)``; inside ``shard_map`` the flag is first made the
-    same on every device of the axes ``x`` varies over (the error branch cannot vary)."""
+    """``eqx.error_if(x, any(bad), msg)``; inside ``shard_map`` (where ``eqx.error_if``'s
+    branch cannot return an ``x`` that varies over the mesh axes) on the flag, made the
+    same on every device first."""
     x = jnp.asarray(x)
     flag = jnp.any(bad)
     axes = tuple(sorted(varying_axes(flag)))
@@ -232,9 +233,12 @@ def _error_if(x, bad, msg: str):
         return eqx.error_if(x, flag, msg)
     # The error is attached to the shared flag, which then reaches x through a select that
     # never picks NaN (the call has stopped whenever the flag is set).
+    # Every device must stop together (one raising alone aborts the process), so the
+    # flag is first made the same everywhere: one all-reduce of a scalar. The error then
+    # reaches x through a select that never picks NaN (the call has stopped whenever it would).
     flag = jax.lax.pmax(flag.astype(jnp.int32), axes) > 0
-    flag = eqx.error_if(flag, flag, msg)
-    return jnp.where(flag, jnp.asarray(jnp.nan, x.dtype), x)
+    stop = eqx.error_if(flag, flag, msg)
+    return jnp.where(stop, jnp.asarray(jnp.nan, x.dtype), x)
 
 
 def _warn_float64(**arrays) -> None:

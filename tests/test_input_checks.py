@@ -2,6 +2,9 @@
 FLA's head-first layout and float64 without x64 are named, unnormalised keys warned about,
 shape errors given in one line."""
 
+import os
+import subprocess
+import sys
 import warnings
 
 import jax
@@ -128,14 +131,28 @@ def test_head_first_layout_warns():
 
 
 def test_float64_without_x64_warns():
-    q, k, v, g, beta = (np.asarray(x, np.float64) for x in _inputs())
-    g, beta = np.asarray(_good(g, beta)[0], np.float64), np.asarray(_good(g, beta)[1], np.float64)
-    if jax.config.jax_enable_x64:
-        pytest.skip("x64 enabled in this process")
-    with pytest.warns(kdax.Float64Warning, match=r"q, k, v, g, beta: float64 inputs with JAX's 64-bit mode off"):
-        kdax.chunk_kda(q, k, v, g, beta)
-    with pytest.warns(kdax.Float64Warning):
-        kdax.fused_recurrent_kda(q, k, v, g, beta)
+    """In a fresh process with JAX's 64-bit mode off (the suite's is on)."""
+    code = """
+import warnings, numpy as np, jax, kdax
+warnings.simplefilter("error", kdax.Float64Warning)
+r = np.random.default_rng(0)
+q = r.normal(size=(1, 32, 2, 8)); k = q / np.linalg.norm(q, axis=-1, keepdims=True)
+g, b = -r.uniform(0.1, 1, size=q.shape), r.uniform(0.1, 0.9, size=(1, 32, 2))
+for fn in (kdax.chunk_kda, kdax.fused_recurrent_kda):
+    try:
+        fn(q, k, q, g, b)
+    except kdax.Float64Warning as w:
+        print(fn.__name__, "|", w)
+    else:
+        print(fn.__name__, "| no warning")
+"""
+    env = dict(os.environ, JAX_ENABLE_X64="0", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 2
+    for line in lines:
+        assert "q, k, v, g, beta: float64 inputs with JAX's 64-bit mode off compute in float32" in line, line
 
 
 def test_unnormalised_keys_warn():
