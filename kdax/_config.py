@@ -91,6 +91,15 @@ class KDAOptions(eqx.Module):
         )
 
 
+def state_v_first_of(state_v_first: bool, transpose_state_layout) -> bool:
+    """``state_v_first``, or FLA's deprecated alias ``transpose_state_layout`` when given
+    (with a ``DeprecationWarning``; both at once is an error)."""
+    if transpose_state_layout is None:
+        return state_v_first
+    return resolve_deprecated(dict(state_v_first=state_v_first, transpose_state_layout=transpose_state_layout))[
+        "state_v_first"]
+
+
 def resolve_deprecated(kwargs: dict) -> dict:
     """FLA's deprecated ``transpose_state_layout`` -> ``state_v_first`` (with a warning)."""
     if "transpose_state_layout" not in kwargs:

@@ -9,7 +9,7 @@ import numpy as np
 from jaxtyping import Float
 
 from ._config import KDAOptions
-from ._config import resolve_deprecated
+from ._config import state_v_first_of
 from ._errors import HeadFirstLayoutWarning, warn_caller
 from ._typing import ALogIn, ArrayIn, Beta, CuSeqlensIn, Gate, QK, Scalar, State, Values, typecheck
 from .parallel._shard import routed
@@ -109,11 +109,15 @@ def chunk_kda(
     (one pass over g and beta). q in FLA's old head-first layout ``[B, H, T, K]`` (T < H)
     gets a ``HeadFirstLayoutWarning``.
     """
-    kw = dict(locals())
     _warn_head_first(q)
-    if transpose_state_layout is not None:
-        kw = resolve_deprecated({**kw, "transpose_state_layout": transpose_state_layout})
-    options = KDAOptions(**{n: kw[n] for n in KDAOptions.names()})
+    options = KDAOptions(
+        scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
+        dt_bias=dt_bias, lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+        disable_recompute=disable_recompute, state_v_first=state_v_first_of(state_v_first, transpose_state_layout),
+        check_inputs=check_inputs,
+    )
     N = v.shape[0] if cu_seqlens is None else np.shape(cu_seqlens)[0] - 1  # (a bad one: apply's error)
     _fla_only(return_intermediate_states, cp_context, use_graph, max_num_seqs, N)
     pipeline = default_pipeline() if pipeline is None else pipeline

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from ._config import KDAOptions
-from ._config import resolve_deprecated
+from ._config import state_v_first_of
 from ._numerics.ops import vary_like
 from ._typing import ALogIn, ArrayIn, Beta, CuSeqlensIn, Float, Gate, QK, Scalar, State, Values, typecheck
 from ._validate import Dims, _value_of, checked_domain, validate
@@ -95,10 +95,13 @@ def fused_recurrent_kda(
     Called eagerly, the checks run on the caller's values, then one compiled program
     cached by shapes, dtypes and options.
     """
-    kw = dict(locals())
-    if transpose_state_layout is not None:
-        kw = resolve_deprecated({**kw, "transpose_state_layout": transpose_state_layout})
-    options = KDAOptions(**{n: kw[n] for n in KDAOptions.names() if n in kw})
+    options = KDAOptions(
+        scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
+        dt_bias=dt_bias, lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval, cu_seqlens=cu_seqlens,
+        state_v_first=state_v_first_of(state_v_first, transpose_state_layout), check_inputs=check_inputs,
+    )
     # Every check runs here, on the caller's values, before any kernel: check_domain reads
     # concrete g and beta, check_cu_seqlens concrete offsets (a compiled program would see
     # neither).

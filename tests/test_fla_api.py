@@ -224,3 +224,19 @@ def test_recurrent_signature_is_flas_order(x):
     b = _run(kdax.fused_recurrent_kda, pos, A_log=A, scale=0.5, initial_state=kw["initial_state"],
              output_final_state=True, use_gate_in_kernel=True)
     _same(a, b)
+
+
+@pytest.mark.parametrize("fn", FNS, ids=IDS)
+def test_front_doors_pass_every_option_by_name(fn):
+    """chunk_kda and fused_recurrent_kda build their KDAOptions explicitly, by name (a
+    reader follows ``initial_state`` from the signature to the options): every option in
+    the signature appears as ``name=name`` in that call."""
+    import ast
+    import textwrap
+
+    src = textwrap.dedent(inspect.getsource(inspect.unwrap(fn)))
+    calls = [n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "KDAOptions"]
+    assert len(calls) == 1
+    passed = {kw.arg for kw in calls[0].keywords}
+    params = set(inspect.signature(fn).parameters)
+    assert passed == {n for n in kdax.KDAOptions.names() if n in params}
