@@ -1,6 +1,7 @@
 """The layer's computation on dense rows or one packed row: projections, short
 convolutions, decay and beta, the KDA kernel, the output gate, norm and projection."""
 
+import warnings
 from typing import NamedTuple, Optional
 
 import jax
@@ -8,6 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from .._conv import causal_conv, conv_tail, token_segments
+from .._errors import HeadFirstLayoutWarning
 from .._front import chunk_kda
 from ..parallel import conv_halo, sp_conv_tail, sp_token_segments
 from ..pipeline import KDAPipeline, default_pipeline
@@ -111,8 +113,12 @@ def _kda(layer, q, k, v, g, beta, cu, rows: Optional[KDACache], mode: str, inter
         return (*fused_recurrent_kda(q, k, v, g, beta, **opts), None)
     if inter_states:
         return _chunk_start_states(pipeline, q, k, v, g, beta, chunk_size, opts)
-    o, final = chunk_kda(q, k, v, g, beta, chunk_size=chunk_size, pipeline=pipeline, seq_axis_name=seq_axis,
-                         safe_gate=layer.safe_gate, **opts)
+    with warnings.catch_warnings():
+        # (The layer builds [B, T, H, K] itself: a prompt shorter than the head count is no
+        # head-first mistake.)
+        warnings.simplefilter("ignore", HeadFirstLayoutWarning)
+        o, final = chunk_kda(q, k, v, g, beta, chunk_size=chunk_size, pipeline=pipeline, seq_axis_name=seq_axis,
+                             safe_gate=layer.safe_gate, **opts)
     return o, final, None
 
 

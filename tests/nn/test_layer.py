@@ -332,3 +332,18 @@ def test_layer_cu_seqlens_checked_as_chunk_kda_checks_it():
         jax.block_until_ready(f(x, jnp.asarray([0, 4, 2, 6], jnp.int32)))
     y = f(x, jnp.asarray(np.array([0, 2, 6]), jnp.int32))
     assert_close(y, f(x, jnp.asarray([0, 2, 6], jnp.int32)), 0.0)
+
+
+def test_short_prompt_many_heads_no_head_first_warning():
+    """The layer lays out [B, T, H, K] itself: T < H is a short prompt, not FLA's old
+    head-first layout, so chunk_kda's HeadFirstLayoutWarning is not raised through it."""
+    import warnings
+
+    import kdax
+
+    layer = kdax.nn.KimiDeltaAttention(hidden_size=64, num_heads=8, head_dim=8, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (1, 4, 64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", kdax.HeadFirstLayoutWarning)
+        y, _ = layer(x)
+    assert y.shape == x.shape
