@@ -29,7 +29,8 @@ import jax
 import jax.numpy as jnp
 
 from .._errors import DerivedBackwardError, FallbackWarning
-from ..stages import KDA
+from .._layouts.layout import pack_inputs
+from ..stages import KDA, GateVjpBackward
 from .._declared.capabilities import Capabilities, capabilities
 from .contracts import STAGES
 
@@ -85,9 +86,6 @@ def gate_vjp_pipeline(pipeline, res, inputs):
     forward's chunked raw inputs (``inputs``: the raw, cleaned ``q, k, v, g, beta``; ``res``
     the forward's residuals). An F1 declaring KDA's math is differentiated as the
     reference F1 (a Pallas kernel has no JAX derivative)."""
-    from .._layouts.layout import pack_inputs
-    from ..stages import GateVjpBackward
-
     qc, kc, _, gc, bc = pack_inputs(res.layout, tuple(inputs[:5]), res.v.shape[1], res.h0.dtype)
     gate = STAGES["gate"].reference() if is_kda(pipeline.gate) else pipeline.gate
     return dataclasses.replace(pipeline, gate_bwd=GateVjpBackward(gate, qc, kc, gc, bc))
