@@ -119,6 +119,13 @@ def test_bench_stages_times_each_stage_alone():
     failed = [(r["stage"], r["pipeline"]) for r in rows if r["time_s"] is None]
     assert failed == [("output", "broken")]
     assert all(r["time_s"] > 0 for r in rows if r["time_s"] is not None)
+    # XLA's counts for each stage's program: every matmul stage does FLOPs, every stage moves bytes
+    ok = [r for r in rows if r["time_s"] is not None]
+    assert all(r["bytes"] > 0 for r in ok) and all(r["flops"] > 0 for r in ok if r["stage"] in ("intra", "state"))
+    glue = bench.bench_glue(shape, 1, rows)
+    assert [r["stage"] for r in glue] == ["glue fwd", "glue bwd"] and all(r["time_s"] is not None for r in glue)
+    line = bench.format_stage_row(ok[1], {}, 100.0)
+    assert len(line.split()) >= 10  # time, ratio, GFLOP, GFLOP/s, %mm, MB, GB/s
     table = bench.format_stage_table(rows)
     assert "FAILED: RuntimeError: kernel does not compile here" in table and "ReferenceIntraBackward" in table
 

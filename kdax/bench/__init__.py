@@ -49,7 +49,7 @@ from ._shape import (
     flops_per_token_head as flops_per_token_head,
     make_inputs as make_inputs,
 )
-from ._stages import STAGES as STAGES, bench_stages as bench_stages
+from ._stages import STAGES as STAGES, bench_glue as bench_glue, bench_stages as bench_stages
 from ._tables import (
     STAGE_HEAD as STAGE_HEAD,
     format_stage_row as format_stage_row,

@@ -9,7 +9,7 @@ from ._baselines import pipelines
 from ._results import write_results
 from ._run import bench_shape
 from ._shape import Shape
-from ._stages import bench_stages
+from ._stages import bench_glue, bench_stages
 from ._tables import STAGE_HEAD, format_stage_row, format_table, with_ratios
 from ._timing import Log, machine, matmul_gflops
 
@@ -39,9 +39,15 @@ def _stages_main(shape: Shape, reps: int, pipes: dict) -> int:
     """``--stages``: the stage table, a line as each stage is timed."""
     print(f"kdax stages alone on {machine()}; B={shape.B} T={shape.T} H={shape.H} HV={shape.HV} K={shape.K} "
           f"V={shape.V} chunk={shape.chunk_size} float32 (/first: against the first pipeline named)")
+    mm = matmul_gflops()
+    print(f"large float32 matmul: {mm:.1f} GFLOP/s (%mm: a stage's FLOP rate against it; FLOPs and bytes: XLA's "
+          f"counts for the stage's program)")
     print(STAGE_HEAD, flush=True)
     first = {}
-    rows = bench_stages(shape, reps, pipes, lambda r: print(format_stage_row(r, first), flush=True))
+    rows = bench_stages(shape, reps, pipes, lambda r: print(format_stage_row(r, first, mm), flush=True))
+    if "reference" in pipes:
+        for r in bench_glue(shape, reps, rows):
+            print(format_stage_row(r, first, mm), flush=True)
     return 1 if any(r["time_s"] is None for r in rows) else 0
 
 

@@ -1,15 +1,24 @@
 """The printed tables: one shape's (or a sweep's) paths, and the stages alone."""
 
-_STAGE_COLS = f"{'stage':<10} {'pipeline':<10} {'implementation':<24} {'time ms':>9} {'/first':>7}"
+_STAGE_COLS = (f"{'stage':<10} {'pipeline':<10} {'implementation':<24} {'time ms':>9} {'/first':>7} {'GFLOP':>8} "
+               f"{'GFLOP/s':>8} {'%mm':>5} {'MB':>8} {'GB/s':>6}")
 STAGE_HEAD = _STAGE_COLS + "\n" + "-" * len(_STAGE_COLS)
 
 
-def format_stage_row(r: dict, first: dict) -> str:
-    """One line of the stage table; ``first`` maps stage -> the first pipeline's time."""
+def format_stage_row(r: dict, first: dict, matmul_gflops: float = None) -> str:
+    """One line of the stage table; ``first`` maps stage -> the first pipeline's time.
+    FLOPs and bytes are XLA's counts for the stage's program; ``%mm`` its FLOP rate against
+    a large float32 matmul measured in the same run (``matmul_gflops``)."""
     if r["time_s"] is None:
         return f"{r['stage']:<10} {r['pipeline']:<10} {r['impl']:<24} FAILED: {r['error'][:110]}"
     base = first.setdefault(r["stage"], r["time_s"])
-    return f"{r['stage']:<10} {r['pipeline']:<10} {r['impl']:<24} {1e3 * r['time_s']:>9.2f} {r['time_s'] / base:>7.2f}"
+    line = f"{r['stage']:<10} {r['pipeline']:<10} {r['impl']:<24} {1e3 * r['time_s']:>9.2f} {r['time_s'] / base:>7.2f}"
+    fl, by, t = r.get("flops"), r.get("bytes"), r["time_s"]
+    if fl is None or t <= 0:
+        return line
+    rate = fl / t / 1e9
+    mm = f"{100 * rate / matmul_gflops:>5.0f}" if matmul_gflops else f"{'':>5}"
+    return line + f" {fl / 1e9:>8.3f} {rate:>8.1f} {mm} {by / 1e6:>8.1f} {by / t / 1e9:>6.1f}"
 
 
 def format_stage_table(rows: list) -> str:
