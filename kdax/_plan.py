@@ -13,7 +13,7 @@ from ._numerics import precision as _precision
 from ._numerics.ops import loop_unroll, resolve_group, split_rows_and_heads
 from ._declared.capabilities import capabilities
 from ._runner.contracts import STAGES
-from ._runner.derived import unchecked, unsafe_for_tiles
+from ._runner.derived import RESET_FIELDS, unchecked, unsafe_for_tiles
 from ._runner.runner import recording
 
 
@@ -43,6 +43,9 @@ class KDAPlan(NamedTuple):
     notes: tuple = ()
     # KDAPipeline.resolved_config: every platform-dependent choice, resolved
     config: Optional[dict] = None
+    # Why each route was taken, the first true reason: "forward" (whole, when tiles were
+    # possible) and "layout" (per-sequence, for packed input) -> reason.
+    why: tuple = ()
 
     @property
     def fallbacks(self) -> dict:
@@ -55,14 +58,15 @@ class KDAPlan(NamedTuple):
         for r in self.rows:
             runs = "-" if r.runs is None else ("same" if r.runs == r.requested and not r.reason else r.runs)
             lines.append(f"{r.step:<5}{r.field:<11}{r.requested:<24}{runs:<24}{r.reason or ''}")
-        if self.not_tile_safe:
-            lines.append(f"forward: whole (not tile-safe: {', '.join(self.not_tile_safe)})")
+        why = dict(self.why)
+        if self.tile is None and "forward" in why:
+            lines.append(f"forward: whole ({why['forward']})")
         else:
             lines.append("forward: " + ("whole" if self.tile is None else f"tiles of ~{self.tile} blocks without gradients, whole under one"))
         if self.layout is not None:
             what = {"dense": "one sequence per row", "per-sequence": "each packed sequence from a chunk boundary",
                     "shared": "packed sequences share chunks, NC = ceil(T / C)"}[self.layout]
-            lines.append(f"layout: {self.layout}: {what}")
+            lines.append(f"layout: {self.layout}: {what}" + (f" ({why['layout']})" if "layout" in why else ""))
         lines += list(self.notes)
         if self.config:
             top = {n: v for n, v in self.config.items() if not isinstance(v, dict)}
@@ -117,8 +121,53 @@ def plan(pipeline, q, k, v, g, beta, **options) -> KDAPlan:
     if reasons:
         notes += ("backward: derived by jax.vjp through F1-F5 (exact; the six-stage backward does not transpose "
                   "this forward: " + "; ".join(reasons) + ")",)
+    why = route_reasons(pipeline, rec.layout, opts)
     return KDAPlan(tuple(rows), pipeline.tile if forward[0] else None, forward[1], rec.layout, notes=notes,
-                   config=resolved_config(pipeline, q.dtype))
+                   config=resolved_config(pipeline, q.dtype), why=why)
+
+
+def _stage_name(pipeline, field: str) -> str:
+    return f"{STAGES[field].step} {field} ({type(getattr(pipeline, field)).__qualname__})"
+
+
+def _other_math(pipeline, field: str) -> Optional[str]:
+    """Why ``field``'s stage counts as other math than KDA's (``unchecked``), or None."""
+    if field not in unchecked(pipeline, (field,)):
+        return None
+    stage = getattr(pipeline, field)
+    what = f"math {stage.math!r}" if STAGES[field].forward else f"transposes {dict(stage.transposes)!r}"
+    return f"{_stage_name(pipeline, field)}: {what}, not KDA's"
+
+
+def route_reasons(pipeline, layout: Optional[str], opts: KDAOptions) -> tuple:
+    """``(("forward", why whole), ("layout", why per-sequence))``, each only where it
+    applies, in the order the routes are decided (``kdax._runner.derived``:
+    ``unsafe_for_tiles``, ``shares_chunks``; ``kdax._runner.forward``): the first reason
+    that is true of this pipeline, not the list of fields a rule rejects."""
+    out = []
+    unsafe = unsafe_for_tiles(pipeline)
+    if pipeline.tile is not None and unsafe:
+        f = unsafe[0]
+        # a stage of other math runs whole whatever it declares: that is the reason, even
+        # where it also declares tile_safe
+        other = _other_math(pipeline, f)
+        out.append(("forward", f"{other}: a stage of other math runs whole, whatever it declares" if other
+                    else f"not tile-safe: {f} ({type(getattr(pipeline, f)).__qualname__} does not declare tile_safe)"))
+    if layout == "per-sequence":
+        if not pipeline.share_chunks:
+            reason = "share_chunks=False"
+        else:
+            bad = [f for f in STAGES if _other_math(pipeline, f)]
+            if bad:
+                reason = _other_math(pipeline, bad[0]) + ": shared chunks are taken only for KDA's math"
+            else:
+                no_reset = [f for f in RESET_FIELDS if not capabilities(type(getattr(pipeline, f))).reset
+                            and not pipeline.fallback]
+                reason = (f"{_stage_name(pipeline, no_reset[0])} does not accept reset (and fallback=False)"
+                          if no_reset else None)
+        if reason:
+            out.append(("layout", reason))
+    return tuple(out)
 
 
 def resolved_config(pipeline, dtype=jnp.float32) -> dict:

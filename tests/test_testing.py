@@ -13,12 +13,16 @@ from kdax.stages import (
     KDA,
     AbstractDAv,
     AbstractGate,
+    AbstractIntra,
     AbstractOutput,
     AbstractState,
+    AbstractWY,
     ReferenceDAv,
     ReferenceGate,
+    ReferenceIntra,
     ReferenceOutput,
     ReferenceState,
+    ReferenceWY,
 )
 from kdax.testing import Case, check_pipeline, check_stage
 
@@ -82,8 +86,22 @@ def test_example_stages_pass():
     ex = load_example("custom_stage")
     gain = jnp.array([0.5, 2.0])
     pipe = ex.gain_pipeline(gain)
-    _assert_ok(check_stage(pipe.gate, "gate", base=pipe))
-    _assert_ok(check_stage(pipe.gate_bwd, "gate_bwd", base=pipe))
+    # The example's stages refuse the in-kernel l2norm (UnsupportedCase) and declare math of
+    # their own, so no pipeline falls back for them: chunk_kda raises on those cases, and
+    # the report fails them (they were "skip: the pipeline falls back" before issue 49).
+    l2norm = {"softplus f64", "lower-bound f64", "lower-bound-noA f64"}
+    gate = check_stage(pipe.gate, "gate", base=pipe, dtypes=(jnp.float64,))
+    assert {(c.name, c.case) for c in gate.failed} == {("contract", n) for n in l2norm}, str(gate)
+    assert all("no pipeline falls back" in c.detail and "l2norm" in c.detail for c in gate.failed), str(gate)
+    with pytest.raises(kdax.UnsupportedCase, match="l2norm"):
+        (q, k, v, g, beta), kw = Case("l2norm", options=(("use_qk_l2norm_in_kernel", True),)).inputs()
+        kdax.chunk_kda(q, k, v, g, beta, pipeline=dataclasses.replace(pipe, fallback=True), **kw)
+    # (its backward stage is not run there: the forward raised first)
+    bwd = check_stage(pipe.gate_bwd, "gate_bwd", base=pipe, dtypes=(jnp.float64,))
+    _assert_ok(bwd)
+    assert {c.case for c in bwd.checks if c.name == "contract" and c.passed is None} == l2norm, str(bwd)
+    assert {c.case for c in bwd.checks if c.name == "contract" and c.passed} >= {"dense f64", "packed f64", "short f64",
+                                                                              "chunk64 f64"}, str(bwd)
     _assert_ok(check_pipeline(pipe))
 
 
@@ -268,7 +286,9 @@ def test_custom_math_pipeline_passes_check_pipeline():
 def test_report_table():
     report = check_stage(ReferenceOutput(), "output", cases=(Case("dense f64"),))
     text = str(report)
-    assert text.splitlines()[0].endswith("ok")
+    n, s = len(report.checks), sum(c.passed is None for c in report.checks)
+    assert text.splitlines()[0].endswith(f": ok: no check failed ({n - s} passed, {s} skipped)"), text
+    assert "cases:" in text and "scale=K**-0.5" in text  # the legend: what each case gives the stage
     assert "contract" in text and "reference" in text
     failed = check_stage(OffByOnePercentOutput(), "output", cases=(Case("dense f64"),))
     assert "FAIL" in str(failed) and not failed.ok
@@ -283,3 +303,213 @@ def test_reference_stages_pass_full_matrix(field):
 @pytest.mark.slow
 def test_reference_pipeline_full():
     _assert_ok(check_pipeline(kdax.KDAPipeline.reference(), full=True))
+
+
+# -- stages wrong outside the old matrix (issue 49 item 4) ----------------------------------
+# Each is KDA's stage but for one argument or option the old matrix never varied; the
+# matrix now reaches it, and the failing rows are the cases that vary it.
+
+
+def _failing_cases(report, check="reference"):
+    return {c.case for c in report.failed if c.name == check}
+
+
+class IgnoresScaleOutput(AbstractOutput):
+    """F5 with the default scale ``K ** -0.5`` in place of the call's ``scale``."""
+
+    math: ClassVar = KDA
+    accepts: ClassVar[frozenset] = frozenset({"tile_safe"})
+
+    def __call__(self, scale, qg, h, Aqk, v_new):
+        return ReferenceOutput()(qg.shape[-1] ** -0.5, qg, h, Aqk, v_new)
+
+
+class ValueWidthScaleOutput(AbstractOutput):
+    """F5 that rescales ``scale`` from K's default to V's (``V ** -0.5`` where K's was
+    meant): right whenever K == V, whatever the scale."""
+
+    math: ClassVar = KDA
+    accepts: ClassVar[frozenset] = frozenset({"tile_safe"})
+
+    def __call__(self, scale, qg, h, Aqk, v_new):
+        return ReferenceOutput()(scale * (qg.shape[-1] / v_new.shape[-1]) ** 0.5, qg, h, Aqk, v_new)
+
+
+class WrongAtChunk64Intra(AbstractIntra):
+    """F2 with ``Aqk`` 0.1% off at chunk size 64 only (the API's default)."""
+
+    math: ClassVar = KDA
+    accepts: ClassVar[frozenset] = frozenset({"G_lo", "reset", "tile_safe"})
+
+    def __call__(self, scale, q, k, beta, G, G_lo=None, reset=None):
+        out = ReferenceIntra()(scale, q, k, beta, G, G_lo, reset)
+        if q.shape[3] != 64:
+            return out
+        return dataclasses.replace(out, Aqk=out.Aqk * (1 + 1e-3))
+
+
+class IgnoresNegEigvalGate(AbstractGate):
+    """F1 that ignores ``allow_neg_eigval`` (beta = sigmoid, not 2 sigmoid)."""
+
+    math: ClassVar = KDA
+    accepts: ClassVar[frozenset] = frozenset({"reset", "tile_safe"})
+
+    def __call__(self, config, q, k, g, beta, A_log, dt_bias, valid, reset=None):
+        config = dataclasses.replace(config, allow_neg_eigval=False)
+        return ReferenceGate()(config, q, k, g, beta, A_log, dt_bias, valid, reset)
+
+
+class WrongSingleChunkWY(AbstractWY):
+    """F3 with ``w`` 0.4% off when the input fits one chunk (T <= C)."""
+
+    math: ClassVar = KDA
+    accepts: ClassVar[frozenset] = frozenset({"G_lo", "reset", "tile_safe"})
+
+    def __call__(self, q, k, v, beta, G, Akk, G_lo=None, reset=None):
+        out = ReferenceWY()(q, k, v, beta, G, Akk, G_lo, reset)
+        if q.shape[2] != 1:
+            return out
+        return dataclasses.replace(out, w=out.w * 1.004)
+
+
+def test_output_ignoring_scale_fails():
+    report = check_stage(IgnoresScaleOutput(), "output", **_small())
+    # the dense rows, scale=0.3 (the other cases keep the default, where it is right)
+    assert _failing_cases(report) == {"dense f64", "dense f64 tile"}, str(report)
+
+
+def test_output_with_value_width_scale_fails():
+    report = check_stage(ValueWidthScaleOutput(), "output", **_small())
+    assert _failing_cases(report) == {"dense f64", "dense f64 tile"}, str(report)  # K = 8 != V = 4
+
+
+def test_intra_wrong_at_chunk_64_fails():
+    report = check_stage(WrongAtChunk64Intra(), "intra", **_small())
+    assert _failing_cases(report) == {"chunk64 f64", "chunk64 f64 tile"}, str(report)
+
+
+def test_gate_ignoring_allow_neg_eigval_fails():
+    report = check_stage(IgnoresNegEigvalGate(), "gate", **_small())
+    assert _failing_cases(report) == {"softplus f64", "softplus f64 tile"}, str(report)
+
+
+def test_wy_wrong_when_input_fits_one_chunk_fails():
+    report = check_stage(WrongSingleChunkWY(), "wy", **_small())
+    failing = _failing_cases(report)
+    # "short": T = 12 <= C = 16; and the tiles that are one chunk (the last of NC = 2)
+    assert "short f64" in failing, str(report)
+    assert {c for c in failing if c != "short f64"} == {"chunk64 f64 tile", "softplus f64 tile", "lower-bound f64 tile",
+                                                       "lower-bound-noA f64 tile"}, str(report)
+
+
+class ZeroOutput(AbstractOutput):
+    """An F5 of undeclared math returning zeros: every check of its own passes, and
+    nothing compares its values with a formula."""
+
+    def __call__(self, scale, qg, h, Aqk, v_new):
+        return jnp.zeros(qg.shape[:-1] + v_new.shape[-1:], qg.dtype)
+
+
+def test_undeclared_math_rows_say_not_compared():
+    report = check_stage(ZeroOutput(), "output", **_small())
+    assert report.ok, str(report)  # ok: no check failed ...
+    rows = [c for c in report.checks if c.name == "reference"]
+    cases = {c.case for c in report.checks if c.name == "contract"}
+    # ... and one row per case says its values were never compared
+    assert {c.case for c in rows} == cases and len(cases) >= 7, str(report)
+    assert all(c.passed is None and c.detail.startswith("not compared") for c in rows), str(report)
+    assert report.not_compared == tuple(rows)
+    head = str(report).splitlines()[0]
+    assert "NOT compared" in head and "n/c" in str(report), head
+    # a stage of KDA's math has none
+    assert not check_stage(ReferenceOutput(), "output", cases=(Case("dense f64"),)).not_compared
+
+
+class CannotRunOutput(AbstractOutput):
+    """Raises UnsupportedCase on every case. With ``math`` other than KDA's no pipeline
+    falls back for it (``chunk_kda`` raises); with KDA's a pipeline with fallback does."""
+
+    math: ClassVar = "kda-but-unsaid"
+
+    def __call__(self, scale, qg, h, Aqk, v_new):
+        raise kdax.UnsupportedCase("no case")
+
+
+class CannotRunKDAOutput(AbstractOutput):
+    math: ClassVar = KDA
+
+    def __call__(self, scale, qg, h, Aqk, v_new):
+        raise kdax.UnsupportedCase("no case")
+
+
+def _call(stage):
+    case = Case("dense f64")
+    (q, k, v, g, beta), kw = case.inputs()
+    pipe = eqx.tree_at(lambda p: p.output, dataclasses.replace(kdax.KDAPipeline.reference(), fallback=True), stage)
+    return kdax.chunk_kda(q, k, v, g, beta, pipeline=pipe, **kw)
+
+
+def test_unsupported_case_of_other_math_is_an_error():
+    # what the report says is what a call does: a pipeline with fallback raises for it ...
+    with pytest.raises(kdax.UnsupportedCase):
+        _call(CannotRunOutput())
+    report = check_stage(CannotRunOutput(), "output", cases=(Case("dense f64"),))
+    _assert_fails(report, "contract")
+    row = next(c for c in report.failed if c.name == "contract")
+    assert "no pipeline falls back" in row.detail, str(report)
+    assert "falls back" not in row.detail.replace("no pipeline falls back", ""), str(report)
+
+
+def test_unsupported_case_of_kda_math_is_a_skip():
+    # ... and falls back to the reference stage for a stage of KDA's math
+    with pytest.warns(kdax.FallbackWarning):
+        _call(CannotRunKDAOutput())
+    report = check_stage(CannotRunKDAOutput(), "output", cases=(Case("dense f64"),))
+    _assert_ok(report)
+    row = next(c for c in report.checks if c.name == "contract")
+    assert row.passed is None and "fallback=True" in row.detail, str(report)
+
+
+# -- plan: the first true reason of each route (issue 49 item 5) -----------------------------
+
+
+class OtherMathTileSafeGate(AbstractGate):
+    math: ClassVar = "kda-other"
+    accepts: ClassVar[frozenset] = frozenset({"reset", "tile_safe"})
+
+    def __call__(self, config, q, k, g, beta, A_log, dt_bias, valid, reset=None):
+        return ReferenceGate()(config, q, k, g, beta, A_log, dt_bias, valid)
+
+
+class KDANotTileSafeGate(AbstractGate):
+    math: ClassVar = KDA
+    accepts: ClassVar[frozenset] = frozenset({"reset"})
+
+    def __call__(self, config, q, k, g, beta, A_log, dt_bias, valid, reset=None):
+        return ReferenceGate()(config, q, k, g, beta, A_log, dt_bias, valid, reset)
+
+
+def _plan_text(gate, share_chunks=True):
+    import jax
+
+    pipe = eqx.tree_at(lambda p: p.gate, dataclasses.replace(kdax.KDAPipeline.reference(), tile=32,
+                                                             share_chunks=share_chunks), gate)
+    s = jax.ShapeDtypeStruct
+    qk, beta = s((1, 64, 2, 8), jnp.float32), s((1, 64, 2), jnp.float32)
+    return str(pipe.plan(qk, qk, qk, qk, beta, cu_seqlens=jnp.array([0, 30, 64], jnp.int32)))
+
+
+def test_plan_gives_the_math_not_tile_safety_for_a_tile_safe_gate_of_other_math():
+    text = _plan_text(OtherMathTileSafeGate())
+    forward = next(line for line in text.splitlines() if line.startswith("forward:"))
+    layout = next(line for line in text.splitlines() if line.startswith("layout:"))
+    assert "not tile-safe" not in forward and "math 'kda-other', not KDA's" in forward, text
+    assert "per-sequence" in layout and "math 'kda-other', not KDA's" in layout, text
+
+
+def test_plan_reasons_of_a_kda_stage():
+    text = _plan_text(KDANotTileSafeGate(), share_chunks=False)
+    forward = next(line for line in text.splitlines() if line.startswith("forward:"))
+    layout = next(line for line in text.splitlines() if line.startswith("layout:"))
+    assert "not tile-safe: gate (KDANotTileSafeGate does not declare tile_safe)" in forward, text
+    assert "share_chunks=False" in layout, text

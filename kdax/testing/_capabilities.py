@@ -17,7 +17,7 @@ from .._runner.contracts import STAGES
 from .._runner.derived import RESET_FIELDS, unsafe_for_tiles
 from ._cases import _CU, Case, _dtname, _Twin, tolerance
 from ._compare import _compare, _leaves, _rel
-from ._report import _error
+from ._report import _error, _unsupported
 from ._runs import _for_stage, _jit_run, _pipe_for, _pipeline_outputs, _record, _UnflooredGate, _with_stage
 
 
@@ -30,7 +30,7 @@ def _capability_checks(col, base, field, stage, caps, dtype, full):
         if caps.reset and field in RESET_FIELDS:
             _reset_checks(col, P, field, stage, dtype)
         if caps.tile_safe and STAGES[field].forward:
-            _tile_safe_checks(col, P, field, caps, dtype, full)
+            _tile_safe_checks(col, P, field, stage, caps, dtype, full)
         if caps.half_stored:
             _half_stored_check(col, base, field, stage)
 
@@ -41,12 +41,33 @@ def _reset_checks(col, P, field, stage, dtype):
     exact: ``Case.floor``)."""
     forward = STAGES[field].forward
     case = Case(f"packed {_dtname(dtype)}", dtype, B=1, T=40, cu=_CU, h0=False)
+    per_seq = {}  # (the per-sequence layout's numbers, the same with and without the floor)
+
+    def run(Ps, share, grads):
+        if share or grads not in per_seq:
+            out = _pipeline_outputs(dataclasses.replace(Ps, share_chunks=share), case, grads)
+            if share:
+                return out
+            per_seq[grads] = out
+        return per_seq[grads]
+
     for floor in (True, False) if field != "gate" else (True,):
         name = case.name if floor else f"{case.name} no-floor"
         try:
             Ps = P if floor else eqx.tree_at(lambda p: p.gate, P, _UnflooredGate())
-            o1, h1, g1, m1 = _pipeline_outputs(dataclasses.replace(Ps, share_chunks=True), case, True)
-            o0, h0, g0, m0 = _pipeline_outputs(dataclasses.replace(P, share_chunks=False), case, True)
+            what = "outputs and gradients"
+            try:
+                o1, h1, g1, m1 = run(Ps, True, True)
+                o0, h0, g0, m0 = run(P, False, True)
+            except UnsupportedCase as e:
+                if not forward:
+                    raise
+                # another stage of the backward cannot take this route (a derived stage without
+                # `reset`): a forward stage's declaration is still checked on the outputs
+                what = f"outputs (the gradient raised UnsupportedCase: {e})"
+                o1, h1, _, m1 = run(Ps, True, False)
+                o0, h0, _, m0 = run(P, False, False)
+                g1 = g0 = None
             if m1["layout"] != "shared":
                 col.add("reset", name, None, f"the pipeline ran the {m1['layout']} layout, not shared chunks")
             elif not forward and (m1["derived"] or m1["ran"].get(field) is not type(stage)):
@@ -54,16 +75,38 @@ def _reset_checks(col, P, field, stage, dtype):
                         "pass base= a pipeline whose forward it transposes)")
             else:
                 ok, det = _compare((o1, h1, g1), (o0, h0, g0), tolerance(dtype))
-                col.add("reset", name, ok, ("shared chunks vs per-sequence, outputs and gradients: " + det)
+                col.add("reset", name, ok, (f"shared chunks vs per-sequence, {what}: " + det)
                         if ok else f"declares `reset` but shared chunks give other numbers than the per-sequence "
-                                   f"layout: {det}")
+                                   f"layout ({what}): {det}")
         except UnsupportedCase as e:
-            col.add("reset", name, None, f"UnsupportedCase ({e}): the pipeline falls back")
+            _route_unsupported(col, "reset", name, field, stage, e)
         except Exception as e:
             col.add("reset", name, False, _error(e))
 
 
-def _tile_safe_checks(col, P, field, caps, dtype, full):
+def _route_unsupported(col, check, case, field, stage, e):
+    """A pipeline-level check whose route raised ``UnsupportedCase``: as ``_unsupported``
+    when the stage under test raised it; otherwise (another stage of the pipeline) a skip
+    that says the route could not run."""
+    if _raised_by(stage, e):
+        return _unsupported(col, check, case, field, stage, e)
+    return col.add(check, case, None, f"not checked: another stage of the pipeline raised UnsupportedCase on this "
+                                      f"route ({e})")
+
+
+def _raised_by(stage, e) -> bool:
+    """Whether ``stage``'s own ``__call__`` raised ``e`` (its frame is in the traceback)."""
+    tb = e.__traceback__
+    call = type(stage).__call__
+    code = getattr(getattr(call, "__wrapped__", call), "__code__", None)
+    while tb is not None:
+        if tb.tb_frame.f_code is code or tb.tb_frame.f_locals.get("self") is stage:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _tile_safe_checks(col, P, field, stage, caps, dtype, full):
     """``tile_safe``: tiles of one chunk give the whole forward's outputs (dense, packed;
     ``full``: shared chunks too, for a stage that declares ``reset``)."""
     if unsafe_for_tiles(P):
@@ -85,7 +128,7 @@ def _tile_safe_checks(col, P, field, caps, dtype, full):
                     f"declares `tile_safe` but tiles of one chunk give other numbers than the whole "
                     f"forward: {det}")
         except UnsupportedCase as e:
-            col.add("tile_safe", case.name, None, f"UnsupportedCase ({e}): the pipeline falls back")
+            _route_unsupported(col, "tile_safe", case.name, field, stage, e)
         except Exception as e:
             col.add("tile_safe", case.name, False, _error(e))
 
@@ -106,12 +149,12 @@ def _half_stored_check(col, base, field, stage):
         col.add("half_stored", case.name, ok, (f"bf16 {', '.join(half)} vs float32 copies: " + det) if ok else
                 f"declares `half_stored` but bf16 {', '.join(half)} give other numbers than float32 copies: {det}")
     except UnsupportedCase as e:
-        col.add("half_stored", case.name, None, f"UnsupportedCase ({e}): the pipeline falls back")
+        _route_unsupported(col, "half_stored", case.name, field, stage, e)
     except Exception as e:
         col.add("half_stored", case.name, False, _error(e))
 
 
-def _G_lo_check(col, base, field, stage, cases, results: dict):
+def _G_lo_check(col, base, field, stage, cases, results: dict, cache: bool = False):
     """``G_lo``: on the float32 dense case (strong gates), the stage's outputs with ``G_lo``
     are no farther from its own float64 outputs than without. ``results``: ``(pipeline,
     arguments, outputs, recorded arguments)`` by case name."""
@@ -125,7 +168,8 @@ def _G_lo_check(col, base, field, stage, cases, results: dict):
     try:
         twin = dataclasses.replace(f32, name=f32.name + "->f64", dtype=jnp.float64)
         (x32, kw32) = f32.inputs()
-        rec64 = _record(_pipe_for(base, twin), _Twin(twin, x32, kw32), False)[0]
+        rec64 = _record(_pipe_for(base, twin), _Twin(twin, x32, kw32), cache, key=("float64 twin", f32),
+                        backward=not STAGES[field].forward)[0]
         truth = _jit_run(_with_stage(_pipe_for(base, twin), field, stage), field,
                          _for_stage(stage, rec64[field]))
         without = _jit_run(P, field, {n: x for n, x in kw.items() if n != "G_lo"})

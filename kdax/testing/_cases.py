@@ -14,7 +14,10 @@ class Case:
     """One input configuration: shapes, layout, dtype and options of a ``chunk_kda`` call
     whose stage arguments a check runs on. ``cu`` packed ``cu_seqlens`` (B must be 1);
     ``share`` the pipeline's ``share_chunks``; ``options`` FLA's flags as
-    ``(("use_qk_l2norm_in_kernel", True), ...)``; ``strong``: some log decays -1000."""
+    ``(("use_qk_l2norm_in_kernel", True), ...)``; ``strong``: some log decays -1000;
+    ``scale`` the call's ``scale`` (None: the default ``K ** -0.5``); ``A_log``: with the
+    in-kernel gate, pass ``A_log`` (False: the lower-bound gate's form without it);
+    ``precision`` the pipeline's precision policy (None: the base pipeline's)."""
 
     name: str
     dtype: Any = jnp.float64
@@ -35,6 +38,34 @@ class Case:
     # log decay floor at sequence starts, so that every other stage's reset must be exact
     # on its own (the floor alone hides a dropped reset: e^floor is below rounding).
     floor: bool = True
+    scale: Optional[float] = None
+    A_log: bool = True
+    precision: Optional[str] = None
+
+    def describe(self) -> str:
+        """One line: what the case gives the stages (its row of a report's legend)."""
+        parts = [f"{jnp.dtype(self.dtype).name}", f"B={self.B} T={self.T} H={self.H} HV={self.HV} "
+                 f"K={self.K} V={self.V} chunk={self.chunk}"]
+        if self.cu is not None:
+            parts.append(f"cu_seqlens={list(self.cu)} " + ("shared chunks" if self.share else "per-sequence"))
+        if not self.floor:
+            parts.append("F1 without the floor at sequence starts")
+        parts.append("scale=" + ("K**-0.5" if self.scale is None else f"{self.scale:g}"))
+        parts.append("initial states" if self.h0 else "no initial states")
+        o = self.opts
+        if o.get("use_gate_in_kernel"):
+            form = "lower-bound" if o.get("lower_bound") is not None else "softplus"
+            parts.append(f"{form} gate in kernel ({'A_log, ' if self.A_log else 'no A_log, '}dt_bias"
+                         + (f", lower_bound={o['lower_bound']:g})" if o.get("lower_bound") is not None else ")"))
+        for flag, what in (("use_qk_l2norm_in_kernel", "l2norm"), ("use_beta_sigmoid_in_kernel", "beta sigmoid"),
+                           ("allow_neg_eigval", "allow_neg_eigval")):
+            if o.get(flag):
+                parts.append(what)
+        if self.strong:
+            parts.append("5% of log decays -1000")
+        if self.precision is not None:
+            parts.append(f"precision {self.precision!r}")
+        return ", ".join(parts)
 
     @property
     def opts(self) -> dict:
@@ -63,11 +94,15 @@ class Case:
         dt = jnp.dtype(self.dtype)
         pt = jnp.float64 if dt == jnp.float64 else jnp.float32
         kw = dict(chunk_size=self.chunk, output_final_state=True, **o)
+        if self.scale is not None:
+            kw["scale"] = self.scale
         N = B if self.cu is None else len(self.cu) - 1
         if self.h0:
             kw["initial_state"] = jnp.asarray(r.normal(size=(N, HV, K, V)) * 0.3, pt)
         if o.get("use_gate_in_kernel"):
-            kw["A_log"] = jnp.asarray(r.uniform(-1.0, 0.5, size=(HV,)), pt)
+            A_log = jnp.asarray(r.uniform(-1.0, 0.5, size=(HV,)), pt)
+            if self.A_log:
+                kw["A_log"] = A_log
             kw["dt_bias"] = jnp.asarray(r.normal(size=(HV * K,)) * 0.5, pt)
         if self.cu is not None:
             kw["cu_seqlens"] = jnp.asarray(self.cu, jnp.int32)
@@ -78,6 +113,10 @@ class Case:
 # chunk 16: shorter than a chunk, exactly one, longer than one).
 _FLA = (("use_qk_l2norm_in_kernel", True), ("use_gate_in_kernel", True), ("use_beta_sigmoid_in_kernel", True))
 _CU = (0, 7, 23, 40)
+# The dense cases' shapes: grouped value heads (HV = 2H), K != V and a scale other than
+# the default, so that a stage reading a width or the scale from the wrong place (V ** -0.5
+# for K ** -0.5, its own K ** -0.5 for the call's scale) gives other numbers.
+_DENSE = dict(T=40, H=1, HV=2, K=8, V=4, scale=0.3)
 
 
 def _dtname(dt) -> str:
@@ -86,29 +125,42 @@ def _dtname(dt) -> str:
                                                                                         jnp.dtype(dt).name)
 
 
-def default_cases(dtypes=(jnp.float64, jnp.float32, jnp.bfloat16), full: bool = False, shared: bool = True) -> tuple:
-    """The case matrix: dense rows in each dtype (float32 with -1000 gates); in the first
-    dtype (every dtype with ``full``) packed varlen per-sequence, shared chunks (when
-    ``shared``), FLA's in-kernel options, grouped value heads (HV = 2H). ``full`` adds a
-    larger chunk, the lower-bound gate, shared chunks with initial states and strong gates."""
+DTYPES = (jnp.float64, jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def default_cases(dtypes=DTYPES, full: bool = False, shared: bool = True) -> tuple:
+    """The case matrix (``Case.describe`` says what each gives the stages):
+
+    * ``dense`` in each dtype: B = 2, T = 40 (a partial last chunk), grouped value heads
+      (HV = 2H), K = 8 != V = 4, ``scale=0.3``, initial states (float32 with -1000 gates);
+    * in the first dtype (every dtype with ``full``): ``packed`` varlen per-sequence with
+      initial states; ``shared`` and ``shared-exact`` chunks (when ``shared``: F1's floor
+      at sequence starts, and without it); ``softplus`` (FLA's in-kernel options: l2norm,
+      softplus gate with ``A_log``/``dt_bias``, beta sigmoid, ``allow_neg_eigval``);
+      ``lower-bound`` (the lower-bound gate with ``A_log``) and ``lower-bound-noA``
+      (without ``A_log``); ``chunk64`` (the API's default chunk size, T = 80: two chunks);
+      ``short`` (T = 12 <= C = 16: one partial chunk);
+    * ``full`` adds strong gates in the first dtype and shared chunks with initial states.
+    """
     dtypes = tuple(dtypes)
-    cases = [Case(f"dense {_dtname(d)}", d, strong=jnp.dtype(d) == jnp.float32) for d in dtypes]
+    cases = [Case(f"dense {_dtname(d)}", d, strong=jnp.dtype(d) == jnp.float32, **_DENSE) for d in dtypes]
     for d in (dtypes if full else dtypes[:1]):
         n = _dtname(d)
         cases.append(Case(f"packed {n}", d, B=1, T=40, cu=_CU))
         if shared:
             cases.append(Case(f"shared {n}", d, B=1, T=40, cu=_CU, share=True, h0=False))
             cases.append(Case(f"shared-exact {n}", d, B=1, T=40, cu=_CU, share=True, h0=False, floor=False))
-        cases.append(Case(f"fla-options {n}", d, options=_FLA))
-        cases.append(Case(f"grouped {n}", d, H=1, HV=2))
+        cases += [
+            Case(f"softplus {n}", d, options=_FLA + (("allow_neg_eigval", True),)),
+            Case(f"lower-bound {n}", d, options=_FLA + (("lower_bound", -5.0),)),
+            Case(f"lower-bound-noA {n}", d, options=_FLA + (("lower_bound", -5.0),), A_log=False),
+            Case(f"chunk64 {n}", d, B=1, T=80, chunk=64),
+            Case(f"short {n}", d, T=12),
+        ]
     if full:
         d = dtypes[0]
         n = _dtname(d)
-        cases += [
-            Case(f"chunk32 {n}", d, T=100, chunk=32, K=16, V=16),
-            Case(f"lower-bound {n}", d, options=_FLA + (("lower_bound", -5.0),)),
-            Case(f"strong {n}", d, strong=True),
-        ]
+        cases.append(Case(f"strong {n}", d, strong=True))
         if shared:
             cases.append(Case(f"shared+h0 {n}", d, B=1, T=40, cu=_CU, share=True, h0=True))
     return tuple(cases)

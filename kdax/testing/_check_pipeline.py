@@ -19,10 +19,10 @@ from .._runner.runner import recording
 from .._typing import typecheck
 from .._validate import prepare
 from ..pipeline import KDAPipeline
-from ._cases import _CU, _FLA, Case, _dtname, _Packed, _weights, tolerance
+from ._cases import _CU, _DENSE, _FLA, Case, _dtname, _Packed, _weights, tolerance
 from ._compare import _compare, _rel
 from ._report import Report, _Collector, _error
-from ._runs import _pipeline_outputs
+from ._runs import _jit, _pipeline_outputs
 
 
 @typecheck
@@ -40,35 +40,41 @@ def check_pipeline(
       pipeline's own forward: ``jax.vjp`` through its forward stages, one sequence per
       chunk, the same-math Pallas stages replaced by their reference twins
       (``kdax._runner.derived.differentiable_forward``), for dense inputs with initial and
-      final states, packed varlen inputs with and without initial states, FLA's in-kernel
-      options (``full``: grouped value heads, a larger chunk);
+      final states (grouped value heads, K != V, ``scale=0.3``), packed varlen inputs with
+      initial states and without (at chunk 64, every sequence shorter than a chunk), FLA's
+      in-kernel options with the softplus gate and ``allow_neg_eigval``, the lower-bound
+      gate without ``A_log`` (``full``: with it, larger chunks, strong gates);
     * ``forward``: the outputs against that differentiable forward's;
     * ``layouts``: the outputs (o, final states) of dense rows against the same sequences
       packed, per-sequence and sharing chunks, and a tiled forward (tiles of one chunk)
       against the whole one.
 
     ``tol`` (default ``tolerance(dtype)``; gradients 10x) on the relative RMS of every
-    array; ``.ok`` exactly when every comparison is within it.
+    array; ``.ok`` exactly when every comparison is within it (a case the pipeline does
+    not run, ``UnsupportedCase``, is a skip that says so).
     """
     col = _Collector()
     tol = tolerance(dtype) if tol is None else tol
     pipeline = pipeline.with_precision(_precision.resolve(pipeline.precision, dtype))
     d = _dtname(dtype)
+    sh = pipeline.share_chunks
     cases = [
-        Case(f"dense {d}", dtype, T=40),
-        Case(f"packed+h0 {d}", dtype, B=1, T=40, cu=_CU, share=pipeline.share_chunks),
-        Case(f"packed {d}", dtype, B=1, T=40, cu=_CU, share=pipeline.share_chunks, h0=False),
-        Case(f"fla-options {d}", dtype, options=_FLA),
+        Case(f"dense {d}", dtype, **_DENSE),
+        Case(f"packed+h0 {d}", dtype, B=1, T=40, cu=_CU, share=sh),
+        Case(f"packed chunk64 {d}", dtype, B=1, T=40, cu=_CU, share=sh, h0=False, chunk=64),
+        Case(f"softplus {d}", dtype, options=_FLA + (("allow_neg_eigval", True),)),
+        Case(f"lower-bound-noA {d}", dtype, options=_FLA + (("lower_bound", -5.0),), A_log=False),
     ]
     if full:
-        cases += [Case(f"grouped {d}", dtype, H=1, HV=2, T=40),
+        cases += [Case(f"lower-bound {d}", dtype, options=_FLA + (("lower_bound", -5.0),)),
                   Case(f"chunk32 {d}", dtype, T=100, chunk=32, K=16, V=16),
+                  Case(f"chunk64 {d}", dtype, B=1, T=80, chunk=64),
                   Case(f"strong {d}", dtype, T=40, strong=True)]
     subject = f"check_pipeline({', '.join(f'{n}={type(getattr(pipeline, n)).__name__}' for n in STAGES)})"
     for case in cases:
         _gradient_checks(col, pipeline, case, tol)
-    _layout_checks(col, pipeline, dtype, tol)
-    return Report(subject, col.rows)
+    dense = _layout_checks(col, pipeline, dtype, tol)
+    return Report(subject, col.rows, {c.name: c.describe() for c in cases + [dense]})
 
 
 def _gradient_checks(col, pipeline: KDAPipeline, case: Case, tol: float):
@@ -121,7 +127,7 @@ def _layout_checks(col, pipeline: KDAPipeline, dtype, tol: float):
     """``layouts`` rows: dense rows against the same sequences packed (per-sequence, shared
     chunks), and tiles of one chunk against the whole forward."""
     d = _dtname(dtype)
-    dense = Case(f"dense {d}", dtype, T=40)
+    dense = Case(f"dense {d}", dtype, **_DENSE)
     try:
         od, hd, _, _ = _pipeline_outputs(pipeline.untiled(), dense, False)
         for share in (False, True):
@@ -139,6 +145,7 @@ def _layout_checks(col, pipeline: KDAPipeline, dtype, tol: float):
             col.add("layouts", f"tiles {d}", ok, f"tiles of one chunk vs whole: {det}")
     except Exception as e:
         col.add("layouts", f"dense {d}", False, _error(e))
+    return dense
 
 
 _GRAD_NAMES = ("q", "k", "v", "g", "beta")
@@ -172,4 +179,4 @@ def _exact_grads(pipeline: KDAPipeline, case: Case):
             dht = _weights(ht.shape, ht.dtype, 2)
             return o, ht, vjp((do, dht))
 
-    return eqx.filter_jit(run)((q, k, v, g, beta), arrays)
+    return _jit(run)((q, k, v, g, beta), arrays)

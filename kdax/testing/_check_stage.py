@@ -17,9 +17,9 @@ from .._runner.derived import RESET_FIELDS
 from .._typing import typecheck
 from ..pipeline import KDAPipeline
 from ._capabilities import _capability_checks, _G_lo_check, _tokens_check
-from ._cases import Case, default_cases, tolerance
+from ._cases import DTYPES, Case, default_cases, tolerance
 from ._compare import _leaves
-from ._report import Report, _Collector, _error
+from ._report import NOT_COMPARED, Report, _Collector, _error, _unsupported
 from ._runs import _base, _for_stage, _jit_run, _pipe_for, _record, _with_stage
 from ._stage_checks import _nan_isolation, _reference_checks, _transforms
 
@@ -29,7 +29,7 @@ def check_stage(
     stage: eqx.Module,
     field: str,
     *,
-    dtypes: Sequence[Any] = (jnp.float64, jnp.float32, jnp.bfloat16),
+    dtypes: Sequence[Any] = DTYPES,
     base: Optional[KDAPipeline] = None,
     full: bool = False,
     cases: Optional[Sequence[Case]] = None,
@@ -41,19 +41,26 @@ def check_stage(
     default; pass the pipeline the stage belongs with when it transposes another forward
     stage's math), as ``kdax.stage_inputs`` gives them, negotiated for ``stage`` as the
     pipeline's stage runner does (``G_lo``, ``reset``), over ``cases`` (default
-    ``default_cases(dtypes, full)``; shared chunks only when the stage declares
+    ``default_cases(dtypes, full)``: every dtype; packed per-sequence and shared chunks;
+    initial states; ``scale`` other than the default with K != V; the softplus gate with
+    ``A_log``/``dt_bias`` and ``allow_neg_eigval``; the lower-bound gate with and without
+    ``A_log``; chunk 64; T <= C; tiles of each; shared chunks only when the stage declares
     ``reset``). Checks, one report row per check and case:
 
     * ``family``, ``declarations``: the class, ``accepts``, ``math`` / ``transposes``;
     * ``contract``: the output's container, shapes and dtypes (the pipeline's own check);
-      a stage that raises ``UnsupportedCase`` is skipped there (the pipeline falls back);
+      a stage that raises ``UnsupportedCase`` is skipped there when it declares KDA's math
+      (a pipeline with ``fallback`` runs the reference stage), and fails otherwise (no
+      pipeline falls back for other math: ``chunk_kda`` raises);
     * ``finite``: finite outputs;
     * ``reference`` (a stage declaring KDA's math: ``math = KDA``; backward stages
       ``transposes`` KDA; B0 always): its outputs equal the reference stage's on the same
       arguments (``tolerance``: 1e-10 float64, 1e-5 float32, 5e-3 bf16 inputs), also on
       shared chunks without F1's floor (``shared-exact``: each stage's reset exact on its
       own) and, for a forward stage declaring ``tile_safe``, on a tile of each case (a
-      carried state): the routes the pipeline takes on these declarations are KDA problems;
+      carried state): the routes the pipeline takes on these declarations are KDA problems.
+      A stage of other math gets a ``reference`` row per case that says "not compared"
+      (``Report.not_compared``): nothing compares its values with a formula;
     * ``nan-isolation``: a NaN in one sequence's part of each per-token argument reaches no
       other sequence's outputs (dense rows; packed per-sequence chunks);
     * ``jit``, ``filter_jit``, ``vmap`` (two cases' arguments stacked), ``grad`` (forward
@@ -65,6 +72,10 @@ def check_stage(
       float64 output than without), ``tokens`` (views give the chunked copies' outputs),
       ``half_stored`` (under ``"fast"``, bf16 stored intermediates give what their float32
       copies give).
+
+    ``Report.ok`` means no check failed. For a stage of KDA's math that includes its
+    values against the reference stage on every case; for a stage of other math it does
+    not (its ``reference`` rows say "not compared", and the report's header says so).
     """
     if field not in STAGES:
         raise ValueError(f"field: expected one of {tuple(STAGES)}, got {field!r}.")
@@ -88,10 +99,10 @@ def check_stage(
         _transform_checks(col, base, field, stage, first, results[first.name], cache_ok)
     _capability_checks(col, base, field, stage, caps, dtypes[0], full)
     if caps.G_lo:  # float32 with strong gates, against the stage's own float64 output
-        _G_lo_check(col, base, field, stage, cases, results)
+        _G_lo_check(col, base, field, stage, cases, results, cache_ok)
     if caps.tokens:  # views of the caller's arrays, in a pipeline with the stage
         _tokens_check(col, base, field, stage, dtypes[0])
-    return Report(subject, col.rows)
+    return Report(subject, col.rows, {c.name: c.describe() for c in cases if hasattr(c, "describe")})
 
 
 def _declarations(col, stage, field):
@@ -124,7 +135,7 @@ def _case_checks(col, base, field, stage, caps, case: Case, cache_ok: bool, firs
     if not case.floor and field == "gate":
         return None  # (F1's reset is the floor itself: the "shared" case checks it)
     pipe = _pipe_for(base, case)
-    recorded, layout, _, err = _record(pipe, case, cache_ok)
+    recorded, layout, _, err = _record(pipe, case, cache_ok, backward=not STAGES[field].forward)
     if field not in recorded:
         col.add("contract", case.name, None if err is None or isinstance(err, UnsupportedCase) else False,
                 "the pipeline does not run this stage here" + ("" if err is None else f" ({_error(err)})"))
@@ -137,7 +148,7 @@ def _case_checks(col, base, field, stage, caps, case: Case, cache_ok: bool, firs
     try:
         out = _jit_run(P, field, kw)
     except UnsupportedCase as e:
-        col.add("contract", case.name, None, f"UnsupportedCase ({e}): the pipeline falls back")
+        _unsupported(col, "contract", case.name, field, stage, e)
         return None
     except StageContractError as e:
         col.add("contract", case.name, False, _error(e))
@@ -150,6 +161,12 @@ def _case_checks(col, base, field, stage, caps, case: Case, cache_ok: bool, firs
     col.add("finite", case.name, not bad, "all finite" if not bad else f"non-finite: {', '.join(bad[:4])}")
     if _derived.reference_is_exact(field, stage):
         _reference_checks(col, pipe, field, stage, caps, case, out, full_kw)
+    else:
+        info = STAGES[field]
+        what = (f"math={getattr(stage, 'math', None)!r}" if info.forward
+                else f"transposes={dict(getattr(stage, 'transposes', {}))}")
+        col.add("reference", case.name, None, f"{NOT_COMPARED}: {what} is not KDA's, so no check compares its values "
+                                              f"with {info.reference.__qualname__} (or any formula)")
     if case.name.startswith(("dense", "packed")) and jnp.dtype(case.dtype) == jnp.dtype(first_dtype):
         try:
             _nan_isolation(col, P, field, kw, out, case, case.name)
@@ -163,7 +180,7 @@ def _transform_checks(col, base, field, stage, first: Case, result: tuple, cache
     ``_case_checks`` returned for it) and the same case with another seed."""
     P, kw, out, _ = result
     c2 = dataclasses.replace(first, seed=1)
-    rec2 = _record(_pipe_for(base, c2), c2, cache_ok)[0]
+    rec2 = _record(_pipe_for(base, c2), c2, cache_ok, backward=not STAGES[field].forward)[0]
     if field not in rec2:
         return
     kw2 = _for_stage(stage, rec2[field])

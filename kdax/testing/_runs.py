@@ -3,6 +3,7 @@ the arguments each stage got in a recorded forward and backward, one stage calle
 them, and ``chunk_kda``'s outputs and gradients through a pipeline."""
 
 import dataclasses
+import functools
 import warnings
 from typing import ClassVar, Optional
 
@@ -20,6 +21,30 @@ from ..stages import KDA, AbstractGate, ReferenceGate
 from ._cases import Case, _weights
 
 
+@functools.cache
+def _compile_options() -> dict:
+    """The checks compile many small programs, each run once or twice: on CPU, XLA's
+    backend at optimisation level 0 and (where this XLA has the option) its older fusion
+    emitters compile them in about a third of the time (a reference pipeline's gradient
+    at the checks' shapes: 1.9 s -> 0.6 s; tests/conftest.py sets the same for the suite).
+    Floating-point semantics are unchanged at every level (no fast-math), and both sides
+    of every comparison are compiled alike."""
+    if jax.default_backend() != "cpu":
+        return {}
+    opts = {"xla_backend_optimization_level": 0}
+    try:  # (an option this XLA does not know is an error: probe it once)
+        jax.jit(lambda x: x + 1, compiler_options=dict(opts, xla_cpu_use_fusion_emitters=False)).lower(1.0).compile()
+        opts["xla_cpu_use_fusion_emitters"] = False
+    except Exception:
+        pass
+    return opts
+
+
+def _jit(fun):
+    """``eqx.filter_jit`` with the checks' compiler options (``_compile_options``)."""
+    return eqx.filter_jit(fun, compiler_options=_compile_options())
+
+
 def _base(base: Optional[KDAPipeline]) -> KDAPipeline:
     """The pipeline the arguments come from (the reference one by default), untiled."""
     return (KDAPipeline.reference() if base is None else base).untiled()
@@ -31,7 +56,8 @@ def _pipe_for(base: KDAPipeline, case: Case) -> KDAPipeline:
     p = dataclasses.replace(base, share_chunks=case.share, tile=None)
     if not case.floor:
         p = eqx.tree_at(lambda p: p.gate, p, _UnflooredGate())
-    return p.with_precision(_precision.resolve(base.precision, case.dtype))
+    policy = base.precision if getattr(case, "precision", None) is None else case.precision
+    return p.with_precision(_precision.resolve(policy, case.dtype))
 
 
 class _UnflooredGate(AbstractGate):
@@ -50,13 +76,18 @@ class _UnflooredGate(AbstractGate):
 _RECORDED: dict = {}
 
 
-def _record(pipe: KDAPipeline, case: Case, cache: bool):
+def _record(pipe: KDAPipeline, case: Case, cache: bool, key=None, backward: bool = True):
     """The keyword arguments each stage of ``pipe`` got in one forward and backward
     (``loss = sum(o w) + sum(ht wh)``, fixed random weights), jitted; and what ran:
-    ``(kwargs by field, layout, derived, error or None)``."""
-    key = (case,)
+    ``(kwargs by field, layout, derived, error or None)``. ``backward=False``: the
+    forward alone (the forward stages' arguments, in less than half the compile time).
+    ``cache``: keep them, by ``key`` (default: the case), for later reports (``pipe`` the
+    reference pipeline as the case runs it)."""
+    key = (case,) if key is None else key
     if cache and key in _RECORDED:
         return _RECORDED[key]
+    if cache and not backward and key + ("forward",) in _RECORDED:
+        return _RECORDED[key + ("forward",)]
     (q, k, v, g, beta), kw = case.inputs()
     arrays = {n: x for n, x in kw.items() if n in ("initial_state", "A_log", "dt_bias")}
     static = {n: x for n, x in kw.items() if n not in arrays}
@@ -77,6 +108,8 @@ def _record(pipe: KDAPipeline, case: Case, cache: bool):
                     warnings.simplefilter("ignore")
                     if _derived.mismatches(pipe):  # derived backward: no backward stage runs
                         pipe.apply(*x, opts)
+                    elif not backward:  # (the forward rule of the custom VJP, traced here, not inside it)
+                        jax.vjp(loss, x)
                     else:
                         jax.grad(loss)(x)
             except Exception as e:  # the stage under test may break the run: keep what was recorded
@@ -84,10 +117,10 @@ def _record(pipe: KDAPipeline, case: Case, cache: bool):
         meta.update(layout=rec.layout, derived=rec.derived, error=err)
         return rec.inputs
 
-    inputs = eqx.filter_jit(run)((q, k, v, g, beta), arrays)
+    inputs = _jit(run)((q, k, v, g, beta), arrays)
     out = (inputs, meta.get("layout"), meta.get("derived"), meta.get("error"))
     if cache:
-        _RECORDED[key] = out
+        _RECORDED[key if backward else key + ("forward",)] = out
     return out
 
 
@@ -115,7 +148,7 @@ def _run(pipe, field, kwargs):
         return run_stage(pipe, field, **kwargs)
 
 
-_jit_run = eqx.filter_jit(_run)
+_jit_run = _jit(_run)
 
 
 def _pipeline_outputs(P: KDAPipeline, case: Case, grads: bool):
@@ -147,5 +180,5 @@ def _pipeline_outputs(P: KDAPipeline, case: Case, grads: bool):
         meta.update(layout=rec.layout, derived=rec.derived, ran={n: type(r[1]) for n, r in rec.ran.items()})
         return o, ht, d
 
-    o, ht, d = eqx.filter_jit(run)(P, (q, k, v, g, beta), arrays)
+    o, ht, d = _jit(run)(P, (q, k, v, g, beta), arrays)
     return o, ht, d, meta

@@ -13,7 +13,7 @@ from .._runner.contracts import STAGES
 from ._cases import Case, _weights, tolerance
 from ._compare import _compare, _leaves
 from ._report import _error
-from ._runs import _for_stage, _jit_run, _run, _with_stage
+from ._runs import _compile_options, _for_stage, _jit, _jit_run, _run, _with_stage
 from ._tiles import _tile_of, _tile_read
 
 
@@ -111,7 +111,7 @@ def _transforms(col, pipe, field, stage, kw, out, kw2, out2, case: Case, tol: fl
     arrs, static = eqx.partition(kw, eqx.is_array)
     # jax.jit, the stage closed over (its arrays constants)
     try:
-        got = jax.jit(lambda a: _run(pipe, field, eqx.combine(a, static)))(arrs)
+        got = jax.jit(lambda a: _run(pipe, field, eqx.combine(a, static)), compiler_options=_compile_options())(arrs)
         col.add("jit", name, *_compare(got, out, max(tol * 1e-2, 1e-13)))
     except Exception as e:
         col.add("jit", name, False, _error(e))
@@ -122,7 +122,7 @@ def _transforms(col, pipe, field, stage, kw, out, kw2, out2, case: Case, tol: fl
         if jax.tree.structure(arrs) != jax.tree.structure(arrs2):
             raise ValueError("the two seeds' arguments differ in structure")
         stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), arrs, arrs2)
-        got = eqx.filter_jit(eqx.filter_vmap(lambda a: _run(pipe, field, eqx.combine(a, static))))(stacked)
+        got = _jit(eqx.filter_vmap(lambda a: _run(pipe, field, eqx.combine(a, static))))(stacked)
         r0 = _compare(jax.tree.map(lambda x: x[0], got), out, max(tol * 1e-2, 1e-12))
         r1 = _compare(jax.tree.map(lambda x: x[1], got), out2, max(tol * 1e-2, 1e-12))
         col.add("vmap", name, r0[0] and r1[0], f"{r0[1]}; {r1[1]}")
@@ -139,7 +139,7 @@ def _transforms(col, pipe, field, stage, kw, out, kw2, out2, case: Case, tol: fl
             return sum(jnp.sum(jnp.where(jnp.isfinite(x), x, 0) * _weights(x.shape, x.dtype, 3 + i))
                        for i, x in enumerate(xs))
 
-        grads = eqx.filter_jit(eqx.filter_grad(loss))((pipe, arrs))
+        grads = _jit(eqx.filter_grad(loss))((pipe, arrs))
         leaves = [np.asarray(x) for x in jax.tree.leaves(grads) if hasattr(x, "dtype")]
         finite = all(np.isfinite(x).all() for x in leaves)
         col.add("grad", name, finite, f"{len(leaves)} gradients, " + ("finite" if finite else "NON-FINITE"))
