@@ -34,7 +34,7 @@ after the pass's first call, and ``inputs_mib``, the bytes in use once the input
 the device. JAX cannot reset that peak, so it is the pass's own (``peak_own``) only in a
 process's first path, only for the pass run first (the training step), and only where it
 exceeds the peak left by compiling (XLA's autotuning allocates on the device).
-``gpu_issue26.py`` runs each path at the goal shape in a process of its own for that
+``gpu_candidate_run.py`` runs each path at the goal shape in a process of its own for that
 reason. The float64 reference is computed after the paths, so no path's peak includes it,
 or loaded (``--load-ref``, written by an earlier ``--save-ref``).
 
@@ -74,7 +74,10 @@ PIPES = ("pallas", "reference", "reference_highest", "mixed", "pallas_highest", 
 
 
 def kdax_pipeline(name: str) -> KDAPipeline:
-    """A pipeline by name: one of ``PIPES``, optionally followed by ``+option`` changes:
+    """A pipeline by name: one of ``PIPES`` (``pallas``: every Triton field at its own
+    default, ``tuning="minimal"``, so that a path's options mean what they did), ``triton``
+    (``KDAPipeline.pallas("triton")``: the default tuning) or ``triton:<tuning>`` (a name of
+    ``kdax.pallas.TUNINGS``), optionally followed by ``+option`` changes:
     ``+xla_gate`` (F1/B5 reference stages), ``+pallas_state`` (Pallas F4 and B2),
     ``+warps=N`` / ``+stages=N`` / ``+f32dot=tf32x3`` (every Pallas stage's Triton tuning),
     ``+warps.FIELD=N`` (the Pallas stage ``FIELD`` alone, e.g. ``+warps.intra_bwd=16``: put
@@ -119,7 +122,7 @@ def _with_option(pipe: KDAPipeline, opt: str, name: str) -> KDAPipeline:
         r = KDAPipeline.reference()
         return dataclasses.replace(pipe, gate=r.gate, gate_bwd=r.gate_bwd)
     if key == "pallas_state":
-        p = KDAPipeline.pallas()
+        p = KDAPipeline.pallas(tuning="minimal")
         return dataclasses.replace(pipe, state=p.state, dhu=p.dhu)
     if key.startswith("warps."):  # one stage's warps
         field = key.partition(".")[2]
@@ -167,16 +170,19 @@ def _base_pipeline(name: str) -> KDAPipeline:
         return KDAPipeline.reference()
     if name == "reference_highest":
         return KDAPipeline.reference().with_precision("highest")
-    if name == "pallas":
-        return KDAPipeline.pallas()
+    if name == "pallas":  # every Triton field at its own default, whatever KDAPipeline.pallas's default tuning
+        return KDAPipeline.pallas(tuning="minimal")
     if name == "pallas_highest":
-        return KDAPipeline.pallas().with_precision("highest")
+        return KDAPipeline.pallas(tuning="minimal").with_precision("highest")
+    if name == "triton" or name.startswith("triton:"):  # a named tuning (kdax.pallas.TUNINGS)
+        return KDAPipeline.pallas("triton", tuning=name.partition(":")[2] or "default")
     if name == "mixed":
         return KDAPipeline.mixed()
     if name == "pallas_xla_gate":
-        p, r = KDAPipeline.pallas(), KDAPipeline.reference()
+        p, r = KDAPipeline.pallas(tuning="minimal"), KDAPipeline.reference()
         return eqx_replace(p, gate=r.gate, gate_bwd=r.gate_bwd)
-    raise ValueError(f"--pipes: unknown pipeline {name!r}; expected some of {PIPES}.")
+    raise ValueError(f"--pipes: unknown pipeline {name!r}; expected some of {PIPES}, 'triton' or "
+                     f"'triton:<tuning>' (kdax.pallas.TUNINGS).")
 
 
 def eqx_replace(pipe, **stages):
@@ -610,7 +616,7 @@ def parse_shape(s: str):
 
 
 def parser() -> argparse.ArgumentParser:
-    """The command line (``gpu_issue26.py``'s tests parse its plan with it)."""
+    """The command line (``gpu_candidate_run.py``'s tests parse its plan with it)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="1x16384x16,1x4096x16,4x4096x32")
     ap.add_argument("--pipes", default=",".join(PIPES[:4]))

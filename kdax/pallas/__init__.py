@@ -7,3 +7,4 @@ from ._output import PallasDAv as PallasDAv, PallasOutput as PallasOutput
 from ._recompute import PallasRecompute as PallasRecompute
 from ._state import PallasDhu as PallasDhu, PallasState as PallasState
 from ._wy import PallasWY as PallasWY, PallasWYDqkg as PallasWYDqkg
+from ._tuning import TUNINGS as TUNINGS, Tuning as Tuning, get_tuning as get_tuning, stage_tuning as stage_tuning

@@ -66,7 +66,7 @@ def test_end_to_end_without_fla(gvf, tmp_path):
     assert "kdax[reference]" in (out / "results.txt").read_text()
     saved = np.load(tmp_path / "ref_1x64x2.npz")
     assert {"in_q", "in_w", "ref_o", "ref_dt_bias"} <= set(saved.files)
-    # a second process's path on the saved inputs and reference (gpu_issue26.py's per-path
+    # a second process's path on the saved inputs and reference (gpu_candidate_run.py's per-path
     # processes): its rows join the first's, checked against the same reference
     gvf.main(["--shapes", "1x64x2", "--K", "32", "--V", "32", "--pipes", "default+no_recompute", "--reps", "2",
               "--no-fla", "--load-ref", str(tmp_path / "ref_{shape}.npz"), "--out", str(out)])

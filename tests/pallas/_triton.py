@@ -295,3 +295,91 @@ def chunk_kernels(policy: str, tuning: dict, tokens: bool = False, only: tuple =
                 jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     assert len(mods) == len(only), list(mods)
     return mods
+
+
+# -- a whole training step ------------------------------------------------------------------
+STEP_POLICIES = ("highest", "bfloat16", "float16", "fast")  # every resolved precision policy
+PACKED_CU = (0, 100, 300, 512)  # three sequences over T = 512: starts inside chunks (shared chunks)
+
+# The kernel names a step's Triton custom calls carry (``kdax_<stage class>_kernel``), by
+# pipeline field. B0 runs the pipeline's own F3 and F4 (``PallasRecompute``): their kernels.
+KERNEL_STAGES = {
+    "PallasGate": "gate", "PallasIntra": "intra", "PallasWY": "wy", "PallasState": "state",
+    "PallasOutput": "output", "PallasDAv": "dav", "PallasDhu": "dhu", "PallasWYDqkg": "wy_dqkg",
+    "PallasIntraBackward": "intra_bwd", "PallasGateBackward": "gate_bwd",
+}
+
+
+def kernel_stage(name: str) -> str:
+    """The pipeline field whose stage built the kernel ``kdax_<class>_kernel[__n]``."""
+    cls = re.match(r"kdax_(\w+?)_kernel", name).group(1)
+    return KERNEL_STAGES[cls]
+
+
+def triton_calls(hlo: str) -> list:
+    """``[(kernel name, num_warps, num_stages)]`` of the Triton custom calls of a lowered
+    module, in order: the configs XLA compiles them with."""
+    out = []
+    for cfg in hlo.split("__gpu$xla.gpu.triton(")[1:]:  # (the config follows its serialised TTIR)
+        get = lambda k: re.search(rf'\b{k} = "?([\w.]+)', cfg).group(1)  # noqa: E731
+        out.append((get("name"), int(get("num_warps")), int(get("num_stages"))))
+    return out
+
+
+def step_function(pipe, B: int = 1, T: int = 512, H: int = 2, K: int = 128, C: int = 64, cu_seqlens=None):
+    """``(fn, args)``: ``jax.grad`` of a loss on ``chunk_kda`` with ``pipe`` (bf16 inputs
+    ``[B, T, H, K]``, Kimi Linear's options, ``output_final_state``), optionally packed
+    (``cu_seqlens``, a tuple of ints, B = 1), ready to lower for CUDA."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import kdax
+
+    s = jax.ShapeDtypeStruct
+    args = (s((B, T, H, K), jnp.bfloat16),) * 4 + (s((B, T, H), jnp.bfloat16),)
+    opts = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    if cu_seqlens is not None:
+        opts["cu_seqlens"] = np.asarray(cu_seqlens, np.int32)
+
+    def loss(*a):
+        o, ht = kdax.chunk_kda(*a, pipeline=pipe, chunk_size=C, output_final_state=True, A_log=jnp.zeros(H, jnp.float32),
+                               dt_bias=jnp.zeros(H * K, jnp.float32), **opts)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(ht)
+
+    return jax.grad(loss, argnums=(0, 1, 2, 3, 4)), args
+
+
+def lower_step(fn, args):
+    """``(lowered, records)``: ``fn`` lowered for CUDA under ``captured``. The input checks'
+    runtime errors (``eqx.error_if``: a host callback, which a CUDA lowering on a machine
+    without a GPU cannot place) are switched off while tracing: they add no kernel."""
+    from unittest import mock
+
+    import equinox._errors as eqx_errors
+    import jax
+
+    records = []
+    with captured(records), mock.patch.object(eqx_errors, "EQX_ON_ERROR", "off"):
+        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    return lowered, records
+
+
+def step_resources(pipe, policy: str, packed: bool, T: int = 512, H: int = 2) -> dict:
+    """``{(kernel name, num_warps, num_stages): Resources}`` of every Triton kernel of the
+    training step with ``pipe`` under precision ``policy``, dense (B = 1, T) or packed
+    (``PACKED_CU``), each compiled for sm_90 as XLA would (its custom call's warps and
+    stages). Kernels lowered alike are compiled once."""
+    fn, args = step_function(pipe.with_precision(policy), T=T, H=H, cu_seqlens=PACKED_CU if packed else None)
+    lowered, records = lower_step(fn, args)
+    calls = triton_calls(lowered.as_text())
+    assert len(calls) == len(records), (len(calls), len(records))
+    out, done = {}, {}
+    for (_, _, ttir), (name, warps, stages) in zip(records, calls):
+        key = (ttir, warps, stages)
+        if key not in done:
+            done[key] = resources(ttir, warps, stages)
+        out.setdefault((name, warps, stages), done[key])
+        if out[(name, warps, stages)] != done[key]:  # two lowerings of one name: keep the worse
+            out[(name, warps, stages)] = max(out[(name, warps, stages)], done[key], key=lambda r: r.local)
+    return out

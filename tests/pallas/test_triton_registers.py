@@ -20,7 +20,7 @@ from ._triton import (  # noqa: E402
 TUNINGS = {
     # FLA's shape of the recurrence: the state as 64-row tiles, 64 value columns, 8 warps.
     "w8_s2_k64": dict(num_warps=8, num_stages=2, block_k=64),
-    # the cost model's fastest (benchmarks/gpu_issue26.py's CANDIDATE_BEST): 32 value columns
+    # the cost model's fastest (benchmarks/gpu_candidate_run.py's CANDIDATE_BEST): 32 value columns
     # a program at eight warps
     "w8_s2_k64_v32": dict(num_warps=8, num_stages=2, block_k=64, block_v=32),
     # twice the programs (32 value columns: B = 1, H = 16 gives 64 programs, not 32) and
@@ -103,7 +103,7 @@ def test_chunk_kernels_fit_in_registers(policy, packed):
 @pytest.mark.parametrize("stage", ["intra_bwd", "intra"])
 def test_intra_kernels_at_sixteen_warps(stage):
     """B4 and F2 at sixteen warps under "fast" (``gpu_vs_fla.py``'s ``+warps.intra_bwd=16``,
-    ``+warps.intra=16``: benchmarks/gpu_issue26.py's ``CANDIDATE_BEST``): no thread-local
+    ``+warps.intra=16``: benchmarks/gpu_candidate_run.py's ``CANDIDATE_BEST``): no thread-local
     memory (B4 116-120 registers of the 128 a thread has at 16 warps, F2 124-126, dense and
     packed alike) and TF32 tensor-core products. Their elementwise work is spread over
     twice the threads (the cost model: B4 6.2k -> 3.4k, F2 6.4k -> 4.9k instructions a

@@ -24,7 +24,7 @@ def _triton_modules(K: int, C: int, dtype, options=None, tuning=None) -> dict:
     kernel's blocks depend on K, V, C and the dtypes, not on B, T, H: those set the grid)."""
     s = jax.ShapeDtypeStruct
     args = (s((1, 1024, 2, K), dtype),) * 4 + (s((1, 1024, 2), dtype),)
-    pipe = kdax.KDAPipeline.pallas("triton", interpret=False)
+    pipe = kdax.KDAPipeline.pallas("triton", interpret=False, tuning="minimal")  # every field its own default
     if tuning:  # every stage's Triton tuning (kdax.pallas._common.PallasTarget)
         pipe = dataclasses.replace(pipe, **{f.name: dataclasses.replace(getattr(pipe, f.name), **tuning)
                                             for f in dataclasses.fields(pipe) if f.name in kdax.pipeline.STAGES})

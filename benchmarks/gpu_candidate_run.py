@@ -1,4 +1,7 @@
-"""Issue 26's GPU run in one command: kdax beside FLA at the three shapes and the layer.
+"""The GPU run of kdax's Triton candidates in one command: kdax's default, the all-Triton
+candidate, the cost model's fastest tuning and the Triton pipeline's default tuning beside
+FLA at the three shapes and the layer (first written for issue 26; the candidates of
+issue 53).
 
 Writes, under ``--out`` (``$OUT/gpu`` on the device machine; copy it to
 ``benchmarks/results/gpu_<card>/issue26/``):
@@ -19,11 +22,12 @@ Each step is a process of its own under its own time limit, so one that hangs le
 the others their time; FLA runs in processes without JAX (``fla_side.py``). At the goal
 shape every kdax path has its own process, so each path's peak memory is its own (JAX
 cannot reset the device's peak); at the other shapes both paths share one process (the
-second path's peak is marked). The whole run keeps to ``--total`` seconds (default 390):
+second path's peak is marked). The whole run keeps to ``--total`` seconds (default 420):
 a step starts only if its expected time fits in what is left (less ``REPORT_S`` kept for
 the two report steps, which always run), and its limit is cut to what is left. The
 first call's order puts the goal shape first (kdax's default, the all-Triton
-``CANDIDATE``, the default without recomputation), then (1, 4096, 16) with FLA at both,
+``CANDIDATE``, the cost model's fastest ``CANDIDATE_BEST`` and the Triton pipeline's
+default tuning ``TRITON_DEFAULT``), then (1, 4096, 16) with FLA at both,
 then the layer; the largest shape is the second call's (``--second``); steps skipped for
 time are listed in ``run.json`` and can be run by a later call with ``--only``. A step whose inputs an earlier step did not write is
 skipped; a kdax step finding its shape's reference already written (an earlier call on
@@ -40,28 +44,31 @@ compiled once per shape)::
     step                                  expect  limit
     kdax 1x16384x16 default + reference       40     90
     kdax 1x16384x16 CANDIDATE (all Triton)    60    100   (compiling ten Triton kernels)
-    kdax 1x16384x16 default+no_recompute      20     50   (each --extra-pipes path: the same)
+    kdax 1x16384x16 CANDIDATE_BEST            45     80
+    kdax 1x16384x16 TRITON_DEFAULT            45     80
+    each --extra-pipes path at the goal       20     50
     kdax 1x4096x16 both paths + reference     35     70
     FLA at 1x16384x16 and 1x4096x16           80    110
     layer, kdax's side + float64 reference    45     80
     layer, FLA's side                         50     80
     reports (chunk table, layer table)         8     25   (kept aside: REPORT_S)
-    total                                    338    605   (cut to --total 390)
+    total                                    408    715   (cut to --total 420)
 
     second call (--second), right after:
     kdax 4x4096x32 both paths + reference     65    110
     FLA at 4x4096x32                          25     60
+    kdax 1x16384x16 default+no_recompute      20     50
     each --extra-pipes path at the goal       25     60
     reports                                    8     25
 
-So a first run takes about 6 minutes and stops itself by 6.5; if the estimates are low,
+So a first run takes about 7 minutes and stops itself by 7; if the estimates are low,
 the last steps (the layer) are the ones left for the second call (``--only layer``).
 
 The orchestrator itself needs the standard library only (it holds no GPU).
 
-    python benchmarks/gpu_issue26.py --dry-run          # the plan, nothing run
-    python benchmarks/gpu_issue26.py --rehearse         # every step at tiny sizes, here (FLA's fail without torch)
-    bash benchmarks/gpu_issue26.sh                      # on the GPU machine (see its header)
+    python benchmarks/gpu_candidate_run.py --dry-run          # the plan, nothing run
+    python benchmarks/gpu_candidate_run.py --rehearse         # every step at tiny sizes, here (FLA's fail without torch)
+    bash benchmarks/gpu_candidate_run.sh                      # on the GPU machine (see its header)
 """
 
 import argparse
@@ -90,7 +97,12 @@ CANDIDATE = "pallas+warps=8+f32dot=tf32x3+fast+stages=2+block_k=64"
 # at the goal shape, not 32, on 132 SMs; FLA's fwd_h and bwd_dhu autotune 32 or 64):
 # timed and profiled beside it by ``--kernels``.
 CANDIDATE_BEST = CANDIDATE + "+warps.intra=16+warps.intra_bwd=16+block_v=32"
-TOTAL_S = 390
+# What KDAPipeline.pallas("triton") gives: the default tuning (kdax.pallas.TUNINGS["default"]),
+# precision "auto" (gpu_vs_fla.py's path name "triton").
+TRITON_DEFAULT = "triton"
+# The first call times these at the goal shape after kdax's default, each in its own process.
+GOAL_PIPES = (CANDIDATE, CANDIDATE_BEST, TRITON_DEFAULT)
+TOTAL_S = 420
 REPORT_S = 25  # kept for the report steps, which always run
 FLA_CONFIGS = 4  # FLA's autotuning cut to this many configs per kernel, as in every earlier run
 # --rehearse: the same steps at tiny sizes, on any machine (the plumbing, not the numbers)
@@ -163,14 +175,16 @@ def plan(work: Path, out: Path, py: str = sys.executable, extra_pipes=(), reps: 
                       (goal,), both),
                  reports[0]]
         return [dataclasses.replace(s, limit_s=s.limit_s * slack) for s in steps]
-    if second:
-        steps = [kdax(large, PIPES, reps_other, 110, 65), fla_step((large,), 60, 25)]
+    if second:  # (with the default's disable_recompute row at the goal shape)
+        steps = [kdax(large, PIPES, reps_other, 110, 65), fla_step((large,), 60, 25),
+                 kdax(goal, [PIPES[1]], reps, 50, 20, load=True)]
         steps += [kdax(goal, [p], reps, 60, 25, load=True) for p in extra_pipes]
         return [dataclasses.replace(s, limit_s=s.limit_s * slack) for s in steps + reports]
     steps = [kdax(goal, [PIPES[0]], reps, 90, 40)]
-    # Triton compiles ten kernels for the candidate (~30 s on the CPU here, to cubins)
-    steps += [kdax(goal, [p], reps, *((100, 60) if p == CANDIDATE else (50, 20)), load=True)
-              for p in (CANDIDATE, PIPES[1], *extra_pipes)]
+    # Triton compiles ten kernels for the candidate (~30 s on the CPU here, to cubins); the
+    # fastest tuning and the default tuning compile theirs after it (the rest cached)
+    steps += [kdax(goal, [p], reps, *((100, 60) if p == CANDIDATE else (80, 45)), load=True) for p in GOAL_PIPES]
+    steps += [kdax(goal, [p], reps, 50, 20, load=True) for p in extra_pipes]
     steps += [kdax(small, PIPES, reps_other, 70, 35),
               fla_step((goal, small), 110, 80),
               Step("layer-kdax", [py, lay, "--work", str(work), "--out", str(out), "--reps", str(reps_other),

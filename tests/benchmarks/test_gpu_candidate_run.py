@@ -1,4 +1,4 @@
-"""benchmarks/gpu_issue26.py's CPU side: the plan is what issue 26's GPU run needs (three
+"""benchmarks/gpu_candidate_run.py's CPU side: the plan is what issue 26's GPU run needs (three
 shapes, the goal shape first, the no_recompute row, FLA at every shape, the layer), every
 step's command line parses in the script it calls, and the run keeps to its time budget
 (steps replaced by a fake runner and a fake clock: no process, no timing asserted)."""
@@ -16,7 +16,7 @@ def _load(name):
 
 @pytest.fixture(scope="module")
 def g26():
-    return _load("gpu_issue26")
+    return _load("gpu_candidate_run")
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +40,15 @@ def test_plan_three_shapes_goal_first(g26, scripts, tmp_path):
     # its own on the saved reference
     assert kdax[0][1].shapes == goal and kdax[0][1].pipes == "default" and kdax[0][1].save_ref
     assert kdax[1][1].shapes == goal and kdax[1][1].pipes == g26.CANDIDATE
-    assert kdax[2][1].shapes == goal and kdax[2][1].pipes == "default+no_recompute"
-    assert kdax[1][1].load_ref == kdax[2][1].load_ref == kdax[0][1].save_ref and first[0] is kdax[0][0]
-    # the largest shape is the second call's
-    assert {a.shapes for s, a in kdax if s in second} == {"4x4096x32"}
+    assert kdax[2][1].shapes == goal and kdax[2][1].pipes == g26.CANDIDATE_BEST
+    assert kdax[3][1].shapes == goal and kdax[3][1].pipes == g26.TRITON_DEFAULT == "triton"
+    assert kdax[1][1].load_ref == kdax[2][1].load_ref == kdax[3][1].load_ref == kdax[0][1].save_ref
+    assert first[0] is kdax[0][0]
+    # the default's disable_recompute row at the goal shape: the second call's
+    assert [a.pipes for s, a in kdax if s in second and a.shapes == goal] == ["default+no_recompute"]
+    # the largest shape is the second call's (beside that goal-shape row)
+    assert {a.shapes for s, a in kdax if s in second} == {"4x4096x32", goal}
+    assert "4x4096x32" not in {a.shapes for s, a in kdax if s in first}
     covered = {}
     for s, a in kdax:
         assert (a.K, a.V, a.chunk, a.no_fla) == (128, 128, 64, True)
@@ -72,7 +77,7 @@ def test_plan_three_shapes_goal_first(g26, scripts, tmp_path):
         assert all(s.limit_s >= s.expect_s for s in steps)
         assert sum(s.expect_s for s in steps) <= g26.TOTAL_S
         assert sum(s.limit_s for s in steps if s.report) <= g26.REPORT_S
-    assert g26.TOTAL_S <= 400  # about 6 minutes: what issue 26 asks of a first run
+    assert g26.TOTAL_S <= 420  # about 7 minutes: issue 26's 6, and the two tunings of issue 53 item 4
 
 
 def test_dry_run_lists_the_plan_and_runs_nothing(g26, tmp_path, capsys):
@@ -80,12 +85,15 @@ def test_dry_run_lists_the_plan_and_runs_nothing(g26, tmp_path, capsys):
     steps = g26.main(["--dry-run", "--work", str(work), "--out", str(tmp_path / "o"), "--extra-pipes",
                       "default+fast"])
     text = capsys.readouterr().out
-    for word in ("1x16384x16", "1x4096x16", g26.CANDIDATE, "default+no_recompute", "default+fast", "layer-fla",
+    for word in ("1x16384x16", "1x4096x16", g26.CANDIDATE, g26.CANDIDATE_BEST, "kdax-1x16384x16-triton ",
+                 "default+fast", "layer-fla",
                  f"keeps to {g26.TOTAL_S:.0f} s"):
         assert word in text
     assert any(s.name == "kdax-1x16384x16-default+fast" for s in steps)
     second = g26.main(["--dry-run", "--second", "--work", str(work)])
-    assert "4x4096x32" in capsys.readouterr().out and {s.name for s in second} >= {"kdax-4x4096x32", "fla-4x4096x32"}
+    text = capsys.readouterr().out
+    assert "4x4096x32" in text and "default+no_recompute" in text
+    assert {s.name for s in second} >= {"kdax-4x4096x32", "fla-4x4096x32", "kdax-1x16384x16-default+no_recompute"}
     assert not work.exists() and not (tmp_path / "o").exists()
     only = g26.main(["--dry-run", "--work", str(work), "--only", "layer"])
     assert [s.name for s in only] == ["layer-kdax", "layer-fla", "report-chunk", "report-layer"]
@@ -187,16 +195,16 @@ def test_rehearsal_end_to_end(g26, tmp_path, capsys):
     done = g26.main(["--rehearse", "--only", "1x64x2,layer", "--work", str(work), "--out", str(out)])
     status = {d["name"]: d["status"] for d in done}
     candidate = f"kdax-1x64x2-{g26.CANDIDATE}"  # (the all-Triton candidate, interpreted on a CPU)
-    assert [d["name"] for d in done] == ["kdax-1x64x2-default", candidate, "kdax-1x64x2-default+no_recompute",
+    best, triton = f"kdax-1x64x2-{g26.CANDIDATE_BEST}", "kdax-1x64x2-triton"
+    assert [d["name"] for d in done] == ["kdax-1x64x2-default", candidate, best, triton,
                                          "fla-1x64x2-1x32x2", "layer-kdax", "layer-fla", "report-chunk",
                                          "report-layer"]
-    for n in ("kdax-1x64x2-default", candidate, "kdax-1x64x2-default+no_recompute", "layer-kdax", "report-chunk",
-              "report-layer"):
+    for n in ("kdax-1x64x2-default", candidate, best, triton, "layer-kdax", "report-chunk", "report-layer"):
         assert status[n] == "ok", (n, status[n], (out / "logs.txt").read_text()[-3000:])
     assert sorted(f.name for f in out.iterdir()) == ["layer.json", "layer.txt", "logs.txt", "results.json",
                                                      "results.png", "results.txt", "run.json"]
     rows = {(r["path"], r["pass_"]): r for r in json.loads((out / "results.json").read_text())["rows"]}
-    for p in ("kdax[default]", f"kdax[{g26.CANDIDATE}]", "kdax[default+no_recompute]"):
+    for p in ("kdax[default]", f"kdax[{g26.CANDIDATE}]", f"kdax[{g26.CANDIDATE_BEST}]", "kdax[triton]"):
         assert rows[(p, "train")]["ok"] and rows[(p, "train")]["T"] == 64
     assert "K=32 V=32 chunk 64" in (out / "results.txt").read_text()
     layer = json.loads((out / "layer.json").read_text())

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Issue 26's GPU run (benchmarks/gpu_issue26.py: the plan, the budget and what it writes):
+# Issue 26's GPU run (benchmarks/gpu_candidate_run.py: the plan, the budget and what it writes):
 # kdax beside FLA's chunk_kda at (1,16384,16), (1,4096,16), (4,4096,32) and kdax's layer
 # beside FLA's, each step a process under its own time limit; about 6 minutes, never
 # more than 6.5 (--total 390) plus the reports. Results in $OUT/gpu (7 files).
 #
 # This workplace's GPU image has no network, no beartype and no FLA. Here, once, in the
-# checkout the device tool sends: `bash benchmarks/gpu_issue26.sh --prepare` downloads the
+# checkout the device tool sends: `bash benchmarks/gpu_candidate_run.sh --prepare` downloads the
 # wheels into .whl (ignored by git through .git/info/exclude; ~3 MB). Then carry .whl and
-# run there `bash benchmarks/gpu_issue26.sh` (arguments go to gpu_issue26.py: --kernels,
+# run there `bash benchmarks/gpu_candidate_run.sh` (arguments go to gpu_candidate_run.py: --kernels,
 # --only, --extra-pipes, --total, --fresh, --dry-run). Without .whl the run stops at once
 # and says so (no step can import kdax without beartype). fla-core goes
 # on PYTHONPATH for every step; flash-linear-attention (fla.layers, fla.models: it
@@ -24,7 +24,7 @@ if [ "${1:-}" = "--prepare" ]; then
     exec ${PY:-python3} -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d .whl $WHEELS
 fi
 if [ ! -d .whl ] && ! ${PY:-python3} -c "import beartype" 2>/dev/null; then
-    echo "no .whl folder and no beartype here: run 'bash benchmarks/gpu_issue26.sh --prepare' on the development" \
+    echo "no .whl folder and no beartype here: run 'bash benchmarks/gpu_candidate_run.sh --prepare' on the development" \
          "machine first and carry .whl" >&2
     exit 2
 fi
@@ -42,4 +42,4 @@ if [ -d .whl ]; then
     fi
     export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-exec $PY benchmarks/gpu_issue26.py "$@"
+exec $PY benchmarks/gpu_candidate_run.py "$@"

@@ -1,0 +1,109 @@
+"""Named Triton tunings of the Pallas pipeline: ``KDAPipeline.pallas("triton", tuning=NAME)``.
+
+A tuning sets the Triton fields of each Pallas stage (``PallasTarget``: ``num_warps``,
+``num_stages``, ``f32_dot``; the state kernels' ``block_k`` rows and ``block_v`` value
+columns) and, for the presets modelled with FLA's numerics, the pipeline's precision
+policy. Tunings change compiled Triton kernels only: TPU kernels and interpret mode
+ignore them (``PallasTarget``), so a tuning other than ``"default"`` is refused for the TPU
+target.
+
+What is measured and what is modelled: no preset has been timed on a GPU in this form.
+``"default"`` is, per stage, the swept tuning that spills least on sm_90 over a training
+step's kernels (dense and packed sequences, every precision policy): spill-free under
+``"fast"`` except B5 on packed sequences, not under the others (see ``_DEFAULT``;
+tests/pallas/test_triton_tuning.py); ``"fastest-modelled"`` is the
+tuning ``benchmarks/gpu_cost_model.py`` predicts fastest (benchmarks/results/
+gpu_cost_model.txt), under precision ``"fast"``, where it compiles without spills (dense
+and packed); under the other policies some of its kernels spill.
+"""
+
+import dataclasses
+from types import MappingProxyType
+from typing import Mapping, Optional
+
+STAGE_FIELDS = ("gate", "intra", "wy", "state", "output", "recompute", "dav", "dhu", "wy_dqkg", "intra_bwd", "gate_bwd")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """A named tuning: ``fields[stage]``, the Triton fields given to that Pallas stage
+    (every stage of ``STAGE_FIELDS`` has an entry); ``precision``, the pipeline's precision
+    policy it was chosen under (None: the pipeline's own, ``"auto"``)."""
+
+    name: str
+    doc: str
+    fields: Mapping[str, Mapping[str, object]]
+    precision: Optional[str] = None
+
+
+def _every(**kw) -> dict:
+    return {s: dict(kw) for s in STAGE_FIELDS}
+
+
+def _tuning(name: str, doc: str, fields: dict, precision: Optional[str] = None) -> Tuning:
+    assert set(fields) == set(STAGE_FIELDS), (name, sorted(fields))
+    frozen = MappingProxyType({s: MappingProxyType(dict(f)) for s, f in fields.items()})
+    return Tuning(name, doc, frozen, precision)
+
+
+_CANDIDATE = _every(num_warps=8, num_stages=2, f32_dot="tf32x3")
+for _s in ("state", "dhu"):
+    _CANDIDATE[_s] = dict(_CANDIDATE[_s], block_k=64)
+_FASTEST = {s: dict(f) for s, f in _CANDIDATE.items()}
+_FASTEST["intra"] = dict(_FASTEST["intra"], num_warps=16)
+_FASTEST["intra_bwd"] = dict(_FASTEST["intra_bwd"], num_warps=16)
+for _s in ("state", "dhu"):
+    _FASTEST[_s] = dict(_FASTEST[_s], block_v=32)
+
+# The default: per stage, the tuning with the fewest bytes spilled on sm_90 over every
+# precision policy, dense and packed, of those swept (8 tunings: 4, 8 and 16 warps, 1 and 2
+# pipeline stages, IEEE or TF32x3 float32 products, the state kernels' 32- or 64-row tiles
+# and 16, 32 or 64 value columns), the faster one (by the cost model's figures: more warps
+# and stages, tensor-core products, more state programs) where two tie. Not spill-free:
+# under precision "fast" every kernel compiles without spills dense, and packed all but
+# B5 (its reset table: 160 B a thread); under the policies with float32 products in the
+# recurrences ("auto", "highest", "bfloat16", "float16") F4 and B2 spill (424 and 1.3 KiB
+# a thread; the minimal tuning 13.6-14.4 KiB), and under "highest" F2 and B3 too (240,
+# 608 B). tests/pallas/test_triton_tuning.py pins both.
+_DEFAULT = _every(num_warps=8, num_stages=2, f32_dot="tf32x3")
+for _s in ("state", "dhu"):
+    _DEFAULT[_s] = dict(_DEFAULT[_s], block_k=64, block_v=32)
+_DEFAULT["gate_bwd"] = dict(num_warps=8, num_stages=1, f32_dot="tf32x3")
+
+TUNINGS: Mapping[str, Tuning] = MappingProxyType({t.name: t for t in (
+    _tuning("default", "what KDAPipeline.pallas('triton') gives: per stage the swept tuning that spills least on "
+                       "sm_90 over every precision policy, dense and packed (8 warps, 2 stages, TF32x3 float32 "
+                       "products, the state kernels as 64-row tiles of 32 value columns, B5 at 1 stage)", _DEFAULT),
+    _tuning("fastest-modelled", "the cost model's fastest (benchmarks/gpu_cost_model.py's BEST, "
+                                "gpu_candidate_run.py's CANDIDATE_BEST): 8 warps, 2 stages, TF32x3 float32 products, "
+                                "F2 and B4 at 16 warps, the state kernels as 64-row tiles of 32 value columns; "
+                                "precision 'fast' (FLA's bf16 operands and storage)", _FASTEST, "fast"),
+    _tuning("candidate", "the all-Triton candidate of the last GPU profile (gpu_candidate_run.py's CANDIDATE): 8 warps, "
+                         "2 stages, TF32x3 float32 products, the state kernels as 64-row tiles; precision 'fast'",
+            _CANDIDATE, "fast"),
+    _tuning("minimal", "every field at its PallasTarget default (4 warps, 1 stage, IEEE float32 products): the "
+                       "Triton pipeline's tuning before the default above; spills on sm_90", _every()),
+)})
+
+
+def get_tuning(name) -> Tuning:
+    """The tuning named ``name`` (a key of ``TUNINGS``), or a ``ValueError`` naming the
+    argument and every valid name."""
+    if not isinstance(name, str) or name not in TUNINGS:
+        raise ValueError(f"tuning: expected one of {tuple(TUNINGS)}, got {name!r}.")
+    return TUNINGS[name]
+
+
+def stage_tuning(target: str, tuning: Optional[str]) -> Tuning:
+    """The tuning ``KDAPipeline.pallas`` builds its stages with for ``target``: the named
+    one (None: ``"default"``) for ``"triton"``; for ``"tpu"``, whose kernels have no such
+    fields, ``"minimal"`` (the fields' defaults), and a ``ValueError`` for a tuning other
+    than ``"default"`` or ``"minimal"``."""
+    name = "default" if tuning is None else tuning
+    t = get_tuning(name)
+    if target == "triton":
+        return t
+    if name not in ("default", "minimal"):
+        raise ValueError(f"tuning: {name!r} tunes Triton kernels; target is {target!r} (pass target='triton', "
+                         f"or leave tuning out).")
+    return TUNINGS["minimal"]
