@@ -4,6 +4,9 @@ the collector the checks add their rows to."""
 from collections.abc import Sequence
 from typing import NamedTuple, Optional
 
+from .._runner.contracts import STAGES
+from .._runner.derived import reference_is_exact
+
 
 class Check(NamedTuple):
     """One row of a report: ``passed`` True, False, or None (skipped: ``detail`` says why)."""
@@ -93,8 +96,6 @@ def _unsupported(col, check: str, case: str, field: str, stage, e: Exception):
     skip where a pipeline with ``fallback`` runs the reference stage instead (a stage of
     KDA's math), a failure where no pipeline does and ``chunk_kda`` raises (other math:
     the reference stage computes something else)."""
-    from .._runner.contracts import STAGES
-    from .._runner.derived import reference_is_exact
 
     ref = STAGES[field].reference.__qualname__
     if reference_is_exact(field, stage):
