@@ -55,16 +55,18 @@ _FASTEST["intra_bwd"] = dict(_FASTEST["intra_bwd"], num_warps=16)
 for _s in ("state", "dhu"):
     _FASTEST[_s] = dict(_FASTEST[_s], block_v=32)
 
-# The default: per stage, the tuning with the fewest bytes spilled on sm_90 over every
-# precision policy, dense and packed, of those swept (8 tunings: 4, 8 and 16 warps, 1 and 2
-# pipeline stages, IEEE or TF32x3 float32 products, the state kernels' 32- or 64-row tiles
-# and 16, 32 or 64 value columns), the faster one (by the cost model's figures: more warps
-# and stages, tensor-core products, more state programs) where two tie. Not spill-free:
-# under precision "fast" every kernel compiles without spills dense, and packed all but
-# B5 (its reset table: 160 B a thread); under the policies with float32 products in the
-# recurrences ("auto", "highest", "bfloat16", "float16") F4 and B2 spill (424 and 1.3 KiB
-# a thread; the minimal tuning 13.6-14.4 KiB), and under "highest" F2 and B3 too (240,
-# 608 B). tests/pallas/test_triton_tuning.py pins both.
+# The default: per stage, the tuning with the fewest bytes spilled on sm_90 of the four
+# whole-step tunings compiled under the four precision policies, dense and packed (session
+# of issue 53: 16 warps, 2 stages; 8 warps, 2 stages, the state kernels as 64-row tiles of
+# 64 or of 32 value columns; 8 warps, 1 stage, 32-row tiles of 32 columns, "highest" only;
+# all with TF32x3 float32 products), the faster one (by the cost model's figures) where two
+# tie; B5 at 1 stage (2 stages no better packed). Not spill-free: under precision "fast"
+# every kernel compiles without spills dense, and packed all but B5 (its reset table: 160 B
+# a thread, at every tuning tried); under the policies with float32 products in the
+# recurrences ("auto" for bf16 inputs, "highest", "bfloat16", "float16") F4 and B2 spill
+# (424 B and 1.3 KiB a thread; the minimal tuning 13.6-14.4 KiB), and under "highest" F2
+# and B3 too (240, 608 B). tests/pallas/test_triton_tuning.py pins this; a wider sweep (4
+# warps, IEEE products, 16-column state tiles) was not run.
 _DEFAULT = _every(num_warps=8, num_stages=2, f32_dot="tf32x3")
 for _s in ("state", "dhu"):
     _DEFAULT[_s] = dict(_DEFAULT[_s], block_k=64, block_v=32)
