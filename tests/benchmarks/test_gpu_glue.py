@@ -1,0 +1,81 @@
+"""``benchmarks/gpu_cost_model.py``'s glue count (``count_glue``): the XLA ops of a lowered
+CUDA program outside its Triton kernels and the bytes they move, on a program whose
+answer is known by hand and on the candidate's training step at a small shape. Skipped
+where Pallas Triton kernels cannot be lowered without a GPU (``tests/pallas/_triton.py``)."""
+
+import re
+
+import pytest
+
+from ._load import load_benchmark
+
+
+@pytest.fixture(scope="module")
+def m():
+    from tests.pallas._triton import skip_reason
+
+    if reason := skip_reason():
+        pytest.skip(reason)
+    return load_benchmark("gpu_cost_model")
+
+
+def test_glue_by_hand(m):
+    """x [64, 128] f32 -> transpose -> a Triton kernel (x + 1) -> convert to bf16: one
+    kernel, two glue ops; fused, the glue reads x (32 KiB) and the kernel's output (32 KiB)
+    once and writes the transposed x (32 KiB, handed to the kernel) and the bf16 result
+    (16 KiB, returned); unfused, each op reads its operand and writes its result."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pltr
+
+    from tests.pallas._triton import captured
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] + 1.0
+
+    add = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((128, 64), jnp.float32),
+                         compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1))
+
+    def f(x):
+        return add(x.T).astype(jnp.bfloat16)
+
+    with captured():
+        text = jax.jit(f).trace(jax.ShapeDtypeStruct((64, 128), jnp.float32)).lower(
+            lowering_platforms=("cuda",)).as_text()
+    g = m.count_glue(text)
+    kib = 1024
+    assert g.kernels == 1 and g.ops == {"transpose": 1, "convert": 1}, g
+    assert g.bytes_fused == 32 * kib + 32 * kib + 32 * kib + 16 * kib, g
+    assert g.bytes_unfused == (32 + 32) * kib + (32 + 16) * kib, g
+    assert (g.launches_fused, g.launches_unfused) == (2, 2), g
+    gap = 5e-6  # the time of two launches at the floor, and three gaps (two glue launches, one kernel)
+    assert g.seconds(gap) == pytest.approx(2 * m.MIN_LAUNCH_S + 3 * gap)
+
+
+def test_candidate_step_glue(m):
+    """The candidate's training step at B=1 T=256 H=2, lowered for CUDA: its 12 kernels,
+    and the ops outside them as the StableHLO text has them (every op kind ``count_glue``
+    reports appears that often in the text, JAX's ``where`` functions' ops at each call):
+    the NaN masks (compare, select), the casts (convert), the transposes and the partial
+    sums (reduce) among them; fused bytes at most the unfused."""
+    from triton_resources import training_step
+
+    from tests.pallas._triton import lower_step
+
+    fn, args, _ = training_step(m.CANDIDATE, 1, 256, 2)
+    lowered, records = lower_step(fn, args)
+    text = lowered.as_text()
+    g = m.count_glue(text)
+    assert g.kernels == len(records) == 12, (g.kernels, len(records))
+    assert {"convert", "transpose", "select", "compare", "reduce"} <= set(g.ops), g.ops
+    main = text.split("func.func private")[0]
+    calls = re.findall(r"call @(\w+)\(", main)
+    bodies = {name: body for name, body in re.findall(r"func\.func private @(\w+)\(.*?\n(.*?)\n  \}", text, re.S)}
+    for kind, n in g.ops.items():
+        direct = len(re.findall(rf"= stablehlo\.{kind}\b", main))
+        called = sum(len(re.findall(rf"= stablehlo\.{kind}\b", bodies[c])) for c in calls)
+        assert n == direct + called, (kind, n, direct, called)
+    assert 0 < g.bytes_fused <= g.bytes_unfused and 0 < g.launches_fused <= g.launches_unfused, g
+    # the inputs' bytes (4 bf16 [1, 256, 2, 128] and beta) are read at least once
+    assert g.bytes_fused >= 4 * 256 * 2 * 128 * 2, g
