@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Issue 26's GPU run (benchmarks/gpu_candidate_run.py: the plan, the budget and what it writes):
-# kdax beside FLA's chunk_kda at (1,16384,16), (1,4096,16), (4,4096,32) and kdax's layer
-# beside FLA's, each step a process under its own time limit; about 6 minutes, never
-# more than 6.5 (--total 390) plus the reports. Results in $OUT/gpu (7 files).
+# The GPU run of kdax's Triton candidates (benchmarks/gpu_candidate_run.py: the plan, the
+# budget and what it writes): kdax's default, the all-Triton CANDIDATE, the cost model's
+# CANDIDATE_BEST and the default Triton tuning beside FLA's chunk_kda at (1,16384,16), then
+# (1,4096,16) and kdax's layer beside FLA's ((4,4096,32): --second; per-kernel profiles:
+# --kernels), each step a process under its own time limit; about 7 minutes, never more
+# than 7 (--total 420) plus the reports. Results in $OUT/gpu (7 files).
+# The one step before it, where a package registry is reachable: --prepare (below).
 #
 # This workplace's GPU image has no network, no beartype and no FLA. Here, once, in the
 # checkout the device tool sends: `bash benchmarks/gpu_candidate_run.sh --prepare` downloads the
