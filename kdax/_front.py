@@ -105,8 +105,9 @@ def chunk_kda(
     ``check_inputs`` (kdax's own): g's and beta's domain (g <= 0 without the in-kernel
     gate, beta in [0, 1] without the in-kernel sigmoid) is checked on every call: eagerly
     before any kernel, under ``jit`` inside the compiled program (``eqx.error_if``: the call
-    raises a runtime error naming the argument). ``False`` skips the check under ``jit``
-    (one pass over g and beta). q in FLA's old head-first layout ``[B, H, T, K]`` (T < H)
+    raises a runtime error naming the argument; in a process with several devices, where
+    such an error would abort the process, each bad value reads as NaN, its sequence's
+    outputs NaN). ``False`` skips the check under ``jit`` (one pass over g and beta). q in FLA's old head-first layout ``[B, H, T, K]`` (T < H)
     gets a ``HeadFirstLayoutWarning``.
     """
     _warn_head_first(q)

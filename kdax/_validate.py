@@ -209,36 +209,31 @@ _BETA_TRACED = ("beta: must lie in [0, 1] (the delta rule's write strength); a f
 
 def checked_domain(g, beta, options: KDAOptions):
     """``(g, beta)``, with the domain ``check_domain`` checks eagerly also checked inside
-    the compiled program when they are traced (``jit``) and ``options.check_inputs``:
-    ``eqx.error_if`` on one reduction over each, so the call raises a runtime error naming
-    the argument instead of returning garbage. Non-finite values are not this check's
-    business (they stay in their own sequence: ``kdax._numerics.isolation``)."""
+    the compiled program when they are traced (``jit``) and ``options.check_inputs``: one
+    reduction over each. In a process with one device the call then raises a runtime error
+    naming the argument (``eqx.error_if``). With several devices an error raised on one of
+    them stops it while the others wait in a collective, and XLA aborts the process (a
+    sharded program, shard_map): there each out-of-domain value is read as NaN instead,
+    which ``kdax._numerics.isolation`` keeps in its own sequence: that sequence's outputs
+    are NaN from the token on, rather than finite garbage. Non-finite values are not this check's business (they stay in their
+    own sequence: ``kdax._numerics.isolation``)."""
     if not options.check_inputs or (_value_of(g) is not None and _value_of(beta) is not None):
         return g, beta  # (concrete: check_domain has run)
     if not options.use_gate_in_kernel:
-        g = _error_if(g, (g > 0) & (g < jnp.inf), _G_TRACED)
+        g = _refuse_if(g, (g > 0) & (g < jnp.inf), _G_TRACED)
     if not options.use_beta_sigmoid_in_kernel:
-        beta = _error_if(beta, ((beta < 0) | (beta > 1)) & jnp.isfinite(beta), _BETA_TRACED)
+        beta = _refuse_if(beta, ((beta < 0) | (beta > 1)) & jnp.isfinite(beta), _BETA_TRACED)
     return g, beta
 
 
-def _error_if(x, bad, msg: str):
-    """``eqx.error_if(x, any(bad), msg)``; inside ``shard_map`` (where ``eqx.error_if``'s
-    branch cannot return an ``x`` that varies over the mesh axes) on the flag, made the
-    same on every device first."""
+def _refuse_if(x, bad, msg: str):
+    """``x`` when no element is ``bad``; else a runtime error ``msg`` (one device, outside
+    shard_map), or NaN at the bad elements (``checked_domain``)."""
     x = jnp.asarray(x)
-    flag = jnp.any(bad)
-    axes = tuple(sorted(varying_axes(flag)))
-    if not axes:
-        return eqx.error_if(x, flag, msg)
-    # The error is attached to the shared flag, which then reaches x through a select that
-    # never picks NaN (the call has stopped whenever the flag is set).
-    # Every device must stop together (one raising alone aborts the process), so the
-    # flag is first made the same everywhere: one all-reduce of a scalar. The error then
-    # reaches x through a select that never picks NaN (the call has stopped whenever it would).
-    flag = jax.lax.pmax(flag.astype(jnp.int32), axes) > 0
-    stop = eqx.error_if(flag, flag, msg)
-    return jnp.where(stop, jnp.asarray(jnp.nan, x.dtype), x)
+    if jax.device_count() == 1 and not varying_axes(bad):
+        return eqx.error_if(x, jnp.any(bad), msg)
+    # (Elementwise: no reduction, so no collective over sharded inputs.)
+    return jnp.where(bad, jnp.asarray(jnp.nan, x.dtype), x)
 
 
 def _warn_float64(**arrays) -> None:

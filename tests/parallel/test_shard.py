@@ -5,7 +5,6 @@ compiled program has no collective."""
 
 import dataclasses
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -75,18 +74,8 @@ def test_jit_explicit_mesh_keeps_sharding_no_collectives(name):
         hlos = [f.lower(xs).compile().as_text() for f in (fwd, grad)]
     _check(out, grads, ref_out, ref_grads, SPECS)
     for hlo in hlos:
-        # The in-program input check (check_inputs) agrees its flag over the devices: an
-        # all-reduce of one scalar per checked argument, nothing else.
-        ops = re.findall(r"= (\([^)]*\)|\S+) (" + "|".join(COLLECTIVES) + r")(?:-start)?\(", hlo)
-        found = [(shape, op) for shape, op in ops
-                 if not (op == "all-reduce" and re.fullmatch(r"\(?s32\[\](, s32\[\])*\)?", shape))]
+        found = [c for c in COLLECTIVES if c in hlo]
         assert not found, found
-    # With the check off (check_inputs=False), no collective at all.
-    off = jax.jit(lambda x: fn(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
-                               output_final_state=True, check_inputs=False))
-    with jax.set_mesh(mesh):
-        hlo = off.lower(xs).compile().as_text()
-    assert not [c for c in COLLECTIVES if c in hlo]
 
 
 def test_eager_calls_on_explicit_meshes():
