@@ -7,6 +7,7 @@ of a traced ``cu_seqlens`` are checked inside the compiled program (``checked_cu
 """
 
 import dataclasses
+import functools
 import numbers
 from typing import NamedTuple, Optional
 
@@ -219,21 +220,25 @@ def checked_domain(g, beta, options: KDAOptions):
     own sequence: ``kdax._numerics.isolation``)."""
     if not options.check_inputs or (_value_of(g) is not None and _value_of(beta) is not None):
         return g, beta  # (concrete: check_domain has run)
+    g, beta = jnp.asarray(g), jnp.asarray(beta)
+    checks = []
     if not options.use_gate_in_kernel:
-        g = _refuse_if(g, (g > 0) & (g < jnp.inf), _G_TRACED)
+        checks.append(("g", (g > 0) & (g < jnp.inf), _G_TRACED))
     if not options.use_beta_sigmoid_in_kernel:
-        beta = _refuse_if(beta, ((beta < 0) | (beta > 1)) & jnp.isfinite(beta), _BETA_TRACED)
-    return g, beta
-
-
-def _refuse_if(x, bad, msg: str):
-    """``x`` when no element is ``bad``; else a runtime error ``msg`` (one device, outside
-    shard_map), or NaN at the bad elements (``checked_domain``)."""
-    x = jnp.asarray(x)
-    if jax.device_count() == 1 and not varying_axes(bad):
-        return eqx.error_if(x, jnp.any(bad), msg)
-    # (Elementwise: no reduction, so no collective over sharded inputs.)
-    return jnp.where(bad, jnp.asarray(jnp.nan, x.dtype), x)
+        checks.append(("beta", ((beta < 0) | (beta > 1)) & jnp.isfinite(beta), _BETA_TRACED))
+    if jax.device_count() == 1 and not any(varying_axes(bad) for _, bad, _ in checks):
+        # Each error rides on a scalar that reaches the call through beta, the small input
+        # ([B, T, HV]): eqx.error_if on g itself made XLA copy it (+16 MiB peak at the main
+        # job's shape).
+        stop = [eqx.error_if(jnp.asarray(False), jnp.any(bad), msg) for _, bad, msg in checks]
+        if stop:
+            beta = jnp.where(functools.reduce(jnp.logical_or, stop), jnp.asarray(jnp.nan, beta.dtype), beta)
+        return g, beta
+    # Several devices: each bad value read as NaN, elementwise (no reduction, so no
+    # collective over sharded inputs).
+    nan = lambda x, bad: jnp.where(bad, jnp.asarray(jnp.nan, x.dtype), x)
+    bads = dict((name, bad) for name, bad, _ in checks)
+    return (nan(g, bads["g"]) if "g" in bads else g), (nan(beta, bads["beta"]) if "beta" in bads else beta)
 
 
 def _warn_float64(**arrays) -> None:
