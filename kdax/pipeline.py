@@ -162,15 +162,8 @@ class KDAPipeline(eqx.Module):
         GPU, else tpu). ``interpret=None``: interpret mode exactly when no accelerator of
         that kind is present. A case a kernel cannot run (K or V over 128 in the Triton
         kernels, shared chunks in a stage without ``reset``) raises ``UnsupportedCase``
-        and falls back to the reference stage.
-
-        ``tuning`` (Triton): a name of ``kdax.pallas.TUNINGS``, None for ``"default"``:
-        ``"default"`` (per stage, the swept tuning that spills least on sm_90 over every
-        precision, dense and packed), ``"fastest-modelled"`` (the cost model's fastest,
-        with precision ``"fast"``), ``"candidate"``, ``"minimal"`` (every field's own
-        default); see ``kdax.pallas._tuning``. A tuning sets each stage's Triton fields
-        and, where it names one, the precision policy. Other names raise ``ValueError``
-        listing the valid ones; so does a tuning other than ``"default"`` for the TPU."""
+        and falls back to the reference stage. ``tuning`` (Triton): a preset of
+        ``kdax.pallas.TUNINGS`` (None: ``"default"``; see ``kdax.pallas._tuning``)."""
         target = P.default_target() if target is None else P._common.check_target(target)
         tuned = P.stage_tuning(target, tuning)
         kw = dict(target=target, interpret=P.resolve_interpret(target, interpret))

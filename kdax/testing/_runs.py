@@ -148,7 +148,15 @@ def _run(pipe, field, kwargs):
         return run_stage(pipe, field, **kwargs)
 
 
-_jit_run = _jit(_run)
+@functools.cache
+def _jit_run_compiled():
+    # (built on first use: the compiler options ask which backend runs, and importing
+    # kdax must not start one)
+    return _jit(_run)
+
+
+def _jit_run(pipe, field, kwargs):
+    return _jit_run_compiled()(pipe, field, kwargs)
 
 
 def _pipeline_outputs(P: KDAPipeline, case: Case, grads: bool):
