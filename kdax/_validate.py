@@ -216,8 +216,8 @@ def checked_domain(g, beta, options: KDAOptions):
     them stops it while the others wait in a collective, and XLA aborts the process (a
     sharded program, shard_map): there each out-of-domain value is read as NaN instead,
     which ``kdax._numerics.isolation`` keeps in its own sequence: that sequence's outputs
-    are NaN from the token on, rather than finite garbage. Non-finite values are not this check's business (they stay in their
-    own sequence: ``kdax._numerics.isolation``)."""
+    are NaN from the token on, rather than finite garbage. Non-finite values are not this
+    check's business (isolation's, likewise)."""
     if not options.check_inputs or (_value_of(g) is not None and _value_of(beta) is not None):
         return g, beta  # (concrete: check_domain has run)
     g, beta = jnp.asarray(g), jnp.asarray(beta)
