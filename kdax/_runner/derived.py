@@ -30,9 +30,11 @@ import jax.numpy as jnp
 
 from .._errors import DerivedBackwardError, FallbackWarning
 from .._layouts.layout import pack_inputs
+from .._numerics import isolation as _isolation
 from ..stages import KDA, GateVjpBackward
 from .._declared.capabilities import Capabilities, capabilities
 from .contracts import STAGES
+from .residuals import KDAGrads
 
 # Forward field -> the backward fields that transpose (part of) its math.
 TRANSPOSED_BY = {
@@ -72,6 +74,12 @@ def _is_vjp_of(backward, forward) -> bool:
     (``kdax.stages.GateVjpBackward``): its transpose whatever the math."""
     held = getattr(backward, "vjp_of", None)
     return held is not None and (type(held) is type(forward) or (is_kda(forward) and is_kda(held)))
+
+
+def whole_derived(pipeline) -> bool:
+    """Whether the backward is derived whole by ``jax.vjp`` through F1-F5: the backward
+    stages miss a transpose other than F1's (F1's alone: B5 is F1's VJP, B0-B4 hand-written)."""
+    return bool(mismatches(pipeline)) and not gate_alone_differs(pipeline)
 
 
 def gate_alone_differs(pipeline) -> bool:
@@ -206,6 +214,39 @@ def derived_vjp(pipeline, run, inputs):
         ) from e
 
     return out, vjp, swapped
+
+
+class DerivedResiduals(eqx.Module):
+    """The residuals of the derived backward (one device or a device's part of sequence
+    parallel): the forward's VJP, the swapped fields, and what the cotangents need (the
+    primal outputs' shapes, the q/k heads)."""
+
+    vjp: object
+    swapped: tuple = eqx.field(static=True)
+    o: jax.ShapeDtypeStruct = eqx.field(static=True)
+    final: jax.ShapeDtypeStruct = eqx.field(static=True)
+    num_qk_heads: int = eqx.field(static=True)
+
+    @classmethod
+    def of(cls, vjp, swapped, o, final, num_qk_heads: int) -> "DerivedResiduals":
+        shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+        return cls(vjp, swapped, shape(o), shape(final), num_qk_heads)
+
+
+def derived_gradients(res: DerivedResiduals, where, do, dht, cu_seqlens) -> tuple:
+    """``(input gradients (q, k, v, g, beta, h0, A_log, dt_bias), d_pipeline)``: the
+    forward's VJP at the cleaned cotangents (``do``, ``dht`` or None: symbolic zeros), NaN
+    put where the recurrence's gradients have it, as the six-stage backward does
+    (``kdax._numerics.isolation``)."""
+    do = zeros_like_or(do, res.o)
+    do, poison = _isolation.clean_cotangents(do, dht, cu_seqlens, res.num_qk_heads)
+    dht = _isolation.finite_or_zero(zeros_like_or(dht, res.final))
+    d_inputs, d_pipe = res.vjp((do, dht))
+    q, k, v, g, beta, h0, A_log, dt_bias = d_inputs
+    grads = KDAGrads(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, A_log=A_log, dt_bias=dt_bias)
+    grads = _isolation.poison_inputs(where, poison(grads))
+    out = (grads.q, grads.k, grads.v, grads.g, grads.beta, grads.initial_state, grads.A_log, grads.dt_bias)
+    return out, d_pipe
 
 
 def is_autodiff_failure(e: Exception) -> bool:

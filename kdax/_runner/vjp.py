@@ -16,7 +16,6 @@ from .._numerics import isolation as _isolation
 from .._validate import final_out, prepare_options
 from ..ref import compute_dtype
 from .forward import initial_states
-from .residuals import KDAGrads
 from .runner import active_recordings
 from .stage_grads import check_perturbed, pipeline_gradients
 
@@ -43,17 +42,6 @@ def _bad(config: KDAConfig, inputs, cu_seqlens):
                           entering=entering)
 
 
-class _Derived(eqx.Module):
-    """The residuals of the derived backward: the forward's VJP, the swapped fields, and
-    what the cotangents need (the primal outputs' shapes, the q/k heads)."""
-
-    vjp: object
-    swapped: tuple = eqx.field(static=True)
-    o: jax.ShapeDtypeStruct = eqx.field(static=True)
-    final: jax.ShapeDtypeStruct = eqx.field(static=True)
-    num_qk_heads: int = eqx.field(static=True)
-
-
 def _concrete(*trees) -> bool:
     """Whether a rule runs eagerly: no array traced, no stage call being recorded (a cached
     trace records none)."""
@@ -69,22 +57,16 @@ def _concrete(*trees) -> bool:
 @differentiable.def_fwd
 def _vjp_fwd(perturbed, diff, config: KDAConfig, cu_seqlens):
     if _concrete(diff, cu_seqlens):
-        if _whole_derived(diff[1]):
+        if _derived.whole_derived(diff[1]):
             _derived.warn_derived(diff[1])  # (once, here: a cached trace would not say it)
         return _compiled_fwd(perturbed, diff, config, cu_seqlens)
     return _fwd(perturbed, diff, config, cu_seqlens)
 
 
-def _whole_derived(pipeline) -> bool:
-    """Whether the backward is derived whole by ``jax.vjp`` through F1-F5: the backward
-    stages miss a transpose other than F1's (F1's alone: B5 is F1's VJP, B0-B4 hand-written)."""
-    return bool(_derived.mismatches(pipeline)) and not _derived.gate_alone_differs(pipeline)
-
-
 def _fwd(perturbed, diff, config: KDAConfig, cu_seqlens):
     inputs, pipeline = diff
     bad = _bad(config, inputs, cu_seqlens)
-    if _whole_derived(pipeline):
+    if _derived.whole_derived(pipeline):
         def run(inputs_, pipe):
             o_, final_, _ = pipe.run_forward(config, *inputs_, cu_seqlens, clean=True, entries=True)
             return o_, final_
@@ -92,8 +74,7 @@ def _fwd(perturbed, diff, config: KDAConfig, cu_seqlens):
         (o, final), vjp, swapped = _derived.derived_vjp(pipeline, run, inputs)
         for rec in active_recordings():
             rec.derived = (_derived.mismatches(pipeline), swapped)
-        shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
-        res = _Derived(vjp, swapped, shape(o), shape(final), inputs[0].shape[2])
+        res = _derived.DerivedResiduals.of(vjp, swapped, o, final, inputs[0].shape[2])
         return _isolation.poison_outputs(bad, o, final), (res, bad.where)
     got = check_perturbed(pipeline, perturbed[1])
     # Whole: in a training step XLA then shares F3/F4 with B0's recompute (the CPU step was
@@ -122,7 +103,7 @@ def _bwd(residuals, cotangents, perturbed, diff, config: KDAConfig, cu_seqlens):
     res, where = residuals
     inputs, pipeline = diff
     do, dht = cotangents
-    if isinstance(res, _Derived):
+    if isinstance(res, _derived.DerivedResiduals):
         return _derived_bwd(res, where, do, dht, perturbed, config, cu_seqlens)
     if do is None:  # only the final state carries a loss
         L = res.layout
@@ -142,19 +123,10 @@ def _bwd(residuals, cotangents, perturbed, diff, config: KDAConfig, cu_seqlens):
 _compiled_bwd = eqx.filter_jit(_bwd)
 
 
-def _derived_bwd(res: _Derived, where, do, dht, perturbed, config: KDAConfig, cu_seqlens):
-    """The derived backward (``kdax._runner.derived``): the forward's VJP at the cleaned
-    cotangents, NaN put where the recurrence's gradients have it (as the six-stage
-    backward does)."""
-    do = _derived.zeros_like_or(do, res.o)
-    dht = _derived.zeros_like_or(dht if config.output_final_state else None, res.final)
-    do, poison = _isolation.clean_cotangents(do, dht if config.output_final_state else None, cu_seqlens,
-                                             res.num_qk_heads)
-    d_inputs, d_pipe = res.vjp((do, _isolation.finite_or_zero(dht)))
-    q, k, v, g, beta, h0, A_log, dt_bias = d_inputs
-    grads = KDAGrads(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, A_log=A_log, dt_bias=dt_bias)
-    grads = _isolation.poison_inputs(where, poison(grads))
-    out = (grads.q, grads.k, grads.v, grads.g, grads.beta, grads.initial_state, grads.A_log, grads.dt_bias)
+def _derived_bwd(res, where, do, dht, perturbed, config: KDAConfig, cu_seqlens):
+    """The derived backward (``kdax._runner.derived``)."""
+    dht = dht if config.output_final_state else None
+    out, d_pipe = _derived.derived_gradients(res, where, do, dht, cu_seqlens)
     return out, _derived.pipeline_cotangent(perturbed[1], d_pipe, res.swapped)
 
 

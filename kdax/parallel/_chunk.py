@@ -35,7 +35,6 @@ from .._layouts.layout import pack, unpack
 from .._numerics import isolation as _isolation
 from .._numerics.ops import varying_axes
 from .._runner import derived as _derived
-from .._runner.residuals import KDAGrads
 from .._runner.stage_grads import check_perturbed, pipeline_gradients
 from .._validate import checked_cu_seqlens
 from ..pipeline import default_pipeline
@@ -219,18 +218,6 @@ def _isolated(call: _Call, inputs, cu):
     return bad, (*_isolation.cleaner(gate, sigmoid)(inputs[:5]), *inputs[5:])
 
 
-class _DerivedSP(eqx.Module):
-    """The residuals of the derived backward in sequence parallel: the VJP of this
-    device's part of the sequence-parallel forward (collectives included), the swapped
-    fields, the q/k heads."""
-
-    vjp: object
-    swapped: tuple = eqx.field(static=True)
-    o: jax.ShapeDtypeStruct = eqx.field(static=True)
-    final: jax.ShapeDtypeStruct = eqx.field(static=True)
-    num_qk_heads: int = eqx.field(static=True)
-
-
 def _derived_fwd(call: _Call, pipeline, inputs, cu, bad):
     """The forward of a pipeline whose backward stages do not transpose its forward
     stages, and its VJP by ``jax.vjp`` through the sequence-parallel forward (as
@@ -241,20 +228,14 @@ def _derived_fwd(call: _Call, pipeline, inputs, cu, bad):
 
     (o, final), vjp, swapped = _derived.derived_vjp(pipeline, run, inputs)
     sp = _spans(call.axis, inputs[0].shape[0], inputs[0].shape[1], cu)
-    shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
-    res = _DerivedSP(vjp, swapped, shape(o), shape(final), inputs[0].shape[2])
+    res = _derived.DerivedResiduals.of(vjp, swapped, o, final, inputs[0].shape[2])
     return _isolation.poison_outputs(bad, o, final), (res, None, sp, bad.where)
 
 
-def _derived_bwd(res: _DerivedSP, sp: _Spans, where, primals, perturbed, do, dfinal):
-    do = _derived.zeros_like_or(do, res.o)
-    dfinal = _derived.zeros_like_or(dfinal, res.final)
-    do, poison = _isolation.clean_cotangents(do, dfinal, sp.cu, res.num_qk_heads)
-    d_inputs, d_pipe = res.vjp((do, _isolation.finite_or_zero(dfinal)))
-    q, k, v, g, beta, h0, A_log, dt_bias = d_inputs
-    grads = KDAGrads(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, A_log=A_log, dt_bias=dt_bias)
-    grads = _isolation.poison_inputs(where, poison(grads))
-    out = (grads.q, grads.k, grads.v, grads.g, grads.beta, grads.initial_state, grads.A_log, grads.dt_bias)
+def _derived_bwd(res, sp: _Spans, where, primals, perturbed, do, dfinal):
+    """The derived backward on this device (``kdax._runner.derived.derived_gradients``),
+    the cotangents of replicated inputs and of the pipeline summed over the devices."""
+    out, d_pipe = _derived.derived_gradients(res, where, do, dfinal, sp.cu)
     d_inputs = tuple(None if x is None or p is None else _like(x, p) for x, p in zip(out, primals))
     d_pipe = jax.tree.map(lambda x: x if x is None else _like(x, x), d_pipe)
     return d_inputs, _derived.pipeline_cotangent(perturbed, d_pipe, res.swapped)
@@ -263,7 +244,7 @@ def _derived_bwd(res: _DerivedSP, sp: _Spans, where, primals, perturbed, do, dfi
 @_sp_kda.def_fwd
 def _sp_fwd(perturbed, diff, call: _Call, cu):
     inputs, pipeline = diff
-    if _derived.mismatches(pipeline) and not _derived.gate_alone_differs(pipeline):
+    if _derived.whole_derived(pipeline):
         bad, inputs = _isolated(call, inputs, cu)
         return _derived_fwd(call, pipeline, inputs, cu, bad)
     check_perturbed(pipeline, perturbed[1], where="kdax.parallel's sequence-parallel chunk_kda")
@@ -281,7 +262,7 @@ def _sp_bwd(residuals, cotangents, perturbed, diff, call: _Call, cu):
     res, M, sp, where = residuals
     primals, pipeline = diff
     do, dfinal = cotangents
-    if isinstance(res, _DerivedSP):
+    if isinstance(res, _derived.DerivedResiduals):
         return _derived_bwd(res, sp, where, primals, perturbed[1], do, dfinal)
     static = call.static(pipeline.untiled())
     if do is None:
