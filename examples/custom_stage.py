@@ -8,7 +8,7 @@ modified forward. Both say so: F1 declares the math it computes (``math``), B5 t
 transposes that math (``transposes``), and the pipeline keeps its hand-written backward.
 Without ``QGainGateBackward`` (or without the declarations) the gradient is still exact:
 the pipeline derives it from the forward stages by ``jax.vjp``, slower, with a
-``FallbackWarning`` (``kdax._runner.derived``). The gain is an array field of both stages; differentiated, F1's copy
+``FallbackWarning`` (``kdax._runner.routes``). The gain is an array field of both stages; differentiated, F1's copy
 gets its exact gradient (the gate's own VJP at the backward's cotangent of its output)
 and B5's copy zero, which is exact: the forward never reads it.
 

@@ -29,6 +29,6 @@ from ._runner.residuals import KDAGrads as KDAGrads, KDAResiduals as KDAResidual
 from ._runner.runner import stage_inputs as stage_inputs
 from .pipeline import KDAPipeline as KDAPipeline, default_pipeline as default_pipeline
 from . import testing as testing
-from ._front import chunk_kda as chunk_kda
+from ._chunk_kda import chunk_kda as chunk_kda
 from .recurrent import fused_recurrent_kda as fused_recurrent_kda
 from .ref import kda_gate as kda_gate

@@ -47,7 +47,7 @@ class StageGradientError(ValueError):
 
 class DerivedBackwardError(TypeError):
     """A pipeline's backward stages are not the transposes of its forward stages
-    (``kdax._runner.derived``), and the gradient cannot be derived from the forward stages either:
+    (``kdax._runner.routes``), and the gradient cannot be derived from the forward stages either:
     JAX cannot differentiate one of them (a Pallas kernel of custom math, say), or the
     caller runs the hand-written backward directly (``KDAPipeline.backward``,
     ``kdax.parallel``). The message names the stages and what to pass."""

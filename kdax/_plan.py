@@ -10,10 +10,10 @@ import jax.numpy as jnp
 
 from ._config import KDAOptions
 from ._numerics import precision as _precision
-from ._numerics.ops import loop_unroll, resolve_group, split_rows_and_heads
-from ._declared.capabilities import capabilities
+from ._numerics.chunk_loops import loop_unroll, resolve_group, split_rows_and_heads
+from ._stage_protocol.capabilities import capabilities
 from ._runner.contracts import STAGES
-from ._runner.derived import RESET_FIELDS, unchecked, unsafe_for_tiles
+from ._runner.routes import RESET_FIELDS, unchecked, unsafe_for_tiles
 from ._runner.runner import recording
 
 
@@ -110,7 +110,7 @@ def plan(pipeline, q, k, v, g, beta, **options) -> KDAPlan:
     # What a stage says of how it runs (``plan_note``, e.g. a segment-split recurrence).
     notes = tuple(f"{name}: {ran.plan_note}" for name, (_, ran, _) in rec.ran.items()
                   if getattr(ran, "plan_note", None))
-    # Why a declaration selected no route (kdax._runner.derived.unchecked: stages of other math).
+    # Why a declaration selected no route (kdax._runner.routes.unchecked: stages of other math).
     for name in unchecked(pipeline):
         stage = getattr(pipeline, name)
         said = [c for c in ("reset", "tile_safe") if getattr(capabilities(type(stage)), c)]
@@ -141,7 +141,7 @@ def _other_math(pipeline, field: str) -> Optional[str]:
 
 def route_reasons(pipeline, layout: Optional[str], opts: KDAOptions) -> tuple:
     """``(("forward", why whole), ("layout", why per-sequence))``, each only where it
-    applies, in the order the routes are decided (``kdax._runner.derived``:
+    applies, in the order the routes are decided (``kdax._runner.routes``:
     ``unsafe_for_tiles``, ``shares_chunks``; ``kdax._runner.forward``): the first reason
     that is true of this pipeline, not the list of fields a rule rejects."""
     out = []
@@ -173,7 +173,7 @@ def route_reasons(pipeline, layout: Optional[str], opts: KDAOptions) -> tuple:
 def resolved_config(pipeline, dtype=jnp.float32) -> dict:
     """Every platform-dependent choice of ``pipeline`` as it resolves here for inputs of ``dtype``
     (what ``plan`` reports): ``backend``, ``precision`` (the policy, "auto" resolved),
-    ``tile``, ``chunk_loops`` ("flat" groups or NC "slices": ``kdax._numerics.ops``), and per
+    ``tile``, ``chunk_loops`` ("flat" groups or NC "slices": ``kdax._numerics.chunk_loops``), and per
     stage field its static tuning fields, "auto" resolved (``group``: chunks per loop
     iteration; ``loop_unroll``; the Pallas stages' ``target``, ``interpret``,
     ``num_warps``, ``num_stages``, ``f32_dot``). Each is a field of the pipeline or of

@@ -19,8 +19,8 @@ from jaxtyping import Float
 
 from ._config import KDAOptions
 from ._errors import Float64Warning, UnstableDeltaRuleWarning, warn_caller
-from ._numerics.ops import varying_axes
-from ._typing import QK, ALogIn, ArrayIn, Beta, CuSeqlensIn, Gate, State, Values, typecheck
+from ._numerics.arrays import varying_axes
+from ._annotations import QK, ALogIn, ArrayIn, Beta, CuSeqlensIn, Gate, State, Values, typecheck
 
 SUPPORTED_CHUNK_SIZES = (16, 32, 64, 128)
 # FLA's range for lower_bound under safe_gate.

@@ -24,18 +24,18 @@ from ._layouts import shared_states as _shared_states
 from ._layouts.layout import ChunkLayout
 from ._layouts.tokens import Tokens, as_chunked, chunked_cotangent
 from ._numerics import precision as _precision
-from ._numerics.ops import check_chunk_loops, default_chunk_loops
+from ._numerics.chunk_loops import check_chunk_loops, default_chunk_loops
 from . import _plan
 from ._plan import KDAPlan
-from ._declared.capabilities import reads_tokens
+from ._stage_protocol.capabilities import reads_tokens
 from ._runner.contracts import STAGES, check_families
-from ._runner.derived import check_transposes
+from ._runner.routes import check_transposes
 from ._runner.forward import ForwardRoute, forward_route, on_route
 from ._runner.residuals import KDAGrads, KDAResiduals
 from ._runner.runner import PipelineState, PipelineWY, run_stage
 from ._runner.stage_grads import BackwardParts
 from ._runner import vjp as _vjp
-from ._typing import Beta, ChunkK, ChunkState, ChunkV, Gate, QK, Values
+from ._annotations import Beta, ChunkK, ChunkState, ChunkV, Gate, QK, Values
 from ._validate import final_out, options_of, prepare_forward
 from .stages import (
     AbstractDAv,
@@ -97,7 +97,7 @@ class KDAPipeline(eqx.Module):
     # The forward in tiles of about this many (row, head, chunk) blocks, the state carried
     # between tiles (None: each stage once over the whole input; CPUs gain from tiles that
     # fit in cache). Only when every forward stage is ``tile_safe`` and of KDA's math (the
-    # one rule of routes, ``kdax._runner.derived``); a training step runs whole (_vjp_fwd).
+    # one rule of routes, ``kdax._runner.routes``); a training step runs whole (_vjp_fwd).
     tile: Optional[int] = eqx.field(static=True, default=None)
     # Precision policy of the products (kdax._numerics.precision): "auto" (half-precision
     # operands, float32 accumulation where safe for bf16/fp16 inputs), "highest", "bfloat16", "float16".
@@ -105,7 +105,7 @@ class KDAPipeline(eqx.Module):
     # Packed varlen input (cu_seqlens): sequences share chunks, NC = ceil(T / C), each start
     # an exact reset, so short sequences cost what their tokens cost; final and initial
     # states too (``kdax._layouts.shared_states``). Needs stages of KDA's math taking
-    # ``reset`` (``kdax._runner.derived.shares_chunks``). False: every sequence starts its
+    # ``reset`` (``kdax._runner.routes.shares_chunks``). False: every sequence starts its
     # own chunk. ``plan`` says which ran.
     share_chunks: bool = eqx.field(static=True, default=True)
     # The reference stages' chunk-group loops: "flat" groups of the flattened (row, head,
@@ -331,7 +331,7 @@ class _ForwardChunks(eqx.Module):
 def default_pipeline() -> KDAPipeline:
     """The pipeline ``chunk_kda(pipeline=None)`` uses: the reference stages (XLA) on every
     platform, precision policy "auto" (``kdax._numerics.precision``). On a GPU they run whole chunk
-    groups per loop iteration and unroll the recurrences (``kdax._numerics.ops.resolve_group``,
+    groups per loop iteration and unroll the recurrences (``kdax._numerics.chunk_loops.resolve_group``,
     ``loop_unroll``); beside FLA on an H200 (bf16, B=1 T=16384 H=16 K=V=128) that was the
     fastest training step measured, 25.0 ms against 26.8-53 ms for every mix of Pallas
     stages tried (benchmarks/NOTES.md, "GPU, third pass")."""

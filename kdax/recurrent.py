@@ -7,8 +7,8 @@ import jax.numpy as jnp
 
 from ._config import KDAOptions
 from ._config import state_v_first_of
-from ._numerics.ops import vary_like
-from ._typing import ALogIn, ArrayIn, Beta, CuSeqlensIn, Float, Gate, QK, Scalar, State, Values, typecheck
+from ._numerics.arrays import vary_like
+from ._annotations import ALogIn, ArrayIn, Beta, CuSeqlensIn, Float, Gate, QK, Scalar, State, Values, typecheck
 from ._validate import Dims, _value_of, checked_domain, validate
 from .parallel._shard import routed
 from .ref import beta_activation, compute_dtype, expand_heads, kda_gate, l2norm, recurrent_step

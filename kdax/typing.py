@@ -36,17 +36,17 @@ dtypes are checked when it is traced, with errors that name the argument::
 """
 
 from ._layouts.tokens import Tokens as Tokens
-from ._typing import ArrayIn as ArrayIn
-from ._typing import Beta as Beta
-from ._typing import ChunkK as ChunkK
-from ._typing import ChunkMat as ChunkMat
-from ._typing import ChunkScalar as ChunkScalar
-from ._typing import ChunkState as ChunkState
-from ._typing import ChunkV as ChunkV
-from ._typing import ChunkValid as ChunkValid
-from ._typing import Gate as Gate
-from ._typing import QK as QK
-from ._typing import SeqState as SeqState
-from ._typing import State as State
-from ._typing import Values as Values
-from ._typing import typecheck as typecheck
+from ._annotations import ArrayIn as ArrayIn
+from ._annotations import Beta as Beta
+from ._annotations import ChunkK as ChunkK
+from ._annotations import ChunkMat as ChunkMat
+from ._annotations import ChunkScalar as ChunkScalar
+from ._annotations import ChunkState as ChunkState
+from ._annotations import ChunkV as ChunkV
+from ._annotations import ChunkValid as ChunkValid
+from ._annotations import Gate as Gate
+from ._annotations import QK as QK
+from ._annotations import SeqState as SeqState
+from ._annotations import State as State
+from ._annotations import Values as Values
+from ._annotations import typecheck as typecheck

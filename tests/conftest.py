@@ -75,10 +75,10 @@ def _release_near_the_mapping_limit():
 
 @pytest.fixture(autouse=True)
 def _fresh_fallback_warnings():
-    # kdax warns once per process for each fallback (kdax._runner.runner, .derived); a test
+    # kdax warns once per process for each fallback (kdax._runner.runner, .routes); a test
     # that expects the warning must not depend on which test ran before it in its worker.
-    from kdax._runner import derived, runner
+    from kdax._runner import routes, runner
 
     runner._warn_once.cache_clear()
-    derived._warn_once.cache_clear()
+    routes._warn_once.cache_clear()
     yield

@@ -1,4 +1,4 @@
-"""Stage capabilities (kdax/_declared/capabilities.py, through the stage runner kdax/_runner/runner.py):
+"""Stage capabilities (kdax/_stage_protocol/capabilities.py, through the stage runner kdax/_runner/runner.py):
 declared in ``accepts`` (never read from the signature); the runner passes ``G_lo`` /
 ``reset`` only where accepted and refuses (or falls back on) a layout a stage cannot run."""
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import kdax
-from kdax._declared.capabilities import Capabilities, capabilities
+from kdax._stage_protocol.capabilities import Capabilities, capabilities
 from kdax.stages import (
     KDA,
     AbstractGate,

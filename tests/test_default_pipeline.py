@@ -5,7 +5,7 @@ per-platform loop settings of the reference stages ("auto")."""
 import jax
 
 import kdax
-from kdax._numerics.ops import loop_unroll, resolve_group
+from kdax._numerics.chunk_loops import loop_unroll, resolve_group
 
 
 def test_default_is_the_reference_pipeline():

@@ -1,4 +1,4 @@
-"""The backward follows the forward (kdax/_runner/derived.py): a pipeline whose forward stages
+"""The backward follows the forward (kdax/_runner/routes.py): a pipeline whose forward stages
 compute other math than its backward stages transpose gets the exact gradients of the
 algorithm its forward stages compute (float64, against autodiff of a pure-JAX oracle of
 the modified algorithm), or a named error; with backward stages that transpose it and say
@@ -173,7 +173,7 @@ def test_packed_initial_states_with_a_head_gain_declaring_reference_capabilities
         accepts: ClassVar[frozenset] = frozenset({"tile_safe", "standard"})
 
     with pytest.raises(TypeError, match=r"Standard\.accepts: 'standard' is gone .*math = kdax\.stages\.KDA"):
-        kdax._declared.capabilities.capabilities(Standard)
+        kdax._stage_protocol.capabilities.capabilities(Standard)
     x = make_inputs(B=1, T=40, H=3, K=4, V=4, N=3)
     pos, kw = split_args(x)
     h0 = kw["initial_state"]
@@ -206,7 +206,7 @@ def test_matching_backward_stages_keep_the_hand_written_backward():
     h0 = kw["initial_state"]
     gain = jnp.array([0.5, 2.0])
     pipe = ex.gain_pipeline(gain)
-    assert kdax._runner.derived.mismatches(pipe) == ()
+    assert kdax._runner.routes.mismatches(pipe) == ()
     with warnings.catch_warnings():
         warnings.simplefilter("error", kdax.FallbackWarning)
         got = _grads(pipe, pos, h0)
@@ -223,7 +223,7 @@ def test_matching_backward_stages_keep_the_hand_written_backward():
         assert_close(a, b, 1e-10, name)
     # The same gate without its backward: derived, and still exact.
     alone = eqx.tree_at(lambda p: p.gate_bwd, pipe, kdax.stages.ReferenceGateBackward())
-    assert "B5 `gate_bwd` (ReferenceGateBackward) transposes 'kda'" in kdax._runner.derived.mismatches(alone)[0]
+    assert "B5 `gate_bwd` (ReferenceGateBackward) transposes 'kda'" in kdax._runner.routes.mismatches(alone)[0]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", kdax.FallbackWarning)
         got = _grads(alone, pos, h0)
@@ -267,13 +267,13 @@ def test_underivable_stage_and_direct_backward_are_named_errors():
 
 def test_declarations():
     ref, pal = kdax.KDAPipeline.reference(), kdax.KDAPipeline.pallas("triton", interpret=True)
-    assert kdax._runner.derived.mismatches(ref) == () and kdax._runner.derived.mismatches(pal) == ()
-    assert kdax._runner.derived.mismatches(kdax.KDAPipeline.mixed("tpu", interpret=True)) == ()
-    assert kdax._runner.derived.mismatches(kdax.stages.segmented(ref)) == ()
+    assert kdax._runner.routes.mismatches(ref) == () and kdax._runner.routes.mismatches(pal) == ()
+    assert kdax._runner.routes.mismatches(kdax.KDAPipeline.mixed("tpu", interpret=True)) == ()
+    assert kdax._runner.routes.mismatches(kdax.stages.segmented(ref)) == ()
     # A segmented F4 computes what its inner stage does (segmented() itself refuses an
     # F4 of other math: tests/parallel/test_custom_stages.py).
     seg = eqx.tree_at(lambda p: p.state, ref, kdax.stages.SegmentedState(ScaledStartState(), 4))
-    assert "F4 `state` (SegmentedState) computes math None" in kdax._runner.derived.mismatches(seg)[0]
+    assert "F4 `state` (SegmentedState) computes math None" in kdax._runner.routes.mismatches(seg)[0]
     assert np.all([getattr(ref, f).math == kdax.stages.KDA for f in USER])
 
 

@@ -1,4 +1,4 @@
-"""Concrete stages are final (kdax/_declared/final.py): subclassing one raises, naming the family
+"""Concrete stages are final (kdax/_stage_protocol/final.py): subclassing one raises, naming the family
 to subclass instead; the abstract families stay open."""
 
 import inspect

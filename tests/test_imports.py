@@ -2,8 +2,8 @@
 modules, no import hidden inside a function, and no private name, or private module of
 another subpackage, imported across subpackages (kdax.stages, kdax.pallas,
 kdax.parallel, kdax.nn, kdax.ref talk to each other through their packages' public
-names; the private machinery, the top-level private modules (kdax._typing and the like)
-and the private subpackages kdax._numerics, kdax._layouts, kdax._declared, kdax._runner,
+names; the private machinery, the top-level private modules (kdax._annotations and the like)
+and the private subpackages kdax._numerics, kdax._layouts, kdax._stage_protocol, kdax._runner,
 is shared by all, and the top level may re-export from a subpackage's modules). The root keeps the
 public faces and at most 8 private modules."""
 

@@ -135,7 +135,7 @@ def test_initial_state_walk(packed):
     # The instrument sees the whole trip: in at the front door; F4 given h0 (and B0's F4 in
     # the backward), or, packed, the states entering shared chunks (kdax._layouts.shared_states);
     # the gradient handed back out of the VJP.
-    assert ("_front.py", "chunk_kda", "in") in route[:3], route[:3]
+    assert ("_chunk_kda.py", "chunk_kda", "in") in route[:3], route[:3]
     dest = ("_layouts/shared_states.py", "f4_inputs") if packed else ("stages/_state.py", "__call__")
     assert sum(e[:2] == dest for e in route) >= (1 if packed else 2), route
     assert route[-1][0] == "_runner/vjp.py" and route[-1][2] == "out", route[-3:]

@@ -97,7 +97,7 @@ def test_products_follow_the_policy(policy):
         if stage == "recompute":
             continue
         if policy == "auto" and stage in _precision.FAST_STAGES:
-            # Row sums (kdax._numerics.ops.rowsum) and the solve stay exact inside these stages.
+            # Row sums (kdax._numerics.arrays.rowsum) and the solve stay exact inside these stages.
             assert str(FAST) in precs and precs <= {str(FAST), str(HIGHEST)}, (stage, precs)
         else:
             assert precs == {str(HIGHEST)}, (stage, precs)

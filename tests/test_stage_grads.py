@@ -2,7 +2,7 @@
 exact gradients (float64, against autodiff of an oracle of the modified algorithm), the
 backward stages' arrays an exact zero; F2-F4 arrays of a stage declaring KDA's math (the
 hand-written backward runs) a named error at trace time, and of a stage of other math
-their exact gradients through the derived backward (kdax/_runner/derived.py); never a silent
+their exact gradients through the derived backward (kdax/_runner/routes.py); never a silent
 zero."""
 
 from typing import ClassVar
@@ -86,7 +86,7 @@ def test_output_stage_array_gets_its_exact_gradient(packed):
     dgain_ref, dq_ref = jax.grad(oracle, argnums=(0, 1))(GAIN, pos[0])
     assert_close(d_pipe.output.gain, dgain_ref, 1e-11, "d gain (F5)")
     # The input gradients are those of the modified algorithm (the gain's F5 declares no
-    # math, so the backward is derived from the forward stages: kdax._runner.derived).
+    # math, so the backward is derived from the forward stages: kdax._runner.routes).
     assert_close(dq, dq_ref, 1e-10, "dq (modified algorithm)")
 
 

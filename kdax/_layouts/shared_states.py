@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from .._numerics.hilo import exponent
 from .._numerics.isolation import finite_heads
-from .._numerics.ops import tri_mask
+from .._numerics.arrays import tri_mask
 from ..ref import activated_gate
 from .layout import BackwardHooks, ChunkLayout, ForwardHooks
 from .ragged import Spans, matvec, narrow_width, outer, token_slots

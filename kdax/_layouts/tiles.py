@@ -18,7 +18,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from .._numerics.ops import vary_like, zeros_after
+from .._numerics.arrays import vary_like, zeros_after
 from .layout import ChunkLayout, make_layout, pack_inputs, unpack
 
 

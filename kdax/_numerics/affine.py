@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from .ops import vary_like
+from .arrays import vary_like
 
 
 def apply_map(M, x):

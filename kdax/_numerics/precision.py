@@ -42,7 +42,7 @@ What must stay float32, and why:
   becomes large relative to dG. With B4 rounded, dg's error was 1.7e-2 (H100, bf16,
   1x16384x16, K=V=128) and dA_log's 6e-2; on a CPU with XLA:GPU's rounding emulated (T=1024,
   H=2, K=V=64) dg 2.6e-2 and dA_log 1.45, against 3.3e-3 and 6.8e-3 with B4 exact.
-* row sums written as products (``kdax._numerics.ops.rowsum``): sums, not products.
+* row sums written as products (``kdax._numerics.arrays.rowsum``): sums, not products.
 
 Everything else (the scores of F2, F3's ``w``/``u``, F5's output, B1, B3 and B0's F3)
 takes half-precision operands as FLA's kernels do, with errors of the order of the
@@ -50,7 +50,7 @@ inputs' own rounding.
 
 Mechanism: the stage runner (``kdax._runner.runner.run_stage``) enters ``stage_scope(policy, stage)``,
 which records the stage's policy and operand dtype. kdax's own stages (the final classes,
-``kdax._declared.final``) trace their ``__call__`` under JAX's default matmul precision for
+``kdax._stage_protocol.final``) trace their ``__call__`` under JAX's default matmul precision for
 it (``matmul_precision``: the reference stages' jnp products; on GPUs XLA then rounds the
 operands and runs bf16 tensor-core products; XLA:CPU ignores the algorithm and computes in
 float32), and ``kdax.pallas``'s in-kernel ``dot`` reads the operand dtype to cast its
@@ -62,7 +62,7 @@ emulate XLA:GPU's rounding on a CPU (``tests/_gpu_products.py``).
 Storage (``"fast"`` only): the stage runner casts the ``STORED`` fields of F2's, F3's,
 F4's, B0's and B2's outputs to ``storage(dtype)`` (a no-op for a stage that wrote them so: the
 Pallas kernels write bf16 themselves), and hands them in that dtype only to a stage that
-declares the capability ``"half_stored"`` (``kdax._declared.capabilities``); any other stage gets
+declares the capability ``"half_stored"`` (``kdax._stage_protocol.capabilities``); any other stage gets
 float32 copies (exact), so every stage, a user's too, runs unchanged.
 """
 

@@ -4,4 +4,4 @@ or transposes and the routes that follow (``derived``), the forward's layout, ca
 and tiles decided before F1 (``forward``), what the forward keeps for the backward
 (``residuals``), the gradients of the stages' own arrays (``stage_grads``) and
 ``chunk_kda``'s custom VJP (``vjp``). Imports ``kdax._numerics``, ``kdax._layouts``,
-``kdax._declared`` and the stage families; the pipeline (``kdax.pipeline``) sits on top."""
+``kdax._stage_protocol`` and the stage families; the pipeline (``kdax.pipeline``) sits on top."""

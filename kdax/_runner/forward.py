@@ -17,7 +17,7 @@ from .._layouts.tiles import forward_tiled
 from .._layouts.tokens import chunked_inputs
 from .._numerics import isolation as _isolation
 from ..ref import compute_dtype
-from .derived import is_kda, shares_chunks, tile_chunks
+from .routes import is_kda, shares_chunks, tile_chunks
 from .runner import record_layout
 
 

@@ -11,7 +11,7 @@ from jaxtyping import Array, Bool, Float, Int
 from .._config import KDAConfig
 from .._layouts.layout import ChunkLayout, reduce_group, unpack
 from .._layouts.tokens import Tokens, as_chunked
-from .._typing import ChunkMat, ChunkK, ChunkV, SeqState
+from .._annotations import ChunkMat, ChunkK, ChunkV, SeqState
 from ..stages import Activated, ForwardCache
 
 

@@ -5,7 +5,7 @@ array gradients) goes through ``run_stage``:
 1. the field's family is checked (a stage edited in with ``eqx.tree_at`` too);
 2. capabilities are negotiated from the stage's declaration (``capabilities``): the
    optional inputs ``G_lo`` and ``reset`` go only to a stage that accepts them, ``reset``
-   only to one whose math is checked against the reference (``kdax._runner.derived.routed``); a
+   only to one whose math is checked against the reference (``kdax._runner.routes.routed``); a
    stage that lacks what the case needs (``reset`` on a shared-chunk layout) raises
    ``UnsupportedCase``; a stage given ``reset`` has the terms between sequences masked
    where the pipeline can do it exactly (``kdax._layouts.resets.guard_outputs``);
@@ -35,12 +35,12 @@ from .._config import KDAOptions
 from .._errors import FallbackWarning, UnsupportedCase
 from .._layouts import resets as _resets
 from .._numerics import precision as _precision
-from .._numerics.ops import chunk_loops_scope
-from .._typing import QK, Beta, ChunkK, Gate, Values, typecheck
+from .._numerics.chunk_loops import chunk_loops_scope
+from .._annotations import QK, Beta, ChunkK, Gate, Values, typecheck
 from ..stages import AbstractState, AbstractWY
-from .._declared.capabilities import capabilities, negotiated
+from .._stage_protocol.capabilities import capabilities, negotiated
 from .contracts import STAGES, check_arguments, check_family, check_output, expected_output
-from .derived import declared_only, reference_is_exact, routed
+from .routes import declared_only, reference_is_exact, routed
 
 
 class Recording:
@@ -53,7 +53,7 @@ class Recording:
         self.ran: dict = {}
         self.quiet = quiet
         self.layout: Optional[str] = None
-        # (reasons, swapped fields) when the backward was derived (kdax._runner.derived)
+        # (reasons, swapped fields) when the backward was derived (kdax._runner.routes)
         self.derived: Optional[tuple] = None
 
 
@@ -89,7 +89,7 @@ def run_stage(pipeline, name: str, **kwargs):
     says. Returns the stage's output."""
     stage = getattr(pipeline, name)
     check_family(name, stage)
-    caps = routed(name, stage)  # (reset only to a stage whose math is checked: kdax._runner.derived.unchecked)
+    caps = routed(name, stage)  # (reset only to a stage whose math is checked: kdax._runner.routes.unchecked)
     full, kwargs = kwargs, negotiated(stage, kwargs)
     needs_reset = kwargs.get("reset") is not None and not caps.reset
     if "reset" in kwargs and not caps.reset:
@@ -103,7 +103,7 @@ def run_stage(pipeline, name: str, **kwargs):
     for rec in recs:
         rec.inputs.setdefault(name, kwargs)
     # The named scope labels every op of the stage in HLO dumps and profiles. The policy
-    # reaches kdax's own products only (kdax._declared.final: HIGHEST, unless it lets this
+    # reaches kdax's own products only (kdax._stage_protocol.final: HIGHEST, unless it lets this
     # stage take half-precision operands); a user's stage keeps the caller's precision.
     policy = "highest" if pipeline.precision == "auto" else pipeline.precision  # unresolved: safe
     with jax.named_scope(f"kdax_{name}"), _precision.stage_scope(policy, name), chunk_loops_scope(pipeline.chunk_loops):

@@ -2,7 +2,7 @@
 pipeline's forward (whole, untiled) and whose backward is the six-stage backward; the
 pipeline's own arrays are differentiated as ``kdax._runner.stage_grads`` says, and non-finite
 cotangents stay in their sequence (``kdax._numerics.isolation``). When the backward stages are
-not the transposes of the forward stages (``kdax._runner.derived``), the backward is derived
+not the transposes of the forward stages (``kdax._runner.routes``), the backward is derived
 from the forward stages by ``jax.vjp`` instead, every stage array included, with the
 same isolation."""
 
@@ -10,7 +10,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from . import derived as _derived
+from . import routes as _routes
 from .._config import KDAConfig, KDAOptions
 from .._numerics import isolation as _isolation
 from .._validate import final_out, prepare_options
@@ -57,8 +57,8 @@ def _concrete(*trees) -> bool:
 @differentiable.def_fwd
 def _vjp_fwd(perturbed, diff, config: KDAConfig, cu_seqlens):
     if _concrete(diff, cu_seqlens):
-        if _derived.whole_derived(diff[1]):
-            _derived.warn_derived(diff[1])  # (once, here: a cached trace would not say it)
+        if _routes.whole_derived(diff[1]):
+            _routes.warn_derived(diff[1])  # (once, here: a cached trace would not say it)
         return _compiled_fwd(perturbed, diff, config, cu_seqlens)
     return _fwd(perturbed, diff, config, cu_seqlens)
 
@@ -66,15 +66,15 @@ def _vjp_fwd(perturbed, diff, config: KDAConfig, cu_seqlens):
 def _fwd(perturbed, diff, config: KDAConfig, cu_seqlens):
     inputs, pipeline = diff
     bad = _bad(config, inputs, cu_seqlens)
-    if _derived.whole_derived(pipeline):
+    if _routes.whole_derived(pipeline):
         def run(inputs_, pipe):
             o_, final_, _ = pipe.run_forward(config, *inputs_, cu_seqlens, clean=True, entries=True)
             return o_, final_
 
-        (o, final), vjp, swapped = _derived.derived_vjp(pipeline, run, inputs)
+        (o, final), vjp, swapped = _routes.derived_vjp(pipeline, run, inputs)
         for rec in active_recordings():
-            rec.derived = (_derived.mismatches(pipeline), swapped)
-        res = _derived.DerivedResiduals.of(vjp, swapped, o, final, inputs[0].shape[2])
+            rec.derived = (_routes.mismatches(pipeline), swapped)
+        res = _routes.DerivedResiduals.of(vjp, swapped, o, final, inputs[0].shape[2])
         return _isolation.poison_outputs(bad, o, final), (res, bad.where)
     got = check_perturbed(pipeline, perturbed[1])
     # Whole: in a training step XLA then shares F3/F4 with B0's recompute (the CPU step was
@@ -103,7 +103,7 @@ def _bwd(residuals, cotangents, perturbed, diff, config: KDAConfig, cu_seqlens):
     res, where = residuals
     inputs, pipeline = diff
     do, dht = cotangents
-    if isinstance(res, _derived.DerivedResiduals):
+    if isinstance(res, _routes.DerivedResiduals):
         return _derived_bwd(res, where, do, dht, perturbed, config, cu_seqlens)
     if do is None:  # only the final state carries a loss
         L = res.layout
@@ -112,7 +112,7 @@ def _bwd(residuals, cotangents, perturbed, diff, config: KDAConfig, cu_seqlens):
     # A non-finite cotangent stays in its sequence (kdax._numerics.isolation).
     do, poison = _isolation.clean_cotangents(do, dht, cu_seqlens, res.num_qk_heads)
     clean = (*_isolation.cleaner_of(config)(inputs[:5]), *inputs[5:])
-    bwd = _derived.gate_vjp_pipeline(pipeline, res, clean) if _derived.gate_alone_differs(pipeline) else pipeline
+    bwd = _routes.gate_vjp_pipeline(pipeline, res, clean) if _routes.gate_alone_differs(pipeline) else pipeline
     grads, parts = bwd.backward_with_parts(res, do, dht)
     grads = _isolation.poison_inputs(where, poison(grads))
     out = (grads.q, grads.k, grads.v, grads.g, grads.beta, grads.initial_state, grads.A_log, grads.dt_bias)
@@ -124,10 +124,10 @@ _compiled_bwd = eqx.filter_jit(_bwd)
 
 
 def _derived_bwd(res, where, do, dht, perturbed, config: KDAConfig, cu_seqlens):
-    """The derived backward (``kdax._runner.derived``)."""
+    """The derived backward (``kdax._runner.routes``)."""
     dht = dht if config.output_final_state else None
-    out, d_pipe = _derived.derived_gradients(res, where, do, dht, cu_seqlens)
-    return out, _derived.pipeline_cotangent(perturbed[1], d_pipe, res.swapped)
+    out, d_pipe = _routes.derived_gradients(res, where, do, dht, cu_seqlens)
+    return out, _routes.pipeline_cotangent(perturbed[1], d_pipe, res.swapped)
 
 
 def apply(pipeline, q, k, v, g, beta, options: KDAOptions):

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from .._typing import Beta, Gate, QK, Values
+from .._annotations import Beta, Gate, QK, Values
 from .._validate import prepare
 from ..pipeline import KDAPipeline
 from ..recurrent import fused_recurrent_kda

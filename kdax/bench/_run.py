@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._front import chunk_kda
+from .._chunk_kda import chunk_kda
 from ..ref import naive_recurrent_kda
 from ._baselines import _TrainStep, baseline_paths, plain_scan_kda
 from ._shape import Shape, cotangent, flops_per_token_head, make_inputs

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from .._typing import Beta, Gate, QK, Values
+from .._annotations import Beta, Gate, QK, Values
 
 
 @dataclasses.dataclass

@@ -7,8 +7,8 @@ from typing import Callable, Optional
 import equinox as eqx
 import jax
 
-from .._declared.capabilities import capabilities
-from .._front import chunk_kda
+from .._stage_protocol.capabilities import capabilities
+from .._chunk_kda import chunk_kda
 from .._runner.runner import stage_inputs
 from ..pipeline import KDAPipeline
 from ._shape import Shape, cotangent, make_inputs

@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from .._conv import causal_conv, conv_tail, token_segments
+from .._numerics.short_conv import causal_conv, conv_tail, token_segments
 from .._errors import HeadFirstLayoutWarning
-from .._front import chunk_kda
+from .._chunk_kda import chunk_kda
 from ..parallel import conv_halo, sp_conv_tail, sp_token_segments
 from ..pipeline import KDAPipeline, default_pipeline
 from ..recurrent import fused_recurrent_kda

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray, Shaped
 
 from .._runner.runner import active_recordings
-from .._typing import ArrayIn, CuSeqlensIn, typecheck
+from .._annotations import ArrayIn, CuSeqlensIn, typecheck
 from ..pipeline import KDAPipeline
 from ..recurrent import concrete_call
 from ._arguments import check_call, checked_slots

@@ -5,7 +5,7 @@ from typing import Optional
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, Shaped
 
-from .._typing import ArrayIn
+from .._annotations import ArrayIn
 from ._cache import KDACache
 
 

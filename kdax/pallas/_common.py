@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from .._errors import UnsupportedCase
 from .._layouts.resets import per_head, segments
 from .._layouts.tokens import Tokens, as_chunked
-from .._numerics.ops import vary_like
+from .._numerics.arrays import vary_like
 
 TARGETS = ("tpu", "triton")
 

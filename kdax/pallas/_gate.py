@@ -26,8 +26,8 @@ from .._layouts.resets import per_head
 from .._layouts.tokens import Tokens
 from .._numerics import precision as _precision
 from .._numerics.hilo import grid_bits, split_log_decay
-from .._declared.final import final
-from .._typing import ChunkK, ChunkScalar, ChunkValid, typecheck
+from .._stage_protocol.final import final
+from .._annotations import ChunkK, ChunkScalar, ChunkValid, typecheck
 from ..ref import L2NORM_EPS, log_decay_floor, reset_log_decay
 from ..stages import KDA, AbstractGate, AbstractGateBackward, Activated, RawGrads
 from ._arith import dot, from_first, lower_dot, nonfinite_rows

@@ -38,8 +38,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from .._numerics import precision as _precision
-from .._declared.final import final
-from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkValid, typecheck
+from .._stage_protocol.final import final
+from .._annotations import ChunkK, ChunkMat, ChunkScalar, ChunkValid, typecheck
 from ..stages import KDA, AbstractIntra, AbstractIntraBackward, ChunkGrads, IntraOut
 from ._arith import decay, dot
 from ._common import (

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 from types import MappingProxyType
 
 from .._layouts.tokens import Tokens
-from .._declared.final import final
-from .._typing import ChunkK, ChunkMat, ChunkState, ChunkV, typecheck
+from .._stage_protocol.final import final
+from .._annotations import ChunkK, ChunkMat, ChunkState, ChunkV, typecheck
 from ..ref import compute_dtype
 from ..stages import KDA, AbstractDAv, AbstractOutput
 from ._arith import dot, lower_dot

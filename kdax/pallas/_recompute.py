@@ -5,8 +5,8 @@ from typing import ClassVar, Optional, Union
 
 from .._layouts.layout import ChunkLayout
 from .._layouts.tokens import Tokens
-from .._declared.final import final
-from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkV, ChunkValid, SeqState, typecheck
+from .._stage_protocol.final import final
+from .._annotations import ChunkK, ChunkMat, ChunkScalar, ChunkV, ChunkValid, SeqState, typecheck
 from ..stages import AbstractRecompute, AbstractState, AbstractWY, recompute_with, StateOut, WYOut
 from ._common import PallasTarget, tuned
 from ._state import PallasState

@@ -17,8 +17,8 @@ from .._layouts.layout import ChunkLayout
 from .._layouts.resets import mask_exponent, state_passes
 from .._layouts.tokens import Tokens
 from .._numerics import precision as _precision
-from .._declared.final import final
-from .._typing import ChunkK, ChunkV, ChunkValid, SeqState, typecheck
+from .._stage_protocol.final import final
+from .._annotations import ChunkK, ChunkV, ChunkValid, SeqState, typecheck
 from ..stages import KDA, AbstractDhu, AbstractState, DhuOut, StateOut
 from ._common import PallasValueBlocks, check_block, feature_pad, flat, tuned, unflat
 

@@ -9,8 +9,8 @@ from jax.experimental import pallas as pl
 
 from .._layouts.resets import mask_exponent
 from .._layouts.tokens import Tokens
-from .._declared.final import final
-from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, ChunkValid, typecheck
+from .._stage_protocol.final import final
+from .._annotations import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, ChunkValid, typecheck
 from .._numerics import precision as _precision
 from .._numerics.hilo import exponent
 from ..stages import KDA, AbstractWY, AbstractWYDqkg, ChunkGrads, WYOut

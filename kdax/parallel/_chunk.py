@@ -20,7 +20,7 @@ other F4 is refused by name (``check_state_splits``), since an F4 that reads its
 state otherwise (clips it, say) computes something else for each split. The training
 step's "pass from zero plus the part from the entry" needs F5 of KDA's math too (linear
 in ``h`` and ``v_new``); otherwise the local pass runs again from the true entry. When the backward stages are not the transposes of the forward
-stages (``kdax._runner.derived``), the backward is derived by ``jax.vjp`` through this
+stages (``kdax._runner.routes``), the backward is derived by ``jax.vjp`` through this
 sequence-parallel forward, collectives included, as ``chunk_kda`` does on one device.
 """
 
@@ -33,8 +33,8 @@ import numpy as np
 
 from .._layouts.layout import pack, unpack
 from .._numerics import isolation as _isolation
-from .._numerics.ops import varying_axes
-from .._runner import derived as _derived
+from .._numerics.arrays import varying_axes
+from .._runner import routes as _routes
 from .._runner.stage_grads import check_perturbed, pipeline_gradients
 from .._validate import checked_cu_seqlens
 from ..pipeline import default_pipeline
@@ -170,7 +170,7 @@ def _forward(static: _Static, q, k, v, g, beta, h0, A_log, dt_bias, cu):
     # (2) the true entry state, (3) the local pass from it.
     entry = exclusive_prefix(M, b, static.axis, method=static.prefix)
     h_add = _rows(sp.enters, _spread(sp, sp.enters, entry, N))
-    if _derived.is_kda(static.pipeline.output):
+    if _routes.is_kda(static.pipeline.output):
         # Affine in the entry: the pass from zero plus F4 and F5 from the entry alone
         # (u = 0), F1-F3 once (the training step 1.3-1.5x faster at T = 8192 on 8 devices).
         # The forward alone takes the same route, so that it equals the training step's
@@ -226,25 +226,25 @@ def _derived_fwd(call: _Call, pipeline, inputs, cu, bad):
         o_, final_, *_ = _forward(call.static(pipe), *inputs_, cu)
         return o_, final_
 
-    (o, final), vjp, swapped = _derived.derived_vjp(pipeline, run, inputs)
+    (o, final), vjp, swapped = _routes.derived_vjp(pipeline, run, inputs)
     sp = _spans(call.axis, inputs[0].shape[0], inputs[0].shape[1], cu)
-    res = _derived.DerivedResiduals.of(vjp, swapped, o, final, inputs[0].shape[2])
+    res = _routes.DerivedResiduals.of(vjp, swapped, o, final, inputs[0].shape[2])
     return _isolation.poison_outputs(bad, o, final), (res, None, sp, bad.where)
 
 
 def _derived_bwd(res, sp: _Spans, where, primals, perturbed, do, dfinal):
-    """The derived backward on this device (``kdax._runner.derived.derived_gradients``),
+    """The derived backward on this device (``kdax._runner.routes.derived_gradients``),
     the cotangents of replicated inputs and of the pipeline summed over the devices."""
-    out, d_pipe = _derived.derived_gradients(res, where, do, dfinal, sp.cu)
+    out, d_pipe = _routes.derived_gradients(res, where, do, dfinal, sp.cu)
     d_inputs = tuple(None if x is None or p is None else _like(x, p) for x, p in zip(out, primals))
     d_pipe = jax.tree.map(lambda x: x if x is None else _like(x, x), d_pipe)
-    return d_inputs, _derived.pipeline_cotangent(perturbed, d_pipe, res.swapped)
+    return d_inputs, _routes.pipeline_cotangent(perturbed, d_pipe, res.swapped)
 
 
 @_sp_kda.def_fwd
 def _sp_fwd(perturbed, diff, call: _Call, cu):
     inputs, pipeline = diff
-    if _derived.whole_derived(pipeline):
+    if _routes.whole_derived(pipeline):
         bad, inputs = _isolated(call, inputs, cu)
         return _derived_fwd(call, pipeline, inputs, cu, bad)
     check_perturbed(pipeline, perturbed[1], where="kdax.parallel's sequence-parallel chunk_kda")
@@ -262,7 +262,7 @@ def _sp_bwd(residuals, cotangents, perturbed, diff, call: _Call, cu):
     res, M, sp, where = residuals
     primals, pipeline = diff
     do, dfinal = cotangents
-    if isinstance(res, _derived.DerivedResiduals):
+    if isinstance(res, _routes.DerivedResiduals):
         return _derived_bwd(res, sp, where, primals, perturbed[1], do, dfinal)
     static = call.static(pipeline.untiled())
     if do is None:
@@ -282,8 +282,8 @@ def _sp_bwd(residuals, cotangents, perturbed, diff, call: _Call, cu):
     own = _rows(sp.owns, dfinal)
     res = _with_cache(static, res)
     clean = _isolated(call, primals, cu)[1]
-    if _derived.gate_alone_differs(static.pipeline):  # (B5 as F1's VJP; B0-B4 hand-written)
-        static = eqx.tree_at(lambda s: s.pipeline, static, _derived.gate_vjp_pipeline(static.pipeline, res, clean))
+    if _routes.gate_alone_differs(static.pipeline):  # (B5 as F1's VJP; B0-B4 hand-written)
+        static = eqx.tree_at(lambda s: s.pipeline, static, _routes.gate_vjp_pipeline(static.pipeline, res, clean))
     # c: the gradient reaching the entering sequence's start from this device's own do/dht
     c = _pick(sp, sp.enters, _entry_gradient(static, res, do, own))
     # the gradient arriving at this device's exit from the devices after it
@@ -313,7 +313,7 @@ def check_state_splits(pipeline) -> None:
     """Sequence parallel cuts each sequence's chunk recurrence at the device boundaries and
     joins the pieces by affine summaries: exact for an F4 of KDA's math alone. Any other
     F4 is a ``ValueError`` naming it and what to declare."""
-    if not _derived.is_kda(pipeline.state):
+    if not _routes.is_kda(pipeline.state):
         raise ValueError(
             f"pipeline: sequence parallel (seq_axis_name) splits each sequence's state recurrence between devices "
             f"and joins the pieces by affine summaries, exact only for an F4 whose state map is affine in its entry "

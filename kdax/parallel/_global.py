@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .._config import KDAOptions
-from .._typing import ALogIn, ArrayIn, Beta, CuSeqlensIn, Float, Gate, QK, State, Values, typecheck
+from .._annotations import ALogIn, ArrayIn, Beta, CuSeqlensIn, Float, Gate, QK, State, Values, typecheck
 from .._validate import validate
 from ._chunk import sp_chunk_kda
 from ._interpret import interprets

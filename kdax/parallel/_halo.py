@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from .._conv import causal_conv, conv_tail
-from .._typing import typecheck
+from .._numerics.short_conv import causal_conv, conv_tail
+from .._annotations import typecheck
 
 
 def _seq_start(cu, pos):

@@ -1,7 +1,7 @@
 """Interpret-mode Pallas pipelines inside ``jax.shard_map``: which pipelines need
 ``check_vma=False``, and a clear error where a caller's ``shard_map`` checks."""
 
-from .._numerics.ops import varying_axes
+from .._numerics.arrays import varying_axes
 from .._runner.contracts import STAGES
 from ..pallas import PallasTarget
 from ..pipeline import default_pipeline

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float
 
-from .._typing import CuSeqlensIn, typecheck
+from .._annotations import CuSeqlensIn, typecheck
 from .._validate import check_cu_seqlens
 from ._global import check_mesh_axes
 from ._interpret import interprets

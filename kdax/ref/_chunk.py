@@ -10,7 +10,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from .._typing import ArrayIn, Beta, Float, Gate, QK, State, Values, typecheck
+from .._annotations import ArrayIn, Beta, Float, Gate, QK, State, Values, typecheck
 from ._gates import clamp_log_decay
 from ._recurrent import compute_dtype, expand_heads
 

@@ -5,7 +5,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from .._typing import ArrayIn, Beta, Float, Gate, QK, State, Values, typecheck
+from .._annotations import ArrayIn, Beta, Float, Gate, QK, State, Values, typecheck
 
 
 def compute_dtype(*xs):

@@ -12,9 +12,10 @@ from jaxtyping import Array, Float
 from .._config import KDAConfig
 from .._numerics import precision as _precision
 from .._numerics.hilo import grid_bits, split_log_decay
-from .._numerics.ops import ChunkGroup, lower_matmul, mT, over_chunks
-from .._declared.final import final
-from .._typing import ChunkK, ChunkScalar, ChunkValid, typecheck
+from .._numerics.arrays import lower_matmul, mT
+from .._numerics.chunk_loops import ChunkGroup, over_chunks
+from .._stage_protocol.final import final
+from .._annotations import ChunkK, ChunkScalar, ChunkValid, typecheck
 from ..ref import L2NORM_EPS, activated_gate, beta_activation, log_decay_floor
 from ._types import Activated, RawGrads, KDA
 
@@ -49,7 +50,7 @@ class AbstractGate(eqx.Module):
 
     # Which formula the stage computes: ``KDA`` (the family's formula above, exactly as
     # the reference stage computes it), or None (any other math: the backward stages do
-    # not transpose it, and the pipeline derives its backward, ``kdax._runner.derived``).
+    # not transpose it, and the pipeline derives its backward, ``kdax._runner.routes``).
     math: ClassVar[Optional[str]] = None
 
     # Whether the stage may be called on a tile (a few chunks at a time, the state carried
@@ -178,7 +179,7 @@ class AbstractGateBackward(eqx.Module):
 
     # The forward math this stage is the transpose of, per forward field it transposes
     # (``{"output": KDA}``): empty declares nothing, and a pipeline with this stage
-    # derives its backward from the forward stages (``kdax._runner.derived``).
+    # derives its backward from the forward stages (``kdax._runner.routes``).
     transposes: ClassVar[Mapping[str, str]] = MappingProxyType({})
 
     @abc.abstractmethod
@@ -275,7 +276,7 @@ class GateVjpBackward(AbstractGateBackward):
     inputs it was called with), at B4's ``dq, dk, dbeta, dG``: the exact transpose of any
     differentiable F1, whatever its math. A pipeline whose F1 alone is of other math (a
     new gate or activation) keeps the hand-written B0-B4 and gets B5 this way, chunk by
-    chunk as F1 runs (``kdax._runner.derived.gate_vjp_pipeline``), instead of deriving the
+    chunk as F1 runs (``kdax._runner.routes.gate_vjp_pipeline``), instead of deriving the
     whole backward.
 
     ``q, k, g, beta``: F1's inputs ``[R, HV, NC, C, ...]`` (the pipeline builds the stage
@@ -292,7 +293,7 @@ class GateVjpBackward(AbstractGateBackward):
         return MappingProxyType({"gate": self.gate.math})
 
     @property
-    def vjp_of(self):  # (kdax._runner.derived: the forward stage it is the VJP of)
+    def vjp_of(self):  # (kdax._runner.routes: the forward stage it is the VJP of)
         return self.gate
 
     def __call__(self, config, act, g, A_log, dt_bias, valid, dq, dk, dbeta, dG, reset=None):

@@ -22,9 +22,10 @@ import jax.numpy as jnp
 from .._layouts.resets import per_head, same_segment, segments
 from .._numerics import precision as _precision
 from .._numerics.hilo import exponent
-from .._numerics.ops import ChunkGroup, lower_matmul, mT, over_chunks, rowsum, zeros_after
-from .._declared.final import final
-from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkValid, typecheck
+from .._numerics.arrays import lower_matmul, mT, rowsum, zeros_after
+from .._numerics.chunk_loops import ChunkGroup, over_chunks
+from .._stage_protocol.final import final
+from .._annotations import ChunkK, ChunkMat, ChunkScalar, ChunkValid, typecheck
 from ._types import ChunkGrads, IntraOut, KDA
 
 
@@ -203,7 +204,7 @@ class AbstractIntra(eqx.Module):
 
     # Which formula the stage computes: ``KDA`` (the family's formula above, exactly as
     # the reference stage computes it), or None (any other math: the backward stages do
-    # not transpose it, and the pipeline derives its backward, ``kdax._runner.derived``).
+    # not transpose it, and the pipeline derives its backward, ``kdax._runner.routes``).
     math: ClassVar[Optional[str]] = None
 
     # Whether the stage may be called on a tile (a few chunks at a time, the state carried
@@ -281,7 +282,7 @@ class AbstractIntraBackward(eqx.Module):
 
     # The forward math this stage is the transpose of, per forward field it transposes
     # (``{"output": KDA}``): empty declares nothing, and a pipeline with this stage
-    # derives its backward from the forward stages (``kdax._runner.derived``).
+    # derives its backward from the forward stages (``kdax._runner.routes``).
     transposes: ClassVar[Mapping[str, str]] = MappingProxyType({})
 
     @abc.abstractmethod

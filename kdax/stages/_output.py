@@ -8,9 +8,11 @@ from typing import ClassVar, Mapping, Optional
 import equinox as eqx
 import jax.numpy as jnp
 
-from .._numerics.ops import ChunkGroup, lower_matmul, mT, over_chunks, tri_mask
-from .._declared.final import final
-from .._typing import ChunkK, ChunkMat, ChunkState, ChunkV, typecheck
+from .._numerics.arrays import lower_matmul, mT, tri_mask
+
+from .._numerics.chunk_loops import ChunkGroup, over_chunks
+from .._stage_protocol.final import final
+from .._annotations import ChunkK, ChunkMat, ChunkState, ChunkV, typecheck
 from ._types import KDA
 
 
@@ -29,7 +31,7 @@ class AbstractOutput(eqx.Module):
 
     # Which formula the stage computes: ``KDA`` (the family's formula above, exactly as
     # the reference stage computes it), or None (any other math: the backward stages do
-    # not transpose it, and the pipeline derives its backward, ``kdax._runner.derived``).
+    # not transpose it, and the pipeline derives its backward, ``kdax._runner.routes``).
     math: ClassVar[Optional[str]] = None
 
     # Whether the stage may be called on a tile (a few chunks at a time, the state carried
@@ -89,7 +91,7 @@ class AbstractDAv(eqx.Module):
 
     # The forward math this stage is the transpose of, per forward field it transposes
     # (``{"output": KDA}``): empty declares nothing, and a pipeline with this stage
-    # derives its backward from the forward stages (``kdax._runner.derived``).
+    # derives its backward from the forward stages (``kdax._runner.routes``).
     transposes: ClassVar[Mapping[str, str]] = MappingProxyType({})
 
     @abc.abstractmethod

@@ -8,9 +8,9 @@ import equinox as eqx
 from .._errors import UnsupportedCase
 from .._layouts.layout import ChunkLayout
 from .._numerics import precision as _precision
-from .._declared.capabilities import capabilities, negotiated
-from .._declared.final import final
-from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkV, ChunkValid, SeqState, typecheck
+from .._stage_protocol.capabilities import capabilities, negotiated
+from .._stage_protocol.final import final
+from .._annotations import ChunkK, ChunkMat, ChunkScalar, ChunkV, ChunkValid, SeqState, typecheck
 from ._state import AbstractState, ReferenceState
 from ._types import StateOut, WYOut
 from ._wy import AbstractWY, ReferenceWY

@@ -40,8 +40,8 @@ import jax.numpy as jnp
 
 from .._layouts.layout import ChunkLayout
 from .._numerics.affine import scan_prefix
-from .._declared.final import final
-from .._typing import ChunkK, ChunkV, SeqState, typecheck
+from .._stage_protocol.final import final
+from .._annotations import ChunkK, ChunkV, SeqState, typecheck
 from ._state import AbstractDhu, AbstractState, ReferenceDhu, ReferenceState
 from ._types import KDA, DhuOut, StateOut
 

@@ -17,9 +17,10 @@ import jax.numpy as jnp
 from .._layouts.layout import ChunkLayout
 from .._layouts.resets import mask_exponent, state_passes
 from .._numerics import precision as _precision
-from .._numerics.ops import loop_unroll, mT, vary_like, zeros_after
-from .._declared.final import final
-from .._typing import ChunkK, ChunkV, ChunkValid, SeqState, typecheck
+from .._numerics.arrays import mT, vary_like, zeros_after
+from .._numerics.chunk_loops import loop_unroll
+from .._stage_protocol.final import final
+from .._annotations import ChunkK, ChunkV, ChunkValid, SeqState, typecheck
 from ._types import DhuOut, StateOut, KDA
 
 
@@ -82,7 +83,7 @@ class AbstractState(eqx.Module):
 
     # Which formula the stage computes: ``KDA`` (the family's formula above, exactly as
     # the reference stage computes it), or None (any other math: the backward stages do
-    # not transpose it, and the pipeline derives its backward, ``kdax._runner.derived``).
+    # not transpose it, and the pipeline derives its backward, ``kdax._runner.routes``).
     math: ClassVar[Optional[str]] = None
 
     # Whether the stage may be called on a tile (a few chunks at a time, the state carried
@@ -115,7 +116,7 @@ class ReferenceState(AbstractState):
     accepts: ClassVar[frozenset] = frozenset({"reset", "tile_safe"})
 
     unroll: int = eqx.field(static=True, default=8)
-    # fori_loop's unroll factor over the chunks ("auto": kdax._numerics.ops.loop_unroll): on a
+    # fori_loop's unroll factor over the chunks ("auto": kdax._numerics.chunk_loops.loop_unroll): on a
     # GPU each loop iteration costs a launch and a round trip to the host.
     loop_unroll: Union[int, Literal["auto"]] = eqx.field(static=True, default="auto")
 
@@ -210,7 +211,7 @@ class AbstractDhu(eqx.Module):
 
     # The forward math this stage is the transpose of, per forward field it transposes
     # (``{"output": KDA}``): empty declares nothing, and a pipeline with this stage
-    # derives its backward from the forward stages (``kdax._runner.derived``).
+    # derives its backward from the forward stages (``kdax._runner.routes``).
     transposes: ClassVar[Mapping[str, str]] = MappingProxyType({})
 
     @abc.abstractmethod

@@ -8,12 +8,12 @@ from typing import Optional
 import equinox as eqx
 from jaxtyping import Array, Float
 
-from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, SeqState
+from .._annotations import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, SeqState
 
 # The math id of KDA's own formulas: a forward stage that computes its family's formula
 # exactly declares ``math = KDA``; a backward stage declares the forward math it is the
 # transpose of, per forward field (``transposes = {"output": KDA}``). See
-# ``kdax._runner.derived``: a pipeline whose backward stages do not transpose its forward
+# ``kdax._runner.routes``: a pipeline whose backward stages do not transpose its forward
 # stages derives its backward from the forward stages themselves.
 KDA = "kda"
 

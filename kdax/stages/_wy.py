@@ -9,9 +9,10 @@ import jax.numpy as jnp
 
 from .._layouts.resets import from_start, mask_exponent, per_head, same_segment, segments, to_end
 from .._numerics.hilo import exponent
-from .._numerics.ops import ChunkGroup, last_row, lower_matmul, mT, over_chunks, rowsum, tri_mask
-from .._declared.final import final
-from .._typing import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, ChunkValid, typecheck
+from .._numerics.arrays import last_row, lower_matmul, mT, rowsum, tri_mask
+from .._numerics.chunk_loops import ChunkGroup, over_chunks
+from .._stage_protocol.final import final
+from .._annotations import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, ChunkValid, typecheck
 from ._types import ChunkGrads, WYOut, KDA
 
 
@@ -37,7 +38,7 @@ class AbstractWY(eqx.Module):
 
     # Which formula the stage computes: ``KDA`` (the family's formula above, exactly as
     # the reference stage computes it), or None (any other math: the backward stages do
-    # not transpose it, and the pipeline derives its backward, ``kdax._runner.derived``).
+    # not transpose it, and the pipeline derives its backward, ``kdax._runner.routes``).
     math: ClassVar[Optional[str]] = None
 
     # Whether the stage may be called on a tile (a few chunks at a time, the state carried
@@ -137,7 +138,7 @@ class AbstractWYDqkg(eqx.Module):
 
     # The forward math this stage is the transpose of, per forward field it transposes
     # (``{"output": KDA}``): empty declares nothing, and a pipeline with this stage
-    # derives its backward from the forward stages (``kdax._runner.derived``).
+    # derives its backward from the forward stages (``kdax._runner.routes``).
     transposes: ClassVar[Mapping[str, str]] = MappingProxyType({})
 
     @abc.abstractmethod

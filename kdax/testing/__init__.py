@@ -14,7 +14,7 @@ its family's reference stage on the same arguments.
 
 ``check_pipeline(pipeline)`` compares a pipeline's gradients with the exact gradients of
 its own forward (``jax.vjp`` through its forward stages, the same-math Pallas stages
-differentiated as their reference twins: ``kdax._runner.derived.differentiable_forward``) and
+differentiated as their reference twins: ``kdax._runner.routes.differentiable_forward``) and
 its outputs across layouts (dense rows, packed per-sequence, shared chunks, tiles).
 
 Both return a ``Report``: ``.ok`` (no check failed; skipped ones say why), ``.failed``,

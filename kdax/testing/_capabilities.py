@@ -12,9 +12,9 @@ import jax.numpy as jnp
 from .._errors import UnsupportedCase
 from .._layouts.tokens import Tokens, as_chunked
 from .._numerics import precision as _precision
-from .._runner import derived as _derived
+from .._runner import routes as _routes
 from .._runner.contracts import STAGES
-from .._runner.derived import RESET_FIELDS, unsafe_for_tiles
+from .._runner.routes import RESET_FIELDS, unsafe_for_tiles
 from ._cases import _CU, Case, _dtname, _Twin, tolerance
 from ._compare import _compare, _leaves, _rel
 from ._report import _error, _unsupported
@@ -24,8 +24,8 @@ from ._runs import _for_stage, _jit_run, _pipe_for, _pipeline_outputs, _record, 
 def _capability_checks(col, base, field, stage, caps, dtype, full):
     """Every declared capability against the per-sequence layout / the untiled forward, in
     pipelines that take the routes the declaration selects whatever the stage's math
-    (``kdax._runner.derived.as_declared``; a pipeline takes them only for KDA's math)."""
-    with _derived.as_declared():
+    (``kdax._runner.routes.as_declared``; a pipeline takes them only for KDA's math)."""
+    with _routes.as_declared():
         P = _with_stage(base, field, stage)
         if caps.reset and field in RESET_FIELDS:
             _reset_checks(col, P, field, stage, dtype)

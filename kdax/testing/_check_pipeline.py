@@ -12,11 +12,11 @@ import numpy as np
 
 from .._errors import UnsupportedCase
 from .._numerics import precision as _precision
-from .._runner import derived as _derived
+from .._runner import routes as _routes
 from .._runner.contracts import STAGES
-from .._runner.derived import unsafe_for_tiles
+from .._runner.routes import unsafe_for_tiles
 from .._runner.runner import recording
-from .._typing import typecheck
+from .._annotations import typecheck
 from .._validate import prepare
 from ..pipeline import KDAPipeline
 from ._cases import _CU, _DENSE, _FLA, Case, _dtname, _Packed, _weights, tolerance
@@ -39,7 +39,7 @@ def check_pipeline(
       ``sum(o w) + sum(ht wh)``, fixed random weights) against the exact gradients of the
       pipeline's own forward: ``jax.vjp`` through its forward stages, one sequence per
       chunk, the same-math Pallas stages replaced by their reference twins
-      (``kdax._runner.derived.differentiable_forward``), for dense inputs with initial and
+      (``kdax._runner.routes.differentiable_forward``), for dense inputs with initial and
       final states (grouped value heads, K != V, ``scale=0.3``), packed varlen inputs with
       initial states and without (at chunk 64, every sequence shorter than a chunk), FLA's
       in-kernel options with the softplus gate and ``allow_neg_eigval``, the lower-bound
@@ -93,7 +93,7 @@ def _gradient_checks(col, pipeline: KDAPipeline, case: Case, tol: float):
     try:
         o_x, ht_x, (dx, darr) = _exact_grads(pipeline, case)
     except Exception as e:
-        col.add("gradients", case.name, None if _derived.is_autodiff_failure(e) else False,
+        col.add("gradients", case.name, None if _routes.is_autodiff_failure(e) else False,
                 "cannot differentiate the forward stages: " + _error(e))
         return
     path = "derived" if meta["derived"] else "six-stage"
@@ -155,7 +155,7 @@ def _exact_grads(pipeline: KDAPipeline, case: Case):
     """``(o, ht, (d inputs, d arrays))``: the forward of ``pipeline`` (untiled, one sequence
     per chunk, same-math Pallas stages as their references) differentiated by ``jax.vjp``
     at the cotangents ``_pipeline_outputs`` uses."""
-    diff, _ = _derived.differentiable_forward(pipeline)
+    diff, _ = _routes.differentiable_forward(pipeline)
     diff = dataclasses.replace(diff, share_chunks=False)
     (q, k, v, g, beta), kw = case.inputs()
     arrays = {n: x for n, x in kw.items() if n in ("initial_state", "A_log", "dt_bias")}

@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._errors import StageContractError, UnsupportedCase
-from .._runner import derived as _derived
-from .._declared.capabilities import capabilities
+from .._runner import routes as _routes
+from .._stage_protocol.capabilities import capabilities
 from .._runner.contracts import STAGES
-from .._runner.derived import RESET_FIELDS
-from .._typing import typecheck
+from .._runner.routes import RESET_FIELDS
+from .._annotations import typecheck
 from ..pipeline import KDAPipeline
 from ._capabilities import _capability_checks, _G_lo_check, _tokens_check
 from ._cases import DTYPES, Case, default_cases, tolerance
@@ -66,7 +66,7 @@ def check_stage(
     * ``jit``, ``filter_jit``, ``vmap`` (two cases' arguments stacked), ``grad`` (forward
       stages; skipped where JAX cannot differentiate it);
     * declared capabilities, in pipelines that take the routes they select whatever the
-      stage's math (``kdax._runner.derived.as_declared``): ``reset`` (shared chunks give the
+      stage's math (``kdax._runner.routes.as_declared``): ``reset`` (shared chunks give the
       per-sequence layout's outputs and gradients, with F1's floor and without),
       ``tile_safe`` (tiles of one chunk give the whole forward's outputs), ``G_lo`` (float32: with G_lo no farther from the stage's own
       float64 output than without), ``tokens`` (views give the chunked copies' outputs),
@@ -117,7 +117,7 @@ def _declarations(col, stage, field):
         caps = capabilities(type(stage))
         says = (f"math={stage.math!r}" if info.forward else f"transposes={dict(getattr(stage, 'transposes', {}))}")
         decl = f"accepts {sorted(n for n in caps._fields if getattr(caps, n))}; {says}"
-        readers = [f for f, bs in _derived.TRANSPOSED_BY.items() if field in bs]
+        readers = [f for f, bs in _routes.TRANSPOSED_BY.items() if field in bs]
         extra = [] if info.forward else [f for f in getattr(stage, "transposes", {}) if f not in readers]
         col.add("declarations", "-", not extra, decl + (f"; transposes fields it does not read: {extra} "
                                                        f"(it reads {readers})" if extra else ""))
@@ -159,7 +159,7 @@ def _case_checks(col, base, field, stage, caps, case: Case, cache_ok: bool, firs
     col.add("contract", case.name, True, f"{layout} layout: container, shapes, dtypes as the pipeline checks")
     bad = [p for p, x in _leaves(out) if not np.isfinite(x).all()]
     col.add("finite", case.name, not bad, "all finite" if not bad else f"non-finite: {', '.join(bad[:4])}")
-    if _derived.reference_is_exact(field, stage):
+    if _routes.reference_is_exact(field, stage):
         _reference_checks(col, pipe, field, stage, caps, case, out, full_kw)
     else:
         info = STAGES[field]

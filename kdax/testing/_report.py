@@ -5,7 +5,7 @@ from collections.abc import Sequence
 from typing import NamedTuple, Optional
 
 from .._runner.contracts import STAGES
-from .._runner.derived import reference_is_exact
+from .._runner.routes import reference_is_exact
 
 
 class Check(NamedTuple):

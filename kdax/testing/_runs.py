@@ -13,8 +13,8 @@ import jax.numpy as jnp
 
 from .._config import KDAOptions
 from .._numerics import precision as _precision
-from .._runner import derived as _derived
-from .._declared.capabilities import capabilities, negotiated
+from .._runner import routes as _routes
+from .._stage_protocol.capabilities import capabilities, negotiated
 from .._runner.runner import recording, run_stage
 from ..pipeline import KDAPipeline
 from ..stages import KDA, AbstractGate, ReferenceGate
@@ -106,7 +106,7 @@ def _record(pipe: KDAPipeline, case: Case, cache: bool, key=None, backward: bool
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    if _derived.mismatches(pipe):  # derived backward: no backward stage runs
+                    if _routes.mismatches(pipe):  # derived backward: no backward stage runs
                         pipe.apply(*x, opts)
                     elif not backward:  # (the forward rule of the custom VJP, traced here, not inside it)
                         jax.vjp(loss, x)
@@ -144,7 +144,7 @@ def _run(pipe, field, kwargs):
     """The stage at ``field`` of ``pipe`` called by the stage runner on ``kwargs``."""
     # (the stage as it declares itself: reset passed by its declaration, whatever its
     # math, and none of the pipeline's reset masks, which would hide a false one)
-    with recording(quiet=True), _derived.as_declared():
+    with recording(quiet=True), _routes.as_declared():
         return run_stage(pipe, field, **kwargs)
 
 

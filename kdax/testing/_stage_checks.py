@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._layouts.tokens import Tokens
-from .._runner import derived as _derived
+from .._runner import routes as _routes
 from .._runner.contracts import STAGES
 from ._cases import Case, _weights, tolerance
 from ._compare import _compare, _leaves
@@ -144,10 +144,10 @@ def _transforms(col, pipe, field, stage, kw, out, kw2, out2, case: Case, tol: fl
         finite = all(np.isfinite(x).all() for x in leaves)
         col.add("grad", name, finite, f"{len(leaves)} gradients, " + ("finite" if finite else "NON-FINITE"))
     except Exception as e:
-        if _derived.reference_is_exact(field, stage):  # never differentiated: the derived backward uses the reference stage
+        if _routes.reference_is_exact(field, stage):  # never differentiated: the derived backward uses the reference stage
             col.add("grad", name, None, f"not differentiable by JAX ({type(e).__name__}): the derived backward "
                                         f"differentiates {STAGES[field].reference.__name__} instead")
-        elif _derived.is_autodiff_failure(e):
+        elif _routes.is_autodiff_failure(e):
             col.add("grad", name, None, "not differentiable by JAX: a pipeline with it needs backward stages that "
                                         "transpose it (else DerivedBackwardError)")
         else:

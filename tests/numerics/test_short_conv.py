@@ -3,7 +3,7 @@
 import jax.numpy as jnp
 import numpy as np
 
-from kdax._conv import causal_conv, conv_tail, token_segments
+from kdax._numerics.short_conv import causal_conv, conv_tail, token_segments
 
 from .._util import assert_close
 

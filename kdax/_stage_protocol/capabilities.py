@@ -25,8 +25,8 @@ class Capabilities(NamedTuple):
     as in float32; without it the stage gets float32 copies (exact).
 
     What formula a stage computes is not a capability: forward stages declare ``math``,
-    backward stages ``transposes`` (``kdax._runner.derived``). ``reset`` and ``tile_safe`` select a
-    route only for a stage whose math is KDA's (``kdax._runner.derived.routed``): a declaration
+    backward stages ``transposes`` (``kdax._runner.routes``). ``reset`` and ``tile_safe`` select a
+    route only for a stage whose math is KDA's (``kdax._runner.routes.routed``): a declaration
     only selects among routes that give the same numbers for the declared math."""
 
     G_lo: bool

@@ -11,7 +11,7 @@ from jaxtyping import Float
 from ._config import KDAOptions
 from ._config import state_v_first_of
 from ._errors import HeadFirstLayoutWarning, warn_caller
-from ._typing import ALogIn, ArrayIn, Beta, CuSeqlensIn, Gate, QK, Scalar, State, Values, typecheck
+from ._annotations import ALogIn, ArrayIn, Beta, CuSeqlensIn, Gate, QK, Scalar, State, Values, typecheck
 from .parallel._shard import routed
 from .pipeline import KDAPipeline, default_pipeline
 

@@ -16,7 +16,7 @@ from kdax.stages._gate import chunk_cumsum, split_cumsum
 from kdax._numerics.hilo import exponent, grid_bits, split_log_decay
 
 from .._util import assert_close
-from ._chunked import chunked, intra_chunk, rand_like
+from ..stages._chunked import chunked, intra_chunk, rand_like
 
 
 def _extreme_log_decays(C, seed=0, R=1, HV=2, NC=3, K=16):

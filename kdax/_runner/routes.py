@@ -32,7 +32,7 @@ from .._errors import DerivedBackwardError, FallbackWarning
 from .._layouts.layout import pack_inputs
 from .._numerics import isolation as _isolation
 from ..stages import KDA, GateVjpBackward
-from .._declared.capabilities import Capabilities, capabilities
+from .._stage_protocol.capabilities import Capabilities, capabilities
 from .contracts import STAGES
 from .residuals import KDAGrads
 

@@ -11,7 +11,8 @@ from kdax.bench import STAGES
 from kdax import stage_inputs
 from kdax.stages._gate import chunk_cumsum
 from kdax.stages._intra import unit_lower_inverse
-from kdax._numerics.ops import over_chunks, rowsum
+from kdax._numerics.arrays import rowsum
+from kdax._numerics.chunk_loops import over_chunks
 from tests._util import dot_eqns
 
 
@@ -24,7 +25,7 @@ def _fn(a, b):
 def loop_form(request, monkeypatch):
     """Both loops of ``over_chunks``: slices of NC (several devices: this suite's 8) and
     contiguous groups of the flattened chunk axes (a one-device process)."""
-    monkeypatch.setattr(kdax._numerics.ops, "split_rows_and_heads", lambda: request.param)
+    monkeypatch.setattr(kdax._numerics.chunk_loops, "split_rows_and_heads", lambda: request.param)
     return request.param
 
 
@@ -106,7 +107,7 @@ def test_loop_forms_give_the_same_pipeline(monkeypatch):
 
     outs = {}
     for form in (True, False):
-        monkeypatch.setattr(kdax._numerics.ops, "split_rows_and_heads", lambda form=form: form)
+        monkeypatch.setattr(kdax._numerics.chunk_loops, "split_rows_and_heads", lambda form=form: form)
         outs[form] = jax.tree.leaves(run())
     for a, b in zip(outs[True], outs[False]):
         assert np.all(np.isfinite(np.asarray(a)))

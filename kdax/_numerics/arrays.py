@@ -1,0 +1,113 @@
+"""Small array helpers shared by the reference stages and the layouts: transposes,
+masks, NaN-confined triangular products, row sums, dependent zeros, and the
+shard_map varying-axes casts."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from . import precision as _precision
+
+
+def mT(x):
+    """Transpose of the last two axes."""
+    return jnp.swapaxes(x, -1, -2)
+
+
+def tri_mask(n: int, strict: bool):
+    """``[n, n]`` mask of j <= i (j < i when strict), i the row."""
+    i, j = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
+    return j < i if strict else j <= i
+
+
+def lower_matmul(A, X, mm=jnp.matmul):
+    """``A @ X`` for lower-triangular ``A [..., C, C]`` (``mm``: the product to use), where
+    a non-finite entry in row j of ``X`` reaches only rows i >= j, which are NaN from there:
+    in a plain product the zeros above A's diagonal meet it as ``0 * inf = NaN`` and carry
+    it to every row of the chunk. Rows before the first non-finite one are bit-identical
+    to ``A @ X``."""
+    ok = jnp.abs(X) < jnp.inf
+    Y = mm(A, jnp.where(ok, X, 0.0))
+    bad = jnp.any(~ok, axis=-1, keepdims=True).astype(X.dtype)
+    seen = jnp.tril(jnp.ones(A.shape[-2:], X.dtype)) @ bad
+    return jnp.where(seen > 0, jnp.nan, Y)
+
+
+def rowsum(x):
+    """Sum over the last axis as a matvec: XLA:CPU runs large multiply-reduce fusions an
+    order of magnitude slower than a dot. A sum, not a product: never at a half-precision
+    policy's rounding (kdax._numerics.precision)."""
+    with _precision.float32_products():
+        return x @ jnp.ones((x.shape[-1],), x.dtype)
+
+
+def last_row(G):
+    """``G[..., -1:, :]``, taken outside the chunk-group loops (``over_chunks``): XLA:CPU
+    runs a loop-body fusion that slices and broadcasts its own input several times slower
+    than one that reads the slice as a separate operand."""
+    return G[..., -1:, :]
+
+
+def zeros_after(shape, dtype, deps, tag: int = 0):
+    """Zeros of ``shape`` that depend on an element of every array in ``deps``, so XLA
+    can neither create them before those inputs exist nor share them with another
+    loop's (``tag`` picks the element). Plain zeros are hoisted to the start of the
+    program, one buffer shared by every loop that needs one and copied into each: in
+    the training step those copies were half the peak memory, and on CPU every fresh
+    page costs a page fault."""
+    # One element per leading row and head that the zeros share with ``d`` (up to two
+    # axes): an array sharded over rows or heads has that element on every device, where
+    # one element of the whole array would be a collective (jit on an Auto mesh).
+    L = min(2, len(shape))
+    lead = tuple(shape[:L])
+    picked = {}  # itemsize -> the picked elements, each broadcast to lead (one bitcast per size)
+    for d in deps:
+        if not jnp.issubdtype(d.dtype, jnp.floating) or d.size == 0:
+            continue
+        k = 0
+        while k < min(L, d.ndim) and d.shape[k] == shape[k]:
+            k += 1
+        flat = d.reshape(*d.shape[:k], -1)
+        x = flat[..., tag % flat.shape[-1]].reshape(*d.shape[:k], *(1,) * (L - k))
+        x = jnp.broadcast_to(x, (*d.shape[:k], *lead[k:]))
+        picked.setdefault(x.dtype.itemsize, []).append(x)
+    zero = jnp.zeros((1,) * L, dtype)
+    for size, xs in picked.items():
+        # One bitcast and two shifts per element size for all the picked elements (done
+        # per dependency they were ~20% of a training step's traced equations).
+        bits = 8 * size
+        u = functools.reduce(jnp.maximum, [jax.lax.bitcast_convert_type(a, _UINT[bits]) for a in xs])
+        # Two shifts the simplifier keeps: exactly 0 for every value (NaN and inf too).
+        zero = zero + ((u >> (bits - 1)) >> 1).astype(dtype)
+    return jnp.broadcast_to(zero.reshape(*zero.shape, *(1,) * (len(shape) - L)), shape)
+
+
+_UINT = {16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint64}
+
+
+def vary_like(tree, *refs):
+    """``tree`` cast to vary over every manual mesh axis that any array of ``refs`` varies
+    over. Inside ``jax.shard_map`` a loop's carry must have the type of the body's output,
+    which varies like the inputs; a carry made from zeros or from a replicated argument
+    does not (outside shard_map this is the identity)."""
+    axes = set()
+    for r in jax.tree.leaves(refs):
+        axes |= varying_axes(r)
+    if not axes:
+        return tree
+
+    def cast(x):
+        missing = tuple(sorted(axes - varying_axes(x)))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree)
+
+
+def varying_axes(x) -> set:
+    """The manual mesh axes ``x`` varies over (empty outside shard_map)."""
+    t = jax.typeof(x)
+    mat = getattr(t, "manual_axis_type", None)
+    if mat is not None:
+        return set(mat.varying)
+    return set(getattr(t, "vma", ()))
