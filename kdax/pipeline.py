@@ -218,10 +218,11 @@ class KDAPipeline(eqx.Module):
         intra = self.run_stage("intra", scale=config.scale, q=act.q, k=act.k, beta=act.beta, G=act.G, G_lo=act.G_lo,
                                reset=R)
         wy = self.run_stage("wy", q=act.q, k=act.k, v=vc, beta=act.beta, G=act.G, Akk=intra.Akk, G_lo=act.G_lo, reset=R)
-        h0, L = ext.f4_inputs(h0, layout, act=act, intra=intra, v=vc, g=gc, A_log=A_log, dt_bias=dt_bias)
+        h0, L, extra = ext.f4_inputs(h0, layout, act=act, intra=intra, v=vc, g=gc, A_log=A_log, dt_bias=dt_bias)
         st = self.run_stage("state", w=wy.w, u=wy.u, kg=wy.kg, G=act.G, h0=h0, layout=L, reset=R)
-        oc = self.run_stage("output", scale=config.scale, qg=wy.qg, h=st.h, Aqk=intra.Aqk, v_new=ext.v_out(st.v_new))
-        return ext.after_output(oc), _ForwardChunks(act, intra, wy, st.h, st.v_new, vc, gc), st.final
+        v_out = ext.v_out(st.v_new, extra)
+        oc = self.run_stage("output", scale=config.scale, qg=wy.qg, h=st.h, Aqk=intra.Aqk, v_new=v_out)
+        return ext.after_output(oc, extra), _ForwardChunks(act, intra, wy, st.h, st.v_new, vc, gc, extra, v_out), st.final
 
     # -- backward -----------------------------------------------------------------------
 
@@ -261,7 +262,7 @@ class KDAPipeline(eqx.Module):
         c = self.recomputed(res)  # B0
         v_out = ext.v_out(c.v_new)
         dAqk, dv_intra = self.run_stage("dav", v_new=v_out, Aqk=res.Aqk, do=doc)  # B1
-        dv_intra = ext.after_dav(dv_intra, k=act.k, G=act.G, v_out=v_out, h=c.h)
+        dv_intra, extra = ext.after_dav(dv_intra, k=act.k, G=act.G, v_out=v_out, h=c.h)
 
         def dhu(do_, dv_intra_, dht_, layout):  # B2
             return self.run_stage("dhu", scale=cfg.scale, qg=c.qg, kg=c.kg, w=c.w, G=act.G, do=do_,
@@ -271,12 +272,12 @@ class KDAPipeline(eqx.Module):
             zeros = jnp.zeros_like(doc)
             return dhu(zeros, zeros, dht, layout())
 
-        dh = ext.after_dhu(dhu(doc, dv_intra, dht, L), dhu_from_states)
+        dh, extra = ext.after_dhu(dhu(doc, dv_intra, dht, L), dhu_from_states, extra)
         grads = self.run_stage(  # B3
             "wy_dqkg", scale=cfg.scale, q=act.q, k=act.k, v=res.v, beta=act.beta, G=act.G, Akk=res.Akk, qg=c.qg,
             kg=c.kg, h=c.h, dh=dh.dh, v_new=c.v_new, do=doc, dv_new=dh.dv_new, G_lo=act.G_lo, reset=L.reset,
         )
-        grads = ext.after_wy_dqkg(grads, dv_intra=dv_intra, doc=doc, Akk=res.Akk)
+        grads, extra = ext.after_wy_dqkg(grads, extra, dv_intra=dv_intra, doc=doc, Akk=res.Akk)
         grads = self.run_stage(  # B4
             "intra_bwd", scale=cfg.scale, q=act.q, k=act.k, beta=act.beta, G=act.G, dAqk=dAqk, grads=grads,
             G_lo=act.G_lo, reset=L.reset,
@@ -285,9 +286,9 @@ class KDAPipeline(eqx.Module):
             "gate_bwd", config=cfg, act=act, g=res.g_raw, A_log=res.A_log, dt_bias=res.dt_bias, valid=L.valid,
             dq=grads.dq, dk=grads.dk, dbeta=grads.dbeta, dG=grads.dG, reset=L.reset,
         )
-        raw = ext.after_gate_bwd(raw)
+        raw = ext.after_gate_bwd(raw, extra)
         parts = BackwardParts(doc=as_chunked(doc), qg=c.qg, h=c.h, v_new=v_out, act_grads=grads)
-        return KDAGrads.unpacked(L, raw, grads.dv, res.num_qk_heads, ext.initial_state, dh), parts
+        return KDAGrads.unpacked(L, raw, grads.dv, res.num_qk_heads, functools.partial(ext.initial_state, dh, extra)), parts
 
     # -- public entry points ------------------------------------------------------------
 
@@ -326,6 +327,8 @@ class _ForwardChunks(eqx.Module):
     v_new: ChunkV
     v: typing.Union[ChunkV, Tokens]  # (views of the caller's v and g: kdax._layouts.tokens)
     g: typing.Union[ChunkK, Tokens]
+    extra: object = None  # the layout's own part (ForwardHooks.f4_inputs), e.g. entering states
+    v_out: object = None  # what F5 read as v_new (ForwardHooks.v_out)
 
 
 def default_pipeline() -> KDAPipeline:

@@ -142,3 +142,30 @@ def test_initial_state_walk(packed):
     assert files.count("pipeline.py") <= 2, files
     assert len(set(files)) <= (8 if packed else 10), sorted(set(files))
     assert "parallel/_shard.py" not in files, files  # (a plain call: routing reads q, k, v, g, beta only)
+
+
+def test_layouts_and_routes_are_data():
+    """Issue 52: what a layout adds to the forward and backward is a value that flows
+    through the straight lines (``ForwardHooks.f4_inputs``' ``extra``, the backward's
+    ``SharedBackward``), never a field one hook sets for a later one to read: no method of
+    a class in kdax/_layouts or kdax/_runner other than ``__init__`` assigns to ``self``."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(kdax.__file__).parent
+    setters = []
+    for path in sorted([*(root / "_layouts").glob("*.py"), *(root / "_runner").glob("*.py")]):
+        for cls in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(cls, ast.ClassDef):
+                continue
+            for fn in cls.body:
+                if not isinstance(fn, ast.FunctionDef) or fn.name == "__init__":
+                    continue
+                for node in ast.walk(fn):
+                    targets = node.targets if isinstance(node, ast.Assign) else (
+                        [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+                    for t in targets:
+                        for x in ast.walk(t):
+                            if isinstance(x, ast.Attribute) and isinstance(x.value, ast.Name) and x.value.id == "self":
+                                setters.append(f"{path.relative_to(root)}: {cls.name}.{fn.name} sets self.{x.attr}")
+    assert not setters, setters

@@ -22,7 +22,7 @@ No forward is rerun.
 """
 
 import dataclasses
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -301,44 +301,71 @@ class SharedFinalHooks(ForwardHooks):
         return shared_finals(self.layout, self.cu_seqlens, act.k, act.G, act.G_lo, fw.v_new, fw.h)
 
 
+class Entered(NamedTuple):
+    """What initial states entering shared chunks add to the forward (``EntryHooks.f4_inputs``):
+    the state table F4 loads and its ``injected_layout``, the first-chunk parts of
+    ``v_new`` and ``o`` (``vx``, ``ox``), the start decays ``a`` and the VJPs of both
+    (``ent_vjp``, ``a_vjp``: the backward runs neither again)."""
+
+    table: jax.Array
+    layout: ChunkLayout
+    vx: jax.Array
+    ox: jax.Array
+    a: jax.Array
+    ent_vjp: object
+    a_vjp: object
+
+
 class EntryHooks(ForwardHooks):
     """The forward's part of initial states entering shared chunks (``ForwardHooks``):
     after F3, each sequence's first-chunk entries and the state table F4 loads on
-    ``injected_layout``; F5 and the final states read F4's ``v_new`` plus the entries'. The
-    entries' VJPs are kept for the backward (``SharedChunkHooks``), which runs neither
-    again. ``h0 [N, HV, K, V]`` in the compute dtype; ``ok`` as ``first_chunk_entries``'s."""
+    ``injected_layout`` (an ``Entered``); F5 and the final states read F4's ``v_new`` plus
+    the entries'. ``h0 [N, HV, K, V]`` in the compute dtype; ``ok`` as
+    ``first_chunk_entries``'s."""
 
     def __init__(self, config, layout: ChunkLayout, cu_seqlens, h0, ok):
         self.config, self.layout, self.cu_seqlens, self.h0, self.ok = config, layout, cu_seqlens, h0, ok
 
-    def f4_inputs(self, h0, layout, *, act, intra, v, g, A_log, dt_bias):
+    def f4_inputs(self, h0, layout, *, act, intra, v, g, A_log, dt_bias) -> tuple:
         cu, config = self.cu_seqlens, self.config
-        self.a, self.a_vjp = jax.vjp(lambda g_, A_, b_: start_decays(cu, config, g_, A_, b_), g, A_log, dt_bias)
+        a, a_vjp = jax.vjp(lambda g_, A_, b_: start_decays(cu, config, g_, A_, b_), g, A_log, dt_bias)
         ent = lambda q_, k_, b_, G_, Akk_, v_, a_, h0_: first_chunk_entries(
             layout, cu, config.scale, q_, k_, b_, G_, act.G_lo, Akk_, v_, a_, h0_, self.ok)
-        (self.vx, self.ox, self.table), self.ent_vjp = jax.vjp(
-            ent, act.q, act.k, act.beta, act.G, intra.Akk, v, self.a, self.h0)
-        self.injected = injected_layout(layout, cu)
-        return self.table, self.injected
+        (vx, ox, table), ent_vjp = jax.vjp(ent, act.q, act.k, act.beta, act.G, intra.Akk, v, a, self.h0)
+        entered = Entered(table, injected_layout(layout, cu), vx, ox, a, ent_vjp, a_vjp)
+        return table, entered.layout, entered
 
-    def v_out(self, v_new):
-        self.v_new = v_new + self.vx  # (what the final states read too)
-        return self.v_new
+    def v_out(self, v_new, extra: Entered):
+        return v_new + extra.vx
 
-    def after_output(self, oc):
-        return oc + self.ox
+    def after_output(self, oc, extra: Entered):
+        return oc + extra.ox
 
     def final_states(self, fw, final):
         """``entry_finals`` when asked for, else the initial states (what ``chunk_kda``'s
         backward then reads as final)."""
         if not self.config.output_final_state:
             return self.h0
-        act = fw.act
-        return entry_finals(self.layout, self.cu_seqlens, act.k, act.G, act.G_lo, self.v_new, fw.h, self.a, self.h0,
+        act, e = fw.act, fw.extra
+        return entry_finals(self.layout, self.cu_seqlens, act.k, act.G, act.G_lo, fw.v_out, fw.h, e.a, self.h0,
                             self.ok)
 
-    def residuals(self, layout, h0) -> tuple:
-        return self.injected, self.table, (self.h0, self.ok, self.a, self.layout, self.vx, self.ent_vjp, self.a_vjp)
+    def residuals(self, layout, h0, extra: Entered) -> tuple:
+        e = extra
+        return e.layout, e.table, (self.h0, self.ok, e.a, self.layout, e.vx, e.ent_vjp, e.a_vjp)
+
+
+class SharedBackward(NamedTuple):
+    """What the shared-chunk backward carries from one of its points to the next
+    (``SharedChunkHooks``): the final states' VJP ``fin`` (``finals_vjp``'s cotangents,
+    None without a loss on them), the cotangents of the states F4 loaded (``d_entries``),
+    and from the entries' VJP the start decays' gradients (``decays``) and the initial
+    states' (``dh0``)."""
+
+    fin: Optional[tuple] = None
+    d_entries: Optional[jax.Array] = None
+    decays: Optional[tuple] = None
+    dh0: Optional[jax.Array] = None
 
 
 class SharedChunkHooks(BackwardHooks):
@@ -346,13 +373,12 @@ class SharedChunkHooks(BackwardHooks):
     loss on the final states of shared chunks (``dht``: their VJP through
     ``shared_finals``/``entry_finals``, and one more B2 pass from the chunk-start states'
     cotangents), and initial states entering shared chunks (``res.entries``: the VJP of
-    their first-chunk part and of the start decays). ``res``: the forward's residuals."""
+    their first-chunk part and of the start decays). ``res``: the forward's residuals.
+    What one point hands the next is a ``SharedBackward``."""
 
     def __init__(self, res, dht):
         self.res, self.E, self.L, self.cu = res, res.entries, res.layout, res.cu_seqlens
         self.dht = None if dht is None else dht.astype(res.h0.dtype)  # (as given: selected per head after the VJP)
-        self.fin = None  # the final states' VJP (after_dav)
-        self.d_entries = None
 
     def b2_dht(self, dht, h0):
         return jnp.zeros_like(h0)  # (the state table's one zero entry; dht enters through after_dav)
@@ -360,9 +386,9 @@ class SharedChunkHooks(BackwardHooks):
     def v_out(self, v_new):
         return v_new if self.E is None else v_new + self.E.v_new  # (+ the entering states' first-chunk part)
 
-    def after_dav(self, dv_intra, *, k, G, v_out, h):
+    def after_dav(self, dv_intra, *, k, G, v_out, h) -> tuple:
         if self.dht is None:
-            return dv_intra
+            return dv_intra, SharedBackward()
         L, cu, E, G_lo = self.L, self.cu, self.E, self.res.act.G_lo
         if E is None:
             fin = lambda k_, G_, v_, h_, a_, h0_: shared_finals(L, cu, k_, G_, G_lo, v_, h_)
@@ -370,61 +396,58 @@ class SharedChunkHooks(BackwardHooks):
         else:
             fin = lambda k_, G_, v_, h_, a_, h0_: entry_finals(L, cu, k_, G_, G_lo, v_, h_, a_, h0_, E.ok)
             a0, h00 = E.a, E.h0
-        self.fin = finals_vjp(L, cu, fin, (k, G, v_out, h, a0, h00), self.dht)  # d_k, d_G, d_v, d_h, d_a, d_h0
-        return dv_intra + self.fin[2].astype(dv_intra.dtype)
+        d = finals_vjp(L, cu, fin, (k, G, v_out, h, a0, h00), self.dht)  # d_k, d_G, d_v, d_h, d_a, d_h0
+        return dv_intra + d[2].astype(dv_intra.dtype), SharedBackward(fin=d)
 
-    def after_dhu(self, dhu, run_dhu):
-        self.d_entries = dhu.dh0  # (entries: the cotangents of the states F4 loaded)
-        if self.fin is None:
-            return dhu
+    def after_dhu(self, dhu, run_dhu, extra: SharedBackward) -> tuple:
+        d_entries = dhu.dh0  # (entries: the cotangents of the states F4 loaded)
+        if extra.fin is None:
+            return dhu, extra._replace(d_entries=d_entries)
         # The chunk-start states' cotangents from the final states, run back on their own.
         L, E = self.L, self.E
         NC = L.num_chunks
         first = L.first[0] if E is not None else jnp.where(L.first[0] >= 0, NC, -1)
-        per_chunk = jnp.moveaxis(self.fin[3][0], 1, 0).astype(self.res.h0.dtype)  # [NC, HV, K, V]
+        per_chunk = jnp.moveaxis(extra.fin[3][0], 1, 0).astype(self.res.h0.dtype)  # [NC, HV, K, V]
         table = jnp.concatenate([per_chunk, jnp.zeros_like(per_chunk[:1])])
-        extra = run_dhu(table, lambda: entry_layout(L, self.cu, first))
-        out = dataclasses.replace(dhu, dh=dhu.dh + extra.dh, dv_new=dhu.dv_new + extra.dv_new)
+        more = run_dhu(table, lambda: entry_layout(L, self.cu, first))
+        out = dataclasses.replace(dhu, dh=dhu.dh + more.dh, dv_new=dhu.dv_new + more.dv_new)
         if E is not None:  # a loaded state's own cotangent goes to its entry
             loaded = jnp.where((first == jnp.arange(NC))[:, None, None, None], per_chunk, 0.0)
-            self.d_entries = self.d_entries + extra.dh0 + jnp.concatenate([loaded, jnp.zeros_like(per_chunk[:1])])
-        return out
+            d_entries = d_entries + more.dh0 + jnp.concatenate([loaded, jnp.zeros_like(per_chunk[:1])])
+        return out, extra._replace(d_entries=d_entries)
 
-    def after_wy_dqkg(self, grads, *, dv_intra, doc, Akk):
-        E, L, dt = self.E, self.L, self.res.h0.dtype
-        self.dh0 = None
+    def after_wy_dqkg(self, grads, extra: SharedBackward, *, dv_intra, doc, Akk) -> tuple:
+        E, L, dt, fin = self.E, self.L, self.res.h0.dtype, extra.fin
         if E is not None:  # the first-chunk part's VJP, its Akk cotangent as B3's dL
             # Only the entries some chunk loads have a cotangent (a stage may leave the others
             # unwritten: the Triton B2 does).
             NC = L.num_chunks
             loads = jnp.concatenate([L.first[0] == jnp.arange(NC), jnp.zeros((1,), bool)])
-            d_entries = jnp.where(loads[:, None, None, None], self.d_entries, 0.0).astype(dt)
+            d_entries = jnp.where(loads[:, None, None, None], extra.d_entries, 0.0).astype(dt)
             dq_, dk_, db_, dG_, dAkk, dv_, da, dh0 = E.entries_vjp((dv_intra, doc, d_entries))
-            if self.fin is not None:
-                da, dh0 = da + self.fin[4], dh0 + self.fin[5]
-            self.decays = E.decays_vjp(da)
-            self.dh0 = dh0
+            if fin is not None:
+                da, dh0 = da + fin[4], dh0 + fin[5]
+            extra = extra._replace(decays=E.decays_vjp(da), dh0=dh0)
             mT = lambda x: jnp.swapaxes(x, -1, -2)
             dL = jnp.where(strictly_lower(L), -mT(Akk) @ dAkk @ mT(Akk), 0.0)
             grads = dataclasses.replace(grads, dq=grads.dq + dq_, dk=grads.dk + dk_, dv=grads.dv + dv_,
                                         dbeta=grads.dbeta + db_, dG=grads.dG + dG_, dL=grads.dL + dL)
-        if self.fin is not None:  # the final states' own cotangents of k and G
-            d_k, d_G = self.fin[0], self.fin[1]
-            grads = dataclasses.replace(grads, dk=grads.dk + d_k.astype(grads.dk.dtype),
-                                        dG=grads.dG + d_G.astype(grads.dG.dtype))
-        return grads
+        if fin is not None:  # the final states' own cotangents of k and G
+            grads = dataclasses.replace(grads, dk=grads.dk + fin[0].astype(grads.dk.dtype),
+                                        dG=grads.dG + fin[1].astype(grads.dG.dtype))
+        return grads, extra
 
-    def after_gate_bwd(self, raw):
+    def after_gate_bwd(self, raw, extra: SharedBackward):
         if self.E is None:
             return raw
-        dg_start, dA_start, db_start = self.decays  # the start tokens' own decays (start_decays' VJP)
+        dg_start, dA_start, db_start = extra.decays  # the start tokens' own decays (start_decays' VJP)
         add = lambda a, b: a if b is None else a + b.astype(a.dtype)
         return dataclasses.replace(raw, dg=raw.dg + dg_start.astype(raw.dg.dtype),
                                    dA_log=None if raw.dA_log is None else add(raw.dA_log, dA_start),
                                    ddt_bias=None if raw.ddt_bias is None else add(raw.ddt_bias, db_start))
 
-    def initial_state(self, dhu):
-        return self.dh0  # (None: the shared layout without entries had no initial states)
+    def initial_state(self, dhu, extra: SharedBackward):
+        return extra.dh0  # (None: the shared layout without entries had no initial states)
 
 
 def backward_hooks(res, dht) -> BackwardHooks:

@@ -77,7 +77,7 @@ class KDAResiduals(eqx.Module):
         gave ``fw`` (their outputs and the packed ``v``, ``g``), with the full cache."""
         act, intra, wy = fw.act, fw.intra, fw.wy
         cache = ForwardCache.of(act.G, intra, wy, fw.h, fw.v_new)
-        L, h0, parts = route.hooks.residuals(route.layout, route.h0)  # (entries: the injected layout, its table)
+        L, h0, parts = route.hooks.residuals(route.layout, route.h0, fw.extra)  # (entries: the injected layout, its table)
         return cls(
             config, L, act, fw.v, fw.g if config.use_gate_in_kernel else None, route.A_log, route.dt_bias, intra.Aqk,
             intra.Akk, h0, cache, num_qk_heads, route.in_dtypes, cu_seqlens,
@@ -177,11 +177,11 @@ class KDAGrads(eqx.Module):
     dt_bias: Optional[Float[Array, " HVK"]]
 
     @classmethod
-    def unpacked(cls, layout: ChunkLayout, raw, dv, num_qk_heads: int, initial_state: Callable, dh) -> "KDAGrads":
+    def unpacked(cls, layout: ChunkLayout, raw, dv, num_qk_heads: int, initial_state: Callable) -> "KDAGrads":
         """The gradients in ``chunk_kda``'s layouts from B5's ``raw`` and B3/B4's ``dv``
-        (chunked), q's and k's summed over each group of value heads; the layout's hook
-        ``initial_state(dh)`` (B2's output ``dh``) gives the initial states' (called after
-        the others are unpacked)."""
+        (chunked), q's and k's summed over each group of value heads; ``initial_state()``
+        gives the initial states' (``[N, HV, K, V]`` or None; called after the others are
+        unpacked)."""
         H = num_qk_heads
         return cls(
             q=unpack(layout, reduce_group(raw.dq, H)),
@@ -189,7 +189,7 @@ class KDAGrads(eqx.Module):
             v=unpack(layout, dv),
             g=unpack(layout, raw.dg),
             beta=unpack(layout, raw.dbeta[..., None])[..., 0],
-            initial_state=initial_state(dh),
+            initial_state=initial_state(),
             A_log=raw.dA_log,
             dt_bias=raw.ddt_bias,
         )
