@@ -3,14 +3,15 @@
 array gradients) goes through ``run_stage``:
 
 1. the field's family is checked (a stage edited in with ``eqx.tree_at`` too);
-2. capabilities are negotiated from the stage's declaration (``capabilities``): the
+2. what the stage is given (``stage_arguments``): capabilities negotiated from its
+   declaration (``capabilities``): the
    optional inputs ``G_lo`` and ``reset`` go only to a stage that accepts them, ``reset``
    only to one whose math is checked against the reference (``kdax._runner.routes.routed``); a
    stage that lacks what the case needs (``reset`` on a shared-chunk layout) raises
    ``UnsupportedCase``; a stage given ``reset`` has the terms between sequences masked
    where the pipeline can do it exactly (``kdax._layouts.resets.guard_outputs``);
-3. the arguments are checked against the stage's ``__call__``;
-4. the stage runs under its named scope and the precision policy; on ``UnsupportedCase``
+3. the call (``call_stage``): the arguments checked against the stage's ``__call__``;
+4. the stage run under its named scope and the precision policy; on ``UnsupportedCase``
    with ``fallback`` the reference stage of the family runs instead (one
    ``FallbackWarning`` per field, implementation and reason);
 5. the intermediates it stores (``kdax._numerics.precision.STORED``) are cast to the policy's
@@ -86,57 +87,72 @@ def _warn_once(name: str, impl: str, reason: str) -> None:
 
 def run_stage(pipeline, name: str, **kwargs):
     """Run ``pipeline``'s stage ``name`` on keyword arguments, as the module docstring
-    says. Returns the stage's output."""
+    says: what the stage is given (``stage_arguments``), the call and its fallback
+    (``call_stage``), under the stage's named scope and precision policy, then the storage
+    cast and the output contract. Returns the stage's output."""
     stage = getattr(pipeline, name)
     check_family(name, stage)
+    given, needs_reset, guard = stage_arguments(pipeline, name, stage, kwargs)
+    for rec in _ACTIVE.get():
+        rec.inputs.setdefault(name, given)
+    # The named scope labels every op of the stage in HLO dumps and profiles. The policy
+    # reaches kdax's own products only (kdax._stage_protocol.final: HIGHEST, unless it lets this
+    # stage take half-precision operands); a user's stage keeps the caller's precision.
+    policy = "highest" if pipeline.precision == "auto" else pipeline.precision  # unresolved: safe
+    with jax.named_scope(f"kdax_{name}"), _precision.stage_scope(policy, name), chunk_loops_scope(pipeline.chunk_loops):
+        ran, reason, out = call_stage(pipeline, name, stage, given, kwargs, needs_reset, guard)
+        if name in _STORING:  # the policy's storage dtype, cast once here (kdax._numerics.precision)
+            out = _precision.store_outputs(out, policy)
+    for rec in _ACTIVE.get():
+        rec.ran.setdefault(name, (stage, ran, reason))
+    check_output(name, ran, out, expected_output(name, given, given.get("config"), policy))
+    return out
+
+
+def stage_arguments(pipeline, name: str, stage, kwargs: dict) -> tuple:
+    """``(the keyword arguments stage gets, needs_reset, guard)``: the optional inputs its
+    declaration accepts (``negotiated``), ``reset`` only if its math is checked
+    (``routed``; ``needs_reset``: the layout needs one it does not take), and, where the
+    pipeline can make the reset exact itself (``guard``), the inputs masked for it
+    (``kdax._layouts.resets``)."""
     caps = routed(name, stage)  # (reset only to a stage whose math is checked: kdax._runner.routes.unchecked)
-    full, kwargs = kwargs, negotiated(stage, kwargs)
+    kwargs = negotiated(stage, kwargs)
     needs_reset = kwargs.get("reset") is not None and not caps.reset
     if "reset" in kwargs and not caps.reset:
         kwargs = {n: x for n, x in kwargs.items() if n != "reset"}
     # What a stage makes of ``reset`` changes no number where the pipeline can make the
     # reset exact itself (kdax._layouts.resets.guard_outputs); kdax's own stages mask it themselves.
     guard = kwargs.get("reset") is not None and not declared_only() and _resets.guards(stage)
-    if guard:
-        kwargs = _resets.guard_inputs(name, kwargs)
-    recs = _ACTIVE.get()
-    for rec in recs:
-        rec.inputs.setdefault(name, kwargs)
-    # The named scope labels every op of the stage in HLO dumps and profiles. The policy
-    # reaches kdax's own products only (kdax._stage_protocol.final: HIGHEST, unless it lets this
-    # stage take half-precision operands); a user's stage keeps the caller's precision.
-    policy = "highest" if pipeline.precision == "auto" else pipeline.precision  # unresolved: safe
-    with jax.named_scope(f"kdax_{name}"), _precision.stage_scope(policy, name), chunk_loops_scope(pipeline.chunk_loops):
-        ran, reason = stage, None
-        try:
-            if needs_reset:
-                raise UnsupportedCase(
-                    "packed sequences sharing chunks (cu_seqlens) need a stage that accepts "
-                    "`reset` (docs/stages.md, capabilities)"
-                )
-            check_arguments(name, stage, kwargs)
-            out = stage(**kwargs)
-            if guard:
-                out = _resets.guard_outputs(name, out, kwargs["reset"])
-        except UnsupportedCase as e:
-            if not pipeline.fallback:
-                raise
-            if not reference_is_exact(name, stage):  # the reference would change the math
-                raise UnsupportedCase(
-                    f"KDAPipeline.{name} ({type(stage).__qualname__}) cannot run this case ({e}), and the pipeline "
-                    f"cannot fall back to {STAGES[name].reference.__qualname__}: the stage declares other math than "
-                    f"KDA's (`math`/`transposes`), which the reference stage does not compute."
-                ) from e
-            ran, reason = STAGES[name].reference(), str(e) or type(e).__name__
-            if not any(r.quiet for r in recs):
-                _warn_once(name, type(stage).__qualname__, reason)
-            out = ran(**negotiated(ran, full))
-        if name in _STORING:  # the policy's storage dtype, cast once here (kdax._numerics.precision)
-            out = _precision.store_outputs(out, policy)
-    for rec in recs:
-        rec.ran.setdefault(name, (stage, ran, reason))
-    check_output(name, ran, out, expected_output(name, kwargs, kwargs.get("config"), policy))
-    return out
+    return (_resets.guard_inputs(name, kwargs) if guard else kwargs), needs_reset, guard
+
+
+def call_stage(pipeline, name: str, stage, given: dict, full: dict, needs_reset: bool, guard: bool) -> tuple:
+    """``(the stage that ran, the fallback's reason or None, its output)``: ``stage`` on
+    ``given`` (its arguments checked first), or, when it raises ``UnsupportedCase`` and
+    the pipeline falls back, the reference stage of the family on ``full`` (every argument
+    the pipeline passed), with one ``FallbackWarning`` per field, implementation and reason."""
+    try:
+        if needs_reset:
+            raise UnsupportedCase(
+                "packed sequences sharing chunks (cu_seqlens) need a stage that accepts "
+                "`reset` (docs/stages.md, capabilities)"
+            )
+        check_arguments(name, stage, given)
+        out = stage(**given)
+        return stage, None, (_resets.guard_outputs(name, out, given["reset"]) if guard else out)
+    except UnsupportedCase as e:
+        if not pipeline.fallback:
+            raise
+        if not reference_is_exact(name, stage):  # the reference would change the math
+            raise UnsupportedCase(
+                f"KDAPipeline.{name} ({type(stage).__qualname__}) cannot run this case ({e}), and the pipeline "
+                f"cannot fall back to {STAGES[name].reference.__qualname__}: the stage declares other math than "
+                f"KDA's (`math`/`transposes`), which the reference stage does not compute."
+            ) from e
+        ran, reason = STAGES[name].reference(), str(e) or type(e).__name__
+        if not any(r.quiet for r in _ACTIVE.get()):
+            _warn_once(name, type(stage).__qualname__, reason)
+        return ran, reason, ran(**negotiated(ran, full))
 
 
 # The stages whose outputs hold intermediates of kdax._numerics.precision.STORED.
