@@ -169,3 +169,16 @@ def test_layouts_and_routes_are_data():
                             if isinstance(x, ast.Attribute) and isinstance(x.value, ast.Name) and x.value.id == "self":
                                 setters.append(f"{path.relative_to(root)}: {cls.name}.{fn.name} sets self.{x.attr}")
     assert not setters, setters
+
+
+def test_training_step_concepts_written_out():
+    """Issue 52: docs/DESIGN.md §3 lists the concepts a reader needs to follow one training
+    step, numbered, at most fifteen."""
+    import re
+
+    text = (KDAX.parent / "docs" / "DESIGN.md").read_text()
+    part = text[text.index("**Concepts to follow one training step**"):]
+    part = part[: part.index("\n\n")]
+    items = re.findall(r"^(\d+)\. ", part, re.M)
+    assert items == [str(i) for i in range(1, len(items) + 1)], items
+    assert 10 <= len(items) <= 15, len(items)
