@@ -1,50 +1,108 @@
 """In-kernel arithmetic of the Pallas stages (2-D values only, both targets): products
-(``dot`` under the precision policy and the Triton tuning's ``f32_dot``; TF32x3 as three
-unchained products, ``scaled_dot``; ``lower_dot`` with a non-finite row reaching only the
-rows after it), exponentials (``decay`` masked in the exponent; ``exp_by_exp2`` and
+(``Products``: ``dot`` under the precision policy and the stage's ``f32_dot``, passed to
+each kernel builder; TF32x3 as three unchained products, ``scaled_dot``; ``lower_dot`` with
+a non-finite row reaching only the rows after it), exponentials (``decay`` masked in the exponent; ``exp_by_exp2`` and
 ``fast_decay`` for the GPU's ``ex2``) and the rows or columns a non-finite value reaches
 (``from_first``, ``reached_down``, ``reached_up``)."""
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from .._numerics import precision as _precision
 from .._numerics.hilo import exponent
-from ._common import _TUNING, iota
+from ._common import iota
 
 
-# The dot algorithm of a float32 product under each ``f32_dot`` but "ieee" (HIGHEST).
+# The dot algorithm of a float32 product under each ``f32_dot`` that is one product.
 _TF32_ALGORITHM = {"tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
                    "tf32": jax.lax.DotAlgorithmPreset.TF32_TF32_F32}
 
 
-def dot(a, b, ta: bool = False, tb: bool = False):
-    """``op(a) @ op(b)`` with float32 (or float64) accumulation at full precision; under a
-    half-precision policy (``kdax._numerics.precision``) float32 operands are rounded to the
-    policy's dtype first (tensor cores, float32 accumulation)."""
-    dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
-    if a.dtype != b.dtype:  # (a bf16-stored operand, kdax._numerics.precision.STORED: widened, exact)
-        a, b = (x.astype(jnp.result_type(a.dtype, b.dtype)) for x in (a, b))
-    half = _precision.operand_dtype()
-    if half is not None and (a.dtype == jnp.float32 or a.dtype == half):  # (half: read so, exact)
-        default = jax.lax.Precision.DEFAULT  # explicit: not the scope's algorithm
-        return jax.lax.dot_general(a.astype(half), b.astype(half), dims, precision=(default, default),
-                                   preferred_element_type=jnp.float32)
-    tuning = _TUNING.get()
-    if tuning is not None and tuning.f32_dot != "ieee" and a.dtype == jnp.float32:
-        return jax.lax.dot_general(a, b, dims, precision=_TF32_ALGORITHM[tuning.f32_dot],
-                                   preferred_element_type=jnp.float32)
-    return jax.lax.dot_general(a, b, dims, precision=jax.lax.Precision.HIGHEST, preferred_element_type=a.dtype)
+class Products(NamedTuple):
+    """The products of one kernel: how a float32 product at full precision runs there
+    (``f32_dot``, a ``kdax.pallas.PallasTarget`` field, "ieee" where no Triton tuning
+    applies: TPU, interpret mode), passed to the kernel builders as an argument. Under a
+    half-precision policy (``kdax._numerics.precision``) float32 operands are rounded to
+    the policy's dtype whatever ``f32_dot`` says."""
 
+    f32_dot: str = "ieee"
 
-def lower_dot(A, X):
-    """``A @ X`` for lower-triangular ``A [C, C]`` where a non-finite row j of ``X``
-    reaches only rows i >= j (NaN there): in a plain product the zeros above A's diagonal
-    meet it as ``0 * inf = NaN`` and carry it to the rows above. Rows before it are
-    bit-identical to ``A @ X``. The rows reached are found without a second product (whose
-    C x C operand did not fit Hopper's shared memory at C = 128 in float64)."""
-    ok = jnp.abs(X) < jnp.inf
-    return jnp.where(from_first(nonfinite_rows(X)), jnp.nan, dot(A, jnp.where(ok, X, 0.0)))
+    @property
+    def splits(self) -> bool:
+        """Whether float32 products run as three TF32 products of split operands."""
+        return self.f32_dot in ("tf32x3", "tf32x3_split") and _precision.operand_dtype() is None
+
+    def dot(self, a, b, ta: bool = False, tb: bool = False):
+        """``op(a) @ op(b)`` with float32 (or float64) accumulation at full precision;
+        under a half-precision policy float32 operands rounded to the policy's dtype first
+        (tensor cores, float32 accumulation). ``"tf32x3_split"``: as ``scaled_dot``, the
+        three TF32 products summed outside the accumulator."""
+        dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
+        if a.dtype != b.dtype:  # (a bf16-stored operand, kdax._numerics.precision.STORED: widened, exact)
+            a, b = (x.astype(jnp.result_type(a.dtype, b.dtype)) for x in (a, b))
+        half = _precision.operand_dtype()
+        if half is not None and (a.dtype == jnp.float32 or a.dtype == half):  # (half: read so, exact)
+            default = jax.lax.Precision.DEFAULT  # explicit: not the scope's algorithm
+            return jax.lax.dot_general(a.astype(half), b.astype(half), dims, precision=(default, default),
+                                       preferred_element_type=jnp.float32)
+        if self.f32_dot == "tf32x3_split" and a.dtype == jnp.float32:
+            return self.scaled_dot(None, a, b.T if tb else b, ta=ta)
+        if self.f32_dot != "ieee" and a.dtype == jnp.float32:
+            return jax.lax.dot_general(a, b, dims, precision=_TF32_ALGORITHM[self.f32_dot],
+                                       preferred_element_type=jnp.float32)
+        return jax.lax.dot_general(a, b, dims, precision=jax.lax.Precision.HIGHEST, preferred_element_type=a.dtype)
+
+    def lower_dot(self, A, X):
+        """``A @ X`` for lower-triangular ``A [C, C]`` where a non-finite row j of ``X``
+        reaches only rows i >= j (NaN there): in a plain product the zeros above A's diagonal
+        meet it as ``0 * inf = NaN`` and carry it to the rows above. Rows before it are
+        bit-identical to ``A @ X``. The rows reached are found without a second product (whose
+        C x C operand did not fit Hopper's shared memory at C = 128 in float64)."""
+        ok = jnp.abs(X) < jnp.inf
+        return jnp.where(from_first(nonfinite_rows(X)), jnp.nan, self.dot(A, jnp.where(ok, X, 0.0)))
+
+    def mask_dot(self, m, x):
+        """``m @ x`` for a 0/1 matrix ``m`` (exact in TF32): where float32 products split,
+        two TF32 products with the parts of ``x`` alone (``m``'s low part is zero), each
+        product exact, summed in float32; else ``dot``."""
+        if not self.splits or x.dtype != jnp.float32:
+            return self.dot(m, x)
+        hi, lo = self.split(x)
+        return tf32_product(m, hi) + tf32_product(m, lo)
+
+    def split(self, x):
+        """``(hi(x), lo(x))`` with ``x = hi + lo`` exactly (``hi``: x's top 19 bits, exact in
+        TF32) when float32 products run as three TF32 products (``splits``); else ``x``
+        itself. ``scaled_dot`` takes either: an operand of several products is split once."""
+        if not self.splits or x.dtype != jnp.float32:
+            return x
+        bits = jax.lax.bitcast_convert_type(x, jnp.int32) & jnp.int32(-8192)  # the low 13 mantissa bits cleared
+        hi = jax.lax.bitcast_convert_type(bits, jnp.float32)
+        return hi, x - hi
+
+    def scaled_dot(self, f, a, b, ta: bool = False):
+        """``f * (op(a) @ b)`` (``dot``; ``f`` None: 1). Where float32 products split
+        (``"tf32x3"``, ``"tf32x3_split"``), as the three TF32 products of the split
+        ``x = hi(x) + lo(x)`` (``split``; ``a`` and ``b`` may come split), each scaled by
+        ``f`` before the sum: Triton's own TF32x3 chains its three products through the
+        accumulator, and a product that feeds another one gets its warps laid along the rows
+        (``warpsPerCTA = [8, 1]``), which at 64 rows and eight warps holds every accumulator
+        twice (B4 at 255 registers and 1.2 KiB of spills); unchained, each product is laid
+        as a lone one, and its split takes fewer instructions (F2's inverse: -31% a step).
+        Under ``"tf32"``: one TF32 product (``dot``)."""
+        a = a if isinstance(a, tuple) else self.split(a)
+        if not isinstance(a, tuple):
+            out = self.dot(a, b, ta=ta)
+            return out if f is None else f * out
+
+        def tf32(x, y):
+            out = tf32_product(x, y, ta)
+            return out if f is None else f * out
+
+        (ah, al), (bh, bl) = a, (b if isinstance(b, tuple) else self.split(b))
+        return tf32(ah, bh) + tf32(ah, bl) + tf32(al, bh)  # (hi(a) dead before lo(a))
 
 
 def from_first(bad):
@@ -107,42 +165,7 @@ def fast_decay(x, y, x_lo=None, y_lo=None):
     return exp_by_exp2(exponent(x, y, x_lo, y_lo))
 
 
-def tf32_split(x):
-    """``(hi(x), lo(x))`` with ``x = hi + lo`` exactly (``hi``: x's top 19 bits, exact in
-    TF32) when float32 products run as ``"tf32x3"`` (compiled, the tuning's ``f32_dot``,
-    no half-precision policy); else ``x`` itself. ``scaled_dot`` takes either: an operand
-    of several products is split once."""
-    tuning = _TUNING.get()
-    if tuning is None or tuning.f32_dot != "tf32x3" or x.dtype != jnp.float32 or _precision.operand_dtype() is not None:
-        return x
-    bits = jax.lax.bitcast_convert_type(x, jnp.int32) & jnp.int32(-8192)  # the low 13 mantissa bits cleared
-    hi = jax.lax.bitcast_convert_type(bits, jnp.float32)
-    return hi, x - hi
-
-
 def tf32_product(x, y, ta: bool = False):
     """One TF32 tensor-core product ``op(x) @ y`` with float32 accumulation."""
     return jax.lax.dot_general(x, y, (((0 if ta else 1,), (0,)), ((), ())),
                                precision=jax.lax.DotAlgorithmPreset.TF32_TF32_F32, preferred_element_type=jnp.float32)
-
-
-def scaled_dot(f, a, b, ta: bool = False):
-    """``f * (op(a) @ b)`` (``dot``; ``f`` None: 1). Compiled under the ``"tf32x3"`` tuning,
-    as the three TF32 products of the split ``x = hi(x) + lo(x)`` (``tf32_split``; ``a``
-    and ``b`` may come split), each scaled by ``f`` before the sum: Triton's own TF32x3
-    chains its three products through the accumulator, and a product that feeds another
-    one gets its warps laid along the rows (``warpsPerCTA = [8, 1]``), which at 64 rows
-    and eight warps holds every accumulator twice (B4 at 255 registers and 1.2 KiB of
-    spills); unchained, each product is laid as a lone one, and its split takes fewer
-    instructions (F2's inverse: -31% a step). Under ``"tf32"``: one TF32 product (``dot``)."""
-    a = a if isinstance(a, tuple) else tf32_split(a)
-    if not isinstance(a, tuple):
-        out = dot(a, b, ta=ta)
-        return out if f is None else f * out
-
-    def tf32(x, y):
-        out = tf32_product(x, y, ta)
-        return out if f is None else f * out
-
-    (ah, al), (bh, bl) = a, (b if isinstance(b, tuple) else tf32_split(b))
-    return tf32(ah, bh) + tf32(ah, bl) + tf32(al, bh)  # (hi(a) dead before lo(a))

@@ -15,7 +15,7 @@ Bodies only use 2-D values, ref loads with static or ``pl.ds`` slices, dots, ele
 ops, ``where`` and keep-dims reductions, which both lowerings accept.
 """
 
-import contextvars
+import dataclasses
 import functools
 from typing import Optional
 
@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from .._errors import UnsupportedCase
 from .._layouts.resets import per_head, segments
 from .._layouts.tokens import Tokens, as_chunked
+from .._numerics import precision as _precision
 from .._numerics.arrays import vary_like
 
 TARGETS = ("tpu", "triton")
@@ -38,7 +39,7 @@ def check_target(target: str) -> str:
     return target
 
 
-F32_DOTS = ("ieee", "tf32x3", "tf32")
+F32_DOTS = ("ieee", "tf32x3", "tf32x3_split", "tf32")
 
 
 class PallasTarget(eqx.Module):
@@ -51,14 +52,22 @@ class PallasTarget(eqx.Module):
     kernels' loops (1: none); ``f32_dot``, how a float32 product at full precision runs:
     ``"ieee"`` (CUDA-core FMAs, exact float32 products) or ``"tf32x3"`` (three TF32
     tensor-core products whose sum carries about float32's precision, relative error of
-    order 1e-6 instead of 1e-7) or ``"tf32"`` (one TF32 product, as FLA's float32
+    order 1e-6 instead of 1e-7) or ``"tf32x3_split"`` (the same three products summed
+    outside the accumulator, ``kdax.pallas._arith.Products.scaled_dot``: no product laid
+    twice across eight warps) or ``"tf32"`` (one TF32 product, as FLA's float32
     ``tl.dot``: operands truncated to 10 mantissa bits; not for B4, whose dG cancels:
     dA_log 2.4 against FLA's 2e-2 at gates of -1e4, tests/test_precision.py). Half-precision
     products under a precision policy (``kdax._numerics.precision``) are unaffected.
     ``read_views``: read ``kdax.typing.Tokens`` views of the inputs in place where
     ``reads_tokens`` allows (False: their chunked copies). ``tuned_interpret``: trace
     interpreted kernels with the Triton tuning too, so their products ask for the GPU's
-    dot algorithms (which tests/_gpu_products.py lowers with the GPU's rounding)."""
+    dot algorithms (which tests/_gpu_products.py lowers with the GPU's rounding).
+    ``f32_tuning``: ``((field, value), ...)`` that replace these fields (any of the stage's
+    tuning fields: ``num_warps``, ``num_stages``, ``f32_dot``, a block size) when the
+    stage's products take float32 operands (no half-precision policy for it,
+    ``kdax._numerics.precision.operand_dtype``): a tile shape that fits the registers with
+    bf16 operands may spill with TF32x3's split float32 ones. The tuning reaches the
+    kernel builders as arguments (``products``, ``compiler_params``), nothing ambient."""
 
     target: str = eqx.field(static=True, default="tpu")
     interpret: Optional[bool] = eqx.field(static=True, default=None)
@@ -67,6 +76,7 @@ class PallasTarget(eqx.Module):
     f32_dot: str = eqx.field(static=True, default="ieee")
     read_views: bool = eqx.field(static=True, default=True)
     tuned_interpret: bool = eqx.field(static=True, default=False)
+    f32_tuning: tuple = eqx.field(static=True, default=())
 
     def __check_init__(self):
         check_target(self.target)
@@ -76,6 +86,41 @@ class PallasTarget(eqx.Module):
             raise ValueError(f"num_stages: expected 1 to 8, got {self.num_stages!r}.")
         if self.f32_dot not in F32_DOTS:
             raise ValueError(f"f32_dot: expected one of {F32_DOTS}, got {self.f32_dot!r}.")
+        pairs = isinstance(self.f32_tuning, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in self.f32_tuning)
+        if not pairs:
+            raise ValueError(f"f32_tuning: expected a tuple of (field, value) pairs, got {self.f32_tuning!r}.")
+        names = {f.name for f in dataclasses.fields(self)} - {"target", "interpret", "read_views", "tuned_interpret",
+                                                              "f32_tuning"}
+        bad = [n for n, _ in self.f32_tuning if n not in names]
+        if bad:
+            raise ValueError(f"f32_tuning: {bad} are not tuning fields of {type(self).__name__} "
+                             f"(expected some of {sorted(names)}).")
+        if self.f32_tuning:  # its values checked now, as the stage's own are
+            dataclasses.replace(self, f32_tuning=(), **dict(self.f32_tuning))
+
+    @property
+    def live_tuning(self) -> bool:
+        """Whether the Triton tuning applies: compiled Triton kernels, or interpreted ones
+        traced with it (``tuned_interpret``)."""
+        return self.target == "triton" and (not self.run_interpreted or self.tuned_interpret)
+
+    def for_operands(self) -> "PallasTarget":
+        """This stage as its kernels are built for the stage being traced: ``f32_tuning``
+        applied where its products take float32 operands and the tuning applies."""
+        if not self.f32_tuning or not self.live_tuning or _precision.operand_dtype() is not None:
+            return self
+        return dataclasses.replace(self, f32_tuning=(), **dict(self.f32_tuning))
+
+    def products(self):
+        """The ``kdax.pallas._arith.Products`` of this stage's kernels: ``f32_dot`` where
+        the tuning applies, else exact ("ieee") float32 products."""
+        from ._arith import Products
+
+        return Products(self.f32_dot if self.live_tuning else "ieee")
+
+    def triton_params(self) -> dict:
+        """``num_warps`` and ``num_stages`` for ``compiler_params``."""
+        return dict(num_warps=self.num_warps, num_stages=self.num_stages)
 
     @property
     def run_interpreted(self) -> bool:
@@ -98,7 +143,8 @@ class PallasTarget(eqx.Module):
 
     def call(self, kernel, inputs, specs, out_blocks, P: int, NC: int, dtype):
         """``chunk_call`` on this stage's target, interpreted or not as it says."""
-        return chunk_call(kernel, inputs, specs, out_blocks, P, NC, dtype, self.target, self.run_interpreted)
+        return chunk_call(kernel, inputs, specs, out_blocks, P, NC, dtype, self.target, self.run_interpreted,
+                          **self.triton_params())
 
 
 class PallasValueBlocks(PallasTarget):
@@ -143,22 +189,14 @@ def column_blocks(target: str, n: int, block: int):
     return [(k0, bk) for k0 in range(0, n, bk)]
 
 
-# The compiled Triton stage being traced (its tuning fields), or None.
-_TUNING: contextvars.ContextVar = contextvars.ContextVar("kdax_pallas_tuning", default=None)
-
-
 def tuned(call):
-    """Decorator for a Pallas stage's ``__call__``: its kernels are traced with the stage's
-    Triton tuning (``PallasTarget``), read by ``compiler_params`` and ``dot``."""
+    """Decorator for a Pallas stage's ``__call__``: it runs on the stage as its kernels
+    are built for the operands of the stage being traced (``PallasTarget.for_operands``:
+    ``f32_tuning`` applied where its products take float32 operands)."""
 
     @functools.wraps(call)
     def wrapped(self, *args, **kwargs):
-        live = self.target == "triton" and (not self.run_interpreted or self.tuned_interpret)
-        token = _TUNING.set(self if live else None)
-        try:
-            return call(self, *args, **kwargs)
-        finally:
-            _TUNING.reset(token)
+        return call(self.for_operands(), *args, **kwargs)
 
     return wrapped
 
@@ -175,7 +213,7 @@ def resolve_interpret(target: str, interpret: Optional[bool]) -> bool:
     return not ((target == "tpu" and backend == "tpu") or (target == "triton" and backend == "gpu"))
 
 
-def compiler_params(target: str, sequential_last: bool, ndim: int):
+def compiler_params(target: str, sequential_last: bool, ndim: int, num_warps: int = 4, num_stages: int = 1):
     if target == "tpu":
         from jax.experimental.pallas import tpu as pltpu
 
@@ -185,10 +223,7 @@ def compiler_params(target: str, sequential_last: bool, ndim: int):
         return pltpu.CompilerParams(dimension_semantics=tuple(sem))
     from jax.experimental.pallas import triton as pltr
 
-    tuning = _TUNING.get()
-    if tuning is None:
-        return pltr.CompilerParams(num_warps=4, num_stages=1)
-    return pltr.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages)
+    return pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
 def kernel_name(kernel) -> str:
@@ -332,7 +367,8 @@ def out_dtypes(dtype, n: int) -> list:
     return list(dtype) if isinstance(dtype, (list, tuple)) else [dtype] * n
 
 
-def chunk_call(kernel, inputs, specs, out_blocks, P: int, NC: int, dtype, target: str, interpret: bool):
+def chunk_call(kernel, inputs, specs, out_blocks, P: int, NC: int, dtype, target: str, interpret: bool,
+               num_warps: int = 4, num_stages: int = 1):
     """Run ``kernel`` over the grid (P, NC); every output is ``[P, NC, *block]``, of
     ``dtype`` (or one dtype per output: a list). The call is named after the kernel
     (profiles, the shared-memory test)."""
@@ -346,7 +382,7 @@ def chunk_call(kernel, inputs, specs, out_blocks, P: int, NC: int, dtype, target
         in_specs=specs,
         out_specs=[chunk_spec(b) for b in out_blocks],
         interpret=interpret,
-        compiler_params=None if interpret else compiler_params(target, False, 2),
+        compiler_params=None if interpret else compiler_params(target, False, 2, num_warps, num_stages),
     )(*inputs)
 
 

@@ -30,7 +30,7 @@ from .._stage_protocol.final import final
 from .._annotations import ChunkK, ChunkScalar, ChunkValid, typecheck
 from ..ref import L2NORM_EPS, log_decay_floor, reset_log_decay
 from ..stages import KDA, AbstractGate, AbstractGateBackward, Activated, RawGrads
-from ._arith import dot, from_first, lower_dot, nonfinite_rows
+from ._arith import Products, from_first, nonfinite_rows
 from ._common import (
     PallasTarget, chunk_spec, column_blocks, feature_pad, flat, head_spec, iota, loaded, pow2, ref_or_none,
     token_operand, tuned, unflat,
@@ -69,7 +69,7 @@ def _round_even(x):
     return jnp.where(((r - x) == 0.5) & odd, r - 1.0, r)
 
 
-def _rows_cumsum(x, lower):
+def _rows_cumsum(mm: Products, x, lower):
     """The chunk-local inclusive cumsum of ``x [C, K]`` down its rows: ``lower @ x``
     (``lower`` the chunk's lower-triangular ones) on TPU; on Triton (``lower`` None) a
     scan (``tl.cumsum``): a float32 product there is a loop of FMAs that holds whole rows
@@ -77,7 +77,7 @@ def _rows_cumsum(x, lower):
     Sums on the grid of ``kdax._numerics.hilo`` are exact in either order; the low parts' sum
     (small) may round differently, so G and G_lo are the reference's bit for bit where
     both sum in the same order (TPU, interpret mode), else to ~1e-9 relative."""
-    return jnp.cumsum(x, axis=0) if lower is None else dot(lower, x)
+    return jnp.cumsum(x, axis=0) if lower is None else mm.dot(lower, x)
 
 
 def _activate(cfg: KDAConfig, g, valid, a_log, dtb):
@@ -102,13 +102,14 @@ def _reset(g, r):
     return jnp.where((r > 0) & (jnp.abs(g) < jnp.inf), jnp.asarray(reset_log_decay(g.dtype), g.dtype), g)
 
 
-def _segment_sums(dG, r, reverse: bool):
+def _segment_sums(mm: Products, dG, r, reverse: bool):
     """``dg[t] = sum of dG[s]`` over ``s >= t`` in t's sequence (up to the next token
     with ``r [C, 1] > 0``), for every column of ``dG [C, k]``; the rows in reverse token
     order when ``reverse`` (Triton's B5). The same-sequence mask from counts of resets
     (selects and sums of 0/1 values: exact, no product), then one product with ``dG``, so
     no other sequence's terms are summed (as the reference's ``segment_cumsum``: they
-    would cancel to ~0, but round)."""
+    would cancel to ~0, but round). The mask is exact in TF32: ``Products.mask_dot`` (B5
+    on packed sequences spilled 160 B a thread on sm_90 with the mask split for TF32x3)."""
     C = r.shape[0]
     i0, i1 = iota((C, C), 0), iota((C, C), 1)
     R2 = jnp.broadcast_to(r, (C, C))  # [a, b] = r[a]
@@ -120,7 +121,7 @@ def _segment_sums(dG, r, reverse: bool):
         same = (i1 <= i0) & ((cs_col - r) == (cs_row - r_row))
     else:  # the resets in (t, s]
         same = (i1 >= i0) & (cs_col == cs_row)
-    return dot(same.astype(dG.dtype), dG)
+    return mm.mask_dot(same.astype(dG.dtype), dG)
 
 
 def _rstd(ss):
@@ -133,7 +134,7 @@ def _rstd(ss):
 GATE_BLOCK = 16
 
 
-def gate_kernel(cfg: KDAConfig, blocks, split: bool, scan: bool, has: tuple, loads=(None,) * 4,
+def gate_kernel(mm: Products, cfg: KDAConfig, blocks, split: bool, scan: bool, has: tuple, loads=(None,) * 4,
                 reset: bool = False):
     """F1's kernel over one (row * head, chunk) block, ``blocks`` of columns at a time
     (``column_blocks``): outputs ``(q, k, beta, G[, q_rstd, k_rstd][, G_lo])``. ``reset``:
@@ -180,7 +181,7 @@ def gate_kernel(cfg: KDAConfig, blocks, split: bool, scan: bool, has: tuple, loa
 
         def cumsum_lower(x):  # lower_dot's result: a non-finite row reaches the rows below
             if lower is not None:
-                return lower_dot(lower, x)
+                return mm.lower_dot(lower, x)
             return jnp.where(seen, jnp.nan, jnp.cumsum(jnp.where(jnp.abs(x) < jnp.inf, x, 0.0), axis=0))
 
         for k0, bk in blocks:
@@ -190,7 +191,7 @@ def gate_kernel(cfg: KDAConfig, blocks, split: bool, scan: bool, has: tuple, loa
             if split:
                 hi, lo = split_log_decay(g, C, _round_even)
                 G_hi = cumsum_lower(hi)  # a NaN gate reaches only its own row on
-                lo_sum = _rows_cumsum(jnp.where(jnp.abs(lo) < jnp.inf, lo, 0.0), lower)
+                lo_sum = _rows_cumsum(mm, jnp.where(jnp.abs(lo) < jnp.inf, lo, 0.0), lower)
                 G = G_hi + lo_sum
                 rest[-1][:, cols] = (G_hi - G) + lo_sum  # G_hi - G exact (Sterbenz)
             else:
@@ -207,7 +208,8 @@ def gate_kernel(cfg: KDAConfig, blocks, split: bool, scan: bool, has: tuple, loa
     return kernel
 
 
-def gate_bwd_kernel(cfg: KDAConfig, blocks, reverse: bool, has: tuple, C: int, load_g=None, reset: bool = False):
+def gate_bwd_kernel(mm: Products, cfg: KDAConfig, blocks, reverse: bool, has: tuple, C: int, load_g=None,
+                    reset: bool = False):
     """B5's kernel over one (row * head, chunk) block, ``blocks`` of columns at a time:
     outputs ``(dq, dk, dg, dbeta[, dA [1, K]][, ddt [1, K]])`` (dA, ddt: sums over the
     chunk's rows per column). ``reverse`` (Triton): the chunk's rows read and written in
@@ -249,9 +251,9 @@ def gate_bwd_kernel(cfg: KDAConfig, blocks, reverse: bool, has: tuple, C: int, l
             cols = pl.ds(k0, bk)
             dG = dG_r[rows, cols]
             if r is not None:
-                dg = _segment_sums(dG, r, reverse)
+                dg = _segment_sums(mm, dG, r, reverse)
             else:
-                dg = jnp.cumsum(dG, axis=0) if reverse else dot(upper, dG)
+                dg = jnp.cumsum(dG, axis=0) if reverse else mm.dot(upper, dG)
             dg = jnp.where(valid > 0, dg, 0.0)
             if gate:
                 x = g_r[rows, cols] if d_ref is None else g_r[rows, cols] + d_ref[:, cols]
@@ -360,8 +362,8 @@ class PallasGate(AbstractGate, PallasTarget):
         l2 = cfg.use_qk_l2norm_in_kernel
         # (float64, and the "fast" policy: G alone)
         split = self.split and grid_bits(q.dtype, C) is not None and _precision.keeps_low_part()
-        kernel = gate_kernel(cfg, column_blocks(self.target, Kp, GATE_BLOCK), split, self.target == "triton", has,
-                             tuple(load for _, _, load in ops), reset is not None)
+        kernel = gate_kernel(self.products(), cfg, column_blocks(self.target, Kp, GATE_BLOCK), split,
+                             self.target == "triton", has, tuple(load for _, _, load in ops), reset is not None)
 
         blocks = [(C, Kp), (C, Kp), (C, 1), (C, Kp)] + ([(C, 1), (C, 1)] if l2 else []) + ([(C, Kp)] if split else [])
         outs = self.call(kernel, (*(a for a, _, _ in ops), *masks, *p_arrays),
@@ -427,8 +429,8 @@ class PallasGateBackward(AbstractGateBackward, PallasTarget):
         has_dA, has_ddt = has
         blocks = [(C, Kp), (C, Kp), (C, Kp), (C, 1)] + ([(1, Kp)] if has_dA else []) + ([(1, Kp)] if has_ddt else [])
         # Triton: the chunk's rows in reverse, the reverse cumsum a scan (gate_bwd_kernel).
-        kernel = gate_bwd_kernel(cfg, column_blocks(self.target, Kp, GATE_BLOCK), self.target == "triton", has, C,
-                                 load_g, reset is not None)
+        kernel = gate_bwd_kernel(self.products(), cfg, column_blocks(self.target, Kp, GATE_BLOCK),
+                                 self.target == "triton", has, C, load_g, reset is not None)
 
         outs = self.call(kernel, ins, specs, blocks, R * HV, NC, dq.dtype)
         cut = lambda x: unflat(x[..., :K], R, HV)

@@ -41,7 +41,7 @@ from .._numerics import precision as _precision
 from .._stage_protocol.final import final
 from .._annotations import ChunkK, ChunkMat, ChunkScalar, ChunkValid, typecheck
 from ..stages import KDA, AbstractIntra, AbstractIntraBackward, ChunkGrads, IntraOut
-from ._arith import decay, dot
+from ._arith import Products, decay
 from ._common import (
     PallasFeatureBlocks, blockwise, chunk_spec, col_of, flat, idiv, iota, loop, ref_or_none, row_of, row_or_none,
     segment_operands, tuned, unflat,
@@ -56,7 +56,7 @@ def _blocks(C: int, block: int):
     return b, C // b, rC, idiv(rC, b)
 
 
-def scores_body(q, k, G, block: int, lo=None):
+def scores_body(mm: Products, q, k, G, block: int, lo=None):
     """``(sum_d q_id k_jd e^(G_id-G_jd), sum_d k_id k_jd e^(G_id-G_jd))`` for j <= i in
     anchored form; entries above the diagonal are unspecified (callers mask them). ``lo``:
     G's low part (``kdax._numerics.hilo``) or None."""
@@ -69,7 +69,7 @@ def scores_body(q, k, G, block: int, lo=None):
         Ga, La = row_of(G, I * b), row_or_none(lo, I * b)
         rows_in = decay(blk == I, G, Ga, lo, La)
         kc = k * decay(blk < I, Ga, G, La, lo)
-        return Sqk + dot(q * rows_in, kc, tb=True), Skk + dot(k * rows_in, kc, tb=True)
+        return Sqk + mm.dot(q * rows_in, kc, tb=True), Skk + mm.dot(k * rows_in, kc, tb=True)
 
     zeros = jnp.zeros((C, C), q.dtype)
     Sqk, Skk = loop(1, nb, anchored, (zeros, zeros))
@@ -101,7 +101,7 @@ def unit_lower_inverse_body(L):
 # -- F2 on Triton: the chunk's pairs as log2(C) tile products, (I + L)^-1 in 2 log2(C) ----------
 
 
-def pair_rows_body(S, b_, G, block: int, lo=None):
+def pair_rows_body(mm: Products, S, b_, G, block: int, lo=None):
     """``R_id = sum_{j <= i} S_ij b_jd e^(G_id - G_jd)`` for lower-triangular ``S``
     (``lo`` as ``scores_body``)."""
     C = S.shape[0]
@@ -111,7 +111,7 @@ def pair_rows_body(S, b_, G, block: int, lo=None):
     def anchored(I, R):
         Ga, La = row_of(G, I * b), row_or_none(lo, I * b)
         SI = jnp.where((idiv(iota((C, C), 0), b) == I) & (cblk < I), S, 0.0)
-        return R + decay(blk == I, G, Ga, lo, La) * dot(SI, b_ * decay(blk < I, Ga, G, La, lo))
+        return R + decay(blk == I, G, Ga, lo, La) * mm.dot(SI, b_ * decay(blk < I, Ga, G, La, lo))
 
     R = loop(1, nb, anchored, jnp.zeros(b_.shape, b_.dtype))
 
@@ -122,7 +122,7 @@ def pair_rows_body(S, b_, G, block: int, lo=None):
     return loop(0, C, diag, R)
 
 
-def pair_cols_body(S, a, G, block: int, lo=None):
+def pair_cols_body(mm: Products, S, a, G, block: int, lo=None):
     """``C_jd = sum_{i >= j} S_ij a_id e^(G_id - G_jd)`` for lower-triangular ``S``
     (``lo`` as ``scores_body``)."""
     C = S.shape[0]
@@ -132,7 +132,7 @@ def pair_cols_body(S, a, G, block: int, lo=None):
     def anchored(I, out):
         Ga, La = row_of(G, I * b), row_or_none(lo, I * b)
         SI = jnp.where((idiv(iota((C, C), 0), b) == I) & (cblk < I), S, 0.0)
-        return out + decay(blk < I, Ga, G, La, lo) * dot(SI, a * decay(blk == I, G, Ga, lo, La), ta=True)
+        return out + decay(blk < I, Ga, G, La, lo) * mm.dot(SI, a * decay(blk == I, G, Ga, lo, La), ta=True)
 
     out = loop(1, nb, anchored, jnp.zeros(a.shape, a.dtype))
     St = S.T
@@ -162,7 +162,8 @@ def intra_bwd_outputs(q, k, beta, dq_a, dk_a, r, c, dq, dk, dG):
 B4_MAX_BLOCK = 32
 
 
-def column_block_call(kernel, inputs, kinds, C: int, bk: int, nk: int, P: int, NC: int, dtype, interpret: bool):
+def column_block_call(kernel, inputs, kinds, C: int, bk: int, nk: int, P: int, NC: int, dtype, interpret: bool,
+                      params: dict):
     """B4's Triton call over the grid (P, NC, nk): inputs of kind ``"k"`` (``[P, NC, C,
     nk * bk]``) give each program its block of ``bk`` columns, the others (``[P, NC, *block]``)
     their whole chunk block. Outputs: three ``[P, NC, C, nk * bk]`` and dbeta's part of each
@@ -184,7 +185,7 @@ def column_block_call(kernel, inputs, kinds, C: int, bk: int, nk: int, P: int, N
         in_specs=specs,
         out_specs=[kspec, kspec, pl.BlockSpec((None, None, C, 1), lambda p, c, j: (p, c, 0, j)), kspec],
         interpret=interpret,
-        compiler_params=None if interpret else compiler_params("triton", False, 3),
+        compiler_params=None if interpret else compiler_params("triton", False, 3, **params),
     )(*inputs)
 
 
@@ -232,15 +233,16 @@ class PallasIntra(AbstractIntra, PallasFeatureBlocks):
             ins, specs = ins + extra, specs + extra_specs
         blocks = self.feature_blocks(ins[0].shape[-1])
         if self.target == "triton":
-            kernel = intra_levels_kernel(scale, C, blocks, G_lo is not None, reset is not None)
+            kernel = intra_levels_kernel(self.products(), scale, C, blocks, G_lo is not None, reset is not None)
         else:
-            kernel = intra_chunk_kernel(scale, C, self.block, blocks, G_lo is not None, reset is not None)
+            kernel = intra_chunk_kernel(self.products(), scale, C, self.block, blocks, G_lo is not None,
+                                        reset is not None)
         stored = _precision.storage(q.dtype)  # (bf16 under "fast")
         Aqk, Akk = self.call(kernel, ins, specs, [(C, C), (C, C)], R * HV, NC, stored)
         return IntraOut(unflat(Aqk, R, HV), unflat(Akk, R, HV))
 
 
-def intra_chunk_kernel(scale: float, C: int, block: int, blocks, has_lo: bool, has_reset: bool):
+def intra_chunk_kernel(mm: Products, scale: float, C: int, block: int, blocks, has_lo: bool, has_reset: bool):
     """F2's kernel on TPU: the whole chunk at once, anchored products over row blocks and
     the diagonal blocks one column at a time (``scores_body``), ``(I + L)^-1`` row by row
     (``unit_lower_inverse_body``)."""
@@ -250,7 +252,7 @@ def intra_chunk_kernel(scale: float, C: int, block: int, blocks, has_lo: bool, h
 
         def feature_block(k0, bk, S):
             kc = (slice(None), pl.ds(k0, bk))
-            Sqk, Skk = scores_body(q_ref[kc], k_ref[kc], g_ref[kc], block, ref_or_none(lo_ref, kc))
+            Sqk, Skk = scores_body(mm, q_ref[kc], k_ref[kc], g_ref[kc], block, ref_or_none(lo_ref, kc))
             return S[0] + Sqk, S[1] + Skk
 
         scores = lambda zeros: blockwise(blocks, feature_block, (zeros, zeros))  # noqa: E731
@@ -308,15 +310,17 @@ class PallasIntraBackward(AbstractIntraBackward, PallasFeatureBlocks):
         if self.target == "triton":
             bk = min(blocks[0][1], B4_MAX_BLOCK)
             blocks = column_blocks("triton", Kp, bk)
-            kernel = intra_bwd_levels_kernel(scale, C, has_lo, has_reset)
+            kernel = intra_bwd_levels_kernel(self.products(), scale, C, has_lo, has_reset)
             kinds = ["k", "k", "1", "k", "1", "1", "k", "k", "k"] + ["k"] * has_lo + ["1", "1"] * has_reset
             keep = [i for i in range(len(ins)) if i != 8]  # dbeta: its parts are summed here
             dq, dk, db, dG = column_block_call(kernel, [ins[i] for i in keep], kinds, C, bk, len(blocks), R * HV, NC,
-                                               q.dtype, self.run_interpreted)
+                                               q.dtype, self.run_interpreted, self.triton_params())
             db = flat(grads.dbeta) + jnp.sum(db, axis=-1, keepdims=True)
             cut = lambda x: unflat(x[..., :K], R, HV)
             return ChunkGrads(cut(dq), cut(dk), grads.dv, unflat(db, R, HV, squeeze=True), cut(dG), None)
         else:
+            mm = self.products()
+
             def kernel(*refs):  # the whole chunk at once
                 q_ref, k_ref, b_ref, g_ref, da_ref, dl_ref, dq_ref, dk_ref, db_ref, dg_ref = refs[:10]
                 rest = refs[10:-4]
@@ -327,10 +331,10 @@ class PallasIntraBackward(AbstractIntraBackward, PallasFeatureBlocks):
                 if has_reset:  # F2's pairs across sequences are constant zeros
                     same = rest[-2][...] == rest[-1][...]
                     dA, dL = jnp.where(same, dA, 0.0), jnp.where(same, dL, 0.0)
-                dq_a = scale * pair_rows_body(dA, k, G, block, lo)
-                dk_a = scale * pair_cols_body(dA, q, G, block, lo)
-                r = pair_rows_body(dL, k, G, block, lo)
-                c = pair_cols_body(dL * beta, k, G, block, lo)
+                dq_a = scale * pair_rows_body(mm, dA, k, G, block, lo)
+                dk_a = scale * pair_cols_body(mm, dA, q, G, block, lo)
+                r = pair_rows_body(mm, dL, k, G, block, lo)
+                c = pair_cols_body(mm, dL * beta, k, G, block, lo)
                 dq_out[...], dk_out[...], dg_out[...], ddb = intra_bwd_outputs(
                     q, k, beta, dq_a, dk_a, r, c, dq_ref[...], dk_ref[...], dg_ref[...])
                 db_out[...] = db_ref[...] + ddb

@@ -24,10 +24,9 @@ from .._numerics import precision as _precision
 from .._numerics.hilo import nonpositive
 from .._numerics.isolation import finite_or_zero
 from ._arith import (
-    dot, exp_by_exp2, fast_decay, from_first, nonfinite, nonfinite_rows, reached_down, reached_up, scaled_dot,
-    tf32_product,
+    Products, exp_by_exp2, fast_decay, from_first, nonfinite, nonfinite_rows, reached_down, reached_up, tf32_product,
 )
-from ._common import _TUNING, blockwise, iota, loop, put, ref_or_none
+from ._common import blockwise, iota, loop, put, ref_or_none
 
 
 def f2_refs(refs, has_lo: bool, has_reset: bool):
@@ -90,7 +89,7 @@ def half_block_decay(G, lo, g_ref, lo_ref, cols, C: int, lev):
     return exp_by_exp2(d if lo is None else nonpositive(d))
 
 
-def level_scores(q_ref, k_ref, g_ref, lo_ref, blocks, C: int, zeros):
+def level_scores(mm: Products, q_ref, k_ref, g_ref, lo_ref, blocks, C: int, zeros):
     """``(Sqk, Skk)``: ``sum_d a_id k_jd e^(G_id - G_jd)`` (a = q, k) for j <= i (zeros
     above the diagonal), over the feature columns in ``blocks`` (``column_blocks``), ``G``
     read from ``g_ref`` (``lo_ref``: its low part, or None). The diagonal is a row sum; the
@@ -117,7 +116,7 @@ def level_scores(q_ref, k_ref, g_ref, lo_ref, blocks, C: int, zeros):
             E = half_block_decay(g_ref[:, cols], ref_or_none(lo_ref, (slice(None), cols)), g_ref, lo_ref, cols, C,
                                  lev)
             kE = k * E  # (the upper rows' k e^(G_i - G_a), the lower rows' k e^(G_a - G_j))
-            return P[0] + dot(q * E, kE, tb=True), P[1] + dot(kE, kE, tb=True)
+            return P[0] + mm.dot(q * E, kE, tb=True), P[1] + mm.dot(kE, kE, tb=True)
 
         # The blocks' products summed (on tensor cores, into one accumulator) before the
         # level's pairs are selected: S is zero at them until then, so the sums are the
@@ -129,7 +128,7 @@ def level_scores(q_ref, k_ref, g_ref, lo_ref, blocks, C: int, zeros):
     return loop(0, C.bit_length() - 1, level, (Sqk, zeros))
 
 
-def doubling_unit_lower_inverse(L, plain_tf32: bool = False):
+def doubling_unit_lower_inverse(mm: Products, L, plain_tf32: bool = False):
     """``(I + L)^-1`` for strictly lower ``L [C, C]`` with finite entries, by blocked
     substitution in log2(C) doubling steps of two products each (the first, from I,
     without): ``X <- X - X (B X)``, ``B`` the pairs of one halving level
@@ -142,9 +141,8 @@ def doubling_unit_lower_inverse(L, plain_tf32: bool = False):
     FLA's tolerances either way: tests/test_precision.py; sm_90: F2 -24% instructions)."""
     C = L.shape[0]
     eye = (iota((C, C), 0) == iota((C, C), 1)).astype(L.dtype)
-    tuning = _TUNING.get()
-    plain = plain_tf32 and tuning is not None and tuning.f32_dot != "ieee" and L.dtype == jnp.float32
-    product = tf32_product if plain else functools.partial(scaled_dot, None)
+    plain = plain_tf32 and mm.f32_dot != "ieee" and L.dtype == jnp.float32
+    product = tf32_product if plain else functools.partial(mm.scaled_dot, None)
 
     def step(lev, X):  # (X split for each product: split once and held, F2 took +4% instructions)
         return X - product(X, product(jnp.where(level_pairs(C, lev), L, 0.0), X))
@@ -158,7 +156,7 @@ def doubling_unit_lower_inverse(L, plain_tf32: bool = False):
     return loop(1, C.bit_length() - 1, step, first)
 
 
-def intra_levels_kernel(scale: float, C: int, blocks, has_lo: bool, has_reset: bool):
+def intra_levels_kernel(mm: Products, scale: float, C: int, blocks, has_lo: bool, has_reset: bool):
     """F2's kernel on Triton: every score and every step of ``(I + L)^-1`` a tile product
     over the whole chunk, no per-token loop and no row or column pulled out of a tile.
     Scores: ``level_scores`` (log2(C) products per output, summed over ``blocks`` of
@@ -173,12 +171,12 @@ def intra_levels_kernel(scale: float, C: int, blocks, has_lo: bool, has_reset: b
     def kernel(*refs):
         q_ref, k_ref, g_ref, b_ref, lo_ref, seg, aqk_ref, akk_ref = f2_refs(refs, has_lo, has_reset)
 
-        scores = lambda zeros: level_scores(q_ref, k_ref, g_ref, lo_ref, blocks, C, zeros)  # noqa: E731
+        scores = lambda zeros: level_scores(mm, q_ref, k_ref, g_ref, lo_ref, blocks, C, zeros)  # noqa: E731
         L = aqk_and_l(scores, C, scale, seg, aqk_ref, b_ref)
         seen = from_first(nonfinite_rows(L))
         fast = _precision.current_policy() == "fast"
         with _precision.float32_products():
-            A = doubling_unit_lower_inverse(jnp.where(jnp.abs(L) < jnp.inf, L, 0.0), plain_tf32=fast)
+            A = doubling_unit_lower_inverse(mm, jnp.where(jnp.abs(L) < jnp.inf, L, 0.0), plain_tf32=fast)
         put(akk_ref, ..., jnp.where(seen, jnp.nan, A))
 
     kernel.__qualname__ = "PallasIntra.kernel"  # its name in profiles
@@ -216,9 +214,9 @@ class B4Refs:
     and ``seg`` (``[C, 1]``: each token's sequence, to select pairs within one; None
     without resets)."""
 
-    def __init__(self, refs, cols, C: int, B: int, scale: float, seg):
+    def __init__(self, refs, cols, C: int, B: int, scale: float, seg, mm: Products):
         self.q, self.k, self.beta, self.G, self.lo, self.dA, self.dL = refs
-        self.cols, self.C, self.B, self.scale, self.seg = cols, C, B, scale, seg
+        self.cols, self.C, self.B, self.scale, self.seg, self.mm = cols, C, B, scale, seg, mm
 
     def offset_loop(self, side: str, init):
         """``init`` plus the pairs i >= j inside each sub-block, diagonal included, one
@@ -329,22 +327,22 @@ class B4Refs:
             qx = finite_or_zero(scale * self.q[upper, cols] * into)
             bx = finite_or_zero(self.beta[upper, :] * self.k[upper, cols] * into)
             back = self.decay(lev, z, False)
-            return (e + scaled_dot(back, self.level_entries(5, lev, z, upper, True), qx)
-                    + scaled_dot(back, self.level_entries(6, lev, z, upper, True), bx))
+            return (e + self.mm.scaled_dot(back, self.level_entries(5, lev, z, upper, True), qx)
+                    + self.mm.scaled_dot(back, self.level_entries(6, lev, z, upper, True), bx))
 
         def rows(lev, acc):
             z = jnp.minimum(lev, 0)
             lower, _ = self.half_rows(lev, z)
             kx = finite_or_zero(self.k[lower, cols] * self.decay(lev, z, False, lower))
             into = self.decay(lev, z, True)
-            return (acc[0] + scaled_dot(into, self.level_entries(5, lev, z, lower, False), kx),
-                    acc[1] + scaled_dot(into, self.level_entries(6, lev, z, lower, False), kx))
+            return (acc[0] + self.mm.scaled_dot(into, self.level_entries(5, lev, z, lower, False), kx),
+                    acc[1] + self.mm.scaled_dot(into, self.level_entries(6, lev, z, lower, False), kx))
 
         first, n = self.B.bit_length() - 1, self.C.bit_length() - 1
         return init if first >= n else loop(first, n, rows if side == "rows" else columns, init)
 
 
-def intra_bwd_levels_kernel(scale: float, C: int, has_lo: bool, has_reset: bool):
+def intra_bwd_levels_kernel(mm: Products, scale: float, C: int, has_lo: bool, has_reset: bool):
     """B4's kernel on Triton, the VJP of ``intra_levels_kernel`` at its granularity: no
     per-token loop and no row or column pulled out of a tile. One program per (row * head,
     chunk, block of feature columns), as FLA's ``chunk_kda_bwd_intra`` (every gradient
@@ -365,7 +363,7 @@ def intra_bwd_levels_kernel(scale: float, C: int, has_lo: bool, has_reset: bool)
         bk = q_ref.shape[-1]
 
         ops = B4Refs((q_ref, k_ref, b_ref, g_ref, lo_ref, da_ref, dl_ref), pl.ds(0, bk), C, min(SUB_BLOCK, C),
-                     scale, rest[-2] if has_reset else None)
+                     scale, rest[-2] if has_reset else None, mm)
         zero = jnp.zeros((C, bk), q_ref.dtype)
         # Both sums' offsets in one loop (its index math and loads of the token's own rows
         # shared: B4 at 16 warps -3%), then each side's levels adding to them (with both

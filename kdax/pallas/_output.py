@@ -10,7 +10,6 @@ from .._stage_protocol.final import final
 from .._annotations import ChunkK, ChunkMat, ChunkState, ChunkV, typecheck
 from ..ref import compute_dtype
 from ..stages import KDA, AbstractDAv, AbstractOutput
-from ._arith import dot, lower_dot
 from ._common import PallasTarget, chunk_spec, flat, iota, loaded, token_operand, tuned, unflat
 
 
@@ -41,8 +40,10 @@ class PallasOutput(AbstractOutput, PallasTarget):
         vf = self.padded(v_new)
         Kp, Vp = qf.shape[-1], vf.shape[-1]
 
+        mm = self.products()
+
         def kernel(q_ref, h_ref, a_ref, v_ref, o_ref):
-            o_ref[...] = scale * dot(q_ref[...], h_ref[...]) + lower_dot(a_ref[...], v_ref[...])
+            o_ref[...] = scale * mm.dot(q_ref[...], h_ref[...]) + mm.lower_dot(a_ref[...], v_ref[...])
 
         (o,) = self.call(
             kernel, (qf, hf, flat(Aqk), vf),
@@ -74,11 +75,13 @@ class PallasDAv(AbstractDAv, PallasTarget):
         Vp = vf.shape[-1]
         df, do_spec, load = token_operand(self.target, self.view_or_copy(do, V), self.padded, (C, Vp))
 
+        mm = self.products()
+
         def kernel(v_ref, a_ref, do_ref, da_ref, dv_ref):
             d = loaded(do_ref, load)[...]
             row, col = iota((C, C), 0), iota((C, C), 1)
-            da_ref[...] = jnp.where(col <= row, dot(d, v_ref[...], tb=True), 0.0)
-            dv_ref[...] = dot(a_ref[...], d, ta=True)
+            da_ref[...] = jnp.where(col <= row, mm.dot(d, v_ref[...], tb=True), 0.0)
+            dv_ref[...] = mm.dot(a_ref[...], d, ta=True)
 
         dA, dv = self.call(
             kernel, (vf, flat(Aqk), df), [chunk_spec((C, Vp)), chunk_spec((C, C)), do_spec],

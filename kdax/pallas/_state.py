@@ -104,12 +104,14 @@ class PallasState(AbstractState, PallasValueBlocks):
         P, Kp, Vp = R * HV, wf.shape[-1], uf.shape[-1]
         # h and v_new as stored (bf16 under "fast"), the final states in h0's dtype
         st = _precision.storage(h0.dtype)
-        shapes = dict(NC=NC, C=C, Kp=Kp, Vp=Vp, dtype=[st, st, h0.dtype], interpret=self.run_interpreted)
+        shapes = dict(NC=NC, C=C, Kp=Kp, Vp=Vp, dtype=[st, st, h0.dtype], interpret=self.run_interpreted,
+                      mm=self.products())
         if t == "tpu":
             h, v_new, final = tpu.state_forward(wf, uf, kgf, gam, h0f, layout, P=P, HV=HV, N=N, **shapes)
         else:
             h, v_new, final = triton.state_forward(wf, uf, kgf, gam, h0f, layout, R=R, HV=HV, N=N,
-                                                   block_v=self.block_v, block_k=self.block_k, **shapes)
+                                                   block_v=self.block_v, block_k=self.block_k,
+                                                   params=self.triton_params(), **shapes)
         return StateOut(unflat(h[..., :K, :V], R, HV), unflat(v_new[..., :V], R, HV),
                         final[:, :K, :V].reshape(N, HV, K, V))
 
@@ -162,12 +164,14 @@ class PallasDhu(AbstractDhu, PallasValueBlocks):
         dhtf = feature_pad(t, dht.reshape(N * HV, K, V), axes=(-2, -1))
         P, Kp, Vp = R * HV, qf.shape[-1], dvf.shape[-1]
         dt = dv_intra.dtype  # (dh as stored: bf16 under "fast")
-        shapes = dict(NC=NC, C=C, Kp=Kp, Vp=Vp, dtype=[_precision.storage(dt), dt, dt], interpret=self.run_interpreted)
+        shapes = dict(NC=NC, C=C, Kp=Kp, Vp=Vp, dtype=[_precision.storage(dt), dt, dt], interpret=self.run_interpreted,
+                      mm=self.products())
         if t == "tpu":
             dh, dv_new, dh0 = tpu.dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout, P=P, HV=HV, N=N,
                                                **shapes)
         else:
             dh, dv_new, dh0 = triton.dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout, R=R, HV=HV, N=N,
-                                                  block_v=self.block_v, block_k=self.block_k, **shapes)
+                                                  block_v=self.block_v, block_k=self.block_k,
+                                                  params=self.triton_params(), **shapes)
         return DhuOut(unflat(dh[..., :K, :V], R, HV), dh0[:, :K, :V].reshape(N, HV, K, V),
                       unflat(dv_new[..., :V], R, HV))

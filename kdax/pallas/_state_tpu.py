@@ -113,9 +113,9 @@ def _bounds(marks, NC: int, HV: int, reverse: bool):
     return split
 
 
-def state_forward(wf, uf, kgf, gam, h0f, layout: ChunkLayout, *, P, HV, N, NC, C, Kp, Vp, dtype, interpret):
+def state_forward(wf, uf, kgf, gam, h0f, layout: ChunkLayout, *, P, HV, N, NC, C, Kp, Vp, dtype, interpret, mm):
     """F4 on padded, flattened operands (``[P, NC, C, Kp]`` ...; ``h0f [N * HV, Kp, Vp]``):
-    ``(h, v_new, final [N * HV, Kp, Vp])``."""
+    ``(h, v_new, final [N * HV, Kp, Vp])``; ``mm``: the kernel's ``Products``."""
     marks = None if layout.dense else _marks(layout)
     split = _bounds(marks, NC, HV, reverse=False)
 
@@ -128,7 +128,7 @@ def state_forward(wf, uf, kgf, gam, h0f, layout: ChunkLayout, *, P, HV, N, NC, C
 
         h = scr[...]
         put(h_ref, ..., h)  # (in the stored dtype: bf16 under "fast")
-        v_new, h_next = state_step(w_ref[...], u_ref[...], kg_ref[...], g_ref[...], h)
+        v_new, h_next = state_step(mm, w_ref[...], u_ref[...], kg_ref[...], g_ref[...], h)
         put(vn_ref, ..., v_new)
         scr[...] = h_next
 
@@ -149,7 +149,7 @@ def state_forward(wf, uf, kgf, gam, h0f, layout: ChunkLayout, *, P, HV, N, NC, C
 
 
 def dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout: ChunkLayout, *, P, HV, N, NC, C, Kp, Vp, dtype,
-                 interpret):
+                 interpret, mm):
     """B2 on padded, flattened operands, chunks in reverse: ``(dh, dv_new, dh0 [N * HV, Kp, Vp])``."""
     marks = None if layout.dense else _marks(layout)
     split = _bounds(marks, NC, HV, reverse=True)
@@ -163,7 +163,7 @@ def dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout: ChunkLayout, *,
 
         dh_end = scr[...]
         dh_ref[...] = dh_end.astype(dh_ref.dtype)
-        dv, dh_start = dhu_step(scale, q_ref[...], k_ref[...], w_ref[...], g_ref[...], do_ref[...],
+        dv, dh_start = dhu_step(mm, scale, q_ref[...], k_ref[...], w_ref[...], g_ref[...], do_ref[...],
                                  dvi_ref[...], dh_end)
         dv_ref[...] = dv
         scr[...] = dh_start

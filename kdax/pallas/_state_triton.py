@@ -12,7 +12,7 @@ from ._common import compiler_params, idiv, loop, manual_inputs, out_dtypes, put
 from ._state_steps import dhu_step_tiled, k_tiles, state_step_tiled
 
 
-def _run(kernel, ins, out_shapes, P, NV, dtype, interpret, stage):
+def _run(kernel, ins, out_shapes, P, NV, dtype, interpret, stage, params):
     """One program per (row, block of value columns); whole arrays, chunk blocks read with
     pl.ds inside the kernel. The columns of the state evolve independently, so splitting
     them halves each program's shared memory and doubles the programs (more parallel
@@ -22,7 +22,7 @@ def _run(kernel, ins, out_shapes, P, NV, dtype, interpret, stage):
         kernel, grid=(P, NV),
         out_shape=[jax.ShapeDtypeStruct(s, d, manual_axis_type=mat) for s, d in zip(out_shapes, out_dtypes(dtype, 3))],
         name=f"kdax_{stage}_kernel",
-        interpret=interpret, compiler_params=None if interpret else compiler_params("triton", False, 1),
+        interpret=interpret, compiler_params=None if interpret else compiler_params("triton", False, 1, **params),
     )(*ins)
 
 
@@ -31,8 +31,10 @@ def _tokens(x):
     return x.reshape(x.shape[0], x.shape[1] * x.shape[2], x.shape[3])
 
 
-def state_forward(wf, uf, kgf, gam, h0f, layout, *, R, HV, NC, C, Kp, Vp, N, block_v, block_k, dtype, interpret):
-    """F4 on padded, flattened operands: ``(h [P, NC, Kp, Vp], v_new, final [N * HV, Kp, Vp])``."""
+def state_forward(wf, uf, kgf, gam, h0f, layout, *, R, HV, NC, C, Kp, Vp, N, block_v, block_k, dtype, interpret, mm,
+                  params):
+    """F4 on padded, flattened operands: ``(h [P, NC, Kp, Vp], v_new, final [N * HV, Kp, Vp])``.
+    ``mm``: the kernel's ``Products``; ``params``: its ``num_warps`` and ``num_stages``."""
     P = R * HV
     # Sequence boundaries from the layout (dense or packed varlen): a chunk that
     # starts sequence f loads h0[f]; one that ends sequence l writes final[l].
@@ -54,10 +56,10 @@ def state_forward(wf, uf, kgf, gam, h0f, layout, *, R, HV, NC, C, Kp, Vp, N, blo
             for (k0, bk), h in zip(tiles, hs):
                 # Stored as FLA stores them (bf16 under "fast": kdax._numerics.precision.storage).
                 put(h_ref, (p, pl.ds(c * Kp + k0, bk), cols), h)
-            v_new, hs_next = state_step_tiled(
-                [w_ref[p, rows, pl.ds(k0, bk)] for k0, bk in tiles], u_ref[p, rows, cols],
-                [kg_ref[p, rows, pl.ds(k0, bk)] for k0, bk in tiles],
-                [g_ref[p, pl.ds(c * Kp + k0, bk), :] for k0, bk in tiles], hs)
+            v_new, hs_next = state_step_tiled(  # (loads, each read where its product needs it: _state_steps)
+                mm, [lambda k0=k0, bk=bk: w_ref[p, rows, pl.ds(k0, bk)] for k0, bk in tiles], u_ref[p, rows, cols],
+                [lambda k0=k0, bk=bk: kg_ref[p, rows, pl.ds(k0, bk)] for k0, bk in tiles],
+                [lambda k0=k0, bk=bk: g_ref[p, pl.ds(c * Kp + k0, bk), :] for k0, bk in tiles], hs)
             put(vn_ref, (p, rows, cols), v_new)
             if not dense:
                 l = last_ref[r, c]
@@ -79,7 +81,7 @@ def state_forward(wf, uf, kgf, gam, h0f, layout, *, R, HV, NC, C, Kp, Vp, N, blo
 
     h, v_new, final = _run(
         kernel, (_tokens(wf), _tokens(uf), _tokens(kgf), _tokens(gam), h0f, layout.first, layout.last),
-        [(P, NC * Kp, Vp), (P, NC * C, Vp), (N * HV, Kp, Vp)], P, Vp // bv, dtype, interpret, "PallasState",
+        [(P, NC * Kp, Vp), (P, NC * C, Vp), (N * HV, Kp, Vp)], P, Vp // bv, dtype, interpret, "PallasState", params,
     )
     h, v_new = h.reshape(P, NC, Kp, Vp), v_new.reshape(P, NC, C, Vp)
     # A sequence of length 0 has no chunk to write its final state: it keeps h0.
@@ -88,7 +90,7 @@ def state_forward(wf, uf, kgf, gam, h0f, layout, *, R, HV, NC, C, Kp, Vp, N, blo
 
 
 def dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout, *, R, HV, NC, C, Kp, Vp, N, block_v, block_k, dtype,
-                 interpret):
+                 interpret, mm, params):
     """B2 on padded, flattened operands, chunks in reverse: ``(dh, dv_new, dh0)``. ``dof``
     may be a ``Tokens`` view (dense layout, V a power of 2): read from the caller's
     ``[B, T, H, V]`` array, row r's tokens of head ``hv // group``."""
@@ -120,10 +122,12 @@ def dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout, *, R, HV, NC, C
             rows = pl.ds(c * C, C)
             for (k0, bk), h in zip(tiles, dhs):
                 dh_ref[p, pl.ds(c * Kp + k0, bk), cols] = h.astype(dh_ref.dtype)
-            cut = lambda ref: [ref[p, rows, pl.ds(k0, bk)] for k0, bk in tiles]
-            dv, dhs_start = dhu_step_tiled(scale, cut(q_ref), cut(k_ref), cut(w_ref),
-                                            [g_ref[p, pl.ds(c * Kp + k0, bk), :] for k0, bk in tiles],
-                                            read_do(do_ref, p, r, hv, rows, cols), dvi_ref[p, rows, cols], dhs)
+            # (loads, each read where its product needs it: _state_steps)
+            cut = lambda ref: [lambda k0=k0, bk=bk: ref[p, rows, pl.ds(k0, bk)] for k0, bk in tiles]  # noqa: E731
+            gam = [lambda k0=k0, bk=bk: g_ref[p, pl.ds(c * Kp + k0, bk), :] for k0, bk in tiles]
+            dv, dhs_start = dhu_step_tiled(mm, scale, cut(q_ref), cut(k_ref), cut(w_ref), gam,
+                                            lambda: read_do(do_ref, p, r, hv, rows, cols), lambda: dvi_ref[p, rows, cols],
+                                            dhs)
             dv_ref[p, rows, cols] = dv
             if not dense:
                 f = first_ref[r, c]
@@ -146,7 +150,7 @@ def dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout, *, R, HV, NC, C
     dh, dv_new, dh0 = _run(
         kernel, (_tokens(qf), _tokens(kf), _tokens(wf), _tokens(gam), do_in, _tokens(dvf), dhtf,
                  layout.first, layout.last),
-        [(P, NC * Kp, Vp), (P, NC * C, Vp), (N * HV, Kp, Vp)], P, Vp // bv, dtype, interpret, "PallasDhu",
+        [(P, NC * Kp, Vp), (P, NC * C, Vp), (N * HV, Kp, Vp)], P, Vp // bv, dtype, interpret, "PallasDhu", params,
     )
     dh, dv_new = dh.reshape(P, NC, Kp, Vp), dv_new.reshape(P, NC, C, Vp)
     # A sequence of length 0 passes its dht straight to dh0.

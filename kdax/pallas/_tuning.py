@@ -2,16 +2,17 @@
 
 A tuning sets the Triton fields of each Pallas stage (``PallasTarget``: ``num_warps``,
 ``num_stages``, ``f32_dot``; the state kernels' ``block_k`` rows and ``block_v`` value
-columns) and, for the presets modelled with FLA's numerics, the pipeline's precision
+columns; ``f32_tuning``, the fields a stage takes instead where its products take float32
+operands) and, for the presets modelled with FLA's numerics, the pipeline's precision
 policy. Tunings change compiled Triton kernels only: TPU kernels and interpret mode
 ignore them (``PallasTarget``), so a tuning other than ``"default"`` is refused for the TPU
 target.
 
 What is measured and what is modelled: no preset has been timed on a GPU in this form.
-``"default"`` is, per stage, the swept tuning that spills least on sm_90 over a training
-step's kernels (dense and packed sequences, every precision policy): spill-free under
-``"fast"`` except B5 on packed sequences, not under the others (see ``_DEFAULT``;
-tests/pallas/test_triton_tuning.py); ``"fastest-modelled"`` is the
+``"default"`` compiles without spills on sm_90 for every kernel of a training step, dense
+and packed sequences, at every precision (``"auto"`` with float32 and bf16 inputs, every
+policy by name; see ``_DEFAULT``; tests/pallas/test_triton_tuning.py);
+``"fastest-modelled"`` is the
 tuning ``benchmarks/gpu_cost_model.py`` predicts fastest (benchmarks/results/
 gpu_cost_model.txt), under precision ``"fast"``, where it compiles without spills (dense
 and packed); under the other policies some of its kernels spill.
@@ -55,27 +56,33 @@ _FASTEST["intra_bwd"] = dict(_FASTEST["intra_bwd"], num_warps=16)
 for _s in ("state", "dhu"):
     _FASTEST[_s] = dict(_FASTEST[_s], block_v=32)
 
-# The default: per stage, the tuning with the fewest bytes spilled on sm_90 of the four
-# whole-step tunings compiled under the four precision policies, dense and packed (session
-# of issue 53: 16 warps, 2 stages; 8 warps, 2 stages, the state kernels as 64-row tiles of
-# 64 or of 32 value columns; 8 warps, 1 stage, 32-row tiles of 32 columns, "highest" only;
-# all with TF32x3 float32 products), the faster one (by the cost model's figures) where two
-# tie; B5 at 1 stage (2 stages no better packed). Not spill-free: under precision "fast"
-# every kernel compiles without spills dense, and packed all but B5 (its reset table: 160 B
-# a thread, at every tuning tried); under the policies with float32 products in the
-# recurrences ("auto" for bf16 inputs, "highest", "bfloat16", "float16") F4 and B2 spill
-# (424 B and 1.3 KiB a thread; the minimal tuning 13.6-14.4 KiB), and under "highest" F2
-# and B3 too (240, 608 B). tests/pallas/test_triton_tuning.py pins this; a wider sweep (4
-# warps, IEEE products, 16-column state tiles) was not run.
+# The default: spill-free on sm_90 for every kernel of a training step, dense and packed,
+# at every precision (tests/pallas/test_triton_tuning.py; benchmarks/results/
+# gpu_cost_model.txt's last line). 8 warps, 2 stages, TF32x3 float32 products; where a
+# stage's products take float32 operands ("highest", and the recurrences under "bfloat16"
+# / "float16", what "auto" gives float32 / bf16 inputs), its f32_tuning: F4 and B2 at 4
+# warps (one warpgroup: at 8, a chained TF32x3 product of 64 rows lays its operands twice)
+# and 16 value columns a program (at 8 warps and 16 or 32 columns 224 B-1.3 KiB of spills
+# with their tiles loaded lazily, 13.6-14.4 KiB at the minimal tuning); F2 at 32 feature
+# columns (64: 240 B); B3 at 16 x 16 columns, 1 stage, unchained TF32x3 ("tf32x3_split":
+# 32 x 32 at 2 stages 608 B; 16 x 16 chained 40-104 B). B3 takes 16 feature columns at
+# every precision (32: 8-16 B under "bfloat16" on packed sequences, registers at 255); B5
+# at 1 stage. Registers at the edge (253-255 a thread: F2, B3 and B5 under some policies)
+# leave no room: a change to those kernels must recompile them (the slow test).
 _DEFAULT = _every(num_warps=8, num_stages=2, f32_dot="tf32x3")
 for _s in ("state", "dhu"):
-    _DEFAULT[_s] = dict(_DEFAULT[_s], block_k=64, block_v=32)
+    _DEFAULT[_s] = dict(_DEFAULT[_s], block_k=64, block_v=32, f32_tuning=(("num_warps", 4), ("block_v", 16)))
+_DEFAULT["intra"] = dict(_DEFAULT["intra"], f32_tuning=(("block_k", 32),))
+_DEFAULT["wy_dqkg"] = dict(_DEFAULT["wy_dqkg"], block_k=16, f32_tuning=(
+    ("num_stages", 1), ("block_k", 16), ("block_v", 16), ("f32_dot", "tf32x3_split")))
 _DEFAULT["gate_bwd"] = dict(num_warps=8, num_stages=1, f32_dot="tf32x3")
 
 TUNINGS: Mapping[str, Tuning] = MappingProxyType({t.name: t for t in (
-    _tuning("default", "what KDAPipeline.pallas('triton') gives: per stage the swept tuning that spills least on "
-                       "sm_90 over every precision policy, dense and packed (8 warps, 2 stages, TF32x3 float32 "
-                       "products, the state kernels as 64-row tiles of 32 value columns, B5 at 1 stage)", _DEFAULT),
+    _tuning("default", "what KDAPipeline.pallas('triton') gives: no spills on sm_90 at any precision, dense and "
+                       "packed (8 warps, 2 stages, TF32x3 float32 products, the state kernels as 64-row tiles of 32 "
+                       "value columns, B3 at 16 feature columns, B5 at 1 stage; where a stage's products take "
+                       "float32 operands, F4/B2 at 4 warps and 16 columns, F2 at 32 feature columns, B3 at 16 x 16 "
+                       "columns, 1 stage, unchained TF32x3)", _DEFAULT),
     _tuning("fastest-modelled", "the cost model's fastest (benchmarks/gpu_cost_model.py's BEST, "
                                 "gpu_candidate_run.py's CANDIDATE_BEST): 8 warps, 2 stages, TF32x3 float32 products, "
                                 "F2 and B4 at 16 warps, the state kernels as 64-row tiles of 32 value columns; "

@@ -14,7 +14,7 @@ from .._annotations import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, Ch
 from .._numerics import precision as _precision
 from .._numerics.hilo import exponent
 from ..stages import KDA, AbstractWY, AbstractWYDqkg, ChunkGrads, WYOut
-from ._arith import decay, dot, exp_by_exp2, lower_dot
+from ._arith import Products, decay, exp_by_exp2
 from ._common import (
     PallasFeatureBlocks, PallasValueBlocks, blockwise, chunk_spec, column_blocks, flat, iota, loaded, pow2, put,
     ref_or_none, row_of, segment_operands, token_operand, tuned, unflat,
@@ -58,7 +58,8 @@ def segment_masks(seg):
     return seg == 0, seg == last, last == 0
 
 
-def wy_kernel(k_blocks, v_blocks, has_lo: bool, load_v=None, row_loads: bool = False, has_reset: bool = False):
+def wy_kernel(mm: Products, k_blocks, v_blocks, has_lo: bool, load_v=None, row_loads: bool = False,
+              has_reset: bool = False):
     """F3's kernel for one chunk: ``w``, ``qg``, ``kg`` over ``k_blocks`` of feature
     columns, ``u`` over ``v_blocks`` (``column_blocks``; on Triton whole ``[C, 128]``
     tiles spilled). A NaN/inf at a token reaches only the rows from it on (``lower_dot``),
@@ -79,7 +80,7 @@ def wy_kernel(k_blocks, v_blocks, has_lo: bool, load_v=None, row_loads: bool = F
             G, k = g_r[kc], k_r[kc]
             lo = ref_or_none(lo_r, kc)
             eG = policy_exp(mask_exponent(start, G))
-            put(w_o, kc, lower_dot(a_r[...], beta * k * eG))  # (put: in the stored dtype)
+            put(w_o, kc, mm.lower_dot(a_r[...], beta * k * eG))  # (put: in the stored dtype)
             put(qg_o, kc, q_r[kc] * eG)
             gam, lo_gam = last_rows(row_loads, (g_r, lo_r), kc[1], (G, lo))
             put(kg_o, kc, k * policy_exp(mask_exponent(end, exponent(gam, G, lo_gam, lo))))
@@ -87,7 +88,7 @@ def wy_kernel(k_blocks, v_blocks, has_lo: bool, load_v=None, row_loads: bool = F
 
         def value_block(j0, bv, carry):
             vc = (slice(None), pl.ds(j0, bv))
-            put(u_o, vc, lower_dot(a_r[...], beta * v_r[vc]))
+            put(u_o, vc, mm.lower_dot(a_r[...], beta * v_r[vc]))
             return carry
 
         blockwise(v_blocks, value_block, blockwise(k_blocks, feature_block, jnp.int32(0)))
@@ -96,8 +97,8 @@ def wy_kernel(k_blocks, v_blocks, has_lo: bool, load_v=None, row_loads: bool = F
     return kernel
 
 
-def wy_dqkg_body(scale, beta, Akk, refs, out_refs, k_blocks, v_blocks, has_lo: bool, row_loads: bool = False,
-                 seg=None):
+def wy_dqkg_body(mm: Products, scale, beta, Akk, refs, out_refs, k_blocks, v_blocks, has_lo: bool,
+                 row_loads: bool = False, seg=None):
     """B3 for one chunk, from refs: ``refs = (k, G, qg, kg, v, h, dh, v_new, do, dv_new
     [, G_lo])`` in, ``out_refs = (dq, dk, dv, dbeta, dG)`` out; ``beta [C, 1]`` loaded,
     ``Akk [C, C]`` a ref read where used; returns dL. ``seg``: None, or (shared chunks)
@@ -107,7 +108,11 @@ def wy_dqkg_body(scale, beta, Akk, refs, out_refs, k_blocks, v_blocks, has_lo: b
     ``v_blocks`` at a time for dv and dbeta, then the feature axis ``k_blocks`` at a time,
     each with the value blocks again for its ``[C, bk]`` gradients: no ``[C, K]`` or ``[C, V]`` operand is ever whole (on Triton at
     K = V = 128, whole tiles spilled kilobytes a thread; TPU takes one block of each).
-    ``row_loads``: ``last_rows``' way."""
+    ``row_loads``: ``last_rows``' way, and (Triton) ``Akk`` the second operand of its
+    products (``akk_t``), where it stays in shared memory: as the first, under TF32x3 its
+    split parts sat in registers, laid twice over eight warps (B3 under ``"highest"``:
+    0.6 KiB of spills a thread on sm_90).
+    ``mm``: the kernel's ``Products``."""
     k_r, g_r, qg_r, kg_r, v_r, h_r, dh_r, vn_r, do_r, dvn_r = refs[:10]
     lo_r = refs[10] if has_lo else None
     dq_o, dk_o, dv_o, db_o, dG_o = out_refs
@@ -119,9 +124,14 @@ def wy_dqkg_body(scale, beta, Akk, refs, out_refs, k_blocks, v_blocks, has_lo: b
         dAkk, dbeta = carry
         vc = (slice(None), pl.ds(j0, bv))
         dvn, v = dvn_r[vc], v_r[vc]
-        dY = dot(Akk[...], dvn, ta=True)
+        dY = akk_t(dvn)
         dv_o[vc] = beta * dY
-        return dAkk + dot(dvn, beta * v, tb=True), dbeta + jnp.sum(v * dY, axis=1, keepdims=True)
+        return dAkk + mm.dot(dvn, beta * v, tb=True), dbeta + jnp.sum(v * dY, axis=1, keepdims=True)
+
+    def akk_t(x):  # Akk^T x
+        if row_loads and mm.splits:
+            return mm.dot(x, Akk[...], ta=True).T
+        return mm.dot(Akk[...], x, ta=True)
 
     dAkk, dbeta = blockwise(v_blocks, value_block, (jnp.zeros((C, C), dt), jnp.zeros((C, 1), dt)))
     last = iota((C, 1), 0) == C - 1
@@ -142,12 +152,12 @@ def wy_dqkg_body(scale, beta, Akk, refs, out_refs, k_blocks, v_blocks, has_lo: b
         kc = (slice(None), pl.ds(k0, bk))
         # G (and e^G) read again after each value loop rather than held through it
         gate = lambda: (g_r[kc], ref_or_none(lo_r, kc))
-        (dqg,) = over_values(k0, bk, lambda vc, hb: (dot(do_r[vc], h_r[hb], tb=True),))
+        (dqg,) = over_values(k0, bk, lambda vc, hb: (mm.dot(do_r[vc], h_r[hb], tb=True),))
         dqg = scale * dqg
         dq_o[kc] = dqg * policy_exp(mask_exponent(start, gate()[0]))
         dG = qg_r[kc] * dqg
         dkg, hdh = over_values(k0, bk, lambda vc, hb: (
-            dot(vn_r[vc], dh_r[hb], tb=True),
+            mm.dot(vn_r[vc], dh_r[hb], tb=True),
             # sum_v h dh as a [1, bk] row (a transpose keeps everything 2-D)
             jnp.sum((h_r[hb].astype(dt) * dh_r[hb].astype(dt)).T, axis=0, keepdims=True)), 1)
         G, lo = gate()
@@ -156,11 +166,11 @@ def wy_dqkg_body(scale, beta, Akk, refs, out_refs, k_blocks, v_blocks, has_lo: b
         dgam = jnp.sum(kg * dkg, axis=0, keepdims=True) + policy_exp(mask_exponent(passes, gam)) * hdh
         dG = dG - kg * dkg + jnp.where(last, dgam, 0.0)
         dk = dkg * decay(end, gam, G, lo_gam, lo)  # (policy_exp here: 8 B of spills)
-        (dw,) = over_values(k0, bk, lambda vc, hb: (-dot(dvn_r[vc], h_r[hb], tb=True),))
+        (dw,) = over_values(k0, bk, lambda vc, hb: (-mm.dot(dvn_r[vc], h_r[hb], tb=True),))
         k, eG = k_r[kc], policy_exp(mask_exponent(start, gate()[0]))
         X = beta * k * eG
-        dAkk = dAkk + dot(dw, X, tb=True)
-        dX = dot(Akk[...], dw, ta=True)
+        dAkk = dAkk + mm.dot(dw, X, tb=True)
+        dX = akk_t(dw)
         dk_o[kc] = dk + beta * eG * dX
         dG_o[kc] = dG + X * dX
         return dAkk, dbeta + jnp.sum(k * eG * dX, axis=1, keepdims=True)
@@ -170,7 +180,9 @@ def wy_dqkg_body(scale, beta, Akk, refs, out_refs, k_blocks, v_blocks, has_lo: b
     row, col = iota((C, C), 0), iota((C, C), 1)
     A = Akk[...]
     lower = col < row if seg is None else (col < row) & (seg[0] == seg[1])
-    return jnp.where(lower, -dot(dot(A, dAkk, ta=True), A, tb=True), 0.0)
+    if row_loads:  # A^T dAkk A^T = ((dAkk A^T)^T A)^T: A the second operand of both products
+        return jnp.where(lower, -mm.dot(mm.dot(dAkk, A, tb=True), A, ta=True).T, 0.0)
+    return jnp.where(lower, -mm.dot(mm.dot(A, dAkk, ta=True), A, tb=True), 0.0)
 
 
 @final
@@ -217,7 +229,7 @@ class PallasWY(AbstractWY, PallasFeatureBlocks):
             extra, extra_specs = segment_operands(reset, HV, row=False)
             ins, specs = ins + extra, specs + extra_specs
 
-        kernel = wy_kernel(self.feature_blocks(Kp), self.feature_blocks(Vp), G_lo is not None, load_v,
+        kernel = wy_kernel(self.products(), self.feature_blocks(Kp), self.feature_blocks(Vp), G_lo is not None, load_v,
                            self.target == "triton", reset is not None)
         st = _precision.storage(q.dtype)  # w, u, qg, kg as stored (bf16 under "fast")
         w, u, qg, kg = self.call(kernel, ins, specs, [(C, Kp), (C, Vp), (C, Kp), (C, Kp)], R * HV, NC,
@@ -285,13 +297,14 @@ class PallasWYDqkg(AbstractWYDqkg, PallasValueBlocks, PallasFeatureBlocks):
         n_all = len(ins)
 
         k_blocks, v_blocks = self.feature_blocks(Kp), column_blocks(self.target, Vp, self.block_v)
+        mm = self.products()
 
         def kernel(*refs):
             _, k, v, b, g, a, qg_, kg_, h_, dh_, vn, do_, dvn = refs[:13]  # B3 needs q only through qg
             ins = (k, g, qg_, kg_, loaded(v, load_v), h_, dh_, vn, loaded(do_, load_do), dvn) + tuple(refs[13:n_in])
             seg = tuple(r[...] for r in refs[n_in:n_all]) or None
             dL_r = refs[-1]
-            dL_r[...] = wy_dqkg_body(scale, b[...], a, ins, refs[n_all:-1], k_blocks, v_blocks, has_lo,
+            dL_r[...] = wy_dqkg_body(mm, scale, b[...], a, ins, refs[n_all:-1], k_blocks, v_blocks, has_lo,
                                      self.target == "triton", seg)
 
         dq, dk, dv, db, dG, dL = self.call(

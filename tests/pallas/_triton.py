@@ -299,6 +299,11 @@ def chunk_kernels(policy: str, tuning: dict, tokens: bool = False, only: tuple =
 
 # -- a whole training step ------------------------------------------------------------------
 STEP_POLICIES = ("highest", "bfloat16", "float16", "fast")  # every resolved precision policy
+# Every precision a training step can run at: (policy, input dtype name); "auto" with float32
+# inputs resolves to "highest", with bf16 to "bfloat16" (kdax._numerics.precision.resolve),
+# but its kernels read float32 or bf16 views of the inputs.
+STEP_CASES = (("auto", "float32"), ("auto", "bfloat16"), ("highest", "bfloat16"), ("bfloat16", "bfloat16"),
+              ("float16", "bfloat16"), ("fast", "bfloat16"))
 PACKED_CU = (0, 100, 300, 512)  # three sequences over T = 512: starts inside chunks (shared chunks)
 
 # The kernel names a step's Triton custom calls carry (``kdax_<stage class>_kernel``), by
@@ -326,10 +331,12 @@ def triton_calls(hlo: str) -> list:
     return out
 
 
-def step_function(pipe, B: int = 1, T: int = 512, H: int = 2, K: int = 128, C: int = 64, cu_seqlens=None):
-    """``(fn, args)``: ``jax.grad`` of a loss on ``chunk_kda`` with ``pipe`` (bf16 inputs
-    ``[B, T, H, K]``, Kimi Linear's options, ``output_final_state``), optionally packed
-    (``cu_seqlens``, a tuple of ints, B = 1), ready to lower for CUDA."""
+def step_function(pipe, B: int = 1, T: int = 512, H: int = 2, K: int = 128, C: int = 64, cu_seqlens=None,
+                  dtype: str = "bfloat16"):
+    """``(fn, args)``: ``jax.grad`` of a loss on ``chunk_kda`` with ``pipe`` (inputs
+    ``[B, T, H, K]`` of ``dtype``, bf16 by default, Kimi Linear's options,
+    ``output_final_state``), optionally packed (``cu_seqlens``, a tuple of ints, B = 1),
+    ready to lower for CUDA."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -337,7 +344,7 @@ def step_function(pipe, B: int = 1, T: int = 512, H: int = 2, K: int = 128, C: i
     import kdax
 
     s = jax.ShapeDtypeStruct
-    args = (s((B, T, H, K), jnp.bfloat16),) * 4 + (s((B, T, H), jnp.bfloat16),)
+    args = (s((B, T, H, K), jnp.dtype(dtype)),) * 4 + (s((B, T, H), jnp.dtype(dtype)),)
     opts = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
     if cu_seqlens is not None:
         opts["cu_seqlens"] = np.asarray(cu_seqlens, np.int32)
@@ -365,12 +372,13 @@ def lower_step(fn, args):
     return lowered, records
 
 
-def step_resources(pipe, policy: str, packed: bool, T: int = 512, H: int = 2) -> dict:
+def step_resources(pipe, policy: str, packed: bool, T: int = 512, H: int = 2, dtype: str = "bfloat16") -> dict:
     """``{(kernel name, num_warps, num_stages): Resources}`` of every Triton kernel of the
-    training step with ``pipe`` under precision ``policy``, dense (B = 1, T) or packed
-    (``PACKED_CU``), each compiled for sm_90 as XLA would (its custom call's warps and
-    stages). Kernels lowered alike are compiled once."""
-    fn, args = step_function(pipe.with_precision(policy), T=T, H=H, cu_seqlens=PACKED_CU if packed else None)
+    training step with ``pipe`` under precision ``policy`` (inputs of ``dtype``), dense
+    (B = 1, T) or packed (``PACKED_CU``), each compiled for sm_90 as XLA would (its custom
+    call's warps and stages). Kernels lowered alike are compiled once."""
+    fn, args = step_function(pipe.with_precision(policy), T=T, H=H, cu_seqlens=PACKED_CU if packed else None,
+                             dtype=dtype)
     lowered, records = lower_step(fn, args)
     calls = triton_calls(lowered.as_text())
     assert len(calls) == len(records), (len(calls), len(records))

@@ -28,15 +28,56 @@ def test_presets_named():
 
 def test_default_is_the_default_tuning():
     """``pallas("triton")`` is ``tuning="default"``: 8 warps, 2 stages, TF32x3 products, the
-    state kernels as 64-row tiles of 32 value columns, B5 at one stage; the pipeline's
-    precision left as it was (``"auto"``)."""
+    state kernels as 64-row tiles of 32 value columns (4 warps, 16 columns where their
+    products take float32 operands), B3 at 16 feature columns (16 x 16 columns, 1 stage,
+    unchained TF32x3 where its products take float32 operands), F2 at 32 feature columns
+    where its do, B5 at one stage; the pipeline's precision
+    left as it was (``"auto"``)."""
     pipe = KDAPipeline.pallas("triton", interpret=True)
     assert pipe == KDAPipeline.pallas("triton", interpret=True, tuning="default")
     assert pipe.precision == "auto"
     got = _fields(pipe)
     assert got["state"] == got["dhu"] == (8, 2, "tf32x3", 64, 32)
+    assert pipe.state.f32_tuning == pipe.dhu.f32_tuning == (("num_warps", 4), ("block_v", 16))
+    assert pipe.intra.f32_tuning == (("block_k", 32),)
+    assert dict(pipe.wy_dqkg.f32_tuning) == dict(num_stages=1, block_k=16, block_v=16, f32_dot="tf32x3_split")
+    assert (pipe.wy_dqkg.block_k, pipe.wy_dqkg.block_v) == (16, 32)
     assert got["gate_bwd"] == (8, 1, "tf32x3", None, None)
     assert got["intra"][:3] == got["wy_dqkg"][:3] == got["intra_bwd"][:3] == (8, 2, "tf32x3")
+
+
+def test_f32_tuning_applies_where_products_take_float32():
+    """A stage's ``f32_tuning`` replaces its fields where its products take float32
+    operands (its precision scope has no half dtype) and the tuning applies (compiled
+    Triton, or ``tuned_interpret``); elsewhere the stage is as built. The tuning reaches
+    the kernel builders as arguments: ``products`` and ``triton_params``."""
+    from kdax._numerics import precision as _precision
+
+    st = PallasState(target="triton", interpret=False, num_warps=8, block_v=32,
+                     f32_tuning=(("num_warps", 4), ("block_v", 16)))
+    with _precision.stage_scope("bfloat16", "state"):  # (the recurrence keeps float32 products)
+        exact = st.for_operands()
+    with _precision.stage_scope("fast", "state"):
+        half = st.for_operands()
+    assert (exact.num_warps, exact.block_v, exact.f32_tuning) == (4, 16, ())
+    assert half == st and half.triton_params() == dict(num_warps=8, num_stages=1)
+    assert exact.triton_params() == dict(num_warps=4, num_stages=1)
+    interp = dataclasses.replace(st, interpret=True)
+    with _precision.stage_scope("highest", "state"):
+        assert interp.for_operands() == interp and interp.products().f32_dot == "ieee"
+        assert dataclasses.replace(interp, tuned_interpret=True).for_operands().num_warps == 4
+
+
+@pytest.mark.parametrize("bad,match", [
+    ((("num_warps", 3),), "num_warps: expected 1, 2, 4, 8 or 16, got 3"),
+    ((("block_v", 24),), "block_v: expected a power of 2 of at least 16, got 24"),
+    ((("block_q", 16),), r"f32_tuning: \['block_q'\] are not tuning fields of PallasState"),
+    ((("interpret", True),), r"f32_tuning: \['interpret'\] are not tuning fields"),
+    ({"num_warps": 4}, "f32_tuning: expected a tuple of"),
+])
+def test_f32_tuning_checked_when_built(bad, match):
+    with pytest.raises(ValueError, match=match):
+        PallasState(target="triton", f32_tuning=bad)
 
 
 def test_minimal_is_every_fields_default():
@@ -83,44 +124,43 @@ def test_mixed_takes_the_default_tuning():
 
 
 # -- sm_90 compiles of the default tuning -----------------------------------------------------
-def _spills(policy: str, packed: bool) -> dict:
+def _step(policy: str, packed: bool, dtype: str = "bfloat16") -> dict:
+    """``{(kernel, warps, stages): Resources}`` of a training step at the default tuning."""
     from tests.pallas._triton import skip_reason, step_resources
 
     if reason := skip_reason():
         pytest.skip(reason)
-    pipe = KDAPipeline.pallas("triton", interpret=False)
-    used = step_resources(pipe, policy, packed)
+    used = step_resources(KDAPipeline.pallas("triton", interpret=False), policy, packed, dtype=dtype)
     assert len({n for n, _, _ in used}) >= 10, sorted(used)
     for (name, _, _), r in used.items():
         assert r.shared <= 232448 and r.registers <= 255, (name, r)
+    return used
+
+
+def _spills(used: dict) -> dict:
     return {name: r.local for (name, _, _), r in used.items() if r.local}
 
 
-def test_default_tuning_fast_dense_no_spills():
-    """Under precision "fast" (bf16 operands in every product, FLA's numerics) on dense
-    sequences every Triton kernel of a training step at the default tuning compiles for
-    sm_90 with no thread-local memory."""
-    assert _spills("fast", packed=False) == {}
-
-
-def test_default_tuning_spills_where_known():
-    """The default tuning is not spill-free everywhere: under "bfloat16" (what ``"auto"``
-    gives bf16 inputs) the recurrences F4 and B2, whose products stay float32 there, spill
-    (424 B and about 1.3 KiB a thread at the tuning's 64-row, 32-column tiles); every other
-    kernel holds its work in registers."""
-    spills = _spills("bfloat16", packed=False)
-    assert set(spills) == {"kdax_PallasState_kernel", "kdax_PallasDhu_kernel"}, spills
-    assert spills["kdax_PallasState_kernel"] <= 512 and spills["kdax_PallasDhu_kernel"] <= 1536, spills
+def test_default_tuning_highest_packed_no_spills():
+    """The core suite's representative: under "highest" (what ``"auto"`` gives float32
+    inputs: every product float32, the state kernels and B3 at their ``f32_tuning``) on
+    packed sequences (B5's reset table) every Triton kernel of a training step at the
+    default tuning compiles for sm_90 with no thread-local memory; the kernels were
+    launched with the float32 tuning's warps and stages (the fields reached the calls)."""
+    used = _step("highest", packed=True)
+    assert _spills(used) == {}
+    configs = {name: (w, st) for name, w, st in used}
+    assert configs["kdax_PallasState_kernel"] == configs["kdax_PallasDhu_kernel"] == (4, 2), configs
+    assert configs["kdax_PallasWYDqkg_kernel"] == (8, 1) and configs["kdax_PallasGateBackward_kernel"] == (8, 1)
+    assert configs["kdax_PallasIntra_kernel"] == (8, 2), configs
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="the default tuning spills on sm_90: F4 and B2 under every policy but 'fast', "
-                                       "F2 and B3 under 'highest', B5 on packed sequences (issue 53 item 1, open)")
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
-@pytest.mark.parametrize("policy", ["highest", "bfloat16", "float16", "fast"])
-def test_default_tuning_every_precision_no_spills(policy, packed):
-    """The goal: no kernel of the default tuning spills, under any precision, dense or
-    packed. Strict xfail where it does not hold yet (all but "fast" dense)."""
-    if policy == "fast" and not packed:
-        pytest.xfail("holds (test_default_tuning_fast_dense_no_spills); kept strict elsewhere")
-    assert _spills(policy, packed) == {}
+@pytest.mark.parametrize("policy,dtype", [("auto", "float32"), ("auto", "bfloat16"), ("highest", "bfloat16"),
+                                          ("bfloat16", "bfloat16"), ("float16", "bfloat16"), ("fast", "bfloat16")])
+def test_default_tuning_every_precision_no_spills(policy, dtype, packed):
+    """No kernel of the default tuning spills on sm_90, under any precision (``"auto"``
+    with float32 and bf16 inputs, and every policy by name), dense or packed (about 20 s
+    each on a 2-core machine)."""
+    assert _spills(_step(policy, packed, dtype)) == {}
