@@ -146,8 +146,9 @@ def test_modified_stage_gives_the_modified_algorithms_gradients(field):
         got = _grads(pipe, pos, h0)
     said = any(issubclass(w.category, kdax.FallbackWarning) and "derived from the forward stages" in str(w.message)
                and f"{STEP[field]} `{field}`" in str(w.message) for w in caught)
-    # F1 alone of other math: B5 is F1's VJP, B0-B4 hand-written (nothing derived whole, no warning)
-    assert said == (field != "gate")
+    # F1 alone of other math: B5 is F1's VJP, B0-B4 hand-written; F5 alone: F5's VJP in
+    # B1's place and feeding B2 and B3, B0 and B2-B5 hand-written (nothing derived whole, no warning)
+    assert said == (field not in ("gate", "output"))
     want = jax.grad(lambda *a: _loss(*_oracle(field, a[:5], a[5])), argnums=tuple(range(6)))(*pos, h0)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
         assert_close(a, b, 1e-10, f"{name} ({field})")
@@ -159,6 +160,12 @@ def test_modified_stage_gives_the_modified_algorithms_gradients(field):
     if field == "gate":  # B0-B4 hand-written, B5 F1's VJP
         assert "backward: derived by jax.vjp" not in str(plan)
         assert {r.field: r for r in plan.rows}["gate_bwd"].requested == "GateVjpBackward"
+        return
+    if field == "output":  # B1 replaced by F5's VJP, B0 and B2-B5 hand-written (kdax._runner.output_vjp)
+        assert "backward: derived by jax.vjp" not in str(plan)
+        rows = {r.field: r for r in plan.rows}
+        assert rows["dav"].runs is None
+        assert all(rows[f].runs is not None for f in ("recompute", "dhu", "wy_dqkg", "intra_bwd", "gate_bwd"))
         return
     assert "backward: derived by jax.vjp" in str(plan)
     assert all(r.runs is None for r in plan.rows if r.step.startswith("B"))
@@ -231,19 +238,26 @@ def test_matching_backward_stages_keep_the_hand_written_backward():
         assert_close(a, b, 1e-10, name + " (derived)")
 
 
-def test_pallas_pipeline_with_a_user_stage_differentiates_same_math_kernels_as_references():
+@pytest.mark.parametrize("field", ["state", "output"])
+def test_pallas_pipeline_with_a_user_stage_differentiates_same_math_kernels_as_references(field):
+    # A user's F4: the backward derived whole, the Pallas stages of KDA's math
+    # differentiated as their reference stages. A user's F5: the Pallas B0, B2-B5 kept,
+    # F5's VJP in B1's place (kdax._runner.output_vjp).
     x = make_inputs(B=1, T=32, H=2, K=4, V=4)
     pos, kw = split_args(x)
     h0 = kw["initial_state"]
-    pipe = eqx.tree_at(lambda p: p.output, kdax.KDAPipeline.pallas("triton", interpret=True), ScaledOutput())
+    pipe = eqx.tree_at(lambda p: getattr(p, field), kdax.KDAPipeline.pallas("triton", interpret=True), USER[field]())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", kdax.FallbackWarning)
         got = _grads(pipe, pos, h0)
         plan = pipe.plan(*pos, initial_state=h0, chunk_size=CHUNK)
-    want = jax.grad(lambda *a: _loss(*_oracle("output", a[:5], a[5])), argnums=tuple(range(6)))(*pos, h0)
+    want = jax.grad(lambda *a: _loss(*_oracle(field, a[:5], a[5])), argnums=tuple(range(6)))(*pos, h0)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
         assert_close(a, b, 1e-10, name)
     rows = {r.field: r for r in plan.rows}
+    if field == "output":
+        assert rows["intra"].runs == "PallasIntra" and rows["dhu"].runs == "PallasDhu" and rows["dav"].runs is None
+        return
     assert rows["intra"].requested == "PallasIntra" and rows["intra"].runs == "ReferenceIntra"
     assert "differentiated as its reference stage" in rows["intra"].reason
 
@@ -301,3 +315,70 @@ def test_eager_derived_gradient_is_compiled_once():
         jitted = jax.jit(jax.grad(loss))(pos[0])
     np.testing.assert_array_equal(np.asarray(first), np.asarray(second))
     assert_close(first, jitted, 1e-12, "eager vs jitted dq")
+
+
+# -- the derived backward's chunk-local VJPs (kdax._runner.chunk_vjp) -------------------------
+
+
+def _stage_kwargs(field, pipe, x, **options):
+    """The keyword arguments ``pipe``'s stage ``field`` gets in one forward (float64)."""
+    import inspect
+
+    from kdax._runner.contracts import STAGES
+
+    pos, kw = split_args(x)
+    args = kdax.stage_inputs(pipe, *pos, **kw, **options)[field]
+    params = [p.name for p in list(inspect.signature(STAGES[field].family.__call__).parameters.values())[1:]]
+    return dict(zip(params, args))
+
+
+@pytest.mark.parametrize("case", ["dense", "packed", "in-kernel gate"])
+@pytest.mark.parametrize("field", ["gate", "intra", "wy", "state", "output"])
+def test_chunk_local_vjp_is_the_stages_vjp(field, case):
+    # A forward stage of KDA's math in the derived backward: the forward bit for bit the
+    # stage's, its VJP (a few chunks at a time: 5 chunks of 16, R x HV = 4 -> slices of
+    # one chunk; F2 by B4, F4 whole) jax.vjp of the stage itself, in float64.
+    from kdax._runner import chunk_vjp
+    from kdax._runner.contracts import STAGES
+
+    opts = dict(chunk_size=CHUNK, output_final_state=True)
+    if case == "packed":  # shared chunks: reset tables, a state table
+        x = make_inputs(B=1, T=80, H=4, K=8, V=4, N=3)
+        opts["cu_seqlens"] = jnp.array([0, 9, 50, 80], jnp.int32)
+        x.pop("initial_state")
+    elif case == "in-kernel gate":  # softplus gate with A_log, dt_bias (read whole by every slice), l2norm
+        x = make_inputs(B=2, T=80, H=2, K=8, V=4, gate="raw", A_log=True, dt_bias=True, beta_raw=True)
+        opts.update(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    else:
+        x = make_inputs(B=2, T=80, H=2, K=8, V=4)
+    kwargs = _stage_kwargs(field, kdax.KDAPipeline.reference().untiled(), x, **opts)
+    stage = STAGES[field].reference()
+    wrapped = chunk_vjp.chunk_local(field, stage)
+    diff = {n: a for n, a in kwargs.items() if eqx.is_inexact_array(a)}
+    rest = {n: a for n, a in kwargs.items() if n not in diff}
+    want, vjp_want = jax.jit(lambda d: jax.vjp(lambda d_: stage(**d_, **rest), d))(diff)
+    got, vjp_got = jax.jit(lambda d: jax.vjp(lambda d_: wrapped(**d_, **rest), d))(diff)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    leaves, tree = jax.tree.flatten(want)
+    keys = jax.random.split(jax.random.key(3), len(leaves))
+    ct = jax.tree.unflatten(tree, [jax.random.normal(kk, a.shape, a.dtype) for kk, a in zip(keys, leaves)])
+    (d_want,), (d_got,) = vjp_want(ct), vjp_got(ct)
+    assert set(d_got) == set(d_want)
+    for n in d_want:
+        assert_close(d_got[n], d_want[n], 1e-13, f"d{n} ({field}, {case})")
+
+
+def test_derived_pipeline_runs_kda_stages_chunk_local():
+    # The derived forward differentiates its KDA stages chunk by chunk (and reports them as
+    # the reference stages they run); a user's stage as it is.
+    from kdax._runner import chunk_vjp, routes
+
+    pipe = eqx.tree_at(lambda p: p.output, kdax.KDAPipeline.reference(), ScaledOutput())
+    diff, swapped = routes.differentiable_forward(pipe)
+    assert swapped == ()
+    for f in ("gate", "intra", "wy", "state"):
+        stage = getattr(diff, f)
+        assert type(chunk_vjp.unwrapped(stage)) is type(getattr(pipe, f)) and stage is not chunk_vjp.unwrapped(stage)
+        assert type(stage).__qualname__ == type(getattr(pipe, f)).__qualname__
+    assert diff.output is pipe.output and diff.tile is None

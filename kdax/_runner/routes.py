@@ -33,6 +33,7 @@ from .._layouts.layout import pack_inputs
 from .._numerics import isolation as _isolation
 from ..stages import KDA, GateVjpBackward
 from .._stage_protocol.capabilities import Capabilities, capabilities
+from . import chunk_vjp as _chunk_vjp
 from .contracts import STAGES
 from .residuals import KDAGrads
 
@@ -50,14 +51,14 @@ def _name(pipeline, field: str) -> str:
     return f"{STAGES[field].step} `{field}` ({type(getattr(pipeline, field)).__qualname__})"
 
 
-def mismatches(pipeline, skip_gate: bool = False) -> tuple:
+def mismatches(pipeline, skip_gate: bool = False, skip: tuple = ()) -> tuple:
     """Why ``pipeline``'s backward stages are not the transposes of its forward stages:
     one sentence per forward stage that some backward stage of ``TRANSPOSED_BY`` does not
     transpose; empty when the hand-written backward is exact. ``skip_gate``: leave F1 and
-    its transpose B5 out."""
+    its transpose B5 out; ``skip``: these forward fields too."""
     out = []
     for f, readers in TRANSPOSED_BY.items():
-        if skip_gate and f == "gate":
+        if (skip_gate and f == "gate") or f in skip:
             continue
         math = getattr(pipeline, f).math
         off = [b for b in readers if not _is_vjp_of(getattr(pipeline, b), getattr(pipeline, f))
@@ -80,6 +81,25 @@ def whole_derived(pipeline) -> bool:
     """Whether the backward is derived whole by ``jax.vjp`` through F1-F5: the backward
     stages miss a transpose other than F1's (F1's alone: B5 is F1's VJP, B0-B4 hand-written)."""
     return bool(mismatches(pipeline)) and not gate_alone_differs(pipeline)
+
+
+def output_alone_differs(pipeline) -> bool:
+    """Whether ``pipeline``'s backward misses F5's transpose (F1's perhaps too) in the way
+    ``kdax._runner.output_vjp`` derives exactly: F5's math is not KDA's, F3's is, B2 and B3
+    transpose KDA's F5, and every other forward stage is transposed (B5 excepted: then
+    F1's VJP, ``gate_vjp_pipeline``). B0 and B2-B5 stay hand-written, F5's transpose is
+    ``jax.vjp`` of F5. (One device; sequence parallel derives the backward whole.)"""
+    if pipeline.output.math == KDA or not is_kda(pipeline.wy) or not mismatches(pipeline):
+        return False
+    if mismatches(pipeline, skip=("gate", "output")):
+        return False
+    return all(getattr(pipeline, b).transposes.get("output") == KDA for b in ("dhu", "wy_dqkg"))
+
+
+def gate_differs(pipeline) -> bool:
+    """Whether B5 does not transpose ``pipeline``'s F1 (B5 is then F1's VJP when the rest
+    of the backward is hand-written: ``gate_vjp_pipeline``)."""
+    return bool(mismatches(pipeline, skip=tuple(f for f in TRANSPOSED_BY if f != "gate")))
 
 
 def gate_alone_differs(pipeline) -> bool:
@@ -180,14 +200,20 @@ def warn_derived(pipeline) -> None:
 
 def differentiable_forward(pipeline):
     """``(pipeline'', swapped fields)``: ``pipeline`` untiled, each forward stage that
-    declares KDA's math but is not its family's reference stage replaced by that
-    reference stage (same math, differentiable by JAX), the others kept."""
-    swaps = {}
+    declares KDA's math run as its family's reference stage (same math, differentiable by
+    JAX; swapped: the fields whose stage was not that reference stage), differentiated
+    chunk by chunk (``kdax._runner.chunk_vjp``: its VJP keeps only its inputs, its
+    transpose's temporaries the size of a few chunks); the other stages kept, and
+    differentiated as they are."""
+    swaps, swapped = {}, []
     for name, info in STAGES.items():
         stage = getattr(pipeline, name)
-        if info.forward and is_kda(stage) and type(stage) is not info.reference:
-            swaps[name] = info.reference()
-    return dataclasses.replace(pipeline, tile=None, **swaps), tuple(swaps)
+        if info.forward and is_kda(stage):
+            if type(stage) is not info.reference:
+                swapped.append(name)
+                stage = info.reference()
+            swaps[name] = _chunk_vjp.chunk_local(name, stage)
+    return dataclasses.replace(pipeline, tile=None, **swaps), tuple(swapped)
 
 
 def derived_vjp(pipeline, run, inputs):
@@ -199,21 +225,30 @@ def derived_vjp(pipeline, run, inputs):
     reasons = mismatches(pipeline)
     _warn_once(reasons)
     diff_pipe, swapped = differentiable_forward(pipeline)
-    try:
+    with derivable(pipeline):
         out, vjp = eqx.filter_vjp(run, inputs, diff_pipe)
+    return out, vjp, swapped
+
+
+@contextlib.contextmanager
+def derivable(pipeline, fields=None):
+    """Inside the block, JAX failing to differentiate a forward stage of ``pipeline`` (of
+    ``fields``, default those not of KDA's math) is a ``DerivedBackwardError`` naming them
+    and what to pass."""
+    try:
+        yield
     except (ValueError, NotImplementedError, TypeError) as e:
         if not is_autodiff_failure(e):
             raise
-        custom = [f for f, info in STAGES.items() if info.forward and not is_kda(getattr(pipeline, f))]
+        custom = fields or [f for f, info in STAGES.items() if info.forward and not is_kda(getattr(pipeline, f))]
         names = ", ".join(_name(pipeline, f) for f in custom) or "a forward stage"
         raise DerivedBackwardError(
-            f"KDAPipeline: the backward stages do not transpose the forward stages ({reasons[0]}), so the gradient "
-            f"must be derived by jax.vjp through the forward stages, and JAX cannot differentiate {names} ({e}). "
-            f"Pass backward stages that transpose it and declare so (`math` on the forward stage, `transposes` on "
-            f"the backward stages of TRANSPOSED_BY: docs/stages.md), or write the stage in differentiable jnp."
+            f"KDAPipeline: the backward stages do not transpose the forward stages ({mismatches(pipeline)[0]}), so "
+            f"the gradient must be derived by jax.vjp through the forward stages, and JAX cannot differentiate "
+            f"{names} ({e}). Pass backward stages that transpose it and declare so (`math` on the forward stage, "
+            f"`transposes` on the backward stages of TRANSPOSED_BY: docs/stages.md), or write the stage in "
+            f"differentiable jnp."
         ) from e
-
-    return out, vjp, swapped
 
 
 class DerivedResiduals(eqx.Module):
@@ -242,6 +277,9 @@ def derived_gradients(res: DerivedResiduals, where, do, dht, cu_seqlens) -> tupl
     do, poison = _isolation.clean_cotangents(do, dht, cu_seqlens, res.num_qk_heads)
     dht = _isolation.finite_or_zero(zeros_like_or(dht, res.final))
     d_inputs, d_pipe = res.vjp((do, dht))
+    # (a stage differentiated chunk by chunk: its cotangent is its wrapper's)
+    d_pipe = dataclasses.replace(d_pipe, **{n: _chunk_vjp.unwrapped(getattr(d_pipe, n))
+                                            for n, i in STAGES.items() if i.forward})
     q, k, v, g, beta, h0, A_log, dt_bias = d_inputs
     grads = KDAGrads(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, A_log=A_log, dt_bias=dt_bias)
     grads = _isolation.poison_inputs(where, poison(grads))

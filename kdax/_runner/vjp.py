@@ -10,6 +10,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from . import output_vjp as _output_vjp
 from . import routes as _routes
 from .._config import KDAConfig, KDAOptions
 from .._numerics import isolation as _isolation
@@ -57,7 +58,7 @@ def _concrete(*trees) -> bool:
 @differentiable.def_fwd
 def _vjp_fwd(perturbed, diff, config: KDAConfig, cu_seqlens):
     if _concrete(diff, cu_seqlens):
-        if _routes.whole_derived(diff[1]):
+        if _derived_whole(diff[1]):
             _routes.warn_derived(diff[1])  # (once, here: a cached trace would not say it)
         return _compiled_fwd(perturbed, diff, config, cu_seqlens)
     return _fwd(perturbed, diff, config, cu_seqlens)
@@ -66,7 +67,7 @@ def _vjp_fwd(perturbed, diff, config: KDAConfig, cu_seqlens):
 def _fwd(perturbed, diff, config: KDAConfig, cu_seqlens):
     inputs, pipeline = diff
     bad = _bad(config, inputs, cu_seqlens)
-    if _routes.whole_derived(pipeline):
+    if _derived_whole(pipeline):
         def run(inputs_, pipe):
             o_, final_, _ = pipe.run_forward(config, *inputs_, cu_seqlens, clean=True, entries=True)
             return o_, final_
@@ -92,6 +93,12 @@ def _fwd(perturbed, diff, config: KDAConfig, cu_seqlens):
 _compiled_fwd = eqx.filter_jit(_fwd)
 
 
+def _derived_whole(pipeline) -> bool:
+    """Whether the backward is derived whole (``kdax._runner.routes``); F5 of other math
+    alone (F1's too, perhaps) keeps B0 and B2-B5 hand-written (``kdax._runner.output_vjp``)."""
+    return _routes.whole_derived(pipeline) and not _routes.output_alone_differs(pipeline)
+
+
 @differentiable.def_bwd
 def _vjp_bwd(residuals, cotangents, perturbed, diff, config: KDAConfig, cu_seqlens):
     if _concrete(residuals, cotangents, diff, cu_seqlens):
@@ -112,8 +119,12 @@ def _bwd(residuals, cotangents, perturbed, diff, config: KDAConfig, cu_seqlens):
     # A non-finite cotangent stays in its sequence (kdax._numerics.isolation).
     do, poison = _isolation.clean_cotangents(do, dht, cu_seqlens, res.num_qk_heads)
     clean = (*_isolation.cleaner_of(config)(inputs[:5]), *inputs[5:])
-    bwd = _routes.gate_vjp_pipeline(pipeline, res, clean) if _routes.gate_alone_differs(pipeline) else pipeline
-    grads, parts = bwd.backward_with_parts(res, do, dht)
+    if _routes.output_alone_differs(pipeline):  # F5's transpose by jax.vjp, B0, B2-B5 hand-written
+        bwd = _routes.gate_vjp_pipeline(pipeline, res, clean) if _routes.gate_differs(pipeline) else pipeline
+        grads, parts = _output_vjp.backward(bwd, res, do, dht)
+    else:
+        bwd = _routes.gate_vjp_pipeline(pipeline, res, clean) if _routes.gate_alone_differs(pipeline) else pipeline
+        grads, parts = bwd.backward_with_parts(res, do, dht)
     grads = _isolation.poison_inputs(where, poison(grads))
     out = (grads.q, grads.k, grads.v, grads.g, grads.beta, grads.initial_state, grads.A_log, grads.dt_bias)
     d_inputs = tuple(None if d is None or x is None else x.astype(d) for x, d in zip(out, res.in_dtypes))

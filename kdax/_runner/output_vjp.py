@@ -1,0 +1,110 @@
+"""F5 alone differs: the six-stage backward with F5's transpose derived (``jax.vjp`` of
+that stage) and every other backward stage hand-written.
+
+``do`` enters the backward at three stages, each through one piece of KDA's F5
+(``o = scale qg h + Aqk v_new``): B1 forms ``dAqk`` and ``dv_intra`` (its ``Aqk v_new``
+piece), B2 adds ``scale qg^T do`` to each chunk's state cotangent (its ``h`` piece), B3
+forms ``dqg = scale do h^T`` (its ``qg`` piece). For an F5 of other math, ``jax.vjp`` of
+the stage at ``do`` gives ``d_qg, d_h, d_Aqk, d_v_new``, which take those places:
+
+* B1: not run; ``dAqk = d_Aqk``, ``dv_intra = d_v_new``.
+* B2: linear in ``do`` given ``qg``, it adds ``scale qg^T do`` and nothing else of
+  either, so ``d_h`` enters through that term: run with ``qg`` the rows of the identity
+  (``K`` at a time, ``C`` rows: ``ceil(K / C)`` passes, the later ones from ``do`` alone)
+  and ``do = d_h / scale``, the passes summed.
+* B3: run with ``do = 0``; ``d_qg`` then enters through F3's ``qg = q e^G`` (KDA's F3):
+  ``dq += d_qg e^G``, ``dG += qg d_qg``, as B3 adds its own ``dqg``.
+
+B0, B4, B5 are unchanged, so the memory and time are the six-stage backward's plus one
+VJP of F5. Taken where that is exact (``kdax._runner.routes.output_alone_differs``): F5's
+math is not KDA's, F3 declares KDA's, B2 and B3 transpose KDA's F5 (and every other
+forward stage's math, B5 excepted: F1 may differ too, B5 then F1's VJP); the sequences
+are then in chunks of their own (no ``reset`` table: F5 is not KDA's).
+"""
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from .._layouts.layout import pack, reduce_group, unpack
+from .._numerics import isolation as _isolation
+from ..stages import ChunkGrads, DhuOut
+from . import routes as _routes
+from .residuals import KDAGrads
+from .stage_grads import BackwardParts
+
+
+def _identity_rows(shape, dtype, j: int):
+    """``[..., C, K]`` zeros with ones at row i, column ``j C + i`` (block ``j`` of ``I_K``)."""
+    C, K = shape[-2:]
+    i = jnp.arange(C)[:, None]
+    r = jnp.arange(K)[None, :]
+    return jnp.broadcast_to((r == j * C + i).astype(dtype), shape)
+
+
+def _rows(x, j: int, C: int):
+    """Rows ``[j C, (j + 1) C)`` of ``x [..., K, V]``, zero-padded to ``C`` rows."""
+    part = x[..., j * C:(j + 1) * C, :]
+    pad = C - part.shape[-2]
+    return part if pad == 0 else jnp.pad(part, [(0, 0)] * (x.ndim - 2) + [(0, pad), (0, 0)])
+
+
+def backward(pipeline, res, do, dht) -> tuple:
+    """``(KDAGrads, BackwardParts)``: the backward of the forward ``res``
+    (``KDAResiduals``, no ``reset`` table) at ``do`` ``[B, T, HV, V]`` and ``dht`` (or
+    None), F5's transpose derived (the module docstring). (``kdax._runner.stage_grads``
+    differentiates F5's own arrays from ``BackwardParts`` as after the six-stage backward.)"""
+    cfg, L, act = res.config, res.layout, res.act
+    pipe = pipeline.resolved(res.in_dtypes[0])
+    dt = res.h0.dtype
+    doc = pack(L, do, dt)
+    dht = jnp.zeros_like(res.h0) if dht is None else _isolation.finite_or_zero(dht.astype(dt))
+    c = pipe.recomputed(res)  # B0
+
+    def f5(stage, a):  # F5 through the stage runner, as the forward ran it
+        qg, h, Aqk, v_new = a
+        return dataclasses.replace(pipe, output=stage).run_stage("output", scale=cfg.scale, qg=qg, h=h, Aqk=Aqk,
+                                                                  v_new=v_new)
+
+    with _routes.derivable(pipeline, ("output",)):
+        o, vjp = eqx.filter_vjp(f5, pipe.output, (c.qg, c.h, res.Aqk, c.v_new))
+        _, (d_qg, d_h, d_Aqk, d_v) = vjp(doc.astype(o.dtype))
+
+    # B2, d_h entering through its `scale qg^T do` term, C rows of the identity at a time.
+    C, K = c.qg.shape[-2:]
+    d_h = d_h.astype(dt)
+    out = None
+    for j in range(-(-K // C)):
+        first = j == 0
+        part = pipe.run_stage(
+            "dhu", scale=cfg.scale, qg=_identity_rows(c.qg.shape, c.qg.dtype, j), kg=c.kg, w=c.w, G=act.G,
+            do=(_rows(d_h, j, C) / cfg.scale).astype(doc.dtype), dv_intra=d_v.astype(doc.dtype) if first else jnp.zeros_like(doc),
+            dht=dht if first else jnp.zeros_like(dht), layout=L, reset=None,
+        )
+        out = part if out is None else DhuOut(out.dh + part.dh, out.dh0 + part.dh0, out.dv_new + part.dv_new)
+    dh = out
+    grads = pipe.run_stage(  # B3 without F5's qg piece, then that piece through F3's qg = q e^G
+        "wy_dqkg", scale=cfg.scale, q=act.q, k=act.k, v=res.v, beta=act.beta, G=act.G, Akk=res.Akk, qg=c.qg,
+        kg=c.kg, h=c.h, dh=dh.dh, v_new=c.v_new, do=jnp.zeros_like(doc), dv_new=dh.dv_new, G_lo=act.G_lo, reset=None,
+    )
+    d_qg = d_qg.astype(grads.dq.dtype)
+    grads = ChunkGrads(grads.dq + d_qg * jnp.exp(act.G).astype(d_qg.dtype), grads.dk, grads.dv, grads.dbeta,
+                       grads.dG + c.qg.astype(d_qg.dtype) * d_qg, grads.dL)
+    grads = pipe.run_stage(  # B4
+        "intra_bwd", scale=cfg.scale, q=act.q, k=act.k, beta=act.beta, G=act.G, dAqk=d_Aqk.astype(res.Aqk.dtype),
+        grads=grads, G_lo=act.G_lo, reset=None,
+    )
+    raw = pipe.run_stage(  # B5
+        "gate_bwd", config=cfg, act=act, g=res.g_raw, A_log=res.A_log, dt_bias=res.dt_bias, valid=L.valid,
+        dq=grads.dq, dk=grads.dk, dbeta=grads.dbeta, dG=grads.dG, reset=None,
+    )
+    parts = BackwardParts(doc=doc, qg=c.qg, h=c.h, v_new=c.v_new, act_grads=grads)
+    H = res.num_qk_heads
+    out = KDAGrads(
+        q=unpack(L, reduce_group(raw.dq, H)), k=unpack(L, reduce_group(raw.dk, H)), v=unpack(L, grads.dv),
+        g=unpack(L, raw.dg), beta=unpack(L, raw.dbeta[..., None])[..., 0], initial_state=dh.dh0,
+        A_log=raw.dA_log, dt_bias=raw.ddt_bias,
+    )
+    return out, parts
