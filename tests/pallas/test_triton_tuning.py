@@ -164,3 +164,53 @@ def test_default_tuning_every_precision_no_spills(policy, dtype, packed):
     with float32 and bf16 inputs, and every policy by name), dense or packed (about 20 s
     each on a 2-core machine)."""
     assert _spills(_step(policy, packed, dtype)) == {}
+
+
+# -- the default tuning's products, traced as on sm_90 ------------------------------------------
+def _tuned(pipe):
+    """``pipe`` with every Pallas stage traced with its Triton tuning in interpret mode
+    (``tuned_interpret``: the GPU's dot algorithms, which ``tests/_gpu_products.py`` rounds
+    as sm_90 does)."""
+    return dataclasses.replace(pipe, **{n: dataclasses.replace(getattr(pipe, n), tuned_interpret=True)
+                                        for n in STAGES if isinstance(getattr(pipe, n), PallasTarget)})
+
+
+def test_default_tuning_float32_products_stay_float32_accurate():
+    """Under "auto" with float32 inputs (every product float32: the stages' ``f32_tuning``,
+    B3's unchained TF32x3, F4/B2's lazily loaded tiles, B3's ``Akk`` as the second
+    operand, B5's mask products from TF32 parts) on packed sequences with sequences
+    starting inside chunks, the default tuning's products as sm_90 computes them
+    (TF32x3) keep the step at float32 accuracy: against the same pipeline with exact
+    float32 products, outputs and every gradient within 2e-5 relative RMS (TF32x3's
+    products: about 1e-6 relative each; a bf16 rounding anywhere would give ~1e-3)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import kdax
+    from tests._gpu_products import gpu_products
+    from tests._util import loss_grads, make_inputs, rel_rms, run
+
+    B, T, H, K, C = 1, 192, 2, 64, 64
+    x = make_inputs(seed=3, B=B, T=T, H=H, K=K, V=K, N=3, gate="raw", A_log=True, dt_bias=True, h0=True,
+                    beta_raw=True)
+    x = {n: a.astype(jnp.float32) for n, a in x.items()}
+    opts = dict(chunk_size=C, output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                use_beta_sigmoid_in_kernel=True, cu_seqlens=jnp.asarray([0, 37, 37 + T // 2, T], jnp.int32))
+    exact = KDAPipeline.pallas("triton", interpret=True)
+    tuned = _tuned(exact)
+    assert tuned.wy_dqkg.products().f32_dot == "tf32x3" and exact.wy_dqkg.products().f32_dot == "ieee"
+    fn = lambda pipe: lambda *a, **kw: kdax.chunk_kda(*a, pipeline=pipe, **kw)  # noqa: E731
+    o_ref, ht_ref = run(fn(exact), x, opts)
+    do = jnp.asarray(np.random.default_rng(1).normal(size=o_ref.shape), jnp.float32)
+    dht = jnp.asarray(np.random.default_rng(2).normal(size=ht_ref.shape), jnp.float32)
+    want = loss_grads(fn(exact), x, opts, do, dht)
+    with gpu_products():
+        o, ht = run(fn(tuned), x, opts)
+        got = loss_grads(fn(tuned), x, opts, do, dht)
+    errs = {"o": rel_rms(o, o_ref), "ht": rel_rms(ht, ht_ref)}
+    errs.update({"d" + n: rel_rms(g, want[n]) for n, g in got.items()})
+    print("\ndefault tuning, float32 products as on sm_90 vs exact: "
+          + ", ".join(f"{n} {float(e):.1e}" for n, e in errs.items()))
+    assert all(jax.numpy.isfinite(e) and e < 2e-5 for e in errs.values()), errs
+    assert any(e > 0 for e in errs.values()), errs  # (the tuned products did run)
