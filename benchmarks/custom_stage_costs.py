@@ -3,8 +3,11 @@ temp bytes and compile time for the default pipeline beside
 
 - an F1 of other math alone (an undeclared no-op wrapper of F1: B0-B4 hand-written, B5 the
   F1's VJP, ``kdax.stages.GateVjpBackward``), and Gated DeltaNet's F1 (examples/gated_deltanet.py);
-- an undeclared no-op F5 wrapper (the backward derived whole by ``jax.vjp``);
-- every forward stage an undeclared wrapper (derived whole);
+- an undeclared no-op F5 wrapper (B0, B2-B5 hand-written, F5's transpose its ``jax.vjp``:
+  ``kdax._runner.output_vjp``);
+- an undeclared no-op F4 wrapper (the backward derived whole by ``jax.vjp``, the KDA stages
+  differentiated chunk by chunk: ``kdax._runner.chunk_vjp``);
+- every forward stage an undeclared wrapper (derived whole, every stage as it is);
 
 and an eager derived gradient's time a call against its jitted one. Ratios against the
 default measured in the same process, the paths timed in interleaved rounds.
@@ -69,7 +72,8 @@ def pipelines() -> dict:
         "default": ref,
         "F1 of other math (no-op wrapper)": eqx.tree_at(lambda p: p.gate, ref, WrapGate()),
         "Gated DeltaNet F1": gated_deltanet.gdn_pipeline(ref),
-        "undeclared F5 wrapper (derived)": eqx.tree_at(lambda p: p.output, ref, WrapOutput()),
+        "undeclared F5 wrapper (F5 VJP)": eqx.tree_at(lambda p: p.output, ref, WrapOutput()),
+        "undeclared F4 wrapper (derived)": eqx.tree_at(lambda p: p.state, ref, WrapState()),
         "every forward stage (derived)": every,
     }
 
@@ -119,7 +123,7 @@ def measure(shape, reps, log):
 def eager_vs_jit(log, T=512):
     args, opts = inputs(1, T, 4, 64, 64)
     out = {}
-    for name in ("default", "undeclared F5 wrapper (derived)"):
+    for name in ("default", "undeclared F5 wrapper (F5 VJP)", "undeclared F4 wrapper (derived)"):
         f = step_fn(pipelines()[name], opts)
         jax.block_until_ready(f(*args))  # compiles
         j = jax.jit(f)

@@ -382,3 +382,49 @@ def test_derived_pipeline_runs_kda_stages_chunk_local():
         assert type(chunk_vjp.unwrapped(stage)) is type(getattr(pipe, f)) and stage is not chunk_vjp.unwrapped(stage)
         assert type(stage).__qualname__ == type(getattr(pipe, f)).__qualname__
     assert diff.output is pipe.output and diff.tile is None
+
+
+class GainTanhOutput(AbstractOutput):
+    """F5 of other math holding an array: ``gain o + 0.1 tanh(o)`` per value head."""
+
+    gain: Float[Array, " HV"]
+
+    def __call__(self, scale, qg, h, Aqk, v_new):
+        o = ReferenceOutput()(scale, qg, h, Aqk, v_new)
+        return o * self.gain[None, :, None, None, None].astype(o.dtype) + 0.1 * jnp.tanh(o)
+
+
+@pytest.mark.parametrize("gate", [False, True])
+def test_output_alone_differs_keeps_the_hand_written_backward(gate, monkeypatch):
+    # F5 of other math (F1's too, with gate): B0, B2-B5 hand-written, F5's VJP in B1's
+    # place and fed to B2 and B3 (kdax._runner.output_vjp); against the backward derived
+    # whole, float64, the F5 array's gradient included. K = 40 > C = 16: three passes of
+    # B2's identity rows.
+    from kdax._runner import routes
+
+    x = make_inputs(B=2, T=48, H=2, K=40, V=8)
+    pos, kw = split_args(x)
+    h0 = kw["initial_state"]
+    pipe = eqx.tree_at(lambda p: p.output, kdax.KDAPipeline.reference(), GainTanhOutput(jnp.array([0.7, -1.2])))
+    if gate:
+        pipe = eqx.tree_at(lambda p: p.gate, pipe, ScaledQGate())
+    assert routes.output_alone_differs(pipe) and routes.gate_differs(pipe) == gate
+
+    def grads():
+        def f(diff):
+            a, p = diff
+            return _loss(*kdax.chunk_kda(*a[:5], initial_state=a[5], output_final_state=True, chunk_size=CHUNK,
+                                         pipeline=p))
+        return eqx.filter_jit(eqx.filter_grad(f))(((*pos, h0), pipe))
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = grads()
+    assert not any(issubclass(w.category, kdax.FallbackWarning) for w in caught)
+    monkeypatch.setattr(routes, "output_alone_differs", lambda p: False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", kdax.FallbackWarning)
+        want = grads()
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got[0], want[0]):
+        assert_close(a, b, 1e-12, name)
+    assert_close(got[1].output.gain, want[1].output.gain, 1e-12, "dgain")
