@@ -18,7 +18,17 @@ from .._runner.routes import RESET_FIELDS, unsafe_for_tiles
 from ._cases import _CU, Case, _dtname, _Twin, tolerance
 from ._compare import _compare, _leaves, _rel
 from ._report import _error, _unsupported
-from ._runs import _for_stage, _jit_run, _pipe_for, _pipeline_outputs, _record, _UnflooredGate, _with_stage
+from ._runs import (
+    _for_stage,
+    _jit_run,
+    _outputs_ahead,
+    _pipe_for,
+    _pipeline_outputs,
+    _record,
+    _record_ahead,
+    _UnflooredGate,
+    _with_stage,
+)
 
 
 def _capability_checks(col, base, field, stage, caps, dtype, full):
@@ -35,12 +45,48 @@ def _capability_checks(col, base, field, stage, caps, dtype, full):
             _half_stored_check(col, base, field, stage)
 
 
+def _capabilities_ahead(base, field, stage, caps, dtype, full):
+    """Start compiling the programs ``_capability_checks`` and ``_tokens_check`` will run
+    (``kdax.testing._runs._ahead``): the reset and tile_safe checks' forwards and gradients,
+    the half_stored and tokens checks' recordings."""
+    with _routes.as_declared():
+        P = _with_stage(base, field, stage)
+        if caps.reset and field in RESET_FIELDS:
+            case = _reset_case(dtype)
+            _outputs_ahead(dataclasses.replace(P, share_chunks=False), case, True)
+            for _, Ps in _floors(P, field, case):
+                _outputs_ahead(dataclasses.replace(Ps, share_chunks=True), case, True)
+        if caps.tile_safe and STAGES[field].forward and not unsafe_for_tiles(P):
+            for case in _tile_cases(field, caps, dtype, full):
+                for Pt in _whole_and_tiled(P, case):
+                    _outputs_ahead(Pt, case, False)
+        if caps.half_stored:
+            case = _half_stored_case()
+            _record_ahead(_half_stored_pipeline(base, field, stage, case), case, False, field=field)
+    if caps.tokens:  # (outside as_declared, as _tokens_check runs)
+        case = _tokens_case(dtype)
+        _record_ahead(_with_stage(_pipe_for(base, case), field, stage), case, False, field=field)
+
+
+def _reset_case(dtype) -> Case:
+    return Case(f"packed {_dtname(dtype)}", dtype, B=1, T=40, cu=_CU, h0=False)
+
+
+def _floors(P, field, case) -> list:
+    """``[(row name, pipeline)]``: ``P`` with F1's floor at sequence starts, and (but for
+    F1 itself) without it."""
+    got = [(case.name, P)]
+    if field != "gate":
+        got.append((f"{case.name} no-floor", eqx.tree_at(lambda p: p.gate, P, _UnflooredGate())))
+    return got
+
+
 def _reset_checks(col, P, field, stage, dtype):
     """``reset``: shared chunks give the per-sequence layout's outputs and gradients, with
     F1's log decay floor at sequence starts and without (then the stage's own reset must be
     exact: ``Case.floor``)."""
     forward = STAGES[field].forward
-    case = Case(f"packed {_dtname(dtype)}", dtype, B=1, T=40, cu=_CU, h0=False)
+    case = _reset_case(dtype)
     per_seq = {}  # (the per-sequence layout's numbers, the same with and without the floor)
 
     def run(Ps, share, grads):
@@ -51,10 +97,8 @@ def _reset_checks(col, P, field, stage, dtype):
             per_seq[grads] = out
         return per_seq[grads]
 
-    for floor in (True, False) if field != "gate" else (True,):
-        name = case.name if floor else f"{case.name} no-floor"
+    for name, Ps in _floors(P, field, case):
         try:
-            Ps = P if floor else eqx.tree_at(lambda p: p.gate, P, _UnflooredGate())
             what = "outputs and gradients"
             try:
                 o1, h1, g1, m1 = run(Ps, True, True)
@@ -113,16 +157,11 @@ def _tile_safe_checks(col, P, field, stage, caps, dtype, full):
         col.add("tile_safe", "-", None, f"the base pipeline has stages that are not tile-safe: "
                                         f"{unsafe_for_tiles(P)}")
         return
-    d = _dtname(dtype)
-    cases = [Case(f"dense {d}", dtype, T=40), Case(f"packed {d}", dtype, B=1, T=40, cu=_CU)]
-    if full and caps.reset and field in RESET_FIELDS:
-        cases.append(Case(f"shared {d}", dtype, B=1, T=40, cu=_CU, share=True, h0=False))
-    for case in cases:
+    for case in _tile_cases(field, caps, dtype, full):
         try:
-            Pc = dataclasses.replace(P, share_chunks=case.share)
-            R = case.B if not case.packed else 1
-            ow, hw, _, _ = _pipeline_outputs(Pc, case, False)
-            ot, ht, _, _ = _pipeline_outputs(dataclasses.replace(Pc, tile=R * case.HV), case, False)
+            whole, tiled = _whole_and_tiled(P, case)
+            ow, hw, _, _ = _pipeline_outputs(whole, case, False)
+            ot, ht, _, _ = _pipeline_outputs(tiled, case, False)
             ok, det = _compare((ot, ht), (ow, hw), tolerance(dtype))
             col.add("tile_safe", case.name, ok, ("tiles of one chunk vs whole: " + det) if ok else
                     f"declares `tile_safe` but tiles of one chunk give other numbers than the whole "
@@ -133,14 +172,39 @@ def _tile_safe_checks(col, P, field, stage, caps, dtype, full):
             col.add("tile_safe", case.name, False, _error(e))
 
 
+def _tile_cases(field, caps, dtype, full) -> list:
+    """The tile_safe check's cases: dense, packed (``full``: shared chunks too, for a stage
+    that declares ``reset``)."""
+    d = _dtname(dtype)
+    cases = [Case(f"dense {d}", dtype, T=40), Case(f"packed {d}", dtype, B=1, T=40, cu=_CU)]
+    if full and caps.reset and field in RESET_FIELDS:
+        cases.append(Case(f"shared {d}", dtype, B=1, T=40, cu=_CU, share=True, h0=False))
+    return cases
+
+
+def _whole_and_tiled(P, case) -> tuple:
+    """``P`` in ``case``'s layout, whole and in tiles of one chunk."""
+    whole = dataclasses.replace(P, share_chunks=case.share)
+    R = case.B if not case.packed else 1
+    return whole, dataclasses.replace(whole, tile=R * case.HV)
+
+
+def _half_stored_case() -> Case:
+    return Case("dense bfloat16", jnp.bfloat16)
+
+
+def _half_stored_pipeline(base, field, stage, case):
+    return _with_stage(_pipe_for(base, case), field, stage).with_precision("fast")
+
+
 def _half_stored_check(col, base, field, stage):
     """``half_stored``: in a pipeline under ``"fast"`` (bf16 inputs), the stage given the
     stored intermediates in bf16 gives what it gives on their float32 copies (exact
     widenings: only the stage's own rounding differs)."""
-    case = Case("dense bfloat16", jnp.bfloat16)
+    case = _half_stored_case()
     try:
-        P = _with_stage(_pipe_for(base, case), field, stage).with_precision("fast")
-        kw = _record(P, case, False)[0].get(field) or {}
+        P = _half_stored_pipeline(base, field, stage, case)
+        kw = _record(P, case, False, field=field)[0].get(field) or {}
         half = sorted(n for n, x in kw.items() if n in _precision.STORED and getattr(x, "dtype", None) == jnp.bfloat16)
         if not half:
             col.add("half_stored", case.name, None, "the pipeline passes no bf16 intermediates to this field here")
@@ -169,7 +233,7 @@ def _G_lo_check(col, base, field, stage, cases, results: dict, cache: bool = Fal
         twin = dataclasses.replace(f32, name=f32.name + "->f64", dtype=jnp.float64)
         (x32, kw32) = f32.inputs()
         rec64 = _record(_pipe_for(base, twin), _Twin(twin, x32, kw32), cache, key=("float64 twin", f32),
-                        backward=not STAGES[field].forward)[0]
+                        backward=not STAGES[field].forward, field=field)[0]
         truth = _jit_run(_with_stage(_pipe_for(base, twin), field, stage), field,
                          _for_stage(stage, rec64[field]))
         without = _jit_run(P, field, {n: x for n, x in kw.items() if n != "G_lo"})
@@ -182,13 +246,17 @@ def _G_lo_check(col, base, field, stage, cases, results: dict, cache: bool = Fal
         col.add("G_lo", f32.name, False, _error(e))
 
 
+def _tokens_case(dtype) -> Case:
+    return Case(f"dense {_dtname(dtype)}", dtype)
+
+
 def _tokens_check(col, base, field, stage, dtype):
     """``tokens``: in a pipeline with the stage, the views of the caller's arrays it is
     given give what their chunked copies give."""
-    case = Case(f"dense {_dtname(dtype)}", dtype)
+    case = _tokens_case(dtype)
     try:
         P = _with_stage(_pipe_for(base, case), field, stage)
-        rec = _record(P, case, False)[0]
+        rec = _record(P, case, False, field=field)[0]
         kw = rec.get(field)
         if kw is None or not any(isinstance(x, Tokens) for x in kw.values()):
             col.add("tokens", case.name, None, "the pipeline passes no Tokens views to this field here")

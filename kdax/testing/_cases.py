@@ -5,6 +5,7 @@ fixed random weights of the checks' losses."""
 import dataclasses
 from typing import Any, Optional
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -98,15 +99,15 @@ class Case:
             kw["scale"] = self.scale
         N = B if self.cu is None else len(self.cu) - 1
         if self.h0:
-            kw["initial_state"] = jnp.asarray(r.normal(size=(N, HV, K, V)) * 0.3, pt)
+            kw["initial_state"] = _device(r.normal(size=(N, HV, K, V)) * 0.3, pt)
         if o.get("use_gate_in_kernel"):
-            A_log = jnp.asarray(r.uniform(-1.0, 0.5, size=(HV,)), pt)
+            A_log = _device(r.uniform(-1.0, 0.5, size=(HV,)), pt)
             if self.A_log:
                 kw["A_log"] = A_log
-            kw["dt_bias"] = jnp.asarray(r.normal(size=(HV * K,)) * 0.5, pt)
+            kw["dt_bias"] = _device(r.normal(size=(HV * K,)) * 0.5, pt)
         if self.cu is not None:
-            kw["cu_seqlens"] = jnp.asarray(self.cu, jnp.int32)
-        return tuple(jnp.asarray(x, dt) for x in (q, k, v, g, beta)), kw
+            kw["cu_seqlens"] = _device(self.cu, jnp.int32)
+        return tuple(_device(x, dt) for x in (q, k, v, g, beta)), kw
 
 
 # FLA's in-kernel options, all on; three packed sequences of 7, 16 and 17 tokens (at
@@ -177,11 +178,21 @@ def tolerance(dtype) -> float:
     return 5e-3
 
 
+def _device(x, dtype):
+    """``x`` cast on the host and put on the device: no program compiled (``jnp.asarray``
+    with a dtype, or ``astype`` on a device array, compiles a small one per shape)."""
+    return jax.device_put(np.asarray(x).astype(jnp.dtype(dtype)))
+
+
 def _weights(shape, dtype, seed: int):
     """Fixed random loss weights, made with numpy: the same bits in every program (a
     ``jax.random`` draw may round differently once fused into two different programs)."""
-    w = np.random.default_rng(seed).standard_normal(tuple(shape)).astype(np.float32)
-    return jnp.asarray(w).astype(dtype)
+    return jnp.asarray(_host_weights(shape, np.float32, seed)).astype(dtype)
+
+
+def _host_weights(shape, dtype, seed: int) -> np.ndarray:
+    """``_weights`` on the host (numpy, in ``dtype``)."""
+    return np.random.default_rng(seed).standard_normal(tuple(shape)).astype(np.float32).astype(jnp.dtype(dtype))
 
 
 class _Twin:
@@ -195,8 +206,8 @@ class _Twin:
 
     def inputs(self):
         dt = self.case.dtype
-        return (tuple(a.astype(dt) for a in self.x),
-                {n: (a.astype(dt) if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating) else a)
+        return (tuple(_device(a, dt) for a in self.x),
+                {n: (_device(a, dt) if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating) else a)
                  for n, a in self.kw.items()})
 
 
@@ -213,6 +224,6 @@ class _Packed:
 
     def inputs(self):
         x, kw = self.dense.inputs()
-        x = tuple(a.reshape((1, -1) + a.shape[2:]) for a in x)
-        kw = dict(kw, cu_seqlens=jnp.asarray(self.case.cu, jnp.int32))
+        x = tuple(_device(np.asarray(a).reshape((1, -1) + a.shape[2:]), a.dtype) for a in x)
+        kw = dict(kw, cu_seqlens=_device(self.case.cu, jnp.int32))
         return x, kw

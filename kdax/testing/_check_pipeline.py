@@ -2,10 +2,10 @@
 forward, and its outputs across layouts."""
 
 import dataclasses
+import functools
 import math as _math
 from typing import Any, Optional
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,7 +22,7 @@ from ..pipeline import KDAPipeline
 from ._cases import _CU, _DENSE, _FLA, Case, _dtname, _Packed, _weights, tolerance
 from ._compare import _compare, _rel
 from ._report import Report, _Collector, _error
-from ._runs import _jit, _pipeline_outputs
+from ._runs import _ahead, _call, _call_of, _declared, _jit, _outputs_ahead, _pipeline_outputs
 
 
 @typecheck
@@ -71,6 +71,12 @@ def check_pipeline(
                   Case(f"chunk64 {d}", dtype, B=1, T=80, chunk=64),
                   Case(f"strong {d}", dtype, T=40, strong=True)]
     subject = f"check_pipeline({', '.join(f'{n}={type(getattr(pipeline, n)).__name__}' for n in STAGES)})"
+    # (every program, traced first and compiled meanwhile: kdax.testing._runs._ahead)
+    for case in cases:
+        _outputs_ahead(dataclasses.replace(pipeline, share_chunks=case.share), case, True)
+        _exact_ahead(pipeline, case)
+    for P, case in _layout_runs(pipeline, dtype):
+        _outputs_ahead(P, case, False)
     for case in cases:
         _gradient_checks(col, pipeline, case, tol)
     dense = _layout_checks(col, pipeline, dtype, tol)
@@ -127,25 +133,34 @@ def _layout_checks(col, pipeline: KDAPipeline, dtype, tol: float):
     """``layouts`` rows: dense rows against the same sequences packed (per-sequence, shared
     chunks), and tiles of one chunk against the whole forward."""
     d = _dtname(dtype)
-    dense = Case(f"dense {d}", dtype, **_DENSE)
+    (_, dense), *packed, tiled = _layout_runs(pipeline, dtype)
     try:
         od, hd, _, _ = _pipeline_outputs(pipeline.untiled(), dense, False)
-        for share in (False, True):
-            pk = _Packed(dense, share)
-            P = dataclasses.replace(pipeline.untiled(), share_chunks=share)
+        for P, pk in packed:
             op, hp, _, meta = _pipeline_outputs(P, pk, False)
             ok, det = _compare((op.reshape(od.shape), hp), (od, hd), tol)
-            col.add("layouts", f"packed {'shared' if share else 'per-sequence'} {d}", ok,
+            col.add("layouts", f"packed {'shared' if P.share_chunks else 'per-sequence'} {d}", ok,
                     f"{meta['layout']} layout vs dense rows: {det}")
         if unsafe_for_tiles(pipeline):
             col.add("layouts", f"tiles {d}", None, f"not tile-safe: {unsafe_for_tiles(pipeline)}")
         else:
-            ot, ht_, _, _ = _pipeline_outputs(dataclasses.replace(pipeline, tile=dense.B * dense.HV), dense, False)
+            ot, ht_, _, _ = _pipeline_outputs(*tiled, False)
             ok, det = _compare((ot, ht_), (od, hd), tol)
             col.add("layouts", f"tiles {d}", ok, f"tiles of one chunk vs whole: {det}")
     except Exception as e:
         col.add("layouts", f"dense {d}", False, _error(e))
     return dense
+
+
+def _layout_runs(pipeline: KDAPipeline, dtype) -> list:
+    """``[(pipeline, case)]`` of the layout rows: the dense rows (untiled), the same
+    sequences packed per-sequence and in shared chunks, the dense rows in tiles of one
+    chunk."""
+    dense = Case(f"dense {_dtname(dtype)}", dtype, **_DENSE)
+    whole = pipeline.untiled()
+    return ([(whole, dense)] + [(dataclasses.replace(whole, share_chunks=share), _Packed(dense, share))
+                                for share in (False, True)]
+            + [(dataclasses.replace(pipeline, tile=dense.B * dense.HV), dense)])
 
 
 _GRAD_NAMES = ("q", "k", "v", "g", "beta")
@@ -155,28 +170,45 @@ def _exact_grads(pipeline: KDAPipeline, case: Case):
     """``(o, ht, (d inputs, d arrays))``: the forward of ``pipeline`` (untiled, one sequence
     per chunk, same-math Pallas stages as their references) differentiated by ``jax.vjp``
     at the cotangents ``_pipeline_outputs`` uses."""
+    return _call(_exact_program(), *_exact_args(pipeline, case))
+
+
+def _exact_ahead(pipeline: KDAPipeline, case: Case) -> None:
+    """Start compiling what ``_exact_grads`` will run."""
+    try:
+        args = _exact_args(pipeline, case)
+    except Exception:  # (the check reports it)
+        return
+    _ahead(_exact_program(), *args)
+
+
+def _exact_args(pipeline: KDAPipeline, case: Case) -> tuple:
     diff, _ = _routes.differentiable_forward(pipeline)
-    diff = dataclasses.replace(diff, share_chunks=False)
-    (q, k, v, g, beta), kw = case.inputs()
-    arrays = {n: x for n, x in kw.items() if n in ("initial_state", "A_log", "dt_bias")}
-    static = {n: x for n, x in kw.items() if n not in arrays}
+    return (dataclasses.replace(diff, share_chunks=False), *_call_of(case), _routes.declared_only())
 
-    def run(x, arrays):
-        with recording(quiet=True):
-            config, args = prepare(*x, **static, **arrays)
-            h0, A_log, dt_bias, cu = args[5:]
 
-            def fwd(x, arrays):
-                h0_ = arrays.get("initial_state")
-                if h0_ is not None and static.get("state_v_first"):
-                    h0_ = jnp.swapaxes(h0_, -1, -2)
-                o, final, _ = diff.run_forward(config, *x, h0_, arrays.get("A_log"), arrays.get("dt_bias"), cu)
-                return o, final
+def _exact_run(diff: KDAPipeline, x, arrays, options, declared: bool):
+    """What ``_exact_grads`` compiles."""
+    static = options.kw
+    with recording(quiet=True), _declared(declared):
+        config, args = prepare(*x, **static, **arrays)
+        h0, A_log, dt_bias, cu = args[5:]
 
-            (o, ht), vjp = jax.vjp(fwd, x, arrays)
-            wt = jnp.float64 if o.dtype == jnp.float64 else jnp.float32
-            do = _weights(o.shape, wt, 1).astype(o.dtype)
-            dht = _weights(ht.shape, ht.dtype, 2)
-            return o, ht, vjp((do, dht))
+        def fwd(x, arrays):
+            h0_ = arrays.get("initial_state")
+            if h0_ is not None and static.get("state_v_first"):
+                h0_ = jnp.swapaxes(h0_, -1, -2)
+            o, final, _ = diff.run_forward(config, *x, h0_, arrays.get("A_log"), arrays.get("dt_bias"), cu)
+            return o, final
 
-    return _jit(run)((q, k, v, g, beta), arrays)
+        (o, ht), vjp = jax.vjp(fwd, x, arrays)
+        wt = jnp.float64 if o.dtype == jnp.float64 else jnp.float32
+        do = _weights(o.shape, wt, 1).astype(o.dtype)
+        dht = _weights(ht.shape, ht.dtype, 2)
+        return o, ht, vjp((do, dht))
+
+
+@functools.cache
+def _exact_program():
+    # (one jitted function: cases of equal options and shapes share a program)
+    return _jit(_exact_run)

@@ -1,27 +1,23 @@
-"""``check_stage``: one stage, as the implementation of a pipeline field, on the arguments a
-pipeline gives that field over a matrix of cases."""
+"""``check_stage``, the entry point: one stage, as the implementation of a pipeline field, on
+the arguments a pipeline gives that field over a matrix of cases (the rows of each case:
+``_case_checks``; of each declared capability: ``_capabilities``)."""
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any, Optional
 
 import equinox as eqx
-import jax.numpy as jnp
-import numpy as np
 
-from .._errors import StageContractError, UnsupportedCase
+from .._annotations import typecheck
 from .._runner import routes as _routes
-from .._stage_protocol.capabilities import capabilities
 from .._runner.contracts import STAGES
 from .._runner.routes import RESET_FIELDS
-from .._annotations import typecheck
+from .._stage_protocol.capabilities import capabilities
 from ..pipeline import KDAPipeline
-from ._capabilities import _capability_checks, _G_lo_check, _tokens_check
-from ._cases import DTYPES, Case, default_cases, tolerance
-from ._compare import _leaves
-from ._report import NOT_COMPARED, Report, _Collector, _error, _unsupported
-from ._runs import _base, _for_stage, _jit_run, _pipe_for, _record, _with_stage
-from ._stage_checks import _nan_isolation, _reference_checks, _transforms
+from ._capabilities import _capabilities_ahead, _capability_checks, _G_lo_check, _tokens_check
+from ._case_checks import _case_checks, _cases_ahead, _stage_runs_ahead, _transform_checks
+from ._cases import DTYPES, Case, default_cases
+from ._report import Report, _Collector, _error
+from ._runs import _base
 
 
 @typecheck
@@ -88,6 +84,10 @@ def check_stage(
     base = _base(base)
     if cases is None:
         cases = default_cases(dtypes, full, shared=caps.reset and field in RESET_FIELDS)
+    # (every program the cases and capabilities need, traced first and compiled meanwhile)
+    _cases_ahead(base, field, cases, cache_ok)
+    _capabilities_ahead(base, field, stage, caps, dtypes[0], full)
+    _stage_runs_ahead(base, field, stage, caps, cases, cache_ok)
     results = {}
     for case in cases:
         got = _case_checks(col, base, field, stage, caps, case, cache_ok, dtypes[0])
@@ -125,67 +125,3 @@ def _declarations(col, stage, field):
         col.add("declarations", "-", False, _error(e))
         return None
     return caps
-
-
-def _case_checks(col, base, field, stage, caps, case: Case, cache_ok: bool, first_dtype):
-    """The rows of one case: ``contract``, ``finite``, ``reference`` (a stage of KDA's math),
-    ``nan-isolation`` (dense and packed cases in the first dtype). Returns ``(pipeline with
-    the stage, its arguments, its outputs, the recorded arguments)``, or None when the stage
-    did not run."""
-    if not case.floor and field == "gate":
-        return None  # (F1's reset is the floor itself: the "shared" case checks it)
-    pipe = _pipe_for(base, case)
-    recorded, layout, _, err = _record(pipe, case, cache_ok, backward=not STAGES[field].forward)
-    if field not in recorded:
-        col.add("contract", case.name, None if err is None or isinstance(err, UnsupportedCase) else False,
-                "the pipeline does not run this stage here" + ("" if err is None else f" ({_error(err)})"))
-        return None
-    full_kw = recorded[field]
-    if case.share and not caps.reset:
-        return None
-    kw = _for_stage(stage, full_kw)
-    P = _with_stage(pipe, field, stage)
-    try:
-        out = _jit_run(P, field, kw)
-    except UnsupportedCase as e:
-        _unsupported(col, "contract", case.name, field, stage, e)
-        return None
-    except StageContractError as e:
-        col.add("contract", case.name, False, _error(e))
-        return None
-    except Exception as e:
-        col.add("contract", case.name, False, "raised " + _error(e))
-        return None
-    col.add("contract", case.name, True, f"{layout} layout: container, shapes, dtypes as the pipeline checks")
-    bad = [p for p, x in _leaves(out) if not np.isfinite(x).all()]
-    col.add("finite", case.name, not bad, "all finite" if not bad else f"non-finite: {', '.join(bad[:4])}")
-    if _routes.reference_is_exact(field, stage):
-        _reference_checks(col, pipe, field, stage, caps, case, out, full_kw)
-    else:
-        info = STAGES[field]
-        what = (f"math={getattr(stage, 'math', None)!r}" if info.forward
-                else f"transposes={dict(getattr(stage, 'transposes', {}))}")
-        col.add("reference", case.name, None, f"{NOT_COMPARED}: {what} is not KDA's, so no check compares its values "
-                                              f"with {info.reference.__qualname__} (or any formula)")
-    if case.name.startswith(("dense", "packed")) and jnp.dtype(case.dtype) == jnp.dtype(first_dtype):
-        try:
-            _nan_isolation(col, P, field, kw, out, case, case.name)
-        except Exception as e:
-            col.add("nan-isolation", case.name, False, _error(e))
-    return P, kw, out, full_kw
-
-
-def _transform_checks(col, base, field, stage, first: Case, result: tuple, cache_ok: bool):
-    """``jit``, ``filter_jit``, ``vmap``, ``grad`` on the case ``first`` (``result``: what
-    ``_case_checks`` returned for it) and the same case with another seed."""
-    P, kw, out, _ = result
-    c2 = dataclasses.replace(first, seed=1)
-    rec2 = _record(_pipe_for(base, c2), c2, cache_ok, backward=not STAGES[field].forward)[0]
-    if field not in rec2:
-        return
-    kw2 = _for_stage(stage, rec2[field])
-    try:
-        out2 = _jit_run(P, field, kw2)
-        _transforms(col, P, field, stage, kw, out, kw2, out2, first, tolerance(first.dtype))
-    except Exception as e:
-        col.add("vmap", first.name, False, _error(e))

@@ -2,6 +2,9 @@
 the arguments each stage got in a recorded forward and backward, one stage called on
 them, and ``chunk_kda``'s outputs and gradients through a pipeline."""
 
+import collections
+import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import warnings
@@ -10,11 +13,13 @@ from typing import ClassVar, Optional
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .._config import KDAOptions
 from .._numerics import precision as _precision
 from .._runner import routes as _routes
 from .._stage_protocol.capabilities import capabilities, negotiated
+from .._runner.contracts import STAGES
 from .._runner.runner import recording, run_stage
 from ..pipeline import KDAPipeline
 from ..stages import KDA, AbstractGate, ReferenceGate
@@ -32,17 +37,79 @@ def _compile_options() -> dict:
     if jax.default_backend() != "cpu":
         return {}
     opts = {"xla_backend_optimization_level": 0}
-    try:  # (an option this XLA does not know is an error: probe it once)
-        jax.jit(lambda x: x + 1, compiler_options=dict(opts, xla_cpu_use_fusion_emitters=False)).lower(1.0).compile()
-        opts["xla_cpu_use_fusion_emitters"] = False
-    except Exception:
-        pass
+    # (an option this XLA does not know is an error: probe each once). The parallel
+    # codegen's split of a module into parts costs more than it saves at these sizes:
+    # one part, a third less CPU time per compile, and no more wall time.
+    for name, value in (("xla_cpu_use_fusion_emitters", False), ("xla_cpu_parallel_codegen_split_count", 1)):
+        try:
+            jax.jit(lambda x: x + 1, compiler_options=dict(opts, **{name: value})).lower(1.0).compile()
+            opts[name] = value
+        except Exception:
+            pass
     return opts
 
 
 def _jit(fun):
     """``eqx.filter_jit`` with the checks' compiler options (``_compile_options``)."""
     return eqx.filter_jit(fun, compiler_options=_compile_options())
+
+
+# Compiled programs by what they were traced from (``_program_key``), as futures: a program
+# is lowered on the calling thread (tracing reads its context) and compiled on one of two
+# worker threads (XLA releases the GIL), so that a check can ask for its programs ahead
+# (``_ahead``) and trace the next while the last compiles.
+_COMPILED: collections.OrderedDict = collections.OrderedDict()
+_KEEP = 512  # (programs kept, the least recently used dropped: a test session makes thousands)
+
+
+@functools.cache
+def _workers() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kdax-testing-compile")
+
+
+def _program_key(program, args) -> tuple:
+    """What a jitted program's trace depends on: the static leaves of ``args`` (the
+    pipeline's stages and settings, the options, flags) and the shapes and dtypes of the
+    arrays, as ``jax.jit``'s cache keys it."""
+    leaves, tree = jax.tree.flatten(args)
+    return (id(program), tree, tuple((x.shape, x.dtype, getattr(x, "weak_type", False)) if eqx.is_array(x) else x
+                                 for x in leaves))
+
+
+def _compiled(program, *args) -> concurrent.futures.Future:
+    """The future of ``program`` (an ``eqx.filter_jit`` function) compiled for ``args``:
+    lowered now, on this thread, compiled by a worker, once per ``_program_key``."""
+    key = _program_key(program, args)
+    got = _COMPILED.get(key)
+    if got is None:
+        lowered = program.lower(*args)
+        got = _COMPILED[key] = _workers().submit(lowered.compile)
+        if len(_COMPILED) > _KEEP:
+            _COMPILED.popitem(last=False)
+    else:
+        _COMPILED.move_to_end(key)
+    return got
+
+
+def _call(program, *args):
+    """``program(*args)``, compiled by ``_compiled`` (once per program key)."""
+    return _compiled(program, *args).result()(*args)
+
+
+def _ahead(program, *args) -> None:
+    """Start compiling ``program`` for ``args`` (``_compiled``): a check that will call it
+    asks ahead. A trace that fails here is left to the call, which raises it where the
+    check reports it."""
+    try:
+        _compiled(program, *args)
+    except Exception:
+        pass
+
+
+def _declared(declared: bool):
+    """``kdax._runner.routes.as_declared()`` when ``declared`` (a program's static argument:
+    its trace depends on it), else nothing."""
+    return _routes.as_declared() if declared else contextlib.nullcontext()
 
 
 def _base(base: Optional[KDAPipeline]) -> KDAPipeline:
@@ -75,52 +142,132 @@ class _UnflooredGate(AbstractGate):
 # records the same ones, and recording is a jitted forward and backward.
 _RECORDED: dict = {}
 
+# A call's keyword arguments that are arrays the programs take as arguments; the others
+# (cu_seqlens too: the layout is made from its values) are static.
+_ARRAYS = ("initial_state", "A_log", "dt_bias")
 
-def _record(pipe: KDAPipeline, case: Case, cache: bool, key=None, backward: bool = True):
+
+class _Options:
+    """A call's static keyword options (``cu_seqlens`` as the concrete array the call
+    gets), equal and hashed by value: a static argument of the checks' jitted programs, so
+    that cases of the same options and shapes (a case and its other seed, the float64 twin
+    of a float32 case) share one compiled program."""
+
+    def __init__(self, kw: dict):
+        self.kw = kw
+        self._key = tuple(sorted((n, tuple(np.asarray(x).tolist()) if hasattr(x, "shape") else x)
+                                 for n, x in kw.items()))
+
+    def __hash__(self):
+        return hash(self._key)
+
+    def __eq__(self, other):
+        return isinstance(other, _Options) and self._key == other._key
+
+
+def _call_of(case) -> tuple:
+    """``(inputs (q, k, v, g, beta), array options, static options)`` of ``case``'s call."""
+    x, kw = case.inputs()
+    return x, {n: a for n, a in kw.items() if n in _ARRAYS}, _Options({n: a for n, a in kw.items() if n not in _ARRAYS})
+
+
+class _Enough(BaseException):
+    """Ends a recording once the wanted stage's arguments are noted (a BaseException: no
+    ``except Exception`` on the way takes it for the stage's own error)."""
+
+
+class _UpTo(dict):
+    """A recording's ``inputs`` that ends the run (``_Enough``) when ``field``'s arguments
+    are noted: the rest of the forward and backward is never traced nor compiled."""
+
+    def __init__(self, field: str):
+        super().__init__()
+        self.field = field
+
+    def setdefault(self, name, value):
+        new = name not in self
+        got = super().setdefault(name, value)
+        if new and name == self.field:
+            raise _Enough
+        return got
+
+
+def _recording_run(pipe, x, arrays, options: _Options, field: Optional[str], backward: bool, declared: bool):
+    """What ``_record`` compiles: ``(kwargs by field, layout, derived, error, stopped)``."""
+    stopped, err = False, None
+    with recording(quiet=True) as rec, _declared(declared):
+        if field is not None:
+            rec.inputs = _UpTo(field)
+        opts = KDAOptions.from_kwargs(**options.kw, **arrays)
+
+        def loss(x):
+            o, ht = pipe.apply(*x, opts)
+            return (jnp.sum(o.astype(jnp.float32) * _weights(o.shape, jnp.float32, 1))
+                    + jnp.sum(ht.astype(jnp.float32) * _weights(ht.shape, jnp.float32, 2)))
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                if _routes.mismatches(pipe):  # derived backward: no backward stage runs
+                    pipe.apply(*x, opts)
+                elif not backward:  # (the forward rule of the custom VJP, traced here, not inside it)
+                    jax.vjp(loss, x)
+                else:
+                    jax.grad(loss)(x)
+        except _Enough:
+            stopped = True
+        except Exception as e:  # the stage under test may break the run: keep what was recorded
+            err = e
+    return dict(rec.inputs), rec.layout, rec.derived, err, stopped
+
+
+@functools.cache
+def _recording_program():
+    # (one jitted function for every recording: equal options and shapes share a program;
+    # built on first use, as _run_program)
+    return _jit(_recording_run)
+
+
+def _recording_args(pipe: KDAPipeline, case: Case, backward: bool, field: Optional[str]) -> tuple:
+    return (pipe, *_call_of(case), field, backward, _routes.declared_only())
+
+
+def _record_ahead(pipe: KDAPipeline, case: Case, cache: bool, key=None, backward: bool = True,
+                  field: Optional[str] = None) -> None:
+    """Start compiling what ``_record`` with these arguments will run (``_ahead``), unless
+    it has been recorded already."""
+    if not (cache and _recorded(key or (case,), field) is not None):
+        _ahead(_recording_program(), *_recording_args(pipe, case, backward, field))
+
+
+def _recorded(key, field: Optional[str]):
+    """A kept recording (``_RECORDED``) that has ``field``'s arguments, or None."""
+    forward_field = field is not None and STAGES[field].forward
+    for out, whole in _RECORDED.get(key, ()):
+        # (a run that was not ended early noted every stage that runs: a field not there
+        # does not run; a forward-only run, every forward stage)
+        if field in out[0] or whole == "all" or (whole == "forward" and forward_field):
+            return out
+    return None
+
+
+def _record(pipe: KDAPipeline, case: Case, cache: bool, key=None, backward: bool = True,
+            field: Optional[str] = None):
     """The keyword arguments each stage of ``pipe`` got in one forward and backward
     (``loss = sum(o w) + sum(ht wh)``, fixed random weights), jitted; and what ran:
     ``(kwargs by field, layout, derived, error or None)``. ``backward=False``: the
-    forward alone (the forward stages' arguments, in less than half the compile time).
-    ``cache``: keep them, by ``key`` (default: the case), for later reports (``pipe`` the
-    reference pipeline as the case runs it)."""
+    forward alone. ``field``: the run ends once that stage's arguments are noted (the
+    stages after it are neither traced nor compiled; the others' arguments are those
+    noted before it). ``cache``: keep them, by ``key`` (default: the case), for later
+    reports (``pipe`` the reference pipeline as the case runs it)."""
     key = (case,) if key is None else key
-    if cache and key in _RECORDED:
-        return _RECORDED[key]
-    if cache and not backward and key + ("forward",) in _RECORDED:
-        return _RECORDED[key + ("forward",)]
-    (q, k, v, g, beta), kw = case.inputs()
-    arrays = {n: x for n, x in kw.items() if n in ("initial_state", "A_log", "dt_bias")}
-    static = {n: x for n, x in kw.items() if n not in arrays}
-    meta = {}
-
-    def run(x, arrays):
-        with recording(quiet=True) as rec:
-            opts = KDAOptions.from_kwargs(**static, **arrays)
-
-            def loss(x):
-                o, ht = pipe.apply(*x, opts)
-                return (jnp.sum(o.astype(jnp.float32) * _weights(o.shape, jnp.float32, 1))
-                        + jnp.sum(ht.astype(jnp.float32) * _weights(ht.shape, jnp.float32, 2)))
-
-            err = None
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    if _routes.mismatches(pipe):  # derived backward: no backward stage runs
-                        pipe.apply(*x, opts)
-                    elif not backward:  # (the forward rule of the custom VJP, traced here, not inside it)
-                        jax.vjp(loss, x)
-                    else:
-                        jax.grad(loss)(x)
-            except Exception as e:  # the stage under test may break the run: keep what was recorded
-                err = e
-        meta.update(layout=rec.layout, derived=rec.derived, error=err)
-        return rec.inputs
-
-    inputs = _jit(run)((q, k, v, g, beta), arrays)
-    out = (inputs, meta.get("layout"), meta.get("derived"), meta.get("error"))
+    if cache and _recorded(key, field) is not None:
+        return _recorded(key, field)
+    inputs, layout, derived, err, stopped = _call(_recording_program(), *_recording_args(pipe, case, backward, field))
+    out = (inputs, layout, derived, err)
     if cache:
-        _RECORDED[key if backward else key + ("forward",)] = out
+        whole = None if stopped else ("all" if backward else "forward")
+        _RECORDED.setdefault(key, []).append((out, whole))
     return out
 
 
@@ -149,44 +296,54 @@ def _run(pipe, field, kwargs):
 
 
 @functools.cache
-def _jit_run_compiled():
+def _run_program():
     # (built on first use: the compiler options ask which backend runs, and importing
     # kdax must not start one)
     return _jit(_run)
 
 
 def _jit_run(pipe, field, kwargs):
-    return _jit_run_compiled()(pipe, field, kwargs)
+    """``_run`` jitted (compiled once per program key, ``_compiled``)."""
+    return _call(_run_program(), pipe, field, kwargs)
+
+
+def _run_ahead(pipe, field, kwargs) -> None:
+    """Start compiling what ``_jit_run`` with these arguments will run."""
+    _ahead(_run_program(), pipe, field, kwargs)
+
+
+def _outputs_run(P: KDAPipeline, x, arrays, options: _Options, grads: bool, declared: bool):
+    """What ``_pipeline_outputs`` compiles."""
+    with recording(quiet=True) as rec, warnings.catch_warnings(), _declared(declared):
+        warnings.simplefilter("ignore")
+
+        def loss(x, arrays):
+            o, ht = P.apply(*x, KDAOptions.from_kwargs(**options.kw, **arrays))
+            wt = jnp.float64 if o.dtype == jnp.float64 else jnp.float32
+            val = jnp.sum(o.astype(wt) * _weights(o.shape, wt, 1)) + jnp.sum(ht * _weights(ht.shape, ht.dtype, 2))
+            return val, (o, ht)
+
+        if grads:
+            d, (o, ht) = jax.grad(loss, argnums=(0, 1), has_aux=True)(x, arrays)
+        else:
+            o, ht = P.apply(*x, KDAOptions.from_kwargs(**options.kw, **arrays))
+            d = None
+    meta = dict(layout=rec.layout, derived=rec.derived, ran={n: type(r[1]) for n, r in rec.ran.items()})
+    return o, ht, d, meta
+
+
+@functools.cache
+def _outputs_program():
+    return _jit(_outputs_run)
 
 
 def _pipeline_outputs(P: KDAPipeline, case: Case, grads: bool):
     """``(o, ht, grads or None, meta)`` of ``chunk_kda`` with pipeline ``P`` on ``case``'s
     inputs (loss ``sum(o w) + sum(ht wh)``), jitted; ``meta``: layout, derived, which
     implementation ran each field."""
-    (q, k, v, g, beta), kw = case.inputs()
-    arrays = {n: x for n, x in kw.items() if n in ("initial_state", "A_log", "dt_bias")}
-    static = {n: x for n, x in kw.items() if n not in arrays}
-    meta = {}
+    return _call(_outputs_program(), P, *_call_of(case), grads, _routes.declared_only())
 
-    def run(P, x, arrays):
-        with recording(quiet=True) as rec, warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            opts = KDAOptions.from_kwargs(**static, **arrays)
 
-            def loss(x, arrays):
-                o, ht = P.apply(*x, KDAOptions.from_kwargs(**static, **arrays))
-                val = (jnp.sum(o.astype(jnp.float64 if o.dtype == jnp.float64 else jnp.float32)
-                               * _weights(o.shape, jnp.float64 if o.dtype == jnp.float64 else jnp.float32, 1))
-                       + jnp.sum(ht * _weights(ht.shape, ht.dtype, 2)))
-                return val, (o, ht)
-
-            if grads:
-                d, (o, ht) = jax.grad(loss, argnums=(0, 1), has_aux=True)(x, arrays)
-            else:
-                o, ht = P.apply(*x, opts)
-                d = None
-        meta.update(layout=rec.layout, derived=rec.derived, ran={n: type(r[1]) for n, r in rec.ran.items()})
-        return o, ht, d
-
-    o, ht, d = _jit(run)(P, (q, k, v, g, beta), arrays)
-    return o, ht, d, meta
+def _outputs_ahead(P: KDAPipeline, case: Case, grads: bool) -> None:
+    """Start compiling what ``_pipeline_outputs`` with these arguments will run."""
+    _ahead(_outputs_program(), P, *_call_of(case), grads, _routes.declared_only())

@@ -9,7 +9,7 @@ import numpy as np
 from .._layouts.layout import ChunkLayout
 from .._layouts.tiles import Tiles
 from .._layouts.tokens import Tokens, as_chunked
-from ._cases import _weights
+from ._cases import _device, _host_weights
 
 
 def _tile_of(kw: dict) -> Optional[dict]:
@@ -31,16 +31,16 @@ def _tile_of(kw: dict) -> Optional[dict]:
     for n, x in kw.items():
         if n in ("h0", "layout") or not (hasattr(x, "ndim") and x.ndim >= 3):
             out[n] = x
-        elif x.ndim == 3:  # valid, reset [R, NC, C]
-            out[n] = x[:, c0:]
+        elif x.ndim == 3:  # valid, reset [R, NC, C] (sliced on the host: no program per slice)
+            out[n] = _device(np.asarray(x)[:, c0:], x.dtype)
         else:  # [R, HV, NC, ...]
-            out[n] = x[:, :, c0:]
+            out[n] = _device(np.asarray(x)[:, :, c0:], x.dtype)
     L = kw.get("layout")
     if isinstance(L, ChunkLayout):
         h0 = kw["h0"]
         tiles = Tiles(L, h0.shape[0], NC - c0)
         R = L.valid.shape[0]
-        carry = 0.3 * _weights((R,) + tuple(h0.shape[1:]), h0.dtype, 5)
+        carry = _device(0.3 * _host_weights((R,) + tuple(h0.shape[1:]), h0.dtype, 5), h0.dtype)
         out["layout"] = tiles.layout_of(c0, NC - c0, True)
         out["h0"] = tiles.table(h0, carry)
     return out

@@ -1,19 +1,34 @@
-"""The checks ``check_stage`` runs on each case's arguments: ``reference`` (a stage of
-KDA's math against its family's reference stage, also on a tile), ``nan-isolation``, and
+"""The rows ``check_stage`` adds for each case, on the arguments the pipeline gives the
+stage there: ``contract``, ``finite``, ``reference`` (a stage of KDA's math against its
+family's reference stage, also on a tile), ``nan-isolation``; and on the first dense case
 the transformations ``jit``, ``filter_jit``, ``vmap``, ``grad``."""
+
+import dataclasses
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._errors import StageContractError, UnsupportedCase
 from .._layouts.tokens import Tokens
 from .._runner import routes as _routes
 from .._runner.contracts import STAGES
-from ._cases import Case, _weights, tolerance
+from ._cases import Case, _device, _weights, tolerance
 from ._compare import _compare, _leaves
-from ._report import _error
-from ._runs import _compile_options, _for_stage, _jit, _jit_run, _run, _with_stage
+from ._report import NOT_COMPARED, _error, _unsupported
+from ._runs import (
+    _compile_options,
+    _for_stage,
+    _jit,
+    _jit_run,
+    _pipe_for,
+    _record,
+    _record_ahead,
+    _run,
+    _run_ahead,
+    _with_stage,
+)
 from ._tiles import _tile_of, _tile_read
 
 
@@ -87,8 +102,9 @@ def _nan_isolation(col, pipe, field, kw, clean, case: Case, name: str):
                 and x.shape[0] == R and x.shape[2] == NC) or isinstance(x, Tokens):
             continue
         tried.append(n)
-        idx = (row, 0, chunk) + (0,) * (x.ndim - 3)
-        out = _jit_run(pipe, field, dict(kw, **{n: x.at[idx].set(jnp.nan)}))
+        poisoned = np.array(x)
+        poisoned[(row, 0, chunk) + (0,) * (x.ndim - 3)] = np.nan
+        out = _jit_run(pipe, field, dict(kw, **{n: _device(poisoned, x.dtype)}))
         for (path, y), (_, y0) in zip(_leaves(out), clean_leaves):
             m = _owner_mask(y.shape, case, R, NC, N, bad_seq)
             if m is None:
@@ -121,8 +137,9 @@ def _transforms(col, pipe, field, stage, kw, out, kw2, out2, case: Case, tol: fl
         arrs2, static2 = eqx.partition(kw2, eqx.is_array)
         if jax.tree.structure(arrs) != jax.tree.structure(arrs2):
             raise ValueError("the two seeds' arguments differ in structure")
-        stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), arrs, arrs2)
+        stacked = jax.tree.map(lambda a, b: _device(np.stack([a, b]), a.dtype), arrs, arrs2)
         got = _jit(eqx.filter_vmap(lambda a: _run(pipe, field, eqx.combine(a, static))))(stacked)
+        got = jax.tree.map(np.asarray, got)  # (sliced on the host: no program per slice)
         r0 = _compare(jax.tree.map(lambda x: x[0], got), out, max(tol * 1e-2, 1e-12))
         r1 = _compare(jax.tree.map(lambda x: x[1], got), out2, max(tol * 1e-2, 1e-12))
         col.add("vmap", name, r0[0] and r1[0], f"{r0[1]}; {r1[1]}")
@@ -152,3 +169,98 @@ def _transforms(col, pipe, field, stage, kw, out, kw2, out2, case: Case, tol: fl
                                         "transpose it (else DerivedBackwardError)")
         else:
             col.add("grad", name, False, _error(e))
+
+
+def _cases_ahead(base, field, cases, cache_ok: bool) -> None:
+    """Start compiling the recordings ``_case_checks`` will make (``_runs._ahead``): traced
+    here, one after the other, while two workers compile them."""
+    for case in cases:
+        if case.floor or field != "gate":
+            _record_ahead(_pipe_for(base, case), case, cache_ok, backward=not STAGES[field].forward, field=field)
+
+
+def _stage_runs_ahead(base, field, stage, caps, cases, cache_ok: bool) -> None:
+    """Start compiling the stage runs ``_case_checks`` will make on each case (the stage; the
+    reference stage, for a stage of KDA's math; both on a tile): each case's recording is
+    run first (compiled by now, or being compiled), for the arguments' shapes."""
+    reference = STAGES[field].reference()
+    exact = _routes.reference_is_exact(field, stage)
+    for case in cases:
+        if (not case.floor and field == "gate") or (case.share and not caps.reset):
+            continue
+        try:
+            pipe = _pipe_for(base, case)
+            full_kw = _record(pipe, case, cache_ok, backward=not STAGES[field].forward, field=field)[0].get(field)
+            if full_kw is None:
+                continue
+            _run_ahead(_with_stage(pipe, field, stage), field, _for_stage(stage, full_kw))
+            tile = _tile_of(full_kw) if exact and STAGES[field].forward and caps.tile_safe else None
+            for s, kw in [(stage, tile)] + [(reference, full_kw), (reference, tile)] * exact:
+                if kw is not None:
+                    _run_ahead(_with_stage(pipe, field, s), field, _for_stage(s, kw))
+        except Exception:  # (the check reports it)
+            pass
+
+
+def _case_checks(col, base, field, stage, caps, case: Case, cache_ok: bool, first_dtype):
+    """The rows of one case: ``contract``, ``finite``, ``reference`` (a stage of KDA's math),
+    ``nan-isolation`` (dense and packed cases in the first dtype). Returns ``(pipeline with
+    the stage, its arguments, its outputs, the recorded arguments)``, or None when the stage
+    did not run."""
+    if not case.floor and field == "gate":
+        return None  # (F1's reset is the floor itself: the "shared" case checks it)
+    pipe = _pipe_for(base, case)
+    recorded, layout, _, err = _record(pipe, case, cache_ok, backward=not STAGES[field].forward, field=field)
+    if field not in recorded:
+        col.add("contract", case.name, None if err is None or isinstance(err, UnsupportedCase) else False,
+                "the pipeline does not run this stage here" + ("" if err is None else f" ({_error(err)})"))
+        return None
+    full_kw = recorded[field]
+    if case.share and not caps.reset:
+        return None
+    kw = _for_stage(stage, full_kw)
+    P = _with_stage(pipe, field, stage)
+    try:
+        out = _jit_run(P, field, kw)
+    except UnsupportedCase as e:
+        _unsupported(col, "contract", case.name, field, stage, e)
+        return None
+    except StageContractError as e:
+        col.add("contract", case.name, False, _error(e))
+        return None
+    except Exception as e:
+        col.add("contract", case.name, False, "raised " + _error(e))
+        return None
+    col.add("contract", case.name, True, f"{layout} layout: container, shapes, dtypes as the pipeline checks")
+    bad = [p for p, x in _leaves(out) if not np.isfinite(x).all()]
+    col.add("finite", case.name, not bad, "all finite" if not bad else f"non-finite: {', '.join(bad[:4])}")
+    if _routes.reference_is_exact(field, stage):
+        _reference_checks(col, pipe, field, stage, caps, case, out, full_kw)
+    else:
+        info = STAGES[field]
+        what = (f"math={getattr(stage, 'math', None)!r}" if info.forward
+                else f"transposes={dict(getattr(stage, 'transposes', {}))}")
+        col.add("reference", case.name, None, f"{NOT_COMPARED}: {what} is not KDA's, so no check compares its values "
+                                              f"with {info.reference.__qualname__} (or any formula)")
+    if case.name.startswith(("dense", "packed")) and jnp.dtype(case.dtype) == jnp.dtype(first_dtype):
+        try:
+            _nan_isolation(col, P, field, kw, out, case, case.name)
+        except Exception as e:
+            col.add("nan-isolation", case.name, False, _error(e))
+    return P, kw, out, full_kw
+
+
+def _transform_checks(col, base, field, stage, first: Case, result: tuple, cache_ok: bool):
+    """``jit``, ``filter_jit``, ``vmap``, ``grad`` on the case ``first`` (``result``: what
+    ``_case_checks`` returned for it) and the same case with another seed."""
+    P, kw, out, _ = result
+    c2 = dataclasses.replace(first, seed=1)
+    rec2 = _record(_pipe_for(base, c2), c2, cache_ok, backward=not STAGES[field].forward, field=field)[0]
+    if field not in rec2:
+        return
+    kw2 = _for_stage(stage, rec2[field])
+    try:
+        out2 = _jit_run(P, field, kw2)
+        _transforms(col, P, field, stage, kw, out, kw2, out2, first, tolerance(first.dtype))
+    except Exception as e:
+        col.add("vmap", first.name, False, _error(e))
