@@ -513,3 +513,27 @@ def test_plan_reasons_of_a_kda_stage():
     layout = next(line for line in text.splitlines() if line.startswith("layout:"))
     assert "not tile-safe: gate (KDANotTileSafeGate does not declare tile_safe)" in forward, text
     assert "share_chunks=False" in layout, text
+
+
+# -- check times (issue 49 item 4) ----------------------------------------------------------
+
+
+def test_recording_ends_at_the_checked_stage_and_equal_cases_share_a_program():
+    import jax
+    import numpy as np
+
+    from kdax.testing import _runs
+
+    case = Case("dense f64", T=20)
+    pipe = _runs._pipe_for(_runs._base(None), case)
+    upto = _runs._record(pipe, case, False, backward=False, field="intra")[0]
+    whole = _runs._record(pipe, case, False, backward=False)[0]
+    # the stages after the checked one are neither traced nor compiled ...
+    assert "intra" in upto and not {"wy", "state", "output"} & set(upto), sorted(upto)
+    assert {"gate", "intra", "wy", "state", "output"} <= set(whole), sorted(whole)
+    # ... and it gets the same arguments
+    for a, b in zip(jax.tree.leaves(upto["intra"]), jax.tree.leaves(whole["intra"])):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    # a case and its other seed: one program
+    args = [_runs._recording_args(pipe, c, False, "intra") for c in (case, dataclasses.replace(case, seed=1))]
+    assert _runs._compiled(_runs._recording_program(), *args[0]) is _runs._compiled(_runs._recording_program(), *args[1])
