@@ -12,7 +12,10 @@ import jax.numpy as jnp
 
 from .._numerics import precision as _precision
 from .._numerics.hilo import exponent
-from ._common import iota
+
+
+def iota(shape, axis: int):
+    return jax.lax.broadcasted_iota(jnp.int32, shape, axis)
 
 
 # The dot algorithm of a float32 product under each ``f32_dot`` that is one product.

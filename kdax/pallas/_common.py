@@ -29,6 +29,7 @@ from .._layouts.resets import per_head, segments
 from .._layouts.tokens import Tokens, as_chunked
 from .._numerics import precision as _precision
 from .._numerics.arrays import vary_like
+from ._arith import Products, iota  # noqa: F401  (iota: the kernels' index helper, imported from here)
 
 TARGETS = ("tpu", "triton")
 
@@ -114,8 +115,6 @@ class PallasTarget(eqx.Module):
     def products(self):
         """The ``kdax.pallas._arith.Products`` of this stage's kernels: ``f32_dot`` where
         the tuning applies, else exact ("ieee") float32 products."""
-        from ._arith import Products
-
         return Products(self.f32_dot if self.live_tuning else "ieee")
 
     def triton_params(self) -> dict:
@@ -401,10 +400,6 @@ def blockwise(blocks, body, carry):
     if len(blocks) == 1:
         return body(blocks[0][0], size, carry)
     return loop(0, len(blocks), lambda i, c: body(i * size, size, c), carry)
-
-
-def iota(shape, axis: int):
-    return jax.lax.broadcasted_iota(jnp.int32, shape, axis)
 
 
 def idiv(x, n: int):
