@@ -49,7 +49,7 @@ def test_final_lines_parse(text):
     intermediates float32 (as profiled) and stored bf16 (the checkout, ``"fast"``: fewer),
     the step's range and the step with its glue (issue 53's form); without the spill check
     (``--no-spill-check``) no line about the default tuning's spills."""
-    *_, moved, steps, cal, rng, loo, step = text.splitlines()
+    *_, moved, steps, cal, rng, head, loo, step = text.splitlines()
     m = re.fullmatch(r"calibration \(in-sample\): worst factor ([\d.]+) over (\d+) kernels", cal)
     assert m and float(m.group(1)) >= 1.0 and int(m.group(2)) == 12, cal
     m = re.fullmatch(_LOO, loo)
@@ -65,6 +65,12 @@ def test_final_lines_parse(text):
     assert m, steps
     assert all(float(x) > 0 for x in m.groups())
     best = float(m.group(4))
+    # the headline model: the one out of sample the better (per-warp, or R and bandwidth fitted together)
+    m = re.fullmatch(r"headline model: (per-warp|two-rate) \(the smaller worst leave-one-out factor; in-sample worst "
+                     r"([\d.]+)\)", head)
+    assert m, head
+    if m.group(1) == "two-rate":
+        best = float(re.search(r"two-rate model: .*, \S+\+block_v=32 ([\d.]+), ", text).group(1))
     m = re.fullmatch(_STEP, step)
     assert m, step
     total, kern, glue, fla = (float(x) for x in m.groups())
@@ -100,6 +106,23 @@ def test_leave_one_out_and_per_sm():
     wide = dataclasses.replace(k, warps=2 * k.warps, instructions=k.instructions / 2, registers=min(k.registers, 128))
     assert wide.issue_s(1e10, per_sm=True) == pytest.approx(k.issue_s(1e10, per_sm=True))
     assert wide.issue_s(0.28e9) == pytest.approx(k.issue_s(0.28e9) / 2)
+
+
+def test_two_rate_model():
+    """The two-rate variant fits the per-warp rate and an effective HBM bandwidth together:
+    the bandwidth found lies inside its search range and below nothing physical (1-6 TB/s),
+    the fit's log residuals are no larger than those of the rate alone at the copy's 4.3
+    TB/s (one more free parameter, the same data), and its leave-one-out refits each held-out
+    kernel's (rate, bandwidth) without it and its twin."""
+    m = load_benchmark("gpu_cost_model")
+    ks, meas = m.profiled_kernels(), m.measured()
+    rate, bw = m.fit_rate_bw(ks, meas)
+    assert 1e12 < bw < 6e12 and rate > 0
+    sq = lambda pred: sum(math.log(pred(k) * 1e3 / meas[k.name]) ** 2 for k in ks)  # noqa: E731
+    r1 = m.fit_rate(ks, meas)
+    assert sq(lambda k: k.predict_s(rate, bw=bw)) <= sq(lambda k: k.predict_s(r1)) + 1e-9
+    loo = m.leave_one_out_bw(ks, meas)
+    assert len(loo) == 12 and all(fit != (rate, bw) and p > 0 and f >= 1.0 for _, fit, p, f in loo)
 
 
 def test_calibration_rows(text):
