@@ -8,12 +8,13 @@ Each measurement runs in a fresh process (``--one FIELD``), so that it pays ever
 it needs, and the load of the machine (1-minute load average, before and after) is
 printed beside it: on a shared machine the times scale with it. Beside the wall time, the
 process's CPU time (user + system, every thread: the checks compile on two worker
-threads while the main one traces), which a shared machine inflates less. A process's first
-``check_stage`` records the reference pipeline's arguments for the whole matrix (one
-jitted forward and backward per case), which every later ``check_stage`` in that process
-reuses; the "cold" column is a fresh process's first check of that stage, recording
-included, and "warm" the same check again in a process that has already recorded
-(``--warm``: every stage in one process after a first, untimed check).
+threads while the main one traces), which a shared machine inflates less. A
+``check_stage`` records the reference pipeline's arguments for each case up to the stage
+it checks (a backward stage: the forward and the backward up to it), kept for every later
+``check_stage`` in that process; the "warm" section (``--warm``: every stage in one
+process, after a first check of F5) shows what a process that has checked other stages
+pays. ``--baseline TREE`` runs each check in another source tree too (the code before a
+change), back to back, for a before/after in the same load.
 """
 
 import argparse
