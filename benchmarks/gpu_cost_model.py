@@ -41,8 +41,11 @@ Honesty (issue 53): the fit is reported beside its leave-one-out form (each meas
 kernel predicted with the rate fitted on the other distinct kernels, ``leave_one_out``),
 and beside a per-SM issue-rate variant (``Kernel.issue_s(per_sm=True)``: twice the warps
 at half the instructions a warp gain nothing there, where the per-warp model credits the
-16-warp tunings with twice the issue slots; no calibration kernel ran at 16 warps). The
-step adds the glue: the XLA ops of the lowered CUDA program outside the kernels and the
+16-warp tunings with twice the issue slots; no calibration kernel ran at 16 warps), and
+beside a two-rate variant (``fit_rate_bw``: the rate and an effective HBM bandwidth fitted
+together; the kernels' strided block loads do not reach the copy's bandwidth); the
+headline leave-one-out line and the step with glue take the model with the smaller
+leave-one-out factor. The step adds the glue: the XLA ops of the lowered CUDA program outside the kernels and the
 bytes they move (``count_glue``), their launches and the profile's idle time per launch
 (``profile_gaps``), checked against the profiled step's own glue (``profiled_glue``). The
 prediction is a range over the two issue models and the glue fused or not; the results'
