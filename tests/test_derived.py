@@ -161,11 +161,12 @@ def test_modified_stage_gives_the_modified_algorithms_gradients(field):
         assert "backward: derived by jax.vjp" not in str(plan)
         assert {r.field: r for r in plan.rows}["gate_bwd"].requested == "GateVjpBackward"
         return
-    if field == "output":  # B1 replaced by F5's VJP, B0 and B2-B5 hand-written (kdax._runner.output_vjp)
+    if field == "output":  # B1 replaced by F5's VJP, B0 and B2-B5 hand-written (kdax._runner.output_vjp;
+        # kdax's own B2 as its recurrence taking d_h directly, not called as a stage)
         assert "backward: derived by jax.vjp" not in str(plan)
         rows = {r.field: r for r in plan.rows}
         assert rows["dav"].runs is None
-        assert all(rows[f].runs is not None for f in ("recompute", "dhu", "wy_dqkg", "intra_bwd", "gate_bwd"))
+        assert all(rows[f].runs is not None for f in ("recompute", "wy_dqkg", "intra_bwd", "gate_bwd"))
         return
     assert "backward: derived by jax.vjp" in str(plan)
     assert all(r.runs is None for r in plan.rows if r.step.startswith("B"))
@@ -394,27 +395,43 @@ class GainTanhOutput(AbstractOutput):
         return o * self.gain[None, :, None, None, None].astype(o.dtype) + 0.1 * jnp.tanh(o)
 
 
-@pytest.mark.parametrize("gate", [False, True])
-def test_output_alone_differs_keeps_the_hand_written_backward(gate, monkeypatch):
-    # F5 of other math (F1's too, with gate): B0, B2-B5 hand-written, F5's VJP in B1's
-    # place and fed to B2 and B3 (kdax._runner.output_vjp); against the backward derived
-    # whole, float64, the F5 array's gradient included. K = 40 > C = 16: three passes of
-    # B2's identity rows.
+@pytest.mark.parametrize("case", ["dense", "dense, F1 too", "packed", "packed, B2 by identity rows"])
+def test_output_alone_differs_keeps_the_hand_written_backward(case, monkeypatch):
+    # F5 of other math (F1's too): B0, B2-B5 hand-written, F5's VJP in B1's place and fed
+    # to B2 and B3 (kdax._runner.output_vjp); against the backward derived whole, float64,
+    # the F5 array's gradient included. Packed: one sequence per chunk (per-sequence
+    # layout). A B2 other than kdax's takes d_h through its `scale qg^T do` term: K = 40 >
+    # C = 16, three passes of identity rows.
     from kdax._runner import routes
+    from kdax.stages import AbstractDhu, ReferenceDhu
 
-    x = make_inputs(B=2, T=48, H=2, K=40, V=8)
+    class MyDhu(AbstractDhu):
+        transposes: ClassVar = ReferenceDhu.transposes
+
+        def __call__(self, scale, qg, kg, w, G, do, dv_intra, dht, layout):
+            return ReferenceDhu()(scale, qg, kg, w, G, do, dv_intra, dht, layout)
+
+    gate = case == "dense, F1 too"
+    opts = {}
+    if case.startswith("packed"):
+        x = make_inputs(B=1, T=48, H=2, K=40, V=8, N=3)
+        opts["cu_seqlens"] = jnp.array([0, 5, 30, 48], jnp.int32)
+    else:
+        x = make_inputs(B=2, T=48, H=2, K=40, V=8)
     pos, kw = split_args(x)
     h0 = kw["initial_state"]
     pipe = eqx.tree_at(lambda p: p.output, kdax.KDAPipeline.reference(), GainTanhOutput(jnp.array([0.7, -1.2])))
     if gate:
         pipe = eqx.tree_at(lambda p: p.gate, pipe, ScaledQGate())
+    if case.endswith("identity rows"):
+        pipe = eqx.tree_at(lambda p: p.dhu, pipe, MyDhu())
     assert routes.output_alone_differs(pipe) and routes.gate_differs(pipe) == gate
 
     def grads():
         def f(diff):
             a, p = diff
             return _loss(*kdax.chunk_kda(*a[:5], initial_state=a[5], output_final_state=True, chunk_size=CHUNK,
-                                         pipeline=p))
+                                         pipeline=p, **opts))
         return eqx.filter_jit(eqx.filter_grad(f))(((*pos, h0), pipe))
 
     with warnings.catch_warnings(record=True) as caught:
