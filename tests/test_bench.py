@@ -10,6 +10,7 @@ import numpy as np
 
 from kdax import bench
 from kdax import stages as S
+from kdax.bench._shape import flops_per_token_head
 
 
 def test_bench_shape_rows_and_results(tmp_path):
@@ -122,6 +123,10 @@ def test_bench_stages_times_each_stage_alone():
     # XLA's counts for each stage's program: every matmul stage does FLOPs, every stage moves bytes
     ok = [r for r in rows if r["time_s"] is not None]
     assert all(r["bytes"] > 0 for r in ok) and all(r["flops"] > 0 for r in ok if r["stage"] in ("intra", "state"))
+    # the FLOP model's count (as the main table's) for the matmul stages: XLA counts a loop's body once
+    assert all((r["model_flops"] is None) == (r["stage"] in ("gate", "gate_bwd")) for r in rows)
+    intra = next(r for r in rows if r["stage"] == "intra")
+    assert intra["model_flops"] == flops_per_token_head(16, 8, 8)["F2_intra"] * 40 * 2
     glue = bench.bench_glue(shape, 1, rows)
     assert [r["stage"] for r in glue] == ["glue fwd", "glue bwd"] and all(r["time_s"] is not None for r in glue)
     line = bench.format_stage_row(ok[1], {}, 100.0)

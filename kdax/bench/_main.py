@@ -40,8 +40,9 @@ def _stages_main(shape: Shape, reps: int, pipes: dict) -> int:
     print(f"kdax stages alone on {machine()}; B={shape.B} T={shape.T} H={shape.H} HV={shape.HV} K={shape.K} "
           f"V={shape.V} chunk={shape.chunk_size} float32 (/first: against the first pipeline named)")
     mm = matmul_gflops()
-    print(f"large float32 matmul: {mm:.1f} GFLOP/s (%mm: a stage's FLOP rate against it; FLOPs and bytes: XLA's "
-          f"counts for the stage's program)")
+    print(f"large float32 matmul: {mm:.1f} GFLOP/s (%mm: a stage's FLOP rate against it; FLOPs: the FLOP model's "
+          f"matmul work as in the main table, XLA's count for gate and gate_bwd; bytes: XLA's count; XLA counts a "
+          f"loop's body once)")
     print(STAGE_HEAD, flush=True)
     first = {}
     rows = bench_stages(shape, reps, pipes, lambda r: print(format_stage_row(r, first, mm), flush=True))

@@ -11,10 +11,24 @@ from .._stage_protocol.capabilities import capabilities
 from .._chunk_kda import chunk_kda
 from .._runner.runner import stage_inputs
 from ..pipeline import KDAPipeline
-from ._shape import Shape, cotangent, make_inputs
+from ._shape import Shape, cotangent, flops_per_token_head, make_inputs
 from ._timing import error_line, time_fn
 
 STAGES = ("gate", "intra", "wy", "state", "output", "recompute", "dav", "dhu", "wy_dqkg", "intra_bwd", "gate_bwd")
+
+# The FLOP model's entry (``flops_per_token_head``) of each stage that is matmul work: the
+# same count as the main table's. XLA's cost analysis counts a while loop's body once, not
+# once per iteration, so its count for a stage in chunk-group loops or a chunk recurrence is
+# a fraction of the work (F1's chunk cumsum alone: 1.07 GFLOP at the main shape; XLA: 0.06).
+MODEL = dict(intra="F2_intra", wy="F3_wy", state="F4_state", output="F5_output", recompute="B0_recompute",
+             dav="B1_dAv", dhu="B2_dhu", wy_dqkg="B3_wy_dqkg", intra_bwd="B4_intra")
+
+
+def model_flops(s: Shape, stage: str):
+    """The FLOP model's multiply-add FLOPs of ``stage`` at shape ``s``; None for F1 and B5."""
+    if stage not in MODEL:
+        return None
+    return flops_per_token_head(s.chunk_size, s.K, s.V)[MODEL[stage]] * s.B * s.T * s.HV
 
 
 def bench_stages(s: Shape, reps: int, pipes: dict, on_row: Optional[Callable] = None) -> list:
@@ -29,7 +43,8 @@ def bench_stages(s: Shape, reps: int, pipes: dict, on_row: Optional[Callable] = 
     for name in STAGES:
         for pname, pipe in pipes.items():
             stage = getattr(pipe, name)
-            row = dict(T=s.T, stage=name, pipeline=pname, impl=type(stage).__name__, time_s=None, error=None)
+            row = dict(T=s.T, stage=name, pipeline=pname, impl=type(stage).__name__, time_s=None, error=None,
+                       model_flops=model_flops(s, name))
             # G_lo (kdax._numerics.hilo), the last of the reference's arguments: only for stages that take it
             cut = capabilities(type(getattr(ref, name))).G_lo and not capabilities(type(stage)).G_lo
             a = taps[name][:-1] if cut else taps[name]

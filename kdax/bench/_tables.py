@@ -7,13 +7,15 @@ STAGE_HEAD = _STAGE_COLS + "\n" + "-" * len(_STAGE_COLS)
 
 def format_stage_row(r: dict, first: dict, matmul_gflops: float = None) -> str:
     """One line of the stage table; ``first`` maps stage -> the first pipeline's time.
-    FLOPs and bytes are XLA's counts for the stage's program; ``%mm`` its FLOP rate against
-    a large float32 matmul measured in the same run (``matmul_gflops``)."""
+    FLOPs: the FLOP model's (``model_flops``, as the main table's) where the stage is matmul
+    work, else XLA's count for the stage's program; bytes: XLA's count (both of XLA's count a
+    loop's body once); ``%mm`` the FLOP rate against a large float32 matmul measured in the
+    same run (``matmul_gflops``)."""
     if r["time_s"] is None:
         return f"{r['stage']:<10} {r['pipeline']:<10} {r['impl']:<24} FAILED: {r['error'][:110]}"
     base = first.setdefault(r["stage"], r["time_s"])
     line = f"{r['stage']:<10} {r['pipeline']:<10} {r['impl']:<24} {1e3 * r['time_s']:>9.2f} {r['time_s'] / base:>7.2f}"
-    fl, by, t = r.get("flops"), r.get("bytes"), r["time_s"]
+    fl, by, t = r.get("model_flops") or r.get("flops"), r.get("bytes"), r["time_s"]
     if fl is None or t <= 0:
         return line
     rate = fl / t / 1e9
