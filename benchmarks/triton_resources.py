@@ -65,18 +65,22 @@ def training_step(path: str, B: int = 1, T: int = 1024, H: int = 2, K: int = 128
 def kernels(path: str, T: int = 1024, H: int = 2, K: int = 128, C: int = 64, B: int = 1) -> list:
     import jax
 
-    import kdax
-    from tests.pallas._triton import captured, resources
+    from tests.pallas._triton import captured, resources, triton_calls
 
-    fn, args, pipe = training_step(path, B, T, H, K, C)
-    with captured() as mods:
-        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-    rows = []
-    stage_of = {n: getattr(pipe, n) for n in kdax.pipeline.STAGES}
-    for src, text in mods.items():
-        name = src.split(" ")[0]
-        stage = next((st for st in stage_of.values() if type(st).__name__ in name), None)
-        warps, stages = (getattr(stage, "num_warps", 4), getattr(stage, "num_stages", 1)) if stage else (4, 1)
+    fn, args, _ = training_step(path, B, T, H, K, C)
+    records = []
+    with captured(records):
+        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    calls = triton_calls(lowered.as_text())
+    assert len(calls) == len(records), (len(calls), len(records))
+    rows, seen = [], set()
+    # Each kernel compiled with the warps and stages of its custom call: a stage's own fields
+    # are not those where its f32_tuning applied (kdax.pallas.PallasTarget.for_operands).
+    for (jaxpr, _, text), (name, warps, stages) in zip(records, calls):
+        name = jaxpr.debug_info.func_src_info.split(" ")[0]
+        if name in seen:
+            continue
+        seen.add(name)
         r = resources(text, warps, stages)
         rows.append(Row(path, name, r.registers, r.local, r.shared, " ".join(sorted(r.mma)) or "-"))
         print(f"  {name}: {r.registers} registers, {r.local} B local, {r.shared} B shared", file=sys.stderr, flush=True)
