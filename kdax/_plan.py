@@ -173,20 +173,19 @@ def route_reasons(pipeline, layout: Optional[str], opts: KDAOptions) -> tuple:
 def resolved_config(pipeline, dtype=jnp.float32) -> dict:
     """Every platform-dependent choice of ``pipeline`` as it resolves here for inputs of ``dtype``
     (what ``plan`` reports): ``backend``, ``precision`` (the policy, "auto" resolved),
-    ``tile``, ``chunk_loops`` ("flat" groups or NC "slices": ``kdax._numerics.chunk_loops``), and per
-    stage field its static tuning fields, "auto" resolved (``group``: chunks per loop
-    iteration; ``loop_unroll``; the Pallas stages' ``target``, ``interpret``,
-    ``num_warps``, ``num_stages``, ``f32_dot``). Each is a field of the pipeline or of
-    a stage (set it with ``eqx.tree_at`` / ``dataclasses.replace``); an environment
-    variable only gives ``chunk_loops`` its default when a pipeline is built
-    (``KDAX_CHUNK_LOOPS``)."""
+    ``tile``, and per stage field its static tuning fields, "auto" resolved (``group``:
+    chunks per loop iteration; ``chunk_loops``: "flat" groups or NC "slices",
+    ``kdax._numerics.chunk_loops``; ``loop_unroll``; the Pallas stages' ``target``,
+    ``interpret``, ``num_warps``, ``num_stages``, ``f32_dot``). Each is a field of the
+    pipeline or of a stage (set it with ``eqx.tree_at`` / ``dataclasses.replace``), read
+    from nowhere else."""
     out = dict(
         backend=jax.default_backend(),
         precision=_precision.resolve(pipeline.precision, jnp.dtype(dtype)),
         tile=pipeline.tile,
-        chunk_loops="slices" if split_rows_and_heads(pipeline.chunk_loops) else "flat",
     )
-    resolvers = {"group": resolve_group, "loop_unroll": loop_unroll}
+    loops = lambda mode: "slices" if split_rows_and_heads(mode) else "flat"
+    resolvers = {"group": resolve_group, "loop_unroll": loop_unroll, "chunk_loops": loops}
     for name in STAGES:
         stage = getattr(pipeline, name)
         fields = {}

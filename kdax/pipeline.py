@@ -24,7 +24,7 @@ from ._layouts import shared_states as _shared_states
 from ._layouts.layout import ChunkLayout
 from ._layouts.tokens import Tokens, as_chunked, chunked_cotangent
 from ._numerics import precision as _precision
-from ._numerics.chunk_loops import check_chunk_loops, default_chunk_loops
+from ._numerics.chunk_loops import check_chunk_loops
 from . import _plan
 from ._plan import KDAPlan
 from ._stage_protocol.capabilities import reads_tokens
@@ -108,11 +108,6 @@ class KDAPipeline(eqx.Module):
     # ``reset`` (``kdax._runner.routes.shares_chunks``). False: every sequence starts its
     # own chunk. ``plan`` says which ran.
     share_chunks: bool = eqx.field(static=True, default=True)
-    # The reference stages' chunk-group loops: "flat" groups of the flattened (row, head,
-    # chunk) axes, or "slices" of the chunk axis (rows and heads whole: arrays sharded over
-    # them stay sharded); "auto" (or None): slices with several devices. By default
-    # $KDAX_CHUNK_LOOPS, else "auto", read when the pipeline is built.
-    chunk_loops: Optional[str] = eqx.field(static=True, default_factory=default_chunk_loops)
 
     def with_precision(self, precision: str) -> "KDAPipeline":
         """This pipeline under another precision policy (see ``kdax._numerics.precision``)."""
@@ -128,7 +123,6 @@ class KDAPipeline(eqx.Module):
 
     def __check_init__(self):
         _precision.check_policy(self.precision)
-        check_chunk_loops(self.chunk_loops)
         check_families(self)
 
     def run_stage(self, name: str, **kwargs):
@@ -145,10 +139,14 @@ class KDAPipeline(eqx.Module):
         return (PipelineWY if name == "wy" else PipelineState)(self)
 
     @classmethod
-    def reference(cls) -> "KDAPipeline":
+    def reference(cls, chunk_loops: str = "auto") -> "KDAPipeline":
         """Every stage in plain jnp (the default on CPU), the forward in cache-sized tiles on
-        CPU (``tile``)."""
-        stages = {name: info.reference() for name, info in STAGES.items()}
+        CPU (``tile``). ``chunk_loops``: the form of the stages' chunk-group loops, "flat"
+        groups or "slices" of the chunk axis ("auto": slices under a ``jax.set_mesh`` mesh
+        with Auto axes, ``kdax._numerics.chunk_loops.split_rows_and_heads``)."""
+        check_chunk_loops(chunk_loops)
+        loops = lambda c: dict(chunk_loops=chunk_loops) if "chunk_loops" in c.__dataclass_fields__ else {}
+        stages = {name: info.reference(**loops(info.reference)) for name, info in STAGES.items()}
         return cls(**stages, tile=32 if jax.default_backend() == "cpu" else None)
 
     def untiled(self) -> "KDAPipeline":

@@ -2,10 +2,6 @@ import os
 
 # 8 simulated CPU devices for the sharding and sequence-parallel tests (tests/parallel);
 # set before jax is imported, harmless to single-device tests (they use device 0).
-# The suite's 8 devices would make every chunk-group loop take NC slices (kept whole rows
-# and heads for jit on Auto meshes), doubling compile times; the tests that need those
-# ask for them (tests/parallel/test_shard.py), and tests/stages/test_ops.py runs both.
-os.environ.setdefault("KDAX_CHUNK_LOOPS", "flat")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 # The suite compiles hundreds of small programs, and LLVM's optimisation of each took about

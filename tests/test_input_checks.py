@@ -44,7 +44,7 @@ IDS = ["chunk", "recurrent"]
 def _one_device(code: str) -> str:
     """``code`` in a fresh process with one CPU device (the suite has 8 simulated ones) and
     JAX's defaults: its stdout; the process must exit cleanly."""
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_ENABLE_X64", "KDAX_CHUNK_LOOPS")}
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_ENABLE_X64",)}
     env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
     env["JAX_PLATFORMS"] = "cpu"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)

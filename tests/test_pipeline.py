@@ -424,18 +424,24 @@ def test_plan_reports_the_resolved_configuration():
     assert cfg["backend"] == jax.default_backend()
     assert cfg["precision"] not in (None, "auto")  # resolved for bf16 inputs
     assert cfg["tile"] == pipe.tile
-    assert cfg["chunk_loops"] in ("flat", "slices")
+    assert cfg["intra"]["chunk_loops"] == "flat"  # ("auto" with no mesh set)
     assert isinstance(cfg["intra"]["group"], int) and isinstance(cfg["state"]["loop_unroll"], int)
     # Settable as fields: the plan follows.
     pipe2 = eqx.tree_at(lambda p: p.intra, pipe.with_precision("highest"), kdax.stages.ReferenceIntra(group=3))
     cfg2 = pipe2.plan(x, x, x, x, b).config
     assert cfg2["intra"]["group"] == 3 and cfg2["precision"] == "highest"
     assert "config: backend=" in str(pipe2.plan(x, x, x, x, b))
-    # The loop form: a field (the environment variable only its default), reported.
+    # The loop form: a field of each looping reference stage, set by KDAPipeline.reference,
+    # reported; "auto" takes the slices under a mesh with Auto axes (jax.set_mesh).
     for mode in ("flat", "slices"):
-        assert dataclasses.replace(pipe, chunk_loops=mode).plan(x, x, x, x, b).config["chunk_loops"] == mode
+        cfg = kdax.KDAPipeline.reference(chunk_loops=mode).plan(x, x, x, x, b).config
+        assert {cfg[n]["chunk_loops"] for n in ("gate", "intra", "wy", "output", "dav", "wy_dqkg", "intra_bwd",
+                                                "gate_bwd")} == {mode}
+    mesh = jax.make_mesh((2,), ("b",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
+    with jax.set_mesh(mesh):
+        assert pipe.plan(x, x, x, x, b).config["intra"]["chunk_loops"] == "slices"
     with pytest.raises(ValueError, match="chunk_loops: expected None or one of"):
-        dataclasses.replace(pipe, chunk_loops="rows")
+        kdax.KDAPipeline.reference(chunk_loops="rows")
 
 
 def test_eager_gradient_is_compiled():

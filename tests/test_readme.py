@@ -52,7 +52,7 @@ def test_readme_blocks_run_as_written(tmp_path):
     blocks = python_blocks(README.read_text())
     script = tmp_path / "readme_blocks.py"
     script.write_text(RUNNER.format(blocks=blocks))
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_ENABLE_X64", "JAX_PLATFORMS", "KDAX_CHUNK_LOOPS")}
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_ENABLE_X64", "JAX_PLATFORMS")}
     env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])

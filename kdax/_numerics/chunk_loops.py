@@ -1,10 +1,8 @@
 """The reference stages' chunk-group loops (``over_chunks``): how many chunks each loop
 iteration takes (``resolve_group``), the recurrences' unroll factor (``loop_unroll``),
-and the loop's form (``KDAPipeline.chunk_loops``: flat groups or chunk-axis slices)."""
+and the loop's form (a reference stage's ``chunk_loops``: flat groups or chunk-axis
+slices)."""
 
-import contextlib
-import contextvars
-import os
 from typing import Literal, Optional, Union
 
 import jax
@@ -36,21 +34,23 @@ def loop_unroll(unroll: Union[int, Literal["auto"]]) -> int:
     return unroll
 
 
-def over_chunks(fn, group: ChunkGroup, *xs, into=None):
+def over_chunks(fn, group: ChunkGroup, *xs, into=None, loops: Optional[str] = "auto"):
     """``fn`` over the chunk axes ``[R, HV, NC]`` of ``xs``, about ``group`` chunks at a
     time (a loop; None: all at once). Every ``x`` has those three leading axes, and so
     has every output of ``fn``; ``fn`` must work on any leading axes. On CPU,
-    cache-sized groups keep ``fn``'s temporaries out of main memory. With more than one
-    device in the process (``split_rows_and_heads``) the loop walks slices of the NC axis, every row and head in each: an array sharded over rows
-    or heads (``jit`` on an Auto mesh) stays sharded through it, where a loop over the
-    flattened axes made XLA gather it. With one device it walks contiguous groups of the
-    flattened axes, which XLA:CPU runs faster (forward ~15% at the benchmark shape).
+    cache-sized groups keep ``fn``'s temporaries out of main memory. Under a mesh whose
+    Auto axes may shard rows or heads (``split_rows_and_heads``) the loop walks slices of
+    the NC axis, every row and head in each: an array sharded over rows or heads stays
+    sharded through it, where a loop over the flattened axes made XLA gather it.
+    Elsewhere it walks contiguous groups of the flattened axes, which XLA:CPU runs faster
+    (forward ~15% at the benchmark shape).
 
     ``into``: optional tuple, one entry per output of ``fn`` (a tuple then): an array the
     output is added to (in place, group by group, instead of a new buffer and a separate
-    pass), or None."""
+    pass), or None. ``loops``: the loop's form (``split_rows_and_heads``; a stage's
+    ``chunk_loops`` field)."""
     group = resolve_group(group)
-    if split_rows_and_heads():
+    if split_rows_and_heads(loops):
         return _over_chunk_slices(fn, group, *xs, into=into)
     return _over_flat_groups(fn, group, *xs, into=into)
 
@@ -58,45 +58,27 @@ def over_chunks(fn, group: ChunkGroup, *xs, into=None):
 CHUNK_LOOPS = ("auto", "flat", "slices")
 
 
-_CHUNK_LOOPS: contextvars.ContextVar = contextvars.ContextVar("kdax_chunk_loops", default=None)
-
-
 def check_chunk_loops(mode: Optional[str], where: str = "chunk_loops") -> None:
-    """``KDAPipeline.chunk_loops``: None or one of ``CHUNK_LOOPS``."""
+    """A reference stage's ``chunk_loops``: None (``"auto"``) or one of ``CHUNK_LOOPS``."""
     if mode is not None and mode not in CHUNK_LOOPS:
         raise ValueError(f"{where}: expected None or one of {CHUNK_LOOPS}, got {mode!r}.")
 
 
-def default_chunk_loops() -> str:
-    """A new pipeline's ``chunk_loops``: ``$KDAX_CHUNK_LOOPS``, else ``"auto"``. Read when
-    the pipeline is built (its field shows the value), never while a stage runs."""
-    mode = os.environ.get("KDAX_CHUNK_LOOPS", "auto")
-    check_chunk_loops(mode, "KDAX_CHUNK_LOOPS")
-    return mode
-
-
-@contextlib.contextmanager
-def chunk_loops_scope(mode: Optional[str]):
-    """``over_chunks``'s loop form inside the block (``KDAPipeline.chunk_loops``; None:
-    the environment's default)."""
-    token = _CHUNK_LOOPS.set(mode)
-    try:
-        yield
-    finally:
-        _CHUNK_LOOPS.reset(token)
-
-
-def split_rows_and_heads(mode: Optional[str] = None) -> bool:
-    """Whether ``over_chunks`` keeps the row and head axes whole (see there): only a
-    process with several devices can hold arrays sharded over them. The slices double
-    XLA:CPU's compile time of the training step (16 s against 8 s at the benchmark
-    shape), so a multi-device process that never shards rows or heads under ``jit`` on
-    an Auto mesh (one using shard_map or Explicit meshes) may ask for ``"flat"``
-    (``"slices"`` forces the other form). ``mode``: given, else the pipeline's
-    ``chunk_loops`` (``chunk_loops_scope``: the stage being run), else ``"auto"``."""
-    mode = mode or _CHUNK_LOOPS.get() or "auto"
+def split_rows_and_heads(mode: Optional[str] = "auto") -> bool:
+    """Whether ``over_chunks`` keeps the row and head axes whole (see there). ``"auto"``
+    (or None): only when traced under a mesh set with ``jax.set_mesh`` that has an Auto
+    axis of more than one device, where ``jit`` may shard rows or heads (sharding
+    propagation then keeps them sharded through the loop; a loop over the flattened axes
+    made XLA gather them). Elsewhere the flat groups: one device, ``jax.shard_map`` (each
+    device's arrays are its own), Explicit meshes (``chunk_kda`` runs per shard). The
+    slices double XLA:CPU's compile time of the training step (16 s against 8 s at the
+    benchmark shape). ``"slices"`` / ``"flat"`` force a form (``jit`` on an Auto mesh
+    without ``jax.set_mesh``: ``"slices"`` keeps rows and heads sharded)."""
     check_chunk_loops(mode)
-    return mode == "slices" or (mode == "auto" and jax.device_count() > 1)
+    if mode in (None, "auto"):
+        mesh = jax.sharding.get_abstract_mesh()
+        return any(t == jax.sharding.AxisType.Auto and n > 1 for n, t in zip(mesh.axis_sizes, mesh.axis_types))
+    return mode == "slices"
 
 
 def _over_flat_groups(fn, group, *xs, into=None):

@@ -59,9 +59,9 @@ def _wrapper(field: str) -> type:
     ref = info.reference
 
     def __call__(self, **kwargs):
-        # The scopes the stage runs under (the precision policy, the loop form), to trace
-        # its backward under the same ones.
-        scopes = (_precision._CURRENT.get(), _chunk_loops._CHUNK_LOOPS.get())
+        # The scope the stage runs under (the precision policy), to trace its backward
+        # under the same one (the loop form is the stage's own field).
+        scopes = (_precision._CURRENT.get(),)
         diff = {n: x for n, x in kwargs.items() if eqx.is_inexact_array(x)}
         rest = {n: x for n, x in kwargs.items() if n not in diff}
         return _differentiated(diff, self.inner, rest, field, scopes)
@@ -115,13 +115,12 @@ def _fwd(perturbed, diff, inner, rest, field, scopes):
 def _bwd(residuals, g, perturbed, diff, inner, rest, field, scopes):
     token = _precision._CURRENT.set(scopes[0])
     try:
-        with _chunk_loops.chunk_loops_scope(scopes[1]):
-            if field == "intra":
-                grads = _intra_vjp(diff, rest, g, residuals)
-            elif field in CHUNK_LOCAL:
-                grads = _sliced_vjp(inner, diff, rest, g)
-            else:
-                grads = _whole_vjp(inner, diff, rest, g)
+        if field == "intra":
+            grads = _intra_vjp(diff, rest, g, residuals)
+        elif field in CHUNK_LOCAL:
+            grads = _sliced_vjp(inner, diff, rest, g)
+        else:
+            grads = _whole_vjp(inner, diff, rest, g)
     finally:
         _precision._CURRENT.reset(token)
     return {n: (d if perturbed.get(n) is True else None) for n, d in grads.items()}

@@ -36,7 +36,6 @@ from .._config import KDAOptions
 from .._errors import FallbackWarning, UnsupportedCase
 from .._layouts import resets as _resets
 from .._numerics import precision as _precision
-from .._numerics.chunk_loops import chunk_loops_scope
 from .._annotations import QK, Beta, ChunkK, Gate, Values, typecheck
 from ..stages import AbstractState, AbstractWY
 from .._stage_protocol.capabilities import capabilities, negotiated
@@ -99,7 +98,7 @@ def run_stage(pipeline, name: str, **kwargs):
     # reaches kdax's own products only (kdax._stage_protocol.final: HIGHEST, unless it lets this
     # stage take half-precision operands); a user's stage keeps the caller's precision.
     policy = "highest" if pipeline.precision == "auto" else pipeline.precision  # unresolved: safe
-    with jax.named_scope(f"kdax_{name}"), _precision.stage_scope(policy, name), chunk_loops_scope(pipeline.chunk_loops):
+    with jax.named_scope(f"kdax_{name}"), _precision.stage_scope(policy, name):
         ran, reason, out = call_stage(pipeline, name, stage, given, kwargs, needs_reset, guard)
         if name in _STORING:  # the policy's storage dtype, cast once here (kdax._numerics.precision)
             out = _precision.store_outputs(out, policy)

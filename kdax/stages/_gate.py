@@ -86,6 +86,8 @@ class ReferenceGate(AbstractGate):
     accepts: ClassVar[frozenset] = frozenset({"reset", "tile_safe"})
 
     group: ChunkGroup = eqx.field(static=True, default="auto")
+    # The loop's form (kdax._numerics.chunk_loops.split_rows_and_heads): "auto", "flat", "slices".
+    chunk_loops: str = eqx.field(static=True, default="auto")
     split: bool = eqx.field(static=True, default=True)
 
     @typecheck
@@ -107,24 +109,25 @@ class ReferenceGate(AbstractGate):
             q, k = q * q_rstd, k * k_rstd
         g = activated_gate(config, g, A_log, dt_bias, valid, reset)
         split = self.split and _precision.keeps_low_part()
-        G, G_lo = split_cumsum(g, group=self.group) if split else (chunk_cumsum(g, group=self.group), None)
+        loops = self.chunk_loops
+        G, G_lo = split_cumsum(g, self.group, loops) if split else (chunk_cumsum(g, group=self.group, loops=loops), None)
         beta = beta_activation(beta, config.use_beta_sigmoid_in_kernel, config.allow_neg_eigval)
         return Activated(q, k, beta, G, q_rstd, k_rstd, G_lo)
 
 
-def chunk_cumsum(x, reverse: bool = False, group: ChunkGroup = None):
+def chunk_cumsum(x, reverse: bool = False, group: ChunkGroup = None, loops: str = "auto"):
     """Cumulative sum over the chunk's rows of ``x [R, HV, NC, C, K]`` (from the end if
     ``reverse``) as a matmul with a triangular matrix of ones, ``group`` chunks at a time:
     XLA:CPU runs ``cumsum`` as a quadratic reduce-window behind a transpose."""
     C = x.shape[-2]
     ones = jnp.tril(jnp.ones((C, C), x.dtype))
     if reverse:  # the backward's: no causality to keep
-        return over_chunks(lambda x: mT(ones) @ x, group, x)
+        return over_chunks(lambda x: mT(ones) @ x, group, x, loops=loops)
     # A NaN or inf gate reaches only G from its own row on (see lower_matmul).
-    return over_chunks(lambda x: lower_matmul(ones, x), group, x)
+    return over_chunks(lambda x: lower_matmul(ones, x), group, x, loops=loops)
 
 
-def segment_cumsum(dG, reset, group: ChunkGroup = None):
+def segment_cumsum(dG, reset, group: ChunkGroup = None, loops: str = "auto"):
     """Reverse chunk cumsum of ``dG [R, HV, NC, C, K]`` within each sequence: row t sums
     rows s >= t of the chunk up to the next ``reset [R, NC, C]`` token. A later sequence's
     ``dG`` sums to ~0 (its terms depend on G through differences within it), so leaving it
@@ -135,16 +138,16 @@ def segment_cumsum(dG, reset, group: ChunkGroup = None):
     same = (s >= t) & (seg[..., :, None] == seg[..., None, :])  # [R, NC, C(s), C(t)]
     M = jnp.where(same, 1.0, 0.0).astype(dG.dtype)[:, None]  # [R, 1, NC, C, C]
     M = jnp.broadcast_to(M, dG.shape[:3] + (C, C))
-    return over_chunks(lambda M, x: mT(M) @ x, group, M, dG)
+    return over_chunks(lambda M, x: mT(M) @ x, group, M, dG, loops=loops)
 
 
-def split_cumsum(g, group: ChunkGroup = None):
+def split_cumsum(g, group: ChunkGroup = None, loops: str = "auto"):
     """``(G, G_lo)``: the chunk cumsum of the clamped log decays ``g [R, HV, NC, C, K]`` as
     the rounded ``G`` and its remainder ``G_lo`` (``kdax._numerics.hilo``); ``(G, None)`` in
     float64."""
     C, K = g.shape[-2:]
     if grid_bits(g.dtype, C) is None:
-        return chunk_cumsum(g, group=group), None
+        return chunk_cumsum(g, group=group, loops=loops), None
     ones = jnp.tril(jnp.ones((C, C), g.dtype))
 
     def split(g):  # per group of chunks: no full-size temporaries besides G and G_lo
@@ -160,7 +163,7 @@ def split_cumsum(g, group: ChunkGroup = None):
         G = hi + lo
         return G, (hi - G) + lo  # hi - G exact (Sterbenz): the remainder of the rounding
 
-    return over_chunks(split, group, g)
+    return over_chunks(split, group, g, loops=loops)
 
 
 class AbstractGateBackward(eqx.Module):
@@ -240,6 +243,8 @@ class ReferenceGateBackward(AbstractGateBackward):
     accepts: ClassVar[frozenset] = frozenset({"reset"})
 
     group: ChunkGroup = eqx.field(static=True, default="auto")
+    # The loop's form (kdax._numerics.chunk_loops.split_rows_and_heads): "auto", "flat", "slices".
+    chunk_loops: str = eqx.field(static=True, default="auto")
 
     @typecheck
     def __call__(
@@ -257,11 +262,11 @@ class ReferenceGateBackward(AbstractGateBackward):
         reset: Optional[ChunkValid] = None,
     ) -> RawGrads:
         if reset is None:
-            dg = jnp.where(valid[:, None, :, :, None], chunk_cumsum(dG, reverse=True, group=self.group), 0.0)
+            dg = jnp.where(valid[:, None, :, :, None], chunk_cumsum(dG, reverse=True, group=self.group, loops=self.chunk_loops), 0.0)
         else:
             # The first token's decay meets a zero state: its gradient is 0, exactly.
             keep = valid & ~reset
-            dg = jnp.where(keep[:, None, :, :, None], segment_cumsum(dG, reset, group=self.group), 0.0)
+            dg = jnp.where(keep[:, None, :, :, None], segment_cumsum(dG, reset, group=self.group, loops=self.chunk_loops), 0.0)
         dA = ddt = None
         if config.use_gate_in_kernel:
             dg, dA, ddt = gate_param_backward(config, g, A_log, dt_bias, dg)

@@ -236,6 +236,8 @@ class ReferenceIntra(AbstractIntra):
     accepts: ClassVar[frozenset] = frozenset({"G_lo", "reset", "tile_safe"})
 
     group: ChunkGroup = eqx.field(static=True, default="auto")
+    # The loop's form (kdax._numerics.chunk_loops.split_rows_and_heads): "auto", "flat", "slices".
+    chunk_loops: str = eqx.field(static=True, default="auto")
 
     @typecheck
     def __call__(
@@ -261,7 +263,8 @@ class ReferenceIntra(AbstractIntra):
 
         seg = () if reset is None else (per_head(segments(reset), G.shape[1]),)
         lo = () if G_lo is None else (G_lo, *level_anchors(G_lo))
-        return IntraOut(*over_chunks(chunk, self.group, q, k, beta, G, *seg, *level_anchors(G), *lo))
+        return IntraOut(*over_chunks(chunk, self.group, q, k, beta, G, *seg, *level_anchors(G), *lo,
+                                       loops=self.chunk_loops))
 
 
 class AbstractIntraBackward(eqx.Module):
@@ -310,6 +313,8 @@ class ReferenceIntraBackward(AbstractIntraBackward):
     accepts: ClassVar[frozenset] = frozenset({"G_lo", "reset"})
 
     group: ChunkGroup = eqx.field(static=True, default="auto")
+    # The loop's form (kdax._numerics.chunk_loops.split_rows_and_heads): "auto", "flat", "slices".
+    chunk_loops: str = eqx.field(static=True, default="auto")
 
     @typecheck
     def __call__(
@@ -348,5 +353,5 @@ class ReferenceIntraBackward(AbstractIntraBackward):
         into = (grads.dq, grads.dk, grads.dbeta, grads.dG)
         seg = () if reset is None else (per_head(segments(reset), G.shape[1]),)
         dq, dk, dbeta, dG = over_chunks(chunk_grads, self.group, q, k, beta, G, dAqk, grads.dL, *seg, *anchors, *lo,
-                                        into=into)
+                                        into=into, loops=self.chunk_loops)
         return ChunkGrads(dq, dk, grads.dv, dbeta, dG, None)

@@ -64,6 +64,8 @@ class ReferenceOutput(AbstractOutput):
     accepts: ClassVar[frozenset] = frozenset({"tile_safe"})
 
     group: ChunkGroup = eqx.field(static=True, default="auto")
+    # The loop's form (kdax._numerics.chunk_loops.split_rows_and_heads): "auto", "flat", "slices".
+    chunk_loops: str = eqx.field(static=True, default="auto")
 
     @typecheck
     def __call__(
@@ -74,7 +76,7 @@ class ReferenceOutput(AbstractOutput):
         Aqk: ChunkMat,
         v_new: ChunkV,
     ) -> ChunkV:
-        return over_chunks(functools.partial(_output_chunk, scale), self.group, qg, h, Aqk, v_new)
+        return over_chunks(functools.partial(_output_chunk, scale), self.group, qg, h, Aqk, v_new, loops=self.chunk_loops)
 
 
 class AbstractDAv(eqx.Module):
@@ -117,6 +119,8 @@ class ReferenceDAv(AbstractDAv):
     accepts: ClassVar[frozenset] = frozenset()
 
     group: ChunkGroup = eqx.field(static=True, default="auto")
+    # The loop's form (kdax._numerics.chunk_loops.split_rows_and_heads): "auto", "flat", "slices".
+    chunk_loops: str = eqx.field(static=True, default="auto")
 
     @typecheck
     def __call__(
@@ -125,4 +129,4 @@ class ReferenceDAv(AbstractDAv):
         Aqk: ChunkMat,
         do: ChunkV,
     ) -> tuple[ChunkMat, ChunkV]:
-        return over_chunks(_dav_chunk, self.group, v_new, Aqk, do)
+        return over_chunks(_dav_chunk, self.group, v_new, Aqk, do, loops=self.chunk_loops)

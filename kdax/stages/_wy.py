@@ -99,6 +99,8 @@ class ReferenceWY(AbstractWY):
     accepts: ClassVar[frozenset] = frozenset({"G_lo", "reset", "tile_safe"})
 
     group: ChunkGroup = eqx.field(static=True, default="auto")
+    # The loop's form (kdax._numerics.chunk_loops.split_rows_and_heads): "auto", "flat", "slices".
+    chunk_loops: str = eqx.field(static=True, default="auto")
 
     @typecheck
     def __call__(
@@ -114,7 +116,7 @@ class ReferenceWY(AbstractWY):
     ) -> WYOut:
         tail, named = _chunk_args(G, G_lo, reset)
         chunk = lambda q, k, v, beta, G, Akk, *rest: _wy_chunk(q, k, v, beta, G, Akk, **named(rest))
-        return WYOut(*over_chunks(chunk, self.group, q, k, v, beta, G, Akk, *tail))
+        return WYOut(*over_chunks(chunk, self.group, q, k, v, beta, G, Akk, *tail, loops=self.chunk_loops))
 
 
 class AbstractWYDqkg(eqx.Module):
@@ -202,6 +204,8 @@ class ReferenceWYDqkg(AbstractWYDqkg):
     accepts: ClassVar[frozenset] = frozenset({"G_lo", "reset"})
 
     group: ChunkGroup = eqx.field(static=True, default="auto")
+    # The loop's form (kdax._numerics.chunk_loops.split_rows_and_heads): "auto", "flat", "slices".
+    chunk_loops: str = eqx.field(static=True, default="auto")
 
     @typecheck
     def __call__(
@@ -226,4 +230,4 @@ class ReferenceWYDqkg(AbstractWYDqkg):
         tail, named = _chunk_args(G, G_lo, reset)
         chunk = lambda *a: _wy_dqkg_chunk(scale, *a[:12], **named(a[12:]))
         xs = (k, v, beta, G, Akk, qg, kg, h, dh, v_new, do, dv_new, *tail)  # q enters through qg
-        return ChunkGrads(*over_chunks(chunk, self.group, *xs))
+        return ChunkGrads(*over_chunks(chunk, self.group, *xs, loops=self.chunk_loops))

@@ -23,9 +23,9 @@ def _fn(a, b):
 
 @pytest.fixture(params=[True, False], ids=["nc-slices", "flat-groups"])
 def loop_form(request, monkeypatch):
-    """Both loops of ``over_chunks``: slices of NC (several devices: this suite's 8) and
-    contiguous groups of the flattened chunk axes (a one-device process)."""
-    monkeypatch.setattr(kdax._numerics.chunk_loops, "split_rows_and_heads", lambda: request.param)
+    """Both loops of ``over_chunks``: slices of NC (under a mesh with Auto axes) and
+    contiguous groups of the flattened chunk axes (elsewhere)."""
+    monkeypatch.setattr(kdax._numerics.chunk_loops, "split_rows_and_heads", lambda mode="auto": request.param)
     return request.param
 
 
@@ -107,7 +107,7 @@ def test_loop_forms_give_the_same_pipeline(monkeypatch):
 
     outs = {}
     for form in (True, False):
-        monkeypatch.setattr(kdax._numerics.chunk_loops, "split_rows_and_heads", lambda form=form: form)
+        monkeypatch.setattr(kdax._numerics.chunk_loops, "split_rows_and_heads", lambda mode="auto", form=form: form)
         outs[form] = jax.tree.leaves(run())
     for a, b in zip(outs[True], outs[False]):
         assert np.all(np.isfinite(np.asarray(a)))

@@ -3,7 +3,6 @@ shard_map on Auto and Explicit meshes, forward and jax.grad, for chunk_kda and
 fused_recurrent_kda: results equal the unsharded ones, keep the inputs' sharding, and the
 compiled program has no collective."""
 
-import dataclasses
 import functools
 
 import jax
@@ -123,16 +122,15 @@ def test_jit_auto_mesh_recurrent_keeps_sharding():
 
 
 @pytest.mark.parametrize("pipeline", ["untiled", pytest.param("default", marks=pytest.mark.slow)])
-def test_jit_auto_mesh_chunk_keeps_sharding(pipeline, monkeypatch):
+def test_jit_auto_mesh_chunk_keeps_sharding(pipeline):
     """jit on an Auto mesh: XLA's sharding propagation keeps rows and heads sharded
     through the chunked stages (their chunk-group loops slice the chunk axis only), with no
     all-gather; the untiled pipeline compiles with no collective at all. (The default CPU
     pipeline's tiled forward keeps one all-reduce of B x T scalars: the data dependence of
     its output buffer, ``zeros_after``.)"""
-    # The multi-device default, "slices" (conftest sets flat): as a field, and as the
-    # environment's default for the pipeline chunk_kda builds.
-    monkeypatch.setenv("KDAX_CHUNK_LOOPS", "slices")
-    untiled = dataclasses.replace(kdax.KDAPipeline.reference().untiled(), chunk_loops="slices")
+    # "slices": as the stages' field (untiled), and as "auto" resolves under jax.set_mesh
+    # of a mesh with Auto axes (the default pipeline chunk_kda builds).
+    untiled = kdax.KDAPipeline.reference(chunk_loops="slices").untiled()
     fn = functools.partial(kdax.chunk_kda, chunk_size=16, pipeline=untiled if pipeline == "untiled" else None)
     x = _inputs()
     ref_out, ref_grads = _reference(fn, x)
@@ -141,10 +139,11 @@ def test_jit_auto_mesh_chunk_keeps_sharding(pipeline, monkeypatch):
     fwd = jax.jit(lambda x: fn(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
                                output_final_state=True))
     grad = jax.jit(jax.grad(lambda x: _loss(fn, x)))
-    out, grads = fwd(xs), grad(xs)
+    with jax.set_mesh(mesh):
+        out, grads = fwd(xs), grad(xs)
+        hlos = [f.lower(xs).compile().as_text() for f in (fwd, grad)]
     _check(out, grads, ref_out, ref_grads, SPECS)
-    for f in (fwd, grad):
-        hlo = f.lower(xs).compile().as_text()
+    for hlo in hlos:
         found = [c for c in (COLLECTIVES if pipeline == "untiled" else ("all-gather",)) if c in hlo]
         assert not found, found
 
