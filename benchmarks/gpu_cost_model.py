@@ -56,6 +56,7 @@ without spills under every precision, dense and packed (``default_spills``).
     python benchmarks/gpu_cost_model.py --pipes pallas+fast --shape 1,4096,16
     python benchmarks/gpu_cost_model.py --out benchmarks/results/gpu_cost_model.txt
     python benchmarks/gpu_cost_model.py --freeze-profiled      # the profiled kernels' figures again
+    python benchmarks/gpu_cost_model.py --freeze-profiled-glue # the profiled step's glue alone, recounted
     python benchmarks/gpu_cost_model.py --no-spill-check       # without the default tuning's spill sweep
 
 Needs ``triton`` (the ``test`` extra); exits with the reason where JAX cannot lower a
@@ -266,9 +267,12 @@ def tensor_bytes(t: str) -> int:
 class Glue:
     """The XLA ops of a lowered program outside its Triton kernels (its StableHLO, before
     XLA fuses it): ``ops`` per kind, the private functions' ops (JAX's ``where``) counted
-    at each call; ``bytes_fused``: what they move if XLA fuses every run of them into one
-    kernel (the values they read from the caller's arrays and the kernels' outputs, each
-    once, and the values they hand to a kernel or return, each written once);
+    at each call; a ``broadcast_in_dim`` that only adds unit axes (as many elements out as
+    in) is a reshape (XLA makes it a bitcast) and counts as none; ``bytes_fused``: what
+    they move if XLA fuses every run of them into one kernel (the values they read from
+    the caller's arrays and the kernels' outputs, each once, and the values they hand to a
+    kernel or return, each written once: reshapes of one value are that value, however
+    many kernels take which of them);
     ``bytes_unfused``: each op reading its operands and writing its result;
     ``launches_fused``: the values they hand on (one fusion each, at least),
     ``launches_unfused``: the ops that touch more than one element."""
@@ -329,6 +333,7 @@ def count_glue(text: str) -> Glue:
         return list(zip(names, sizes)), kind, operands, callee
 
     ops, sizes, origin = {}, {}, {}  # origin: "source" (argument / kernel output), "glue", "const"
+    root = {}  # a reshape's result -> the value it reshapes (the same bytes)
     for a, t in funcs[main]["args"]:
         sizes[a], origin[a] = tensor_bytes(t), "source"
     reads, writes, unfused, launches_unfused, kernels = set(), set(), 0, 0, 0
@@ -337,7 +342,7 @@ def count_glue(text: str) -> Glue:
         if p is None:
             continue
         results, kind, operands, callee = p
-        base = lambda v: v if v in origin else v.split("#")[0]  # noqa: E731
+        base = lambda v: root.get(v, v) if v in origin else v.split("#")[0]  # noqa: E731
         if kind == "kernel" or kind == "return":
             kernels += kind == "kernel"
             for v in operands:
@@ -346,15 +351,21 @@ def count_glue(text: str) -> Glue:
             for r, b in results:
                 sizes[r], origin[r] = b, "source"
             continue
+        # a broadcast that only adds unit axes: a reshape (XLA: a bitcast)
+        free = kind in FREE_OPS or (kind == "broadcast_in_dim" and len(operands) == 1 and len(results) == 1
+                                    and sizes.get(base(operands[0])) == results[0][1])
         if kind == "call":  # JAX's where and friends: their ops, one elementwise fusion
             for cl in funcs[callee]["lines"]:
                 if (q := parse(cl)) and q[1] not in FREE_OPS:
                     ops[q[1]] = ops.get(q[1], 0) + 1
-        elif kind not in FREE_OPS:
+        elif not free:
             ops[kind] = ops.get(kind, 0) + 1
         srcs = [origin.get(base(v)) for v in operands]
-        if kind in FREE_OPS:  # a reshape of a source is a source; of glue, glue
+        if free:  # a reshape of a source is a source; of glue, glue
             o = "source" if "source" in srcs else ("glue" if "glue" in srcs else "const")
+            if kind in ("reshape", "broadcast_in_dim") and len(operands) == 1 and base(operands[0]) in origin:
+                for r, _ in results:
+                    root[r] = base(operands[0])
         else:
             o = "glue"
             for v in operands:
@@ -660,6 +671,44 @@ def freeze_profiled(commit: str = PROFILE_COMMIT, out: Path = PROFILED_KERNELS) 
     return ks
 
 
+_DUMP_TEXT = """
+import sys
+from pathlib import Path
+sys.path.insert(0, "."); sys.path.insert(0, "benchmarks")
+import jax
+import gpu_cost_model as m
+from triton_resources import training_step
+from tests.pallas._triton import captured
+fn, args, _ = training_step(m.CANDIDATE, *m.GOAL)
+with captured():
+    Path(sys.argv[1]).write_text(jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text())
+"""
+
+
+def freeze_profiled_glue(commit: str = PROFILE_COMMIT, out: Path = PROFILED_KERNELS) -> "Glue":
+    """``freeze_profiled``'s glue alone: the candidate's step lowered at the goal shape in a
+    checkout of ``commit`` (a git worktree, removed after), its glue counted by this
+    checkout's ``count_glue`` and written to ``out``'s ``"glue"`` (the kernels' figures
+    kept), so that the profiled step's glue and the checkout's are counted alike."""
+    import json
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tree, text = Path(tmp) / "tree", Path(tmp) / "step.mlir"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), commit], check=True,
+                       capture_output=True)
+        try:
+            subprocess.run([sys.executable, "-c", _DUMP_TEXT, str(text)], cwd=tree, check=True)
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=True)
+        glue = count_glue(text.read_text())
+    data = json.loads(out.read_text())
+    data["glue"] = dataclasses.asdict(glue)
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    return glue
+
+
 def profiled_glue(path: Path = PROFILED_KERNELS) -> "Glue":
     """The profiled step's glue (``count_glue`` of the program ``freeze_profiled`` lowered)."""
     import json
@@ -817,6 +866,8 @@ def main(argv=None) -> str:
     ap.add_argument("--out", default=None)
     ap.add_argument("--freeze-profiled", action="store_true",
                     help=f"regenerate {PROFILED_KERNELS.relative_to(ROOT)} from a checkout of {PROFILE_COMMIT[:7]} first")
+    ap.add_argument("--freeze-profiled-glue", action="store_true",
+                    help=f"recount the profiled step's glue (lowered in a checkout of {PROFILE_COMMIT[:7]}) first")
     ap.add_argument("--no-spill-check", action="store_true",
                     help="leave out the default tuning's sm_90 compiles under every precision, dense and packed "
                          "(default_spills, ~3 minutes) and the results' last line")
@@ -835,6 +886,9 @@ def main(argv=None) -> str:
     if a.freeze_profiled:
         print(f"freezing the profiled kernels: lowered at {PROFILE_COMMIT[:7]}", file=sys.stderr, flush=True)
         freeze_profiled()
+    elif a.freeze_profiled_glue:
+        print(f"recounting the profiled step's glue: lowered at {PROFILE_COMMIT[:7]}", file=sys.stderr, flush=True)
+        freeze_profiled_glue()
     cal = profiled_kernels()
     print(f"{CANDIDATE} at {GOAL}, the checkout (bf16 storage)", file=sys.stderr, flush=True)
     now = kernels(CANDIDATE, GOAL)
