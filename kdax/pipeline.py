@@ -108,6 +108,8 @@ class KDAPipeline(eqx.Module):
     # ``reset`` (``kdax._runner.routes.shares_chunks``). False: every sequence starts its
     # own chunk. ``plan`` says which ran.
     share_chunks: bool = eqx.field(static=True, default=True)
+    # Every route a stage's declaration selects, whatever its math (kdax.testing's checks).
+    trust_declarations: bool = eqx.field(static=True, default=False)
 
     def with_precision(self, precision: str) -> "KDAPipeline":
         """This pipeline under another precision policy (see ``kdax._numerics.precision``)."""

@@ -18,7 +18,6 @@ at trace time, naming the stage and what to pass.
 """
 
 import contextlib
-import contextvars
 import dataclasses
 import functools
 import warnings
@@ -137,27 +136,6 @@ def reference_is_exact(field: str, stage) -> bool:
     return all(says.get(f) == KDA for f, readers in TRANSPOSED_BY.items() if field in readers)
 
 
-# kdax.testing checking a declaration itself: the routes it selects, whatever the math.
-_AS_DECLARED: contextvars.ContextVar = contextvars.ContextVar("kdax_as_declared", default=False)
-
-
-@contextlib.contextmanager
-def as_declared():
-    """Inside the block, the pipeline takes every route a stage's declaration selects
-    (``reset``, ``tile_safe``) whatever its math, and adds no reset mask of its own
-    (``kdax._layouts.resets.guard_outputs``): ``kdax.testing`` runs a declaration this way to check it."""
-    token = _AS_DECLARED.set(True)
-    try:
-        yield
-    finally:
-        _AS_DECLARED.reset(token)
-
-
-def declared_only() -> bool:
-    """Whether an ``as_declared()`` block is active."""
-    return _AS_DECLARED.get()
-
-
 def unchecked(pipeline, fields=None) -> tuple:
     """The fields (of ``fields``, default every stage) whose stage's math is not checked
     against the reference stage (not ``reference_is_exact``: ``check_stage``'s reference
@@ -165,18 +143,20 @@ def unchecked(pipeline, fields=None) -> tuple:
     (shared chunks, ``reset``, tiles) is taken only when no stage it reaches is here, so
     that a false declaration changes no number (docs/stages.md, "Capabilities"). A tile
     is a KDA problem with an initial state and a shared chunk KDA with exact resets: a
-    KDA stage wrong there is wrong KDA, which the reference check reports."""
-    if _AS_DECLARED.get():
+    KDA stage wrong there is wrong KDA, which the reference check reports. A pipeline
+    with ``trust_declarations`` (``kdax.testing`` checking a declaration) has none."""
+    if pipeline.trust_declarations:
         return ()
     fields = tuple(STAGES) if fields is None else fields
     return tuple(f for f in fields if not reference_is_exact(f, getattr(pipeline, f)))
 
 
-def routed(field: str, stage) -> Capabilities:
-    """The capabilities of ``stage`` (in ``field``) that select a route: its declaration,
-    less ``reset`` and ``tile_safe`` unless its math is checked (``unchecked``)."""
+def routed(pipeline, field: str) -> Capabilities:
+    """The capabilities of ``pipeline``'s stage in ``field`` that select a route: its
+    declaration, less ``reset`` and ``tile_safe`` unless its math is checked (``unchecked``)."""
+    stage = getattr(pipeline, field)
     caps = capabilities(type(stage))
-    if _AS_DECLARED.get() or reference_is_exact(field, stage):
+    if pipeline.trust_declarations or reference_is_exact(field, stage):
         return caps
     return caps._replace(reset=False, tile_safe=False)
 
@@ -335,7 +315,7 @@ def shares_chunks(pipeline, cu_seqlens) -> bool:
     # of other math never shares chunks.
     if not is_kda(pipeline.state) or unchecked(pipeline):
         return False
-    return all(routed(n, getattr(pipeline, n)).reset
+    return all(routed(pipeline, n).reset
                or (pipeline.fallback and reference_is_exact(n, getattr(pipeline, n))) for n in RESET_FIELDS)
 
 
@@ -343,7 +323,7 @@ def unsafe_for_tiles(pipeline) -> tuple:
     """The forward stages of ``pipeline`` that are not tile-safe by the one rule of routes
     (``routed``): their class does not declare ``tile_safe``, or their math is not KDA's.
     With any, the forward runs whole (untiled)."""
-    return tuple(n for n, i in STAGES.items() if i.forward and not routed(n, getattr(pipeline, n)).tile_safe)
+    return tuple(n for n, i in STAGES.items() if i.forward and not routed(pipeline, n).tile_safe)
 
 
 def tile_chunks(pipeline, rows_heads: int, num_chunks: int) -> Optional[int]:

@@ -40,7 +40,7 @@ from .._annotations import QK, Beta, ChunkK, Gate, Values, typecheck
 from ..stages import AbstractState, AbstractWY
 from .._stage_protocol.capabilities import capabilities, negotiated
 from .contracts import STAGES, check_arguments, check_family, check_output, expected_output
-from .routes import declared_only, reference_is_exact, routed
+from .routes import reference_is_exact, routed
 
 
 class Recording:
@@ -114,14 +114,14 @@ def stage_arguments(pipeline, name: str, stage, kwargs: dict) -> tuple:
     (``routed``; ``needs_reset``: the layout needs one it does not take), and, where the
     pipeline can make the reset exact itself (``guard``), the inputs masked for it
     (``kdax._layouts.resets``)."""
-    caps = routed(name, stage)  # (reset only to a stage whose math is checked: kdax._runner.routes.unchecked)
+    caps = routed(pipeline, name)  # (reset only to a stage whose math is checked: kdax._runner.routes.unchecked)
     kwargs = negotiated(stage, kwargs)
     needs_reset = kwargs.get("reset") is not None and not caps.reset
     if "reset" in kwargs and not caps.reset:
         kwargs = {n: x for n, x in kwargs.items() if n != "reset"}
     # What a stage makes of ``reset`` changes no number where the pipeline can make the
     # reset exact itself (kdax._layouts.resets.guard_outputs); kdax's own stages mask it themselves.
-    guard = kwargs.get("reset") is not None and not declared_only() and _resets.guards(stage)
+    guard = kwargs.get("reset") is not None and not pipeline.trust_declarations and _resets.guards(stage)
     return (_resets.guard_inputs(name, kwargs) if guard else kwargs), needs_reset, guard
 
 

@@ -28,44 +28,46 @@ from ._runs import (
     _record_ahead,
     _UnflooredGate,
     _with_stage,
+    trusting,
 )
 
 
 def _capability_checks(col, base, field, stage, caps, dtype, full):
     """Every declared capability against the per-sequence layout / the untiled forward, in
     pipelines that take the routes the declaration selects whatever the stage's math
-    (``kdax._runner.routes.as_declared``; a pipeline takes them only for KDA's math)."""
-    with _routes.as_declared():
-        P = _with_stage(base, field, stage)
-        if caps.reset and field in RESET_FIELDS:
-            _reset_checks(col, P, field, stage, dtype)
-        if caps.tile_safe and STAGES[field].forward:
-            _tile_safe_checks(col, P, field, stage, caps, dtype, full)
-        if caps.half_stored:
-            _half_stored_check(col, base, field, stage)
+    (``trusting``: ``KDAPipeline.trust_declarations``; a pipeline takes them only for
+    KDA's math)."""
+    base = trusting(base)
+    P = _with_stage(base, field, stage)
+    if caps.reset and field in RESET_FIELDS:
+        _reset_checks(col, P, field, stage, dtype)
+    if caps.tile_safe and STAGES[field].forward:
+        _tile_safe_checks(col, P, field, stage, caps, dtype, full)
+    if caps.half_stored:
+        _half_stored_check(col, base, field, stage)
 
 
 def _capabilities_ahead(base, field, stage, caps, dtype, full):
     """Start compiling the programs ``_capability_checks`` and ``_tokens_check`` will run
     (``kdax.testing._runs._ahead``): the reset and tile_safe checks' forwards and gradients,
     the half_stored and tokens checks' recordings."""
-    with _routes.as_declared():
-        P = _with_stage(base, field, stage)
-        if caps.reset and field in RESET_FIELDS:
-            case = _reset_case(dtype)
-            _outputs_ahead(dataclasses.replace(P, share_chunks=False), case, True)
-            for _, Ps in _floors(P, field, case):
-                _outputs_ahead(dataclasses.replace(Ps, share_chunks=True), case, True)
-        if caps.tile_safe and STAGES[field].forward and not unsafe_for_tiles(P):
-            for case in _tile_cases(field, caps, dtype, full):
-                for Pt in _whole_and_tiled(P, case):
-                    _outputs_ahead(Pt, case, False)
-        if caps.half_stored:
-            case = _half_stored_case()
-            _record_ahead(_half_stored_pipeline(base, field, stage, case), case, False, field=field)
-    if caps.tokens:  # (outside as_declared, as _tokens_check runs)
+    tokens_base, base = base, trusting(base)
+    P = _with_stage(base, field, stage)
+    if caps.reset and field in RESET_FIELDS:
+        case = _reset_case(dtype)
+        _outputs_ahead(dataclasses.replace(P, share_chunks=False), case, True)
+        for _, Ps in _floors(P, field, case):
+            _outputs_ahead(dataclasses.replace(Ps, share_chunks=True), case, True)
+    if caps.tile_safe and STAGES[field].forward and not unsafe_for_tiles(P):
+        for case in _tile_cases(field, caps, dtype, full):
+            for Pt in _whole_and_tiled(P, case):
+                _outputs_ahead(Pt, case, False)
+    if caps.half_stored:
+        case = _half_stored_case()
+        _record_ahead(_half_stored_pipeline(base, field, stage, case), case, False, field=field)
+    if caps.tokens:  # (not trusting, as _tokens_check runs)
         case = _tokens_case(dtype)
-        _record_ahead(_with_stage(_pipe_for(base, case), field, stage), case, False, field=field)
+        _record_ahead(_with_stage(_pipe_for(tokens_base, case), field, stage), case, False, field=field)
 
 
 def _reset_case(dtype) -> Case:

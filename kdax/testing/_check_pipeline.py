@@ -22,7 +22,7 @@ from ..pipeline import KDAPipeline
 from ._cases import _CU, _DENSE, _FLA, Case, _dtname, _Packed, _weights, tolerance
 from ._compare import _compare, _rel
 from ._report import Report, _Collector, _error
-from ._runs import _ahead, _call, _call_of, _declared, _jit, _outputs_ahead, _pipeline_outputs
+from ._runs import _ahead, _call, _call_of, _jit, _outputs_ahead, _pipeline_outputs
 
 
 @typecheck
@@ -184,13 +184,13 @@ def _exact_ahead(pipeline: KDAPipeline, case: Case) -> None:
 
 def _exact_args(pipeline: KDAPipeline, case: Case) -> tuple:
     diff, _ = _routes.differentiable_forward(pipeline)
-    return (dataclasses.replace(diff, share_chunks=False), *_call_of(case), _routes.declared_only())
+    return (dataclasses.replace(diff, share_chunks=False), *_call_of(case))
 
 
-def _exact_run(diff: KDAPipeline, x, arrays, options, declared: bool):
+def _exact_run(diff: KDAPipeline, x, arrays, options):
     """What ``_exact_grads`` compiles."""
     static = options.kw
-    with recording(quiet=True), _declared(declared):
+    with recording(quiet=True):
         config, args = prepare(*x, **static, **arrays)
         h0, A_log, dt_bias, cu = args[5:]
 

@@ -62,7 +62,7 @@ def check_stage(
     * ``jit``, ``filter_jit``, ``vmap`` (two cases' arguments stacked), ``grad`` (forward
       stages; skipped where JAX cannot differentiate it);
     * declared capabilities, in pipelines that take the routes they select whatever the
-      stage's math (``kdax._runner.routes.as_declared``): ``reset`` (shared chunks give the
+      stage's math (``KDAPipeline.trust_declarations``): ``reset`` (shared chunks give the
       per-sequence layout's outputs and gradients, with F1's floor and without),
       ``tile_safe`` (tiles of one chunk give the whole forward's outputs), ``G_lo`` (float32: with G_lo no farther from the stage's own
       float64 output than without), ``tokens`` (views give the chunked copies' outputs),

@@ -4,7 +4,6 @@ them, and ``chunk_kda``'s outputs and gradients through a pipeline."""
 
 import collections
 import concurrent.futures
-import contextlib
 import dataclasses
 import functools
 import warnings
@@ -106,10 +105,11 @@ def _ahead(program, *args) -> None:
         pass
 
 
-def _declared(declared: bool):
-    """``kdax._runner.routes.as_declared()`` when ``declared`` (a program's static argument:
-    its trace depends on it), else nothing."""
-    return _routes.as_declared() if declared else contextlib.nullcontext()
+def trusting(pipe: KDAPipeline) -> KDAPipeline:
+    """``pipe`` taking every route its stages' declarations select, whatever their math,
+    and none of the pipeline's reset masks, which would hide a false declaration
+    (``KDAPipeline.trust_declarations``): how a declaration is checked."""
+    return dataclasses.replace(pipe, trust_declarations=True)
 
 
 def _base(base: Optional[KDAPipeline]) -> KDAPipeline:
@@ -192,10 +192,10 @@ class _UpTo(dict):
         return got
 
 
-def _recording_run(pipe, x, arrays, options: _Options, field: Optional[str], backward: bool, declared: bool):
+def _recording_run(pipe, x, arrays, options: _Options, field: Optional[str], backward: bool):
     """What ``_record`` compiles: ``(kwargs by field, layout, derived, error, stopped)``."""
     stopped, err = False, None
-    with recording(quiet=True) as rec, _declared(declared):
+    with recording(quiet=True) as rec:
         if field is not None:
             rec.inputs = _UpTo(field)
         opts = KDAOptions.from_kwargs(**options.kw, **arrays)
@@ -229,7 +229,7 @@ def _recording_program():
 
 
 def _recording_args(pipe: KDAPipeline, case: Case, backward: bool, field: Optional[str]) -> tuple:
-    return (pipe, *_call_of(case), field, backward, _routes.declared_only())
+    return (pipe, *_call_of(case), field, backward)
 
 
 def _record_ahead(pipe: KDAPipeline, case: Case, cache: bool, key=None, backward: bool = True,
@@ -291,8 +291,8 @@ def _run(pipe, field, kwargs):
     """The stage at ``field`` of ``pipe`` called by the stage runner on ``kwargs``."""
     # (the stage as it declares itself: reset passed by its declaration, whatever its
     # math, and none of the pipeline's reset masks, which would hide a false one)
-    with recording(quiet=True), _routes.as_declared():
-        return run_stage(pipe, field, **kwargs)
+    with recording(quiet=True):
+        return run_stage(trusting(pipe), field, **kwargs)
 
 
 @functools.cache
@@ -312,9 +312,9 @@ def _run_ahead(pipe, field, kwargs) -> None:
     _ahead(_run_program(), pipe, field, kwargs)
 
 
-def _outputs_run(P: KDAPipeline, x, arrays, options: _Options, grads: bool, declared: bool):
+def _outputs_run(P: KDAPipeline, x, arrays, options: _Options, grads: bool):
     """What ``_pipeline_outputs`` compiles."""
-    with recording(quiet=True) as rec, warnings.catch_warnings(), _declared(declared):
+    with recording(quiet=True) as rec, warnings.catch_warnings():
         warnings.simplefilter("ignore")
 
         def loss(x, arrays):
@@ -341,9 +341,9 @@ def _pipeline_outputs(P: KDAPipeline, case: Case, grads: bool):
     """``(o, ht, grads or None, meta)`` of ``chunk_kda`` with pipeline ``P`` on ``case``'s
     inputs (loss ``sum(o w) + sum(ht wh)``), jitted; ``meta``: layout, derived, which
     implementation ran each field."""
-    return _call(_outputs_program(), P, *_call_of(case), grads, _routes.declared_only())
+    return _call(_outputs_program(), P, *_call_of(case), grads)
 
 
 def _outputs_ahead(P: KDAPipeline, case: Case, grads: bool) -> None:
     """Start compiling what ``_pipeline_outputs`` with these arguments will run."""
-    _ahead(_outputs_program(), P, *_call_of(case), grads, _routes.declared_only())
+    _ahead(_outputs_program(), P, *_call_of(case), grads)
