@@ -182,3 +182,23 @@ def test_training_step_concepts_written_out():
     items = re.findall(r"^(\d+)\. ", part, re.M)
     assert items == [str(i) for i in range(1, len(items) + 1)], items
     assert 10 <= len(items) <= 15, len(items)
+
+
+def test_settings_are_fields_not_context():
+    """Issue 52: settings reach the code that uses them as fields and arguments. Two
+    ContextVars remain: the stage runner's recordings (an observer for ``plan`` and
+    ``kdax.testing``) and the precision policy of the stage being traced
+    (``kdax._numerics.precision``, read by the kernels' products; the next to go). No
+    environment variable is read while building or running a pipeline (only
+    ``kdax._platform`` sets XLA's flags at import)."""
+    import re
+
+    found, env = {}, []
+    for path in sorted(KDAX.rglob("*.py")):
+        text = path.read_text()
+        for name in re.findall(r"(\w+)\s*:\s*contextvars\.ContextVar\s*=\s*contextvars\.ContextVar\(", text):
+            found[name] = str(path.relative_to(KDAX))
+        if re.search(r"os\.environ|getenv\(", text) and path.name != "_platform.py":
+            env.append(str(path.relative_to(KDAX)))
+    assert found == {"_ACTIVE": "_runner/runner.py", "_CURRENT": "_numerics/precision.py"}, found
+    assert not env, env
