@@ -26,6 +26,19 @@ def _run(kernel, ins, out_shapes, P, NV, dtype, interpret, stage, params):
     )(*ins)
 
 
+def _bound_inputs(layout) -> tuple:
+    """The sequence boundaries a kernel reads: ``(layout.first, layout.last)``, none on a
+    dense layout (row r is sequence r from its first chunk to its last: the kernels read
+    no boundary there, and an operand they never read is glue XLA computes for nothing)."""
+    return () if layout.dense else (layout.first, layout.last)
+
+
+def _bounds(dense: bool, refs) -> tuple:
+    """``(first_ref, last_ref, *outputs)`` from a kernel's refs after its arrays (the
+    boundaries None on a dense layout: ``_bound_inputs``)."""
+    return ((None, None) if dense else ()) + tuple(refs)
+
+
 def _tokens(x):
     """``[P, NC, A, B] -> [P, NC * A, B]`` so a chunk is a ``pl.ds`` slice of rows."""
     return x.reshape(x.shape[0], x.shape[1] * x.shape[2], x.shape[3])
@@ -42,7 +55,8 @@ def state_forward(wf, uf, kgf, gam, h0f, layout, *, R, HV, NC, C, Kp, Vp, N, blo
     dense = layout.dense
     tiles = k_tiles(Kp, block_k)
 
-    def kernel(w_ref, u_ref, kg_ref, g_ref, h0_ref, first_ref, last_ref, h_ref, vn_ref, fin_ref):
+    def kernel(w_ref, u_ref, kg_ref, g_ref, h0_ref, *refs):
+        first_ref, last_ref, h_ref, vn_ref, fin_ref = _bounds(dense, refs)
         p, cols = pl.program_id(0), pl.ds(pl.program_id(1) * bv, bv)
         r, hv = idiv(p, HV), p % HV
 
@@ -80,7 +94,7 @@ def state_forward(wf, uf, kgf, gam, h0f, layout, *, R, HV, NC, C, Kp, Vp, N, blo
                 fin_ref[p, pl.ds(k0, bk), cols] = h
 
     h, v_new, final = _run(
-        kernel, (_tokens(wf), _tokens(uf), _tokens(kgf), _tokens(gam), h0f, layout.first, layout.last),
+        kernel, (_tokens(wf), _tokens(uf), _tokens(kgf), _tokens(gam), h0f, *_bound_inputs(layout)),
         [(P, NC * Kp, Vp), (P, NC * C, Vp), (N * HV, Kp, Vp)], P, Vp // bv, dtype, interpret, "PallasState", params,
     )
     h, v_new = h.reshape(P, NC, Kp, Vp), v_new.reshape(P, NC, C, Vp)
@@ -107,8 +121,8 @@ def dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout, *, R, HV, NC, C
     dense = layout.dense
     tiles = k_tiles(Kp, block_k)
 
-    def kernel(q_ref, k_ref, w_ref, g_ref, do_ref, dvi_ref, dht_ref, first_ref, last_ref,
-               dh_ref, dv_ref, dh0_ref):
+    def kernel(q_ref, k_ref, w_ref, g_ref, do_ref, dvi_ref, dht_ref, *refs):
+        first_ref, last_ref, dh_ref, dv_ref, dh0_ref = _bounds(dense, refs)
         p, cols = pl.program_id(0), pl.ds(pl.program_id(1) * bv, bv)
         r, hv = idiv(p, HV), p % HV
 
@@ -149,7 +163,7 @@ def dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout, *, R, HV, NC, C
 
     dh, dv_new, dh0 = _run(
         kernel, (_tokens(qf), _tokens(kf), _tokens(wf), _tokens(gam), do_in, _tokens(dvf), dhtf,
-                 layout.first, layout.last),
+                 *_bound_inputs(layout)),
         [(P, NC * Kp, Vp), (P, NC * C, Vp), (N * HV, Kp, Vp)], P, Vp // bv, dtype, interpret, "PallasDhu", params,
     )
     dh, dv_new = dh.reshape(P, NC, Kp, Vp), dv_new.reshape(P, NC, C, Vp)
