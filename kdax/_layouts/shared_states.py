@@ -9,16 +9,14 @@ chunk c at position i has the final state
 
 over its own tokens j of chunk c (``h_c`` the state at chunk c's start, ``v_new`` F4's),
 masked in the exponent. ``shared_finals`` sums each sequence's tail with
-``kdax._layouts.ragged.outer`` (blocks of 16 tokens, as many as the longest tail needs: one for
-short sequences; a tail lies in one chunk, so at most C / 16, a static bound), and the ``h_c`` term for the at most one sequence per chunk that has
-it.
+``kdax._layouts.ragged.outer`` (blocks of 16 tokens, at most C / 16: a tail lies in one
+chunk), and the ``h_c`` term for the at most one sequence per chunk that has it.
 
 A loss on the final states (``dht``) reaches, by the chain rule through ``S_n``: ``k``,
 ``G``, ``v_new`` of those tokens and ``h_c`` (``jax.vjp`` of ``shared_finals``: a pure
 function, differentiated exactly). ``v_new``'s part joins B1's ``dv_intra``; ``h_c``'s is
 a cotangent of the state at chunk c's start, which B2 takes as a ``dht`` entering at chunk
-c - 1's end (``entry_layout``): ``KDAPipeline.backward`` runs B2 once more on that alone.
-No forward is rerun.
+c - 1's end (``entry_layout``): B2 runs once more on that alone; no forward is rerun.
 """
 
 import dataclasses
@@ -302,10 +300,9 @@ class SharedFinalHooks(ForwardHooks):
 
 
 class Entered(NamedTuple):
-    """What initial states entering shared chunks add to the forward (``EntryHooks.f4_inputs``):
-    the state table F4 loads and its ``injected_layout``, the first-chunk parts of
-    ``v_new`` and ``o`` (``vx``, ``ox``), the start decays ``a`` and the VJPs of both
-    (``ent_vjp``, ``a_vjp``: the backward runs neither again)."""
+    """What entering initial states add to the forward (``EntryHooks.f4_inputs``): F4's
+    table and ``injected_layout``, the first-chunk parts ``vx``, ``ox`` of ``v_new`` and
+    ``o``, the start decays ``a``, and both VJPs (the backward runs neither again)."""
 
     table: jax.Array
     layout: ChunkLayout
@@ -317,11 +314,10 @@ class Entered(NamedTuple):
 
 
 class EntryHooks(ForwardHooks):
-    """The forward's part of initial states entering shared chunks (``ForwardHooks``):
-    after F3, each sequence's first-chunk entries and the state table F4 loads on
-    ``injected_layout`` (an ``Entered``); F5 and the final states read F4's ``v_new`` plus
-    the entries'. ``h0 [N, HV, K, V]`` in the compute dtype; ``ok`` as
-    ``first_chunk_entries``'s."""
+    """The forward's part of initial states entering shared chunks: after F3, each
+    sequence's first-chunk entries and F4's state table (an ``Entered``); F5 and the final
+    states read F4's ``v_new`` plus the entries'. ``h0 [N, HV, K, V]`` in the compute
+    dtype; ``ok`` as ``first_chunk_entries``'s."""
 
     def __init__(self, config, layout: ChunkLayout, cu_seqlens, h0, ok):
         self.config, self.layout, self.cu_seqlens, self.h0, self.ok = config, layout, cu_seqlens, h0, ok
@@ -356,11 +352,9 @@ class EntryHooks(ForwardHooks):
 
 
 class SharedBackward(NamedTuple):
-    """What the shared-chunk backward carries from one of its points to the next
-    (``SharedChunkHooks``): the final states' VJP ``fin`` (``finals_vjp``'s cotangents,
-    None without a loss on them), the cotangents of the states F4 loaded (``d_entries``),
-    and from the entries' VJP the start decays' gradients (``decays``) and the initial
-    states' (``dh0``)."""
+    """What ``SharedChunkHooks`` carries from one point to the next: ``finals_vjp``'s
+    cotangents ``fin`` (None without a loss on the final states), those of the states F4
+    loaded (``d_entries``), the start decays' and initial states' (``decays``, ``dh0``)."""
 
     fin: Optional[tuple] = None
     d_entries: Optional[jax.Array] = None
@@ -373,8 +367,7 @@ class SharedChunkHooks(BackwardHooks):
     loss on the final states of shared chunks (``dht``: their VJP through
     ``shared_finals``/``entry_finals``, and one more B2 pass from the chunk-start states'
     cotangents), and initial states entering shared chunks (``res.entries``: the VJP of
-    their first-chunk part and of the start decays). ``res``: the forward's residuals.
-    What one point hands the next is a ``SharedBackward``."""
+    their first-chunk part and of the start decays). ``res``: the forward's residuals."""
 
     def __init__(self, res, dht):
         self.res, self.E, self.L, self.cu = res, res.entries, res.layout, res.cu_seqlens
