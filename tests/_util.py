@@ -1,7 +1,11 @@
 """Shared test helpers: metrics, input factories, golden cases, the float64 oracle."""
 
 import json
+import os
 import pathlib
+import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -198,3 +202,44 @@ def dot_eqns(jaxpr):
                 if isinstance(sub, jax.extend.core.Jaxpr):
                     out += dot_eqns(sub)
     return out
+
+
+def python_blocks(text: str) -> list:
+    """The contents of every ```python fence of a markdown text, in order."""
+    return re.findall(r"^```python\n(.*?)^```$", text, flags=re.S | re.M)
+
+
+_BLOCKS_RUNNER = '''
+import sys, time, traceback
+blocks = {blocks!r}
+ns = {{"__name__": "__main__"}}
+for i, src in enumerate(blocks):
+    t, c = time.perf_counter(), time.process_time()
+    try:
+        exec(compile(src, f"{name} block {{i}}", "exec"), ns)
+    except BaseException:
+        print(f"{name} block {{i}} failed:\\n{{src}}", flush=True)
+        traceback.print_exc()
+        sys.exit(1)
+    print(f"{name} block {{i}} ran in {{time.perf_counter() - t:.1f}} s ({{time.process_time() - c:.1f}} s CPU)",
+          flush=True)
+'''
+
+
+def run_python_blocks(blocks: list, name: str, tmp_path) -> str:
+    """Run ``blocks`` top to bottom in one fresh Python process as a new user has it
+    (JAX's defaults: no x64, one CPU device, the suite's simulated devices taken out of
+    XLA_FLAGS; the empty folder ``tmp_path`` as working directory); assert that every
+    block ran and return the process's output (one line per block with its time)."""
+    script = pathlib.Path(tmp_path) / "blocks.py"
+    script.write_text(_BLOCKS_RUNNER.format(blocks=blocks, name=name))
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_ENABLE_X64", "JAX_PLATFORMS")}
+    env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([str(root)] + [p for p in [env.get("PYTHONPATH")] if p])
+    run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-8000:]
+    assert run.stdout.count(" ran in ") == len(blocks), run.stdout
+    return run.stdout

@@ -3,20 +3,13 @@ bottom in one fresh Python process, as a reader would paste them (JAX's defaults
 turns x64 on itself; one CPU device; an empty working directory); the page lists at most
 fifteen concepts, and each section names only concepts of that list."""
 
-import os
 import re
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
+
+from ._util import python_blocks, run_python_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "writing_a_stage.md"
-
-
-def python_blocks(text: str) -> list[str]:
-    """The contents of every ```python fence, in order."""
-    return re.findall(r"^```python\n(.*?)^```$", text, flags=re.S | re.M)
 
 
 def concepts(text: str) -> list[str]:
@@ -50,32 +43,5 @@ def test_blocks_found():
     assert "jax.value_and_grad(loss)" in text
 
 
-RUNNER = textwrap.dedent('''
-    import sys, time, traceback
-    blocks = {blocks!r}
-    ns = {{"__name__": "__main__"}}
-    for i, src in enumerate(blocks):
-        t, c = time.perf_counter(), time.process_time()
-        try:
-            exec(compile(src, f"writing_a_stage.md block {{i}}", "exec"), ns)
-        except BaseException:
-            print(f"block {{i}} failed:\\n{{src}}", flush=True)
-            traceback.print_exc()
-            sys.exit(1)
-        print(f"block {{i}} ran in {{time.perf_counter() - t:.1f}} s ({{time.process_time() - c:.1f}} s CPU)", flush=True)
-''')
-
-
 def test_page_blocks_run_as_written(tmp_path):
-    blocks = python_blocks(PAGE.read_text())
-    script = tmp_path / "page_blocks.py"
-    script.write_text(RUNNER.format(blocks=blocks))
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_ENABLE_X64", "JAX_PLATFORMS")}
-    env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
-    run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=900)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-8000:]
-    assert run.stdout.count(" ran in ") == len(blocks), run.stdout
-    print(run.stdout)
+    print(run_python_blocks(python_blocks(PAGE.read_text()), "writing_a_stage.md", tmp_path))
