@@ -173,3 +173,18 @@ def test_plain_scan_baseline_is_kda():
     _, g_ref = bench._TrainStep(naive_recurrent_kda, w)(*a)
     for x, y in zip(g, g_ref):
         np.testing.assert_allclose(x, y, rtol=1e-10, atol=1e-12)
+
+
+def test_plain_scan_baseline_grouped_heads_and_cli_heads():
+    """Grouped value heads (HV > H) in the plain-scan baseline, as the oracle reads them;
+    ``--HV`` follows ``--H`` on the command line unless given."""
+    from kdax.bench._main import _parser
+    from kdax.ref import naive_recurrent_kda
+
+    a = tuple(x.astype(jnp.float64) for x in bench.make_inputs(bench.Shape(T=40, H=2, HV=4, K=8, V=8)))
+    o, S = bench.plain_scan_kda(*a)
+    o_ref, S_ref = naive_recurrent_kda(*a, output_final_state=True)
+    np.testing.assert_allclose(o, o_ref, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(S, S_ref, rtol=1e-12, atol=1e-12)
+    args = _parser().parse_args(["--H", "2"])
+    assert args.HV is None and args.H == 2  # (main sets HV = H)

@@ -15,10 +15,13 @@ from ._shape import Shape
 
 
 def plain_scan_kda(q: QK, k: QK, v: Values, g: Gate, beta: Beta) -> tuple[
-        Float[Array, "B T H V"], Float[Array, "B H K V"]]:
+        Float[Array, "B T HV V"], Float[Array, "B HV K V"]]:
     """KDA as a careful user writes it in plain JAX (the honest baseline; kdax.ref keeps the
     readable oracle): one ``lax.scan`` over time with einsums for the decay, ``k^T S``, the
-    rank-1 update and ``q^T S``; H == HV, default scale. Returns ``(o, final state)``."""
+    rank-1 update and ``q^T S``; value head i reads q/k head i // (HV // H), default scale.
+    Returns ``(o, final state)``."""
+    HV = v.shape[2]
+    q, k = (jnp.repeat(x, HV // x.shape[2], axis=2) for x in (q, k))
     scale = q.shape[-1] ** -0.5
     xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q * scale, k, v, jnp.exp(g), beta))
 

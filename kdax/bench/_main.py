@@ -19,7 +19,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=sys.modules[__package__].__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     for name, default in dataclasses.asdict(Shape()).items():
-        p.add_argument(f"--{name}", type=int, default=default)
+        # (--HV follows --H unless given: grouped value heads only when asked for)
+        p.add_argument(f"--{name}", type=int, default=None if name == "HV" else default,
+                       help="default: --H" if name == "HV" else None)
     p.add_argument("--reps", type=int, default=5, help="timed runs of each light path (rounds)")
     p.add_argument("--heavy-reps", type=int, default=1,
                    help="timed runs of each heavy baseline (the gradients of the scans and of autodiff)")
@@ -59,6 +61,7 @@ def main(argv=None) -> int:
     log = Log(not a.quiet)
     avail = pipelines()
     pipes = {n: avail[n] for n in a.pipelines.split(",")}
+    a.HV = a.H if a.HV is None else a.HV
     shape = Shape(**{k: getattr(a, k) for k in dataclasses.asdict(Shape())})
     if a.stages:
         return _stages_main(shape, a.reps, pipes)
