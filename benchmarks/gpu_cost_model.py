@@ -270,9 +270,9 @@ class Glue:
     at each call; a ``broadcast_in_dim`` that only adds unit axes (as many elements out as
     in) is a reshape (XLA makes it a bitcast) and counts as none; ``bytes_fused``: what
     they move if XLA fuses every run of them into one kernel (the values they read from
-    the caller's arrays and the kernels' outputs, each once, and the values they hand to a
-    kernel or return, each written once: reshapes of one value are that value, however
-    many kernels take which of them);
+    the caller's arrays and the kernels' outputs, each once, an array only sliced by what
+    its slices take, and the values they hand to a kernel or return, each written once:
+    reshapes of one value are that value, however many kernels take which of them);
     ``bytes_unfused``: each op reading its operands and writing its result;
     ``launches_fused``: the values they hand on (one fusion each, at least),
     ``launches_unfused``: the ops that touch more than one element."""
@@ -283,6 +283,10 @@ class Glue:
     bytes_unfused: int
     launches_fused: int
     launches_unfused: int
+    # what the fused bytes are: ``(bytes, the glue op kinds that made it, its takers)`` per
+    # value handed on, ``(bytes, where from)`` per array read (an argument, a kernel's output)
+    handed: tuple = ()
+    read_from: tuple = ()
 
     @property
     def total_ops(self) -> int:
@@ -337,6 +341,10 @@ def count_glue(text: str) -> Glue:
     for a, t in funcs[main]["args"]:
         sizes[a], origin[a] = tensor_bytes(t), "source"
     reads, writes, unfused, launches_unfused, kernels = set(), set(), 0, 0, 0
+    made, made_by, takers = {}, {}, {}  # glue value -> its op kinds; source -> "argument" / "kernel N"
+    sliced = {}  # source -> bytes its slices read (a source read whole is charged whole)
+    for a, _ in funcs[main]["args"]:
+        made_by[a] = "argument"
     for line in funcs[main]["lines"]:
         p = parse(line)
         if p is None:
@@ -348,8 +356,9 @@ def count_glue(text: str) -> Glue:
             for v in operands:
                 if origin.get(base(v)) == "glue":
                     writes.add(base(v))
+                    takers.setdefault(base(v), []).append(f"kernel {kernels}" if kind == "kernel" else "returned")
             for r, b in results:
-                sizes[r], origin[r] = b, "source"
+                sizes[r], origin[r], made_by[r] = b, "source", f"kernel {kernels}"
             continue
         # a broadcast that only adds unit axes: a reshape (XLA: a bitcast)
         free = kind in FREE_OPS or (kind == "broadcast_in_dim" and len(operands) == 1 and len(results) == 1
@@ -368,17 +377,31 @@ def count_glue(text: str) -> Glue:
                     root[r] = base(operands[0])
         else:
             o = "glue"
+            own = set() if kind == "call" else {kind}
+            if kind == "call":
+                own |= {q[1] for cl in funcs[callee]["lines"] if (q := parse(cl)) and q[1] not in FREE_OPS}
             for v in operands:
-                if origin.get(base(v)) == "source":
+                own |= made.get(base(v), set())
+                if origin.get(base(v)) == "source" and kind == "slice":  # reads the slice alone
+                    sliced[base(v)] = sliced.get(base(v), 0) + sum(b for _, b in results)
+                elif origin.get(base(v)) == "source":
                     reads.add(base(v))
+            for r, _ in results:
+                made[r] = own
             out_bytes = sum(b for _, b in results)
             unfused += out_bytes + sum(sizes.get(base(v), 0) for v in operands)
             launches_unfused += out_bytes > 8
         for r, b in results:
             sizes[r], origin[r] = b, o
-    fused = sum(sizes[v] for v in reads) + sum(sizes[v] for v in writes)
+    sliced = {v: min(b, sizes[v]) for v, b in sliced.items() if v not in reads}
+    fused = sum(sizes[v] for v in reads) + sum(sliced.values()) + sum(sizes[v] for v in writes)
+    handed = tuple(sorted(((sizes[v], "+".join(sorted(made.get(v, ()))), ", ".join(dict.fromkeys(takers[v])))
+                           for v in writes), key=lambda t: (-t[0], t[2], t[1])))
+    read_from = tuple(sorted([(sizes[v], made_by.get(v, "?")) for v in reads]
+                             + [(b, made_by.get(v, "?") + " (slices)") for v, b in sliced.items()],
+                             key=lambda t: (-t[0], t[1])))
     return Glue(dict(sorted(ops.items(), key=lambda kv: -kv[1])), kernels, fused, unfused, len(writes),
-                launches_unfused)
+                launches_unfused, handed, read_from)
 
 
 def profile_gaps(profile: Path = MEASURED, path: str = CANDIDATE, pass_: str = "train") -> dict:
@@ -1031,6 +1054,9 @@ def main(argv=None) -> str:
               glue_line(f"{BEST} (the checkout)", glue_best)]
     if (DEFAULT, GOAL) in GLUE:
         parts.append(glue_line(f"{DEFAULT} (the checkout)", GLUE[(DEFAULT, GOAL)]))
+    parts.append(f"{BEST}'s glue, fused, value by value (the op kinds that made each, from the arrays it reads):")
+    parts += [f"  handed on {b / 2**20:8.2f} MiB to {to}: {kinds}" for b, kinds, to in glue_best.handed]
+    parts += [f"  read      {b / 2**20:8.2f} MiB from {src}" for b, src in glue_best.read_from]
     lo, mid, hi = (x * 1e3 for x in outside(glue_best))
     k_lo, k_hi = min(step_best, sm(best), two(best)), max(step_best, sm(best), two(best))
     k_head = head_sum(best)
