@@ -30,10 +30,7 @@ import jax.numpy as jnp
 
 from .._layouts.layout import pack, reduce_group, unpack
 from .._numerics import isolation as _isolation
-from .._numerics.arrays import mT, vary_like, zeros_after
-from .._numerics.chunk_loops import loop_unroll
 from ..stages import ChunkGrads, DhuOut, ReferenceDhu
-from ..stages import _state
 from . import routes as _routes
 from .residuals import KDAGrads
 from .stage_grads import BackwardParts
@@ -81,7 +78,7 @@ def backward(pipeline, res, do, dht) -> tuple:
     d_h = d_h.astype(dt)
     out = None
     if type(pipe.dhu) is ReferenceDhu:
-        out = _dhu_with_source(pipe.dhu, kg=c.kg, w=c.w, G=act.G, src=d_h, dv_intra=d_v.astype(doc.dtype), dht=dht,
+        out = pipe.dhu.with_source(kg=c.kg, w=c.w, G=act.G, src=d_h, dv_intra=d_v.astype(doc.dtype), dht=dht,
                                layout=L)
     for j in range(0 if out is None else K, -(-K // C)):
         first = j == 0
@@ -115,36 +112,3 @@ def backward(pipeline, res, do, dht) -> tuple:
         A_log=raw.dA_log, dt_bias=raw.ddt_bias,
     )
     return out, parts
-
-
-def _dhu_with_source(dhu, kg, w, G, src, dv_intra, dht, layout):
-    """``ReferenceDhu``'s recurrence (no ``reset``) with ``src [R, HV, NC, K, V]`` added to
-    each chunk's start-state cotangent where it adds ``scale qg^T do``: ``DhuOut``."""
-    R, HV, NC, _, K = kg.shape
-    decay = _state._decay(G, None)
-    mm = _state._mm
-
-    def step(i, carry):
-        dh_c, dhs, dv_news = carry
-        c = NC - 1 - i
-        at = _state._at(c)
-        dh_end = _state._enter(layout, c, NC - 1, at(layout.last), dht, dh_c)
-        dv_new = at(dv_intra) + mm(at(kg), dh_end)
-        dh_start = at(decay)[..., None] * dh_end + at(src) - mm(mT(at(w)), dv_new)
-        return dh_start, _state._put(dhs, c, dh_end), _state._put(dv_news, c, dv_new)
-
-    dh0 = jnp.where(layout.empty[:, None, None, None], dht, 0.0)
-    if NC == 0:
-        return DhuOut(jnp.zeros((R, HV, 0, K, dht.shape[-1]), dht.dtype), dh0, dv_intra)
-    deps = (kg, w, G, src, dv_intra, dht)
-    dhs = zeros_after((R, HV, NC, K, dht.shape[-1]), dht.dtype, deps)
-    init = vary_like((jnp.zeros((R, HV, K, dht.shape[-1]), dht.dtype), dhs, zeros_after(dv_intra.shape, dv_intra.dtype,
-                                                                                          deps, 1)), deps)
-    unroll = max(1, min(loop_unroll(dhu.loop_unroll), NC))
-    dh_first, dh, dv_new = jax.lax.fori_loop(0, NC, step, init, unroll=unroll)
-    if layout.dense:
-        return DhuOut(dh, dh_first, dv_new)
-    r, c, starts = _state._chunk_of(layout.first, dht.shape[0])
-    take = lambda x: x[r, :, c]
-    first = take(decay)[..., None] * take(dh) + take(src) - mm(mT(take(w)), take(dv_new))
-    return DhuOut(dh, jnp.where(starts[:, None, None, None], first, dh0), dv_new)
