@@ -254,9 +254,24 @@ class ReferenceDhu(AbstractDhu):
         layout: ChunkLayout,
         reset: Optional[ChunkValid] = None,
     ) -> DhuOut:
-        R, HV, NC, _, K = qg.shape
-        V = do.shape[-1]
-        decay = _decay(G, reset)
+        source = lambda pick: scale * _mm(mT(pick(qg)), pick(do))  # (pick: a chunk, or each sequence's first)
+        deps = (qg, kg, w, G, do, dv_intra, dht)
+        return self._recurrence(kg, w, _decay(G, reset), source, dv_intra, dht, layout, deps, do)
+
+    def with_source(self, kg, w, G, src, dv_intra, dht, layout) -> DhuOut:
+        """This recurrence (no ``reset``) with ``src [R, HV, NC, K, V]`` added to each chunk's
+        start-state cotangent where ``__call__`` adds ``scale qg^T do``: ``DhuOut``. What
+        ``chunk_kda``'s backward runs when F5 alone is of other math (its VJP gives ``src``,
+        ``kdax._runner.output_vjp``)."""
+        deps = (kg, w, G, src, dv_intra, dht)
+        return self._recurrence(kg, w, _decay(G, None), lambda pick: pick(src), dv_intra, dht, layout, deps, dv_intra)
+
+    def _recurrence(self, kg, w, decay, source, dv_intra, dht, layout, deps, like) -> DhuOut:
+        """The reverse loop over chunks, ``source(pick)`` the term each chunk's start-state
+        cotangent gains (``pick`` selects the chunk's arrays); ``deps``, ``like``: what the
+        loop's buffers depend on (``zeros_after``) and the ``dv_new`` buffer's shape and dtype."""
+        R, HV, NC, _, K = kg.shape
+        V = dht.shape[-1]
 
         def step(i, carry):
             dh_c, dhs, dv_news = carry
@@ -264,56 +279,20 @@ class ReferenceDhu(AbstractDhu):
             at = _at(c)
             dh_end = _enter(layout, c, NC - 1, at(layout.last), dht, dh_c)
             dv_new = at(dv_intra) + _mm(at(kg), dh_end)
-            dh_start = at(decay)[..., None] * dh_end + scale * _mm(mT(at(qg)), at(do)) - _mm(mT(at(w)), dv_new)
+            dh_start = at(decay)[..., None] * dh_end + source(at) - _mm(mT(at(w)), dv_new)
             return dh_start, _put(dhs, c, dh_end), _put(dv_news, c, dv_new)
 
         # A sequence of length 0 has no chunk: its dh0 is its dht.
         dh0 = jnp.where(layout.empty[:, None, None, None], dht, 0.0)
         if NC == 0:
             return DhuOut(jnp.zeros((R, HV, 0, K, V), dht.dtype), dh0, dv_intra)
-        deps = (qg, kg, w, G, do, dv_intra, dht)
         dhs = zeros_after((R, HV, NC, K, V), dht.dtype, deps)
-        init = vary_like((jnp.zeros((R, HV, K, V), dht.dtype), dhs, zeros_after(do.shape, do.dtype, deps, 1)), deps)
+        init = vary_like((jnp.zeros((R, HV, K, V), dht.dtype), dhs, zeros_after(like.shape, like.dtype, deps, 1)), deps)
         dh_first, dh, dv_new = jax.lax.fori_loop(0, NC, step, init, unroll=max(1, min(loop_unroll(self.loop_unroll), NC)))
         if layout.dense:  # row r is sequence r, which starts at chunk 0
             return DhuOut(dh, dh_first, dv_new)
         # dh0 after the loop, from each sequence's first chunk (see ReferenceState).
         r, c, starts = _chunk_of(layout.first, dht.shape[0])
         take = lambda x: x[r, :, c]
-        first = (take(decay)[..., None] * take(dh) + scale * _mm(mT(take(qg)), take(do))
-                 - _mm(mT(take(w)), take(dv_new)))
-        return DhuOut(dh, jnp.where(starts[:, None, None, None], first, dh0), dv_new)
-
-    def with_source(self, kg, w, G, src, dv_intra, dht, layout) -> DhuOut:
-        """This recurrence (no ``reset``) with ``src [R, HV, NC, K, V]`` added to each chunk's
-        start-state cotangent where ``__call__`` adds ``scale qg^T do``: ``DhuOut``. What
-        ``chunk_kda``'s backward runs when F5 alone is of other math (its VJP gives ``src``,
-        ``kdax._runner.output_vjp``)."""
-        R, HV, NC, _, K = kg.shape
-        decay = _decay(G, None)
-        mm = _mm
-
-        def step(i, carry):
-            dh_c, dhs, dv_news = carry
-            c = NC - 1 - i
-            at = _at(c)
-            dh_end = _enter(layout, c, NC - 1, at(layout.last), dht, dh_c)
-            dv_new = at(dv_intra) + mm(at(kg), dh_end)
-            dh_start = at(decay)[..., None] * dh_end + at(src) - mm(mT(at(w)), dv_new)
-            return dh_start, _put(dhs, c, dh_end), _put(dv_news, c, dv_new)
-
-        dh0 = jnp.where(layout.empty[:, None, None, None], dht, 0.0)
-        if NC == 0:
-            return DhuOut(jnp.zeros((R, HV, 0, K, dht.shape[-1]), dht.dtype), dh0, dv_intra)
-        deps = (kg, w, G, src, dv_intra, dht)
-        dhs = zeros_after((R, HV, NC, K, dht.shape[-1]), dht.dtype, deps)
-        init = vary_like((jnp.zeros((R, HV, K, dht.shape[-1]), dht.dtype), dhs, zeros_after(dv_intra.shape, dv_intra.dtype,
-                                                                                              deps, 1)), deps)
-        unroll = max(1, min(loop_unroll(self.loop_unroll), NC))
-        dh_first, dh, dv_new = jax.lax.fori_loop(0, NC, step, init, unroll=unroll)
-        if layout.dense:
-            return DhuOut(dh, dh_first, dv_new)
-        r, c, starts = _chunk_of(layout.first, dht.shape[0])
-        take = lambda x: x[r, :, c]
-        first = take(decay)[..., None] * take(dh) + take(src) - mm(mT(take(w)), take(dv_new))
+        first = take(decay)[..., None] * take(dh) + source(take) - _mm(mT(take(w)), take(dv_new))
         return DhuOut(dh, jnp.where(starts[:, None, None, None], first, dh0), dv_new)
