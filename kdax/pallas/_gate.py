@@ -82,7 +82,7 @@ def _rows_cumsum(mm: Products, x, lower):
 
 def _activate(cfg: KDAConfig, g, valid, a_log, dtb):
     """The clamped log decay of a block of columns: the in-kernel gate if asked, the
-    dtype's floor, zero at padding (``valid [C, 1]``)."""
+    dtype's floor, zero at padding (``valid [C, 1]``; None: no padding)."""
     if cfg.use_gate_in_kernel:
         x, a = _gate_input(g, a_log, dtb)
         if cfg.lower_bound is None:
@@ -92,7 +92,8 @@ def _activate(cfg: KDAConfig, g, valid, a_log, dtb):
         else:
             g = cfg.lower_bound * _sigmoid(x if a is None else a * x)
     # The floor keeps G small and finite for any gate in [-inf, 0] (see log_decay_floor).
-    return jnp.where(valid > 0, jnp.maximum(g, log_decay_floor(g.dtype)), 0.0)
+    g = jnp.maximum(g, log_decay_floor(g.dtype))
+    return g if valid is None else jnp.where(valid > 0, g, 0.0)
 
 
 def _reset(g, r):
@@ -135,27 +136,30 @@ GATE_BLOCK = 16
 
 
 def gate_kernel(mm: Products, cfg: KDAConfig, blocks, split: bool, scan: bool, has: tuple, loads=(None,) * 4,
-                reset: bool = False):
+                reset: bool = False, padded: bool = True):
     """F1's kernel over one (row * head, chunk) block, ``blocks`` of columns at a time
     (``column_blocks``): outputs ``(q, k, beta, G[, q_rstd, k_rstd][, G_lo])``. ``reset``:
     a ``[C, 1]`` input after ``valid`` marks the tokens that start a sequence (``_reset``).
     ``split``: G as the exact sum ``G + G_lo`` (``kdax._numerics.hilo``; float32), else G alone;
     ``scan``: the cumsums as scans (Triton), else products (``_rows_cumsum``). ``loads``:
     what each block of q, k, g, beta becomes as read (``loaded``: a ``Tokens`` view's
-    cast and cleaning, ``kdax._layouts.tokens``; None: as is)."""
+    cast and cleaning, ``kdax._layouts.tokens``; None: as is). ``padded``: a ``valid``
+    ``[C, 1]`` input follows beta (False: every token is valid, no such input:
+    ``_all_valid``)."""
     l2 = cfg.use_qk_l2norm_in_kernel
 
-    def kernel(q_ref, k_ref, g_ref, b_ref, v_ref, *refs):
+    def kernel(q_ref, k_ref, g_ref, b_ref, *refs):
         q_ref, k_ref, g_ref, b_ref = (loaded(r, ld) for r, ld in zip((q_ref, k_ref, g_ref, b_ref), loads))
+        v_ref, refs = (refs[0], refs[1:]) if padded else (None, refs)
         r = refs[0][...] if reset else None
         refs = refs[1:] if reset else refs
         n = sum(has)
         params, outs = refs[:n], list(refs[n:])
         a_ref, d_ref = _param_refs(params, has)
         a = ref_or_none(a_ref, ...)
-        valid = v_ref[...]
-        C = valid.shape[0]
+        valid = None if v_ref is None else v_ref[...]
         q_o, k_o, b_o, G_o = outs[:4]
+        C = G_o.shape[0]
         rest = outs[4:]
 
         def gate(k0, bk):
@@ -177,7 +181,7 @@ def gate_kernel(mm: Products, cfg: KDAConfig, blocks, split: bool, scan: bool, h
                 bad = nf if bad is None else jnp.maximum(bad, nf)
         seen = None if bad is None else from_first(bad)
         q_rstd, k_rstd = (_rstd(ss_q), _rstd(ss_k)) if l2 else (None, None)
-        lower = None if scan else (iota((C, C), 1) <= iota((C, C), 0)).astype(valid.dtype)
+        lower = None if scan else (iota((C, C), 1) <= iota((C, C), 0)).astype(G_o.dtype)
 
         def cumsum_lower(x):  # lower_dot's result: a non-finite row reaches the rows below
             if lower is not None:
@@ -209,7 +213,7 @@ def gate_kernel(mm: Products, cfg: KDAConfig, blocks, split: bool, scan: bool, h
 
 
 def gate_bwd_kernel(mm: Products, cfg: KDAConfig, blocks, reverse: bool, has: tuple, C: int, load_g=None,
-                    reset: bool = False):
+                    reset: bool = False, padded: bool = True):
     """B5's kernel over one (row * head, chunk) block, ``blocks`` of columns at a time:
     outputs ``(dq, dk, dg, dbeta[, dA [1, K]][, ddt [1, K]])`` (dA, ddt: sums over the
     chunk's rows per column). ``reverse`` (Triton): the chunk's rows read and written in
@@ -217,7 +221,8 @@ def gate_bwd_kernel(mm: Products, cfg: KDAConfig, blocks, reverse: bool, has: tu
     a forward scan; else a product with the upper-triangular ones. ``load_g``: what a block
     of the raw gate becomes as read (``gate_kernel``'s ``loads``). ``reset``: a ``[C, 1]``
     input after ``valid`` marks the tokens that start a sequence: sums within each
-    sequence (``_segment_sums``), no gradient at such a token."""
+    sequence (``_segment_sums``), no gradient at such a token. ``padded`` as
+    ``gate_kernel``'s (False: no ``valid`` input)."""
     l2, gate = cfg.use_qk_l2norm_in_kernel, cfg.use_gate_in_kernel
 
     def kernel(*refs):
@@ -226,14 +231,14 @@ def gate_bwd_kernel(mm: Products, cfg: KDAConfig, blocks, reverse: bool, has: tu
         qn_r, kn_r, qr_r, kr_r = (next(it) for _ in range(4)) if l2 else (None,) * 4
         b_r = next(it)
         g_r = loaded(next(it), load_g) if gate else None
-        v_r = next(it)
+        v_r = next(it) if padded else None
         r_r = next(it) if reset else None
         a_ref, d_ref = _param_refs([next(it) for _ in range(sum(has))], has)
         dq_r, dk_r, db_r, dG_r = (next(it) for _ in range(4))
         dq_o, dk_o, dg_o, db_o = (next(it) for _ in range(4))
         dA_o = next(it) if a_ref is not None else None
         ddt_o = next(it) if d_ref is not None else None
-        valid = v_r[rows]
+        valid = None if v_r is None else v_r[rows]
         r = None if r_r is None else r_r[rows]
         if r is not None:  # the first token's decay meets a zero state: no gradient, exactly
             valid = jnp.where(r > 0, 0.0, valid)
@@ -246,7 +251,7 @@ def gate_bwd_kernel(mm: Products, cfg: KDAConfig, blocks, reverse: bool, has: tu
                 tq = jnp.sum(dq_r[rows, cols] * qn_r[rows, cols], axis=1, keepdims=True)
                 tk = jnp.sum(dk_r[rows, cols] * kn_r[rows, cols], axis=1, keepdims=True)
                 sq, sk = (tq, tk) if sq is None else (sq + tq, sk + tk)
-        upper = None if reverse else (iota((C, C), 1) >= iota((C, C), 0)).astype(valid.dtype)
+        upper = None if reverse else (iota((C, C), 1) >= iota((C, C), 0)).astype(dq_o.dtype)
         for k0, bk in blocks:
             cols = pl.ds(k0, bk)
             dG = dG_r[rows, cols]
@@ -254,7 +259,7 @@ def gate_bwd_kernel(mm: Products, cfg: KDAConfig, blocks, reverse: bool, has: tu
                 dg = _segment_sums(mm, dG, r, reverse)
             else:
                 dg = jnp.cumsum(dG, axis=0) if reverse else mm.dot(upper, dG)
-            dg = jnp.where(valid > 0, dg, 0.0)
+            dg = dg if valid is None else jnp.where(valid > 0, dg, 0.0)
             if gate:
                 x = g_r[rows, cols] if d_ref is None else g_r[rows, cols] + d_ref[:, cols]
                 if cfg.lower_bound == -jnp.inf:  # g = -inf whatever the input: no gradient
@@ -293,9 +298,19 @@ def gate_bwd_kernel(mm: Products, cfg: KDAConfig, blocks, reverse: bool, has: tu
 
 
 def _token_masks(valid, reset, HV: int, dtype) -> list:
-    """``valid`` and, for shared chunks, ``reset`` (``[R, NC, C]``) per value head as the
-    kernels' ``[R * HV, NC, C, 1]`` inputs in ``dtype``."""
+    """``valid`` (None: no padding, ``_all_valid``) and, for shared chunks, ``reset``
+    (``[R, NC, C]``) per value head as the kernels' ``[R * HV, NC, C, 1]`` inputs in
+    ``dtype``."""
     return [flat(per_head(m, HV).astype(dtype)) for m in (valid, reset) if m is not None]
+
+
+def _all_valid(reset, *xs) -> bool:
+    """Whether every token of the chunks is valid, known without reading ``valid``: a
+    ``Tokens`` view among ``xs`` (made only for dense input whose T is a multiple of the
+    chunk size: no padding, ``kdax._layouts.tokens``) and no shared chunks. The kernels
+    then take no ``valid`` input: the mask XLA would build for them (a fusion and its
+    launch, 1 MiB at the GPU benchmark's shape, F1 and B5 each) selects every element."""
+    return reset is None and any(isinstance(x, Tokens) for x in xs)
 
 
 def _params(cfg: KDAConfig, target: str, HV: int, K: int, A_log, dt_bias):
@@ -357,13 +372,15 @@ class PallasGate(AbstractGate, PallasTarget):
         Kp = pow2(K) if self.target == "triton" else K
         ops = [token_operand(self.target, x, self.padded, b) for x, b in ((q, (C, Kp)), (k, (C, Kp)), (g, (C, Kp)))]
         ops.append(token_operand(self.target, beta, flat, (C, 1)))
-        masks = _token_masks(valid, reset, HV, q.dtype)
+        padded = not _all_valid(reset, q, k, g, beta)
+        masks = _token_masks(valid if padded else None, reset, HV, q.dtype)
         p_arrays, p_specs, has = _params(cfg, self.target, HV, K, A_log, dt_bias)
         l2 = cfg.use_qk_l2norm_in_kernel
         # (float64, and the "fast" policy: G alone)
         split = self.split and grid_bits(q.dtype, C) is not None and _precision.keeps_low_part()
         kernel = gate_kernel(self.products(), cfg, column_blocks(self.target, Kp, GATE_BLOCK), split,
-                             self.target == "triton", has, tuple(load for _, _, load in ops), reset is not None)
+                             self.target == "triton", has, tuple(load for _, _, load in ops), reset is not None,
+                             padded)
 
         blocks = [(C, Kp), (C, Kp), (C, 1), (C, Kp)] + ([(C, 1), (C, 1)] if l2 else []) + ([(C, Kp)] if split else [])
         outs = self.call(kernel, (*(a for a, _, _ in ops), *masks, *p_arrays),
@@ -416,11 +433,13 @@ class PallasGateBackward(AbstractGateBackward, PallasTarget):
         ins.append(flat(act.beta))
         specs.append(s1)
         load_g = None
+        g = self.view_or_copy(g, K) if gate else None
         if gate:
-            a, spec, load_g = token_operand(self.target, self.view_or_copy(g, K), fp, (C, Kp))
+            a, spec, load_g = token_operand(self.target, g, fp, (C, Kp))
             ins.append(a)
             specs.append(spec)
-        masks = _token_masks(valid, reset, HV, dq.dtype)
+        padded = not _all_valid(reset, g)
+        masks = _token_masks(valid if padded else None, reset, HV, dq.dtype)
         ins += masks
         specs += [s1] * len(masks)
         p_arrays, p_specs, has = _params(cfg, self.target, HV, K, A_log, dt_bias)
@@ -430,7 +449,7 @@ class PallasGateBackward(AbstractGateBackward, PallasTarget):
         blocks = [(C, Kp), (C, Kp), (C, Kp), (C, 1)] + ([(1, Kp)] if has_dA else []) + ([(1, Kp)] if has_ddt else [])
         # Triton: the chunk's rows in reverse, the reverse cumsum a scan (gate_bwd_kernel).
         kernel = gate_bwd_kernel(self.products(), cfg, column_blocks(self.target, Kp, GATE_BLOCK),
-                                 self.target == "triton", has, C, load_g, reset is not None)
+                                 self.target == "triton", has, C, load_g, reset is not None, padded)
 
         outs = self.call(kernel, ins, specs, blocks, R * HV, NC, dq.dtype)
         cut = lambda x: unflat(x[..., :K], R, HV)

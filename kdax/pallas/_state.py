@@ -20,7 +20,7 @@ from .._numerics import precision as _precision
 from .._stage_protocol.final import final
 from .._annotations import ChunkK, ChunkV, ChunkValid, SeqState, typecheck
 from ..stages import KDA, AbstractDhu, AbstractState, DhuOut, StateOut
-from ._common import PallasValueBlocks, check_block, feature_pad, flat, tuned, unflat
+from ._common import PallasValueBlocks, check_block, feature_pad, flat, pow2, tuned, unflat
 
 
 def _check_chunks(stage: str, NC: int):
@@ -36,6 +36,19 @@ def _gamma_col(G, target, reset=None):
     if reset is not None:
         gam = mask_exponent(state_passes(reset), gam)  # [R, 1, NC, 1] against [R, HV, NC, K]
     return feature_pad(target, flat(gam), axes=(-2,))
+
+
+def _gamma(G, target, reset):
+    """``(array, rows)``: what the state kernels read ``G[last]`` from. On Triton, for
+    chunks without resets and K a power of 2 (no feature padding), G itself (``rows``:
+    the kernel reads each chunk's last row through a block of those rows,
+    ``_state_triton.gamma_operand``), so XLA hands the kernel no sliced copy (at the GPU
+    benchmark's shape 2 MiB and a fusion per kernel, three kernels a step); else the
+    column ``_gamma_col``."""
+    K = G.shape[-1]
+    if target == "triton" and reset is None and pow2(K) == K:
+        return flat(G), True
+    return _gamma_col(G, target, reset), False
 
 
 def _product_operands(target: str, in_kernel: bool, *xs):
@@ -99,7 +112,7 @@ class PallasState(AbstractState, PallasValueBlocks):
         N = h0.shape[0]
         wf, kgf = _product_operands(t, self.round_in_kernel, self.padded(w), self.padded(kg))
         uf = self.padded(u)
-        gam = _gamma_col(G, t, reset)
+        gam, rows = _gamma(G, t, reset)
         h0f = feature_pad(t, h0.reshape(N * HV, K, V), axes=(-2, -1))
         P, Kp, Vp = R * HV, wf.shape[-1], uf.shape[-1]
         # h and v_new as stored (bf16 under "fast"), the final states in h0's dtype
@@ -109,7 +122,7 @@ class PallasState(AbstractState, PallasValueBlocks):
         if t == "tpu":
             h, v_new, final = tpu.state_forward(wf, uf, kgf, gam, h0f, layout, P=P, HV=HV, N=N, **shapes)
         else:
-            h, v_new, final = triton.state_forward(wf, uf, kgf, gam, h0f, layout, R=R, HV=HV, N=N,
+            h, v_new, final = triton.state_forward(wf, uf, kgf, gam, h0f, layout, R=R, HV=HV, N=N, gam_rows=rows,
                                                    block_v=self.block_v, block_k=self.block_k,
                                                    params=self.triton_params(), **shapes)
         return StateOut(unflat(h[..., :K, :V], R, HV), unflat(v_new[..., :V], R, HV),
@@ -160,7 +173,7 @@ class PallasDhu(AbstractDhu, PallasValueBlocks):
         do = do if isinstance(do, Tokens) else self.padded(do)
         qf, kf, wf, dof = _product_operands(t, self.round_in_kernel, *(self.padded(x) for x in (qg, kg, w)), do)
         dvf = self.padded(dv_intra)
-        gam = _gamma_col(G, t, reset)
+        gam, rows = _gamma(G, t, reset)
         dhtf = feature_pad(t, dht.reshape(N * HV, K, V), axes=(-2, -1))
         P, Kp, Vp = R * HV, qf.shape[-1], dvf.shape[-1]
         dt = dv_intra.dtype  # (dh as stored: bf16 under "fast")
@@ -171,6 +184,7 @@ class PallasDhu(AbstractDhu, PallasValueBlocks):
                                                **shapes)
         else:
             dh, dv_new, dh0 = triton.dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout, R=R, HV=HV, N=N,
+                                                  gam_rows=rows,
                                                   block_v=self.block_v, block_k=self.block_k,
                                                   params=self.triton_params(), **shapes)
         return DhuOut(unflat(dh[..., :K, :V], R, HV), dh0[:, :K, :V].reshape(N, HV, K, V),

@@ -12,14 +12,16 @@ from ._common import compiler_params, idiv, loop, manual_inputs, out_dtypes, put
 from ._state_steps import dhu_step_tiled, k_tiles, state_step_tiled
 
 
-def _run(kernel, ins, out_shapes, P, NV, dtype, interpret, stage, params):
+def _run(kernel, ins, out_shapes, P, NV, dtype, interpret, stage, params, specs=None):
     """One program per (row, block of value columns); whole arrays, chunk blocks read with
-    pl.ds inside the kernel. The columns of the state evolve independently, so splitting
-    them halves each program's shared memory and doubles the programs (more parallel
-    work for a GPU at small batch)."""
+    pl.ds inside the kernel (``specs``: a BlockSpec per input, None for a whole array).
+    The columns of the state evolve independently, so splitting them halves each
+    program's shared memory and doubles the programs (more parallel work for a GPU at
+    small batch)."""
     ins, mat = manual_inputs(ins)
+    blocks = {} if specs is None else dict(in_specs=[pl.BlockSpec() if s is None else s for s in specs])
     return pl.pallas_call(
-        kernel, grid=(P, NV),
+        kernel, grid=(P, NV), **blocks,
         out_shape=[jax.ShapeDtypeStruct(s, d, manual_axis_type=mat) for s, d in zip(out_shapes, out_dtypes(dtype, 3))],
         name=f"kdax_{stage}_kernel",
         interpret=interpret, compiler_params=None if interpret else compiler_params("triton", False, 1, **params),
@@ -39,21 +41,40 @@ def _bounds(dense: bool, refs) -> tuple:
     return ((None, None) if dense else ()) + tuple(refs)
 
 
+def gamma_operand(gam, rows: bool, C: int, Kp: int):
+    """``(array, spec, load)`` of the decay ``G[last]`` per chunk: ``rows``: ``gam`` is G
+    ``[P, NC, C, Kp]``, read as a block of each chunk's last row (``[NC, 1, Kp]`` per
+    program: the kernel reads those rows of G, no sliced copy), ``load(ref, p, c, k0, bk)``
+    a ``[bk, 1]`` column; else the column array ``[P, NC, Kp, 1]`` read whole."""
+    if rows:
+        NC = gam.shape[1]
+        spec = pl.BlockSpec((None, NC, 1, Kp), lambda p, j: (p, 0, C - 1, 0))
+        return gam, spec, lambda ref, p, c, k0, bk: ref[c, 0, pl.ds(k0, bk)][:, None]
+    return _tokens(gam), None, lambda ref, p, c, k0, bk: ref[p, pl.ds(c * Kp + k0, bk), :]
+
+
+def _specs(n_before: int, g_spec, n_after: int):
+    """Per input, None (whole) but the decay's ``g_spec``; None if every input is whole."""
+    return None if g_spec is None else [None] * n_before + [g_spec] + [None] * n_after
+
+
 def _tokens(x):
     """``[P, NC, A, B] -> [P, NC * A, B]`` so a chunk is a ``pl.ds`` slice of rows."""
     return x.reshape(x.shape[0], x.shape[1] * x.shape[2], x.shape[3])
 
 
 def state_forward(wf, uf, kgf, gam, h0f, layout, *, R, HV, NC, C, Kp, Vp, N, block_v, block_k, dtype, interpret, mm,
-                  params):
+                  params, gam_rows=False):
     """F4 on padded, flattened operands: ``(h [P, NC, Kp, Vp], v_new, final [N * HV, Kp, Vp])``.
-    ``mm``: the kernel's ``Products``; ``params``: its ``num_warps`` and ``num_stages``."""
+    ``mm``: the kernel's ``Products``; ``params``: its ``num_warps`` and ``num_stages``;
+    ``gam``, ``gam_rows``: the decay as ``gamma_operand`` takes it."""
     P = R * HV
     # Sequence boundaries from the layout (dense or packed varlen): a chunk that
     # starts sequence f loads h0[f]; one that ends sequence l writes final[l].
     bv = min(block_v, Vp)
     dense = layout.dense
     tiles = k_tiles(Kp, block_k)
+    g_in, g_spec, g_load = gamma_operand(gam, gam_rows, C, Kp)
 
     def kernel(w_ref, u_ref, kg_ref, g_ref, h0_ref, *refs):
         first_ref, last_ref, h_ref, vn_ref, fin_ref = _bounds(dense, refs)
@@ -73,7 +94,7 @@ def state_forward(wf, uf, kgf, gam, h0f, layout, *, R, HV, NC, C, Kp, Vp, N, blo
             v_new, hs_next = state_step_tiled(  # (loads, each read where its product needs it: _state_steps)
                 mm, [lambda k0=k0, bk=bk: w_ref[p, rows, pl.ds(k0, bk)] for k0, bk in tiles], u_ref[p, rows, cols],
                 [lambda k0=k0, bk=bk: kg_ref[p, rows, pl.ds(k0, bk)] for k0, bk in tiles],
-                [lambda k0=k0, bk=bk: g_ref[p, pl.ds(c * Kp + k0, bk), :] for k0, bk in tiles], hs)
+                [lambda k0=k0, bk=bk: g_load(g_ref, p, c, k0, bk) for k0, bk in tiles], hs)
             put(vn_ref, (p, rows, cols), v_new)
             if not dense:
                 l = last_ref[r, c]
@@ -94,8 +115,9 @@ def state_forward(wf, uf, kgf, gam, h0f, layout, *, R, HV, NC, C, Kp, Vp, N, blo
                 fin_ref[p, pl.ds(k0, bk), cols] = h
 
     h, v_new, final = _run(
-        kernel, (_tokens(wf), _tokens(uf), _tokens(kgf), _tokens(gam), h0f, *_bound_inputs(layout)),
+        kernel, (_tokens(wf), _tokens(uf), _tokens(kgf), g_in, h0f, *_bound_inputs(layout)),
         [(P, NC * Kp, Vp), (P, NC * C, Vp), (N * HV, Kp, Vp)], P, Vp // bv, dtype, interpret, "PallasState", params,
+        _specs(3, g_spec, 1 + len(_bound_inputs(layout))),
     )
     h, v_new = h.reshape(P, NC, Kp, Vp), v_new.reshape(P, NC, C, Vp)
     # A sequence of length 0 has no chunk to write its final state: it keeps h0.
@@ -104,7 +126,7 @@ def state_forward(wf, uf, kgf, gam, h0f, layout, *, R, HV, NC, C, Kp, Vp, N, blo
 
 
 def dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout, *, R, HV, NC, C, Kp, Vp, N, block_v, block_k, dtype,
-                 interpret, mm, params):
+                 interpret, mm, params, gam_rows=False):
     """B2 on padded, flattened operands, chunks in reverse: ``(dh, dv_new, dh0)``. ``dof``
     may be a ``Tokens`` view (dense layout, V a power of 2): read from the caller's
     ``[B, T, H, V]`` array, row r's tokens of head ``hv // group``."""
@@ -120,6 +142,7 @@ def dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout, *, R, HV, NC, C
     bv = min(block_v, Vp, 16 if C > 64 else Vp)
     dense = layout.dense
     tiles = k_tiles(Kp, block_k)
+    g_in, g_spec, g_load = gamma_operand(gam, gam_rows, C, Kp)
 
     def kernel(q_ref, k_ref, w_ref, g_ref, do_ref, dvi_ref, dht_ref, *refs):
         first_ref, last_ref, dh_ref, dv_ref, dh0_ref = _bounds(dense, refs)
@@ -138,7 +161,7 @@ def dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout, *, R, HV, NC, C
                 dh_ref[p, pl.ds(c * Kp + k0, bk), cols] = h.astype(dh_ref.dtype)
             # (loads, each read where its product needs it: _state_steps)
             cut = lambda ref: [lambda k0=k0, bk=bk: ref[p, rows, pl.ds(k0, bk)] for k0, bk in tiles]  # noqa: E731
-            gam = [lambda k0=k0, bk=bk: g_ref[p, pl.ds(c * Kp + k0, bk), :] for k0, bk in tiles]
+            gam = [lambda k0=k0, bk=bk: g_load(g_ref, p, c, k0, bk) for k0, bk in tiles]
             dv, dhs_start = dhu_step_tiled(mm, scale, cut(q_ref), cut(k_ref), cut(w_ref), gam,
                                             lambda: read_do(do_ref, p, r, hv, rows, cols), lambda: dvi_ref[p, rows, cols],
                                             dhs)
@@ -162,9 +185,9 @@ def dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout, *, R, HV, NC, C
                 dh0_ref[p, pl.ds(k0, bk), cols] = h
 
     dh, dv_new, dh0 = _run(
-        kernel, (_tokens(qf), _tokens(kf), _tokens(wf), _tokens(gam), do_in, _tokens(dvf), dhtf,
-                 *_bound_inputs(layout)),
+        kernel, (_tokens(qf), _tokens(kf), _tokens(wf), g_in, do_in, _tokens(dvf), dhtf, *_bound_inputs(layout)),
         [(P, NC * Kp, Vp), (P, NC * C, Vp), (N * HV, Kp, Vp)], P, Vp // bv, dtype, interpret, "PallasDhu", params,
+        _specs(3, g_spec, 3 + len(_bound_inputs(layout))),
     )
     dh, dv_new = dh.reshape(P, NC, Kp, Vp), dv_new.reshape(P, NC, C, Vp)
     # A sequence of length 0 passes its dht straight to dh0.

@@ -1,0 +1,77 @@
+"""Work folded into the Triton kernels instead of XLA ops around them (issue 53 item 2):
+the state kernels (F4, B2) read each chunk's last row of G themselves (no sliced copy of
+G handed to them), and the gate kernels (F1, B5) take no ``valid`` mask where the
+pipeline hands them ``Tokens`` views (dense input, T a multiple of the chunk: no padding).
+The kernels against the reference stages in interpret mode; the candidate's training step
+lowered for CUDA, its glue counted (``benchmarks/gpu_cost_model.py``'s ``count_glue``)."""
+
+import jax.numpy as jnp
+import pytest
+
+from kdax import pallas as P
+from kdax import stages as S
+from kdax._layouts.layout import make_layout
+from kdax.pallas._state import _gamma
+
+from ..stages._chunked import chunked, intra_chunk, rand_like, wy_chunk
+from .test_stages import _close
+
+
+def test_gamma_operand_kinds():
+    """G itself (its last rows read by the kernel) on Triton for K a power of 2 without
+    resets; the sliced column elsewhere (TPU, padded K, shared chunks' resets)."""
+    G = jnp.zeros((1, 2, 3, 16, 32))
+    assert _gamma(G, "triton", None)[1]
+    assert not _gamma(G, "tpu", None)[1]
+    assert not _gamma(G[..., :12], "triton", None)[1]
+    assert not _gamma(G, "triton", jnp.zeros((1, 3, 16), bool))[1]
+
+
+@pytest.mark.parametrize("block_k", [None, 16])
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_state_kernels_read_last_rows_of_G(packed, block_k):
+    """K = 32 (no padding: the kernels read G's last rows through a block of them), dense
+    and packed (lengths 10, 0, 1, 20), the state whole or as 16-row tiles: F4 and B2 equal
+    the reference stages."""
+    cu = jnp.array([0, 10, 10, 11, 31], jnp.int32) if packed else None
+    layout = make_layout(1, 31, 16, cu)
+    N = 4 if packed else 1
+    x = chunked(8, R=1, HV=2, NC=layout.num_chunks, C=16, K=32, V=24)
+    Aqk, Akk = intra_chunk(x["q"], x["k"], x["beta"], x["G"], x["scale"])
+    w, u, qg, kg = wy_chunk(x["q"], x["k"], x["v"], x["beta"], x["G"], Akk)
+    h0 = rand_like(jnp.zeros((N, 2, 32, 24)), 1)
+    args = (w, u, kg, x["G"], h0, layout)
+    kw = dict(target="triton", interpret=True, block_v=16, block_k=block_k)
+    _close(P.PallasState(**kw)(*args), S.ReferenceState()(*args), 1e-12, "state")
+    do, dv, dht = rand_like(u, 2), rand_like(u, 3), rand_like(h0, 4)
+    bargs = (x["scale"], qg, kg, w, x["G"], do, dv, dht, layout)
+    _close(P.PallasDhu(**kw)(*bargs), S.ReferenceDhu()(*bargs), 1e-12, "dhu")
+
+
+@pytest.fixture(scope="module")
+def glue():
+    from tests.benchmarks._load import load_benchmark
+    from tests.pallas._triton import lower_step, skip_reason
+
+    if reason := skip_reason():
+        pytest.skip(reason)
+    m = load_benchmark("gpu_cost_model")
+    from triton_resources import training_step
+
+    fn, args, _ = training_step(m.CANDIDATE, 1, 256, 2)
+    lowered, records = lower_step(fn, args)
+    return m.count_glue(lowered.as_text())
+
+
+def test_step_glue_folded(glue):
+    """The candidate's training step at B=1 T=256 H=2: no slice of G (F4, B2 and B2's
+    forward recompute read its last rows), no mask handed to F1 (kernel 1) or B5 (kernel
+    12) but dbeta's partial sums; 109 ops and 9 values handed on at most (119 and 14
+    before these folds, 2.42 MiB fused)."""
+    g = glue
+    assert g.kernels == 12, g
+    assert "slice" not in g.ops, g.ops
+    takers = [to for _, _, to in g.handed]
+    assert not any("kernel 1" in t.split(", ") for t in takers), g.handed
+    assert [kinds for _, kinds, to in g.handed if "kernel 12" in to] == ["add+reduce"], g.handed
+    assert g.total_ops <= 109 and g.launches_fused <= 9 and g.bytes_fused <= 2506752, g
