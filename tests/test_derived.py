@@ -318,7 +318,7 @@ def test_eager_derived_gradient_is_compiled_once():
     assert_close(first, jitted, 1e-12, "eager vs jitted dq")
 
 
-# -- the derived backward's chunk-local VJPs (kdax._runner.chunk_vjp) -------------------------
+# -- the reference stages' chunk-local VJPs (their loops' own: over_chunks, F4's recurrence) --
 
 
 def _stage_kwargs(field, pipe, x, **options):
@@ -335,11 +335,10 @@ def _stage_kwargs(field, pipe, x, **options):
 
 @pytest.mark.parametrize("case", ["dense", "packed", "in-kernel gate"])
 @pytest.mark.parametrize("field", ["gate", "intra", "wy", "state", "output"])
-def test_chunk_local_vjp_is_the_stages_vjp(field, case):
-    # A forward stage of KDA's math in the derived backward: the forward bit for bit the
-    # stage's, its VJP (a few chunks at a time: 5 chunks of 16, R x HV = 4 -> slices of
-    # one chunk; F2 by B4, F4 whole) jax.vjp of the stage itself, in float64.
-    from kdax._runner import chunk_vjp
+def test_reference_stage_vjp_through_its_loop(field, case):
+    # A reference forward stage differentiated by JAX (the derived backward): its chunk
+    # loop's own VJP (groups of 3 of the 20 (row, head, chunk) blocks, each rematerialised;
+    # F4's chunks walked backwards) equals JAX's VJP of the stage without a loop, float64.
     from kdax._runner.contracts import STAGES
 
     opts = dict(chunk_size=CHUNK, output_final_state=True)
@@ -347,42 +346,45 @@ def test_chunk_local_vjp_is_the_stages_vjp(field, case):
         x = make_inputs(B=1, T=80, H=4, K=8, V=4, N=3)
         opts["cu_seqlens"] = jnp.array([0, 9, 50, 80], jnp.int32)
         x.pop("initial_state")
-    elif case == "in-kernel gate":  # softplus gate with A_log, dt_bias (read whole by every slice), l2norm
+    elif case == "in-kernel gate":  # softplus gate with A_log, dt_bias (read whole by every group), l2norm
         x = make_inputs(B=2, T=80, H=2, K=8, V=4, gate="raw", A_log=True, dt_bias=True, beta_raw=True)
         opts.update(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
     else:
         x = make_inputs(B=2, T=80, H=2, K=8, V=4)
     kwargs = _stage_kwargs(field, kdax.KDAPipeline.reference().untiled(), x, **opts)
-    stage = STAGES[field].reference()
-    wrapped = chunk_vjp.chunk_local(field, stage)
+    ref = STAGES[field].reference
+    looped, whole = (ref(unroll=0), ref(unroll=100)) if field == "state" else (ref(group=3), ref(group=None))
     diff = {n: a for n, a in kwargs.items() if eqx.is_inexact_array(a)}
     rest = {n: a for n, a in kwargs.items() if n not in diff}
-    want, vjp_want = jax.jit(lambda d: jax.vjp(lambda d_: stage(**d_, **rest), d))(diff)
-    got, vjp_got = jax.jit(lambda d: jax.vjp(lambda d_: wrapped(**d_, **rest), d))(diff)
+    want, vjp_want = jax.jit(lambda d: jax.vjp(lambda d_: whole(**d_, **rest), d))(diff)
+    got, vjp_got = jax.jit(lambda d: jax.vjp(lambda d_: looped(**d_, **rest), d))(diff)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert_close(a, b, 1e-13, f"{field} forward ({case})")
     leaves, tree = jax.tree.flatten(want)
     keys = jax.random.split(jax.random.key(3), len(leaves))
     ct = jax.tree.unflatten(tree, [jax.random.normal(kk, a.shape, a.dtype) for kk, a in zip(keys, leaves)])
     (d_want,), (d_got,) = vjp_want(ct), vjp_got(ct)
     assert set(d_got) == set(d_want)
     for n in d_want:
-        assert_close(d_got[n], d_want[n], 1e-13, f"d{n} ({field}, {case})")
+        if d_want[n] is not None:
+            assert_close(d_got[n], d_want[n], 1e-13, f"d{n} ({field}, {case})")
 
 
-def test_derived_pipeline_runs_kda_stages_chunk_local():
-    # The derived forward differentiates its KDA stages chunk by chunk (and reports them as
-    # the reference stages they run); a user's stage as it is.
-    from kdax._runner import chunk_vjp, routes
+def test_derived_pipeline_runs_reference_stages():
+    # The derived forward runs each KDA stage as its family's reference stage (Pallas
+    # stages have no JAX derivative) and a user's stage as it is.
+    from kdax._runner import routes
+    from kdax._runner.contracts import STAGES
 
-    pipe = eqx.tree_at(lambda p: p.output, kdax.KDAPipeline.reference(), ScaledOutput())
+    pipe = eqx.tree_at(lambda p: p.output, kdax.KDAPipeline.pallas(), ScaledOutput())
     diff, swapped = routes.differentiable_forward(pipe)
-    assert swapped == ()
-    for f in ("gate", "intra", "wy", "state"):
-        stage = getattr(diff, f)
-        assert type(chunk_vjp.unwrapped(stage)) is type(getattr(pipe, f)) and stage is not chunk_vjp.unwrapped(stage)
-        assert type(stage).__qualname__ == type(getattr(pipe, f)).__qualname__
+    assert set(swapped) == {"gate", "intra", "wy", "state"}
+    for f in swapped:
+        assert type(getattr(diff, f)) is STAGES[f].reference
     assert diff.output is pipe.output and diff.tile is None
+    diff, swapped = routes.differentiable_forward(eqx.tree_at(lambda p: p.output, kdax.KDAPipeline.reference(),
+                                                                  ScaledOutput()))
+    assert swapped == ()
 
 
 class GainTanhOutput(AbstractOutput):

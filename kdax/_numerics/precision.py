@@ -160,6 +160,25 @@ def float32_products():
         _CURRENT.reset(token)
 
 
+def captured():
+    """The precision scope of the code being traced (the stage's policy and operand dtype,
+    JAX's default matmul precision), for ``restored`` to trace a stage's backward under
+    (a custom VJP's backward is traced after the forward's scopes have exited)."""
+    return _CURRENT.get(), jax.config.jax_default_matmul_precision
+
+
+@contextlib.contextmanager
+def restored(scope):
+    """Trace the block under ``scope`` (``captured``)."""
+    current, matmul = scope
+    token = _CURRENT.set(current)
+    try:
+        with jax.default_matmul_precision(matmul) if matmul is not None else contextlib.nullcontext():
+            yield
+    finally:
+        _CURRENT.reset(token)
+
+
 def current_policy() -> str:
     """The resolved policy of the stage being traced (``"highest"`` outside a pipeline)."""
     return _CURRENT.get()[0]

@@ -32,7 +32,6 @@ from .._layouts.layout import pack_inputs
 from .._numerics import isolation as _isolation
 from ..stages import KDA, GateVjpBackward
 from .._stage_protocol.capabilities import Capabilities, capabilities
-from . import chunk_vjp as _chunk_vjp
 from .contracts import STAGES
 from .residuals import KDAGrads
 
@@ -181,18 +180,16 @@ def warn_derived(pipeline) -> None:
 def differentiable_forward(pipeline):
     """``(pipeline'', swapped fields)``: ``pipeline`` untiled, each forward stage that
     declares KDA's math run as its family's reference stage (same math, differentiable by
-    JAX; swapped: the fields whose stage was not that reference stage), differentiated
-    chunk by chunk (``kdax._runner.chunk_vjp``: its VJP keeps only its inputs, its
-    transpose's temporaries the size of a few chunks); the other stages kept, and
-    differentiated as they are."""
+    JAX; swapped: the fields whose stage was not that reference stage); the other stages
+    kept, and differentiated as they are. The reference stages' VJPs are chunk-local:
+    their chunk loops carry their own (``kdax._numerics.chunk_loops.over_chunks``,
+    ``kdax.stages._state``'s recurrence), each group or chunk rematerialised."""
     swaps, swapped = {}, []
     for name, info in STAGES.items():
         stage = getattr(pipeline, name)
-        if info.forward and is_kda(stage):
-            if type(stage) is not info.reference:
-                swapped.append(name)
-                stage = info.reference()
-            swaps[name] = _chunk_vjp.chunk_local(name, stage)
+        if info.forward and is_kda(stage) and type(stage) is not info.reference:
+            swapped.append(name)
+            swaps[name] = info.reference()
     return dataclasses.replace(pipeline, tile=None, **swaps), tuple(swapped)
 
 
@@ -257,9 +254,6 @@ def derived_gradients(res: DerivedResiduals, where, do, dht, cu_seqlens) -> tupl
     do, poison = _isolation.clean_cotangents(do, dht, cu_seqlens, res.num_qk_heads)
     dht = _isolation.finite_or_zero(zeros_like_or(dht, res.final))
     d_inputs, d_pipe = res.vjp((do, dht))
-    # (a stage differentiated chunk by chunk: its cotangent is its wrapper's)
-    d_pipe = dataclasses.replace(d_pipe, **{n: _chunk_vjp.unwrapped(getattr(d_pipe, n))
-                                            for n, i in STAGES.items() if i.forward})
     q, k, v, g, beta, h0, A_log, dt_bias = d_inputs
     grads = KDAGrads(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, A_log=A_log, dt_bias=dt_bias)
     grads = _isolation.poison_inputs(where, poison(grads))

@@ -122,9 +122,9 @@ def chunk_cumsum(x, reverse: bool = False, group: ChunkGroup = None, loops: str 
     C = x.shape[-2]
     ones = jnp.tril(jnp.ones((C, C), x.dtype))
     if reverse:  # the backward's: no causality to keep
-        return over_chunks(lambda x: mT(ones) @ x, group, x, loops=loops)
+        return over_chunks(lambda x, ones: mT(ones) @ x, group, x, loops=loops, consts=(ones,))
     # A NaN or inf gate reaches only G from its own row on (see lower_matmul).
-    return over_chunks(lambda x: lower_matmul(ones, x), group, x, loops=loops)
+    return over_chunks(lambda x, ones: lower_matmul(ones, x), group, x, loops=loops, consts=(ones,))
 
 
 def segment_cumsum(dG, reset, group: ChunkGroup = None, loops: str = "auto"):
@@ -150,7 +150,7 @@ def split_cumsum(g, group: ChunkGroup = None, loops: str = "auto"):
         return chunk_cumsum(g, group=group, loops=loops), None
     ones = jnp.tril(jnp.ones((C, C), g.dtype))
 
-    def split(g):  # per group of chunks: no full-size temporaries besides G and G_lo
+    def split(g, ones):  # per group of chunks: no full-size temporaries besides G and G_lo
         hi, lo = split_log_decay(g, C)
         hi = lower_matmul(ones, hi)  # exact: every partial sum is on the grid
         # A NaN or inf gate reaches G through hi alone (its own row on: lower_matmul).
@@ -158,7 +158,7 @@ def split_cumsum(g, group: ChunkGroup = None, loops: str = "auto"):
         G = hi + lo
         return G, (hi - G) + lo  # hi - G exact (Sterbenz): the remainder of the rounding
 
-    return over_chunks(split, group, g, loops=loops)
+    return over_chunks(split, group, g, loops=loops, consts=(ones,))
 
 
 class AbstractGateBackward(eqx.Module):

@@ -7,6 +7,7 @@ neither.
 """
 
 import abc
+import functools
 from types import MappingProxyType
 from typing import ClassVar, Literal, Mapping, Optional, Union
 
@@ -137,31 +138,17 @@ class ReferenceState(AbstractState):
             return StateOut(jnp.zeros((R, HV, 0, K, V), h0.dtype), u, h0)
         decay = _decay(G, reset)
 
-        def chunk(c, h):
-            at = _at(c)
-            h = _enter(layout, c, 0, at(layout.first), h0, h)
-            v_new = at(u) - _mm(at(w), h)
-            h_next = at(decay)[..., None] * h + _mm(mT(at(kg)), v_new)
-            return h, v_new, h_next
-
-        h = jnp.zeros((R, HV, K, V), h0.dtype)
         if NC <= self.unroll:
+            h = jnp.zeros((R, HV, K, V), h0.dtype)
             hs, v_news = [], []
             for c in range(NC):
-                h_start, v_new, h = chunk(c, h)
+                h_start, v_new, h = _chunk(layout, c, h, w, u, kg, decay, h0)
                 hs.append(h_start)
                 v_news.append(v_new)
             hs, v_news = jnp.stack(hs, 2), jnp.stack(v_news, 2)
         else:
-
-            def step(c, carry):
-                h, hs, v_news = carry
-                h_start, v_new, h = chunk(c, h)
-                return h, _put(hs, c, h_start), _put(v_news, c, v_new)
-
-            deps = (w, u, kg, G, h0)
-            init = vary_like((h, zeros_after((R, HV, NC, K, V), h0.dtype, deps), zeros_after(u.shape, u.dtype, deps, 1)), deps)
-            h, hs, v_news = jax.lax.fori_loop(0, NC, step, init, unroll=max(1, min(loop_unroll(self.loop_unroll), NC)))
+            unroll = max(1, min(loop_unroll(self.loop_unroll), NC))
+            h, hs, v_news = _recurrence(unroll, _precision.captured(), layout, w, u, kg, G, decay, h0)
         # Stored as FLA stores them (bf16 under "fast"; kdax._numerics.precision.stored). The
         # products above rounded the same values, so only the copies change.
         if layout.dense:  # row r is sequence r, which ends at the last chunk
@@ -173,6 +160,85 @@ class ReferenceState(AbstractState):
         take = lambda x: x[r, :, c]
         final = take(decay)[..., None] * take(hs) + _mm(mT(take(kg)), take(v_news))
         return StateOut(_precision.stored(hs), _precision.stored(v_news), jnp.where(ends[:, None, None, None], final, h0))
+
+
+def _chunk(layout, c, h, w, u, kg, decay, h0):
+    """Chunk ``c`` of F4: ``(h at its start, v_new, h at its end)`` from the state ``h``
+    carried in (replaced by ``h0`` of a sequence that starts there)."""
+    at = _at(c)
+    h = _enter(layout, c, 0, at(layout.first), h0, h)
+    v_new, h_next = _step(h, w, u, kg, decay, at)
+    return h, v_new, h_next
+
+
+def _step(h, w, u, kg, decay, at=lambda x: x):
+    """``(v_new, h at the chunk's end)`` from ``h`` at its start, the chunk's arrays read
+    by ``at`` (whole arrays and ``_at(c)``, or the chunk's slices)."""
+    v_new = at(u) - _mm(at(w), h)
+    return v_new, at(decay)[..., None] * h + _mm(mT(at(kg)), v_new)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _recurrence(unroll, scope, layout, w, u, kg, G, decay, h0):
+    """F4's loop over chunks: ``(h after the last chunk, hs, v_news)``. Its VJP walks the
+    chunks backwards, each chunk's step differentiated alone from the state it started
+    from (``_recurrence_bwd``): JAX's VJP of the loop kept each chunk's slices of every
+    input and added each chunk's gradient into zeros the size of the whole input.
+    ``scope``: the forward's precision scope (``precision.captured``); ``G`` orders the
+    buffers' zeros after the inputs (``zeros_after``) and gets no gradient."""
+    R, HV, NC, _, K = w.shape
+    V = u.shape[-1]
+
+    def step(c, carry):
+        h, hs, v_news = carry
+        h_start, v_new, h = _chunk(layout, c, h, w, u, kg, decay, h0)
+        return h, _put(hs, c, h_start), _put(v_news, c, v_new)
+
+    h = jnp.zeros((R, HV, K, V), h0.dtype)
+    deps = (w, u, kg, G, h0)
+    init = vary_like((h, zeros_after((R, HV, NC, K, V), h0.dtype, deps), zeros_after(u.shape, u.dtype, deps, 1)), deps)
+    return jax.lax.fori_loop(0, NC, step, init, unroll=unroll)
+
+
+def _recurrence_fwd(unroll, scope, layout, w, u, kg, G, decay, h0):
+    h, hs, v_news = out = _recurrence(unroll, scope, layout, w, u, kg, G, decay, h0)
+    return out, (layout, w, u, kg, decay, h0, hs)
+
+
+def _recurrence_bwd(unroll, scope, res, g):
+    layout, w, u, kg, decay, h0, hs = res
+    g_h, g_hs, g_v = g
+    NC = w.shape[2]
+    N = h0.shape[0]
+
+    def back(i, carry):
+        c = NC - 1 - i
+        dh, dw, du, dkg, ddecay, dh0 = carry
+        at = _at(c)
+        parts = (at(hs), at(w), at(u), at(kg), at(decay))
+        _, vjp = jax.vjp(_step, *parts)
+        d_h, d_w, d_u, d_kg, d_decay = vjp((at(g_v), dh))
+        d_h = d_h + at(g_hs)
+        # The state a sequence starts from is its h0 (``_enter``): its gradient goes there.
+        if layout.dense:
+            entered = jnp.full(d_h.shape[:1], c == 0)
+            dh0 = jnp.where(c == 0, d_h, dh0)
+        else:
+            ids = at(layout.first)
+            entered = ids >= 0
+            dh0 = dh0.at[jnp.where(entered, ids, N)].add(d_h, mode="drop")
+        dh = jnp.where(entered[:, None, None, None], 0.0, d_h).astype(dh.dtype)
+        return (dh, _put(dw, c, d_w), _put(du, c, d_u), _put(dkg, c, d_kg), _put(ddecay, c, d_decay), dh0)
+
+    deps = (w, u, kg, decay, h0, hs, g_hs, g_v)
+    init = vary_like((g_h, jnp.zeros_like(w), jnp.zeros_like(u), jnp.zeros_like(kg), jnp.zeros_like(decay),
+                      jnp.zeros_like(h0)), deps)
+    with _precision.restored(scope):
+        _, dw, du, dkg, ddecay, dh0 = jax.lax.fori_loop(0, NC, back, init, unroll=unroll)
+    return None, dw, du, dkg, None, ddecay, dh0
+
+
+_recurrence.defvjp(_recurrence_fwd, _recurrence_bwd)
 
 
 def _decay(G, reset):
