@@ -17,6 +17,7 @@ from types import MappingProxyType
 from typing import ClassVar, Mapping, Optional
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 
 from .._layouts.resets import per_head, same_segment, segments
@@ -167,11 +168,33 @@ def _diagonal_splits(S):
     return offs
 
 
-@_precision.keep_float32
+@jax.custom_vjp
 def unit_lower_inverse(L):
     """``(I + L)^-1`` for strictly lower ``L [..., C, C]``, by recursive 2 x 2 blocks:
     ``[[A, 0], [B, D]]^-1 = [[A^-1, 0], [-D^-1 B A^-1, D^-1]]`` (matmuls only: XLA:CPU's
-    triangular solve forces a column-major layout on its operand)."""
+    triangular solve forces a column-major layout on its operand). Differentiated by JAX
+    (a derived backward), its VJP is the inverse's: ``dL = -X^T dX X^T`` below the
+    diagonal, ``X`` the inverse (JAX's VJP of the recursion took several times longer)."""
+    return _blocks_inverse(L)
+
+
+def _inverse_fwd(L):
+    X = _blocks_inverse(L)
+    return X, X
+
+
+def _inverse_bwd(X, dX):
+    hi = jax.lax.Precision.HIGHEST
+    C = X.shape[-1]
+    d = -jnp.matmul(jnp.matmul(mT(X), dX, precision=hi), mT(X), precision=hi)
+    return (jnp.where(jnp.tril(jnp.ones((C, C), bool), -1), d, 0.0).astype(X.dtype),)
+
+
+unit_lower_inverse.defvjp(_inverse_fwd, _inverse_bwd)
+
+
+@_precision.keep_float32
+def _blocks_inverse(L):
     C = L.shape[-1]
     inv = jnp.ones(L.shape[:-2] + (C, 1, 1), L.dtype)
     for s, B in zip(_levels(C), _diagonal_splits(L)[::-1]):

@@ -60,6 +60,21 @@ def test_unit_lower_inverse(C):
     np.testing.assert_allclose(inv, want, rtol=1e-10, atol=1e-10 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("C", [16, 64])
+def test_unit_lower_inverse_vjp(C):
+    """The inverse's own VJP (``dL = -X^T dX X^T`` below the diagonal) equals JAX's VJP of
+    the block recursion, float64; nothing reaches the diagonal and above (never read)."""
+    from kdax.stages._intra import _blocks_inverse
+
+    r = np.random.default_rng(C + 1)
+    L = jnp.asarray(np.tril(r.normal(size=(2, 3, C, C)) * 0.3, -1) + np.triu(r.normal(size=(2, 3, C, C))))
+    dX = jnp.asarray(r.normal(size=(2, 3, C, C)))
+    got = jax.vjp(unit_lower_inverse, L)[1](dX)[0]
+    want = jax.vjp(_blocks_inverse, L)[1](dX)[0]
+    assert np.all(np.triu(np.asarray(got)) == 0.0)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-11, atol=1e-11 * float(jnp.max(jnp.abs(want))))
+
+
 @pytest.mark.parametrize("reverse", [False, True])
 def test_chunk_cumsum(reverse):
     x = np.random.default_rng(2).normal(size=(2, 3, 4, 16, 5))
