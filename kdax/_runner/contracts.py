@@ -13,8 +13,7 @@ import equinox as eqx
 import jax
 
 from .._errors import StageContractError
-from .._numerics import precision as _precision
-from ..ref import compute_dtype
+from .._stage_protocol.output_specs import Maybe, Specs
 from ..stages import (
     ReferenceDAv,
     ReferenceDhu,
@@ -38,13 +37,6 @@ from ..stages import (
     AbstractState,
     AbstractWY,
     AbstractWYDqkg,
-    Activated,
-    ChunkGrads,
-    DhuOut,
-    IntraOut,
-    RawGrads,
-    StateOut,
-    WYOut,
 )
 
 
@@ -108,72 +100,11 @@ def check_arguments(name: str, stage: Any, kwargs: dict) -> None:
         ) from None
 
 
-class Maybe(NamedTuple):
-    """An output that may be None (else must match ``spec``)."""
-
-    spec: Any
-
-
-def _sds(x, shape=None) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(tuple(x.shape) if shape is None else tuple(shape), x.dtype)
-
-
 def expected_output(name: str, kw: dict, config, policy: str = "highest") -> Any:
     """The container, shapes and dtypes stage ``name`` must return for arguments ``kw``
-    under precision ``policy`` (the intermediates of ``kdax._numerics.precision.STORED`` in their
-    storage dtype, every gradient in its argument's dtype)."""
-    sds = _sds
-
-    def s(x, shape=None, stored=False):
-        out = sds(x, shape)
-        return jax.ShapeDtypeStruct(out.shape, _precision.storage(out.dtype, policy)) if stored else out
-
-    def grad_of(x, like):  # a gradient of stored x: the compute dtype (like's)
-        return sds(like, x.shape)
-
-    def computed(x, shape, stored=False):  # in the compute dtype of x (which may be stored in bf16)
-        return s(jax.ShapeDtypeStruct(tuple(shape), compute_dtype(x)), stored=stored)
-
-    if name == "gate":
-        q = kw["q"]
-        rstd = s(q, q.shape[:-1] + (1,)) if config.use_qk_l2norm_in_kernel else None
-        return Activated(s(q), s(kw["k"]), s(kw["beta"]), s(kw["g"]), rstd, rstd, Maybe(s(kw["g"])))
-    if name == "intra":
-        q = kw["q"]
-        mat = s(q, q.shape[:-1] + (q.shape[-2],), stored=True)
-        return IntraOut(mat, mat)
-    if name == "wy":
-        return WYOut(s(kw["k"], stored=True), s(kw["v"], stored=True), s(kw["q"], stored=True), s(kw["k"], stored=True))
-    if name == "state":
-        w, u, h0 = kw["w"], kw["u"], kw["h0"]
-        return StateOut(s(h0, w.shape[:3] + (w.shape[-1], u.shape[-1]), stored=True), s(h0, u.shape, stored=True),
-                        s(h0))
-    if name == "output":
-        return computed(kw["qg"], kw["v_new"].shape)
-    if name == "recompute":
-        q, v, h0 = kw["q"], kw["v"], kw["h0"]
-        return (WYOut(s(kw["k"], stored=True), s(v, stored=True), s(q, stored=True), s(kw["k"], stored=True)),
-                StateOut(s(q, q.shape[:3] + (q.shape[-1], v.shape[-1]), stored=True), s(v, stored=True), s(h0)))
-    if name == "dav":
-        return (grad_of(kw["Aqk"], kw["do"]), s(kw["do"]))
-    if name == "dhu":
-        qg, do = kw["qg"], kw["do"]
-        return DhuOut(computed(qg, qg.shape[:3] + (qg.shape[-1], do.shape[-1]), stored=True), s(kw["dht"]),
-                      s(kw["dv_intra"]))
-    if name == "wy_dqkg":
-        return ChunkGrads(s(kw["q"]), s(kw["k"]), s(kw["v"]), s(kw["beta"]), s(kw["G"]), grad_of(kw["Akk"], kw["q"]))
-    if name == "intra_bwd":
-        g = kw["grads"]
-        return ChunkGrads(s(kw["q"]), s(kw["k"]), s(g.dv), s(kw["beta"]), s(kw["G"]), Maybe(s(kw["dAqk"])))
-    if name == "gate_bwd":
-        gate = config.use_gate_in_kernel
-        A_log, dt_bias = kw["A_log"], kw["dt_bias"]
-        return RawGrads(
-            s(kw["dq"]), s(kw["dk"]), s(kw["dG"]), s(kw["dbeta"]),
-            s(A_log) if gate and A_log is not None else None,
-            s(dt_bias) if gate and dt_bias is not None else None,
-        )
-    raise KeyError(name)
+    under precision ``policy``: its family's ``output_spec``, given the arguments' shapes
+    and dtypes."""
+    return STAGES[name].family.output_spec(jax.eval_shape(lambda args: args, kw), config, Specs(policy))
 
 
 def _describe(x) -> str:

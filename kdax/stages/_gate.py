@@ -15,6 +15,7 @@ from .._numerics.hilo import grid_bits, split_log_decay
 from .._numerics.arrays import lower_matmul, mT
 from .._numerics.chunk_loops import ChunkGroup, over_chunks
 from .._stage_protocol.final import final
+from .._stage_protocol.output_specs import Maybe, Specs
 from .._annotations import ChunkK, ChunkScalar, ChunkValid, typecheck
 from ..ref import L2NORM_EPS, activated_gate, beta_activation, log_decay_floor
 from ._types import Activated, RawGrads, KDA
@@ -71,6 +72,14 @@ class AbstractGate(eqx.Module):
         reset: Optional[ChunkValid] = None,
     ) -> Activated:
         raise NotImplementedError
+
+    @staticmethod
+    def output_spec(kw: dict, config: KDAConfig, s: Specs) -> Activated:
+        """What F1 returns for the arguments ``kw`` (the pipeline checks it at every call)."""
+        q = kw["q"]
+        rstd = s.like(q, q.shape[:-1] + (1,)) if config.use_qk_l2norm_in_kernel else None
+        return Activated(s.like(q), s.like(kw["k"]), s.like(kw["beta"]), s.like(kw["g"]), rstd, rstd,
+                         Maybe(s.like(kw["g"])))
 
 
 @final
@@ -201,6 +210,15 @@ class AbstractGateBackward(eqx.Module):
         reset: Optional[ChunkValid] = None,
     ) -> RawGrads:
         raise NotImplementedError
+
+    @staticmethod
+    def output_spec(kw: dict, config: KDAConfig, s: Specs) -> RawGrads:
+        """What B5 returns for the arguments ``kw`` (the pipeline checks it at every call)."""
+        gate = config.use_gate_in_kernel
+        A_log, dt_bias = kw["A_log"], kw["dt_bias"]
+        return RawGrads(s.like(kw["dq"]), s.like(kw["dk"]), s.like(kw["dG"]), s.like(kw["dbeta"]),
+                        s.like(A_log) if gate and A_log is not None else None,
+                        s.like(dt_bias) if gate and dt_bias is not None else None)
 
 
 def gate_param_backward(config: KDAConfig, g, A_log, dt_bias, dg):

@@ -26,6 +26,7 @@ from .._numerics.hilo import exponent
 from .._numerics.arrays import lower_matmul, mT, rowsum, zeros_after
 from .._numerics.chunk_loops import ChunkGroup, over_chunks
 from .._stage_protocol.final import final
+from .._stage_protocol.output_specs import Maybe, Specs
 from .._annotations import ChunkK, ChunkMat, ChunkScalar, ChunkValid, typecheck
 from ._types import ChunkGrads, IntraOut, KDA
 
@@ -247,6 +248,13 @@ class AbstractIntra(eqx.Module):
     ) -> IntraOut:
         raise NotImplementedError
 
+    @staticmethod
+    def output_spec(kw: dict, config, s: Specs) -> IntraOut:
+        """What F2 returns for the arguments ``kw`` (the pipeline checks it at every call)."""
+        q = kw["q"]
+        mat = s.like(q, q.shape[:-1] + (q.shape[-2],), stored=True)
+        return IntraOut(mat, mat)
+
 
 @final
 class ReferenceIntra(AbstractIntra):
@@ -325,6 +333,12 @@ class AbstractIntraBackward(eqx.Module):
         reset: Optional[ChunkValid] = None,
     ) -> ChunkGrads:
         raise NotImplementedError
+
+    @staticmethod
+    def output_spec(kw: dict, config, s: Specs) -> ChunkGrads:
+        """What B4 returns for the arguments ``kw`` (the pipeline checks it at every call)."""
+        return ChunkGrads(s.like(kw["q"]), s.like(kw["k"]), s.like(kw["grads"].dv), s.like(kw["beta"]),
+                          s.like(kw["G"]), Maybe(s.like(kw["dAqk"])))
 
 
 @final

@@ -6,12 +6,14 @@ import functools
 from typing import ClassVar, Mapping, Optional
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 
 from .._numerics.arrays import lower_matmul, mT, tri_mask
 
 from .._numerics.chunk_loops import ChunkGroup, over_chunks
 from .._stage_protocol.final import final
+from .._stage_protocol.output_specs import Specs
 from .._annotations import ChunkK, ChunkMat, ChunkState, ChunkV, typecheck
 from ._types import KDA
 
@@ -48,6 +50,11 @@ class AbstractOutput(eqx.Module):
         v_new: ChunkV,
     ) -> ChunkV:
         raise NotImplementedError
+
+    @staticmethod
+    def output_spec(kw: dict, config, s: Specs) -> jax.ShapeDtypeStruct:
+        """What F5 returns for the arguments ``kw`` (the pipeline checks it at every call)."""
+        return s.computed(kw["qg"], kw["v_new"].shape)
 
 
 def _output_chunk(scale, qg, h, Aqk, v_new):
@@ -104,6 +111,12 @@ class AbstractDAv(eqx.Module):
         do: ChunkV,
     ) -> tuple[ChunkMat, ChunkV]:
         raise NotImplementedError
+
+    @staticmethod
+    def output_spec(kw: dict, config, s: Specs) -> tuple:
+        """What B1 returns for the arguments ``kw`` (the pipeline checks it at every call):
+        ``dAqk`` in ``do``'s dtype (``Aqk`` may arrive stored in bf16)."""
+        return s.like(kw["do"], kw["Aqk"].shape), s.like(kw["do"])
 
 
 def _dav_chunk(v_new, Aqk, do):

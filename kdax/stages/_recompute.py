@@ -10,6 +10,7 @@ from .._layouts.layout import ChunkLayout
 from .._numerics import precision as _precision
 from .._stage_protocol.capabilities import capabilities, negotiated
 from .._stage_protocol.final import final
+from .._stage_protocol.output_specs import Specs
 from .._annotations import ChunkK, ChunkMat, ChunkScalar, ChunkV, ChunkValid, SeqState, typecheck
 from ._state import AbstractState, ReferenceState
 from ._types import StateOut, WYOut
@@ -60,6 +61,14 @@ class AbstractRecompute(eqx.Module):
         state: Optional[AbstractState] = None,
     ) -> tuple[WYOut, StateOut]:
         raise NotImplementedError
+
+    @staticmethod
+    def output_spec(kw: dict, config, s: Specs) -> tuple:
+        """What B0 returns for the arguments ``kw`` (the pipeline checks it at every call)."""
+        q, k, v, h0 = kw["q"], kw["k"], kw["v"], kw["h0"]
+        wy = WYOut(s.like(k, stored=True), s.like(v, stored=True), s.like(q, stored=True), s.like(k, stored=True))
+        return wy, StateOut(s.like(q, q.shape[:3] + (q.shape[-1], v.shape[-1]), stored=True), s.like(v, stored=True),
+                            s.like(h0))
 
 
 def _with_reset(stage, kwargs: dict, reset) -> dict:

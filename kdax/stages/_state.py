@@ -21,6 +21,7 @@ from .._numerics import precision as _precision
 from .._numerics.arrays import mT, vary_like, zeros_after
 from .._numerics.chunk_loops import loop_unroll
 from .._stage_protocol.final import final
+from .._stage_protocol.output_specs import Specs
 from .._annotations import ChunkK, ChunkV, ChunkValid, SeqState, typecheck
 from ._types import DhuOut, StateOut, KDA
 
@@ -103,6 +104,13 @@ class AbstractState(eqx.Module):
         reset: Optional[ChunkValid] = None,
     ) -> StateOut:
         raise NotImplementedError
+
+    @staticmethod
+    def output_spec(kw: dict, config, s: Specs) -> StateOut:
+        """What F4 returns for the arguments ``kw`` (the pipeline checks it at every call)."""
+        w, u, h0 = kw["w"], kw["u"], kw["h0"]
+        return StateOut(s.like(h0, w.shape[:3] + (w.shape[-1], u.shape[-1]), stored=True),
+                        s.like(h0, u.shape, stored=True), s.like(h0))
 
 
 @final
@@ -295,6 +303,13 @@ class AbstractDhu(eqx.Module):
         reset: Optional[ChunkValid] = None,
     ) -> DhuOut:
         raise NotImplementedError
+
+    @staticmethod
+    def output_spec(kw: dict, config, s: Specs) -> DhuOut:
+        """What B2 returns for the arguments ``kw`` (the pipeline checks it at every call)."""
+        qg, do = kw["qg"], kw["do"]
+        return DhuOut(s.computed(qg, qg.shape[:3] + (qg.shape[-1], do.shape[-1]), stored=True), s.like(kw["dht"]),
+                      s.like(kw["dv_intra"]))
 
 
 @final

@@ -12,6 +12,7 @@ from .._numerics.hilo import exponent
 from .._numerics.arrays import last_row, lower_matmul, mT, rowsum, tri_mask
 from .._numerics.chunk_loops import ChunkGroup, over_chunks
 from .._stage_protocol.final import final
+from .._stage_protocol.output_specs import Specs
 from .._annotations import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, ChunkValid, typecheck
 from ._types import ChunkGrads, WYOut, KDA
 
@@ -58,6 +59,12 @@ class AbstractWY(eqx.Module):
         reset: Optional[ChunkValid] = None,
     ) -> WYOut:
         raise NotImplementedError
+
+    @staticmethod
+    def output_spec(kw: dict, config, s: Specs) -> WYOut:
+        """What F3 returns for the arguments ``kw`` (the pipeline checks it at every call)."""
+        k = s.like(kw["k"], stored=True)
+        return WYOut(k, s.like(kw["v"], stored=True), s.like(kw["q"], stored=True), k)
 
 
 def _masks(seg):
@@ -164,6 +171,13 @@ class AbstractWYDqkg(eqx.Module):
         reset: Optional[ChunkValid] = None,
     ) -> ChunkGrads:
         raise NotImplementedError
+
+    @staticmethod
+    def output_spec(kw: dict, config, s: Specs) -> ChunkGrads:
+        """What B3 returns for the arguments ``kw`` (the pipeline checks it at every call):
+        ``dL`` in the compute dtype (``Akk`` may arrive stored in bf16)."""
+        return ChunkGrads(s.like(kw["q"]), s.like(kw["k"]), s.like(kw["v"]), s.like(kw["beta"]), s.like(kw["G"]),
+                          s.like(kw["q"], kw["Akk"].shape))
 
 
 def _wy_dqkg_chunk(scale, k, v, beta, G, Akk, qg, kg, h, dh, v_new, do, dv_new, G_last, G_lo=None, lo_last=None,
