@@ -5,9 +5,11 @@ temp bytes and compile time for the default pipeline beside
   F1's VJP, ``kdax.stages.GateVjpBackward``), and Gated DeltaNet's F1 (examples/gated_deltanet.py);
 - an undeclared no-op F5 wrapper (B0, B2-B5 hand-written, F5's transpose its ``jax.vjp``:
   ``kdax._runner.output_vjp``);
-- an undeclared no-op F4 wrapper (the backward derived whole by ``jax.vjp``, the KDA stages
-  differentiated chunk by chunk: ``kdax._runner.chunk_vjp``);
-- every forward stage an undeclared wrapper (derived whole, every stage as it is);
+- an undeclared no-op F4 wrapper (the backward derived whole by ``jax.vjp``);
+- every forward stage an undeclared wrapper (derived whole);
+
+(a derived backward differentiates the reference stages through their chunk loops' own
+VJPs: ``kdax._numerics.chunk_loops.over_chunks``, F4's recurrence, F2's inverse)
 
 and an eager derived gradient's time a call against its jitted one. Ratios against the
 default measured in the same process, the paths timed in interleaved rounds.

@@ -50,3 +50,32 @@ def test_intra_backward_is_vjp(C, group, strong, HV, NC):
     assert_close(out.dbeta, dbeta, 1e-10, "dbeta")
     assert_close(out.dG, dG, 1e-10, "dG")
     assert np.all(np.isfinite(np.asarray(out.dG)))
+
+
+@pytest.mark.parametrize("low", [False, True], ids=["G", "G + G_lo"])
+@pytest.mark.parametrize("C,group,strong", [(16, 3, True), (64, None, False)])
+def test_intra_vjp_is_the_formulas(C, group, strong, low):
+    """F2 differentiated by JAX (a derived backward): its products' VJP (B4's formula) and
+    its inverse's (``-X^T dX X^T``) give JAX's VJP of the pairwise formulas, float64;
+    ``G_lo`` enters every exponent as ``G`` does, and gets the same gradient."""
+    x = chunked(C + 2, C=C, NC=3, HV=2, strong=strong)
+    G_lo = rand_like(x["G"], 5) * 1e-9 if low else None
+    args = (x["q"], x["k"], x["beta"], x["G"])
+
+    def oracle(q, k, beta, G):
+        Aqk, L = _intra_piece(x["scale"], q, k, beta, G if G_lo is None else G + G_lo)
+        eye = jnp.eye(C, dtype=L.dtype)
+        return Aqk, jnp.linalg.solve(eye + L, jnp.broadcast_to(eye, L.shape))
+
+    def stage(*a):
+        out = ReferenceIntra(group=group)(x["scale"], *a[:4], G_lo=a[4] if low else None)
+        return out.Aqk, out.Akk
+
+    mat = jnp.zeros(x["q"].shape[:-1] + (C,))
+    cts = (rand_like(mat, 6), rand_like(mat, 7))
+    got = jax.vjp(stage, *args, *((G_lo,) if low else ()))[1](cts)
+    want = jax.vjp(oracle, *args)[1](cts)
+    for name, a, b in zip(("dq", "dk", "dbeta", "dG"), got, want):
+        assert_close(a, b, 1e-10, name)
+    if low:
+        assert_close(got[4], want[3], 1e-10, "dG_lo")
