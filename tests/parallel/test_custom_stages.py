@@ -7,6 +7,10 @@ transposes (the training step added the bias twice); an F4 that is not affine in
 state (clips ``h0``); undeclared no-op wrappers of F1 (holding an array), F4 and F5 (the
 backward derived by ``jax.vjp`` through the sequence-parallel forward)."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import MappingProxyType
 from typing import ClassVar
 
@@ -149,12 +153,47 @@ def test_sequence_parallel_custom_stages_exact(case, packed):
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), g_sp, g_one):
         assert_close(a, b, 1e-10, f"{case}: {name}")
     # The forward under value_and_grad is the plain forward's route (the issue's case: the
-    # bias added twice, 0.6 off): equal to float64 rounding. Not bit for bit: XLA fuses the
-    # forward's last sums differently when the loss's backward shares the program (1 ulp
-    # in a few elements, o or final state, depending on the loss).
+    # bias added twice, 0.6 off): equal to float64 rounding under this suite's XLA flags,
+    # which fuse the forward's last sums differently when the loss's backward shares the
+    # program (1 ulp in a few elements); bit for bit with XLA's defaults (the test below).
     o_plain, ht_plain = jax.jit(lambda *a: sp(*a, **opts))(*pos)
     assert_close(o_sp, o_plain, 1e-14, f"{case}: o, value_and_grad vs plain")
     assert_close(ht_sp, ht_plain, 1e-14, f"{case}: final state, value_and_grad vs plain")
+
+
+_BIT_FOR_BIT = """
+import os, sys
+sys.path.insert(0, os.getcwd())
+import jax, numpy as np, warnings
+jax.config.update("jax_enable_x64", True)
+warnings.simplefilter("ignore")
+import kdax
+from tests.parallel.test_custom_stages import CASES, _loss, _pipe, _setup
+mesh = jax.make_mesh((4,), ("sp",), devices=jax.devices()[:4])
+for case in CASES:
+    for packed in (False, True):
+        pos, opts, w = _setup(packed)
+        pipe = _pipe(case)
+        sp = lambda *a, **k: kdax.parallel.chunk_kda(mesh, "sp", *a, pipeline=pipe, **k)
+        (_, (o, ht)), _ = _loss(sp, pos, opts, w)
+        o_plain, ht_plain = jax.jit(lambda *a: sp(*a, **opts))(*pos)
+        same = np.array_equal(o, o_plain) and np.array_equal(ht, ht_plain)
+        print(case, "packed" if packed else "dense", "equal" if same else "DIFFERENT")
+"""
+
+
+def test_sequence_parallel_value_and_grad_forward_bit_for_bit():
+    # With XLA's default flags (a user's), the forward under value_and_grad is the plain
+    # forward bit for bit, every case and layout above on 4 devices. (This suite's faster-
+    # compiling flags, conftest.py, fuse the forward's last sums differently when the
+    # backward shares the program: 1 ulp in a few elements, hence 1e-14 above.)
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    run = subprocess.run([sys.executable, "-c", _BIT_FOR_BIT], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.strip().splitlines()
+    assert len(lines) == 2 * len(CASES) and all(line.endswith(" equal") for line in lines), run.stdout
 
 
 @pytest.mark.parametrize("case", ["non-affine F4", "undeclared F4 wrapper"])
