@@ -245,11 +245,10 @@ class KDAPipeline(eqx.Module):
         None (no loss on the final state)."""
         return self.backward_with_parts(res, do, dht)[0]
 
-    def backward_with_parts(self, res: KDAResiduals, do, dht=None) -> tuple:
-        """``(backward(res, do, dht), parts)``: ``parts`` (``kdax._runner.stage_grads.BackwardParts``)
-        holds what the backward formed on the way (the packed ``do``, B0's ``qg, h, v_new``,
-        B4's gradients of F1's outputs), the cotangents from which stage arrays are
-        differentiated."""
+    def backward_with_parts(self, res: KDAResiduals, do, dht=None, final=None) -> tuple:
+        """``(backward(res, do, dht), parts)``: ``parts`` (``_runner.stage_grads.BackwardParts``: packed ``do``,
+        B0's ``qg, h, v_new``, B4's gradients of F1's outputs, the stage arrays' cotangents). ``final``
+        (``kdax._layouts.tokens.FinalGrads``): the gradients of q to beta as the call's results."""
         check_families(self)  # (a pipeline edited with eqx.tree_at skips __check_init__)
         check_transposes(self)
         cfg, L, act = res.config, res.layout, res.act
@@ -275,7 +274,7 @@ class KDAPipeline(eqx.Module):
         dh, extra = ext.after_dhu(dhu(doc, dv_intra, dht, L), dhu_from_states, extra)
         grads = self.run_stage(  # B3
             "wy_dqkg", scale=cfg.scale, q=act.q, k=act.k, v=res.v, beta=act.beta, G=act.G, Akk=res.Akk, qg=c.qg,
-            kg=c.kg, h=c.h, dh=dh.dh, v_new=c.v_new, do=doc, dv_new=dh.dv_new, G_lo=act.G_lo, reset=L.reset,
+            kg=c.kg, h=c.h, dh=dh.dh, v_new=c.v_new, do=doc, dv_new=dh.dv_new, G_lo=act.G_lo, reset=L.reset, final=final,
         )
         grads, extra = ext.after_wy_dqkg(grads, extra, dv_intra=dv_intra, doc=doc, Akk=res.Akk)
         grads = self.run_stage(  # B4
@@ -284,11 +283,12 @@ class KDAPipeline(eqx.Module):
         )
         raw = self.run_stage(  # B5
             "gate_bwd", config=cfg, act=act, g=res.g_raw, A_log=res.A_log, dt_bias=res.dt_bias, valid=L.valid,
-            dq=grads.dq, dk=grads.dk, dbeta=grads.dbeta, dG=grads.dG, reset=L.reset,
+            dq=grads.dq, dk=grads.dk, dbeta=grads.dbeta, dG=grads.dG, reset=L.reset, final=final,
         )
         raw = ext.after_gate_bwd(raw, extra)
         parts = BackwardParts(doc=as_chunked(doc), qg=c.qg, h=c.h, v_new=v_out, act_grads=grads)
-        return KDAGrads.unpacked(L, raw, grads.dv, res.num_qk_heads, functools.partial(ext.initial_state, dh, extra)), parts
+        dh0 = functools.partial(ext.initial_state, dh, extra)
+        return KDAGrads.unpacked(L, raw, grads.dv, res.num_qk_heads, dh0, final), parts
 
     # -- public entry points ------------------------------------------------------------
 

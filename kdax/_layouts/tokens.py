@@ -120,3 +120,53 @@ def chunked_cotangent(layout: ChunkLayout, do, dt, reads: bool):
     if views_fit(layout) and reads:
         return Tokens(do, do.shape[2], layout.chunk_size, np.dtype(dt))
     return pack(layout, do, dt)
+
+
+class Written(eqx.Module):
+    """A gradient a stage wrote as the call's result (``FinalGrads``): ``x`` ``[B, T, H, *D]``
+    (dbeta ``[B, T, H]``) in the input's dtype, NaN where ``chunk_kda``'s isolation puts
+    NaN. ``shape`` and ``dtype`` are those of the chunked gradient it stands for, so the
+    pipeline's contracts read it as that array; only ``KDAGrads.unpacked`` reads it."""
+
+    x: Array
+    shape: tuple = eqx.field(static=True)
+    dtype: np.dtype = eqx.field(static=True)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+class FinalGrads(eqx.Module):
+    """What a B3 or B5 that declares ``final_grads`` (docs/stages.md, capabilities) may
+    write its gradients of ``q, k, v, g, beta`` as: the call's results, in the caller's
+    layout (``[B, T, H, D]``, dbeta ``[B, T, H]``; blocks as a ``Tokens`` view's) and the
+    inputs' ``dtypes``, NaN at the tokens and heads where ``chunk_kda``'s isolation puts NaN
+    (``kdax._numerics.isolation``): ``poison`` ``[B, T // C, C, HV, 2]`` float32, above zero
+    there: column 0 for dq, column 1 for dk, dv, dg and dbeta. Such a gradient comes back
+    as ``Written``; one a stage leaves chunked the pipeline finishes (``finish``): the same
+    numbers. Made only where ``Tokens`` views fit and q, k have a head per value head."""
+
+    poison: Array
+    dtypes: tuple = eqx.field(static=True)  # of (q, k, v, g, beta)
+
+    NAMES = ("q", "k", "v", "g", "beta")
+
+    def dtype(self, name: str) -> np.dtype:
+        return np.dtype(self.dtypes[self.NAMES.index(name)])
+
+    def column(self, name: str) -> int:
+        """The column of ``poison`` that masks the gradient of input ``name``."""
+        return 0 if name == "q" else 1
+
+    def written(self, name: str, x, like) -> Written:
+        """``x`` (caller's layout, written by a kernel) standing for the chunked ``like``."""
+        return Written(x, tuple(like.shape), np.dtype(like.dtype))
+
+    def finish(self, name: str, y):
+        """The gradient ``y`` of input ``name`` in the caller's layout (unpacked) as the
+        kernels write it: NaN where poisoned, cast to the input's dtype."""
+        B, NC, C, HV, _ = self.poison.shape
+        m = self.poison[..., self.column(name)].reshape(B, NC * C, HV) > 0
+        m = m.reshape(m.shape + (1,) * (y.ndim - 3))
+        return jnp.where(m, jnp.asarray(jnp.nan, y.dtype), y).astype(self.dtype(name))

@@ -217,12 +217,12 @@ def poison_outputs(bad: Bad, o, final):
 
 def clean_cotangents(do, dht, cu_seqlens, H: int):
     """``(do, poison)`` for ``chunk_kda``'s VJP: a non-finite ``do`` replaced by zero
-    (``dht`` is kept out of other sequences by ``KDAPipeline.backward``), and
-    ``poison(grads)`` putting NaN into the gradients that the recurrence's
-    autodiff makes NaN: every token of a sequence up to its last non-finite ``do``
-    (``dq`` at that token only), all of a sequence with a non-finite ``dht``, and that
-    sequence's ``dh0``. ``do [B, T, HV, V]``, ``dht [N, HV, K, V]`` or None; ``H`` the
-    q/k heads."""
+    (``dht`` is kept out of other sequences by ``KDAPipeline.backward``), and ``poison``
+    (``CotangentPoison``) putting NaN into the gradients
+    that the recurrence's autodiff makes NaN: every token of a sequence up to its last
+    non-finite ``do`` (``dq`` at that token only), all of a sequence with a non-finite
+    ``dht``, and that sequence's ``dh0``. ``do [B, T, HV, V]``, ``dht [N, HV, K, V]`` or
+    None; ``H`` the q/k heads."""
     B, T, HV = do.shape[:3]
     seq, N = sequence_ids(B, T, cu_seqlens)
     bad_tok = ~jnp.all(jnp.abs(do) < jnp.inf, -1)  # [B, T, HV]
@@ -233,15 +233,37 @@ def clean_cotangents(do, dht, cu_seqlens, H: int):
         ht_bad = ~finite_heads(dht)  # [N, HV]
         upto = upto | _to_tokens(ht_bad, seq, cu_seqlens)
         seq_bad = seq_bad | ht_bad
+    return do, CotangentPoison(bad_tok, upto, seq_bad)
 
-    def poison(grads):
-        dh0 = grads.initial_state
-        if dh0 is not None:
-            dh0 = jnp.where(seq_bad[:, :, None, None], jnp.asarray(jnp.nan, dh0.dtype), dh0)
+
+class CotangentPoison:
+    """What ``clean_cotangents`` found: ``bad_tok``, ``upto`` ``[B, T, HV]`` (dq's tokens, the
+    other inputs'), ``seq_bad`` ``[N, HV]`` (dh0's heads). Called on ``KDAGrads``: those NaN."""
+
+    def __init__(self, bad_tok, upto, seq_bad):
+        self.bad_tok, self.upto, self.seq_bad = bad_tok, upto, seq_bad
+
+    def __call__(self, grads):
+        grads = self.states(grads)
         return type(grads)(
-            q=_nan_at(bad_tok, grads.q), k=_nan_at(upto, grads.k), v=_nan_at(upto, grads.v),
-            g=_nan_at(upto, grads.g), beta=_nan_at(upto, grads.beta), initial_state=dh0, A_log=grads.A_log,
-            dt_bias=grads.dt_bias,
+            q=_nan_at(self.bad_tok, grads.q), k=_nan_at(self.upto, grads.k), v=_nan_at(self.upto, grads.v),
+            g=_nan_at(self.upto, grads.g), beta=_nan_at(self.upto, grads.beta), initial_state=grads.initial_state,
+            A_log=grads.A_log, dt_bias=grads.dt_bias,
         )
 
-    return do, poison
+    def states(self, grads):
+        """``grads`` with ``initial_state`` (``[N, HV, K, V]`` or None) NaN for the
+        sequences a bad cotangent reaches."""
+        dh0 = grads.initial_state
+        if dh0 is not None:
+            dh0 = jnp.where(self.seq_bad[:, :, None, None], jnp.asarray(jnp.nan, dh0.dtype), dh0)
+        return dataclasses.replace(grads, initial_state=dh0)
+
+    def masks(self, where, chunk_size: int):
+        """``[B, T // C, C, HV, 2]`` float32, above zero where a gradient is NaN: column 0
+        dq's tokens (``bad_tok`` or ``where``), column 1 those of dk, dv, dg, dbeta
+        (``upto`` or ``where``); ``where`` is ``Bad.where`` (``poison_inputs``'). For
+        ``kdax._layouts.tokens.FinalGrads``: q, k with a head per value head."""
+        m = jnp.stack([self.bad_tok | where, self.upto | where], axis=-1).astype(jnp.float32)
+        B, T, HV, _ = m.shape
+        return m.reshape(B, T // chunk_size, chunk_size, HV, 2)

@@ -10,7 +10,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from .._config import KDAConfig
 from .._layouts.layout import ChunkLayout, reduce_group, unpack
-from .._layouts.tokens import Tokens, as_chunked
+from .._layouts.tokens import FinalGrads, Tokens, Written, as_chunked
 from .._annotations import ChunkMat, ChunkK, ChunkV, SeqState
 from ..stages import Activated, ForwardCache
 
@@ -177,18 +177,27 @@ class KDAGrads(eqx.Module):
     dt_bias: Optional[Float[Array, " HVK"]]
 
     @classmethod
-    def unpacked(cls, layout: ChunkLayout, raw, dv, num_qk_heads: int, initial_state: Callable) -> "KDAGrads":
+    def unpacked(cls, layout: ChunkLayout, raw, dv, num_qk_heads: int, initial_state: Callable,
+                 final: Optional[FinalGrads] = None) -> "KDAGrads":
         """The gradients in ``chunk_kda``'s layouts from B5's ``raw`` and B3/B4's ``dv``
         (chunked), q's and k's summed over each group of value heads; ``initial_state()``
         gives the initial states' (``[N, HV, K, V]`` or None; called after the others are
-        unpacked)."""
+        unpacked). ``final`` (``kdax._layouts.tokens.FinalGrads``): q's to beta's as the
+        call's results, a ``Written`` one as the stage wrote it, any other finished here."""
         H = num_qk_heads
+
+        def out(name, x, as_array=lambda y: y):
+            if isinstance(x, Written):
+                return x.x
+            y = as_array(x)
+            return y if final is None else final.finish(name, y)
+
         return cls(
-            q=unpack(layout, reduce_group(raw.dq, H)),
-            k=unpack(layout, reduce_group(raw.dk, H)),
-            v=unpack(layout, dv),
-            g=unpack(layout, raw.dg),
-            beta=unpack(layout, raw.dbeta[..., None])[..., 0],
+            q=out("q", raw.dq, lambda x: unpack(layout, reduce_group(x, H))),
+            k=out("k", raw.dk, lambda x: unpack(layout, reduce_group(x, H))),
+            v=out("v", dv, lambda x: unpack(layout, x)),
+            g=out("g", raw.dg, lambda x: unpack(layout, x)),
+            beta=out("beta", raw.dbeta, lambda x: unpack(layout, x[..., None])[..., 0]),
             initial_state=initial_state(),
             A_log=raw.dA_log,
             dt_bias=raw.ddt_bias,

@@ -13,7 +13,10 @@ import jax.numpy as jnp
 from . import output_vjp as _output_vjp
 from . import routes as _routes
 from .._config import KDAConfig, KDAOptions
+from .._layouts import tokens as _tokens
+from .._layouts.tokens import FinalGrads
 from .._numerics import isolation as _isolation
+from .._stage_protocol.capabilities import capabilities
 from .._validate import final_out, prepare_options
 from ..ref import compute_dtype
 from .forward import initial_states
@@ -116,22 +119,41 @@ def _bwd(residuals, cotangents, perturbed, diff, config: KDAConfig, cu_seqlens):
         L = res.layout
         do = jnp.zeros((L.valid.shape[0] if L.pos is None else 1, L.T) + res.v.shape[1:2] + res.v.shape[-1:], res.h0.dtype)
     dht = dht if config.output_final_state else None
-    # A non-finite cotangent stays in its sequence (kdax._numerics.isolation).
+    # A non-finite cotangent stays in its sequence (kdax._numerics.isolation); a B3/B5 that
+    # writes the call's gradients puts the NaN in itself (final_in_stages).
+    alone = _routes.output_alone_differs(pipeline)
     do, poison = _isolation.clean_cotangents(do, dht, cu_seqlens, res.num_qk_heads)
+    final = None if alone or not final_in_stages(pipeline, res) else FinalGrads(
+        poison.masks(where, res.layout.chunk_size), res.in_dtypes[:5])
     clean = (*_isolation.cleaner_of(config)(inputs[:5]), *inputs[5:])
-    if _routes.output_alone_differs(pipeline):  # F5's transpose by jax.vjp, B0, B2-B5 hand-written
+    if alone:  # F5's transpose by jax.vjp, B0, B2-B5 hand-written
         bwd = _routes.gate_vjp_pipeline(pipeline, res, clean) if _routes.gate_differs(pipeline) else pipeline
         grads, parts = _output_vjp.backward(bwd, res, do, dht)
     else:
         bwd = _routes.gate_vjp_pipeline(pipeline, res, clean) if _routes.gate_alone_differs(pipeline) else pipeline
-        grads, parts = bwd.backward_with_parts(res, do, dht)
-    grads = _isolation.poison_inputs(where, poison(grads))
+        grads, parts = bwd.backward_with_parts(res, do, dht, final)
+    if final is None:
+        grads = _isolation.poison_inputs(where, poison(grads))
+    else:  # (q's to beta's: final already, in the inputs' dtypes)
+        grads = poison.states(grads)
     out = (grads.q, grads.k, grads.v, grads.g, grads.beta, grads.initial_state, grads.A_log, grads.dt_bias)
     d_inputs = tuple(None if d is None or x is None else x.astype(d) for x, d in zip(out, res.in_dtypes))
     return d_inputs, pipeline_gradients(pipeline, perturbed[1], parts, res, clean)
 
 
 _compiled_bwd = eqx.filter_jit(_bwd)
+
+
+def final_in_stages(pipeline, res) -> bool:
+    """Whether the gradients of q to beta are made the call's results (NaN put in, the
+    inputs' layout and dtypes) inside the pipeline's backward: where the caller's arrays
+    fit (``kdax._layouts.tokens.views_fit``), q and k have a head per value head and B3 or
+    B5 declares ``final_grads`` (each writes its own; the pipeline finishes the rest,
+    ``kdax._layouts.tokens.FinalGrads``): the same numbers, without XLA's passes after the
+    kernels. (``do`` is cleaned outside the stages: cleaning it in B1-B3 as they read it
+    cost more in the kernels than the copy, by the cost model, issue 53.)"""
+    writes = any(capabilities(type(getattr(pipeline, n))).final_grads for n in ("wy_dqkg", "gate_bwd"))
+    return writes and _tokens.views_fit(res.layout) and res.num_qk_heads == res.v.shape[1]
 
 
 def _derived_bwd(res, where, do, dht, perturbed, config: KDAConfig, cu_seqlens):

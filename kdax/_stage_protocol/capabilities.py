@@ -22,7 +22,12 @@ class Capabilities(NamedTuple):
     without it the stage gets the chunked copies. ``half_stored``: takes the
     intermediates of ``kdax._numerics.precision.STORED`` (``Aqk``, ``Akk``, ``w``, ``u``, ``qg``,
     ``kg``, ``h``, ``v_new``, ``dh``) in the dtype a policy stores them in (bf16 under ``"fast"``), as well
-    as in float32; without it the stage gets float32 copies (exact).
+    as in float32; without it the stage gets float32 copies (exact). ``final_grads`` (B3,
+    B5): may write its gradients of the call's inputs as the call's results
+    (``kdax._layouts.tokens.FinalGrads``, passed as ``final=`` where the caller's layout
+    fits: caller's layout and dtype, NaN where ``chunk_kda``'s isolation puts it), each
+    returned as a ``Written``; without it, or for a gradient it leaves chunked, the
+    pipeline finishes them (the same numbers: unpacked, poisoned, cast).
 
     What formula a stage computes is not a capability: forward stages declare ``math``,
     backward stages ``transposes`` (``kdax._runner.routes``). ``reset`` and ``tile_safe`` select a
@@ -34,12 +39,13 @@ class Capabilities(NamedTuple):
     tile_safe: bool
     tokens: bool = False
     half_stored: bool = False
+    final_grads: bool = False
 
 
 @functools.cache
 def capabilities(cls: type) -> Capabilities:
     """The declaration of stage class ``cls``: its ``accepts`` ClassVar, a set drawn from
-    ``"G_lo"``, ``"reset"``, ``"tile_safe"``, ``"tokens"``, ``"half_stored"`` (every family's abstract class
+    ``"G_lo"``, ``"reset"``, ``"tile_safe"``, ``"tokens"``, ``"half_stored"``, ``"final_grads"`` (every family's abstract class
     has one, empty). ``tile_safe`` may also be said as a ``tile_safe = True`` ClassVar;
     either spelling counts. Nothing is read from the stage's signature: a stage that takes
     ``reset=`` without declaring it is not passed one."""
@@ -63,8 +69,11 @@ def negotiated(stage, kwargs: dict) -> dict:
     """``kwargs`` for ``stage``: without ``G_lo`` for a stage that does not accept it,
     ``Tokens`` views as chunked copies for one that does not read them (``tokens``), and
     half-precision stored intermediates as float32 copies for one that does not take them
-    (``half_stored``)."""
+    (``half_stored``), and without ``final`` for one that does not write final gradients
+    (``final_grads``)."""
     caps = capabilities(type(stage))
+    if "final" in kwargs and not caps.final_grads:
+        kwargs = {n: x for n, x in kwargs.items() if n != "final"}
     if not caps.half_stored:
         kwargs = _precision.widened(kwargs)
     if "G_lo" in kwargs and not caps.G_lo:

@@ -140,10 +140,10 @@ class PallasTarget(eqx.Module):
         padded as the target needs (``feature_pad``)."""
         return feature_pad(self.target, flat(x), axes)
 
-    def call(self, kernel, inputs, specs, out_blocks, P: int, NC: int, dtype):
+    def call(self, kernel, inputs, specs, out_blocks, P: int, NC: int, dtype, written: Optional[dict] = None):
         """``chunk_call`` on this stage's target, interpreted or not as it says."""
         return chunk_call(kernel, inputs, specs, out_blocks, P, NC, dtype, self.target, self.run_interpreted,
-                          **self.triton_params())
+                          **self.triton_params(), written=written)
 
 
 class PallasValueBlocks(PallasTarget):
@@ -367,19 +367,23 @@ def out_dtypes(dtype, n: int) -> list:
 
 
 def chunk_call(kernel, inputs, specs, out_blocks, P: int, NC: int, dtype, target: str, interpret: bool,
-               num_warps: int = 4, num_stages: int = 1):
+               num_warps: int = 4, num_stages: int = 1, written: Optional[dict] = None):
     """Run ``kernel`` over the grid (P, NC); every output is ``[P, NC, *block]``, of
-    ``dtype`` (or one dtype per output: a list). The call is named after the kernel
+    ``dtype`` (or one dtype per output: a list), but those of ``written`` (output index ->
+    ``(shape, dtype, BlockSpec)``, ``kdax.pallas._written``). The call is named after the kernel
     (profiles, the shared-memory test)."""
     inputs, mat = manual_inputs(inputs)
     dtypes = out_dtypes(dtype, len(out_blocks))
+    written = written or {}
+    shapes = [written[i][:2] if i in written else ((P, NC) + tuple(b), d)
+              for i, (b, d) in enumerate(zip(out_blocks, dtypes))]
     return pl.pallas_call(
         kernel,
         name=kernel_name(kernel),
-        out_shape=[jax.ShapeDtypeStruct((P, NC) + tuple(b), d, manual_axis_type=mat) for b, d in zip(out_blocks, dtypes)],
+        out_shape=[jax.ShapeDtypeStruct(shp, d, manual_axis_type=mat) for shp, d in shapes],
         grid=(P, NC),
         in_specs=specs,
-        out_specs=[chunk_spec(b) for b in out_blocks],
+        out_specs=[written[i][2] if i in written else chunk_spec(b) for i, b in enumerate(out_blocks)],
         interpret=interpret,
         compiler_params=None if interpret else compiler_params(target, False, 2, num_warps, num_stages),
     )(*inputs)

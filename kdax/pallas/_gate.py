@@ -22,8 +22,7 @@ from jax.experimental import pallas as pl
 from jaxtyping import Array, Float
 
 from .._config import KDAConfig
-from .._layouts.resets import per_head
-from .._layouts.tokens import Tokens
+from .._layouts.tokens import FinalGrads, Tokens
 from .._numerics import precision as _precision
 from .._numerics.hilo import grid_bits, split_log_decay
 from .._stage_protocol.final import final
@@ -32,9 +31,11 @@ from ..ref import L2NORM_EPS, log_decay_floor, reset_log_decay
 from ..stages import KDA, AbstractGate, AbstractGateBackward, Activated, RawGrads
 from ._arith import Products, from_first, nonfinite_rows
 from ._common import (
-    PallasTarget, chunk_spec, column_blocks, feature_pad, flat, head_spec, iota, loaded, pow2, ref_or_none,
+    PallasTarget, chunk_spec, column_blocks, flat, iota, loaded, pow2, ref_or_none,
     token_operand, tuned, unflat,
 )
+from ._gate_operands import _all_valid, _param_refs, _params, _token_masks
+from ._written import as_written, poison_operand, poisoned, writes_final, written_output
 
 
 def _sigmoid(z):
@@ -213,7 +214,7 @@ def gate_kernel(mm: Products, cfg: KDAConfig, blocks, split: bool, scan: bool, h
 
 
 def gate_bwd_kernel(mm: Products, cfg: KDAConfig, blocks, reverse: bool, has: tuple, C: int, load_g=None,
-                    reset: bool = False, padded: bool = True):
+                    reset: bool = False, padded: bool = True, written: bool = False):
     """B5's kernel over one (row * head, chunk) block, ``blocks`` of columns at a time:
     outputs ``(dq, dk, dg, dbeta[, dA [1, K]][, ddt [1, K]])`` (dA, ddt: sums over the
     chunk's rows per column). ``reverse`` (Triton): the chunk's rows read and written in
@@ -222,7 +223,9 @@ def gate_bwd_kernel(mm: Products, cfg: KDAConfig, blocks, reverse: bool, has: tu
     of the raw gate becomes as read (``gate_kernel``'s ``loads``). ``reset``: a ``[C, 1]``
     input after ``valid`` marks the tokens that start a sequence: sums within each
     sequence (``_segment_sums``), no gradient at such a token. ``padded`` as
-    ``gate_kernel``'s (False: no ``valid`` input)."""
+    ``gate_kernel``'s (False: no ``valid`` input). ``written``: two ``[C, 1]`` poison
+    columns after ``dG`` (dq's, then dk's, dg's and dbeta's), the outputs the call's
+    gradients (``kdax.pallas._written.Poisoned``)."""
     l2, gate = cfg.use_qk_l2norm_in_kernel, cfg.use_gate_in_kernel
 
     def kernel(*refs):
@@ -235,7 +238,10 @@ def gate_bwd_kernel(mm: Products, cfg: KDAConfig, blocks, reverse: bool, has: tu
         r_r = next(it) if reset else None
         a_ref, d_ref = _param_refs([next(it) for _ in range(sum(has))], has)
         dq_r, dk_r, db_r, dG_r = (next(it) for _ in range(4))
+        mq_r, m_r = (next(it), next(it)) if written else (None, None)
         dq_o, dk_o, dg_o, db_o = (next(it) for _ in range(4))
+        mq, m = (None, None) if mq_r is None else (mq_r[rows], m_r[rows])  # (the rows as written)
+        dq_o, (dk_o, dg_o, db_o) = poisoned(dq_o, mq), (poisoned(o, m) for o in (dk_o, dg_o, db_o))
         dA_o = next(it) if a_ref is not None else None
         ddt_o = next(it) if d_ref is not None else None
         valid = None if v_r is None else v_r[rows]
@@ -251,7 +257,7 @@ def gate_bwd_kernel(mm: Products, cfg: KDAConfig, blocks, reverse: bool, has: tu
                 tq = jnp.sum(dq_r[rows, cols] * qn_r[rows, cols], axis=1, keepdims=True)
                 tk = jnp.sum(dk_r[rows, cols] * kn_r[rows, cols], axis=1, keepdims=True)
                 sq, sk = (tq, tk) if sq is None else (sq + tq, sk + tk)
-        upper = None if reverse else (iota((C, C), 1) >= iota((C, C), 0)).astype(dq_o.dtype)
+        upper = None if reverse else (iota((C, C), 1) >= iota((C, C), 0)).astype(dq_r.dtype)
         for k0, bk in blocks:
             cols = pl.ds(k0, bk)
             dG = dG_r[rows, cols]
@@ -295,44 +301,6 @@ def gate_bwd_kernel(mm: Products, cfg: KDAConfig, blocks, reverse: bool, has: tu
 
     kernel.__qualname__ = "PallasGateBackward.kernel"
     return kernel
-
-
-def _token_masks(valid, reset, HV: int, dtype) -> list:
-    """``valid`` (None: no padding, ``_all_valid``) and, for shared chunks, ``reset``
-    (``[R, NC, C]``) per value head as the kernels' ``[R * HV, NC, C, 1]`` inputs in
-    ``dtype``."""
-    return [flat(per_head(m, HV).astype(dtype)) for m in (valid, reset) if m is not None]
-
-
-def _all_valid(reset, *xs) -> bool:
-    """Whether every token of the chunks is valid, known without reading ``valid``: a
-    ``Tokens`` view among ``xs`` (made only for dense input whose T is a multiple of the
-    chunk size: no padding, ``kdax._layouts.tokens``) and no shared chunks. The kernels
-    then take no ``valid`` input: the mask XLA would build for them (a fusion and its
-    launch, 1 MiB at the GPU benchmark's shape, F1 and B5 each) selects every element."""
-    return reset is None and any(isinstance(x, Tokens) for x in xs)
-
-
-def _params(cfg: KDAConfig, target: str, HV: int, K: int, A_log, dt_bias):
-    """Per-head parameter arrays and specs: A_log ``[HV, 1, 1]``, dt_bias ``[HV, 1, Kp]``,
-    and which of the two there are."""
-    arrays, specs = [], []
-    if cfg.use_gate_in_kernel and A_log is not None:
-        arrays.append(A_log.reshape(HV, 1, 1))
-        specs.append(head_spec((1, 1), HV))
-    if cfg.use_gate_in_kernel and dt_bias is not None:
-        d = feature_pad(target, dt_bias.reshape(HV, 1, K))
-        arrays.append(d)
-        specs.append(head_spec((1, d.shape[-1]), HV))
-    has = (cfg.use_gate_in_kernel and A_log is not None, cfg.use_gate_in_kernel and dt_bias is not None)
-    return arrays, specs, has
-
-
-def _param_refs(refs, has: tuple):
-    """``(A_log ref [1, 1], dt_bias ref [1, Kp])`` from the per-head parameter refs that
-    ``_params`` made, None where absent (``has``: which of the two are)."""
-    it = iter(refs)
-    return tuple(next(it) if h else None for h in has)
 
 
 @final
@@ -397,11 +365,13 @@ class PallasGateBackward(AbstractGateBackward, PallasTarget):
     """B5 as a Pallas kernel over (row * head, chunk); dA_log / ddt_bias partial sums per
     block are added up outside. Reads the raw gate ``g`` from the caller's layout when
     handed a ``Tokens`` view (``tokens``, as ``PallasGate``). Takes shared chunks'
-    ``reset`` (sums within each sequence, no gradient at its first token)."""
+    ``reset`` (sums within each sequence, no gradient at its first token). Writes dq, dk,
+    dg and dbeta as the call's gradients when the pipeline asks (``final_grads``; Triton,
+    K a power of 2; ``kdax.pallas._written``)."""
 
     transposes: ClassVar[Mapping[str, str]] = MappingProxyType({"gate": KDA})
 
-    accepts: ClassVar[frozenset] = frozenset({"reset", "tokens"})
+    accepts: ClassVar[frozenset] = frozenset({"reset", "tokens", "final_grads"})
 
     @tuned
     @typecheck
@@ -418,10 +388,12 @@ class PallasGateBackward(AbstractGateBackward, PallasTarget):
         dbeta: ChunkScalar,
         dG: ChunkK,
         reset: Optional[ChunkValid] = None,
+        final: Optional[FinalGrads] = None,
     ) -> RawGrads:
         cfg = config
         R, HV, NC, C, K = dq.shape
         self.check_widths(K=K)
+        final = final if writes_final(self, final, K) else None  # (else chunked: the pipeline finishes them)
         fp = self.padded
         l2, gate = cfg.use_qk_l2norm_in_kernel, cfg.use_gate_in_kernel
         Kp = fp(dq).shape[-1]
@@ -445,18 +417,28 @@ class PallasGateBackward(AbstractGateBackward, PallasTarget):
         p_arrays, p_specs, has = _params(cfg, self.target, HV, K, A_log, dt_bias)
         ins += p_arrays + [fp(dq), fp(dk), flat(dbeta), fp(dG)]
         specs += p_specs + [sk, sk, s1, sk]
+        names = ("q", "k", "g", "beta")
+        for name in names[:2] if final is not None else ():  # the poison columns: dq's, the others'
+            mask, mask_spec = poison_operand(final, name, HV)
+            ins.append(mask)
+            specs.append(mask_spec)
         has_dA, has_ddt = has
         blocks = [(C, Kp), (C, Kp), (C, Kp), (C, 1)] + ([(1, Kp)] if has_dA else []) + ([(1, Kp)] if has_ddt else [])
         # Triton: the chunk's rows in reverse, the reverse cumsum a scan (gate_bwd_kernel).
         kernel = gate_bwd_kernel(self.products(), cfg, column_blocks(self.target, Kp, GATE_BLOCK),
-                                 self.target == "triton", has, C, load_g, reset is not None, padded)
-
-        outs = self.call(kernel, ins, specs, blocks, R * HV, NC, dq.dtype)
-        cut = lambda x: unflat(x[..., :K], R, HV)
+                                 self.target == "triton", has, C, load_g, reset is not None, padded, final is not None)
+        written = None if final is None else {
+            i: written_output(final, n, HV, C, None if n == "beta" else K) for i, n in enumerate(names)}
+        outs = self.call(kernel, ins, specs, blocks, R * HV, NC, dq.dtype, written)
         rest = list(outs[4:])
         dA = ddt = None
         if has_dA:
             dA = jnp.sum(unflat(rest.pop(0)[..., :K], R, HV), axis=(0, 2, 3, 4))
         if has_ddt:
             ddt = jnp.sum(unflat(rest.pop(0)[..., :K], R, HV), axis=(0, 2, 3)).reshape(HV * K)
-        return RawGrads(cut(outs[0]), cut(outs[1]), cut(outs[2]), unflat(outs[3], R, HV, squeeze=True), dA, ddt)
+        if final is None:
+            cut = lambda x: unflat(x[..., :K], R, HV)
+            grads = cut(outs[0]), cut(outs[1]), cut(outs[2]), unflat(outs[3], R, HV, squeeze=True)
+        else:
+            grads = tuple(as_written(final, n, x, like) for n, x, like in zip(names, outs[:4], (dq, dk, dG, dbeta)))
+        return RawGrads(*grads, dA, ddt)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from .._layouts.resets import mask_exponent
-from .._layouts.tokens import Tokens
+from .._layouts.tokens import FinalGrads, Tokens
 from .._stage_protocol.final import final
 from .._annotations import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, ChunkValid, typecheck
 from .._numerics import precision as _precision
@@ -19,6 +19,7 @@ from ._common import (
     PallasFeatureBlocks, PallasValueBlocks, blockwise, chunk_spec, column_blocks, flat, iota, loaded, pow2, put,
     ref_or_none, row_of, segment_operands, token_operand, tuned, unflat,
 )
+from ._written import as_written, poison_operand, poisoned, writes_final, written_output
 
 
 def _values(stage, x, C: int):
@@ -246,11 +247,13 @@ class PallasWYDqkg(AbstractWYDqkg, PallasValueBlocks, PallasFeatureBlocks):
     spills, against 40-400 B a thread with 64); ``G_lo`` and ``reset`` as ``PallasWY`` (the
     sequences' column and row: dL's pairs within one sequence). Reads ``v`` and
     ``do`` from the caller's layout when handed ``Tokens`` views (``tokens``, as
-    ``PallasWY``)."""
+    ``PallasWY``). Writes dv as the call's gradient of v when the pipeline asks
+    (``final_grads``; Triton, V a power of 2): the input's layout and dtype, NaN where
+    ``chunk_kda``'s isolation puts it (``kdax.pallas._written``)."""
 
     transposes: ClassVar[Mapping[str, str]] = MappingProxyType({"wy": KDA, "state": KDA, "output": KDA})
 
-    accepts: ClassVar[frozenset] = frozenset({"G_lo", "reset", "tokens", "half_stored"})
+    accepts: ClassVar[frozenset] = frozenset({"G_lo", "reset", "tokens", "half_stored", "final_grads"})
 
     block_v: int = eqx.field(static=True, default=32)
     block_k: int = eqx.field(static=True, default=32)
@@ -275,10 +278,12 @@ class PallasWYDqkg(AbstractWYDqkg, PallasValueBlocks, PallasFeatureBlocks):
         dv_new: ChunkV,
         G_lo: Optional[ChunkK] = None,
         reset: Optional[ChunkValid] = None,
+        final: Optional[FinalGrads] = None,
     ) -> ChunkGrads:
         R, HV, NC, C, K = q.shape
         V = v.shape[-1]
         self.check_widths(K=K, V=V)
+        final = final if writes_final(self, final, V) else None  # (else dv chunked: the pipeline finishes it)
         fp = self.padded
         fp2 = lambda x: self.padded(x, axes=(-2, -1))
         Kp, Vp = (pow2(n) if self.target == "triton" else n for n in (K, V))
@@ -295,20 +300,29 @@ class PallasWYDqkg(AbstractWYDqkg, PallasValueBlocks, PallasFeatureBlocks):
             extra, extra_specs = segment_operands(reset, HV, row=True)
             ins, specs = ins + extra, specs + extra_specs
         n_all = len(ins)
+        if final is not None:  # dv's poison column, last
+            mask, mask_spec = poison_operand(final, "v", HV)
+            ins, specs = ins + (mask,), specs + [mask_spec]
 
         k_blocks, v_blocks = self.feature_blocks(Kp), column_blocks(self.target, Vp, self.block_v)
         mm = self.products()
+
+        n_mask = int(final is not None)
 
         def kernel(*refs):
             _, k, v, b, g, a, qg_, kg_, h_, dh_, vn, do_, dvn = refs[:13]  # B3 needs q only through qg
             ins = (k, g, qg_, kg_, loaded(v, load_v), h_, dh_, vn, loaded(do_, load_do), dvn) + tuple(refs[13:n_in])
             seg = tuple(r[...] for r in refs[n_in:n_all]) or None
+            outs = list(refs[n_all + n_mask:-1])
+            outs[2] = poisoned(outs[2], refs[n_all][...] if n_mask else None)  # dv: the call's, with final
             dL_r = refs[-1]
-            dL_r[...] = wy_dqkg_body(mm, scale, b[...], a, ins, refs[n_all:-1], k_blocks, v_blocks, has_lo,
+            dL_r[...] = wy_dqkg_body(mm, scale, b[...], a, ins, outs, k_blocks, v_blocks, has_lo,
                                      self.target == "triton", seg)
 
+        written = None if final is None else {2: written_output(final, "v", HV, C, V)}
         dq, dk, dv, db, dG, dL = self.call(
-            kernel, ins, specs, [(C, Kp), (C, Kp), (C, Vp), (C, 1), (C, Kp), (C, C)], R * HV, NC, q.dtype)
+            kernel, ins, specs, [(C, Kp), (C, Kp), (C, Vp), (C, 1), (C, Kp), (C, C)], R * HV, NC, q.dtype, written)
         cut = lambda x, n: unflat(x[..., :n], R, HV)
         db = unflat(db, R, HV, squeeze=True)
-        return ChunkGrads(cut(dq, K), cut(dk, K), cut(dv, V), db, cut(dG, K), unflat(dL, R, HV))
+        dv = cut(dv, V) if final is None else as_written(final, "v", dv, v)
+        return ChunkGrads(cut(dq, K), cut(dk, K), dv, db, cut(dG, K), unflat(dL, R, HV))
