@@ -190,7 +190,7 @@ def _walked(fn, walk, group, scope, added, xs, consts, into):
     the same groups: each group's forward rematerialised and differentiated alone, its
     input gradients written in place (``_walked_bwd``). JAX's own VJP of the loop kept
     every group's intermediates and added each group's gradient into zeros the size of
-    the whole input (a quadratic cost: F1's VJP 105 ms against 34 ms so at the main job's
+    the whole input (a quadratic cost: F1's VJP 105 ms against 34 ms this way at the main job's
     shape). ``scope``: the precision scope the forward ran under
     (``precision.captured``), to trace the backward under the same; ``added``: which
     outputs ``into`` adds to (None: no ``into``)."""
