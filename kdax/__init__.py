@@ -25,6 +25,7 @@ from ._errors import UnsupportedCase as UnsupportedCase
 from ._errors import UnstableDeltaRuleWarning as UnstableDeltaRuleWarning
 from ._layouts.layout import ChunkLayout as ChunkLayout
 from ._plan import KDAPlan as KDAPlan, PlanRow as PlanRow
+from ._platform import reuse_freed_memory as reuse_freed_memory
 from ._runner.residuals import KDAGrads as KDAGrads, KDAResiduals as KDAResiduals
 from ._runner.runner import stage_inputs as stage_inputs
 from .pipeline import KDAPipeline as KDAPipeline, default_pipeline as default_pipeline

@@ -1,4 +1,5 @@
-"""What kdax asks of the XLA it runs on, before any computation.
+"""What kdax asks of the XLA it runs on, before any computation (``avoid_ynn_fusions``),
+and a process setting it offers for XLA:CPU's speed (``reuse_freed_memory``).
 
 jaxlib 0.10's XLA:CPU runs some fusions through YNNPACK (the debug option
 ``xla_cpu_experimental_ynn_fusion_type``), and one of them, a transpose, reads and writes
@@ -46,3 +47,46 @@ def avoid_ynn_fusions(jaxlib_version: str = jaxlib.__version__) -> bool:
         return False
     os.environ["XLA_FLAGS"] = f"{flags} --{OPTION}={SAFE}".strip()
     return True
+
+
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+_GLIBC_DEFAULTS = {_M_TRIM_THRESHOLD: 128 * 1024, _M_MMAP_MAX: 65536}
+
+
+def _glibc():
+    import ctypes
+    import ctypes.util
+    import platform
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
+def reuse_freed_memory(enable: bool = True) -> bool:
+    """Keep memory that the process frees for its next allocations (glibc on Linux), so
+    that XLA:CPU's compiled programs stop paying for fresh pages on every call.
+
+    XLA:CPU gathers a program's temporaries into one allocation per call. Above 32 MiB
+    glibc serves such an allocation with a fresh ``mmap`` and unmaps it when freed, so
+    every call faults in each 4 KiB page again (the kernel zeroes it): 70 K page faults a
+    call of kdax's training step at ``python -m kdax.bench``'s shape, about a third of its
+    CPU time (benchmarks/freed_memory.py). ``enable=True`` serves large allocations from the heap
+    (``mallopt(M_MMAP_MAX, 0)``) and keeps freed heap memory mapped
+    (``M_TRIM_THRESHOLD`` at its maximum): the process keeps its peak memory instead of
+    handing it back to the system, and reuses it. Every large allocation of the process
+    (numpy's too) follows the setting. ``enable=False`` restores glibc's static
+    defaults (not its dynamic threshold) and hands the free heap back (``malloc_trim``).
+
+    A process setting, never made at import: ``python -m kdax.bench`` calls it (its
+    header says so; ``--fresh-memory`` leaves it off). Returns whether it was applied
+    (False where the C library is not glibc)."""
+    libc = _glibc()
+    if libc is None:
+        return False
+    values = {_M_MMAP_MAX: 0, _M_TRIM_THRESHOLD: 2**31 - 1} if enable else _GLIBC_DEFAULTS
+    ok = all(libc.mallopt(param, value) == 1 for param, value in values.items())
+    if not enable:
+        libc.malloc_trim(0)
+    return ok

@@ -5,6 +5,7 @@ import dataclasses
 import sys
 import time
 
+from .._platform import reuse_freed_memory
 from ._baselines import pipelines
 from ._results import write_results
 from ._run import bench_shape
@@ -34,12 +35,16 @@ def _parser() -> argparse.ArgumentParser:
                    help="time each stage alone per pipeline (arguments from the reference pipeline)")
     p.add_argument("--out", default="bench-results", help="folder for results.json/.csv and plots ('' for none)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--fresh-memory", action="store_true",
+                   help="leave glibc's malloc as it is (by default the run calls kdax.reuse_freed_memory() first: "
+                        "XLA:CPU's temporaries then reuse freed memory instead of faulting in fresh pages on "
+                        "every call)")
     return p
 
 
-def _stages_main(shape: Shape, reps: int, pipes: dict) -> int:
+def _stages_main(shape: Shape, reps: int, pipes: dict, memory: str) -> int:
     """``--stages``: the stage table, a line as each stage is timed."""
-    print(f"kdax stages alone on {machine()}; B={shape.B} T={shape.T} H={shape.H} HV={shape.HV} K={shape.K} "
+    print(f"kdax stages alone on {machine()}, {memory}; B={shape.B} T={shape.T} H={shape.H} HV={shape.HV} K={shape.K} "
           f"V={shape.V} chunk={shape.chunk_size} float32 (/first: against the first pipeline named)")
     mm = matmul_gflops()
     print(f"large float32 matmul: {mm:.1f} GFLOP/s (%mm: a stage's FLOP rate against it; FLOPs: the FLOP model's "
@@ -62,14 +67,16 @@ def main(argv=None) -> int:
     avail = pipelines()
     pipes = {n: avail[n] for n in a.pipelines.split(",")}
     a.HV = a.H if a.HV is None else a.HV
+    # A process setting, as a careful user makes it (kdax._platform): every path alike.
+    memory = "freed memory reused" if not a.fresh_memory and reuse_freed_memory() else "fresh memory each call"
     shape = Shape(**{k: getattr(a, k) for k in dataclasses.asdict(Shape())})
     if a.stages:
-        return _stages_main(shape, a.reps, pipes)
+        return _stages_main(shape, a.reps, pipes, memory)
     log("timing a large float32 matmul (the FLOP-rate yardstick)")
     mm = matmul_gflops()
     meta = dict(machine=machine(), matmul_gflops=mm, reps=a.reps, heavy_reps=a.heavy_reps,
-                date=time.strftime("%Y-%m-%d"))
-    print(f"kdax benchmark on {meta['machine']}; large float32 matmul: {mm:.1f} GFLOP/s (measured again after the "
+                date=time.strftime("%Y-%m-%d"), memory=memory)
+    print(f"kdax benchmark on {meta['machine']}, {memory}; large float32 matmul: {mm:.1f} GFLOP/s (measured again after the "
           "runs; the best counts)", flush=True)
     opts = dict(baselines=not a.no_baselines, log=log, slow_baselines=a.slow_baselines, heavy_reps=a.heavy_reps)
     if a.sweep:
