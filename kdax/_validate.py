@@ -208,36 +208,69 @@ _BETA_TRACED = ("beta: must lie in [0, 1] (the delta rule's write strength); a f
                 "use_beta_sigmoid_in_kernel=True; check_inputs=False skips this check.")
 
 
-def checked_domain(g, beta, options: KDAOptions):
+def _domain_errors(g, beta, options: KDAOptions) -> list:
+    """``(name, bad elements, message)`` per input whose domain ``check_domain`` checks."""
+    errors = []
+    if not options.use_gate_in_kernel:
+        errors.append(("g", (g > 0) & (g < jnp.inf), _G_TRACED))
+    if not options.use_beta_sigmoid_in_kernel:
+        errors.append(("beta", ((beta < 0) | (beta > 1)) & jnp.isfinite(beta), _BETA_TRACED))
+    return errors
+
+
+def _checked_in_program(g, beta, options: KDAOptions) -> bool:
+    """Whether the domain check runs inside the compiled program: asked for, and g or beta
+    traced (concrete values: ``check_domain`` has run)."""
+    return options.check_inputs and (_value_of(g) is None or _value_of(beta) is None)
+
+
+def _one_device(errors) -> bool:
+    return jax.device_count() == 1 and not any(varying_axes(bad) for _, bad, _ in errors)
+
+
+def domain_flag(g, beta, options: KDAOptions):
+    """The domain check inside the compiled program, for a caller that puts the flag where
+    the program's last step reads it (``kdax._numerics.isolation.Bad``, the outputs' and
+    gradients' NaN masks): a scalar that is False or raises (``eqx.error_if``, naming the
+    argument). Read there, the reductions run beside the stages; gating beta with it, as
+    ``checked_domain`` does, made every stage wait for them (5 ms of the main job's
+    forward). None where no such check runs: not asked for, concrete values, or several
+    devices (``checked_domain``'s NaN, which the caller then applies)."""
+    if not _checked_in_program(g, beta, options):
+        return None
+    g, beta = jnp.asarray(g), jnp.asarray(beta)
+    errors = _domain_errors(g, beta, options)
+    if not errors or not _one_device(errors):
+        return None
+    # (Each error on a scalar: eqx.error_if on g itself made XLA copy it, +16 MiB peak.)
+    stop = [eqx.error_if(jnp.asarray(False), jnp.any(bad), msg) for _, bad, msg in errors]
+    return functools.reduce(jnp.logical_or, stop)
+
+
+def checked_domain(g, beta, options: KDAOptions, *, flagged: bool = False):
     """``(g, beta)``, with the domain ``check_domain`` checks eagerly also checked inside
     the compiled program when they are traced (``jit``) and ``options.check_inputs``: one
     reduction over each. In a process with one device the call then raises a runtime error
-    naming the argument (``eqx.error_if``). With several devices an error raised on one of
-    them stops it while the others wait in a collective, and XLA aborts the process (a
+    naming the argument (``eqx.error_if``; ``flagged``: the caller reads ``domain_flag``
+    instead, and g and beta pass unchanged). With several devices an error raised on one
+    of them stops it while the others wait in a collective, and XLA aborts the process (a
     sharded program, shard_map): there each out-of-domain value is read as NaN instead,
     which ``kdax._numerics.isolation`` keeps in its own sequence: that sequence's outputs
     are NaN from the token on, rather than finite garbage. Non-finite values are not this
     check's business (isolation's, likewise)."""
-    if not options.check_inputs or (_value_of(g) is not None and _value_of(beta) is not None):
-        return g, beta  # (concrete: check_domain has run)
-    g, beta = jnp.asarray(g), jnp.asarray(beta)
-    checks = []
-    if not options.use_gate_in_kernel:
-        checks.append(("g", (g > 0) & (g < jnp.inf), _G_TRACED))
-    if not options.use_beta_sigmoid_in_kernel:
-        checks.append(("beta", ((beta < 0) | (beta > 1)) & jnp.isfinite(beta), _BETA_TRACED))
-    if jax.device_count() == 1 and not any(varying_axes(bad) for _, bad, _ in checks):
-        # Each error rides on a scalar that reaches the call through beta, the small input
-        # ([B, T, HV]): eqx.error_if on g itself made XLA copy it (+16 MiB peak at the main
-        # job's shape).
-        stop = [eqx.error_if(jnp.asarray(False), jnp.any(bad), msg) for _, bad, msg in checks]
-        if stop:
-            beta = jnp.where(functools.reduce(jnp.logical_or, stop), jnp.asarray(jnp.nan, beta.dtype), beta)
+    if not _checked_in_program(g, beta, options):
         return g, beta
+    g, beta = jnp.asarray(g), jnp.asarray(beta)
+    errors = _domain_errors(g, beta, options)
+    if _one_device(errors):
+        if flagged or not errors:
+            return g, beta
+        # Beta, the small input ([B, T, HV]), carries the error to the stages.
+        return g, jnp.where(domain_flag(g, beta, options), jnp.asarray(jnp.nan, beta.dtype), beta)
     # Several devices: each bad value read as NaN, elementwise (no reduction, so no
     # collective over sharded inputs).
     nan = lambda x, bad: jnp.where(bad, jnp.asarray(jnp.nan, x.dtype), x)
-    bads = dict((name, bad) for name, bad, _ in checks)
+    bads = dict((name, bad) for name, bad, _ in errors)
     return (nan(g, bads["g"]) if "g" in bads else g), (nan(beta, bads["beta"]) if "beta" in bads else beta)
 
 
@@ -328,11 +361,12 @@ def prepare(q, k, v, g, beta, **options):
     return prepare_options(q, k, v, g, beta, KDAOptions.from_kwargs(**options))[:2]
 
 
-def prepare_options(q, k, v, g, beta, options: KDAOptions):
+def prepare_options(q, k, v, g, beta, options: KDAOptions, *, flagged: bool = False):
     """Validated ``(config, (q, k, v, g, beta, h0 [N, HV, K, V], A_log [HV], dt_bias, cu),
-    normalised options)``."""
+    normalised options)``; ``flagged``: the domain check inside the program is the
+    caller's (``domain_flag``), not beta's (``checked_domain``)."""
     dims, opts = validate(q, k, v, g, beta, options)
-    g, beta = checked_domain(g, beta, opts)
+    g, beta = checked_domain(g, beta, opts, flagged=flagged)
     config = opts.config(dims.scale)
     asarr = lambda x: None if x is None else jnp.asarray(x)
     h0 = asarr(opts.initial_state)

@@ -68,6 +68,12 @@ cases = {
     "recurrent beta": lambda: jax.jit(lambda b: kdax.fused_recurrent_kda(q, k, v, good_g, b)[0])(b),
     "chunk grad g": lambda: jax.jit(jax.grad(lambda g: kdax.chunk_kda(q, k, v, g, good_b)[0].sum()))(g),
     "chunk off": lambda: jax.jit(lambda g: kdax.chunk_kda(q, k, v, g, good_b, check_inputs=False)[0])(g),
+    # The check rides on the outputs' and gradients' NaN masks (kdax._validate.domain_flag):
+    # whichever output a program keeps, it stays.
+    "chunk final only": lambda: jax.jit(lambda g: kdax.chunk_kda(q, k, v, g, good_b, output_final_state=True)[1])(g),
+    "chunk grad final": lambda: jax.jit(jax.grad(
+        lambda b: kdax.chunk_kda(q, k, v, good_g, b, output_final_state=True)[1].sum()))(b),
+    "chunk packed g": lambda: jax.jit(lambda g: kdax.chunk_kda(q, k, v, g, good_b, cu_seqlens=jnp.array([0, 9, 32]))[0])(g),
 }
 for name, f in cases.items():
     try:
@@ -83,9 +89,9 @@ def test_bad_inputs_under_jit_raise_naming_the_argument():
     """One device: g and beta outside their domain under jit (forward, gradient, both
     front doors) raise a runtime error naming the argument; check_inputs=False does not."""
     got = dict(line.split(" | ", 1) for line in _one_device(_RAISES).strip().splitlines())
-    for name in ("chunk g", "recurrent g", "chunk grad g"):
+    for name in ("chunk g", "recurrent g", "chunk grad g", "chunk final only", "chunk packed g"):
         assert got[name].startswith("g: must be a log decay <= 0") and "check_inputs=False" in got[name], got
-    for name in ("chunk beta", "recurrent beta"):
+    for name in ("chunk beta", "recurrent beta", "chunk grad final"):
         assert got[name].startswith("beta: must lie in [0, 1]") and "check_inputs=False" in got[name], got
     assert got["chunk off"] == "no error"
 

@@ -121,10 +121,12 @@ class Bad:
     clipped to its tokens): a bad token on an earlier device reaches the same sequence
     here, and final states are flagged for every device. ``entering``: packed initial
     states ``[N, HV, K, V]`` that may enter shared chunks (``kdax._layouts.shared_states``,
-    one device: not with ``axis``), read as zero there when not finite."""
+    one device: not with ``axis``), read as zero there when not finite. ``flag``: a
+    scalar the masks depend on (False, or an ``eqx.error_if`` that raises: the inputs'
+    domain check, ``kdax._validate.domain_flag``), or None."""
 
     def __init__(self, raw, cu_seqlens, gate_in_kernel: bool, beta_sigmoid: bool, axis: Optional[str] = None,
-                 entering=None):
+                 entering=None, flag=None):
         q, k, v, g, beta = raw
         B, T = q.shape[:2]
         HV = v.shape[2]
@@ -150,6 +152,8 @@ class Bad:
             h0_bad = ~finite_heads(entering)  # [N, HV]
             self.after = self.after | _to_tokens(h0_bad, seq, cu_seqlens)
             self.state_bad = self.state_bad | h0_bad
+        if flag is not None:  # (what reads the masks then waits for the check, and nothing earlier)
+            self.after, self.state_bad = self.after | flag, self.state_bad | flag
         self.where = self.after | self.q_only  # [B, T, HV]: the outputs the recurrence makes NaN
 
 

@@ -17,7 +17,7 @@ from .._layouts import tokens as _tokens
 from .._layouts.tokens import FinalGrads
 from .._numerics import isolation as _isolation
 from .._stage_protocol.capabilities import capabilities
-from .._validate import final_out, prepare_options
+from .._validate import domain_flag, final_out, prepare_options
 from ..ref import compute_dtype
 from .forward import initial_states
 from .runner import active_recordings
@@ -25,25 +25,27 @@ from .stage_grads import check_perturbed, pipeline_gradients
 
 
 @eqx.filter_custom_vjp
-def differentiable(diff, config: KDAConfig, cu_seqlens):
+def differentiable(diff, config: KDAConfig, cu_seqlens, domain):
     """``(o, final)`` of ``diff = ((q, k, v, g, beta, h0, A_log, dt_bias), pipeline)``; the
-    static config and ``cu_seqlens`` are not differentiated. The pipeline's arrays are
-    differentiated as ``_runner.stage_grads`` says (F1, F5 exact; backward stages zero; F2-F4
-    refused)."""
+    static config, ``cu_seqlens`` and ``domain`` (``kdax._validate.domain_flag``: the
+    inputs' domain check inside the program, or None) are not differentiated. The
+    pipeline's arrays are differentiated as ``_runner.stage_grads`` says (F1, F5 exact;
+    backward stages zero; F2-F4 refused)."""
     inputs, pipeline = diff
-    bad = _bad(config, inputs, cu_seqlens)
+    bad = _bad(config, inputs, cu_seqlens, domain)
     o, final, _ = pipeline.run_forward(config, *inputs, cu_seqlens, clean=True, entries=True)
     return _isolation.poison_outputs(bad, o, final)
 
 
-def _bad(config: KDAConfig, inputs, cu_seqlens):
+def _bad(config: KDAConfig, inputs, cu_seqlens, domain):
     # Non-finite inputs stay in their own sequence, from their token on: the forward reads
     # them as zero and the outputs and gradients get NaN where the recurrence has it.
     # A non-finite initial state, too, where it may enter shared chunks (packed:
     # kdax._layouts.shared_states); a dense row's state never meets another row's tokens.
+    # The domain check rides on the masks, which only the program's last steps read.
     entering = None if cu_seqlens is None else inputs[5]
     return _isolation.Bad(inputs[:5], cu_seqlens, config.use_gate_in_kernel, config.use_beta_sigmoid_in_kernel,
-                          entering=entering)
+                          entering=entering, flag=domain)
 
 
 def _concrete(*trees) -> bool:
@@ -59,17 +61,17 @@ def _concrete(*trees) -> bool:
 # program, cached like ``apply``'s. Under any transformation (jit, vmap, ...) the rules
 # are traced into the caller's program as before.
 @differentiable.def_fwd
-def _vjp_fwd(perturbed, diff, config: KDAConfig, cu_seqlens):
-    if _concrete(diff, cu_seqlens):
+def _vjp_fwd(perturbed, diff, config: KDAConfig, cu_seqlens, domain):
+    if _concrete(diff, cu_seqlens, domain):
         if _derived_whole(diff[1]):
             _routes.warn_derived(diff[1])  # (once, here: a cached trace would not say it)
-        return _compiled_fwd(perturbed, diff, config, cu_seqlens)
-    return _fwd(perturbed, diff, config, cu_seqlens)
+        return _compiled_fwd(perturbed, diff, config, cu_seqlens, domain)
+    return _fwd(perturbed, diff, config, cu_seqlens, domain)
 
 
-def _fwd(perturbed, diff, config: KDAConfig, cu_seqlens):
+def _fwd(perturbed, diff, config: KDAConfig, cu_seqlens, domain):
     inputs, pipeline = diff
-    bad = _bad(config, inputs, cu_seqlens)
+    bad = _bad(config, inputs, cu_seqlens, domain)
     if _derived_whole(pipeline):
         def run(inputs_, pipe):
             o_, final_, _ = pipe.run_forward(config, *inputs_, cu_seqlens, clean=True, entries=True)
@@ -103,7 +105,8 @@ def _derived_whole(pipeline) -> bool:
 
 
 @differentiable.def_bwd
-def _vjp_bwd(residuals, cotangents, perturbed, diff, config: KDAConfig, cu_seqlens):
+def _vjp_bwd(residuals, cotangents, perturbed, diff, config: KDAConfig, cu_seqlens, domain):
+    del domain  # (read by the forward's masks, which the residuals keep)
     if _concrete(residuals, cotangents, diff, cu_seqlens):
         return _compiled_bwd(residuals, cotangents, perturbed, diff, config, cu_seqlens)
     return _bwd(residuals, cotangents, perturbed, diff, config, cu_seqlens)
@@ -167,8 +170,9 @@ def apply(pipeline, q, k, v, g, beta, options: KDAOptions):
     """The single-device call of ``pipeline`` (a ``KDAPipeline``) behind ``chunk_kda``:
     validation, then the forward, differentiable through the six-stage backward
     (``differentiable``). Returns ``(o, final state or None)`` in ``chunk_kda``'s layouts."""
-    config, args, opts = prepare_options(q, k, v, g, beta, options)
+    config, args, opts = prepare_options(q, k, v, g, beta, options, flagged=True)
     q, k, v, g, beta, h0, A_log, dt_bias, cu = args
+    domain = domain_flag(g, beta, opts)
     pipeline = pipeline.resolved(q.dtype)
     B, T, _, K = q.shape
     if 0 in (B, T, K, v.shape[-1]):
@@ -184,7 +188,7 @@ def apply(pipeline, q, k, v, g, beta, options: KDAOptions):
     # ``plan`` or ``stage_inputs`` record the stage calls: a cached trace makes none.
     diff = ((q, k, v, g, beta, h0, A_log, dt_bias), pipeline)
     eager = not active_recordings() and not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((diff, cu)))
-    o, final = (_compiled_differentiable if eager else differentiable)(diff, config, cu)
+    o, final = (_compiled_differentiable if eager else differentiable)(diff, config, cu, domain)
     return o, final_out(final, config, opts.state_v_first)
 
 
