@@ -188,3 +188,17 @@ def test_plain_scan_baseline_grouped_heads_and_cli_heads():
     np.testing.assert_allclose(S, S_ref, rtol=1e-12, atol=1e-12)
     args = _parser().parse_args(["--H", "2"])
     assert args.HV is None and args.H == 2  # (main sets HV = H)
+
+
+def test_main_job_header_says_how_memory_is_allocated(capsys):
+    """``python -m kdax.bench`` at a tiny shape: its header names the machine and whether
+    freed memory is reused (``kdax.reuse_freed_memory``, the default there; ``--fresh-memory``
+    leaves malloc alone, as here, so that this test process keeps glibc's defaults)."""
+    from kdax.bench._main import main
+
+    status = main(["--T", "40", "--H", "2", "--K", "8", "--V", "8", "--chunk_size", "16", "--no-baselines",
+                   "--reps", "1", "--out", "", "--quiet", "--fresh-memory"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "fresh memory each call; large float32 matmul" in out.splitlines()[0], out
+    assert "chunk_kda[reference]" in out
