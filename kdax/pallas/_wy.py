@@ -16,8 +16,8 @@ from .._numerics.hilo import exponent
 from ..stages import KDA, AbstractWY, AbstractWYDqkg, ChunkGrads, WYOut
 from ._arith import Products, decay, exp_by_exp2
 from ._common import (
-    PallasFeatureBlocks, PallasValueBlocks, blockwise, chunk_spec, column_blocks, flat, iota, loaded, pow2, put,
-    ref_or_none, row_of, segment_operands, token_operand, tuned, unflat,
+    PallasFeatureBlocks, PallasValueBlocks, blockwise, check_block, chunk_spec, column_blocks, flat, iota, loaded, pow2,
+    put, ref_or_none, row_of, segment_operands, token_operand, tuned, unflat,
 )
 from ._written import as_written, poison_operand, poisoned, writes_final, written_output
 
@@ -98,11 +98,30 @@ def wy_kernel(mm: Products, k_blocks, v_blocks, has_lo: bool, load_v=None, row_l
     return kernel
 
 
+# The shared memory one program may use on sm_90 (227 KiB, the per-block opt-in limit)
+HOPPER_SHARED_BYTES = 232448
+
+
+def dl_rows(C: int, itemsize: int, splits: bool) -> Optional[int]:
+    """B3's rows of dL per product on Triton: None (the whole chunk) where its two
+    ``[C, C]`` operands (``itemsize`` bytes an element, twice that where float32 products
+    split into TF32 parts) fit sm_90's shared memory together; else the most rows whose
+    block fits beside ``M = dAkk A^T`` (``dl_by_rows``): 64 in float64 at C = 128."""
+    tile = C * C * itemsize * (2 if splits else 1)
+    if 2 * tile <= HOPPER_SHARED_BYTES:
+        return None
+    rows = C // 2
+    while rows > 16 and tile + tile // C * rows > HOPPER_SHARED_BYTES:
+        rows //= 2
+    return rows
+
+
 def wy_dqkg_body(mm: Products, scale, beta, Akk, refs, out_refs, k_blocks, v_blocks, has_lo: bool,
-                 row_loads: bool = False, seg=None):
+                 row_loads: bool = False, seg=None, dL_r=None, seg_refs=None, rows=None):
     """B3 for one chunk, from refs: ``refs = (k, G, qg, kg, v, h, dh, v_new, do, dv_new
     [, G_lo])`` in, ``out_refs = (dq, dk, dv, dbeta, dG)`` out; ``beta [C, 1]`` loaded,
-    ``Akk [C, C]`` a ref read where used; returns dL. ``seg``: None, or (shared chunks)
+    ``Akk [C, C]`` a ref read where used; dL written to ``dL_r``, whole or (``rows``,
+    ``dl_by_rows``; ``seg_refs``: ``seg``'s refs) by row blocks. ``seg``: None, or (shared chunks)
     each token's sequence within the chunk as a ``[C, 1]`` column and a ``[1, C]`` row,
     loaded: F3's masks (``segment_masks``), the state's decay through the chunk zero where a
     sequence starts in it, and dL zero between sequences. The value axis is walked
@@ -178,12 +197,35 @@ def wy_dqkg_body(mm: Products, scale, beta, Akk, refs, out_refs, k_blocks, v_blo
 
     dAkk, dbeta = blockwise(k_blocks, feature_block, (dAkk, dbeta))
     db_o[...] = dbeta
+    if rows is not None and rows < C:
+        return dl_by_rows(mm, dAkk, Akk, seg_refs, rows, dL_r)
     row, col = iota((C, C), 0), iota((C, C), 1)
     A = Akk[...]
     lower = col < row if seg is None else (col < row) & (seg[0] == seg[1])
     if row_loads:  # A^T dAkk A^T = ((dAkk A^T)^T A)^T: A the second operand of both products
-        return jnp.where(lower, -mm.dot(mm.dot(dAkk, A, tb=True), A, ta=True).T, 0.0)
-    return jnp.where(lower, -mm.dot(mm.dot(A, dAkk, ta=True), A, tb=True), 0.0)
+        dL_r[...] = jnp.where(lower, -mm.dot(mm.dot(dAkk, A, tb=True), A, ta=True).T, 0.0)
+    else:
+        dL_r[...] = jnp.where(lower, -mm.dot(mm.dot(A, dAkk, ta=True), A, tb=True), 0.0)
+
+
+def dl_by_rows(mm: Products, dAkk, Akk, seg_refs, rows: int, dL_r):
+    """``dL = -A^T dAkk A^T`` (strictly lower, within sequences) written ``rows`` rows at a
+    time: ``M = dAkk A^T`` whole, then ``dL[r] = -(M^T A[:, r])^T`` with ``A[:, r]`` read
+    from its ref, so no two ``[C, C]`` operands are held at once (the whole form's ``A`` and
+    ``M``: 256 KiB of shared memory in float64 at C = 128, over sm_90's 227)."""
+    C = Akk.shape[0]
+    M = mm.dot(dAkk, Akk[...], tb=True)
+
+    def block(r0, br, carry):
+        rc = pl.ds(r0, br)
+        row, col = r0 + iota((br, C), 0), iota((br, C), 1)
+        lower = col < row
+        if seg_refs is not None:
+            lower = lower & (seg_refs[0][rc, :] == seg_refs[1][...])
+        dL_r[rc, :] = jnp.where(lower, -mm.dot(M, Akk[:, rc], ta=True).T, 0.0)
+        return carry
+
+    blockwise([(r0, rows) for r0 in range(0, C, rows)], block, jnp.int32(0))
 
 
 @final
@@ -257,6 +299,12 @@ class PallasWYDqkg(AbstractWYDqkg, PallasValueBlocks, PallasFeatureBlocks):
 
     block_v: int = eqx.field(static=True, default=32)
     block_k: int = eqx.field(static=True, default=32)
+    # dL's rows per product on Triton (a power of 2; None: ``dl_rows``' choice, the whole
+    # chunk where it fits sm_90's shared memory)
+    dl_rows: Optional[int] = eqx.field(static=True, default=None)
+
+    def __check_init__(self):
+        check_block("dl_rows", self.dl_rows, optional=True)
 
     @tuned
     @typecheck
@@ -306,6 +354,9 @@ class PallasWYDqkg(AbstractWYDqkg, PallasValueBlocks, PallasFeatureBlocks):
 
         k_blocks, v_blocks = self.feature_blocks(Kp), column_blocks(self.target, Vp, self.block_v)
         mm = self.products()
+        rows = None
+        if self.target == "triton":
+            rows = self.dl_rows or dl_rows(C, jnp.dtype(_precision.operand_dtype() or q.dtype).itemsize, mm.splits)
 
         n_mask = int(final is not None)
 
@@ -315,9 +366,8 @@ class PallasWYDqkg(AbstractWYDqkg, PallasValueBlocks, PallasFeatureBlocks):
             seg = tuple(r[...] for r in refs[n_in:n_all]) or None
             outs = list(refs[n_all + n_mask:-1])
             outs[2] = poisoned(outs[2], refs[n_all][...] if n_mask else None)  # dv: the call's, with final
-            dL_r = refs[-1]
-            dL_r[...] = wy_dqkg_body(mm, scale, b[...], a, ins, outs, k_blocks, v_blocks, has_lo,
-                                     self.target == "triton", seg)
+            wy_dqkg_body(mm, scale, b[...], a, ins, outs, k_blocks, v_blocks, has_lo, self.target == "triton", seg,
+                         refs[-1], refs[n_in:n_all] or None, rows)
 
         written = None if final is None else {2: written_output(final, "v", HV, C, V)}
         dq, dk, dv, db, dG, dL = self.call(

@@ -498,6 +498,40 @@ def test_wy_dqkg_value_blocks(target, interpret):
             P.PallasWYDqkg(target=target, block_v=bad)
 
 
+def test_wy_dqkg_dl_by_row_blocks():
+    """B3's dL in row blocks (``dl_by_rows``), equal to the reference: chosen by itself at
+    chunk 128 in float64 (the whole form's two [C, C] operands, 256 KiB, over sm_90's
+    shared memory; 64 rows: 192 KiB), and asked for (``dl_rows=16``) on shared chunks,
+    where dL is zero between sequences."""
+    from kdax.pallas._wy import dl_rows
+
+    assert dl_rows(128, 8, False) == 64 and dl_rows(64, 8, False) is None and dl_rows(128, 2, False) is None
+    assert dl_rows(128, 4, True) == 64 and dl_rows(64, 4, True) is None
+    x = _x(jnp.float64, 128, 12, 20, seed=7)
+    dh, do, dv_new = rand_like(x["h"], 5), rand_like(x["v"], 3), rand_like(x["v"], 6)
+    args = (x["scale"], x["q"], x["k"], x["v"], x["beta"], x["G"], x["Akk"], x["qg"], x["kg"], x["h"], dh,
+            x["v_new"], do, dv_new)
+    want = S.ReferenceWYDqkg()(*args)
+    _close(P.PallasWYDqkg(target="triton", interpret=True)(*args), want, 1e-12, "wy_dqkg C=128")
+    with pytest.raises(ValueError, match="dl_rows"):
+        P.PallasWYDqkg(target="triton", dl_rows=24)
+    C, K, V, HV = 32, 12, 6, 2
+    L = make_shared_layout(45, C, jnp.asarray(SHARED_CU, jnp.int32))
+    R, NC = L.valid.shape[:2]
+    x = chunked(3, R=R, HV=HV, NC=NC, C=C, K=K, V=V, strong=True)
+    Akk = S.ReferenceIntra()(x["scale"], x["q"], x["k"], x["beta"], x["G"], reset=L.reset).Akk
+    wy = S.ReferenceWY()(x["q"], x["k"], x["v"], x["beta"], x["G"], Akk, reset=L.reset)
+    h = rand_like(jnp.zeros((R, HV, NC, K, V)), 8)
+    bwd = (x["scale"], x["q"], x["k"], x["v"], x["beta"], x["G"], Akk, wy.qg, wy.kg, h, rand_like(h, 9),
+           rand_like(wy.u, 10), rand_like(wy.u, 11), rand_like(wy.u, 12))
+    got = P.PallasWYDqkg(target="triton", interpret=True, dl_rows=16)(*bwd, reset=L.reset)
+    want = S.ReferenceWYDqkg()(*bwd, reset=L.reset)
+    _close(got, want, 1e-12, "wy_dqkg dl_rows=16")
+    seg = np.asarray(segments(L.reset))[:, None, :, :, None]
+    across = np.broadcast_to(seg != np.swapaxes(seg, -1, -2), got.dL.shape)
+    assert across.any() and np.all(np.asarray(got.dL)[across] == 0)
+
+
 def test_dhu_chunk128_takes_16_value_columns():
     """B2 at chunk 128, where a Triton program takes 16 value columns (shared memory): four
     blocks for V = 40 padded to 64, equal to the reference."""

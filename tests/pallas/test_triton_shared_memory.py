@@ -39,7 +39,8 @@ def _triton_modules(K: int, C: int, dtype, options=None, tuning=None) -> dict:
 
 
 # The standard shape, and chunk 128 in float64 (where the device first failed: B4 asked for
-# 1040 KiB before its row-block loop). Chunk 128 at K = 128 in float32 is left out: B3 did
+# 1040 KiB before its row-block loop; B3 256 KiB before it took dL by row blocks there,
+# kdax.pallas._wy.dl_rows: 192 KiB). Chunk 128 at K = 128 in float32 is left out: B3 did
 # not finish compiling in 15 minutes (full-precision float32 products are FMA loops that
 # Triton unrolls, likely the cause).
 #
