@@ -4,7 +4,7 @@ FLA at the three shapes and the layer (first written for issue 26; the candidate
 issue 53).
 
 Writes, under ``--out`` (``$OUT/gpu`` on the device machine; copy it to
-``benchmarks/results/gpu_<card>/issue26/``):
+``benchmarks/results/gpu_<card>/triton_candidates/``):
 
 * ``results.json`` / ``results.txt`` / ``results.png``: ``chunk_kda`` at (B, T, H) =
   (1, 16384, 16) (the goal shape), (1, 4096, 16) and (4, 4096, 32), K = V = 128, bf16,

@@ -166,7 +166,7 @@ def _recurrent_errors(pattern):
 # A single float32 G (|G| up to C |floor|) resolves G_i - G_j only to about eps |G|: at
 # C = 128 the final state and dg were 10-36x over the recurrence's error, even with ordinary
 # gates. F1 now gives G as an exact sum G + G_lo (kdax._numerics.hilo); ratios after it in
-# benchmarks/results/issue18.txt (all <= 5.2x, dg the largest).
+# benchmarks/results/hardening_before_after.txt (all <= 5.2x, dg the largest).
 @pytest.mark.parametrize("pattern, C", [
     ("one_token", 16),
     ("scattered", 128),
