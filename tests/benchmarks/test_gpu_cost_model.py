@@ -125,6 +125,22 @@ def test_two_rate_model():
     assert len(loo) == 12 and all(fit != (rate, bw) and p > 0 and f >= 1.0 for _, fit, p, f in loo)
 
 
+def test_terms_tried():
+    """The terms tried for the leave-one-out goal: occupancy_bw is the resident warps' pull
+    up to the copy's bandwidth (the state kernels: 32 busy SMs); each term is fitted with
+    the per-warp rate inside its search range, and its leave-one-out worst factor is no
+    better than its in-sample one."""
+    m = load_benchmark("gpu_cost_model")
+    ks, meas = m.profiled_kernels(), m.measured()
+    state = next(k for k in ks if k.name == "kdax_PallasState_kernel")
+    assert state.programs == 32 and m.occupancy_bw(state, 1e9) == pytest.approx(32 * state.ctas_per_sm * 8 * 1e9)
+    assert m.occupancy_bw(state, 1e15) == m.HBM_MEASURED
+    for term in m.TERMS:
+        lo, hi = m.TERMS[term][1]
+        x, fit, loo = m.term_calibration(ks, meas, term)
+        assert lo <= x <= hi and 1.0 <= fit <= loo, (term, x, fit, loo)
+
+
 def test_calibration_rows(text):
     """Every kernel the profile timed, from the frozen figures, beside its measured time:
     the fit is over all of them, whatever the checkout's kernels have become."""
