@@ -25,7 +25,9 @@ class ForwardRoute(NamedTuple):
     """What ``forward_route`` decided: the layout, its hooks, F4's state table ``h0``
     (``[N, HV, K, V]``, one zero entry in shared chunks), ``A_log`` and ``dt_bias`` in the
     compute dtype ``dtype``, the inputs' dtypes as given, the cleaner (or None) and the
-    chunks per forward tile (None: each stage once over everything)."""
+    chunks per forward tile (None: each stage once over everything). ``h0_zero``: ``h0`` is
+    the zeros made for a call without initial states (not a state table of shared chunks):
+    F4 may be told so (``zero_h0``, a capability) and read none of it."""
 
     layout: ChunkLayout
     hooks: ForwardHooks
@@ -36,6 +38,7 @@ class ForwardRoute(NamedTuple):
     dtype: object
     clean: Optional[Callable]
     tile: Optional[int]
+    h0_zero: bool = False
 
 
 def forward_route(pipeline, config: KDAConfig, raw: tuple, h0, A_log, dt_bias, cu_seqlens, clean: bool,
@@ -50,6 +53,7 @@ def forward_route(pipeline, config: KDAConfig, raw: tuple, h0, A_log, dt_bias, c
     entries = entries and all(is_kda(getattr(pipeline, n)) for n in ("gate", "output"))
     shared = (h0 is None or entries) and shares_chunks(pipeline, cu_seqlens)
     entering = shared and h0 is not None
+    zero = h0 is None and not shared
     if entering:  # (cast before the layout is made: the program lowered as it was)
         in_dtypes, A_log, dt_bias, h0 = in_compute_dtype(raw, h0, A_log, dt_bias, dt, None)
         ok = _isolation.finite_heads(h0) if clean else None  # (False: the head reads a zero state)
@@ -69,7 +73,7 @@ def forward_route(pipeline, config: KDAConfig, raw: tuple, h0, A_log, dt_bias, c
     nt = None if entering else tile_chunks(pipeline, layout.valid.shape[0] * HV, layout.num_chunks)
     if nt is not None and not layout.dense and h0.shape[0] > nt * C:
         nt = None  # each tile's state table, O(N), would cost more than its tokens
-    return ForwardRoute(layout, hooks, h0, A_log, dt_bias, in_dtypes, dt, cleaner, nt)
+    return ForwardRoute(layout, hooks, h0, A_log, dt_bias, in_dtypes, dt, cleaner, nt, zero)
 
 
 def on_route(route: ForwardRoute, stages: Callable, config: KDAConfig, raw: tuple, reads: tuple) -> tuple:

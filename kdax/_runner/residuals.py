@@ -63,6 +63,9 @@ class KDAResiduals(eqx.Module):
     # Initial states entering shared chunks (kdax._layouts.shared_states; None otherwise): the
     # layout is then ``injected_layout`` and ``h0`` its state table.
     entries: Optional[EntryResiduals] = None
+    # ``h0`` is the zeros of a call without initial states (``ForwardRoute.h0_zero``): B0
+    # may tell F4 so (``zero_h0``). Code that puts other states in ``h0`` sets it False.
+    h0_zero: bool = eqx.field(static=True, default=False)
 
     # Token-level intermediates: where each lives. "h" (per chunk) is handled apart.
     _TOKEN = {
@@ -81,7 +84,7 @@ class KDAResiduals(eqx.Module):
         return cls(
             config, L, act, fw.v, fw.g if config.use_gate_in_kernel else None, route.A_log, route.dt_bias, intra.Aqk,
             intra.Akk, h0, cache, num_qk_heads, route.in_dtypes, cu_seqlens,
-            entries=None if parts is None else EntryResiduals(*parts),
+            entries=None if parts is None else EntryResiduals(*parts), h0_zero=route.h0_zero and h0 is route.h0,
         )
 
     @classmethod

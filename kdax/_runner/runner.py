@@ -180,11 +180,12 @@ class PipelineState(AbstractState):
     """F4 as ``pipeline`` runs it (``run_stage``): what B0 recomputes with."""
 
     tile_safe: ClassVar[bool] = True
-    accepts: ClassVar[frozenset] = frozenset({"reset", "tile_safe", "half_stored"})
+    accepts: ClassVar[frozenset] = frozenset({"reset", "tile_safe", "half_stored", "zero_h0"})
     pipeline: eqx.Module
 
-    def __call__(self, w, u, kg, G, h0, layout, reset=None):
-        return run_stage(self.pipeline, "state", w=w, u=u, kg=kg, G=G, h0=h0, layout=layout, reset=reset)
+    def __call__(self, w, u, kg, G, h0, layout, reset=None, zero_h0=False):
+        zero = {"zero_h0": True} if zero_h0 else {}
+        return run_stage(self.pipeline, "state", w=w, u=u, kg=kg, G=G, h0=h0, layout=layout, reset=reset, **zero)
 
 
 def record_layout(name: str) -> None:

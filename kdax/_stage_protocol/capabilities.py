@@ -27,7 +27,11 @@ class Capabilities(NamedTuple):
     (``kdax._layouts.tokens.FinalGrads``, passed as ``final=`` where the caller's layout
     fits: caller's layout and dtype, NaN where ``chunk_kda``'s isolation puts it), each
     returned as a ``Written``; without it, or for a gradient it leaves chunked, the
-    pipeline finishes them (the same numbers: unpacked, poisoned, cast).
+    pipeline finishes them (the same numbers: unpacked, poisoned, cast). ``zero_h0`` (F4,
+    B0): told ``zero_h0=True`` where the call gave no initial states (dense and per-sequence
+    layouts; F4 when the forward runs untiled), the stage may start from zero states
+    without reading ``h0`` (zeros then): no zero array made for it; without it the stage
+    reads the zeros.
 
     What formula a stage computes is not a capability: forward stages declare ``math``,
     backward stages ``transposes`` (``kdax._runner.routes``). ``reset`` and ``tile_safe`` select a
@@ -40,12 +44,13 @@ class Capabilities(NamedTuple):
     tokens: bool = False
     half_stored: bool = False
     final_grads: bool = False
+    zero_h0: bool = False
 
 
 @functools.cache
 def capabilities(cls: type) -> Capabilities:
     """The declaration of stage class ``cls``: its ``accepts`` ClassVar, a set drawn from
-    ``"G_lo"``, ``"reset"``, ``"tile_safe"``, ``"tokens"``, ``"half_stored"``, ``"final_grads"`` (every family's abstract class
+    ``"G_lo"``, ``"reset"``, ``"tile_safe"``, ``"tokens"``, ``"half_stored"``, ``"final_grads"``, ``"zero_h0"`` (every family's abstract class
     has one, empty). ``tile_safe`` may also be said as a ``tile_safe = True`` ClassVar;
     either spelling counts. Nothing is read from the stage's signature: a stage that takes
     ``reset=`` without declaring it is not passed one."""
@@ -70,10 +75,13 @@ def negotiated(stage, kwargs: dict) -> dict:
     ``Tokens`` views as chunked copies for one that does not read them (``tokens``), and
     half-precision stored intermediates as float32 copies for one that does not take them
     (``half_stored``), and without ``final`` for one that does not write final gradients
-    (``final_grads``)."""
+    (``final_grads``), and without ``zero_h0`` for one that does not start from zero states
+    itself (``zero_h0``)."""
     caps = capabilities(type(stage))
     if "final" in kwargs and not caps.final_grads:
         kwargs = {n: x for n, x in kwargs.items() if n != "final"}
+    if "zero_h0" in kwargs and not caps.zero_h0:
+        kwargs = {n: x for n, x in kwargs.items() if n != "zero_h0"}
     if not caps.half_stored:
         kwargs = _precision.widened(kwargs)
     if "G_lo" in kwargs and not caps.G_lo:

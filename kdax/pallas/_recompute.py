@@ -17,9 +17,10 @@ from ._wy import PallasWY
 class PallasRecompute(AbstractRecompute, PallasTarget):
     """B0 by re-running the given F3 and F4; called directly without them, ``PallasWY``
     and ``PallasState`` of this target. Passes a ``Tokens`` view of ``v`` on to F3
-    (``tokens``), and ``G_lo`` and the reset table (shared chunks) on to F3 and F4."""
+    (``tokens``), and ``G_lo`` and the reset table (shared chunks) on to F3 and F4, and
+    ``zero_h0`` (no initial states given) on to F4."""
 
-    accepts: ClassVar[frozenset] = frozenset({"G_lo", "reset", "tokens", "half_stored"})
+    accepts: ClassVar[frozenset] = frozenset({"G_lo", "reset", "tokens", "half_stored", "zero_h0"})
 
     @tuned
     @typecheck
@@ -38,8 +39,9 @@ class PallasRecompute(AbstractRecompute, PallasTarget):
         *,
         wy: Optional[AbstractWY] = None,
         state: Optional[AbstractState] = None,
+        zero_h0: bool = False,
     ) -> tuple[WYOut, StateOut]:
         kw = dict(target=self.target, interpret=self.interpret)
         wy = PallasWY(**kw) if wy is None else wy
         state = PallasState(**kw) if state is None else state
-        return recompute_with(wy, state, q, k, v, beta, G, Akk, h0, layout, G_lo, reset)
+        return recompute_with(wy, state, q, k, v, beta, G, Akk, h0, layout, G_lo, reset, zero_h0)

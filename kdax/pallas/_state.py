@@ -79,12 +79,14 @@ class PallasState(AbstractState, PallasValueBlocks):
     but 48-64 B of spills a thread on sm_90 at 8 warps (``benchmarks/NOTES.md``, session
     15): which is faster is for a GPU to tell. In a pipeline under ``"fast"`` w, u and kg
     arrive stored in bf16 (``kdax._numerics.precision.storage``; ``half_stored``), leaving F4
-    nothing to round; h and v_new are written in bf16 by the kernel."""
+    nothing to round; h and v_new are written in bf16 by the kernel. ``zero_h0`` (a
+    capability: the call gave no initial states): the Triton kernel starts from zero states
+    and reads no ``h0``, so XLA makes no zero array for it (TPU reads the zeros)."""
 
     math: ClassVar[Optional[str]] = KDA
 
     tile_safe: ClassVar[bool] = True
-    accepts: ClassVar[frozenset] = frozenset({"reset", "tile_safe", "half_stored"})
+    accepts: ClassVar[frozenset] = frozenset({"reset", "tile_safe", "half_stored", "zero_h0"})
     block_k: Optional[int] = eqx.field(static=True, default=None)
     round_in_kernel: bool = eqx.field(static=True, default=False)
 
@@ -102,6 +104,7 @@ class PallasState(AbstractState, PallasValueBlocks):
         h0: SeqState,
         layout: ChunkLayout,
         reset: Optional[ChunkValid] = None,
+        zero_h0: bool = False,
     ) -> StateOut:
         R, HV, NC, C, K = w.shape
         V = u.shape[-1]
@@ -122,6 +125,7 @@ class PallasState(AbstractState, PallasValueBlocks):
         if t == "tpu":
             h, v_new, final = tpu.state_forward(wf, uf, kgf, gam, h0f, layout, P=P, HV=HV, N=N, **shapes)
         else:
+            h0f = None if zero_h0 else h0f  # (zeros: the kernel starts from them unread)
             h, v_new, final = triton.state_forward(wf, uf, kgf, gam, h0f, layout, R=R, HV=HV, N=N, gam_rows=rows,
                                                    block_v=self.block_v, block_k=self.block_k,
                                                    params=self.triton_params(), **shapes)

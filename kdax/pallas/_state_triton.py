@@ -67,7 +67,8 @@ def state_forward(wf, uf, kgf, gam, h0f, layout, *, R, HV, NC, C, Kp, Vp, N, blo
                   params, gam_rows=False):
     """F4 on padded, flattened operands: ``(h [P, NC, Kp, Vp], v_new, final [N * HV, Kp, Vp])``.
     ``mm``: the kernel's ``Products``; ``params``: its ``num_warps`` and ``num_stages``;
-    ``gam``, ``gam_rows``: the decay as ``gamma_operand`` takes it."""
+    ``gam``, ``gam_rows``: the decay as ``gamma_operand`` takes it. ``h0f`` None: zero
+    initial states, not read (no operand)."""
     P = R * HV
     # Sequence boundaries from the layout (dense or packed varlen): a chunk that
     # starts sequence f loads h0[f]; one that ends sequence l writes final[l].
@@ -75,18 +76,25 @@ def state_forward(wf, uf, kgf, gam, h0f, layout, *, R, HV, NC, C, Kp, Vp, N, blo
     dense = layout.dense
     tiles = k_tiles(Kp, block_k)
     g_in, g_spec, g_load = gamma_operand(gam, gam_rows, C, Kp)
+    zero = h0f is None
+    st_dt = jnp.dtype(dtype[2])  # (the final states': h0's dtype)
 
-    def kernel(w_ref, u_ref, kg_ref, g_ref, h0_ref, *refs):
+    def kernel(w_ref, u_ref, kg_ref, g_ref, *refs):
+        h0_ref, refs = (None, refs) if zero else (refs[0], refs[1:])
         first_ref, last_ref, h_ref, vn_ref, fin_ref = _bounds(dense, refs)
+
         p, cols = pl.program_id(0), pl.ds(pl.program_id(1) * bv, bv)
         r, hv = idiv(p, HV), p % HV
+
+        def start(row, k0, bk):  # a sequence's initial state (row of h0), rows k0 to k0 + bk
+            return jnp.zeros((bk, bv), st_dt) if zero else h0_ref[row, pl.ds(k0, bk), cols]
 
         # The state as row tiles of block_k rows (one tile: all of K), each a loop carry.
         def step(c, hs):
             rows = pl.ds(c * C, C)
             if not dense:  # a sequence may start or end at any chunk
                 f = first_ref[r, c]
-                hs = tuple(jnp.where(f >= 0, h0_ref[jnp.maximum(f, 0) * HV + hv, pl.ds(k0, bk), cols], h)
+                hs = tuple(jnp.where(f >= 0, start(jnp.maximum(f, 0) * HV + hv, k0, bk), h)
                            for (k0, bk), h in zip(tiles, hs))
             for (k0, bk), h in zip(tiles, hs):
                 # Stored as FLA stores them (bf16 under "fast": kdax._numerics.precision.storage).
@@ -107,21 +115,21 @@ def state_forward(wf, uf, kgf, gam, h0f, layout, *, R, HV, NC, C, Kp, Vp, N, blo
             return hs_next
 
         # Dense: row r is sequence r, from chunk 0 to the last (no per-chunk state load).
-        init = tuple(h0_ref[p, pl.ds(k0, bk), cols] if dense else jnp.zeros((bk, bv), h0_ref.dtype)
-                     for k0, bk in tiles)
+        init = tuple(start(p, k0, bk) if dense else jnp.zeros((bk, bv), st_dt) for k0, bk in tiles)
         hs = loop(0, NC, step, init)
         if dense:
             for (k0, bk), h in zip(tiles, hs):
                 fin_ref[p, pl.ds(k0, bk), cols] = h
 
+    h0_in = () if zero else (h0f,)
     h, v_new, final = _run(
-        kernel, (_tokens(wf), _tokens(uf), _tokens(kgf), g_in, h0f, *_bound_inputs(layout)),
+        kernel, (_tokens(wf), _tokens(uf), _tokens(kgf), g_in, *h0_in, *_bound_inputs(layout)),
         [(P, NC * Kp, Vp), (P, NC * C, Vp), (N * HV, Kp, Vp)], P, Vp // bv, dtype, interpret, "PallasState", params,
-        _specs(3, g_spec, 1 + len(_bound_inputs(layout))),
+        _specs(3, g_spec, len(h0_in) + len(_bound_inputs(layout))),
     )
     h, v_new = h.reshape(P, NC, Kp, Vp), v_new.reshape(P, NC, C, Vp)
     # A sequence of length 0 has no chunk to write its final state: it keeps h0.
-    final = jnp.where(jnp.repeat(layout.empty, HV)[:, None, None], h0f, final)
+    final = jnp.where(jnp.repeat(layout.empty, HV)[:, None, None], jnp.zeros((), final.dtype) if zero else h0f, final)
     return h, v_new, final
 
 

@@ -80,7 +80,8 @@ def _with_reset(stage, kwargs: dict, reset) -> dict:
     return dict(kwargs, reset=reset)
 
 
-def recompute_with(wy: AbstractWY, state: AbstractState, q, k, v, beta, G, Akk, h0, layout, G_lo=None, reset=None):
+def recompute_with(wy: AbstractWY, state: AbstractState, q, k, v, beta, G, Akk, h0, layout, G_lo=None, reset=None,
+                   zero_h0: bool = False):
     # F3 and F4 under their own stages' precision policy (kdax._numerics.precision), their outputs
     # stored as the forward's are (the stage runner's cast), so B0 rebuilds them exactly.
     policy = _precision.current_policy()
@@ -88,7 +89,8 @@ def recompute_with(wy: AbstractWY, state: AbstractState, q, k, v, beta, G, Akk, 
         out = wy(**_with_reset(wy, negotiated(wy, dict(q=q, k=k, v=v, beta=beta, G=G, Akk=Akk, G_lo=G_lo)), reset))
         out = _precision.store_outputs(out, policy)
     with _precision.stage_scope(policy, "state"):
-        kw = negotiated(state, dict(w=out.w, u=out.u, kg=out.kg, G=G, h0=h0, layout=layout))
+        zero = {"zero_h0": True} if zero_h0 else {}  # (h0 zeros: kdax._stage_protocol.capabilities)
+        kw = negotiated(state, dict(w=out.w, u=out.u, kg=out.kg, G=G, h0=h0, layout=layout, **zero))
         return out, _precision.store_outputs(state(**_with_reset(state, kw, reset)), policy)
 
 
