@@ -291,7 +291,9 @@ class PallasWYDqkg(AbstractWYDqkg, PallasValueBlocks, PallasFeatureBlocks):
     ``do`` from the caller's layout when handed ``Tokens`` views (``tokens``, as
     ``PallasWY``). Writes dv as the call's gradient of v when the pipeline asks
     (``final_grads``; Triton, V a power of 2): the input's layout and dtype, NaN where
-    ``chunk_kda``'s isolation puts it (``kdax.pallas._written``)."""
+    ``chunk_kda``'s isolation puts it (``kdax.pallas._written``). ``dl_rows`` (Triton): dL's
+    rows per product (``dl_by_rows``); None: the whole chunk where its two ``[C, C]``
+    operands fit sm_90's shared memory, else ``dl_rows``' choice (64 in float64 at C = 128)."""
 
     transposes: ClassVar[Mapping[str, str]] = MappingProxyType({"wy": KDA, "state": KDA, "output": KDA})
 
