@@ -211,17 +211,15 @@ class KDAPipeline(eqx.Module):
         heads) and the state table ``h0``, with the layout's reset table (shared chunks: exact
         zeros across sequences, kdax._layouts.resets) and what the layout adds between them
         (``route.hooks``): ``(o chunked, _ForwardChunks, final states [N, HV, K, V])``."""
-        (qc, kc, vc, gc, bc), ext, A_log, dt_bias = chunked, route.hooks, route.A_log, route.dt_bias
-        R = layout.reset
+        (qc, kc, vc, gc, bc), ext, A_log, dt_bias, R = chunked, route.hooks, route.A_log, route.dt_bias, layout.reset
         act = self.run_stage("gate", config=config, q=qc, k=kc, g=gc, beta=bc, A_log=A_log, dt_bias=dt_bias,
                              valid=layout.valid, reset=R)
         intra = self.run_stage("intra", scale=config.scale, q=act.q, k=act.k, beta=act.beta, G=act.G, G_lo=act.G_lo,
                                reset=R)
         wy = self.run_stage("wy", q=act.q, k=act.k, v=vc, beta=act.beta, G=act.G, Akk=intra.Akk, G_lo=act.G_lo, reset=R)
         h0, L, extra = ext.f4_inputs(h0, layout, act=act, intra=intra, v=vc, g=gc, A_log=A_log, dt_bias=dt_bias)
-        # (the call's zeros themselves, not a later tile's state: F4 may start from zero unread)
-        zero = {"zero_h0": True} if route.h0_zero and h0 is route.h0 else {}
-        st = self.run_stage("state", w=wy.w, u=wy.u, kg=wy.kg, G=act.G, h0=h0, layout=L, reset=R, **zero)
+        st = self.run_stage("state", w=wy.w, u=wy.u, kg=wy.kg, G=act.G, h0=h0, layout=L, reset=R,
+                            zero_h0=route.h0_zero and h0 is route.h0)  # (the call's zeros, not a tile's carry)
         v_out = ext.v_out(st.v_new, extra)
         oc = self.run_stage("output", scale=config.scale, qg=wy.qg, h=st.h, Aqk=intra.Aqk, v_new=v_out)
         return ext.after_output(oc, extra), _ForwardChunks(act, intra, wy, st.h, st.v_new, vc, gc, extra, v_out), st.final
@@ -236,10 +234,9 @@ class KDAPipeline(eqx.Module):
         if res.cache is not None:
             return res.cache
         act, L = res.act, res.layout
-        zero = {"zero_h0": True} if res.h0_zero else {}
         wy, st = self.run_stage(
             "recompute", q=act.q, k=act.k, v=res.v, beta=act.beta, G=act.G, Akk=res.Akk, h0=res.h0, layout=L,
-            G_lo=act.G_lo, reset=L.reset, wy=PipelineWY(self, act.G_lo), state=PipelineState(self), **zero,
+            G_lo=act.G_lo, reset=L.reset, zero_h0=res.h0_zero, wy=PipelineWY(self, act.G_lo), state=PipelineState(self),
         )
         return ForwardCache.of(act.G, IntraOut(res.Aqk, res.Akk), wy, st.h, st.v_new)
 
