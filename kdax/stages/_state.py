@@ -56,10 +56,18 @@ def _select(ids, table, other):
 def _enter(layout: ChunkLayout, c, at_c: int, ids, table, other):
     """``_select`` at chunk ``c``; a dense layout (row r is sequence r, entered at chunk
     ``at_c``) reads ``table`` whole instead of gathering by id, which would gather
-    across devices when rows are sharded."""
+    across devices when rows are sharded. A loop over a dense layout starts its carry at
+    ``table`` instead (``_carried``) and enters nothing."""
     if layout.dense:
         return jnp.where(c == at_c, table, other)
     return _select(ids, table, other)
+
+
+def _carried(layout: ChunkLayout, table, shape):
+    """Whether a chunk loop starts its carry at ``table`` (a dense layout: every row's
+    sequence enters at the loop's first chunk) instead of selecting it there at every
+    step: a pass over the whole state per chunk saved (F4 and B2 ~7% on CPU)."""
+    return layout.dense and tuple(table.shape) == tuple(shape)
 
 
 class AbstractState(eqx.Module):
@@ -147,7 +155,7 @@ class ReferenceState(AbstractState):
         decay = _decay(G, reset)
 
         if NC <= self.unroll:
-            h = jnp.zeros((R, HV, K, V), h0.dtype)
+            h = h0 if _carried(layout, h0, (R, HV, K, V)) else jnp.zeros((R, HV, K, V), h0.dtype)
             hs, v_news = [], []
             for c in range(NC):
                 h_start, v_new, h = _chunk(layout, c, h, w, u, kg, decay, h0)
@@ -174,7 +182,8 @@ def _chunk(layout, c, h, w, u, kg, decay, h0):
     """Chunk ``c`` of F4: ``(h at its start, v_new, h at its end)`` from the state ``h``
     carried in (replaced by ``h0`` of a sequence that starts there)."""
     at = _at(c)
-    h = _enter(layout, c, 0, at(layout.first), h0, h)
+    if not _carried(layout, h0, h.shape):
+        h = _enter(layout, c, 0, at(layout.first), h0, h)
     v_new, h_next = _step(h, w, u, kg, decay, at)
     return h, v_new, h_next
 
@@ -202,7 +211,7 @@ def _recurrence(unroll, scope, layout, w, u, kg, G, decay, h0):
         h_start, v_new, h = _chunk(layout, c, h, w, u, kg, decay, h0)
         return h, _put(hs, c, h_start), _put(v_news, c, v_new)
 
-    h = jnp.zeros((R, HV, K, V), h0.dtype)
+    h = h0 if _carried(layout, h0, (R, HV, K, V)) else jnp.zeros((R, HV, K, V), h0.dtype)
     deps = (w, u, kg, G, h0)
     init = vary_like((h, zeros_after((R, HV, NC, K, V), h0.dtype, deps), zeros_after(u.shape, u.dtype, deps, 1)), deps)
     return jax.lax.fori_loop(0, NC, step, init, unroll=unroll)
@@ -353,12 +362,13 @@ class ReferenceDhu(AbstractDhu):
         loop's buffers depend on (``zeros_after``) and the ``dv_new`` buffer's shape and dtype."""
         R, HV, NC, _, K = kg.shape
         V = dht.shape[-1]
+        carried = _carried(layout, dht, (R, HV, K, V))
 
         def step(i, carry):
             dh_c, dhs, dv_news = carry
             c = NC - 1 - i
             at = _at(c)
-            dh_end = _enter(layout, c, NC - 1, at(layout.last), dht, dh_c)
+            dh_end = dh_c if carried else _enter(layout, c, NC - 1, at(layout.last), dht, dh_c)
             dv_new = at(dv_intra) + _mm(at(kg), dh_end)
             dh_start = at(decay)[..., None] * dh_end + source(at) - _mm(mT(at(w)), dv_new)
             return dh_start, _put(dhs, c, dh_end), _put(dv_news, c, dv_new)
@@ -368,7 +378,8 @@ class ReferenceDhu(AbstractDhu):
         if NC == 0:
             return DhuOut(jnp.zeros((R, HV, 0, K, V), dht.dtype), dh0, dv_intra)
         dhs = zeros_after((R, HV, NC, K, V), dht.dtype, deps)
-        init = vary_like((jnp.zeros((R, HV, K, V), dht.dtype), dhs, zeros_after(like.shape, like.dtype, deps, 1)), deps)
+        start = dht if carried else jnp.zeros((R, HV, K, V), dht.dtype)
+        init = vary_like((start, dhs, zeros_after(like.shape, like.dtype, deps, 1)), deps)
         dh_first, dh, dv_new = jax.lax.fori_loop(0, NC, step, init, unroll=max(1, min(loop_unroll(self.loop_unroll), NC)))
         if layout.dense:  # row r is sequence r, which starts at chunk 0
             return DhuOut(dh, dh_first, dv_new)
