@@ -195,9 +195,11 @@ def _wy_dqkg_chunk(scale, k, v, beta, G, Akk, qg, kg, h, dh, v_new, do, dv_new, 
     # v_new = u - w h, w = Akk X, u = Akk Y
     dw = -dv_new @ mT(h)
     X = b * k * eG
-    # Akk^T made once: XLA:CPU reads a transposed small lhs of a dot 1.4-2.7x slower than
-    # a plain one (as in kdax.stages._intra._apply; bitwise equal).
-    AkkT = jax.lax.optimization_barrier(mT(Akk))
+    # Akk^T made once on CPU: XLA:CPU reads a transposed small lhs of a dot 1.4-2.7x slower
+    # than a plain one (as in kdax.stages._intra._apply; bitwise equal).
+    AkkT = mT(Akk)
+    if jax.default_backend() == "cpu":
+        AkkT = jax.lax.optimization_barrier(AkkT)
     dX = AkkT @ dw
     dY = AkkT @ dv_new
     C = Akk.shape[-1]
