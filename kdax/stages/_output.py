@@ -121,7 +121,11 @@ class AbstractDAv(eqx.Module):
 
 def _dav_chunk(v_new, Aqk, do):
     dAqk = jnp.where(tri_mask(Aqk.shape[-1], strict=False), do @ mT(v_new), 0.0)
-    return dAqk, mT(Aqk) @ do
+    AqkT = mT(Aqk)
+    if jax.default_backend() == "cpu":
+        # Made once: XLA:CPU's dot reads a transposed small lhs slowly (as in B3; bitwise equal).
+        AqkT = jax.lax.optimization_barrier(AqkT)
+    return dAqk, AqkT @ do
 
 
 @final
