@@ -181,6 +181,23 @@ class ReferenceState(AbstractState):
         return StateOut(_precision.stored(hs), _precision.stored(v_news), jnp.where(ends[:, None, None, None], final, h0))
 
 
+def _vary_like(init, deps):
+    """``vary_like(init, deps)`` for a loop's initial carry, called only inside
+    ``jax.shard_map`` (where an array of ``deps`` varies over a manual axis): elsewhere
+    ``init`` as it is, so that a carried ``h0`` / ``dht`` (``_carried``) goes straight into
+    the loop (tests/test_layout_goals.py follows ``h0`` through the files it enters)."""
+    if any(_axes(d) for d in deps):
+        return vary_like(init, deps)
+    return init
+
+
+def _axes(x) -> set:
+    """The manual mesh axes ``x`` varies over (``kdax._numerics.arrays.varying_axes``)."""
+    t = jax.typeof(x)
+    mat = getattr(t, "manual_axis_type", None)
+    return set(mat.varying) if mat is not None else set(getattr(t, "vma", ()) or ())
+
+
 def _python_unroll(unroll: Union[int, Literal["auto"]]) -> int:
     """``ReferenceState.unroll``: how many chunks at most the stage unrolls in Python."""
     if unroll == "auto":
@@ -223,7 +240,7 @@ def _recurrence(unroll, scope, layout, w, u, kg, G, decay, h0):
 
     h = h0 if _carried(layout, h0, (R, HV, K, V)) else jnp.zeros((R, HV, K, V), h0.dtype)
     deps = (w, u, kg, G, h0)
-    init = vary_like((h, zeros_after((R, HV, NC, K, V), h0.dtype, deps), zeros_after(u.shape, u.dtype, deps, 1)), deps)
+    init = _vary_like((h, zeros_after((R, HV, NC, K, V), h0.dtype, deps), zeros_after(u.shape, u.dtype, deps, 1)), deps)
     return jax.lax.fori_loop(0, NC, step, init, unroll=unroll)
 
 
@@ -389,7 +406,7 @@ class ReferenceDhu(AbstractDhu):
             return DhuOut(jnp.zeros((R, HV, 0, K, V), dht.dtype), dh0, dv_intra)
         dhs = zeros_after((R, HV, NC, K, V), dht.dtype, deps)
         start = dht if carried else jnp.zeros((R, HV, K, V), dht.dtype)
-        init = vary_like((start, dhs, zeros_after(like.shape, like.dtype, deps, 1)), deps)
+        init = _vary_like((start, dhs, zeros_after(like.shape, like.dtype, deps, 1)), deps)
         dh_first, dh, dv_new = jax.lax.fori_loop(0, NC, step, init, unroll=max(1, min(loop_unroll(self.loop_unroll), NC)))
         if layout.dense:  # row r is sequence r, which starts at chunk 0
             return DhuOut(dh, dh_first, dv_new)
