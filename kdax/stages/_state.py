@@ -279,7 +279,17 @@ def _recurrence_bwd(unroll, scope, res, g):
                       jnp.zeros_like(h0)), deps)
     with _precision.restored(scope):
         _, dw, du, dkg, ddecay, dh0 = jax.lax.fori_loop(0, NC, back, init, unroll=unroll)
-    return None, dw, du, dkg, None, ddecay, dh0
+    # Inside shard_map an input that does not vary over a manual axis the cotangents vary
+    # over (zeros made inside, a replicated argument) gets the sum over that axis: the
+    # transpose of its implicit broadcast, and the type the custom VJP must return.
+    fit = lambda d, x: _psum_to(d, x)
+    return None, fit(dw, w), fit(du, u), fit(dkg, kg), None, fit(ddecay, decay), fit(dh0, h0)
+
+
+def _psum_to(d, x):
+    """``d`` (a cotangent of ``x``) summed over the manual axes it varies over and ``x`` does not."""
+    extra = tuple(sorted(_axes(d) - _axes(x)))
+    return jax.lax.psum(d, extra) if extra else d
 
 
 _recurrence.defvjp(_recurrence_fwd, _recurrence_bwd)
