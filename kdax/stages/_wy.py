@@ -5,7 +5,6 @@ from types import MappingProxyType
 from typing import ClassVar, Mapping, Optional
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 
 from .._layouts.resets import from_start, mask_exponent, per_head, same_segment, segments, to_end
@@ -195,13 +194,10 @@ def _wy_dqkg_chunk(scale, k, v, beta, G, Akk, qg, kg, h, dh, v_new, do, dv_new, 
     # v_new = u - w h, w = Akk X, u = Akk Y
     dw = -dv_new @ mT(h)
     X = b * k * eG
-    # Akk^T made once on CPU: XLA:CPU reads a transposed small lhs of a dot 1.4-2.7x slower
-    # than a plain one (as in kdax.stages._intra._apply; bitwise equal).
-    AkkT = mT(Akk)
-    if jax.default_backend() == "cpu":
-        AkkT = jax.lax.optimization_barrier(AkkT)
-    dX = AkkT @ dw
-    dY = AkkT @ dv_new
+    # (Akk^T made once behind an optimization_barrier: CPU time 0.97-0.99x under load, but
+    # wall 1.10-1.14x on a quiet machine, where XLA:CPU runs this loop on two threads.)
+    dX = mT(Akk) @ dw
+    dY = mT(Akk) @ dv_new
     C = Akk.shape[-1]
     # dL = -Akk^T dAkk Akk^T with dAkk = dw X^T + dv_new (beta v)^T; Akk^T dw and
     # Akk^T dv_new are dX and dY already.
