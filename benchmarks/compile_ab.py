@@ -14,22 +14,16 @@ def main():
     p.add_argument("--repeat", type=int, default=3)
     o = p.parse_args()
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from compile_size import inputs
     from stage_ab import export_base
 
     dest, sha = export_base(o.base)
     sys.path.insert(0, dest)
     import jax
-    import jax.numpy as jnp
-    import numpy as np
     import kdax
     import kdax_base
 
-    B, T, H, K = 1, 2048, 4, 64
-    r = np.random.default_rng(0)
-    q, k, v = (jnp.asarray(r.normal(size=(B, T, H, K)), jnp.float32) for _ in range(3))
-    g = jnp.asarray(-r.uniform(0.01, 0.5, size=(B, T, H, K)), jnp.float32)
-    beta = jnp.asarray(r.uniform(size=(B, T, H)), jnp.float32)
-    args = (q, k, v, g, beta)
+    args = inputs()
     progs = {}
     for tag, mod in (("base", kdax_base), ("new", kdax)):
         loss = lambda *a, m=mod: m.chunk_kda(*a, use_qk_l2norm_in_kernel=True)[0].sum()

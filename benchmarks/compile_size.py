@@ -41,33 +41,46 @@ def _eqns(jaxpr) -> int:
     return n
 
 
-def kernels(hlo_text: str) -> int:
-    """Instructions of a compiled HLO module that are kernels of their own: those of the
-    entry and control-flow computations, not of fused ones, less bookkeeping ops."""
-    n, comp = 0, ""
+def kernel_instructions(hlo_text: str):
+    """The instructions of a compiled HLO module that are kernels of their own (those of the
+    entry and control-flow computations, not of fused ones, less bookkeeping ops), as
+    ``(name, shape, opcode, op_name)`` (op_name "" where the metadata has none)."""
+    comp = ""
     for line in hlo_text.splitlines():
         head = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{$", line)
         if head:
             comp = head.group(2)
             continue
-        m = re.match(r"\s*(ROOT )?%?[\w.\-]+ = \S+ ([\w\-]+)\(", line)
-        if m and "fused" not in comp and not comp.startswith("wrapped") and m.group(2) not in _NOT_KERNELS:
-            n += 1
-    return n
+        m = re.match(r"\s*(ROOT )?%?([\w.\-]+) = (\S+) ([\w\-]+)\(", line)
+        if m and "fused" not in comp and not comp.startswith("wrapped") and m.group(4) not in _NOT_KERNELS:
+            op = re.search(r'op_name="([^"]*)"', line)
+            yield m.group(2), m.group(3), m.group(4), op.group(1) if op else ""
 
 
-def measure(repeat: int, B=1, T=2048, H=4, K=64):
-    """``{name: row}`` for chunk_kda and fused_recurrent_kda's gradients."""
-    import jax
+def kernels(hlo_text: str) -> int:
+    """How many ``kernel_instructions`` a compiled HLO module has."""
+    return sum(1 for _ in kernel_instructions(hlo_text))
+
+
+def inputs(B: int = 1, T: int = 2048, H: int = 4, K: int = 64):
+    """``(q, k, v, g, beta)`` float32 at the measured shape (seeded)."""
     import jax.numpy as jnp
     import numpy as np
-
-    import kdax
 
     r = np.random.default_rng(0)
     q, k, v = (jnp.asarray(r.normal(size=(B, T, H, K)), jnp.float32) for _ in range(3))
     g = jnp.asarray(-r.uniform(0.01, 0.5, size=(B, T, H, K)), jnp.float32)
     beta = jnp.asarray(r.uniform(size=(B, T, H)), jnp.float32)
+    return q, k, v, g, beta
+
+
+def measure(repeat: int, B=1, T=2048, H=4, K=64):
+    """``{name: row}`` for chunk_kda and fused_recurrent_kda's gradients."""
+    import jax
+
+    import kdax
+
+    q, k, v, g, beta = inputs(B, T, H, K)
     print(f"B={B} T={T} H={H} K=V={K} float32, jax {jax.__version__}, kdax from {kdax.__file__}")
     rows = {}
     for name, fn in (("chunk_kda", kdax.chunk_kda), ("fused_recurrent_kda", kdax.fused_recurrent_kda)):
