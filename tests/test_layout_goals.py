@@ -185,12 +185,11 @@ def test_training_step_concepts_written_out():
 
 
 def test_settings_are_fields_not_context():
-    """Issue 52: settings reach the code that uses them as fields and arguments. Two
-    ContextVars remain: the stage runner's recordings (an observer for ``plan`` and
-    ``kdax.testing``) and the precision policy of the stage being traced
-    (``kdax._numerics.precision``, read by the kernels' products; the next to go). No
-    environment variable is read while building or running a pipeline (only
-    ``kdax._platform`` sets XLA's flags at import)."""
+    """Issue 52: settings reach the code that uses them as fields and arguments (the
+    precision policy too: ``precision=``, told to the stages that declare it). One
+    ContextVar remains: the stage runner's recordings (an observer for ``plan`` and
+    ``kdax.testing``). No environment variable is read while building or running a
+    pipeline (only ``kdax._platform`` sets XLA's flags at import)."""
     import re
 
     found, env = {}, []
@@ -200,5 +199,5 @@ def test_settings_are_fields_not_context():
             found[name] = str(path.relative_to(KDAX))
         if re.search(r"os\.environ|getenv\(", text) and path.name != "_platform.py":
             env.append(str(path.relative_to(KDAX)))
-    assert found == {"_ACTIVE": "_runner/runner.py", "_CURRENT": "_numerics/precision.py"}, found
+    assert found == {"_ACTIVE": "_runner/runner.py"}, found
     assert not env, env

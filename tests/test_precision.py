@@ -14,6 +14,7 @@ import pytest
 
 import kdax
 from kdax._numerics import precision as _precision
+from kdax._runner.contracts import STAGES
 from kdax.pallas import PallasDhu, PallasIntraBackward, PallasState
 from kdax.pallas._common import PallasTarget
 from kdax.stages import AbstractOutput, ReferenceOutput
@@ -43,11 +44,17 @@ def test_resolve():
     # "fast" is opt-in by name: the default stays "auto" (recurrences at float32).
     assert kdax.KDAPipeline.reference().precision == "auto"
     assert kdax.KDAPipeline.reference().with_precision("fast").precision == "fast"
-    assert _precision.rounds("fast", "state") and _precision.rounds("fast", "dhu")
-    assert not _precision.rounds("bfloat16", "state") and not _precision.rounds("fast", "intra_bwd")
+    st = kdax.stages
+    bf16 = jnp.dtype(jnp.bfloat16)
+    assert _precision.operand("fast", st.ReferenceState) == _precision.operand("fast", PallasDhu) == bf16
+    assert _precision.operand("bfloat16", st.ReferenceState) is None
+    assert _precision.operand("fast", st.ReferenceIntraBackward) is None
+    assert _precision.operand("bfloat16", st.ReferenceIntra) == bf16 and _precision.operand("highest", st.ReferenceIntra) is None
     # What must stay float32 (see kdax._numerics.precision): the gate cumsum, the state recurrence
     # (F4, B2, B0's F4) and B4, whose dG cancels (rounded, dA_log's error was 6e-2 on an H100).
-    assert {"gate", "state", "recompute", "dhu", "intra_bwd", "gate_bwd"}.isdisjoint(_precision.FAST_STAGES)
+    slow = {"AbstractGate", "AbstractState", "AbstractRecompute", "AbstractDhu", "AbstractIntraBackward",
+            "AbstractGateBackward"}
+    assert slow.isdisjoint(_precision.FAST_FAMILIES)
 
 
 def _dots(jaxpr, stack=""):
@@ -96,7 +103,7 @@ def test_products_follow_the_policy(policy):
     for stage, precs in by_stage.items():
         if stage == "recompute":
             continue
-        if policy == "auto" and stage in _precision.FAST_STAGES:
+        if policy == "auto" and STAGES[stage].family.__name__ in _precision.FAST_FAMILIES:
             # Row sums (kdax._numerics.arrays.rowsum) and the solve stay exact inside these stages.
             assert str(FAST) in precs and precs <= {str(FAST), str(HIGHEST)}, (stage, precs)
         else:
@@ -340,10 +347,8 @@ def test_fast_inverse_takes_plain_tf32():
     stage = lambda f32: PallasIntra(target="triton", interpret=True, num_warps=8, f32_dot=f32,  # noqa: E731
                                     tuned_interpret=True)
     with gpu_products():
-        with _precision.stage_scope("fast", "intra"):
-            plain, exact = stage("tf32x3")(*args), stage("ieee")(*args)
-        with _precision.stage_scope("highest", "intra"):
-            x3 = stage("tf32x3")(*args)
+        plain, exact = stage("tf32x3")(*args, precision="fast"), stage("ieee")(*args, precision="fast")
+        x3 = stage("tf32x3")(*args, precision="highest")
     e_plain, e_x3 = rel_rms(plain.Akk, exact.Akk), rel_rms(x3.Akk, want.Akk)
     print(f"\nF2's Akk under fast, plain TF32 inverse against an exact one: {e_plain:.1e}; "
           f"highest (TF32x3) against float64: {e_x3:.1e}")
@@ -451,40 +456,62 @@ def test_fast_policy_stores_intermediates_in_bf16(name, policy):
 
 
 class _OwnProductOutput(AbstractOutput):
-    """KDA's F5 composed, plus a product of its own (a user's stage)."""
+    """KDA's F5 composed, plus a product of its own (a user's stage). It declares
+    ``precision`` and passes the policy it is told on to the stage it composes."""
 
     math: ClassVar = "kda-plus-own-product"
+    accepts: ClassVar = frozenset({"precision"})
 
-    def __call__(self, scale, qg, h, Aqk, v_new):
-        o = ReferenceOutput()(scale, qg, h, Aqk, v_new)
+    def __call__(self, scale, qg, h, Aqk, v_new, precision="highest"):
+        o = ReferenceOutput()(scale, qg, h, Aqk, v_new, precision=precision)
         with jax.named_scope("user_own_product"):
             return o + 1e-3 * jnp.einsum("rhncv,rhnvw->rhncw", o, h[..., : o.shape[-1], :])
 
 
+class _UntoldOutput(AbstractOutput):
+    """The same without declaring ``precision``: the stage it composes is told nothing."""
+
+    math: ClassVar = "kda-plus-own-product"
+
+    def __call__(self, scale, qg, h, Aqk, v_new):
+        return _OwnProductOutput()(scale, qg, h, Aqk, v_new)
+
+
 def _dot_precisions_by_scope(jaxpr):
-    """``(inside the user's own named scope, precision)`` of every dot_general."""
-    return [("user_own_product" in str(e.source_info.name_stack), e.params["precision"]) for e in dot_eqns(jaxpr)]
+    """``(where: "own" inside the user's own named scope, "output" elsewhere in F5, else
+    "other"; precision)`` of every dot_general."""
+    def where(e):
+        stack = str(e.source_info.name_stack)
+        return "own" if "user_own_product" in stack else ("output" if "kdax_output" in stack else "other")
+
+    return [(where(e), e.params["precision"]) for e in dot_eqns(jaxpr)]
 
 
+@pytest.mark.parametrize("told", [True, False], ids=["told", "untold"])
 @pytest.mark.parametrize("policy", ["highest", "bfloat16"])
-def test_policy_reaches_kdax_products_only(policy):
-    """The precision policy is kdax's choice for kdax's products (issue 38, item 4): a
-    user's stage keeps the caller's matmul precision for its own products, while the
-    reference stage it composes, and every other stage, follow the policy."""
-    pipe = dataclasses.replace(kdax.KDAPipeline.reference().untiled(), output=_OwnProductOutput(), precision=policy)
+def test_policy_reaches_kdax_products_only(policy, told):
+    """The precision policy is kdax's choice for kdax's products (issue 38, item 4), passed
+    as an argument (issue 52): a user's stage keeps the caller's matmul precision for its
+    own products; the reference stage it composes follows the policy when the user's stage
+    declares ``precision`` and passes it on, and runs at HIGHEST when it is told nothing;
+    every other stage follows the policy."""
+    stage = _OwnProductOutput() if told else _UntoldOutput()
+    pipe = dataclasses.replace(kdax.KDAPipeline.reference().untiled(), output=stage, precision=policy)
     s = jax.ShapeDtypeStruct
     args = (s((1, 32, 2, 16), jnp.float32),) * 4 + (s((1, 32, 2), jnp.float32),)
     fn = lambda *a: kdax.chunk_kda(*a, chunk_size=16, pipeline=pipe)[0]
     dots = _dot_precisions_by_scope(jax.make_jaxpr(fn)(*args).jaxpr)
-    own = [p for mine, p in dots if mine]
-    kdax_dots = [p for mine, p in dots if not mine]
-    assert own and kdax_dots
+    own = [p for w, p in dots if w == "own"]
+    composed = [p for w, p in dots if w == "output"]
+    other = [p for w, p in dots if w == "other"]
+    assert own and composed and other
     assert all(p is None or p == (jax.lax.Precision.DEFAULT,) * 2 for p in own), own
+    rounded = policy == "bfloat16" and told
+    assert all((p == FAST) if rounded else (p == HIGHEST) for p in composed), composed
     if policy == "highest":
-        assert all(p == (jax.lax.Precision.HIGHEST,) * 2 for p in kdax_dots), kdax_dots
-    else:  # the output stage's products take the policy's algorithm, the others HIGHEST
-        assert any(p != (jax.lax.Precision.HIGHEST,) * 2 for p in kdax_dots)
-        assert all(p is not None and p != (jax.lax.Precision.DEFAULT,) * 2 for p in kdax_dots), kdax_dots
+        assert all(p == HIGHEST for p in other), other
+    else:  # the other fast stages' products take the policy's algorithm, the rest HIGHEST
+        assert FAST in other and all(p in (FAST, HIGHEST) for p in other), other
     with jax.default_matmul_precision("highest"):  # the caller's choice reaches the user's products
         dots = _dot_precisions_by_scope(jax.make_jaxpr(fn)(*args).jaxpr)
-    assert all(p == (jax.lax.Precision.HIGHEST,) * 2 for mine, p in dots if mine)
+    assert all(p == HIGHEST for w, p in dots if w == "own")

@@ -4,7 +4,7 @@ to the products (tensor cores, float32 accumulation) and which keep float32 oper
 Policies (``KDAPipeline.precision``):
 
 * ``"highest"``: every product at float32 (float64 for float64 inputs) HIGHEST precision;
-* ``"bfloat16"`` / ``"float16"``: the products of the stages in ``FAST_STAGES`` round their
+* ``"bfloat16"`` / ``"float16"``: the products of the stage families in ``FAST_FAMILIES`` round their
   operands to that dtype and accumulate in float32 (what FLA's Triton kernels do); every
   other product stays at HIGHEST;
 * ``"fast"`` (opt-in by name): ``"bfloat16"`` plus the chunk recurrences (F4, B2, and F4
@@ -48,16 +48,18 @@ Everything else (the scores of F2, F3's ``w``/``u``, F5's output, B1, B3 and B0'
 takes half-precision operands as FLA's kernels do, with errors of the order of the
 inputs' own rounding.
 
-Mechanism: the stage runner (``kdax._runner.runner.run_stage``) enters ``stage_scope(policy, stage)``,
-which records the stage's policy and operand dtype. kdax's own stages (the final classes,
-``kdax._stage_protocol.final``) trace their ``__call__`` under JAX's default matmul precision for
-it (``matmul_precision``: the reference stages' jnp products; on GPUs XLA then rounds the
-operands and runs bf16 tensor-core products; XLA:CPU ignores the algorithm and computes in
-float32), and ``kdax.pallas``'s in-kernel ``dot`` reads the operand dtype to cast its
-operands explicitly (on every backend, interpret mode included). A user's stage is not
-touched: its own products keep the caller's precision, and a kdax stage it composes
-applies the policy to its own. The tests
-emulate XLA:GPU's rounding on a CPU (``tests/_gpu_products.py``).
+Mechanism: the policy is an argument. The stage runner (``kdax._runner.runner``) passes
+the pipeline's resolved policy as ``precision=`` to every stage that declares the capability
+``"precision"`` (``kdax._stage_protocol.capabilities``): kdax's own stages (the final classes,
+``kdax._stage_protocol.final``, which declare it) trace their ``__call__`` under JAX's default
+matmul precision for their family (``matmul_precision``: the reference stages' jnp products;
+on GPUs XLA then rounds the operands and runs bf16 tensor-core products; XLA:CPU ignores
+the algorithm and computes in float32), and ``kdax.pallas``'s in-kernel ``dot`` rounds its
+operands to the dtype its ``Products`` carry (``operand``, on every backend, interpret mode
+included). A user's stage that composes a kdax stage passes its own ``precision`` on (it
+declares the capability to be told it); one that does not runs the composed stage at
+``"highest"``, and its own products keep the caller's precision. The tests emulate
+XLA:GPU's rounding on a CPU (``tests/_gpu_products.py``).
 
 Storage (``"fast"`` only): the stage runner casts the ``STORED`` fields of F2's, F3's,
 F4's, B0's and B2's outputs to ``storage(dtype)`` (a no-op for a stage that wrote them so: the
@@ -67,7 +69,6 @@ float32 copies (exact), so every stage, a user's too, runs unchanged.
 """
 
 import contextlib
-import contextvars
 import dataclasses
 import functools
 from typing import Optional
@@ -78,23 +79,21 @@ import jax.numpy as jnp
 
 POLICIES = ("auto", "highest", "bfloat16", "float16", "fast")
 
-# The stages whose products may take half-precision operands (see the module docstring).
-FAST_STAGES = frozenset({"intra", "wy", "output", "dav", "wy_dqkg"})
+# The stage families whose products may take half-precision operands (see the module
+# docstring), by their abstract classes' names.
+FAST_FAMILIES = frozenset({"AbstractIntra", "AbstractWY", "AbstractOutput", "AbstractDAv", "AbstractWYDqkg"})
 
 # The intermediates that "fast" stores in bf16, as FLA does (stage outputs and stage
 # arguments go by these names: F2's Aqk, Akk; F3's w, u, qg, kg; F4's h, v_new; B2's dh).
 # G and every gradient a stage returns to the pipeline's caller stay float32.
 STORED = frozenset({"Aqk", "Akk", "w", "u", "qg", "kg", "h", "v_new", "dh"})
 
-# The chunk recurrences, whose products take bf16 operands under "fast" only (B0's F4 runs
-# as "state": stages._recompute).
-RECURRENCE_STAGES = frozenset({"state", "dhu"})
+# The chunk recurrences (F4 and B2; B0's F4 is an F4 stage), whose products take bf16
+# operands under "fast" only.
+RECURRENCE_FAMILIES = frozenset({"AbstractState", "AbstractDhu"})
 
 # JAX's dot algorithm for each half dtype: operands rounded to it, float32 accumulation.
 _ALGORITHM = {"bfloat16": "BF16_BF16_F32", "float16": "F16_F16_F32"}
-
-# (policy, operand dtype or None) of the stage being traced.
-_CURRENT: contextvars.ContextVar = contextvars.ContextVar("kdax_precision", default=("highest", None))
 
 
 def _algorithm(policy: str) -> str:
@@ -110,11 +109,20 @@ def _half(policy: str) -> Optional[str]:
     return "bfloat16" if policy == "fast" else (policy if policy in _ALGORITHM else None)
 
 
-def rounds(policy: str, stage: str) -> bool:
-    """Whether ``stage``'s products take half-precision operands under ``policy``."""
-    if _half(policy) is None:
-        return False
-    return stage in FAST_STAGES or (policy == "fast" and stage in RECURRENCE_STAGES)
+def family_of(stage: type) -> str:
+    """The name of the abstract family class stage class ``stage`` implements."""
+    return next((b.__name__ for b in stage.__mro__ if b.__name__.startswith("Abstract")), stage.__name__)
+
+
+def operand(policy: str, stage: type) -> Optional[jnp.dtype]:
+    """The dtype the products of a kdax stage of class ``stage`` round their operands to
+    under ``policy`` (resolved), or None (full precision): the half dtype for the families
+    of ``FAST_FAMILIES``, and under ``"fast"`` for the recurrences too."""
+    half = _half(policy)
+    family = family_of(stage)
+    if half is None or not (family in FAST_FAMILIES or (policy == "fast" and family in RECURRENCE_FAMILIES)):
+        return None
+    return jnp.dtype(half)
 
 
 def check_policy(policy: str) -> str:
@@ -136,82 +144,44 @@ def resolve(policy: str, dtype) -> str:
     return policy
 
 
-@contextlib.contextmanager
-def stage_scope(policy: str, stage: str):
-    """Trace stage ``stage`` under ``policy`` (resolved: not ``"auto"``)."""
-    fast = rounds(policy, stage)
-    operand = jnp.dtype(_half(policy)) if fast else None
-    token = _CURRENT.set((policy, operand))
-    try:
-        yield
-    finally:
-        _CURRENT.reset(token)
-
-
-@contextlib.contextmanager
 def float32_products():
-    """Products traced inside run at HIGHEST whatever the stage's policy (the solve)."""
-    policy, _ = _CURRENT.get()
-    token = _CURRENT.set((policy, None))
-    try:
-        with jax.default_matmul_precision("highest"):
-            yield
-    finally:
-        _CURRENT.reset(token)
+    """Products traced inside run at HIGHEST whatever the stage's policy (the solve; B4;
+    row sums): JAX's own context. A Pallas kernel's products say it with ``Products``'
+    ``operand=None``."""
+    return jax.default_matmul_precision("highest")
 
 
 def captured():
-    """The precision scope of the code being traced (the stage's policy and operand dtype,
-    JAX's default matmul precision), for ``restored`` to trace a stage's backward under
-    (a custom VJP's backward is traced after the forward's scopes have exited)."""
-    return _CURRENT.get(), jax.config.jax_default_matmul_precision
+    """JAX's default matmul precision where this is traced, for ``restored`` to trace a
+    custom VJP's backward under (traced after the forward's context has exited)."""
+    return jax.config.jax_default_matmul_precision
 
 
-@contextlib.contextmanager
-def restored(scope):
-    """Trace the block under ``scope`` (``captured``)."""
-    current, matmul = scope
-    token = _CURRENT.set(current)
-    try:
-        with jax.default_matmul_precision(matmul) if matmul is not None else contextlib.nullcontext():
-            yield
-    finally:
-        _CURRENT.reset(token)
+def restored(matmul):
+    """Trace the block under JAX's default matmul precision ``matmul`` (``captured``)."""
+    return jax.default_matmul_precision(matmul) if matmul is not None else contextlib.nullcontext()
 
 
-def current_policy() -> str:
-    """The resolved policy of the stage being traced (``"highest"`` outside a pipeline)."""
-    return _CURRENT.get()[0]
-
-
-def operand_dtype() -> Optional[jnp.dtype]:
-    """The dtype products round their operands to here, or None (full precision)."""
-    return _CURRENT.get()[1]
-
-
-def keeps_low_part(policy: Optional[str] = None) -> bool:
+def keeps_low_part(policy: str) -> bool:
     """Whether F1 gives a float32 ``G`` as the exact sum ``G + G_lo``
-    (``kdax._numerics.hilo``) under ``policy`` (None: the policy of the stage being
-    traced): under every policy but ``"fast"``, which keeps ``G`` alone, FLA's float32
+    (``kdax._numerics.hilo``) under ``policy``: under every policy but ``"fast"``, which keeps ``G`` alone, FLA's float32
     cumsum: a relative error of about ``eps |G|`` in each decay (``|G| <= 128 C``, the
     float32 floor: at most 4.9e-4 at C = 64 with every gate at the floor, ~2e-5 with Kimi
     Linear's gates), below the bf16 rounding of that policy's operands (4e-3), and no
     ``G_lo`` for F2 to B4 to read and add."""
-    return (_CURRENT.get()[0] if policy is None else policy) != "fast"
+    return policy != "fast"
 
 
-def storage(dtype, policy: Optional[str] = None):
+def storage(dtype, policy: str):
     """The dtype an intermediate of ``STORED`` computed in ``dtype`` is stored in under
-    ``policy`` (None: the policy of the stage being traced): bf16 for float32 under
-    ``"fast"`` (FLA's storage), else ``dtype``."""
-    policy = _CURRENT.get()[0] if policy is None else policy
+    ``policy``: bf16 for float32 under ``"fast"`` (FLA's storage), else ``dtype``."""
     dtype = jnp.dtype(dtype)
     return jnp.dtype(jnp.bfloat16) if policy == "fast" and dtype == jnp.float32 else dtype
 
 
-def stored(x):
-    """``x`` (an intermediate of ``STORED``) in its storage dtype (``storage``)."""
-    return x.astype(storage(x.dtype))
+def stored(x, policy: str):
+    """``x`` (an intermediate of ``STORED``) in its storage dtype under ``policy``."""
+    return x.astype(storage(x.dtype, policy))
 
 
 def store_outputs(out, policy: str):
@@ -237,10 +207,11 @@ def widened(kwargs: dict) -> dict:
     return {n: x.astype(jnp.float32) if n in STORED and half(x) else x for n, x in kwargs.items()}
 
 
-def matmul_precision() -> str:
-    """The ``jax.default_matmul_precision`` value for products traced here."""
-    operand = operand_dtype()
-    return "highest" if operand is None else _algorithm(jnp.dtype(operand).name)
+def matmul_precision(policy: str, stage: type) -> str:
+    """The ``jax.default_matmul_precision`` value for the products of a kdax stage of class
+    ``stage`` under ``policy``."""
+    half = operand(policy, stage)
+    return "highest" if half is None else _algorithm(half.name)
 
 
 def keep_float32(fn):

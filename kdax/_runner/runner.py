@@ -10,8 +10,9 @@ array gradients) goes through ``run_stage``:
    stage that lacks what the case needs (``reset`` on a shared-chunk layout) raises
    ``UnsupportedCase``; a stage given ``reset`` has the terms between sequences masked
    where the pipeline can do it exactly (``kdax._layouts.resets.guard_outputs``);
-3. the call (``call_stage``): the arguments checked against the stage's ``__call__``;
-4. the stage run under its named scope and the precision policy; on ``UnsupportedCase``
+3. the call (``call_stage``): the precision policy passed as ``precision=`` to a stage
+   that declares it (``told``), the arguments checked against the stage's ``__call__``;
+4. the stage run under its named scope; on ``UnsupportedCase``
    with ``fallback`` the reference stage of the family runs instead (one
    ``FallbackWarning`` per field, implementation and reason);
 5. the intermediates it stores (``kdax._numerics.precision.STORED``) are cast to the policy's
@@ -38,7 +39,7 @@ from .._layouts import resets as _resets
 from .._numerics import precision as _precision
 from .._annotations import QK, Beta, ChunkK, Gate, Values, typecheck
 from ..stages import AbstractState, AbstractWY
-from .._stage_protocol.capabilities import capabilities, negotiated
+from .._stage_protocol.capabilities import capabilities, negotiated, told
 from .contracts import STAGES, check_arguments, check_family, check_output, expected_output
 from .routes import reference_is_exact, routed
 
@@ -95,11 +96,11 @@ def run_stage(pipeline, name: str, **kwargs):
     for rec in _ACTIVE.get():
         rec.inputs.setdefault(name, given)
     # The named scope labels every op of the stage in HLO dumps and profiles. The policy
-    # reaches kdax's own products only (kdax._stage_protocol.final: HIGHEST, unless it lets this
-    # stage take half-precision operands); a user's stage keeps the caller's precision.
+    # is told to the stages that declare ``precision`` (kdax's own: HIGHEST products, unless
+    # it lets their family take half-precision operands); a user's stage keeps the caller's.
     policy = "highest" if pipeline.precision == "auto" else pipeline.precision  # unresolved: safe
-    with jax.named_scope(f"kdax_{name}"), _precision.stage_scope(policy, name):
-        ran, reason, out = call_stage(pipeline, name, stage, given, kwargs, needs_reset, guard)
+    with jax.named_scope(f"kdax_{name}"):
+        ran, reason, out = call_stage(pipeline, name, stage, given, kwargs, needs_reset, guard, policy)
         if name in _STORING:  # the policy's storage dtype, cast once here (kdax._numerics.precision)
             out = _precision.store_outputs(out, policy)
     for rec in _ACTIVE.get():
@@ -125,7 +126,8 @@ def stage_arguments(pipeline, name: str, stage, kwargs: dict) -> tuple:
     return (_resets.guard_inputs(name, kwargs) if guard else kwargs), needs_reset, guard
 
 
-def call_stage(pipeline, name: str, stage, given: dict, full: dict, needs_reset: bool, guard: bool) -> tuple:
+def call_stage(pipeline, name: str, stage, given: dict, full: dict, needs_reset: bool, guard: bool,
+               policy: str) -> tuple:
     """``(the stage that ran, the fallback's reason or None, its output)``: ``stage`` on
     ``given`` (its arguments checked first), or, when it raises ``UnsupportedCase`` and
     the pipeline falls back, the reference stage of the family on ``full`` (every argument
@@ -136,6 +138,7 @@ def call_stage(pipeline, name: str, stage, given: dict, full: dict, needs_reset:
                 "packed sequences sharing chunks (cu_seqlens) need a stage that accepts "
                 "`reset` (docs/stages.md, capabilities)"
             )
+        given = dict(given, **told(stage, policy))
         check_arguments(name, stage, given)
         out = stage(**given)
         return stage, None, (_resets.guard_outputs(name, out, given["reset"]) if guard else out)
@@ -151,7 +154,7 @@ def call_stage(pipeline, name: str, stage, given: dict, full: dict, needs_reset:
         ran, reason = STAGES[name].reference(), str(e) or type(e).__name__
         if not any(r.quiet for r in _ACTIVE.get()):
             _warn_once(name, type(stage).__qualname__, reason)
-        return ran, reason, ran(**negotiated(ran, full))
+        return ran, reason, ran(**negotiated(ran, full), precision=policy)
 
 
 # The stages whose outputs hold intermediates of kdax._numerics.precision.STORED.

@@ -31,7 +31,10 @@ class Capabilities(NamedTuple):
     B0): told ``zero_h0=True`` where the call gave no initial states (dense and per-sequence
     layouts; F4 when the forward runs untiled), the stage may start from zero states
     without reading ``h0`` (zeros then): no zero array made for it; without it the stage
-    reads the zeros.
+    reads the zeros. ``precision`` (every kdax stage): told the pipeline's precision policy,
+    resolved (``"highest"``, ``"bfloat16"``, ``"float16"`` or ``"fast"``:
+    ``kdax._numerics.precision``), as ``precision=``, to pass on to a kdax stage it
+    composes; without it the stage is not told.
 
     What formula a stage computes is not a capability: forward stages declare ``math``,
     backward stages ``transposes`` (``kdax._runner.routes``). ``reset`` and ``tile_safe`` select a
@@ -45,12 +48,14 @@ class Capabilities(NamedTuple):
     half_stored: bool = False
     final_grads: bool = False
     zero_h0: bool = False
+    precision: bool = False
 
 
 @functools.cache
 def capabilities(cls: type) -> Capabilities:
     """The declaration of stage class ``cls``: its ``accepts`` ClassVar, a set drawn from
-    ``"G_lo"``, ``"reset"``, ``"tile_safe"``, ``"tokens"``, ``"half_stored"``, ``"final_grads"``, ``"zero_h0"`` (every family's abstract class
+    ``"G_lo"``, ``"reset"``, ``"tile_safe"``, ``"tokens"``, ``"half_stored"``, ``"final_grads"``, ``"zero_h0"``,
+    ``"precision"`` (every family's abstract class
     has one, empty). ``tile_safe`` may also be said as a ``tile_safe = True`` ClassVar;
     either spelling counts. Nothing is read from the stage's signature: a stage that takes
     ``reset=`` without declaring it is not passed one."""
@@ -89,6 +94,11 @@ def negotiated(stage, kwargs: dict) -> dict:
     if not caps.tokens and any(isinstance(x, Tokens) for x in kwargs.values()):
         kwargs = {n: as_chunked(x) for n, x in kwargs.items()}
     return kwargs
+
+
+def told(stage, precision: str) -> dict:
+    """``{"precision": precision}`` for a stage that declares ``precision``, else ``{}``."""
+    return {"precision": precision} if capabilities(type(stage)).precision else {}
 
 
 def reads_tokens(pipeline, *fields: str) -> tuple:

@@ -5,12 +5,11 @@ a non-finite row reaching only the rows after it), exponentials (``decay`` maske
 ``fast_decay`` for the GPU's ``ex2``) and the rows or columns a non-finite value reaches
 (``from_first``, ``reached_down``, ``reached_up``)."""
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 
-from .._numerics import precision as _precision
 from .._numerics.hilo import exponent
 
 
@@ -26,16 +25,28 @@ _TF32_ALGORITHM = {"tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
 class Products(NamedTuple):
     """The products of one kernel: how a float32 product at full precision runs there
     (``f32_dot``, a ``kdax.pallas.PallasTarget`` field, "ieee" where no Triton tuning
-    applies: TPU, interpret mode), passed to the kernel builders as an argument. Under a
-    half-precision policy (``kdax._numerics.precision``) float32 operands are rounded to
-    the policy's dtype whatever ``f32_dot`` says."""
+    applies: TPU, interpret mode), and ``operand``, the dtype a half-precision policy
+    rounds float32 operands to whatever ``f32_dot`` says (``kdax._numerics.precision.operand``;
+    None: full precision), passed to the kernel builders as an argument."""
 
     f32_dot: str = "ieee"
+    operand: Optional[jnp.dtype] = None
 
     @property
     def splits(self) -> bool:
         """Whether float32 products run as three TF32 products of split operands."""
-        return self.f32_dot in ("tf32x3", "tf32x3_split") and _precision.operand_dtype() is None
+        return self.f32_dot in ("tf32x3", "tf32x3_split") and self.operand is None
+
+    def float32(self) -> "Products":
+        """These products with float32 operands whatever the policy (the solve)."""
+        return self._replace(operand=None)
+
+    def exp(self, x):
+        """``exp(x)`` for ``x <= 0`` as this kernel's precision needs it: where its products
+        round their operands to half precision (``"fast"``, bf16: 4e-3), ``exp_by_exp2``
+        (relative error about ``7e-8 |x|`` on the GPU, ``1e-7 |x|`` through XLA:CPU's exp2;
+        under 1e-5 above float32's underflow); else ``jnp.exp``."""
+        return jnp.exp(x) if self.operand is None else exp_by_exp2(x)
 
     def dot(self, a, b, ta: bool = False, tb: bool = False):
         """``op(a) @ op(b)`` with float32 (or float64) accumulation at full precision;
@@ -45,7 +56,7 @@ class Products(NamedTuple):
         dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
         if a.dtype != b.dtype:  # (a bf16-stored operand, kdax._numerics.precision.STORED: widened, exact)
             a, b = (x.astype(jnp.result_type(a.dtype, b.dtype)) for x in (a, b))
-        half = _precision.operand_dtype()
+        half = self.operand
         if half is not None and (a.dtype == jnp.float32 or a.dtype == half):  # (half: read so, exact)
             default = jax.lax.Precision.DEFAULT  # explicit: not the scope's algorithm
             return jax.lax.dot_general(a.astype(half), b.astype(half), dims, precision=(default, default),

@@ -66,7 +66,7 @@ class PallasTarget(eqx.Module):
     ``f32_tuning``: ``((field, value), ...)`` that replace these fields (any of the stage's
     tuning fields: ``num_warps``, ``num_stages``, ``f32_dot``, a block size) when the
     stage's products take float32 operands (no half-precision policy for it,
-    ``kdax._numerics.precision.operand_dtype``): a tile shape that fits the registers with
+    ``PallasTarget.operand``): a tile shape that fits the registers with
     bf16 operands may spill with TF32x3's split float32 ones. The tuning reaches the
     kernel builders as arguments (``products``, ``compiler_params``), nothing ambient."""
 
@@ -105,17 +105,23 @@ class PallasTarget(eqx.Module):
         traced with it (``tuned_interpret``)."""
         return self.target == "triton" and (not self.run_interpreted or self.tuned_interpret)
 
-    def for_operands(self) -> "PallasTarget":
-        """This stage as its kernels are built for the stage being traced: ``f32_tuning``
+    def for_operands(self, precision: str) -> "PallasTarget":
+        """This stage as its kernels are built under policy ``precision``: ``f32_tuning``
         applied where its products take float32 operands and the tuning applies."""
-        if not self.f32_tuning or not self.live_tuning or _precision.operand_dtype() is not None:
+        if not self.f32_tuning or not self.live_tuning or self.operand(precision) is not None:
             return self
         return dataclasses.replace(self, f32_tuning=(), **dict(self.f32_tuning))
 
-    def products(self):
-        """The ``kdax.pallas._arith.Products`` of this stage's kernels: ``f32_dot`` where
-        the tuning applies, else exact ("ieee") float32 products."""
-        return Products(self.f32_dot if self.live_tuning else "ieee")
+    def operand(self, precision: str):
+        """The dtype this stage's products round float32 operands to under policy
+        ``precision`` (``kdax._numerics.precision.operand``), or None."""
+        return _precision.operand(precision, type(self))
+
+    def products(self, precision: str):
+        """The ``kdax.pallas._arith.Products`` of this stage's kernels under policy
+        ``precision``: ``f32_dot`` where the tuning applies, else exact ("ieee") float32
+        products; operands rounded as the policy says for this stage's family."""
+        return Products(self.f32_dot if self.live_tuning else "ieee", self.operand(precision))
 
     def triton_params(self) -> dict:
         """``num_warps`` and ``num_stages`` for ``compiler_params``."""
@@ -190,12 +196,12 @@ def column_blocks(target: str, n: int, block: int):
 
 def tuned(call):
     """Decorator for a Pallas stage's ``__call__``: it runs on the stage as its kernels
-    are built for the operands of the stage being traced (``PallasTarget.for_operands``:
-    ``f32_tuning`` applied where its products take float32 operands)."""
+    are built for its ``precision`` argument (``PallasTarget.for_operands``: ``f32_tuning``
+    applied where its products take float32 operands)."""
 
     @functools.wraps(call)
-    def wrapped(self, *args, **kwargs):
-        return call(self.for_operands(), *args, **kwargs)
+    def wrapped(self, *args, precision: str = "highest", **kwargs):
+        return call(self.for_operands(precision), *args, precision=precision, **kwargs)
 
     return wrapped
 

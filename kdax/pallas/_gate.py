@@ -332,6 +332,8 @@ class PallasGate(AbstractGate, PallasTarget):
         dt_bias: Optional[Float[Array, " HVK"]],
         valid: ChunkValid,
         reset: Optional[ChunkValid] = None,
+        *,
+        precision: str = "highest",
     ) -> Activated:
         cfg = config
         R, HV, NC, C, K = q.shape
@@ -345,8 +347,8 @@ class PallasGate(AbstractGate, PallasTarget):
         p_arrays, p_specs, has = _params(cfg, self.target, HV, K, A_log, dt_bias)
         l2 = cfg.use_qk_l2norm_in_kernel
         # (float64, and the "fast" policy: G alone)
-        split = self.split and grid_bits(q.dtype, C) is not None and _precision.keeps_low_part()
-        kernel = gate_kernel(self.products(), cfg, column_blocks(self.target, Kp, GATE_BLOCK), split,
+        split = self.split and grid_bits(q.dtype, C) is not None and _precision.keeps_low_part(precision)
+        kernel = gate_kernel(self.products(precision), cfg, column_blocks(self.target, Kp, GATE_BLOCK), split,
                              self.target == "triton", has, tuple(load for _, _, load in ops), reset is not None,
                              padded)
 
@@ -389,6 +391,8 @@ class PallasGateBackward(AbstractGateBackward, PallasTarget):
         dG: ChunkK,
         reset: Optional[ChunkValid] = None,
         final: Optional[FinalGrads] = None,
+        *,
+        precision: str = "highest",
     ) -> RawGrads:
         cfg = config
         R, HV, NC, C, K = dq.shape
@@ -425,7 +429,7 @@ class PallasGateBackward(AbstractGateBackward, PallasTarget):
         has_dA, has_ddt = has
         blocks = [(C, Kp), (C, Kp), (C, Kp), (C, 1)] + ([(1, Kp)] if has_dA else []) + ([(1, Kp)] if has_ddt else [])
         # Triton: the chunk's rows in reverse, the reverse cumsum a scan (gate_bwd_kernel).
-        kernel = gate_bwd_kernel(self.products(), cfg, column_blocks(self.target, Kp, GATE_BLOCK),
+        kernel = gate_bwd_kernel(self.products(precision), cfg, column_blocks(self.target, Kp, GATE_BLOCK),
                                  self.target == "triton", has, C, load_g, reset is not None, padded, final is not None)
         written = None if final is None else {
             i: written_output(final, n, HV, C, None if n == "beta" else K) for i, n in enumerate(names)}

@@ -220,6 +220,8 @@ class PallasIntra(AbstractIntra, PallasFeatureBlocks):
         G: ChunkK,
         G_lo: Optional[ChunkK] = None,
         reset: Optional[ChunkValid] = None,
+        *,
+        precision: str = "highest",
     ) -> IntraOut:
         R, HV, NC, C, K = q.shape
         self.check_widths(K=K)
@@ -233,11 +235,12 @@ class PallasIntra(AbstractIntra, PallasFeatureBlocks):
             ins, specs = ins + extra, specs + extra_specs
         blocks = self.feature_blocks(ins[0].shape[-1])
         if self.target == "triton":
-            kernel = intra_levels_kernel(self.products(), scale, C, blocks, G_lo is not None, reset is not None)
+            kernel = intra_levels_kernel(self.products(precision), scale, C, blocks, G_lo is not None, reset is not None,
+                                         precision == "fast")
         else:
-            kernel = intra_chunk_kernel(self.products(), scale, C, self.block, blocks, G_lo is not None,
+            kernel = intra_chunk_kernel(self.products(precision), scale, C, self.block, blocks, G_lo is not None,
                                         reset is not None)
-        stored = _precision.storage(q.dtype)  # (bf16 under "fast")
+        stored = _precision.storage(q.dtype, precision)  # (bf16 under "fast")
         Aqk, Akk = self.call(kernel, ins, specs, [(C, C), (C, C)], R * HV, NC, stored)
         return IntraOut(unflat(Aqk, R, HV), unflat(Akk, R, HV))
 
@@ -289,6 +292,8 @@ class PallasIntraBackward(AbstractIntraBackward, PallasFeatureBlocks):
         grads: ChunkGrads,
         G_lo: Optional[ChunkK] = None,
         reset: Optional[ChunkValid] = None,
+        *,
+        precision: str = "highest",
     ) -> ChunkGrads:
         R, HV, NC, C, K = q.shape
         self.check_widths(K=K)
@@ -310,7 +315,7 @@ class PallasIntraBackward(AbstractIntraBackward, PallasFeatureBlocks):
         if self.target == "triton":
             bk = min(blocks[0][1], B4_MAX_BLOCK)
             blocks = column_blocks("triton", Kp, bk)
-            kernel = intra_bwd_levels_kernel(self.products(), scale, C, has_lo, has_reset)
+            kernel = intra_bwd_levels_kernel(self.products(precision), scale, C, has_lo, has_reset)
             kinds = ["k", "k", "1", "k", "1", "1", "k", "k", "k"] + ["k"] * has_lo + ["1", "1"] * has_reset
             keep = [i for i in range(len(ins)) if i != 8]  # dbeta: its parts are summed here
             dq, dk, db, dG = column_block_call(kernel, [ins[i] for i in keep], kinds, C, bk, len(blocks), R * HV, NC,
@@ -319,7 +324,7 @@ class PallasIntraBackward(AbstractIntraBackward, PallasFeatureBlocks):
             cut = lambda x: unflat(x[..., :K], R, HV)
             return ChunkGrads(cut(dq), cut(dk), grads.dv, unflat(db, R, HV, squeeze=True), cut(dG), None)
         else:
-            mm = self.products()
+            mm = self.products(precision)
 
             def kernel(*refs):  # the whole chunk at once
                 q_ref, k_ref, b_ref, g_ref, da_ref, dl_ref, dq_ref, dk_ref, db_ref, dg_ref = refs[:10]

@@ -156,12 +156,13 @@ def doubling_unit_lower_inverse(mm: Products, L, plain_tf32: bool = False):
     return loop(1, C.bit_length() - 1, step, first)
 
 
-def intra_levels_kernel(mm: Products, scale: float, C: int, blocks, has_lo: bool, has_reset: bool):
+def intra_levels_kernel(mm: Products, scale: float, C: int, blocks, has_lo: bool, has_reset: bool, fast: bool):
     """F2's kernel on Triton: every score and every step of ``(I + L)^-1`` a tile product
     over the whole chunk, no per-token loop and no row or column pulled out of a tile.
     Scores: ``level_scores`` (log2(C) products per output, summed over ``blocks`` of
     feature columns); ``(I + L)^-1``: ``doubling_unit_lower_inverse`` under float32
-    products (``_numerics.precision.float32_products``). With ``has_reset`` (shared chunks) pairs
+    products (``Products.float32``). ``fast``: the policy is ``"fast"`` (its
+    inverse's products as plain TF32). With ``has_reset`` (shared chunks) pairs
     across sequences are selected to exact zeros in both outputs (``L`` is then
     block-diagonal by sequence, and so is its inverse, exactly). A non-finite entry of
     ``L`` in row t (a NaN in token t's k, beta or G) makes ``Akk``'s rows t on NaN, every
@@ -174,9 +175,7 @@ def intra_levels_kernel(mm: Products, scale: float, C: int, blocks, has_lo: bool
         scores = lambda zeros: level_scores(mm, q_ref, k_ref, g_ref, lo_ref, blocks, C, zeros)  # noqa: E731
         L = aqk_and_l(scores, C, scale, seg, aqk_ref, b_ref)
         seen = from_first(nonfinite_rows(L))
-        fast = _precision.current_policy() == "fast"
-        with _precision.float32_products():
-            A = doubling_unit_lower_inverse(mm, jnp.where(jnp.abs(L) < jnp.inf, L, 0.0), plain_tf32=fast)
+        A = doubling_unit_lower_inverse(mm.float32(), jnp.where(jnp.abs(L) < jnp.inf, L, 0.0), plain_tf32=fast)
         put(akk_ref, ..., jnp.where(seen, jnp.nan, A))
 
     kernel.__qualname__ = "PallasIntra.kernel"  # its name in profiles

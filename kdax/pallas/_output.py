@@ -31,6 +31,8 @@ class PallasOutput(AbstractOutput, PallasTarget):
         h: ChunkState,
         Aqk: ChunkMat,
         v_new: ChunkV,
+        *,
+        precision: str = "highest",
     ) -> ChunkV:
         R, HV, NC, C, K = qg.shape
         V = v_new.shape[-1]
@@ -40,7 +42,7 @@ class PallasOutput(AbstractOutput, PallasTarget):
         vf = self.padded(v_new)
         Kp, Vp = qf.shape[-1], vf.shape[-1]
 
-        mm = self.products()
+        mm = self.products(precision)
 
         def kernel(q_ref, h_ref, a_ref, v_ref, o_ref):
             o_ref[...] = scale * mm.dot(q_ref[...], h_ref[...]) + mm.lower_dot(a_ref[...], v_ref[...])
@@ -68,6 +70,8 @@ class PallasDAv(AbstractDAv, PallasTarget):
         v_new: ChunkV,
         Aqk: ChunkMat,
         do: Union[ChunkV, Tokens],
+        *,
+        precision: str = "highest",
     ) -> tuple[ChunkMat, ChunkV]:
         R, HV, NC, C, V = v_new.shape
         self.check_widths(V=V)
@@ -75,7 +79,7 @@ class PallasDAv(AbstractDAv, PallasTarget):
         Vp = vf.shape[-1]
         df, do_spec, load = token_operand(self.target, self.view_or_copy(do, V), self.padded, (C, Vp))
 
-        mm = self.products()
+        mm = self.products(precision)
 
         def kernel(v_ref, a_ref, do_ref, da_ref, dv_ref):
             d = loaded(do_ref, load)[...]

@@ -40,8 +40,9 @@ class PallasRecompute(AbstractRecompute, PallasTarget):
         wy: Optional[AbstractWY] = None,
         state: Optional[AbstractState] = None,
         zero_h0: bool = False,
+        precision: str = "highest",
     ) -> tuple[WYOut, StateOut]:
         kw = dict(target=self.target, interpret=self.interpret)
         wy = PallasWY(**kw) if wy is None else wy
         state = PallasState(**kw) if state is None else state
-        return recompute_with(wy, state, q, k, v, beta, G, Akk, h0, layout, G_lo, reset, zero_h0)
+        return recompute_with(wy, state, q, k, v, beta, G, Akk, h0, layout, G_lo, reset, zero_h0, precision)

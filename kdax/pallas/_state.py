@@ -51,15 +51,14 @@ def _gamma(G, target, reset):
     return _gamma_col(G, target, reset), False
 
 
-def _product_operands(target: str, in_kernel: bool, *xs):
+def _product_operands(target: str, in_kernel: bool, half, *xs):
     """``xs`` (operands that the Triton kernels read only as product operands) in the
-    operand dtype of the recurrence's precision policy (bf16 under ``"fast"``), else
-    unchanged. The kernel's ``dot`` rounds them to that dtype anyway, so this is exact;
+    operand dtype ``half`` of the recurrence's precision policy (bf16 under ``"fast"``),
+    else (None) unchanged. The kernel's ``dot`` rounds them to that dtype anyway, so this is exact;
     read as bf16 they take half the bytes and shared memory, and go to the tensor cores
     without passing through registers to be rounded (which took F4 at K = V = 128 over
     the 255 registers a thread may hold, spilling; ``tests/pallas/test_triton_registers.py``).
     ``in_kernel`` (the stages' ``round_in_kernel``): unchanged, the kernel rounds them."""
-    half = _precision.operand_dtype()
     if target != "triton" or half is None or in_kernel:
         return xs
     # (a Tokens view is read in its own dtype and cast in the kernel, to half here)
@@ -105,6 +104,8 @@ class PallasState(AbstractState, PallasValueBlocks):
         layout: ChunkLayout,
         reset: Optional[ChunkValid] = None,
         zero_h0: bool = False,
+        *,
+        precision: str = "highest",
     ) -> StateOut:
         R, HV, NC, C, K = w.shape
         V = u.shape[-1]
@@ -113,15 +114,15 @@ class PallasState(AbstractState, PallasValueBlocks):
         if t == "tpu":
             _check_chunks("PallasState", NC)
         N = h0.shape[0]
-        wf, kgf = _product_operands(t, self.round_in_kernel, self.padded(w), self.padded(kg))
+        wf, kgf = _product_operands(t, self.round_in_kernel, self.operand(precision), self.padded(w), self.padded(kg))
         uf = self.padded(u)
         gam, rows = _gamma(G, t, reset)
         h0f = feature_pad(t, h0.reshape(N * HV, K, V), axes=(-2, -1))
         P, Kp, Vp = R * HV, wf.shape[-1], uf.shape[-1]
         # h and v_new as stored (bf16 under "fast"), the final states in h0's dtype
-        st = _precision.storage(h0.dtype)
+        st = _precision.storage(h0.dtype, precision)
         shapes = dict(NC=NC, C=C, Kp=Kp, Vp=Vp, dtype=[st, st, h0.dtype], interpret=self.run_interpreted,
-                      mm=self.products())
+                      mm=self.products(precision))
         if t == "tpu":
             h, v_new, final = tpu.state_forward(wf, uf, kgf, gam, h0f, layout, P=P, HV=HV, N=N, **shapes)
         else:
@@ -165,6 +166,8 @@ class PallasDhu(AbstractDhu, PallasValueBlocks):
         dht: SeqState,
         layout: ChunkLayout,
         reset: Optional[ChunkValid] = None,
+        *,
+        precision: str = "highest",
     ) -> DhuOut:
         R, HV, NC, C, K = qg.shape
         V = do.shape[-1]
@@ -175,14 +178,14 @@ class PallasDhu(AbstractDhu, PallasValueBlocks):
         N = dht.shape[0]
         do = self.view_or_copy(do, V)
         do = do if isinstance(do, Tokens) else self.padded(do)
-        qf, kf, wf, dof = _product_operands(t, self.round_in_kernel, *(self.padded(x) for x in (qg, kg, w)), do)
+        qf, kf, wf, dof = _product_operands(t, self.round_in_kernel, self.operand(precision), *(self.padded(x) for x in (qg, kg, w)), do)
         dvf = self.padded(dv_intra)
         gam, rows = _gamma(G, t, reset)
         dhtf = feature_pad(t, dht.reshape(N * HV, K, V), axes=(-2, -1))
         P, Kp, Vp = R * HV, qf.shape[-1], dvf.shape[-1]
         dt = dv_intra.dtype  # (dh as stored: bf16 under "fast")
-        shapes = dict(NC=NC, C=C, Kp=Kp, Vp=Vp, dtype=[_precision.storage(dt), dt, dt], interpret=self.run_interpreted,
-                      mm=self.products())
+        shapes = dict(NC=NC, C=C, Kp=Kp, Vp=Vp, dtype=[_precision.storage(dt, precision), dt, dt], interpret=self.run_interpreted,
+                      mm=self.products(precision))
         if t == "tpu":
             dh, dv_new, dh0 = tpu.dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout, P=P, HV=HV, N=N,
                                                **shapes)

@@ -14,7 +14,7 @@ from .._annotations import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, Ch
 from .._numerics import precision as _precision
 from .._numerics.hilo import exponent
 from ..stages import KDA, AbstractWY, AbstractWYDqkg, ChunkGrads, WYOut
-from ._arith import Products, decay, exp_by_exp2
+from ._arith import Products, decay
 from ._common import (
     PallasFeatureBlocks, PallasValueBlocks, blockwise, check_block, chunk_spec, column_blocks, flat, iota, loaded, pow2,
     put, ref_or_none, row_of, segment_operands, token_operand, tuned, unflat,
@@ -27,14 +27,6 @@ def _values(stage, x, C: int):
     read in place (``PallasTarget.view_or_copy``), else the chunked array."""
     V, t = x.shape[-1], stage.target
     return token_operand(t, stage.view_or_copy(x, V), stage.padded, (C, pow2(V) if t == "triton" else V))
-
-
-def policy_exp(x):
-    """``exp(x)`` for ``x <= 0`` as the precision policy of the stage being traced needs it:
-    where its products round their operands to half precision (``"fast"``, bf16: 4e-3),
-    ``exp_by_exp2`` (relative error about ``7e-8 |x|`` on the GPU, ``1e-7 |x|`` through
-    XLA:CPU's exp2; under 1e-5 above float32's underflow); else ``jnp.exp``."""
-    return jnp.exp(x) if _precision.operand_dtype() is None else exp_by_exp2(x)
 
 
 def last_rows(row_loads: bool, refs, cols, tiles):
@@ -80,11 +72,11 @@ def wy_kernel(mm: Products, k_blocks, v_blocks, has_lo: bool, load_v=None, row_l
             kc = (slice(None), pl.ds(k0, bk))
             G, k = g_r[kc], k_r[kc]
             lo = ref_or_none(lo_r, kc)
-            eG = policy_exp(mask_exponent(start, G))
+            eG = mm.exp(mask_exponent(start, G))
             put(w_o, kc, mm.lower_dot(a_r[...], beta * k * eG))  # (put: in the stored dtype)
             put(qg_o, kc, q_r[kc] * eG)
             gam, lo_gam = last_rows(row_loads, (g_r, lo_r), kc[1], (G, lo))
-            put(kg_o, kc, k * policy_exp(mask_exponent(end, exponent(gam, G, lo_gam, lo))))
+            put(kg_o, kc, k * mm.exp(mask_exponent(end, exponent(gam, G, lo_gam, lo))))
             return carry
 
         def value_block(j0, bv, carry):
@@ -174,7 +166,7 @@ def wy_dqkg_body(mm: Products, scale, beta, Akk, refs, out_refs, k_blocks, v_blo
         gate = lambda: (g_r[kc], ref_or_none(lo_r, kc))
         (dqg,) = over_values(k0, bk, lambda vc, hb: (mm.dot(do_r[vc], h_r[hb], tb=True),))
         dqg = scale * dqg
-        dq_o[kc] = dqg * policy_exp(mask_exponent(start, gate()[0]))
+        dq_o[kc] = dqg * mm.exp(mask_exponent(start, gate()[0]))
         dG = qg_r[kc] * dqg
         dkg, hdh = over_values(k0, bk, lambda vc, hb: (
             mm.dot(vn_r[vc], dh_r[hb], tb=True),
@@ -183,11 +175,11 @@ def wy_dqkg_body(mm: Products, scale, beta, Akk, refs, out_refs, k_blocks, v_blo
         G, lo = gate()
         gam, lo_gam = last_rows(row_loads, (g_r, lo_r), kc[1], (G, lo))
         kg = kg_r[kc]
-        dgam = jnp.sum(kg * dkg, axis=0, keepdims=True) + policy_exp(mask_exponent(passes, gam)) * hdh
+        dgam = jnp.sum(kg * dkg, axis=0, keepdims=True) + mm.exp(mask_exponent(passes, gam)) * hdh
         dG = dG - kg * dkg + jnp.where(last, dgam, 0.0)
-        dk = dkg * decay(end, gam, G, lo_gam, lo)  # (policy_exp here: 8 B of spills)
+        dk = dkg * decay(end, gam, G, lo_gam, lo)  # (mm.exp here: 8 B of spills)
         (dw,) = over_values(k0, bk, lambda vc, hb: (-mm.dot(dvn_r[vc], h_r[hb], tb=True),))
-        k, eG = k_r[kc], policy_exp(mask_exponent(start, gate()[0]))
+        k, eG = k_r[kc], mm.exp(mask_exponent(start, gate()[0]))
         X = beta * k * eG
         dAkk = dAkk + mm.dot(dw, X, tb=True)
         dX = akk_t(dw)
@@ -256,6 +248,8 @@ class PallasWY(AbstractWY, PallasFeatureBlocks):
         Akk: ChunkMat,
         G_lo: Optional[ChunkK] = None,
         reset: Optional[ChunkValid] = None,
+        *,
+        precision: str = "highest",
     ) -> WYOut:
         R, HV, NC, C, K = q.shape
         V = v.shape[-1]
@@ -272,9 +266,9 @@ class PallasWY(AbstractWY, PallasFeatureBlocks):
             extra, extra_specs = segment_operands(reset, HV, row=False)
             ins, specs = ins + extra, specs + extra_specs
 
-        kernel = wy_kernel(self.products(), self.feature_blocks(Kp), self.feature_blocks(Vp), G_lo is not None, load_v,
+        kernel = wy_kernel(self.products(precision), self.feature_blocks(Kp), self.feature_blocks(Vp), G_lo is not None, load_v,
                            self.target == "triton", reset is not None)
-        st = _precision.storage(q.dtype)  # w, u, qg, kg as stored (bf16 under "fast")
+        st = _precision.storage(q.dtype, precision)  # w, u, qg, kg as stored (bf16 under "fast")
         w, u, qg, kg = self.call(kernel, ins, specs, [(C, Kp), (C, Vp), (C, Kp), (C, Kp)], R * HV, NC,
                                  [st, st, st, st])
         cut = lambda x, n: unflat(x[..., :n], R, HV)
@@ -329,6 +323,8 @@ class PallasWYDqkg(AbstractWYDqkg, PallasValueBlocks, PallasFeatureBlocks):
         G_lo: Optional[ChunkK] = None,
         reset: Optional[ChunkValid] = None,
         final: Optional[FinalGrads] = None,
+        *,
+        precision: str = "highest",
     ) -> ChunkGrads:
         R, HV, NC, C, K = q.shape
         V = v.shape[-1]
@@ -355,10 +351,10 @@ class PallasWYDqkg(AbstractWYDqkg, PallasValueBlocks, PallasFeatureBlocks):
             ins, specs = ins + (mask,), specs + [mask_spec]
 
         k_blocks, v_blocks = self.feature_blocks(Kp), column_blocks(self.target, Vp, self.block_v)
-        mm = self.products()
+        mm = self.products(precision)
         rows = None
         if self.target == "triton":
-            rows = self.dl_rows or dl_rows(C, jnp.dtype(_precision.operand_dtype() or q.dtype).itemsize, mm.splits)
+            rows = self.dl_rows or dl_rows(C, jnp.dtype(mm.operand or q.dtype).itemsize, mm.splits)
 
         n_mask = int(final is not None)
 

@@ -14,6 +14,7 @@ from .._numerics import precision as _precision
 from .._numerics.hilo import grid_bits, split_log_decay
 from .._numerics.arrays import lower_matmul, mT
 from .._numerics.chunk_loops import ChunkGroup, over_chunks
+from .._stage_protocol.capabilities import told
 from .._stage_protocol.final import final
 from .._stage_protocol.output_specs import Maybe, Specs
 from .._annotations import ChunkK, ChunkScalar, ChunkValid, typecheck
@@ -111,13 +112,15 @@ class ReferenceGate(AbstractGate):
         dt_bias: Optional[Float[Array, " HVK"]],
         valid: ChunkValid,
         reset: Optional[ChunkValid] = None,
+        *,
+        precision: str = "highest",
     ) -> Activated:
         q_rstd = k_rstd = None
         if config.use_qk_l2norm_in_kernel:
             q_rstd, k_rstd = _rstd(q), _rstd(k)
             q, k = q * q_rstd, k * k_rstd
         g = activated_gate(config, g, A_log, dt_bias, valid, reset)
-        split = self.split and _precision.keeps_low_part()
+        split = self.split and _precision.keeps_low_part(precision)
         loops = self.chunk_loops
         G, G_lo = split_cumsum(g, self.group, loops) if split else (chunk_cumsum(g, group=self.group, loops=loops), None)
         beta = beta_activation(beta, config.use_beta_sigmoid_in_kernel, config.allow_neg_eigval)
@@ -273,6 +276,8 @@ class ReferenceGateBackward(AbstractGateBackward):
         dbeta: ChunkScalar,
         dG: ChunkK,
         reset: Optional[ChunkValid] = None,
+        *,
+        precision: str = "highest",
     ) -> RawGrads:
         if reset is None:
             dg = jnp.where(valid[:, None, :, :, None], chunk_cumsum(dG, reverse=True, group=self.group, loops=self.chunk_loops), 0.0)
@@ -319,10 +324,12 @@ class GateVjpBackward(AbstractGateBackward):
     def vjp_of(self):  # (kdax._runner.routes: the forward stage it is the VJP of)
         return self.gate
 
-    def __call__(self, config, act, g, A_log, dt_bias, valid, dq, dk, dbeta, dG, reset=None):
+    def __call__(self, config, act, g, A_log, dt_bias, valid, dq, dk, dbeta, dG, reset=None, *,
+                 precision: str = "highest"):
         del g
         accepts = getattr(type(self.gate), "accepts", frozenset())
         extra = {} if reset is None or "reset" not in accepts else dict(reset=reset)
+        extra.update(told(self.gate, precision))
 
         def f1(q, k, g_, beta, A_log_, dt_bias_):
             return self.gate(config, q, k, g_, beta, A_log_, dt_bias_, valid, **extra)

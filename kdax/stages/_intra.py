@@ -317,6 +317,8 @@ class ReferenceIntra(AbstractIntra):
         G: ChunkK,
         G_lo: Optional[ChunkK] = None,
         reset: Optional[ChunkValid] = None,
+        *,
+        precision: str = "highest",
     ) -> IntraOut:
         C = G.shape[-2]
 
@@ -448,6 +450,8 @@ class ReferenceIntraBackward(AbstractIntraBackward):
         grads: ChunkGrads,
         G_lo: Optional[ChunkK] = None,
         reset: Optional[ChunkValid] = None,
+        *,
+        precision: str = "highest",
     ) -> ChunkGrads:
         C = G.shape[-2]
 

@@ -82,6 +82,8 @@ class ReferenceOutput(AbstractOutput):
         h: ChunkState,
         Aqk: ChunkMat,
         v_new: ChunkV,
+        *,
+        precision: str = "highest",
     ) -> ChunkV:
         return over_chunks(functools.partial(_output_chunk, scale), self.group, qg, h, Aqk, v_new, loops=self.chunk_loops)
 
@@ -145,5 +147,7 @@ class ReferenceDAv(AbstractDAv):
         v_new: ChunkV,
         Aqk: ChunkMat,
         do: ChunkV,
+        *,
+        precision: str = "highest",
     ) -> tuple[ChunkMat, ChunkV]:
         return over_chunks(_dav_chunk, self.group, v_new, Aqk, do, loops=self.chunk_loops)

@@ -8,7 +8,7 @@ import equinox as eqx
 from .._errors import UnsupportedCase
 from .._layouts.layout import ChunkLayout
 from .._numerics import precision as _precision
-from .._stage_protocol.capabilities import capabilities, negotiated
+from .._stage_protocol.capabilities import capabilities, negotiated, told
 from .._stage_protocol.final import final
 from .._stage_protocol.output_specs import Specs
 from .._annotations import ChunkK, ChunkMat, ChunkScalar, ChunkV, ChunkValid, SeqState, typecheck
@@ -81,17 +81,14 @@ def _with_reset(stage, kwargs: dict, reset) -> dict:
 
 
 def recompute_with(wy: AbstractWY, state: AbstractState, q, k, v, beta, G, Akk, h0, layout, G_lo=None, reset=None,
-                   zero_h0: bool = False):
-    # F3 and F4 under their own stages' precision policy (kdax._numerics.precision), their outputs
-    # stored as the forward's are (the stage runner's cast), so B0 rebuilds them exactly.
-    policy = _precision.current_policy()
-    with _precision.stage_scope(policy, "wy"):
-        out = wy(**_with_reset(wy, negotiated(wy, dict(q=q, k=k, v=v, beta=beta, G=G, Akk=Akk, G_lo=G_lo)), reset))
-        out = _precision.store_outputs(out, policy)
-    with _precision.stage_scope(policy, "state"):
-        zero = {"zero_h0": True} if zero_h0 else {}  # (h0 zeros: kdax._stage_protocol.capabilities)
-        kw = negotiated(state, dict(w=out.w, u=out.u, kg=out.kg, G=G, h0=h0, layout=layout, **zero))
-        return out, _precision.store_outputs(state(**_with_reset(state, kw, reset)), policy)
+                   zero_h0: bool = False, precision: str = "highest"):
+    # F3 and F4 told the policy (kdax._numerics.precision), their outputs stored as the
+    # forward's are (the stage runner's cast), so B0 rebuilds them exactly.
+    kw = negotiated(wy, dict(q=q, k=k, v=v, beta=beta, G=G, Akk=Akk, G_lo=G_lo))
+    out = _precision.store_outputs(wy(**_with_reset(wy, kw, reset), **told(wy, precision)), precision)
+    zero = {"zero_h0": True} if zero_h0 else {}  # (h0 zeros: kdax._stage_protocol.capabilities)
+    kw = negotiated(state, dict(w=out.w, u=out.u, kg=out.kg, G=G, h0=h0, layout=layout, **zero))
+    return out, _precision.store_outputs(state(**_with_reset(state, kw, reset), **told(state, precision)), precision)
 
 
 @final
@@ -117,7 +114,8 @@ class ReferenceRecompute(AbstractRecompute):
         *,
         wy: Optional[AbstractWY] = None,
         state: Optional[AbstractState] = None,
+        precision: str = "highest",
     ) -> tuple[WYOut, StateOut]:
         wy = ReferenceWY() if wy is None else wy
         state = ReferenceState() if state is None else state
-        return recompute_with(wy, state, q, k, v, beta, G, Akk, h0, layout, G_lo, reset)
+        return recompute_with(wy, state, q, k, v, beta, G, Akk, h0, layout, G_lo, reset, precision=precision)

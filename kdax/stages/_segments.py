@@ -40,6 +40,7 @@ import jax.numpy as jnp
 
 from .._layouts.layout import ChunkLayout
 from .._numerics.affine import scan_prefix
+from .._stage_protocol.capabilities import told
 from .._stage_protocol.final import final
 from .._annotations import ChunkK, ChunkV, SeqState, typecheck
 from ._state import AbstractDhu, AbstractState, ReferenceDhu, ReferenceState
@@ -159,12 +160,15 @@ class SegmentedState(AbstractState):
         G: ChunkK,
         h0: SeqState,
         layout: ChunkLayout,
+        *,
+        precision: str = "highest",
     ) -> StateOut:
         R, HV, NC, C, K = w.shape
         V, N = u.shape[-1], h0.shape[0]
         S, L = _split(NC, self.segments)
+        told_ = told(self.inner, precision)  # (the policy, to an inner stage that takes it)
         if S <= 1:
-            return self.inner(w, u, kg, G, h0, layout)
+            return self.inner(w, u, kg, G, h0, layout, **told_)
         _check_affine(self.inner, None)
         seg = lambda x: _to_segments(x, S, L)
         sl = _segment_layout(layout, N, S, L)
@@ -172,11 +176,11 @@ class SegmentedState(AbstractState):
         # (1) [b | M] of every segment: [u | 0] from [h0 | 0] (sequences) and [0 | I] (segments)
         zero_v, zero_k, eye = _identity_table(N, R * S, HV, K, V, h0.dtype)
         u_aug = seg(jnp.concatenate([u, jnp.zeros(u.shape[:-1] + (K,), u.dtype)], -1))
-        summ = self.inner(ws, u_aug, kgs, Gs, _table(h0, zero_v, zero_k, eye), sl).final
+        summ = self.inner(ws, u_aug, kgs, Gs, _table(h0, zero_v, zero_k, eye), sl, **told_).final
         summ = summ[sl.last[:, -1]]  # each segment's exit (a sequence's final where one ends there)
         # (2) the true entry of each segment, (3) the local pass from it
         entry = _prefix(summ[..., V:], summ[..., :V], R, S, reverse=False)
-        out = self.inner(ws, seg(u), kgs, Gs, jnp.concatenate([h0, entry], 0), sl)
+        out = self.inner(ws, seg(u), kgs, Gs, jnp.concatenate([h0, entry], 0), sl, **told_)
         return StateOut(_from_segments(out.h, R, S, NC), _from_segments(out.v_new, R, S, NC), out.final[:N])
 
 
@@ -214,12 +218,15 @@ class SegmentedDhu(AbstractDhu):
         dv_intra: ChunkV,
         dht: SeqState,
         layout: ChunkLayout,
+        *,
+        precision: str = "highest",
     ) -> DhuOut:
         R, HV, NC, C, K = qg.shape
         V, N = do.shape[-1], dht.shape[0]
         S, L = _split(NC, self.segments)
+        told_ = told(self.inner, precision)
         if S <= 1:
-            return self.inner(scale, qg, kg, w, G, do, dv_intra, dht, layout)
+            return self.inner(scale, qg, kg, w, G, do, dv_intra, dht, layout, **told_)
         _check_affine(None, self.inner)
         seg = lambda x: _to_segments(x, S, L)
         sl = _segment_layout(layout, N, S, L)
@@ -227,11 +234,12 @@ class SegmentedDhu(AbstractDhu):
         # (1) [c | M^T] of every segment: [do | 0], [dv_intra | 0] from [dht | 0] and [0 | I]
         zero_v, zero_k, eye = _identity_table(N, R * S, HV, K, V, dht.dtype)
         pad = lambda x: seg(jnp.concatenate([x, jnp.zeros(x.shape[:-1] + (K,), x.dtype)], -1))
-        summ = self.inner(scale, qgs, kgs, ws, Gs, pad(do), pad(dv_intra), _table(dht, zero_v, zero_k, eye), sl).dh0
+        summ = self.inner(scale, qgs, kgs, ws, Gs, pad(do), pad(dv_intra), _table(dht, zero_v, zero_k, eye), sl,
+                          **told_).dh0
         summ = summ[sl.first[:, 0]]  # the gradient leaving each segment's start
         # (2) the gradient arriving at each segment's end, (3) the local pass
         exit_ = _prefix(summ[..., V:], summ[..., :V], R, S, reverse=True)
-        out = self.inner(scale, qgs, kgs, ws, Gs, seg(do), seg(dv_intra), jnp.concatenate([dht, exit_], 0), sl)
+        out = self.inner(scale, qgs, kgs, ws, Gs, seg(do), seg(dv_intra), jnp.concatenate([dht, exit_], 0), sl, **told_)
         return DhuOut(_from_segments(out.dh, R, S, NC), out.dh0[:N], _from_segments(out.dv_new, R, S, NC))
 
 

@@ -32,12 +32,11 @@ def _at(c):
     return lambda x: jax.lax.dynamic_index_in_dim(x, c, 2 if x.ndim > 2 else 1, keepdims=False)
 
 
-def _mm(a, b):
-    """``a @ b`` for the recurrences: under the ``"fast"`` policy (``kdax._numerics.precision``)
-    float32 (or bf16-stored) operands rounded to bf16, products accumulated in float32 (what
-    the GPU computes, emulated exactly on any backend: a bf16 x bf16 product is exact in
-    float32); else ``a @ b``."""
-    half = _precision.operand_dtype()
+def _mm(a, b, half):
+    """``a @ b`` for the recurrences: with ``half`` (their operand dtype under the ``"fast"``
+    policy, ``kdax._numerics.precision.operand``) float32 (or bf16-stored) operands rounded
+    to bf16, products accumulated in float32 (what the GPU computes, emulated exactly on any
+    backend: a bf16 x bf16 product is exact in float32); else ``a @ b``."""
     if half is not None and a.dtype in (jnp.float32, half):
         default = jax.lax.Precision.DEFAULT  # explicit: not the scope's algorithm
         return jnp.matmul(a.astype(half), b.astype(half), precision=default, preferred_element_type=jnp.float32)
@@ -150,35 +149,39 @@ class ReferenceState(AbstractState):
         h0: SeqState,
         layout: ChunkLayout,
         reset: Optional[ChunkValid] = None,
+        *,
+        precision: str = "highest",
     ) -> StateOut:
         R, HV, NC, _, K = w.shape
         V = u.shape[-1]
         if NC == 0:  # T = 0: every sequence is empty and keeps its initial state
             return StateOut(jnp.zeros((R, HV, 0, K, V), h0.dtype), u, h0)
         decay = _decay(G, reset)
+        half = _precision.operand(precision, AbstractState)
 
         if NC <= self.unroll:
             h = h0 if _carried(layout, h0, (R, HV, K, V)) else jnp.zeros((R, HV, K, V), h0.dtype)
             hs, v_news = [], []
             for c in range(NC):
-                h_start, v_new, h = _chunk(layout, c, h, w, u, kg, decay, h0)
+                h_start, v_new, h = _chunk(layout, c, h, w, u, kg, decay, h0, half)
                 hs.append(h_start)
                 v_news.append(v_new)
             hs, v_news = jnp.stack(hs, 2), jnp.stack(v_news, 2)
         else:
             unroll = max(1, min(loop_unroll(self.loop_unroll), NC))
-            h, hs, v_news = _recurrence(unroll, _precision.captured(), layout, w, u, kg, G, decay, h0)
+            h, hs, v_news = _recurrence((unroll, half, _precision.captured()), layout, w, u, kg, G, decay, h0)
         # Stored as FLA stores them (bf16 under "fast"; kdax._numerics.precision.stored). The
         # products above rounded the same values, so only the copies change.
+        stored = lambda x: _precision.stored(x, precision)  # noqa: E731
         if layout.dense:  # row r is sequence r, which ends at the last chunk
-            return StateOut(_precision.stored(hs), _precision.stored(v_news), h)
+            return StateOut(stored(hs), stored(v_news), h)
         # The final states after the loop, from each sequence's last chunk: a table update
         # per chunk inside the loop copied the whole [N, HV, K, V] table every chunk (13 s
         # for 1000 packed one-token sequences at H=4, K=V=64; 12 ms dense).
         r, c, ends = _chunk_of(layout.last, h0.shape[0])
         take = lambda x: x[r, :, c]
-        final = take(decay)[..., None] * take(hs) + _mm(mT(take(kg)), take(v_news))
-        return StateOut(_precision.stored(hs), _precision.stored(v_news), jnp.where(ends[:, None, None, None], final, h0))
+        final = take(decay)[..., None] * take(hs) + _mm(mT(take(kg)), take(v_news), half)
+        return StateOut(stored(hs), stored(v_news), jnp.where(ends[:, None, None, None], final, h0))
 
 
 def _vary_like(init, deps):
@@ -198,37 +201,38 @@ def _axes(x) -> set:
     return set(mat.varying) if mat is not None else set(getattr(t, "vma", ()) or ())
 
 
-def _chunk(layout, c, h, w, u, kg, decay, h0):
+def _chunk(layout, c, h, w, u, kg, decay, h0, half):
     """Chunk ``c`` of F4: ``(h at its start, v_new, h at its end)`` from the state ``h``
     carried in (replaced by ``h0`` of a sequence that starts there)."""
     at = _at(c)
     if not _carried(layout, h0, h.shape):
         h = _enter(layout, c, 0, at(layout.first), h0, h)
-    v_new, h_next = _step(h, w, u, kg, decay, at)
+    v_new, h_next = _step(half, h, w, u, kg, decay, at)
     return h, v_new, h_next
 
 
-def _step(h, w, u, kg, decay, at=lambda x: x):
+def _step(half, h, w, u, kg, decay, at=lambda x: x):
     """``(v_new, h at the chunk's end)`` from ``h`` at its start, the chunk's arrays read
-    by ``at`` (whole arrays and ``_at(c)``, or the chunk's slices)."""
-    v_new = at(u) - _mm(at(w), h)
-    return v_new, at(decay)[..., None] * h + _mm(mT(at(kg)), v_new)
+    by ``at`` (whole arrays and ``_at(c)``, or the chunk's slices); ``half``: ``_mm``'s."""
+    v_new = at(u) - _mm(at(w), h, half)
+    return v_new, at(decay)[..., None] * h + _mm(mT(at(kg)), v_new, half)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _recurrence(unroll, scope, layout, w, u, kg, G, decay, h0):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _recurrence(how, layout, w, u, kg, G, decay, h0):
     """F4's loop over chunks: ``(h after the last chunk, hs, v_news)``. Its VJP walks the
     chunks backwards, each chunk's step differentiated alone from the state it started
     from (``_recurrence_bwd``): JAX's VJP of the loop kept each chunk's slices of every
     input and added each chunk's gradient into zeros the size of the whole input.
-    ``scope``: the forward's precision scope (``precision.captured``); ``G`` orders the
+    ``how``: ``(unroll, half, the forward's matmul precision: precision.captured)``; ``G`` orders the
     buffers' zeros after the inputs (``zeros_after``) and gets no gradient."""
     R, HV, NC, _, K = w.shape
     V = u.shape[-1]
+    unroll, half, _ = how
 
     def step(c, carry):
         h, hs, v_news = carry
-        h_start, v_new, h = _chunk(layout, c, h, w, u, kg, decay, h0)
+        h_start, v_new, h = _chunk(layout, c, h, w, u, kg, decay, h0, half)
         return h, _put(hs, c, h_start), _put(v_news, c, v_new)
 
     h = h0 if _carried(layout, h0, (R, HV, K, V)) else jnp.zeros((R, HV, K, V), h0.dtype)
@@ -237,12 +241,13 @@ def _recurrence(unroll, scope, layout, w, u, kg, G, decay, h0):
     return jax.lax.fori_loop(0, NC, step, init, unroll=unroll)
 
 
-def _recurrence_fwd(unroll, scope, layout, w, u, kg, G, decay, h0):
-    h, hs, v_news = out = _recurrence(unroll, scope, layout, w, u, kg, G, decay, h0)
+def _recurrence_fwd(how, layout, w, u, kg, G, decay, h0):
+    h, hs, v_news = out = _recurrence(how, layout, w, u, kg, G, decay, h0)
     return out, (layout, w, u, kg, decay, h0, hs)
 
 
-def _recurrence_bwd(unroll, scope, res, g):
+def _recurrence_bwd(how, res, g):
+    unroll, half, matmul = how
     layout, w, u, kg, decay, h0, hs = res
     g_h, g_hs, g_v = g
     NC = w.shape[2]
@@ -253,7 +258,7 @@ def _recurrence_bwd(unroll, scope, res, g):
         dh, dw, du, dkg, ddecay, dh0 = carry
         at = _at(c)
         parts = (at(hs), at(w), at(u), at(kg), at(decay))
-        _, vjp = jax.vjp(_step, *parts)
+        _, vjp = jax.vjp(functools.partial(_step, half), *parts)
         d_h, d_w, d_u, d_kg, d_decay = vjp((at(g_v), dh))
         d_h = d_h + at(g_hs)
         # The state a sequence starts from is its h0 (``_enter``): its gradient goes there.
@@ -270,7 +275,7 @@ def _recurrence_bwd(unroll, scope, res, g):
     deps = (w, u, kg, decay, h0, hs, g_hs, g_v)
     init = vary_like((g_h, jnp.zeros_like(w), jnp.zeros_like(u), jnp.zeros_like(kg), jnp.zeros_like(decay),
                       jnp.zeros_like(h0)), deps)
-    with _precision.restored(scope):
+    with _precision.restored(matmul):
         _, dw, du, dkg, ddecay, dh0 = jax.lax.fori_loop(0, NC, back, init, unroll=unroll)
     # Inside shard_map an input that does not vary over a manual axis the cotangents vary
     # over (zeros made inside, a replicated argument) gets the sum over that axis: the
@@ -373,10 +378,13 @@ class ReferenceDhu(AbstractDhu):
         dht: SeqState,
         layout: ChunkLayout,
         reset: Optional[ChunkValid] = None,
+        *,
+        precision: str = "highest",
     ) -> DhuOut:
-        source = lambda pick: scale * _mm(mT(pick(qg)), pick(do))  # (pick: a chunk, or each sequence's first)
+        half = _precision.operand(precision, AbstractDhu)
+        source = lambda pick: scale * _mm(mT(pick(qg)), pick(do), half)  # (pick: a chunk, or each sequence's first)
         deps = (qg, kg, w, G, do, dv_intra, dht)
-        return self._recurrence(kg, w, _decay(G, reset), source, dv_intra, dht, layout, deps, do)
+        return self._recurrence(kg, w, _decay(G, reset), source, dv_intra, dht, layout, deps, do, half)
 
     def with_source(self, kg, w, G, src, dv_intra, dht, layout) -> DhuOut:
         """This recurrence (no ``reset``) with ``src [R, HV, NC, K, V]`` added to each chunk's
@@ -384,12 +392,14 @@ class ReferenceDhu(AbstractDhu):
         ``chunk_kda``'s backward runs when F5 alone is of other math (its VJP gives ``src``,
         ``kdax._runner.output_vjp``)."""
         deps = (kg, w, G, src, dv_intra, dht)
-        return self._recurrence(kg, w, _decay(G, None), lambda pick: pick(src), dv_intra, dht, layout, deps, dv_intra)
+        return self._recurrence(kg, w, _decay(G, None), lambda pick: pick(src), dv_intra, dht, layout, deps, dv_intra,
+                                None)
 
-    def _recurrence(self, kg, w, decay, source, dv_intra, dht, layout, deps, like) -> DhuOut:
+    def _recurrence(self, kg, w, decay, source, dv_intra, dht, layout, deps, like, half) -> DhuOut:
         """The reverse loop over chunks, ``source(pick)`` the term each chunk's start-state
         cotangent gains (``pick`` selects the chunk's arrays); ``deps``, ``like``: what the
-        loop's buffers depend on (``zeros_after``) and the ``dv_new`` buffer's shape and dtype."""
+        loop's buffers depend on (``zeros_after``) and the ``dv_new`` buffer's shape and dtype;
+        ``half``: the products' operand dtype (``_mm``)."""
         R, HV, NC, _, K = kg.shape
         V = dht.shape[-1]
         carried = _carried(layout, dht, (R, HV, K, V))
@@ -399,8 +409,8 @@ class ReferenceDhu(AbstractDhu):
             c = NC - 1 - i
             at = _at(c)
             dh_end = dh_c if carried else _enter(layout, c, NC - 1, at(layout.last), dht, dh_c)
-            dv_new = at(dv_intra) + _mm(at(kg), dh_end)
-            dh_start = at(decay)[..., None] * dh_end + source(at) - _mm(mT(at(w)), dv_new)
+            dv_new = at(dv_intra) + _mm(at(kg), dh_end, half)
+            dh_start = at(decay)[..., None] * dh_end + source(at) - _mm(mT(at(w)), dv_new, half)
             return dh_start, _put(dhs, c, dh_end), _put(dv_news, c, dv_new)
 
         # A sequence of length 0 has no chunk: its dh0 is its dht.
@@ -416,5 +426,5 @@ class ReferenceDhu(AbstractDhu):
         # dh0 after the loop, from each sequence's first chunk (see ReferenceState).
         r, c, starts = _chunk_of(layout.first, dht.shape[0])
         take = lambda x: x[r, :, c]
-        first = take(decay)[..., None] * take(dh) + source(take) - _mm(mT(take(w)), take(dv_new))
+        first = take(decay)[..., None] * take(dh) + source(take) - _mm(mT(take(w)), take(dv_new), half)
         return DhuOut(dh, jnp.where(starts[:, None, None, None], first, dh0), dv_new)

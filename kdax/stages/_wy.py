@@ -120,6 +120,8 @@ class ReferenceWY(AbstractWY):
         Akk: ChunkMat,
         G_lo: Optional[ChunkK] = None,
         reset: Optional[ChunkValid] = None,
+        *,
+        precision: str = "highest",
     ) -> WYOut:
         tail, named = _chunk_args(G, G_lo, reset)
         chunk = lambda q, k, v, beta, G, Akk, *rest: _wy_chunk(q, k, v, beta, G, Akk, **named(rest))
@@ -242,6 +244,8 @@ class ReferenceWYDqkg(AbstractWYDqkg):
         dv_new: ChunkV,
         G_lo: Optional[ChunkK] = None,
         reset: Optional[ChunkValid] = None,
+        *,
+        precision: str = "highest",
     ) -> ChunkGrads:
         tail, named = _chunk_args(G, G_lo, reset)
         chunk = lambda *a: _wy_dqkg_chunk(scale, *a[:12], **named(a[12:]))

@@ -174,13 +174,11 @@ def state_kernels(policy: str, tuning: dict, layout: str, tokens: bool = False) 
     lay = make_layout(R, T, C) if layout == "dense" else make_layout(R, T, C, jnp.asarray([0, 100, 300, T]))
 
     def f4(w, u, kg, G, h0):
-        with _precision.stage_scope(policy, "state"):
-            return PallasState(**kw)(w, u, kg, G, h0, lay)
+        return PallasState(**kw)(w, u, kg, G, h0, lay, precision=policy)
 
     def b2(qg, kg, w, G, do, dv, dht):
         do = Tokens(do, HV, C, jnp.dtype(jnp.float32)) if tokens else do
-        with _precision.stage_scope(policy, "dhu"):
-            return PallasDhu(**kw)(0.1, qg, kg, w, G, do, dv, dht, lay)
+        return PallasDhu(**kw)(0.1, qg, kg, w, G, do, dv, dht, lay, precision=policy)
 
     seq = jax.ShapeDtypeStruct((lay.empty.shape[0], HV, K, K), jnp.float32)
     ck = jax.ShapeDtypeStruct((R, HV, lay.num_chunks, C, K), jnp.float32)
@@ -273,21 +271,15 @@ def chunk_kernels(policy: str, tuning: dict, tokens: bool = False, only: tuple =
     tv = s((R, NC * C, HV, K), jnp.bfloat16) if tokens else ck
     view = (lambda d, kind=None: Tokens(d, HV, C, jnp.dtype(jnp.float32), kind)) if tokens else (lambda d, kind=None: d)
 
-    def scoped(stage, fn):
-        def run(*a):
-            with _precision.stage_scope(policy, stage):
-                return fn(*a)
-        return run
-
     rs = (s((R, NC, C), jnp.bool_),) if packed else ()
     calls = [
-        (scoped("intra", lambda q, k, b, G, lo, *r: PallasIntra(**kw)(0.1, q, k, b, G, lo, *r)), (ck, ck, cs, ck, lo, *rs)),
-        (scoped("wy", lambda q, k, v, b, G, A, lo, *r: PallasWY(**kw)(q, k, view(v, "any"), b, G, A, lo, *r)),
+        (lambda q, k, b, G, lo, *r: PallasIntra(**kw)(0.1, q, k, b, G, lo, *r, precision=policy), (ck, ck, cs, ck, lo, *rs)),
+        (lambda q, k, v, b, G, A, lo, *r: PallasWY(**kw)(q, k, view(v, "any"), b, G, A, lo, *r, precision=policy),
          (ck, ck, tv, cs, ck, sm, lo, *rs)),
-        (scoped("wy_dqkg", lambda *a: PallasWYDqkg(**kw)(0.1, *a[:2], view(a[2], "any"), *a[3:11], view(a[11]), *a[12:])),
+        (lambda *a: PallasWYDqkg(**kw)(0.1, *a[:2], view(a[2], "any"), *a[3:11], view(a[11]), *a[12:], precision=policy),
          (ck, ck, tv, cs, ck, sm, sk, sk, sh, sh, sk, tv, ck, lo, *rs)),
-        (scoped("intra_bwd", lambda q, k, b, G, dA, dL, dq, dk, db, dG, lo, *r: PallasIntraBackward(**kw)(
-            0.1, q, k, b, G, dA, ChunkGrads(dq, dk, None, db, dG, dL), lo, *r)), (ck, ck, cs, ck, cm, cm, ck, ck, cs, ck, lo, *rs)),
+        (lambda q, k, b, G, dA, dL, dq, dk, db, dG, lo, *r: PallasIntraBackward(**kw)(
+            0.1, q, k, b, G, dA, ChunkGrads(dq, dk, None, db, dG, dL), lo, *r, precision=policy), (ck, ck, cs, ck, cm, cm, ck, ck, cs, ck, lo, *rs)),
     ]
     with captured() as mods:
         for name, (fn, args) in zip(("intra", "wy", "wy_dqkg", "intra_bwd"), calls):

@@ -420,8 +420,8 @@ def test_values_read_from_the_callers_layout(target, interpret, in_dtype, dt, po
                        x["h"], dv_new, d, dv_new)),
     ]
     for name, stage, args in calls:
-        with _precision.stage_scope(policy, name):
-            got, want = stage(*args(v, do)), stage(*args(v.chunked(), do.chunked()))
+        got = stage(*args(v, do), precision=policy)
+        want = stage(*args(v.chunked(), do.chunked()), precision=policy)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             if policy == "fast":
                 assert_close(a, b, 1e-6, name)
@@ -607,8 +607,7 @@ def test_state_kernels_round_operands_in_kernel(packed):
     for policy, tol in (("fast", 1e-6), ("highest", 0.0)):
         for name, cls, args in (("state", P.PallasState, (w, u, kg, G, h0, layout)),
                                 ("dhu", P.PallasDhu, (x["scale"], qg, kg, w, G, do, dv, dht, layout))):
-            with _precision.stage_scope(policy, name):
-                got, want = cls(**kw, round_in_kernel=True)(*args), cls(**kw)(*args)
+            got, want = cls(**kw, round_in_kernel=True)(*args, precision=policy), cls(**kw)(*args, precision=policy)
             for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
                 if tol:
                     assert_close(a, b, tol, name)

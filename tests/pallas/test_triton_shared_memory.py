@@ -103,7 +103,6 @@ def test_state_kernels_fit_hopper_shared_memory(policy, tuning, tmp_path):
 @pytest.mark.parametrize("stage", ["gate", "intra", "wy", "wy_dqkg", "intra_bwd"])
 def test_G_lo_kernels_fit_hopper_shared_memory(stage, tmp_path):
     from kdax import KDAConfig
-    from kdax._numerics import precision as _precision
     from kdax import pallas as P
     from kdax.stages import ChunkGrads
 
@@ -112,25 +111,22 @@ def test_G_lo_kernels_fit_hopper_shared_memory(stage, tmp_path):
     ck, cs, cm = s((R, HV, NC, C, K), jnp.float32), s((R, HV, NC, C), jnp.float32), s((R, HV, NC, C, C), jnp.float32)
     st = s((R, HV, NC, K, K), jnp.float32)
     kw = dict(target="triton", interpret=False)
+    p = dict(precision="bfloat16")  # (the policy bf16 inputs get)
     calls = {
         "gate": (lambda q, k, g, b: P.PallasGate(**kw)(KDAConfig(scale=0.1, **KIMI), q, k, g, b, jnp.zeros(HV, jnp.float32),
-                                                        jnp.zeros(HV * K, jnp.float32), jnp.ones((R, NC, C), bool)),
+                                                        jnp.zeros(HV * K, jnp.float32), jnp.ones((R, NC, C), bool), **p),
                  (ck, ck, ck, cs)),
-        "intra": (lambda q, k, b, G, lo: P.PallasIntra(**kw)(0.1, q, k, b, G, G_lo=lo), (ck, ck, cs, ck, ck)),
-        "wy": (lambda q, k, v, b, G, A, lo: P.PallasWY(**kw)(q, k, v, b, G, A, G_lo=lo), (ck, ck, ck, cs, ck, cm, ck)),
+        "intra": (lambda q, k, b, G, lo: P.PallasIntra(**kw)(0.1, q, k, b, G, G_lo=lo, **p), (ck, ck, cs, ck, ck)),
+        "wy": (lambda q, k, v, b, G, A, lo: P.PallasWY(**kw)(q, k, v, b, G, A, G_lo=lo, **p), (ck, ck, ck, cs, ck, cm, ck)),
         "wy_dqkg": (lambda q, k, v, b, G, A, qg, kg, h, dh, vn, do, dvn, lo: P.PallasWYDqkg(**kw)(
-            0.1, q, k, v, b, G, A, qg, kg, h, dh, vn, do, dvn, G_lo=lo), (ck, ck, ck, cs, ck, cm, ck, ck, st, st, ck, ck, ck, ck)),
+            0.1, q, k, v, b, G, A, qg, kg, h, dh, vn, do, dvn, G_lo=lo, **p), (ck, ck, ck, cs, ck, cm, ck, ck, st, st, ck, ck, ck, ck)),
         "intra_bwd": (lambda q, k, b, G, dA, dq, dk, db, dG, dL, lo: P.PallasIntraBackward(**kw)(
-            0.1, q, k, b, G, dA, ChunkGrads(dq, dk, None, db, dG, dL), G_lo=lo), (ck, ck, cs, ck, cm, ck, ck, cs, ck, cm, ck)),
+            0.1, q, k, b, G, dA, ChunkGrads(dq, dk, None, db, dG, dL), G_lo=lo, **p), (ck, ck, cs, ck, cm, ck, ck, cs, ck, cm, ck)),
     }
     fn, args = calls[stage]
 
-    def scoped(*a):
-        with _precision.stage_scope("bfloat16", stage):
-            return fn(*a)
-
     with _captured() as mods:
-        jax.jit(scoped).trace(*args).lower(lowering_platforms=("cuda",))
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     assert len(mods) == 1, list(mods)
     used = _shared_bytes(next(iter(mods.values())), tmp_path)
     assert 0 < used <= HOPPER_SHARED_BYTES, used

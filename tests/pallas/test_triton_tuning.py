@@ -48,24 +48,19 @@ def test_default_is_the_default_tuning():
 
 def test_f32_tuning_applies_where_products_take_float32():
     """A stage's ``f32_tuning`` replaces its fields where its products take float32
-    operands (its precision scope has no half dtype) and the tuning applies (compiled
+    operands (no half dtype for it under the policy it is given) and the tuning applies (compiled
     Triton, or ``tuned_interpret``); elsewhere the stage is as built. The tuning reaches
     the kernel builders as arguments: ``products`` and ``triton_params``."""
-    from kdax._numerics import precision as _precision
-
     st = PallasState(target="triton", interpret=False, num_warps=8, block_v=32,
                      f32_tuning=(("num_warps", 4), ("block_v", 16)))
-    with _precision.stage_scope("bfloat16", "state"):  # (the recurrence keeps float32 products)
-        exact = st.for_operands()
-    with _precision.stage_scope("fast", "state"):
-        half = st.for_operands()
+    exact = st.for_operands("bfloat16")  # (the recurrence keeps float32 products)
+    half = st.for_operands("fast")
     assert (exact.num_warps, exact.block_v, exact.f32_tuning) == (4, 16, ())
     assert half == st and half.triton_params() == dict(num_warps=8, num_stages=1)
     assert exact.triton_params() == dict(num_warps=4, num_stages=1)
     interp = dataclasses.replace(st, interpret=True)
-    with _precision.stage_scope("highest", "state"):
-        assert interp.for_operands() == interp and interp.products().f32_dot == "ieee"
-        assert dataclasses.replace(interp, tuned_interpret=True).for_operands().num_warps == 4
+    assert interp.for_operands("highest") == interp and interp.products("highest").f32_dot == "ieee"
+    assert dataclasses.replace(interp, tuned_interpret=True).for_operands("highest").num_warps == 4
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -199,7 +194,7 @@ def test_default_tuning_float32_products_stay_float32_accurate():
                 use_beta_sigmoid_in_kernel=True, cu_seqlens=jnp.asarray([0, 37, 37 + T // 2, T], jnp.int32))
     exact = KDAPipeline.pallas("triton", interpret=True)
     tuned = _tuned(exact)
-    assert tuned.wy_dqkg.products().f32_dot == "tf32x3" and exact.wy_dqkg.products().f32_dot == "ieee"
+    assert tuned.wy_dqkg.products("highest").f32_dot == "tf32x3" and exact.wy_dqkg.products("highest").f32_dot == "ieee"
     fn = lambda pipe: lambda *a, **kw: kdax.chunk_kda(*a, pipeline=pipe, **kw)  # noqa: E731
     o_ref, ht_ref = run(fn(exact), x, opts)
     do = jnp.asarray(np.random.default_rng(1).normal(size=o_ref.shape), jnp.float32)
