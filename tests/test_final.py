@@ -27,3 +27,27 @@ def test_abstract_stages_stay_open():
             return stages.ReferenceState()(w, u, kg, G, h0, layout)
 
     assert MyState().__class__.__mro__[1] is stages.AbstractState
+
+
+@pytest.mark.parametrize("cls", list(_concrete()), ids=lambda c: c.__name__)
+def test_concrete_stages_are_told_the_precision_policy(cls):
+    """Every concrete stage declares the capability ``precision`` and takes it as a keyword
+    (``kdax._numerics.precision``: the policy is an argument, issue 52)."""
+    from kdax._stage_protocol.capabilities import capabilities
+
+    assert capabilities(cls).precision
+    param = inspect.signature(cls.__call__).parameters["precision"]
+    assert param.kind is inspect.Parameter.KEYWORD_ONLY and param.default == "highest"
+
+
+def test_a_final_stage_must_take_precision():
+    from kdax._stage_protocol.capabilities import capabilities
+    from kdax._stage_protocol.final import final
+
+    class Loose(stages.AbstractOutput):
+        def __call__(self, scale, qg, h, Aqk, v_new):
+            raise AssertionError
+
+    with pytest.raises(TypeError, match=r"Loose\.__call__: a final stage takes `precision"):
+        final(Loose)
+    assert not capabilities(Loose).precision  # (a user's stage is told only if it declares it)
