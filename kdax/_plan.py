@@ -92,7 +92,7 @@ def plan(pipeline, q, k, v, g, beta, **options) -> KDAPlan:
 
         diff = (q, k, v, g, beta, opts.initial_state)
         jax.eval_shape(jax.grad(loss), diff)
-    forward = [pipeline.tile is not None and not unsafe_for_tiles(pipeline), unsafe_for_tiles(pipeline)]
+    unsafe = unsafe_for_tiles(pipeline)
     rows = []
     reasons, swapped = rec.derived or ((), ())
     for name, info in STAGES.items():
@@ -112,17 +112,14 @@ def plan(pipeline, q, k, v, g, beta, **options) -> KDAPlan:
                   if getattr(ran, "plan_note", None))
     # Why a declaration selected no route (kdax._runner.routes.unchecked: stages of other math).
     for name in unchecked(pipeline):
-        stage = getattr(pipeline, name)
-        said = [c for c in ("reset", "tile_safe") if getattr(capabilities(type(stage)), c)]
-        what = f"math {stage.math!r}" if STAGES[name].forward else f"transposes {dict(stage.transposes)!r}"
-        notes += (f"routes: {STAGES[name].step} {name} ({type(stage).__qualname__}) {what}, not KDA's: packed "
-                  f"sequences keep one chunk each and the forward runs whole, whatever a stage declares"
-                  + (f" (it declares {', '.join(said)})" if said else ""),)
+        said = [c for c in ("reset", "tile_safe") if getattr(capabilities(type(getattr(pipeline, name))), c)]
+        notes += (f"routes: {_other_math(pipeline, name)}: packed sequences keep one chunk each and the forward "
+                  f"runs whole, whatever a stage declares" + (f" (it declares {', '.join(said)})" if said else ""),)
     if reasons:
         notes += ("backward: derived by jax.vjp through F1-F5 (exact; the six-stage backward does not transpose "
                   "this forward: " + "; ".join(reasons) + ")",)
     why = route_reasons(pipeline, rec.layout, opts)
-    return KDAPlan(tuple(rows), pipeline.tile if forward[0] else None, forward[1], rec.layout, notes=notes,
+    return KDAPlan(tuple(rows), None if unsafe else pipeline.tile, unsafe, rec.layout, notes=notes,
                    config=resolved_config(pipeline, q.dtype), why=why)
 
 

@@ -171,13 +171,11 @@ def _warn_unstable(k, beta, options: KDAOptions) -> None:
 
 
 def check_domain(g, beta, options: KDAOptions) -> None:
-    """Eagerly (concrete g and beta: no ``jit``), refuse values outside KDA's domain with a
-    named ``ValueError``: g > 0 without ``use_gate_in_kernel`` (g is a log decay, <= 0),
-    beta outside [0, 1] without ``use_beta_sigmoid_in_kernel``. The chunked algorithm
-    assumes both (its exponents are differences of a non-increasing cumsum): a random-normal
-    g and beta gave NaN in 70-90% of the outputs, silently. Under ``jit`` the values are
-    not checked (a check would cost a pass over g and beta in every step); out-of-domain
-    values give NaN or wrong outputs there."""
+    """Eagerly (concrete g and beta), refuse values outside KDA's domain with a named
+    ``ValueError``: g > 0 without ``use_gate_in_kernel`` (g is a log decay, <= 0), beta
+    outside [0, 1] without ``use_beta_sigmoid_in_kernel``. The chunked algorithm assumes
+    both (its exponents are differences of a non-increasing cumsum): a random-normal g and
+    beta gave NaN in 70-90% of the outputs, silently. (Traced: ``checked_domain``.)"""
     check_g, check_beta = not options.use_gate_in_kernel, not options.use_beta_sigmoid_in_kernel
     if not (check_g or check_beta):
         return
@@ -249,15 +247,12 @@ def domain_flag(g, beta, options: KDAOptions):
 
 def checked_domain(g, beta, options: KDAOptions, *, flagged: bool = False):
     """``(g, beta)``, with the domain ``check_domain`` checks eagerly also checked inside
-    the compiled program when they are traced (``jit``) and ``options.check_inputs``: one
-    reduction over each. In a process with one device the call then raises a runtime error
-    naming the argument (``eqx.error_if``; ``flagged``: the caller reads ``domain_flag``
-    instead, and g and beta pass unchanged). With several devices an error raised on one
-    of them stops it while the others wait in a collective, and XLA aborts the process (a
-    sharded program, shard_map): there each out-of-domain value is read as NaN instead,
-    which ``kdax._numerics.isolation`` keeps in its own sequence: that sequence's outputs
-    are NaN from the token on, rather than finite garbage. Non-finite values are not this
-    check's business (isolation's, likewise)."""
+    the compiled program when they are traced and ``options.check_inputs``: on one device
+    a runtime error naming the argument (``eqx.error_if``; ``flagged``: the caller reads
+    ``domain_flag`` instead, g and beta pass unchanged). With several devices, where an
+    error on one of them aborts the process while the others wait in a collective, each
+    out-of-domain value reads as NaN, which ``kdax._numerics.isolation`` keeps in its own
+    sequence. Non-finite values are isolation's business, not this check's."""
     if not _checked_in_program(g, beta, options):
         return g, beta
     g, beta = jnp.asarray(g), jnp.asarray(beta)
@@ -401,17 +396,13 @@ def final_out(final, config, state_v_first: bool):
 
 
 def prepare_forward(q, k, v, g, beta, opts: KDAOptions) -> tuple:
-    """``KDAPipeline.forward``'s checks and ``prepare_options``' ``(config, args, opts)``."""
+    """``KDAPipeline.forward``'s checks (``chunk_kda``'s signature; B, K and V > 0, which
+    ``chunk_kda`` handles as size 0) and ``prepare_options``' ``(config, args, opts)``."""
     check_arrays(q, k, v, g, beta, opts.initial_state, opts.A_log, opts.dt_bias, opts.cu_seqlens)
     out = prepare_options(q, k, v, g, beta, opts)
-    check_forward_sizes(q, v)
-    return out
-
-
-def check_forward_sizes(q, v) -> None:
-    """``KDAPipeline.forward`` needs B, K and V > 0 (``chunk_kda`` handles size 0)."""
     B, T, _, K = q.shape
     for name, n in (("q", B), ("q", K), ("v", v.shape[-1])):
         if n == 0:
             raise ValueError(f"{name}: KDAPipeline.forward needs B, K and V > 0 (chunk_kda handles size 0), "
                              f"got q {tuple(q.shape)}, v {tuple(v.shape)}.")
+    return out

@@ -20,7 +20,6 @@ import jax.numpy as jnp
 
 from . import pallas as P
 from ._config import KDAConfig, KDAOptions
-from ._layouts import shared_states as _shared_states
 from ._layouts.layout import ChunkLayout
 from ._layouts.tokens import Tokens, as_chunked, chunked_cotangent
 from ._numerics import precision as _precision
@@ -30,7 +29,7 @@ from ._plan import KDAPlan
 from ._stage_protocol.capabilities import reads_tokens
 from ._runner.contracts import STAGES, check_families
 from ._runner.routes import check_transposes
-from ._runner.forward import ForwardRoute, forward_route, on_route
+from ._runner.forward import ForwardRoute, backward_hooks, forward_route, on_route
 from ._runner.residuals import KDAGrads, KDAResiduals
 from ._runner.runner import PipelineState, PipelineWY, run_stage
 from ._runner.stage_grads import BackwardParts
@@ -256,7 +255,7 @@ class KDAPipeline(eqx.Module):
         self = self.resolved(res.in_dtypes[0])  # the policy chunk_kda resolves, for pipeline.backward
         # What the layout adds between the stages (shared chunks: final states, entering states).
         doc = chunked_cotangent(L, do, res.h0.dtype, any(reads_tokens(self, "dav", "dhu", "wy_dqkg")))
-        ext = _shared_states.backward_hooks(res, dht)
+        ext = backward_hooks(res, dht)
         dht = ext.b2_dht(dht, res.h0)
         c = self.recomputed(res)  # B0
         v_out = ext.v_out(c.v_new)

@@ -23,8 +23,6 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
-from .._numerics.isolation import finite_or_zero  # (a non-finite dht stays in its sequence)
-
 
 class ChunkLayout(eqx.Module):
     """Where tokens and sequences sit in the chunked layout.
@@ -156,73 +154,3 @@ def pack_inputs(layout: ChunkLayout, raw, HV: int, dt, clean=None):
         pack(layout, g, dt),
         pack(layout, beta[..., None], dt)[..., 0],
     )
-
-
-class ForwardHooks:
-    """What a layout adds to the forward F1-F5 (``KDAPipeline.run_forward``), at named
-    points between the stages, and the final states it returns; this base (dense and
-    per-sequence layouts) adds nothing. Shared chunks: ``kdax._layouts.shared_states``'s
-    ``SharedFinalHooks`` (final states) and ``EntryHooks`` (initial states entering).
-
-    Data, not state: a hook object holds only what it was built with. ``f4_inputs``
-    returns the layout's own part of the forward (``extra``; None here), which the
-    pipeline passes to the later points and keeps in F1-F5's outputs (``fw.extra``)."""
-
-    def f4_inputs(self, h0, layout, *, act, intra, v, g, A_log, dt_bias) -> tuple:
-        """``(h0, layout, extra)``: the state table and layout F4 runs on (after F1-F3:
-        ``act``, ``intra``, the packed ``v`` and raw ``g``, the gate parameters)."""
-        return h0, layout, None
-
-    def v_out(self, v_new, extra):
-        """What F5 reads as ``v_new`` (F4's)."""
-        return v_new
-
-    def after_output(self, oc, extra):
-        return oc
-
-    def final_states(self, fw, final):
-        """The final states ``[N, HV, K, V]`` the forward returns, from F1-F5's outputs
-        ``fw`` (``act``, ``h``, ``v_new``, ``extra``) and F4's ``final``."""
-        return final
-
-    def residuals(self, layout, h0, extra) -> tuple:
-        """``(layout, h0, the entries' parts or None)`` the residuals keep."""
-        return layout, h0, None
-
-
-class BackwardHooks:
-    """What a layout adds to the six-stage backward (``KDAPipeline.backward_with_parts``),
-    at named points between the stages; this base, the dense and per-sequence layouts'
-    (and shared chunks with no initial state and no loss on the final states), adds
-    nothing. ``kdax._layouts.shared_states.SharedChunkHooks`` is the other one.
-
-    As in the forward, the layout's own part (``extra``: None here) is a value returned by
-    ``after_dav`` and passed on through the later points, each returning it updated."""
-
-    def b2_dht(self, dht, h0):
-        """The ``dht`` B2 starts from (``[N, HV, K, V]``; ``h0`` the residuals' state table)."""
-        return jnp.zeros_like(h0) if dht is None else finite_or_zero(dht.astype(h0.dtype))
-
-    def v_out(self, v_new):
-        """What F5 read as ``v_new`` (B1's and the stage arrays' ``v_new``)."""
-        return v_new
-
-    def after_dav(self, dv_intra, *, k, G, v_out, h) -> tuple:
-        """``(dv_intra, extra)``."""
-        return dv_intra, None
-
-    def after_dhu(self, dhu, run_dhu, extra) -> tuple:
-        """``(dhu, extra)``; ``run_dhu(dht, layout)`` runs B2 again from states alone (no
-        do, no dv_intra), ``layout`` a function giving the pass's layout."""
-        return dhu, extra
-
-    def after_wy_dqkg(self, grads, extra, *, dv_intra, doc, Akk) -> tuple:
-        """``(grads, extra)``."""
-        return grads, extra
-
-    def after_gate_bwd(self, raw, extra):
-        return raw
-
-    def initial_state(self, dhu, extra):
-        """The gradient of the initial states ``[N, HV, K, V]`` (None: none were given)."""
-        return dhu.dh0

@@ -29,7 +29,7 @@ from .._numerics.hilo import exponent
 from .._numerics.isolation import finite_heads
 from .._numerics.arrays import tri_mask
 from ..ref import activated_gate
-from .layout import BackwardHooks, ChunkLayout, ForwardHooks
+from .layout import ChunkLayout
 from .ragged import Spans, matvec, narrow_width, outer, token_slots
 from .resets import same_segment, segments
 
@@ -284,23 +284,8 @@ def entry_finals(layout: ChunkLayout, cu_seqlens, k, G, G_lo, v_new, h, a, h0, o
     return jnp.where(q.some[:, None, None, None], S, h0.astype(S.dtype))
 
 
-class SharedFinalHooks(ForwardHooks):
-    """The forward's part of shared chunks without entering states: the final states are
-    ``shared_finals`` (F4 keeps states at chunk boundaries only), or zeros ``shape``
-    (``[N, HV, K, V]``, the compute dtype ``dtype``) when not asked for."""
-
-    def __init__(self, config, layout: ChunkLayout, cu_seqlens, shape: tuple, dtype):
-        self.config, self.layout, self.cu_seqlens, self.shape, self.dtype = config, layout, cu_seqlens, shape, dtype
-
-    def final_states(self, fw, final):
-        if not self.config.output_final_state:
-            return jnp.zeros(self.shape, self.dtype)
-        act = fw.act
-        return shared_finals(self.layout, self.cu_seqlens, act.k, act.G, act.G_lo, fw.v_new, fw.h)
-
-
 class Entered(NamedTuple):
-    """What entering initial states add to the forward (``EntryHooks.f4_inputs``): F4's
+    """What entering initial states add to the forward (``SharedForwardHooks.f4_inputs``): F4's
     table and ``injected_layout``, the first-chunk parts ``vx``, ``ox`` of ``v_new`` and
     ``o``, the start decays ``a``, and both VJPs (the backward runs neither again)."""
 
@@ -313,16 +298,22 @@ class Entered(NamedTuple):
     a_vjp: object
 
 
-class EntryHooks(ForwardHooks):
-    """The forward's part of initial states entering shared chunks: after F3, each
-    sequence's first-chunk entries and F4's state table (an ``Entered``); F5 and the final
-    states read F4's ``v_new`` plus the entries'. ``h0 [N, HV, K, V]`` in the compute
-    dtype; ``ok`` as ``first_chunk_entries``'s."""
+class SharedForwardHooks:
+    """The forward's part of shared chunks (the points of ``kdax._runner.forward.ForwardHooks``):
+    the final states, ``shared_finals`` (F4 keeps states at chunk boundaries only), or
+    zeros ``shape`` (``[N, HV, K, V]``, compute dtype ``dtype``) when not asked for. With
+    initial states ``h0 [N, HV, K, V]`` entering (compute dtype; ``ok`` as
+    ``first_chunk_entries``'s): after F3, each sequence's first-chunk entries and F4's
+    state table (an ``Entered``); F5 and the final states (``entry_finals``) read F4's
+    ``v_new`` plus the entries'."""
 
-    def __init__(self, config, layout: ChunkLayout, cu_seqlens, h0, ok):
-        self.config, self.layout, self.cu_seqlens, self.h0, self.ok = config, layout, cu_seqlens, h0, ok
+    def __init__(self, config, layout: ChunkLayout, cu_seqlens, shape: tuple, dtype, h0=None, ok=None):
+        self.config, self.layout, self.cu_seqlens, self.shape, self.dtype = config, layout, cu_seqlens, shape, dtype
+        self.h0, self.ok = h0, ok
 
     def f4_inputs(self, h0, layout, *, act, intra, v, g, A_log, dt_bias) -> tuple:
+        if self.h0 is None:
+            return h0, layout, None
         cu, config = self.cu_seqlens, self.config
         a, a_vjp = jax.vjp(lambda g_, A_, b_: start_decays(cu, config, g_, A_, b_), g, A_log, dt_bias)
         ent = lambda q_, k_, b_, G_, Akk_, v_, a_, h0_: first_chunk_entries(
@@ -331,22 +322,26 @@ class EntryHooks(ForwardHooks):
         entered = Entered(table, injected_layout(layout, cu), vx, ox, a, ent_vjp, a_vjp)
         return table, entered.layout, entered
 
-    def v_out(self, v_new, extra: Entered):
-        return v_new + extra.vx
+    def v_out(self, v_new, extra: Optional[Entered]):
+        return v_new if extra is None else v_new + extra.vx
 
-    def after_output(self, oc, extra: Entered):
-        return oc + extra.ox
+    def after_output(self, oc, extra: Optional[Entered]):
+        return oc if extra is None else oc + extra.ox
 
     def final_states(self, fw, final):
-        """``entry_finals`` when asked for, else the initial states (what ``chunk_kda``'s
-        backward then reads as final)."""
+        """``shared_finals``, or ``entry_finals`` with entering states, when asked for; else
+        zeros, or the initial states (what ``chunk_kda``'s backward then reads as final)."""
         if not self.config.output_final_state:
-            return self.h0
-        act, e = fw.act, fw.extra
-        return entry_finals(self.layout, self.cu_seqlens, act.k, act.G, act.G_lo, fw.v_out, fw.h, e.a, self.h0,
-                            self.ok)
+            return jnp.zeros(self.shape, self.dtype) if self.h0 is None else self.h0
+        act = fw.act
+        if self.h0 is None:
+            return shared_finals(self.layout, self.cu_seqlens, act.k, act.G, act.G_lo, fw.v_new, fw.h)
+        return entry_finals(self.layout, self.cu_seqlens, act.k, act.G, act.G_lo, fw.v_out, fw.h, fw.extra.a,
+                            self.h0, self.ok)
 
-    def residuals(self, layout, h0, extra: Entered) -> tuple:
+    def residuals(self, layout, h0, extra: Optional[Entered]) -> tuple:
+        if extra is None:
+            return layout, h0, None
         e = extra
         return e.layout, e.table, (self.h0, self.ok, e.a, self.layout, e.vx, e.ent_vjp, e.a_vjp)
 
@@ -362,8 +357,9 @@ class SharedBackward(NamedTuple):
     dh0: Optional[jax.Array] = None
 
 
-class SharedChunkHooks(BackwardHooks):
-    """The shared-chunk layout's part of the six-stage backward (``BackwardHooks``): a
+class SharedChunkHooks:
+    """The shared-chunk layout's part of the six-stage backward (the points of
+    ``kdax._runner.forward.BackwardHooks``): a
     loss on the final states of shared chunks (``dht``: their VJP through
     ``shared_finals``/``entry_finals``, and one more B2 pass from the chunk-start states'
     cotangents), and initial states entering shared chunks (``res.entries``: the VJP of
@@ -441,10 +437,3 @@ class SharedChunkHooks(BackwardHooks):
 
     def initial_state(self, dhu, extra: SharedBackward):
         return extra.dh0  # (None: the shared layout without entries had no initial states)
-
-
-def backward_hooks(res, dht) -> BackwardHooks:
-    """The backward's layout hooks for residuals ``res`` (``KDAResiduals``) and the final
-    states' cotangent ``dht`` (or None): ``SharedChunkHooks`` on the shared-chunk layout,
-    else the plain ``BackwardHooks``."""
-    return BackwardHooks() if res.layout.reset is None else SharedChunkHooks(res, dht)

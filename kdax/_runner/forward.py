@@ -1,10 +1,11 @@
 """How a pipeline's forward lays out its tokens, decided once before F1 runs
 (``forward_route``): dense, one sequence per chunk, or packed sequences sharing chunks
 (with or without initial states entering them); the gate parameters and initial states
-in the compute dtype; the layout's hooks between the stages (``kdax._layouts``:
-``ForwardHooks``, ``SharedFinalHooks``, ``EntryHooks``), which also give the final
-states; the cleaner of non-finite inputs; and the forward's tiles. ``KDAPipeline.run_forward``
-then runs F1-F5 on the route (``on_route``: whole or tile by tile) as one straight line."""
+in the compute dtype; the layout's hooks between the stages, which also give the final
+states (``ForwardHooks``: dense and per-sequence layouts add nothing; shared chunks:
+``kdax._layouts.shared_states``), and the backward's (``backward_hooks``); the cleaner of
+non-finite inputs; and the forward's tiles. ``KDAPipeline.run_forward`` then runs F1-F5
+on the route (``on_route``: whole or tile by tile) as one straight line."""
 
 from typing import Callable, NamedTuple, Optional
 
@@ -12,13 +13,90 @@ import jax.numpy as jnp
 
 from .._config import KDAConfig
 from .._layouts import shared_states as _shared_states
-from .._layouts.layout import ChunkLayout, ForwardHooks, make_layout, make_shared_layout, unpack
+from .._layouts.layout import ChunkLayout, make_layout, make_shared_layout, unpack
 from .._layouts.tiles import forward_tiled
 from .._layouts.tokens import chunked_inputs
 from .._numerics import isolation as _isolation
+from .._numerics.isolation import finite_or_zero
 from ..ref import compute_dtype
 from .routes import is_kda, shares_chunks, tile_chunks
 from .runner import record_layout
+
+
+class ForwardHooks:
+    """What a layout adds to the forward F1-F5 (``KDAPipeline.run_forward``), at named
+    points between the stages, and the final states it returns: nothing, for the dense and
+    per-sequence layouts (shared chunks: ``kdax._layouts.shared_states.SharedForwardHooks``).
+
+    Data, not state: a hook object holds only what it was built with. ``f4_inputs``
+    returns the layout's own part of the forward (``extra``; None here), which the
+    pipeline passes to the later points and keeps in F1-F5's outputs (``fw.extra``)."""
+
+    def f4_inputs(self, h0, layout, *, act, intra, v, g, A_log, dt_bias) -> tuple:
+        """``(h0, layout, extra)``: the state table and layout F4 runs on (after F1-F3:
+        ``act``, ``intra``, the packed ``v`` and raw ``g``, the gate parameters)."""
+        return h0, layout, None
+
+    def v_out(self, v_new, extra):
+        """What F5 reads as ``v_new`` (F4's)."""
+        return v_new
+
+    def after_output(self, oc, extra):
+        return oc
+
+    def final_states(self, fw, final):
+        """The final states ``[N, HV, K, V]`` the forward returns, from F1-F5's outputs
+        ``fw`` (``act``, ``h``, ``v_new``, ``extra``) and F4's ``final``."""
+        return final
+
+    def residuals(self, layout, h0, extra) -> tuple:
+        """``(layout, h0, the entries' parts or None)`` the residuals keep."""
+        return layout, h0, None
+
+
+class BackwardHooks:
+    """What a layout adds to the six-stage backward (``KDAPipeline.backward_with_parts``),
+    at named points between the stages: nothing, for the dense and per-sequence layouts
+    and shared chunks with no initial state and no loss on the final states
+    (``kdax._layouts.shared_states.SharedChunkHooks`` is the other one). As in the
+    forward, the layout's own part (``extra``: None here) is a value returned by
+    ``after_dav`` and passed on through the later points, each returning it updated."""
+
+    def b2_dht(self, dht, h0):
+        """The ``dht`` B2 starts from (``[N, HV, K, V]``; ``h0`` the residuals' state table;
+        a non-finite ``dht`` stays in its sequence)."""
+        return jnp.zeros_like(h0) if dht is None else finite_or_zero(dht.astype(h0.dtype))
+
+    def v_out(self, v_new):
+        """What F5 read as ``v_new`` (B1's and the stage arrays' ``v_new``)."""
+        return v_new
+
+    def after_dav(self, dv_intra, *, k, G, v_out, h) -> tuple:
+        """``(dv_intra, extra)``."""
+        return dv_intra, None
+
+    def after_dhu(self, dhu, run_dhu, extra) -> tuple:
+        """``(dhu, extra)``; ``run_dhu(dht, layout)`` runs B2 again from states alone (no
+        do, no dv_intra), ``layout`` a function giving the pass's layout."""
+        return dhu, extra
+
+    def after_wy_dqkg(self, grads, extra, *, dv_intra, doc, Akk) -> tuple:
+        """``(grads, extra)``."""
+        return grads, extra
+
+    def after_gate_bwd(self, raw, extra):
+        return raw
+
+    def initial_state(self, dhu, extra):
+        """The gradient of the initial states ``[N, HV, K, V]`` (None: none were given)."""
+        return dhu.dh0
+
+
+def backward_hooks(res, dht):
+    """The backward's layout hooks for residuals ``res`` (``KDAResiduals``) and the final
+    states' cotangent ``dht`` (or None): ``SharedChunkHooks`` on the shared-chunk layout,
+    else the plain ``BackwardHooks``."""
+    return BackwardHooks() if res.layout.reset is None else _shared_states.SharedChunkHooks(res, dht)
 
 
 class ForwardRoute(NamedTuple):
@@ -63,10 +141,9 @@ def forward_route(pipeline, config: KDAConfig, raw: tuple, h0, A_log, dt_bias, c
         shape = (1 if shared else N, HV, K, V)
         in_dtypes, A_log, dt_bias, h0 = in_compute_dtype(raw, h0, A_log, dt_bias, dt, shape)
     record_layout("shared" if shared else ("dense" if cu_seqlens is None else "per-sequence"))
-    if entering:
-        hooks = _shared_states.EntryHooks(config, layout, cu_seqlens, h0, ok)
-    elif shared:
-        hooks = _shared_states.SharedFinalHooks(config, layout, cu_seqlens, (N, HV, K, V), dt)
+    if shared:
+        hooks = _shared_states.SharedForwardHooks(config, layout, cu_seqlens, (N, HV, K, V), dt,
+                                                  *((h0, ok) if entering else ()))
     else:
         hooks = ForwardHooks()
     cleaner = _isolation.cleaner_of(config) if clean else None
@@ -90,23 +167,16 @@ def on_route(route: ForwardRoute, stages: Callable, config: KDAConfig, raw: tupl
     return unpack(route.layout, oc), final, fw
 
 
-def _in_dtypes(raw, h0, A_log, dt_bias) -> tuple:
-    """The dtypes of the forward's inputs (q, k, v, g, beta, h0, A_log, dt_bias), None
-    where absent: the backward returns each gradient in its input's dtype."""
-    return tuple(None if x is None else jnp.dtype(x.dtype) for x in (*raw, h0, A_log, dt_bias))
-
-
-def _cast(x, dt):
-    return None if x is None else x.astype(dt)
-
-
 def initial_states(h0, shape, dt):
     """The initial states ``[N, HV, K, V]`` in the compute dtype (zeros when not given)."""
     return jnp.zeros(shape, dt) if h0 is None else h0.astype(dt)
 
 
 def in_compute_dtype(raw, h0, A_log, dt_bias, dt, shape) -> tuple:
-    """``(in_dtypes, A_log, dt_bias, h0)``: the inputs' dtypes (``_in_dtypes``), and the gate
-    parameters and initial states in the compute dtype ``dt`` (zeros of ``shape`` when no
-    initial states are given)."""
-    return _in_dtypes(raw, h0, A_log, dt_bias), _cast(A_log, dt), _cast(dt_bias, dt), initial_states(h0, shape, dt)
+    """``(in_dtypes, A_log, dt_bias, h0)``: the dtypes of (q, k, v, g, beta, h0, A_log,
+    dt_bias) as given, None where absent (the backward returns each gradient in its
+    input's dtype); the gate parameters and initial states in the compute dtype ``dt``
+    (zeros of ``shape`` when no initial states are given)."""
+    in_dtypes = tuple(None if x is None else jnp.dtype(x.dtype) for x in (*raw, h0, A_log, dt_bias))
+    cast = lambda x: None if x is None else x.astype(dt)
+    return in_dtypes, cast(A_log), cast(dt_bias), initial_states(h0, shape, dt)

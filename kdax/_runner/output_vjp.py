@@ -25,13 +25,12 @@ are then in chunks of their own (no ``reset`` table: F5 is not KDA's).
 import dataclasses
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 
-from .._layouts.layout import pack, reduce_group, unpack
-from .._numerics import isolation as _isolation
+from .._layouts.layout import pack
 from ..stages import ChunkGrads, DhuOut, ReferenceDhu
 from . import routes as _routes
+from .forward import BackwardHooks
 from .residuals import KDAGrads
 from .stage_grads import BackwardParts
 
@@ -60,7 +59,7 @@ def backward(pipeline, res, do, dht) -> tuple:
     pipe = pipeline.resolved(res.in_dtypes[0])
     dt = res.h0.dtype
     doc = pack(L, do, dt)
-    dht = jnp.zeros_like(res.h0) if dht is None else _isolation.finite_or_zero(dht.astype(dt))
+    dht = BackwardHooks().b2_dht(dht, res.h0)  # (the plain layout's: no reset table here)
     c = pipe.recomputed(res)  # B0
 
     def f5(stage, a):  # F5 through the stage runner, as the forward ran it
@@ -105,10 +104,4 @@ def backward(pipeline, res, do, dht) -> tuple:
         dq=grads.dq, dk=grads.dk, dbeta=grads.dbeta, dG=grads.dG, reset=None,
     )
     parts = BackwardParts(doc=doc, qg=c.qg, h=c.h, v_new=c.v_new, act_grads=grads)
-    H = res.num_qk_heads
-    out = KDAGrads(
-        q=unpack(L, reduce_group(raw.dq, H)), k=unpack(L, reduce_group(raw.dk, H)), v=unpack(L, grads.dv),
-        g=unpack(L, raw.dg), beta=unpack(L, raw.dbeta[..., None])[..., 0], initial_state=dh.dh0,
-        A_log=raw.dA_log, dt_bias=raw.ddt_bias,
-    )
-    return out, parts
+    return KDAGrads.unpacked(L, raw, grads.dv, res.num_qk_heads, lambda: dh.dh0), parts

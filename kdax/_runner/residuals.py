@@ -133,13 +133,8 @@ class KDAResiduals(eqx.Module):
         y = y[..., 0] if x.ndim == 4 else y
         if not per_sequence or self.cu_seqlens is None:
             return y
-        T = self.layout.T
-        t = jnp.arange(T)
         cu = self.cu_seqlens
-        idx = cu[:-1, None] + t[None]
-        ok = idx < cu[1:, None]
-        rows = y[0, jnp.clip(idx, 0, max(T - 1, 0))]
-        return jnp.where(ok.reshape(ok.shape + (1,) * (rows.ndim - 2)), rows, 0)
+        return _per_sequence(y, cu[:-1], cu[1:] - cu[:-1], self.layout.T)
 
     def _read_h(self, per_sequence: bool):
         if self.cache is None:
@@ -152,16 +147,18 @@ class KDAResiduals(eqx.Module):
             raise ValueError("per_sequence: the sequences of this forward share chunks (no initial_state, "
                              "output_final_state=False), so a chunk's start state is not one sequence's; "
                              "read('h') gives it per chunk, or run with share_chunks=False.")
-        C = self.layout.chunk_size
-        cu = self.cu_seqlens
-        lens = cu[1:] - cu[:-1]
-        nchunks = (lens + C - 1) // C
-        cstart = jnp.cumsum(nchunks) - nchunks
-        j = jnp.arange(-(-self.layout.T // C))
-        idx = cstart[:, None] + j[None]
-        ok = j[None] < nchunks[:, None]
-        rows = h[0, jnp.clip(idx, 0, h.shape[1] - 1)]
-        return jnp.where(ok[..., None, None, None], rows, 0)
+        C, cu = self.layout.chunk_size, self.cu_seqlens
+        nchunks = (cu[1:] - cu[:-1] + C - 1) // C
+        return _per_sequence(h, jnp.cumsum(nchunks) - nchunks, nchunks, -(-self.layout.T // C))
+
+
+def _per_sequence(x, start, count, width: int):
+    """``x [1, L, ...]`` as ``[N, width, ...]``: sequence n's rows from ``start[n]``, zeros
+    after its ``count[n]``."""
+    j = jnp.arange(width)
+    rows = x[0, jnp.clip(start[:, None] + j[None], 0, max(x.shape[1] - 1, 0))]
+    ok = j[None] < count[:, None]
+    return jnp.where(ok.reshape(ok.shape + (1,) * (rows.ndim - 2)), rows, 0)
 
 
 class KDAGrads(eqx.Module):

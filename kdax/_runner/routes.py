@@ -34,6 +34,7 @@ from ..stages import KDA, GateVjpBackward
 from .._stage_protocol.capabilities import Capabilities, capabilities
 from .contracts import STAGES
 from .residuals import KDAGrads
+from .stage_grads import as_pipeline_gradient
 
 # Forward field -> the backward fields that transpose (part of) its math.
 TRANSPOSED_BY = {
@@ -250,9 +251,9 @@ def derived_gradients(res: DerivedResiduals, where, do, dht, cu_seqlens) -> tupl
     forward's VJP at the cleaned cotangents (``do``, ``dht`` or None: symbolic zeros), NaN
     put where the recurrence's gradients have it, as the six-stage backward does
     (``kdax._numerics.isolation``)."""
-    do = zeros_like_or(do, res.o)
-    do, poison = _isolation.clean_cotangents(do, dht, cu_seqlens, res.num_qk_heads)
-    dht = _isolation.finite_or_zero(zeros_like_or(dht, res.final))
+    zeros_if_none = lambda x, like: jnp.zeros(like.shape, like.dtype) if x is None else x  # (symbolic zeros)
+    do, poison = _isolation.clean_cotangents(zeros_if_none(do, res.o), dht, cu_seqlens, res.num_qk_heads)
+    dht = _isolation.finite_or_zero(zeros_if_none(dht, res.final))
     d_inputs, d_pipe = res.vjp((do, dht))
     q, k, v, g, beta, h0, A_log, dt_bias = d_inputs
     grads = KDAGrads(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, A_log=A_log, dt_bias=dt_bias)
@@ -273,18 +274,7 @@ def pipeline_cotangent(perturbed, d_pipe, swapped: tuple):
     """The gradients of the caller's pipeline arrays (``perturbed``: its flags) from
     ``d_pipe`` (the differentiated pipeline's): None for swapped fields and every leaf not
     perturbed."""
-    grads = jax.tree.map(lambda _: None, perturbed)
-    for name in STAGES:
-        if name in swapped:
-            continue
-        grads = eqx.tree_at(lambda p: getattr(p, name), grads, getattr(d_pipe, name), is_leaf=lambda x: x is None)
-    return jax.tree.map(lambda g, p: g if (p is True and g is not None) else None, grads, perturbed,
-                        is_leaf=lambda x: x is None)
-
-
-def zeros_like_or(x: Optional[jax.Array], like) -> jax.Array:
-    """``x``, or zeros of ``like``'s shape and dtype where ``x`` is None (a symbolic zero)."""
-    return jnp.zeros(like.shape, like.dtype) if x is None else x
+    return as_pipeline_gradient(perturbed, {n: getattr(d_pipe, n) for n in STAGES if n not in swapped})
 
 
 # The stages that receive the shared layout's reset table (F5 and B1 act per chunk on
@@ -294,19 +284,13 @@ RESET_FIELDS = ("gate", "intra", "wy", "state", "recompute", "dhu", "wy_dqkg", "
 
 def shares_chunks(pipeline, cu_seqlens) -> bool:
     """Whether ``pipeline`` can pack the sequences of ``cu_seqlens`` into shared chunks
-    (``share_chunks``): packed varlen input, every stage of KDA's math and the stages of
-    ``RESET_FIELDS`` accepting ``reset`` (or ``fallback`` to the reference ones). Final
-    states and a loss on them need no other layout (``kdax._layouts.shared_states``);
-    whether initial states entering them do is the forward's route to decide
-    (``kdax._runner.forward``)."""
+    (``share_chunks``), by the one rule (``unchecked``): packed varlen input, every stage
+    of KDA's math (the shared chunks' final states are F4's math computed around the
+    stages, ``kdax._layouts.shared_states``), and the stages of ``RESET_FIELDS`` accepting
+    ``reset`` (or ``fallback`` to the reference ones). Whether initial states may enter
+    them is the forward's route to decide (``kdax._runner.forward``)."""
     if not pipeline.share_chunks or cu_seqlens is None:
         return False
-    # The route a declaration selects, by the one rule (``unchecked``): every stage's math
-    # checked against the reference (a stage of other math keeps its sequences in chunks
-    # of their own, whatever it declares), every stage the reset table reaches accepting
-    # it, or ``fallback`` running the reference stage there. The final states of shared
-    # chunks are F4's math computed around the stages (kdax._layouts.shared_states): an F4
-    # of other math never shares chunks.
     if not is_kda(pipeline.state) or unchecked(pipeline):
         return False
     return all(routed(pipeline, n).reset

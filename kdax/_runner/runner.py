@@ -4,43 +4,45 @@ array gradients) goes through ``run_stage``:
 
 1. the field's family is checked (a stage edited in with ``eqx.tree_at`` too);
 2. what the stage is given (``stage_arguments``): capabilities negotiated from its
-   declaration (``capabilities``): the
-   optional inputs ``G_lo`` and ``reset`` go only to a stage that accepts them, ``reset``
+   declaration (``kdax._stage_protocol.capabilities``): the optional inputs ``G_lo`` and ``reset`` go only to a stage that accepts them, ``reset``
    only to one whose math is checked against the reference (``kdax._runner.routes.routed``); a
    stage that lacks what the case needs (``reset`` on a shared-chunk layout) raises
    ``UnsupportedCase``; a stage given ``reset`` has the terms between sequences masked
    where the pipeline can do it exactly (``kdax._layouts.resets.guard_outputs``);
 3. the call (``call_stage``): the precision policy passed as ``precision=`` to a stage
-   that declares it (``told``), the arguments checked against the stage's ``__call__``;
+   that declares it (``told``), the arguments checked against the stage's ``__call__``
+   (``_check_arguments``);
 4. the stage run under its named scope; on ``UnsupportedCase``
    with ``fallback`` the reference stage of the family runs instead (one
    ``FallbackWarning`` per field, implementation and reason);
 5. the intermediates it stores (``kdax._numerics.precision.STORED``) are cast to the policy's
-   storage dtype (bf16 under ``"fast"``), and its output is checked (container, shapes,
-   dtypes) before the next stage sees it;
+   storage dtype (bf16 under ``"fast"``), and its output is checked against its family's
+   ``output_spec`` (container, shapes, dtypes: ``_check_output``) before the next stage
+   sees it, all when traced;
 6. an active ``Recording`` (``recording()``: ``plan``, ``stage_inputs``) notes the
    arguments and which implementation ran.
 """
 
 import contextlib
-import inspect
 import contextvars
 import functools
+import inspect
 import warnings
-from typing import ClassVar, Optional
+from typing import Any, ClassVar, Optional
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 
 from .._config import KDAOptions
-from .._errors import FallbackWarning, UnsupportedCase
+from .._errors import FallbackWarning, StageContractError, UnsupportedCase
 from .._layouts import resets as _resets
 from .._numerics import precision as _precision
 from .._annotations import QK, Beta, ChunkK, Gate, Values, typecheck
 from ..stages import AbstractState, AbstractWY
-from .._stage_protocol.capabilities import capabilities, negotiated, told
-from .contracts import STAGES, check_arguments, check_family, check_output, expected_output
+from .._stage_protocol.capabilities import negotiated, told
+from .._stage_protocol.output_specs import Maybe, Specs
+from .contracts import STAGES, check_family
 from .routes import reference_is_exact, routed
 
 
@@ -105,7 +107,7 @@ def run_stage(pipeline, name: str, **kwargs):
             out = _precision.store_outputs(out, policy)
     for rec in _ACTIVE.get():
         rec.ran.setdefault(name, (stage, ran, reason))
-    check_output(name, ran, out, expected_output(name, given, given.get("config"), policy))
+    _check_output(name, ran, out, _expected_output(name, given, given.get("config"), policy))
     return out
 
 
@@ -139,7 +141,7 @@ def call_stage(pipeline, name: str, stage, given: dict, full: dict, needs_reset:
                 "`reset` (docs/stages.md, capabilities)"
             )
         given = dict(given, **told(stage, policy))
-        check_arguments(name, stage, given)
+        _check_arguments(name, stage, given)
         out = stage(**given)
         return stage, None, (_resets.guard_outputs(name, out, given["reset"]) if guard else out)
     except UnsupportedCase as e:
@@ -155,6 +157,84 @@ def call_stage(pipeline, name: str, stage, given: dict, full: dict, needs_reset:
         if not any(r.quiet for r in _ACTIVE.get()):
             _warn_once(name, type(stage).__qualname__, reason)
         return ran, reason, ran(**negotiated(ran, full), precision=policy)
+
+
+# -- the contract checked at each call: the arguments a stage takes (by keyword), and the
+# container, shapes and dtypes it returns (when traced: shapes and dtypes are static) --------
+
+
+@functools.cache
+def _signature(cls: type) -> inspect.Signature:
+    return inspect.signature(cls.__call__)
+
+
+def _expected_signature(name: str) -> str:
+    fam = STAGES[name].family
+    params = [p.replace(annotation=inspect.Parameter.empty, default=p.default) for p in _signature(fam).parameters.values()]
+    return f"{fam.__name__}.__call__{inspect.Signature(params)}"
+
+
+def _check_arguments(name: str, stage: Any, kwargs: dict) -> None:
+    """The pipeline calls stages by keyword: ``stage.__call__`` must take these names."""
+    try:
+        _signature(type(stage)).bind(stage, **kwargs)
+    except TypeError as e:
+        raise StageContractError(
+            f"KDAPipeline.{name} ({type(stage).__qualname__}): its __call__ does not take the arguments "
+            f"the pipeline passes by keyword ({e}). Expected signature: {_expected_signature(name)}."
+        ) from None
+
+
+def _expected_output(name: str, kw: dict, config, policy: str = "highest") -> Any:
+    """The container, shapes and dtypes stage ``name`` must return for arguments ``kw``
+    under precision ``policy``: its family's ``output_spec``, given the arguments' shapes
+    and dtypes."""
+    return STAGES[name].family.output_spec(jax.eval_shape(lambda args: args, kw), config, Specs(policy))
+
+
+def _describe(x) -> str:
+    if x is None:
+        return "None"
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return f"{tuple(x.shape)} {jax.numpy.dtype(x.dtype).name}"
+    return type(x).__name__
+
+
+def _check_output(name: str, stage: Any, out: Any, want: Any) -> None:
+    """``out`` matches ``want`` (from ``_expected_output``); else a ``StageContractError``
+    naming the field, the implementation class and the first mismatching part."""
+
+    def fail(path: str, got, expected: str):
+        where = f"{path} " if path else ""
+        raise StageContractError(
+            f"KDAPipeline.{name} ({type(stage).__qualname__}) returned {where}{_describe(got)}, expected "
+            f"{expected} ({STAGES[name].family.__name__}'s contract)."
+        )
+
+    def walk(path: str, got, w):
+        if isinstance(w, Maybe):
+            if got is not None:
+                walk(path, got, w.spec)
+        elif w is None:
+            if got is not None:
+                fail(path, got, "None")
+        elif isinstance(w, jax.ShapeDtypeStruct):
+            if not (hasattr(got, "shape") and hasattr(got, "dtype")):
+                fail(path, got, f"an array {tuple(w.shape)} {w.dtype.name}")
+            if tuple(got.shape) != tuple(w.shape) or jax.numpy.dtype(got.dtype) != w.dtype:
+                fail(path, got, f"{tuple(w.shape)} {w.dtype.name}")
+        elif isinstance(w, tuple):
+            if not isinstance(got, tuple) or len(got) != len(w):
+                fail(path, got, f"a tuple of {len(w)}")
+            for i, (a, b) in enumerate(zip(got, w)):
+                walk(f"{path}[{i}]", a, b)
+        elif isinstance(w, eqx.Module):
+            if not isinstance(got, type(w)):
+                fail(path, got, f"a {type(w).__name__}")
+            for f in w.__dataclass_fields__:
+                walk(f"{path}.{f}" if path else f, getattr(got, f), getattr(w, f))
+
+    walk("", out, want)
 
 
 # The stages whose outputs hold intermediates of kdax._numerics.precision.STORED.

@@ -16,7 +16,6 @@ An array that should stay fixed is configuration: ``jax.lax.stop_gradient`` it, 
 out of what is differentiated (``eqx.partition``), and it is never perturbed.
 """
 
-from typing import Optional
 
 import equinox as eqx
 import jax
@@ -100,24 +99,14 @@ def _activated_cotangent(act: Activated, g: ChunkGrads) -> Activated:
     )
 
 
-def stage_gradients(pipeline, perturbed, parts: BackwardParts, *, gate_kwargs: Optional[dict], Aqk, scale):
-    """The gradient of every perturbed stage array, as a pytree of ``perturbed``'s
-    structure (None elsewhere): F1 and F5 exact by their own VJPs, every other field's
-    arrays zero (``check_perturbed`` refused the forward ones on the way in)."""
-    got = perturbed_arrays(pipeline, perturbed)
-    # The skeleton from ``perturbed``: the caller's pipeline structure (``pipeline`` may be
-    # a variant of it that ran the backward: untiled, precision resolved).
+def as_pipeline_gradient(perturbed, fields: dict):
+    """The gradients of stage ``fields`` (field -> that stage's gradient) as a pytree of
+    ``perturbed``'s structure, the caller's pipeline (the pipeline that ran may be a variant
+    of it: untiled, precision resolved): the perturbed leaves only, None for the rest
+    (``eqx.filter_custom_vjp``'s contract)."""
     grads = jax.tree.map(lambda _: None, perturbed)
-    for field in EXACT:
-        if field not in got:
-            continue
-        if field == "output":
-            kw = dict(scale=scale, qg=parts.qg, h=parts.h, Aqk=Aqk, v_new=parts.v_new)
-            g = _vjp_of_field(pipeline, field, lambda o: parts.doc.astype(o.dtype), **kw)
-        else:
-            g = _vjp_of_field(pipeline, field, lambda a: _activated_cotangent(a, parts.act_grads), **gate_kwargs)
-        grads = eqx.tree_at(lambda p: getattr(p, field), grads, g, is_leaf=lambda x: x is None)
-    # Only the perturbed leaves (filter_custom_vjp's contract); None for the rest.
+    for name, g in fields.items():
+        grads = eqx.tree_at(lambda p: getattr(p, name), grads, g, is_leaf=lambda x: x is None)
     return jax.tree.map(lambda g, p: g if (p is True and g is not None) else None, grads, perturbed,
                         is_leaf=lambda x: x is None)
 
@@ -125,15 +114,20 @@ def stage_gradients(pipeline, perturbed, parts: BackwardParts, *, gate_kwargs: O
 def pipeline_gradients(pipeline, perturbed, parts: BackwardParts, res, inputs):
     """The gradients of ``pipeline``'s perturbed arrays (``perturbed``: the flags of the
     caller's pipeline) after a backward over ``res`` (``KDAResiduals``) from the raw
-    ``inputs = (q, k, v, g, beta, ...)``: a pytree of ``perturbed``'s structure, None
-    where there is none."""
-    if not any(x is True for x in jax.tree.leaves(perturbed)):
+    ``inputs = (q, k, v, g, beta, ...)``, as a pytree of ``perturbed``'s structure: F1's
+    and F5's exact by their own VJPs, every other field's zero (``check_perturbed``
+    refused the forward ones on the way in)."""
+    got = perturbed_arrays(pipeline, perturbed)
+    if not got:
         return jax.tree.map(lambda _: None, perturbed)
     pipeline = pipeline.resolved(res.in_dtypes[0])  # as the backward resolved it
-    L, dt = res.layout, res.h0.dtype
-    gate_kwargs = None
-    if "gate" in perturbed_arrays(pipeline, perturbed):
-        qc, kc, _, gc, bc = pack_inputs(L, tuple(inputs[:5]), res.v.shape[1], dt)
-        gate_kwargs = dict(config=res.config, q=qc, k=kc, g=gc, beta=bc, A_log=res.A_log, dt_bias=res.dt_bias,
-                           valid=L.valid, reset=L.reset)
-    return stage_gradients(pipeline, perturbed, parts, gate_kwargs=gate_kwargs, Aqk=res.Aqk, scale=res.config.scale)
+    L, fields = res.layout, {}
+    if "gate" in got:
+        qc, kc, _, gc, bc = pack_inputs(L, tuple(inputs[:5]), res.v.shape[1], res.h0.dtype)
+        kw = dict(config=res.config, q=qc, k=kc, g=gc, beta=bc, A_log=res.A_log, dt_bias=res.dt_bias,
+                  valid=L.valid, reset=L.reset)
+        fields["gate"] = _vjp_of_field(pipeline, "gate", lambda a: _activated_cotangent(a, parts.act_grads), **kw)
+    if "output" in got:
+        kw = dict(scale=res.config.scale, qg=parts.qg, h=parts.h, Aqk=res.Aqk, v_new=parts.v_new)
+        fields["output"] = _vjp_of_field(pipeline, "output", lambda o: parts.doc.astype(o.dtype), **kw)
+    return as_pipeline_gradient(perturbed, fields)

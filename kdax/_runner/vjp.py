@@ -187,8 +187,7 @@ def apply(pipeline, q, k, v, g, beta, options: KDAOptions):
     # the caller's made kdax.bench's jitted training step 8-14% slower. Not while
     # ``plan`` or ``stage_inputs`` record the stage calls: a cached trace makes none.
     diff = ((q, k, v, g, beta, h0, A_log, dt_bias), pipeline)
-    eager = not active_recordings() and not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((diff, cu)))
-    o, final = (_compiled_differentiable if eager else differentiable)(diff, config, cu, domain)
+    o, final = (_compiled_differentiable if _concrete(diff, cu) else differentiable)(diff, config, cu, domain)
     return o, final_out(final, config, opts.state_v_first)
 
 

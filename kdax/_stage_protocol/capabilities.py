@@ -10,36 +10,21 @@ from .._numerics import precision as _precision
 
 
 class Capabilities(NamedTuple):
-    """``G_lo``: the low part of the gate cumsum (``kdax/_numerics/hilo.py``); without it the
-    stage gets ``G`` alone (exact in float64; float32-rounded G otherwise), the pipeline
-    passing nothing else. ``reset``: the shared-chunk layout's reset table (F1, B5);
-    without it a shared layout is refused with ``UnsupportedCase`` (so a pipeline with
-    ``fallback`` runs the reference stage, exact, where the stage declares KDA's math).
-    ``tile_safe``: correct on any tile of chunks (``KDAPipeline.tile``); without it the
-    forward runs whole. ``tokens`` (F1, F3, B0, B1, B2, B3, B5): reads the call's inputs
-    and ``do`` from the caller's layout itself, given ``kdax.typing.Tokens`` views in
-    place of the chunked arrays (dense input whose T is a multiple of the chunk size);
-    without it the stage gets the chunked copies. ``half_stored``: takes the
-    intermediates of ``kdax._numerics.precision.STORED`` (``Aqk``, ``Akk``, ``w``, ``u``, ``qg``,
-    ``kg``, ``h``, ``v_new``, ``dh``) in the dtype a policy stores them in (bf16 under ``"fast"``), as well
-    as in float32; without it the stage gets float32 copies (exact). ``final_grads`` (B3,
-    B5): may write its gradients of the call's inputs as the call's results
-    (``kdax._layouts.tokens.FinalGrads``, passed as ``final=`` where the caller's layout
-    fits: caller's layout and dtype, NaN where ``chunk_kda``'s isolation puts it), each
-    returned as a ``Written``; without it, or for a gradient it leaves chunked, the
-    pipeline finishes them (the same numbers: unpacked, poisoned, cast). ``zero_h0`` (F4,
-    B0): told ``zero_h0=True`` where the call gave no initial states (dense and per-sequence
-    layouts; F4 when the forward runs untiled), the stage may start from zero states
-    without reading ``h0`` (zeros then): no zero array made for it; without it the stage
-    reads the zeros. ``precision`` (every kdax stage): told the pipeline's precision policy,
-    resolved (``"highest"``, ``"bfloat16"``, ``"float16"`` or ``"fast"``:
-    ``kdax._numerics.precision``), as ``precision=``, to pass on to a kdax stage it
-    composes; without it the stage is not told.
+    """What a stage class declares it accepts (its ``accepts``; docs/stages.md,
+    "Capabilities", says what the pipeline then passes and what it does without each):
+    ``G_lo`` the gate cumsum's low part (``kdax._numerics.hilo``); ``reset`` the
+    shared-chunk layout's reset table; ``tile_safe`` correct on any tile of chunks;
+    ``tokens`` ``kdax.typing.Tokens`` views of the caller's arrays for chunked copies;
+    ``half_stored`` the stored intermediates (``kdax._numerics.precision.STORED``) in a
+    policy's half dtype; ``final_grads`` (B3, B5) may write its gradients of the call's
+    inputs as the call's results (``kdax._layouts.tokens.FinalGrads``); ``zero_h0`` (F4,
+    B0) told where the call gave no initial states, so it need not read the zeros;
+    ``precision`` (every kdax stage) told the pipeline's policy, resolved, as
+    ``precision=``, to pass on to a kdax stage it composes.
 
     What formula a stage computes is not a capability: forward stages declare ``math``,
-    backward stages ``transposes`` (``kdax._runner.routes``). ``reset`` and ``tile_safe`` select a
-    route only for a stage whose math is KDA's (``kdax._runner.routes.routed``): a declaration
-    only selects among routes that give the same numbers for the declared math."""
+    backward stages ``transposes`` (``kdax._runner.routes``); ``reset`` and ``tile_safe``
+    select a route only for a stage whose math is KDA's (``kdax._runner.routes.routed``)."""
 
     G_lo: bool
     reset: bool
@@ -53,12 +38,10 @@ class Capabilities(NamedTuple):
 
 @functools.cache
 def capabilities(cls: type) -> Capabilities:
-    """The declaration of stage class ``cls``: its ``accepts`` ClassVar, a set drawn from
-    ``"G_lo"``, ``"reset"``, ``"tile_safe"``, ``"tokens"``, ``"half_stored"``, ``"final_grads"``, ``"zero_h0"``,
-    ``"precision"`` (every family's abstract class
-    has one, empty). ``tile_safe`` may also be said as a ``tile_safe = True`` ClassVar;
-    either spelling counts. Nothing is read from the stage's signature: a stage that takes
-    ``reset=`` without declaring it is not passed one."""
+    """The declaration of stage class ``cls``: its ``accepts`` ClassVar, a subset of
+    ``Capabilities``' fields (every family's abstract class has one, empty); ``tile_safe``
+    may also be said as a ``tile_safe = True`` ClassVar. Nothing is read from the stage's
+    signature: a stage that takes ``reset=`` without declaring it is not passed one."""
     declared = getattr(cls, "accepts", frozenset())
     if "standard" in declared:
         raise TypeError(
@@ -76,12 +59,9 @@ def capabilities(cls: type) -> Capabilities:
 
 
 def negotiated(stage, kwargs: dict) -> dict:
-    """``kwargs`` for ``stage``: without ``G_lo`` for a stage that does not accept it,
-    ``Tokens`` views as chunked copies for one that does not read them (``tokens``), and
-    half-precision stored intermediates as float32 copies for one that does not take them
-    (``half_stored``), and without ``final`` for one that does not write final gradients
-    (``final_grads``), and without ``zero_h0`` for one that does not start from zero states
-    itself (``zero_h0``)."""
+    """``kwargs`` for ``stage``, as its capabilities allow: without ``final``, ``zero_h0``
+    or ``G_lo`` unless it accepts them, float32 copies of half-stored intermediates unless
+    ``half_stored``, chunked copies of ``Tokens`` views unless ``tokens``."""
     caps = capabilities(type(stage))
     if "final" in kwargs and not caps.final_grads:
         kwargs = {n: x for n, x in kwargs.items() if n != "final"}

@@ -1,6 +1,6 @@
 """The helpers of the families' ``output_spec`` (the container, shapes and dtypes a stage
 returns, declared beside each abstract class and checked by the pipeline at every call:
-``kdax._runner.contracts.check_output``)."""
+``kdax._runner.runner``)."""
 
 from typing import Any, NamedTuple
 
