@@ -93,22 +93,13 @@ def _scale(scale, K: int) -> float:
     return float(scale)
 
 
-def _cu_array(cu_seqlens):
-    if isinstance(cu_seqlens, (list, tuple)):
-        cu_seqlens = np.asarray(cu_seqlens)
-        if cu_seqlens.size and not np.issubdtype(cu_seqlens.dtype, np.integer):
-            raise TypeError(f"cu_seqlens: expected integers, got {cu_seqlens.dtype}.")
-        cu_seqlens = cu_seqlens.astype(np.int32)
-    return cu_seqlens
-
-
 def check_cu_seqlens(cu_seqlens, B: int, T: int, what: str = "q"):
     """``cu_seqlens`` (an array, list, tuple or numpy array of N + 1 integers) as an int32
     array for B == 1 rows of T tokens, every check done: shape, dtype, values (eagerly
     here, traced inside the program). The one check behind ``chunk_kda``,
     ``fused_recurrent_kda``, ``kdax.parallel`` and ``kdax.nn``'s layer (``what``: the
     argument holding the tokens)."""
-    cu = _cu_array(cu_seqlens)
+    cu = np.asarray(cu_seqlens) if isinstance(cu_seqlens, (list, tuple)) else cu_seqlens
     if B != 1:
         raise ValueError(f"cu_seqlens: packed variable-length input needs B == 1 ({what}.shape[0]), got B={B}.")
     if cu.ndim != 1 or cu.shape[0] < 2:

@@ -143,7 +143,7 @@ def forward_route(pipeline, config: KDAConfig, raw: tuple, h0, A_log, dt_bias, c
     record_layout("shared" if shared else ("dense" if cu_seqlens is None else "per-sequence"))
     if shared:
         hooks = _shared_states.SharedForwardHooks(config, layout, cu_seqlens, (N, HV, K, V), dt,
-                                                  *((h0, ok) if entering else ()))
+                                                  h0=h0 if entering else None, ok=ok if entering else None)
     else:
         hooks = ForwardHooks()
     cleaner = _isolation.cleaner_of(config) if clean else None
