@@ -116,12 +116,13 @@ def _bwd(residuals, cotangents, perturbed, diff, config: KDAConfig, cu_seqlens):
     res, where = residuals
     inputs, pipeline = diff
     do, dht = cotangents
-    if isinstance(res, _routes.DerivedResiduals):
-        return _derived_bwd(res, where, do, dht, perturbed, config, cu_seqlens)
+    dht = dht if config.output_final_state else None
+    if isinstance(res, _routes.DerivedResiduals):  # the derived backward (kdax._runner.routes)
+        out, d_pipe = _routes.derived_gradients(res, where, do, dht, cu_seqlens)
+        return out, _routes.pipeline_cotangent(perturbed[1], d_pipe, res.swapped)
     if do is None:  # only the final state carries a loss
         L = res.layout
         do = jnp.zeros((L.valid.shape[0] if L.pos is None else 1, L.T) + res.v.shape[1:2] + res.v.shape[-1:], res.h0.dtype)
-    dht = dht if config.output_final_state else None
     # A non-finite cotangent stays in its sequence (kdax._numerics.isolation); a B3/B5 that
     # writes the call's gradients puts the NaN in itself (final_in_stages).
     alone = _routes.output_alone_differs(pipeline)
@@ -129,12 +130,10 @@ def _bwd(residuals, cotangents, perturbed, diff, config: KDAConfig, cu_seqlens):
     final = None if alone or not final_in_stages(pipeline, res) else FinalGrads(
         poison.masks(where, res.layout.chunk_size), res.in_dtypes[:5])
     clean = (*_isolation.cleaner_of(config)(inputs[:5]), *inputs[5:])
-    if alone:  # F5's transpose by jax.vjp, B0, B2-B5 hand-written
-        bwd = _routes.gate_vjp_pipeline(pipeline, res, clean) if _routes.gate_differs(pipeline) else pipeline
-        grads, parts = _output_vjp.backward(bwd, res, do, dht)
-    else:
-        bwd = _routes.gate_vjp_pipeline(pipeline, res, clean) if _routes.gate_alone_differs(pipeline) else pipeline
-        grads, parts = bwd.backward_with_parts(res, do, dht, final)
+    # B5 as F1's VJP where it does not transpose F1; alone: F5's transpose by jax.vjp, B0, B2-B5 hand-written.
+    gate_vjp = _routes.gate_differs(pipeline) if alone else _routes.gate_alone_differs(pipeline)
+    bwd = _routes.gate_vjp_pipeline(pipeline, res, clean) if gate_vjp else pipeline
+    grads, parts = _output_vjp.backward(bwd, res, do, dht) if alone else bwd.backward_with_parts(res, do, dht, final)
     if final is None:
         grads = _isolation.poison_inputs(where, poison(grads))
     else:  # (q's to beta's: final already, in the inputs' dtypes)
@@ -157,13 +156,6 @@ def final_in_stages(pipeline, res) -> bool:
     cost more in the kernels than the copy, by the cost model, issue 53.)"""
     writes = any(capabilities(type(getattr(pipeline, n))).final_grads for n in ("wy_dqkg", "gate_bwd"))
     return writes and _tokens.views_fit(res.layout) and res.num_qk_heads == res.v.shape[1]
-
-
-def _derived_bwd(res, where, do, dht, perturbed, config: KDAConfig, cu_seqlens):
-    """The derived backward (``kdax._runner.routes``)."""
-    dht = dht if config.output_final_state else None
-    out, d_pipe = _routes.derived_gradients(res, where, do, dht, cu_seqlens)
-    return out, _routes.pipeline_cotangent(perturbed[1], d_pipe, res.swapped)
 
 
 def apply(pipeline, q, k, v, g, beta, options: KDAOptions):
