@@ -3,10 +3,10 @@ suite's ``--xla_backend_optimization_level=0`` and the LLVM module split (issue 
 
 XLA:CPU cuts a program's kernels into ``xla_cpu_parallel_codegen_split_count`` LLVM modules
 (32 by default) and compiles each alone. At optimization level 0 the modules are not
-treated alike: one that holds an inlined helper (the ``to_apply`` of a reduction, emitted
-as an ``internal alwaysinline`` function) comes out of LLVM's O0 pipeline with its kernels'
-values promoted to registers, the others keep theirs in stack slots; the machine code then
-differs, and XLA:CPU lets LLVM contract ``a * b + c`` into one FMA (its TargetOptions:
+treated alike: in the dumps, modules that hold an inlined helper (the ``to_apply`` of a
+reduction, an ``internal alwaysinline`` function) came out of LLVM's O0 pipeline with their
+kernels' values promoted to registers, the others with them in stack slots; the machine code
+then differs, and XLA:CPU lets LLVM contract ``a * b + c`` into one FMA (its TargetOptions:
 ``AllowFPOpFusion = Fast``, "always allow FMA fusion") in some of those forms and not in
 others. Which module a kernel lands in depends on every other kernel of the program, so a
 change anywhere (a stage's form, an input check) moves unrelated kernels between modules
