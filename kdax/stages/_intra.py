@@ -98,9 +98,19 @@ _SMALL = 8
 _LARGE = 32  # and from this block size, as one transposed product (see _apply)
 
 
+def _cross_dots_from() -> int:
+    """The block size from which F2's cross products ``a @ b^T`` are dots. On CPU from 4:
+    their K-long rows make ``[4, K] @ [K, 4]`` blocks worth a dot where the elementwise
+    product and its row sum were two passes over ``[.., 4, 4, K]`` (F2 alone 0.85-0.87x
+    the time with 8, same process, B=1 T=4096 H=8 K=V=128; 2: the same, 1: 0.88-0.90x).
+    Elsewhere ``_SMALL`` (not measured there). (Its revert in session 27 answered a test
+    artifact: benchmarks/results/codegen_splits.txt.)"""
+    return 4 if jax.default_backend() == "cpu" else _SMALL
+
+
 def _cross(a, b, s: int):
     """``a @ b^T`` per block (``[..., n, s, K]`` each -> ``[..., n, s, s]``)."""
-    if s >= _SMALL:
+    if s >= _cross_dots_from():
         return jnp.einsum("...ik,...jk->...ij", a, b)
     return rowsum(a[..., :, None, :] * b[..., None, :, :])  # the sum over K as a matvec
 
@@ -237,7 +247,7 @@ def _blocks_inverse(L):
     inv = jnp.ones(L.shape[:-2] + (C, 1, 1), L.dtype)
     for s, B in zip(_levels(C), _diagonal_splits(L)[::-1]):
         pair = inv.reshape(*inv.shape[:-3], inv.shape[-3] // 2, 2, s, s)
-        mm = jnp.matmul if s >= _SMALL else _small_matmul
+        mm = jnp.matmul if s >= _SMALL else _small_matmul  # (dots from 4 on: F2 1.04-1.10x the time)
         # D^-1 is lower triangular: a NaN row of B A^-1 must not reach the rows above it.
         low = -lower_matmul(pair[..., 1, :, :], mm(B, pair[..., 0, :, :]), mm)
         inv = _join_square(inv, low)

@@ -124,17 +124,18 @@ class AbstractState(eqx.Module):
 class ReferenceState(AbstractState):
     """F4 as a loop over chunks; unrolled for at most ``unroll`` chunks (a forward tile),
     which writes ``h`` and ``v_new`` once by stacking instead of into zero-filled buffers
-    chunk by chunk (once 5% of the tiled CPU forward; session 27: no difference on CPU,
-    where the loop (``unroll=0``) compiles the forward faster, 3.8 -> 3.0 s of CPU at
-    B=1 T=2048 H=4 K=V=64; not the default, since with it the layer's eager and jitted
-    packed calls rounded differently, tests/nn/test_decode_eager.py)."""
+    chunk by chunk (once 5% of the tiled CPU forward; session 27: no difference, and the
+    loop compiles faster: ``"auto"`` unrolls on other backends only). (Its revert in
+    session 27 answered a test artifact, benchmarks/results/codegen_splits.txt.)"""
 
     math: ClassVar[Optional[str]] = KDA
 
     tile_safe: ClassVar[bool] = True
     accepts: ClassVar[frozenset] = frozenset({"reset", "tile_safe"})
 
-    unroll: int = eqx.field(static=True, default=8)
+    # "auto": 0 on CPU (the chunk loop: the forward's compile at B=1 T=2048 H=4 K=V=64 3.8 ->
+    # 3.0 s of CPU, its time the same at the main job's shape, same process), 8 elsewhere.
+    unroll: Union[int, Literal["auto"]] = eqx.field(static=True, default="auto")
     # fori_loop's unroll factor over the chunks ("auto": kdax._numerics.chunk_loops.loop_unroll): on a
     # GPU each loop iteration costs a launch and a round trip to the host.
     loop_unroll: Union[int, Literal["auto"]] = eqx.field(static=True, default="auto")
@@ -159,7 +160,7 @@ class ReferenceState(AbstractState):
         decay = _decay(G, reset)
         half = _precision.operand(precision, AbstractState)
 
-        if NC <= self.unroll:
+        if NC <= _python_unroll(self.unroll):
             h = h0 if _carried(layout, h0, (R, HV, K, V)) else jnp.zeros((R, HV, K, V), h0.dtype)
             hs, v_news = [], []
             for c in range(NC):
@@ -199,6 +200,13 @@ def _axes(x) -> set:
     t = jax.typeof(x)
     mat = getattr(t, "manual_axis_type", None)
     return set(mat.varying) if mat is not None else set(getattr(t, "vma", ()) or ())
+
+
+def _python_unroll(unroll: Union[int, Literal["auto"]]) -> int:
+    """``ReferenceState.unroll``: how many chunks at most the stage unrolls in Python."""
+    if unroll == "auto":
+        return 0 if jax.default_backend() == "cpu" else 8
+    return unroll
 
 
 def _chunk(layout, c, h, w, u, kg, decay, h0, half):
