@@ -64,7 +64,7 @@ def test_unit_lower_inverse(C):
 def test_unit_lower_inverse_vjp(C):
     """The inverse's own VJP (``dL = -X^T dX X^T`` below the diagonal) equals JAX's VJP of
     the block recursion, float64; nothing reaches the diagonal and above (never read)."""
-    from kdax.stages._intra import _blocks_inverse
+    from kdax.stages._intra_levels import _blocks_inverse
 
     r = np.random.default_rng(C + 1)
     L = jnp.asarray(np.tril(r.normal(size=(2, 3, C, C)) * 0.3, -1) + np.triu(r.normal(size=(2, 3, C, C))))
