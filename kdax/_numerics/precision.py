@@ -62,7 +62,7 @@ declares the capability to be told it); one that does not runs the composed stag
 XLA:GPU's rounding on a CPU (``tests/_gpu_products.py``).
 
 Storage (``"fast"`` only): the stage runner casts the ``STORED`` fields of F2's, F3's,
-F4's, B0's and B2's outputs to ``storage(dtype)`` (a no-op for a stage that wrote them so: the
+F4's, B0's and B2's outputs to ``storage(dtype, policy)`` (a no-op for a stage that wrote them so: the
 Pallas kernels write bf16 themselves), and hands them in that dtype only to a stage that
 declares the capability ``"half_stored"`` (``kdax._stage_protocol.capabilities``); any other stage gets
 float32 copies (exact), so every stage, a user's too, runs unchanged.
