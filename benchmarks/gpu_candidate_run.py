@@ -103,6 +103,8 @@ TRITON_DEFAULT = "triton"
 # The first call times these at the goal shape after kdax's default, each in its own process.
 GOAL_PIPES = (CANDIDATE, CANDIDATE_BEST, TRITON_DEFAULT)
 TOTAL_S = 420
+# --tests: the files whose ``device`` cases compile kdax's Pallas kernels for the GPU present
+DEVICE_TESTS = ("tests/pallas/test_stages.py", "tests/pallas/test_pipeline.py")
 REPORT_S = 25  # kept for the report steps, which always run
 FLA_CONFIGS = 4  # FLA's autotuning cut to this many configs per kernel, as in every earlier run
 # --rehearse: the same steps at tiny sizes, on any machine (the plumbing, not the numbers)
@@ -134,14 +136,21 @@ class Step:
 
 def plan(work: Path, out: Path, py: str = sys.executable, extra_pipes=(), reps: int = 20,
          reps_other: int = 10, shapes=SHAPES, kdax_args=(), layer_args=(), slack: int = 1,
-         second: bool = False, kernels: bool = False, profile_args=()) -> list:
+         second: bool = False, kernels: bool = False, tests: bool = False, profile_args=()) -> list:
     """The steps in the order they run (see the module docstring for the budget);
     ``second``: the second call's steps (the largest shape), else the first call's;
     ``kernels``: the candidate and ``CANDIDATE_BEST`` at the goal shape, FLA with its
     per-kernel profile, the two candidates' per-kernel profiles (``--kernels``, ~4.5 minutes);
     ``shapes`` (the goal shape first), ``kdax_args``, ``layer_args`` and ``slack`` (every
-    limit multiplied: a CPU is slower to compile) change only for a rehearsal."""
+    limit multiplied: a CPU is slower to compile) change only for a rehearsal;
+    ``tests``: the suite's ``device`` cases, every Pallas stage and the all-Pallas pipeline
+    on every golden case compiled for the GPU (``DEVICE_TESTS``), the evidence a switch of
+    ``default_pipeline()`` to the Triton kernels on a GPU waits for (``--tests``)."""
     work, out = Path(work), Path(out)
+    if tests:  # (addopts off: no xdist on the GPU machine; the slow sweeps left out as in CI)
+        argv = [py, "-m", "pytest", *(str(HERE.parent / f) for f in DEVICE_TESTS), "-k", "device", "-m", "not slow",
+                "-o", "addopts=", "-p", "no:cacheprovider", "-q", "-rfE", f"--junitxml={out / 'device_tests.xml'}"]
+        return [Step("device-tests", argv, 360 * slack, 240)]
     goal, small, large = shapes
 
     gvf, fla, lay = str(HERE / "gpu_vs_fla.py"), str(HERE / "fla_side.py"), str(HERE / "layer_vs_fla.py")
@@ -316,6 +325,9 @@ def main(argv=None):
     ap.add_argument("--kernels", action="store_true", help="the per-kernel call (issue 36): the all-Triton "
                     "candidate at the goal shape with its float64 check, FLA's chunk_kda beside it with FLA's "
                     "per-kernel profile (fla_profile_<shape>.txt), the candidate's per-kernel profile (profile.txt)")
+    ap.add_argument("--tests", action="store_true", help="the suite's device cases (DEVICE_TESTS -k device): "
+                    "every Pallas stage and the all-Pallas pipeline on every golden case, compiled for the GPU; "
+                    "needs pytest (carried as wheels by --prepare); ~4-6 minutes")
     ap.add_argument("--fresh", action="store_true", help="forget what an earlier call left in --work")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     ap.add_argument("--rehearse", action="store_true", help="the same steps at tiny sizes (K = V = 32, a layer of "
@@ -327,7 +339,7 @@ def main(argv=None):
     extra = tuple(p for p in a.extra_pipes.split(",") if p)
     tiny = dict(shapes=TINY_SHAPES, kdax_args=TINY_KDAX, layer_args=TINY_LAYER, reps=2, reps_other=2, slack=3,
                 profile_args=("--reps", "1"))
-    steps = plan(work, results, extra_pipes=extra, second=a.second, kernels=a.kernels, **(tiny if a.rehearse else {}))
+    steps = plan(work, results, extra_pipes=extra, second=a.second, kernels=a.kernels, tests=a.tests, **(tiny if a.rehearse else {}))
     if a.only:
         words = [w for w in a.only.split(",") if w]
         steps = [s for s in steps if s.report or any(w in s.name for w in words)]

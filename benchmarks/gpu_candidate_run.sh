@@ -11,13 +11,15 @@
 # checkout the device tool sends: `bash benchmarks/gpu_candidate_run.sh --prepare` downloads the
 # wheels into .whl (ignored by git through .git/info/exclude; ~3 MB). Then carry .whl and
 # run there `bash benchmarks/gpu_candidate_run.sh` (arguments go to gpu_candidate_run.py: --kernels,
-# --only, --extra-pipes, --total, --fresh, --dry-run). Without .whl the run stops at once
+# --only, --extra-pipes, --total, --fresh, --dry-run, --tests: the suite's device cases, with
+# pytest from .whl). Without .whl the run stops at once
 # and says so (no step can import kdax without beartype). fla-core goes
 # on PYTHONPATH for every step; flash-linear-attention (fla.layers, fla.models: it
 # imports transformers) only for the layer's FLA step, so the chunk_kda steps import
 # FLA exactly as every earlier run did.
 set -u
-WHEELS="beartype==0.23.1 fla-core==0.6.0 flash-linear-attention==0.6.0"
+# pytest, hypothesis and their dependencies for --tests (the suite's device cases)
+WHEELS="beartype==0.23.1 fla-core==0.6.0 flash-linear-attention==0.6.0 pytest==9.0.3 pluggy==1.6.0 iniconfig==2.3.0 pygments==2.20.0 packaging==26.2 hypothesis==6.155.2 sortedcontainers==2.4.0"
 if [ "${1:-}" = "--prepare" ]; then
     cd "$(dirname "$0")/.." || exit 1
     exclude="$(git rev-parse --git-path info/exclude)"
@@ -37,7 +39,8 @@ PY=${PY:-python3}
 nvidia-smi -L 2>/dev/null
 if [ -d .whl ]; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/beartype-*.whl .whl/fla_core-*.whl || exit 1
+        .whl/beartype-*.whl .whl/fla_core-*.whl $(ls .whl/pytest-*.whl .whl/pluggy-*.whl .whl/iniconfig-*.whl \
+        .whl/pygments-*.whl .whl/packaging-*.whl .whl/hypothesis-*.whl .whl/sortedcontainers-*.whl 2>/dev/null) || exit 1
     if ls .whl/flash_linear_attention-*.whl >/dev/null 2>&1; then
         $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_layers \
             .whl/flash_linear_attention-*.whl || exit 1

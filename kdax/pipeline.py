@@ -334,7 +334,9 @@ def default_pipeline() -> KDAPipeline:
     """The pipeline ``chunk_kda(pipeline=None)`` uses: the reference stages (XLA) on every
     platform, precision policy "auto" (``kdax._numerics.precision``). On a GPU they run whole chunk
     groups per loop iteration and unroll the recurrences (``kdax._numerics.chunk_loops.resolve_group``,
-    ``loop_unroll``); beside FLA on an H200 (bf16, B=1 T=16384 H=16 K=V=128) that was the
-    fastest training step measured, 25.0 ms against 26.8-53 ms for every mix of Pallas
-    stages tried (benchmarks/NOTES.md, "GPU, third pass")."""
+    ``loop_unroll``). On an H200 the Triton pipeline is faster (bf16, B=1 T=16384 H=16
+    K=V=128, a training step: 27.4 ms here, 20.1 ms ``KDAPipeline.pallas("triton")``, 15.1 ms
+    with ``tuning="candidate"``; benchmarks/results/gpu_h200/triton_candidates/), but its
+    kernels have run compiled on a GPU only on dense bf16 calls: the default stays here until
+    the suite's device cases pass on a GPU (``benchmarks/gpu_candidate_run.sh --tests``)."""
     return KDAPipeline.reference()

@@ -1,6 +1,6 @@
-"""``default_pipeline()``: the reference stages on every platform (on a GPU too: the
-fastest training step measured beside FLA, benchmarks/NOTES.md "GPU, third pass"), and the
-per-platform loop settings of the reference stages ("auto")."""
+"""``default_pipeline()``: the reference stages on every platform (on a GPU too, until the
+Triton kernels, measured faster on an H200, pass the suite's device cases there; kdax.pipeline
+``default_pipeline``), and the per-platform loop settings of the reference stages ("auto")."""
 
 import jax
 

@@ -229,3 +229,30 @@ def test_kernels_plan_profiles_candidate_and_fla(g26, scripts, tmp_path):
     assert steps[0].argv[steps[0].argv.index("--pipes") + 1] == both
     # it fits what is left of a session's device time after a machine start (~15 min - 2)
     assert sum(s.expect_s for s in steps) <= 300 and sum(s.limit_s for s in steps) <= 480
+
+
+def test_tests_plan_runs_the_suites_device_cases(g26, tmp_path):
+    # --tests: one pytest process over the Pallas stage and pipeline files' device cases,
+    # without xdist (addopts off) and without the slow sweeps, its report in the results.
+    steps = g26.plan(tmp_path / "w", tmp_path / "w" / "gpu", py="python3", tests=True)
+    assert [s.name for s in steps] == ["device-tests"]
+    argv = steps[0].argv
+    assert argv[:3] == ["python3", "-m", "pytest"]
+    files = [a for a in argv if a.endswith(".py")]
+    assert [Path(f).relative_to(Path(g26.__file__).resolve().parent.parent).as_posix() for f in files] == list(
+        g26.DEVICE_TESTS)
+    assert all(Path(f).exists() for f in files)
+    assert argv[argv.index("-k") + 1] == "device" and argv[argv.index("-m", 3) + 1] == "not slow"
+    assert "addopts=" in argv and any(a.startswith("--junitxml=") and a.endswith("device_tests.xml") for a in argv)
+    assert steps[0].expect_s <= 300 and steps[0].limit_s <= 420
+
+
+def test_prepare_carries_what_the_device_tests_import():
+    # The GPU machine reaches no registry: --prepare's wheels must cover pytest's and
+    # hypothesis's imports (tests/test_pipeline.py, which the device cases import).
+    sh = (Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_candidate_run.sh").read_text()
+    wheels = sh.split('WHEELS="', 1)[1].split('"', 1)[0].split()
+    names = {w.split("==")[0] for w in wheels}
+    assert {"beartype", "pytest", "pluggy", "iniconfig", "pygments", "hypothesis", "sortedcontainers"} <= names
+    for n in ("pytest", "pluggy", "iniconfig", "pygments", "hypothesis", "sortedcontainers"):
+        assert f".whl/{n}-*.whl" in sh, n
