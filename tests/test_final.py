@@ -51,3 +51,55 @@ def test_a_final_stage_must_take_precision():
     with pytest.raises(TypeError, match=r"Loose\.__call__: a final stage takes `precision"):
         final(Loose)
     assert not capabilities(Loose).precision  # (a user's stage is told only if it declares it)
+
+
+@pytest.mark.parametrize("cls", list(_concrete()), ids=lambda c: c.__name__)
+def test_concrete_stages_take_their_familys_contract(cls):
+    """The family's ``__call__`` is the one source of a stage's parameters and their
+    shapes: a concrete stage's parameters begin with the family's, in order, and every
+    annotation it leaves out is the family's (so its shape checks are the family's)."""
+    family = next(b for b in cls.__mro__[1:] if b.__name__.startswith("Abstract"))
+    contract = inspect.signature(family.__call__)
+    own = inspect.signature(cls.__call__)
+    names = [n for n, p in own.parameters.items() if p.kind is not p.KEYWORD_ONLY]
+    assert names == list(contract.parameters)[: len(names)] + names[len(contract.parameters):]
+    for name, p in own.parameters.items():
+        assert name == "self" or p.annotation is not inspect.Parameter.empty, (cls.__name__, name)
+    assert own.return_annotation is contract.return_annotation
+    if cls.__name__.startswith("Reference"):  # (they state no annotation of their own)
+        for name in names[1:]:
+            assert own.parameters[name].annotation is contract.parameters[name].annotation, (cls.__name__, name)
+
+
+def _final_output(body_params: str, annotate: dict = None):
+    from kdax._stage_protocol.final import final
+
+    ns = {}
+    exec(f"def __call__(self, {body_params}, *, precision: str = 'highest'):\n    return scale * qg", ns)
+    fn = ns["__call__"]
+    fn.__annotations__.update(annotate or {})
+    return final(type("MyOutput", (stages.AbstractOutput,), {"__call__": fn, "__module__": __name__}))
+
+
+def test_final_fills_the_familys_annotations_and_checks_shapes():
+    import jax.numpy as jnp
+
+    Mine = _final_output("scale, qg, h, Aqk, v_new")
+    want = inspect.signature(stages.AbstractOutput.__call__)
+    got = inspect.signature(Mine.__call__)
+    for name in ("qg", "h", "Aqk", "v_new"):
+        assert got.parameters[name].annotation is want.parameters[name].annotation
+    assert got.return_annotation is want.return_annotation
+    R, HV, NC, C, K, V = 1, 2, 3, 4, 8, 8
+    qg, h = jnp.ones((R, HV, NC, C, K)), jnp.ones((R, HV, NC, K, V))
+    Aqk, v_new = jnp.ones((R, HV, NC, C, C)), jnp.ones((R, HV, NC, C, V))
+    with pytest.raises(Exception, match="qg"):  # the family's shape check, filled in: qg's rank is wrong
+        Mine()(1.0, qg[0], h, Aqk, v_new)
+
+
+def test_final_refuses_parameters_out_of_the_familys_order():
+    with pytest.raises(TypeError, match=r"must begin with AbstractOutput\.__call__'s"):
+        _final_output("scale, h, qg, Aqk, v_new")
+    with pytest.raises(TypeError, match=r"annotate `extra`"):
+        _final_output("scale, qg, h, Aqk, v_new, extra=None")
+    _final_output("scale, qg, h, Aqk, v_new, extra=None", {"extra": object})  # its own, annotated: fine

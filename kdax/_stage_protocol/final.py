@@ -3,6 +3,13 @@ subclasses the abstract class of its family and composes a concrete one (calls i
 its own ``__call__``), so that a change inside a concrete stage never silently changes a
 subclass of it.
 
+A family's contract is written once, in its abstract class's ``__call__``: the parameters'
+names, order, annotations (shapes, ranks, dtypes) and the return type. A concrete stage's
+``__call__`` names its parameters and annotates only those that differ (a Pallas stage that
+also reads the caller's token layout, a parameter of its own); ``final`` checks the names
+against the family's and fills in the rest before the shape checks are built
+(``kdax._annotations.typecheck``).
+
 kdax's concrete stages also take the pipeline's precision policy as the keyword
 ``precision`` (the capability ``"precision"``, declared here for every one of them) and
 trace their own products under it (``kdax._numerics.precision``): the policy is kdax's
@@ -14,7 +21,10 @@ import inspect
 
 import jax
 
+from .._annotations import typecheck
 from .._numerics import precision as _precision
+
+_EMPTY = inspect.Parameter.empty
 
 
 def final(cls: type) -> type:
@@ -32,6 +42,7 @@ def final(cls: type) -> type:
     call = cls.__call__
     if "precision" not in inspect.signature(call).parameters:
         raise TypeError(f"{cls.__qualname__}.__call__: a final stage takes `precision: str = \"highest\"`.")
+    call = typecheck(_with_contract(cls, call, next(b for b in cls.__mro__[1:] if b.__name__.startswith("Abstract"))))
 
     @functools.wraps(call)
     def __call__(self, *args, precision: str = "highest", **kwargs):
@@ -42,3 +53,28 @@ def final(cls: type) -> type:
     cls.__call__ = __call__
     cls.accepts = frozenset(getattr(cls, "accepts", frozenset())) | {"precision"}
     return cls
+
+
+def _with_contract(cls: type, call, family: type):
+    """``call`` (``cls.__call__``) with the annotations it leaves out taken from
+    ``family.__call__``, after checking that its positional parameters are the family's in
+    order (a trailing optional one may be left out; a parameter of its own comes after them,
+    annotated)."""
+    contract = inspect.signature(family.__call__).parameters
+    own = [p for p in inspect.signature(call).parameters.values() if p.kind != p.KEYWORD_ONLY]
+    names, want = [p.name for p in own], list(contract)
+    shared = names[: len(want)]
+    required = [n for n in want if contract[n].default is _EMPTY]
+    if shared != want[: len(shared)] or len(shared) < len(required):
+        raise TypeError(f"{cls.__qualname__}.__call__: its parameters {tuple(names)} must begin with "
+                        f"{family.__qualname__}.__call__'s {tuple(want)} in that order (the family's contract).")
+    fn = inspect.unwrap(call)
+    for p in inspect.signature(fn).parameters.values():
+        if p.annotation is _EMPTY and p.name != "self":
+            if p.name not in contract or contract[p.name].annotation is _EMPTY:
+                raise TypeError(f"{cls.__qualname__}.__call__: annotate `{p.name}` (not a parameter of "
+                                f"{family.__qualname__}.__call__).")
+            fn.__annotations__[p.name] = contract[p.name].annotation
+    if "return" not in fn.__annotations__:
+        fn.__annotations__["return"] = inspect.signature(family.__call__).return_annotation
+    return call

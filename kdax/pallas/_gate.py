@@ -19,14 +19,13 @@ import equinox as eqx
 from types import MappingProxyType
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jaxtyping import Array, Float
 
 from .._config import KDAConfig
 from .._layouts.tokens import FinalGrads, Tokens
 from .._numerics import precision as _precision
 from .._numerics.hilo import grid_bits, split_log_decay
 from .._stage_protocol.final import final
-from .._annotations import ChunkK, ChunkScalar, ChunkValid, typecheck
+from .._annotations import ChunkK, ChunkScalar
 from ..ref import L2NORM_EPS, log_decay_floor, reset_log_decay
 from ..stages import KDA, AbstractGate, AbstractGateBackward, Activated, RawGrads
 from ._arith import Products, from_first, nonfinite_rows
@@ -320,21 +319,10 @@ class PallasGate(AbstractGate, PallasTarget):
     split: bool = eqx.field(static=True, default=True)
 
     @tuned
-    @typecheck
     def __call__(
-        self,
-        config: KDAConfig,
-        q: Union[ChunkK, Tokens],
-        k: Union[ChunkK, Tokens],
-        g: Union[ChunkK, Tokens],
-        beta: Union[ChunkScalar, Tokens],
-        A_log: Optional[Float[Array, " HV"]],
-        dt_bias: Optional[Float[Array, " HVK"]],
-        valid: ChunkValid,
-        reset: Optional[ChunkValid] = None,
-        *,
-        precision: str = "highest",
-    ) -> Activated:
+        self, config, q: Union[ChunkK, Tokens], k: Union[ChunkK, Tokens], g: Union[ChunkK, Tokens],
+        beta: Union[ChunkScalar, Tokens], A_log, dt_bias, valid, reset=None, *, precision: str = "highest"
+    ):
         cfg = config
         R, HV, NC, C, K = q.shape
         self.check_widths(K=K)
@@ -376,24 +364,10 @@ class PallasGateBackward(AbstractGateBackward, PallasTarget):
     accepts: ClassVar[frozenset] = frozenset({"reset", "tokens", "final_grads"})
 
     @tuned
-    @typecheck
     def __call__(
-        self,
-        config: KDAConfig,
-        act: Activated,
-        g: Optional[Union[ChunkK, Tokens]],
-        A_log: Optional[Float[Array, " HV"]],
-        dt_bias: Optional[Float[Array, " HVK"]],
-        valid: ChunkValid,
-        dq: ChunkK,
-        dk: ChunkK,
-        dbeta: ChunkScalar,
-        dG: ChunkK,
-        reset: Optional[ChunkValid] = None,
-        final: Optional[FinalGrads] = None,
-        *,
-        precision: str = "highest",
-    ) -> RawGrads:
+        self, config, act, g: Optional[Union[ChunkK, Tokens]], A_log, dt_bias, valid, dq, dk, dbeta, dG, reset=None,
+        final: Optional[FinalGrads] = None, *, precision: str = "highest"
+    ):
         cfg = config
         R, HV, NC, C, K = dq.shape
         self.check_widths(K=K)

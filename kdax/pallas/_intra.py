@@ -39,7 +39,6 @@ from jax.experimental import pallas as pl
 
 from .._numerics import precision as _precision
 from .._stage_protocol.final import final
-from .._annotations import ChunkK, ChunkMat, ChunkScalar, ChunkValid, typecheck
 from ..stages import KDA, AbstractIntra, AbstractIntraBackward, ChunkGrads, IntraOut
 from ._arith import Products, decay
 from ._common import (
@@ -210,19 +209,7 @@ class PallasIntra(AbstractIntra, PallasFeatureBlocks):
     block_k: int = eqx.field(static=True, default=64)
 
     @tuned
-    @typecheck
-    def __call__(
-        self,
-        scale: float,
-        q: ChunkK,
-        k: ChunkK,
-        beta: ChunkScalar,
-        G: ChunkK,
-        G_lo: Optional[ChunkK] = None,
-        reset: Optional[ChunkValid] = None,
-        *,
-        precision: str = "highest",
-    ) -> IntraOut:
+    def __call__(self, scale, q, k, beta, G, G_lo=None, reset=None, *, precision: str = "highest"):
         R, HV, NC, C, K = q.shape
         self.check_widths(K=K)
         ins = tuple(self.padded(x) for x in (q, k, G)) + (flat(beta),)
@@ -280,21 +267,7 @@ class PallasIntraBackward(AbstractIntraBackward, PallasFeatureBlocks):
     block: int = eqx.field(static=True, default=16)
 
     @tuned
-    @typecheck
-    def __call__(
-        self,
-        scale: float,
-        q: ChunkK,
-        k: ChunkK,
-        beta: ChunkScalar,
-        G: ChunkK,
-        dAqk: ChunkMat,
-        grads: ChunkGrads,
-        G_lo: Optional[ChunkK] = None,
-        reset: Optional[ChunkValid] = None,
-        *,
-        precision: str = "highest",
-    ) -> ChunkGrads:
+    def __call__(self, scale, q, k, beta, G, dAqk, grads, G_lo=None, reset=None, *, precision: str = "highest"):
         R, HV, NC, C, K = q.shape
         self.check_widths(K=K)
         qf, kf, Gf, dqf, dkf, dGf = (

@@ -7,7 +7,7 @@ from types import MappingProxyType
 
 from .._layouts.tokens import Tokens
 from .._stage_protocol.final import final
-from .._annotations import ChunkK, ChunkMat, ChunkState, ChunkV, typecheck
+from .._annotations import ChunkV
 from ..ref import compute_dtype
 from ..stages import KDA, AbstractDAv, AbstractOutput
 from ._common import PallasTarget, chunk_spec, flat, iota, loaded, token_operand, tuned, unflat
@@ -23,17 +23,7 @@ class PallasOutput(AbstractOutput, PallasTarget):
     accepts: ClassVar[frozenset] = frozenset({"tile_safe", "half_stored"})
 
     @tuned
-    @typecheck
-    def __call__(
-        self,
-        scale: float,
-        qg: ChunkK,
-        h: ChunkState,
-        Aqk: ChunkMat,
-        v_new: ChunkV,
-        *,
-        precision: str = "highest",
-    ) -> ChunkV:
+    def __call__(self, scale, qg, h, Aqk, v_new, *, precision: str = "highest"):
         R, HV, NC, C, K = qg.shape
         V = v_new.shape[-1]
         self.check_widths(K=K, V=V)
@@ -64,15 +54,7 @@ class PallasDAv(AbstractDAv, PallasTarget):
     accepts: ClassVar[frozenset] = frozenset({"tokens", "half_stored"})
 
     @tuned
-    @typecheck
-    def __call__(
-        self,
-        v_new: ChunkV,
-        Aqk: ChunkMat,
-        do: Union[ChunkV, Tokens],
-        *,
-        precision: str = "highest",
-    ) -> tuple[ChunkMat, ChunkV]:
+    def __call__(self, v_new, Aqk, do: Union[ChunkV, Tokens], *, precision: str = "highest"):
         R, HV, NC, C, V = v_new.shape
         self.check_widths(V=V)
         vf = self.padded(v_new)

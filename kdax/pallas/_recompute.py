@@ -1,13 +1,12 @@
 """Pallas B0: recompute w, u, qg, kg, h, v_new with the pipeline's F3 and F4 (by default
 the Pallas F3 and F4 kernels of this stage's target)."""
 
-from typing import ClassVar, Optional, Union
+from typing import ClassVar, Union
 
-from .._layouts.layout import ChunkLayout
 from .._layouts.tokens import Tokens
 from .._stage_protocol.final import final
-from .._annotations import ChunkK, ChunkMat, ChunkScalar, ChunkV, ChunkValid, SeqState, typecheck
-from ..stages import AbstractRecompute, AbstractState, AbstractWY, recompute_with, StateOut, WYOut
+from .._annotations import ChunkV
+from ..stages import AbstractRecompute, recompute_with
 from ._common import PallasTarget, tuned
 from ._state import PallasState
 from ._wy import PallasWY
@@ -23,25 +22,10 @@ class PallasRecompute(AbstractRecompute, PallasTarget):
     accepts: ClassVar[frozenset] = frozenset({"G_lo", "reset", "tokens", "half_stored", "zero_h0"})
 
     @tuned
-    @typecheck
     def __call__(
-        self,
-        q: ChunkK,
-        k: ChunkK,
-        v: Union[ChunkV, Tokens],
-        beta: ChunkScalar,
-        G: ChunkK,
-        Akk: ChunkMat,
-        h0: SeqState,
-        layout: ChunkLayout,
-        G_lo: Optional[ChunkK] = None,
-        reset: Optional[ChunkValid] = None,
-        *,
-        wy: Optional[AbstractWY] = None,
-        state: Optional[AbstractState] = None,
-        zero_h0: bool = False,
-        precision: str = "highest",
-    ) -> tuple[WYOut, StateOut]:
+        self, q, k, v: Union[ChunkV, Tokens], beta, G, Akk, h0, layout, G_lo=None, reset=None, *, wy=None, state=None,
+        zero_h0: bool = False, precision: str = "highest"
+    ):
         kw = dict(target=self.target, interpret=self.interpret)
         wy = PallasWY(**kw) if wy is None else wy
         state = PallasState(**kw) if state is None else state

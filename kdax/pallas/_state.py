@@ -13,12 +13,11 @@ from types import MappingProxyType
 
 from . import _state_tpu as tpu, _state_triton as triton
 from .._errors import UnsupportedCase
-from .._layouts.layout import ChunkLayout
 from .._layouts.resets import mask_exponent, state_passes
 from .._layouts.tokens import Tokens
 from .._numerics import precision as _precision
 from .._stage_protocol.final import final
-from .._annotations import ChunkK, ChunkV, ChunkValid, SeqState, typecheck
+from .._annotations import ChunkV
 from ..stages import KDA, AbstractDhu, AbstractState, DhuOut, StateOut
 from ._common import PallasValueBlocks, check_block, feature_pad, flat, pow2, tuned, unflat
 
@@ -93,20 +92,7 @@ class PallasState(AbstractState, PallasValueBlocks):
         check_block("block_k", self.block_k, optional=True)
 
     @tuned
-    @typecheck
-    def __call__(
-        self,
-        w: ChunkK,
-        u: ChunkV,
-        kg: ChunkK,
-        G: ChunkK,
-        h0: SeqState,
-        layout: ChunkLayout,
-        reset: Optional[ChunkValid] = None,
-        zero_h0: bool = False,
-        *,
-        precision: str = "highest",
-    ) -> StateOut:
+    def __call__(self, w, u, kg, G, h0, layout, reset=None, zero_h0: bool = False, *, precision: str = "highest"):
         R, HV, NC, C, K = w.shape
         V = u.shape[-1]
         self.check_widths(K=K, V=V)
@@ -153,22 +139,10 @@ class PallasDhu(AbstractDhu, PallasValueBlocks):
         check_block("block_k", self.block_k, optional=True)
 
     @tuned
-    @typecheck
     def __call__(
-        self,
-        scale: float,
-        qg: ChunkK,
-        kg: ChunkK,
-        w: ChunkK,
-        G: ChunkK,
-        do: Union[ChunkV, Tokens],
-        dv_intra: ChunkV,
-        dht: SeqState,
-        layout: ChunkLayout,
-        reset: Optional[ChunkValid] = None,
-        *,
-        precision: str = "highest",
-    ) -> DhuOut:
+        self, scale, qg, kg, w, G, do: Union[ChunkV, Tokens], dv_intra, dht, layout, reset=None, *,
+        precision: str = "highest"
+    ):
         R, HV, NC, C, K = qg.shape
         V = do.shape[-1]
         self.check_widths(K=K, V=V)

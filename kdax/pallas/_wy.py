@@ -10,7 +10,7 @@ from jax.experimental import pallas as pl
 from .._layouts.resets import mask_exponent
 from .._layouts.tokens import FinalGrads, Tokens
 from .._stage_protocol.final import final
-from .._annotations import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, ChunkValid, typecheck
+from .._annotations import ChunkV
 from .._numerics import precision as _precision
 from .._numerics.hilo import exponent
 from ..stages import KDA, AbstractWY, AbstractWYDqkg, ChunkGrads, WYOut
@@ -237,20 +237,9 @@ class PallasWY(AbstractWY, PallasFeatureBlocks):
     block_k: int = eqx.field(static=True, default=32)
 
     @tuned
-    @typecheck
     def __call__(
-        self,
-        q: ChunkK,
-        k: ChunkK,
-        v: Union[ChunkV, Tokens],
-        beta: ChunkScalar,
-        G: ChunkK,
-        Akk: ChunkMat,
-        G_lo: Optional[ChunkK] = None,
-        reset: Optional[ChunkValid] = None,
-        *,
-        precision: str = "highest",
-    ) -> WYOut:
+        self, q, k, v: Union[ChunkV, Tokens], beta, G, Akk, G_lo=None, reset=None, *, precision: str = "highest"
+    ):
         R, HV, NC, C, K = q.shape
         V = v.shape[-1]
         self.check_widths(K=K, V=V)
@@ -303,29 +292,10 @@ class PallasWYDqkg(AbstractWYDqkg, PallasValueBlocks, PallasFeatureBlocks):
         check_block("dl_rows", self.dl_rows, optional=True)
 
     @tuned
-    @typecheck
     def __call__(
-        self,
-        scale: float,
-        q: ChunkK,
-        k: ChunkK,
-        v: Union[ChunkV, Tokens],
-        beta: ChunkScalar,
-        G: ChunkK,
-        Akk: ChunkMat,
-        qg: ChunkK,
-        kg: ChunkK,
-        h: ChunkState,
-        dh: ChunkState,
-        v_new: ChunkV,
-        do: Union[ChunkV, Tokens],
-        dv_new: ChunkV,
-        G_lo: Optional[ChunkK] = None,
-        reset: Optional[ChunkValid] = None,
-        final: Optional[FinalGrads] = None,
-        *,
-        precision: str = "highest",
-    ) -> ChunkGrads:
+        self, scale, q, k, v: Union[ChunkV, Tokens], beta, G, Akk, qg, kg, h, dh, v_new, do: Union[ChunkV, Tokens],
+        dv_new, G_lo=None, reset=None, final: Optional[FinalGrads] = None, *, precision: str = "highest"
+    ):
         R, HV, NC, C, K = q.shape
         V = v.shape[-1]
         self.check_widths(K=K, V=V)

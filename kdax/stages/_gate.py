@@ -17,7 +17,7 @@ from .._numerics.chunk_loops import ChunkGroup, over_chunks
 from .._stage_protocol.capabilities import told
 from .._stage_protocol.final import final
 from .._stage_protocol.output_specs import Maybe, Specs
-from .._annotations import ChunkK, ChunkScalar, ChunkValid, typecheck
+from .._annotations import ChunkK, ChunkScalar, ChunkValid
 from ..ref import L2NORM_EPS, activated_gate, beta_activation, log_decay_floor
 from ._types import Activated, RawGrads, KDA
 
@@ -100,21 +100,7 @@ class ReferenceGate(AbstractGate):
     chunk_loops: str = eqx.field(static=True, default="auto")
     split: bool = eqx.field(static=True, default=True)
 
-    @typecheck
-    def __call__(
-        self,
-        config: KDAConfig,
-        q: ChunkK,
-        k: ChunkK,
-        g: ChunkK,
-        beta: ChunkScalar,
-        A_log: Optional[Float[Array, " HV"]],
-        dt_bias: Optional[Float[Array, " HVK"]],
-        valid: ChunkValid,
-        reset: Optional[ChunkValid] = None,
-        *,
-        precision: str = "highest",
-    ) -> Activated:
+    def __call__(self, config, q, k, g, beta, A_log, dt_bias, valid, reset=None, *, precision: str = "highest"):
         q_rstd = k_rstd = None
         if config.use_qk_l2norm_in_kernel:
             q_rstd, k_rstd = _rstd(q), _rstd(k)
@@ -262,23 +248,9 @@ class ReferenceGateBackward(AbstractGateBackward):
     # The loop's form (kdax._numerics.chunk_loops.split_rows_and_heads): "auto", "flat", "slices".
     chunk_loops: str = eqx.field(static=True, default="auto")
 
-    @typecheck
     def __call__(
-        self,
-        config: KDAConfig,
-        act: Activated,
-        g: Optional[ChunkK],
-        A_log: Optional[Float[Array, " HV"]],
-        dt_bias: Optional[Float[Array, " HVK"]],
-        valid: ChunkValid,
-        dq: ChunkK,
-        dk: ChunkK,
-        dbeta: ChunkScalar,
-        dG: ChunkK,
-        reset: Optional[ChunkValid] = None,
-        *,
-        precision: str = "highest",
-    ) -> RawGrads:
+        self, config, act, g, A_log, dt_bias, valid, dq, dk, dbeta, dG, reset=None, *, precision: str = "highest"
+    ):
         if reset is None:
             dg = jnp.where(valid[:, None, :, :, None], chunk_cumsum(dG, reverse=True, group=self.group, loops=self.chunk_loops), 0.0)
         else:
@@ -324,8 +296,9 @@ class GateVjpBackward(AbstractGateBackward):
     def vjp_of(self):  # (kdax._runner.routes: the forward stage it is the VJP of)
         return self.gate
 
-    def __call__(self, config, act, g, A_log, dt_bias, valid, dq, dk, dbeta, dG, reset=None, *,
-                 precision: str = "highest"):
+    def __call__(
+        self, config, act, g, A_log, dt_bias, valid, dq, dk, dbeta, dG, reset=None, *, precision: str = "highest"
+    ):
         del g
         accepts = getattr(type(self.gate), "accepts", frozenset())
         extra = {} if reset is None or "reset" not in accepts else dict(reset=reset)

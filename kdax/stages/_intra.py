@@ -27,7 +27,7 @@ from .._numerics.arrays import rowsum
 from .._numerics.chunk_loops import ChunkGroup, over_chunks
 from .._stage_protocol.final import final
 from .._stage_protocol.output_specs import Maybe, Specs
-from .._annotations import ChunkK, ChunkMat, ChunkScalar, ChunkValid, typecheck
+from .._annotations import ChunkK, ChunkMat, ChunkScalar, ChunkValid
 from ._intra_levels import intra_scores, level_anchor_list, level_anchors, pair_sums, split_rest, unit_lower_inverse
 from ._types import ChunkGrads, IntraOut, KDA
 
@@ -95,19 +95,7 @@ class ReferenceIntra(AbstractIntra):
     # The loop's form (kdax._numerics.chunk_loops.split_rows_and_heads): "auto", "flat", "slices".
     chunk_loops: str = eqx.field(static=True, default="auto")
 
-    @typecheck
-    def __call__(
-        self,
-        scale: float,
-        q: ChunkK,
-        k: ChunkK,
-        beta: ChunkScalar,
-        G: ChunkK,
-        G_lo: Optional[ChunkK] = None,
-        reset: Optional[ChunkValid] = None,
-        *,
-        precision: str = "highest",
-    ) -> IntraOut:
+    def __call__(self, scale, q, k, beta, G, G_lo=None, reset=None, *, precision: str = "highest"):
         C = G.shape[-2]
 
         def chunk(q, k, beta, G, *rest):
@@ -226,21 +214,7 @@ class ReferenceIntraBackward(AbstractIntraBackward):
     # The loop's form (kdax._numerics.chunk_loops.split_rows_and_heads): "auto", "flat", "slices".
     chunk_loops: str = eqx.field(static=True, default="auto")
 
-    @typecheck
-    def __call__(
-        self,
-        scale: float,
-        q: ChunkK,
-        k: ChunkK,
-        beta: ChunkScalar,
-        G: ChunkK,
-        dAqk: ChunkMat,
-        grads: ChunkGrads,
-        G_lo: Optional[ChunkK] = None,
-        reset: Optional[ChunkValid] = None,
-        *,
-        precision: str = "highest",
-    ) -> ChunkGrads:
+    def __call__(self, scale, q, k, beta, G, dAqk, grads, G_lo=None, reset=None, *, precision: str = "highest"):
         C = G.shape[-2]
 
         def chunk_grads(q, k, beta, G, dAqk, dL, *rest):

@@ -14,7 +14,7 @@ from .._numerics.arrays import lower_matmul, mT, tri_mask
 from .._numerics.chunk_loops import ChunkGroup, over_chunks
 from .._stage_protocol.final import final
 from .._stage_protocol.output_specs import Specs
-from .._annotations import ChunkK, ChunkMat, ChunkState, ChunkV, typecheck
+from .._annotations import ChunkK, ChunkMat, ChunkState, ChunkV
 from ._types import KDA
 
 
@@ -74,17 +74,7 @@ class ReferenceOutput(AbstractOutput):
     # The loop's form (kdax._numerics.chunk_loops.split_rows_and_heads): "auto", "flat", "slices".
     chunk_loops: str = eqx.field(static=True, default="auto")
 
-    @typecheck
-    def __call__(
-        self,
-        scale: float,
-        qg: ChunkK,
-        h: ChunkState,
-        Aqk: ChunkMat,
-        v_new: ChunkV,
-        *,
-        precision: str = "highest",
-    ) -> ChunkV:
+    def __call__(self, scale, qg, h, Aqk, v_new, *, precision: str = "highest"):
         return over_chunks(functools.partial(_output_chunk, scale), self.group, qg, h, Aqk, v_new, loops=self.chunk_loops)
 
 
@@ -141,13 +131,5 @@ class ReferenceDAv(AbstractDAv):
     # The loop's form (kdax._numerics.chunk_loops.split_rows_and_heads): "auto", "flat", "slices".
     chunk_loops: str = eqx.field(static=True, default="auto")
 
-    @typecheck
-    def __call__(
-        self,
-        v_new: ChunkV,
-        Aqk: ChunkMat,
-        do: ChunkV,
-        *,
-        precision: str = "highest",
-    ) -> tuple[ChunkMat, ChunkV]:
+    def __call__(self, v_new, Aqk, do, *, precision: str = "highest"):
         return over_chunks(_dav_chunk, self.group, v_new, Aqk, do, loops=self.chunk_loops)

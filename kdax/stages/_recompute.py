@@ -11,7 +11,7 @@ from .._numerics import precision as _precision
 from .._stage_protocol.capabilities import capabilities, negotiated, told
 from .._stage_protocol.final import final
 from .._stage_protocol.output_specs import Specs
-from .._annotations import ChunkK, ChunkMat, ChunkScalar, ChunkV, ChunkValid, SeqState, typecheck
+from .._annotations import ChunkK, ChunkMat, ChunkScalar, ChunkV, ChunkValid, SeqState
 from ._state import AbstractState, ReferenceState
 from ._types import StateOut, WYOut
 from ._wy import AbstractWY, ReferenceWY
@@ -98,24 +98,10 @@ class ReferenceRecompute(AbstractRecompute):
 
     accepts: ClassVar[frozenset] = frozenset({"G_lo", "reset"})
 
-    @typecheck
     def __call__(
-        self,
-        q: ChunkK,
-        k: ChunkK,
-        v: ChunkV,
-        beta: ChunkScalar,
-        G: ChunkK,
-        Akk: ChunkMat,
-        h0: SeqState,
-        layout: ChunkLayout,
-        G_lo: Optional[ChunkK] = None,
-        reset: Optional[ChunkValid] = None,
-        *,
-        wy: Optional[AbstractWY] = None,
-        state: Optional[AbstractState] = None,
-        precision: str = "highest",
-    ) -> tuple[WYOut, StateOut]:
+        self, q, k, v, beta, G, Akk, h0, layout, G_lo=None, reset=None, *, wy=None, state=None,
+        precision: str = "highest"
+    ):
         wy = ReferenceWY() if wy is None else wy
         state = ReferenceState() if state is None else state
         return recompute_with(wy, state, q, k, v, beta, G, Akk, h0, layout, G_lo, reset, precision=precision)

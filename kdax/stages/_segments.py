@@ -42,7 +42,6 @@ from .._layouts.layout import ChunkLayout
 from .._numerics.affine import scan_prefix
 from .._stage_protocol.capabilities import told
 from .._stage_protocol.final import final
-from .._annotations import ChunkK, ChunkV, SeqState, typecheck
 from ._state import AbstractDhu, AbstractState, ReferenceDhu, ReferenceState
 from ._types import KDA, DhuOut, StateOut
 
@@ -151,18 +150,7 @@ class SegmentedState(AbstractState):
     def __check_init__(self):
         _check_segments(self.segments)
 
-    @typecheck
-    def __call__(
-        self,
-        w: ChunkK,
-        u: ChunkV,
-        kg: ChunkK,
-        G: ChunkK,
-        h0: SeqState,
-        layout: ChunkLayout,
-        *,
-        precision: str = "highest",
-    ) -> StateOut:
+    def __call__(self, w, u, kg, G, h0, layout, *, precision: str = "highest"):
         R, HV, NC, C, K = w.shape
         V, N = u.shape[-1], h0.shape[0]
         S, L = _split(NC, self.segments)
@@ -206,21 +194,7 @@ class SegmentedDhu(AbstractDhu):
     def __check_init__(self):
         _check_segments(self.segments)
 
-    @typecheck
-    def __call__(
-        self,
-        scale: float,
-        qg: ChunkK,
-        kg: ChunkK,
-        w: ChunkK,
-        G: ChunkK,
-        do: ChunkV,
-        dv_intra: ChunkV,
-        dht: SeqState,
-        layout: ChunkLayout,
-        *,
-        precision: str = "highest",
-    ) -> DhuOut:
+    def __call__(self, scale, qg, kg, w, G, do, dv_intra, dht, layout, *, precision: str = "highest"):
         R, HV, NC, C, K = qg.shape
         V, N = do.shape[-1], dht.shape[0]
         S, L = _split(NC, self.segments)

@@ -22,7 +22,7 @@ from .._numerics.arrays import mT, vary_like, zeros_after
 from .._numerics.chunk_loops import loop_unroll
 from .._stage_protocol.final import final
 from .._stage_protocol.output_specs import Specs
-from .._annotations import ChunkK, ChunkV, ChunkValid, SeqState, typecheck
+from .._annotations import ChunkK, ChunkV, ChunkValid, SeqState
 from ._types import DhuOut, StateOut, KDA
 
 
@@ -140,19 +140,7 @@ class ReferenceState(AbstractState):
     # GPU each loop iteration costs a launch and a round trip to the host.
     loop_unroll: Union[int, Literal["auto"]] = eqx.field(static=True, default="auto")
 
-    @typecheck
-    def __call__(
-        self,
-        w: ChunkK,
-        u: ChunkV,
-        kg: ChunkK,
-        G: ChunkK,
-        h0: SeqState,
-        layout: ChunkLayout,
-        reset: Optional[ChunkValid] = None,
-        *,
-        precision: str = "highest",
-    ) -> StateOut:
+    def __call__(self, w, u, kg, G, h0, layout, reset=None, *, precision: str = "highest"):
         R, HV, NC, _, K = w.shape
         V = u.shape[-1]
         if NC == 0:  # T = 0: every sequence is empty and keeps its initial state
@@ -373,22 +361,7 @@ class ReferenceDhu(AbstractDhu):
 
     loop_unroll: Union[int, Literal["auto"]] = eqx.field(static=True, default="auto")
 
-    @typecheck
-    def __call__(
-        self,
-        scale: float,
-        qg: ChunkK,
-        kg: ChunkK,
-        w: ChunkK,
-        G: ChunkK,
-        do: ChunkV,
-        dv_intra: ChunkV,
-        dht: SeqState,
-        layout: ChunkLayout,
-        reset: Optional[ChunkValid] = None,
-        *,
-        precision: str = "highest",
-    ) -> DhuOut:
+    def __call__(self, scale, qg, kg, w, G, do, dv_intra, dht, layout, reset=None, *, precision: str = "highest"):
         half = _precision.operand(precision, AbstractDhu)
         source = lambda pick: scale * _mm(mT(pick(qg)), pick(do), half)  # (pick: a chunk, or each sequence's first)
         deps = (qg, kg, w, G, do, dv_intra, dht)

@@ -13,7 +13,7 @@ from .._numerics.arrays import last_row, lower_matmul, mT, rowsum, tri_mask
 from .._numerics.chunk_loops import ChunkGroup, over_chunks
 from .._stage_protocol.final import final
 from .._stage_protocol.output_specs import Specs
-from .._annotations import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, ChunkValid, typecheck
+from .._annotations import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, ChunkValid
 from ._types import ChunkGrads, WYOut, KDA
 
 
@@ -109,20 +109,7 @@ class ReferenceWY(AbstractWY):
     # The loop's form (kdax._numerics.chunk_loops.split_rows_and_heads): "auto", "flat", "slices".
     chunk_loops: str = eqx.field(static=True, default="auto")
 
-    @typecheck
-    def __call__(
-        self,
-        q: ChunkK,
-        k: ChunkK,
-        v: ChunkV,
-        beta: ChunkScalar,
-        G: ChunkK,
-        Akk: ChunkMat,
-        G_lo: Optional[ChunkK] = None,
-        reset: Optional[ChunkValid] = None,
-        *,
-        precision: str = "highest",
-    ) -> WYOut:
+    def __call__(self, q, k, v, beta, G, Akk, G_lo=None, reset=None, *, precision: str = "highest"):
         tail, named = _chunk_args(G, G_lo, reset)
         chunk = lambda q, k, v, beta, G, Akk, *rest: _wy_chunk(q, k, v, beta, G, Akk, **named(rest))
         return WYOut(*over_chunks(chunk, self.group, q, k, v, beta, G, Akk, *tail, loops=self.chunk_loops))
@@ -225,28 +212,10 @@ class ReferenceWYDqkg(AbstractWYDqkg):
     # The loop's form (kdax._numerics.chunk_loops.split_rows_and_heads): "auto", "flat", "slices".
     chunk_loops: str = eqx.field(static=True, default="auto")
 
-    @typecheck
     def __call__(
-        self,
-        scale: float,
-        q: ChunkK,
-        k: ChunkK,
-        v: ChunkV,
-        beta: ChunkScalar,
-        G: ChunkK,
-        Akk: ChunkMat,
-        qg: ChunkK,
-        kg: ChunkK,
-        h: ChunkState,
-        dh: ChunkState,
-        v_new: ChunkV,
-        do: ChunkV,
-        dv_new: ChunkV,
-        G_lo: Optional[ChunkK] = None,
-        reset: Optional[ChunkValid] = None,
-        *,
-        precision: str = "highest",
-    ) -> ChunkGrads:
+        self, scale, q, k, v, beta, G, Akk, qg, kg, h, dh, v_new, do, dv_new, G_lo=None, reset=None, *,
+        precision: str = "highest"
+    ):
         tail, named = _chunk_args(G, G_lo, reset)
         chunk = lambda *a: _wy_dqkg_chunk(scale, *a[:12], **named(a[12:]))
         xs = (k, v, beta, G, Akk, qg, kg, h, dh, v_new, do, dv_new, *tail)  # q enters through qg
