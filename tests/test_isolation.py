@@ -397,3 +397,37 @@ def test_reaches_against_a_token_loop():
                     span = range(t, T) if reverse else range(t + 1)
                     want[b, t] = np.any([bad[b, u] for u in span if s[b, u] == s[b, t]], axis=0)
             assert np.array_equal(got, want), (trial, cu, reverse)
+
+
+_PEAKS = """
+import jax, jax.numpy as jnp, numpy as np, kdax
+B, T, H, K = 1, 4096, 8, 128
+r = np.random.default_rng(0)
+f = lambda *s: jnp.asarray(r.normal(size=s), jnp.float32)
+x = (f(B, T, H, K), f(B, T, H, K), f(B, T, H, K), -jnp.abs(f(B, T, H, K)), jax.nn.sigmoid(f(B, T, H)))
+for checked in (True, False):
+    fwd = jax.jit(lambda *a: kdax.chunk_kda(*a, use_qk_l2norm_in_kernel=True, check_inputs=checked)[0])
+    print(jax.device_count(), checked, fwd.lower(*x).compile().memory_analysis().temp_size_in_bytes)
+"""
+
+
+def test_the_non_finite_tests_hold_one_boolean_at_a_time():
+    """XLA:CPU stores the full-size boolean each input's non-finite test reduces; made in
+    turn (``isolation._in_turn``) one is alive at a time. At the main job's shape four of
+    them (16 MiB) were the forward's peak, and the one-device domain check's a fifth
+    (20.7 MiB); now the forward's temporaries stay under four booleans' worth, checked or
+    not (one device, in a fresh process: the suite's eight devices check the domain
+    elementwise instead)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS=" ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                                              if "device_count" not in f), JAX_PLATFORMS="cpu")
+    run = subprocess.run([sys.executable, "-c", _PEAKS], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    temp = {line.split()[1] == "True": int(line.split()[2]) for line in run.stdout.split("\n") if line.strip()}
+    assert run.stdout.split()[0] == "1" and len(temp) == 2, run.stdout
+    one_bool = 1 * 4096 * 8 * 128
+    assert temp[False] < 4 * one_bool, temp
+    assert temp[True] <= temp[False] + 64 * 1024, temp  # the domain check adds no boolean of g

@@ -50,13 +50,13 @@ def sequence_ids(B: int, T: int, cu_seqlens):
 
 # Which elements of an input the recurrence turns into NaN or inf, by kind (a static
 # name, so that the test fuses into each pass that needs it instead of a stored mask).
-def is_bad(kind: str, x):
+def is_bad(kind: str, x, inf=jnp.inf):
     if kind == "nan":  # an activation finite at ±inf (softplus / lower-bound gate, beta sigmoid)
-        return jnp.isnan(x)
+        return jnp.isnan(x) if inf is jnp.inf else jnp.isnan(x) | (x > inf)  # (x > inf: never; see _in_turn)
     if kind == "decay":  # a log decay: -inf is a full reset (clamped to the floor)
-        return jnp.isnan(x) | (x == jnp.inf)
+        return jnp.isnan(x) | (x == inf)
     if kind == "any":
-        return ~(jnp.abs(x) < jnp.inf)  # any non-finite value
+        return ~(jnp.abs(x) < inf)  # any non-finite value
     raise ValueError(f"kind: expected 'nan', 'decay' or 'any', got {kind!r}.")
 
 
@@ -132,7 +132,7 @@ class Bad:
         HV = v.shape[2]
         self.kinds = input_kinds(gate_in_kernel, beta_sigmoid)
         # per token and head: one fused pass over each input
-        tq, tk, tv, tg = (jnp.any(is_bad(kind, x), -1) for kind, x in zip(self.kinds[:4], raw[:4]))
+        tq, tk, tv, tg = _in_turn(self.kinds[:4], raw[:4])
         state = _per_value_head(tk, HV) | tv | tg | is_bad(self.kinds[4], beta)  # [B, T, HV]
         self.q_only = _per_value_head(tq, HV)
         seq, N = sequence_ids(B, T, cu_seqlens)
@@ -155,6 +155,21 @@ class Bad:
         if flag is not None:  # (what reads the masks then waits for the check, and nothing earlier)
             self.after, self.state_bad = self.after | flag, self.state_bad | flag
         self.where = self.after | self.q_only  # [B, T, HV]: the outputs the recurrence makes NaN
+
+
+def _in_turn(kinds, xs):
+    """Per input, its tokens and heads holding a bad element (``jnp.any(is_bad, -1)``),
+    each input's test made after the one before. XLA:CPU stores the full-size boolean a
+    reduction reads; made all at once, four of them were the forward's peak. The order
+    comes from a data dependency (an ``optimization_barrier`` is dropped before
+    scheduling): the test's ``inf`` is ``inf + 0 * (the count of the previous flags)``,
+    inf exactly, but only once that count is known."""
+    out, inf = [], jnp.inf
+    for kind, x in zip(kinds, xs):
+        if out:
+            inf = jnp.inf + 0.0 * jnp.sum(out[-1], dtype=jnp.float32)
+        out.append(jnp.any(is_bad(kind, x, jnp.asarray(inf, x.dtype)), -1))
+    return out
 
 
 def finite_heads(x):
