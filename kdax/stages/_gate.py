@@ -14,11 +14,11 @@ from .._numerics import precision as _precision
 from .._numerics.hilo import grid_bits, split_log_decay
 from .._numerics.arrays import lower_matmul, mT
 from .._numerics.chunk_loops import ChunkGroup, over_chunks
-from .._stage_protocol.capabilities import told
+from .._stage_protocol.capabilities import capabilities, told
 from .._stage_protocol.final import final
 from .._stage_protocol.output_specs import Maybe, Specs
 from .._annotations import ChunkK, ChunkScalar, ChunkValid
-from ..ref import L2NORM_EPS, activated_gate, beta_activation, log_decay_floor
+from ..ref import L2NORM_EPS, activated_gate, beta_activation
 from ._types import Activated, RawGrads, KDA
 
 
@@ -300,8 +300,7 @@ class GateVjpBackward(AbstractGateBackward):
         self, config, act, g, A_log, dt_bias, valid, dq, dk, dbeta, dG, reset=None, *, precision: str = "highest"
     ):
         del g
-        accepts = getattr(type(self.gate), "accepts", frozenset())
-        extra = {} if reset is None or "reset" not in accepts else dict(reset=reset)
+        extra = {} if reset is None or not capabilities(type(self.gate)).reset else dict(reset=reset)
         extra.update(told(self.gate, precision))
 
         def f1(q, k, g_, beta, A_log_, dt_bias_):
