@@ -47,6 +47,7 @@ from ._common import (
 )
 from ._common import column_blocks, compiler_params, kernel_name, manual_inputs, put
 from ._intra_levels import aqk_and_l, f2_refs, intra_bwd_levels_kernel, intra_levels_kernel
+from ._intra_rows import intra_bwd_rows_kernel, row_block_call
 
 
 def _blocks(C: int, block: int):
@@ -258,13 +259,27 @@ class PallasIntraBackward(AbstractIntraBackward, PallasFeatureBlocks):
     ``PallasIntra``. On Triton (``intra_bwd_levels_kernel``) the transposes of F2's
     halving-level tile products, one program per block of ``block_k`` feature columns, at
     most ``B4_MAX_BLOCK`` (every gradient column depends on its own feature column alone;
-    dbeta's parts are summed after the call); on TPU the whole chunk at once
-    (``pair_rows_body``, ``pair_cols_body``)."""
+    dbeta's parts are summed after the call); with ``rows`` 16 or 32, one program per
+    block of columns and ``rows``-token sub-block of the chunk (``intra_bwd_rows_kernel``,
+    FLA's grid); on TPU the whole chunk at once (``pair_rows_body``, ``pair_cols_body``)."""
 
     transposes: ClassVar[Mapping[str, str]] = MappingProxyType({"intra": KDA})
     accepts: ClassVar[frozenset] = frozenset({"G_lo", "reset"})
 
     block: int = eqx.field(static=True, default=16)
+    # The Triton kernel's rows a program: 64 (the default), the whole chunk (the halving
+    # levels of ``intra_bwd_levels_kernel``, at any chunk size); 16 or 32, sub-blocks of
+    # that many tokens (``kdax.pallas._intra_rows``: its own pairs token by token, the other
+    # sub-blocks' by [rows, rows] x [rows, block] products; a chunk smaller than ``rows``
+    # is one sub-block). The same outputs and precision; Triton only (interpreted too).
+    rows: int = eqx.field(static=True, default=64)
+
+    def __check_init__(self):
+        if self.rows not in (16, 32, 64):
+            raise ValueError(f"rows: expected 16, 32 or 64, got {self.rows!r}.")
+        if self.rows != 64 and self.target != "triton":
+            raise ValueError(f"rows: {self.rows} is a Triton kernel's grid; target is {self.target!r} (leave rows "
+                             f"at 64).")
 
     @tuned
     def __call__(self, scale, q, k, beta, G, dAqk, grads, G_lo=None, reset=None, *, precision: str = "highest"):
@@ -285,6 +300,17 @@ class PallasIntraBackward(AbstractIntraBackward, PallasFeatureBlocks):
             ins, specs = ins + extra, specs + extra_specs
         has_lo, has_reset = G_lo is not None, reset is not None
 
+        if self.target == "triton" and self.rows != 64:
+            bk = min(blocks[0][1], B4_MAX_BLOCK)
+            B = min(self.rows, C)
+            kernel = intra_bwd_rows_kernel(self.products(precision), scale, C, B, has_lo, has_reset)
+            kinds = ["k", "k", "1", "k", "1", "1", "r", "r", "r"] + ["k"] * has_lo + ["1", "1"] * has_reset
+            keep = [i for i in range(len(ins)) if i != 8]  # dbeta: its parts are summed here
+            dq, dk, db, dG = row_block_call(kernel, [ins[i] for i in keep], kinds, C, B, bk, Kp // bk, R * HV, NC,
+                                            q.dtype, self.run_interpreted, self.triton_params())
+            db = flat(grads.dbeta) + jnp.sum(db, axis=-1, keepdims=True)
+            cut = lambda x: unflat(x[..., :K], R, HV)
+            return ChunkGrads(cut(dq), cut(dk), grads.dv, unflat(db, R, HV, squeeze=True), cut(dG), None)
         if self.target == "triton":
             bk = min(blocks[0][1], B4_MAX_BLOCK)
             blocks = column_blocks("triton", Kp, bk)
