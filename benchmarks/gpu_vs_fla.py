@@ -81,7 +81,9 @@ def kdax_pipeline(name: str) -> KDAPipeline:
     ``+xla_gate`` (F1/B5 reference stages), ``+pallas_state`` (Pallas F4 and B2),
     ``+warps=N`` / ``+stages=N`` / ``+f32dot=tf32x3`` (every Pallas stage's Triton tuning),
     ``+warps.FIELD=N`` (the Pallas stage ``FIELD`` alone, e.g. ``+warps.intra_bwd=16``: put
-    it after ``+warps=N``),
+    it after ``+warps=N``), ``+rows.FIELD=N`` (the rows a program of that Pallas stage's
+    Triton kernel takes, e.g. ``+rows.intra_bwd=16``: B4 on FLA's grid,
+    ``PallasIntraBackward.rows``),
     ``+noviews`` (every Pallas stage takes chunked copies of the inputs, not views of the
     caller's arrays: ``kdax._layouts.tokens``),
     ``+group=N|none`` / ``+unroll=N`` (every reference stage's chunk groups / the
@@ -129,6 +131,11 @@ def _with_option(pipe: KDAPipeline, opt: str, name: str) -> KDAPipeline:
         if not isinstance(stages.get(field), PallasTarget):
             raise ValueError(f"--pipes: {opt!r} in {name!r}: {field!r} is not a Pallas stage of this pipeline")
         return dataclasses.replace(pipe, **{field: dataclasses.replace(stages[field], num_warps=int(val))})
+    if key.startswith("rows."):  # one stage's rows a program (PallasIntraBackward.rows)
+        field = key.partition(".")[2]
+        if not (isinstance(stages.get(field), PallasTarget) and hasattr(stages[field], "rows")):
+            raise ValueError(f"--pipes: {opt!r} in {name!r}: {field!r} is not a Pallas stage with rows in this pipeline")
+        return dataclasses.replace(pipe, **{field: dataclasses.replace(stages[field], rows=int(val))})
     if key in ("warps", "stages", "f32dot", "noviews"):
         field = {"warps": "num_warps", "stages": "num_stages", "f32dot": "f32_dot", "noviews": "read_views"}[key]
         value = val if key == "f32dot" else (False if key == "noviews" else int(val))

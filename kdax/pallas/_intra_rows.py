@@ -95,11 +95,7 @@ def intra_bwd_rows_kernel(mm: Products, scale: float, C: int, B: int, has_lo: bo
             return (dq_a + mm.scaled_dot(None, pairs(da_ref, mine, theirs), kx),
                     r + mm.scaled_dot(None, pairs(dl_ref, mine, theirs), kx), seen)
 
-        dq_a, r, before = loop(0, I, rows_block, (zero, zero, zero))
         G, lo = g_ref[mine, :], lo_at(mine)
-        into = fast_decay(G, Ga, lo, loa)  # e^(G_i - G_a), i >= a
-        dq_a, r = into * dq_a, into * r
-
         seg_mine = None if seg_col is None else seg_col[mine, :]
 
         def rows_diag(j, acc):  # column t = r0 + j of the sub-block's own pairs i >= t
@@ -111,7 +107,13 @@ def intra_bwd_rows_kernel(mm: Products, scale: float, C: int, B: int, has_lo: bo
             return (jnp.where(ok, dq_a + da_ref[mine, t] * kx, dq_a),
                     jnp.where(ok, r + dl_ref[mine, t] * kx, r))
 
-        dq_a, r = loop(0, B, rows_diag, (dq_a, r))
+        # The sub-block's own pairs first, from zeros: their elementwise sums keep the
+        # elementwise tiles' layout (added in after the products', each step's sum went
+        # through shared memory into the products' layout).
+        dq_a, r = loop(0, B, rows_diag, (zero, zero))
+        pq, pr, before = loop(0, I, rows_block, (zero, zero, zero))
+        into = fast_decay(G, Ga, lo, loa)  # e^(G_i - G_a), i >= a
+        dq_a, r = dq_a + into * pq, r + into * pr
 
         # -- columns side: sub-blocks J > I, anchored at n = r0 + B - 1 --------------------
         last = pl.ds(r0 + B - 1, 1)
@@ -129,9 +131,6 @@ def intra_bwd_rows_kernel(mm: Products, scale: float, C: int, B: int, has_lo: bo
             return (e + mm.scaled_dot(None, pairs(da_ref, theirs, mine), qx, ta=True)
                     + mm.scaled_dot(None, pairs(dl_ref, theirs, mine), bx, ta=True)), seen
 
-        e, after = loop(I + 1, nsub, cols_block, (zero, zero))
-        e = fast_decay(Gn, G, lon, lo) * e  # e^(G_n - G_j), j <= n
-
         mine_idx = r0 + rows1
 
         def cols_diag(i, e):  # row t = r0 + i of the sub-block's own pairs j <= t
@@ -142,7 +141,9 @@ def intra_bwd_rows_kernel(mm: Products, scale: float, C: int, B: int, has_lo: bo
             d = jnp.where(ok, exponent(g_ref[t, :], G, lo_at(t), lo), 0.0)
             return jnp.where(ok, e + x * exp_by_exp2(d), e)
 
-        e = loop(0, B, cols_diag, e)
+        e = loop(0, B, cols_diag, zero)
+        pe, after = loop(I + 1, nsub, cols_block, (zero, zero))
+        e = e + fast_decay(Gn, G, lon, lo) * pe  # e^(G_n - G_j), j <= n
 
         # -- the reach of non-finite token values, then the outputs ------------------------
         q, k, beta = q_ref[mine, :], k_ref[mine, :], b_ref[mine, :]

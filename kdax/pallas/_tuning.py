@@ -52,6 +52,13 @@ def _tuning(name: str, doc: str, fields: dict, precision: Optional[str] = None) 
 _CANDIDATE = _every(num_warps=8, num_stages=2, f32_dot="tf32x3")
 for _s in ("state", "dhu"):
     _CANDIDATE[_s] = dict(_CANDIDATE[_s], block_k=64)
+# The candidate with B4 on FLA's grid (``PallasIntraBackward.rows``): one program per 16-token
+# sub-block and 32 feature columns, 4 warps (FLA's ``chunk_kda_bwd_kernel_intra`` at the
+# config its cost matches): sm_90, 2 stages, "fast", 128 registers dense and packed, none
+# spilled (4 CTAs an SM, against the whole-chunk kernel's one of 178 registers);
+# benchmarks/results/b4_rows16_resources.txt. Not yet timed on a GPU.
+_CANDIDATE_ROWS16 = {s: dict(f) for s, f in _CANDIDATE.items()}
+_CANDIDATE_ROWS16["intra_bwd"] = dict(_CANDIDATE_ROWS16["intra_bwd"], num_warps=4, rows=16)
 _FASTEST = {s: dict(f) for s, f in _CANDIDATE.items()}
 _FASTEST["intra"] = dict(_FASTEST["intra"], num_warps=16)
 _FASTEST["intra_bwd"] = dict(_FASTEST["intra_bwd"], num_warps=16)
@@ -93,6 +100,10 @@ TUNINGS: Mapping[str, Tuning] = MappingProxyType({t.name: t for t in (
                          "8 warps, 2 stages, TF32x3 float32 products, the state kernels as 64-row tiles; precision "
                          "'fast'",
             _CANDIDATE, "fast"),
+    _tuning("candidate-rows16", "the candidate with B4 on FLA's grid: one program per 16-token sub-block and 32 "
+                                "feature columns (PallasIntraBackward.rows=16) at 4 warps; the rest as 'candidate' "
+                                "(precision 'fast'); not yet timed on a GPU",
+            _CANDIDATE_ROWS16, "fast"),
     _tuning("minimal", "every field at its PallasTarget default (4 warps, 1 stage, IEEE float32 products): the "
                        "Triton pipeline's tuning before the default above; spills on sm_90", _every()),
 )})
