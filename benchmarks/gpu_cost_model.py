@@ -1156,8 +1156,12 @@ def main(argv=None) -> str:
     parts += ["", table(f"Prediction: {DEFAULT} at B={B} T={T} H={H}: the default tuning "
                         f"(KDAPipeline.pallas(\"triton\"), kdax.pallas.TUNINGS[\"default\"]), precision auto "
                         f"(bfloat16 for these inputs); no per-kernel profile (its step: below)", default, rate)]
+    # the kernels the run timed: kdax as at its checkout, or compiling to the figures predicted then
+    again = (round(before(now), 2), round(before(best), 2)) == (BEFORE["candidate"], BEFORE["best"])
     same = ("kdax unchanged since the run's checkout" if changed is False else
-            "kdax CHANGED since the run's checkout: these kernels may not be the ones it timed" if changed else
+            ("kdax changed since the run's checkout, its kernels' figures not (the sums predicted then, "
+             "recomputed below)" if again else "kdax CHANGED since the run's checkout and so did its kernels' "
+             "figures: these kernels may not be the ones it timed") if changed else
             "the run's checkout is not in this clone: unchecked")
     parts += ["", f"Out of sample (issue 53): the model as fitted before the run (on issue36's 12 kernels: two-rate "
                   f"R = {rate_2b / 1e9:.4f}, {bw_2b / 1e12:.2f} TB/s, the headline then; per-warp R = {rate_b / 1e9:.4f}; "
