@@ -48,6 +48,7 @@ from ._common import (
 from ._common import column_blocks, compiler_params, kernel_name, manual_inputs, put
 from ._intra_levels import aqk_and_l, f2_refs, intra_bwd_levels_kernel, intra_levels_kernel
 from ._intra_rows import intra_bwd_rows_kernel, row_block_call
+from ._intra_rows_f2 import intra_rows_scores_kernel, intra_solve_kernel, scores_rows_call
 
 
 def _blocks(C: int, block: int):
@@ -196,8 +197,9 @@ class PallasIntra(AbstractIntra, PallasFeatureBlocks):
     chunks, ``kdax._layouts.resets``) pairs across sequences are exact zeros. On Triton
     (``intra_blocks_kernel``) the chunk is taken as ``block``-token sub-blocks, every score
     block and every step of ``(I + L)^-1`` a tile product, summing over ``block_k`` feature
-    columns at a time; on TPU the whole chunk at once (``scores_body``,
-    ``unit_lower_inverse_body``)."""
+    columns at a time; with ``rows`` 16 or 32, the scores one program per block of
+    ``rows`` tokens and the inverse a second kernel (``kdax.pallas._intra_rows_f2``); on
+    TPU the whole chunk at once (``scores_body``, ``unit_lower_inverse_body``)."""
 
     math: ClassVar[Optional[str]] = KDA
 
@@ -208,6 +210,19 @@ class PallasIntra(AbstractIntra, PallasFeatureBlocks):
     # (sm_90, 8 warps, the candidate's tuning: 64 columns a step 238 registers and 12.8k
     # instructions a warp; 32 columns spilled 176 B once the scores' decays took exp2)
     block_k: int = eqx.field(static=True, default=64)
+    # The Triton kernel's rows a program: 64 (the default), the whole chunk
+    # (``intra_levels_kernel``, at any chunk size); 16 or 32, the scores one program per
+    # sub-block of that many tokens and ``(I + L)^-1`` a second kernel over the stored L
+    # (``kdax.pallas._intra_rows_f2``; a chunk smaller than ``rows`` is one sub-block). The
+    # same outputs and precision; Triton only (interpreted too).
+    rows: int = eqx.field(static=True, default=64)
+
+    def __check_init__(self):
+        if self.rows not in (16, 32, 64):
+            raise ValueError(f"rows: expected 16, 32 or 64, got {self.rows!r}.")
+        if self.rows != 64 and self.target != "triton":
+            raise ValueError(f"rows: {self.rows} is a Triton kernel's grid; target is {self.target!r} (leave rows "
+                             f"at 64).")
 
     @tuned
     def __call__(self, scale, q, k, beta, G, G_lo=None, reset=None, *, precision: str = "highest"):
@@ -222,13 +237,22 @@ class PallasIntra(AbstractIntra, PallasFeatureBlocks):
             extra, extra_specs = segment_operands(reset, HV, row=True)
             ins, specs = ins + extra, specs + extra_specs
         blocks = self.feature_blocks(ins[0].shape[-1])
+        stored = _precision.storage(q.dtype, precision)  # (bf16 under "fast")
+        if self.target == "triton" and self.rows != 64:
+            B = min(self.rows, C)
+            mm = self.products(precision)
+            kernel = intra_rows_scores_kernel(mm, scale, C, B, blocks, G_lo is not None, reset is not None)
+            Aqk, L = scores_rows_call(kernel, ins, C, B, R * HV, NC, stored, self.run_interpreted,
+                                      self.triton_params())
+            (Akk,) = self.call(intra_solve_kernel(mm, precision == "fast"), [L], [chunk_spec((C, C))], [(C, C)],
+                               R * HV, NC, stored)
+            return IntraOut(unflat(Aqk, R, HV), unflat(Akk, R, HV))
         if self.target == "triton":
             kernel = intra_levels_kernel(self.products(precision), scale, C, blocks, G_lo is not None, reset is not None,
                                          precision == "fast")
         else:
             kernel = intra_chunk_kernel(self.products(precision), scale, C, self.block, blocks, G_lo is not None,
                                         reset is not None)
-        stored = _precision.storage(q.dtype, precision)  # (bf16 under "fast")
         Aqk, Akk = self.call(kernel, ins, specs, [(C, C), (C, C)], R * HV, NC, stored)
         return IntraOut(unflat(Aqk, R, HV), unflat(Akk, R, HV))
 

@@ -59,6 +59,13 @@ for _s in ("state", "dhu"):
 # benchmarks/results/b4_rows16_resources.txt. Not yet timed on a GPU.
 _CANDIDATE_ROWS16 = {s: dict(f) for s, f in _CANDIDATE.items()}
 _CANDIDATE_ROWS16["intra_bwd"] = dict(_CANDIDATE_ROWS16["intra_bwd"], num_warps=4, rows=16)
+# And F2 there too (``PallasIntra.rows``): the scores one program per 16-token sub-block
+# (16 feature columns a step), ``(I + L)^-1`` a second kernel per chunk, 4 warps, 1 stage:
+# sm_90, no spills, the scores 96 registers under "fast" (5 CTAs an SM; 32 columns 134,
+# 2 stages more), the inverse 165 (3 CTAs; the whole-chunk kernel: one of 207 at 8 warps);
+# benchmarks/results/f2_rows16_resources.txt. Not yet timed on a GPU.
+_CANDIDATE_ROWS16_F2 = {s: dict(f) for s, f in _CANDIDATE_ROWS16.items()}
+_CANDIDATE_ROWS16_F2["intra"] = dict(_CANDIDATE_ROWS16_F2["intra"], num_warps=4, num_stages=1, block_k=16, rows=16)
 _FASTEST = {s: dict(f) for s, f in _CANDIDATE.items()}
 _FASTEST["intra"] = dict(_FASTEST["intra"], num_warps=16)
 _FASTEST["intra_bwd"] = dict(_FASTEST["intra_bwd"], num_warps=16)
@@ -104,6 +111,10 @@ TUNINGS: Mapping[str, Tuning] = MappingProxyType({t.name: t for t in (
                                 "feature columns (PallasIntraBackward.rows=16) at 4 warps; the rest as 'candidate' "
                                 "(precision 'fast'); not yet timed on a GPU",
             _CANDIDATE_ROWS16, "fast"),
+    _tuning("candidate-rows16-f2", "'candidate-rows16' with F2 on smaller programs as well: the scores one program per "
+                                   "16-token sub-block (PallasIntra.rows=16, 16 feature columns a step), (I + L)^-1 a "
+                                   "second kernel per chunk, 4 warps, 1 stage; precision 'fast'; not yet timed on a GPU",
+            _CANDIDATE_ROWS16_F2, "fast"),
     _tuning("minimal", "every field at its PallasTarget default (4 warps, 1 stage, IEEE float32 products): the "
                        "Triton pipeline's tuning before the default above; spills on sm_90", _every()),
 )})

@@ -21,7 +21,8 @@ def _fields(pipe) -> dict:
 
 
 def test_presets_named():
-    assert tuple(TUNINGS) == ("default", "fastest-modelled", "candidate", "candidate-rows16", "minimal")
+    assert tuple(TUNINGS) == ("default", "fastest-modelled", "candidate", "candidate-rows16", "candidate-rows16-f2",
+                             "minimal")
     for name, t in TUNINGS.items():
         assert t.name == name and t.doc and set(t.fields) == set(STAGES), name
 
@@ -99,7 +100,7 @@ def test_presets_are_the_benchmark_paths(preset, path):
 @pytest.mark.parametrize("bad", ["fast", "Default", "", 8])
 def test_bad_tuning_names_the_presets(bad):
     with pytest.raises(ValueError, match=r"tuning: expected one of \('default', 'fastest-modelled', 'candidate', "
-                                         r"'candidate-rows16', 'minimal'\)"):
+                                         r"'candidate-rows16', 'candidate-rows16-f2', 'minimal'\)"):
         KDAPipeline.pallas("triton", interpret=True, tuning=bad)
 
 
