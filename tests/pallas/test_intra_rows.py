@@ -209,8 +209,8 @@ def test_pipe_name_reaches_the_preset():
     built = gvf.kdax_pipeline("triton:candidate+warps.intra_bwd=4+rows.intra_bwd=16")
     assert built == gvf.kdax_pipeline("triton:candidate-rows16")
     assert built == kdax.KDAPipeline.pallas("triton", tuning="candidate-rows16")
-    with pytest.raises(ValueError, match="'intra' is not a Pallas stage with rows"):
-        gvf.kdax_pipeline("triton:candidate+rows.intra=16")
+    with pytest.raises(ValueError, match="'wy' is not a Pallas stage with rows"):
+        gvf.kdax_pipeline("triton:candidate+rows.wy=16")
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
