@@ -1,6 +1,4 @@
-"""The eleven stage fields (``STAGES``: step, family, reference stage) and the check
-that each field holds an implementation of its family. The checks of what a stage takes
-and returns run where the stages are called (``kdax._runner.runner``)."""
+"""The eleven stage fields (``STAGES``: step, family, reference stage) and the family check."""
 
 from typing import Any, NamedTuple
 

@@ -1,11 +1,9 @@
-"""How a pipeline's forward lays out its tokens, decided once before F1 runs
-(``forward_route``): dense, one sequence per chunk, or packed sequences sharing chunks
-(with or without initial states entering them); the gate parameters and initial states
-in the compute dtype; the layout's hooks between the stages, which also give the final
-states (``ForwardHooks``: dense and per-sequence layouts add nothing; shared chunks:
-``kdax._layouts.shared_states``), and the backward's (``backward_hooks``); the cleaner of
-non-finite inputs; and the forward's tiles. ``KDAPipeline.run_forward`` then runs F1-F5
-on the route (``on_route``: whole or tile by tile) as one straight line."""
+"""The forward's route, decided once before F1 (``forward_route``): the layout (dense,
+per-sequence, shared chunks, with or without initial states entering them), the gate
+parameters and initial states in the compute dtype, the layout's hooks, the cleaner of
+non-finite inputs and the tiles; ``on_route`` runs F1-F5 on it, whole or tile by tile.
+The plain layouts' hooks (forward and backward) are here; shared chunks' are in
+``kdax._layouts.shared_states``."""
 
 from typing import Callable, NamedTuple, Optional
 
@@ -24,29 +22,23 @@ from .runner import record_layout
 
 
 class ForwardHooks:
-    """What a layout adds to the forward F1-F5 (``KDAPipeline.run_forward``), at named
-    points between the stages, and the final states it returns: nothing, for the dense and
-    per-sequence layouts (shared chunks: ``kdax._layouts.shared_states.SharedForwardHooks``).
-
-    Data, not state: a hook object holds only what it was built with. ``f4_inputs``
-    returns the layout's own part of the forward (``extra``; None here), which the
-    pipeline passes to the later points and keeps in F1-F5's outputs (``fw.extra``)."""
+    """What a layout adds to F1-F5 at named points: nothing, for the dense and per-sequence
+    layouts. ``f4_inputs`` returns the layout's own part (``extra``), which the later points
+    take; a hook object holds only what it was built with."""
 
     def f4_inputs(self, h0, layout, *, act, intra, v, g, A_log, dt_bias) -> tuple:
-        """``(h0, layout, extra)``: the state table and layout F4 runs on (after F1-F3:
-        ``act``, ``intra``, the packed ``v`` and raw ``g``, the gate parameters)."""
+        """``(h0, layout, extra)`` F4 runs on, after F1-F3."""
         return h0, layout, None
 
     def v_out(self, v_new, extra):
-        """What F5 reads as ``v_new`` (F4's)."""
+        """What F5 reads as ``v_new``."""
         return v_new
 
     def after_output(self, oc, extra):
         return oc
 
     def final_states(self, fw, final):
-        """The final states ``[N, HV, K, V]`` the forward returns, from F1-F5's outputs
-        ``fw`` (``act``, ``h``, ``v_new``, ``extra``) and F4's ``final``."""
+        """The final states ``[N, HV, K, V]`` from F1-F5's outputs ``fw`` and F4's ``final``."""
         return final
 
     def residuals(self, layout, h0, extra) -> tuple:
@@ -55,20 +47,16 @@ class ForwardHooks:
 
 
 class BackwardHooks:
-    """What a layout adds to the six-stage backward (``KDAPipeline.backward_with_parts``),
-    at named points between the stages: nothing, for the dense and per-sequence layouts
-    and shared chunks with no initial state and no loss on the final states
-    (``kdax._layouts.shared_states.SharedChunkHooks`` is the other one). As in the
-    forward, the layout's own part (``extra``: None here) is a value returned by
-    ``after_dav`` and passed on through the later points, each returning it updated."""
+    """What a layout adds to the six-stage backward at named points: nothing, for dense and
+    per-sequence layouts (``SharedChunkHooks`` otherwise). ``extra`` is returned by
+    ``after_dav`` and threaded through the later points."""
 
     def b2_dht(self, dht, h0):
-        """The ``dht`` B2 starts from (``[N, HV, K, V]``; ``h0`` the residuals' state table;
-        a non-finite ``dht`` stays in its sequence)."""
+        """The ``dht`` B2 starts from (``[N, HV, K, V]``; non-finite heads read as zero)."""
         return jnp.zeros_like(h0) if dht is None else finite_or_zero(dht.astype(h0.dtype))
 
     def v_out(self, v_new):
-        """What F5 read as ``v_new`` (B1's and the stage arrays' ``v_new``)."""
+        """What F5 read as ``v_new``."""
         return v_new
 
     def after_dav(self, dv_intra, *, k, G, v_out, h) -> tuple:
@@ -76,8 +64,7 @@ class BackwardHooks:
         return dv_intra, None
 
     def after_dhu(self, dhu, run_dhu, extra) -> tuple:
-        """``(dhu, extra)``; ``run_dhu(dht, layout)`` runs B2 again from states alone (no
-        do, no dv_intra), ``layout`` a function giving the pass's layout."""
+        """``(dhu, extra)``; ``run_dhu(dht, layout)`` runs B2 again from states alone."""
         return dhu, extra
 
     def after_wy_dqkg(self, grads, extra, *, dv_intra, doc, Akk) -> tuple:
@@ -88,24 +75,20 @@ class BackwardHooks:
         return raw
 
     def initial_state(self, dhu, extra):
-        """The gradient of the initial states ``[N, HV, K, V]`` (None: none were given)."""
+        """The initial states' gradient ``[N, HV, K, V]`` (None: none were given)."""
         return dhu.dh0
 
 
 def backward_hooks(res, dht):
-    """The backward's layout hooks for residuals ``res`` (``KDAResiduals``) and the final
-    states' cotangent ``dht`` (or None): ``SharedChunkHooks`` on the shared-chunk layout,
-    else the plain ``BackwardHooks``."""
+    """``SharedChunkHooks`` on the shared-chunk layout, else the plain ``BackwardHooks``."""
     return BackwardHooks() if res.layout.reset is None else _shared_states.SharedChunkHooks(res, dht)
 
 
 class ForwardRoute(NamedTuple):
     """What ``forward_route`` decided: the layout, its hooks, F4's state table ``h0``
-    (``[N, HV, K, V]``, one zero entry in shared chunks), ``A_log`` and ``dt_bias`` in the
-    compute dtype ``dtype``, the inputs' dtypes as given, the cleaner (or None) and the
-    chunks per forward tile (None: each stage once over everything). ``h0_zero``: ``h0`` is
-    the zeros made for a call without initial states (not a state table of shared chunks):
-    F4 may be told so (``zero_h0``, a capability) and read none of it."""
+    ``[N, HV, K, V]``, ``A_log`` and ``dt_bias`` in the compute ``dtype``, the inputs'
+    dtypes, the cleaner (or None), chunks per tile (None: whole). ``h0_zero``: ``h0`` is
+    the zeros of a call without initial states (F4 may be told: ``zero_h0``)."""
 
     layout: ChunkLayout
     hooks: ForwardHooks
@@ -121,13 +104,10 @@ class ForwardRoute(NamedTuple):
 
 def forward_route(pipeline, config: KDAConfig, raw: tuple, h0, A_log, dt_bias, cu_seqlens, clean: bool,
                   entries: bool) -> ForwardRoute:
-    """The route of ``pipeline``'s forward on the caller's ``raw = (q, k, v, g, beta)``,
-    as the module docstring says (``KDAPipeline.run_forward``'s ``clean`` and ``entries``)."""
+    """The route of the forward on the caller's ``raw = (q, k, v, g, beta)`` (module docstring)."""
     (B, T, _, K), (HV, V), C = raw[0].shape, raw[2].shape[2:], config.chunk_size
     dt = compute_dtype(*raw, h0)
-    # (initial states entering shared chunks compute terms of F1's and F5's math in
-    # kdax._layouts.shared_states: only for stages that declare KDA's, as shares_chunks asks
-    # of every stage; others keep one sequence per chunk, every term from the stage)
+    # (entering states compute terms of F1's and F5's math outside them: KDA's only)
     entries = entries and all(is_kda(getattr(pipeline, n)) for n in ("gate", "output"))
     shared = (h0 is None or entries) and shares_chunks(pipeline, cu_seqlens)
     entering = shared and h0 is not None
@@ -154,11 +134,8 @@ def forward_route(pipeline, config: KDAConfig, raw: tuple, h0, A_log, dt_bias, c
 
 
 def on_route(route: ForwardRoute, stages: Callable, config: KDAConfig, raw: tuple, reads: tuple) -> tuple:
-    """``(o [B, T, HV, V], final states, stage outputs)`` of ``stages(chunked inputs,
-    state table, layout) -> (o chunked, stage outputs, final states)`` (F1-F5) run on
-    ``route``: once over the whole input (F1's and F3's inputs as ``chunked_inputs`` gives
-    them, ``reads`` whether each reads the caller's layout), or tile by tile
-    (``forward_tiled``: only where the hooks add nothing between the stages)."""
+    """``(o [B, T, HV, V], final states, stage outputs)`` of ``stages`` (F1-F5) on ``route``:
+    whole (``reads``: whether F1, F3 read ``Tokens`` views) or tile by tile."""
     HV = raw[2].shape[2]
     if route.tile is not None:
         return forward_tiled(stages, route.layout, raw, HV, route.dtype, route.h0, route.tile, route.clean)
@@ -174,9 +151,8 @@ def initial_states(h0, shape, dt):
 
 def in_compute_dtype(raw, h0, A_log, dt_bias, dt, shape) -> tuple:
     """``(in_dtypes, A_log, dt_bias, h0)``: the dtypes of (q, k, v, g, beta, h0, A_log,
-    dt_bias) as given, None where absent (the backward returns each gradient in its
-    input's dtype); the gate parameters and initial states in the compute dtype ``dt``
-    (zeros of ``shape`` when no initial states are given)."""
+    dt_bias) as given (None where absent), the rest in the compute dtype ``dt`` (``h0``:
+    zeros of ``shape`` when not given)."""
     in_dtypes = tuple(None if x is None else jnp.dtype(x.dtype) for x in (*raw, h0, A_log, dt_bias))
     cast = lambda x: None if x is None else x.astype(dt)
     return in_dtypes, cast(A_log), cast(dt_bias), initial_states(h0, shape, dt)

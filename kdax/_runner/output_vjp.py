@@ -1,26 +1,13 @@
-"""F5 alone differs: the six-stage backward with F5's transpose derived (``jax.vjp`` of
-that stage) and every other backward stage hand-written.
+"""F5 alone differs: the six-stage backward with F5's transpose derived (``jax.vjp`` of F5)
+and every other backward stage hand-written (``kdax._runner.routes.output_alone_differs``).
 
-``do`` enters the backward at three stages, each through one piece of KDA's F5
-(``o = scale qg h + Aqk v_new``): B1 forms ``dAqk`` and ``dv_intra`` (its ``Aqk v_new``
-piece), B2 adds ``scale qg^T do`` to each chunk's state cotangent (its ``h`` piece), B3
-forms ``dqg = scale do h^T`` (its ``qg`` piece). For an F5 of other math, ``jax.vjp`` of
-the stage at ``do`` gives ``d_qg, d_h, d_Aqk, d_v_new``, which take those places:
-
-* B1: not run; ``dAqk = d_Aqk``, ``dv_intra = d_v_new``.
-* B2: linear in ``do`` given ``qg``, it adds ``scale qg^T do`` and nothing else of
-  either, so ``d_h`` enters through that term: run with ``qg`` the rows of the identity
-  (``K`` at a time, ``C`` rows: ``ceil(K / C)`` passes, the later ones from ``do`` alone)
-  and ``do = d_h / scale``, the passes summed.
-* B3: run with ``do = 0``; ``d_qg`` then enters through F3's ``qg = q e^G`` (KDA's F3):
-  ``dq += d_qg e^G``, ``dG += qg d_qg``, as B3 adds its own ``dqg``.
-
-B0, B4, B5 are unchanged, so the memory and time are the six-stage backward's plus one
-VJP of F5. Taken where that is exact (``kdax._runner.routes.output_alone_differs``): F5's
-math is not KDA's, F3 declares KDA's, B2 and B3 transpose KDA's F5 (and every other
-forward stage's math, B5 excepted: F1 may differ too, B5 then F1's VJP); the sequences
-are then in chunks of their own (no ``reset`` table: F5 is not KDA's).
-"""
+``do`` enters through three pieces of KDA's F5 (``o = scale qg h + Aqk v_new``); the VJP
+of an F5 of other math at ``do`` gives ``d_qg, d_h, d_Aqk, d_v_new``, which take their
+places: B1 is not run (``dAqk = d_Aqk``, ``dv_intra = d_v_new``); B2, linear in ``do``
+through ``scale qg^T do``, runs with ``qg`` the rows of the identity (``ceil(K / C)``
+passes, summed) and ``do = d_h / scale``; B3 runs with ``do = 0``, ``d_qg`` entering
+through F3's ``qg = q e^G`` (``dq += d_qg e^G``, ``dG += qg d_qg``). B0, B4, B5 are
+unchanged. No ``reset`` table: F5 is not KDA's, so sequences keep chunks of their own."""
 
 import dataclasses
 
@@ -51,10 +38,8 @@ def _rows(x, j: int, C: int):
 
 
 def backward(pipeline, res, do, dht) -> tuple:
-    """``(KDAGrads, BackwardParts)``: the backward of the forward ``res``
-    (``KDAResiduals``, no ``reset`` table) at ``do`` ``[B, T, HV, V]`` and ``dht`` (or
-    None), F5's transpose derived (the module docstring). (``kdax._runner.stage_grads``
-    differentiates F5's own arrays from ``BackwardParts`` as after the six-stage backward.)"""
+    """``(KDAGrads, BackwardParts)`` of the forward ``res`` at ``do`` ``[B, T, HV, V]`` and
+    ``dht`` (or None), F5's transpose derived (module docstring)."""
     cfg, L, act = res.config, res.layout, res.act
     pipe = pipeline.resolved(res.in_dtypes[0])
     dt = res.h0.dtype

@@ -1,5 +1,4 @@
-"""What a pipeline's forward keeps for its backward (``KDAResiduals``, with ``read`` for
-any intermediate in the user's layout) and what its backward returns (``KDAGrads``)."""
+"""What the forward keeps for the backward (``KDAResiduals``) and what the backward returns (``KDAGrads``)."""
 
 import typing
 from typing import Callable, Optional
@@ -16,13 +15,10 @@ from ..stages import Activated, ForwardCache
 
 
 class EntryResiduals(eqx.Module):
-    """What the backward of initial states entering shared chunks needs besides
-    ``KDAResiduals`` (``kdax._layouts.shared_states``): the initial states ``h0`` ``[N, HV, K, V]``
-    as given, ``ok [N, HV]`` (or None: not checked) whether each head's is finite (where
-    not, it reads as zero), the start decays ``a [N, HV, K]``, the shared layout, the
-    first-chunk part ``v_new'`` ``[1, HV, NC, C, V]`` and the VJPs of the forward's
-    first-chunk part and start decays (``jax.vjp``'s, holding their own residuals: the
-    backward does not run them again)."""
+    """The backward's part of initial states entering shared chunks: ``h0`` ``[N, HV, K, V]``
+    as given, ``ok [N, HV]`` (or None) which heads are finite, the start decays ``a``, the
+    shared layout, the first-chunk ``v_new'`` ``[1, HV, NC, C, V]`` and the VJPs of the
+    first-chunk part and of the start decays (their residuals held: not run again)."""
 
     h0: SeqState
     ok: Optional[Bool[Array, "N HV"]]
@@ -34,16 +30,11 @@ class EntryResiduals(eqx.Module):
 
 
 class KDAResiduals(eqx.Module):
-    """What the backward needs, in the chunked layout ``[R, HV, NC, C, ...]`` (see
-    ``docs/stages.md``). Always: the activated inputs (``act``: q, k, beta, G and the l2norm
-    statistics), v, the raw gate input when the gate is in-kernel, the gate parameters,
-    ``Aqk``, ``Akk``, the initial states ``h0`` ``[N, HV, K, V]`` (one zero entry when the
-    sequences share chunks: ``layout.reset``) and the layout. ``cache``
-    holds the rest of the forward (w, u, qg, kg, h, v_new) when it was kept
-    (``disable_recompute=True``, or ``pipeline.forward``).
-
-    ``read(name)`` gives any intermediate in the user's layout (``[B, T, HV, ...]``, or per
-    sequence), jit-safe."""
+    """What the backward needs, chunked ``[R, HV, NC, C, ...]``: the activated inputs
+    (``act``), v, the raw gate input (in-kernel gate), the gate parameters, ``Aqk``,
+    ``Akk``, the state table ``h0`` ``[N, HV, K, V]`` (one zero entry in shared chunks) and
+    the layout; ``cache`` (w, u, qg, kg, h, v_new) when kept (``disable_recompute``,
+    ``pipeline.forward``). ``read(name)`` gives an intermediate in the user's layout."""
 
     config: KDAConfig = eqx.field(static=True)
     layout: ChunkLayout
@@ -60,11 +51,9 @@ class KDAResiduals(eqx.Module):
     # dtypes of (q, k, v, g, beta, initial_state, A_log, dt_bias) as given (None if absent)
     in_dtypes: tuple = eqx.field(static=True)
     cu_seqlens: Optional[Int[Array, " N1"]] = None
-    # Initial states entering shared chunks (kdax._layouts.shared_states; None otherwise): the
-    # layout is then ``injected_layout`` and ``h0`` its state table.
+    # States entering shared chunks (or None): ``layout`` is then ``injected_layout``, ``h0`` its table.
     entries: Optional[EntryResiduals] = None
-    # ``h0`` is the zeros of a call without initial states (``ForwardRoute.h0_zero``): B0
-    # may tell F4 so (``zero_h0``). Code that puts other states in ``h0`` sets it False.
+    # ``h0`` is the zeros of a call without initial states (``ForwardRoute.h0_zero``).
     h0_zero: bool = eqx.field(static=True, default=False)
 
     # Token-level intermediates: where each lives. "h" (per chunk) is handled apart.
@@ -76,8 +65,7 @@ class KDAResiduals(eqx.Module):
 
     @classmethod
     def of_forward(cls, config: KDAConfig, route, fw, num_qk_heads: int, cu_seqlens) -> "KDAResiduals":
-        """The residuals of a forward on ``route`` (``kdax._runner.forward``) whose F1-F5
-        gave ``fw`` (their outputs and the packed ``v``, ``g``), with the full cache."""
+        """The residuals of a forward on ``route`` whose F1-F5 gave ``fw``, with the full cache."""
         act, intra, wy = fw.act, fw.intra, fw.wy
         cache = ForwardCache.of(act.G, intra, wy, fw.h, fw.v_new)
         L, h0, parts = route.hooks.residuals(route.layout, route.h0, fw.extra)  # (entries: the injected layout, its table)
@@ -93,8 +81,7 @@ class KDAResiduals(eqx.Module):
         return tuple(cls._TOKEN) + ("h",)
 
     def check_cotangents(self, do, dht) -> None:
-        """``ValueError`` unless ``do`` is ``[B, T, HV, V]`` and ``dht`` (or None) ``[N, HV, K, V]``
-        for this forward (what ``KDAPipeline.backward`` takes)."""
+        """``ValueError`` unless ``do`` is ``[B, T, HV, V]`` and ``dht`` (or None) ``[N, HV, K, V]``."""
         L = self.layout
         want = (L.valid.shape[0] if L.pos is None else 1, L.T, self.v.shape[1], self.v.shape[-1])
         if tuple(do.shape) != want:
@@ -104,17 +91,12 @@ class KDAResiduals(eqx.Module):
             raise ValueError(f"dht: expected shape [N, HV, K, V] = {(N,) + tuple(self.h0.shape[1:])}, got {tuple(dht.shape)}.")
 
     def read(self, name: str, per_sequence: bool = False) -> Array:
-        """Intermediate ``name`` (``names()``) in the user's layout, jit-safe.
-
-        Token-level quantities come as ``[B, T, HV, ...]`` (``beta`` ``[B, T, HV]``; a row of
-        ``Aqk``/``Akk``: ``[B, T, HV, C]``, the token's row of its chunk's matrix, columns
-        the chunk's positions); q, k are the activated ones, expanded to the HV value
-        heads; ``G`` the chunk-local cumulative log decay. ``h``, the state at the start
-        of each chunk, comes as ``[B, NC, HV, K, V]``.
-
-        ``per_sequence``: packed varlen input (``cu_seqlens``) as ``[N, T, HV, ...]``,
-        sequence n's tokens first and zeros after (``h``: ``[N, ceil(T / C), HV, K, V]``,
-        its chunks first); dense input is already one sequence per row."""
+        """Intermediate ``name`` (``names()``) in the user's layout, jit-safe: ``[B, T, HV, ...]``
+        (``beta`` ``[B, T, HV]``; ``Aqk``/``Akk``: the token's row of its chunk's matrix,
+        ``[B, T, HV, C]``); q, k activated and expanded to HV heads; ``G`` the chunk-local
+        cumulative log decay; ``h`` (each chunk's start state) ``[B, NC, HV, K, V]``.
+        ``per_sequence``: packed input as ``[N, T, HV, ...]`` (``h``: ``[N, ceil(T / C), HV, K, V]``),
+        each sequence first, zeros after."""
         if name == "h":
             return self._read_h(per_sequence)
         if name not in self._TOKEN:
@@ -153,8 +135,7 @@ class KDAResiduals(eqx.Module):
 
 
 def _per_sequence(x, start, count, width: int):
-    """``x [1, L, ...]`` as ``[N, width, ...]``: sequence n's rows from ``start[n]``, zeros
-    after its ``count[n]``."""
+    """``x [1, L, ...]`` as ``[N, width, ...]``: rows from ``start[n]``, zeros after ``count[n]``."""
     j = jnp.arange(width)
     rows = x[0, jnp.clip(start[:, None] + j[None], 0, max(x.shape[1] - 1, 0))]
     ok = j[None] < count[:, None]
@@ -162,10 +143,8 @@ def _per_sequence(x, start, count, width: int):
 
 
 class KDAGrads(eqx.Module):
-    """Gradients of every differentiable input, in ``chunk_kda``'s layouts (float32 or
-    float64; ``chunk_kda``'s VJP casts them to the inputs' dtypes). ``initial_state`` is
-    ``[N, HV, K, V]``; entries are None where the input was not given (``initial_state``:
-    None also after a forward with shared chunks, which had none)."""
+    """Gradients of every differentiable input in ``chunk_kda``'s layouts (float32 or float64;
+    the VJP casts them to the inputs' dtypes); None where the input was not given."""
 
     q: Float[Array, "B T H K"]
     k: Float[Array, "B T H K"]
@@ -179,11 +158,9 @@ class KDAGrads(eqx.Module):
     @classmethod
     def unpacked(cls, layout: ChunkLayout, raw, dv, num_qk_heads: int, initial_state: Callable,
                  final: Optional[FinalGrads] = None) -> "KDAGrads":
-        """The gradients in ``chunk_kda``'s layouts from B5's ``raw`` and B3/B4's ``dv``
-        (chunked), q's and k's summed over each group of value heads; ``initial_state()``
-        gives the initial states' (``[N, HV, K, V]`` or None; called after the others are
-        unpacked). ``final`` (``kdax._layouts.tokens.FinalGrads``): q's to beta's as the
-        call's results, a ``Written`` one as the stage wrote it, any other finished here."""
+        """The gradients from B5's ``raw`` and the chunked ``dv``, q and k summed over each group
+        of value heads; ``initial_state()`` gives ``[N, HV, K, V]`` or None. ``final``: q's to
+        beta's as the call's results (a ``Written`` one as the stage wrote it)."""
         H = num_qk_heads
 
         def out(name, x, as_array=lambda y: y):

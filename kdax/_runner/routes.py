@@ -1,21 +1,11 @@
-"""The backward follows the forward: whether a pipeline's hand-written backward stages
-are the transposes of its forward stages, and, where they are not, the backward derived
-from the forward stages themselves.
+"""Which math each stage computes or transposes, and the routes that follow.
 
-Every forward stage declares the formula it computes (``math``: ``kdax.stages.KDA`` for
-its family's own, None for anything else) and every backward stage which forward math it
-is the transpose of, per forward field (``transposes``). Which backward stages transpose
-which forward stage is fixed by the algorithm (``TRANSPOSED_BY``; docs/stages.md, "Which
-backward stage reads what"): ``do`` enters B1, B2 and B3, so all three transpose F5. When a
-forward stage's math is not what each of its backward stages says it transposes (a user's
-F5 computing ``c o``, say, beside the reference B1-B3), the six-stage backward would
-return the original algorithm's gradients; ``chunk_kda``'s VJP then differentiates the
-forward stages with ``jax.vjp`` instead (exact by construction), says so once
-(``FallbackWarning``) and in ``plan``. Forward stages that declare KDA's math are
-differentiated as their family's reference stage (a Pallas kernel has no JAX derivative);
-a forward stage of other math that JAX cannot differentiate is a ``DerivedBackwardError``
-at trace time, naming the stage and what to pass.
-"""
+Forward stages declare ``math`` (``kdax.stages.KDA`` or None), backward stages which
+forward math they transpose, per field (``transposes``); ``TRANSPOSED_BY`` is fixed by
+the algorithm. Where a backward stage does not transpose its forward stage, the
+gradient is derived by ``jax.vjp`` through the forward stages instead (exact; KDA-math
+stages run as their reference). A route a declaration selects (shared chunks, tiles) is
+taken only for stages of KDA's math (``unchecked``). docs/stages.md, §4."""
 
 import contextlib
 import dataclasses
@@ -51,10 +41,8 @@ def _name(pipeline, field: str) -> str:
 
 
 def mismatches(pipeline, skip_gate: bool = False, skip: tuple = ()) -> tuple:
-    """Why ``pipeline``'s backward stages are not the transposes of its forward stages:
-    one sentence per forward stage that some backward stage of ``TRANSPOSED_BY`` does not
-    transpose; empty when the hand-written backward is exact. ``skip_gate``: leave F1 and
-    its transpose B5 out; ``skip``: these forward fields too."""
+    """One sentence per forward field that a backward stage of ``TRANSPOSED_BY`` does not
+    transpose (empty: the six-stage backward is exact); ``skip_gate``/``skip`` leave fields out."""
     out = []
     for f, readers in TRANSPOSED_BY.items():
         if (skip_gate and f == "gate") or f in skip:
@@ -69,25 +57,21 @@ def mismatches(pipeline, skip_gate: bool = False, skip: tuple = ()) -> tuple:
 
 
 def _is_vjp_of(backward, forward) -> bool:
-    """Whether backward stage ``backward`` is JAX's VJP of (a stage of the class of)
-    ``forward``, or of its reference stage when ``forward`` declares KDA's math
-    (``kdax.stages.GateVjpBackward``): its transpose whatever the math."""
+    """Whether ``backward`` is JAX's VJP of ``forward``'s class, or of its reference when
+    ``forward`` is of KDA's math (``GateVjpBackward``): a transpose whatever the math."""
     held = getattr(backward, "vjp_of", None)
     return held is not None and (type(held) is type(forward) or (is_kda(forward) and is_kda(held)))
 
 
 def whole_derived(pipeline) -> bool:
-    """Whether the backward is derived whole by ``jax.vjp`` through F1-F5: the backward
-    stages miss a transpose other than F1's (F1's alone: B5 is F1's VJP, B0-B4 hand-written)."""
+    """Whether the backward is derived whole (a transpose other than F1's is missing)."""
     return bool(mismatches(pipeline)) and not gate_alone_differs(pipeline)
 
 
 def output_alone_differs(pipeline) -> bool:
-    """Whether ``pipeline``'s backward misses F5's transpose (F1's perhaps too) in the way
-    ``kdax._runner.output_vjp`` derives exactly: F5's math is not KDA's, F3's is, B2 and B3
-    transpose KDA's F5, and every other forward stage is transposed (B5 excepted: then
-    F1's VJP, ``gate_vjp_pipeline``). B0 and B2-B5 stay hand-written, F5's transpose is
-    ``jax.vjp`` of F5. (One device; sequence parallel derives the backward whole.)"""
+    """Whether F5's transpose alone is missing (F1's perhaps too) in the way
+    ``kdax._runner.output_vjp`` derives exactly: F5 not KDA's, F3 KDA's, B2 and B3
+    transposing KDA's F5, every other forward stage transposed (one device)."""
     if pipeline.output.math == KDA or not is_kda(pipeline.wy) or not mismatches(pipeline):
         return False
     if mismatches(pipeline, skip=("gate", "output")):
@@ -96,38 +80,31 @@ def output_alone_differs(pipeline) -> bool:
 
 
 def gate_differs(pipeline) -> bool:
-    """Whether B5 does not transpose ``pipeline``'s F1 (B5 is then F1's VJP when the rest
-    of the backward is hand-written: ``gate_vjp_pipeline``)."""
+    """Whether B5 does not transpose F1."""
     return bool(mismatches(pipeline, skip=tuple(f for f in TRANSPOSED_BY if f != "gate")))
 
 
 def gate_alone_differs(pipeline) -> bool:
-    """Whether ``pipeline``'s backward misses only F1's transpose (B5 does not transpose its
-    F1, every other backward stage transposes its forward stages): then B5 alone is
-    derived, by ``jax.vjp`` of F1 (``gate_vjp_pipeline``), and B0-B4 stay hand-written."""
+    """Whether only F1's transpose is missing: B5 then is F1's VJP (``gate_vjp_pipeline``)."""
     return bool(mismatches(pipeline)) and not mismatches(pipeline, skip_gate=True)
 
 
 def gate_vjp_pipeline(pipeline, res, inputs):
-    """``pipeline`` with B5 the VJP of its F1 (``kdax.stages.GateVjpBackward``) at the
-    forward's chunked raw inputs (``inputs``: the raw, cleaned ``q, k, v, g, beta``; ``res``
-    the forward's residuals). An F1 declaring KDA's math is differentiated as the
-    reference F1 (a Pallas kernel has no JAX derivative)."""
+    """``pipeline`` with B5 the VJP of its F1 (as the reference F1 where it is KDA's) at the
+    forward's chunked raw ``inputs`` (q, k, v, g, beta, cleaned)."""
     qc, kc, _, gc, bc = pack_inputs(res.layout, tuple(inputs[:5]), res.v.shape[1], res.h0.dtype)
     gate = STAGES["gate"].reference() if is_kda(pipeline.gate) else pipeline.gate
     return dataclasses.replace(pipeline, gate_bwd=GateVjpBackward(gate, qc, kc, gc, bc))
 
 
 def is_kda(stage) -> bool:
-    """Whether ``stage`` declares its family's own formula (what the reference stage computes)."""
+    """Whether ``stage`` declares its family's own formula (``math == KDA``)."""
     return getattr(stage, "math", None) == KDA
 
 
 def reference_is_exact(field: str, stage) -> bool:
-    """Whether the reference stage of ``field``'s family computes what ``stage`` does (so
-    that falling back to it on ``UnsupportedCase`` changes no number): a forward stage of
-    KDA's math, a backward stage transposing KDA's math of every field it transposes, B0
-    (it re-runs the pipeline's own F3 and F4)."""
+    """Whether falling back to ``field``'s reference stage changes no number: a forward stage
+    of KDA's math, a backward stage transposing KDA's math everywhere, or B0."""
     if STAGES[field].forward:
         return is_kda(stage)
     if field == "recompute":
@@ -137,14 +114,10 @@ def reference_is_exact(field: str, stage) -> bool:
 
 
 def unchecked(pipeline, fields=None) -> tuple:
-    """The fields (of ``fields``, default every stage) whose stage's math is not checked
-    against the reference stage (not ``reference_is_exact``: ``check_stage``'s reference
-    check does not cover it). The one rule of routes: a route that a declaration selects
-    (shared chunks, ``reset``, tiles) is taken only when no stage it reaches is here, so
-    that a false declaration changes no number (docs/stages.md, "Capabilities"). A tile
-    is a KDA problem with an initial state and a shared chunk KDA with exact resets: a
-    KDA stage wrong there is wrong KDA, which the reference check reports. A pipeline
-    with ``trust_declarations`` (``kdax.testing`` checking a declaration) has none."""
+    """The fields (default: all) whose stage's math is not checked against the reference
+    (not ``reference_is_exact``). The one rule of routes: a route a declaration selects is
+    taken only when no stage it reaches is here, so a false declaration changes no number.
+    None with ``trust_declarations``."""
     if pipeline.trust_declarations:
         return ()
     fields = tuple(STAGES) if fields is None else fields
@@ -152,8 +125,7 @@ def unchecked(pipeline, fields=None) -> tuple:
 
 
 def routed(pipeline, field: str) -> Capabilities:
-    """The capabilities of ``pipeline``'s stage in ``field`` that select a route: its
-    declaration, less ``reset`` and ``tile_safe`` unless its math is checked (``unchecked``)."""
+    """The stage's capabilities, less ``reset`` and ``tile_safe`` unless its math is checked."""
     stage = getattr(pipeline, field)
     caps = capabilities(type(stage))
     if pipeline.trust_declarations or reference_is_exact(field, stage):
@@ -179,12 +151,8 @@ def warn_derived(pipeline) -> None:
 
 
 def differentiable_forward(pipeline):
-    """``(pipeline'', swapped fields)``: ``pipeline`` untiled, each forward stage that
-    declares KDA's math run as its family's reference stage (same math, differentiable by
-    JAX; swapped: the fields whose stage was not that reference stage); the other stages
-    kept, and differentiated as they are. The reference stages' VJPs are chunk-local:
-    their chunk loops carry their own (``kdax._numerics.chunk_loops.over_chunks``,
-    ``kdax.stages._state``'s recurrence), each group or chunk rematerialised."""
+    """``(pipeline untiled with each KDA-math forward stage as its reference, swapped
+    fields)``: differentiable by JAX; the reference stages' chunk loops carry their own VJPs."""
     swaps, swapped = {}, []
     for name, info in STAGES.items():
         stage = getattr(pipeline, name)
@@ -195,11 +163,8 @@ def differentiable_forward(pipeline):
 
 
 def derived_vjp(pipeline, run, inputs):
-    """``(outputs, vjp, swapped)``: ``run(inputs, pipeline'')`` through the forward
-    stages (``differentiable_forward``), ``vjp(cotangents) -> (d_inputs, d_pipeline'')``
-    (``pipeline_cotangent`` maps the latter onto the caller's pipeline) and the swapped
-    fields. Raises ``DerivedBackwardError`` when JAX cannot differentiate a forward
-    stage."""
+    """``(outputs, vjp, swapped)`` of ``run(inputs, pipeline'')`` (``differentiable_forward``);
+    ``DerivedBackwardError`` when JAX cannot differentiate a forward stage."""
     reasons = mismatches(pipeline)
     _warn_once(reasons)
     diff_pipe, swapped = differentiable_forward(pipeline)
@@ -210,9 +175,7 @@ def derived_vjp(pipeline, run, inputs):
 
 @contextlib.contextmanager
 def derivable(pipeline, fields=None):
-    """Inside the block, JAX failing to differentiate a forward stage of ``pipeline`` (of
-    ``fields``, default those not of KDA's math) is a ``DerivedBackwardError`` naming them
-    and what to pass."""
+    """JAX failing to differentiate a forward stage (of ``fields``) becomes a ``DerivedBackwardError``."""
     try:
         yield
     except (ValueError, NotImplementedError, TypeError) as e:
@@ -230,9 +193,7 @@ def derivable(pipeline, fields=None):
 
 
 class DerivedResiduals(eqx.Module):
-    """The residuals of the derived backward (one device or a device's part of sequence
-    parallel): the forward's VJP, the swapped fields, and what the cotangents need (the
-    primal outputs' shapes, the q/k heads)."""
+    """The derived backward's residuals: the forward's VJP, the swapped fields, the outputs' shapes."""
 
     vjp: object
     swapped: tuple = eqx.field(static=True)
@@ -247,10 +208,8 @@ class DerivedResiduals(eqx.Module):
 
 
 def derived_gradients(res: DerivedResiduals, where, do, dht, cu_seqlens) -> tuple:
-    """``(input gradients (q, k, v, g, beta, h0, A_log, dt_bias), d_pipeline)``: the
-    forward's VJP at the cleaned cotangents (``do``, ``dht`` or None: symbolic zeros), NaN
-    put where the recurrence's gradients have it, as the six-stage backward does
-    (``kdax._numerics.isolation``)."""
+    """``(input gradients (q, k, v, g, beta, h0, A_log, dt_bias), d_pipeline)`` at the
+    cleaned cotangents (None: zeros), NaN where isolation puts it, as the six-stage backward."""
     zeros_if_none = lambda x, like: jnp.zeros(like.shape, like.dtype) if x is None else x  # (symbolic zeros)
     do, poison = _isolation.clean_cotangents(zeros_if_none(do, res.o), dht, cu_seqlens, res.num_qk_heads)
     dht = _isolation.finite_or_zero(zeros_if_none(dht, res.final))
@@ -263,17 +222,14 @@ def derived_gradients(res: DerivedResiduals, where, do, dht, cu_seqlens) -> tupl
 
 
 def is_autodiff_failure(e: Exception) -> bool:
-    """Whether ``e`` is JAX saying it cannot differentiate something (a Pallas kernel, a
-    loop of dynamic length): by its message, JAX raising plain exception types."""
+    """Whether ``e`` is JAX saying it cannot differentiate something (by its message)."""
     text = str(e)
     return any(s in text for s in ("reverse-mode", "Differentiation rule", "not implemented for",
                                    "Linearization failed", "transpose rule", "JVP"))
 
 
 def pipeline_cotangent(perturbed, d_pipe, swapped: tuple):
-    """The gradients of the caller's pipeline arrays (``perturbed``: its flags) from
-    ``d_pipe`` (the differentiated pipeline's): None for swapped fields and every leaf not
-    perturbed."""
+    """The caller's pipeline gradient from the differentiated one (None for swapped fields)."""
     return as_pipeline_gradient(perturbed, {n: getattr(d_pipe, n) for n in STAGES if n not in swapped})
 
 
@@ -283,12 +239,8 @@ RESET_FIELDS = ("gate", "intra", "wy", "state", "recompute", "dhu", "wy_dqkg", "
 
 
 def shares_chunks(pipeline, cu_seqlens) -> bool:
-    """Whether ``pipeline`` can pack the sequences of ``cu_seqlens`` into shared chunks
-    (``share_chunks``), by the one rule (``unchecked``): packed varlen input, every stage
-    of KDA's math (the shared chunks' final states are F4's math computed around the
-    stages, ``kdax._layouts.shared_states``), and the stages of ``RESET_FIELDS`` accepting
-    ``reset`` (or ``fallback`` to the reference ones). Whether initial states may enter
-    them is the forward's route to decide (``kdax._runner.forward``)."""
+    """Whether packed ``cu_seqlens`` input runs in shared chunks: ``share_chunks``, every
+    stage of KDA's math, and every ``RESET_FIELDS`` stage taking ``reset`` (or falling back)."""
     if not pipeline.share_chunks or cu_seqlens is None:
         return False
     if not is_kda(pipeline.state) or unchecked(pipeline):
@@ -298,15 +250,12 @@ def shares_chunks(pipeline, cu_seqlens) -> bool:
 
 
 def unsafe_for_tiles(pipeline) -> tuple:
-    """The forward stages of ``pipeline`` that are not tile-safe by the one rule of routes
-    (``routed``): their class does not declare ``tile_safe``, or their math is not KDA's.
-    With any, the forward runs whole (untiled)."""
+    """The forward fields not tile-safe by ``routed``: with any, the forward runs whole."""
     return tuple(n for n, i in STAGES.items() if i.forward and not routed(pipeline, n).tile_safe)
 
 
 def tile_chunks(pipeline, rows_heads: int, num_chunks: int) -> Optional[int]:
-    """Chunks per forward tile of ``pipeline`` (its ``tile``: about that many (row, head,
-    chunk) blocks), or None to run each stage once over everything."""
+    """Chunks per forward tile (``tile`` blocks of (row, head, chunk)), or None: whole."""
     if pipeline.tile is None or unsafe_for_tiles(pipeline):
         return None
     n = max(1, pipeline.tile // max(rows_heads, 1))
@@ -314,8 +263,7 @@ def tile_chunks(pipeline, rows_heads: int, num_chunks: int) -> Optional[int]:
 
 
 def check_transposes(pipeline) -> None:
-    """``DerivedBackwardError`` unless ``pipeline``'s backward stages transpose its forward
-    stages (``mismatches``): what ``KDAPipeline.backward`` runs only when exact."""
+    """``DerivedBackwardError`` unless the backward stages transpose the forward stages."""
     why = mismatches(pipeline)
     if why:
         raise DerivedBackwardError(

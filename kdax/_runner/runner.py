@@ -1,27 +1,10 @@
-"""The stage runner: how a pipeline calls one of its stages. Every stage call of
-``KDAPipeline`` (forward, backward, B0's F3/F4, ``kdax.parallel``'s passes, the stage
-array gradients) goes through ``run_stage``:
-
-1. the field's family is checked (a stage edited in with ``eqx.tree_at`` too);
-2. what the stage is given (``stage_arguments``): capabilities negotiated from its
-   declaration (``kdax._stage_protocol.capabilities``): the optional inputs ``G_lo`` and ``reset`` go only to a stage that accepts them, ``reset``
-   only to one whose math is checked against the reference (``kdax._runner.routes.routed``); a
-   stage that lacks what the case needs (``reset`` on a shared-chunk layout) raises
-   ``UnsupportedCase``; a stage given ``reset`` has the terms between sequences masked
-   where the pipeline can do it exactly (``kdax._layouts.resets.guard_outputs``);
-3. the call (``call_stage``): the precision policy passed as ``precision=`` to a stage
-   that declares it (``told``), the arguments checked against the stage's ``__call__``
-   (``_check_arguments``);
-4. the stage run under its named scope; on ``UnsupportedCase``
-   with ``fallback`` the reference stage of the family runs instead (one
-   ``FallbackWarning`` per field, implementation and reason);
-5. the intermediates it stores (``kdax._numerics.precision.STORED``) are cast to the policy's
-   storage dtype (bf16 under ``"fast"``), and its output is checked against its family's
-   ``output_spec`` (container, shapes, dtypes: ``_check_output``) before the next stage
-   sees it, all when traced;
-6. an active ``Recording`` (``recording()``: ``plan``, ``stage_inputs``) notes the
-   arguments and which implementation ran.
-"""
+"""The stage runner: every stage call of a pipeline goes through ``run_stage``, which
+checks the field's family, gives the stage the arguments its declaration accepts
+(``stage_arguments``), calls it under its named scope with the precision policy, falls
+back to the reference stage on ``UnsupportedCase`` (``call_stage``), casts what it
+stores, and checks its output against the family's ``output_spec``. An active
+``recording()`` (the one ContextVar: ``plan``, ``stage_inputs``, ``kdax.testing``) notes
+what ran on what."""
 
 import contextlib
 import contextvars
@@ -47,9 +30,9 @@ from .routes import reference_is_exact, routed
 
 
 class Recording:
-    """What ``run_stage`` noted while a ``recording()`` was active: per field, the first
-    call's keyword arguments (``inputs``) and ``(stage, implementation that ran, reason)``
-    (``ran``); ``layout``: which layout the forward ran. ``quiet``: no fallback warnings."""
+    """What ``run_stage`` noted: per field the first call's arguments (``inputs``) and
+    ``(stage, what ran, reason)`` (``ran``), the forward's ``layout``, ``derived``
+    (reasons, swapped fields) when the backward was derived. ``quiet``: no fallback warnings."""
 
     def __init__(self, quiet: bool = False):
         self.inputs: dict = {}
@@ -65,7 +48,7 @@ _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("kdax_recordings", defa
 
 @contextlib.contextmanager
 def recording(quiet: bool = False):
-    """Record the stage calls made inside the block (``plan``, ``stage_inputs``)."""
+    """Record the stage calls made inside the block."""
     rec = Recording(quiet)
     token = _ACTIVE.set(_ACTIVE.get() + (rec,))
     try:
@@ -88,18 +71,13 @@ def _warn_once(name: str, impl: str, reason: str) -> None:
 
 
 def run_stage(pipeline, name: str, **kwargs):
-    """Run ``pipeline``'s stage ``name`` on keyword arguments, as the module docstring
-    says: what the stage is given (``stage_arguments``), the call and its fallback
-    (``call_stage``), under the stage's named scope and precision policy, then the storage
-    cast and the output contract. Returns the stage's output."""
+    """Run ``pipeline``'s stage ``name`` on keyword arguments (module docstring); returns its output."""
     stage = getattr(pipeline, name)
     check_family(name, stage)
     given, needs_reset, guard = stage_arguments(pipeline, name, stage, kwargs)
     for rec in _ACTIVE.get():
         rec.inputs.setdefault(name, given)
-    # The named scope labels every op of the stage in HLO dumps and profiles. The policy
-    # is told to the stages that declare ``precision`` (kdax's own: HIGHEST products, unless
-    # it lets their family take half-precision operands); a user's stage keeps the caller's.
+    # The policy goes to stages that declare ``precision``; a user's stage keeps the caller's.
     policy = "highest" if pipeline.precision == "auto" else pipeline.precision  # unresolved: safe
     with jax.named_scope(f"kdax_{name}"):
         ran, reason, out = call_stage(pipeline, name, stage, given, kwargs, needs_reset, guard, policy)
@@ -112,18 +90,14 @@ def run_stage(pipeline, name: str, **kwargs):
 
 
 def stage_arguments(pipeline, name: str, stage, kwargs: dict) -> tuple:
-    """``(the keyword arguments stage gets, needs_reset, guard)``: the optional inputs its
-    declaration accepts (``negotiated``), ``reset`` only if its math is checked
-    (``routed``; ``needs_reset``: the layout needs one it does not take), and, where the
-    pipeline can make the reset exact itself (``guard``), the inputs masked for it
-    (``kdax._layouts.resets``)."""
-    caps = routed(pipeline, name)  # (reset only to a stage whose math is checked: kdax._runner.routes.unchecked)
+    """``(the arguments the stage gets, needs_reset, guard)``: what its declaration accepts,
+    ``reset`` only if its math is checked (``needs_reset``: the layout needs one it does not
+    take), and the inputs masked where the pipeline makes the reset exact (``guard``)."""
+    caps = routed(pipeline, name)  # (reset only to a stage whose math is checked)
     kwargs = negotiated(stage, kwargs)
     needs_reset = kwargs.get("reset") is not None and not caps.reset
     if "reset" in kwargs and not caps.reset:
         kwargs = {n: x for n, x in kwargs.items() if n != "reset"}
-    # What a stage makes of ``reset`` changes no number where the pipeline can make the
-    # reset exact itself (kdax._layouts.resets.guard_outputs); kdax's own stages mask it themselves.
     guard = kwargs.get("reset") is not None and not pipeline.trust_declarations and _resets.guards(stage)
     return (_resets.guard_inputs(name, kwargs) if guard else kwargs), needs_reset, guard
 
@@ -131,9 +105,8 @@ def stage_arguments(pipeline, name: str, stage, kwargs: dict) -> tuple:
 def call_stage(pipeline, name: str, stage, given: dict, full: dict, needs_reset: bool, guard: bool,
                policy: str) -> tuple:
     """``(the stage that ran, the fallback's reason or None, its output)``: ``stage`` on
-    ``given`` (its arguments checked first), or, when it raises ``UnsupportedCase`` and
-    the pipeline falls back, the reference stage of the family on ``full`` (every argument
-    the pipeline passed), with one ``FallbackWarning`` per field, implementation and reason."""
+    ``given``, or on ``UnsupportedCase`` with ``fallback`` the family's reference stage on
+    ``full`` (one ``FallbackWarning`` per field, implementation and reason)."""
     try:
         if needs_reset:
             raise UnsupportedCase(
@@ -159,8 +132,7 @@ def call_stage(pipeline, name: str, stage, given: dict, full: dict, needs_reset:
         return ran, reason, ran(**negotiated(ran, full), precision=policy)
 
 
-# -- the contract checked at each call: the arguments a stage takes (by keyword), and the
-# container, shapes and dtypes it returns (when traced: shapes and dtypes are static) --------
+# -- the contract checked at each call: arguments by keyword, the output's shapes and dtypes
 
 
 @functools.cache
@@ -186,9 +158,7 @@ def _check_arguments(name: str, stage: Any, kwargs: dict) -> None:
 
 
 def _expected_output(name: str, kw: dict, config, policy: str = "highest") -> Any:
-    """The container, shapes and dtypes stage ``name`` must return for arguments ``kw``
-    under precision ``policy``: its family's ``output_spec``, given the arguments' shapes
-    and dtypes."""
+    """The family's ``output_spec`` for arguments ``kw`` under precision ``policy``."""
     return STAGES[name].family.output_spec(jax.eval_shape(lambda args: args, kw), config, Specs(policy))
 
 
@@ -201,8 +171,7 @@ def _describe(x) -> str:
 
 
 def _check_output(name: str, stage: Any, out: Any, want: Any) -> None:
-    """``out`` matches ``want`` (from ``_expected_output``); else a ``StageContractError``
-    naming the field, the implementation class and the first mismatching part."""
+    """``StageContractError`` naming the field, the class and the first part of ``out`` unlike ``want``."""
 
     def fail(path: str, got, expected: str):
         where = f"{path} " if path else ""
@@ -242,13 +211,10 @@ _STORING = frozenset({"intra", "wy", "state", "recompute", "dhu"})
 
 
 class PipelineWY(AbstractWY):
-    """F3 as ``pipeline`` runs it (``run_stage``): what B0 recomputes with. ``G_lo``:
-    the forward's, used when B0 calls F3 on the forward's G without passing it (a B0
-    written before ``G_lo``), so that B0 still recomputes exactly the forward's F3."""
+    """F3 as ``pipeline`` runs it: what B0 recomputes with. ``G_lo``: the forward's, for a B0
+    that calls F3 without it, so B0 still recomputes exactly the forward's F3."""
 
     tile_safe: ClassVar[bool] = True
-    # (views and stored arrays go on to run_stage, which hands the pipeline's F3 copies
-    # if it reads neither)
     accepts: ClassVar[frozenset] = frozenset({"G_lo", "reset", "tile_safe", "tokens", "half_stored"})
     pipeline: eqx.Module
     G_lo: Optional[ChunkK] = None
@@ -260,7 +226,7 @@ class PipelineWY(AbstractWY):
 
 
 class PipelineState(AbstractState):
-    """F4 as ``pipeline`` runs it (``run_stage``): what B0 recomputes with."""
+    """F4 as ``pipeline`` runs it: what B0 recomputes with."""
 
     tile_safe: ClassVar[bool] = True
     accepts: ClassVar[frozenset] = frozenset({"reset", "tile_safe", "half_stored", "zero_h0"})
@@ -272,8 +238,7 @@ class PipelineState(AbstractState):
 
 
 def record_layout(name: str) -> None:
-    """Tell the active plan recordings which layout the forward took (the forward's: a
-    backward's rerun does not count)."""
+    """Tell the active recordings which layout the forward took (the first: not a backward's rerun)."""
     for rec in active_recordings():
         if rec.layout is None:
             rec.layout = name
@@ -281,16 +246,11 @@ def record_layout(name: str) -> None:
 
 @typecheck
 def stage_inputs(pipeline, q: QK, k: QK, v: Values, g: Gate, beta: Beta, **options) -> dict:
-    """The arguments each of ``pipeline``'s (a ``KDAPipeline``) stages receives in one forward and backward of
-    ``chunk_kda(q, k, v, g, beta, **options)`` (loss ``sum(o * w)``, ``w`` fixed random,
-    the pipeline untiled), run eagerly: a dict from stage field (``"gate"``, ...,
-    ``"gate_bwd"``) to its positional arguments in its abstract ``__call__``'s order, so
-    that ``getattr(pipeline, name)(*args)`` runs (or times) one stage alone, as
-    ``kdax.bench --stages`` does. B0's keyword-only ``wy``/``state`` are left out (a direct
-    call uses the stage's own defaults)."""
+    """The positional arguments (in the family's ``__call__`` order) each stage of ``pipeline``
+    receives in one eager forward and backward of ``chunk_kda`` (untiled; loss
+    ``sum(o * w)``, ``w`` fixed random): ``getattr(pipeline, name)(*args)`` runs one stage
+    alone, as ``kdax.bench --stages`` does. B0's keyword-only ``wy``/``state`` are left out."""
     pipeline = pipeline.untiled()  # whole-input arguments, not a tile's
-    # Loss sum(o * w), w fixed random weights: the backward stages get a cotangent like a
-    # real loss's rather than a constant.
     w = jax.random.normal(jax.random.key(1), v.shape, jnp.float32)
     with recording() as rec:
         opts = KDAOptions.from_kwargs(**options)

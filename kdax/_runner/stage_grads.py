@@ -1,20 +1,9 @@
-"""Gradients of the arrays a pipeline's stages hold, when ``chunk_kda`` is differentiated
-with respect to them (``eqx.filter_grad`` of a model holding a pipeline, say).
-
-The six-stage backward differentiates the inputs; a stage array is differentiated here,
-by that stage's own VJP at the cotangent of its output, where the backward already
-holds that cotangent. The rule per field:
-
-| field | gradient of its arrays |
-|---|---|
-| ``gate`` (F1) | exact: the gate stage's VJP at B4's ``dq, dk, dbeta, dG`` (``dG`` also for ``G_lo``, as the later stages use ``G + G_lo``) |
-| ``output`` (F5) | exact: the output stage's VJP at ``do`` |
-| ``recompute``, ``dav``, ``dhu``, ``wy_dqkg``, ``intra_bwd``, ``gate_bwd`` (B0-B5) | zero, which is exact: the forward does not depend on them |
-| ``intra``, ``wy``, ``state`` (F2-F4) | refused when the gradient is traced (``StageGradientError``, naming the field and the array): the backward does not form the cotangents of their outputs |
-
-An array that should stay fixed is configuration: ``jax.lax.stop_gradient`` it, or keep it
-out of what is differentiated (``eqx.partition``), and it is never perturbed.
-"""
+"""Gradients of the arrays a pipeline's stages hold (``eqx.filter_grad`` of a model
+holding a pipeline): by the stage's own VJP at its output's cotangent, where the
+backward holds it. F1: exact, at B4's ``dq, dk, dbeta, dG`` (``dG`` also for ``G_lo``);
+F5: exact, at ``do``; B0-B5: zero, exact (the forward does not depend on them); F2-F4:
+``StageGradientError`` (the backward does not form their outputs' cotangents). A fixed
+array is configuration: ``jax.lax.stop_gradient`` it or ``eqx.partition`` it out."""
 
 
 import equinox as eqx
@@ -26,14 +15,13 @@ from .._layouts.layout import pack_inputs
 from ..stages import Activated, ChunkGrads
 from .contracts import STAGES
 
-# Forward stages whose arrays get exact gradients (see the table above).
+# Forward stages whose arrays get exact gradients.
 EXACT = ("gate", "output")
 
 
 class BackwardParts(eqx.Module):
-    """What the six-stage backward formed on its way, in the chunked layout: the packed
-    ``doc`` (F5's cotangent), B0's ``qg``, ``h``, ``v_new`` (F5's inputs, with the
-    forward's ``Aqk``), and ``act_grads``, B4's gradients of F1's outputs."""
+    """What the six-stage backward formed, chunked: ``doc`` (F5's cotangent), B0's ``qg``,
+    ``h``, ``v_new`` (F5's inputs) and B4's gradients of F1's outputs (``act_grads``)."""
 
     doc: jax.Array
     qg: jax.Array
@@ -43,8 +31,7 @@ class BackwardParts(eqx.Module):
 
 
 def perturbed_arrays(pipeline, perturbed) -> dict:
-    """``{field: [path, ...]}``: the stage arrays of ``pipeline`` being differentiated
-    (``perturbed``: ``eqx.filter_custom_vjp``'s flags, the pipeline's structure)."""
+    """``{field: [path, ...]}``: the stage arrays being differentiated (``perturbed``: the flags)."""
     out: dict = {}
     for path, flag in jax.tree_util.tree_flatten_with_path(perturbed)[0]:
         if flag is True:
@@ -54,9 +41,8 @@ def perturbed_arrays(pipeline, perturbed) -> dict:
 
 
 def check_perturbed(pipeline, perturbed, where: str = "chunk_kda", exact: tuple = EXACT) -> dict:
-    """Raise ``StageGradientError`` for a differentiated array of a forward stage that has
-    no exact gradient (``exact``: the fields that have one in this caller); return the
-    perturbed arrays per field."""
+    """``StageGradientError`` for a differentiated array of a forward stage not in ``exact``;
+    returns ``perturbed_arrays``."""
     got = perturbed_arrays(pipeline, perturbed)
     for field, paths in got.items():
         info = STAGES.get(field)
@@ -75,9 +61,7 @@ def check_perturbed(pipeline, perturbed, where: str = "chunk_kda", exact: tuple 
 
 
 def _vjp_of_field(pipeline, field: str, cotangent_of, **kwargs):
-    """The gradient of ``pipeline.<field>``'s arrays through one call of that stage with
-    ``kwargs`` (the pipeline's stage runner: the same fallback, precision and checks as
-    the forward), at ``cotangent_of(output)``."""
+    """The gradient of ``field``'s arrays through one ``run_stage`` call on ``kwargs``, at ``cotangent_of(out)``."""
     stage = getattr(pipeline, field)
 
     def run(s):
@@ -89,8 +73,7 @@ def _vjp_of_field(pipeline, field: str, cotangent_of, **kwargs):
 
 
 def _activated_cotangent(act: Activated, g: ChunkGrads) -> Activated:
-    """F1's output cotangent: B4's gradients; zero for the l2norm statistics (read by B5
-    alone); ``dG`` for ``G_lo``, as F2-B4 use ``G + G_lo``."""
+    """F1's output cotangent: B4's gradients (``dG`` for ``G_lo`` too), zero for the l2norm statistics."""
     zero = lambda x: None if x is None else jnp.zeros_like(x)
     return Activated(
         q=g.dq.astype(act.q.dtype), k=g.dk.astype(act.k.dtype), beta=g.dbeta.astype(act.beta.dtype),
@@ -100,10 +83,8 @@ def _activated_cotangent(act: Activated, g: ChunkGrads) -> Activated:
 
 
 def as_pipeline_gradient(perturbed, fields: dict):
-    """The gradients of stage ``fields`` (field -> that stage's gradient) as a pytree of
-    ``perturbed``'s structure, the caller's pipeline (the pipeline that ran may be a variant
-    of it: untiled, precision resolved): the perturbed leaves only, None for the rest
-    (``eqx.filter_custom_vjp``'s contract)."""
+    """The gradients of stage ``fields`` as a pytree of ``perturbed``'s structure: the
+    perturbed leaves only, None elsewhere (``eqx.filter_custom_vjp``'s contract)."""
     grads = jax.tree.map(lambda _: None, perturbed)
     for name, g in fields.items():
         grads = eqx.tree_at(lambda p: getattr(p, name), grads, g, is_leaf=lambda x: x is None)
@@ -112,11 +93,8 @@ def as_pipeline_gradient(perturbed, fields: dict):
 
 
 def pipeline_gradients(pipeline, perturbed, parts: BackwardParts, res, inputs):
-    """The gradients of ``pipeline``'s perturbed arrays (``perturbed``: the flags of the
-    caller's pipeline) after a backward over ``res`` (``KDAResiduals``) from the raw
-    ``inputs = (q, k, v, g, beta, ...)``, as a pytree of ``perturbed``'s structure: F1's
-    and F5's exact by their own VJPs, every other field's zero (``check_perturbed``
-    refused the forward ones on the way in)."""
+    """The gradients of the perturbed stage arrays after a backward over ``res`` from the raw
+    ``inputs``: F1's and F5's by their VJPs, zero elsewhere (F2-F4 refused on the way in)."""
     got = perturbed_arrays(pipeline, perturbed)
     if not got:
         return jax.tree.map(lambda _: None, perturbed)

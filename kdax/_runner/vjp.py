@@ -1,10 +1,8 @@
-"""``chunk_kda``'s derivative: an ``eqx.filter_custom_vjp`` whose forward is the
-pipeline's forward (whole, untiled) and whose backward is the six-stage backward; the
-pipeline's own arrays are differentiated as ``kdax._runner.stage_grads`` says, and non-finite
-cotangents stay in their sequence (``kdax._numerics.isolation``). When the backward stages are
-not the transposes of the forward stages (``kdax._runner.routes``), the backward is derived
-from the forward stages by ``jax.vjp`` instead, every stage array included, with the
-same isolation."""
+"""``chunk_kda``'s derivative: an ``eqx.filter_custom_vjp`` whose forward is the pipeline's
+(untiled) and whose backward is the six-stage backward, or, where the backward stages do
+not transpose the forward stages (``kdax._runner.routes``), ``jax.vjp`` through the
+forward stages. Stage arrays: ``kdax._runner.stage_grads``; non-finite values:
+``kdax._numerics.isolation``."""
 
 import equinox as eqx
 import jax
@@ -26,11 +24,8 @@ from .stage_grads import check_perturbed, pipeline_gradients
 
 @eqx.filter_custom_vjp
 def differentiable(diff, config: KDAConfig, cu_seqlens, domain):
-    """``(o, final)`` of ``diff = ((q, k, v, g, beta, h0, A_log, dt_bias), pipeline)``; the
-    static config, ``cu_seqlens`` and ``domain`` (``kdax._validate.domain_flag``: the
-    inputs' domain check inside the program, or None) are not differentiated. The
-    pipeline's arrays are differentiated as ``_runner.stage_grads`` says (F1, F5 exact;
-    backward stages zero; F2-F4 refused)."""
+    """``(o, final)`` of ``diff = ((q, k, v, g, beta, h0, A_log, dt_bias), pipeline)``;
+    ``config``, ``cu_seqlens`` and ``domain`` (``domain_flag``) are not differentiated."""
     inputs, pipeline = diff
     bad = _bad(config, inputs, cu_seqlens, domain)
     o, final, _ = pipeline.run_forward(config, *inputs, cu_seqlens, clean=True, entries=True)
@@ -38,28 +33,20 @@ def differentiable(diff, config: KDAConfig, cu_seqlens, domain):
 
 
 def _bad(config: KDAConfig, inputs, cu_seqlens, domain):
-    # Non-finite inputs stay in their own sequence, from their token on: the forward reads
-    # them as zero and the outputs and gradients get NaN where the recurrence has it.
-    # A non-finite initial state, too, where it may enter shared chunks (packed:
-    # kdax._layouts.shared_states); a dense row's state never meets another row's tokens.
-    # The domain check rides on the masks, which only the program's last steps read.
+    # Non-finite inputs (and packed initial states, which may enter shared chunks) read as
+    # zero, their sequence's outputs NaN; the domain check rides on the same masks.
     entering = None if cu_seqlens is None else inputs[5]
     return _isolation.Bad(inputs[:5], cu_seqlens, config.use_gate_in_kernel, config.use_beta_sigmoid_in_kernel,
                           entering=entering, flag=domain)
 
 
 def _concrete(*trees) -> bool:
-    """Whether a rule runs eagerly: no array traced, no stage call being recorded (a cached
-    trace records none)."""
+    """Whether a rule runs eagerly: no array traced, no stage call being recorded."""
     return not active_recordings() and not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(trees))
 
 
-# An eager ``jax.grad`` of ``chunk_kda`` (the README's first example) reaches the rules
-# below with concrete arrays: ``apply``'s own compiled call does not cover it, since its
-# inputs are JVP tracers there. Run op by op, the forward and the six-stage backward took
-# 13 s a call at T=512, H=4, K=V=64 on the 2-core CPU; each rule is therefore one compiled
-# program, cached like ``apply``'s. Under any transformation (jit, vmap, ...) the rules
-# are traced into the caller's program as before.
+# An eager ``jax.grad`` reaches the rules with concrete arrays: each rule then runs as one
+# compiled program (op by op it took 13 s a call at T=512); traced, as is.
 @differentiable.def_fwd
 def _vjp_fwd(perturbed, diff, config: KDAConfig, cu_seqlens, domain):
     if _concrete(diff, cu_seqlens, domain):
@@ -83,10 +70,8 @@ def _fwd(perturbed, diff, config: KDAConfig, cu_seqlens, domain):
         res = _routes.DerivedResiduals.of(vjp, swapped, o, final, inputs[0].shape[2])
         return _isolation.poison_outputs(bad, o, final), (res, bad.where)
     got = check_perturbed(pipeline, perturbed[1])
-    # Whole: in a training step XLA then shares F3/F4 with B0's recompute (the CPU step was
-    # ~15% slower with a tiled forward; a tiled B1-B5 too was still 5-10% slower).
-    # (Initial states entering shared chunks decay with KDA's gate outside F1, a path
-    # _stage_grads does not follow: a differentiated F1 array takes the per-sequence layout.)
+    # Untiled: XLA shares F3/F4 with B0 (tiled was ~15% slower). A differentiated F1 array
+    # keeps states from entering shared chunks (their decay is KDA's gate outside F1).
     o, final, res = pipeline.untiled().run_forward(config, *inputs, cu_seqlens, clean=True,
                                                    entries="gate" not in got)
     if not config.disable_recompute:
@@ -99,8 +84,7 @@ _compiled_fwd = eqx.filter_jit(_fwd)
 
 
 def _derived_whole(pipeline) -> bool:
-    """Whether the backward is derived whole (``kdax._runner.routes``); F5 of other math
-    alone (F1's too, perhaps) keeps B0 and B2-B5 hand-written (``kdax._runner.output_vjp``)."""
+    """Whether the backward is derived whole (F5 alone differing keeps B0, B2-B5: ``output_vjp``)."""
     return _routes.whole_derived(pipeline) and not _routes.output_alone_differs(pipeline)
 
 
@@ -147,37 +131,27 @@ _compiled_bwd = eqx.filter_jit(_bwd)
 
 
 def final_in_stages(pipeline, res) -> bool:
-    """Whether the gradients of q to beta are made the call's results (NaN put in, the
-    inputs' layout and dtypes) inside the pipeline's backward: where the caller's arrays
-    fit (``kdax._layouts.tokens.views_fit``), q and k have a head per value head and B3 or
-    B5 declares ``final_grads`` (each writes its own; the pipeline finishes the rest,
-    ``kdax._layouts.tokens.FinalGrads``): the same numbers, without XLA's passes after the
-    kernels. (``do`` is cleaned outside the stages: cleaning it in B1-B3 as they read it
-    cost more in the kernels than the copy, by the cost model, issue 53.)"""
+    """Whether B3 or B5 write the gradients of q to beta as the call's results
+    (``FinalGrads``): they declare ``final_grads``, the views fit and H == HV."""
     writes = any(capabilities(type(getattr(pipeline, n))).final_grads for n in ("wy_dqkg", "gate_bwd"))
     return writes and _tokens.views_fit(res.layout) and res.num_qk_heads == res.v.shape[1]
 
 
 def apply(pipeline, q, k, v, g, beta, options: KDAOptions):
-    """The single-device call of ``pipeline`` (a ``KDAPipeline``) behind ``chunk_kda``:
-    validation, then the forward, differentiable through the six-stage backward
-    (``differentiable``). Returns ``(o, final state or None)`` in ``chunk_kda``'s layouts."""
+    """The single-device call behind ``chunk_kda``: validation, then ``differentiable``.
+    Returns ``(o, final state or None)`` in ``chunk_kda``'s layouts."""
     config, args, opts = prepare_options(q, k, v, g, beta, options, flagged=True)
     q, k, v, g, beta, h0, A_log, dt_bias, cu = args
     domain = domain_flag(g, beta, opts)
     pipeline = pipeline.resolved(q.dtype)
     B, T, _, K = q.shape
     if 0 in (B, T, K, v.shape[-1]):
-        # Nothing for any stage to do: o is zero (empty sums, or no tokens), every state
-        # passes through unchanged, and so does its gradient.
+        # Nothing to do: o is zero, every state (and its gradient) passes through.
         N = v.shape[0] if cu is None else cu.shape[0] - 1
         final = initial_states(h0, (N, v.shape[2], K, v.shape[-1]), compute_dtype(q, k, v, g, beta, h0))
         return jnp.zeros(v.shape, v.dtype), final_out(final, config, opts.state_v_first)
-    # (Non-finite inputs stay in their own sequence: kdax._numerics.isolation, in the VJP's forward.)
-    # Called eagerly (no array traced), compiled as one program: op by op it took 8 s a
-    # call at T = 2048, against 0.05 s. Under any transformation, as is: a jit nested in
-    # the caller's made kdax.bench's jitted training step 8-14% slower. Not while
-    # ``plan`` or ``stage_inputs`` record the stage calls: a cached trace makes none.
+    # Eager: one compiled program (op by op: 8 s a call at T = 2048, against 0.05 s); traced,
+    # as is (a nested jit made the jitted training step 8-14% slower); never while recording.
     diff = ((q, k, v, g, beta, h0, A_log, dt_bias), pipeline)
     o, final = (_compiled_differentiable if _concrete(diff, cu) else differentiable)(diff, config, cu, domain)
     return o, final_out(final, config, opts.state_v_first)
