@@ -1,21 +1,10 @@
-"""The chunked layout ``[R, HV, NC, C, D]`` every stage works in, dense or packed varlen.
+"""The chunked layout ``[R, HV, NC, C, D]`` every stage works in (docs/stages.md §1).
 
-Dense input ``[B, T, ...]`` gives R = B rows of ceil(T / C) chunks, T zero-padded at the
-end. Packed varlen input (B == 1, ``cu_seqlens`` a device array) gives one row in which
-every sequence starts on a chunk boundary; NC is the static bound
-``(T + N (C - 1)) // C``, so new ``cu_seqlens`` values never change a shape. Padding
-tokens are zeros with ``valid`` False: they neither decay nor write the state.
-
-``make_shared_layout`` packs varlen input without padding (sequences share chunks): the
-dense layout of its one row, each token at its own position, NC = ceil(T / C), and
-``reset`` marking every sequence's first token. F1 gives such a token a fixed log decay
-(``kdax.ref._gates.reset_log_decay``), which keeps G non-increasing through the chunk, and B5 gives it
-a zero gate gradient; every stage between them masks the terms across sequences to exact
-zeros (``kdax._layouts.resets``), so the reset replaces the state exactly (a start on a chunk
-boundary is also an exact reset of the state stages, ``first``/``last``): exact when every
-sequence starts from a zero state (no ``initial_state``), the case the pipeline uses it for
-(``KDAPipeline.share_chunks``; final states: ``kdax._layouts.shared_states``).
-"""
+Dense ``[B, T, ...]``: R = B rows of ceil(T / C) chunks, zero-padded at the end. Packed
+varlen (B == 1): one row, each sequence from a chunk boundary, NC the static bound
+``(T + N (C - 1)) // C``. Padding tokens are zeros with ``valid`` False. Shared chunks
+(``make_shared_layout``): token t at t, NC = ceil(T / C), ``reset`` at each sequence's
+first token (exact resets: ``kdax._layouts.resets``; docs/DESIGN.md §7)."""
 
 from typing import Optional
 
@@ -25,19 +14,12 @@ from jaxtyping import Array, Bool, Int
 
 
 class ChunkLayout(eqx.Module):
-    """Where tokens and sequences sit in the chunked layout.
-
-    ``first[r, c]`` / ``last[r, c]``: the sequence that starts / ends in chunk c of row r,
-    or -1. ``valid [R, NC, C]``: real tokens. ``empty [N]``: sequences of length 0.
-    ``pos [T]`` (varlen only): each token's flat position in the single packed row (None:
-    token t of row r sits at position t). ``dense``: a promise that row r holds sequence r
-    alone, from chunk 0 to the row's last chunk, so that stages may ignore ``first`` and
-    ``last`` (the Pallas state kernels, the forward's tiles); False for any other layout.
-    ``reset [R, NC, C]`` (shared layout only, else None): the first token of each
-    sequence, where the state is reset through the gate (F1 and B5 take it); the row is
-    then one stream with a state table of one entry (zero), entered and left at the
-    chunks where a sequence starts on the chunk boundary.
-    """
+    """Where tokens and sequences sit. ``first``/``last [R, NC]``: the sequence (state table
+    entry) starting / ending in each chunk, or -1; ``valid [R, NC, C]``: real tokens;
+    ``empty [N]``: length-0 sequences; ``pos [T]`` (varlen): each token's position in the
+    packed row (None: t at t); ``dense``: row r holds sequence r alone, so stages may ignore
+    ``first``/``last``; ``reset [R, NC, C]`` (shared layout, else None): each sequence's
+    first token, the row one stream with a one-entry zero state table."""
 
     first: Int[Array, "R NC"]
     last: Int[Array, "R NC"]
@@ -83,13 +65,9 @@ def make_layout(B: int, T: int, chunk_size: int, cu_seqlens=None) -> ChunkLayout
 
 
 def make_shared_layout(T: int, chunk_size: int, cu_seqlens) -> ChunkLayout:
-    """Packed varlen input (B == 1) with sequences sharing chunks: one row of T tokens,
-    each at its own position (NC = ceil(T / C), whatever ``cu_seqlens`` holds), ``reset``
-    at the first token of every sequence of length > 0. The state table has one entry,
-    zero: ``first`` enters it (an exact reset) at every chunk that starts with a
-    sequence's first token, and ``last`` ends the stream (entry 0) before each such
-    chunk. Non-finite inputs never enter (``kdax._numerics.isolation``).
-    Per-sequence initial states are not represented (module docstring)."""
+    """Packed varlen input with sequences sharing chunks: one row of T tokens, NC = ceil(T / C),
+    ``reset`` at the first token of every non-empty sequence, a one-entry zero state table
+    entered at each chunk a sequence starts on and left before it."""
     C = chunk_size
     base = make_layout(1, T, C)
     nc = base.num_chunks

@@ -1,26 +1,15 @@
-"""Per-sequence products over spans of packed tokens, the two that shared chunks need
-(``kdax._layouts.shared_states``): each sequence n owns one span of tokens (``start[n]``,
-``count[n]``; spans disjoint and in sequence order) and a state ``[K, V]``.
+"""Per-sequence products over spans of packed tokens (for ``kdax._layouts.shared_states``):
+sequence n owns the span ``start[n]``, ``count[n]`` and a state ``[K, V]``.
 
-- ``matvec(A, Y, spans)``: ``out_t = A_t Y_n`` for each token t of span n (a row vector
-  times the sequence's state), zero outside the spans;
-- ``outer(U, X, spans, N)``: ``S_n = sum_t U_t^T X_t`` over span n's tokens.
+- ``matvec(A, Y, spans)``: ``out_t = A_t Y_n`` for each token t of span n, zero outside;
+- ``outer(U, X, spans, N)``: ``S_n = sum_t U_t^T X_t`` over span n.
 
-Each is the other's transpose, which gives both VJPs. Both run over blocks of ``W`` tokens
-counted from each span's start, ``[N, W, K] x [N, K, V]`` batched products, as many
-blocks as the longest span needs (one for short sequences), reading each state once per
-block and never forming a ``[T, K, V]`` array. The loop has a static length, from a
-static bound on the spans' lengths (``longest``; shared chunks: the chunk size), and skips
-the blocks past the longest span at run time: a loop of dynamic length has no reverse-mode
-derivative, and these products are differentiated again in a second-order gradient (a
-Hessian-vector product differentiates their hand-made VJPs). A
-token's result is gathered from its block (no scatter). A block is ``WIDE`` tokens, or
-``narrow`` (the callers' estimate, e.g. ``narrow_width``) when every span fits in one
-block that wide: one token per sequence then costs one row per state, not ``WIDE``
-(chosen at run time; both are compiled).
-
-Layouts: token arrays ``[HV, TT, D]`` (token t at t), states ``[N, HV, K, V]``.
-"""
+Each is the other's transpose (their VJPs). Both run over blocks of ``W`` tokens from each
+span's start, ``[N, W, K] x [N, K, V]`` products, never forming ``[T, K, V]``; the loop
+has a static length (a static bound, ``longest``) so it has a reverse-mode derivative
+(second-order gradients differentiate the VJPs), and skips blocks past the longest span
+at run time. ``W`` is ``WIDE``, or ``narrow`` when every span fits one such block
+(chosen at run time). Token arrays ``[HV, TT, D]``, states ``[N, HV, K, V]``."""
 
 import functools
 from typing import NamedTuple, Optional
@@ -40,16 +29,13 @@ class Spans(NamedTuple):
 
 
 def narrow_width(T: int, N: int) -> int:
-    """The narrowest block (a power of 2, at most ``WIDE``) that holds a span of the
-    average length of N sequences in T tokens."""
+    """The narrowest power-of-2 block (at most ``WIDE``) holding a span of N sequences' average length in T."""
     avg = -(-T // max(N, 1))
     return min(WIDE, 1 << (max(avg, 1) - 1).bit_length())
 
 
 def _by_width(spans: Spans, narrow: int, longest: int, run):
-    """``run(W, n)`` with W = ``narrow`` when every span fits one block of it (n = 1),
-    else ``WIDE`` (n = the blocks of ``WIDE`` that a span of the static bound ``longest``
-    needs)."""
+    """``run(W, n)``: W = ``narrow`` when every span fits it (n = 1), else ``WIDE`` (n blocks for ``longest``)."""
     wide = lambda: run(WIDE, max(1, -(-longest // WIDE)))
     if narrow >= WIDE:
         return wide()
@@ -60,9 +46,8 @@ def _by_width(spans: Spans, narrow: int, longest: int, run):
 
 
 def _over_blocks(spans: Spans, W: int, n: int, first, more):
-    """``more(b, ..more(1, first)..)`` over the blocks b < n (a static count) that some span
-    reaches: a static-length loop (differentiable in reverse mode) whose blocks past the
-    longest span are skipped at run time (``lax.cond``), so short spans cost one block."""
+    """``more(b, ..more(1, first)..)`` over the blocks b < n some span reaches: a static-length
+    loop, the blocks past the longest span skipped at run time."""
     if n <= 1:
         return first
     reached = (jnp.max(spans.count, initial=0) + W - 1) // W
@@ -76,9 +61,8 @@ def _longest(longest, TT: int) -> int:
 
 
 def _gather_block(x, spans: Spans, b, W: int):
-    """``x [M, HV, TT, D]`` at tokens ``start + b W + (0..W-1)`` of each span: ``[N, HV, M W,
-    D]``, the M stacked token arrays side by side (positions past a span read a clipped
-    token; callers mask them)."""
+    """``x [M, HV, TT, D]`` at tokens ``start + b W + (0..W-1)`` of each span: ``[N, HV, M W, D]``
+    (positions past a span clipped; callers mask them)."""
     t = jnp.clip(spans.start[:, None] + b * W + jnp.arange(W)[None], 0, x.shape[2] - 1)
     g = jnp.transpose(x[:, :, t], (2, 1, 0, 3, 4))  # [N, HV, M, W, D]
     return g.reshape(g.shape[0], g.shape[1], -1, g.shape[-1])
@@ -99,11 +83,9 @@ def token_slots(spans: Spans, TT: int):
 
 
 def _matvec(A, Y, spans: Spans, narrow: int, longest: int, transpose: bool = False, ok=None, fused: bool = False):
-    """Stacked: ``A [M, HV, TT, K]`` -> ``[M, HV, TT, V]`` (``transpose``: ``A_t Y_n^T``,
-    ``A [.., V]`` -> ``[.., K]``, without a transposed copy of the states); zero where
-    ``ok [N, HV]`` (or None) is False. ``fused``: as reductions (``_fused_rows``) instead
-    of dots, for a ``Y`` that is an expression (a cotangent) rather than a stored array.
-    ``longest``: a static bound on every span's length."""
+    """Stacked: ``A [M, HV, TT, K]`` -> ``[M, HV, TT, V]`` (``transpose``: ``A_t Y_n^T``); zero
+    where ``ok [N, HV]`` is False. ``fused``: as reductions (``_fused_rows``), for a ``Y``
+    that is an expression (a cotangent) rather than a stored array."""
     M, HV, TT = A.shape[:3]
     n, d, inside = token_slots(spans, TT)
     keep = inside[None] if ok is None else inside[None] & ok[n].T  # [1 or HV, TT]
@@ -135,12 +117,9 @@ def _matvec(A, Y, spans: Spans, narrow: int, longest: int, transpose: bool = Fal
 
 
 def _fused_rows(a, Y, transpose: bool):
-    """``[N, HV, R, D]``: each row of ``a [N, HV, R, K]`` times its state ``Y [N, HV, K,
-    V]`` (``transpose``: ``a [.., V]`` times ``Y^T``) as a multiply and a reduction, which
-    XLA fuses with the ops that produce ``Y``. A dot needs ``Y`` stored: for the
-    cotangent of ``jax.grad(sum(ht))`` (a broadcast of ones) or a cleaned one that is a
-    fresh state-sized array, and one such write cost more than both products on XLA:CPU
-    (64 MiB: ~27 ms against ~4 ms a product)."""
+    """``[N, HV, R, D]``: rows of ``a`` times their state ``Y`` (``transpose``: ``Y^T``) as a
+    multiply and a reduction, which XLA fuses with what produces ``Y``; a dot needs ``Y``
+    stored (64 MiB: ~27 ms against ~4 ms a product on XLA:CPU)."""
     if transpose:  # a reduction over V, the minor axis: folded as [V / f, f] so that XLA:CPU
         # adds f-wide vectors across rows (a reduction within rows of 64 was 10x slower)
         N, HV, K, V = Y.shape
@@ -154,8 +133,7 @@ def _fused_rows(a, Y, transpose: bool):
 
 
 def _outer(U, X, spans: Spans, N: int, narrow: int, longest: int):
-    """Stacked: ``sum_m sum_t U[m]_t^T X[m]_t`` (``U [M, HV, TT, K]``, ``X [M, HV, TT, V]``);
-    ``longest`` as for ``_matvec``."""
+    """Stacked: ``sum_m sum_t U[m]_t^T X[m]_t`` (``U [M, HV, TT, K]``, ``X [M, HV, TT, V]``)."""
     M = U.shape[0]
     zero = lambda x: jnp.zeros((), x.dtype)
 
@@ -192,23 +170,17 @@ _matvec_vjp.defvjp(_matvec_fwd, _matvec_bwd)
 
 
 def matvec(A, Y, spans: Spans, narrow: int = WIDE, ok=None, longest: Optional[int] = None):
-    """``out [HV, TT, V]``: ``A_t Y_n`` (``A [HV, TT, K]``, ``Y [N, HV, K, V]``) for each
-    token t of span n, zero elsewhere. ``A`` may be a tuple of such arrays (a tuple of
-    outputs): each block of ``Y`` is read once for all of them, and ``Y``'s cotangent is
-    one sum. ``narrow``: the block width to try first (module docstring). ``ok [N, HV]``
-    (or None): where False, the sequence's head reads as a zero state (forward and ``A``'s
-    cotangent), so a non-finite ``Y`` there stays out of every token's result without a
-    cleaned copy of the states. ``longest``: a static bound on every span's length (None:
-    TT); the loop over blocks has that many blocks' length."""
+    """``out [HV, TT, V]``: ``A_t Y_n`` (``A [HV, TT, K]``, ``Y [N, HV, K, V]``) for each token t
+    of span n, zero elsewhere. ``A`` may be a tuple (each block of ``Y`` read once for all).
+    ``ok [N, HV]`` (or None): False heads read a zero state, without a cleaned copy.
+    ``longest``: a static bound on the spans' lengths (None: TT)."""
     if isinstance(A, tuple):
         return tuple(_matvec_vjp(jnp.stack(A), Y, spans, ok, narrow, _longest(longest, A[0].shape[1])))
     return _matvec_vjp(A[None], Y, spans, ok, narrow, _longest(longest, A.shape[1]))[0]
 
 
 def outer(U, X, spans: Spans, N: int, narrow: int = WIDE, longest: Optional[int] = None):
-    """``S [N, HV, K, V]``: ``sum_t U_t^T X_t`` over the tokens t of span n (``U [HV, TT,
-    K]``, ``X [HV, TT, V]``); zero for an empty span. ``narrow``, ``longest`` as for
-    ``matvec``."""
+    """``S [N, HV, K, V]``: ``sum_t U_t^T X_t`` over span n (``U [HV, TT, K]``, ``X [HV, TT, V]``)."""
     return _outer_vjp(U[None], X[None], spans, N, narrow, _longest(longest, U.shape[1]))
 
 

@@ -1,25 +1,9 @@
-"""Exact sequence resets inside shared chunks (``_layouts.layout.make_shared_layout``).
-
-A chunk of the shared layout may hold the end of one sequence and the starts of others.
-F1 gives each sequence's first token (``reset``) the log decay floor, so G stays
-non-increasing through the chunk and every difference ``G_i - G_j`` within one sequence is
-its own; the decay between two sequences is then about exp(floor), tiny but not zero. The
-stages that take ``reset`` make it exactly zero: with ``seg`` the index of each token's
-sequence within its chunk (0: the one that continues from the chunk's start), they mask
-in the exponent, or select,
-
-- pair terms ``e^(G_i - G_j)`` (F2, B4) where ``seg_i != seg_j``;
-- the state at the chunk's start reaching token i, ``e^(G_i)`` (``qg``, ``w``: F3, B3),
-  where ``seg_i != 0``;
-- token j writing the state at the chunk's end, ``e^(Γ - G_j)`` (``kg``: F3, B3), where
-  ``seg_j`` is not the chunk's last sequence;
-- the state's decay through the chunk, ``e^Γ`` (F4, B2, B3), where a sequence starts
-  after the chunk's first token (the state is replaced, not decayed).
-
-Each sequence then equals running it alone to rounding, whatever its neighbours hold (a
-finite value: a product with an exact zero is zero; ``kdax._numerics.isolation`` keeps non-finite
-inputs out of shared chunks).
-"""
+"""Exact sequence resets inside shared chunks (docs/DESIGN.md §7). ``seg``: each token's
+sequence within its chunk (0: the one continuing from the chunk's start); stages given
+``reset`` mask, in the exponent or by a select, pair terms where ``seg_i != seg_j``, the
+start state reaching token i where ``seg_i != 0``, token j writing the end state where
+``seg_j`` is not the last, and the state's decay through a chunk where a sequence starts
+after its first token."""
 
 import dataclasses
 
@@ -27,9 +11,8 @@ import jax.numpy as jnp
 
 
 def segments(reset):
-    """``reset [R, NC, C]`` -> ``[R, NC, C]`` int32: each token's sequence within its
-    chunk, 0 for the one that continues from the chunk's start (a sequence starting at
-    the chunk's first token is also 0: the state it meets there is already zero)."""
+    """``reset [R, NC, C]`` -> ``[R, NC, C]`` int32: each token's sequence within its chunk
+    (0: the one continuing from the start, or starting at the first token)."""
     after_first = reset & (jnp.arange(reset.shape[-1]) > 0)
     return jnp.cumsum(after_first.astype(jnp.int32), axis=-1)
 
@@ -55,8 +38,7 @@ def to_end(seg):
 
 
 def state_passes(reset):
-    """``reset [R, NC, C]`` -> ``[R, 1, NC, 1]`` bool: the state at the chunk's start
-    reaches its end (no sequence starts after its first token)."""
+    """``reset [R, NC, C]`` -> ``[R, 1, NC, 1]``: no sequence starts after the chunk's first token."""
     return ~jnp.any(reset[..., 1:], axis=-1)[:, None, :, None]
 
 
@@ -69,9 +51,7 @@ def mask_exponent(keep, x):
 
 
 def guards(stage) -> bool:
-    """Whether the pipeline masks what ``stage`` makes of ``reset`` (``guard_inputs``,
-    ``guard_outputs``): every stage but kdax's own, which mask it themselves (their
-    ``check_stage`` rows run in kdax's tests) and keep their programs unchanged."""
+    """Whether the pipeline masks what ``stage`` makes of ``reset``: any stage but kdax's own."""
     return type(stage).__module__.split(".")[0] != "kdax"
 
 
@@ -80,9 +60,7 @@ def _mask(keep, x):
 
 
 def guard_inputs(name: str, kwargs: dict) -> dict:
-    """B4's pair gradients ``dAqk`` and ``grads.dL`` with exact zeros between sequences:
-    every term B4 forms from a pair is then ``0 * (a finite product)``, what its own mask
-    gives, so a B4 that ignores ``reset`` gives its numbers. Other fields: unchanged."""
+    """B4's ``dAqk`` and ``grads.dL`` with exact zeros between sequences; other fields unchanged."""
     if name != "intra_bwd":
         return kwargs
     same = same_segment(per_head(segments(kwargs["reset"]), kwargs["dAqk"].shape[1]))
@@ -101,14 +79,10 @@ def _guard_wy(wy, seg):
 
 
 def guard_outputs(name: str, out, reset):
-    """``out`` of a stage of KDA's math that was given ``reset``, with every term
-    between two sequences an exact zero where that is exact whatever the stage made of
-    ``reset`` (finite inputs, ``kdax._numerics.isolation``): F2's ``Aqk`` and ``Akk`` (``I + L``
-    is block lower triangular over the chunk's sequences, so the blocks of its inverse
-    on the diagonal are the inverses of its own: zeroing the others is the inverse of
-    the masked ``L``), F3's ``w``, ``qg``, ``kg`` (above; B0 recomputes with the
-    pipeline's F3, guarded there). F1, F4, B0's states, B2, B3 and B5 sum or carry
-    across tokens: not here (docs/stages.md, "Capabilities")."""
+    """``out`` with the terms between sequences exact zeros, whatever the stage made of
+    ``reset``: F2's ``Aqk``, ``Akk`` (the inverse of a block lower triangular ``I + L`` has
+    the inverses of its diagonal blocks), F3's ``w``, ``qg``, ``kg``. Other stages sum or
+    carry across tokens: unchanged."""
     if name == "intra":
         same = same_segment(per_head(segments(reset), out.Aqk.shape[1]))
         return dataclasses.replace(out, Aqk=_mask(same, out.Aqk), Akk=_mask(same, out.Akk))

@@ -1,23 +1,11 @@
-"""Final states of shared chunks (``_layouts.layout.make_shared_layout``) and the backward of a
-loss on them.
+"""Final states of shared chunks, initial states entering them, and their backward
+(docs/DESIGN.md §7).
 
-In the shared layout a sequence ends anywhere in a chunk, and the state stages keep the
-state only at chunk boundaries. Sequence n (tokens s..e, zero initial state) ending in
-chunk c at position i has the final state
-
-    S_n = e^(G_e) h_c [if it began before chunk c] + sum_j (k_j e^(G_e - G_j)) v_new_j^T
-
-over its own tokens j of chunk c (``h_c`` the state at chunk c's start, ``v_new`` F4's),
-masked in the exponent. ``shared_finals`` sums each sequence's tail with
-``kdax._layouts.ragged.outer`` (blocks of 16 tokens, at most C / 16: a tail lies in one
-chunk), and the ``h_c`` term for the at most one sequence per chunk that has it.
-
-A loss on the final states (``dht``) reaches, by the chain rule through ``S_n``: ``k``,
-``G``, ``v_new`` of those tokens and ``h_c`` (``jax.vjp`` of ``shared_finals``: a pure
-function, differentiated exactly). ``v_new``'s part joins B1's ``dv_intra``; ``h_c``'s is
-a cotangent of the state at chunk c's start, which B2 takes as a ``dht`` entering at chunk
-c - 1's end (``entry_layout``): B2 runs once more on that alone; no forward is rerun.
-"""
+Sequence n (tokens s..e) ending in chunk c has the final state
+``S_n = e^(G_e) h_c [if it began before c] + sum_j (k_j e^(G_e - G_j)) v_new_j^T`` over
+its tokens j in chunk c (``shared_finals``). A loss on them reaches ``k``, ``G``,
+``v_new`` of those tokens and ``h_c`` (``jax.vjp``), which B2 runs back once more as a
+``dht`` entering at chunk c - 1's end (``entry_layout``)."""
 
 import dataclasses
 from typing import NamedTuple, Optional
@@ -35,11 +23,9 @@ from .resets import same_segment, segments
 
 
 class _Seqs(NamedTuple):
-    """Per sequence ``[N]``, from ``cu_seqlens`` and the chunk size C: first token ``s``,
-    last token ``e``, ``some`` (non-empty); the chunk ``c`` of e, the first token ``tail``
-    of the sequence in it, ``began`` (non-empty and begun before chunk c); the chunk
-    ``c0`` of s, the last token ``f`` of the sequence in it, ``crosses`` (non-empty and
-    going on past chunk c0)."""
+    """Per sequence ``[N]``: first token ``s``, last ``e``, ``some`` (non-empty); ``c`` the chunk
+    of e, ``tail`` the sequence's first token in it, ``began`` (begun before c); ``c0`` the
+    chunk of s, ``f`` the sequence's last token in it, ``crosses`` (goes on past c0)."""
 
     s: jax.Array
     e: jax.Array
@@ -62,8 +48,7 @@ def _seqs(cu_seqlens, C: int) -> _Seqs:
 
 
 def _per_chunk(mask, chunk, NC: int):
-    """``[NC]``: the sequence n with ``mask[n]`` and ``chunk[n] == c`` (at most one per
-    chunk), N where there is none."""
+    """``[NC]``: the sequence n with ``mask[n]`` and ``chunk[n] == c`` (at most one), N where none."""
     N = mask.shape[0]
     return jnp.full((NC,), N).at[jnp.where(mask, chunk, NC)].set(jnp.arange(N), mode="drop")
 
@@ -74,18 +59,16 @@ def _tokens(x):
 
 
 def _last_before_loads(first):
-    """``last [NC]``: NC (the zero entry of an NC + 1 table) before every chunk that loads
-    a table entry (``first >= 0``) and at the end, -1 elsewhere: the carried state is
-    replaced there, so no cotangent goes back through it."""
+    """``last [NC]``: NC (the zero entry of an NC + 1 table) before every chunk that loads an
+    entry and at the end, -1 elsewhere: no cotangent goes back through a replaced state."""
     loads_next = jnp.concatenate([first[1:] >= 0, jnp.ones((1,), bool)])
     return jnp.where(loads_next, first.shape[0], -1).astype(jnp.int32)
 
 
 def shared_finals(layout: ChunkLayout, cu_seqlens, k, G, G_lo, v_new, h):
-    """Final states ``[N, HV, K, V]`` of the sequences of shared layout ``layout`` (zero
-    initial states), from F1's ``k``, ``G``, ``G_lo`` (or None) ``[1, HV, NC, C, K]``,
-    F4's ``v_new`` ``[.., V]`` and ``h`` ``[1, HV, NC, K, V]``. Exact (masked in the
-    exponent); an empty sequence's is zero. Differentiable (``kdax._layouts.ragged``'s VJPs)."""
+    """Final states ``[N, HV, K, V]`` (zero initial states) from F1's ``k``, ``G``, ``G_lo``
+    ``[1, HV, NC, C, K]``, F4's ``v_new`` and ``h`` ``[1, HV, NC, K, V]``; exact (masked in
+    the exponent), zero for an empty sequence, differentiable."""
     C = layout.chunk_size
     HV, NC = k.shape[1], k.shape[2]
     TT = NC * C
@@ -108,19 +91,11 @@ def shared_finals(layout: ChunkLayout, cu_seqlens, k, G, G_lo, v_new, h):
 
 
 def finals_vjp(layout: ChunkLayout, cu_seqlens, fin, primals, dS):
-    """``jax.vjp(fin, *primals)[1](dS)`` for ``fin`` = ``shared_finals`` or
-    ``entry_finals`` over ``primals = (k, G, v_new, h, a, h0)`` (``a``, ``h0`` None for
-    the former) and the final states' cotangent ``dS [N, HV, K, V]``, with a sequence's
-    head whose ``dS`` is not finite read as zero (``kdax._numerics.isolation``: the caller makes
-    that head's gradients NaN).
-
-    The VJP runs on ``dS`` as given, and each cotangent is then selected to zero where it
-    belongs to such a head: every part of it depends on one sequence's head of ``dS`` (a
-    token of the sequence, the chunk-start state ``h_c`` that only the sequence ending in
-    chunk c reads, or the sequence's own ``a`` and ``h0``), and a select, unlike a product
-    with zero, keeps the NaN from anything else. So no cleaned copy of ``dS`` is made:
-    ``outer``'s VJP reads ``dS`` in reductions that XLA fuses with whatever produces it
-    (for ``jax.grad`` of ``sum(ht)``, a broadcast of ones that is never stored)."""
+    """``jax.vjp(fin, *primals)[1](dS)`` (``fin``: ``shared_finals`` or ``entry_finals`` over
+    ``(k, G, v_new, h, a, h0)``), each cotangent selected to zero where it belongs to a
+    sequence's head whose ``dS`` is not finite (the caller makes that head NaN). Each part
+    depends on one head of ``dS``, and a select keeps other NaN, so no cleaned copy of
+    ``dS`` is made: ``outer``'s VJP reads it in reductions XLA fuses with its producer."""
     ok = finite_heads(dS)  # [N, HV]
     d_k, d_G, d_v, d_h, da, dh0 = jax.vjp(fin, *primals)[1](dS)
     C, NC = layout.chunk_size, layout.num_chunks
@@ -136,15 +111,10 @@ def finals_vjp(layout: ChunkLayout, cu_seqlens, fin, primals, dS):
 
 
 def entry_layout(layout: ChunkLayout, cu_seqlens, first) -> ChunkLayout:
-    """For B2 on the cotangents of the chunk-start states alone (do = 0, dv_intra = 0, the
-    table ``[dh_0, ..., dh_{NC-1}, 0]``): ``first [NC]`` the chunks whose start state is
-    loaded from a table (value ``NC``: the zero entry; ``c``: ``injected_layout``'s entry c),
-    and ``last[c - 1] = c`` wherever a sequence that began before chunk c ends in it, so
-    that entry c's cotangent enters at chunk c - 1's end. Entering replaces the carried
-    ``dh``, which is exact: what would be carried back from chunk c is zero (the sequence
-    ends in it, and what follows starts afresh). Before a loaded chunk, ``last`` = NC (the
-    state there did not come from chunk c - 1; the caller adds a loaded state's cotangent
-    to its entry)."""
+    """The layout of B2 on the chunk-start states' cotangents alone (table ``[dh_0, ...,
+    dh_{NC-1}, 0]``): ``first`` the chunks loading a table entry, ``last[c - 1] = c`` where
+    a sequence that began before chunk c ends in it (entry c enters at chunk c - 1's end,
+    replacing the carried ``dh``, which is zero there); ``last`` = NC before a loaded chunk."""
     C, NC = layout.chunk_size, layout.num_chunks
     q = _seqs(cu_seqlens, C)
     ends_next = jnp.concatenate([_per_chunk(q.began, q.c, NC)[1:] < q.s.shape[0], jnp.zeros((1,), bool)])
@@ -155,43 +125,30 @@ def entry_layout(layout: ChunkLayout, cu_seqlens, first) -> ChunkLayout:
 
 
 def strictly_lower(layout: ChunkLayout):
-    """``[1, 1, NC, C, C]``: the pairs of ``L`` (``Akk = (I + L)^-1``) within one sequence
-    of a shared chunk, strictly below the diagonal."""
+    """``[1, 1, NC, C, C]``: the pairs of ``L`` within one sequence of a chunk, below the diagonal."""
     return (tri_mask(layout.chunk_size, strict=True) & same_segment(segments(layout.reset)))[:, None]
 
 
 # -- initial states entering shared chunks -------------------------------------------------
 #
-# With initial states the outputs and final states are affine in them. Sequence n (tokens
-# s..e) meets its state Y_n at its first token, decayed by that token's own log decay
-# ``a_n`` (``start_decays``: KDA's gate on those tokens; F1 gives them the reset floor
-# instead): Y'_n = e^(a_n) Y_n enters between the decay and the delta update of token s.
-# In its first chunk, with the exponents relative to s (Γ'_j = G_j - G_s, the reset floor
-# cancels), the chunk algorithm from an entry state gives
+# Sequence n's state Y_n, decayed by its first token's own log decay a_n (``start_decays``),
+# enters between that token's decay and its update. In its first chunk, exponents relative
+# to s (Γ'_j = G_j - G_s):
 #
 #     v_new'_j = -w'_j Y_n,  w' = Akk (beta k e^(Γ' + a_n)),   o'_j = scale (q_j e^(Γ'_j + a_n)) Y_n
 #
-# (``first_chunk_entries``; F5 adds ``Aqk v_new'``), and, for a sequence that goes on into
-# chunk c0 + 1, the state entering it:
+# (F5 adds ``Aqk v_new'``); a sequence going on into chunk c0 + 1 enters it with
 #
 #     e^(Γ'_f + a_n) Y_n + sum_j (k_j e^(G_f - G_j)) (u_j + v_new'_j)^T   (j = s..f, its tokens in c0)
 #
-# which F4 loads there (``injected_layout``: an entry of the state table that replaces the
-# carried state), running it on through the later chunks as any state. The start decay
-# rides on the token side (Akk mixes tokens of one sequence only), so no decayed copy of
-# the N states is ever formed: the states are read as given, and their cotangent is formed
-# only when the loss asks for it. Everything per sequence is a batched
-# ``[N, W, K] x [N, K, V]`` product over blocks of W tokens from s, as many blocks as the
-# longest first-chunk stretch needs. No sequence gets a chunk of its own, so many short
-# sequences cost what their tokens cost.
+# which F4 loads (``injected_layout``). The decay rides on the token side: no decayed copy
+# of the states is formed.
 
 
 def injected_layout(layout: ChunkLayout, cu_seqlens) -> ChunkLayout:
-    """The shared layout with a state table of NC + 1 entries: ``first[c] = c`` where a
-    sequence goes on into chunk c from its first chunk (entry c: the state
-    ``first_chunk_entries`` made), ``NC`` (a zero entry) where the shared layout enters its
-    zero state, and ``last`` = NC before every chunk that loads an entry (the carried state
-    is replaced there, so no cotangent goes back through it)."""
+    """The shared layout with an NC + 1 entry table: ``first[c] = c`` where a sequence goes on
+    into chunk c from its first chunk (``first_chunk_entries``' state), NC (zero) where the
+    shared layout enters its zero state, ``last`` = NC before every load."""
     C, NC = layout.chunk_size, layout.num_chunks
     q = _seqs(cu_seqlens, C)
     inject = _per_chunk(q.crosses, q.c0 + 1, NC) < q.s.shape[0]
@@ -201,11 +158,9 @@ def injected_layout(layout: ChunkLayout, cu_seqlens) -> ChunkLayout:
 
 
 def start_decays(cu_seqlens, config, g, A_log, dt_bias):
-    """``a [N, HV, K]``: each sequence's first token's own log decay (non-positive; the
-    shared layout's F1 gives that token the reset floor instead), computed from the packed
-    raw gate input ``g`` ``[1, HV, NC, C, K]`` with KDA's gate
-    (``kdax.ref.activated_gate``: what the F1 stages of KDA's math, ``math = KDA``, compute).
-    Differentiable in ``g``, ``A_log`` and ``dt_bias``. An empty sequence's is unused."""
+    """``a [N, HV, K]``: each sequence's first token's own log decay (F1 gives it the reset
+    floor instead), KDA's gate (``kdax.ref.activated_gate``) on the packed raw ``g``;
+    differentiable in ``g``, ``A_log``, ``dt_bias``."""
     NC, C = g.shape[2], g.shape[3]
     s = jnp.clip(jnp.asarray(cu_seqlens, jnp.int32)[:-1], 0, NC * C - 1)
     gs = _tokens(g)[:, s][None, :, None]  # [1, HV, 1, N, K]: one "chunk" of the N tokens
@@ -215,14 +170,11 @@ def start_decays(cu_seqlens, config, g, A_log, dt_bias):
 
 
 def first_chunk_entries(layout: ChunkLayout, cu_seqlens, scale: float, q, k, beta, G, G_lo, Akk, v, a, h0, ok=None):
-    """The initial states' part in each sequence's first chunk (module comment above):
-    ``(v_new' [1, HV, NC, C, V], o' [1, HV, NC, C, V], table [NC + 1, HV, K, V])`` from
-    F1's activated ``q``, ``k``, ``beta``, ``G``, ``G_lo`` (shared layout), F2's ``Akk``,
-    the packed ``v``, the start decays ``a = start_decays(...)`` and the initial states
-    ``h0 [N, HV, K, V]``. ``ok [N, HV]`` (or None): where False (a non-finite state) the
-    sequence's head reads a zero state. ``table[c]`` is the state entering chunk c
-    (``injected_layout``), zero elsewhere. Differentiable: its VJP is the backward of this
-    part."""
+    """The initial states' part in each sequence's first chunk (comment above):
+    ``(v_new' [1, HV, NC, C, V], o' [1, HV, NC, C, V], table [NC + 1, HV, K, V])``, from
+    F1's and F2's outputs, the packed ``v``, the start decays ``a`` and ``h0 [N, HV, K, V]``
+    (``ok [N, HV]``: False heads read a zero state). ``table[c]``: the state entering chunk
+    c. Differentiable: its VJP is this part's backward."""
     C, NC = layout.chunk_size, layout.num_chunks
     HV = k.shape[1]
     TT = NC * C
@@ -260,8 +212,7 @@ def first_chunk_entries(layout: ChunkLayout, cu_seqlens, scale: float, q, k, bet
 
 
 def _finite(h0, ok, n=None):
-    """``h0 [.., HV, K, V]`` with the heads where ``ok`` (``[N, HV]``, at ``n``) is False
-    zero (elementwise: XLA fuses it into the product that reads it)."""
+    """``h0`` with the heads where ``ok`` (at ``n``) is False zero (a select XLA fuses into the product)."""
     if ok is None:
         return h0
     m = ok if n is None else ok[n]
@@ -269,11 +220,9 @@ def _finite(h0, ok, n=None):
 
 
 def entry_finals(layout: ChunkLayout, cu_seqlens, k, G, G_lo, v_new, h, a, h0, ok=None):
-    """Final states ``[N, HV, K, V]`` with initial states ``h0`` entering (``v_new`` F4's
-    plus ``first_chunk_entries``'s, ``h`` F4's on ``injected_layout``, ``a`` the start
-    decays, ``ok`` as there): ``shared_finals``, plus for a sequence that ends in its first
-    chunk its decayed initial state ``e^(G_e - G_s + a_n) h0_n``; an empty sequence keeps
-    ``h0``."""
+    """``shared_finals`` with initial states entering (``v_new``, ``h`` on ``injected_layout``),
+    plus ``e^(G_e - G_s + a_n) h0_n`` for a sequence ending in its first chunk; an empty
+    sequence keeps ``h0``."""
     h0 = _finite(h0, ok)
     C, NC = layout.chunk_size, k.shape[2]
     S = shared_finals(layout, cu_seqlens, k, G, G_lo, v_new, h)
@@ -285,9 +234,7 @@ def entry_finals(layout: ChunkLayout, cu_seqlens, k, G, G_lo, v_new, h, a, h0, o
 
 
 class Entered(NamedTuple):
-    """What entering initial states add to the forward (``SharedForwardHooks.f4_inputs``): F4's
-    table and ``injected_layout``, the first-chunk parts ``vx``, ``ox`` of ``v_new`` and
-    ``o``, the start decays ``a``, and both VJPs (the backward runs neither again)."""
+    """What entering states add to the forward: F4's table and layout, ``vx``, ``ox``, ``a`` and both VJPs."""
 
     table: jax.Array
     layout: ChunkLayout
@@ -299,13 +246,9 @@ class Entered(NamedTuple):
 
 
 class SharedForwardHooks:
-    """The forward's part of shared chunks (the points of ``kdax._runner.forward.ForwardHooks``):
-    the final states, ``shared_finals`` (F4 keeps states at chunk boundaries only), or
-    zeros ``shape`` (``[N, HV, K, V]``, compute dtype ``dtype``) when not asked for. With
-    initial states ``h0 [N, HV, K, V]`` entering (compute dtype; ``ok`` as
-    ``first_chunk_entries``'s): after F3, each sequence's first-chunk entries and F4's
-    state table (an ``Entered``); F5 and the final states (``entry_finals``) read F4's
-    ``v_new`` plus the entries'."""
+    """The forward's part of shared chunks (``ForwardHooks``' points): the final states
+    (``shared_finals``, or zeros ``shape`` when not asked for); with entering states
+    ``h0 [N, HV, K, V]``, after F3 their first-chunk part and F4's table (``Entered``)."""
 
     def __init__(self, config, layout: ChunkLayout, cu_seqlens, shape: tuple, dtype, h0=None, ok=None):
         self.config, self.layout, self.cu_seqlens, self.shape, self.dtype = config, layout, cu_seqlens, shape, dtype
@@ -329,8 +272,7 @@ class SharedForwardHooks:
         return oc if extra is None else oc + extra.ox
 
     def final_states(self, fw, final):
-        """``shared_finals``, or ``entry_finals`` with entering states, when asked for; else
-        zeros, or the initial states (what ``chunk_kda``'s backward then reads as final)."""
+        """``shared_finals``/``entry_finals`` when asked for; else zeros or the initial states."""
         if not self.config.output_final_state:
             return jnp.zeros(self.shape, self.dtype) if self.h0 is None else self.h0
         act = fw.act
@@ -347,9 +289,8 @@ class SharedForwardHooks:
 
 
 class SharedBackward(NamedTuple):
-    """What ``SharedChunkHooks`` carries from one point to the next: ``finals_vjp``'s
-    cotangents ``fin`` (None without a loss on the final states), those of the states F4
-    loaded (``d_entries``), the start decays' and initial states' (``decays``, ``dh0``)."""
+    """What ``SharedChunkHooks`` carries between points: ``finals_vjp``'s cotangents ``fin``,
+    the loaded states' (``d_entries``), the start decays' and initial states' (``decays``, ``dh0``)."""
 
     fin: Optional[tuple] = None
     d_entries: Optional[jax.Array] = None
@@ -358,12 +299,9 @@ class SharedBackward(NamedTuple):
 
 
 class SharedChunkHooks:
-    """The shared-chunk layout's part of the six-stage backward (the points of
-    ``kdax._runner.forward.BackwardHooks``): a
-    loss on the final states of shared chunks (``dht``: their VJP through
-    ``shared_finals``/``entry_finals``, and one more B2 pass from the chunk-start states'
-    cotangents), and initial states entering shared chunks (``res.entries``: the VJP of
-    their first-chunk part and of the start decays). ``res``: the forward's residuals."""
+    """The shared layout's part of the backward (``BackwardHooks``' points): a loss on the
+    final states (``dht``: ``finals_vjp``, one more B2 pass) and entering initial states
+    (``res.entries``: the VJPs of their first-chunk part and start decays)."""
 
     def __init__(self, res, dht):
         self.res, self.E, self.L, self.cu = res, res.entries, res.layout, res.cu_seqlens

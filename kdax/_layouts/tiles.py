@@ -1,17 +1,8 @@
-"""Tiles: the pipeline's stages run on a few chunks at a time, the state carried between.
+"""Tiles: the stages run on a few chunks at a time, the state carried between (docs/stages.md §5).
 
-A tile is chunks ``[c0, c0 + n)`` of every row, handed to the stages as a problem of its
-own, so that each stage keeps to its contract (whole sequences in a chunked layout):
-
-* dense: a dense layout of the tile's tokens, one sequence per row, whose initial state is
-  the carry from the previous tile;
-* packed varlen: the tile's slice of the layout with a state table of ``N + R`` entries,
-  the N sequences' own, then one carry per row (entry ``N + r``). The tile's first chunk
-  starts the carry unless a sequence starts there, its last chunk ends the carry unless a
-  sequence ends there.
-
-On CPU, tiles that fit in cache replace whole-sequence intermediates in main memory.
-"""
+A tile is chunks ``[c0, c0 + n)`` of every row, a problem of its own: dense, a dense
+layout of its tokens whose initial state is the carry; packed, the tile's slice of the
+layout with a state table of ``N + R`` entries (the sequences', then one carry per row)."""
 
 from typing import Callable
 
@@ -23,9 +14,8 @@ from .layout import ChunkLayout, make_layout, pack_inputs, unpack
 
 
 class Tiles:
-    """Tiles of ``nt`` chunks over ``layout`` (N sequences). Dense inputs tile their tokens
-    (full tiles of ``nt * C`` tokens in a loop, then a static tail tile with the rest);
-    packed varlen inputs tile the chunks of the packed row."""
+    """Tiles of ``nt`` chunks over ``layout`` (N sequences): dense inputs tile their tokens
+    (full tiles in a loop, then a static tail), packed ones the chunks of the row."""
 
     def __init__(self, layout: ChunkLayout, N: int, nt: int):
         self.layout, self.N, self.nt = layout, N, nt
@@ -63,31 +53,26 @@ class Tiles:
         return jax.lax.dynamic_slice_in_dim(x, c0, n, 2)
 
     def table(self, per_seq, carry):
-        """The state table a tile's stage gets: the carry (dense), or the sequences' own
-        entries then the carries (varlen)."""
+        """The state table a tile's stage gets: the carry (dense), or the sequences' entries then the carries."""
         return carry if self.dense else jnp.concatenate([per_seq, carry])
 
     def carry_of(self, tl: ChunkLayout, table):
-        """The carry to the next tile from the state stage's output table: the entry ending
-        at the tile's last chunk. Where a sequence ends there, its own final state: any
-        finite state serves, as the next tile's first chunk then starts a sequence or is
-        padding."""
+        """The carry to the next tile: the entry ending at the tile's last chunk (a sequence's own
+        final state where one ends there: any finite state serves)."""
         if self.dense:
             return table
         ids = tl.last[:, -1]
         return table[jnp.where(ids >= 0, ids, self.N + jnp.arange(self.R))]
 
     def collect(self, acc, tl: ChunkLayout, table):
-        """``acc [N, ...]`` with the final states of the sequences that end in the tile
-        taken from the state stage's output table (varlen only)."""
+        """``acc [N, ...]`` with the final states of the sequences ending in the tile (varlen)."""
         ids = tl.last
         mask = jnp.zeros((self.N + self.R,), bool).at[jnp.where(ids >= 0, ids, self.N + self.R)].set(True, mode="drop")
         return jnp.where(mask[: self.N].reshape((-1,) + (1,) * (acc.ndim - 1)), table[: self.N], acc)
 
     def put(self, buf, tl: ChunkLayout, x, c0):
-        """Write a tile's chunked ``x [R, Hx, n, C, ...]`` into ``buf``: dense, straight to
-        tokens ``[B, T, Hx, ...]`` (the tile's transpose stays in cache); varlen, into the
-        chunked ``[R, Hx, NC, C, ...]`` (``finish`` unpacks it)."""
+        """Write a tile's chunked ``x`` into ``buf``: dense, as tokens ``[B, T, Hx, ...]``; varlen,
+        chunked (``finish`` unpacks it)."""
         if self.dense:
             return jax.lax.dynamic_update_slice_in_dim(buf, unpack(tl, x), c0 * self.C, 1)
         return jax.lax.dynamic_update_slice_in_dim(buf, x, c0, 2)
@@ -103,8 +88,7 @@ class Tiles:
     # -- all tiles --------------------------------------------------------------------
 
     def run(self, step: Callable, state):
-        """``state = step(c0, n, tail, state)`` for every tile in order: the full tiles in a
-        loop, then the tail tile."""
+        """``state = step(c0, n, tail, state)`` for every tile in order."""
         nt = self.nt
         # Inside shard_map the carry must vary like the inputs the steps read.
         state = vary_like(state, self.layout, state)
@@ -113,16 +97,10 @@ class Tiles:
 
 
 def forward_tiled(stages: Callable, layout: ChunkLayout, raw, HV: int, dt, h0, nt: int, clean=None):
-    """The forward F1-F5, ``stages(chunked inputs, state table, tile layout) -> (o chunked,
-    stage outputs, final states)`` (``KDAPipeline``'s), on ``nt`` chunks at a time, the
-    state carried from tile to tile; ``raw`` the caller's ``(q, k, v, g, beta)``, ``h0``
-    the initial states in the compute dtype ``dt``, ``clean`` the cleaner or None. On CPU
-    this keeps a tile's intermediates in cache instead of writing whole-sequence arrays to
-    main memory (the forward 1.4x faster at the benchmark shape); every intermediate is
-    still written to a full-size output, which XLA drops where nothing reads it
-    (``chunk_kda`` without gradients).
-
-    Returns ``(o [B, T, HV, V], final, stage outputs of full size)``."""
+    """F1-F5 (``stages(chunked inputs, state table, tile layout)``) on ``nt`` chunks at a time,
+    the state carried: on CPU a tile's intermediates stay in cache (the forward 1.4x faster).
+    Full-size outputs are written; XLA drops those nothing reads. Returns
+    ``(o [B, T, HV, V], final, stage outputs)``."""
     tiles = Tiles(layout, h0.shape[0], nt)
     if not tiles.dense:
         packed = pack_inputs(layout, raw, HV, dt, clean)

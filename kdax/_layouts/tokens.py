@@ -1,14 +1,10 @@
-"""The call's inputs in the caller's layout, for stages that read them there themselves.
+"""Views of the call's inputs in the caller's layout, for stages that read them there.
 
-Packing an input into the chunked layout (``kdax._layouts.layout.pack``) is a copy: a transpose
-from ``[B, T, H, D]`` to ``[R, HV, NC, C, D]``, in the compute dtype (float32 for bf16
-inputs). A stage that declares the capability ``"tokens"`` (docs/stages.md, capabilities)
-is handed a ``Tokens`` view instead and reads its blocks from the caller's array (a
-Pallas kernel's block spec: ``kdax.pallas._common.token_operand``), casting and cleaning each block as it loads
-it; any other stage gets the chunked copy (``Tokens.chunked``), made by the stage runner.
-Views are made only for dense input whose T is a multiple of the chunk size (the chunked
-layout is then a reshape of the caller's, with no padding).
-"""
+Packing (``pack``) copies ``[B, T, H, D]`` into ``[R, HV, NC, C, D]`` in the compute
+dtype. A stage declaring ``"tokens"`` gets a ``Tokens`` view instead and reads its blocks
+from the caller's array (casting and cleaning each as it loads it); any other stage gets
+the chunked copy from the stage runner. Views are made only for dense input with T a
+multiple of C (the chunked layout is then a reshape)."""
 
 import dataclasses
 from typing import Optional
@@ -23,12 +19,10 @@ from .layout import ChunkLayout, expand_group, pack, pack_inputs, to_chunks
 
 
 class Tokens(eqx.Module):
-    """An input ``x`` ``[B, T, Hx, *D]`` (beta ``[B, T, Hx]``) in its own dtype, T a multiple
-    of ``chunk_size``, read as the chunked array ``[B, heads, T // C, C, *D]`` of dtype
-    ``dtype`` that ``pack`` would give: value head h reads x's head ``h // (heads // Hx)``,
-    and the elements that the ``kdax._numerics.isolation`` kind ``clean`` names (None: none) read as
-    zero. ``shape``, ``ndim`` and ``dtype`` are the chunked array's, so the pipeline's
-    contracts read a view as the array it stands for."""
+    """``x`` ``[B, T, Hx, *D]`` (beta ``[B, T, Hx]``) read as the chunked ``[B, heads, T // C,
+    C, *D]`` array of ``dtype`` that ``pack`` gives: head h reads x's ``h // (heads // Hx)``,
+    elements of the isolation kind ``clean`` read as zero. ``shape``/``ndim``/``dtype`` are
+    the chunked array's, so the contracts read a view as the array it stands for."""
 
     x: Array
     heads: int = eqx.field(static=True)
@@ -62,15 +56,13 @@ class Tokens(eqx.Module):
         return dataclasses.replace(self, dtype=np.dtype(dtype))
 
     def load(self, block):
-        """A block read from ``x`` (any shape) as the chunked array holds it: cleaned,
-        then cast (``pack``'s order). Usable inside a kernel."""
+        """A block read from ``x`` as the chunked array holds it: cleaned, then cast (usable in a kernel)."""
         if self.clean is not None:
             block = jnp.where(_isolation.is_bad(self.clean, block), jnp.zeros((), block.dtype), block)
         return block.astype(self.dtype)
 
     def chunks(self):
-        """``x`` as ``[B, T // C, C, Hx, *D]`` (a reshape, no copy): what a kernel's block
-        spec indexes (``kdax.pallas._common.token_operand``)."""
+        """``x`` as ``[B, T // C, C, Hx, *D]`` (a reshape): what a kernel's block spec indexes."""
         return to_chunks(self.x, self.chunk_size)
 
     def chunked(self) -> Array:
@@ -85,25 +77,20 @@ def as_chunked(x):
 
 
 def token_inputs(raw, HV: int, chunk_size: int, dtype, kinds: Optional[tuple]):
-    """``(q, k, v, g, beta)`` as ``Tokens`` views (``kinds``: the ``kdax._numerics.isolation`` kind of
-    each, or None for no cleaning); None stays None."""
+    """``(q, k, v, g, beta)`` as ``Tokens`` (``kinds``: each one's isolation kind, or None); None stays None."""
     kinds = kinds or (None,) * 5
     return tuple(None if x is None else Tokens(x, HV, chunk_size, np.dtype(dtype), kind) for x, kind in zip(raw, kinds))
 
 
 def views_fit(layout: ChunkLayout) -> bool:
-    """Whether the caller's arrays are the chunked layout up to a reshape (``Tokens``
-    views): dense rows, T a multiple of the chunk size (no padding)."""
+    """Whether the caller's arrays are the chunked layout up to a reshape: dense, T a multiple of C."""
     return layout.dense and layout.T % layout.chunk_size == 0
 
 
 def chunked_inputs(config, layout: ChunkLayout, raw, HV: int, dt, clean, reads: tuple):
-    """``(q, k, v, g, beta)`` for F1-F3 (whole, untiled): the chunked copies
-    (``pack_inputs``; ``clean`` the cleaner or None). Where the caller's arrays fit
-    (``views_fit``), ``Tokens`` views instead for a reader that declares ``tokens``
-    (``reads``: F1's, F3's): q, k, g and beta with such an F1 (B5 reads g), v with such an
-    F3 (B0 and B3 read it too); no copy is made of those. Readers without the capability
-    get a copy from the stage runner. ``config`` the stages' ``KDAConfig``."""
+    """``(q, k, v, g, beta)`` for F1-F3 (untiled): chunked copies, or where views fit,
+    ``Tokens`` views for a reader declaring ``tokens`` (``reads``: F1's, F3's): q, k, g,
+    beta for such an F1, v for such an F3."""
     if not (views_fit(layout) and any(reads)):
         return pack_inputs(layout, raw, HV, dt, clean)
     kinds = _isolation.input_kinds(config.use_gate_in_kernel, config.use_beta_sigmoid_in_kernel) if clean else None
@@ -114,19 +101,15 @@ def chunked_inputs(config, layout: ChunkLayout, raw, HV: int, dt, clean, reads: 
 
 
 def chunked_cotangent(layout: ChunkLayout, do, dt, reads: bool):
-    """``do`` for B1-B3: the chunked copy, or where the caller's arrays fit (``views_fit``)
-    and a B1, B2 or B3 reads the caller's layout (``reads``: declares ``tokens``), a
-    ``Tokens`` view (the stage runner gives the others the copy)."""
+    """``do`` for B1-B3: a ``Tokens`` view where views fit and one of them ``reads`` them, else the chunked copy."""
     if views_fit(layout) and reads:
         return Tokens(do, do.shape[2], layout.chunk_size, np.dtype(dt))
     return pack(layout, do, dt)
 
 
 class Written(eqx.Module):
-    """A gradient a stage wrote as the call's result (``FinalGrads``): ``x`` ``[B, T, H, *D]``
-    (dbeta ``[B, T, H]``) in the input's dtype, NaN where ``chunk_kda``'s isolation puts
-    NaN. ``shape`` and ``dtype`` are those of the chunked gradient it stands for, so the
-    pipeline's contracts read it as that array; only ``KDAGrads.unpacked`` reads it."""
+    """A gradient a stage wrote as the call's result: ``x`` ``[B, T, H, *D]`` in the input's
+    dtype, NaN where isolation puts it; ``shape``/``dtype`` those of the chunked gradient."""
 
     x: Array
     shape: tuple = eqx.field(static=True)
@@ -138,14 +121,10 @@ class Written(eqx.Module):
 
 
 class FinalGrads(eqx.Module):
-    """What a B3 or B5 that declares ``final_grads`` (docs/stages.md, capabilities) may
-    write its gradients of ``q, k, v, g, beta`` as: the call's results, in the caller's
-    layout (``[B, T, H, D]``, dbeta ``[B, T, H]``; blocks as a ``Tokens`` view's) and the
-    inputs' ``dtypes``, NaN at the tokens and heads where ``chunk_kda``'s isolation puts NaN
-    (``kdax._numerics.isolation``): ``poison`` ``[B, T // C, C, HV, 2]`` float32, above zero
-    there: column 0 for dq, column 1 for dk, dv, dg and dbeta. Such a gradient comes back
-    as ``Written``; one a stage leaves chunked the pipeline finishes (``finish``): the same
-    numbers. Made only where ``Tokens`` views fit and q, k have a head per value head."""
+    """What a B3 or B5 declaring ``final_grads`` may write its gradients of q, k, v, g, beta
+    as: the call's results (caller's layout, the inputs' ``dtypes``), NaN where ``poison``
+    ``[B, T // C, C, HV, 2]`` is above zero (column 0: dq; 1: the others). One a stage
+    leaves chunked the pipeline finishes (``finish``): the same numbers."""
 
     poison: Array
     dtypes: tuple = eqx.field(static=True)  # of (q, k, v, g, beta)
@@ -164,8 +143,7 @@ class FinalGrads(eqx.Module):
         return Written(x, tuple(like.shape), np.dtype(like.dtype))
 
     def finish(self, name: str, y):
-        """The gradient ``y`` of input ``name`` in the caller's layout (unpacked) as the
-        kernels write it: NaN where poisoned, cast to the input's dtype."""
+        """The unpacked gradient ``y`` of input ``name`` as the kernels write it: poisoned, cast."""
         B, NC, C, HV, _ = self.poison.shape
         m = self.poison[..., self.column(name)].reshape(B, NC * C, HV) > 0
         m = m.reshape(m.shape + (1,) * (y.ndim - 3))
