@@ -1,7 +1,6 @@
-"""``chunk_kda``, the front door with FLA's signature: FLA's positional order and its
-arguments that need nothing in kdax, the deprecated alias, sharded inputs and
-``seq_axis_name`` routed to ``kdax.parallel`` (``routed``), then
-``KDAPipeline.apply`` on one device."""
+"""``chunk_kda``, the front door with FLA's signature: its arguments, by name, into
+``KDAOptions``; sharded inputs and ``seq_axis_name`` go to ``kdax.parallel`` (``routed``),
+the rest to ``KDAPipeline.apply`` on one device."""
 
 from typing import Optional, Union
 
@@ -74,42 +73,34 @@ def chunk_kda(
     seq_axis_name: Optional[str] = None,
     check_inputs: bool = True,
 ) -> tuple[Float[ArrayIn, "B T HV V"], Optional[Float[ArrayIn, "N HV _S1 _S2"]]]:
-    """Chunked KDA (FLA's ``chunk_kda`` arguments, order and layouts: the arguments after
-    ``beta`` may be given positionally in FLA's order; see docs/fla_arguments.md).
+    """Chunked KDA, with FLA's ``chunk_kda`` arguments, order and layouts (docs/fla_arguments.md).
 
     q, k ``[B, T, H, K]``; v ``[B, T, HV, V]`` (HV a multiple of H); g ``[B, T, HV, K]``
-    (log decay, or the raw gate input with ``use_gate_in_kernel``: softplus gate with
-    ``A_log [HV]`` (or ``[1, 1, HV, 1]``) and optional ``dt_bias [HV*K]``, lower-bound gate
-    whenever ``lower_bound`` is set); beta ``[B, T, HV]`` (raw with
-    ``use_beta_sigmoid_in_kernel``); states ``[N, HV, K, V]`` (``[N, HV, V, K]`` with
-    ``state_v_first``; ``transpose_state_layout`` is its deprecated FLA alias);
-    ``cu_seqlens`` ``[N + 1]`` (array, list or tuple; checked inside the compiled program
-    when traced) packs N sequences into B == 1. ``chunk_size`` in {16, 32, 64, 128}.
-    ``safe_gate`` is FLA's promise that the gate lies in ``[lower_bound, 0)`` with
-    ``-5 <= lower_bound < 0``; kdax's kernels are exact for any gate, so it only adds FLA's
-    checks. ``scale``: any real number (Python, numpy, concrete 0-d JAX), default K^-1/2.
-    FLA's ``cu_seqlens_cpu`` and ``use_graph`` are accepted and need nothing;
-    ``return_intermediate_states`` and ``cp_context`` are refused.
+    (log decay, or the raw gate with ``use_gate_in_kernel``: softplus gate with ``A_log``
+    ``[HV]`` (or ``[1, 1, HV, 1]``) and optional ``dt_bias [HV*K]``, lower-bound gate when
+    ``lower_bound`` is set); beta ``[B, T, HV]`` (raw with ``use_beta_sigmoid_in_kernel``);
+    states ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``, deprecated alias
+    ``transpose_state_layout``); ``cu_seqlens`` ``[N + 1]`` packs N sequences into B == 1
+    (checked inside the program when traced). ``chunk_size`` in {16, 32, 64, 128}.
+    ``safe_gate``: FLA's promise that g lies in ``[lower_bound, 0)``, ``-5 <= lower_bound <
+    0`` (kdax is exact for any gate; only FLA's checks). ``scale``: any real number, default
+    K^-1/2. ``cu_seqlens_cpu``, ``use_graph``: accepted, unneeded;
+    ``return_intermediate_states``, ``cp_context``: refused.
 
-    Returns ``o [B, T, HV, V]`` in v's dtype and the final state (float32, or float64 for
-    float64 inputs) or None. ``jax.grad`` runs the six-stage backward of ``pipeline``
-    (default: ``default_pipeline()``; its arrays are not differentiated);
-    ``disable_recompute=True`` keeps the forward intermediates instead of recomputing them.
-    Zero-size inputs (B, T, K or V = 0) give zero outputs and pass the states through.
+    Returns ``o [B, T, HV, V]`` in v's dtype and the final state (float32, or float64) or
+    None. ``jax.grad`` runs ``pipeline``'s six-stage backward (default
+    ``default_pipeline()``); ``disable_recompute=True`` keeps the forward intermediates.
+    Zero-size inputs give zero outputs and pass the states through.
 
-    ``seq_axis_name``: inside ``jax.shard_map`` with the token axis sharded over that mesh
-    axis, q, k, v, g, beta and o are this device's tokens, ``cu_seqlens`` the global
-    offsets, the states global (identical on every device): sequence parallel, exact
-    (see ``kdax.parallel``).
+    ``seq_axis_name``: inside ``jax.shard_map`` with the tokens sharded over that axis,
+    sequence parallel and exact (``kdax.parallel``): q to beta and o this device's tokens,
+    ``cu_seqlens`` and the states global.
 
-    ``check_inputs`` (kdax's own): g's and beta's domain (g <= 0 without the in-kernel
-    gate, beta in [0, 1] without the in-kernel sigmoid) is checked on every call: eagerly
-    before any kernel, under ``jit`` inside the compiled program (``eqx.error_if``: the call
-    raises a runtime error naming the argument; in a process with several devices, where
-    such an error would abort the process, each bad value reads as NaN, its sequence's
-    outputs NaN). ``False`` skips the check under ``jit`` (one pass over g and beta). q in FLA's old head-first layout ``[B, H, T, K]`` (T < H)
-    gets a ``HeadFirstLayoutWarning``.
-    """
+    ``check_inputs``: g's and beta's domain (g <= 0, beta in [0, 1], unless activated in the
+    kernel) is checked eagerly before any kernel and, under ``jit``, inside the program
+    (``eqx.error_if``; with several devices a bad value reads as NaN, its sequence's outputs
+    NaN); ``False`` skips the in-program check. q in FLA's old head-first layout (T < H)
+    gets a ``HeadFirstLayoutWarning``."""
     _warn_head_first(q)
     options = KDAOptions(
         scale=scale, initial_state=initial_state, output_final_state=output_final_state,

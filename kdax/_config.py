@@ -1,10 +1,7 @@
-"""The options of ``chunk_kda`` / ``fused_recurrent_kda``, spelled once (``KDAOptions``),
-and the static per-call configuration the stages receive (``KDAConfig``).
-
-To add an option: one field in ``KDAOptions`` (and, if stages need it, one in
-``KDAConfig`` set in ``KDAOptions.config``), plus its keyword in ``chunk_kda``'s typed
-signature (a test checks that the two agree).
-"""
+"""The options of ``chunk_kda`` / ``fused_recurrent_kda`` (``KDAOptions``) and the static
+configuration the stages receive (``KDAConfig``). A new option: a field in
+``KDAOptions`` (and ``KDAConfig``, set in ``KDAOptions.config``) and its keyword in
+``chunk_kda`` (a test checks that they agree)."""
 
 import dataclasses
 import warnings
@@ -14,8 +11,7 @@ import equinox as eqx
 
 
 class KDAConfig(eqx.Module):
-    """The options of one ``chunk_kda`` call that change what is traced (all static),
-    as every stage receives them. ``scale`` is resolved (``K ** -0.5`` when not given)."""
+    """The static options of one call, as every stage receives them (``scale`` resolved)."""
 
     scale: float = eqx.field(static=True)
     chunk_size: int = eqx.field(static=True, default=64)
@@ -30,17 +26,10 @@ class KDAConfig(eqx.Module):
 
 
 class KDAOptions(eqx.Module):
-    """Every option of ``chunk_kda`` (``fused_recurrent_kda`` takes the same ones except
-    ``safe_gate``, ``chunk_size`` and ``disable_recompute``), with FLA's names and defaults.
-
-    Arrays (``initial_state``, ``A_log``, ``dt_bias``, ``cu_seqlens``) and ``scale`` are
-    pytree leaves, everything else static: pass an options object through
-    ``eqx.filter_jit`` (which keeps a Python ``scale`` static) or close over it. Build one with
-    ``KDAOptions(**kwargs)`` or ``KDAOptions.from_kwargs(**kwargs)`` (which also takes FLA's
-    deprecated ``transpose_state_layout``); ``kdax._validate.validate`` checks it against the
-    inputs and returns the normalised options (``scale`` a float, ``A_log`` ``[HV]``,
-    ``cu_seqlens`` an int32 array, ...).
-    """
+    """Every option of ``chunk_kda`` with FLA's names and defaults (``fused_recurrent_kda``:
+    all but ``safe_gate``, ``chunk_size``, ``disable_recompute``). Arrays and ``scale`` are
+    pytree leaves, the rest static. ``from_kwargs`` also takes FLA's deprecated
+    ``transpose_state_layout``; ``kdax._validate.validate`` normalises the options."""
 
     # A number (Python, numpy, or a concrete 0-d JAX array: hence not a static field).
     scale: Any = None
@@ -69,9 +58,8 @@ class KDAOptions(eqx.Module):
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "KDAOptions":
-        """Options from keywords; ``transpose_state_layout`` is accepted as FLA's deprecated
-        alias of ``state_v_first`` (``DeprecationWarning``); an unknown keyword raises
-        ``TypeError`` naming it."""
+        """Options from keywords (``transpose_state_layout``: the deprecated alias of
+        ``state_v_first``); an unknown keyword raises ``TypeError`` naming it."""
         kwargs = resolve_deprecated(kwargs)
         unknown = sorted(set(kwargs) - set(cls.names()))
         if unknown:
@@ -92,8 +80,7 @@ class KDAOptions(eqx.Module):
 
 
 def state_v_first_of(state_v_first: bool, transpose_state_layout) -> bool:
-    """``state_v_first``, or FLA's deprecated alias ``transpose_state_layout`` when given
-    (with a ``DeprecationWarning``; both at once is an error)."""
+    """``state_v_first``, or its deprecated alias ``transpose_state_layout`` when given."""
     if transpose_state_layout is None:
         return state_v_first
     return resolve_deprecated(dict(state_v_first=state_v_first, transpose_state_layout=transpose_state_layout))[

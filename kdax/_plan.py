@@ -1,6 +1,5 @@
 """``KDAPipeline.plan``: which implementation runs each stage, why it differs, the layout,
-the tiles and the resolved configuration, found by tracing the forward and backward
-abstractly (the pipeline is an argument: kdax.pipeline imports this module)."""
+the tiles and the resolved configuration, found by tracing abstractly."""
 
 import dataclasses
 from typing import NamedTuple, Optional
@@ -18,8 +17,7 @@ from ._runner.runner import recording
 
 
 class PlanRow(NamedTuple):
-    """One stage of a ``KDAPlan``: the field, its step (F1..B5), the implementation in the
-    pipeline, the one that runs (None: the stage does not run) and why it differs."""
+    """One stage: its field, step, the implementation in the pipeline, the one that runs (None: not run), why."""
 
     field: str
     step: str
@@ -29,22 +27,16 @@ class PlanRow(NamedTuple):
 
 
 class KDAPlan(NamedTuple):
-    """What ``KDAPipeline.plan`` found. ``rows``: one ``PlanRow`` per stage; ``tile``: the
-    forward's tile size when ``chunk_kda`` runs without gradients (None: whole);
-    ``not_tile_safe``: the forward stages that keep the forward whole; ``layout``: how the
-    tokens sit in chunks: "dense" (one sequence per row), "per-sequence" (packed varlen,
-    each sequence from a chunk boundary) or "shared" (packed varlen, sequences sharing
-    chunks: ``KDAPipeline.share_chunks``)."""
+    """What ``plan`` found: ``rows`` (``PlanRow``), ``tile`` (the forward's tile size without
+    gradients; None: whole), ``not_tile_safe``, ``layout`` ("dense", "per-sequence" or
+    "shared"), ``notes``, ``config`` (``resolved_config``), ``why`` (route -> reason)."""
 
     rows: tuple
     tile: Optional[int]
     not_tile_safe: tuple
     layout: Optional[str] = None
     notes: tuple = ()
-    # KDAPipeline.resolved_config: every platform-dependent choice, resolved
     config: Optional[dict] = None
-    # Why each route was taken, the first true reason: "forward" (whole, when tiles were
-    # possible) and "layout" (per-sequence, for packed input) -> reason.
     why: tuple = ()
 
     @property
@@ -78,10 +70,8 @@ class KDAPlan(NamedTuple):
 
 
 def plan(pipeline, q, k, v, g, beta, **options) -> KDAPlan:
-    """Which implementation runs each stage of ``pipeline`` (a ``KDAPipeline``) for these
-    inputs and options, without running anything (the forward and backward are traced
-    abstractly): a ``KDAPlan`` whose ``str`` is a table, with the reason of each fallback.
-    Inputs may be arrays or ``jax.ShapeDtypeStruct``."""
+    """A ``KDAPlan`` for ``pipeline`` on these inputs (arrays or ``jax.ShapeDtypeStruct``) and
+    options, the forward and backward traced abstractly; its ``str`` is a table."""
     opts = KDAOptions.from_kwargs(**options)
     with recording(quiet=True) as rec:
         def loss(diff):
@@ -137,16 +127,13 @@ def _other_math(pipeline, field: str) -> Optional[str]:
 
 
 def route_reasons(pipeline, layout: Optional[str], opts: KDAOptions) -> tuple:
-    """``(("forward", why whole), ("layout", why per-sequence))``, each only where it
-    applies, in the order the routes are decided (``kdax._runner.routes``:
-    ``unsafe_for_tiles``, ``shares_chunks``; ``kdax._runner.forward``): the first reason
-    that is true of this pipeline, not the list of fields a rule rejects."""
+    """``(("forward", why whole), ("layout", why per-sequence))`` where they apply: the first
+    reason true of this pipeline, in the order the routes are decided."""
     out = []
     unsafe = unsafe_for_tiles(pipeline)
     if pipeline.tile is not None and unsafe:
         f = unsafe[0]
-        # a stage of other math runs whole whatever it declares: that is the reason, even
-        # where it also declares tile_safe
+        # (other math is the reason, even where the stage also declares tile_safe)
         other = _other_math(pipeline, f)
         out.append(("forward", f"{other}: a stage of other math runs whole, whatever it declares" if other
                     else f"not tile-safe: {f} ({type(getattr(pipeline, f)).__qualname__} does not declare tile_safe)"))
@@ -168,14 +155,10 @@ def route_reasons(pipeline, layout: Optional[str], opts: KDAOptions) -> tuple:
 
 
 def resolved_config(pipeline, dtype=jnp.float32) -> dict:
-    """Every platform-dependent choice of ``pipeline`` as it resolves here for inputs of ``dtype``
-    (what ``plan`` reports): ``backend``, ``precision`` (the policy, "auto" resolved),
-    ``tile``, and per stage field its static tuning fields, "auto" resolved (``group``:
-    chunks per loop iteration; ``chunk_loops``: "flat" groups or NC "slices",
-    ``kdax._numerics.chunk_loops``; ``loop_unroll``; the Pallas stages' ``target``,
-    ``interpret``, ``num_warps``, ``num_stages``, ``f32_dot``). Each is a field of the
-    pipeline or of a stage (set it with ``eqx.tree_at`` / ``dataclasses.replace``), read
-    from nowhere else."""
+    """Every platform-dependent choice of ``pipeline`` for inputs of ``dtype``: ``backend``,
+    ``precision`` (resolved), ``tile``, and per stage its static fields with "auto" resolved
+    (``group``, ``chunk_loops``, ``loop_unroll``, the Pallas ``target``, ``interpret``,
+    tuning). Each is a field of the pipeline or of a stage, read from nowhere else."""
     out = dict(
         backend=jax.default_backend(),
         precision=_precision.resolve(pipeline.precision, jnp.dtype(dtype)),

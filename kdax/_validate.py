@@ -1,10 +1,7 @@
-"""Argument checks shared by ``fused_recurrent_kda``, ``chunk_kda`` and ``KDAPipeline.forward``.
-
-Everything here runs when a call is traced, before any kernel, and every error names the
-argument and what was expected. Shapes that jaxtyping can express (matching B, T, H, HV, K,
-V) are already checked by the ``typecheck`` decorator on the public functions. The values
-of a traced ``cu_seqlens`` are checked inside the compiled program (``checked_cu_seqlens``).
-"""
+"""Argument checks shared by ``fused_recurrent_kda``, ``chunk_kda`` and ``KDAPipeline.forward``:
+run when a call is traced, before any kernel, each error naming the argument. Shapes
+jaxtyping can express are checked by ``typecheck`` on the public functions; a traced
+``cu_seqlens``' values and g's and beta's domain inside the compiled program."""
 
 import dataclasses
 import functools
@@ -65,9 +62,7 @@ def check_cu_seqlens_values(cu_seqlens, T: int, what: str = "q") -> None:
 
 
 def checked_cu_seqlens(cu, T: int, what: str = "q"):
-    """``cu`` (int32), with its values checked inside the compiled program when traced
-    (``eqx.branched_error_if``: same messages as the eager checks). Three comparisons and
-    one branch on N + 1 integers: nothing next to the kernels."""
+    """``cu`` (int32), its values checked inside the program when traced (same messages as eagerly)."""
     cu = jnp.asarray(cu, jnp.int32)
     if _is_concrete(cu):
         return cu
@@ -94,11 +89,8 @@ def _scale(scale, K: int) -> float:
 
 
 def check_cu_seqlens(cu_seqlens, B: int, T: int, what: str = "q"):
-    """``cu_seqlens`` (an array, list, tuple or numpy array of N + 1 integers) as an int32
-    array for B == 1 rows of T tokens, every check done: shape, dtype, values (eagerly
-    here, traced inside the program). The one check behind ``chunk_kda``,
-    ``fused_recurrent_kda``, ``kdax.parallel`` and ``kdax.nn``'s layer (``what``: the
-    argument holding the tokens)."""
+    """``cu_seqlens`` (array, list or tuple of N + 1 integers) as int32 for B == 1 rows of T
+    tokens, every check done (``what``: the argument holding the tokens)."""
     cu = np.asarray(cu_seqlens) if isinstance(cu_seqlens, (list, tuple)) else cu_seqlens
     if B != 1:
         raise ValueError(f"cu_seqlens: packed variable-length input needs B == 1 ({what}.shape[0]), got B={B}.")
@@ -120,9 +112,8 @@ def _a_log(A_log, HV: int):
 
 
 def _value_of(x):
-    """``x``'s concrete value, or None under a transformation that has none (``jit``,
-    ``vmap``). The JVP/linearize tracers of an eager ``jax.grad`` hold their concrete
-    primal, so the README's eager gradient is checked too."""
+    """``x``'s concrete value, or None under ``jit``/``vmap`` (an eager ``jax.grad``'s tracers
+    hold their concrete primal)."""
     if not isinstance(x, jax.core.Tracer):
         return x
     try:
@@ -132,8 +123,7 @@ def _value_of(x):
 
 
 def _finite_range(x) -> tuple[float, float]:
-    """The smallest and largest finite values of a concrete array, on the host (numpy: a
-    JAX operation here would be staged into a caller's trace that closes over x)."""
+    """The smallest and largest finite values of a concrete array, on the host (numpy)."""
     x = np.asarray(x)
     if not np.issubdtype(x.dtype, np.floating):
         x = x.astype(np.float32)  # (bfloat16, and integers)
@@ -142,8 +132,7 @@ def _finite_range(x) -> tuple[float, float]:
 
 
 def _warn_unstable(k, beta, options: KDAOptions) -> None:
-    """Eagerly, without the in-kernel l2 norm: warn when some token has ``beta * |k|^2 > 2``
-    (``UnstableDeltaRuleWarning``); numpy on the host, as ``_finite_range``."""
+    """Eagerly, without the in-kernel l2 norm: ``UnstableDeltaRuleWarning`` where ``beta * |k|^2 > 2``."""
     kv, bv = _value_of(k), _value_of(beta)
     if options.use_qk_l2norm_in_kernel or kv is None or bv is None or np.size(kv) == 0:
         return
@@ -162,11 +151,9 @@ def _warn_unstable(k, beta, options: KDAOptions) -> None:
 
 
 def check_domain(g, beta, options: KDAOptions) -> None:
-    """Eagerly (concrete g and beta), refuse values outside KDA's domain with a named
-    ``ValueError``: g > 0 without ``use_gate_in_kernel`` (g is a log decay, <= 0), beta
-    outside [0, 1] without ``use_beta_sigmoid_in_kernel``. The chunked algorithm assumes
-    both (its exponents are differences of a non-increasing cumsum): a random-normal g and
-    beta gave NaN in 70-90% of the outputs, silently. (Traced: ``checked_domain``.)"""
+    """Eagerly, a named ``ValueError`` for g > 0 without ``use_gate_in_kernel`` or beta outside
+    [0, 1] without ``use_beta_sigmoid_in_kernel``: the chunked algorithm assumes both (a
+    random-normal g and beta gave NaN in 70-90% of the outputs). Traced: ``checked_domain``."""
     check_g, check_beta = not options.use_gate_in_kernel, not options.use_beta_sigmoid_in_kernel
     if not (check_g or check_beta):
         return
@@ -198,7 +185,7 @@ _BETA_TRACED = ("beta: must lie in [0, 1] (the delta rule's write strength); a f
 
 
 def _domain_errors(g, beta, options: KDAOptions) -> list:
-    """``(name, bad elements, message)`` per input whose domain ``check_domain`` checks."""
+    """``(name, bad elements, message)`` per input whose domain is checked."""
     errors = []
     if not options.use_gate_in_kernel:
         errors.append(("g", (g > 0) & (g < jnp.inf), _G_TRACED))
@@ -208,8 +195,7 @@ def _domain_errors(g, beta, options: KDAOptions) -> list:
 
 
 def _checked_in_program(g, beta, options: KDAOptions) -> bool:
-    """Whether the domain check runs inside the compiled program: asked for, and g or beta
-    traced (concrete values: ``check_domain`` has run)."""
+    """Whether the domain check runs inside the program: ``check_inputs``, and g or beta traced."""
     return options.check_inputs and (_value_of(g) is None or _value_of(beta) is None)
 
 
@@ -218,13 +204,9 @@ def _one_device(errors) -> bool:
 
 
 def domain_flag(g, beta, options: KDAOptions):
-    """The domain check inside the compiled program, for a caller that puts the flag where
-    the program's last step reads it (``kdax._numerics.isolation.Bad``, the outputs' and
-    gradients' NaN masks): a scalar that is False or raises (``eqx.error_if``, naming the
-    argument). Read there, the reductions run beside the stages; gating beta with it, as
-    ``checked_domain`` does, made every stage wait for them (5 ms of the main job's
-    forward). None where no such check runs: not asked for, concrete values, or several
-    devices (``checked_domain``'s NaN, which the caller then applies)."""
+    """The domain check inside the program as a scalar that is False or raises
+    (``eqx.error_if``), for a caller that puts it where the program's last step reads it
+    (the NaN masks, so the reductions run beside the stages); None where no such check runs."""
     if not _checked_in_program(g, beta, options):
         return None
     g, beta = jnp.asarray(g), jnp.asarray(beta)
@@ -237,13 +219,9 @@ def domain_flag(g, beta, options: KDAOptions):
 
 
 def checked_domain(g, beta, options: KDAOptions, *, flagged: bool = False):
-    """``(g, beta)``, with the domain ``check_domain`` checks eagerly also checked inside
-    the compiled program when they are traced and ``options.check_inputs``: on one device
-    a runtime error naming the argument (``eqx.error_if``; ``flagged``: the caller reads
-    ``domain_flag`` instead, g and beta pass unchanged). With several devices, where an
-    error on one of them aborts the process while the others wait in a collective, each
-    out-of-domain value reads as NaN, which ``kdax._numerics.isolation`` keeps in its own
-    sequence. Non-finite values are isolation's business, not this check's."""
+    """``(g, beta)``, their domain also checked inside the program when traced: on one device
+    an error naming the argument (``flagged``: the caller reads ``domain_flag`` instead);
+    with several devices, where an error aborts the process, each bad value reads as NaN."""
     if not _checked_in_program(g, beta, options):
         return g, beta
     g, beta = jnp.asarray(g), jnp.asarray(beta)
@@ -261,8 +239,7 @@ def checked_domain(g, beta, options: KDAOptions, *, flagged: bool = False):
 
 
 def _warn_float64(**arrays) -> None:
-    """A float64 numpy input while JAX's 64-bit mode is off computes in float32 (JAX
-    converts it): say so once, naming the arguments."""
+    """``Float64Warning`` for float64 numpy inputs while JAX's 64-bit mode is off."""
     if jax.config.jax_enable_x64:
         return
     names = [n for n, x in arrays.items() if isinstance(x, np.ndarray) and x.dtype == np.float64]
@@ -273,10 +250,9 @@ def _warn_float64(**arrays) -> None:
 
 
 def validate(q, k, v, g, beta, options: KDAOptions, *, chunked: bool = True) -> tuple[Dims, KDAOptions]:
-    """Check ``options`` against the inputs; returns the dimensions and the normalised
-    options (``scale`` a float, ``A_log`` ``[HV]``, ``cu_seqlens`` an int32 array, checked
-    at run time when traced). ``chunked``: options of ``chunk_kda`` (else of
-    ``fused_recurrent_kda``, which has no ``chunk_size``, ``safe_gate``, ``disable_recompute``)."""
+    """Check ``options`` against the inputs: ``(Dims, normalised options)`` (``scale`` a float,
+    ``A_log`` ``[HV]``, ``cu_seqlens`` int32). ``chunked``: ``chunk_kda``'s options, else
+    ``fused_recurrent_kda``'s."""
     o = options
     _warn_float64(q=q, k=k, v=v, g=g, beta=beta, initial_state=o.initial_state)
     B, T, H, K = q.shape
@@ -349,8 +325,7 @@ def prepare(q, k, v, g, beta, **options):
 
 def prepare_options(q, k, v, g, beta, options: KDAOptions, *, flagged: bool = False):
     """Validated ``(config, (q, k, v, g, beta, h0 [N, HV, K, V], A_log [HV], dt_bias, cu),
-    normalised options)``; ``flagged``: the domain check inside the program is the
-    caller's (``domain_flag``), not beta's (``checked_domain``)."""
+    options)``; ``flagged``: the caller reads ``domain_flag``."""
     dims, opts = validate(q, k, v, g, beta, options)
     g, beta = checked_domain(g, beta, opts, flagged=flagged)
     config = opts.config(dims.scale)
@@ -379,16 +354,14 @@ def check_arrays(
 
 
 def final_out(final, config, state_v_first: bool):
-    """The final states as ``chunk_kda`` returns them (None unless asked for; ``[N, HV, V, K]``
-    under ``state_v_first``, as ``prepare_options`` reads them)."""
+    """The final states as ``chunk_kda`` returns them (None unless asked for; ``[N, HV, V, K]`` under ``state_v_first``)."""
     if not config.output_final_state:
         return None
     return jnp.swapaxes(final, -1, -2) if state_v_first else final
 
 
 def prepare_forward(q, k, v, g, beta, opts: KDAOptions) -> tuple:
-    """``KDAPipeline.forward``'s checks (``chunk_kda``'s signature; B, K and V > 0, which
-    ``chunk_kda`` handles as size 0) and ``prepare_options``' ``(config, args, opts)``."""
+    """``KDAPipeline.forward``'s checks (B, K, V > 0 too) and ``prepare_options``' result."""
     check_arrays(q, k, v, g, beta, opts.initial_state, opts.A_log, opts.dt_bias, opts.cu_seqlens)
     out = prepare_options(q, k, v, g, beta, opts)
     B, T, _, K = q.shape

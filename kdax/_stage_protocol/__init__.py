@@ -1,5 +1,3 @@
-"""What a stage class declares about itself, read by the stage runner, the plan, the
-tiles and ``kdax.testing``: that kdax's concrete stages are final and trace their own
-products under the precision policy (``final``), and what a stage accepts beyond its
-family's required arguments (``capabilities``). Below the stage families, which import
-it; imports only ``kdax._layouts`` (token views) and ``kdax._numerics`` (precision)."""
+"""What a stage class declares about itself: that kdax's concrete stages are final and take
+the precision policy (``final``), what a stage accepts (``capabilities``), the output
+specs' helpers (``output_specs``)."""

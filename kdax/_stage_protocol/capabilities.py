@@ -1,6 +1,4 @@
-"""Stage capabilities: what a stage accepts beyond its family's required arguments, as
-the stage declares it (docs/stages.md, "Capabilities"). The pipeline's stage runner
-(``kdax._runner.runner``), its tiles and the shared-chunk layout ask only this."""
+"""Stage capabilities: what a stage accepts beyond its family's arguments (docs/stages.md, "Capabilities")."""
 
 import functools
 from typing import NamedTuple
@@ -10,21 +8,10 @@ from .._numerics import precision as _precision
 
 
 class Capabilities(NamedTuple):
-    """What a stage class declares it accepts (its ``accepts``; docs/stages.md,
-    "Capabilities", says what the pipeline then passes and what it does without each):
-    ``G_lo`` the gate cumsum's low part (``kdax._numerics.hilo``); ``reset`` the
-    shared-chunk layout's reset table; ``tile_safe`` correct on any tile of chunks;
-    ``tokens`` ``kdax.typing.Tokens`` views of the caller's arrays for chunked copies;
-    ``half_stored`` the stored intermediates (``kdax._numerics.precision.STORED``) in a
-    policy's half dtype; ``final_grads`` (B3, B5) may write its gradients of the call's
-    inputs as the call's results (``kdax._layouts.tokens.FinalGrads``); ``zero_h0`` (F4,
-    B0) told where the call gave no initial states, so it need not read the zeros;
-    ``precision`` (every kdax stage) told the pipeline's policy, resolved, as
-    ``precision=``, to pass on to a kdax stage it composes.
-
-    What formula a stage computes is not a capability: forward stages declare ``math``,
-    backward stages ``transposes`` (``kdax._runner.routes``); ``reset`` and ``tile_safe``
-    select a route only for a stage whose math is KDA's (``kdax._runner.routes.routed``)."""
+    """What a stage class declares it accepts (its ``accepts``): ``G_lo``, ``reset``,
+    ``tile_safe``, ``tokens`` (``Tokens`` views), ``half_stored``, ``final_grads`` (B3, B5),
+    ``zero_h0`` (F4, B0), ``precision`` (every kdax stage). docs/stages.md says what each
+    selects. A stage's formula is not a capability (``math``/``transposes``)."""
 
     G_lo: bool
     reset: bool
@@ -38,10 +25,8 @@ class Capabilities(NamedTuple):
 
 @functools.cache
 def capabilities(cls: type) -> Capabilities:
-    """The declaration of stage class ``cls``: its ``accepts`` ClassVar, a subset of
-    ``Capabilities``' fields (every family's abstract class has one, empty); ``tile_safe``
-    may also be said as a ``tile_safe = True`` ClassVar. Nothing is read from the stage's
-    signature: a stage that takes ``reset=`` without declaring it is not passed one."""
+    """Stage class ``cls``'s declaration: its ``accepts`` ClassVar (``tile_safe`` also as a
+    ``tile_safe = True`` ClassVar); nothing is read from its signature."""
     declared = getattr(cls, "accepts", frozenset())
     if "standard" in declared:
         raise TypeError(
@@ -59,9 +44,8 @@ def capabilities(cls: type) -> Capabilities:
 
 
 def negotiated(stage, kwargs: dict) -> dict:
-    """``kwargs`` for ``stage``, as its capabilities allow: without ``final``, ``zero_h0``
-    or ``G_lo`` unless it accepts them, float32 copies of half-stored intermediates unless
-    ``half_stored``, chunked copies of ``Tokens`` views unless ``tokens``."""
+    """``kwargs`` as ``stage``'s capabilities allow: no ``final``, ``zero_h0``, ``G_lo`` unless
+    accepted, float32 copies of half-stored arrays and chunked copies of views unless declared."""
     caps = capabilities(type(stage))
     if "final" in kwargs and not caps.final_grads:
         kwargs = {n: x for n, x in kwargs.items() if n != "final"}
@@ -82,6 +66,5 @@ def told(stage, precision: str) -> dict:
 
 
 def reads_tokens(pipeline, *fields: str) -> tuple:
-    """Per field of ``pipeline``, whether its stage's class declares ``tokens`` (reads the
-    caller's layout through ``Tokens`` views)."""
+    """Per field of ``pipeline``, whether its stage declares ``tokens``."""
     return tuple(capabilities(type(getattr(pipeline, n))).tokens for n in fields)

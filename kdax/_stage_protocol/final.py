@@ -1,20 +1,8 @@
-"""Concrete stages are final (the Equinox family's abstract/final pattern): a user's stage
-subclasses the abstract class of its family and composes a concrete one (calls it from
-its own ``__call__``), so that a change inside a concrete stage never silently changes a
-subclass of it.
-
-A family's contract is written once, in its abstract class's ``__call__``: the parameters'
-names, order, annotations (shapes, ranks, dtypes) and the return type. A concrete stage's
-``__call__`` names its parameters and annotates only those that differ (a Pallas stage that
-also reads the caller's token layout, a parameter of its own); ``final`` checks the names
-against the family's and fills in the rest before the shape checks are built
-(``kdax._annotations.typecheck``).
-
-kdax's concrete stages also take the pipeline's precision policy as the keyword
-``precision`` (the capability ``"precision"``, declared here for every one of them) and
-trace their own products under it (``kdax._numerics.precision``): the policy is kdax's
-choice for kdax's products, and a user's stage, which is never final, keeps the caller's
-matmul precision for its own."""
+"""Concrete stages are final (Equinox's abstract/final pattern): a user's stage subclasses
+its family's abstract class and composes a concrete one. A family's contract is its
+abstract ``__call__``; a concrete ``__call__`` names its parameters and annotates only
+what differs (``final`` checks the names and fills in the rest). kdax's concrete stages
+take ``precision`` and trace their products under it; a user's stage keeps the caller's."""
 
 import functools
 import inspect
@@ -28,9 +16,8 @@ _EMPTY = inspect.Parameter.empty
 
 
 def final(cls: type) -> type:
-    """Mark stage class ``cls`` final: defining a subclass raises ``TypeError`` saying to
-    compose it instead. Its ``__call__`` must take ``precision: str = "highest"`` (keyword,
-    the resolved policy) and runs under ``precision.matmul_precision`` for its family."""
+    """Mark stage class ``cls`` final (subclassing raises ``TypeError``); its ``__call__`` takes
+    ``precision: str = "highest"`` and runs under ``precision.matmul_precision``."""
     family = next((b.__qualname__ for b in cls.__mro__[1:] if b.__name__.startswith("Abstract")), "its Abstract* class")
 
     def __init_subclass__(sub, **kwargs):
@@ -56,10 +43,9 @@ def final(cls: type) -> type:
 
 
 def _with_contract(cls: type, call, family: type):
-    """``call`` (``cls.__call__``) with the annotations it leaves out taken from
-    ``family.__call__``, after checking that its positional parameters are the family's in
-    order (a trailing optional one may be left out; a parameter of its own comes after them,
-    annotated)."""
+    """``call`` with the annotations it leaves out taken from ``family.__call__``, after checking
+    its parameters begin with the family's, in order (a trailing optional one may be left
+    out; its own come after, annotated)."""
     contract = inspect.signature(family.__call__).parameters
     own = [p for p in inspect.signature(call).parameters.values() if p.kind != p.KEYWORD_ONLY]
     names, want = [p.name for p in own], list(contract)

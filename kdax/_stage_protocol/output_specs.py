@@ -1,6 +1,4 @@
-"""The helpers of the families' ``output_spec`` (the container, shapes and dtypes a stage
-returns, declared beside each abstract class and checked by the pipeline at every call:
-``kdax._runner.runner``)."""
+"""The helpers of the families' ``output_spec``, checked by the stage runner at every call."""
 
 from typing import Any, NamedTuple
 
@@ -17,9 +15,8 @@ class Maybe(NamedTuple):
 
 
 class Specs(NamedTuple):
-    """Builds the shapes and dtypes of a family's ``output_spec`` under the precision
-    ``policy`` (the intermediates of ``kdax._numerics.precision.STORED`` in their storage
-    dtype; every other output in its argument's dtype)."""
+    """Builds a family's ``output_spec`` under the precision ``policy``: intermediates of
+    ``STORED`` in their storage dtype, every other output in its argument's dtype."""
 
     policy: str = "highest"
 
