@@ -40,12 +40,12 @@ def _name(pipeline, field: str) -> str:
     return f"{STAGES[field].step} `{field}` ({type(getattr(pipeline, field)).__qualname__})"
 
 
-def mismatches(pipeline, skip_gate: bool = False, skip: tuple = ()) -> tuple:
+def mismatches(pipeline, skip: tuple = ()) -> tuple:
     """One sentence per forward field that a backward stage of ``TRANSPOSED_BY`` does not
-    transpose (empty: the six-stage backward is exact); ``skip_gate``/``skip`` leave fields out."""
+    transpose (empty: the six-stage backward is exact); ``skip``: forward fields left out."""
     out = []
     for f, readers in TRANSPOSED_BY.items():
-        if (skip_gate and f == "gate") or f in skip:
+        if f in skip:
             continue
         math = getattr(pipeline, f).math
         off = [b for b in readers if not _is_vjp_of(getattr(pipeline, b), getattr(pipeline, f))
@@ -86,7 +86,7 @@ def gate_differs(pipeline) -> bool:
 
 def gate_alone_differs(pipeline) -> bool:
     """Whether only F1's transpose is missing: B5 then is F1's VJP (``gate_vjp_pipeline``)."""
-    return bool(mismatches(pipeline)) and not mismatches(pipeline, skip_gate=True)
+    return bool(mismatches(pipeline)) and not mismatches(pipeline, skip=("gate",))
 
 
 def gate_vjp_pipeline(pipeline, res, inputs):

@@ -40,20 +40,19 @@ def perturbed_arrays(pipeline, perturbed) -> dict:
     return out
 
 
-def check_perturbed(pipeline, perturbed, where: str = "chunk_kda", exact: tuple = EXACT) -> dict:
-    """``StageGradientError`` for a differentiated array of a forward stage not in ``exact``;
+def check_perturbed(pipeline, perturbed, where: str = "chunk_kda") -> dict:
+    """``StageGradientError`` for a differentiated array of a forward stage not in ``EXACT``;
     returns ``perturbed_arrays``."""
     got = perturbed_arrays(pipeline, perturbed)
     for field, paths in got.items():
         info = STAGES.get(field)
-        if info is None or not info.forward or field in exact:
+        if info is None or not info.forward or field in EXACT:
             continue
         cls = type(getattr(pipeline, field)).__qualname__
-        ok = ", ".join(exact) if exact else "none"
         raise StageGradientError(
             f"{paths[0]}: {where} is differentiated with respect to an array of the {info.step} stage "
             f"`{field}` ({cls}), and kdax's backward does not form the cotangent of that stage's output, so "
-            f"it cannot give this gradient exactly (exact here: {ok}; the backward stages' arrays get their "
+            f"it cannot give this gradient exactly (exact here: {', '.join(EXACT)}; the backward stages' arrays get their "
             f"exact zero). If the array is configuration, hold it under jax.lax.stop_gradient or leave it out "
             f"of what is differentiated (eqx.partition)."
         )
