@@ -33,9 +33,10 @@ their figures frozen in ``PROFILED_KERNELS`` (``--freeze-profiled`` regenerates 
 Session 29's (``RUN``, ``RUNS``: this checkout's candidate, Aqk, Akk, w, u, qg, kg, h,
 v_new and dh stored bf16 under the ``"fast"`` policy and G without its low part as FLA
 does, and ``BEST``, F2 and B4 at 16 warps and the state kernels at 32 value columns a
-program, at the goal shape; the candidate at 1x4096x16), beside the kernels this checkout
-compiles (``calibration_set``; the results say whether kdax changed since the run's
-checkout, ``kdax_changed_since``). The older profiles (``results/gpu_h200/profile_before.txt``,
+program, at the goal shape; the candidate at 1x4096x16), beside the kernels the run timed,
+compiled once and frozen in ``RUN_KERNELS`` (``--freeze-run``; ``calibration_set``; the
+results say whether their sums are the ones predicted before the run and whether the
+checkout still compiles the same figures). The older profiles (``results/gpu_h200/profile_before.txt``,
 ``profile_after.txt``) measured kernels the current code no longer builds (``OLD_PROFILES``).
 
 Out of sample (issue 53): session 29's kernels against the model as fitted before the run
@@ -79,10 +80,18 @@ import argparse
 import dataclasses
 import functools
 import math
+import os
 import re
 import sys
 import warnings
 from pathlib import Path
+
+# The CUDA programs lowered here are traced on a CPU host: with one CPU device kdax orders
+# its isolation tests for XLA:CPU's memory (kdax._numerics.isolation._flags), which a GPU
+# host does not. Two host devices (set before JAX starts; the test suite has eight) keep
+# the programs as a GPU traces them.
+if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -99,6 +108,10 @@ MEASURED = ROOT / "benchmarks/results/gpu_h200/issue36/profile.txt"  # CANDIDATE
 RUN = ROOT / "benchmarks/results/gpu_h200/triton_candidates"
 RUN_COMMIT = "1cae317abc051646a29d6e23493784d859b0aa2f"
 SMALL_RUN = (1, 4096, 16)
+# The figures of every kernel session 29 timed (RUNS, UNPROFILED), compiled and analysed
+# once and frozen, so that the run's kernels stay the ones it timed as kdax moves on and the
+# script compiles only the checkout's (``--freeze-run`` regenerates them).
+RUN_KERNELS = RUN / "compiled_kernels.json"
 # The run's per-kernel profiles, calibration kernels since (label, path, shape, profile);
 # the run's labels name the kernels in the calibration set ("s29:kdax_PallasIntra_kernel").
 RUNS = (("s29", CANDIDATE, GOAL, RUN / "profile_1x16384x16.txt"),
@@ -710,11 +723,41 @@ def labelled(label: str, ks: list, meas: dict) -> tuple:
             {f"{label}:{n}": t for n, t in meas.items()})
 
 
+def freeze_run(out: Path = RUN_KERNELS) -> dict:
+    """Compile and analyse here every ``(path, shape)`` of ``RUNS`` and ``UNPROFILED`` and
+    write their figures to ``out`` with this checkout's commit and whether kdax differs from
+    ``RUN_COMMIT``'s (the out-of-sample sums recomputed to the numbers predicted before the
+    run are the check that the kernels are the ones it timed). Returns ``run_kernels``'s dict."""
+    import json
+    import subprocess
+
+    sets = {}
+    for path, at in [(p, at) for _, p, at, _ in RUNS] + list(UNPROFILED):
+        if (path, at) not in sets:
+            print(f"{path} at {at} (frozen)", file=sys.stderr, flush=True)
+            sets[(path, at)] = kernels(path, at)
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    rows = [dict(path=p, shape=list(at), kernels=[dict(dataclasses.asdict(k), grid=list(k.grid)) for k in ks])
+            for (p, at), ks in sets.items()]
+    out.write_text(json.dumps({"commit": head, "kdax_changed_since_run": kdax_changed_since(), "sets": rows},
+                              indent=1) + "\n")
+    return sets
+
+
+def run_kernels(path: Path = RUN_KERNELS) -> dict:
+    """``{(path, (B, T, H)): kernels}``: the frozen figures of the kernels session 29 timed
+    (``freeze_run``)."""
+    import json
+
+    data = json.loads(path.read_text())
+    return {(d["path"], tuple(d["shape"])): [Kernel(**dict(k, grid=tuple(k["grid"]))) for k in d["kernels"]]
+            for d in data["sets"]}
+
+
 def calibration_set(compiled: dict) -> tuple:
     """``(kernels, {name: ms})``: issue36's profiled kernels (frozen, float32
-    intermediates) and every kernel of ``RUNS`` (``compiled``: ``{(path, shape): kernels}``
-    as this checkout builds them, the kernels the run timed where kdax has not changed
-    since ``RUN_COMMIT``), each beside its measured time. A run's profile must time every
+    intermediates) and every kernel of ``RUNS`` (``compiled``: ``{(path, shape): kernels}``,
+    ``run_kernels``), each beside its measured time. A run's profile must time every
     kernel of its step and no other."""
     ks, meas = profiled_kernels(), measured()
     for label, path, shape, profile in RUNS:
@@ -1039,6 +1082,8 @@ def main(argv=None) -> str:
                     help=f"regenerate {PROFILED_KERNELS.relative_to(ROOT)} from a checkout of {PROFILE_COMMIT[:7]} first")
     ap.add_argument("--freeze-profiled-glue", action="store_true",
                     help=f"recount the profiled step's glue (lowered in a checkout of {PROFILE_COMMIT[:7]}) first")
+    ap.add_argument("--freeze-run", action="store_true",
+                    help=f"regenerate {RUN_KERNELS.relative_to(ROOT)} (session 29's kernels, compiled here) first")
     ap.add_argument("--no-spill-check", action="store_true",
                     help="leave out the default tuning's sm_90 compiles under every precision, dense and packed "
                          "(default_spills, ~3 minutes) and the results' last line")
@@ -1061,17 +1106,19 @@ def main(argv=None) -> str:
         print(f"recounting the profiled step's glue: lowered at {PROFILE_COMMIT[:7]}", file=sys.stderr, flush=True)
         freeze_profiled_glue()
     cal_old, meas_old = profiled_kernels(), measured()
-    compiled = {}
-    for path, at in ((CANDIDATE, GOAL), (BEST, GOAL), (DEFAULT, GOAL), (CANDIDATE, SMALL_RUN)) + UNPROFILED:
-        if (path, at) not in compiled:
-            print(f"{path} at {at}", file=sys.stderr, flush=True)
-            compiled[(path, at)] = kernels(path, at)
-    now, best, default = (compiled[(p, GOAL)] for p in (CANDIDATE, BEST, DEFAULT))
+    compiled = freeze_run() if a.freeze_run else run_kernels()  # the kernels the run timed
+    for key in compiled:  # their steps' glue, as this checkout lowers them (no compile)
+        if key not in GLUE:
+            lower(*key)
+    checkout = {}
+    for p in (CANDIDATE, BEST, DEFAULT):
+        print(f"{p} at {GOAL}", file=sys.stderr, flush=True)
+        checkout[p] = kernels(p, GOAL)
+    now, best, default = (checkout[p] for p in (CANDIDATE, BEST, DEFAULT))
     spills = None if a.no_spill_check else default_spills()
     cal, meas = calibration_set(compiled)
     run_meas = {(p, at): measured(prof, p) for _, p, at, prof in RUNS}  # by the profile's names
     steps_run = run_steps()
-    changed = kdax_changed_since()
     B, T, H = GOAL
     shape_name = lambda at: "x".join(map(str, at))  # noqa: E731
 
@@ -1156,20 +1203,22 @@ def main(argv=None) -> str:
     parts += ["", table(f"Prediction: {DEFAULT} at B={B} T={T} H={H}: the default tuning "
                         f"(KDAPipeline.pallas(\"triton\"), kdax.pallas.TUNINGS[\"default\"]), precision auto "
                         f"(bfloat16 for these inputs); no per-kernel profile (its step: below)", default, rate)]
-    # the kernels the run timed: kdax as at its checkout, or compiling to the figures predicted then
-    again = (round(before(now), 2), round(before(best), 2)) == (BEFORE["candidate"], BEFORE["best"])
-    same = ("kdax unchanged since the run's checkout" if changed is False else
-            ("kdax changed since the run's checkout, its kernels' figures not (the sums predicted then, "
-             "recomputed below)" if again else "kdax CHANGED since the run's checkout and so did its kernels' "
-             "figures: these kernels may not be the ones it timed") if changed else
-            "the run's checkout is not in this clone: unchecked")
+    # the kernels the run timed: frozen (RUN_KERNELS), checked against the sums predicted then
+    ran_now, ran_best = compiled[(CANDIDATE, GOAL)], compiled[(BEST, GOAL)]
+    again = (round(before(ran_now), 2), round(before(ran_best), 2)) == (BEFORE["candidate"], BEFORE["best"])
+    fig = lambda ks: [(k.name, k.registers, round(k.instructions), k.read, k.written) for k in ks]  # noqa: E731
+    moved = fig(now) != fig(ran_now) or fig(best) != fig(ran_best)
+    same = (f"frozen in {RUN_KERNELS.relative_to(ROOT)}, "
+            + ("their sums the ones predicted then" if again else "their sums NOT the ones predicted then: "
+               "they may not be the kernels the run timed")
+            + ("; the checkout's kernels differ from them" if moved else "; the checkout compiles the same figures"))
     parts += ["", f"Out of sample (issue 53): the model as fitted before the run (on issue36's 12 kernels: two-rate "
                   f"R = {rate_2b / 1e9:.4f}, {bw_2b / 1e12:.2f} TB/s, the headline then; per-warp R = {rate_b / 1e9:.4f}; "
                   f"per-SM {rate_sm_b / 1e9:.2f} instructions per ns) against session 29's per-kernel times on an H200 "
                   f"({RUN.relative_to(ROOT)}: the checkout's kernels, {RUN_COMMIT[:7]}; {same}). factor = predicted / "
                   f"measured. Predicted before the run (gpu_cost_model.txt at {BEFORE['commit']}): kernels "
                   f"{BEFORE['candidate']:.2f} ms {CANDIDATE}, {BEFORE['best']:.2f} ms {BEST} (recomputed here: "
-                  f"{before(now):.2f}, {before(best):.2f}).", *oos]
+                  f"{before(ran_now):.2f}, {before(ran_best):.2f}).", *oos]
 
     # -- leave-one-out, the per-SM and two-rate variants ---------------------------------------
     loo = leave_one_out(cal, meas)

@@ -132,7 +132,7 @@ class Bad:
         HV = v.shape[2]
         self.kinds = input_kinds(gate_in_kernel, beta_sigmoid)
         # per token and head: one fused pass over each input
-        tq, tk, tv, tg = _in_turn(self.kinds[:4], raw[:4])
+        tq, tk, tv, tg = _flags(self.kinds[:4], raw[:4], axis)
         state = _per_value_head(tk, HV) | tv | tg | is_bad(self.kinds[4], beta)  # [B, T, HV]
         self.q_only = _per_value_head(tq, HV)
         seq, N = sequence_ids(B, T, cu_seqlens)
@@ -157,19 +157,30 @@ class Bad:
         self.where = self.after | self.q_only  # [B, T, HV]: the outputs the recurrence makes NaN
 
 
+def _flags(kinds, xs, axis):
+    """Per input of ``xs``, its tokens and heads holding a bad element
+    (``jnp.any(is_bad, -1)``). On a one-device CPU backend each input's test comes after
+    the one before (``_in_turn``); elsewhere all at once (GPU, TPU: the tests fuse into
+    their reductions; several devices or a mesh axis: the order would take a collective).
+    Decided when traced: a CUDA program lowered on such a CPU host carries the order's few
+    small ops too."""
+    if axis is None and jax.device_count() == 1 and jax.default_backend() == "cpu":
+        return _in_turn(kinds, xs)
+    return tuple(jnp.any(is_bad(kind, x), -1) for kind, x in zip(kinds, xs))
+
+
 def _in_turn(kinds, xs):
-    """Per input, its tokens and heads holding a bad element (``jnp.any(is_bad, -1)``),
-    each input's test made after the one before. XLA:CPU stores the full-size boolean a
-    reduction reads; made all at once, four of them were the forward's peak. The order
-    comes from a data dependency (an ``optimization_barrier`` is dropped before
-    scheduling): the test's ``inf`` is ``inf + 0 * (the count of the previous flags)``,
-    inf exactly, but only once that count is known."""
+    """``_flags`` with each input's test made after the one before. XLA:CPU stores the
+    full-size boolean a reduction reads; made all at once, four of them were the forward's
+    peak. The order comes from a data dependency (an ``optimization_barrier`` is dropped
+    before scheduling): the test's ``inf`` is ``inf + 0 * (the count of the previous
+    flags)``, inf exactly, but only once that count is known."""
     out, inf = [], jnp.inf
     for kind, x in zip(kinds, xs):
         if out:
             inf = jnp.inf + 0.0 * jnp.sum(out[-1], dtype=jnp.float32)
         out.append(jnp.any(is_bad(kind, x, jnp.asarray(inf, x.dtype)), -1))
-    return out
+    return tuple(out)
 
 
 def finite_heads(x):

@@ -326,10 +326,9 @@ def test_calibration_set():
 
 def test_out_of_sample_rows(text):
     """Session 29's kernels against the model fitted before the run: every kernel of each
-    run beside its measured time (factor = before / measured), a sum row per run; where
-    kdax has not changed since the run's checkout, the recomputed sums are the numbers the
-    results file gave before the run (8.82 and 7.27 ms), and where both changed the header
-    warns that these may not be the kernels the run timed."""
+    run beside its measured time (factor = before / measured), a sum row per run; the frozen
+    kernels' sums are the numbers the results file gave before the run (8.82 and 7.27 ms),
+    and the header says so."""
     m = load_benchmark("gpu_cost_model")
     lines = text.splitlines()
     i = next(i for i, line in enumerate(lines) if line.startswith("Out of sample (issue 53)"))
@@ -349,11 +348,21 @@ def test_out_of_sample_rows(text):
                 assert meas == t[r[1]], r
         assert float(mine[-1][3]) == pytest.approx(sum(t.values()), abs=6e-4)
         sums[label] = float(mine[-1][2])
-    again = (round(sums["s29"], 2), round(sums["s29-best"], 2)) == (m.BEFORE["candidate"], m.BEFORE["best"])
-    changed = m.kdax_changed_since()
-    assert again or changed is not False
-    # the header says whether these are the kernels the run timed: warned where kdax and the figures both changed
-    assert ("and so did its kernels' figures" in lines[i]) == (changed is True and not again), lines[i]
+    # the frozen kernels (RUN_KERNELS) are the ones the run timed: their sums are the numbers predicted then
+    assert (round(sums["s29"], 2), round(sums["s29-best"], 2)) == (m.BEFORE["candidate"], m.BEFORE["best"])
+    assert f"frozen in {m.RUN_KERNELS.relative_to(m.ROOT)}, their sums the ones predicted then" in lines[i], lines[i]
+
+
+def test_run_kernels_frozen():
+    """Session 29's kernels as frozen: every (path, shape) of RUNS and UNPROFILED, each
+    profiled step's kernels named as its profile names them, with their compiled figures."""
+    m = load_benchmark("gpu_cost_model")
+    sets = m.run_kernels()
+    assert set(sets) == {(p, at) for _, p, at, _ in m.RUNS} | set(m.UNPROFILED)
+    for label, path, shape, profile in m.RUNS:
+        assert {k.name for k in sets[(path, shape)]} == set(m.measured(profile, path)), label
+    for ks in sets.values():
+        assert ks and all(k.registers > 0 and k.instructions > 0 and k.read > 0 for k in ks)
 
 
 def test_refit_rows(text):
