@@ -190,6 +190,14 @@ def column_block_call(kernel, inputs, kinds, C: int, bk: int, nk: int, P: int, N
     )(*inputs)
 
 
+def _check_rows(rows: int, target: str) -> None:
+    """F2's and B4's ``rows``: 16, 32 or 64, and other than 64 a Triton grid only."""
+    if rows not in (16, 32, 64):
+        raise ValueError(f"rows: expected 16, 32 or 64, got {rows!r}.")
+    if rows != 64 and target != "triton":
+        raise ValueError(f"rows: {rows} is a Triton kernel's grid; target is {target!r} (leave rows at 64).")
+
+
 @final
 class PallasIntra(AbstractIntra, PallasFeatureBlocks):
     """F2 as a Pallas kernel over (row * head, chunk); with ``G_lo`` (``kdax._numerics.hilo``) every
@@ -218,11 +226,7 @@ class PallasIntra(AbstractIntra, PallasFeatureBlocks):
     rows: int = eqx.field(static=True, default=64)
 
     def __check_init__(self):
-        if self.rows not in (16, 32, 64):
-            raise ValueError(f"rows: expected 16, 32 or 64, got {self.rows!r}.")
-        if self.rows != 64 and self.target != "triton":
-            raise ValueError(f"rows: {self.rows} is a Triton kernel's grid; target is {self.target!r} (leave rows "
-                             f"at 64).")
+        _check_rows(self.rows, self.target)
 
     @tuned
     def __call__(self, scale, q, k, beta, G, G_lo=None, reset=None, *, precision: str = "highest"):
@@ -299,11 +303,7 @@ class PallasIntraBackward(AbstractIntraBackward, PallasFeatureBlocks):
     rows: int = eqx.field(static=True, default=64)
 
     def __check_init__(self):
-        if self.rows not in (16, 32, 64):
-            raise ValueError(f"rows: expected 16, 32 or 64, got {self.rows!r}.")
-        if self.rows != 64 and self.target != "triton":
-            raise ValueError(f"rows: {self.rows} is a Triton kernel's grid; target is {self.target!r} (leave rows "
-                             f"at 64).")
+        _check_rows(self.rows, self.target)
 
     @tuned
     def __call__(self, scale, q, k, beta, G, dAqk, grads, G_lo=None, reset=None, *, precision: str = "highest"):

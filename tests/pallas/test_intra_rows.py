@@ -19,9 +19,9 @@ from kdax import pallas as P
 from kdax import stages as S
 from kdax.stages import ChunkGrads
 
-from .._util import GOLDEN_CASES, check_golden, loss_grads, rel_rms
+from .._util import GOLDEN_CASES, check_golden, rel_rms
 from ..stages._chunked import rand_like
-from ..test_pipeline import build_case, check_against_oracle
+from ..test_pipeline import assert_gradients_causal, build_case, check_against_oracle
 from .test_stages import _b4_args, _b4_close, _G_lo
 
 RESET = np.zeros((2, 2, 64), bool)  # sequences starting inside sub-blocks, on their edges, at the chunk's end
@@ -185,18 +185,7 @@ def test_preset_pipeline_shared_chunks_against_oracle():
 def test_preset_pipeline_gradients_causal_to_the_bit(t):
     """As ``tests/test_pipeline.py::test_gradients_causal_to_the_bit`` through the preset's
     pipeline at chunk 64 (four sub-blocks a chunk), float32."""
-    x, opts = build_case(dict(chunk_size=64, T=64, use_beta_sigmoid_in_kernel=True), dtype=jnp.float32)
-    opts.update(output_final_state=False, pipeline=_preset())
-    names = ("q", "k", "v", "g", "beta")
-    r = np.random.default_rng(t)
-    do = jnp.asarray(r.normal(size=(2, 64, 2, 8)), jnp.float32).at[:, t:].set(0.0)
-    g1 = loss_grads(kdax.chunk_kda, x, opts, do, None)
-    y = {n: (a.at[:, t:].set(jnp.asarray(r.normal(size=a[:, t:].shape) * 20, a.dtype)) if n in names else a)
-         for n, a in x.items()}
-    y["g"] = -jnp.abs(y["g"])
-    g2 = loss_grads(kdax.chunk_kda, y, opts, do, None)
-    for n in names:
-        np.testing.assert_array_equal(np.asarray(g1[n][:, :t]), np.asarray(g2[n][:, :t]), err_msg=n)
+    assert_gradients_causal(t, chunk_size=64, pipeline=_preset())
 
 
 def test_pipe_name_reaches_the_preset():
