@@ -283,8 +283,7 @@ class _ForwardChunks(eqx.Module):
 
 def default_pipeline() -> KDAPipeline:
     """The pipeline ``chunk_kda(pipeline=None)`` uses: the reference stages (XLA) on every
-    platform, precision "auto". On an H200 the Triton pipeline is faster (a bf16 training
-    step at B=1 T=16384 H=16 K=V=128: 27.4 ms here, 20.1 ms ``pallas("triton")``, 15.1 ms
-    ``tuning="candidate"``); the default stays the reference until the suite's device
-    cases pass on a GPU (``benchmarks/gpu_candidate_run.sh --tests``)."""
+    platform, precision "auto". On a GPU ``pallas("triton", tuning="candidate")`` is faster
+    (README, Performance); it becomes the default once the suite's device cases pass on a
+    GPU (``benchmarks/gpu_candidate_run.sh --tests``)."""
     return KDAPipeline.reference()

@@ -4,6 +4,7 @@ algorithm its forward stages compute (float64, against autodiff of a pure-JAX or
 the modified algorithm), or a named error; with backward stages that transpose it and say
 so, the hand-written backward runs (plan says which)."""
 
+import dataclasses
 import warnings
 from typing import ClassVar
 
@@ -397,6 +398,32 @@ class GainTanhOutput(AbstractOutput):
         return o * self.gain[None, :, None, None, None].astype(o.dtype) + 0.1 * jnp.tanh(o)
 
 
+def test_trusting_pipeline_keeps_other_f5_out_of_shared_chunks():
+    # kdax.testing's trusting pipelines take every route a declaration selects; F5 is never
+    # told `reset`, so none of its declarations selects shared chunks, and F5's derived
+    # transpose (kdax._runner.output_vjp) assumes none. Packed without initial states, a
+    # trusting pipeline with an F5 of other math took shared chunks and gave k's gradient
+    # off by 4.2 (float64); now it runs per sequence, its gradients the untrusting ones.
+    from kdax._runner.runner import recording
+
+    x = make_inputs(B=1, T=48, H=2, K=40, V=8, N=3)
+    pos, _ = split_args(x)
+    cu = jnp.array([0, 5, 30, 48], jnp.int32)
+    pipe = eqx.tree_at(lambda p: p.output, kdax.KDAPipeline.reference(), GainTanhOutput(jnp.array([0.7, -1.2])))
+
+    def grads(p):
+        f = lambda a: _loss(*kdax.chunk_kda(*a, output_final_state=True, chunk_size=CHUNK, pipeline=p, cu_seqlens=cu))
+        with recording(quiet=True) as rec, warnings.catch_warnings():
+            warnings.simplefilter("ignore", kdax.FallbackWarning)
+            return jax.grad(f)(tuple(pos)), rec.layout
+
+    want, layout = grads(pipe)
+    got, trusted_layout = grads(dataclasses.replace(pipe, trust_declarations=True))
+    assert layout == trusted_layout == "per-sequence"
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
+        assert_close(a, b, 1e-12, name)
+
+
 @pytest.mark.parametrize("case", ["dense", "dense, F1 too", "packed", "packed, B2 by identity rows"])
 def test_output_alone_differs_keeps_the_hand_written_backward(case, monkeypatch):
     # F5 of other math (F1's too): B0, B2-B5 hand-written, F5's VJP in B1's place and fed
@@ -427,7 +454,7 @@ def test_output_alone_differs_keeps_the_hand_written_backward(case, monkeypatch)
         pipe = eqx.tree_at(lambda p: p.gate, pipe, ScaledQGate())
     if case.endswith("identity rows"):
         pipe = eqx.tree_at(lambda p: p.dhu, pipe, MyDhu())
-    assert routes.output_alone_differs(pipe) and routes.gate_differs(pipe) == gate
+    assert routes.backward_route(pipe) == routes.BackwardRoute(derived=False, output_vjp=True, gate_vjp=gate)
 
     def grads():
         def f(diff):

@@ -55,6 +55,13 @@ def test_machinery_size():
     assert lines <= 3610, f"the machinery has {lines} lines (at most 3,610; issue 52's goal: 2,600)"
 
 
+def test_no_module_over_450_lines():
+    """Issue 52: no module of kdax over 450 lines."""
+    root = PIPELINE.parent
+    long = {str(p.relative_to(root)): n for p in root.rglob("*.py") if (n := len(p.read_text().splitlines())) > 450}
+    assert not long, f"modules over 450 lines: {long}"
+
+
 # -- the initial_state walk ------------------------------------------------------------------
 
 KDAX = PIPELINE.parent

@@ -1,5 +1,5 @@
 """F5 alone differs: the six-stage backward with F5's transpose derived (``jax.vjp`` of F5)
-and every other backward stage hand-written (``kdax._runner.routes.output_alone_differs``).
+and every other backward stage hand-written (``kdax._runner.routes.backward_route``).
 
 ``do`` enters through three pieces of KDA's F5 (``o = scale qg h + Aqk v_new``); the VJP
 of an F5 of other math at ``do`` gives ``d_qg, d_h, d_Aqk, d_v_new``, which take their

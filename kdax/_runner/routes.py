@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 import functools
 import warnings
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import equinox as eqx
 import jax
@@ -63,30 +63,34 @@ def _is_vjp_of(backward, forward) -> bool:
     return held is not None and (type(held) is type(forward) or (is_kda(forward) and is_kda(held)))
 
 
-def whole_derived(pipeline) -> bool:
-    """Whether the backward is derived whole (a transpose other than F1's is missing)."""
-    return bool(mismatches(pipeline)) and not gate_alone_differs(pipeline)
+class BackwardRoute(NamedTuple):
+    """How ``chunk_kda``'s gradient is formed: by ``jax.vjp`` through F1-F5 (``derived``), or
+    the six-stage backward, F5's transpose derived (``output_vjp``: kdax._runner.output_vjp,
+    one device) and B5 as F1's VJP where it does not transpose F1 (``gate_vjp``)."""
+
+    derived: bool
+    output_vjp: bool
+    gate_vjp: bool
+
+
+def backward_route(pipeline, one_device: bool = True) -> BackwardRoute:
+    """The ``BackwardRoute`` of ``pipeline`` (``one_device``: F5's transpose may be derived)."""
+    if not mismatches(pipeline):
+        return BackwardRoute(False, False, False)
+    gate = bool(mismatches(pipeline, skip=tuple(f for f in TRANSPOSED_BY if f != "gate")))
+    output = one_device and output_alone_differs(pipeline)
+    derived = bool(mismatches(pipeline, skip=("gate",))) and not output
+    return BackwardRoute(derived, output, gate and not derived)
 
 
 def output_alone_differs(pipeline) -> bool:
-    """Whether F5's transpose alone is missing (F1's perhaps too) in the way
-    ``kdax._runner.output_vjp`` derives exactly: F5 not KDA's, F3 KDA's, B2 and B3
-    transposing KDA's F5, every other forward stage transposed (one device)."""
+    """Whether F5's transpose alone is missing (F1's perhaps too) as ``output_vjp`` derives it:
+    F5 not KDA's, F3 KDA's, B2 and B3 transposing KDA's F5, every other forward stage transposed."""
     if pipeline.output.math == KDA or not is_kda(pipeline.wy) or not mismatches(pipeline):
         return False
     if mismatches(pipeline, skip=("gate", "output")):
         return False
     return all(getattr(pipeline, b).transposes.get("output") == KDA for b in ("dhu", "wy_dqkg"))
-
-
-def gate_differs(pipeline) -> bool:
-    """Whether B5 does not transpose F1."""
-    return bool(mismatches(pipeline, skip=tuple(f for f in TRANSPOSED_BY if f != "gate")))
-
-
-def gate_alone_differs(pipeline) -> bool:
-    """Whether only F1's transpose is missing: B5 then is F1's VJP (``gate_vjp_pipeline``)."""
-    return bool(mismatches(pipeline)) and not mismatches(pipeline, skip=("gate",))
 
 
 def gate_vjp_pipeline(pipeline, res, inputs):
@@ -113,12 +117,12 @@ def reference_is_exact(field: str, stage) -> bool:
     return all(says.get(f) == KDA for f, readers in TRANSPOSED_BY.items() if field in readers)
 
 
-def unchecked(pipeline, fields=None) -> tuple:
+def unchecked(pipeline, fields=None, trusted: bool = True) -> tuple:
     """The fields (default: all) whose stage's math is not checked against the reference
     (not ``reference_is_exact``). The one rule of routes: a route a declaration selects is
     taken only when no stage it reaches is here, so a false declaration changes no number.
-    None with ``trust_declarations``."""
-    if pipeline.trust_declarations:
+    None with ``trust_declarations`` (when ``trusted``)."""
+    if trusted and pipeline.trust_declarations:
         return ()
     fields = tuple(STAGES) if fields is None else fields
     return tuple(f for f in fields if not reference_is_exact(f, getattr(pipeline, f)))
@@ -243,7 +247,8 @@ def shares_chunks(pipeline, cu_seqlens) -> bool:
     stage of KDA's math, and every ``RESET_FIELDS`` stage taking ``reset`` (or falling back)."""
     if not pipeline.share_chunks or cu_seqlens is None:
         return False
-    if not is_kda(pipeline.state) or unchecked(pipeline):
+    # F5 and B1, never told ``reset``, are KDA's even when trusting (output_vjp assumes none).
+    if not is_kda(pipeline.state) or unchecked(pipeline) or unchecked(pipeline, ("output", "dav"), trusted=False):
         return False
     return all(routed(pipeline, n).reset
                or (pipeline.fallback and reference_is_exact(n, getattr(pipeline, n))) for n in RESET_FIELDS)

@@ -8,6 +8,7 @@ what ran on what."""
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import inspect
 import warnings
@@ -29,18 +30,17 @@ from .contracts import STAGES, check_family
 from .routes import reference_is_exact, routed
 
 
+@dataclasses.dataclass
 class Recording:
     """What ``run_stage`` noted: per field the first call's arguments (``inputs``) and
     ``(stage, what ran, reason)`` (``ran``), the forward's ``layout``, ``derived``
     (reasons, swapped fields) when the backward was derived. ``quiet``: no fallback warnings."""
 
-    def __init__(self, quiet: bool = False):
-        self.inputs: dict = {}
-        self.ran: dict = {}
-        self.quiet = quiet
-        self.layout: Optional[str] = None
-        # (reasons, swapped fields) when the backward was derived (kdax._runner.routes)
-        self.derived: Optional[tuple] = None
+    quiet: bool = False
+    inputs: dict = dataclasses.field(default_factory=dict)
+    ran: dict = dataclasses.field(default_factory=dict)
+    layout: Optional[str] = None
+    derived: Optional[tuple] = None
 
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("kdax_recordings", default=())

@@ -50,7 +50,7 @@ def _concrete(*trees) -> bool:
 @differentiable.def_fwd
 def _vjp_fwd(perturbed, diff, config: KDAConfig, cu_seqlens, domain):
     if _concrete(diff, cu_seqlens, domain):
-        if _derived_whole(diff[1]):
+        if _routes.backward_route(diff[1]).derived:
             _routes.warn_derived(diff[1])  # (once, here: a cached trace would not say it)
         return _compiled_fwd(perturbed, diff, config, cu_seqlens, domain)
     return _fwd(perturbed, diff, config, cu_seqlens, domain)
@@ -59,7 +59,7 @@ def _vjp_fwd(perturbed, diff, config: KDAConfig, cu_seqlens, domain):
 def _fwd(perturbed, diff, config: KDAConfig, cu_seqlens, domain):
     inputs, pipeline = diff
     bad = _bad(config, inputs, cu_seqlens, domain)
-    if _derived_whole(pipeline):
+    if _routes.backward_route(pipeline).derived:
         def run(inputs_, pipe):
             o_, final_, _ = pipe.run_forward(config, *inputs_, cu_seqlens, clean=True, entries=True)
             return o_, final_
@@ -83,11 +83,6 @@ def _fwd(perturbed, diff, config: KDAConfig, cu_seqlens, domain):
 _compiled_fwd = eqx.filter_jit(_fwd)
 
 
-def _derived_whole(pipeline) -> bool:
-    """Whether the backward is derived whole (F5 alone differing keeps B0, B2-B5: ``output_vjp``)."""
-    return _routes.whole_derived(pipeline) and not _routes.output_alone_differs(pipeline)
-
-
 @differentiable.def_bwd
 def _vjp_bwd(residuals, cotangents, perturbed, diff, config: KDAConfig, cu_seqlens, domain):
     del domain  # (read by the forward's masks, which the residuals keep)
@@ -109,15 +104,16 @@ def _bwd(residuals, cotangents, perturbed, diff, config: KDAConfig, cu_seqlens):
         do = jnp.zeros((L.valid.shape[0] if L.pos is None else 1, L.T) + res.v.shape[1:2] + res.v.shape[-1:], res.h0.dtype)
     # A non-finite cotangent stays in its sequence (kdax._numerics.isolation); a B3/B5 that
     # writes the call's gradients puts the NaN in itself (final_in_stages).
-    alone = _routes.output_alone_differs(pipeline)
+    route = _routes.backward_route(pipeline)
     do, poison = _isolation.clean_cotangents(do, dht, cu_seqlens, res.num_qk_heads)
-    final = None if alone or not final_in_stages(pipeline, res) else FinalGrads(
+    final = None if route.output_vjp or not final_in_stages(pipeline, res) else FinalGrads(
         poison.masks(where, res.layout.chunk_size), res.in_dtypes[:5])
     clean = (*_isolation.cleaner_of(config)(inputs[:5]), *inputs[5:])
-    # B5 as F1's VJP where it does not transpose F1; alone: F5's transpose by jax.vjp, B0, B2-B5 hand-written.
-    gate_vjp = _routes.gate_differs(pipeline) if alone else _routes.gate_alone_differs(pipeline)
-    bwd = _routes.gate_vjp_pipeline(pipeline, res, clean) if gate_vjp else pipeline
-    grads, parts = _output_vjp.backward(bwd, res, do, dht) if alone else bwd.backward_with_parts(res, do, dht, final)
+    bwd = _routes.gate_vjp_pipeline(pipeline, res, clean) if route.gate_vjp else pipeline
+    if route.output_vjp:  # F5's transpose by jax.vjp; B0, B2-B5 hand-written
+        grads, parts = _output_vjp.backward(bwd, res, do, dht)
+    else:
+        grads, parts = bwd.backward_with_parts(res, do, dht, final)
     if final is None:
         grads = _isolation.poison_inputs(where, poison(grads))
     else:  # (q's to beta's: final already, in the inputs' dtypes)

@@ -244,7 +244,7 @@ def _derived_bwd(res, sp: _Spans, where, primals, perturbed, do, dfinal):
 @_sp_kda.def_fwd
 def _sp_fwd(perturbed, diff, call: _Call, cu):
     inputs, pipeline = diff
-    if _routes.whole_derived(pipeline):
+    if _routes.backward_route(pipeline, one_device=False).derived:
         bad, inputs = _isolated(call, inputs, cu)
         return _derived_fwd(call, pipeline, inputs, cu, bad)
     check_perturbed(pipeline, perturbed[1], where="kdax.parallel's sequence-parallel chunk_kda")
@@ -282,7 +282,7 @@ def _sp_bwd(residuals, cotangents, perturbed, diff, call: _Call, cu):
     own = _rows(sp.owns, dfinal)
     res = _with_cache(static, res)
     clean = _isolated(call, primals, cu)[1]
-    if _routes.gate_alone_differs(static.pipeline):  # (B5 as F1's VJP; B0-B4 hand-written)
+    if _routes.backward_route(static.pipeline, one_device=False).gate_vjp:  # (B5 as F1's VJP; B0-B4 hand-written)
         static = eqx.tree_at(lambda s: s.pipeline, static, _routes.gate_vjp_pipeline(static.pipeline, res, clean))
     # c: the gradient reaching the entering sequence's start from this device's own do/dht
     c = _pick(sp, sp.enters, _entry_gradient(static, res, do, own))
