@@ -12,7 +12,7 @@ from ._numerics import precision as _precision
 from ._numerics.chunk_loops import loop_unroll, resolve_group, split_rows_and_heads
 from ._stage_protocol.capabilities import capabilities
 from ._runner.contracts import STAGES
-from ._runner.routes import RESET_FIELDS, unchecked, unsafe_for_tiles
+from ._runner.routes import other_math, shared_chunks_refused, tiles_refused, unchecked, unsafe_for_tiles
 from ._runner.runner import recording
 
 
@@ -103,55 +103,16 @@ def plan(pipeline, q, k, v, g, beta, **options) -> KDAPlan:
     # Why a declaration selected no route (kdax._runner.routes.unchecked: stages of other math).
     for name in unchecked(pipeline):
         said = [c for c in ("reset", "tile_safe") if getattr(capabilities(type(getattr(pipeline, name))), c)]
-        notes += (f"routes: {_other_math(pipeline, name)}: packed sequences keep one chunk each and the forward "
+        notes += (f"routes: {other_math(pipeline, name)}: packed sequences keep one chunk each and the forward "
                   f"runs whole, whatever a stage declares" + (f" (it declares {', '.join(said)})" if said else ""),)
     if reasons:
         notes += ("backward: derived by jax.vjp through F1-F5 (exact; the six-stage backward does not transpose "
                   "this forward: " + "; ".join(reasons) + ")",)
-    why = route_reasons(pipeline, rec.layout, opts)
+    refused = (("forward", tiles_refused(pipeline)),
+               ("layout", shared_chunks_refused(pipeline) if rec.layout == "per-sequence" else None))
+    why = tuple((route, r) for route, r in refused if r)
     return KDAPlan(tuple(rows), None if unsafe else pipeline.tile, unsafe, rec.layout, notes=notes,
                    config=resolved_config(pipeline, q.dtype), why=why)
-
-
-def _stage_name(pipeline, field: str) -> str:
-    return f"{STAGES[field].step} {field} ({type(getattr(pipeline, field)).__qualname__})"
-
-
-def _other_math(pipeline, field: str) -> Optional[str]:
-    """Why ``field``'s stage counts as other math than KDA's (``unchecked``), or None."""
-    if field not in unchecked(pipeline, (field,)):
-        return None
-    stage = getattr(pipeline, field)
-    what = f"math {stage.math!r}" if STAGES[field].forward else f"transposes {dict(stage.transposes)!r}"
-    return f"{_stage_name(pipeline, field)}: {what}, not KDA's"
-
-
-def route_reasons(pipeline, layout: Optional[str], opts: KDAOptions) -> tuple:
-    """``(("forward", why whole), ("layout", why per-sequence))`` where they apply: the first
-    reason true of this pipeline, in the order the routes are decided."""
-    out = []
-    unsafe = unsafe_for_tiles(pipeline)
-    if pipeline.tile is not None and unsafe:
-        f = unsafe[0]
-        # (other math is the reason, even where the stage also declares tile_safe)
-        other = _other_math(pipeline, f)
-        out.append(("forward", f"{other}: a stage of other math runs whole, whatever it declares" if other
-                    else f"not tile-safe: {f} ({type(getattr(pipeline, f)).__qualname__} does not declare tile_safe)"))
-    if layout == "per-sequence":
-        if not pipeline.share_chunks:
-            reason = "share_chunks=False"
-        else:
-            bad = [f for f in STAGES if _other_math(pipeline, f)]
-            if bad:
-                reason = _other_math(pipeline, bad[0]) + ": shared chunks are taken only for KDA's math"
-            else:
-                no_reset = [f for f in RESET_FIELDS if not capabilities(type(getattr(pipeline, f))).reset
-                            and not pipeline.fallback]
-                reason = (f"{_stage_name(pipeline, no_reset[0])} does not accept reset (and fallback=False)"
-                          if no_reset else None)
-        if reason:
-            out.append(("layout", reason))
-    return tuple(out)
 
 
 def resolved_config(pipeline, dtype=jnp.float32) -> dict:

@@ -418,8 +418,11 @@ def test_trusting_pipeline_keeps_other_f5_out_of_shared_chunks():
             return jax.grad(f)(tuple(pos)), rec.layout
 
     want, layout = grads(pipe)
-    got, trusted_layout = grads(dataclasses.replace(pipe, trust_declarations=True))
+    trusting = dataclasses.replace(pipe, trust_declarations=True)
+    got, trusted_layout = grads(trusting)
     assert layout == trusted_layout == "per-sequence"
+    plan = trusting.plan(*pos, chunk_size=CHUNK, cu_seqlens=cu, output_final_state=True)
+    assert "F5 output (GainTanhOutput)" in dict(plan.why)["layout"], str(plan)  # (plan says why: the route's own reason)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
         assert_close(a, b, 1e-12, name)
 

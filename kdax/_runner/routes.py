@@ -242,21 +242,52 @@ def pipeline_cotangent(perturbed, d_pipe, swapped: tuple):
 RESET_FIELDS = ("gate", "intra", "wy", "state", "recompute", "dhu", "wy_dqkg", "intra_bwd", "gate_bwd")
 
 
+def other_math(pipeline, field: str, trusted: bool = True) -> Optional[str]:
+    """``field``'s stage as other math than KDA's (in ``unchecked``), said; None if it is not."""
+    if not unchecked(pipeline, (field,), trusted):
+        return None
+    stage = getattr(pipeline, field)
+    what = f"math {stage.math!r}" if STAGES[field].forward else f"transposes {dict(stage.transposes)!r}"
+    return f"{STAGES[field].step} {field} ({type(stage).__qualname__}): {what}, not KDA's"
+
+
+def shared_chunks_refused(pipeline) -> Optional[str]:
+    """Why packed input keeps one sequence per chunk (None: sequences share chunks):
+    ``share_chunks=False``, a stage of other math, or a ``RESET_FIELDS`` stage that takes
+    no ``reset`` and cannot fall back. F5 and B1, never told ``reset``, are KDA's even when
+    trusting declarations (``output_vjp`` assumes no reset table)."""
+    if not pipeline.share_chunks:
+        return "share_chunks=False"
+    other = unchecked(pipeline) or unchecked(pipeline, ("output", "dav"), trusted=False)
+    if other or not is_kda(pipeline.state):
+        said = other_math(pipeline, other[0] if other else "state", trusted=False)
+        return f"{said}: shared chunks are taken only for KDA's math"
+    for n in RESET_FIELDS:
+        if not (routed(pipeline, n).reset or (pipeline.fallback and reference_is_exact(n, getattr(pipeline, n)))):
+            return f"{STAGES[n].step} {n} ({type(getattr(pipeline, n)).__qualname__}) does not accept reset" + (
+                "" if pipeline.fallback else " (and fallback=False)")
+    return None
+
+
 def shares_chunks(pipeline, cu_seqlens) -> bool:
-    """Whether packed ``cu_seqlens`` input runs in shared chunks: ``share_chunks``, every
-    stage of KDA's math, and every ``RESET_FIELDS`` stage taking ``reset`` (or falling back)."""
-    if not pipeline.share_chunks or cu_seqlens is None:
-        return False
-    # F5 and B1, never told ``reset``, are KDA's even when trusting (output_vjp assumes none).
-    if not is_kda(pipeline.state) or unchecked(pipeline) or unchecked(pipeline, ("output", "dav"), trusted=False):
-        return False
-    return all(routed(pipeline, n).reset
-               or (pipeline.fallback and reference_is_exact(n, getattr(pipeline, n))) for n in RESET_FIELDS)
+    """Whether packed ``cu_seqlens`` input runs in shared chunks (``shared_chunks_refused``)."""
+    return cu_seqlens is not None and shared_chunks_refused(pipeline) is None
 
 
 def unsafe_for_tiles(pipeline) -> tuple:
     """The forward fields not tile-safe by ``routed``: with any, the forward runs whole."""
     return tuple(n for n, i in STAGES.items() if i.forward and not routed(pipeline, n).tile_safe)
+
+
+def tiles_refused(pipeline) -> Optional[str]:
+    """Why the forward without gradients runs whole though ``tile`` is set (None: in tiles)."""
+    unsafe = unsafe_for_tiles(pipeline)
+    if pipeline.tile is None or not unsafe:
+        return None
+    f = unsafe[0]  # (other math is the reason, even where the stage also declares tile_safe)
+    other = other_math(pipeline, f)
+    return (f"{other}: a stage of other math runs whole, whatever it declares" if other
+            else f"not tile-safe: {f} ({type(getattr(pipeline, f)).__qualname__} does not declare tile_safe)")
 
 
 def tile_chunks(pipeline, rows_heads: int, num_chunks: int) -> Optional[int]:
