@@ -47,14 +47,10 @@ def negotiated(stage, kwargs: dict) -> dict:
     """``kwargs`` as ``stage``'s capabilities allow: no ``final``, ``zero_h0``, ``G_lo`` unless
     accepted, float32 copies of half-stored arrays and chunked copies of views unless declared."""
     caps = capabilities(type(stage))
-    if "final" in kwargs and not caps.final_grads:
-        kwargs = {n: x for n, x in kwargs.items() if n != "final"}
-    if "zero_h0" in kwargs and not caps.zero_h0:
-        kwargs = {n: x for n, x in kwargs.items() if n != "zero_h0"}
+    unaccepted = {n for n, ok in (("final", caps.final_grads), ("zero_h0", caps.zero_h0), ("G_lo", caps.G_lo)) if not ok}
+    kwargs = {n: x for n, x in kwargs.items() if n not in unaccepted}
     if not caps.half_stored:
         kwargs = _precision.widened(kwargs)
-    if "G_lo" in kwargs and not caps.G_lo:
-        kwargs = {n: x for n, x in kwargs.items() if n != "G_lo"}
     if not caps.tokens and any(isinstance(x, Tokens) for x in kwargs.values()):
         kwargs = {n: as_chunked(x) for n, x in kwargs.items()}
     return kwargs
