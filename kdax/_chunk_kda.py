@@ -7,8 +7,7 @@ from typing import Optional, Union
 import numpy as np
 from jaxtyping import Float
 
-from ._config import KDAOptions
-from ._config import state_v_first_of
+from ._config import KDAOptions, state_v_first_of
 from ._errors import HeadFirstLayoutWarning, warn_caller
 from ._annotations import ALogIn, ArrayIn, Beta, CuSeqlensIn, Gate, QK, Scalar, State, Values, typecheck
 from .parallel._shard import routed

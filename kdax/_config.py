@@ -1,7 +1,7 @@
 """The options of ``chunk_kda`` / ``fused_recurrent_kda`` (``KDAOptions``) and the static
 configuration the stages receive (``KDAConfig``). A new option: a field in
-``KDAOptions`` (and ``KDAConfig``, set in ``KDAOptions.config``) and its keyword in
-``chunk_kda`` (a test checks that they agree)."""
+``KDAOptions`` (and, for the stages, one of the same name in ``KDAConfig``, which
+``KDAOptions.config`` copies) and its keyword in ``chunk_kda`` (a test checks that they agree)."""
 
 import dataclasses
 import warnings
@@ -23,6 +23,10 @@ class KDAConfig(eqx.Module):
     safe_gate: bool = eqx.field(static=True, default=False)
     output_final_state: bool = eqx.field(static=True, default=False)
     disable_recompute: bool = eqx.field(static=True, default=False)
+
+
+# KDAConfig's fields that KDAOptions.config copies as they are.
+_COPIED = tuple(f.name for f in dataclasses.fields(KDAConfig) if f.name not in ("scale", "lower_bound"))
 
 
 class KDAOptions(eqx.Module):
@@ -68,23 +72,15 @@ class KDAOptions(eqx.Module):
 
     def config(self, scale: float) -> KDAConfig:
         """The stages' static configuration (``scale`` resolved)."""
-        return KDAConfig(
-            scale=scale, chunk_size=self.chunk_size, use_qk_l2norm_in_kernel=self.use_qk_l2norm_in_kernel,
-            use_gate_in_kernel=self.use_gate_in_kernel,
-            # Without the in-kernel gate, lower_bound is only safe_gate's promise about g.
-            lower_bound=None if self.lower_bound is None or not self.use_gate_in_kernel else float(self.lower_bound),
-            use_beta_sigmoid_in_kernel=self.use_beta_sigmoid_in_kernel, allow_neg_eigval=self.allow_neg_eigval,
-            safe_gate=self.safe_gate, output_final_state=self.output_final_state,
-            disable_recompute=self.disable_recompute,
-        )
+        # Without the in-kernel gate, lower_bound is only safe_gate's promise about g.
+        lb = None if self.lower_bound is None or not self.use_gate_in_kernel else float(self.lower_bound)
+        return KDAConfig(scale=scale, lower_bound=lb, **{n: getattr(self, n) for n in _COPIED})
 
 
 def state_v_first_of(state_v_first: bool, transpose_state_layout) -> bool:
     """``state_v_first``, or its deprecated alias ``transpose_state_layout`` when given."""
-    if transpose_state_layout is None:
-        return state_v_first
-    return resolve_deprecated(dict(state_v_first=state_v_first, transpose_state_layout=transpose_state_layout))[
-        "state_v_first"]
+    given = dict(state_v_first=state_v_first, transpose_state_layout=transpose_state_layout)
+    return state_v_first if transpose_state_layout is None else resolve_deprecated(given)["state_v_first"]
 
 
 def resolve_deprecated(kwargs: dict) -> dict:
@@ -95,6 +91,7 @@ def resolve_deprecated(kwargs: dict) -> dict:
     value = kwargs.pop("transpose_state_layout")
     if kwargs.get("state_v_first", False):
         raise ValueError("transpose_state_layout: cannot be given together with state_v_first (its new name).")
-    warnings.warn("transpose_state_layout is deprecated (as in FLA); use state_v_first.", DeprecationWarning, stacklevel=3)
+    warnings.warn("transpose_state_layout is deprecated (as in FLA); use state_v_first.", DeprecationWarning,
+                  stacklevel=3)
     kwargs["state_v_first"] = bool(value)
     return kwargs

@@ -20,8 +20,6 @@ from ._numerics.arrays import varying_axes
 from ._annotations import QK, ALogIn, ArrayIn, Beta, CuSeqlensIn, Gate, State, Values, typecheck
 
 SUPPORTED_CHUNK_SIZES = (16, 32, 64, 128)
-# FLA's range for lower_bound under safe_gate.
-SAFE_GATE_RANGE = (-5.0, 0.0)
 
 
 class Dims(NamedTuple):
@@ -35,44 +33,27 @@ class Dims(NamedTuple):
     scale: float
 
 
-def _is_concrete(x) -> bool:
-    return not isinstance(x, jax.core.Tracer)
-
-
-# The messages of the cu_seqlens value checks; eagerly they end with the offending value.
-_CU_START = "cu_seqlens: must start at 0"
-_CU_ORDER = "cu_seqlens: must be non-decreasing"
-
-
-def _cu_end(T: int, what: str = "q") -> str:
-    return f"cu_seqlens: must end at T={T} ({what}.shape[1])"
-
-
-def check_cu_seqlens_values(cu_seqlens, T: int, what: str = "q") -> None:
-    """Concrete values only (``checked_cu_seqlens`` checks traced ones at run time)."""
-    if not _is_concrete(cu_seqlens):
-        return
-    cu = np.asarray(cu_seqlens)
-    if cu[0] != 0:
-        raise ValueError(f"{_CU_START}, got cu_seqlens[0]={int(cu[0])}.")
-    if np.any(np.diff(cu) < 0):
-        raise ValueError(f"{_CU_ORDER}, got {cu.tolist()}.")
-    if cu[-1] != T:
-        raise ValueError(f"{_cu_end(T, what)}, got cu_seqlens[-1]={int(cu[-1])}.")
-
-
 def checked_cu_seqlens(cu, T: int, what: str = "q"):
-    """``cu`` (int32), its values checked inside the program when traced (same messages as eagerly)."""
+    """``cu`` (int32), its values checked: concrete ones eagerly (the error ends with the
+    offending value), traced ones inside the program (the same messages)."""
+    messages = ("cu_seqlens: must start at 0", "cu_seqlens: must be non-decreasing",
+                f"cu_seqlens: must end at T={T} ({what}.shape[1])")
+    if not isinstance(cu, jax.core.Tracer):
+        c = np.asarray(cu)
+        if c[0] != 0:
+            raise ValueError(f"{messages[0]}, got cu_seqlens[0]={int(c[0])}.")
+        if np.any(np.diff(c) < 0):
+            raise ValueError(f"{messages[1]}, got {c.tolist()}.")
+        if c[-1] != T:
+            raise ValueError(f"{messages[2]}, got cu_seqlens[-1]={int(c[-1])}.")
     cu = jnp.asarray(cu, jnp.int32)
-    if _is_concrete(cu):
-        return cu
-    if varying_axes(cu):
-        # Per-device offsets inside shard_map (kdax.parallel derives them from the global
-        # cu_seqlens, which it checks with this function before): the error branch cannot
-        # be typed as varying over the mesh axes.
+    # Per-device offsets inside shard_map (kdax.parallel derives them from the global
+    # cu_seqlens, which it checks with this function before): the error branch cannot be
+    # typed as varying over the mesh axes.
+    if not isinstance(cu, jax.core.Tracer) or varying_axes(cu):
         return cu
     bad = jnp.stack([cu[0] != 0, jnp.any(cu[1:] < cu[:-1]), cu[-1] != T])
-    return eqx.branched_error_if(cu, jnp.any(bad), jnp.argmax(bad), (f"{_CU_START}.", f"{_CU_ORDER}.", f"{_cu_end(T, what)}."))
+    return eqx.branched_error_if(cu, jnp.any(bad), jnp.argmax(bad), tuple(f"{m}." for m in messages))
 
 
 def _scale(scale, K: int) -> float:
@@ -80,7 +61,7 @@ def _scale(scale, K: int) -> float:
         # Any scale multiplies an empty sum when K == 0.
         return K**-0.5 if K > 0 else 1.0
     if isinstance(scale, (jax.Array, np.ndarray)) and scale.ndim == 0:
-        if not _is_concrete(scale):
+        if isinstance(scale, jax.core.Tracer):
             raise TypeError("scale: must be a concrete number (it is static configuration), got a traced array.")
         scale = scale.item()
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
@@ -98,37 +79,13 @@ def check_cu_seqlens(cu_seqlens, B: int, T: int, what: str = "q"):
         raise ValueError(f"cu_seqlens: expected shape [N + 1] with N >= 1, got {tuple(cu.shape)}.")
     if not jnp.issubdtype(cu.dtype, jnp.integer):
         raise TypeError(f"cu_seqlens: expected integers, got {cu.dtype}.")
-    check_cu_seqlens_values(cu, T, what)
     return checked_cu_seqlens(cu, T, what)
-
-
-def _a_log(A_log, HV: int):
-    """``A_log`` ``[HV]``, or ``[1, 1, HV, 1]`` (Kimi Linear's and FLA's varlen tests' shape)."""
-    if A_log is None:
-        return None
-    if tuple(A_log.shape) not in ((HV,), (1, 1, HV, 1)):
-        raise ValueError(f"A_log: expected shape [HV] = ({HV},) or [1, 1, HV, 1], got {tuple(A_log.shape)}.")
-    return A_log.reshape(HV)
 
 
 def _value_of(x):
     """``x``'s concrete value, or None under ``jit``/``vmap`` (an eager ``jax.grad``'s tracers
     hold their concrete primal)."""
-    if not isinstance(x, jax.core.Tracer):
-        return x
-    try:
-        return x.to_concrete_value()
-    except Exception:  # (a JAX without the method: checked only without tracers)
-        return None
-
-
-def _finite_range(x) -> tuple[float, float]:
-    """The smallest and largest finite values of a concrete array, on the host (numpy)."""
-    x = np.asarray(x)
-    if not np.issubdtype(x.dtype, np.floating):
-        x = x.astype(np.float32)  # (bfloat16, and integers)
-    fin = np.isfinite(x)
-    return float(np.min(x, initial=np.inf, where=fin)), float(np.max(x, initial=-np.inf, where=fin))
+    return x.to_concrete_value() if isinstance(x, jax.core.Tracer) else x
 
 
 def _warn_unstable(k, beta, options: KDAOptions) -> None:
@@ -150,68 +107,69 @@ def _warn_unstable(k, beta, options: KDAOptions) -> None:
                     f"Linear does) or normalise k yourself.", UnstableDeltaRuleWarning)
 
 
+# The domains of g and beta (non-finite values are left to isolation); the messages' first
+# part is the same eagerly (then the value) and inside the program.
+_G = "g: must be a log decay <= 0 (the natural log of each channel's decay in (0, 1])"
+_BETA = "beta: must lie in [0, 1] (the delta rule's write strength)"
+
+
+def _bad(name: str, x, xp):
+    """The elements of g or beta (``name``) outside their domain; ``xp``: numpy or jax.numpy."""
+    return (x > 0) & (x < xp.inf) if name == "g" else ((x < 0) | (x > 1)) & xp.isfinite(x)
+
+
 def check_domain(g, beta, options: KDAOptions) -> None:
     """Eagerly, a named ``ValueError`` for g > 0 without ``use_gate_in_kernel`` or beta outside
     [0, 1] without ``use_beta_sigmoid_in_kernel``: the chunked algorithm assumes both (a
     random-normal g and beta gave NaN in 70-90% of the outputs). Traced: ``checked_domain``."""
-    check_g, check_beta = not options.use_gate_in_kernel, not options.use_beta_sigmoid_in_kernel
-    if not (check_g or check_beta):
-        return
     gv, bv = _value_of(g), _value_of(beta)
-    if gv is None or bv is None or gv.size == 0:
+    if gv is None or bv is None or np.size(gv) == 0:
         return
-    g_max = _finite_range(gv)[1] if check_g else 0.0
-    b_min, b_max = _finite_range(bv) if check_beta else (0.0, 1.0)
-    if check_g and g_max > 0:
-        raise ValueError(
-            f"g: must be a log decay <= 0 (the natural log of each channel's decay in (0, 1]), got a value "
-            f"{g_max:.4g} > 0. Pass an activated gate (e.g. g = jax.nn.log_sigmoid(x), or -exp(A_log) * "
-            f"softplus(x + dt_bias)), or the raw gate with use_gate_in_kernel=True (and A_log, dt_bias "
-            f"or lower_bound).")
-    if check_beta and not 0 <= b_min <= b_max <= 1:
-        bad = b_min if b_min < 0 else b_max
-        raise ValueError(
-            f"beta: must lie in [0, 1] (the delta rule's write strength), got a value {bad:.4g}. Pass "
-            f"beta = jax.nn.sigmoid(x), or the raw x with use_beta_sigmoid_in_kernel=True (beta in [0, 2] "
-            f"with allow_neg_eigval=True as well).")
+    # On the host; bfloat16 and integers as float32.
+    host = lambda x: x if np.issubdtype(x.dtype, np.floating) else x.astype(np.float32)
+    if not options.use_gate_in_kernel:
+        gv = host(np.asarray(gv))
+        if (bad := gv[_bad("g", gv, np)]).size:
+            raise ValueError(
+                f"{_G}, got a value {bad.max():.4g} > 0. Pass an activated gate (e.g. g = jax.nn.log_sigmoid(x), "
+                f"or -exp(A_log) * softplus(x + dt_bias)), or the raw gate with use_gate_in_kernel=True (and A_log, "
+                f"dt_bias or lower_bound).")
+    if not options.use_beta_sigmoid_in_kernel:
+        bv = host(np.asarray(bv))
+        if (bad := bv[_bad("beta", bv, np)]).size:
+            raise ValueError(
+                f"{_BETA}, got a value {bad.min() if bad.min() < 0 else bad.max():.4g}. Pass beta = "
+                f"jax.nn.sigmoid(x), or the raw x with use_beta_sigmoid_in_kernel=True (beta in [0, 2] with "
+                f"allow_neg_eigval=True as well).")
 
 
-_G_TRACED = ("g: must be a log decay <= 0 (the natural log of each channel's decay in (0, 1]); a finite value > 0 "
-             "was found (checked inside the compiled program). Pass an activated gate (e.g. jax.nn.log_sigmoid(x)), "
-             "or the raw gate with use_gate_in_kernel=True; check_inputs=False skips this check.")
-_BETA_TRACED = ("beta: must lie in [0, 1] (the delta rule's write strength); a finite value outside it was found "
-                "(checked inside the compiled program). Pass jax.nn.sigmoid(x), or the raw x with "
-                "use_beta_sigmoid_in_kernel=True; check_inputs=False skips this check.")
-
-
-def _domain_errors(g, beta, options: KDAOptions) -> list:
-    """``(name, bad elements, message)`` per input whose domain is checked."""
+def _in_program(g, beta, options: KDAOptions):
+    """``(g, beta, errors, one device)`` of the domain check inside the program. ``errors``:
+    ``(name, bad elements, message)`` per input checked there (none without ``check_inputs``
+    or with g and beta concrete: checked eagerly). With several devices (or values varying
+    over shard_map's axes) an error cannot be raised: it would abort the process."""
+    if not options.check_inputs or (_value_of(g) is not None and _value_of(beta) is not None):
+        return g, beta, [], True
+    g, beta = jnp.asarray(g), jnp.asarray(beta)
     errors = []
     if not options.use_gate_in_kernel:
-        errors.append(("g", (g > 0) & (g < jnp.inf), _G_TRACED))
+        errors.append(("g", _bad("g", g, jnp), f"{_G}; a finite value > 0 was found (checked inside the compiled "
+                       "program). Pass an activated gate (e.g. jax.nn.log_sigmoid(x)), or the raw gate with "
+                       "use_gate_in_kernel=True; check_inputs=False skips this check."))
     if not options.use_beta_sigmoid_in_kernel:
-        errors.append(("beta", ((beta < 0) | (beta > 1)) & jnp.isfinite(beta), _BETA_TRACED))
-    return errors
-
-
-def _checked_in_program(g, beta, options: KDAOptions) -> bool:
-    """Whether the domain check runs inside the program: ``check_inputs``, and g or beta traced."""
-    return options.check_inputs and (_value_of(g) is None or _value_of(beta) is None)
-
-
-def _one_device(errors) -> bool:
-    return jax.device_count() == 1 and not any(varying_axes(bad) for _, bad, _ in errors)
+        errors.append(("beta", _bad("beta", beta, jnp), f"{_BETA}; a finite value outside it was found (checked "
+                       "inside the compiled program). Pass jax.nn.sigmoid(x), or the raw x with "
+                       "use_beta_sigmoid_in_kernel=True; check_inputs=False skips this check."))
+    one_device = jax.device_count() == 1 and not any(varying_axes(bad) for _, bad, _ in errors)
+    return g, beta, errors, one_device
 
 
 def domain_flag(g, beta, options: KDAOptions):
     """The domain check inside the program as a scalar that is False or raises
     (``eqx.error_if``), for a caller that puts it where the program's last step reads it
     (the NaN masks, so the reductions run beside the stages); None where no such check runs."""
-    if not _checked_in_program(g, beta, options):
-        return None
-    g, beta = jnp.asarray(g), jnp.asarray(beta)
-    errors = _domain_errors(g, beta, options)
-    if not errors or not _one_device(errors):
+    _, _, errors, one_device = _in_program(g, beta, options)
+    if not (errors and one_device):
         return None
     # (Each error on a scalar: eqx.error_if on g itself made XLA copy it, +16 MiB peak.)
     stop = [eqx.error_if(jnp.asarray(False), jnp.any(bad), msg) for _, bad, msg in errors]
@@ -222,28 +180,23 @@ def checked_domain(g, beta, options: KDAOptions, *, flagged: bool = False):
     """``(g, beta)``, their domain also checked inside the program when traced: on one device
     an error naming the argument (``flagged``: the caller reads ``domain_flag`` instead);
     with several devices, where an error aborts the process, each bad value reads as NaN."""
-    if not _checked_in_program(g, beta, options):
-        return g, beta
-    g, beta = jnp.asarray(g), jnp.asarray(beta)
-    errors = _domain_errors(g, beta, options)
-    if _one_device(errors):
+    g, beta, errors, one_device = _in_program(g, beta, options)
+    if one_device:
         if flagged or not errors:
             return g, beta
         # Beta, the small input ([B, T, HV]), carries the error to the stages.
         return g, jnp.where(domain_flag(g, beta, options), jnp.asarray(jnp.nan, beta.dtype), beta)
     # Several devices: each bad value read as NaN, elementwise (no reduction, so no
     # collective over sharded inputs).
-    nan = lambda x, bad: jnp.where(bad, jnp.asarray(jnp.nan, x.dtype), x)
-    bads = dict((name, bad) for name, bad, _ in errors)
-    return (nan(g, bads["g"]) if "g" in bads else g), (nan(beta, bads["beta"]) if "beta" in bads else beta)
+    bads = {name: bad for name, bad, _ in errors}
+    nan = lambda x, name: jnp.where(bads[name], jnp.asarray(jnp.nan, x.dtype), x) if name in bads else x
+    return nan(g, "g"), nan(beta, "beta")
 
 
 def _warn_float64(**arrays) -> None:
     """``Float64Warning`` for float64 numpy inputs while JAX's 64-bit mode is off."""
-    if jax.config.jax_enable_x64:
-        return
     names = [n for n, x in arrays.items() if isinstance(x, np.ndarray) and x.dtype == np.float64]
-    if names:
+    if names and not jax.config.jax_enable_x64:
         warn_caller(f"{', '.join(names)}: float64 input{'s' if len(names) > 1 else ''} with JAX's 64-bit mode off "
                       f"compute in float32; call jax.config.update('jax_enable_x64', True) first to compute in "
                       f"float64.", Float64Warning)
@@ -258,10 +211,8 @@ def validate(q, k, v, g, beta, options: KDAOptions, *, chunked: bool = True) -> 
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if H == 0 or HV % H != 0:
-        raise ValueError(
-            f"v: the number of value heads HV={HV} (v.shape[2]) must be a positive multiple "
-            f"of the query/key heads H={H} (q.shape[2])."
-        )
+        raise ValueError(f"v: the number of value heads HV={HV} (v.shape[2]) must be a positive multiple "
+                         f"of the query/key heads H={H} (q.shape[2]).")
     cu = None if o.cu_seqlens is None else check_cu_seqlens(o.cu_seqlens, B, T)
     N = B if cu is None else cu.shape[0] - 1
     h0 = o.initial_state
@@ -280,11 +231,12 @@ def validate(q, k, v, g, beta, options: KDAOptions, *, chunked: bool = True) -> 
         raise TypeError("safe_gate: a chunk_kda option only.")
     if o.use_gate_in_kernel:
         if A_log is None and lb is None:
-            raise ValueError(
-                "A_log: use_gate_in_kernel=True needs A_log (softplus gate) or lower_bound "
-                "(lower-bound gate); neither was given."
-            )
-        A_log = _a_log(A_log, HV)
+            raise ValueError("A_log: use_gate_in_kernel=True needs A_log (softplus gate) or lower_bound "
+                             "(lower-bound gate); neither was given.")
+        # [HV], or [1, 1, HV, 1] (Kimi Linear's and FLA's varlen tests' shape).
+        if A_log is not None and tuple(A_log.shape) not in ((HV,), (1, 1, HV, 1)):
+            raise ValueError(f"A_log: expected shape [HV] = ({HV},) or [1, 1, HV, 1], got {tuple(A_log.shape)}.")
+        A_log = None if A_log is None else A_log.reshape(HV)
         if o.dt_bias is not None and tuple(o.dt_bias.shape) != (HV * K,):
             raise ValueError(f"dt_bias: expected shape [HV * K] = ({HV * K},), got {tuple(o.dt_bias.shape)}.")
         if o.safe_gate and lb is None:
@@ -296,10 +248,11 @@ def validate(q, k, v, g, beta, options: KDAOptions, *, chunked: bool = True) -> 
         for name, val in unused:
             if val is not None:
                 raise ValueError(f"{name}: only used with use_gate_in_kernel=True; it would be ignored.")
-    if o.safe_gate and lb is not None and not SAFE_GATE_RANGE[0] <= lb < SAFE_GATE_RANGE[1]:
+    if o.safe_gate and lb is not None and not -5 <= lb < 0:  # (FLA's range)
         raise ValueError(f"lower_bound: safe_gate=True needs -5 <= lower_bound < 0 (as FLA), got {lb}.")
     if o.allow_neg_eigval and not o.use_beta_sigmoid_in_kernel:
-        raise ValueError("allow_neg_eigval: needs use_beta_sigmoid_in_kernel=True (beta = 2 * sigmoid(beta)), as in FLA.")
+        raise ValueError("allow_neg_eigval: needs use_beta_sigmoid_in_kernel=True (beta = 2 * sigmoid(beta)), "
+                         "as in FLA.")
     if chunked and o.chunk_size not in SUPPORTED_CHUNK_SIZES:
         raise ValueError(f"chunk_size: expected one of {SUPPORTED_CHUNK_SIZES}, got {o.chunk_size}.")
     scale = _scale(o.scale, K)
@@ -318,11 +271,6 @@ def options_of(options: Optional[KDAOptions], kwargs: dict) -> KDAOptions:
     return options
 
 
-def prepare(q, k, v, g, beta, **options):
-    """``(config, args)`` of ``prepare_options`` from keyword options."""
-    return prepare_options(q, k, v, g, beta, KDAOptions.from_kwargs(**options))[:2]
-
-
 def prepare_options(q, k, v, g, beta, options: KDAOptions, *, flagged: bool = False):
     """Validated ``(config, (q, k, v, g, beta, h0 [N, HV, K, V], A_log [HV], dt_bias, cu),
     options)``; ``flagged``: the caller reads ``domain_flag``."""
@@ -339,22 +287,15 @@ def prepare_options(q, k, v, g, beta, options: KDAOptions, *, flagged: bool = Fa
 
 
 @typecheck
-def check_arrays(
-    q: QK,
-    k: QK,
-    v: Values,
-    g: Gate,
-    beta: Beta,
-    initial_state: Optional[State],
-    A_log: Optional[ALogIn],
-    dt_bias: Optional[Float[ArrayIn, "_"]],
-    cu_seqlens: Optional[CuSeqlensIn],
-) -> None:
+def check_arrays(q: QK, k: QK, v: Values, g: Gate, beta: Beta, initial_state: Optional[State],
+                 A_log: Optional[ALogIn], dt_bias: Optional[Float[ArrayIn, "_"]],
+                 cu_seqlens: Optional[CuSeqlensIn]) -> None:
     """The shape/dtype checks of ``chunk_kda``'s signature, for ``KDAPipeline.forward``."""
 
 
 def final_out(final, config, state_v_first: bool):
-    """The final states as ``chunk_kda`` returns them (None unless asked for; ``[N, HV, V, K]`` under ``state_v_first``)."""
+    """The final states as ``chunk_kda`` returns them (None unless asked for; ``[N, HV, V, K]``
+    under ``state_v_first``)."""
     if not config.output_final_state:
         return None
     return jnp.swapaxes(final, -1, -2) if state_v_first else final
@@ -364,8 +305,7 @@ def prepare_forward(q, k, v, g, beta, opts: KDAOptions) -> tuple:
     """``KDAPipeline.forward``'s checks (B, K, V > 0 too) and ``prepare_options``' result."""
     check_arrays(q, k, v, g, beta, opts.initial_state, opts.A_log, opts.dt_bias, opts.cu_seqlens)
     out = prepare_options(q, k, v, g, beta, opts)
-    B, T, _, K = q.shape
-    for name, n in (("q", B), ("q", K), ("v", v.shape[-1])):
+    for name, n in (("q", q.shape[0]), ("q", q.shape[3]), ("v", v.shape[-1])):
         if n == 0:
             raise ValueError(f"{name}: KDAPipeline.forward needs B, K and V > 0 (chunk_kda handles size 0), "
                              f"got q {tuple(q.shape)}, v {tuple(v.shape)}.")

@@ -21,12 +21,12 @@ _SCENARIO = """
 import os, sys
 import kdax
 import jax, jax.numpy as jnp
-from kdax._validate import prepare
+from kdax._validate import prepare_options
 from tests._util import make_inputs
 print("XLA_FLAGS=" + os.environ.get("XLA_FLAGS", ""), flush=True)
 x = make_inputs(seed=4, B=1, T=128, H=2, K=16, V=16, dtype=jnp.float32)
 pipe = kdax.KDAPipeline.reference().untiled()
-config, args = prepare(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=32)
+config, args, _ = prepare_options(x["q"], x["k"], x["v"], x["g"], x["beta"], kdax.KDAOptions(chunk_size=32))
 loss = lambda q: pipe.run_forward(config, q, *args[1:])[0].sum()
 jax.block_until_ready(jax.jit(jax.grad(loss))(args[0]))
 f = lambda x: jax.lax.scan(lambda c, y: (c * y + jnp.sin(c), c), x[0], x)[0].sum()

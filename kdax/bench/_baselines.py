@@ -7,7 +7,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from .._annotations import Beta, Gate, QK, Values
-from .._validate import prepare
+from .._config import KDAOptions
+from .._validate import prepare_options
 from ..pipeline import KDAPipeline
 from ..recurrent import fused_recurrent_kda
 from ..ref import naive_recurrent_kda
@@ -60,7 +61,7 @@ class _TrainStep:
 
 def _autodiff_chunk(pipeline: KDAPipeline, chunk_size: int):
     def fwd(q, k, v, g, beta):
-        config, args = prepare(q, k, v, g, beta, chunk_size=chunk_size)
+        config, args, _ = prepare_options(q, k, v, g, beta, KDAOptions(chunk_size=chunk_size))
         o, final, _ = pipeline.run_forward(config, *args)
         return o, final
 

@@ -17,7 +17,8 @@ from .._runner.contracts import STAGES
 from .._runner.routes import unsafe_for_tiles
 from .._runner.runner import recording
 from .._annotations import typecheck
-from .._validate import prepare
+from .._config import KDAOptions
+from .._validate import prepare_options
 from ..pipeline import KDAPipeline
 from ._cases import _CU, _DENSE, _FLA, Case, _dtname, _Packed, _weights, tolerance
 from ._compare import _compare, _rel
@@ -191,7 +192,7 @@ def _exact_run(diff: KDAPipeline, x, arrays, options):
     """What ``_exact_grads`` compiles."""
     static = options.kw
     with recording(quiet=True):
-        config, args = prepare(*x, **static, **arrays)
+        config, args, _ = prepare_options(*x, KDAOptions.from_kwargs(**static, **arrays))
         h0, A_log, dt_bias, cu = args[5:]
 
         def fwd(x, arrays):
