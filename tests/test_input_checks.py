@@ -160,6 +160,12 @@ def test_non_finite_values_are_isolation_not_domain_errors():
     eager = kdax.chunk_kda(q, k, v, g, beta)[0]
     jitted = _jitted(kdax.chunk_kda)(q, k, v, g, beta)
     np.testing.assert_array_equal(np.isnan(np.asarray(eager)), np.isnan(np.asarray(jitted)))
+    # No finite beta at all (eagerly this once read as a domain error "got -inf"): isolation too.
+    nan_beta = jnp.full_like(beta, jnp.nan)
+    eager = kdax.chunk_kda(q, k, v, g, nan_beta)[0]
+    assert np.all(np.isnan(np.asarray(eager)))
+    jitted = _jitted(kdax.chunk_kda)(q, k, v, g, nan_beta)
+    np.testing.assert_array_equal(np.isnan(np.asarray(eager)), np.isnan(np.asarray(jitted)))
 
 
 def test_inside_shard_map_bad_values_are_nan_in_their_sequence():
