@@ -115,9 +115,7 @@ def expand_group(x, hv: int):
 
 def reduce_group(dx, h: int):
     """Adjoint of ``expand_group``: sum the gradients of each group of value heads."""
-    if dx.shape[1] == h:
-        return dx
-    return dx.reshape(dx.shape[0], h, dx.shape[1] // h, *dx.shape[2:]).sum(axis=2)
+    return dx if dx.shape[1] == h else dx.reshape(dx.shape[0], h, dx.shape[1] // h, *dx.shape[2:]).sum(axis=2)
 
 
 def pack_inputs(layout: ChunkLayout, raw, HV: int, dt, clean=None):
@@ -125,10 +123,5 @@ def pack_inputs(layout: ChunkLayout, raw, HV: int, dt, clean=None):
     expanded to the HV value heads; ``clean(raw) -> raw`` first if given (elementwise,
     so that it fuses into the packing instead of copying the inputs)."""
     q, k, v, g, beta = raw if clean is None else clean(raw)
-    return (
-        expand_group(pack(layout, q, dt), HV),
-        expand_group(pack(layout, k, dt), HV),
-        pack(layout, v, dt),
-        pack(layout, g, dt),
-        pack(layout, beta[..., None], dt)[..., 0],
-    )
+    return (expand_group(pack(layout, q, dt), HV), expand_group(pack(layout, k, dt), HV), pack(layout, v, dt),
+            pack(layout, g, dt), pack(layout, beta[..., None], dt)[..., 0])

@@ -11,7 +11,6 @@ has a static length (a static bound, ``longest``) so it has a reverse-mode deriv
 at run time. ``W`` is ``WIDE``, or ``narrow`` when every span fits one such block
 (chosen at run time). Token arrays ``[HV, TT, D]``, states ``[N, HV, K, V]``."""
 
-import functools
 from typing import NamedTuple, Optional
 
 import jax
@@ -34,8 +33,10 @@ def narrow_width(T: int, N: int) -> int:
     return min(WIDE, 1 << (max(avg, 1) - 1).bit_length())
 
 
-def _by_width(spans: Spans, narrow: int, longest: int, run):
-    """``run(W, n)``: W = ``narrow`` when every span fits it (n = 1), else ``WIDE`` (n blocks for ``longest``)."""
+def _by_width(spans: Spans, narrow: int, longest: Optional[int], TT: int, run):
+    """``run(W, n)``: W = ``narrow`` when every span fits it (n = 1), else ``WIDE`` (n blocks for
+    ``longest``, a static bound on the spans' lengths, at most TT; None: TT)."""
+    longest = TT if longest is None else min(int(longest), TT)
     wide = lambda: run(WIDE, max(1, -(-longest // WIDE)))
     if narrow >= WIDE:
         return wide()
@@ -55,23 +56,12 @@ def _over_blocks(spans: Spans, W: int, n: int, first, more):
     return jax.lax.fori_loop(1, n, step, first)  # (Python bounds: a scan)
 
 
-def _longest(longest, TT: int) -> int:
-    """The static bound on a span's length: ``longest`` or (None) the token count."""
-    return TT if longest is None else min(int(longest), TT)
-
-
 def _gather_block(x, spans: Spans, b, W: int):
     """``x [M, HV, TT, D]`` at tokens ``start + b W + (0..W-1)`` of each span: ``[N, HV, M W, D]``
     (positions past a span clipped; callers mask them)."""
     t = jnp.clip(spans.start[:, None] + b * W + jnp.arange(W)[None], 0, x.shape[2] - 1)
     g = jnp.transpose(x[:, :, t], (2, 1, 0, 3, 4))  # [N, HV, M, W, D]
     return g.reshape(g.shape[0], g.shape[1], -1, g.shape[-1])
-
-
-def _in_block(spans: Spans, b, W: int, M: int):
-    """``[N, M W]``: the block's positions inside each span (for each of M stacked arrays)."""
-    ok = (b * W + jnp.arange(W))[None] < spans.count[:, None]
-    return jnp.tile(ok, (1, M))
 
 
 def token_slots(spans: Spans, TT: int):
@@ -89,31 +79,26 @@ def _matvec(A, Y, spans: Spans, narrow: int, longest: int, transpose: bool = Fal
     M, HV, TT = A.shape[:3]
     n, d, inside = token_slots(spans, TT)
     keep = inside[None] if ok is None else inside[None] & ok[n].T  # [1 or HV, TT]
-    D = Y.shape[-2] if transpose else Y.shape[-1]
-
-    def rows(a, W):  # [N, HV, M W, D]: the block's rows
-        r = _fused_rows(a, Y, transpose) if fused else jnp.einsum("nhwk,nhkv->nhwv", a, Y)
-        return r.reshape(Y.shape[0], HV, M, W, D)
-
-    def cols(a, W):  # [N, HV, D, M W]: the states as the left operand, as stored (XLA:CPU
-        # copied all N states to transpose them when they were the right one)
-        return jnp.einsum("nhkv,nhwv->nhkw", Y, a).reshape(Y.shape[0], HV, D, M, W)
+    N, D = Y.shape[0], Y.shape[-2] if transpose else Y.shape[-1]
 
     def run(W, nb):
         def block(b, out):
-            a = _gather_block(A, spans, b, W)
+            a = _gather_block(A, spans, b, W)  # [N, HV, M W, K]
             mine = keep & (d // W == b)
             w = jnp.clip(d - b * W, 0, W - 1)
-            if transpose and not fused:
-                got = jnp.transpose(cols(a, W)[n, :, :, :, w], (3, 1, 0, 2))  # [TT, HV, D, M] -> [M, HV, TT, D]
+            if transpose and not fused:  # the states as the left operand, as stored (XLA:CPU
+                # copied all N states to transpose them when they were the right one)
+                cols = jnp.einsum("nhkv,nhwv->nhkw", Y, a).reshape(N, HV, D, M, W)
+                got = jnp.transpose(cols[n, :, :, :, w], (3, 1, 0, 2))  # [TT, HV, D, M] -> [M, HV, TT, D]
             else:
-                got = jnp.transpose(rows(a, W)[n, :, :, w], (2, 1, 0, 3))  # [TT, HV, M, D] -> [M, HV, TT, D]
+                rows = _fused_rows(a, Y, transpose) if fused else jnp.einsum("nhwk,nhkv->nhwv", a, Y)
+                got = jnp.transpose(rows.reshape(N, HV, M, W, D)[n, :, :, w], (2, 1, 0, 3))  # [TT, HV, M, D] -> ...
             return out + jnp.where(mine[None, :, :, None], got, jnp.zeros((), out.dtype))
 
         out = jnp.zeros((M, HV, TT, D), jnp.result_type(A, Y))
         return _over_blocks(spans, W, nb, block(0, out), block)
 
-    return _by_width(spans, narrow, longest, run)
+    return _by_width(spans, narrow, longest, TT, run)
 
 
 def _fused_rows(a, Y, transpose: bool):
@@ -134,29 +119,26 @@ def _fused_rows(a, Y, transpose: bool):
 
 def _outer(U, X, spans: Spans, N: int, narrow: int, longest: int):
     """Stacked: ``sum_m sum_t U[m]_t^T X[m]_t`` (``U [M, HV, TT, K]``, ``X [M, HV, TT, V]``)."""
-    M = U.shape[0]
-    zero = lambda x: jnp.zeros((), x.dtype)
 
     def run(W, nb):
-        def part(b):
-            ok = _in_block(spans, b, W, M)[:, None, :, None]
+        def part(b):  # (ok [N, 1, M W, 1]: the block's positions inside each span, for each of M arrays)
+            ok = jnp.tile((b * W + jnp.arange(W))[None] < spans.count[:, None], (1, U.shape[0]))[:, None, :, None]
             Ub, Xb = _gather_block(U, spans, b, W), _gather_block(X, spans, b, W)
-            return jnp.einsum("nhwk,nhwv->nhkv", jnp.where(ok, Ub, zero(U)), jnp.where(ok, Xb, zero(X)))
+            return jnp.einsum("nhwk,nhwv->nhkv", jnp.where(ok, Ub, jnp.zeros((), U.dtype)),
+                              jnp.where(ok, Xb, jnp.zeros((), X.dtype)))
 
         # Block 0 starts the sum (it is zero for an empty span): a state-sized array of
         # zeros to add into would cost a pass over N states.
         return _over_blocks(spans, W, nb, part(0), lambda b, S: S + part(b))
 
-    return _by_width(spans, narrow, longest, run)
+    return _by_width(spans, narrow, longest, U.shape[2], run)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _matvec_vjp(A, Y, spans: Spans, ok, narrow: int, longest: int):
-    return _matvec(A, Y, spans, narrow, longest, ok=ok)
-
-
-def _matvec_fwd(A, Y, spans, ok, narrow, longest):
-    return _matvec(A, Y, spans, narrow, longest, ok=ok), (A, Y, spans, ok)
+def _custom_vjp(primal, bwd, nondiff: tuple):
+    """``primal`` with the VJP ``bwd(*its nondiff args, (its other args), cotangent)``."""
+    f = jax.custom_vjp(primal, nondiff_argnums=nondiff)
+    f.defvjp(lambda *a: (primal(*a), tuple(x for i, x in enumerate(a) if i not in nondiff)), bwd)
+    return f
 
 
 def _matvec_bwd(narrow, longest, res, dout):
@@ -166,7 +148,16 @@ def _matvec_bwd(narrow, longest, res, dout):
     return dA.astype(A.dtype), dY.astype(Y.dtype), None, None
 
 
-_matvec_vjp.defvjp(_matvec_fwd, _matvec_bwd)
+def _outer_bwd(N, narrow, longest, res, dS):
+    U, X, spans = res
+    dU = _matvec(X, dS, spans, narrow, longest, transpose=True, fused=True)
+    dX = _matvec(U, dS, spans, narrow, longest, fused=True)
+    return dU.astype(U.dtype), dX.astype(X.dtype), None
+
+
+_matvec_vjp = _custom_vjp(lambda A, Y, spans, ok, narrow, longest: _matvec(A, Y, spans, narrow, longest, ok=ok),
+                          _matvec_bwd, (4, 5))
+_outer_vjp = _custom_vjp(_outer, _outer_bwd, (3, 4, 5))
 
 
 def matvec(A, Y, spans: Spans, narrow: int = WIDE, ok=None, longest: Optional[int] = None):
@@ -175,29 +166,10 @@ def matvec(A, Y, spans: Spans, narrow: int = WIDE, ok=None, longest: Optional[in
     ``ok [N, HV]`` (or None): False heads read a zero state, without a cleaned copy.
     ``longest``: a static bound on the spans' lengths (None: TT)."""
     if isinstance(A, tuple):
-        return tuple(_matvec_vjp(jnp.stack(A), Y, spans, ok, narrow, _longest(longest, A[0].shape[1])))
-    return _matvec_vjp(A[None], Y, spans, ok, narrow, _longest(longest, A.shape[1]))[0]
+        return tuple(_matvec_vjp(jnp.stack(A), Y, spans, ok, narrow, longest))
+    return _matvec_vjp(A[None], Y, spans, ok, narrow, longest)[0]
 
 
 def outer(U, X, spans: Spans, N: int, narrow: int = WIDE, longest: Optional[int] = None):
     """``S [N, HV, K, V]``: ``sum_t U_t^T X_t`` over span n (``U [HV, TT, K]``, ``X [HV, TT, V]``)."""
-    return _outer_vjp(U[None], X[None], spans, N, narrow, _longest(longest, U.shape[1]))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _outer_vjp(U, X, spans: Spans, N: int, narrow: int, longest: int):
-    return _outer(U, X, spans, N, narrow, longest)
-
-
-def _outer_fwd(U, X, spans, N, narrow, longest):
-    return _outer(U, X, spans, N, narrow, longest), (U, X, spans)
-
-
-def _outer_bwd(N, narrow, longest, res, dS):
-    U, X, spans = res
-    dU = _matvec(X, dS, spans, narrow, longest, transpose=True, fused=True)
-    dX = _matvec(U, dS, spans, narrow, longest, fused=True)
-    return dU.astype(U.dtype), dX.astype(X.dtype), None
-
-
-_outer_vjp.defvjp(_outer_fwd, _outer_bwd)
+    return _outer_vjp(U[None], X[None], spans, N, narrow, longest)

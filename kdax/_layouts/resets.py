@@ -70,14 +70,6 @@ def guard_inputs(name: str, kwargs: dict) -> dict:
     return dict(kwargs, dAqk=_mask(same, kwargs["dAqk"]), grads=grads)
 
 
-def _guard_wy(wy, seg):
-    # w = Akk (beta k e^G) and qg = q e^G vanish where the chunk's start state does not
-    # reach (Akk already zero between sequences), kg = k e^(Γ - G) where the token's
-    # sequence ends inside the chunk: the reference stage's own mask, row by row.
-    start, end = from_start(seg), to_end(seg)
-    return dataclasses.replace(wy, w=_mask(start, wy.w), qg=_mask(start, wy.qg), kg=_mask(end, wy.kg))
-
-
 def guard_outputs(name: str, out, reset):
     """``out`` with the terms between sequences exact zeros, whatever the stage made of
     ``reset``: F2's ``Aqk``, ``Akk`` (the inverse of a block lower triangular ``I + L`` has
@@ -86,6 +78,10 @@ def guard_outputs(name: str, out, reset):
     if name == "intra":
         same = same_segment(per_head(segments(reset), out.Aqk.shape[1]))
         return dataclasses.replace(out, Aqk=_mask(same, out.Aqk), Akk=_mask(same, out.Akk))
-    if name == "wy":
-        return _guard_wy(out, per_head(segments(reset), out.w.shape[1]))
+    if name == "wy":  # w = Akk (beta k e^G) and qg = q e^G vanish where the chunk's start state does
+        # not reach (Akk already zero between sequences), kg = k e^(Γ - G) where the token's sequence
+        # ends inside the chunk: the reference stage's own mask, row by row.
+        seg = per_head(segments(reset), out.w.shape[1])
+        start, end = from_start(seg), to_end(seg)
+        return dataclasses.replace(out, w=_mask(start, out.w), qg=_mask(start, out.qg), kg=_mask(end, out.kg))
     return out

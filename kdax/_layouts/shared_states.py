@@ -7,6 +7,7 @@ its tokens j in chunk c (``shared_finals``). A loss on them reaches ``k``, ``G``
 ``v_new`` of those tokens and ``h_c`` (``jax.vjp``), which B2 runs back once more as a
 ``dht`` entering at chunk c - 1's end (``entry_layout``)."""
 
+import collections
 import dataclasses
 from typing import NamedTuple, Optional
 
@@ -22,23 +23,13 @@ from .ragged import Spans, matvec, narrow_width, outer, token_slots
 from .resets import same_segment, segments
 
 
-class _Seqs(NamedTuple):
-    """Per sequence ``[N]``: first token ``s``, last ``e``, ``some`` (non-empty); ``c`` the chunk
-    of e, ``tail`` the sequence's first token in it, ``began`` (begun before c); ``c0`` the
-    chunk of s, ``f`` the sequence's last token in it, ``crosses`` (goes on past c0)."""
-
-    s: jax.Array
-    e: jax.Array
-    some: jax.Array
-    c: jax.Array
-    tail: jax.Array
-    began: jax.Array
-    c0: jax.Array
-    f: jax.Array
-    crosses: jax.Array
+_Seqs = collections.namedtuple("_Seqs", "s e some c tail began c0 f crosses")
 
 
 def _seqs(cu_seqlens, C: int) -> _Seqs:
+    """Per sequence ``[N]``: first token ``s``, last ``e``, ``some`` (non-empty); ``c`` the chunk
+    of e, ``tail`` the sequence's first token in it, ``began`` (begun before c); ``c0`` the
+    chunk of s, ``f`` the sequence's last token in it, ``crosses`` (goes on past c0)."""
     cu = jnp.asarray(cu_seqlens, jnp.int32)
     s, e = cu[:-1], cu[1:] - 1
     some = e >= s
@@ -69,8 +60,7 @@ def shared_finals(layout: ChunkLayout, cu_seqlens, k, G, G_lo, v_new, h):
     """Final states ``[N, HV, K, V]`` (zero initial states) from F1's ``k``, ``G``, ``G_lo``
     ``[1, HV, NC, C, K]``, F4's ``v_new`` and ``h`` ``[1, HV, NC, K, V]``; exact (masked in
     the exponent), zero for an empty sequence, differentiable."""
-    C = layout.chunk_size
-    HV, NC = k.shape[1], k.shape[2]
+    C, HV, NC = layout.chunk_size, k.shape[1], k.shape[2]
     TT = NC * C
     q = _seqs(cu_seqlens, C)
     e, N = q.e, q.s.shape[0]
@@ -98,8 +88,7 @@ def finals_vjp(layout: ChunkLayout, cu_seqlens, fin, primals, dS):
     ``dS`` is made: ``outer``'s VJP reads it in reductions XLA fuses with its producer."""
     ok = finite_heads(dS)  # [N, HV]
     d_k, d_G, d_v, d_h, da, dh0 = jax.vjp(fin, *primals)[1](dS)
-    C, NC = layout.chunk_size, layout.num_chunks
-    HV, N = ok.shape[1], ok.shape[0]
+    (N, HV), C, NC = ok.shape, layout.chunk_size, layout.num_chunks
     q = _seqs(cu_seqlens, C)
     n, _, inside = token_slots(Spans(q.s, jnp.where(q.some, q.e - q.s + 1, 0)), NC * C)
     tok_ok = (ok[n].T | ~inside[None]).reshape(1, HV, NC, C, 1)
@@ -122,11 +111,6 @@ def entry_layout(layout: ChunkLayout, cu_seqlens, first) -> ChunkLayout:
     last = jnp.where(cut >= 0, cut, jnp.where(ends_next, jnp.arange(1, NC + 1), -1)).astype(jnp.int32)[None]
     return ChunkLayout(first[None].astype(jnp.int32), last, layout.valid, jnp.zeros((NC + 1,), bool), None, layout.T,
                        C, reset=layout.reset)
-
-
-def strictly_lower(layout: ChunkLayout):
-    """``[1, 1, NC, C, C]``: the pairs of ``L`` within one sequence of a chunk, below the diagonal."""
-    return (tri_mask(layout.chunk_size, strict=True) & same_segment(segments(layout.reset)))[:, None]
 
 
 # -- initial states entering shared chunks -------------------------------------------------
@@ -153,19 +137,17 @@ def injected_layout(layout: ChunkLayout, cu_seqlens) -> ChunkLayout:
     q = _seqs(cu_seqlens, C)
     inject = _per_chunk(q.crosses, q.c0 + 1, NC) < q.s.shape[0]
     first = jnp.where(inject, jnp.arange(NC), jnp.where(layout.first[0] >= 0, NC, -1)).astype(jnp.int32)
-    return ChunkLayout(first[None], _last_before_loads(first)[None], layout.valid, jnp.zeros((NC + 1,), bool), None, layout.T, C,
-                       reset=layout.reset)
+    return ChunkLayout(first[None], _last_before_loads(first)[None], layout.valid, jnp.zeros((NC + 1,), bool), None,
+                       layout.T, C, reset=layout.reset)
 
 
 def start_decays(cu_seqlens, config, g, A_log, dt_bias):
     """``a [N, HV, K]``: each sequence's first token's own log decay (F1 gives it the reset
     floor instead), KDA's gate (``kdax.ref.activated_gate``) on the packed raw ``g``;
     differentiable in ``g``, ``A_log``, ``dt_bias``."""
-    NC, C = g.shape[2], g.shape[3]
-    s = jnp.clip(jnp.asarray(cu_seqlens, jnp.int32)[:-1], 0, NC * C - 1)
+    s = jnp.clip(jnp.asarray(cu_seqlens, jnp.int32)[:-1], 0, g.shape[2] * g.shape[3] - 1)
     gs = _tokens(g)[:, s][None, :, None]  # [1, HV, 1, N, K]: one "chunk" of the N tokens
-    N = s.shape[0]
-    act = activated_gate(config, gs, A_log, dt_bias, jnp.ones((1, 1, N), bool))
+    act = activated_gate(config, gs, A_log, dt_bias, jnp.ones((1, 1, s.shape[0]), bool))
     return jnp.moveaxis(act[0, :, 0], 0, 1)
 
 
@@ -175,8 +157,7 @@ def first_chunk_entries(layout: ChunkLayout, cu_seqlens, scale: float, q, k, bet
     F1's and F2's outputs, the packed ``v``, the start decays ``a`` and ``h0 [N, HV, K, V]``
     (``ok [N, HV]``: False heads read a zero state). ``table[c]``: the state entering chunk
     c. Differentiable: its VJP is this part's backward."""
-    C, NC = layout.chunk_size, layout.num_chunks
-    HV = k.shape[1]
+    C, NC, HV = layout.chunk_size, layout.num_chunks, k.shape[1]
     TT = NC * C
     sq = _seqs(cu_seqlens, C)
     s, N = sq.s, sq.s.shape[0]
@@ -189,16 +170,14 @@ def first_chunk_entries(layout: ChunkLayout, cu_seqlens, scale: float, q, k, bet
     b = beta[..., None]
     wp = Akk @ (b * k * ep)
     u = Akk @ (b * v)
-    chunked = lambda x: x.reshape(1, HV, NC, C, x.shape[-1])
-    vx, ox = matvec((-_tokens(wp), scale * _tokens(q * ep)), h0, spans, narrow_width(layout.T, N), ok, C)
-    vx, ox = chunked(vx), chunked(ox)
+    vx, ox = (x.reshape(1, HV, NC, C, x.shape[-1])
+              for x in matvec((-_tokens(wp), scale * _tokens(q * ep)), h0, spans, narrow_width(layout.T, N), ok, C))
     # The state entering chunk c from the sequence (at most one) whose first chunk is c - 1.
     into = _per_chunk(sq.crosses, sq.c0 + 1, NC)
     has = into < N
     nn = jnp.minimum(into, N - 1)
-    prev = lambda x: x[0][:, jnp.maximum(jnp.arange(NC) - 1, 0)]  # chunk c - 1 at c: [HV, NC, C, D]
-    Gp = prev(G)
-    lop = None if G_lo is None else prev(G_lo)
+    prev = lambda x: None if x is None else x[0][:, jnp.maximum(jnp.arange(NC) - 1, 0)]  # chunk c - 1 at c
+    Gp, lop = prev(G), prev(G_lo)  # [HV, NC, C, K]
     last = lambda x: None if x is None else x[..., -1:, :]
     own = has[:, None] & (jnp.arange(NC)[:, None] * C - C + jnp.arange(C)[None] >= s[nn][:, None])  # [NC, C]
     xk = jnp.where(own[None, :, :, None], exponent(last(Gp), Gp, last(lop), lop), -jnp.inf)
@@ -206,7 +185,8 @@ def first_chunk_entries(layout: ChunkLayout, cu_seqlens, scale: float, q, k, bet
     sC = jnp.clip(s[nn], 0, TT - 1)
     x0 = exponent(Gp[..., -1, :], Gf[:, sC], None if lop is None else lop[..., -1, :],
                   None if lof is None else lof[:, sC]) + jnp.moveaxis(a[nn], 0, 1)  # [HV, NC, K]
-    entry = jnp.moveaxis(jnp.exp(jnp.where(has[None, :, None], x0, -jnp.inf)), 0, 1)[..., None] * _finite(h0[nn], ok, nn) + part
+    decay = jnp.exp(jnp.where(has[None, :, None], x0, -jnp.inf))
+    entry = jnp.moveaxis(decay, 0, 1)[..., None] * _finite(h0[nn], ok, nn) + part
     table = jnp.concatenate([entry, jnp.zeros_like(entry[:1])])
     return vx, ox, table.astype(h0.dtype)
 
@@ -227,8 +207,8 @@ def entry_finals(layout: ChunkLayout, cu_seqlens, k, G, G_lo, v_new, h, a, h0, o
     C, NC = layout.chunk_size, k.shape[2]
     S = shared_finals(layout, cu_seqlens, k, G, G_lo, v_new, h)
     q = _seqs(cu_seqlens, C)
-    at = lambda x, i: jnp.moveaxis(_tokens(x)[:, jnp.clip(i, 0, NC * C - 1)], 0, 1)  # [N, HV, K]
-    x = exponent(at(G, q.e), at(G, q.s), None if G_lo is None else at(G_lo, q.e), None if G_lo is None else at(G_lo, q.s)) + a
+    at = lambda x, i: None if x is None else jnp.moveaxis(_tokens(x)[:, jnp.clip(i, 0, NC * C - 1)], 0, 1)  # [N, HV, K]
+    x = exponent(at(G, q.e), at(G, q.s), at(G_lo, q.e), at(G_lo, q.s)) + a
     S = S + jnp.exp(jnp.where((q.some & ~q.crosses)[:, None, None], x, -jnp.inf))[..., None] * h0
     return jnp.where(q.some[:, None, None, None], S, h0.astype(S.dtype))
 
@@ -281,10 +261,9 @@ class SharedForwardHooks:
         return entry_finals(self.layout, self.cu_seqlens, act.k, act.G, act.G_lo, fw.v_out, fw.h, fw.extra.a,
                             self.h0, self.ok)
 
-    def residuals(self, layout, h0, extra: Optional[Entered]) -> tuple:
-        if extra is None:
+    def residuals(self, layout, h0, e: Optional[Entered]) -> tuple:
+        if e is None:
             return layout, h0, None
-        e = extra
         return e.layout, e.table, (self.h0, self.ok, e.a, self.layout, e.vx, e.ent_vjp, e.a_vjp)
 
 
@@ -317,13 +296,10 @@ class SharedChunkHooks:
         if self.dht is None:
             return dv_intra, SharedBackward()
         L, cu, E, G_lo = self.L, self.cu, self.E, self.res.act.G_lo
-        if E is None:
-            fin = lambda k_, G_, v_, h_, a_, h0_: shared_finals(L, cu, k_, G_, G_lo, v_, h_)
-            a0, h00 = None, None
-        else:
-            fin = lambda k_, G_, v_, h_, a_, h0_: entry_finals(L, cu, k_, G_, G_lo, v_, h_, a_, h0_, E.ok)
-            a0, h00 = E.a, E.h0
-        d = finals_vjp(L, cu, fin, (k, G, v_out, h, a0, h00), self.dht)  # d_k, d_G, d_v, d_h, d_a, d_h0
+        fin = lambda k_, G_, v_, h_, a_, h0_: (shared_finals(L, cu, k_, G_, G_lo, v_, h_) if E is None
+                                               else entry_finals(L, cu, k_, G_, G_lo, v_, h_, a_, h0_, E.ok))
+        primals = (k, G, v_out, h) + ((None, None) if E is None else (E.a, E.h0))
+        d = finals_vjp(L, cu, fin, primals, self.dht)  # d_k, d_G, d_v, d_h, d_a, d_h0
         return dv_intra + d[2].astype(dv_intra.dtype), SharedBackward(fin=d)
 
     def after_dhu(self, dhu, run_dhu, extra: SharedBackward) -> tuple:
@@ -331,8 +307,7 @@ class SharedChunkHooks:
         if extra.fin is None:
             return dhu, extra._replace(d_entries=d_entries)
         # The chunk-start states' cotangents from the final states, run back on their own.
-        L, E = self.L, self.E
-        NC = L.num_chunks
+        L, E, NC = self.L, self.E, self.L.num_chunks
         first = L.first[0] if E is not None else jnp.where(L.first[0] >= 0, NC, -1)
         per_chunk = jnp.moveaxis(extra.fin[3][0], 1, 0).astype(self.res.h0.dtype)  # [NC, HV, K, V]
         table = jnp.concatenate([per_chunk, jnp.zeros_like(per_chunk[:1])])
@@ -348,15 +323,15 @@ class SharedChunkHooks:
         if E is not None:  # the first-chunk part's VJP, its Akk cotangent as B3's dL
             # Only the entries some chunk loads have a cotangent (a stage may leave the others
             # unwritten: the Triton B2 does).
-            NC = L.num_chunks
-            loads = jnp.concatenate([L.first[0] == jnp.arange(NC), jnp.zeros((1,), bool)])
+            loads = jnp.concatenate([L.first[0] == jnp.arange(L.num_chunks), jnp.zeros((1,), bool)])
             d_entries = jnp.where(loads[:, None, None, None], extra.d_entries, 0.0).astype(dt)
             dq_, dk_, db_, dG_, dAkk, dv_, da, dh0 = E.entries_vjp((dv_intra, doc, d_entries))
             if fin is not None:
                 da, dh0 = da + fin[4], dh0 + fin[5]
             extra = extra._replace(decays=E.decays_vjp(da), dh0=dh0)
             mT = lambda x: jnp.swapaxes(x, -1, -2)
-            dL = jnp.where(strictly_lower(L), -mT(Akk) @ dAkk @ mT(Akk), 0.0)
+            lower = tri_mask(L.chunk_size, strict=True) & same_segment(segments(L.reset))  # L's pairs in a sequence
+            dL = jnp.where(lower[:, None], -mT(Akk) @ dAkk @ mT(Akk), 0.0)
             grads = dataclasses.replace(grads, dq=grads.dq + dq_, dk=grads.dk + dk_, dv=grads.dv + dv_,
                                         dbeta=grads.dbeta + db_, dG=grads.dG + dG_, dL=grads.dL + dL)
         if fin is not None:  # the final states' own cotangents of k and G
@@ -368,10 +343,9 @@ class SharedChunkHooks:
         if self.E is None:
             return raw
         dg_start, dA_start, db_start = extra.decays  # the start tokens' own decays (start_decays' VJP)
-        add = lambda a, b: a if b is None else a + b.astype(a.dtype)
-        return dataclasses.replace(raw, dg=raw.dg + dg_start.astype(raw.dg.dtype),
-                                   dA_log=None if raw.dA_log is None else add(raw.dA_log, dA_start),
-                                   ddt_bias=None if raw.ddt_bias is None else add(raw.ddt_bias, db_start))
+        add = lambda a, b: a if a is None or b is None else a + b.astype(a.dtype)
+        return dataclasses.replace(raw, dg=add(raw.dg, dg_start), dA_log=add(raw.dA_log, dA_start),
+                                   ddt_bias=add(raw.ddt_bias, db_start))
 
     def initial_state(self, dhu, extra: SharedBackward):
         return extra.dh0  # (None: the shared layout without entries had no initial states)

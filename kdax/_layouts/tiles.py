@@ -31,26 +31,13 @@ class Tiles:
         if self.dense:
             return make_layout(self.R, self.layout.T - c0 * C if tail else n * C, C)
         L, N = self.layout, self.N
+        cut = lambda x: None if x is None else jax.lax.dynamic_slice_in_dim(x, c0, n, 1)  # the tile's chunks
         carry = N + jnp.arange(self.R, dtype=jnp.int32)
-        first = jax.lax.dynamic_slice_in_dim(L.first, c0, n, 1)
-        last = jax.lax.dynamic_slice_in_dim(L.last, c0, n, 1)
+        first, last = cut(L.first), cut(L.last)
         first = first.at[:, 0].set(jnp.where(first[:, 0] >= 0, first[:, 0], carry))
         last = last.at[:, -1].set(jnp.where(last[:, -1] >= 0, last[:, -1], carry))
-        valid = jax.lax.dynamic_slice_in_dim(L.valid, c0, n, 1)
-        # Shared chunks (make_shared_layout): the tile's sequence starts travel with it.
-        reset = None if L.reset is None else jax.lax.dynamic_slice_in_dim(L.reset, c0, n, 1)
+        valid, reset = cut(L.valid), cut(L.reset)  # (shared chunks: the tile's sequence starts travel with it)
         return ChunkLayout(first, last, valid, jnp.zeros((N + self.R,), bool), L.pos, L.T, C, reset=reset)
-
-    def tokens(self, x, c0, n: int, tail: bool):
-        """Dense only: the tile's tokens of ``x [B, T, ...]``."""
-        if tail:
-            return x[:, c0 * self.C:]
-        return jax.lax.dynamic_slice_in_dim(x, c0 * self.C, n * self.C, 1)
-
-    @staticmethod
-    def chunks(x, c0, n: int):
-        """The tile's chunks of ``x [R, HV, NC, ...]``."""
-        return jax.lax.dynamic_slice_in_dim(x, c0, n, 2)
 
     def table(self, per_seq, carry):
         """The state table a tile's stage gets: the carry (dense), or the sequences' entries then the carries."""
@@ -70,21 +57,6 @@ class Tiles:
         mask = jnp.zeros((self.N + self.R,), bool).at[jnp.where(ids >= 0, ids, self.N + self.R)].set(True, mode="drop")
         return jnp.where(mask[: self.N].reshape((-1,) + (1,) * (acc.ndim - 1)), table[: self.N], acc)
 
-    def put(self, buf, tl: ChunkLayout, x, c0):
-        """Write a tile's chunked ``x`` into ``buf``: dense, as tokens ``[B, T, Hx, ...]``; varlen,
-        chunked (``finish`` unpacks it)."""
-        if self.dense:
-            return jax.lax.dynamic_update_slice_in_dim(buf, unpack(tl, x), c0 * self.C, 1)
-        return jax.lax.dynamic_update_slice_in_dim(buf, x, c0, 2)
-
-    def buffer_shape(self, chunked_shape):
-        """The shape ``put`` writes into, for a tile's chunked shape ``[R, Hx, n, C, ...]``."""
-        R, Hx, _, C, *rest = chunked_shape
-        return (R, self.layout.T, Hx, *rest) if self.dense else (R, Hx, self.NC, C, *rest)
-
-    def finish(self, buf):
-        return buf if self.dense else unpack(self.layout, buf)
-
     # -- all tiles --------------------------------------------------------------------
 
     def run(self, step: Callable, state):
@@ -101,25 +73,28 @@ def forward_tiled(stages: Callable, layout: ChunkLayout, raw, HV: int, dt, h0, n
     the state carried: on CPU a tile's intermediates stay in cache (the forward 1.4x faster).
     Full-size outputs are written; XLA drops those nothing reads. Returns
     ``(o [B, T, HV, V], final, stage outputs)``."""
-    tiles = Tiles(layout, h0.shape[0], nt)
+    tiles, C = Tiles(layout, h0.shape[0], nt), layout.chunk_size
     if not tiles.dense:
         packed = pack_inputs(layout, raw, HV, dt, clean)
 
     def tile_stages(c0, n, tail, h_carry):
         tl = tiles.layout_of(c0, n, tail)
-        if tiles.dense:
-            chunked = pack_inputs(tl, tuple(tiles.tokens(x, c0, n, tail) for x in raw), HV, dt, clean)
-        else:
-            chunked = tuple(tiles.chunks(x, c0, n) for x in packed)
+        if tiles.dense:  # the tile's tokens, packed
+            tokens = lambda x: x[:, c0 * C:] if tail else jax.lax.dynamic_slice_in_dim(x, c0 * C, n * C, 1)
+            chunked = pack_inputs(tl, tuple(map(tokens, raw)), HV, dt, clean)
+        else:  # the tile's chunks
+            chunked = tuple(jax.lax.dynamic_slice_in_dim(x, c0, n, 2) for x in packed)
         oc, fw, table = stages(chunked, tiles.table(h0, h_carry), tl)
         return oc, fw, table, tl
 
     def step(c0, n, tail, state):
         (h_carry, finals), (o, outs) = state
         oc, fw, table, tl = tile_stages(c0, n, tail, h_carry)
-        if not tiles.dense:  # the final states of the sequences that end in this tile
+        if tiles.dense:  # o as tokens [B, T, HV, V]
+            o = jax.lax.dynamic_update_slice_in_dim(o, unpack(tl, oc), c0 * C, 1)
+        else:  # the final states of the sequences that end in this tile; o chunked (unpacked at the end)
             finals = tiles.collect(finals, tl, table)
-        o = tiles.put(o, tl, oc, c0)
+            o = jax.lax.dynamic_update_slice_in_dim(o, oc, c0, 2)
         outs = tuple(jax.lax.dynamic_update_slice_in_dim(b, x, c0, 2) for b, x in zip(outs, jax.tree.leaves(fw)))
         return (tiles.carry_of(tl, table), finals), (o, outs)
 
@@ -127,11 +102,12 @@ def forward_tiled(stages: Callable, layout: ChunkLayout, raw, HV: int, dt, h0, n
     oc, fw = jax.eval_shape(lambda: tile_stages(0, nt, False, h0[: tiles.R])[:2])
     shapes, tree = jax.tree.flatten(fw)
     deps = tuple(raw) + (h0,)
-    o = zeros_after(tiles.buffer_shape(oc.shape), oc.dtype, deps)
+    R, Hx, _, _, *rest = oc.shape
+    o = zeros_after((R, layout.T, Hx, *rest) if tiles.dense else (R, Hx, tiles.NC, C, *rest), oc.dtype, deps)
     outs = tuple(zeros_after(x.shape[:2] + (tiles.NC,) + x.shape[3:], x.dtype, deps, j + 1)
                  for j, x in enumerate(shapes))
     carry = (h0, None) if tiles.dense else (jnp.zeros((tiles.R,) + h0.shape[1:], h0.dtype), h0)
     (h_last, finals), (o, outs) = tiles.run(step, (carry, (o, outs)))
     # A sequence of length 0 keeps its initial state.
     final = h_last if tiles.dense else jnp.where(layout.empty[:, None, None, None], h0, finals)
-    return tiles.finish(o), final, jax.tree.unflatten(tree, outs)
+    return o if tiles.dense else unpack(layout, o), final, jax.tree.unflatten(tree, outs)

@@ -38,8 +38,7 @@ class Tokens(eqx.Module):
 
     @property
     def shape(self) -> tuple:
-        B, T, _ = self.x.shape[:3]
-        C = self.chunk_size
+        B, T, C = self.x.shape[0], self.x.shape[1], self.chunk_size
         return (B, self.heads, T // C, C) + tuple(self.x.shape[3:])
 
     @property
@@ -67,8 +66,7 @@ class Tokens(eqx.Module):
 
     def chunked(self) -> Array:
         """The chunked copy ``[B, heads, NC, C, *D]`` (``pack``'s result)."""
-        x = jnp.moveaxis(self.load(self.chunks()), 3, 1)
-        return expand_group(x, self.heads)
+        return expand_group(jnp.moveaxis(self.load(self.chunks()), 3, 1), self.heads)
 
 
 def as_chunked(x):
@@ -129,10 +127,8 @@ class FinalGrads(eqx.Module):
     poison: Array
     dtypes: tuple = eqx.field(static=True)  # of (q, k, v, g, beta)
 
-    NAMES = ("q", "k", "v", "g", "beta")
-
     def dtype(self, name: str) -> np.dtype:
-        return np.dtype(self.dtypes[self.NAMES.index(name)])
+        return np.dtype(self.dtypes[("q", "k", "v", "g", "beta").index(name)])
 
     def column(self, name: str) -> int:
         """The column of ``poison`` that masks the gradient of input ``name``."""
