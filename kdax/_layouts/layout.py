@@ -45,8 +45,7 @@ def make_layout(B: int, T: int, chunk_size: int, cu_seqlens=None) -> ChunkLayout
         first = jnp.where(c[None] == 0, rows, -1).astype(jnp.int32)
         last = jnp.where(c[None] == nc - 1, rows, -1).astype(jnp.int32)
         valid = jnp.broadcast_to((jnp.arange(nc * C) < T).reshape(1, nc, C), (B, nc, C))
-        empty = jnp.full((B,), T == 0)
-        return ChunkLayout(first, last, valid, empty, None, T, C, dense=True)
+        return ChunkLayout(first, last, valid, jnp.full((B,), T == 0), None, T, C, dense=True)
     cu = jnp.asarray(cu_seqlens, jnp.int32)
     N = cu.shape[0] - 1
     nc = (T + N * (C - 1)) // C

@@ -40,8 +40,7 @@ def _seqs(cu_seqlens, C: int) -> _Seqs:
 
 def _per_chunk(mask, chunk, NC: int):
     """``[NC]``: the sequence n with ``mask[n]`` and ``chunk[n] == c`` (at most one), N where none."""
-    N = mask.shape[0]
-    return jnp.full((NC,), N).at[jnp.where(mask, chunk, NC)].set(jnp.arange(N), mode="drop")
+    return jnp.full((NC,), mask.shape[0]).at[jnp.where(mask, chunk, NC)].set(jnp.arange(mask.shape[0]), mode="drop")
 
 
 def _tokens(x):
@@ -109,8 +108,7 @@ def entry_layout(layout: ChunkLayout, cu_seqlens, first) -> ChunkLayout:
     ends_next = jnp.concatenate([_per_chunk(q.began, q.c, NC)[1:] < q.s.shape[0], jnp.zeros((1,), bool)])
     cut = _last_before_loads(first)
     last = jnp.where(cut >= 0, cut, jnp.where(ends_next, jnp.arange(1, NC + 1), -1)).astype(jnp.int32)[None]
-    return ChunkLayout(first[None].astype(jnp.int32), last, layout.valid, jnp.zeros((NC + 1,), bool), None, layout.T,
-                       C, reset=layout.reset)
+    return dataclasses.replace(layout, first=first[None].astype(jnp.int32), last=last, empty=jnp.zeros((NC + 1,), bool))
 
 
 # -- initial states entering shared chunks -------------------------------------------------
@@ -137,8 +135,8 @@ def injected_layout(layout: ChunkLayout, cu_seqlens) -> ChunkLayout:
     q = _seqs(cu_seqlens, C)
     inject = _per_chunk(q.crosses, q.c0 + 1, NC) < q.s.shape[0]
     first = jnp.where(inject, jnp.arange(NC), jnp.where(layout.first[0] >= 0, NC, -1)).astype(jnp.int32)
-    return ChunkLayout(first[None], _last_before_loads(first)[None], layout.valid, jnp.zeros((NC + 1,), bool), None,
-                       layout.T, C, reset=layout.reset)
+    return dataclasses.replace(layout, first=first[None], last=_last_before_loads(first)[None],
+                               empty=jnp.zeros((NC + 1,), bool))
 
 
 def start_decays(cu_seqlens, config, g, A_log, dt_bias):
@@ -186,17 +184,14 @@ def first_chunk_entries(layout: ChunkLayout, cu_seqlens, scale: float, q, k, bet
     x0 = exponent(Gp[..., -1, :], Gf[:, sC], None if lop is None else lop[..., -1, :],
                   None if lof is None else lof[:, sC]) + jnp.moveaxis(a[nn], 0, 1)  # [HV, NC, K]
     decay = jnp.exp(jnp.where(has[None, :, None], x0, -jnp.inf))
-    entry = jnp.moveaxis(decay, 0, 1)[..., None] * _finite(h0[nn], ok, nn) + part
+    entry = jnp.moveaxis(decay, 0, 1)[..., None] * _finite(h0[nn], None if ok is None else ok[nn]) + part
     table = jnp.concatenate([entry, jnp.zeros_like(entry[:1])])
     return vx, ox, table.astype(h0.dtype)
 
 
-def _finite(h0, ok, n=None):
-    """``h0`` with the heads where ``ok`` (at ``n``) is False zero (a select XLA fuses into the product)."""
-    if ok is None:
-        return h0
-    m = ok if n is None else ok[n]
-    return jnp.where(m[..., None, None], h0, jnp.zeros((), h0.dtype))
+def _finite(h0, ok):
+    """``h0`` with the heads where ``ok`` is False zero (a select XLA fuses into the product)."""
+    return h0 if ok is None else jnp.where(ok[..., None, None], h0, jnp.zeros((), h0.dtype))
 
 
 def entry_finals(layout: ChunkLayout, cu_seqlens, k, G, G_lo, v_new, h, a, h0, ok=None):

@@ -18,9 +18,8 @@ class Tiles:
     (full tiles in a loop, then a static tail), packed ones the chunks of the row."""
 
     def __init__(self, layout: ChunkLayout, N: int, nt: int):
-        self.layout, self.N, self.nt = layout, N, nt
+        self.layout, self.N, self.nt, self.dense = layout, N, nt, layout.dense
         self.R, self.NC, self.C = layout.valid.shape
-        self.dense = layout.dense
         self.full = layout.T // (nt * self.C) if self.dense else self.NC // nt
         self.tail = self.NC - self.full * nt  # chunks of the last, shorter tile (0: none)
 

@@ -100,9 +100,8 @@ def chunked_inputs(config, layout: ChunkLayout, raw, HV: int, dt, clean, reads: 
 
 def chunked_cotangent(layout: ChunkLayout, do, dt, reads: bool):
     """``do`` for B1-B3: a ``Tokens`` view where views fit and one of them ``reads`` them, else the chunked copy."""
-    if views_fit(layout) and reads:
-        return Tokens(do, do.shape[2], layout.chunk_size, np.dtype(dt))
-    return pack(layout, do, dt)
+    fit = views_fit(layout) and reads
+    return Tokens(do, do.shape[2], layout.chunk_size, np.dtype(dt)) if fit else pack(layout, do, dt)
 
 
 class Written(eqx.Module):
