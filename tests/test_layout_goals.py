@@ -169,7 +169,7 @@ def test_initial_state_walk(packed):
 
 def test_layouts_and_routes_are_data():
     """Issue 52: what a layout adds to the forward and backward is a value that flows
-    through the straight lines (``ForwardHooks.f4_inputs``' ``extra``, the backward's
+    through the straight lines (``PlainHooks.f4_inputs``' ``extra``, the backward's
     ``SharedBackward``), never a field one hook sets for a later one to read: no method of
     a class in kdax/_layouts or kdax/_runner other than ``__init__`` assigns to ``self``."""
     import ast

@@ -237,7 +237,7 @@ def test_swap_stage_with_tree_at():
 
 def test_eager_calls_compile_once():
     """``chunk_kda`` called without any transformation runs one compiled program (traced
-    once per shape, not op by op each call: kdax._runner.vjp's ``_compiled_differentiable``);
+    once per shape, not op by op each call: kdax._runner.vjp's ``_compiled_when_eager``);
     the results are the jitted call's, and an eager ``jax.grad`` still works (op by op:
     under a transformation the core is not wrapped)."""
     calls = []

@@ -15,23 +15,24 @@ from .._layouts.layout import ChunkLayout, make_layout, make_shared_layout, unpa
 from .._layouts.tiles import forward_tiled
 from .._layouts.tokens import chunked_inputs
 from .._numerics import isolation as _isolation
-from .._numerics.isolation import finite_or_zero
 from ..ref import compute_dtype
 from .routes import is_kda, shares_chunks, tile_chunks
 from .runner import record_layout
 
 
-class ForwardHooks:
-    """What a layout adds to F1-F5 at named points: nothing, for the dense and per-sequence
-    layouts. ``f4_inputs`` returns the layout's own part (``extra``), which the later points
-    take; a hook object holds only what it was built with."""
+class PlainHooks:
+    """What a layout adds to F1-F5 and to the six-stage backward at named points: nothing,
+    for the dense and per-sequence layouts (shared chunks: ``SharedForwardHooks``,
+    ``SharedChunkHooks``). The layout's own part (``extra``), returned by the forward's
+    ``f4_inputs`` and the backward's ``after_dav``, is what the later points take; a hook
+    object holds only what it was built with."""
 
     def f4_inputs(self, h0, layout, *, act, intra, v, g, A_log, dt_bias) -> tuple:
         """``(h0, layout, extra)`` F4 runs on, after F1-F3."""
         return h0, layout, None
 
-    def v_out(self, v_new, extra):
-        """What F5 reads as ``v_new``."""
+    def v_out(self, v_new, extra=None):
+        """What F5 reads as ``v_new`` (in the backward: what it read; no ``extra``)."""
         return v_new
 
     def after_output(self, oc, extra):
@@ -45,19 +46,9 @@ class ForwardHooks:
         """``(layout, h0, the entries' parts or None)`` the residuals keep."""
         return layout, h0, None
 
-
-class BackwardHooks:
-    """What a layout adds to the six-stage backward at named points: nothing, for dense and
-    per-sequence layouts (``SharedChunkHooks`` otherwise). ``extra`` is returned by
-    ``after_dav`` and threaded through the later points."""
-
     def b2_dht(self, dht, h0):
         """The ``dht`` B2 starts from (``[N, HV, K, V]``; non-finite heads read as zero)."""
-        return jnp.zeros_like(h0) if dht is None else finite_or_zero(dht.astype(h0.dtype))
-
-    def v_out(self, v_new):
-        """What F5 read as ``v_new``."""
-        return v_new
+        return jnp.zeros_like(h0) if dht is None else _isolation.finite_or_zero(dht.astype(h0.dtype))
 
     def after_dav(self, dv_intra, *, k, G, v_out, h) -> tuple:
         """``(dv_intra, extra)``."""
@@ -80,8 +71,8 @@ class BackwardHooks:
 
 
 def backward_hooks(res, dht):
-    """``SharedChunkHooks`` on the shared-chunk layout, else the plain ``BackwardHooks``."""
-    return BackwardHooks() if res.layout.reset is None else _shared_states.SharedChunkHooks(res, dht)
+    """``SharedChunkHooks`` on the shared-chunk layout, else ``PlainHooks``."""
+    return PlainHooks() if res.layout.reset is None else _shared_states.SharedChunkHooks(res, dht)
 
 
 class ForwardRoute(NamedTuple):
@@ -91,7 +82,7 @@ class ForwardRoute(NamedTuple):
     the zeros of a call without initial states (F4 may be told: ``zero_h0``)."""
 
     layout: ChunkLayout
-    hooks: ForwardHooks
+    hooks: PlainHooks
     h0: object
     A_log: object
     dt_bias: object
@@ -118,14 +109,10 @@ def forward_route(pipeline, config: KDAConfig, raw: tuple, h0, A_log, dt_bias, c
     layout = make_shared_layout(T, C, cu_seqlens) if shared else make_layout(B, T, C, cu_seqlens)
     N = cu_seqlens.shape[0] - 1 if shared else layout.empty.shape[0]
     if not entering:  # (shared: one stream of T tokens, a state table of one entry, zero)
-        shape = (1 if shared else N, HV, K, V)
-        in_dtypes, A_log, dt_bias, h0 = in_compute_dtype(raw, h0, A_log, dt_bias, dt, shape)
+        in_dtypes, A_log, dt_bias, h0 = in_compute_dtype(raw, h0, A_log, dt_bias, dt, (1 if shared else N, HV, K, V))
     record_layout("shared" if shared else ("dense" if cu_seqlens is None else "per-sequence"))
-    if shared:
-        hooks = _shared_states.SharedForwardHooks(config, layout, cu_seqlens, (N, HV, K, V), dt,
-                                                  h0=h0 if entering else None, ok=ok if entering else None)
-    else:
-        hooks = ForwardHooks()
+    hooks = PlainHooks() if not shared else _shared_states.SharedForwardHooks(
+        config, layout, cu_seqlens, (N, HV, K, V), dt, h0=h0 if entering else None, ok=ok if entering else None)
     cleaner = _isolation.cleaner_of(config) if clean else None
     nt = None if entering else tile_chunks(pipeline, layout.valid.shape[0] * HV, layout.num_chunks)
     if nt is not None and not layout.dense and h0.shape[0] > nt * C:

@@ -17,24 +17,9 @@ import jax.numpy as jnp
 from .._layouts.layout import pack
 from ..stages import ChunkGrads, DhuOut, ReferenceDhu
 from . import routes as _routes
-from .forward import BackwardHooks
+from .forward import PlainHooks
 from .residuals import KDAGrads
 from .stage_grads import BackwardParts
-
-
-def _identity_rows(shape, dtype, j: int):
-    """``[..., C, K]`` zeros with ones at row i, column ``j C + i`` (block ``j`` of ``I_K``)."""
-    C, K = shape[-2:]
-    i = jnp.arange(C)[:, None]
-    r = jnp.arange(K)[None, :]
-    return jnp.broadcast_to((r == j * C + i).astype(dtype), shape)
-
-
-def _rows(x, j: int, C: int):
-    """Rows ``[j C, (j + 1) C)`` of ``x [..., K, V]``, zero-padded to ``C`` rows."""
-    part = x[..., j * C:(j + 1) * C, :]
-    pad = C - part.shape[-2]
-    return part if pad == 0 else jnp.pad(part, [(0, 0)] * (x.ndim - 2) + [(0, pad), (0, 0)])
 
 
 def backward(pipeline, res, do, dht) -> tuple:
@@ -44,7 +29,7 @@ def backward(pipeline, res, do, dht) -> tuple:
     pipe = pipeline.resolved(res.in_dtypes[0])
     dt = res.h0.dtype
     doc = pack(L, do, dt)
-    dht = BackwardHooks().b2_dht(dht, res.h0)  # (the plain layout's: no reset table here)
+    dht = PlainHooks().b2_dht(dht, res.h0)  # (the plain layout's: no reset table here)
     c = pipe.recomputed(res)  # B0
 
     def f5(stage, a):  # F5 through the stage runner, as the forward ran it
@@ -56,23 +41,28 @@ def backward(pipeline, res, do, dht) -> tuple:
         o, vjp = eqx.filter_vjp(f5, pipe.output, (c.qg, c.h, res.Aqk, c.v_new))
         _, (d_qg, d_h, d_Aqk, d_v) = vjp(doc.astype(o.dtype))
 
-    # B2, d_h entering through its `scale qg^T do` term, C rows of the identity at a time
-    # (kdax's own B2: its recurrence with d_h in that term's place, one pass).
+    # B2, d_h entering through its `scale qg^T do` term: kdax's own B2 with d_h in that
+    # term's place (one pass), another C rows of the identity at a time (``qg`` block j of
+    # I_K: ones at row i, column j C + i; ``do`` rows [j C, (j + 1) C) of d_h, zero-padded).
     C, K = c.qg.shape[-2:]
     d_h = d_h.astype(dt)
-    out = None
-    if type(pipe.dhu) is ReferenceDhu:
-        out = pipe.dhu.with_source(kg=c.kg, w=c.w, G=act.G, src=d_h, dv_intra=d_v.astype(doc.dtype), dht=dht,
-                               layout=L)
-    for j in range(0 if out is None else K, -(-K // C)):
+    own = type(pipe.dhu) is ReferenceDhu
+    if own:
+        dh = pipe.dhu.with_source(kg=c.kg, w=c.w, G=act.G, src=d_h, dv_intra=d_v.astype(doc.dtype), dht=dht,
+                                  layout=L)
+    for j in range(0 if own else -(-K // C)):
+        i, r = jnp.arange(C)[:, None], jnp.arange(K)[None, :]
+        eye = jnp.broadcast_to((r == j * C + i).astype(c.qg.dtype), c.qg.shape)
+        rows = d_h[..., j * C:(j + 1) * C, :]
+        if rows.shape[-2] < C:
+            rows = jnp.pad(rows, [(0, 0)] * (d_h.ndim - 2) + [(0, C - rows.shape[-2]), (0, 0)])
         first = j == 0
         part = pipe.run_stage(
-            "dhu", scale=cfg.scale, qg=_identity_rows(c.qg.shape, c.qg.dtype, j), kg=c.kg, w=c.w, G=act.G,
-            do=(_rows(d_h, j, C) / cfg.scale).astype(doc.dtype), dv_intra=d_v.astype(doc.dtype) if first else jnp.zeros_like(doc),
+            "dhu", scale=cfg.scale, qg=eye, kg=c.kg, w=c.w, G=act.G, do=(rows / cfg.scale).astype(doc.dtype),
+            dv_intra=d_v.astype(doc.dtype) if first else jnp.zeros_like(doc),
             dht=dht if first else jnp.zeros_like(dht), layout=L, reset=None,
         )
-        out = part if out is None else DhuOut(out.dh + part.dh, out.dh0 + part.dh0, out.dv_new + part.dv_new)
-    dh = out
+        dh = part if first else DhuOut(dh.dh + part.dh, dh.dh0 + part.dh0, dh.dv_new + part.dv_new)
     grads = pipe.run_stage(  # B3 without F5's qg piece, then that piece through F3's qg = q e^G
         "wy_dqkg", scale=cfg.scale, q=act.q, k=act.k, v=res.v, beta=act.beta, G=act.G, Akk=res.Akk, qg=c.qg,
         kg=c.kg, h=c.h, dh=dh.dh, v_new=c.v_new, do=jnp.zeros_like(doc), dv_new=dh.dv_new, G_lo=act.G_lo, reset=None,

@@ -1,7 +1,6 @@
 """What the forward keeps for the backward (``KDAResiduals``) and what the backward returns (``KDAGrads``)."""
 
-import typing
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -39,8 +38,8 @@ class KDAResiduals(eqx.Module):
     config: KDAConfig = eqx.field(static=True)
     layout: ChunkLayout
     act: Activated
-    v: typing.Union[ChunkV, Tokens]  # (views of the caller's v and g: kdax._layouts.tokens)
-    g_raw: Optional[typing.Union[ChunkK, Tokens]]
+    v: Union[ChunkV, Tokens]  # (views of the caller's v and g: kdax._layouts.tokens)
+    g_raw: Optional[Union[ChunkK, Tokens]]
     A_log: Optional[Float[Array, " HV"]]
     dt_bias: Optional[Float[Array, " HVK"]]
     Aqk: ChunkMat
@@ -56,34 +55,37 @@ class KDAResiduals(eqx.Module):
     # ``h0`` is the zeros of a call without initial states (``ForwardRoute.h0_zero``).
     h0_zero: bool = eqx.field(static=True, default=False)
 
-    # Token-level intermediates: where each lives. "h" (per chunk) is handled apart.
-    _TOKEN = {
+    # Where each intermediate lives ("h" per chunk, the others per token).
+    _WHERE = {
         "q": "act.q", "k": "act.k", "beta": "act.beta", "G": "act.G", "q_rstd": "act.q_rstd",
         "k_rstd": "act.k_rstd", "v": "v", "g": "g_raw", "Aqk": "Aqk", "Akk": "Akk", "G_lo": "act.G_lo",
-        "w": "cache.w", "u": "cache.u", "qg": "cache.qg", "kg": "cache.kg", "v_new": "cache.v_new",
+        "w": "cache.w", "u": "cache.u", "qg": "cache.qg", "kg": "cache.kg", "v_new": "cache.v_new", "h": "cache.h",
     }
 
     @classmethod
     def of_forward(cls, config: KDAConfig, route, fw, num_qk_heads: int, cu_seqlens) -> "KDAResiduals":
         """The residuals of a forward on ``route`` whose F1-F5 gave ``fw``, with the full cache."""
-        act, intra, wy = fw.act, fw.intra, fw.wy
-        cache = ForwardCache.of(act.G, intra, wy, fw.h, fw.v_new)
+        cache = ForwardCache.of(fw.act.G, fw.intra, fw.wy, fw.h, fw.v_new)
         L, h0, parts = route.hooks.residuals(route.layout, route.h0, fw.extra)  # (entries: the injected layout, its table)
         return cls(
-            config, L, act, fw.v, fw.g if config.use_gate_in_kernel else None, route.A_log, route.dt_bias, intra.Aqk,
-            intra.Akk, h0, cache, num_qk_heads, route.in_dtypes, cu_seqlens,
+            config, L, fw.act, fw.v, fw.g if config.use_gate_in_kernel else None, route.A_log, route.dt_bias,
+            fw.intra.Aqk, fw.intra.Akk, h0, cache, num_qk_heads, route.in_dtypes, cu_seqlens,
             entries=None if parts is None else EntryResiduals(*parts), h0_zero=route.h0_zero and h0 is route.h0,
         )
 
     @classmethod
     def names(cls) -> tuple:
         """What ``read`` accepts."""
-        return tuple(cls._TOKEN) + ("h",)
+        return tuple(cls._WHERE)
+
+    def o_shape(self) -> tuple:
+        """``[B, T, HV, V]``: the shape of ``o`` and of its cotangent ``do``."""
+        L = self.layout
+        return (L.valid.shape[0] if L.pos is None else 1, L.T, self.v.shape[1], self.v.shape[-1])
 
     def check_cotangents(self, do, dht) -> None:
         """``ValueError`` unless ``do`` is ``[B, T, HV, V]`` and ``dht`` (or None) ``[N, HV, K, V]``."""
-        L = self.layout
-        want = (L.valid.shape[0] if L.pos is None else 1, L.T, self.v.shape[1], self.v.shape[-1])
+        L, want = self.layout, self.o_shape()
         if tuple(do.shape) != want:
             raise ValueError(f"do: expected shape [B, T, HV, V] = {want}, got {tuple(do.shape)}.")
         N = self.h0.shape[0] if L.reset is None else self.cu_seqlens.shape[0] - 1  # (shared: h0 is a state table)
@@ -97,49 +99,38 @@ class KDAResiduals(eqx.Module):
         cumulative log decay; ``h`` (each chunk's start state) ``[B, NC, HV, K, V]``.
         ``per_sequence``: packed input as ``[N, T, HV, ...]`` (``h``: ``[N, ceil(T / C), HV, K, V]``),
         each sequence first, zeros after."""
-        if name == "h":
-            return self._read_h(per_sequence)
-        if name not in self._TOKEN:
+        if name not in self._WHERE:
             raise KeyError(f"name: expected one of {self.names()}, got {name!r}.")
         x = self
-        for part in self._TOKEN[name].split("."):
-            if x is None:
-                break
-            x = getattr(x, part)
+        for part in self._WHERE[name].split("."):
+            x = None if x is None else getattr(x, part)
         if x is None:
             why = ("no cache was kept (chunk_kda's recompute path); use KDAPipeline.forward"
-                   if self._TOKEN[name].startswith("cache") else "that option is off")
+                   if self._WHERE[name].startswith("cache") else "that option is off")
             raise ValueError(f"name: {name!r} is not in these residuals: {why}.")
-        x = as_chunked(x)
-        y = unpack(self.layout, x[..., None] if x.ndim == 4 else x)
-        y = y[..., 0] if x.ndim == 4 else y
-        if not per_sequence or self.cu_seqlens is None:
+        x, L, cu = as_chunked(x), self.layout, self.cu_seqlens
+        if name == "h":
+            y = jnp.moveaxis(x, 2, 1)  # [R, NC, HV, K, V]
+        else:
+            y = unpack(L, x[..., None] if x.ndim == 4 else x)
+            y = y[..., 0] if x.ndim == 4 else y
+        if not per_sequence or cu is None:
             return y
-        cu = self.cu_seqlens
-        return _per_sequence(y, cu[:-1], cu[1:] - cu[:-1], self.layout.T)
-
-    def _read_h(self, per_sequence: bool):
-        if self.cache is None:
-            raise ValueError("name: 'h' is not in these residuals: no cache was kept (chunk_kda's "
-                             "recompute path); use KDAPipeline.forward.")
-        h = jnp.moveaxis(self.cache.h, 2, 1)  # [R, NC, HV, K, V]
-        if not per_sequence or self.cu_seqlens is None:
-            return h
-        if self.layout.reset is not None:
-            raise ValueError("per_sequence: the sequences of this forward share chunks (no initial_state, "
-                             "output_final_state=False), so a chunk's start state is not one sequence's; "
-                             "read('h') gives it per chunk, or run with share_chunks=False.")
-        C, cu = self.layout.chunk_size, self.cu_seqlens
-        nchunks = (cu[1:] - cu[:-1] + C - 1) // C
-        return _per_sequence(h, jnp.cumsum(nchunks) - nchunks, nchunks, -(-self.layout.T // C))
-
-
-def _per_sequence(x, start, count, width: int):
-    """``x [1, L, ...]`` as ``[N, width, ...]``: rows from ``start[n]``, zeros after ``count[n]``."""
-    j = jnp.arange(width)
-    rows = x[0, jnp.clip(start[:, None] + j[None], 0, max(x.shape[1] - 1, 0))]
-    ok = j[None] < count[:, None]
-    return jnp.where(ok.reshape(ok.shape + (1,) * (rows.ndim - 2)), rows, 0)
+        # Each sequence's rows (tokens, or chunks for h) from ``start``, zeros after ``count``.
+        if name != "h":
+            start, count, width = cu[:-1], cu[1:] - cu[:-1], L.T
+        else:
+            if L.reset is not None:
+                raise ValueError("per_sequence: the sequences of this forward share chunks (no initial_state, "
+                                 "output_final_state=False), so a chunk's start state is not one sequence's; "
+                                 "read('h') gives it per chunk, or run with share_chunks=False.")
+            C = L.chunk_size
+            count = (cu[1:] - cu[:-1] + C - 1) // C
+            start, width = jnp.cumsum(count) - count, -(-L.T // C)
+        j = jnp.arange(width)
+        rows = y[0, jnp.clip(start[:, None] + j[None], 0, max(y.shape[1] - 1, 0))]
+        ok = j[None] < count[:, None]
+        return jnp.where(ok.reshape(ok.shape + (1,) * (rows.ndim - 2)), rows, 0)
 
 
 class KDAGrads(eqx.Module):
@@ -161,21 +152,17 @@ class KDAGrads(eqx.Module):
         """The gradients from B5's ``raw`` and the chunked ``dv``, q and k summed over each group
         of value heads; ``initial_state()`` gives ``[N, HV, K, V]`` or None. ``final``: q's to
         beta's as the call's results (a ``Written`` one as the stage wrote it)."""
-        H = num_qk_heads
 
-        def out(name, x, as_array=lambda y: y):
+        def out(name, x, as_array):
             if isinstance(x, Written):
                 return x.x
-            y = as_array(x)
-            return y if final is None else final.finish(name, y)
+            return as_array(x) if final is None else final.finish(name, as_array(x))
 
         return cls(
-            q=out("q", raw.dq, lambda x: unpack(layout, reduce_group(x, H))),
-            k=out("k", raw.dk, lambda x: unpack(layout, reduce_group(x, H))),
+            q=out("q", raw.dq, lambda x: unpack(layout, reduce_group(x, num_qk_heads))),
+            k=out("k", raw.dk, lambda x: unpack(layout, reduce_group(x, num_qk_heads))),
             v=out("v", dv, lambda x: unpack(layout, x)),
             g=out("g", raw.dg, lambda x: unpack(layout, x)),
             beta=out("beta", raw.dbeta, lambda x: unpack(layout, x[..., None])[..., 0]),
-            initial_state=initial_state(),
-            A_log=raw.dA_log,
-            dt_bias=raw.ddt_bias,
+            initial_state=initial_state(), A_log=raw.dA_log, dt_bias=raw.ddt_bias,
         )

@@ -30,20 +30,14 @@ class BackwardParts(eqx.Module):
     act_grads: ChunkGrads
 
 
-def perturbed_arrays(pipeline, perturbed) -> dict:
-    """``{field: [path, ...]}``: the stage arrays being differentiated (``perturbed``: the flags)."""
-    out: dict = {}
+def check_perturbed(pipeline, perturbed, where: str = "chunk_kda") -> dict:
+    """``{field: [path, ...]}``: the stage arrays being differentiated (``perturbed``: the
+    flags); ``StageGradientError`` for one of a forward stage not in ``EXACT``."""
+    got: dict = {}
     for path, flag in jax.tree_util.tree_flatten_with_path(perturbed)[0]:
         if flag is True:
             field = getattr(path[0], "name", str(path[0]))
-            out.setdefault(field, []).append(f"pipeline{jax.tree_util.keystr(path)}")
-    return out
-
-
-def check_perturbed(pipeline, perturbed, where: str = "chunk_kda") -> dict:
-    """``StageGradientError`` for a differentiated array of a forward stage not in ``EXACT``;
-    returns ``perturbed_arrays``."""
-    got = perturbed_arrays(pipeline, perturbed)
+            got.setdefault(field, []).append(f"pipeline{jax.tree_util.keystr(path)}")
     for field, paths in got.items():
         info = STAGES.get(field)
         if info is None or not info.forward or field in EXACT:
@@ -61,12 +55,8 @@ def check_perturbed(pipeline, perturbed, where: str = "chunk_kda") -> dict:
 
 def _vjp_of_field(pipeline, field: str, cotangent_of, **kwargs):
     """The gradient of ``field``'s arrays through one ``run_stage`` call on ``kwargs``, at ``cotangent_of(out)``."""
-    stage = getattr(pipeline, field)
-
-    def run(s):
-        return eqx.tree_at(lambda p: getattr(p, field), pipeline, s).run_stage(field, **kwargs)
-
-    out, vjp = eqx.filter_vjp(run, stage)
+    run = lambda s: eqx.tree_at(lambda p: getattr(p, field), pipeline, s).run_stage(field, **kwargs)
+    out, vjp = eqx.filter_vjp(run, getattr(pipeline, field))
     (grad,) = vjp(cotangent_of(out))
     return grad
 
@@ -94,7 +84,7 @@ def as_pipeline_gradient(perturbed, fields: dict):
 def pipeline_gradients(pipeline, perturbed, parts: BackwardParts, res, inputs):
     """The gradients of the perturbed stage arrays after a backward over ``res`` from the raw
     ``inputs``: F1's and F5's by their VJPs, zero elsewhere (F2-F4 refused on the way in)."""
-    got = perturbed_arrays(pipeline, perturbed)
+    got = check_perturbed(pipeline, perturbed)
     if not got:
         return jax.tree.map(lambda _: None, perturbed)
     pipeline = pipeline.resolved(res.in_dtypes[0])  # as the backward resolved it

@@ -12,7 +12,6 @@ from . import output_vjp as _output_vjp
 from . import routes as _routes
 from .._config import KDAConfig, KDAOptions
 from .._layouts import tokens as _tokens
-from .._layouts.tokens import FinalGrads
 from .._numerics import isolation as _isolation
 from .._stage_protocol.capabilities import capabilities
 from .._validate import domain_flag, final_out, prepare_options
@@ -45,25 +44,28 @@ def _concrete(*trees) -> bool:
     return not active_recordings() and not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(trees))
 
 
-# An eager ``jax.grad`` reaches the rules with concrete arrays: each rule then runs as one
-# compiled program (op by op it took 13 s a call at T=512); traced, as is.
+def _compiled_when_eager(fn):
+    """``fn`` run as one compiled program where it runs eagerly (``_concrete`` arguments; an
+    eager ``jax.grad`` reaches the rules with concrete arrays, and op by op a rule took 13 s
+    a call at T=512), as is where traced."""
+    compiled = eqx.filter_jit(fn)
+    return lambda *args: (compiled if _concrete(*args) else fn)(*args)
+
+
 @differentiable.def_fwd
 def _vjp_fwd(perturbed, diff, config: KDAConfig, cu_seqlens, domain):
-    if _concrete(diff, cu_seqlens, domain):
-        if _routes.backward_route(diff[1]).derived:
-            _routes.warn_derived(diff[1])  # (once, here: a cached trace would not say it)
-        return _compiled_fwd(perturbed, diff, config, cu_seqlens, domain)
-    return _fwd(perturbed, diff, config, cu_seqlens, domain)
+    if not _concrete(diff, cu_seqlens, domain):  # (traced: no wrapper frame, for derived_vjp's stacklevel)
+        return _fwd(perturbed, diff, config, cu_seqlens, domain)
+    if _routes.backward_route(diff[1]).derived:
+        _routes.warn_derived(diff[1])  # (once, here: a cached trace would not say it)
+    return _compiled_fwd(perturbed, diff, config, cu_seqlens, domain)
 
 
 def _fwd(perturbed, diff, config: KDAConfig, cu_seqlens, domain):
     inputs, pipeline = diff
     bad = _bad(config, inputs, cu_seqlens, domain)
     if _routes.backward_route(pipeline).derived:
-        def run(inputs_, pipe):
-            o_, final_, _ = pipe.run_forward(config, *inputs_, cu_seqlens, clean=True, entries=True)
-            return o_, final_
-
+        run = lambda inputs_, pipe: pipe.run_forward(config, *inputs_, cu_seqlens, clean=True, entries=True)[:2]
         (o, final), vjp, swapped = _routes.derived_vjp(pipeline, run, inputs)
         for rec in active_recordings():
             rec.derived = (_routes.mismatches(pipeline), swapped)
@@ -84,14 +86,9 @@ _compiled_fwd = eqx.filter_jit(_fwd)
 
 
 @differentiable.def_bwd
+@_compiled_when_eager
 def _vjp_bwd(residuals, cotangents, perturbed, diff, config: KDAConfig, cu_seqlens, domain):
     del domain  # (read by the forward's masks, which the residuals keep)
-    if _concrete(residuals, cotangents, diff, cu_seqlens):
-        return _compiled_bwd(residuals, cotangents, perturbed, diff, config, cu_seqlens)
-    return _bwd(residuals, cotangents, perturbed, diff, config, cu_seqlens)
-
-
-def _bwd(residuals, cotangents, perturbed, diff, config: KDAConfig, cu_seqlens):
     res, where = residuals
     inputs, pipeline = diff
     do, dht = cotangents
@@ -100,13 +97,12 @@ def _bwd(residuals, cotangents, perturbed, diff, config: KDAConfig, cu_seqlens):
         out, d_pipe = _routes.derived_gradients(res, where, do, dht, cu_seqlens)
         return out, _routes.pipeline_cotangent(perturbed[1], d_pipe, res.swapped)
     if do is None:  # only the final state carries a loss
-        L = res.layout
-        do = jnp.zeros((L.valid.shape[0] if L.pos is None else 1, L.T) + res.v.shape[1:2] + res.v.shape[-1:], res.h0.dtype)
+        do = jnp.zeros(res.o_shape(), res.h0.dtype)
     # A non-finite cotangent stays in its sequence (kdax._numerics.isolation); a B3/B5 that
     # writes the call's gradients puts the NaN in itself (final_in_stages).
     route = _routes.backward_route(pipeline)
     do, poison = _isolation.clean_cotangents(do, dht, cu_seqlens, res.num_qk_heads)
-    final = None if route.output_vjp or not final_in_stages(pipeline, res) else FinalGrads(
+    final = None if route.output_vjp or not final_in_stages(pipeline, res) else _tokens.FinalGrads(
         poison.masks(where, res.layout.chunk_size), res.in_dtypes[:5])
     clean = (*_isolation.cleaner_of(config)(inputs[:5]), *inputs[5:])
     bwd = _routes.gate_vjp_pipeline(pipeline, res, clean) if route.gate_vjp else pipeline
@@ -121,9 +117,6 @@ def _bwd(residuals, cotangents, perturbed, diff, config: KDAConfig, cu_seqlens):
     out = (grads.q, grads.k, grads.v, grads.g, grads.beta, grads.initial_state, grads.A_log, grads.dt_bias)
     d_inputs = tuple(None if d is None or x is None else x.astype(d) for x, d in zip(out, res.in_dtypes))
     return d_inputs, pipeline_gradients(pipeline, perturbed[1], parts, res, clean)
-
-
-_compiled_bwd = eqx.filter_jit(_bwd)
 
 
 def final_in_stages(pipeline, res) -> bool:
@@ -149,8 +142,8 @@ def apply(pipeline, q, k, v, g, beta, options: KDAOptions):
     # Eager: one compiled program (op by op: 8 s a call at T = 2048, against 0.05 s); traced,
     # as is (a nested jit made the jitted training step 8-14% slower); never while recording.
     diff = ((q, k, v, g, beta, h0, A_log, dt_bias), pipeline)
-    o, final = (_compiled_differentiable if _concrete(diff, cu) else differentiable)(diff, config, cu, domain)
+    o, final = _differentiable(diff, config, cu, domain)
     return o, final_out(final, config, opts.state_v_first)
 
 
-_compiled_differentiable = eqx.filter_jit(differentiable)
+_differentiable = _compiled_when_eager(differentiable)
