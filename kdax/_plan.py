@@ -51,21 +51,18 @@ class KDAPlan(NamedTuple):
             runs = "-" if r.runs is None else ("same" if r.runs == r.requested and not r.reason else r.runs)
             lines.append(f"{r.step:<5}{r.field:<11}{r.requested:<24}{runs:<24}{r.reason or ''}")
         why = dict(self.why)
-        if self.tile is None and "forward" in why:
-            lines.append(f"forward: whole ({why['forward']})")
-        else:
-            lines.append("forward: " + ("whole" if self.tile is None else f"tiles of ~{self.tile} blocks without gradients, whole under one"))
+        tiles = f"tiles of ~{self.tile} blocks without gradients, whole under one"
+        whole = "whole" + (f" ({why['forward']})" if "forward" in why else "")
+        lines.append("forward: " + (whole if self.tile is None else tiles))
         if self.layout is not None:
             what = {"dense": "one sequence per row", "per-sequence": "each packed sequence from a chunk boundary",
                     "shared": "packed sequences share chunks, NC = ceil(T / C)"}[self.layout]
             lines.append(f"layout: {self.layout}: {what}" + (f" ({why['layout']})" if "layout" in why else ""))
         lines += list(self.notes)
         if self.config:
-            top = {n: v for n, v in self.config.items() if not isinstance(v, dict)}
-            lines.append("config: " + ", ".join(f"{n}={v}" for n, v in top.items()))
-            for n, v in self.config.items():
-                if isinstance(v, dict):
-                    lines.append(f"  {n}: " + ", ".join(f"{a}={b}" for a, b in v.items()))
+            lines.append("config: " + ", ".join(f"{n}={v}" for n, v in self.config.items() if not isinstance(v, dict)))
+            lines += [f"  {n}: " + ", ".join(f"{a}={b}" for a, b in v.items())
+                      for n, v in self.config.items() if isinstance(v, dict)]
         return "\n".join(lines)
 
 
@@ -74,29 +71,25 @@ def plan(pipeline, q, k, v, g, beta, **options) -> KDAPlan:
     options, the forward and backward traced abstractly; its ``str`` is a table."""
     opts = KDAOptions.from_kwargs(**options)
     with recording(quiet=True) as rec:
-        def loss(diff):
-            q_, k_, v_, g_, b_, h0 = diff
-            o, ht = pipeline.apply(q_, k_, v_, g_, b_, dataclasses.replace(opts, initial_state=h0))
-            out = jnp.sum(o)
-            return out if ht is None else out + jnp.sum(ht)
+        def loss(diff):  # (q, k, v, g, beta, initial_state)
+            o, ht = pipeline.apply(*diff[:5], dataclasses.replace(opts, initial_state=diff[5]))
+            return jnp.sum(o) if ht is None else jnp.sum(o) + jnp.sum(ht)
 
-        diff = (q, k, v, g, beta, opts.initial_state)
-        jax.eval_shape(jax.grad(loss), diff)
+        jax.eval_shape(jax.grad(loss), (q, k, v, g, beta, opts.initial_state))
     unsafe = unsafe_for_tiles(pipeline)
     rows = []
     reasons, swapped = rec.derived or ((), ())
     for name, info in STAGES.items():
-        got = rec.ran.get(name)
-        if got is None:
-            why = "not run: the forward's cache is kept (disable_recompute=True)" if name == "recompute" else "not run"
+        stage, ran, reason = rec.ran.get(name, (getattr(pipeline, name), None, None))
+        if ran is None:
+            reason = {"recompute": "not run: the forward's cache is kept (disable_recompute=True)"}.get(name, "not run")
             if reasons and not info.forward:
-                why = "not run: the backward is derived by jax.vjp through the forward stages"
-            rows.append(PlanRow(name, info.step, type(getattr(pipeline, name)).__qualname__, None, why))
-        else:
-            stage, ran, reason = got
-            if name in swapped:
-                stage, reason = getattr(pipeline, name), "differentiated as its reference stage (same math; derived backward)"
-            rows.append(PlanRow(name, info.step, type(stage).__qualname__, type(ran).__qualname__, reason))
+                reason = "not run: the backward is derived by jax.vjp through the forward stages"
+        elif name in swapped:
+            stage = getattr(pipeline, name)
+            reason = "differentiated as its reference stage (same math; derived backward)"
+        runs = None if ran is None else type(ran).__qualname__
+        rows.append(PlanRow(name, info.step, type(stage).__qualname__, runs, reason))
     # What a stage says of how it runs (``plan_note``, e.g. a segment-split recurrence).
     notes = tuple(f"{name}: {ran.plan_note}" for name, (_, ran, _) in rec.ran.items()
                   if getattr(ran, "plan_note", None))
@@ -120,21 +113,14 @@ def resolved_config(pipeline, dtype=jnp.float32) -> dict:
     ``precision`` (resolved), ``tile``, and per stage its static fields with "auto" resolved
     (``group``, ``chunk_loops``, ``loop_unroll``, the Pallas ``target``, ``interpret``,
     tuning). Each is a field of the pipeline or of a stage, read from nowhere else."""
-    out = dict(
-        backend=jax.default_backend(),
-        precision=_precision.resolve(pipeline.precision, jnp.dtype(dtype)),
-        tile=pipeline.tile,
-    )
+    out = dict(backend=jax.default_backend(), precision=_precision.resolve(pipeline.precision, jnp.dtype(dtype)),
+               tile=pipeline.tile)
     loops = lambda mode: "slices" if split_rows_and_heads(mode) else "flat"
     resolvers = {"group": resolve_group, "loop_unroll": loop_unroll, "chunk_loops": loops}
     for name in STAGES:
         stage = getattr(pipeline, name)
-        fields = {}
-        for f in dataclasses.fields(stage):
-            if not f.metadata.get("static", False):
-                continue
-            value = getattr(stage, f.name)
-            fields[f.name] = resolvers[f.name](value) if f.name in resolvers else value
+        fields = {f.name: resolvers.get(f.name, lambda x: x)(getattr(stage, f.name))
+                  for f in dataclasses.fields(stage) if f.metadata.get("static", False)}
         if fields:
             out[name] = fields
     return out

@@ -77,10 +77,9 @@ def _release_near_the_mapping_limit():
 
 @pytest.fixture(autouse=True)
 def _fresh_fallback_warnings():
-    # kdax warns once per process for each fallback (kdax._runner.runner, .routes); a test
+    # kdax warns once per process for each fallback (kdax._runner.routes.warn_once); a test
     # that expects the warning must not depend on which test ran before it in its worker.
-    from kdax._runner import routes, runner
+    from kdax._runner import routes
 
-    runner._warn_once.cache_clear()
-    routes._warn_once.cache_clear()
+    routes.warn_once.cache_clear()
     yield

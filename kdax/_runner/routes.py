@@ -75,8 +75,6 @@ class BackwardRoute(NamedTuple):
 
 def backward_route(pipeline, one_device: bool = True) -> BackwardRoute:
     """The ``BackwardRoute`` of ``pipeline`` (``one_device``: F5's transpose may be derived)."""
-    if not mismatches(pipeline):
-        return BackwardRoute(False, False, False)
     gate = bool(mismatches(pipeline, skip=tuple(f for f in TRANSPOSED_BY if f != "gate")))
     output = one_device and output_alone_differs(pipeline)
     derived = bool(mismatches(pipeline, skip=("gate",))) and not output
@@ -86,11 +84,9 @@ def backward_route(pipeline, one_device: bool = True) -> BackwardRoute:
 def output_alone_differs(pipeline) -> bool:
     """Whether F5's transpose alone is missing (F1's perhaps too) as ``output_vjp`` derives it:
     F5 not KDA's, F3 KDA's, B2 and B3 transposing KDA's F5, every other forward stage transposed."""
-    if pipeline.output.math == KDA or not is_kda(pipeline.wy) or not mismatches(pipeline):
-        return False
-    if mismatches(pipeline, skip=("gate", "output")):
-        return False
-    return all(getattr(pipeline, b).transposes.get("output") == KDA for b in ("dhu", "wy_dqkg"))
+    return (pipeline.output.math != KDA and is_kda(pipeline.wy) and bool(mismatches(pipeline))
+            and not mismatches(pipeline, skip=("gate", "output"))
+            and all(getattr(pipeline, b).transposes.get("output") == KDA for b in ("dhu", "wy_dqkg")))
 
 
 def gate_vjp_pipeline(pipeline, res, inputs):
@@ -124,8 +120,7 @@ def unchecked(pipeline, fields=None, trusted: bool = True) -> tuple:
     None with ``trust_declarations`` (when ``trusted``)."""
     if trusted and pipeline.trust_declarations:
         return ()
-    fields = tuple(STAGES) if fields is None else fields
-    return tuple(f for f in fields if not reference_is_exact(f, getattr(pipeline, f)))
+    return tuple(f for f in (STAGES if fields is None else fields) if not reference_is_exact(f, getattr(pipeline, f)))
 
 
 def routed(pipeline, field: str) -> Capabilities:
@@ -138,39 +133,37 @@ def routed(pipeline, field: str) -> Capabilities:
 
 
 @functools.cache
-def _warn_once(reasons: tuple) -> None:
-    warnings.warn(
-        "KDAPipeline: the backward stages are not the transposes of the forward stages ("
-        + "; ".join(reasons[:3]) + ("; ..." if len(reasons) > 3 else "")
-        + "), so chunk_kda's gradient is derived from the forward stages by jax.vjp (exact, slower than the "
-        "six-stage backward). To keep the hand-written backward, give backward stages that transpose your forward "
-        "stages and declare it (`math` on the forward stage, `transposes` on the backward ones: docs/stages.md).",
-        FallbackWarning, stacklevel=5,
-    )
+def warn_once(message: str, stacklevel: int) -> None:
+    """A ``FallbackWarning`` once per message (the stage runner's fallbacks, ``warn_derived``)."""
+    warnings.warn(message, FallbackWarning, stacklevel=stacklevel)
 
 
 def warn_derived(pipeline) -> None:
     """The ``FallbackWarning`` that the gradient is derived (once per set of reasons)."""
-    _warn_once(mismatches(pipeline))
+    warn_once(_derived_warning(pipeline), stacklevel=5)
+
+
+def _derived_warning(pipeline) -> str:
+    reasons = mismatches(pipeline)
+    return ("KDAPipeline: the backward stages are not the transposes of the forward stages ("
+            + "; ".join(reasons[:3]) + ("; ..." if len(reasons) > 3 else "")
+            + "), so chunk_kda's gradient is derived from the forward stages by jax.vjp (exact, slower than the "
+            "six-stage backward). To keep the hand-written backward, give backward stages that transpose your forward "
+            "stages and declare it (`math` on the forward stage, `transposes` on the backward ones: docs/stages.md).")
 
 
 def differentiable_forward(pipeline):
     """``(pipeline untiled with each KDA-math forward stage as its reference, swapped
     fields)``: differentiable by JAX; the reference stages' chunk loops carry their own VJPs."""
-    swaps, swapped = {}, []
-    for name, info in STAGES.items():
-        stage = getattr(pipeline, name)
-        if info.forward and is_kda(stage) and type(stage) is not info.reference:
-            swapped.append(name)
-            swaps[name] = info.reference()
-    return dataclasses.replace(pipeline, tile=None, **swaps), tuple(swapped)
+    swaps = {n: i.reference() for n, i in STAGES.items()
+             if i.forward and is_kda(getattr(pipeline, n)) and type(getattr(pipeline, n)) is not i.reference}
+    return dataclasses.replace(pipeline, tile=None, **swaps), tuple(swaps)
 
 
 def derived_vjp(pipeline, run, inputs):
     """``(outputs, vjp, swapped)`` of ``run(inputs, pipeline'')`` (``differentiable_forward``);
     ``DerivedBackwardError`` when JAX cannot differentiate a forward stage."""
-    reasons = mismatches(pipeline)
-    _warn_once(reasons)
+    warn_once(_derived_warning(pipeline), stacklevel=5)
     diff_pipe, swapped = differentiable_forward(pipeline)
     with derivable(pipeline):
         out, vjp = eqx.filter_vjp(run, inputs, diff_pipe)
@@ -218,18 +211,14 @@ def derived_gradients(res: DerivedResiduals, where, do, dht, cu_seqlens) -> tupl
     do, poison = _isolation.clean_cotangents(zeros_if_none(do, res.o), dht, cu_seqlens, res.num_qk_heads)
     dht = _isolation.finite_or_zero(zeros_if_none(dht, res.final))
     d_inputs, d_pipe = res.vjp((do, dht))
-    q, k, v, g, beta, h0, A_log, dt_bias = d_inputs
-    grads = KDAGrads(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, A_log=A_log, dt_bias=dt_bias)
-    grads = _isolation.poison_inputs(where, poison(grads))
-    out = (grads.q, grads.k, grads.v, grads.g, grads.beta, grads.initial_state, grads.A_log, grads.dt_bias)
-    return out, d_pipe
+    grads = _isolation.poison_inputs(where, poison(KDAGrads(*d_inputs)))  # (KDAGrads' fields: in this order)
+    return tuple(getattr(grads, f.name) for f in dataclasses.fields(grads)), d_pipe
 
 
 def is_autodiff_failure(e: Exception) -> bool:
     """Whether ``e`` is JAX saying it cannot differentiate something (by its message)."""
-    text = str(e)
-    return any(s in text for s in ("reverse-mode", "Differentiation rule", "not implemented for",
-                                   "Linearization failed", "transpose rule", "JVP"))
+    return any(s in str(e) for s in ("reverse-mode", "Differentiation rule", "not implemented for",
+                                     "Linearization failed", "transpose rule", "JVP"))
 
 
 def pipeline_cotangent(perturbed, d_pipe, swapped: tuple):

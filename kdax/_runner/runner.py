@@ -11,7 +11,6 @@ import contextvars
 import dataclasses
 import functools
 import inspect
-import warnings
 from typing import Any, ClassVar, Optional
 
 import equinox as eqx
@@ -19,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from .._config import KDAOptions
-from .._errors import FallbackWarning, StageContractError, UnsupportedCase
+from .._errors import StageContractError, UnsupportedCase
 from .._layouts import resets as _resets
 from .._numerics import precision as _precision
 from .._annotations import QK, Beta, ChunkK, Gate, Values, typecheck
@@ -27,7 +26,7 @@ from ..stages import AbstractState, AbstractWY
 from .._stage_protocol.capabilities import negotiated, told
 from .._stage_protocol.output_specs import Maybe, Specs
 from .contracts import STAGES, check_family
-from .routes import reference_is_exact, routed
+from .routes import reference_is_exact, routed, warn_once
 
 
 @dataclasses.dataclass
@@ -57,17 +56,7 @@ def recording(quiet: bool = False):
         _ACTIVE.reset(token)
 
 
-def active_recordings() -> tuple:
-    return _ACTIVE.get()
-
-
-@functools.cache
-def _warn_once(name: str, impl: str, reason: str) -> None:
-    ref = STAGES[name].reference.__qualname__
-    warnings.warn(
-        f"KDAPipeline.{name} ({STAGES[name].step}): {impl} cannot run this case ({reason}); running {ref} instead.",
-        FallbackWarning, stacklevel=4,
-    )
+active_recordings = _ACTIVE.get  # () -> the active ``Recording``s, innermost last
 
 
 def run_stage(pipeline, name: str, **kwargs):
@@ -85,7 +74,8 @@ def run_stage(pipeline, name: str, **kwargs):
             out = _precision.store_outputs(out, policy)
     for rec in _ACTIVE.get():
         rec.ran.setdefault(name, (stage, ran, reason))
-    _check_output(name, ran, out, _expected_output(name, given, given.get("config"), policy))
+    want = STAGES[name].family.output_spec(jax.eval_shape(lambda a: a, given), given.get("config"), Specs(policy))
+    _check_output(name, ran, out, want)
     return out
 
 
@@ -93,11 +83,10 @@ def stage_arguments(pipeline, name: str, stage, kwargs: dict) -> tuple:
     """``(the arguments the stage gets, needs_reset, guard)``: what its declaration accepts,
     ``reset`` only if its math is checked (``needs_reset``: the layout needs one it does not
     take), and the inputs masked where the pipeline makes the reset exact (``guard``)."""
-    caps = routed(pipeline, name)  # (reset only to a stage whose math is checked)
+    takes_reset = routed(pipeline, name).reset  # (reset only to a stage whose math is checked)
     kwargs = negotiated(stage, kwargs)
-    needs_reset = kwargs.get("reset") is not None and not caps.reset
-    if "reset" in kwargs and not caps.reset:
-        kwargs = {n: x for n, x in kwargs.items() if n != "reset"}
+    needs_reset = kwargs.get("reset") is not None and not takes_reset
+    kwargs = kwargs if takes_reset else {n: x for n, x in kwargs.items() if n != "reset"}
     guard = kwargs.get("reset") is not None and not pipeline.trust_declarations and _resets.guards(stage)
     return (_resets.guard_inputs(name, kwargs) if guard else kwargs), needs_reset, guard
 
@@ -109,10 +98,8 @@ def call_stage(pipeline, name: str, stage, given: dict, full: dict, needs_reset:
     ``full`` (one ``FallbackWarning`` per field, implementation and reason)."""
     try:
         if needs_reset:
-            raise UnsupportedCase(
-                "packed sequences sharing chunks (cu_seqlens) need a stage that accepts "
-                "`reset` (docs/stages.md, capabilities)"
-            )
+            raise UnsupportedCase("packed sequences sharing chunks (cu_seqlens) need a stage that accepts "
+                                  "`reset` (docs/stages.md, capabilities)")
         given = dict(given, **told(stage, policy))
         _check_arguments(name, stage, given)
         out = stage(**given)
@@ -128,7 +115,8 @@ def call_stage(pipeline, name: str, stage, given: dict, full: dict, needs_reset:
             ) from e
         ran, reason = STAGES[name].reference(), str(e) or type(e).__name__
         if not any(r.quiet for r in _ACTIVE.get()):
-            _warn_once(name, type(stage).__qualname__, reason)
+            warn_once(f"KDAPipeline.{name} ({STAGES[name].step}): {type(stage).__qualname__} cannot run this case "
+                      f"({reason}); running {type(ran).__qualname__} instead.", stacklevel=4)
         return ran, reason, ran(**negotiated(ran, full), precision=policy)
 
 
@@ -140,43 +128,28 @@ def _signature(cls: type) -> inspect.Signature:
     return inspect.signature(cls.__call__)
 
 
-def _expected_signature(name: str) -> str:
-    fam = STAGES[name].family
-    params = [p.replace(annotation=inspect.Parameter.empty, default=p.default) for p in _signature(fam).parameters.values()]
-    return f"{fam.__name__}.__call__{inspect.Signature(params)}"
-
-
 def _check_arguments(name: str, stage: Any, kwargs: dict) -> None:
     """The pipeline calls stages by keyword: ``stage.__call__`` must take these names."""
     try:
         _signature(type(stage)).bind(stage, **kwargs)
     except TypeError as e:
+        fam = STAGES[name].family
+        params = [p.replace(annotation=inspect.Parameter.empty) for p in _signature(fam).parameters.values()]
         raise StageContractError(
-            f"KDAPipeline.{name} ({type(stage).__qualname__}): its __call__ does not take the arguments "
-            f"the pipeline passes by keyword ({e}). Expected signature: {_expected_signature(name)}."
+            f"KDAPipeline.{name} ({type(stage).__qualname__}): its __call__ does not take the arguments the pipeline "
+            f"passes by keyword ({e}). Expected signature: {fam.__name__}.__call__{inspect.Signature(params)}."
         ) from None
 
 
-def _expected_output(name: str, kw: dict, config, policy: str = "highest") -> Any:
-    """The family's ``output_spec`` for arguments ``kw`` under precision ``policy``."""
-    return STAGES[name].family.output_spec(jax.eval_shape(lambda args: args, kw), config, Specs(policy))
-
-
-def _describe(x) -> str:
-    if x is None:
-        return "None"
-    if hasattr(x, "shape") and hasattr(x, "dtype"):
-        return f"{tuple(x.shape)} {jax.numpy.dtype(x.dtype).name}"
-    return type(x).__name__
-
-
 def _check_output(name: str, stage: Any, out: Any, want: Any) -> None:
-    """``StageContractError`` naming the field, the class and the first part of ``out`` unlike ``want``."""
+    """``StageContractError`` naming the field, the class and the first part of ``out`` unlike
+    ``want`` (the family's ``output_spec``)."""
 
     def fail(path: str, got, expected: str):
-        where = f"{path} " if path else ""
+        said = (f"{tuple(got.shape)} {jnp.dtype(got.dtype).name}" if hasattr(got, "shape") and hasattr(got, "dtype")
+                else "None" if got is None else type(got).__name__)
         raise StageContractError(
-            f"KDAPipeline.{name} ({type(stage).__qualname__}) returned {where}{_describe(got)}, expected "
+            f"KDAPipeline.{name} ({type(stage).__qualname__}) returned {path + ' ' if path else ''}{said}, expected "
             f"{expected} ({STAGES[name].family.__name__}'s contract)."
         )
 
@@ -188,10 +161,9 @@ def _check_output(name: str, stage: Any, out: Any, want: Any) -> None:
             if got is not None:
                 fail(path, got, "None")
         elif isinstance(w, jax.ShapeDtypeStruct):
-            if not (hasattr(got, "shape") and hasattr(got, "dtype")):
-                fail(path, got, f"an array {tuple(w.shape)} {w.dtype.name}")
-            if tuple(got.shape) != tuple(w.shape) or jax.numpy.dtype(got.dtype) != w.dtype:
-                fail(path, got, f"{tuple(w.shape)} {w.dtype.name}")
+            array = hasattr(got, "shape") and hasattr(got, "dtype")
+            if not array or tuple(got.shape) != tuple(w.shape) or jnp.dtype(got.dtype) != w.dtype:
+                fail(path, got, f"{'' if array else 'an array '}{tuple(w.shape)} {w.dtype.name}")
         elif isinstance(w, tuple):
             if not isinstance(got, tuple) or len(got) != len(w):
                 fail(path, got, f"a tuple of {len(w)}")
@@ -214,7 +186,6 @@ class PipelineWY(AbstractWY):
     """F3 as ``pipeline`` runs it: what B0 recomputes with. ``G_lo``: the forward's, for a B0
     that calls F3 without it, so B0 still recomputes exactly the forward's F3."""
 
-    tile_safe: ClassVar[bool] = True
     accepts: ClassVar[frozenset] = frozenset({"G_lo", "reset", "tile_safe", "tokens", "half_stored"})
     pipeline: eqx.Module
     G_lo: Optional[ChunkK] = None
@@ -228,7 +199,6 @@ class PipelineWY(AbstractWY):
 class PipelineState(AbstractState):
     """F4 as ``pipeline`` runs it: what B0 recomputes with."""
 
-    tile_safe: ClassVar[bool] = True
     accepts: ClassVar[frozenset] = frozenset({"reset", "tile_safe", "half_stored", "zero_h0"})
     pipeline: eqx.Module
 
@@ -239,7 +209,7 @@ class PipelineState(AbstractState):
 
 def record_layout(name: str) -> None:
     """Tell the active recordings which layout the forward took (the first: not a backward's rerun)."""
-    for rec in active_recordings():
+    for rec in _ACTIVE.get():
         if rec.layout is None:
             rec.layout = name
 
@@ -256,9 +226,6 @@ def stage_inputs(pipeline, q: QK, k: QK, v: Values, g: Gate, beta: Beta, **optio
         opts = KDAOptions.from_kwargs(**options)
         loss = lambda *a: jnp.sum(pipeline.apply(*a, opts)[0].astype(jnp.float32) * w)
         jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, g, beta)
-    out = {}
-    for name, kw in rec.inputs.items():
-        params = list(inspect.signature(STAGES[name].family.__call__).parameters.values())[1:]
-        # (a parameter the stage does not take, G_lo, is not in kw: kdax._numerics.hilo)
-        out[name] = tuple(kw[p.name] for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and p.name in kw)
-    return out
+    # (a parameter the stage does not take, G_lo, is not in kw: kdax._numerics.hilo)
+    return {name: tuple(kw[p.name] for p in _signature(STAGES[name].family).parameters.values()
+                        if p.kind is p.POSITIONAL_OR_KEYWORD and p.name in kw) for name, kw in rec.inputs.items()}

@@ -38,17 +38,16 @@ def capabilities(cls: type) -> Capabilities:
     if unknown:
         raise TypeError(f"{cls.__qualname__}.accepts: unknown capabilities {sorted(unknown)}; expected a "
                         f"subset of {Capabilities._fields}.")
-    caps = {n: n in declared for n in Capabilities._fields}
-    caps["tile_safe"] = caps["tile_safe"] or bool(getattr(cls, "tile_safe", False))
-    return Capabilities(**caps)
+    tile_safe = bool(getattr(cls, "tile_safe", False))  # (the ClassVar)
+    return Capabilities(**{n: n in declared or (n == "tile_safe" and tile_safe) for n in Capabilities._fields})
 
 
 def negotiated(stage, kwargs: dict) -> dict:
     """``kwargs`` as ``stage``'s capabilities allow: no ``final``, ``zero_h0``, ``G_lo`` unless
     accepted, float32 copies of half-stored arrays and chunked copies of views unless declared."""
     caps = capabilities(type(stage))
-    unaccepted = {n for n, ok in (("final", caps.final_grads), ("zero_h0", caps.zero_h0), ("G_lo", caps.G_lo)) if not ok}
-    kwargs = {n: x for n, x in kwargs.items() if n not in unaccepted}
+    unaccepted = {"final": not caps.final_grads, "zero_h0": not caps.zero_h0, "G_lo": not caps.G_lo}
+    kwargs = {n: x for n, x in kwargs.items() if not unaccepted.get(n)}
     if not caps.half_stored:
         kwargs = _precision.widened(kwargs)
     if not caps.tokens and any(isinstance(x, Tokens) for x in kwargs.values()):

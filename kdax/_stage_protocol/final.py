@@ -18,18 +18,17 @@ _EMPTY = inspect.Parameter.empty
 def final(cls: type) -> type:
     """Mark stage class ``cls`` final (subclassing raises ``TypeError``); its ``__call__`` takes
     ``precision: str = "highest"`` and runs under ``precision.matmul_precision``."""
-    family = next((b.__qualname__ for b in cls.__mro__[1:] if b.__name__.startswith("Abstract")), "its Abstract* class")
-
     def __init_subclass__(sub, **kwargs):
         raise TypeError(
-            f"{sub.__qualname__}: {cls.__qualname__} is final. Subclass {family} and call {cls.__qualname__}() "
-            f"from your __call__ (compose it; docs/stages.md §4)."
+            f"{sub.__qualname__}: {cls.__qualname__} is final. Subclass {family.__qualname__} and call "
+            f"{cls.__qualname__}() from your __call__ (compose it; docs/stages.md §4)."
         )
 
     call = cls.__call__
     if "precision" not in inspect.signature(call).parameters:
         raise TypeError(f"{cls.__qualname__}.__call__: a final stage takes `precision: str = \"highest\"`.")
-    call = typecheck(_with_contract(cls, call, next(b for b in cls.__mro__[1:] if b.__name__.startswith("Abstract"))))
+    family = next(b for b in cls.__mro__[1:] if b.__name__.startswith("Abstract"))
+    call = typecheck(_with_contract(cls, call, family))
 
     @functools.wraps(call)
     def __call__(self, *args, precision: str = "highest", **kwargs):
