@@ -277,8 +277,8 @@ class _ForwardChunks(eqx.Module):
     v_new: ChunkV
     v: typing.Union[ChunkV, Tokens]  # (views of the caller's v and g: kdax._layouts.tokens)
     g: typing.Union[ChunkK, Tokens]
-    extra: object = None  # the layout's own part (ForwardHooks.f4_inputs), e.g. entering states
-    v_out: object = None  # what F5 read as v_new (ForwardHooks.v_out)
+    extra: object = None  # the layout's own part (the hooks' f4_inputs), e.g. entering states
+    v_out: object = None  # what F5 read as v_new (the hooks' v_out)
 
 
 def default_pipeline() -> KDAPipeline:

@@ -221,7 +221,7 @@ class Entered(NamedTuple):
 
 
 class SharedForwardHooks:
-    """The forward's part of shared chunks (``ForwardHooks``' points): the final states
+    """The forward's part of shared chunks (``PlainHooks``' forward points): the final states
     (``shared_finals``, or zeros ``shape`` when not asked for); with entering states
     ``h0 [N, HV, K, V]``, after F3 their first-chunk part and F4's table (``Entered``)."""
 
@@ -273,7 +273,7 @@ class SharedBackward(NamedTuple):
 
 
 class SharedChunkHooks:
-    """The shared layout's part of the backward (``BackwardHooks``' points): a loss on the
+    """The shared layout's part of the backward (``PlainHooks``' backward points): a loss on the
     final states (``dht``: ``finals_vjp``, one more B2 pass) and entering initial states
     (``res.entries``: the VJPs of their first-chunk part and start decays)."""
 
