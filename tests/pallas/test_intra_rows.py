@@ -3,9 +3,9 @@ Triton program per (row * head, chunk, block of feature columns, 16-token sub-bl
 equals the reference stage as the whole-chunk kernel does (interpret mode: float64 to
 1e-12, float32 at B4's 1e-5; dense at every chunk size, K padded, G_lo, resets, NaN reach,
 causal to the bit), keeps TF32x3's precision under the GPU's product emulation, runs the
-whole pipeline of the ``"candidate-rows16"`` preset against the golden cases and the
-oracle, and compiles for sm_90 at 4 warps without spills in at most 128 registers (4 CTAs
-an SM; the whole-chunk kernel: one of 178 at 8 warps)."""
+whole pipelines of the ``"candidate-rows16"`` and ``"candidate-rows16-f2"`` presets
+against the golden cases and the oracle, and compiles for sm_90 at 4 warps without spills
+in at most 128 registers (4 CTAs an SM; the whole-chunk kernel: one of 178 at 8 warps)."""
 
 import dataclasses
 
@@ -158,34 +158,42 @@ def test_rows_field_checked():
     assert P.PallasIntraBackward(target="triton").rows == 64
 
 
-def _preset(**kw):
-    """The ``"candidate-rows16"`` preset's stages in interpret mode, no fallback, at precision
-    ``"auto"`` (the preset's "fast" rounds operands to bf16, beyond float64's tolerance)."""
-    pipe = kdax.KDAPipeline.pallas("triton", interpret=True, tuning="candidate-rows16")
-    assert pipe.precision == "fast" and pipe.intra_bwd.rows == 16 and pipe.intra_bwd.num_warps == 4
+# The presets on 16-row programs and the stages they run so: B4, and F2 too.
+PRESETS = {"candidate-rows16": ("intra_bwd",), "candidate-rows16-f2": ("intra", "intra_bwd")}
+
+
+def _preset(tuning: str = "candidate-rows16", **kw):
+    """Preset ``tuning``'s stages in interpret mode, no fallback, at precision ``"auto"``
+    (the preset's "fast" rounds operands to bf16, beyond float64's tolerance)."""
+    pipe = kdax.KDAPipeline.pallas("triton", interpret=True, tuning=tuning)
+    assert pipe.precision == "fast"
+    assert all(getattr(pipe, f).rows == 16 and getattr(pipe, f).num_warps == 4 for f in PRESETS[tuning])
     return dataclasses.replace(pipe.with_precision("auto"), fallback=False, **kw)
 
 
+@pytest.mark.parametrize("tuning", PRESETS)
 @pytest.mark.parametrize("name", GOLDEN_CASES)
-def test_preset_pipeline_golden_float64(name):
-    """``jax.grad(chunk_kda)`` through the preset's Pallas pipeline, B4 on 16-row programs:
-    the golden cases in float64 to 1e-10."""
-    check_golden(_preset(), name, jnp.float64, 1e-10, 1e-10)
+def test_preset_pipeline_golden_float64(name, tuning):
+    """``jax.grad(chunk_kda)`` through the preset's Pallas pipeline, B4 (and F2) on 16-row
+    programs: the golden cases in float64 to 1e-10."""
+    check_golden(_preset(tuning), name, jnp.float64, 1e-10, 1e-10)
 
 
-def test_preset_pipeline_shared_chunks_against_oracle():
-    """Packed sequences starting inside 64-token chunks (shared chunks: B4 with resets),
-    Kimi Linear's gate options, float64, against the recurrent oracle."""
+@pytest.mark.parametrize("tuning", PRESETS)
+def test_preset_pipeline_shared_chunks_against_oracle(tuning):
+    """Packed sequences starting inside 64-token chunks (shared chunks: B4 and F2 with
+    resets), Kimi Linear's gate options, float64, against the recurrent oracle."""
     x, opts = build_case(dict(cu_seqlens=[0, 21, 90, 150], K=24, V=8, chunk_size=64, use_gate_in_kernel=True,
                               A_log=True, dt_bias=True, use_qk_l2norm_in_kernel=True))
-    check_against_oracle(_preset(), x, opts)
+    check_against_oracle(_preset(tuning), x, opts)
 
 
+@pytest.mark.parametrize("tuning", PRESETS)
 @pytest.mark.parametrize("t", [21, 48])
-def test_preset_pipeline_gradients_causal_to_the_bit(t):
+def test_preset_pipeline_gradients_causal_to_the_bit(t, tuning):
     """As ``tests/test_pipeline.py::test_gradients_causal_to_the_bit`` through the preset's
     pipeline at chunk 64 (four sub-blocks a chunk), float32."""
-    assert_gradients_causal(t, chunk_size=64, pipeline=_preset())
+    assert_gradients_causal(t, chunk_size=64, pipeline=_preset(tuning))
 
 
 def test_pipe_name_reaches_the_preset():

@@ -3,11 +3,9 @@ scores one Triton program per (row * head, chunk, 16-token sub-block), ``(I + L)
 second kernel over the stored L. It equals the reference stage as the whole-chunk kernel
 does (interpret mode: float64 to 1e-12, float32 at F2's 1e-5; dense at every chunk size, K
 padded, several feature blocks, G_lo, resets, NaN reach as the reference and the
-whole-chunk kernel, causal to the bit), runs the whole pipeline of the
-``"candidate-rows16-f2"`` preset against the golden cases and the oracle, and compiles
-for sm_90 at 4 warps without spills (benchmarks/results/f2_rows16_resources.txt)."""
-
-import dataclasses
+whole-chunk kernel, causal to the bit) and compiles for sm_90 at 4 warps without spills
+(benchmarks/results/f2_rows16_resources.txt). The ``"candidate-rows16-f2"`` preset's
+whole pipeline is checked with the B4 preset's in ``tests/pallas/test_intra_rows.py``."""
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +16,7 @@ import kdax
 from kdax import pallas as P
 from kdax import stages as S
 
-from .._util import GOLDEN_CASES, assert_close, check_golden
-from ..test_pipeline import assert_gradients_causal, build_case, check_against_oracle
+from .._util import assert_close
 from .test_stages import _b4_args, _G_lo
 
 RESET = np.zeros((2, 2, 64), bool)  # sequences starting inside sub-blocks, on their edges, at the chunk's end
@@ -143,38 +140,6 @@ def test_rows_field_checked():
     with pytest.raises(ValueError, match=r"rows: 16 is a Triton kernel's grid; target is 'tpu'"):
         P.PallasIntra(target="tpu", rows=16)
     assert P.PallasIntra(target="triton").rows == 64
-
-
-def _preset(**kw):
-    """The ``"candidate-rows16-f2"`` preset's stages in interpret mode, no fallback, at
-    precision ``"auto"`` (the preset's "fast" rounds operands to bf16, beyond float64's
-    tolerance)."""
-    pipe = kdax.KDAPipeline.pallas("triton", interpret=True, tuning="candidate-rows16-f2")
-    assert pipe.precision == "fast" and pipe.intra.rows == 16 and pipe.intra.num_warps == 4
-    assert pipe.intra_bwd.rows == 16 and pipe.intra_bwd.num_warps == 4
-    return dataclasses.replace(pipe.with_precision("auto"), fallback=False, **kw)
-
-
-@pytest.mark.parametrize("name", GOLDEN_CASES)
-def test_preset_pipeline_golden_float64(name):
-    """``jax.grad(chunk_kda)`` through the preset's Pallas pipeline, F2 and B4 on 16-row
-    programs: the golden cases in float64 to 1e-10."""
-    check_golden(_preset(), name, jnp.float64, 1e-10, 1e-10)
-
-
-def test_preset_pipeline_shared_chunks_against_oracle():
-    """Packed sequences starting inside 64-token chunks (shared chunks: F2 with resets),
-    Kimi Linear's gate options, float64, against the recurrent oracle."""
-    x, opts = build_case(dict(cu_seqlens=[0, 21, 90, 150], K=24, V=8, chunk_size=64, use_gate_in_kernel=True,
-                              A_log=True, dt_bias=True, use_qk_l2norm_in_kernel=True))
-    check_against_oracle(_preset(), x, opts)
-
-
-@pytest.mark.parametrize("t", [21, 48])
-def test_preset_pipeline_gradients_causal_to_the_bit(t):
-    """As ``tests/test_pipeline.py::test_gradients_causal_to_the_bit`` through the preset's
-    pipeline at chunk 64 (four sub-blocks a chunk), float32."""
-    assert_gradients_causal(t, chunk_size=64, pipeline=_preset())
 
 
 def _f2_kernels(policy: str, tuning: dict, packed: bool) -> dict:
