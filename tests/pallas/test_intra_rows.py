@@ -32,6 +32,28 @@ def _rows(rows: int, **kw):
     return P.PallasIntraBackward(target="triton", interpret=True, rows=rows, **kw)
 
 
+def check_g_lo_and_resets(pal, ref, make_args, close, tol: float, used):
+    """The G_lo and reset part of a rows stage's check against its reference (B4 here, F2 in
+    test_intra_rows_f2.py): ``pal`` with G_lo (which must move ``used(output)`` by more than
+    100 ``tol``), with ``RESET``, and with both, each ``close`` to ``ref``; ``make_args(C, K,
+    seed)`` gives the stage's arguments. Returns ``(the reset case's arguments, pal's output
+    on them, the pairs of tokens across sequences [2, 1, 2, C, C])``."""
+    args = make_args(64, 40, 5)
+    lo = _G_lo(args[4])
+    got = pal(*args, G_lo=lo)
+    close(got, ref(*args, G_lo=lo), tol, "G_lo")
+    assert float(jnp.max(jnp.abs(used(got) - used(pal(*args))))) > 100 * tol  # (G_lo is used)
+    args, reset = make_args(64, 12, 3), jnp.asarray(RESET)
+    got = pal(*args, reset=reset)
+    close(got, ref(*args, reset=reset), tol, "reset")
+    close(pal(*args, G_lo=lo[..., :12], reset=reset), ref(*args, G_lo=lo[..., :12], reset=reset), tol,
+          "reset with G_lo")
+    seg = np.cumsum(RESET & (np.arange(64) > 0), axis=-1)[:, None, :, :, None]
+    across = seg != np.swapaxes(seg, -1, -2)
+    assert across.any()
+    return args, got, across
+
+
 @pytest.mark.parametrize("dtype,tol", [(jnp.float64, 1e-12), (jnp.float32, 1e-5)], ids=["f64", "f32"])
 def test_rows16_equals_the_reference(dtype, tol):
     """Dense at C = 16 (one sub-block), 32, 64 and 128 (eight), K = 12 padded to 16 and
@@ -42,21 +64,9 @@ def test_rows16_equals_the_reference(dtype, tol):
     for C, K in ((16, 12), (32, 12), (64, 40), (128, 12)):
         args = _b4_args(dtype, C, K, seed=C)
         _b4_close(pal(*args), ref(*args), tol, f"dense C={C}")
-    args = _b4_args(dtype, 64, 40, seed=5)
-    lo = _G_lo(args[4])
-    got = pal(*args, G_lo=lo)
-    _b4_close(got, ref(*args, G_lo=lo), tol, "G_lo")
-    assert float(jnp.max(jnp.abs(got.dG - pal(*args).dG))) > 100 * tol  # (G_lo is used)
-
-    args = _b4_args(dtype, 64, 12, seed=3)
-    reset = jnp.asarray(RESET)
-    got = pal(*args, reset=reset)
-    _b4_close(got, ref(*args, reset=reset), tol, "reset")
-    _b4_close(pal(*args, G_lo=lo[..., :12], reset=reset), ref(*args, G_lo=lo[..., :12], reset=reset), tol,
-              "reset with G_lo")
-    seg = np.cumsum(RESET & (np.arange(64) > 0), axis=-1)[:, None, :, :, None]
-    across = jnp.asarray(np.broadcast_to(seg != np.swapaxes(seg, -1, -2), args[5].shape))
-    assert across.any()
+    args, got, across = check_g_lo_and_resets(pal, ref, lambda C, K, seed: _b4_args(dtype, C, K, seed=seed),
+                                              _b4_close, tol, lambda out: out.dG)
+    reset, across = jnp.asarray(RESET), jnp.asarray(across)
     noise, grads = rand_like(args[5], 99), args[6]
     moved = (*args[:5], jnp.where(across, noise, args[5]),
              ChunkGrads(grads.dq, grads.dk, None, grads.dbeta, grads.dG, jnp.where(across, noise, grads.dL)))

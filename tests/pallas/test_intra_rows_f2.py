@@ -17,10 +17,9 @@ from kdax import pallas as P
 from kdax import stages as S
 
 from .._util import assert_close
-from .test_stages import _b4_args, _G_lo
+from .test_intra_rows import RESET, check_g_lo_and_resets
+from .test_stages import _b4_args
 
-RESET = np.zeros((2, 2, 64), bool)  # sequences starting inside sub-blocks, on their edges, at the chunk's end
-RESET[0, 0, [0, 5, 16, 17, 40]] = RESET[0, 1, [63]] = RESET[1, 1, [0, 31, 32]] = True
 
 
 def _rows(rows: int, **kw):
@@ -49,22 +48,9 @@ def test_rows16_equals_the_reference(dtype, tol):
     for C, K, bk in ((16, 12, 64), (32, 12, 64), (64, 40, 64), (64, 40, 16), (128, 12, 64)):
         args = _args(dtype, C, K, seed=C + bk)
         _close(_rows(16, block_k=bk)(*args), ref(*args), tol, f"dense C={C} block_k={bk}")
-    pal = _rows(16, block_k=32)
-    args = _args(dtype, 64, 40, seed=5)
-    lo = _G_lo(args[4])
-    got = pal(*args, G_lo=lo)
-    _close(got, ref(*args, G_lo=lo), tol, "G_lo")
-    assert float(jnp.max(jnp.abs(got.Aqk - pal(*args).Aqk))) > 100 * tol  # (G_lo is used)
-
-    args = _args(dtype, 64, 12, seed=3)
-    reset = jnp.asarray(RESET)
-    got = pal(*args, reset=reset)
-    _close(got, ref(*args, reset=reset), tol, "reset")
-    _close(pal(*args, G_lo=lo[..., :12], reset=reset), ref(*args, G_lo=lo[..., :12], reset=reset), tol,
-           "reset with G_lo")
-    seg = np.cumsum(RESET & (np.arange(64) > 0), axis=-1)[:, None, :, :, None]
-    across = np.broadcast_to(seg != np.swapaxes(seg, -1, -2), got.Aqk.shape)
-    assert across.any()
+    _, got, across = check_g_lo_and_resets(_rows(16, block_k=32), ref, lambda C, K, seed: _args(dtype, C, K, seed),
+                                           _close, tol, lambda out: out.Aqk)
+    across = np.broadcast_to(across, got.Aqk.shape)
     for n in ("Aqk", "Akk"):
         assert not np.asarray(getattr(got, n))[across].any(), n
 
