@@ -4,10 +4,11 @@ configuration the stages receive (``KDAConfig``). A new option: a field in
 ``KDAOptions.config`` copies) and its keyword in ``chunk_kda`` (a test checks that they agree)."""
 
 import dataclasses
-import warnings
 from typing import Any, Optional
 
 import equinox as eqx
+
+from ._errors import warn_caller
 
 
 class KDAConfig(eqx.Module):
@@ -91,7 +92,7 @@ def resolve_deprecated(kwargs: dict) -> dict:
     value = kwargs.pop("transpose_state_layout")
     if kwargs.get("state_v_first", False):
         raise ValueError("transpose_state_layout: cannot be given together with state_v_first (its new name).")
-    warnings.warn("transpose_state_layout is deprecated (as in FLA); use state_v_first.", DeprecationWarning,
-                  stacklevel=3)
+    # (attributed to the caller's line: Python shows a DeprecationWarning only there, in __main__)
+    warn_caller("transpose_state_layout is deprecated (as in FLA); use state_v_first.", DeprecationWarning)
     kwargs["state_v_first"] = bool(value)
     return kwargs

@@ -91,8 +91,10 @@ def test_cu_seqlens_list_or_tuple(fn, x):
 def test_transpose_state_layout_deprecated(fn, x):
     pos, kw = split_args(x)
     h0 = jnp.swapaxes(kw["initial_state"], -1, -2)
-    with pytest.warns(DeprecationWarning, match="transpose_state_layout is deprecated"):
+    with pytest.warns(DeprecationWarning, match="transpose_state_layout is deprecated") as seen:
         a = _run(fn, pos, initial_state=h0, output_final_state=True, transpose_state_layout=True)
+    # attributed to the caller's line, so that Python's default filters show it (in __main__)
+    assert {w.filename for w in seen if w.category is DeprecationWarning} == {__file__}
     _same(a, _run(fn, pos, initial_state=h0, output_final_state=True, state_v_first=True))
     with pytest.raises(ValueError, match="transpose_state_layout: cannot be given together"):
         fn(*pos, initial_state=h0, transpose_state_layout=True, state_v_first=True)
