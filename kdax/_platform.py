@@ -22,7 +22,10 @@ to opt out), and no JAX backend has been created yet (XLA reads ``XLA_FLAGS`` th
 
 import os
 
+import jax
 import jaxlib
+
+from ._errors import warn_caller
 
 OPTION = "xla_cpu_experimental_ynn_fusion_type"
 SAFE = "individual_dot,dot"  # the fusion types that ran every reproducer clean
@@ -79,6 +82,15 @@ def reuse_freed_memory(enable: bool = True) -> bool:
     (numpy's too) follows the setting. ``enable=False`` restores glibc's static
     defaults (not its dynamic threshold) and hands the free heap back (``malloc_trim``).
 
+    The heap is the calling thread's. XLA:CPU runs a program it dispatches asynchronously
+    on a thread of its own pool, whose glibc arena maps any block larger than its 64 MiB
+    heap afresh whatever the settings (kdax's training step with ``check_inputs=False``:
+    75-79 K faults a call with them, 230 against 175-180 ms). So ``enable=True`` also runs
+    XLA:CPU's programs on the calling thread (``jax_cpu_enable_async_dispatch=False``: a
+    call returns when its results are ready), which JAX reads when it creates its CPU
+    backend: call this before JAX's first computation (a ``RuntimeWarning`` says when it
+    comes too late; the heap settings still apply). ``enable=False`` restores JAX's default.
+
     A process setting, never made at import: ``python -m kdax.bench`` calls it (its
     header says so; ``--fresh-memory`` leaves it off). Returns whether it was applied
     (False where the C library is not glibc)."""
@@ -89,4 +101,9 @@ def reuse_freed_memory(enable: bool = True) -> bool:
     ok = all(libc.mallopt(param, value) == 1 for param, value in values.items())
     if not enable:
         libc.malloc_trim(0)
+    if enable and _backends_created() and jax.config.values["jax_cpu_enable_async_dispatch"]:
+        warn_caller("reuse_freed_memory: JAX's CPU backend exists already, so the programs it dispatches "
+                    "asynchronously keep mapping fresh memory on every call; call it before JAX's first computation.",
+                    RuntimeWarning)
+    jax.config.update("jax_cpu_enable_async_dispatch", not enable)
     return ok

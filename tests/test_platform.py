@@ -73,14 +73,15 @@ def test_other_jaxlibs_and_created_backends_are_left_alone(monkeypatch):
 
 
 _FAULTS = """
-import resource
+import resource, sys, warnings
 import jax, kdax
 from kdax.bench._shape import Shape, make_inputs, cotangent
+applied = kdax.reuse_freed_memory() if sys.argv[1] == "reused" else None  # (before any computation)
 s = Shape(B=1, T=4096, H=4, HV=4, K=128, V=128, chunk_size=64)
 args, w = make_inputs(s), cotangent(s)
-step = jax.jit(jax.grad(lambda *a: (kdax.chunk_kda(*a)[0] * w).sum(), argnums=(0, 1, 2, 3, 4)))
 
-def faults():
+def faults(check):  # minor page faults a call of a training step
+    step = jax.jit(jax.grad(lambda *a: (kdax.chunk_kda(*a, check_inputs=check)[0] * w).sum(), argnums=(0, 1, 2, 3, 4)))
     for _ in range(2):
         jax.block_until_ready(step(*args))
     r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -88,27 +89,40 @@ def faults():
         jax.block_until_ready(step(*args))
     return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0) / 3
 
-before = faults()
-applied = kdax.reuse_freed_memory()
-after = faults()
-print(before, applied, after, kdax.reuse_freed_memory(False))
+counts = [faults(True), faults(False)]
+with warnings.catch_warnings(record=True) as late:
+    warnings.simplefilter("always")
+    kdax.reuse_freed_memory()  # the backend exists now: too late for the dispatch, if not set before
+print(applied, *counts, sum("before JAX's first computation" in str(x.message) for x in late),
+      kdax.reuse_freed_memory(False), jax.config.values["jax_cpu_enable_async_dispatch"])
 """
+
+
+def _faults(mode: str) -> list:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
+    run = subprocess.run([sys.executable, "-c", _FAULTS, mode], env=env, capture_output=True, text=True, timeout=600,
+                         cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return run.stdout.split()
 
 
 @pytest.mark.skipif(_platform._glibc() is None, reason="glibc's mallopt only")
 def test_reuse_freed_memory_ends_the_page_faults():
     """A training step whose temporaries exceed glibc's mmap threshold (T=4096 H=4
     K=V=128: about 130 MiB a call) faults its pages in afresh on every call with malloc as
-    it is; after ``kdax.reuse_freed_memory()`` it reuses the memory it freed. Counted in a
-    fresh process (the setting is the process's), as minor page faults a call."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
-    run = subprocess.run([sys.executable, "-c", _FAULTS], env=env, capture_output=True, text=True, timeout=600,
-                         cwd=ROOT)
-    assert run.returncode == 0, run.stderr[-4000:]
-    before, applied, after, off = run.stdout.split()
+    it is; after ``kdax.reuse_freed_memory()`` it reuses the memory it freed, whichever
+    thread XLA:CPU would run it on (the step without the in-program check was dispatched
+    to XLA's own pool, whose arena kept mapping fresh blocks: ~35 K faults a call with
+    the heap settings alone). Counted in fresh processes (the setting is the process's),
+    as minor page faults a call; a call after JAX's first computation warns."""
+    _, checked, unchecked, late, _, _ = _faults("as-is")
+    applied, checked_after, unchecked_after, again, off, dispatch = _faults("reused")
     assert applied == off == "True"  # (glibc takes both settings)
     # ~33 K faults a call (4 KiB pages) as it is; none once freed memory is reused.
-    assert float(before) > 10_000, before
-    assert float(after) < 0.01 * float(before), (before, after)
+    for before, after in ((checked, checked_after), (unchecked, unchecked_after)):
+        assert float(before) > 10_000, before
+        assert float(after) < 0.01 * float(before), (before, after)
+    # warned when late (not once in effect); enable=False restored JAX's default
+    assert (late, again, dispatch) == ("1", "0", "True")
 

@@ -36,9 +36,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="bench-results", help="folder for results.json/.csv and plots ('' for none)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("--fresh-memory", action="store_true",
-                   help="leave glibc's malloc as it is (by default the run calls kdax.reuse_freed_memory() first: "
-                        "XLA:CPU's temporaries then reuse freed memory instead of faulting in fresh pages on "
-                        "every call)")
+                   help="leave glibc's malloc and JAX's dispatch as they are (by default the run calls "
+                        "kdax.reuse_freed_memory() first: XLA:CPU's temporaries then reuse freed memory instead of "
+                        "faulting in fresh pages on every call)")
     return p
 
 
@@ -63,12 +63,14 @@ def main(argv=None) -> int:
     """``python -m kdax.bench [options]`` (``--help`` lists them); returns the exit status:
     1 when a path failed or disagrees with the float64 reference."""
     a = _parser().parse_args(argv)
+    # A process setting, as a careful user makes it (kdax._platform): every path alike,
+    # made before JAX's first computation (it sets how XLA:CPU dispatches programs).
+    reused = not a.fresh_memory and reuse_freed_memory()
+    memory = "freed memory reused, programs run on the calling thread" if reused else "fresh memory each call"
     log = Log(not a.quiet)
     avail = pipelines()
     pipes = {n: avail[n] for n in a.pipelines.split(",")}
     a.HV = a.H if a.HV is None else a.HV
-    # A process setting, as a careful user makes it (kdax._platform): every path alike.
-    memory = "freed memory reused" if not a.fresh_memory and reuse_freed_memory() else "fresh memory each call"
     shape = Shape(**{k: getattr(a, k) for k in dataclasses.asdict(Shape())})
     if a.stages:
         return _stages_main(shape, a.reps, pipes, memory)
