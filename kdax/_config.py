@@ -92,7 +92,6 @@ def resolve_deprecated(kwargs: dict) -> dict:
     value = kwargs.pop("transpose_state_layout")
     if kwargs.get("state_v_first", False):
         raise ValueError("transpose_state_layout: cannot be given together with state_v_first (its new name).")
-    # (attributed to the caller's line: Python shows a DeprecationWarning only there, in __main__)
     warn_caller("transpose_state_layout is deprecated (as in FLA); use state_v_first.", DeprecationWarning)
     kwargs["state_v_first"] = bool(value)
     return kwargs
