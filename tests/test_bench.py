@@ -5,8 +5,10 @@ import json
 import os
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from kdax import bench
 from kdax import stages as S
@@ -202,3 +204,37 @@ def test_main_job_header_says_how_memory_is_allocated(capsys):
     assert status == 0, out
     assert "fresh memory each call; large float32 matmul" in out.splitlines()[0], out
     assert "chunk_kda[reference]" in out
+
+
+def test_profile_sums_a_programs_operations_by_kind():
+    """``kdax.bench._profile``: XLA's operation names sorted into kinds, and a traced
+    program's leaf operations summed per call (the kinds add up to the busy time)."""
+    from kdax.bench._profile import KINDS, format_profiles, kind, profile
+
+    names = {"ynn_fusion.44": "dot", "dot_general.3": "dot", "bitcast_dynamic-update-slice_fusion.2":
+             "loop slices and updates", "minimum_exponential_fusion": "exponential", "add_concatenate_fusion.4":
+             "concatenate", "copy_bitcast_fusion.19": "copy, transpose", "wrapped_reduce-window.4": "reduce",
+             "select_select_fusion": "other elementwise"}
+    assert {n: kind(n) for n in names} == names
+    a = jnp.asarray(np.random.default_rng(0).normal(size=(8, 64, 64)), jnp.float32)
+    fn = jax.jit(lambda a: jnp.exp(-jnp.abs(a @ a)).sum(-1))
+    p = profile(fn, (a,), calls=3)
+    assert p["wall"] > 0 and p["ops"] > 0 and 0 < p["outside"] <= p["busy"]
+    assert set(p["kinds"]) <= {k for k, _ in KINDS} and "dot" in p["kinds"]
+    assert sum(ms for ms, _ in p["kinds"].values()) == pytest.approx(p["busy"])
+    assert sum(n for _, n in p["kinds"].values()) == p["ops"]
+    table = format_profiles({"x": p})
+    assert "at once (busy / wall)" in table and "dot" in table
+
+
+def test_main_job_profile_option(capsys):
+    """``python -m kdax.bench --profile`` at a tiny shape: the forward's and the training
+    step's operations by kind."""
+    from kdax.bench._main import main
+
+    status = main(["--T", "40", "--H", "2", "--K", "8", "--V", "8", "--chunk_size", "16", "--profile", "--reps", "2",
+                   "--fresh-memory"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "XLA's operations in a jax.profiler trace of 2 calls" in out.splitlines()[0], out
+    assert "reference fwd" in out and "reference fwd+bwd" in out and "\ndot " in out, out

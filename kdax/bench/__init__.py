@@ -31,7 +31,9 @@ alone) and before anything is timed. Progress lines (what runs, seconds since th
 go to stderr as it compiles and times. Results (JSON, CSV) and plots (PNG, with
 matplotlib: ``pip install -e ".[test]"`` installs it) are written to ``--out`` (default
 ``bench-results/`` in the working directory). ``--sweep`` runs T over 512..16384 (H=8,
-K=V=128).
+K=V=128). ``--stages`` times each stage alone; ``--profile`` sums the forward's and the
+training step's operations by kind (dots, exponentials, the chunk loops' slices and
+updates, copies, ...) from a ``jax.profiler`` trace.
 """
 
 from ._baselines import (

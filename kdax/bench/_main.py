@@ -5,14 +5,18 @@ import dataclasses
 import sys
 import time
 
+import jax
+
+from .._chunk_kda import chunk_kda
 from .._platform import reuse_freed_memory
-from ._baselines import pipelines
+from ._baselines import _TrainStep, pipelines
+from ._profile import format_profiles, profile
 from ._results import write_results
 from ._run import bench_shape
-from ._shape import Shape
+from ._shape import Shape, cotangent, make_inputs
 from ._stages import bench_glue, bench_stages
 from ._tables import STAGE_HEAD, format_stage_row, format_table, with_ratios
-from ._timing import Log, machine, matmul_gflops
+from ._timing import Log, compiled, machine, matmul_gflops
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -33,6 +37,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep", action="store_true", help="T in 512..16384 at H=8, K=V=128")
     p.add_argument("--stages", action="store_true",
                    help="time each stage alone per pipeline (arguments from the reference pipeline)")
+    p.add_argument("--profile", action="store_true",
+                   help="where the forward's and the training step's time goes, by kind of operation (a jax.profiler "
+                        "trace of XLA:CPU's events)")
     p.add_argument("--out", default="bench-results", help="folder for results.json/.csv and plots ('' for none)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("--fresh-memory", action="store_true",
@@ -59,6 +66,24 @@ def _stages_main(shape: Shape, reps: int, pipes: dict, memory: str) -> int:
     return 1 if any(r["time_s"] is None for r in rows) else 0
 
 
+def _profile_main(shape: Shape, reps: int, pipes: dict, memory: str) -> int:
+    """``--profile``: each pipeline's forward and training step (the main table's programs)
+    traced over ``reps`` calls, their operations summed by kind (``kdax.bench._profile``)."""
+    print(f"kdax profile on {machine()}, {memory}; B={shape.B} T={shape.T} H={shape.H} HV={shape.HV} K={shape.K} "
+          f"V={shape.V} chunk={shape.chunk_size} float32: XLA's operations in a jax.profiler trace of {reps} calls, "
+          f"per call (ms, operations)", flush=True)
+    args, w = make_inputs(shape), cotangent(shape)
+    profiles = {}
+    for pname, pipe in pipes.items():
+        opts = dict(chunk_size=shape.chunk_size, pipeline=pipe)
+        fwd = jax.jit(lambda *a, opts=opts: chunk_kda(*a, **opts)[0])
+        step = _TrainStep(lambda *a, opts=opts: chunk_kda(*a, **opts), w)
+        for kind, f in (("fwd", fwd), ("fwd+bwd", step)):
+            profiles[f"{pname} {kind}"] = profile(compiled(f, args)[0], args, reps)
+    print(format_profiles(profiles))
+    return 0
+
+
 def main(argv=None) -> int:
     """``python -m kdax.bench [options]`` (``--help`` lists them); returns the exit status:
     1 when a path failed or disagrees with the float64 reference."""
@@ -74,6 +99,8 @@ def main(argv=None) -> int:
     shape = Shape(**{k: getattr(a, k) for k in dataclasses.asdict(Shape())})
     if a.stages:
         return _stages_main(shape, a.reps, pipes, memory)
+    if a.profile:
+        return _profile_main(shape, a.reps, pipes, memory)
     log("timing a large float32 matmul (the FLOP-rate yardstick)")
     mm = matmul_gflops()
     meta = dict(machine=machine(), matmul_gflops=mm, reps=a.reps, heavy_reps=a.heavy_reps,
