@@ -2,8 +2,9 @@
 events in a ``jax.profiler`` trace of a few calls, summed per call.
 
 XLA:CPU records one event per operation it runs (a fusion, a dot, a copy: named after
-the HLO instruction) inside the runtime's own events (``ThunkExecutor::...``, ``$...``),
-and a loop (``while``) as an event that contains its body's. The leaf operations are
+the HLO instruction, which its ``hlo_op`` argument names) among the runtime's own events
+(``ThunkExecutor::...``, ``end: ...`` markers), and a loop (``while``) as an event that
+contains its body's. The leaf operations are
 grouped by what their names say they compute (``KINDS``: a fusion is named after its
 root operations, so ``add_concatenate_fusion`` is a concatenation). Under kdax's
 YNNPACK setting on jaxlib 0.10 (``kdax._platform``) a ``ynn_fusion`` is a dot. ``busy``:
@@ -30,7 +31,6 @@ KINDS = (
     ("reduce", ("reduce",)),
     ("other elementwise", ("",)),
 )
-_RUNTIME = ("ThunkExecutor", "$", "Pjit", "ExecuteReplicated", "PjRt", "CommonPjRt", "SlinkyThreadPool")
 _CONTAINERS = ("while", "conditional", "call")
 
 
@@ -39,8 +39,9 @@ def kind(name: str) -> str:
     return next(k for k, parts in KINDS if any(p in name for p in parts))
 
 
-def _leaf(name: str) -> bool:
-    return not name.startswith(_RUNTIME) and "::" not in name and name.split(".")[0] not in _CONTAINERS
+def _leaf(event: dict) -> bool:
+    """An operation's own event (it names its HLO instruction; not a loop, not a marker)."""
+    return bool(event.get("args", {}).get("hlo_op")) and event["name"].split(".")[0] not in _CONTAINERS
 
 
 def profile(fn: Callable, args, calls: int = 5) -> dict:
@@ -66,7 +67,7 @@ def profile(fn: Callable, args, calls: int = 5) -> dict:
     for e in events:
         if e["name"].startswith("CommonPjRtLoadedExecutable::ExecuteHelper"):
             wall += e["dur"]
-        elif _leaf(e["name"]):
+        elif _leaf(e):
             per_name[e["name"]] += e["dur"]
             count[e["name"]] += 1
     kinds = collections.defaultdict(lambda: [0.0, 0])
