@@ -113,7 +113,7 @@ def test_reuse_freed_memory_ends_the_page_faults():
     K=V=128: about 130 MiB a call) faults its pages in afresh on every call with malloc as
     it is; after ``kdax.reuse_freed_memory()`` it reuses the memory it freed, whichever
     thread XLA:CPU would run it on (the step without the in-program check was dispatched
-    to XLA's own pool, whose arena kept mapping fresh blocks: ~35 K faults a call with
+    to XLA's own pool, whose arena kept mapping fresh blocks: ~40 K faults a call with
     the heap settings alone). Counted in fresh processes (the setting is the process's),
     as minor page faults a call; a call after JAX's first computation warns."""
     _, checked, unchecked, late, _, _ = _faults("as-is")
