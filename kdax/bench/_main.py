@@ -5,14 +5,11 @@ import dataclasses
 import sys
 import time
 
-import jax
-
-from .._chunk_kda import chunk_kda
 from .._platform import reuse_freed_memory
-from ._baselines import _TrainStep, pipelines
+from ._baselines import pipelines
 from ._profile import format_profiles, profile
 from ._results import write_results
-from ._run import bench_shape
+from ._run import bench_shape, kdax_paths
 from ._shape import Shape, cotangent, make_inputs
 from ._stages import bench_glue, bench_stages
 from ._tables import STAGE_HEAD, format_stage_row, format_table, with_ratios
@@ -75,10 +72,7 @@ def _profile_main(shape: Shape, reps: int, pipes: dict, memory: str) -> int:
     args, w = make_inputs(shape), cotangent(shape)
     profiles = {}
     for pname, pipe in pipes.items():
-        opts = dict(chunk_size=shape.chunk_size, pipeline=pipe)
-        fwd = jax.jit(lambda *a, opts=opts: chunk_kda(*a, **opts)[0])
-        step = _TrainStep(lambda *a, opts=opts: chunk_kda(*a, **opts), w)
-        for kind, f in (("fwd", fwd), ("fwd+bwd", step)):
+        for kind, f in zip(("fwd", "fwd+bwd"), kdax_paths(shape, pipe, w)):
             profiles[f"{pname} {kind}"] = profile(compiled(f, args)[0], args, reps)
     print(format_profiles(profiles))
     return 0

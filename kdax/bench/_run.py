@@ -29,6 +29,13 @@ class _Path(NamedTuple):
     peak: Optional[int]
 
 
+def kdax_paths(s: Shape, pipe, w, check_inputs: bool = True) -> tuple:
+    """``(forward, training step)``: ``chunk_kda`` with ``pipe`` at shape ``s`` as the main
+    table times it (the output alone; ``sum(o * w)`` and every input gradient)."""
+    opts = dict(chunk_size=s.chunk_size, pipeline=pipe, check_inputs=check_inputs)
+    return (jax.jit(lambda *a: chunk_kda(*a, **opts)[0]), _TrainStep(lambda *a: chunk_kda(*a, **opts), w))
+
+
 def bench_shape(s: Shape, reps: int, pipes: dict, baselines: bool, check: bool, log: Callable = quiet,
                 slow_baselines: bool = False, heavy_reps: int = 1) -> list:
     """Rows of results for one shape: each pipeline's forward and forward+backward, and
@@ -72,9 +79,7 @@ def _compile_pipelines(s: Shape, args, w, pipes: dict, compile_path: Callable, l
     variants = [(pname, pipe, True) for pname, pipe in pipes.items()]
     variants += [(f"{pname}, check_inputs=False", pipe, False) for pname, pipe in pipes.items() if pname == "reference"]
     for pname, pipe, check_inputs in variants:
-        opts = dict(chunk_size=s.chunk_size, pipeline=pipe, check_inputs=check_inputs)
-        fwd = jax.jit(lambda *a, opts=opts: chunk_kda(*a, **opts)[0])
-        grad = _TrainStep(lambda *a, opts=opts: chunk_kda(*a, **opts), w)
+        fwd, grad = kdax_paths(s, pipe, w, check_inputs)
         n = len(todo)
         try:
             todo.append(compile_path(f"chunk_kda[{pname}]", "fwd", fwd, ff["forward"]))
