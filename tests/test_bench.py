@@ -224,7 +224,8 @@ def test_profile_sums_a_programs_operations_by_kind():
     assert sum(ms for ms, _ in p["kinds"].values()) == pytest.approx(p["busy"])
     assert sum(n for _, n in p["kinds"].values()) == p["ops"]
     table = format_profiles({"x": p})
-    assert "at once (busy / wall)" in table and "dot" in table
+    assert "overlap (busy / wall)" in table and "cores (CPU time / wall)" in table and "dot" in table
+    assert p["cores"] > 0
 
 
 def test_main_job_profile_option(capsys):

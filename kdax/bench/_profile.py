@@ -8,15 +8,20 @@ contains its body's. The leaf operations are
 grouped by what their names say they compute (``KINDS``: a fusion is named after its
 root operations, so ``add_concatenate_fusion`` is a concatenation). Under kdax's
 YNNPACK setting on jaxlib 0.10 (``kdax._platform``) a ``ynn_fusion`` is a dot. ``busy``:
-the leaf operations' time added up; over ``wall`` it says how many ran at once on
-average. ``outside`` loops: the leaf operations that ran once a call."""
+the leaf operations' time added up. An operation XLA splits over threads (a fusion given
+parallel partitions, inside a loop too) is one event at its own wall time, so ``busy``
+over ``wall`` counts operations that overlap, not cores: ``cores`` is the process's CPU
+time (all threads, from ``getrusage``, idle spinning of XLA's pool included) over the wall
+time of the traced calls. ``outside`` loops: the leaf operations that ran once a call."""
 
 import collections
 import glob
 import gzip
 import json
 import os
+import resource
 import tempfile
+import time
 from typing import Callable
 
 import jax
@@ -47,14 +52,17 @@ def _leaf(event: dict) -> bool:
 def profile(fn: Callable, args, calls: int = 5) -> dict:
     """``fn(*args)`` (compiled; warmed up here) traced over ``calls`` calls: per call, ``wall``
     ms (the runtime's execute events), ``busy`` ms and ``ops`` (leaf operations),
-    ``outside`` ms (those that ran once a call) and ``kinds`` ``{kind: (ms, ops)}``."""
+    ``outside`` ms (those that ran once a call), ``cores`` (CPU time over wall time) and
+    ``kinds`` ``{kind: (ms, ops)}``."""
     for _ in range(2):
         jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d)
         try:
+            r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
             for _ in range(calls):
                 jax.block_until_ready(fn(*args))
+            t1, r1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
         finally:
             jax.profiler.stop_trace()
         files = glob.glob(os.path.join(d, "**", "*.trace.json.gz"), recursive=True)
@@ -74,7 +82,8 @@ def profile(fn: Callable, args, calls: int = 5) -> dict:
     for name, us in per_name.items():
         kinds[kind(name)][0] += us / calls / 1e3
         kinds[kind(name)][1] += count[name] // calls
-    return dict(wall=wall / calls / 1e3, busy=sum(per_name.values()) / calls / 1e3,
+    cpu = r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
+    return dict(wall=wall / calls / 1e3, busy=sum(per_name.values()) / calls / 1e3, cores=cpu / (t1 - t0),
                 ops=sum(count.values()) // calls,
                 outside=sum(us for n, us in per_name.items() if count[n] == calls) / calls / 1e3,
                 kinds={k: tuple(kinds[k]) for k, _ in KINDS if k in kinds})
@@ -93,6 +102,7 @@ def format_profiles(profiles: dict) -> str:
     for label, key in (("busy (leaf operations)", "busy"), ("outside loops", "outside"), ("wall (a call)", "wall")):
         rows.append(f"{label:<24}" + "".join(f"{profiles[n][key]:12.1f}" + (
             f"{profiles[n]['ops']:8d}" if key == "busy" else " " * 8) for n in names))
-    rows.append(f"{'at once (busy / wall)':<24}" + "".join(f"{profiles[n]['busy'] / profiles[n]['wall']:12.2f}"
+    rows.append(f"{'overlap (busy / wall)':<24}" + "".join(f"{profiles[n]['busy'] / profiles[n]['wall']:12.2f}"
                                                           + " " * 8 for n in names))
+    rows.append(f"{'cores (CPU time / wall)':<24}" + "".join(f"{profiles[n]['cores']:12.2f}" + " " * 8 for n in names))
     return "\n".join(rows)
