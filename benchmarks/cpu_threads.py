@@ -35,25 +35,18 @@ RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "cpu_threads.txt
 
 # Shared by the workers: best-of-reps timing with CPU time (all threads) and page faults.
 COMMON = r"""
-import ctypes, json, os, resource, sys, time
+import ctypes, json, os, sys, time
 if sys.argv[-1] == "arena":
     ctypes.CDLL("libc.so.6").mallopt(-8, 1)  # M_ARENA_MAX: every thread allocates from the main heap
 import jax, jax.numpy as jnp
 import kdax
 kdax.reuse_freed_memory()  # (as the main job: no page faults from fresh temporaries)
 
+from kdax.bench._timing import best_call
+
 def timed(fn, args, reps):
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    best = None
-    for _ in range(reps):
-        r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        t1, r1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
-        row = dict(ms=(t1 - t0) * 1e3, cpu=(r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime) / (t1 - t0),
-                   faults=r1.ru_minflt - r0.ru_minflt)
-        best = row if best is None or row["ms"] < best["ms"] else best
-    return best
+    wall, cpu, faults = best_call(fn, args, reps)
+    return dict(ms=wall * 1e3, cpu=cpu / wall, faults=faults)
 
 def partitioned(fn, args, in_loop):
     # Whether XLA gave parallel partitions to a kernel of the loop body (in_loop) or of the top level.

@@ -17,9 +17,10 @@ import sys
 import time
 
 WORKER = r"""
-import json, resource, sys, time
+import json, sys
 import jax, kdax
 from kdax.bench._shape import Shape, make_inputs, cotangent
+from kdax.bench._timing import best_call
 mode, T, reps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 applied = kdax.reuse_freed_memory() if mode == "reused" else False
 s = Shape(B=1, T=T, H=8, HV=8, K=128, V=128, chunk_size=64)
@@ -29,16 +30,7 @@ grad = lambda check: jax.jit(jax.grad(lambda *a: (kdax.chunk_kda(*a, check_input
                                      argnums=(0, 1, 2, 3, 4)))
 out = dict(applied=applied)
 for name, fn in (("forward", fwd), ("step", grad(True)), ("unchecked", grad(False))):
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    best = None
-    for _ in range(reps):
-        r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        t1, r1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
-        row = (t1 - t0, r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime, r1.ru_minflt - r0.ru_minflt)
-        best = row if best is None or row[0] < best[0] else best
-    out[name] = best
+    out[name] = best_call(fn, args, reps)
 print(json.dumps(out))
 """
 
