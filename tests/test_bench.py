@@ -3,6 +3,7 @@ is measured by ``python -m kdax.bench``, never in tests)."""
 
 import json
 import os
+import time
 
 import equinox as eqx
 import jax
@@ -144,6 +145,22 @@ def test_time_rounds_interleaves():
     ts = bench.time_rounds(fs, (jnp.zeros(2),), 2)
     assert len(ts) == 3 and all(t >= 0 for t in ts)
     assert calls == [0, 1, 2] * 3
+
+
+def test_best_call_reports_the_fastest_call():
+    # Two warm-up calls, then the fastest of the timed ones, with its CPU time and faults.
+    from kdax.bench._timing import best_call
+
+    calls, slow = [], iter([0.05, 0.0, 0.0])
+
+    def f(x):
+        calls.append(1)
+        if len(calls) > 2:
+            time.sleep(next(slow))
+        return x
+
+    wall, cpu, faults = best_call(f, (jnp.zeros(2),), 3)
+    assert len(calls) == 5 and 0 <= wall < 0.05 and cpu >= 0 and faults >= 0
 
 
 def test_train_step_loss_weights_are_an_argument():
