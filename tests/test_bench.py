@@ -14,6 +14,7 @@ import pytest
 from kdax import bench
 from kdax import stages as S
 from kdax.bench._shape import flops_per_token_head
+from kdax.bench._timing import best_call
 
 
 def test_bench_shape_rows_and_results(tmp_path):
@@ -149,8 +150,6 @@ def test_time_rounds_interleaves():
 
 def test_best_call_reports_the_fastest_call():
     # Two warm-up calls, then the fastest of the timed ones, with its CPU time and faults.
-    from kdax.bench._timing import best_call
-
     calls, slow = [], iter([0.05, 0.0, 0.0])
 
     def f(x):
