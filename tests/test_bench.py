@@ -14,7 +14,7 @@ import pytest
 from kdax import bench
 from kdax import stages as S
 from kdax.bench._shape import flops_per_token_head
-from kdax.bench._timing import best_call
+from kdax.bench._timing import _cpu, best_call
 
 
 def test_bench_shape_rows_and_results(tmp_path):
@@ -160,6 +160,21 @@ def test_best_call_reports_the_fastest_call():
 
     wall, cpu, faults = best_call(f, (jnp.zeros(2),), 3)
     assert len(calls) == 5 and 0 <= wall < 0.05 and cpu >= 0 and faults >= 0
+
+
+def test_machine_names_the_cpu_model_and_its_vector_extension(tmp_path):
+    # Hosts of one name differ by vector unit (AVX-512 or AVX2: 3x the matmul rate), so the
+    # tables name it; a field missing or no cpuinfo at all leaves it out.
+    x86 = tmp_path / "x86"
+    x86.write_text("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx avx2 fma\n\n"
+                   "processor\t: 1\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx avx2 fma\n")
+    arm = tmp_path / "arm"
+    arm.write_text("processor\t: 0\nFeatures\t: fp asimd evtstrm sve\nCPU part\t: 0xd40\n")
+    assert _cpu(str(x86)) == ("AMD EPYC", "(AVX2)")
+    assert _cpu(str(arm)) == ("", "(SVE)")
+    assert _cpu(str(tmp_path / "none")) == ("", "")
+    assert bench.machine().endswith(f"cores, {jax.devices()[0].platform} ({jax.devices()[0].device_kind}), "
+                                    f"jax {jax.__version__}")
 
 
 def test_train_step_loss_weights_are_an_argument():

@@ -84,8 +84,32 @@ def matmul_gflops(n: int = 2048, reps: int = 5) -> float:
 
 
 def machine() -> str:
+    """The machine a table's numbers come from: ``x86_64 AMD EPYC (AVX2) 2 cores, cpu (cpu),
+    jax 0.10.2``. The CPU's model and widest vector extension tell apart hosts that share a
+    name: the same 2-core "AMD EPYC" ran a large float32 matmul at ~480 GFLOP/s with AVX-512
+    and ~150 with AVX2 (benchmarks/NOTES.md)."""
     dev = jax.devices()[0]
-    return f"{platform.machine()} {os.cpu_count()} cores, {dev.platform} ({dev.device_kind}), jax {jax.__version__}"
+    cpu = " ".join(p for p in _cpu() if p)
+    return (f"{platform.machine()}{' ' + cpu if cpu else ''} {os.cpu_count()} cores, {dev.platform} "
+            f"({dev.device_kind}), jax {jax.__version__}")
+
+
+_VECTOR_EXTENSIONS = (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("avx", "AVX"), ("sve", "SVE"), ("asimd", "NEON"))
+
+
+def _cpu(cpuinfo: str = "/proc/cpuinfo") -> tuple:
+    """``(model, "(widest vector extension)")`` from Linux's ``cpuinfo``; empty strings
+    where a field is missing or the file is not there."""
+    try:
+        with open(cpuinfo) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return "", ""
+    field = lambda *names: next((ln.split(":", 1)[1].strip() for ln in lines  # noqa: E731
+                                 if ":" in ln and ln.split(":", 1)[0].strip() in names), "")
+    flags = set(field("flags", "Features").split())
+    isa = next((name for flag, name in _VECTOR_EXTENSIONS if flag in flags), "")
+    return field("model name"), f"({isa})" if isa else ""
 
 
 class Log:
