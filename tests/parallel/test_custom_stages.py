@@ -182,6 +182,7 @@ for case in CASES:
 """
 
 
+@pytest.mark.slow  # (a minute of XLA's full optimisation in a subprocess; the core checks 1e-14 above)
 def test_sequence_parallel_value_and_grad_forward_bit_for_bit():
     # With XLA's default flags (a user's), the forward under value_and_grad is the plain
     # forward bit for bit, every case and layout above on 4 devices. (This suite's faster-
