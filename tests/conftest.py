@@ -130,8 +130,21 @@ CORE_CASES = {
 
 @pytest.hookimpl(tryfirst=True)  # (before -m deselects by mark)
 def pytest_collection_modifyitems(config, items):
+    kept = {}
     for item in items:
         name, _, case = item.nodeid.partition("[")
         core = CORE_CASES.get(name)
-        if core is not None and not any(c in case for c in core):
+        if core is None:
+            continue
+        keep = any(c in case for c in core)
+        kept[name] = kept.get(name, False) or keep
+        if not keep:
             item.add_marker(pytest.mark.slow)
+    # A renamed test or case id must not empty a sweep's core, nor leave a stale entry.
+    modules = {item.nodeid.split("::")[0]: item.module for item in items if hasattr(item, "module")}
+    for name, core in CORE_CASES.items():
+        path, _, function = name.partition("::")
+        if path in modules and not hasattr(modules[path], function):
+            raise pytest.UsageError(f"tests/conftest.py CORE_CASES: no test {name}")
+        if core and kept.get(name) is False:
+            raise pytest.UsageError(f"tests/conftest.py CORE_CASES: {name} keeps none of its cases {core}")
