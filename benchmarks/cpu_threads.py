@@ -14,8 +14,9 @@ processes, float32:
    loop over both halves: whether XLA:CPU runs independent loops at once.
 4. ``heads``: the main job's forward and training step (B=1 T=4096 H=8 K=V=128) with the
    heads split over 2 host devices (``jax.shard_map``, ``--xla_force_host_platform_device_count=2``),
-   beside one device, both with ``kdax.reuse_freed_memory()``; with 2 devices also with
-   glibc's ``M_ARENA_MAX`` at 1 (each device's program runs on a thread of its own).
+   beside one device, both with ``kdax.reuse_freed_memory()`` (which limits glibc to one
+   arena with several devices: each device's program runs on a thread of its own); also
+   one device with one arena, and two with an arena per thread (glibc's default).
 5. ``tiles``: the main job's training step as a ``jax.lax.scan`` of ``chunk_kda`` over token
    tiles, the state carried (its gradient is JAX's through the scan), against the step whole.
 
@@ -36,11 +37,14 @@ RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "cpu_threads.txt
 # Shared by the workers: best-of-reps timing with CPU time (all threads) and page faults.
 COMMON = r"""
 import ctypes, json, os, sys, time
-if sys.argv[-1] == "arena":
-    ctypes.CDLL("libc.so.6").mallopt(-8, 1)  # M_ARENA_MAX: every thread allocates from the main heap
 import jax, jax.numpy as jnp
 import kdax
-kdax.reuse_freed_memory()  # (as the main job: no page faults from fresh temporaries)
+kdax.reuse_freed_memory()  # (as the main job: no page faults from fresh temporaries; one arena with several devices)
+# glibc's M_ARENA_MAX, overriding reuse_freed_memory's choice: every thread allocates from the
+# main heap ("one arena"), or from an arena of its own (glibc's default limit: "arenas").
+ARENAS = {"one arena": 1, "arenas": 8 * os.cpu_count()}
+if sys.argv[-1] in ARENAS:
+    ctypes.CDLL("libc.so.6").mallopt(-8, ARENAS[sys.argv[-1]])
 
 from kdax.bench._timing import best_call
 
@@ -164,9 +168,9 @@ def report(parts, reps: int) -> list:
         shown = len(lines)
         lines.append(f"{part}:")
         if part == "heads":
-            for devices, arena in (("1", "as is"), ("2", "as is"), ("2", "arena")):
+            for devices, arena in (("1", "as set"), ("1", "one arena"), ("2", "arenas"), ("2", "as set")):
                 out = run_part(part, reps, devices, arena)
-                label = f"{devices} device{'s' if devices != '1' else ''}" + (", M_ARENA_MAX=1" if arena == "arena" else "")
+                label = f"{devices} device{'s' if devices != '1' else ''}" + ("" if arena == "as set" else f", {arena}")
                 lines += [_row(f"{label}: {k}", r) for k, r in out.items()]
         else:
             lines += [_row(k, r) for k, r in run_part(part, reps).items()]
@@ -182,7 +186,11 @@ def main() -> int:
     a = p.parse_args()
     import jax
 
-    head = (f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, {os.cpu_count()} cores, jax {jax.__version__}, "
+    from kdax.bench._timing import _cpu  # (the CPU's model and vector unit, without creating a backend here)
+
+    cpu = " ".join(p for p in _cpu() if p)
+    head = (f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, {cpu + ', ' if cpu else ''}{os.cpu_count()} cores, "
+            f"jax {jax.__version__}, "
             f"load {os.getloadavg()[0]:.1f}; best of {a.reps} calls, CPU/wall: all threads' CPU time over wall time")
     print(head)
     lines = [head] + report([s.strip() for s in a.parts.split(",")], a.reps)

@@ -21,6 +21,7 @@ to opt out), and no JAX backend has been created yet (XLA reads ``XLA_FLAGS`` th
 """
 
 import os
+import re
 
 import jax
 import jaxlib
@@ -53,7 +54,7 @@ def avoid_ynn_fusions(jaxlib_version: str = jaxlib.__version__) -> bool:
 
 
 # glibc's mallopt parameters (malloc.h)
-_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
 _GLIBC_DEFAULTS = {_M_TRIM_THRESHOLD: 128 * 1024, _M_MMAP_MAX: 65536}
 
 
@@ -91,13 +92,26 @@ def reuse_freed_memory(enable: bool = True) -> bool:
     backend: call this before JAX's first computation (a ``RuntimeWarning`` says when it
     comes too late; the heap settings still apply). ``enable=False`` restores JAX's default.
 
+    With several host devices (``jax_num_cpu_devices`` or XLA_FLAGS'
+    ``--xla_force_host_platform_device_count`` above 1, read when called) each device's
+    program runs on an XLA thread whatever the dispatch, so ``enable=True`` also limits
+    glibc to one arena (``M_ARENA_MAX``): every thread allocates from the heap kept above,
+    which settles after a few calls (the main job's training step with its heads over 2
+    host devices: 75 K faults a call to none, 449 to 365 ms; ``benchmarks/cpu_threads.py``).
+    Not with one device, where XLA's threads then wait on each other's allocations (the
+    step 3-10% slower).
+
     A process setting, never made at import: ``python -m kdax.bench`` calls it (its
     header says so; ``--fresh-memory`` leaves it off). Returns whether it was applied
     (False where the C library is not glibc)."""
     libc = _glibc()
     if libc is None:
         return False
-    values = {_M_MMAP_MAX: 0, _M_TRIM_THRESHOLD: 2**31 - 1} if enable else _GLIBC_DEFAULTS
+    values = {_M_MMAP_MAX: 0, _M_TRIM_THRESHOLD: 2**31 - 1} if enable else dict(_GLIBC_DEFAULTS)
+    if enable and host_devices() > 1:
+        values[_M_ARENA_MAX] = 1
+    elif not enable:
+        values[_M_ARENA_MAX] = 8 * (os.cpu_count() or 1)  # glibc's own limit on 64-bit systems
     ok = all(libc.mallopt(param, value) == 1 for param, value in values.items())
     if not enable:
         libc.malloc_trim(0)
@@ -107,3 +121,13 @@ def reuse_freed_memory(enable: bool = True) -> bool:
                     RuntimeWarning)
     jax.config.update("jax_cpu_enable_async_dispatch", not enable)
     return ok
+
+
+def host_devices() -> int:
+    """How many CPU devices JAX creates: ``jax_num_cpu_devices`` if set, else XLA_FLAGS'
+    ``--xla_force_host_platform_device_count`` (the last one), else 1."""
+    n = jax.config.values.get("jax_num_cpu_devices", -1)
+    if n > 0:
+        return n
+    found = re.findall(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    return int(found[-1]) if found else 1

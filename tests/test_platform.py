@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import jaxlib
@@ -126,3 +127,66 @@ def test_reuse_freed_memory_ends_the_page_faults():
     # warned when late (not once in effect); enable=False restored JAX's default
     assert (late, again, dispatch) == ("1", "0", "True")
 
+
+
+_DEVICES = """
+import ctypes, os, resource, sys
+import jax, jax.numpy as jnp
+import kdax
+from jax.sharding import NamedSharding, PartitionSpec as P
+from kdax._platform import host_devices
+applied = kdax.reuse_freed_memory()
+if sys.argv[1] == "arenas":  # an arena per thread again (glibc's own limit), as before
+    ctypes.CDLL("libc.so.6").mallopt(-8, 8 * os.cpu_count())
+mesh = jax.make_mesh((2,), ("d",))
+# A temporary of 80 MiB per device (exp(x) read whole by the dot): above the 64 MiB heap of
+# a thread's own glibc arena, so such an arena maps it afresh on every call.
+x = jax.device_put(jnp.ones((2 * 4096, 5120), jnp.float32) * -1e-3, NamedSharding(mesh, P("d")))
+w = jax.device_put(jnp.ones((5120, 8), jnp.float32), NamedSharding(mesh, P()))
+f = jax.jit(lambda x, w: jnp.exp(x) @ w)
+faults = []  # each call's minor page faults
+for _ in range(12):
+    r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    jax.block_until_ready(f(x, w))
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0)
+# The median of the calls after the first four: two threads on one heap grow it now and
+# then (the order of their allocations varies) until it holds every arrangement.
+print(applied, host_devices(), len(jax.devices()), sorted(faults[4:])[4], kdax.reuse_freed_memory(False))
+"""
+
+
+@pytest.mark.skipif(_platform._glibc() is None, reason="glibc's mallopt only")
+def test_reuse_freed_memory_with_several_host_devices():
+    """With two host devices each device's program runs on an XLA thread, whose own glibc
+    arena maps a temporary over its 64 MiB heap afresh on every call whatever the heap
+    settings; ``reuse_freed_memory`` limits glibc to one arena then, the main heap it keeps:
+    no faults in most calls once the heap has grown to hold both threads' blocks. The
+    contrast (an arena per thread restored after the call) shows the program faulted."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
+    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=2".strip()
+    env.pop("MALLOC_ARENA_MAX", None)  # (glibc's own: the process's arenas as the call finds them)
+    out = {}
+    for mode in ("as set", "arenas"):
+        run = subprocess.run([sys.executable, "-c", _DEVICES, mode], env=env, capture_output=True, text=True,
+                             timeout=600, cwd=ROOT)
+        assert run.returncode == 0, run.stderr[-4000:]
+        out[mode] = run.stdout.split()
+    applied, devices, made, faults, off = out["as set"]
+    assert (applied, devices, made, off) == ("True", "2", "2", "True")
+    # 80 MiB a device: ~40 K faults a call (4 KiB pages) with an arena per thread, none with one (median call).
+    assert float(out["arenas"][3]) > 10_000, out["arenas"]
+    assert float(faults) < 0.01 * float(out["arenas"][3]), (faults, out["arenas"])
+
+
+def test_host_devices(monkeypatch):
+    """``host_devices``: JAX's ``jax_num_cpu_devices`` when set, else the last
+    ``--xla_force_host_platform_device_count`` of XLA_FLAGS, else one."""
+    config = {"jax_num_cpu_devices": -1}
+    monkeypatch.setattr(_platform, "jax", types.SimpleNamespace(config=types.SimpleNamespace(values=config)))
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_fusion_emitters=false")
+    assert _platform.host_devices() == 1
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_force_host_platform_device_count=3")
+    assert _platform.host_devices() == 3
+    config["jax_num_cpu_devices"] = 4
+    assert _platform.host_devices() == 4
