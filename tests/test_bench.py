@@ -15,6 +15,7 @@ from kdax import bench
 from kdax import stages as S
 from kdax.bench._shape import flops_per_token_head
 from kdax.bench._timing import _cpu, best_call
+from kdax import chunk_kda as kdax_chunk
 
 
 def test_bench_shape_rows_and_results(tmp_path):
@@ -235,6 +236,40 @@ def test_main_job_header_says_how_memory_is_allocated(capsys):
     assert status == 0, out
     assert "fresh memory each call; large float32 matmul" in out.splitlines()[0], out
     assert "chunk_kda[reference]" in out
+
+
+def test_main_job_heads_over_host_devices(capsys):
+    """``--host-devices 2``: every path runs on two host devices, each on its own heads
+    (``per_device``; this test process has 8 CPU devices already); the header says so, and
+    chunk_kda still agrees with the float64 recurrence. Heads that do not split are refused."""
+    from kdax.bench._main import main
+
+    tiny = ["--T", "40", "--K", "8", "--V", "8", "--chunk_size", "16", "--reps", "1", "--heavy-reps", "1", "--out", "",
+            "--quiet", "--fresh-memory"]
+    assert main(["--H", "2", "--host-devices", "2", *tiny]) == 0
+    out = capsys.readouterr().out
+    assert "fresh memory each call, heads split over 2 host devices;" in out.splitlines()[0], out
+    for name in ("chunk_kda[reference]", "autodiff_chunk", "fused_recurrent", "plain_scan"):
+        assert name in out
+    with pytest.raises(SystemExit):
+        main(["--H", "3", "--host-devices", "2", *tiny])
+    assert "--host-devices 2 must divide --H 3" in capsys.readouterr().err
+
+
+def test_per_device_paths_split_the_heads():
+    """``over_heads``/``per_device``: the inputs' heads on two devices, each device's
+    chunk_kda on its own (one head each): the same outputs as one device's call."""
+    from kdax.bench._shape import over_heads, per_device
+
+    shape = bench.Shape(B=1, T=40, H=2, HV=2, K=8, V=8, chunk_size=16)
+    args = bench.make_inputs(shape)
+    split = over_heads(args, 2)
+    assert {d.id for d in split[0].sharding.device_set} == {d.id for d in jax.devices()[:2]}
+    fn = lambda *a: kdax_chunk(*a, chunk_size=16)
+    o_split = jax.jit(lambda *a: per_device(fn, 2)(*a)[0])(*split)
+    assert o_split.sharding.spec[2] == "heads"
+    np.testing.assert_allclose(np.asarray(o_split), np.asarray(fn(*args)[0]), rtol=1e-6, atol=1e-6)
+    assert per_device(fn, 1) is fn
 
 
 def test_profile_sums_a_programs_operations_by_kind():

@@ -33,7 +33,10 @@ matplotlib: ``pip install -e ".[test]"`` installs it) are written to ``--out`` (
 ``bench-results/`` in the working directory). ``--sweep`` runs T over 512..16384 (H=8,
 K=V=128). ``--stages`` times each stage alone; ``--profile`` sums the forward's and the
 training step's operations by kind (dots, exponentials, the chunk loops' slices and
-updates, copies, ...) from a ``jax.profiler`` trace.
+updates, copies, ...) from a ``jax.profiler`` trace. ``--host-devices N`` runs every path
+(chunk_kda and the baselines alike) on N host devices, each on its own heads
+(``jax.shard_map``): XLA:CPU runs a program's batched dots on one core, so on a multi-core
+CPU this is how a user gives kdax the other cores (README, "Cores").
 """
 
 from ._baselines import (

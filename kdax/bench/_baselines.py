@@ -12,7 +12,7 @@ from .._validate import prepare_options
 from ..pipeline import KDAPipeline
 from ..recurrent import fused_recurrent_kda
 from ..ref import naive_recurrent_kda
-from ._shape import Shape
+from ._shape import Shape, per_device
 
 
 def plain_scan_kda(q: QK, k: QK, v: Values, g: Gate, beta: Beta) -> tuple[
@@ -77,19 +77,22 @@ def pipelines() -> dict:
     return pipes
 
 
-def baseline_paths(s: Shape, w: Float[Array, "B T HV V"], slow_baselines: bool = False) -> list:
+def baseline_paths(s: Shape, w: Float[Array, "B T HV V"], slow_baselines: bool = False, devices: int = 1) -> list:
     """The baselines at shape ``s``: ``(name, kind, function, heavy)``; heavy ones (GBs,
     seconds a call) are timed alone. The scan's gradient (the readable oracle's, the
     slowest) only with ``slow_baselines``; no scan gradient above T=4096 (autodiff of a
-    scan keeps every step's state: 6 GB at T=4096)."""
+    scan keeps every step's state: 6 GB at T=4096). Each on ``devices`` host devices as
+    chunk_kda (``per_device``)."""
     # The stages whole, as chunk_kda's own training step runs its forward.
     whole = KDAPipeline.reference().untiled()
-    paths = [("scan", "fwd", jax.jit(lambda *a: naive_recurrent_kda(*a)[0]), False)]
+    on = lambda fn: per_device(fn, devices)
+    fwd = lambda fn: jax.jit(lambda *a: on(fn)(*a)[0])
+    paths = [("scan", "fwd", fwd(naive_recurrent_kda), False)]
     if slow_baselines and s.T <= 4096:
-        paths.append(("scan", "fwd+bwd", _TrainStep(naive_recurrent_kda, w), True))
-    paths += [("autodiff_chunk", "fwd+bwd", _TrainStep(_autodiff_chunk(whole, s.chunk_size), w), True),
-              ("fused_recurrent", "fwd", jax.jit(lambda *a: fused_recurrent_kda(*a)[0]), False),
-              ("plain_scan", "fwd", jax.jit(lambda *a: plain_scan_kda(*a)[0]), False)]
+        paths.append(("scan", "fwd+bwd", _TrainStep(on(naive_recurrent_kda), w), True))
+    paths += [("autodiff_chunk", "fwd+bwd", _TrainStep(on(_autodiff_chunk(whole, s.chunk_size)), w), True),
+              ("fused_recurrent", "fwd", fwd(fused_recurrent_kda), False),
+              ("plain_scan", "fwd", fwd(plain_scan_kda), False)]
     if s.T <= 4096:
-        paths.append(("plain_scan", "fwd+bwd", _TrainStep(plain_scan_kda, w), True))
+        paths.append(("plain_scan", "fwd+bwd", _TrainStep(on(plain_scan_kda), w), True))
     return paths

@@ -5,7 +5,9 @@ import dataclasses
 import sys
 import time
 
-from .._platform import reuse_freed_memory
+import jax
+
+from .._platform import _backends_created, reuse_freed_memory
 from ._baselines import pipelines
 from ._profile import format_profiles, profile
 from ._results import write_results
@@ -39,6 +41,10 @@ def _parser() -> argparse.ArgumentParser:
                         "trace of XLA:CPU's events)")
     p.add_argument("--out", default="bench-results", help="folder for results.json/.csv and plots ('' for none)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--host-devices", type=int, default=1,
+                   help="every path with its inputs' heads split over this many host devices (jax_num_cpu_devices, "
+                        "set before JAX's first computation): on a multi-core CPU, batched dots, which XLA:CPU runs "
+                        "on one core a program, run on as many")
     p.add_argument("--fresh-memory", action="store_true",
                    help="leave glibc's malloc and JAX's dispatch as they are (by default the run calls "
                         "kdax.reuse_freed_memory() first: XLA:CPU's temporaries then reuse freed memory instead of "
@@ -81,15 +87,26 @@ def _profile_main(shape: Shape, reps: int, pipes: dict, memory: str) -> int:
 def main(argv=None) -> int:
     """``python -m kdax.bench [options]`` (``--help`` lists them); returns the exit status:
     1 when a path failed or disagrees with the float64 reference."""
-    a = _parser().parse_args(argv)
+    p = _parser()
+    a = p.parse_args(argv)
+    a.HV = a.H if a.HV is None else a.HV
+    if a.host_devices > 1:
+        if a.H % a.host_devices or a.HV % a.host_devices:
+            p.error(f"--host-devices {a.host_devices} must divide --H {a.H} and --HV {a.HV} (heads are split).")
+        if not _backends_created():
+            jax.config.update("jax_num_cpu_devices", a.host_devices)
+        elif len(jax.devices("cpu")) < a.host_devices:
+            p.error(f"--host-devices {a.host_devices}: JAX's CPU backend exists already in this process with "
+                    f"{len(jax.devices('cpu'))} device(s); run python -m kdax.bench in a fresh process.")
     # A process setting, as a careful user makes it (kdax._platform): every path alike,
     # made before JAX's first computation (it sets how XLA:CPU dispatches programs).
     reused = not a.fresh_memory and reuse_freed_memory()
     memory = "freed memory reused, programs run on the calling thread" if reused else "fresh memory each call"
+    if a.host_devices > 1:
+        memory += f", heads split over {a.host_devices} host devices"
     log = Log(not a.quiet)
     avail = pipelines()
     pipes = {n: avail[n] for n in a.pipelines.split(",")}
-    a.HV = a.H if a.HV is None else a.HV
     shape = Shape(**{k: getattr(a, k) for k in dataclasses.asdict(Shape())})
     if a.stages:
         return _stages_main(shape, a.reps, pipes, memory)
@@ -101,7 +118,8 @@ def main(argv=None) -> int:
                 date=time.strftime("%Y-%m-%d"), memory=memory)
     print(f"kdax benchmark on {meta['machine']}, {memory}; large float32 matmul: {mm:.1f} GFLOP/s (measured again after the "
           "runs; the best counts)", flush=True)
-    opts = dict(baselines=not a.no_baselines, log=log, slow_baselines=a.slow_baselines, heavy_reps=a.heavy_reps)
+    opts = dict(baselines=not a.no_baselines, log=log, slow_baselines=a.slow_baselines, heavy_reps=a.heavy_reps,
+                devices=a.host_devices)
     if a.sweep:
         rows = []
         for T in [512, 1024, 2048, 4096, 8192, 16384]:

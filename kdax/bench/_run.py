@@ -11,7 +11,7 @@ import numpy as np
 from .._chunk_kda import chunk_kda
 from ..ref import naive_recurrent_kda
 from ._baselines import _TrainStep, baseline_paths, plain_scan_kda
-from ._shape import Shape, cotangent, flops_per_token_head, make_inputs
+from ._shape import Shape, cotangent, flops_per_token_head, make_inputs, over_heads, per_device
 from ._timing import compiled, error_line, quiet, time_fn, time_rounds
 
 
@@ -29,19 +29,24 @@ class _Path(NamedTuple):
     peak: Optional[int]
 
 
-def kdax_paths(s: Shape, pipe, w, check_inputs: bool = True) -> tuple:
+def kdax_paths(s: Shape, pipe, w, check_inputs: bool = True, devices: int = 1) -> tuple:
     """``(forward, training step)``: ``chunk_kda`` with ``pipe`` at shape ``s`` as the main
-    table times it (the output alone; ``sum(o * w)`` and every input gradient)."""
+    table times it (the output alone; ``sum(o * w)`` and every input gradient), on each
+    of ``devices`` host devices for its heads (``per_device``)."""
     opts = dict(chunk_size=s.chunk_size, pipeline=pipe, check_inputs=check_inputs)
-    return (jax.jit(lambda *a: chunk_kda(*a, **opts)[0]), _TrainStep(lambda *a: chunk_kda(*a, **opts), w))
+    fn = per_device(lambda *a: chunk_kda(*a, **opts), devices)
+    return jax.jit(lambda *a: fn(*a)[0]), _TrainStep(fn, w)
 
 
 def bench_shape(s: Shape, reps: int, pipes: dict, baselines: bool, check: bool, log: Callable = quiet,
-                slow_baselines: bool = False, heavy_reps: int = 1) -> list:
+                slow_baselines: bool = False, heavy_reps: int = 1, devices: int = 1) -> list:
     """Rows of results for one shape: each pipeline's forward and forward+backward, and
     the baselines (the scan's gradient only with ``slow_baselines``; the heavy baselines
-    timed ``heavy_reps`` times). ``log(line)`` hears what runs."""
+    timed ``heavy_reps`` times), the inputs' heads split over ``devices``. ``log(line)``
+    hears what runs."""
     args, w = make_inputs(s), cotangent(s)
+    if devices > 1:
+        *args, w = over_heads((*args, w), devices)
     at = f"T={s.T}"
 
     def compile_path(name, kind, f, flops=None, alone=False):
@@ -49,13 +54,13 @@ def bench_shape(s: Shape, reps: int, pipes: dict, baselines: bool, check: bool, 
         run, secs, peak = compiled(f, args)
         return _Path(name, kind, run, flops, None, alone, secs, peak)
 
-    todo, checked, rows = _compile_pipelines(s, args, w, pipes, compile_path, log)
+    todo, checked, rows = _compile_pipelines(s, args, w, pipes, compile_path, log, devices)
     # The float64 reference in a thread of its own, beside the baselines' compiles (kdax's
     # compiles above ran alone: their times are reported).
     reference = _Float64Reference(s, args, w, log) if check and checked else None
     if baselines:
         todo += [compile_path(name, kind, f, alone=alone)
-                 for name, kind, f, alone in baseline_paths(s, w, slow_baselines)]
+                 for name, kind, f, alone in baseline_paths(s, w, slow_baselines, devices)]
     if reference is not None:
         reference.check(todo, checked, args)
     times, n_reps = _time_paths(todo, args, reps, heavy_reps, log, at)
@@ -68,7 +73,7 @@ def bench_shape(s: Shape, reps: int, pipes: dict, baselines: bool, check: bool, 
     return rows
 
 
-def _compile_pipelines(s: Shape, args, w, pipes: dict, compile_path: Callable, log: Callable):
+def _compile_pipelines(s: Shape, args, w, pipes: dict, compile_path: Callable, log: Callable, devices: int = 1):
     """``(paths, checked, failed rows)``: each pipeline's forward and training step compiled
     and run once; ``checked`` holds ``(index in paths, forward, training step)`` of each
     pipeline that compiled; one that fails gives a row with its error."""
@@ -79,7 +84,7 @@ def _compile_pipelines(s: Shape, args, w, pipes: dict, compile_path: Callable, l
     variants = [(pname, pipe, True) for pname, pipe in pipes.items()]
     variants += [(f"{pname}, check_inputs=False", pipe, False) for pname, pipe in pipes.items() if pname == "reference"]
     for pname, pipe, check_inputs in variants:
-        fwd, grad = kdax_paths(s, pipe, w, check_inputs)
+        fwd, grad = kdax_paths(s, pipe, w, check_inputs, devices)
         n = len(todo)
         try:
             todo.append(compile_path(f"chunk_kda[{pname}]", "fwd", fwd, ff["forward"]))

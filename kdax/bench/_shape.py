@@ -3,8 +3,10 @@
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float
 
 from .._annotations import Beta, Gate, QK, Values
@@ -65,3 +67,30 @@ def flops_per_token_head(C: int, K: int, V: int) -> dict:
     f["forward"] = sum(v for k, v in f.items() if k.startswith("F"))
     f["backward"] = sum(v for k, v in f.items() if k.startswith("B"))
     return f
+
+
+
+def _heads_mesh(devices: int):
+    # (Auto: the split is stated by each path's shard_map; XLA keeps what feeds it)
+    return jax.make_mesh((devices,), ("heads",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:devices])
+
+
+def over_heads(xs: tuple, devices: int) -> tuple:
+    """Arrays ``[B, T, heads, ...]`` with their heads split over the first ``devices``
+    devices, where ``per_device`` paths read them."""
+    mesh = _heads_mesh(devices)
+    return tuple(jax.device_put(x, NamedSharding(mesh, P(None, None, "heads"))) for x in xs)
+
+
+def per_device(fn, devices: int = 1):
+    """``fn`` (``(q, k, v, g, beta) -> (o, ...)``) with each of ``devices`` host devices
+    running it on its own heads (``jax.shard_map``), as a user spreads a computation that
+    is independent per head over a CPU's cores: ``(o,)``. ``fn`` itself for one device."""
+    if devices == 1:
+        return fn
+    heads = P(None, None, "heads")
+    # (check_vma=False: the plain scan's zero carry is not typed as varying over the devices)
+    local = jax.shard_map(lambda *x: fn(*x)[0], mesh=_heads_mesh(devices), in_specs=(heads,) * 5, out_specs=heads,
+                          check_vma=False)
+    return lambda *a: (local(*a),)
