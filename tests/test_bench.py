@@ -254,6 +254,9 @@ def test_main_job_heads_over_host_devices(capsys):
     with pytest.raises(SystemExit):
         main(["--H", "3", "--host-devices", "2", *tiny])
     assert "--host-devices 2 must divide --H 3" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--H", "2", "--host-devices", "2", "--stages", *tiny])
+    assert "--host-devices: the main table and --sweep only" in capsys.readouterr().err
 
 
 def test_per_device_paths_split_the_heads():

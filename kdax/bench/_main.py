@@ -91,6 +91,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     a.HV = a.H if a.HV is None else a.HV
     if a.host_devices > 1:
+        if a.stages or a.profile:
+            p.error("--host-devices: the main table and --sweep only (--stages and --profile run on one device).")
         if a.H % a.host_devices or a.HV % a.host_devices:
             p.error(f"--host-devices {a.host_devices} must divide --H {a.H} and --HV {a.HV} (heads are split).")
         if not _backends_created():

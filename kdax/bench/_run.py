@@ -46,7 +46,8 @@ def bench_shape(s: Shape, reps: int, pipes: dict, baselines: bool, check: bool, 
     hears what runs."""
     args, w = make_inputs(s), cotangent(s)
     if devices > 1:
-        *args, w = over_heads((*args, w), devices)
+        split = over_heads((*args, w), devices)
+        args, w = split[:5], split[5]
     at = f"T={s.T}"
 
     def compile_path(name, kind, f, flops=None, alone=False):
