@@ -13,7 +13,8 @@ processes, float32:
 3. ``two loops``: two independent loops of part 1's fusion in one program against one
    loop over both halves: whether XLA:CPU runs independent loops at once.
 4. ``heads``: the main job's forward and training step (B=1 T=4096 H=8 K=V=128) with the
-   heads split over 2 host devices (``jax.shard_map``, ``--xla_force_host_platform_device_count=2``),
+   heads split over 2 host devices (the main job's ``--host-devices 2`` programs:
+   ``jax.shard_map``, ``--xla_force_host_platform_device_count=2``),
    beside one device, both with ``kdax.reuse_freed_memory()`` (which limits glibc to one
    arena with several devices: each device's program runs on a thread of its own); also
    one device with one arena, and two with an arena per thread (glibc's default).
@@ -100,20 +101,16 @@ for name, fn in (("one loop over both", lambda a, b: loop(jnp.concatenate([a, b]
 """,
     "heads": r"""
 devices = int(sys.argv[3])
-from jax.sharding import NamedSharding, PartitionSpec as P
 from kdax.bench import Shape, cotangent, make_inputs
+from kdax.bench._run import kdax_paths
+from kdax.bench._shape import over_heads
 s = Shape()
 args, w = make_inputs(s), cotangent(s)
-mesh = jax.make_mesh((devices,), ("h",))
-heads = P(None, None, "h")
-local = lambda q, k, v, g, beta: kdax.chunk_kda(q, k, v, g, beta, chunk_size=s.chunk_size)[0]
-fwd = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(heads,) * 5, out_specs=heads))
-loss = jax.shard_map(lambda *a: jax.lax.psum(jnp.sum(local(*a[:5]) * a[5]), "h"), mesh=mesh,
-                     in_specs=(heads,) * 6, out_specs=P())
-step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
-put = lambda x: jax.device_put(x, NamedSharding(mesh, heads))
-args, w = tuple(map(put, args)), put(w)
-out = {"forward": timed(fwd, args, REPS), "training step": timed(step, args + (w,), REPS)}
+if devices > 1:  # (the main job's --host-devices: each device's chunk_kda on its own heads)
+    split = over_heads((*args, w), devices)
+    args, w = split[:5], split[5]
+fwd, step = kdax_paths(s, None, w, devices=devices)  # (pipeline None: chunk_kda's default)
+out = {"forward": timed(fwd, args, REPS), "training step": timed(step, args, REPS)}
 """,
     "tiles": r"""
 from kdax.bench import Shape, cotangent, make_inputs
