@@ -22,6 +22,7 @@ to opt out), and no JAX backend has been created yet (XLA reads ``XLA_FLAGS`` th
 
 import os
 import re
+from typing import Optional
 
 import jax
 import jaxlib
@@ -131,3 +132,11 @@ def host_devices() -> int:
         return n
     found = re.findall(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
     return int(found[-1]) if found else 1
+
+
+def ynn_fusion_types() -> Optional[str]:
+    """The YNNPACK fusion types XLA:CPU reads from XLA_FLAGS (``OPTION``, the last one; ""
+    for none), None where XLA_FLAGS does not set them (XLA's own default). On jaxlib 0.10
+    ``import kdax`` sets ``SAFE`` unless the user's XLA_FLAGS chose (``avoid_ynn_fusions``)."""
+    found = re.findall(rf"--{OPTION}=(\S*)", os.environ.get("XLA_FLAGS", ""))
+    return found[-1] if found else None

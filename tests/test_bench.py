@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kdax import _platform
 from kdax import bench
 from kdax import stages as S
 from kdax.bench._shape import flops_per_token_head
@@ -174,8 +175,21 @@ def test_machine_names_the_cpu_model_and_its_vector_extension(tmp_path):
     assert _cpu(str(x86)) == ("AMD EPYC", "(AVX2)")
     assert _cpu(str(arm)) == ("", "(SVE)")
     assert _cpu(str(tmp_path / "none")) == ("", "")
-    assert bench.machine().endswith(f"cores, {jax.devices()[0].platform} ({jax.devices()[0].device_kind}), "
-                                    f"jax {jax.__version__}")
+    dev = jax.devices()[0]
+    ynn = _platform.ynn_fusion_types()
+    assert bench.machine().endswith(f"cores, {dev.platform} ({dev.device_kind}), jax {jax.__version__}"
+                                    + ("" if ynn is None else f", YNNPACK fusions {ynn or 'none'}"))
+
+
+def test_machine_names_the_ynn_fusion_types(monkeypatch):
+    # The same program's time moves 10-40% with XLA:CPU's YNNPACK fusion types
+    # (benchmarks/ynn_fusions.py), so a CPU table says which were set.
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_cpu_experimental_ynn_fusion_type=dot")
+    assert bench.machine().endswith(", YNNPACK fusions dot")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_experimental_ynn_fusion_type=")
+    assert bench.machine().endswith(", YNNPACK fusions none")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    assert bench.machine().endswith(f"jax {jax.__version__}")
 
 
 def test_train_step_loss_weights_are_an_argument():

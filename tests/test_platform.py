@@ -190,3 +190,14 @@ def test_host_devices(monkeypatch):
     assert _platform.host_devices() == 3
     config["jax_num_cpu_devices"] = 4
     assert _platform.host_devices() == 4
+
+
+def test_ynn_fusion_types(monkeypatch):
+    """The fusion types XLA:CPU reads: the last setting in XLA_FLAGS, "" for none, None unset."""
+    monkeypatch.setenv("XLA_FLAGS", f"--{_platform.OPTION}=individual_dot,dot --xla_cpu_use_fusion_emitters=false "
+                                    f"--{_platform.OPTION}=dot")
+    assert _platform.ynn_fusion_types() == "dot"
+    monkeypatch.setenv("XLA_FLAGS", f"--{_platform.OPTION}=")
+    assert _platform.ynn_fusion_types() == ""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    assert _platform.ynn_fusion_types() is None

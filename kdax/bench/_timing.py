@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._baselines import _TrainStep
+from .._platform import ynn_fusion_types
 
 
 def time_fn(f: Callable, args, reps: int) -> float:
@@ -87,11 +88,15 @@ def machine() -> str:
     """The machine a table's numbers come from: ``x86_64 AMD EPYC (AVX2) 2 cores, cpu (cpu),
     jax 0.10.2``. The CPU's model and widest vector extension tell apart hosts that share a
     name: the same 2-core "AMD EPYC" ran a large float32 matmul at ~480 GFLOP/s with AVX-512
-    and ~150 with AVX2 (benchmarks/NOTES.md)."""
+    and ~150 with AVX2 (benchmarks/NOTES.md). On a CPU, the YNNPACK fusion types set in
+    XLA_FLAGS follow (``, YNNPACK fusions individual_dot,dot``: kdax's own on jaxlib 0.10, or
+    the user's), which move the time of the same program by 10-40% in either direction
+    (benchmarks/ynn_fusions.py)."""
     dev = jax.devices()[0]
     cpu = " ".join(p for p in _cpu() if p)
+    ynn = ynn_fusion_types() if dev.platform == "cpu" else None
     return (f"{platform.machine()}{' ' + cpu if cpu else ''} {os.cpu_count()} cores, {dev.platform} "
-            f"({dev.device_kind}), jax {jax.__version__}")
+            f"({dev.device_kind}), jax {jax.__version__}" + ("" if ynn is None else f", YNNPACK fusions {ynn or 'none'}"))
 
 
 _VECTOR_EXTENSIONS = (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("avx", "AVX"), ("sve", "SVE"), ("asimd", "NEON"))
