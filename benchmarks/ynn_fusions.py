@@ -7,6 +7,8 @@ keeps a value the user's ``XLA_FLAGS`` gives. With ``individual_dot`` every dot 
 YNNPACK call of its own, before fusion; without it, YNNPACK's ``dot`` fusions take a dot
 together with the slices and elementwise work around it (F4's ``u - w h``, B2's
 ``decay dh + ... - w^T dv``), and a dot left alone runs on XLA's own emitter.
+Speed only: ``dot`` alone is faster at K=V=128 and unsound on jaxlib 0.10.2 (garbage
+gradients in both runs of the test suite under it; ``results/ynn_fusions.txt``).
 
 Per process: the main job's forward and training step (``kdax.bench``'s programs, with
 ``kdax.reuse_freed_memory()``, medians of ``--reps`` rounds), the large float32 matmul

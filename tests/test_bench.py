@@ -182,7 +182,7 @@ def test_machine_names_the_cpu_model_and_its_vector_extension(tmp_path):
 
 
 def test_machine_names_the_ynn_fusion_types(monkeypatch):
-    # The same program's time moves 10-40% with XLA:CPU's YNNPACK fusion types
+    # The same program's time moves 10-25% with XLA:CPU's YNNPACK fusion types
     # (benchmarks/ynn_fusions.py), so a CPU table says which were set.
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_cpu_experimental_ynn_fusion_type=dot")
     assert bench.machine().endswith(", YNNPACK fusions dot")

@@ -90,7 +90,7 @@ def machine() -> str:
     name: the same 2-core "AMD EPYC" ran a large float32 matmul at ~480 GFLOP/s with AVX-512
     and ~150 with AVX2 (benchmarks/NOTES.md). On a CPU, the YNNPACK fusion types set in
     XLA_FLAGS follow (``, YNNPACK fusions individual_dot,dot``: kdax's own on jaxlib 0.10, or
-    the user's), which move the time of the same program by 10-40% in either direction
+    the user's), which move the time of the same program by 10-25% in either direction
     (benchmarks/ynn_fusions.py)."""
     dev = jax.devices()[0]
     cpu = " ".join(p for p in _cpu() if p)
