@@ -130,13 +130,18 @@ def host_devices() -> int:
     n = jax.config.values.get("jax_num_cpu_devices", -1)
     if n > 0:
         return n
-    found = re.findall(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
-    return int(found[-1]) if found else 1
+    found = _xla_flag("xla_force_host_platform_device_count")
+    return int(found) if found and found.isdigit() else 1
 
 
 def ynn_fusion_types() -> Optional[str]:
     """The YNNPACK fusion types XLA:CPU reads from XLA_FLAGS (``OPTION``, the last one; ""
     for none), None where XLA_FLAGS does not set them (XLA's own default). On jaxlib 0.10
     ``import kdax`` sets ``SAFE`` unless the user's XLA_FLAGS chose (``avoid_ynn_fusions``)."""
-    found = re.findall(rf"--{OPTION}=(\S*)", os.environ.get("XLA_FLAGS", ""))
+    return _xla_flag(OPTION)
+
+
+def _xla_flag(name: str) -> Optional[str]:
+    """The value of the last ``--name=value`` in XLA_FLAGS (the one XLA keeps), or None."""
+    found = re.findall(rf"--{name}=(\S*)", os.environ.get("XLA_FLAGS", ""))
     return found[-1] if found else None
