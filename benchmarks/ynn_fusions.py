@@ -28,17 +28,19 @@ import statistics
 import subprocess
 import sys
 
+from kdax import _platform
+
 RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "ynn_fusions.txt"
 
 WORKER = r"""
-import json, sys, time
+import json, sys
 import kdax
 kdax.reuse_freed_memory()
 import jax, jax.numpy as jnp, numpy as np
 from kdax.bench._main import pipelines
 from kdax.bench._run import kdax_paths
 from kdax.bench._shape import Shape, cotangent, make_inputs
-from kdax.bench._timing import compiled, machine, matmul_gflops, time_rounds
+from kdax.bench._timing import best_call, compiled, machine, matmul_gflops, time_rounds
 
 shape, reps, dots = Shape(**json.loads(sys.argv[1])), int(sys.argv[2]), sys.argv[3] == "1"
 args, w = make_inputs(shape), cotangent(shape)
@@ -55,16 +57,11 @@ if dots:
                          ("512 x 64x128x128", (512, 64, 128), (512, 128, 128)),
                          ("16 x 64x128x128", (16, 64, 128), (16, 128, 128))):
         a, b = (jnp.asarray(r.normal(size=s), jnp.float32) for s in (sa, sb))
-        mul = jax.jit(jnp.matmul)
-        jax.block_until_ready(mul(a, b))
-        best = 1e9
-        for _ in range(9):
-            t0 = time.perf_counter(); jax.block_until_ready(mul(a, b)); best = min(best, time.perf_counter() - t0)
-        out["dot " + name] = 2 * np.prod(sa) * sb[-1] / best / 1e9
+        out["dot " + name] = 2 * np.prod(sa) * sb[-1] / best_call(jax.jit(jnp.matmul), (a, b), 9)[0] / 1e9
 print("RESULT " + json.dumps(out))
 """
 
-OPTION = "--xla_cpu_experimental_ynn_fusion_type"
+OPTION = "--" + _platform.OPTION  # (kdax keeps a setting it finds in XLA_FLAGS)
 
 
 def run(setting: str, shape: dict, reps: int, dots: bool) -> dict:
