@@ -18,6 +18,7 @@ from ._config import KDAOptions as KDAOptions
 from ._errors import DerivedBackwardError as DerivedBackwardError
 from ._errors import FallbackWarning as FallbackWarning
 from ._errors import Float64Warning as Float64Warning
+from ._errors import ForwardModeError as ForwardModeError
 from ._errors import HeadFirstLayoutWarning as HeadFirstLayoutWarning
 from ._errors import StageContractError as StageContractError
 from ._errors import StageGradientError as StageGradientError

@@ -1,5 +1,6 @@
 """The exceptions and warnings kdax raises about stages and inputs."""
 
+import functools
 import os
 import sys
 import warnings
@@ -51,6 +52,34 @@ class DerivedBackwardError(TypeError):
     JAX cannot differentiate one of them (a Pallas kernel of custom math, say), or the
     caller runs the hand-written backward directly (``KDAPipeline.backward``,
     ``kdax.parallel``). The message names the stages and what to pass."""
+
+
+class ForwardModeError(TypeError):
+    """Forward-mode differentiation (``jax.jvp``, ``jax.jacfwd``, ``jax.hessian``, or
+    ``jax.jvp`` of a ``jax.grad``) reached ``chunk_kda``, whose derivative is its
+    hand-written backward, a custom VJP, which JAX can only run in reverse. The message
+    says what to use instead."""
+
+
+def reverse_mode_only(fn):
+    """``fn`` (a custom VJP's call) with JAX's refusal of forward mode raised as a
+    ``ForwardModeError`` that names what works."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except TypeError as e:
+            if "forward-mode autodiff" not in str(e):
+                raise
+            raise ForwardModeError(
+                "chunk_kda: forward-mode differentiation (jax.jvp, jax.jacfwd, jax.hessian, jax.jvp of jax.grad) "
+                "is not available: its derivative is the hand-written six-stage backward, a custom VJP, which JAX "
+                "runs in reverse only. For a Hessian-vector product differentiate in reverse twice (jax.grad of a "
+                "jax.grad: exact, dense or packed); for forward mode use kdax.fused_recurrent_kda (plain JAX)."
+            ) from e
+
+    return call
 
 
 class HeadFirstLayoutWarning(UserWarning):

@@ -259,7 +259,7 @@ class SharedForwardHooks:
     def residuals(self, layout, h0, e: Optional[Entered]) -> tuple:
         if e is None:
             return layout, h0, None
-        return e.layout, e.table, (self.h0, self.ok, e.a, self.layout, e.vx, e.ent_vjp, e.a_vjp)
+        return e.layout, e.table, (self.h0, self.ok, e.a, e.vx, e.ent_vjp, e.a_vjp)
 
 
 class SharedBackward(NamedTuple):

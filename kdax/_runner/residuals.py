@@ -16,13 +16,12 @@ from ..stages import Activated, ForwardCache
 class EntryResiduals(eqx.Module):
     """The backward's part of initial states entering shared chunks: ``h0`` ``[N, HV, K, V]``
     as given, ``ok [N, HV]`` (or None) which heads are finite, the start decays ``a``, the
-    shared layout, the first-chunk ``v_new'`` ``[1, HV, NC, C, V]`` and the VJPs of the
+    first-chunk ``v_new'`` ``[1, HV, NC, C, V]`` and the VJPs of the
     first-chunk part and of the start decays (their residuals held: not run again)."""
 
     h0: SeqState
     ok: Optional[Bool[Array, "N HV"]]
     a: Float[Array, "N HV K"]
-    shared: ChunkLayout
     v_new: ChunkV
     entries_vjp: Callable
     decays_vjp: Callable

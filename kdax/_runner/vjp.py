@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from . import output_vjp as _output_vjp
 from . import routes as _routes
 from .._config import KDAConfig, KDAOptions
+from .._errors import reverse_mode_only
 from .._layouts import tokens as _tokens
 from .._numerics import isolation as _isolation
 from .._stage_protocol.capabilities import capabilities
@@ -146,4 +147,4 @@ def apply(pipeline, q, k, v, g, beta, options: KDAOptions):
     return o, final_out(final, config, opts.state_v_first)
 
 
-_differentiable = _compiled_when_eager(differentiable)
+_differentiable = reverse_mode_only(_compiled_when_eager(differentiable))

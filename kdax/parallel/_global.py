@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .._config import KDAOptions
+from .._errors import reverse_mode_only
 from .._annotations import ALogIn, ArrayIn, Beta, CuSeqlensIn, Float, Gate, QK, State, Values, typecheck
 from .._validate import validate
 from ._chunk import sp_chunk_kda
@@ -51,7 +52,7 @@ def chunk_kda(
         cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)  # (a list or numpy array, as kdax.chunk_kda takes)
     arrays = dict(initial_state=initial_state, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens)
     arrays = {name: x for name, x in arrays.items() if x is not None}
-    return _sharded_call(mesh, seq_axis, batch_axis, prefix, options, q, k, v, g, beta, arrays)
+    return reverse_mode_only(_sharded_call)(mesh, seq_axis, batch_axis, prefix, options, q, k, v, g, beta, arrays)
 
 
 # Under jit: eqx.filter_custom_vjp's symbolic zeros are not supported by an eager shard_map

@@ -75,3 +75,31 @@ def test_traced_cu_seqlens_same_error(cu, msg):
         ok = [0, 5, 13, T][: len(cu)] if len(cu) == 4 else [0, 13, T]
         outs[name] = np.asarray(f(jnp.array(ok)))
     np.testing.assert_allclose(outs["kdax.parallel.chunk_kda"], outs["kdax.chunk_kda"], rtol=1e-12, atol=1e-12)
+
+
+def test_forward_mode_is_refused_by_every_door_naming_what_works():
+    """Both doors' derivative is a custom VJP, which JAX runs in reverse only: forward mode
+    (``jax.jvp``, ``jax.jvp`` of ``jax.grad``, ``jax.jacfwd``, ``jax.hessian``) raises
+    ``kdax.ForwardModeError`` (a TypeError) that names the two ways that work, and both
+    do: a Hessian-vector product in reverse twice equals ``fused_recurrent_kda``'s
+    forward over reverse (float64)."""
+    q, *rest = _x()
+    t = jnp.asarray(np.random.default_rng(5).normal(size=q.shape))
+    loss = lambda f: (lambda q: jnp.sum(jnp.sin(f(q))))
+    msg = r"forward-mode differentiation .*jax\.grad of a jax\.grad.*kdax\.fused_recurrent_kda"
+    for name, door in _doors().items():
+        o = lambda q: door(q, *rest)[0]
+        for how in ("jvp", "jvp of grad", "jacfwd", "hessian"):
+            call = {"jvp": lambda: jax.jvp(o, (q,), (t,)),
+                    "jvp of grad": lambda: jax.jvp(jax.grad(loss(o)), (q,), (t,)),
+                    "jacfwd": lambda: jax.jacfwd(o)(q),
+                    "hessian": lambda: jax.jit(jax.hessian(loss(o)))(q)}[how]
+            with pytest.raises(kdax.ForwardModeError, match=msg):
+                call()
+    assert issubclass(kdax.ForwardModeError, TypeError)
+    chunk = lambda q: _doors()["kdax.chunk_kda"](q, *rest)[0]
+    recurrent = lambda q: kdax.fused_recurrent_kda(q, *rest)[0]
+    twice = jax.jit(jax.grad(lambda q: jnp.vdot(jax.grad(loss(chunk))(q), t)))(q)
+    forward_over_reverse = jax.jit(lambda q: jax.jvp(jax.grad(loss(recurrent)), (q,), (t,))[1])(q)
+    err = float(jnp.max(jnp.abs(twice - forward_over_reverse)))
+    assert err < 1e-10 * float(jnp.max(jnp.abs(forward_over_reverse))), err
