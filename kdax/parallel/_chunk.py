@@ -31,7 +31,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._errors import reverse_mode_only
 from .._layouts.layout import pack, unpack
 from .._numerics import isolation as _isolation
 from .._numerics.arrays import varying_axes
@@ -375,7 +374,7 @@ def sp_chunk_kda(
     call = _Call(seq_axis_name, prefix, tuple(sorted(options.items())))
     asarr = lambda x: None if x is None else jnp.asarray(x)
     inputs = (*map(asarr, (q, k, v, g, beta)), h0, asarr(A_log), asarr(dt_bias))
-    o, final = reverse_mode_only(_sp_kda)((inputs, pipeline), call, cu)
+    o, final = _sp_kda((inputs, pipeline), call, cu)
     if not output_final_state:
         return o, None
     return o, (jnp.swapaxes(final, -1, -2) if state_v_first else final)
