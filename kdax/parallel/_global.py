@@ -52,13 +52,14 @@ def chunk_kda(
         cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)  # (a list or numpy array, as kdax.chunk_kda takes)
     arrays = dict(initial_state=initial_state, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens)
     arrays = {name: x for name, x in arrays.items() if x is not None}
-    return reverse_mode_only(_sharded_call)(mesh, seq_axis, batch_axis, prefix, options, q, k, v, g, beta, arrays)
+    return _sharded_call(mesh, seq_axis, batch_axis, prefix, options, q, k, v, g, beta, arrays)
 
 
 # Under jit: eqx.filter_custom_vjp's symbolic zeros are not supported by an eager shard_map
 # (JAX 0.10), only by a traced one; Equinox's jit reports a check's failure inside the
 # program (a traced cu_seqlens) with its message. One module-level function, so that a
 # second call with the same mesh, options and shapes reuses the compiled program.
+@reverse_mode_only  # (JAX refuses forward mode at the shard_map boundary, here)
 @eqx.filter_jit
 def _sharded_call(mesh, seq_axis, batch_axis, prefix, options, q, k, v, g, beta, arrays):
     tok, row = P(batch_axis, seq_axis), P(batch_axis)
