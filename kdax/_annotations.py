@@ -6,6 +6,7 @@ chunked layout, NC chunks per row, C chunk size.
 """
 
 import functools
+import inspect
 import numbers
 import re
 import typing
@@ -13,7 +14,7 @@ import typing
 import jax
 import numpy as np
 from beartype import beartype
-from jaxtyping import Array, Bool, Float, Int, Real, TypeCheckError, jaxtyped
+from jaxtyping import AbstractArray, Array, Bool, Float, Int, Real, TypeCheckError, jaxtyped
 
 ArrayIn = typing.Union[jax.Array, np.ndarray]
 
@@ -48,7 +49,8 @@ _F = typing.TypeVar("_F")
 def typecheck(fn: _F) -> _F:
     """jaxtyping + beartype: shapes, ranks and dtypes are checked when a call is traced.
     A failure is a ``TypeCheckError`` whose first line names the argument, the expected
-    layout and the axis that disagrees (``shape_summary``); jaxtyping's report follows."""
+    layout and the axis that disagrees (``shape_summary``), or the argument, the types it
+    takes and the value given (``value_summary``); jaxtyping's report follows."""
     checked = jaxtyped(typechecker=beartype)(fn)
 
     @functools.wraps(fn)
@@ -56,7 +58,7 @@ def typecheck(fn: _F) -> _F:
         try:
             return checked(*args, **kwargs)
         except TypeCheckError as e:
-            line = shape_summary(str(e))
+            line = shape_summary(str(e)) or value_summary(fn, args, kwargs, str(e))
             if line is None:
                 raise
             raise TypeCheckError(f"{line}\n\n{e}") from None
@@ -97,9 +99,41 @@ def shape_summary(report: str) -> typing.Optional[str]:
                         f"expected {size}{known}.")
         kind = "Bool" if dtype == "bool" else "Float" if dtype[0] == "f" or dtype.startswith("bf") else "Int"
         if kind not in kinds and not (kind != "Bool" and "Real" in kinds):
-            return f"{name}: expected a {'/'.join(sorted(kinds)).lower()} array of layout {want}, got {dtype}{list(shape)}."
+            return f"{name}: expected {_a('/'.join(sorted(kinds)).lower())} array of layout {want}, got {dtype}{list(shape)}."
         return None
     return f"{name}: expected layout {want} ({' or '.join(str(len(d.split())) for d in layouts)} axes), got shape {shape}."
+
+
+def _a(word: str) -> str:
+    return ("an " if word[0] in "aeiou" else "a ") + word
+
+
+def _words(t) -> str:
+    """An annotation as a reader says it: ``a real number or a real array [] or None``."""
+    if t is type(None):
+        return "None"
+    if typing.get_origin(t) is typing.Union:
+        return " or ".join(dict.fromkeys(_words(a) for a in typing.get_args(t)))
+    if isinstance(t, type) and issubclass(t, AbstractArray):
+        dims = t.dim_str.split()
+        return f"{_a(t.dtype.__name__.lower())} array [{', '.join(dims)}]" if dims else f"a 0-d {t.dtype.__name__.lower()} array"
+    if t is numbers.Real:
+        return "a real number"
+    return t.__name__ if isinstance(t, type) else str(t)
+
+
+def value_summary(fn, args, kwargs, report: str) -> typing.Optional[str]:
+    """One line from a jaxtyping report on a parameter that is not an array of the wrong
+    shape (a string for a number, an int for a bool): the argument, what it takes, what
+    it got; None when the report names no parameter of ``fn``."""
+    param = re.search(r"typechecking parameter '(\w+)'", report)
+    try:
+        value = inspect.signature(fn).bind(*args, **kwargs).arguments[param[1]]
+        hint = typing.get_type_hints(fn)[param[1]]
+    except (TypeError, KeyError):  # (param None, or not found)
+        return None
+    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+    return f"{param[1]}: expected {_words(hint)}, got {type(value).__name__} {shown}."
 
 
 __all__ = [

@@ -261,3 +261,28 @@ def test_shape_errors_in_one_line(fn, case, first_line):
     lines = str(err.value).splitlines()
     assert lines[0] == lines[0].strip() and __import__("re").match(first_line, lines[0]), lines[0]
     assert "The current values for each jaxtyping axis annotation" in str(err.value)  # jaxtyping's detail kept
+
+
+@pytest.mark.parametrize("fn", FNS, ids=IDS)
+@pytest.mark.parametrize("kw, first_line", [
+    (dict(scale="1"), "scale: expected a real number or a 0-d real array or None, got str '1'."),
+    (dict(output_final_state=1), "output_final_state: expected bool, got int 1."),
+    (dict(lower_bound="-5"), "lower_bound: expected float or int or None, got str '-5'."),
+    (dict(cu_seqlens={0: 32}), "cu_seqlens: expected an int array [N1] or list or tuple or None, got dict {0: 32}."),
+])
+def test_non_array_argument_errors_in_one_line(fn, kw, first_line):
+    """An argument of the wrong Python type (not an array of the wrong shape) is named on
+    the first line with what it takes and what it got, before jaxtyping's report."""
+    q, k, v, g, beta = _inputs()
+    g, beta = _good(g, beta)
+    with pytest.raises(TypeCheckError) as err:
+        fn(q, k, v, g, beta, **kw)
+    assert str(err.value).splitlines()[0] == first_line
+    assert "Called with parameters" in str(err.value)  # jaxtyping's detail kept
+
+
+def test_wrong_pipeline_type_is_named():
+    q, k, v, g, beta = _inputs()
+    g, beta = _good(g, beta)
+    with pytest.raises(TypeCheckError, match=r"^pipeline: expected KDAPipeline or None, got str 'reference'\."):
+        kdax.chunk_kda(q, k, v, g, beta, pipeline="reference")
