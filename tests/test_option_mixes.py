@@ -2,7 +2,9 @@
 float64: the outputs, the final states and every input's gradient. Each option has its own
 test elsewhere (``test_pipeline.py``'s grid); these look for interactions: packed input
 with empty and one-token sequences sharing chunks, hard decays (``g = -inf``) and zero
-decays, in-kernel gates and betas, grouped value heads, T = 1, every chunk size."""
+decays, in-kernel gates and betas, grouped value heads, T = 1, every chunk size; on the
+reference pipeline whole and in tiles, the Pallas one, segmented F4/B2 and sequence
+parallel over host devices."""
 
 import random
 
@@ -19,20 +21,27 @@ PIPELINES = {
     "reference": kdax.KDAPipeline.reference,
     "untiled": lambda: kdax.KDAPipeline.reference().untiled(),
     "pallas_tpu": lambda: kdax.KDAPipeline.pallas("tpu", interpret=True),
+    "segmented": lambda: kdax.stages.segmented(kdax.KDAPipeline.reference().untiled(), 3),
+    # kdax.parallel.chunk_kda, the tokens over 4 of the suite's host devices
+    "sequence_parallel": kdax.KDAPipeline.reference,
 }
+DEVICES = {"sequence_parallel": 4}
 
 
-def mix(seed: int):
-    """``(inputs, options, chunk_size, what)`` of one random case (``what``: its description)."""
+def mix(seed: int, multiple: int = 1):
+    """``(inputs, options, chunk_size, what)`` of one random case (``what``: its description),
+    T a ``multiple`` (tokens added to the last sequence)."""
     r, rng = random.Random(seed), np.random.default_rng(seed)
     H = r.choice([1, 2])
     HV, K, V, C = H * r.choice([1, 2]), r.choice([8, 16, 24]), r.choice([8, 12, 16]), r.choice([16, 32, 64, 128])
     if r.random() < 0.5:  # packed, empty and one-token sequences among them
         lens = [r.choice([0, 1, 5, 16, 17, 40, 70]) for _ in range(r.choice([1, 2, 3, 4]))]
         lens[0] += 3 * (sum(lens) == 0)
+        lens[-1] += -sum(lens) % multiple
         B, T, N, cu = 1, sum(lens), len(lens), np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     else:
         B, T, cu = r.choice([1, 2]), r.choice([1, 7, 16, 33, 64, 100, 130]), None
+        T += -T % multiple
         N = B
     o = dict(use_qk_l2norm_in_kernel=r.random() < 0.5, use_gate_in_kernel=r.random() < 0.5,
              use_beta_sigmoid_in_kernel=r.random() < 0.5, state_v_first=r.random() < 0.3,
@@ -83,7 +92,18 @@ def _loss_and_grads(fn, x, options, w, wf):
 SEEDS = range(40)
 # The fast core: cases that together hold every option, packed input with empty and
 # one-token sequences, hard and zero decays, T = 1 and every chunk size (the rest: -m slow).
-CORE = {"reference": (7, 23, 25, 31), "untiled": (6, 37), "pallas_tpu": (8, 10, 29)}
+CORE = {"reference": (7, 23, 25, 31), "untiled": (6, 37), "pallas_tpu": (8, 10, 29), "segmented": (10,),
+        "sequence_parallel": (23,)}
+
+
+def _chunk_kda(pipe: str, C: int):
+    """``chunk_kda`` with keyword arrays, on pipeline ``pipe`` (sequence parallel: over a mesh)."""
+    pipeline = PIPELINES[pipe]()
+    if pipe not in DEVICES:
+        return lambda **kw: kdax.chunk_kda(**kw, chunk_size=C, pipeline=pipeline)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:DEVICES[pipe]]), ("tokens",))
+    return lambda q, k, v, g, beta, **kw: kdax.parallel.chunk_kda(mesh, "tokens", q, k, v, g, beta, **kw, chunk_size=C,
+                                                                   pipeline=pipeline)
 
 
 @pytest.mark.parametrize("pipe,seed", [
@@ -91,15 +111,13 @@ CORE = {"reference": (7, 23, 25, 31), "untiled": (6, 37), "pallas_tpu": (8, 10, 
     for p in PIPELINES for s in SEEDS])
 def test_option_mix_against_recurrence(pipe, seed):
     with jax.enable_x64(True):
-        x, options, C, what = mix(seed)
+        x, options, C, what = mix(seed, DEVICES.get(pipe, 1))
         N, HV = x["v"].shape[0] if "cu_seqlens" not in options else len(options["cu_seqlens"]) - 1, x["v"].shape[2]
         K, V = x["q"].shape[-1], x["v"].shape[-1]
         rng = np.random.default_rng(1000 + seed)
         w = jnp.asarray(rng.normal(size=x["v"].shape))
         wf = jnp.asarray(rng.normal(size=(N, HV, V, K) if options["state_v_first"] else (N, HV, K, V)))
-        pipeline = PIPELINES[pipe]()
-        chunked = lambda **kw: kdax.chunk_kda(**kw, chunk_size=C, pipeline=pipeline)
-        o, final, grads = _loss_and_grads(chunked, x, options, w, wf)
+        o, final, grads = _loss_and_grads(_chunk_kda(pipe, C), x, options, w, wf)
         o_ref, final_ref, grads_ref = _loss_and_grads(kdax.fused_recurrent_kda, x, options, w, wf)
     assert_close(o, o_ref, 1e-10, f"o {what}")
     if options["output_final_state"]:
