@@ -2,7 +2,8 @@
 float64: the outputs, the final states and every input's gradient. Each option has its own
 test elsewhere (``test_pipeline.py``'s grid); these look for interactions: packed input
 with empty and one-token sequences sharing chunks, hard decays (``g = -inf``) and zero
-decays, in-kernel gates and betas, grouped value heads, T = 1, every chunk size; on the
+decays, in-kernel gates and betas, grouped value heads, T = 1, every chunk size,
+``disable_recompute`` and ``safe_gate`` (chunk_kda's own, not given to the recurrence); on the
 reference pipeline whole and in tiles, the Pallas one, segmented F4/B2 and sequence
 parallel over host devices."""
 
@@ -26,6 +27,7 @@ PIPELINES = {
     "sequence_parallel": kdax.KDAPipeline.reference,
 }
 DEVICES = {"sequence_parallel": 4}
+CHUNK_ONLY = ("disable_recompute", "safe_gate")
 
 
 def mix(seed: int, multiple: int = 1):
@@ -70,6 +72,9 @@ def mix(seed: int, multiple: int = 1):
         x["initial_state"] = rng.normal(size=(N, HV, V, K) if o["state_v_first"] else (N, HV, K, V))
     if cu is not None:
         o["cu_seqlens"] = jnp.asarray(cu)
+    # chunk_kda's own options (drawn last: the draws above stay as they were)
+    o["disable_recompute"] = r.random() < 0.3
+    o["safe_gate"] = "lower_bound" in o and r.random() < 0.5
     what = dict(B=B, T=T, H=H, HV=HV, K=K, V=V, C=C, cu=None if cu is None else cu.tolist(),
                 h0="initial_state" in x, **{n: v for n, v in o.items() if n != "cu_seqlens"})
     return {n: jnp.asarray(a) for n, a in x.items()}, o, C, what
@@ -118,7 +123,8 @@ def test_option_mix_against_recurrence(pipe, seed):
         w = jnp.asarray(rng.normal(size=x["v"].shape))
         wf = jnp.asarray(rng.normal(size=(N, HV, V, K) if options["state_v_first"] else (N, HV, K, V)))
         o, final, grads = _loss_and_grads(_chunk_kda(pipe, C), x, options, w, wf)
-        o_ref, final_ref, grads_ref = _loss_and_grads(kdax.fused_recurrent_kda, x, options, w, wf)
+        recurrent = {n: v for n, v in options.items() if n not in CHUNK_ONLY}
+        o_ref, final_ref, grads_ref = _loss_and_grads(kdax.fused_recurrent_kda, x, recurrent, w, wf)
     assert_close(o, o_ref, 1e-10, f"o {what}")
     if options["output_final_state"]:
         assert_close(final, final_ref, 1e-10, f"final state {what}")
