@@ -9,6 +9,7 @@ import functools
 import inspect
 import numbers
 import re
+import types
 import typing
 
 import jax
@@ -109,31 +110,36 @@ def _a(word: str) -> str:
 
 
 def _words(t) -> str:
-    """An annotation as a reader says it: ``a real number or a real array [] or None``."""
+    """An annotation as a reader says it: ``a real number or a 0-d real array or None``."""
     if t is type(None):
         return "None"
-    if typing.get_origin(t) is typing.Union:
+    if typing.get_origin(t) in (typing.Union, types.UnionType):
         return " or ".join(dict.fromkeys(_words(a) for a in typing.get_args(t)))
     if isinstance(t, type) and issubclass(t, AbstractArray):
-        dims = t.dim_str.split()
-        return f"{_a(t.dtype.__name__.lower())} array [{', '.join(dims)}]" if dims else f"a 0-d {t.dtype.__name__.lower()} array"
+        dims, kind = t.dim_str.split(), t.dtype.__name__.lower()
+        return f"{_a(kind)} array [{', '.join(dims)}]" if dims else f"a 0-d {kind} array"
     if t is numbers.Real:
         return "a real number"
     return t.__name__ if isinstance(t, type) else str(t)
 
 
 def value_summary(fn, args, kwargs, report: str) -> typing.Optional[str]:
-    """One line from a jaxtyping report on a parameter that is not an array of the wrong
-    shape (a string for a number, an int for a bool): the argument, what it takes, what
+    """One line from a jaxtyping report on a parameter that ``shape_summary`` does not
+    explain (a string for a number, an int for a bool): the argument, what it takes, what
     it got; None when the report names no parameter of ``fn``."""
     param = re.search(r"typechecking parameter '(\w+)'", report)
+    if param is None:
+        return None
     try:
         value = inspect.signature(fn).bind(*args, **kwargs).arguments[param[1]]
         hint = typing.get_type_hints(fn)[param[1]]
-    except (TypeError, KeyError):  # (param None, or not found)
+    except (TypeError, KeyError):
         return None
-    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
-    return f"{param[1]}: expected {_words(hint)}, got {type(value).__name__} {shown}."
+    if hasattr(value, "shape") and hasattr(value, "dtype"):  # (an array: its dtype and shape, not its values)
+        got = f"{type(value).__name__} of {value.dtype}{list(value.shape)}"
+    else:
+        got = f"{type(value).__name__} " + (repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "...")
+    return f"{param[1]}: expected {_words(hint)}, got {got}."
 
 
 __all__ = [
