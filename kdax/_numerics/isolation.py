@@ -245,14 +245,16 @@ def poison_outputs(bad: Bad, o, final):
     return o, final
 
 
-def clean_cotangents(do, dht, cu_seqlens, H: int):
+def clean_cotangents(do, dht, cu_seqlens, H: int, axis: Optional[str] = None):
     """``(do, poison)`` for ``chunk_kda``'s VJP: a non-finite ``do`` replaced by zero
     (``dht`` is kept out of other sequences by ``KDAPipeline.backward``), and ``poison``
     (``CotangentPoison``) putting NaN into the gradients
     that the recurrence's autodiff makes NaN: every token of a sequence up to its last
     non-finite ``do`` (``dq`` at that token only), all of a sequence with a non-finite
     ``dht``, and that sequence's ``dh0``. ``do [B, T, HV, V]``, ``dht [N, HV, K, V]`` or
-    None; ``H`` the q/k heads."""
+    None; ``H`` the q/k heads. ``axis``: inside ``shard_map`` over that token axis, where
+    ``dh0`` is already the sum over the devices (JAX's transpose of a replicated input
+    under ``check_vma``): its sequences are those a bad ``do`` reaches on any device."""
     B, T, HV = do.shape[:3]
     seq, N = sequence_ids(B, T, cu_seqlens)
     bad_tok = ~jnp.all(jnp.abs(do) < jnp.inf, -1)  # [B, T, HV]
@@ -263,6 +265,8 @@ def clean_cotangents(do, dht, cu_seqlens, H: int):
         ht_bad = ~finite_heads(dht)  # [N, HV]
         upto = upto | _to_tokens(ht_bad, seq, cu_seqlens)
         seq_bad = seq_bad | ht_bad
+    if axis is not None:  # (replicated, as dh0 is)
+        seq_bad = jax.lax.psum(seq_bad.astype(jnp.int32), axis) > 0
     return do, CotangentPoison(bad_tok, upto, seq_bad)
 
 

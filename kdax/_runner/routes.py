@@ -204,11 +204,11 @@ class DerivedResiduals(eqx.Module):
         return cls(vjp, swapped, shape(o), shape(final), num_qk_heads)
 
 
-def derived_gradients(res: DerivedResiduals, where, do, dht, cu_seqlens) -> tuple:
-    """``(input gradients (q, k, v, g, beta, h0, A_log, dt_bias), d_pipeline)`` at the
-    cleaned cotangents (None: zeros), NaN where isolation puts it, as the six-stage backward."""
+def derived_gradients(res: DerivedResiduals, where, do, dht, cu_seqlens, axis=None) -> tuple:
+    """``(input gradients (q, k, v, g, beta, h0, A_log, dt_bias), d_pipeline)`` at the cleaned cotangents
+    (None: zeros), NaN where isolation puts it, as the six-stage backward (``axis``: clean_cotangents')."""
     zeros_if_none = lambda x, like: jnp.zeros(like.shape, like.dtype) if x is None else x  # (symbolic zeros)
-    do, poison = _isolation.clean_cotangents(zeros_if_none(do, res.o), dht, cu_seqlens, res.num_qk_heads)
+    do, poison = _isolation.clean_cotangents(zeros_if_none(do, res.o), dht, cu_seqlens, res.num_qk_heads, axis)
     dht = _isolation.finite_or_zero(zeros_if_none(dht, res.final))
     d_inputs, d_pipe = res.vjp((do, dht))
     grads = _isolation.poison_inputs(where, poison(KDAGrads(*d_inputs)))  # (KDAGrads' fields: in this order)

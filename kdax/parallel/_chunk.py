@@ -232,10 +232,15 @@ def _derived_fwd(call: _Call, pipeline, inputs, cu, bad):
     return _isolation.poison_outputs(bad, o, final), (res, None, sp, bad.where)
 
 
-def _derived_bwd(res, sp: _Spans, where, primals, perturbed, do, dfinal):
-    """The derived backward on this device (``kdax._runner.routes.derived_gradients``),
-    the cotangents of replicated inputs and of the pipeline summed over the devices."""
-    out, d_pipe = _routes.derived_gradients(res, where, do, dfinal, sp.cu)
+def _derived_bwd(res, sp: _Spans, where, primals, perturbed, do, dfinal, axis: str):
+    """The derived backward on this device (``kdax._runner.routes.derived_gradients``).
+    Under ``check_vma``, JAX's transpose of the forward has summed the cotangents of the
+    replicated inputs (h0, A_log, dt_bias, the pipeline's arrays) over the devices
+    already, so dh0's NaN for bad cotangents comes from every device's (not a second sum
+    of the NaN-marked copies: that gave P times dh0); without it, shard_map's transpose
+    sums each device's part."""
+    checked = axis in varying_axes(primals[0])
+    out, d_pipe = _routes.derived_gradients(res, where, do, dfinal, sp.cu, axis if checked else None)
     d_inputs = tuple(None if x is None or p is None else _like(x, p) for x, p in zip(out, primals))
     d_pipe = jax.tree.map(lambda x: x if x is None else _like(x, x), d_pipe)
     return d_inputs, _routes.pipeline_cotangent(perturbed, d_pipe, res.swapped)
@@ -263,7 +268,7 @@ def _sp_bwd(residuals, cotangents, perturbed, diff, call: _Call, cu):
     primals, pipeline = diff
     do, dfinal = cotangents
     if isinstance(res, _routes.DerivedResiduals):
-        return _derived_bwd(res, sp, where, primals, perturbed[1], do, dfinal)
+        return _derived_bwd(res, sp, where, primals, perturbed[1], do, dfinal, call.axis)
     static = call.static(pipeline.untiled())
     if do is None:
         do = jnp.zeros(primals[2].shape, res.h0.dtype)

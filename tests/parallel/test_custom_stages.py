@@ -129,11 +129,14 @@ def _setup(packed):
 
 
 def _loss(fn, pos, opts, w):
+    """The loss's value, ``(o, final state)`` and gradients of q, k, v, g, beta and h0."""
+    rest = {n: x for n, x in opts.items() if n != "initial_state"}
+
     def f(*a):
-        o, ht = fn(*a, **opts)
+        o, ht = fn(*a[:5], initial_state=a[5], **rest)
         return jnp.sum(o * w) + jnp.sum(ht * jnp.cos(ht)), (o, ht)
 
-    return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3, 4), has_aux=True))(*pos)
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3, 4, 5), has_aux=True))(*pos, opts["initial_state"])
 
 
 @pytest.mark.filterwarnings("ignore::kdax.FallbackWarning")
@@ -150,7 +153,8 @@ def test_sequence_parallel_custom_stages_exact(case, packed):
     assert_close(o_sp, o_one, 1e-10, f"{case}: o under value_and_grad")
     assert_close(ht_sp, ht_one, 1e-10, f"{case}: final state")
     assert abs(float(l_sp) - float(l_one)) <= 1e-10 * max(1.0, abs(float(l_one)))
-    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), g_sp, g_one):
+    # (dh0: the derived backward's was P times the true one, summed twice over the devices)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), g_sp, g_one):
         assert_close(a, b, 1e-10, f"{case}: {name}")
     # The forward under value_and_grad is the plain forward's route (the issue's case: the
     # bias added twice, 0.6 off): equal to float64 rounding under this suite's XLA flags,
@@ -159,6 +163,33 @@ def test_sequence_parallel_custom_stages_exact(case, packed):
     o_plain, ht_plain = jax.jit(lambda *a: sp(*a, **opts))(*pos)
     assert_close(o_sp, o_plain, 1e-14, f"{case}: o, value_and_grad vs plain")
     assert_close(ht_sp, ht_plain, 1e-14, f"{case}: final state, value_and_grad vs plain")
+
+
+@pytest.mark.filterwarnings("ignore::kdax.FallbackWarning")
+def test_sequence_parallel_derived_backward_bad_cotangent():
+    """A NaN in ``do`` on device 2 of sequence 1 (tokens 5-39, devices 0-2) in the derived
+    backward: dh0 NaN for that sequence's head alone, as on one device, and the rest of it
+    exact (every device's copy of the marked dh0 was summed: 4 times the true one)."""
+    pos, opts, _ = _setup(True)
+    pipe = _pipe("undeclared F5 wrapper")
+    mesh = jax.make_mesh((4,), ("sp",), devices=jax.devices()[:4])
+    h0 = opts.pop("initial_state")
+    nan_at = np.zeros(pos[2].shape, bool)
+    nan_at[0, 36, 1, 0] = True
+
+    def grads(fn):
+        def run(*a):
+            (o, ht), vjp = jax.vjp(lambda *a: fn(*a[:5], initial_state=a[5], pipeline=pipe, **opts), *a)
+            return vjp((jnp.where(nan_at, jnp.nan, jnp.ones_like(o)), jnp.cos(ht)))
+
+        return jax.jit(run)(*pos, h0)
+
+    g_sp = grads(lambda *a, **k: kdax.parallel.chunk_kda(mesh, "sp", *a, **k))
+    g_one = grads(kdax.chunk_kda)
+    bad = np.isnan(np.asarray(g_sp[5]))
+    assert bad[1, 1].all() and not np.delete(bad.reshape(-1, *bad.shape[2:]), 3, axis=0).any(), bad.any((2, 3))
+    np.testing.assert_array_equal(bad, np.isnan(np.asarray(g_one[5])))
+    assert_close(jnp.where(bad, 0.0, g_sp[5]), jnp.where(bad, 0.0, g_one[5]), 1e-10, "dh0 of the other sequences")
 
 
 _BIT_FOR_BIT = """
@@ -226,7 +257,8 @@ def test_sequence_parallel_declared_f4_wrapper_exact():
     (l_one, (o_one, ht_one)), g_one = _loss(lambda *a, **k: kdax.chunk_kda(*a, pipeline=pipe, **k), pos, opts, w)
     assert_close(o_sp, o_one, 1e-10, "o")
     assert_close(ht_sp, ht_one, 1e-10, "final state")
-    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), g_sp, g_one):
+    # (dh0: the derived backward's was P times the true one, summed twice over the devices)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), g_sp, g_one):
         assert_close(a, b, 1e-10, name)
 
 
@@ -250,5 +282,5 @@ def test_segmented_keeps_exact_custom_stages_elsewhere():
         (l_b, (o_b, ht_b)), g_b = _loss(lambda *a, **k: kdax.chunk_kda(*a, pipeline=pipe, **k), pos, opts, w)
         assert_close(o_a, o_b, 1e-10, f"{case}: o")
         assert_close(ht_a, ht_b, 1e-10, f"{case}: final state")
-        for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), g_a, g_b):
+        for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), g_a, g_b):
             assert_close(a, b, 1e-10, f"{case}: {name}")
