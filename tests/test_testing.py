@@ -141,6 +141,36 @@ class LeakyOutput(AbstractOutput):
         return o + 0.0 * jnp.sum(o, axis=(0, 2, 3), keepdims=True)
 
 
+class FirstSequenceGate(AbstractGate):
+    """Other math: each chunk's log decay plus a tenth of the first chunk's (packed: the
+    first sequence reaches every other, which a NaN in a middle sequence does not show)."""
+
+    math: ClassVar = "leaky"
+
+    def __call__(self, config, q, k, g, beta, A_log, dt_bias, valid):
+        return ReferenceGate()(config, q, k, g + 0.1 * g[:, :, :1], beta, A_log, dt_bias, valid)
+
+
+class LastRowGate(AbstractGate):
+    """Other math: each row's log decay plus a tenth of the last row's (dense: row 1 reaches row 0)."""
+
+    math: ClassVar = "leaky"
+
+    def __call__(self, config, q, k, g, beta, A_log, dt_bias, valid):
+        return ReferenceGate()(config, q, k, g + 0.1 * g[-1:], beta, A_log, dt_bias, valid)
+
+
+class BatchDecisionGate(AbstractGate):
+    """Other math: every log decay halved if any in the call is positive (a decision on the
+    whole batch; NaN compares False, so only other values show it)."""
+
+    math: ClassVar = "leaky"
+
+    def __call__(self, config, q, k, g, beta, A_log, dt_bias, valid):
+        g = jnp.where(jnp.max(g) > 0, 0.5, 1.0) * g
+        return ReferenceGate()(config, q, k, g, beta, A_log, dt_bias, valid)
+
+
 class WrongShapeOutput(AbstractOutput):
     """Returns one value channel too few."""
 
@@ -213,6 +243,26 @@ def test_nan_leak_fails_isolation():
     _assert_fails(check_stage(LeakyOutput(), "output", **_small()), "nan-isolation")
 
 
+def _passed(report, check, case):
+    return next(c for c in report.checks if c.name == check and c.case == case).passed
+
+
+def test_cross_sequence_leaks_fail_isolation():
+    """Each sequence in turn, every element of its part: a leak from the first packed
+    sequence, from the last dense row, or through a comparison fails (the check poisoned one
+    element of one middle sequence and passed the first two)."""
+    first = check_stage(FirstSequenceGate(), "gate", **_small())
+    for check in ("nan-isolation", "isolation"):
+        assert not _passed(first, check, "packed f64") and _passed(first, check, "dense f64"), str(first)
+    assert "g of sequence 0 negated reached .G" in str(first)
+    last = check_stage(LastRowGate(), "gate", **_small())
+    for check in ("nan-isolation", "isolation"):
+        assert not _passed(last, check, "dense f64") and _passed(last, check, "packed f64"), str(last)
+    decision = check_stage(BatchDecisionGate(), "gate", **_small())
+    _assert_fails(decision, "isolation")
+    assert "nan-isolation" not in decision.names_failed, str(decision)
+
+
 def test_wrong_shape_fails_contract():
     report = check_stage(WrongShapeOutput(), "output", **_small())
     _assert_fails(report, "contract")
@@ -269,8 +319,8 @@ def test_wrong_backward_fails_check_pipeline():
 
 @pytest.mark.slow
 def test_custom_math_pipeline_passes_check_pipeline():
-    # A forward stage of other math with the reference backward: the gradient is derived
-    # (exact), so check_pipeline passes.
+    # An F5 of other math with the reference backward: on one device its transpose is
+    # derived by jax.vjp in B1's place (exact), so check_pipeline passes and says so.
     class Scaled(AbstractOutput):
         math: ClassVar = "2 kda"
 
@@ -280,7 +330,8 @@ def test_custom_math_pipeline_passes_check_pipeline():
     pipe = eqx.tree_at(lambda p: p.output, kdax.KDAPipeline.reference(), Scaled())
     report = check_pipeline(pipe)
     _assert_ok(report)
-    assert any("derived" in c.detail for c in report.checks if c.name == "gradients")
+    rows = [c.detail for c in report.checks if c.name == "gradients"]
+    assert rows and all(d.startswith("six-stage (F5's transpose by jax.vjp) backward") for d in rows), rows
 
 
 def test_report_table():

@@ -7,8 +7,8 @@ per-sequence and shared-chunk layouts, float64 / float32 / bf16 / f16 inputs, in
 states, a scale other than the default with K != V, grouped value heads, the softplus
 gate with ``allow_neg_eigval``, the lower-bound gate with and without ``A_log``, chunk 64,
 T <= C, tiles: ``default_cases``) and checks what the stage says
-of itself: its output contract, every capability it declares, NaN isolation between
-sequences, ``jax.jit`` / ``eqx.filter_jit`` / ``vmap`` / ``grad``, and, when it declares
+of itself: its output contract, every capability it declares, isolation between
+sequences (NaN and other values), ``jax.jit`` / ``eqx.filter_jit`` / ``vmap`` / ``grad``, and, when it declares
 KDA's math (``math = KDA``, or ``transposes`` KDA for a backward stage), its values against
 its family's reference stage on the same arguments.
 

@@ -1,6 +1,6 @@
 """The rows ``check_stage`` adds for each case, on the arguments the pipeline gives the
 stage there: ``contract``, ``finite``, ``reference`` (a stage of KDA's math against its
-family's reference stage, also on a tile), ``nan-isolation``; and on the first dense case
+family's reference stage, also on a tile), ``nan-isolation`` and ``isolation``; and on the first dense case
 the transformations ``jit``, ``filter_jit``, ``vmap``, ``grad``."""
 
 import dataclasses
@@ -60,63 +60,69 @@ def _reference_checks(col, pipe, field, stage, caps, case: Case, out, full_kw: d
         col.add("reference", case.name + " tile", False, _error(e))
 
 
-def _owner_mask(shape, case: Case, R: int, NC: int, N: int, bad_seq: int):
-    """Which elements of an output of ``shape`` belong to sequences other than
-    ``bad_seq`` (None: not indexed by sequence)."""
-    C = case.chunk
+def _owners(shape, case: Case, R: int, NC: int, N: int):
+    """The sequence each element of an argument or output of ``shape`` belongs to, as an
+    int array that broadcasts to ``shape`` (None: not indexed by sequence). The chunks past
+    the last sequence's in the per-sequence layout belong to none (-1: never read)."""
     if len(shape) >= 3 and shape[0] == R and shape[2] == NC:
         if not case.packed:
-            m = np.arange(R) != bad_seq
-            return m.reshape((R,) + (1,) * (len(shape) - 1))
+            return np.arange(R).reshape((R,) + (1,) * (len(shape) - 1))
         # per-sequence layout: sequence n occupies chunks [start_n, start_n + ceil(len_n / C))
         owner = np.full(NC, -1)
         c = 0
         for n in range(len(case.cu) - 1):
-            m = -(-(case.cu[n + 1] - case.cu[n]) // C)
+            m = -(-(case.cu[n + 1] - case.cu[n]) // case.chunk)
             owner[c:c + m] = n
             c += m
-        m = owner != bad_seq
-        return m.reshape((1, 1, NC) + (1,) * (len(shape) - 3))
+        return owner.reshape((1, 1, NC) + (1,) * (len(shape) - 3))
     if len(shape) == 4 and shape[0] == N:
-        m = np.arange(N) != bad_seq
-        return m.reshape((N, 1, 1, 1))
+        return np.arange(N).reshape((N, 1, 1, 1))
     return None
 
 
-def _nan_isolation(col, pipe, field, kw, clean, case: Case, name: str):
-    """A NaN in one sequence's part of each per-token / per-chunk argument reaches no other
-    sequence's outputs."""
+# What a change to one sequence's part of an argument is made of, per row of the report:
+# NaN (a leak through any arithmetic), then the values negated (a leak through a comparison
+# or a select, which NaN can pass unseen: a decision on the batch's largest log decay).
+_CHANGES = (("nan-isolation", "NaN", lambda x: np.full_like(x, np.nan)), ("isolation", "negated", lambda x: -x))
+
+
+def _isolation(col, pipe, field, kw, clean, case: Case, name: str):
+    """``nan-isolation`` and ``isolation``: for each sequence in turn, each per-token,
+    per-chunk and per-sequence argument changed in every element of that sequence's part
+    (NaN; negated) reaches no other sequence's outputs."""
     ref = next((x for x in jax.tree.leaves(kw) if hasattr(x, "ndim") and x.ndim >= 4), None)
     if ref is None:
         return
     R, NC = ref.shape[0], ref.shape[2]
     N = len(case.cu) - 1 if case.packed else case.B
-    bad_seq = 1 if case.packed else 0
-    chunk = 1 if case.packed else 0
-    row = 0 if case.packed else bad_seq
     clean_leaves = _leaves(clean)
-    leaks = []
+    leaks = {row: [] for row, _, _ in _CHANGES}
     tried = []
     for n, x in kw.items():
-        if not (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating) and x.ndim >= 4
-                and x.shape[0] == R and x.shape[2] == NC) or isinstance(x, Tokens):
+        if not (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)) or isinstance(x, Tokens):
+            continue
+        owner = _owners(x.shape, case, R, NC, N)
+        if owner is None:
             continue
         tried.append(n)
-        poisoned = np.array(x)
-        poisoned[(row, 0, chunk) + (0,) * (x.ndim - 3)] = np.nan
-        out = _jit_run(pipe, field, dict(kw, **{n: _device(poisoned, x.dtype)}))
-        for (path, y), (_, y0) in zip(_leaves(out), clean_leaves):
-            m = _owner_mask(y.shape, case, R, NC, N, bad_seq)
-            if m is None:
-                continue
-            m = np.broadcast_to(m, y.shape)
-            same = (y[m] == y0[m]) | (np.isnan(y[m]) & np.isnan(y0[m]))
-            if not same.all():
-                leaks.append(f"NaN in {n} reached {path} of another sequence")
-                break
+        base = np.array(x)
+        for seq in range(N):
+            mine = np.broadcast_to(owner == seq, x.shape)
+            for row, what, change in _CHANGES:
+                changed = np.where(mine, change(base), base)
+                out = _jit_run(pipe, field, dict(kw, **{n: _device(changed, x.dtype)}))
+                for (path, y), (_, y0) in zip(_leaves(out), clean_leaves):
+                    theirs = _owners(y.shape, case, R, NC, N)
+                    if theirs is None:
+                        continue
+                    m = np.broadcast_to((theirs != seq) & (theirs >= 0), y.shape)
+                    if not ((y[m] == y0[m]) | (np.isnan(y[m]) & np.isnan(y0[m]))).all():
+                        leaks[row].append(f"{n} of sequence {seq} {what} reached {path} of another sequence")
+                        break
     if tried:
-        col.add("nan-isolation", name, not leaks,
-                "; ".join(leaks[:3]) if leaks else f"NaN in sequence {bad_seq}'s {', '.join(tried)}: others unchanged")
+        for row, what, _ in _CHANGES:
+            col.add(row, name, not leaks[row], "; ".join(leaks[row][:3]) if leaks[row] else
+                    f"{', '.join(tried)} of each of {N} sequences {what} in turn: others unchanged")
 
 
 def _transforms(col, pipe, field, stage, kw, out, kw2, out2, case: Case, tol: float):
@@ -204,7 +210,7 @@ def _stage_runs_ahead(base, field, stage, caps, cases, cache_ok: bool) -> None:
 
 def _case_checks(col, base, field, stage, caps, case: Case, cache_ok: bool, first_dtype):
     """The rows of one case: ``contract``, ``finite``, ``reference`` (a stage of KDA's math),
-    ``nan-isolation`` (dense and packed cases in the first dtype). Returns ``(pipeline with
+    ``nan-isolation`` and ``isolation`` (dense and packed cases in the first dtype). Returns ``(pipeline with
     the stage, its arguments, its outputs, the recorded arguments)``, or None when the stage
     did not run."""
     if not case.floor and field == "gate":
@@ -244,9 +250,9 @@ def _case_checks(col, base, field, stage, caps, case: Case, cache_ok: bool, firs
                                               f"with {info.reference.__qualname__} (or any formula)")
     if case.name.startswith(("dense", "packed")) and jnp.dtype(case.dtype) == jnp.dtype(first_dtype):
         try:
-            _nan_isolation(col, P, field, kw, out, case, case.name)
+            _isolation(col, P, field, kw, out, case, case.name)
         except Exception as e:
-            col.add("nan-isolation", case.name, False, _error(e))
+            col.add("isolation", case.name, False, _error(e))
     return P, kw, out, full_kw
 
 

@@ -103,7 +103,9 @@ def _gradient_checks(col, pipeline: KDAPipeline, case: Case, tol: float):
         col.add("gradients", case.name, None if _routes.is_autodiff_failure(e) else False,
                 "cannot differentiate the forward stages: " + _error(e))
         return
-    path = "derived" if meta["derived"] else "six-stage"
+    route = _routes.backward_route(P)
+    by_jax = [what for what, on in (("F5's transpose", route.output_vjp), ("B5 as F1's VJP", route.gate_vjp)) if on]
+    path = "derived" if meta["derived"] else "six-stage" + (f" ({', '.join(by_jax)} by jax.vjp)" if by_jax else "")
     ok, det = _compare((o, ht), (o_x, ht_x), tol)
     col.add("forward", case.name, ok, f"{meta['layout']} layout vs the differentiable forward: {det}")
     got = dict(zip(_GRAD_NAMES, dgot[0]), **dgot[1])

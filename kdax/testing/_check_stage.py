@@ -57,8 +57,9 @@ def check_stage(
       carried state): the routes the pipeline takes on these declarations are KDA problems.
       A stage of other math gets a ``reference`` row per case that says "not compared"
       (``Report.not_compared``): nothing compares its values with a formula;
-    * ``nan-isolation``: a NaN in one sequence's part of each per-token argument reaches no
-      other sequence's outputs (dense rows; packed per-sequence chunks);
+    * ``nan-isolation``, ``isolation``: each sequence in turn, its part of each per-token,
+      per-chunk and per-sequence argument NaN, then negated, reaches no other sequence's
+      outputs (dense rows; packed per-sequence chunks);
     * ``jit``, ``filter_jit``, ``vmap`` (two cases' arguments stacked), ``grad`` (forward
       stages; skipped where JAX cannot differentiate it);
     * declared capabilities, in pipelines that take the routes they select whatever the
