@@ -1,6 +1,6 @@
 """Seeded random mixes of user-written stages, routes and ``chunk_kda``'s options, each
-against the reference pipeline on one device in float64: outputs, final states, every
-input's gradient and a stage parameter's. ``test_option_mixes.py`` does this for the
+against ``fused_recurrent_kda`` in float64: outputs, final states, every input's gradient
+and a stage parameter's. ``test_option_mixes.py`` does this for the
 shipped pipelines; here one to three fields hold stages a user would write:
 
 * forward stages of other math that compute KDA's formula through the reference stage
@@ -49,7 +49,7 @@ from kdax.stages import (
 )
 
 from ._util import assert_close
-from .test_option_mixes import _loss_and_grads, mix
+from .test_option_mixes import CHUNK_ONLY, _loss_and_grads, mix
 
 MINE = "mine"  # the math id of stages that compute KDA's formula but do not say so
 
@@ -231,10 +231,11 @@ def test_custom_stage_mix_against_reference(base, seed):
 
         def oracle(g, tau=None, **kw):
             g = g if tau is None else g * tau[None, None, :, None]
-            o, final = kdax.chunk_kda(g=g, **kw, chunk_size=C, pipeline=kdax.KDAPipeline.reference())
+            o, final = kdax.fused_recurrent_kda(g=g, **kw)
             return (2 * o if doubled else o), final
 
-        o_ref, final_ref, grads_ref = _loss_and_grads(oracle, xt, options, w, wf)
+        recurrent = {n: v for n, v in options.items() if n not in CHUNK_ONLY}
+        o_ref, final_ref, grads_ref = _loss_and_grads(oracle, xt, recurrent, w, wf)
     assert_close(o, o_ref, 1e-10, f"o {what}")
     if options["output_final_state"]:
         assert_close(final, final_ref, 1e-10, f"final state {what}")

@@ -252,9 +252,11 @@ def clean_cotangents(do, dht, cu_seqlens, H: int, axis: Optional[str] = None):
     that the recurrence's autodiff makes NaN: every token of a sequence up to its last
     non-finite ``do`` (``dq`` at that token only), all of a sequence with a non-finite
     ``dht``, and that sequence's ``dh0``. ``do [B, T, HV, V]``, ``dht [N, HV, K, V]`` or
-    None; ``H`` the q/k heads. ``axis``: inside ``shard_map`` over that token axis, where
-    ``dh0`` is already the sum over the devices (JAX's transpose of a replicated input
-    under ``check_vma``): its sequences are those a bad ``do`` reaches on any device."""
+    None; ``H`` the q/k heads. ``axis``: inside ``shard_map`` with the token axis split over
+    that mesh axis (``cu_seqlens`` this device's offsets): a bad ``do`` on a later device
+    reaches this one's tokens of its sequence, and ``dh0``'s sequences are those a bad ``do``
+    reaches on any device, the same on every device (replicated, as ``dh0`` is when JAX's
+    transpose has summed it over the devices)."""
     B, T, HV = do.shape[:3]
     seq, N = sequence_ids(B, T, cu_seqlens)
     bad_tok = ~jnp.all(jnp.abs(do) < jnp.inf, -1)  # [B, T, HV]
@@ -265,8 +267,11 @@ def clean_cotangents(do, dht, cu_seqlens, H: int, axis: Optional[str] = None):
         ht_bad = ~finite_heads(dht)  # [N, HV]
         upto = upto | _to_tokens(ht_bad, seq, cu_seqlens)
         seq_bad = seq_bad | ht_bad
-    if axis is not None:  # (replicated, as dh0 is)
-        seq_bad = jax.lax.psum(seq_bad.astype(jnp.int32), axis) > 0
+    if axis is not None:
+        P, d = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
+        every = jax.lax.all_gather(seq_bad, axis)  # [P, N, HV]
+        upto = upto | _to_tokens(jnp.any(every & (jnp.arange(P) > d)[:, None, None], axis=0), seq, cu_seqlens)
+        seq_bad = jax.lax.psum(seq_bad.astype(jnp.int32), axis) > 0  # (a psum: typed replicated, as dh0)
     return do, CotangentPoison(bad_tok, upto, seq_bad)
 
 

@@ -236,11 +236,10 @@ def _derived_bwd(res, sp: _Spans, where, primals, perturbed, do, dfinal, axis: s
     """The derived backward on this device (``kdax._runner.routes.derived_gradients``).
     Under ``check_vma``, JAX's transpose of the forward has summed the cotangents of the
     replicated inputs (h0, A_log, dt_bias, the pipeline's arrays) over the devices
-    already, so dh0's NaN for bad cotangents comes from every device's (not a second sum
-    of the NaN-marked copies: that gave P times dh0); without it, shard_map's transpose
+    already, so dh0's NaN for bad cotangents is marked alike on every device (marked per
+    device, the copies were summed again: P times dh0); without it, shard_map's transpose
     sums each device's part."""
-    checked = axis in varying_axes(primals[0])
-    out, d_pipe = _routes.derived_gradients(res, where, do, dfinal, sp.cu, axis if checked else None)
+    out, d_pipe = _routes.derived_gradients(res, where, do, dfinal, sp.cu, axis)
     d_inputs = tuple(None if x is None or p is None else _like(x, p) for x, p in zip(out, primals))
     d_pipe = jax.tree.map(lambda x: x if x is None else _like(x, x), d_pipe)
     return d_inputs, _routes.pipeline_cotangent(perturbed, d_pipe, res.swapped)
@@ -273,9 +272,9 @@ def _sp_bwd(residuals, cotangents, perturbed, diff, call: _Call, cu):
     if do is None:
         do = jnp.zeros(primals[2].shape, res.h0.dtype)
     dfinal = jnp.zeros_like(res.h0) if dfinal is None else dfinal.astype(res.h0.dtype)
-    # Non-finite cotangents: zero here, NaN in this device's gradients of their sequence
-    # (kdax._numerics.isolation; the earlier devices' tokens of that sequence keep finite ones).
-    do, poison = _isolation.clean_cotangents(do, dfinal, sp.cu, res.num_qk_heads)
+    # Non-finite cotangents: zero here, NaN in the gradients of their sequence up to them,
+    # on the earlier devices too (kdax._numerics.isolation).
+    do, poison = _isolation.clean_cotangents(do, dfinal, sp.cu, res.num_qk_heads, static.axis)
     dfinal = _isolation.finite_or_zero(dfinal)
     # Under shard_map's check_vma=False (q then varies over nothing), the transpose hands
     # each device 1/P of a replicated output's cotangent and sums the replicated inputs'

@@ -166,12 +166,15 @@ def test_sequence_parallel_custom_stages_exact(case, packed):
 
 
 @pytest.mark.filterwarnings("ignore::kdax.FallbackWarning")
-def test_sequence_parallel_derived_backward_bad_cotangent():
-    """A NaN in ``do`` on device 2 of sequence 1 (tokens 5-39, devices 0-2) in the derived
-    backward: dh0 NaN for that sequence's head alone, as on one device, and the rest of it
-    exact (every device's copy of the marked dh0 was summed: 4 times the true one)."""
+@pytest.mark.parametrize("case", ["reference", "undeclared F5 wrapper"], ids=["six-stage", "derived"])
+def test_sequence_parallel_bad_cotangent_as_one_device(case):
+    """A NaN in ``do`` on device 2 of sequence 1 (tokens 5-39, devices 0-2): every gradient
+    NaN where one device's is (that sequence's tokens up to it, on devices 0 and 1 too, and
+    its dh0 head) and equal elsewhere. Before: the earlier devices' tokens and dh0 stayed
+    finite, and the derived backward's dh0 was 4 times the true one (every device's marked
+    copy of JAX's summed cotangent summed again)."""
     pos, opts, _ = _setup(True)
-    pipe = _pipe("undeclared F5 wrapper")
+    pipe = kdax.KDAPipeline.reference().untiled() if case == "reference" else _pipe(case)
     mesh = jax.make_mesh((4,), ("sp",), devices=jax.devices()[:4])
     h0 = opts.pop("initial_state")
     nan_at = np.zeros(pos[2].shape, bool)
@@ -186,10 +189,13 @@ def test_sequence_parallel_derived_backward_bad_cotangent():
 
     g_sp = grads(lambda *a, **k: kdax.parallel.chunk_kda(mesh, "sp", *a, **k))
     g_one = grads(kdax.chunk_kda)
-    bad = np.isnan(np.asarray(g_sp[5]))
-    assert bad[1, 1].all() and not np.delete(bad.reshape(-1, *bad.shape[2:]), 3, axis=0).any(), bad.any((2, 3))
-    np.testing.assert_array_equal(bad, np.isnan(np.asarray(g_one[5])))
-    assert_close(jnp.where(bad, 0.0, g_sp[5]), jnp.where(bad, 0.0, g_one[5]), 1e-10, "dh0 of the other sequences")
+    bad = np.isnan(np.asarray(g_one[5]))
+    assert bad[1, 1].all() and bad.sum() == bad[1, 1].size, "dh0: sequence 1's head 1 alone"
+    assert np.isnan(np.asarray(g_one[1]))[0, 5:37, 1].all(), "dk: sequence 1 up to the bad token"
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), g_sp, g_one):
+        nan = np.isnan(np.asarray(b))
+        np.testing.assert_array_equal(np.isnan(np.asarray(a)), nan, err_msg=f"{name}: where NaN")
+        assert_close(jnp.where(nan, 0.0, a), jnp.where(nan, 0.0, b), 1e-10, f"{name} elsewhere")
 
 
 _BIT_FOR_BIT = """
