@@ -1,5 +1,6 @@
 """What kdax asks of the XLA it runs on, before any computation (``avoid_ynn_fusions``),
-and a process setting it offers for XLA:CPU's speed (``reuse_freed_memory``).
+a process setting it offers for XLA:CPU's speed (``reuse_freed_memory``), and what JAX
+runs only compiled (``in_eager_shard_map``).
 
 jaxlib 0.10's XLA:CPU runs some fusions through YNNPACK (the debug option
 ``xla_cpu_experimental_ynn_fusion_type``), and one of them, a transpose, reads and writes
@@ -145,3 +146,33 @@ def _xla_flag(name: str) -> Optional[str]:
     """The value of the last ``--name=value`` in XLA_FLAGS (the one XLA keeps), or None."""
     found = re.findall(rf"--{name}=(\S*)", os.environ.get("XLA_FLAGS", ""))
     return found[-1] if found else None
+
+
+def in_eager_shard_map(tree) -> bool:
+    """Whether ``tree`` holds values of an eager (not jitted) ``jax.shard_map`` body. JAX
+    0.10's eager shard_map does not run a custom VJP with symbolic zeros, as
+    ``eqx.filter_custom_vjp`` makes ("custom_vjp symbolic_zeros support with shard_map is
+    not implemented"): kdax compiles its custom-VJP calls there (a jit inside the body), as
+    it does for any eager call, and an eager ``jax.grad`` of it (op by op, a sequence-parallel
+    gradient took minutes). Under jit the values are jaxpr tracers: as is."""
+    return any(_shard_map_values(jax.tree.leaves(tree)))
+
+
+def traced(tree) -> bool:
+    """Whether ``tree`` holds a value being traced (under jit or vmap, or an eager
+    ``jax.grad``'s): kdax then calls its custom VJPs as they are, else compiled. An eager
+    shard_map body's values count as eager (``in_eager_shard_map``)."""
+    leaves = jax.tree.leaves(tree)
+    return any(isinstance(x, jax.core.Tracer) and not s for x, s in zip(leaves, _shard_map_values(leaves)))
+
+
+def _shard_map_values(leaves: list) -> list:
+    """Per leaf: a value of an eager shard_map body, or an eager ``jax.grad``'s tracer over one."""
+    found = []
+    for x in leaves:
+        for _ in range(8):
+            if type(x).__name__ == "ShardMapTracer":
+                break
+            x = getattr(x, "primal", None)
+        found.append(type(x).__name__ == "ShardMapTracer")
+    return found

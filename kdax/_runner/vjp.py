@@ -5,7 +5,6 @@ forward stages. Stage arrays: ``kdax._runner.stage_grads``; non-finite values:
 ``kdax._numerics.isolation``."""
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 
 from . import output_vjp as _output_vjp
@@ -14,6 +13,7 @@ from .._config import KDAConfig, KDAOptions
 from .._errors import reverse_mode_only
 from .._layouts import tokens as _tokens
 from .._numerics import isolation as _isolation
+from .._platform import traced
 from .._stage_protocol.capabilities import capabilities
 from .._validate import domain_flag, final_out, prepare_options
 from ..ref import compute_dtype
@@ -41,8 +41,8 @@ def _bad(config: KDAConfig, inputs, cu_seqlens, domain):
 
 
 def _concrete(*trees) -> bool:
-    """Whether a rule runs eagerly: no array traced, no stage call being recorded."""
-    return not active_recordings() and not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(trees))
+    """Whether a rule runs eagerly: no array traced (``kdax._platform.traced``), no stage call being recorded."""
+    return not active_recordings() and not traced(trees)
 
 
 def _compiled_when_eager(fn):

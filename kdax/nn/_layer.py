@@ -8,6 +8,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray, Shaped
 
 from .._runner.runner import active_recordings
 from .._annotations import ArrayIn, CuSeqlensIn, typecheck
+from .._platform import in_eager_shard_map
 from ..pipeline import KDAPipeline
 from ..recurrent import concrete_call
 from ._arguments import check_call, checked_slots
@@ -262,7 +263,8 @@ class KimiDeltaAttention(eqx.Module):
         # dtypes and options, as chunk_kda's eager calls (kdax._runner.vjp.apply): op by op a
         # decode step took ~0.1 s a token. Every check above has run on the caller's values.
         # Not while a pipeline's plan records the stage calls (a cached trace makes none).
-        eager = not active_recordings() and concrete_call(self, arrays)
+        # In an eager jax.shard_map body too (kdax._platform.in_eager_shard_map).
+        eager = not active_recordings() and (concrete_call(self, arrays) or in_eager_shard_map(arrays))
         return (_compiled_call if eager else _call)(self, *arrays, mode, return_intermediate_states, chunk_size,
                                                     seq_axis_name)
 

@@ -34,6 +34,7 @@ import numpy as np
 from .._layouts.layout import pack, unpack
 from .._numerics import isolation as _isolation
 from .._numerics.arrays import varying_axes
+from .._platform import in_eager_shard_map
 from .._runner import routes as _routes
 from .._runner.stage_grads import check_perturbed, pipeline_gradients
 from .._validate import checked_cu_seqlens
@@ -87,6 +88,19 @@ def _pick(spans: _Spans, mask, x):
     one sequence where ``mask`` (a sum of at most one term), as ``[1, ...]``."""
     x = _rows(mask, x)
     return x if spans.cu is None else jnp.sum(x, axis=0, keepdims=True)
+
+
+def _through(axis: str, B: int, Tl: int, cu):
+    """Per device ``[P, B, 1]`` (dense) or ``[P, 1, 1]`` (packed), from the global offsets
+    every device holds: a sequence runs through device e (it enters and leaves), else the
+    summary's ``M`` is zero there (``exclusive_prefix``'s ``live``)."""
+    P = jax.lax.axis_size(axis)
+    e = jnp.arange(P)
+    if cu is None:
+        return jnp.broadcast_to(((e > 0) & (e < P - 1))[:, None, None], (P, B, 1))
+    start, end = cu[:-1], cu[1:]
+    x = (start[None] < (e * Tl)[:, None]) & (end[None] > ((e + 1) * Tl)[:, None])  # [P, N]
+    return jnp.any(x, axis=1)[:, None, None]
 
 
 def _spread(spans: _Spans, mask, x, N: int):
@@ -168,7 +182,7 @@ def _forward(static: _Static, q, k, v, g, beta, h0, A_log, dt_bias, cu):
     M = _pick(sp, sp.leaves, _state_stage(static, res0, eye))
     b = _pick(sp, sp.leaves, fin0)
     # (2) the true entry state, (3) the local pass from it.
-    entry = exclusive_prefix(M, b, static.axis, method=static.prefix)
+    entry = exclusive_prefix(M, b, static.axis, method=static.prefix, live=_through(static.axis, B, Tl, cu))
     h_add = _rows(sp.enters, _spread(sp, sp.enters, entry, N))
     if _routes.is_kda(static.pipeline.output):
         # Affine in the entry: the pass from zero plus F4 and F5 from the entry alone
@@ -291,7 +305,8 @@ def _sp_bwd(residuals, cotangents, perturbed, diff, call: _Call, cu):
     # c: the gradient reaching the entering sequence's start from this device's own do/dht
     c = _pick(sp, sp.enters, _entry_gradient(static, res, do, own))
     # the gradient arriving at this device's exit from the devices after it
-    d_exit = exclusive_prefix(jnp.swapaxes(M, -1, -2), c, static.axis, reverse=True, method=static.prefix)
+    d_exit = exclusive_prefix(jnp.swapaxes(M, -1, -2), c, static.axis, reverse=True, method=static.prefix,
+                              live=_through(static.axis, *primals[0].shape[:2], cu))
     grads, parts = _backward_local(static, res, do, own + _spread(sp, sp.leaves, d_exit, N))
     grads = _isolation.poison_inputs(where, poison(grads))
     dh0 = _rows(~sp.enters, grads.initial_state)
@@ -340,6 +355,10 @@ def check_axis(axis):
         ) from e
 
 
+# Compiled when called in an eager jax.shard_map (kdax._platform.in_eager_shard_map).
+_sp_kda_jit = eqx.filter_jit(_sp_kda)
+
+
 def sp_chunk_kda(
     q, k, v, g, beta, *, seq_axis_name: str, pipeline=None, prefix: PrefixMethod = "auto",
     initial_state=None, output_final_state: bool = False, cu_seqlens=None,
@@ -378,7 +397,7 @@ def sp_chunk_kda(
     call = _Call(seq_axis_name, prefix, tuple(sorted(options.items())))
     asarr = lambda x: None if x is None else jnp.asarray(x)
     inputs = (*map(asarr, (q, k, v, g, beta)), h0, asarr(A_log), asarr(dt_bias))
-    o, final = _sp_kda((inputs, pipeline), call, cu)
+    o, final = (_sp_kda_jit if in_eager_shard_map(inputs) else _sp_kda)((inputs, pipeline), call, cu)
     if not output_final_state:
         return o, None
     return o, (jnp.swapaxes(final, -1, -2) if state_v_first else final)

@@ -3,12 +3,14 @@ on global arrays."""
 
 from typing import Optional
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float
 
 from .._annotations import CuSeqlensIn, typecheck
+from .._errors import reverse_mode_only
 from .._validate import check_cu_seqlens
 from ._global import check_mesh_axes
 from ._interpret import interprets
@@ -37,6 +39,16 @@ def apply_layer(
         # each device's program (kdax.parallel.chunk_kda says why), so the result is unused.
         check_cu_seqlens(cu_seqlens, x.shape[0], x.shape[1], "x")
         cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)
+    return _sharded_layer(mesh, seq_axis, batch_axis, options, layer, x, cu_seqlens, cache)
+
+
+# Under jit, as kdax.parallel.chunk_kda's call: an eager shard_map does not take
+# chunk_kda's custom VJP (JAX 0.10: "custom_vjp symbolic_zeros support with shard_map is
+# not implemented"), so an eager apply_layer raised; a second call with the same mesh,
+# options and shapes reuses the compiled program.
+@reverse_mode_only
+@eqx.filter_jit
+def _sharded_layer(mesh, seq_axis, batch_axis, options, layer, x, cu_seqlens, cache):
     tok, rows = P(batch_axis, seq_axis), P(batch_axis if cu_seqlens is None else None)
 
     def local(layer, x, cu, cache):

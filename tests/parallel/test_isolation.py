@@ -36,6 +36,32 @@ def test_bad_sequence_crossing_a_device_edge(values):
                             bad_exact=value is not None)
 
 
+@pytest.mark.parametrize("prefix", ["gather", "doubling"])
+@pytest.mark.parametrize("at", [30, 65, 80], ids=["forward", "backward-device-2", "backward-device-3"])
+def test_overflowing_sequence_reaches_no_other_across_devices(at, prefix):
+    """A huge finite beta (x1e30, no sigmoid) makes its sequence's state overflow. At token
+    30 (sequence 6, devices 1-2) its state entered device 2, where sequence 8 starts and
+    leaves for device 3: the summaries' prefix multiplied that inf by device 2's zero M,
+    and sequence 8's outputs were NaN. At token 80 (sequence 8, devices 2-3) its
+    cotangent crossed device 2's zero M back into sequence 6: dbeta of sequence 6 off by
+    5e-2 (finite); at token 65 (sequence 8 on device 2) too, through device 2's own
+    summary, whose M the overflow had made non-zero. The prefix now drops the value
+    entering a device no sequence runs through, and that device's M (``exclusive_prefix(...,
+    live=)``); all fail before."""
+    mesh = _mesh(4)
+    x = make_inputs(0, B=1, T=CU[-1], H=1, HV=2, K=8, V=8, N=len(CU) - 1, h0=True)
+    opts = dict(cu_seqlens=jnp.asarray(CU, jnp.int32), chunk_size=16, output_final_state=True, pipeline=UNTILED)
+    f = _runner(lambda *a, **kw: kdax.parallel.chunk_kda(mesh, "sp", *a, prefix=prefix, **kw), opts, final_loss=True)
+    f_ref = _runner(oracle_kda, dict(cu_seqlens=CU, output_final_state=True), final_loss=True)
+    r = jax.random.split(jax.random.key(2))
+    W = jax.random.normal(r[0], x["v"].shape, jnp.float64)
+    Wh = jax.random.normal(r[1], x["initial_state"].shape, jnp.float64)
+    y = _inject(x, "beta", None, (0, at, 0))
+    bad = sum(c <= at for c in CU) - 1
+    # (bad_exact=False: a huge finite value is no non-finite one, whose sequence is exact before it)
+    _check_isolated(f(y, W, Wh), f_ref(y, W, Wh), _sequences(CU, 1), bad, at, bad_exact=False)
+
+
 def test_global_wrapper_takes_what_chunk_kda_takes():
     """``kdax.parallel.chunk_kda`` takes ``cu_seqlens`` as a list or numpy array and
     Kimi's ``A_log [1, 1, HV, 1]``, as ``kdax.chunk_kda`` does."""
