@@ -22,11 +22,6 @@ PrefixMethod = Literal["auto", "gather", "doubling"]
 GATHER_MAX_DEVICES = 8
 
 
-def _first_in_travel(axis_name: str, reverse: bool):
-    d, P = jax.lax.axis_index(axis_name), jax.lax.axis_size(axis_name)
-    return d == (P - 1 if reverse else 0)
-
-
 def exclusive_prefix(
     M: Float[Array, "*batch K K"],
     b: Float[Array, "*batch K V"],
