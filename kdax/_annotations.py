@@ -34,6 +34,10 @@ CuSeqlens = Int[ArrayIn, "N1"]
 CuSeqlensIn = typing.Union[Int[ArrayIn, "N1"], list, tuple]
 # A static number: Python or numpy scalar, or a concrete 0-d JAX array.
 Scalar = typing.Union[numbers.Real, Real[ArrayIn, ""]]
+# chunk_kda's results: o, the final state or None, and with return_intermediate_states
+# each chunk's start state ([B, NC, HV, ...], packed [1, NT, HV, ...]).
+_Out, _Final = Float[ArrayIn, "B T HV V"], typing.Optional[Float[ArrayIn, "N HV _S1 _S2"]]
+ChunkKDAOut = typing.Union[tuple[_Out, _Final], tuple[_Out, _Final, Float[ArrayIn, "_ _ HV _S1 _S2"]]]
 
 # Chunked layout used between stages: [rows, heads, chunks, chunk, feature].
 ChunkK = Float[Array, "R HV NC C K"]

@@ -9,16 +9,14 @@ from jaxtyping import Float
 
 from ._config import KDAOptions, state_v_first_of
 from ._errors import HeadFirstLayoutWarning, warn_caller
-from ._annotations import ALogIn, ArrayIn, Beta, CuSeqlensIn, Gate, QK, Scalar, State, Values, typecheck
+from ._chunk_states import chunk_start_states
+from ._annotations import ALogIn, ArrayIn, Beta, ChunkKDAOut, CuSeqlensIn, Gate, QK, Scalar, State, Values, typecheck
 from .parallel._shard import routed
 from .pipeline import KDAPipeline, default_pipeline
 
 
-def _fla_only(return_intermediate_states, cp_context, use_graph, max_num_seqs, N: int) -> None:
+def _fla_only(cp_context, use_graph, max_num_seqs, N: int) -> None:
     """FLA's arguments that kdax takes for positional compatibility (docs/fla_arguments.md)."""
-    if return_intermediate_states:
-        raise ValueError("return_intermediate_states: not supported by chunk_kda; use KDAPipeline.forward and "
-                         "residuals.read('h') for the state at each chunk's start.")
     if cp_context is not None:
         raise ValueError("cp_context: FLA's context parallelism is not supported by kdax's chunk_kda.")
     del use_graph  # kdax's varlen shapes never depend on cu_seqlens' values: always graph-safe
@@ -71,7 +69,7 @@ def chunk_kda(
     transpose_state_layout: Optional[bool] = None,
     seq_axis_name: Optional[str] = None,
     check_inputs: bool = True,
-) -> tuple[Float[ArrayIn, "B T HV V"], Optional[Float[ArrayIn, "N HV _S1 _S2"]]]:
+) -> ChunkKDAOut:
     """Chunked KDA, with FLA's ``chunk_kda`` arguments, order and layouts (docs/fla_arguments.md).
 
     q, k ``[B, T, H, K]``; v ``[B, T, HV, V]`` (HV a multiple of H); g ``[B, T, HV, K]``
@@ -83,11 +81,11 @@ def chunk_kda(
     (checked inside the program when traced). ``chunk_size`` in {16, 32, 64, 128}.
     ``safe_gate``: FLA's promise that g lies in ``[lower_bound, 0)``, ``-5 <= lower_bound <
     0`` (kdax is exact for any gate; only FLA's checks). ``scale``: any real number, default
-    K^-1/2. ``cu_seqlens_cpu``, ``use_graph``: accepted, unneeded;
-    ``return_intermediate_states``, ``cp_context``: refused.
+    K^-1/2. ``cu_seqlens_cpu``, ``use_graph``: accepted, unneeded; ``cp_context``: refused.
 
     Returns ``o [B, T, HV, V]`` in v's dtype and the final state (float32, or float64) or
-    None. ``jax.grad`` runs ``pipeline``'s six-stage backward (default
+    None; with ``return_intermediate_states`` also FLA's ``h``, each chunk's start state
+    (forward only; layouts: ``kdax._chunk_states``). ``jax.grad`` runs ``pipeline``'s six-stage backward (default
     ``default_pipeline()``); ``disable_recompute=True`` keeps the forward intermediates.
     Zero-size inputs give zero outputs and pass the states through.
 
@@ -110,8 +108,9 @@ def chunk_kda(
         check_inputs=check_inputs,
     )
     N = v.shape[0] if cu_seqlens is None else np.shape(cu_seqlens)[0] - 1  # (a bad one: apply's error)
-    _fla_only(return_intermediate_states, cp_context, use_graph, max_num_seqs, N)
+    _fla_only(cp_context, use_graph, max_num_seqs, N)
     pipeline = default_pipeline() if pipeline is None else pipeline
     if not isinstance(pipeline, KDAPipeline):
         raise TypeError(f"pipeline: expected a KDAPipeline, got {type(pipeline).__name__}.")
-    return pipeline.apply(q, k, v, g, beta, options)
+    states = chunk_start_states if return_intermediate_states else KDAPipeline.apply  # (FLA's: forward only)
+    return states(pipeline, q, k, v, g, beta, options)

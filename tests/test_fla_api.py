@@ -138,8 +138,9 @@ def test_a_log_kimi_shape(fn, x):
 
 def test_fla_only_arguments(x):
     pos, kw = split_args(x)
-    with pytest.raises(ValueError, match="return_intermediate_states: not supported"):
-        kdax.chunk_kda(*pos, **kw, return_intermediate_states=True)
+    o, _, h = kdax.chunk_kda(*pos, **kw, return_intermediate_states=True)  # (tests/test_chunk_states.py)
+    assert_close(o, kdax.chunk_kda(*pos, **kw)[0], 1e-13, "o")
+    assert h.shape == (1, 1, 2, 4, 4), h.shape  # [B, ceil(T / 64), HV, K, V]
     with pytest.raises(ValueError, match="max_num_seqs: must equal"):
         kdax.chunk_kda(*pos, cu_seqlens=[0, 7, 20], max_num_seqs=3)
     _same(_run(kdax.chunk_kda, pos, cu_seqlens=[0, 7, 20], cu_seqlens_cpu=[0, 7, 20], use_graph=True, max_num_seqs=2),

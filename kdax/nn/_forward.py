@@ -12,7 +12,7 @@ from .._numerics.short_conv import causal_conv, conv_tail, token_segments
 from .._errors import HeadFirstLayoutWarning
 from .._chunk_kda import chunk_kda
 from ..parallel import conv_halo, sp_conv_tail, sp_token_segments
-from ..pipeline import KDAPipeline, default_pipeline
+from ..pipeline import KDAPipeline
 from ..recurrent import fused_recurrent_kda
 from ._cache import KDACache
 from ._norm import gated_rms_norm
@@ -111,27 +111,13 @@ def _kda(layer, q, k, v, g, beta, cu, rows: Optional[KDACache], mode: str, inter
     )
     if mode == "recurrent":
         return (*fused_recurrent_kda(q, k, v, g, beta, **opts), None)
-    if inter_states:
-        return _chunk_start_states(pipeline, q, k, v, g, beta, chunk_size, opts)
     with warnings.catch_warnings():
         # (The layer builds [B, T, H, K] itself: a prompt shorter than the head count is no
         # head-first mistake.)
         warnings.simplefilter("ignore", HeadFirstLayoutWarning)
-        o, final = chunk_kda(q, k, v, g, beta, chunk_size=chunk_size, pipeline=pipeline, seq_axis_name=seq_axis,
-                             safe_gate=layer.safe_gate, **opts)
-    return o, final, None
-
-
-def _chunk_start_states(pipeline, q, k, v, g, beta, chunk_size, opts):
-    """``chunk_kda`` plus the state at the start of every chunk, ``[B, NC, HV, K, V]``.
-
-    kdax's public ``chunk_kda`` returns only the final state; the per-chunk states are the
-    F4 stage's output ``h`` (chunked layout ``[R, HV, NC, K, V]``, R = B for dense input),
-    which ``KDAPipeline.forward`` keeps in its residuals (``res.cache.h``). Forward only
-    (no custom VJP): this is the serving path."""
-    pipe = default_pipeline() if pipeline is None else pipeline
-    o, final, res = pipe.forward(q, k, v, g, beta, chunk_size=chunk_size, **opts)
-    return o, final, jnp.moveaxis(res.cache.h, 2, 1)
+        out = chunk_kda(q, k, v, g, beta, chunk_size=chunk_size, pipeline=pipeline, seq_axis_name=seq_axis,
+                        safe_gate=layer.safe_gate, return_intermediate_states=inter_states, **opts)
+    return out if inter_states else (*out, None)
 
 
 def _chunk_start_conv_states(layer, pre: tuple, rows: Optional[KDACache], seg: _Segments,

@@ -58,7 +58,7 @@ def per_shard(fn: Callable, sharding: tuple, q, k, v, g, beta, *, initial_state=
     (``sharding_of``'s ``(mesh, spec)``: the mesh axes sharding the batch and head axes;
     ``check_vma``: shard_map's, False for an interpret-mode Pallas pipeline, see
     ``interprets``). Outputs keep the inputs' sharding: o like v, the final state over the
-    batch (dense) and heads."""
+    batch (dense) and heads, the chunks' start states likewise."""
     mesh, spec = sharding
     b, h = spec[0], spec[2]
     dense = cu_seqlens is None
@@ -80,6 +80,8 @@ def per_shard(fn: Callable, sharding: tuple, q, k, v, g, beta, *, initial_state=
         return fn(q, k, v, g, beta, state_v_first=state_v_first, **kw, **options)
 
     out_specs = (tok4, state if options.get("output_final_state", False) else None)
+    if options.get("return_intermediate_states", False):  # (each chunk's start state: [B, NC, HV, ...])
+        out_specs += (P(b if dense else None, None, h, None, None),)
     per_shard = jax.shard_map(local, mesh=mesh, in_specs=(qk4, qk4, tok4, tok4, tok3, {n: s for n, (_, s) in arrays.items()}),
                               out_specs=out_specs, check_vma=check_vma)
     # Compiled, in the inputs' mesh: called eagerly, shard_map runs op by op, where JAX

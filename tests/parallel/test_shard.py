@@ -178,3 +178,25 @@ def test_head_sharded_grouped_values_misaligned_is_refused():
     args = [put(x[n], P(None, None, "h" if n not in "qk" else None)) for n in ("q", "k", "v", "g", "beta")]
     with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"HV=12.*4 ways.*\('h',\).*H=3"):
         kdax.chunk_kda(*args)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_intermediate_states_keep_the_sharding(packed):
+    """``return_intermediate_states`` on an Explicit mesh: each chunk's start state
+    ``[B, NC, HV, K, V]`` sharded over the batch (dense) and heads like the final state, the
+    numbers the unsharded call's."""
+    fn = functools.partial(kdax.chunk_kda, chunk_size=16, pipeline=kdax.KDAPipeline.reference().untiled(),
+                           output_final_state=True, return_intermediate_states=True)
+    x = make_inputs(3, B=1 if packed else 2, T=40, H=4, HV=8, K=8, V=8, N=3 if packed else None)
+    kw = dict(cu_seqlens=jnp.asarray([0, 7, 30, 40], jnp.int32)) if packed else {}
+    call = jax.jit(lambda x: fn(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"], **kw))
+    want = call(x)
+    mesh = jax.make_mesh((2, 4), ("b", "h"), axis_types=(AxisType.Explicit,) * 2)
+    specs = {n: (P(None, *s[1:]) if packed else s) for n, s in SPECS.items()}
+    xs = {n: jax.device_put(x[n], NamedSharding(mesh, specs[n])) for n in SPECS}
+    with jax.set_mesh(mesh):
+        got = call(xs)
+    for a, r, name in zip(got, want, ("o", "ht", "h")):
+        assert_close(a, r, 1e-12, name)
+    b = None if packed else "b"
+    assert _spec(got[2]) == (b, None, "h", None, None), got[2].sharding.spec
