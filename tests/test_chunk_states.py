@@ -22,13 +22,21 @@ def _inputs(seed, **kw):
     return dict(x, k=x["k"] / jnp.linalg.norm(x["k"], axis=-1, keepdims=True))  # (a stable delta rule)
 
 
-def _recurrent_state(x, a: int, t: int, h0):
-    """The state after tokens ``a .. t - 1`` of row 0 (or of row ``b`` when ``x`` is one row)."""
-    if t == a:
-        return h0
-    sl = lambda n: x[n][:, a:t]
-    return kdax.fused_recurrent_kda(sl("q"), sl("k"), sl("v"), sl("g"), sl("beta"), initial_state=h0[None],
-                                    output_final_state=True)[1][0]
+def _states_before(x, row: int, a: int, b: int, h0):
+    """``[b - a + 1, HV, K, V]``: the state before each token ``a .. b - 1`` of ``row``, and
+    after the last: the gated delta rule token by token in numpy float64 (log decays g,
+    beta in [0, 1]; each q/k head read by its group of value heads)."""
+    k, v, g, beta = (np.asarray(x[n][row], np.float64) for n in ("k", "v", "g", "beta"))
+    group = v.shape[1] // k.shape[1]
+    S = np.array(h0, np.float64)
+    out = [S.copy()]
+    for t in range(a, b):
+        kt = np.repeat(k[t], group, axis=0)  # [HV, K]
+        S = S * np.exp(g[t])[:, :, None]
+        err = v[t] - np.einsum("hk,hkv->hv", kt, S)
+        S = S + beta[t][:, None, None] * kt[:, :, None] * err[:, None, :]
+        out.append(S.copy())
+    return np.stack(out)
 
 
 def _call(x, **kw):
@@ -47,9 +55,7 @@ def test_dense_start_states_are_the_recurrence(C, T, H, HV, state_v_first):
     assert h.shape == (2, NC, HV) + given.shape[2:] and h.dtype == jnp.float64
     h = jnp.swapaxes(h, -1, -2) if state_v_first else h
     for b in range(2):
-        row = {n: x[n][b:b + 1] for n in ("q", "k", "v", "g", "beta")}
-        want = np.stack([_recurrent_state(row, 0, c * C, h0[b]) for c in range(NC)])
-        assert_close(h[b], want, 1e-12, f"h[{b}]")
+        assert_close(h[b], _states_before(x, b, 0, T, h0[b])[::C][:NC], 1e-12, f"h[{b}]")
     # o and the final state are chunk_kda's own
     o2, ht2 = kdax.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=given, output_final_state=True,
                              chunk_size=C, state_v_first=state_v_first, pipeline=PIPE)
@@ -73,7 +79,7 @@ def _packed_reference(x, cu, C, h0):
     rows = []
     for s in range(len(cu) - 1):
         a, b = cu[s], cu[s + 1]
-        rows += [_recurrent_state(x, a, a + j * C, h0[s]) for j in range(-(-(b - a) // C))]
+        rows += list(_states_before(x, 0, a, b, h0[s])[::C][:-(-(b - a) // C)])
     return np.stack(rows)
 
 
