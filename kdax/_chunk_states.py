@@ -13,6 +13,7 @@ from ._config import KDAOptions
 from ._numerics import isolation as _isolation
 from ._platform import traced
 from ._runner.forward import initial_states
+from ._runner.vjp import bad_inputs
 from ._validate import domain_flag, final_out, prepare_options
 from .ref import compute_dtype
 
@@ -61,9 +62,7 @@ def chunk_start_states(pipeline, q, k, v, g, beta, options: KDAOptions):
 
 
 def _states(pipeline, config, args, domain):
-    q, k, v, g, beta, h0, A_log, dt_bias, cu = args
-    bad = _isolation.Bad(args[:5], cu, config.use_gate_in_kernel, config.use_beta_sigmoid_in_kernel,
-                         entering=h0 if cu is not None else None, flag=domain)
+    bad, cu = bad_inputs(config, args[:8], args[8], domain), args[8]
     o, final, res = pipeline.run_forward(config, *args, clean=True)
     o, final = _isolation.poison_outputs(bad, o, final)
     h = res.read("h").astype(compute_dtype(*args[:6]))  # [B or 1, NC, HV, K, V]

@@ -27,12 +27,12 @@ def differentiable(diff, config: KDAConfig, cu_seqlens, domain):
     """``(o, final)`` of ``diff = ((q, k, v, g, beta, h0, A_log, dt_bias), pipeline)``;
     ``config``, ``cu_seqlens`` and ``domain`` (``domain_flag``) are not differentiated."""
     inputs, pipeline = diff
-    bad = _bad(config, inputs, cu_seqlens, domain)
+    bad = bad_inputs(config, inputs, cu_seqlens, domain)
     o, final, _ = pipeline.run_forward(config, *inputs, cu_seqlens, clean=True, entries=True)
     return _isolation.poison_outputs(bad, o, final)
 
 
-def _bad(config: KDAConfig, inputs, cu_seqlens, domain):
+def bad_inputs(config: KDAConfig, inputs, cu_seqlens, domain):
     # Non-finite inputs (and packed initial states, which may enter shared chunks) read as
     # zero, their sequence's outputs NaN; the domain check rides on the same masks.
     entering = None if cu_seqlens is None else inputs[5]
@@ -64,7 +64,7 @@ def _vjp_fwd(perturbed, diff, config: KDAConfig, cu_seqlens, domain):
 
 def _fwd(perturbed, diff, config: KDAConfig, cu_seqlens, domain):
     inputs, pipeline = diff
-    bad = _bad(config, inputs, cu_seqlens, domain)
+    bad = bad_inputs(config, inputs, cu_seqlens, domain)
     if _routes.backward_route(pipeline).derived:
         run = lambda inputs_, pipe: pipe.run_forward(config, *inputs_, cu_seqlens, clean=True, entries=True)[:2]
         (o, final), vjp, swapped = _routes.derived_vjp(pipeline, run, inputs)
