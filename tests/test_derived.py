@@ -415,7 +415,7 @@ def test_trusting_pipeline_keeps_other_f5_out_of_shared_chunks():
         f = lambda a: _loss(*kdax.chunk_kda(*a, output_final_state=True, chunk_size=CHUNK, pipeline=p, cu_seqlens=cu))
         with recording(quiet=True) as rec, warnings.catch_warnings():
             warnings.simplefilter("ignore", kdax.FallbackWarning)
-            return jax.grad(f)(tuple(pos)), rec.layout
+            return jax.jit(jax.grad(f))(tuple(pos)), rec.layout
 
     want, layout = grads(pipe)
     trusting = dataclasses.replace(pipe, trust_declarations=True)

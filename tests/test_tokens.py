@@ -83,7 +83,7 @@ def test_only_stages_that_read_tokens_get_views():
 
     def seen(pipe, x):
         with recording() as rec:
-            jax.grad(lambda q: run(pipe, dict(x, q=q), opts)[0].sum())(x["q"])
+            jax.jit(jax.grad(lambda q: run(pipe, dict(x, q=q), opts)[0].sum()))(x["q"])
         return type(rec.inputs["gate"]["q"]), type(rec.inputs["gate_bwd"]["g"])
 
     assert seen(pal, x) == (Tokens, Tokens)
