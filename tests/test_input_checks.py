@@ -286,3 +286,16 @@ def test_wrong_pipeline_type_is_named():
     g, beta = _good(g, beta)
     with pytest.raises(TypeCheckError, match=r"^pipeline: expected KDAPipeline or None, got str 'reference'\."):
         kdax.chunk_kda(q, k, v, g, beta, pipeline="reference")
+
+
+def test_stage_inputs_refuses_inputs_out_of_their_domain():
+    """``kdax.stage_inputs`` raises the front door's errors before any stage runs (a version
+    compiled as one program returned stage arguments for a positive ``g``: its in-program
+    check, off the recorded arrays' path, was dead code)."""
+    q, k, v, g, beta = _inputs()
+    good_g, good_beta = _good(g, beta)
+    pipe = kdax.KDAPipeline.reference()
+    with pytest.raises(ValueError, match=r"^g: must be a log decay <= 0"):
+        kdax.stage_inputs(pipe, q, k, v, jnp.abs(g), good_beta, chunk_size=16)
+    with pytest.raises(ValueError, match=r"^beta: must lie in \[0, 1\]"):
+        kdax.stage_inputs(pipe, q, k, v, good_g, beta, chunk_size=16)

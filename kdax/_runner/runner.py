@@ -214,12 +214,11 @@ def record_layout(name: str) -> None:
             rec.layout = name
 
 
-@eqx.filter_jit  # (eager, a recording runs op by op: 61 s against 26 at the main job's shape)
 @typecheck
 def stage_inputs(pipeline, q: QK, k: QK, v: Values, g: Gate, beta: Beta, **options) -> dict:
     """The positional arguments (in the family's ``__call__`` order) each stage of ``pipeline``
-    receives in one forward and backward of ``chunk_kda``, compiled as one program (untiled;
-    loss ``sum(o * w)``, ``w`` fixed random): ``getattr(pipeline, name)(*args)`` runs one stage
+    receives in one eager forward and backward of ``chunk_kda`` (untiled; loss
+    ``sum(o * w)``, ``w`` fixed random): ``getattr(pipeline, name)(*args)`` runs one stage
     alone, as ``kdax.bench --stages`` does. B0's keyword-only ``wy``/``state`` are left out."""
     pipeline = pipeline.untiled()  # whole-input arguments, not a tile's
     w = jax.random.normal(jax.random.key(1), v.shape, jnp.float32)
