@@ -93,6 +93,7 @@ def test_packed_every_option_float64():
     _compare(_mesh(8), x, opts, jnp.float64, 1e-12)
 
 
+@pytest.mark.slow  # (packed gradients across devices, either prefix: tests/parallel/test_isolation.py)
 def test_packed_float32_doubling_no_states():
     x, opts = _packed(2, h0=False)
     _compare(_mesh(8), x, opts, jnp.float32, 1e-5, prefix="doubling")

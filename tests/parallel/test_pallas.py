@@ -37,6 +37,7 @@ def _compare(got, want):
         assert_close(got[2][n], want[2][n], 1e-12, "d" + n)
 
 
+@pytest.mark.slow  # (the packed case below stays in the core)
 def test_sequence_parallel():
     """Two devices, dense, initial states, the gate in kernel."""
     x = make_inputs(0, B=2, T=32, H=1, HV=2, K=8, V=8, gate="raw", A_log=True, dt_bias=True)
