@@ -156,6 +156,7 @@ print(applied, host_devices(), len(jax.devices()), sorted(faults[8:])[6], kdax.r
 """
 
 
+@pytest.mark.slow  # (two processes; the setting's effect on a training step stays in the core)
 @pytest.mark.skipif(_platform._glibc() is None, reason="glibc's mallopt only")
 def test_reuse_freed_memory_with_several_host_devices():
     """With two host devices each device's program runs on an XLA thread, whose own glibc

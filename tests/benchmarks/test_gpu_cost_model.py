@@ -154,6 +154,7 @@ def test_two_rate_model():
     assert len(loo) == 12 and all(fit != (rate, bw) and p > 0 and f >= 1.0 for _, fit, p, f in loo)
 
 
+@pytest.mark.slow  # (every term's leave-one-out fit; the model's own fit stays in the core)
 def test_terms_tried():
     """The terms tried for the leave-one-out goal: occupancy_bw is the resident warps' pull
     up to the copy's bandwidth (the state kernels: 32 busy SMs); each term is fitted with

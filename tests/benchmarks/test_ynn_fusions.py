@@ -10,6 +10,7 @@ import pytest
 from ._load import load_benchmark
 
 
+@pytest.mark.slow  # (a study's script: three processes, each compiling a training step)
 @pytest.mark.skipif(not jaxlib.__version__.startswith("0.10."), reason="the option is known to jaxlib 0.10's XLA")
 def test_each_setting_runs_in_a_process_of_its_own(capsys):
     yf = load_benchmark("ynn_fusions")

@@ -137,8 +137,9 @@ def _spills(used: dict) -> dict:
     return {name: r.local for (name, _, _), r in used.items() if r.local}
 
 
+@pytest.mark.slow  # (the core keeps every kernel's spill check at the candidate's tuning: test_triton_registers.py)
 def test_default_tuning_highest_packed_no_spills():
-    """The core suite's representative: under "highest" (what ``"auto"`` gives float32
+    """The sweep's representative below: under "highest" (what ``"auto"`` gives float32
     inputs: every product float32, the state kernels and B3 at their ``f32_tuning``) on
     packed sequences (B5's reset table) every Triton kernel of a training step at the
     default tuning compiles for sm_90 with no thread-local memory; the kernels were
@@ -171,6 +172,7 @@ def _tuned(pipe):
                                         for n in STAGES if isinstance(getattr(pipe, n), PallasTarget)})
 
 
+@pytest.mark.slow  # (the core keeps sm_90's TF32x3 products at the candidate's tuning: test_precision.py)
 def test_default_tuning_float32_products_stay_float32_accurate():
     """Under "auto" with float32 inputs (every product float32: the stages' ``f32_tuning``,
     B3's unchained TF32x3, F4/B2's lazily loaded tiles, B3's ``Akk`` as the second

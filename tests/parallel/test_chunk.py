@@ -79,6 +79,7 @@ def _packed(seed=0, h0=True, **kw):
     return x, dict(cu_seqlens=jnp.asarray(CU, jnp.int32), chunk_size=16)
 
 
+@pytest.mark.slow  # (sequences across four devices, forward and backward: tests/parallel/test_isolation.py)
 def test_packed_8_devices_float64():
     x, opts = _packed()
     _compare(_mesh(8), x, dict(opts, output_final_state=True), jnp.float64, 1e-12, forward_only=True)
