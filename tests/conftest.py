@@ -101,8 +101,9 @@ def _fresh_fallback_warnings():
 # What moves to the slow run is the same check at another dtype, layout, size, backend or
 # stage of a family that stays in the core. First cut (session 33, the 2-core AVX2 machine:
 # 36 minutes there, 26 after it). Second cut (session 43: CI read 2131 s against a 25-minute
-# budget; 932 of the core's 4,162 worker-seconds moved): every kdax line the default run
-# executed (coverage.py, a context per test) is still executed by the cases kept.
+# budget; 35:54 -> 26:11 here, with eight single tests marked slow in their files): every
+# kdax line the default run executed is still executed by the tests kept
+# (benchmarks/core_coverage.py).
 CORE_CASES = {
     # the 16-row kernels: their golden cases, gradients and non-finite reach stay in the core
     "tests/pallas/test_intra_rows.py::test_rows16_equals_the_reference": (),
