@@ -4,8 +4,9 @@ test elsewhere (``test_pipeline.py``'s grid); these look for interactions: packe
 with empty and one-token sequences sharing chunks, hard decays (``g = -inf``) and zero
 decays, in-kernel gates and betas, grouped value heads, T = 1, every chunk size,
 ``disable_recompute`` and ``safe_gate`` (chunk_kda's own, not given to the recurrence); on the
-reference pipeline whole and in tiles, the Pallas one, segmented F4/B2 and sequence
-parallel over host devices."""
+reference pipeline whole and in tiles, the Pallas TPU one, segmented F4/B2 and sequence
+parallel over host devices; with ``-m slow`` also the Pallas Triton one (default and
+candidate kernels), alone and sequence parallel."""
 
 import random
 
@@ -25,8 +26,14 @@ PIPELINES = {
     "segmented": lambda: kdax.stages.segmented(kdax.KDAPipeline.reference().untiled(), 3),
     # kdax.parallel.chunk_kda, the tokens over 4 of the suite's host devices
     "sequence_parallel": kdax.KDAPipeline.reference,
+    # the Triton stages in interpret mode: the default tuning, the candidate's kernels (its
+    # "fast" precision policy set back to "auto", exact in float64), sequence parallel
+    "pallas_triton": lambda: kdax.KDAPipeline.pallas("triton", interpret=True),
+    "triton_candidate": lambda: kdax.KDAPipeline.pallas("triton", interpret=True, tuning="candidate").with_precision(
+        "auto"),
+    "sequence_parallel_triton": lambda: kdax.KDAPipeline.pallas("triton", interpret=True),
 }
-DEVICES = {"sequence_parallel": 4}
+DEVICES = {"sequence_parallel": 4, "sequence_parallel_triton": 4}
 CHUNK_ONLY = ("disable_recompute", "safe_gate")
 
 
@@ -98,7 +105,7 @@ SEEDS = range(40)
 # The fast core: cases that together hold every option, packed input with empty and
 # one-token sequences, hard and zero decays, T = 1 and every chunk size (the rest: -m slow).
 CORE = {"reference": (7, 23, 25, 31), "untiled": (6, 37), "pallas_tpu": (8, 10, 29), "segmented": (10,),
-        "sequence_parallel": (23,)}
+        "sequence_parallel": (23,), "pallas_triton": (), "triton_candidate": (), "sequence_parallel_triton": ()}
 
 
 def _chunk_kda(pipe: str, C: int):
