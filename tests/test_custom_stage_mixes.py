@@ -13,7 +13,8 @@ shipped pipelines; here one to three fields hold stages a user would write:
 
 on the reference pipeline whole and in tiles, the Pallas TPU pipeline in interpret mode,
 segmented F4/B2, and sequence parallel over 4 of the suite's host devices (reference
-and Pallas stages). An F4 of other math there is refused by name. The search that found
+and Pallas stages); with ``-m slow`` also the Pallas Triton pipeline, alone and sequence
+parallel. An F4 of other math there is refused by name. The search that found
 the sequence-parallel derived backward's dh0 at 4x (3 of 90 cases) was this one."""
 
 import random
@@ -167,12 +168,15 @@ BASES = {
     "segmented": lambda: kdax.KDAPipeline.reference().untiled(),
     "sequence_parallel": kdax.KDAPipeline.reference,
     "sequence_parallel_pallas": lambda: kdax.KDAPipeline.pallas("tpu", interpret=True),
+    # (-m slow only) the Triton stages in interpret mode, alone and sequence parallel
+    "pallas_triton": lambda: kdax.KDAPipeline.pallas("triton", interpret=True),
+    "sequence_parallel_triton": lambda: kdax.KDAPipeline.pallas("triton", interpret=True),
 }
 DEVICES = 4
 SEEDS = range(25)
 # The fast core: between them every kind and every route (the rest: -m slow).
 CORE = {"reference": (5,), "untiled": (0,), "pallas_tpu": (11,), "segmented": (14,), "sequence_parallel": (13,),
-        "sequence_parallel_pallas": (3,)}
+        "sequence_parallel_pallas": (3,), "pallas_triton": (), "sequence_parallel_triton": ()}
 
 
 def stage_mix(seed: int):
