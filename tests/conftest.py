@@ -57,6 +57,8 @@ jax.config.update("jax_enable_x64", True)
 
 import pytest  # noqa: E402
 
+from ._util import release_near_the_mapping_limit  # noqa: E402
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
@@ -68,21 +70,12 @@ def _release_compiled_programs():
     jax.clear_caches()
 
 
-def _mappings() -> int:
-    try:
-        with open("/proc/self/maps", "rb") as f:
-            return f.read().count(b"\n")
-    except OSError:  # (not Linux)
-        return 0
-
-
 @pytest.fixture(autouse=True)
 def _release_near_the_mapping_limit():
     # One module can reach the limit too: the slow tests of tests/test_testing.py took a
     # process from 18k to 64k mappings in three minutes, then XLA aborted in a compile.
     yield
-    if _mappings() > 40000:
-        jax.clear_caches()
+    release_near_the_mapping_limit()
 
 
 @pytest.fixture(autouse=True)

@@ -2,9 +2,11 @@
 fail, naming the check, on deliberately broken ones."""
 
 import dataclasses
+import inspect
 from typing import ClassVar
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -26,7 +28,7 @@ from kdax.stages import (
 )
 from kdax.testing import Case, check_pipeline, check_stage
 
-from ._util import load_example
+from ._util import load_example, release_near_the_mapping_limit
 
 FIELDS = ("gate", "intra", "wy", "state", "output", "recompute", "dav", "dhu", "wy_dqkg", "intra_bwd", "gate_bwd")
 
@@ -588,3 +590,61 @@ def test_recording_ends_at_the_checked_stage_and_equal_cases_share_a_program():
     # a case and its other seed: one program
     args = [_runs._recording_args(pipe, c, False, "intra") for c in (case, dataclasses.replace(case, seed=1))]
     assert _runs._compiled(_runs._recording_program(), *args[0]) is _runs._compiled(_runs._recording_program(), *args[1])
+
+
+# -- an error anywhere in a stage's outputs ----------------------------------------------
+
+
+def _slightly_off(field: str, leaf, axis, index: int, seen: dict):
+    """``field``'s reference stage, declared as it is, with output leaf ``leaf`` (None:
+    every floating leaf) 0.1% off: the whole leaf (``axis`` None) or its ``index`` slice
+    of ``axis`` where that axis is long enough to tell ``index`` 0 from -1. ``seen`` records
+    at trace time the number of leaves and the shapes of those changed."""
+    ref = type(getattr(kdax.KDAPipeline.reference(), field))
+    family = next(b for b in ref.__mro__[1:] if b.__name__.startswith("Abstract"))
+
+    def off(x):
+        if not jnp.issubdtype(x.dtype, jnp.floating) or (axis is not None and (x.ndim <= axis or x.shape[axis] < 2)):
+            return x
+        seen.setdefault("changed", set()).add(tuple(x.shape))
+        at = True if axis is None else (jnp.arange(x.shape[axis]) == index % x.shape[axis]).reshape(
+            [-1 if a == axis else 1 for a in range(x.ndim)])
+        return jnp.where(at, x * (1 + 1e-3) + 1e-6, x)
+
+    def __call__(self, *args, **kwargs):
+        leaves, tree = jax.tree.flatten(ref()(*args, **kwargs))
+        seen["leaves"] = len(leaves)
+        return jax.tree.unflatten(tree, [off(x) if leaf in (None, j) else x for j, x in enumerate(leaves)])
+
+    __call__.__signature__ = inspect.signature(ref.__call__)
+    declared = {n: getattr(ref, n) for n in ("math", "transposes", "accepts") if hasattr(ref, n)}
+    cls = type(f"SlightlyOff{ref.__name__}", (family,),
+               {"__call__": __call__, "__annotations__": {n: ClassVar for n in declared}, **declared})
+    return cls()
+
+
+@pytest.mark.slow  # (13-20 checks of every case a field: 11 fields in about 40 minutes on one core)
+@pytest.mark.parametrize("field", FIELDS)
+def test_an_error_anywhere_in_the_outputs_fails(field):
+    """Each output leaf of the reference stage 0.1% off, then each end of each axis of
+    every leaf: ``check_stage`` fails every such stage of KDA's math (a mutation sweep:
+    an error confined to one sequence, chunk, row, head or column, or to one output)."""
+    def check(leaf, axis, index, seen):
+        release_near_the_mapping_limit()  # (each check compiles its own programs)
+        return check_stage(_slightly_off(field, leaf, axis, index, seen), field, dtypes=(jnp.float64,))
+
+    seen = {}
+    report = check(None, None, 0, seen)  # (also the leaves' count and shapes)
+    assert seen.get("changed"), "no output leaf was changed"
+    assert not report.ok, f"every leaf 0.1% off passed:\n{report}"
+    for leaf in range(seen["leaves"]):
+        one = {}
+        report = check(leaf, None, 0, one)
+        assert not one.get("changed") or not report.ok, (
+            f"leaf {leaf} {sorted(one['changed'])} 0.1% off passed:\n{report}")
+    for axis in range(max(len(s) for s in seen["changed"])):
+        for index in (0, -1):
+            one = {}
+            report = check(None, axis, index, one)
+            assert not one.get("changed") or not report.ok, (
+                f"axis {axis}[{index}] of {sorted(one['changed'])} 0.1% off passed:\n{report}")
