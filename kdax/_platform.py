@@ -1,6 +1,7 @@
 """What kdax asks of the XLA it runs on, before any computation (``avoid_ynn_fusions``),
-a process setting it offers for XLA:CPU's speed (``reuse_freed_memory``), and what JAX
-runs only compiled (``in_eager_shard_map``).
+a process setting it offers for XLA:CPU's speed (``reuse_freed_memory``), what JAX
+runs only compiled (``in_eager_shard_map``), and how close a process is to the kernel's
+limit on memory mappings (``near_the_mapping_limit``).
 
 jaxlib 0.10's XLA:CPU runs some fusions through YNNPACK (the debug option
 ``xla_cpu_experimental_ynn_fusion_type``), and one of them, a transpose, reads and writes
@@ -146,6 +147,22 @@ def _xla_flag(name: str) -> Optional[str]:
     """The value of the last ``--name=value`` in XLA_FLAGS (the one XLA keeps), or None."""
     found = re.findall(rf"--{name}=(\S*)", os.environ.get("XLA_FLAGS", ""))
     return found[-1] if found else None
+
+
+def near_the_mapping_limit(fraction: float = 0.6) -> bool:
+    """Whether this process holds more than ``fraction`` of the kernel's limit on memory
+    mappings (Linux's ``vm.max_map_count``, 65530 by default; False elsewhere). XLA:CPU
+    maps each compiled program's code, and JAX keeps every program it compiled until
+    ``jax.clear_caches()``: a process past the limit dies in its next compile ("Unable
+    to allocate section memory", or a segfault)."""
+    try:
+        with open("/proc/sys/vm/max_map_count", "rb") as f:
+            limit = int(f.read())
+        with open("/proc/self/maps", "rb") as f:
+            held = f.read().count(b"\n")
+    except (OSError, ValueError):
+        return False
+    return held > fraction * limit
 
 
 def in_eager_shard_map(tree) -> bool:

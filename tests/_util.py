@@ -20,18 +20,6 @@ GRAD_NAMES = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
 ON_DEVICE = jax.default_backend() in ("gpu", "tpu")
 
 
-def release_near_the_mapping_limit(limit: int = 40000) -> None:
-    """``jax.clear_caches()`` once the process holds more than ``limit`` memory mappings:
-    XLA:CPU maps each compiled program's code, and a process past the kernel's limit
-    (vm.max_map_count, 65530) dies in its next compile (Linux; elsewhere nothing)."""
-    try:
-        with open("/proc/self/maps", "rb") as f:
-            if f.read().count(b"\n") > limit:
-                jax.clear_caches()
-    except OSError:  # (not Linux)
-        pass
-
-
 def rel_rms(x, ref):
     x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
     den = np.sqrt(np.mean(ref**2))

@@ -57,7 +57,7 @@ jax.config.update("jax_enable_x64", True)
 
 import pytest  # noqa: E402
 
-from ._util import release_near_the_mapping_limit  # noqa: E402
+from kdax.testing._runs import release_compiled_programs, release_near_the_mapping_limit  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -65,9 +65,9 @@ def _release_compiled_programs():
     # XLA:CPU maps each compiled program's code into memory; a worker that keeps every
     # program of the suite reaches the kernel's limit on mappings (vm.max_map_count,
     # 65530) two thirds through a run and dies in the next compile (a segfault or abort).
-    # A test module's programs are its own: drop them when it ends.
+    # A test module's programs are its own: drop them when it ends (kdax.testing's too).
     yield
-    jax.clear_caches()
+    release_compiled_programs()
 
 
 @pytest.fixture(autouse=True)

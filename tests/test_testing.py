@@ -3,6 +3,7 @@ fail, naming the check, on deliberately broken ones."""
 
 import dataclasses
 import inspect
+import pathlib
 from typing import ClassVar
 
 import equinox as eqx
@@ -28,7 +29,7 @@ from kdax.stages import (
 )
 from kdax.testing import Case, check_pipeline, check_stage
 
-from ._util import load_example, release_near_the_mapping_limit
+from ._util import load_example
 
 FIELDS = ("gate", "intra", "wy", "state", "output", "recompute", "dav", "dhu", "wy_dqkg", "intra_bwd", "gate_bwd")
 
@@ -571,6 +572,31 @@ def test_plan_reasons_of_a_kda_stage():
 # -- check times (issue 49 item 4) ----------------------------------------------------------
 
 
+@pytest.mark.skipif(not pathlib.Path("/proc/self/maps").exists(), reason="reads Linux's /proc")
+def test_checks_in_a_loop_release_compiled_programs_near_the_mapping_limit(monkeypatch):
+    """JAX keeps every program a check compiles (for the stage it checks), and XLA:CPU maps
+    each one's code: a process checking stages in a loop reached the kernel's limit on
+    memory mappings and died in a compile. Near the limit a check first drops them all."""
+    from kdax import _platform
+    from kdax.testing import _runs
+
+    maps = lambda: pathlib.Path("/proc/self/maps").read_text().count("\n")
+    assert _platform.near_the_mapping_limit(0.0) and not _platform.near_the_mapping_limit(1.0)
+    cases = (Case("dense f64"),)
+    assert check_stage(ReferenceOutput(), "output", cases=cases).ok
+    held = maps()
+    _runs.release_compiled_programs()
+    assert not _runs._COMPILED and maps() < held - 50, (held, maps())  # (their code unmapped)
+    # checks in a loop, each near the limit: each asks first, then starts from no program
+    asked, released = [], []
+    release = _runs.release_compiled_programs
+    monkeypatch.setattr(_runs, "near_the_mapping_limit", lambda: asked.append(len(_runs._COMPILED)) or True)
+    monkeypatch.setattr(_runs, "release_compiled_programs", lambda: released.append(release()) or None)
+    reports = [check_stage(stage, "output", cases=cases) for stage in (ReferenceOutput(), OffByOnePercentOutput())]
+    assert asked[0] == 0 and asked[1] > 0 and len(released) == 2, (asked, released)
+    assert reports[0].ok and not reports[1].ok
+
+
 def test_recording_ends_at_the_checked_stage_and_equal_cases_share_a_program():
     import jax
     import numpy as np
@@ -629,7 +655,6 @@ def test_an_error_anywhere_in_the_outputs_fails(field):
     every leaf: ``check_stage`` fails every such stage of KDA's math (a mutation sweep:
     an error confined to one sequence, chunk, row, head or column, or to one output)."""
     def check(leaf, axis, index, seen):
-        release_near_the_mapping_limit()  # (each check compiles its own programs)
         return check_stage(_slightly_off(field, leaf, axis, index, seen), field, dtypes=(jnp.float64,))
 
     seen = {}

@@ -23,7 +23,7 @@ from ..pipeline import KDAPipeline
 from ._cases import _CU, _DENSE, _FLA, Case, _dtname, _Packed, _weights, tolerance
 from ._compare import _compare, _rel
 from ._report import Report, _Collector, _error
-from ._runs import _ahead, _call, _call_of, _jit, _outputs_ahead, _pipeline_outputs
+from ._runs import _ahead, _call, _call_of, _jit, _outputs_ahead, _pipeline_outputs, release_near_the_mapping_limit
 
 
 @typecheck
@@ -71,6 +71,7 @@ def check_pipeline(
                   Case(f"chunk32 {d}", dtype, T=100, chunk=32, K=16, V=16),
                   Case(f"chunk64 {d}", dtype, B=1, T=80, chunk=64),
                   Case(f"strong {d}", dtype, T=40, strong=True)]
+    release_near_the_mapping_limit()  # (checks in a loop: each compiles programs JAX keeps)
     subject = f"check_pipeline({', '.join(f'{n}={type(getattr(pipeline, n)).__name__}' for n in STAGES)})"
     # (every program, traced first and compiled meanwhile: kdax.testing._runs._ahead)
     for case in cases:

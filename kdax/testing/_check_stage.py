@@ -17,7 +17,7 @@ from ._capabilities import _capabilities_ahead, _capability_checks, _G_lo_check,
 from ._case_checks import _case_checks, _cases_ahead, _stage_runs_ahead, _transform_checks
 from ._cases import DTYPES, Case, default_cases
 from ._report import Report, _Collector, _error
-from ._runs import _base
+from ._runs import _base, release_near_the_mapping_limit
 
 
 @typecheck
@@ -73,9 +73,15 @@ def check_stage(
     ``Report.ok`` means no check failed. For a stage of KDA's math that includes its
     values against the reference stage on every case; for a stage of other math it does
     not (its ``reference`` rows say "not compared", and the report's header says so).
+
+    Each check compiles programs for its stage, which JAX keeps; once the process holds
+    60% of the kernel's limit on memory mappings (Linux), a check first drops every
+    compiled program (``jax.clear_caches()``), so that checks in a loop do not end the
+    process in a compile.
     """
     if field not in STAGES:
         raise ValueError(f"field: expected one of {tuple(STAGES)}, got {field!r}.")
+    release_near_the_mapping_limit()  # (checks in a loop: each compiles programs JAX keeps)
     col = _Collector()
     subject = f"check_stage({type(stage).__qualname__}, {field!r}: {STAGES[field].step})"
     caps = _declarations(col, stage, field)

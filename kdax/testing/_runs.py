@@ -16,6 +16,7 @@ import numpy as np
 
 from .._config import KDAOptions
 from .._numerics import precision as _precision
+from .._platform import near_the_mapping_limit
 from .._runner import routes as _routes
 from .._stage_protocol.capabilities import capabilities, negotiated
 from .._runner.contracts import STAGES
@@ -88,6 +89,23 @@ def _compiled(program, *args) -> concurrent.futures.Future:
     else:
         _COMPILED.move_to_end(key)
     return got
+
+
+def release_compiled_programs() -> None:
+    """Drop every compiled program, the checks' (``_COMPILED``) and JAX's
+    (``jax.clear_caches()``): JAX keeps each program the checks compile (a check's are for
+    the stage it checks) until its caches are cleared; XLA:CPU maps each one's code."""
+    _COMPILED.clear()
+    jax.clear_caches()
+
+
+def release_near_the_mapping_limit() -> None:
+    """``release_compiled_programs`` once the process nears the kernel's limit on memory
+    mappings (``kdax._platform.near_the_mapping_limit``): about 120 mappings a check of the
+    reference F4 under a class of its own, and a process that checked stages in a loop died
+    in a compile. Dropped programs only cost a later call its compile."""
+    if near_the_mapping_limit():
+        release_compiled_programs()
 
 
 def _call(program, *args):
