@@ -2,6 +2,7 @@
 layouts (TPU: full-dim blocks; Triton: power-of-2 padded), in interpret mode everywhere and
 compiled for the accelerator where one is present (the ``device`` cases)."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,6 +31,13 @@ CASES = [  # (dtype, tol, C, K, V)
     (jnp.float64, 1e-12, 32, 12, 6),  # K, V not powers of 2: Triton pads them
     (jnp.float32, 1e-5, 64, 16, 16),
 ]
+
+
+def jitted(stage):
+    """``stage`` called under ``eqx.filter_jit``: one program per stage and argument shapes.
+    Called eagerly, each of its operations was compiled alone (about 60 ms each to lower
+    and compile, hundreds a test): most of this file's time."""
+    return eqx.filter_jit(stage)
 
 
 def _x(dtype, C, K, V, seed=0):
@@ -73,6 +81,7 @@ def test_forward_stages(target, interpret, dtype, tol, C, K, V):
         ("recompute", P.PallasRecompute(**kw), S.ReferenceRecompute(),
          (x["q"], x["k"], x["v"], x["beta"], x["G"], x["Akk"], x["h0"], x["layout"])),
     ]
+    pairs = [(name, jitted(pal), jitted(ref), args) for name, pal, ref, args in pairs]
     for name, pal, ref, args in pairs:
         _close(pal(*args), ref(*args), tol, name)
     if dtype == jnp.float32 and target == "triton":  # G + G_lo (kdax._numerics.hilo): F2 and F3 (bodies shared by both targets)
@@ -119,6 +128,7 @@ def test_backward_stages(target, interpret, dtype, tol, C, K, V):
         ("intra_bwd", P.PallasIntraBackward(**kw), S.ReferenceIntraBackward(),
          (sc, x["q"], x["k"], x["beta"], x["G"], jnp.tril(rand_like(x["Aqk"], 13)), grads)),
     ]
+    pairs = [(name, jitted(pal), jitted(ref), args) for name, pal, ref, args in pairs]
     for name, pal, ref, args in pairs:
         _close(pal(*args), ref(*args), tol, name)
     if dtype == jnp.float32 and target == "triton":  # with G_lo (kdax._numerics.hilo): B3 and B4
@@ -147,6 +157,7 @@ def test_triton_chunk_kernels_over_column_blocks(dtype, tol):
         ("intra_bwd", P.PallasIntraBackward(**kw), S.ReferenceIntraBackward(),
          (sc, x["q"], x["k"], x["beta"], x["G"], jnp.tril(rand_like(x["Aqk"], 13)), grads)),
     ]
+    pairs = [(name, jitted(pal), jitted(ref), args) for name, pal, ref, args in pairs]
     for name, pal, ref, args in pairs:
         _close(pal(*args), ref(*args), tol, name)
     _with_G_lo(pairs, x["G"], tol)
@@ -187,15 +198,15 @@ def test_triton_gate_kernels_over_column_blocks(opts, dtype, tol):
     kw = dict(target="triton", interpret=True)
     assert len(column_blocks("triton", 128, P._gate.GATE_BLOCK)) == 8
     args = (cfg, q, k, g, beta, A_log, dt_bias, valid)
-    act_p, act_r = P.PallasGate(**kw)(*args), S.ReferenceGate()(*args)
+    act_p, act_r = jitted(P.PallasGate(**kw))(*args), jitted(S.ReferenceGate())(*args)
     _close(act_p, act_r, tol, "gate")
     bargs = (cfg, act_r, g, A_log, dt_bias, valid, f(R, HV, NC, C, K), f(R, HV, NC, C, K), f(R, HV, NC, C),
              f(R, HV, NC, C, K))
-    _close(P.PallasGateBackward(**kw)(*bargs), S.ReferenceGateBackward()(*bargs), tol, "gate_bwd")
+    _close(jitted(P.PallasGateBackward(**kw))(*bargs), jitted(S.ReferenceGateBackward())(*bargs), tol, "gate_bwd")
     # NaN in column 50 (the fourth block) of row 5 of chunk 1, head 0
     bad = g.at[0, 0, 1, 5, 50].set(jnp.nan)
-    G_p = np.asarray(P.PallasGate(**kw)(cfg, q, k, bad, beta, A_log, dt_bias, valid).G)
-    G_r = np.asarray(S.ReferenceGate()(cfg, q, k, bad, beta, A_log, dt_bias, valid).G)
+    G_p = np.asarray(jitted(P.PallasGate(**kw))(cfg, q, k, bad, beta, A_log, dt_bias, valid).G)
+    G_r = np.asarray(jitted(S.ReferenceGate())(cfg, q, k, bad, beta, A_log, dt_bias, valid).G)
     np.testing.assert_array_equal(np.isnan(G_p), np.isnan(G_r))
     assert np.isnan(G_p[0, 0, 1, 5:]).all() and not np.isnan(G_p[0, 0, 1, :5]).any()
     assert not np.isnan(np.delete(G_p.reshape(-1, C, K), 1, axis=0)).any()  # (head 0, chunk 1) is block 1
@@ -220,7 +231,7 @@ def test_gate_stages(target, interpret, opts, dtype, tol):
     args = (cfg, q, k, g, beta, A_log, dt_bias, valid)
     # split (the default): in float32 G as G + G_lo, bit for bit the reference's; else G alone
     for split in (True, False):
-        act_p, act_r = P.PallasGate(**kw, split=split)(*args), S.ReferenceGate(split=split)(*args)
+        act_p, act_r = jitted(P.PallasGate(**kw, split=split))(*args), jitted(S.ReferenceGate(split=split))(*args)
         _close(act_p, act_r, tol, f"gate split={split}")
         assert (act_p.G_lo is None) == (act_r.G_lo is None) == (not split or dtype == jnp.float64)
         if act_r.G_lo is not None:
@@ -228,7 +239,7 @@ def test_gate_stages(target, interpret, opts, dtype, tol):
             np.testing.assert_array_equal(np.asarray(act_p.G_lo), np.asarray(act_r.G_lo))
     bargs = (cfg, act_r, g if gate else None, A_log, dt_bias, valid, f(R, HV, NC, C, K), f(R, HV, NC, C, K),
              f(R, HV, NC, C), f(R, HV, NC, C, K))
-    _close(P.PallasGateBackward(**kw)(*bargs), S.ReferenceGateBackward()(*bargs), tol, "gate_bwd")
+    _close(jitted(P.PallasGateBackward(**kw))(*bargs), jitted(S.ReferenceGateBackward())(*bargs), tol, "gate_bwd")
 
 
 # Shared chunks of 16 for the reset cases: sequences starting inside a chunk, one on a chunk
@@ -261,14 +272,15 @@ def test_gate_stages_with_resets(target, interpret, opts, dtype, tol):
     kw = dict(target=target, interpret=interpret)
     args = (cfg, q, k, g, beta, A_log, dt_bias, L.valid)
     for split in (True, False):
-        act_p = P.PallasGate(**kw, split=split)(*args, reset=L.reset)
-        act_r = S.ReferenceGate(split=split)(*args, reset=L.reset)
+        act_p = jitted(P.PallasGate(**kw, split=split))(*args, reset=L.reset)
+        act_r = jitted(S.ReferenceGate(split=split))(*args, reset=L.reset)
         _close(act_p, act_r, tol, f"gate split={split}")
         if act_r.G_lo is not None:
             np.testing.assert_array_equal(np.asarray(act_p.G), np.asarray(act_r.G))
     bargs = (cfg, act_r, g if gate else None, A_log, dt_bias, L.valid, f(R, HV, NC, C, K), f(R, HV, NC, C, K),
              f(R, HV, NC, C), f(R, HV, NC, C, K))
-    got, want = P.PallasGateBackward(**kw)(*bargs, reset=L.reset), S.ReferenceGateBackward()(*bargs, reset=L.reset)
+    got = jitted(P.PallasGateBackward(**kw))(*bargs, reset=L.reset)
+    want = jitted(S.ReferenceGateBackward())(*bargs, reset=L.reset)
     _close(got, want, tol, "gate_bwd")
     first = np.broadcast_to(np.asarray(L.reset)[:, None, :, :, None], got.dg.shape)
     assert np.all(np.asarray(got.dg)[first] == 0)
@@ -294,16 +306,16 @@ def test_wy_stages_with_resets(target, interpret, dtype, tol, lo):
     f = lambda *s: jnp.asarray(r.normal(size=s), dtype)
     g = -jnp.abs(f(R, HV, NC, C, K)) * 0.3
     g = jnp.where(jnp.asarray(r.uniform(size=g.shape) < 0.05), -1000.0, g).astype(dtype)
-    act = S.ReferenceGate(split=lo)(KDAConfig(scale=1.0), x["q"], x["k"], g, x["beta"], None, None, L.valid,
+    act = jitted(S.ReferenceGate(split=lo))(KDAConfig(scale=1.0), x["q"], x["k"], g, x["beta"], None, None, L.valid,
                                     reset=L.reset)
     G, G_lo = act.G, act.G_lo
     assert (G_lo is not None) == lo
-    Akk = S.ReferenceIntra()(x["scale"], x["q"], x["k"], x["beta"], G, G_lo=G_lo, reset=L.reset).Akk
+    Akk = jitted(S.ReferenceIntra())(x["scale"], x["q"], x["k"], x["beta"], G, G_lo=G_lo, reset=L.reset).Akk
     kw = dict(target=target, interpret=interpret)
     fwd = (x["q"], x["k"], x["v"], x["beta"], G, Akk)
     opt = dict(G_lo=G_lo, reset=L.reset)
-    wy = S.ReferenceWY()(*fwd, **opt)
-    got = P.PallasWY(**kw)(*fwd, **opt)
+    wy = jitted(S.ReferenceWY())(*fwd, **opt)
+    got = jitted(P.PallasWY(**kw))(*fwd, **opt)
     _close(got, wy, tol, "wy")
     # (e^-60 between sequences would pass any tolerance: the masks give exact zeros)
     seg = np.asarray(segments(L.reset))[:, None, :, :, None]
@@ -312,12 +324,12 @@ def test_wy_stages_with_resets(target, interpret, dtype, tol, lo):
     assert np.all(np.asarray(got.w)[later] == 0) and np.all(np.asarray(got.qg)[later] == 0)
     assert np.all(np.asarray(got.kg)[before_last] == 0)
     h0 = f(1, HV, K, V) * 0.3  # (the shared layout's state table: one entry, entered at its start)
-    got = P.PallasRecompute(**kw)(*fwd, h0, L, **opt)
-    _close(got, S.ReferenceRecompute()(*fwd, h0, L, **opt), tol, "recompute")
+    got = jitted(P.PallasRecompute(**kw))(*fwd, h0, L, **opt)
+    _close(got, jitted(S.ReferenceRecompute())(*fwd, h0, L, **opt), tol, "recompute")
     h, v_new = got[1].h, got[1].v_new
     bwd = (x["scale"], x["q"], x["k"], x["v"], x["beta"], G, Akk, wy.qg, wy.kg, h, f(*h.shape), v_new,
            f(*v_new.shape), f(*v_new.shape))
-    got, want = P.PallasWYDqkg(**kw)(*bwd, **opt), S.ReferenceWYDqkg()(*bwd, **opt)
+    got, want = jitted(P.PallasWYDqkg(**kw))(*bwd, **opt), jitted(S.ReferenceWYDqkg())(*bwd, **opt)
     _close(got, want, tol, "wy_dqkg")
     assert np.all(np.asarray(got.dq)[later] == 0) and np.all(np.asarray(got.dk)[later & before_last] == 0)
     # A huge start state in each chunk where a sequence starts after its first token changes
@@ -327,7 +339,7 @@ def test_wy_stages_with_resets(target, interpret, dtype, tol, lo):
     assert stops.any()
     big = list(bwd)
     big[9] = jnp.where(stops, h * (1e30 if dtype == jnp.float32 else 1e100), h)  # (e^-60 * 1e100: plain to see)
-    got2 = P.PallasWYDqkg(**kw)(*big, **opt)
+    got2 = jitted(P.PallasWYDqkg(**kw))(*big, **opt)
     for name in ("dq", "dk", "dG"):
         assert_close(np.asarray(getattr(got2, name))[later], np.asarray(getattr(got, name))[later], tol, name)
     across = seg != np.swapaxes(seg, -1, -2)
@@ -368,15 +380,15 @@ def test_gate_kernels_read_the_callers_layout(target, interpret, in_dtype, dt, p
         views = token_inputs((q, k, None, g, beta), HV, C, dt, kinds)
         chunked = [None if v is None else v.chunked() for v in views]
         kw = dict(target=target, interpret=interpret)
-        got = P.PallasGate(**kw)(cfg, *views[:2], *views[3:], A_log, dt_bias, valid)
-        want = P.PallasGate(**kw)(cfg, *chunked[:2], *chunked[3:], A_log, dt_bias, valid)
+        got = jitted(P.PallasGate(**kw))(cfg, *views[:2], *views[3:], A_log, dt_bias, valid)
+        want = jitted(P.PallasGate(**kw))(cfg, *chunked[:2], *chunked[3:], A_log, dt_bias, valid)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-        _close(want, S.ReferenceGate()(cfg, *chunked[:2], *chunked[3:], A_log, dt_bias, valid),
+        _close(want, jitted(S.ReferenceGate())(cfg, *chunked[:2], *chunked[3:], A_log, dt_bias, valid),
                1e-12 if dt == jnp.float64 else 1e-5, "gate")
         d = [jnp.asarray(r.normal(size=x.shape), dt) for x in (want.q, want.k, want.beta, want.G)]
-        got = P.PallasGateBackward(**kw)(cfg, want, views[3], A_log, dt_bias, valid, *d)
-        ref = P.PallasGateBackward(**kw)(cfg, want, chunked[3], A_log, dt_bias, valid, *d)
+        got = jitted(P.PallasGateBackward(**kw))(cfg, want, views[3], A_log, dt_bias, valid, *d)
+        ref = jitted(P.PallasGateBackward(**kw))(cfg, want, chunked[3], A_log, dt_bias, valid, *d)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -419,6 +431,7 @@ def test_values_read_from_the_callers_layout(target, interpret, in_dtype, dt, po
          lambda v, d: (x["scale"], x["q"], x["k"], v, x["beta"], x["G"], x["Akk"], x["qg"], x["kg"], x["h"],
                        x["h"], dv_new, d, dv_new)),
     ]
+    calls = [(name, jitted(stage), args) for name, stage, args in calls]
     for name, stage, args in calls:
         got = stage(*args(v, do), precision=policy)
         want = stage(*args(v.chunked(), do.chunked()), precision=policy)
@@ -446,18 +459,18 @@ def test_state_kernels_varlen(interpret, V, block_v):
     w, u, qg, kg = wy_chunk(x["q"], x["k"], x["v"], x["beta"], x["G"], Akk)
     h0 = rand_like(jnp.zeros((4, 2, 12, V)), 1)
     args = (w, u, kg, x["G"], h0, layout)
-    ref = S.ReferenceState()(*args)
+    ref = jitted(S.ReferenceState())(*args)
     kw = dict(target="triton", interpret=interpret, block_v=block_v)
-    _close(P.PallasState(**kw)(*args), ref, 1e-12, "state")
+    _close(jitted(P.PallasState(**kw))(*args), ref, 1e-12, "state")
     do, dv, dht = rand_like(x["v"], 2), rand_like(x["v"], 3), rand_like(h0, 4)
     bargs = (x["scale"], qg, kg, w, x["G"], do, dv, dht, layout)
-    _close(P.PallasDhu(**kw)(*bargs), S.ReferenceDhu()(*bargs), 1e-12, "dhu")
+    _close(jitted(P.PallasDhu(**kw))(*bargs), jitted(S.ReferenceDhu())(*bargs), 1e-12, "dhu")
     for stage in (P.PallasState, P.PallasDhu):
         with pytest.raises(ValueError, match="block_v"):
             stage(target="triton", block_v=24)
     tpu = dict(target="tpu", interpret=True)
-    _close(P.PallasState(**tpu)(*args), ref, 1e-12, "state (tpu)")
-    _close(P.PallasDhu(**tpu)(*bargs), S.ReferenceDhu()(*bargs), 1e-12, "dhu (tpu)")
+    _close(jitted(P.PallasState(**tpu))(*args), ref, 1e-12, "state (tpu)")
+    _close(jitted(P.PallasDhu(**tpu))(*bargs), jitted(S.ReferenceDhu())(*bargs), 1e-12, "dhu (tpu)")
     with pytest.raises(ValueError, match="target"):
         P.PallasIntra(target="cuda")
 
@@ -473,14 +486,14 @@ def test_tpu_state_kernels_follow_any_layout():
     first, last = jnp.array([[1, -1, 0, -1]], jnp.int32), jnp.array([[-1, 1, -1, 0]], jnp.int32)
     two = layout_of(first, last, [False, False])
     h0 = rand_like(jnp.zeros((2,) + x["h0"].shape[1:]), 9)
-    kernel = P.PallasState(target="tpu", interpret=True)
+    kernel = jitted(P.PallasState(target="tpu", interpret=True))
     args = (w, u, kg, x["G"], h0, two)
-    _close(kernel(*args), S.ReferenceState()(*args), 1e-12, "state")
+    _close(kernel(*args), jitted(S.ReferenceState())(*args), 1e-12, "state")
     dv, dht = rand_like(x["v"], 3), rand_like(h0, 4)
     bargs = (x["scale"], qg, kg, w, x["G"], x["v"], dv, dht, two)
-    _close(P.PallasDhu(target="tpu", interpret=True)(*bargs), S.ReferenceDhu()(*bargs), 1e-12, "dhu")
+    _close(jitted(P.PallasDhu(target="tpu", interpret=True))(*bargs), jitted(S.ReferenceDhu())(*bargs), 1e-12, "dhu")
     args = (w, u, kg, x["G"], x["h0"], x["layout"])
-    _close(kernel(*args), S.ReferenceState()(*args), 1e-12, "state (dense)")
+    _close(kernel(*args), jitted(S.ReferenceState())(*args), 1e-12, "state (dense)")
 
 
 @pytest.mark.parametrize("target,interpret", MODES[1:])
@@ -491,8 +504,8 @@ def test_wy_dqkg_value_blocks(target, interpret):
     dh, do, dv_new = rand_like(x["h"], 5), rand_like(x["v"], 3), rand_like(x["v"], 6)
     args = (x["scale"], x["q"], x["k"], x["v"], x["beta"], x["G"], x["Akk"], x["qg"], x["kg"], x["h"], dh,
             x["v_new"], do, dv_new)
-    got = P.PallasWYDqkg(target=target, interpret=interpret, block_v=16)(*args)
-    _close(got, S.ReferenceWYDqkg()(*args), 1e-12, "wy_dqkg")
+    got = jitted(P.PallasWYDqkg(target=target, interpret=interpret, block_v=16))(*args)
+    _close(got, jitted(S.ReferenceWYDqkg())(*args), 1e-12, "wy_dqkg")
     for bad in (8, 48):
         with pytest.raises(ValueError, match="block_v"):
             P.PallasWYDqkg(target=target, block_v=bad)
@@ -511,21 +524,21 @@ def test_wy_dqkg_dl_by_row_blocks():
     dh, do, dv_new = rand_like(x["h"], 5), rand_like(x["v"], 3), rand_like(x["v"], 6)
     args = (x["scale"], x["q"], x["k"], x["v"], x["beta"], x["G"], x["Akk"], x["qg"], x["kg"], x["h"], dh,
             x["v_new"], do, dv_new)
-    want = S.ReferenceWYDqkg()(*args)
-    _close(P.PallasWYDqkg(target="triton", interpret=True)(*args), want, 1e-12, "wy_dqkg C=128")
+    want = jitted(S.ReferenceWYDqkg())(*args)
+    _close(jitted(P.PallasWYDqkg(target="triton", interpret=True))(*args), want, 1e-12, "wy_dqkg C=128")
     with pytest.raises(ValueError, match="dl_rows"):
         P.PallasWYDqkg(target="triton", dl_rows=24)
     C, K, V, HV = 32, 12, 6, 2
     L = make_shared_layout(45, C, jnp.asarray(SHARED_CU, jnp.int32))
     R, NC = L.valid.shape[:2]
     x = chunked(3, R=R, HV=HV, NC=NC, C=C, K=K, V=V, strong=True)
-    Akk = S.ReferenceIntra()(x["scale"], x["q"], x["k"], x["beta"], x["G"], reset=L.reset).Akk
-    wy = S.ReferenceWY()(x["q"], x["k"], x["v"], x["beta"], x["G"], Akk, reset=L.reset)
+    Akk = jitted(S.ReferenceIntra())(x["scale"], x["q"], x["k"], x["beta"], x["G"], reset=L.reset).Akk
+    wy = jitted(S.ReferenceWY())(x["q"], x["k"], x["v"], x["beta"], x["G"], Akk, reset=L.reset)
     h = rand_like(jnp.zeros((R, HV, NC, K, V)), 8)
     bwd = (x["scale"], x["q"], x["k"], x["v"], x["beta"], x["G"], Akk, wy.qg, wy.kg, h, rand_like(h, 9),
            rand_like(wy.u, 10), rand_like(wy.u, 11), rand_like(wy.u, 12))
-    got = P.PallasWYDqkg(target="triton", interpret=True, dl_rows=16)(*bwd, reset=L.reset)
-    want = S.ReferenceWYDqkg()(*bwd, reset=L.reset)
+    got = jitted(P.PallasWYDqkg(target="triton", interpret=True, dl_rows=16))(*bwd, reset=L.reset)
+    want = jitted(S.ReferenceWYDqkg())(*bwd, reset=L.reset)
     _close(got, want, 1e-12, "wy_dqkg dl_rows=16")
     seg = np.asarray(segments(L.reset))[:, None, :, :, None]
     across = np.broadcast_to(seg != np.swapaxes(seg, -1, -2), got.dL.shape)
@@ -538,7 +551,7 @@ def test_dhu_chunk128_takes_16_value_columns():
     x = _x(jnp.float64, 128, 12, 40, seed=4)
     do, dv, dht = rand_like(x["v"], 2), rand_like(x["v"], 3), rand_like(x["h0"], 4)
     bargs = (x["scale"], x["qg"], x["kg"], x["w"], x["G"], do, dv, dht, x["layout"])
-    _close(P.PallasDhu(target="triton")(*bargs), S.ReferenceDhu()(*bargs), 1e-12, "dhu")
+    _close(jitted(P.PallasDhu(target="triton"))(*bargs), jitted(S.ReferenceDhu())(*bargs), 1e-12, "dhu")
 
 
 @pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.skipif(
@@ -554,10 +567,10 @@ def test_state_kernels_dense(interpret):
     h0 = rand_like(jnp.zeros((2, 2, 12, 20)), 1)
     args = (w, u, kg, x["G"], h0, layout)
     kw = dict(target="triton", interpret=interpret, block_v=16)
-    _close(P.PallasState(**kw)(*args), S.ReferenceState()(*args), 1e-12, "state")
+    _close(jitted(P.PallasState(**kw))(*args), jitted(S.ReferenceState())(*args), 1e-12, "state")
     do, dv, dht = rand_like(x["v"], 2), rand_like(x["v"], 3), rand_like(h0, 4)
     bargs = (x["scale"], qg, kg, w, x["G"], do, dv, dht, layout)
-    _close(P.PallasDhu(**kw)(*bargs), S.ReferenceDhu()(*bargs), 1e-12, "dhu")
+    _close(jitted(P.PallasDhu(**kw))(*bargs), jitted(S.ReferenceDhu())(*bargs), 1e-12, "dhu")
 
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.float64, 1e-12), (jnp.float32, 1e-5)], ids=["f64", "f32"])
@@ -577,10 +590,10 @@ def test_state_kernels_k_tiles(packed, dtype, tol):
     h0 = rand_like(jnp.zeros((N, 2, 40, 24), dtype), 1)
     args = (w, u, kg, G, h0, layout)
     kw = dict(target="triton", interpret=True, block_v=16, block_k=16)
-    _close(P.PallasState(**kw)(*args), S.ReferenceState()(*args), tol, "state")
+    _close(jitted(P.PallasState(**kw))(*args), jitted(S.ReferenceState())(*args), tol, "state")
     do, dv, dht = rand_like(u, 2), rand_like(u, 3), rand_like(h0, 4)
     bargs = (x["scale"], qg, kg, w, G, do, dv, dht, layout)
-    _close(P.PallasDhu(**kw)(*bargs), S.ReferenceDhu()(*bargs), tol, "dhu")
+    _close(jitted(P.PallasDhu(**kw))(*bargs), jitted(S.ReferenceDhu())(*bargs), tol, "dhu")
     with pytest.raises(ValueError, match="block_k"):
         P.PallasState(target="triton", block_k=24)
 
@@ -607,7 +620,8 @@ def test_state_kernels_round_operands_in_kernel(packed):
     for policy, tol in (("fast", 1e-6), ("highest", 0.0)):
         for name, cls, args in (("state", P.PallasState, (w, u, kg, G, h0, layout)),
                                 ("dhu", P.PallasDhu, (x["scale"], qg, kg, w, G, do, dv, dht, layout))):
-            got, want = cls(**kw, round_in_kernel=True)(*args, precision=policy), cls(**kw)(*args, precision=policy)
+            got = jitted(cls(**kw, round_in_kernel=True))(*args, precision=policy)
+            want = jitted(cls(**kw))(*args, precision=policy)
             for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
                 if tol:
                     assert_close(a, b, tol, name)
@@ -625,7 +639,7 @@ def test_triton_intra_tile_products(dtype, tol):
     row t, no other chunk or head touched."""
     x = _x(dtype, 64, 16, 4, seed=7)
     sc, args = x["scale"], (x["q"], x["k"], x["beta"], x["G"])
-    pal, ref = P.PallasIntra(target="triton", interpret=True), S.ReferenceIntra()
+    pal, ref = jitted(P.PallasIntra(target="triton", interpret=True)), jitted(S.ReferenceIntra())
 
     def close(got, want, name):
         for n in ("Aqk", "Akk"):
@@ -642,7 +656,7 @@ def test_triton_intra_tile_products(dtype, tol):
     reset = jnp.asarray(reset)
     want = ref(sc, *args, reset=reset)
     close(pal(sc, *args, reset=reset), want, "reset")
-    tpu = P.PallasIntra(target="tpu", interpret=True)(sc, *args, reset=reset)
+    tpu = jitted(P.PallasIntra(target="tpu", interpret=True))(sc, *args, reset=reset)
     close(tpu, want, "reset (tpu)")
     seg = np.cumsum(np.asarray(reset) & (np.arange(64) > 0), axis=-1)[:, None, :, :, None]
     across = np.broadcast_to(seg != np.swapaxes(seg, -1, -2), want.Aqk.shape)
@@ -691,7 +705,7 @@ def test_triton_intra_backward_tile_products(dtype, tol):
     across them changes nothing). A NaN in k at token t: NaN exactly where the
     reference's are (dq, dbeta from row t on; dk, dG in k's column), every other entry as
     the reference's, and no other chunk or head touched."""
-    pal, ref = P.PallasIntraBackward(target="triton", interpret=True), S.ReferenceIntraBackward()
+    pal, ref = jitted(P.PallasIntraBackward(target="triton", interpret=True)), jitted(S.ReferenceIntraBackward())
     for C, K in ((16, 12), (32, 12), (64, 40)):
         args = _b4_args(dtype, C, K, seed=C)
         _b4_close(pal(*args), ref(*args), tol, f"dense C={C}")
@@ -706,7 +720,7 @@ def test_triton_intra_backward_tile_products(dtype, tol):
     want = ref(*args, reset=reset)
     got = pal(*args, reset=reset)
     _b4_close(got, want, tol, "reset")
-    _b4_close(P.PallasIntraBackward(target="tpu", interpret=True)(*args, reset=reset), want, tol, "reset (tpu)")
+    _b4_close(jitted(P.PallasIntraBackward(target="tpu", interpret=True))(*args, reset=reset), want, tol, "reset (tpu)")
     seg = np.cumsum(np.asarray(reset) & (np.arange(64) > 0), axis=-1)[:, None, :, :, None]
     across = jnp.asarray(np.broadcast_to(seg != np.swapaxes(seg, -1, -2), args[5].shape))
     assert across.any()
