@@ -15,7 +15,7 @@ from kdax.stages import (
 from kdax.stages._gate import chunk_cumsum, split_cumsum
 from kdax._numerics.hilo import exponent, grid_bits, split_log_decay
 
-from .._util import assert_close
+from .._util import assert_close, jitted
 from ..stages._chunked import chunked, intra_chunk, rand_like
 
 
@@ -57,12 +57,12 @@ def test_gate_gives_G_lo_in_float32_only():
     shape = (1, 2, 2, 16, 8)
     q, k, g = (jnp.asarray(r.normal(size=shape), jnp.float32) for _ in range(3))
     beta, valid = jnp.full(shape[:4], 0.5, jnp.float32), jnp.ones((1, 2, 16), bool)
-    act = ReferenceGate()(KDAConfig(scale=1.0), q, k, -jnp.abs(g) * 300, beta, None, None, valid)
+    act = jitted(ReferenceGate())(KDAConfig(scale=1.0), q, k, -jnp.abs(g) * 300, beta, None, None, valid)
     assert act.G_lo is not None and act.G_lo.dtype == jnp.float32
-    act64 = ReferenceGate()(KDAConfig(scale=1.0), *(x.astype(jnp.float64) for x in (q, k, -jnp.abs(g), beta)),
+    act64 = jitted(ReferenceGate())(KDAConfig(scale=1.0), *(x.astype(jnp.float64) for x in (q, k, -jnp.abs(g), beta)),
                             None, None, valid)
     assert act64.G_lo is None
-    single = ReferenceGate(split=False)(KDAConfig(scale=1.0), q, k, -jnp.abs(g) * 300, beta, None, None, valid)
+    single = jitted(ReferenceGate(split=False))(KDAConfig(scale=1.0), q, k, -jnp.abs(g) * 300, beta, None, None, valid)
     assert single.G_lo is None
     assert np.max(np.abs(np.asarray(single.G) - np.asarray(act.G))) <= 1e-3  # eps |G| apart (|G| <= 320)
 
@@ -104,25 +104,25 @@ def test_stages_compute_with_G_plus_G_lo(C):
     x = chunked(C, C=C, NC=2, strong=True)
     q, k, v, beta, G, scale = x["q"], x["k"], x["v"], x["beta"], x["G"], x["scale"]
     Gh, Gl = _split(G, 1)
-    want = ReferenceIntra(group=2)(scale, q, k, beta, G)
-    got = ReferenceIntra(group=2)(scale, q, k, beta, Gh, Gl)
+    want = jitted(ReferenceIntra(group=2))(scale, q, k, beta, G)
+    got = jitted(ReferenceIntra(group=2))(scale, q, k, beta, Gh, Gl)
     for n in ("Aqk", "Akk"):
         assert_close(getattr(got, n), getattr(want, n), 1e-10, n)
     Akk = intra_chunk(q, k, beta, G, scale)[1]
-    want = ReferenceWY()(q, k, v, beta, G, Akk)
-    got = ReferenceWY()(q, k, v, beta, Gh, Akk, Gl)
-    alone = ReferenceWY()(q, k, v, beta, Gh, Akk)
+    want = jitted(ReferenceWY())(q, k, v, beta, G, Akk)
+    got = jitted(ReferenceWY())(q, k, v, beta, Gh, Akk, Gl)
+    alone = jitted(ReferenceWY())(q, k, v, beta, Gh, Akk)
     # kg = k e^(Γ - G) carries a difference: the sum's; w and qg carry e^G, G's own exponent
     # (its rounding error is at most eps/e absolute): G alone, by design.
     for n, ref in (("w", alone), ("u", want), ("qg", alone), ("kg", want)):
         assert_close(getattr(got, n), getattr(ref, n), 1e-10, n)
-    wy_c, _ = ReferenceRecompute()(q, k, v, beta, Gh, Akk, x["h0"], x["layout"], Gl)
+    wy_c, _ = jitted(ReferenceRecompute())(q, k, v, beta, Gh, Akk, x["h0"], x["layout"], Gl)
     assert_close(wy_c.kg, want.kg, 1e-10, "recompute kg")
     h = rand_like(jnp.zeros(q.shape[:3] + (q.shape[-1], v.shape[-1])), 4)
     dh, v_new, do, dv_new = rand_like(h, 5), rand_like(v, 6), rand_like(v, 7), rand_like(v, 8)
     args = (Akk, want.qg, want.kg, h, dh, v_new, do, dv_new)
-    got = ReferenceWYDqkg()(scale, q, k, v, beta, Gh, *args, G_lo=Gl)
-    alone = ReferenceWYDqkg()(scale, q, k, v, beta, Gh, *args)
+    got = jitted(ReferenceWYDqkg())(scale, q, k, v, beta, Gh, *args, G_lo=Gl)
+    alone = jitted(ReferenceWYDqkg())(scale, q, k, v, beta, Gh, *args)
     # Only dk's kg part, dkg e^(Γ - G) with dkg = v_new dh^T, carries a difference of G.
     dkg = v_new @ jnp.swapaxes(dh, -1, -2)
     decay = lambda G: jnp.exp(G[..., -1:, :] - G)
@@ -132,7 +132,7 @@ def test_stages_compute_with_G_plus_G_lo(C):
     dAqk, dL = jnp.tril(rand_like(Akk, 9)), jnp.tril(rand_like(Akk, 10), -1)
     zero = ChunkGrads(jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v), jnp.zeros_like(beta),
                       jnp.zeros_like(G), dL)
-    want_b = ReferenceIntraBackward(group=2)(scale, q, k, beta, G, dAqk, zero)
-    got_b = ReferenceIntraBackward(group=2)(scale, q, k, beta, Gh, dAqk, zero, Gl)
+    want_b = jitted(ReferenceIntraBackward(group=2))(scale, q, k, beta, G, dAqk, zero)
+    got_b = jitted(ReferenceIntraBackward(group=2))(scale, q, k, beta, Gh, dAqk, zero, Gl)
     for n in ("dq", "dk", "dbeta", "dG"):
         assert_close(getattr(got_b, n), getattr(want_b, n), 1e-10, n)

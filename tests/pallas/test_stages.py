@@ -2,7 +2,6 @@
 layouts (TPU: full-dim blocks; Triton: power-of-2 padded), in interpret mode everywhere and
 compiled for the accelerator where one is present (the ``device`` cases)."""
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +15,7 @@ from kdax._layouts.resets import segments, state_passes
 from kdax.pallas._common import column_blocks
 from kdax.stages import ChunkGrads
 
-from .._util import ON_DEVICE, assert_close
+from .._util import ON_DEVICE, assert_close, jitted
 from ..stages._chunked import chunked, intra_chunk, layout_of, rand_like, state_scan, wy_chunk
 
 # (target, interpret): both layouts interpreted on any machine; the present accelerator's
@@ -31,13 +30,6 @@ CASES = [  # (dtype, tol, C, K, V)
     (jnp.float64, 1e-12, 32, 12, 6),  # K, V not powers of 2: Triton pads them
     (jnp.float32, 1e-5, 64, 16, 16),
 ]
-
-
-def jitted(stage):
-    """``stage`` called under ``eqx.filter_jit``: one program per stage and argument shapes.
-    Called eagerly, each of its operations was compiled alone (about 60 ms each to lower
-    and compile, hundreds a test): most of this file's time."""
-    return eqx.filter_jit(stage)
 
 
 def _x(dtype, C, K, V, seed=0):

@@ -15,6 +15,7 @@ from kdax import stages as S
 from kdax._layouts.layout import make_layout
 from kdax.pallas._state import _gamma
 
+from .._util import jitted
 from ..stages._chunked import chunked, intra_chunk, rand_like, wy_chunk
 from .test_stages import _close
 
@@ -44,10 +45,10 @@ def test_state_kernels_read_last_rows_of_G(packed, block_k):
     h0 = rand_like(jnp.zeros((N, 2, 32, 24)), 1)
     args = (w, u, kg, x["G"], h0, layout)
     kw = dict(target="triton", interpret=True, block_v=16, block_k=block_k)
-    _close(P.PallasState(**kw)(*args), S.ReferenceState()(*args), 1e-12, "state")
+    _close(jitted(P.PallasState(**kw))(*args), jitted(S.ReferenceState())(*args), 1e-12, "state")
     do, dv, dht = rand_like(u, 2), rand_like(u, 3), rand_like(h0, 4)
     bargs = (x["scale"], qg, kg, w, x["G"], do, dv, dht, layout)
-    _close(P.PallasDhu(**kw)(*bargs), S.ReferenceDhu()(*bargs), 1e-12, "dhu")
+    _close(jitted(P.PallasDhu(**kw))(*bargs), jitted(S.ReferenceDhu())(*bargs), 1e-12, "dhu")
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
@@ -71,7 +72,7 @@ def test_state_kernel_starts_from_zero_unread(packed):
     fields = lambda st: (st.h, st.v_new, st.final)  # noqa: E731
     got, read = f4(*args, zero_h0=True), f4(*args)
     assert all(jnp.array_equal(a, b) for a, b in zip(fields(got), fields(read)))
-    _close(got, S.ReferenceState()(*args), 1e-12, "state")
+    _close(got, jitted(S.ReferenceState())(*args), 1e-12, "state")
     b0 = P.PallasRecompute(target="triton", interpret=True)
     bargs = (x["q"], x["k"], x["v"], x["beta"], x["G"], Akk, h0, layout)
     got, read = b0(*bargs, state=f4, zero_h0=True)[1], b0(*bargs, state=f4)[1]

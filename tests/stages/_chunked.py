@@ -4,7 +4,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from kdax._layouts.layout import ChunkLayout
-from kdax.ref._chunk import intra_chunk, pairwise_decay, state_scan, wy_chunk  # noqa: F401
+from kdax.ref import _chunk
+
+from .._util import jitted
+
+# kdax.ref's chunked formulas, jitted (tests/_util.py: jitted)
+intra_chunk, pairwise_decay, state_scan, wy_chunk, output_chunk = (
+    jitted(f) for f in (_chunk.intra_chunk, _chunk.pairwise_decay, _chunk.state_scan, _chunk.wy_chunk,
+                        _chunk.output_chunk))
 
 
 def chunked(seed=0, R=2, HV=2, NC=3, C=16, K=8, V=4, strong=False):

@@ -9,7 +9,7 @@ from kdax import KDAConfig
 from kdax.ref import beta_activation, kda_gate, l2norm
 from kdax.stages import ReferenceGate, ReferenceGateBackward
 
-from .._util import assert_close
+from .._util import assert_close, jitted
 from ._chunked import rand_like
 
 CONFIGS = {
@@ -35,7 +35,7 @@ def _inputs(cfg, seed=0, R=2, HV=2, NC=2, C=16, K=8):
 def test_gate_forward(name):
     cfg = KDAConfig(scale=1.0, **CONFIGS[name])
     q, k, g, beta, A_log, dt_bias, valid = _inputs(cfg)
-    act = ReferenceGate()(cfg, q, k, g, beta, A_log, dt_bias, valid)
+    act = jitted(ReferenceGate())(cfg, q, k, g, beta, A_log, dt_bias, valid)
     to_last = lambda a: jnp.moveaxis(a, 1, -2)
     ga = jnp.moveaxis(kda_gate(to_last(g), A_log, dt_bias, cfg.lower_bound), -2, 1) if cfg.use_gate_in_kernel else g
     ga = jnp.where(valid[:, None, :, :, None], ga, 0.0)
@@ -52,14 +52,14 @@ def test_gate_backward_is_vjp(name):
     q, k, g, beta, A_log, dt_bias, valid = _inputs(cfg, seed=1)
 
     def f(q, k, g, beta, A_log, dt_bias):
-        a = ReferenceGate()(cfg, q, k, g, beta, A_log, dt_bias, valid)
+        a = jitted(ReferenceGate())(cfg, q, k, g, beta, A_log, dt_bias, valid)
         return a.q, a.k, a.beta, a.G
 
     outs, vjp = jax.vjp(f, q, k, g, beta, A_log, dt_bias)
     cts = tuple(rand_like(o, 5 + i) for i, o in enumerate(outs))
     want = vjp(cts)
-    act = ReferenceGate()(cfg, q, k, g, beta, A_log, dt_bias, valid)
-    got = ReferenceGateBackward()(cfg, act, g if cfg.use_gate_in_kernel else None, A_log, dt_bias, valid,
+    act = jitted(ReferenceGate())(cfg, q, k, g, beta, A_log, dt_bias, valid)
+    got = jitted(ReferenceGateBackward())(cfg, act, g if cfg.use_gate_in_kernel else None, A_log, dt_bias, valid,
                                   cts[0], cts[1], cts[2], cts[3])
     for n, a, b in zip(("dq", "dk", "dg", "dbeta", "dA_log", "ddt_bias"),
                        (got.dq, got.dk, got.dg, got.dbeta, got.dA_log, got.ddt_bias), want):
@@ -83,7 +83,7 @@ def test_gate_reset(name):
     reset = np.zeros((R, NC, C), bool)
     reset[0, 0, [0, 3, 4, 9]] = reset[0, 1, [0, 10]] = reset[1, 1, 7] = True  # (valid tokens)
     reset = jnp.asarray(reset)
-    act = ReferenceGate()(cfg, q, k, g, beta, A_log, dt_bias, valid, reset)
+    act = jitted(ReferenceGate())(cfg, q, k, g, beta, A_log, dt_bias, valid, reset)
     G = np.asarray(act.G + (0 if act.G_lo is None else act.G_lo))
     step = np.diff(np.concatenate([np.zeros_like(G[..., :1, :]), G], axis=-2), axis=-2)
     assert np.allclose(step[np.broadcast_to(np.asarray(reset)[:, None, :, :, None], G.shape)], reset_log_decay(G.dtype))
@@ -99,7 +99,7 @@ def test_gate_reset(name):
     dG = rand_like(act.G, 3)
     _, vjp = jax.vjp(restarted, g, A_log, dt_bias)
     want = vjp(dG)
-    got = ReferenceGateBackward()(cfg, act, g if cfg.use_gate_in_kernel else None, A_log, dt_bias, valid,
+    got = jitted(ReferenceGateBackward())(cfg, act, g if cfg.use_gate_in_kernel else None, A_log, dt_bias, valid,
                                   act.q, act.k, act.beta, dG, reset)
     assert np.all(np.asarray(got.dg)[np.broadcast_to(np.asarray(reset)[:, None, :, :, None], G.shape)] == 0)
     for n, a, b in zip(("dg", "dA_log", "ddt_bias"), (got.dg, got.dA_log, got.ddt_bias), want):
@@ -108,7 +108,7 @@ def test_gate_reset(name):
         else:
             assert_close(a, b, 1e-12, n)
     bad = g.at[0, 0, 0, 3, 1].set(jnp.nan).at[1, 1, 1, 7, 2].set(jnp.inf)  # gates at reset tokens
-    G_bad = np.asarray(ReferenceGate()(cfg, q, k, bad, beta, A_log, dt_bias, valid, reset).G)
+    G_bad = np.asarray(jitted(ReferenceGate())(cfg, q, k, bad, beta, A_log, dt_bias, valid, reset).G)
     assert np.isnan(G_bad[0, 0, 0, 3, 1])
     if not cfg.use_gate_in_kernel:  # (a raw +inf in the softplus gate is a legitimate -inf gate)
         assert not np.isfinite(G_bad[1, 1, 1, 7, 2])

@@ -7,7 +7,7 @@ import pytest
 
 from kdax.stages import ChunkGrads, ReferenceIntra, ReferenceIntraBackward
 
-from .._util import assert_close
+from .._util import assert_close, jitted
 from ._chunked import chunked, intra_chunk, pairwise_decay, rand_like
 
 
@@ -19,7 +19,7 @@ from ._chunked import chunked, intra_chunk, pairwise_decay, rand_like
 )
 def test_intra_forward(C, group, strong, HV, NC):
     x = chunked(C, C=C, NC=NC, HV=HV, strong=strong)
-    out = ReferenceIntra(group=group)(x["scale"], x["q"], x["k"], x["beta"], x["G"])
+    out = jitted(ReferenceIntra(group=group))(x["scale"], x["q"], x["k"], x["beta"], x["G"])
     Aqk, Akk = intra_chunk(x["q"], x["k"], x["beta"], x["G"], x["scale"])
     assert_close(out.Aqk, Aqk, 1e-12, "Aqk")
     assert_close(out.Akk, Akk, 1e-12, "Akk")
@@ -38,13 +38,14 @@ def _intra_piece(scale, q, k, beta, G):
 def test_intra_backward_is_vjp(C, group, strong, HV, NC):
     x = chunked(C + 1, C=C, NC=NC, HV=HV, strong=strong)
     args = (x["q"], x["k"], x["beta"], x["G"])
-    (Aqk, L), vjp = jax.vjp(lambda *a: _intra_piece(x["scale"], *a), *args)
+    Aqk, L = jax.eval_shape(lambda *a: _intra_piece(x["scale"], *a), *args)
     dAqk = jnp.tril(rand_like(Aqk, 1))
     dL = jnp.tril(rand_like(L, 2), -1)
-    dq, dk, dbeta, dG = vjp((dAqk, dL))
+    piece_vjp = lambda a, ct: jax.vjp(lambda *a: _intra_piece(x["scale"], *a), *a)[1](ct)
+    dq, dk, dbeta, dG = jitted(piece_vjp)(args, (dAqk, dL))
     zero = ChunkGrads(jnp.zeros_like(x["q"]), jnp.zeros_like(x["k"]), jnp.zeros_like(x["v"]),
                       jnp.zeros_like(x["beta"]), jnp.zeros_like(x["G"]), dL)
-    out = ReferenceIntraBackward(group=group)(x["scale"], *args, dAqk, zero)
+    out = jitted(ReferenceIntraBackward(group=group))(x["scale"], *args, dAqk, zero)
     assert_close(out.dq, dq, 1e-10, "dq")
     assert_close(out.dk, dk, 1e-10, "dk")
     assert_close(out.dbeta, dbeta, 1e-10, "dbeta")
@@ -73,8 +74,9 @@ def test_intra_vjp_is_the_formulas(C, group, strong, low):
 
     mat = jnp.zeros(x["q"].shape[:-1] + (C,))
     cts = (rand_like(mat, 6), rand_like(mat, 7))
-    got = jax.vjp(stage, *args, *((G_lo,) if low else ()))[1](cts)
-    want = jax.vjp(oracle, *args)[1](cts)
+    vjp = lambda f, a, ct: jax.vjp(f, *a)[1](ct)
+    got = jitted(vjp)(stage, (*args, *((G_lo,) if low else ())), cts)
+    want = jitted(vjp)(oracle, args, cts)
     for name, a, b in zip(("dq", "dk", "dbeta", "dG"), got, want):
         assert_close(a, b, 1e-10, name)
     if low:

@@ -7,7 +7,7 @@ import numpy as np
 from kdax.ref._chunk import output_chunk
 from kdax.stages import ReferenceDAv, ReferenceOutput
 
-from .._util import assert_close
+from .._util import assert_close, jitted
 from ._chunked import chunked, intra_chunk, rand_like
 
 
@@ -21,16 +21,16 @@ def _parts(x):
 def test_output_forward():
     x = chunked()
     qg, h, Aqk, v_new = _parts(x)
-    assert_close(ReferenceOutput()(x["scale"], qg, h, Aqk, v_new), output_chunk(qg, h, Aqk, v_new, x["scale"]), 1e-14)
+    assert_close(jitted(ReferenceOutput())(x["scale"], qg, h, Aqk, v_new), output_chunk(qg, h, Aqk, v_new, x["scale"]), 1e-14)
 
 
 def test_dav_is_vjp_of_output():
     x = chunked(1)
     qg, h, Aqk, v_new = _parts(x)
-    o, vjp = jax.vjp(lambda A, vn: ReferenceOutput()(x["scale"], qg, h, A, vn), Aqk, v_new)
+    o, vjp = jax.vjp(lambda A, vn: jitted(ReferenceOutput())(x["scale"], qg, h, A, vn), Aqk, v_new)
     do = rand_like(o, 7)
     dA_ref, dv_ref = vjp(do)
-    dA, dv = ReferenceDAv()(v_new, Aqk, do)
+    dA, dv = jitted(ReferenceDAv())(v_new, Aqk, do)
     assert_close(dA, jnp.tril(dA_ref), 1e-12, "dAqk")
     assert np.all(np.asarray(jnp.triu(dA, 1)) == 0)
     assert_close(dv, dv_ref, 1e-12, "dv_intra")

@@ -11,7 +11,7 @@ import kdax
 from kdax.pallas import PallasDhu, PallasState
 from kdax.stages import ReferenceDAv, ReferenceDhu, ReferenceState, SegmentedDhu, SegmentedState, segmented
 
-from .._util import assert_close, loss_grads, make_inputs, oracle_kda, run
+from .._util import assert_close, loss_grads, make_inputs, oracle_kda, run, jitted
 from ._chunked import chunked, intra_chunk, layout_of, rand_like, wy_chunk
 
 TOL = 1e-12
@@ -66,9 +66,9 @@ def test_segmented_dhu_equals_unsplit(segments, packed):
     R, NC = (1, 10) if packed else (2, 7)
     x, Aqk, w, u, qg, kg, h0 = _inputs(4, R, NC, 4 if packed else None)
     layout = _layout(packed, x, R)
-    st = ReferenceState()(w, u, kg, x["G"], h0, layout)
+    st = jitted(ReferenceState())(w, u, kg, x["G"], h0, layout)
     do = rand_like(u, 5)
-    _, dv_intra = ReferenceDAv()(st.v_new, Aqk, do)
+    _, dv_intra = jitted(ReferenceDAv())(st.v_new, Aqk, do)
     dht = rand_like(h0, 6)
     args = (x["scale"], qg, kg, w, x["G"], do, dv_intra, dht, layout)
     _close_out(_jit(SegmentedDhu(ReferenceDhu(), segments))(*args), _jit(ReferenceDhu())(*args))
@@ -81,10 +81,10 @@ def test_segmented_pallas_triton_inner():
     layout = _layout(True, x, 1)
     kw = dict(target="triton", interpret=True)
     _close_out(SegmentedState(PallasState(**kw), 3)(w, u, kg, x["G"], h0, layout),
-               ReferenceState()(w, u, kg, x["G"], h0, layout))
+               jitted(ReferenceState())(w, u, kg, x["G"], h0, layout))
     do, dht = rand_like(u, 8), rand_like(h0, 9)
     args = (x["scale"], qg, kg, w, x["G"], do, rand_like(u, 10), dht, layout)
-    _close_out(SegmentedDhu(PallasDhu(**kw), 3)(*args), ReferenceDhu()(*args))
+    _close_out(SegmentedDhu(PallasDhu(**kw), 3)(*args), jitted(ReferenceDhu())(*args))
 
 
 def test_segments_argument_checked():

@@ -8,7 +8,7 @@ import pytest
 from kdax.ref._chunk import output_chunk
 from kdax.stages import ReferenceDAv, ReferenceDhu, ReferenceState
 
-from .._util import assert_close
+from .._util import assert_close, jitted
 from ._chunked import chunked, intra_chunk, layout_of, rand_like, state_scan, wy_chunk
 
 
@@ -22,7 +22,7 @@ def _wy(x):
 def test_state_forward_dense(unroll):
     x = chunked(4, strong=True)
     _, w, u, qg, kg = _wy(x)
-    out = ReferenceState(unroll=unroll)(w, u, kg, x["G"], x["h0"], x["layout"])
+    out = jitted(ReferenceState(unroll=unroll))(w, u, kg, x["G"], x["h0"], x["layout"])
     h, v_new, hT = state_scan(w, u, kg, x["G"], x["h0"])
     assert_close(out.h, h, 1e-13, "h")
     assert_close(out.v_new, v_new, 1e-13, "v_new")
@@ -37,7 +37,7 @@ def test_state_forward_sequences_in_one_row(unroll):
     h0 = rand_like(jnp.zeros((2,) + x["h0"].shape[1:]), 9)
     first = jnp.array([[1, -1, 0, -1]], jnp.int32)
     last = jnp.array([[-1, 1, -1, 0]], jnp.int32)
-    out = ReferenceState(unroll=unroll)(w, u, kg, x["G"], h0, layout_of(first, last, [False, False]))
+    out = jitted(ReferenceState(unroll=unroll))(w, u, kg, x["G"], h0, layout_of(first, last, [False, False]))
     for seq, sl in ((1, slice(0, 2)), (0, slice(2, 4))):
         h, v_new, hT = state_scan(w[:, :, sl], u[:, :, sl], kg[:, :, sl], x["G"][:, :, sl], h0[seq : seq + 1])
         assert_close(out.h[:, :, sl], h, 1e-13, "h")
@@ -69,8 +69,8 @@ def test_dhu_is_vjp():
     do, dht = rand_like(o, 1), rand_like(hT, 2)
     du, dh0, deps = vjp((do, dht))
     h, v_new, _ = state_scan(w, u, kg, x["G"], x["h0"])
-    _, dv_intra = ReferenceDAv()(v_new, Aqk, do)
-    out = ReferenceDhu()(scale, qg, kg, w, x["G"], do, dv_intra, dht, x["layout"])
+    _, dv_intra = jitted(ReferenceDAv())(v_new, Aqk, do)
+    out = jitted(ReferenceDhu())(scale, qg, kg, w, x["G"], do, dv_intra, dht, x["layout"])
     assert_close(out.dv_new, du, 1e-10, "dv_new")
     assert_close(out.dh0, dh0, 1e-10, "dh0")
     assert_close(out.dh, deps, 1e-10, "dh")
@@ -83,7 +83,7 @@ def test_dhu_empty_sequence_passes_dht():
     first = jnp.array([[1, -1]], jnp.int32)
     last = jnp.array([[-1, 1]], jnp.int32)
     do = jnp.zeros(x["v"].shape)
-    out = ReferenceDhu()(x["scale"], qg, kg, w, x["G"], do, do, dht, layout_of(first, last, [True, False]))
+    out = jitted(ReferenceDhu())(x["scale"], qg, kg, w, x["G"], do, do, dht, layout_of(first, last, [True, False]))
     np.testing.assert_array_equal(out.dh0[0], dht[0])
 
 
@@ -95,10 +95,10 @@ def test_state_loops_without_chunks():
     assert layout.num_chunks == 0
     z = jnp.zeros((1, 2, 0, 64, 16))
     h0 = rand_like(jnp.zeros((1, 2, 16, 8)), 3)
-    out = ReferenceState()(z, z[..., :8], z, z, h0, layout)
+    out = jitted(ReferenceState())(z, z[..., :8], z, z, h0, layout)
     assert out.h.shape == (1, 2, 0, 16, 8) and out.v_new.shape == (1, 2, 0, 64, 8)
     np.testing.assert_array_equal(np.asarray(out.final), np.asarray(h0))
-    d = ReferenceDhu()(1.0, z, z, z, z, z[..., :8], z[..., :8], h0, layout)
+    d = jitted(ReferenceDhu())(1.0, z, z, z, z, z[..., :8], z[..., :8], h0, layout)
     assert d.dh.shape == (1, 2, 0, 16, 8)
     np.testing.assert_array_equal(np.asarray(d.dh0), np.asarray(h0))
 
@@ -121,7 +121,7 @@ def test_state_vjp_through_the_loop(layout):
     args = (w, u, kg, x["G"], h0)
 
     def grads(unroll):
-        out, vjp = jax.vjp(lambda *a: ReferenceState(unroll=unroll)(*a, lay), *args)
+        out, vjp = jax.vjp(lambda *a: jitted(ReferenceState(unroll=unroll))(*a, lay), *args)
         ct = type(out)(rand_like(out.h, 11), rand_like(out.v_new, 12), rand_like(out.final, 13))
         return vjp(ct)
 

@@ -6,14 +6,14 @@ import jax.numpy as jnp
 from kdax.stages import ReferenceWY, ReferenceWYDqkg
 from kdax.stages._intra import unit_lower_inverse
 
-from .._util import assert_close
+from .._util import assert_close, jitted
 from ._chunked import chunked, intra_chunk, rand_like, wy_chunk
 
 
 def test_wy_forward():
     x = chunked(2, strong=True)
     _, Akk = intra_chunk(x["q"], x["k"], x["beta"], x["G"], x["scale"])
-    out = ReferenceWY()(x["q"], x["k"], x["v"], x["beta"], x["G"], Akk)
+    out = jitted(ReferenceWY())(x["q"], x["k"], x["v"], x["beta"], x["G"], Akk)
     for a, b, n in zip((out.w, out.u, out.qg, out.kg), wy_chunk(x["q"], x["k"], x["v"], x["beta"], x["G"], Akk), "w u qg kg".split()):
         assert_close(a, b, 1e-13, n)
 
@@ -38,7 +38,7 @@ def test_wy_dqkg_is_vjp():
     do, dv_new, dh = (rand_like(o, 10 + i) for i, o in enumerate(outs))
     dq, dk, dv, dbeta, dG, dL = vjp((do, dv_new, dh))
     w, u, qg, kg = wy_chunk(x["q"], x["k"], x["v"], x["beta"], x["G"], Akk)
-    out = ReferenceWYDqkg()(scale, x["q"], x["k"], x["v"], x["beta"], x["G"], Akk, qg, kg, h, dh, v_new_fixed, do, dv_new)
+    out = jitted(ReferenceWYDqkg())(scale, x["q"], x["k"], x["v"], x["beta"], x["G"], Akk, qg, kg, h, dh, v_new_fixed, do, dv_new)
     for got, want, n in zip((out.dq, out.dk, out.dv, out.dbeta, out.dG, out.dL), (dq, dk, dv, dbeta, dG, dL),
                             "dq dk dv dbeta dG dL".split()):
         assert_close(got, want, 1e-10, n)
