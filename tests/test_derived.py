@@ -150,11 +150,11 @@ def test_modified_stage_gives_the_modified_algorithms_gradients(field):
     # F1 alone of other math: B5 is F1's VJP, B0-B4 hand-written; F5 alone: F5's VJP in
     # B1's place and feeding B2 and B3, B0 and B2-B5 hand-written (nothing derived whole, no warning)
     assert said == (field not in ("gate", "output"))
-    want = jax.grad(lambda *a: _loss(*_oracle(field, a[:5], a[5])), argnums=tuple(range(6)))(*pos, h0)
+    want = jax.jit(jax.grad(lambda *a: _loss(*_oracle(field, a[:5], a[5])), argnums=tuple(range(6))))(*pos, h0)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
         assert_close(a, b, 1e-10, f"{name} ({field})")
     o, ht = kdax.chunk_kda(*pos, initial_state=h0, output_final_state=True, chunk_size=CHUNK, pipeline=pipe)
-    o_ref, ht_ref = _oracle(field, pos, h0)
+    o_ref, ht_ref = jax.jit(_oracle, static_argnums=0)(field, pos, h0)
     assert_close(o, o_ref, 1e-10, f"o ({field})")
     assert_close(ht, ht_ref, 1e-10, f"ht ({field})")
     plan = pipe.plan(*pos, initial_state=h0, output_final_state=True, chunk_size=CHUNK)
@@ -199,10 +199,10 @@ def test_packed_initial_states_with_a_head_gain_declaring_reference_capabilities
         o_, ht_ = oracle_kda(*a[:5], initial_state=a[5], output_final_state=True, cu_seqlens=cu)
         return o_ * gain[None, None, :, None], ht_
 
-    o_ref, ht_ref = oracle(*pos, h0)
+    o_ref, ht_ref = jax.jit(oracle)(*pos, h0)
     assert_close(o, o_ref, 1e-10, "o")
     assert_close(ht, ht_ref, 1e-10, "ht")
-    want = jax.grad(lambda *a: _loss(*oracle(*a)), argnums=tuple(range(6)))(*pos, h0)
+    want = jax.jit(jax.grad(lambda *a: _loss(*oracle(*a)), argnums=tuple(range(6))))(*pos, h0)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
         assert_close(a, b, 1e-10, name)
     assert pipe.plan(*pos, initial_state=h0, cu_seqlens=cu, chunk_size=CHUNK).layout == "per-sequence"
@@ -227,7 +227,7 @@ def test_matching_backward_stages_keep_the_hand_written_backward():
         q = a[0] * jnp.repeat(gain, 1)[None, None, :, None]
         return oracle_kda(q, *a[1:5], initial_state=a[5], output_final_state=True)
 
-    want = jax.grad(lambda *a: _loss(*oracle(*a)), argnums=tuple(range(6)))(*pos, h0)
+    want = jax.jit(jax.grad(lambda *a: _loss(*oracle(*a)), argnums=tuple(range(6))))(*pos, h0)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
         assert_close(a, b, 1e-10, name)
     # The same gate without its backward: derived, and still exact.
@@ -253,7 +253,7 @@ def test_pallas_pipeline_with_a_user_stage_differentiates_same_math_kernels_as_r
         warnings.simplefilter("ignore", kdax.FallbackWarning)
         got = _grads(pipe, pos, h0)
         plan = pipe.plan(*pos, initial_state=h0, chunk_size=CHUNK)
-    want = jax.grad(lambda *a: _loss(*_oracle(field, a[:5], a[5])), argnums=tuple(range(6)))(*pos, h0)
+    want = jax.jit(jax.grad(lambda *a: _loss(*_oracle(field, a[:5], a[5])), argnums=tuple(range(6))))(*pos, h0)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
         assert_close(a, b, 1e-10, name)
     rows = {r.field: r for r in plan.rows}
@@ -370,7 +370,8 @@ def test_reference_stage_vjp_through_its_loop(field, case):
     leaves, tree = jax.tree.flatten(want)
     keys = jax.random.split(jax.random.key(3), len(leaves))
     ct = jax.tree.unflatten(tree, [jax.random.normal(kk, a.shape, a.dtype) for kk, a in zip(keys, leaves)])
-    (d_want,), (d_got,) = vjp_want(ct), vjp_got(ct)
+    call = jax.jit(lambda vjp, ct: vjp(ct))  # (the backward compiled, not run op by op)
+    (d_want,), (d_got,) = call(vjp_want, ct), call(vjp_got, ct)
     assert set(d_got) == set(d_want)
     for n in d_want:
         if d_want[n] is not None:
