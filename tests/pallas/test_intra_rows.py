@@ -19,7 +19,7 @@ from kdax import pallas as P
 from kdax import stages as S
 from kdax.stages import ChunkGrads
 
-from .._util import GOLDEN_CASES, check_golden, rel_rms
+from .._util import GOLDEN_CASES, check_golden, jitted, rel_rms
 from ..stages._chunked import rand_like
 from ..test_pipeline import assert_gradients_causal, build_case, check_against_oracle
 from .test_stages import _b4_args, _b4_close, _G_lo
@@ -60,7 +60,7 @@ def test_rows16_equals_the_reference(dtype, tol):
     K = 40 padded to 64 (two 32-column programs a sub-block), gates down to -1000; with
     G_lo; shared chunks with resets (pairs across sequences contribute nothing: a
     gradient of dAqk or dL across them changes nothing, to the bit)."""
-    pal, ref = _rows(16), S.ReferenceIntraBackward()
+    pal, ref = jitted(_rows(16)), jitted(S.ReferenceIntraBackward())
     for C, K in ((16, 12), (32, 12), (64, 40), (128, 12)):
         args = _b4_args(dtype, C, K, seed=C)
         _b4_close(pal(*args), ref(*args), tol, f"dense C={C}")
@@ -77,7 +77,7 @@ def test_rows16_equals_the_reference(dtype, tol):
 def test_rows32_and_chunks_smaller_than_rows():
     """``rows=32``: the same kernel on 32-token sub-blocks (C = 64: two; C = 16: the chunk
     is one sub-block), float64, dense and with resets."""
-    pal, ref = _rows(32), S.ReferenceIntraBackward()
+    pal, ref = jitted(_rows(32)), jitted(S.ReferenceIntraBackward())
     for C, K in ((16, 12), (64, 40)):
         args = _b4_args(jnp.float64, C, K, seed=C + 1)
         _b4_close(pal(*args), ref(*args), 1e-12, f"dense C={C}")
@@ -95,7 +95,8 @@ def test_rows16_nonfinite_reach(t, name):
     args = list(_b4_args(jnp.float32, 64, 12, seed=3))
     i = {"q": 1, "k": 2, "beta": 3, "G": 4}[name]
     args[i] = args[i].at[1, 0, 1, t].set(jnp.nan) if name == "beta" else args[i].at[1, 0, 1, t, 3].set(jnp.nan)
-    pal, ref, old = _rows(16), S.ReferenceIntraBackward(), P.PallasIntraBackward(target="triton", interpret=True)
+    pal, ref = jitted(_rows(16)), jitted(S.ReferenceIntraBackward())
+    old = jitted(P.PallasIntraBackward(target="triton", interpret=True))
     got, want, whole = pal(*args), ref(*args), old(*args)
     clean = pal(*_b4_args(jnp.float32, 64, 12, seed=3))
     hit = 0
@@ -133,7 +134,7 @@ def test_rows16_causal_to_the_bit(t):
     beta2 = jnp.where(~before, jnp.asarray(r.uniform(size=beta.shape), beta.dtype), beta)
     drop = jnp.cumsum(jnp.where(after, jnp.asarray(r.uniform(0, 30, size=G.shape), G.dtype), 0.0), axis=-2)
     G2 = G - drop
-    pal = _rows(16)
+    pal = jitted(_rows(16))
     g1, g2 = pal(sc, q, k, beta, G, dA, grads), pal(sc, q2, k2, beta2, G2, dA, grads)
     for f in ("dq", "dk", "dbeta", "dG"):
         a, b = np.asarray(getattr(g1, f)), np.asarray(getattr(g2, f))

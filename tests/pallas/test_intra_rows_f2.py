@@ -16,7 +16,7 @@ import kdax
 from kdax import pallas as P
 from kdax import stages as S
 
-from .._util import assert_close
+from .._util import assert_close, jitted
 from .test_intra_rows import RESET, check_g_lo_and_resets
 from .test_stages import _b4_args
 
@@ -44,11 +44,12 @@ def test_rows16_equals_the_reference(dtype, tol):
     """Dense at C = 16 (one sub-block), 32, 64 and 128 (eight), K = 12 padded to 16 and
     K = 40 padded to 64 (one block of 64 columns, or four of 16), gates down to -1000; with
     G_lo; shared chunks with resets (pairs across sequences exact zeros in Aqk and Akk)."""
-    ref = S.ReferenceIntra()
+    ref = jitted(S.ReferenceIntra())
     for C, K, bk in ((16, 12, 64), (32, 12, 64), (64, 40, 64), (64, 40, 16), (128, 12, 64)):
         args = _args(dtype, C, K, seed=C + bk)
-        _close(_rows(16, block_k=bk)(*args), ref(*args), tol, f"dense C={C} block_k={bk}")
-    _, got, across = check_g_lo_and_resets(_rows(16, block_k=32), ref, lambda C, K, seed: _args(dtype, C, K, seed),
+        _close(jitted(_rows(16, block_k=bk))(*args), ref(*args), tol, f"dense C={C} block_k={bk}")
+    pal = jitted(_rows(16, block_k=32))
+    _, got, across = check_g_lo_and_resets(pal, ref, lambda C, K, seed: _args(dtype, C, K, seed),
                                            _close, tol, lambda out: out.Aqk)
     across = np.broadcast_to(across, got.Aqk.shape)
     for n in ("Aqk", "Akk"):
@@ -58,7 +59,7 @@ def test_rows16_equals_the_reference(dtype, tol):
 def test_rows32_and_chunks_smaller_than_rows():
     """``rows=32``: the same kernels on 32-token sub-blocks (C = 64: two; C = 16: the chunk
     is one sub-block), float64, dense and with resets."""
-    pal, ref = _rows(32), S.ReferenceIntra()
+    pal, ref = jitted(_rows(32)), jitted(S.ReferenceIntra())
     for C, K in ((16, 12), (64, 40)):
         args = _args(jnp.float64, C, K, seed=C + 1)
         _close(pal(*args), ref(*args), 1e-12, f"dense C={C}")
@@ -79,7 +80,8 @@ def test_rows16_nonfinite_reach(t, name):
     args = list(_args(jnp.float32, 64, 12, seed=3))
     i = {"q": 1, "k": 2, "beta": 3, "G": 4}[name]
     args[i] = args[i].at[1, 0, 1, t].set(jnp.nan) if name == "beta" else args[i].at[1, 0, 1, t, 3].set(jnp.nan)
-    pal, ref, old = _rows(16, block_k=32), S.ReferenceIntra(), P.PallasIntra(target="triton", interpret=True)
+    pal, ref = jitted(_rows(16, block_k=32)), jitted(S.ReferenceIntra())
+    old = jitted(P.PallasIntra(target="triton", interpret=True))
     got, want, whole = pal(*args), ref(*args), old(*args)
     clean = pal(*_args(jnp.float32, 64, 12, seed=3))
     hit = 0
@@ -112,7 +114,7 @@ def test_rows16_causal_to_the_bit(t):
     k2 = jnp.where(after, jnp.asarray(r.normal(size=k.shape) * 20, k.dtype), k)
     beta2 = jnp.where(after[:, 0], jnp.asarray(r.uniform(size=beta.shape), beta.dtype), beta)
     G2 = G - jnp.cumsum(jnp.where(after, jnp.asarray(r.uniform(0, 30, size=G.shape), G.dtype), 0.0), axis=-2)
-    pal = _rows(16, block_k=32)
+    pal = jitted(_rows(16, block_k=32))
     o1, o2 = pal(sc, q, k, beta, G), pal(sc, q2, k2, beta2, G2)
     for f in ("Aqk", "Akk"):
         a, b = np.asarray(getattr(o1, f)), np.asarray(getattr(o2, f))
