@@ -572,31 +572,6 @@ def test_plan_reasons_of_a_kda_stage():
 # -- check times (issue 49 item 4) ----------------------------------------------------------
 
 
-@pytest.mark.skipif(not pathlib.Path("/proc/self/maps").exists(), reason="reads Linux's /proc")
-def test_checks_in_a_loop_release_compiled_programs_near_the_mapping_limit(monkeypatch):
-    """JAX keeps every program a check compiles (for the stage it checks), and XLA:CPU maps
-    each one's code: a process checking stages in a loop reached the kernel's limit on
-    memory mappings and died in a compile. Near the limit a check first drops them all."""
-    from kdax import _platform
-    from kdax.testing import _runs
-
-    maps = lambda: pathlib.Path("/proc/self/maps").read_text().count("\n")
-    assert _platform.near_the_mapping_limit(0.0) and not _platform.near_the_mapping_limit(1.0)
-    cases = (Case("dense f64"),)
-    assert check_stage(ReferenceOutput(), "output", cases=cases).ok
-    held = maps()
-    _runs.release_compiled_programs()
-    assert not _runs._COMPILED and maps() < held - 50, (held, maps())  # (their code unmapped)
-    # checks in a loop, each near the limit: each asks first, then starts from no program
-    asked, released = [], []
-    release = _runs.release_compiled_programs
-    monkeypatch.setattr(_runs, "near_the_mapping_limit", lambda: asked.append(len(_runs._COMPILED)) or True)
-    monkeypatch.setattr(_runs, "release_compiled_programs", lambda: released.append(release()) or None)
-    reports = [check_stage(stage, "output", cases=cases) for stage in (ReferenceOutput(), OffByOnePercentOutput())]
-    assert asked[0] == 0 and asked[1] > 0 and len(released) == 2, (asked, released)
-    assert reports[0].ok and not reports[1].ok
-
-
 def test_recording_ends_at_the_checked_stage_and_equal_cases_share_a_program():
     import jax
     import numpy as np
@@ -672,3 +647,29 @@ def test_an_error_anywhere_in_the_outputs_fails(field):
             report = check(None, axis, index, one)
             assert not one.get("changed") or not report.ok, (
                 f"axis {axis}[{index}] of {sorted(one['changed'])} 0.1% off passed:\n{report}")
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/maps").exists(), reason="reads Linux's /proc")
+def test_checks_in_a_loop_release_compiled_programs_near_the_mapping_limit(monkeypatch):
+    """JAX keeps every program a check compiles (for the stage it checks), and XLA:CPU maps
+    each one's code: a process checking stages in a loop reached the kernel's limit on
+    memory mappings and died in a compile. Near the limit a check first drops them all.
+    (Last in this module: the release makes later checks here compile their programs again.)"""
+    from kdax import _platform
+    from kdax.testing import _runs
+
+    maps = lambda: pathlib.Path("/proc/self/maps").read_text().count("\n")
+    assert _platform.near_the_mapping_limit(0.0) and not _platform.near_the_mapping_limit(1.0)
+    cases = (Case("dense f64"),)
+    # checks in a loop, each near the limit: each asks first, then releases
+    asked, released = [], []
+    with monkeypatch.context() as m:
+        m.setattr(_runs, "near_the_mapping_limit", lambda: asked.append(len(_runs._COMPILED)) or True)
+        m.setattr(_runs, "release_compiled_programs", lambda: released.append(len(_runs._COMPILED)))
+        reports = [check_stage(stage, "output", cases=cases) for stage in (ReferenceOutput(), OffByOnePercentOutput())]
+    assert len(asked) == len(released) == 2 and released[1] > 0, (asked, released)
+    assert reports[0].ok and not reports[1].ok
+    # the release: every compiled program dropped, their code unmapped
+    held = maps()
+    _runs.release_compiled_programs()
+    assert not _runs._COMPILED and maps() < held - 50, (held, maps())
