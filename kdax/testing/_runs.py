@@ -59,7 +59,7 @@ def _jit(fun):
 # worker threads (XLA releases the GIL), so that a check can ask for its programs ahead
 # (``_ahead``) and trace the next while the last compiles.
 _COMPILED: collections.OrderedDict = collections.OrderedDict()
-_KEEP = 512  # (programs kept, the least recently used dropped: a test session makes thousands)
+_KEEP = 512  # (futures kept, the least recently used dropped; JAX keeps the programs: release_compiled_programs)
 
 
 @functools.cache
