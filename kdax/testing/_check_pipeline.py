@@ -54,6 +54,7 @@ def check_pipeline(
     array; ``.ok`` exactly when every comparison is within it (a case the pipeline does
     not run, ``UnsupportedCase``, is a skip that says so).
     """
+    release_near_the_mapping_limit()  # (checks in a loop: each compiles programs JAX keeps)
     col = _Collector()
     tol = tolerance(dtype) if tol is None else tol
     pipeline = pipeline.with_precision(_precision.resolve(pipeline.precision, dtype))
@@ -71,7 +72,6 @@ def check_pipeline(
                   Case(f"chunk32 {d}", dtype, T=100, chunk=32, K=16, V=16),
                   Case(f"chunk64 {d}", dtype, B=1, T=80, chunk=64),
                   Case(f"strong {d}", dtype, T=40, strong=True)]
-    release_near_the_mapping_limit()  # (checks in a loop: each compiles programs JAX keeps)
     subject = f"check_pipeline({', '.join(f'{n}={type(getattr(pipeline, n)).__name__}' for n in STAGES)})"
     # (every program, traced first and compiled meanwhile: kdax.testing._runs._ahead)
     for case in cases:

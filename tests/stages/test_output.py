@@ -4,11 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kdax.ref._chunk import output_chunk
 from kdax.stages import ReferenceDAv, ReferenceOutput
 
 from .._util import assert_close, jitted
-from ._chunked import chunked, intra_chunk, rand_like
+from ._chunked import chunked, intra_chunk, output_chunk, rand_like
 
 
 def _parts(x):

@@ -5,11 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kdax.ref._chunk import output_chunk
 from kdax.stages import ReferenceDAv, ReferenceDhu, ReferenceState
 
 from .._util import assert_close, jitted
-from ._chunked import chunked, intra_chunk, layout_of, rand_like, state_scan, wy_chunk
+from ._chunked import chunked, intra_chunk, layout_of, output_chunk, rand_like, state_scan, wy_chunk
 
 
 def _wy(x):
