@@ -15,7 +15,7 @@ from .._numerics import precision as _precision
 from .._runner import routes as _routes
 from .._runner.contracts import STAGES
 from .._runner.routes import RESET_FIELDS, unsafe_for_tiles
-from ._cases import _CU, Case, _dtname, _Twin, tolerance
+from ._cases import _CU, Case, _dtname, _Twin, tolerance, x64_on
 from ._compare import _compare, _leaves, _rel
 from ._report import _error, _unsupported
 from ._runs import (
@@ -230,6 +230,9 @@ def _G_lo_check(col, base, field, stage, cases, results: dict, cache: bool = Fal
     P, kw, out, full_kw = results[f32.name]
     if "G_lo" not in full_kw or full_kw["G_lo"] is None:
         col.add("G_lo", f32.name, None, "the pipeline passes no G_lo to this field")
+        return
+    if not x64_on():  # (the float64 twin would compute in float32)
+        col.add("G_lo", f32.name, None, "needs JAX's 64-bit mode (its float64 outputs are the yardstick)")
         return
     try:
         twin = dataclasses.replace(f32, name=f32.name + "->f64", dtype=jnp.float64)

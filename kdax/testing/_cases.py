@@ -167,6 +167,25 @@ def default_cases(dtypes=DTYPES, full: bool = False, shared: bool = True) -> tup
     return tuple(cases)
 
 
+def x64_on() -> bool:
+    """Whether JAX's 64-bit mode is on (in this thread: ``jax.enable_x64`` counts)."""
+    return bool(jax.config.read("jax_enable_x64"))
+
+
+def require_x64(dtypes, argument: str, caller: str) -> None:
+    """A ``ValueError`` naming ``argument`` when it asks for float64 while JAX's 64-bit mode
+    is off: those cases would compute in float32 and be compared at float64's tolerance,
+    so a correct stage would fail (the reference stages' ``reset`` and ``tile_safe`` rows
+    did, at 3e-7)."""
+    if x64_on() or not any(jnp.dtype(d) == jnp.float64 for d in dtypes):
+        return
+    raise ValueError(
+        f"{argument}: {caller} was asked for float64 cases, but JAX's 64-bit mode is off, so they would compute "
+        f"in float32 and be compared at float64's tolerance (1e-10). Call jax.config.update('jax_enable_x64', "
+        f"True) at the start of the program (the checks' float64 oracles need it), or leave float64 out of "
+        f"{argument}.")
+
+
 def tolerance(dtype) -> float:
     """Relative-RMS tolerance of a comparison of two computations of the same math from
     inputs of ``dtype`` (compute in float64 / float32): 1e-10, 1e-5, bf16/f16 5e-3."""

@@ -20,7 +20,7 @@ from .._annotations import typecheck
 from .._config import KDAOptions
 from .._validate import prepare_options
 from ..pipeline import KDAPipeline
-from ._cases import _CU, _DENSE, _FLA, Case, _dtname, _Packed, _weights, tolerance
+from ._cases import _CU, _DENSE, _FLA, Case, _dtname, _Packed, _weights, require_x64, tolerance
 from ._compare import _compare, _rel
 from ._report import Report, _Collector, _error
 from ._runs import _ahead, _call, _call_of, _jit, _outputs_ahead, _pipeline_outputs, release_near_the_mapping_limit
@@ -50,10 +50,12 @@ def check_pipeline(
       packed, per-sequence and sharing chunks, and a tiled forward (tiles of one chunk)
       against the whole one.
 
-    ``tol`` (default ``tolerance(dtype)``; gradients 10x) on the relative RMS of every
+    A float64 ``dtype`` needs JAX's 64-bit mode (a ``ValueError`` otherwise). ``tol``
+    (default ``tolerance(dtype)``; gradients 10x) on the relative RMS of every
     array; ``.ok`` exactly when every comparison is within it (a case the pipeline does
     not run, ``UnsupportedCase``, is a skip that says so).
     """
+    require_x64((dtype,), "dtype", "check_pipeline")
     release_near_the_mapping_limit()  # (checks in a loop: each compiles programs JAX keeps)
     col = _Collector()
     tol = tolerance(dtype) if tol is None else tol
