@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 import kdax
-from tests._util import assert_close, load_example
+from tests._util import load_example
 
 EX = load_example("gated_deltanet")
 

@@ -20,7 +20,7 @@ from kdax.pallas._common import PallasTarget
 from kdax.stages import AbstractOutput, ReferenceOutput
 
 from ._gpu_products import gpu_products
-from ._util import assert_close, dot_eqns, loss_grads, make_inputs, oracle_kda, rel_rms, run, split_args
+from ._util import assert_close, dot_eqns, loss_grads, make_inputs, oracle_kda, rel_rms, run
 
 # FLA's tolerances for half-precision inputs (rel-RMS against a float64 reference).
 FLA_TOL = {"o": 5e-3, "q": 8e-3, "k": 8e-3, "v": 8e-3, "g": 2e-2, "beta": 2e-2, "A_log": 2e-2, "dt_bias": 2e-2}

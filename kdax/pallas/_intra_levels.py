@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from .._numerics import precision as _precision
 from .._numerics.hilo import nonpositive
 from .._numerics.isolation import finite_or_zero
 from ._arith import (

@@ -63,7 +63,6 @@ def intra_rows_scores_kernel(mm: Products, scale: float, C: int, B: int, blocks,
     and row (or left out), all the whole chunk; outputs the sub-block's rows of ``Aqk``
     (lower triangle with the diagonal) and of ``L`` (strictly lower, times beta), ``[B, C]``
     each, pairs across sequences exact zeros."""
-    nsub = C // B
     nb, nc = B.bit_length() - 1, C.bit_length() - 1
 
     def kernel(*refs):

@@ -12,7 +12,6 @@ import jax.numpy as jnp
 from .._errors import UnsupportedCase
 from .._layouts.tokens import Tokens, as_chunked
 from .._numerics import precision as _precision
-from .._runner import routes as _routes
 from .._runner.contracts import STAGES
 from .._runner.routes import RESET_FIELDS, unsafe_for_tiles
 from ._cases import _CU, Case, _dtname, _Twin, tolerance, x64_on

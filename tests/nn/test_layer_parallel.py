@@ -13,7 +13,6 @@ import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
 import kdax
-from kdax.nn import KDACache
 
 from .._util import assert_close
 from .test_layer import D, make_layer, rand, rand_cache

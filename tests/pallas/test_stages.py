@@ -399,7 +399,6 @@ def test_values_read_from_the_callers_layout(target, interpret, in_dtype, dt, po
     programs are compiled by XLA:CPU at backend O0 (tests/conftest.py), the same
     operations evaluated differently; at XLA's default level they agree bit for bit. So
     float64 asks for a rel-RMS within 2 eps (NaN never passes).)"""
-    from kdax._numerics import precision as _precision
     from kdax._layouts.tokens import Tokens
 
     x = _x(dt, 16, 16, 16)
@@ -597,7 +596,6 @@ def test_state_kernels_round_operands_in_kernel(packed):
     copies first: the same numbers (1e-6: XLA:CPU's summation order of bf16 products in
     the interpreted kernel), dense and packed; without a half-precision policy the field
     changes nothing."""
-    from kdax._numerics import precision as _precision
 
     cu = jnp.array([0, 10, 10, 11, 31], jnp.int32) if packed else None
     layout = make_layout(1, 31, 16, cu)

@@ -9,7 +9,6 @@ shard_map is not implemented") before kdax compiled its custom-VJP calls there
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 

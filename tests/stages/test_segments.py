@@ -4,7 +4,6 @@ packed, with sequence starts and ends inside segments."""
 
 import equinox as eqx
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import kdax
