@@ -175,8 +175,8 @@ def x64_on() -> bool:
 def require_x64(dtypes, argument: str, caller: str) -> None:
     """A ``ValueError`` naming ``argument`` when it asks for float64 while JAX's 64-bit mode
     is off: those cases would compute in float32 and be compared at float64's tolerance,
-    so a correct stage would fail (the reference stages' ``reset`` and ``tile_safe`` rows
-    did, at 3e-7)."""
+    so a correct stage would fail (the reference F1's ``reset`` and ``tile_safe`` rows did,
+    at 3e-7)."""
     if x64_on() or not any(jnp.dtype(d) == jnp.float64 for d in dtypes):
         return
     raise ValueError(

@@ -85,7 +85,8 @@ def check_stage(
     """
     if field not in STAGES:
         raise ValueError(f"field: expected one of {tuple(STAGES)}, got {field!r}.")
-    require_x64(dtypes, "dtypes", "check_stage")  # (its first dtype: the capabilities' checks)
+    # (given cases, only dtypes[0] is used: the capabilities' checks run in it)
+    require_x64(tuple(dtypes) if cases is None else tuple(dtypes)[:1], "dtypes", "check_stage")
     if cases is not None:
         require_x64([c.dtype for c in cases], "cases", "check_stage")
     release_near_the_mapping_limit()  # (checks in a loop: each compiles programs JAX keeps)
