@@ -649,16 +649,26 @@ def test_an_error_anywhere_in_the_outputs_fails(field):
                 f"axis {axis}[{index}] of {sorted(one['changed'])} 0.1% off passed:\n{report}")
 
 
-def test_float64_cases_need_x64_mode():
-    """Without JAX's 64-bit mode a float64 case computes in float32 and was compared at
+def test_dtypes_checked_first():
+    """The checks' dtypes, checked before anything runs, each error naming the argument.
+    Without JAX's 64-bit mode a float64 case computes in float32 and was compared at
     float64's tolerance: the reference F1 failed its own ``reset`` and ``tile_safe`` rows
-    (rel-RMS 3e-7 against 1e-10). The checks now refuse, naming the argument, before
-    anything runs; the G_lo row, whose yardstick is float64, is a skip."""
+    (rel-RMS 3e-7 against 1e-10); the G_lo row, whose yardstick is float64, is a skip.
+    An integer dtype ran, and a correct stage failed 9 of 11 rows; no dtype at all was an
+    IndexError."""
     from kdax.testing._capabilities import _G_lo_check
-    from kdax.testing._cases import DTYPES, require_x64
+    from kdax.testing._cases import DTYPES, check_dtypes
     from kdax.testing._report import _Collector
 
     ref = kdax.KDAPipeline.reference()
+    for bad in ((), (jnp.int32,), (jnp.float32, "complex64"), (None,)):
+        with pytest.raises(ValueError, match=r"^dtypes: check_stage expected one or more of float64, float32, "
+                                             r"bfloat16, float16, got \((|int32|float32, complex64|None)\)\.$"):
+            check_stage(ref.output, "output", dtypes=bad)
+    with pytest.raises(ValueError, match=r"^cases: check_stage expected one or more of .*got \(int32\)\.$"):
+        check_stage(ref.output, "output", cases=(Case("dense i32", jnp.int32),))
+    with pytest.raises(ValueError, match=r"^dtype: check_pipeline expected one or more of"):
+        check_pipeline(ref, dtype=jnp.int8)
     with jax.enable_x64(False):
         with pytest.raises(ValueError, match=r"^dtypes: check_stage was asked for float64 cases, but JAX's 64-bit "
                                              r"mode is off.*jax_enable_x64"):
@@ -667,11 +677,11 @@ def test_float64_cases_need_x64_mode():
             check_stage(ref.gate, "gate", dtypes=(jnp.float32,), cases=(Case("dense f64"),))
         with pytest.raises(ValueError, match=r"^dtype: check_pipeline .*64-bit mode is off"):
             check_pipeline(ref)
-        require_x64((jnp.float32, jnp.bfloat16, jnp.float16), "dtypes", "check_stage")  # nothing to refuse
+        check_dtypes((jnp.float32, jnp.bfloat16, jnp.float16), "dtypes", "check_stage")  # nothing to refuse
         col, f32 = _Collector(), Case("dense f32", jnp.float32)
         _G_lo_check(col, ref, "intra", ref.intra, (f32,), {f32.name: (ref, {}, None, {"G_lo": jnp.zeros(1)})})
         assert [(r.name, r.passed) for r in col.rows] == [("G_lo", None)] and "64-bit" in col.rows[0].detail
-    require_x64(DTYPES, "dtypes", "check_stage")  # (x64 on, as in the suite)
+    check_dtypes(DTYPES, "dtypes", "check_stage")  # (x64 on, as in the suite)
 
 
 @pytest.mark.skipif(not pathlib.Path("/proc/self/maps").exists(), reason="reads Linux's /proc")

@@ -172,18 +172,40 @@ def x64_on() -> bool:
     return bool(jax.config.read("jax_enable_x64"))
 
 
-def require_x64(dtypes, argument: str, caller: str) -> None:
-    """A ``ValueError`` naming ``argument`` when it asks for float64 while JAX's 64-bit mode
-    is off: those cases would compute in float32 and be compared at float64's tolerance,
-    so a correct stage would fail (the reference F1's ``reset`` and ``tile_safe`` rows did,
-    at 3e-7)."""
-    if x64_on() or not any(jnp.dtype(d) == jnp.float64 for d in dtypes):
-        return
-    raise ValueError(
-        f"{argument}: {caller} was asked for float64 cases, but JAX's 64-bit mode is off, so they would compute "
-        f"in float32 and be compared at float64's tolerance (1e-10). Call jax.config.update('jax_enable_x64', "
-        f"True) at the start of the program (the checks' float64 oracles need it), or leave float64 out of "
-        f"{argument}.")
+def _said(dtypes) -> str:
+    """``dtypes`` by name for an error message (``repr`` of what is no dtype)."""
+    def name(d):
+        try:
+            return repr(d) if d is None else jnp.dtype(d).name
+        except TypeError:
+            return repr(d)
+
+    try:
+        return "(" + ", ".join(name(d) for d in dtypes) + ")"
+    except TypeError:
+        return repr(dtypes)
+
+
+def check_dtypes(dtypes, argument: str, caller: str) -> None:
+    """A ``ValueError`` naming ``argument`` when ``dtypes`` is empty, holds a dtype outside
+    ``DTYPES`` (an integer dtype ran and failed 9 of 11 rows of a correct stage), or float64
+    while JAX's 64-bit mode is off (those cases would compute in float32 and be compared
+    at float64's tolerance, so a correct stage would fail: the reference F1's ``reset`` and
+    ``tile_safe`` rows did, at 3e-7)."""
+    try:  # (None is no dtype here, though numpy reads it as float64)
+        got = None if any(d is None for d in dtypes) else tuple(jnp.dtype(d) for d in dtypes)
+    except TypeError:
+        got = None
+    allowed = tuple(jnp.dtype(d) for d in DTYPES)
+    if not got or any(d not in allowed for d in got):
+        raise ValueError(f"{argument}: {caller} expected one or more of {', '.join(d.name for d in allowed)}, got "
+                         f"{_said(dtypes)}.")
+    if jnp.dtype(jnp.float64) in got and not x64_on():
+        raise ValueError(
+            f"{argument}: {caller} was asked for float64 cases, but JAX's 64-bit mode is off, so they would "
+            f"compute in float32 and be compared at float64's tolerance (1e-10). Call jax.config.update("
+            f"'jax_enable_x64', True) at the start of the program (the checks' float64 oracles need it), or leave "
+            f"float64 out of {argument}.")
 
 
 def tolerance(dtype) -> float:

@@ -20,7 +20,7 @@ from .._annotations import typecheck
 from .._config import KDAOptions
 from .._validate import prepare_options
 from ..pipeline import KDAPipeline
-from ._cases import _CU, _DENSE, _FLA, Case, _dtname, _Packed, _weights, require_x64, tolerance
+from ._cases import _CU, _DENSE, _FLA, Case, _dtname, _Packed, _weights, check_dtypes, tolerance
 from ._compare import _compare, _rel
 from ._report import Report, _Collector, _error
 from ._runs import _ahead, _call, _call_of, _jit, _outputs_ahead, _pipeline_outputs, release_near_the_mapping_limit
@@ -55,7 +55,7 @@ def check_pipeline(
     array; ``.ok`` exactly when every comparison is within it (a case the pipeline does
     not run, ``UnsupportedCase``, is a skip that says so).
     """
-    require_x64((dtype,), "dtype", "check_pipeline")
+    check_dtypes((dtype,), "dtype", "check_pipeline")
     release_near_the_mapping_limit()  # (checks in a loop: each compiles programs JAX keeps)
     col = _Collector()
     tol = tolerance(dtype) if tol is None else tol

@@ -15,7 +15,7 @@ from .._stage_protocol.capabilities import capabilities
 from ..pipeline import KDAPipeline
 from ._capabilities import _capabilities_ahead, _capability_checks, _G_lo_check, _tokens_check
 from ._case_checks import _case_checks, _cases_ahead, _stage_runs_ahead, _transform_checks
-from ._cases import DTYPES, Case, default_cases, require_x64
+from ._cases import DTYPES, Case, check_dtypes, default_cases
 from ._report import Report, _Collector, _error
 from ._runs import _base, release_near_the_mapping_limit
 
@@ -70,7 +70,8 @@ def check_stage(
       ``half_stored`` (under ``"fast"``, bf16 stored intermediates give what their float32
       copies give).
 
-    Float64 in ``dtypes`` (the default) or in ``cases`` needs JAX's 64-bit mode
+    ``dtypes`` are of ``DTYPES`` (float64, float32, bfloat16, float16). Float64 in
+    ``dtypes`` (the default) or in ``cases`` needs JAX's 64-bit mode
     (``jax.config.update("jax_enable_x64", True)``); without it a ``ValueError`` says so
     before anything runs. With float32 first, the ``G_lo`` row needs it too (a skip).
 
@@ -86,9 +87,9 @@ def check_stage(
     if field not in STAGES:
         raise ValueError(f"field: expected one of {tuple(STAGES)}, got {field!r}.")
     # (given cases, only dtypes[0] is used: the capabilities' checks run in it)
-    require_x64(tuple(dtypes) if cases is None else tuple(dtypes)[:1], "dtypes", "check_stage")
+    check_dtypes(dtypes if cases is None else tuple(dtypes)[:1], "dtypes", "check_stage")
     if cases is not None:
-        require_x64([c.dtype for c in cases], "cases", "check_stage")
+        check_dtypes([c.dtype for c in cases], "cases", "check_stage")
     release_near_the_mapping_limit()  # (checks in a loop: each compiles programs JAX keeps)
     col = _Collector()
     subject = f"check_stage({type(stage).__qualname__}, {field!r}: {STAGES[field].step})"
