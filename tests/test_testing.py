@@ -655,7 +655,7 @@ def test_dtypes_checked_first():
     float64's tolerance: the reference F1 failed its own ``reset`` and ``tile_safe`` rows
     (rel-RMS 3e-7 against 1e-10); the G_lo row, whose yardstick is float64, is a skip.
     An integer dtype ran, and a correct stage failed 9 of 11 rows; no dtype at all was an
-    IndexError."""
+    IndexError; no case at all would compare nothing."""
     from kdax.testing._capabilities import _G_lo_check
     from kdax.testing._cases import DTYPES, check_dtypes
     from kdax.testing._report import _Collector
@@ -667,6 +667,8 @@ def test_dtypes_checked_first():
             check_stage(ref.output, "output", dtypes=bad)
     with pytest.raises(ValueError, match=r"^cases: check_stage expected one or more of .*got \(int32\)\.$"):
         check_stage(ref.output, "output", cases=(Case("dense i32", jnp.int32),))
+    with pytest.raises(ValueError, match=r"^cases: check_stage expected at least one Case"):
+        check_stage(ref.output, "output", cases=())
     with pytest.raises(ValueError, match=r"^dtype: check_pipeline expected one or more of"):
         check_pipeline(ref, dtype=jnp.int8)
     with jax.enable_x64(False):

@@ -89,6 +89,8 @@ def check_stage(
     # (given cases, only dtypes[0] is used: the capabilities' checks run in it)
     check_dtypes(dtypes if cases is None else tuple(dtypes)[:1], "dtypes", "check_stage")
     if cases is not None:
+        if not cases:  # (a report of no case would compare nothing and say ok)
+            raise ValueError("cases: check_stage expected at least one Case (None: default_cases(dtypes, full)).")
         check_dtypes([c.dtype for c in cases], "cases", "check_stage")
     release_near_the_mapping_limit()  # (checks in a loop: each compiles programs JAX keeps)
     col = _Collector()
