@@ -3,8 +3,7 @@ Swap a stage with ``eqx.tree_at(lambda p: p.intra, KDAPipeline.reference(), MyIn
 
 import dataclasses
 import functools
-import typing
-from typing import Optional
+from typing import Optional, Union
 
 import equinox as eqx
 import jax
@@ -17,7 +16,6 @@ from ._layouts.tokens import Tokens, as_chunked, chunked_cotangent
 from ._numerics import precision as _precision
 from ._numerics.chunk_loops import check_chunk_loops
 from . import _plan
-from ._plan import KDAPlan
 from ._stage_protocol.capabilities import reads_tokens
 from ._runner.contracts import STAGES, check_families
 from ._runner.routes import check_transposes
@@ -99,6 +97,9 @@ class KDAPipeline(eqx.Module):
 
     def __check_init__(self):
         _precision.check_policy(self.precision)
+        if self.tile is not None and (isinstance(self.tile, bool) or not hasattr(self.tile, "__index__") or self.tile < 1):
+            raise ValueError(f"tile: expected a positive int (the forward's (row, head, chunk) blocks a tile) or None, "
+                             f"got {self.tile!r}.")
         check_families(self)
 
     def run_stage(self, name: str, **kwargs):
@@ -144,7 +145,7 @@ class KDAPipeline(eqx.Module):
         p, r = cls.pallas(target, interpret), cls.reference()
         return cls(**{n: getattr((p, r)[i % 2], n) for i, n in enumerate(STAGES)}, fallback=True)
 
-    def plan(self, q: QK, k: QK, v: Values, g: Gate, beta: Beta, **options) -> KDAPlan:
+    def plan(self, q: QK, k: QK, v: Values, g: Gate, beta: Beta, **options) -> _plan.KDAPlan:
         """Which implementation runs each stage for these inputs and options, without running anything."""
         return _plan.plan(self, q, k, v, g, beta, **options)
 
@@ -275,8 +276,8 @@ class _ForwardChunks(eqx.Module):
     wy: WYOut
     h: ChunkState
     v_new: ChunkV
-    v: typing.Union[ChunkV, Tokens]  # (views of the caller's v and g: kdax._layouts.tokens)
-    g: typing.Union[ChunkK, Tokens]
+    v: Union[ChunkV, Tokens]  # (views of the caller's v and g: kdax._layouts.tokens)
+    g: Union[ChunkK, Tokens]
     extra: object = None  # the layout's own part (the hooks' f4_inputs), e.g. entering states
     v_out: object = None  # what F5 read as v_new (the hooks' v_out)
 

@@ -401,6 +401,15 @@ def test_tiled_forward(name, chunks):
             assert_close(getattr(grads, n), ref[n], 1e-10, "d" + n)
 
 
+@pytest.mark.parametrize("tile", [0, -1, 2.5, True, "32"])
+def test_tile_checked_when_built(tile):
+    """``tile`` is a positive integer or None, checked when the pipeline is built: 0,
+    negatives, fractions and booleans ran as tiles of one chunk."""
+    with pytest.raises(ValueError, match=r"^tile: expected a positive int .* or None, got "):
+        dataclasses.replace(kdax.KDAPipeline.reference(), tile=tile)
+    assert dataclasses.replace(kdax.KDAPipeline.reference(), tile=np.int64(32)).tile == 32  # (numpy's too)
+
+
 def test_reference_tiles_on_cpu_only():
     # Tiles pay on CPU caches; an accelerator wants each stage over the whole input.
     assert kdax.KDAPipeline.reference().tile == (32 if jax.default_backend() == "cpu" else None)
