@@ -119,7 +119,7 @@ class KimiDeltaAttention(eqx.Module):
         (the output gate's bias, FLA's ``g_proj.1.bias``): default True with the low-rank
         gate, False with the full-rank one (Kimi K3's has none)."""
         HV, V = check_layer_options(hidden_size, num_heads, head_dim, num_v_heads, expand_v, conv_size,
-                                    lower_bound, safe_gate, mode, dtype, param_dtype, fla_options)
+                                    lower_bound, safe_gate, mode, dtype, param_dtype, fla_options, norm_eps)
         D, H, K = hidden_size, num_heads, head_dim
         if gate_bias is None:
             gate_bias = not use_full_rank_gate

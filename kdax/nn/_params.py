@@ -2,6 +2,7 @@
 initialisation), as ``{field: array}``."""
 
 import math
+import numbers
 from typing import Optional
 
 import jax
@@ -13,7 +14,7 @@ from ._weights import check_dtype_option
 
 def check_layer_options(hidden_size: int, num_heads: int, head_dim: int, num_v_heads: Optional[int],
                         expand_v: float, conv_size: int, lower_bound: Optional[float], safe_gate: bool,
-                        mode: str, dtype, param_dtype, fla_options: dict) -> tuple[int, int]:
+                        mode: str, dtype, param_dtype, fla_options: dict, norm_eps: float) -> tuple[int, int]:
     """Refuse, naming the argument, what ``KimiDeltaAttention`` cannot build; returns the
     value heads and value head dimension ``(HV, V)``."""
     if fla_options:
@@ -29,6 +30,16 @@ def check_layer_options(hidden_size: int, num_heads: int, head_dim: int, num_v_h
         raise ValueError(f"mode: expected 'chunk' or 'fused_recurrent', got {mode!r}.")
     if safe_gate and lower_bound is None:
         raise ValueError("safe_gate: True needs lower_bound (FLA's recommendation: -5).")
+    # (chunk_kda's checks and read_config's ranges, when the layer is built: a negative
+    # norm_eps made every output NaN, a positive lower_bound failed at the first call)
+    real = lambda x: isinstance(x, numbers.Real) and not isinstance(x, bool)
+    if lower_bound is not None and not (real(lower_bound) and -math.inf < lower_bound < 0):
+        raise ValueError(f"lower_bound: must be a finite number < 0 (the gate is lower_bound * sigmoid(...)), got "
+                         f"{lower_bound!r}.")
+    if safe_gate and not -5 <= lower_bound < 0:
+        raise ValueError(f"lower_bound: safe_gate=True needs -5 <= lower_bound < 0 (as FLA), got {lower_bound}.")
+    if not (real(norm_eps) and 0 < norm_eps < math.inf):
+        raise ValueError(f"norm_eps: must be a finite number > 0 (the output norm's epsilon), got {norm_eps!r}.")
     H, K = num_heads, head_dim
     HV = num_heads if num_v_heads is None else num_v_heads
     V = int(round(head_dim * expand_v))

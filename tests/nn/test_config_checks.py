@@ -60,6 +60,35 @@ def test_fla_config_values_out_of_range_are_named(tmp_path, change, want):
         read_config(tmp_path)
 
 
+@pytest.mark.parametrize("change,want", [
+    (dict(hidden_size=0), r"hidden_size, num_heads, head_dim, num_v_heads and head_dim \* expand_v must be positive "
+                          r"integers, got 0, 2, 8, 2, 8\.0\."),
+    (dict(num_heads=0), r"hidden_size, .* must be positive integers, got 24, 0, 8, 0, 8\.0\."),
+    (dict(expand_v=0.3), r"hidden_size, .* must be positive integers, got 24, 2, 8, 2, 2\.4\."),
+    (dict(num_v_heads=3), r"num_v_heads=3 must be a multiple of num_heads=2\."),
+    (dict(conv_size=1), r"conv_size must be >= 2, got 1\."),
+    (dict(norm_eps=-1e-5), r"norm_eps: must be a finite number > 0 \(the output norm's epsilon\), got -1e-05\."),
+    (dict(norm_eps=0.0), r"norm_eps: must be a finite number > 0 .*, got 0\.0\."),
+    (dict(norm_eps=NAN), r"norm_eps: must be a finite number > 0 .*, got nan\."),
+    (dict(norm_eps="1e-5"), r"norm_eps: must be a finite number > 0 .*, got '1e-5'\."),
+    (dict(lower_bound=0.5), r"lower_bound: must be a finite number < 0 .*, got 0\.5\."),
+    (dict(lower_bound=-INF), r"lower_bound: must be a finite number < 0 .*, got -inf\."),
+    (dict(safe_gate=True, lower_bound=-8.0), r"lower_bound: safe_gate=True needs -5 <= lower_bound < 0 \(as FLA\), "
+                                             r"got -8\.0\."),
+    (dict(safe_gate=True), r"safe_gate: True needs lower_bound"),
+    (dict(mode="parallel"), r"mode: expected 'chunk' or 'fused_recurrent', got 'parallel'\."),
+])
+def test_constructor_arguments_out_of_range_are_named(change, want):
+    """``KimiDeltaAttention(...)``'s arguments in the ranges ``read_config`` holds a config to,
+    checked when the layer is built: a negative ``norm_eps`` built a layer whose every output
+    was NaN, a positive ``lower_bound`` one that failed at its first call."""
+    import jax
+
+    args = dict(dict(hidden_size=24, num_heads=2, head_dim=8), **change)
+    with pytest.raises(ValueError, match="^" + want):
+        KimiDeltaAttention(**args, key=jax.random.key(0))
+
+
 # KIMI_CONFIG: num_hidden_layers 4, kda_layers [1, 2, 4] (1-based), full_attn_layers [3], rms_norm_eps 1e-4.
 @pytest.mark.parametrize("change,want", [
     (dict(rms_norm_eps=-1e-5), r"rms_norm_eps must be a finite number > 0, got -1e-05\."),

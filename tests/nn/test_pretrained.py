@@ -59,6 +59,13 @@ FLA_CONFIG = dict(model_type="kda", hidden_size=D, num_heads=H, head_dim=K, num_
                   attn={"layers": [1], "num_heads": 2}, vocab_size=50)
 
 
+def _eps_of(config) -> float:
+    """The layers' norm_eps: the config's, or FLA's default where it is not a number (a
+    config written wrong on purpose, for the reader's checks)."""
+    eps = config.get("norm_eps", 1e-6)
+    return eps if isinstance(eps, float) and 0 < eps < float("inf") else 1e-6
+
+
 def fla_checkpoint(folder, config=FLA_CONFIG, shards=1, conv_bias=True):
     """Layers 0 and 2 KDA (FLA's names under model.layers.{i}.attn.), layer 1 softmax
     attention; returns the explicitly built layers and the folder."""
@@ -67,7 +74,7 @@ def fla_checkpoint(folder, config=FLA_CONFIG, shards=1, conv_bias=True):
     layers = {}
     for i in (0, 2):
         layers[i] = KimiDeltaAttention(D, H, K, key=jax.random.key(i), num_v_heads=HV, conv_size=3,
-                                       conv_bias=conv_bias, norm_eps=config.get("norm_eps", 1e-6),
+                                       conv_bias=conv_bias, norm_eps=_eps_of(config),
                                        allow_neg_eigval=True, layer_idx=i)
         tensors.update(layers[i].state_dict("fla", prefix=f"model.layers.{i}.attn."))
         tensors.update(other_tensors(f"model.layers.{i}.", r))
