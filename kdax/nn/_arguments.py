@@ -3,10 +3,8 @@ before any array work."""
 
 from typing import Optional
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Int
 
 from .._validate import check_cu_seqlens
 from ..parallel import check_axis
@@ -87,19 +85,6 @@ def check_cache(layer, cache: KDACache, N: Optional[int]) -> None:
            for f, s in want.items() if getattr(cache, f) is None or tuple(getattr(cache, f).shape) != s]
     if bad:
         raise ValueError("cache: " + "; ".join(bad) + " (N = sequences, or pool slots with state_indices).")
-
-
-def checked_slots(state_indices, P: int) -> Int[Array, " N"]:
-    """``state_indices`` as int32, with runtime errors (``eqx.error_if``) for a slot
-    outside the pool's ``P`` rows or two sequences sharing one."""
-    state_indices = jnp.asarray(state_indices, jnp.int32)
-    # Out-of-range slots would be clamped on read and dropped on write: refuse them.
-    state_indices = eqx.error_if(state_indices, jnp.any((state_indices < 0) | (state_indices >= P)),
-                                 f"state_indices: every slot must lie in [0, {P}) (the pool's rows).")
-    # Two sequences writing one slot: one state would be silently dropped.
-    srt = jnp.sort(state_indices)
-    return eqx.error_if(state_indices, jnp.any(srt[1:] == srt[:-1]),
-                        "state_indices: every slot must be distinct (two sequences cannot share one pool row).")
 
 
 def _check_sequence_parallel(seq_axis_name, attention_mask, mode, inter_states):

@@ -6,6 +6,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from .._annotations import ArrayIn
 from ._weights import as_numpy
 
 
@@ -33,12 +34,27 @@ class KDACache(eqx.Module):
     def batch_size(self) -> int:
         return self.state.shape[0]
 
-    def take(self, indices: Int[Array, " M"]) -> "KDACache":
-        """Rows ``indices`` of every field."""
+    def take(self, indices: Int[ArrayIn, " M"]) -> "KDACache":
+        """Rows ``indices`` of every field (a row may be taken twice: a sequence forked).
+        An index outside ``[0, N)`` is an error (JAX would clamp it: another row's state)."""
+        return self._take(checked_slots(indices, self.batch_size, "indices", distinct=False))
+
+    def _take(self, indices):  # (indices checked by the caller: the layer's state_indices)
         return KDACache(*(None if a is None else a[indices] for a in self._fields()))
 
-    def put(self, indices: Int[Array, " M"], rows: "KDACache") -> "KDACache":
-        """This cache with rows ``indices`` replaced by ``rows`` (others bit-identical)."""
+    def put(self, indices: Int[ArrayIn, " M"], rows: "KDACache") -> "KDACache":
+        """This cache with rows ``indices`` replaced by ``rows`` (others bit-identical). The
+        indices must be distinct and in ``[0, N)`` (JAX would drop an out-of-range write and
+        keep one of two to the same row), ``rows`` one per index, of this cache's layout."""
+        indices = checked_slots(indices, self.batch_size, "indices")
+        want = tuple(None if a is None else (indices.shape[0],) + a.shape[1:] for a in self._fields())
+        got = tuple(None if b is None else tuple(b.shape) for b in rows._fields())
+        if got != want:
+            raise ValueError(f"rows: expected a KDACache of {indices.shape[0]} rows shaped as this cache's "
+                             f"(conv_q, conv_k, conv_v, state) {want}, got {got}.")
+        return self._put(indices, rows)
+
+    def _put(self, indices, rows: "KDACache") -> "KDACache":  # (indices and rows checked by the caller)
         return KDACache(*(
             None if a is None else a.at[indices].set(b.astype(a.dtype))
             for a, b in zip(self._fields(), rows._fields())
@@ -96,6 +112,24 @@ class KDACache(eqx.Module):
         conv = tuple(jnp.concatenate([jnp.zeros_like(c[:, :1]), c], axis=1).swapaxes(1, 2)
                      for c in (self.conv_q, self.conv_k, self.conv_v))
         return {"recurrent_state": st, "conv_state": conv}
+
+
+def checked_slots(indices, P: int, name: str = "state_indices", distinct: bool = True) -> Int[Array, " N"]:
+    """``indices`` (``name``) as int32, with runtime errors (``eqx.error_if``, eager or
+    compiled) for a row outside the ``P`` rows of a cache (a pool) or, ``distinct``, two
+    sequences sharing one."""
+    indices = jnp.asarray(indices, jnp.int32)
+    if indices.ndim != 1:
+        raise ValueError(f"{name}: expected a 1-d array of row indices, got shape {tuple(indices.shape)}.")
+    # Out-of-range rows would be clamped on read and dropped on write: refuse them.
+    indices = eqx.error_if(indices, jnp.any((indices < 0) | (indices >= P)),
+                           f"{name}: every slot must lie in [0, {P}) (the pool's rows).")
+    if not distinct:
+        return indices
+    # Two sequences writing one slot: one state would be silently dropped.
+    srt = jnp.sort(indices)
+    return eqx.error_if(indices, jnp.any(srt[1:] == srt[:-1]),
+                        f"{name}: every slot must be distinct (two sequences cannot share one pool row).")
 
 
 def zeros_cache(N: int, W: int, DK: int, DV: int, HV: int, K: int, V: int, conv: bool,

@@ -11,8 +11,8 @@ from .._annotations import ArrayIn, CuSeqlensIn, typecheck
 from .._platform import in_eager_shard_map
 from ..pipeline import KDAPipeline
 from ..recurrent import concrete_call
-from ._arguments import check_call, checked_slots
-from ._cache import KDACache, zeros_cache
+from ._arguments import check_call
+from ._cache import KDACache, checked_slots, zeros_cache
 from ._forward import layer_forward
 from ._padded import pack_padded, unpack_padded
 from ._params import check_layer_options, init_params
@@ -278,7 +278,7 @@ def _call(layer: KimiDeltaAttention, x, attention_mask, cu_seqlens, cache: Optio
     B, T, _ = x.shape
     if state_indices is not None:
         state_indices = checked_slots(state_indices, cache.state.shape[0])
-    rows = cache if state_indices is None else cache.take(state_indices)
+    rows = cache if state_indices is None else cache._take(state_indices)
     xin = jnp.asarray(x).astype(layer._compute_dtype(x))
     if attention_mask is not None:
         # Padded rows run as one packed row: shapes never depend on the mask.
@@ -288,7 +288,7 @@ def _call(layer: KimiDeltaAttention, x, attention_mask, cu_seqlens, cache: Optio
     y, new_rows, inter = layer_forward(layer, xs, cu, rows, mode, inter_states, chunk_size, pipeline, seq_axis_name)
     if attention_mask is not None:
         y, new_rows = unpack_padded(y, new_rows, order, B, T)
-    new_cache = new_rows if state_indices is None else cache.put(state_indices, new_rows)
+    new_cache = new_rows if state_indices is None else cache._put(state_indices, new_rows)
     if inter_states:
         return y, new_cache, inter
     return y, new_cache

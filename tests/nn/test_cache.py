@@ -1,6 +1,7 @@
 """KDACache and FLA's cache layout: exact converters both ways, a decode step continuing
 from a cache built in FLA's layout, FLA's whole-history attention mask."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -70,6 +71,36 @@ def test_decode_continues_from_a_cache_in_flas_layout():
     for n, got in zip("qkv", back["conv_state"]):
         assert_close(np.asarray(got)[:, :, 1:], fla_conv_state(sd, x, n, W)[:, :, 1:], 1e-12, f"conv {n}")
     assert_close(back["recurrent_state"], np.swapaxes(ref_cache["state"], -1, -2), 1e-10, "state")
+
+
+def test_take_and_put_rows_of_a_pool():
+    """``KDACache.take``/``put``, a server's pool of rows: exact rows in and out (a row taken
+    twice: a forked sequence), the others bit-identical. A row outside the pool is an error,
+    eager and compiled (JAX clamped a read to another row's state and dropped a write), as
+    are two writes to one row and rows of another shape."""
+    import equinox as eqx
+
+    layer, _, _ = make_layer(0)
+    pool, new = rand_cache(layer, 5, 1), rand_cache(layer, 2, 2)
+    got = pool.take(np.array([3, 0, 3]))
+    for f in FIELDS:
+        assert np.array_equal(getattr(got, f), getattr(pool, f)[np.array([3, 0, 3])]), f
+    put = eqx.filter_jit(KDACache.put)(pool, jnp.array([4, 1]), new)
+    for f in FIELDS:
+        a = np.asarray(getattr(put, f))
+        old = np.asarray(getattr(pool, f))
+        assert np.array_equal(a[[4, 1]], getattr(new, f)) and np.array_equal(a[[0, 2, 3]], old[[0, 2, 3]]), f
+    for call in (lambda c, i: c.take(i), lambda c, i: c.put(i, new)):
+        for bad in ([5, 0], [-1, 0]):
+            for run_ in (call, eqx.filter_jit(call)):
+                with pytest.raises(Exception, match=r"indices: every slot must lie in \[0, 5\)"):
+                    jax.block_until_ready(run_(pool, jnp.array(bad)))
+    with pytest.raises(Exception, match=r"indices: every slot must be distinct"):
+        jax.block_until_ready(eqx.filter_jit(KDACache.put)(pool, jnp.array([2, 2]), new))
+    with pytest.raises(ValueError, match=r"^rows: expected a KDACache of 1 rows shaped as this cache's"):
+        pool.put(jnp.array([0]), new)
+    with pytest.raises(ValueError, match=r"^indices: expected a 1-d array of row indices, got shape \(\)"):
+        pool.take(0)
 
 
 def test_decode_takes_flas_whole_history_mask():
