@@ -143,6 +143,8 @@ class KimiDeltaAttention(eqx.Module):
         """A zero cache for ``batch_size`` sequences (or pool slots). Convolution states in
         the compute dtype (``dtype``, else the layer's), the recurrent state in float32
         (float64 when computing in float64)."""
+        if isinstance(batch_size, bool) or not hasattr(batch_size, "__index__") or batch_size < 0:
+            raise ValueError(f"batch_size: expected a number of sequences (an integer >= 0), got {batch_size!r}.")
         cd = jnp.dtype(dtype) if dtype is not None else self._compute_dtype(None)
         H, HV, K, V = self.num_heads, self.num_v_heads, self.head_dim, self.head_v_dim
         return zeros_cache(batch_size, self.conv_size, H * K, HV * V, HV, K, V, self.use_short_conv,

@@ -101,6 +101,10 @@ def test_take_and_put_rows_of_a_pool():
         pool.put(jnp.array([0]), new)
     with pytest.raises(ValueError, match=r"^indices: expected a 1-d array of row indices, got shape \(\)"):
         pool.take(0)
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match=r"^batch_size: expected a number of sequences \(an integer >= 0\)"):
+            layer.init_cache(bad)
+    assert layer.init_cache(np.int64(0)).state.shape[0] == 0
 
 
 def test_decode_takes_flas_whole_history_mask():
