@@ -4,6 +4,7 @@ the rest to ``KDAPipeline.apply`` on one device."""
 
 from typing import Optional, Union
 
+import jax
 import numpy as np
 from jaxtyping import Float
 
@@ -15,14 +16,18 @@ from .parallel._shard import routed
 from .pipeline import KDAPipeline, default_pipeline
 
 
-def _fla_only(cp_context, use_graph, max_num_seqs, N: int) -> None:
-    """FLA's arguments that kdax takes for positional compatibility (docs/fla_arguments.md)."""
+def _fla_only(cp_context, max_num_seqs, N: int, cu_seqlens, cu_seqlens_cpu) -> None:
+    """FLA's arguments that kdax takes for positional compatibility (docs/fla_arguments.md;
+    ``use_graph`` changes nothing: kdax's varlen shapes never depend on cu_seqlens' values)."""
     if cp_context is not None:
         raise ValueError("cp_context: FLA's context parallelism is not supported by kdax's chunk_kda.")
-    del use_graph  # kdax's varlen shapes never depend on cu_seqlens' values: always graph-safe
     if max_num_seqs is not None and max_num_seqs != N:
         raise ValueError(f"max_num_seqs: must equal the number of sequences len(cu_seqlens) - 1 = {N}, "
                          f"got {max_num_seqs} (pad cu_seqlens with empty sequences instead).")
+    known = not any(isinstance(c, jax.core.Tracer) for c in (cu_seqlens, cu_seqlens_cpu))
+    if cu_seqlens_cpu is not None and (cu_seqlens is None or known and not np.array_equal(cu_seqlens, cu_seqlens_cpu)):
+        raise ValueError("cu_seqlens_cpu: FLA's host copy of cu_seqlens, which kdax does not need; it must equal "
+                         "cu_seqlens (given alone, the input would have run as one dense batch).")
 
 
 def _warn_head_first(q) -> None:
@@ -108,7 +113,7 @@ def chunk_kda(
         check_inputs=check_inputs,
     )
     N = v.shape[0] if cu_seqlens is None else np.shape(cu_seqlens)[0] - 1  # (a bad one: apply's error)
-    _fla_only(cp_context, use_graph, max_num_seqs, N)
+    _fla_only(cp_context, max_num_seqs, N, cu_seqlens, cu_seqlens_cpu)
     pipeline = default_pipeline() if pipeline is None else pipeline
     if not isinstance(pipeline, KDAPipeline):
         raise TypeError(f"pipeline: expected a KDAPipeline, got {type(pipeline).__name__}.")

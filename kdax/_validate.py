@@ -66,6 +66,8 @@ def _scale(scale, K: int) -> float:
         scale = scale.item()
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale: expected a real number (Python, numpy or 0-d JAX scalar), got {type(scale).__name__}.")
+    if not np.isfinite(scale):  # (every output NaN)
+        raise ValueError(f"scale: expected a finite number, got {scale}.")
     return float(scale)
 
 
@@ -225,8 +227,9 @@ def validate(q, k, v, g, beta, options: KDAOptions, *, chunked: bool = True) -> 
     if lb is not None:
         if isinstance(lb, bool) or not isinstance(lb, numbers.Real):
             raise TypeError(f"lower_bound: expected a real number, got {type(lb).__name__}.")
-        if not lb < 0:
-            raise ValueError(f"lower_bound: must be negative (the gate is lower_bound * sigmoid(...)), got {lb}.")
+        if not (np.isfinite(lb) and lb < 0):
+            raise ValueError(f"lower_bound: must be a finite number < 0 (the gate is lower_bound * sigmoid(...)), "
+                             f"got {lb}.")
     if o.safe_gate and not chunked:
         raise TypeError("safe_gate: a chunk_kda option only.")
     if o.use_gate_in_kernel:

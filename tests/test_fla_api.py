@@ -75,6 +75,9 @@ def test_scale_refused(fn, x):
         fn(*pos, **kw, scale=True)
     with pytest.raises(TypeError, match="scale: must be a concrete number"):
         jax.jit(lambda s: fn(*pos, **kw, scale=s))(1.0)
+    for bad in (float("nan"), float("inf"), np.float32("-inf")):  # (every output NaN)
+        with pytest.raises(ValueError, match=r"^scale: expected a finite number, got (nan|inf|-inf)\.$"):
+            fn(*pos, **kw, scale=bad)
 
 
 @pytest.mark.parametrize("fn", FNS, ids=IDS)
@@ -145,6 +148,10 @@ def test_fla_only_arguments(x):
         kdax.chunk_kda(*pos, cu_seqlens=[0, 7, 20], max_num_seqs=3)
     _same(_run(kdax.chunk_kda, pos, cu_seqlens=[0, 7, 20], cu_seqlens_cpu=[0, 7, 20], use_graph=True, max_num_seqs=2),
           _run(kdax.chunk_kda, pos, cu_seqlens=[0, 7, 20]))
+    # FLA's host copy of cu_seqlens: alone it ran as one dense row; it must equal cu_seqlens
+    for given in (dict(cu_seqlens_cpu=np.array([0, 7, 20])), dict(cu_seqlens=[0, 7, 20], cu_seqlens_cpu=[0, 8, 20])):
+        with pytest.raises(ValueError, match=r"^cu_seqlens_cpu: FLA's host copy of cu_seqlens, .* must equal"):
+            kdax.chunk_kda(*pos, **given)
 
 
 def test_docs_table_lists_every_fla_argument():

@@ -105,6 +105,15 @@ def test_safe_gate_needs_lower_bound(x):
         _call(kdax.chunk_kda, x, use_gate_in_kernel=True, A_log=jnp.zeros(2), safe_gate=True)
 
 
+@pytest.mark.parametrize("fn", FNS)
+@pytest.mark.parametrize("lb", [0.5, 0.0, float("nan"), float("-inf")])
+def test_lower_bound_a_finite_negative_number(fn, x, lb):
+    """-inf ran (every gate -inf: each token forgot everything), as the layer and the
+    config reader refuse it."""
+    with pytest.raises(ValueError, match=r"^lower_bound: must be a finite number < 0 \(the gate is"):
+        _call(fn, x, use_gate_in_kernel=True, lower_bound=lb)
+
+
 def test_pipeline_forward_and_backward_check_shapes(x):
     pipe = kdax.KDAPipeline.reference()
     pos, _ = split_args(x)
