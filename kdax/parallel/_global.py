@@ -39,7 +39,7 @@ def chunk_kda(
     ``jax.shard_map``. T must divide evenly over the devices of ``seq_axis``; ``cu_seqlens``
     are the global offsets. Same arguments and results as ``kdax.chunk_kda``; o comes back
     sharded like q."""
-    check_mesh_axes(mesh, seq_axis, batch_axis, cu_seqlens, "q", q.shape[1])
+    check_mesh_axes(mesh, seq_axis, batch_axis, cu_seqlens, "q", q.shape[1], q.shape[0])
     # kdax.chunk_kda's validation on the global arrays, before any shard_map: the same
     # accepted types and named errors. A traced cu_seqlens is checked inside each device's
     # program (sp_chunk_kda), where every device raises: a check here, in the one program
@@ -80,15 +80,21 @@ def _sharded_call(mesh, seq_axis, batch_axis, prefix, options, q, k, v, g, beta,
     return fn(q, k, v, g, beta, arrays)
 
 
-def check_mesh_axes(mesh, seq_axis: str, batch_axis, cu_seqlens, name: str, T: int) -> None:
-    """The global wrappers' mesh arguments: both axes on the mesh, no batch axis with
-    packed input, and ``T`` (of argument ``name``) divisible over ``seq_axis``."""
+def check_mesh_axes(mesh, seq_axis: str, batch_axis, cu_seqlens, name: str, T: int, B: int) -> None:
+    """The global wrappers' mesh arguments: both axes on the mesh and distinct, no batch axis
+    with packed input, ``T`` and ``B`` (of argument ``name``) divisible over their axes."""
     if seq_axis not in mesh.axis_names:
         raise ValueError(f"seq_axis: {seq_axis!r} is not an axis of the mesh (axes {mesh.axis_names}).")
     if batch_axis is not None and batch_axis not in mesh.axis_names:
         raise ValueError(f"batch_axis: {batch_axis!r} is not an axis of the mesh (axes {mesh.axis_names}).")
     if batch_axis is not None and cu_seqlens is not None:
         raise ValueError("batch_axis: packed input (cu_seqlens) has B == 1 and cannot be split over a batch axis.")
+    if batch_axis is not None and batch_axis == seq_axis:
+        raise ValueError(f"batch_axis: must differ from seq_axis ({seq_axis!r}): one mesh axis cannot split both the "
+                         f"rows and the tokens.")
+    if batch_axis is not None and B % mesh.shape[batch_axis]:
+        raise ValueError(f"{name}: the batch axis B={B} must split evenly over the {mesh.shape[batch_axis]} devices of "
+                         f"mesh axis {batch_axis!r}; pad B to a multiple of {mesh.shape[batch_axis]}.")
     n = mesh.shape[seq_axis]
     if T % n:
         raise ValueError(

@@ -33,7 +33,7 @@ def apply_layer(
     only), by ``jax.shard_map`` and the layer's ``seq_axis_name``. T must divide evenly
     over the devices of ``seq_axis``; ``cu_seqlens`` are the global offsets. Returns
     ``(y, new_cache)`` as the layer does, y sharded like x."""
-    check_mesh_axes(mesh, seq_axis, batch_axis, cu_seqlens, "x", x.shape[1])
+    check_mesh_axes(mesh, seq_axis, batch_axis, cu_seqlens, "x", x.shape[1], x.shape[0])
     if cu_seqlens is not None:  # (a list or numpy array, as kdax.chunk_kda takes)
         # kdax.chunk_kda's checks on the global offsets; a traced one is checked inside
         # each device's program (kdax.parallel.chunk_kda says why), so the result is unused.

@@ -99,3 +99,25 @@ def test_forward_mode_is_refused_by_every_door_naming_what_works():
     twice = jax.jit(jax.grad(lambda q: jnp.vdot(jax.grad(loss(chunk))(q), t)))(q)
     forward_over_reverse = jax.jit(lambda q: jax.jvp(jax.grad(loss(recurrent)), (q,), (t,))[1])(q)
     assert_close(twice, forward_over_reverse, 1e-10, "HVP, reverse twice against forward over reverse")
+
+
+def test_mesh_arguments_named():
+    """``kdax.parallel.chunk_kda``'s and ``apply_layer``'s mesh arguments, checked before any
+    ``shard_map``: an axis not on the mesh, one axis for both rows and tokens (that, and a
+    batch that does not split evenly, were shard_map's own error about axis sizes)."""
+    mesh2 = jax.make_mesh((2, 2), ("dp", "sp"), axis_types=(AxisType.Explicit,) * 2, devices=jax.devices()[:4])
+    q, k, v, g, beta = _x()
+    call = lambda mesh, *a, **kw: kdax.parallel.chunk_kda(mesh, *a, q, k, v, g, beta, pipeline=PIPE, chunk_size=16,
+                                                          **kw)
+    for args, kw, msg in [
+        (("tp",), {}, r"^seq_axis: 'tp' is not an axis of the mesh \(axes \('dp', 'sp'\)\)\."),
+        (("sp",), dict(batch_axis="x"), r"^batch_axis: 'x' is not an axis of the mesh"),
+        (("sp",), dict(batch_axis="sp"), r"^batch_axis: must differ from seq_axis \('sp'\)"),
+        (("sp",), dict(batch_axis="dp"), r"^q: the batch axis B=1 must split evenly over the 2 devices of mesh axis "
+                                         r"'dp'; pad B to a multiple of 2\."),
+        (("sp",), dict(cu_seqlens=[0, 5, 32], batch_axis="dp"), r"^batch_axis: packed input"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            call(mesh2, *args, **kw)
+    with pytest.raises(ValueError, match=r"^q: the token axis T=31 must split evenly over the 2 devices"):
+        kdax.parallel.chunk_kda(mesh2, "sp", *(a[:, :31] for a in (q, k, v, g, beta)), pipeline=PIPE)
