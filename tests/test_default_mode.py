@@ -16,7 +16,8 @@ from ._util import assert_close
 
 # Relative RMS against float64. Per-token arrays came within 4e-6 here (dg; the rest within
 # 2e-7); the gate parameters' gradients are sums over every token and channel of terms that
-# cancel: within 1.2e-5 here, and dA_log at 1.1e-4 once in a random sweep of 60 option mixes.
+# cancel: within 1.2e-5 here, dA_log up to 1.4e-4 in a random sweep of 60 option mixes (the
+# chunked dG; the float32 recurrence: 1e-6; benchmarks/NOTES.md, "JAX's default mode").
 TOL, TOL_SUMS = 3e-5, 3e-4
 
 # name: (B, T, H, HV, K, V, cu_seqlens as a user's numpy gives it (int64), chunk_kda's options)
