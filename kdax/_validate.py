@@ -227,9 +227,8 @@ def validate(q, k, v, g, beta, options: KDAOptions, *, chunked: bool = True) -> 
     if lb is not None:
         if isinstance(lb, bool) or not isinstance(lb, numbers.Real):
             raise TypeError(f"lower_bound: expected a real number, got {type(lb).__name__}.")
-        if not (np.isfinite(lb) and lb < 0):
-            raise ValueError(f"lower_bound: must be a finite number < 0 (the gate is lower_bound * sigmoid(...)), "
-                             f"got {lb}.")
+        if not lb < 0:  # (-inf: every token forgets exactly, tests/test_hardening.py)
+            raise ValueError(f"lower_bound: must be negative (the gate is lower_bound * sigmoid(...)), got {lb}.")
     if o.safe_gate and not chunked:
         raise TypeError("safe_gate: a chunk_kda option only.")
     if o.use_gate_in_kernel:

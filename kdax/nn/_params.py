@@ -30,11 +30,11 @@ def check_layer_options(hidden_size: int, num_heads: int, head_dim: int, num_v_h
         raise ValueError(f"mode: expected 'chunk' or 'fused_recurrent', got {mode!r}.")
     if safe_gate and lower_bound is None:
         raise ValueError("safe_gate: True needs lower_bound (FLA's recommendation: -5).")
-    # (chunk_kda's checks and read_config's ranges, when the layer is built: a negative
-    # norm_eps made every output NaN, a positive lower_bound failed at the first call)
+    # (chunk_kda's checks, when the layer is built: a negative norm_eps made every output
+    # NaN, a positive lower_bound failed at the first call; -inf: every token forgets)
     real = lambda x: isinstance(x, numbers.Real) and not isinstance(x, bool)
-    if lower_bound is not None and not (real(lower_bound) and -math.inf < lower_bound < 0):
-        raise ValueError(f"lower_bound: must be a finite number < 0 (the gate is lower_bound * sigmoid(...)), got "
+    if lower_bound is not None and not (real(lower_bound) and lower_bound < 0):
+        raise ValueError(f"lower_bound: must be a number < 0 (the gate is lower_bound * sigmoid(...)), got "
                          f"{lower_bound!r}.")
     if safe_gate and not -5 <= lower_bound < 0:
         raise ValueError(f"lower_bound: safe_gate=True needs -5 <= lower_bound < 0 (as FLA), got {lower_bound}.")

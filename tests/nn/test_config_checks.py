@@ -71,17 +71,19 @@ def test_fla_config_values_out_of_range_are_named(tmp_path, change, want):
     (dict(norm_eps=0.0), r"norm_eps: must be a finite number > 0 .*, got 0\.0\."),
     (dict(norm_eps=NAN), r"norm_eps: must be a finite number > 0 .*, got nan\."),
     (dict(norm_eps="1e-5"), r"norm_eps: must be a finite number > 0 .*, got '1e-5'\."),
-    (dict(lower_bound=0.5), r"lower_bound: must be a finite number < 0 .*, got 0\.5\."),
-    (dict(lower_bound=-INF), r"lower_bound: must be a finite number < 0 .*, got -inf\."),
+    (dict(lower_bound=0.5), r"lower_bound: must be a number < 0 .*, got 0\.5\."),
+    (dict(lower_bound=NAN), r"lower_bound: must be a number < 0 .*, got nan\."),
+    (dict(lower_bound="-5"), r"lower_bound: must be a number < 0 .*, got '-5'\."),
     (dict(safe_gate=True, lower_bound=-8.0), r"lower_bound: safe_gate=True needs -5 <= lower_bound < 0 \(as FLA\), "
                                              r"got -8\.0\."),
     (dict(safe_gate=True), r"safe_gate: True needs lower_bound"),
     (dict(mode="parallel"), r"mode: expected 'chunk' or 'fused_recurrent', got 'parallel'\."),
 ])
 def test_constructor_arguments_out_of_range_are_named(change, want):
-    """``KimiDeltaAttention(...)``'s arguments in the ranges ``read_config`` holds a config to,
-    checked when the layer is built: a negative ``norm_eps`` built a layer whose every output
-    was NaN, a positive ``lower_bound`` one that failed at its first call."""
+    """``KimiDeltaAttention(...)``'s arguments, checked when the layer is built (``norm_eps``
+    in ``read_config``'s range; ``lower_bound`` as ``chunk_kda`` takes it, -inf included): a
+    negative ``norm_eps`` built a layer whose every output was NaN, a positive ``lower_bound``
+    one that failed at its first call."""
     import jax
 
     args = dict(dict(hidden_size=24, num_heads=2, head_dim=8), **change)
