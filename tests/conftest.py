@@ -1,7 +1,9 @@
 import os
 
 # 8 simulated CPU devices for the sharding and sequence-parallel tests (tests/parallel);
-# set before jax is imported, harmless to single-device tests (they use device 0).
+# set before jax is imported. Single-device tests use device 0, but chunk_kda takes other
+# paths than on one CPU device (its non-finite tests, its in-program input check):
+# tests/test_one_device.py runs those in a one-device process against this one's numbers.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 # The suite compiles hundreds of small programs, and LLVM's optimisation of each took about

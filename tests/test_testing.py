@@ -28,6 +28,7 @@ from kdax.stages import (
     ReferenceWY,
 )
 from kdax.testing import Case, check_pipeline, check_stage
+from kdax.typing import Tokens
 
 from ._util import load_example
 
@@ -286,6 +287,93 @@ def test_false_half_stored_fails():
     report = check_stage(MisreadsHalfOutput(), "output", **_small())
     _assert_fails(report, "half_stored")
     assert "declares `half_stored`" in next(c for c in report.failed if c.name == "half_stored").detail
+
+
+class SignSlipGLoIntra(AbstractIntra):
+    """An F2 declaring ``G_lo`` that subtracts the low part instead of adding it: within the
+    float32 tolerance of the reference row, but farther from its own float64 output than
+    without ``G_lo``."""
+
+    math: ClassVar = KDA
+    accepts: ClassVar[frozenset] = frozenset({"G_lo"})
+
+    def __call__(self, scale, q, k, beta, G, G_lo=None):
+        return ReferenceIntra()(scale, q, k, beta, G, None if G_lo is None else -G_lo)
+
+
+class UnusedGLoIntra(AbstractIntra):
+    """An F2 declaring ``G_lo`` and leaving it out: harmless (as accurate as a stage without
+    the declaration), and the row says it gains nothing."""
+
+    math: ClassVar = KDA
+    accepts: ClassVar[frozenset] = frozenset({"G_lo"})
+
+    def __call__(self, scale, q, k, beta, G, G_lo=None):
+        return ReferenceIntra()(scale, q, k, beta, G)
+
+
+def _row(report, check):
+    return next(c for c in report.checks if c.name == check)
+
+
+def test_false_G_lo_fails():
+    """The ``G_lo`` row (float32 with strong gates, against the stage's own float64 output;
+    the default run's checks are float64, where it does not run): the reference F2 gains
+    from the low part, a sign slip that the float32 reference row lets through fails it,
+    and an unused ``G_lo`` passes, said so."""
+    case = (Case("dense f32", jnp.float32, strong=True),)
+    ref = check_stage(ReferenceIntra(), "intra", dtypes=(jnp.float32,), cases=case)
+    _assert_ok(ref)
+    assert _row(ref, "G_lo").passed and "does not use" not in _row(ref, "G_lo").detail, str(ref)
+    slip = check_stage(SignSlipGLoIntra(), "intra", dtypes=(jnp.float32,), cases=case)
+    assert slip.names_failed == {"G_lo"} and "makes it worse" in _row(slip, "G_lo").detail, str(slip)
+    assert _row(slip, "reference").passed, str(slip)
+    unused = check_stage(UnusedGLoIntra(), "intra", dtypes=(jnp.float32,), cases=case)
+    _assert_ok(unused)
+    assert "does not use it" in _row(unused, "G_lo").detail, str(unused)
+
+
+def _views_as_copies(x):
+    return x.chunked() if isinstance(x, Tokens) else x
+
+
+def _views_misread(x):
+    """A layout slip: the caller's ``[B, T, H, D]`` reshaped to ``[B, H, NC, C, D]`` with
+    the head axis left in place."""
+    if not isinstance(x, Tokens):
+        return x
+    return x.x.astype(x.dtype).reshape(x.shape) if x.group == 1 else x.chunked()
+
+
+class ViewsGate(AbstractGate):
+    """An F1 declaring ``tokens``: it reads each view as its chunked copy."""
+
+    math: ClassVar = KDA
+    accepts: ClassVar[frozenset] = frozenset({"tokens"})
+    read = staticmethod(_views_as_copies)
+
+    def __call__(self, config, q, k, g, beta, A_log, dt_bias, valid):
+        return ReferenceGate()(config, *map(self.read, (q, k, g, beta)), A_log, dt_bias, valid)
+
+
+class MisreadsViewsGate(ViewsGate):
+    """ViewsGate with the layout slip: right on chunked copies (every other row), wrong on
+    the views only the ``tokens`` row passes it."""
+
+    read = staticmethod(_views_misread)
+
+
+def test_false_tokens_fails():
+    """The ``tokens`` row (views of the caller's arrays against their chunked copies, in a
+    pipeline with the stage; the shipped stages declaring it are Pallas stages checked with
+    ``-m slow``): a stage that reads the views right passes, one that misreads their
+    layout fails it, and only it."""
+    case = (Case("dense f64"),)
+    good = check_stage(ViewsGate(), "gate", cases=case)
+    _assert_ok(good)
+    assert _row(good, "tokens").passed, str(good)
+    bad = check_stage(MisreadsViewsGate(), "gate", cases=case)
+    assert bad.names_failed == {"tokens"} and "declares `tokens`" in _row(bad, "tokens").detail, str(bad)
 
 
 class ZeroStartKDAState(AbstractState):
