@@ -76,6 +76,14 @@ def test_packed_equals_one_device(n, with_cache):
     _check(_mesh(n), layer, x, jnp.asarray(CU, jnp.int32), cache, n)
 
 
+def test_dense_with_cache_equals_one_device():
+    """Dense rows (no cu_seqlens), each continuing from its cache row: every device's halo
+    from the one before, the first device's from the cache, and the new cache's
+    convolution rows from the last device (``sp_conv_tail``)."""
+    layer, _, _ = make_layer(4)
+    _check(_mesh(4), layer, rand(4, 2, T, D), None, rand_cache(layer, 2, 5), 4)
+
+
 @pytest.mark.slow
 def test_packed_8_devices_and_dense_data_by_sequence():
     layer, _, _ = make_layer(5)
