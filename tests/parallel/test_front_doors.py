@@ -121,3 +121,29 @@ def test_mesh_arguments_named():
             call(mesh2, *args, **kw)
     with pytest.raises(ValueError, match=r"^q: the token axis T=31 must split evenly over the 2 devices"):
         kdax.parallel.chunk_kda(mesh2, "sp", *(a[:, :31] for a in (q, k, v, g, beta)), pipeline=PIPE)
+
+
+def test_seq_axis_name_and_token_sharding_errors_named():
+    """The doors inside ``jax.shard_map`` and on sharded arrays: ``seq_axis_name`` with
+    concrete global offsets that are not offsets of the ``devices x local T`` tokens, and
+    plain ``chunk_kda`` / ``fused_recurrent_kda`` on inputs whose token axis is sharded
+    over an Explicit mesh axis (which sequence parallelism would have to handle)."""
+    mesh = _mesh()
+    spec = jax.sharding.PartitionSpec(None, "sp")
+    xs = [jax.sharding.reshard(jnp.asarray(a), jax.NamedSharding(mesh, spec)) for a in _x()]
+
+    def inside(cu):
+        body = lambda *a: kdax.chunk_kda(*a, cu_seqlens=cu, seq_axis_name="sp", pipeline=PIPE, chunk_size=16)[0]
+        return jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 5, out_specs=spec)(*xs)
+
+    offsets = r"^cu_seqlens: with seq_axis_name, the global offsets: non-decreasing from 0 to 4 devices x local T 8 = 32"
+    for cu in ([0, 10, T - 1], [5, 10, T], [0, 20, 10, T]):
+        with pytest.raises(ValueError, match=offsets + rf", got {cu}\.".replace("[", r"\[").replace("]", r"\]")):
+            inside(np.array(cu))
+    with pytest.raises(ValueError, match=r"^cu_seqlens: expected shape \[N \+ 1\] with N >= 1, got \(1,\)\."):
+        inside(np.array([0]))
+    assert np.isfinite(np.asarray(inside(np.array([0, 10, T])))).all()
+    for fn in (kdax.chunk_kda, kdax.fused_recurrent_kda):
+        with pytest.raises(ValueError, match=r"^q, k, v, g, beta: the token axis is sharded over 'sp'; sequence "
+                                             r"parallelism needs seq_axis_name inside jax.shard_map"):
+            fn(*xs)
