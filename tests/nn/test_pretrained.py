@@ -273,6 +273,54 @@ def test_config_json_that_is_not_json_or_not_an_object(tmp_path, no_reads):
         read_config(folder)
 
 
+def test_broken_checkpoint_files_are_named(tmp_path, no_reads):
+    """A checkpoint whose files do not hold what its index or config.json say: each problem
+    named, with the file, before any tensor is read."""
+    _, folder = fla_checkpoint(tmp_path / "shard", shards=3)
+    (folder / "model-00002-of-00003.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"^model\.safetensors\.index\.json names "
+                                                r"'model-00002-of-00003\.safetensors' for '.*', but the file is missing"):
+        KimiDeltaAttention.from_pretrained(folder, layer_idx=0)
+    _, folder = fla_checkpoint(tmp_path / "misplaced", shards=3)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    name = "model.layers.0.attn.q_proj.weight"
+    index["weight_map"][name] = next(f for f in sorted(set(index["weight_map"].values()))
+                                     if f != index["weight_map"][name])
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=rf"^model\.safetensors\.index\.json places \['{name}'\] in "
+                                         rf"'{index['weight_map'][name]}', whose header does not have it"):
+        KimiDeltaAttention.from_pretrained(folder, layer_idx=0)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weights": index["weight_map"]}))
+    with pytest.raises(ValueError, match=r"index\.json: expected an object with a 'weight_map' object"):
+        KimiDeltaAttention.from_pretrained(folder, layer_idx=0)
+    _, folder = fla_checkpoint(tmp_path / "none")
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"has neither model\.safetensors nor model\.safetensors\.index\.json "
+                                                r"\(found \['config\.json'\]\)\. kdax reads safetensors only"):
+        KimiDeltaAttention.from_pretrained(folder, layer_idx=0)
+    for junk, why in ((b"\x10" + b"\x00" * 7 + b"not json at all!", "Expecting value"), (b"abc", "no safetensors header")):
+        (folder / "model.safetensors").write_bytes(junk)
+        with pytest.raises(ValueError, match=rf"model\.safetensors: not a readable \.safetensors file \({why}"):
+            KimiDeltaAttention.from_pretrained(folder, layer_idx=0)
+    for call in (lambda: KimiDeltaAttention.from_pretrained(3, layer_idx=0), lambda: read_config(3)):
+        with pytest.raises(TypeError, match=r"^path: expected a checkpoint directory \(str or os\.PathLike\), got int"):
+            call()
+
+
+def test_use_short_conv_true_without_conv_tensors(tmp_path, no_reads):
+    """config.json says the layers have short convolutions (or leaves it to KDAConfig's
+    default, True), the tensors have none: the disagreement named, not a layer built
+    without them."""
+    folder = tmp_path / "noconv"
+    layer = KimiDeltaAttention(D, H, K, key=jax.random.key(0), num_v_heads=HV, use_short_conv=False, norm_eps=1e-6)
+    cfg = dict(model_type="kda", hidden_size=D, num_heads=H, head_dim=K, num_v_heads=HV, num_hidden_layers=1)
+    write_checkpoint(folder, cfg, layer.state_dict("fla", prefix="model.layers.0.attn."))
+    with pytest.raises(ValueError, match=r"^config\.json: use_short_conv is true \(or left out: KDAConfig's default\), "
+                                         r"but the checkpoint has no short-convolution weights under "
+                                         r"'model\.layers\.0\.attn\.'"):
+        KimiDeltaAttention.from_pretrained(folder, layer_idx=0)
+
+
 def test_use_short_conv_false_with_conv_tensors(tmp_path, no_reads):
     _, folder = fla_checkpoint(tmp_path / "fla", config=dict(FLA_CONFIG, use_short_conv=False))
     with pytest.raises(ValueError, match=r"config\.json: use_short_conv is false, but the checkpoint has this layer's "
