@@ -15,7 +15,8 @@ import kdax
 from kdax import pallas as P
 from kdax.stages import (
     KDA,
-    AbstractOutput, AbstractRecompute, AbstractState, ReferenceOutput, ReferenceRecompute, ReferenceState, StateOut,
+    AbstractDAv, AbstractGate, AbstractOutput, AbstractRecompute, AbstractState, ReferenceDAv, ReferenceGate,
+    ReferenceOutput, ReferenceRecompute, ReferenceState, StateOut,
 )
 
 from ._util import assert_close, load_example, make_inputs, oracle_kda, split_args
@@ -232,6 +233,34 @@ class RenamedOutput(AbstractOutput):
         return ReferenceOutput()(scale, qg, h, A, v_new)
 
 
+class TupleGate(AbstractGate):
+    """Returns F1's fields as a plain tuple instead of ``Activated``."""
+
+    math: ClassVar = KDA
+
+    def __call__(self, config, q, k, g, beta, A_log, dt_bias, valid):
+        return tuple(jax.tree.leaves(ReferenceGate()(config, q, k, g, beta, A_log, dt_bias, valid)))
+
+
+class RstdGate(AbstractGate):
+    """Returns ``q_rstd`` where the call asked for no in-kernel l2norm (None expected)."""
+
+    math: ClassVar = KDA
+
+    def __call__(self, config, q, k, g, beta, A_log, dt_bias, valid):
+        out = ReferenceGate()(config, q, k, g, beta, A_log, dt_bias, valid)
+        return dataclasses.replace(out, q_rstd=jnp.ones(q.shape[:-1] + (1,), q.dtype))
+
+
+class ThreeDAv(AbstractDAv):
+    """Returns B1's pair and one more array."""
+
+    transposes: ClassVar = {"output": KDA}
+
+    def __call__(self, v_new, Aqk, do):
+        return (*ReferenceDAv()(v_new, Aqk, do), do)
+
+
 def test_contract_errors_name_field_and_class():
     x = _x(B=1, T=20, H=1)
     pos, kw = split_args(x)
@@ -242,6 +271,19 @@ def test_contract_errors_name_field_and_class():
     with pytest.raises(kdax.StageContractError, match=r"(?s)KDAPipeline\.output \(RenamedOutput\).*"
                        r"Expected signature: AbstractOutput\.__call__\(self, scale, qg, h, Aqk, v_new\)"):
         trace(eqx.tree_at(lambda p: p.output, ref, RenamedOutput()))
+    # the output's structure: another type, an array where None belongs, a tuple's length
+    for field, stage, msg in [
+        ("gate", TupleGate(), r"KDAPipeline\.gate \(TupleGate\) returned tuple, expected an Activated \(AbstractGate's"),
+        ("gate", RstdGate(), r"KDAPipeline\.gate \(RstdGate\) returned q_rstd \(1, 1, 2, 16, 1\) float64, expected None"),
+        ("dav", ThreeDAv(), r"KDAPipeline\.dav \(ThreeDAv\) returned tuple, expected a tuple of 2 \(AbstractDAv's"),
+    ]:
+        pipe = eqx.tree_at(lambda p: getattr(p, field), ref, stage)
+        with pytest.raises(kdax.StageContractError, match=msg):
+            if field == "dav":
+                jax.eval_shape(jax.grad(lambda q: jnp.sum(kdax.chunk_kda(q, *pos[1:], **kw, chunk_size=16, pipeline=pipe)[0])),
+                               pos[0])
+            else:
+                trace(pipe)
 
 
 def test_wrong_family_refused():

@@ -171,7 +171,7 @@ def _check_output(name: str, stage: Any, out: Any, want: Any) -> None:
                 walk(f"{path}[{i}]", a, b)
         elif isinstance(w, eqx.Module):
             if not isinstance(got, type(w)):
-                fail(path, got, f"a {type(w).__name__}")
+                fail(path, got, f"{'an' if type(w).__name__[0] in 'AEIOU' else 'a'} {type(w).__name__}")
             for f in w.__dataclass_fields__:
                 walk(f"{path}.{f}" if path else f, getattr(got, f), getattr(w, f))
 
