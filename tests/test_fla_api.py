@@ -139,6 +139,22 @@ def test_a_log_kimi_shape(fn, x):
         fn(*pos, **kw, use_gate_in_kernel=True, A_log=A.reshape(1, 2, 1, 1))
 
 
+@pytest.mark.parametrize("fn", FNS, ids=IDS)
+def test_in_kernel_gate_arguments_named(fn, x):
+    """The in-kernel gate's arguments, named before anything runs: a bool lower bound (a
+    real number expected), A_log of Kimi Linear's four axes but another head count, and the
+    gate with neither A_log nor lower_bound."""
+    pos, kw = split_args(x)
+    with pytest.raises(TypeError, match=r"^lower_bound: expected a real number, got bool\.$"):
+        fn(*pos, **kw, use_gate_in_kernel=True, A_log=jnp.zeros(2), lower_bound=True)
+    with pytest.raises(TypeError, match=r"^A_log: expected layout \[HV\] or \[1, 1, HV, 1\], got shape \(1, 1, 3, 1\): "
+                                        r"axis 2 \(HV\) is 3, expected 2"):
+        fn(*pos, **kw, use_gate_in_kernel=True, A_log=jnp.zeros((1, 1, 3, 1)))
+    with pytest.raises(ValueError, match=r"^A_log: use_gate_in_kernel=True needs A_log \(softplus gate\) or "
+                                         r"lower_bound \(lower-bound gate\); neither was given\.$"):
+        fn(*pos, **kw, use_gate_in_kernel=True)
+
+
 def test_fla_only_arguments(x):
     pos, kw = split_args(x)
     o, _, h = kdax.chunk_kda(*pos, **kw, return_intermediate_states=True)  # (tests/test_chunk_states.py)
