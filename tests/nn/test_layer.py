@@ -300,6 +300,23 @@ def test_bad_input_names_the_argument():
     with pytest.raises(ValueError, match="num_v_heads=3"):
         KimiDeltaAttention(8, 2, 4, key=jax.random.key(0), num_v_heads=3)
     assert isinstance(layer.init_cache(2), KDACache)
+    with pytest.raises(ValueError, match=r"^x: expected at least one token per row, got shape \(2, 0, 24\)\.$"):
+        layer(x[:, :0])
+    with pytest.raises(ValueError, match=r"^attention_mask and cu_seqlens: pass at most one of them\.$"):
+        layer(x[:1], attention_mask=jnp.ones((1, 5)), cu_seqlens=[0, 5])
+    with pytest.raises(ValueError, match=r"^state_indices: needs a cache \(the pool\) to index\.$"):
+        layer(x, state_indices=jnp.asarray([0, 1]))
+    # FLA's cache handed over wrong
+    fla = layer.init_cache(2).to_fla()
+    for kw, msg in [(dict(layer_cache=fla, recurrent_state=fla["recurrent_state"]), "not both"),
+                    (dict(layer_cache={"recurrent_state": None}), r"recurrent_state is missing \(FLA's cache"),
+                    (dict(), r"recurrent_state is missing"),
+                    (dict(recurrent_state=np.zeros((2, 3, 4))), r"^recurrent_state: expected \[N, HV, V, K\], got shape "
+                                                                r"\(2, 3, 4\)\.$"),
+                    (dict(recurrent_state=fla["recurrent_state"], conv_state=fla["conv_state"][:2]),
+                     r"^conv_state: expected FLA's \(q, k, v\) tuple, got 2 entries\.$")]:
+        with pytest.raises(ValueError, match=msg):
+            KDACache.from_fla(**kw)
 
 
 # (what, cu_seqlens, the message kdax.chunk_kda gives for it)
