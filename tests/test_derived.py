@@ -319,6 +319,35 @@ def test_eager_derived_gradient_is_compiled_once():
     assert_close(first, jitted, 1e-12, "eager vs jitted dq")
 
 
+def test_eager_derived_gradient_warns_once_with_the_jitted_numbers():
+    """An eager jax.grad (no jit) of a pipeline whose whole backward is derived (an F3 of
+    other math): the FallbackWarning said once, where the eager rule compiles its program
+    (a cached trace would say nothing), and the jitted gradient's numbers."""
+    from kdax._runner.routes import warn_once
+
+    x = make_inputs(B=1, T=32, H=2, K=4, V=4)
+    pos, kw = split_args(x)
+    h0 = kw["initial_state"]
+    pipe = eqx.tree_at(lambda p: p.wy, kdax.KDAPipeline.reference(), ScaledVWY())
+    f = lambda *a: _loss(*kdax.chunk_kda(*a[:5], initial_state=a[5], output_final_state=True, chunk_size=CHUNK,
+                                         pipeline=pipe))
+    warn_once.cache_clear()  # (once per process and message: another test may have said it)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        eager = [jax.grad(f, argnums=tuple(range(6)))(*pos, h0) for _ in range(2)]
+    said = [w for w in caught if issubclass(w.category, kdax.FallbackWarning)]
+    assert len(said) == 1 and "derived from the forward stages" in str(said[0].message), [str(w.message) for w in said]
+    assert "F3 `wy` (ScaledVWY)" in str(said[0].message) and said[0].filename == __file__, said[0]
+    warn_once.cache_clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jitted = _grads(pipe, pos, h0)  # (traced: the same warning, at the line that calls chunk_kda)
+    assert [w.filename for w in caught if issubclass(w.category, kdax.FallbackWarning)] == [__file__]
+    for name, a, b, c in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), eager[0], eager[1], jitted):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert_close(a, c, 1e-12, f"eager vs jitted {name}")
+
+
 # -- the reference stages' chunk-local VJPs (their loops' own: over_chunks, F4's recurrence) --
 
 

@@ -189,8 +189,9 @@ def test_fallback_only_on_unsupported_case_with_warning_and_plan():
     with pytest.raises(NotImplementedError, match="a user's own bug"):
         kdax.chunk_kda(*pos, **kw, chunk_size=16, pipeline=broken)
     pipe = eqx.tree_at(lambda p: p.output, pallas, Unsupported())
-    with pytest.warns(kdax.FallbackWarning, match=r"KDAPipeline\.output \(F5\): Unsupported cannot run"):
+    with pytest.warns(kdax.FallbackWarning, match=r"KDAPipeline\.output \(F5\): Unsupported cannot run") as said:
         o, _ = kdax.chunk_kda(*pos, **kw, chunk_size=16, pipeline=pipe)
+    assert {w.filename for w in said} == {__file__}  # (the caller's line, not kdax's or jax's)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per (stage, implementation, reason)
         kdax.chunk_kda(*pos, **kw, chunk_size=16, pipeline=pipe)

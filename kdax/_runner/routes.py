@@ -10,14 +10,13 @@ taken only for stages of KDA's math (``unchecked``). docs/stages.md, §4."""
 import contextlib
 import dataclasses
 import functools
-import warnings
 from typing import NamedTuple, Optional
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from .._errors import DerivedBackwardError, FallbackWarning
+from .._errors import DerivedBackwardError, FallbackWarning, warn_caller
 from .._layouts.layout import pack_inputs
 from .._numerics import isolation as _isolation
 from ..stages import KDA, GateVjpBackward
@@ -133,14 +132,15 @@ def routed(pipeline, field: str) -> Capabilities:
 
 
 @functools.cache
-def warn_once(message: str, stacklevel: int) -> None:
-    """A ``FallbackWarning`` once per message (the stage runner's fallbacks, ``warn_derived``)."""
-    warnings.warn(message, FallbackWarning, stacklevel=stacklevel)
+def warn_once(message: str) -> None:
+    """A ``FallbackWarning`` once per message (the stage runner's fallbacks, ``warn_derived``),
+    at the user's line that called into kdax (eager or traced, the frames between differ)."""
+    warn_caller(message, FallbackWarning)
 
 
 def warn_derived(pipeline) -> None:
     """The ``FallbackWarning`` that the gradient is derived (once per set of reasons)."""
-    warn_once(_derived_warning(pipeline), stacklevel=5)
+    warn_once(_derived_warning(pipeline))
 
 
 def _derived_warning(pipeline) -> str:
@@ -163,7 +163,7 @@ def differentiable_forward(pipeline):
 def derived_vjp(pipeline, run, inputs):
     """``(outputs, vjp, swapped)`` of ``run(inputs, pipeline'')`` (``differentiable_forward``);
     ``DerivedBackwardError`` when JAX cannot differentiate a forward stage."""
-    warn_once(_derived_warning(pipeline), stacklevel=5)
+    warn_once(_derived_warning(pipeline))
     diff_pipe, swapped = differentiable_forward(pipeline)
     with derivable(pipeline):
         out, vjp = eqx.filter_vjp(run, inputs, diff_pipe)

@@ -116,7 +116,7 @@ def call_stage(pipeline, name: str, stage, given: dict, full: dict, needs_reset:
         ran, reason = STAGES[name].reference(), str(e) or type(e).__name__
         if not any(r.quiet for r in _ACTIVE.get()):
             warn_once(f"KDAPipeline.{name} ({STAGES[name].step}): {type(stage).__qualname__} cannot run this case "
-                      f"({reason}); running {type(ran).__qualname__} instead.", stacklevel=4)
+                      f"({reason}); running {type(ran).__qualname__} instead.")
         return ran, reason, ran(**negotiated(ran, full), precision=policy)
 
 
