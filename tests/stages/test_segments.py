@@ -2,13 +2,17 @@
 against the unsplit stages and, through the pipeline, against the oracle; dense and
 packed, with sequence starts and ends inside segments."""
 
+from typing import ClassVar
+
 import equinox as eqx
 import jax.numpy as jnp
 import pytest
 
 import kdax
 from kdax.pallas import PallasDhu, PallasState
-from kdax.stages import ReferenceDAv, ReferenceDhu, ReferenceState, SegmentedDhu, SegmentedState, segmented
+from kdax.stages import (
+    KDA, AbstractDhu, ReferenceDAv, ReferenceDhu, ReferenceState, SegmentedDhu, SegmentedState, segmented,
+)
 
 from .._util import assert_close, loss_grads, make_inputs, oracle_kda, run, jitted
 from ._chunked import chunked, intra_chunk, layout_of, rand_like, wy_chunk
@@ -86,11 +90,26 @@ def test_segmented_pallas_triton_inner():
     _close_out(SegmentedDhu(PallasDhu(**kw), 3)(*args), jitted(ReferenceDhu())(*args))
 
 
+class StateOnlyOutputDhu(AbstractDhu):
+    """A B2 declaring it transposes KDA's F5 but not F4: the split reverse recurrence would
+    join its segments with KDA's summaries regardless."""
+
+    transposes: ClassVar = {"output": KDA}
+
+    def __call__(self, *args, **kwargs):
+        return ReferenceDhu()(*args, **kwargs)
+
+
 def test_segments_argument_checked():
     with pytest.raises(ValueError, match="segments"):
         SegmentedState(ReferenceState(), 0)
     with pytest.raises(ValueError, match="segments"):
         segmented(kdax.KDAPipeline.reference(), 1.5)
+    other = eqx.tree_at(lambda p: p.dhu, kdax.KDAPipeline.reference(), StateOnlyOutputDhu())
+    with pytest.raises(ValueError, match=r"^segments: the split reverse recurrence is exact only for a B2 that "
+                                         r"transposes KDA's F4; B2 `dhu` \(StateOnlyOutputDhu\) declares transposes "
+                                         r"\{'output': 'kda'\}\. If it does, declare transposes = \{'state'"):
+        segmented(other, 2)
 
 
 @pytest.mark.parametrize("packed", [pytest.param(False, marks=pytest.mark.slow), True], ids=["dense", "packed"])
