@@ -487,19 +487,3 @@ def test_eager_gradient_is_compiled():
     finally:
         jax.monitoring.unregister_event_duration_listener(count)
 
-
-def test_stage_as_module():
-    """``pipe.stage_as_module`` (docs/stages.md, B0: what a B0 of your own recomputes with):
-    F3 and F4 as the pipeline runs them give the pipeline's own stages' outputs on the
-    arguments they received in a forward; another name is refused, naming the two."""
-    pos, kw = split_args(make_inputs(B=1, T=40, H=2, HV=2, K=8, V=8, h0=False))
-    pipe = kdax.KDAPipeline.reference().untiled()
-    args = kdax.stage_inputs(pipe, *pos, chunk_size=16)
-    for name in ("wy", "state"):
-        module = pipe.stage_as_module(name)
-        assert isinstance(module, kdax.pipeline.STAGES[name].family), type(module)
-        got, want = module(*args[name]), getattr(pipe, name)(*args[name])
-        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    with pytest.raises(ValueError, match=r"^name: expected 'wy' or 'state', got 'gate'\.$"):
-        pipe.stage_as_module("gate")
