@@ -43,7 +43,8 @@ def battery() -> dict:
         v[nan_at] = g[g_nan_at] = np.nan
         g[inf_at] = np.inf
         N = B if cu is None else len(cu) - 1
-        h0, A_log, dt_bias, w = 0.3 * f(N, HV, K, V), np.log(r.uniform(1, 16, HV)).astype(np.float32), f(HV * K), f(B, T, HV, V)
+        h0, dt_bias, w = 0.3 * f(N, HV, K, V), f(HV * K), f(B, T, HV, V)
+        A_log = np.log(r.uniform(1, 16, HV)).astype(np.float32)
         opts = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                     output_final_state=True, chunk_size=16, cu_seqlens=None if cu is None else np.array(cu, np.int32))
 
@@ -52,7 +53,8 @@ def battery() -> dict:
             return jnp.nansum(o * w) + jnp.nansum(ht), (o, ht)
 
         x = tuple(map(jnp.asarray, (q, k, v, g, beta)))
-        (_, (o, ht)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(x, h0, A_log, dt_bias)
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+        (_, (o, ht)), grads = step(x, h0, A_log, dt_bias)
         for i, a in enumerate([o, ht, *jax.tree.leaves(grads)]):
             out[f"{name} jit {i}"] = np.asarray(a)
         o, ht = kdax.chunk_kda(*x, initial_state=h0, A_log=A_log, dt_bias=dt_bias, **opts)
