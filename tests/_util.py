@@ -235,6 +235,15 @@ for i, src in enumerate(blocks):
 '''
 
 
+def one_device_env(**extra) -> dict:
+    """The environment of a fresh process on one CPU device, as a user's CPU program runs:
+    the suite's simulated devices taken out of XLA_FLAGS (its other flags kept), JAX's
+    64-bit mode not set from the environment, ``JAX_PLATFORMS=cpu``; then ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_ENABLE_X64"}
+    env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
+    return dict(env, JAX_PLATFORMS="cpu", **extra)
+
+
 def run_python_blocks(blocks: list, name: str, tmp_path) -> str:
     """Run ``blocks`` top to bottom in one fresh Python process as a new user has it
     (JAX's defaults: no x64, one CPU device, the suite's simulated devices taken out of
@@ -243,10 +252,7 @@ def run_python_blocks(blocks: list, name: str, tmp_path) -> str:
     script = pathlib.Path(tmp_path) / "blocks.py"
     script.write_text(_BLOCKS_RUNNER.format(blocks=blocks, name=name))
     root = pathlib.Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_ENABLE_X64", "JAX_PLATFORMS")}
-    env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join([str(root)] + [p for p in [env.get("PYTHONPATH")] if p])
+    env = one_device_env(PYTHONPATH=os.pathsep.join([str(root)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=900)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-8000:]

@@ -3,7 +3,6 @@ FLA's head-first layout and float64 without x64 are named, unnormalised keys war
 shape errors given in one line."""
 
 import os
-import re
 import subprocess
 import sys
 import warnings
@@ -15,6 +14,8 @@ import pytest
 from jaxtyping import TypeCheckError
 
 import kdax
+
+from ._util import one_device_env
 
 B, T, H, K = 1, 32, 2, 8
 
@@ -44,10 +45,8 @@ IDS = ["chunk", "recurrent"]
 def _one_device(code: str) -> str:
     """``code`` in a fresh process with one CPU device (the suite has 8 simulated ones) and
     JAX's defaults: its stdout; the process must exit cleanly."""
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_ENABLE_X64",)}
-    env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=one_device_env(),
+                         timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return out.stdout
 

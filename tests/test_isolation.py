@@ -17,7 +17,7 @@ import pytest
 import kdax
 from kdax._numerics import isolation as _isolation
 
-from ._util import assert_close, make_inputs, oracle_kda, split_args
+from ._util import assert_close, make_inputs, one_device_env, oracle_kda, split_args
 
 C = 16
 # Sequence 1 (tokens 5..19) crosses a chunk boundary and shares chunks with 0 and 2; 3
@@ -418,13 +418,10 @@ def test_the_non_finite_tests_hold_one_boolean_at_a_time():
     (20.7 MiB); now the forward's temporaries stay under four booleans' worth, checked or
     not (one device, in a fresh process: the suite's eight devices check the domain
     elementwise instead)."""
-    import os
     import subprocess
     import sys
 
-    env = dict(os.environ, XLA_FLAGS=" ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
-                                              if "device_count" not in f), JAX_PLATFORMS="cpu")
-    run = subprocess.run([sys.executable, "-c", _PEAKS], env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, "-c", _PEAKS], env=one_device_env(), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     temp = {line.split()[1] == "True": int(line.split()[2]) for line in run.stdout.split("\n") if line.strip()}
     assert run.stdout.split()[0] == "1" and len(temp) == 2, run.stdout

@@ -10,7 +10,6 @@ NaN where isolation puts it and nowhere else. (The one-device errors are
 tests/test_input_checks.py's.)"""
 
 import os
-import re
 import subprocess
 import sys
 
@@ -19,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import kdax
+
+from ._util import one_device_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -76,10 +77,8 @@ np.savez({path!r}, **battery())
 
 def test_one_device_paths_give_the_suites_numbers(tmp_path):
     path = str(tmp_path / "one_device.npz")
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
-    run = subprocess.run([sys.executable, "-c", _CHILD.format(root=ROOT, path=path)], env=env, capture_output=True,
-                         text=True, timeout=600)
+    run = subprocess.run([sys.executable, "-c", _CHILD.format(root=ROOT, path=path)], env=one_device_env(),
+                         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert jax.device_count() > 1  # (this process: the suite's simulated devices)
     here, there = battery(), dict(np.load(path))

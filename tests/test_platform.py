@@ -5,7 +5,6 @@ reference forward (the derived backward's path) and then any scan gradient, whic
 in XLA:CPU with jaxlib 0.10.2 before kdax turned the fusions off."""
 
 import os
-import re
 import subprocess
 import sys
 import types
@@ -15,6 +14,8 @@ import jaxlib
 import pytest
 
 from kdax import _platform
+
+from ._util import one_device_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -100,10 +101,8 @@ print(applied, *counts, sum("before JAX's first computation" in str(x.message) f
 
 
 def _faults(mode: str) -> list:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
-    run = subprocess.run([sys.executable, "-c", _FAULTS, mode], env=env, capture_output=True, text=True, timeout=600,
-                         cwd=ROOT)
+    run = subprocess.run([sys.executable, "-c", _FAULTS, mode], env=one_device_env(PYTHONPATH=str(ROOT)),
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-4000:]
     return run.stdout.split()
 
@@ -164,9 +163,8 @@ def test_reuse_freed_memory_with_several_host_devices():
     settings; ``reuse_freed_memory`` limits glibc to one arena then, the main heap it keeps:
     no faults in most calls once the heap has grown to hold both threads' blocks. The
     contrast (an arena per thread restored after the call) shows the program faulted."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
-    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=2".strip()
+    env = one_device_env(PYTHONPATH=str(ROOT))
+    env["XLA_FLAGS"] = f"{env['XLA_FLAGS']} --xla_force_host_platform_device_count=2".strip()
     env.pop("MALLOC_ARENA_MAX", None)  # (glibc's own: the process's arenas as the call finds them)
     out = {}
     for mode in ("as set", "arenas"):

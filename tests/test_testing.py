@@ -28,6 +28,7 @@ from kdax.stages import (
     ReferenceWY,
 )
 from kdax.testing import Case, check_pipeline, check_stage
+from kdax._layouts.tokens import as_chunked  # (the runner's own reading of a view)
 from kdax.typing import Tokens
 
 from ._util import load_example
@@ -333,10 +334,6 @@ def test_false_G_lo_fails():
     assert "does not use it" in _row(unused, "G_lo").detail, str(unused)
 
 
-def _views_as_copies(x):
-    return x.chunked() if isinstance(x, Tokens) else x
-
-
 def _views_misread(x):
     """A layout slip: the caller's ``[B, T, H, D]`` reshaped to ``[B, H, NC, C, D]`` with
     the head axis left in place."""
@@ -350,7 +347,7 @@ class ViewsGate(AbstractGate):
 
     math: ClassVar = KDA
     accepts: ClassVar[frozenset] = frozenset({"tokens"})
-    read = staticmethod(_views_as_copies)
+    read = staticmethod(as_chunked)
 
     def __call__(self, config, q, k, g, beta, A_log, dt_bias, valid):
         return ReferenceGate()(config, *map(self.read, (q, k, g, beta)), A_log, dt_bias, valid)
