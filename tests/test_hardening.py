@@ -18,7 +18,7 @@ from kdax.stages import (
     ReferenceIntraBackward, ReferenceRecompute, ReferenceWY, ReferenceWYDqkg,
 )
 
-from ._util import assert_close, loss_grads, make_inputs, oracle_kda, rel_rms, run
+from ._util import assert_close, loss_grads, make_inputs, oracle_kda, output_shapes, outputs_and_grads, rel_rms, run
 
 PIPES = {
     "reference": lambda: kdax.KDAPipeline.reference(),
@@ -34,15 +34,12 @@ def _chunked(pipe, C):
 def _check_all(fn, x, options, tol_o, tol_g, seed=7):
     """Outputs, final states and every gradient of ``fn`` against the float64 oracle."""
     options = dict(options, output_final_state=True)
-    o, ht = run(fn, x, options)
-    o_ref, ht_ref = run(oracle_kda, x, options)
+    r = np.random.default_rng(seed)
+    do, dht = (jnp.asarray(r.normal(size=s.shape), s.dtype) for s in output_shapes(oracle_kda, x, options))
+    o, ht, got = outputs_and_grads(fn, x, options, do, dht)
+    o_ref, ht_ref, want = outputs_and_grads(oracle_kda, x, options, do, dht)
     assert_close(o, o_ref, tol_o, "o")
     assert_close(ht, ht_ref, tol_o, "ht")
-    r = np.random.default_rng(seed)
-    do = jnp.asarray(r.normal(size=o.shape), o.dtype)
-    dht = jnp.asarray(r.normal(size=ht.shape), ht.dtype)
-    got = loss_grads(fn, x, options, do, dht)
-    want = loss_grads(oracle_kda, x, options, do, dht)
     for n in got:
         assert_close(got[n], want[n], tol_g, "d" + n)
 
@@ -141,12 +138,10 @@ def _extreme(pattern):
 
 def _errors(fn, x32, x64, options):
     options = dict(options, output_final_state=True)
-    o, ht = run(fn, x32, options)
-    o_ref, ht_ref = run(oracle_kda, x64, options)
     r = np.random.default_rng(6)
-    do, dht = r.normal(size=o.shape), r.normal(size=ht.shape)
-    got = loss_grads(fn, x32, options, jnp.asarray(do, jnp.float32), jnp.asarray(dht, jnp.float32))
-    want = loss_grads(oracle_kda, x64, options, jnp.asarray(do), jnp.asarray(dht))
+    do, dht = (r.normal(size=s.shape) for s in output_shapes(oracle_kda, x64, options))
+    o, ht, got = outputs_and_grads(fn, x32, options, jnp.asarray(do, jnp.float32), jnp.asarray(dht, jnp.float32))
+    o_ref, ht_ref, want = outputs_and_grads(oracle_kda, x64, options, jnp.asarray(do), jnp.asarray(dht))
     errs = {"o": rel_rms(o, o_ref), "ht": rel_rms(ht, ht_ref)}
     errs.update({"d" + n: rel_rms(got[n], want[n]) for n in got})
     return errs

@@ -14,7 +14,8 @@ import kdax
 from kdax.stages import KDA, AbstractOutput, ReferenceOutput
 
 from ._util import (
-    GOLDEN_CASES, assert_close, check_golden, loss_grads, make_inputs, oracle_kda, run, split_args,
+    GOLDEN_CASES, assert_close, check_golden, loss_grads, make_inputs, oracle_kda, output_shapes, outputs_and_grads, run,
+    split_args,
 )
 
 # Each case: options (+ shape overrides). Together they cover every FLA option, GVA,
@@ -68,14 +69,13 @@ def cotangents(o, ht, seed=1):
 
 def check_against_oracle(pipeline, x, opts, tol=1e-10):
     """Outputs, final states and every input gradient of ``pipeline`` against the float64
-    recurrence (random cotangents)."""
-    o, ht = run(pipeline, x, opts)
-    o_ref, ht_ref = run(oracle_kda, x, opts)
+    recurrence (random cotangents); the outputs as a training step's forward computes them
+    (the forward alone: ``test_golden`` and the causality tests)."""
+    do, dht = cotangents(*output_shapes(oracle_kda, x, opts))
+    o, ht, grads = outputs_and_grads(pipeline, x, opts, do, dht)
+    o_ref, ht_ref, ref = outputs_and_grads(oracle_kda, x, opts, do, dht)
     assert_close(o, o_ref, tol, "o")
     assert_close(ht, ht_ref, tol, "ht")
-    do, dht = cotangents(o, ht)
-    grads = loss_grads(pipeline, x, opts, do, dht)
-    ref = loss_grads(oracle_kda, x, opts, do, dht)
     for n in ref:
         assert_close(grads[n], ref[n], tol, "d" + n)
 
@@ -88,15 +88,7 @@ GRID_SLOW = ("plain_c64", "disable_recompute")
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in GRID_SLOW else n for n in GRID])
 def test_forward_and_grads_against_oracle(name):
     x, opts = build_case(GRID[name])
-    o, ht = run(kdax.chunk_kda, x, opts)
-    o_ref, ht_ref = run(oracle_kda, x, opts)
-    assert_close(o, o_ref, 1e-10, "o")
-    assert_close(ht, ht_ref, 1e-10, "ht")
-    do, dht = cotangents(o, ht)
-    grads = loss_grads(kdax.chunk_kda, x, opts, do, dht)
-    ref = loss_grads(oracle_kda, x, opts, do, dht)
-    for n in ref:
-        assert_close(grads[n], ref[n], 1e-10, "d" + n)
+    check_against_oracle(kdax.chunk_kda, x, opts)
 
 
 @pytest.mark.parametrize("name", GOLDEN_CASES)
@@ -224,15 +216,8 @@ def test_swap_stage_with_tree_at():
     pipe = eqx.tree_at(lambda p: p.output, kdax.KDAPipeline.reference(), EinsumOutput(calls))
     assert isinstance(pipe.output, EinsumOutput)
     x, opts = build_case(dict(chunk_size=32))
-    o, ht = run(pipe, x, opts)
-    o_ref, ht_ref = run(oracle_kda, x, opts)
+    check_against_oracle(pipe, x, opts)
     assert calls, "the swapped stage was not used"
-    assert_close(o, o_ref, 1e-10, "o")
-    do, dht = cotangents(o, ht)
-    grads = loss_grads(pipe, x, opts, do, dht)
-    ref = loss_grads(oracle_kda, x, opts, do, dht)
-    for n in ref:
-        assert_close(grads[n], ref[n], 1e-10, "d" + n)
 
 
 def test_eager_calls_compile_once():

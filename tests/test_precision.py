@@ -20,7 +20,7 @@ from kdax.pallas._common import PallasTarget
 from kdax.stages import AbstractOutput, ReferenceOutput
 
 from ._gpu_products import gpu_products
-from ._util import assert_close, dot_eqns, loss_grads, make_inputs, oracle_kda, rel_rms, run
+from ._util import assert_close, dot_eqns, make_inputs, oracle_kda, output_shapes, outputs_and_grads, rel_rms, run
 
 # FLA's tolerances for half-precision inputs (rel-RMS against a float64 reference).
 FLA_TOL = {"o": 5e-3, "q": 8e-3, "k": 8e-3, "v": 8e-3, "g": 2e-2, "beta": 2e-2, "A_log": 2e-2, "dt_bias": 2e-2}
@@ -143,14 +143,13 @@ def _check_fast_policy(pipe, dtype):
     x = {n: a.astype(jnp.float32 if n in ("A_log", "dt_bias") else dtype) for n, a in x64.items()}
     xr = {n: a.astype(jnp.float64) for n, a in x.items()}  # the same values, exactly
     opts = dict(chunk_size=32, output_final_state=True, **KIMI)
-    o, ht = run(lambda *a, **kw: kdax.chunk_kda(*a, pipeline=pipe, **kw), x, opts)
-    o_ref, ht_ref = run(oracle_kda, xr, opts)
+    fn = lambda *a, **kw: kdax.chunk_kda(*a, pipeline=pipe, **kw)  # noqa: E731
+    do = jnp.asarray(np.random.default_rng(1).normal(size=output_shapes(oracle_kda, xr, opts)[0].shape))
+    o, ht, grads = outputs_and_grads(fn, x, opts, do.astype(jnp.float32), None)
+    o_ref, ht_ref, want = outputs_and_grads(oracle_kda, xr, opts, do, None)
     assert o.dtype == dtype and ht.dtype == jnp.float32
     assert_close(o, o_ref, FLA_TOL["o"], "o")
     assert_close(ht, ht_ref, FLA_TOL["o"], "ht")
-    do = jnp.asarray(np.random.default_rng(1).normal(size=o.shape))
-    grads = loss_grads(lambda *a, **kw: kdax.chunk_kda(*a, pipeline=pipe, **kw), x, opts, do.astype(jnp.float32), None)
-    want = loss_grads(oracle_kda, xr, opts, do, None)
     for n, gr in grads.items():
         assert_close(gr, want[n], FLA_TOL[n], "d" + n)
     exact = pipe.with_precision("highest")
@@ -259,13 +258,12 @@ def _hard_gate_errors(pipe, shape, packed: bool, tf32: str = "truncate") -> dict
     if packed:
         opts["cu_seqlens"] = jnp.asarray([0, 37, 37 + T // 2, T], jnp.int32)
     fn = lambda *a, **kw: kdax.chunk_kda(*a, pipeline=pipe, **kw)  # noqa: E731
+    o_s, ht_s = output_shapes(oracle_kda, xr, opts)
+    do = jnp.asarray(np.random.default_rng(1).normal(size=o_s.shape), jnp.float32)
+    dht = jnp.asarray(np.random.default_rng(2).normal(size=ht_s.shape), jnp.float32)
     with gpu_products(tf32):
-        o, ht = run(fn, x, opts)
-        do = jnp.asarray(np.random.default_rng(1).normal(size=o.shape), jnp.float32)
-        dht = jnp.asarray(np.random.default_rng(2).normal(size=ht.shape), jnp.float32)
-        grads = loss_grads(fn, x, opts, do, dht)
-    o_ref, ht_ref = run(oracle_kda, xr, opts)
-    want = loss_grads(oracle_kda, xr, opts, do.astype(jnp.float64), dht.astype(jnp.float64))
+        o, ht, grads = outputs_and_grads(fn, x, opts, do, dht)
+    o_ref, ht_ref, want = outputs_and_grads(oracle_kda, xr, opts, do.astype(jnp.float64), dht.astype(jnp.float64))
     assert o.dtype == jnp.bfloat16 and ht.dtype == jnp.float32
     # (every error measured before any is asserted, and printed: benchmarks/NOTES.md)
     errs = {"o": rel_rms(o, o_ref), "ht": rel_rms(ht, ht_ref)}

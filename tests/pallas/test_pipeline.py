@@ -14,7 +14,9 @@ import pytest
 import kdax
 from kdax import pallas as P
 
-from .._util import GOLDEN_CASES, ON_DEVICE, assert_close, check_golden, loss_grads, oracle_kda, run, split_args
+from .._util import (
+    GOLDEN_CASES, ON_DEVICE, assert_close, check_golden, oracle_kda, output_shapes, outputs_and_grads, run, split_args,
+)
 from ..test_pipeline import GRID, build_case, check_against_oracle, cotangents
 
 PIPELINES = {
@@ -169,14 +171,13 @@ def test_low_precision_inputs(pipe, dt):
     xl = {n: a.astype(dt) for n, a in x.items()}
     x64 = {n: a.astype(jnp.float64) for n, a in xl.items()}
     pipe = PIPELINES[pipe]().with_precision("highest")
-    o, ht = run(pipe, xl, opts)
-    o_ref, ht_ref = run(oracle_kda, x64, opts)
+    do, dht = cotangents(*output_shapes(oracle_kda, x64, opts))
+    do, dht = do.astype(dt), dht.astype(jnp.float32)  # (as the pipeline's outputs)
+    o, ht, grads = outputs_and_grads(pipe, xl, opts, do, dht)
+    o_ref, ht_ref, ref = outputs_and_grads(oracle_kda, x64, opts, do.astype(jnp.float64), dht.astype(jnp.float64))
     assert o.dtype == dt and ht.dtype == jnp.float32
     assert_close(o, o_ref, 5e-3, "o")
     assert_close(ht, ht_ref, 1e-5, "ht")
-    do, dht = cotangents(o, ht)
-    grads = loss_grads(pipe, xl, opts, do, dht)
-    ref = loss_grads(oracle_kda, x64, opts, do.astype(jnp.float64), dht.astype(jnp.float64))
     for n in ref:
         assert grads[n].dtype == dt, n
         assert_close(grads[n], ref[n], 5e-3, "d" + n)
@@ -236,10 +237,10 @@ def test_stages_read_the_callers_layout():
         x, opts = build_case(spec, dtype=dtype)
         x = dict(x, g=x["g"].at[1, 20, 1, 3].set(jnp.nan), k=x["k"].at[2, 40, 0, 2].set(jnp.inf),
                  q=x["q"].at[0, 10, 1, 0].set(jnp.nan), beta=x["beta"].at[0, 50, 2].set(jnp.nan))
-        got, want = run(pipe, x, opts), run(kdax.KDAPipeline.reference(), x, opts)
-        do, dht = cotangents(*want)
-        got += tuple(loss_grads(pipe, x, opts, do, dht).values())
-        want += tuple(loss_grads(kdax.KDAPipeline.reference(), x, opts, do, dht).values())
+        do, dht = cotangents(*output_shapes(oracle_kda, x, opts))
+        o, ht, grads = outputs_and_grads(pipe, x, opts, do, dht)
+        o_ref, ht_ref, ref = outputs_and_grads(kdax.KDAPipeline.reference(), x, opts, do, dht)
+        got, want = (o, ht, *grads.values()), (o_ref, ht_ref, *ref.values())
         for i, (a, b) in enumerate(zip(got, want)):
             a, b = np.asarray(a), np.asarray(b)
             np.testing.assert_array_equal(np.isnan(a), np.isnan(b), err_msg=str(i))

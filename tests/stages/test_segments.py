@@ -14,7 +14,7 @@ from kdax.stages import (
     KDA, AbstractDhu, ReferenceDAv, ReferenceDhu, ReferenceState, SegmentedDhu, SegmentedState, segmented,
 )
 
-from .._util import assert_close, loss_grads, make_inputs, oracle_kda, run, jitted
+from .._util import assert_close, make_inputs, oracle_kda, output_shapes, outputs_and_grads, jitted
 from ._chunked import chunked, intra_chunk, layout_of, rand_like, wy_chunk
 
 TOL = 1e-12
@@ -125,13 +125,11 @@ def test_segmented_pipeline_against_oracle(packed):
         opts["cu_seqlens"] = jnp.asarray([0, 40, 41, 100], jnp.int32)
     pipe = segmented(kdax.KDAPipeline.reference().untiled(), 3)
     fn = lambda *a, **kw: kdax.chunk_kda(*a, pipeline=pipe, **kw)
-    o, ht = run(fn, x, opts)
-    o_ref, ht_ref = run(oracle_kda, x, opts)
+    do, dht = (rand_like(s, i) for s, i in zip(output_shapes(oracle_kda, x, opts), (1, 2)))
+    o, ht, grads = outputs_and_grads(fn, x, opts, do, dht)
+    o_ref, ht_ref, want = outputs_and_grads(oracle_kda, x, opts, do, dht)
     assert_close(o, o_ref, 1e-10, "o")
     assert_close(ht, ht_ref, 1e-10, "ht")
-    do, dht = rand_like(o, 1), rand_like(ht, 2)
-    grads = loss_grads(fn, x, opts, do, dht)
-    want = loss_grads(oracle_kda, x, opts, do, dht)
     for n, g in grads.items():
         assert_close(g, want[n], 1e-9, "d" + n)
     plan = pipe.plan(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
