@@ -16,7 +16,7 @@ import pytest
 import kdax
 from kdax.ref import naive_chunk_kda, naive_recurrent_kda
 
-from ._util import assert_close, loss_grads, oracle_kda
+from ._util import assert_close, oracle_kda, outputs_and_grads
 
 T_CUT, B_CUT = 256, 2
 
@@ -91,12 +91,8 @@ def test_chunk(B, T, H, D, scale, normalizer, mask_p, l2_in_kernel, gate_in_kern
 
 def _against_oracle(fn, x, opts, do, dht, tols):
     x64 = {n: a.astype(jnp.float64) for n, a in x.items()}
-    split = lambda d: ((d["q"], d["k"], d["v"], d["g"], d["beta"]),
-                       {n: d[n] for n in ("initial_state", "A_log", "dt_bias") if n in d})
-    o, ht = jax.jit(lambda d: fn(*split(d)[0], **split(d)[1], **opts))(x)
-    o_ref, ht_ref = jax.jit(lambda d: oracle_kda(*split(d)[0], **split(d)[1], **opts))(x64)
-    got = loss_grads(fn, x, opts, do, dht)
-    want = loss_grads(oracle_kda, x64, opts, do.astype(jnp.float64), dht.astype(jnp.float64))
+    o, ht, got = outputs_and_grads(fn, x, opts, do, dht)
+    o_ref, ht_ref, want = outputs_and_grads(oracle_kda, x64, opts, do.astype(jnp.float64), dht.astype(jnp.float64))
     _check(dict(o=o, ht=ht, **got), dict(o=o_ref, ht=ht_ref, **want), tols)
 
 
