@@ -144,7 +144,7 @@ def test_differentiating_is_refused():
         with pytest.raises(ValueError, match="return_intermediate_states: forward only"):
             jax.grad(loss)(x[name])
     # Not differentiated: any transformation that leaves the inputs without tangents runs.
-    h = jax.vmap(lambda q: _call(dict(x, q=q[None]), chunk_size=16)[2][0])(x["q"])
+    h = jax.jit(jax.vmap(lambda q: _call(dict(x, q=q[None]), chunk_size=16)[2][0]))(x["q"])
     assert h.shape == (1, 2, 1, 8, 4)
 
 
