@@ -379,7 +379,7 @@ class ZeroStartKDAState(AbstractState):
     from a carried state, and the reference check on a tile of each case reports it."""
 
     math: ClassVar = KDA
-    accepts: ClassVar[frozenset] = frozenset({"tile_safe", "reset"})
+    accepts: ClassVar[frozenset] = frozenset({"tile_safe"})
 
     def __call__(self, w, u, kg, G, h0, layout, reset=None):
         return ReferenceState()(w, u, kg, G, jnp.zeros_like(h0), layout, reset)
@@ -478,7 +478,7 @@ class WrongAtChunk64Intra(AbstractIntra):
     """F2 with ``Aqk`` 0.1% off at chunk size 64 only (the API's default)."""
 
     math: ClassVar = KDA
-    accepts: ClassVar[frozenset] = frozenset({"G_lo", "reset", "tile_safe"})
+    accepts: ClassVar[frozenset] = frozenset({"tile_safe"})  # (reset, G_lo: their checks would pass)
 
     def __call__(self, scale, q, k, beta, G, G_lo=None, reset=None):
         out = ReferenceIntra()(scale, q, k, beta, G, G_lo, reset)
@@ -491,7 +491,7 @@ class IgnoresNegEigvalGate(AbstractGate):
     """F1 that ignores ``allow_neg_eigval`` (beta = sigmoid, not 2 sigmoid)."""
 
     math: ClassVar = KDA
-    accepts: ClassVar[frozenset] = frozenset({"reset", "tile_safe"})
+    accepts: ClassVar[frozenset] = frozenset({"tile_safe"})  # (reset: its checks would pass)
 
     def __call__(self, config, q, k, g, beta, A_log, dt_bias, valid, reset=None):
         config = dataclasses.replace(config, allow_neg_eigval=False)
@@ -502,7 +502,7 @@ class WrongSingleChunkWY(AbstractWY):
     """F3 with ``w`` 0.4% off when the input fits one chunk (T <= C)."""
 
     math: ClassVar = KDA
-    accepts: ClassVar[frozenset] = frozenset({"G_lo", "reset", "tile_safe"})
+    accepts: ClassVar[frozenset] = frozenset({"tile_safe"})  # (reset, G_lo: their checks would pass)
 
     def __call__(self, q, k, v, beta, G, Akk, G_lo=None, reset=None):
         out = ReferenceWY()(q, k, v, beta, G, Akk, G_lo, reset)
