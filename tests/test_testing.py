@@ -313,6 +313,17 @@ class UnusedGLoIntra(AbstractIntra):
         return ReferenceIntra()(scale, q, k, beta, G)
 
 
+class GLoIntra(AbstractIntra):
+    """The reference F2 declaring ``G_lo`` alone (its other rows' checks: the reference
+    stages' tests)."""
+
+    math: ClassVar = KDA
+    accepts: ClassVar[frozenset] = frozenset({"G_lo"})
+
+    def __call__(self, scale, q, k, beta, G, G_lo=None):
+        return ReferenceIntra()(scale, q, k, beta, G, G_lo)
+
+
 def _row(report, check):
     return next(c for c in report.checks if c.name == check)
 
@@ -323,7 +334,7 @@ def test_false_G_lo_fails():
     from the low part, a sign slip that the float32 reference row lets through fails it,
     and an unused ``G_lo`` passes, said so."""
     case = (Case("dense f32", jnp.float32, strong=True),)
-    ref = check_stage(ReferenceIntra(), "intra", dtypes=(jnp.float32,), cases=case)
+    ref = check_stage(GLoIntra(), "intra", dtypes=(jnp.float32,), cases=case)
     _assert_ok(ref)
     assert _row(ref, "G_lo").passed and "does not use" not in _row(ref, "G_lo").detail, str(ref)
     slip = check_stage(SignSlipGLoIntra(), "intra", dtypes=(jnp.float32,), cases=case)
