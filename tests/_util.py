@@ -141,10 +141,7 @@ def _loss(fn, names, options, do, dht):
 
 def loss_grads(fn, inputs, options, do, dht):
     """Gradients of ``sum(o*do) + sum(ht*dht)`` with respect to every array in ``inputs``."""
-    names = [n for n in GRAD_NAMES if n in inputs]
-    grad = jax.grad(_loss(fn, names, options, do, dht), argnums=tuple(range(len(names))), has_aux=True)
-    grads, _ = jax.jit(grad)(*(inputs[n] for n in names))
-    return dict(zip(names, grads))
+    return outputs_and_grads(fn, inputs, options, do, dht)[2]
 
 
 def output_shapes(fn, inputs, options):
