@@ -543,6 +543,32 @@ def test_gate_ignoring_allow_neg_eigval_fails():
     assert _failing_cases(report) == {"softplus f64", "softplus f64 tile"}, str(report)
 
 
+class KeepsInfiniteGate(AbstractGate):
+    """KDA's F1 that floors only finite log decays (keeping NaN and inf, as if for the
+    isolation's sake): a hard decay (g = -inf) then reaches G as -inf, and every product
+    after it as NaN. Right wherever the gates are finite, -1000 included."""
+
+    math: ClassVar = KDA
+    accepts: ClassVar[frozenset] = frozenset({"tile_safe"})
+
+    def __call__(self, config, q, k, g, beta, A_log, dt_bias, valid):
+        act = ReferenceGate(split=False)(config, q, k, g, beta, A_log, dt_bias, valid)
+        if config.use_gate_in_kernel:
+            return act
+        floor = kdax.ref.log_decay_floor(g.dtype)
+        g = jnp.where(jnp.isfinite(g), jnp.maximum(g, floor), g)
+        return dataclasses.replace(act, G=jnp.cumsum(jnp.where(valid[:, None, :, :, None], g, 0.0), axis=-2))
+
+
+def test_gate_keeping_an_infinite_decay_fails():
+    """The float32 dense case's strong gates include -inf (a hard forget): the one case
+    where this F1 differs. (With -1000 alone it passed every row.)"""
+    report = check_stage(KeepsInfiniteGate(), "gate", dtypes=(jnp.float32,))
+    assert _failing_cases(report) == {"dense f32", "dense f32 tile"}, str(report)
+    assert {c.name for c in report.failed} == {"finite", "reference"}, str(report)
+    assert "non-finite at" in next(c for c in report.failed if c.name == "reference").detail, str(report)
+
+
 def test_wy_wrong_when_input_fits_one_chunk_fails():
     report = check_stage(WrongSingleChunkWY(), "wy", **_small())
     failing = _failing_cases(report)

@@ -15,7 +15,7 @@ class Case:
     """One input configuration: shapes, layout, dtype and options of a ``chunk_kda`` call
     whose stage arguments a check runs on. ``cu`` packed ``cu_seqlens`` (B must be 1);
     ``share`` the pipeline's ``share_chunks``; ``options`` FLA's flags as
-    ``(("use_qk_l2norm_in_kernel", True), ...)``; ``strong``: some log decays -1000;
+    ``(("use_qk_l2norm_in_kernel", True), ...)``; ``strong``: some log decays -1000 or -inf;
     ``scale`` the call's ``scale`` (None: the default ``K ** -0.5``); ``A_log``: with the
     in-kernel gate, pass ``A_log`` (False: the lower-bound gate's form without it);
     ``precision`` the pipeline's precision policy (None: the base pipeline's)."""
@@ -63,7 +63,7 @@ class Case:
             if o.get(flag):
                 parts.append(what)
         if self.strong:
-            parts.append("5% of log decays -1000")
+            parts.append("5% of log decays -1000 or -inf")
         if self.precision is not None:
             parts.append(f"precision {self.precision!r}")
         return ", ".join(parts)
@@ -90,8 +90,10 @@ class Case:
             g = r.normal(size=(B, T, HV, K))
         else:
             g = -r.uniform(0.01, 0.5, size=(B, T, HV, K))
-            if self.strong:
-                g[r.uniform(size=g.shape) < 0.05] = -1000.0
+            if self.strong:  # below float32's floor; -inf too, a hard forget (exact, as FLA's exp(g) = 0)
+                u = r.uniform(size=g.shape)
+                g[u < 0.05] = -1000.0
+                g[u < 0.02] = -np.inf
         dt = jnp.dtype(self.dtype)
         pt = jnp.float64 if dt == jnp.float64 else jnp.float32
         kw = dict(chunk_size=self.chunk, output_final_state=True, **o)
@@ -133,7 +135,8 @@ def default_cases(dtypes=DTYPES, full: bool = False, shared: bool = True) -> tup
     """The case matrix (``Case.describe`` says what each gives the stages):
 
     * ``dense`` in each dtype: B = 2, T = 40 (a partial last chunk), grouped value heads
-      (HV = 2H), K = 8 != V = 4, ``scale=0.3``, initial states (float32 with -1000 gates);
+      (HV = 2H), K = 8 != V = 4, ``scale=0.3``, initial states (float32 with gates at
+      -1000 and -inf);
     * in the first dtype (every dtype with ``full``): ``packed`` varlen per-sequence with
       initial states; ``shared`` and ``shared-exact`` chunks (when ``shared``: F1's floor
       at sequence starts, and without it); ``softplus`` (FLA's in-kernel options: l2norm,

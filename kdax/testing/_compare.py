@@ -1,5 +1,5 @@
 """Comparing two outputs of a stage or a pipeline: relative RMS over every array leaf,
-non-finite values at the same places."""
+non-finite values at the same places and of the same kind (NaN, +inf, -inf)."""
 
 import dataclasses
 
@@ -35,7 +35,7 @@ def _rel(x, ref) -> float:
 
 def _compare(out, ref, tol: float):
     """``(passed, detail)``: every leaf of ``out`` within ``tol`` (relative RMS) of
-    ``ref``'s, non-finite at the same places."""
+    ``ref``'s, non-finite at the same places and of the same kind (NaN, +inf, -inf)."""
     a, b = _leaves(out), dict(_leaves(ref))
     worst, where = 0.0, ""
     for path, x in a:
@@ -47,6 +47,11 @@ def _compare(out, ref, tol: float):
         bad = np.isfinite(x) != np.isfinite(y)
         if bad.any():
             return False, f"{path}: non-finite at {int(bad.sum())} places where the other is finite"
+        other = ~np.isfinite(x) & (x != y) & ~(np.isnan(x) & np.isnan(y))
+        if other.any():
+            i = np.argwhere(other)[0]
+            return False, (f"{path}: non-finite of another kind at {int(other.sum())} places ({x[tuple(i)]} where "
+                           f"the other has {y[tuple(i)]}, at {tuple(int(j) for j in i)})")
         e = _rel(x, y)
         if not e <= worst:
             worst, where = e, path
