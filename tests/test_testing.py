@@ -832,3 +832,19 @@ def test_checks_in_a_loop_release_compiled_programs_near_the_mapping_limit(monke
     held = maps()
     _runs.release_compiled_programs()
     assert not _runs._COMPILED and maps() < held - 50, (held, maps())
+
+
+def test_comparison_tells_non_finite_kinds_apart():
+    """A NaN where the reference has an inf (or -inf for +inf) is a difference, as a
+    finite value would be; the same kinds at the same places compare equal."""
+    import numpy as np
+
+    from kdax.testing._compare import _compare
+
+    ref = {"o": np.array([1.0, np.nan, np.inf, -np.inf])}
+    assert _compare(ref, ref, 1e-12)[0]
+    for i, other in ((1, np.inf), (2, np.nan), (3, np.inf)):
+        got = {"o": ref["o"].copy()}
+        got["o"][i] = other
+        ok, detail = _compare(got, ref, 1e-12)
+        assert not ok and "non-finite of another kind at 1 places" in detail, detail
