@@ -26,6 +26,7 @@ from kdax.stages import (
     ReferenceOutput,
     ReferenceState,
     ReferenceWY,
+    StateOut,
 )
 from kdax.testing import Case, check_pipeline, check_stage
 from kdax._layouts.tokens import as_chunked  # (the runner's own reading of a view)
@@ -409,11 +410,56 @@ def test_wrong_family_fails():
     _assert_fails(check_stage(ReferenceOutput(), "gate"), "family")
 
 
-def test_wrong_backward_fails_check_pipeline():
-    pipe = eqx.tree_at(lambda p: p.dav, kdax.KDAPipeline.reference(), ScaledDvDAv())
-    _assert_fails(check_pipeline(pipe), "gradients")
-    # and the stage alone: it declares KDA's transpose, and differs from ReferenceDAv
+class LateBlockOutput(AbstractOutput):
+    """KDA's F5 as a grid over blocks of 4 chunks whose later blocks read the state one
+    chunk late (a block offset off by one): right on inputs of up to 4 chunks."""
+
+    math: ClassVar = KDA
+
+    def __call__(self, scale, qg, h, Aqk, v_new):
+        if h.shape[2] > 4:
+            h = jnp.concatenate([h[:, :, :4], h[:, :, 3:-1]], axis=2)
+        return ReferenceOutput()(scale, qg, h, Aqk, v_new)
+
+
+def test_wrong_stages_fail_check_pipeline():
+    """A wrong B1 fails the gradients; an F5 wrong past 4 chunks fails the forward on the
+    one case that long (a packed sequence of 32 chunks at chunk 64), and only there."""
+    pipe = eqx.tree_at(lambda p: (p.dav, p.output), kdax.KDAPipeline.reference(), (ScaledDvDAv(), LateBlockOutput()))
+    report = check_pipeline(pipe)
+    _assert_fails(report, "gradients")
+    assert _failing_cases(report, "forward") == {"packed chunk64 f64"}, str(report)
+    # and the B1 alone: it declares KDA's transpose, and differs from ReferenceDAv
     _assert_fails(check_stage(ScaledDvDAv(), "dav", **_small()), "reference")
+
+
+class BlockedState(AbstractState):
+    """KDA's F4 on dense rows in blocks of 4 chunks, each block starting from the row's
+    initial state (the state not carried from block to block): right on up to 4 chunks."""
+
+    math: ClassVar = KDA
+
+    def __call__(self, w, u, kg, G, h0, layout, reset=None):
+        NC = w.shape[2]
+        if not layout.dense or NC <= 4:
+            return ReferenceState()(w, u, kg, G, h0, layout)
+        rows = jnp.arange(layout.first.shape[0], dtype=jnp.int32)[:, None]
+        outs = []
+        for c0 in range(0, NC, 4):
+            n = min(NC, c0 + 4) - c0
+            block = dataclasses.replace(layout, first=jnp.where(jnp.arange(n)[None] == 0, rows, -1),
+                                        last=layout.last[:, c0:c0 + n], valid=layout.valid[:, c0:c0 + n])
+            outs.append(ReferenceState()(*(x[:, :, c0:c0 + n] for x in (w, u, kg, G)), h0, block))
+        return StateOut(jnp.concatenate([o.h for o in outs], 2), jnp.concatenate([o.v_new for o in outs], 2),
+                        outs[-1].final)
+
+
+def test_state_wrong_past_a_block_fails():
+    """The chunk64 case's 33 chunks: an F4 that loses its state between blocks of chunks
+    (every other case has at most 3) fails there, and only there."""
+    report = check_stage(BlockedState(), "state", **_small())
+    assert _failing_cases(report) == {"chunk64 f64"}, str(report)
+    assert {c.name for c in report.failed} == {"reference"}, str(report)
 
 
 @pytest.mark.slow
@@ -574,7 +620,7 @@ def test_wy_wrong_when_input_fits_one_chunk_fails():
     failing = _failing_cases(report)
     # "short": T = 12 <= C = 16; and the tiles that are one chunk (the last of NC = 2)
     assert "short f64" in failing, str(report)
-    assert {c for c in failing if c != "short f64"} == {"chunk64 f64 tile", "softplus f64 tile", "lower-bound f64 tile",
+    assert {c for c in failing if c != "short f64"} == {"softplus f64 tile", "lower-bound f64 tile",
                                                        "lower-bound-noA f64 tile"}, str(report)
 
 

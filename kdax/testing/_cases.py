@@ -120,6 +120,14 @@ _CU = (0, 7, 23, 40)
 # the default, so that a stage reading a width or the scale from the wrong place (V ** -0.5
 # for K ** -0.5, its own K ** -0.5 for the call's scale) gives other numbers.
 _DENSE = dict(T=40, H=1, HV=2, K=8, V=4, scale=0.3)
+# The API's default chunk size over 33 chunks (2064 tokens): past every block of up to
+# 32 chunks a stage may loop over, carrying a state or an index from block to block (a
+# kernel whose grid walks chunks in blocks, right on the other cases' 1-3 chunks). Tiny
+# widths keep its run time small; its programs are those of any case.
+_LONG = dict(T=2064, chunk=64)
+# Packed at chunk 64: two sequences shorter than a chunk, then one of 32 chunks (in shared
+# chunks, three sequences in the first chunk).
+_CU_LONG = (0, 7, 40, 2064)
 
 
 def _dtname(dt) -> str:
@@ -142,7 +150,7 @@ def default_cases(dtypes=DTYPES, full: bool = False, shared: bool = True) -> tup
       at sequence starts, and without it); ``softplus`` (FLA's in-kernel options: l2norm,
       softplus gate with ``A_log``/``dt_bias``, beta sigmoid, ``allow_neg_eigval``);
       ``lower-bound`` (the lower-bound gate with ``A_log``) and ``lower-bound-noA``
-      (without ``A_log``); ``chunk64`` (the API's default chunk size, T = 80: two chunks);
+      (without ``A_log``); ``chunk64`` (the API's default chunk size, T = 2064: 33 chunks);
       ``short`` (T = 12 <= C = 16: one partial chunk);
     * ``full`` adds strong gates in the first dtype and shared chunks with initial states.
     """
@@ -158,7 +166,7 @@ def default_cases(dtypes=DTYPES, full: bool = False, shared: bool = True) -> tup
             Case(f"softplus {n}", d, options=_FLA + (("allow_neg_eigval", True),)),
             Case(f"lower-bound {n}", d, options=_FLA + (("lower_bound", -5.0),)),
             Case(f"lower-bound-noA {n}", d, options=_FLA + (("lower_bound", -5.0),), A_log=False),
-            Case(f"chunk64 {n}", d, B=1, T=80, chunk=64),
+            Case(f"chunk64 {n}", d, B=1, **_LONG),
             Case(f"short {n}", d, T=12),
         ]
     if full:

@@ -20,7 +20,7 @@ from .._annotations import typecheck
 from .._config import KDAOptions
 from .._validate import prepare_options
 from ..pipeline import KDAPipeline
-from ._cases import _CU, _DENSE, _FLA, Case, _dtname, _Packed, _weights, check_dtypes, tolerance
+from ._cases import _CU, _CU_LONG, _DENSE, _FLA, _LONG, Case, _dtname, _Packed, _weights, check_dtypes, tolerance
 from ._compare import _compare, _rel
 from ._report import Report, _Collector, _error
 from ._runs import _ahead, _call, _call_of, _jit, _outputs_ahead, _pipeline_outputs, release_near_the_mapping_limit
@@ -42,9 +42,10 @@ def check_pipeline(
       chunk, the same-math Pallas stages replaced by their reference twins
       (``kdax._runner.routes.differentiable_forward``), for dense inputs with initial and
       final states (grouped value heads, K != V, ``scale=0.3``), packed varlen inputs with
-      initial states and without (at chunk 64, every sequence shorter than a chunk), FLA's
-      in-kernel options with the softplus gate and ``allow_neg_eigval``, the lower-bound
-      gate without ``A_log`` (``full``: with it, larger chunks, strong gates);
+      initial states and without (at chunk 64: two sequences shorter than a chunk, one of
+      32 chunks), FLA's in-kernel options with the softplus gate and ``allow_neg_eigval``,
+      the lower-bound gate without ``A_log`` (``full``: with it, larger chunks, strong
+      gates);
     * ``forward``: the outputs against that differentiable forward's;
     * ``layouts``: the outputs (o, final states) of dense rows against the same sequences
       packed, per-sequence and sharing chunks, and a tiled forward (tiles of one chunk)
@@ -65,14 +66,14 @@ def check_pipeline(
     cases = [
         Case(f"dense {d}", dtype, **_DENSE),
         Case(f"packed+h0 {d}", dtype, B=1, T=40, cu=_CU, share=sh),
-        Case(f"packed chunk64 {d}", dtype, B=1, T=40, cu=_CU, share=sh, h0=False, chunk=64),
+        Case(f"packed chunk64 {d}", dtype, B=1, cu=_CU_LONG, share=sh, h0=False, **_LONG),
         Case(f"softplus {d}", dtype, options=_FLA + (("allow_neg_eigval", True),)),
         Case(f"lower-bound-noA {d}", dtype, options=_FLA + (("lower_bound", -5.0),), A_log=False),
     ]
     if full:
         cases += [Case(f"lower-bound {d}", dtype, options=_FLA + (("lower_bound", -5.0),)),
                   Case(f"chunk32 {d}", dtype, T=100, chunk=32, K=16, V=16),
-                  Case(f"chunk64 {d}", dtype, B=1, T=80, chunk=64),
+                  Case(f"chunk64 {d}", dtype, B=1, **_LONG),
                   Case(f"strong {d}", dtype, T=40, strong=True)]
     subject = f"check_pipeline({', '.join(f'{n}={type(getattr(pipeline, n)).__name__}' for n in STAGES)})"
     # (every program, traced first and compiled meanwhile: kdax.testing._runs._ahead)
