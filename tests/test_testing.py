@@ -454,10 +454,24 @@ class BlockedState(AbstractState):
                         outs[-1].final)
 
 
-def test_state_wrong_past_a_block_fails():
-    """The chunk64 case's 33 chunks: an F4 that loses its state between blocks of chunks
-    (every other case has at most 3) fails there, and only there."""
-    report = check_stage(BlockedState(), "state", **_small())
+class FirstKBlockOutput(AbstractOutput):
+    """KDA's F5 whose loop over the key channels in blocks of 64 stops after the first
+    block (q·h over the channels past 64 left out): right on up to 64 channels."""
+
+    math: ClassVar = KDA
+
+    def __call__(self, scale, qg, h, Aqk, v_new):
+        qg = jnp.where(jnp.arange(qg.shape[-1]) < 64, qg, 0.0)
+        return ReferenceOutput()(scale, qg, h, Aqk, v_new)
+
+
+@pytest.mark.parametrize("field, stage", [("state", BlockedState()), ("output", FirstKBlockOutput())],
+                         ids=["state-chunk-blocks", "output-channel-blocks"])
+def test_stage_wrong_past_a_block_fails(field, stage):
+    """The chunk64 case's 33 chunks of 128 channels (every other case has at most 3 chunks
+    of 8): an F4 that loses its state between blocks of chunks, an F5 that stops after a
+    block of channels fail there, and only there."""
+    report = check_stage(stage, field, **_small())
     assert _failing_cases(report) == {"chunk64 f64"}, str(report)
     assert {c.name for c in report.failed} == {"reference"}, str(report)
 

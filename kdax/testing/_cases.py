@@ -120,11 +120,12 @@ _CU = (0, 7, 23, 40)
 # the default, so that a stage reading a width or the scale from the wrong place (V ** -0.5
 # for K ** -0.5, its own K ** -0.5 for the call's scale) gives other numbers.
 _DENSE = dict(T=40, H=1, HV=2, K=8, V=4, scale=0.3)
-# The API's default chunk size over 33 chunks (2064 tokens): past every block of up to
-# 32 chunks a stage may loop over, carrying a state or an index from block to block (a
-# kernel whose grid walks chunks in blocks, right on the other cases' 1-3 chunks). Tiny
-# widths keep its run time small; its programs are those of any case.
-_LONG = dict(T=2064, chunk=64)
+# The API's default chunk size over 33 chunks (2064 tokens) at Kimi Linear's widths
+# K = V = 128: past every block of up to 32 chunks and of up to 64 channels a stage may
+# loop over, carrying a state, a sum or an index from block to block (a kernel whose grid
+# walks blocks, right on the other cases' 1-3 chunks of 8 channels). Two heads, as in the
+# other cases (a stage may hold per-head parameters); its programs are those of any case.
+_LONG = dict(T=2064, chunk=64, K=128, V=128)
 # Packed at chunk 64: two sequences shorter than a chunk, then one of 32 chunks (in shared
 # chunks, three sequences in the first chunk).
 _CU_LONG = (0, 7, 40, 2064)
@@ -150,7 +151,8 @@ def default_cases(dtypes=DTYPES, full: bool = False, shared: bool = True) -> tup
       at sequence starts, and without it); ``softplus`` (FLA's in-kernel options: l2norm,
       softplus gate with ``A_log``/``dt_bias``, beta sigmoid, ``allow_neg_eigval``);
       ``lower-bound`` (the lower-bound gate with ``A_log``) and ``lower-bound-noA``
-      (without ``A_log``); ``chunk64`` (the API's default chunk size, T = 2064: 33 chunks);
+      (without ``A_log``); ``chunk64`` (the API's default chunk size, T = 2064: 33 chunks,
+      K = V = 128);
       ``short`` (T = 12 <= C = 16: one partial chunk);
     * ``full`` adds strong gates in the first dtype and shared chunks with initial states.
     """

@@ -42,10 +42,10 @@ def check_pipeline(
       chunk, the same-math Pallas stages replaced by their reference twins
       (``kdax._runner.routes.differentiable_forward``), for dense inputs with initial and
       final states (grouped value heads, K != V, ``scale=0.3``), packed varlen inputs with
-      initial states and without (at chunk 64: two sequences shorter than a chunk, one of
-      32 chunks), FLA's in-kernel options with the softplus gate and ``allow_neg_eigval``,
-      the lower-bound gate without ``A_log`` (``full``: with it, larger chunks, strong
-      gates);
+      initial states and without (at chunk 64, K = V = 128: two sequences shorter than a
+      chunk, one of 32 chunks), FLA's in-kernel options with the softplus gate and
+      ``allow_neg_eigval``, the lower-bound gate without ``A_log`` (``full``: with it,
+      larger chunks, strong gates);
     * ``forward``: the outputs against that differentiable forward's;
     * ``layouts``: the outputs (o, final states) of dense rows against the same sequences
       packed, per-sequence and sharing chunks, and a tiled forward (tiles of one chunk)
