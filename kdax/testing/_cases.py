@@ -120,12 +120,13 @@ _CU = (0, 7, 23, 40)
 # the default, so that a stage reading a width or the scale from the wrong place (V ** -0.5
 # for K ** -0.5, its own K ** -0.5 for the call's scale) gives other numbers.
 _DENSE = dict(T=40, H=1, HV=2, K=8, V=4, scale=0.3)
-# The API's default chunk size over 33 chunks (2064 tokens) at Kimi Linear's widths
-# K = V = 128: past every block of up to 32 chunks and of up to 64 channels a stage may
-# loop over, carrying a state, a sum or an index from block to block (a kernel whose grid
-# walks blocks, right on the other cases' 1-3 chunks of 8 channels). Two heads, as in the
-# other cases (a stage may hold per-head parameters); its programs are those of any case.
-_LONG = dict(T=2064, chunk=64, K=128, V=128)
+# The API's default chunk size over 33 chunks (2064 tokens), at Kimi Linear's widths
+# (``_WIDE``) where a stage is checked alone: past every block of up to 32 chunks and of
+# up to 64 channels a stage may loop over, carrying a state, a sum or an index from block
+# to block (a kernel whose grid walks blocks, right on the other cases' 1-3 chunks of 8
+# channels). Two heads, as in the other cases (a stage may hold per-head parameters).
+_LONG = dict(T=2064, chunk=64)
+_WIDE = dict(K=128, V=128)
 # Packed at chunk 64: two sequences shorter than a chunk, then one of 32 chunks (in shared
 # chunks, three sequences in the first chunk).
 _CU_LONG = (0, 7, 40, 2064)
@@ -168,7 +169,7 @@ def default_cases(dtypes=DTYPES, full: bool = False, shared: bool = True) -> tup
             Case(f"softplus {n}", d, options=_FLA + (("allow_neg_eigval", True),)),
             Case(f"lower-bound {n}", d, options=_FLA + (("lower_bound", -5.0),)),
             Case(f"lower-bound-noA {n}", d, options=_FLA + (("lower_bound", -5.0),), A_log=False),
-            Case(f"chunk64 {n}", d, B=1, **_LONG),
+            Case(f"chunk64 {n}", d, B=1, **_LONG, **_WIDE),
             Case(f"short {n}", d, T=12),
         ]
     if full:

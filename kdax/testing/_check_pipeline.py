@@ -20,7 +20,7 @@ from .._annotations import typecheck
 from .._config import KDAOptions
 from .._validate import prepare_options
 from ..pipeline import KDAPipeline
-from ._cases import _CU, _CU_LONG, _DENSE, _FLA, _LONG, Case, _dtname, _Packed, _weights, check_dtypes, tolerance
+from ._cases import _CU, _CU_LONG, _DENSE, _FLA, _LONG, _WIDE, Case, _dtname, _Packed, _weights, check_dtypes, tolerance
 from ._compare import _compare, _rel
 from ._report import Report, _Collector, _error
 from ._runs import _ahead, _call, _call_of, _jit, _outputs_ahead, _pipeline_outputs, release_near_the_mapping_limit
@@ -42,10 +42,10 @@ def check_pipeline(
       chunk, the same-math Pallas stages replaced by their reference twins
       (``kdax._runner.routes.differentiable_forward``), for dense inputs with initial and
       final states (grouped value heads, K != V, ``scale=0.3``), packed varlen inputs with
-      initial states and without (at chunk 64, K = V = 128: two sequences shorter than a
-      chunk, one of 32 chunks), FLA's in-kernel options with the softplus gate and
+      initial states and without (at chunk 64: two sequences shorter than a chunk, one
+      of 32 chunks), FLA's in-kernel options with the softplus gate and
       ``allow_neg_eigval``, the lower-bound gate without ``A_log`` (``full``: with it,
-      larger chunks, strong gates);
+      chunk 32, 33 chunks of 64 at K = V = 128, strong gates);
     * ``forward``: the outputs against that differentiable forward's;
     * ``layouts``: the outputs (o, final states) of dense rows against the same sequences
       packed, per-sequence and sharing chunks, and a tiled forward (tiles of one chunk)
@@ -73,7 +73,7 @@ def check_pipeline(
     if full:
         cases += [Case(f"lower-bound {d}", dtype, options=_FLA + (("lower_bound", -5.0),)),
                   Case(f"chunk32 {d}", dtype, T=100, chunk=32, K=16, V=16),
-                  Case(f"chunk64 {d}", dtype, B=1, **_LONG),
+                  Case(f"chunk64 {d}", dtype, B=1, **_LONG, **_WIDE),
                   Case(f"strong {d}", dtype, T=40, strong=True)]
     subject = f"check_pipeline({', '.join(f'{n}={type(getattr(pipeline, n)).__name__}' for n in STAGES)})"
     # (every program, traced first and compiled meanwhile: kdax.testing._runs._ahead)
