@@ -90,7 +90,7 @@ class Case:
             g = r.normal(size=(B, T, HV, K))
         else:
             g = -r.uniform(0.01, 0.5, size=(B, T, HV, K))
-            if self.strong:  # below float32's floor; -inf too, a hard forget (exact, as FLA's exp(g) = 0)
+            if self.strong:  # below float32's floor; -inf too: a hard forget (the recurrence's exp(g) = 0)
                 u = r.uniform(size=g.shape)
                 g[u < 0.05] = -1000.0
                 g[u < 0.02] = -np.inf
