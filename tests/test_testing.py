@@ -30,6 +30,7 @@ from kdax.stages import (
 )
 from kdax.testing import Case, check_pipeline, check_stage
 from kdax._layouts.tokens import as_chunked  # (the runner's own reading of a view)
+from kdax._layouts.layout import make_layout  # (a block of chunks as a dense call's layout)
 from kdax.typing import Tokens
 
 from ._util import load_example
@@ -443,12 +444,10 @@ class BlockedState(AbstractState):
         NC = w.shape[2]
         if not layout.dense or NC <= 4:
             return ReferenceState()(w, u, kg, G, h0, layout)
-        rows = jnp.arange(layout.first.shape[0], dtype=jnp.int32)[:, None]
-        outs = []
+        C, outs = layout.chunk_size, []
         for c0 in range(0, NC, 4):
             n = min(NC, c0 + 4) - c0
-            block = dataclasses.replace(layout, first=jnp.where(jnp.arange(n)[None] == 0, rows, -1),
-                                        last=layout.last[:, c0:c0 + n], valid=layout.valid[:, c0:c0 + n])
+            block = make_layout(layout.first.shape[0], min(layout.T - c0 * C, n * C), C)  # (a dense call's)
             outs.append(ReferenceState()(*(x[:, :, c0:c0 + n] for x in (w, u, kg, G)), h0, block))
         return StateOut(jnp.concatenate([o.h for o in outs], 2), jnp.concatenate([o.v_new for o in outs], 2),
                         outs[-1].final)
