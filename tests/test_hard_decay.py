@@ -146,3 +146,31 @@ def test_fused_recurrent(dtype, gate, packed, per_channel):
     cu = jnp.asarray(CU, jnp.int32) if packed else None
     fn = lambda x: kdax.fused_recurrent_kda(**x, output_final_state=True, cu_seqlens=cu)
     _check(fn, dtype, gate, packed, per_channel)
+
+
+def test_strong_gates_keep_float32_dg_accurate():
+    """float32 ``dg`` through the six-stage backward stays as accurate at strong gates as at
+    weak ones. Where most log decays are below ~-20, a token's true dg is near zero: the
+    reverse cumsum that B5 takes of dG sums terms that cancel, so any rounding noise in dG
+    reaches the chunk's first rows whole. B4 once kept the pairs i = j (which add to dG_i
+    and take from it alike) in both its row and column sums: 3.1e-6 rel-RMS here against
+    8.4e-7 at weak gates; without them 5.2e-7 and 6.3e-7 (the float32 recurrence: ~1e-7).
+    Against the float64 recurrence, B=1 T=256 H=4 K=V=32, unit q and k."""
+    r = np.random.default_rng(0)
+    shape = (1, 256, 4, 32)
+    q, k = (x / np.linalg.norm(x, axis=-1, keepdims=True) for x in (r.normal(size=shape), r.normal(size=shape)))
+    v, w = r.normal(size=shape), r.normal(size=shape)
+    beta = 1 / (1 + np.exp(-r.normal(size=shape[:3])))
+    depth = np.abs(r.normal(size=shape))
+
+    def loss(fn, dtype, g):
+        o, _ = fn(*(jnp.asarray(x, dtype) for x in (q, k, v)), g.astype(dtype), jnp.asarray(beta, dtype))
+        return (o.astype(jnp.float64) * w).sum()
+
+    chunked = jax.jit(jax.grad(lambda g: loss(kdax.chunk_kda, jnp.float32, g)))
+    oracle = jax.jit(jax.grad(lambda g: loss(naive_recurrent_kda, jnp.float64, g)))
+    err = {}
+    for s in (1.0, 30.0):
+        g = jnp.asarray(-s * depth, jnp.float64)
+        err[s] = rel_rms(chunked(g), oracle(g))
+    assert err[30.0] < 1e-6 and err[30.0] < 1.5 * err[1.0], err

@@ -194,11 +194,14 @@ def _score_grads(scale, q, k, beta, G, dAqk, dL, seg, anchors, G_lo, lo_anchors)
     # both products at once, the row side of L carrying beta_i.
     b = beta[..., None]
     S = jnp.stack([dAqk, dL], axis=-3)
-    R, Cs = pair_sums(G, anchors, S, k[..., None, :, :], jnp.stack([q, b * k], axis=-3), G_lo, lo_anchors)
+    R, Cs, Rd, Cd = pair_sums(G, anchors, S, k[..., None, :, :], jnp.stack([q, b * k], axis=-3), G_lo, lo_anchors)
     (dq_a, r), (dk_a, c) = (R[..., 0, :, :], R[..., 1, :, :]), (Cs[..., 0, :, :], Cs[..., 1, :, :])
+    # dG from the pairs i != j alone: a diagonal term adds to dG_i and takes from it alike
+    dG = scale * (q * dq_a - k * dk_a) + b * k * r - k * c
+    dq_a, r = dq_a + Rd[..., 0, :, :], r + Rd[..., 1, :, :]
+    dk_a, c = dk_a + Cd[..., 0, :, :], c + Cd[..., 1, :, :]
     dk = scale * dk_a + b * r + c
     dbeta = rowsum(k * r)
-    dG = scale * (q * dq_a - k * dk_a) + b * k * r - k * c
     return scale * dq_a, dk, dbeta, dG
 
 

@@ -172,7 +172,10 @@ def pair_sums(G, anchors, S, b, a, G_lo=None, lo_anchors=None):
     decays: ``R_xid = sum_{j <= i} S_xij b_xjd e^(G_id - G_jd)`` and
     ``C_xjd = sum_{i >= j} S_xij a_xid e^(G_id - G_jd)``; ``S [..., X, C, C]``, ``a, b``
     ``[..., X, C, K]`` (or broadcastable to it), ``G [..., C, K]``; ``G_lo``,
-    ``lo_anchors``: the low parts (or None). Returns ``(R, C)``."""
+    ``lo_anchors``: the low parts (or None). Returns ``(R, C, Rd, Cd)``: ``R`` and ``C``
+    without the diagonal (i = j) terms, and those terms, ``S_xii b_xid`` and ``S_xii a_xid``,
+    apart (B4's dG, ``a R - b C``, then leaves out the diagonal terms, which cancel there
+    exactly: float32 rounding of them in both sums was noise in every row of dG)."""
     d = jnp.diagonal(S, axis1=-2, axis2=-1)[..., None]
     R_parts, C_parts = [], []
     lo_anchors = (None,) * len(anchors) if lo_anchors is None else lo_anchors
@@ -180,7 +183,8 @@ def pair_sums(G, anchors, S, b, a, G_lo=None, lo_anchors=None):
         rows, cols = (f[..., None, :, :, :] for f in _decays(G, anc, s, G_lo, a_lo))
         R_parts.append(rows * _apply(off, _halves(b, s)[0] * cols, s, False))
         C_parts.append(cols * _apply(off, _halves(a, s)[1] * rows, s, True))
-    return _join_rows(d * b, R_parts[::-1], True), _join_rows(d * a, C_parts[::-1], False)
+    zeros = jnp.zeros_like(d * b)
+    return _join_rows(zeros, R_parts[::-1], True), _join_rows(zeros, C_parts[::-1], False), d * b, d * a
 
 
 def _diagonal_splits(S):
