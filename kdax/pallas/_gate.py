@@ -273,12 +273,15 @@ def gate_bwd_kernel(mm: Products, cfg: KDAConfig, blocks, reverse: bool, has: tu
                         dA_o[:, cols] = jnp.zeros((1, bk), dg.dtype)
                 elif cfg.lower_bound is None:
                     sp, sg = _softplus_and_sigmoid(x)
+                    # (below the floor F1's decay does not depend on x: kdax.stages._gate)
+                    dg = jnp.where(-(a * sp) < log_decay_floor(dg.dtype), 0.0, dg)
                     if dA_o is not None:
                         dA_o[:, cols] = -jnp.sum(dg * a * sp, axis=0, keepdims=True)
                     dg = -dg * a * sg
                 else:
                     z = x if a is None else a * x
                     sg = _sigmoid(z)
+                    dg = jnp.where(cfg.lower_bound * sg < log_decay_floor(dg.dtype), 0.0, dg)
                     dz = dg * cfg.lower_bound * sg * (1.0 - sg)
                     if dA_o is not None:
                         dA_o[:, cols] = jnp.sum(dz * z, axis=0, keepdims=True)

@@ -18,7 +18,7 @@ from .._stage_protocol.capabilities import capabilities, told
 from .._stage_protocol.final import final
 from .._stage_protocol.output_specs import Maybe, Specs
 from .._annotations import ChunkK, ChunkScalar, ChunkValid
-from ..ref import L2NORM_EPS, activated_gate, beta_activation
+from ..ref import L2NORM_EPS, activated_gate, beta_activation, log_decay_floor
 from ._types import Activated, RawGrads, KDA
 
 
@@ -218,13 +218,19 @@ def gate_param_backward(config: KDAConfig, g, A_log, dt_bias, dg):
     a = None if A_log is None else jnp.exp(A_log).reshape(1, HV, 1, 1, 1)
     if config.lower_bound == -jnp.inf:  # g = -inf whatever the input: no gradient
         return jnp.zeros_like(dg), (None if a is None else jnp.zeros_like(A_log)), (None if dt_bias is None else jnp.zeros_like(dt_bias))
+    # F1 clamps the activated decay at the floor: below it the decay does not depend on the
+    # input (and the recurrence's gradient is below e^floor), so dg is 0 there, not the
+    # rounding noise B5's reverse cumsum leaves where the true dg is ~0.
+    floor = log_decay_floor(dg.dtype)
     if config.lower_bound is None:
         sp = jax.nn.softplus(x)
+        dg = jnp.where(-(a * sp) < floor, 0.0, dg)
         dx = -dg * a * jax.nn.sigmoid(x)
         dA = -jnp.sum(dg * a * sp, axis=(0, 2, 3, 4))
     else:
         z = x if a is None else a * x
         s = jax.nn.sigmoid(z)
+        dg = jnp.where(config.lower_bound * s < floor, 0.0, dg)
         dz = dg * config.lower_bound * s * (1.0 - s)
         dx = dz if a is None else dz * a
         dA = None if a is None else jnp.sum(dz * z, axis=(0, 2, 3, 4))

@@ -13,6 +13,7 @@ from kdax import stages as S
 from kdax._layouts.layout import make_layout, make_shared_layout
 from kdax._layouts.resets import segments, state_passes
 from kdax.pallas._common import column_blocks
+from kdax.ref import kda_gate, log_decay_floor
 from kdax.stages import ChunkGrads
 
 from .._util import ON_DEVICE, assert_close, jitted
@@ -232,6 +233,30 @@ def test_gate_stages(target, interpret, opts, dtype, tol):
     bargs = (cfg, act_r, g if gate else None, A_log, dt_bias, valid, f(R, HV, NC, C, K), f(R, HV, NC, C, K),
              f(R, HV, NC, C), f(R, HV, NC, C, K))
     _close(jitted(P.PallasGateBackward(**kw))(*bargs), jitted(S.ReferenceGateBackward())(*bargs), tol, "gate_bwd")
+
+
+@pytest.mark.parametrize("target,interpret", MODES)
+@pytest.mark.parametrize("lower_bound", [None, -2000.0], ids=["softplus", "lower-bound"])
+@pytest.mark.parametrize("dtype,tol", [(jnp.float64, 1e-12), (jnp.float32, 1e-5)])
+def test_gate_backward_below_the_floor(target, interpret, lower_bound, dtype, tol):
+    """In-kernel gates down to about -2000 (below both dtypes' floors): where F1 clamps the
+    activated decay, B5's dg is 0 to the bit, as the reference's (tests/stages/test_gate.py)."""
+    cfg = KDAConfig(scale=1.0, use_gate_in_kernel=True, lower_bound=lower_bound)
+    R, HV, NC, C, K = 2, 2, 2, 16, 12
+    r = np.random.default_rng(3)
+    f = lambda *s: jnp.asarray(r.normal(size=s), dtype)
+    q, k, beta, g = f(R, HV, NC, C, K), f(R, HV, NC, C, K), f(R, HV, NC, C), f(R, HV, NC, C, K) * 40.0
+    A_log, dt_bias = jnp.full((HV,), 3.0, dtype), f(HV * K)
+    valid = make_layout(R, NC * C - 5, C).valid
+    act = jitted(S.ReferenceGate())(cfg, q, k, g, beta, A_log, dt_bias, valid)
+    bargs = (cfg, act, g, A_log, dt_bias, valid, f(R, HV, NC, C, K), f(R, HV, NC, C, K), f(R, HV, NC, C),
+             f(R, HV, NC, C, K))
+    got = jitted(P.PallasGateBackward(target=target, interpret=interpret))(*bargs)
+    _close(got, jitted(S.ReferenceGateBackward())(*bargs), tol, "gate_bwd")
+    x = jnp.moveaxis(g + dt_bias.reshape(HV, 1, 1, K), 1, -2)
+    deep = jnp.moveaxis(kda_gate(x, A_log, None, lower_bound), -2, 1) < log_decay_floor(dtype)
+    assert 0.05 < float(jnp.mean(deep)) < 0.9
+    np.testing.assert_array_equal(np.asarray(got.dg)[np.asarray(deep)], 0.0)
 
 
 # Shared chunks of 16 for the reset cases: sequences starting inside a chunk, one on a chunk

@@ -69,6 +69,35 @@ def test_gate_backward_is_vjp(name):
             assert_close(a, b, 1e-12, n)
 
 
+@pytest.mark.parametrize("lower_bound", [None, -2000.0], ids=["softplus", "lower-bound"])
+def test_gate_backward_below_the_floor_is_the_vjp(lower_bound):
+    """An in-kernel gate whose activated decay falls below the floor (here -exp(3) *
+    softplus(x) and -2000 sigmoid(x) down to about -2000, float64's floor -1024) is clamped
+    by F1, so it does not depend on the raw input there: B5 gives dg = 0 to the bit at those
+    tokens and JAX's VJP of F1 everywhere (it once passed the cotangent through, the
+    rounding noise of the six-stage backward where the true dg is ~0)."""
+    cfg = KDAConfig(scale=1.0, use_gate_in_kernel=True, lower_bound=lower_bound)
+    q, k, g, beta, _, dt_bias, valid = _inputs(cfg, seed=2)
+    g = g * 40.0
+    A_log = jnp.full((2,), 3.0)
+
+    def f(g, A_log, dt_bias):
+        return jitted(ReferenceGate())(cfg, q, k, g, beta, A_log, dt_bias, valid).G
+
+    G, vjp = jax.vjp(f, g, A_log, dt_bias)
+    dG = rand_like(G, 7)
+    want = vjp(dG)
+    act = jitted(ReferenceGate())(cfg, q, k, g, beta, A_log, dt_bias, valid)
+    zero = jnp.zeros_like(q)
+    got = jitted(ReferenceGateBackward())(cfg, act, g, A_log, dt_bias, valid, zero, zero, jnp.zeros_like(beta), dG)
+    to_last = lambda a: jnp.moveaxis(a, 1, -2)
+    below = jnp.moveaxis(kda_gate(to_last(g), A_log, dt_bias, lower_bound), -2, 1) < -1024.0
+    assert 0.1 < float(jnp.mean(below)) < 0.9
+    np.testing.assert_array_equal(np.asarray(got.dg)[np.asarray(below)], 0.0)
+    for n, a, b in zip(("dg", "dA_log", "ddt_bias"), (got.dg, got.dA_log, got.ddt_bias), want):
+        assert_close(a, b, 1e-12, n)
+
+
 @pytest.mark.parametrize("name", ["plain", "all_softplus"])
 def test_gate_reset(name):
     """``reset`` (shared chunks, issue 18.8): F1 gives those tokens ``reset_log_decay`` (a
