@@ -13,11 +13,11 @@ from kdax import stages as S
 from kdax._layouts.layout import make_layout, make_shared_layout
 from kdax._layouts.resets import segments, state_passes
 from kdax.pallas._common import column_blocks
-from kdax.ref import kda_gate, log_decay_floor
+from kdax.ref import log_decay_floor
 from kdax.stages import ChunkGrads
 
 from .._util import ON_DEVICE, assert_close, jitted
-from ..stages._chunked import chunked, intra_chunk, layout_of, rand_like, state_scan, wy_chunk
+from ..stages._chunked import chunked, in_kernel_decay, intra_chunk, layout_of, rand_like, state_scan, wy_chunk
 
 # (target, interpret): both layouts interpreted on any machine; the present accelerator's
 # target compiled for real where there is one (skipped elsewhere).
@@ -253,8 +253,7 @@ def test_gate_backward_below_the_floor(target, interpret, lower_bound, dtype, to
              f(R, HV, NC, C, K))
     got = jitted(P.PallasGateBackward(target=target, interpret=interpret))(*bargs)
     _close(got, jitted(S.ReferenceGateBackward())(*bargs), tol, "gate_bwd")
-    x = jnp.moveaxis(g + dt_bias.reshape(HV, 1, 1, K), 1, -2)
-    deep = jnp.moveaxis(kda_gate(x, A_log, None, lower_bound), -2, 1) < log_decay_floor(dtype)
+    deep = in_kernel_decay(g, A_log, dt_bias, lower_bound) < log_decay_floor(dtype)
     assert 0.05 < float(jnp.mean(deep)) < 0.9
     np.testing.assert_array_equal(np.asarray(got.dg)[np.asarray(deep)], 0.0)
 

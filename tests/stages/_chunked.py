@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kdax._layouts.layout import ChunkLayout
-from kdax.ref import _chunk
+from kdax.ref import _chunk, kda_gate
 
 from .._util import jitted
 
@@ -40,3 +40,9 @@ def layout_of(first, last, empty):
 
 def rand_like(x, seed):
     return jnp.asarray(np.random.default_rng(seed).normal(size=x.shape), x.dtype)
+
+
+def in_kernel_decay(g, A_log, dt_bias, lower_bound=None):
+    """The in-kernel gate's activated log decay of raw ``g [R, HV, NC, C, K]``, before F1's
+    clamp at the floor (``kdax.ref.kda_gate`` over the head axis)."""
+    return jnp.moveaxis(kda_gate(jnp.moveaxis(g, 1, -2), A_log, dt_bias, lower_bound), -2, 1)

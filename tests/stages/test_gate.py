@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from kdax import KDAConfig
-from kdax.ref import beta_activation, kda_gate, l2norm
+from kdax.ref import beta_activation, l2norm, log_decay_floor
 from kdax.stages import ReferenceGate, ReferenceGateBackward
 
 from .._util import assert_close, jitted
-from ._chunked import rand_like
+from ._chunked import in_kernel_decay, rand_like
 
 CONFIGS = {
     "plain": dict(),
@@ -36,8 +36,7 @@ def test_gate_forward(name):
     cfg = KDAConfig(scale=1.0, **CONFIGS[name])
     q, k, g, beta, A_log, dt_bias, valid = _inputs(cfg)
     act = jitted(ReferenceGate())(cfg, q, k, g, beta, A_log, dt_bias, valid)
-    to_last = lambda a: jnp.moveaxis(a, 1, -2)
-    ga = jnp.moveaxis(kda_gate(to_last(g), A_log, dt_bias, cfg.lower_bound), -2, 1) if cfg.use_gate_in_kernel else g
+    ga = in_kernel_decay(g, A_log, dt_bias, cfg.lower_bound) if cfg.use_gate_in_kernel else g
     ga = jnp.where(valid[:, None, :, :, None], ga, 0.0)
     assert_close(act.G, jnp.cumsum(ga, axis=-2), 1e-13, "G")
     qq, kk = (l2norm(q), l2norm(k)) if cfg.use_qk_l2norm_in_kernel else (q, k)
@@ -90,8 +89,7 @@ def test_gate_backward_below_the_floor_is_the_vjp(lower_bound):
     act = jitted(ReferenceGate())(cfg, q, k, g, beta, A_log, dt_bias, valid)
     zero = jnp.zeros_like(q)
     got = jitted(ReferenceGateBackward())(cfg, act, g, A_log, dt_bias, valid, zero, zero, jnp.zeros_like(beta), dG)
-    to_last = lambda a: jnp.moveaxis(a, 1, -2)
-    below = jnp.moveaxis(kda_gate(to_last(g), A_log, dt_bias, lower_bound), -2, 1) < -1024.0
+    below = in_kernel_decay(g, A_log, dt_bias, lower_bound) < log_decay_floor(jnp.float64)
     assert 0.1 < float(jnp.mean(below)) < 0.9
     np.testing.assert_array_equal(np.asarray(got.dg)[np.asarray(below)], 0.0)
     for n, a, b in zip(("dg", "dA_log", "ddt_bias"), (got.dg, got.dA_log, got.ddt_bias), want):
@@ -119,8 +117,7 @@ def test_gate_reset(name):
     seg = np.cumsum(np.asarray(reset), axis=-1)  # sequence index within each chunk
 
     def restarted(g, A_log, dt_bias):  # the gate, then the cumsum restarted at each reset
-        to_last = lambda a: jnp.moveaxis(a, 1, -2)
-        ga = jnp.moveaxis(kda_gate(to_last(g), A_log, dt_bias, cfg.lower_bound), -2, 1) if cfg.use_gate_in_kernel else g
+        ga = in_kernel_decay(g, A_log, dt_bias, cfg.lower_bound) if cfg.use_gate_in_kernel else g
         ga = jnp.where(valid[:, None, ..., None] & ~reset[:, None, ..., None], clamp_log_decay(ga), 0.0)
         same = (np.arange(C)[:, None] >= np.arange(C)[None]) & (seg[..., :, None] == seg[..., None, :])
         return jnp.asarray(same, ga.dtype)[:, None] @ ga
