@@ -5,6 +5,8 @@ recurrence: the gate's gradient (and, with the in-kernel gate, ``A_log``'s and
     python benchmarks/strong_gate_grads.py                  # this tree's kdax
     python benchmarks/strong_gate_grads.py --tree /tmp/old  # another tree's kdax
                                                             # (git archive <rev> kdax | tar -x -C /tmp/old)
+    python benchmarks/strong_gate_grads.py --b4 triton:16   # B4 a Pallas kernel (interpreted):
+                                                            # tpu, triton (halving levels), triton:16 or :32 (rows)
 
 Inputs: B=1 T=256 H=4 K=V=32, in-kernel l2norm and beta sigmoid, a random linear loss of the
 outputs. Gates: ``g = -s |N(0, 1)|`` (log decays given), or the raw gate ``s N(0, 1)`` with
@@ -22,7 +24,7 @@ SHAPE = dict(B=1, T=256, H=4, K=32, V=32)
 GATES = ((1.0, 0.0), (3.0, 1.0), (10.0, 2.0), (30.0, 3.0))
 
 
-def errors(kdax, jax, jnp, seed: int, s: float, a: float, in_kernel: bool) -> dict:
+def errors(kdax, jax, jnp, seed: int, s: float, a: float, in_kernel: bool, pipeline=None) -> dict:
     """``{path: [rel-RMS per differentiated input]}`` for chunk_kda and the recurrence in float32."""
     B, T, H, K, V = (SHAPE[n] for n in "BTHKV")
     r = np.random.default_rng(seed)
@@ -41,7 +43,8 @@ def errors(kdax, jax, jnp, seed: int, s: float, a: float, in_kernel: bool) -> di
 
     want = jax.grad(lambda *x: loss(kdax.fused_recurrent_kda, jnp.float64, *x), argnums=argnums)(*args)
     out = {}
-    for name, fn in (("chunk_kda", kdax.chunk_kda), ("recurrence", kdax.fused_recurrent_kda)):
+    chunked = lambda *a, **kw: kdax.chunk_kda(*a, **kw, pipeline=pipeline)  # noqa: E731
+    for name, fn in (("chunk_kda", chunked), ("recurrence", kdax.fused_recurrent_kda)):
         got = jax.jit(jax.grad(lambda *x: loss(fn, jnp.float32, *x), argnums=argnums))(*args)
         out[name] = [float(np.sqrt(np.mean((np.asarray(x, np.float64) - np.asarray(y)) ** 2))
                            / np.sqrt(np.mean(np.asarray(y) ** 2))) for x, y in zip(got, want)]
@@ -52,6 +55,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tree", help="a tree holding the kdax package to measure (default: this checkout's)")
     ap.add_argument("--seeds", type=int, default=4)
+    ap.add_argument("--b4", help="B4 as PallasIntraBackward, interpreted: tpu, triton or triton:ROWS (default: the "
+                                 "reference pipeline's)")
+    ap.add_argument("--gates", choices=("both", "given", "in-kernel"), default="both")
     args = ap.parse_args()
     if args.tree:
         sys.path.insert(0, args.tree)
@@ -62,14 +68,23 @@ def main():
 
     import kdax
 
-    print(f"kdax from {kdax.__file__}; B=1 T=256 H=4 K=V=32 float32 against float64, rel-RMS over "
-          f"{args.seeds} seeds (median / max)")
-    for in_kernel in (False, True):
+    pipeline = None
+    if args.b4:
+        import dataclasses
+
+        from kdax import pallas as P
+
+        target, _, rows = args.b4.partition(":")
+        b4 = P.PallasIntraBackward(target=target, interpret=True, rows=int(rows or 64))
+        pipeline = dataclasses.replace(kdax.KDAPipeline.reference(), intra_bwd=b4)
+    print(f"kdax from {kdax.__file__}; B4 {args.b4 or 'reference'}; B=1 T=256 H=4 K=V=32 float32 against float64, "
+          f"rel-RMS over {args.seeds} seeds (median / max)")
+    for in_kernel in {"both": (False, True), "given": (False,), "in-kernel": (True,)}[args.gates]:
         cols = "d(raw g) dA_log ddt_bias" if in_kernel else "dg"
         print(("raw gate s N(0,1), use_gate_in_kernel, A_log = a" if in_kernel else "log decay -s |N(0,1)|")
               + f": {cols}")
         for s, a in GATES:
-            runs = [errors(kdax, jax, jnp, seed, s, a, in_kernel) for seed in range(args.seeds)]
+            runs = [errors(kdax, jax, jnp, seed, s, a, in_kernel, pipeline) for seed in range(args.seeds)]
             line = f"  s={s:4g} a={a:g}"
             for path in ("chunk_kda", "recurrence"):
                 e = np.array([run[path] for run in runs])

@@ -103,8 +103,9 @@ def unit_lower_inverse_body(L):
 
 
 def pair_rows_body(mm: Products, S, b_, G, block: int, lo=None):
-    """``R_id = sum_{j <= i} S_ij b_jd e^(G_id - G_jd)`` for lower-triangular ``S``
-    (``lo`` as ``scores_body``)."""
+    """``R_id = sum_{j < i} S_ij b_jd e^(G_id - G_jd)`` for lower-triangular ``S``
+    (``lo`` as ``scores_body``): the diagonal left out, as ``kdax.stages._intra_levels.pair_sums``
+    leaves it out (``intra_bwd_outputs`` adds it where it does not cancel)."""
     C = S.shape[0]
     b, nb, rC, blk = _blocks(C, block)
     cblk = idiv(iota((C, C), 1), b)
@@ -117,15 +118,15 @@ def pair_rows_body(mm: Products, S, b_, G, block: int, lo=None):
     R = loop(1, nb, anchored, jnp.zeros(b_.shape, b_.dtype))
 
     def diag(j, R):
-        m = (rC >= j) & (blk == idiv(j, b))
+        m = (rC > j) & (blk == idiv(j, b))
         return R + col_of(S, j) * row_of(b_, j) * decay(m, G, row_of(G, j), lo, row_or_none(lo, j))
 
     return loop(0, C, diag, R)
 
 
 def pair_cols_body(mm: Products, S, a, G, block: int, lo=None):
-    """``C_jd = sum_{i >= j} S_ij a_id e^(G_id - G_jd)`` for lower-triangular ``S``
-    (``lo`` as ``scores_body``)."""
+    """``C_jd = sum_{i > j} S_ij a_id e^(G_id - G_jd)`` for lower-triangular ``S``
+    (``lo`` as ``scores_body``; the diagonal left out, as in ``pair_rows_body``)."""
     C = S.shape[0]
     b, nb, rC, blk = _blocks(C, block)
     cblk = idiv(iota((C, C), 1), b)
@@ -139,17 +140,20 @@ def pair_cols_body(mm: Products, S, a, G, block: int, lo=None):
     St = S.T
 
     def diag(i, out):
-        m = (rC <= i) & (blk == idiv(i, b))
+        m = (rC < i) & (blk == idiv(i, b))
         return out + col_of(St, i) * row_of(a, i) * decay(m, row_of(G, i), G, row_or_none(lo, i), lo)
 
     return loop(0, C, diag, out)
 
 
-def intra_bwd_outputs(q, k, beta, dq_a, dk_a, r, c, dq, dk, dG):
-    """B4's gradients ``(dq, dk, dG, dbeta's increment)`` from the pair sums ``dq_a``,
-    ``dk_a`` (scaled), ``r``, ``c`` and the incoming ``dq``, ``dk``, ``dG``."""
-    return (dq + dq_a, dk + dk_a + beta * r + c, dG + q * dq_a - k * dk_a + beta * k * r - k * c,
-            jnp.sum(k * r, axis=1, keepdims=True))
+def intra_bwd_outputs(q, k, beta, dq_a, dk_a, r, c, dA_d, dL_d, dq, dk, dG):
+    """B4's gradients ``(dq, dk, dG, dbeta's increment)`` from the pair sums without the
+    diagonal ``dq_a``, ``dk_a`` (scaled), ``r``, ``c``, the diagonals ``dA_d`` (scaled) and
+    ``dL_d`` (``[C, 1]``) and the incoming ``dq``, ``dk``, ``dG``. dG from the pairs i != j
+    alone: a diagonal pair adds to dG_i and takes from it alike."""
+    dG = dG + q * dq_a - k * dk_a + beta * k * r - k * c
+    dq_a, dk_a, r, c = dq_a + dA_d * k, dk_a + dA_d * q, r + dL_d * k, c + dL_d * beta * k
+    return dq + dq_a, dk + dk_a + beta * r + c, dG, jnp.sum(k * r, axis=1, keepdims=True)
 
 
 # The most feature columns one program of B4's Triton kernel takes (``block_k`` above it
@@ -363,8 +367,9 @@ class PallasIntraBackward(AbstractIntraBackward, PallasFeatureBlocks):
                 dk_a = scale * pair_cols_body(mm, dA, q, G, block, lo)
                 r = pair_rows_body(mm, dL, k, G, block, lo)
                 c = pair_cols_body(mm, dL * beta, k, G, block, lo)
+                diag = lambda S: jnp.sum(jnp.where(iota((C, C), 0) == iota((C, C), 1), S, 0.0), axis=1, keepdims=True)
                 dq_out[...], dk_out[...], dg_out[...], ddb = intra_bwd_outputs(
-                    q, k, beta, dq_a, dk_a, r, c, dq_ref[...], dk_ref[...], dg_ref[...])
+                    q, k, beta, dq_a, dk_a, r, c, scale * diag(dA), diag(dL), dq_ref[...], dk_ref[...], dg_ref[...])
                 db_out[...] = db_ref[...] + ddb
         dq, dk, db, dG = self.call(kernel, ins, specs, [(C, Kp), (C, Kp), (C, 1), (C, Kp)], R * HV, NC, q.dtype)
         cut = lambda x: unflat(x[..., :K], R, HV)

@@ -217,8 +217,9 @@ class B4Refs:
         self.cols, self.C, self.B, self.scale, self.seg, self.mm = cols, C, B, scale, seg, mm
 
     def offset_loop(self, side: str, init):
-        """``init`` plus the pairs i >= j inside each sub-block, diagonal included, one
-        offset o = i - j a step (B steps, every row at once), each pair's own decay:
+        """``init`` plus the pairs i > j inside each sub-block, one offset o = i - j a step
+        (B - 1 steps, every row at once; the diagonal, o = 0, is the caller's: it leaves
+        dG alone), each pair's own decay:
         ``"rows"``: ``(dq_a, r)``, ``R_i += S_i,i-o k_i-o e^(G_i - G_i-o)`` (S = dA, dL);
         ``"columns"``: ``e``, ``e_j += (scale dA_j+o,j q_j+o + dL_j+o,j beta_j+o k_j+o)
         e^(G_j+o - G_j)``; ``"both"``: ``(e, dq_a, r)`` in one loop. The other token's rows and the
@@ -249,8 +250,8 @@ class B4Refs:
             return jnp.where(ok, e + x * fast_decay(self.G[i, cols], G, gathered(self.lo, i, cols), lo), e)
 
         if side == "both":
-            return loop(0, B, lambda o, acc: (columns(o, acc[0]), *rows(o, acc[1:])), init)
-        return loop(0, B, rows if side == "rows" else columns, init)
+            return loop(1, B, lambda o, acc: (columns(o, acc[0]), *rows(o, acc[1:])), init)
+        return loop(1, B, rows if side == "rows" else columns, init)
 
     def half_rows(self, lev, z):
         """``(lower, upper)``: int32 ``[C/2]``, the tokens of the lower and of the upper half
@@ -346,7 +347,9 @@ def intra_bwd_levels_kernel(mm: Products, scale: float, C: int, has_lo: bool, ha
     chunk, block of feature columns), as FLA's ``chunk_kda_bwd_intra`` (every gradient
     column depends on its own feature column alone; dbeta's part of each block is summed
     outside; ``B4_MAX_BLOCK``): the pairs inside the 16-token sub-blocks one diagonal offset
-    at a time, the others by halving levels of tile products (``B4Refs``); pairs above
+    at a time, the others by halving levels of tile products (``B4Refs``), the diagonal
+    pairs (dAqk's and dL's diagonals, gather loads) into dq, dk and dbeta alone (in dG they
+    cancel); pairs above
     the diagonal (and, with ``has_reset``, across sequences) are selected to exact zeros. A non-finite token value
     (q, k, beta, G, G_lo at token t, column d) reaches what it reaches in the reference
     stage's products: the row sums' rows t on and the column sums' rows up to t, in
@@ -363,6 +366,12 @@ def intra_bwd_levels_kernel(mm: Products, scale: float, C: int, has_lo: bool, ha
         ops = B4Refs((q_ref, k_ref, b_ref, g_ref, lo_ref, da_ref, dl_ref), pl.ds(0, bk), C, min(SUB_BLOCK, C),
                      scale, rest[-2] if has_reset else None, mm)
         zero = jnp.zeros((C, bk), q_ref.dtype)
+        # The diagonal pairs (dA_tt, dL_tt: gather loads) join dq, dk and dbeta alone: in dG
+        # they cancel exactly (kdax.stages._intra_levels.pair_sums). Loaded here, not after
+        # the loops: 7.0k instructions a warp there against 7.2k, and with G_lo 185
+        # registers against 230 (sm_90, 8 warps; [C, 1] operands of their own cost glue).
+        t = iota((C, 1), 0)
+        dA_d, dL_d = scale * da_ref[t, t], dl_ref[t, t]
         # Both sums' offsets in one loop (its index math and loads of the token's own rows
         # shared: B4 at 16 warps -3%), then each side's levels adding to them (with both
         # sides in one level loop, 64 columns a program spilled the more).
@@ -381,16 +390,16 @@ def intra_bwd_levels_kernel(mm: Products, scale: float, C: int, has_lo: bool, ha
         down = reached_down(nonfinite(k) | bad_G)
         dq_a = jnp.where(down, jnp.nan, dq_a)
         r = jnp.where(down, jnp.nan, r)
-        dq_out[...] = dq_ref[...] + scale * dq_a
-        db_out[...] = jnp.sum(k * r, axis=1, keepdims=True)
         q = q_ref[...]
-        br = beta * r
-        part = scale * q * dq_a + k * br
+        part = scale * q * dq_a + k * (beta * r)
         bk_ = beta * k
         up = reached_up(nonfinite(q) | nonfinite(bk_) | bad_G)
         e = jnp.where(up, jnp.nan, e)
-        dk_out[...] = dk_ref[...] + e + br
         dg_out[...] = dg_ref[...] + part - k * e
+        dq_out[...] = dq_ref[...] + scale * dq_a + dA_d * k
+        r = r + dL_d * k
+        db_out[...] = jnp.sum(k * r, axis=1, keepdims=True)
+        dk_out[...] = dk_ref[...] + e + dA_d * q + dL_d * bk_ + beta * r
 
     kernel.__qualname__ = "PallasIntraBackward.kernel"  # its name in profiles
     return kernel

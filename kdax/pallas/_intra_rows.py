@@ -10,15 +10,17 @@ triton_candidates/b4_f2_vs_fla.md: the whole-chunk kernel's level operands hold 
 For the program's sub-block I (rows i in ``[r0, r0 + B)``), every sum of
 ``kdax.stages._intra._score_grads`` restricted to its rows:
 
-- rows side, ``R_i = sum_{j <= i} S_ij k_j e^(G_i - G_j)`` (S = dA: dq_a; S = dL: r):
+- rows side, ``R_i = sum_{j < i} S_ij k_j e^(G_i - G_j)`` (S = dA: dq_a; S = dL: r):
   the earlier sub-blocks J < I as ``[B, B] x [B, w]`` products with the decay split at the
   anchor a = r0 (I's first row), ``e^(G_i - G_a) sum_j S_ij (k_j e^(G_a - G_j))``; the
   sub-block's own pairs one column j a step (``[B, w]`` elementwise, row j of k and G read
   once and broadcast, column j of dA and dL);
-- columns side, ``e_j = sum_{i >= j} (scale dA_ij q_i + dL_ij beta_i k_i) e^(G_i - G_j)``:
+- columns side, ``e_j = sum_{i > j} (scale dA_ij q_i + dL_ij beta_i k_i) e^(G_i - G_j)``:
   the later sub-blocks J > I with dA, dL read transposed (``[B, B]^T x [B, w]``), anchor
   n = r0 + B - 1 (I's last row), ``e^(G_n - G_j) sum_i S_ij (x_i e^(G_i - G_n))``; the
-  sub-block's own pairs one row i a step.
+  sub-block's own pairs one row i a step;
+- the diagonal pairs (i = j) apart, added to dq, dk and dbeta after dG, in which they
+  cancel exactly (``kdax.stages._intra_levels.pair_sums``).
 
 Every exponent is non-positive (G non-increasing: a, n inside the sub-block, the other
 token on the far side of them; the diagonal steps' pairs selected in the exponent and in
@@ -98,10 +100,10 @@ def intra_bwd_rows_kernel(mm: Products, scale: float, C: int, B: int, has_lo: bo
         G, lo = g_ref[mine, :], lo_at(mine)
         seg_mine = None if seg_col is None else seg_col[mine, :]
 
-        def rows_diag(j, acc):  # column t = r0 + j of the sub-block's own pairs i >= t
+        def rows_diag(j, acc):  # column t = r0 + j of the sub-block's own pairs i > t
             dq_a, r = acc
             t = pl.ds(r0 + j, 1)
-            ok = rows1 >= j if seg_mine is None else (rows1 >= j) & (seg_mine == seg_col[t, :])
+            ok = rows1 > j if seg_mine is None else (rows1 > j) & (seg_mine == seg_col[t, :])
             d = jnp.where(ok, exponent(G, g_ref[t, :], lo, lo_at(t)), 0.0)
             kx = k_ref[t, :] * exp_by_exp2(d)
             return (jnp.where(ok, dq_a + da_ref[mine, t] * kx, dq_a),
@@ -133,10 +135,10 @@ def intra_bwd_rows_kernel(mm: Products, scale: float, C: int, B: int, has_lo: bo
 
         mine_idx = r0 + rows1
 
-        def cols_diag(i, e):  # row t = r0 + i of the sub-block's own pairs j <= t
+        def cols_diag(i, e):  # row t = r0 + i of the sub-block's own pairs j < t
             t = pl.ds(r0 + i, 1)
             ti = jnp.zeros((B, 1), jnp.int32) + (r0 + i)
-            ok = rows1 <= i if seg_mine is None else (rows1 <= i) & (seg_mine == seg_col[t, :])
+            ok = rows1 < i if seg_mine is None else (rows1 < i) & (seg_mine == seg_col[t, :])
             x = (scale * da_ref[ti, mine_idx]) * q_ref[t, :] + (dl_ref[ti, mine_idx] * b_ref[t, :]) * k_ref[t, :]
             d = jnp.where(ok, exponent(g_ref[t, :], G, lo_at(t), lo), 0.0)
             return jnp.where(ok, e + x * exp_by_exp2(d), e)
@@ -156,11 +158,15 @@ def intra_bwd_rows_kernel(mm: Products, scale: float, C: int, B: int, has_lo: bo
         dq_a = jnp.where(down, jnp.nan, dq_a)
         r = jnp.where(down, jnp.nan, r)
         e = jnp.where(up, jnp.nan, e)
-        dq_out[...] = dq_ref[...] + scale * dq_a
+        dg_out[...] = dg_ref[...] + (scale * q * dq_a + k * (beta * r)) - k * e
+        # the diagonal pairs, which cancel in dG, join dq, dk and dbeta alone
+        dA_d = scale * da_ref[mine_idx, mine_idx]
+        dq_out[...] = dq_ref[...] + scale * dq_a + dA_d * k
+        e = e + dA_d * q
+        dL_d = dl_ref[mine_idx, mine_idx]
+        r = r + dL_d * k
         db_out[...] = jnp.sum(k * r, axis=1, keepdims=True)
-        br = beta * r
-        dk_out[...] = dk_ref[...] + e + br
-        dg_out[...] = dg_ref[...] + (scale * q * dq_a + k * br) - k * e
+        dk_out[...] = dk_ref[...] + e + dL_d * bk + beta * r
 
     kernel.__qualname__ = "PallasIntraBackward.kernel"  # its name in profiles
     return kernel

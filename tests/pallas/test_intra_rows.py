@@ -227,9 +227,9 @@ def test_rows16_fits_four_ctas_an_sm(policy, packed):
     """sm_90 at K = 128, chunk 64, the preset's B4 (4 warps, 2 stages, TF32x3), dense and
     with resets: no thread-local memory, TF32 tensor-core products, and under the preset's
     policy ("fast") at most 128 registers a thread (4 CTAs of 4 warps an SM; measured 128
-    dense and packed). With G's low part ("bfloat16", not the preset's) 128 dense, 168
-    packed (3 CTAs an SM): no spills asserted there (benchmarks/results/
-    b4_rows16_resources.txt)."""
+    dense and packed). With G's low part ("bfloat16", not the preset's) 128 dense, 138
+    packed since the diagonal pairs are summed apart (168 before; 3 CTAs an SM): no spills
+    asserted there (benchmarks/results/b4_rows16_resources.txt)."""
     pytest.importorskip("triton")
     from ._triton import HOPPER_SHARED_BYTES, chunk_kernels, resources
 

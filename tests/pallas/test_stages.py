@@ -763,3 +763,28 @@ def test_triton_intra_backward_tile_products(dtype, tol):
         same = np.ones(a.shape[:3], bool)
         same[1, 0, 1] = False
         np.testing.assert_array_equal(a[same], c[same], err_msg=f)
+
+
+@pytest.mark.parametrize("target,rows", [("tpu", 64), ("triton", 64), ("triton", 16), ("triton", 32)],
+                         ids=["tpu-interpret", "triton-interpret", "triton-interpret-rows16", "triton-interpret-rows32"])
+def test_intra_backward_diagonal_leaves_dG_exactly(target, rows):
+    """Each Pallas B4 kernel (the whole chunk on TPU; on Triton the halving levels and the
+    16- and 32-row sub-blocks) leaves the diagonal pairs out of dG, as the reference stage
+    does (``tests/stages/test_intra.py``): a cotangent on the diagonals of dAqk and dL
+    alone gives dG = 0 to the bit in float32, and dq, dk, dbeta carry them (the reference's
+    to 1e-6). Kept in both the row and the column sums, they rounded into every row of dG."""
+    x = chunked(3, C=64, NC=2, HV=2, K=12, strong=True)
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    q, k, beta, G = (f32(x[n]) for n in ("q", "k", "beta", "G"))
+    eye = jnp.eye(64, dtype=bool)
+    mat = jnp.zeros(q.shape[:-1] + (64,), jnp.float32)
+    dAqk, dL = (jnp.where(eye, rand_like(mat, s), 0.0) for s in (1, 2))
+    zero = ChunkGrads(jnp.zeros_like(q), jnp.zeros_like(k), None, jnp.zeros_like(beta), jnp.zeros_like(G), dL)
+    args = (0.37, q, k, beta, G, dAqk, zero)
+    got = jitted(P.PallasIntraBackward(target=target, interpret=True, rows=rows))(*args)
+    want = jitted(S.ReferenceIntraBackward())(*args)
+    np.testing.assert_array_equal(np.asarray(got.dG), 0.0)
+    np.testing.assert_array_equal(np.asarray(want.dG), 0.0)
+    for f in ("dq", "dk", "dbeta"):
+        assert float(jnp.max(jnp.abs(getattr(want, f)))) > 0.1, f  # (the diagonal reaches them)
+        assert_close(getattr(got, f), getattr(want, f), 1e-6, f)
