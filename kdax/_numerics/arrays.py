@@ -6,6 +6,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import precision as _precision
 
@@ -16,8 +17,9 @@ def mT(x):
 
 
 def tri_mask(n: int, strict: bool):
-    """``[n, n]`` mask of j <= i (j < i when strict), i the row."""
-    i, j = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
+    """``[n, n]`` mask of j <= i (j < i when strict), i the row. (Masks and ones here are
+    numpy values: constants of the program; traced, each was a kernel XLA:CPU compiled.)"""
+    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
     return j < i if strict else j <= i
 
 
@@ -30,7 +32,7 @@ def lower_matmul(A, X, mm=jnp.matmul):
     ok = jnp.abs(X) < jnp.inf
     Y = mm(A, jnp.where(ok, X, 0.0))
     bad = jnp.any(~ok, axis=-1, keepdims=True).astype(X.dtype)
-    seen = jnp.tril(jnp.ones(A.shape[-2:], X.dtype)) @ bad
+    seen = np.tril(np.ones(A.shape[-2:], X.dtype)) @ bad
     return jnp.where(seen > 0, jnp.nan, Y)
 
 
@@ -39,7 +41,7 @@ def rowsum(x):
     order of magnitude slower than a dot. A sum, not a product: never at a half-precision
     policy's rounding (kdax._numerics.precision)."""
     with _precision.float32_products():
-        return x @ jnp.ones((x.shape[-1],), x.dtype)
+        return x @ np.ones((x.shape[-1],), x.dtype)
 
 
 def last_row(G):

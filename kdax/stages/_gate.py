@@ -7,6 +7,7 @@ from typing import ClassVar, Mapping, Optional
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float
 
 from .._config import KDAConfig
@@ -118,7 +119,7 @@ def chunk_cumsum(x, reverse: bool = False, group: ChunkGroup = None, loops: str 
     ``reverse``) as a matmul with a triangular matrix of ones, ``group`` chunks at a time:
     XLA:CPU runs ``cumsum`` as a quadratic reduce-window behind a transpose."""
     C = x.shape[-2]
-    ones = jnp.tril(jnp.ones((C, C), x.dtype))
+    ones = np.tril(np.ones((C, C), x.dtype))
     if reverse:  # the backward's: no causality to keep
         return over_chunks(lambda x, ones: mT(ones) @ x, group, x, loops=loops, consts=(ones,))
     # A NaN or inf gate reaches only G from its own row on (see lower_matmul).
@@ -132,7 +133,7 @@ def segment_cumsum(dG, reset, group: ChunkGroup = None, loops: str = "auto"):
     out is exact and avoids summing large terms that cancel."""
     C = dG.shape[-2]
     seg = jnp.cumsum(reset.astype(jnp.int32), axis=-1)  # sequence index within the chunk
-    s, t = jnp.arange(C)[:, None], jnp.arange(C)[None, :]
+    s, t = np.arange(C)[:, None], np.arange(C)[None, :]
     same = (s >= t) & (seg[..., :, None] == seg[..., None, :])  # [R, NC, C(s), C(t)]
     M = jnp.where(same, 1.0, 0.0).astype(dG.dtype)[:, None]  # [R, 1, NC, C, C]
     M = jnp.broadcast_to(M, dG.shape[:3] + (C, C))
@@ -146,7 +147,7 @@ def split_cumsum(g, group: ChunkGroup = None, loops: str = "auto"):
     C = g.shape[-2]
     if grid_bits(g.dtype, C) is None:
         return chunk_cumsum(g, group=group, loops=loops), None
-    ones = jnp.tril(jnp.ones((C, C), g.dtype))
+    ones = np.tril(np.ones((C, C), g.dtype))
 
     def split(g, ones):  # per group of chunks: no full-size temporaries besides G and G_lo
         hi, lo = split_log_decay(g, C)

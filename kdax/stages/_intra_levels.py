@@ -5,6 +5,7 @@ level's anchor row so that both exponents are non-positive)."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .._numerics import precision as _precision
 from .._numerics.hilo import exponent
@@ -176,7 +177,8 @@ def pair_sums(G, anchors, S, b, a, G_lo=None, lo_anchors=None):
     without the diagonal (i = j) terms, and those terms, ``S_xii b_xid`` and ``S_xii a_xid``,
     apart (B4's dG, ``a R - b C``, then leaves out the diagonal terms, which cancel there
     exactly: float32 rounding of them in both sums was noise in every row of dG)."""
-    d = jnp.diagonal(S, axis1=-2, axis2=-1)[..., None]
+    C = S.shape[-1]  # (the diagonal as a strided slice: jnp.diagonal is a gather with its own index kernel)
+    d = S.reshape(S.shape[:-2] + (C * C,))[..., :: C + 1, None]
     R_parts, C_parts = [], []
     lo_anchors = (None,) * len(anchors) if lo_anchors is None else lo_anchors
     for s, anc, a_lo, off in zip(reversed(_levels(G.shape[-2])), anchors[::-1], lo_anchors[::-1], _diagonal_splits(S)):
@@ -218,7 +220,7 @@ def _inverse_bwd(X, dX):
     hi = jax.lax.Precision.HIGHEST
     C = X.shape[-1]
     d = -jnp.matmul(jnp.matmul(mT(X), dX, precision=hi), mT(X), precision=hi)
-    return (jnp.where(jnp.tril(jnp.ones((C, C), bool), -1), d, 0.0).astype(X.dtype),)
+    return (jnp.where(np.tril(np.ones((C, C), bool), -1), d, 0.0).astype(X.dtype),)
 
 
 unit_lower_inverse.defvjp(_inverse_fwd, _inverse_bwd)

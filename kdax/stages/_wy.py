@@ -6,6 +6,7 @@ from typing import ClassVar, Mapping, Optional
 
 import equinox as eqx
 import jax.numpy as jnp
+import numpy as np
 
 from .._layouts.resets import from_start, mask_exponent, per_head, same_segment, segments, to_end
 from .._numerics.hilo import exponent
@@ -196,7 +197,7 @@ def _wy_dqkg_chunk(scale, k, v, beta, G, Akk, qg, kg, h, dh, v_new, do, dv_new, 
     dk = dkg * jnp.exp(mask_exponent(end, exponent(G_last, G, lo_last, G_lo))) + b * eG * dX
     dv = b * dY
     dbeta = rowsum(v * dY) + rowsum(k * eG * dX)
-    last = (jnp.arange(C) == C - 1)[:, None]
+    last = (np.arange(C) == C - 1)[:, None]
     dG = qg * dqg - kg * dkg + X * dX + jnp.where(last, dgam[..., None, :], 0.0)
     return dq, dk, dv, dbeta, dG, dL
 
