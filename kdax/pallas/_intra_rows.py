@@ -112,6 +112,7 @@ def intra_bwd_rows_kernel(mm: Products, scale: float, C: int, B: int, has_lo: bo
         # The sub-block's own pairs first, from zeros: their elementwise sums keep the
         # elementwise tiles' layout (added in after the products', each step's sum went
         # through shared memory into the products' layout).
+        # (B steps, the last one empty: with B - 1, ptxas gave 130 registers, past 4 CTAs an SM)
         dq_a, r = loop(0, B, rows_diag, (zero, zero))
         pq, pr, before = loop(0, I, rows_block, (zero, zero, zero))
         into = fast_decay(G, Ga, lo, loa)  # e^(G_i - G_a), i >= a
