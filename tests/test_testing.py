@@ -122,6 +122,7 @@ def test_shipped_pipelines_pass(make):
     report = check_pipeline(make())
     _assert_ok(report)
     assert {"gradients", "forward", "layouts"} <= {c.name for c in report.checks if c.passed}
+    assert any(c.case == "heads f64" and c.passed for c in report.checks), str(report)  # (no array: three heads)
 
 
 # -- broken stages --------------------------------------------------------------------------
@@ -583,13 +584,13 @@ class WrongSingleChunkWY(AbstractWY):
 
 def test_output_ignoring_scale_fails():
     report = check_stage(IgnoresScaleOutput(), "output", **_small())
-    # the dense rows, scale=0.3 (the other cases keep the default, where it is right)
-    assert _failing_cases(report) == {"dense f64", "dense f64 tile"}, str(report)
+    # the dense and heads rows, scale=0.3 (the other cases keep the default, where it is right)
+    assert _failing_cases(report) == {"dense f64", "dense f64 tile", "heads f64", "heads f64 tile"}, str(report)
 
 
 def test_output_with_value_width_scale_fails():
     report = check_stage(ValueWidthScaleOutput(), "output", **_small())
-    assert _failing_cases(report) == {"dense f64", "dense f64 tile"}, str(report)  # K = 8 != V = 4
+    assert _failing_cases(report) == {"dense f64", "dense f64 tile", "heads f64", "heads f64 tile"}, str(report)  # K != V
 
 
 def test_intra_wrong_at_chunk_64_fails():
@@ -907,3 +908,45 @@ def test_comparison_tells_non_finite_kinds_apart():
         got["o"][i] = other
         ok, detail = _compare(got, ref, 1e-12)
         assert not ok and "non-finite of another kind at 1 places" in detail, detail
+
+
+class PairedHeadsOutput(AbstractOutput):
+    """KDA's F5 over value heads in pairs, as if their count were even (a vectorised kernel
+    taking two heads a step): with three, the last head's outputs stay zero. Every other
+    case has two heads, where it is right."""
+
+    math: ClassVar = KDA
+    accepts: ClassVar[frozenset] = frozenset({"tile_safe"})
+
+    def __call__(self, scale, qg, h, Aqk, v_new):
+        HV, V = qg.shape[1], v_new.shape[-1]
+        o = jnp.zeros(qg.shape[:-1] + (V,), qg.dtype)
+        for i in range(0, HV - 1, 2):
+            pair = slice(i, i + 2)
+            o = o.at[:, pair].set(ReferenceOutput()(scale, qg[:, pair], h[:, pair], Aqk[:, pair], v_new[:, pair]))
+        return o
+
+
+class PerHeadWeightOutput(AbstractOutput):
+    """KDA's F5 holding a per-head array (unused here): its head count is fixed at two, so
+    check_stage gives it no case of three heads."""
+
+    math: ClassVar = KDA
+    weight: jax.Array = eqx.field(default_factory=lambda: jnp.ones(2))
+
+    def __call__(self, scale, qg, h, Aqk, v_new):
+        return ReferenceOutput()(scale, qg, h, Aqk, v_new)
+
+
+def test_stage_taking_heads_in_pairs_fails_the_heads_case():
+    """A stage holding no array gets a dense case with three value heads (every other case
+    has two): one that takes them in pairs fails there, and there alone."""
+    report = check_stage(PairedHeadsOutput(), "output", **_small())
+    assert _failing_cases(report) == {"heads f64", "heads f64 tile"}, str(report)
+    assert "HV=2" in report.cases["dense f64"] and "HV=3" in report.cases["heads f64"]
+
+
+def test_stage_holding_an_array_keeps_two_heads():
+    report = check_stage(PerHeadWeightOutput(), "output", **_small())
+    _assert_ok(report)
+    assert "heads f64" not in report.cases and not any(c.case.startswith("heads") for c in report.checks)

@@ -4,7 +4,8 @@
 (recorded from a forward and backward of ``base``, the reference pipeline by default, over
 a matrix of cases that reaches every argument and option a stage receives: dense, packed
 per-sequence and shared-chunk layouts, float64 / float32 / bf16 / f16 inputs, initial
-states, a scale other than the default with K != V, grouped value heads, the softplus
+states, a scale other than the default with K != V, grouped value heads (three of them
+where the stage holds no array, two elsewhere), the softplus
 gate with ``allow_neg_eigval``, the lower-bound gate with and without ``A_log``, chunk 64,
 T <= C, tiles: ``default_cases``) and checks what the stage says
 of itself: its output contract, every capability it declares, isolation between

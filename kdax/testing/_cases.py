@@ -5,6 +5,7 @@ fixed random weights of the checks' losses."""
 import dataclasses
 from typing import Any, Optional
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -120,6 +121,16 @@ _CU = (0, 7, 23, 40)
 # the default, so that a stage reading a width or the scale from the wrong place (V ** -0.5
 # for K ** -0.5, its own K ** -0.5 for the call's scale) gives other numbers.
 _DENSE = dict(T=40, H=1, HV=2, K=8, V=4, scale=0.3)
+# Every other case has two value heads, as a stage may hold per-head parameters. A stage or
+# pipeline that holds no array gets this one besides: three value heads over one q/k head
+# (B = 2 rows), so that one which takes the head count for 2 (a literal, a reshape) fails.
+_HEADS = dict(_DENSE, HV=3)
+
+
+def holds_no_array(module) -> bool:
+    """Whether ``module`` (a stage or a pipeline) holds no array: no per-head parameter
+    that would fix its head count (the ``heads`` case is for such modules alone)."""
+    return not jax.tree.leaves(eqx.filter(module, eqx.is_array))
 # The API's default chunk size over 33 chunks (2064 tokens), at Kimi Linear's widths
 # (``_WIDE``) where a stage is checked alone: past every block of up to 32 chunks and of
 # up to 64 channels a stage may loop over, carrying a state, a sum or an index from block
@@ -141,12 +152,14 @@ def _dtname(dt) -> str:
 DTYPES = (jnp.float64, jnp.float32, jnp.bfloat16, jnp.float16)
 
 
-def default_cases(dtypes=DTYPES, full: bool = False, shared: bool = True) -> tuple:
+def default_cases(dtypes=DTYPES, full: bool = False, shared: bool = True, heads: bool = False) -> tuple:
     """The case matrix (``Case.describe`` says what each gives the stages):
 
     * ``dense`` in each dtype: B = 2, T = 40 (a partial last chunk), grouped value heads
       (HV = 2H), K = 8 != V = 4, ``scale=0.3``, initial states (float32 with gates at
       -1000 and -inf);
+    * with ``heads`` (for a stage that ``holds_no_array``), ``heads`` in the first dtype:
+      ``dense`` with three value heads (HV = 3H; every other case has two);
     * in the first dtype (every dtype with ``full``): ``packed`` varlen per-sequence with
       initial states; ``shared`` and ``shared-exact`` chunks (when ``shared``: F1's floor
       at sequence starts, and without it); ``softplus`` (FLA's in-kernel options: l2norm,
@@ -159,6 +172,8 @@ def default_cases(dtypes=DTYPES, full: bool = False, shared: bool = True) -> tup
     """
     dtypes = tuple(dtypes)
     cases = [Case(f"dense {_dtname(d)}", d, strong=jnp.dtype(d) == jnp.float32, **_DENSE) for d in dtypes]
+    if heads:
+        cases.append(Case(f"heads {_dtname(dtypes[0])}", dtypes[0], **_HEADS))
     for d in (dtypes if full else dtypes[:1]):
         n = _dtname(d)
         cases.append(Case(f"packed {n}", d, B=1, T=40, cu=_CU))

@@ -20,7 +20,10 @@ from .._annotations import typecheck
 from .._config import KDAOptions
 from .._validate import prepare_options
 from ..pipeline import KDAPipeline
-from ._cases import _CU, _CU_LONG, _DENSE, _FLA, _LONG, _WIDE, Case, _dtname, _Packed, _weights, check_dtypes, tolerance
+from ._cases import (
+    _CU, _CU_LONG, _DENSE, _FLA, _HEADS, _LONG, _WIDE, Case, _dtname, _Packed, _weights, check_dtypes, holds_no_array,
+    tolerance,
+)
 from ._compare import _compare, _rel
 from ._report import Report, _Collector, _error
 from ._runs import _ahead, _call, _call_of, _jit, _outputs_ahead, _pipeline_outputs, release_near_the_mapping_limit
@@ -44,7 +47,8 @@ def check_pipeline(
       final states (grouped value heads, K != V, ``scale=0.3``), packed varlen inputs with
       initial states and without (at chunk 64: two sequences shorter than a chunk, one
       of 32 chunks), FLA's in-kernel options with the softplus gate and
-      ``allow_neg_eigval``, the lower-bound gate without ``A_log`` (``full``: with it,
+      ``allow_neg_eigval``, the lower-bound gate without ``A_log``, three value heads
+      over one q/k head when the pipeline holds no array (``full``: the lower-bound gate with it,
       chunk 32, 33 chunks of 64 at K = V = 128, strong gates);
     * ``forward``: the outputs against that differentiable forward's;
     * ``layouts``: the outputs (o, final states) of dense rows against the same sequences
@@ -70,6 +74,8 @@ def check_pipeline(
         Case(f"softplus {d}", dtype, options=_FLA + (("allow_neg_eigval", True),)),
         Case(f"lower-bound-noA {d}", dtype, options=_FLA + (("lower_bound", -5.0),), A_log=False),
     ]
+    if holds_no_array(pipeline):  # (no per-head parameter: three value heads, not two)
+        cases.append(Case(f"heads {d}", dtype, **_HEADS))
     if full:
         cases += [Case(f"lower-bound {d}", dtype, options=_FLA + (("lower_bound", -5.0),)),
                   Case(f"chunk32 {d}", dtype, T=100, chunk=32, K=16, V=16),

@@ -15,7 +15,7 @@ from .._stage_protocol.capabilities import capabilities
 from ..pipeline import KDAPipeline
 from ._capabilities import _capabilities_ahead, _capability_checks, _G_lo_check, _tokens_check
 from ._case_checks import _case_checks, _cases_ahead, _stage_runs_ahead, _transform_checks
-from ._cases import DTYPES, Case, check_dtypes, default_cases
+from ._cases import DTYPES, Case, check_dtypes, default_cases, holds_no_array
 from ._report import Report, _Collector, _error
 from ._runs import _base, release_near_the_mapping_limit
 
@@ -41,7 +41,8 @@ def check_stage(
     initial states; ``scale`` other than the default with K != V; the softplus gate with
     ``A_log``/``dt_bias`` and ``allow_neg_eigval``; the lower-bound gate with and without
     ``A_log``; chunk 64; T <= C; tiles of each; shared chunks only when the stage declares
-    ``reset``). Checks, one report row per check and case:
+    ``reset``; three value heads, not two, when the stage holds no array). Checks, one
+    report row per check and case:
 
     * ``family``, ``declarations``: the class, ``accepts``, ``math`` / ``transposes``;
     * ``contract``: the output's container, shapes and dtypes (the pipeline's own check);
@@ -101,7 +102,7 @@ def check_stage(
     cache_ok = base is None  # (the reference pipeline's recorded arguments are kept across reports)
     base = _base(base)
     if cases is None:
-        cases = default_cases(dtypes, full, shared=caps.reset and field in RESET_FIELDS)
+        cases = default_cases(dtypes, full, shared=caps.reset and field in RESET_FIELDS, heads=holds_no_array(stage))
     # (every program the cases and capabilities need, traced first and compiled meanwhile)
     _cases_ahead(base, field, cases, cache_ok)
     _capabilities_ahead(base, field, stage, caps, dtypes[0], full)
