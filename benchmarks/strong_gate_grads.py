@@ -16,6 +16,7 @@ B5's reverse cumsum carries is the whole error (benchmarks/NOTES.md, "float32 dg
 gates")."""
 
 import argparse
+import dataclasses
 import sys
 
 import numpy as np
@@ -70,8 +71,6 @@ def main():
 
     pipeline = None
     if args.b4:
-        import dataclasses
-
         from kdax import pallas as P
 
         target, _, rows = args.b4.partition(":")
