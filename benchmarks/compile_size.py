@@ -6,6 +6,7 @@ on a noisy machine where compile seconds do not (issue 39 item 7)::
     python benchmarks/compile_size.py                 # this tree, 3 compiles each
     python benchmarks/compile_size.py --tree /tmp/old # another tree's kdax (git archive <commit> kdax | tar -x -C /tmp/old)
     python benchmarks/compile_size.py --write         # and add the row to benchmarks/results/compile_size.txt
+    python benchmarks/compile_size.py --llvm 20       # LLVM's compile time by stage, the 20 slowest kernels
 
 Columns: jaxpr equations (nested jaxprs included), StableHLO ops of the lowered program,
 instructions of the compiled (optimised) HLO, kernels (the compiled HLO's instructions
@@ -16,9 +17,11 @@ CPU (process time, all threads: less disturbed by other jobs on a shared machine
 
 import argparse
 import datetime
+import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 
 from pathlib import Path
@@ -137,13 +140,65 @@ def write_row(rows, note: str, tree: str):
     print(f"row added to {RESULTS}")
 
 
+_LLVM_LINE = re.compile(r"Compiled LLVM module: __compute_module_(\S+?)_kernel_module time: ([\d.]+) (us|ms|s) ")
+
+
+def llvm_by_kernel(log: str, hlo_text: str):
+    """``[(ms, kernel, stage, shape)]``, slowest first: the LLVM compile time XLA:CPU logs for
+    each kernel (``TF_CPP_VMODULE=ir_compiler=1``) of the program ``hlo_text``, each kernel
+    named after its HLO instruction, ``stage`` the innermost ``kdax_<stage>`` scope of its
+    metadata ("glue" outside every stage, "?" for a kernel the HLO does not name)."""
+    where = {}
+    for name, shape, _, op in kernel_instructions(hlo_text):
+        scopes = re.findall(r"kdax_([a-z0-9_]+)", op)
+        where[name] = (scopes[-1] if scopes else "glue", shape)
+    scale = {"us": 1e-3, "ms": 1.0, "s": 1e3}
+    rows = [(float(t) * scale[u], k, *where.get(k, ("?", ""))) for k, t, u in _LLVM_LINE.findall(log)]
+    return sorted(rows, reverse=True)
+
+
+def llvm_report(tree: str, top: int) -> None:
+    """``--llvm``: chunk_kda's gradient (compile_size's program) compiled once in a child
+    process that logs XLA:CPU's LLVM time per kernel; the time by stage and the ``top``
+    slowest kernels. (LLVM is most of XLA:CPU's compile: the kernels compile on two
+    threads, so their CPU time adds up to more than the compile's wall time. With
+    ``--xla_cpu_parallel_codegen_split_count=1`` in ``XLA_FLAGS``, as the test suite sets it,
+    every kernel is one LLVM module and the report one row.)"""
+    code = ("import sys, jax; sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[2]); import kdax; "
+            "from compile_size import inputs; a = inputs(); "
+            "loss = lambda *x: kdax.chunk_kda(*x, use_qk_l2norm_in_kernel=True)[0].sum(); "
+            "c = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).lower(*a).compile(); "
+            "open(sys.argv[3], 'w').write(c.as_text())")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="ir_compiler=1")
+    with tempfile.NamedTemporaryFile("r", suffix=".hlo") as out:
+        run = subprocess.run([sys.executable, "-c", code, tree, str(Path(__file__).parent), out.name], env=env,
+                             capture_output=True, text=True, check=True)
+        rows = llvm_by_kernel(run.stderr, out.read())
+    total = sum(r[0] for r in rows)
+    by = {}
+    for ms, _, stage, _ in rows:
+        n, t = by.get(stage, (0, 0.0))
+        by[stage] = (n + 1, t + ms)
+    print(f"LLVM compile of jax.jit(jax.grad(chunk_kda)) at B=1 T=2048 H=4 K=V=64: {total / 1e3:.2f} s CPU over "
+          f"{len(rows)} kernels (XLA:CPU's own timer)")
+    for stage, (n, t) in sorted(by.items(), key=lambda kv: -kv[1][1]):
+        print(f"  {stage:12s} {t:7.0f} ms  {100 * t / total:4.1f}%  {n:4d} kernels")
+    print(f"the {top} slowest kernels:")
+    for ms, kernel, stage, shape in rows[:top]:
+        print(f"  {ms:6.1f} ms  {stage:10s} {kernel:42s} {shape}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tree", default=str(ROOT), help="a tree holding the kdax package to measure")
     ap.add_argument("--repeat", type=int, default=3, help="compiles of each program (the fastest counts)")
     ap.add_argument("--write", action="store_true", help=f"append the row to {RESULTS.relative_to(ROOT)}")
     ap.add_argument("--note", default="", help="text for the row's note column")
+    ap.add_argument("--llvm", type=int, metavar="N", default=0,
+                    help="instead: LLVM's compile time by stage and the N slowest kernels (one compile, logged)")
     args = ap.parse_args()
+    if args.llvm:
+        return llvm_report(args.tree, args.llvm)
     sys.path.insert(0, args.tree)
     rows = measure(args.repeat)
     if args.write:
