@@ -125,12 +125,6 @@ _DENSE = dict(T=40, H=1, HV=2, K=8, V=4, scale=0.3)
 # pipeline that holds no array gets this one besides: three value heads over one q/k head
 # (B = 2 rows), so that one which takes the head count for 2 (a literal, a reshape) fails.
 _HEADS = dict(_DENSE, HV=3)
-
-
-def holds_no_array(module) -> bool:
-    """Whether ``module`` (a stage or a pipeline) holds no array: no per-head parameter
-    that would fix its head count (the ``heads`` case is for such modules alone)."""
-    return not jax.tree.leaves(eqx.filter(module, eqx.is_array))
 # The API's default chunk size over 33 chunks (2064 tokens), at Kimi Linear's widths
 # (``_WIDE``) where a stage is checked alone: past every block of up to 32 chunks and of
 # up to 64 channels a stage may loop over, carrying a state, a sum or an index from block
@@ -141,6 +135,12 @@ _WIDE = dict(K=128, V=128)
 # Packed at chunk 64: two sequences shorter than a chunk, then one of 32 chunks (in shared
 # chunks, three sequences in the first chunk).
 _CU_LONG = (0, 7, 40, 2064)
+
+
+def holds_no_array(module) -> bool:
+    """Whether ``module`` (a stage or a pipeline) holds no array: no per-head parameter
+    that would fix its head count (the ``heads`` case is for such modules alone)."""
+    return not jax.tree.leaves(eqx.filter(module, eqx.is_array))
 
 
 def _dtname(dt) -> str:
