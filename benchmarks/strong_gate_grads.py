@@ -10,7 +10,9 @@ recurrence: the gate's gradient (and, with the in-kernel gate, ``A_log``'s and
 
 Inputs: B=1 T=256 H=4 K=V=32, in-kernel l2norm and beta sigmoid, a random linear loss of the
 outputs. Gates: ``g = -s |N(0, 1)|`` (log decays given), or the raw gate ``s N(0, 1)`` with
-``use_gate_in_kernel`` and ``A_log`` = a, for (s, a) from (1, 0) to (30, 3): at the strongest,
+``use_gate_in_kernel`` and ``A_log`` = a, for (s, a) from (1, 0) to (30, 3), or that gate computed
+by the caller and its log decays given (``--gates outside``: FLA's ``fused_kda_gate`` then
+``chunk_kda``, differentiated through the caller's gate): at the strongest,
 most log decays are below -20, where the true dg is near zero and any rounding noise that
 B5's reverse cumsum carries is the whole error (benchmarks/NOTES.md, "float32 dg at strong
 gates")."""
@@ -25,8 +27,9 @@ SHAPE = dict(B=1, T=256, H=4, K=32, V=32)
 GATES = ((1.0, 0.0), (3.0, 1.0), (10.0, 2.0), (30.0, 3.0))
 
 
-def errors(kdax, jax, jnp, seed: int, s: float, a: float, in_kernel: bool, pipeline=None) -> dict:
-    """``{path: [rel-RMS per differentiated input]}`` for chunk_kda and the recurrence in float32."""
+def errors(kdax, jax, jnp, seed: int, s: float, a: float, in_kernel, pipeline=None) -> dict:
+    """``{path: [rel-RMS per differentiated input]}`` for chunk_kda and the recurrence in float32;
+    ``in_kernel``: True, False (log decays given) or "outside" (the gate computed by the caller)."""
     B, T, H, K, V = (SHAPE[n] for n in "BTHKV")
     r = np.random.default_rng(seed)
     q, k = r.normal(size=(B, T, H, K)), r.normal(size=(B, T, H, K))
@@ -36,9 +39,13 @@ def errors(kdax, jax, jnp, seed: int, s: float, a: float, in_kernel: bool, pipel
     argnums = (0, 1, 2) if in_kernel else (0,)
 
     def loss(fn, dtype, g, A_log, dt_bias):
-        gate = dict(A_log=A_log.astype(dtype), dt_bias=dt_bias.astype(dtype), use_gate_in_kernel=True)
-        gate = gate if in_kernel else {}
-        o, _ = fn(*(jnp.asarray(x, dtype) for x in (q, k, v)), g.astype(dtype), jnp.asarray(beta, dtype),
+        g, A_log, dt_bias = g.astype(dtype), A_log.astype(dtype), dt_bias.astype(dtype)
+        gate = {}
+        if in_kernel == "outside":
+            g = -jnp.exp(A_log)[:, None] * jax.nn.softplus(g + dt_bias.reshape(H, K))
+        elif in_kernel:
+            gate = dict(A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=True)
+        o, _ = fn(*(jnp.asarray(x, dtype) for x in (q, k, v)), g, jnp.asarray(beta, dtype),
                   use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, **gate)
         return (o.astype(jnp.float64) * w).sum()
 
@@ -58,7 +65,7 @@ def main():
     ap.add_argument("--seeds", type=int, default=4)
     ap.add_argument("--b4", help="B4 as PallasIntraBackward, interpreted: tpu, triton or triton:ROWS (default: the "
                                  "reference pipeline's)")
-    ap.add_argument("--gates", choices=("both", "given", "in-kernel"), default="both")
+    ap.add_argument("--gates", choices=("both", "given", "in-kernel", "outside"), default="both")
     args = ap.parse_args()
     if args.tree:
         sys.path.insert(0, args.tree)
@@ -78,9 +85,11 @@ def main():
         pipeline = dataclasses.replace(kdax.KDAPipeline.reference(), intra_bwd=b4)
     print(f"kdax from {kdax.__file__}; B4 {args.b4 or 'reference'}; B=1 T=256 H=4 K=V=32 float32 against float64, "
           f"rel-RMS over {args.seeds} seeds (median / max)")
-    for in_kernel in {"both": (False, True), "given": (False,), "in-kernel": (True,)}[args.gates]:
+    modes = {"both": (False, True), "given": (False,), "in-kernel": (True,), "outside": ("outside",)}
+    for in_kernel in modes[args.gates]:
         cols = "d(raw g) dA_log ddt_bias" if in_kernel else "dg"
-        print(("raw gate s N(0,1), use_gate_in_kernel, A_log = a" if in_kernel else "log decay -s |N(0,1)|")
+        print({False: "log decay -s |N(0,1)|", True: "raw gate s N(0,1), use_gate_in_kernel, A_log = a",
+               "outside": "raw gate s N(0,1), the gate computed by the caller (log decays given), A_log = a"}[in_kernel]
               + f": {cols}")
         for s, a in GATES:
             runs = [errors(kdax, jax, jnp, seed, s, a, in_kernel, pipeline) for seed in range(args.seeds)]

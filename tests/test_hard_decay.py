@@ -176,14 +176,17 @@ def test_strong_gates_keep_float32_dg_accurate():
     assert err[30.0] < 1e-6 and err[30.0] < 1.5 * err[1.0], err
 
 
-def test_strong_in_kernel_gates_keep_float32_dA_log_accurate():
-    """Kimi Linear's in-kernel gate ``-exp(A_log) softplus(g + dt_bias)`` at raw gates ``30
-    N(0, 1)`` and ``A_log = 3``: half the activated decays fall below float32's floor (-128),
-    where F1 clamps them and B5 gives dg = 0. Before, B5 passed the reverse cumsum's noise
-    through there, and dA_log summed it against decays of -128 to -1800: 3.3e-3 rel-RMS
-    against the float64 recurrence (the float32 recurrence: ~3e-7); now 8.6e-5 (d g 6.0e-5 ->
-    2.3e-5, ddt_bias 2.6e-4 -> 4.6e-5). B=1 T=256
-    H=4 K=V=32, in-kernel l2norm and beta sigmoid (benchmarks/strong_gate_grads.py)."""
+@pytest.mark.parametrize("in_kernel", [True, False], ids=["in-kernel", "gate-outside"])
+def test_strong_gates_keep_float32_dA_log_accurate(in_kernel):
+    """Kimi Linear's gate ``-exp(A_log) softplus(g + dt_bias)`` at raw gates ``30 N(0, 1)``
+    and ``A_log = 3``: half the activated decays fall below float32's floor (-128), where F1
+    clamps them and B5 gives dg = 0. Before, B5 passed the reverse cumsum's noise through
+    there, and dA_log summed it against decays of -128 to -1800: 3.3e-3 rel-RMS against the
+    float64 recurrence (the float32 recurrence: ~3e-7); now 8.6e-5 (d g 6.0e-5 -> 2.3e-5,
+    ddt_bias 2.6e-4 -> 4.6e-5). ``gate-outside``: the gate computed by the caller and the
+    log decays given (FLA's ``fused_kda_gate`` then ``chunk_kda``), which B5 was not told
+    until session 53: dA_log 8.9e-3, ddt_bias 2.6e-4, d g 5.8e-5 then; now as in-kernel.
+    B=1 T=256 H=4 K=V=32, in-kernel l2norm and beta sigmoid (benchmarks/strong_gate_grads.py)."""
     r = np.random.default_rng(0)
     shape = (1, 256, 4, 32)
     q, k, v, w = (r.normal(size=shape) for _ in range(4))
@@ -192,8 +195,10 @@ def test_strong_in_kernel_gates_keep_float32_dA_log_accurate():
     A_log, dt_bias = jnp.full((4,), 3.0), jnp.asarray(0.5 * r.normal(size=4 * 32))
 
     def loss(fn, dtype, g, A_log, dt_bias):
-        o, _ = fn(*(jnp.asarray(x, dtype) for x in (q, k, v)), g.astype(dtype), jnp.asarray(beta, dtype),
-                  A_log=A_log.astype(dtype), dt_bias=dt_bias.astype(dtype), use_gate_in_kernel=True,
+        A_log, dt_bias = A_log.astype(dtype), dt_bias.astype(dtype)
+        gate = dict(g=g.astype(dtype), A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=True) if in_kernel else dict(
+            g=-jnp.exp(A_log)[:, None] * jax.nn.softplus(g.astype(dtype) + dt_bias.reshape(4, 32)))
+        o, _ = fn(*(jnp.asarray(x, dtype) for x in (q, k, v)), beta=jnp.asarray(beta, dtype), **gate,
                   use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
         return (o.astype(jnp.float64) * w).sum()
 

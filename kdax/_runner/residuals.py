@@ -29,8 +29,8 @@ class EntryResiduals(eqx.Module):
 
 class KDAResiduals(eqx.Module):
     """What the backward needs, chunked ``[R, HV, NC, C, ...]``: the activated inputs
-    (``act``), v, the raw gate input (in-kernel gate), the gate parameters, ``Aqk``,
-    ``Akk``, the state table ``h0`` ``[N, HV, K, V]`` (one zero entry in shared chunks) and
+    (``act``), v, F1's ``g`` (the raw gate, or the log decays: B5 reads it), the gate
+    parameters, ``Aqk``, ``Akk``, the state table ``h0`` ``[N, HV, K, V]`` (one zero entry in shared chunks) and
     the layout; ``cache`` (w, u, qg, kg, h, v_new) when kept (``disable_recompute``,
     ``pipeline.forward``). ``read(name)`` gives an intermediate in the user's layout."""
 
@@ -67,7 +67,7 @@ class KDAResiduals(eqx.Module):
         cache = ForwardCache.of(fw.act.G, fw.intra, fw.wy, fw.h, fw.v_new)
         L, h0, parts = route.hooks.residuals(route.layout, route.h0, fw.extra)  # (entries: the injected layout, its table)
         return cls(
-            config, L, fw.act, fw.v, fw.g if config.use_gate_in_kernel else None, route.A_log, route.dt_bias,
+            config, L, fw.act, fw.v, fw.g, route.A_log, route.dt_bias,
             fw.intra.Aqk, fw.intra.Akk, h0, cache, num_qk_heads, route.in_dtypes, cu_seqlens,
             entries=None if parts is None else EntryResiduals(*parts), h0_zero=route.h0_zero and h0 is route.h0,
         )

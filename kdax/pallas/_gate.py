@@ -213,7 +213,7 @@ def gate_kernel(mm: Products, cfg: KDAConfig, blocks, split: bool, scan: bool, h
 
 
 def gate_bwd_kernel(mm: Products, cfg: KDAConfig, blocks, reverse: bool, has: tuple, C: int, load_g=None,
-                    reset: bool = False, padded: bool = True, written: bool = False):
+                    reset: bool = False, padded: bool = True, written: bool = False, reads_g: bool = True):
     """B5's kernel over one (row * head, chunk) block, ``blocks`` of columns at a time:
     outputs ``(dq, dk, dg, dbeta[, dA [1, K]][, ddt [1, K]])`` (dA, ddt: sums over the
     chunk's rows per column). ``reverse`` (Triton): the chunk's rows read and written in
@@ -224,7 +224,8 @@ def gate_bwd_kernel(mm: Products, cfg: KDAConfig, blocks, reverse: bool, has: tu
     sequence (``_segment_sums``), no gradient at such a token. ``padded`` as
     ``gate_kernel``'s (False: no ``valid`` input). ``written``: two ``[C, 1]`` poison
     columns after ``dG`` (dq's, then dk's, dg's and dbeta's), the outputs the call's
-    gradients (``kdax.pallas._written.Poisoned``)."""
+    gradients (``kdax.pallas._written.Poisoned``). ``reads_g``: ``g`` is an input (the raw
+    gate with the in-kernel gate, else the log decays as given: dg = 0 below F1's floor)."""
     l2, gate = cfg.use_qk_l2norm_in_kernel, cfg.use_gate_in_kernel
 
     def kernel(*refs):
@@ -232,7 +233,7 @@ def gate_bwd_kernel(mm: Products, cfg: KDAConfig, blocks, reverse: bool, has: tu
         it = iter(refs)
         qn_r, kn_r, qr_r, kr_r = (next(it) for _ in range(4)) if l2 else (None,) * 4
         b_r = next(it)
-        g_r = loaded(next(it), load_g) if gate else None
+        g_r = loaded(next(it), load_g) if reads_g else None
         v_r = next(it) if padded else None
         r_r = next(it) if reset else None
         a_ref, d_ref = _param_refs([next(it) for _ in range(sum(has))], has)
@@ -288,6 +289,8 @@ def gate_bwd_kernel(mm: Products, cfg: KDAConfig, blocks, reverse: bool, has: tu
                     dg = dz if a is None else dz * a
                 if ddt_o is not None:
                     ddt_o[:, cols] = jnp.sum(dg, axis=0, keepdims=True)
+            elif g_r is not None:  # log decays as given: F1 clamps those below the floor
+                dg = jnp.where(g_r[rows, cols] < log_decay_floor(dg.dtype), 0.0, dg)
             dg_o[rows, cols] = dg
             dq, dk = dq_r[rows, cols], dk_r[rows, cols]
             if l2:
@@ -356,11 +359,11 @@ class PallasGate(AbstractGate, PallasTarget):
 @final
 class PallasGateBackward(AbstractGateBackward, PallasTarget):
     """B5 as a Pallas kernel over (row * head, chunk); dA_log / ddt_bias partial sums per
-    block are added up outside. Reads the raw gate ``g`` from the caller's layout when
-    handed a ``Tokens`` view (``tokens``, as ``PallasGate``). Takes shared chunks'
-    ``reset`` (sums within each sequence, no gradient at its first token). Writes dq, dk,
-    dg and dbeta as the call's gradients when the pipeline asks (``final_grads``; Triton,
-    K a power of 2; ``kdax.pallas._written``)."""
+    block are added up outside. Reads ``g`` (the raw gate, or the log decays) from the
+    caller's layout when handed a ``Tokens`` view (``tokens``, as ``PallasGate``). Takes
+    shared chunks' ``reset`` (sums within each sequence, no gradient at its first token).
+    Writes dq, dk, dg and dbeta as the call's gradients when the pipeline asks
+    (``final_grads``; Triton, K a power of 2; ``kdax.pallas._written``)."""
 
     transposes: ClassVar[Mapping[str, str]] = MappingProxyType({"gate": KDA})
 
@@ -376,7 +379,7 @@ class PallasGateBackward(AbstractGateBackward, PallasTarget):
         self.check_widths(K=K)
         final = final if writes_final(self, final, K) else None  # (else chunked: the pipeline finishes them)
         fp = self.padded
-        l2, gate = cfg.use_qk_l2norm_in_kernel, cfg.use_gate_in_kernel
+        l2 = cfg.use_qk_l2norm_in_kernel
         Kp = fp(dq).shape[-1]
         sk, s1 = chunk_spec((C, Kp)), chunk_spec((C, 1))
         ins, specs = [], []
@@ -386,8 +389,8 @@ class PallasGateBackward(AbstractGateBackward, PallasTarget):
         ins.append(flat(act.beta))
         specs.append(s1)
         load_g = None
-        g = self.view_or_copy(g, K) if gate else None
-        if gate:
+        g = None if g is None else self.view_or_copy(g, K)
+        if g is not None:
             a, spec, load_g = token_operand(self.target, g, fp, (C, Kp))
             ins.append(a)
             specs.append(spec)
@@ -407,7 +410,8 @@ class PallasGateBackward(AbstractGateBackward, PallasTarget):
         blocks = [(C, Kp), (C, Kp), (C, Kp), (C, 1)] + ([(1, Kp)] if has_dA else []) + ([(1, Kp)] if has_ddt else [])
         # Triton: the chunk's rows in reverse, the reverse cumsum a scan (gate_bwd_kernel).
         kernel = gate_bwd_kernel(self.products(precision), cfg, column_blocks(self.target, Kp, GATE_BLOCK),
-                                 self.target == "triton", has, C, load_g, reset is not None, padded, final is not None)
+                                 self.target == "triton", has, C, load_g, reset is not None, padded, final is not None,
+                                 g is not None)
         written = None if final is None else {
             i: written_output(final, n, HV, C, None if n == "beta" else K) for i, n in enumerate(names)}
         outs = self.call(kernel, ins, specs, blocks, R * HV, NC, dq.dtype, written)

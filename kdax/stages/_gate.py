@@ -164,9 +164,10 @@ class AbstractGateBackward(eqx.Module):
     """B5: the VJP of F1. Reverse chunk-local cumsum of ``dG``, then the backward of the
     gate activation (with dA_log, ddt_bias), of the beta sigmoid and of the q/k l2norm.
 
-    Arguments: ``config``; ``act`` F1's output; ``g`` ``[R, HV, NC, C, K]`` the raw gate
-    input (None unless ``use_gate_in_kernel``); ``A_log`` ``[HV]``/``dt_bias``
-    ``[HV * K]`` or None; ``valid`` ``[R, NC, C]``; ``dq``, ``dk``, ``dbeta``, ``dG``: the
+    Arguments: ``config``; ``act`` F1's output; ``g`` ``[R, HV, NC, C, K]`` F1's ``g``: the
+    raw gate input with ``use_gate_in_kernel``, else the log decays as given (dg is 0
+    where F1 clamped them at the floor), or None (a caller with no gate input); ``A_log``
+    ``[HV]``/``dt_bias`` ``[HV * K]`` or None; ``valid`` ``[R, NC, C]``; ``dq``, ``dk``, ``dbeta``, ``dG``: the
     gradients with respect to F1's outputs (B4's); ``reset`` ``[R, NC, C]`` or None (as
     F1's): the gate gradient is zero at those tokens, and a token's ``dg`` sums ``dG`` over
     the rest of its own sequence in the chunk only (passed as in F1).
@@ -267,6 +268,8 @@ class ReferenceGateBackward(AbstractGateBackward):
         dA = ddt = None
         if config.use_gate_in_kernel:
             dg, dA, ddt = gate_param_backward(config, g, A_log, dt_bias, dg)
+        elif g is not None:  # log decays as given: F1 clamps those below the floor (as gate_param_backward)
+            dg = jnp.where(g < log_decay_floor(dg.dtype), 0.0, dg)
         if config.use_beta_sigmoid_in_kernel:
             c = 2.0 if config.allow_neg_eigval else 1.0
             s = act.beta / c

@@ -236,24 +236,28 @@ def test_gate_stages(target, interpret, opts, dtype, tol):
 
 
 @pytest.mark.parametrize("target,interpret", MODES)
-@pytest.mark.parametrize("lower_bound", [None, -2000.0], ids=["softplus", "lower-bound"])
+@pytest.mark.parametrize("lower_bound", [None, -2000.0, "given"], ids=["softplus", "lower-bound", "log-decays"])
 @pytest.mark.parametrize("dtype,tol", [(jnp.float64, 1e-12), (jnp.float32, 1e-5)])
 def test_gate_backward_below_the_floor(target, interpret, lower_bound, dtype, tol):
-    """In-kernel gates down to about -2000 (below both dtypes' floors): where F1 clamps the
-    activated decay, B5's dg is 0 to the bit, as the reference's (tests/stages/test_gate.py)."""
-    cfg = KDAConfig(scale=1.0, use_gate_in_kernel=True, lower_bound=lower_bound)
+    """In-kernel gates down to about -2000, or log decays given directly from -1 to about
+    -1e10 and -inf (below both dtypes' floors): where F1 clamps the activated decay, B5's dg is 0 to
+    the bit, as the reference's (tests/stages/test_gate.py)."""
+    given = lower_bound == "given"
+    cfg = KDAConfig(scale=1.0) if given else KDAConfig(scale=1.0, use_gate_in_kernel=True, lower_bound=lower_bound)
     R, HV, NC, C, K = 2, 2, 2, 16, 12
     r = np.random.default_rng(3)
     f = lambda *s: jnp.asarray(r.normal(size=s), dtype)
     q, k, beta, g = f(R, HV, NC, C, K), f(R, HV, NC, C, K), f(R, HV, NC, C), f(R, HV, NC, C, K) * 40.0
     A_log, dt_bias = jnp.full((HV,), 3.0, dtype), f(HV * K)
+    if given:
+        g, A_log, dt_bias = -jnp.exp(0.2 * jnp.abs(g)).at[1, 0, 1, 2, :3].set(jnp.inf), None, None  # (-1 to ~-1e10)
     valid = make_layout(R, NC * C - 5, C).valid
     act = jitted(S.ReferenceGate())(cfg, q, k, g, beta, A_log, dt_bias, valid)
     bargs = (cfg, act, g, A_log, dt_bias, valid, f(R, HV, NC, C, K), f(R, HV, NC, C, K), f(R, HV, NC, C),
              f(R, HV, NC, C, K))
     got = jitted(P.PallasGateBackward(target=target, interpret=interpret))(*bargs)
     _close(got, jitted(S.ReferenceGateBackward())(*bargs), tol, "gate_bwd")
-    deep = in_kernel_decay(g, A_log, dt_bias, lower_bound) < log_decay_floor(dtype)
+    deep = (g if given else in_kernel_decay(g, A_log, dt_bias, lower_bound)) < log_decay_floor(dtype)
     assert 0.05 < float(jnp.mean(deep)) < 0.9
     np.testing.assert_array_equal(np.asarray(got.dg)[np.asarray(deep)], 0.0)
 

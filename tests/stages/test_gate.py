@@ -96,6 +96,35 @@ def test_gate_backward_below_the_floor_is_the_vjp(lower_bound):
         assert_close(a, b, 1e-12, n)
 
 
+def test_gate_backward_below_the_floor_given_decays_is_the_vjp():
+    """Log decays given directly (no in-kernel gate) down to about -2000 and -inf (below
+    float64's floor, -1024): F1 clamps them, so B5, told them as ``g``, gives dg = 0 to the
+    bit there and JAX's VJP of F1 everywhere. Told no ``g`` (a caller of the old contract),
+    it still runs, passing the reverse cumsum through (no clamp known)."""
+    cfg = KDAConfig(scale=1.0)
+    q, k, g, beta, _, _, valid = _inputs(cfg, seed=2)
+    g = g * 700.0
+    g = g.at[0, 1, 0, 3, :4].set(-jnp.inf)
+
+    def f(g):
+        return jitted(ReferenceGate())(cfg, q, k, g, beta, None, None, valid).G
+
+    G, vjp = jax.vjp(f, g)
+    dG = rand_like(G, 7)
+    (want,) = vjp(dG)
+    act = jitted(ReferenceGate())(cfg, q, k, g, beta, None, None, valid)
+    zero = jnp.zeros_like(q)
+    b5 = lambda g: jitted(ReferenceGateBackward())(cfg, act, g, None, None, valid, zero, zero, jnp.zeros_like(beta), dG)
+    got = b5(g)
+    below = np.asarray(g < log_decay_floor(jnp.float64))
+    assert 0.1 < below.mean() < 0.9
+    np.testing.assert_array_equal(np.asarray(got.dg)[below], 0.0)
+    assert_close(got.dg, want, 1e-12, "dg")
+    assert got.dA_log is None and got.ddt_bias is None
+    untold = np.asarray(b5(None).dg)
+    assert np.isfinite(untold).all() and np.any(untold[below] != 0.0)
+
+
 @pytest.mark.parametrize("name", ["plain", "all_softplus"])
 def test_gate_reset(name):
     """``reset`` (shared chunks, issue 18.8): F1 gives those tokens ``reset_log_decay`` (a
