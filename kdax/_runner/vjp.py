@@ -13,7 +13,7 @@ from .._config import KDAConfig, KDAOptions
 from .._errors import reverse_mode_only
 from .._layouts import tokens as _tokens
 from .._numerics import isolation as _isolation
-from .._platform import traced
+from .._platform import behind_barriers, traced
 from .._stage_protocol.capabilities import capabilities
 from .._validate import domain_flag, final_out, prepare_options
 from ..ref import compute_dtype
@@ -93,7 +93,7 @@ def _vjp_bwd(residuals, cotangents, perturbed, diff, config: KDAConfig, cu_seqle
     res, where = residuals
     inputs, pipeline = diff
     do, dht = cotangents
-    dht = dht if config.output_final_state else None
+    do, dht = behind_barriers((do, dht if config.output_final_state else None), always=True)  # (constant: captured w)
     if isinstance(res, _routes.DerivedResiduals):  # the derived backward (kdax._runner.routes)
         out, d_pipe = _routes.derived_gradients(res, where, do, dht, cu_seqlens)
         return out, _routes.pipeline_cotangent(perturbed[1], d_pipe, res.swapped)
@@ -131,8 +131,8 @@ def apply(pipeline, q, k, v, g, beta, options: KDAOptions):
     """The single-device call behind ``chunk_kda``: validation, then ``differentiable``.
     Returns ``(o, final state or None)`` in ``chunk_kda``'s layouts."""
     config, args, opts = prepare_options(q, k, v, g, beta, options, flagged=True)
-    q, k, v, g, beta, h0, A_log, dt_bias, cu = args
-    domain = domain_flag(g, beta, opts)
+    domain = domain_flag(args[3], args[4], opts)  # (g and beta as given: checked eagerly where concrete)
+    (q, k, v, g, beta, h0, A_log, dt_bias), cu = behind_barriers(args[:8]), args[8]
     pipeline = pipeline.resolved(q.dtype)
     B, T, _, K = q.shape
     if 0 in (B, T, K, v.shape[-1]):
