@@ -205,5 +205,6 @@ def behind_barriers(xs: tuple, always: bool = False) -> tuple:
     against 3.1 s)."""
     if not traced(xs):
         return xs
+    # (a list, not a generator: tests/test_layout_goals.py's initial_state walk counts what a frame yields)
     return tuple([x if x is None or (isinstance(x, jax.core.Tracer) and not always) else jax.lax.optimization_barrier(x)
-                  for x in xs])  # (a list: the initial_state walk of tests/test_layout_goals.py counts what a frame yields)
+                  for x in xs])
