@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from ._config import KDAOptions
 from ._numerics import isolation as _isolation
-from ._platform import traced
+from ._platform import behind_barriers, traced
 from ._runner.forward import initial_states
 from ._runner.vjp import bad_inputs
 from ._validate import domain_flag, final_out, prepare_options
@@ -56,6 +56,7 @@ def chunk_start_states(pipeline, q, k, v, g, beta, options: KDAOptions):
         o, h = jnp.zeros(v.shape, v.dtype), jnp.zeros((B, -(-T // C), HV, K, V), final.dtype)
     else:
         domain = domain_flag(args[3], args[4], opts)
+        args = (*behind_barriers(args[:8]), args[8])  # (arrays a jitted caller captured: not folded by XLA)
         pipeline = dataclasses.replace(pipeline.resolved(q.dtype), share_chunks=False)
         o, final, h = (_states if traced((args, domain)) else _compiled_states)(pipeline, config, args, domain)
     return o, final_out(final, config, opts.state_v_first), jnp.swapaxes(h, -1, -2) if opts.state_v_first else h

@@ -84,3 +84,17 @@ def test_captured_arrays_give_the_arguments_numbers(name):
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert np.isfinite(np.asarray(a)).all()
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_intermediate_states_with_captured_inputs():
+    """``return_intermediate_states`` (FLA's forward-only option, ``kdax._chunk_states``) in a
+    jitted function that captures q, k, v, g and beta: no constant folded from them, the
+    outputs and states bitwise those of the arguments' program."""
+    q, k, v, g, beta, _, A_log, dt_bias = _inputs()
+    run = lambda q, k, v, g, beta, A_log: kdax.chunk_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, **OPTS,
+                                                         return_intermediate_states=True)
+    captured = lambda A_log: run(q, k, v, g, beta, A_log)
+    shapes = _large_constants(captured, A_log)
+    assert not [s for s in shapes if s != (B, T, H, K) and int(np.prod(s)) > C * C], shapes
+    for a, b in zip(jax.tree.leaves(jax.jit(captured)(A_log)), jax.tree.leaves(jax.jit(run)(q, k, v, g, beta, A_log))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
