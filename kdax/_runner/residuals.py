@@ -29,8 +29,8 @@ class EntryResiduals(eqx.Module):
 
 class KDAResiduals(eqx.Module):
     """What the backward needs, chunked ``[R, HV, NC, C, ...]``: the activated inputs
-    (``act``), v, F1's ``g`` (the raw gate, or the log decays: B5 reads it), the gate
-    parameters, ``Aqk``, ``Akk``, the state table ``h0`` ``[N, HV, K, V]`` (one zero entry in shared chunks) and
+    (``act``), v, F1's ``g`` (raw gate or log decays), the gate parameters, ``Aqk``,
+    ``Akk``, the state table ``h0`` ``[N, HV, K, V]`` (one zero entry in shared chunks) and
     the layout; ``cache`` (w, u, qg, kg, h, v_new) when kept (``disable_recompute``,
     ``pipeline.forward``). ``read(name)`` gives an intermediate in the user's layout."""
 

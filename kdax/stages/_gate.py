@@ -165,12 +165,13 @@ class AbstractGateBackward(eqx.Module):
     gate activation (with dA_log, ddt_bias), of the beta sigmoid and of the q/k l2norm.
 
     Arguments: ``config``; ``act`` F1's output; ``g`` ``[R, HV, NC, C, K]`` F1's ``g``: the
-    raw gate input with ``use_gate_in_kernel``, else the log decays as given (dg is 0
-    where F1 clamped them at the floor), or None (a caller with no gate input); ``A_log``
-    ``[HV]``/``dt_bias`` ``[HV * K]`` or None; ``valid`` ``[R, NC, C]``; ``dq``, ``dk``, ``dbeta``, ``dG``: the
-    gradients with respect to F1's outputs (B4's); ``reset`` ``[R, NC, C]`` or None (as
-    F1's): the gate gradient is zero at those tokens, and a token's ``dg`` sums ``dG`` over
-    the rest of its own sequence in the chunk only (passed as in F1).
+    raw gate input with ``use_gate_in_kernel``, else the log decays as given (dg is 0 where
+    F1 clamped them at the floor), or None (a caller with no gate input); ``A_log``
+    ``[HV]``/``dt_bias`` ``[HV * K]`` or None; ``valid`` ``[R, NC, C]``; ``dq``, ``dk``,
+    ``dbeta``, ``dG``: the gradients with respect to F1's outputs (B4's); ``reset``
+    ``[R, NC, C]`` or None (as F1's): the gate gradient is zero at those tokens, and a
+    token's ``dg`` sums ``dG`` over the rest of its own sequence in the chunk only (passed
+    as in F1).
 
     Returns ``RawGrads``: dq, dk, dg ``[R, HV, NC, C, K]`` and dbeta ``[R, HV, NC, C]``
     with respect to the raw inputs (zero at padding); ``dA_log`` ``[HV]`` and
