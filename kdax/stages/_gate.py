@@ -13,7 +13,7 @@ from jaxtyping import Array, Float
 from .._config import KDAConfig
 from .._numerics import precision as _precision
 from .._numerics.hilo import grid_bits, split_log_decay
-from .._numerics.arrays import lower_matmul, mT
+from .._numerics.arrays import mT, row_cumsum
 from .._numerics.chunk_loops import ChunkGroup, over_chunks
 from .._stage_protocol.capabilities import capabilities, told
 from .._stage_protocol.final import final
@@ -116,14 +116,11 @@ class ReferenceGate(AbstractGate):
 
 def chunk_cumsum(x, reverse: bool = False, group: ChunkGroup = None, loops: str = "auto"):
     """Cumulative sum over the chunk's rows of ``x [R, HV, NC, C, K]`` (from the end if
-    ``reverse``) as a matmul with a triangular matrix of ones, ``group`` chunks at a time:
-    XLA:CPU runs ``cumsum`` as a quadratic reduce-window behind a transpose."""
-    C = x.shape[-2]
-    ones = np.tril(np.ones((C, C), x.dtype))
-    if reverse:  # the backward's: no causality to keep
-        return over_chunks(lambda x, ones: mT(ones) @ x, group, x, loops=loops, consts=(ones,))
-    # A NaN or inf gate reaches only G from its own row on (see lower_matmul).
-    return over_chunks(lambda x, ones: lower_matmul(ones, x), group, x, loops=loops, consts=(ones,))
+    ``reverse``) by additions (``row_cumsum``), ``group`` chunks at a time: XLA:CPU runs
+    ``cumsum`` as a quadratic reduce-window behind a transpose. A NaN or inf gate makes G
+    NaN from its own row on, in every column; the backward's (``reverse``) leaves a
+    non-finite ``dG`` in its own column."""
+    return over_chunks(lambda x: row_cumsum(x, reverse, nan_rows=not reverse), group, x, loops=loops)
 
 
 def segment_cumsum(dG, reset, group: ChunkGroup = None, loops: str = "auto"):
@@ -147,17 +144,16 @@ def split_cumsum(g, group: ChunkGroup = None, loops: str = "auto"):
     C = g.shape[-2]
     if grid_bits(g.dtype, C) is None:
         return chunk_cumsum(g, group=group, loops=loops), None
-    ones = np.tril(np.ones((C, C), g.dtype))
 
-    def split(g, ones):  # per group of chunks: no full-size temporaries besides G and G_lo
+    def split(g):  # per group of chunks: no full-size temporaries besides G and G_lo
         hi, lo = split_log_decay(g, C)
-        hi = lower_matmul(ones, hi)  # exact: every partial sum is on the grid
-        # A NaN or inf gate reaches G through hi alone (its own row on: lower_matmul).
-        lo = ones @ jnp.where(jnp.abs(lo) < jnp.inf, lo, 0.0)
+        hi = row_cumsum(hi)  # exact: every partial sum is on the grid
+        # A NaN or inf gate reaches G through hi alone (its own row on).
+        lo = row_cumsum(jnp.where(jnp.abs(lo) < jnp.inf, lo, 0.0), nan_rows=False)
         G = hi + lo
         return G, (hi - G) + lo  # hi - G exact (Sterbenz): the remainder of the rounding
 
-    return over_chunks(split, group, g, loops=loops, consts=(ones,))
+    return over_chunks(split, group, g, loops=loops)
 
 
 class AbstractGateBackward(eqx.Module):

@@ -178,7 +178,8 @@ def test_reference_stages_ask_for_full_precision():
     taps = stage_inputs(pipe, q, k, v, g, beta, chunk_size=16, use_qk_l2norm_in_kernel=True)
     assert set(taps) == set(STAGES)
     highest = jax.lax.Precision.HIGHEST
+    without = {"gate", "gate_bwd"}  # F1 and B5: chunk cumsums by additions (row_cumsum), no product
     for name, args in taps.items():
         precs = _dot_precisions(jax.make_jaxpr(lambda: getattr(pipe, name)(*args))().jaxpr)
-        assert precs, name
+        assert bool(precs) == (name not in without), (name, precs)
         assert all(p == (highest, highest) for p in precs), (name, precs)
