@@ -7,11 +7,11 @@ difference ``G_i - G_j`` formed from it: a relative error of ``eps |G|`` in each
 decay to a grid, ``g = g_hi + g_lo`` with ``g_hi`` a multiple of ``2^-m``, ``m`` chosen so
 that every partial sum of ``g_hi`` is a float32 integer multiple of ``2^-m`` (exact in
 any summation order), and ``|g_lo| <= 2^-(m+1)``, whose cumsum is small and so accurate
-to ~1e-9. It returns ``G = fl(G_hi + G_lo_sum)`` (the
-single G every stage has always seen, now correctly rounded) and the remainder
-``G_lo = G_hi + G_lo_sum - G``, so ``G + G_lo`` is the exact cumsum to ~1e-9. A stage that
-takes ``G_lo`` forms each exponent as ``(G_i - G_j) + (G_lo_i - G_lo_j)``: a rounding
-relative to the difference itself, as in the recurrence. float64 keeps one G (``G_lo`` is
+to ~1e-9. It returns ``G = fl(G_hi + G_lo_sum)`` (the single G every stage has always
+seen, now correctly rounded) and the remainder ``G_lo = G_hi + G_lo_sum - G``, so
+``G + G_lo`` is the exact cumsum to ~1e-9. A stage that takes ``G_lo`` forms each exponent
+as ``(G_i - G_j) + (G_lo_i - G_lo_j)``: a rounding relative to the difference itself, as
+in the recurrence. float64 keeps one G (``G_lo`` is
 None): its error, ``1e-16 |G|``, is far below every tolerance.
 """
 
