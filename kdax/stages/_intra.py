@@ -28,7 +28,16 @@ from .._numerics.chunk_loops import ChunkGroup, over_chunks
 from .._stage_protocol.final import final
 from .._stage_protocol.output_specs import Maybe, Specs
 from .._annotations import ChunkK, ChunkMat, ChunkScalar, ChunkValid
-from ._intra_levels import intra_scores, level_anchor_list, level_anchors, pair_sums, split_rest, unit_lower_inverse
+from ._intra_levels import (
+    intra_scores,
+    inverse_vjp,
+    level_anchor_list,
+    level_anchors,
+    level_blocks,
+    pair_sums,
+    split_rest,
+    unit_lower_inverse_of_blocks,
+)
 from ._types import ChunkGrads, IntraOut, KDA
 
 
@@ -100,8 +109,7 @@ class ReferenceIntra(AbstractIntra):
 
         def chunk(q, k, beta, G, *rest):
             seg, rest = (rest[0], rest[1:]) if reset is not None else (None, rest)
-            Aqk, L = _scores(scale, q, k, beta, G, seg, *split_rest(rest, C, packed=True))
-            return Aqk, unit_lower_inverse(L)
+            return _intra(scale, q, k, beta, G, seg, *split_rest(rest, C, packed=True))
 
         seg = () if reset is None else (per_head(segments(reset), G.shape[1]),)
         lo = () if G_lo is None else (G_lo, level_anchors(G_lo))
@@ -153,35 +161,45 @@ class AbstractIntraBackward(eqx.Module):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _scores(scale, q, k, beta, G, seg, anchors, G_lo, lo_anchors):
-    """F2's two products for a group of chunks: the scaled ``Aqk`` and ``L`` (which F2
-    inverts), zero across sequences (``seg``, or None). Differentiated by JAX (a derived
-    backward), its VJP is B4's formula (``_score_grads``): JAX's VJP of the halving took
-    about 3x longer than B4."""
+def _intra(scale, q, k, beta, G, seg, anchors, G_lo, lo_anchors):
+    """F2 for a group of chunks: the scaled ``Aqk`` and ``(I + L)^-1``, zero across sequences
+    (``seg``, or None). ``L`` is inverted from its blocks as ``intra_scores`` forms them,
+    never joined into a matrix. Differentiated by JAX (a derived backward), its VJP is the
+    inverse's (``inverse_vjp``), then B4's formula (``_score_grads``): JAX's VJP of the
+    halving took about 3x longer than B4."""
     qk, kk = intra_scores(q, k, G, anchors, G_lo, lo_anchors)
-    if seg is not None:  # pairs across sequences: exact zeros (L block-diagonal)
-        same = same_segment(seg)
-        qk, kk = jnp.where(same, qk, 0.0), jnp.where(same, kk, 0.0)
-    return scale * qk, beta[..., :, None] * kk
+    blocks = []
+    for B in kk:  # L = beta_i (k_i . k_j decayed), block by block
+        s = B.shape[-1]
+        b, _ = level_blocks(beta, s)
+        if seg is not None:  # pairs across sequences: exact zeros (L block-diagonal)
+            rows, cols = level_blocks(seg, s)
+            B = jnp.where(rows == cols, B, 0.0)
+        blocks.append(b * B)
+    if seg is not None:
+        qk = jnp.where(same_segment(seg), qk, 0.0)
+    return scale * qk, unit_lower_inverse_of_blocks(blocks)
 
 
-def _scores_fwd(scale, q, k, beta, G, seg, anchors, G_lo, lo_anchors):
-    return _scores(scale, q, k, beta, G, seg, anchors, G_lo, lo_anchors), (q, k, beta, G, seg, anchors, G_lo, lo_anchors)
+def _intra_fwd(scale, q, k, beta, G, seg, anchors, G_lo, lo_anchors):
+    out = _intra(scale, q, k, beta, G, seg, anchors, G_lo, lo_anchors)
+    return out, (q, k, beta, G, seg, anchors, G_lo, lo_anchors, out[1])
 
 
-def _scores_bwd(scale, res, g):
-    q, k, beta, G, seg, anchors, G_lo, lo_anchors = res
-    dAqk, dL = g
-    # (dL comes from the inverse's VJP, strictly lower; pair sums read dAqk on and below
-    # the diagonal only, where Aqk depends on the inputs. The anchors only shift exponents
-    # that cancel: no gradient. G_lo enters every exponent as G does.)
+def _intra_bwd(scale, res, g):
+    q, k, beta, G, seg, anchors, G_lo, lo_anchors, Akk = res
+    dAqk, dAkk = g
+    dL = inverse_vjp(Akk, dAkk)
+    # (dL strictly lower; pair sums read dAqk on and below the diagonal only, where Aqk
+    # depends on the inputs. The anchors only shift exponents that cancel: no gradient.
+    # G_lo enters every exponent as G does.)
     with _precision.float32_products():  # B4's precision (its sums cancel: kdax._numerics.precision)
         dq, dk, dbeta, dG = _score_grads(scale, q, k, beta, G, dAqk, dL, seg, anchors, G_lo, lo_anchors)
     nothing = lambda xs: None if xs is None else tuple(None for _ in xs)
     return dq, dk, dbeta, dG, None, nothing(anchors), None if G_lo is None else dG, nothing(lo_anchors)
 
 
-_scores.defvjp(_scores_fwd, _scores_bwd)
+_intra.defvjp(_intra_fwd, _intra_bwd)
 
 
 def _score_grads(scale, q, k, beta, G, dAqk, dL, seg, anchors, G_lo, lo_anchors):

@@ -151,12 +151,14 @@ def split_rest(rest, C: int, packed: bool):
 
 
 def intra_scores(q, k, G, anchors, G_lo=None, lo_anchors=None):
-    """Both products F2 needs: ``sum_d q_id k_jd e^(G_id - G_jd)`` for j <= i and
-    ``sum_d k_id k_jd e^(G_id - G_jd)`` for j < i, zeros elsewhere; ``[..., C, C]``.
-    ``G_lo``, ``lo_anchors``: the low parts (or None)."""
+    """Both products F2 needs: ``sum_d q_id k_jd e^(G_id - G_jd)`` for j <= i, ``[..., C, C]``
+    (zeros above the diagonal), and ``sum_d k_id k_jd e^(G_id - G_jd)`` for j < i as its
+    blocks, one ``[..., C/2s, s, s]`` per level s = 1, 2, ..., C/2: the lower-left block of
+    every diagonal ``2s`` block, which ``unit_lower_inverse_of_blocks`` reads (the matrix
+    itself is never formed). ``G_lo``, ``lo_anchors``: the low parts (or None)."""
     C = G.shape[-2]
     Sq = rowsum(q * k)[..., :, None, None]
-    Sk = jnp.zeros_like(Sq)
+    kk = []
     lo_anchors = (None,) * len(anchors) if lo_anchors is None else lo_anchors
     for s, a, a_lo in zip(_levels(C), anchors, lo_anchors):
         rows, cols = _decays(G, a, s, G_lo, a_lo)
@@ -164,8 +166,15 @@ def intra_scores(q, k, G, anchors, G_lo=None, lo_anchors=None):
         kl, ku = _halves(k, s)
         kc = kl * cols
         Sq = _join_square(Sq, _cross(qu * rows, kc, s))
-        Sk = _join_square(Sk, _cross(ku * rows, kc, s))
-    return Sq[..., 0, :, :], Sk[..., 0, :, :]
+        kk.append(_cross(ku * rows, kc, s))
+    return Sq[..., 0, :, :], kk
+
+
+def level_blocks(x, s: int):
+    """``x [..., C]`` per row -> ``(rows, cols)``: its entries at the rows ``[..., C/2s, s, 1]``
+    and columns ``[..., C/2s, 1, s]`` of level s's blocks (``intra_scores``)."""
+    lo, up = _halves(x[..., None], s)
+    return up, mT(lo)
 
 
 def pair_sums(G, anchors, S, b, a, G_lo=None, lo_anchors=None):
@@ -207,36 +216,33 @@ def _diagonal_blocks(S, m: int):
     return flat.reshape(*lead, n, m * C + m)[..., : m * C].reshape(*lead, n, m, C)[..., :m]
 
 
-@jax.custom_vjp
 def unit_lower_inverse(L):
-    """``(I + L)^-1`` for strictly lower ``L [..., C, C]``, by recursive 2 x 2 blocks:
-    ``[[A, 0], [B, D]]^-1 = [[A^-1, 0], [-D^-1 B A^-1, D^-1]]`` (matmuls only: XLA:CPU's
-    triangular solve forces a column-major layout on its operand). Differentiated by JAX
-    (a derived backward), its VJP is the inverse's: ``dL = -X^T dX X^T`` below the
-    diagonal, ``X`` the inverse (JAX's VJP of the recursion took several times longer)."""
-    return _blocks_inverse(L)
+    """``(I + L)^-1`` for strictly lower ``L [..., C, C]`` (``unit_lower_inverse_of_blocks`` on
+    the blocks of its diagonal), differentiable by JAX through the recursion; F2 uses the
+    blocks directly and ``inverse_vjp``."""
+    return unit_lower_inverse_of_blocks(_diagonal_splits(L)[::-1])
 
 
-def _inverse_fwd(L):
-    X = _blocks_inverse(L)
-    return X, X
-
-
-def _inverse_bwd(X, dX):
+def inverse_vjp(X, dX):
+    """The inverse's VJP at ``X = (I + L)^-1``: ``dL = -X^T dX X^T`` below the diagonal, zero
+    elsewhere (only those entries of ``L`` are read; JAX's VJP of the recursion took
+    several times longer)."""
     hi = jax.lax.Precision.HIGHEST
     C = X.shape[-1]
     d = -jnp.matmul(jnp.matmul(mT(X), dX, precision=hi), mT(X), precision=hi)
-    return (jnp.where(np.tril(np.ones((C, C), bool), -1), d, 0.0).astype(X.dtype),)
-
-
-unit_lower_inverse.defvjp(_inverse_fwd, _inverse_bwd)
+    return jnp.where(np.tril(np.ones((C, C), bool), -1), d, 0.0).astype(X.dtype)
 
 
 @_precision.keep_float32
-def _blocks_inverse(L):
-    C = L.shape[-1]
-    inv = jnp.ones(L.shape[:-2] + (C, 1, 1), L.dtype)
-    for s, B in zip(_levels(C), _diagonal_splits(L)[::-1]):
+def unit_lower_inverse_of_blocks(blocks):
+    """``(I + L)^-1`` for strictly lower ``L`` from the blocks its recursion reads, by 2 x 2
+    blocks: ``[[A, 0], [B, D]]^-1 = [[A^-1, 0], [-D^-1 B A^-1, D^-1]]`` (matmuls only:
+    XLA:CPU's triangular solve forces a column-major layout on its operand). ``blocks``:
+    for s = 1, 2, ..., C/2, the lower-left block of every diagonal ``2s`` block of ``L``,
+    ``[..., C/2s, s, s]`` (``intra_scores``' form)."""
+    C = 2 * blocks[-1].shape[-1]
+    inv = jnp.ones(blocks[0].shape[:-3] + (C, 1, 1), blocks[0].dtype)
+    for s, B in zip(_levels(C), blocks):
         pair = inv.reshape(*inv.shape[:-3], inv.shape[-3] // 2, 2, s, s)
         mm = jnp.matmul if s >= _SMALL else _small_matmul  # (dots from 4 on: F2 1.04-1.10x the time)
         # D^-1 is lower triangular: a NaN row of B A^-1 must not reach the rows above it.

@@ -10,7 +10,7 @@ import kdax
 from kdax.bench import STAGES
 from kdax import stage_inputs
 from kdax.stages._gate import chunk_cumsum
-from kdax.stages._intra import unit_lower_inverse
+from kdax.stages._intra_levels import unit_lower_inverse
 from kdax._numerics.arrays import rowsum
 from kdax._numerics.chunk_loops import over_chunks
 from tests._util import dot_eqns
@@ -62,15 +62,15 @@ def test_unit_lower_inverse(C):
 
 @pytest.mark.parametrize("C", [16, 64])
 def test_unit_lower_inverse_vjp(C):
-    """The inverse's own VJP (``dL = -X^T dX X^T`` below the diagonal) equals JAX's VJP of
-    the block recursion, float64; nothing reaches the diagonal and above (never read)."""
-    from kdax.stages._intra_levels import _blocks_inverse
+    """The inverse's own VJP (``dL = -X^T dX X^T`` below the diagonal, F2's) equals JAX's VJP
+    of the block recursion, float64; nothing reaches the diagonal and above (never read)."""
+    from kdax.stages._intra_levels import inverse_vjp
 
     r = np.random.default_rng(C + 1)
     L = jnp.asarray(np.tril(r.normal(size=(2, 3, C, C)) * 0.3, -1) + np.triu(r.normal(size=(2, 3, C, C))))
     dX = jnp.asarray(r.normal(size=(2, 3, C, C)))
-    got = jax.vjp(unit_lower_inverse, L)[1](dX)[0]
-    want = jax.vjp(_blocks_inverse, L)[1](dX)[0]
+    got = inverse_vjp(unit_lower_inverse(L), dX)
+    want = jax.vjp(unit_lower_inverse, L)[1](dX)[0]
     assert np.all(np.triu(np.asarray(got)) == 0.0)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-11, atol=1e-11 * float(jnp.max(jnp.abs(want))))
 

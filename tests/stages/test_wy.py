@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 
 from kdax.stages import ReferenceWY, ReferenceWYDqkg
-from kdax.stages._intra import unit_lower_inverse
+from kdax.stages._intra_levels import unit_lower_inverse
 
 from .._util import assert_close, jitted
 from ._chunked import chunked, intra_chunk, rand_like, wy_chunk
