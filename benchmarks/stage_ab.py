@@ -2,14 +2,15 @@
 another revision's ``kdax``, copied as the package ``kdax_base`` (issue 51).
 
     PYTHONPATH=. python benchmarks/stage_ab.py [--base REV] [--stages intra_bwd,wy_dqkg]
-        [--rounds 15] [--whole] [--T 4096 --H 8 --K 128 --V 128]
+        [--rounds 15] [--whole] [--T 4096 --H 8 --K 128 --V 128] [--packed N]
 
 ``--base``: a git revision (default ``main``), exported with ``git archive`` to
 ``/tmp/stage_ab/<rev>/kdax_base``. Each stage runs on the arguments its own package's
 reference pipeline gives it (``stage_inputs``, the same inputs), compiled ahead; the two
 are called alternately ``--rounds`` times and the best and median of each are printed,
 wall time and the process's CPU time (all threads), with the ratio new/base. Outputs are
-compared (max abs difference; 0 means bitwise equal)."""
+compared (max abs difference; 0 means bitwise equal). ``--packed N``: the same tokens as N
+packed sequences of random lengths (``cu_seqlens``: shared chunks, exact resets)."""
 
 import argparse
 import os
@@ -86,6 +87,8 @@ def main():
     p.add_argument("--K", type=int, default=128)
     p.add_argument("--V", type=int, default=128)
     p.add_argument("--chunk_size", type=int, default=64)
+    p.add_argument("--packed", type=int, default=0,
+                   help="N > 0: the tokens packed as N sequences of random lengths (cu_seqlens, seed 0; shared chunks)")
     o = p.parse_args()
     dest, sha = export_base(o.base)
     sys.path.insert(0, dest)
@@ -100,11 +103,16 @@ def main():
     print(f"base {sha} ({kdax_base.__file__}) vs new ({kdax.__file__}); rounds {o.rounds}", flush=True)
     s = b.Shape(B=o.B, T=o.T, H=o.H, HV=o.H, K=o.K, V=o.V, chunk_size=o.chunk_size)
     x = b.make_inputs(s)
+    opts = dict(chunk_size=s.chunk_size)
+    if o.packed:
+        import numpy as np
+        cuts = np.sort(np.random.default_rng(0).choice(np.arange(1, s.T), o.packed - 1, replace=False))
+        opts["cu_seqlens"] = jax.numpy.asarray(np.concatenate([[0], cuts, [s.T]]), jax.numpy.int32)
     names = [n for n in o.stages.split(",") if n]
     if names:
         pb, pn = kdax_base.KDAPipeline.reference(), kdax.KDAPipeline.reference()
-        tb = base_inputs(pb, *x, chunk_size=s.chunk_size)
-        tn = new_inputs(pn, *x, chunk_size=s.chunk_size)
+        tb = base_inputs(pb, *x, **opts)
+        tn = new_inputs(pn, *x, **opts)
         for name in names:
             sb, sn = getattr(pb, name), getattr(pn, name)
             cb = eqx.filter_jit(sb).lower(*tb[name]).compile()
@@ -114,12 +122,12 @@ def main():
             report(name, wall, cpu, diff)
     if o.whole:
         w = b.cotangent(s)
-        fs = [jax.jit(lambda *a: kdax_base.chunk_kda(*a)[0]).lower(*x).compile(),
-              jax.jit(lambda *a: kdax.chunk_kda(*a)[0]).lower(*x).compile()]
+        fs = [jax.jit(lambda *a: kdax_base.chunk_kda(*a, **opts)[0]).lower(*x).compile(),
+              jax.jit(lambda *a: kdax.chunk_kda(*a, **opts)[0]).lower(*x).compile()]
         diff = maxdiff(fs[0](*x), fs[1](*x))
         wall, cpu = timed(fs, [x, x], o.rounds)
         report("forward", wall, cpu, diff)
-        grad = lambda mod: jax.jit(jax.grad(lambda *a: (mod.chunk_kda(*a)[0] * w).sum(), argnums=(0, 1, 2, 3, 4)))
+        grad = lambda mod: jax.jit(jax.grad(lambda *a: (mod.chunk_kda(*a, **opts)[0] * w).sum(), argnums=(0, 1, 2, 3, 4)))
         ss = [grad(kdax_base).lower(*x).compile(), grad(kdax).lower(*x).compile()]
         diff = maxdiff(ss[0](*x), ss[1](*x))
         wall, cpu = timed(ss, [x, x], o.rounds)
