@@ -439,12 +439,9 @@ def test_the_non_finite_tests_hold_one_boolean_at_a_time():
 def test_float32_overflow_in_a_shared_chunk_stays_in_its_sequence(name, size):
     """float32, two sequences in one shared chunk, the first's ``name`` at ``±size`` (finite):
     the second's outputs and gradients are bit-identical to those beside ordinary values."""
-    r = np.random.default_rng(0)
-    T, K = 47, 8
-    x = {n: jnp.asarray(a, jnp.float32) for n, a in dict(
-        q=r.normal(size=(1, T, 1, K)), k=r.normal(size=(1, T, 1, K)) / np.sqrt(K), v=r.normal(size=(1, T, 1, K)),
-        g=-r.uniform(0.01, 0.3, size=(1, T, 1, K)), beta=r.uniform(0.1, 0.9, size=(1, T, 1))).items()}
-    W = jnp.asarray(r.normal(size=(1, T, 1, K)), jnp.float32)
+    T = 47
+    x = make_inputs(seed=0, B=1, T=T, H=1, K=8, V=8, dtype=jnp.float32, h0=False)
+    W = jnp.asarray(np.random.default_rng(1).normal(size=x["v"].shape), jnp.float32)
     cu = jnp.asarray([0, 20, T], jnp.int32)  # both in chunk 0 (C = 64)
 
     @jax.jit
