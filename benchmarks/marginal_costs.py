@@ -65,6 +65,7 @@ def zeroed(name: str):
 
 
 def without(pipe, name: str):
+    """``pipe`` with field ``name`` zeroed (``zeroed``), declarations trusted so that its routes stay."""
     return dataclasses.replace(eqx.tree_at(lambda p: getattr(p, name), pipe, zeroed(name)), trust_declarations=True)
 
 
