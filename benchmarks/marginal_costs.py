@@ -14,11 +14,11 @@ session 56).
     PYTHONPATH=. python benchmarks/marginal_costs.py [--rounds 15] [--T 4096 --H 8 --K 128 --V 128]
         [--stages intra,wy] [--forward-only]
 
-The stages downstream of the one left out run the same operations on zeros. Their time
-mostly does not depend on the values, with one exception measured: XLA:CPU's exponential
-fusions ran ~1.5x faster on G = 0 (F1 left out: F2's and B4's exponentials 12.4 and 12.3
-ms against 18.7 and 18.8 in a trace of the step), so F1's marginal cost includes a third
-of the later stages' exponentials (33 ms in the step, where F1 itself is ~12). Each round times the full program and then the one without a stage, for every
+The stages downstream of the one left out run the same operations on zeros, but not always
+at the same speed: without F1, a trace of the step had F2's and B4's exponential fusions
+at 12.4 and 12.3 ms against 18.7 and 18.8, though a bare exponential takes the same time
+on zeros as on [-6.4, 0] (0.67-0.70 ms over [512, 64, 128]); so F1's row in the step (33
+ms, F1 itself ~12) holds ~20 ms of the later stages that are not understood. Each round times the full program and then the one without a stage, for every
 stage: the marginal cost is the median over rounds of (full - without), with its
 quartiles."""
 
