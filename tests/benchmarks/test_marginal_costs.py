@@ -12,13 +12,13 @@ import numpy as np
 import kdax
 from kdax._runner.contracts import STAGES
 
+from .._util import make_inputs
 from ._load import load_benchmark
 
 
-def _inputs(T=32, H=1, K=8, V=8):
-    r = np.random.default_rng(0)
-    f = lambda *s: jnp.asarray(r.normal(size=s), jnp.float32)
-    return f(1, T, H, K), f(1, T, H, K) / 4, f(1, T, H, V), -jnp.abs(f(1, T, H, K)), jax.nn.sigmoid(f(1, T, H))
+def _inputs(T=32):
+    x = make_inputs(seed=0, B=1, T=T, H=1, K=8, V=8, dtype=jnp.float32, h0=False)
+    return tuple(x[n] for n in ("q", "k", "v", "g", "beta"))
 
 
 def test_a_zeroed_stage_keeps_the_route_and_gives_zeros():
