@@ -42,7 +42,7 @@ def _tile_of(kw: dict) -> Optional[dict]:
         R = L.valid.shape[0]
         carry = _device(0.3 * _host_weights((R,) + tuple(h0.shape[1:]), h0.dtype, 5), h0.dtype)
         out["layout"] = tiles.layout_of(c0, NC - c0, True)
-        out["h0"] = tiles.table(h0, carry)
+        out["h0"] = tiles.table(h0, carry, c0, NC - c0)
     return out
 
 
