@@ -106,9 +106,9 @@ def test_vjps_against_autodiff_of_the_loop(narrow):
 
 
 @pytest.mark.parametrize("narrow, counts", [(1, [min(c, 1) for c in COUNTS]), (2, SHORT)], ids=["one-row", "two-rows"])
-def test_outer_vjp_with_a_folded_value_axis(narrow, counts):
-    """``outer``'s VJP reads the states' cotangent with reductions (``_fused_rows``): V =
-    16 folds the minor axis in vectors of 8, and one-token spans take the one-row form."""
+def test_outer_vjp_in_one_and_two_row_blocks(narrow, counts):
+    """``outer``'s VJP (products of the states' cotangent per sequence) against the loop,
+    V = 16, one-token spans in one-row blocks and two-token ones in two-row blocks."""
     jax.config.update("jax_enable_x64", True)
     r = np.random.default_rng(2)
     U, X = jnp.asarray(r.normal(size=(HV, TT, K))), jnp.asarray(r.normal(size=(HV, TT, 16)))

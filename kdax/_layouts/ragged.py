@@ -72,10 +72,11 @@ def token_slots(spans: Spans, TT: int):
     return n, d, (d >= 0) & (d < spans.count[n])
 
 
-def _matvec(A, Y, spans: Spans, narrow: int, longest: int, transpose: bool = False, ok=None, fused: bool = False):
+def _matvec(A, Y, spans: Spans, narrow: int, longest: int, transpose: bool = False, ok=None):
     """Stacked: ``A [M, HV, TT, K]`` -> ``[M, HV, TT, V]`` (``transpose``: ``A_t Y_n^T``); zero
-    where ``ok [N, HV]`` is False. ``fused``: as reductions (``_fused_rows``), for a ``Y``
-    that is an expression (a cotangent) rather than a stored array."""
+    where ``ok [N, HV]`` is False. Products, also where ``Y`` is a cotangent XLA must then
+    store (as a multiply and a reduction, fused with Y's producer, the training step with a
+    loss on the final states of 1024 packed sequences took 8.4x as long, of 16 1.2-1.5x)."""
     M, HV, TT = A.shape[:3]
     n, d, inside = token_slots(spans, TT)
     keep = inside[None] if ok is None else inside[None] & ok[n].T  # [1 or HV, TT]
@@ -86,12 +87,12 @@ def _matvec(A, Y, spans: Spans, narrow: int, longest: int, transpose: bool = Fal
             a = _gather_block(A, spans, b, W)  # [N, HV, M W, K]
             mine = keep & (d // W == b)
             w = jnp.clip(d - b * W, 0, W - 1)
-            if transpose and not fused:  # the states as the left operand, as stored (XLA:CPU
-                # copied all N states to transpose them when they were the right one)
+            if transpose:  # the states as the left operand, as stored (XLA:CPU copied all N
+                # states to transpose them when they were the right one)
                 cols = jnp.einsum("nhkv,nhwv->nhkw", Y, a).reshape(N, HV, D, M, W)
                 got = jnp.transpose(cols[n, :, :, :, w], (3, 1, 0, 2))  # [TT, HV, D, M] -> [M, HV, TT, D]
             else:
-                rows = _fused_rows(a, Y, transpose) if fused else jnp.einsum("nhwk,nhkv->nhwv", a, Y)
+                rows = jnp.einsum("nhwk,nhkv->nhwv", a, Y)
                 got = jnp.transpose(rows.reshape(N, HV, M, W, D)[n, :, :, w], (2, 1, 0, 3))  # [TT, HV, M, D] -> ...
             return out + jnp.where(mine[None, :, :, None], got, jnp.zeros((), out.dtype))
 
@@ -99,22 +100,6 @@ def _matvec(A, Y, spans: Spans, narrow: int, longest: int, transpose: bool = Fal
         return _over_blocks(spans, W, nb, block(0, out), block)
 
     return _by_width(spans, narrow, longest, TT, run)
-
-
-def _fused_rows(a, Y, transpose: bool):
-    """``[N, HV, R, D]``: rows of ``a`` times their state ``Y`` (``transpose``: ``Y^T``) as a
-    multiply and a reduction, which XLA fuses with what produces ``Y``; a dot needs ``Y``
-    stored (64 MiB: ~27 ms against ~4 ms a product on XLA:CPU)."""
-    if transpose:  # a reduction over V, the minor axis: folded as [V / f, f] so that XLA:CPU
-        # adds f-wide vectors across rows (a reduction within rows of 64 was 10x slower)
-        N, HV, K, V = Y.shape
-        f = 8 if V % 8 == 0 else 1
-        Yf = Y.reshape(N, HV, 1, K, V // f, f)
-        af = a.reshape(a.shape[:3] + (1, V // f, f))
-        return jnp.sum(jnp.sum(af * Yf, -2), -1)
-    if a.shape[2] == 1:  # (with the size-1 row axis kept XLA:CPU's reduction was 15x slower)
-        return jnp.sum(a[:, :, 0, :, None] * Y, -2)[:, :, None]
-    return jnp.sum(a[..., None] * Y[:, :, None], -2)
 
 
 def _outer(U, X, spans: Spans, N: int, narrow: int, longest: int):
@@ -150,8 +135,8 @@ def _matvec_bwd(narrow, longest, res, dout):
 
 def _outer_bwd(N, narrow, longest, res, dS):
     U, X, spans = res
-    dU = _matvec(X, dS, spans, narrow, longest, transpose=True, fused=True)
-    dX = _matvec(U, dS, spans, narrow, longest, fused=True)
+    dU = _matvec(X, dS, spans, narrow, longest, transpose=True)
+    dX = _matvec(U, dS, spans, narrow, longest)
     return dU.astype(U.dtype), dX.astype(X.dtype), None
 
 

@@ -83,8 +83,8 @@ def finals_vjp(layout: ChunkLayout, cu_seqlens, fin, primals, dS):
     """``jax.vjp(fin, *primals)[1](dS)`` (``fin``: ``shared_finals`` or ``entry_finals`` over
     ``(k, G, v_new, h, a, h0)``), each cotangent selected to zero where it belongs to a
     sequence's head whose ``dS`` is not finite (the caller makes that head NaN). Each part
-    depends on one head of ``dS``, and a select keeps other NaN, so no cleaned copy of
-    ``dS`` is made: ``outer``'s VJP reads it in reductions XLA fuses with its producer."""
+    depends on one head of ``dS`` (``outer``'s VJP: products per sequence and head), and a
+    select keeps other NaN, so no cleaned copy of ``dS`` is made."""
     ok = finite_heads(dS)  # [N, HV]
     d_k, d_G, d_v, d_h, da, dh0 = jax.vjp(fin, *primals)[1](dS)
     (N, HV), C, NC = ok.shape, layout.chunk_size, layout.num_chunks
