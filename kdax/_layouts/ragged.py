@@ -74,9 +74,9 @@ def token_slots(spans: Spans, TT: int):
 
 def _matvec(A, Y, spans: Spans, narrow: int, longest: int, transpose: bool = False, ok=None):
     """Stacked: ``A [M, HV, TT, K]`` -> ``[M, HV, TT, V]`` (``transpose``: ``A_t Y_n^T``); zero
-    where ``ok [N, HV]`` is False. Products, also where ``Y`` is a cotangent XLA must then
-    store (as a multiply and a reduction, fused with Y's producer, the training step with a
-    loss on the final states of 1024 packed sequences took 8.4x as long, of 16 1.2-1.5x)."""
+    where ``ok [N, HV]`` is False. Products, also for a cotangent ``Y`` (read as a multiply
+    and a reduction fused with its producer, a step with a loss on the final states took
+    1.2-1.5x as long at 16 packed sequences, 8.4x at 1024)."""
     M, HV, TT = A.shape[:3]
     n, d, inside = token_slots(spans, TT)
     keep = inside[None] if ok is None else inside[None] & ok[n].T  # [1 or HV, TT]
