@@ -14,6 +14,7 @@ import pytest
 
 import kdax
 from kdax._layouts.layout import make_shared_layout
+from kdax._layouts.shared_states import first_chunks
 
 from ._util import assert_close, make_inputs, oracle_kda, rel_rms, split_args
 
@@ -147,6 +148,37 @@ def test_initial_states_enter_shared_chunks(chunk, gate):
         options.update(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
     got = _check(_fn(C=chunk), x, options, 1e-12)
     assert "initial_state" in got
+
+
+# Fewer sequences than chunks (N = 9, NC = 13): the entering states' first-chunk part runs
+# on the M = 9 chunks where some sequence starts (five distinct, four past them), not on all
+# 13. Two sequences start in chunk 0, one mid-chunk ends before the next boundary, one
+# starts on a boundary (48), empty ones first, between and last.
+FEW = [0, 0, 5, 40, 48, 48, 90, 130, 200, 200]
+
+
+def test_first_chunks_of_few_sequences():
+    """``first_chunks``: the chunks holding a sequence's first token, padded with NC, and
+    each sequence's first token among those chunks' tokens (ascending, as ``cu_seqlens``)."""
+    fc = first_chunks(jnp.asarray(FEW, jnp.int32), C, 13)
+    assert fc.idx.tolist() == [0, 2, 3, 5, 8, 13, 13, 13, 13]
+    # s = 0 0 5 40 48 48 90 130 200 -> chunk 0, 0, 0, 2 (+8), 3, 3, 5 (+10), 8 (+2), 13 (none)
+    assert fc.starts.tolist() == [0, 0, 5, 24, 32, 32, 58, 66, 80]
+    x = jnp.arange(13.0).reshape(1, 1, 13)
+    assert fc.take(x)[0, 0].tolist() == [0, 2, 3, 5, 8, 12, 12, 12, 12]
+    assert fc.put(jnp.zeros_like(x), jnp.ones((1, 1, 9)))[0, 0].tolist() == [1, 0, 1, 1, 0, 1, 0, 0, 1, 0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("gate", [False, True], ids=["log_gate", "in_kernel_gate"])
+def test_initial_states_enter_few_sequences_in_many_chunks(gate):
+    """Initial states entering shared chunks with fewer sequences than chunks (``FEW``; the
+    first-chunk part on the chunks where sequences start): outputs, final states and every
+    gradient exact against the float64 oracle."""
+    x = _inputs(FEW, h0=True, gate=gate)
+    options = dict(cu_seqlens=jnp.asarray(FEW, jnp.int32), output_final_state=True)
+    if gate:
+        options.update(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    assert "initial_state" in _check(_fn(), x, options, 1e-12)
 
 
 def test_initial_states_without_final_states():

@@ -26,6 +26,10 @@ from .resets import same_segment, segments
 _Seqs = collections.namedtuple("_Seqs", "s e some c tail began c0 f crosses")
 
 
+def _injected(first, M: int):  # injected_layout's first -> the entry a chunk loads, M + 1 where none
+    return jnp.where((first >= 0) & (first < M), first, M + 1)
+
+
 def _seqs(cu_seqlens, C: int) -> _Seqs:
     """Per sequence ``[N]``: first token ``s``, last ``e``, ``some`` (non-empty); ``c`` the chunk
     of e, ``tail`` the sequence's first token in it, ``began`` (begun before c); ``c0`` the
@@ -48,11 +52,11 @@ def _tokens(x):
     return None if x is None else x[0].reshape(x.shape[1], -1, x.shape[-1])
 
 
-def _last_before_loads(first):
-    """``last [NC]``: NC (the zero entry of an NC + 1 table) before every chunk that loads an
-    entry and at the end, -1 elsewhere: no cotangent goes back through a replaced state."""
+def _last_before_loads(first, zero: int):
+    """``last [NC]``: ``zero`` (the table's zero entry) before every chunk that loads an entry
+    and at the end, -1 elsewhere: no cotangent goes back through a replaced state."""
     loads_next = jnp.concatenate([first[1:] >= 0, jnp.ones((1,), bool)])
-    return jnp.where(loads_next, first.shape[0], -1).astype(jnp.int32)
+    return jnp.where(loads_next, zero, -1).astype(jnp.int32)
 
 
 def shared_finals(layout: ChunkLayout, cu_seqlens, k, G, G_lo, v_new, h):
@@ -106,7 +110,7 @@ def entry_layout(layout: ChunkLayout, cu_seqlens, first) -> ChunkLayout:
     C, NC = layout.chunk_size, layout.num_chunks
     q = _seqs(cu_seqlens, C)
     ends_next = jnp.concatenate([_per_chunk(q.began, q.c, NC)[1:] < q.s.shape[0], jnp.zeros((1,), bool)])
-    cut = _last_before_loads(first)
+    cut = _last_before_loads(first, NC)
     last = jnp.where(cut >= 0, cut, jnp.where(ends_next, jnp.arange(1, NC + 1), -1)).astype(jnp.int32)[None]
     return dataclasses.replace(layout, first=first[None].astype(jnp.int32), last=last, empty=jnp.zeros((NC + 1,), bool))
 
@@ -127,16 +131,45 @@ def entry_layout(layout: ChunkLayout, cu_seqlens, first) -> ChunkLayout:
 # of the states is formed.
 
 
-def injected_layout(layout: ChunkLayout, cu_seqlens) -> ChunkLayout:
-    """The shared layout with an NC + 1 entry table: ``first[c] = c`` where a sequence goes on
-    into chunk c from its first chunk (``first_chunk_entries``' state), NC (zero) where the
-    shared layout enters its zero state, ``last`` = NC before every load."""
-    C, NC = layout.chunk_size, layout.num_chunks
+class FirstChunks(NamedTuple):
+    """The M = min(N, NC) chunks holding some sequence's first token, ``idx [M]`` ascending (NC
+    past them), where the entering states' first-chunk part runs (``take``; ``put`` adds its
+    outputs back in place); ``starts [N]``: each sequence's first token among their tokens."""
+
+    idx: jax.Array
+    starts: jax.Array
+
+    def take(self, x):  # [R, HV, NC, ...] -> [R, HV, M, ...] (past them: some chunk, its result dropped)
+        return x if self.idx.shape[0] == x.shape[2] else jnp.take(x, jnp.minimum(self.idx, x.shape[2] - 1), axis=2)
+
+    def put(self, full, part):  # full plus take's transpose of part
+        part = part.astype(full.dtype)
+        return full + part if self.idx.shape[0] == full.shape[2] else full.at[:, :, self.idx].add(part, mode="drop")
+
+
+def first_chunks(cu_seqlens, C: int, NC: int) -> FirstChunks:
+    """``FirstChunks`` of the packed ``cu_seqlens`` (traced or not)."""
+    sq = _seqs(cu_seqlens, C)
+    if sq.s.shape[0] >= NC:
+        return FirstChunks(jnp.arange(NC), sq.s)
+    has = jnp.zeros((NC + 1,), bool).at[jnp.where(sq.some, sq.c0, NC)].set(True)  # (c0 <= NC)
+    before = jnp.cumsum(has, dtype=jnp.int32) - has  # the first chunks before each chunk
+    idx = jnp.nonzero(has[:NC], size=sq.s.shape[0], fill_value=NC)[0]
+    return FirstChunks(idx, before[sq.c0] * C + jnp.where(has[sq.c0], sq.s % C, 0))  # (ascending, as s)
+
+
+def injected_layout(layout: ChunkLayout, cu_seqlens, fc: FirstChunks) -> ChunkLayout:
+    """The shared layout with ``first_chunk_entries``' table of M + 1 entries: ``first[c] = m``
+    where a sequence goes on into chunk c from its first chunk, the M chunks' m-th (entry m
+    the state it carries), M (zero) where the shared layout enters its zero state; ``last`` =
+    M before every load."""
+    C, NC, M = layout.chunk_size, layout.num_chunks, fc.idx.shape[0]
     q = _seqs(cu_seqlens, C)
-    inject = _per_chunk(q.crosses, q.c0 + 1, NC) < q.s.shape[0]
-    first = jnp.where(inject, jnp.arange(NC), jnp.where(layout.first[0] >= 0, NC, -1)).astype(jnp.int32)
-    return dataclasses.replace(layout, first=first[None], last=_last_before_loads(first)[None],
-                               empty=jnp.zeros((NC + 1,), bool))
+    into, N = _per_chunk(q.crosses, q.c0 + 1, NC), q.s.shape[0]
+    slot = fc.starts[jnp.minimum(into, N - 1)] // C
+    first = jnp.where(into < N, slot, jnp.where(layout.first[0] >= 0, M, -1)).astype(jnp.int32)
+    return dataclasses.replace(layout, first=first[None], last=_last_before_loads(first, M)[None],
+                               empty=jnp.zeros((M + 1,), bool))
 
 
 def start_decays(cu_seqlens, config, g, A_log, dt_bias):
@@ -149,17 +182,18 @@ def start_decays(cu_seqlens, config, g, A_log, dt_bias):
     return jnp.moveaxis(act[0, :, 0], 0, 1)
 
 
-def first_chunk_entries(layout: ChunkLayout, cu_seqlens, scale: float, q, k, beta, G, G_lo, Akk, v, a, h0, ok=None):
-    """The initial states' part in each sequence's first chunk (comment above):
-    ``(v_new' [1, HV, NC, C, V], o' [1, HV, NC, C, V], table [NC + 1, HV, K, V])``, from
-    F1's and F2's outputs, the packed ``v``, the start decays ``a`` and ``h0 [N, HV, K, V]``
-    (``ok [N, HV]``: False heads read a zero state). ``table[c]``: the state entering chunk
-    c. Differentiable: its VJP is this part's backward."""
-    C, NC, HV = layout.chunk_size, layout.num_chunks, k.shape[1]
-    TT = NC * C
-    sq = _seqs(cu_seqlens, C)
-    s, N = sq.s, sq.s.shape[0]
-    spans = Spans(s, jnp.where(sq.some, sq.f - s + 1, 0))  # (in chunk c0: at most C tokens, matvec's bound)
+def first_chunk_entries(layout: ChunkLayout, cu_seqlens, scale: float, fc: FirstChunks, q, k, beta, G, G_lo, Akk,
+                        v, a, h0, ok=None):
+    """The initial states' part in each sequence's first chunk (comment above), on the M
+    chunks ``fc`` (F1's, F2's and the packed inputs there: ``fc.take``): ``(v_new' [1, HV, M,
+    C, V], o' [1, HV, M, C, V], table [M + 1, HV, K, V])`` from the start decays ``a`` and
+    ``h0 [N, HV, K, V]`` (``ok [N, HV]``: False heads read a zero state); ``table[m]`` the
+    state carried out of chunk m (``injected_layout``), zero if none. Differentiable: its VJP
+    is this part's backward."""
+    C, HV, M = layout.chunk_size, k.shape[1], k.shape[2]
+    sq, s = _seqs(cu_seqlens, C), fc.starts  # (s: positions among the M chunks' tokens)
+    N, TT = s.shape[0], M * C
+    spans = Spans(s, jnp.where(sq.some, sq.f - sq.s + 1, 0))  # (in chunk c0: at most C tokens, matvec's bound)
     n, _, mine = token_slots(spans, TT)  # mine: a token in its sequence's first chunk
     Gf, lof = _tokens(G), _tokens(G_lo)
     sT = jnp.clip(s[n], 0, TT - 1)
@@ -168,25 +202,22 @@ def first_chunk_entries(layout: ChunkLayout, cu_seqlens, scale: float, q, k, bet
     b = beta[..., None]
     wp = Akk @ (b * k * ep)
     u = Akk @ (b * v)
-    vx, ox = (x.reshape(1, HV, NC, C, x.shape[-1])
+    vx, ox = (x.reshape(1, HV, M, C, x.shape[-1])
               for x in matvec((-_tokens(wp), scale * _tokens(q * ep)), h0, spans, narrow_width(layout.T, N), ok, C))
-    # The state entering chunk c from the sequence (at most one) whose first chunk is c - 1.
-    into = _per_chunk(sq.crosses, sq.c0 + 1, NC)
-    has = into < N
-    nn = jnp.minimum(into, N - 1)
-    prev = lambda x: None if x is None else x[0][:, jnp.maximum(jnp.arange(NC) - 1, 0)]  # chunk c - 1 at c
-    Gp, lop = prev(G), prev(G_lo)  # [HV, NC, C, K]
+    # The state carried out of chunk m by the sequence (at most one) that starts there and goes on.
+    out_of = _per_chunk(sq.crosses, s // C, M)
+    has, nn = out_of < N, jnp.minimum(out_of, N - 1)
+    Gc, loc = G[0], None if G_lo is None else G_lo[0]
     last = lambda x: None if x is None else x[..., -1:, :]
-    own = has[:, None] & (jnp.arange(NC)[:, None] * C - C + jnp.arange(C)[None] >= s[nn][:, None])  # [NC, C]
-    xk = jnp.where(own[None, :, :, None], exponent(last(Gp), Gp, last(lop), lop), -jnp.inf)
-    part = jnp.einsum("hnck,hncv->nhkv", prev(k) * jnp.exp(xk), prev(u) + prev(vx))
+    own = has[:, None] & (jnp.arange(M)[:, None] * C + jnp.arange(C)[None] >= s[nn][:, None])  # [M, C]
+    xk = jnp.where(own[None, :, :, None], exponent(last(Gc), Gc, last(loc), loc), -jnp.inf)
+    part = jnp.einsum("hmck,hmcv->mhkv", k[0] * jnp.exp(xk), u[0] + vx[0])
     sC = jnp.clip(s[nn], 0, TT - 1)
-    x0 = exponent(Gp[..., -1, :], Gf[:, sC], None if lop is None else lop[..., -1, :],
-                  None if lof is None else lof[:, sC]) + jnp.moveaxis(a[nn], 0, 1)  # [HV, NC, K]
+    x0 = exponent(last(Gc)[..., 0, :], Gf[:, sC], None if loc is None else last(loc)[..., 0, :],
+                  None if lof is None else lof[:, sC]) + jnp.moveaxis(a[nn], 0, 1)  # [HV, M, K]
     decay = jnp.exp(jnp.where(has[None, :, None], x0, -jnp.inf))
     entry = jnp.moveaxis(decay, 0, 1)[..., None] * _finite(h0[nn], None if ok is None else ok[nn]) + part
-    table = jnp.concatenate([entry, jnp.zeros_like(entry[:1])])
-    return vx, ox, table.astype(h0.dtype)
+    return vx, ox, jnp.concatenate([entry, jnp.zeros_like(entry[:1])]).astype(h0.dtype)
 
 
 def _finite(h0, ok):
@@ -209,7 +240,8 @@ def entry_finals(layout: ChunkLayout, cu_seqlens, k, G, G_lo, v_new, h, a, h0, o
 
 
 class Entered(NamedTuple):
-    """What entering states add to the forward: F4's table and layout, ``vx``, ``ox``, ``a`` and both VJPs."""
+    """What entering states add to the forward: F4's table and layout, ``vx``, ``ox`` (on the
+    first chunks ``chunks``), ``a`` and both VJPs."""
 
     table: jax.Array
     layout: ChunkLayout
@@ -218,6 +250,7 @@ class Entered(NamedTuple):
     a: jax.Array
     ent_vjp: object
     a_vjp: object
+    chunks: FirstChunks
 
 
 class SharedForwardHooks:
@@ -234,17 +267,20 @@ class SharedForwardHooks:
             return h0, layout, None
         cu, config = self.cu_seqlens, self.config
         a, a_vjp = jax.vjp(lambda g_, A_, b_: start_decays(cu, config, g_, A_, b_), g, A_log, dt_bias)
+        fc = first_chunks(cu, layout.chunk_size, layout.num_chunks)
+        lo = None if act.G_lo is None else fc.take(act.G_lo)
         ent = lambda q_, k_, b_, G_, Akk_, v_, a_, h0_: first_chunk_entries(
-            layout, cu, config.scale, q_, k_, b_, G_, act.G_lo, Akk_, v_, a_, h0_, self.ok)
-        (vx, ox, table), ent_vjp = jax.vjp(ent, act.q, act.k, act.beta, act.G, intra.Akk, v, a, self.h0)
-        entered = Entered(table, injected_layout(layout, cu), vx, ox, a, ent_vjp, a_vjp)
+            layout, cu, config.scale, fc, q_, k_, b_, G_, lo, Akk_, v_, a_, h0_, self.ok)
+        (vx, ox, table), ent_vjp = jax.vjp(ent, *map(fc.take, (act.q, act.k, act.beta, act.G, intra.Akk, v)), a,
+                                           self.h0)
+        entered = Entered(table, injected_layout(layout, cu, fc), vx, ox, a, ent_vjp, a_vjp, fc)
         return table, entered.layout, entered
 
     def v_out(self, v_new, extra: Optional[Entered]):
-        return v_new if extra is None else v_new + extra.vx
+        return v_new if extra is None else extra.chunks.put(v_new, extra.vx)
 
     def after_output(self, oc, extra: Optional[Entered]):
-        return oc if extra is None else oc + extra.ox
+        return oc if extra is None else extra.chunks.put(oc, extra.ox)
 
     def final_states(self, fw, final):
         """``shared_finals``/``entry_finals`` when asked for; else zeros or the initial states."""
@@ -259,7 +295,7 @@ class SharedForwardHooks:
     def residuals(self, layout, h0, e: Optional[Entered]) -> tuple:
         if e is None:
             return layout, h0, None
-        return e.layout, e.table, (self.h0, self.ok, e.a, e.vx, e.ent_vjp, e.a_vjp)
+        return e.layout, e.table, (self.h0, self.ok, e.a, e.vx, e.ent_vjp, e.a_vjp, e.chunks)
 
 
 class SharedBackward(NamedTuple):
@@ -285,7 +321,7 @@ class SharedChunkHooks:
         return jnp.zeros_like(h0)  # (the state table's one zero entry; dht enters through after_dav)
 
     def v_out(self, v_new):
-        return v_new if self.E is None else v_new + self.E.v_new  # (+ the entering states' first-chunk part)
+        return v_new if self.E is None else self.E.chunks.put(v_new, self.E.v_new)  # (+ the first-chunk part)
 
     def after_dav(self, dv_intra, *, k, G, v_out, h) -> tuple:
         if self.dht is None:
@@ -309,8 +345,9 @@ class SharedChunkHooks:
         more = run_dhu(table, lambda: entry_layout(L, self.cu, first))
         out = dataclasses.replace(dhu, dh=dhu.dh + more.dh, dv_new=dhu.dv_new + more.dv_new)
         if E is not None:  # a loaded state's own cotangent goes to its entry
-            loaded = jnp.where((first == jnp.arange(NC))[:, None, None, None], per_chunk, 0.0)
-            d_entries = d_entries + more.dh0 + jnp.concatenate([loaded, jnp.zeros_like(per_chunk[:1])])
+            M = E.chunks.idx.shape[0]
+            loaded = jnp.zeros_like(d_entries).at[_injected(first, M)].add(per_chunk, mode="drop")
+            d_entries = d_entries + more.dh0[:M + 1] + loaded
         return out, extra._replace(d_entries=d_entries)
 
     def after_wy_dqkg(self, grads, extra: SharedBackward, *, dv_intra, doc, Akk) -> tuple:
@@ -318,17 +355,22 @@ class SharedChunkHooks:
         if E is not None:  # the first-chunk part's VJP, its Akk cotangent as B3's dL
             # Only the entries some chunk loads have a cotangent (a stage may leave the others
             # unwritten: the Triton B2 does).
-            loads = jnp.concatenate([L.first[0] == jnp.arange(L.num_chunks), jnp.zeros((1,), bool)])
+            M = E.chunks.idx.shape[0]
+            loads = jnp.zeros((M + 1,), bool).at[_injected(L.first[0], M)].set(True, mode="drop")
             d_entries = jnp.where(loads[:, None, None, None], extra.d_entries, 0.0).astype(dt)
-            dq_, dk_, db_, dG_, dAkk, dv_, da, dh0 = E.entries_vjp((dv_intra, doc, d_entries))
+            fc = E.chunks  # (the part ran on its sequences' first chunks alone)
+            dq_, dk_, db_, dG_, dAkk, dv_, da, dh0 = E.entries_vjp((fc.take(dv_intra), fc.take(doc), d_entries))
             if fin is not None:
                 da, dh0 = da + fin[4], dh0 + fin[5]
             extra = extra._replace(decays=E.decays_vjp(da), dh0=dh0)
             mT = lambda x: jnp.swapaxes(x, -1, -2)
-            lower = tri_mask(L.chunk_size, strict=True) & same_segment(segments(L.reset))  # L's pairs in a sequence
+            reset = fc.take(L.reset[:, None])[:, 0]  # [R, M, C]
+            lower = tri_mask(L.chunk_size, strict=True) & same_segment(segments(reset))  # L's pairs in a sequence
+            Akk = fc.take(Akk)
             dL = jnp.where(lower[:, None], -mT(Akk) @ dAkk @ mT(Akk), 0.0)
-            grads = dataclasses.replace(grads, dq=grads.dq + dq_, dk=grads.dk + dk_, dv=grads.dv + dv_,
-                                        dbeta=grads.dbeta + db_, dG=grads.dG + dG_, dL=grads.dL + dL)
+            put = fc.put
+            grads = dataclasses.replace(grads, dq=put(grads.dq, dq_), dk=put(grads.dk, dk_), dv=put(grads.dv, dv_),
+                                        dbeta=put(grads.dbeta, db_), dG=put(grads.dG, dG_), dL=put(grads.dL, dL))
         if fin is not None:  # the final states' own cotangents of k and G
             grads = dataclasses.replace(grads, dk=grads.dk + fin[0].astype(grads.dk.dtype),
                                         dG=grads.dG + fin[1].astype(grads.dG.dtype))

@@ -16,15 +16,17 @@ from ..stages import Activated, ForwardCache
 class EntryResiduals(eqx.Module):
     """The backward's part of initial states entering shared chunks: ``h0`` ``[N, HV, K, V]``
     as given, ``ok [N, HV]`` (or None) which heads are finite, the start decays ``a``, the
-    first-chunk ``v_new'`` ``[1, HV, NC, C, V]`` and the VJPs of the
-    first-chunk part and of the start decays (their residuals held: not run again)."""
+    first-chunk ``v_new'`` ``[1, HV, M, C, V]`` on the M chunks ``chunks`` (``FirstChunks``)
+    and the VJPs of the first-chunk part and of the start decays (their residuals held: not
+    run again)."""
 
     h0: SeqState
     ok: Optional[Bool[Array, "N HV"]]
     a: Float[Array, "N HV K"]
-    v_new: ChunkV
+    v_new: Float[Array, "1 HV M C V"]
     entries_vjp: Callable
     decays_vjp: Callable
+    chunks: object
 
 
 class KDAResiduals(eqx.Module):
