@@ -184,13 +184,15 @@ def _in_turn(kinds, xs):
 
 
 def finite_heads(x):
-    """``[N, HV]``: whether each head's state ``x [N, HV, K, V]`` is finite: ``x * 0`` is 0
-    where finite and NaN elsewhere, and its sum is 0 only if every element is. (On
-    XLA:CPU half the time of a reduction of booleans; a max reduction is as fast but XLA
-    folds it for half a minute at compile time when ``x`` is a constant, e.g. the ones of
-    ``jax.grad`` of ``sum(ht)``. The pipeline's copy is the same expression, computed
-    once.)"""
-    return jnp.sum(x * jnp.zeros((), x.dtype), axis=(-2, -1)) == 0
+    """``[N, HV]``: whether each head's state ``x [N, HV, K, V]`` is finite: ``x`` times a zero
+    vector is 0 where finite and NaN elsewhere, and its sum is 0 only if every element is.
+    A product reads ``x`` once; inside a program XLA:CPU ran ``sum(x * 0)`` as a stored
+    multiply and a split reduction, 21 ms for 1000 states of 4 x 64 x 64 against 4 ms (a
+    boolean or max reduction is no better, and XLA folds it for half a minute at compile
+    time when ``x`` is a constant, e.g. the ones of ``jax.grad`` of ``sum(ht)``). The
+    pipeline's copy is the same expression, computed once."""
+    zero = jnp.zeros(x.shape[-1:], x.dtype)
+    return jnp.sum(jnp.einsum("...kv,v->...k", x, zero, precision="highest"), axis=-1) == 0
 
 
 def finite_or_zero(x):
