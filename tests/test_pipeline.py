@@ -427,6 +427,31 @@ def test_tile_checked_when_built(tile):
     assert dataclasses.replace(kdax.KDAPipeline.reference(), tile=np.int64(32)).tile == 32  # (numpy's too)
 
 
+def test_bfloat16_inputs_in_tiles_read_as_their_float32_values():
+    """A tiled dense forward on bfloat16 inputs (which enter the tile loop as their bits,
+    ``kdax._layouts.tiles``) gives bitwise the float32 call's outputs on the same values,
+    rounded to bfloat16, tile by tile and whole; a NaN stays in its row and head."""
+    r = jax.random.split(jax.random.key(5), 5)
+    B, T, H, K = 2, 200, 2, 16
+    q, k = (jax.random.normal(r[i], (B, T, H, K)) / 4 for i in (0, 1))
+    v = jax.random.normal(r[2], (B, T, H, K))
+    g = -jax.nn.softplus(jax.random.normal(r[3], (B, T, H, K)) - 2)
+    beta = jax.nn.sigmoid(jax.random.normal(r[4], (B, T, H)))
+    bf = [x.astype(jnp.bfloat16).at[1, 37, 1, 3].set(jnp.nan) if i == 2 else x.astype(jnp.bfloat16)
+          for i, x in enumerate((q, k, v, g, beta))]
+    f32 = [x.astype(jnp.float32) for x in bf]
+    pipe = dataclasses.replace(kdax.KDAPipeline.reference(), tile=2 * H * 3)  # tiles of 3 chunks
+    for p in (pipe, pipe.untiled()):
+        call = jax.jit(lambda *x, p=p: kdax.chunk_kda(*x, pipeline=p, chunk_size=16, output_final_state=True))
+        (o, ht), (o32, ht32) = call(*bf), call(*f32)
+        assert o.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(o32.astype(jnp.bfloat16), np.float32))
+        np.testing.assert_array_equal(np.asarray(ht), np.asarray(ht32))
+        o = np.asarray(o, np.float32)  # (isolation: the NaN's head from its token on, in its row)
+        assert np.isfinite(o[0]).all() and np.isfinite(o[1, :37]).all() and np.isfinite(o[1, :, 0]).all()
+        assert np.isnan(o[1, 37:, 1]).all()
+
+
 def test_reference_tiles_on_cpu_only():
     # Tiles pay on CPU caches; an accelerator wants each stage over the whole input.
     assert kdax.KDAPipeline.reference().tile == (32 if jax.default_backend() == "cpu" else None)
