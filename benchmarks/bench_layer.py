@@ -10,12 +10,17 @@
   shapes (its share), and the same step forced through ``chunk_kda``.
 
 Times are medians of ``--reps`` synchronised calls after a warm-up, the layer and its
-kernel alternating in rounds so that a slow minute reaches both.
+kernel alternating in rounds so that a slow minute reaches both. ``--base REV``: instead,
+the ``train`` row's step of this tree's layer against another revision's (exported as
+``benchmarks/stage_ab.py`` does), the same parameters, alternating in one process: best and
+median times, their ratio, XLA's temporaries of each program and the largest difference
+of the gradients.
 
-    python benchmarks/bench_layer.py [--out benchmarks/results/layer.txt]
+    python benchmarks/bench_layer.py [--out benchmarks/results/layer.txt] [--base REV]
 """
 
 import argparse
+import functools
 import os
 import platform
 import time
@@ -87,6 +92,44 @@ def train_row(B=1, T=4096, hidden=1024, heads=8, head_dim=128, chunk_size=64, re
                 tokens_per_s=B * T / t_layer)
 
 
+def train_ab(base: str, B=1, T=4096, hidden=1024, heads=8, head_dim=128, chunk_size=64, reps=5, seed=0) -> str:
+    """``--base``: the layer's training step (``train_row``'s) of this tree against ``base``'s."""
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from stage_ab import export_base
+
+    dest, sha = export_base(base)
+    sys.path.insert(0, dest)
+    import kdax_base
+
+    r = np.random.default_rng(seed)
+    x, w = (jnp.asarray(r.normal(size=(B, T, hidden)), jnp.float32) for _ in range(2))
+    steps, grads, temps = [], [], []
+    for mod in (kdax_base, kdax):
+        params, static = eqx.partition(mod.nn.KimiDeltaAttention(hidden, heads, head_dim, key=jax.random.key(seed)),
+                                       eqx.is_array)
+        loss = lambda p, static=static: jnp.sum(eqx.combine(p, static)(x, mode="chunk", chunk_size=chunk_size)[0] * w)
+        compiled = jax.jit(jax.value_and_grad(loss)).lower(params).compile()
+        temps.append(compiled.memory_analysis().temp_size_in_bytes / 2**20)
+        grads.append(jax.tree.leaves(compiled(params)))
+        steps.append(functools.partial(compiled, params))
+    diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(*grads))
+    for f in steps:
+        jax.block_until_ready(f())
+    ts = [[], []]
+    for _ in range(reps):
+        for i, f in enumerate(steps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f())
+            ts[i].append(time.perf_counter() - t0)
+    best, med = [min(t) for t in ts], [float(np.median(t)) for t in ts]
+    return (f"layer training step, B={B} T={T} hidden={hidden} H={heads} K=V={head_dim} chunk={chunk_size} float32, "
+            f"{reps} rounds: base {sha} best {best[0] * 1e3:.1f} median {med[0] * 1e3:.1f} ms ({temps[0]:.1f} MiB "
+            f"temporaries); this tree best {best[1] * 1e3:.1f} median {med[1] * 1e3:.1f} ms ({temps[1]:.1f} MiB); "
+            f"new/base best {best[1] / best[0]:.3f} median {med[1] / med[0]:.3f}; gradients' largest difference "
+            f"{diff:.3g}")
+
+
 def decode_row(batch=16, hidden=1024, heads=8, head_dim=128, reps=20, seed=0, mode="recurrent"):
     r = np.random.default_rng(seed)
     layer = KimiDeltaAttention(hidden, heads, head_dim, key=jax.random.key(seed))
@@ -131,9 +174,14 @@ def main(argv=None, **shape):
     p.add_argument("--out", default=None, help="write the table here (e.g. benchmarks/results/layer.txt)")
     p.add_argument("--rows", default="train,decode,decode_chunk", help="comma-separated: train, decode (recurrent "
                    "path), decode_chunk (the decode step forced through chunk_kda)")
+    p.add_argument("--base", default=None, help="instead: the train row's step against this revision's, one process")
     a = p.parse_args(argv)
     which = set(a.rows.split(","))
     train_kw = {k: v for k, v in shape.items() if k in ("B", "T", "hidden", "heads", "head_dim", "chunk_size")}
+    if a.base is not None:
+        line = train_ab(a.base, reps=a.reps, **train_kw)
+        print(line)
+        return line
     dec_kw = {k: v for k, v in shape.items() if k in ("batch", "hidden", "heads", "head_dim")}
     rows = [train_row(reps=a.reps, **train_kw)] if "train" in which else []
     if "decode" in which:

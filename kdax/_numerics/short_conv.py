@@ -40,8 +40,11 @@ def causal_conv(
     W = weight.shape[1]
     T = x.shape[1]
     y = x * weight[:, W - 1]
+    # One padded copy read at every shift: a pad per shift was a stored copy each (kept for
+    # the weight's gradient).
+    xp = jnp.pad(x, ((0, 0), (W - 1, 0), (0, 0)))
     for j in range(1, W):
-        shifted = jnp.pad(x, ((0, 0), (j, 0), (0, 0)))[:, :T]
+        shifted = xp[:, W - 1 - j:W - 1 - j + T]
         inside = (pos >= j)[..., None]
         if state is None:
             src = jnp.where(inside, shifted, jnp.zeros((), x.dtype))

@@ -37,3 +37,12 @@ def test_committed_results_have_the_rows():
     text = RESULTS.read_text()
     assert "B=1 T=4096 hidden=1024 H=8 K=V=128" in text and "batch=16 1 token" in text
     assert all(n in text for n in ("train", "decode[recurrent]", "decode[chunk]"))
+
+
+def test_base_mode_times_the_step_against_another_revision():
+    """``--base HEAD``: the train row's step of this tree against HEAD's, in one process (the
+    same parameters: the gradients agree where the layer's code is unchanged)."""
+    line = _load().main(["--reps", "1", "--base", "HEAD"], **TINY)
+    assert "new/base best" in line and "temporaries" in line
+    diff = float(line.rsplit(" ", 1)[1])
+    assert 0 <= diff < 1e-3, line
