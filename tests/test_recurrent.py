@@ -162,3 +162,26 @@ def test_kda_gate_public_and_differentiable():
     np.testing.assert_allclose(kdax.kda_gate(g, A, b), want, rtol=1e-13)
     for lb in (None, -5.0):
         jax.test_util.check_grads(lambda g, A, b: kdax.kda_gate(g, A, b, lb), (g, A, b), order=1, modes=["rev"])
+
+
+@pytest.mark.parametrize("headwise", [False, True])
+def test_fused_step_is_the_readable_step(headwise):
+    """``fused_recurrent_kda``'s step (the decay folded into k and q, one product for both,
+    the output from the old state) against ``kdax.ref.recurrent_step`` in float64: the same
+    state and output, with a hard decay (g = -inf: that row forgotten exactly), per-head or
+    head-wise beta."""
+    from kdax.recurrent import _fused_step
+
+    r = np.random.default_rng(0)
+    f = lambda *s: jnp.asarray(r.normal(size=s), jnp.float64)
+    S, q, k, v = f(3, 2, 8, 5), f(3, 2, 8), f(3, 2, 8), f(3, 2, 5)
+    g = (-jnp.abs(f(3, 2, 8))).at[0, 1, 3].set(-jnp.inf)
+    b = jax.nn.sigmoid(f(3, 2, 5) if headwise else f(3, 2))
+    S_ref, o_ref = kdax.ref.recurrent_step(S, q, k, v, g, b, 0.7)
+    S_new, o_new = _fused_step(S, q, k, v, g, b, 0.7)
+    assert_close(S_new, S_ref, 1e-14, "state")
+    assert_close(o_new, o_ref, 1e-14, "output")
+    # the forgotten row: what the old state held there changes nothing, bit for bit
+    S_other = S.at[0, 1, 3].set(f(5) * 1e6)
+    for a, c in zip(_fused_step(S_other, q, k, v, g, b, 0.7), (S_new, o_new)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
