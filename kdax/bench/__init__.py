@@ -6,8 +6,9 @@ it against baselines run in the same process:
 * ``scan``: the ``lax.scan`` recurrence (``kdax.ref.naive_recurrent_kda``), forward and
   ``jax.grad``;
 * ``plain_scan``: the fastest plain ``lax.scan`` recurrence a careful user would write
-  (``plain_scan_kda``: einsums, no checks), forward and ``jax.grad``: the honest baseline
-  (the ``/plain`` column);
+  (``plain_scan_kda``: the decay folded into k and q, the state read once for both
+  products, no checks), forward and ``jax.grad``: the honest baseline (the ``/plain``
+  column; 2.5x faster since session 59, so earlier ``/plain`` ratios read lower);
 * ``autodiff``: ``jax.grad`` through the same chunked forward by XLA autodiff (the stages'
   jnp code differentiated by JAX instead of the six-stage backward);
 * ``fused_recurrent``: ``kdax.fused_recurrent_kda``.
