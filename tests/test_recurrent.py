@@ -185,3 +185,21 @@ def test_fused_step_is_the_readable_step(headwise):
     S_other = S.at[0, 1, 3].set(f(5) * 1e6)
     for a, c in zip(_fused_step(S_other, q, k, v, g, b, 0.7), (S_new, o_new)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+
+
+def test_varlen_branches_equal_selects():
+    """The packed scan's two forms of loading and storing each sequence's state (branches on
+    CPU, selects elsewhere) give the same outputs and final states, bit for bit, with an
+    empty sequence and a one-token one."""
+    from kdax.recurrent import _varlen_scan
+
+    r = np.random.default_rng(1)
+    T, H, K, V = 13, 2, 4, 3
+    f = lambda *s: jnp.asarray(r.normal(size=s), jnp.float64)
+    xs = (f(T, H, K), f(T, H, K), f(T, H, V), -jnp.abs(f(T, H, K)), jax.nn.sigmoid(f(T, H)))
+    h0 = f(4, H, K, V)
+    cu = jnp.asarray([0, 5, 5, 6, 13], jnp.int32)
+    got = [_varlen_scan(xs, h0, cu, 0.5, branches=b) for b in (True, False)]
+    for a, b in zip(*got):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(got[0][1][1]), np.asarray(h0[1]))  # the empty sequence keeps h0
