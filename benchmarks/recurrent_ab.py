@@ -12,7 +12,6 @@ A case is ``B,T[,N][,grad]``: N packed sequences of equal length (B = 1)."""
 import argparse
 import os
 import sys
-import time
 
 import numpy as np
 
@@ -28,6 +27,7 @@ def cases(text: str):
 def run_case(mods, B, T, N, grad, rounds, H=8, K=128, seed=0):
     import jax
     import jax.numpy as jnp
+    from stage_ab import timed
 
     r = np.random.default_rng(seed)
     f = lambda *s: jnp.asarray(r.normal(size=s), jnp.float32)
@@ -48,12 +48,7 @@ def run_case(mods, B, T, N, grad, rounds, H=8, K=128, seed=0):
         outs.append(jax.tree.leaves(fn(*args)))
         calls.append(lambda fn=fn: fn(*args))
     diff = max(float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(a)) + 1e-30)) for a, b in zip(*outs))
-    ts = [[] for _ in calls]
-    for _ in range(rounds):
-        for i, c in enumerate(calls):
-            t0 = time.perf_counter()
-            jax.block_until_ready(c())
-            ts[i].append(time.perf_counter() - t0)
+    ts, _ = timed(calls, [()] * len(calls), rounds)
     med, best = [float(np.median(t)) for t in ts], [min(t) for t in ts]
     name = f"B={B} T={T}" + ("" if N is None else f" N={N}") + (" grad" if grad else "")
     return (f"{name:24s} base {med[0] * 1e3:9.2f} ms  new {med[1] * 1e3:9.2f} ms  new/base median "
