@@ -35,10 +35,14 @@ def causal_conv(
     state: Optional[Float[Array, "N Wm1 D"]],
 ) -> Float[Array, "B T D"]:
     """``y[t] = sum_i weight[:, i] * x[t - (W - 1) + i]`` within each sequence (no
-    activation); inputs before a sequence's start come from ``state[seq]`` (oldest
-    first) or are zero."""
+    activation), summed in float32 at least and returned in x's dtype; inputs before a
+    sequence's start come from ``state[seq]`` (oldest first) or are zero."""
     W = weight.shape[1]
     T = x.shape[1]
+    # (bfloat16 sums made XLA:CPU store each tap's weight-gradient product as a float32
+    # copy before reducing it: 12 passes of 16 MiB in the layer's training step)
+    out, acc = x.dtype, jnp.promote_types(x.dtype, jnp.float32)
+    x, weight = x.astype(acc), weight.astype(acc)
     y = x * weight[:, W - 1]
     # One padded copy read at every shift: a pad per shift was a stored copy each (kept for
     # the weight's gradient).
@@ -52,7 +56,7 @@ def causal_conv(
             prev = state[seq, jnp.clip(W - 1 + pos - j, 0, W - 2)].astype(x.dtype)
             src = jnp.where(inside, shifted, prev)
         y = y + src * weight[:, W - 1 - j]
-    return y
+    return y.astype(out)
 
 
 def conv_tail(

@@ -32,3 +32,19 @@ def test_packed_conv_with_history_matches_per_sequence_loop():
     y2 = causal_conv(jnp.asarray(x2), jnp.asarray(w), seq, pos, jnp.asarray(hist))
     keep = np.r_[0:2, 9:16]
     assert np.array_equal(np.asarray(y)[0, keep], np.asarray(y2)[0, keep])
+
+
+def test_bfloat16_conv_sums_in_float32():
+    """bfloat16 inputs are summed in float32 and rounded once (as FLA's kernel accumulates),
+    with a history read from the state: the float32 call's result, rounded."""
+    r = np.random.default_rng(1)
+    W, C, T = 4, 6, 11
+    x = jnp.asarray(r.normal(size=(1, T, C)), jnp.bfloat16)
+    w = jnp.asarray(r.normal(size=(C, W)), jnp.bfloat16)
+    hist = jnp.asarray(r.normal(size=(2, W - 1, C)), jnp.bfloat16)
+    seq, pos = token_segments(1, T, jnp.asarray([0, 4, T], jnp.int32))
+    y = causal_conv(x, w, seq, pos, hist)
+    f32 = lambda a: a.astype(jnp.float32)
+    assert y.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(causal_conv(f32(x), f32(w), seq, pos, f32(hist))
+                                                            .astype(jnp.bfloat16)))
