@@ -12,7 +12,6 @@ from ._annotations import ALogIn, ArrayIn, Beta, CuSeqlensIn, Float, Gate, QK, S
 from ._validate import Dims, _value_of, checked_domain, validate
 from .parallel._shard import routed
 from .ref import beta_activation, compute_dtype, expand_heads, kda_gate, l2norm
-from .ref._recurrent import HIGHEST
 
 
 # FLA's head-wise beta: one write strength per value column.
@@ -40,7 +39,7 @@ def _fused_step(S, q_t, k_t, v_t, g_t, b_t, scale):
     update 2x less memory traffic). ``b_t`` ``[...]`` or head-wise ``[..., V]``."""
     e = jnp.exp(g_t)
     kq = jnp.stack([e * k_t, e * q_t], axis=-2)  # [..., 2, K]
-    pred, oS = jnp.moveaxis(jnp.einsum("...ik,...kv->...iv", kq, S, precision=HIGHEST), -2, 0)
+    pred, oS = jnp.moveaxis(jnp.einsum("...ik,...kv->...iv", kq, S, precision="highest"), -2, 0)
     u = (b_t if b_t.ndim == v_t.ndim else b_t[..., None]) * (v_t - pred)
     S = S * e[..., :, None] + k_t[..., :, None] * u[..., None, :]
     qk = jnp.sum(q_t * k_t, axis=-1, keepdims=True)
@@ -60,7 +59,8 @@ def _varlen_scan(xs, h0, cu_seqlens, scale, branches: Optional[bool] = None):
     # On CPU a sequence's first token loads its state and its last stores it in branches:
     # selects over the whole state at every token took 4.7x the time for 8 sequences in 1024
     # tokens. Elsewhere selects: a GPU's branch reads its predicate on the host, every token.
-    if jax.default_backend() == "cpu" if branches is None else branches:
+    branches = jax.default_backend() == "cpu" if branches is None else branches
+    if branches:
         load = lambda first, s, S: jax.lax.cond(first, lambda S: h0[s].astype(S.dtype), lambda S: S, S)
         store = lambda last, s, S, final: jax.lax.cond(last, lambda f: f.at[s].set(S), lambda f: f, final)
     else:
