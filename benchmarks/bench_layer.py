@@ -96,7 +96,7 @@ def train_ab(base: str, B=1, T=4096, hidden=1024, heads=8, head_dim=128, chunk_s
     """``--base``: the layer's training step (``train_row``'s) of this tree against ``base``'s."""
     import sys
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from stage_ab import export_base, timed
+    from stage_ab import export_base, maxdiff, timed
 
     dest, sha = export_base(base)
     sys.path.insert(0, dest)
@@ -113,7 +113,7 @@ def train_ab(base: str, B=1, T=4096, hidden=1024, heads=8, head_dim=128, chunk_s
         temps.append(compiled.memory_analysis().temp_size_in_bytes / 2**20)
         grads.append(jax.tree.leaves(compiled(params)))
         steps.append(functools.partial(compiled, params))
-    diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(*grads))
+    diff = maxdiff(*grads)
     ts, _ = timed(steps, [(), ()], reps)
     best, med = [min(t) for t in ts], [float(np.median(t)) for t in ts]
     return (f"layer training step, B={B} T={T} hidden={hidden} H={heads} K=V={head_dim} chunk={chunk_size} float32, "
