@@ -57,10 +57,13 @@ def test_machinery_size():
     after session 58, whose 44 lines run the initial states' first-chunk part on the chunks
     where sequences start (``FirstChunks``: packed training step with initial states
     0.70-0.75x the time at 16 sequences); 3,368 with 4 that carry bfloat16 inputs into the
-    forward's tile loop as their bits (41 MiB fewer temporaries at the main job's shape)."""
+    forward's tile loop as their bits (41 MiB fewer temporaries at the main job's shape);
+    3,428 after session 60, whose 60 lines gather, tile by tile, the chunks where packed
+    sequences sharing chunks end, for their final states (``tile_finals``: 16 sequences in
+    the main job's shape, the forward 0.87x the time, no whole stage output kept)."""
     root = PIPELINE.parent
     lines = sum(len(p.read_text().splitlines()) for pat in MACHINERY for p in root.glob(pat))
-    assert lines <= 3368, f"the machinery has {lines} lines (at most 3,368; issue 52's goal: 2,600)"
+    assert lines <= 3428, f"the machinery has {lines} lines (at most 3,428; issue 52's goal: 2,600)"
 
 
 def test_no_module_over_450_lines():

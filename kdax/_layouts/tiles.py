@@ -73,11 +73,14 @@ class Tiles:
         return step(self.full * nt, self.tail, True, state) if self.tail else state
 
 
-def forward_tiled(stages: Callable, layout: ChunkLayout, raw, HV: int, dt, h0, nt: int, clean=None):
+def forward_tiled(stages: Callable, layout: ChunkLayout, raw, HV: int, dt, h0, nt: int, clean=None, by_tile=None):
     """F1-F5 (``stages(chunked inputs, state table, tile layout)``) on ``nt`` chunks at a time,
     the state carried: on CPU a tile's intermediates stay in cache (the forward 1.4x faster).
-    Full-size outputs are written; XLA drops those nothing reads. Returns
-    ``(o [B, T, HV, V], final, stage outputs)``."""
+    Full-size outputs are written; XLA drops those nothing reads. ``by_tile``: ``(start(a tile's
+    outputs), update(acc, tile's outputs, first chunk, chunks))``, what packed input keeps
+    tile by tile for its final states, returned as ``final`` (shared chunks:
+    ``tile_finals``), or None: the final states from the state tables.
+    Returns ``(o [B, T, HV, V], final, stage outputs)``."""
     tiles, C = Tiles(layout, h0.shape[0], nt), layout.chunk_size
     if not tiles.dense:
         packed = pack_inputs(layout, raw, HV, dt, clean)
@@ -102,7 +105,7 @@ def forward_tiled(stages: Callable, layout: ChunkLayout, raw, HV: int, dt, h0, n
         if tiles.dense:  # o as tokens [B, T, HV, V]
             o = jax.lax.dynamic_update_slice_in_dim(o, unpack(tl, oc), c0 * C, 1)
         else:  # the final states of the sequences that end in this tile; o chunked (unpacked at the end)
-            finals = tiles.collect(finals, table, c0, n)
+            finals = tiles.collect(finals, table, c0, n) if by_tile is None else by_tile[1](finals, fw, c0, n)
             o = jax.lax.dynamic_update_slice_in_dim(o, oc, c0, 2)
         outs = tuple(jax.lax.dynamic_update_slice_in_dim(b, x, c0, 2) for b, x in zip(outs, jax.tree.leaves(fw)))
         # The carry: the entry ending at the tile's last chunk (where a sequence ends there, its
@@ -117,8 +120,11 @@ def forward_tiled(stages: Callable, layout: ChunkLayout, raw, HV: int, dt, h0, n
     o = zeros_after((R, layout.T, Hx, *rest) if tiles.dense else (R, Hx, tiles.NC, C, *rest), oc.dtype, deps)
     outs = tuple(zeros_after(x.shape[:2] + (tiles.NC,) + x.shape[3:], x.dtype, deps, j + 1)
                  for j, x in enumerate(shapes))
-    carry = (h0, None) if tiles.dense else (jnp.zeros((tiles.R,) + h0.shape[1:], h0.dtype), h0)
+    carry = (h0, None) if tiles.dense else (jnp.zeros((tiles.R,) + h0.shape[1:], h0.dtype),
+                                            h0 if by_tile is None else by_tile[0](fw))
     (h_last, finals), (o, outs) = tiles.run(step, (carry, (o, outs)))
     # A sequence of length 0 keeps its initial state.
-    final = h_last if tiles.dense else jnp.where(layout.empty[:, None, None, None], h0, finals)
+    if not tiles.dense and by_tile is None:
+        finals = jnp.where(layout.empty[:, None, None, None], h0, finals)
+    final = h_last if tiles.dense else finals
     return o if tiles.dense else unpack(layout, o), final, jax.tree.unflatten(tree, outs)

@@ -42,6 +42,11 @@ class PlainHooks:
         """The final states ``[N, HV, K, V]`` from F1-F5's outputs ``fw`` and F4's ``final``."""
         return final
 
+    def tile_finals(self):
+        """``(initial, update)`` when the tiled forward makes the final states tile by tile
+        (``forward_tiled``'s ``finals``), else None: from F4's state table."""
+        return None
+
     def residuals(self, layout, h0, extra) -> tuple:
         """``(layout, h0, the entries' parts or None)`` the residuals keep."""
         return layout, h0, None
@@ -111,12 +116,13 @@ def forward_route(pipeline, config: KDAConfig, raw: tuple, h0, A_log, dt_bias, c
     if not entering:  # (shared: one stream of T tokens, a state table of one entry, zero)
         in_dtypes, A_log, dt_bias, h0 = in_compute_dtype(raw, h0, A_log, dt_bias, dt, (1 if shared else N, HV, K, V))
     record_layout("shared" if shared else ("dense" if cu_seqlens is None else "per-sequence"))
-    hooks = PlainHooks() if not shared else _shared_states.SharedForwardHooks(
-        config, layout, cu_seqlens, (N, HV, K, V), dt, h0=h0 if entering else None, ok=ok if entering else None)
-    cleaner = _isolation.cleaner_of(config) if clean else None
     nt = None if entering else tile_chunks(pipeline, layout.valid.shape[0] * HV, layout.num_chunks)
     if nt is not None and not layout.dense and h0.shape[0] > nt * C:
         nt = None  # sequences shorter than a tile on average: whole ran faster (512 in 4096 tokens: 0.8-0.9x)
+    hooks = PlainHooks() if not shared else _shared_states.SharedForwardHooks(
+        config, layout, cu_seqlens, (N, HV, K, V), dt, h0=h0 if entering else None, ok=ok if entering else None,
+        tiled=nt is not None)
+    cleaner = _isolation.cleaner_of(config) if clean else None
     return ForwardRoute(layout, hooks, h0, A_log, dt_bias, in_dtypes, dt, cleaner, nt, zero)
 
 
@@ -125,7 +131,8 @@ def on_route(route: ForwardRoute, stages: Callable, config: KDAConfig, raw: tupl
     whole (``reads``: whether F1, F3 read ``Tokens`` views) or tile by tile."""
     HV = raw[2].shape[2]
     if route.tile is not None:
-        return forward_tiled(stages, route.layout, raw, HV, route.dtype, route.h0, route.tile, route.clean)
+        return forward_tiled(stages, route.layout, raw, HV, route.dtype, route.h0, route.tile, route.clean,
+                             route.hooks.tile_finals())
     chunked = chunked_inputs(config, route.layout, raw, HV, route.dtype, route.clean, reads)
     oc, fw, final = stages(chunked, route.h0, route.layout)
     return unpack(route.layout, oc), final, fw
