@@ -68,6 +68,7 @@ def main(argv=None):
     inputs = (q, k, v, g, beta, cu, f(a.n, H, K, K) * 0.1)
     lines = [f"chunk_kda forward, packed: base {sha} vs this tree, float32 T={T} H={H} K=V={K}, {a.n} sequences, "
              f"{'fresh memory' if a.fresh else 'reuse_freed_memory'}, {a.rounds} rounds"]
+    print(lines[0], flush=True)
     for name, h0, fs in CASES:
         lines.append(run_case((kdax_base, kdax), name, h0, fs, inputs, a.rounds))
         print(lines[-1], flush=True)
