@@ -182,7 +182,7 @@ class KDAPipeline(eqx.Module):
         st = self.run_stage("state", w=wy.w, u=wy.u, kg=wy.kg, G=act.G, h0=h0, layout=L, reset=R,
                             zero_h0=route.h0_zero and h0 is route.h0)  # (the call's zeros, not a tile's carry)
         v_out = ext.v_out(st.v_new, extra)
-        oc = self.run_stage("output", scale=config.scale, qg=wy.qg, h=st.h, Aqk=intra.Aqk, v_new=v_out)
+        oc = self.run_stage("output", scale=config.scale, qg=wy.qg, h=st.h, Aqk=intra.Aqk, v_new=v_out, reset=R)
         return ext.after_output(oc, extra), _ForwardChunks(act, intra, wy, st.h, st.v_new, vc, gc, extra, v_out), st.final
 
     # -- backward -----------------------------------------------------------------------

@@ -430,29 +430,53 @@ def test_the_non_finite_tests_hold_one_boolean_at_a_time():
     assert temp[True] <= temp[False] + 64 * 1024, temp  # the domain check adds no boolean of g
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known gap (session 55): inputs that are finite but overflow float32 inside a shared chunk (k at 1e19, q or v at "
-    "1e38) make inf there, and the chunk's dense products (0 * inf across the sequences' masked pairs) carry NaN to "
-    "the other sequences of the chunk; share_chunks=False and dense rows stay isolated. Isolation cleans only "
-    "non-finite inputs; the shared stages' NaN reach is causal, not per sequence."))
-@pytest.mark.parametrize("name, size", [("k", 1e19), ("v", 1e38)])
-def test_float32_overflow_in_a_shared_chunk_stays_in_its_sequence(name, size):
-    """float32, two sequences in one shared chunk, the first's ``name`` at ``±size`` (finite):
-    the second's outputs and gradients are bit-identical to those beside ordinary values."""
-    T = 47
+# Sequence 1 crosses chunks 0-1 (C = 16), 3 crosses 1-2 beside a one-token 2, 4 and 5 share
+# chunk 2 and 5 goes on to the end: every way a sequence meets another in a chunk.
+CU_OVERFLOW = [0, 5, 20, 21, 40, 47, 80]
+
+
+@pytest.mark.parametrize("final, h0", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["no-states", "final-states", "initial-states", "both"])
+def test_float32_overflow_in_a_shared_chunk_stays_in_its_sequence(final, h0):
+    """float32, packed sequences sharing chunks, one sequence's ``k`` at ±1e19 or ±1e38, or its
+    ``v`` or ``q`` at ±1e38 (finite inputs whose products overflow to inf inside the chunked
+    algorithm): every other sequence's outputs, final states and gradients (of the inputs and
+    the initial states) are bit-identical to those beside ordinary values, in the training
+    step and in the forward alone run in tiles of one chunk (the state carried between them).
+    The overflowing sequence's own are what its overflow makes them."""
+    C, T, cu = 16, CU_OVERFLOW[-1], jnp.asarray(CU_OVERFLOW, jnp.int32)
     x = make_inputs(seed=0, B=1, T=T, H=1, K=8, V=8, dtype=jnp.float32, h0=False)
-    W = jnp.asarray(np.random.default_rng(1).normal(size=x["v"].shape), jnp.float32)
-    cu = jnp.asarray([0, 20, T], jnp.int32)  # both in chunk 0 (C = 64)
+    r = np.random.default_rng(1)
+    N = len(CU_OVERFLOW) - 1
+    W, Wh = (jnp.asarray(r.normal(size=s), jnp.float32) for s in (x["v"].shape, (N, 1, 8, 8)))
+    hx = jnp.asarray(r.normal(size=(N, 1, 8, 8)) * 0.3, jnp.float32) if h0 else None
+    kw = dict(cu_seqlens=cu, chunk_size=C, output_final_state=final)
+    tiles = dataclasses.replace(kdax.KDAPipeline.reference(), tile=1)
 
     @jax.jit
-    def run(x):
-        loss = lambda a: jnp.sum(kdax.chunk_kda(**a, cu_seqlens=cu)[0] * W)
-        return kdax.chunk_kda(**x, cu_seqlens=cu)[0], jax.grad(loss)(x)
+    def run(x, h):
+        def loss(a, h):
+            o, ht = kdax.chunk_kda(**a, initial_state=h, **kw)
+            return jnp.sum(o * W) + (jnp.sum(ht * Wh) if final else 0.0)
 
-    o0, g0 = run(x)
-    big = dict(x, **{name: x[name].at[0, 2:18].set(jnp.sign(x[name][0, 2:18]) * size)})
-    o1, g1 = run(big)
-    assert np.all(np.isfinite(np.asarray(big[name])))
-    assert np.array_equal(np.asarray(o1)[0, 20:], np.asarray(o0)[0, 20:])
-    for n in NAMES:
-        assert np.array_equal(np.asarray(g1[n])[0, 20:], np.asarray(g0[n])[0, 20:]), n
+        grads = jax.grad(loss, argnums=(0, 1))(x, h)
+        return kdax.chunk_kda(**x, initial_state=h, pipeline=tiles, **kw), grads
+
+    base = run(x, hx)
+    for name, size, bad in [("k", 1e19, 1), ("k", 1e38, 3), ("v", 1e38, 1), ("q", 1e38, 4), ("k", 1e38, 4)]:
+        s, e = CU_OVERFLOW[bad], CU_OVERFLOW[bad + 1]
+        a = x[name]
+        got = run(dict(x, **{name: a.at[0, s:e].set(jnp.where(a[0, s:e] < 0, -size, size))}), hx)
+        for n, (cs, ce) in enumerate(zip(CU_OVERFLOW[:-1], CU_OVERFLOW[1:])):
+            if n == bad:
+                continue
+            said = f"{name}={size:g} in sequence {bad}: sequence {n}'s"
+            (o0, ht0), (g0, gh0) = base
+            (o1, ht1), (g1, gh1) = got
+            assert np.array_equal(np.asarray(o1)[0, cs:ce], np.asarray(o0)[0, cs:ce]), f"{said} outputs"
+            if final:
+                assert np.array_equal(np.asarray(ht1)[n], np.asarray(ht0)[n]), f"{said} final state"
+            for g in NAMES:
+                assert np.array_equal(np.asarray(g1[g])[0, cs:ce], np.asarray(g0[g])[0, cs:ce]), f"{said} d{g}"
+            if h0:
+                assert np.array_equal(np.asarray(gh1)[n], np.asarray(gh0)[n]), f"{said} initial state's gradient"

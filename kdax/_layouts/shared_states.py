@@ -17,11 +17,11 @@ import jax.numpy as jnp
 
 from .._numerics.hilo import exponent
 from .._numerics.isolation import finite_heads
-from .._numerics.arrays import tri_mask
+from .._numerics.arrays import segment_matmul, tri_mask
 from ..ref import activated_gate
 from .layout import ChunkLayout
 from .ragged import Spans, matvec, narrow_width, outer, token_slots
-from .resets import same_segment, segments
+from .resets import per_head, same_segment, segments
 
 
 _Seqs = collections.namedtuple("_Seqs", "s e some c tail began c0 f crosses")
@@ -220,9 +220,8 @@ def first_chunk_entries(layout: ChunkLayout, cu_seqlens, scale: float, fc: First
     sT = jnp.clip(s[n], 0, TT - 1)
     x = exponent(Gf, Gf[:, sT], lof, None if lof is None else lof[:, sT]) + jnp.moveaxis(a[n], 0, 1)
     ep = jnp.exp(jnp.where(mine[None, :, None], x, -jnp.inf)).reshape(G.shape)  # e^(Γ' + a) on those tokens
-    b = beta[..., None]
-    wp = Akk @ (b * k * ep)
-    u = Akk @ (b * v)
+    same = same_segment(per_head(segments(fc.take(layout.reset[:, None])[:, 0]), HV))  # [1, HV, M, C, C]
+    wp, u = segment_matmul(Akk, beta[..., None] * k * ep, same), segment_matmul(Akk, beta[..., None] * v, same)
     vx, ox = (x.reshape(1, HV, M, C, x.shape[-1])
               for x in matvec((-_tokens(wp), scale * _tokens(q * ep)), h0, spans, narrow_width(layout.T, N), ok, C))
     # The state carried out of chunk m by the sequence (at most one) that starts there and goes on.
@@ -232,7 +231,8 @@ def first_chunk_entries(layout: ChunkLayout, cu_seqlens, scale: float, fc: First
     last = lambda x: None if x is None else x[..., -1:, :]
     own = has[:, None] & (jnp.arange(M)[:, None] * C + jnp.arange(C)[None] >= s[nn][:, None])  # [M, C]
     xk = jnp.where(own[None, :, :, None], exponent(last(Gc), Gc, last(loc), loc), -jnp.inf)
-    part = jnp.einsum("hmck,hmcv->mhkv", k[0] * jnp.exp(xk), u[0] + vx[0])
+    mine = lambda x: jnp.where(own[None, :, :, None], x, jnp.zeros((), x.dtype))
+    part = jnp.einsum("hmck,hmcv->mhkv", mine(k[0] * jnp.exp(xk)), mine(u[0] + vx[0]))
     sC = jnp.clip(s[nn], 0, TT - 1)
     x0 = exponent(last(Gc)[..., 0, :], Gf[:, sC], None if loc is None else last(loc)[..., 0, :],
                   None if lof is None else lof[:, sC]) + jnp.moveaxis(a[nn], 0, 1)  # [HV, M, K]
@@ -412,9 +412,9 @@ class SharedChunkHooks:
             extra = extra._replace(decays=E.decays_vjp(da), dh0=dh0)
             mT = lambda x: jnp.swapaxes(x, -1, -2)
             reset = fc.take(L.reset[:, None])[:, 0]  # [R, M, C]
-            lower = tri_mask(L.chunk_size, strict=True) & same_segment(segments(reset))  # L's pairs in a sequence
-            Akk = fc.take(Akk)
-            dL = jnp.where(lower[:, None], -mT(Akk) @ dAkk @ mT(Akk), 0.0)
+            Akk, same = fc.take(Akk), same_segment(per_head(segments(reset), Akk.shape[1]))  # L's pairs in a sequence
+            keep = lambda x: jnp.where(same, x, 0.0)  # (never 0 * inf between sequences)
+            dL = jnp.where(tri_mask(L.chunk_size, strict=True) & same, -keep(mT(Akk) @ keep(dAkk)) @ mT(Akk), 0.0)
             put = fc.put
             grads = dataclasses.replace(grads, dq=put(grads.dq, dq_), dk=put(grads.dk, dk_), dv=put(grads.dv, dv_),
                                         dbeta=put(grads.dbeta, db_), dG=put(grads.dG, dG_), dL=put(grads.dL, dL))

@@ -23,16 +23,48 @@ def tri_mask(n: int, strict: bool):
     return j < i if strict else j <= i
 
 
-def lower_matmul(A, X, mm=jnp.matmul):
+def lower_matmul(A, X, mm=jnp.matmul, same=None):
     """``A @ X`` for lower-triangular ``A [..., C, C]`` (``mm``: the product to use), where
     a non-finite entry in row j of ``X`` reaches only rows i >= j, which are NaN from there:
     in a plain product the zeros above A's diagonal meet it as ``0 * inf = NaN`` and carry
     it to every row of the chunk. Rows before the first non-finite one are bit-identical
-    to ``A @ X``."""
+    to ``A @ X``. ``same [..., C, C]`` (sequences sharing the chunk: ``A`` zero where it is
+    False): the rows i >= j it holds only."""
+    return _reaching_matmul(A, X, np.tril(np.ones(A.shape[-2:], X.dtype)), mm, same)
+
+
+def upper_matmul(A, X, same):
+    """``A @ X`` for upper-triangular ``A`` (the transpose of a lower one), zero where
+    ``same`` is False (sequences sharing the chunk): a non-finite entry in row j of ``X``
+    makes rows i <= j of its own sequence NaN, and no other row (``lower_matmul``)."""
+    return _reaching_matmul(A, X, np.triu(np.ones(A.shape[-2:], X.dtype)), jnp.matmul, same)
+
+
+@jax.custom_vjp
+def segment_matmul(A, X, same):
+    """``lower_matmul(A, X, same=same)`` whose VJP keeps a sequence's non-finite cotangents
+    in it too (``A^T dY`` by ``upper_matmul``, ``dA`` selected by ``same``): for products
+    that JAX differentiates (``kdax._layouts.shared_states``)."""
+    return lower_matmul(A, X, same=same)
+
+
+def _segment_matmul_fwd(A, X, same):
+    return lower_matmul(A, X, same=same), (A, X, same)
+
+
+def _segment_matmul_bwd(res, dY):
+    A, X, same = res
+    return jnp.where(same, dY @ mT(X), 0.0), upper_matmul(mT(A), dY, mT(same)), None
+
+
+segment_matmul.defvjp(_segment_matmul_fwd, _segment_matmul_bwd)
+
+
+def _reaching_matmul(A, X, reach, mm, same):
     ok = jnp.abs(X) < jnp.inf
     Y = mm(A, jnp.where(ok, X, 0.0))
     bad = jnp.any(~ok, axis=-1, keepdims=True).astype(X.dtype)
-    seen = np.tril(np.ones(A.shape[-2:], X.dtype)) @ bad
+    seen = (reach if same is None else jnp.where(same, reach, 0.0)) @ bad
     return jnp.where(seen > 0, jnp.nan, Y)
 
 

@@ -26,7 +26,7 @@ from ..stages import AbstractState, AbstractWY
 from .._stage_protocol.capabilities import negotiated, told
 from .._stage_protocol.output_specs import Maybe, Specs
 from .contracts import STAGES, check_family
-from .routes import reference_is_exact, routed, warn_once
+from .routes import RESET_FIELDS, reference_is_exact, routed, warn_once
 
 
 @dataclasses.dataclass
@@ -85,7 +85,7 @@ def stage_arguments(pipeline, name: str, stage, kwargs: dict) -> tuple:
     take), and the inputs masked where the pipeline makes the reset exact (``guard``)."""
     takes_reset = routed(pipeline, name).reset  # (reset only to a stage whose math is checked)
     kwargs = negotiated(stage, kwargs)
-    needs_reset = kwargs.get("reset") is not None and not takes_reset
+    needs_reset = kwargs.get("reset") is not None and not takes_reset and name in RESET_FIELDS  # (F5's is optional)
     kwargs = kwargs if takes_reset else {n: x for n, x in kwargs.items() if n != "reset"}
     guard = kwargs.get("reset") is not None and not pipeline.trust_declarations and _resets.guards(stage)
     return (_resets.guard_inputs(name, kwargs) if guard else kwargs), needs_reset, guard

@@ -134,7 +134,13 @@ def segment_cumsum(dG, reset, group: ChunkGroup = None, loops: str = "auto"):
     same = (s >= t) & (seg[..., :, None] == seg[..., None, :])  # [R, NC, C(s), C(t)]
     M = jnp.where(same, 1.0, 0.0).astype(dG.dtype)[:, None]  # [R, 1, NC, C, C]
     M = jnp.broadcast_to(M, dG.shape[:3] + (C, C))
-    return over_chunks(lambda M, x: mT(M) @ x, group, M, dG, loops=loops)
+
+    def sums(M, x):  # (a non-finite dG reaches its own sequence's rows only, never 0 * inf)
+        bad = ~(jnp.abs(x) < jnp.inf)
+        y = mT(M) @ jnp.where(bad, 0.0, x)
+        return jnp.where(mT(M) @ bad.astype(x.dtype) > 0, jnp.nan, y)
+
+    return over_chunks(sums, group, M, dG, loops=loops)
 
 
 def split_cumsum(g, group: ChunkGroup = None, loops: str = "auto"):

@@ -178,7 +178,7 @@ def _intra(scale, q, k, beta, G, seg, anchors, G_lo, lo_anchors):
         blocks.append(b * B)
     if seg is not None:
         qk = jnp.where(same_segment(seg), qk, 0.0)
-    return scale * qk, unit_lower_inverse_of_blocks(blocks)
+    return scale * qk, unit_lower_inverse_of_blocks(blocks, seg)
 
 
 def _intra_fwd(scale, q, k, beta, G, seg, anchors, G_lo, lo_anchors):

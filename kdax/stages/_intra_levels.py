@@ -234,18 +234,26 @@ def inverse_vjp(X, dX):
 
 
 @_precision.keep_float32
-def unit_lower_inverse_of_blocks(blocks):
+def unit_lower_inverse_of_blocks(blocks, seg=None):
     """``(I + L)^-1`` for strictly lower ``L`` from the blocks its recursion reads, by 2 x 2
     blocks: ``[[A, 0], [B, D]]^-1 = [[A^-1, 0], [-D^-1 B A^-1, D^-1]]`` (matmuls only:
     XLA:CPU's triangular solve forces a column-major layout on its operand). ``blocks``:
     for s = 1, 2, ..., C/2, the lower-left block of every diagonal ``2s`` block of ``L``,
-    ``[..., C/2s, s, s]`` (``intra_scores``' form)."""
+    ``[..., C/2s, s, s]`` (``intra_scores``' form). ``seg [..., C]`` (sequences sharing the
+    chunk, ``L`` zero between them): the inverse's entries between them are exact zeros,
+    whatever the others hold."""
     C = 2 * blocks[-1].shape[-1]
     inv = jnp.ones(blocks[0].shape[:-3] + (C, 1, 1), blocks[0].dtype)
     for s, B in zip(_levels(C), blocks):
         pair = inv.reshape(*inv.shape[:-3], inv.shape[-3] // 2, 2, s, s)
         mm = jnp.matmul if s >= _SMALL else _small_matmul  # (dots from 4 on: F2 1.04-1.10x the time)
         # D^-1 is lower triangular: a NaN row of B A^-1 must not reach the rows above it.
-        low = -lower_matmul(pair[..., 1, :, :], mm(B, pair[..., 0, :, :]), mm)
+        if seg is None:
+            low = -lower_matmul(pair[..., 1, :, :], mm(B, pair[..., 0, :, :]), mm)
+        else:  # (each product's 0 * inf across sequences selected away; a NaN row reaches its own sequence only)
+            rows, cols = level_blocks(seg, s)
+            same = rows == cols
+            BA = jnp.where(same, mm(B, pair[..., 0, :, :]), 0.0)
+            low = jnp.where(same, -lower_matmul(pair[..., 1, :, :], BA, mm, rows == mT(rows)), 0.0)
         inv = _join_square(inv, low)
     return inv[..., 0, :, :]

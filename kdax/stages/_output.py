@@ -9,12 +9,13 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from .._layouts.resets import from_start, per_head, same_segment, segments
 from .._numerics.arrays import lower_matmul, mT, tri_mask
 
 from .._numerics.chunk_loops import ChunkGroup, over_chunks
 from .._stage_protocol.final import final
 from .._stage_protocol.output_specs import Specs
-from .._annotations import ChunkK, ChunkMat, ChunkState, ChunkV
+from .._annotations import ChunkK, ChunkMat, ChunkState, ChunkV, ChunkValid
 from ._types import KDA
 
 
@@ -25,7 +26,11 @@ class AbstractOutput(eqx.Module):
     the state at each chunk's start (F4); ``Aqk`` ``[.., C, C]`` (F2, already scaled);
     ``v_new`` ``[.., V]`` (F4).
 
-    Returns ``o`` ``[R, HV, NC, C, V]``."""
+    Returns ``o`` ``[R, HV, NC, C, V]``.
+
+    ``reset`` ``[R, NC, C]`` or None (shared chunks, ``kdax._layouts.resets``): optional for
+    F5 (the other stages make the terms between sequences exact zeros); one that takes it
+    keeps a sequence's overflow (inf in its ``v_new`` or ``h``) from meeting those zeros."""
 
     # What the stage accepts beyond the required arguments (docs/stages.md,
     # "Capabilities"): a subset of {"G_lo", "reset", "tile_safe", "tokens"}.
@@ -48,6 +53,7 @@ class AbstractOutput(eqx.Module):
         h: ChunkState,
         Aqk: ChunkMat,
         v_new: ChunkV,
+        reset: Optional[ChunkValid] = None,
     ) -> ChunkV:
         raise NotImplementedError
 
@@ -57,8 +63,11 @@ class AbstractOutput(eqx.Module):
         return s.computed(kw["qg"], kw["v_new"].shape)
 
 
-def _output_chunk(scale, qg, h, Aqk, v_new):
-    return scale * qg @ h + lower_matmul(Aqk, v_new)
+def _output_chunk(scale, qg, h, Aqk, v_new, seg=None):
+    if seg is None:
+        return scale * qg @ h + lower_matmul(Aqk, v_new)
+    # (the start state reaches the chunk's first sequence only; a NaN row of v_new, its own sequence)
+    return jnp.where(from_start(seg), scale * qg @ h, 0.0) + lower_matmul(Aqk, v_new, same=same_segment(seg))
 
 
 @final
@@ -68,14 +77,16 @@ class ReferenceOutput(AbstractOutput):
     math: ClassVar[Optional[str]] = KDA
 
     tile_safe: ClassVar[bool] = True
-    accepts: ClassVar[frozenset] = frozenset({"tile_safe"})
+    accepts: ClassVar[frozenset] = frozenset({"reset", "tile_safe"})
 
     group: ChunkGroup = eqx.field(static=True, default="auto")
     # The loop's form (kdax._numerics.chunk_loops.split_rows_and_heads): "auto", "flat", "slices".
     chunk_loops: str = eqx.field(static=True, default="auto")
 
-    def __call__(self, scale, qg, h, Aqk, v_new, *, precision: str = "highest"):
-        return over_chunks(functools.partial(_output_chunk, scale), self.group, qg, h, Aqk, v_new, loops=self.chunk_loops)
+    def __call__(self, scale, qg, h, Aqk, v_new, reset=None, *, precision: str = "highest"):
+        seg = () if reset is None else (per_head(segments(reset), qg.shape[1]),)
+        return over_chunks(functools.partial(_output_chunk, scale), self.group, qg, h, Aqk, v_new, *seg,
+                           loops=self.chunk_loops)
 
 
 class AbstractDAv(eqx.Module):

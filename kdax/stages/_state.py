@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from .._layouts.layout import ChunkLayout
-from .._layouts.resets import mask_exponent, state_passes
+from .._layouts.resets import from_start, mask_exponent, per_head, segments, state_passes, to_end
 from .._numerics import precision as _precision
 from .._numerics.arrays import mT, vary_like, zeros_after
 from .._numerics.chunk_loops import loop_unroll
@@ -147,18 +147,19 @@ class ReferenceState(AbstractState):
             return StateOut(jnp.zeros((R, HV, 0, K, V), h0.dtype), u, h0)
         decay = _decay(G, reset)
         half = _precision.operand(precision, AbstractState)
+        guard = _guard(reset, HV)
 
         if NC <= _python_unroll(self.unroll):
             h = h0 if _carried(layout, h0, (R, HV, K, V)) else jnp.zeros((R, HV, K, V), h0.dtype)
             hs, v_news = [], []
             for c in range(NC):
-                h_start, v_new, h = _chunk(layout, c, h, w, u, kg, decay, h0, half)
+                h_start, v_new, h = _chunk(layout, c, h, w, u, kg, decay, h0, half, guard)
                 hs.append(h_start)
                 v_news.append(v_new)
             hs, v_news = jnp.stack(hs, 2), jnp.stack(v_news, 2)
         else:
             unroll = max(1, min(loop_unroll(self.loop_unroll), NC))
-            h, hs, v_news = _recurrence((unroll, half, _precision.captured()), layout, w, u, kg, G, decay, h0)
+            h, hs, v_news = _recurrence((unroll, half, _precision.captured()), layout, w, u, kg, G, decay, h0, guard)
         # Stored as FLA stores them (bf16 under "fast"; kdax._numerics.precision.stored). The
         # products above rounded the same values, so only the copies change.
         stored = lambda x: _precision.stored(x, precision)  # noqa: E731
@@ -169,7 +170,10 @@ class ReferenceState(AbstractState):
         # for 1000 packed one-token sequences at H=4, K=V=64; 12 ms dense).
         r, c, ends = _chunk_of(layout.last, h0.shape[0])
         take = lambda x: x[r, :, c]
-        final = take(decay)[..., None] * take(hs) + _mm(mT(take(kg)), take(v_news), half)
+        if guard is None:
+            final = take(decay)[..., None] * take(hs) + _mm(mT(take(kg)), take(v_news), half)
+        else:
+            final = _end_state(half, take(hs), take(kg), take(v_news), take(decay), tuple(map(take, guard)))
         return StateOut(stored(hs), stored(v_news), jnp.where(ends[:, None, None, None], final, h0))
 
 
@@ -197,25 +201,46 @@ def _python_unroll(unroll: Union[int, Literal["auto"]]) -> int:
     return unroll
 
 
-def _chunk(layout, c, h, w, u, kg, decay, h0, half):
+def _chunk(layout, c, h, w, u, kg, decay, h0, half, guard=None):
     """Chunk ``c`` of F4: ``(h at its start, v_new, h at its end)`` from the state ``h``
     carried in (replaced by ``h0`` of a sequence that starts there)."""
     at = _at(c)
     if not _carried(layout, h0, h.shape):
         h = _enter(layout, c, 0, at(layout.first), h0, h)
-    v_new, h_next = _step(half, h, w, u, kg, decay, at)
+    v_new, h_next = _step(half, h, w, u, kg, decay, at, guard)
     return h, v_new, h_next
 
 
-def _step(half, h, w, u, kg, decay, at=lambda x: x):
+def _guard(reset, HV: int):
+    """``(from_start [R, HV, NC, C, 1], to_end, state_passes [R, 1, NC, 1])`` of shared chunks'
+    ``reset`` (``kdax._layouts.resets``), or None: what ``_step`` selects by."""
+    if reset is None:
+        return None
+    seg = per_head(segments(reset), HV)
+    return from_start(seg), to_end(seg), state_passes(reset)
+
+
+def _step(half, h, w, u, kg, decay, at=lambda x: x, guard=None):
     """``(v_new, h at the chunk's end)`` from ``h`` at its start, the chunk's arrays read
-    by ``at`` (whole arrays and ``_at(c)``, or the chunk's slices); ``half``: ``_mm``'s."""
-    v_new = at(u) - _mm(at(w), h, half)
-    return v_new, at(decay)[..., None] * h + _mm(mT(at(kg)), v_new, half)
+    by ``at`` (whole arrays and ``_at(c)``, or the chunk's slices); ``half``: ``_mm``'s;
+    ``guard`` (``_guard``): the terms between sequences sharing the chunk (the decays' exact
+    zeros) selected away, so that one's overflow (inf) never meets them as ``0 * inf``."""
+    if guard is None:
+        v_new = at(u) - _mm(at(w), h, half)
+        return v_new, at(decay)[..., None] * h + _mm(mT(at(kg)), v_new, half)
+    guard = tuple(map(at, guard))
+    v_new = at(u) - jnp.where(guard[0], _mm(at(w), h, half), 0.0)
+    return v_new, _end_state(half, h, at(kg), v_new, at(decay), guard)
+
+
+def _end_state(half, h, kg, v_new, decay, guard):
+    """The state at a chunk's end from ``h`` at its start and ``v_new``, as ``_step`` with ``guard``."""
+    _, end, passes = guard
+    return jnp.where(passes[..., None], decay[..., None] * h, 0.0) + _mm(mT(kg), jnp.where(end, v_new, 0.0), half)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _recurrence(how, layout, w, u, kg, G, decay, h0):
+def _recurrence(how, layout, w, u, kg, G, decay, h0, guard=None):
     """F4's loop over chunks: ``(h after the last chunk, hs, v_news)``. Its VJP walks the
     chunks backwards, each chunk's step differentiated alone from the state it started
     from (``_recurrence_bwd``): JAX's VJP of the loop kept each chunk's slices of every
@@ -228,7 +253,7 @@ def _recurrence(how, layout, w, u, kg, G, decay, h0):
 
     def step(c, carry):
         h, hs, v_news = carry
-        h_start, v_new, h = _chunk(layout, c, h, w, u, kg, decay, h0, half)
+        h_start, v_new, h = _chunk(layout, c, h, w, u, kg, decay, h0, half, guard)
         return h, _put(hs, c, h_start), _put(v_news, c, v_new)
 
     h = h0 if _carried(layout, h0, (R, HV, K, V)) else jnp.zeros((R, HV, K, V), h0.dtype)
@@ -237,14 +262,14 @@ def _recurrence(how, layout, w, u, kg, G, decay, h0):
     return jax.lax.fori_loop(0, NC, step, init, unroll=unroll)
 
 
-def _recurrence_fwd(how, layout, w, u, kg, G, decay, h0):
-    h, hs, v_news = out = _recurrence(how, layout, w, u, kg, G, decay, h0)
-    return out, (layout, w, u, kg, decay, h0, hs)
+def _recurrence_fwd(how, layout, w, u, kg, G, decay, h0, guard=None):
+    h, hs, v_news = out = _recurrence(how, layout, w, u, kg, G, decay, h0, guard)
+    return out, (layout, w, u, kg, decay, h0, hs, guard)
 
 
 def _recurrence_bwd(how, res, g):
     unroll, half, matmul = how
-    layout, w, u, kg, decay, h0, hs = res
+    layout, w, u, kg, decay, h0, hs, guard = res
     g_h, g_hs, g_v = g
     NC = w.shape[2]
     N = h0.shape[0]
@@ -254,7 +279,7 @@ def _recurrence_bwd(how, res, g):
         dh, dw, du, dkg, ddecay, dh0 = carry
         at = _at(c)
         parts = (at(hs), at(w), at(u), at(kg), at(decay))
-        _, vjp = jax.vjp(functools.partial(_step, half), *parts)
+        _, vjp = jax.vjp(lambda *p: _step(half, *p, guard=None if guard is None else tuple(map(at, guard))), *parts)
         d_h, d_w, d_u, d_kg, d_decay = vjp((at(g_v), dh))
         d_h = d_h + at(g_hs)
         # The state a sequence starts from is its h0 (``_enter``): its gradient goes there.
@@ -277,7 +302,7 @@ def _recurrence_bwd(how, res, g):
     # over (zeros made inside, a replicated argument) gets the sum over that axis: the
     # transpose of its implicit broadcast, and the type the custom VJP must return.
     fit = lambda d, x: _psum_to(d, x)
-    return None, fit(dw, w), fit(du, u), fit(dkg, kg), None, fit(ddecay, decay), fit(dh0, h0)
+    return None, fit(dw, w), fit(du, u), fit(dkg, kg), None, fit(ddecay, decay), fit(dh0, h0), None
 
 
 def _psum_to(d, x):
@@ -365,7 +390,8 @@ class ReferenceDhu(AbstractDhu):
         half = _precision.operand(precision, AbstractDhu)
         source = lambda pick: scale * _mm(mT(pick(qg)), pick(do), half)  # (pick: a chunk, or each sequence's first)
         deps = (qg, kg, w, G, do, dv_intra, dht)
-        return self._recurrence(kg, w, _decay(G, reset), source, dv_intra, dht, layout, deps, do, half)
+        return self._recurrence(kg, w, _decay(G, reset), source, dv_intra, dht, layout, deps, do, half,
+                                _guard(reset, kg.shape[1]))
 
     def with_source(self, kg, w, G, src, dv_intra, dht, layout) -> DhuOut:
         """This recurrence (no ``reset``) with ``src [R, HV, NC, K, V]`` added to each chunk's
@@ -376,23 +402,33 @@ class ReferenceDhu(AbstractDhu):
         return self._recurrence(kg, w, _decay(G, None), lambda pick: pick(src), dv_intra, dht, layout, deps, dv_intra,
                                 None)
 
-    def _recurrence(self, kg, w, decay, source, dv_intra, dht, layout, deps, like, half) -> DhuOut:
+    def _recurrence(self, kg, w, decay, source, dv_intra, dht, layout, deps, like, half, guard=None) -> DhuOut:
         """The reverse loop over chunks, ``source(pick)`` the term each chunk's start-state
         cotangent gains (``pick`` selects the chunk's arrays); ``deps``, ``like``: what the
         loop's buffers depend on (``zeros_after``) and the ``dv_new`` buffer's shape and dtype;
-        ``half``: the products' operand dtype (``_mm``)."""
+        ``half``: the products' operand dtype (``_mm``); ``guard``: F4's ``_step``'s."""
         R, HV, NC, _, K = kg.shape
         V = dht.shape[-1]
         carried = _carried(layout, dht, (R, HV, K, V))
+
+        def back(pick, dh_end, dv_new):  # (the start state's cotangent)
+            if guard is None:
+                return pick(decay)[..., None] * dh_end + source(pick) - _mm(mT(pick(w)), dv_new, half)
+            start, _, passes = (pick(m) for m in guard)
+            carry = jnp.where(passes[..., None], pick(decay)[..., None] * dh_end, 0.0)
+            keep = lambda x: jnp.where(start, x, 0.0)  # (w's other rows: zeros, or a sequence's overflow)
+            return carry + source(pick) - _mm(mT(keep(pick(w))), keep(dv_new), half)
 
         def step(i, carry):
             dh_c, dhs, dv_news = carry
             c = NC - 1 - i
             at = _at(c)
             dh_end = dh_c if carried else _enter(layout, c, NC - 1, at(layout.last), dht, dh_c)
-            dv_new = at(dv_intra) + _mm(at(kg), dh_end, half)
-            dh_start = at(decay)[..., None] * dh_end + source(at) - _mm(mT(at(w)), dv_new, half)
-            return dh_start, _put(dhs, c, dh_end), _put(dv_news, c, dv_new)
+            if guard is None:
+                dv_new = at(dv_intra) + _mm(at(kg), dh_end, half)
+            else:
+                dv_new = at(dv_intra) + jnp.where(at(guard[1]), _mm(at(kg), dh_end, half), 0.0)
+            return back(at, dh_end, dv_new), _put(dhs, c, dh_end), _put(dv_news, c, dv_new)
 
         # A sequence of length 0 has no chunk: its dh0 is its dht.
         dh0 = jnp.where(layout.empty[:, None, None, None], dht, 0.0)
@@ -407,5 +443,8 @@ class ReferenceDhu(AbstractDhu):
         # dh0 after the loop, from each sequence's first chunk (see ReferenceState).
         r, c, starts = _chunk_of(layout.first, dht.shape[0])
         take = lambda x: x[r, :, c]
-        first = take(decay)[..., None] * take(dh) + source(take) - _mm(mT(take(w)), take(dv_new), half)
+        if guard is None:
+            first = take(decay)[..., None] * take(dh) + source(take) - _mm(mT(take(w)), take(dv_new), half)
+        else:
+            first = back(take, take(dh), take(dv_new))
         return DhuOut(dh, jnp.where(starts[:, None, None, None], first, dh0), dv_new)

@@ -10,7 +10,7 @@ import numpy as np
 
 from .._layouts.resets import from_start, mask_exponent, per_head, same_segment, segments, to_end
 from .._numerics.hilo import exponent
-from .._numerics.arrays import last_row, lower_matmul, mT, rowsum, tri_mask
+from .._numerics.arrays import last_row, lower_matmul, mT, rowsum, tri_mask, upper_matmul
 from .._numerics.chunk_loops import ChunkGroup, over_chunks
 from .._stage_protocol.final import final
 from .._stage_protocol.output_specs import Specs
@@ -78,7 +78,8 @@ def _wy_chunk(q, k, v, beta, G, Akk, G_last, G_lo=None, lo_last=None, seg=None):
     eG = jnp.exp(mask_exponent(start, G))
     b = beta[..., None]
     K = k.shape[-1]
-    wu = lower_matmul(Akk, jnp.concatenate([b * k * eG, b * v], axis=-1))  # one matmul for w and u
+    same = None if seg is None else same_segment(seg)
+    wu = lower_matmul(Akk, jnp.concatenate([b * k * eG, b * v], axis=-1), same=same)  # one matmul for w and u
     kg = k * jnp.exp(mask_exponent(end, exponent(G_last, G, lo_last, G_lo)))
     return wu[..., :K], wu[..., K:], q * eG, kg
 
@@ -175,24 +176,34 @@ def _wy_dqkg_chunk(scale, k, v, beta, G, Akk, qg, kg, h, dh, v_new, do, dv_new, 
     start, end = _masks(seg)
     eG = jnp.exp(mask_exponent(start, G))
     b = beta[..., None]
+    keep = (lambda m, x: x) if seg is None else (lambda m, x: jnp.where(m, x, 0.0))  # (shared chunks: never 0 * inf)
     # o = scale qg h + ...
-    dqg = scale * do @ mT(h)
+    dqg = keep(start, scale * do @ mT(h))
     # h_next = e^Γ h + kg^T v_new (e^Γ = 0 where a sequence starts inside the chunk)
-    dkg = v_new @ mT(dh)
-    passes = None if seg is None else (seg[..., -1:] == 0)
-    dgam = jnp.sum(kg * dkg, axis=-2) + jnp.exp(mask_exponent(passes, G_last[..., 0, :])) * rowsum(h * dh)
+    dkg = keep(end, v_new @ mT(dh))
+    if seg is None:
+        dgam = jnp.sum(kg * dkg, axis=-2) + jnp.exp(G_last[..., 0, :]) * rowsum(h * dh)
+    else:
+        passes = seg[..., -1:] == 0
+        dgam = jnp.sum(kg * dkg, axis=-2) + jnp.where(passes, jnp.exp(G_last[..., 0, :]) * rowsum(h * dh), 0.0)
     # v_new = u - w h, w = Akk X, u = Akk Y
-    dw = -dv_new @ mT(h)
+    dw = keep(start, -dv_new @ mT(h))
     X = b * k * eG
     # (Akk^T made once behind an optimization_barrier: CPU time 0.97-0.99x under load, but
     # wall 1.10-1.14x on a quiet machine, where XLA:CPU runs this loop on two threads.)
-    dX = mT(Akk) @ dw
-    dY = mT(Akk) @ dv_new
+    if seg is None:
+        dX, dY = mT(Akk) @ dw, mT(Akk) @ dv_new
+    else:  # (a non-finite row reaches its own sequence only)
+        same = same_segment(seg)
+        dX, dY = upper_matmul(mT(Akk), dw, same), upper_matmul(mT(Akk), dv_new, same)
     C = Akk.shape[-1]
     # dL = -Akk^T dAkk Akk^T with dAkk = dw X^T + dv_new (beta v)^T; Akk^T dw and
     # Akk^T dv_new are dX and dY already.
-    lower = tri_mask(C, strict=True) if seg is None else tri_mask(C, strict=True) & same_segment(seg)
-    dL = jnp.where(lower, -(dX @ mT(X) + dY @ mT(b * v)) @ mT(Akk), 0.0)
+    if seg is None:
+        dL = jnp.where(tri_mask(C, strict=True), -(dX @ mT(X) + dY @ mT(b * v)) @ mT(Akk), 0.0)
+    else:  # (dAkk's entries across sequences, inf beside an overflow, never meet Akk's zeros)
+        dAkk = jnp.where(same, dX @ mT(X) + dY @ mT(b * v), 0.0)
+        dL = jnp.where(tri_mask(C, strict=True) & same, -dAkk @ mT(Akk), 0.0)
     dq = dqg * eG
     dk = dkg * jnp.exp(mask_exponent(end, exponent(G_last, G, lo_last, G_lo))) + b * eG * dX
     dv = b * dY
