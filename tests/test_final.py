@@ -100,6 +100,10 @@ def test_final_fills_the_familys_annotations_and_checks_shapes():
 def test_final_refuses_parameters_out_of_the_familys_order():
     with pytest.raises(TypeError, match=r"must begin with AbstractOutput\.__call__'s"):
         _final_output("scale, h, qg, Aqk, v_new")
+    # (its own parameters come after the family's, the optional ones too: F5's reset)
+    with pytest.raises(TypeError, match=r"must begin with AbstractOutput\.__call__'s"):
+        _final_output("scale, qg, h, Aqk, v_new, extra=None", {"extra": object})
     with pytest.raises(TypeError, match=r"annotate `extra`"):
-        _final_output("scale, qg, h, Aqk, v_new, extra=None")
-    _final_output("scale, qg, h, Aqk, v_new, extra=None", {"extra": object})  # its own, annotated: fine
+        _final_output("scale, qg, h, Aqk, v_new, reset=None, extra=None")
+    _final_output("scale, qg, h, Aqk, v_new, reset=None, extra=None", {"extra": object})  # its own, annotated: fine
+    _final_output("scale, qg, h, Aqk, v_new")  # (a trailing optional one left out: fine)

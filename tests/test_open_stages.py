@@ -270,7 +270,7 @@ def test_contract_errors_name_field_and_class():
     with pytest.raises(kdax.StageContractError, match=r"KDAPipeline\.output \(ShortOutput\) returned \(1, 1, 2, 16, 3\)"):
         trace(eqx.tree_at(lambda p: p.output, ref, ShortOutput()))
     with pytest.raises(kdax.StageContractError, match=r"(?s)KDAPipeline\.output \(RenamedOutput\).*"
-                       r"Expected signature: AbstractOutput\.__call__\(self, scale, qg, h, Aqk, v_new\)"):
+                       r"Expected signature: AbstractOutput\.__call__\(self, scale, qg, h, Aqk, v_new, reset=None\)"):
         trace(eqx.tree_at(lambda p: p.output, ref, RenamedOutput()))
     # the output's structure: another type, an array where None belongs, a tuple's length
     forward = {n: i.forward for n, i in kdax.pipeline.STAGES.items()}

@@ -2,6 +2,7 @@
 gives it, with the FLOPs and bytes XLA counts in its compiled program; and the glue, the
 whole forward and training step less the stages they run."""
 
+import inspect
 from typing import Callable, Optional
 
 import equinox as eqx
@@ -47,7 +48,7 @@ def bench_stages(s: Shape, reps: int, pipes: dict, on_row: Optional[Callable] = 
                        model_flops=model_flops(s, name))
             # G_lo (kdax._numerics.hilo), the last of the reference's arguments: only for stages that take it
             cut = capabilities(type(getattr(ref, name))).G_lo and not capabilities(type(stage)).G_lo
-            a = taps[name][:-1] if cut else taps[name]
+            a = (taps[name][:-1] if cut else taps[name])[:_positional(stage)]  # (an optional reset it does not take)
             try:
                 compiled = eqx.filter_jit(stage).lower(*a).compile()
                 row.update(_cost(compiled))
@@ -58,6 +59,11 @@ def bench_stages(s: Shape, reps: int, pipes: dict, on_row: Optional[Callable] = 
             if on_row:
                 on_row(row)
     return rows
+
+
+def _positional(stage) -> int:
+    """How many positional arguments ``stage`` takes."""
+    return sum(p.kind is p.POSITIONAL_OR_KEYWORD for p in inspect.signature(stage).parameters.values())
 
 
 def _cost(compiled) -> dict:

@@ -28,9 +28,10 @@ class AbstractOutput(eqx.Module):
 
     Returns ``o`` ``[R, HV, NC, C, V]``.
 
-    ``reset`` ``[R, NC, C]`` or None (shared chunks, ``kdax._layouts.resets``): optional for
-    F5 (the other stages make the terms between sequences exact zeros); one that takes it
-    keeps a sequence's overflow (inf in its ``v_new`` or ``h``) from meeting those zeros."""
+    ``reset`` ``[R, NC, C]`` or None (shared chunks, ``kdax._layouts.resets``), passed only
+    to a stage that declares it: F5 never needs it (the other stages make the terms between
+    sequences exact zeros); one that takes it keeps a sequence's overflow (inf in its
+    ``v_new`` or ``h``) from meeting those zeros."""
 
     # What the stage accepts beyond the required arguments (docs/stages.md,
     # "Capabilities"): a subset of {"G_lo", "reset", "tile_safe", "tokens"}.
