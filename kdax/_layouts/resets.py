@@ -47,16 +47,17 @@ def mask_exponent(keep, x):
     return x if keep is None else jnp.where(keep, x, -jnp.inf)
 
 
+def select_zero(keep, x):
+    """``x`` where ``keep``, else zero: a select, never ``keep * x`` (``0 * inf`` is NaN)."""
+    return jnp.where(keep, x, jnp.zeros((), x.dtype))
+
+
 # -- the pipeline's own masks on a stage given ``reset`` ---------------------------------
 
 
 def guards(stage) -> bool:
     """Whether the pipeline masks what ``stage`` makes of ``reset``: any stage but kdax's own."""
     return type(stage).__module__.split(".")[0] != "kdax"
-
-
-def _mask(keep, x):
-    return jnp.where(keep, x, jnp.zeros((), x.dtype))  # a select, never keep * x (0 * inf)
 
 
 def guard_inputs(name: str, kwargs: dict) -> dict:
@@ -66,8 +67,8 @@ def guard_inputs(name: str, kwargs: dict) -> dict:
     same = same_segment(per_head(segments(kwargs["reset"]), kwargs["dAqk"].shape[1]))
     grads = kwargs["grads"]
     if grads.dL is not None:
-        grads = dataclasses.replace(grads, dL=_mask(same, grads.dL))
-    return dict(kwargs, dAqk=_mask(same, kwargs["dAqk"]), grads=grads)
+        grads = dataclasses.replace(grads, dL=select_zero(same, grads.dL))
+    return dict(kwargs, dAqk=select_zero(same, kwargs["dAqk"]), grads=grads)
 
 
 def guard_outputs(name: str, out, reset):
@@ -77,11 +78,11 @@ def guard_outputs(name: str, out, reset):
     carry across tokens: unchanged."""
     if name == "intra":
         same = same_segment(per_head(segments(reset), out.Aqk.shape[1]))
-        return dataclasses.replace(out, Aqk=_mask(same, out.Aqk), Akk=_mask(same, out.Akk))
+        return dataclasses.replace(out, Aqk=select_zero(same, out.Aqk), Akk=select_zero(same, out.Akk))
     if name == "wy":  # w = Akk (beta k e^G) and qg = q e^G vanish where the chunk's start state does
         # not reach (Akk already zero between sequences), kg = k e^(Γ - G) where the token's sequence
         # ends inside the chunk: the reference stage's own mask, row by row.
         seg = per_head(segments(reset), out.w.shape[1])
         start, end = from_start(seg), to_end(seg)
-        return dataclasses.replace(out, w=_mask(start, out.w), qg=_mask(start, out.qg), kg=_mask(end, out.kg))
+        return dataclasses.replace(out, w=select_zero(start, out.w), qg=select_zero(start, out.qg), kg=select_zero(end, out.kg))
     return out

@@ -21,7 +21,7 @@ from .._numerics.arrays import segment_matmul, tri_mask
 from ..ref import activated_gate
 from .layout import ChunkLayout
 from .ragged import Spans, matvec, narrow_width, outer, token_slots
-from .resets import per_head, same_segment, segments
+from .resets import per_head, same_segment, segments, select_zero
 
 
 _Seqs = collections.namedtuple("_Seqs", "s e some c tail began c0 f crosses")
@@ -229,10 +229,9 @@ def first_chunk_entries(layout: ChunkLayout, cu_seqlens, scale: float, fc: First
     has, nn = out_of < N, jnp.minimum(out_of, N - 1)
     Gc, loc = G[0], None if G_lo is None else G_lo[0]
     last = lambda x: None if x is None else x[..., -1:, :]
-    own = has[:, None] & (jnp.arange(M)[:, None] * C + jnp.arange(C)[None] >= s[nn][:, None])  # [M, C]
-    xk = jnp.where(own[None, :, :, None], exponent(last(Gc), Gc, last(loc), loc), -jnp.inf)
-    mine = lambda x: jnp.where(own[None, :, :, None], x, jnp.zeros((), x.dtype))
-    part = jnp.einsum("hmck,hmcv->mhkv", mine(k[0] * jnp.exp(xk)), mine(u[0] + vx[0]))
+    own = (has[:, None] & (jnp.arange(M)[:, None] * C + jnp.arange(C)[None] >= s[nn][:, None]))[None, :, :, None]
+    xk = jnp.where(own, exponent(last(Gc), Gc, last(loc), loc), -jnp.inf)
+    part = jnp.einsum("hmck,hmcv->mhkv", select_zero(own, k[0] * jnp.exp(xk)), select_zero(own, u[0] + vx[0]))
     sC = jnp.clip(s[nn], 0, TT - 1)
     x0 = exponent(last(Gc)[..., 0, :], Gf[:, sC], None if loc is None else last(loc)[..., 0, :],
                   None if lof is None else lof[:, sC]) + jnp.moveaxis(a[nn], 0, 1)  # [HV, M, K]
@@ -413,7 +412,7 @@ class SharedChunkHooks:
             mT = lambda x: jnp.swapaxes(x, -1, -2)
             reset = fc.take(L.reset[:, None])[:, 0]  # [R, M, C]
             Akk, same = fc.take(Akk), same_segment(per_head(segments(reset), Akk.shape[1]))  # L's pairs in a sequence
-            keep = lambda x: jnp.where(same, x, 0.0)  # (never 0 * inf between sequences)
+            keep = functools.partial(select_zero, same)  # (never 0 * inf between sequences)
             dL = jnp.where(tri_mask(L.chunk_size, strict=True) & same, -keep(mT(Akk) @ keep(dAkk)) @ mT(Akk), 0.0)
             put = fc.put
             grads = dataclasses.replace(grads, dq=put(grads.dq, dq_), dk=put(grads.dk, dk_), dv=put(grads.dv, dv_),

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._layouts.resets import select_zero
 from .._numerics import precision as _precision
 from .._numerics.hilo import exponent
 from .._numerics.arrays import lower_matmul, mT, rowsum, zeros_after
@@ -253,7 +254,7 @@ def unit_lower_inverse_of_blocks(blocks, seg=None):
         else:  # (each product's 0 * inf across sequences selected away; a NaN row reaches its own sequence only)
             rows, cols = level_blocks(seg, s)
             same = rows == cols
-            BA = jnp.where(same, mm(B, pair[..., 0, :, :]), 0.0)
-            low = jnp.where(same, -lower_matmul(pair[..., 1, :, :], BA, mm, rows == mT(rows)), 0.0)
+            BA = select_zero(same, mm(B, pair[..., 0, :, :]))
+            low = select_zero(same, -lower_matmul(pair[..., 1, :, :], BA, mm, rows == mT(rows)))
         inv = _join_square(inv, low)
     return inv[..., 0, :, :]

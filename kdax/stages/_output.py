@@ -9,7 +9,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from .._layouts.resets import from_start, per_head, same_segment, segments
+from .._layouts.resets import from_start, per_head, same_segment, segments, select_zero
 from .._numerics.arrays import lower_matmul, mT, tri_mask
 
 from .._numerics.chunk_loops import ChunkGroup, over_chunks
@@ -68,7 +68,7 @@ def _output_chunk(scale, qg, h, Aqk, v_new, seg=None):
     if seg is None:
         return scale * qg @ h + lower_matmul(Aqk, v_new)
     # (the start state reaches the chunk's first sequence only; a NaN row of v_new, its own sequence)
-    return jnp.where(from_start(seg), scale * qg @ h, 0.0) + lower_matmul(Aqk, v_new, same=same_segment(seg))
+    return select_zero(from_start(seg), scale * qg @ h) + lower_matmul(Aqk, v_new, same=same_segment(seg))
 
 
 @final

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from .._layouts.layout import ChunkLayout
-from .._layouts.resets import from_start, mask_exponent, per_head, segments, state_passes, to_end
+from .._layouts.resets import from_start, mask_exponent, per_head, segments, select_zero, state_passes, to_end
 from .._numerics import precision as _precision
 from .._numerics.arrays import mT, vary_like, zeros_after
 from .._numerics.chunk_loops import loop_unroll
@@ -229,14 +229,14 @@ def _step(half, h, w, u, kg, decay, at=lambda x: x, guard=None):
         v_new = at(u) - _mm(at(w), h, half)
         return v_new, at(decay)[..., None] * h + _mm(mT(at(kg)), v_new, half)
     guard = tuple(map(at, guard))
-    v_new = at(u) - jnp.where(guard[0], _mm(at(w), h, half), 0.0)
+    v_new = at(u) - select_zero(guard[0], _mm(at(w), h, half))
     return v_new, _end_state(half, h, at(kg), v_new, at(decay), guard)
 
 
 def _end_state(half, h, kg, v_new, decay, guard):
     """The state at a chunk's end from ``h`` at its start and ``v_new``, as ``_step`` with ``guard``."""
     _, end, passes = guard
-    return jnp.where(passes[..., None], decay[..., None] * h, 0.0) + _mm(mT(kg), jnp.where(end, v_new, 0.0), half)
+    return select_zero(passes[..., None], decay[..., None] * h) + _mm(mT(kg), select_zero(end, v_new), half)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -415,9 +415,9 @@ class ReferenceDhu(AbstractDhu):
             if guard is None:
                 return pick(decay)[..., None] * dh_end + source(pick) - _mm(mT(pick(w)), dv_new, half)
             start, _, passes = (pick(m) for m in guard)
-            carry = jnp.where(passes[..., None], pick(decay)[..., None] * dh_end, 0.0)
-            keep = lambda x: jnp.where(start, x, 0.0)  # (w's other rows: zeros, or a sequence's overflow)
-            return carry + source(pick) - _mm(mT(keep(pick(w))), keep(dv_new), half)
+            carry = select_zero(passes[..., None], pick(decay)[..., None] * dh_end)
+            # (w's rows after a reset: zeros, or a sequence's overflow)
+            return carry + source(pick) - _mm(mT(select_zero(start, pick(w))), select_zero(start, dv_new), half)
 
         def step(i, carry):
             dh_c, dhs, dv_news = carry
@@ -427,7 +427,7 @@ class ReferenceDhu(AbstractDhu):
             if guard is None:
                 dv_new = at(dv_intra) + _mm(at(kg), dh_end, half)
             else:
-                dv_new = at(dv_intra) + jnp.where(at(guard[1]), _mm(at(kg), dh_end, half), 0.0)
+                dv_new = at(dv_intra) + select_zero(at(guard[1]), _mm(at(kg), dh_end, half))
             return back(at, dh_end, dv_new), _put(dhs, c, dh_end), _put(dv_news, c, dv_new)
 
         # A sequence of length 0 has no chunk: its dh0 is its dht.

@@ -8,7 +8,7 @@ import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 
-from .._layouts.resets import from_start, mask_exponent, per_head, same_segment, segments, to_end
+from .._layouts.resets import from_start, mask_exponent, per_head, same_segment, segments, select_zero, to_end
 from .._numerics.hilo import exponent
 from .._numerics.arrays import last_row, lower_matmul, mT, rowsum, tri_mask, upper_matmul
 from .._numerics.chunk_loops import ChunkGroup, over_chunks
@@ -176,7 +176,7 @@ def _wy_dqkg_chunk(scale, k, v, beta, G, Akk, qg, kg, h, dh, v_new, do, dv_new, 
     start, end = _masks(seg)
     eG = jnp.exp(mask_exponent(start, G))
     b = beta[..., None]
-    keep = (lambda m, x: x) if seg is None else (lambda m, x: jnp.where(m, x, 0.0))  # (shared chunks: never 0 * inf)
+    keep = (lambda m, x: x) if seg is None else select_zero  # (shared chunks: never 0 * inf)
     # o = scale qg h + ...
     dqg = keep(start, scale * do @ mT(h))
     # h_next = e^Γ h + kg^T v_new (e^Γ = 0 where a sequence starts inside the chunk)
@@ -185,7 +185,7 @@ def _wy_dqkg_chunk(scale, k, v, beta, G, Akk, qg, kg, h, dh, v_new, do, dv_new, 
         dgam = jnp.sum(kg * dkg, axis=-2) + jnp.exp(G_last[..., 0, :]) * rowsum(h * dh)
     else:
         passes = seg[..., -1:] == 0
-        dgam = jnp.sum(kg * dkg, axis=-2) + jnp.where(passes, jnp.exp(G_last[..., 0, :]) * rowsum(h * dh), 0.0)
+        dgam = jnp.sum(kg * dkg, axis=-2) + select_zero(passes, jnp.exp(G_last[..., 0, :]) * rowsum(h * dh))
     # v_new = u - w h, w = Akk X, u = Akk Y
     dw = keep(start, -dv_new @ mT(h))
     X = b * k * eG
@@ -202,7 +202,7 @@ def _wy_dqkg_chunk(scale, k, v, beta, G, Akk, qg, kg, h, dh, v_new, do, dv_new, 
     if seg is None:
         dL = jnp.where(tri_mask(C, strict=True), -(dX @ mT(X) + dY @ mT(b * v)) @ mT(Akk), 0.0)
     else:  # (dAkk's entries across sequences, inf beside an overflow, never meet Akk's zeros)
-        dAkk = jnp.where(same, dX @ mT(X) + dY @ mT(b * v), 0.0)
+        dAkk = select_zero(same, dX @ mT(X) + dY @ mT(b * v))
         dL = jnp.where(tri_mask(C, strict=True) & same, -dAkk @ mT(Akk), 0.0)
     dq = dqg * eG
     dk = dkg * jnp.exp(mask_exponent(end, exponent(G_last, G, lo_last, G_lo))) + b * eG * dX
