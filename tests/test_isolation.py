@@ -435,22 +435,25 @@ def test_the_non_finite_tests_hold_one_boolean_at_a_time():
 CU_OVERFLOW = [0, 5, 20, 21, 40, 47, 80]
 
 
-@pytest.mark.parametrize("final, h0", [(False, False), (True, False), (False, True), (True, True)],
-                         ids=["no-states", "final-states", "initial-states", "both"])
-def test_float32_overflow_in_a_shared_chunk_stays_in_its_sequence(final, h0):
-    """float32, packed sequences sharing chunks, one sequence's ``k`` at ±1e19 or ±1e38, or its
-    ``v`` or ``q`` at ±1e38 (finite inputs whose products overflow to inf inside the chunked
-    algorithm): every other sequence's outputs, final states and gradients (of the inputs and
-    the initial states) are bit-identical to those beside ordinary values, in the training
-    step and in the forward alone run in tiles of one chunk (the state carried between them).
-    The overflowing sequence's own are what its overflow makes them."""
-    C, T, cu = 16, CU_OVERFLOW[-1], jnp.asarray(CU_OVERFLOW, jnp.int32)
-    x = make_inputs(seed=0, B=1, T=T, H=1, K=8, V=8, dtype=jnp.float32, h0=False)
+def _overflow_stays(cu, C, final, h0, HV=1, injections=None, **options):
+    """float32 packed sequences sharing chunks (``cu``), one sequence's ``k`` at ±1e19 or ±1e38,
+    or its ``v`` or ``q`` at ±1e38 (finite inputs whose products overflow to inf inside the
+    chunked algorithm): every other sequence's outputs, final states and gradients (of the
+    inputs and the initial states) are bit-identical to those beside ordinary values, in the
+    training step and in the forward alone run in tiles of one chunk (the state carried
+    between them). The overflowing sequence's own are what its overflow makes them."""
+    T, N = cu[-1], len(cu) - 1
     r = np.random.default_rng(1)
-    N = len(CU_OVERFLOW) - 1
-    W, Wh = (jnp.asarray(r.normal(size=s), jnp.float32) for s in (x["v"].shape, (N, 1, 8, 8)))
-    hx = jnp.asarray(r.normal(size=(N, 1, 8, 8)) * 0.3, jnp.float32) if h0 else None
-    kw = dict(cu_seqlens=cu, chunk_size=C, output_final_state=final)
+    x = make_inputs(seed=0, B=1, T=T, H=1, K=8, V=8, dtype=jnp.float32, h0=False)
+    raw_gate, raw_beta = options.get("use_gate_in_kernel"), options.get("use_beta_sigmoid_in_kernel")
+    x = dict(x, v=r.normal(size=(1, T, HV, 8)), g=r.normal(size=(1, T, HV, 8)) if raw_gate else
+             -r.uniform(0, 0.5, size=(1, T, HV, 8)), beta=r.normal(size=(1, T, HV)) if raw_beta else r.uniform(size=(1, T, HV)))
+    x = {n: jnp.asarray(a, jnp.float32) for n, a in x.items()}
+    W, Wh, hx = (jnp.asarray(a, jnp.float32) for a in (r.normal(size=(1, T, HV, 8)), r.normal(size=(N, HV, 8, 8)),
+                                                        r.normal(size=(N, HV, 8, 8)) * 0.3))
+    hx = hx if h0 else None
+    params = dict(A_log=jnp.zeros(HV), dt_bias=jnp.zeros(HV * 8)) if raw_gate else {}
+    kw = dict(cu_seqlens=jnp.asarray(cu, jnp.int32), chunk_size=C, output_final_state=final, **options, **params)
     tiles = dataclasses.replace(kdax.KDAPipeline.reference(), tile=1)
 
     @jax.jit
@@ -460,19 +463,18 @@ def test_float32_overflow_in_a_shared_chunk_stays_in_its_sequence(final, h0):
             return jnp.sum(o * W) + (jnp.sum(ht * Wh) if final else 0.0)
 
         grads = jax.grad(loss, argnums=(0, 1))(x, h)
-        return kdax.chunk_kda(**x, initial_state=h, pipeline=tiles, **kw), grads
+        forward = {n: a for n, a in kw.items() if n != "disable_recompute"}
+        return kdax.chunk_kda(**x, initial_state=h, pipeline=tiles, **forward), grads
 
-    base = run(x, hx)
-    for name, size, bad in [("k", 1e19, 1), ("k", 1e38, 3), ("v", 1e38, 1), ("q", 1e38, 4), ("k", 1e38, 4)]:
-        s, e = CU_OVERFLOW[bad], CU_OVERFLOW[bad + 1]
+    (o0, ht0), (g0, gh0) = run(x, hx)
+    for name, size, bad in injections or [("k", 1e19, 1), ("k", 1e38, 3), ("v", 1e38, 1), ("q", 1e38, 4), ("k", 1e38, 4)]:
+        s, e = cu[bad], cu[bad + 1]
         a = x[name]
-        got = run(dict(x, **{name: a.at[0, s:e].set(jnp.where(a[0, s:e] < 0, -size, size))}), hx)
-        for n, (cs, ce) in enumerate(zip(CU_OVERFLOW[:-1], CU_OVERFLOW[1:])):
+        (o1, ht1), (g1, gh1) = run(dict(x, **{name: a.at[0, s:e].set(jnp.where(a[0, s:e] < 0, -size, size))}), hx)
+        for n, (cs, ce) in enumerate(zip(cu[:-1], cu[1:])):
             if n == bad:
                 continue
             said = f"{name}={size:g} in sequence {bad}: sequence {n}'s"
-            (o0, ht0), (g0, gh0) = base
-            (o1, ht1), (g1, gh1) = got
             assert np.array_equal(np.asarray(o1)[0, cs:ce], np.asarray(o0)[0, cs:ce]), f"{said} outputs"
             if final:
                 assert np.array_equal(np.asarray(ht1)[n], np.asarray(ht0)[n]), f"{said} final state"
@@ -480,3 +482,24 @@ def test_float32_overflow_in_a_shared_chunk_stays_in_its_sequence(final, h0):
                 assert np.array_equal(np.asarray(g1[g])[0, cs:ce], np.asarray(g0[g])[0, cs:ce]), f"{said} d{g}"
             if h0:
                 assert np.array_equal(np.asarray(gh1)[n], np.asarray(gh0)[n]), f"{said} initial state's gradient"
+
+
+@pytest.mark.parametrize("final, h0", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["no-states", "final-states", "initial-states", "both"])
+def test_float32_overflow_in_a_shared_chunk_stays_in_its_sequence(final, h0):
+    """``_overflow_stays`` on ``CU_OVERFLOW``, chunks of 16, with and without initial and final states."""
+    _overflow_stays(CU_OVERFLOW, 16, final, h0)
+
+
+@pytest.mark.parametrize("cu, C, HV, options", [
+    ([0, 5, 40, 41, 70, 77, 128], 32, 2, dict(use_qk_l2norm_in_kernel=True)),
+    ([0, 10, 70, 71, 100, 130, 160], 64, 1, dict(disable_recompute=True)),
+    (CU_OVERFLOW, 16, 2, dict(use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True)),
+], ids=["l2norm-gva-C32", "no-recompute-C64", "in-kernel-gate-beta"])
+def test_float32_overflow_stays_in_its_sequence_with_options(cu, C, HV, options):
+    """``_overflow_stays`` with initial and final states and FLA's options: l2norm (k cannot
+    overflow then: v and q do), two value heads a q/k head, the forward kept for the
+    backward, the in-kernel gate and beta's sigmoid with negative eigenvalues."""
+    names = ("v", "q") if options.get("use_qk_l2norm_in_kernel") else ("k", "v")
+    injections = [(n, size, bad) for n in names for size, bad in [(1e19, 1), (1e38, 3)]]
+    _overflow_stays(cu, C, True, True, HV=HV, injections=injections, **options)
