@@ -3,7 +3,7 @@
 each kernel builder; TF32x3 as three unchained products, ``scaled_dot``; ``lower_dot`` with
 a non-finite row reaching only the rows after it), exponentials (``decay`` masked in the exponent; ``exp_by_exp2`` and
 ``fast_decay`` for the GPU's ``ex2``) and the rows or columns a non-finite value reaches
-(``from_first``, ``reached_down``, ``reached_up``)."""
+(``from_first``, ``within_sequence``, ``reached_down``, ``reached_up``)."""
 
 from typing import NamedTuple, Optional
 
@@ -68,14 +68,18 @@ class Products(NamedTuple):
                                        preferred_element_type=jnp.float32)
         return jax.lax.dot_general(a, b, dims, precision=jax.lax.Precision.HIGHEST, preferred_element_type=a.dtype)
 
-    def lower_dot(self, A, X):
+    def lower_dot(self, A, X, seg=None):
         """``A @ X`` for lower-triangular ``A [C, C]`` where a non-finite row j of ``X``
         reaches only rows i >= j (NaN there): in a plain product the zeros above A's diagonal
         meet it as ``0 * inf = NaN`` and carry it to the rows above. Rows before it are
         bit-identical to ``A @ X``. The rows reached are found without a second product (whose
-        C x C operand did not fit Hopper's shared memory at C = 128 in float64)."""
+        C x C operand did not fit Hopper's shared memory at C = 128 in float64). ``seg``
+        (shared chunks: each token's sequence as a ``[C, 1]`` column and a ``[1, C]`` row,
+        ``A`` zero between sequences): the rows i >= j of row j's sequence only."""
         ok = jnp.abs(X) < jnp.inf
-        return jnp.where(from_first(nonfinite_rows(X)), jnp.nan, self.dot(A, jnp.where(ok, X, 0.0)))
+        bad = nonfinite_rows(X)
+        reached = from_first(bad) if seg is None else within_sequence(bad, X, *seg)
+        return jnp.where(reached, jnp.nan, self.dot(A, jnp.where(ok, X, 0.0)))
 
     def mask_dot(self, m, x):
         """``m @ x`` for a 0/1 matrix ``m`` (exact in TF32): where float32 products split,
@@ -125,6 +129,16 @@ def from_first(bad):
     took the most of F3's instructions on sm_90 (its shuffles and barriers)."""
     rows = iota(bad.shape, 0).astype(bad.dtype)
     return rows >= jnp.min(jnp.where(bad > 0, rows, bad.shape[0]), axis=0, keepdims=True)
+
+
+def within_sequence(bad, X, seg_col, seg_row):
+    """``[C, 1]`` bool: row i at or after a row j of its own sequence where ``bad`` is
+    nonzero (``lower_dot``'s rows reached in a shared chunk). The bad rows as a ``[1, C]``
+    row come from ``X``'s transpose, so every value stays 2-D on both targets."""
+    C = bad.shape[0]
+    bad_row = jnp.max((~(jnp.abs(X.T) < jnp.inf)).astype(X.dtype), axis=0, keepdims=True)
+    hit = (iota((C, C), 1) <= iota((C, C), 0)) & (seg_row == seg_col) & (bad_row > 0)
+    return jnp.max(hit.astype(X.dtype), axis=1, keepdims=True) > 0
 
 
 def nonfinite_rows(X):

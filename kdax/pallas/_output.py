@@ -10,20 +10,22 @@ from .._stage_protocol.final import final
 from .._annotations import ChunkV
 from ..ref import compute_dtype
 from ..stages import KDA, AbstractDAv, AbstractOutput
-from ._common import PallasTarget, chunk_spec, flat, iota, loaded, token_operand, tuned, unflat
+from ._common import PallasTarget, chunk_spec, flat, iota, loaded, segment_operands, token_operand, tuned, unflat
 
 
 @final
 class PallasOutput(AbstractOutput, PallasTarget):
-    """F5: ``o = scale qg h + Aqk v_new``."""
+    """F5: ``o = scale qg h + Aqk v_new``. With ``reset`` (shared chunks) the start state
+    reaches the chunk's first sequence only, and a non-finite row of ``v_new`` its own
+    sequence only (as ``kdax.stages.ReferenceOutput``)."""
 
     math: ClassVar[Optional[str]] = KDA
 
     tile_safe: ClassVar[bool] = True
-    accepts: ClassVar[frozenset] = frozenset({"tile_safe", "half_stored"})
+    accepts: ClassVar[frozenset] = frozenset({"reset", "tile_safe", "half_stored"})
 
     @tuned
-    def __call__(self, scale, qg, h, Aqk, v_new, *, precision: str = "highest"):
+    def __call__(self, scale, qg, h, Aqk, v_new, reset=None, *, precision: str = "highest"):
         R, HV, NC, C, K = qg.shape
         V = v_new.shape[-1]
         self.check_widths(K=K, V=V)
@@ -34,13 +36,19 @@ class PallasOutput(AbstractOutput, PallasTarget):
 
         mm = self.products(precision)
 
-        def kernel(q_ref, h_ref, a_ref, v_ref, o_ref):
-            o_ref[...] = scale * mm.dot(q_ref[...], h_ref[...]) + mm.lower_dot(a_ref[...], v_ref[...])
+        def kernel(q_ref, h_ref, a_ref, v_ref, *rest):
+            qh = mm.dot(q_ref[...], h_ref[...])
+            seg = None if reset is None else (rest[0][...], rest[1][...])
+            if seg is not None:  # (a non-finite start state times later sequences' zero rows)
+                qh = jnp.where(seg[0] == 0, qh, 0.0)
+            rest[-1][...] = scale * qh + mm.lower_dot(a_ref[...], v_ref[...], seg)
 
-        (o,) = self.call(
-            kernel, (qf, hf, flat(Aqk), vf),
-            [chunk_spec((C, Kp)), chunk_spec((Kp, Vp)), chunk_spec((C, C)), chunk_spec((C, Vp))],
-            [(C, Vp)], R * HV, NC, compute_dtype(qg))  # (qg may be stored bf16)
+        ins = (qf, hf, flat(Aqk), vf)
+        specs = [chunk_spec((C, Kp)), chunk_spec((Kp, Vp)), chunk_spec((C, C)), chunk_spec((C, Vp))]
+        if reset is not None:
+            extra, extra_specs = segment_operands(reset, HV, row=True)
+            ins, specs = ins + extra, specs + extra_specs
+        (o,) = self.call(kernel, ins, specs, [(C, Vp)], R * HV, NC, compute_dtype(qg))  # (qg may be stored bf16)
         return unflat(o[..., :V], R, HV)
 
 

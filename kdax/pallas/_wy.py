@@ -56,15 +56,17 @@ def wy_kernel(mm: Products, k_blocks, v_blocks, has_lo: bool, load_v=None, row_l
     """F3's kernel for one chunk: ``w``, ``qg``, ``kg`` over ``k_blocks`` of feature
     columns, ``u`` over ``v_blocks`` (``column_blocks``; on Triton whole ``[C, 128]``
     tiles spilled). A NaN/inf at a token reaches only the rows from it on (``lower_dot``),
-    in the columns of its block. ``load_v``: v's blocks as read (``loaded``); ``row_loads``:
-    ``last_rows``' way. ``has_reset``: a ``[C, 1]`` input after ``G_lo`` holds each token's
-    sequence within the chunk (shared chunks): ``e^G`` masked to the chunk's first sequence,
-    ``e^(Γ - G)`` to its last (``segment_masks``)."""
+    in the columns of its block and its own sequence. ``load_v``: v's blocks as read
+    (``loaded``); ``row_loads``: ``last_rows``' way. ``has_reset``: a ``[C, 1]`` and a
+    ``[1, C]`` input after ``G_lo`` hold each token's sequence within the chunk (shared
+    chunks): ``e^G`` masked to the chunk's first sequence, ``e^(Γ - G)`` to its last
+    (``segment_masks``)."""
 
     def kernel(q_r, k_r, v_r, b_r, g_r, a_r, *rest):
         v_r = loaded(v_r, load_v)
         lo_r = rest[0] if has_lo else None
-        start, end, _ = segment_masks(rest[int(has_lo)][...] if has_reset else None)
+        seg = (rest[int(has_lo)][...], rest[int(has_lo) + 1][...]) if has_reset else None
+        start, end, _ = segment_masks(None if seg is None else seg[0])
         w_o, u_o, qg_o, kg_o = rest[-4:]
         beta = b_r[...]
 
@@ -73,7 +75,7 @@ def wy_kernel(mm: Products, k_blocks, v_blocks, has_lo: bool, load_v=None, row_l
             G, k = g_r[kc], k_r[kc]
             lo = ref_or_none(lo_r, kc)
             eG = mm.exp(mask_exponent(start, G))
-            put(w_o, kc, mm.lower_dot(a_r[...], beta * k * eG))  # (put: in the stored dtype)
+            put(w_o, kc, mm.lower_dot(a_r[...], beta * k * eG, seg))  # (put: in the stored dtype)
             put(qg_o, kc, q_r[kc] * eG)
             gam, lo_gam = last_rows(row_loads, (g_r, lo_r), kc[1], (G, lo))
             put(kg_o, kc, k * mm.exp(mask_exponent(end, exponent(gam, G, lo_gam, lo))))
@@ -81,7 +83,7 @@ def wy_kernel(mm: Products, k_blocks, v_blocks, has_lo: bool, load_v=None, row_l
 
         def value_block(j0, bv, carry):
             vc = (slice(None), pl.ds(j0, bv))
-            put(u_o, vc, mm.lower_dot(a_r[...], beta * v_r[vc]))
+            put(u_o, vc, mm.lower_dot(a_r[...], beta * v_r[vc], seg))
             return carry
 
         blockwise(v_blocks, value_block, blockwise(k_blocks, feature_block, jnp.int32(0)))
@@ -252,7 +254,7 @@ class PallasWY(AbstractWY, PallasFeatureBlocks):
         if G_lo is not None:
             ins, specs = ins + (fp(G_lo),), specs + [sk]
         if reset is not None:
-            extra, extra_specs = segment_operands(reset, HV, row=False)
+            extra, extra_specs = segment_operands(reset, HV, row=True)
             ins, specs = ins + extra, specs + extra_specs
 
         kernel = wy_kernel(self.products(precision), self.feature_blocks(Kp), self.feature_blocks(Vp), G_lo is not None, load_v,

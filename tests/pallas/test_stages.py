@@ -366,6 +366,56 @@ def test_wy_stages_with_resets(target, interpret, dtype, tol, lo):
     assert across.any() and np.all(np.asarray(got.dL)[np.broadcast_to(across, got.dL.shape)] == 0)
 
 
+@pytest.mark.parametrize("target,interpret", MODES[:2])
+def test_forward_products_keep_an_overflow_in_its_sequence(target, interpret):
+    """Shared chunks: inf in one sequence's keys, values, ``v_new`` rows and start state
+    (what float32 overflow leaves there) reaches F3's ``w``, ``u`` and F5's ``o`` only at
+    that sequence's own tokens from it on, as in the reference stages (F5: the same entries
+    non-finite; the finite ones close); every other sequence's entries are bit-identical to those of a
+    call without the inf (``lower_dot(..., seg)``: the zeros between sequences never meet
+    it). Before: the rows after it in the chunk, of every sequence, were NaN."""
+    C, K, V, HV = 16, 12, 6, 2
+    L = make_shared_layout(45, C, jnp.asarray(SHARED_CU, jnp.int32))
+    R, NC = L.valid.shape[:2]
+    x = {n: (a.astype(jnp.float32) if hasattr(a, "dtype") and a.dtype.kind == "f" else a)
+         for n, a in chunked(5, R=R, HV=HV, NC=NC, C=C, K=K, V=V).items()}
+    act = jitted(S.ReferenceGate())(KDAConfig(scale=1.0), x["q"], x["k"], -jnp.abs(x["q"]) * 0.1, x["beta"], None,
+                                    None, L.valid, reset=L.reset)
+    G = act.G
+    intra = jitted(S.ReferenceIntra())(x["scale"], x["q"], x["k"], x["beta"], G, reset=L.reset)
+    Aqk, Akk = intra.Aqk, intra.Akk
+    tok = np.arange(NC * C).reshape(1, 1, NC, C, 1)
+    ours = jnp.asarray((tok >= 16) & (tok < 29))  # sequence 4 (tokens 16..28): its own chunk's start, then chunk 1
+    rest = np.broadcast_to(~np.asarray(ours) & np.asarray(L.valid)[:, None, :, :, None], (R, HV, NC, C, V))
+    inf = lambda a, where: jnp.where(where & (jnp.arange(a.shape[-1]) % 2 == 0), jnp.inf, a)
+    kw = dict(target=target, interpret=interpret)
+    wy_in = lambda k, v: (x["q"], k, v, x["beta"], G, Akk)
+    base = jitted(P.PallasWY(**kw))(*wy_in(x["k"], x["v"]), reset=L.reset)
+    big = wy_in(inf(x["k"], ours & (tok == 20)), inf(x["v"], ours & (tok == 18)))
+    got = jitted(P.PallasWY(**kw))(*big, reset=L.reset)
+    want = jitted(S.ReferenceWY())(*big, reset=L.reset)
+    for name, at in (("w", 20), ("u", 18)):  # (the reference makes w's and u's rows NaN together: one product)
+        a, b, ref = (np.asarray(getattr(o, name)) for o in (got, base, want))
+        keep = np.broadcast_to(rest[..., :1], a.shape)
+        np.testing.assert_array_equal(a[keep], b[keep], err_msg=name)
+        reached = np.broadcast_to(np.asarray(ours) & (tok >= at), a.shape)
+        np.testing.assert_array_equal(~np.isfinite(a), reached, err_msg=name)
+        both = np.isfinite(a) & np.isfinite(ref)
+        assert_close(np.where(both, a, 0), np.where(both, ref, 0), 1e-5, name)
+    # F5: inf in v_new at token 20 and in the state entering chunk 1 (which sequence 4 runs through)
+    h = rand_like(jnp.zeros((R, HV, NC, K, V), jnp.float32), 6)
+    f5_in = lambda v_new, h: (x["scale"], base.qg, h, Aqk, v_new)
+    h_big = jnp.where((jnp.arange(NC)[:, None, None] == 1) & (jnp.arange(V) % 2 == 0), jnp.inf, h)
+    base_o = jitted(P.PallasOutput(**kw))(*f5_in(base.u, h), reset=L.reset)
+    big = f5_in(inf(base.u, ours & (tok == 20)), h_big)
+    got = np.asarray(jitted(P.PallasOutput(**kw))(*big, reset=L.reset))
+    ref = np.asarray(jitted(S.ReferenceOutput())(*big, reset=L.reset))
+    np.testing.assert_array_equal(got[rest], np.asarray(base_o)[rest])
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(ref))
+    assert not np.isfinite(got).all()
+    assert_close(np.where(np.isfinite(ref), got, 0), np.where(np.isfinite(ref), ref, 0), 1e-5, "o")
+
+
 # Views of the caller's arrays (kdax._layouts.tokens): float64 read as such, bf16 read as float32,
 # on Triton (interpreted, and compiled where there is a device); TPU blocks take the copy,
 # checked once.
