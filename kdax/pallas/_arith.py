@@ -141,6 +141,18 @@ def within_sequence(bad, X, seg_col, seg_row):
     return jnp.max(hit.astype(X.dtype), axis=1, keepdims=True) > 0
 
 
+def segment_masks(seg):
+    """The masks of ``kdax._layouts.resets`` for one shared chunk, from ``seg`` ``[C, 1]``
+    (each token's sequence within the chunk, ``segments``): ``(from_start, to_end)``
+    ``[C, 1]`` and whether the chunk's start state reaches its end ``[1, 1]``; all None
+    without ``seg``. (``seg`` never decreases down the chunk: its last row is its maximum,
+    one reduction on both targets.)"""
+    if seg is None:
+        return None, None, None
+    last = jnp.max(seg, axis=0, keepdims=True)
+    return seg == 0, seg == last, last == 0
+
+
 def nonfinite_rows(X):
     """``[C, 1]``: 1 where row i of ``X [C, D]`` holds a NaN or inf, else 0 (X's dtype)."""
     return jnp.max((~(jnp.abs(X) < jnp.inf)).astype(X.dtype), axis=1, keepdims=True)

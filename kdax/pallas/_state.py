@@ -13,7 +13,7 @@ from types import MappingProxyType
 
 from . import _state_tpu as tpu, _state_triton as triton
 from .._errors import UnsupportedCase
-from .._layouts.resets import mask_exponent, state_passes
+from .._layouts.resets import mask_exponent, per_head, segments, state_passes
 from .._layouts.tokens import Tokens
 from .._numerics import precision as _precision
 from .._stage_protocol.final import final
@@ -35,6 +35,12 @@ def _gamma_col(G, target, reset=None):
     if reset is not None:
         gam = mask_exponent(state_passes(reset), gam)  # [R, 1, NC, 1] against [R, HV, NC, K]
     return feature_pad(target, flat(gam), axes=(-2,))
+
+
+def _segments(reset, HV: int):
+    """Each token's sequence within its shared chunk, ``[P, NC, C, 1]`` (None without
+    ``reset``): the kernels select away the terms between sequences (``_state_steps``)."""
+    return None if reset is None else flat(per_head(segments(reset), HV))
 
 
 def _gamma(G, target, reset):
@@ -103,6 +109,7 @@ class PallasState(AbstractState, PallasValueBlocks):
         wf, kgf = _product_operands(t, self.round_in_kernel, self.operand(precision), self.padded(w), self.padded(kg))
         uf = self.padded(u)
         gam, rows = _gamma(G, t, reset)
+        seg = _segments(reset, HV)
         h0f = feature_pad(t, h0.reshape(N * HV, K, V), axes=(-2, -1))
         P, Kp, Vp = R * HV, wf.shape[-1], uf.shape[-1]
         # h and v_new as stored (bf16 under "fast"), the final states in h0's dtype
@@ -110,11 +117,11 @@ class PallasState(AbstractState, PallasValueBlocks):
         shapes = dict(NC=NC, C=C, Kp=Kp, Vp=Vp, dtype=[st, st, h0.dtype], interpret=self.run_interpreted,
                       mm=self.products(precision))
         if t == "tpu":
-            h, v_new, final = tpu.state_forward(wf, uf, kgf, gam, h0f, layout, P=P, HV=HV, N=N, **shapes)
+            h, v_new, final = tpu.state_forward(wf, uf, kgf, gam, h0f, layout, P=P, HV=HV, N=N, seg=seg, **shapes)
         else:
             h0f = None if zero_h0 else h0f  # (zeros: the kernel starts from them unread)
             h, v_new, final = triton.state_forward(wf, uf, kgf, gam, h0f, layout, R=R, HV=HV, N=N, gam_rows=rows,
-                                                   block_v=self.block_v, block_k=self.block_k,
+                                                   block_v=self.block_v, block_k=self.block_k, seg=seg,
                                                    params=self.triton_params(), **shapes)
         return StateOut(unflat(h[..., :K, :V], R, HV), unflat(v_new[..., :V], R, HV),
                         final[:, :K, :V].reshape(N, HV, K, V))
@@ -155,6 +162,7 @@ class PallasDhu(AbstractDhu, PallasValueBlocks):
         qf, kf, wf, dof = _product_operands(t, self.round_in_kernel, self.operand(precision), *(self.padded(x) for x in (qg, kg, w)), do)
         dvf = self.padded(dv_intra)
         gam, rows = _gamma(G, t, reset)
+        seg = _segments(reset, HV)
         dhtf = feature_pad(t, dht.reshape(N * HV, K, V), axes=(-2, -1))
         P, Kp, Vp = R * HV, qf.shape[-1], dvf.shape[-1]
         dt = dv_intra.dtype  # (dh as stored: bf16 under "fast")
@@ -162,11 +170,11 @@ class PallasDhu(AbstractDhu, PallasValueBlocks):
                       mm=self.products(precision))
         if t == "tpu":
             dh, dv_new, dh0 = tpu.dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout, P=P, HV=HV, N=N,
-                                               **shapes)
+                                               seg=seg, **shapes)
         else:
             dh, dv_new, dh0 = triton.dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout, R=R, HV=HV, N=N,
                                                   gam_rows=rows,
-                                                  block_v=self.block_v, block_k=self.block_k,
+                                                  block_v=self.block_v, block_k=self.block_k, seg=seg,
                                                   params=self.triton_params(), **shapes)
         return DhuOut(unflat(dh[..., :K, :V], R, HV), dh0[:, :K, :V].reshape(N, HV, K, V),
                       unflat(dv_new[..., :V], R, HV))

@@ -1,6 +1,10 @@
 """The per-chunk arithmetic of the Pallas state kernels, shared by both targets: one
 chunk of F4 (``state_step``) and of B2 (``dhu_step``), whole or on the state held as row
-tiles (``*_tiled``, ``k_tiles``). ``mm``: the kernel's ``kdax.pallas._arith.Products``.
+tiles (``*_tiled``, ``k_tiles``). ``mm``: the kernel's ``kdax.pallas._arith.Products``;
+``masks`` (shared chunks, ``kdax.pallas._wy.segment_masks``, else None): the terms between
+sequences sharing the chunk (the decays' exact zeros) selected away, so that one's overflow
+(inf) never meets them as ``0 * inf`` (as ``kdax.stages.ReferenceState`` and
+``ReferenceDhu``).
 The tiled steps take their operands as loads (callables, or values): each tile read
 where its product needs it, not all of them first (F4 and B2 at float32 operands spilled
 0.4-1.3 KiB a thread on sm_90 with every tile loaded up front)."""
@@ -8,9 +12,13 @@ where its product needs it, not all of them first (F4 and B2 at float32 operands
 import jax.numpy as jnp
 
 
-def state_step(mm, w, u, kg, gam, h):
-    v_new = u - mm.dot(w, h)
-    return v_new, jnp.exp(gam) * h + mm.dot(kg, v_new, ta=True)
+def state_step(mm, w, u, kg, gam, h, masks=None):
+    if masks is None:
+        v_new = u - mm.dot(w, h)
+        return v_new, jnp.exp(gam) * h + mm.dot(kg, v_new, ta=True)
+    start, end, passes = masks
+    v_new = u - jnp.where(start, mm.dot(w, h), 0.0)
+    return v_new, jnp.where(passes, jnp.exp(gam) * h, 0.0) + mm.dot(kg, jnp.where(end, v_new, 0.0), ta=True)
 
 
 def k_tiles(Kp: int, block_k):
@@ -20,22 +28,30 @@ def k_tiles(Kp: int, block_k):
     return [(i, bk) for i in range(0, Kp, bk)]
 
 
-def state_step_tiled(mm, w, u, kg, gam, hs):
+def state_step_tiled(mm, w, u, kg, gam, hs, masks=None):
     """``state_step`` on the state as row tiles ``hs`` (``w``, ``kg`` and ``gam`` as
     matching lists of column / row tiles): the same sums, split along K."""
     v_new = u
     for wi, hi in zip(w, hs):
-        v_new = v_new - mm.dot(_get(wi), hi)
-    return v_new, tuple(jnp.exp(_get(gi)) * hi + mm.dot(_get(ki), v_new, ta=True) for ki, gi, hi in zip(kg, gam, hs))
+        v_new = v_new - _select(masks, 0, mm.dot(_get(wi), hi))
+    ends = v_new if masks is None else jnp.where(masks[1], v_new, 0.0)
+    return v_new, tuple(_select(masks, 2, jnp.exp(_get(gi)) * hi) + mm.dot(_get(ki), ends, ta=True)
+                        for ki, gi, hi in zip(kg, gam, hs))
 
 
-def dhu_step_tiled(mm, scale, qg, kg, w, gam, do, dv_intra, dhs):
+def _select(masks, i: int, x):
+    """``x`` where ``masks[i]`` (zero elsewhere), or ``x`` itself without masks."""
+    return x if masks is None else jnp.where(masks[i], x, 0.0)
+
+
+def dhu_step_tiled(mm, scale, qg, kg, w, gam, do, dv_intra, dhs, masks=None):
     dv = _get(dv_intra)
     for ki, hi in zip(kg, dhs):
-        dv = dv + mm.dot(_get(ki), hi)
+        dv = dv + _select(masks, 1, mm.dot(_get(ki), hi))
     do = _get(do)
-    return dv, tuple(jnp.exp(_get(gi)) * hi + scale * mm.dot(_get(qi), do, ta=True) - mm.dot(_get(wi), dv, ta=True)
-                     for qi, wi, gi, hi in zip(qg, w, gam, dhs))
+    starts = dv if masks is None else jnp.where(masks[0], dv, 0.0)
+    return dv, tuple(_select(masks, 2, jnp.exp(_get(gi)) * hi) + scale * mm.dot(_get(qi), do, ta=True)
+                     - mm.dot(_select(masks, 0, _get(wi)), starts, ta=True) for qi, wi, gi, hi in zip(qg, w, gam, dhs))
 
 
 def _get(x):
@@ -43,6 +59,11 @@ def _get(x):
     return x() if callable(x) else x
 
 
-def dhu_step(mm, scale, qg, kg, w, gam, do, dv_intra, dh_end):
-    dv = dv_intra + mm.dot(kg, dh_end)
-    return dv, jnp.exp(gam) * dh_end + scale * mm.dot(qg, do, ta=True) - mm.dot(w, dv, ta=True)
+def dhu_step(mm, scale, qg, kg, w, gam, do, dv_intra, dh_end, masks=None):
+    if masks is None:
+        dv = dv_intra + mm.dot(kg, dh_end)
+        return dv, jnp.exp(gam) * dh_end + scale * mm.dot(qg, do, ta=True) - mm.dot(w, dv, ta=True)
+    start, end, passes = masks
+    dv = dv_intra + jnp.where(end, mm.dot(kg, dh_end), 0.0)
+    return dv, (jnp.where(passes, jnp.exp(gam) * dh_end, 0.0) + scale * mm.dot(qg, do, ta=True)
+                - mm.dot(jnp.where(start, w, 0.0), jnp.where(start, dv, 0.0), ta=True))

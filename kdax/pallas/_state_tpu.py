@@ -16,6 +16,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from .._layouts.layout import ChunkLayout
 from ._common import compiler_params, idiv, manual_inputs, out_dtypes, put
+from ._arith import segment_masks
 from ._state_steps import dhu_step, state_step
 
 
@@ -113,14 +114,27 @@ def _bounds(marks, NC: int, HV: int, reverse: bool):
     return split
 
 
-def state_forward(wf, uf, kgf, gam, h0f, layout: ChunkLayout, *, P, HV, N, NC, C, Kp, Vp, dtype, interpret, mm):
+def _segments(seg):
+    """``(inputs, blocks)`` of the shared chunks' ``seg`` ``[P, NC, C, 1]`` (or none), and
+    ``split(refs) -> (refs, masks)`` for the kernel (``segment_masks``, None without it)."""
+    if seg is None:
+        return (), [], lambda refs: (refs, None)
+    C = seg.shape[2]
+    return (seg,), [("c", (C, 1))], lambda refs: (refs[1:], segment_masks(refs[0][...]))
+
+
+def state_forward(wf, uf, kgf, gam, h0f, layout: ChunkLayout, *, P, HV, N, NC, C, Kp, Vp, dtype, interpret, mm,
+                  seg=None):
     """F4 on padded, flattened operands (``[P, NC, C, Kp]`` ...; ``h0f [N * HV, Kp, Vp]``):
-    ``(h, v_new, final [N * HV, Kp, Vp])``; ``mm``: the kernel's ``Products``."""
+    ``(h, v_new, final [N * HV, Kp, Vp])``; ``mm``: the kernel's ``Products``; ``seg``: shared
+    chunks' sequences (``_segments``) or None."""
     marks = None if layout.dense else _marks(layout)
     split = _bounds(marks, NC, HV, reverse=False)
+    seg_in, seg_blocks, seg_split = _segments(seg)
 
     def kernel(*refs):
-        (w_ref, u_ref, kg_ref, g_ref, h0_ref, h_ref, vn_ref, fin_ref, scr), starts, ends = split(refs)
+        refs, starts, ends = split(refs)
+        (w_ref, u_ref, kg_ref, g_ref, h0_ref, h_ref, vn_ref, fin_ref, scr), masks = seg_split(refs)
 
         @pl.when(starts())
         def _():
@@ -128,7 +142,7 @@ def state_forward(wf, uf, kgf, gam, h0f, layout: ChunkLayout, *, P, HV, N, NC, C
 
         h = scr[...]
         put(h_ref, ..., h)  # (in the stored dtype: bf16 under "fast")
-        v_new, h_next = state_step(mm, w_ref[...], u_ref[...], kg_ref[...], g_ref[...], h)
+        v_new, h_next = state_step(mm, w_ref[...], u_ref[...], kg_ref[...], g_ref[...], h, masks)
         put(vn_ref, ..., v_new)
         scr[...] = h_next
 
@@ -138,8 +152,8 @@ def state_forward(wf, uf, kgf, gam, h0f, layout: ChunkLayout, *, P, HV, N, NC, C
 
     state = "p" if marks is None else "enter"
     h, v_new, final = _run(
-        kernel, (wf, uf, kgf, gam, h0f),
-        [("c", (C, Kp)), ("c", (C, Vp)), ("c", (C, Kp)), ("c", (Kp, 1)), (state, (Kp, Vp))],
+        kernel, (*seg_in, wf, uf, kgf, gam, h0f),
+        seg_blocks + [("c", (C, Kp)), ("c", (C, Vp)), ("c", (C, Kp)), ("c", (Kp, 1)), (state, (Kp, Vp))],
         [("c", (Kp, Vp), None), ("c", (C, Vp), None), ("p" if marks is None else "leave", (Kp, Vp), (N * HV, Kp, Vp))],
         P, NC, HV, dtype, (Kp, Vp), interpret, False, "PallasState", marks,
     )
@@ -149,13 +163,15 @@ def state_forward(wf, uf, kgf, gam, h0f, layout: ChunkLayout, *, P, HV, N, NC, C
 
 
 def dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout: ChunkLayout, *, P, HV, N, NC, C, Kp, Vp, dtype,
-                 interpret, mm):
+                 interpret, mm, seg=None):
     """B2 on padded, flattened operands, chunks in reverse: ``(dh, dv_new, dh0 [N * HV, Kp, Vp])``."""
     marks = None if layout.dense else _marks(layout)
     split = _bounds(marks, NC, HV, reverse=True)
+    seg_in, seg_blocks, seg_split = _segments(seg)
 
     def kernel(*refs):
-        (q_ref, k_ref, w_ref, g_ref, do_ref, dvi_ref, dht_ref, dh_ref, dv_ref, dh0_ref, scr), starts, ends = split(refs)
+        refs, starts, ends = split(refs)
+        (q_ref, k_ref, w_ref, g_ref, do_ref, dvi_ref, dht_ref, dh_ref, dv_ref, dh0_ref, scr), masks = seg_split(refs)
 
         @pl.when(ends())  # (in reverse: the sequence's last chunk comes first)
         def _():
@@ -164,7 +180,7 @@ def dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout: ChunkLayout, *,
         dh_end = scr[...]
         dh_ref[...] = dh_end.astype(dh_ref.dtype)
         dv, dh_start = dhu_step(mm, scale, q_ref[...], k_ref[...], w_ref[...], g_ref[...], do_ref[...],
-                                 dvi_ref[...], dh_end)
+                                 dvi_ref[...], dh_end, masks)
         dv_ref[...] = dv
         scr[...] = dh_start
 
@@ -173,8 +189,8 @@ def dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout: ChunkLayout, *,
             dh0_ref[...] = dh_start
 
     dh, dv_new, dh0 = _run(
-        kernel, (qf, kf, wf, gam, dof, dvf, dhtf),
-        [("c", (C, Kp)), ("c", (C, Kp)), ("c", (C, Kp)), ("c", (Kp, 1)), ("c", (C, Vp)),
+        kernel, (*seg_in, qf, kf, wf, gam, dof, dvf, dhtf),
+        seg_blocks + [("c", (C, Kp)), ("c", (C, Kp)), ("c", (C, Kp)), ("c", (Kp, 1)), ("c", (C, Vp)),
          ("c", (C, Vp)), ("p" if marks is None else "leave", (Kp, Vp))],
         [("c", (Kp, Vp), None), ("c", (C, Vp), None), ("p" if marks is None else "enter", (Kp, Vp), (N * HV, Kp, Vp))],
         P, NC, HV, dtype, (Kp, Vp), interpret, True, "PallasDhu", marks,

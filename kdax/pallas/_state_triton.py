@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from .._layouts.tokens import Tokens
+from ._arith import segment_masks
 from ._common import compiler_params, idiv, loop, manual_inputs, out_dtypes, put
 from ._state_steps import dhu_step_tiled, k_tiles, state_step_tiled
 
@@ -35,10 +36,17 @@ def _bound_inputs(layout) -> tuple:
     return () if layout.dense else (layout.first, layout.last)
 
 
-def _bounds(dense: bool, refs) -> tuple:
-    """``(first_ref, last_ref, *outputs)`` from a kernel's refs after its arrays (the
-    boundaries None on a dense layout: ``_bound_inputs``)."""
-    return ((None, None) if dense else ()) + tuple(refs)
+def _bounds(dense: bool, refs, seg=None) -> tuple:
+    """``(first_ref, last_ref, seg_ref, *outputs)`` from a kernel's refs after its arrays
+    (the boundaries None on a dense layout: ``_bound_inputs``; ``seg_ref`` None without
+    shared chunks' ``seg``)."""
+    refs = ((None, None) if dense else ()) + tuple(refs)
+    return refs[:2] + ((None,) + refs[2:] if seg is None else refs[2:])
+
+
+def _masks(seg_ref, p, rows):
+    """The chunk's ``segment_masks`` from ``seg_ref`` (None: no shared chunks)."""
+    return None if seg_ref is None else segment_masks(seg_ref[p, rows, :])
 
 
 def gamma_operand(gam, rows: bool, C: int, Kp: int):
@@ -64,11 +72,12 @@ def _tokens(x):
 
 
 def state_forward(wf, uf, kgf, gam, h0f, layout, *, R, HV, NC, C, Kp, Vp, N, block_v, block_k, dtype, interpret, mm,
-                  params, gam_rows=False):
+                  params, gam_rows=False, seg=None):
     """F4 on padded, flattened operands: ``(h [P, NC, Kp, Vp], v_new, final [N * HV, Kp, Vp])``.
     ``mm``: the kernel's ``Products``; ``params``: its ``num_warps`` and ``num_stages``;
     ``gam``, ``gam_rows``: the decay as ``gamma_operand`` takes it. ``h0f`` None: zero
-    initial states, not read (no operand)."""
+    initial states, not read (no operand). ``seg`` ``[P, NC, C, 1]``: shared chunks'
+    sequences, or None."""
     P = R * HV
     # Sequence boundaries from the layout (dense or packed varlen): a chunk that
     # starts sequence f loads h0[f]; one that ends sequence l writes final[l].
@@ -81,7 +90,7 @@ def state_forward(wf, uf, kgf, gam, h0f, layout, *, R, HV, NC, C, Kp, Vp, N, blo
 
     def kernel(w_ref, u_ref, kg_ref, g_ref, *refs):
         h0_ref, refs = (None, refs) if zero else (refs[0], refs[1:])
-        first_ref, last_ref, h_ref, vn_ref, fin_ref = _bounds(dense, refs)
+        first_ref, last_ref, seg_ref, h_ref, vn_ref, fin_ref = _bounds(dense, refs, seg)
 
         p, cols = pl.program_id(0), pl.ds(pl.program_id(1) * bv, bv)
         r, hv = idiv(p, HV), p % HV
@@ -102,7 +111,7 @@ def state_forward(wf, uf, kgf, gam, h0f, layout, *, R, HV, NC, C, Kp, Vp, N, blo
             v_new, hs_next = state_step_tiled(  # (loads, each read where its product needs it: _state_steps)
                 mm, [lambda k0=k0, bk=bk: w_ref[p, rows, pl.ds(k0, bk)] for k0, bk in tiles], u_ref[p, rows, cols],
                 [lambda k0=k0, bk=bk: kg_ref[p, rows, pl.ds(k0, bk)] for k0, bk in tiles],
-                [lambda k0=k0, bk=bk: g_load(g_ref, p, c, k0, bk) for k0, bk in tiles], hs)
+                [lambda k0=k0, bk=bk: g_load(g_ref, p, c, k0, bk) for k0, bk in tiles], hs, _masks(seg_ref, p, rows))
             put(vn_ref, (p, rows, cols), v_new)
             if not dense:
                 l = last_ref[r, c]
@@ -122,10 +131,11 @@ def state_forward(wf, uf, kgf, gam, h0f, layout, *, R, HV, NC, C, Kp, Vp, N, blo
                 fin_ref[p, pl.ds(k0, bk), cols] = h
 
     h0_in = () if zero else (h0f,)
+    after = (*h0_in, *_bound_inputs(layout), *(() if seg is None else (_tokens(seg),)))
     h, v_new, final = _run(
-        kernel, (_tokens(wf), _tokens(uf), _tokens(kgf), g_in, *h0_in, *_bound_inputs(layout)),
+        kernel, (_tokens(wf), _tokens(uf), _tokens(kgf), g_in, *after),
         [(P, NC * Kp, Vp), (P, NC * C, Vp), (N * HV, Kp, Vp)], P, Vp // bv, dtype, interpret, "PallasState", params,
-        _specs(3, g_spec, len(h0_in) + len(_bound_inputs(layout))),
+        _specs(3, g_spec, len(after)),
     )
     h, v_new = h.reshape(P, NC, Kp, Vp), v_new.reshape(P, NC, C, Vp)
     # A sequence of length 0 has no chunk to write its final state: it keeps h0.
@@ -134,10 +144,11 @@ def state_forward(wf, uf, kgf, gam, h0f, layout, *, R, HV, NC, C, Kp, Vp, N, blo
 
 
 def dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout, *, R, HV, NC, C, Kp, Vp, N, block_v, block_k, dtype,
-                 interpret, mm, params, gam_rows=False):
+                 interpret, mm, params, gam_rows=False, seg=None):
     """B2 on padded, flattened operands, chunks in reverse: ``(dh, dv_new, dh0)``. ``dof``
     may be a ``Tokens`` view (dense layout, V a power of 2): read from the caller's
-    ``[B, T, H, V]`` array, row r's tokens of head ``hv // group``."""
+    ``[B, T, H, V]`` array, row r's tokens of head ``hv // group``. ``seg`` as
+    ``state_forward``'s."""
     P = R * HV
     if isinstance(dof, Tokens):
         view, do_in = dof, dof.x
@@ -153,7 +164,7 @@ def dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout, *, R, HV, NC, C
     g_in, g_spec, g_load = gamma_operand(gam, gam_rows, C, Kp)
 
     def kernel(q_ref, k_ref, w_ref, g_ref, do_ref, dvi_ref, dht_ref, *refs):
-        first_ref, last_ref, dh_ref, dv_ref, dh0_ref = _bounds(dense, refs)
+        first_ref, last_ref, seg_ref, dh_ref, dv_ref, dh0_ref = _bounds(dense, refs, seg)
         p, cols = pl.program_id(0), pl.ds(pl.program_id(1) * bv, bv)
         r, hv = idiv(p, HV), p % HV
 
@@ -172,7 +183,7 @@ def dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout, *, R, HV, NC, C
             gam = [lambda k0=k0, bk=bk: g_load(g_ref, p, c, k0, bk) for k0, bk in tiles]
             dv, dhs_start = dhu_step_tiled(mm, scale, cut(q_ref), cut(k_ref), cut(w_ref), gam,
                                             lambda: read_do(do_ref, p, r, hv, rows, cols), lambda: dvi_ref[p, rows, cols],
-                                            dhs)
+                                            dhs, _masks(seg_ref, p, rows))
             dv_ref[p, rows, cols] = dv
             if not dense:
                 f = first_ref[r, c]
@@ -192,10 +203,11 @@ def dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout, *, R, HV, NC, C
             for (k0, bk), h in zip(tiles, dhs):
                 dh0_ref[p, pl.ds(k0, bk), cols] = h
 
+    after = (do_in, _tokens(dvf), dhtf, *_bound_inputs(layout), *(() if seg is None else (_tokens(seg),)))
     dh, dv_new, dh0 = _run(
-        kernel, (_tokens(qf), _tokens(kf), _tokens(wf), g_in, do_in, _tokens(dvf), dhtf, *_bound_inputs(layout)),
+        kernel, (_tokens(qf), _tokens(kf), _tokens(wf), g_in, *after),
         [(P, NC * Kp, Vp), (P, NC * C, Vp), (N * HV, Kp, Vp)], P, Vp // bv, dtype, interpret, "PallasDhu", params,
-        _specs(3, g_spec, 3 + len(_bound_inputs(layout))),
+        _specs(3, g_spec, len(after)),
     )
     dh, dv_new = dh.reshape(P, NC, Kp, Vp), dv_new.reshape(P, NC, C, Vp)
     # A sequence of length 0 passes its dht straight to dh0.

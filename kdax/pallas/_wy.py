@@ -14,7 +14,7 @@ from .._annotations import ChunkV
 from .._numerics import precision as _precision
 from .._numerics.hilo import exponent
 from ..stages import KDA, AbstractWY, AbstractWYDqkg, ChunkGrads, WYOut
-from ._arith import Products, decay
+from ._arith import Products, decay, segment_masks
 from ._common import (
     PallasFeatureBlocks, PallasValueBlocks, blockwise, check_block, chunk_spec, column_blocks, flat, iota, loaded, pow2,
     put, ref_or_none, row_of, segment_operands, token_operand, tuned, unflat,
@@ -37,18 +37,6 @@ def last_rows(row_loads: bool, refs, cols, tiles):
     if row_loads:
         return tuple(None if r is None else r[pl.ds(r.shape[0] - 1, 1), cols] for r in refs)
     return tuple(None if x is None else row_of(x, x.shape[0] - 1) for x in tiles)
-
-
-def segment_masks(seg):
-    """The masks of ``kdax._layouts.resets`` for one shared chunk, from ``seg`` ``[C, 1]``
-    (each token's sequence within the chunk, ``segments``): ``(from_start, to_end)``
-    ``[C, 1]`` and whether the chunk's start state reaches its end ``[1, 1]``; all None
-    without ``seg``. (``seg`` never decreases down the chunk: its last row is its maximum,
-    one reduction on both targets.)"""
-    if seg is None:
-        return None, None, None
-    last = jnp.max(seg, axis=0, keepdims=True)
-    return seg == 0, seg == last, last == 0
 
 
 def wy_kernel(mm: Products, k_blocks, v_blocks, has_lo: bool, load_v=None, row_loads: bool = False,
