@@ -131,13 +131,15 @@ def from_first(bad):
     return rows >= jnp.min(jnp.where(bad > 0, rows, bad.shape[0]), axis=0, keepdims=True)
 
 
-def within_sequence(bad, X, seg_col, seg_row):
-    """``[C, 1]`` bool: row i at or after a row j of its own sequence where ``bad`` is
-    nonzero (``lower_dot``'s rows reached in a shared chunk). The bad rows as a ``[1, C]``
-    row come from ``X``'s transpose, so every value stays 2-D on both targets."""
+def within_sequence(bad, X, seg_col, seg_row, upper: bool = False):
+    """``[C, 1]`` bool: row i at or after (``upper``: at or before) a row j of its own
+    sequence where ``bad`` is nonzero (``lower_dot``'s rows reached in a shared chunk; B3's
+    ``Akk^T x``). The bad rows as a ``[1, C]`` row come from ``X``'s transpose, so every
+    value stays 2-D on both targets."""
     C = bad.shape[0]
     bad_row = jnp.max((~(jnp.abs(X.T) < jnp.inf)).astype(X.dtype), axis=0, keepdims=True)
-    hit = (iota((C, C), 1) <= iota((C, C), 0)) & (seg_row == seg_col) & (bad_row > 0)
+    j, i = iota((C, C), 1), iota((C, C), 0)
+    hit = (j >= i if upper else j <= i) & (seg_row == seg_col) & (bad_row > 0)
     return jnp.max(hit.astype(X.dtype), axis=1, keepdims=True) > 0
 
 

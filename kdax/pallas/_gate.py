@@ -110,7 +110,9 @@ def _segment_sums(mm: Products, dG, r, reverse: bool):
     (selects and sums of 0/1 values: exact, no product), then one product with ``dG``, so
     no other sequence's terms are summed (as the reference's ``segment_cumsum``: they
     would cancel to ~0, but round). The mask is exact in TF32: ``Products.mask_dot`` (B5
-    on packed sequences spilled 160 B a thread on sm_90 with the mask split for TF32x3)."""
+    on packed sequences spilled 160 B a thread on sm_90 with the mask split for TF32x3). A
+    non-finite ``dG`` row makes the rows that sum it NaN, and no row of another sequence
+    (whose zeros in the mask it would meet as ``0 * inf``)."""
     C = r.shape[0]
     i0, i1 = iota((C, C), 0), iota((C, C), 1)
     R2 = jnp.broadcast_to(r, (C, C))  # [a, b] = r[a]
@@ -122,7 +124,10 @@ def _segment_sums(mm: Products, dG, r, reverse: bool):
         same = (i1 <= i0) & ((cs_col - r) == (cs_row - r_row))
     else:  # the resets in (t, s]
         same = (i1 >= i0) & (cs_col == cs_row)
-    return mm.mask_dot(same.astype(dG.dtype), dG)
+    sums = mm.mask_dot(same.astype(dG.dtype), jnp.where(jnp.abs(dG) < jnp.inf, dG, 0.0))
+    bad = jnp.max((~(jnp.abs(dG.T) < jnp.inf)).astype(dG.dtype), axis=0, keepdims=True)  # [1, C] (2-D: a transpose)
+    reached = jnp.max(jnp.where(same & (bad > 0), 1.0, 0.0), axis=1, keepdims=True) > 0
+    return jnp.where(reached, jnp.nan, sums)
 
 
 def _rstd(ss):

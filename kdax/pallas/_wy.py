@@ -14,7 +14,7 @@ from .._annotations import ChunkV
 from .._numerics import precision as _precision
 from .._numerics.hilo import exponent
 from ..stages import KDA, AbstractWY, AbstractWYDqkg, ChunkGrads, WYOut
-from ._arith import Products, decay, segment_masks
+from ._arith import Products, decay, nonfinite_rows, segment_masks, within_sequence
 from ._common import (
     PallasFeatureBlocks, PallasValueBlocks, blockwise, check_block, chunk_spec, column_blocks, flat, iota, loaded, pow2,
     put, ref_or_none, row_of, segment_operands, token_operand, tuned, unflat,
@@ -131,9 +131,17 @@ def wy_dqkg_body(mm: Products, scale, beta, Akk, refs, out_refs, k_blocks, v_blo
         return dAkk + mm.dot(dvn, beta * v, tb=True), dbeta + jnp.sum(v * dY, axis=1, keepdims=True)
 
     def akk_t(x):  # Akk^T x
+        if seg is not None:  # (a non-finite row of x reaches the rows up to it, of its own sequence only)
+            y = akk_t_plain(jnp.where(jnp.abs(x) < jnp.inf, x, 0.0))
+            return jnp.where(within_sequence(nonfinite_rows(x), x, *seg, upper=True), jnp.nan, y)
+        return akk_t_plain(x)
+
+    def akk_t_plain(x):
         if row_loads and mm.splits:
             return mm.dot(x, Akk[...], ta=True).T
         return mm.dot(Akk[...], x, ta=True)
+
+    keep = (lambda m, x: x) if seg is None else (lambda m, x: jnp.where(m, x, 0.0))  # (shared chunks: never 0 * inf)
 
     dAkk, dbeta = blockwise(v_blocks, value_block, (jnp.zeros((C, C), dt), jnp.zeros((C, 1), dt)))
     last = iota((C, 1), 0) == C - 1
@@ -155,7 +163,7 @@ def wy_dqkg_body(mm: Products, scale, beta, Akk, refs, out_refs, k_blocks, v_blo
         # G (and e^G) read again after each value loop rather than held through it
         gate = lambda: (g_r[kc], ref_or_none(lo_r, kc))
         (dqg,) = over_values(k0, bk, lambda vc, hb: (mm.dot(do_r[vc], h_r[hb], tb=True),))
-        dqg = scale * dqg
+        dqg = keep(start, scale * dqg)
         dq_o[kc] = dqg * mm.exp(mask_exponent(start, gate()[0]))
         dG = qg_r[kc] * dqg
         dkg, hdh = over_values(k0, bk, lambda vc, hb: (
@@ -165,10 +173,12 @@ def wy_dqkg_body(mm: Products, scale, beta, Akk, refs, out_refs, k_blocks, v_blo
         G, lo = gate()
         gam, lo_gam = last_rows(row_loads, (g_r, lo_r), kc[1], (G, lo))
         kg = kg_r[kc]
-        dgam = jnp.sum(kg * dkg, axis=0, keepdims=True) + mm.exp(mask_exponent(passes, gam)) * hdh
+        dkg = keep(end, dkg)
+        dgam = jnp.sum(kg * dkg, axis=0, keepdims=True) + keep(passes, mm.exp(mask_exponent(passes, gam)) * hdh)
         dG = dG - kg * dkg + jnp.where(last, dgam, 0.0)
         dk = dkg * decay(end, gam, G, lo_gam, lo)  # (mm.exp here: 8 B of spills)
         (dw,) = over_values(k0, bk, lambda vc, hb: (-mm.dot(dvn_r[vc], h_r[hb], tb=True),))
+        dw = keep(start, dw)
         k, eG = k_r[kc], mm.exp(mask_exponent(start, gate()[0]))
         X = beta * k * eG
         dAkk = dAkk + mm.dot(dw, X, tb=True)
@@ -179,6 +189,9 @@ def wy_dqkg_body(mm: Products, scale, beta, Akk, refs, out_refs, k_blocks, v_blo
 
     dAkk, dbeta = blockwise(k_blocks, feature_block, (dAkk, dbeta))
     db_o[...] = dbeta
+    if seg is not None:  # (dAkk between sequences, inf beside an overflow, never meets A's zeros; the
+        # sequence's own dL is then finite: its dk, dv or dG carry the NaN)
+        dAkk = jnp.where((seg[0] == seg[1]) & (jnp.abs(dAkk) < jnp.inf), dAkk, 0.0)
     if rows is not None and rows < C:
         return dl_by_rows(mm, dAkk, Akk, seg_refs, rows, dL_r)
     row, col = iota((C, C), 0), iota((C, C), 1)
