@@ -435,13 +435,14 @@ def test_the_non_finite_tests_hold_one_boolean_at_a_time():
 CU_OVERFLOW = [0, 5, 20, 21, 40, 47, 80]
 
 
-def _overflow_stays(cu, C, final, h0, HV=1, injections=None, **options):
+def _overflow_stays(cu, C, final, h0, HV=1, injections=None, pipeline=None, **options):
     """float32 packed sequences sharing chunks (``cu``), one sequence's ``k`` at ±1e19 or ±1e38,
     or its ``v`` or ``q`` at ±1e38 (finite inputs whose products overflow to inf inside the
     chunked algorithm): every other sequence's outputs, final states and gradients (of the
     inputs and the initial states) are bit-identical to those beside ordinary values, in the
     training step and in the forward alone run in tiles of one chunk (the state carried
-    between them). The overflowing sequence's own are what its overflow makes them."""
+    between them). The overflowing sequence's own are what its overflow makes them.
+    ``pipeline``: the step's (None: the reference pipeline), its forward tiled alike."""
     T, N = cu[-1], len(cu) - 1
     r = np.random.default_rng(1)
     x = make_inputs(seed=0, B=1, T=T, H=1, K=8, V=8, dtype=jnp.float32, h0=False)
@@ -453,8 +454,10 @@ def _overflow_stays(cu, C, final, h0, HV=1, injections=None, **options):
                                                         r.normal(size=(N, HV, 8, 8)) * 0.3))
     hx = hx if h0 else None
     params = dict(A_log=jnp.zeros(HV), dt_bias=jnp.zeros(HV * 8)) if raw_gate else {}
-    kw = dict(cu_seqlens=jnp.asarray(cu, jnp.int32), chunk_size=C, output_final_state=final, **options, **params)
-    tiles = dataclasses.replace(kdax.KDAPipeline.reference(), tile=1)
+    pipeline = kdax.KDAPipeline.reference() if pipeline is None else pipeline
+    kw = dict(cu_seqlens=jnp.asarray(cu, jnp.int32), chunk_size=C, output_final_state=final, pipeline=pipeline,
+              **options, **params)
+    tiles = dataclasses.replace(pipeline, tile=1)
 
     @jax.jit
     def run(x, h):
@@ -463,7 +466,7 @@ def _overflow_stays(cu, C, final, h0, HV=1, injections=None, **options):
             return jnp.sum(o * W) + (jnp.sum(ht * Wh) if final else 0.0)
 
         grads = jax.grad(loss, argnums=(0, 1))(x, h)
-        forward = {n: a for n, a in kw.items() if n != "disable_recompute"}
+        forward = {n: a for n, a in kw.items() if n not in ("disable_recompute", "pipeline")}
         return kdax.chunk_kda(**x, initial_state=h, pipeline=tiles, **forward), grads
 
     (o0, ht0), (g0, gh0) = run(x, hx)
@@ -489,6 +492,17 @@ def _overflow_stays(cu, C, final, h0, HV=1, injections=None, **options):
 def test_float32_overflow_in_a_shared_chunk_stays_in_its_sequence(final, h0):
     """``_overflow_stays`` on ``CU_OVERFLOW``, chunks of 16, with and without initial and final states."""
     _overflow_stays(CU_OVERFLOW, 16, final, h0)
+
+
+@pytest.mark.parametrize("target", ["tpu", "triton"])
+def test_float32_overflow_in_a_shared_chunk_stays_in_its_sequence_pallas(target):
+    """``_overflow_stays`` with every stage a Pallas kernel (interpreted), initial and final
+    states: each kernel selects the products between sequences sharing a chunk as the
+    reference stages do (F2's inverse, F3 and F5's ``lower_dot``, F4 and B2's steps, B3,
+    B5's sums: ``kdax.pallas``). Before, every other sequence of the chunk took NaN."""
+    pipe = kdax.KDAPipeline.pallas(target, interpret=True)
+    _overflow_stays(CU_OVERFLOW, 16, True, True, pipeline=dataclasses.replace(pipe, fallback=False),
+                    injections=[("k", 1e19, 3), ("k", 1e38, 1), ("v", 1e38, 4), ("q", 1e38, 4)])
 
 
 @pytest.mark.parametrize("cu, C, HV, options", [

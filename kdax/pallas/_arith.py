@@ -78,7 +78,7 @@ class Products(NamedTuple):
         ``A`` zero between sequences): the rows i >= j of row j's sequence only."""
         ok = jnp.abs(X) < jnp.inf
         bad = nonfinite_rows(X)
-        reached = from_first(bad) if seg is None else within_sequence(bad, X, *seg)
+        reached = from_first(bad) if seg is None else within_sequence(bad, seg)
         return jnp.where(reached, jnp.nan, self.dot(A, jnp.where(ok, X, 0.0)))
 
     def mask_dot(self, m, x):
@@ -131,16 +131,16 @@ def from_first(bad):
     return rows >= jnp.min(jnp.where(bad > 0, rows, bad.shape[0]), axis=0, keepdims=True)
 
 
-def within_sequence(bad, X, seg_col, seg_row, upper: bool = False):
+def within_sequence(bad, seg, upper: bool = False):
     """``[C, 1]`` bool: row i at or after (``upper``: at or before) a row j of its own
-    sequence where ``bad`` is nonzero (``lower_dot``'s rows reached in a shared chunk; B3's
-    ``Akk^T x``). The bad rows as a ``[1, C]`` row come from ``X``'s transpose, so every
-    value stays 2-D on both targets."""
+    sequence where ``bad [C, 1]`` is nonzero (``lower_dot``'s rows reached in a shared
+    chunk; B3's ``Akk^T x``); ``seg``: the sequences as a ``[C, 1]`` column and a ``[1, C]``
+    row. (``bad`` as a row by a masked reduction: every value stays 2-D on both targets.)"""
     C = bad.shape[0]
-    bad_row = jnp.max((~(jnp.abs(X.T) < jnp.inf)).astype(X.dtype), axis=0, keepdims=True)
     j, i = iota((C, C), 1), iota((C, C), 0)
-    hit = (j >= i if upper else j <= i) & (seg_row == seg_col) & (bad_row > 0)
-    return jnp.max(hit.astype(X.dtype), axis=1, keepdims=True) > 0
+    bad_row = jnp.max(jnp.where(i == j, bad, 0.0), axis=0, keepdims=True)
+    hit = (j >= i if upper else j <= i) & (seg[1] == seg[0]) & (bad_row > 0)
+    return jnp.max(hit.astype(bad.dtype), axis=1, keepdims=True) > 0
 
 
 def segment_masks(seg):

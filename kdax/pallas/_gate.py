@@ -18,9 +18,11 @@ from typing import ClassVar, Mapping, Optional, Union
 import equinox as eqx
 from types import MappingProxyType
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 from .._config import KDAConfig
+from .._layouts.resets import per_head, segments
 from .._layouts.tokens import FinalGrads, Tokens
 from .._numerics import precision as _precision
 from .._numerics.hilo import grid_bits, split_log_decay
@@ -103,16 +105,18 @@ def _reset(g, r):
     return jnp.where((r > 0) & (jnp.abs(g) < jnp.inf), jnp.asarray(reset_log_decay(g.dtype), g.dtype), g)
 
 
-def _segment_sums(mm: Products, dG, r, reverse: bool):
+def _segment_sums(mm: Products, dG, r, reverse: bool, poison):
     """``dg[t] = sum of dG[s]`` over ``s >= t`` in t's sequence (up to the next token
     with ``r [C, 1] > 0``), for every column of ``dG [C, k]``; the rows in reverse token
     order when ``reverse`` (Triton's B5). The same-sequence mask from counts of resets
     (selects and sums of 0/1 values: exact, no product), then one product with ``dG``, so
     no other sequence's terms are summed (as the reference's ``segment_cumsum``: they
     would cancel to ~0, but round). The mask is exact in TF32: ``Products.mask_dot`` (B5
-    on packed sequences spilled 160 B a thread on sm_90 with the mask split for TF32x3). A
-    non-finite ``dG`` row makes the rows that sum it NaN, and no row of another sequence
-    (whose zeros in the mask it would meet as ``0 * inf``)."""
+    on packed sequences spilled 160 B a thread on sm_90 with the mask split for TF32x3).
+    ``dG`` arrives with its non-finite entries zeroed (in another sequence's rows they
+    would meet the mask's zeros as ``0 * inf``), and ``poison [C, 1]``, NaN at the rows that
+    sum one of them and 0 elsewhere, is added (both made by the stage before the kernel:
+    ``_reached_rows``; selects in the kernel spilled on sm_90)."""
     C = r.shape[0]
     i0, i1 = iota((C, C), 0), iota((C, C), 1)
     R2 = jnp.broadcast_to(r, (C, C))  # [a, b] = r[a]
@@ -124,10 +128,18 @@ def _segment_sums(mm: Products, dG, r, reverse: bool):
         same = (i1 <= i0) & ((cs_col - r) == (cs_row - r_row))
     else:  # the resets in (t, s]
         same = (i1 >= i0) & (cs_col == cs_row)
-    sums = mm.mask_dot(same.astype(dG.dtype), jnp.where(jnp.abs(dG) < jnp.inf, dG, 0.0))
-    bad = jnp.max((~(jnp.abs(dG.T) < jnp.inf)).astype(dG.dtype), axis=0, keepdims=True)  # [1, C] (2-D: a transpose)
-    reached = jnp.max(jnp.where(same & (bad > 0), 1.0, 0.0), axis=1, keepdims=True) > 0
-    return jnp.where(reached, jnp.nan, sums)
+    return mm.mask_dot(same.astype(dG.dtype), dG) + poison
+
+
+def _reached_rows(dG, reset):
+    """``[R, HV, NC, C]`` bool: the tokens whose within-sequence sum of ``dG`` (B5's, over
+    the rest of the sequence in the chunk) reads a non-finite entry, in XLA before the
+    kernel (its ``[C, C]`` masks in the kernel spilled 40 B a thread on sm_90)."""
+    bad = jnp.any(~(jnp.abs(dG) < jnp.inf), axis=-1)
+    seg = per_head(segments(reset), dG.shape[1])
+    C = bad.shape[-1]
+    later = np.triu(np.ones((C, C), bool)) & (seg[..., :, None] == seg[..., None, :])
+    return jnp.any(later & bad[..., None, :], axis=-1)
 
 
 def _rstd(ss):
@@ -226,7 +238,8 @@ def gate_bwd_kernel(mm: Products, cfg: KDAConfig, blocks, reverse: bool, has: tu
     a forward scan; else a product with the upper-triangular ones. ``load_g``: what a block
     of the raw gate becomes as read (``gate_kernel``'s ``loads``). ``reset``: a ``[C, 1]``
     input after ``valid`` marks the tokens that start a sequence: sums within each
-    sequence (``_segment_sums``), no gradient at such a token. ``padded`` as
+    sequence (``_segment_sums``), no gradient at such a token; a second, NaN at the rows a
+    non-finite ``dG`` reaches there (``dG`` itself then finite). ``padded`` as
     ``gate_kernel``'s (False: no ``valid`` input). ``written``: two ``[C, 1]`` poison
     columns after ``dG`` (dq's, then dk's, dg's and dbeta's), the outputs the call's
     gradients (``kdax.pallas._written.Poisoned``). ``reads_g``: ``g`` is an input (the raw
@@ -240,7 +253,7 @@ def gate_bwd_kernel(mm: Products, cfg: KDAConfig, blocks, reverse: bool, has: tu
         b_r = next(it)
         g_r = loaded(next(it), load_g) if reads_g else None
         v_r = next(it) if padded else None
-        r_r = next(it) if reset else None
+        r_r, x_r = (next(it), next(it)) if reset else (None, None)
         a_ref, d_ref = _param_refs([next(it) for _ in range(sum(has))], has)
         dq_r, dk_r, db_r, dG_r = (next(it) for _ in range(4))
         mq_r, m_r = (next(it), next(it)) if written else (None, None)
@@ -267,7 +280,7 @@ def gate_bwd_kernel(mm: Products, cfg: KDAConfig, blocks, reverse: bool, has: tu
             cols = pl.ds(k0, bk)
             dG = dG_r[rows, cols]
             if r is not None:
-                dg = _segment_sums(mm, dG, r, reverse)
+                dg = _segment_sums(mm, dG, r, reverse, x_r[rows])
             else:
                 dg = jnp.cumsum(dG, axis=0) if reverse else mm.dot(upper, dG)
             dg = dg if valid is None else jnp.where(valid > 0, dg, 0.0)
@@ -401,6 +414,9 @@ class PallasGateBackward(AbstractGateBackward, PallasTarget):
             specs.append(spec)
         padded = not _all_valid(reset, g)
         masks = _token_masks(valid if padded else None, reset, HV, dq.dtype)
+        if reset is not None:  # (dG's non-finite entries apart: _segment_sums)
+            masks.append(flat(jnp.where(_reached_rows(dG, reset), jnp.nan, 0.0).astype(dq.dtype)))
+            dG = jnp.where(jnp.abs(dG) < jnp.inf, dG, 0.0)
         ins += masks
         specs += [s1] * len(masks)
         p_arrays, p_specs, has = _params(cfg, self.target, HV, K, A_log, dt_bias)

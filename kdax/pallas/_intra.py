@@ -35,8 +35,10 @@ import equinox as eqx
 from types import MappingProxyType
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
+from .._layouts.resets import per_head, segments
 from .._numerics import precision as _precision
 from .._stage_protocol.final import final
 from ..stages import KDA, AbstractIntra, AbstractIntraBackward, ChunkGrads, IntraOut
@@ -46,7 +48,7 @@ from ._common import (
     segment_operands, tuned, unflat,
 )
 from ._common import column_blocks, compiler_params, kernel_name, manual_inputs, put
-from ._intra_levels import aqk_and_l, f2_refs, intra_bwd_levels_kernel, intra_levels_kernel
+from ._intra_levels import aqk_and_l, f2_refs, finite_inverse, intra_bwd_levels_kernel, intra_levels_kernel
 from ._intra_rows import intra_bwd_rows_kernel, row_block_call
 from ._intra_rows_f2 import intra_rows_scores_kernel, intra_solve_kernel, scores_rows_call
 
@@ -85,15 +87,23 @@ def scores_body(mm: Products, q, k, G, block: int, lo=None):
     return loop(0, C, diag, (Sqk, Skk))
 
 
-def unit_lower_inverse_body(L):
-    """``(I + L)^-1`` for strictly lower ``L [C, C]``, one row at a time."""
+def unit_lower_inverse_body(L, seg=None):
+    """``(I + L)^-1`` for strictly lower ``L [C, C]``, one row at a time. ``seg`` (shared
+    chunks: the sequences as a ``[C, 1]`` column and a ``[1, C]`` row, ``L`` zero between
+    them): a row sums the rows of its own sequence only, so another's overflow (inf) never
+    meets those zeros (and, each row made from the rows above it alone, an overflow
+    reaches its own sequence's rows from it on, by itself)."""
     C = L.shape[0]
     row, col = iota((C, C), 0), iota((C, C), 1)
     eye = (row == col).astype(L.dtype)
     Lt = L.T
 
     def step(i, A):
-        new = (iota((1, C), 1) == i).astype(A.dtype) - jnp.sum(col_of(Lt, i) * A, axis=0, keepdims=True)
+        terms = col_of(Lt, i) * A
+        if seg is not None:
+            seg_i = jnp.max(jnp.where(iota(seg[0].shape, 0) == i, seg[0], 0), axis=0, keepdims=True)  # (seg >= 0)
+            terms = jnp.where(seg[0] == seg_i, terms, 0.0)
+        new = (iota((1, C), 1) == i).astype(A.dtype) - jnp.sum(terms, axis=0, keepdims=True)
         return jnp.where(row == i, new, A)
 
     return loop(1, C, step, eye)
@@ -253,17 +263,36 @@ class PallasIntra(AbstractIntra, PallasFeatureBlocks):
             kernel = intra_rows_scores_kernel(mm, scale, C, B, blocks, G_lo is not None, reset is not None)
             Aqk, L = scores_rows_call(kernel, ins, C, B, R * HV, NC, stored, self.run_interpreted,
                                       self.triton_params())
-            (Akk,) = self.call(intra_solve_kernel(mm, precision == "fast"), [L], [chunk_spec((C, C))], [(C, C)],
-                               R * HV, NC, stored)
-            return IntraOut(unflat(Aqk, R, HV), unflat(Akk, R, HV))
+            shared = reset is not None
+            Akk, *bad = self.call(intra_solve_kernel(mm, precision == "fast", shared), [L], [chunk_spec((C, C))],
+                                  [(C, C)] + [(C, 1)] * shared, R * HV, NC, [stored] + [L.dtype] * shared)
+            return IntraOut(unflat(Aqk, R, HV), _akk(Akk, bad, reset, R, HV))
         if self.target == "triton":
             kernel = intra_levels_kernel(self.products(precision), scale, C, blocks, G_lo is not None, reset is not None,
-                                         precision == "fast")
+                                         precision == "fast", isolate_inverse=self.num_warps <= 8)
         else:
             kernel = intra_chunk_kernel(self.products(precision), scale, C, self.block, blocks, G_lo is not None,
                                         reset is not None)
-        Aqk, Akk = self.call(kernel, ins, specs, [(C, C), (C, C)], R * HV, NC, stored)
-        return IntraOut(unflat(Aqk, R, HV), unflat(Akk, R, HV))
+        shared = reset is not None
+        Aqk, Akk, *bad = self.call(kernel, ins, specs, [(C, C), (C, C)] + [(C, 1)] * shared, R * HV, NC,
+                                   [stored, stored] + [beta.dtype] * shared)
+        return IntraOut(unflat(Aqk, R, HV), _akk(Akk, bad, reset, R, HV))
+
+
+def _akk(Akk, bad, reset, R: int, HV: int):
+    """F2's ``Akk`` ``[R, HV, NC, C, C]`` from the kernel's ``[P, NC, C, C]``; in shared
+    chunks (``bad``: the kernel's ``[P, NC, C, 1]`` rows of ``finite_inverse``) NaN in the
+    rows an overflow reaches, from its row on and in its own sequence only, its entries
+    between sequences left exact zeros."""
+    Akk = unflat(Akk, R, HV)
+    if reset is None:
+        return Akk
+    seg = per_head(segments(reset), HV)
+    same = seg[..., :, None] == seg[..., None, :]
+    C = Akk.shape[-1]
+    bad = unflat(bad[0], R, HV, squeeze=True) != 0
+    reached = jnp.any(np.tril(np.ones((C, C), bool)) & same & bad[..., None, :], axis=-1)
+    return jnp.where(reached[..., None] & same, jnp.nan, Akk)
 
 
 def intra_chunk_kernel(mm: Products, scale: float, C: int, block: int, blocks, has_lo: bool, has_reset: bool):
@@ -272,7 +301,7 @@ def intra_chunk_kernel(mm: Products, scale: float, C: int, block: int, blocks, h
     (``unit_lower_inverse_body``)."""
 
     def kernel(*refs):
-        q_ref, k_ref, g_ref, b_ref, lo_ref, seg, aqk_ref, akk_ref = f2_refs(refs, has_lo, has_reset)
+        q_ref, k_ref, g_ref, b_ref, lo_ref, seg, aqk_ref, akk_ref, bad_ref = f2_refs(refs, has_lo, has_reset)
 
         def feature_block(k0, bk, S):
             kc = (slice(None), pl.ds(k0, bk))
@@ -280,7 +309,12 @@ def intra_chunk_kernel(mm: Products, scale: float, C: int, block: int, blocks, h
             return S[0] + Sqk, S[1] + Skk
 
         scores = lambda zeros: blockwise(blocks, feature_block, (zeros, zeros))  # noqa: E731
-        put(akk_ref, ..., unit_lower_inverse_body(aqk_and_l(scores, C, scale, seg, aqk_ref, b_ref)))
+        L = aqk_and_l(scores, C, scale, seg, aqk_ref, b_ref)
+        if seg is None:
+            put(akk_ref, ..., unit_lower_inverse_body(L))
+        else:  # (shared chunks: the rows an overflow reaches marked by the stage, as on Triton)
+            A, bad_ref[...] = finite_inverse(lambda L: unit_lower_inverse_body(L, (seg[0][...], seg[1][...])), L)
+            put(akk_ref, ..., A)
 
     kernel.__qualname__ = "PallasIntra.kernel"  # its name in profiles
     return kernel

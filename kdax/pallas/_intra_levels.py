@@ -30,10 +30,12 @@ from ._common import blockwise, iota, loop, put, ref_or_none
 
 def f2_refs(refs, has_lo: bool, has_reset: bool):
     """F2's kernel refs: ``(q, k, g, beta, G_lo or None, the reset table's two segment
-    operands or None, Aqk out, Akk out)``."""
+    operands or None, Aqk out, Akk out, the bad rows out or None)`` (``finite_inverse``:
+    with the reset table, a third output)."""
     lo_ref = refs[4] if has_lo else None
-    seg = tuple(refs[-4:-2]) if has_reset else None
-    return (*refs[:4], lo_ref, seg, *refs[-2:])
+    if not has_reset:
+        return (*refs[:4], lo_ref, None, *refs[-2:], None)
+    return (*refs[:4], lo_ref, tuple(refs[-5:-3]), *refs[-3:])
 
 
 def aqk_and_l(scores, C: int, scale: float, seg, aqk_ref, b_ref):
@@ -127,7 +129,7 @@ def level_scores(mm: Products, q_ref, k_ref, g_ref, lo_ref, blocks, C: int, zero
     return loop(0, C.bit_length() - 1, level, (Sqk, zeros))
 
 
-def doubling_unit_lower_inverse(mm: Products, L, plain_tf32: bool = False):
+def doubling_unit_lower_inverse(mm: Products, L, plain_tf32: bool = False, seg=None):
     """``(I + L)^-1`` for strictly lower ``L [C, C]`` with finite entries, by blocked
     substitution in log2(C) doubling steps of two products each (the first, from I,
     without): ``X <- X - X (B X)``, ``B`` the pairs of one halving level
@@ -137,11 +139,18 @@ def doubling_unit_lower_inverse(mm: Products, L, plain_tf32: bool = False):
     result, as in the reference stage's recursion; entries above the diagonal stay exact
     zeros. ``plain_tf32`` (the "fast" policy): where the tuning runs float32 products on
     tensor cores, one TF32 product each, as FLA's float32 ``tl.dot`` (the candidate within
-    FLA's tolerances either way: tests/test_precision.py; sm_90: F2 -24% instructions)."""
+    FLA's tolerances either way: tests/test_precision.py; sm_90: F2 -24% instructions).
+    ``seg`` (shared chunks: refs of the sequences as a ``[C, 1]`` column and a ``[1, C]``
+    row, ``L`` zero between them): each product's entries between sequences selected to
+    exact zeros, so that an inverse overflowing (inf) in one sequence's block never
+    meets another's zeros as ``0 * inf``."""
     C = L.shape[0]
     eye = (iota((C, C), 0) == iota((C, C), 1)).astype(L.dtype)
     plain = plain_tf32 and mm.f32_dot != "ieee" and L.dtype == jnp.float32
     product = tf32_product if plain else functools.partial(mm.scaled_dot, None)
+    if seg is not None:
+        plain_product = product
+        product = lambda A, X: jnp.where(seg[0][...] == seg[1][...], plain_product(A, X), 0.0)  # noqa: E731
 
     def step(lev, X):  # (X split for each product: split once and held, F2 took +4% instructions)
         return X - product(X, product(jnp.where(level_pairs(C, lev), L, 0.0), X))
@@ -155,7 +164,22 @@ def doubling_unit_lower_inverse(mm: Products, L, plain_tf32: bool = False):
     return loop(1, C.bit_length() - 1, step, first)
 
 
-def intra_levels_kernel(mm: Products, scale: float, C: int, blocks, has_lo: bool, has_reset: bool, fast: bool):
+def marked_inverse(inverse, L):
+    """``inverse(L')`` (of ``I + L'``) on ``L'``, ``L`` with its non-finite entries zeroed,
+    and NaN in the rows from the first non-finite row of ``L`` on (``lower_dot``'s way)."""
+    return jnp.where(from_first(nonfinite_rows(L)), jnp.nan, inverse(jnp.where(jnp.abs(L) < jnp.inf, L, 0.0)))
+
+
+def finite_inverse(inverse, L):
+    """Shared chunks: ``(inverse(L'), bad)``, ``L'`` ``L`` with its non-finite entries
+    zeroed, ``bad [C, 1]`` nonzero at their rows. The stage makes the rows they reach NaN,
+    in their own sequence only (``kdax.pallas._intra._akk``): inside the kernel its
+    ``[C, C]`` masks made Triton's F2 spill on sm_90."""
+    return inverse(jnp.where(jnp.abs(L) < jnp.inf, L, 0.0)), nonfinite_rows(L)
+
+
+def intra_levels_kernel(mm: Products, scale: float, C: int, blocks, has_lo: bool, has_reset: bool, fast: bool,
+                        isolate_inverse: bool = True):
     """F2's kernel on Triton: every score and every step of ``(I + L)^-1`` a tile product
     over the whole chunk, no per-token loop and no row or column pulled out of a tile.
     Scores: ``level_scores`` (log2(C) products per output, summed over ``blocks`` of
@@ -165,17 +189,23 @@ def intra_levels_kernel(mm: Products, scale: float, C: int, blocks, has_lo: bool
     across sequences are selected to exact zeros in both outputs (``L`` is then
     block-diagonal by sequence, and so is its inverse, exactly). A non-finite entry of
     ``L`` in row t (a NaN in token t's k, beta or G) makes ``Akk``'s rows t on NaN, every
-    column, and reaches no earlier row: the inverse runs on ``L`` with non-finite entries
-    zeroed, those rows are set after (``lower_dot``'s way)."""
+    column, and reaches no earlier row (``marked_inverse``) nor another sequence's
+    (``finite_inverse``; an inverse that overflows from a finite ``L`` is kept to its
+    sequence by ``isolate_inverse``, the doubling's products selected by sequence: at 16
+    warps that spilled 24 B a thread on sm_90, so there the stage leaves it out)."""
 
     def kernel(*refs):
-        q_ref, k_ref, g_ref, b_ref, lo_ref, seg, aqk_ref, akk_ref = f2_refs(refs, has_lo, has_reset)
+        q_ref, k_ref, g_ref, b_ref, lo_ref, seg, aqk_ref, akk_ref, bad_ref = f2_refs(refs, has_lo, has_reset)
 
         scores = lambda zeros: level_scores(mm, q_ref, k_ref, g_ref, lo_ref, blocks, C, zeros)  # noqa: E731
         L = aqk_and_l(scores, C, scale, seg, aqk_ref, b_ref)
-        seen = from_first(nonfinite_rows(L))
-        A = doubling_unit_lower_inverse(mm.float32(), jnp.where(jnp.abs(L) < jnp.inf, L, 0.0), plain_tf32=fast)
-        put(akk_ref, ..., jnp.where(seen, jnp.nan, A))
+        inverse = functools.partial(doubling_unit_lower_inverse, mm.float32(), plain_tf32=fast,
+                                    seg=seg if isolate_inverse else None)
+        if has_reset:
+            A, bad_ref[...] = finite_inverse(inverse, L)
+            put(akk_ref, ..., A)
+        else:
+            put(akk_ref, ..., marked_inverse(inverse, L))
 
     kernel.__qualname__ = "PallasIntra.kernel"  # its name in profiles
     return kernel

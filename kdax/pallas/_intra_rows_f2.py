@@ -36,9 +36,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from .._numerics.hilo import nonpositive
-from ._arith import Products, exp_by_exp2, fast_decay, from_first, nonfinite_rows
+from ._arith import Products, exp_by_exp2, fast_decay, nonfinite_rows
 from ._common import blockwise, compiler_params, iota, kernel_name, loop, manual_inputs, put, ref_or_none
-from ._intra_levels import doubling_unit_lower_inverse, level_pairs
+from ._intra_levels import doubling_unit_lower_inverse, level_pairs, marked_inverse
 
 
 def _sub_block_decay(G, lo, g_ref, lo_ref, cols, r0, B: int, lev):
@@ -145,19 +145,24 @@ def intra_rows_scores_kernel(mm: Products, scale: float, C: int, B: int, blocks,
     return kernel
 
 
-def intra_solve_kernel(mm: Products, fast: bool):
+def intra_solve_kernel(mm: Products, fast: bool, has_reset: bool = False):
     """F2's ``(I + L)^-1`` from the stored ``L`` of one chunk: ``intra_levels_kernel``'s
-    tail, the same code on the same ``L`` (``doubling_unit_lower_inverse`` on ``L`` with
-    its non-finite entries zeroed, float32 products, plain TF32 under ``fast``; the rows
-    from the first non-finite row of ``L`` on set to NaN after). (In ``[16, 16]`` blocks,
-    the zero blocks left out, sm_90 at 4 warps took 137 registers under "fast" against 165,
-    255 against 239 under "bfloat16", and 2.5x the instructions.)"""
+    tail, the same code on the same ``L`` (``marked_inverse`` of
+    ``doubling_unit_lower_inverse``, float32 products, plain TF32 under ``fast``; with
+    ``has_reset``, as ``finite_inverse``: its bad rows a second output; the doubling's
+    products not selected by sequence, ``intra_levels_kernel``'s ``isolate_inverse``: at
+    four warps that took 173 registers of the 165 that fit several CTAs an SM, 88 B of
+    spills under "bfloat16"). (In ``[16, 16]``
+    blocks, the zero blocks left out, sm_90 at 4 warps took 137 registers under "fast"
+    against 165, 255 against 239 under "bfloat16", and 2.5x the instructions.)"""
 
-    def kernel(l_ref, akk_ref):
-        L = l_ref[...]
-        seen = from_first(nonfinite_rows(L))
-        A = doubling_unit_lower_inverse(mm.float32(), jnp.where(jnp.abs(L) < jnp.inf, L, 0.0), plain_tf32=fast)
-        put(akk_ref, ..., jnp.where(seen, jnp.nan, A))
+    def kernel(l_ref, akk_ref, *bad_ref):
+        inverse = functools.partial(doubling_unit_lower_inverse, mm.float32(), plain_tf32=fast)
+        if has_reset:  # (L's bad rows written first: held across the inverse, 30 registers more)
+            bad_ref[0][...] = nonfinite_rows(l_ref[...])
+            put(akk_ref, ..., inverse(jnp.where(jnp.abs(l_ref[...]) < jnp.inf, l_ref[...], 0.0)))
+        else:
+            put(akk_ref, ..., marked_inverse(inverse, l_ref[...]))
 
     kernel.__qualname__ = "PallasIntra.kernel_solve"  # its name in profiles
     return kernel

@@ -5,16 +5,17 @@ from typing import ClassVar, Mapping, Optional, Union
 import equinox as eqx
 from types import MappingProxyType
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
-from .._layouts.resets import mask_exponent
+from .._layouts.resets import mask_exponent, per_head, segments
 from .._layouts.tokens import FinalGrads, Tokens
 from .._stage_protocol.final import final
 from .._annotations import ChunkV
 from .._numerics import precision as _precision
 from .._numerics.hilo import exponent
 from ..stages import KDA, AbstractWY, AbstractWYDqkg, ChunkGrads, WYOut
-from ._arith import Products, decay, nonfinite_rows, segment_masks, within_sequence
+from ._arith import Products, decay, segment_masks
 from ._common import (
     PallasFeatureBlocks, PallasValueBlocks, blockwise, check_block, chunk_spec, column_blocks, flat, iota, loaded, pow2,
     put, ref_or_none, row_of, segment_operands, token_operand, tuned, unflat,
@@ -131,9 +132,8 @@ def wy_dqkg_body(mm: Products, scale, beta, Akk, refs, out_refs, k_blocks, v_blo
         return dAkk + mm.dot(dvn, beta * v, tb=True), dbeta + jnp.sum(v * dY, axis=1, keepdims=True)
 
     def akk_t(x):  # Akk^T x
-        if seg is not None:  # (a non-finite row of x reaches the rows up to it, of its own sequence only)
-            y = akk_t_plain(jnp.where(jnp.abs(x) < jnp.inf, x, 0.0))
-            return jnp.where(within_sequence(nonfinite_rows(x), x, *seg, upper=True), jnp.nan, y)
+        if seg is not None:  # (never 0 * inf: the rows a non-finite row reaches come NaN through beta)
+            return akk_t_plain(jnp.where(jnp.abs(x) < jnp.inf, x, 0.0))
         return akk_t_plain(x)
 
     def akk_t_plain(x):
@@ -201,6 +201,21 @@ def wy_dqkg_body(mm: Products, scale, beta, Akk, refs, out_refs, k_blocks, v_blo
         dL_r[...] = jnp.where(lower, -mm.dot(mm.dot(dAkk, A, tb=True), A, ta=True).T, 0.0)
     else:
         dL_r[...] = jnp.where(lower, -mm.dot(mm.dot(A, dAkk, ta=True), A, tb=True), 0.0)
+
+
+def _reached_up(reset, dv_new, h):
+    """``[R, HV, NC, C]`` bool: the rows of B3's ``Akk^T x`` (x: ``dv_new`` and ``dw``,
+    ``dw``'s rows of the chunk's first sequence reading the start state ``h``) that a
+    non-finite row of x reaches in shared chunks, at or before it in its own sequence; in
+    XLA before the kernel (in the kernel, its ``[C, C]`` masks or a select on the
+    products spilled 32-64 B a thread on sm_90). (A row of ``dw`` that overflows from
+    finite operands is not foreseen: its sequence's rows take it as zero.)"""
+    seg = per_head(segments(reset), h.shape[1])
+    bad = jnp.any(~(jnp.abs(dv_new) < jnp.inf), axis=-1) | (
+        (seg == 0) & jnp.any(~(jnp.abs(h) < jnp.inf), axis=(-2, -1))[..., None])
+    C = bad.shape[-1]
+    before = np.tril(np.ones((C, C), bool)).T & (seg[..., :, None] == seg[..., None, :])
+    return jnp.any(before & bad[..., None, :], axis=-1)
 
 
 def dl_by_rows(mm: Products, dAkk, Akk, seg_refs, rows: int, dL_r):
@@ -315,7 +330,9 @@ class PallasWYDqkg(AbstractWYDqkg, PallasValueBlocks, PallasFeatureBlocks):
         if G_lo is not None:
             ins, specs = ins + (fp(G_lo),), specs + [sk]
         has_lo, n_in = G_lo is not None, len(ins)
-        if reset is not None:
+        reached = None if reset is None else _reached_up(reset, dv_new, h)
+        if reset is not None:  # (beta NaN where a non-finite dv_new or dw reaches: dv, dk, dG NaN there)
+            ins = ins[:3] + (flat(jnp.where(reached, jnp.nan, beta)),) + ins[4:]
             extra, extra_specs = segment_operands(reset, HV, row=True)
             ins, specs = ins + extra, specs + extra_specs
         n_all = len(ins)
@@ -345,5 +362,6 @@ class PallasWYDqkg(AbstractWYDqkg, PallasValueBlocks, PallasFeatureBlocks):
             kernel, ins, specs, [(C, Kp), (C, Kp), (C, Vp), (C, 1), (C, Kp), (C, C)], R * HV, NC, q.dtype, written)
         cut = lambda x, n: unflat(x[..., :n], R, HV)
         db = unflat(db, R, HV, squeeze=True)
+        db = db if reached is None else jnp.where(reached, jnp.nan, db)
         dv = cut(dv, V) if final is None else as_written(final, "v", dv, v)
         return ChunkGrads(cut(dq, K), cut(dk, K), dv, db, cut(dG, K), unflat(dL, R, HV))
