@@ -114,7 +114,7 @@ def _bounds(marks, NC: int, HV: int, reverse: bool):
     return split
 
 
-def _segments(seg):
+def _segment_inputs(seg):
     """``(inputs, blocks)`` of the shared chunks' ``seg`` ``[P, NC, C, 1]`` (or none), and
     ``split(refs) -> (refs, masks)`` for the kernel (``segment_masks``, None without it)."""
     if seg is None:
@@ -127,10 +127,10 @@ def state_forward(wf, uf, kgf, gam, h0f, layout: ChunkLayout, *, P, HV, N, NC, C
                   seg=None):
     """F4 on padded, flattened operands (``[P, NC, C, Kp]`` ...; ``h0f [N * HV, Kp, Vp]``):
     ``(h, v_new, final [N * HV, Kp, Vp])``; ``mm``: the kernel's ``Products``; ``seg``: shared
-    chunks' sequences (``_segments``) or None."""
+    chunks' sequences (``_segment_inputs``) or None."""
     marks = None if layout.dense else _marks(layout)
     split = _bounds(marks, NC, HV, reverse=False)
-    seg_in, seg_blocks, seg_split = _segments(seg)
+    seg_in, seg_blocks, seg_split = _segment_inputs(seg)
 
     def kernel(*refs):
         refs, starts, ends = split(refs)
@@ -167,7 +167,7 @@ def dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout: ChunkLayout, *,
     """B2 on padded, flattened operands, chunks in reverse: ``(dh, dv_new, dh0 [N * HV, Kp, Vp])``."""
     marks = None if layout.dense else _marks(layout)
     split = _bounds(marks, NC, HV, reverse=True)
-    seg_in, seg_blocks, seg_split = _segments(seg)
+    seg_in, seg_blocks, seg_split = _segment_inputs(seg)
 
     def kernel(*refs):
         refs, starts, ends = split(refs)
