@@ -204,6 +204,20 @@ class MisreadsResetGate(AbstractGate):
         return dataclasses.replace(act, beta=jnp.where(reset[:, None], 0.0, act.beta))
 
 
+class ZeroTimesChunkWY(AbstractWY):
+    """KDA's F3 with ``reset``, plus each chunk's row sum times zero: the same numbers for
+    finite values, but an inf in one sequence (float overflow) becomes NaN in every row of
+    its chunks, the other sequences' too (as kernels that multiply the zeros between
+    sequences did before: docs/DESIGN.md §7)."""
+
+    math: ClassVar = KDA
+    accepts: ClassVar[frozenset] = frozenset({"reset", "G_lo"})
+
+    def __call__(self, q, k, v, beta, G, Akk, G_lo=None, reset=None):
+        out = ReferenceWY()(q, k, v, beta, G, Akk, G_lo=G_lo, reset=reset)
+        return dataclasses.replace(out, w=out.w + 0.0 * jnp.sum(out.w, axis=-2, keepdims=True))
+
+
 class ZeroStartState(AbstractState):
     """Ignores ``h0`` (assumes zero initial states) and declares ``tile_safe``: right on
     whole inputs without initial states, wrong on tiles (which carry the state in h0)."""
@@ -281,6 +295,19 @@ def test_false_reset_fails():
     report = check_stage(MisreadsResetGate(), "gate", **_small())
     _assert_fails(report, "reset")
     assert "declares `reset`" in next(c for c in report.failed if c.name == "reset").detail
+
+
+def test_overflow_meeting_the_zeros_between_sequences_fails_reset():
+    """``reset``'s overflow row: a stage exact on finite values whose products carry one
+    sequence's inf (keys at ±7e153 or ±2e307 in float64) to the other sequences of its
+    chunks fails it, by name; KDA's reference F3 passes it."""
+    report = check_stage(ZeroTimesChunkWY(), "wy", **_small())
+    _assert_fails(report, "reset")
+    failed = [c for c in report.failed if c.name == "reset"]
+    assert [c.case for c in failed] == ["packed f64 overflow"], str(report)
+    assert "a float overflow in sequence 1 changes sequence 0's" in failed[0].detail
+    rows = [c for c in check_stage(ReferenceWY(), "wy", **_small()).checks if c.case == "packed f64 overflow"]
+    assert len(rows) == 1 and rows[0].passed, rows
 
 
 def test_false_tile_safe_fails():

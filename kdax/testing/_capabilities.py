@@ -124,10 +124,40 @@ def _reset_checks(col, P, field, stage, dtype):
                 col.add("reset", name, ok, (f"shared chunks vs per-sequence, {what}: " + det)
                         if ok else f"declares `reset` but shared chunks give other numbers than the per-sequence "
                                    f"layout ({what}): {det}")
+                if Ps is P:
+                    _overflow_check(col, Ps, case, (o1, h1, g1))
         except UnsupportedCase as e:
             _route_unsupported(col, "reset", name, field, stage, e)
         except Exception as e:
             col.add("reset", name, False, _error(e))
+
+
+def _overflow_check(col, P, case, before):
+    """``reset``, one row more: in shared chunks, one sequence's keys so large that their
+    products overflow (inf inside its own sequence: some of ``k_i . k_j`` and then F2's
+    inverse, or every such product) leave every other sequence's outputs, final states and
+    gradients bit for bit as they are beside ordinary keys (the exact zeros between
+    sequences must never meet the inf as ``0 * inf``: docs/DESIGN.md §7)."""
+    n = 1  # (tokens 7-22 of _CU: a chunk shared with the sequence before it, one with the one after)
+    top = float(jnp.finfo(case.dtype).max)
+    o0, h0, g0 = before
+    cu, differs = case.cu, []
+    for size in (top ** 0.5 / 2, top / 10):
+        bad = dataclasses.replace(case, overflow=("k", n, size))
+        o, h, g, _ = _pipeline_outputs(dataclasses.replace(P, share_chunks=True), bad, g0 is not None)
+        for m in range(len(cu) - 1):
+            toks = slice(cu[m], cu[m + 1])
+            pairs = [("outputs", o[:, toks], o0[:, toks]), ("final state", h[m], h0[m])]
+            if g0 is not None:
+                pairs += [(f"d{x}", a[:, toks], b[:, toks]) for x, a, b in zip("q k v g beta".split(), g[0], g0[0])]
+            differs += [f"sequence {m}'s {what} (keys at ±{size:.0e})" for what, a, b in pairs
+                        if m != n and not np.array_equal(np.asarray(a), np.asarray(b))]
+    ok = not differs
+    col.add("reset", f"{case.name} overflow", ok,
+            f"sequence {n}'s keys at ±{top ** 0.5 / 2:.0e} and ±{top / 10:.0e}: the other sequences' numbers bitwise "
+            "as before" if ok else f"declares `reset` but a float overflow in sequence {n} changes "
+            f"{', '.join(differs[:3])}{' ...' if len(differs) > 3 else ''}: a product meets it with the zeros "
+            "between sequences (select, don't multiply: docs/DESIGN.md §7)")
 
 
 def _route_unsupported(col, check, case, field, stage, e):

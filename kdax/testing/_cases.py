@@ -19,7 +19,9 @@ class Case:
     ``(("use_qk_l2norm_in_kernel", True), ...)``; ``strong``: some log decays -1000 or -inf;
     ``scale`` the call's ``scale`` (None: the default ``K ** -0.5``); ``A_log``: with the
     in-kernel gate, pass ``A_log`` (False: the lower-bound gate's form without it);
-    ``precision`` the pipeline's precision policy (None: the base pipeline's)."""
+    ``precision`` the pipeline's precision policy (None: the base pipeline's);
+    ``overflow`` ``(input, sequence, size)``: that packed sequence's tokens of that input
+    set to ``±size`` (their signs kept), finite values whose products overflow."""
 
     name: str
     dtype: Any = jnp.float64
@@ -43,6 +45,7 @@ class Case:
     scale: Optional[float] = None
     A_log: bool = True
     precision: Optional[str] = None
+    overflow: Optional[tuple] = None
 
     def describe(self) -> str:
         """One line: what the case gives the stages (its row of a report's legend)."""
@@ -67,6 +70,8 @@ class Case:
             parts.append("5% of log decays -1000 or -inf")
         if self.precision is not None:
             parts.append(f"precision {self.precision!r}")
+        if self.overflow is not None:
+            parts.append("sequence {1}'s {0} at ±{2:g}".format(*self.overflow))
         return ", ".join(parts)
 
     @property
@@ -95,6 +100,10 @@ class Case:
                 u = r.uniform(size=g.shape)
                 g[u < 0.05] = -1000.0
                 g[u < 0.02] = -np.inf
+        if self.overflow is not None:
+            name, n, size = self.overflow
+            x = dict(q=q, k=k, v=v)[name]
+            x[:, self.cu[n]:self.cu[n + 1]] = np.where(x[:, self.cu[n]:self.cu[n + 1]] < 0, -size, size)
         dt = jnp.dtype(self.dtype)
         pt = jnp.float64 if dt == jnp.float64 else jnp.float32
         kw = dict(chunk_size=self.chunk, output_final_state=True, **o)
