@@ -25,7 +25,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from .._errors import UnsupportedCase
-from .._layouts.resets import per_head, segments
 from .._layouts.tokens import Tokens, as_chunked
 from .._numerics import precision as _precision
 from .._numerics.arrays import vary_like
@@ -298,17 +297,6 @@ def unflat(x, R: int, HV: int, squeeze: bool = False):
 def chunk_spec(block):
     """One (p, chunk) block of a ``[P, NC, *block]`` array."""
     return pl.BlockSpec((None, None) + tuple(block), lambda p, c: (p, c) + (0,) * len(block))
-
-
-def segment_operands(reset, HV: int, row: bool) -> tuple:
-    """``(inputs, specs)`` of a kernel given ``reset`` ``[R, NC, C]``: each token's sequence
-    within its chunk per value head, as a ``[C, 1]`` column (and, ``row``, as a ``[1, C]``
-    row, for the pairs within one sequence)."""
-    seg = flat(per_head(segments(reset), HV))  # [P, NC, C, 1]
-    P, NC, C, _ = seg.shape
-    if not row:
-        return (seg,), [chunk_spec((C, 1))]
-    return (seg, seg.reshape(P, NC, 1, C)), [chunk_spec((C, 1)), chunk_spec((1, C))]
 
 
 def token_operand(target: str, x, padded, block):

@@ -18,11 +18,9 @@ from typing import ClassVar, Mapping, Optional, Union
 import equinox as eqx
 from types import MappingProxyType
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 
 from .._config import KDAConfig
-from .._layouts.resets import per_head, segments
 from .._layouts.tokens import FinalGrads, Tokens
 from .._numerics import precision as _precision
 from .._numerics.hilo import grid_bits, split_log_decay
@@ -35,6 +33,7 @@ from ._common import (
     PallasTarget, chunk_spec, column_blocks, flat, iota, loaded, pow2, ref_or_none,
     token_operand, tuned, unflat,
 )
+from ._shared_chunks import reached_rows
 from ._gate_operands import _all_valid, _param_refs, _params, _token_masks
 from ._written import as_written, poison_operand, poisoned, writes_final, written_output
 
@@ -116,7 +115,7 @@ def _segment_sums(mm: Products, dG, r, reverse: bool, poison):
     ``dG`` arrives with its non-finite entries zeroed (in another sequence's rows they
     would meet the mask's zeros as ``0 * inf``), and ``poison [C, 1]``, NaN at the rows that
     sum one of them and 0 elsewhere, is added (both made by the stage before the kernel:
-    ``_reached_rows``; selects in the kernel spilled on sm_90)."""
+    ``kdax.pallas._shared_chunks.reached_rows``; selects in the kernel spilled 40 B on sm_90)."""
     C = r.shape[0]
     i0, i1 = iota((C, C), 0), iota((C, C), 1)
     R2 = jnp.broadcast_to(r, (C, C))  # [a, b] = r[a]
@@ -129,17 +128,6 @@ def _segment_sums(mm: Products, dG, r, reverse: bool, poison):
     else:  # the resets in (t, s]
         same = (i1 >= i0) & (cs_col == cs_row)
     return mm.mask_dot(same.astype(dG.dtype), dG) + poison
-
-
-def _reached_rows(dG, reset):
-    """``[R, HV, NC, C]`` bool: the tokens whose within-sequence sum of ``dG`` (B5's, over
-    the rest of the sequence in the chunk) reads a non-finite entry, in XLA before the
-    kernel (its ``[C, C]`` masks in the kernel spilled 40 B a thread on sm_90)."""
-    bad = jnp.any(~(jnp.abs(dG) < jnp.inf), axis=-1)
-    seg = per_head(segments(reset), dG.shape[1])
-    C = bad.shape[-1]
-    later = np.triu(np.ones((C, C), bool)) & (seg[..., :, None] == seg[..., None, :])
-    return jnp.any(later & bad[..., None, :], axis=-1)
 
 
 def _rstd(ss):
@@ -415,7 +403,8 @@ class PallasGateBackward(AbstractGateBackward, PallasTarget):
         padded = not _all_valid(reset, g)
         masks = _token_masks(valid if padded else None, reset, HV, dq.dtype)
         if reset is not None:  # (dG's non-finite entries apart: _segment_sums)
-            masks.append(flat(jnp.where(_reached_rows(dG, reset), jnp.nan, 0.0).astype(dq.dtype)))
+            reached = reached_rows(jnp.any(~(jnp.abs(dG) < jnp.inf), axis=-1), reset, later=True)
+            masks.append(flat(jnp.where(reached, jnp.nan, 0.0).astype(dq.dtype)))
             dG = jnp.where(jnp.abs(dG) < jnp.inf, dG, 0.0)
         ins += masks
         specs += [s1] * len(masks)

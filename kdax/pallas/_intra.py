@@ -35,22 +35,22 @@ import equinox as eqx
 from types import MappingProxyType
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 
-from .._layouts.resets import per_head, segments
+from .._layouts.resets import per_head, same_segment, segments
 from .._numerics import precision as _precision
 from .._stage_protocol.final import final
 from ..stages import KDA, AbstractIntra, AbstractIntraBackward, ChunkGrads, IntraOut
 from ._arith import Products, decay
 from ._common import (
     PallasFeatureBlocks, blockwise, chunk_spec, col_of, flat, idiv, iota, loop, ref_or_none, row_of, row_or_none,
-    segment_operands, tuned, unflat,
+    tuned, unflat,
 )
 from ._common import column_blocks, compiler_params, kernel_name, manual_inputs, put
 from ._intra_levels import aqk_and_l, f2_refs, finite_inverse, intra_bwd_levels_kernel, intra_levels_kernel
 from ._intra_rows import intra_bwd_rows_kernel, row_block_call
 from ._intra_rows_f2 import intra_rows_scores_kernel, intra_solve_kernel, scores_rows_call
+from ._shared_chunks import reached_rows, segment_operands
 
 
 def _blocks(C: int, block: int):
@@ -253,7 +253,7 @@ class PallasIntra(AbstractIntra, PallasFeatureBlocks):
         if G_lo is not None:
             ins, specs = ins + (self.padded(G_lo),), specs + [spec]
         if reset is not None:  # each token's sequence within its chunk, as a column and as a row
-            extra, extra_specs = segment_operands(reset, HV, row=True)
+            extra, extra_specs = segment_operands(reset, HV)
             ins, specs = ins + extra, specs + extra_specs
         blocks = self.feature_blocks(ins[0].shape[-1])
         stored = _precision.storage(q.dtype, precision)  # (bf16 under "fast")
@@ -287,12 +287,8 @@ def _akk(Akk, bad, reset, R: int, HV: int):
     Akk = unflat(Akk, R, HV)
     if reset is None:
         return Akk
-    seg = per_head(segments(reset), HV)
-    same = seg[..., :, None] == seg[..., None, :]
-    C = Akk.shape[-1]
-    bad = unflat(bad[0], R, HV, squeeze=True) != 0
-    reached = jnp.any(np.tril(np.ones((C, C), bool)) & same & bad[..., None, :], axis=-1)
-    return jnp.where(reached[..., None] & same, jnp.nan, Akk)
+    reached = reached_rows(unflat(bad[0], R, HV, squeeze=True) != 0, reset, later=False)
+    return jnp.where(reached[..., None] & same_segment(per_head(segments(reset), HV)), jnp.nan, Akk)
 
 
 def intra_chunk_kernel(mm: Products, scale: float, C: int, block: int, blocks, has_lo: bool, has_reset: bool):
@@ -359,7 +355,7 @@ class PallasIntraBackward(AbstractIntraBackward, PallasFeatureBlocks):
         if G_lo is not None:
             ins, specs = ins + (self.padded(G_lo),), specs + [sk]
         if reset is not None:  # each token's sequence within its chunk, as a column and as a row
-            extra, extra_specs = segment_operands(reset, HV, row=True)
+            extra, extra_specs = segment_operands(reset, HV)
             ins, specs = ins + extra, specs + extra_specs
         has_lo, has_reset = G_lo is not None, reset is not None
 

@@ -10,7 +10,8 @@ from .._stage_protocol.final import final
 from .._annotations import ChunkV
 from ..ref import compute_dtype
 from ..stages import KDA, AbstractDAv, AbstractOutput
-from ._common import PallasTarget, chunk_spec, flat, iota, loaded, segment_operands, token_operand, tuned, unflat
+from ._common import PallasTarget, chunk_spec, flat, iota, loaded, token_operand, tuned, unflat
+from ._shared_chunks import segment_operands
 
 
 @final
@@ -46,7 +47,7 @@ class PallasOutput(AbstractOutput, PallasTarget):
         ins = (qf, hf, flat(Aqk), vf)
         specs = [chunk_spec((C, Kp)), chunk_spec((Kp, Vp)), chunk_spec((C, C)), chunk_spec((C, Vp))]
         if reset is not None:
-            extra, extra_specs = segment_operands(reset, HV, row=True)
+            extra, extra_specs = segment_operands(reset, HV)
             ins, specs = ins + extra, specs + extra_specs
         (o,) = self.call(kernel, ins, specs, [(C, Vp)], R * HV, NC, compute_dtype(qg))  # (qg may be stored bf16)
         return unflat(o[..., :V], R, HV)

@@ -13,12 +13,13 @@ from types import MappingProxyType
 
 from . import _state_tpu as tpu, _state_triton as triton
 from .._errors import UnsupportedCase
-from .._layouts.resets import mask_exponent, per_head, segments, state_passes
+from .._layouts.resets import mask_exponent, state_passes
 from .._layouts.tokens import Tokens
 from .._numerics import precision as _precision
 from .._stage_protocol.final import final
 from .._annotations import ChunkV
 from ..stages import KDA, AbstractDhu, AbstractState, DhuOut, StateOut
+from ._shared_chunks import sequences
 from ._common import PallasValueBlocks, check_block, feature_pad, flat, pow2, tuned, unflat
 
 
@@ -35,12 +36,6 @@ def _gamma_col(G, target, reset=None):
     if reset is not None:
         gam = mask_exponent(state_passes(reset), gam)  # [R, 1, NC, 1] against [R, HV, NC, K]
     return feature_pad(target, flat(gam), axes=(-2,))
-
-
-def _segments(reset, HV: int):
-    """Each token's sequence within its shared chunk, ``[P, NC, C, 1]`` (None without
-    ``reset``): the kernels select away the terms between sequences (``_state_steps``)."""
-    return None if reset is None else flat(per_head(segments(reset), HV))
 
 
 def _gamma(G, target, reset):
@@ -109,7 +104,7 @@ class PallasState(AbstractState, PallasValueBlocks):
         wf, kgf = _product_operands(t, self.round_in_kernel, self.operand(precision), self.padded(w), self.padded(kg))
         uf = self.padded(u)
         gam, rows = _gamma(G, t, reset)
-        seg = _segments(reset, HV)
+        seg = None if reset is None else sequences(reset, HV)  # (the steps' masks: _state_steps)
         h0f = feature_pad(t, h0.reshape(N * HV, K, V), axes=(-2, -1))
         P, Kp, Vp = R * HV, wf.shape[-1], uf.shape[-1]
         # h and v_new as stored (bf16 under "fast"), the final states in h0's dtype
@@ -162,7 +157,7 @@ class PallasDhu(AbstractDhu, PallasValueBlocks):
         qf, kf, wf, dof = _product_operands(t, self.round_in_kernel, self.operand(precision), *(self.padded(x) for x in (qg, kg, w)), do)
         dvf = self.padded(dv_intra)
         gam, rows = _gamma(G, t, reset)
-        seg = _segments(reset, HV)
+        seg = None if reset is None else sequences(reset, HV)  # (the steps' masks: _state_steps)
         dhtf = feature_pad(t, dht.reshape(N * HV, K, V), axes=(-2, -1))
         P, Kp, Vp = R * HV, qf.shape[-1], dvf.shape[-1]
         dt = dv_intra.dtype  # (dh as stored: bf16 under "fast")

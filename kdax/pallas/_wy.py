@@ -5,7 +5,6 @@ from typing import ClassVar, Mapping, Optional, Union
 import equinox as eqx
 from types import MappingProxyType
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 
 from .._layouts.resets import mask_exponent, per_head, segments
@@ -18,8 +17,9 @@ from ..stages import KDA, AbstractWY, AbstractWYDqkg, ChunkGrads, WYOut
 from ._arith import Products, decay, segment_masks
 from ._common import (
     PallasFeatureBlocks, PallasValueBlocks, blockwise, check_block, chunk_spec, column_blocks, flat, iota, loaded, pow2,
-    put, ref_or_none, row_of, segment_operands, token_operand, tuned, unflat,
+    put, ref_or_none, row_of, token_operand, tuned, unflat,
 )
+from ._shared_chunks import reached_rows, segment_operands
 from ._written import as_written, poison_operand, poisoned, writes_final, written_output
 
 
@@ -206,16 +206,14 @@ def wy_dqkg_body(mm: Products, scale, beta, Akk, refs, out_refs, k_blocks, v_blo
 def _reached_up(reset, dv_new, h):
     """``[R, HV, NC, C]`` bool: the rows of B3's ``Akk^T x`` (x: ``dv_new`` and ``dw``,
     ``dw``'s rows of the chunk's first sequence reading the start state ``h``) that a
-    non-finite row of x reaches in shared chunks, at or before it in its own sequence; in
-    XLA before the kernel (in the kernel, its ``[C, C]`` masks or a select on the
-    products spilled 32-64 B a thread on sm_90). (A row of ``dw`` that overflows from
-    finite operands is not foreseen: its sequence's rows take it as zero.)"""
-    seg = per_head(segments(reset), h.shape[1])
-    bad = jnp.any(~(jnp.abs(dv_new) < jnp.inf), axis=-1) | (
-        (seg == 0) & jnp.any(~(jnp.abs(h) < jnp.inf), axis=(-2, -1))[..., None])
-    C = bad.shape[-1]
-    before = np.tril(np.ones((C, C), bool)).T & (seg[..., :, None] == seg[..., None, :])
-    return jnp.any(before & bad[..., None, :], axis=-1)
+    non-finite row of x reaches in shared chunks, at or before it in its own sequence
+    (``reached_rows``: in the kernel, its ``[C, C]`` masks or a select on the products
+    spilled 32-64 B a thread on sm_90). (A row of ``dw`` that overflows from finite
+    operands is not foreseen: its sequence's rows take it as zero.)"""
+    first = per_head(segments(reset), h.shape[1]) == 0
+    h_bad = jnp.any(~(jnp.abs(h) < jnp.inf), axis=(-2, -1))[..., None]
+    bad = jnp.any(~(jnp.abs(dv_new) < jnp.inf), axis=-1) | (first & h_bad)
+    return reached_rows(bad, reset, later=True)
 
 
 def dl_by_rows(mm: Products, dAkk, Akk, seg_refs, rows: int, dL_r):
@@ -270,7 +268,7 @@ class PallasWY(AbstractWY, PallasFeatureBlocks):
         if G_lo is not None:
             ins, specs = ins + (fp(G_lo),), specs + [sk]
         if reset is not None:
-            extra, extra_specs = segment_operands(reset, HV, row=True)
+            extra, extra_specs = segment_operands(reset, HV)
             ins, specs = ins + extra, specs + extra_specs
 
         kernel = wy_kernel(self.products(precision), self.feature_blocks(Kp), self.feature_blocks(Vp), G_lo is not None, load_v,
@@ -333,7 +331,7 @@ class PallasWYDqkg(AbstractWYDqkg, PallasValueBlocks, PallasFeatureBlocks):
         reached = None if reset is None else _reached_up(reset, dv_new, h)
         if reset is not None:  # (beta NaN where a non-finite dv_new or dw reaches: dv, dk, dG NaN there)
             ins = ins[:3] + (flat(jnp.where(reached, jnp.nan, beta)),) + ins[4:]
-            extra, extra_specs = segment_operands(reset, HV, row=True)
+            extra, extra_specs = segment_operands(reset, HV)
             ins, specs = ins + extra, specs + extra_specs
         n_all = len(ins)
         if final is not None:  # dv's poison column, last
