@@ -131,15 +131,15 @@ def from_first(bad):
     return rows >= jnp.min(jnp.where(bad > 0, rows, bad.shape[0]), axis=0, keepdims=True)
 
 
-def within_sequence(bad, seg, upper: bool = False):
-    """``[C, 1]`` bool: row i at or after (``upper``: at or before) a row j of its own
-    sequence where ``bad [C, 1]`` is nonzero (``lower_dot``'s rows reached in a shared
-    chunk; B3's ``Akk^T x``); ``seg``: the sequences as a ``[C, 1]`` column and a ``[1, C]``
-    row. (``bad`` as a row by a masked reduction: every value stays 2-D on both targets.)"""
+def within_sequence(bad, seg):
+    """``[C, 1]`` bool: row i at or after a row j of its own sequence where ``bad [C, 1]``
+    is nonzero (``lower_dot``'s rows reached in a shared chunk); ``seg``: the sequences as
+    a ``[C, 1]`` column and a ``[1, C]`` row. (``bad`` as a row by a masked reduction:
+    every value stays 2-D on both targets.)"""
     C = bad.shape[0]
     j, i = iota((C, C), 1), iota((C, C), 0)
     bad_row = jnp.max(jnp.where(i == j, bad, 0.0), axis=0, keepdims=True)
-    hit = (j >= i if upper else j <= i) & (seg[1] == seg[0]) & (bad_row > 0)
+    hit = (j <= i) & (seg[1] == seg[0]) & (bad_row > 0)
     return jnp.max(hit.astype(bad.dtype), axis=1, keepdims=True) > 0
 
 

@@ -1,7 +1,7 @@
 """The per-chunk arithmetic of the Pallas state kernels, shared by both targets: one
 chunk of F4 (``state_step``) and of B2 (``dhu_step``), whole or on the state held as row
 tiles (``*_tiled``, ``k_tiles``). ``mm``: the kernel's ``kdax.pallas._arith.Products``;
-``masks`` (shared chunks, ``kdax.pallas._wy.segment_masks``, else None): the terms between
+``masks`` (shared chunks, ``kdax.pallas._arith.segment_masks``, else None): the terms between
 sequences sharing the chunk (the decays' exact zeros) selected away, so that one's overflow
 (inf) never meets them as ``0 * inf`` (as ``kdax.stages.ReferenceState`` and
 ``ReferenceDhu``).
