@@ -28,7 +28,7 @@ from .._stage_protocol.final import final
 from .._annotations import ChunkK, ChunkScalar
 from ..ref import L2NORM_EPS, log_decay_floor, reset_log_decay
 from ..stages import KDA, AbstractGate, AbstractGateBackward, Activated, RawGrads
-from ._arith import Products, from_first, nonfinite_rows
+from ._arith import Products, from_first, nonfinite, nonfinite_rows
 from ._common import (
     PallasTarget, chunk_spec, column_blocks, flat, iota, loaded, pow2, ref_or_none,
     token_operand, tuned, unflat,
@@ -403,7 +403,7 @@ class PallasGateBackward(AbstractGateBackward, PallasTarget):
         padded = not _all_valid(reset, g)
         masks = _token_masks(valid if padded else None, reset, HV, dq.dtype)
         if reset is not None:  # (dG's non-finite entries apart: _segment_sums)
-            reached = reached_rows(jnp.any(~(jnp.abs(dG) < jnp.inf), axis=-1), reset, later=True)
+            reached = reached_rows(jnp.any(nonfinite(dG), axis=-1), reset, later=True)
             masks.append(flat(jnp.where(reached, jnp.nan, 0.0).astype(dq.dtype)))
             dG = jnp.where(jnp.abs(dG) < jnp.inf, dG, 0.0)
         ins += masks

@@ -13,12 +13,8 @@ import jax.numpy as jnp
 
 
 def state_step(mm, w, u, kg, gam, h, masks=None):
-    if masks is None:
-        v_new = u - mm.dot(w, h)
-        return v_new, jnp.exp(gam) * h + mm.dot(kg, v_new, ta=True)
-    start, end, passes = masks
-    v_new = u - jnp.where(start, mm.dot(w, h), 0.0)
-    return v_new, jnp.where(passes, jnp.exp(gam) * h, 0.0) + mm.dot(kg, jnp.where(end, v_new, 0.0), ta=True)
+    v_new = u - _select(masks, 0, mm.dot(w, h))
+    return v_new, _select(masks, 2, jnp.exp(gam) * h) + mm.dot(kg, _select(masks, 1, v_new), ta=True)
 
 
 def k_tiles(Kp: int, block_k):
@@ -34,13 +30,14 @@ def state_step_tiled(mm, w, u, kg, gam, hs, masks=None):
     v_new = u
     for wi, hi in zip(w, hs):
         v_new = v_new - _select(masks, 0, mm.dot(_get(wi), hi))
-    ends = v_new if masks is None else jnp.where(masks[1], v_new, 0.0)
+    ends = _select(masks, 1, v_new)
     return v_new, tuple(_select(masks, 2, jnp.exp(_get(gi)) * hi) + mm.dot(_get(ki), ends, ta=True)
                         for ki, gi, hi in zip(kg, gam, hs))
 
 
 def _select(masks, i: int, x):
-    """``x`` where ``masks[i]`` (zero elsewhere), or ``x`` itself without masks."""
+    """``x`` where ``masks[i]`` (zero elsewhere), or ``x`` itself without masks: ``masks``
+    are ``(from_start, to_end, passes)``."""
     return x if masks is None else jnp.where(masks[i], x, 0.0)
 
 
@@ -49,7 +46,7 @@ def dhu_step_tiled(mm, scale, qg, kg, w, gam, do, dv_intra, dhs, masks=None):
     for ki, hi in zip(kg, dhs):
         dv = dv + _select(masks, 1, mm.dot(_get(ki), hi))
     do = _get(do)
-    starts = dv if masks is None else jnp.where(masks[0], dv, 0.0)
+    starts = _select(masks, 0, dv)
     return dv, tuple(_select(masks, 2, jnp.exp(_get(gi)) * hi) + scale * mm.dot(_get(qi), do, ta=True)
                      - mm.dot(_select(masks, 0, _get(wi)), starts, ta=True) for qi, wi, gi, hi in zip(qg, w, gam, dhs))
 
@@ -60,10 +57,6 @@ def _get(x):
 
 
 def dhu_step(mm, scale, qg, kg, w, gam, do, dv_intra, dh_end, masks=None):
-    if masks is None:
-        dv = dv_intra + mm.dot(kg, dh_end)
-        return dv, jnp.exp(gam) * dh_end + scale * mm.dot(qg, do, ta=True) - mm.dot(w, dv, ta=True)
-    start, end, passes = masks
-    dv = dv_intra + jnp.where(end, mm.dot(kg, dh_end), 0.0)
-    return dv, (jnp.where(passes, jnp.exp(gam) * dh_end, 0.0) + scale * mm.dot(qg, do, ta=True)
-                - mm.dot(jnp.where(start, w, 0.0), jnp.where(start, dv, 0.0), ta=True))
+    dv = dv_intra + _select(masks, 1, mm.dot(kg, dh_end))
+    return dv, (_select(masks, 2, jnp.exp(gam) * dh_end) + scale * mm.dot(qg, do, ta=True)
+                - mm.dot(_select(masks, 0, w), _select(masks, 0, dv), ta=True))

@@ -14,7 +14,7 @@ from .._annotations import ChunkV
 from .._numerics import precision as _precision
 from .._numerics.hilo import exponent
 from ..stages import KDA, AbstractWY, AbstractWYDqkg, ChunkGrads, WYOut
-from ._arith import Products, decay, segment_masks
+from ._arith import Products, decay, nonfinite, segment_masks
 from ._common import (
     PallasFeatureBlocks, PallasValueBlocks, blockwise, check_block, chunk_spec, column_blocks, flat, iota, loaded, pow2,
     put, ref_or_none, row_of, token_operand, tuned, unflat,
@@ -211,8 +211,8 @@ def _reached_up(reset, dv_new, h):
     spilled 32-64 B a thread on sm_90). (A row of ``dw`` that overflows from finite
     operands is not foreseen: its sequence's rows take it as zero.)"""
     first = per_head(segments(reset), h.shape[1]) == 0
-    h_bad = jnp.any(~(jnp.abs(h) < jnp.inf), axis=(-2, -1))[..., None]
-    bad = jnp.any(~(jnp.abs(dv_new) < jnp.inf), axis=-1) | (first & h_bad)
+    h_bad = jnp.any(nonfinite(h), axis=(-2, -1))[..., None]
+    bad = jnp.any(nonfinite(dv_new), axis=-1) | (first & h_bad)
     return reached_rows(bad, reset, later=True)
 
 
