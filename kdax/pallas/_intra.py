@@ -37,7 +37,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from .._layouts.resets import per_head, same_segment, segments
 from .._numerics import precision as _precision
 from .._stage_protocol.final import final
 from ..stages import KDA, AbstractIntra, AbstractIntraBackward, ChunkGrads, IntraOut
@@ -50,7 +49,7 @@ from ._common import column_blocks, compiler_params, kernel_name, manual_inputs,
 from ._intra_levels import aqk_and_l, f2_refs, finite_inverse, intra_bwd_levels_kernel, intra_levels_kernel
 from ._intra_rows import intra_bwd_rows_kernel, row_block_call
 from ._intra_rows_f2 import intra_rows_scores_kernel, intra_solve_kernel, scores_rows_call
-from ._shared_chunks import reached_rows, segment_operands
+from ._shared_chunks import reached_rows, segment_operands, sequence_pairs
 
 
 def _blocks(C: int, block: int):
@@ -288,7 +287,7 @@ def _akk(Akk, bad, reset, R: int, HV: int):
     if reset is None:
         return Akk
     reached = reached_rows(unflat(bad[0], R, HV, squeeze=True) != 0, reset, later=False)
-    return jnp.where(reached[..., None] & same_segment(per_head(segments(reset), HV)), jnp.nan, Akk)
+    return jnp.where(reached[..., None] & sequence_pairs(reset, HV), jnp.nan, Akk)
 
 
 def intra_chunk_kernel(mm: Products, scale: float, C: int, block: int, blocks, has_lo: bool, has_reset: bool):

@@ -23,10 +23,15 @@ def segment_operands(reset, HV: int) -> tuple:
     return (seg, seg.reshape(P, NC, 1, C)), [chunk_spec((C, 1)), chunk_spec((1, C))]
 
 
+def sequence_pairs(reset, HV: int):
+    """``[R, HV, NC, C, C]`` bool: the pairs of a chunk's tokens in one sequence."""
+    return same_segment(per_head(segments(reset), HV))
+
+
 def reached_rows(bad, reset, later: bool):
     """``[R, HV, NC, C]`` bool: the rows with a row of ``bad [R, HV, NC, C]`` in their own
     sequence at or after them (``later``), else at or before them."""
-    same = same_segment(per_head(segments(reset), bad.shape[1]))
+    same = sequence_pairs(reset, bad.shape[1])
     C = bad.shape[-1]
     order = (np.triu if later else np.tril)(np.ones((C, C), bool))
     return jnp.any(order & same & bad[..., None, :], axis=-1)

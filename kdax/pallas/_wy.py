@@ -12,6 +12,7 @@ from .._layouts.tokens import FinalGrads, Tokens
 from .._stage_protocol.final import final
 from .._annotations import ChunkV
 from .._numerics import precision as _precision
+from .._numerics.arrays import tri_mask
 from .._numerics.hilo import exponent
 from ..stages import KDA, AbstractWY, AbstractWYDqkg, ChunkGrads, WYOut
 from ._arith import Products, decay, nonfinite, segment_masks
@@ -19,7 +20,7 @@ from ._common import (
     PallasFeatureBlocks, PallasValueBlocks, blockwise, check_block, chunk_spec, column_blocks, flat, iota, loaded, pow2,
     put, ref_or_none, row_of, token_operand, tuned, unflat,
 )
-from ._shared_chunks import reached_rows, segment_operands
+from ._shared_chunks import reached_rows, segment_operands, sequence_pairs
 from ._written import as_written, poison_operand, poisoned, writes_final, written_output
 
 
@@ -204,16 +205,32 @@ def wy_dqkg_body(mm: Products, scale, beta, Akk, refs, out_refs, k_blocks, v_blo
 
 
 def _reached_up(reset, dv_new, h):
-    """``[R, HV, NC, C]`` bool: the rows of B3's ``Akk^T x`` (x: ``dv_new`` and ``dw``,
-    ``dw``'s rows of the chunk's first sequence reading the start state ``h``) that a
-    non-finite row of x reaches in shared chunks, at or before it in its own sequence
+    """``([R, HV, NC, C] bool, the same)``: the rows of B3's ``Akk^T x`` that a non-finite
+    row of x reaches in shared chunks, at or before it in its own sequence
     (``reached_rows``: in the kernel, its ``[C, C]`` masks or a select on the products
-    spilled 32-64 B a thread on sm_90). (A row of ``dw`` that overflows from finite
-    operands is not foreseen: its sequence's rows take it as zero.)"""
+    spilled 32-64 B a thread on sm_90). First for x = ``dv_new`` (and ``dw``'s rows of the
+    chunk's first sequence, which read a non-finite start state ``h``): the kernel takes
+    those rows as zero and ``beta`` is NaN there. Then for x = ``dw = -dv_new h^T`` (those
+    rows), whose row may also overflow from finite operands, which the kernel cannot tell
+    from the others: the product is formed here once more (a row within rounding of the
+    float32 limit may overflow in one product and not in the other), and ``dk``,
+    ``dbeta``, ``dG`` and ``dL`` are NaN where the reference's ``dX`` is."""
     first = per_head(segments(reset), h.shape[1]) == 0
     h_bad = jnp.any(nonfinite(h), axis=(-2, -1))[..., None]
     bad = jnp.any(nonfinite(dv_new), axis=-1) | (first & h_bad)
-    return reached_rows(bad, reset, later=True)
+    dw = jnp.einsum("...cv,...kv->...ck", dv_new, h, precision="highest", preferred_element_type=jnp.float32)
+    dw_bad = first & jnp.any(nonfinite(dw), axis=-1)
+    return reached_rows(bad, reset, later=True), reached_rows(dw_bad, reset, later=True)
+
+
+def _dw_reached(grads: ChunkGrads, rows, reset) -> ChunkGrads:
+    """``grads`` NaN where a non-finite row of ``dw`` reaches (``rows`` ``[R, HV, NC, C]``) as
+    the reference's ``dX``: rows of ``dk``, ``dbeta``, ``dG``, and of ``dL`` within the row's
+    sequence (strictly lower)."""
+    row = lambda x: jnp.where(rows[..., None], jnp.nan, x)
+    lower = rows[..., None] & sequence_pairs(reset, rows.shape[1]) & tri_mask(rows.shape[-1], strict=True)
+    dL = jnp.where(lower, jnp.nan, grads.dL)
+    return ChunkGrads(grads.dq, row(grads.dk), grads.dv, jnp.where(rows, jnp.nan, grads.dbeta), row(grads.dG), dL)
 
 
 def dl_by_rows(mm: Products, dAkk, Akk, seg_refs, rows: int, dL_r):
@@ -328,7 +345,7 @@ class PallasWYDqkg(AbstractWYDqkg, PallasValueBlocks, PallasFeatureBlocks):
         if G_lo is not None:
             ins, specs = ins + (fp(G_lo),), specs + [sk]
         has_lo, n_in = G_lo is not None, len(ins)
-        reached = None if reset is None else _reached_up(reset, dv_new, h)
+        reached, dw_rows = (None, None) if reset is None else _reached_up(reset, dv_new, h)
         if reset is not None:  # (beta NaN where a non-finite dv_new or dw reaches: dv, dk, dG NaN there)
             ins = ins[:3] + (flat(jnp.where(reached, jnp.nan, beta)),) + ins[4:]
             extra, extra_specs = segment_operands(reset, HV)
@@ -362,4 +379,5 @@ class PallasWYDqkg(AbstractWYDqkg, PallasValueBlocks, PallasFeatureBlocks):
         db = unflat(db, R, HV, squeeze=True)
         db = db if reached is None else jnp.where(reached, jnp.nan, db)
         dv = cut(dv, V) if final is None else as_written(final, "v", dv, v)
-        return ChunkGrads(cut(dq, K), cut(dk, K), dv, db, cut(dG, K), unflat(dL, R, HV))
+        grads = ChunkGrads(cut(dq, K), cut(dk, K), dv, db, cut(dG, K), unflat(dL, R, HV))
+        return grads if reset is None else _dw_reached(grads, dw_rows, reset)

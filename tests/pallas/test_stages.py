@@ -416,6 +416,51 @@ def test_forward_products_keep_an_overflow_in_its_sequence(target, interpret):
     assert_close(np.where(np.isfinite(ref), got, 0), np.where(np.isfinite(ref), ref, 0), 1e-5, "o")
 
 
+@pytest.mark.parametrize("target,interpret", MODES[:2])
+def test_wy_dqkg_finds_a_dw_row_that_overflows_from_finite_operands(target, interpret):
+    """Shared chunks: B3's ``dw = -dv_new h^T`` overflows in one row from finite ``dv_new``
+    and ``h`` (1e20 each). The kernel takes a non-finite row of ``dw`` as zero within its
+    sequence, as it does every non-finite row, so the stage finds the row outside it: its
+    outputs are non-finite exactly where the reference stage's are (the rows of ``dk``,
+    ``dbeta``, ``dG`` and ``dL`` the row reaches in its own sequence), the finite ones close,
+    and every other sequence's entries bit-identical to those of a call without it.
+    Before: those rows came back finite (the row read as zero)."""
+    C, K, V, HV = 16, 12, 6, 2
+    L = make_shared_layout(45, C, jnp.asarray(SHARED_CU, jnp.int32))
+    R, NC = L.valid.shape[:2]
+    x = {n: (a.astype(jnp.float32) if hasattr(a, "dtype") and a.dtype.kind == "f" else a)
+         for n, a in chunked(7, R=R, HV=HV, NC=NC, C=C, K=K, V=V).items()}
+    act = jitted(S.ReferenceGate())(KDAConfig(scale=1.0), x["q"], x["k"], -jnp.abs(x["q"]) * 0.1, x["beta"], None,
+                                    None, L.valid, reset=L.reset)
+    G = act.G
+    Akk = jitted(S.ReferenceIntra())(x["scale"], x["q"], x["k"], x["beta"], G, reset=L.reset).Akk
+    wy = jitted(S.ReferenceWY())(x["q"], x["k"], x["v"], x["beta"], G, Akk, reset=L.reset)
+    h, dh = (rand_like(jnp.zeros((R, HV, NC, K, V), jnp.float32), s) for s in (1, 2))
+    v_new, do, dv_new = (rand_like(x["v"], s) for s in (3, 4, 5))
+    tok = np.arange(NC * C).reshape(1, 1, NC, C, 1)
+    ours = (tok >= 16) & (tok < 29)  # sequence 4 (tokens 16..28), the first of chunk 1
+    # chunk 1's start state and dv_new at 1e20: dw's row 20 overflows (V terms of 1e40)
+    h_big = jnp.where(jnp.arange(NC)[:, None, None] == 1, 1e20, h)
+    dv_big = jnp.where(jnp.asarray(ours & (tok == 20)), 1e20, dv_new)
+    call = lambda stage, h, dv_new: jitted(stage)(x["scale"], x["q"], x["k"], x["v"], x["beta"], G, Akk, wy.qg,
+                                                  wy.kg, h, dh, v_new, do, dv_new, reset=L.reset)
+    kw = dict(target=target, interpret=interpret)
+    base = call(P.PallasWYDqkg(**kw), h, dv_new)
+    got = call(P.PallasWYDqkg(**kw), h_big, dv_big)
+    want = call(S.ReferenceWYDqkg(), h_big, dv_big)
+    rest = ~ours & np.asarray(L.valid)[:, None, :, :, None]  # [R, 1, NC, C, 1]
+    for name in ("dq", "dk", "dv", "dbeta", "dG", "dL"):
+        a, b, ref = (np.asarray(getattr(o, name)) for o in (got, base, want))
+        a_, b_, ref_ = (y.reshape(y.shape[:4] + (-1,)) if y.ndim > 4 else y[..., None] for y in (a, b, ref))
+        keep = np.broadcast_to(rest, a_.shape[:4] + (1,))[..., 0]
+        np.testing.assert_array_equal(a_[keep], b_[keep], err_msg=f"{name}: the other sequences")
+        np.testing.assert_array_equal(np.isfinite(a), np.isfinite(ref), err_msg=f"{name}: where it is not finite")
+        both = np.isfinite(a) & np.isfinite(ref)
+        assert_close(np.where(both, a, 0), np.where(both, ref, 0), 1e-5, name)
+    for name in ("dk", "dbeta", "dG", "dL"):  # rows 16..20 of sequence 4: reached
+        assert not np.isfinite(np.asarray(getattr(got, name))).all(), name
+
+
 # Views of the caller's arrays (kdax._layouts.tokens): float64 read as such, bf16 read as float32,
 # on Triton (interpreted, and compiled where there is a device); TPU blocks take the copy,
 # checked once.
