@@ -366,6 +366,19 @@ def test_wy_stages_with_resets(target, interpret, dtype, tol, lo):
     assert across.any() and np.all(np.asarray(got.dL)[np.broadcast_to(across, got.dL.shape)] == 0)
 
 
+def _shared_chunk_inputs(seed):
+    """``(layout, chunked inputs, G, F2's outputs)``: sequences ``SHARED_CU`` sharing chunks
+    of 16 (HV=2, K=12, V=6, float32), G and F2's outputs from the reference stages."""
+    C, K, V, HV = 16, 12, 6, 2
+    L = make_shared_layout(45, C, jnp.asarray(SHARED_CU, jnp.int32))
+    R, NC = L.valid.shape[:2]
+    x = {n: (a.astype(jnp.float32) if hasattr(a, "dtype") and a.dtype.kind == "f" else a)
+         for n, a in chunked(seed, R=R, HV=HV, NC=NC, C=C, K=K, V=V).items()}
+    G = jitted(S.ReferenceGate())(KDAConfig(scale=1.0), x["q"], x["k"], -jnp.abs(x["q"]) * 0.1, x["beta"], None,
+                                  None, L.valid, reset=L.reset).G
+    return L, x, G, jitted(S.ReferenceIntra())(x["scale"], x["q"], x["k"], x["beta"], G, reset=L.reset)
+
+
 @pytest.mark.parametrize("target,interpret", MODES[:2])
 def test_forward_products_keep_an_overflow_in_its_sequence(target, interpret):
     """Shared chunks: inf in one sequence's keys, values, ``v_new`` rows and start state
@@ -374,15 +387,8 @@ def test_forward_products_keep_an_overflow_in_its_sequence(target, interpret):
     non-finite; the finite ones close); every other sequence's entries are bit-identical to those of a
     call without the inf (``lower_dot(..., seg)``: the zeros between sequences never meet
     it). Before: the rows after it in the chunk, of every sequence, were NaN."""
-    C, K, V, HV = 16, 12, 6, 2
-    L = make_shared_layout(45, C, jnp.asarray(SHARED_CU, jnp.int32))
-    R, NC = L.valid.shape[:2]
-    x = {n: (a.astype(jnp.float32) if hasattr(a, "dtype") and a.dtype.kind == "f" else a)
-         for n, a in chunked(5, R=R, HV=HV, NC=NC, C=C, K=K, V=V).items()}
-    act = jitted(S.ReferenceGate())(KDAConfig(scale=1.0), x["q"], x["k"], -jnp.abs(x["q"]) * 0.1, x["beta"], None,
-                                    None, L.valid, reset=L.reset)
-    G = act.G
-    intra = jitted(S.ReferenceIntra())(x["scale"], x["q"], x["k"], x["beta"], G, reset=L.reset)
+    L, x, G, intra = _shared_chunk_inputs(5)
+    (R, HV, NC, C, K), V = x["q"].shape, x["v"].shape[-1]
     Aqk, Akk = intra.Aqk, intra.Akk
     tok = np.arange(NC * C).reshape(1, 1, NC, C, 1)
     ours = jnp.asarray((tok >= 16) & (tok < 29))  # sequence 4 (tokens 16..28): its own chunk's start, then chunk 1
@@ -425,15 +431,8 @@ def test_wy_dqkg_finds_a_dw_row_that_overflows_from_finite_operands(target, inte
     ``dbeta``, ``dG`` and ``dL`` the row reaches in its own sequence), the finite ones close,
     and every other sequence's entries bit-identical to those of a call without it.
     Before: those rows came back finite (the row read as zero)."""
-    C, K, V, HV = 16, 12, 6, 2
-    L = make_shared_layout(45, C, jnp.asarray(SHARED_CU, jnp.int32))
-    R, NC = L.valid.shape[:2]
-    x = {n: (a.astype(jnp.float32) if hasattr(a, "dtype") and a.dtype.kind == "f" else a)
-         for n, a in chunked(7, R=R, HV=HV, NC=NC, C=C, K=K, V=V).items()}
-    act = jitted(S.ReferenceGate())(KDAConfig(scale=1.0), x["q"], x["k"], -jnp.abs(x["q"]) * 0.1, x["beta"], None,
-                                    None, L.valid, reset=L.reset)
-    G = act.G
-    Akk = jitted(S.ReferenceIntra())(x["scale"], x["q"], x["k"], x["beta"], G, reset=L.reset).Akk
+    L, x, G, intra = _shared_chunk_inputs(7)
+    (R, HV, NC, C, K), V, Akk = x["q"].shape, x["v"].shape[-1], intra.Akk
     wy = jitted(S.ReferenceWY())(x["q"], x["k"], x["v"], x["beta"], G, Akk, reset=L.reset)
     h, dh = (rand_like(jnp.zeros((R, HV, NC, K, V), jnp.float32), s) for s in (1, 2))
     v_new, do, dv_new = (rand_like(x["v"], s) for s in (3, 4, 5))
