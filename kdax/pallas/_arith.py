@@ -157,7 +157,7 @@ def segment_masks(seg):
 
 def nonfinite_rows(X):
     """``[C, 1]``: 1 where row i of ``X [C, D]`` holds a NaN or inf, else 0 (X's dtype)."""
-    return jnp.max((~(jnp.abs(X) < jnp.inf)).astype(X.dtype), axis=1, keepdims=True)
+    return jnp.max(nonfinite(X).astype(X.dtype), axis=1, keepdims=True)
 
 
 def masked_exp(mask, diff):

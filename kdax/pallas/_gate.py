@@ -405,7 +405,7 @@ class PallasGateBackward(AbstractGateBackward, PallasTarget):
         if reset is not None:  # (dG's non-finite entries apart: _segment_sums)
             reached = reached_rows(jnp.any(nonfinite(dG), axis=-1), reset, later=True)
             masks.append(flat(jnp.where(reached, jnp.nan, 0.0).astype(dq.dtype)))
-            dG = jnp.where(jnp.abs(dG) < jnp.inf, dG, 0.0)
+            dG = jnp.where(nonfinite(dG), 0.0, dG)
         ins += masks
         specs += [s1] * len(masks)
         p_arrays, p_specs, has = _params(cfg, self.target, HV, K, A_log, dt_bias)
