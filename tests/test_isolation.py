@@ -517,3 +517,12 @@ def test_float32_overflow_stays_in_its_sequence_with_options(cu, C, HV, options)
     names = ("v", "q") if options.get("use_qk_l2norm_in_kernel") else ("k", "v")
     injections = [(n, size, bad) for n in names for size, bad in [(1e19, 1), (1e38, 3)]]
     _overflow_stays(cu, C, True, True, HV=HV, injections=injections, **options)
+
+
+@pytest.mark.parametrize("tuning", ["fastest-modelled", "candidate-rows16-f2"])
+def test_float32_overflow_in_a_shared_chunk_stays_in_its_sequence_triton_presets(tuning):
+    """As the Pallas test above, with the Triton tunings whose F2 inverse does not select its
+    products by sequence (16 warps; ``rows`` 16: the selects spilled on sm_90)."""
+    pipe = kdax.KDAPipeline.pallas("triton", interpret=True, tuning=tuning)
+    _overflow_stays(CU_OVERFLOW, 16, True, True, pipeline=dataclasses.replace(pipe, fallback=False),
+                    injections=[("k", 1e19, 3), ("k", 1e19, 1), ("k", 1e38, 1), ("v", 1e38, 4)])

@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 from .._numerics import precision as _precision
 from .._stage_protocol.final import final
 from ..stages import KDA, AbstractIntra, AbstractIntraBackward, ChunkGrads, IntraOut
-from ._arith import Products, decay
+from ._arith import Products, decay, nonfinite
 from ._common import (
     PallasFeatureBlocks, blockwise, chunk_spec, col_of, flat, idiv, iota, loop, ref_or_none, row_of, row_or_none,
     tuned, unflat,
@@ -251,31 +251,51 @@ class PallasIntra(AbstractIntra, PallasFeatureBlocks):
         specs = [spec, spec, spec, chunk_spec((C, 1))]
         if G_lo is not None:
             ins, specs = ins + (self.padded(G_lo),), specs + [spec]
-        if reset is not None:  # each token's sequence within its chunk, as a column and as a row
-            extra, extra_specs = segment_operands(reset, HV)
-            ins, specs = ins + extra, specs + extra_specs
+        shared = reset is not None
+        if shared:  # each token's sequence within its chunk, as a column and as a row
+            seg, seg_specs = segment_operands(reset, HV)
+            ins, specs = ins + seg, specs + seg_specs
         blocks = self.feature_blocks(ins[0].shape[-1])
         stored = _precision.storage(q.dtype, precision)  # (bf16 under "fast")
+        outs = [(C, C)] + [(C, 1)] * shared
         if self.target == "triton" and self.rows != 64:
             B = min(self.rows, C)
             mm = self.products(precision)
-            kernel = intra_rows_scores_kernel(mm, scale, C, B, blocks, G_lo is not None, reset is not None)
+            kernel = intra_rows_scores_kernel(mm, scale, C, B, blocks, G_lo is not None, shared)
             Aqk, L = scores_rows_call(kernel, ins, C, B, R * HV, NC, stored, self.run_interpreted,
                                       self.triton_params())
-            shared = reset is not None
-            Akk, *bad = self.call(intra_solve_kernel(mm, precision == "fast", shared), [L], [chunk_spec((C, C))],
-                                  [(C, C)] + [(C, 1)] * shared, R * HV, NC, [stored] + [L.dtype] * shared)
+            solve = lambda isolate: self.call(  # noqa: E731
+                intra_solve_kernel(mm, precision == "fast", shared, isolate), [L, *seg] if isolate else [L],
+                [chunk_spec((C, C)), *seg_specs] if isolate else [chunk_spec((C, C))], outs, R * HV, NC,
+                [stored] + [L.dtype] * shared)
+            Akk, *bad = solve(False)
+            if shared:
+                Akk = _isolated(Akk, lambda: solve(True)[0])
             return IntraOut(unflat(Aqk, R, HV), _akk(Akk, bad, reset, R, HV))
         if self.target == "triton":
-            kernel = intra_levels_kernel(self.products(precision), scale, C, blocks, G_lo is not None, reset is not None,
-                                         precision == "fast", isolate_inverse=self.num_warps <= 8)
-        else:
-            kernel = intra_chunk_kernel(self.products(precision), scale, C, self.block, blocks, G_lo is not None,
-                                        reset is not None)
-        shared = reset is not None
-        Aqk, Akk, *bad = self.call(kernel, ins, specs, [(C, C), (C, C)] + [(C, 1)] * shared, R * HV, NC,
+            levels = lambda isolate: self.call(  # noqa: E731
+                intra_levels_kernel(self.products(precision), scale, C, blocks, G_lo is not None, shared,
+                                    precision == "fast", isolate_inverse=isolate),
+                ins, specs, [(C, C)] + outs, R * HV, NC, [stored, stored] + [beta.dtype] * shared)
+            Aqk, Akk, *bad = levels(self.num_warps <= 8)
+            if shared and self.num_warps > 8:
+                Akk = _isolated(Akk, lambda: levels(True)[1])
+            return IntraOut(unflat(Aqk, R, HV), _akk(Akk, bad, reset, R, HV))
+        kernel = intra_chunk_kernel(self.products(precision), scale, C, self.block, blocks, G_lo is not None, shared)
+        Aqk, Akk, *bad = self.call(kernel, ins, specs, [(C, C)] + outs, R * HV, NC,
                                    [stored, stored] + [beta.dtype] * shared)
         return IntraOut(unflat(Aqk, R, HV), _akk(Akk, bad, reset, R, HV))
+
+
+def _isolated(Akk, rerun):
+    """Shared chunks, a Triton F2 whose inverse does not select its products by sequence
+    (16 warps; ``rows`` 16 or 32: the selects spilled on sm_90): ``Akk`` ``[P, NC, C, C]``,
+    or where any entry is not finite, ``rerun()``, the kernel with the selects. The kernel
+    zeroes ``L``'s own non-finite entries, so such an entry is an inverse that overflowed
+    from a finite ``L`` and may have met the zeros between sequences (``0 * inf``); the
+    selects leave every entry of a finite inverse as it was, so the other sequences' entries
+    are the first kernel's. The price on every shared-chunk call: one pass over ``Akk``."""
+    return jax.lax.cond(jnp.any(nonfinite(Akk)), rerun, lambda: Akk)
 
 
 def _akk(Akk, bad, reset, R: int, HV: int):

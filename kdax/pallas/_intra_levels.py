@@ -192,7 +192,8 @@ def intra_levels_kernel(mm: Products, scale: float, C: int, blocks, has_lo: bool
     column, and reaches no earlier row (``marked_inverse``) nor another sequence's
     (``finite_inverse``; an inverse that overflows from a finite ``L`` is kept to its
     sequence by ``isolate_inverse``, the doubling's products selected by sequence: at 16
-    warps that spilled 24 B a thread on sm_90, so there the stage leaves it out)."""
+    warps that spilled 24 B a thread on sm_90, so there the stage runs it only on a call
+    whose inverse overflowed, ``kdax.pallas._intra._isolated``)."""
 
     def kernel(*refs):
         q_ref, k_ref, g_ref, b_ref, lo_ref, seg, aqk_ref, akk_ref, bad_ref = f2_refs(refs, has_lo, has_reset)

@@ -145,19 +145,22 @@ def intra_rows_scores_kernel(mm: Products, scale: float, C: int, B: int, blocks,
     return kernel
 
 
-def intra_solve_kernel(mm: Products, fast: bool, has_reset: bool = False):
+def intra_solve_kernel(mm: Products, fast: bool, has_reset: bool = False, isolate: bool = False):
     """F2's ``(I + L)^-1`` from the stored ``L`` of one chunk: ``intra_levels_kernel``'s
     tail, the same code on the same ``L`` (``marked_inverse`` of
     ``doubling_unit_lower_inverse``, float32 products, plain TF32 under ``fast``; with
-    ``has_reset``, as ``finite_inverse``: its bad rows a second output; the doubling's
-    products not selected by sequence, ``intra_levels_kernel``'s ``isolate_inverse``: at
-    four warps that took 173 registers of the 165 that fit several CTAs an SM, 88 B of
-    spills under "bfloat16"). (In ``[16, 16]``
-    blocks, the zero blocks left out, sm_90 at 4 warps took 137 registers under "fast"
-    against 165, 255 against 239 under "bfloat16", and 2.5x the instructions.)"""
+    ``has_reset``, as ``finite_inverse``: its bad rows a second output). ``isolate``
+    (shared chunks; the segment operands after ``L``): the doubling's products selected by
+    sequence, ``intra_levels_kernel``'s ``isolate_inverse``. At four warps that took 173
+    registers of the 165 that fit several CTAs an SM, 88 B of spills under "bfloat16", so
+    the stage runs it only on a call whose inverse overflowed (``PallasIntra``). (In
+    ``[16, 16]`` blocks, the zero blocks left out, sm_90 at 4 warps took 137 registers
+    under "fast" against 165, 255 against 239 under "bfloat16", and 2.5x the
+    instructions.)"""
 
-    def kernel(l_ref, akk_ref, *bad_ref):
-        inverse = functools.partial(doubling_unit_lower_inverse, mm.float32(), plain_tf32=fast)
+    def kernel(l_ref, *refs):
+        seg, (akk_ref, *bad_ref) = (refs[:2], refs[2:]) if isolate else (None, refs)
+        inverse = functools.partial(doubling_unit_lower_inverse, mm.float32(), plain_tf32=fast, seg=seg)
         if has_reset:  # (L's bad rows written first: held across the inverse, 30 registers more)
             bad_ref[0][...] = nonfinite_rows(l_ref[...])
             put(akk_ref, ..., inverse(jnp.where(jnp.abs(l_ref[...]) < jnp.inf, l_ref[...], 0.0)))

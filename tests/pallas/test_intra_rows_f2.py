@@ -130,6 +130,20 @@ def test_rows_field_checked():
     assert P.PallasIntra(target="triton").rows == 64
 
 
+@pytest.mark.parametrize("fields", [dict(rows=16), pytest.param(dict(num_warps=16), marks=pytest.mark.slow)],
+                         ids=["rows16", "16-warps"])
+def test_check_stage_passes_the_presets_f2(fields):
+    """``kdax.testing.check_stage`` passes the F2 of the ``candidate-rows16-f2`` and
+    ``fastest-modelled`` tunings, its ``reset`` check's "overflow" row included (an inverse
+    that overflows in one sequence leaves the others bit for bit: the stage runs the kernel
+    again with its products selected by sequence, ``kdax.pallas._intra._isolated``). Before,
+    that row failed for both (about 10 s each)."""
+    from kdax.testing import check_stage
+
+    report = check_stage(P.PallasIntra(target="triton", interpret=True, **fields), "intra")
+    assert report.ok, report.names_failed
+
+
 def _f2_kernels(policy: str, tuning: dict, packed: bool) -> dict:
     """``captured`` TTIR of F2's Triton kernels at K = 128, chunk 64 (as
     ``tests/pallas/_triton.py``'s ``chunk_kernels``, which expects one kernel a stage), with

@@ -460,6 +460,51 @@ def test_wy_dqkg_finds_a_dw_row_that_overflows_from_finite_operands(target, inte
         assert not np.isfinite(np.asarray(getattr(got, name))).all(), name
 
 
+@pytest.mark.parametrize("fields", [dict(num_warps=16), dict(rows=16), dict(rows=32)],
+                         ids=["16-warps", "rows16", "rows32"])
+def test_intra_inverse_overflow_stays_in_its_sequence_without_the_selects(fields):
+    """Triton's F2 at 16 warps or on smaller programs (the ``fastest-modelled`` and
+    ``candidate-rows16-f2`` tunings) inverts without selecting the doubling's products by
+    sequence. Shared chunks, one sequence's keys at 1e19 (``L`` finite, its inverse
+    overflows): every other sequence's ``Aqk`` and ``Akk`` entries are bit-identical to
+    those of a call without it, and ``Akk``'s non-finite entries those of the whole-chunk
+    kernel with the selects (8 warps), a superset of the reference's; the stage ran the
+    kernel again with the selects (``_isolated``). A dense call has no such second kernel."""
+    L, x, G, _ = _shared_chunk_inputs(5)
+    (R, HV, NC, C, K) = x["q"].shape
+    tok = np.arange(NC * C).reshape(1, 1, NC, C, 1)
+    ours = (tok >= 16) & (tok < 29)  # sequence 4 (tokens 16..28): chunk 0's end, then chunk 1
+    big = jnp.where(jnp.asarray(ours & (tok >= 18)), x["k"] * 1e19, x["k"])
+    call = lambda stage, k: jitted(stage)(x["scale"], x["q"], k, x["beta"], G, reset=L.reset)  # noqa: E731
+    stage = P.PallasIntra(target="triton", interpret=True, **fields)
+    base, got = call(stage, x["k"]), call(stage, big)
+    selected = call(P.PallasIntra(target="triton", interpret=True), big)
+    want = call(S.ReferenceIntra(), big)
+    rest = np.broadcast_to(~ours & np.asarray(L.valid)[:, None, :, :, None], (R, HV, NC, C, 1))[..., 0]
+    for name in ("Aqk", "Akk"):
+        a, b = np.asarray(getattr(got, name)), np.asarray(getattr(base, name))
+        np.testing.assert_array_equal(a[rest], b[rest], err_msg=f"{name}: the other sequences")
+    a, ref = np.asarray(got.Akk), np.asarray(want.Akk)
+    np.testing.assert_array_equal(np.isfinite(a), np.isfinite(np.asarray(selected.Akk)))
+    assert not np.isfinite(a).all() and (np.isfinite(a) <= np.isfinite(ref)).all()
+    both = np.isfinite(a) & np.isfinite(ref)
+    assert_close(np.where(both, a, 0), np.where(both, ref, 0), 1e-5, "Akk")
+    around = lambda **kw: _outside_kernels(jax.make_jaxpr(  # noqa: E731
+        lambda *a: stage(x["scale"], *a, **kw))(x["q"], x["k"], x["beta"], G).jaxpr)
+    assert "cond" not in around() and around(reset=L.reset).count("cond") == 1
+
+
+def _outside_kernels(jaxpr) -> list:
+    """The primitives of ``jaxpr`` and of the jaxprs it calls, outside Pallas kernels."""
+    names = []
+    for e in jaxpr.eqns:
+        names.append(e.primitive.name)
+        if e.primitive.name != "pallas_call":
+            for sub in jax.extend.core.jaxprs_in_params(e.params):
+                names += _outside_kernels(sub)
+    return names
+
+
 # Views of the caller's arrays (kdax._layouts.tokens): float64 read as such, bf16 read as float32,
 # on Triton (interpreted, and compiled where there is a device); TPU blocks take the copy,
 # checked once.
