@@ -3,9 +3,12 @@ layout: a serving prefill, a packed batch) against another revision's (``kdax_ba
 exported as ``benchmarks/stage_ab.py`` does): float32, the main job's shape by default
 (B=1 T=4096 H=8 K=V=128), N sequences cut at random, with and without initial and final
 states. The two are called alternately ``--rounds`` times; medians and bests, their
-ratio, and the largest difference of the outputs and final states.
+ratio, and the largest difference of the outputs and final states. ``--step``: the
+training step instead (the gradients of q, k, v, g, beta and the initial states of
+``sum(o w) + sum(ht W)``, the second term where the case has final states, fixed random
+``w``, ``W``), and the largest difference of the gradients.
 
-    python benchmarks/packed_ab.py [--base REV] [--n 16] [--rounds 7] [--fresh]
+    python benchmarks/packed_ab.py [--base REV] [--n 16] [--rounds 7] [--fresh] [--step]
 
 ``--fresh`` leaves ``kdax.reuse_freed_memory`` off (a program's temporaries in fresh pages
 every call, as in a process that does not set it); by default it is on, as in
@@ -21,14 +24,24 @@ CASES = (("no states", False, False), ("final states", False, True), ("initial s
          ("initial and final", True, True))
 
 
-def run_case(mods, name, h0, fs, inputs, rounds):
+def run_case(mods, name, h0, fs, inputs, rounds, step=False):
     import jax
+    import jax.numpy as jnp
     from stage_ab import maxdiff, timed
 
     q, k, v, g, beta, cu, states = inputs
-    kw = dict(cu_seqlens=cu, initial_state=states if h0 else None, output_final_state=fs)
-    fns = [jax.jit(lambda *a, m=m: m.chunk_kda(*a, **kw)) for m in mods]
-    args = (q, k, v, g, beta)
+    kw = dict(cu_seqlens=cu, output_final_state=fs)
+    calls = [lambda *a, m=m: m.chunk_kda(*a[:5], initial_state=a[5] if h0 else None, **kw) for m in mods]
+    fns = [jax.jit(c) for c in calls]
+    if step:
+        w, W = jnp.cos(v), jnp.sin(states)  # (fixed weights of the loss)
+
+        def loss(call, *a):
+            o, ht = call(*a)
+            return jnp.sum(o * w) + (jnp.sum(ht * W) if fs else 0.0)
+
+        fns = [jax.jit(jax.grad(lambda *a, c=c: loss(c, *a), argnums=tuple(range(5 + h0)))) for c in calls]
+    args = (q, k, v, g, beta, states)
     diff = maxdiff(*(fn(*args) for fn in fns))
     ts, _ = timed(fns, [args] * len(fns), rounds)
     med, best = [float(np.median(t)) for t in ts], [min(t) for t in ts]
@@ -45,6 +58,7 @@ def main(argv=None):
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--fresh", action="store_true")
+    p.add_argument("--step", action="store_true", help="the training step instead of the forward")
     a = p.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from stage_ab import export_base
@@ -66,11 +80,11 @@ def main(argv=None):
     g, beta = -jax.nn.softplus(f(1, T, H, K) - 3), jax.nn.sigmoid(f(1, T, H))
     cu = jnp.asarray([0] + sorted(r.choice(np.arange(1, T), a.n - 1, replace=False).tolist()) + [T], jnp.int32)
     inputs = (q, k, v, g, beta, cu, f(a.n, H, K, K) * 0.1)
-    lines = [f"chunk_kda forward, packed: base {sha} vs this tree, float32 T={T} H={H} K=V={K}, {a.n} sequences, "
+    lines = [f"chunk_kda {'training step' if a.step else 'forward'}, packed: base {sha} vs this tree, float32 T={T} H={H} K=V={K}, {a.n} sequences, "
              f"{'fresh memory' if a.fresh else 'reuse_freed_memory'}, {a.rounds} rounds"]
     print(lines[0], flush=True)
     for name, h0, fs in CASES:
-        lines.append(run_case((kdax_base, kdax), name, h0, fs, inputs, a.rounds))
+        lines.append(run_case((kdax_base, kdax), name, h0, fs, inputs, a.rounds, a.step))
         print(lines[-1], flush=True)
     return lines
 

@@ -16,7 +16,7 @@ from ._layouts.tokens import Tokens, as_chunked, chunked_cotangent
 from ._numerics import precision as _precision
 from ._numerics.chunk_loops import check_chunk_loops
 from . import _plan
-from ._stage_protocol.capabilities import reads_tokens
+from ._stage_protocol.capabilities import capabilities, reads_tokens
 from ._runner.contracts import STAGES, check_families
 from ._runner.routes import check_transposes
 from ._runner.forward import ForwardRoute, backward_hooks, forward_route, on_route
@@ -218,16 +218,17 @@ class KDAPipeline(eqx.Module):
         v_out = ext.v_out(c.v_new)
         dAqk, dv_intra = self.run_stage("dav", v_new=v_out, Aqk=res.Aqk, do=doc)  # B1
         dv_intra, extra = ext.after_dav(dv_intra, k=act.k, G=act.G, v_out=v_out, h=c.h)
+        start = ext.dh_start(extra) if capabilities(type(self.dhu)).dh_start else None
 
-        def dhu(do_, dv_intra_, dht_, layout):  # B2
+        def dhu(do_, dv_intra_, dht_, layout, dh_start=None):  # B2
             return self.run_stage("dhu", scale=cfg.scale, qg=c.qg, kg=c.kg, w=c.w, G=act.G, do=do_,
-                                  dv_intra=dv_intra_, dht=dht_, layout=layout, reset=L.reset)
+                                  dv_intra=dv_intra_, dht=dht_, layout=layout, reset=L.reset, dh_start=dh_start)
 
         def dhu_from_states(dht, layout):  # (a layout's extra B2 pass: no do, no dv_intra)
             zeros = jnp.zeros_like(doc)
             return dhu(zeros, zeros, dht, layout())
 
-        dh, extra = ext.after_dhu(dhu(doc, dv_intra, dht, L), dhu_from_states, extra)
+        dh, extra = ext.after_dhu(dhu(doc, dv_intra, dht, L, start), dhu_from_states, extra, start is not None)
         grads = self.run_stage(  # B3
             "wy_dqkg", scale=cfg.scale, q=act.q, k=act.k, v=res.v, beta=act.beta, G=act.G, Akk=res.Akk, qg=c.qg,
             kg=c.kg, h=c.h, dh=dh.dh, v_new=c.v_new, do=doc, dv_new=dh.dv_new, G_lo=act.G_lo, reset=L.reset, final=final,

@@ -18,8 +18,10 @@ from kdax.stages import (
     KDA,
     AbstractGate,
     AbstractIntra,
+    AbstractDhu,
     AbstractIntraBackward,
     AbstractWY,
+    ReferenceDhu,
     ReferenceGate,
     ReferenceIntra,
     ReferenceIntraBackward,
@@ -288,3 +290,45 @@ def test_false_declarations_of_other_math_change_no_number():
         _assert_bitwise(_grads(tiled, x, do, dht, **opts), _grads(whole, x, do, dht, **opts), "ZeroStartState")
     # (kdax.testing reports both declarations: tests/test_testing.py's test_false_reset_fails and
     # test_false_tile_safe_fails check these two stages)
+
+
+_B2_CALLS = []
+
+
+class CountedDhu(AbstractDhu):
+    """The reference B2 without ``dh_start``, noting each call (at trace time)."""
+
+    transposes: ClassVar = {"state": KDA, "output": KDA}
+    accepts: ClassVar[frozenset] = frozenset({"reset"})
+
+    def __call__(self, scale, qg, kg, w, G, do, dv_intra, dht, layout, reset=None, **kw):
+        _B2_CALLS.append(sorted(kw))
+        return ReferenceDhu()(scale, qg, kg, w, G, do, dv_intra, dht, layout, reset, **kw)
+
+
+class CountedDhuStart(CountedDhu):
+    accepts: ClassVar[frozenset] = frozenset({"reset", "dh_start"})
+
+
+@pytest.mark.parametrize("initial", [False, True], ids=["final-states", "both"])
+def test_b2_takes_the_final_states_cotangents_in_its_own_pass(initial):
+    """Packed sequences sharing chunks, a loss on the final states (with and without initial
+    states entering): a B2 declaring ``dh_start`` runs once, given the chunk-start states'
+    cotangents; one without it runs twice (again on those alone); the gradients agree to
+    float64 rounding and with the oracle's."""
+    cu = jnp.asarray([0, 9, 40, 41, 77, 150], jnp.int32)
+    x = make_inputs(seed=4, B=1, T=150, H=2, N=5, h0=initial)
+    opts = dict(cu_seqlens=cu, chunk_size=16, output_final_state=True)
+    r = np.random.default_rng(5)
+    do = jnp.asarray(r.normal(size=x["v"].shape))
+    dht = jnp.asarray(r.normal(size=(5, 2, 16, 16)))
+    got = {}
+    for stage, passes in ((CountedDhuStart(), 1), (CountedDhu(), 2)):
+        pipe = eqx.tree_at(lambda p: p.dhu, kdax.KDAPipeline.reference(), stage)
+        _B2_CALLS.clear()
+        got[passes] = outputs_and_grads(lambda *a, **kw: kdax.chunk_kda(*a, pipeline=pipe, **kw), x, opts, do, dht)
+        assert len(_B2_CALLS) == passes and _B2_CALLS[0] == ["dh_start"] * (passes == 1), _B2_CALLS
+    o_ref, ht_ref, want = outputs_and_grads(oracle_kda, x, opts, do, dht)
+    for n in want:
+        assert_close(got[1][2][n], got[2][2][n], 1e-12, f"d{n}: one pass vs two")
+        assert_close(got[1][2][n], want[n], 1e-10, f"d{n} vs the oracle")

@@ -15,12 +15,14 @@ import kdax
 from kdax.stages import (
     KDA,
     AbstractDAv,
+    AbstractDhu,
     AbstractGate,
     AbstractIntra,
     AbstractOutput,
     AbstractState,
     AbstractWY,
     ReferenceDAv,
+    ReferenceDhu,
     ReferenceGate,
     ReferenceIntra,
     ReferenceOutput,
@@ -318,6 +320,31 @@ def test_false_half_stored_fails():
     report = check_stage(MisreadsHalfOutput(), "output", **_small())
     _assert_fails(report, "half_stored")
     assert "declares `half_stored`" in next(c for c in report.failed if c.name == "half_stored").detail
+
+
+class EndNotStartDhu(AbstractDhu):
+    """A B2 declaring ``dh_start`` that adds it to ``dh`` at each chunk's end and carries it
+    no further: the reference's numbers wherever the pipeline passes none."""
+
+    transposes: ClassVar = {"state": KDA, "output": KDA}
+    accepts: ClassVar[frozenset] = frozenset({"reset", "dh_start"})
+
+    def __call__(self, scale, qg, kg, w, G, do, dv_intra, dht, layout, reset=None, *, dh_start=None):
+        out = ReferenceDhu()(scale, qg, kg, w, G, do, dv_intra, dht, layout, reset)
+        return out if dh_start is None else dataclasses.replace(out, dh=out.dh + dh_start)
+
+
+def test_false_dh_start_fails():
+    """``dh_start``'s row (dense and shared chunks: random cotangents against the same entering
+    through ``scale qg^T do``) fails a B2 that misplaces them; so do, on shared chunks (whose
+    recorded loss reads the final states, so the pipeline passes ``dh_start`` there), the
+    reference and ``reset`` rows, and nothing else. The reference B2 passes the row."""
+    report = check_stage(EndNotStartDhu(), "dhu", **_small())
+    assert {"dh_start", "reference", "reset"} == report.names_failed, str(report)
+    assert {c.case for c in report.failed if c.name == "reference"} == {"shared f64", "shared-exact f64"}, str(report)
+    assert "declares `dh_start`" in next(c for c in report.failed if c.name == "dh_start").detail
+    rows = [c for c in check_stage(ReferenceDhu(), "dhu", **_small()).checks if c.name == "dh_start"]
+    assert [c.case for c in rows] == ["dense f64", "shared f64"] and all(c.passed for c in rows), rows
 
 
 class SignSlipGLoIntra(AbstractIntra):

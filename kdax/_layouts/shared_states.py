@@ -4,8 +4,9 @@
 Sequence n (tokens s..e) ending in chunk c has the final state
 ``S_n = e^(G_e) h_c [if it began before c] + sum_j (k_j e^(G_e - G_j)) v_new_j^T`` over
 its tokens j in chunk c (``shared_finals``). A loss on them reaches ``k``, ``G``,
-``v_new`` of those tokens and ``h_c`` (``jax.vjp``), which B2 runs back once more as a
-``dht`` entering at chunk c - 1's end (``entry_layout``)."""
+``v_new`` of those tokens and ``h_c`` (``jax.vjp``), which a B2 declaring ``dh_start`` adds
+in its own pass, and B2 otherwise runs back once more as a ``dht`` entering at chunk c - 1's
+end (``entry_layout``)."""
 
 import collections
 import dataclasses
@@ -379,9 +380,12 @@ class SharedChunkHooks:
         d = finals_vjp(L, cu, fin, primals, self.dht)  # d_k, d_G, d_v, d_h, d_a, d_h0
         return dv_intra + d[2].astype(dv_intra.dtype), SharedBackward(fin=d)
 
-    def after_dhu(self, dhu, run_dhu, extra: SharedBackward) -> tuple:
+    def dh_start(self, extra: SharedBackward):  # (the final states' part of them, [1, HV, NC, K, V])
+        return None if extra.fin is None else extra.fin[3].astype(self.res.h0.dtype)
+
+    def after_dhu(self, dhu, run_dhu, extra: SharedBackward, took: bool = False) -> tuple:
         d_entries = dhu.dh0  # (entries: the cotangents of the states F4 loaded)
-        if extra.fin is None:
+        if extra.fin is None or took:  # (took: B2 had them as dh_start; its dh0 holds what reaches entries)
             return dhu, extra._replace(d_entries=d_entries)
         # The chunk-start states' cotangents from the final states, run back on their own.
         L, E, NC = self.L, self.E, self.L.num_chunks

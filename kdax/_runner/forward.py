@@ -59,8 +59,11 @@ class PlainHooks:
         """``(dv_intra, extra)``."""
         return dv_intra, None
 
-    def after_dhu(self, dhu, run_dhu, extra) -> tuple:
-        """``(dhu, extra)``; ``run_dhu(dht, layout)`` runs B2 again from states alone."""
+    def dh_start(self, extra):  # (the chunk-start states' cotangents B2 may add: ``dh_start``)
+        return None
+
+    def after_dhu(self, dhu, run_dhu, extra, took: bool = False) -> tuple:
+        """``(dhu, extra)``; ``run_dhu(dht, layout)`` runs B2 again from states alone (``took``: it had ``dh_start``)."""
         return dhu, extra
 
     def after_wy_dqkg(self, grads, extra, *, dv_intra, doc, Akk) -> tuple:

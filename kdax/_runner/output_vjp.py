@@ -4,8 +4,9 @@ and every other backward stage hand-written (``kdax._runner.routes.backward_rout
 ``do`` enters through three pieces of KDA's F5 (``o = scale qg h + Aqk v_new``); the VJP
 of an F5 of other math at ``do`` gives ``d_qg, d_h, d_Aqk, d_v_new``, which take their
 places: B1 is not run (``dAqk = d_Aqk``, ``dv_intra = d_v_new``); B2, linear in ``do``
-through ``scale qg^T do``, runs with ``qg`` the rows of the identity (``ceil(K / C)``
-passes, summed) and ``do = d_h / scale``; B3 runs with ``do = 0``, ``d_qg`` entering
+through ``scale qg^T do``, takes ``d_h`` as ``dh_start`` where it declares that (one pass),
+else runs with ``qg`` the rows of the identity (``ceil(K / C)`` passes, summed) and
+``do = d_h / scale``; B3 runs with ``do = 0``, ``d_qg`` entering
 through F3's ``qg = q e^G`` (``dq += d_qg e^G``, ``dG += qg d_qg``). B0, B4, B5 are
 unchanged. No ``reset`` table: F5 is not KDA's, so sequences keep chunks of their own."""
 
@@ -15,7 +16,8 @@ import equinox as eqx
 import jax.numpy as jnp
 
 from .._layouts.layout import pack
-from ..stages import ChunkGrads, DhuOut, ReferenceDhu
+from .._stage_protocol.capabilities import capabilities
+from ..stages import ChunkGrads, DhuOut
 from . import routes as _routes
 from .forward import PlainHooks
 from .residuals import KDAGrads
@@ -41,15 +43,16 @@ def backward(pipeline, res, do, dht) -> tuple:
         o, vjp = eqx.filter_vjp(f5, pipe.output, (c.qg, c.h, res.Aqk, c.v_new))
         _, (d_qg, d_h, d_Aqk, d_v) = vjp(doc.astype(o.dtype))
 
-    # B2, d_h entering through its `scale qg^T do` term: kdax's own B2 with d_h in that
-    # term's place (one pass), another C rows of the identity at a time (``qg`` block j of
-    # I_K: ones at row i, column j C + i; ``do`` rows [j C, (j + 1) C) of d_h, zero-padded).
+    # B2, d_h as the chunk-start states' cotangents: ``dh_start`` to a B2 declaring it (one pass),
+    # else through `scale qg^T do`, C rows of the identity at a time (``qg`` block j of I_K: ones
+    # at row i, column j C + i; ``do`` rows [j C, (j + 1) C) of d_h, zero-padded).
     C, K = c.qg.shape[-2:]
     d_h = d_h.astype(dt)
-    own = type(pipe.dhu) is ReferenceDhu
+    own = capabilities(type(pipe.dhu)).dh_start
     if own:
-        dh = pipe.dhu.with_source(kg=c.kg, w=c.w, G=act.G, src=d_h, dv_intra=d_v.astype(doc.dtype), dht=dht,
-                                  layout=L)
+        dh = pipe.run_stage("dhu", scale=cfg.scale, qg=jnp.zeros_like(c.qg), kg=c.kg, w=c.w, G=act.G,
+                            do=jnp.zeros_like(doc), dv_intra=d_v.astype(doc.dtype), dht=dht, layout=L, reset=None,
+                            dh_start=d_h)
     for j in range(0 if own else -(-K // C)):
         i, r = jnp.arange(C)[:, None], jnp.arange(K)[None, :]
         eye = jnp.broadcast_to((r == j * C + i).astype(c.qg.dtype), c.qg.shape)

@@ -10,8 +10,8 @@ from .._numerics import precision as _precision
 class Capabilities(NamedTuple):
     """What a stage class declares it accepts (its ``accepts``): ``G_lo``, ``reset``,
     ``tile_safe``, ``tokens`` (``Tokens`` views), ``half_stored``, ``final_grads`` (B3, B5),
-    ``zero_h0`` (F4, B0), ``precision`` (every kdax stage). docs/stages.md says what each
-    selects. A stage's formula is not a capability (``math``/``transposes``)."""
+    ``zero_h0`` (F4, B0), ``dh_start`` (B2), ``precision`` (every kdax stage). docs/stages.md
+    says what each selects. A stage's formula is not a capability (``math``/``transposes``)."""
 
     G_lo: bool
     reset: bool
@@ -20,6 +20,7 @@ class Capabilities(NamedTuple):
     half_stored: bool = False
     final_grads: bool = False
     zero_h0: bool = False
+    dh_start: bool = False
     precision: bool = False
 
 
@@ -43,10 +44,11 @@ def capabilities(cls: type) -> Capabilities:
 
 
 def negotiated(stage, kwargs: dict) -> dict:
-    """``kwargs`` as ``stage``'s capabilities allow: no ``final``, ``zero_h0``, ``G_lo`` unless
-    accepted, float32 copies of half-stored arrays and chunked copies of views unless declared."""
+    """``kwargs`` as ``stage``'s capabilities allow: no ``final``, ``zero_h0``, ``dh_start``, ``G_lo``
+    unless accepted, float32 copies of half-stored arrays and chunked copies of views unless declared."""
     caps = capabilities(type(stage))
-    unaccepted = {"final": not caps.final_grads, "zero_h0": not caps.zero_h0, "G_lo": not caps.G_lo}
+    unaccepted = {"final": not caps.final_grads, "zero_h0": not caps.zero_h0, "dh_start": not caps.dh_start,
+                  "G_lo": not caps.G_lo}
     kwargs = {n: x for n, x in kwargs.items() if not unaccepted.get(n)}
     if not caps.half_stored:
         kwargs = _precision.widened(kwargs)

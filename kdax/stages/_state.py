@@ -22,7 +22,7 @@ from .._numerics.arrays import mT, vary_like, zeros_after
 from .._numerics.chunk_loops import loop_unroll
 from .._stage_protocol.final import final
 from .._stage_protocol.output_specs import Specs
-from .._annotations import ChunkK, ChunkV, ChunkValid, SeqState
+from .._annotations import ChunkK, ChunkState, ChunkV, ChunkValid, SeqState
 from ._types import DhuOut, StateOut, KDA
 
 
@@ -342,7 +342,10 @@ class AbstractDhu(eqx.Module):
 
     Returns ``DhuOut``: ``dh`` ``[R, HV, NC, K, V]`` at each chunk's *end*, ``dh0``
     ``[N, HV, K, V]`` (``dht`` for a sequence of length 0), the full ``dv_new``.
-    ``reset`` as F4's."""
+    ``reset`` as F4's. A stage declaring ``dh_start`` may be given ``dh_start``
+    ``[R, HV, NC, K, V]``, cotangents of F4's chunk-start states ``h`` from outside the
+    recurrence (a loss on packed sequences' final states; a custom F5's VJP), added to each
+    chunk's start-state cotangent; without it the pipeline runs B2 once more on them."""
 
     # What the stage accepts beyond the required arguments (docs/stages.md,
     # "Capabilities"): a subset of {"G_lo", "reset", "tile_safe", "tokens"}.
@@ -382,25 +385,18 @@ class ReferenceDhu(AbstractDhu):
     """B2 as a reverse loop over chunks (``loop_unroll``: as in ``ReferenceState``)."""
 
     transposes: ClassVar[Mapping[str, str]] = MappingProxyType({"state": KDA, "output": KDA})
-    accepts: ClassVar[frozenset] = frozenset({"reset"})
+    accepts: ClassVar[frozenset] = frozenset({"reset", "dh_start"})
 
     loop_unroll: Union[int, Literal["auto"]] = eqx.field(static=True, default="auto")
 
-    def __call__(self, scale, qg, kg, w, G, do, dv_intra, dht, layout, reset=None, *, precision: str = "highest"):
+    def __call__(self, scale, qg, kg, w, G, do, dv_intra, dht, layout, reset=None, *,
+                 dh_start: Optional[ChunkState] = None, precision: str = "highest"):
         half = _precision.operand(precision, AbstractDhu)
-        source = lambda pick: scale * _mm(mT(pick(qg)), pick(do), half)  # (pick: a chunk, or each sequence's first)
-        deps = (qg, kg, w, G, do, dv_intra, dht)
+        own = lambda pick: scale * _mm(mT(pick(qg)), pick(do), half)  # (pick: a chunk, or each sequence's first)
+        source = own if dh_start is None else (lambda pick: own(pick) + pick(dh_start))
+        deps = (qg, kg, w, G, do, dv_intra, dht) + (() if dh_start is None else (dh_start,))
         return self._recurrence(kg, w, _decay(G, reset), source, dv_intra, dht, layout, deps, do, half,
                                 _guard(reset, kg.shape[1]))
-
-    def with_source(self, kg, w, G, src, dv_intra, dht, layout) -> DhuOut:
-        """This recurrence (no ``reset``) with ``src [R, HV, NC, K, V]`` added to each chunk's
-        start-state cotangent where ``__call__`` adds ``scale qg^T do``: ``DhuOut``. What
-        ``chunk_kda``'s backward runs when F5 alone is of other math (its VJP gives ``src``,
-        ``kdax._runner.output_vjp``)."""
-        deps = (kg, w, G, src, dv_intra, dht)
-        return self._recurrence(kg, w, _decay(G, None), lambda pick: pick(src), dv_intra, dht, layout, deps, dv_intra,
-                                None)
 
     def _recurrence(self, kg, w, decay, source, dv_intra, dht, layout, deps, like, half, guard=None) -> DhuOut:
         """The reverse loop over chunks, ``source(pick)`` the term each chunk's start-state

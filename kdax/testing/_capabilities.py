@@ -1,12 +1,14 @@
 """The checks of what a stage declares it accepts: ``reset`` (shared chunks give the
 per-sequence layout's numbers), ``tile_safe`` (tiles give the whole forward's),
 ``half_stored`` (bf16 stored intermediates give their float32 copies' numbers), ``G_lo``
-(float32 with ``G_lo`` no farther from float64 than without) and ``tokens`` (views give the
-chunked copies' numbers)."""
+(float32 with ``G_lo`` no farther from float64 than without), ``tokens`` (views give the
+chunked copies' numbers) and ``dh_start`` (B2: the cotangents it is given enter as through
+its ``scale qg^T do`` term)."""
 
 import dataclasses
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -45,6 +47,8 @@ def _capability_checks(col, base, field, stage, caps, dtype, full):
         _tile_safe_checks(col, P, field, stage, caps, dtype, full)
     if caps.half_stored:
         _half_stored_check(col, base, field, stage)
+    if caps.dh_start and field == "dhu":
+        _dh_start_check(col, base, field, stage, dtype, caps.reset)
 
 
 def _capabilities_ahead(base, field, stage, caps, dtype, full):
@@ -248,6 +252,41 @@ def _half_stored_check(col, base, field, stage):
         _route_unsupported(col, "half_stored", case.name, field, stage, e)
     except Exception as e:
         col.add("half_stored", case.name, False, _error(e))
+
+
+def _dh_start_check(col, base, field, stage, dtype, reset: bool):
+    """``dh_start`` (B2): on the arguments the pipeline passes (dense; shared chunks too for a
+    stage that declares ``reset``), the stage given random chunk-start cotangents ``S`` gives
+    what it gives without them plus what it makes of ``S`` alone entering through its
+    ``scale qg^T do`` term (``qg`` rows of the identity, ``do`` rows of ``S / scale``, no
+    other cotangent). B2 is linear in its cotangents, and that sum is what the pipeline runs
+    for a B2 without the capability (``kdax._runner.output_vjp``)."""
+    d = _dtname(dtype)
+    cases = [Case(f"dense {d}", dtype, T=40)] + [Case(f"shared {d}", dtype, B=1, T=40, cu=_CU, share=True, h0=False)] * reset
+    for case in cases:
+        try:
+            P = _with_stage(_pipe_for(base, case), field, stage)
+            kw = {n: x for n, x in _for_stage(stage, _record(P, case, False, field=field)[0][field]).items()
+                  if n != "dh_start"}
+            qg, do, scale = kw["qg"], as_chunked(kw["do"]), kw["scale"]
+            (R, HV, NC, C, K), V = qg.shape, do.shape[-1]
+            S = jnp.asarray(np.random.default_rng(3).normal(size=(R, HV, NC, K, V)), kw["dht"].dtype)
+            alone = dict(kw, dv_intra=jnp.zeros_like(kw["dv_intra"]), dht=jnp.zeros_like(kw["dht"]))
+            parts = [_jit_run(P, field, kw)]
+            for j in range(-(-K // C)):  # (block j of I_K: row i has its one at column j C + i)
+                eye = (jnp.arange(K)[None, :] == j * C + jnp.arange(C)[:, None]).astype(qg.dtype)
+                rows = jnp.zeros((R, HV, NC, C, V), S.dtype).at[..., :min(C, K - j * C), :].set(S[..., j * C:(j + 1) * C, :])
+                parts.append(_jit_run(P, field, dict(alone, qg=jnp.broadcast_to(eye, qg.shape),
+                                                     do=(rows / scale).astype(do.dtype))))
+            want = jax.tree.map(lambda *x: sum(x[1:], x[0]), *parts)
+            ok, det = _compare(_jit_run(P, field, dict(kw, dh_start=S)), want, tolerance(case.dtype))
+            col.add("dh_start", case.name, ok, ("random dh_start vs the same through scale qg^T do: " + det) if ok
+                    else f"declares `dh_start` but gives other numbers than with those cotangents entering through "
+                         f"its `scale qg^T do` term: {det}")
+        except UnsupportedCase as e:
+            _route_unsupported(col, "dh_start", case.name, field, stage, e)
+        except Exception as e:
+            col.add("dh_start", case.name, False, _error(e))
 
 
 def _G_lo_check(col, base, field, stage, cases, results: dict, cache: bool = False):

@@ -19,6 +19,7 @@ from ._compare import _compare, _leaves
 from ._report import NOT_COMPARED, _error, _unsupported
 from ._runs import (
     _compile_options,
+    _for_reference,
     _for_stage,
     _jit,
     _jit_run,
@@ -40,7 +41,7 @@ def _reference_checks(col, pipe, field, stage, caps, case: Case, out, full_kw: d
     name = reference.__class__.__name__
     tol = tolerance(case.dtype)
     try:
-        want = _jit_run(_with_stage(pipe, field, reference), field, _for_stage(reference, full_kw))
+        want = _jit_run(_with_stage(pipe, field, reference), field, _for_reference(reference, stage, full_kw))
         ok, det = _compare(out, want, tol)
         col.add("reference", case.name, ok, f"vs {name}: {det}" if ok else
                 f"declares KDA's math but differs from {name}: {det}")
@@ -52,7 +53,7 @@ def _reference_checks(col, pipe, field, stage, caps, case: Case, out, full_kw: d
         return
     try:
         got = _jit_run(_with_stage(pipe, field, stage), field, _for_stage(stage, tile))
-        want = _jit_run(_with_stage(pipe, field, reference), field, _for_stage(reference, tile))
+        want = _jit_run(_with_stage(pipe, field, reference), field, _for_reference(reference, stage, tile))
         ok, det = _compare(_tile_read(got, tile), _tile_read(want, tile), tol)
         col.add("reference", case.name + " tile", ok, f"a tile (carried state) vs {name}: {det}" if ok else
                 f"declares KDA's math but differs from {name} on a tile (carried state): {det}")
@@ -203,7 +204,7 @@ def _stage_runs_ahead(base, field, stage, caps, cases, cache_ok: bool) -> None:
             tile = _tile_of(full_kw) if exact and STAGES[field].forward and caps.tile_safe else None
             for s, kw in [(stage, tile)] + [(reference, full_kw), (reference, tile)] * exact:
                 if kw is not None:
-                    _run_ahead(_with_stage(pipe, field, s), field, _for_stage(s, kw))
+                    _run_ahead(_with_stage(pipe, field, s), field, _for_reference(s, stage, kw))
         except Exception:  # (the check reports it)
             pass
 

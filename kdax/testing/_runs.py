@@ -320,6 +320,14 @@ def _run_program():
     return _jit(_run)
 
 
+def _for_reference(reference, stage, kwargs: dict) -> dict:
+    """``kwargs`` for ``reference`` beside ``stage`` run on ``_for_stage(stage, kwargs)``: without
+    ``dh_start`` where ``stage`` does not take it (the pipeline then runs B2 once more on it)."""
+    if not capabilities(type(stage)).dh_start:
+        kwargs = {n: x for n, x in kwargs.items() if n != "dh_start"}
+    return _for_stage(reference, kwargs)
+
+
 def _jit_run(pipe, field, kwargs):
     """``_run`` jitted (compiled once per program key, ``_compiled``)."""
     return _call(_run_program(), pipe, field, kwargs)
