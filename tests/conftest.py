@@ -164,7 +164,7 @@ CORE_CASES = {
     "tests/pallas/test_triton_glue.py::test_state_kernels_read_last_rows_of_G": (
         "dense-16]", "packed-None]", "packed-16]"),
     "tests/pallas/test_triton_registers.py::test_state_kernels_hold_the_state_on_chip": (
-        "w8_s2_k64-packed]", "w4_s3_k64_v32-dense]", "w8_s2_k64-dense_tokens]"),
+        "w8_s2_k64-packed]", "w4_s3_k64_v32-dense]", "w8_s2_k64-dense_tokens]", "w8_s2_k64-packed_start]"),
     "tests/pallas/test_triton_shared_memory.py::test_G_lo_kernels_fit_hopper_shared_memory": (
         "intra]", "wy]", "wy_dqkg]", "intra_bwd]"),
     "tests/pallas/test_triton_shared_memory.py::test_state_kernels_fit_hopper_shared_memory": ("fast_w8_s2]",),

@@ -17,7 +17,7 @@ from .._layouts.resets import mask_exponent, state_passes
 from .._layouts.tokens import Tokens
 from .._numerics import precision as _precision
 from .._stage_protocol.final import final
-from .._annotations import ChunkV
+from .._annotations import ChunkState, ChunkV
 from ..stages import KDA, AbstractDhu, AbstractState, DhuOut, StateOut
 from ._shared_chunks import sequences
 from ._common import PallasValueBlocks, check_block, feature_pad, flat, pow2, tuned, unflat
@@ -128,11 +128,12 @@ class PallasDhu(AbstractDhu, PallasValueBlocks):
     and head; Triton: one program per row and block of ``block_v`` value columns; ``block_k`` as in
     ``PallasState``). Reads ``do`` from the caller's layout when handed a ``Tokens`` view
     (``tokens``; Triton, ``reads_tokens``). ``round_in_kernel`` as ``PallasState``'s (qg,
-    kg, w, do)."""
+    kg, w, do). ``dh_start`` is added in the kernel after each chunk's step (sm_90, "fast",
+    packed: 244 registers at 64 value columns a program, 136 at 32, against 203 and 128)."""
 
     transposes: ClassVar[Mapping[str, str]] = MappingProxyType({"state": KDA, "output": KDA})
 
-    accepts: ClassVar[frozenset] = frozenset({"reset", "tokens", "half_stored"})
+    accepts: ClassVar[frozenset] = frozenset({"reset", "tokens", "half_stored", "dh_start"})
 
     block_k: Optional[int] = eqx.field(static=True, default=None)
     round_in_kernel: bool = eqx.field(static=True, default=False)
@@ -143,7 +144,7 @@ class PallasDhu(AbstractDhu, PallasValueBlocks):
     @tuned
     def __call__(
         self, scale, qg, kg, w, G, do: Union[ChunkV, Tokens], dv_intra, dht, layout, reset=None, *,
-        precision: str = "highest"
+        dh_start: Optional[ChunkState] = None, precision: str = "highest"
     ):
         R, HV, NC, C, K = qg.shape
         V = do.shape[-1]
@@ -159,17 +160,19 @@ class PallasDhu(AbstractDhu, PallasValueBlocks):
         gam, rows = _gamma(G, t, reset)
         seg = None if reset is None else sequences(reset, HV)  # (the steps' masks: _state_steps)
         dhtf = feature_pad(t, dht.reshape(N * HV, K, V), axes=(-2, -1))
+        # (``dh_start``: added to each chunk's start-state cotangent in the kernel, after its step)
+        start = None if dh_start is None else feature_pad(t, dh_start.reshape(R * HV, NC, K, V), axes=(-2, -1))
         P, Kp, Vp = R * HV, qf.shape[-1], dvf.shape[-1]
         dt = dv_intra.dtype  # (dh as stored: bf16 under "fast")
         shapes = dict(NC=NC, C=C, Kp=Kp, Vp=Vp, dtype=[_precision.storage(dt, precision), dt, dt], interpret=self.run_interpreted,
                       mm=self.products(precision))
         if t == "tpu":
             dh, dv_new, dh0 = tpu.dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout, P=P, HV=HV, N=N,
-                                               seg=seg, **shapes)
+                                               seg=seg, start=start, **shapes)
         else:
             dh, dv_new, dh0 = triton.dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout, R=R, HV=HV, N=N,
                                                   gam_rows=rows,
-                                                  block_v=self.block_v, block_k=self.block_k, seg=seg,
+                                                  block_v=self.block_v, block_k=self.block_k, seg=seg, start=start,
                                                   params=self.triton_params(), **shapes)
         return DhuOut(unflat(dh[..., :K, :V], R, HV), dh0[:, :K, :V].reshape(N, HV, K, V),
                       unflat(dv_new[..., :V], R, HV))

@@ -163,15 +163,19 @@ def state_forward(wf, uf, kgf, gam, h0f, layout: ChunkLayout, *, P, HV, N, NC, C
 
 
 def dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout: ChunkLayout, *, P, HV, N, NC, C, Kp, Vp, dtype,
-                 interpret, mm, seg=None):
-    """B2 on padded, flattened operands, chunks in reverse: ``(dh, dv_new, dh0 [N * HV, Kp, Vp])``."""
+                 interpret, mm, seg=None, start=None):
+    """B2 on padded, flattened operands, chunks in reverse: ``(dh, dv_new, dh0 [N * HV, Kp, Vp])``.
+    ``start`` ``[P, NC, Kp, Vp]`` (``dh_start``): added to each chunk's start-state cotangent."""
     marks = None if layout.dense else _marks(layout)
     split = _bounds(marks, NC, HV, reverse=True)
     seg_in, seg_blocks, seg_split = _segment_inputs(seg)
+    has_start = start is not None
 
     def kernel(*refs):
         refs, starts, ends = split(refs)
-        (q_ref, k_ref, w_ref, g_ref, do_ref, dvi_ref, dht_ref, dh_ref, dv_ref, dh0_ref, scr), masks = seg_split(refs)
+        refs, masks = seg_split(refs)
+        start_ref, refs = (refs[7], refs[:7] + refs[8:]) if has_start else (None, refs)
+        q_ref, k_ref, w_ref, g_ref, do_ref, dvi_ref, dht_ref, dh_ref, dv_ref, dh0_ref, scr = refs
 
         @pl.when(ends())  # (in reverse: the sequence's last chunk comes first)
         def _():
@@ -182,6 +186,8 @@ def dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout: ChunkLayout, *,
         dv, dh_start = dhu_step(mm, scale, q_ref[...], k_ref[...], w_ref[...], g_ref[...], do_ref[...],
                                  dvi_ref[...], dh_end, masks)
         dv_ref[...] = dv
+        if has_start:
+            dh_start = dh_start + start_ref[...]
         scr[...] = dh_start
 
         @pl.when(starts())
@@ -189,9 +195,9 @@ def dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout: ChunkLayout, *,
             dh0_ref[...] = dh_start
 
     dh, dv_new, dh0 = _run(
-        kernel, (*seg_in, qf, kf, wf, gam, dof, dvf, dhtf),
+        kernel, (*seg_in, qf, kf, wf, gam, dof, dvf, dhtf) + ((start,) if has_start else ()),
         seg_blocks + [("c", (C, Kp)), ("c", (C, Kp)), ("c", (C, Kp)), ("c", (Kp, 1)), ("c", (C, Vp)),
-         ("c", (C, Vp)), ("p" if marks is None else "leave", (Kp, Vp))],
+         ("c", (C, Vp)), ("p" if marks is None else "leave", (Kp, Vp))] + [("c", (Kp, Vp))] * has_start,
         [("c", (Kp, Vp), None), ("c", (C, Vp), None), ("p" if marks is None else "enter", (Kp, Vp), (N * HV, Kp, Vp))],
         P, NC, HV, dtype, (Kp, Vp), interpret, True, "PallasDhu", marks,
     )

@@ -144,11 +144,12 @@ def state_forward(wf, uf, kgf, gam, h0f, layout, *, R, HV, NC, C, Kp, Vp, N, blo
 
 
 def dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout, *, R, HV, NC, C, Kp, Vp, N, block_v, block_k, dtype,
-                 interpret, mm, params, gam_rows=False, seg=None):
+                 interpret, mm, params, gam_rows=False, seg=None, start=None):
     """B2 on padded, flattened operands, chunks in reverse: ``(dh, dv_new, dh0)``. ``dof``
     may be a ``Tokens`` view (dense layout, V a power of 2): read from the caller's
     ``[B, T, H, V]`` array, row r's tokens of head ``hv // group``. ``seg`` as
-    ``state_forward``'s."""
+    ``state_forward``'s. ``start`` ``[P, NC, Kp, Vp]`` (``dh_start``): added to each
+    chunk's start-state cotangent, tile by tile."""
     P = R * HV
     if isinstance(dof, Tokens):
         view, do_in = dof, dof.x
@@ -164,6 +165,7 @@ def dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout, *, R, HV, NC, C
     g_in, g_spec, g_load = gamma_operand(gam, gam_rows, C, Kp)
 
     def kernel(q_ref, k_ref, w_ref, g_ref, do_ref, dvi_ref, dht_ref, *refs):
+        start_ref, refs = (refs[0], refs[1:]) if start is not None else (None, refs)
         first_ref, last_ref, seg_ref, dh_ref, dv_ref, dh0_ref = _bounds(dense, refs, seg)
         p, cols = pl.program_id(0), pl.ds(pl.program_id(1) * bv, bv)
         r, hv = idiv(p, HV), p % HV
@@ -184,6 +186,8 @@ def dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout, *, R, HV, NC, C
             dv, dhs_start = dhu_step_tiled(mm, scale, cut(q_ref), cut(k_ref), cut(w_ref), gam,
                                             lambda: read_do(do_ref, p, r, hv, rows, cols), lambda: dvi_ref[p, rows, cols],
                                             dhs, _masks(seg_ref, p, rows))
+            if start_ref is not None:
+                dhs_start = tuple(h + start_ref[p, pl.ds(c * Kp + k0, bk), cols] for (k0, bk), h in zip(tiles, dhs_start))
             dv_ref[p, rows, cols] = dv
             if not dense:
                 f = first_ref[r, c]
@@ -203,7 +207,8 @@ def dhu_backward(scale, qf, kf, wf, gam, dof, dvf, dhtf, layout, *, R, HV, NC, C
             for (k0, bk), h in zip(tiles, dhs):
                 dh0_ref[p, pl.ds(k0, bk), cols] = h
 
-    after = (do_in, _tokens(dvf), dhtf, *_bound_inputs(layout), *(() if seg is None else (_tokens(seg),)))
+    after = (do_in, _tokens(dvf), dhtf, *(() if start is None else (_tokens(start),)), *_bound_inputs(layout),
+             *(() if seg is None else (_tokens(seg),)))
     dh, dv_new, dh0 = _run(
         kernel, (_tokens(qf), _tokens(kf), _tokens(wf), g_in, *after),
         [(P, NC * Kp, Vp), (P, NC * C, Vp), (N * HV, Kp, Vp)], P, Vp // bv, dtype, interpret, "PallasDhu", params,

@@ -152,14 +152,15 @@ def resources(ttir: str, num_warps: int = 4, num_stages: int = 1, keep: dict | N
     return Resources(reg, stack + local, meta["shared"], mma)
 
 
-def state_kernels(policy: str, tuning: dict, layout: str, tokens: bool = False) -> dict:
+def state_kernels(policy: str, tuning: dict, layout: str, tokens: bool = False, start: bool = False) -> dict:
     """``captured`` TTIR of the Triton state kernels F4 and B2 alone (B0's F4 is F4) at
     K = V = 128, chunk 64, traced under precision ``policy`` with Triton ``tuning``
     (``PallasState`` / ``PallasDhu`` fields, ``round_in_kernel`` too), on the ``"dense"``
     layout or a ``"packed"`` varlen one (per-chunk resets). ``tokens`` (dense): B2 reads
     ``do`` as a ``kdax._layouts.tokens.Tokens`` view of a bf16 ``[B, T, HV, V]`` array. The
     stored intermediates (w, u, kg) in the policy's storage dtype, as the pipeline passes
-    them (bf16 under ``"fast"``: ``kdax._numerics.precision.storage``)."""
+    them (bf16 under ``"fast"``: ``kdax._numerics.precision.storage``). ``start``: B2 is given
+    ``dh_start`` (float32 ``[R, HV, NC, K, V]``), as for a loss on packed final states."""
     import jax
     import jax.numpy as jnp
 
@@ -176,9 +177,10 @@ def state_kernels(policy: str, tuning: dict, layout: str, tokens: bool = False) 
     def f4(w, u, kg, G, h0):
         return PallasState(**kw)(w, u, kg, G, h0, lay, precision=policy)
 
-    def b2(qg, kg, w, G, do, dv, dht):
+    def b2(qg, kg, w, G, do, dv, dht, *dh_start):
         do = Tokens(do, HV, C, jnp.dtype(jnp.float32)) if tokens else do
-        return PallasDhu(**kw)(0.1, qg, kg, w, G, do, dv, dht, lay, precision=policy)
+        return PallasDhu(**kw)(0.1, qg, kg, w, G, do, dv, dht, lay, precision=policy,
+                               **({"dh_start": dh_start[0]} if start else {}))
 
     seq = jax.ShapeDtypeStruct((lay.empty.shape[0], HV, K, K), jnp.float32)
     ck = jax.ShapeDtypeStruct((R, HV, lay.num_chunks, C, K), jnp.float32)
@@ -186,7 +188,8 @@ def state_kernels(policy: str, tuning: dict, layout: str, tokens: bool = False) 
     do = jax.ShapeDtypeStruct((R, T, HV, K), jnp.bfloat16) if tokens else ck
     with captured() as mods:
         jax.jit(f4).trace(st, st, st, ck, seq).lower(lowering_platforms=("cuda",))
-        jax.jit(b2).trace(ck, st, st, ck, do, ck, seq).lower(lowering_platforms=("cuda",))
+        jax.jit(b2).trace(ck, st, st, ck, do, ck, seq, *[jax.ShapeDtypeStruct((R, HV, lay.num_chunks, K, K), jnp.float32)] * start).lower(
+            lowering_platforms=("cuda",))
     assert len(mods) == 2, list(mods)
     return mods
 

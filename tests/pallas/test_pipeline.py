@@ -188,7 +188,8 @@ def test_initial_states_enter_shared_chunks(pipe):
     """Packed initial states entering shared chunks (``kdax._layouts.shared_states``) through the
     Pallas stages (interpret mode; the Triton F4/B2 load and leave the state table of
     ``injected_layout``), a loss on o and the final states: every gradient, ``dh0``
-    included, as the reference pipeline with one sequence per chunk gives, in float64."""
+    included, as the reference pipeline with one sequence per chunk gives, in float64. The
+    Pallas B2 runs once, the final states' chunk-start cotangents given as ``dh_start``."""
     mix = [0, 0, 1, 2, 2, 3, 16, 17, 65, 66, 70, 70, 85, 85]
     r = np.random.default_rng(0)
     T, H, K, V, N = mix[-1], 2, 16, 16, len(mix) - 1
@@ -197,18 +198,20 @@ def test_initial_states_enter_shared_chunks(pipe):
          jax.nn.sigmoid(f(1, T, H)), f(N, H, K, V))
     cu, do, dht = jnp.asarray(mix, jnp.int32), f(1, T, H, V), f(N, H, K, V)
 
-    def grads(p):
+    def step(p):
         def loss(*a):
             o, ht = kdax.chunk_kda(*a[:5], initial_state=a[5], cu_seqlens=cu, output_final_state=True,
                                    chunk_size=16, pipeline=p)
             return jnp.sum(o * do) + jnp.sum(ht * dht)
-        return jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*x)
+        return jax.jit(jax.grad(loss, argnums=tuple(range(6))))
 
+    grads = lambda p: step(p)(*x)  # noqa: E731
     p = PIPELINES[pipe]()
     assert p.plan(*x[:5], initial_state=x[5], cu_seqlens=cu, output_final_state=True, chunk_size=16).layout == "shared"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", kdax.FallbackWarning)
         got = grads(p)
+        assert str(jax.make_jaxpr(step(p))(*x)).count("name=kdax_PallasDhu_kernel") == 1
     want = grads(dataclasses.replace(kdax.KDAPipeline.reference(), share_chunks=False))
     for g, w, n in zip(got, want, ("q", "k", "v", "g", "beta", "initial_state")):
         assert_close(g, w, 1e-10, "d" + n)

@@ -30,13 +30,18 @@ TUNINGS = {
 
 
 @pytest.mark.parametrize("tuning,layout", [(t, lay) for t in TUNINGS for lay in ("dense", "packed")]
-                         + [("w8_s2_k64", "dense_tokens")])
+                         + [("w8_s2_k64", "dense_tokens"), ("w8_s2_k64", "packed_start"),
+                            ("w8_s2_k64_v32", "packed_start")])
 def test_state_kernels_hold_the_state_on_chip(tuning, layout):
     """``dense_tokens``: B2 reads bf16 ``do`` from the caller's ``[B, T, HV, V]`` array
-    (``kdax._layouts.tokens``; 8 warps: 226 registers, against 196 on the chunked copy)."""
+    (``kdax._layouts.tokens``; 8 warps: 226 registers, against 196 on the chunked copy).
+    ``packed_start``: B2 given ``dh_start`` (a loss on packed final states), one more tile
+    load a chunk."""
     t = TUNINGS[tuning]
     used = {}
-    for src, text in state_kernels("fast", t, layout.split("_")[0], tokens=layout.endswith("tokens")).items():
+    kernels = state_kernels("fast", t, layout.split("_")[0], tokens=layout.endswith("tokens"),
+                            start=layout.endswith("start"))
+    for src, text in kernels.items():
         used[src.split(" ")[0]] = r = resources(text, t.get("num_warps", 4), t.get("num_stages", 1))
         assert r.registers <= HOPPER_REGISTERS and 0 < r.shared <= HOPPER_SHARED_BYTES, used
         # Before the operands read only by products were passed as bf16 (kdax.pallas._state),
