@@ -14,7 +14,8 @@ benchmarks/results/gpu_h200/triton_candidates/): a training step of 20.10 ms wit
 ``"fastest-modelled"`` (the cost model's pick, not faster), against FLA's 8.13 ms.
 ``"default"`` compiles without spills on sm_90 for every kernel of a training step, dense
 and packed sequences, at every precision (``"auto"`` with float32 and bf16 inputs, every
-policy by name; see ``_DEFAULT``; tests/pallas/test_triton_tuning.py);
+policy by name; see ``_DEFAULT``; tests/pallas/test_triton_tuning.py), but F2 on packed
+sequences under float32 products (8 B a thread);
 ``"fastest-modelled"`` is the tuning ``benchmarks/gpu_cost_model.py`` predicted fastest,
 under precision ``"fast"``, where it compiles without spills (dense and packed); under the
 other policies some of its kernels spill.
@@ -73,7 +74,8 @@ for _s in ("state", "dhu"):
     _FASTEST[_s] = dict(_FASTEST[_s], block_v=32)
 
 # The default: spill-free on sm_90 for every kernel of a training step, dense and packed,
-# at every precision (tests/pallas/test_triton_tuning.py; benchmarks/results/
+# at every precision, but F2 packed under float32 products, 8 B a thread (16 feature
+# columns: none, at +25% instructions; tests/pallas/test_triton_tuning.py; benchmarks/results/
 # gpu_cost_model.txt's last line). 8 warps, 2 stages, TF32x3 float32 products; where a
 # stage's products take float32 operands ("highest", and the recurrences under "bfloat16"
 # / "float16", what "auto" gives float32 / bf16 inputs), its f32_tuning: F4 and B2 at 4
@@ -95,7 +97,7 @@ _DEFAULT["gate_bwd"] = dict(num_warps=8, num_stages=1, f32_dot="tf32x3")
 
 TUNINGS: Mapping[str, Tuning] = MappingProxyType({t.name: t for t in (
     _tuning("default", "what KDAPipeline.pallas('triton') gives: no spills on sm_90 at any precision, dense and "
-                       "packed (8 warps, 2 stages, TF32x3 float32 products, the state kernels as 64-row tiles of 32 "
+                       "packed (but F2's 8 B, packed under float32 products) (8 warps, 2 stages, TF32x3 float32 products, the state kernels as 64-row tiles of 32 "
                        "value columns, B3 at 16 feature columns, B5 at 1 stage; where a stage's products take "
                        "float32 operands, F4/B2 at 4 warps and 16 columns, F2 at 32 feature columns, B3 at 16 x 16 "
                        "columns, 1 stage, unchained TF32x3)", _DEFAULT),

@@ -137,15 +137,25 @@ def _spills(used: dict) -> dict:
     return {name: r.local for (name, _, _), r in used.items() if r.local}
 
 
+# The one spill of the default tuning: F2 on packed input where its products take float32
+# operands ("highest", what "auto" gives float32 inputs: 32 feature columns a step,
+# ``f32_tuning``), 255 registers and 8 B a thread (dense: 254, none). 16 columns a step
+# fit (254, none) at +25% of the kernel's instructions a warp (gpu_cost_model.py's count:
+# 20,968 -> 26,169 packed), more than one spilled word costs, so the tuning keeps 32.
+# Measured in session 64, where the kernel spilled so at aa28295 and ec09023 as well.
+F32_PACKED_SPILL = {"kdax_PallasIntra_kernel": 8}
+
+
 @pytest.mark.slow  # (the core keeps every kernel's spill check at the candidate's tuning: test_triton_registers.py)
 def test_default_tuning_highest_packed_no_spills():
     """The sweep's representative below: under "highest" (what ``"auto"`` gives float32
     inputs: every product float32, the state kernels and B3 at their ``f32_tuning``) on
     packed sequences (B5's reset table) every Triton kernel of a training step at the
-    default tuning compiles for sm_90 with no thread-local memory; the kernels were
-    launched with the float32 tuning's warps and stages (the fields reached the calls)."""
+    default tuning compiles for sm_90 with no thread-local memory but F2's 8 B
+    (``F32_PACKED_SPILL``); the kernels were launched with the float32 tuning's warps and
+    stages (the fields reached the calls)."""
     used = _step("highest", packed=True)
-    assert _spills(used) == {}
+    assert _spills(used) == F32_PACKED_SPILL
     configs = {name: (w, st) for name, w, st in used}
     assert configs["kdax_PallasState_kernel"] == configs["kdax_PallasDhu_kernel"] == (4, 2), configs
     assert configs["kdax_PallasWYDqkg_kernel"] == (8, 1) and configs["kdax_PallasGateBackward_kernel"] == (8, 1)
@@ -158,9 +168,11 @@ def test_default_tuning_highest_packed_no_spills():
                                           ("bfloat16", "bfloat16"), ("float16", "bfloat16"), ("fast", "bfloat16")])
 def test_default_tuning_every_precision_no_spills(policy, dtype, packed):
     """No kernel of the default tuning spills on sm_90, under any precision (``"auto"``
-    with float32 and bf16 inputs, and every policy by name), dense or packed (about 20 s
-    each on a 2-core machine)."""
-    assert _spills(_step(policy, packed, dtype)) == {}
+    with float32 and bf16 inputs, and every policy by name), dense or packed, but F2's 8 B
+    on packed input under float32 products (``F32_PACKED_SPILL``; about 20 s each on a
+    2-core machine)."""
+    f32 = packed and (policy == "highest" or (policy, dtype) == ("auto", "float32"))  # (F2's float32 products)
+    assert _spills(_step(policy, packed, dtype)) == (F32_PACKED_SPILL if f32 else {})
 
 
 # -- the default tuning's products, traced as on sm_90 ------------------------------------------
