@@ -48,7 +48,7 @@ class AbstractGate(eqx.Module):
     (``G + G_lo`` the cumsum to ~1e-9; see ``kdax._numerics.hilo``), else None."""
 
     # What the stage accepts beyond the required arguments (docs/stages.md,
-    # "Capabilities"): a subset of {"G_lo", "reset", "tile_safe", "tokens"}.
+    # "Capabilities"): a subset of the fields of kdax._stage_protocol.capabilities.Capabilities.
     accepts: ClassVar[frozenset] = frozenset()
 
     # Which formula the stage computes: ``KDA`` (the family's formula above, exactly as
@@ -180,7 +180,7 @@ class AbstractGateBackward(eqx.Module):
     ``ddt_bias`` ``[HV * K]`` when the in-kernel gate uses them, else None."""
 
     # What the stage accepts beyond the required arguments (docs/stages.md,
-    # "Capabilities"): a subset of {"G_lo", "reset", "tile_safe", "tokens"}.
+    # "Capabilities"): a subset of the fields of kdax._stage_protocol.capabilities.Capabilities.
     accepts: ClassVar[frozenset] = frozenset()
 
     # The forward math this stage is the transpose of, per forward field it transposes

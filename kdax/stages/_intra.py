@@ -57,7 +57,7 @@ class AbstractIntra(eqx.Module):
     cannot run shared chunks (the pipeline falls back)."""
 
     # What the stage accepts beyond the required arguments (docs/stages.md,
-    # "Capabilities"): a subset of {"G_lo", "reset", "tile_safe", "tokens"}.
+    # "Capabilities"): a subset of the fields of kdax._stage_protocol.capabilities.Capabilities.
     accepts: ClassVar[frozenset] = frozenset()
 
     # Which formula the stage computes: ``KDA`` (the family's formula above, exactly as
@@ -130,7 +130,7 @@ class AbstractIntraBackward(eqx.Module):
     sequences contribute exact zeros)."""
 
     # What the stage accepts beyond the required arguments (docs/stages.md,
-    # "Capabilities"): a subset of {"G_lo", "reset", "tile_safe", "tokens"}.
+    # "Capabilities"): a subset of the fields of kdax._stage_protocol.capabilities.Capabilities.
     accepts: ClassVar[frozenset] = frozenset()
 
     # The forward math this stage is the transpose of, per forward field it transposes

@@ -34,7 +34,7 @@ class AbstractOutput(eqx.Module):
     ``v_new`` or ``h``) from meeting those zeros."""
 
     # What the stage accepts beyond the required arguments (docs/stages.md,
-    # "Capabilities"): a subset of {"G_lo", "reset", "tile_safe", "tokens"}.
+    # "Capabilities"): a subset of the fields of kdax._stage_protocol.capabilities.Capabilities.
     accepts: ClassVar[frozenset] = frozenset()
 
     # Which formula the stage computes: ``KDA`` (the family's formula above, exactly as
@@ -99,7 +99,7 @@ class AbstractDAv(eqx.Module):
     diagonal; the gradient of the scaled Aqk) and ``Aqk^T do`` ``[.., V]``."""
 
     # What the stage accepts beyond the required arguments (docs/stages.md,
-    # "Capabilities"): a subset of {"G_lo", "reset", "tile_safe", "tokens"}.
+    # "Capabilities"): a subset of the fields of kdax._stage_protocol.capabilities.Capabilities.
     accepts: ClassVar[frozenset] = frozenset()
 
     # The forward math this stage is the transpose of, per forward field it transposes

@@ -40,7 +40,7 @@ class AbstractRecompute(eqx.Module):
     """
 
     # What the stage accepts beyond the required arguments (docs/stages.md,
-    # "Capabilities"): a subset of {"G_lo", "reset", "tile_safe", "tokens"}.
+    # "Capabilities"): a subset of the fields of kdax._stage_protocol.capabilities.Capabilities.
     accepts: ClassVar[frozenset] = frozenset()
 
     @abc.abstractmethod

@@ -87,7 +87,7 @@ class AbstractState(eqx.Module):
     cannot run shared chunks (the pipeline falls back)."""
 
     # What the stage accepts beyond the required arguments (docs/stages.md,
-    # "Capabilities"): a subset of {"G_lo", "reset", "tile_safe", "tokens"}.
+    # "Capabilities"): a subset of the fields of kdax._stage_protocol.capabilities.Capabilities.
     accepts: ClassVar[frozenset] = frozenset()
 
     # Which formula the stage computes: ``KDA`` (the family's formula above, exactly as
@@ -348,7 +348,7 @@ class AbstractDhu(eqx.Module):
     chunk's start-state cotangent; without it the pipeline runs B2 once more on them."""
 
     # What the stage accepts beyond the required arguments (docs/stages.md,
-    # "Capabilities"): a subset of {"G_lo", "reset", "tile_safe", "tokens"}.
+    # "Capabilities"): a subset of the fields of kdax._stage_protocol.capabilities.Capabilities.
     accepts: ClassVar[frozenset] = frozenset()
 
     # The forward math this stage is the transpose of, per forward field it transposes

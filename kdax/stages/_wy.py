@@ -35,7 +35,7 @@ class AbstractWY(eqx.Module):
     the parameter cannot run shared chunks (the pipeline falls back)."""
 
     # What the stage accepts beyond the required arguments (docs/stages.md,
-    # "Capabilities"): a subset of {"G_lo", "reset", "tile_safe", "tokens"}.
+    # "Capabilities"): a subset of the fields of kdax._stage_protocol.capabilities.Capabilities.
     accepts: ClassVar[frozenset] = frozenset()
 
     # Which formula the stage computes: ``KDA`` (the family's formula above, exactly as
@@ -133,7 +133,7 @@ class AbstractWYDqkg(eqx.Module):
     state's decay through a chunk in which a sequence starts is zero, as in F4)."""
 
     # What the stage accepts beyond the required arguments (docs/stages.md,
-    # "Capabilities"): a subset of {"G_lo", "reset", "tile_safe", "tokens"}.
+    # "Capabilities"): a subset of the fields of kdax._stage_protocol.capabilities.Capabilities.
     accepts: ClassVar[frozenset] = frozenset()
 
     # The forward math this stage is the transpose of, per forward field it transposes

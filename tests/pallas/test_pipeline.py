@@ -188,7 +188,7 @@ def test_initial_states_enter_shared_chunks(pipe):
     """Packed initial states entering shared chunks (``kdax._layouts.shared_states``) through the
     Pallas stages (interpret mode; the Triton F4/B2 load and leave the state table of
     ``injected_layout``), a loss on o and the final states: every gradient, ``dh0``
-    included, as the reference pipeline with one sequence per chunk gives, in float64. The
+    included, as the reference pipeline with one sequence per chunk gives, in float64. A
     Pallas B2 runs once, the final states' chunk-start cotangents given as ``dh_start``."""
     mix = [0, 0, 1, 2, 2, 3, 16, 17, 65, 66, 70, 70, 85, 85]
     r = np.random.default_rng(0)
@@ -211,7 +211,8 @@ def test_initial_states_enter_shared_chunks(pipe):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", kdax.FallbackWarning)
         got = grads(p)
-        assert str(jax.make_jaxpr(step(p))(*x)).count("name=kdax_PallasDhu_kernel") == 1
+        if isinstance(p.dhu, P.PallasDhu):  # (the mixed pipeline's B2 is the reference)
+            assert str(jax.make_jaxpr(step(p))(*x)).count("name=kdax_PallasDhu_kernel") == 1
     want = grads(dataclasses.replace(kdax.KDAPipeline.reference(), share_chunks=False))
     for g, w, n in zip(got, want, ("q", "k", "v", "g", "beta", "initial_state")):
         assert_close(g, w, 1e-10, "d" + n)
