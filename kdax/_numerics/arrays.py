@@ -95,6 +95,22 @@ def row_cumsum(x, reverse: bool = False, block: int = 4, nan_rows: bool = True):
     return (within + before[..., None, :]).reshape(x.shape)
 
 
+def identity_row_terms(src, like, scale) -> list:
+    """``[(qg, do)]``: ``ceil(K / C)`` pairs shaped as ``like`` ``[.., C, K]`` and ``src``'s
+    rows, whose ``scale qg^T do`` sum to ``src`` ``[.., K, V]`` (``qg`` block j of I_K: ones
+    at row i, column j C + i; ``do`` rows [j C, (j + 1) C) of ``src / scale``, zero-padded):
+    a B2's start-state cotangent term fed through its ``scale qg^T do``."""
+    C, K = like.shape[-2:]
+    i, r = jnp.arange(C)[:, None], jnp.arange(K)[None, :]
+    terms = []
+    for j in range(-(-K // C)):
+        rows = src[..., j * C:(j + 1) * C, :]
+        if rows.shape[-2] < C:
+            rows = jnp.pad(rows, [(0, 0)] * (src.ndim - 2) + [(0, C - rows.shape[-2]), (0, 0)])
+        terms.append((jnp.broadcast_to((r == j * C + i).astype(like.dtype), like.shape), rows / scale))
+    return terms
+
+
 def rowsum(x):
     """Sum over the last axis as a matvec: XLA:CPU runs large multiply-reduce fusions an
     order of magnitude slower than a dot. A sum, not a product: never at a half-precision

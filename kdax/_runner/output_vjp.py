@@ -16,6 +16,7 @@ import equinox as eqx
 import jax.numpy as jnp
 
 from .._layouts.layout import pack
+from .._numerics.arrays import identity_row_terms
 from .._stage_protocol.capabilities import capabilities
 from ..stages import ChunkGrads, DhuOut
 from . import routes as _routes
@@ -44,24 +45,17 @@ def backward(pipeline, res, do, dht) -> tuple:
         _, (d_qg, d_h, d_Aqk, d_v) = vjp(doc.astype(o.dtype))
 
     # B2, d_h as the chunk-start states' cotangents: ``dh_start`` to a B2 declaring it (one pass),
-    # else through `scale qg^T do`, C rows of the identity at a time (``qg`` block j of I_K: ones
-    # at row i, column j C + i; ``do`` rows [j C, (j + 1) C) of d_h, zero-padded).
-    C, K = c.qg.shape[-2:]
+    # else through `scale qg^T do`, C rows of the identity at a time (``identity_row_terms``).
     d_h = d_h.astype(dt)
     own = capabilities(type(pipe.dhu)).dh_start
     if own:
         dh = pipe.run_stage("dhu", scale=cfg.scale, qg=jnp.zeros_like(c.qg), kg=c.kg, w=c.w, G=act.G,
                             do=jnp.zeros_like(doc), dv_intra=d_v.astype(doc.dtype), dht=dht, layout=L, reset=None,
                             dh_start=d_h)
-    for j in range(0 if own else -(-K // C)):
-        i, r = jnp.arange(C)[:, None], jnp.arange(K)[None, :]
-        eye = jnp.broadcast_to((r == j * C + i).astype(c.qg.dtype), c.qg.shape)
-        rows = d_h[..., j * C:(j + 1) * C, :]
-        if rows.shape[-2] < C:
-            rows = jnp.pad(rows, [(0, 0)] * (d_h.ndim - 2) + [(0, C - rows.shape[-2]), (0, 0)])
+    for j, (eye, rows) in enumerate([] if own else identity_row_terms(d_h, c.qg, cfg.scale)):
         first = j == 0
         part = pipe.run_stage(
-            "dhu", scale=cfg.scale, qg=eye, kg=c.kg, w=c.w, G=act.G, do=(rows / cfg.scale).astype(doc.dtype),
+            "dhu", scale=cfg.scale, qg=eye, kg=c.kg, w=c.w, G=act.G, do=rows.astype(doc.dtype),
             dv_intra=d_v.astype(doc.dtype) if first else jnp.zeros_like(doc),
             dht=dht if first else jnp.zeros_like(dht), layout=L, reset=None,
         )

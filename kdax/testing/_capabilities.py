@@ -15,6 +15,7 @@ import numpy as np
 from .._errors import UnsupportedCase
 from .._layouts.tokens import Tokens, as_chunked
 from .._numerics import precision as _precision
+from .._numerics.arrays import identity_row_terms
 from .._runner.contracts import STAGES
 from .._runner.routes import RESET_FIELDS, unsafe_for_tiles
 from ._cases import _CU, Case, _dtname, _Twin, tolerance, x64_on
@@ -269,15 +270,11 @@ def _dh_start_check(col, base, field, stage, dtype, reset: bool):
             kw = {n: x for n, x in _for_stage(stage, _record(P, case, False, field=field)[0][field]).items()
                   if n != "dh_start"}
             qg, do, scale = kw["qg"], as_chunked(kw["do"]), kw["scale"]
-            (R, HV, NC, C, K), V = qg.shape, do.shape[-1]
+            (R, HV, NC, _, K), V = qg.shape, do.shape[-1]
             S = jnp.asarray(np.random.default_rng(3).normal(size=(R, HV, NC, K, V)), kw["dht"].dtype)
             alone = dict(kw, dv_intra=jnp.zeros_like(kw["dv_intra"]), dht=jnp.zeros_like(kw["dht"]))
-            parts = [_jit_run(P, field, kw)]
-            for j in range(-(-K // C)):  # (block j of I_K: row i has its one at column j C + i)
-                eye = (jnp.arange(K)[None, :] == j * C + jnp.arange(C)[:, None]).astype(qg.dtype)
-                rows = jnp.zeros((R, HV, NC, C, V), S.dtype).at[..., :min(C, K - j * C), :].set(S[..., j * C:(j + 1) * C, :])
-                parts.append(_jit_run(P, field, dict(alone, qg=jnp.broadcast_to(eye, qg.shape),
-                                                     do=(rows / scale).astype(do.dtype))))
+            parts = [_jit_run(P, field, kw)] + [_jit_run(P, field, dict(alone, qg=eye, do=rows.astype(do.dtype)))
+                                                for eye, rows in identity_row_terms(S, qg, scale)]
             want = jax.tree.map(lambda *x: sum(x[1:], x[0]), *parts)
             ok, det = _compare(_jit_run(P, field, dict(kw, dh_start=S)), want, tolerance(case.dtype))
             col.add("dh_start", case.name, ok, ("random dh_start vs the same through scale qg^T do: " + det) if ok
