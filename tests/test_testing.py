@@ -21,6 +21,7 @@ from kdax.stages import (
     AbstractOutput,
     AbstractState,
     AbstractWY,
+    AbstractWYDqkg,
     ReferenceDAv,
     ReferenceDhu,
     ReferenceGate,
@@ -28,6 +29,7 @@ from kdax.stages import (
     ReferenceOutput,
     ReferenceState,
     ReferenceWY,
+    ReferenceWYDqkg,
     StateOut,
 )
 from kdax.testing import Case, check_pipeline, check_stage
@@ -265,6 +267,95 @@ def test_one_percent_error_fails_reference():
 
 def test_nan_leak_fails_isolation():
     _assert_fails(check_stage(LeakyOutput(), "output", **_small()), "nan-isolation")
+
+
+class ZeroesNonFiniteOutput(AbstractOutput):
+    """KDA's F5 with its non-finite entries set to zero: the reference's numbers wherever
+    they are finite, a NaN in its arguments read as a number."""
+
+    math: ClassVar = KDA
+    accepts: ClassVar[frozenset] = frozenset({"tile_safe"})
+
+    def __call__(self, scale, qg, h, Aqk, v_new):
+        o = ReferenceOutput()(scale, qg, h, Aqk, v_new)
+        return jnp.where(jnp.isfinite(o), o, 0.0)
+
+
+def test_non_finite_read_as_numbers_fails_nan_reach():
+    """``nan-reach``: an F5 that zeroes its non-finite entries fails it on the cases where it
+    runs (and nothing else: it isolates sequences, and is exact on finite values); before
+    it, ``check_stage`` said ok. The reference F5 passes it."""
+    report = check_stage(ZeroesNonFiniteOutput(), "output", **_small())
+    assert report.names_failed == {"nan-reach"}, str(report)
+    failed = [c for c in report.failed if c.name == "nan-reach"]
+    assert {c.case for c in failed} == {"dense f64", "packed f64"}, str(report)
+    assert "finite where the reference stage's are not" in failed[0].detail
+    rows = [c for c in check_stage(ReferenceOutput(), "output", **_small()).checks if c.name == "nan-reach"]
+    assert len(rows) == 2 and all(c.passed for c in rows), rows
+
+
+class FiniteFromFiniteWYDqkg(AbstractWYDqkg):
+    """KDA's B3 whose non-finite outputs are zero when every argument is finite: exact on
+    finite values, its arguments' NaN carried, but an overflow inside it (a row of ``dw =
+    -dv_new h^T`` from finite operands) read as zero, as the Pallas B3's kernel did on
+    shared chunks before session 63."""
+
+    transposes: ClassVar = {"wy": KDA, "state": KDA, "output": KDA}
+    accepts: ClassVar[frozenset] = frozenset({"reset", "G_lo"})
+
+    def __call__(self, scale, q, k, v, beta, G, Akk, qg, kg, h, dh, v_new, do, dv_new, G_lo=None, reset=None):
+        args = (q, k, v, beta, G, Akk, qg, kg, h, dh, v_new, do, dv_new)
+        out = ReferenceWYDqkg()(scale, *args, G_lo=G_lo, reset=reset)
+        finite = jnp.all(jnp.stack([jnp.isfinite(x).all() for x in args]))
+        return jax.tree.map(lambda x: jnp.where(finite & ~jnp.isfinite(x), 0.0, x), out)
+
+
+def test_dw_overflow_read_as_zero_fails_overflow():
+    """B3's ``overflow`` row: a B3 that zeroes what overflows inside it fails it on the dense,
+    packed and shared cases (the rows of dk, dbeta, dG and dL that the ``dw`` row reaches),
+    and nothing else; before it, ``check_stage`` said ok. The reference B3 passes it."""
+    report = check_stage(FiniteFromFiniteWYDqkg(), "wy_dqkg", **_small())
+    assert report.names_failed == {"overflow"}, str(report)
+    failed = [c for c in report.failed if c.name == "overflow"]
+    assert {c.case for c in failed} == {"dense f64", "packed f64", "shared f64"}, str(report)
+    assert all(f".{x} at" in c.detail for c in failed for x in ("dk", "dbeta", "dG", "dL")), failed
+    rows = [c for c in check_stage(ReferenceWYDqkg(), "wy_dqkg", **_small()).checks if c.name == "overflow"]
+    assert len(rows) == 3 and all(c.passed for c in rows), rows
+
+
+def _doubled_with_vjp(factor: float):
+    """``2 x`` under a ``jax.custom_vjp`` whose backward multiplies by ``factor``."""
+    @jax.custom_vjp
+    def doubled(x):
+        return 2 * x
+
+    doubled.defvjp(lambda x: (2 * x, None), lambda _, g: (factor * g,))
+    return doubled
+
+
+class DoubledOutput(AbstractOutput):
+    """Other math: twice KDA's F5, under a custom VJP that scales the cotangent by
+    ``factor`` (2: its derivative; 1: a slip that every other row and ``check_pipeline``
+    cannot see, since a derived backward uses this very VJP)."""
+
+    math: ClassVar = "doubled"
+    factor: float = eqx.field(static=True, default=2.0)
+
+    def __call__(self, scale, qg, h, Aqk, v_new):
+        return _doubled_with_vjp(self.factor)(ReferenceOutput()(scale, qg, h, Aqk, v_new))
+
+
+def test_wrong_custom_vjp_fails_grad():
+    """``grad`` (float64, a forward stage of other math): JAX's gradient against central
+    differences. A custom VJP off by a factor of 2 fails it, by name (before: "4 gradients,
+    finite", ok); the right one passes, with room (float64: ~1e-11 against a 1e-6 bound)."""
+    report = check_stage(DoubledOutput(factor=1.0), "output", **_small())
+    assert report.names_failed == {"grad"}, str(report)
+    assert "not the derivative of the stage's outputs" in next(c for c in report.failed if c.name == "grad").detail
+    right = check_stage(DoubledOutput(), "output", **_small())
+    assert right.ok, str(right)
+    row = next(c for c in right.checks if c.name == "grad")
+    assert float(row.detail.split("directions: ")[1].split()[0]) < 1e-9, row
 
 
 def _passed(report, check, case):

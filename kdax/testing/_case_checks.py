@@ -15,7 +15,7 @@ from .._layouts.tokens import Tokens
 from .._runner import routes as _routes
 from .._runner.contracts import STAGES
 from ._cases import Case, _device, _weights, tolerance
-from ._compare import _compare, _leaves
+from ._compare import _compare, _leaves, _rel
 from ._report import NOT_COMPARED, _error, _unsupported
 from ._runs import (
     _compile_options,
@@ -64,7 +64,15 @@ def _reference_checks(col, pipe, field, stage, caps, case: Case, out, full_kw: d
 def _owners(shape, case: Case, R: int, NC: int, N: int):
     """The sequence each element of an argument or output of ``shape`` belongs to, as an
     int array that broadcasts to ``shape`` (None: not indexed by sequence). The chunks past
-    the last sequence's in the per-sequence layout belong to none (-1: never read)."""
+    the last sequence's in the per-sequence layout belong to none (-1: never read). Shared
+    chunks: each token's (``[1, HV, NC, C, ...]``; the cases' K and V are not C), and none
+    for a chunk's own arrays (its states: the sequences sharing it read them)."""
+    if case.share:
+        if len(shape) < 4 or shape[0] != R or shape[2] != NC or shape[3] != case.chunk:
+            return None
+        t = np.arange(NC * case.chunk)
+        owner = np.where(t < case.cu[-1], np.searchsorted(np.asarray(case.cu), t, side="right") - 1, -1)
+        return owner.reshape((1, 1, NC, case.chunk) + (1,) * (len(shape) - 4))
     if len(shape) >= 3 and shape[0] == R and shape[2] == NC:
         if not case.packed:
             return np.arange(R).reshape((R,) + (1,) * (len(shape) - 1))
@@ -87,10 +95,16 @@ def _owners(shape, case: Case, R: int, NC: int, N: int):
 _CHANGES = (("nan-isolation", "NaN", lambda x: np.full_like(x, np.nan)), ("isolation", "negated", lambda x: -x))
 
 
-def _isolation(col, pipe, field, kw, clean, case: Case, name: str):
+def _isolation(col, pipe, field, kw, clean, case: Case, name: str, reference=None):
     """``nan-isolation`` and ``isolation``: for each sequence in turn, each per-token,
     per-chunk and per-sequence argument changed in every element of that sequence's part
-    (NaN; negated) reaches no other sequence's outputs."""
+    (NaN; negated) reaches no other sequence's outputs. ``reference``: ``(pipeline with the
+    reference stage, its arguments)`` for a stage of KDA's math, and ``nan-reach``: those
+    arguments NaN in one sequence's part all at once reach, in that sequence, every token row
+    of the outputs the reference stage's reach (a stage that turns non-finite values into
+    numbers fails). Shared chunks: ``nan-reach``
+    alone (a stage there may rely on its arguments' zeros between sequences, which the
+    pipeline's ``reset`` row checks with F3's and F4's own)."""
     ref = next((x for x in jax.tree.leaves(kw) if hasattr(x, "ndim") and x.ndim >= 4), None)
     if ref is None:
         return
@@ -98,7 +112,7 @@ def _isolation(col, pipe, field, kw, clean, case: Case, name: str):
     N = len(case.cu) - 1 if case.packed else case.B
     clean_leaves = _leaves(clean)
     leaks = {row: [] for row, _, _ in _CHANGES}
-    tried = []
+    tried, short = [], []
     for n, x in kw.items():
         if not (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)) or isinstance(x, Tokens):
             continue
@@ -109,10 +123,10 @@ def _isolation(col, pipe, field, kw, clean, case: Case, name: str):
         base = np.array(x)
         for seq in range(N):
             mine = np.broadcast_to(owner == seq, x.shape)
-            for row, what, change in _CHANGES:
+            for row, what, change in _CHANGES[:1] if case.share else _CHANGES:
                 changed = np.where(mine, change(base), base)
                 out = _jit_run(pipe, field, dict(kw, **{n: _device(changed, x.dtype)}))
-                for (path, y), (_, y0) in zip(_leaves(out), clean_leaves):
+                for (path, y), (_, y0) in zip([] if case.share else _leaves(out), clean_leaves):
                     theirs = _owners(y.shape, case, R, NC, N)
                     if theirs is None:
                         continue
@@ -120,10 +134,94 @@ def _isolation(col, pipe, field, kw, clean, case: Case, name: str):
                     if not ((y[m] == y0[m]) | (np.isnan(y[m]) & np.isnan(y0[m]))).all():
                         leaks[row].append(f"{n} of sequence {seq} {what} reached {path} of another sequence")
                         break
+    if reference is not None:  # (all of them at once: a stage may read its own of redundant arguments, qg or q)
+        for seq in range(N):
+            nan = {n: _device(np.where(np.broadcast_to(_owners(kw[n].shape, case, R, NC, N) == seq, kw[n].shape),
+                                       np.nan, np.array(kw[n])), kw[n].dtype) for n in tried}
+            out = _jit_run(pipe, field, dict(kw, **nan))
+            want = _jit_run(reference[0], field, dict(reference[1], **nan))
+            missed = _rows_missed(out, want, case, R, NC, N, seq)
+            if missed:
+                short.append(f"sequence {seq}: {missed}")
     if tried:
-        for row, what, _ in _CHANGES:
+        for row, what, _ in () if case.share else _CHANGES:
             col.add(row, name, not leaks[row], "; ".join(leaks[row][:3]) if leaks[row] else
                     f"{', '.join(tried)} of each of {N} sequences {what} in turn: others unchanged")
+        if reference is not None:
+            col.add("nan-reach", name, not short, f"{', '.join(tried)} NaN in one sequence at a time: "
+                    + (f"{'; '.join(short[:3])} finite where the reference stage's are not (non-finite values read "
+                       "as numbers)" if short else "non-finite in each token row where the reference stage's are"))
+
+
+def _dw_overflow(col, pipe, kw, clean, reference, case: Case):
+    """``overflow`` (B3): in a chunk whose start state its sequence reads, that state and one
+    token's ``dv_new`` at ``1e4 sqrt(max)`` (finite) make row j of ``dw = -dv_new h^T``
+    overflow (by 1e8, whatever the order of the products; float16 by 256); the stage's outputs in
+    the rows it reaches (``Akk^T dw``: rows i <= j) are non-finite wherever the reference
+    stage's are (a non-finite ``dw`` row read as zero fails), the sequence's finite entries
+    close to the reference's, and every other sequence's as without it."""
+    R, NC, C = kw["q"].shape[0], kw["q"].shape[2], case.chunk
+    N = len(case.cu) - 1 if case.packed else case.B
+    owner = np.broadcast_to(_owners((R, 1, NC, C), case, R, NC, N), (R, 1, NC, C))[:, 0]
+    r, c = next((r, c) for r in range(R) for c in range(1, NC) if owner[r, c, 0] == owner[r, c - 1, -1] >= 0)
+    seq = owner[r, c, 0]
+    rows = np.flatnonzero(owner[r, c] == seq)
+    j = int(rows[len(rows) // 2])  # (the rows after it: not reached)
+    root = float(jnp.finfo(kw["q"].dtype).max) ** 0.5
+    big = root * min(1e4, root / 16)  # (float16: 4096)
+    h, dv = np.array(kw["h"]), np.array(kw["dv_new"])
+    h[r, :, c], dv[r, :, c, j] = big, big
+    change = dict(h=_device(h, kw["h"].dtype), dv_new=_device(dv, kw["dv_new"].dtype))
+    got, want = _jit_run(pipe, "wy_dqkg", dict(kw, **change)), _jit_run(reference[0], "wy_dqkg",
+                                                                         dict(reference[1], **change))
+    at = np.zeros((R, 1, NC, C), bool)
+    at[r, :, c, :j + 1] = True
+    others, missed, worst = [], [], 0.0
+    for (path, a), (_, b), (_, a0) in zip(_leaves(got), _leaves(want), _leaves(clean)):
+        shape = lambda m: np.broadcast_to(m.reshape(m.shape + (1,) * (a.ndim - 4)), a.shape)
+        mine, reached = shape(owner[:, None] == seq), shape(at & (owner[:, None] == seq))
+        if not np.array_equal(a[~mine], a0[~mine], equal_nan=True):
+            others.append(path)
+        n = int((~np.isfinite(b) & np.isfinite(a) & reached).sum())
+        if n:
+            missed.append(f"{path} at {n} of {int((~np.isfinite(b) & reached).sum())} places")
+        both = mine & np.isfinite(a) & np.isfinite(b)
+        top = np.max(np.abs(b[both]), initial=0.0) or 1.0  # (scaled: their squares overflow)
+        e = _rel(np.where(both, a, 0.0) / top, np.where(both, b, 0.0) / top)
+        worst = e if not e <= worst else worst
+    tol = tolerance(case.dtype)
+    ok = not (others or missed) and worst <= tol
+    said = [f"finite where the reference stage's are not ({', '.join(missed)}: a non-finite dw row read as "
+            "numbers)"] * bool(missed) + [f"other sequences' {', '.join(others)} changed"] * bool(others)
+    col.add("overflow", case.name, ok, f"sequence {seq}'s dw row {j} of chunk {c} overflows from finite operands "
+            f"(±{big:.0e}): " + ("; ".join(said + [f"rel-RMS {worst:.1e} from the reference stage"] * (
+                not worst <= tol)) if not ok else f"non-finite where the reference stage's are in rows <= {j}, "
+                                                   f"rel-RMS {worst:.1e} elsewhere"))
+
+
+def _token_rows(out, case: Case, R: int, NC: int, N: int, seq: int):
+    """Per token row ``[R, HV, NC, C]`` of sequence ``seq``: whether some output is non-finite
+    there (the outputs indexed by token), and the rows of ``seq``; None: no such output."""
+    bad = None
+    for _, y in _leaves(out):
+        if y.ndim >= 4 and y.shape[0] == R and y.shape[2] == NC and y.shape[3] == case.chunk:
+            b = ~np.isfinite(y.reshape(y.shape[:4] + (-1,))).all(axis=-1)
+            bad = b if bad is None else bad | b
+    if bad is None:
+        return None
+    owner = _owners(bad.shape + (1,), case, R, NC, N)
+    return bad, np.broadcast_to(owner == seq, bad.shape + (1,))[..., 0]
+
+
+def _rows_missed(out, want, case: Case, R: int, NC: int, N: int, seq: int) -> str:
+    """``nan-reach``: the token rows of sequence ``seq`` where ``want`` (the reference
+    stage's outputs) has a non-finite entry and ``out`` none, said; empty: none. By row, not
+    by entry: stages may carry a NaN through other columns (the reference NaNs whole rows)."""
+    got, ref = _token_rows(out, case, R, NC, N, seq), _token_rows(want, case, R, NC, N, seq)
+    if got is None or ref is None:
+        return ""
+    missed = ref[0] & ~got[0] & ref[1]
+    return f"{int(missed.sum())} of {int((ref[0] & ref[1]).sum())} token rows" if missed.any() else ""
 
 
 def _transforms(col, pipe, field, stage, kw, out, kw2, out2, case: Case, tol: float):
@@ -166,7 +264,14 @@ def _transforms(col, pipe, field, stage, kw, out, kw2, out2, case: Case, tol: fl
         grads = _jit(eqx.filter_grad(loss))((pipe, arrs))
         leaves = [np.asarray(x) for x in jax.tree.leaves(grads) if hasattr(x, "dtype")]
         finite = all(np.isfinite(x).all() for x in leaves)
-        col.add("grad", name, finite, f"{len(leaves)} gradients, " + ("finite" if finite else "NON-FINITE"))
+        said = f"{len(leaves)} gradients, " + ("finite" if finite else "NON-FINITE")
+        if finite and not _routes.reference_is_exact(field, stage) and jnp.dtype(case.dtype) == jnp.float64:
+            ok, det = _differences(loss, (pipe, arrs), grads)
+            col.add("grad", name, ok, f"{said}; {det}" if ok else f"{said}, but not the derivative of the stage's "
+                    f"outputs: {det} (a derived backward differentiates this stage: its JAX derivative, a custom_vjp "
+                    "included, is the pipeline's gradient)")
+        else:
+            col.add("grad", name, finite, said)
     except Exception as e:
         if _routes.reference_is_exact(field, stage):  # never differentiated: the derived backward uses the reference stage
             col.add("grad", name, None, f"not differentiable by JAX ({type(e).__name__}): the derived backward "
@@ -176,6 +281,28 @@ def _transforms(col, pipe, field, stage, kw, out, kw2, out2, case: Case, tol: fl
                                         "transpose it (else DerivedBackwardError)")
         else:
             col.add("grad", name, False, _error(e))
+
+
+def _differences(loss, x, grads, step: float = 1e-6, tol: float = 1e-6):
+    """``(passed, detail)``: JAX's gradient ``grads`` of the scalar ``loss`` at ``x`` (float64)
+    against central differences along two random directions, each leaf's part scaled by its
+    values' RMS: ``|fd - g.d|`` over ``sum |g d|`` (no cancellation hides an error) at most
+    ``tol`` (float64 rounding and the step's truncation: ~1e-10)."""
+    diff, rest = eqx.partition(x, eqx.is_inexact_array)
+    xs = jax.tree.leaves(diff)
+    gs = [np.asarray(g, np.float64) for g in jax.tree.leaves(eqx.filter(grads, eqx.is_inexact_array))]
+    f = _jit(lambda d: loss(eqx.combine(d, rest)))
+    rng, worst = np.random.default_rng(11), 0.0
+    for _ in range(2):
+        ds = [rng.standard_normal(a.shape) * (np.sqrt(np.mean(np.square(np.asarray(a, np.float64)))) or 1.0)
+              for a in xs]
+        moved = lambda sign: jax.tree.unflatten(jax.tree.structure(diff), [
+            _device(np.asarray(a, np.float64) + sign * step * d, a.dtype) for a, d in zip(xs, ds)])
+        fd = (float(f(moved(1))) - float(f(moved(-1)))) / (2 * step)
+        ad = sum(float(np.sum(g * d)) for g, d in zip(gs, ds))
+        size = sum(float(np.sum(np.abs(g * d))) for g, d in zip(gs, ds)) or 1.0
+        worst = max(worst, abs(fd - ad) / size)
+    return worst <= tol, f"against central differences along 2 random directions: {worst:.1e} (tol {tol:.0e})"
 
 
 def _cases_ahead(base, field, cases, cache_ok: bool) -> None:
@@ -249,11 +376,20 @@ def _case_checks(col, base, field, stage, caps, case: Case, cache_ok: bool, firs
                 else f"transposes={dict(getattr(stage, 'transposes', {}))}")
         col.add("reference", case.name, None, f"{NOT_COMPARED}: {what} is not KDA's, so no check compares its values "
                                               f"with {info.reference.__qualname__} (or any formula)")
-    if case.name.startswith(("dense", "packed")) and jnp.dtype(case.dtype) == jnp.dtype(first_dtype):
+    if case.name.split()[0] in ("dense", "packed", "shared") and jnp.dtype(case.dtype) == jnp.dtype(first_dtype):
+        reference = None
+        if _routes.reference_is_exact(field, stage):
+            r = STAGES[field].reference()
+            reference = (_with_stage(pipe, field, r), _for_reference(r, stage, full_kw))
         try:
-            _isolation(col, P, field, kw, out, case, case.name)
+            _isolation(col, P, field, kw, out, case, case.name, reference)
         except Exception as e:
             col.add("isolation", case.name, False, _error(e))
+        if field == "wy_dqkg" and reference is not None:
+            try:
+                _dw_overflow(col, P, kw, out, reference, case)
+            except Exception as e:
+                col.add("overflow", case.name, False, _error(e))
     return P, kw, out, full_kw
 
 

@@ -61,8 +61,15 @@ def check_stage(
     * ``nan-isolation``, ``isolation``: each sequence in turn, its part of each per-token,
       per-chunk and per-sequence argument NaN, then negated, reaches no other sequence's
       outputs (dense rows; packed per-sequence chunks);
+    * ``nan-reach`` (a stage of KDA's math; shared chunks too): each sequence's part of all
+      those arguments NaN at once is non-finite in every token row of its outputs where the
+      reference stage's is (non-finite values read as numbers fail); ``overflow`` (B3 of
+      KDA's math): a row of ``dw = -dv_new h^T`` that overflows from finite operands is
+      non-finite in the rows it reaches where the reference stage's is;
     * ``jit``, ``filter_jit``, ``vmap`` (two cases' arguments stacked), ``grad`` (forward
-      stages; skipped where JAX cannot differentiate it);
+      stages; skipped where JAX cannot differentiate it): finite, and for a stage of other
+      math in float64 (a derived backward runs its JAX derivative) against central
+      differences;
     * declared capabilities, in pipelines that take the routes they select whatever the
       stage's math (``KDAPipeline.trust_declarations``): ``reset`` (shared chunks give the
       per-sequence layout's outputs and gradients, with F1's floor and without),
