@@ -358,6 +358,20 @@ def test_wrong_custom_vjp_fails_grad():
     assert float(row.detail.split("directions: ")[1].split()[0]) < 1e-9, row
 
 
+def test_wrong_custom_vjp_fails_check_pipeline_differences():
+    """``check_pipeline``'s ``differences`` (float64): the pipeline's gradients against
+    central differences of ``chunk_kda``. A pipeline whose F5 (other math) has a custom VJP
+    off by 2 passes ``gradients`` (its differentiable forward runs that VJP too) and fails
+    ``differences`` on every case it runs; with the right VJP it passes."""
+    ref = kdax.KDAPipeline.reference()
+    wrong = check_pipeline(eqx.tree_at(lambda p: p.output, ref, DoubledOutput(factor=1.0)))
+    assert wrong.names_failed == {"differences"}, str(wrong)
+    rows = [c for c in wrong.checks if c.name == "differences"]
+    assert len(rows) >= 5 and not any(c.passed for c in rows), str(wrong)
+    right = check_pipeline(eqx.tree_at(lambda p: p.output, ref, DoubledOutput()))
+    assert right.ok and len([c for c in right.checks if c.name == "differences"]) >= 5, str(right)
+
+
 def _passed(report, check, case):
     return next(c for c in report.checks if c.name == check and c.case == case).passed
 

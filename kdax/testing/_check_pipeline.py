@@ -26,7 +26,9 @@ from ._cases import (
 )
 from ._compare import _compare, _rel
 from ._report import Report, _Collector, _error
-from ._runs import _ahead, _call, _call_of, _jit, _outputs_ahead, _pipeline_outputs, release_near_the_mapping_limit
+from ._runs import (
+    _ahead, _call, _call_of, _jit, _outputs_ahead, _outputs_program, _pipeline_outputs, release_near_the_mapping_limit,
+)
 
 
 @typecheck
@@ -50,6 +52,10 @@ def check_pipeline(
       ``allow_neg_eigval``, the lower-bound gate without ``A_log``, three value heads
       over one q/k head when the pipeline holds no array (``full``: the lower-bound gate with it,
       chunk 32, 33 chunks of 64 at K = V = 128, strong gates);
+    * ``differences`` (float64; every case but the 33-chunk ones): the same gradients against
+      central differences of ``chunk_kda`` itself along two random directions of every
+      input and array option: no JAX derivative enters (a forward stage's ``custom_vjp``
+      runs on both sides of ``gradients``);
     * ``forward``: the outputs against that differentiable forward's;
     * ``layouts``: the outputs (o, final states) of dense rows against the same sequences
       packed, per-sequence and sharing chunks, and a tiled forward (tiles of one chunk)
@@ -123,6 +129,42 @@ def _gradient_checks(col, pipeline: KDAPipeline, case: Case, tol: float):
     worst, where = _worst_gradient(got, want)
     col.add("gradients", case.name, worst <= gtol, f"{path} backward vs jax.vjp of its forward stages: worst "
                                                    f"d{where} rel-RMS {worst:.1e}, tol {gtol:.0e}")
+    if "chunk64" not in case.name and jnp.dtype(case.dtype) == jnp.float64:  # (chunk64: 4 long forwards more)
+        try:
+            col.add("differences", case.name, *_differences(P, case, dgot))
+        except Exception as e:
+            col.add("differences", case.name, False, _error(e))
+
+
+def _differences(P: KDAPipeline, case: Case, grads, step: float = 1e-6, tol: float = 1e-6):
+    """``differences`` (float64): ``jax.grad`` of the loss through ``P`` (``grads``) against
+    central differences of ``chunk_kda`` itself along two random directions of every input
+    and array option (each one's part scaled by its values' RMS): ``|fd - g.d|`` over
+    ``sum |g d|`` at most ``tol``. Independent of any JAX derivative: a forward stage's
+    wrong ``custom_vjp``, which the differentiable forward runs too, fails here."""
+    x, arrays, options = _call_of(case)
+    names = list(_GRAD_NAMES) + sorted(arrays)
+    at = dict(zip(_GRAD_NAMES, x), **arrays)
+    g = dict(zip(_GRAD_NAMES, grads[0]), **grads[1])
+
+    def loss(moved):
+        o, ht, _, _ = _call(_outputs_program(), P, tuple(moved[n] for n in _GRAD_NAMES),
+                            {n: moved[n] for n in arrays}, options, False)
+        wo = np.asarray(_weights(o.shape, jnp.float64, 1))
+        return float(np.sum(np.asarray(o, np.float64) * wo) + np.sum(np.asarray(ht) * np.asarray(
+            _weights(ht.shape, ht.dtype, 2))))
+
+    rng, worst = np.random.default_rng(13), 0.0
+    for _ in range(2):
+        d = {n: rng.standard_normal(np.shape(at[n])) * (np.sqrt(np.mean(np.square(np.asarray(at[n])))) or 1.0)
+             for n in names}
+        moved = lambda sign: {n: jnp.asarray(np.asarray(at[n]) + sign * step * d[n], at[n].dtype) for n in names}
+        fd = (loss(moved(1)) - loss(moved(-1))) / (2 * step)
+        ad = sum(float(np.sum(np.asarray(g[n]) * d[n])) for n in names)
+        size = sum(float(np.sum(np.abs(np.asarray(g[n]) * d[n]))) for n in names) or 1.0
+        worst = max(worst, abs(fd - ad) / size)
+    return worst <= tol, (f"jax.grad vs central differences of chunk_kda along 2 random directions of "
+                          f"{', '.join(names)}: {worst:.1e} (tol {tol:.0e})")
 
 
 def _worst_gradient(got: dict, want: dict):
