@@ -372,6 +372,32 @@ def test_wrong_custom_vjp_fails_check_pipeline_differences():
     assert right.ok and len([c for c in right.checks if c.name == "differences"]) >= 5, str(right)
 
 
+class PlainProductOutput(AbstractOutput):
+    """KDA's F5 with ``Aqk v_new`` a plain product: the reference's numbers on finite values,
+    but a NaN in a later token's ``v_new`` meets ``Aqk``'s zeros above the diagonal (``0 *
+    NaN``) and reaches every earlier row of its chunk."""
+
+    math: ClassVar = KDA
+    accepts: ClassVar[frozenset] = frozenset({"tile_safe"})
+
+    def __call__(self, scale, qg, h, Aqk, v_new):
+        return scale * qg @ h + Aqk @ v_new
+
+
+def test_non_causal_nan_fails_causal():
+    """``causal``: each sequence's middle token NaN in every per-token argument; an F5 whose
+    earlier rows turn NaN through a plain product fails it on the cases where it runs (the
+    finite change passes: ``0 * x`` is zero), and nothing else (before it, ``check_stage``
+    said ok). The reference F5, which selects, passes."""
+    report = check_stage(PlainProductOutput(), "output", **_small())
+    assert report.names_failed == {"causal"}, str(report)
+    failed = [c for c in report.failed if c.name == "causal"]
+    assert {c.case for c in failed} == {"dense f64", "packed f64"}, str(report)
+    assert "NaN changed" in failed[0].detail and "plus one" not in failed[0].detail, failed
+    rows = [c for c in check_stage(ReferenceOutput(), "output", **_small()).checks if c.name == "causal"]
+    assert len(rows) == 2 and all(c.passed for c in rows), rows
+
+
 def _passed(report, check, case):
     return next(c for c in report.checks if c.name == check and c.case == case).passed
 

@@ -15,7 +15,7 @@ from .._layouts.tokens import Tokens
 from .._runner import routes as _routes
 from .._runner.contracts import STAGES
 from ._cases import Case, _device, _weights, tolerance
-from ._compare import _compare, _leaves, _rel
+from ._compare import _compare, _leaves
 from ._report import NOT_COMPARED, _error, _unsupported
 from ._runs import (
     _compile_options,
@@ -30,6 +30,7 @@ from ._runs import (
     _run_ahead,
     _with_stage,
 )
+from ._reach import _causal, _dw_overflow, _owners, _rows_missed
 from ._tiles import _tile_of, _tile_read
 
 
@@ -59,34 +60,6 @@ def _reference_checks(col, pipe, field, stage, caps, case: Case, out, full_kw: d
                 f"declares KDA's math but differs from {name} on a tile (carried state): {det}")
     except Exception as e:
         col.add("reference", case.name + " tile", False, _error(e))
-
-
-def _owners(shape, case: Case, R: int, NC: int, N: int):
-    """The sequence each element of an argument or output of ``shape`` belongs to, as an
-    int array that broadcasts to ``shape`` (None: not indexed by sequence). The chunks past
-    the last sequence's in the per-sequence layout belong to none (-1: never read). Shared
-    chunks: each token's (``[1, HV, NC, C, ...]``; the cases' K and V are not C), and none
-    for a chunk's own arrays (its states: the sequences sharing it read them)."""
-    if case.share:
-        if len(shape) < 4 or shape[0] != R or shape[2] != NC or shape[3] != case.chunk:
-            return None
-        t = np.arange(NC * case.chunk)
-        owner = np.where(t < case.cu[-1], np.searchsorted(np.asarray(case.cu), t, side="right") - 1, -1)
-        return owner.reshape((1, 1, NC, case.chunk) + (1,) * (len(shape) - 4))
-    if len(shape) >= 3 and shape[0] == R and shape[2] == NC:
-        if not case.packed:
-            return np.arange(R).reshape((R,) + (1,) * (len(shape) - 1))
-        # per-sequence layout: sequence n occupies chunks [start_n, start_n + ceil(len_n / C))
-        owner = np.full(NC, -1)
-        c = 0
-        for n in range(len(case.cu) - 1):
-            m = -(-(case.cu[n + 1] - case.cu[n]) // case.chunk)
-            owner[c:c + m] = n
-            c += m
-        return owner.reshape((1, 1, NC) + (1,) * (len(shape) - 3))
-    if len(shape) == 4 and shape[0] == N:
-        return np.arange(N).reshape((N, 1, 1, 1))
-    return None
 
 
 # What a change to one sequence's part of an argument is made of, per row of the report:
@@ -151,77 +124,6 @@ def _isolation(col, pipe, field, kw, clean, case: Case, name: str, reference=Non
             col.add("nan-reach", name, not short, f"{', '.join(tried)} NaN in one sequence at a time: "
                     + (f"{'; '.join(short[:3])} finite where the reference stage's are not (non-finite values read "
                        "as numbers)" if short else "non-finite in each token row where the reference stage's are"))
-
-
-def _dw_overflow(col, pipe, kw, clean, reference, case: Case):
-    """``overflow`` (B3): in a chunk whose start state its sequence reads, that state and one
-    token's ``dv_new`` at ``1e4 sqrt(max)`` (finite) make row j of ``dw = -dv_new h^T``
-    overflow (by 1e8, whatever the order of the products; float16 by 256); the stage's outputs in
-    the rows it reaches (``Akk^T dw``: rows i <= j) are non-finite wherever the reference
-    stage's are (a non-finite ``dw`` row read as zero fails), the sequence's finite entries
-    close to the reference's, and every other sequence's as without it."""
-    R, NC, C = kw["q"].shape[0], kw["q"].shape[2], case.chunk
-    N = len(case.cu) - 1 if case.packed else case.B
-    owner = np.broadcast_to(_owners((R, 1, NC, C), case, R, NC, N), (R, 1, NC, C))[:, 0]
-    r, c = next((r, c) for r in range(R) for c in range(1, NC) if owner[r, c, 0] == owner[r, c - 1, -1] >= 0)
-    seq = owner[r, c, 0]
-    rows = np.flatnonzero(owner[r, c] == seq)
-    j = int(rows[len(rows) // 2])  # (the rows after it: not reached)
-    root = float(jnp.finfo(kw["q"].dtype).max) ** 0.5
-    big = root * min(1e4, root / 16)  # (float16: 4096)
-    h, dv = np.array(kw["h"]), np.array(kw["dv_new"])
-    h[r, :, c], dv[r, :, c, j] = big, big
-    change = dict(h=_device(h, kw["h"].dtype), dv_new=_device(dv, kw["dv_new"].dtype))
-    got, want = _jit_run(pipe, "wy_dqkg", dict(kw, **change)), _jit_run(reference[0], "wy_dqkg",
-                                                                         dict(reference[1], **change))
-    at = np.zeros((R, 1, NC, C), bool)
-    at[r, :, c, :j + 1] = True
-    others, missed, worst = [], [], 0.0
-    for (path, a), (_, b), (_, a0) in zip(_leaves(got), _leaves(want), _leaves(clean)):
-        shape = lambda m: np.broadcast_to(m.reshape(m.shape + (1,) * (a.ndim - 4)), a.shape)
-        mine, reached = shape(owner[:, None] == seq), shape(at & (owner[:, None] == seq))
-        if not np.array_equal(a[~mine], a0[~mine], equal_nan=True):
-            others.append(path)
-        n = int((~np.isfinite(b) & np.isfinite(a) & reached).sum())
-        if n:
-            missed.append(f"{path} at {n} of {int((~np.isfinite(b) & reached).sum())} places")
-        both = mine & np.isfinite(a) & np.isfinite(b)
-        top = np.max(np.abs(b[both]), initial=0.0) or 1.0  # (scaled: their squares overflow)
-        e = _rel(np.where(both, a, 0.0) / top, np.where(both, b, 0.0) / top)
-        worst = e if not e <= worst else worst
-    tol = tolerance(case.dtype)
-    ok = not (others or missed) and worst <= tol
-    said = [f"finite where the reference stage's are not ({', '.join(missed)}: a non-finite dw row read as "
-            "numbers)"] * bool(missed) + [f"other sequences' {', '.join(others)} changed"] * bool(others)
-    col.add("overflow", case.name, ok, f"sequence {seq}'s dw row {j} of chunk {c} overflows from finite operands "
-            f"(±{big:.0e}): " + ("; ".join(said + [f"rel-RMS {worst:.1e} from the reference stage"] * (
-                not worst <= tol)) if not ok else f"non-finite where the reference stage's are in rows <= {j}, "
-                                                   f"rel-RMS {worst:.1e} elsewhere"))
-
-
-def _token_rows(out, case: Case, R: int, NC: int, N: int, seq: int):
-    """Per token row ``[R, HV, NC, C]`` of sequence ``seq``: whether some output is non-finite
-    there (the outputs indexed by token), and the rows of ``seq``; None: no such output."""
-    bad = None
-    for _, y in _leaves(out):
-        if y.ndim >= 4 and y.shape[0] == R and y.shape[2] == NC and y.shape[3] == case.chunk:
-            b = ~np.isfinite(y.reshape(y.shape[:4] + (-1,))).all(axis=-1)
-            bad = b if bad is None else bad | b
-    if bad is None:
-        return None
-    owner = _owners(bad.shape + (1,), case, R, NC, N)
-    return bad, np.broadcast_to(owner == seq, bad.shape + (1,))[..., 0]
-
-
-def _rows_missed(out, want, case: Case, R: int, NC: int, N: int, seq: int) -> str:
-    """``nan-reach``: the token rows of sequence ``seq`` where ``want`` (the reference
-    stage's outputs) has a non-finite entry and ``out`` none, said; empty: none. By row, not
-    by entry: stages may carry a NaN through other columns (the reference NaNs whole rows)."""
-    got, ref = _token_rows(out, case, R, NC, N, seq), _token_rows(want, case, R, NC, N, seq)
-    if got is None or ref is None:
-        return ""
-    missed = ref[0] & ~got[0] & ref[1]
-    return f"{int(missed.sum())} of {int((ref[0] & ref[1]).sum())} token rows" if missed.any() else ""
 
 
 def _transforms(col, pipe, field, stage, kw, out, kw2, out2, case: Case, tol: float):
@@ -390,6 +292,11 @@ def _case_checks(col, base, field, stage, caps, case: Case, cache_ok: bool, firs
                 _dw_overflow(col, P, kw, out, reference, case)
             except Exception as e:
                 col.add("overflow", case.name, False, _error(e))
+        if reference is not None and not case.share:
+            try:
+                _causal(col, P, field, kw, out, reference, case)
+            except Exception as e:
+                col.add("causal", case.name, False, _error(e))
     return P, kw, out, full_kw
 
 
