@@ -66,8 +66,9 @@ def check_stage(
       reference stage's is (non-finite values read as numbers fail); ``overflow`` (B3 of
       KDA's math): a row of ``dw = -dv_new h^T`` that overflows from finite operands is
       non-finite in the rows it reaches where the reference stage's is; ``causal`` (a stage
-      of KDA's math; dense, packed): each sequence's middle token NaN, then plus one, in
-      every per-token argument leaves every entry the reference stage's leaves, to the bit;
+      of KDA's math; dense, packed): each sequence's tokens from its middle one on, less one
+      in every per-token argument, leave every entry the reference stage's leaves, to the
+      bit;
     * ``jit``, ``filter_jit``, ``vmap`` (two cases' arguments stacked), ``grad`` (forward
       stages; skipped where JAX cannot differentiate it): finite, and for a stage of other
       math in float64 (a derived backward runs its JAX derivative) against central
