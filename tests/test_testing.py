@@ -445,6 +445,35 @@ def test_overflow_meeting_the_zeros_between_sequences_fails_reset():
     assert len(rows) == 1 and rows[0].passed, rows
 
 
+class FiniteFromFiniteIntra(AbstractIntra):
+    """KDA's F2 whose non-finite outputs are zero when every argument is finite: exact on
+    finite values and isolating, but an inverse that overflows inside it (keys whose
+    products overflow) read as zero."""
+
+    math: ClassVar = KDA
+    accepts: ClassVar[frozenset] = frozenset({"reset", "G_lo"})
+
+    def __call__(self, scale, q, k, beta, G, G_lo=None, reset=None):
+        out = ReferenceIntra()(scale, q, k, beta, G, G_lo=G_lo, reset=reset)
+        finite = jnp.all(jnp.stack([jnp.isfinite(x).all() for x in (q, k, beta, G)]))
+        return jax.tree.map(lambda x: jnp.where(finite & ~jnp.isfinite(x), 0.0, x), out)
+
+
+def test_overflow_read_as_a_number_fails_reset():
+    """``reset``'s overflow row, in the overflowing sequence itself: an F2 that zeroes an
+    inverse overflowing inside it leaves outputs and gradients of that sequence finite
+    where the reference pipeline's are not, and fails the row by saying so (before: ok);
+    the reference F2 passes it."""
+    report = check_stage(FiniteFromFiniteIntra(), "intra", **_small())
+    assert report.names_failed == {"reset"}, str(report)
+    failed = [c for c in report.failed if c.name == "reset"]
+    assert [c.case for c in failed] == ["packed f64 overflow"], str(report)
+    assert "sequence 1's own" in failed[0].detail and "finite where the reference pipeline's are not" in failed[
+        0].detail, failed
+    rows = [c for c in check_stage(ReferenceIntra(), "intra", **_small()).checks if c.case == "packed f64 overflow"]
+    assert len(rows) == 1 and rows[0].passed and "its own non-finite" in rows[0].detail, rows
+
+
 def test_false_tile_safe_fails():
     _assert_fails(check_stage(ZeroStartState(), "state", **_small()), "tile_safe")
 

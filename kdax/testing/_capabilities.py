@@ -17,7 +17,7 @@ from .._layouts.tokens import Tokens, as_chunked
 from .._numerics import precision as _precision
 from .._numerics.arrays import identity_row_terms
 from .._runner.contracts import STAGES
-from .._runner.routes import RESET_FIELDS, unsafe_for_tiles
+from .._runner.routes import RESET_FIELDS, reference_is_exact, unsafe_for_tiles
 from ._cases import _CU, Case, _dtname, _Twin, tolerance, x64_on
 from ._compare import _compare, _leaves, _rel
 from ._report import _error, _unsupported
@@ -130,23 +130,27 @@ def _reset_checks(col, P, field, stage, dtype):
                         if ok else f"declares `reset` but shared chunks give other numbers than the per-sequence "
                                    f"layout ({what}): {det}")
                 if Ps is P:
-                    _overflow_check(col, Ps, case, (o1, h1, g1))
+                    _overflow_check(col, Ps, case, (o1, h1, g1), field, stage)
         except UnsupportedCase as e:
             _route_unsupported(col, "reset", name, field, stage, e)
         except Exception as e:
             col.add("reset", name, False, _error(e))
 
 
-def _overflow_check(col, P, case, before):
+def _overflow_check(col, P, case, before, field, stage):
     """``reset``, one row more: in shared chunks, one sequence's keys so large that their
     products overflow (inf inside its own sequence: some of ``k_i . k_j`` and then F2's
     inverse, or every such product) leave every other sequence's outputs, final states and
     gradients bit for bit as they are beside ordinary keys (the exact zeros between
-    sequences must never meet the inf as ``0 * inf``: docs/DESIGN.md §7)."""
+    sequences must never meet the inf as ``0 * inf``: docs/DESIGN.md §7); and, for a stage
+    of KDA's math, are non-finite in each of that sequence's token rows of the outputs and
+    gradients where the reference pipeline's are (an overflow inside the stage read as a
+    number, a select on ``isfinite``, fails: by row, as ``nan-reach``)."""
     n = 1  # (tokens 7-22 of _CU: a chunk shared with the sequence before it, one with the one after)
     top = float(jnp.finfo(case.dtype).max)
     o0, h0, g0 = before
-    cu, differs = case.cu, []
+    cu, differs, finite = case.cu, [], []
+    ref = _with_stage(P, field, STAGES[field].reference()) if reference_is_exact(field, stage) else None
     for size in (top ** 0.5 / 2, top / 10):
         bad = dataclasses.replace(case, overflow=("k", n, size))
         o, h, g, _ = _pipeline_outputs(dataclasses.replace(P, share_chunks=True), bad, g0 is not None)
@@ -157,12 +161,23 @@ def _overflow_check(col, P, case, before):
                 pairs += [(f"d{x}", a[:, toks], b[:, toks]) for x, a, b in zip("q k v g beta".split(), g[0], g0[0])]
             differs += [f"sequence {m}'s {what} (keys at ±{size:.0e})" for what, a, b in pairs
                         if m != n and not np.array_equal(np.asarray(a), np.asarray(b))]
-    ok = not differs
+        if ref is not None:
+            ro, _, rg, _ = _pipeline_outputs(dataclasses.replace(ref, share_chunks=True), bad, g0 is not None)
+            toks = slice(cu[n], cu[n + 1])
+            mine = [("outputs", o, ro)] + ([(f"d{x}", a, b) for x, a, b in zip("q k v g beta".split(), g[0], rg[0])]
+                                            if g0 is not None else [])
+            rows = lambda y: ~np.isfinite(np.asarray(y)[:, toks].reshape(y.shape[0], cu[n + 1] - cu[n], -1)).all(-1)
+            finite += [f"{what} at {int((rows(b) & ~rows(a)).sum())} tokens (keys at ±{size:.0e})"
+                       for what, a, b in mine if (rows(b) & ~rows(a)).any()]
+    ok = not (differs or finite)
+    said = [f"a float overflow in sequence {n} changes {', '.join(differs[:3])}{' ...' if len(differs) > 3 else ''}"
+            ": a product meets it with the zeros between sequences (select, don't multiply: docs/DESIGN.md "
+            "§7)"] * bool(differs) + [f"sequence {n}'s own {', '.join(finite[:3])} finite where the reference "
+                                      "pipeline's are not (an overflow read as a number)"] * bool(finite)
     col.add("reset", f"{case.name} overflow", ok,
             f"sequence {n}'s keys at ±{top ** 0.5 / 2:.0e} and ±{top / 10:.0e}: the other sequences' numbers bitwise "
-            "as before" if ok else f"declares `reset` but a float overflow in sequence {n} changes "
-            f"{', '.join(differs[:3])}{' ...' if len(differs) > 3 else ''}: a product meets it with the zeros "
-            "between sequences (select, don't multiply: docs/DESIGN.md §7)")
+            "as before" + (", its own non-finite where the reference pipeline's are" if ref is not None else "")
+            if ok else "declares `reset` but " + "; ".join(said))
 
 
 def _route_unsupported(col, check, case, field, stage, e):
