@@ -40,7 +40,6 @@ def _owners(shape, case: Case, R: int, NC: int, N: int):
     return None
 
 
-
 def _dw_overflow(col, pipe, kw, clean, reference, case: Case):
     """``overflow`` (B3): in a chunk whose start state its sequence reads, that state and one
     token's ``dv_new`` at ``1e4 sqrt(max)`` (finite) make row j of ``dw = -dv_new h^T``
