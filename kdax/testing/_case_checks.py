@@ -15,7 +15,7 @@ from .._layouts.tokens import Tokens
 from .._runner import routes as _routes
 from .._runner.contracts import STAGES
 from ._cases import Case, _device, _weights, tolerance
-from ._compare import _compare, _leaves
+from ._compare import _compare, _leaves, central_differences
 from ._report import NOT_COMPARED, _error, _unsupported
 from ._runs import (
     _compile_options,
@@ -75,9 +75,8 @@ def _isolation(col, pipe, field, kw, clean, case: Case, name: str, reference=Non
     reference stage, its arguments)`` for a stage of KDA's math, and ``nan-reach``: those
     arguments NaN in one sequence's part all at once reach, in that sequence, every token row
     of the outputs the reference stage's reach (a stage that turns non-finite values into
-    numbers fails). Shared chunks: ``nan-reach``
-    alone (a stage there may rely on its arguments' zeros between sequences, which the
-    pipeline's ``reset`` row checks with F3's and F4's own)."""
+    numbers fails). Shared chunks: ``nan-reach`` alone (a stage there may rely on its
+    arguments' zeros between sequences, which the ``reset`` row checks in a pipeline)."""
     ref = next((x for x in jax.tree.leaves(kw) if hasattr(x, "ndim") and x.ndim >= 4), None)
     if ref is None:
         return
@@ -93,13 +92,15 @@ def _isolation(col, pipe, field, kw, clean, case: Case, name: str, reference=Non
         if owner is None:
             continue
         tried.append(n)
+        if case.share:
+            continue
         base = np.array(x)
         for seq in range(N):
             mine = np.broadcast_to(owner == seq, x.shape)
-            for row, what, change in _CHANGES[:1] if case.share else _CHANGES:
+            for row, what, change in _CHANGES:
                 changed = np.where(mine, change(base), base)
                 out = _jit_run(pipe, field, dict(kw, **{n: _device(changed, x.dtype)}))
-                for (path, y), (_, y0) in zip([] if case.share else _leaves(out), clean_leaves):
+                for (path, y), (_, y0) in zip(_leaves(out), clean_leaves):
                     theirs = _owners(y.shape, case, R, NC, N)
                     if theirs is None:
                         continue
@@ -185,26 +186,16 @@ def _transforms(col, pipe, field, stage, kw, out, kw2, out2, case: Case, tol: fl
             col.add("grad", name, False, _error(e))
 
 
-def _differences(loss, x, grads, step: float = 1e-6, tol: float = 1e-6):
+def _differences(loss, x, grads):
     """``(passed, detail)``: JAX's gradient ``grads`` of the scalar ``loss`` at ``x`` (float64)
-    against central differences along two random directions, each leaf's part scaled by its
-    values' RMS: ``|fd - g.d|`` over ``sum |g d|`` (no cancellation hides an error) at most
-    ``tol`` (float64 rounding and the step's truncation: ~1e-10)."""
+    against central differences (``_compare.central_differences``)."""
     diff, rest = eqx.partition(x, eqx.is_inexact_array)
     xs = jax.tree.leaves(diff)
-    gs = [np.asarray(g, np.float64) for g in jax.tree.leaves(eqx.filter(grads, eqx.is_inexact_array))]
+    gs = jax.tree.leaves(eqx.filter(grads, eqx.is_inexact_array))
     f = _jit(lambda d: loss(eqx.combine(d, rest)))
-    rng, worst = np.random.default_rng(11), 0.0
-    for _ in range(2):
-        ds = [rng.standard_normal(a.shape) * (np.sqrt(np.mean(np.square(np.asarray(a, np.float64)))) or 1.0)
-              for a in xs]
-        moved = lambda sign: jax.tree.unflatten(jax.tree.structure(diff), [
-            _device(np.asarray(a, np.float64) + sign * step * d, a.dtype) for a, d in zip(xs, ds)])
-        fd = (float(f(moved(1))) - float(f(moved(-1)))) / (2 * step)
-        ad = sum(float(np.sum(g * d)) for g, d in zip(gs, ds))
-        size = sum(float(np.sum(np.abs(g * d))) for g, d in zip(gs, ds)) or 1.0
-        worst = max(worst, abs(fd - ad) / size)
-    return worst <= tol, f"against central differences along 2 random directions: {worst:.1e} (tol {tol:.0e})"
+    at = lambda moved: float(f(jax.tree.unflatten(jax.tree.structure(diff), [
+        _device(m, a.dtype) for m, a in zip(moved, xs)])))
+    return central_differences(at, xs, gs, seed=11)
 
 
 def _cases_ahead(base, field, cases, cache_ok: bool) -> None:

@@ -24,7 +24,7 @@ from ._cases import (
     _CU, _CU_LONG, _DENSE, _FLA, _HEADS, _LONG, _WIDE, Case, _dtname, _Packed, _weights, check_dtypes, holds_no_array,
     tolerance,
 )
-from ._compare import _compare, _rel
+from ._compare import _compare, _rel, central_differences
 from ._report import Report, _Collector, _error
 from ._runs import (
     _ahead, _call, _call_of, _jit, _outputs_ahead, _outputs_program, _pipeline_outputs, release_near_the_mapping_limit,
@@ -136,35 +136,26 @@ def _gradient_checks(col, pipeline: KDAPipeline, case: Case, tol: float):
             col.add("differences", case.name, False, _error(e))
 
 
-def _differences(P: KDAPipeline, case: Case, grads, step: float = 1e-6, tol: float = 1e-6):
+def _differences(P: KDAPipeline, case: Case, grads):
     """``differences`` (float64): ``jax.grad`` of the loss through ``P`` (``grads``) against
     central differences of ``chunk_kda`` itself along two random directions of every input
-    and array option (each one's part scaled by its values' RMS): ``|fd - g.d|`` over
-    ``sum |g d|`` at most ``tol``. Independent of any JAX derivative: a forward stage's
-    wrong ``custom_vjp``, which the differentiable forward runs too, fails here."""
+    and array option (``_compare.central_differences``). Independent of any JAX derivative:
+    a forward stage's wrong ``custom_vjp``, which the differentiable forward runs too, fails
+    here."""
     x, arrays, options = _call_of(case)
     names = list(_GRAD_NAMES) + sorted(arrays)
     at = dict(zip(_GRAD_NAMES, x), **arrays)
     g = dict(zip(_GRAD_NAMES, grads[0]), **grads[1])
 
     def loss(moved):
+        moved = {n: jnp.asarray(m, at[n].dtype) for n, m in zip(names, moved)}
         o, ht, _, _ = _call(_outputs_program(), P, tuple(moved[n] for n in _GRAD_NAMES),
                             {n: moved[n] for n in arrays}, options, False)
-        wo = np.asarray(_weights(o.shape, jnp.float64, 1))
-        return float(np.sum(np.asarray(o, np.float64) * wo) + np.sum(np.asarray(ht) * np.asarray(
-            _weights(ht.shape, ht.dtype, 2))))
+        return float(np.sum(np.asarray(o, np.float64) * np.asarray(_weights(o.shape, jnp.float64, 1)))
+                     + np.sum(np.asarray(ht) * np.asarray(_weights(ht.shape, ht.dtype, 2))))
 
-    rng, worst = np.random.default_rng(13), 0.0
-    for _ in range(2):
-        d = {n: rng.standard_normal(np.shape(at[n])) * (np.sqrt(np.mean(np.square(np.asarray(at[n])))) or 1.0)
-             for n in names}
-        moved = lambda sign: {n: jnp.asarray(np.asarray(at[n]) + sign * step * d[n], at[n].dtype) for n in names}
-        fd = (loss(moved(1)) - loss(moved(-1))) / (2 * step)
-        ad = sum(float(np.sum(np.asarray(g[n]) * d[n])) for n in names)
-        size = sum(float(np.sum(np.abs(np.asarray(g[n]) * d[n]))) for n in names) or 1.0
-        worst = max(worst, abs(fd - ad) / size)
-    return worst <= tol, (f"jax.grad vs central differences of chunk_kda along 2 random directions of "
-                          f"{', '.join(names)}: {worst:.1e} (tol {tol:.0e})")
+    ok, det = central_differences(loss, [at[n] for n in names], [g[n] for n in names], seed=13)
+    return ok, f"jax.grad of chunk_kda in {', '.join(names)}, {det}"
 
 
 def _worst_gradient(got: dict, want: dict):

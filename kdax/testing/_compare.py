@@ -56,3 +56,21 @@ def _compare(out, ref, tol: float):
         if not e <= worst:
             worst, where = e, path
     return worst <= tol, f"rel-RMS {worst:.1e} ({where or '-'}), tol {tol:.0e}"
+
+
+def central_differences(loss, xs, gs, seed: int, step: float = 1e-6, tol: float = 1e-6):
+    """``(passed, detail)``: gradients ``gs`` of ``loss`` (a float from a list of float64
+    arrays like ``xs``) at ``xs`` against central differences along two random directions,
+    each array's part scaled by its values' RMS: ``|fd - g.d|`` over ``sum |g d|`` (no
+    cancellation hides an error) at most ``tol`` (float64 rounding and the step's
+    truncation: ~1e-10). For a float64 check only."""
+    xs = [np.asarray(a, np.float64) for a in xs]
+    gs = [np.asarray(g, np.float64) for g in gs]
+    rng, worst = np.random.default_rng(seed), 0.0
+    for _ in range(2):
+        ds = [rng.standard_normal(a.shape) * (np.sqrt(np.mean(np.square(a))) or 1.0) for a in xs]
+        fd = (loss([a + step * d for a, d in zip(xs, ds)]) - loss([a - step * d for a, d in zip(xs, ds)])) / (2 * step)
+        ad = sum(float(np.sum(g * d)) for g, d in zip(gs, ds))
+        size = sum(float(np.sum(np.abs(g * d))) for g, d in zip(gs, ds)) or 1.0
+        worst = max(worst, abs(fd - ad) / size)
+    return worst <= tol, f"against central differences along 2 random directions: {worst:.1e} (tol {tol:.0e})"
