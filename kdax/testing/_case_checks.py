@@ -30,7 +30,7 @@ from ._runs import (
     _run_ahead,
     _with_stage,
 )
-from ._reach import _causal, _dw_overflow, _owners, _rows_missed
+from ._reach import _causal, _dw_overflow, _kept, _owners, _rows_missed
 from ._tiles import _tile_of, _tile_read
 
 
@@ -105,7 +105,7 @@ def _isolation(col, pipe, field, kw, clean, case: Case, name: str, reference=Non
                     if theirs is None:
                         continue
                     m = np.broadcast_to((theirs != seq) & (theirs >= 0), y.shape)
-                    if not ((y[m] == y0[m]) | (np.isnan(y[m]) & np.isnan(y0[m]))).all():
+                    if not _kept(y[m], y0[m]).all():
                         leaks[row].append(f"{n} of sequence {seq} {what} reached {path} of another sequence")
                         break
     if reference is not None:  # (all of them at once: a stage may read its own of redundant arguments, qg or q)

@@ -40,6 +40,18 @@ def _owners(shape, case: Case, R: int, NC: int, N: int):
     return None
 
 
+def _tokens_of(case: Case, R: int, NC: int):
+    """``(owner [R, NC, C], N)``: each token's sequence (``_owners``), and how many there are."""
+    N = len(case.cu) - 1 if case.packed else case.B
+    C = case.chunk
+    return np.broadcast_to(_owners((R, 1, NC, C), case, R, NC, N), (R, 1, NC, C))[:, 0], N
+
+
+def _kept(y, y0):
+    """Where ``y`` is ``y0`` (NaN where it was NaN counts)."""
+    return (y == y0) | (np.isnan(y) & np.isnan(y0))
+
+
 def _dw_overflow(col, pipe, kw, clean, reference, case: Case):
     """``overflow`` (B3): in a chunk whose start state its sequence reads, that state and one
     token's ``dv_new`` at ``1e4 sqrt(max)`` (finite) make row j of ``dw = -dv_new h^T``
@@ -48,8 +60,7 @@ def _dw_overflow(col, pipe, kw, clean, reference, case: Case):
     stage's are (a non-finite ``dw`` row read as zero fails), the sequence's finite entries
     close to the reference's, and every other sequence's as without it."""
     R, NC, C = kw["q"].shape[0], kw["q"].shape[2], case.chunk
-    N = len(case.cu) - 1 if case.packed else case.B
-    owner = np.broadcast_to(_owners((R, 1, NC, C), case, R, NC, N), (R, 1, NC, C))[:, 0]
+    owner, N = _tokens_of(case, R, NC)
     r, c = next((r, c) for r in range(R) for c in range(1, NC) if owner[r, c, 0] == owner[r, c - 1, -1] >= 0)
     seq = owner[r, c, 0]
     rows = np.flatnonzero(owner[r, c] == seq)
@@ -86,7 +97,6 @@ def _dw_overflow(col, pipe, kw, clean, reference, case: Case):
                                                    f"rel-RMS {worst:.1e} elsewhere"))
 
 
-
 def _token_rows(out, case: Case, R: int, NC: int, N: int, seq: int):
     """Per token row ``[R, HV, NC, C]`` of sequence ``seq``: whether some output is non-finite
     there (the outputs indexed by token), and the rows of ``seq``; None: no such output."""
@@ -101,7 +111,6 @@ def _token_rows(out, case: Case, R: int, NC: int, N: int, seq: int):
     return bad, np.broadcast_to(owner == seq, bad.shape + (1,))[..., 0]
 
 
-
 def _rows_missed(out, want, case: Case, R: int, NC: int, N: int, seq: int) -> str:
     """``nan-reach``: the token rows of sequence ``seq`` where ``want`` (the reference
     stage's outputs) has a non-finite entry and ``out`` none, said; empty: none. By row, not
@@ -113,10 +122,10 @@ def _rows_missed(out, want, case: Case, R: int, NC: int, N: int, seq: int) -> st
     return f"{int(missed.sum())} of {int((ref[0] & ref[1]).sum())} token rows" if missed.any() else ""
 
 
-def _middles(case: Case, R: int, NC: int, N: int):
-    """``([(sequence, [R, NC, C] bool: its tokens from its middle one on)], owner)``, for each
-    sequence of two tokens or more."""
-    owner = np.broadcast_to(_owners((R, 1, NC, case.chunk), case, R, NC, N), (R, 1, NC, case.chunk))[:, 0]
+def _middles(case: Case, R: int, NC: int):
+    """``[(sequence, [R, NC, C] bool: its tokens from its middle one on)]``, for each sequence
+    of two tokens or more."""
+    owner, N = _tokens_of(case, R, NC)
     got = []
     for seq in range(N):
         at = np.argwhere(owner == seq)
@@ -125,7 +134,7 @@ def _middles(case: Case, R: int, NC: int, N: int):
             for r, c, i in at[len(at) // 2:]:
                 later[r, c, i] = True
             got.append((seq, later))
-    return got, owner
+    return got
 
 
 def _causal(col, pipe, field, kw, clean, reference, case: Case):
@@ -139,11 +148,10 @@ def _causal(col, pipe, field, kw, clean, reference, case: Case):
     x0 = next(x for x in kw.values() if hasattr(x, "ndim") and x.ndim >= 4)
     R, NC, C = x0.shape[0], x0.shape[2], case.chunk
     N = len(case.cu) - 1 if case.packed else case.B
-    tokens, owner = _middles(case, R, NC, N)
+    tokens = _middles(case, R, NC)
     names = [n for n, x in kw.items() if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
              and x.ndim >= 4 and x.shape[0] == R and x.shape[2] == NC and x.shape[3] == C]
     ref0 = _jit_run(reference[0], field, reference[1])
-    kept = lambda y, y0: (y == y0) | (np.isnan(y) & np.isnan(y0))
     reached = []
     for seq, later in tokens:
         moved = {n: _device(np.where(later.reshape(R, 1, NC, C, *(1,) * (kw[n].ndim - 4)), np.asarray(kw[n]) - 1,
@@ -154,7 +162,7 @@ def _causal(col, pipe, field, kw, clean, reference, case: Case):
             mine = _owners(a.shape, case, R, NC, N)
             if mine is None or a.shape != b.shape:
                 continue
-            bad = np.broadcast_to(mine == seq, a.shape) & kept(b, b0) & ~kept(a, a0)
+            bad = np.broadcast_to(mine == seq, a.shape) & _kept(b, b0) & ~_kept(a, a0)
             if bad.any():
                 reached.append(f"sequence {seq}'s later tokens changed {path} at {int(bad.sum())} places the "
                                "reference stage's keeps")
