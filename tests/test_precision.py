@@ -20,7 +20,10 @@ from kdax.pallas._common import PallasTarget
 from kdax.stages import AbstractOutput, ReferenceOutput
 
 from ._gpu_products import gpu_products
-from ._util import assert_close, dot_eqns, make_inputs, oracle_kda, output_shapes, outputs_and_grads, rel_rms, run
+from ._util import (
+    assert_close, dot_eqns, load_golden, make_inputs, oracle_kda, output_shapes, outputs_and_grads, rel_rms, run,
+    split_args,
+)
 
 # FLA's tolerances for half-precision inputs (rel-RMS against a float64 reference).
 FLA_TOL = {"o": 5e-3, "q": 8e-3, "k": 8e-3, "v": 8e-3, "g": 2e-2, "beta": 2e-2, "A_log": 2e-2, "dt_bias": 2e-2}
@@ -507,3 +510,32 @@ def test_policy_reaches_kdax_products_only(policy, told):
     with jax.default_matmul_precision("highest"):  # the caller's choice reaches the user's products
         dots = _dot_precisions_by_scope(jax.make_jaxpr(fn)(*args).jaxpr)
     assert all(p == HIGHEST for w, p in dots if w == "own")
+
+
+@pytest.mark.parametrize("name", ["reference", "pallas_triton"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_every_product_of_the_step_says_its_precision(name, dtype):
+    """The step on packed sequences sharing chunks with initial and final states (the
+    golden ``varlen_basic``'s shapes): every float32 product asks for HIGHEST, those
+    between the stages (the entering and final states' products) too, as JAX's default
+    is TF32 on a GPU (that golden case 7.5e-5 off in float32 on an H200, session 66); no
+    product of float64 operands asks for a float32 result (cuBLAS has none: the same
+    run's Pallas B3 failed in float64)."""
+    inputs, options, *_ = load_golden("varlen_basic")
+    args = {n: jax.ShapeDtypeStruct(np.shape(a), dtype) for n, a in inputs.items()}
+    pipe = PIPES[name]()
+
+    def loss(arrays):
+        pos, kw = split_args(arrays)
+        o, ht = kdax.chunk_kda(*pos, **kw, **options, pipeline=pipe)
+        return jnp.sum(o) + jnp.sum(ht)
+
+    eqns = dot_eqns(jax.make_jaxpr(jax.grad(loss))(args).jaxpr)
+    floats = [e for e in eqns if jnp.issubdtype(e.invars[0].aval.dtype, jnp.floating)]
+    assert len(floats) > 20
+    for e in floats:
+        where = str(e.source_info.name_stack)
+        if dtype == jnp.float32:
+            assert e.params["precision"] == HIGHEST, (where, e.params["precision"])
+        else:
+            assert e.outvars[0].aval.dtype == jnp.float64, (where, e.outvars[0].aval.dtype)

@@ -16,8 +16,8 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-# Tokens per block, when a span is longer than the narrow block.
-WIDE = 16
+# Tokens per block, when a span is longer than the narrow block; HI: float32 products (a GPU's default: TF32).
+WIDE, HI = 16, "highest"
 
 
 class Spans(NamedTuple):
@@ -89,10 +89,10 @@ def _matvec(A, Y, spans: Spans, narrow: int, longest: int, transpose: bool = Fal
             w = jnp.clip(d - b * W, 0, W - 1)
             if transpose:  # the states as the left operand, as stored (XLA:CPU copied all N
                 # states to transpose them when they were the right one)
-                cols = jnp.einsum("nhkv,nhwv->nhkw", Y, a).reshape(N, HV, D, M, W)
+                cols = jnp.einsum("nhkv,nhwv->nhkw", Y, a, precision=HI).reshape(N, HV, D, M, W)
                 got = jnp.transpose(cols[n, :, :, :, w], (3, 1, 0, 2))  # [TT, HV, D, M] -> [M, HV, TT, D]
             else:
-                rows = jnp.einsum("nhwk,nhkv->nhwv", a, Y)
+                rows = jnp.einsum("nhwk,nhkv->nhwv", a, Y, precision=HI)
                 got = jnp.transpose(rows.reshape(N, HV, M, W, D)[n, :, :, w], (2, 1, 0, 3))  # [TT, HV, M, D] -> ...
             return out + jnp.where(mine[None, :, :, None], got, jnp.zeros((), out.dtype))
 
@@ -110,7 +110,7 @@ def _outer(U, X, spans: Spans, N: int, narrow: int, longest: int):
             ok = jnp.tile((b * W + jnp.arange(W))[None] < spans.count[:, None], (1, U.shape[0]))[:, None, :, None]
             Ub, Xb = _gather_block(U, spans, b, W), _gather_block(X, spans, b, W)
             return jnp.einsum("nhwk,nhwv->nhkv", jnp.where(ok, Ub, jnp.zeros((), U.dtype)),
-                              jnp.where(ok, Xb, jnp.zeros((), X.dtype)))
+                              jnp.where(ok, Xb, jnp.zeros((), X.dtype)), precision=HI)
 
         # Block 0 starts the sum (it is zero for an empty span): a state-sized array of
         # zeros to add into would cost a pass over N states.

@@ -21,7 +21,7 @@ from .._numerics.isolation import finite_heads
 from .._numerics.arrays import segment_matmul, tri_mask
 from ..ref import activated_gate
 from .layout import ChunkLayout
-from .ragged import Spans, matvec, narrow_width, outer, token_slots
+from .ragged import HI, Spans, matvec, narrow_width, outer, token_slots
 from .resets import per_head, same_segment, segments, select_zero
 
 
@@ -232,7 +232,7 @@ def first_chunk_entries(layout: ChunkLayout, cu_seqlens, scale: float, fc: First
     last = lambda x: None if x is None else x[..., -1:, :]
     own = (has[:, None] & (jnp.arange(M)[:, None] * C + jnp.arange(C)[None] >= s[nn][:, None]))[None, :, :, None]
     xk = jnp.where(own, exponent(last(Gc), Gc, last(loc), loc), -jnp.inf)
-    part = jnp.einsum("hmck,hmcv->mhkv", select_zero(own, k[0] * jnp.exp(xk)), select_zero(own, u[0] + vx[0]))
+    part = jnp.einsum("hmck,hmcv->mhkv", select_zero(own, k[0] * jnp.exp(xk)), select_zero(own, u[0] + vx[0]), precision=HI)
     sC = jnp.clip(s[nn], 0, TT - 1)
     x0 = exponent(last(Gc)[..., 0, :], Gf[:, sC], None if loc is None else last(loc)[..., 0, :],
                   None if lof is None else lof[:, sC]) + jnp.moveaxis(a[nn], 0, 1)  # [HV, M, K]
@@ -413,11 +413,11 @@ class SharedChunkHooks:
             if fin is not None:
                 da, dh0 = da + fin[4], dh0 + fin[5]
             extra = extra._replace(decays=E.decays_vjp(da), dh0=dh0)
-            mT = lambda x: jnp.swapaxes(x, -1, -2)
+            mT, mm = lambda x: jnp.swapaxes(x, -1, -2), functools.partial(jnp.matmul, precision=HI)
             reset = fc.take(L.reset[:, None])[:, 0]  # [R, M, C]
             Akk, same = fc.take(Akk), same_segment(per_head(segments(reset), Akk.shape[1]))  # L's pairs in a sequence
             keep = functools.partial(select_zero, same)  # (never 0 * inf between sequences)
-            dL = jnp.where(tri_mask(L.chunk_size, strict=True) & same, -keep(mT(Akk) @ keep(dAkk)) @ mT(Akk), 0.0)
+            dL = jnp.where(tri_mask(L.chunk_size, strict=True) & same, -mm(keep(mm(mT(Akk), keep(dAkk))), mT(Akk)), 0.0)
             put = fc.put
             grads = dataclasses.replace(grads, dq=put(grads.dq, dq_), dk=put(grads.dk, dk_), dv=put(grads.dv, dv_),
                                         dbeta=put(grads.dbeta, db_), dG=put(grads.dG, dG_), dL=put(grads.dL, dL))

@@ -41,10 +41,12 @@ def upper_matmul(A, X, same):
 
 
 @jax.custom_vjp
+@_precision.glue_at_highest
 def segment_matmul(A, X, same):
     """``lower_matmul(A, X, same=same)`` whose VJP keeps a sequence's non-finite cotangents
     in it too (``A^T dY`` by ``upper_matmul``, ``dA`` selected by ``same``): for products
-    that JAX differentiates (``kdax._layouts.shared_states``)."""
+    that JAX differentiates between the stages (``kdax._layouts.shared_states``), so in
+    float32 (HIGHEST), its VJP too."""
     return lower_matmul(A, X, same=same)
 
 
@@ -57,7 +59,7 @@ def _segment_matmul_bwd(res, dY):
     return jnp.where(same, dY @ mT(X), 0.0), upper_matmul(mT(A), dY, mT(same)), None
 
 
-segment_matmul.defvjp(_segment_matmul_fwd, _segment_matmul_bwd)
+segment_matmul.defvjp(_precision.glue_at_highest(_segment_matmul_fwd), _precision.glue_at_highest(_segment_matmul_bwd))
 
 
 def _reaching_matmul(A, X, reach, mm, same):

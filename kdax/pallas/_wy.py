@@ -218,7 +218,8 @@ def _reached_up(reset, dv_new, h):
     first = per_head(segments(reset), h.shape[1]) == 0
     h_bad = jnp.any(nonfinite(h), axis=(-2, -1))[..., None]
     bad = jnp.any(nonfinite(dv_new), axis=-1) | (first & h_bad)
-    dw = jnp.einsum("...cv,...kv->...ck", dv_new, h, precision="highest", preferred_element_type=jnp.float32)
+    dw = jnp.einsum("...cv,...kv->...ck", dv_new, h, precision="highest",  # (float64 stays: no cuBLAS f64 -> f32)
+                    preferred_element_type=jnp.promote_types(jnp.result_type(dv_new, h), jnp.float32))
     dw_bad = first & jnp.any(nonfinite(dw), axis=-1)
     return reached_rows(bad, reset, later=True), reached_rows(dw_bad, reset, later=True)
 

@@ -168,7 +168,7 @@ class ReferenceState(AbstractState):
         # The final states after the loop, from each sequence's last chunk: a table update
         # per chunk inside the loop copied the whole [N, HV, K, V] table every chunk (13 s
         # for 1000 packed one-token sequences at H=4, K=V=64; 12 ms dense).
-        r, c, ends = _chunk_of(layout.last, h0.shape[0])
+        r, c, ends = _chunk_of(layout.last, h0.shape[0], latest=True)
         take = lambda x: x[r, :, c]
         if guard is None:
             final = take(decay)[..., None] * take(hs) + _mm(mT(take(kg)), take(v_news), half)
@@ -320,14 +320,18 @@ def _decay(G, reset):
     return jnp.exp(mask_exponent(None if reset is None else state_passes(reset), G[..., -1, :]))
 
 
-def _chunk_of(ids, N: int):
+def _chunk_of(ids, N: int, latest: bool):
     """For each of N sequences, the (row, chunk) whose entry in ``ids [R, NC]`` is that
     sequence, and whether there is one (False for sequences of length 0, and, in a tile,
-    for those that do not start / end in it)."""
+    for those that do not start / end in it). An entry named at several chunks (the shared
+    layout's table) takes the latest or earliest, as the kernels' last write (a set of
+    repeated indices leaves any one: on a GPU not the CPU's last)."""
     R, NC = ids.shape
     flat = ids.reshape(-1)
-    pos = jnp.zeros((N,), jnp.int32).at[jnp.where(flat >= 0, flat, N)].set(jnp.arange(R * NC, dtype=jnp.int32), mode="drop")
-    has = jnp.zeros((N,), bool).at[jnp.where(flat >= 0, flat, N)].set(True, mode="drop")
+    at, seq = jnp.where(flat >= 0, flat, N), jnp.arange(R * NC, dtype=jnp.int32)
+    pos = jnp.full((N,), 0 if latest else R * NC - 1, jnp.int32)
+    pos = pos.at[at].max(seq, mode="drop") if latest else pos.at[at].min(seq, mode="drop")
+    has = jnp.zeros((N,), bool).at[at].set(True, mode="drop")
     return pos // NC, pos % NC, has
 
 
@@ -437,7 +441,7 @@ class ReferenceDhu(AbstractDhu):
         if layout.dense:  # row r is sequence r, which starts at chunk 0
             return DhuOut(dh, dh_first, dv_new)
         # dh0 after the loop, from each sequence's first chunk (see ReferenceState).
-        r, c, starts = _chunk_of(layout.first, dht.shape[0])
+        r, c, starts = _chunk_of(layout.first, dht.shape[0], latest=False)
         take = lambda x: x[r, :, c]
         if guard is None:
             first = take(decay)[..., None] * take(dh) + source(take) - _mm(mT(take(w)), take(dv_new), half)

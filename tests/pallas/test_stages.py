@@ -345,8 +345,12 @@ def test_wy_stages_with_resets(target, interpret, dtype, tol, lo):
     assert np.all(np.asarray(got.kg)[before_last] == 0)
     h0 = f(1, HV, K, V) * 0.3  # (the shared layout's state table: one entry, entered at its start)
     got = jitted(P.PallasRecompute(**kw))(*fwd, h0, L, **opt)
+    # (the entry is named at chunks 0 and 2 as last, 0 and 1 as first: final and dh0 are the
+    # latest / earliest chunk's, as the kernels write them; a GPU's scatter picked either)
     _close(got, jitted(S.ReferenceRecompute())(*fwd, h0, L, **opt), tol, "recompute")
     h, v_new = got[1].h, got[1].v_new
+    dargs = (x["scale"], wy.qg, wy.kg, wy.w, G, f(*v_new.shape), f(*v_new.shape), f(*h0.shape), L)
+    _close(jitted(P.PallasDhu(**kw))(*dargs, reset=L.reset), jitted(S.ReferenceDhu())(*dargs, reset=L.reset), tol, "dhu")
     bwd = (x["scale"], x["q"], x["k"], x["v"], x["beta"], G, Akk, wy.qg, wy.kg, h, f(*h.shape), v_new,
            f(*v_new.shape), f(*v_new.shape))
     got, want = jitted(P.PallasWYDqkg(**kw))(*bwd, **opt), jitted(S.ReferenceWYDqkg())(*bwd, **opt)
