@@ -144,13 +144,14 @@ def plan(work: Path, out: Path, py: str = sys.executable, extra_pipes=(), reps: 
     ``shapes`` (the goal shape first), ``kdax_args``, ``layer_args`` and ``slack`` (every
     limit multiplied: a CPU is slower to compile) change only for a rehearsal;
     ``tests``: the suite's ``device`` cases, every Pallas stage and the all-Pallas pipeline
-    on every golden case compiled for the GPU (``DEVICE_TESTS``), the evidence a switch of
-    ``default_pipeline()`` to the Triton kernels on a GPU waits for (``--tests``)."""
+    on every golden case compiled for the GPU (``DEVICE_TESTS``), the evidence behind
+    ``default_pipeline()``'s Triton kernels on a GPU (``--tests``; passed in session 66)."""
     work, out = Path(work), Path(out)
     if tests:  # (addopts off: no xdist on the GPU machine; the slow sweeps left out as in CI)
         argv = [py, "-m", "pytest", *(str(HERE.parent / f) for f in DEVICE_TESTS), "-k", "device", "-m", "not slow",
                 "-o", "addopts=", "-p", "no:cacheprovider", "-q", "-rfE", f"--junitxml={out / 'device_tests.xml'}"]
-        return [Step("device-tests", argv, 360 * slack, 240)]
+        # (session 66, an H200: the 26 stage cases 90 s, the 25 pipeline cases 126 s, plus startup)
+        return [Step("device-tests", argv, 390 * slack, 300)]
     goal, small, large = shapes
 
     gvf, fla, lay = str(HERE / "gpu_vs_fla.py"), str(HERE / "fla_side.py"), str(HERE / "layer_vs_fla.py")

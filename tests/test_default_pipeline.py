@@ -1,8 +1,9 @@
-"""``default_pipeline()``: the reference stages on every platform (on a GPU too, until the
-Triton kernels, measured faster on an H200, pass the suite's device cases there; kdax.pipeline
-``default_pipeline``), and the per-platform loop settings of the reference stages ("auto")."""
+"""``default_pipeline()``: the Pallas Triton kernels on a Hopper or later GPU (their device
+cases passed on an H200 in session 66), the reference stages elsewhere, and the
+per-platform loop settings of the reference stages ("auto")."""
 
 import jax
+import pytest
 
 import kdax
 from kdax._numerics.chunk_loops import loop_unroll, resolve_group
@@ -14,8 +15,25 @@ def test_default_is_the_reference_pipeline():
     assert p == kdax.KDAPipeline.reference()
 
 
-def test_default_on_gpu(monkeypatch):
+class _Device:
+    def __init__(self, cc):
+        self.compute_capability = cc
+
+
+@pytest.mark.parametrize("cc", ["9.0", "10.0"])
+def test_default_on_hopper_is_triton(monkeypatch, cc):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "devices", lambda *a: [_Device(cc)])
+    p = kdax.default_pipeline()
+    assert p == kdax.KDAPipeline.pallas("triton") and p.precision == "auto"
+    assert p.intra.run_interpreted is False  # (compiled: the backend is a GPU)
+
+
+@pytest.mark.parametrize("cc", ["8.0", "8.9", None])
+def test_default_on_gpu(monkeypatch, cc):
+    """An older GPU, or one without a CUDA compute capability (ROCm): the reference stages."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "devices", lambda *a: [_Device(cc) if cc else object()])
     p = kdax.default_pipeline()
     assert p.precision == "auto" and p.tile is None
     assert p == kdax.KDAPipeline.reference()
