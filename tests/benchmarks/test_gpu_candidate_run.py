@@ -247,6 +247,28 @@ def test_tests_plan_runs_the_suites_device_cases(g26, tmp_path):
     assert steps[0].expect_s <= 300 and steps[0].limit_s <= 420
 
 
+def test_tests_plan_collects_every_device_case_on_a_gpu(g26, tmp_path):
+    """The --tests command as a GPU machine collects it (``jax.default_backend`` taken as
+    "gpu" before the suite's conftest reads it): the 26 Pallas stage cases and the 22
+    all-Pallas pipeline cases (``pallas_device``). Until session 66 the suite's core
+    selection (``tests/conftest.py``'s ``CORE_CASES``) marked every pipeline case slow, so
+    the device runs compiled none of them."""
+    import subprocess
+    import sys
+
+    argv = g26.plan(tmp_path / "w", tmp_path / "w" / "gpu", py=sys.executable, tests=True)[0].argv
+    args = [a for a in argv[3:] if not a.startswith("--junitxml")] + ["--collect-only"]
+    code = f"import jax, pytest, sys; jax.default_backend = lambda: 'gpu'; sys.exit(pytest.main({args!r}))"
+    root = Path(g26.__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    ids = [line for line in run.stdout.splitlines() if "::" in line]
+    pipeline = [i for i in ids if i.startswith("tests/pallas/test_pipeline.py::") and "pallas_device" in i]
+    stages = [i for i in ids if i.startswith("tests/pallas/test_stages.py::") and "device" in i.split("[")[-1]]
+    assert len(pipeline) >= 22 and len(stages) >= 26, (len(pipeline), len(stages))
+    assert len(ids) == len(pipeline) + len(stages), [i for i in ids if i not in pipeline + stages]
+
+
 def test_prepare_carries_what_the_device_tests_import():
     # The GPU machine reaches no registry: --prepare's wheels must cover pytest's and
     # hypothesis's imports (tests/test_pipeline.py, which the device cases import).
