@@ -208,3 +208,17 @@ def behind_barriers(xs: tuple, always: bool = False) -> tuple:
     # (a list, not a generator: tests/test_layout_goals.py's initial_state walk counts what a frame yields)
     return tuple([x if x is None or (isinstance(x, jax.core.Tracer) and not always) else jax.lax.optimization_barrier(x)
                   for x in xs])
+
+
+def triton_by_default() -> bool:
+    """Whether ``default_pipeline()`` is the Pallas Triton kernels: on a GPU of CUDA compute
+    capability 9.0 or more (sm_90, which their shared memory and registers are checked for).
+    Their device cases pass compiled on an H200, where the training step took 0.71x the
+    reference stages' time and the forward 0.45x (``benchmarks/results/gpu_h200/session66``);
+    an older GPU, or one without a CUDA compute capability (ROCm), keeps the reference stages."""
+    if jax.default_backend() != "gpu":
+        return False
+    try:
+        return float(getattr(jax.devices()[0], "compute_capability", 0) or 0) >= 9.0
+    except (TypeError, ValueError):
+        return False

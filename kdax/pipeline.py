@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from . import pallas as P
 from ._config import KDAConfig, KDAOptions
+from ._platform import triton_by_default
 from ._layouts.layout import ChunkLayout
 from ._layouts.tokens import Tokens, as_chunked, chunked_cotangent
 from ._numerics import precision as _precision
@@ -284,20 +285,7 @@ class _ForwardChunks(eqx.Module):
 
 
 def default_pipeline() -> KDAPipeline:
-    """The pipeline ``chunk_kda(pipeline=None)`` uses, precision "auto": on a Hopper or later
-    GPU (sm_90, which the kernels' shared memory and registers are checked for) the Pallas
-    Triton kernels at their default tuning, ``pallas("triton")``: the suite's device cases
-    pass compiled on an H200, and its training step took 0.71x the reference stages' time,
-    its forward 0.45x (``benchmarks/results/gpu_h200/session66``); elsewhere the reference
-    stages (XLA)."""
-    if jax.default_backend() == "gpu" and _compute_capability() >= 9.0:
-        return KDAPipeline.pallas("triton")
-    return KDAPipeline.reference()
-
-
-def _compute_capability() -> float:
-    """The first device's CUDA compute capability (0 where it has none: ROCm, CPU)."""
-    try:
-        return float(getattr(jax.devices()[0], "compute_capability", 0) or 0)
-    except (TypeError, ValueError):
-        return 0.0
+    """The pipeline ``chunk_kda(pipeline=None)`` uses, precision "auto": the Pallas Triton
+    kernels at their default tuning on a GPU of compute capability 9.0 or more
+    (``kdax._platform.triton_by_default``), elsewhere the reference stages (XLA)."""
+    return KDAPipeline.pallas("triton") if triton_by_default() else KDAPipeline.reference()
