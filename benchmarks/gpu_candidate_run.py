@@ -150,7 +150,8 @@ def plan(work: Path, out: Path, py: str = sys.executable, extra_pipes=(), reps: 
     if tests:  # (addopts off: no xdist on the GPU machine; the slow sweeps left out as in CI)
         argv = [py, "-m", "pytest", *(str(HERE.parent / f) for f in DEVICE_TESTS), "-k", "device", "-m", "not slow",
                 "-o", "addopts=", "-p", "no:cacheprovider", "-q", "-rfE", f"--junitxml={out / 'device_tests.xml'}"]
-        # (session 66, an H200: the 26 stage cases 90 s, the 22 pipeline cases and 3 stage cases 126 s, plus startup)
+        # (session 66, an H200: the 26 stage cases 90 s, the 22 pipeline cases and 3 stage cases 126 s; the
+        # tunings' 8 cases came after it)
         return [Step("device-tests", argv, 390 * slack, 300)]
     goal, small, large = shapes
 

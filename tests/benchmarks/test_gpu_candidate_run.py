@@ -249,10 +249,10 @@ def test_tests_plan_runs_the_suites_device_cases(g26, tmp_path):
 
 def test_tests_plan_collects_every_device_case_on_a_gpu(g26, tmp_path):
     """The --tests command as a GPU machine collects it (``jax.default_backend`` taken as
-    "gpu" before the suite's conftest reads it): the 26 Pallas stage cases and the 22
-    all-Pallas pipeline cases (``pallas_device``). Until session 66 the suite's core
-    selection (``tests/conftest.py``'s ``CORE_CASES``) marked every pipeline case slow, so
-    the device runs compiled none of them."""
+    "gpu" before the suite's conftest reads it): the 26 Pallas stage cases, the 22
+    all-Pallas pipeline cases (``pallas_device``) and the named tunings' 8. Until session
+    66 the suite's core selection (``tests/conftest.py``'s ``CORE_CASES``) marked every
+    pipeline case slow, so the device runs compiled none of them."""
     import subprocess
     import sys
 
@@ -264,9 +264,10 @@ def test_tests_plan_collects_every_device_case_on_a_gpu(g26, tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     ids = [line for line in run.stdout.splitlines() if "::" in line]
     pipeline = [i for i in ids if i.startswith("tests/pallas/test_pipeline.py::") and "pallas_device" in i]
+    tunings = [i for i in ids if i.startswith("tests/pallas/test_pipeline.py::test_tunings_within_fla_tolerances_on")]
     stages = [i for i in ids if i.startswith("tests/pallas/test_stages.py::") and "device" in i.split("[")[-1]]
-    assert len(pipeline) >= 22 and len(stages) >= 26, (len(pipeline), len(stages))
-    assert len(ids) == len(pipeline) + len(stages), [i for i in ids if i not in pipeline + stages]
+    assert len(pipeline) >= 22 and len(stages) >= 26 and len(tunings) == 8, (len(pipeline), len(stages), len(tunings))
+    assert len(ids) == len(pipeline) + len(stages) + len(tunings), [i for i in ids if i not in pipeline + stages + tunings]
 
 
 def test_prepare_carries_what_the_device_tests_import():

@@ -18,6 +18,7 @@ from .._util import (
     GOLDEN_CASES, ON_DEVICE, assert_close, check_golden, oracle_kda, output_shapes, outputs_and_grads, run, split_args,
 )
 from ..test_pipeline import GRID, build_case, check_against_oracle, cotangents
+from ..test_precision import _assert_within_fla, _hard_gate_errors, _listed
 
 PIPELINES = {
     "pallas_tpu": lambda: kdax.KDAPipeline.pallas("tpu", interpret=True),
@@ -160,6 +161,26 @@ def test_lowering_shared_chunks(target, platform):
         text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(*args).lower(lowering_platforms=(platform,)).as_text()
     names = set(re.findall(r'kdax_(Pallas\w+?)_kernel', text))
     assert {"PallasGate", "PallasGateBackward", "PallasState", "PallasDhu", "PallasWY", "PallasWYDqkg"} <= names, names
+
+
+# The named Triton tunings but "default" (every pallas_device case) and "minimal" (spills)
+TUNED = [t for t in P.TUNINGS if t not in ("default", "minimal")]
+
+
+@pytest.mark.skipif(not ON_DEVICE, reason="no accelerator")
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+@pytest.mark.parametrize("tuning", TUNED)
+def test_tunings_within_fla_tolerances_on_device(tuning, packed):
+    """Each named Triton tuning compiled for the GPU present, at the precision it sets
+    (``"fast"``): bf16 inputs with Kimi Linear's options, 5% of the gates at -1e4, dense
+    and packed with initial states: every output and gradient within FLA's tolerances
+    against the float64 oracle. The CPU checks the candidate in an emulation of sm_90's
+    products (``tests/test_precision.py::test_candidate_within_fla_tolerances``); the
+    README recommends ``tuning="candidate"`` for speed, and these ran only in the timings
+    (dense, no hard gates) before."""
+    errs = _hard_gate_errors(kdax.KDAPipeline.pallas("triton", tuning=tuning), (1, 256, 2, 32, 64), packed)
+    print(f"\n{tuning}, packed={packed}: " + _listed(errs))
+    _assert_within_fla(errs)
 
 
 @pytest.mark.parametrize("pipe", [p for p in ("pallas_triton", "pallas_device") if p in PIPELINES])
