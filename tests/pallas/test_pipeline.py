@@ -3,6 +3,7 @@ where one is present: ``pallas_device``), fallback, and lowering of the kernels 
 (Mosaic) and GPU (Triton) on any machine."""
 
 import dataclasses
+import functools
 import re
 import warnings
 
@@ -10,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType
 
 import kdax
 from kdax import pallas as P
@@ -181,6 +183,49 @@ def test_tunings_within_fla_tolerances_on_device(tuning, packed):
     errs = _hard_gate_errors(kdax.KDAPipeline.pallas("triton", tuning=tuning), (1, 256, 2, 32, 64), packed)
     print(f"\n{tuning}, packed={packed}: " + _listed(errs))
     _assert_within_fla(errs)
+
+
+SPLIT_CASES = {"dense": dict(chunk_size=16, T=100, use_gate_in_kernel=True, A_log=True, dt_bias=True),
+               "packed": GRID["varlen"]}
+
+
+def _check_split(pipe, how, case, dtype, tol_o, tol_g):
+    """``pipe`` under ``kdax.stages.segmented`` (3 segments: F4 and B2 on the segment rows'
+    packed layout and extended state tables) or inside ``jax.shard_map``
+    (``kdax.parallel.chunk_kda`` on a one-device mesh of the first device): outputs, final
+    states and every gradient against the float64 oracle on the same values."""
+    x, opts = build_case(SPLIT_CASES[case], dtype=dtype)
+    if how == "segmented":
+        fn = kdax.stages.segmented(pipe, 3)
+    else:
+        mesh = jax.make_mesh((1,), ("sp",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:1])
+        fn = functools.partial(kdax.parallel.chunk_kda, mesh, "sp", pipeline=pipe)
+    x64 = {n: a.astype(jnp.float64) for n, a in x.items()}
+    do, dht = cotangents(*output_shapes(oracle_kda, x64, opts))
+    o, ht, grads = outputs_and_grads(fn, x, opts, do.astype(dtype), dht.astype(dtype))
+    o_ref, ht_ref, ref = outputs_and_grads(oracle_kda, x64, opts, do, dht)
+    assert_close(o, o_ref, tol_o, "o")
+    assert_close(ht, ht_ref, tol_o, "ht")
+    for n in ref:
+        assert_close(grads[n], ref[n], tol_g, "d" + n)
+
+
+def test_segmented_pallas_state_kernels():
+    """The Triton state kernels (interpret mode) as ``segmented``'s inner F4 and B2, packed
+    sequences with initial states, float64 (the reference stages': tests/stages/test_segments.py)."""
+    _check_split(kdax.KDAPipeline.pallas("triton", interpret=True), "segmented", "packed", jnp.float64, 1e-10, 1e-10)
+
+
+@pytest.mark.skipif(not ON_DEVICE, reason="no accelerator")
+@pytest.mark.parametrize("dtype,tol_o,tol_g", [(jnp.float64, 1e-10, 1e-10), (jnp.float32, 1e-5, 1e-4)],
+                         ids=["float64", "float32"])
+@pytest.mark.parametrize("case", SPLIT_CASES)
+@pytest.mark.parametrize("how", ["segmented", "sequence_parallel"])
+def test_segmented_and_sequence_parallel_on_device(how, case, dtype, tol_o, tol_g):
+    """The present accelerator's kernels compiled (``default_pipeline()`` on sm_90 or later)
+    under ``segmented`` and inside ``shard_map``: the suite's multi-device runs are on
+    simulated CPU devices, in interpret mode (tests/parallel/test_pallas.py)."""
+    _check_split(kdax.KDAPipeline.pallas(interpret=False), how, case, dtype, tol_o, tol_g)
 
 
 @pytest.mark.parametrize("pipe", [p for p in ("pallas_triton", "pallas_device") if p in PIPELINES])
