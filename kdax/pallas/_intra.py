@@ -71,7 +71,10 @@ def scores_body(mm: Products, q, k, G, block: int, lo=None):
         Ga, La = row_of(G, I * b), row_or_none(lo, I * b)
         rows_in = decay(blk == I, G, Ga, lo, La)
         kc = k * decay(blk < I, Ga, G, La, lo)
-        return Sqk + mm.dot(q * rows_in, kc, tb=True), Skk + mm.dot(k * rows_in, kc, tb=True)
+        # (block I's rows selected after the product: a non-finite anchor, a later token,
+        # makes every row of kc non-finite, and the other rows' zeros would carry it, 0 * NaN)
+        mine = lambda x: jnp.where(blk == I, mm.dot(x * rows_in, kc, tb=True), 0.0)  # noqa: E731
+        return Sqk + mine(q), Skk + mine(k)
 
     zeros = jnp.zeros((C, C), q.dtype)
     Sqk, Skk = loop(1, nb, anchored, (zeros, zeros))
@@ -122,13 +125,16 @@ def pair_rows_body(mm: Products, S, b_, G, block: int, lo=None):
     def anchored(I, R):
         Ga, La = row_of(G, I * b), row_or_none(lo, I * b)
         SI = jnp.where((idiv(iota((C, C), 0), b) == I) & (cblk < I), S, 0.0)
-        return R + decay(blk == I, G, Ga, lo, La) * mm.dot(SI, b_ * decay(blk < I, Ga, G, La, lo))
+        # (the operand's rows and the product's selected, as in ``scores_body``: a later
+        # token's NaN in b_ would meet SI's zeros)
+        bI = jnp.where(blk < I, b_ * decay(blk < I, Ga, G, La, lo), 0.0)
+        return R + jnp.where(blk == I, decay(blk == I, G, Ga, lo, La) * mm.dot(SI, bI), 0.0)
 
     R = loop(1, nb, anchored, jnp.zeros(b_.shape, b_.dtype))
 
     def diag(j, R):
         m = (rC > j) & (blk == idiv(j, b))
-        return R + col_of(S, j) * row_of(b_, j) * decay(m, G, row_of(G, j), lo, row_or_none(lo, j))
+        return R + jnp.where(m, col_of(S, j) * row_of(b_, j) * decay(m, G, row_of(G, j), lo, row_or_none(lo, j)), 0.0)
 
     return loop(0, C, diag, R)
 
@@ -143,14 +149,16 @@ def pair_cols_body(mm: Products, S, a, G, block: int, lo=None):
     def anchored(I, out):
         Ga, La = row_of(G, I * b), row_or_none(lo, I * b)
         SI = jnp.where((idiv(iota((C, C), 0), b) == I) & (cblk < I), S, 0.0)
-        return out + decay(blk < I, Ga, G, La, lo) * mm.dot(SI, a * decay(blk == I, G, Ga, lo, La), ta=True)
+        # (the operand's rows and the product's selected, as in ``pair_rows_body``)
+        aI = jnp.where(blk == I, a * decay(blk == I, G, Ga, lo, La), 0.0)
+        return out + jnp.where(blk < I, decay(blk < I, Ga, G, La, lo) * mm.dot(SI, aI, ta=True), 0.0)
 
     out = loop(1, nb, anchored, jnp.zeros(a.shape, a.dtype))
     St = S.T
 
     def diag(i, out):
         m = (rC < i) & (blk == idiv(i, b))
-        return out + col_of(St, i) * row_of(a, i) * decay(m, row_of(G, i), G, row_or_none(lo, i), lo)
+        return out + jnp.where(m, col_of(St, i) * row_of(a, i) * decay(m, row_of(G, i), G, row_or_none(lo, i), lo), 0.0)
 
     return loop(0, C, diag, out)
 

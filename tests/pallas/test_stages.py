@@ -959,3 +959,40 @@ def test_intra_backward_diagonal_leaves_dG_exactly(target, rows):
     for f in ("dq", "dk", "dbeta"):
         assert float(jnp.max(jnp.abs(getattr(want, f)))) > 0.1, f  # (the diagonal reaches them)
         assert_close(getattr(got, f), getattr(want, f), 1e-6, f)
+
+
+@pytest.mark.parametrize("target,interpret", MODES)
+def test_nan_in_later_tokens_reaches_no_earlier_row(target, interpret):
+    """F2 and B4 with q, k, beta and G NaN from token 35 of a 64-token chunk on (inside a
+    16-token block, the next block's anchor row NaN): every entry of the rows before it
+    that the reference stage keeps is kept, to the bit. The TPU kernels' anchored products
+    (``scores_body``, ``pair_rows_body``, ``pair_cols_body``) met a later block's NaN anchor
+    with the other rows' zeros, 0 * NaN: Aqk 256 and Akk 1024 entries of earlier rows NaN.
+    (The finite change: ``check_stage``'s ``causal`` row. The kernels may make later rows
+    NaN in more entries than the reference: ``nan-reach``.)"""
+    x = _x(jnp.float64, 64, 16, 4, seed=3)
+    t = 35
+    bad = {n: x[n].at[:, :, 1, t:].set(jnp.nan) for n in ("q", "k", "beta", "G")}
+    dA = jnp.tril(rand_like(x["Aqk"], 13))
+    grads = ChunkGrads(rand_like(x["q"], 8), rand_like(x["k"], 9), rand_like(x["v"], 10), rand_like(x["beta"], 11),
+                       rand_like(x["G"], 12), jnp.tril(rand_like(x["Aqk"], 7), -1))
+    f2 = lambda v: (x["scale"], v["q"], v["k"], v["beta"], v["G"])  # noqa: E731
+    b4 = lambda v: (x["scale"], v["q"], v["k"], v["beta"], v["G"], dA, grads)  # noqa: E731
+    pairs = []
+    for rows in (64, 16) if target == "triton" else (64,):  # (rows 16: the candidate-rows16-f2 kernels)
+        kw = dict(target=target, interpret=interpret, rows=rows)
+        pairs += [(f"intra rows={rows}", P.PallasIntra(**kw), S.ReferenceIntra(), f2),
+                  (f"intra_bwd rows={rows}", P.PallasIntraBackward(**kw), S.ReferenceIntraBackward(), b4)]
+    for name, pal, ref, args in pairs:
+        pal, ref = jitted(pal), jitted(ref)
+        outs = [jax.tree_util.tree_leaves(f(*args(v))) for f in (pal, ref) for v in (x, dict(x, **bad))]
+        kept_by_ref = 0
+        for a0, a, b0, b in zip(*outs):
+            if a.ndim < 4 or a.shape[3] != 64:
+                continue
+            early = (slice(None), slice(None), 1, slice(0, t))
+            same = lambda u, w: np.asarray(u[early]) == np.asarray(w[early])  # noqa: E731
+            keep = same(b, b0)
+            kept_by_ref += int(keep.sum())
+            assert (same(a, a0) | ~keep).all(), f"{name}: {int((keep & ~same(a, a0)).sum())} entries of rows < {t}"
+        assert kept_by_ref > 0, name
