@@ -68,7 +68,7 @@ def check_stage(
       non-finite in the rows it reaches where the reference stage's is; ``causal`` (a stage
       of KDA's math; dense, packed): each sequence's tokens from its middle one on, less one
       in every per-token argument, leave every entry the reference stage's leaves, to the
-      bit, and NaN there every entry of the earlier token rows that it leaves;
+      bit;
     * ``jit``, ``filter_jit``, ``vmap`` (two cases' arguments stacked), ``grad`` (forward
       stages; skipped where JAX cannot differentiate it): finite, and for a stage of other
       math in float64 (a derived backward runs its JAX derivative) against central
