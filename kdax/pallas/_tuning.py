@@ -96,6 +96,14 @@ _DEFAULT["intra"] = dict(_DEFAULT["intra"], f32_tuning=(("block_k", 32),))
 _DEFAULT["wy_dqkg"] = dict(_DEFAULT["wy_dqkg"], block_k=16, f32_tuning=(
     ("num_stages", 1), ("block_k", 16), ("block_v", 16), ("f32_dot", "tf32x3_split")))
 _DEFAULT["gate_bwd"] = dict(num_warps=8, num_stages=1, f32_dot="tf32x3")
+# The default with B4 on FLA's grid as 'candidate-rows16' has it (4 warps, rows 16), at the
+# pipeline's own precision: sm_90, every policy, dense and packed, 128-138 registers and no
+# spills (the default's B4: one 8-warp CTA an SM). F2 stays whole-chunk: on 16-row programs
+# its scores spill 24 B under float32 products and its inverse 88 B on packed input under
+# every policy but "fast" (session 67). Not yet timed on a GPU: the candidate's B4 went
+# 5.13 -> 3.79 ms so on an H200.
+_DEFAULT_ROWS16 = {s: dict(f) for s, f in _DEFAULT.items()}
+_DEFAULT_ROWS16["intra_bwd"] = dict(_DEFAULT_ROWS16["intra_bwd"], num_warps=4, rows=16)
 
 TUNINGS: Mapping[str, Tuning] = MappingProxyType({t.name: t for t in (
     _tuning("default", "what KDAPipeline.pallas('triton') gives: no spills on sm_90 at any precision, dense and "
@@ -103,6 +111,9 @@ TUNINGS: Mapping[str, Tuning] = MappingProxyType({t.name: t for t in (
                        "value columns, B3 at 16 feature columns, B5 at 1 stage; where a stage's products take "
                        "float32 operands, F4/B2 at 4 warps and 16 columns, F2 at 32 feature columns, B3 at 16 x 16 "
                        "columns, 1 stage, unchained TF32x3)", _DEFAULT),
+    _tuning("default-rows16", "the default with B4 on FLA's grid: one program per 16-token sub-block "
+                              "(PallasIntraBackward.rows=16) at 4 warps, no spills on sm_90 at any precision; the "
+                              "pipeline's own precision; not yet timed on a GPU", _DEFAULT_ROWS16),
     _tuning("fastest-modelled", "the cost model's fastest (benchmarks/gpu_cost_model.py's BEST, "
                                 "gpu_candidate_run.py's CANDIDATE_BEST): 8 warps, 2 stages, TF32x3 float32 products, "
                                 "F2 and B4 at 16 warps, the state kernels as 64-row tiles of 32 value columns; "

@@ -250,7 +250,7 @@ def test_tests_plan_runs_the_suites_device_cases(g26, tmp_path):
 def test_tests_plan_collects_every_device_case_on_a_gpu(g26, tmp_path):
     """The --tests command as a GPU machine collects it (``jax.default_backend`` taken as
     "gpu" before the suite's conftest reads it): the 26 Pallas stage cases, the 22
-    all-Pallas pipeline cases (``pallas_device``), the named tunings' 8 and ``segmented`` and
+    all-Pallas pipeline cases (``pallas_device``), the named tunings' 10 and ``segmented`` and
     ``shard_map``'s 8 (session 67). Until session
     66 the suite's core selection (``tests/conftest.py``'s ``CORE_CASES``) marked every
     pipeline case slow, so the device runs compiled none of them."""
@@ -268,7 +268,7 @@ def test_tests_plan_collects_every_device_case_on_a_gpu(g26, tmp_path):
     tunings = [i for i in ids if i.startswith("tests/pallas/test_pipeline.py::test_tunings_within_fla_tolerances_on")]
     split = [i for i in ids if i.startswith("tests/pallas/test_pipeline.py::test_segmented_and_sequence_parallel_on")]
     stages = [i for i in ids if i.startswith("tests/pallas/test_stages.py::") and "device" in i.split("[")[-1]]
-    assert len(pipeline) >= 22 and len(stages) >= 26 and len(tunings) == 8 and len(split) == 8, (
+    assert len(pipeline) >= 22 and len(stages) >= 26 and len(tunings) == 10 and len(split) == 8, (
         len(pipeline), len(stages), len(tunings), len(split))
     every = pipeline + stages + tunings + split
     assert len(ids) == len(every), [i for i in ids if i not in every]

@@ -21,8 +21,8 @@ def _fields(pipe) -> dict:
 
 
 def test_presets_named():
-    assert tuple(TUNINGS) == ("default", "fastest-modelled", "candidate", "candidate-rows16", "candidate-rows16-f2",
-                             "minimal")
+    assert tuple(TUNINGS) == ("default", "default-rows16", "fastest-modelled", "candidate", "candidate-rows16",
+                             "candidate-rows16-f2", "minimal")
     for name, t in TUNINGS.items():
         assert t.name == name and t.doc and set(t.fields) == set(STAGES), name
 
@@ -99,8 +99,8 @@ def test_presets_are_the_benchmark_paths(preset, path):
 
 @pytest.mark.parametrize("bad", ["fast", "Default", "", 8])
 def test_bad_tuning_names_the_presets(bad):
-    with pytest.raises(ValueError, match=r"tuning: expected one of \('default', 'fastest-modelled', 'candidate', "
-                                         r"'candidate-rows16', 'candidate-rows16-f2', 'minimal'\)"):
+    with pytest.raises(ValueError, match=r"tuning: expected one of \('default', 'default-rows16', 'fastest-modelled', "
+                                         r"'candidate', 'candidate-rows16', 'candidate-rows16-f2', 'minimal'\)"):
         KDAPipeline.pallas("triton", interpret=True, tuning=bad)
 
 
@@ -224,3 +224,52 @@ def test_default_tuning_float32_products_stay_float32_accurate():
           + ", ".join(f"{n} {float(e):.1e}" for n, e in errs.items()))
     assert all(jax.numpy.isfinite(e) and e < 2e-5 for e in errs.values()), errs
     assert any(e > 0 for e in errs.values()), errs  # (the tuned products did run)
+
+
+# -- the default with B4 on 16-row programs ---------------------------------------------------
+def test_default_rows16_is_the_default_but_b4():
+    """``"default-rows16"``: every stage as ``"default"`` but B4, which takes
+    ``"candidate-rows16"``'s grid (one 4-warp program per 16-token sub-block; its exactness:
+    tests/pallas/test_intra_rows.py), at the pipeline's own precision ``"auto"``."""
+    rows16 = KDAPipeline.pallas("triton", interpret=True, tuning="default-rows16")
+    default = KDAPipeline.pallas("triton", interpret=True)
+    assert rows16.precision == "auto"
+    assert (rows16.intra_bwd.rows, rows16.intra_bwd.num_warps) == (16, 4)
+    assert dataclasses.replace(rows16.intra_bwd, rows=64, num_warps=8) == default.intra_bwd
+    assert all(getattr(rows16, n) == getattr(default, n) for n in STAGES if n != "intra_bwd")
+    assert rows16.intra_bwd == KDAPipeline.pallas("triton", interpret=True, tuning="candidate-rows16").intra_bwd
+
+
+@pytest.mark.parametrize("policy,packed", [("highest", True), ("bfloat16", True), ("fast", False)])
+def test_default_rows16_b4_fits_four_ctas_an_sm(policy, packed):
+    """sm_90 at K = 128, chunk 64: the preset's B4 under float32 products ("highest", what
+    "auto" gives float32 inputs), G's low part ("bfloat16", what it gives bf16 inputs) and
+    "fast": no thread-local memory, at most 138 registers a thread (session 67: 128 dense,
+    138 packed under every policy but "fast"'s 128). The whole step under every policy:
+    the slow test below."""
+    from tests.pallas._triton import chunk_kernels, resources, skip_reason
+
+    if reason := skip_reason():
+        pytest.skip(reason)
+    t = dict(TUNINGS["default-rows16"].fields["intra_bwd"])
+    (text,) = chunk_kernels(policy, t, only=("intra_bwd",), packed=packed).values()
+    r = resources(text, 4, 2)
+    assert r.local == 0 and r.registers <= 138, r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+@pytest.mark.parametrize("policy,dtype", [("auto", "float32"), ("auto", "bfloat16"), ("highest", "bfloat16"),
+                                          ("bfloat16", "bfloat16"), ("float16", "bfloat16"), ("fast", "bfloat16")])
+def test_default_rows16_every_precision_spills_as_the_default(policy, dtype, packed):
+    """A training step at ``"default-rows16"`` on sm_90 spills exactly what the default's
+    does (``F32_PACKED_SPILL``, F2's), its B4 on 4 warps."""
+    from tests.pallas._triton import skip_reason, step_resources
+
+    if reason := skip_reason():
+        pytest.skip(reason)
+    used = step_resources(KDAPipeline.pallas("triton", interpret=False, tuning="default-rows16"), policy, packed,
+                          dtype=dtype)
+    f32 = packed and (policy == "highest" or (policy, dtype) == ("auto", "float32"))
+    assert _spills(used) == (F32_PACKED_SPILL if f32 else {})
+    assert {(w, st) for name, w, st in used if name == "kdax_PallasIntraBackward_kernel"} == {(4, 2)}, sorted(used)
