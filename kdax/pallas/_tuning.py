@@ -65,7 +65,7 @@ _CANDIDATE_ROWS16["intra_bwd"] = dict(_CANDIDATE_ROWS16["intra_bwd"], num_warps=
 # (16 feature columns a step), ``(I + L)^-1`` a second kernel per chunk, 4 warps, 1 stage:
 # sm_90, no spills, the scores 96 registers under "fast" (5 CTAs an SM; 32 columns 134,
 # 2 stages more), the inverse 165 (3 CTAs; the whole-chunk kernel: one of 207 at 8 warps);
-# benchmarks/results/f2_rows16_resources.txt. On the H200 (session 67): F2 1.54 -> 0.85 + 0.17 ms,
+# benchmarks/results/f2_rows16_resources.txt. On the H200 (session 67): F2 1.53 -> 0.85 + 0.17 ms,
 # the forward 3.75 -> 3.33, the training step 13.30 (FLA's 8.14), the fastest measured.
 _CANDIDATE_ROWS16_F2 = {s: dict(f) for s, f in _CANDIDATE_ROWS16.items()}
 _CANDIDATE_ROWS16_F2["intra"] = dict(_CANDIDATE_ROWS16_F2["intra"], num_warps=4, num_stages=1, block_k=16, rows=16)
@@ -124,12 +124,14 @@ TUNINGS: Mapping[str, Tuning] = MappingProxyType({t.name: t for t in (
             _CANDIDATE, "fast"),
     _tuning("candidate-rows16", "the candidate with B4 on FLA's grid: one program per 16-token sub-block and 32 "
                                 "feature columns (PallasIntraBackward.rows=16) at 4 warps; the rest as 'candidate' "
-                                "(precision 'fast'); a training step 9-13% faster than 'candidate' on an H200, at three shapes",
+                                "(precision 'fast'); a training step 9-13% faster than 'candidate' on an H200, at "
+                                "three shapes",
             _CANDIDATE_ROWS16, "fast"),
     _tuning("candidate-rows16-f2", "'candidate-rows16' with F2 on smaller programs as well: the scores one program per "
                                    "16-token sub-block (PallasIntra.rows=16, 16 feature columns a step), (I + L)^-1 a "
-                                   "second kernel per chunk, 4 warps, 1 stage; precision 'fast'; the fastest measured on an H200 "
-                                   "(a training step 13-22% faster than 'candidate', the forward 11-40%, at three shapes)",
+                                   "second kernel per chunk, 4 warps, 1 stage; precision 'fast'; the fastest measured "
+                                   "on an H200 (a training step 13-22% faster than 'candidate', the forward 11-40%, at "
+                                   "three shapes)",
             _CANDIDATE_ROWS16_F2, "fast"),
     _tuning("minimal", "every field at its PallasTarget default (4 warps, 1 stage, IEEE float32 products): the "
                        "Triton pipeline's tuning before the default above; spills on sm_90", _every()),
