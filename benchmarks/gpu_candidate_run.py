@@ -145,13 +145,15 @@ def plan(work: Path, out: Path, py: str = sys.executable, extra_pipes=(), reps: 
     limit multiplied: a CPU is slower to compile) change only for a rehearsal;
     ``tests``: the suite's ``device`` cases, every Pallas stage and the all-Pallas pipeline
     on every golden case compiled for the GPU (``DEVICE_TESTS``), the evidence behind
-    ``default_pipeline()``'s Triton kernels on a GPU (``--tests``; passed in session 66)."""
+    ``default_pipeline()``'s Triton kernels on a GPU (``--tests``; passed in session 66; the
+    tunings', ``segmented``'s and ``shard_map``'s cases in session 67)."""
     work, out = Path(work), Path(out)
     if tests:  # (addopts off: no xdist on the GPU machine; the slow sweeps left out as in CI)
         argv = [py, "-m", "pytest", *(str(HERE.parent / f) for f in DEVICE_TESTS), "-k", "device", "-m", "not slow",
                 "-o", "addopts=", "-p", "no:cacheprovider", "-q", "-rfE", f"--junitxml={out / 'device_tests.xml'}"]
-        # (session 66, an H200: the 26 stage cases 90 s, the 22 pipeline cases and 3 stage cases 126 s; the
-        # tunings' 8 cases came after it)
+        # (session 66, an H200: the 26 stage cases 90 s, the 22 pipeline cases and 3 stage cases 126 s;
+        # session 67: the tunings', segmented's and shard_map's 16 cases and 15 stage cases 114 s. About
+        # 67 cases since, ~300 s: the limit holds them, with little room)
         return [Step("device-tests", argv, 390 * slack, 300)]
     goal, small, large = shapes
 
