@@ -47,25 +47,28 @@ def test_sequence_parallel():
     _compare(_run(functools.partial(kdax.parallel.chunk_kda, mesh, "sp"), x, opts), want)
 
 
-def test_sequence_parallel_packed():
+@pytest.mark.parametrize("target", ["tpu", "triton"])
+def test_sequence_parallel_packed(target):
     """Two devices, packed sequences (one crossing the devices' boundary) with initial
-    states: the TPU state kernels on each device's layout (its sequence boundaries
-    scalar-prefetched), every other kernel on its shared chunks' reset table (no
-    fallback), equal to the same pipeline on one device."""
+    states: the state kernels on each device's layout (the TPU's with its sequence
+    boundaries scalar-prefetched, the Triton's with its state table: ``default_pipeline()``
+    on a Hopper GPU), every other kernel on its shared chunks' reset table (no fallback),
+    equal to the same pipeline on one device."""
     cu = [0, 5, 21, 21, 32]
     x = make_inputs(3, B=1, T=32, H=1, HV=2, K=8, V=8, N=4)
-    strict = dataclasses.replace(PALLAS, fallback=False)
+    strict = dataclasses.replace(kdax.KDAPipeline.pallas(target, interpret=True), fallback=False)
     opts = dict(output_final_state=True, chunk_size=16, pipeline=strict, cu_seqlens=jnp.asarray(cu, jnp.int32))
     mesh = jax.make_mesh((2,), ("sp",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2])
     want = _run(kdax.chunk_kda, x, opts)
     _compare(_run(functools.partial(kdax.parallel.chunk_kda, mesh, "sp"), x, opts), want)
 
 
-def test_batch_head_sharded_jit():
+@pytest.mark.parametrize("target", ["tpu", "triton"])
+def test_batch_head_sharded_jit(target):
     """jit on inputs sharded over batch and heads of an Explicit mesh: per shard, the
     Pallas state kernels included (dense)."""
     x = make_inputs(1, B=2, T=32, H=2, K=8, V=8)
-    opts = dict(output_final_state=True, chunk_size=16, pipeline=PALLAS)
+    opts = dict(output_final_state=True, chunk_size=16, pipeline=kdax.KDAPipeline.pallas(target, interpret=True))
     want = _run(kdax.chunk_kda, x, opts)
     mesh = jax.make_mesh((2, 2), ("b", "h"), axis_types=(AxisType.Explicit,) * 2, devices=jax.devices()[:4])
     specs = dict(q=P("b", None, "h"), k=P("b", None, "h"), v=P("b", None, "h"), g=P("b", None, "h"),
