@@ -185,7 +185,8 @@ def _tuned(pipe):
 
 
 @pytest.mark.slow  # (the core keeps sm_90's TF32x3 products at the candidate's tuning: test_precision.py)
-def test_default_tuning_float32_products_stay_float32_accurate():
+@pytest.mark.parametrize("tuning", ["default", "default-rows16"])
+def test_default_tuning_float32_products_stay_float32_accurate(tuning):
     """Under "auto" with float32 inputs (every product float32: the stages' ``f32_tuning``,
     B3's unchained TF32x3, F4/B2's lazily loaded tiles, B3's ``Akk`` as the second
     operand, B5's mask products from TF32 parts) on packed sequences with sequences
@@ -207,7 +208,7 @@ def test_default_tuning_float32_products_stay_float32_accurate():
     x = {n: a.astype(jnp.float32) for n, a in x.items()}
     opts = dict(chunk_size=C, output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                 use_beta_sigmoid_in_kernel=True, cu_seqlens=jnp.asarray([0, 37, 37 + T // 2, T], jnp.int32))
-    exact = KDAPipeline.pallas("triton", interpret=True)
+    exact = KDAPipeline.pallas("triton", interpret=True, tuning=tuning)
     tuned = _tuned(exact)
     assert tuned.wy_dqkg.products("highest").f32_dot == "tf32x3" and exact.wy_dqkg.products("highest").f32_dot == "ieee"
     fn = lambda pipe: lambda *a, **kw: kdax.chunk_kda(*a, pipeline=pipe, **kw)  # noqa: E731
@@ -220,7 +221,7 @@ def test_default_tuning_float32_products_stay_float32_accurate():
         got = loss_grads(fn(tuned), x, opts, do, dht)
     errs = {"o": rel_rms(o, o_ref), "ht": rel_rms(ht, ht_ref)}
     errs.update({"d" + n: rel_rms(g, want[n]) for n, g in got.items()})
-    print("\ndefault tuning, float32 products as on sm_90 vs exact: "
+    print(f"\n{tuning} tuning, float32 products as on sm_90 vs exact: "
           + ", ".join(f"{n} {float(e):.1e}" for n, e in errs.items()))
     assert all(jax.numpy.isfinite(e) and e < 2e-5 for e in errs.values()), errs
     assert any(e > 0 for e in errs.values()), errs  # (the tuned products did run)
