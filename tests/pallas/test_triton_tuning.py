@@ -120,13 +120,13 @@ def test_mixed_takes_the_default_tuning():
 
 
 # -- sm_90 compiles of the default tuning -----------------------------------------------------
-def _step(policy: str, packed: bool, dtype: str = "bfloat16") -> dict:
-    """``{(kernel, warps, stages): Resources}`` of a training step at the default tuning."""
+def _step(policy: str, packed: bool, dtype: str = "bfloat16", tuning: str = "default") -> dict:
+    """``{(kernel, warps, stages): Resources}`` of a training step at ``tuning``."""
     from tests.pallas._triton import skip_reason, step_resources
 
     if reason := skip_reason():
         pytest.skip(reason)
-    used = step_resources(KDAPipeline.pallas("triton", interpret=False), policy, packed, dtype=dtype)
+    used = step_resources(KDAPipeline.pallas("triton", interpret=False, tuning=tuning), policy, packed, dtype=dtype)
     assert len({n for n, _, _ in used}) >= 10, sorted(used)
     for (name, _, _), r in used.items():
         assert r.shared <= 232448 and r.registers <= 255, (name, r)
@@ -163,16 +163,20 @@ def test_default_tuning_highest_packed_no_spills():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("tuning", ["default", "default-rows16"])
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 @pytest.mark.parametrize("policy,dtype", [("auto", "float32"), ("auto", "bfloat16"), ("highest", "bfloat16"),
                                           ("bfloat16", "bfloat16"), ("float16", "bfloat16"), ("fast", "bfloat16")])
-def test_default_tuning_every_precision_no_spills(policy, dtype, packed):
+def test_default_tuning_every_precision_no_spills(policy, dtype, packed, tuning):
     """No kernel of the default tuning spills on sm_90, under any precision (``"auto"``
     with float32 and bf16 inputs, and every policy by name), dense or packed, but F2's 8 B
     on packed input under float32 products (``F32_PACKED_SPILL``; about 20 s each on a
-    2-core machine)."""
+    2-core machine); ``"default-rows16"`` spills the same, its B4 on 4 warps."""
+    used = _step(policy, packed, dtype, tuning)
     f32 = packed and (policy == "highest" or (policy, dtype) == ("auto", "float32"))  # (F2's float32 products)
-    assert _spills(_step(policy, packed, dtype)) == (F32_PACKED_SPILL if f32 else {})
+    assert _spills(used) == (F32_PACKED_SPILL if f32 else {})
+    b4 = (4, 2) if tuning == "default-rows16" else (8, 2)
+    assert {(w, st) for name, w, st in used if name == "kdax_PallasIntraBackward_kernel"} == {b4}, sorted(used)
 
 
 # -- the default tuning's products, traced as on sm_90 ------------------------------------------
@@ -247,7 +251,7 @@ def test_default_rows16_b4_fits_four_ctas_an_sm(policy, packed):
     "auto" gives float32 inputs), G's low part ("bfloat16", what it gives bf16 inputs) and
     "fast": no thread-local memory, at most 138 registers a thread (session 67: 128 dense,
     138 packed under every policy but "fast"'s 128). The whole step under every policy:
-    the slow test below."""
+    ``test_default_tuning_every_precision_no_spills`` (-m slow)."""
     from tests.pallas._triton import chunk_kernels, resources, skip_reason
 
     if reason := skip_reason():
@@ -256,21 +260,3 @@ def test_default_rows16_b4_fits_four_ctas_an_sm(policy, packed):
     (text,) = chunk_kernels(policy, t, only=("intra_bwd",), packed=packed).values()
     r = resources(text, 4, 2)
     assert r.local == 0 and r.registers <= 138, r
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
-@pytest.mark.parametrize("policy,dtype", [("auto", "float32"), ("auto", "bfloat16"), ("highest", "bfloat16"),
-                                          ("bfloat16", "bfloat16"), ("float16", "bfloat16"), ("fast", "bfloat16")])
-def test_default_rows16_every_precision_spills_as_the_default(policy, dtype, packed):
-    """A training step at ``"default-rows16"`` on sm_90 spills exactly what the default's
-    does (``F32_PACKED_SPILL``, F2's), its B4 on 4 warps."""
-    from tests.pallas._triton import skip_reason, step_resources
-
-    if reason := skip_reason():
-        pytest.skip(reason)
-    used = step_resources(KDAPipeline.pallas("triton", interpret=False, tuning="default-rows16"), policy, packed,
-                          dtype=dtype)
-    f32 = packed and (policy == "highest" or (policy, dtype) == ("auto", "float32"))
-    assert _spills(used) == (F32_PACKED_SPILL if f32 else {})
-    assert {(w, st) for name, w, st in used if name == "kdax_PallasIntraBackward_kernel"} == {(4, 2)}, sorted(used)
