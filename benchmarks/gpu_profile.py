@@ -27,30 +27,59 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_vs_fla import GRAD_NAMES, kdax_fns, kdax_pipeline, make_inputs, median_time, parse_shape  # noqa: E402
 
-_SCOPE = re.compile(r"kdax_([a-z_]+)")
+from kdax._runner.contracts import STAGES  # noqa: E402
+import kdax.pallas  # noqa: E402
 
+# A stage's named scope (``kdax_<field>``, kdax._runner.runner), the longest field first so
+# that ``kdax_intra_bwd`` is not read as ``intra``; a name that only starts like one
+# (``kdax_intra_chunk_kernel``, a kernel function) is none.
+_SCOPE = re.compile(r"kdax_(" + "|".join(sorted(STAGES, key=len, reverse=True)) + r")(?![A-Za-z_])")
+# A Pallas kernel's name: ``kdax_<stage class>_...`` (kdax.pallas._common.kernel_name)
+_KERNEL = re.compile(r"kdax_([A-Z][A-Za-z0-9]*)_")
 
 _INSTR = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?op_name="([^"]*)"', re.M)
 
 
+def kernel_stage(name: str):
+    """The stage field whose family the Pallas stage class in a kernel's name implements
+    (``kdax_PallasIntraBackward_kernel`` -> ``intra_bwd``), or None. (B0's F4 runs the
+    ``state`` family's kernel again: its events count as ``state``.)"""
+    m = _KERNEL.match(name)
+    cls = getattr(kdax.pallas, m.group(1), None) if m else None
+    if not isinstance(cls, type):
+        return None
+    return next((field for field, info in STAGES.items() if issubclass(cls, info.family)), None)
+
+
+def _event_name(name: str) -> str:
+    """An HLO instruction's name as its GPU kernel is named (``loop_slice_fusion.2`` runs as
+    ``loop_slice_fusion_2``)."""
+    return re.sub(r"[.\-]", "_", name)
+
+
 def hlo_scopes(compiled_text: str) -> dict:
     """HLO instruction name -> kdax stage, from the compiled module's op_name metadata
-    (a kernel event is named after its instruction, a fusion after its root's)."""
+    (a kernel event is named after its instruction, a fusion after its root's), under
+    both the HLO's spelling and the kernel's (``_event_name``)."""
     out = {}
     for name, op in _INSTR.findall(compiled_text):
         m = _SCOPE.search(op)
-        out[name] = m.group(1) if m else "(outside stages)"
+        out[name] = out[_event_name(name)] = m.group(1) if m else "(outside stages)"
     return out
 
 
 def _scope_of(event, scopes: dict) -> str:
-    for v in [event.name] + [v for _, v in event.stats if isinstance(v, str)]:
+    """The stage of a trace event: a stage scope in its name or stats, its Pallas kernel's
+    stage class, or its HLO instruction's scope (``hlo_scopes``)."""
+    values = [event.name] + [v for _, v in event.stats if isinstance(v, str)]
+    for v in values:
         m = _SCOPE.search(v)
         if m:
             return m.group(1)
-        if v in scopes:
-            return scopes[v]
-    return "(unmapped)"
+    stage = kernel_stage(event.name)
+    if stage is not None:
+        return stage
+    return next((scopes[v] for v in values if v in scopes), "(unmapped)")
 
 
 def summarise(trace_dir: str, calls: int, scopes: dict) -> str:
