@@ -4,7 +4,6 @@ Pallas kernels' names as a GPU trace shows them (session 67's profile read 99% o
 
 import collections
 import re
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
