@@ -1,6 +1,7 @@
 """Random ``chunk_kda`` calls in float64 against the recurrence: shapes, FLA's options,
 packed layouts (empty sequences too), chunk sizes, initial states in either layout and
-pipelines drawn per seed; the outputs, final states and every input gradient of a random
+pipelines drawn per seed (the Pallas stages for TPU and for Triton, at a drawn tuning, in
+interpret mode); the outputs, final states and every input gradient of a random
 linear loss compared by relative RMS (a seed fails above ``--tol``, NaN fails).
 
     python benchmarks/fuzz_against_oracle.py 0 100          # seeds 0..99, one device
@@ -115,12 +116,22 @@ def draw(seed: int, sp: bool):
     state = (N, HV, V, K) if v_first else (N, HV, K, V)
     h0 = r.normal(size=state) * 0.3 if r.random() < 0.6 else None
     P = kdax.KDAPipeline
+    tuned = {}
+
+    def triton():
+        """The Triton kernels (interpret mode) at a drawn tuning, under the "auto" policy: a
+        tuning's "fast" (bf16 products) would be another precision than the call's."""
+        tuned["tuning"] = str(r.choice(sorted(kdax.pallas.TUNINGS)))
+        return P.pallas("triton", interpret=True, tuning=tuned["tuning"]).with_precision("auto")
+
     pipes = {"reference": P.reference, "default": kdax.default_pipeline, "pallas": lambda: P.pallas(interpret=True),
              "segmented(reference, 2)": lambda: kdax.stages.segmented(P.reference(), 2),
              "segmented(pallas, 3)": lambda: kdax.stages.segmented(P.pallas(interpret=True), 3),
              "reference, tile": lambda: dataclasses.replace(P.reference(), tile=int(r.choice([1, 3, 8]))),
-             "reference, share_chunks=False": lambda: dataclasses.replace(P.reference(), share_chunks=False)}
-    name = str(r.choice(list(pipes)[:4] if sp else list(pipes)))
+             "reference, share_chunks=False": lambda: dataclasses.replace(P.reference(), share_chunks=False),
+             "pallas triton": triton, "segmented(pallas triton, 2)": lambda: kdax.stages.segmented(triton(), 2)}
+    multi = ["reference", "default", "pallas", "segmented(reference, 2)", "pallas triton"]
+    name = str(r.choice(multi if sp else list(pipes)))
     kw = dict(scale=scale, output_final_state=True, chunk_size=chunk, pipeline=pipes[name](), **opts)
     if not sp:
         kw.update(state_v_first=v_first, disable_recompute=bool(r.random() < 0.2))
@@ -129,7 +140,7 @@ def draw(seed: int, sp: bool):
     arrays = {n: None if x is None else jnp.asarray(x) for n, x in arrays.items()}
     said = dict(B=B, T=T, H=H, HV=HV, K=K, V=V, chunk=chunk, cu_seqlens=cu, options=opts, A_log=A_log is not None,
                 dt_bias=dt_bias is not None, scale=scale, initial_state=h0 is not None, state_v_first=v_first,
-                pipeline=name, devices=devices, prefix=str(r.choice(["gather", "doubling"])))
+                pipeline=name, **tuned, devices=devices, prefix=str(r.choice(["gather", "doubling"])))
     return arrays, kw, said
 
 

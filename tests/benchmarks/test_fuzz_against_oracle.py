@@ -1,7 +1,8 @@
 """``benchmarks/fuzz_against_oracle.py`` runs a drawn configuration end to end in a fresh
 process (it turns on JAX's 64-bit mode, so never in the suite's): here a float32 one
 (``--float32``: kdax's inputs in float32 against the float64 recurrence), packed with an
-empty sequence, the in-kernel lower-bound gate and a segmented Pallas pipeline."""
+empty sequence and initial states, the in-kernel lower-bound gate, and the Triton kernels
+(interpret mode) under ``segmented``."""
 
 import re
 import subprocess
@@ -13,12 +14,13 @@ from ._load import BENCH
 
 
 def test_a_float32_seed_passes_against_the_float64_recurrence():
-    run = subprocess.run([sys.executable, str(BENCH / "fuzz_against_oracle.py"), "5603", "1", "--float32"],
+    run = subprocess.run([sys.executable, str(BENCH / "fuzz_against_oracle.py"), "3969", "1", "--float32"],
                          env=one_device_env(), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     line = run.stdout.splitlines()[0]
-    assert line.startswith("seed 5603 ok") and "'cu_seqlens': [0, 0, 16, 86, 119]" in line, line
-    assert "segmented(pallas, 3)" in line and "'lower_bound': -5.0" in line, line
+    assert line.startswith("seed 3969 ok") and "'cu_seqlens': [0, 33, 33, 36]" in line, line
+    assert "'segmented(pallas triton, 2)', 'tuning': 'default'" in line and "'lower_bound': -5.0" in line, line
+    assert "'initial_state': True" in line, line
     worst = float(re.search(r"worst (\S+)", line).group(1))
     assert 0 < worst <= 1e-4, line  # float32 rounding: above zero, far below the tolerance
     assert run.stdout.splitlines()[-1] == "0 of 1 seeds failed"
