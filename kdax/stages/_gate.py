@@ -20,14 +20,14 @@ from .._stage_protocol.final import final
 from .._stage_protocol.output_specs import Maybe, Specs
 from .._annotations import ChunkK, ChunkScalar, ChunkValid
 from ..ref import L2NORM_EPS, activated_gate, beta_activation, log_decay_floor
-from ._types import Activated, RawGrads, KDA
+from ._types import KDA, AbstractBackwardStage, AbstractForwardStage, Activated, RawGrads
 
 
 def _rstd(x):
     return jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
 
 
-class AbstractGate(eqx.Module):
+class AbstractGate(AbstractForwardStage):
     """F1: in-kernel activations (l2norm of q/k, gate, beta sigmoid) and ``G``.
 
     Arguments (chunked layout, compute dtype; docs/stages.md §1): ``config`` the call's
@@ -46,19 +46,6 @@ class AbstractGate(eqx.Module):
     log, 0 at padding, non-increasing), ``q_rstd``/``k_rstd`` ``[R, HV, NC, C, 1]`` with
     in-kernel l2norm, else None; optionally ``G_lo`` ``[R, HV, NC, C, K]``, the low part
     (``G + G_lo`` the cumsum to ~1e-9; see ``kdax._numerics.hilo``), else None."""
-
-    # What the stage accepts beyond the required arguments (docs/stages.md,
-    # "Capabilities"): a subset of the fields of kdax._stage_protocol.capabilities.Capabilities.
-    accepts: ClassVar[frozenset] = frozenset()
-
-    # Which formula the stage computes: ``KDA`` (the family's formula above, exactly as
-    # the reference stage computes it), or None (any other math: the backward stages do
-    # not transpose it, and the pipeline derives its backward, ``kdax._runner.routes``).
-    math: ClassVar[Optional[str]] = None
-
-    # Whether the stage may be called on a tile (a few chunks at a time, the state carried
-    # in h0): see docs/stages.md. A pipeline runs its forward whole if any stage is not.
-    tile_safe: ClassVar[bool] = False
 
     @abc.abstractmethod
     def __call__(
@@ -162,7 +149,7 @@ def split_cumsum(g, group: ChunkGroup = None, loops: str = "auto"):
     return over_chunks(split, group, g, loops=loops)
 
 
-class AbstractGateBackward(eqx.Module):
+class AbstractGateBackward(AbstractBackwardStage):
     """B5: the VJP of F1. Reverse chunk-local cumsum of ``dG``, then the backward of the
     gate activation (with dA_log, ddt_bias), of the beta sigmoid and of the q/k l2norm.
 
@@ -178,15 +165,6 @@ class AbstractGateBackward(eqx.Module):
     Returns ``RawGrads``: dq, dk, dg ``[R, HV, NC, C, K]`` and dbeta ``[R, HV, NC, C]``
     with respect to the raw inputs (zero at padding); ``dA_log`` ``[HV]`` and
     ``ddt_bias`` ``[HV * K]`` when the in-kernel gate uses them, else None."""
-
-    # What the stage accepts beyond the required arguments (docs/stages.md,
-    # "Capabilities"): a subset of the fields of kdax._stage_protocol.capabilities.Capabilities.
-    accepts: ClassVar[frozenset] = frozenset()
-
-    # The forward math this stage is the transpose of, per forward field it transposes
-    # (``{"output": KDA}``): empty declares nothing, and a pipeline with this stage
-    # derives its backward from the forward stages (``kdax._runner.routes``).
-    transposes: ClassVar[Mapping[str, str]] = MappingProxyType({})
 
     @abc.abstractmethod
     def __call__(

@@ -38,10 +38,10 @@ from ._intra_levels import (
     split_rest,
     unit_lower_inverse_of_blocks,
 )
-from ._types import ChunkGrads, IntraOut, KDA
+from ._types import KDA, AbstractBackwardStage, AbstractForwardStage, ChunkGrads, IntraOut
 
 
-class AbstractIntra(eqx.Module):
+class AbstractIntra(AbstractForwardStage):
     """F2: ``Aqk`` and ``Akk`` from the activated q, k, beta and G.
 
     Arguments: ``scale``; activated ``q``, ``k`` ``[R, HV, NC, C, K]``; ``beta``
@@ -55,19 +55,6 @@ class AbstractIntra(eqx.Module):
     ``reset`` ``[R, NC, C]`` or None (shared chunks, ``kdax._layouts.resets``): both are zero,
     exactly, where i and j belong to different sequences. A stage without the parameter
     cannot run shared chunks (the pipeline falls back)."""
-
-    # What the stage accepts beyond the required arguments (docs/stages.md,
-    # "Capabilities"): a subset of the fields of kdax._stage_protocol.capabilities.Capabilities.
-    accepts: ClassVar[frozenset] = frozenset()
-
-    # Which formula the stage computes: ``KDA`` (the family's formula above, exactly as
-    # the reference stage computes it), or None (any other math: the backward stages do
-    # not transpose it, and the pipeline derives its backward, ``kdax._runner.routes``).
-    math: ClassVar[Optional[str]] = None
-
-    # Whether the stage may be called on a tile (a few chunks at a time, the state carried
-    # in h0): see docs/stages.md. A pipeline runs its forward whole if any stage is not.
-    tile_safe: ClassVar[bool] = False
 
     @abc.abstractmethod
     def __call__(
@@ -117,7 +104,7 @@ class ReferenceIntra(AbstractIntra):
                                        loops=self.chunk_loops))
 
 
-class AbstractIntraBackward(eqx.Module):
+class AbstractIntraBackward(AbstractBackwardStage):
     """B4: the VJP of F2. The intra-chunk parts of dq, dk, dbeta, dG from ``dAqk``
     (``[R, HV, NC, C, C]``, gradient of the scaled ``Aqk``) and ``grads.dL`` (gradient of
     the strictly lower ``L``), added to the inter-chunk gradients ``grads`` from B3.
@@ -128,15 +115,6 @@ class AbstractIntraBackward(eqx.Module):
     Returns ``ChunkGrads``: B3's dq, dk, dbeta, dG plus the intra parts; ``dv`` passed
     through; ``dL`` may be None (it is consumed here). ``reset`` as F2's (pairs across
     sequences contribute exact zeros)."""
-
-    # What the stage accepts beyond the required arguments (docs/stages.md,
-    # "Capabilities"): a subset of the fields of kdax._stage_protocol.capabilities.Capabilities.
-    accepts: ClassVar[frozenset] = frozenset()
-
-    # The forward math this stage is the transpose of, per forward field it transposes
-    # (``{"output": KDA}``): empty declares nothing, and a pipeline with this stage
-    # derives its backward from the forward stages (``kdax._runner.routes``).
-    transposes: ClassVar[Mapping[str, str]] = MappingProxyType({})
 
     @abc.abstractmethod
     def __call__(

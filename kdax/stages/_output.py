@@ -16,10 +16,10 @@ from .._numerics.chunk_loops import ChunkGroup, over_chunks
 from .._stage_protocol.final import final
 from .._stage_protocol.output_specs import Specs
 from .._annotations import ChunkK, ChunkMat, ChunkState, ChunkV, ChunkValid
-from ._types import KDA
+from ._types import KDA, AbstractBackwardStage, AbstractForwardStage
 
 
-class AbstractOutput(eqx.Module):
+class AbstractOutput(AbstractForwardStage):
     """F5: ``o = scale qg h + Aqk v_new``.
 
     Arguments: ``scale``; ``qg`` ``[R, HV, NC, C, K]`` (F3); ``h`` ``[R, HV, NC, K, V]``
@@ -32,19 +32,6 @@ class AbstractOutput(eqx.Module):
     to a stage that declares it: F5 never needs it (the other stages make the terms between
     sequences exact zeros); one that takes it keeps a sequence's overflow (inf in its
     ``v_new`` or ``h``) from meeting those zeros."""
-
-    # What the stage accepts beyond the required arguments (docs/stages.md,
-    # "Capabilities"): a subset of the fields of kdax._stage_protocol.capabilities.Capabilities.
-    accepts: ClassVar[frozenset] = frozenset()
-
-    # Which formula the stage computes: ``KDA`` (the family's formula above, exactly as
-    # the reference stage computes it), or None (any other math: the backward stages do
-    # not transpose it, and the pipeline derives its backward, ``kdax._runner.routes``).
-    math: ClassVar[Optional[str]] = None
-
-    # Whether the stage may be called on a tile (a few chunks at a time, the state carried
-    # in h0): see docs/stages.md. A pipeline runs its forward whole if any stage is not.
-    tile_safe: ClassVar[bool] = False
 
     @abc.abstractmethod
     def __call__(
@@ -90,22 +77,13 @@ class ReferenceOutput(AbstractOutput):
                            loops=self.chunk_loops)
 
 
-class AbstractDAv(eqx.Module):
+class AbstractDAv(AbstractBackwardStage):
     """B1: the VJP of ``o ⊃ Aqk v_new``.
 
     Arguments: ``v_new`` ``[R, HV, NC, C, V]``; ``Aqk`` ``[.., C, C]``; ``do`` ``[.., V]``.
 
     Returns ``(dAqk, dv_intra)``: ``tril(do v_new^T)`` ``[.., C, C]`` (incl. the
     diagonal; the gradient of the scaled Aqk) and ``Aqk^T do`` ``[.., V]``."""
-
-    # What the stage accepts beyond the required arguments (docs/stages.md,
-    # "Capabilities"): a subset of the fields of kdax._stage_protocol.capabilities.Capabilities.
-    accepts: ClassVar[frozenset] = frozenset()
-
-    # The forward math this stage is the transpose of, per forward field it transposes
-    # (``{"output": KDA}``): empty declares nothing, and a pipeline with this stage
-    # derives its backward from the forward stages (``kdax._runner.routes``).
-    transposes: ClassVar[Mapping[str, str]] = MappingProxyType({})
 
     @abc.abstractmethod
     def __call__(

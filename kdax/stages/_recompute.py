@@ -3,8 +3,6 @@
 import abc
 from typing import ClassVar, Optional
 
-import equinox as eqx
-
 from .._errors import UnsupportedCase
 from .._layouts.layout import ChunkLayout
 from .._numerics import precision as _precision
@@ -13,11 +11,11 @@ from .._stage_protocol.final import final
 from .._stage_protocol.output_specs import Specs
 from .._annotations import ChunkK, ChunkMat, ChunkScalar, ChunkV, ChunkValid, SeqState
 from ._state import AbstractState, ReferenceState
-from ._types import StateOut, WYOut
+from ._types import AbstractStage, StateOut, WYOut
 from ._wy import AbstractWY, ReferenceWY
 
 
-class AbstractRecompute(eqx.Module):
+class AbstractRecompute(AbstractStage):
     """B0: from the saved activated inputs, ``Akk`` and the initial states, rebuild what
     ``disable_recompute=True`` would have cached: F3 then F4 again.
 
@@ -38,10 +36,6 @@ class AbstractRecompute(eqx.Module):
 
     Returns ``(WYOut, StateOut)`` as F3 and F4 do.
     """
-
-    # What the stage accepts beyond the required arguments (docs/stages.md,
-    # "Capabilities"): a subset of the fields of kdax._stage_protocol.capabilities.Capabilities.
-    accepts: ClassVar[frozenset] = frozenset()
 
     @abc.abstractmethod
     def __call__(

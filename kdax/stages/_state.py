@@ -23,7 +23,7 @@ from .._numerics.chunk_loops import loop_unroll
 from .._stage_protocol.final import final
 from .._stage_protocol.output_specs import Specs
 from .._annotations import ChunkK, ChunkState, ChunkV, ChunkValid, SeqState
-from ._types import DhuOut, StateOut, KDA
+from ._types import KDA, AbstractBackwardStage, AbstractForwardStage, DhuOut, StateOut
 
 
 def _at(c):
@@ -69,7 +69,7 @@ def _carried(layout: ChunkLayout, table, shape):
     return layout.dense and tuple(table.shape) == tuple(shape)
 
 
-class AbstractState(eqx.Module):
+class AbstractState(AbstractForwardStage):
     """F4: the recurrence over chunks. With ``h`` the state at a chunk's start
     (``h0`` of the sequence at its first chunk, ``layout.first``): ``v_new = u - w h`` and
     ``h <- e^Γ h + kg^T v_new`` (``e^Γ`` scales the K rows).
@@ -85,19 +85,6 @@ class AbstractState(eqx.Module):
     ``reset``): the decay ``e^Γ`` is exactly zero through a chunk in which a sequence
     starts after its first token (the state is replaced). A stage without the parameter
     cannot run shared chunks (the pipeline falls back)."""
-
-    # What the stage accepts beyond the required arguments (docs/stages.md,
-    # "Capabilities"): a subset of the fields of kdax._stage_protocol.capabilities.Capabilities.
-    accepts: ClassVar[frozenset] = frozenset()
-
-    # Which formula the stage computes: ``KDA`` (the family's formula above, exactly as
-    # the reference stage computes it), or None (any other math: the backward stages do
-    # not transpose it, and the pipeline derives its backward, ``kdax._runner.routes``).
-    math: ClassVar[Optional[str]] = None
-
-    # Whether the stage may be called on a tile (a few chunks at a time, the state carried
-    # in h0): see docs/stages.md. A pipeline runs its forward whole if any stage is not.
-    tile_safe: ClassVar[bool] = False
 
     @abc.abstractmethod
     def __call__(
@@ -335,7 +322,7 @@ def _chunk_of(ids, N: int, latest: bool):
     return pos // NC, pos % NC, has
 
 
-class AbstractDhu(eqx.Module):
+class AbstractDhu(AbstractBackwardStage):
     """B2: reverse over chunks. ``dv_new = dv_intra + kg dh``; the gradient of the state at
     a chunk's start is ``e^Γ dh + scale qg^T do - w^T dv_new`` where ``dh`` is that at the
     chunk's end (``dht`` of the sequence at its last chunk).
@@ -350,15 +337,6 @@ class AbstractDhu(eqx.Module):
     ``[R, HV, NC, K, V]``, cotangents of F4's chunk-start states ``h`` from outside the
     recurrence (a loss on packed sequences' final states; a custom F5's VJP), added to each
     chunk's start-state cotangent; without it the pipeline runs B2 once more on them."""
-
-    # What the stage accepts beyond the required arguments (docs/stages.md,
-    # "Capabilities"): a subset of the fields of kdax._stage_protocol.capabilities.Capabilities.
-    accepts: ClassVar[frozenset] = frozenset()
-
-    # The forward math this stage is the transpose of, per forward field it transposes
-    # (``{"output": KDA}``): empty declares nothing, and a pipeline with this stage
-    # derives its backward from the forward stages (``kdax._runner.routes``).
-    transposes: ClassVar[Mapping[str, str]] = MappingProxyType({})
 
     @abc.abstractmethod
     def __call__(

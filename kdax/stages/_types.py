@@ -3,7 +3,8 @@
 Shapes use R rows, HV heads, NC chunks, C chunk size, K/V feature dims, N sequences.
 """
 
-from typing import Optional
+from types import MappingProxyType
+from typing import ClassVar, Mapping, Optional
 
 import equinox as eqx
 from jaxtyping import Array, Float
@@ -16,6 +17,37 @@ from .._annotations import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, Se
 # ``kdax._runner.routes``: a pipeline whose backward stages do not transpose its forward
 # stages derives its backward from the forward stages themselves.
 KDA = "kda"
+
+
+class AbstractStage(eqx.Module):
+    """What every stage family declares beside its ``__call__`` (the families' abstract
+    classes subclass this, their forward or backward kind below)."""
+
+    # What the stage accepts beyond the required arguments (docs/stages.md,
+    # "Capabilities"): a subset of the fields of kdax._stage_protocol.capabilities.Capabilities.
+    accepts: ClassVar[frozenset] = frozenset()
+
+
+class AbstractForwardStage(AbstractStage):
+    """What a forward stage (F1-F5) declares: its math and whether it runs on tiles."""
+
+    # Which formula the stage computes: ``KDA`` (the family's formula, exactly as the
+    # reference stage computes it), or None (any other math: the backward stages do not
+    # transpose it, and the pipeline derives its backward, ``kdax._runner.routes``).
+    math: ClassVar[Optional[str]] = None
+
+    # Whether the stage may be called on a tile (a few chunks at a time, the state carried
+    # in h0): see docs/stages.md. A pipeline runs its forward whole if any stage is not.
+    tile_safe: ClassVar[bool] = False
+
+
+class AbstractBackwardStage(AbstractStage):
+    """What a backward stage (B1-B5) declares: the forward math it transposes."""
+
+    # The forward math this stage is the transpose of, per forward field it transposes
+    # (``{"output": KDA}``): empty declares nothing, and a pipeline with this stage
+    # derives its backward from the forward stages (``kdax._runner.routes``).
+    transposes: ClassVar[Mapping[str, str]] = MappingProxyType({})
 
 
 class Activated(eqx.Module):

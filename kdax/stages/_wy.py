@@ -15,10 +15,10 @@ from .._numerics.chunk_loops import ChunkGroup, over_chunks
 from .._stage_protocol.final import final
 from .._stage_protocol.output_specs import Specs
 from .._annotations import ChunkK, ChunkMat, ChunkScalar, ChunkState, ChunkV, ChunkValid
-from ._types import ChunkGrads, WYOut, KDA
+from ._types import KDA, AbstractBackwardStage, AbstractForwardStage, ChunkGrads, WYOut
 
 
-class AbstractWY(eqx.Module):
+class AbstractWY(AbstractForwardStage):
     """F3: the WY form of a chunk's writes, and the decayed q and k.
 
     Arguments: activated ``q``, ``k`` ``[R, HV, NC, C, K]``; ``v`` ``[R, HV, NC, C, V]``;
@@ -33,19 +33,6 @@ class AbstractWY(eqx.Module):
     ``kdax._layouts.resets``): ``e^G`` is exactly zero at tokens of a sequence that starts
     inside the chunk, ``e^(Γ - G)`` at tokens of one that ends inside it. A stage without
     the parameter cannot run shared chunks (the pipeline falls back)."""
-
-    # What the stage accepts beyond the required arguments (docs/stages.md,
-    # "Capabilities"): a subset of the fields of kdax._stage_protocol.capabilities.Capabilities.
-    accepts: ClassVar[frozenset] = frozenset()
-
-    # Which formula the stage computes: ``KDA`` (the family's formula above, exactly as
-    # the reference stage computes it), or None (any other math: the backward stages do
-    # not transpose it, and the pipeline derives its backward, ``kdax._runner.routes``).
-    math: ClassVar[Optional[str]] = None
-
-    # Whether the stage may be called on a tile (a few chunks at a time, the state carried
-    # in h0): see docs/stages.md. A pipeline runs its forward whole if any stage is not.
-    tile_safe: ClassVar[bool] = False
 
     @abc.abstractmethod
     def __call__(
@@ -117,7 +104,7 @@ class ReferenceWY(AbstractWY):
         return WYOut(*over_chunks(chunk, self.group, q, k, v, beta, G, Akk, *tail, loops=self.chunk_loops))
 
 
-class AbstractWYDqkg(eqx.Module):
+class AbstractWYDqkg(AbstractBackwardStage):
     """B3: inter-chunk dq (``o ⊃ scale qg h``), dk/dG (``h_next ⊃ e^Γ h + kg^T v_new``),
     and the WY backward (``v_new = u - w h``; w, u from Akk): dv, dbeta, and
     ``dL = -Akk^T dAkk Akk^T`` (strictly lower).
@@ -131,15 +118,6 @@ class AbstractWYDqkg(eqx.Module):
     Returns ``ChunkGrads`` (dq, dk ``[.., K]``, dv ``[.., V]``, dbeta, dG ``[.., K]``, dL
     ``[.., C, C]``): everything but F2's part, which B4 adds. ``reset`` as F3's (and the
     state's decay through a chunk in which a sequence starts is zero, as in F4)."""
-
-    # What the stage accepts beyond the required arguments (docs/stages.md,
-    # "Capabilities"): a subset of the fields of kdax._stage_protocol.capabilities.Capabilities.
-    accepts: ClassVar[frozenset] = frozenset()
-
-    # The forward math this stage is the transpose of, per forward field it transposes
-    # (``{"output": KDA}``): empty declares nothing, and a pipeline with this stage
-    # derives its backward from the forward stages (``kdax._runner.routes``).
-    transposes: ClassVar[Mapping[str, str]] = MappingProxyType({})
 
     @abc.abstractmethod
     def __call__(
