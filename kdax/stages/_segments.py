@@ -32,9 +32,6 @@ kernels). Exact: every step is the unsplit recurrence's arithmetic regrouped (fl
 then ``V`` columns, and the summaries' ``K x K`` compositions.
 """
 
-
-from typing import ClassVar
-
 import equinox as eqx
 import jax.numpy as jnp
 
@@ -133,8 +130,6 @@ class SegmentedState(AbstractState):
     (module docstring). ``inner``: the F4 stage each pass runs (any that takes packed
     layouts). ``segments = 1`` (or one chunk) runs ``inner`` unsplit."""
 
-    accepts: ClassVar[frozenset] = frozenset()
-
     inner: AbstractState = ReferenceState()
     segments: int = eqx.field(static=True, default=4)
 
@@ -176,8 +171,6 @@ class SegmentedState(AbstractState):
 class SegmentedDhu(AbstractDhu):
     """B2 with each row's reverse chunk recurrence split into ``segments`` spans (module
     docstring): ``[c | M^T]`` per segment, the reverse prefix, the local pass."""
-
-    accepts: ClassVar[frozenset] = frozenset()
 
     inner: AbstractDhu = ReferenceDhu()
     segments: int = eqx.field(static=True, default=4)
