@@ -9,6 +9,7 @@ linear loss compared by relative RMS (a seed fails above ``--tol``, NaN fails).
                                                             # simulated devices against one device
     python benchmarks/fuzz_against_oracle.py 0 100 --float32   # kdax on float32 inputs against the
                                                                # float64 recurrence (--tol 1e-4)
+    python benchmarks/fuzz_against_oracle.py 0 20 --pipeline "pallas triton"   # one pipeline
 
 The oracle is ``kdax.ref.naive_recurrent_kda`` per sequence, with the in-kernel options
 applied by ``kdax.ref``'s activations (l2norm, the softplus and lower-bound gates, beta's
@@ -71,8 +72,9 @@ def rel(a, b) -> float:
     return float(np.sqrt(np.mean((a - b) ** 2)) / (scale if scale > 1e-200 else 1.0))
 
 
-def draw(seed: int, sp: bool):
-    """One configuration: ``(inputs, keyword arguments, description)``."""
+def draw(seed: int, sp: bool, pipeline=None):
+    """One configuration: ``(inputs, keyword arguments, description)``; ``pipeline``: run
+    that one of the drawn pipelines' names (the rest drawn as for any seed)."""
     r = np.random.default_rng(seed)
     H = int(r.choice([1, 2]))
     HV = H * int(r.choice([1, 2, 3] if not sp else [1, 2]))
@@ -132,6 +134,10 @@ def draw(seed: int, sp: bool):
              "pallas triton": triton, "segmented(pallas triton, 2)": lambda: kdax.stages.segmented(triton(), 2)}
     multi = ["reference", "default", "pallas", "segmented(reference, 2)", "pallas triton"]
     name = str(r.choice(multi if sp else list(pipes)))
+    if pipeline is not None:
+        if pipeline not in (multi if sp else pipes):
+            raise ValueError(f"--pipeline: expected one of {multi if sp else list(pipes)}, got {pipeline!r}")
+        name = pipeline
     kw = dict(scale=scale, output_final_state=True, chunk_size=chunk, pipeline=pipes[name](), **opts)
     if not sp:
         kw.update(state_v_first=v_first, disable_recompute=bool(r.random() < 0.2))
@@ -144,10 +150,10 @@ def draw(seed: int, sp: bool):
     return arrays, kw, said
 
 
-def run_seed(seed: int, sp: bool, dtype=jnp.float64):
+def run_seed(seed: int, sp: bool, dtype=jnp.float64, pipeline=None):
     """``(description, {name: rel-RMS error})`` of one seed; kdax's inputs in ``dtype`` (the
     oracle's stay float64)."""
-    x, kw, said = draw(seed, sp)
+    x, kw, said = draw(seed, sp, pipeline)
     cu = said["cu_seqlens"]
     if cu is not None:
         kw["cu_seqlens"] = jnp.asarray(cu, jnp.int32)
@@ -194,6 +200,8 @@ def main():
     ap.add_argument("count", type=int)
     ap.add_argument("--sp", action="store_true", help="sequence parallel on simulated devices against one device")
     ap.add_argument("--float32", action="store_true", help="kdax's inputs in float32 (the oracle's in float64)")
+    ap.add_argument("--pipeline", default=None, help="run every seed on this one of the drawn pipelines "
+                    "(e.g. 'pallas triton'; the other choices drawn as usual)")
     ap.add_argument("--tol", type=float, default=None,
                     help="the largest relative RMS error that passes (default 1e-9; 1e-4 with --float32)")
     args = ap.parse_args()
@@ -204,7 +212,7 @@ def main():
     for seed in range(args.start, args.start + args.count):
         t0 = time.perf_counter()
         try:
-            said, errs = run_seed(seed, args.sp, dtype)
+            said, errs = run_seed(seed, args.sp, dtype, args.pipeline)
         except Exception as e:  # a refusal of a drawn configuration is a finding too
             print(f"seed {seed} ERROR {type(e).__name__}: {str(e)[:400]}", flush=True)
             failed += 1
