@@ -1,4 +1,6 @@
-"""Typed containers for the data that travels between stages (chunked layout).
+"""What the stage families share: the declarations every stage makes (``AbstractStage`` and
+its forward and backward kinds, which each family's abstract class subclasses) and the typed
+containers for the data that travels between stages (chunked layout).
 
 Shapes use R rows, HV heads, NC chunks, C chunk size, K/V feature dims, N sequences.
 """
