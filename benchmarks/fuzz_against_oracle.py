@@ -1,6 +1,6 @@
-"""Random ``chunk_kda`` calls in float64 against the recurrence: shapes, FLA's options,
-packed layouts (empty sequences too), chunk sizes, initial states in either layout and
-pipelines drawn per seed (the Pallas stages for TPU and for Triton, at a drawn tuning, in
+"""Random ``chunk_kda`` calls in float64 against the recurrence: shapes, FLA's options
+(``safe_gate`` too), packed layouts (empty sequences too), chunk sizes (16 to 128),
+initial states in either layout and pipelines drawn per seed (the Pallas stages for TPU and for Triton, at a drawn tuning, in
 interpret mode); the outputs, final states and every input gradient of a random
 linear loss compared by relative RMS (a seed fails above ``--tol``, NaN fails).
 
@@ -141,10 +141,19 @@ def draw(seed: int, sp: bool, pipeline=None):
     kw = dict(scale=scale, output_final_state=True, chunk_size=chunk, pipeline=pipes[name](), **opts)
     if not sp:
         kw.update(state_v_first=v_first, disable_recompute=bool(r.random() < 0.2))
+    # Drawn apart (a second generator), so that every earlier seed keeps its configuration:
+    # chunks of 128 (one device) and FLA's safe_gate where its promise holds (the in-kernel
+    # lower-bound gate: g in [lower_bound, 0)).
+    r2 = np.random.default_rng([seed, 68])
+    if not sp and r2.random() < 0.15:
+        kw["chunk_size"] = chunk = 128
+    if opts.get("use_gate_in_kernel") and "lower_bound" in opts and r2.random() < 0.5:
+        kw["safe_gate"] = True
     arrays = dict(q=q, k=k, v=v, g=g, beta=beta, h0=h0, A_log=A_log, dt_bias=dt_bias,
                   wo=r.normal(size=v.shape), ws=r.normal(size=state))
     arrays = {n: None if x is None else jnp.asarray(x) for n, x in arrays.items()}
-    said = dict(B=B, T=T, H=H, HV=HV, K=K, V=V, chunk=chunk, cu_seqlens=cu, options=opts, A_log=A_log is not None,
+    said = dict(B=B, T=T, H=H, HV=HV, K=K, V=V, chunk=chunk, cu_seqlens=cu, options=dict(opts, **(
+                    {"safe_gate": True} if kw.get("safe_gate") else {})), A_log=A_log is not None,
                 dt_bias=dt_bias is not None, scale=scale, initial_state=h0 is not None, state_v_first=v_first,
                 pipeline=name, **tuned, devices=devices, prefix=str(r.choice(["gather", "doubling"])))
     return arrays, kw, said
