@@ -1,8 +1,9 @@
 """Random ``chunk_kda`` calls in float64 against the recurrence: shapes, FLA's options
 (``safe_gate`` too), packed layouts (empty sequences too), chunk sizes (16 to 128),
-initial states in either layout and pipelines drawn per seed (the Pallas stages for TPU and for Triton, at a drawn tuning, in
-interpret mode); the outputs, final states and every input gradient of a random
-linear loss compared by relative RMS (a seed fails above ``--tol``, NaN fails).
+initial states in either layout and pipelines drawn per seed (the Pallas stages for TPU
+and for Triton, at a drawn tuning, in interpret mode); the outputs, final states and
+every input gradient of a random linear loss compared by relative RMS (a seed fails
+above ``--tol``, NaN fails).
 
     python benchmarks/fuzz_against_oracle.py 0 100          # seeds 0..99, one device
     python benchmarks/fuzz_against_oracle.py 0 100 --sp     # kdax.parallel.chunk_kda on 2 or 4
