@@ -3,6 +3,7 @@ is measured by ``python -m kdax.bench``, never in tests)."""
 
 import json
 import os
+import re
 import time
 
 import equinox as eqx
@@ -250,6 +251,19 @@ def test_main_job_header_says_how_memory_is_allocated(capsys):
     assert status == 0, out
     assert "fresh memory each call; large float32 matmul" in out.splitlines()[0], out
     assert "chunk_kda[reference]" in out
+    # the second yardstick: the run's chunk products (B H NC = 1 * 2 * 3 of [16, 8] @ [8, 8]) as one batched dot
+    line = next(ln for ln in out.splitlines() if ln.startswith("large float32 matmul, best of before and after"))
+    rate = re.search(r"6 of \[16,8\]@\[8,8\], as the stages run them; XLA:CPU runs it on one core\): ([0-9.]+) GFLOP/s",
+                     line)
+    assert rate and float(rate.group(1)) > 0, line
+
+
+def test_chunk_dot_yardstick_counts_the_products():
+    """``chunk_dot_gflops``: FLOPs of the batched dot over its time, finite and positive."""
+    from kdax.bench import chunk_dot_gflops
+
+    rate = chunk_dot_gflops(4, 16, 8, 8, reps=1)
+    assert np.isfinite(rate) and rate > 0
 
 
 def test_main_job_heads_over_host_devices(capsys):

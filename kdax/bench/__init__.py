@@ -65,6 +65,7 @@ from ._tables import (
 )
 from ._timing import (
     Log as Log,
+    chunk_dot_gflops as chunk_dot_gflops,
     machine as machine,
     matmul_gflops as matmul_gflops,
     time_fn as time_fn,

@@ -15,7 +15,7 @@ from ._run import bench_shape, kdax_paths
 from ._shape import Shape, cotangent, make_inputs
 from ._stages import bench_glue, bench_stages
 from ._tables import STAGE_HEAD, format_stage_row, format_table, with_ratios
-from ._timing import Log, compiled, machine, matmul_gflops
+from ._timing import Log, chunk_dot_gflops, compiled, machine, matmul_gflops
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -132,8 +132,12 @@ def main(argv=None) -> int:
     # The machine's matmul speed drifts; the better of two measurements keeps %mm conservative.
     log("timing the matmul again")
     mm = meta["matmul_gflops"] = max(mm, matmul_gflops())
+    dims = (shape.B * shape.HV * -(-shape.T // shape.chunk_size), shape.chunk_size, shape.K, shape.V)
+    bd = meta["chunk_dot_gflops"] = max(chunk_dot_gflops(*dims) for _ in range(2))
     meta["wall_s"] = round(time.perf_counter() - log.t0, 1)
-    print(f"large float32 matmul, best of before and after: {mm:.1f} GFLOP/s")
+    print(f"large float32 matmul, best of before and after: {mm:.1f} GFLOP/s; the chunks' products as one batched dot "
+          f"({dims[0]} of [{dims[1]},{dims[2]}]@[{dims[2]},{dims[3]}], as the stages run them; XLA:CPU runs it on one "
+          f"core): {bd:.1f} GFLOP/s (GFLOP/s over it: the per-core reading of %mm)")
     print(f"B={shape.B} H={shape.H} HV={shape.HV} K={shape.K} V={shape.V} chunk={shape.chunk_size} float32; "
           "max err: against the float64 recurrence (outputs; all input gradients of sum(o * w), w random); "
           "reps: timed runs (median)")

@@ -84,6 +84,17 @@ def matmul_gflops(n: int = 2048, reps: int = 5) -> float:
     return 2 * n**3 / time_fn(f, (a,), reps) / 1e9
 
 
+def chunk_dot_gflops(batch: int, C: int, K: int, V: int, reps: int = 5) -> float:
+    """GFLOP/s of ``batch`` float32 products ``[C, K] @ [K, V]`` as one batched dot: a chunk's
+    ``qg h`` for every chunk and head, the form every per-chunk product of the stages takes.
+    The second yardstick beside the large matmul: XLA:CPU runs a batched dot on one core
+    (benchmarks/NOTES.md, "Batched dots run on one core")."""
+    r = np.random.default_rng(0)
+    a, b = (jnp.asarray(r.normal(size=(batch,) + s), jnp.float32) for s in ((C, K), (K, V)))
+    f = jax.jit(lambda a, b: a @ b)
+    return 2 * batch * C * K * V / time_fn(f, (a, b), reps) / 1e9
+
+
 def machine() -> str:
     """The machine a table's numbers come from: ``x86_64 AMD EPYC (AVX2) 2 cores, cpu (cpu),
     jax 0.10.2``. The CPU's model and widest vector extension tell apart hosts that share a
