@@ -24,3 +24,13 @@ def test_a_float32_seed_passes_against_the_float64_recurrence():
     worst = float(re.search(r"worst (\S+)", line).group(1))
     assert 0 < worst <= 1e-4, line  # float32 rounding: above zero, far below the tolerance
     assert run.stdout.splitlines()[-1] == "0 of 1 seeds failed"
+
+
+def test_an_unknown_pipeline_is_refused_before_any_seed():
+    """``--pipeline`` names one of the drawn pipelines; another name is an argument error
+    (exit status 2) that lists them, before any seed runs."""
+    run = subprocess.run([sys.executable, str(BENCH / "fuzz_against_oracle.py"), "0", "3", "--pipeline", "triton"],
+                         env=one_device_env(), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "--pipeline: expected one of" in run.stderr and "'pallas triton'" in run.stderr, run.stderr[-2000:]
+    assert "seed 0" not in run.stdout, run.stdout
