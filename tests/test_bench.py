@@ -264,6 +264,10 @@ def test_chunk_dot_yardstick_counts_the_products():
 
     rate = chunk_dot_gflops(4, 16, 8, 8, reps=1)
     assert np.isfinite(rate) and rate > 0
+    # the main job's and --stages' dims: one product per chunk and head (T=40 in chunks of 16: 3)
+    from kdax.bench._main import _chunk_dims
+
+    assert _chunk_dims(bench.Shape(B=2, T=40, H=2, HV=4, K=8, V=16, chunk_size=16)) == (24, 16, 8, 16)
 
 
 def test_main_job_heads_over_host_devices(capsys):

@@ -52,6 +52,12 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _chunk_dims(shape: Shape) -> tuple:
+    """``(batch, C, K, V)`` of a run's chunk products ``[C, K] @ [K, V]``, one per chunk and
+    head (``chunk_dot_gflops``' arguments)."""
+    return shape.B * shape.HV * -(-shape.T // shape.chunk_size), shape.chunk_size, shape.K, shape.V
+
+
 def _stages_main(shape: Shape, reps: int, pipes: dict, memory: str) -> int:
     """``--stages``: the stage table, a line as each stage is timed."""
     print(f"kdax stages alone on {machine()}, {memory}; B={shape.B} T={shape.T} H={shape.H} HV={shape.HV} K={shape.K} "
@@ -60,6 +66,10 @@ def _stages_main(shape: Shape, reps: int, pipes: dict, memory: str) -> int:
     print(f"large float32 matmul: {mm:.1f} GFLOP/s (%mm: a stage's FLOP rate against it; FLOPs: the FLOP model's "
           f"matmul work as in the main table, XLA's count for gate and gate_bwd; bytes: XLA's count; XLA counts a "
           f"loop's body once)")
+    dims = _chunk_dims(shape)
+    print(f"the chunks' products as one batched dot ({dims[0]} of [{dims[1]},{dims[2]}]@[{dims[2]},{dims[3]}]; XLA:CPU "
+          f"runs it on one core): {chunk_dot_gflops(*dims):.1f} GFLOP/s (a stage's GFLOP/s over it: the per-core reading "
+          f"of %mm)")
     print(STAGE_HEAD, flush=True)
     first = {}
     rows = bench_stages(shape, reps, pipes, lambda r: print(format_stage_row(r, first, mm), flush=True))
@@ -132,7 +142,7 @@ def main(argv=None) -> int:
     # The machine's matmul speed drifts; the better of two measurements keeps %mm conservative.
     log("timing the matmul again")
     mm = meta["matmul_gflops"] = max(mm, matmul_gflops())
-    dims = (shape.B * shape.HV * -(-shape.T // shape.chunk_size), shape.chunk_size, shape.K, shape.V)
+    dims = _chunk_dims(shape)
     bd = meta["chunk_dot_gflops"] = max(chunk_dot_gflops(*dims) for _ in range(2))
     meta["wall_s"] = round(time.perf_counter() - log.t0, 1)
     print(f"large float32 matmul, best of before and after: {mm:.1f} GFLOP/s; the chunks' products as one batched dot "
