@@ -57,7 +57,7 @@ def chunk_start_states(pipeline, q, k, v, g, beta, options: KDAOptions):
     else:
         domain = domain_flag(args[3], args[4], opts)
         args = (*behind_barriers(args[:8]), args[8])  # (arrays a jitted caller captured: not folded by XLA)
-        pipeline = dataclasses.replace(pipeline.resolved(q.dtype), share_chunks=False)
+        pipeline = dataclasses.replace(pipeline.resolved(*args[:6]), share_chunks=False)
         o, final, h = (_states if traced((args, domain)) else _compiled_states)(pipeline, config, args, domain)
     return o, final_out(final, config, opts.state_v_first), jnp.swapaxes(h, -1, -2) if opts.state_v_first else h
 

@@ -105,15 +105,15 @@ def plan(pipeline, q, k, v, g, beta, **options) -> KDAPlan:
                ("layout", shared_chunks_refused(pipeline) if rec.layout == "per-sequence" else None))
     why = tuple((route, r) for route, r in refused if r)
     return KDAPlan(tuple(rows), None if unsafe else pipeline.tile, unsafe, rec.layout, notes=notes,
-                   config=resolved_config(pipeline, q.dtype), why=why)
+                   config=resolved_config(pipeline, q, k, v, g, beta, opts.initial_state), why=why)
 
 
-def resolved_config(pipeline, dtype=jnp.float32) -> dict:
-    """Every platform-dependent choice of ``pipeline`` for inputs of ``dtype``: ``backend``,
+def resolved_config(pipeline, *dtypes) -> dict:
+    """Every platform-dependent choice of ``pipeline`` for inputs of ``dtypes`` (float32 if none): ``backend``,
     ``precision`` (resolved), ``tile``, and per stage its static fields with "auto" resolved
     (``group``, ``chunk_loops``, ``loop_unroll``, the Pallas ``target``, ``interpret``,
     tuning). Each is a field of the pipeline or of a stage, read from nowhere else."""
-    out = dict(backend=jax.default_backend(), precision=_precision.resolve(pipeline.precision, jnp.dtype(dtype)),
+    out = dict(backend=jax.default_backend(), precision=_precision.resolve(pipeline.precision, *(dtypes or (jnp.float32,))),
                tile=pipeline.tile)
     loops = lambda mode: "slices" if split_rows_and_heads(mode) else "flat"
     resolvers = {"group": resolve_group, "loop_unroll": loop_unroll, "chunk_loops": loops}

@@ -90,11 +90,11 @@ class KDAPipeline(eqx.Module):
         """This pipeline under another precision policy."""
         return dataclasses.replace(self, precision=precision)
 
-    def resolved(self, dtype) -> "KDAPipeline":
-        """This pipeline with its precision policy resolved for inputs of ``dtype`` (the one place)."""
-        if self.precision != "auto":
-            return self
-        return self.with_precision(_precision.resolve(self.precision, jnp.dtype(dtype)))
+    def resolved(self, *dtypes) -> "KDAPipeline":
+        """This pipeline with its policy resolved for inputs of ``dtypes`` (the one place:
+        ``kdax._numerics.precision.resolve``)."""
+        policy = _precision.resolve(self.precision, *dtypes)
+        return self if policy == self.precision else self.with_precision(policy)
 
     def __check_init__(self):
         _precision.check_policy(self.precision)
@@ -150,9 +150,9 @@ class KDAPipeline(eqx.Module):
         """Which implementation runs each stage for these inputs and options, without running anything."""
         return _plan.plan(self, q, k, v, g, beta, **options)
 
-    def resolved_config(self, dtype=jnp.float32) -> dict:
-        """Every platform-dependent choice as it resolves for inputs of ``dtype``."""
-        return _plan.resolved_config(self, dtype)
+    def resolved_config(self, *dtypes) -> dict:
+        """Every platform-dependent choice as it resolves for inputs of ``dtypes`` (as ``resolved``)."""
+        return _plan.resolved_config(self, *dtypes)
 
     # -- forward ------------------------------------------------------------------------
 
@@ -211,7 +211,7 @@ class KDAPipeline(eqx.Module):
         check_transposes(self)
         cfg, L, act = res.config, res.layout, res.act
         res.check_cotangents(do, dht)
-        self = self.resolved(res.in_dtypes[0])  # the policy chunk_kda resolves, for pipeline.backward
+        self = self.resolved(*res.in_dtypes[:6])  # the policy chunk_kda resolves, for pipeline.backward
         doc = chunked_cotangent(L, do, res.h0.dtype, any(reads_tokens(self, "dav", "dhu", "wy_dqkg")))
         ext = backward_hooks(res, dht)
         dht = ext.b2_dht(dht, res.h0)
@@ -256,7 +256,7 @@ class KDAPipeline(eqx.Module):
         ``pipeline.backward(residuals, do, dht)`` every input gradient."""
         opts = options_of(options, kwargs)
         config, args, opts = prepare_forward(q, k, v, g, beta, opts)
-        o, final, res = self.resolved(q.dtype).run_forward(config, *args)
+        o, final, res = self.resolved(*args[:6]).run_forward(config, *args)
         return o, final_out(final, config, opts.state_v_first), res
 
     def __call__(self, q: QK, k: QK, v: Values, g: Gate, beta: Beta, options: Optional[KDAOptions] = None,

@@ -47,6 +47,18 @@ def test_resolve():
     # "fast" is opt-in by name: the default stays "auto" (recurrences at float32).
     assert kdax.KDAPipeline.reference().precision == "auto"
     assert kdax.KDAPipeline.reference().with_precision("fast").precision == "fast"
+    # A call's inputs decide: float64 anywhere is "highest"; half products only where q, k
+    # and v are all half (the products' operands), whatever dtype g and beta carry.
+    bf16, f16, f32, f64 = jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64
+    assert _precision.resolve("auto", bf16, bf16, bf16, f32, f32) == "bfloat16"  # (FLA's layer: g, beta float32)
+    assert _precision.resolve("auto", bf16, f32, f32) == "highest"
+    assert _precision.resolve("auto", bf16, f16, bf16) == "highest"
+    assert _precision.resolve("fast", bf16, bf16, bf16, f32, f32, f64) == "highest"  # (a float64 initial state)
+    assert _precision.resolve("auto", bf16, bf16, bf16, None, None, None) == "bfloat16"
+    pipe = kdax.KDAPipeline.reference()
+    assert pipe.with_precision("fast").resolved(f64).precision == "highest"
+    assert pipe.with_precision("bfloat16").resolved(f32).precision == "bfloat16"
+    assert pipe.resolved(bf16, f32, bf16).precision == "highest"
     st = kdax.stages
     bf16 = jnp.dtype(jnp.bfloat16)
     assert _precision.operand("fast", st.ReferenceState) == _precision.operand("fast", PallasDhu) == bf16
@@ -79,6 +91,38 @@ def _dots(jaxpr, stack=""):
 def _stage_of(stack: str) -> str:
     names = re.findall(r"kdax_(\w+)", stack)
     return names[-1] if names else ""
+
+
+@pytest.mark.parametrize("policy", ["bfloat16", "fast"])
+def test_float64_inputs_run_highest_under_any_policy(policy):
+    """Float64 inputs run every product at float64, whatever policy the pipeline names
+    (``KDAPipeline.resolved`` returned a named policy unresolved: 3e-3 off the oracle),
+    and ``plan`` says so."""
+    x, opts = make_inputs(seed=5, T=70, K=16, V=16), dict(use_qk_l2norm_in_kernel=True)
+    pipe = kdax.KDAPipeline.reference().with_precision(policy)
+    do = np.random.default_rng(1).normal(size=x["v"].shape)
+    o, _, grads = outputs_and_grads(lambda *a, **kw: kdax.chunk_kda(*a, pipeline=pipe, **kw), x, opts, do, None)
+    want, _, want_grads = outputs_and_grads(kdax.fused_recurrent_kda, x, opts, do, None)
+    assert o.dtype == jnp.float64
+    assert_close(o, want, 1e-12, "o")
+    for name in want_grads:
+        assert_close(grads[name], want_grads[name], 1e-11, name)
+    assert pipe.plan(*(x[n] for n in ("q", "k", "v", "g", "beta"))).config["precision"] == "highest"
+
+
+def test_precision_follows_every_product_operand():
+    """A bf16 q beside float64 k, v, g, beta and initial state: the products run at float64
+    (q's dtype alone chose "bfloat16": the final state, which q does not reach, 2.7e-3 off)."""
+    x = make_inputs(seed=6, T=40, K=16, V=8)
+    opts = dict(initial_state=x["initial_state"], output_final_state=True, use_qk_l2norm_in_kernel=True)
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    _, want = kdax.fused_recurrent_kda(*args, **opts)
+    args[0] = args[0].astype(jnp.bfloat16)
+    o, ht = kdax.chunk_kda(*args, **opts)
+    assert ht.dtype == jnp.float64
+    assert_close(ht, want, 1e-12, "final state")
+    ref_o, _ = kdax.fused_recurrent_kda(*args, **opts)
+    assert_close(o, ref_o, 1e-12, "o")
 
 
 @pytest.mark.parametrize("policy", ["auto", "highest"])

@@ -20,8 +20,8 @@ Policies (``KDAPipeline.precision``):
   the dh carried across chunks stays float32, as the state does). The gate's cumsum
   ``G`` is float32 alone, as FLA's, without the low part ``G_lo`` the other policies
   carry (``keeps_low_part``). Float64 inputs still get ``"highest"``;
-* ``"auto"`` (default): ``"bfloat16"`` / ``"float16"`` when q is bfloat16 / float16, else
-  ``"highest"``. Whether ``"fast"`` can become the default for bf16 inputs on a GPU is to
+* ``"auto"`` (default): ``"bfloat16"`` / ``"float16"`` when q, k and v are bfloat16 /
+  float16 (``policy_dtype``), else ``"highest"``. Whether ``"fast"`` can become the default for bf16 inputs on a GPU is to
   be decided there (benchmarks/NOTES.md): its CPU errors (``tests/test_precision.py``)
   are within FLA's tolerances.
 
@@ -131,12 +131,25 @@ def check_policy(policy: str) -> str:
     return policy
 
 
-def resolve(policy: str, dtype) -> str:
-    """The policy for inputs of ``dtype`` (q's): ``"auto"`` becomes ``"bfloat16"`` or
-    ``"float16"`` for half-precision inputs and ``"highest"`` otherwise; float64 inputs
-    always get ``"highest"``."""
+def policy_dtype(*dtypes):
+    """The dtype a call's policy resolves for, from its inputs' dtypes (q's, k's and v's
+    first, then g's, beta's, the initial state's; arrays stand for their dtypes, None for
+    an absent input): float64 when any is
+    (the compute dtype, ``kdax.ref.compute_dtype``), else the promotion of q's, k's and v's,
+    the products' operands, so half precision only when all three are half."""
+    given = [jnp.dtype(getattr(d, "dtype", d)) for d in dtypes if d is not None]
+    if any(d == jnp.float64 for d in given):
+        return jnp.dtype(jnp.float64)
+    return jnp.dtype(jnp.result_type(*given[:3]))
+
+
+def resolve(policy: str, *dtypes) -> str:
+    """The policy for a call whose inputs have ``dtypes`` (``policy_dtype``; q's alone will
+    do where all are alike): ``"auto"`` becomes ``"bfloat16"`` or ``"float16"`` for
+    half-precision inputs and ``"highest"`` otherwise; float64 inputs always get
+    ``"highest"``, whatever the policy."""
     check_policy(policy)
-    dtype = jnp.dtype(dtype)
+    dtype = policy_dtype(*dtypes)
     if dtype == jnp.float64:
         return "highest"
     if policy == "auto":

@@ -29,7 +29,7 @@ def backward(pipeline, res, do, dht) -> tuple:
     """``(KDAGrads, BackwardParts)`` of the forward ``res`` at ``do`` ``[B, T, HV, V]`` and
     ``dht`` (or None), F5's transpose derived (module docstring)."""
     cfg, L, act = res.config, res.layout, res.act
-    pipe = pipeline.resolved(res.in_dtypes[0])
+    pipe = pipeline.resolved(*res.in_dtypes[:6])
     dt = res.h0.dtype
     doc = pack(L, do, dt)
     dht = PlainHooks().b2_dht(dht, res.h0)  # (the plain layout's: no reset table here)

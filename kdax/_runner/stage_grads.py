@@ -87,7 +87,7 @@ def pipeline_gradients(pipeline, perturbed, parts: BackwardParts, res, inputs):
     got = check_perturbed(pipeline, perturbed)
     if not got:
         return jax.tree.map(lambda _: None, perturbed)
-    pipeline = pipeline.resolved(res.in_dtypes[0])  # as the backward resolved it
+    pipeline = pipeline.resolved(*res.in_dtypes[:6])  # as the backward resolved it
     L, fields = res.layout, {}
     if "gate" in got:
         qc, kc, _, gc, bc = pack_inputs(L, tuple(inputs[:5]), res.v.shape[1], res.h0.dtype)

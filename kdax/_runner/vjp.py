@@ -133,7 +133,7 @@ def apply(pipeline, q, k, v, g, beta, options: KDAOptions):
     config, args, opts = prepare_options(q, k, v, g, beta, options, flagged=True)
     domain = domain_flag(args[3], args[4], opts)  # (g and beta as given: checked eagerly where concrete)
     (q, k, v, g, beta, h0, A_log, dt_bias), cu = behind_barriers(args[:8]), args[8]
-    pipeline = pipeline.resolved(q.dtype)
+    pipeline = pipeline.resolved(q, k, v, g, beta, h0)
     B, T, _, K = q.shape
     if 0 in (B, T, K, v.shape[-1]):
         # Nothing to do: o is zero, every state (and its gradient) passes through.

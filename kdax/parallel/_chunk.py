@@ -124,7 +124,7 @@ def _backward_local(static: _Static, res, do, dht):
 
 def _resolved(static: _Static, res):
     """The pipeline with its precision policy resolved, as ``backward`` resolves it."""
-    return static.pipeline.resolved(res.in_dtypes[0])
+    return static.pipeline.resolved(*res.in_dtypes[:6])
 
 
 def _with_cache(static: _Static, res):
