@@ -85,7 +85,7 @@ def _matvec(A, Y, spans: Spans, narrow: int, longest: int, transpose: bool = Fal
     def run(W, nb):
         def block(b, out):
             a = _gather_block(A, spans, b, W)  # [N, HV, M W, K]
-            mine = keep & (d // W == b)
+            mine = keep & (d // W == b)[None]
             w = jnp.clip(d - b * W, 0, W - 1)
             if transpose:  # the states as the left operand, as stored (XLA:CPU copied all N
                 # states to transpose them when they were the right one)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 def segments(reset):
     """``reset [R, NC, C]`` -> ``[R, NC, C]`` int32: each token's sequence within its chunk
     (0: the one continuing from the start, or starting at the first token)."""
-    after_first = reset & (jnp.arange(reset.shape[-1]) > 0)
+    after_first = reset & (jnp.arange(reset.shape[-1]) > 0)[None, None]  # (explicit: rank promotion may raise)
     return jnp.cumsum(after_first.astype(jnp.int32), axis=-1)
 
 

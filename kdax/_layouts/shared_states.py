@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from .._numerics.hilo import exponent
 from .._numerics.isolation import finite_heads
-from .._numerics.arrays import segment_matmul, tri_mask
+from .._numerics.arrays import ranked, segment_matmul, tri_mask
 from ..ref import activated_gate
 from .layout import ChunkLayout
 from .ragged import HI, Spans, matvec, narrow_width, outer, token_slots
@@ -417,7 +417,7 @@ class SharedChunkHooks:
             reset = fc.take(L.reset[:, None])[:, 0]  # [R, M, C]
             Akk, same = fc.take(Akk), same_segment(per_head(segments(reset), Akk.shape[1]))  # L's pairs in a sequence
             keep = functools.partial(select_zero, same)  # (never 0 * inf between sequences)
-            dL = jnp.where(tri_mask(L.chunk_size, strict=True) & same, -mm(keep(mm(mT(Akk), keep(dAkk))), mT(Akk)), 0.0)
+            dL = jnp.where(ranked(tri_mask(L.chunk_size, strict=True), same) & same, -mm(keep(mm(mT(Akk), keep(dAkk))), mT(Akk)), 0.0)
             put = fc.put
             grads = dataclasses.replace(grads, dq=put(grads.dq, dq_), dk=put(grads.dk, dk_), dv=put(grads.dv, dv_),
                                         dbeta=put(grads.dbeta, db_), dG=put(grads.dG, dG_), dL=put(grads.dL, dL))

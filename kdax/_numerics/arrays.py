@@ -16,6 +16,12 @@ def mT(x):
     return jnp.swapaxes(x, -1, -2)
 
 
+def ranked(x, like):
+    """``x`` with leading unit axes up to ``like``'s rank: jnp's implicit rank promotion made
+    explicit (the same program), so that kdax runs under ``jax_numpy_rank_promotion="raise"``."""
+    return jax.lax.broadcast_to_rank(jnp.asarray(x), jnp.ndim(like))
+
+
 def tri_mask(n: int, strict: bool):
     """``[n, n]`` mask of j <= i (j < i when strict), i the row. (Masks and ones here are
     numpy values: constants of the program; traced, each was a kernel XLA:CPU compiled.)"""

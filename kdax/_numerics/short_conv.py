@@ -11,6 +11,8 @@ from typing import Optional
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from .arrays import ranked
+
 
 def token_segments(B: int, T: int, cu_seqlens: Optional[Int[Array, " N1"]]):
     """``(seq [B, T], pos [B, T])``: each token's sequence index and in-sequence position.
@@ -43,7 +45,7 @@ def causal_conv(
     # copy before reducing it: 12 passes of 16 MiB in the layer's training step)
     out, acc = x.dtype, jnp.promote_types(x.dtype, jnp.float32)
     x, weight = x.astype(acc), weight.astype(acc)
-    y = x * weight[:, W - 1]
+    y = x * ranked(weight[:, W - 1], x)
     # One padded copy read at every shift: a pad per shift was a stored copy each (kept for
     # the weight's gradient).
     xp = jnp.pad(x, ((0, 0), (W - 1, 0), (0, 0)))
@@ -55,7 +57,7 @@ def causal_conv(
         else:
             prev = state[seq, jnp.clip(W - 1 + pos - j, 0, W - 2)].astype(x.dtype)
             src = jnp.where(inside, shifted, prev)
-        y = y + src * weight[:, W - 1 - j]
+        y = y + src * ranked(weight[:, W - 1 - j], src)
     return y.astype(out)
 
 

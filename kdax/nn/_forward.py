@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from .._numerics.arrays import ranked
 from .._numerics.short_conv import causal_conv, conv_tail, token_segments
 from .._errors import HeadFirstLayoutWarning
 from .._chunk_kda import chunk_kda
@@ -146,6 +147,6 @@ def output(layer, xs: Float[Array, "Bp Tp D"], o: Float[Array, "Bp Tp HV V"]
     HV, V = layer.num_v_heads, layer.head_v_dim
     gate = _linear(xs, layer.g_proj) if layer.g_proj is not None else _linear(_linear(xs, layer.g_a), layer.g_b)
     if layer.g_b_bias is not None:
-        gate = gate + layer.g_b_bias.astype(xs.dtype)
+        gate = gate + ranked(layer.g_b_bias.astype(xs.dtype), gate)
     o = gated_rms_norm(o.astype(xs.dtype), gate.reshape(Bp, Tp, HV, V), layer.o_norm, layer.norm_eps)
     return _linear(o.reshape(Bp, Tp, HV * V), layer.o_proj)

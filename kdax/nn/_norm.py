@@ -4,6 +4,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from .._numerics.arrays import ranked
+
 
 def gated_rms_norm(
     x: Float[Array, "*batch D"], gate: Float[Array, "*batch D"], weight: Float[Array, " D"], eps: float
@@ -13,4 +15,4 @@ def gated_rms_norm(
     dt = jnp.result_type(x.dtype, gate.dtype, weight.dtype, jnp.float32)
     xf = x.astype(dt)
     r = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (r * weight.astype(dt) * jax.nn.sigmoid(gate.astype(dt))).astype(x.dtype)
+    return (r * ranked(weight.astype(dt), r) * jax.nn.sigmoid(gate.astype(dt))).astype(x.dtype)

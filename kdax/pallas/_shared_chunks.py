@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._layouts.resets import per_head, same_segment, segments
+from .._numerics.arrays import ranked
 from ._common import chunk_spec, flat
 
 
@@ -34,4 +35,4 @@ def reached_rows(bad, reset, later: bool):
     same = sequence_pairs(reset, bad.shape[1])
     C = bad.shape[-1]
     order = (np.triu if later else np.tril)(np.ones((C, C), bool))
-    return jnp.any(order & same & bad[..., None, :], axis=-1)
+    return jnp.any(ranked(order, same) & same & bad[..., None, :], axis=-1)

@@ -12,7 +12,7 @@ from .._layouts.tokens import FinalGrads, Tokens
 from .._stage_protocol.final import final
 from .._annotations import ChunkV
 from .._numerics import precision as _precision
-from .._numerics.arrays import tri_mask
+from .._numerics.arrays import ranked, tri_mask
 from .._numerics.hilo import exponent
 from ..stages import KDA, AbstractWY, AbstractWYDqkg, ChunkGrads, WYOut
 from ._arith import Products, decay, nonfinite, segment_masks
@@ -229,7 +229,8 @@ def _dw_reached(grads: ChunkGrads, rows, reset) -> ChunkGrads:
     the reference's ``dX``: rows of ``dk``, ``dbeta``, ``dG``, and of ``dL`` within the row's
     sequence (strictly lower)."""
     row = lambda x: jnp.where(rows[..., None], jnp.nan, x)
-    lower = rows[..., None] & sequence_pairs(reset, rows.shape[1]) & tri_mask(rows.shape[-1], strict=True)
+    lower = rows[..., None] & sequence_pairs(reset, rows.shape[1])
+    lower = lower & ranked(tri_mask(rows.shape[-1], strict=True), lower)
     dL = jnp.where(lower, jnp.nan, grads.dL)
     return ChunkGrads(grads.dq, row(grads.dk), grads.dv, jnp.where(rows, jnp.nan, grads.dbeta), row(grads.dG), dL)
 

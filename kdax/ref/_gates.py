@@ -36,18 +36,24 @@ def clamp_log_decay(g):
     return jnp.maximum(g, jnp.asarray(log_decay_floor(g.dtype), g.dtype))
 
 
+def _per_head(A_log, x):
+    """``exp(A_log)`` ``[..., HV, 1]`` at x's rank (explicit: a user's program may make
+    implicit rank promotion an error)."""
+    return jax.lax.broadcast_to_rank(jnp.exp(A_log.reshape(-1).astype(x.dtype))[:, None], x.ndim)
+
+
 def _with_bias(g_raw, dt_bias):
     if dt_bias is None:
         return g_raw
     hv, kd = g_raw.shape[-2:]
-    return g_raw + dt_bias.reshape(hv, kd).astype(g_raw.dtype)
+    return g_raw + jax.lax.broadcast_to_rank(dt_bias.reshape(hv, kd).astype(g_raw.dtype), g_raw.ndim)
 
 
 def softplus_gate(g_raw, A_log, dt_bias=None):
     """``g = -exp(A_log[h]) * softplus(g_raw + dt_bias)``."""
     x = _with_bias(g_raw, dt_bias)
     # A_log [HV], or any shape holding HV values (FLA's [1, 1, HV, 1])
-    return -jnp.exp(A_log.reshape(-1).astype(x.dtype))[:, None] * jax.nn.softplus(x)
+    return -_per_head(A_log, x) * jax.nn.softplus(x)
 
 
 def lower_bound_gate(g_raw, lower_bound: float, A_log=None, dt_bias=None):
@@ -57,7 +63,7 @@ def lower_bound_gate(g_raw, lower_bound: float, A_log=None, dt_bias=None):
     if lower_bound == -jnp.inf:  # forget everything, whatever the input (-inf * sigmoid can be NaN)
         return jnp.full_like(x, -jnp.inf)
     if A_log is not None:
-        x = jnp.exp(A_log.reshape(-1).astype(x.dtype))[:, None] * x
+        x = _per_head(A_log, x) * x
     return lower_bound * jax.nn.sigmoid(x)
 
 

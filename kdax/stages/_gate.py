@@ -13,7 +13,7 @@ from jaxtyping import Array, Float
 from .._config import KDAConfig
 from .._numerics import precision as _precision
 from .._numerics.hilo import grid_bits, split_log_decay
-from .._numerics.arrays import mT, row_cumsum
+from .._numerics.arrays import mT, ranked, row_cumsum
 from .._numerics.chunk_loops import ChunkGroup, over_chunks
 from .._stage_protocol.capabilities import capabilities, told
 from .._stage_protocol.final import final
@@ -118,7 +118,8 @@ def segment_cumsum(dG, reset, group: ChunkGroup = None, loops: str = "auto"):
     C = dG.shape[-2]
     seg = jnp.cumsum(reset.astype(jnp.int32), axis=-1)  # sequence index within the chunk
     s, t = np.arange(C)[:, None], np.arange(C)[None, :]
-    same = (s >= t) & (seg[..., :, None] == seg[..., None, :])  # [R, NC, C(s), C(t)]
+    same = seg[..., :, None] == seg[..., None, :]
+    same = ranked(s >= t, same) & same  # [R, NC, C(s), C(t)]
     M = jnp.where(same, 1.0, 0.0).astype(dG.dtype)[:, None]  # [R, 1, NC, C, C]
     M = jnp.broadcast_to(M, dG.shape[:3] + (C, C))
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from .._layouts.resets import from_start, mask_exponent, per_head, same_segment, segments, select_zero, to_end
 from .._numerics.hilo import exponent
-from .._numerics.arrays import last_row, lower_matmul, mT, rowsum, tri_mask, upper_matmul
+from .._numerics.arrays import last_row, lower_matmul, mT, ranked, rowsum, tri_mask, upper_matmul
 from .._numerics.chunk_loops import ChunkGroup, over_chunks
 from .._stage_protocol.final import final
 from .._stage_protocol.output_specs import Specs
@@ -181,7 +181,7 @@ def _wy_dqkg_chunk(scale, k, v, beta, G, Akk, qg, kg, h, dh, v_new, do, dv_new, 
         dL = jnp.where(tri_mask(C, strict=True), -(dX @ mT(X) + dY @ mT(b * v)) @ mT(Akk), 0.0)
     else:  # (dAkk's entries across sequences, inf beside an overflow, never meet Akk's zeros)
         dAkk = select_zero(same, dX @ mT(X) + dY @ mT(b * v))
-        dL = jnp.where(tri_mask(C, strict=True) & same, -dAkk @ mT(Akk), 0.0)
+        dL = jnp.where(ranked(tri_mask(C, strict=True), same) & same, -dAkk @ mT(Akk), 0.0)
     dq = dqg * eG
     dk = dkg * jnp.exp(mask_exponent(end, exponent(G_last, G, lo_last, G_lo))) + b * eG * dX
     dv = b * dY

@@ -1,0 +1,115 @@
+"""kdax under JAX's strict numpy settings, as a user's program may set them for its own
+code: ``jax_numpy_rank_promotion="raise"`` (no implicit leading axes) and
+``jax_numpy_dtype_promotion="strict"`` (no implicit dtype promotion). kdax's broadcasts
+are explicit (``kdax._numerics.arrays.ranked``), so every path runs under them and gives
+what it gives under JAX's defaults, to the bit: packed sequences (shared chunks), the
+in-kernel gates, the recurrent path, the Pallas stages, bf16 inputs beside float32 gates,
+and the layer with its cache. (Before: packed calls, the in-kernel gates and every call
+of the layer raised JAX's rank-promotion error.)"""
+
+import contextlib
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kdax
+
+from ._util import make_inputs
+
+
+@contextlib.contextmanager
+def strict():
+    """The strict settings, in JAX's default mode (64-bit types off, as a user's program runs)."""
+    with jax.numpy_rank_promotion("raise"), jax.numpy_dtype_promotion("strict"), jax.enable_x64(False):
+        yield
+
+
+@contextlib.contextmanager
+def default():
+    with jax.enable_x64(False):
+        yield
+
+
+def _outputs_and_grads(fn, x):
+    """``fn(q, k, v, g, beta, h0)``'s outputs and the gradients of a loss on them w.r.t. every
+    floating input."""
+    def loss(args):
+        o, ht = fn(*args)
+        w = jnp.cos(jnp.arange(o.size, dtype=jnp.float32).reshape(o.shape)).astype(o.dtype)
+        return jnp.sum((o * w).astype(jnp.float32)) + (0.0 if ht is None else jnp.sum(ht.astype(jnp.float32)))
+
+    args = tuple(x[n] for n in ("q", "k", "v", "g", "beta", "initial_state"))
+    return fn(*args), jax.grad(loss)(args)
+
+
+TRITON = kdax.KDAPipeline.pallas("triton", interpret=True)
+GATE = dict(use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_qk_l2norm_in_kernel=True)
+CALLS = {
+    "dense": lambda q, k, v, g, b, h0: kdax.chunk_kda(q, k, v, g, b, initial_state=h0[:1], output_final_state=True),
+    "packed, shared chunks": lambda q, k, v, g, b, h0: kdax.chunk_kda(
+        q, k, v, g, b, initial_state=h0, cu_seqlens=[0, 1, 3, 5, 40], output_final_state=True,
+        use_qk_l2norm_in_kernel=True),
+    "softplus gate in kernel": lambda q, k, v, g, b, h0: kdax.chunk_kda(
+        q, k, v, g, b, A_log=jnp.full((1, 1, g.shape[2], 1), 0.3, g.dtype), dt_bias=jnp.full(g.shape[2:], 0.1, g.dtype).reshape(-1),
+        **GATE),
+    "lower-bound gate, packed": lambda q, k, v, g, b, h0: kdax.chunk_kda(
+        q, k, v, g, b, A_log=jnp.zeros(g.shape[2], g.dtype), lower_bound=-3.0, safe_gate=True, cu_seqlens=[0, 30, 40],
+        output_final_state=True, **GATE),
+    "fused_recurrent, gate, packed": lambda q, k, v, g, b, h0: kdax.fused_recurrent_kda(
+        q, k, v, g, b, A_log=jnp.zeros(g.shape[2], g.dtype), initial_state=h0[:2], cu_seqlens=[0, 30, 40],
+        output_final_state=True, **GATE),
+    "pallas triton, packed": lambda q, k, v, g, b, h0: kdax.chunk_kda(
+        q, k, v, g, b, initial_state=h0, cu_seqlens=[0, 1, 3, 5, 40], output_final_state=True, pipeline=TRITON,
+        use_qk_l2norm_in_kernel=True),
+}
+
+
+@pytest.mark.parametrize("name", list(CALLS))
+def test_strict_numpy_settings(name):
+    x = make_inputs(seed=3, B=1, T=40, H=2, K=16, V=8, dtype=jnp.float32, N=4)
+    with default():
+        want = _outputs_and_grads(CALLS[name], x)
+    with strict():
+        got = _outputs_and_grads(CALLS[name], x)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert a.dtype == b.dtype and np.isfinite(np.asarray(b, np.float64)).all()
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_strict_numpy_settings_bf16_beside_float32_gates():
+    """FLA's layer hands bf16 q, k, v beside float32 g and beta: no implicit promotion."""
+    x = make_inputs(seed=4, B=1, T=40, H=2, K=16, V=8, dtype=jnp.float32, N=1)
+    x.update({n: x[n].astype(jnp.bfloat16) for n in ("q", "k", "v")})
+    fn = lambda q, k, v, g, b, h0: kdax.chunk_kda(q, k, v, g, b, initial_state=h0, output_final_state=True,
+                                                  use_qk_l2norm_in_kernel=True)
+    with default():
+        want = _outputs_and_grads(fn, x)
+    with strict():
+        got = _outputs_and_grads(fn, x)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_strict_numpy_settings_layer():
+    """The layer: a padded batch, its parameters' gradients, then a decode step from the cache."""
+    layer = kdax.nn.KimiDeltaAttention(hidden_size=32, num_heads=2, head_dim=16, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (2, 12, 32))
+    mask = jnp.ones((2, 12), jnp.int32).at[1, :3].set(0)
+
+    def run():
+        y, cache = layer(x, attention_mask=mask)
+        grads = eqx.filter_grad(lambda m: jnp.sum(m(x, attention_mask=mask)[0] ** 2))(layer)
+        step, _ = layer(x[:, :1], cache=cache)
+        return y, cache, step, grads
+
+    with default():
+        want = run()
+    with strict():
+        got = run()
+    leaves = lambda t: jax.tree.leaves(eqx.filter(t, eqx.is_array))
+    for a, b in zip(leaves(got), leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
