@@ -15,7 +15,7 @@ import typing
 import jax
 import numpy as np
 from beartype import beartype
-from jaxtyping import AbstractArray, Array, Bool, Float, Int, Real, TypeCheckError, jaxtyped
+from jaxtyping import AbstractArray, Array, Bool, Float, Int, Integer, Real, TypeCheckError, jaxtyped
 
 ArrayIn = typing.Union[jax.Array, np.ndarray]
 
@@ -31,7 +31,7 @@ ALog = Float[ArrayIn, "HV"]
 ALogIn = typing.Union[Float[ArrayIn, "HV"], Float[ArrayIn, "1 1 HV 1"]]
 CuSeqlens = Int[ArrayIn, "N1"]
 # cu_seqlens as given: an int array, or a Python list/tuple of ints (as FLA's tests pass).
-CuSeqlensIn = typing.Union[Int[ArrayIn, "N1"], list, tuple]
+CuSeqlensIn = typing.Union[Integer[ArrayIn, "N1"], list, tuple]  # (unsigned too: cast to int32 once checked)
 # A static number: Python or numpy scalar, or a concrete 0-d JAX array.
 Scalar = typing.Union[numbers.Real, Real[ArrayIn, ""]]
 # chunk_kda's results: o, the final state or None, and with return_intermediate_states

@@ -2,7 +2,7 @@
 ``KDAOptions``; sharded inputs and ``seq_axis_name`` go to ``kdax.parallel`` (``routed``),
 the rest to ``KDAPipeline.apply`` on one device."""
 
-from typing import Optional, Union
+from typing import Optional
 
 import jax
 import numpy as np
@@ -57,7 +57,7 @@ def chunk_kda(
     use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
     safe_gate: bool = False,
-    lower_bound: Optional[Union[float, int]] = None,
+    lower_bound: Optional[Scalar] = None,
     disable_recompute: bool = False,
     return_intermediate_states: bool = False,
     state_v_first: bool = False,

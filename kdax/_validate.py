@@ -56,19 +56,22 @@ def checked_cu_seqlens(cu, T: int, what: str = "q"):
     return eqx.branched_error_if(cu, jnp.any(bad), jnp.argmax(bad), tuple(f"{m}." for m in messages))
 
 
+def _real(name: str, x) -> float:
+    """``x`` (a Python or numpy real, or a concrete 0-d array: static configuration) as a float."""
+    if isinstance(x, jax.core.Tracer):
+        raise TypeError(f"{name}: must be a concrete number (it is static configuration), got a traced array.")
+    x = x.item() if isinstance(x, (jax.Array, np.ndarray)) and x.ndim == 0 else x
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name}: expected a real number (Python, numpy or 0-d JAX scalar), got {type(x).__name__}.")
+    return float(x)
+
+
 def _scale(scale, K: int) -> float:
-    if scale is None:
-        # Any scale multiplies an empty sum when K == 0.
+    if scale is None:  # (any scale multiplies an empty sum when K == 0)
         return K**-0.5 if K > 0 else 1.0
-    if isinstance(scale, (jax.Array, np.ndarray)) and scale.ndim == 0:
-        if isinstance(scale, jax.core.Tracer):
-            raise TypeError("scale: must be a concrete number (it is static configuration), got a traced array.")
-        scale = scale.item()
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale: expected a real number (Python, numpy or 0-d JAX scalar), got {type(scale).__name__}.")
-    if not np.isfinite(scale):  # (every output NaN)
+    if not np.isfinite(scale := _real("scale", scale)):  # (every output NaN)
         raise ValueError(f"scale: expected a finite number, got {scale}.")
-    return float(scale)
+    return scale
 
 
 def check_cu_seqlens(cu_seqlens, B: int, T: int, what: str = "q"):
@@ -223,12 +226,9 @@ def validate(q, k, v, g, beta, options: KDAOptions, *, chunked: bool = True) -> 
         if tuple(h0.shape) != want:
             layout = "[N, HV, V, K] (state_v_first=True)" if o.state_v_first else "[N, HV, K, V]"
             raise ValueError(f"initial_state: expected shape {layout} = {want}, got {tuple(h0.shape)}.")
-    A_log, lb = o.A_log, o.lower_bound
-    if lb is not None:
-        if isinstance(lb, bool) or not isinstance(lb, numbers.Real):
-            raise TypeError(f"lower_bound: expected a real number, got {type(lb).__name__}.")
-        if not lb < 0:  # (-inf: every token forgets exactly, tests/test_hardening.py)
-            raise ValueError(f"lower_bound: must be negative (the gate is lower_bound * sigmoid(...)), got {lb}.")
+    A_log, lb = o.A_log, None if o.lower_bound is None else _real("lower_bound", o.lower_bound)
+    if lb is not None and not lb < 0:  # (-inf: every token forgets exactly, tests/test_hardening.py)
+        raise ValueError(f"lower_bound: must be negative (the gate is lower_bound * sigmoid(...)), got {lb}.")
     if o.safe_gate and not chunked:
         raise TypeError("safe_gate: a chunk_kda option only.")
     if o.use_gate_in_kernel:
@@ -260,7 +260,7 @@ def validate(q, k, v, g, beta, options: KDAOptions, *, chunked: bool = True) -> 
     scale = _scale(o.scale, K)
     check_domain(g, beta, o)
     _warn_unstable(k, beta, o)
-    o = dataclasses.replace(o, scale=scale, A_log=A_log, cu_seqlens=cu)
+    o = dataclasses.replace(o, scale=scale, A_log=A_log, cu_seqlens=cu, lower_bound=lb)
     return Dims(B, T, H, HV, K, V, N, scale), o
 
 

@@ -95,7 +95,7 @@ def fused_recurrent_kda(
     use_gate_in_kernel: bool = False,
     use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
-    lower_bound: Optional[Union[float, int]] = None,
+    lower_bound: Optional[Scalar] = None,
     state_v_first: bool = False,
     cu_seqlens: Optional[CuSeqlensIn] = None,
     *,

@@ -145,7 +145,7 @@ def test_in_kernel_gate_arguments_named(fn, x):
     real number expected), A_log of Kimi Linear's four axes but another head count, and the
     gate with neither A_log nor lower_bound."""
     pos, kw = split_args(x)
-    with pytest.raises(TypeError, match=r"^lower_bound: expected a real number, got bool\.$"):
+    with pytest.raises(TypeError, match=r"^lower_bound: expected a real number \(Python, numpy or 0-d JAX scalar\), got bool\.$"):
         fn(*pos, **kw, use_gate_in_kernel=True, A_log=jnp.zeros(2), lower_bound=True)
     with pytest.raises(TypeError, match=r"^A_log: expected layout \[HV\] or \[1, 1, HV, 1\], got shape \(1, 1, 3, 1\): "
                                         r"axis 2 \(HV\) is 3, expected 2"):

@@ -266,8 +266,8 @@ def test_shape_errors_in_one_line(fn, case, first_line):
 @pytest.mark.parametrize("kw, first_line", [
     (dict(scale="1"), "scale: expected a real number or a 0-d real array or None, got str '1'."),
     (dict(output_final_state=1), "output_final_state: expected bool, got int 1."),
-    (dict(lower_bound="-5"), "lower_bound: expected float or int or None, got str '-5'."),
-    (dict(cu_seqlens={0: 32}), "cu_seqlens: expected an int array [N1] or list or tuple or None, got dict {0: 32}."),
+    (dict(lower_bound="-5"), "lower_bound: expected a real number or a 0-d real array or None, got str '-5'."),
+    (dict(cu_seqlens={0: 32}), "cu_seqlens: expected an integer array [N1] or list or tuple or None, got dict {0: 32}."),
 ])
 def test_non_array_argument_errors_in_one_line(fn, kw, first_line):
     """An argument of the wrong Python type (not an array of the wrong shape) is named on
@@ -278,6 +278,21 @@ def test_non_array_argument_errors_in_one_line(fn, kw, first_line):
         fn(q, k, v, g, beta, **kw)
     assert str(err.value).splitlines()[0] == first_line
     assert "Called with parameters" in str(err.value)  # jaxtyping's detail kept
+
+
+@pytest.mark.parametrize("fn", FNS, ids=IDS)
+def test_numbers_and_offsets_in_any_real_or_integer_type(fn):
+    """``lower_bound`` as a numpy or 0-d JAX scalar (as ``scale`` takes it) and ``cu_seqlens``
+    in an unsigned type run as the Python values do, to the bit (both were refused)."""
+    q, k, v, g, beta = _inputs()
+    q, k, v, g, beta = (x[:1] for x in (q, k, v, g, jax.nn.sigmoid(beta)))  # (g: the raw gate)
+    kw = dict(use_gate_in_kernel=True, A_log=jnp.zeros(v.shape[2]))
+    want = fn(q, k, v, g, beta, lower_bound=-2.0, cu_seqlens=[0, 5, q.shape[1]], **kw)[0]
+    for lb in (np.float32(-2.0), jnp.asarray(-2.0)):
+        for cu in (np.array([0, 5, q.shape[1]], np.uint8), jnp.array([0, 5, q.shape[1]], jnp.uint32)):
+            np.testing.assert_array_equal(fn(q, k, v, g, beta, lower_bound=lb, cu_seqlens=cu, **kw)[0], want)
+    with pytest.raises(TypeError, match=r"^lower_bound: must be a concrete number"):
+        jax.jit(lambda lb: fn(q, k, v, g, beta, lower_bound=lb, **kw))(-2.0)
 
 
 def test_wrong_pipeline_type_is_named():

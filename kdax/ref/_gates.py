@@ -11,6 +11,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from .._annotations import ALogIn, Array, ArrayIn, Float, Scalar, typecheck
 from .._config import KDAConfig
 
 L2NORM_EPS = 1e-6
@@ -67,8 +68,19 @@ def lower_bound_gate(g_raw, lower_bound: float, A_log=None, dt_bias=None):
     return lower_bound * jax.nn.sigmoid(x)
 
 
-def kda_gate(g_raw, A_log=None, dt_bias=None, lower_bound: Optional[float] = None):
-    """The in-kernel gate: lower-bound form whenever ``lower_bound`` is set, else softplus."""
+@typecheck
+def kda_gate(
+    g_raw: Float[ArrayIn, "*batch HV K"],
+    A_log: Optional[ALogIn] = None,
+    dt_bias: Optional[Float[ArrayIn, " _"]] = None,
+    lower_bound: Optional[Scalar] = None,
+) -> Float[Array, "*batch HV K"]:
+    """The in-kernel gate: lower-bound form whenever ``lower_bound`` is set, else softplus
+    (``A_log`` ``[HV]`` or ``[1, 1, HV, 1]``, ``dt_bias`` ``[HV * K]``)."""
+    HV, K = g_raw.shape[-2:]
+    if dt_bias is not None and tuple(dt_bias.shape) != (HV * K,):
+        raise ValueError(f"dt_bias: expected shape [HV * K] = ({HV * K},) for g_raw [..., {HV}, {K}], "
+                         f"got {tuple(dt_bias.shape)}.")
     if lower_bound is not None:
         return lower_bound_gate(g_raw, lower_bound, A_log, dt_bias)
     if A_log is None:

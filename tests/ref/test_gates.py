@@ -32,6 +32,19 @@ def test_lower_bound_gate(with_A):
     assert np.all(np.asarray(got) <= 0) and np.all(np.asarray(got) >= -5.0)
 
 
+def test_kda_gate_names_a_wrong_parameter_shape():
+    """``kdax.kda_gate``, public: a wrong ``A_log`` or ``dt_bias`` is named with the shape it
+    takes (JAX's broadcasting and reshape errors named neither)."""
+    from jaxtyping import TypeCheckError
+
+    g = _x((1, 5, 2, 4))
+    assert kda_gate(g, _x((1, 1, 2, 1), 1), _x((8,), 2)).shape == g.shape  # (Kimi Linear's A_log)
+    with pytest.raises(TypeCheckError, match=r"^A_log: expected layout \[HV\] or \[1, 1, HV, 1\], got shape \(3,\)"):
+        kda_gate(g, _x((3,), 1))
+    with pytest.raises(ValueError, match=r"^dt_bias: expected shape \[HV \* K\] = \(8,\) for g_raw \[\.\.\., 2, 4\], got \(2,\)"):
+        kda_gate(g, _x((2,), 1), _x((2,), 2))
+
+
 def test_l2norm_and_beta():
     x = _x((5, 7))
     want = np.asarray(x) / np.sqrt(np.sum(np.asarray(x) ** 2, -1, keepdims=True) + 1e-6)
