@@ -51,7 +51,7 @@ def _varlen_scan(xs, h0, cu_seqlens, scale, branches: Optional[bool] = None):
     ``branches``: load and store the states in branches (None: on CPU; see below)."""
     T = xs[0].shape[0]
     N = h0.shape[0]
-    t = jnp.arange(T)
+    t = jnp.arange(T, dtype=jnp.int32)
     seq = jnp.clip(jnp.searchsorted(cu_seqlens, t, side="right") - 1, 0, N - 1)
     is_first = t == cu_seqlens[seq]
     is_last = t == cu_seqlens[seq + 1] - 1

@@ -5,7 +5,9 @@ are explicit (``kdax._numerics.arrays.ranked``), so every path runs under them a
 what it gives under JAX's defaults, to the bit: packed sequences (shared chunks), the
 in-kernel gates, the recurrent path, the Pallas stages, bf16 inputs beside float32 gates,
 and the layer with its cache. (Before: packed calls, the in-kernel gates and every call
-of the layer raised JAX's rank-promotion error.)"""
+of the layer raised JAX's rank-promotion error, the TPU state kernels' chunk marks a
+bool-int promotion error.) With 64-bit types on, strict dtype promotion is not supported:
+kdax's "at least float32" sums promote float64 with float32.)"""
 
 import contextlib
 
@@ -64,6 +66,9 @@ CALLS = {
     "pallas triton, packed": lambda q, k, v, g, b, h0: kdax.chunk_kda(
         q, k, v, g, b, initial_state=h0, cu_seqlens=[0, 1, 3, 5, 40], output_final_state=True, pipeline=TRITON,
         use_qk_l2norm_in_kernel=True),
+    "pallas tpu, packed": lambda q, k, v, g, b, h0: kdax.chunk_kda(
+        q, k, v, g, b, initial_state=h0[:2], cu_seqlens=[0, 10, 40], output_final_state=True,
+        pipeline=kdax.KDAPipeline.pallas("tpu", interpret=True), use_qk_l2norm_in_kernel=True),
 }
 
 

@@ -56,7 +56,7 @@ def make_layout(B: int, T: int, chunk_size: int, cu_seqlens=None) -> ChunkLayout
     # Index nc is out of range: mode="drop" skips sequences of length 0.
     first = jnp.full((nc,), -1, jnp.int32).at[jnp.where(lens > 0, cstart, nc)].set(ids, mode="drop")
     last = jnp.full((nc,), -1, jnp.int32).at[jnp.where(lens > 0, cstart + nchunks - 1, nc)].set(ids, mode="drop")
-    t = jnp.arange(T)
+    t = jnp.arange(T, dtype=jnp.int32)
     seq = jnp.clip(jnp.searchsorted(cu, t, side="right") - 1, 0, N - 1)
     pos = (cstart[seq] * C + t - cu[seq]).astype(jnp.int32)
     valid = jnp.zeros((nc * C,), bool).at[pos].set(True).reshape(1, nc, C)

@@ -59,14 +59,14 @@ def _over_blocks(spans: Spans, W: int, n: int, first, more):
 def _gather_block(x, spans: Spans, b, W: int):
     """``x [M, HV, TT, D]`` at tokens ``start + b W + (0..W-1)`` of each span: ``[N, HV, M W, D]``
     (positions past a span clipped; callers mask them)."""
-    t = jnp.clip(spans.start[:, None] + b * W + jnp.arange(W)[None], 0, x.shape[2] - 1)
+    t = jnp.clip(spans.start[:, None] + b * W + jnp.arange(W, dtype=jnp.int32)[None], 0, x.shape[2] - 1)
     g = jnp.transpose(x[:, :, t], (2, 1, 0, 3, 4))  # [N, HV, M, W, D]
     return g.reshape(g.shape[0], g.shape[1], -1, g.shape[-1])
 
 
 def token_slots(spans: Spans, TT: int):
     """Per token: its span n, its offset d in it, whether it is in one."""
-    t = jnp.arange(TT)
+    t = jnp.arange(TT, dtype=jnp.int32)
     n = jnp.clip(jnp.searchsorted(spans.start, t, side="right") - 1, 0, spans.start.shape[0] - 1)
     d = t - spans.start[n]
     return n, d, (d >= 0) & (d < spans.count[n])
@@ -107,7 +107,7 @@ def _outer(U, X, spans: Spans, N: int, narrow: int, longest: int):
 
     def run(W, nb):
         def part(b):  # (ok [N, 1, M W, 1]: the block's positions inside each span, for each of M arrays)
-            ok = jnp.tile((b * W + jnp.arange(W))[None] < spans.count[:, None], (1, U.shape[0]))[:, None, :, None]
+            ok = jnp.tile((b * W + jnp.arange(W, dtype=jnp.int32))[None] < spans.count[:, None], (1, U.shape[0]))[:, None, :, None]
             Ub, Xb = _gather_block(U, spans, b, W), _gather_block(X, spans, b, W)
             return jnp.einsum("nhwk,nhwv->nhkv", jnp.where(ok, Ub, jnp.zeros((), U.dtype)),
                               jnp.where(ok, Xb, jnp.zeros((), X.dtype)), precision=HI)

@@ -41,7 +41,7 @@ def _marks(layout: ChunkLayout) -> tuple:
     def code(x, ahead):
         near, far = _nearest(x, ahead), _nearest(x, not ahead)
         entry = jnp.where(near >= 0, near, jnp.maximum(far, 0))
-        return (2 * entry + (x >= 0)).astype(jnp.int32).reshape(-1)
+        return (2 * entry + (x >= 0).astype(entry.dtype)).astype(jnp.int32).reshape(-1)
 
     return code(layout.first, False), code(layout.last, True)
 
