@@ -7,7 +7,7 @@ in-kernel gates, the recurrent path, the Pallas stages, bf16 inputs beside float
 and the layer with its cache. (Before: packed calls, the in-kernel gates and every call
 of the layer raised JAX's rank-promotion error, the TPU state kernels' chunk marks a
 bool-int promotion error.) With 64-bit types on, strict dtype promotion is not supported:
-kdax's "at least float32" sums promote float64 with float32.)"""
+kdax's "at least float32" sums promote float64 with float32."""
 
 import contextlib
 
