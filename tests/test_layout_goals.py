@@ -64,10 +64,12 @@ def test_machinery_size():
     pack shared chunks' tiles from their tokens (the packed forward 0.85x); 3,438 after
     session 64, whose 7 lines let a B2 declaring ``dh_start`` take the chunk-start states'
     cotangents of a loss on packed sequences' final states in its own pass (B2's busy time
-    97 -> 48 ms in that training step at the main job's shape, 16 sequences)."""
+    97 -> 48 ms in that training step at the main job's shape, 16 sequences); 3,436 after
+    session 69 (the precision policy resolved from every input, lower_bound checked as
+    scale, an UnsupportedCase named whatever the fallback: one raise for both cases)."""
     root = PIPELINE.parent
     lines = sum(len(p.read_text().splitlines()) for pat in MACHINERY for p in root.glob(pat))
-    assert lines <= 3438, f"the machinery has {lines} lines (at most 3,438; issue 52's goal: 2,600)"
+    assert lines <= 3436, f"the machinery has {lines} lines (at most 3,436; issue 52's goal: 2,600)"
 
 
 def test_no_module_over_450_lines():

@@ -201,9 +201,10 @@ def test_fallback_only_on_unsupported_case_with_warning_and_plan():
     row = {r.field: r for r in plan.rows}["output"]
     assert (row.requested, row.runs) == ("Unsupported", "ReferenceOutput")
     assert "ReferenceOutput" in str(plan) and "takes no case" in str(plan)
-    # without fallback the exception propagates
+    # without fallback the exception propagates, naming the stage (its own text may not)
     strict = dataclasses.replace(pipe, fallback=False)
-    with pytest.raises(kdax.UnsupportedCase):
+    with pytest.raises(kdax.UnsupportedCase, match=r"^KDAPipeline\.output \(Unsupported\) cannot run this case "
+                       r"\(this output stage takes no case at all \(test\)\), and the pipeline does not fall back"):
         kdax.chunk_kda(*pos, **kw, chunk_size=16, pipeline=strict)
     # A stage of other math is never replaced by the reference (that would change the
     # numbers): its UnsupportedCase propagates, saying why, fallback or not.

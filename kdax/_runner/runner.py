@@ -105,14 +105,12 @@ def call_stage(pipeline, name: str, stage, given: dict, full: dict, needs_reset:
         out = stage(**given)
         return stage, None, (_resets.guard_outputs(name, out, given["reset"]) if guard else out)
     except UnsupportedCase as e:
-        if not pipeline.fallback:
-            raise
-        if not reference_is_exact(name, stage):  # the reference would change the math
-            raise UnsupportedCase(
-                f"KDAPipeline.{name} ({type(stage).__qualname__}) cannot run this case ({e}), and the pipeline "
-                f"cannot fall back to {STAGES[name].reference.__qualname__}: the stage declares other math than "
-                f"KDA's (`math`/`transposes`), which the reference stage does not compute."
-            ) from e
+        if not pipeline.fallback or not reference_is_exact(name, stage):  # (the stage named: its text may not)
+            why = ("does not fall back (fallback=False)" if not pipeline.fallback else
+                   f"cannot fall back to {STAGES[name].reference.__qualname__}: the stage declares other math than "
+                   f"KDA's (`math`/`transposes`), which the reference stage does not compute")
+            raise UnsupportedCase(f"KDAPipeline.{name} ({type(stage).__qualname__}) cannot run this case ({e}), and "
+                                  f"the pipeline {why}.") from e
         ran, reason = STAGES[name].reference(), str(e) or type(e).__name__
         if not any(r.quiet for r in _ACTIVE.get()):
             warn_once(f"KDAPipeline.{name} ({STAGES[name].step}): {type(stage).__qualname__} cannot run this case "

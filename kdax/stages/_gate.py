@@ -37,9 +37,9 @@ class AbstractGate(AbstractForwardStage):
     None; ``dt_bias`` ``[HV * K]`` or None; ``valid`` ``[R, NC, C]`` real tokens;
     ``reset`` ``[R, NC, C]`` or None: tokens that start a sequence inside a chunk shared
     with the one before (packed short sequences), whose log decay must be
-    ``reset_log_decay`` (the other stages mask the terms across it to exact zeros). The pipeline passes ``reset`` only to a stage whose
-    ``__call__`` has that parameter; one without it cannot run shared chunks (the
-    pipeline falls back or keeps one sequence per chunk).
+    ``reset_log_decay`` (the other stages mask the terms across it to exact zeros). The pipeline passes ``reset`` only to a stage that
+    declares ``"reset"`` in ``accepts`` (its signature is not read); one that does not
+    cannot run shared chunks (the pipeline falls back or keeps one sequence per chunk).
 
     Returns ``Activated``: q, k (l2-normalised if asked), beta (sigmoid / 2 sigmoid if
     asked), ``G`` the chunk-local inclusive cumsum of the activated log decay (natural

@@ -53,7 +53,7 @@ class AbstractIntra(AbstractForwardStage):
     lower ``L[i, j] = beta_i sum_d k_id k_jd exp(G_id - G_jd)``; both ``[R, HV, NC, C, C]``.
 
     ``reset`` ``[R, NC, C]`` or None (shared chunks, ``kdax._layouts.resets``): both are zero,
-    exactly, where i and j belong to different sequences. A stage without the parameter
+    exactly, where i and j belong to different sequences. A stage not declaring it (``accepts``)
     cannot run shared chunks (the pipeline falls back)."""
 
     @abc.abstractmethod

@@ -26,7 +26,7 @@ class AbstractRecompute(AbstractStage):
     the initial state of each sequence; ``layout`` the chunked layout; ``G_lo`` G's low
     part or None (``kdax._numerics.hilo``; optional parameter, to pass on to ``wy``); ``reset``
     ``[R, NC, C]`` or None (shared chunks: to pass on to ``wy`` and ``state``; a stage
-    without the parameter cannot run shared chunks and the pipeline falls back).
+    not declaring it in ``accepts`` cannot run shared chunks and the pipeline falls back).
 
     ``wy``, ``state`` (keyword): the F3 and F4 stages the forward ran; a ``KDAPipeline``
     always passes its own (routed through its fallback and contract checks), so that the

@@ -83,7 +83,7 @@ class AbstractState(AbstractForwardStage):
 
     ``reset`` ``[R, NC, C]`` or None (shared chunks, ``kdax._layouts.resets``; the layout's
     ``reset``): the decay ``e^Γ`` is exactly zero through a chunk in which a sequence
-    starts after its first token (the state is replaced). A stage without the parameter
+    starts after its first token (the state is replaced). A stage not declaring it (``accepts``)
     cannot run shared chunks (the pipeline falls back)."""
 
     @abc.abstractmethod

@@ -31,8 +31,8 @@ class AbstractWY(AbstractForwardStage):
     ``G_lo``: G's low part or None (``kdax._numerics.hilo``; an implementation may leave the
     parameter out and use ``G`` alone). ``reset`` ``[R, NC, C]`` or None (shared chunks,
     ``kdax._layouts.resets``): ``e^G`` is exactly zero at tokens of a sequence that starts
-    inside the chunk, ``e^(Γ - G)`` at tokens of one that ends inside it. A stage without
-    the parameter cannot run shared chunks (the pipeline falls back)."""
+    inside the chunk, ``e^(Γ - G)`` at tokens of one that ends inside it. A stage not
+    declaring it (``accepts``) cannot run shared chunks (the pipeline falls back)."""
 
     @abc.abstractmethod
     def __call__(
