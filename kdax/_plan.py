@@ -27,9 +27,10 @@ class PlanRow(NamedTuple):
 
 
 class KDAPlan(NamedTuple):
-    """What ``plan`` found: ``rows`` (``PlanRow``), ``tile`` (the forward's tile size without
-    gradients; None: whole), ``not_tile_safe``, ``layout`` ("dense", "per-sequence" or
-    "shared"), ``notes``, ``config`` (``resolved_config``), ``why`` (route -> reason)."""
+    """What ``plan`` found: ``rows`` (``PlanRow``: the gradient's path), ``tile`` (the forward's
+    tile size without gradients; None: whole), ``not_tile_safe``, ``layout`` ("dense",
+    "per-sequence" or "shared"), ``notes`` (a stage that runs otherwise in the forward
+    without gradients among them), ``config`` (``resolved_config``), ``why`` (route -> reason)."""
 
     rows: tuple
     tile: Optional[int]
@@ -76,6 +77,9 @@ def plan(pipeline, q, k, v, g, beta, **options) -> KDAPlan:
             return jnp.sum(o) if ht is None else jnp.sum(o) + jnp.sum(ht)
 
         jax.eval_shape(jax.grad(loss), (q, k, v, g, beta, opts.initial_state))
+    with recording(quiet=True) as fwd:  # the forward without gradients: in tiles where it has them
+        jax.eval_shape(lambda d: pipeline.apply(*d[:5], dataclasses.replace(opts, initial_state=d[5])),
+                       (q, k, v, g, beta, opts.initial_state))
     unsafe = unsafe_for_tiles(pipeline)
     rows = []
     reasons, swapped = rec.derived or ((), ())
@@ -88,11 +92,16 @@ def plan(pipeline, q, k, v, g, beta, **options) -> KDAPlan:
         elif name in swapped:
             stage = getattr(pipeline, name)
             reason = "differentiated as its reference stage (same math; derived backward)"
+        elif type(stage) is not type(getattr(pipeline, name)):  # (B5 as F1's VJP: the route's stand-in)
+            stage, reason = getattr(pipeline, name), "jax.vjp of F1 (this stage does not transpose the pipeline's F1)"
         runs = None if ran is None else type(ran).__qualname__
         rows.append(PlanRow(name, info.step, type(stage).__qualname__, runs, reason))
     # What a stage says of how it runs (``plan_note``, e.g. a segment-split recurrence).
     notes = tuple(f"{name}: {ran.plan_note}" for name, (_, ran, _) in rec.ran.items()
                   if getattr(ran, "plan_note", None))
+    on_grad = {name: (type(ran), why) for name, (_, ran, why) in rec.ran.items()}
+    notes += tuple(f"forward without gradients: {name} runs {type(ran).__qualname__} ({why})"
+                   for name, (_, ran, why) in fwd.ran.items() if (type(ran), why) != on_grad.get(name))
     # Why a declaration selected no route (kdax._runner.routes.unchecked: stages of other math).
     for name in unchecked(pipeline):
         said = [c for c in ("reset", "tile_safe") if getattr(capabilities(type(getattr(pipeline, name))), c)]

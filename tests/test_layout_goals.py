@@ -66,10 +66,13 @@ def test_machinery_size():
     cotangents of a loss on packed sequences' final states in its own pass (B2's busy time
     97 -> 48 ms in that training step at the main job's shape, 16 sequences); 3,436 after
     session 69 (the precision policy resolved from every input, lower_bound checked as
-    scale, an UnsupportedCase named whatever the fallback: one raise for both cases)."""
+    scale, an UnsupportedCase named whatever the fallback: one raise for both cases), then
+    3,445: ``plan`` also traces the forward without gradients (a stage that falls back in
+    the forward's tiles only was reported as running) and names the B5 that F1's VJP
+    stands in for."""
     root = PIPELINE.parent
     lines = sum(len(p.read_text().splitlines()) for pat in MACHINERY for p in root.glob(pat))
-    assert lines <= 3436, f"the machinery has {lines} lines (at most 3,436; issue 52's goal: 2,600)"
+    assert lines <= 3445, f"the machinery has {lines} lines (at most 3,445; issue 52's goal: 2,600)"
 
 
 def test_no_module_over_450_lines():

@@ -3,6 +3,7 @@ pipeline's own F3/F4, explicit fallback and ``plan``, stage contracts, tiles, in
 
 import dataclasses
 import warnings
+from types import MappingProxyType
 from typing import ClassVar
 
 import equinox as eqx
@@ -15,8 +16,8 @@ import kdax
 from kdax import pallas as P
 from kdax.stages import (
     KDA,
-    AbstractDAv, AbstractGate, AbstractOutput, AbstractRecompute, AbstractState, ReferenceDAv, ReferenceGate,
-    ReferenceOutput, ReferenceRecompute, ReferenceState, StateOut,
+    AbstractDAv, AbstractGate, AbstractGateBackward, AbstractOutput, AbstractRecompute, AbstractState, ReferenceDAv,
+    ReferenceGate, ReferenceGateBackward, ReferenceOutput, ReferenceRecompute, ReferenceState, StateOut,
 )
 
 from ._util import assert_close, load_example, make_inputs, oracle_kda, split_args
@@ -427,3 +428,47 @@ def test_pallas_calls_named_and_interpret_resolved():
         stage = P.PallasState(target=target)
         assert stage.interpret is None
         assert stage.run_interpreted == (jax.default_backend() != backend)
+
+
+class _TileShyOutput(AbstractOutput):
+    """F5 of KDA's math that takes no tile of fewer than 4 chunks."""
+
+    math: ClassVar = KDA
+    accepts: ClassVar[frozenset] = frozenset({"tile_safe"})
+
+    def __call__(self, scale, qg, h, Aqk, v_new):
+        if qg.shape[2] < 4:
+            raise kdax.UnsupportedCase("needs >= 4 chunks")
+        return ReferenceOutput()(scale, qg, h, Aqk, v_new)
+
+
+class _OtherGate(AbstractGate):
+    math: ClassVar = "other"
+
+    def __call__(self, config, q, k, g, beta, A_log, dt_bias, valid):
+        return ReferenceGate()(config, q, k, g, beta, A_log, dt_bias, valid)
+
+
+class _KdaB5(AbstractGateBackward):
+    transposes: ClassVar = MappingProxyType({"gate": KDA})
+
+    def __call__(self, config, act, g, A_log, dt_bias, valid, dq, dk, dbeta, dG):
+        return ReferenceGateBackward()(config, act, g, A_log, dt_bias, valid, dq, dk, dbeta, dG)
+
+
+def test_plan_says_what_the_forward_without_gradients_runs_and_who_stands_in_for_b5():
+    """``plan``'s rows are the gradient's path (the forward whole); a stage that runs otherwise
+    in the forward's tiles without gradients gets a note (it said F5 ran the user's stage
+    where the tiles fell back), and a B5 that does not transpose the pipeline's F1 is named
+    beside the VJP standing in for it (the row named the stand-in as the pipeline's B5)."""
+    pos, kw = split_args(make_inputs(B=1, T=128, K=8, V=8, h0=False))
+    pipe = dataclasses.replace(eqx.tree_at(lambda p: p.output, kdax.KDAPipeline.reference(), _TileShyOutput()),
+                               fallback=True, tile=4)
+    plan = pipe.plan(*pos, **kw, chunk_size=16)
+    assert {r.field: r.runs for r in plan.rows}["output"] == "_TileShyOutput"  # (whole: 8 chunks)
+    assert "forward without gradients: output runs ReferenceOutput (needs >= 4 chunks)" in plan.notes
+    with pytest.warns(kdax.FallbackWarning, match="needs >= 4 chunks"):
+        kdax.chunk_kda(*pos, **kw, chunk_size=16, pipeline=pipe)
+    pipe = eqx.tree_at(lambda p: (p.gate, p.gate_bwd), kdax.KDAPipeline.reference(), (_OtherGate(), _KdaB5()))
+    row = {r.field: r for r in pipe.plan(*pos, **kw, chunk_size=16).rows}["gate_bwd"]
+    assert (row.requested, row.runs) == ("_KdaB5", "GateVjpBackward") and row.reason.startswith("jax.vjp of F1")
