@@ -271,6 +271,14 @@ def test_one_percent_error_fails_reference():
     _assert_fails(check_stage(OffByOnePercentOutput(), "output", **_small()), "reference")
 
 
+def test_rows_on_a_single_array_output_name_it():
+    """An F5's output is one array (no path): its rows say "the output" where they said
+    nothing ("vs ReferenceOutput: : shape ...", "non-finite: ")."""
+    report = check_stage(OffByOnePercentOutput(), "output", **_small())
+    failed = [c for c in report.failed if c.name == "reference"]
+    assert failed and all("(the output)" in c.detail for c in failed), str(report)
+
+
 def test_nan_leak_fails_isolation():
     _assert_fails(check_stage(LeakyOutput(), "output", **_small()), "nan-isolation")
 

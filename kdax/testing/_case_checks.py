@@ -259,7 +259,7 @@ def _case_checks(col, base, field, stage, caps, case: Case, cache_ok: bool, firs
         col.add("contract", case.name, False, "raised " + _error(e))
         return None
     col.add("contract", case.name, True, f"{layout} layout: container, shapes, dtypes as the pipeline checks")
-    bad = [p for p, x in _leaves(out) if not np.isfinite(x).all()]
+    bad = [p or "the output" for p, x in _leaves(out) if not np.isfinite(x).all()]  # (a single array: no path)
     col.add("finite", case.name, not bad, "all finite" if not bad else f"non-finite: {', '.join(bad[:4])}")
     if _routes.reference_is_exact(field, stage):
         _reference_checks(col, pipe, field, stage, caps, case, out, full_kw)

@@ -38,10 +38,10 @@ def _compare(out, ref, tol: float):
     ``ref``'s, non-finite at the same places and of the same kind (NaN, +inf, -inf)."""
     a, b = _leaves(out), dict(_leaves(ref))
     worst, where = 0.0, ""
-    for path, x in a:
-        if path not in b:
+    for key, x in a:
+        if key not in b:
             continue
-        y = b[path]
+        y, path = b[key], key or "the output"  # (a single array's path is empty)
         if x.shape != y.shape:
             return False, f"{path}: shape {x.shape} != {y.shape}"
         bad = np.isfinite(x) != np.isfinite(y)
