@@ -279,6 +279,24 @@ def test_rows_on_a_single_array_output_name_it():
     assert failed and all("(the output)" in c.detail for c in failed), str(report)
 
 
+class _UndeclaredGLoIntra(AbstractIntra):
+    """KDA's F2 taking ``G_lo`` without declaring it (``accepts``): the pipeline never passes it."""
+
+    math: ClassVar = KDA
+
+    def __call__(self, scale, q, k, beta, G, G_lo=None):
+        return ReferenceIntra()(scale, q, k, beta, G, G_lo=G_lo)
+
+
+def test_undeclared_parameter_fails_declarations():
+    """A parameter the pipeline passes only when declared (``G_lo``, ``reset``, ...), taken
+    but not declared, fails ``declarations``: written as docs/stages.md once said (a
+    parameter of that name sufficed), the stage got ``G_lo=None``, no error."""
+    report = check_stage(_UndeclaredGLoIntra(), "intra", **_small())
+    row = next(c for c in report.failed if c.name == "declarations")
+    assert "takes ['G_lo'] but accepts does not declare ['G_lo']" in row.detail, str(report)
+
+
 def test_nan_leak_fails_isolation():
     _assert_fails(check_stage(LeakyOutput(), "output", **_small()), "nan-isolation")
 

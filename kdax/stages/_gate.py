@@ -15,7 +15,7 @@ from .._numerics import precision as _precision
 from .._numerics.hilo import grid_bits, split_log_decay
 from .._numerics.arrays import mT, ranked, row_cumsum
 from .._numerics.chunk_loops import ChunkGroup, over_chunks
-from .._stage_protocol.capabilities import capabilities, told
+from .._stage_protocol.capabilities import told
 from .._stage_protocol.final import final
 from .._stage_protocol.output_specs import Maybe, Specs
 from .._annotations import ChunkK, ChunkScalar, ChunkValid
@@ -288,12 +288,9 @@ class GateVjpBackward(AbstractGateBackward):
     def vjp_of(self):  # (kdax._runner.routes: the forward stage it is the VJP of)
         return self.gate
 
-    def __call__(
-        self, config, act, g, A_log, dt_bias, valid, dq, dk, dbeta, dG, reset=None, *, precision: str = "highest"
-    ):
-        del g
-        extra = {} if reset is None or not capabilities(type(self.gate)).reset else dict(reset=reset)
-        extra.update(told(self.gate, precision))
+    def __call__(self, config, act, g, A_log, dt_bias, valid, dq, dk, dbeta, dG, *, precision: str = "highest"):
+        del g  # (no reset: a pipeline with an F1 of other math keeps one sequence per chunk)
+        extra = told(self.gate, precision)
 
         def f1(q, k, g_, beta, A_log_, dt_bias_):
             return self.gate(config, q, k, g_, beta, A_log_, dt_bias_, valid, **extra)

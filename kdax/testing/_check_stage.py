@@ -2,6 +2,7 @@
 the arguments a pipeline gives that field over a matrix of cases (the rows of each case:
 ``_case_checks``; of each declared capability: ``_capabilities``)."""
 
+import inspect
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -134,6 +135,11 @@ def check_stage(
     return Report(subject, col.rows, {c.name: c.describe() for c in cases if hasattr(c, "describe")})
 
 
+# The arguments a pipeline passes only to a stage that declares them (its signature is not read).
+_DECLARED_BY = {"G_lo": "G_lo", "reset": "reset", "final": "final_grads", "zero_h0": "zero_h0",
+                "dh_start": "dh_start", "precision": "precision"}
+
+
 def _declarations(col, stage, field):
     """``family`` and ``declarations`` rows; the stage's capabilities, or None when it is
     no implementation of the field's family or its declarations cannot be read."""
@@ -148,8 +154,13 @@ def _declarations(col, stage, field):
         decl = f"accepts {sorted(n for n in caps._fields if getattr(caps, n))}; {says}"
         readers = [f for f, bs in _routes.TRANSPOSED_BY.items() if field in bs]
         extra = [] if info.forward else [f for f in getattr(stage, "transposes", {}) if f not in readers]
-        col.add("declarations", "-", not extra, decl + (f"; transposes fields it does not read: {extra} "
-                                                       f"(it reads {readers})" if extra else ""))
+        # A parameter the pipeline passes only when declared, taken but not declared: never passed.
+        params = inspect.signature(type(stage).__call__).parameters
+        unsaid = [p for p, c in _DECLARED_BY.items() if p in params and not getattr(caps, c)]
+        col.add("declarations", "-", not extra and not unsaid, decl + (
+            f"; transposes fields it does not read: {extra} (it reads {readers})" if extra else "") + (
+            f"; its __call__ takes {unsaid} but accepts does not declare {[_DECLARED_BY[p] for p in unsaid]}: the "
+            f"pipeline never passes them (docs/stages.md, capabilities)" if unsaid else ""))
     except Exception as e:
         col.add("declarations", "-", False, _error(e))
         return None
