@@ -4,7 +4,7 @@ configuration the stages receive (``KDAConfig``). A new option: a field in
 ``KDAOptions.config`` copies) and its keyword in ``chunk_kda`` (a test checks that they agree)."""
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 import equinox as eqx
 
@@ -18,7 +18,7 @@ class KDAConfig(eqx.Module):
     chunk_size: int = eqx.field(static=True, default=64)
     use_qk_l2norm_in_kernel: bool = eqx.field(static=True, default=False)
     use_gate_in_kernel: bool = eqx.field(static=True, default=False)
-    lower_bound: Optional[float] = eqx.field(static=True, default=None)
+    lower_bound: Any = None  # (as scale: a float once validated)
     use_beta_sigmoid_in_kernel: bool = eqx.field(static=True, default=False)
     allow_neg_eigval: bool = eqx.field(static=True, default=False)
     safe_gate: bool = eqx.field(static=True, default=False)
@@ -44,7 +44,7 @@ class KDAOptions(eqx.Module):
     use_gate_in_kernel: bool = eqx.field(static=True, default=False)
     A_log: Any = None
     dt_bias: Any = None
-    lower_bound: Optional[float] = eqx.field(static=True, default=None)
+    lower_bound: Any = None  # (as scale: a float once validated)
     use_beta_sigmoid_in_kernel: bool = eqx.field(static=True, default=False)
     allow_neg_eigval: bool = eqx.field(static=True, default=False)
     safe_gate: bool = eqx.field(static=True, default=False)
