@@ -681,7 +681,7 @@ class BlockedState(AbstractState):
 
     math: ClassVar = KDA
 
-    def __call__(self, w, u, kg, G, h0, layout, reset=None):
+    def __call__(self, w, u, kg, G, h0, layout):
         NC = w.shape[2]
         if not layout.dense or NC <= 4:
             return ReferenceState()(w, u, kg, G, h0, layout)
