@@ -29,12 +29,6 @@ def strict():
         yield
 
 
-@contextlib.contextmanager
-def default():
-    with jax.enable_x64(False):
-        yield
-
-
 def _outputs_and_grads(fn, x):
     """``fn(q, k, v, g, beta, h0)``'s outputs and the gradients of a loss on them w.r.t. every
     floating input."""
@@ -75,7 +69,7 @@ CALLS = {
 @pytest.mark.parametrize("name", list(CALLS))
 def test_strict_numpy_settings(name):
     x = make_inputs(seed=3, B=1, T=40, H=2, K=16, V=8, dtype=jnp.float32, N=4)
-    with default():
+    with jax.enable_x64(False):  # (JAX's defaults, as strict() runs)
         want = _outputs_and_grads(CALLS[name], x)
     with strict():
         got = _outputs_and_grads(CALLS[name], x)
@@ -91,7 +85,7 @@ def test_strict_numpy_settings_bf16_beside_float32_gates():
     x.update({n: x[n].astype(jnp.bfloat16) for n in ("q", "k", "v")})
     fn = lambda q, k, v, g, b, h0: kdax.chunk_kda(q, k, v, g, b, initial_state=h0, output_final_state=True,
                                                   use_qk_l2norm_in_kernel=True)
-    with default():
+    with jax.enable_x64(False):  # (JAX's defaults, as strict() runs)
         want = _outputs_and_grads(fn, x)
     with strict():
         got = _outputs_and_grads(fn, x)
@@ -111,7 +105,7 @@ def test_strict_numpy_settings_layer():
         step, _ = layer(x[:, :1], cache=cache)
         return y, cache, step, grads
 
-    with default():
+    with jax.enable_x64(False):  # (JAX's defaults, as strict() runs)
         want = run()
     with strict():
         got = run()
