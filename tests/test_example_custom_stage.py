@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 from kdax.stages import AbstractGateBackward, ReferenceGateBackward
+from kdax.testing import Case, check_stage
 
 from ._util import load_example
 
@@ -79,3 +80,52 @@ def test_check_raises_on_a_wrong_backward():
     off = eqx.tree_at(lambda t: t.k_scale, d, d.k_scale.at[0].multiply(1 + 1e-6))
     with pytest.raises(EX.GradientMismatch, match=r"d k_scale: relative RMS"):
         EX.check_against_plain_jax(good, x, o, off, d_x, verbose=False)
+
+
+def test_check_stage_compares_b5_with_the_vjp_of_its_f1():
+    """A B5 transposing an F1 of other math, checked in that F1's pipeline (``base=``):
+    its values against ``jax.vjp`` of the F1 (``GateVjpBackward``), where before nothing
+    compared them and the wrong one passed."""
+    gain = jnp.array([0.5, 2.0])
+    base, cases = EX.gain_pipeline(gain), (Case("dense f64"), Case("packed f64"), Case("dense f32"))
+    good = check_stage(EX.QGainGateBackward(gain), "gate_bwd", base=base, cases=cases)
+    rows = [c for c in good.checks if c.name == "reference"]
+    assert good.ok and not good.not_compared and len(rows) == 3, str(good)
+    assert all("vs jax.vjp of QGainGate" in c.detail for c in rows), str(good)
+    bad = check_stage(ForgetsTheGain(gain), "gate_bwd", base=base, cases=cases)
+    failed = [c for c in bad.checks if c.passed is False]
+    assert {c.name for c in failed} == {"reference"} and len(failed) == 3, str(bad)
+    assert all("transposes 'kda+qgain' but differs from jax.vjp of QGainGate" in c.detail and "(.dq)" in c.detail
+               for c in failed), str(bad)
+    # without the F1 it transposes, nothing to compare with: said, and how to get it
+    alone = check_stage(ForgetsTheGain(gain), "gate_bwd", cases=cases[:1])
+    assert alone.ok and len(alone.not_compared) == 1 and "given base=" in alone.not_compared[0].detail, str(alone)
+
+
+class OpaqueGain(EX.QGainGate):
+    """``QGainGate`` as JAX cannot differentiate it (an opaque kernel, as a Pallas one of other
+    math may be)."""
+
+    def __call__(self, config, q, k, g, beta, A_log, dt_bias, valid):
+        return _no_vjp(lambda *a: EX.QGainGate.__call__(self, config, *a), q, k, g, beta, A_log, dt_bias, valid)
+
+
+def _no_vjp(f, *args):
+    @jax.custom_jvp
+    def opaque(*a):
+        return f(*a)
+
+    @opaque.defjvp
+    def _(primals, tangents):
+        raise NotImplementedError("OpaqueGain has no derivative")
+
+    return opaque(*args)
+
+
+def test_check_stage_of_b5_beside_an_f1_jax_cannot_differentiate():
+    gain = jnp.array([0.5, 2.0])
+    base = eqx.tree_at(lambda p: (p.gate, p.gate_bwd), EX.gain_pipeline(gain), (OpaqueGain(gain),
+                                                                               EX.QGainGateBackward(gain)))
+    report = check_stage(EX.QGainGateBackward(gain), "gate_bwd", base=base, cases=(Case("dense f64"),))
+    assert report.ok and len(report.not_compared) == 1, str(report)
+    assert "jax.vjp of OpaqueGain raised" in report.not_compared[0].detail, str(report)

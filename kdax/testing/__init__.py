@@ -21,7 +21,8 @@ its outputs across layouts (dense rows, packed per-sequence, shared chunks, tile
 Both return a ``Report``: ``.ok`` (no check failed; skipped ones say why), ``.failed``,
 and a table when printed, one row per (check, case), with a legend of the cases. ``ok``
 is a statement about values only where they were compared: a stage whose math is not
-KDA's gets ``reference`` rows that say "not compared" (``Report.not_compared``).
+KDA's gets ``reference`` rows that say "not compared" (``Report.not_compared``), except a
+B5 checked in its F1's pipeline (``base=``), compared with that F1's VJP.
 """
 
 from ._cases import DTYPES as DTYPES, Case as Case, default_cases as default_cases, tolerance as tolerance

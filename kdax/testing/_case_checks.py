@@ -14,6 +14,7 @@ from .._errors import StageContractError, UnsupportedCase
 from .._layouts.tokens import Tokens
 from .._runner import routes as _routes
 from .._runner.contracts import STAGES
+from ..stages import KDA, GateVjpBackward
 from ._cases import Case, _device, _weights, tolerance
 from ._compare import _compare, _leaves, central_differences
 from ._report import NOT_COMPARED, _error, _unsupported
@@ -34,20 +35,22 @@ from ._reach import _causal, _dw_overflow, _kept, _owners, _rows_missed
 from ._tiles import _tile_of, _tile_read
 
 
-def _reference_checks(col, pipe, field, stage, caps, case: Case, out, full_kw: dict):
+def _reference_checks(col, pipe, field, stage, caps, case: Case, out, full_kw: dict, vjp=None):
     """``reference``: a stage declaring KDA's math gives its family's reference stage's
     outputs on the arguments the pipeline ``pipe`` recorded for ``field`` (``full_kw``), and,
-    a tile-safe forward stage, on a tile of them (a carried state)."""
-    reference = STAGES[field].reference()
-    name = reference.__class__.__name__
+    a tile-safe forward stage, on a tile of them (a carried state); a B5 transposing
+    ``pipe``'s F1 of other math, those of ``vjp`` (``_vjp_of_gate``)."""
+    reference = STAGES[field].reference() if vjp is None else vjp
+    name = reference.__class__.__name__ if vjp is None else f"jax.vjp of {type(vjp.gate).__qualname__}"
+    claim = "declares KDA's math" if vjp is None else f"transposes {vjp.gate.math!r}"
     tol = tolerance(case.dtype)
     try:
         want = _jit_run(_with_stage(pipe, field, reference), field, _for_reference(reference, stage, full_kw))
         ok, det = _compare(out, want, tol)
-        col.add("reference", case.name, ok, f"vs {name}: {det}" if ok else
-                f"declares KDA's math but differs from {name}: {det}")
-    except Exception as e:
-        col.add("reference", case.name, False, _error(e))
+        col.add("reference", case.name, ok, f"vs {name}: {det}" if ok else f"{claim} but differs from {name}: {det}")
+    except Exception as e:  # (an F1 JAX cannot differentiate leaves its B5 to check_pipeline)
+        col.add("reference", case.name, None if vjp is not None else False,
+                f"{NOT_COMPARED}: {name} raised {_error(e)}" if vjp is not None else _error(e))
     # and on a tile of it, where the pipeline runs a tile-safe forward stage
     tile = _tile_of(full_kw) if STAGES[field].forward and caps.tile_safe else None
     if tile is None:
@@ -261,14 +264,17 @@ def _case_checks(col, base, field, stage, caps, case: Case, cache_ok: bool, firs
     col.add("contract", case.name, True, f"{layout} layout: container, shapes, dtypes as the pipeline checks")
     bad = [p or "the output" for p, x in _leaves(out) if not np.isfinite(x).all()]  # (a single array: no path)
     col.add("finite", case.name, not bad, "all finite" if not bad else f"non-finite: {', '.join(bad[:4])}")
-    if _routes.reference_is_exact(field, stage):
-        _reference_checks(col, pipe, field, stage, caps, case, out, full_kw)
+    vjp = _vjp_of_gate(pipe, field, stage, recorded)
+    if _routes.reference_is_exact(field, stage) or vjp is not None:
+        _reference_checks(col, pipe, field, stage, caps, case, out, full_kw, vjp)
     else:
         info = STAGES[field]
         what = (f"math={getattr(stage, 'math', None)!r}" if info.forward
                 else f"transposes={dict(getattr(stage, 'transposes', {}))}")
         col.add("reference", case.name, None, f"{NOT_COMPARED}: {what} is not KDA's, so no check compares its values "
-                                              f"with {info.reference.__qualname__} (or any formula)")
+                                              f"with {info.reference.__qualname__} (or any formula)" + (
+                                                  "; given base= a pipeline with the F1 it transposes, with that "
+                                                  "F1's VJP" if field == "gate_bwd" else ""))
     if case.name.split()[0] in ("dense", "packed", "shared") and jnp.dtype(case.dtype) == jnp.dtype(first_dtype):
         reference = None
         if _routes.reference_is_exact(field, stage):
@@ -289,6 +295,19 @@ def _case_checks(col, base, field, stage, caps, case: Case, cache_ok: bool, firs
             except Exception as e:
                 col.add("causal", case.name, False, _error(e))
     return P, kw, out, full_kw
+
+
+def _vjp_of_gate(pipe, field, stage, recorded):
+    """B5 as JAX's VJP of ``pipe``'s F1 at the arguments it was called with
+    (``GateVjpBackward``), where ``stage`` is a B5 transposing that F1's math, not KDA's:
+    the formula its values are compared with. Else None."""
+    math = getattr(pipe.gate, "math", None)
+    if field != "gate_bwd" or "gate" not in recorded or math in (None, KDA) or stage.transposes.get("gate") != math:
+        return None
+    a = recorded["gate"]
+    if any(isinstance(a[n], Tokens) for n in ("q", "k", "g", "beta")):  # (views: a stage it cannot hold)
+        return None
+    return GateVjpBackward(pipe.gate, a["q"], a["k"], a["g"], a["beta"])
 
 
 def _transform_checks(col, base, field, stage, first: Case, result: tuple, cache_ok: bool):

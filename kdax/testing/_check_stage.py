@@ -57,8 +57,10 @@ def check_stage(
       shared chunks without F1's floor (``shared-exact``: each stage's reset exact on its
       own) and, for a forward stage declaring ``tile_safe``, on a tile of each case (a
       carried state): the routes the pipeline takes on these declarations are KDA problems.
-      A stage of other math gets a ``reference`` row per case that says "not compared"
-      (``Report.not_compared``): nothing compares its values with a formula;
+      A B5 whose ``transposes["gate"]`` is the math of ``base``'s F1 (not KDA's) is
+      compared with ``jax.vjp`` of that F1 at its recorded arguments (``GateVjpBackward``).
+      Any other stage of other math gets a ``reference`` row per case that says "not
+      compared" (``Report.not_compared``): nothing compares its values with a formula;
     * ``nan-isolation``, ``isolation``: each sequence in turn, its part of each per-token,
       per-chunk and per-sequence argument NaN, then negated, reaches no other sequence's
       outputs (dense rows; packed per-sequence chunks);
@@ -88,8 +90,9 @@ def check_stage(
     before anything runs. With float32 first, the ``G_lo`` row needs it too (a skip).
 
     ``Report.ok`` means no check failed. For a stage of KDA's math that includes its
-    values against the reference stage on every case; for a stage of other math it does
-    not (its ``reference`` rows say "not compared", and the report's header says so).
+    values against the reference stage on every case (a B5 of other math in its F1's
+    pipeline: against that F1's VJP); for another stage of other math it does not (its
+    ``reference`` rows say "not compared", and the report's header says so).
 
     Each check compiles programs for its stage, which JAX keeps; once the process holds
     60% of the kernel's limit on memory mappings (Linux), a check first drops every
