@@ -3,9 +3,12 @@ before any array work."""
 
 from typing import Optional
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from .._numerics.arrays import varying_axes
 from .._validate import check_cu_seqlens
 from ..parallel import check_axis
 from ._cache import KDACache
@@ -25,14 +28,16 @@ def check_call(layer, shape: tuple, attention_mask, cu_seqlens, cache: Optional[
         raise ValueError(f"x: expected last dimension hidden_size={layer.hidden_size}, got shape {shape}.")
     if T < 1:
         raise ValueError(f"x: expected at least one token per row, got shape {shape}.")
+    if mode not in (None, "chunk", "recurrent", "fused_recurrent"):
+        raise ValueError(f"mode: expected None, 'chunk' or 'recurrent' ('fused_recurrent'), got {mode!r}.")
+    mode = "recurrent" if mode == "fused_recurrent" else mode
+    if seq_axis_name is not None:  # (first: what it does not support, before that argument's own checks)
+        _check_sequence_parallel(seq_axis_name, attention_mask, mode, inter_states)
     attention_mask = _this_calls_mask(attention_mask, cu_seqlens, B, T, cache)
     if cu_seqlens is not None and seq_axis_name is None:
         cu_seqlens = check_cu_seqlens(cu_seqlens, B, T, "x")  # kdax.chunk_kda's checks and messages
     elif cu_seqlens is not None and B != 1:
         raise ValueError(f"cu_seqlens: packed variable-length input needs B == 1 (x.shape[0]), got B={B}.")
-    if mode not in (None, "chunk", "recurrent", "fused_recurrent"):
-        raise ValueError(f"mode: expected None, 'chunk' or 'recurrent' ('fused_recurrent'), got {mode!r}.")
-    mode = "recurrent" if mode == "fused_recurrent" else mode
     if cu_seqlens is not None and not isinstance(cu_seqlens, jax.Array):
         cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)  # a list or numpy array, as kdax.chunk_kda takes
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -47,7 +52,6 @@ def check_call(layer, shape: tuple, attention_mask, cu_seqlens, cache: Optional[
         raise ValueError("return_intermediate_states: needs dense input (no attention_mask or cu_seqlens) "
                          "and the chunked path.")
     if seq_axis_name is not None:
-        _check_sequence_parallel(seq_axis_name, attention_mask, mode, inter_states)
         mode = "chunk"
     if mode is None:
         decode = cache is not None and T <= RECURRENT_MAX_T
@@ -60,7 +64,10 @@ def _this_calls_mask(attention_mask, cu_seqlens, B: int, T: int, cache: Optional
     whole-history mask ``[B, S]``, which needs the cache of the earlier tokens)."""
     if attention_mask is not None and cu_seqlens is not None:
         raise ValueError("attention_mask and cu_seqlens: pass at most one of them.")
-    if attention_mask is None or tuple(attention_mask.shape) == (B, T):
+    if attention_mask is None:
+        return None
+    attention_mask = _checked_mask_values(attention_mask)
+    if tuple(attention_mask.shape) == (B, T):
         return attention_mask
     S = attention_mask.shape[1]
     if attention_mask.shape[0] != B or S < T:
@@ -71,6 +78,24 @@ def _this_calls_mask(attention_mask, cu_seqlens, B: int, T: int, cache: Optional
                          f"{T} and no cache holds the history; pass this call's mask, shape {(B, T)} (or "
                          f"pass the cache of the earlier tokens).")
     return attention_mask[:, S - T:]
+
+
+_MASK = ("attention_mask: expected 1 (a token) or 0 (padding) in every entry, or booleans; an additive mask (0 "
+         "for tokens, a large negative number for padding) reads as its inverse: pass (mask == 0)")
+
+
+def _checked_mask_values(mask):
+    """``mask`` with every value 0 or 1 (FLA reads any other as a token: an additive
+    mask's padding would run as tokens, silently): concrete, a ``ValueError`` naming the
+    first other value; traced, inside the program (one device; ``eqx.error_if``)."""
+    if not isinstance(mask, jax.core.Tracer):
+        m = np.asarray(mask)
+        if m.dtype != bool and (bad := m[~((m == 0) | (m == 1))]).size:
+            raise ValueError(f"{_MASK}, got {bad.flat[0]!r}.")
+        return mask
+    if mask.dtype == bool or jax.device_count() != 1 or varying_axes(mask):  # (an error would abort the process)
+        return mask
+    return eqx.error_if(mask, jnp.any((mask != 0) & (mask != 1)), f"{_MASK} (checked inside the compiled program).")
 
 
 def check_cache(layer, cache: KDACache, N: Optional[int]) -> None:

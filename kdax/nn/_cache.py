@@ -73,7 +73,11 @@ class KDACache(eqx.Module):
         ``conv_state`` ``(q [N, HK, W], k [N, HK, W], v [N, HVV, W])`` (or None without short
         convolutions). Arrays may be torch tensors (torch is not imported), numpy or JAX;
         they keep their dtype unless ``conv_dtype``/``state_dtype`` say otherwise (kdax's
-        layer computes the state in float32). Exact: every value is copied, none rounded."""
+        layer computes the state in float32). Exact: every value is copied, none rounded.
+
+        ``[N, HV, V, K]`` is the state of an FLA layer passing ``state_v_first=True`` to its
+        kernels (FLA's current one); one that keeps ``[N, HV, K, V]`` needs
+        ``state_v_first=False``. With K == V the two have one shape: no check can tell."""
         if layer_cache is not None:
             if recurrent_state is not None or conv_state is not None:
                 raise ValueError("from_fla: pass FLA's layer cache or recurrent_state/conv_state, not both.")

@@ -51,8 +51,9 @@ def layer_forward(layer, xs: Float[Array, "Bp Tp D"], cu: Optional[Int[Array, " 
     inter = None if h is None else KDACache(*_chunk_start_conv_states(layer, pre, rows, seg, h.shape[1],
                                                                       chunk_size), h)
     y = output(layer, xs, o)
-    if rows is not None:
+    if rows is not None:  # (the cache keeps its dtypes, as FLA's in place: a decode loop's carry)
         final = final.astype(rows.state.dtype)
+        tails = tuple(None if t is None else t.astype(r.dtype) for t, r in zip(tails, rows._fields()))
     return y, KDACache(*tails, final), inter
 
 

@@ -127,8 +127,8 @@ class KimiDeltaAttention(eqx.Module):
                              gate_bias=gate_bias, use_full_rank_gate=use_full_rank_gate, param_dtype=param_dtype)
         for field, value in params.items():  # every array field (None: absent in this variant)
             setattr(self, field, value)
-        self.hidden_size, self.num_heads, self.num_v_heads = D, H, HV
-        self.head_dim, self.head_v_dim, self.conv_size = K, V, conv_size
+        self.hidden_size, self.num_heads, self.num_v_heads = int(D), int(H), int(HV)
+        self.head_dim, self.head_v_dim, self.conv_size = int(K), V, int(conv_size)
         self.use_short_conv, self.allow_neg_eigval = use_short_conv, allow_neg_eigval
         self.lower_bound = None if lower_bound is None else float(lower_bound)
         self.norm_eps = float(norm_eps)
@@ -141,8 +141,9 @@ class KimiDeltaAttention(eqx.Module):
 
     def init_cache(self, batch_size: int, dtype=None) -> KDACache:
         """A zero cache for ``batch_size`` sequences (or pool slots). Convolution states in
-        the compute dtype (``dtype``, else the layer's), the recurrent state in float32
-        (float64 when computing in float64)."""
+        ``dtype``, else the layer's ``dtype`` if set, else its parameters' (the compute
+        dtype of an input in that dtype); the recurrent state in float32 (float64 when
+        computing in float64). A call keeps the dtypes of the cache it is given."""
         if isinstance(batch_size, bool) or not hasattr(batch_size, "__index__") or batch_size < 0:
             raise ValueError(f"batch_size: expected a number of sequences (an integer >= 0), got {batch_size!r}.")
         cd = jnp.dtype(dtype) if dtype is not None else self._compute_dtype(None)
@@ -221,8 +222,11 @@ class KimiDeltaAttention(eqx.Module):
         pipeline: Optional[KDAPipeline] = None,
         seq_axis_name: Optional[str] = None,
     ):
-        """``y, cache = layer(x, ...)``; ``y [B, T, hidden]`` in x's dtype (the compute
-        dtype if set).
+        """``y, cache = layer(x, ...)``; ``y [B, T, hidden]`` in the compute dtype: the
+        layer's ``dtype`` if set, else ``jnp.result_type`` of its parameters and ``x``
+        (float32 parameters and bf16 ``x``: float32). A cache passed in comes back in its
+        own dtypes (``init_cache``'s convolution states in the parameters' dtype unless
+        told: ``init_cache(B, dtype=...)`` for another compute dtype).
 
         - ``attention_mask [B, T]`` (1 token, 0 padding; left or right padded, any
           pattern): the rows run as packed variable-length sequences with static shapes

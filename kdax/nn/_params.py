@@ -40,6 +40,15 @@ def check_layer_options(hidden_size: int, num_heads: int, head_dim: int, num_v_h
         raise ValueError(f"lower_bound: safe_gate=True needs -5 <= lower_bound < 0 (as FLA), got {lower_bound}.")
     if not (real(norm_eps) and 0 < norm_eps < math.inf):
         raise ValueError(f"norm_eps: must be a finite number > 0 (the output norm's epsilon), got {norm_eps!r}.")
+    sizes = dict(hidden_size=hidden_size, num_heads=num_heads, head_dim=head_dim, num_v_heads=num_v_heads,
+                 conv_size=conv_size)
+    for name, n in sizes.items():
+        if n is not None and not (isinstance(n, numbers.Integral) and not isinstance(n, bool)):
+            raise TypeError(f"{name}: expected an integer, got {n!r}. kdax's layer takes (hidden_size, "
+                            f"num_heads, head_dim) positionally; FLA's order differs (expand_v second): pass "
+                            f"sizes by name.")
+    if not real(expand_v):
+        raise TypeError(f"expand_v: expected a number (head_v_dim = head_dim * expand_v), got {expand_v!r}.")
     H, K = num_heads, head_dim
     HV = num_heads if num_v_heads is None else num_v_heads
     V = int(round(head_dim * expand_v))

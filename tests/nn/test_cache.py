@@ -127,3 +127,33 @@ def test_decode_takes_flas_whole_history_mask():
         run(layer, x, attention_mask=history)
     with pytest.raises(ValueError, match=r"attention_mask: expected shape \[B, T\] = \(2, 3\)"):
         run(layer, rand(12, 2, 3, D), cache=cache, attention_mask=history[:, :2])
+
+
+def test_a_call_keeps_the_cache_dtypes_so_a_decode_scan_runs():
+    """bf16 parameters, float32 input: ``init_cache`` makes bf16 convolution states, and a
+    call returned them in float32, so a ``lax.scan`` decode loop from ``init_cache`` failed
+    ("carry input and carry output must have equal types"). The cache keeps its dtypes
+    (FLA's is updated in place); the scan gives the eager loop's numbers."""
+    from kdax.nn import KimiDeltaAttention
+
+    layer = KimiDeltaAttention(16, 2, 8, key=jax.random.key(0), param_dtype=jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(1), (2, 6, 16), jnp.float32)
+    c0 = layer.init_cache(2)
+    want = [a.dtype for a in c0._fields()]
+    assert want == [jnp.bfloat16] * 3 + [jnp.float32]
+    for mode in ("recurrent", "chunk"):
+        _, c1 = layer(x[:, :1], cache=c0, mode=mode)
+        assert [a.dtype for a in c1._fields()] == want, mode
+
+    def step(c, xt):
+        y, c = layer(xt[:, None], cache=c)
+        return c, y[:, 0]
+
+    c_scan, ys = jax.lax.scan(step, c0, jnp.swapaxes(x, 0, 1))
+    c = c0
+    for t in range(x.shape[1]):
+        c, y = step(c, x[:, t])
+        assert_close(ys[t], y, 1e-6, f"token {t}")
+    for a, b in zip(c_scan._fields(), c._fields()):
+        assert a.dtype == b.dtype
+        assert_close(a.astype(jnp.float32), b.astype(jnp.float32), 1e-6)

@@ -91,6 +91,26 @@ def test_constructor_arguments_out_of_range_are_named(change, want):
         KimiDeltaAttention(**args, key=jax.random.key(0))
 
 
+
+@pytest.mark.parametrize("change,name", [
+    (dict(num_heads=2.0), "num_heads"), (dict(hidden_size=24.0), "hidden_size"), (dict(conv_size=2.5), "conv_size"),
+    (dict(conv_size=4.0), "conv_size"), (dict(num_v_heads=4.0), "num_v_heads"), (dict(head_dim="8"), "head_dim"),
+    (dict(num_heads=True), "num_heads"), (dict(expand_v="1"), "expand_v"),
+])
+def test_constructor_sizes_of_another_type_are_named(change, name):
+    """A float size (FLA's positional order, expand_v second, gives one) reached JAX's
+    "Shapes must be 1D sequences of concrete values of integer type"; a string size
+    Python's "can't multiply sequence". Numpy integers are sizes."""
+    import jax
+
+    args = dict(dict(hidden_size=24, num_heads=2, head_dim=8), **change)
+    with pytest.raises(TypeError, match=f"^{name}: expected "):
+        KimiDeltaAttention(**args, key=jax.random.key(0))
+    layer = KimiDeltaAttention(np.int64(24), np.int32(2), np.int16(8), key=jax.random.key(0), conv_size=np.int8(3))
+    assert (layer.hidden_size, layer.num_heads, layer.head_dim, layer.conv_size) == (24, 2, 8, 3)
+    assert all(type(n) is int for n in (layer.hidden_size, layer.num_heads, layer.head_dim, layer.conv_size))
+
+
 # KIMI_CONFIG: num_hidden_layers 4, kda_layers [1, 2, 4] (1-based), full_attn_layers [3], rms_norm_eps 1e-4.
 @pytest.mark.parametrize("change,want", [
     (dict(rms_norm_eps=-1e-5), r"rms_norm_eps must be a finite number > 0, got -1e-05\."),

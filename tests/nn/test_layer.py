@@ -5,6 +5,8 @@ Calls go through one jitted runner with few distinct shapes so compilations are 
 between tests (the default run stays short)."""
 
 import dataclasses
+import subprocess
+import sys
 
 import equinox as eqx
 import jax
@@ -16,7 +18,7 @@ from jaxtyping import TypeCheckError
 import kdax
 from kdax.nn import KDACache, KimiDeltaAttention
 
-from .._util import assert_close
+from .._util import assert_close, one_device_env
 from ._oracle import jnp_layer, numpy_layer, random_state_dict
 
 EPS = 1e-5
@@ -338,6 +340,52 @@ def test_bad_input_names_the_argument():
                      r"^conv_state: expected FLA's \(q, k, v\) tuple, got 2 entries\.$")]:
         with pytest.raises(ValueError, match=msg):
             KDACache.from_fla(**kw)
+
+
+
+@pytest.mark.parametrize("mask", [np.where(np.arange(5) < 3, 0.0, -1e9), np.full(5, 0.5), np.array([1, 1, 2, 1, 0]),
+                                  np.array([1.0, np.nan, 1, 1, 1])], ids=["additive", "half", "two", "nan"])
+def test_attention_mask_values_other_than_0_or_1_are_refused(mask):
+    """An additive mask (0 for tokens, -1e9 for padding) ran as its inverse, silently
+    (its padding as tokens, its tokens dropped; FLA reads any nonzero value as a token):
+    refused eagerly and inside a compiled program, naming the argument. 0/1 in any
+    dtype and booleans run, and give the same numbers."""
+    layer, _, _ = make_layer(0)
+    x = rand(0, 2, 5, D)
+    m = np.stack([np.ones(5), mask])
+    want = r"^attention_mask: expected 1 \(a token\) or 0 \(padding\) in every entry, or booleans; an additive mask"
+    with pytest.raises(ValueError, match=want + r".*\(mask == 0\), got "):
+        layer(x, attention_mask=m)
+    ok = np.stack([np.ones(5), np.arange(5) >= 2])
+    y_bool = run(layer, x, attention_mask=jnp.asarray(ok))[0]
+    for dtype in (np.int32, np.float32):
+        assert np.array_equal(run(layer, x, attention_mask=jnp.asarray(ok.astype(dtype)))[0], y_bool)
+        assert np.array_equal(layer(x, attention_mask=ok.astype(dtype))[0], y_bool)
+
+
+def test_attention_mask_values_checked_inside_a_compiled_program():
+    """Traced, on one device (a user's CPU program: a fresh process), inside the program
+    (``eqx.error_if``; with several devices an error would end the process, so it is not
+    made there)."""
+    code = """
+import jax, jax.numpy as jnp, numpy as np, equinox as eqx
+from kdax.nn import KimiDeltaAttention
+assert jax.device_count() == 1
+layer = KimiDeltaAttention(16, 2, 8, key=jax.random.key(0))
+x = jax.random.normal(jax.random.key(1), (2, 5, 16))
+run = eqx.filter_jit(lambda layer, x, m: layer(x, attention_mask=m)[0])
+ok = jnp.asarray(np.stack([np.ones(5), np.arange(5) >= 2]), jnp.float32)
+run(layer, x, ok).block_until_ready()
+try:
+    run(layer, x, ok.at[1, 0].set(-1e9)).block_until_ready()
+except Exception as e:
+    print("raised:", str(e).splitlines()[0] if str(e) else type(e).__name__)
+    print("message" if "attention_mask: expected 1 (a token) or 0 (padding)" in str(e) else "no message")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=one_device_env(),
+                         timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "raised:" in out.stdout and "\nmessage" in out.stdout, out.stdout
 
 
 # (what, cu_seqlens, the message kdax.chunk_kda gives for it)

@@ -114,8 +114,11 @@ def test_errors():
 
     with pytest.raises(ValueError, match="seq_axis_name: 'nope' is not a mesh axis"):
         call(seq_axis_name="nope")
-    with pytest.raises(ValueError, match="attention_mask"):
+    with pytest.raises(ValueError, match="attention_mask: not supported with seq_axis_name"):
         call(seq_axis_name="sp", attention_mask=jnp.ones((1, T // 4)))
+    # (a whole-history mask too: before, the mask's own check said to pass a cache)
+    with pytest.raises(ValueError, match="attention_mask: not supported with seq_axis_name"):
+        call(seq_axis_name="sp", attention_mask=jnp.ones((1, T)))
     with pytest.raises(ValueError, match="mode: 'recurrent'"):
         call(seq_axis_name="sp", mode="recurrent", cache=layer.init_cache(1))
     with pytest.raises(ValueError, match="return_intermediate_states"):
