@@ -14,6 +14,7 @@ from ._stage_protocol.capabilities import capabilities
 from ._runner.contracts import STAGES
 from ._runner.routes import other_math, shared_chunks_refused, tiles_refused, unchecked, unsafe_for_tiles
 from ._runner.runner import recording
+from ._validate import check_arrays
 
 
 class PlanRow(NamedTuple):
@@ -71,15 +72,19 @@ def plan(pipeline, q, k, v, g, beta, **options) -> KDAPlan:
     """A ``KDAPlan`` for ``pipeline`` on these inputs (arrays or ``jax.ShapeDtypeStruct``) and
     options, the forward and backward traced abstractly; its ``str`` is a table."""
     opts = KDAOptions.from_kwargs(**options)
+
+    def call(d):  # (q, k, v, g, beta, initial_state: traced, so that chunk_kda's shape checks run)
+        check_arrays(*d, opts.A_log, opts.dt_bias, opts.cu_seqlens)
+        return pipeline.apply(*d[:5], dataclasses.replace(opts, initial_state=d[5]))
+
     with recording(quiet=True) as rec:
-        def loss(diff):  # (q, k, v, g, beta, initial_state)
-            o, ht = pipeline.apply(*diff[:5], dataclasses.replace(opts, initial_state=diff[5]))
+        def loss(diff):
+            o, ht = call(diff)
             return jnp.sum(o) if ht is None else jnp.sum(o) + jnp.sum(ht)
 
         jax.eval_shape(jax.grad(loss), (q, k, v, g, beta, opts.initial_state))
     with recording(quiet=True) as fwd:  # the forward without gradients: in tiles where it has them
-        jax.eval_shape(lambda d: pipeline.apply(*d[:5], dataclasses.replace(opts, initial_state=d[5])),
-                       (q, k, v, g, beta, opts.initial_state))
+        jax.eval_shape(call, (q, k, v, g, beta, opts.initial_state))
     unsafe = unsafe_for_tiles(pipeline)
     rows = []
     reasons, swapped = rec.derived or ((), ())

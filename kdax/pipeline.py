@@ -26,7 +26,7 @@ from ._runner.runner import PipelineState, PipelineWY, run_stage
 from ._runner.stage_grads import BackwardParts
 from ._runner import vjp as _vjp
 from ._annotations import Beta, ChunkK, ChunkState, ChunkV, Gate, QK, Values
-from ._validate import final_out, options_of, prepare_forward
+from ._validate import check_arrays, final_out, options_of, prepare_forward
 from .stages import (
     AbstractDAv,
     AbstractDhu,
@@ -201,8 +201,13 @@ class KDAPipeline(eqx.Module):
         return ForwardCache.of(act.G, IntraOut(res.Aqk, res.Akk), wy, st.h, st.v_new)
 
     def backward(self, res: KDAResiduals, do, dht=None) -> KDAGrads:
-        """The six-stage backward. ``do`` ``[B, T, HV, V]``; ``dht`` ``[N, HV, K, V]`` or None."""
-        return self.backward_with_parts(res, do, dht)[0]
+        """The six-stage backward. ``do`` ``[B, T, HV, V]``; ``dht`` (or None) and the initial
+        state's gradient in the forward's state layout, ``[N, HV, K, V]`` (``[N, HV, V, K]``
+        after a ``forward`` with ``state_v_first``)."""
+        res.check_cotangents(do, dht, res.state_v_first)
+        flip = lambda s: jnp.swapaxes(s, -1, -2) if res.state_v_first and s is not None else s
+        grads = self.backward_with_parts(res, do, flip(dht))[0]
+        return dataclasses.replace(grads, initial_state=flip(grads.initial_state))
 
     def backward_with_parts(self, res: KDAResiduals, do, dht=None, final=None) -> tuple:
         """``(backward(res, do, dht), BackwardParts)``; ``final`` (``FinalGrads``): the gradients of
@@ -257,13 +262,15 @@ class KDAPipeline(eqx.Module):
         opts = options_of(options, kwargs)
         config, args, opts = prepare_forward(q, k, v, g, beta, opts)
         o, final, res = self.resolved(*args[:6]).run_forward(config, *args)
-        return o, final_out(final, config, opts.state_v_first), res
+        return o, final_out(final, config, opts.state_v_first), dataclasses.replace(res, state_v_first=opts.state_v_first)
 
     def __call__(self, q: QK, k: QK, v: Values, g: Gate, beta: Beta, options: Optional[KDAOptions] = None,
                  **kwargs):
         """``kdax.chunk_kda`` with this pipeline on one device (options by keyword, or one
         ``KDAOptions``): ``(o, final state or None)``, differentiable."""
-        return self.apply(q, k, v, g, beta, options_of(options, kwargs))
+        opts = options_of(options, kwargs)
+        check_arrays(q, k, v, g, beta, opts.initial_state, opts.A_log, opts.dt_bias, opts.cu_seqlens)
+        return self.apply(q, k, v, g, beta, opts)
 
     def apply(self, q, k, v, g, beta, options: KDAOptions):
         """The single-device call behind ``chunk_kda`` (``kdax._runner.vjp.apply``)."""

@@ -340,3 +340,22 @@ def test_main_job_profile_option(capsys):
     assert status == 0, out
     assert "XLA's operations in a jax.profiler trace of 2 calls" in out.splitlines()[0], out
     assert "reference fwd" in out and "reference fwd+bwd" in out and "\ndot " in out, out
+
+
+@pytest.mark.parametrize("argv,err", [
+    (["--pipelines", "bogus"], "--pipelines: unknown ['bogus']; expected a comma list of reference"),
+    (["--T", "0"], "argument --T: expected an integer >= 1, got '0'"),
+    (["--K", "-4"], "argument --K: expected an integer >= 1, got '-4'"),
+    (["--reps", "0"], "argument --reps: expected an integer >= 1, got '0'"),
+    (["--heavy-reps", "x"], "argument --heavy-reps: expected an integer >= 1, got 'x'"),
+    (["--H", "2", "--HV", "3"], "--HV 3 must be a multiple of --H 2"),
+    (["--chunk_size", "48"], "--chunk_size: expected 16, 32, 64 or 128, got 48."),
+])
+def test_main_job_options_refused_by_name(capsys, argv, err):
+    """An unknown pipeline was a KeyError, T=0 and K<0 numpy's tracebacks, --reps 0 a table
+    of nan with exit status 0: argparse's error (exit 2) naming the option, before anything runs."""
+    from kdax.bench._main import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv + ["--out", "", "--quiet"])
+    assert e.value.code == 2 and err in capsys.readouterr().err

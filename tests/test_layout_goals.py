@@ -69,10 +69,14 @@ def test_machinery_size():
     scale, an UnsupportedCase named whatever the fallback: one raise for both cases), then
     3,445: ``plan`` also traces the forward without gradients (a stage that falls back in
     the forward's tiles only was reported as running) and names the B5 that F1's VJP
-    stands in for."""
+    stands in for; 3,462 after session 70, whose 17 lines are input checks and a layout fix
+    found by a user's audit: ``KDAPipeline.__call__`` and ``plan`` run chunk_kda's shape
+    checks (JAX's broadcast errors before), and ``backward`` takes ``dht`` and gives the
+    initial state's gradient in the layout ``forward`` used (``state_v_first``: at K == V
+    the gradients were silently wrong)."""
     root = PIPELINE.parent
     lines = sum(len(p.read_text().splitlines()) for pat in MACHINERY for p in root.glob(pat))
-    assert lines <= 3445, f"the machinery has {lines} lines (at most 3,445; issue 52's goal: 2,600)"
+    assert lines <= 3462, f"the machinery has {lines} lines (at most 3,462; issue 52's goal: 2,600)"
 
 
 def test_no_module_over_450_lines():

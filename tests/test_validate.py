@@ -1,5 +1,6 @@
 """Bad input gets a clear error naming the argument, before any computation."""
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -125,6 +126,49 @@ def test_pipeline_forward_and_backward_check_shapes(x):
         pipe.backward(res, o[:, :3], ht)
     with pytest.raises(ValueError, match=r"^dht: expected shape"):
         pipe.backward(res, o, ht[..., :4])
+
+
+@pytest.mark.parametrize("bad", ["v", "beta", "k"])
+def test_pipeline_call_and_plan_check_shapes_as_chunk_kda(x, bad):
+    """``pipe(...)`` and ``pipe.plan(...)`` gave JAX's broadcast errors (a wrong v or beta)
+    or named the chunked layout (``k: expected layout [R, HV, NC, C, K]``): chunk_kda's
+    checks now, naming the argument in the caller's layout."""
+    pipe = kdax.KDAPipeline.reference()
+    pos, _ = split_args(x)
+    args = dict(zip(("q", "k", "v", "g", "beta"), pos))
+    args[bad] = {"v": args["v"][:, :7], "beta": args["beta"][:, :, :1], "k": args["k"][..., :4]}[bad]
+    want = {"v": r"v: expected layout \[B, T, HV, V\].*axis 1 \(T\) is 7, expected 12",
+            "beta": r"beta: expected layout \[B, T, HV\].*axis 2 \(HV\) is 1, expected 2",
+            "k": r"k: expected layout \[B, T, H, K\].*axis 3 \(K\) is 4, expected 8"}[bad]
+    for call in (pipe, pipe.plan):
+        with pytest.raises(TypeError, match=want):
+            call(**args)
+
+
+def test_pipeline_backward_takes_and_gives_states_in_the_forwards_layout():
+    """After ``forward(..., state_v_first=True)`` the final state is ``[N, HV, V, K]``, and
+    ``backward`` read ``dht`` as ``[N, HV, K, V]`` and gave the initial state's gradient so:
+    at K == V no error, dk 1.84 and dh0 0.35 off ``jax.grad(chunk_kda)``. Both now in the
+    forward's layout: equal to ``jax.grad`` to float64 rounding."""
+    x = make_inputs(B=1, T=40, H=2, K=8, V=8, h0=True, dtype=jnp.float64)
+    pos, _ = split_args(x)
+    h0 = jnp.swapaxes(x["initial_state"], -1, -2)  # [N, HV, V, K]
+    pipe = kdax.KDAPipeline.reference()
+    opts = dict(initial_state=h0, output_final_state=True, state_v_first=True)
+    o, ht, res = pipe.forward(*pos, **opts)
+    do, dht = jnp.cos(o), jnp.sin(ht) + 0.5 * jnp.swapaxes(ht, -1, -2)  # (not symmetric: a transpose shows)
+    got = pipe.backward(res, do, dht)
+
+    def loss(*a):
+        o, ht = kdax.chunk_kda(*a[:5], **dict(opts, initial_state=a[5]))
+        return jnp.sum(o * do) + jnp.sum(ht * dht)
+
+    want = jax.grad(loss, argnums=range(6))(*pos, h0)
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    for name, a, b in zip(names, (getattr(got, n) for n in names), want):
+        assert a.shape == b.shape and float(jnp.max(jnp.abs(a - b))) <= 1e-12, name
+    with pytest.raises(ValueError, match=r"^dht: expected shape \[N, HV, V, K\] = \(1, 2, 8, 8\), got \(1, 2, 8, 4\)\."):
+        pipe.backward(res, do, dht[..., :4])
 
 
 @pytest.mark.parametrize("fn", FNS)

@@ -55,6 +55,8 @@ class KDAResiduals(eqx.Module):
     entries: Optional[EntryResiduals] = None
     # ``h0`` is the zeros of a call without initial states (``ForwardRoute.h0_zero``).
     h0_zero: bool = eqx.field(static=True, default=False)
+    # ``KDAPipeline.forward`` with ``state_v_first``: its ``backward`` takes and gives states so.
+    state_v_first: bool = eqx.field(static=True, default=False)
 
     # Where each intermediate lives ("h" per chunk, the others per token).
     _WHERE = {
@@ -84,14 +86,17 @@ class KDAResiduals(eqx.Module):
         L = self.layout
         return (L.valid.shape[0] if L.pos is None else 1, L.T, self.v.shape[1], self.v.shape[-1])
 
-    def check_cotangents(self, do, dht) -> None:
-        """``ValueError`` unless ``do`` is ``[B, T, HV, V]`` and ``dht`` (or None) ``[N, HV, K, V]``."""
+    def check_cotangents(self, do, dht, state_v_first: bool = False) -> None:
+        """``ValueError`` unless ``do`` is ``[B, T, HV, V]`` and ``dht`` (or None) ``[N, HV, K, V]``
+        (``[N, HV, V, K]``: ``state_v_first``)."""
         L, want = self.layout, self.o_shape()
         if tuple(do.shape) != want:
             raise ValueError(f"do: expected shape [B, T, HV, V] = {want}, got {tuple(do.shape)}.")
         N = self.h0.shape[0] if L.reset is None else self.cu_seqlens.shape[0] - 1  # (shared: h0 is a state table)
-        if dht is not None and tuple(dht.shape) != (N,) + tuple(self.h0.shape[1:]):
-            raise ValueError(f"dht: expected shape [N, HV, K, V] = {(N,) + tuple(self.h0.shape[1:])}, got {tuple(dht.shape)}.")
+        (HV, K, V), name = self.h0.shape[1:], "[N, HV, V, K]" if state_v_first else "[N, HV, K, V]"
+        want = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+        if dht is not None and tuple(dht.shape) != want:
+            raise ValueError(f"dht: expected shape {name} = {want}, got {tuple(dht.shape)}.")
 
     def read(self, name: str, per_sequence: bool = False) -> Array:
         """Intermediate ``name`` (``names()``) in the user's layout, jit-safe: ``[B, T, HV, ...]``

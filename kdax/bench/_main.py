@@ -18,16 +18,27 @@ from ._tables import STAGE_HEAD, format_stage_row, format_table, with_ratios
 from ._timing import Log, chunk_dot_gflops, compiled, machine, matmul_gflops
 
 
+def _positive(text: str) -> int:
+    """An argparse type: an integer >= 1 (a size or a count; 0 or less ended in numpy's errors)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return n
+
+
 def _parser() -> argparse.ArgumentParser:
     # The package's docstring (the harness described) is the --help text.
     p = argparse.ArgumentParser(description=sys.modules[__package__].__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     for name, default in dataclasses.asdict(Shape()).items():
         # (--HV follows --H unless given: grouped value heads only when asked for)
-        p.add_argument(f"--{name}", type=int, default=None if name == "HV" else default,
+        p.add_argument(f"--{name}", type=_positive, default=None if name == "HV" else default,
                        help="default: --H" if name == "HV" else None)
-    p.add_argument("--reps", type=int, default=5, help="timed runs of each light path (rounds)")
-    p.add_argument("--heavy-reps", type=int, default=1,
+    p.add_argument("--reps", type=_positive, default=5, help="timed runs of each light path (rounds)")
+    p.add_argument("--heavy-reps", type=_positive, default=1,
                    help="timed runs of each heavy baseline (the gradients of the scans and of autodiff)")
     p.add_argument("--pipelines", default="reference", help="comma list of: reference, pallas, mixed")
     p.add_argument("--no-baselines", action="store_true")
@@ -41,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
                         "trace of XLA:CPU's events)")
     p.add_argument("--out", default="bench-results", help="folder for results.json/.csv and plots ('' for none)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
-    p.add_argument("--host-devices", type=int, default=1,
+    p.add_argument("--host-devices", type=_positive, default=1,
                    help="every path with its inputs' heads split over this many host devices (jax_num_cpu_devices, "
                         "set before JAX's first computation): on a multi-core CPU, batched dots, which XLA:CPU runs "
                         "on one core a program, run on as many")
@@ -100,6 +111,10 @@ def main(argv=None) -> int:
     p = _parser()
     a = p.parse_args(argv)
     a.HV = a.H if a.HV is None else a.HV
+    if a.HV % a.H:
+        p.error(f"--HV {a.HV} must be a multiple of --H {a.H} (grouped value heads).")
+    if a.chunk_size not in (16, 32, 64, 128):
+        p.error(f"--chunk_size: expected 16, 32, 64 or 128, got {a.chunk_size}.")
     if a.host_devices > 1:
         if a.stages or a.profile:
             p.error("--host-devices: the main table and --sweep only (--stages and --profile run on one device).")
@@ -110,6 +125,9 @@ def main(argv=None) -> int:
         elif len(jax.devices("cpu")) < a.host_devices:
             p.error(f"--host-devices {a.host_devices}: JAX's CPU backend exists already in this process with "
                     f"{len(jax.devices('cpu'))} device(s); run python -m kdax.bench in a fresh process.")
+    avail = pipelines()  # (after the devices are set: building a pipeline may start JAX's backend)
+    if unknown := [n for n in a.pipelines.split(",") if n not in avail]:
+        p.error(f"--pipelines: unknown {unknown}; expected a comma list of {', '.join(avail)}.")
     # A process setting, as a careful user makes it (kdax._platform): every path alike,
     # made before JAX's first computation (it sets how XLA:CPU dispatches programs).
     reused = not a.fresh_memory and reuse_freed_memory()
@@ -117,7 +135,6 @@ def main(argv=None) -> int:
     if a.host_devices > 1:
         memory += f", heads split over {a.host_devices} host devices"
     log = Log(not a.quiet)
-    avail = pipelines()
     pipes = {n: avail[n] for n in a.pipelines.split(",")}
     shape = Shape(**{k: getattr(a, k) for k in dataclasses.asdict(Shape())})
     if a.stages:

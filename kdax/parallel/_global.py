@@ -13,6 +13,7 @@ from .._annotations import ALogIn, ArrayIn, Beta, CuSeqlensIn, Float, Gate, QK, 
 from .._validate import validate
 from ._chunk import sp_chunk_kda
 from ._interpret import interprets
+from ._shard import without_fla_only
 from ._summary import PrefixMethod
 
 
@@ -37,9 +38,18 @@ def chunk_kda(
     """``kdax.chunk_kda`` with the token axis of q, k, v, g, beta ``[B, T, ...]`` split over
     ``mesh`` axis ``seq_axis`` (and the batch over ``batch_axis``, dense input only), by
     ``jax.shard_map``. T must divide evenly over the devices of ``seq_axis``; ``cu_seqlens``
-    are the global offsets. Same arguments and results as ``kdax.chunk_kda``; o comes back
-    sharded like q."""
+    are the global offsets. Same arguments and results as ``kdax.chunk_kda``, less FLA's
+    ``return_intermediate_states``, ``cu_seqlens_cpu``, ``cp_context``, ``use_graph`` and
+    ``max_num_seqs`` (left at their defaults; others refused by name). On an Explicit mesh
+    (``jax.make_mesh``'s default) o and the final state come back sharded over the mesh,
+    so an eager ``jax.grad`` through the call needs the mesh set, as for any
+    Explicit-sharded array: ``with jax.set_mesh(mesh): jax.grad(loss)(...)`` (under
+    ``jax.jit`` or on an Auto mesh it does not)."""
     check_mesh_axes(mesh, seq_axis, batch_axis, cu_seqlens, "q", q.shape[1], q.shape[0])
+    if "seq_axis_name" in options:
+        raise TypeError("seq_axis_name: kdax.parallel.chunk_kda takes the mesh axis as seq_axis, its second argument "
+                        "(seq_axis_name is chunk_kda's, inside your own jax.shard_map).")
+    options = without_fla_only(dict(options), "by kdax.parallel.chunk_kda")
     # kdax.chunk_kda's validation on the global arrays, before any shard_map: the same
     # accepted types and named errors. A traced cu_seqlens is checked inside each device's
     # program (sp_chunk_kda), where every device raises: a check here, in the one program

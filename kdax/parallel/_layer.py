@@ -32,7 +32,8 @@ def apply_layer(
     split over ``mesh`` axis ``seq_axis`` (and the batch over ``batch_axis``, dense input
     only), by ``jax.shard_map`` and the layer's ``seq_axis_name``. T must divide evenly
     over the devices of ``seq_axis``; ``cu_seqlens`` are the global offsets. Returns
-    ``(y, new_cache)`` as the layer does, y sharded like x."""
+    ``(y, new_cache)`` as the layer does, y's tokens sharded over ``seq_axis`` (on an
+    Explicit mesh an eager ``jax.grad`` through it needs ``with jax.set_mesh(mesh):``)."""
     check_mesh_axes(mesh, seq_axis, batch_axis, cu_seqlens, "x", x.shape[1], x.shape[0])
     if cu_seqlens is not None:  # (a list or numpy array, as kdax.chunk_kda takes)
         # kdax.chunk_kda's checks on the global offsets; a traced one is checked inside

@@ -136,6 +136,16 @@ _FLA_ONLY = dict(return_intermediate_states=False, cu_seqlens_cpu=None, cp_conte
                  max_num_seqs=None)
 
 
+def without_fla_only(kw: dict, where: str) -> dict:
+    """``kw`` less FLA's arguments that have no meaning in sequence parallel (``where``), each
+    at its default; another value is refused, naming it (an array too: not compared)."""
+    for name, default in _FLA_ONLY.items():
+        x = kw.pop(name, default)
+        if (x is not None) if default is None else (x is not default and x != default):
+            raise ValueError(f"{name}: not supported {where} (FLA-only argument; leave it at {default!r}).")
+    return kw
+
+
 def route(fn: Callable, arguments: dict) -> Optional[tuple]:
     """What ``kdax.chunk_kda`` / ``kdax.fused_recurrent_kda`` (``fn``) return when their
     call is not a plain single-device one, or None. ``arguments``: the call's arguments
@@ -148,11 +158,7 @@ def route(fn: Callable, arguments: dict) -> Optional[tuple]:
         if kw.get("transpose_state_layout") is not None:
             kw = resolve_deprecated(kw)
         kw.pop("transpose_state_layout", None)
-        # FLA's arguments that have no meaning here must be left at their defaults.
-        for name, default in _FLA_ONLY.items():
-            if kw.pop(name, default) != default:
-                raise ValueError(f"{name}: not supported with seq_axis_name (FLA-only argument; leave it at {default!r}).")
-
+        kw = without_fla_only(kw, "with seq_axis_name")
         return sp_chunk_kda(q, k, v, g, beta, seq_axis_name=seq_axis_name, **kw)
     pipeline = kw.pop("pipeline", None)
     if pipeline is not None:

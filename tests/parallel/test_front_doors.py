@@ -147,3 +147,25 @@ def test_seq_axis_name_and_token_sharding_errors_named():
         with pytest.raises(ValueError, match=r"^q, k, v, g, beta: the token axis is sharded over 'sp'; sequence "
                                              r"parallelism needs seq_axis_name inside jax.shard_map"):
             fn(*xs)
+
+
+def test_fla_only_arguments_named_by_the_global_door():
+    """``kdax.parallel.chunk_kda`` said "X: not a kdax option" for FLA's arguments that
+    ``kdax.chunk_kda`` takes (and a raw "got multiple values" for ``seq_axis_name``): as
+    ``seq_axis_name`` inside ``shard_map``, they are taken at their defaults and refused
+    otherwise, by name (an array too)."""
+    mesh = _mesh()
+    x = _x()
+    cu = np.array([0, 10, T], np.int32)
+    call = lambda **kw: kdax.parallel.chunk_kda(mesh, "sp", *x, pipeline=PIPE, chunk_size=16, **kw)
+    base = np.asarray(call(cu_seqlens=cu)[0])
+    for kw, default in [(dict(cu_seqlens_cpu=cu), "None"), (dict(max_num_seqs=2), "None"), (dict(cp_context=1), "None"),
+                        (dict(use_graph=True), "False"), (dict(return_intermediate_states=True), "False")]:
+        name = next(iter(kw))
+        with pytest.raises(ValueError, match=rf"^{name}: not supported by kdax.parallel.chunk_kda \(FLA-only argument; "
+                                             rf"leave it at {default}\)\.$"):
+            call(cu_seqlens=cu, **kw)
+    same = call(cu_seqlens=cu, cp_context=None, use_graph=False, return_intermediate_states=False)[0]
+    assert np.array_equal(np.asarray(same), base)
+    with pytest.raises(TypeError, match=r"^seq_axis_name: kdax.parallel.chunk_kda takes the mesh axis as seq_axis"):
+        call(seq_axis_name="sp")
