@@ -38,7 +38,7 @@ def checked_cu_seqlens(cu, T: int, what: str = "q"):
     offending value), traced ones inside the program (the same messages)."""
     messages = ("cu_seqlens: must start at 0", "cu_seqlens: must be non-decreasing",
                 f"cu_seqlens: must end at T={T} ({what}.shape[1])")
-    if not isinstance(cu, jax.core.Tracer):
+    if concrete := not isinstance(cu, jax.core.Tracer):  # (asked first: under jit jnp.asarray makes a list a tracer)
         c = np.asarray(cu)
         if c[0] != 0:
             raise ValueError(f"{messages[0]}, got cu_seqlens[0]={int(c[0])}.")
@@ -50,7 +50,7 @@ def checked_cu_seqlens(cu, T: int, what: str = "q"):
     # Per-device offsets inside shard_map (kdax.parallel derives them from the global
     # cu_seqlens, which it checks with this function before): the error branch cannot be
     # typed as varying over the mesh axes.
-    if not isinstance(cu, jax.core.Tracer) or varying_axes(cu):
+    if concrete or varying_axes(cu):
         return cu
     bad = jnp.stack([cu[0] != 0, jnp.any(cu[1:] < cu[:-1]), cu[-1] != T])
     return eqx.branched_error_if(cu, jnp.any(bad), jnp.argmax(bad), tuple(f"{m}." for m in messages))

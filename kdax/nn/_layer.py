@@ -8,6 +8,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray, Shaped
 
 from .._runner.runner import active_recordings
 from .._annotations import ArrayIn, CuSeqlensIn, typecheck
+from .._errors import reverse_mode_only
 from .._platform import in_eager_shard_map
 from ..pipeline import KDAPipeline
 from ..recurrent import concrete_call
@@ -301,7 +302,8 @@ def _call(layer: KimiDeltaAttention, x, attention_mask, cu_seqlens, cache: Optio
 
 
 # eqx.filter_jit: the layer and a pipeline hold static fields and, a pipeline, any leaves.
-_compiled_call = eqx.filter_jit(_call)
+# (jax.jvp of it meets chunk_kda's custom VJP in JAX's trace, not in kdax's: named here too)
+_compiled_call = reverse_mode_only(eqx.filter_jit(_call))
 
 
 def load_pretrained(path, layers=None, **options) -> dict:

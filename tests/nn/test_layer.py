@@ -433,3 +433,18 @@ def test_short_prompt_many_heads_no_head_first_warning():
         warnings.simplefilter("error", kdax.HeadFirstLayoutWarning)
         y, _ = layer(x)
     assert y.shape == x.shape
+
+
+def test_forward_mode_through_the_layer_names_what_works():
+    """An eager ``jax.jvp``/``jax.jacfwd`` of the layer gave JAX's bare "can't apply
+    forward-mode autodiff (jvp) to a custom_vjp function" (the eager call is one compiled
+    program, where chunk_kda's own refusal does not run): ``kdax.ForwardModeError`` now, as
+    from chunk_kda; the recurrent path (plain JAX) still differentiates forward."""
+    layer, _, _ = make_layer(0)
+    x = rand(0, 1, 20, D)
+    with pytest.raises(kdax.ForwardModeError, match="reverse only"):
+        jax.jvp(lambda x: layer(x)[0], (x,), (x,))
+    with pytest.raises(kdax.ForwardModeError):
+        jax.jacfwd(lambda x: layer(x)[0].sum())(x)
+    y, dy = jax.jvp(lambda x: layer(x, mode="recurrent")[0], (x,), (x,))
+    assert np.isfinite(np.asarray(dy)).all() and dy.shape == y.shape
