@@ -157,6 +157,31 @@ def test_strong_decay_chunk128_finite_float32():
     # the chunk cumsum G loses low bits once |G| ~ 1e3 (the same cancellation as FLA's).
 
 
+@pytest.mark.parametrize("dtype,g,tol", [(jnp.float32, -20.0, 1e-6), (jnp.float64, -40.0, 1e-13)])
+def test_dg_of_a_final_state_loss_at_strong_decay(dtype, g, tol):
+    """A loss on the final state alone, constant strong decay: dg is e^g small, and B3 summed
+    each chunk's last row's O(1) ``kg dkg`` into ``dgam`` and took it back in that row's
+    ``dG``, losing the small terms: float32 0.98 off relative to max|dg| at g = -20 (float64
+    at g = -40); ``fused_recurrent_kda`` 1e-7. B3's sum leaves that row out now."""
+    x = make_inputs(seed=5, B=1, T=128, H=1, K=8, V=8, dtype=jnp.float64)
+    x["g"] = np.full_like(x["g"], g)
+    w = np.random.default_rng(6).normal(size=x["initial_state"].shape)
+
+    def dg(fn, dt):
+        pos, kw = split_args({n: jnp.asarray(a, dt) for n, a in x.items()})
+
+        def loss(g):
+            _, ht = fn(*pos[:3], g, pos[4], **dict(kw, output_final_state=True))
+            return jnp.sum(ht * jnp.asarray(w, dt))
+
+        return jax.grad(loss)(pos[3])
+
+    want = dg(kdax.ref.naive_recurrent_kda, jnp.float64)
+    got = dg(kdax.chunk_kda, dtype)
+    err = float(jnp.max(jnp.abs(got.astype(jnp.float64) - want)) / jnp.max(jnp.abs(want)))
+    assert err <= tol, err
+
+
 @pytest.mark.parametrize("dt", [jnp.bfloat16, jnp.float16])
 def test_low_precision_inputs(dt):
     x, opts = build_case(dict(T=100, K=32, V=32, use_gate_in_kernel=True, A_log=True, dt_bias=True))
