@@ -157,12 +157,15 @@ def test_strong_decay_chunk128_finite_float32():
     # the chunk cumsum G loses low bits once |G| ~ 1e3 (the same cancellation as FLA's).
 
 
-@pytest.mark.parametrize("dtype,g,tol", [(jnp.float32, -20.0, 1e-6), (jnp.float64, -40.0, 1e-13)])
-def test_dg_of_a_final_state_loss_at_strong_decay(dtype, g, tol):
+@pytest.mark.parametrize("dtype,g,tol,pipe", [
+    (jnp.float32, -20.0, 1e-6, None), (jnp.float64, -40.0, 1e-13, None),
+    (jnp.float32, -20.0, 1e-6, "triton"), (jnp.float32, -20.0, 1e-6, "tpu")])
+def test_dg_of_a_final_state_loss_at_strong_decay(dtype, g, tol, pipe):
     """A loss on the final state alone, constant strong decay: dg is e^g small, and B3 summed
     each chunk's last row's O(1) ``kg dkg`` into ``dgam`` and took it back in that row's
     ``dG``, losing the small terms: float32 0.98 off relative to max|dg| at g = -20 (float64
-    at g = -40); ``fused_recurrent_kda`` 1e-7. B3's sum leaves that row out now."""
+    at g = -40); ``fused_recurrent_kda`` 1e-7. B3's sum leaves that row out now, the
+    reference's and the Pallas kernels' (interpret mode)."""
     x = make_inputs(seed=5, B=1, T=128, H=1, K=8, V=8, dtype=jnp.float64)
     x["g"] = np.full_like(x["g"], g)
     w = np.random.default_rng(6).normal(size=x["initial_state"].shape)
@@ -177,7 +180,8 @@ def test_dg_of_a_final_state_loss_at_strong_decay(dtype, g, tol):
         return jax.grad(loss)(pos[3])
 
     want = dg(kdax.ref.naive_recurrent_kda, jnp.float64)
-    got = dg(kdax.chunk_kda, dtype)
+    pipeline = None if pipe is None else kdax.KDAPipeline.pallas(pipe, interpret=True)  # (its B3: the same sum)
+    got = dg(lambda *a, **kw: kdax.chunk_kda(*a, **kw, pipeline=pipeline), dtype)
     err = float(jnp.max(jnp.abs(got.astype(jnp.float64) - want)) / jnp.max(jnp.abs(want)))
     assert err <= tol, err
 

@@ -175,8 +175,9 @@ def wy_dqkg_body(mm: Products, scale, beta, Akk, refs, out_refs, k_blocks, v_blo
         gam, lo_gam = last_rows(row_loads, (g_r, lo_r), kc[1], (G, lo))
         kg = kg_r[kc]
         dkg = keep(end, dkg)
-        dgam = jnp.sum(kg * dkg, axis=0, keepdims=True) + keep(passes, mm.exp(mask_exponent(passes, gam)) * hdh)
-        dG = dG - kg * dkg + jnp.where(last, dgam, 0.0)
+        kd = jnp.where(last, 0.0, kg * dkg)  # (the last row's O(1) term out of dgam's sum: ReferenceWYDqkg)
+        dgam = jnp.sum(kd, axis=0, keepdims=True) + keep(passes, mm.exp(mask_exponent(passes, gam)) * hdh)
+        dG = dG - kd + jnp.where(last, dgam, 0.0)
         dk = dkg * decay(end, gam, G, lo_gam, lo)  # (mm.exp here: 8 B of spills)
         (dw,) = over_values(k0, bk, lambda vc, hb: (-mm.dot(dvn_r[vc], h_r[hb], tb=True),))
         dw = keep(start, dw)
