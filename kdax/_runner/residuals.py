@@ -93,8 +93,8 @@ class KDAResiduals(eqx.Module):
         if tuple(do.shape) != want:
             raise ValueError(f"do: expected shape [B, T, HV, V] = {want}, got {tuple(do.shape)}.")
         N = self.h0.shape[0] if L.reset is None else self.cu_seqlens.shape[0] - 1  # (shared: h0 is a state table)
-        (HV, K, V), name = self.h0.shape[1:], "[N, HV, V, K]" if state_v_first else "[N, HV, K, V]"
-        want = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+        HV, K, V = self.h0.shape[1:]
+        want, name = ((N, HV, V, K), "[N, HV, V, K]") if state_v_first else ((N, HV, K, V), "[N, HV, K, V]")
         if dht is not None and tuple(dht.shape) != want:
             raise ValueError(f"dht: expected shape {name} = {want}, got {tuple(dht.shape)}.")
 
