@@ -458,6 +458,27 @@ def test_false_reset_fails():
     assert "declares `reset`" in next(c for c in report.failed if c.name == "reset").detail
 
 
+class DoublesOnResetOutput(AbstractOutput):
+    """KDA's F5 declaring ``reset`` and returning twice the output whenever it is passed:
+    right on every layout without resets, wrong wherever sequences share chunks."""
+
+    math: ClassVar = KDA
+    accepts: ClassVar[frozenset] = frozenset({"reset", "tile_safe"})
+
+    def __call__(self, scale, qg, h, Aqk, v_new, reset=None):
+        o = ReferenceOutput()(scale, qg, h, Aqk, v_new, reset)
+        return o if reset is None else 2 * o
+
+
+def test_false_reset_of_an_output_stage_fails():
+    """The pipeline passes F5 ``reset`` when it declares it (F5's is optional), so
+    ``check_stage`` runs F5's shared-chunk cases and its ``reset`` row (before: ok)."""
+    report = check_stage(DoublesOnResetOutput(), "output", **_small())
+    _assert_fails(report, "reset")
+    assert any(c.case.startswith("shared") and c.name == "reference" and c.passed is False
+               for c in report.checks), str(report)
+
+
 def test_overflow_meeting_the_zeros_between_sequences_fails_reset():
     """``reset``'s overflow row: a stage exact on finite values whose products carry one
     sequence's inf (keys at ±7e153 or ±2e307 in float64) to the other sequences of its

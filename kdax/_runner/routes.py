@@ -229,6 +229,8 @@ def pipeline_cotangent(perturbed, d_pipe, swapped: tuple):
 # The stages that receive the shared layout's reset table (F5 and B1 act per chunk on
 # what the others made exact).
 RESET_FIELDS = ("gate", "intra", "wy", "state", "recompute", "dhu", "wy_dqkg", "intra_bwd", "gate_bwd")
+# The stages passed ``reset`` when they declare it: those and F5 (optional there, for overflow).
+RESET_DECLARABLE = RESET_FIELDS + ("output",)
 
 
 def other_math(pipeline, field: str, trusted: bool = True) -> Optional[str]:

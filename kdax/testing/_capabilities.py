@@ -17,7 +17,7 @@ from .._layouts.tokens import Tokens, as_chunked
 from .._numerics import precision as _precision
 from .._numerics.arrays import identity_row_terms
 from .._runner.contracts import STAGES
-from .._runner.routes import RESET_FIELDS, reference_is_exact, unsafe_for_tiles
+from .._runner.routes import RESET_DECLARABLE, reference_is_exact, unsafe_for_tiles
 from ._cases import _CU, Case, _dtname, _Twin, tolerance, x64_on
 from ._compare import _compare, _leaves, _rel
 from ._report import _error, _unsupported
@@ -42,7 +42,7 @@ def _capability_checks(col, base, field, stage, caps, dtype, full):
     KDA's math)."""
     base = trusting(base)
     P = _with_stage(base, field, stage)
-    if caps.reset and field in RESET_FIELDS:
+    if caps.reset and field in RESET_DECLARABLE:
         _reset_checks(col, P, field, stage, dtype)
     if caps.tile_safe and STAGES[field].forward:
         _tile_safe_checks(col, P, field, stage, caps, dtype, full)
@@ -58,7 +58,7 @@ def _capabilities_ahead(base, field, stage, caps, dtype, full):
     the half_stored and tokens checks' recordings."""
     tokens_base, base = base, trusting(base)
     P = _with_stage(base, field, stage)
-    if caps.reset and field in RESET_FIELDS:
+    if caps.reset and field in RESET_DECLARABLE:
         case = _reset_case(dtype)
         _outputs_ahead(dataclasses.replace(P, share_chunks=False), case, True)
         for _, Ps in _floors(P, field, case):
@@ -229,7 +229,7 @@ def _tile_cases(field, caps, dtype, full) -> list:
     that declares ``reset``)."""
     d = _dtname(dtype)
     cases = [Case(f"dense {d}", dtype, T=40), Case(f"packed {d}", dtype, B=1, T=40, cu=_CU)]
-    if full and caps.reset and field in RESET_FIELDS:
+    if full and caps.reset and field in RESET_DECLARABLE:
         cases.append(Case(f"shared {d}", dtype, B=1, T=40, cu=_CU, share=True, h0=False))
     return cases
 

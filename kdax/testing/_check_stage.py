@@ -11,7 +11,7 @@ import equinox as eqx
 from .._annotations import typecheck
 from .._runner import routes as _routes
 from .._runner.contracts import STAGES
-from .._runner.routes import RESET_FIELDS
+from .._runner.routes import RESET_DECLARABLE
 from .._stage_protocol.capabilities import capabilities
 from ..pipeline import KDAPipeline
 from ._capabilities import _capabilities_ahead, _capability_checks, _G_lo_check, _tokens_check
@@ -116,7 +116,7 @@ def check_stage(
     cache_ok = base is None  # (the reference pipeline's recorded arguments are kept across reports)
     base = _base(base)
     if cases is None:
-        cases = default_cases(dtypes, full, shared=caps.reset and field in RESET_FIELDS, heads=holds_no_array(stage))
+        cases = default_cases(dtypes, full, shared=caps.reset and field in RESET_DECLARABLE, heads=holds_no_array(stage))
     # (every program the cases and capabilities need, traced first and compiled meanwhile)
     _cases_ahead(base, field, cases, cache_ok)
     _capabilities_ahead(base, field, stage, caps, dtypes[0], full)
