@@ -330,6 +330,10 @@ def test_no_tokens(pipe, cu, v_first):
     if cu is None and not v_first:
         _, ref = kdax.fused_recurrent_kda(q, q, v, g, beta, initial_state=h0, output_final_state=True)
         np.testing.assert_array_equal(np.asarray(ref), np.asarray(h0))
+    # plan says why no stage runs (before: B0's row blamed disable_recompute=True)
+    kw.pop("pipeline")
+    rows = getattr(kdax.KDAPipeline, pipe)().plan(q, q, v, g, beta, initial_state=h0, **kw).rows
+    assert {r.reason for r in rows} == {"not run: no work (B, T, K or V is 0): o is zeros, states pass through"}
 
 
 def test_products_at_full_precision():
