@@ -91,10 +91,9 @@ def plan(pipeline, q, k, v, g, beta, **options) -> KDAPlan:
     empty = 0 in (*q.shape[:2], q.shape[-1], v.shape[-1])  # (chunk_kda returns before any stage)
     for name, info in STAGES.items():
         stage, ran, reason = rec.ran.get(name, (getattr(pipeline, name), None, None))
-        if ran is None and empty:
-            reason = "not run: no work (B, T, K or V is 0): o is zeros, states pass through"
-        elif ran is None:
-            reason = {"recompute": "not run: the forward's cache is kept (disable_recompute=True)"}.get(name, "not run")
+        if ran is None:
+            reason = "not run: no work (B, T, K or V is 0): o is zeros, states pass through" if empty else {
+                "recompute": "not run: the forward's cache is kept (disable_recompute=True)"}.get(name, "not run")
             if reasons and not info.forward:
                 reason = "not run: the backward is derived by jax.vjp through the forward stages"
         elif name in swapped:

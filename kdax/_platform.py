@@ -175,6 +175,21 @@ def in_eager_shard_map(tree) -> bool:
     return any(_shard_map_values(jax.tree.leaves(tree)))
 
 
+def spans_devices(tree) -> bool:
+    """Whether the program being traced is seen to run partitioned over several devices: a
+    mesh of more than one device set (``jax.set_mesh``) or an array of ``tree`` sharded so
+    in its type, over axes that are not ``jax.shard_map``'s manual ones. An
+    ``eqx.error_if`` there runs its callback on one device while the others wait at the
+    next collective, and the process aborts (after 40 s on CPU). (A jit partitioned by its
+    arguments' shardings on an Auto mesh without ``jax.set_mesh`` cannot be seen here.)"""
+    meshes = [jax.sharding.get_abstract_mesh()]
+    meshes += [getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None) for x in jax.tree.leaves(tree)]
+    manual = jax.sharding.AxisType.Manual
+    return any(m is not None and not m.empty and any(m.shape[a] > 1 and t != manual
+                                                     for a, t in zip(m.axis_names, m.axis_types))
+               for m in meshes)
+
+
 def traced(tree) -> bool:
     """Whether ``tree`` holds a value being traced (under jit or vmap, or an eager
     ``jax.grad``'s): kdax then calls its custom VJPs as they are, else compiled. An eager

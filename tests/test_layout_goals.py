@@ -73,10 +73,14 @@ def test_machinery_size():
     found by a user's audit: ``KDAPipeline.__call__`` and ``plan`` run chunk_kda's shape
     checks (JAX's broadcast errors before), and ``backward`` takes ``dht`` and gives the
     initial state's gradient in the layout ``forward`` used (``state_v_first``: at K == V
-    the gradients were silently wrong)."""
+    the gradients were silently wrong); 3,476 after session 71, whose 14 lines let
+    ``check_stage`` run an F5's shared-chunk cases when it declares ``reset`` (an F5
+    doubling its output there passed), ``plan`` say why nothing runs at T = 0, and sum the
+    cotangents of inputs replicated over a ``shard_map`` axis the tokens vary over (A_log's
+    gradient beside batch-sharded q was refused by JAX)."""
     root = PIPELINE.parent
     lines = sum(len(p.read_text().splitlines()) for pat in MACHINERY for p in root.glob(pat))
-    assert lines <= 3462, f"the machinery has {lines} lines (at most 3,462; issue 52's goal: 2,600)"
+    assert lines <= 3476, f"the machinery has {lines} lines (at most 3,476; issue 52's goal: 2,600)"
 
 
 def test_no_module_over_450_lines():

@@ -190,8 +190,9 @@ def vary_like(tree, *refs):
 
 
 def varying_axes(x) -> set:
-    """The manual mesh axes ``x`` varies over (empty outside shard_map)."""
-    t = jax.typeof(x)
+    """The manual mesh axes ``x`` (an array or its ``jax.typeof``) varies over (empty
+    outside shard_map)."""
+    t = x if isinstance(x, jax.core.ShapedArray) else jax.typeof(x)
     mat = getattr(t, "manual_axis_type", None)
     if mat is not None:
         return set(mat.varying)

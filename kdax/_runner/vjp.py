@@ -5,6 +5,7 @@ forward stages. Stage arrays: ``kdax._runner.stage_grads``; non-finite values:
 ``kdax._numerics.isolation``."""
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 
 from . import output_vjp as _output_vjp
@@ -13,6 +14,7 @@ from .._config import KDAConfig, KDAOptions
 from .._errors import reverse_mode_only
 from .._layouts import tokens as _tokens
 from .._numerics import isolation as _isolation
+from .._numerics.arrays import varying_axes
 from .._platform import behind_barriers, traced
 from .._stage_protocol.capabilities import capabilities
 from .._validate import domain_flag, final_out, prepare_options
@@ -116,8 +118,16 @@ def _vjp_bwd(residuals, cotangents, perturbed, diff, config: KDAConfig, cu_seqle
     else:  # (q's to beta's: final already, in the inputs' dtypes)
         grads = poison.states(grads)
     out = (grads.q, grads.k, grads.v, grads.g, grads.beta, grads.initial_state, grads.A_log, grads.dt_bias)
-    d_inputs = tuple(None if d is None or x is None else x.astype(d) for x, d in zip(out, res.in_dtypes))
+    d_inputs = tuple(None if d is None or x is None else summed_like(x, jax.typeof(p), d)
+                     for x, p, d in zip(out, inputs, res.in_dtypes))
     return d_inputs, pipeline_gradients(pipeline, perturbed[1], parts, res, clean)
+
+
+def summed_like(ct, primal, dtype=None):
+    """``ct`` summed over the ``jax.shard_map`` axes it varies over and ``primal`` (an array
+    or its type) does not: an input replicated beside tokens sharded over them, e.g. A_log."""
+    extra = tuple(sorted(varying_axes(jax.typeof(ct)) - varying_axes(primal)))  # (types: the values stay here)
+    return (jax.lax.psum(ct, extra) if extra else ct).astype(primal.dtype if dtype is None else dtype)
 
 
 def final_in_stages(pipeline, res) -> bool:

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from .._annotations import ArrayIn
+from .._platform import spans_devices
 from ._weights import as_numpy
 
 
@@ -37,7 +38,8 @@ class KDACache(eqx.Module):
     def take(self, indices: Int[ArrayIn, " M"]) -> "KDACache":
         """Rows ``indices`` of every field (a row may be taken twice: a sequence forked).
         An index outside ``[0, N)`` is an error (JAX would clamp it: another row's state)."""
-        return self._take(checked_slots(indices, self.batch_size, "indices", distinct=False))
+        indices, faults = checked_slots(indices, self.batch_size, "indices", distinct=False)
+        return self._take(indices).nan_rows(faults)
 
     def _take(self, indices):  # (indices checked by the caller: the layer's state_indices)
         return KDACache(*(None if a is None else a[indices] for a in self._fields()))
@@ -46,7 +48,8 @@ class KDACache(eqx.Module):
         """This cache with rows ``indices`` replaced by ``rows`` (others bit-identical). The
         indices must be distinct and in ``[0, N)`` (JAX would drop an out-of-range write and
         keep one of two to the same row), ``rows`` one per index, of this cache's layout."""
-        indices = checked_slots(indices, self.batch_size, "indices")
+        indices, faults = checked_slots(indices, self.batch_size, "indices")
+        rows = rows.nan_rows(faults)
         want = tuple(None if a is None else (indices.shape[0],) + a.shape[1:] for a in self._fields())
         got = tuple(None if b is None else tuple(b.shape) for b in rows._fields())
         if got != want:
@@ -62,6 +65,13 @@ class KDACache(eqx.Module):
 
     def _fields(self):
         return (self.conv_q, self.conv_k, self.conv_v, self.state)
+
+    def nan_rows(self, faults) -> "KDACache":
+        """This cache with the rows where ``faults [N]`` is True NaN (None: as it is)."""
+        if faults is None:
+            return self
+        nan = lambda a: jnp.where(faults.reshape((-1,) + (1,) * (a.ndim - 1)), jnp.asarray(jnp.nan, a.dtype), a)
+        return KDACache(*(None if a is None else nan(a) for a in self._fields()))
 
     @classmethod
     def from_fla(cls, layer_cache=None, *, recurrent_state=None, conv_state=None, state_v_first: bool = True,
@@ -118,22 +128,24 @@ class KDACache(eqx.Module):
         return {"recurrent_state": st, "conv_state": conv}
 
 
-def checked_slots(indices, P: int, name: str = "state_indices", distinct: bool = True) -> Int[Array, " N"]:
-    """``indices`` (``name``) as int32, with runtime errors (``eqx.error_if``, eager or
-    compiled) for a row outside the ``P`` rows of a cache (a pool) or, ``distinct``, two
-    sequences sharing one."""
+def checked_slots(indices, P: int, name: str = "state_indices", distinct: bool = True) -> tuple:
+    """``(indices as int32, faults)``: a row outside the ``P`` rows of a cache (a pool) or,
+    ``distinct``, two sequences sharing one, refused by a runtime error (``eqx.error_if``,
+    eager or compiled; ``faults`` None); in a program partitioned over several devices,
+    where that error would abort the process (``kdax._platform.spans_devices``), ``faults
+    [N]`` marks each such sequence instead, for the caller to make its rows NaN."""
     indices = jnp.asarray(indices, jnp.int32)
     if indices.ndim != 1:
         raise ValueError(f"{name}: expected a 1-d array of row indices, got shape {tuple(indices.shape)}.")
-    # Out-of-range rows would be clamped on read and dropped on write: refuse them.
-    indices = eqx.error_if(indices, jnp.any((indices < 0) | (indices >= P)),
-                           f"{name}: every slot must lie in [0, {P}) (the pool's rows).")
-    if not distinct:
-        return indices
-    # Two sequences writing one slot: one state would be silently dropped.
-    srt = jnp.sort(indices)
-    return eqx.error_if(indices, jnp.any(srt[1:] == srt[:-1]),
-                        f"{name}: every slot must be distinct (two sequences cannot share one pool row).")
+    # Out-of-range rows would be clamped on read and dropped on write; two sequences writing
+    # one slot: one state would be silently dropped.
+    outside = (indices < 0) | (indices >= P)
+    shared = jnp.sum(indices[:, None] == indices[None], axis=1) > 1 if distinct else jnp.zeros_like(outside)
+    if spans_devices(indices):
+        return indices, outside | shared
+    indices = eqx.error_if(indices, jnp.any(outside), f"{name}: every slot must lie in [0, {P}) (the pool's rows).")
+    return eqx.error_if(indices, jnp.any(shared),
+                        f"{name}: every slot must be distinct (two sequences cannot share one pool row)."), None
 
 
 def zeros_cache(N: int, W: int, DK: int, DV: int, HV: int, K: int, V: int, conv: bool,

@@ -10,6 +10,7 @@ from .._runner.runner import active_recordings
 from .._annotations import ArrayIn, CuSeqlensIn, typecheck
 from .._errors import reverse_mode_only
 from .._platform import in_eager_shard_map
+from ..parallel import batch_shards
 from ..pipeline import KDAPipeline
 from ..recurrent import concrete_call
 from ._arguments import check_call
@@ -244,6 +245,11 @@ class KimiDeltaAttention(eqx.Module):
           passed and ``T <= 64`` (decode), else the layer's ``mode`` ("chunk" unless
           built with ``mode="fused_recurrent"``).
 
+        - ``x`` sharded over the batch on an Explicit mesh: the rows run per shard
+          (``jax.shard_map``, parameters replicated), as ``chunk_kda``'s inputs do; there
+          a pool slot out of range or shared makes its sequence's output and state NaN
+          (an error would abort a program over several devices).
+
         Isolation: every sequence (a row, a masked row, a packed sequence) gets the outputs,
         state and gradients it gets alone, whatever the others hold, NaN or inf included
         (docs/stages.md §1, "Isolation"); a non-finite value makes its own sequence's
@@ -282,23 +288,42 @@ def _call(layer: KimiDeltaAttention, x, attention_mask, cu_seqlens, cache: Optio
     """``KimiDeltaAttention.__call__`` after ``check_call``: its arguments checked and
     normalised (``attention_mask`` this call's ``[B, T]``, ``cu_seqlens`` int32, ``mode``
     "chunk" or "recurrent")."""
-    B, T, _ = x.shape
+    shards = None if seq_axis_name is not None else batch_shards(x)
     if state_indices is not None:
-        state_indices = checked_slots(state_indices, cache.state.shape[0])
-    rows = cache if state_indices is None else cache._take(state_indices)
+        if shards is not None:
+            cache, state_indices = shards.replicated((cache, state_indices))
+        state_indices, faults = checked_slots(state_indices, cache.state.shape[0])
+    rows = cache if state_indices is None else cache._take(state_indices).nan_rows(faults)
+    cu = None if cu_seqlens is None else jnp.asarray(cu_seqlens, jnp.int32)
+
+    def on_rows(layer, x, attention_mask, cu, rows, pipeline):
+        return _on_rows(layer, x, attention_mask, cu, rows, pipeline, mode, inter_states, chunk_size, seq_axis_name)
+
+    if shards is None:
+        y, new_rows, inter = on_rows(layer, x, attention_mask, cu, rows, pipeline)
+    else:  # (x sharded over Explicit mesh axes: per batch shard, as chunk_kda runs)
+        y, new_rows, inter = shards.run(on_rows, layer, x, attention_mask, cu, rows, pipeline)
+        new_rows = new_rows if state_indices is None else shards.replicated(new_rows)
+    new_cache = new_rows if state_indices is None else cache._put(state_indices, new_rows)
+    if inter_states:
+        return y, new_cache, inter
+    return y, new_cache
+
+
+def _on_rows(layer, x, attention_mask, cu, rows, pipeline, mode, inter_states, chunk_size, seq_axis_name):
+    """``(y, new_rows, intermediate)``: the layer on ``x`` with ``rows`` its cache rows (one
+    per batch row, or per packed sequence), masked rows packed and unpacked around it."""
+    B, T, _ = x.shape
     xin = jnp.asarray(x).astype(layer._compute_dtype(x))
     if attention_mask is not None:
         # Padded rows run as one packed row: shapes never depend on the mask.
         xs, cu, rows, order = pack_padded(xin, attention_mask, rows)
     else:
-        xs, cu = xin, None if cu_seqlens is None else jnp.asarray(cu_seqlens, jnp.int32)
+        xs = xin
     y, new_rows, inter = layer_forward(layer, xs, cu, rows, mode, inter_states, chunk_size, pipeline, seq_axis_name)
     if attention_mask is not None:
         y, new_rows = unpack_padded(y, new_rows, order, B, T)
-    new_cache = new_rows if state_indices is None else cache._put(state_indices, new_rows)
-    if inter_states:
-        return y, new_cache, inter
-    return y, new_cache
+    return y, new_rows, inter
 
 
 # eqx.filter_jit: the layer and a pipeline hold static fields and, a pipeline, any leaves.

@@ -13,5 +13,5 @@ from ._chunk import check_axis as check_axis, sp_chunk_kda as sp_chunk_kda
 from ._global import chunk_kda as chunk_kda
 from ._halo import causal_conv1d as causal_conv1d, conv_halo as conv_halo, sp_causal_conv1d as sp_causal_conv1d
 from ._halo import sp_conv_tail as sp_conv_tail, sp_token_segments as sp_token_segments
-from ._layer import apply_layer as apply_layer
+from ._layer import apply_layer as apply_layer, batch_shards as batch_shards
 from ._summary import exclusive_prefix as exclusive_prefix, scan_prefix as scan_prefix

@@ -37,6 +37,7 @@ from .._numerics.arrays import varying_axes
 from .._platform import in_eager_shard_map
 from .._runner import routes as _routes
 from .._runner.stage_grads import check_perturbed, pipeline_gradients
+from .._runner.vjp import summed_like
 from .._validate import checked_cu_seqlens
 from ..pipeline import default_pipeline
 from ..ref import compute_dtype
@@ -254,8 +255,8 @@ def _derived_bwd(res, sp: _Spans, where, primals, perturbed, do, dfinal, axis: s
     device, the copies were summed again: P times dh0); without it, shard_map's transpose
     sums each device's part."""
     out, d_pipe = _routes.derived_gradients(res, where, do, dfinal, sp.cu, axis)
-    d_inputs = tuple(None if x is None or p is None else _like(x, p) for x, p in zip(out, primals))
-    d_pipe = jax.tree.map(lambda x: x if x is None else _like(x, x), d_pipe)
+    d_inputs = tuple(None if x is None or p is None else summed_like(x, p) for x, p in zip(out, primals))
+    d_pipe = jax.tree.map(lambda x: x if x is None else summed_like(x, x), d_pipe)
     return d_inputs, _routes.pipeline_cotangent(perturbed, d_pipe, res.swapped)
 
 
@@ -312,20 +313,11 @@ def _sp_bwd(residuals, cotangents, perturbed, diff, call: _Call, cu):
     dh0 = _rows(~sp.enters, grads.initial_state)
     dh0 = jax.lax.psum(dh0, static.axis) if checked else dh0
     out = (grads.q, grads.k, grads.v, grads.g, grads.beta, dh0, grads.A_log, grads.dt_bias)
-    d_inputs = tuple(None if x is None or p is None else _like(x, p) for x, p in zip(out, primals))
+    d_inputs = tuple(None if x is None or p is None else summed_like(x, p) for x, p in zip(out, primals))
     # Stage arrays: the stage's VJP on this device's tokens. The pipeline is replicated:
     # under check_vma the VJP's own transpose of the implicit broadcast sums over the
     # devices; without it, shard_map's transpose does.
     return d_inputs, pipeline_gradients(pipeline.untiled(), perturbed[1], parts, res, clean)
-
-
-def _like(ct, primal):
-    """``ct`` summed over the mesh axes it varies over and ``primal`` does not, in
-    ``primal``'s dtype."""
-    extra = tuple(sorted(varying_axes(ct) - varying_axes(primal)))
-    if extra:
-        ct = jax.lax.psum(ct, extra)
-    return ct.astype(primal.dtype)
 
 
 def check_state_splits(pipeline) -> None:

@@ -1,7 +1,7 @@
 """``kdax.parallel.apply_layer``: a ``kdax.nn.KimiDeltaAttention`` layer sequence-parallel
 on global arrays."""
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import equinox as eqx
 import jax
@@ -14,6 +14,7 @@ from .._errors import reverse_mode_only
 from .._validate import check_cu_seqlens
 from ._global import check_mesh_axes
 from ._interpret import interprets
+from ._shard import explicit_spec, spec_axes
 
 
 @typecheck
@@ -64,3 +65,44 @@ def _sharded_layer(mesh, seq_axis, batch_axis, options, layer, x, cu_seqlens, ca
         args = tuple(jax.tree.map(lambda a: jax.sharding.reshard(a, NamedSharding(mesh, s)), a)
                      for a, s in zip(args, in_specs))
     return fn(*args)
+
+
+class BatchShards(NamedTuple):
+    """The Explicit mesh axes ``axes`` of ``mesh`` that shard a layer's batch (``batch_shards``)."""
+
+    mesh: Mesh
+    axes: object
+
+    def replicated(self, tree):
+        """``tree``'s arrays resharded to be replicated over the mesh (a pool's rows are
+        taken and written there: a gather from a sharded pool has no unambiguous sharding)."""
+        return jax.tree.map(lambda a: jax.sharding.reshard(a, NamedSharding(self.mesh, P())), tree)
+
+    def run(self, fn, layer, x, attention_mask, cu_seqlens, rows, pipeline):
+        """``fn(layer, x, attention_mask, cu_seqlens, rows, pipeline)`` (the layer on its cache
+        rows: ``(y, new_rows, intermediate)``) in ``jax.shard_map`` over the batch axes:
+        rows are independent, so no collective; the parameters are replicated (their
+        gradients summed by shard_map's transpose). The cache rows and the intermediate
+        states follow the batch (dense) or are replicated (packed: B == 1)."""
+        b = self.axes
+        tok, cache = P(b, None, None), P(b) if cu_seqlens is None else P()
+        in_specs = (P(), tok, P(b, None), P(), cache, P())
+        args = tuple(jax.tree.map(lambda a, s=s: jax.sharding.reshard(a, NamedSharding(self.mesh, s)), a)
+                     for a, s in zip((layer, x, attention_mask, cu_seqlens, rows, pipeline), in_specs))
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=(tok, cache, P(b)),
+                             check_vma=not interprets(pipeline))(*args)
+
+
+def batch_shards(x) -> Optional[BatchShards]:
+    """How ``x [B, T, D]`` is sharded over Explicit mesh axes (the layer then runs per batch
+    shard: ``BatchShards.run``), or None. A sharded token axis is refused (sequence
+    parallel has its own entries)."""
+    found = explicit_spec(x)
+    if found is None:
+        return None
+    mesh, spec = found
+    if spec_axes(spec[1]):
+        raise ValueError(f"x: the token axis is sharded over {spec[1]!r}; run sequence parallel with "
+                         "kdax.parallel.apply_layer (global arrays) or seq_axis_name inside jax.shard_map, or "
+                         "shard x over the batch axis only.")
+    return BatchShards(mesh, spec[0])

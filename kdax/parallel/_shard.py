@@ -15,22 +15,22 @@ from ._chunk import sp_chunk_kda
 from ._interpret import check_interpret_in_shard_map, interprets
 
 
-def _axes(entry) -> tuple:
+def spec_axes(entry) -> tuple:
     if entry is None:
         return ()
     return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
-def _explicit_spec(x):
+def explicit_spec(x):
     """``(mesh, spec)`` of ``x``'s Explicit sharding, or None (unsharded, an Auto mesh,
     or inside shard_map over every axis it is sharded on)."""
     sh = getattr(jax.typeof(x), "sharding", None)
     mesh = getattr(sh, "mesh", None)
     spec = getattr(sh, "spec", None)
-    if mesh is None or spec is None or not any(_axes(e) for e in spec):
+    if mesh is None or spec is None or not any(spec_axes(e) for e in spec):
         return None
     explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit}
-    if not any(a in explicit for e in spec for a in _axes(e)):
+    if not any(a in explicit for e in spec for a in spec_axes(e)):
         return None
     return mesh, tuple(spec) + (None,) * (x.ndim - len(spec))
 
@@ -40,11 +40,11 @@ def sharding_of(q, k, v, g, beta) -> Optional[tuple]:
     then q, k, g, beta; ``spec`` over ``[B, T, H, ...]``), or None when none is sharded so:
     the call is a plain one. A sharded token axis is refused (sequence parallelism has its
     own entry)."""
-    found = [s for s in map(_explicit_spec, (v, q, k, g, beta)) if s is not None]
+    found = [s for s in map(explicit_spec, (v, q, k, g, beta)) if s is not None]
     if not found:
         return None
     for _, s in found:
-        if _axes(s[1]):
+        if spec_axes(s[1]):
             raise ValueError(
                 f"q, k, v, g, beta: the token axis is sharded over {s[1]!r}; sequence parallelism "
                 "needs seq_axis_name inside jax.shard_map, or kdax.parallel.chunk_kda on global arrays."
@@ -107,7 +107,7 @@ def _qk_heads(mesh, h, H: int, HV: int) -> Optional[Callable]:
     of the q/k heads); else, when every block's value heads read one q/k head (H < P, the
     group size ``HV // H`` a multiple of the block ``HV // P``), the function that slices
     that head out of replicated ``q``/``k`` on each shard; otherwise an error."""
-    axes = _axes(h)
+    axes = spec_axes(h)
     if not axes:
         return None
     Pn = 1

@@ -139,3 +139,106 @@ def test_pallas_pipeline_packed():
     with warnings.catch_warnings():  # packed input runs on the Pallas stages (no longer a fallback)
         warnings.simplefilter("error", kdax.FallbackWarning)
         _check(_mesh(2), layer, x, jnp.asarray(CU, jnp.int32), rand_cache(layer, len(CU) - 1, 8), 9, opts)
+
+
+# -- data parallel: x sharded over the batch on an Explicit mesh (jax.make_mesh's default) --
+
+
+def _batch_mesh():
+    return jax.make_mesh((4,), ("b",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:4])
+
+
+def _on(mesh, tree, spec):
+    return jax.tree.map(lambda a: jax.device_put(a, jax.NamedSharding(mesh, spec)), tree)
+
+
+def _mask(B, T, seed):
+    """Left and right padding, a row of one token and a full row."""
+    lens = np.random.default_rng(seed).integers(1, T, size=B)
+    lens[0], lens[1] = T, 1
+    m = np.arange(T)[None] < lens[:, None]
+    m[::2] = m[::2, ::-1]
+    return jnp.asarray(m.astype(np.int32))
+
+
+@pytest.mark.parametrize("what", ["dense", "mask", "cache", "intermediate"])
+def test_batch_sharded_on_an_explicit_mesh_equals_one_device(what):
+    """Each shard's rows run alone (``jax.shard_map``, no collective), as chunk_kda's
+    inputs do: y, the new cache and the gradients of every parameter, x and the cache
+    equal the layer's on unsharded arrays (float64 <= 1e-12), eager and under jit; the
+    outputs stay sharded over the batch. Before: JAX's ShardingTypeError on any call
+    ("Use `.at[...].get(out_sharding=)`", the short convolution's gather)."""
+    layer, _, _ = make_layer(7)
+    B, T = 8, 40
+    mesh = _batch_mesh()
+    x = rand(7, B, T, D)
+    cache = rand_cache(layer, B, 3) if what == "cache" else None
+    kw = dict(chunk_size=16, mode="chunk")
+    kw.update(attention_mask=_mask(B, T, 1) if what == "mask" else None,
+              return_intermediate_states=what == "intermediate")
+    ref = layer(x, cache=cache, **kw)
+    xs, cs = _on(mesh, x, P("b")), _on(mesh, cache, P("b"))
+    eager = layer(xs, cache=cs, **dict(kw, attention_mask=_on(mesh, kw["attention_mask"], P("b"))))
+    with jax.set_mesh(mesh):
+        jitted = jax.jit(lambda l, x, c: l(x, cache=c, **kw))(layer, xs, cs)
+    for got in (eager, jitted):
+        assert got[0].sharding.spec[0] == "b"
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+            assert_close(a, b, 1e-12, what)
+    if what == "intermediate":
+        return
+    r = np.random.default_rng(5)
+    w = dict(y=jnp.asarray(r.normal(size=x.shape)),
+             **{f: jnp.asarray(r.normal(size=a.shape)) for f, a in zip("qkvs", layer.init_cache(B)._fields())})
+    call = lambda l, x, c: l(x, cache=c, **kw)
+    want = _loss_and_grads(call, layer, x, cache, w)
+    with jax.set_mesh(mesh):
+        got = _loss_and_grads(call, layer, xs, cs, w)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert_close(a, b, 1e-12, what + " (gradients)")
+
+
+@pytest.mark.parametrize("slots_spec", [P("b"), P()], ids=["slots-sharded", "slots-replicated"])
+def test_batch_sharded_decode_into_a_pool(slots_spec):
+    """A serving pool (``state_indices``) with x sharded over the batch: the pool's rows are
+    taken and written replicated, the rows run per shard; the pool equals the one-device
+    pool (rows not in ``state_indices`` bit-identical). A slot outside the pool or shared
+    by two sequences cannot raise in this program (the error's callback runs on one
+    device, the others wait: the process aborted after 40 s): each such sequence's output
+    is NaN, its state NaN where it is written, the other sequences and rows exact."""
+    layer, _, _ = make_layer(8)
+    mesh = _batch_mesh()
+    pool = rand_cache(layer, 12, 4)
+    x = rand(8, 8, 1, D)
+    slots = jnp.asarray([11, 0, 3, 7, 1, 9, 4, 6], jnp.int32)
+    y0, pool0 = layer(x, cache=pool, state_indices=slots)
+    call = jax.jit(lambda l, x, c, s: l(x, cache=c, state_indices=s))
+
+    def sharded(slots):
+        with jax.set_mesh(mesh):
+            return call(layer, _on(mesh, x, P("b")), _on(mesh, pool, P()), _on(mesh, slots, slots_spec))
+
+    y, new = sharded(slots)
+    assert_close(y, y0, 1e-12, "y")
+    for a, b in zip(new._fields(), pool0._fields()):
+        assert_close(a, b, 1e-12, "pool")
+    untouched = np.setdiff1d(np.arange(12), np.asarray(slots))
+    np.testing.assert_array_equal(np.asarray(new.state)[untouched], np.asarray(pool.state)[untouched])
+    # sequence 2 outside the pool; sequences 3 and 5 sharing row 7
+    y, new = sharded(slots.at[2].set(12).at[5].set(7))
+    y, state, y0 = np.asarray(y), np.asarray(new.state), np.asarray(y0)
+    bad = np.isin(np.arange(8), [2, 3, 5])
+    assert np.all(np.isnan(y[bad])) and not np.any(np.isnan(y[~bad]))
+    np.testing.assert_allclose(y[~bad], y0[~bad], rtol=1e-12, atol=1e-12)
+    assert np.all(np.isnan(state[7])) and not np.any(np.isnan(np.delete(state, 7, axis=0)))
+    for row in (11, 0, 1, 4, 6):  # written by good sequences
+        np.testing.assert_allclose(state[row], np.asarray(pool0.state)[row], rtol=1e-12, atol=1e-12)
+    for row in (3, 9):  # (slots of the bad sequences in the first call) untouched now
+        np.testing.assert_array_equal(state[row], np.asarray(pool.state)[row])
+
+
+def test_token_axis_sharded_on_an_explicit_mesh_is_refused():
+    layer, _, _ = make_layer(3)
+    mesh = _batch_mesh()
+    with pytest.raises(ValueError, match="x: the token axis is sharded over 'b'; run sequence parallel"):
+        layer(_on(mesh, rand(3, 1, 8, D), P(None, "b")))

@@ -7,6 +7,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
@@ -108,6 +109,39 @@ def test_shard_map(name, axis_type):
     out = jax.jit(sm)(xs)
     grads = jax.jit(jax.grad(lambda x: _loss(lambda *a, **kw: sm(x), x)))(xs)
     _check(out, grads, ref_out, ref_grads, SPECS)
+
+
+@pytest.mark.parametrize("name", list(FNS))
+def test_shard_map_with_replicated_gate_parameters(name):
+    """Inside the caller's shard_map over the batch, the in-kernel gate's ``A_log`` and
+    ``dt_bias`` replicated (as a model's parameters are): their gradients summed over the
+    shards, equal to the unsharded ones. Before, chunk_kda's VJP returned them varying over
+    the batch axis and JAX refused it ("Custom VJP bwd rule must produce an output with the
+    same type as the args tuple")."""
+    fn, x = FNS[name], _inputs()
+    HV, K = x["v"].shape[2], x["q"].shape[3]
+    r = np.random.default_rng(1)
+    x = dict(x, A_log=jnp.asarray(r.normal(size=HV)), dt_bias=jnp.asarray(r.normal(size=HV * K)))
+    specs = dict(SPECS, q=P("b"), k=P("b"), v=P("b"), g=P("b"), beta=P("b"), initial_state=P("b"), A_log=P(),
+                 dt_bias=P())
+    mesh = jax.make_mesh((4,), ("b",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:4])
+
+    def body(x):
+        return fn(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"], A_log=x["A_log"],
+                  dt_bias=x["dt_bias"], use_gate_in_kernel=True, output_final_state=True)
+
+    def loss(call, x):
+        o, ht = call(x)
+        return jnp.sum(o * jnp.cos(o)) + jnp.sum(ht**2)
+
+    x = dict(x, q=jnp.concatenate([x["q"]] * 2), k=jnp.concatenate([x["k"]] * 2))
+    x.update({n: jnp.concatenate([x[n]] * 2) for n in ("v", "g", "beta", "initial_state")})
+    want = jax.jit(jax.grad(lambda x: loss(body, x)))(x)
+    xs = {n: jax.device_put(a, NamedSharding(mesh, specs[n])) for n, a in x.items()}
+    sm = jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=(P("b"), P("b")))
+    got = jax.jit(jax.grad(lambda x: loss(sm, x)))(xs)
+    for n in want:
+        assert_close(got[n], want[n], 1e-12, "d" + n)
 
 
 def test_jit_auto_mesh_recurrent_keeps_sharding():
