@@ -458,6 +458,37 @@ def test_false_reset_fails():
     assert "declares `reset`" in next(c for c in report.failed if c.name == "reset").detail
 
 
+class NextKeyGate(AbstractGate):
+    """F1 of other math whose key at token t adds half the key at t + 1 (inside its chunk):
+    another formula, and one that reads the future."""
+
+    math: ClassVar = "next-key"
+
+    def __call__(self, config, q, k, g, beta, A_log, dt_bias, valid):
+        nxt = jnp.concatenate([k[..., 1:, :], jnp.zeros_like(k[..., :1, :])], axis=-2)
+        return ReferenceGate()(config, q, k + 0.5 * nxt, g, beta, A_log, dt_bias, valid)
+
+
+class NextValueOutput(AbstractOutput):
+    """F5 of other math adding the next token's ``v_new`` to each output."""
+
+    math: ClassVar = "next-value"
+
+    def __call__(self, scale, qg, h, Aqk, v_new):
+        nxt = jnp.concatenate([v_new[..., 1:, :], jnp.zeros_like(v_new[..., :1, :])], axis=-2)
+        return ReferenceOutput()(scale, qg, h, Aqk, v_new) + nxt
+
+
+@pytest.mark.parametrize("field,stage", [("gate", NextKeyGate()), ("output", NextValueOutput())], ids=["F1", "F5"])
+def test_forward_stage_of_other_math_reading_later_tokens_fails_causal(field, stage):
+    """Causality does not depend on the formula: a forward stage of other math (its values
+    compared with nothing) whose outputs before a token change with that token fails
+    ``causal`` (before: no causal row for other math, and the report was ok)."""
+    report = check_stage(stage, field, **_small())
+    assert report.names_failed == {"causal"}, str(report)
+    assert all("before the first changed token" in c.detail for c in report.failed), str(report)
+
+
 class DoublesOnResetOutput(AbstractOutput):
     """KDA's F5 declaring ``reset`` and returning twice the output whenever it is passed:
     right on every layout without resets, wrong wherever sequences share chunks."""

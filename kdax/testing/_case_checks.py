@@ -289,7 +289,7 @@ def _case_checks(col, base, field, stage, caps, case: Case, cache_ok: bool, firs
                 _dw_overflow(col, P, kw, out, reference, case)
             except Exception as e:
                 col.add("overflow", case.name, False, _error(e))
-        if reference is not None and not case.share:
+        if (reference is not None or STAGES[field].forward) and not case.share:
             try:
                 _causal(col, P, field, kw, out, reference, case)
             except Exception as e:

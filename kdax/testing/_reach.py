@@ -138,10 +138,11 @@ def _middles(case: Case, R: int, NC: int):
 
 
 def _causal(col, pipe, field, kw, clean, reference, case: Case):
-    """``causal`` (a stage of KDA's math): each sequence's tokens from its middle one on, less
-    one in every per-token argument (a log decay less one there is another decay), leave
-    every output entry of that sequence that the reference stage's leaves as it was, to the
-    bit (docs/DESIGN.md §2: outputs and gradients causal to the bit; a stage whose earlier
+    """``causal``: each sequence's tokens from its middle one on, less one in every per-token
+    argument (a log decay less one there is another decay), leave every output entry of
+    that sequence that the reference stage's leaves as it was (``reference`` None, a forward
+    stage of other math: every entry of a token before the change and every chunk-start
+    state no later than it), to the bit (docs/DESIGN.md §2: outputs and gradients causal to the bit; a stage whose earlier
     rows read later tokens, as an anchor of the exponents chosen over the whole chunk does
     through its rounding, fails). A NaN there is not this row's change: a plain product
     against a triangular mask (``tril(Aqk) @ v_new``) carries it to earlier rows
@@ -154,21 +155,38 @@ def _causal(col, pipe, field, kw, clean, reference, case: Case):
     tokens = _middles(case, R, NC)
     names = [n for n, x in kw.items() if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
              and x.ndim >= 4 and x.shape[0] == R and x.shape[2] == NC and x.shape[3] == C]
-    ref0 = _jit_run(reference[0], field, reference[1])
+    ref0 = None if reference is None else _jit_run(reference[0], field, reference[1])
+    keeps = "the reference stage's keeps" if reference is not None else "before the first changed token"
     reached = []
     for seq, later in tokens:
         moved = {n: _device(np.where(later.reshape(R, 1, NC, C, *(1,) * (kw[n].ndim - 4)), np.asarray(kw[n]) - 1,
                                      np.asarray(kw[n])), kw[n].dtype) for n in names}
         got = _jit_run(pipe, field, dict(kw, **moved))
-        want = _jit_run(reference[0], field, dict(reference[1], **moved))
-        for (path, a), (_, a0), (_, b), (_, b0) in zip(_leaves(got), _leaves(clean), _leaves(want), _leaves(ref0)):
+        want = clean if reference is None else _jit_run(reference[0], field, dict(reference[1], **moved))
+        for (path, a), (_, a0), (_, b), (_, b0) in zip(_leaves(got), _leaves(clean), _leaves(want),
+                                                       _leaves(clean if reference is None else ref0)):
             mine = _owners(a.shape, case, R, NC, N)
             if mine is None or a.shape != b.shape:
                 continue
-            bad = np.broadcast_to(mine == seq, a.shape) & _kept(b, b0) & ~_kept(a, a0)
+            # (a stage of other math: the entries of the tokens and chunk-start states before the change)
+            must = _kept(b, b0) if reference is not None else _before(a.shape, later, C)
+            bad = np.broadcast_to(mine == seq, a.shape) & must & ~_kept(a, a0)
             if bad.any():
-                reached.append(f"sequence {seq}'s later tokens changed {path} at {int(bad.sum())} places the "
-                               "reference stage's keeps")
+                reached.append(f"sequence {seq}'s later tokens changed {path or 'the output'} at {int(bad.sum())} "
+                               f"places {keeps}")
     col.add("causal", case.name, not reached, "; ".join(reached[:3]) if reached else
-            f"{', '.join(names)} less one from each sequence's middle token on: every entry the reference stage's "
-            "keeps kept, to the bit")
+            f"{', '.join(names)} less one from each sequence's middle token on: every entry {keeps} kept, to the bit")
+
+
+def _before(shape, later, C: int):
+    """Where an output of ``shape`` holds a token before the first of ``later [R, NC, C]`` in
+    its row (``[R, HV, NC, C, ...]``) or a chunk-start state no later than it (``[R, HV, NC,
+    ...]``, the cases' K and V not C); elsewhere False."""
+    R, NC = later.shape[:2]
+    pos = np.arange(NC * C).reshape(1, NC, C)
+    first = np.where(later.any(axis=(1, 2)), np.where(later, pos, NC * C).min(axis=(1, 2)), NC * C)[:, None, None]
+    if len(shape) < 3 or shape[0] != R or shape[2] != NC:
+        return np.zeros(shape, bool)
+    if len(shape) >= 4 and shape[3] == C:
+        return np.broadcast_to((pos < first).reshape(R, 1, NC, C, *(1,) * (len(shape) - 4)), shape)
+    return np.broadcast_to((pos[..., 0] <= first[..., 0]).reshape(R, 1, NC, *(1,) * (len(shape) - 3)), shape)
