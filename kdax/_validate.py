@@ -16,6 +16,7 @@ from jaxtyping import Float
 
 from ._config import KDAOptions
 from ._errors import Float64Warning, UnstableDeltaRuleWarning, warn_caller
+from ._platform import spans_devices
 from ._numerics.arrays import varying_axes
 from ._annotations import QK, ALogIn, ArrayIn, Beta, CuSeqlensIn, Gate, State, Values, typecheck
 
@@ -49,11 +50,15 @@ def checked_cu_seqlens(cu, T: int, what: str = "q"):
     cu = jnp.asarray(cu, jnp.int32)
     # Per-device offsets inside shard_map (kdax.parallel derives them from the global
     # cu_seqlens, which it checks with this function before): the error branch cannot be
-    # typed as varying over the mesh axes.
-    if concrete or varying_axes(cu):
+    # typed as varying over the mesh axes. Over several devices: read as NaN (_in_program).
+    if concrete or varying_axes(cu) or spans_devices(cu):
         return cu
-    bad = jnp.stack([cu[0] != 0, jnp.any(cu[1:] < cu[:-1]), cu[-1] != T])
+    bad = _cu_faults(cu, T)
     return eqx.branched_error_if(cu, jnp.any(bad), jnp.argmax(bad), tuple(f"{m}." for m in messages))
+
+
+def _cu_faults(cu, T: int):
+    return jnp.stack([cu[0] != 0, jnp.any(cu[1:] < cu[:-1]), cu[-1] != T])
 
 
 def _real(name: str, x) -> float:
@@ -166,6 +171,9 @@ def _in_program(g, beta, options: KDAOptions):
                        "inside the compiled program). Pass jax.nn.sigmoid(x), or the raw x with "
                        "use_beta_sigmoid_in_kernel=True; check_inputs=False skips this check."))
     one_device = jax.device_count() == 1 and not any(varying_axes(bad) for _, bad, _ in errors)
+    cu = options.cu_seqlens  # (unchecked by checked_cu_seqlens in a program over several devices)
+    if isinstance(cu, jax.core.Tracer) and not varying_axes(cu) and spans_devices(cu):
+        errors.append(("cu_seqlens", jnp.any(_cu_faults(cu, g.shape[1])), "cu_seqlens: invalid offsets"))
     return g, beta, errors, one_device
 
 
@@ -195,7 +203,7 @@ def checked_domain(g, beta, options: KDAOptions, *, flagged: bool = False):
     # collective over sharded inputs).
     bads = {name: bad for name, bad, _ in errors}
     nan = lambda x, name: jnp.where(bads[name], jnp.asarray(jnp.nan, x.dtype), x) if name in bads else x
-    return nan(g, "g"), nan(beta, "beta")
+    return nan(g, "g"), nan(nan(beta, "beta"), "cu_seqlens")  # (invalid offsets: every output)
 
 
 def _warn_float64(**arrays) -> None:

@@ -116,6 +116,26 @@ def test_bad_inputs_under_jit_with_several_devices_are_nan_in_their_sequence(fn)
 
 
 @pytest.mark.parametrize("fn", FNS, ids=IDS)
+def test_traced_offsets_in_a_program_over_several_devices_are_nan(fn):
+    """cu_seqlens traced in a program partitioned over a mesh (Auto axes, ``jax.set_mesh``):
+    the in-program error's callback ran on one device while the others waited at a
+    collective, and the process aborted after 40 s; now invalid offsets make every output
+    NaN, and valid ones give the one-device numbers."""
+    q, k, v, g, beta = _inputs()
+    g, beta = _good(g, beta)
+    mesh = jax.make_mesh((2,), ("h",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
+    f = jax.jit(lambda q, k, v, g, beta, cu: fn(q, k, v, g, beta, cu_seqlens=cu)[0])
+    ok, bad = jnp.asarray([0, 5, T], jnp.int32), jnp.asarray([0, 5, T - 2], jnp.int32)
+    want = np.asarray(f(q, k, v, g, beta, ok))
+    put = lambda x: jax.device_put(x, jax.NamedSharding(mesh, jax.sharding.PartitionSpec(None, None, "h")))
+    with jax.set_mesh(mesh):
+        args = [put(x) for x in (q, k, v, g, beta)]
+        got, nan = np.asarray(f(*args, ok)), np.asarray(f(*args, bad))
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    assert np.all(np.isnan(nan))
+
+
+@pytest.mark.parametrize("fn", FNS, ids=IDS)
 def test_good_inputs_under_jit_unchanged_by_the_check(fn):
     """The check adds an error branch, not arithmetic: outputs bit for bit as without it."""
     q, k, v, g, beta = _inputs()

@@ -77,10 +77,12 @@ def test_machinery_size():
     ``check_stage`` run an F5's shared-chunk cases when it declares ``reset`` (an F5
     doubling its output there passed), ``plan`` say why nothing runs at T = 0, and sum the
     cotangents of inputs replicated over a ``shard_map`` axis the tokens vary over (A_log's
-    gradient beside batch-sharded q was refused by JAX)."""
+    gradient beside batch-sharded q was refused by JAX); then 3,484: traced ``cu_seqlens``
+    in a program seen to span devices read as NaN, not an in-program error that aborted
+    the process."""
     root = PIPELINE.parent
     lines = sum(len(p.read_text().splitlines()) for pat in MACHINERY for p in root.glob(pat))
-    assert lines <= 3476, f"the machinery has {lines} lines (at most 3,476; issue 52's goal: 2,600)"
+    assert lines <= 3484, f"the machinery has {lines} lines (at most 3,484; issue 52's goal: 2,600)"
 
 
 def test_no_module_over_450_lines():
