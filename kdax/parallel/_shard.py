@@ -10,7 +10,8 @@ from typing import Callable, Optional
 import jax
 from jax.sharding import PartitionSpec as P
 
-from .._config import resolve_deprecated
+from .._config import KDAOptions, resolve_deprecated
+from .._validate import validate
 from ._chunk import sp_chunk_kda
 from ._interpret import check_interpret_in_shard_map, interprets
 
@@ -160,7 +161,7 @@ def route(fn: Callable, arguments: dict) -> Optional[tuple]:
         kw.pop("transpose_state_layout", None)
         kw = without_fla_only(kw, "with seq_axis_name")
         return sp_chunk_kda(q, k, v, g, beta, seq_axis_name=seq_axis_name, **kw)
-    pipeline = kw.pop("pipeline", None)
+    pipeline, chunked = kw.pop("pipeline", None), fn.__name__ == "chunk_kda"
     if pipeline is not None:
         check_interpret_in_shard_map(pipeline, q, k, v, g, beta)
         fn = functools.partial(fn, pipeline=pipeline)
@@ -168,6 +169,10 @@ def route(fn: Callable, arguments: dict) -> Optional[tuple]:
     sharding = sharding_of(q, k, v, g, beta)
     if sharding is None:
         return None
+    # The caller's global shapes checked first (per shard, the messages gave the shard's).
+    opts = {n: x for n, x in kw.items() if n in KDAOptions.names() and n != "state_v_first"}
+    v_first = kw.get("state_v_first", False) if kw.get("transpose_state_layout") is None else kw["transpose_state_layout"]
+    validate(q, k, v, g, beta, KDAOptions(**opts, state_v_first=v_first), chunked=chunked)
     return per_shard(fn, sharding, q, k, v, g, beta, check_vma=pipeline is None or not interprets(pipeline), **kw)
 
 

@@ -144,6 +144,27 @@ def test_shard_map_with_replicated_gate_parameters(name):
         assert_close(got[n], want[n], 1e-12, "d" + n)
 
 
+@pytest.mark.parametrize("name", list(FNS))
+def test_sharded_inputs_errors_name_the_global_shapes(name):
+    """Bad arguments beside inputs sharded over batch and heads get chunk_kda's messages
+    with the caller's shapes (before: the shard's shapes, "expected (2, 2, 8, 8)" for a
+    state of 4 rows and 4 heads, or JAX's raw error that an axis does not divide)."""
+    fn, x = FNS[name], _inputs()
+    mesh = jax.make_mesh((2, 4), ("b", "h"), axis_types=(AxisType.Explicit,) * 2)
+    xs = {n: jax.device_put(a, NamedSharding(mesh, SPECS[n])) for n, a in x.items() if n != "initial_state"}
+    B, _, HV, K = x["g"].shape
+    V = x["v"].shape[-1]
+    bad = [(dict(initial_state=jnp.zeros((B, HV, K + 1, V))), rf"initial_state: expected shape \[N, HV, K, V\] = "
+            rf"\({B}, {HV}, {K}, {V}\), got \({B}, {HV}, {K + 1}, {V}\)"),
+           (dict(initial_state=jnp.zeros((3, HV, K, V))), rf"got \(3, {HV}, {K}, {V}\)"),
+           (dict(use_gate_in_kernel=True, A_log=jnp.zeros(HV), dt_bias=jnp.zeros(6)),
+            rf"dt_bias: expected shape \[HV \* K\] = \({HV * K},\), got \(6,\)"),
+           (dict(cu_seqlens=jnp.asarray([0, 40], jnp.int32)), f"needs B == 1 \\(q.shape\\[0\\]\\), got B={B}")]
+    for kw, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            fn(xs["q"], xs["k"], xs["v"], xs["g"], xs["beta"], **kw)
+
+
 def test_jit_auto_mesh_recurrent_keeps_sharding():
     fn, x = kdax.fused_recurrent_kda, _inputs()
     ref_out, ref_grads = _reference(fn, x)
