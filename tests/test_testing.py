@@ -489,6 +489,27 @@ def test_forward_stage_of_other_math_reading_later_tokens_fails_causal(field, st
     assert all("before the first changed token" in c.detail for c in report.failed), str(report)
 
 
+class NaiveTemperedGate(AbstractGate):
+    """F1 of other math on ``g * tau``, the product taken at a hard forget too: its
+    derivative in ``tau`` there is ``0 * inf`` (NaN) though the outputs are exact."""
+
+    tau: jax.Array
+    math: ClassVar = "tempered"
+
+    def __call__(self, config, q, k, g, beta, A_log, dt_bias, valid):
+        tau = self.tau[None, :, None, None, None].astype(g.dtype)
+        return ReferenceGate()(config, q, k, g * tau, beta, A_log, dt_bias, valid)
+
+
+def test_nan_gradient_at_a_hard_forget_fails_grad():
+    """The ``grad`` row runs on the case with log decays at -1000 and -inf too and names the
+    non-finite gradient (before: only on the first dense case, without them: ok)."""
+    report = check_stage(NaiveTemperedGate(jnp.array([0.5, 2.0])), "gate", dtypes=(jnp.float64, jnp.float32))
+    assert report.names_failed == {"grad"}, str(report)
+    row = next(c for c in report.failed if c.name == "grad")
+    assert row.case == "dense f32" and "NON-FINITE: [0].gate.tau" in row.detail, row
+
+
 class DoublesOnResetOutput(AbstractOutput):
     """KDA's F5 declaring ``reset`` and returning twice the output whenever it is passed:
     right on every layout without resets, wrong wherever sequences share chunks."""

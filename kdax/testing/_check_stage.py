@@ -15,7 +15,7 @@ from .._runner.routes import RESET_DECLARABLE
 from .._stage_protocol.capabilities import capabilities
 from ..pipeline import KDAPipeline
 from ._capabilities import _capabilities_ahead, _capability_checks, _G_lo_check, _tokens_check
-from ._case_checks import _case_checks, _cases_ahead, _stage_runs_ahead, _transform_checks
+from ._case_checks import _case_checks, _cases_ahead, _stage_runs_ahead, _strong_grad_checks, _transform_checks
 from ._cases import DTYPES, Case, check_dtypes, default_cases, holds_no_array
 from ._report import Report, _Collector, _error
 from ._runs import _base, release_near_the_mapping_limit
@@ -130,6 +130,7 @@ def check_stage(
     first = next((c for c in cases if c.name.startswith("dense") and c.name in results), None)
     if first is not None:
         _transform_checks(col, base, field, stage, first, results[first.name], cache_ok)
+    _strong_grad_checks(col, field, stage, cases, results, first)
     _capability_checks(col, base, field, stage, caps, dtypes[0], full)
     if caps.G_lo:  # float32 with strong gates, against the stage's own float64 output
         _G_lo_check(col, base, field, stage, cases, results, cache_ok)
