@@ -5,6 +5,7 @@ dim, N sequences (B, or len(cu_seqlens) - 1). Inside the chunked pipeline: R row
 chunked layout, NC chunks per row, C chunk size.
 """
 
+import difflib
 import functools
 import inspect
 import numbers
@@ -57,9 +58,17 @@ def typecheck(fn: _F) -> _F:
     layout and the axis that disagrees (``shape_summary``), or the argument, the types it
     takes and the value given (``value_summary``); jaxtyping's report follows."""
     checked = jaxtyped(typechecker=beartype)(fn)
+    params = inspect.signature(fn).parameters
+    open_ = any(p.kind == p.VAR_KEYWORD for p in params.values())
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        unknown = [] if open_ else [n for n in kwargs if n not in params]
+        if unknown:  # (Python's TypeError names neither the function nor what it takes)
+            near = difflib.get_close_matches(unknown[0], list(params), n=1)
+            raise TypeError(f"{fn.__qualname__}: unexpected keyword argument {unknown[0]!r}"
+                            + (f" (did you mean {near[0]!r}?)" if near else "")
+                            + f"; its arguments are {', '.join(n for n in params if n != 'self')}.")
         try:
             return checked(*args, **kwargs)
         except TypeCheckError as e:

@@ -1,5 +1,8 @@
 """Bad input gets a clear error naming the argument, before any computation."""
 
+from typing import ClassVar
+
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import pytest
@@ -194,3 +197,34 @@ def test_out_of_domain_gate_and_beta_named_eagerly(fn, x):
     # under jit the values are checked inside the program (tests/test_input_checks.py);
     # check_inputs=False leaves them unchecked: no error is raised
     jax.block_until_ready(jax.jit(lambda g: fn(q, k, v, g, beta, check_inputs=False)[0])(-g))
+
+
+def test_misspelt_keywords_and_mistyped_declarations_are_named():
+    """A misspelt keyword names the function, the nearest argument and every argument
+    (before: Python's "got an unexpected keyword argument", naming neither); ``accepts``
+    given as a string and ``segmented`` given a stage say what they expect (before:
+    "unknown capabilities ['_', 'a', ...]" and an AttributeError)."""
+    x, b = jnp.ones((1, 8, 2, 4)), jnp.full((1, 8, 2), 0.5)
+    for fn in (kdax.chunk_kda, kdax.fused_recurrent_kda):
+        with pytest.raises(TypeError, match=rf"^{fn.__name__}: unexpected keyword argument 'intial_state' \(did you "
+                                            r"mean 'initial_state'\?\); its arguments are q, k, v, g, beta, "):
+            fn(x, x, x, -x, b, intial_state=None)
+    layer = kdax.nn.KimiDeltaAttention(hidden_size=16, num_heads=2, head_dim=4, key=jax.random.key(0))
+    with pytest.raises(TypeError, match=r"^KimiDeltaAttention.__call__: unexpected keyword argument 'attn_mask' "
+                                        r"\(did you mean 'attention_mask'\?\)"):
+        layer(jnp.ones((1, 4, 16)), attn_mask=None)
+
+    class StringAccepts(kdax.stages.AbstractOutput):
+        accepts: ClassVar = "tile_safe"
+        math: ClassVar = kdax.stages.KDA
+
+        def __call__(self, scale, qg, h, Aqk, v_new):
+            return kdax.stages.ReferenceOutput()(scale, qg, h, Aqk, v_new)
+
+    with pytest.raises(TypeError, match=r"StringAccepts.accepts: expected a frozenset of names, e.g. "
+                                        r"frozenset\(\{'tile_safe'\}\)"):
+        pipe = eqx.tree_at(lambda p: p.output, kdax.KDAPipeline.reference(), StringAccepts())
+        kdax.chunk_kda(x, x, x, -x, b, pipeline=pipe)
+    with pytest.raises(TypeError, match=r"^pipeline: expected a KDAPipeline \(segmented splits its F4 and B2 stages\), "
+                                        r"got ReferenceOutput"):
+        kdax.stages.segmented(kdax.stages.ReferenceOutput(), 2)

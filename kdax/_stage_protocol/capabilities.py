@@ -29,16 +29,13 @@ def capabilities(cls: type) -> Capabilities:
     """Stage class ``cls``'s declaration: its ``accepts`` ClassVar (``tile_safe`` also as a
     ``tile_safe = True`` ClassVar); nothing is read from its signature."""
     declared = getattr(cls, "accepts", frozenset())
-    if "standard" in declared:
-        raise TypeError(
-            f"{cls.__qualname__}.accepts: 'standard' is gone (it let the pipeline compute terms of the stage's "
-            f"formula itself). A stage that computes its family's own formula declares `math = "
-            f"kdax.stages.KDA` instead (docs/stages.md, 'Which formula a stage computes')."
-        )
+    if isinstance(declared, str):  # (iterated, its letters would read as names)
+        raise TypeError(f"{cls.__qualname__}.accepts: expected a frozenset of names, e.g. frozenset({{{declared!r}}}).")
     unknown = set(declared) - set(Capabilities._fields)
-    if unknown:
-        raise TypeError(f"{cls.__qualname__}.accepts: unknown capabilities {sorted(unknown)}; expected a "
-                        f"subset of {Capabilities._fields}.")
+    if unknown:  # ('standard' let the pipeline compute terms of a stage's formula itself)
+        raise TypeError(f"{cls.__qualname__}.accepts: " + ("'standard' is gone (a stage that computes its family's "
+                        "own formula declares `math = kdax.stages.KDA`: docs/stages.md)" if "standard" in unknown else
+                        f"unknown capabilities {sorted(unknown)}; expected a subset of {Capabilities._fields}") + ".")
     tile_safe = bool(getattr(cls, "tile_safe", False))  # (the ClassVar)
     return Capabilities(**{n: n in declared or (n == "tile_safe" and tile_safe) for n in Capabilities._fields})
 

@@ -215,6 +215,9 @@ def segmented(pipeline, segments: int = 4):
     it has; B0 recomputes through F4, so it follows). Both must be KDA's recurrences
     (declared ``math`` / ``transposes``): the affine summaries join nothing else exactly
     (``ValueError`` naming the stage)."""
+    if not all(hasattr(pipeline, n) for n in ("state", "dhu")):
+        raise TypeError(f"pipeline: expected a KDAPipeline (segmented splits its F4 and B2 stages), got "
+                        f"{type(pipeline).__name__}.")
     _check_segments(segments)
     _check_affine(pipeline.state, pipeline.dhu)
     return eqx.tree_at(lambda p: (p.state, p.dhu), pipeline,
