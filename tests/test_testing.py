@@ -813,6 +813,12 @@ def test_report_table():
     assert text.splitlines()[0].endswith(f": ok: no check failed ({n - s} passed, {s} skipped)"), text
     assert "cases:" in text and "scale=K**-0.5" in text  # the legend: what each case gives the stage
     assert "contract" in text and "reference" in text
+    # "not compared" rows counted as such, not as skipped (a stage of other math)
+    other = check_stage(NextValueOutput(), "output", cases=(Case("dense f64"),))
+    nc = len([c for c in other.checks if c.passed is None and c.detail.startswith("not compared")])
+    skip = sum(c.passed is None for c in other.checks) - nc
+    assert nc and f" skipped, {nc} not compared);" in str(other).splitlines()[0], str(other)
+    assert f"passed, {skip} skipped, " in str(other).splitlines()[0]
     failed = check_stage(OffByOnePercentOutput(), "output", cases=(Case("dense f64"),))
     assert "FAIL" in str(failed) and not failed.ok
 

@@ -109,7 +109,7 @@ def _isolation(col, pipe, field, kw, clean, case: Case, name: str, reference=Non
                         continue
                     m = np.broadcast_to((theirs != seq) & (theirs >= 0), y.shape)
                     if not _kept(y[m], y0[m]).all():
-                        leaks[row].append(f"{n} of sequence {seq} {what} reached {path} of another sequence")
+                        leaks[row].append(f"{n} of sequence {seq} {what} reached {path or 'the output'} of another sequence")
                         break
     if reference is not None:  # (all of them at once: a stage may read its own of redundant arguments, qg or q)
         for seq in range(N):

@@ -82,7 +82,7 @@ def _dw_overflow(col, pipe, kw, clean, reference, case: Case):
             others.append(path)
         n = int((~np.isfinite(b) & np.isfinite(a) & reached).sum())
         if n:
-            missed.append(f"{path} at {n} of {int((~np.isfinite(b) & reached).sum())} places")
+            missed.append(f"{path or 'the output'} at {n} of {int((~np.isfinite(b) & reached).sum())} places")
         both = mine & np.isfinite(a) & np.isfinite(b)
         top = np.max(np.abs(b[both]), initial=0.0) or 1.0  # (scaled: their squares overflow)
         e = _rel(np.where(both, a, 0.0) / top, np.where(both, b, 0.0) / top)

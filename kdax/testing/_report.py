@@ -61,7 +61,9 @@ class Report:
             rows.append((c.name, c.case, result, c.detail))
         w = [max(len(r[i]) for r in rows) for i in range(3)]
         n, s = len(self.checks), sum(c.passed is None for c in self.checks)
-        head = f"ok: no check failed ({n - s} passed, {s} skipped)" if self.ok else f"{len(self.failed)} FAILED of {n}"
+        nc = sum(c.passed is None and c.detail.startswith(NOT_COMPARED) for c in self.checks)
+        head = (f"ok: no check failed ({n - s} passed, {s - nc} skipped" + (f", {nc} not compared" if nc else "") + ")"
+                if self.ok else f"{len(self.failed)} FAILED of {n}")
         if self.not_compared:
             head += (f"; values NOT compared with the reference in {len(self.not_compared)} cases "
                      f"(rows 'n/c': the stage does not declare KDA's math)")
