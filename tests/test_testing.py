@@ -487,6 +487,10 @@ def test_forward_stage_of_other_math_reading_later_tokens_fails_causal(field, st
     report = check_stage(stage, field, **_small())
     assert report.names_failed == {"causal"}, str(report)
     assert all("before the first changed token" in c.detail for c in report.failed), str(report)
+    # T = 32, C = 16: the middle token starts a chunk, which a mix inside chunks does not
+    # cross; the row's second cut, a token later, does
+    one = check_stage(stage, field, cases=(Case("dense f64"),))
+    assert one.names_failed == {"causal"}, str(one)
 
 
 class NaiveTemperedGate(AbstractGate):
@@ -814,7 +818,7 @@ def test_report_table():
     assert "cases:" in text and "scale=K**-0.5" in text  # the legend: what each case gives the stage
     assert "contract" in text and "reference" in text
     # "not compared" rows counted as such, not as skipped (a stage of other math)
-    other = check_stage(NextValueOutput(), "output", cases=(Case("dense f64"),))
+    other = check_stage(NaiveTemperedGate(jnp.array([0.5, 2.0])), "gate", cases=(Case("dense f64"),))
     nc = len([c for c in other.checks if c.passed is None and c.detail.startswith("not compared")])
     skip = sum(c.passed is None for c in other.checks) - nc
     assert nc and f" skipped, {nc} not compared);" in str(other).splitlines()[0], str(other)

@@ -122,16 +122,16 @@ def _rows_missed(out, want, case: Case, R: int, NC: int, N: int, seq: int) -> st
     return f"{int(missed.sum())} of {int((ref[0] & ref[1]).sum())} token rows" if missed.any() else ""
 
 
-def _middles(case: Case, R: int, NC: int):
-    """``[(sequence, [R, NC, C] bool: its tokens from its middle one on)]``, for each sequence
-    of two tokens or more."""
+def _middles(case: Case, R: int, NC: int, shift: int = 0):
+    """``[(sequence, [R, NC, C] bool: its tokens from its middle one on)]`` (``shift`` tokens
+    after it), for each sequence of two tokens (``shift + 2``) or more."""
     owner, N = _tokens_of(case, R, NC)
     got = []
     for seq in range(N):
         at = np.argwhere(owner == seq)
-        if len(at) >= 2:
+        if len(at) >= 2 + shift:
             later = np.zeros(owner.shape, bool)
-            for r, c, i in at[len(at) // 2:]:
+            for r, c, i in at[len(at) // 2 + shift:]:
                 later[r, c, i] = True
             got.append((seq, later))
     return got
@@ -152,7 +152,8 @@ def _causal(col, pipe, field, kw, clean, reference, case: Case):
     x0 = next(x for x in kw.values() if hasattr(x, "ndim") and x.ndim >= 4)
     R, NC, C = x0.shape[0], x0.shape[2], case.chunk
     N = len(case.cu) - 1 if case.packed else case.B
-    tokens = _middles(case, R, NC)
+    # (other math, a second cut a token later: a mix inside chunks escapes a cut on a chunk boundary)
+    tokens = _middles(case, R, NC) + (_middles(case, R, NC, 1) if reference is None else [])
     names = [n for n, x in kw.items() if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
              and x.ndim >= 4 and x.shape[0] == R and x.shape[2] == NC and x.shape[3] == C]
     ref0 = None if reference is None else _jit_run(reference[0], field, reference[1])
