@@ -288,7 +288,7 @@ def _call(layer: KimiDeltaAttention, x, attention_mask, cu_seqlens, cache: Optio
     """``KimiDeltaAttention.__call__`` after ``check_call``: its arguments checked and
     normalised (``attention_mask`` this call's ``[B, T]``, ``cu_seqlens`` int32, ``mode``
     "chunk" or "recurrent")."""
-    shards = None if seq_axis_name is not None else batch_shards(x)
+    shards = None if seq_axis_name is not None else batch_shards(x, eqx.filter(layer, eqx.is_array))
     if state_indices is not None:
         if shards is not None:
             cache, state_indices = shards.replicated((cache, state_indices))

@@ -93,13 +93,15 @@ class BatchShards(NamedTuple):
                              check_vma=not interprets(pipeline))(*args)
 
 
-def batch_shards(x) -> Optional[BatchShards]:
+def batch_shards(x, params=()) -> Optional[BatchShards]:
     """How ``x [B, T, D]`` is sharded over Explicit mesh axes (the layer then runs per batch
-    shard: ``BatchShards.run``), or None. A sharded token axis is refused (sequence
-    parallel has its own entries)."""
+    shard: ``BatchShards.run``), or None. ``x`` replicated beside ``params`` (the layer's
+    arrays) sharded so (FSDP): every device runs every row, the parameters gathered. A
+    sharded token axis is refused (sequence parallel has its own entries)."""
     found = explicit_spec(x)
     if found is None:
-        return None
+        mesh = next((s[0] for s in map(explicit_spec, jax.tree.leaves(params)) if s is not None), None)
+        return None if mesh is None else BatchShards(mesh, None)
     mesh, spec = found
     if spec_axes(spec[1]):
         raise ValueError(f"x: the token axis is sharded over {spec[1]!r}; run sequence parallel with "

@@ -237,6 +237,28 @@ def test_batch_sharded_decode_into_a_pool(slots_spec):
         np.testing.assert_array_equal(state[row], np.asarray(pool.state)[row])
 
 
+def test_replicated_x_beside_fsdp_sharded_parameters():
+    """Parameters sharded over a mesh axis in their types (FSDP) beside an unsharded x (a
+    one-row eval or decode): every device runs the rows with the parameters gathered; y,
+    the cache and every parameter's gradient equal the unsharded layer's (before: JAX's
+    ShardingTypeError from a reshape of the sharded hidden axis)."""
+    layer, _, _ = make_layer(9)
+    mesh = _batch_mesh()
+    x = rand(9, 1, 24, D)
+    fsdp = jax.tree.map(lambda a: _on(mesh, a, P("b")) if eqx.is_array(a) and a.ndim == 2 and a.shape[0] % 4 == 0
+                        else a, layer)
+    assert any(getattr(a.sharding, "spec", P())[:1] == ("b",) for a in jax.tree.leaves(eqx.filter(fsdp, eqx.is_array)))
+    r = np.random.default_rng(2)
+    w = dict(y=jnp.asarray(r.normal(size=x.shape)),
+             **{f: jnp.asarray(r.normal(size=a.shape)) for f, a in zip("qkvs", layer.init_cache(1)._fields())})
+    call = lambda l, x, c: l(x, chunk_size=16)
+    want = _loss_and_grads(call, layer, x, None, w)
+    with jax.set_mesh(mesh):
+        got = _loss_and_grads(call, fsdp, x, None, w)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert_close(a, b, 1e-12, "fsdp")
+
+
 def test_token_axis_sharded_on_an_explicit_mesh_is_refused():
     layer, _, _ = make_layer(3)
     mesh = _batch_mesh()
