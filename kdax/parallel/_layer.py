@@ -62,9 +62,14 @@ def _sharded_layer(mesh, seq_axis, batch_axis, options, layer, x, cu_seqlens, ca
     args = (layer, x, cu_seqlens, cache)
     if any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
         # shard_map on an Explicit mesh takes arrays already sharded as in_specs says.
-        args = tuple(jax.tree.map(lambda a: jax.sharding.reshard(a, NamedSharding(mesh, s)), a)
-                     for a, s in zip(args, in_specs))
+        args = resharded(mesh, args, in_specs)
     return fn(*args)
+
+
+def resharded(mesh, args: tuple, specs: tuple) -> tuple:
+    """Each of ``args`` (a tree of arrays, or None) resharded over ``mesh`` as its spec of ``specs`` says."""
+    return tuple(jax.tree.map(lambda a, s=s: jax.sharding.reshard(a, NamedSharding(mesh, s)), a)
+                 for a, s in zip(args, specs))
 
 
 class BatchShards(NamedTuple):
@@ -76,7 +81,7 @@ class BatchShards(NamedTuple):
     def replicated(self, tree):
         """``tree``'s arrays resharded to be replicated over the mesh (a pool's rows are
         taken and written there: a gather from a sharded pool has no unambiguous sharding)."""
-        return jax.tree.map(lambda a: jax.sharding.reshard(a, NamedSharding(self.mesh, P())), tree)
+        return resharded(self.mesh, (tree,), (P(),))[0]
 
     def run(self, fn, layer, x, attention_mask, cu_seqlens, rows, pipeline):
         """``fn(layer, x, attention_mask, cu_seqlens, rows, pipeline)`` (the layer on its cache
@@ -87,8 +92,7 @@ class BatchShards(NamedTuple):
         b = self.axes
         tok, cache = P(b, None, None), P(b) if cu_seqlens is None else P()
         in_specs = (P(), tok, P(b, None), P(), cache, P())
-        args = tuple(jax.tree.map(lambda a, s=s: jax.sharding.reshard(a, NamedSharding(self.mesh, s)), a)
-                     for a, s in zip((layer, x, attention_mask, cu_seqlens, rows, pipeline), in_specs))
+        args = resharded(self.mesh, (layer, x, attention_mask, cu_seqlens, rows, pipeline), in_specs)
         return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=(tok, cache, P(b)),
                              check_vma=not interprets(pipeline))(*args)
 
