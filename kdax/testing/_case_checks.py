@@ -16,7 +16,7 @@ from .._runner import routes as _routes
 from .._runner.contracts import STAGES
 from ..stages import KDA, GateVjpBackward
 from ._cases import Case, _device, _weights, tolerance
-from ._compare import _compare, _leaves, central_differences
+from ._compare import _compare, _leaves, _named, central_differences
 from ._report import NOT_COMPARED, _error, _unsupported
 from ._runs import (
     _compile_options,
@@ -109,7 +109,7 @@ def _isolation(col, pipe, field, kw, clean, case: Case, name: str, reference=Non
                         continue
                     m = np.broadcast_to((theirs != seq) & (theirs >= 0), y.shape)
                     if not _kept(y[m], y0[m]).all():
-                        leaks[row].append(f"{n} of sequence {seq} {what} reached {path or 'the output'} of another sequence")
+                        leaks[row].append(f"{n} of sequence {seq} {what} reached {_named(path)} of another sequence")
                         break
     if reference is not None:  # (all of them at once: a stage may read its own of redundant arguments, qg or q)
         for seq in range(N):
@@ -163,10 +163,10 @@ def _grad_row(col, pipe, field, stage, kw, case: Case):
     """``grad`` (forward stages: the derived backward differentiates them): finite, and in
     float64 for a stage of other math the derivative of its outputs (central differences;
     not across infinite gates)."""
-    name = case.name
-    arrs, static = eqx.partition(kw, eqx.is_array)
     if not STAGES[field].forward:
         return
+    name = case.name
+    arrs, static = eqx.partition(kw, eqx.is_array)
     try:
         def loss(diff):
             p, a = diff
@@ -273,7 +273,7 @@ def _case_checks(col, base, field, stage, caps, case: Case, cache_ok: bool, firs
         col.add("contract", case.name, False, "raised " + _error(e))
         return None
     col.add("contract", case.name, True, f"{layout} layout: container, shapes, dtypes as the pipeline checks")
-    bad = [p or "the output" for p, x in _leaves(out) if not np.isfinite(x).all()]  # (a single array: no path)
+    bad = [_named(p) for p, x in _leaves(out) if not np.isfinite(x).all()]
     col.add("finite", case.name, not bad, "all finite" if not bad else f"non-finite: {', '.join(bad[:4])}")
     vjp = _vjp_of_gate(pipe, field, stage, recorded)
     if _routes.reference_is_exact(field, stage) or vjp is not None:

@@ -9,6 +9,11 @@ import numpy as np
 from ..stages import Activated
 
 
+def _named(path: str) -> str:
+    """A leaf's path from ``_leaves`` as a report says it (a single array's path is empty)."""
+    return path or "the output"
+
+
 def _leaves(out) -> list:
     """``[(path, float64 numpy array)]`` of an output, made comparable: ``Activated``'s
     ``G`` as ``G + G_lo`` (a gate may return G alone, or split it), ``G_lo`` left out."""
@@ -41,7 +46,7 @@ def _compare(out, ref, tol: float):
     for key, x in a:
         if key not in b:
             continue
-        y, path = b[key], key or "the output"  # (a single array's path is empty)
+        y, path = b[key], _named(key)
         if x.shape != y.shape:
             return False, f"{path}: shape {x.shape} != {y.shape}"
         bad = np.isfinite(x) != np.isfinite(y)

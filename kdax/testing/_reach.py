@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._cases import Case, _device, tolerance
-from ._compare import _leaves, _rel
+from ._compare import _leaves, _named, _rel
 from ._runs import _jit_run
 
 
@@ -82,7 +82,7 @@ def _dw_overflow(col, pipe, kw, clean, reference, case: Case):
             others.append(path)
         n = int((~np.isfinite(b) & np.isfinite(a) & reached).sum())
         if n:
-            missed.append(f"{path or 'the output'} at {n} of {int((~np.isfinite(b) & reached).sum())} places")
+            missed.append(f"{_named(path)} at {n} of {int((~np.isfinite(b) & reached).sum())} places")
         both = mine & np.isfinite(a) & np.isfinite(b)
         top = np.max(np.abs(b[both]), initial=0.0) or 1.0  # (scaled: their squares overflow)
         e = _rel(np.where(both, a, 0.0) / top, np.where(both, b, 0.0) / top)
@@ -173,7 +173,7 @@ def _causal(col, pipe, field, kw, clean, reference, case: Case):
             must = _kept(b, b0) if reference is not None else _before(a.shape, later, C)
             bad = np.broadcast_to(mine == seq, a.shape) & must & ~_kept(a, a0)
             if bad.any():
-                reached.append(f"sequence {seq}'s later tokens changed {path or 'the output'} at {int(bad.sum())} "
+                reached.append(f"sequence {seq}'s later tokens changed {_named(path)} at {int(bad.sum())} "
                                f"places {keeps}")
     col.add("causal", case.name, not reached, "; ".join(reached[:3]) if reached else
             f"{', '.join(names)} less one from each sequence's middle token on: every entry {keeps} kept, to the bit")
