@@ -24,8 +24,10 @@ def spec_axes(entry) -> tuple:
 
 def explicit_spec(x):
     """``(mesh, spec)`` of ``x``'s Explicit sharding, or None (unsharded, an Auto mesh,
-    or inside shard_map over every axis it is sharded on)."""
-    sh = getattr(jax.typeof(x), "sharding", None)
+    or inside shard_map over every axis it is sharded on). ``x``: an array or its type
+    (``jax.typeof``)."""
+    t = x if isinstance(x, jax.core.ShapedArray) else jax.typeof(x)
+    sh = getattr(t, "sharding", None)
     mesh = getattr(sh, "mesh", None)
     spec = getattr(sh, "spec", None)
     if mesh is None or spec is None or not any(spec_axes(e) for e in spec):
@@ -33,7 +35,7 @@ def explicit_spec(x):
     explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit}
     if not any(a in explicit for e in spec for a in spec_axes(e)):
         return None
-    return mesh, tuple(spec) + (None,) * (x.ndim - len(spec))
+    return mesh, tuple(spec) + (None,) * (t.ndim - len(spec))
 
 
 def sharding_of(q, k, v, g, beta) -> Optional[tuple]:
@@ -168,12 +170,27 @@ def route(fn: Callable, arguments: dict) -> Optional[tuple]:
     # Decided from the token inputs alone: a plain call hands nothing else on.
     sharding = sharding_of(q, k, v, g, beta)
     if sharding is None:
-        return None
+        return _gathered(fn, (q, k, v, g, beta), kw)
     # The caller's global shapes checked first (per shard, the messages gave the shard's).
     opts = {n: x for n, x in kw.items() if n in KDAOptions.names() and n != "state_v_first"}
     v_first = kw.get("state_v_first", False) if kw.get("transpose_state_layout") is None else kw["transpose_state_layout"]
     validate(q, k, v, g, beta, KDAOptions(**opts, state_v_first=v_first), chunked=chunked)
     return per_shard(fn, sharding, q, k, v, g, beta, check_vma=pipeline is None or not interprets(pipeline), **kw)
+
+
+def _gathered(fn: Callable, tokens: tuple, kw: dict) -> Optional[tuple]:
+    """``fn`` on the token inputs ``tokens`` (sharded over no Explicit mesh axis) with
+    ``kw``'s arrays that are so sharded (A_log and dt_bias over heads, initial_state over
+    rows or heads: a model's parameters and states) gathered first, as the layer gathers
+    FSDP-sharded parameters beside an unsharded x; None when none is (a plain call).
+    Without it JAX refuses the mix ("All operands should have the same sharding")."""
+    sharded = {n: s for n in ("initial_state", "A_log", "dt_bias", "cu_seqlens")
+               if kw.get(n) is not None and (s := explicit_spec(jax.typeof(kw[n]))) is not None}
+    if not sharded:
+        return None
+    for n, (mesh, _) in sharded.items():
+        kw[n] = jax.sharding.reshard(kw[n], jax.NamedSharding(mesh, P()))
+    return fn(*tokens, **kw)
 
 
 def routed(fn: Callable) -> Callable:

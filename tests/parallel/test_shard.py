@@ -145,6 +145,38 @@ def test_shard_map_with_replicated_gate_parameters(name):
 
 
 @pytest.mark.parametrize("name", list(FNS))
+def test_sharded_parameters_and_state_beside_unsharded_tokens_are_gathered(name):
+    """Tokens on no mesh axis beside the in-kernel gate's A_log / dt_bias sharded over heads
+    and the initial state over rows (a model's parameters and states in their types, the
+    batch not sharded, as in a one-row eval): the call runs with them gathered, outputs and
+    gradients equal to the unsharded ones, eager and in jit. Before: JAX's ShardingTypeError
+    ("All operands should have the same sharding")."""
+    fn, x = FNS[name], _inputs()
+    HV, K = x["v"].shape[2], x["q"].shape[3]
+    r = np.random.default_rng(2)
+    x = dict(x, A_log=jnp.asarray(r.normal(size=HV)), dt_bias=jnp.asarray(r.normal(size=HV * K)))
+
+    def call(x):
+        return fn(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"], A_log=x["A_log"],
+                  dt_bias=x["dt_bias"], use_gate_in_kernel=True, output_final_state=True)
+
+    def loss(x):
+        o, ht = call(x)
+        return jnp.sum(o * jnp.cos(o)) + jnp.sum(ht**2)
+
+    want, want_grads = jax.jit(call)(x), jax.jit(jax.grad(loss))(x)
+    mesh = jax.make_mesh((2, 4), ("b", "h"), axis_types=(AxisType.Explicit,) * 2)
+    specs = dict(A_log=P("h"), dt_bias=P("h"), initial_state=P("b"))
+    xs = {n: jax.device_put(a, NamedSharding(mesh, specs.get(n, P()))) for n, a in x.items()}
+    for got in (call(xs), jax.jit(call)(xs)):
+        for a, b, n in zip(got, want, ("o", "ht")):
+            assert_close(a, b, 1e-12, n)
+    grads = jax.jit(jax.grad(loss))(xs)
+    for n in want_grads:
+        assert_close(grads[n], want_grads[n], 1e-12, "d" + n)
+
+
+@pytest.mark.parametrize("name", list(FNS))
 def test_sharded_inputs_errors_name_the_global_shapes(name):
     """Bad arguments beside inputs sharded over batch and heads get chunk_kda's messages
     with the caller's shapes (before: the shard's shapes, "expected (2, 2, 8, 8)" for a
