@@ -203,7 +203,8 @@ def test_misspelt_keywords_and_mistyped_declarations_are_named():
     """A misspelt keyword names the function, the nearest argument and every argument
     (before: Python's "got an unexpected keyword argument", naming neither); ``accepts``
     given as a string and ``segmented`` given a stage say what they expect (before:
-    "unknown capabilities ['_', 'a', ...]" and an AttributeError)."""
+    "unknown capabilities ['_', 'a', ...]" and an AttributeError), and ``run_stage`` a
+    name that is not a stage's, the nearest."""
     x, b = jnp.ones((1, 8, 2, 4)), jnp.full((1, 8, 2), 0.5)
     for fn in (kdax.chunk_kda, kdax.fused_recurrent_kda):
         with pytest.raises(TypeError, match=rf"^{fn.__name__}: unexpected keyword argument 'intial_state' \(did you "
@@ -228,3 +229,7 @@ def test_misspelt_keywords_and_mistyped_declarations_are_named():
     with pytest.raises(TypeError, match=r"^pipeline: expected a KDAPipeline \(segmented splits its F4 and B2 stages\), "
                                         r"got ReferenceOutput"):
         kdax.stages.segmented(kdax.stages.ReferenceOutput(), 2)
+    # (before: "'KDAPipeline' object has no attribute 'outputs'")
+    with pytest.raises(ValueError, match=r"^name: expected a stage's name, one of gate, intra, .*, gate_bwd; got "
+                                         r"'outputs' \(did you mean 'output'\?\)"):
+        kdax.KDAPipeline.reference().run_stage("outputs", scale=1.0)

@@ -1,5 +1,6 @@
 """The eleven stage fields (``STAGES``: step, family, reference stage) and the family check."""
 
+import difflib
 from typing import Any, NamedTuple
 
 from .. import stages as S
@@ -28,13 +29,15 @@ STAGES = {
 
 
 def check_family(name: str, stage: Any) -> None:
-    """``stage`` implements the abstract class of field ``name``."""
+    """``stage`` implements the abstract class of field ``name``, a stage's name."""
+    if name not in STAGES:
+        near = difflib.get_close_matches(str(name), list(STAGES), n=1)
+        raise ValueError(f"name: expected a stage's name, one of {', '.join(STAGES)}; got {name!r}"
+                         + (f" (did you mean {near[0]!r}?)." if near else "."))
     want = STAGES[name].family
     if not isinstance(stage, want):
-        raise TypeError(
-            f"KDAPipeline.{name}: expected an implementation of {want.__name__} "
-            f"({STAGES[name].step}), got {type(stage).__module__}.{type(stage).__qualname__}."
-        )
+        raise TypeError(f"KDAPipeline.{name}: expected an implementation of {want.__name__} ({STAGES[name].step}), "
+                        f"got {type(stage).__module__}.{type(stage).__qualname__}.")
 
 
 def check_families(pipeline) -> None:

@@ -61,7 +61,7 @@ active_recordings = _ACTIVE.get  # () -> the active ``Recording``s, innermost la
 
 def run_stage(pipeline, name: str, **kwargs):
     """Run ``pipeline``'s stage ``name`` on keyword arguments (module docstring); returns its output."""
-    stage = getattr(pipeline, name)
+    stage = getattr(pipeline, name, None)
     check_family(name, stage)
     given, needs_reset, guard = stage_arguments(pipeline, name, stage, kwargs)
     for rec in _ACTIVE.get():
