@@ -32,6 +32,9 @@ def _fla_only(cp_context, max_num_seqs, N: int, cu_seqlens, cu_seqlens_cpu) -> N
 
 def _warn_head_first(q) -> None:
     """FLA's check: fewer tokens than heads suggests the old head-first ``[B, H, T, K]``."""
+    if not all(isinstance(d, int) for d in q.shape):  # (first: jax.export's symbolic sizes)
+        raise ValueError(f"q: shape {tuple(q.shape)} has symbolic dimensions (jax.export); chunk_kda needs sizes to "
+                         "chunk: export per shape, or use fused_recurrent_kda (the layer's mode='fused_recurrent').")
     T, H = q.shape[1], q.shape[2]
     if 0 < T < H:
         warn_caller(

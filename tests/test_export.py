@@ -41,6 +41,23 @@ for name, (f, args) in cases.items():
 bad = jax.jit(lambda q, g, b, cu: kdax.chunk_kda(q, k, v, g, b, cu_seqlens=cu, **kw)[0])
 o = export.export(bad)(q, g, beta, cu).call(q, g.at[0, 3].set(1.0), beta, cu)  # g > 0: a failed check
 print("failed check gives NaN:", bool(jnp.isnan(o).any()))
+# Symbolic batch and tokens: the recurrent path exports once for every shape; chunk_kda refuses.
+b, t = export.symbolic_shape("b, t")
+sym = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+rec = jax.jit(lambda q, k, v, g, b: kdax.fused_recurrent_kda(q, k, v, g, b, **kw)[0])
+exp = export.export(rec)(sym(b, t, H, K), sym(b, t, H, K), sym(b, t, H, K), sym(b, t, H, K), sym(b, t, H))
+for n in (5, 48):
+    a = (q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n])
+    a = tuple(jnp.concatenate([x] * 3) for x in a)
+    d = float(jnp.max(jnp.abs(exp.call(*a) - rec(*a))))
+    print(f"recurrent at T={n}, B=3: {d:.1e}")
+    assert d <= 1e-6, d
+try:
+    export.export(jax.jit(lambda q, g, b: kdax.chunk_kda(q, q, q, g, b)[0]))(sym(1, t, H, K), sym(1, t, H, K),
+                                                                            sym(1, t, H))
+except ValueError as e:
+    assert "q: shape (1, t, 2, 8) has symbolic dimensions (jax.export)" in str(e), e
+    print("chunk_kda refuses symbolic shapes")
 """
 
 
@@ -49,6 +66,7 @@ def test_every_call_exports_with_equinox_nan_errors():
     out = subprocess.run([sys.executable, "-c", _NAN_CHECKS], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert out.stdout.count(": ") >= 3 and "failed check gives NaN: True" in out.stdout, out.stdout
+    assert out.stdout.count("recurrent at T=") == 2 and "chunk_kda refuses symbolic shapes" in out.stdout, out.stdout
 
 
 def test_chunk_kda_exports_without_in_program_checks():

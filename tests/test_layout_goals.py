@@ -79,10 +79,11 @@ def test_machinery_size():
     cotangents of inputs replicated over a ``shard_map`` axis the tokens vary over (A_log's
     gradient beside batch-sharded q was refused by JAX); then 3,484: traced ``cu_seqlens``
     in a program seen to span devices read as NaN, not an in-program error that aborted
-    the process."""
+    the process; 3,487 after session 72, whose 3 lines refuse jax.export's symbolic sizes
+    in chunk_kda with a message (JAX's "inconclusive dimension comparison" before)."""
     root = PIPELINE.parent
     lines = sum(len(p.read_text().splitlines()) for pat in MACHINERY for p in root.glob(pat))
-    assert lines <= 3484, f"the machinery has {lines} lines (at most 3,484; issue 52's goal: 2,600)"
+    assert lines <= 3487, f"the machinery has {lines} lines (at most 3,487; issue 52's goal: 2,600)"
 
 
 def test_no_module_over_450_lines():

@@ -185,7 +185,7 @@ def _gathered(fn: Callable, tokens: tuple, kw: dict) -> Optional[tuple]:
     FSDP-sharded parameters beside an unsharded x; None when none is (a plain call).
     Without it JAX refuses the mix ("All operands should have the same sharding")."""
     sharded = {n: s for n in ("initial_state", "A_log", "dt_bias", "cu_seqlens")
-               if kw.get(n) is not None and (s := explicit_spec(jax.typeof(kw[n]))) is not None}
+               if isinstance(kw.get(n), jax.Array) and (s := explicit_spec(jax.typeof(kw[n]))) is not None}
     if not sharded:
         return None
     for n, (mesh, _) in sharded.items():
