@@ -2,7 +2,8 @@
 program are ``eqx.error_if`` host callbacks, which ``jax.export`` refuses; with Equinox's
 ``EQX_ON_ERROR=nan`` (set before import: a fresh process) every call exports, and with
 ``check_inputs=False`` and concrete ``cu_seqlens`` chunk_kda exports under the defaults.
-The exported programs give the jitted calls' numbers."""
+The exported programs give the jitted calls' numbers; a decode step with its ``KDACache``
+serializes and loads back; symbolic sizes export through the recurrent path."""
 
 import subprocess
 import sys
@@ -58,6 +59,15 @@ try:
 except ValueError as e:
     assert "q: shape (1, t, 2, 8) has symbolic dimensions (jax.export)" in str(e), e
     print("chunk_kda refuses symbolic shapes")
+# A decode step exported, serialized and loaded back: the cache in and out (a registered node).
+step = jax.jit(lambda x, c: layer(x, cache=c)[:2])
+cache = layer(x, cache=layer.init_cache(2))[1]
+loaded = export.deserialize(export.export(step)(x[:, :1], cache).serialize())
+(y, c), (y0, c0) = loaded.call(x[:, :1], cache), step(x[:, :1], cache)
+assert type(c) is type(cache), type(c)
+d = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves((y, c)), jax.tree.leaves((y0, c0))))
+print(f"decode step loaded back: {d:.1e}")
+assert d <= 1e-6, d
 """
 
 
@@ -67,6 +77,7 @@ def test_every_call_exports_with_equinox_nan_errors():
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert out.stdout.count(": ") >= 3 and "failed check gives NaN: True" in out.stdout, out.stdout
     assert out.stdout.count("recurrent at T=") == 2 and "chunk_kda refuses symbolic shapes" in out.stdout, out.stdout
+    assert "decode step loaded back" in out.stdout, out.stdout
 
 
 def test_chunk_kda_exports_without_in_program_checks():

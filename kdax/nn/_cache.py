@@ -3,6 +3,7 @@
 from typing import Optional
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
@@ -147,6 +148,15 @@ def checked_slots(indices, P: int, name: str = "state_indices", distinct: bool =
     return eqx.error_if(indices, jnp.any(shared),
                         f"{name}: every slot must be distinct (two sequences cannot share one pool row)."), None
 
+
+
+# jax.export serializes a program's calling convention: a decode step exported with its
+# cache as argument and result needs KDACache's tree node named. Every cache flattens with
+# the same aux data (no static fields), so it travels as nothing and is rebuilt here.
+jax.export.register_pytree_node_serialization(
+    KDACache, serialized_name="kdax.nn.KDACache", serialize_auxdata=lambda aux: b"",
+    deserialize_auxdata=lambda _: jax.tree_util.tree_structure(KDACache(None, None, None, jnp.zeros((0,) * 4)))
+    .node_data()[1])
 
 def zeros_cache(N: int, W: int, DK: int, DV: int, HV: int, K: int, V: int, conv: bool,
                 conv_dtype, state_dtype) -> KDACache:
