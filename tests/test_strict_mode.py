@@ -6,8 +6,9 @@ what it gives under JAX's defaults, to the bit: packed sequences (shared chunks)
 in-kernel gates, the recurrent path, the Pallas stages, bf16 inputs beside float32 gates,
 and the layer with its cache. (Before: packed calls, the in-kernel gates and every call
 of the layer raised JAX's rank-promotion error, the TPU state kernels' chunk marks a
-bool-int promotion error.) With 64-bit types on, strict dtype promotion is not supported:
-kdax's "at least float32" sums promote float64 with float32."""
+bool-int promotion error.) With 64-bit types on as well, float32 and float64 inputs
+alike (before: the layer's "at least float32" sums promoted float64 with float32, and
+its int64 ranges met int32 lengths)."""
 
 import contextlib
 
@@ -23,9 +24,10 @@ from ._util import make_inputs
 
 
 @contextlib.contextmanager
-def strict():
-    """The strict settings, in JAX's default mode (64-bit types off, as a user's program runs)."""
-    with jax.numpy_rank_promotion("raise"), jax.numpy_dtype_promotion("strict"), jax.enable_x64(False):
+def strict(x64: bool = False):
+    """The strict settings, in JAX's default mode (64-bit types off, as a user's program
+    runs) unless ``x64``."""
+    with jax.numpy_rank_promotion("raise"), jax.numpy_dtype_promotion("strict"), jax.enable_x64(x64):
         yield
 
 
@@ -66,12 +68,21 @@ CALLS = {
 }
 
 
-@pytest.mark.parametrize("name", list(CALLS))
-def test_strict_numpy_settings(name):
-    x = make_inputs(seed=3, B=1, T=40, H=2, K=16, V=8, dtype=jnp.float32, N=4)
-    with jax.enable_x64(False):  # (JAX's defaults, as strict() runs)
+X64 = dict(zip(["x32", "x64-float32", "x64-float64"], [None, jnp.float32, jnp.float64]))
+# (64-bit types on: float32 inputs meet the same int64 ranges as float64 ones, and the two
+# Pallas targets share the products at issue there: those cases run with the slow sweep)
+_SLOW = lambda name, mode: mode == "x64-float32" or (mode == "x64-float64" and name.startswith("pallas triton"))
+
+
+@pytest.mark.parametrize("name, x64", [
+    pytest.param(name, x64, id=f"{name}-{mode}", marks=[pytest.mark.slow] if _SLOW(name, mode) else [])
+    for name in CALLS for mode, x64 in X64.items()])
+def test_strict_numpy_settings(name, x64):
+    """``x64``: None in JAX's default mode, else the input dtype with 64-bit types on."""
+    x = make_inputs(seed=3, B=1, T=40, H=2, K=16, V=8, dtype=x64 or jnp.float32, N=4)
+    with jax.enable_x64(x64 is not None):  # (JAX's defaults, as strict() runs)
         want = _outputs_and_grads(CALLS[name], x)
-    with strict():
+    with strict(x64 is not None):
         got = _outputs_and_grads(CALLS[name], x)
     assert jax.tree.structure(got) == jax.tree.structure(want)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
@@ -93,10 +104,13 @@ def test_strict_numpy_settings_bf16_beside_float32_gates():
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
-def test_strict_numpy_settings_layer():
+@pytest.mark.parametrize("x64", list(X64.values()), ids=list(X64))
+def test_strict_numpy_settings_layer(x64):
     """The layer: a padded batch, its parameters' gradients, then a decode step from the cache."""
-    layer = kdax.nn.KimiDeltaAttention(hidden_size=32, num_heads=2, head_dim=16, key=jax.random.key(0))
-    x = jax.random.normal(jax.random.key(1), (2, 12, 32))
+    with jax.enable_x64(x64 is not None):
+        layer = kdax.nn.KimiDeltaAttention(hidden_size=32, num_heads=2, head_dim=16, key=jax.random.key(0),
+                                           dtype=x64)
+        x = jax.random.normal(jax.random.key(1), (2, 12, 32), x64 or jnp.float32)
     mask = jnp.ones((2, 12), jnp.int32).at[1, :3].set(0)
 
     def run():
@@ -105,9 +119,9 @@ def test_strict_numpy_settings_layer():
         step, _ = layer(x[:, :1], cache=cache)
         return y, cache, step, grads
 
-    with jax.enable_x64(False):  # (JAX's defaults, as strict() runs)
+    with jax.enable_x64(x64 is not None):  # (JAX's defaults, as strict() runs)
         want = run()
-    with strict():
+    with strict(x64 is not None):
         got = run()
     leaves = lambda t: jax.tree.leaves(eqx.filter(t, eqx.is_array))
     for a, b in zip(leaves(got), leaves(want), strict=True):

@@ -230,7 +230,7 @@ def first_chunk_entries(layout: ChunkLayout, cu_seqlens, scale: float, fc: First
     has, nn = out_of < N, jnp.minimum(out_of, N - 1)
     Gc, loc = G[0], None if G_lo is None else G_lo[0]
     last = lambda x: None if x is None else x[..., -1:, :]
-    own = (has[:, None] & (jnp.arange(M)[:, None] * C + jnp.arange(C)[None] >= s[nn][:, None]))[None, :, :, None]
+    own = (has[:, None] & (jnp.arange(M, dtype=jnp.int32)[:, None] * C + jnp.arange(C, dtype=jnp.int32)[None] >= s[nn][:, None]))[None, :, :, None]
     xk = jnp.where(own, exponent(last(Gc), Gc, last(loc), loc), -jnp.inf)
     part = jnp.einsum("hmck,hmcv->mhkv", select_zero(own, k[0] * jnp.exp(xk)), select_zero(own, u[0] + vx[0]), precision=HI)
     sC = jnp.clip(s[nn], 0, TT - 1)

@@ -22,6 +22,13 @@ def ranked(x, like):
     return jax.lax.broadcast_to_rank(jnp.asarray(x), jnp.ndim(like))
 
 
+def at_least_float32(*dtypes):
+    """The widest of the float ``dtypes`` and float32: ``jnp.result_type(*dtypes, float32)``
+    without implicit promotion, so that it holds under ``jax_numpy_dtype_promotion="strict"``
+    (float64 beside float32 has no implicit path there)."""
+    return max((jnp.dtype(d) for d in (*dtypes, jnp.float32)), key=lambda d: d.itemsize)
+
+
 def tri_mask(n: int, strict: bool):
     """``[n, n]`` mask of j <= i (j < i when strict), i the row. (Masks and ones here are
     numpy values: constants of the program; traced, each was a kernel XLA:CPU compiled.)"""

@@ -11,7 +11,7 @@ from typing import Optional
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from .arrays import ranked
+from .arrays import at_least_float32, ranked
 
 
 def token_segments(B: int, T: int, cu_seqlens: Optional[Int[Array, " N1"]]):
@@ -43,7 +43,7 @@ def causal_conv(
     T = x.shape[1]
     # (bfloat16 sums made XLA:CPU store each tap's weight-gradient product as a float32
     # copy before reducing it: 12 passes of 16 MiB in the layer's training step)
-    out, acc = x.dtype, jnp.promote_types(x.dtype, jnp.float32)
+    out, acc = x.dtype, at_least_float32(x.dtype)
     x, weight = x.astype(acc), weight.astype(acc)
     y = x * ranked(weight[:, W - 1], x)
     # One padded copy read at every shift: a pad per shift was a stored copy each (kept for
@@ -73,7 +73,7 @@ def conv_tail(
     tokens ``x[rows[n], starts[n]:starts[n] + lens[n]]``, reaching into ``state[n]``
     (or zeros) when the sequence is shorter than ``W - 1``."""
     T = x.shape[1]
-    tau = lens[:, None] - (W - 1) + jnp.arange(W - 1)[None]  # [N, W - 1]
+    tau = lens[:, None] - (W - 1) + jnp.arange(W - 1, dtype=lens.dtype)[None]  # [N, W - 1]
     from_x = x[rows[:, None], jnp.clip(starts[:, None] + tau, 0, max(T - 1, 0))]
     if state is None:
         old = jnp.zeros_like(from_x)

@@ -9,6 +9,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray, Shaped
 from .._runner.runner import active_recordings
 from .._annotations import ArrayIn, CuSeqlensIn, typecheck
 from .._errors import reverse_mode_only
+from .._numerics.arrays import at_least_float32
 from .._platform import in_eager_shard_map
 from ..parallel import batch_shards
 from ..pipeline import KDAPipeline
@@ -151,7 +152,7 @@ class KimiDeltaAttention(eqx.Module):
         cd = jnp.dtype(dtype) if dtype is not None else self._compute_dtype(None)
         H, HV, K, V = self.num_heads, self.num_v_heads, self.head_dim, self.head_v_dim
         return zeros_cache(batch_size, self.conv_size, H * K, HV * V, HV, K, V, self.use_short_conv,
-                           cd, jnp.result_type(cd, jnp.float32))
+                           cd, at_least_float32(cd))
 
     def _compute_dtype(self, x):
         if self.dtype is not None:

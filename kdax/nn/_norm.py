@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from .._numerics.arrays import ranked
+from .._numerics.arrays import at_least_float32, ranked
 
 
 def gated_rms_norm(
@@ -12,7 +12,7 @@ def gated_rms_norm(
 ) -> Float[Array, "*batch D"]:
     """``x / sqrt(mean(x**2) + eps) * weight * sigmoid(gate)`` over the last axis, in at
     least float32; returned in x's dtype."""
-    dt = jnp.result_type(x.dtype, gate.dtype, weight.dtype, jnp.float32)
+    dt = at_least_float32(x.dtype, gate.dtype, weight.dtype)
     xf = x.astype(dt)
     r = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return (r * ranked(weight.astype(dt), r) * jax.nn.sigmoid(gate.astype(dt))).astype(x.dtype)

@@ -12,7 +12,7 @@ from .._layouts.tokens import FinalGrads, Tokens
 from .._stage_protocol.final import final
 from .._annotations import ChunkV
 from .._numerics import precision as _precision
-from .._numerics.arrays import ranked, tri_mask
+from .._numerics.arrays import at_least_float32, ranked, tri_mask
 from .._numerics.hilo import exponent
 from ..stages import KDA, AbstractWY, AbstractWYDqkg, ChunkGrads, WYOut
 from ._arith import Products, decay, nonfinite, segment_masks
@@ -220,7 +220,7 @@ def _reached_up(reset, dv_new, h):
     h_bad = jnp.any(nonfinite(h), axis=(-2, -1))[..., None]
     bad = jnp.any(nonfinite(dv_new), axis=-1) | (first & h_bad)
     dw = jnp.einsum("...cv,...kv->...ck", dv_new, h, precision="highest",  # (float64 stays: no cuBLAS f64 -> f32)
-                    preferred_element_type=jnp.promote_types(jnp.result_type(dv_new, h), jnp.float32))
+                    preferred_element_type=at_least_float32(dv_new.dtype, h.dtype))
     dw_bad = first & jnp.any(nonfinite(dw), axis=-1)
     return reached_rows(bad, reset, later=True), reached_rows(dw_bad, reset, later=True)
 
