@@ -33,4 +33,4 @@ from .pipeline import KDAPipeline as KDAPipeline, default_pipeline as default_pi
 from . import testing as testing
 from ._chunk_kda import chunk_kda as chunk_kda
 from .recurrent import fused_recurrent_kda as fused_recurrent_kda
-from .ref import kda_gate as kda_gate
+from .ref import fused_kda_gate as fused_kda_gate, kda_gate as kda_gate

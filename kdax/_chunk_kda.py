@@ -91,7 +91,7 @@ def chunk_kda(
     0`` (kdax is exact for any gate; only FLA's checks). ``scale``: any real number, default
     K^-1/2. ``cu_seqlens_cpu``, ``use_graph``: accepted, unneeded; ``cp_context``: refused.
 
-    Returns ``o [B, T, HV, V]`` in v's dtype and the final state (float32, or float64) or
+    Returns ``o [B, T, HV, V]`` in q's dtype (FLA's) and the final state (float32, or float64) or
     None; with ``return_intermediate_states`` also FLA's ``h``, each chunk's start state
     (forward only; layouts: ``kdax._chunk_states``). ``jax.grad`` runs ``pipeline``'s six-stage backward (default
     ``default_pipeline()``); ``disable_recompute=True`` keeps the forward intermediates.

@@ -53,7 +53,7 @@ def chunk_start_states(pipeline, q, k, v, g, beta, options: KDAOptions):
     if 0 in (B, T, K, V):  # (chunk_kda's answer: zero outputs, the states passed through)
         N = B if cu is None else cu.shape[0] - 1
         final = initial_states(h0, (N, HV, K, V), compute_dtype(*args[:6]))
-        o, h = jnp.zeros(v.shape, v.dtype), jnp.zeros((B, -(-T // C), HV, K, V), final.dtype)
+        o, h = jnp.zeros(v.shape, q.dtype), jnp.zeros((B, -(-T // C), HV, K, V), final.dtype)
     else:
         domain = domain_flag(args[3], args[4], opts)
         args = (*behind_barriers(args[:8]), args[8])  # (arrays a jitted caller captured: not folded by XLA)

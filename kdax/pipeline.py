@@ -166,7 +166,7 @@ class KDAPipeline(eqx.Module):
         r = forward_route(self, config, raw, h0, A_log, dt_bias, cu_seqlens, clean, entries)
         stages = functools.partial(self._forward_stages, config, r)
         o, final, fw = on_route(r, stages, config, raw, reads_tokens(self, "gate", "wy"))
-        o = o.astype(v.dtype)
+        o = o.astype(q.dtype)  # (FLA: o.type_as(q))
         return o, r.hooks.final_states(fw, final), KDAResiduals.of_forward(config, r, fw, q.shape[2], cu_seqlens)
 
     def _forward_stages(self, config: KDAConfig, route: ForwardRoute, chunked, h0, layout: ChunkLayout):

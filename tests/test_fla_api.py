@@ -266,3 +266,13 @@ def test_front_doors_pass_every_option_by_name(fn):
     passed = {kw.arg for kw in calls[0].keywords}
     params = set(inspect.signature(fn).parameters)
     assert passed == {n for n in kdax.KDAOptions.names() if n in params}
+
+
+@pytest.mark.parametrize("fn", FNS, ids=IDS)
+def test_output_dtype_is_flas(fn, x):
+    """FLA's ``chunk_kda`` returns ``o.type_as(q)``, its ``fused_recurrent_kda`` o in v's dtype
+    (``torch.zeros_like(v)``): the same where q and v differ (before, chunk_kda gave v's)."""
+    q, k, v, g, beta = split_args(x)[0]
+    for qd, vd in ((jnp.float32, jnp.bfloat16), (jnp.bfloat16, jnp.float32)):
+        o = fn(q.astype(qd), k.astype(qd), v.astype(vd), g.astype(jnp.float32), beta.astype(jnp.float32))[0]
+        assert o.dtype == (qd if fn is kdax.chunk_kda else vd), (qd, vd, o.dtype)

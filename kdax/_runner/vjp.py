@@ -149,7 +149,7 @@ def apply(pipeline, q, k, v, g, beta, options: KDAOptions):
         # Nothing to do: o is zero, every state (and its gradient) passes through.
         N = v.shape[0] if cu is None else cu.shape[0] - 1
         final = initial_states(h0, (N, v.shape[2], K, v.shape[-1]), compute_dtype(q, k, v, g, beta, h0))
-        return jnp.zeros(v.shape, v.dtype), final_out(final, config, opts.state_v_first)
+        return jnp.zeros(v.shape, q.dtype), final_out(final, config, opts.state_v_first)
     # Eager: one compiled program (op by op: 8 s a call at T = 2048, against 0.05 s); traced,
     # as is (a nested jit made the jitted training step 8-14% slower); never while recording.
     diff = ((q, k, v, g, beta, h0, A_log, dt_bias), pipeline)

@@ -6,10 +6,13 @@ from ._gates import (
     activated_gate as activated_gate,
     beta_activation as beta_activation,
     clamp_log_decay as clamp_log_decay,
+    fused_kda_gate as fused_kda_gate,
     log_decay_floor as log_decay_floor,
     kda_gate as kda_gate,
     l2norm as l2norm,
     lower_bound_gate as lower_bound_gate,
+    naive_kda_gate as naive_kda_gate,
+    naive_kda_lowerbound_gate as naive_kda_lowerbound_gate,
     reset_log_decay as reset_log_decay,
     softplus_gate as softplus_gate,
 )

@@ -10,6 +10,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from .._annotations import ALogIn, Array, ArrayIn, Float, Scalar, typecheck
 from .._config import KDAConfig
@@ -86,6 +87,40 @@ def kda_gate(
     if A_log is None:
         raise ValueError("A_log: required by the softplus gate (lower_bound is None).")
     return softplus_gate(g_raw, A_log, dt_bias)
+
+
+# -- FLA's gate functions (fla.ops.kda.gate), by their names ---------------------------
+
+
+@typecheck
+def fused_kda_gate(
+    g: Float[ArrayIn, "*batch HV K"],
+    A_log: Optional[ALogIn] = None,
+    dt_bias: Optional[Float[ArrayIn, " _"]] = None,
+    lower_bound: Optional[Scalar] = None,
+    output_dtype: Optional[DTypeLike] = None,
+) -> Float[Array, "*batch HV K"]:
+    """FLA's ``fused_kda_gate``: ``kda_gate`` computed in float32 (float64 for float64 ``g``)
+    whatever the inputs' dtypes, returned in ``output_dtype`` (None: that dtype, as FLA's
+    default float32; a bf16 gate would round the log decays to 3 significant digits).
+    ``A_log`` None needs ``lower_bound``, as in FLA."""
+    dt = jnp.dtype(jnp.float64 if g.dtype == jnp.float64 else jnp.float32)
+    up = lambda x: None if x is None else jnp.asarray(x).astype(dt)
+    return kda_gate(up(g), up(A_log), up(dt_bias), lower_bound).astype(dt if output_dtype is None else output_dtype)
+
+
+def naive_kda_gate(g: Float[ArrayIn, "*batch HV K"], A_log: ALogIn, dt_bias: Optional[Float[ArrayIn, " _"]] = None,
+                   output_dtype: Optional[DTypeLike] = None) -> Float[Array, "*batch HV K"]:
+    """FLA's ``naive_kda_gate``: ``-exp(A_log[h]) * softplus(g + dt_bias)`` (``fused_kda_gate``)."""
+    return fused_kda_gate(g, A_log, dt_bias, None, output_dtype)
+
+
+def naive_kda_lowerbound_gate(g: Float[ArrayIn, "*batch HV K"], A_log: Optional[ALogIn] = None,
+                              dt_bias: Optional[Float[ArrayIn, " _"]] = None, lower_bound: Scalar = -5.0,
+                              output_dtype: Optional[DTypeLike] = None) -> Float[Array, "*batch HV K"]:
+    """FLA's ``naive_kda_lowerbound_gate``: ``lower_bound * sigmoid(exp(A_log[h]) * (g + dt_bias))``
+    (without the ``exp(A_log)`` factor when ``A_log`` is None; ``fused_kda_gate``)."""
+    return fused_kda_gate(g, A_log, dt_bias, lower_bound, output_dtype)
 
 
 def l2norm(x, eps: float = L2NORM_EPS):
