@@ -437,7 +437,7 @@ def test_cross_sequence_leaks_fail_isolation():
     first = check_stage(FirstSequenceGate(), "gate", **_small())
     for check in ("nan-isolation", "isolation"):
         assert not _passed(first, check, "packed f64") and _passed(first, check, "dense f64"), str(first)
-    assert "g of sequence 0 negated reached .G" in str(first)
+    assert "g of sequence 0 negated and scaled by 1e4 reached .G" in str(first)
     last = check_stage(LastRowGate(), "gate", **_small())
     for check in ("nan-isolation", "isolation"):
         assert not _passed(last, check, "dense f64") and _passed(last, check, "packed f64"), str(last)
@@ -913,7 +913,8 @@ def test_output_ignoring_scale_fails():
 
 def test_output_with_value_width_scale_fails():
     report = check_stage(ValueWidthScaleOutput(), "output", **_small())
-    assert _failing_cases(report) == {"dense f64", "dense f64 tile", "heads f64", "heads f64 tile"}, str(report)  # K != V
+    assert _failing_cases(report) == {"dense f64", "dense f64 tile", "heads f64", "heads f64 tile",  # K != V
+                                      "lower-bound f64", "lower-bound f64 tile"}, str(report)
 
 
 def test_intra_wrong_at_chunk_64_fails():
@@ -944,10 +945,10 @@ class KeepsInfiniteGate(AbstractGate):
 
 
 def test_gate_keeping_an_infinite_decay_fails():
-    """The float32 dense case's strong gates include -inf (a hard forget): the one case
-    where this F1 differs. (With -1000 alone it passed every row.)"""
+    """The float32 dense and the short cases' strong gates include -inf (a hard forget):
+    the cases where this F1 differs. (With -1000 alone it passed every row.)"""
     report = check_stage(KeepsInfiniteGate(), "gate", dtypes=(jnp.float32,))
-    assert _failing_cases(report) == {"dense f32", "dense f32 tile"}, str(report)
+    assert _failing_cases(report) == {"dense f32", "dense f32 tile", "short f32"}, str(report)
     assert {c.name for c in report.failed} == {"finite", "reference"}, str(report)
     assert "non-finite at" in next(c for c in report.failed if c.name == "reference").detail, str(report)
 
@@ -1273,3 +1274,92 @@ def test_stage_holding_an_array_keeps_two_heads():
     report = check_stage(PerHeadWeightOutput(), "output", **_small())
     _assert_ok(report)
     assert "heads f64" not in report.cases and not any(c.case.startswith("heads") for c in report.checks)
+
+
+# -- wrong stages a user's audit wrote, each passing every row before the cases widened ----
+
+
+class BatchMagnitudeOutput(AbstractOutput):
+    """F5 scaling its output when any sequence's ``v_new`` exceeds 1e3 (NaN skipped): one
+    sequence's values reach the others through a batch-wide decision."""
+
+    math: ClassVar = KDA
+
+    def __call__(self, scale, qg, h, Aqk, v_new):
+        o = ReferenceOutput()(scale, qg, h, Aqk, v_new)
+        big = jnp.max(jnp.where(jnp.isfinite(v_new), jnp.abs(v_new), 0)) > 1e3
+        return jnp.where(big, o * (1 + 1e-3), o)
+
+
+class Chunk32Output(AbstractOutput):
+    """F5 off by 1e-3 at chunk size 32 alone."""
+
+    math: ClassVar = KDA
+
+    def __call__(self, scale, qg, h, Aqk, v_new):
+        o = ReferenceOutput()(scale, qg, h, Aqk, v_new)
+        return o + 1e-3 if qg.shape[-2] == 32 else o
+
+
+class LinearSoftplusGate(AbstractGate):
+    """F1 taking softplus(x) for x past 5 (an approximation that raw gates near 0 never reach)."""
+
+    math: ClassVar = KDA
+
+    def __call__(self, config, q, k, g, beta, A_log, dt_bias, valid):
+        if config.use_gate_in_kernel and config.lower_bound is None:
+            HV, K = g.shape[1], g.shape[-1]
+            x = g + (0 if dt_bias is None else dt_bias.reshape(HV, K)[None, :, None, None, :])
+            g = jnp.where(x > 5, g + jnp.log1p(-jnp.exp(-jnp.maximum(x, 5))), g)
+        return ReferenceGate()(config, q, k, g, beta, A_log, dt_bias, valid)
+
+
+class FourthSequenceState(AbstractState):
+    """F4 whose final states from the fourth sequence on are 1e-3 off."""
+
+    math: ClassVar = KDA
+
+    def __call__(self, w, u, kg, G, h0, layout):
+        out = ReferenceState()(w=w, u=u, kg=kg, G=G, h0=h0, layout=layout)
+        return StateOut(out.h, out.v_new, out.final.at[3:].multiply(1 + 1e-3))
+
+
+class Float64HardForgetGate(AbstractGate):
+    """F1 exact for finite gates and NaN at g = -inf, in float64 alone."""
+
+    math: ClassVar = KDA
+
+    def __call__(self, config, q, k, g, beta, A_log, dt_bias, valid):
+        if g.dtype == jnp.float64 and not config.use_gate_in_kernel:
+            hi = jnp.round(g * 1024) / 1024
+            g = hi + (g - hi)
+        return ReferenceGate()(config, q, k, g, beta, A_log, dt_bias, valid)
+
+
+class ValuesPastKState(AbstractState):
+    """F4 1e-3 off in the value columns past K (a kernel assuming V <= K)."""
+
+    math: ClassVar = KDA
+
+    def __call__(self, w, u, kg, G, h0, layout):
+        out = ReferenceState()(w=w, u=u, kg=kg, G=G, h0=h0, layout=layout)
+        f = lambda x: x.at[..., w.shape[-1]:].multiply(1 + 1e-3)
+        return StateOut(f(out.h), f(out.v_new), f(out.final))
+
+
+@pytest.mark.parametrize("stage, field, row, case", [
+    (BatchMagnitudeOutput(), "output", "isolation", "dense f64"),
+    (Chunk32Output(), "output", "reference", "softplus f64"),
+    (LinearSoftplusGate(), "gate", "reference", "softplus f64"),
+    (FourthSequenceState(), "state", "reference", "packed f64"),
+    (Float64HardForgetGate(), "gate", "reference", "short f64"),
+    (ValuesPastKState(), "state", "reference", "lower-bound f64"),
+], ids=lambda x: type(x).__name__ if isinstance(x, eqx.Module) else None)
+def test_wrong_stages_the_widened_cases_catch(stage, field, row, case):
+    """Six wrong stages of KDA's math that passed every row of ``check_stage`` and
+    ``check_pipeline`` with silently wrong numbers in ``chunk_kda`` (a user's audit): the
+    cases now hold a sequence scaled by 1e4 (isolation), chunk size 32 (``softplus``), raw
+    in-kernel gates past |x| = 5, four packed sequences, float64 gates at -inf (``short``)
+    and V > K (``lower-bound``)."""
+    report = check_stage(stage, field, **_small())
+    assert case in _failing_cases(report, row), str(report)

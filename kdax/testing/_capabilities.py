@@ -76,7 +76,7 @@ def _capabilities_ahead(base, field, stage, caps, dtype, full):
 
 
 def _reset_case(dtype) -> Case:
-    return Case(f"packed {_dtname(dtype)}", dtype, B=1, T=40, cu=_CU, h0=False)
+    return Case(f"packed {_dtname(dtype)}", dtype, B=1, T=_CU[-1], cu=_CU, h0=False)
 
 
 def _floors(P, field, case) -> list:
@@ -228,9 +228,9 @@ def _tile_cases(field, caps, dtype, full) -> list:
     """The tile_safe check's cases: dense, packed (``full``: shared chunks too, for a stage
     that declares ``reset``)."""
     d = _dtname(dtype)
-    cases = [Case(f"dense {d}", dtype, T=40), Case(f"packed {d}", dtype, B=1, T=40, cu=_CU)]
+    cases = [Case(f"dense {d}", dtype, T=40), Case(f"packed {d}", dtype, B=1, T=_CU[-1], cu=_CU)]
     if full and caps.reset and field in RESET_DECLARABLE:
-        cases.append(Case(f"shared {d}", dtype, B=1, T=40, cu=_CU, share=True, h0=False))
+        cases.append(Case(f"shared {d}", dtype, B=1, T=_CU[-1], cu=_CU, share=True, h0=False))
     return cases
 
 
@@ -278,7 +278,8 @@ def _dh_start_check(col, base, field, stage, dtype, reset: bool):
     other cotangent). B2 is linear in its cotangents, and that sum is what the pipeline runs
     for a B2 without the capability (``kdax._runner.output_vjp``)."""
     d = _dtname(dtype)
-    cases = [Case(f"dense {d}", dtype, T=40)] + [Case(f"shared {d}", dtype, B=1, T=40, cu=_CU, share=True, h0=False)] * reset
+    shared = Case(f"shared {d}", dtype, B=1, T=_CU[-1], cu=_CU, share=True, h0=False)
+    cases = [Case(f"dense {d}", dtype, T=40)] + [shared] * reset
     for case in cases:
         try:
             P = _with_stage(_pipe_for(base, case), field, stage)

@@ -66,15 +66,17 @@ def _reference_checks(col, pipe, field, stage, caps, case: Case, out, full_kw: d
 
 
 # What a change to one sequence's part of an argument is made of, per row of the report:
-# NaN (a leak through any arithmetic), then the values negated (a leak through a comparison
-# or a select, which NaN can pass unseen: a decision on the batch's largest log decay).
-_CHANGES = (("nan-isolation", "NaN", lambda x: np.full_like(x, np.nan)), ("isolation", "negated", lambda x: -x))
+# NaN (a leak through any arithmetic), then the values negated and scaled up (a leak
+# through a comparison or a select, which NaN can pass unseen: a decision on the batch's
+# largest log decay, or on its largest magnitude, which NaN-skipping reductions ignore).
+_CHANGES = (("nan-isolation", "NaN", lambda x: np.full_like(x, np.nan)),
+            ("isolation", "negated and scaled by 1e4", lambda x: -1e4 * x))
 
 
 def _isolation(col, pipe, field, kw, clean, case: Case, name: str, reference=None):
     """``nan-isolation`` and ``isolation``: for each sequence in turn, each per-token,
     per-chunk and per-sequence argument changed in every element of that sequence's part
-    (NaN; negated) reaches no other sequence's outputs. ``reference``: ``(pipeline with the
+    (NaN; negated and scaled by 1e4) reaches no other sequence's outputs. ``reference``: ``(pipeline with the
     reference stage, its arguments)`` for a stage of KDA's math, and ``nan-reach``: those
     arguments NaN in one sequence's part all at once reach, in that sequence, every token row
     of the outputs the reference stage's reach (a stage that turns non-finite values into

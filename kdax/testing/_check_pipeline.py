@@ -75,7 +75,7 @@ def check_pipeline(
     sh = pipeline.share_chunks
     cases = [
         Case(f"dense {d}", dtype, **_DENSE),
-        Case(f"packed+h0 {d}", dtype, B=1, T=40, cu=_CU, share=sh),
+        Case(f"packed+h0 {d}", dtype, B=1, T=_CU[-1], cu=_CU, share=sh),
         Case(f"packed chunk64 {d}", dtype, B=1, cu=_CU_LONG, share=sh, h0=False, **_LONG),
         Case(f"softplus {d}", dtype, options=_FLA + (("allow_neg_eigval", True),)),
         Case(f"lower-bound-noA {d}", dtype, options=_FLA + (("lower_bound", -5.0),), A_log=False),

@@ -62,7 +62,7 @@ def check_stage(
       Any other stage of other math gets a ``reference`` row per case that says "not
       compared" (``Report.not_compared``): nothing compares its values with a formula;
     * ``nan-isolation``, ``isolation``: each sequence in turn, its part of each per-token,
-      per-chunk and per-sequence argument NaN, then negated, reaches no other sequence's
+      per-chunk and per-sequence argument NaN, then negated and scaled by 1e4, reaches no other sequence's
       outputs (dense rows; packed per-sequence chunks);
     * ``nan-reach`` (a stage of KDA's math; shared chunks too): each sequence's part of all
       those arguments NaN at once is non-finite in every token row of its outputs where the
