@@ -102,7 +102,7 @@ def _prefix(M, b, R: int, S: int, reverse: bool):
 
 
 def _check_segments(segments: int):
-    if not isinstance(segments, int) or segments < 1:
+    if not isinstance(segments, int) or isinstance(segments, bool) or segments < 1:
         raise ValueError(f"segments: expected an int >= 1, got {segments!r}.")
 
 

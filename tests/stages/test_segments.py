@@ -105,6 +105,8 @@ def test_segments_argument_checked():
         SegmentedState(ReferenceState(), 0)
     with pytest.raises(ValueError, match="segments"):
         segmented(kdax.KDAPipeline.reference(), 1.5)
+    with pytest.raises(ValueError, match=r"^segments: expected an int >= 1, got True"):  # (bool is an int)
+        segmented(kdax.KDAPipeline.reference(), True)
     other = eqx.tree_at(lambda p: p.dhu, kdax.KDAPipeline.reference(), StateOnlyOutputDhu())
     with pytest.raises(ValueError, match=r"^segments: the split reverse recurrence is exact only for a B2 that "
                                          r"transposes KDA's F4; B2 `dhu` \(StateOnlyOutputDhu\) declares transposes "
