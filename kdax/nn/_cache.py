@@ -158,6 +158,7 @@ jax.export.register_pytree_node_serialization(
     deserialize_auxdata=lambda _: jax.tree_util.tree_structure(KDACache(None, None, None, jnp.zeros((0,) * 4)))
     .node_data()[1])
 
+
 def zeros_cache(N: int, W: int, DK: int, DV: int, HV: int, K: int, V: int, conv: bool,
                 conv_dtype, state_dtype) -> KDACache:
     c = (lambda d: jnp.zeros((N, W - 1, d), conv_dtype)) if conv else (lambda d: None)
