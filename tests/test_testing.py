@@ -945,10 +945,11 @@ class KeepsInfiniteGate(AbstractGate):
 
 
 def test_gate_keeping_an_infinite_decay_fails():
-    """The float32 dense and the short cases' strong gates include -inf (a hard forget):
-    the cases where this F1 differs. (With -1000 alone it passed every row.)"""
+    """The float32 dense, packed and short cases' strong gates include -inf (a hard
+    forget): the cases where this F1 differs. (With -1000 alone it passed every row.)"""
     report = check_stage(KeepsInfiniteGate(), "gate", dtypes=(jnp.float32,))
-    assert _failing_cases(report) == {"dense f32", "dense f32 tile", "short f32"}, str(report)
+    assert _failing_cases(report) == {"dense f32", "dense f32 tile", "packed f32", "packed f32 tile", "short f32"}, \
+        str(report)
     assert {c.name for c in report.failed} == {"finite", "reference"}, str(report)
     assert "non-finite at" in next(c for c in report.failed if c.name == "reference").detail, str(report)
 
@@ -1347,7 +1348,48 @@ class ValuesPastKState(AbstractState):
         return StateOut(f(out.h), f(out.v_new), f(out.final))
 
 
+class NoInitialStateWYDqkg(AbstractWYDqkg):
+    """B3 whose first chunk's dk is 1e-3 off in dense rows without initial states."""
+
+    transposes: ClassVar = ReferenceWYDqkg.transposes
+    accepts: ClassVar = frozenset({"G_lo", "reset"})
+
+    def __call__(self, scale, q, k, v, beta, G, Akk, qg, kg, h, dh, v_new, do, dv_new, G_lo=None, reset=None):
+        out = ReferenceWYDqkg()(scale, q, k, v, beta, G, Akk, qg, kg, h, dh, v_new, do, dv_new, G_lo=G_lo, reset=reset)
+        if h.shape[0] < 2:
+            return out
+        f = jnp.ones(out.dk.shape[2], out.dk.dtype).at[0].set(1 + 1e-3)
+        return eqx.tree_at(lambda c: c.dk, out, jnp.where(jnp.all(h[:, :, 0] == 0), out.dk * f[:, None, None], out.dk))
+
+
+class StrongFloat64Dhu(AbstractDhu):
+    """B2 whose dv_new is 1e-3 off in float64 in chunks before the last that end in a hard forget."""
+
+    transposes: ClassVar = ReferenceDhu.transposes
+
+    def __call__(self, scale, qg, kg, w, G, do, dv_intra, dht, layout):
+        out = ReferenceDhu()(scale, qg, kg, w, G, do, dv_intra, dht, layout)
+        if G.dtype != jnp.float64:
+            return out
+        NC = G.shape[2]
+        hit = jnp.any(G[:, :, :, -1, :] < -500, axis=-1) & (jnp.arange(NC) < NC - 1)
+        return eqx.tree_at(lambda c: c.dv_new, out, jnp.where(hit[..., None, None], out.dv_new * (1 + 1e-3), out.dv_new))
+
+
+class FifthSequenceDhu(AbstractDhu):
+    """B2 whose initial-state gradients from the fifth sequence on are 1e-3 off."""
+
+    transposes: ClassVar = ReferenceDhu.transposes
+
+    def __call__(self, scale, qg, kg, w, G, do, dv_intra, dht, layout):
+        out = ReferenceDhu()(scale, qg, kg, w, G, do, dv_intra, dht, layout)
+        return eqx.tree_at(lambda c: c.dh0, out, out.dh0.at[4:].multiply(1 + 1e-3))
+
+
 @pytest.mark.parametrize("stage, field, row, case", [
+    (NoInitialStateWYDqkg(), "wy_dqkg", "reference", "lower-bound-noA f64"),
+    (StrongFloat64Dhu(), "dhu", "reference", "packed f64"),
+    (FifthSequenceDhu(), "dhu", "reference", "packed f64"),
     (BatchMagnitudeOutput(), "output", "isolation", "dense f64"),
     (Chunk32Output(), "output", "reference", "softplus f64"),
     (LinearSoftplusGate(), "gate", "reference", "softplus f64"),
@@ -1356,10 +1398,12 @@ class ValuesPastKState(AbstractState):
     (ValuesPastKState(), "state", "reference", "lower-bound f64"),
 ], ids=lambda x: type(x).__name__ if isinstance(x, eqx.Module) else None)
 def test_wrong_stages_the_widened_cases_catch(stage, field, row, case):
-    """Six wrong stages of KDA's math that passed every row of ``check_stage`` and
-    ``check_pipeline`` with silently wrong numbers in ``chunk_kda`` (a user's audit): the
-    cases now hold a sequence scaled by 1e4 (isolation), chunk size 32 (``softplus``), raw
-    in-kernel gates past |x| = 5, four packed sequences, float64 gates at -inf (``short``)
-    and V > K (``lower-bound``)."""
+    """Nine wrong stages of KDA's math that passed every row of ``check_stage`` and
+    ``check_pipeline`` with silently wrong numbers in ``chunk_kda`` or its gradient (two
+    users' audits): the cases now hold a dense case without initial states
+    (``lower-bound-noA``), float64 gates at -1000 and -inf over several chunks
+    (``packed``) and in one (``short``), six packed sequences, a sequence scaled by 1e4
+    (isolation), chunk size 32 (``softplus``), raw in-kernel gates past |x| = 5 and V > K
+    (``lower-bound``)."""
     report = check_stage(stage, field, **_small())
     assert case in _failing_cases(report, row), str(report)

@@ -122,11 +122,11 @@ class Case:
         return tuple(_device(x, dt) for x in (q, k, v, g, beta)), kw
 
 
-# FLA's in-kernel options, all on; four packed sequences of 7, 16, 17 and 4 tokens (at
-# chunk 16: shorter than a chunk, exactly one, longer than one; a fourth, as a stage may
-# treat the first few alike).
+# FLA's in-kernel options, all on; six packed sequences of 7, 16, 17, 4, 2 and 6 tokens
+# (at chunk 16: shorter than a chunk, exactly one, longer than one; then more, as a stage
+# may treat the first few alike).
 _FLA = (("use_qk_l2norm_in_kernel", True), ("use_gate_in_kernel", True), ("use_beta_sigmoid_in_kernel", True))
-_CU = (0, 7, 23, 40, 44)
+_CU = (0, 7, 23, 40, 44, 46, 52)
 # The dense cases' shapes: grouped value heads (HV = 2H), K != V and a scale other than
 # the default, so that a stage reading a width or the scale from the wrong place (V ** -0.5
 # for K ** -0.5, its own K ** -0.5 for the call's scale) gives other numbers.
@@ -171,11 +171,12 @@ def default_cases(dtypes=DTYPES, full: bool = False, shared: bool = True, heads:
     * with ``heads`` (for a stage that ``holds_no_array``), ``heads`` in the first dtype:
       ``dense`` with three value heads (HV = 3H; every other case has two);
     * in the first dtype (every dtype with ``full``): ``packed`` varlen per-sequence with
-      initial states (four sequences); ``shared`` and ``shared-exact`` chunks (when
+      initial states (six sequences; log decays at -1000 and -inf); ``shared`` and ``shared-exact`` chunks (when
       ``shared``: F1's floor at sequence starts, and without it); ``softplus`` (FLA's
       in-kernel options: l2norm, softplus gate with ``A_log``/``dt_bias``, beta sigmoid,
       ``allow_neg_eigval``; chunk 32); ``lower-bound`` (the lower-bound gate with
-      ``A_log``; V = 16 > K = 8) and ``lower-bound-noA`` (without ``A_log``); ``chunk64``
+      ``A_log``; V = 16 > K = 8) and ``lower-bound-noA`` (without ``A_log``, nor initial
+      states: the one dense case without them); ``chunk64``
       (the API's default chunk size, T = 2064: 33 chunks, K = V = 128); ``short`` (T = 12
       <= C = 16: one partial chunk; log decays at -1000 and -inf);
     * ``full`` adds strong gates in the first dtype and shared chunks with initial states.
@@ -186,14 +187,14 @@ def default_cases(dtypes=DTYPES, full: bool = False, shared: bool = True, heads:
         cases.append(Case(f"heads {_dtname(dtypes[0])}", dtypes[0], **_HEADS))
     for d in (dtypes if full else dtypes[:1]):
         n = _dtname(d)
-        cases.append(Case(f"packed {n}", d, B=1, T=_CU[-1], cu=_CU))
+        cases.append(Case(f"packed {n}", d, B=1, T=_CU[-1], cu=_CU, strong=True))
         if shared:
             cases.append(Case(f"shared {n}", d, B=1, T=_CU[-1], cu=_CU, share=True, h0=False))
             cases.append(Case(f"shared-exact {n}", d, B=1, T=_CU[-1], cu=_CU, share=True, h0=False, floor=False))
         cases += [
             Case(f"softplus {n}", d, T=40, chunk=32, options=_FLA + (("allow_neg_eigval", True),)),
             Case(f"lower-bound {n}", d, V=16, options=_FLA + (("lower_bound", -5.0),)),
-            Case(f"lower-bound-noA {n}", d, options=_FLA + (("lower_bound", -5.0),), A_log=False),
+            Case(f"lower-bound-noA {n}", d, options=_FLA + (("lower_bound", -5.0),), A_log=False, h0=False),
             Case(f"chunk64 {n}", d, B=1, **_LONG, **_WIDE),
             Case(f"short {n}", d, T=12, strong=True),
         ]
