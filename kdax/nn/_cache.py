@@ -152,9 +152,11 @@ def checked_slots(indices, P: int, name: str = "state_indices", distinct: bool =
 
 # jax.export serializes a program's calling convention: a decode step exported with its
 # cache as argument and result needs KDACache's tree node named. Every cache flattens with
-# the same aux data (no static fields), so it travels as nothing and is rebuilt here.
+# the same aux data (no static fields), so it travels as nothing and is rebuilt here. (The
+# package's own name in the key: a copy loaded beside it, as the A/B benchmarks load
+# another revision, registers its own.)
 jax.export.register_pytree_node_serialization(
-    KDACache, serialized_name="kdax.nn.KDACache", serialize_auxdata=lambda aux: b"",
+    KDACache, serialized_name=f"{__name__.split('.')[0]}.nn.KDACache", serialize_auxdata=lambda aux: b"",
     deserialize_auxdata=lambda _: jax.tree_util.tree_structure(KDACache(None, None, None, jnp.zeros((0,) * 4)))
     .node_data()[1])
 
