@@ -102,9 +102,9 @@ def batch_shards(x, params=()) -> Optional[BatchShards]:
     shard: ``BatchShards.run``), or None. ``x`` replicated beside ``params`` (the layer's
     arrays) sharded so (FSDP): every device runs every row, the parameters gathered. A
     sharded token axis is refused (sequence parallel has its own entries)."""
-    found = explicit_spec(x)
+    found = explicit_spec(jax.typeof(x))
     if found is None:
-        mesh = next((s[0] for s in map(explicit_spec, jax.tree.leaves(params)) if s is not None), None)
+        mesh = next((s[0] for a in jax.tree.leaves(params) if (s := explicit_spec(jax.typeof(a))) is not None), None)
         return None if mesh is None else BatchShards(mesh, None)
     mesh, spec = found
     if spec_axes(spec[1]):

@@ -22,11 +22,9 @@ def spec_axes(entry) -> tuple:
     return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
-def explicit_spec(x):
-    """``(mesh, spec)`` of ``x``'s Explicit sharding, or None (unsharded, an Auto mesh,
-    or inside shard_map over every axis it is sharded on). ``x``: an array or its type
-    (``jax.typeof``)."""
-    t = x if isinstance(x, jax.core.ShapedArray) else jax.typeof(x)
+def explicit_spec(t):
+    """``(mesh, spec)`` of the Explicit sharding of an array of type ``t`` (``jax.typeof``),
+    or None (unsharded, an Auto mesh, or inside shard_map over every axis it is sharded on)."""
     sh = getattr(t, "sharding", None)
     mesh = getattr(sh, "mesh", None)
     spec = getattr(sh, "spec", None)
@@ -43,7 +41,7 @@ def sharding_of(q, k, v, g, beta) -> Optional[tuple]:
     then q, k, g, beta; ``spec`` over ``[B, T, H, ...]``), or None when none is sharded so:
     the call is a plain one. A sharded token axis is refused (sequence parallelism has its
     own entry)."""
-    found = [s for s in map(explicit_spec, (v, q, k, g, beta)) if s is not None]
+    found = [s for x in (v, q, k, g, beta) if (s := explicit_spec(jax.typeof(x))) is not None]
     if not found:
         return None
     for _, s in found:
